@@ -1,0 +1,617 @@
+#include "planner/layout.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <unordered_set>
+
+#include "common/strings.h"
+
+namespace shardcast::planner {
+
+namespace {
+
+struct DTypeInfo {
+  std::string_view name;
+  DType type;
+  int64_t bytes;
+};
+
+constexpr DTypeInfo kDTypes[] = {
+    {"bfloat16", DType::kBFloat16, 2},   {"float16", DType::kFloat16, 2},
+    {"float32", DType::kFloat32, 4},     {"float64", DType::kFloat64, 8},
+    {"float8_e4m3fn", DType::kFloat8E4M3, 1}, {"float8_e5m2", DType::kFloat8E5M2, 1},
+    {"int8", DType::kInt8, 1},           {"uint8", DType::kUInt8, 1},
+    {"int16", DType::kInt16, 2},         {"int32", DType::kInt32, 4},
+    {"int64", DType::kInt64, 8},         {"bool", DType::kBool, 1},
+};
+
+std::string shapeStr(const std::vector<int64_t>& s) { return "[" + strJoin(s, ", ") + "]"; }
+
+template <typename T>
+std::vector<int64_t> toVec(const T& repeated) {
+  return std::vector<int64_t>(repeated.begin(), repeated.end());
+}
+
+std::vector<int64_t> rowMajorStrides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> s(shape.size());
+  int64_t acc = 1;
+  for (int d = static_cast<int>(shape.size()) - 1; d >= 0; --d) {
+    s[d] = acc;
+    acc *= shape[d];
+  }
+  return s;
+}
+
+int64_t ceilDiv(int64_t a, int64_t b) { return b == 0 ? 0 : (a + b - 1) / b; }
+
+// The global intervals at local positions [s, e) of the concatenation `iv`.
+Intervals slice(const Intervals& iv, int64_t s, int64_t e) {
+  Intervals out;
+  int64_t pos = 0;
+  for (const auto& [lo, hi] : iv) {
+    const int64_t len = hi - lo;
+    const int64_t a = std::max(s, pos), b = std::min(e, pos + len);
+    if (a < b) {
+      const int64_t glo = lo + (a - pos), ghi = lo + (b - pos);
+      if (!out.empty() && out.back().second == glo)
+        out.back().second = ghi;  // globally contiguous: one interval
+      else
+        out.emplace_back(glo, ghi);
+    }
+    pos += len;
+  }
+  return out;
+}
+
+int64_t total(const Intervals& iv) {
+  int64_t n = 0;
+  for (const auto& [lo, hi] : iv) n += hi - lo;
+  return n;
+}
+
+}  // namespace
+
+StatusOr<DType> parseDType(std::string_view name) {
+  for (const auto& d : kDTypes)
+    if (d.name == name) return d.type;
+  std::vector<std::string_view> names;
+  for (const auto& d : kDTypes) names.push_back(d.name);
+  return absl::InvalidArgumentError(strCat("unknown dtype \"", name, "\" (expected one of ",
+                                                 strJoin(names, ", "), ")"));
+}
+
+std::string_view dtypeName(DType t) {
+  for (const auto& d : kDTypes)
+    if (d.type == t) return d.name;
+  return "?";
+}
+
+int64_t dtypeBytes(DType t) {
+  for (const auto& d : kDTypes)
+    if (d.type == t) return d.bytes;
+  return 1;
+}
+
+int32_t NodeTable::intern(const std::string& name) {
+  auto [it, inserted] = ids_.try_emplace(name, static_cast<int32_t>(names_.size()));
+  if (inserted) names_.push_back(name);
+  return it->second;
+}
+
+const TensorLayout* ResolvedLayout::find(const std::string& name) const {
+  auto it = tensor_index.find(name);
+  return it == tensor_index.end() ? nullptr : &tensors[it->second];
+}
+
+Region ResolvedLayout::region(const TensorLayout& t, const PieceRef& piece, const Box& sub) const {
+  Region r;
+  r.rank = piece.rank;
+  r.buffer = piece.buffer;
+  r.strides = strides[piece.strides];
+  const Box& box = t.boxes[piece.box];
+  r.offset = piece.offset;
+  for (int d = 0; d < box.ndim; ++d) r.offset += (sub.lo[d] - box.lo[d]) * r.strides[d];
+  r.extent = sub.sizes();
+  return r;
+}
+
+int64_t ResolvedLayout::bufferElements(int32_t rank, int32_t buffer) const {
+  int64_t n = 0;
+  for (const auto& t : tensors) {
+    auto first = std::lower_bound(t.pieces.begin(), t.pieces.end(), rank,
+                                  [](const PieceRef& p, int32_t r) { return p.rank < r; });
+    for (auto it = first; it != t.pieces.end() && it->rank == rank; ++it) {
+      if (it->buffer != buffer) continue;
+      const Box& b = t.boxes[it->box];
+      int64_t last = it->offset;
+      for (int d = 0; d < b.ndim; ++d) last += (b.size(d) - 1) * strides[it->strides][d];
+      if (!b.empty()) n = std::max(n, last + 1);
+    }
+  }
+  return n;
+}
+
+StatusOr<v1::Layout> parseLayoutJson(std::string_view json, std::string_view origin) {
+  v1::Layout layout;
+  google::protobuf::util::JsonParseOptions opts;
+  opts.ignore_unknown_fields = false;
+  auto st = google::protobuf::util::JsonStringToMessage(std::string(json), &layout, opts);
+  if (!st.ok()) {
+    return absl::InvalidArgumentError(
+        strCat(origin, ": not a valid shardcast.v1.Layout: ", std::string(st.message())));
+  }
+  return layout;
+}
+
+StatusOr<v1::Layout> readLayoutFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(strCat(path, ": cannot open layout file"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parseLayoutJson(ss.str(), path);
+}
+
+StatusOr<std::vector<Intervals>> placementIntervals(const v1::Tensor& tensor,
+                                                    const std::vector<int64_t>& mesh_shape,
+                                                    const std::vector<int64_t>& coords) {
+  const int ndim = tensor.shape_size();
+  std::vector<Intervals> iv(ndim);
+  for (int d = 0; d < ndim; ++d)
+    if (tensor.shape(d) > 0) iv[d] = {{0, tensor.shape(d)}};
+  for (int m = 0; m < tensor.placements_size(); ++m) {
+    const auto& p = tensor.placements(m);
+    const int64_t k = mesh_shape[m], c = coords[m];
+    if (p.has_shard()) {
+      const int d = p.shard().dim();
+      const int64_t len = total(iv[d]), chunk = ceilDiv(len, k);
+      const int64_t s = std::min(c * chunk, len);
+      iv[d] = slice(iv[d], s, std::min(s + chunk, len));
+    } else if (p.has_strided_shard()) {
+      // DTensor's _StridedShard: split into split_factor chunks, split each over this mesh dim,
+      // and keep this coordinate's part of every chunk, in chunk order.
+      const int d = p.strided_shard().dim();
+      const int64_t sf = p.strided_shard().split_factor();
+      const int64_t len = total(iv[d]), chunk1 = ceilDiv(len, sf);
+      Intervals kept;
+      for (int64_t j = 0; j < sf; ++j) {
+        const int64_t js = std::min(j * chunk1, len), je = std::min(js + chunk1, len);
+        const int64_t chunk2 = ceilDiv(je - js, k);
+        const int64_t s = js + std::min(c * chunk2, je - js);
+        const int64_t e = js + std::min(c * chunk2 + chunk2, je - js);
+        for (const auto& part : slice(iv[d], s, e)) {
+          if (!kept.empty() && kept.back().second == part.first)
+            kept.back().second = part.second;
+          else
+            kept.push_back(part);
+        }
+      }
+      iv[d] = std::move(kept);
+    }
+  }
+  return iv;
+}
+
+namespace {
+
+class Resolver {
+ public:
+  Resolver(const v1::Layout& layout, NodeTable& nodes) : in_(layout), nodes_(nodes) {}
+
+  StatusOr<ResolvedLayout> run() {
+    SC_RETURN_IF_ERROR(resolveMesh());
+    SC_RETURN_IF_ERROR(resolveNodes());
+    SC_RETURN_IF_ERROR(assignBuffers());
+    out_.tensors.reserve(in_.tensors_size());
+    for (const auto& t : in_.tensors()) SC_RETURN_IF_ERROR(resolveTensor(t));
+    for (const auto& f : in_.fused()) SC_RETURN_IF_ERROR(resolveFused(f));
+    return std::move(out_);
+  }
+
+ private:
+  std::string where() const { return strCat("layout \"", in_.group(), "\""); }
+  std::string where(const std::string& tensor) const {
+    return strCat(where(), ": tensor \"", tensor, "\"");
+  }
+
+  Status resolveMesh() {
+    out_.group = in_.group();
+    if (in_.group().empty()) return absl::InvalidArgumentError("layout: \"group\" is empty");
+    if (in_.mesh().shape_size() == 0)
+      return absl::InvalidArgumentError(where() + ": mesh.shape is empty");
+    int64_t world = 1;
+    for (int m = 0; m < in_.mesh().shape_size(); ++m) {
+      const int64_t s = in_.mesh().shape(m);
+      if (s <= 0)
+        return absl::InvalidArgumentError(
+            strCat(where(), ": mesh.shape[", m, "] = ", s, " must be positive"));
+      world *= s;
+      if (world > (1 << 22))
+        return absl::InvalidArgumentError(strCat(where(), ": mesh has more than ", 1 << 22,
+                                                       " ranks"));
+    }
+    if (in_.mesh().dim_names_size() != 0 && in_.mesh().dim_names_size() != in_.mesh().shape_size())
+      return absl::InvalidArgumentError(
+          strCat(where(), ": mesh.dim_names has ", in_.mesh().dim_names_size(),
+                       " names but mesh.shape has ", in_.mesh().shape_size(), " dims"));
+    out_.mesh_shape = toVec(in_.mesh().shape());
+    world_ = static_cast<int32_t>(world);
+    return absl::OkStatus();
+  }
+
+  Status resolveNodes() {
+    out_.rank_node.resize(world_);
+    if (in_.nodes_size() > 0) {
+      if (in_.ranks_per_node() != 0)
+        return absl::InvalidArgumentError(where() + ": give either nodes or ranks_per_node, not both");
+      if (in_.nodes_size() != world_)
+        return absl::InvalidArgumentError(
+            strCat(where(), ": nodes has ", in_.nodes_size(), " entries but the mesh ",
+                         shapeStr(out_.mesh_shape), " has ", world_, " ranks"));
+      for (int32_t r = 0; r < world_; ++r) {
+        if (in_.nodes(r).empty())
+          return absl::InvalidArgumentError(strCat(where(), ": nodes[", r, "] is empty"));
+        out_.rank_node[r] = nodes_.intern(in_.nodes(r));
+      }
+      return absl::OkStatus();
+    }
+    if (in_.ranks_per_node() <= 0)
+      return absl::InvalidArgumentError(
+          strCat(where(), ": set nodes (one per rank) or a positive ranks_per_node (got ",
+                       in_.ranks_per_node(), ")"));
+    for (int32_t r = 0; r < world_; ++r)
+      out_.rank_node[r] = nodes_.intern(strCat(in_.node_prefix(), r / in_.ranks_per_node()));
+    return absl::OkStatus();
+  }
+
+  // Every tensor writes into its own buffer unless a fused buffer claims it.
+  Status assignBuffers() {
+    std::unordered_map<std::string, int> tensor_pos;
+    for (int i = 0; i < in_.tensors_size(); ++i) {
+      const auto& name = in_.tensors(i).name();
+      if (name.empty())
+        return absl::InvalidArgumentError(strCat(where(), ": tensors[", i, "] has no name"));
+      if (!tensor_pos.emplace(name, i).second)
+        return absl::InvalidArgumentError(where(name) + ": listed twice");
+    }
+    for (const auto& f : in_.fused()) {
+      if (f.name().empty()) return absl::InvalidArgumentError(where() + ": a fused buffer has no name");
+      if (tensor_pos.count(f.name()))
+        return absl::InvalidArgumentError(strCat(
+            where(), ": fused buffer \"", f.name(), "\" has the name of a tensor; pick another"));
+      if (f.tensors_size() == 0)
+        return absl::InvalidArgumentError(
+            strCat(where(), ": fused buffer \"", f.name(), "\" has no tensors"));
+      const int32_t id = addBuffer(f.name());
+      if (id < 0)
+        return absl::InvalidArgumentError(
+            strCat(where(), ": fused buffer \"", f.name(), "\" is declared twice"));
+      for (const auto& member : f.tensors()) {
+        if (!tensor_pos.count(member))
+          return absl::InvalidArgumentError(strCat(where(), ": fused buffer \"", f.name(),
+                                                         "\" names unknown tensor \"", member, "\""));
+        if (!fused_of_.emplace(member, id).second)
+          return absl::InvalidArgumentError(
+              where(member) + ": belongs to more than one fused buffer");
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  int32_t addBuffer(const std::string& name) {
+    auto [it, inserted] = buffer_ids_.try_emplace(name, static_cast<int32_t>(out_.buffer_names.size()));
+    if (!inserted) return -1;
+    out_.buffer_names.push_back(name);
+    return it->second;
+  }
+
+  int32_t internStrides(std::vector<int64_t> s) {
+    auto [it, inserted] = stride_ids_.try_emplace(s, static_cast<int32_t>(out_.strides.size()));
+    if (inserted) out_.strides.push_back(std::move(s));
+    return it->second;
+  }
+
+  int32_t internShape(const std::vector<int64_t>& s) {
+    auto [it, inserted] = shape_ids_.try_emplace(s, static_cast<int32_t>(shapes_.size()));
+    if (inserted) shapes_.push_back(s);
+    return it->second;
+  }
+
+  struct Built {
+    TensorLayout t;
+    std::unordered_map<Box, int32_t, BoxHash> box_ids;
+    std::vector<int32_t> local_shape;  // per piece: shape id of the rank's local tensor
+    int32_t boxId(const Box& b) {
+      auto [it, inserted] = box_ids.try_emplace(b, static_cast<int32_t>(t.boxes.size()));
+      if (inserted) t.boxes.push_back(b);
+      return it->second;
+    }
+  };
+
+  Status resolveTensor(const v1::Tensor& in) {
+    Built b;
+    b.t.name = in.name();
+    b.t.shape = toVec(in.shape());
+    const int ndim = in.shape_size();
+    if (ndim > kMaxDims)
+      return absl::InvalidArgumentError(strCat(where(in.name()), ": ", ndim,
+                                                     " dims; at most ", kMaxDims, " are supported"));
+    for (int d = 0; d < ndim; ++d)
+      if (in.shape(d) < 0)
+        return absl::InvalidArgumentError(
+            strCat(where(in.name()), ": shape ", shapeStr(b.t.shape), " has a negative size"));
+    auto dt = parseDType(in.dtype());
+    if (!dt.ok()) return absl::InvalidArgumentError(where(in.name()) + ": " + std::string(dt.status().message()));
+    b.t.dtype = *dt;
+    auto fused = fused_of_.find(in.name());
+    const int32_t buffer = fused != fused_of_.end() ? fused->second : addBuffer(in.name());
+    if (buffer < 0)
+      return absl::InvalidArgumentError(where(in.name()) + ": its buffer name is already taken");
+
+    if (in.pieces_size() > 0 && in.placements_size() > 0)
+      return absl::InvalidArgumentError(where(in.name()) + ": give placements or pieces, not both");
+    if (in.pieces_size() > 0) {
+      explicit_.insert(in.name());
+      SC_RETURN_IF_ERROR(resolvePieces(in, buffer, b));
+    } else {
+      SC_RETURN_IF_ERROR(resolvePlacements(in, buffer, b));
+    }
+    std::vector<size_t> order(b.t.pieces.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t x, size_t y) { return b.t.pieces[x].rank < b.t.pieces[y].rank; });
+    TensorLayout t = std::move(b.t);
+    std::vector<PieceRef> sorted(order.size());
+    std::vector<int32_t> shapes(order.size());
+    for (size_t i = 0; i < order.size(); ++i) {
+      sorted[i] = t.pieces[order[i]];
+      shapes[i] = b.local_shape[order[i]];
+    }
+    t.pieces = std::move(sorted);
+    out_.tensor_index.emplace(t.name, static_cast<int32_t>(out_.tensors.size()));
+    out_.tensors.push_back(std::move(t));
+    local_shapes_.push_back(std::move(shapes));
+    return absl::OkStatus();
+  }
+
+  Status resolvePieces(const v1::Tensor& in, int32_t buffer, Built& b) {
+    const int ndim = in.shape_size();
+    std::unordered_map<int32_t, int64_t> next_offset;  // per rank: pieces sit one after another
+    for (int i = 0; i < in.pieces_size(); ++i) {
+      const auto& p = in.pieces(i);
+      if (p.offsets_size() != ndim || p.sizes_size() != ndim)
+        return absl::InvalidArgumentError(strCat(
+            where(in.name()), ": piece ", i, " has ", p.offsets_size(), " offsets and ",
+            p.sizes_size(), " sizes but the tensor has ", ndim, " dims"));
+      const auto offsets = toVec(p.offsets()), sizes = toVec(p.sizes());
+      const Box box = Box::fromOffsetsSizes(offsets, sizes);
+      for (int d = 0; d < ndim; ++d) {
+        if (offsets[d] < 0 || sizes[d] < 0 || offsets[d] + sizes[d] > in.shape(d))
+          return absl::InvalidArgumentError(
+              strCat(where(in.name()), ": piece ", i, " (rank ", p.ranks_size() ? p.ranks(0) : p.rank(),
+                           ") ", box.str(), " exceeds shape ", shapeStr(b.t.shape)));
+      }
+      if (p.ranks_size() > 0 && p.rank() != 0)
+        return absl::InvalidArgumentError(
+            strCat(where(in.name()), ": piece ", i, " sets both rank and ranks"));
+      std::vector<int32_t> ranks(p.ranks().begin(), p.ranks().end());
+      if (ranks.empty()) ranks.push_back(p.rank());
+      if (box.empty()) continue;
+      const int32_t box_id = b.boxId(box);
+      const int32_t strides = internStrides(rowMajorStrides(sizes));
+      const int32_t shape_id = internShape(sizes);
+      for (int32_t r : ranks) {
+        if (r < 0 || r >= world_)
+          return absl::InvalidArgumentError(strCat(where(in.name()), ": piece ", i, " rank ", r,
+                                                         " is out of range [0, ", world_, ")"));
+        int64_t& off = next_offset[r];
+        b.t.pieces.push_back({r, box_id, buffer, strides, off});
+        b.local_shape.push_back(shape_id);
+        off += box.volume();
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  Status resolvePlacements(const v1::Tensor& in, int32_t buffer, Built& b) {
+    const int ndim = in.shape_size();
+    const int mesh_dims = static_cast<int>(out_.mesh_shape.size());
+    if (in.placements_size() != 0 && in.placements_size() != mesh_dims)
+      return absl::InvalidArgumentError(strCat(where(in.name()), ": ", in.placements_size(),
+                                                     " placements for a mesh of ", mesh_dims, " dims"));
+    for (int m = 0; m < in.placements_size(); ++m) {
+      const auto& p = in.placements(m);
+      int dim = -1;
+      if (p.has_shard()) dim = p.shard().dim();
+      if (p.has_strided_shard()) {
+        dim = p.strided_shard().dim();
+        if (p.strided_shard().split_factor() < 1)
+          return absl::InvalidArgumentError(strCat(
+              where(in.name()), ": placement ", m, ": strided_shard split_factor ",
+              p.strided_shard().split_factor(), " must be at least 1"));
+      }
+      if (p.kind_case() == v1::Placement::KIND_NOT_SET)
+        return absl::InvalidArgumentError(strCat(
+            where(in.name()), ": placement ", m, " is empty (use replicate, shard or strided_shard)"));
+      if (!p.has_replicate() && (dim < 0 || dim >= ndim))
+        return absl::InvalidArgumentError(strCat(where(in.name()), ": placement ", m,
+                                                       " shards dim ", dim, " but the tensor has ",
+                                                       ndim, " dims"));
+    }
+    // Tensors of equal shape and placements resolve identically: compute once per key.
+    std::string key = in.dtype() + "|" + strJoin(in.shape(), ",") + "|";
+    for (const auto& p : in.placements()) key += p.SerializeAsString() + "/";
+    auto it = placement_cache_.find(key);
+    if (it == placement_cache_.end()) {
+      std::vector<CachedRank> per_rank(world_);
+      std::vector<int64_t> coords(mesh_dims);
+      for (int32_t r = 0; r < world_; ++r) {
+        int64_t rem = r;
+        for (int m = mesh_dims - 1; m >= 0; --m) {
+          coords[m] = rem % out_.mesh_shape[m];
+          rem /= out_.mesh_shape[m];
+        }
+        SC_ASSIGN_OR_RETURN(auto iv, placementIntervals(in, out_.mesh_shape, coords));
+        per_rank[r] = expand(iv, ndim);
+      }
+      it = placement_cache_.emplace(key, std::move(per_rank)).first;
+    }
+    for (int32_t r = 0; r < world_; ++r) {
+      const CachedRank& c = it->second[r];
+      for (size_t i = 0; i < c.boxes.size(); ++i) {
+        b.t.pieces.push_back({r, b.boxId(c.boxes[i]), buffer, c.strides, c.offsets[i]});
+        b.local_shape.push_back(c.shape);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  struct CachedRank {
+    std::vector<Box> boxes;
+    std::vector<int64_t> offsets;
+    int32_t strides = 0;
+    int32_t shape = 0;
+  };
+
+  // The boxes of the cartesian product of per-dim intervals, with their row-major local offsets.
+  CachedRank expand(const std::vector<Intervals>& iv, int ndim) {
+    CachedRank c;
+    std::vector<int64_t> local_shape(ndim);
+    for (int d = 0; d < ndim; ++d) {
+      local_shape[d] = total(iv[d]);
+      if (local_shape[d] == 0) return c;  // this rank holds nothing of the tensor
+    }
+    const auto strides = rowMajorStrides(local_shape);
+    c.strides = internStrides(strides);
+    c.shape = internShape(local_shape);
+    std::vector<size_t> idx(ndim, 0);
+    std::vector<int64_t> pos(ndim, 0);  // local start of interval idx[d]
+    while (true) {
+      Box box;
+      box.ndim = ndim;
+      int64_t off = 0;
+      for (int d = 0; d < ndim; ++d) {
+        box.lo[d] = iv[d][idx[d]].first;
+        box.hi[d] = iv[d][idx[d]].second;
+        off += pos[d] * strides[d];
+      }
+      c.boxes.push_back(box);
+      c.offsets.push_back(off);
+      int d = ndim - 1;
+      while (d >= 0) {
+        pos[d] += iv[d][idx[d]].second - iv[d][idx[d]].first;
+        if (++idx[d] < iv[d].size()) break;
+        idx[d] = 0;
+        pos[d] = 0;
+        --d;
+      }
+      if (d < 0) break;
+    }
+    return c;
+  }
+
+  // Rewrites the members' pieces to point into the fused buffer: on each rank, the buffer is the
+  // concatenation along f.dim() of the members' local tensors in member order.
+  Status resolveFused(const v1::FusedBuffer& f) {
+    const int32_t buffer = buffer_ids_.at(f.name());
+    std::vector<int32_t> members;
+    for (const auto& name : f.tensors()) members.push_back(out_.tensor_index.at(name));
+    const TensorLayout& first = out_.tensors[members[0]];
+    const int ndim = static_cast<int>(first.shape.size());
+    const int k = f.dim();
+    for (int32_t m : members) {
+      const TensorLayout& t = out_.tensors[m];
+      if (static_cast<int>(t.shape.size()) != ndim || k < 0 || k >= ndim)
+        return absl::InvalidArgumentError(strCat(
+            where(), ": fused buffer \"", f.name(), "\": dim ", k, " is invalid for tensor \"",
+            t.name, "\" of shape ", shapeStr(t.shape), " (members need the same number of dims as \"",
+            first.name, "\")"));
+      if (t.dtype != first.dtype)
+        return absl::InvalidArgumentError(strCat(
+            where(), ": fused buffer \"", f.name(), "\": tensor \"", t.name, "\" is ",
+            dtypeName(t.dtype), " but \"", first.name, "\" is ", dtypeName(first.dtype)));
+    }
+    for (int32_t r = 0; r < world_; ++r) {
+      std::vector<int64_t> fused_shape;
+      std::vector<int64_t> start_along_k(members.size(), 0);
+      std::string first_on_rank;
+      for (size_t i = 0; i < members.size(); ++i) {
+        const TensorLayout& t = out_.tensors[members[i]];
+        auto [lo, hi] = rankRange(t, r);
+        if (lo == hi) continue;
+        if (hi - lo > 1 && explicit_.count(t.name))
+          return absl::InvalidArgumentError(strCat(
+              where(t.name), ": rank ", r, " holds ", hi - lo, " pieces, but a member of fused buffer \"",
+              f.name(), "\" must hold one piece per rank"));
+        const auto& local = shapes_[local_shapes_[members[i]][lo]];
+        if (fused_shape.empty()) {
+          fused_shape = local;
+          fused_shape[k] = 0;
+          first_on_rank = t.name;
+        }
+        for (int d = 0; d < ndim; ++d) {
+          if (d != k && local[d] != fused_shape[d])
+            return absl::InvalidArgumentError(strCat(
+                where(), ": fused buffer \"", f.name(), "\" on rank ", r, ": tensor \"", t.name,
+                "\" has local shape ", shapeStr(local), " which does not match \"", first_on_rank,
+                "\" outside dim ", k));
+        }
+        start_along_k[i] = fused_shape[k];
+        fused_shape[k] += local[k];
+      }
+      if (fused_shape.empty()) continue;
+      const auto fstrides = rowMajorStrides(fused_shape);
+      const int32_t fstrides_id = internStrides(fstrides);
+      for (size_t i = 0; i < members.size(); ++i) {
+        TensorLayout& t = out_.tensors[members[i]];
+        auto [lo, hi] = rankRange(t, r);
+        for (size_t p = lo; p < hi; ++p) {
+          PieceRef& piece = t.pieces[p];
+          const auto& local = shapes_[local_shapes_[members[i]][p]];
+          const auto& old = out_.strides[piece.strides];
+          int64_t off = 0;
+          for (int d = 0; d < ndim; ++d) {
+            const int64_t pos = (piece.offset / old[d]) % local[d] + (d == k ? start_along_k[i] : 0);
+            off += pos * fstrides[d];
+          }
+          piece.offset = off;
+          piece.buffer = buffer;
+          piece.strides = fstrides_id;
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  static std::pair<size_t, size_t> rankRange(const TensorLayout& t, int32_t rank) {
+    auto lo = std::lower_bound(t.pieces.begin(), t.pieces.end(), rank,
+                               [](const PieceRef& p, int32_t r) { return p.rank < r; });
+    auto hi = std::upper_bound(lo, t.pieces.end(), rank,
+                               [](int32_t r, const PieceRef& p) { return r < p.rank; });
+    return {static_cast<size_t>(lo - t.pieces.begin()), static_cast<size_t>(hi - t.pieces.begin())};
+  }
+
+  const v1::Layout& in_;
+  NodeTable& nodes_;
+  ResolvedLayout out_;
+  int32_t world_ = 0;
+  std::unordered_map<std::string, int32_t> buffer_ids_;
+  std::unordered_map<std::string, int32_t> fused_of_;
+  std::unordered_map<std::string, std::vector<CachedRank>> placement_cache_;
+  std::map<std::vector<int64_t>, int32_t> stride_ids_;
+  std::map<std::vector<int64_t>, int32_t> shape_ids_;
+  std::vector<std::vector<int64_t>> shapes_;
+  std::vector<std::vector<int32_t>> local_shapes_;  // per tensor, per piece
+  std::unordered_set<std::string> explicit_;
+};
+
+}  // namespace
+
+StatusOr<ResolvedLayout> resolveLayout(const v1::Layout& layout, NodeTable& nodes) {
+  return Resolver(layout, nodes).run();
+}
+
+}  // namespace shardcast::planner

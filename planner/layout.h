@@ -1,0 +1,99 @@
+// Resolved layouts: a validated shardcast.v1.Layout turned into, per tensor, the boxes each rank
+// holds and where each box sits in the rank's local memory (buffer, element offset, strides).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "common/status.h"
+#include "planner/box.h"
+#include "shardcast/v1/layout.pb.h"
+
+namespace shardcast::planner {
+
+enum class DType : uint8_t {
+  kBFloat16, kFloat16, kFloat32, kFloat64, kFloat8E4M3, kFloat8E5M2,
+  kInt8, kUInt8, kInt16, kInt32, kInt64, kBool,
+};
+
+StatusOr<DType> parseDType(std::string_view torch_name);
+std::string_view dtypeName(DType t);
+int64_t dtypeBytes(DType t);
+
+// Node names are shared by the source and destination layouts of one plan (colocation).
+class NodeTable {
+ public:
+  int32_t intern(const std::string& name);
+  const std::string& name(int32_t id) const { return names_[id]; }
+  int32_t size() const { return static_cast<int32_t>(names_.size()); }
+
+ private:
+  std::vector<std::string> names_;
+  std::unordered_map<std::string, int32_t> ids_;
+};
+
+// One box of one tensor held by one rank. The element at global index x lives in that rank's
+// buffer `buffer` at element offset `offset + sum_d (x[d] - box.lo[d]) * strides[d]`.
+struct PieceRef {
+  int32_t rank = 0;
+  int32_t box = 0;      // index into TensorLayout::boxes
+  int32_t buffer = 0;   // index into ResolvedLayout::buffer_names
+  int32_t strides = 0;  // index into ResolvedLayout::strides
+  int64_t offset = 0;   // elements
+};
+
+struct TensorLayout {
+  std::string name;
+  std::vector<int64_t> shape;
+  DType dtype = DType::kFloat32;
+  std::vector<Box> boxes;        // distinct boxes held by some rank
+  std::vector<PieceRef> pieces;  // sorted by rank, then local order
+  int64_t elemBytes() const { return dtypeBytes(dtype); }
+};
+
+// A contiguous-or-strided run of elements in one rank's buffer, for one box.
+struct Region {
+  int32_t rank = 0;
+  int32_t buffer = 0;
+  int64_t offset = 0;            // elements from the buffer start
+  std::vector<int64_t> strides;  // elements, one per tensor dim
+  std::vector<int64_t> extent;   // the box sizes
+};
+
+struct ResolvedLayout {
+  std::string group;
+  std::vector<int64_t> mesh_shape;
+  std::vector<int32_t> rank_node;  // node id (in the plan's NodeTable) of each rank
+  std::vector<TensorLayout> tensors;
+  std::unordered_map<std::string, int32_t> tensor_index;
+  std::vector<std::string> buffer_names;        // default buffer of a tensor is named after it
+  std::vector<std::vector<int64_t>> strides;    // deduplicated stride vectors
+  std::vector<int64_t> buffer_elems_per_rank;   // filled lazily by bufferElements()
+
+  int32_t world() const { return static_cast<int32_t>(rank_node.size()); }
+  const TensorLayout* find(const std::string& name) const;
+  // The region in piece.rank's memory holding `sub` (which must lie inside the piece's box).
+  Region region(const TensorLayout& t, const PieceRef& piece, const Box& sub) const;
+  // Elements rank `rank` needs in buffer `buffer` (max offset + 1 over its pieces), for allocation.
+  int64_t bufferElements(int32_t rank, int32_t buffer) const;
+};
+
+// Parses the JSON form of shardcast.v1.Layout (snake_case or lowerCamel field names; unknown fields
+// are errors). `origin` names the input in messages (a file path).
+StatusOr<v1::Layout> parseLayoutJson(std::string_view json, std::string_view origin);
+StatusOr<v1::Layout> readLayoutFile(const std::string& path);
+
+// Validates `layout` and resolves every tensor's pieces; node names are interned into `nodes`.
+StatusOr<ResolvedLayout> resolveLayout(const v1::Layout& layout, NodeTable& nodes);
+
+// Per-dim global index intervals a rank holds under DTensor placements (exposed for tests):
+// the rank's local tensor along dim d is the concatenation of intervals[d] in order.
+using Intervals = std::vector<std::pair<int64_t, int64_t>>;
+StatusOr<std::vector<Intervals>> placementIntervals(const v1::Tensor& tensor,
+                                                    const std::vector<int64_t>& mesh_shape,
+                                                    const std::vector<int64_t>& coords);
+
+}  // namespace shardcast::planner

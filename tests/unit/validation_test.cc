@@ -1,0 +1,159 @@
+// Every validation error: one clear message naming the tensor, rank and values; never a crash.
+#include <catch2/catch.hpp>
+
+#include "planner/layout.h"
+#include "planner/plan.h"
+
+using namespace shardcast;
+using namespace shardcast::planner;
+
+namespace {
+
+// The error of parsing + resolving `json` (empty when it resolves).
+std::string layoutError(const std::string& json) {
+  auto parsed = parseLayoutJson(json, "layout.json");
+  if (!parsed.ok()) return std::string(parsed.status().message());
+  NodeTable nodes;
+  auto r = resolveLayout(*parsed, nodes);
+  return r.ok() ? "" : std::string(r.status().message());
+}
+
+// The error of planning src -> dst (empty when it plans).
+std::string planError(const std::string& src, const std::string& dst) {
+  NodeTable nodes;
+  auto s = resolveLayout(*parseLayoutJson(src, "src"), nodes);
+  auto d = resolveLayout(*parseLayoutJson(dst, "dst"), nodes);
+  REQUIRE(s.ok());
+  REQUIRE(d.ok());
+  auto p = makePlan(*s, *d, nodes);
+  return p.ok() ? "" : std::string(p.status().message());
+}
+
+std::string oneTensor(const std::string& tensor, const std::string& mesh = R"({"shape":[2]})",
+                      const std::string& extra = R"("ranks_per_node":2)") {
+  return R"({"group":"trainer","mesh":)" + mesh + "," + extra + R"(,"tensors":[)" + tensor + "]}";
+}
+
+}  // namespace
+
+TEST_CASE("valid layouts resolve", "[validation]") {
+  CHECK(layoutError(oneTensor(R"({"name":"w","shape":[4,4],"dtype":"bfloat16","placements":[{"shard":{"dim":1}}]})")) == "");
+  CHECK(layoutError(oneTensor(R"({"name":"w","shape":[4],"dtype":"bool"})")) == "");
+}
+
+TEST_CASE("unknown dtype", "[validation]") {
+  const auto e = layoutError(oneTensor(R"({"name":"w","shape":[4],"dtype":"bf16"})"));
+  CHECK_THAT(e, Catch::Contains("tensor \"w\"") && Catch::Contains("unknown dtype \"bf16\"") &&
+                    Catch::Contains("bfloat16"));
+}
+
+TEST_CASE("placement count differs from mesh dims", "[validation]") {
+  const auto e = layoutError(oneTensor(
+      R"({"name":"w","shape":[4],"dtype":"float32","placements":[{"replicate":{}},{"shard":{"dim":0}}]})"));
+  CHECK_THAT(e, Catch::Contains("tensor \"w\"") && Catch::Contains("2 placements for a mesh of 1 dims"));
+}
+
+TEST_CASE("shard dim out of range", "[validation]") {
+  const auto e = layoutError(oneTensor(R"({"name":"w","shape":[4,4],"dtype":"float32","placements":[{"shard":{"dim":2}}]})"));
+  CHECK_THAT(e, Catch::Contains("tensor \"w\"") && Catch::Contains("shards dim 2 but the tensor has 2 dims"));
+  const auto e2 = layoutError(oneTensor(
+      R"({"name":"w","shape":[4,4],"dtype":"float32","placements":[{"strided_shard":{"dim":-1,"split_factor":2}}]})"));
+  CHECK_THAT(e2, Catch::Contains("shards dim -1"));
+  const auto e3 = layoutError(oneTensor(
+      R"({"name":"w","shape":[4,4],"dtype":"float32","placements":[{"strided_shard":{"dim":0,"split_factor":0}}]})"));
+  CHECK_THAT(e3, Catch::Contains("split_factor 0 must be at least 1"));
+  const auto e4 = layoutError(oneTensor(R"({"name":"w","shape":[4],"dtype":"float32","placements":[{}]})"));
+  CHECK_THAT(e4, Catch::Contains("placement 0 is empty"));
+}
+
+TEST_CASE("piece outside the shape", "[validation]") {
+  const auto e = layoutError(oneTensor(
+      R"({"name":"layers.3.mlp.up_proj.weight","shape":[4096,4096],"dtype":"bfloat16",
+          "pieces":[{"rank":1,"offsets":[0,0],"sizes":[512,4097]}]})"));
+  CHECK_THAT(e, Catch::Contains("tensor \"layers.3.mlp.up_proj.weight\"") && Catch::Contains("rank 1") &&
+                    Catch::Contains("[0:512, 0:4097] exceeds shape [4096, 4096]"));
+  const auto e2 = layoutError(oneTensor(
+      R"({"name":"w","shape":[4,4],"dtype":"bfloat16","pieces":[{"rank":0,"offsets":[0],"sizes":[4]}]})"));
+  CHECK_THAT(e2, Catch::Contains("1 offsets and 1 sizes but the tensor has 2 dims"));
+  const auto e3 = layoutError(oneTensor(
+      R"({"name":"w","shape":[4],"dtype":"bfloat16","pieces":[{"rank":0,"offsets":[-1],"sizes":[2]}]})"));
+  CHECK_THAT(e3, Catch::Contains("exceeds shape [4]"));
+}
+
+TEST_CASE("rank out of range", "[validation]") {
+  const auto e = layoutError(oneTensor(
+      R"({"name":"experts.w13","shape":[12,4],"dtype":"bfloat16","pieces":[{"rank":2,"offsets":[0,0],"sizes":[3,4]}]})"));
+  CHECK_THAT(e, Catch::Contains("tensor \"experts.w13\"") && Catch::Contains("rank 2 is out of range [0, 2)"));
+  const auto e2 = layoutError(oneTensor(
+      R"({"name":"w","shape":[4],"dtype":"bfloat16","pieces":[{"ranks":[0,-3],"offsets":[0],"sizes":[4]}]})"));
+  CHECK_THAT(e2, Catch::Contains("rank -3 is out of range"));
+}
+
+TEST_CASE("node list of the wrong length", "[validation]") {
+  const auto e = layoutError(oneTensor(R"({"name":"w","shape":[4],"dtype":"float32"})", R"({"shape":[2,4]})",
+                                       R"("nodes":["a","a","a","b","b","b","b"])"));
+  CHECK_THAT(e, Catch::Contains("nodes has 7 entries but the mesh [2, 4] has 8 ranks"));
+  const auto e2 = layoutError(oneTensor(R"({"name":"w","shape":[4],"dtype":"float32"})", R"({"shape":[2]})", R"("group2":1)"));
+  CHECK_THAT(e2, Catch::Contains("group2"));  // unknown field: protobuf's JSON parser names it
+  const auto e3 = layoutError(R"({"group":"g","mesh":{"shape":[2]},"tensors":[]})");
+  CHECK_THAT(e3, Catch::Contains("set nodes (one per rank) or a positive ranks_per_node"));
+}
+
+TEST_CASE("mesh and naming mistakes", "[validation]") {
+  CHECK_THAT(layoutError(R"({"group":"g","mesh":{"shape":[2,0]},"ranks_per_node":1})"),
+             Catch::Contains("mesh.shape[1] = 0 must be positive"));
+  CHECK_THAT(layoutError(R"({"group":"g","mesh":{"shape":[2],"dim_names":["a","b"]},"ranks_per_node":1})"),
+             Catch::Contains("dim_names has 2 names but mesh.shape has 1 dims"));
+  CHECK_THAT(layoutError(R"({"mesh":{"shape":[2]},"ranks_per_node":1})"), Catch::Contains("\"group\" is empty"));
+  CHECK_THAT(layoutError(oneTensor(R"({"name":"w","shape":[4],"dtype":"float32"},{"name":"w","shape":[4],"dtype":"float32"})")),
+             Catch::Contains("tensor \"w\": listed twice"));
+  CHECK_THAT(layoutError(oneTensor(R"({"name":"w","shape":[4],"dtype":"float32","placements":[{"replicate":{}}],
+                                      "pieces":[{"rank":0,"offsets":[0],"sizes":[4]}]})")),
+             Catch::Contains("give placements or pieces, not both"));
+  CHECK_THAT(layoutError(R"({"group":"g","mesh":{"shape":[2]},"ranks_per_node":1,"tensors":"x"})"),
+             Catch::Contains("layout.json: not a valid shardcast.v1.Layout"));
+}
+
+TEST_CASE("fused buffer mistakes", "[validation]") {
+  const std::string tensors =
+      R"({"name":"q","shape":[8,4],"dtype":"bfloat16","placements":[{"shard":{"dim":0}}]},
+         {"name":"k","shape":[4,6],"dtype":"bfloat16","placements":[{"shard":{"dim":0}}]},
+         {"name":"v","shape":[4,4],"dtype":"float32","placements":[{"shard":{"dim":0}}]})";
+  auto with = [&](const std::string& fused) {
+    return R"({"group":"vllm","mesh":{"shape":[2]},"ranks_per_node":2,"tensors":[)" + tensors + R"(],"fused":[)" + fused + "]}";
+  };
+  CHECK_THAT(layoutError(with(R"({"name":"qkv","dim":0,"tensors":["q","x"]})")), Catch::Contains("names unknown tensor \"x\""));
+  CHECK_THAT(layoutError(with(R"({"name":"qk","dim":0,"tensors":["q","k"]})")),
+             Catch::Contains("tensor \"k\" has local shape [2, 6] which does not match \"q\" outside dim 0"));
+  CHECK_THAT(layoutError(with(R"({"name":"qv","dim":0,"tensors":["q","v"]})")),
+             Catch::Contains("tensor \"v\" is float32 but \"q\" is bfloat16"));
+  CHECK_THAT(layoutError(with(R"({"name":"a","dim":0,"tensors":["q"]},{"name":"b","dim":0,"tensors":["q"]})")),
+             Catch::Contains("tensor \"q\": belongs to more than one fused buffer"));
+  CHECK_THAT(layoutError(with(R"({"name":"q","dim":0,"tensors":["k"]})")), Catch::Contains("has the name of a tensor"));
+  CHECK_THAT(layoutError(with(R"({"name":"qq","dim":2,"tensors":["q"]})")), Catch::Contains("dim 2 is invalid for tensor \"q\""));
+}
+
+TEST_CASE("plan errors: mismatched shape or dtype, missing tensor, uncovered element", "[validation]") {
+  const std::string src = R"({"group":"trainer","mesh":{"shape":[2]},"nodes":["a","b"],"tensors":[
+      {"name":"w","shape":[4,4],"dtype":"bfloat16","pieces":[{"rank":0,"offsets":[0,0],"sizes":[2,4]},
+                                                         {"rank":1,"offsets":[3,0],"sizes":[1,4]}]}]})";
+  const std::string dst_ok = R"({"group":"infer","mesh":{"shape":[2]},"nodes":["c","d"],"tensors":[
+      {"name":"w","shape":[4,4],"dtype":"bfloat16","pieces":[{"rank":0,"offsets":[0,0],"sizes":[2,4]}]}]})";
+  CHECK(planError(src, dst_ok) == "");
+  const std::string dst_gap = R"({"group":"infer","mesh":{"shape":[2]},"nodes":["c","d"],"tensors":[
+      {"name":"w","shape":[4,4],"dtype":"bfloat16","placements":[{"shard":{"dim":0}}]}]})";
+  CHECK_THAT(planError(src, dst_gap),
+             Catch::Contains("tensor \"w\": rank 1 of layout \"infer\" (node \"d\") needs element [2, 0]") &&
+                 Catch::Contains("no rank of layout \"trainer\" holds it"));
+  const std::string dst_shape = R"({"group":"infer","mesh":{"shape":[1]},"nodes":["c"],"tensors":[
+      {"name":"w","shape":[4,5],"dtype":"bfloat16"}]})";
+  CHECK_THAT(planError(src, dst_shape), Catch::Contains("tensor \"w\": layout \"trainer\" has bfloat16 [4, 4] but "
+                                                        "layout \"infer\" has bfloat16 [4, 5]"));
+  const std::string dst_dtype = R"({"group":"infer","mesh":{"shape":[1]},"nodes":["c"],"tensors":[
+      {"name":"w","shape":[4,4],"dtype":"float16"}]})";
+  CHECK_THAT(planError(src, dst_dtype), Catch::Contains("has float16 [4, 4]"));
+  const std::string dst_missing = R"({"group":"infer","mesh":{"shape":[1]},"nodes":["c"],"tensors":[
+      {"name":"bias","shape":[4],"dtype":"float16"}]})";
+  CHECK_THAT(planError(src, dst_missing), Catch::Contains("tensor \"bias\": layout \"infer\" needs it but layout "
+                                                          "\"trainer\" has no such tensor"));
+}
