@@ -371,6 +371,14 @@ class Resolver {
       shapes[i] = b.local_shape[order[i]];
     }
     t.pieces = std::move(sorted);
+    if (in.pieces_size() > 0) {
+      int64_t next = 0;
+      for (size_t i = 0; i < t.pieces.size(); ++i) {
+        if (i > 0 && t.pieces[i].rank != t.pieces[i - 1].rank) next = 0;
+        t.pieces[i].offset = next;
+        next += t.boxes[t.pieces[i].box].volume();
+      }
+    }
     out_.tensor_index.emplace(t.name, static_cast<int32_t>(out_.tensors.size()));
     out_.tensors.push_back(std::move(t));
     local_shapes_.push_back(std::move(shapes));
@@ -379,7 +387,6 @@ class Resolver {
 
   Status resolvePieces(const v1::Tensor& in, int32_t buffer, Built& b) {
     const int ndim = in.shape_size();
-    std::unordered_map<int32_t, int64_t> next_offset;  // per rank: pieces sit one after another
     for (int i = 0; i < in.pieces_size(); ++i) {
       const auto& p = in.pieces(i);
       if (p.offsets_size() != ndim || p.sizes_size() != ndim)
@@ -407,10 +414,9 @@ class Resolver {
         if (r < 0 || r >= world_)
           return absl::InvalidArgumentError(strCat(where(in.name()), ": piece ", i, " rank ", r,
                                                          " is out of range [0, ", world_, ")"));
-        int64_t& off = next_offset[r];
-        b.t.pieces.push_back({r, box_id, buffer, strides, off});
+        // Offsets are assigned after sorting by rank: a rank's pieces sit one after another.
+        b.t.pieces.push_back({r, box_id, buffer, strides, 0});
         b.local_shape.push_back(shape_id);
-        off += box.volume();
       }
     }
     return absl::OkStatus();
@@ -534,19 +540,38 @@ class Resolver {
             where(), ": fused buffer \"", f.name(), "\": tensor \"", t.name, "\" is ",
             dtypeName(t.dtype), " but \"", first.name, "\" is ", dtypeName(first.dtype)));
     }
-    for (int32_t r = 0; r < world_; ++r) {
+    // (rank, member, piece) for every member piece, grouped by rank: work proportional to pieces.
+    struct Entry {
+      int32_t rank;
+      int32_t member;
+      int32_t piece;
+    };
+    std::vector<Entry> entries;
+    for (int32_t i = 0; i < static_cast<int32_t>(members.size()); ++i) {
+      const auto& pieces = out_.tensors[members[i]].pieces;
+      for (int32_t p = 0; p < static_cast<int32_t>(pieces.size()); ++p) entries.push_back({pieces[p].rank, i, p});
+    }
+    std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+      return a.rank != b.rank ? a.rank < b.rank : a.member < b.member;
+    });
+    std::vector<int64_t> start_along_k(members.size(), 0);
+    for (size_t lo = 0; lo < entries.size();) {
+      size_t hi = lo;
+      while (hi < entries.size() && entries[hi].rank == entries[lo].rank) ++hi;
+      const int32_t r = entries[lo].rank;
       std::vector<int64_t> fused_shape;
-      std::vector<int64_t> start_along_k(members.size(), 0);
       std::string first_on_rank;
-      for (size_t i = 0; i < members.size(); ++i) {
-        const TensorLayout& t = out_.tensors[members[i]];
-        auto [lo, hi] = rankRange(t, r);
-        if (lo == hi) continue;
-        if (hi - lo > 1 && explicit_.count(t.name))
-          return absl::InvalidArgumentError(strCat(
-              where(t.name), ": rank ", r, " holds ", hi - lo, " pieces, but a member of fused buffer \"",
-              f.name(), "\" must hold one piece per rank"));
-        const auto& local = shapes_[local_shapes_[members[i]][lo]];
+      for (size_t e = lo; e < hi; ++e) {
+        if (e > lo && entries[e].member == entries[e - 1].member) {
+          const TensorLayout& t = out_.tensors[members[entries[e].member]];
+          if (explicit_.count(t.name))
+            return absl::InvalidArgumentError(strCat(
+                where(t.name), ": rank ", r, " holds several pieces, but a member of fused buffer \"",
+                f.name(), "\" must hold one piece per rank"));
+          continue;  // further boxes of one placement-resolved local tensor (strided shards)
+        }
+        const TensorLayout& t = out_.tensors[members[entries[e].member]];
+        const auto& local = shapes_[local_shapes_[members[entries[e].member]][entries[e].piece]];
         if (fused_shape.empty()) {
           fused_shape = local;
           fused_shape[k] = 0;
@@ -559,39 +584,28 @@ class Resolver {
                 "\" has local shape ", shapeStr(local), " which does not match \"", first_on_rank,
                 "\" outside dim ", k));
         }
-        start_along_k[i] = fused_shape[k];
+        start_along_k[entries[e].member] = fused_shape[k];
         fused_shape[k] += local[k];
       }
-      if (fused_shape.empty()) continue;
       const auto fstrides = rowMajorStrides(fused_shape);
       const int32_t fstrides_id = internStrides(fstrides);
-      for (size_t i = 0; i < members.size(); ++i) {
-        TensorLayout& t = out_.tensors[members[i]];
-        auto [lo, hi] = rankRange(t, r);
-        for (size_t p = lo; p < hi; ++p) {
-          PieceRef& piece = t.pieces[p];
-          const auto& local = shapes_[local_shapes_[members[i]][p]];
-          const auto& old = out_.strides[piece.strides];
-          int64_t off = 0;
-          for (int d = 0; d < ndim; ++d) {
-            const int64_t pos = (piece.offset / old[d]) % local[d] + (d == k ? start_along_k[i] : 0);
-            off += pos * fstrides[d];
-          }
-          piece.offset = off;
-          piece.buffer = buffer;
-          piece.strides = fstrides_id;
+      for (size_t e = lo; e < hi; ++e) {
+        const int32_t i = entries[e].member;
+        PieceRef& piece = out_.tensors[members[i]].pieces[entries[e].piece];
+        const auto& local = shapes_[local_shapes_[members[i]][entries[e].piece]];
+        const auto& old = out_.strides[piece.strides];
+        int64_t off = 0;
+        for (int d = 0; d < ndim; ++d) {
+          const int64_t pos = (piece.offset / old[d]) % local[d] + (d == k ? start_along_k[i] : 0);
+          off += pos * fstrides[d];
         }
+        piece.offset = off;
+        piece.buffer = buffer;
+        piece.strides = fstrides_id;
       }
+      lo = hi;
     }
     return absl::OkStatus();
-  }
-
-  static std::pair<size_t, size_t> rankRange(const TensorLayout& t, int32_t rank) {
-    auto lo = std::lower_bound(t.pieces.begin(), t.pieces.end(), rank,
-                               [](const PieceRef& p, int32_t r) { return p.rank < r; });
-    auto hi = std::upper_bound(lo, t.pieces.end(), rank,
-                               [](int32_t r, const PieceRef& p) { return r < p.rank; });
-    return {static_cast<size_t>(lo - t.pieces.begin()), static_cast<size_t>(hi - t.pieces.begin())};
   }
 
   const v1::Layout& in_;

@@ -58,6 +58,7 @@ class Planner {
         plan_.options.small_bytes < 0)
       return absl::InvalidArgumentError("plan options: chunk_bytes, bucket_bytes and max_chain must be positive");
     const auto start = std::chrono::steady_clock::now();
+    reserve();
     for (int32_t j = 0; j < static_cast<int32_t>(dst_.tensors.size()); ++j) SC_RETURN_IF_ERROR(planTensor(j));
     flushBuckets();
     finishStats();
@@ -67,6 +68,23 @@ class Planner {
   }
 
  private:
+  // Growing these vectors one doubling at a time costs more than planning at 1T scale.
+  void reserve() {
+    size_t src_boxes = 0, dst_pieces = 0;
+    for (const TensorLayout& dt : dst_.tensors) {
+      dst_pieces += dt.pieces.size();
+      if (const TensorLayout* st = src_.find(dt.name)) src_boxes += st->boxes.size();
+    }
+    plan_.tensors.reserve(dst_.tensors.size());
+    plan_.cells.reserve(src_boxes);
+    plan_.fragments.reserve(src_boxes + src_boxes / 2);
+    plan_.groups.reserve(dst_.tensors.size() * 2);
+    plan_.transfers.reserve(dst_.tensors.size() * 2);
+    plan_.transfer_fragments.reserve(src_boxes + src_boxes / 2);
+    plan_.chain_nodes.reserve(dst_pieces);
+    plan_.group_nodes.reserve(dst_pieces);
+  }
+
   // ---- per tensor -------------------------------------------------------------------------------
 
   Status planTensor(int32_t j) {
@@ -91,6 +109,7 @@ class Planner {
     buildCells(st, t);
     const int32_t cells_end = static_cast<int32_t>(plan_.cells.size());
     indexLocalSources(st);
+    src_boxes_ = &st.boxes;
 
     for (Group& g : buildGroups(dt, t)) SC_RETURN_IF_ERROR(planGroup(st, dt, t, g, cells_begin, cells_end));
     return absl::OkStatus();
@@ -149,7 +168,9 @@ class Planner {
   // Source boxes per node, for the lower bound (an independent computation from the routing).
   void indexLocalSources(const TensorLayout& st) {
     local_src_boxes_.clear();
-    for (const PieceRef& p : st.pieces) local_src_boxes_[src_.rank_node[p.rank]].push_back(st.boxes[p.box]);
+    for (const PieceRef& p : st.pieces) local_src_boxes_.emplace_back(src_.rank_node[p.rank], p.box);
+    std::sort(local_src_boxes_.begin(), local_src_boxes_.end());
+    local_src_boxes_.erase(std::unique(local_src_boxes_.begin(), local_src_boxes_.end()), local_src_boxes_.end());
   }
 
   struct Group {
@@ -171,9 +192,24 @@ class Planner {
       return ba != bb ? ba < bb : a.second < b.second;
     });
     std::vector<Group> groups;
+    bool one_piece_per_node = true;
+    for (size_t i = 1; i < by_node.size() && one_piece_per_node; ++i)
+      one_piece_per_node = by_node[i].first != by_node[i - 1].first;
+    if (one_piece_per_node) {
+      // Common for whole experts: group by the node's single box without building keys.
+      std::vector<int32_t> group_of_box(dt.boxes.size(), -1);
+      for (const auto& [node, piece] : by_node) {
+        int32_t& gi = group_of_box[dt.pieces[piece].box];
+        if (gi < 0) {
+          gi = static_cast<int32_t>(groups.size());
+          groups.push_back({0, {}, {dt.pieces[piece].box}, {piece}});
+        }
+        groups[gi].nodes.push_back(node);
+      }
+    }
     std::unordered_map<std::string, size_t> index;
     std::vector<int32_t> key;
-    for (size_t i = 0; i < by_node.size();) {
+    for (size_t i = 0; i < by_node.size() && !one_piece_per_node;) {
       size_t e = i;
       key.clear();
       while (e < by_node.size() && by_node[e].first == by_node[i].first) key.push_back(dt.pieces[by_node[e++].second].box);
@@ -391,13 +427,14 @@ class Planner {
 
   void addLowerBound(const Group& g, const std::vector<Box>& need, int64_t need_volume) {
     for (int32_t n : g.nodes) {
-      auto it = local_src_boxes_.find(n);
+      auto [lo, hi] = std::equal_range(local_src_boxes_.begin(), local_src_boxes_.end(), std::pair<int32_t, int32_t>{n, -1},
+                                       [](const auto& a, const auto& b) { return a.first < b.first; });
       int64_t missing = need_volume;
-      if (it != local_src_boxes_.end()) {
+      if (lo != hi) {
         std::vector<Box> held;
         for (const Box& b : need)
-          for (const Box& s : it->second)
-            if (overlaps(b, s)) held.push_back(intersect(b, s));
+          for (auto it = lo; it != hi; ++it)
+            if (overlaps(b, src_boxes_->at(it->second))) held.push_back(intersect(b, src_boxes_->at(it->second)));
         missing -= unionVolume(held);
       }
       plan_.stats.network_lower_bound += missing * elem_;
@@ -468,7 +505,8 @@ class Planner {
   int64_t elem_ = 1;
   std::vector<int64_t> egress_, ingress_, local_, unique_held_, rank_egress_;
   std::vector<double> pull_ingress_, pull_egress_;
-  std::unordered_map<int32_t, std::vector<Box>> local_src_boxes_;
+  std::vector<std::pair<int32_t, int32_t>> local_src_boxes_;  // (node, source box id), sorted
+  const std::vector<Box>* src_boxes_ = nullptr;
   std::vector<int32_t> net_;
   std::unordered_map<std::string, size_t> bucket_index_;
   std::vector<Bucket> buckets_;
