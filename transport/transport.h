@@ -1,0 +1,115 @@
+// The data plane's interface: registered memory regions, endpoints to peer daemons, remote writes
+// whose completion means "visible at the target", and ordered notifications. Backends: UCX
+// (transport/ucx/) and an in-process loopback (transport/loopback/) for tests.
+//
+// Threading (docs/thread_model.md): every Context owns one progress thread. All methods are
+// thread-safe and never block on the network (registration and connect may block briefly);
+// completion callbacks and the notification handler run on the progress thread, never under a
+// lock the caller holds, and must not block. Ownership: the caller keeps source regions and
+// their memory alive until the completion callback has run.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace shardcast::transport {
+
+enum class MemoryKind { kHost, kCuda };
+const char* memoryKindName(MemoryKind kind);
+
+// What a peer needs to write into a region: its address in the owner's address space, its size,
+// and the backend's remote key (UCX: the packed rkey). Serialisable, to travel over gRPC.
+struct RemoteRegion {
+  uint64_t base = 0;
+  uint64_t size = 0;
+  std::string rkey;
+
+  std::string serialize() const;
+  static StatusOr<RemoteRegion> parse(const std::string& bytes);
+};
+
+// Memory registered with one Context. Registration happens once: registering the same range
+// again returns this same object while it is alive. Released when the last reference goes.
+class MemoryRegion {
+ public:
+  virtual ~MemoryRegion() = default;
+  MemoryKind kind() const { return kind_; }
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  const RemoteRegion& remote() const { return remote_; }
+
+ protected:
+  MemoryRegion(MemoryKind kind, void* data, size_t size) : kind_(kind), data_(data), size_(size) {}
+  MemoryKind kind_;
+  void* data_;
+  size_t size_;
+  RemoteRegion remote_;
+};
+
+using Completion = std::function<void(Status)>;
+
+// One remote write: bytes [src_offset, src_offset + length) of `src` into
+// [dst_offset, dst_offset + length) of the peer's region `dst`.
+struct WriteOp {
+  std::shared_ptr<MemoryRegion> src;
+  size_t src_offset = 0;
+  RemoteRegion dst;
+  size_t dst_offset = 0;
+  size_t length = 0;
+};
+
+// A connection to one peer. Operations complete in any order, except that a notification is
+// delivered only after every write issued before it on this endpoint is visible at the peer.
+class Endpoint {
+ public:
+  virtual ~Endpoint() = default;
+  // `done` runs once the bytes are visible in the peer's memory, or with the error that stopped them.
+  virtual void write(WriteOp op, Completion done) = 0;
+  // Many writes, one completion (the first error, if any).
+  virtual void writeBatch(std::vector<WriteOp> ops, Completion done) = 0;
+  // A small message (<= 64 KiB) for the peer's notification handler, ordered after earlier writes.
+  virtual void notify(std::string payload, Completion done) = 0;
+  // Flushes and closes; later operations fail with FAILED_PRECONDITION. Idempotent.
+  virtual void close() = 0;
+  virtual const std::string& peerName() const = 0;
+};
+
+struct TransportOptions {
+  std::string backend = "ucx";  // "ucx" or "loopback"
+  std::string name = "shardcast";  // used in error messages ("context 'x': peer 'y': ...")
+  // UCX: transports to use (UCX_TLS syntax, e.g. "tcp", "posix,sysv,self"); empty = UCX's default.
+  std::string ucx_tls;
+  // How writes travel: "put" (RMA + flush), "am" (active messages into registered memory, acked),
+  // or "auto": am when the transports are TCP only (UCX 1.13's TCP put is ~4x slower), else put.
+  std::string protocol = "auto";
+  // An operation not completed after this long fails with DEADLINE_EXCEEDED (a vanished peer).
+  std::chrono::milliseconds op_timeout{30000};
+};
+
+class Context {
+ public:
+  virtual ~Context() = default;
+  // Describes backend, transports and protocol, e.g. "ucx(tls=tcp, protocol=am)".
+  virtual std::string describe() const = 0;
+  // The bytes a peer passes to connect() (exchanged out of band).
+  virtual std::string address() const = 0;
+  virtual bool canAccess(MemoryKind kind) const = 0;
+  virtual StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) = 0;
+  // Connects lazily: the same peer address returns the same endpoint while it is open.
+  virtual StatusOr<std::shared_ptr<Endpoint>> connect(const std::string& peer_address,
+                                                      const std::string& peer_name) = 0;
+  // Called on the progress thread for every notification a peer sends to this context.
+  virtual void setNotificationHandler(std::function<void(std::string payload)> handler) = 0;
+};
+
+// Creates a context of options.backend. INVALID_ARGUMENT for an unknown backend or option.
+StatusOr<std::unique_ptr<Context>> createContext(const TransportOptions& options);
+
+}  // namespace shardcast::transport
