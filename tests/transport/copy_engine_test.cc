@@ -1,0 +1,122 @@
+// Node-local copy engine and shared-memory segments.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "transport/copy_engine.h"
+#include "transport/cuda/cuda_support.h"
+#include "transport/shm.h"
+
+using namespace shardcast;
+using namespace shardcast::transport;
+
+namespace {
+
+// Reference: element-by-element copy of a box.
+void referenceCopy(std::vector<int32_t>& dst, const StridedView& dv, const std::vector<int32_t>& src,
+                   const StridedView& sv, const std::vector<int64_t>& extent) {
+  std::vector<int64_t> idx(extent.size(), 0);
+  if (std::any_of(extent.begin(), extent.end(), [](int64_t e) { return e <= 0; })) return;
+  while (true) {
+    int64_t so = sv.offset, d = dv.offset;
+    for (size_t k = 0; k < extent.size(); ++k) so += idx[k] * sv.strides[k], d += idx[k] * dv.strides[k];
+    dst[d] = src[so];
+    int k = static_cast<int>(extent.size()) - 1;
+    while (k >= 0 && ++idx[k] == extent[k]) idx[k] = 0, --k;
+    if (k < 0) return;
+  }
+}
+
+}  // namespace
+
+TEST_CASE("strided box copies match an element-by-element reference", "[copy]") {
+  auto engine = makeHostCopyEngine();
+  std::mt19937 rng(17);
+  for (int it = 0; it < 300; ++it) {
+    const int nd = 1 + static_cast<int>(rng() % 4);
+    std::vector<int64_t> src_shape(nd), dst_shape(nd), extent(nd), so(nd), dof(nd);
+    for (int d = 0; d < nd; ++d) {
+      extent[d] = 1 + rng() % 5;
+      src_shape[d] = extent[d] + rng() % 3;
+      dst_shape[d] = extent[d] + rng() % 3;
+      so[d] = rng() % (src_shape[d] - extent[d] + 1);
+      dof[d] = rng() % (dst_shape[d] - extent[d] + 1);
+    }
+    const auto ss = denseStrides(src_shape), ds = denseStrides(dst_shape);
+    const int64_t sn = std::accumulate(src_shape.begin(), src_shape.end(), int64_t{1}, std::multiplies<>());
+    const int64_t dn = std::accumulate(dst_shape.begin(), dst_shape.end(), int64_t{1}, std::multiplies<>());
+    std::vector<int32_t> src(sn), dst(dn, -1), expect(dn, -1);
+    std::iota(src.begin(), src.end(), 0);
+    StridedView sv{reinterpret_cast<std::byte*>(src.data()), MemoryKind::kHost, 0, ss};
+    StridedView dv{reinterpret_cast<std::byte*>(dst.data()), MemoryKind::kHost, 0, ds};
+    for (int d = 0; d < nd; ++d) sv.offset += so[d] * ss[d], dv.offset += dof[d] * ds[d];
+    REQUIRE(engine->copy(dv, sv, extent, 4).ok());
+    REQUIRE(engine->synchronize().ok());
+    referenceCopy(expect, dv, src, sv, extent);
+    REQUIRE(dst == expect);
+  }
+}
+
+TEST_CASE("a dense box is copied as one run", "[copy]") {
+  std::vector<int64_t> runs;
+  StridedView a{nullptr, MemoryKind::kHost, 0, {12, 4, 1}}, b{nullptr, MemoryKind::kHost, 5, {12, 4, 1}};
+  forEachRun(a, b, {2, 3, 4}, 2, [&](int64_t, int64_t, int64_t n) { runs.push_back(n); });
+  CHECK(runs == std::vector<int64_t>{48});
+  runs.clear();
+  StridedView c{nullptr, MemoryKind::kHost, 0, {20, 4, 1}};  // a sub-box of a wider buffer
+  forEachRun(c, b, {2, 3, 4}, 2, [&](int64_t, int64_t, int64_t n) { runs.push_back(n); });
+  CHECK(runs == std::vector<int64_t>{24, 24});
+}
+
+TEST_CASE("the host engine refuses device memory and mismatched dims", "[copy]") {
+  auto engine = makeHostCopyEngine();
+  int x = 0, y = 0;
+  StridedView h{reinterpret_cast<std::byte*>(&x), MemoryKind::kHost, 0, {1}};
+  StridedView g{reinterpret_cast<std::byte*>(&y), MemoryKind::kCuda, 0, {1}};
+  CHECK(engine->copy(g, h, {1}, 4).code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(engine->copy(h, h, {1, 1}, 4).code() == absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("shared-memory segments: create, open from elsewhere, validate", "[shm]") {
+  const std::string name = "/shardcast-test-" + std::to_string(::getpid());
+  auto seg = ShmSegment::create(name, 1 << 20);
+  REQUIRE(seg.ok());
+  std::memset(seg->data(), 0xab, 1 << 20);
+  {
+    auto other = ShmSegment::open(name, 1 << 20);
+    REQUIRE(other.ok());
+    CHECK(static_cast<unsigned char*>(other->data())[12345] == 0xab);
+  }
+  CHECK(ShmSegment::create(name, 10).status().code() == absl::StatusCode::kAlreadyExists);
+  auto too_big = ShmSegment::open(name, 2 << 20);
+  CHECK(too_big.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(too_big.status().message()), Catch::Contains("has 1048576 bytes but 2097152 were expected"));
+  CHECK(ShmSegment::open("/shardcast-no-such-segment", 10).status().code() == absl::StatusCode::kNotFound);
+  CHECK(ShmSegment::create("no-slash", 10).status().code() == absl::StatusCode::kInvalidArgument);
+  *seg = std::move(*seg);  // self-move keeps the mapping
+  CHECK(seg->data() != nullptr);
+}
+
+TEST_CASE("CUDA copies between host and device memory", "[gpu]") {
+  if (cudaDeviceCount() == 0) {
+    WARN("skipped: " << cudaUnavailableReason());
+    return;
+  }
+  auto engine = makeCudaCopyEngine(0);
+  REQUIRE(engine.ok());
+  auto dev = allocateDevice(1 << 20, 0);
+  REQUIRE(dev.ok());
+  std::vector<int32_t> host(1 << 18), back(1 << 18, 0);
+  std::iota(host.begin(), host.end(), 0);
+  StridedView h{reinterpret_cast<std::byte*>(host.data()), MemoryKind::kHost, 0, {512, 1}};
+  StridedView d{static_cast<std::byte*>((*dev)->data()), MemoryKind::kCuda, 0, {512, 1}};
+  StridedView b{reinterpret_cast<std::byte*>(back.data()), MemoryKind::kHost, 0, {512, 1}};
+  REQUIRE((*engine)->copy(d, h, {512, 512}, 4).ok());
+  REQUIRE((*engine)->copy(b, d, {512, 512}, 4).ok());
+  REQUIRE((*engine)->synchronize().ok());
+  CHECK(back == host);
+  auto handle = (*dev)->ipcHandle();
+  CHECK(handle.ok());
+}

@@ -1,0 +1,321 @@
+// The shared backend suite: every test runs against every backend and protocol (loopback; UCX
+// with its default transports, with tcp (active messages, and put), with posix/sysv shared memory
+// (put, and active messages)). Every byte written is verified.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cstring>
+#include <future>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "tests/transport/process.h"
+#include "transport/transport.h"
+
+using namespace shardcast;
+using namespace shardcast::transport;
+using namespace shardcast::testing;
+
+namespace {
+
+struct Loopback {
+  static TransportOptions options() {
+    TransportOptions o;
+    o.backend = "loopback";
+    return o;
+  }
+  static constexpr bool kChecksTargets = true;  // the receiver validates every target range
+};
+struct UcxDefault {
+  static TransportOptions options() { return TransportOptions{}; }
+  static constexpr bool kChecksTargets = false;
+};
+struct UcxTcpAm {
+  static TransportOptions options() {
+    TransportOptions o;
+    o.ucx_tls = "tcp";  // auto -> am
+    return o;
+  }
+  static constexpr bool kChecksTargets = true;
+};
+struct UcxTcpPut {
+  static TransportOptions options() {
+    TransportOptions o;
+    o.ucx_tls = "tcp";
+    o.protocol = "put";
+    return o;
+  }
+  static constexpr bool kChecksTargets = false;
+};
+struct UcxShmPut {
+  static TransportOptions options() {
+    TransportOptions o;
+    o.ucx_tls = "posix,sysv,self";  // auto -> put
+    return o;
+  }
+  static constexpr bool kChecksTargets = false;
+};
+struct UcxShmAm {
+  static TransportOptions options() {
+    TransportOptions o;
+    o.ucx_tls = "posix,sysv,self";
+    o.protocol = "am";
+    return o;
+  }
+  static constexpr bool kChecksTargets = true;
+};
+
+Status await(const std::function<void(Completion)>& start, std::chrono::seconds limit = std::chrono::seconds(120)) {
+  auto p = std::make_shared<std::promise<Status>>();
+  auto f = p->get_future();
+  start([p](Status st) { p->set_value(st); });
+  if (f.wait_for(limit) != std::future_status::ready) return absl::DeadlineExceededError("test: operation did not complete");
+  return f.get();
+}
+
+// Two contexts of one backend: A writes into B.
+template <typename B>
+struct Pair {
+  std::unique_ptr<Context> a, b;
+  std::shared_ptr<Endpoint> ep;
+  explicit Pair() {
+    auto oa = B::options(), ob = B::options();
+    oa.name = "sender";
+    ob.name = "receiver";
+    auto ca = createContext(oa);
+    auto cb = createContext(ob);
+    REQUIRE(ca.ok());
+    REQUIRE(cb.ok());
+    a = std::move(*ca);
+    b = std::move(*cb);
+    auto e = a->connect(b->address(), "receiver");
+    INFO((e.ok() ? "" : std::string(e.status().message())));
+    REQUIRE(e.ok());
+    ep = *e;
+  }
+};
+
+std::shared_ptr<MemoryRegion> reg(Context& c, std::vector<unsigned char>& buf) {
+  auto r = c.registerMemory(buf.data(), buf.size(), MemoryKind::kHost);
+  INFO((r.ok() ? "" : std::string(r.status().message())));
+  REQUIRE(r.ok());
+  return *r;
+}
+
+}  // namespace
+
+#define BACKENDS Loopback, UcxDefault, UcxTcpAm, UcxTcpPut, UcxShmPut, UcxShmAm
+
+TEMPLATE_TEST_CASE("writes of 1 byte to 256 MiB at unaligned offsets arrive intact", "[transport]", BACKENDS) {
+  Pair<TestType> p;
+  INFO(p.a->describe());
+  const size_t kMax = size_t{256} << 20;
+  std::vector<unsigned char> src(kMax + 64), dst(kMax + 64);
+  fillPattern(src.data(), src.size(), 42);
+  auto rs = reg(*p.a, src);
+  auto rd = reg(*p.b, dst);
+  for (size_t size : {size_t{1}, size_t{7}, size_t{4099}, (size_t{1} << 20) + 5, size_t{64} << 20, kMax}) {
+    const size_t so = size % 61, doff = (size * 7 + 3) % 59;
+    std::memset(dst.data(), 0, dst.size());
+    const Status st = await([&](Completion done) { p.ep->write({rs, so, rd->remote(), doff, size}, std::move(done)); });
+    INFO("size " << size);
+    REQUIRE(st.ok());
+    CHECK(checkPattern(dst.data() + doff, size, 42, so) == size);
+    // Nothing outside the target range was touched.
+    CHECK(std::all_of(dst.begin(), dst.begin() + doff, [](unsigned char c) { return c == 0; }));
+    CHECK(std::all_of(dst.begin() + doff + size, dst.end(), [](unsigned char c) { return c == 0; }));
+  }
+}
+
+TEMPLATE_TEST_CASE("many concurrent writes to disjoint ranges from several threads", "[transport]", BACKENDS) {
+  Pair<TestType> p;
+  const size_t kSlot = 40000;
+  const int kThreads = 4, kPerThread = 100;
+  std::vector<unsigned char> src(kSlot * kThreads * kPerThread), dst(src.size());
+  fillPattern(src.data(), src.size(), 7);
+  auto rs = reg(*p.a, src);
+  auto rd = reg(*p.b, dst);
+  std::atomic<int> ok{0}, failed{0};
+  std::vector<std::thread> threads;
+  std::promise<void> all_done;
+  std::atomic<int> left{kThreads * kPerThread};
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      for (int i = 0; i < kPerThread; ++i) {
+        const size_t slot = static_cast<size_t>(t * kPerThread + i) * kSlot;
+        const size_t len = 1 + rng() % (kSlot - 1);  // each slot's bytes come from the same offset
+        p.ep->write({rs, slot, rd->remote(), slot, len}, [&, len](Status st) {
+          (st.ok() ? ok : failed)++;
+          if (--left == 0) all_done.set_value();
+        });
+        (void)len;
+      }
+    });
+  for (auto& th : threads) th.join();
+  REQUIRE(all_done.get_future().wait_for(std::chrono::seconds(120)) == std::future_status::ready);
+  CHECK(failed == 0);
+  CHECK(ok == kThreads * kPerThread);
+  // Every written byte equals the source; the rest of each slot is untouched (zero).
+  for (int t = 0; t < kThreads; ++t) {
+    std::mt19937 rng(t);
+    for (int i = 0; i < kPerThread; ++i) {
+      const size_t slot = static_cast<size_t>(t * kPerThread + i) * kSlot;
+      const size_t len = 1 + rng() % (kSlot - 1);
+      REQUIRE(checkPattern(dst.data() + slot, len, 7, slot) == len);
+      REQUIRE(std::all_of(dst.begin() + slot + len, dst.begin() + slot + kSlot, [](unsigned char c) { return c == 0; }));
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("a batch of writes completes once, after all of them", "[transport]", BACKENDS) {
+  Pair<TestType> p;
+  std::vector<unsigned char> src(1 << 22), dst(1 << 22);
+  fillPattern(src.data(), src.size(), 3);
+  auto rs = reg(*p.a, src);
+  auto rd = reg(*p.b, dst);
+  std::vector<WriteOp> ops;
+  for (size_t off = 0; off < src.size(); off += 16384) ops.push_back({rs, off, rd->remote(), off, 16384 - 1});
+  REQUIRE(await([&](Completion done) { p.ep->writeBatch(ops, std::move(done)); }).ok());
+  for (size_t off = 0; off < src.size(); off += 16384) {
+    REQUIRE(checkPattern(dst.data() + off, 16383, 3, off) == 16383);
+    REQUIRE(dst[off + 16383] == 0);
+  }
+}
+
+TEMPLATE_TEST_CASE("notifications are delivered after the data written before them", "[transport]", BACKENDS) {
+  Pair<TestType> p;
+  const size_t kSize = size_t{8} << 20;
+  std::vector<unsigned char> src(kSize), dst(kSize);
+  auto rs = reg(*p.a, src);
+  auto rd = reg(*p.b, dst);
+  std::mutex mu;
+  std::vector<std::string> seen;
+  std::atomic<int> good{0}, bad{0};
+  p.b->setNotificationHandler([&](std::string payload) {
+    // Runs on B's progress thread: the data of round k must already be in place.
+    const uint64_t seed = std::stoull(payload);
+    (checkPattern(dst.data(), kSize, seed) == kSize ? good : bad)++;
+    std::lock_guard<std::mutex> lock(mu);
+    seen.push_back(payload);
+  });
+  for (uint64_t round = 1; round <= 10; ++round) {
+    fillPattern(src.data(), kSize, round);
+    // Two halves, then the notification, without waiting in between.
+    std::promise<void> w1, w2;
+    p.ep->write({rs, 0, rd->remote(), 0, kSize / 2}, [&](Status st) { CHECK(st.ok()); w1.set_value(); });
+    p.ep->write({rs, kSize / 2, rd->remote(), kSize / 2, kSize / 2}, [&](Status st) { CHECK(st.ok()); w2.set_value(); });
+    REQUIRE(await([&](Completion done) { p.ep->notify(std::to_string(round), std::move(done)); }).ok());
+    w1.get_future().wait();
+    w2.get_future().wait();
+    // Wait for the handler to run before the source changes.
+    for (int i = 0; i < 20000; ++i) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (seen.size() == round) break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  CHECK(good == 10);
+  CHECK(bad == 0);
+  std::lock_guard<std::mutex> lock(mu);
+  CHECK(seen == std::vector<std::string>{"1", "2", "3", "4", "5", "6", "7", "8", "9", "10"});
+}
+
+TEMPLATE_TEST_CASE("registration is reused for the same range and released with its region", "[transport]", BACKENDS) {
+  Pair<TestType> p;
+  std::vector<unsigned char> buf(1 << 20);
+  auto r1 = reg(*p.b, buf);
+  auto r2 = reg(*p.b, buf);
+  CHECK(r1.get() == r2.get());
+  auto r3 = p.b->registerMemory(buf.data() + 4096, 4096, MemoryKind::kHost);
+  REQUIRE(r3.ok());
+  CHECK(r3->get() != r1.get());
+  CHECK_FALSE(p.b->registerMemory(nullptr, 10, MemoryKind::kHost).ok());
+  CHECK(p.b->canAccess(MemoryKind::kHost));
+}
+
+TEMPLATE_TEST_CASE("bad ranges and closed endpoints fail with a clear error", "[transport]", BACKENDS) {
+  Pair<TestType> p;
+  std::vector<unsigned char> src(4096), dst(4096);
+  auto rs = reg(*p.a, src);
+  auto rd = reg(*p.b, dst);
+  Status st = await([&](Completion done) { p.ep->write({rs, 4000, rd->remote(), 0, 200}, std::move(done)); });
+  CHECK(st.code() == absl::StatusCode::kOutOfRange);
+  CHECK_THAT(std::string(st.message()), Catch::Contains("source range") && Catch::Contains("receiver"));
+  st = await([&](Completion done) { p.ep->write({rs, 0, rd->remote(), 4000, 200}, std::move(done)); });
+  CHECK_FALSE(st.ok());
+  if (TestType::kChecksTargets) {
+    // A forged descriptor claiming more than was registered: the receiver refuses the range.
+    RemoteRegion forged = rd->remote();
+    forged.size = 1 << 20;
+    st = await([&](Completion done) { p.ep->write({rs, 0, forged, 8192, 100}, std::move(done)); });
+    CHECK(st.code() == absl::StatusCode::kPermissionDenied);
+    CHECK_THAT(std::string(st.message()), Catch::Contains("not inside memory"));
+  }
+  p.ep->close();
+  st = await([&](Completion done) { p.ep->write({rs, 0, rd->remote(), 0, 100}, std::move(done)); });
+  CHECK(st.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(st.message()), Catch::Contains("closed"));
+}
+
+TEST_CASE("remote region descriptors round-trip and reject garbage", "[transport]") {
+  RemoteRegion r{0x1234, 99, std::string("rk\0ey", 5)};
+  auto back = RemoteRegion::parse(r.serialize());
+  REQUIRE(back.ok());
+  CHECK(back->base == r.base);
+  CHECK(back->size == r.size);
+  CHECK(back->rkey == r.rkey);
+  CHECK_FALSE(RemoteRegion::parse("nonsense").ok());
+  std::string truncated = r.serialize();
+  truncated.pop_back();
+  CHECK_FALSE(RemoteRegion::parse(truncated).ok());
+}
+
+TEST_CASE("context options are validated", "[transport]") {
+  TransportOptions o;
+  o.backend = "carrier-pigeon";
+  auto c = createContext(o);
+  REQUIRE_FALSE(c.ok());
+  CHECK_THAT(std::string(c.status().message()), Catch::Contains("unknown transport backend \"carrier-pigeon\""));
+  o = {};
+  o.protocol = "telepathy";
+  CHECK_FALSE(createContext(o).ok());
+  o = {};
+  o.ucx_tls = "no_such_transport";
+  auto u = createContext(o);
+  if (u.ok()) {
+    // UCX may accept an unknown name and fail at connect time instead; either way it says so.
+    auto ep = (*u)->connect((*u)->address(), "self");
+    SUCCEED("UCX accepted the transport list: " << (ep.ok() ? "connected" : std::string(ep.status().message())));
+  } else {
+    CHECK_THAT(std::string(u.status().message()), Catch::Contains("no_such_transport"));
+  }
+}
+
+TEST_CASE("loopback: connecting to an unknown address fails", "[transport]") {
+  auto c = createContext(Loopback::options());
+  REQUIRE(c.ok());
+  auto ep = (*c)->connect("loopback:999999", "ghost");
+  REQUIRE_FALSE(ep.ok());
+  CHECK_THAT(std::string(ep.status().message()), Catch::Contains("ghost"));
+}
+
+TEST_CASE("auto protocol: active messages on TCP only, put elsewhere", "[transport]") {
+  for (const char* tls : {"tcp", "tcp,self", "self,tcp"}) {
+    TransportOptions o;
+    o.ucx_tls = tls;
+    auto c = createContext(o);
+    REQUIRE(c.ok());
+    CHECK_THAT((*c)->describe(), Catch::Contains("protocol=am"));
+  }
+  for (const char* tls : {"posix,sysv,self", "tcp,posix", "all"}) {
+    TransportOptions o;
+    o.ucx_tls = tls;
+    auto c = createContext(o);
+    REQUIRE(c.ok());
+    CHECK_THAT((*c)->describe(), Catch::Contains("protocol=put"));
+  }
+}

@@ -1,0 +1,47 @@
+#include "transport/copy_engine.h"
+
+#include <cstring>
+
+#include "common/strings.h"
+
+namespace shardcast::transport {
+
+std::vector<int64_t> denseStrides(const std::vector<int64_t>& extent) {
+  std::vector<int64_t> s(extent.size());
+  int64_t acc = 1;
+  for (int d = static_cast<int>(extent.size()) - 1; d >= 0; --d) {
+    s[d] = acc;
+    acc *= extent[d];
+  }
+  return s;
+}
+
+namespace {
+
+class HostCopyEngine final : public CopyEngine {
+ public:
+  const char* name() const override { return "host-memcpy"; }
+  bool canCopy(MemoryKind dst, MemoryKind src) const override {
+    return dst == MemoryKind::kHost && src == MemoryKind::kHost;
+  }
+  Status copy(const StridedView& dst, const StridedView& src, const std::vector<int64_t>& extent,
+              int64_t elem_bytes) override {
+    if (!canCopy(dst.kind, src.kind))
+      return absl::FailedPreconditionError(strCat("host copy engine cannot copy ", memoryKindName(src.kind), " to ",
+                                                  memoryKindName(dst.kind), " memory"));
+    if (dst.strides.size() != extent.size() || src.strides.size() != extent.size())
+      return absl::InvalidArgumentError(strCat("copy: extent has ", extent.size(), " dims but strides have ",
+                                               src.strides.size(), " (src) and ", dst.strides.size(), " (dst)"));
+    forEachRun(dst, src, extent, elem_bytes, [&](int64_t d, int64_t s, int64_t n) {
+      std::memcpy(dst.base + d, src.base + s, static_cast<size_t>(n));
+    });
+    return absl::OkStatus();
+  }
+  Status synchronize() override { return absl::OkStatus(); }
+};
+
+}  // namespace
+
+std::unique_ptr<CopyEngine> makeHostCopyEngine() { return std::make_unique<HostCopyEngine>(); }
+
+}  // namespace shardcast::transport

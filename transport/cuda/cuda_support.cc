@@ -1,0 +1,136 @@
+// CUDA support through the CUDA runtime API (no kernels: copies, IPC, pinned memory).
+#include "transport/cuda/cuda_support.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+
+#include "common/strings.h"
+#include "transport/copy_engine.h"
+
+namespace shardcast::transport {
+
+namespace {
+
+Status cudaStatus(const std::string& what, cudaError_t err) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(strCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+}
+
+class IpcMapping final : public CudaIpcMapping {
+ public:
+  IpcMapping(void* p, size_t n) : p_(p), n_(n) {}
+  ~IpcMapping() override { cudaIpcCloseMemHandle(p_); }
+  void* data() const override { return p_; }
+  size_t size() const override { return n_; }
+
+ private:
+  void* p_;
+  size_t n_;
+};
+
+class Pinned final : public PinnedBuffer {
+ public:
+  Pinned(void* p, size_t n) : p_(p), n_(n) {}
+  ~Pinned() override { cudaFreeHost(p_); }
+  void* data() const override { return p_; }
+  size_t size() const override { return n_; }
+
+ private:
+  void* p_;
+  size_t n_;
+};
+
+class Device final : public DeviceBuffer {
+ public:
+  Device(void* p, size_t n) : p_(p), n_(n) {}
+  ~Device() override { cudaFree(p_); }
+  void* data() const override { return p_; }
+  size_t size() const override { return n_; }
+  StatusOr<std::string> ipcHandle() const override {
+    cudaIpcMemHandle_t h;
+    SC_RETURN_IF_ERROR(cudaStatus("cudaIpcGetMemHandle", cudaIpcGetMemHandle(&h, p_)));
+    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+  }
+
+ private:
+  void* p_;
+  size_t n_;
+};
+
+class CudaCopyEngine final : public CopyEngine {
+ public:
+  CudaCopyEngine(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
+  ~CudaCopyEngine() override { cudaStreamDestroy(stream_); }
+  const char* name() const override { return "cuda-memcpy"; }
+  bool canCopy(MemoryKind, MemoryKind) const override { return true; }
+  Status copy(const StridedView& dst, const StridedView& src, const std::vector<int64_t>& extent,
+              int64_t elem_bytes) override {
+    cudaError_t err = cudaSetDevice(device_);
+    forEachRun(dst, src, extent, elem_bytes, [&](int64_t d, int64_t s, int64_t n) {
+      if (err == cudaSuccess)
+        err = cudaMemcpyAsync(dst.base + d, src.base + s, static_cast<size_t>(n), cudaMemcpyDefault, stream_);
+    });
+    return cudaStatus("cudaMemcpyAsync", err);
+  }
+  Status synchronize() override { return cudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(stream_)); }
+
+ private:
+  int device_;
+  cudaStream_t stream_;
+};
+
+}  // namespace
+
+int cudaDeviceCount() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+std::string cudaUnavailableReason() {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) return strCat("cudaGetDeviceCount: ", cudaGetErrorName(err));
+  return n == 0 ? "no CUDA device" : "";
+}
+
+StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaIpcHandle(const std::string& handle, size_t size, int device) {
+  if (handle.size() != sizeof(cudaIpcMemHandle_t))
+    return absl::InvalidArgumentError(strCat("CUDA IPC handle of ", handle.size(), " bytes (expected ", sizeof(cudaIpcMemHandle_t), ")"));
+  SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaSetDevice(", device, ")"), cudaSetDevice(device)));
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  void* p = nullptr;
+  SC_RETURN_IF_ERROR(cudaStatus("cudaIpcOpenMemHandle", cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess)));
+  return std::unique_ptr<CudaIpcMapping>(std::make_unique<IpcMapping>(p, size));
+}
+
+StatusOr<std::unique_ptr<PinnedBuffer>> allocatePinned(size_t size) {
+  void* p = nullptr;
+  SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaMallocHost(", size, ")"), cudaMallocHost(&p, size)));
+  return std::unique_ptr<PinnedBuffer>(std::make_unique<Pinned>(p, size));
+}
+
+StatusOr<std::unique_ptr<DeviceBuffer>> allocateDevice(size_t size, int device) {
+  SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaSetDevice(", device, ")"), cudaSetDevice(device)));
+  void* p = nullptr;
+  SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaMalloc(", size, ")"), cudaMalloc(&p, size)));
+  return std::unique_ptr<DeviceBuffer>(std::make_unique<Device>(p, size));
+}
+
+Status copyToDevice(void* dst, const void* src, size_t n) {
+  return cudaStatus("cudaMemcpy H2D", cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice));
+}
+Status copyFromDevice(void* dst, const void* src, size_t n) {
+  return cudaStatus("cudaMemcpy D2H", cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost));
+}
+
+StatusOr<std::unique_ptr<CopyEngine>> makeCudaCopyEngine(int device) {
+  if (cudaDeviceCount() <= device) return absl::UnavailableError(strCat("CUDA device ", device, ": ", cudaUnavailableReason()));
+  SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaSetDevice(", device, ")"), cudaSetDevice(device)));
+  cudaStream_t stream;
+  SC_RETURN_IF_ERROR(cudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)));
+  return std::unique_ptr<CopyEngine>(std::make_unique<CudaCopyEngine>(device, stream));
+}
+
+}  // namespace shardcast::transport

@@ -1,0 +1,49 @@
+// CUDA support for the data plane, decided at run time: how many GPUs there are, importing a CUDA
+// IPC handle from a client process, pinned host staging buffers. Built from cuda_support.cc when
+// the CUDA toolkit is found, else from no_cuda.cc whose functions all answer UNAVAILABLE.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+
+namespace shardcast::transport {
+
+// Number of usable GPUs; 0 without a driver or without CUDA support in this build.
+int cudaDeviceCount();
+// Why cudaDeviceCount() is 0, for skip messages ("built without CUDA", "no CUDA driver", ...).
+std::string cudaUnavailableReason();
+
+// Device memory of another process, mapped from its cudaIpcMemHandle_t bytes; unmapped on destruction.
+class CudaIpcMapping {
+ public:
+  virtual ~CudaIpcMapping() = default;
+  virtual void* data() const = 0;
+  virtual size_t size() const = 0;
+};
+StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaIpcHandle(const std::string& handle, size_t size, int device);
+
+// Page-locked host memory for staging device data when the transport cannot reach the device.
+class PinnedBuffer {
+ public:
+  virtual ~PinnedBuffer() = default;
+  virtual void* data() const = 0;
+  virtual size_t size() const = 0;
+};
+StatusOr<std::unique_ptr<PinnedBuffer>> allocatePinned(size_t size);
+
+// Device allocation for tests and benchmarks, with its IPC handle bytes.
+class DeviceBuffer {
+ public:
+  virtual ~DeviceBuffer() = default;
+  virtual void* data() const = 0;
+  virtual size_t size() const = 0;
+  virtual StatusOr<std::string> ipcHandle() const = 0;
+};
+StatusOr<std::unique_ptr<DeviceBuffer>> allocateDevice(size_t size, int device);
+Status copyToDevice(void* dst, const void* src, size_t n);
+Status copyFromDevice(void* dst, const void* src, size_t n);
+
+}  // namespace shardcast::transport

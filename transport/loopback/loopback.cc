@@ -1,0 +1,196 @@
+#include "transport/loopback/loopback.h"
+
+#include <poll.h>
+
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "common/strings.h"
+#include "transport/region_table.h"
+#include "transport/task_queue.h"
+
+namespace shardcast::transport {
+
+namespace {
+
+// What outlives a context for as long as a peer's in-flight operation needs it.
+struct LoopbackState {
+  std::string name;
+  Mailbox mailbox;
+  TaskQueue& tasks = mailbox.queue();
+  RegionTable regions;
+  std::mutex handler_mu;
+  std::function<void(std::string)> handler;
+};
+
+std::mutex g_registry_mu;
+std::map<std::string, std::weak_ptr<LoopbackState>> g_registry;
+std::atomic<uint64_t> g_next_id{1};
+
+std::shared_ptr<LoopbackState> lookup(const std::string& address) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto it = g_registry.find(address);
+  return it == g_registry.end() ? nullptr : it->second.lock();
+}
+
+class LoopbackRegion final : public MemoryRegion {
+ public:
+  LoopbackRegion(std::shared_ptr<LoopbackState> owner, void* data, size_t size, MemoryKind kind)
+      : MemoryRegion(kind, data, size), owner_(std::move(owner)) {
+    remote_.base = reinterpret_cast<uint64_t>(data);
+    remote_.size = size;
+  }
+  ~LoopbackRegion() override { owner_->regions.remove(data_, size_, kind_); }
+
+ private:
+  std::shared_ptr<LoopbackState> owner_;
+};
+
+class LoopbackEndpoint final : public Endpoint {
+ public:
+  LoopbackEndpoint(std::shared_ptr<LoopbackState> self, std::string peer_address, std::string peer_name)
+      : self_(std::move(self)), peer_address_(std::move(peer_address)), peer_name_(std::move(peer_name)) {}
+
+  void write(WriteOp op, Completion done) override {
+    std::vector<WriteOp> ops;
+    ops.push_back(std::move(op));
+    writeBatch(std::move(ops), std::move(done));
+  }
+
+  // Runs on this context's thread, in issue order: a later notify sees every earlier write done.
+  void writeBatch(std::vector<WriteOp> ops, Completion done) override {
+    auto fallback = done;
+    const bool posted = self_->mailbox.post([this_ep = this, ops = std::move(ops), done = std::move(done), closed = closed_]() {
+      if (closed->load()) return done(absl::FailedPreconditionError(strCat("endpoint to peer '", this_ep->peer_name_, "' is closed")));
+      auto peer = lookup(this_ep->peer_address_);
+      if (!peer) return done(absl::UnavailableError(strCat("peer '", this_ep->peer_name_, "' (", this_ep->peer_address_, ") is gone")));
+      for (const WriteOp& op : ops) {
+        Status st = this_ep->check(op, *peer);
+        if (!st.ok()) return done(st);
+        std::memcpy(reinterpret_cast<void*>(op.dst.base + op.dst_offset),
+                    static_cast<const std::byte*>(op.src->data()) + op.src_offset, op.length);
+      }
+      done(absl::OkStatus());
+    });
+    if (!posted) fallback(absl::FailedPreconditionError("transport context is shut down"));
+  }
+
+  void notify(std::string payload, Completion done) override {
+    auto fallback = done;
+    const bool posted = self_->mailbox.post([this_ep = this, payload = std::move(payload), done = std::move(done), closed = closed_]() mutable {
+      if (closed->load()) return done(absl::FailedPreconditionError(strCat("endpoint to peer '", this_ep->peer_name_, "' is closed")));
+      auto peer = lookup(this_ep->peer_address_);
+      if (!peer) return done(absl::UnavailableError(strCat("peer '", this_ep->peer_name_, "' is gone")));
+      peer->mailbox.post([peer, payload = std::move(payload)]() mutable {
+        std::function<void(std::string)> handler;
+        {
+          std::lock_guard<std::mutex> lock(peer->handler_mu);
+          handler = peer->handler;
+        }
+        if (handler) handler(std::move(payload));
+      });
+      done(absl::OkStatus());
+    });
+    if (!posted) fallback(absl::FailedPreconditionError("transport context is shut down"));
+  }
+
+  void close() override { closed_->store(true); }
+  const std::string& peerName() const override { return peer_name_; }
+
+ private:
+  Status check(const WriteOp& op, LoopbackState& peer) const {
+    if (!op.src || op.src_offset > op.src->size() || op.length > op.src->size() - op.src_offset)
+      return absl::OutOfRangeError(strCat("write to peer '", peer_name_, "': source range [", op.src_offset, ", +",
+                                          op.length, ") exceeds the local region of ", op.src ? op.src->size() : 0, " bytes"));
+    if (op.dst_offset > op.dst.size || op.length > op.dst.size - op.dst_offset ||
+        !peer.regions.covers(op.dst.base + op.dst_offset, op.length))
+      return absl::PermissionDeniedError(strCat("write to peer '", peer_name_, "': target range [", op.dst_offset, ", +",
+                                                op.length, ") is not inside memory the peer registered"));
+    return absl::OkStatus();
+  }
+
+  std::shared_ptr<LoopbackState> self_;
+  std::string peer_address_;
+  std::string peer_name_;
+  std::shared_ptr<std::atomic<bool>> closed_ = std::make_shared<std::atomic<bool>>(false);
+};
+
+class LoopbackContext final : public Context {
+ public:
+  explicit LoopbackContext(const TransportOptions& options) : state_(std::make_shared<LoopbackState>()) {
+    state_->name = options.name;
+    address_ = strCat("loopback:", g_next_id++);
+    {
+      std::lock_guard<std::mutex> lock(g_registry_mu);
+      g_registry[address_] = state_;
+    }
+    thread_ = std::thread([this] { run(); });
+  }
+
+  ~LoopbackContext() override {
+    {
+      std::lock_guard<std::mutex> lock(g_registry_mu);
+      g_registry.erase(address_);
+    }
+    state_->mailbox.shutdown();
+    stop_ = true;
+    state_->tasks.push([] {});
+    thread_.join();
+    state_->tasks.drain();  // complete whatever was queued after the thread stopped
+  }
+
+  std::string describe() const override { return "loopback"; }
+  std::string address() const override { return address_; }
+  bool canAccess(MemoryKind kind) const override { return kind == MemoryKind::kHost; }
+
+  StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) override {
+    if (kind != MemoryKind::kHost)
+      return absl::FailedPreconditionError("loopback backend: only host memory can be registered");
+    if (!data || size == 0) return absl::InvalidArgumentError("registerMemory: null or empty range");
+    if (auto existing = state_->regions.find(data, size, kind)) return existing;
+    auto r = std::make_shared<LoopbackRegion>(state_, data, size, kind);
+    state_->regions.add(r);
+    return std::shared_ptr<MemoryRegion>(r);
+  }
+
+  StatusOr<std::shared_ptr<Endpoint>> connect(const std::string& peer_address, const std::string& peer_name) override {
+    if (!lookup(peer_address))
+      return absl::UnavailableError(strCat("connect to peer '", peer_name, "': no loopback context at \"", peer_address, "\""));
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& ep = endpoints_[peer_address];
+    if (!ep) ep = std::make_shared<LoopbackEndpoint>(state_, peer_address, peer_name);
+    return std::shared_ptr<Endpoint>(ep);
+  }
+
+  void setNotificationHandler(std::function<void(std::string)> handler) override {
+    std::lock_guard<std::mutex> lock(state_->handler_mu);
+    state_->handler = std::move(handler);
+  }
+
+ private:
+  void run() {
+    while (!stop_) {
+      pollfd p{state_->tasks.fd(), POLLIN, 0};
+      ::poll(&p, 1, 100);
+      state_->tasks.drain();
+    }
+  }
+
+  std::shared_ptr<LoopbackState> state_;
+  std::string address_;
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<LoopbackEndpoint>> endpoints_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;  // last: joined before the members above go away
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Context>> createLoopbackContext(const TransportOptions& options) {
+  return std::unique_ptr<Context>(std::make_unique<LoopbackContext>(options));
+}
+
+}  // namespace shardcast::transport

@@ -1,0 +1,41 @@
+// POSIX shared-memory segments: how client processes hand host tensors to the daemon (a name, a
+// size, and an offset into the segment). Move-only; the mapping is released on destruction and
+// the name unlinked when this object created it with unlink_on_close.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "common/status.h"
+
+namespace shardcast::transport {
+
+class ShmSegment {
+ public:
+  // Creates (O_EXCL) and maps a new segment of `size` bytes, zero-filled.
+  static StatusOr<ShmSegment> create(const std::string& name, size_t size, bool unlink_on_close = true);
+  // Maps an existing segment, which must be at least `size` bytes.
+  static StatusOr<ShmSegment> open(const std::string& name, size_t size);
+
+  ShmSegment(ShmSegment&& other) noexcept;
+  ShmSegment& operator=(ShmSegment&& other) noexcept;
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+  ~ShmSegment();
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  ShmSegment(std::string name, void* data, size_t size, bool unlink)
+      : name_(std::move(name)), data_(data), size_(size), unlink_(unlink) {}
+  void release();
+
+  std::string name_;
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  bool unlink_ = false;
+};
+
+}  // namespace shardcast::transport

@@ -1,0 +1,793 @@
+#include "transport/ucx/ucx_context.h"
+
+#include <poll.h>
+#include <spdlog/spdlog.h>
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <map>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+
+#include "common/strings.h"
+#include "transport/region_table.h"
+#include "transport/task_queue.h"
+
+namespace shardcast::transport {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr unsigned kAmData = 1;    // header: DataHeader; payload: the bytes to place
+constexpr unsigned kAmAck = 2;     // header: AckHeader; payload: error message (if any)
+constexpr unsigned kAmNotify = 3;  // payload: the notification
+constexpr size_t kMaxNotify = 64 * 1024;
+
+struct DataHeader {
+  uint64_t op_id;
+  uint64_t addr;
+  uint64_t length;
+};
+
+struct AckHeader {
+  uint64_t op_id;
+  int32_t code;  // absl::StatusCode
+  int32_t pad;
+};
+
+std::string ucxError(const std::string& what, ucs_status_t st) { return strCat(what, ": ", ucs_status_string(st)); }
+
+Status statusFromUcs(const std::string& what, ucs_status_t st) {
+  const std::string msg = ucxError(what, st);
+  switch (st) {
+    case UCS_ERR_CANCELED: return absl::CancelledError(msg);
+    case UCS_ERR_TIMED_OUT: return absl::DeadlineExceededError(msg);
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_REJECTED: return absl::UnavailableError(msg);
+    case UCS_ERR_NO_MEMORY: return absl::ResourceExhaustedError(msg);
+    case UCS_ERR_INVALID_PARAM: return absl::InvalidArgumentError(msg);
+    default: return absl::InternalError(msg);
+  }
+}
+
+// ---- RAII owners of UCX handles (member order in users encodes teardown order) -----------------
+
+struct UcxCore {
+  ucp_context_h ctx = nullptr;
+  ~UcxCore() {
+    if (ctx) ucp_cleanup(ctx);
+  }
+};
+
+class UcxRegion final : public MemoryRegion {
+ public:
+  UcxRegion(std::shared_ptr<UcxCore> core, std::shared_ptr<RegionTable> table, void* data, size_t size,
+            MemoryKind kind, ucp_mem_h memh)
+      : MemoryRegion(kind, data, size), core_(std::move(core)), table_(std::move(table)), memh_(memh) {}
+  ~UcxRegion() override {
+    table_->remove(data_, size_, kind_);
+    const ucs_status_t st = ucp_mem_unmap(core_->ctx, memh_);
+    if (st != UCS_OK) spdlog::warn("ucp_mem_unmap of {} bytes at {}: {}", size_, data_, ucs_status_string(st));
+  }
+  ucp_mem_h memh() const { return memh_; }
+  void setRemote(RemoteRegion r) { remote_ = std::move(r); }
+
+ private:
+  std::shared_ptr<UcxCore> core_;
+  std::shared_ptr<RegionTable> table_;
+  ucp_mem_h memh_;
+};
+
+class UcxEngine;
+
+// Progress-thread state of one endpoint.
+struct EpState {
+  UcxEngine* engine = nullptr;
+  ucp_ep_h ep = nullptr;
+  std::string address;
+  std::string name;
+  Status error;  // non-OK once the peer failed or the endpoint closed
+  std::map<std::string, ucp_rkey_h> rkeys;
+  uint64_t next_seq = 1;
+  std::set<uint64_t> incomplete;  // seqs of writes not yet visible at the peer
+  struct PendingNotify {
+    std::string payload;
+    uint64_t after_seq;
+    Completion done;
+  };
+  std::deque<PendingNotify> notifies;
+};
+
+struct PendingOp {
+  Completion done;
+  Status status;
+  int remaining = 0;
+  Clock::time_point deadline;
+  std::shared_ptr<EpState> ep;
+  uint64_t seq = 0;
+  size_t bytes = 0;
+};
+
+// The per-request callback context: which engine and operation a UCX request belongs to.
+struct RequestCtx {
+  UcxEngine* engine;
+  uint64_t op_id;  // 0: no operation to account (acks, notifications)
+  std::unique_ptr<DataHeader> data_header;
+  std::unique_ptr<AckHeader> ack_header;
+  std::string payload;  // notification / ack message bytes kept alive until sent
+  Completion done;      // notifications
+  ucp_ep_h reply_ep = nullptr;  // receiver side: where to ack a rendezvous receive
+};
+
+class UcxEndpoint;
+
+class UcxEngine {
+ public:
+  UcxEngine(TransportOptions options, std::shared_ptr<UcxCore> core, ucp_worker_h worker, std::string protocol,
+            bool peer_failure)
+      : options_(std::move(options)), core_(std::move(core)), worker_(worker), protocol_(std::move(protocol)),
+        peer_failure_(peer_failure), regions_(std::make_shared<RegionTable>()) {}
+
+  Status start();
+  void stop();
+  ~UcxEngine();
+
+  const TransportOptions& options() const { return options_; }
+  const std::string& protocol() const { return protocol_; }
+  const std::string& address() const { return address_; }
+  std::shared_ptr<UcxCore> core() const { return core_; }
+  std::shared_ptr<RegionTable> regions() const { return regions_; }
+  Mailbox& mailbox() { return mailbox_; }
+
+  void setHandler(std::function<void(std::string)> h) {
+    std::lock_guard<std::mutex> lock(handler_mu_);
+    handler_ = std::move(h);
+  }
+
+  // ---- progress thread only ----
+  StatusOr<std::shared_ptr<EpState>> openEndpoint(const std::string& address, const std::string& name);
+  void submitWrites(const std::shared_ptr<EpState>& ep, std::vector<WriteOp> ops, Completion done);
+  void submitNotify(const std::shared_ptr<EpState>& ep, std::string payload, Completion done);
+  void closeEndpoint(const std::shared_ptr<EpState>& ep, bool force);
+
+ private:
+  friend struct Callbacks;
+  void run();
+  void partDone(uint64_t op_id, const Status& st);
+  void finishOp(uint64_t op_id);
+  void failEndpoint(EpState& ep, const Status& st);
+  void flushNotifies(EpState& ep);
+  void sendNotify(EpState& ep, std::string payload, Completion done);
+  void checkDeadlines();
+  void sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st);
+  StatusOr<ucp_rkey_h> rkeyFor(EpState& ep, const std::string& packed);
+  ucs_status_t onData(const void* header, size_t header_length, void* data, size_t length,
+                      const ucp_am_recv_param_t* param);
+  ucs_status_t onAck(const void* header, size_t header_length, void* data, size_t length);
+  ucs_status_t onNotify(void* data, size_t length, const ucp_am_recv_param_t* param);
+
+  TransportOptions options_;
+  std::shared_ptr<UcxCore> core_;
+  ucp_worker_h worker_;
+  std::string protocol_;
+  bool peer_failure_;  // ask UCX for peer-failure detection (network transports have it)
+  std::shared_ptr<RegionTable> regions_;
+  std::string address_;
+  int efd_ = -1;
+  Mailbox mailbox_;
+  std::mutex handler_mu_;
+  std::function<void(std::string)> handler_;
+  // Progress thread state.
+  std::unordered_map<uint64_t, PendingOp> ops_;
+  uint64_t next_op_ = 1;
+  std::vector<std::shared_ptr<EpState>> endpoints_;
+  bool stopping_ = false;            // progress thread only
+  std::atomic<bool> stopped_{false};
+  std::thread thread_;
+};
+
+// C callbacks: UCX calls them on the progress thread, from inside ucp_worker_progress.
+struct Callbacks {
+  static void onSend(void* request, ucs_status_t st, void* user) {
+    auto* ctx = static_cast<RequestCtx*>(user);
+    if (ctx->op_id) {
+      // A put, a flush, or an AM send whose ack will report the outcome: only errors count here,
+      // except for puts and flushes which are complete once sent.
+      if (st != UCS_OK || !ctx->data_header)
+        ctx->engine->partDone(ctx->op_id, st == UCS_OK ? Status() : statusFromUcs("send", st));
+    } else if (ctx->done) {
+      ctx->done(st == UCS_OK ? Status() : statusFromUcs("notification", st));
+    }
+    delete ctx;
+    if (request) ucp_request_free(request);
+  }
+  static void onRecvData(void* request, ucs_status_t st, size_t, void* user) {
+    auto* ctx = static_cast<RequestCtx*>(user);
+    ctx->engine->sendAck(ctx->reply_ep, ctx->op_id, st == UCS_OK ? Status() : statusFromUcs("receive", st));
+    delete ctx;
+    if (request) ucp_request_free(request);
+  }
+  static ucs_status_t onAmData(void* arg, const void* header, size_t hlen, void* data, size_t len,
+                               const ucp_am_recv_param_t* param) {
+    return static_cast<UcxEngine*>(arg)->onData(header, hlen, data, len, param);
+  }
+  static ucs_status_t onAmAck(void* arg, const void* header, size_t hlen, void* data, size_t len,
+                              const ucp_am_recv_param_t*) {
+    return static_cast<UcxEngine*>(arg)->onAck(header, hlen, data, len);
+  }
+  static ucs_status_t onAmNotify(void* arg, const void*, size_t, void* data, size_t len,
+                                 const ucp_am_recv_param_t* param) {
+    return static_cast<UcxEngine*>(arg)->onNotify(data, len, param);
+  }
+  static void onEpError(void* arg, ucp_ep_h, ucs_status_t st) {
+    auto* ep = static_cast<EpState*>(arg);
+    ep->engine->failEndpoint(*ep, absl::UnavailableError(ucxError(strCat("peer '", ep->name, "': connection lost"), st)));
+  }
+};
+
+Status UcxEngine::start() {
+  ucp_worker_attr_t attr{};
+  attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+  ucs_status_t st = ucp_worker_query(worker_, &attr);
+  if (st != UCS_OK) return statusFromUcs("ucp_worker_query", st);
+  address_.assign(static_cast<const char*>(static_cast<void*>(attr.address)), attr.address_length);
+  ucp_worker_release_address(worker_, attr.address);
+  st = ucp_worker_get_efd(worker_, &efd_);
+  if (st != UCS_OK) return statusFromUcs("ucp_worker_get_efd", st);
+  struct Handler {
+    unsigned id;
+    ucp_am_recv_callback_t cb;
+  };
+  for (const Handler& h : {Handler{kAmData, &Callbacks::onAmData}, Handler{kAmAck, &Callbacks::onAmAck},
+                           Handler{kAmNotify, &Callbacks::onAmNotify}}) {
+    ucp_am_handler_param_t p{};
+    p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
+                   UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    p.id = h.id;
+    p.cb = h.cb;
+    p.arg = this;
+    p.flags = UCP_AM_FLAG_WHOLE_MSG;
+    st = ucp_worker_set_am_recv_handler(worker_, &p);
+    if (st != UCS_OK) return statusFromUcs("ucp_worker_set_am_recv_handler", st);
+  }
+  thread_ = std::thread([this] { run(); });
+  return absl::OkStatus();
+}
+
+void UcxEngine::run() {
+  int idle = 0;
+  auto last_deadline_check = Clock::now();
+  while (!stopped_) {
+    bool busy = mailbox_.queue().drain() > 0;
+    while (ucp_worker_progress(worker_) != 0) busy = true;
+    const auto now = Clock::now();
+    if (now - last_deadline_check > std::chrono::milliseconds(10)) {
+      checkDeadlines();
+      last_deadline_check = now;
+    }
+    if (stopping_ && !stopped_) {
+      bool all_closed = true;
+      for (const auto& ep : endpoints_) all_closed = all_closed && ep->ep == nullptr;
+      if (all_closed) stopped_ = true;
+    }
+    if (busy) {
+      idle = 0;
+      continue;
+    }
+    // Spin briefly (latency), then sleep on the worker's event fd and the task queue.
+    if (++idle < 64) continue;
+    if (ucp_worker_arm(worker_) != UCS_OK) continue;
+    pollfd fds[2] = {{efd_, POLLIN, 0}, {mailbox_.queue().fd(), POLLIN, 0}};
+    ::poll(fds, 2, 10);
+  }
+}
+
+void UcxEngine::stop() {
+  if (!thread_.joinable()) return;
+  mailbox_.shutdown();
+  // Close every endpoint gracefully on the progress thread; force whatever is left after 2 s.
+  mailbox_.queue().push([this] {
+    stopping_ = true;
+    for (auto& ep : endpoints_) closeEndpoint(ep, false);
+  });
+  const auto give_up = Clock::now() + std::chrono::seconds(2);
+  while (!stopped_ && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (!stopped_) {
+    mailbox_.queue().push([this] {
+      for (auto& ep : endpoints_) closeEndpoint(ep, true);
+      stopped_ = true;
+    });
+  }
+  thread_.join();
+  // Operations still pending can no longer complete.
+  auto pending = std::move(ops_);
+  for (auto& [id, op] : pending)
+    if (op.done) op.done(absl::CancelledError("transport context shut down"));
+}
+
+UcxEngine::~UcxEngine() {
+  stop();
+  if (worker_) ucp_worker_destroy(worker_);
+}
+
+StatusOr<std::shared_ptr<EpState>> UcxEngine::openEndpoint(const std::string& address, const std::string& name) {
+  auto state = std::make_shared<EpState>();
+  state->engine = this;
+  state->address = address;
+  state->name = name;
+  ucp_ep_params_t p{};
+  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  p.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  p.err_mode = peer_failure_ ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  p.err_handler.cb = &Callbacks::onEpError;
+  p.err_handler.arg = state.get();
+  ucs_status_t st = ucp_ep_create(worker_, &p, &state->ep);
+  if (st == UCS_ERR_UNREACHABLE) {
+    // Some transports (UCX 1.13's shared memory) have no peer-failure handler: connect without
+    // one. A vanished peer is then detected by the operation timeout instead.
+    p.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    st = ucp_ep_create(worker_, &p, &state->ep);
+    if (st == UCS_OK)
+      spdlog::debug("transport '{}': peer '{}' reached without peer-failure detection", options_.name, name);
+  }
+  if (st != UCS_OK) return statusFromUcs(strCat("connect to peer '", name, "'"), st);
+  endpoints_.push_back(state);
+  return state;
+}
+
+StatusOr<ucp_rkey_h> UcxEngine::rkeyFor(EpState& ep, const std::string& packed) {
+  auto it = ep.rkeys.find(packed);
+  if (it != ep.rkeys.end()) return it->second;
+  ucp_rkey_h rkey = nullptr;
+  const ucs_status_t st = ucp_ep_rkey_unpack(ep.ep, packed.data(), &rkey);
+  if (st != UCS_OK) return statusFromUcs(strCat("peer '", ep.name, "': unpack remote key"), st);
+  ep.rkeys.emplace(packed, rkey);
+  return rkey;
+}
+
+void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<WriteOp> ops, Completion done) {
+  if (!ep->error.ok()) return done(ep->error);
+  for (const WriteOp& w : ops) {
+    if (!w.src || w.src_offset > w.src->size() || w.length > w.src->size() - w.src_offset)
+      return done(absl::OutOfRangeError(strCat("write to peer '", ep->name, "': source range [", w.src_offset, ", +",
+                                               w.length, ") exceeds the local region of ", w.src ? w.src->size() : 0, " bytes")));
+    if (w.dst_offset > w.dst.size || w.length > w.dst.size - w.dst_offset)
+      return done(absl::OutOfRangeError(strCat("write to peer '", ep->name, "': target range [", w.dst_offset, ", +",
+                                               w.length, ") exceeds the remote region of ", w.dst.size, " bytes")));
+  }
+  const uint64_t id = next_op_++;
+  PendingOp& op = ops_[id];
+  op.done = std::move(done);
+  op.deadline = Clock::now() + options_.op_timeout;
+  op.ep = ep;
+  op.seq = ep->next_seq++;
+  ep->incomplete.insert(op.seq);
+  op.remaining = 1;  // held until every part is issued, so that an early completion cannot finish it
+  for (const WriteOp& w : ops) op.bytes += w.length;
+  for (const WriteOp& w : ops) {
+    if (w.length == 0) continue;
+    auto* region = static_cast<UcxRegion*>(w.src.get());
+    void* src = static_cast<std::byte*>(w.src->data()) + w.src_offset;
+    auto* ctx = new RequestCtx{this, id, nullptr, nullptr, {}, {}, nullptr};
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH |
+                      UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    rp.cb.send = &Callbacks::onSend;
+    rp.user_data = ctx;
+    rp.memh = region->memh();
+    ucs_status_ptr_t req;
+    ++ops_[id].remaining;
+    if (protocol_ == "put") {
+      auto rkey = rkeyFor(*ep, w.dst.rkey);
+      if (!rkey.ok()) {
+        delete ctx;
+        partDone(id, rkey.status());
+        continue;
+      }
+      req = ucp_put_nbx(ep->ep, src, w.length, w.dst.base + w.dst_offset, *rkey, &rp);
+    } else {
+      ctx->data_header = std::make_unique<DataHeader>(DataHeader{id, w.dst.base + w.dst_offset, w.length});
+      rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+      rp.flags = UCP_AM_SEND_FLAG_REPLY;
+      req = ucp_am_send_nbx(ep->ep, kAmData, ctx->data_header.get(), sizeof(DataHeader), src, w.length, &rp);
+    }
+    if (UCS_PTR_IS_ERR(req)) {
+      delete ctx;
+      partDone(id, statusFromUcs(strCat("write of ", w.length, " bytes to peer '", ep->name, "'"), UCS_PTR_STATUS(req)));
+    }
+  }
+  if (protocol_ == "put") {
+    // Remote visibility: a flush completes after every earlier put reached the peer's memory.
+    auto* ctx = new RequestCtx{this, id, nullptr, nullptr, {}, {}, nullptr};
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.send = &Callbacks::onSend;
+    rp.user_data = ctx;
+    ++ops_[id].remaining;
+    ucs_status_ptr_t req = ucp_ep_flush_nbx(ep->ep, &rp);
+    if (req == nullptr) {
+      delete ctx;
+      partDone(id, Status());
+    } else if (UCS_PTR_IS_ERR(req)) {
+      delete ctx;
+      partDone(id, statusFromUcs(strCat("flush to peer '", ep->name, "'"), UCS_PTR_STATUS(req)));
+    }
+  }
+  partDone(id, Status());  // release the hold taken above
+}
+
+void UcxEngine::partDone(uint64_t op_id, const Status& st) {
+  auto it = ops_.find(op_id);
+  if (it == ops_.end()) return;
+  PendingOp& op = it->second;
+  if (!st.ok() && op.status.ok())
+    op.status = Status(st.code(), strCat("peer '", op.ep->name, "': ", st.message()));
+  if (--op.remaining == 0) finishOp(op_id);
+}
+
+void UcxEngine::finishOp(uint64_t op_id) {
+  auto it = ops_.find(op_id);
+  if (it == ops_.end()) return;
+  PendingOp op = std::move(it->second);
+  ops_.erase(it);
+  op.ep->incomplete.erase(op.seq);
+  if (op.done) op.done(op.status);
+  flushNotifies(*op.ep);
+}
+
+void UcxEngine::submitNotify(const std::shared_ptr<EpState>& ep, std::string payload, Completion done) {
+  if (!ep->error.ok()) return done(ep->error);
+  if (payload.size() > kMaxNotify)
+    return done(absl::InvalidArgumentError(strCat("notification of ", payload.size(), " bytes exceeds ", kMaxNotify)));
+  ep->notifies.push_back({std::move(payload), ep->next_seq - 1, std::move(done)});
+  flushNotifies(*ep);
+}
+
+// Sends the queued notifications whose earlier writes are all visible at the peer, in order.
+void UcxEngine::flushNotifies(EpState& ep) {
+  while (!ep.notifies.empty()) {
+    auto& n = ep.notifies.front();
+    if (!ep.incomplete.empty() && *ep.incomplete.begin() <= n.after_seq) return;
+    auto pending = std::move(n);
+    ep.notifies.pop_front();
+    sendNotify(ep, std::move(pending.payload), std::move(pending.done));
+  }
+}
+
+void UcxEngine::sendNotify(EpState& ep, std::string payload, Completion done) {
+  if (!ep.error.ok()) return done(ep.error);
+  auto* ctx = new RequestCtx{this, 0, nullptr, nullptr, std::move(payload), std::move(done), nullptr};
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  rp.cb.send = &Callbacks::onSend;
+  rp.user_data = ctx;
+  rp.flags = UCP_AM_SEND_FLAG_EAGER;
+  ucs_status_ptr_t req = ucp_am_send_nbx(ep.ep, kAmNotify, nullptr, 0, ctx->payload.data(), ctx->payload.size(), &rp);
+  if (req == nullptr || UCS_PTR_IS_ERR(req)) {
+    const ucs_status_t st = req == nullptr ? UCS_OK : UCS_PTR_STATUS(req);
+    Completion cb = std::move(ctx->done);
+    delete ctx;
+    cb(st == UCS_OK ? Status() : statusFromUcs(strCat("notify peer '", ep.name, "'"), st));
+  }
+}
+
+void UcxEngine::failEndpoint(EpState& ep, const Status& st) {
+  if (ep.error.ok()) {
+    ep.error = st;
+    spdlog::warn("transport '{}': {}", options_.name, std::string(st.message()));
+  }
+  std::vector<uint64_t> failed;
+  for (auto& [id, op] : ops_)
+    if (op.ep.get() == &ep) failed.push_back(id);
+  for (uint64_t id : failed) {
+    auto it = ops_.find(id);
+    if (it->second.status.ok()) it->second.status = st;
+    finishOp(id);
+  }
+  auto notifies = std::move(ep.notifies);
+  for (auto& n : notifies) n.done(st);
+}
+
+void UcxEngine::closeEndpoint(const std::shared_ptr<EpState>& ep, bool force) {
+  if (!ep->ep) return;
+  force = force || !ep->error.ok();  // a failed connection cannot be flushed
+  failEndpoint(*ep, absl::FailedPreconditionError(strCat("endpoint to peer '", ep->name, "' is closed")));
+  for (auto& [packed, rkey] : ep->rkeys) ucp_rkey_destroy(rkey);
+  ep->rkeys.clear();
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  ucs_status_ptr_t req = ucp_ep_close_nbx(ep->ep, &rp);
+  ep->ep = nullptr;
+  if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
+  // Keep progressing until the close completes (the peer must keep progressing too: it does, on
+  // its own progress thread), bounded so that a vanished peer cannot hang shutdown.
+  const auto give_up = Clock::now() + std::chrono::seconds(2);
+  while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < give_up) ucp_worker_progress(worker_);
+  if (ucp_request_check_status(req) == UCS_INPROGRESS) {
+    spdlog::warn("transport '{}': closing endpoint to '{}' did not finish in 2 s", options_.name, ep->name);
+    ucp_request_cancel(worker_, req);
+    while (ucp_request_check_status(req) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+  }
+  ucp_request_free(req);
+}
+
+void UcxEngine::checkDeadlines() {
+  const auto now = Clock::now();
+  std::vector<std::shared_ptr<EpState>> expired;
+  for (auto& [id, op] : ops_)
+    if (now > op.deadline && op.ep->error.ok()) expired.push_back(op.ep);
+  for (auto& ep : expired) {
+    if (!ep->error.ok()) continue;
+    // The peer stopped answering: fail everything on the endpoint and drop it, so that no request
+    // can touch the caller's memory after its completion has run.
+    failEndpoint(*ep, absl::DeadlineExceededError(strCat("peer '", ep->name, "': no completion after ",
+                                                         options_.op_timeout.count(), " ms (peer gone?)")));
+    auto shared = ep;
+    closeEndpoint(shared, true);
+  }
+}
+
+void UcxEngine::sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st) {
+  if (!reply_ep) return;
+  auto* ctx = new RequestCtx{this, 0, nullptr, std::make_unique<AckHeader>(AckHeader{op_id, static_cast<int32_t>(st.code()), 0}),
+                             std::string(st.message()), {}, nullptr};
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  rp.cb.send = &Callbacks::onSend;
+  rp.user_data = ctx;
+  rp.flags = UCP_AM_SEND_FLAG_EAGER;
+  ucs_status_ptr_t req =
+      ucp_am_send_nbx(reply_ep, kAmAck, ctx->ack_header.get(), sizeof(AckHeader), ctx->payload.data(), ctx->payload.size(), &rp);
+  if (req == nullptr || UCS_PTR_IS_ERR(req)) {
+    if (UCS_PTR_IS_ERR(req)) spdlog::warn("transport '{}': ack of op {}: {}", options_.name, op_id, ucs_status_string(UCS_PTR_STATUS(req)));
+    delete ctx;
+  }
+}
+
+ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size_t len, const ucp_am_recv_param_t* param) {
+  ucp_ep_h reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr;
+  if (hlen != sizeof(DataHeader)) {
+    spdlog::warn("transport '{}': dropped a data message with a {}-byte header", options_.name, hlen);
+    return UCS_OK;
+  }
+  DataHeader h;
+  std::memcpy(&h, header, sizeof(h));
+  if (h.length != len || !regions_->covers(h.addr, len)) {
+    sendAck(reply, h.op_id, absl::PermissionDeniedError(strCat("target range of ", len, " bytes at 0x", std::hex, h.addr,
+                                                               " is not inside memory registered here")));
+    return UCS_OK;
+  }
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    auto* ctx = new RequestCtx{this, h.op_id, nullptr, nullptr, {}, {}, reply};
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.recv_am = &Callbacks::onRecvData;
+    rp.user_data = ctx;
+    ucs_status_ptr_t req = ucp_am_recv_data_nbx(worker_, data, reinterpret_cast<void*>(h.addr), len, &rp);
+    if (req == nullptr || UCS_PTR_IS_ERR(req)) {
+      sendAck(reply, h.op_id, req == nullptr ? Status() : statusFromUcs("receive", UCS_PTR_STATUS(req)));
+      delete ctx;
+    }
+    return UCS_OK;
+  }
+  std::memcpy(reinterpret_cast<void*>(h.addr), data, len);
+  sendAck(reply, h.op_id, Status());
+  return UCS_OK;
+}
+
+ucs_status_t UcxEngine::onAck(const void* header, size_t hlen, void* data, size_t len) {
+  if (hlen != sizeof(AckHeader)) return UCS_OK;
+  AckHeader h;
+  std::memcpy(&h, header, sizeof(h));
+  const auto code = static_cast<absl::StatusCode>(h.code);
+  partDone(h.op_id, code == absl::StatusCode::kOk ? Status() : Status(code, std::string(static_cast<char*>(data), len)));
+  return UCS_OK;
+}
+
+ucs_status_t UcxEngine::onNotify(void* data, size_t len, const ucp_am_recv_param_t* param) {
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    spdlog::warn("transport '{}': dropped a rendezvous notification of {} bytes", options_.name, len);
+    return UCS_OK;
+  }
+  std::function<void(std::string)> handler;
+  {
+    std::lock_guard<std::mutex> lock(handler_mu_);
+    handler = handler_;
+  }
+  if (handler) handler(std::string(static_cast<char*>(data), len));
+  return UCS_OK;
+}
+
+// ---- public objects -----------------------------------------------------------------------------
+
+class UcxEndpoint final : public Endpoint {
+ public:
+  UcxEndpoint(std::shared_ptr<UcxEngine> engine, std::shared_ptr<EpState> state)
+      : engine_(std::move(engine)), state_(std::move(state)) {}
+
+  void write(WriteOp op, Completion done) override {
+    std::vector<WriteOp> ops;
+    ops.push_back(std::move(op));
+    writeBatch(std::move(ops), std::move(done));
+  }
+  void writeBatch(std::vector<WriteOp> ops, Completion done) override {
+    auto fallback = done;
+    if (!engine_->mailbox().post([e = engine_.get(), s = state_, ops = std::move(ops), done = std::move(done)]() mutable {
+          e->submitWrites(s, std::move(ops), std::move(done));
+        }))
+      fallback(absl::FailedPreconditionError("transport context is shut down"));
+  }
+  void notify(std::string payload, Completion done) override {
+    auto fallback = done;
+    if (!engine_->mailbox().post([e = engine_.get(), s = state_, p = std::move(payload), done = std::move(done)]() mutable {
+          e->submitNotify(s, std::move(p), std::move(done));
+        }))
+      fallback(absl::FailedPreconditionError("transport context is shut down"));
+  }
+  void close() override {
+    engine_->mailbox().post([e = engine_.get(), s = state_] { e->closeEndpoint(s, false); });
+  }
+  const std::string& peerName() const override { return state_->name; }
+
+ private:
+  std::shared_ptr<UcxEngine> engine_;  // kept alive; refuses work once its context shut it down
+  std::shared_ptr<EpState> state_;
+};
+
+class UcxContext final : public Context {
+ public:
+  UcxContext(std::shared_ptr<UcxEngine> engine, std::string tls, bool cuda)
+      : engine_(std::move(engine)), tls_(std::move(tls)), cuda_(cuda) {}
+  ~UcxContext() override { engine_->stop(); }
+
+  std::string describe() const override {
+    return strCat("ucx(tls=", tls_.empty() ? "default" : tls_, ", protocol=", engine_->protocol(),
+                  ", cuda=", cuda_ ? "yes" : "no", ")");
+  }
+  std::string address() const override { return engine_->address(); }
+  bool canAccess(MemoryKind kind) const override { return kind == MemoryKind::kHost || cuda_; }
+
+  StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) override {
+    if (!data || size == 0) return absl::InvalidArgumentError("registerMemory: null or empty range");
+    if (!canAccess(kind))
+      return absl::FailedPreconditionError(
+          strCat("this UCX (", describe(), ") cannot access ", memoryKindName(kind), " memory: stage it through pinned host memory"));
+    if (auto existing = engine_->regions()->find(data, size, kind)) return existing;
+    ucp_mem_map_params_t p{};
+    p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    p.address = data;
+    p.length = size;
+    p.memory_type = kind == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+    ucp_mem_h memh = nullptr;
+    ucs_status_t st = ucp_mem_map(engine_->core()->ctx, &p, &memh);
+    if (st != UCS_OK) return statusFromUcs(strCat("register ", size, " bytes of ", memoryKindName(kind), " memory"), st);
+    auto region = std::make_shared<UcxRegion>(engine_->core(), engine_->regions(), data, size, kind, memh);
+    void* rkey_buf = nullptr;
+    size_t rkey_len = 0;
+    st = ucp_rkey_pack(engine_->core()->ctx, memh, &rkey_buf, &rkey_len);
+    if (st != UCS_OK) return statusFromUcs("ucp_rkey_pack", st);
+    RemoteRegion remote;
+    remote.base = reinterpret_cast<uint64_t>(data);
+    remote.size = size;
+    remote.rkey.assign(static_cast<char*>(rkey_buf), rkey_len);
+    ucp_rkey_buffer_release(rkey_buf);
+    region->setRemote(std::move(remote));
+    engine_->regions()->add(region);
+    return std::shared_ptr<MemoryRegion>(region);
+  }
+
+  StatusOr<std::shared_ptr<Endpoint>> connect(const std::string& peer_address, const std::string& peer_name) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = endpoints_.find(peer_address);
+    if (it != endpoints_.end()) return std::shared_ptr<Endpoint>(it->second);
+    // Endpoint creation is a worker call: run it on the progress thread and wait for it.
+    std::promise<StatusOr<std::shared_ptr<EpState>>> done;
+    auto result = done.get_future();
+    if (!engine_->mailbox().post([&] { done.set_value(engine_->openEndpoint(peer_address, peer_name)); }))
+      return absl::FailedPreconditionError("transport context is shut down");
+    auto state = result.get();
+    if (!state.ok()) return state.status();
+    auto ep = std::make_shared<UcxEndpoint>(engine_, *state);
+    endpoints_.emplace(peer_address, ep);
+    return std::shared_ptr<Endpoint>(ep);
+  }
+
+  void setNotificationHandler(std::function<void(std::string)> handler) override { engine_->setHandler(std::move(handler)); }
+
+ private:
+  std::shared_ptr<UcxEngine> engine_;
+  std::string tls_;
+  bool cuda_;
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<UcxEndpoint>> endpoints_;
+};
+
+}  // namespace
+
+namespace {
+
+// True when the UCX_TLS list can reach another host (then peer-failure handling is available);
+// UCX 1.13's shared-memory transports have none and refuse PEER error handling.
+bool hasNetworkTransport(const std::string& tls) {
+  if (tls.empty() || tls[0] == '^') return true;
+  std::stringstream ss(tls);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (item != "self" && item != "posix" && item != "sysv" && item != "cma" && item != "sm" && item != "shm" &&
+        item != "mm" && item != "knem" && item != "xpmem")
+      return true;
+  return false;
+}
+
+}  // namespace
+
+const char* autoProtocolFor(const std::string& tls) {
+  if (tls.empty()) return "put";
+  std::stringstream ss(tls);
+  std::string item;
+  bool tcp = false, other = false;
+  while (std::getline(ss, item, ',')) {
+    if (item == "tcp") tcp = true;
+    else if (item != "self") other = true;
+  }
+  return tcp && !other ? "am" : "put";
+}
+
+StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& options) {
+  std::string tls = options.ucx_tls;
+  if (tls.empty()) {
+    const char* env = std::getenv("UCX_TLS");
+    if (env) tls = env;
+  }
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) return statusFromUcs("ucp_config_read", st);
+  if (!options.ucx_tls.empty()) {
+    st = ucp_config_modify(config, "TLS", options.ucx_tls.c_str());
+    if (st != UCS_OK) {
+      ucp_config_release(config);
+      return absl::InvalidArgumentError(ucxError(strCat("UCX transports \"", options.ucx_tls, "\""), st));
+    }
+  }
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  params.mt_workers_shared = 1;  // registration runs on caller threads, the worker on its own
+  params.name = options.name.c_str();
+  auto core = std::make_shared<UcxCore>();
+  st = ucp_init(&params, config, &core->ctx);
+  ucp_config_release(config);
+  if (st != UCS_OK) return statusFromUcs(strCat("ucp_init (UCX_TLS=", tls.empty() ? "default" : tls, ")"), st);
+
+  ucp_context_attr_t cattr{};
+  cattr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  st = ucp_context_query(core->ctx, &cattr);
+  if (st != UCS_OK) return statusFromUcs("ucp_context_query", st);
+  const bool cuda = (cattr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches the worker
+  ucp_worker_h worker = nullptr;
+  st = ucp_worker_create(core->ctx, &wp, &worker);
+  if (st != UCS_OK) return statusFromUcs("ucp_worker_create", st);
+
+  const std::string protocol = options.protocol == "auto" ? autoProtocolFor(tls) : options.protocol;
+  auto engine = std::make_shared<UcxEngine>(options, core, worker, protocol, hasNetworkTransport(tls));
+  SC_RETURN_IF_ERROR(engine->start());
+  auto ctx = std::make_unique<UcxContext>(std::move(engine), tls, cuda);
+  spdlog::debug("transport '{}': {}", options.name, ctx->describe());
+  return std::unique_ptr<Context>(std::move(ctx));
+}
+
+}  // namespace shardcast::transport

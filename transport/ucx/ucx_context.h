@@ -1,0 +1,18 @@
+// UCX backend: one ucp_context + ucp_worker per Context, owned by a progress thread.
+// Writes use RMA put + flush where put is fast (shared memory, cma, RDMA) and active messages
+// received straight into registered memory and acknowledged where it is not (TCP); see
+// TransportOptions::protocol and docs/transport.md.
+#pragma once
+
+#include <memory>
+
+#include "transport/transport.h"
+
+namespace shardcast::transport {
+
+StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& options);
+
+// "am" or "put": what protocol=auto resolves to for a UCX_TLS value ("" = UCX's default).
+const char* autoProtocolFor(const std::string& tls);
+
+}  // namespace shardcast::transport
