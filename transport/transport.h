@@ -102,6 +102,9 @@ class Context {
   virtual std::string address() const = 0;
   virtual bool canAccess(MemoryKind kind) const = 0;
   virtual StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) = 0;
+  // Host memory allocated and registered by the backend (staging and landing buffers). With UCX
+  // this memory is shareable, so peers on the same host can put into it by plain stores.
+  virtual StatusOr<std::shared_ptr<MemoryRegion>> allocateMemory(size_t size) = 0;
   // Connects lazily: the same peer address returns the same endpoint while it is open.
   virtual StatusOr<std::shared_ptr<Endpoint>> connect(const std::string& peer_address,
                                                       const std::string& peer_name) = 0;

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "transport/copy_engine.h"
+#include "transport/device_staging.h"
 #include "transport/cuda/cuda_support.h"
 #include "transport/shm.h"
 
@@ -119,4 +120,42 @@ TEST_CASE("CUDA copies between host and device memory", "[gpu]") {
   CHECK(back == host);
   auto handle = (*dev)->ipcHandle();
   CHECK(handle.ok());
+}
+
+TEST_CASE("host memory is registered directly, never staged", "[copy]") {
+  TransportOptions o;
+  o.backend = "loopback";
+  auto ctx = createContext(o);
+  REQUIRE(ctx.ok());
+  std::vector<char> buf(4096);
+  auto m = TransferMemory::prepare(**ctx, buf.data(), buf.size(), MemoryKind::kHost, nullptr);
+  REQUIRE(m.ok());
+  CHECK_FALSE((*m)->staged());
+  CHECK((*m)->region()->data() == buf.data());
+  CHECK((*m)->stageOut(0, 4096).ok());
+  // Device memory with no copy engine cannot be staged: a precise error, not a crash.
+  auto d = TransferMemory::prepare(**ctx, buf.data(), buf.size(), MemoryKind::kCuda, nullptr);
+  CHECK(d.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(d.status().message()), Catch::Contains("cannot reach cuda memory"));
+}
+
+TEST_CASE("device memory is staged through pinned host memory when UCX cannot reach it", "[gpu]") {
+  if (cudaDeviceCount() == 0) {
+    WARN("skipped: " << cudaUnavailableReason());
+    return;
+  }
+  auto ctx = createContext(TransportOptions{});
+  REQUIRE(ctx.ok());
+  auto engine = makeCudaCopyEngine(0);
+  REQUIRE(engine.ok());
+  auto dev = allocateDevice(1 << 20, 0);
+  REQUIRE(dev.ok());
+  std::vector<unsigned char> host(1 << 20);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<unsigned char>(i * 7);
+  REQUIRE(copyToDevice((*dev)->data(), host.data(), host.size()).ok());
+  auto m = TransferMemory::prepare(**ctx, (*dev)->data(), 1 << 20, MemoryKind::kCuda, engine->get());
+  REQUIRE(m.ok());
+  CHECK((*m)->staged() == !(*ctx)->canAccess(MemoryKind::kCuda));
+  REQUIRE((*m)->stageOut(0, 1 << 20).ok());
+  if ((*m)->staged()) CHECK(std::memcmp((*m)->region()->data(), host.data(), host.size()) == 0);
 }

@@ -319,3 +319,18 @@ TEST_CASE("auto protocol: active messages on TCP only, put elsewhere", "[transpo
     CHECK_THAT((*c)->describe(), Catch::Contains("protocol=put"));
   }
 }
+
+TEMPLATE_TEST_CASE("backend-allocated landing buffers receive writes", "[transport]", BACKENDS) {
+  Pair<TestType> p;
+  const size_t kSize = (size_t{16} << 20) + 3;
+  auto landing = p.b->allocateMemory(kSize);
+  REQUIRE(landing.ok());
+  REQUIRE((*landing)->size() == kSize);
+  std::memset((*landing)->data(), 0, kSize);
+  std::vector<unsigned char> src(kSize);
+  fillPattern(src.data(), kSize, 11);
+  auto rs = reg(*p.a, src);
+  REQUIRE(await([&](Completion done) { p.ep->write({rs, 0, (*landing)->remote(), 0, kSize}, std::move(done)); }).ok());
+  CHECK(checkPattern(static_cast<unsigned char*>((*landing)->data()), kSize, 11) == kSize);
+  CHECK_FALSE(p.b->allocateMemory(0).ok());
+}

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <new>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -44,9 +45,11 @@ class LoopbackRegion final : public MemoryRegion {
     remote_.size = size;
   }
   ~LoopbackRegion() override { owner_->regions.remove(data_, size_, kind_); }
+  void own(std::shared_ptr<std::byte[]> memory) { memory_ = std::move(memory); }
 
  private:
   std::shared_ptr<LoopbackState> owner_;
+  std::shared_ptr<std::byte[]> memory_;  // set when the backend allocated the memory
 };
 
 class LoopbackEndpoint final : public Endpoint {
@@ -152,6 +155,16 @@ class LoopbackContext final : public Context {
     if (!data || size == 0) return absl::InvalidArgumentError("registerMemory: null or empty range");
     if (auto existing = state_->regions.find(data, size, kind)) return existing;
     auto r = std::make_shared<LoopbackRegion>(state_, data, size, kind);
+    state_->regions.add(r);
+    return std::shared_ptr<MemoryRegion>(r);
+  }
+
+  StatusOr<std::shared_ptr<MemoryRegion>> allocateMemory(size_t size) override {
+    if (size == 0) return absl::InvalidArgumentError("allocateMemory: size 0");
+    auto owned = std::shared_ptr<std::byte[]>(new (std::nothrow) std::byte[size]());
+    if (!owned) return absl::ResourceExhaustedError(strCat("allocateMemory: ", size, " bytes"));
+    auto r = std::make_shared<LoopbackRegion>(state_, owned.get(), size, MemoryKind::kHost);
+    r->own(std::move(owned));
     state_->regions.add(r);
     return std::shared_ptr<MemoryRegion>(r);
   }

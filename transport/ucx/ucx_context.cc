@@ -663,27 +663,12 @@ class UcxContext final : public Context {
       return absl::FailedPreconditionError(
           strCat("this UCX (", describe(), ") cannot access ", memoryKindName(kind), " memory: stage it through pinned host memory"));
     if (auto existing = engine_->regions()->find(data, size, kind)) return existing;
-    ucp_mem_map_params_t p{};
-    p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
-    p.address = data;
-    p.length = size;
-    p.memory_type = kind == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
-    ucp_mem_h memh = nullptr;
-    ucs_status_t st = ucp_mem_map(engine_->core()->ctx, &p, &memh);
-    if (st != UCS_OK) return statusFromUcs(strCat("register ", size, " bytes of ", memoryKindName(kind), " memory"), st);
-    auto region = std::make_shared<UcxRegion>(engine_->core(), engine_->regions(), data, size, kind, memh);
-    void* rkey_buf = nullptr;
-    size_t rkey_len = 0;
-    st = ucp_rkey_pack(engine_->core()->ctx, memh, &rkey_buf, &rkey_len);
-    if (st != UCS_OK) return statusFromUcs("ucp_rkey_pack", st);
-    RemoteRegion remote;
-    remote.base = reinterpret_cast<uint64_t>(data);
-    remote.size = size;
-    remote.rkey.assign(static_cast<char*>(rkey_buf), rkey_len);
-    ucp_rkey_buffer_release(rkey_buf);
-    region->setRemote(std::move(remote));
-    engine_->regions()->add(region);
-    return std::shared_ptr<MemoryRegion>(region);
+    return map(data, size, kind);
+  }
+
+  StatusOr<std::shared_ptr<MemoryRegion>> allocateMemory(size_t size) override {
+    if (size == 0) return absl::InvalidArgumentError("allocateMemory: size 0");
+    return map(nullptr, size, MemoryKind::kHost);
   }
 
   StatusOr<std::shared_ptr<Endpoint>> connect(const std::string& peer_address, const std::string& peer_name) override {
@@ -705,6 +690,44 @@ class UcxContext final : public Context {
   void setNotificationHandler(std::function<void(std::string)> handler) override { engine_->setHandler(std::move(handler)); }
 
  private:
+  // Registers [data, data + size), or lets UCX allocate `size` bytes when data is null.
+  StatusOr<std::shared_ptr<MemoryRegion>> map(void* data, size_t size, MemoryKind kind) {
+    ucp_mem_map_params_t p{};
+    p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE |
+                   UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    p.address = data;
+    p.length = size;
+    p.memory_type = kind == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+    p.flags = data ? 0 : UCP_MEM_MAP_ALLOCATE;
+    ucp_mem_h memh = nullptr;
+    ucs_status_t st = ucp_mem_map(engine_->core()->ctx, &p, &memh);
+    if (st != UCS_OK)
+      return statusFromUcs(strCat(data ? "register " : "allocate ", size, " bytes of ", memoryKindName(kind), " memory"), st);
+    if (!data) {
+      ucp_mem_attr_t attr{};
+      attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS;
+      st = ucp_mem_query(memh, &attr);
+      if (st != UCS_OK) {
+        ucp_mem_unmap(engine_->core()->ctx, memh);
+        return statusFromUcs("ucp_mem_query", st);
+      }
+      data = attr.address;
+    }
+    auto region = std::make_shared<UcxRegion>(engine_->core(), engine_->regions(), data, size, kind, memh);
+    void* rkey_buf = nullptr;
+    size_t rkey_len = 0;
+    st = ucp_rkey_pack(engine_->core()->ctx, memh, &rkey_buf, &rkey_len);
+    if (st != UCS_OK) return statusFromUcs("ucp_rkey_pack", st);
+    RemoteRegion remote;
+    remote.base = reinterpret_cast<uint64_t>(data);
+    remote.size = size;
+    remote.rkey.assign(static_cast<char*>(rkey_buf), rkey_len);
+    ucp_rkey_buffer_release(rkey_buf);
+    region->setRemote(std::move(remote));
+    engine_->regions()->add(region);
+    return std::shared_ptr<MemoryRegion>(region);
+  }
+
   std::shared_ptr<UcxEngine> engine_;
   std::string tls_;
   bool cuda_;

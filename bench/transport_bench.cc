@@ -1,0 +1,162 @@
+// Transport benchmark: moves N bytes between two processes through shardcast's transport (not raw
+// UCX) and prints GB/s; then the node-local copy engine against plain memcpy, and the time to
+// register 1,000 regions of 1 MiB. bench/transport.sh runs it beside ucx_perftest.
+//
+//   build/bin/transport_bench [--tls T] [--protocol auto|put|am] [--sizes 64,256,1024] [--iters N]
+//   (sizes in MiB; the child receiver is this binary started with --role recv)
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <sstream>
+#include <vector>
+
+#include "tests/transport/process.h"
+#include "transport/copy_engine.h"
+#include "transport/transport.h"
+
+using namespace shardcast;
+using namespace shardcast::transport;
+using namespace shardcast::testing;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+std::string arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (argv[i] == name) return argv[i + 1];
+  return fallback;
+}
+
+double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+int receiver(const TransportOptions& o, size_t size) {
+  auto ctx = createContext(o);
+  if (!ctx.ok()) {
+    std::printf("ERROR %s\n", std::string(ctx.status().message()).c_str());
+    return 1;
+  }
+  // A landing buffer as the daemon allocates it (shareable with same-host peers).
+  auto region = (*ctx)->allocateMemory(size);
+  if (!region.ok()) return 1;
+  std::memset((*region)->data(), 0, size);  // fault the pages in before timing starts
+  std::printf("ADDRESS %s\nREGION %s\n", toHex((*ctx)->address()).c_str(), toHex((*region)->remote().serialize()).c_str());
+  std::fflush(stdout);
+  char line[64];
+  while (std::fgets(line, sizeof(line), stdin)) {
+  }
+  return 0;
+}
+
+// Moves `iters` messages of `size` bytes with up to `window` in flight; returns GB/s.
+double measure(Endpoint& ep, const std::shared_ptr<MemoryRegion>& src, const RemoteRegion& dst, size_t size, int iters,
+               int window) {
+  std::mutex mu;
+  std::condition_variable cv;
+  int in_flight = 0, failed = 0;
+  auto one = [&] {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return in_flight < window; });
+    ++in_flight;
+    lock.unlock();
+    ep.write({src, 0, dst, 0, size}, [&](Status st) {
+      std::lock_guard<std::mutex> l(mu);
+      --in_flight;
+      if (!st.ok()) ++failed;
+      cv.notify_all();
+    });
+  };
+  one();  // warm-up (connection, rkey, protocol selection)
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return in_flight == 0; });
+  }
+  const auto t0 = Clock::now();
+  for (int i = 0; i < iters; ++i) one();
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return in_flight == 0; });
+  const auto t1 = Clock::now();
+  if (failed) fmt::print("  {} writes failed\n", failed);
+  return static_cast<double>(size) * iters / seconds(t0, t1) / 1e9;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  TransportOptions o;
+  o.ucx_tls = arg(argc, argv, "--tls", "");
+  o.protocol = arg(argc, argv, "--protocol", "auto");
+  o.name = "bench";
+  std::vector<size_t> sizes;
+  std::stringstream ss(arg(argc, argv, "--sizes", "64,256,1024"));
+  for (std::string s; std::getline(ss, s, ',');) sizes.push_back(std::stoull(s) << 20);
+  const size_t max_size = *std::max_element(sizes.begin(), sizes.end());
+  const int iters = std::stoi(arg(argc, argv, "--iters", "8"));
+  if (arg(argc, argv, "--role", "send") == "recv") return receiver(o, max_size);
+
+  Child child = Child::spawn({"/proc/self/exe", "--role", "recv", "--tls", o.ucx_tls, "--protocol", o.protocol, "--sizes",
+                              std::to_string(max_size >> 20)});
+  const std::string a = child.readLine(std::chrono::seconds(60)), g = child.readLine(std::chrono::seconds(60));
+  if (a.rfind("ADDRESS ", 0) != 0 || g.rfind("REGION ", 0) != 0) {
+    fmt::print(stderr, "receiver did not start: {} {}\n", a, g);
+    return 1;
+  }
+  auto ctx = createContext(o);
+  if (!ctx.ok()) return 1;
+  std::vector<unsigned char> src(max_size);
+  fillPattern(src.data(), src.size(), 1);
+  auto region = (*ctx)->registerMemory(src.data(), src.size(), MemoryKind::kHost);
+  auto remote = RemoteRegion::parse(fromHex(g.substr(7)));
+  auto ep = (*ctx)->connect(fromHex(a.substr(8)), "bench-receiver");
+  if (!region.ok() || !remote.ok() || !ep.ok()) {
+    fmt::print(stderr, "setup failed\n");
+    return 1;
+  }
+  fmt::print("transport {} (UCX_TLS={})\n", (*ctx)->describe(), o.ucx_tls.empty() ? "default" : o.ucx_tls);
+  for (size_t size : sizes) {
+    const double gbs = measure(**ep, *region, *remote, size, iters, 2);
+    fmt::print("  write {:>5} MiB x {:>2}: {:6.2f} GB/s\n", size >> 20, iters, gbs);
+    fmt::print("RESULT transport {} {:.3f}\n", size, gbs);
+  }
+  child.closeStdin();
+  child.wait();
+
+  // Node-local copy engine against memcpy, same size, pages already faulted in.
+  auto engine = makeHostCopyEngine();
+  std::vector<unsigned char> dst(max_size, 0);
+  for (size_t size : sizes) {
+    const int n = std::max(2, iters);
+    std::memcpy(dst.data(), src.data(), size);  // warm-up: pages and caches as for the engine
+    auto t0 = Clock::now();
+    for (int i = 0; i < n; ++i) std::memcpy(dst.data(), src.data(), size);
+    auto t1 = Clock::now();
+    StridedView d{reinterpret_cast<std::byte*>(dst.data()), MemoryKind::kHost, 0, {1}};
+    StridedView s{reinterpret_cast<std::byte*>(src.data()), MemoryKind::kHost, 0, {1}};
+    // A 2-D box of rows of 1 MiB: the shape fan-out copies have.
+    const std::vector<int64_t> extent{static_cast<int64_t>(size >> 20), int64_t{1} << 20};
+    d.strides = s.strides = {int64_t{1} << 20, 1};
+    auto t2 = Clock::now();
+    for (int i = 0; i < n; ++i) (void)engine->copy(d, s, extent, 1);
+    auto t3 = Clock::now();
+    const double mem = static_cast<double>(size) * n / seconds(t0, t1) / 1e9;
+    const double eng = static_cast<double>(size) * n / seconds(t2, t3) / 1e9;
+    fmt::print("  local copy {:>5} MiB: engine {:6.2f} GB/s, memcpy {:6.2f} GB/s ({:.0f}%)\n", size >> 20, eng, mem,
+               100 * eng / mem);
+    fmt::print("RESULT copy {} {:.3f} {:.3f}\n", size, eng, mem);
+  }
+
+  // Registration: 1,000 regions of 1 MiB (each registered once; the daemon never registers per sync).
+  std::vector<std::vector<unsigned char>> bufs(1000, std::vector<unsigned char>(1 << 20, 1));
+  std::vector<std::shared_ptr<MemoryRegion>> regions;
+  auto t0 = Clock::now();
+  for (auto& b : bufs) {
+    auto r = (*ctx)->registerMemory(b.data(), b.size(), MemoryKind::kHost);
+    if (r.ok()) regions.push_back(*r);
+  }
+  auto t1 = Clock::now();
+  fmt::print("  register 1000 x 1 MiB: {:.1f} ms ({:.1f} us each)\n", seconds(t0, t1) * 1e3, seconds(t0, t1) * 1e3);
+  fmt::print("RESULT register_ms {:.3f}\n", seconds(t0, t1) * 1e3);
+  return 0;
+}
