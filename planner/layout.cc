@@ -135,6 +135,23 @@ int64_t ResolvedLayout::bufferElements(int32_t rank, int32_t buffer) const {
   return n;
 }
 
+std::vector<std::pair<int32_t, int64_t>> ResolvedLayout::rankBuffers(int32_t rank) const {
+  std::map<int32_t, int64_t> bytes;
+  for (const auto& t : tensors) {
+    auto first = std::lower_bound(t.pieces.begin(), t.pieces.end(), rank,
+                                  [](const PieceRef& p, int32_t r) { return p.rank < r; });
+    for (auto it = first; it != t.pieces.end() && it->rank == rank; ++it) {
+      const Box& b = t.boxes[it->box];
+      if (b.empty()) continue;
+      int64_t last = it->offset;
+      for (int d = 0; d < b.ndim; ++d) last += (b.size(d) - 1) * strides[it->strides][d];
+      int64_t& need = bytes[it->buffer];
+      need = std::max(need, (last + 1) * t.elemBytes());
+    }
+  }
+  return {bytes.begin(), bytes.end()};
+}
+
 StatusOr<v1::Layout> parseLayoutJson(std::string_view json, std::string_view origin) {
   v1::Layout layout;
   google::protobuf::util::JsonParseOptions opts;

@@ -79,6 +79,8 @@ struct ResolvedLayout {
   Region region(const TensorLayout& t, const PieceRef& piece, const Box& sub) const;
   // Elements rank `rank` needs in buffer `buffer` (max offset + 1 over its pieces), for allocation.
   int64_t bufferElements(int32_t rank, int32_t buffer) const;
+  // Every buffer rank `rank` uses, with the bytes it needs (one pass over the tensors).
+  std::vector<std::pair<int32_t, int64_t>> rankBuffers(int32_t rank) const;
 };
 
 // Parses the JSON form of shardcast.v1.Layout (snake_case or lowerCamel field names; unknown fields

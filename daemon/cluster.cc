@@ -1,0 +1,132 @@
+#include "daemon/cluster.h"
+
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+
+#include "common/strings.h"
+#include "daemon/registry.h"
+
+namespace shardcast::daemon {
+
+grpc::Status toGrpc(const Status& st) {
+  if (st.ok()) return grpc::Status::OK;
+  // absl and gRPC share the canonical code numbering.
+  return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
+}
+
+Status fromGrpc(const grpc::Status& st, const std::string& context) {
+  if (st.ok()) return absl::OkStatus();
+  return Status(static_cast<absl::StatusCode>(st.error_code()), strCat(context, ": ", st.error_message()));
+}
+
+PeerSet::PeerSet(const DaemonConfig& config) : config_(config) {}
+
+StatusOr<std::vector<std::string>> PeerSet::addresses() const {
+  std::vector<std::string> out = config_.peers;
+  if (!config_.peer_dns.empty()) {
+    const auto colon = config_.peer_dns.rfind(':');
+    const std::string host = config_.peer_dns.substr(0, colon), port = config_.peer_dns.substr(colon + 1);
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
+    if (rc != 0) return absl::UnavailableError(strCat("resolving peers \"", config_.peer_dns, "\": ", gai_strerror(rc)));
+    for (addrinfo* a = res; a; a = a->ai_next) {
+      char ip[NI_MAXHOST];
+      if (::getnameinfo(a->ai_addr, a->ai_addrlen, ip, sizeof(ip), nullptr, 0, NI_NUMERICHOST) != 0) continue;
+      const std::string s = a->ai_family == AF_INET6 ? strCat("[", ip, "]:", port) : strCat(ip, ":", port);
+      out.push_back(s);
+    }
+    ::freeaddrinfo(res);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+std::shared_ptr<grpc::Channel> PeerSet::channel(const std::string& address) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& ch = channels_[address];
+  if (!ch) ch = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  return ch;
+}
+
+StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
+  SC_ASSIGN_OR_RETURN(auto addrs, addresses());
+  std::vector<PeerView> out;
+  for (const auto& address : addrs) {
+    auto stub = v1::Peer::NewStub(channel(address));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms));
+    v1::DescribeResponse resp;
+    const grpc::Status st = stub->Describe(&ctx, v1::DescribeRequest(), &resp);
+    if (st.ok() && resp.node() == config_.node) continue;  // ourselves, listed among the peers
+    out.push_back({address, st.ok() ? StatusOr<v1::DescribeResponse>(std::move(resp))
+                                    : StatusOr<v1::DescribeResponse>(fromGrpc(st, strCat("peer ", address)))});
+  }
+  return out;
+}
+
+std::string rankRanges(const std::vector<int32_t>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (!out.empty()) out += ", ";
+    out += j == i ? std::to_string(ranks[i]) : strCat(ranks[i], "-", ranks[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self, const std::vector<PeerSet::PeerView>& peers) {
+  ClusterView v;
+  v.daemons_.push_back(self);
+  for (const auto& p : peers) {
+    if (!p.described.ok())
+      return absl::UnavailableError(strCat("peer daemon ", p.address, " is unreachable: ", p.described.status().message()));
+    v.daemons_.push_back(*p.described);
+  }
+  std::set<std::string> nodes;
+  for (const auto& d : v.daemons_) {
+    if (!nodes.insert(d.node()).second)
+      return absl::FailedPreconditionError(strCat("two daemons claim node \"", d.node(), "\""));
+    for (const auto& layout : d.layouts()) {
+      const std::string digest = layoutDigest(layout);
+      auto [it, inserted] = v.groups_.try_emplace(layout.group(), GroupInfo{layout, digest, {}});
+      if (!inserted && it->second.digest != digest)
+        return absl::FailedPreconditionError(strCat("group \"", layout.group(), "\" is registered with two layouts (",
+                                                    it->second.digest, " and ", digest, " on node \"", d.node(), "\")"));
+    }
+    for (const auto& r : d.ranks()) {
+      auto& g = v.groups_[r.group()];
+      if (!g.ranks.insert(r.rank()).second)
+        return absl::FailedPreconditionError(
+            strCat("group \"", r.group(), "\" rank ", r.rank(), " is registered twice (again on node \"", d.node(), "\")"));
+    }
+  }
+  return v;
+}
+
+StatusOr<v1::Layout> ClusterView::completeGroup(const std::string& group) const {
+  auto it = groups_.find(group);
+  if (it == groups_.end()) {
+    std::vector<std::string> known;
+    for (const auto& [name, g] : groups_) known.push_back("\"" + name + "\"");
+    return absl::FailedPreconditionError(strCat("group \"", group, "\" has no registered ranks (registered groups: ",
+                                                known.empty() ? "none" : strJoin(known, ", "), ")"));
+  }
+  int64_t world = 1;
+  for (int64_t s : it->second.layout.mesh().shape()) world *= s;
+  std::vector<int32_t> missing;
+  for (int32_t r = 0; r < world; ++r)
+    if (!it->second.ranks.count(r)) missing.push_back(r);
+  if (!missing.empty())
+    return absl::FailedPreconditionError(strCat("group \"", group, "\" is incomplete: ranks ", rankRanges(missing), " of ",
+                                                world, " are not registered"));
+  return it->second.layout;
+}
+
+}  // namespace shardcast::daemon

@@ -1,0 +1,70 @@
+// The other daemons: found from a static list or a DNS name (a Kubernetes headless Service), asked
+// over the Peer service what they hold; and the cluster-wide view of groups built from that.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "daemon/config.h"
+#include "shardcast/v1/service.grpc.pb.h"
+
+namespace shardcast::daemon {
+
+grpc::Status toGrpc(const Status& st);
+Status fromGrpc(const grpc::Status& st, const std::string& context);
+
+class PeerSet {
+ public:
+  explicit PeerSet(const DaemonConfig& config);
+
+  // Peer addresses (host:port), sorted; for --peer-dns resolved anew on each call.
+  StatusOr<std::vector<std::string>> addresses() const;
+
+  struct PeerView {
+    std::string address;
+    StatusOr<v1::DescribeResponse> described;
+  };
+  // Describe of every peer other than this node, each within the peer timeout.
+  StatusOr<std::vector<PeerView>> describeAll() const;
+
+ private:
+  std::shared_ptr<grpc::Channel> channel(const std::string& address) const;
+
+  DaemonConfig config_;
+  mutable std::mutex mu_;
+  mutable std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
+};
+
+// Groups as registered across the cluster.
+class ClusterView {
+ public:
+  // From this daemon's own description and its peers'. Unreachable peers make the view fail.
+  static StatusOr<ClusterView> build(const v1::DescribeResponse& self, const std::vector<PeerSet::PeerView>& peers);
+
+  // The layout of `group` when every rank of it is registered somewhere; FAILED_PRECONDITION
+  // naming the missing ranks (or an unknown group) otherwise.
+  StatusOr<v1::Layout> completeGroup(const std::string& group) const;
+  const std::vector<v1::DescribeResponse>& daemons() const { return daemons_; }
+
+ private:
+  struct GroupInfo {
+    v1::Layout layout;
+    std::string digest;
+    std::set<int32_t> ranks;
+  };
+  std::vector<v1::DescribeResponse> daemons_;
+  std::map<std::string, GroupInfo> groups_;
+};
+
+// "0-2, 5, 7-9"
+std::string rankRanges(const std::vector<int32_t>& ranks);
+
+}  // namespace shardcast::daemon

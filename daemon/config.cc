@@ -1,0 +1,82 @@
+#include "daemon/config.h"
+
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <sstream>
+
+#include "common/strings.h"
+
+namespace shardcast::daemon {
+
+std::string DaemonConfig::describe() const {
+  std::ostringstream os;
+  os << "node=" << node << " listen=" << (listen.empty() ? "(none)" : listen)
+     << " socket=" << (socket.empty() ? "(none)" : socket) << " peers=" << (peers.empty() ? "(none)" : strJoin(peers, ","))
+     << " peer_dns=" << (peer_dns.empty() ? "(none)" : peer_dns) << " transport=" << transport
+     << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol << " log_level=" << log_level
+     << " peer_timeout_ms=" << peer_timeout_ms;
+  return os.str();
+}
+
+namespace {
+
+Status checkHostPort(const std::string& what, const std::string& v) {
+  const auto colon = v.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == v.size())
+    return absl::InvalidArgumentError(strCat(what, " \"", v, "\" must be host:port"));
+  const std::string port = v.substr(colon + 1);
+  if (port.find_first_not_of("0123456789") != std::string::npos || std::stoi(port) > 65535)
+    return absl::InvalidArgumentError(strCat(what, " \"", v, "\": bad port \"", port, "\""));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::string* output) {
+  DaemonConfig c;
+  char host[256] = {0};
+  if (::gethostname(host, sizeof(host) - 1) == 0) c.node = host;
+  CLI::App app{"shardcastd: the Shardcast per-node daemon (gRPC control plane, UCX data plane)"};
+  app.set_config("--config", "", "Read settings from an INI or TOML file (flag names as keys)");
+  app.add_option("--node", c.node, "Node name of this daemon (layouts name nodes)")->envname("SHARDCAST_NODE")->capture_default_str();
+  app.add_option("--listen", c.listen, "TCP host:port for clients and peers (empty: none)")->envname("SHARDCAST_LISTEN")->capture_default_str();
+  app.add_option("--socket", c.socket, "Unix socket for local clients, mode 0660 (empty: none)")->envname("SHARDCAST_SOCKET")->capture_default_str();
+  app.add_option("--peers", c.peers, "Static peer daemons, host:port (comma-separated)")->envname("SHARDCAST_PEERS")->delimiter(',');
+  app.add_option("--peer-dns", c.peer_dns, "DNS name:port whose addresses are every daemon (a headless Service)")
+      ->envname("SHARDCAST_PEER_DNS");
+  app.add_option("--transport", c.transport, "Data plane backend")->envname("SHARDCAST_TRANSPORT")
+      ->check(CLI::IsMember({"ucx", "loopback"}))->capture_default_str();
+  app.add_option("--ucx-tls", c.ucx_tls, "UCX transports (UCX_TLS syntax; empty: UCX's default)")->envname("SHARDCAST_UCX_TLS");
+  app.add_option("--protocol", c.protocol, "Write protocol: put (RMA), am (active messages) or auto")
+      ->envname("SHARDCAST_PROTOCOL")->check(CLI::IsMember({"auto", "put", "am"}))->capture_default_str();
+  app.add_option("--log-level", c.log_level, "trace, debug, info, warn, error, critical, off")
+      ->envname("SHARDCAST_LOG_LEVEL")->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
+      ->capture_default_str();
+  app.add_option("--peer-timeout-ms", c.peer_timeout_ms, "Deadline of calls between daemons")
+      ->envname("SHARDCAST_PEER_TIMEOUT_MS")->check(CLI::Range(1, 600000))->capture_default_str();
+  bool print_config = false;
+  app.add_flag("--print-config", print_config, "Print the effective configuration and exit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::ostringstream out, err;
+    *exit_code = app.exit(e, out, err) == 0 ? 0 : 2;
+    *output = out.str() + err.str();
+    return absl::InvalidArgumentError(*output);
+  }
+  if (c.node.empty()) return absl::InvalidArgumentError("--node is empty and the hostname is unknown");
+  if (!c.listen.empty()) SC_RETURN_IF_ERROR(checkHostPort("--listen", c.listen));
+  for (const auto& p : c.peers) SC_RETURN_IF_ERROR(checkHostPort("--peers entry", p));
+  if (!c.peer_dns.empty()) SC_RETURN_IF_ERROR(checkHostPort("--peer-dns", c.peer_dns));
+  if (!c.peers.empty() && !c.peer_dns.empty()) return absl::InvalidArgumentError("give --peers or --peer-dns, not both");
+  if (c.listen.empty() && c.socket.empty()) return absl::InvalidArgumentError("--listen and --socket are both empty");
+  if (print_config) {
+    *exit_code = 0;
+    *output = c.describe() + "\n";
+    return absl::CancelledError("printed the configuration");
+  }
+  return c;
+}
+
+}  // namespace shardcast::daemon

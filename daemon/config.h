@@ -1,0 +1,35 @@
+// shardcastd's configuration: every flag has an environment variable (SHARDCAST_<FLAG>), values
+// may also come from an INI/TOML file (--config); validated once and logged once at start-up.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace shardcast::daemon {
+
+struct DaemonConfig {
+  std::string node;                                    // this daemon's node name (default: hostname)
+  std::string listen = "0.0.0.0:7070";                 // TCP address for clients and peers ("" = none)
+  std::string socket = "/run/shardcast/shardcastd.sock";  // Unix socket for local clients ("" = none)
+  std::vector<std::string> peers;                      // static peer list, host:port
+  std::string peer_dns;                                // or: a DNS name (host:port) listing every daemon
+  std::string transport = "ucx";                       // ucx | loopback
+  std::string ucx_tls;                                 // UCX_TLS for the data plane ("" = UCX default)
+  std::string protocol = "auto";                       // auto | put | am
+  std::string log_level = "info";
+  int peer_timeout_ms = 5000;                          // deadline of daemon-to-daemon calls
+
+  // One line per setting, for the start-up log and `--print-config`.
+  std::string describe() const;
+};
+
+// Parses argv (and SHARDCAST_* variables, and --config FILE). Returns the config, or a Status whose
+// message is the usage error. `exit_code` is set when parsing ends the program (--help: 0, error: 2).
+StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::string* output);
+
+// The socket path local clients use when none is given (also the CLI's default).
+inline constexpr const char* kDefaultSocket = "/run/shardcast/shardcastd.sock";
+
+}  // namespace shardcast::daemon

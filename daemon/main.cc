@@ -1,0 +1,103 @@
+// shardcastd: the per-node daemon. Serves the Shardcast and Peer services on a Unix socket (local
+// clients, mode 0660) and TCP, with grpc.health.v1 and server reflection; stops on SIGTERM/SIGINT.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+
+#include "common/logging.h"
+#include "daemon/config.h"
+#include "daemon/registry.h"
+#include "daemon/service.h"
+#include "transport/transport.h"
+
+using namespace shardcast;
+using namespace shardcast::daemon;
+
+namespace {
+
+int fail(const std::string& what) {
+  spdlog::critical("{}", what);
+  return 1;
+}
+
+// Blocks SIGTERM/SIGINT in every thread and returns once one arrives.
+int waitForSignal(const sigset_t& set) {
+  int sig = 0;
+  sigwait(&set, &sig);
+  return sig;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // before any thread starts
+
+  int exit_code = 0;
+  std::string output;
+  auto config = parseConfig(argc, argv, &exit_code, &output);
+  if (!config.ok()) {
+    if (!output.empty()) (exit_code == 0 ? std::cout : std::cerr) << output;
+    else std::cerr << "shardcastd: " << config.status().message() << "\n";
+    return output.empty() ? 2 : exit_code;
+  }
+  if (auto st = setupLogging(config->log_level); !st.ok()) return fail(std::string(st.message()));
+  spdlog::info("shardcastd starting: {}", config->describe());
+
+  transport::TransportOptions topts;
+  topts.backend = config->transport;
+  topts.name = config->node;
+  topts.ucx_tls = config->ucx_tls;
+  topts.protocol = config->protocol;
+  auto transport = transport::createContext(topts);
+  if (!transport.ok()) return fail("transport: " + std::string(transport.status().message()));
+  spdlog::info("data plane: {}", (*transport)->describe());
+
+  Registry registry(config->node, **transport);
+  PeerSet peers(*config);
+  ShardcastService shardcast(*config, registry, peers, (*transport)->describe());
+  PeerService peer(registry);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(1 << 30);  // layouts of 1T-parameter models are large
+  builder.SetMaxSendMessageSize(1 << 30);
+  if (!config->socket.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(std::filesystem::path(config->socket).parent_path(), ec);
+    ::unlink(config->socket.c_str());  // a stale socket from a previous run
+    builder.AddListeningPort("unix:" + config->socket, grpc::InsecureServerCredentials());
+  }
+  int tcp_port = 0;
+  if (!config->listen.empty()) builder.AddListeningPort(config->listen, grpc::InsecureServerCredentials(), &tcp_port);
+  builder.RegisterService(&shardcast);
+  builder.RegisterService(&peer);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) return fail("cannot serve on " + config->listen + " / unix:" + config->socket + " (address in use?)");
+  if (!config->listen.empty() && tcp_port == 0) return fail("cannot listen on " + config->listen);
+  if (!config->socket.empty() && ::chmod(config->socket.c_str(), 0660) != 0)
+    return fail("chmod 0660 " + config->socket + ": " + std::strerror(errno));
+  spdlog::info("serving node \"{}\" on {}{}", config->node, config->listen.empty() ? "" : config->listen + " ",
+               config->socket.empty() ? "" : "unix:" + config->socket);
+  // Stdout line for supervisors and tests: the daemon is ready.
+  std::cout << "shardcastd ready node=" << config->node << " port=" << tcp_port << std::endl;
+
+  const int sig = waitForSignal(signals);
+  spdlog::info("signal {} received: shutting down", sig);
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  if (!config->socket.empty()) ::unlink(config->socket.c_str());
+  return 0;
+}

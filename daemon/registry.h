@@ -1,0 +1,70 @@
+// What local ranks registered with this daemon: their group layouts, and their buffers mapped
+// (shared memory, or CUDA IPC) and registered with the transport once. Everything is validated
+// against the layout on arrival; memory a client did not register is never reachable.
+// Thread-safe: gRPC handlers call it concurrently.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "shardcast/v1/service.pb.h"
+#include "transport/copy_engine.h"
+#include "transport/device_staging.h"
+#include "transport/shm.h"
+#include "transport/transport.h"
+
+namespace shardcast::daemon {
+
+// A stable digest of a layout (xxHash64 of its deterministic serialisation), hex.
+std::string layoutDigest(const v1::Layout& layout);
+
+class Registry {
+ public:
+  Registry(std::string node, transport::Context& transport);
+
+  StatusOr<v1::RegisterResponse> registerRank(const v1::RegisterRequest& request);
+  Status unregisterRank(const std::string& group, int32_t rank);
+  std::vector<v1::RankRegistration> list() const;
+  // What peers need to plan and to write here.
+  v1::DescribeResponse describe() const;
+  uint64_t registeredBytes() const;
+  int32_t registeredRanks() const;
+
+ private:
+  struct Buffer {
+    std::string name;
+    uint64_t size = 0;
+    std::shared_ptr<transport::ShmSegment> segment;          // shm: the mapping (shared by buffers)
+    std::unique_ptr<transport::CudaIpcMapping> cuda;         // cuda: the imported allocation
+    std::unique_ptr<transport::TransferMemory> cuda_memory;  // cuda: registered or staged
+    std::shared_ptr<transport::MemoryRegion> region;         // what peers write into
+    uint64_t offset = 0;                                     // of the buffer in `region`
+  };
+  struct Rank {
+    std::string group;
+    int32_t rank = 0;
+    int32_t world = 0;
+    std::string digest;
+    uint64_t bytes = 0;
+    std::vector<Buffer> buffers;
+  };
+  struct Group {
+    v1::Layout layout;
+    std::string digest;
+  };
+
+  StatusOr<std::unique_ptr<Rank>> build(const v1::RegisterRequest& request, std::string digest);
+
+  std::string node_;
+  transport::Context& transport_;
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, int32_t>, std::unique_ptr<Rank>> ranks_;
+  std::map<std::string, Group> groups_;
+  std::unique_ptr<transport::CopyEngine> cuda_copies_;  // created on the first CUDA registration
+};
+
+}  // namespace shardcast::daemon
