@@ -1,0 +1,211 @@
+// shardcastd as a process: serving, health, configuration, registration validation, and the
+// cluster-wide plan dry run across several daemons on loopback.
+#include <catch2/catch.hpp>
+
+#include <sys/stat.h>
+
+#include <cstdlib>
+
+#include "planner/layout.h"
+#include "planner/plan.h"
+#include "planner/report.h"
+#include "tests/daemon/daemon_harness.h"
+#include "transport/shm.h"
+
+using namespace shardcast;
+using namespace shardcast::testing;
+
+namespace {
+
+// Trainer: 2 ranks (nodes n0, n1) shard w [8, 4] float32 by rows; inference: 2 ranks (n0, n1)
+// shard it by columns.
+v1::Layout layout(const std::string& group, int shard_dim) {
+  auto l = planner::parseLayoutJson(R"({"group":")" + group + R"(","mesh":{"shape":[2]},"nodes":["n0","n1"],
+    "tensors":[{"name":"w","shape":[8,4],"dtype":"float32","placements":[{"shard":{"dim":)" +
+                                        std::to_string(shard_dim) + "}}]}]}", "test");
+  REQUIRE(l.ok());
+  return *l;
+}
+
+struct Segment {
+  transport::ShmSegment seg;
+  explicit Segment(const std::string& tag, size_t size = 4096)
+      : seg(*transport::ShmSegment::create("/sc-dtest-" + std::to_string(::getpid()) + "-" + tag, size)) {}
+};
+
+v1::RegisterRequest request(const std::string& group, int rank, const v1::Layout& l, const Segment& s,
+                            uint64_t size = 64, uint64_t offset = 0) {
+  v1::RegisterRequest r;
+  r.set_group(group);
+  r.set_rank(rank);
+  r.set_world_size(2);
+  *r.mutable_layout() = l;
+  auto* b = r.add_buffers();
+  b->set_buffer("w");
+  b->mutable_shm()->set_name(s.seg.name());
+  b->mutable_shm()->set_offset(offset);
+  b->mutable_shm()->set_size(size);
+  return r;
+}
+
+grpc::Status registerRank(v1::Shardcast::Stub& stub, const v1::RegisterRequest& r) {
+  v1::RegisterResponse resp;
+  return stub.Register(ctx().get(), r, &resp);
+}
+
+}  // namespace
+
+TEST_CASE("shardcastd serves health, status and a 0660 Unix socket", "[daemon]") {
+  Daemon d("n0", freePort(), {});
+  INFO(d.readyLine());
+  REQUIRE(d.ready());
+  grpc::health::v1::HealthCheckRequest hreq;
+  grpc::health::v1::HealthCheckResponse hresp;
+  REQUIRE(d.health()->Check(ctx().get(), hreq, &hresp).ok());
+  CHECK(hresp.status() == grpc::health::v1::HealthCheckResponse::SERVING);
+  struct stat st {};
+  REQUIRE(::stat(d.socketPath().c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0660);
+  CHECK(S_ISSOCK(st.st_mode));
+  v1::StatusResponse status;
+  REQUIRE(d.client()->Status(ctx().get(), v1::StatusRequest(), &status).ok());
+  CHECK(status.node() == "n0");
+  CHECK_THAT(status.transport(), Catch::Contains("ucx(tls=tcp"));
+  CHECK(status.registered_ranks() == 0);
+  CHECK(d.stop() == 0);  // SIGTERM: clean exit
+  CHECK(::access(d.socketPath().c_str(), F_OK) != 0);  // socket removed
+}
+
+TEST_CASE("shardcastd flags: environment variables, validation, exit codes", "[daemon]") {
+  Child bad = Child::spawn({SHARDCASTD_PATH, "--protocol", "bogus"});
+  CHECK(WEXITSTATUS(bad.wait()) == 2);
+  Child print = Child::spawn({"env", "SHARDCAST_NODE=from-env", "SHARDCAST_PEERS=a:1,b:2", SHARDCASTD_PATH, "--print-config"});
+  const std::string line = print.readLine(std::chrono::seconds(10));
+  CHECK_THAT(line, Catch::Contains("node=from-env") && Catch::Contains("peers=a:1,b:2"));
+  CHECK(WEXITSTATUS(print.wait()) == 0);
+  Child bad_peer = Child::spawn({SHARDCASTD_PATH, "--peers", "nohostport", "--socket", ""});
+  CHECK(WEXITSTATUS(bad_peer.wait()) == 2);
+  Child help = Child::spawn({SHARDCASTD_PATH, "--help"});
+  CHECK_THAT(help.readLine(std::chrono::seconds(10)), Catch::Contains("shardcastd"));
+  CHECK(WEXITSTATUS(help.wait()) == 0);
+}
+
+TEST_CASE("registration is validated against the layout and the node", "[daemon]") {
+  Daemon d("n0", freePort(), {});
+  REQUIRE(d.ready());
+  auto stub = d.client();
+  Segment s0("r0"), s1("r1");
+  const auto trainer = layout("trainer", 0);
+
+  grpc::Status st = registerRank(*stub, request("trainer", 1, trainer, s1));
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("places it on node \"n1\" but this daemon is node \"n0\""));
+
+  auto wrong_world = request("trainer", 0, trainer, s0);
+  wrong_world.set_world_size(3);
+  st = registerRank(*stub, wrong_world);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("world_size 3 but the layout's mesh has 2 ranks"));
+
+  st = registerRank(*stub, request("trainer", 0, trainer, s0, /*size=*/32));
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("buffer \"w\" is given 32 bytes but needs 64"));
+
+  auto missing = request("trainer", 0, trainer, s0);
+  missing.clear_buffers();
+  st = registerRank(*stub, missing);
+  CHECK_THAT(st.error_message(), Catch::Contains("no memory handle for buffer \"w\" (64 bytes)"));
+
+  auto unknown = request("trainer", 0, trainer, s0);
+  unknown.mutable_buffers(0)->set_buffer("bias");
+  st = registerRank(*stub, unknown);
+  CHECK_THAT(st.error_message(), Catch::Contains("buffer \"bias\" is not a buffer this rank holds"));
+
+  auto no_segment = request("trainer", 0, trainer, s0);
+  no_segment.mutable_buffers(0)->mutable_shm()->set_name("/sc-no-such-segment");
+  st = registerRank(*stub, no_segment);
+  CHECK(st.error_code() == grpc::StatusCode::NOT_FOUND);
+
+  st = registerRank(*stub, request("trainer", 0, trainer, s0, 64, /*offset=*/4090));  // past the segment's end
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+
+  auto bad_layout = request("trainer", 0, trainer, s0);
+  bad_layout.mutable_layout()->mutable_tensors(0)->set_dtype("bf16");
+  st = registerRank(*stub, bad_layout);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("unknown dtype \"bf16\""));
+
+  auto cuda = request("trainer", 0, trainer, s0);
+  cuda.mutable_buffers(0)->mutable_cuda()->set_size(64);
+  st = registerRank(*stub, cuda);
+  CHECK_FALSE(st.ok());
+
+  // A valid registration, listed, then refused for a different layout of the same group.
+  REQUIRE(registerRank(*stub, request("trainer", 0, trainer, s0)).ok());
+  v1::ListResponse list;
+  REQUIRE(stub->List(ctx().get(), v1::ListRequest(), &list).ok());
+  REQUIRE(list.ranks_size() == 1);
+  CHECK(list.ranks(0).group() == "trainer");
+  CHECK(list.ranks(0).registered_bytes() == 64);
+  CHECK(list.ranks(0).node() == "n0");
+  // Re-registering the same rank replaces it.
+  REQUIRE(registerRank(*stub, request("trainer", 0, trainer, s0)).ok());
+
+  v1::UnregisterRequest un;
+  un.set_group("trainer");
+  un.set_rank(0);
+  v1::UnregisterResponse unr;
+  CHECK(stub->Unregister(ctx().get(), un, &unr).ok());
+  CHECK(stub->Unregister(ctx().get(), un, &unr).error_code() == grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_CASE("two daemons: the plan dry run sees the whole cluster and names missing ranks", "[daemon]") {
+  const int p0 = freePort(), p1 = freePort();
+  Daemon d0("n0", p0, {"127.0.0.1:" + std::to_string(p1)});
+  Daemon d1("n1", p1, {"127.0.0.1:" + std::to_string(p0), "127.0.0.1:" + std::to_string(p1)});
+  REQUIRE(d0.ready());
+  REQUIRE(d1.ready());
+  const auto trainer = layout("trainer", 0), infer = layout("infer", 1);
+  Segment t0("t0"), t1("t1"), i0("i0"), i1("i1");
+  REQUIRE(registerRank(*d0.client(), request("trainer", 0, trainer, t0)).ok());
+  REQUIRE(registerRank(*d0.client(), request("infer", 0, infer, i0)).ok());
+  REQUIRE(registerRank(*d1.client(), request("infer", 1, infer, i1)).ok());
+
+  v1::PlanRequest preq;
+  preq.set_src_group("trainer");
+  preq.set_dst_group("infer");
+  v1::PlanResponse presp;
+  grpc::Status st = d1.client()->Plan(ctx().get(), preq, &presp);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("group \"trainer\" is incomplete: ranks 1 of 2 are not registered"));
+
+  REQUIRE(registerRank(*d1.client(), request("trainer", 1, trainer, t1)).ok());
+  v1::ListRequest all;
+  all.set_all_nodes(true);
+  v1::ListResponse list;
+  REQUIRE(d0.client()->List(ctx().get(), all, &list).ok());
+  CHECK(list.ranks_size() == 4);
+
+  REQUIRE(d0.client()->Plan(ctx().get(), preq, &presp).ok());
+  // The daemon's plan is the planner's plan for the same layouts.
+  planner::NodeTable nodes;
+  auto rs = planner::resolveLayout(trainer, nodes);
+  auto rd = planner::resolveLayout(infer, nodes);
+  auto plan = planner::makePlan(*rs, *rd, nodes);
+  REQUIRE(plan.ok());
+  CHECK_THAT(presp.summary_json(), Catch::Contains("\"network_bytes\": " + std::to_string(plan->stats.network_bytes)));
+  CHECK(plan->stats.network_bytes == 64);  // each node lacks half of its column block: 4 rows x 2 cols x 4 B x 2 nodes
+  CHECK_THAT(presp.summary_text(), Catch::Contains("plan trainer -> infer"));
+
+  v1::StatusResponse status;
+  REQUIRE(d0.client()->Status(ctx().get(), v1::StatusRequest(), &status).ok());
+  REQUIRE(status.peers_size() == 1);
+  CHECK(status.peers(0).reachable());
+  CHECK(status.peers(0).node() == "n1");
+
+  // A peer that dies makes cluster-wide calls fail, naming it.
+  d1.kill();
+  st = d0.client()->Plan(ctx().get(), preq, &presp);
+  CHECK(st.error_code() == grpc::StatusCode::UNAVAILABLE);
+  CHECK_THAT(st.error_message(), Catch::Contains("127.0.0.1:" + std::to_string(p1)));
+}
