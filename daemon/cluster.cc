@@ -62,6 +62,11 @@ StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms));
     v1::DescribeResponse resp;
     const grpc::Status st = stub->Describe(&ctx, v1::DescribeRequest(), &resp);
+    if (st.error_code() == grpc::StatusCode::UNAVAILABLE) {
+      // A fresh channel next time: a restarted peer is then reached without reconnect backoff.
+      std::lock_guard<std::mutex> lock(mu_);
+      channels_.erase(address);
+    }
     if (st.ok() && resp.node() == config_.node) continue;  // ourselves, listed among the peers
     out.push_back({address, st.ok() ? StatusOr<v1::DescribeResponse>(std::move(resp))
                                     : StatusOr<v1::DescribeResponse>(fromGrpc(st, strCat("peer ", address)))});

@@ -34,10 +34,10 @@ class PeerSet {
   };
   // Describe of every peer other than this node, each within the peer timeout.
   StatusOr<std::vector<PeerView>> describeAll() const;
-
- private:
+  // A cached channel to a daemon (a peer, or this daemon itself).
   std::shared_ptr<grpc::Channel> channel(const std::string& address) const;
 
+ private:
   DaemonConfig config_;
   mutable std::mutex mu_;
   mutable std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;

@@ -67,8 +67,9 @@ int main(int argc, char** argv) {
 
   Registry registry(config->node, **transport);
   PeerSet peers(*config);
-  ShardcastService shardcast(*config, registry, peers, (*transport)->describe());
-  PeerService peer(registry);
+  SyncEngine engine(config->node, registry, **transport);
+  ShardcastService shardcast(*config, registry, peers, engine, (*transport)->describe());
+  PeerService peer(registry, engine);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

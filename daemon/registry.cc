@@ -52,6 +52,7 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   resp.set_node(node_);
   std::lock_guard<std::mutex> lock(mu_);
   groups_[req.group()] = Group{req.layout(), digest};
+  ++generation_;
   const bool replaced = ranks_.count({req.group(), req.rank()}) > 0;
   ranks_[{req.group(), req.rank()}] = std::move(rank);
   spdlog::info("{} {}registered: {} buffers, {} bytes, layout {}", who, replaced ? "re-" : "",
@@ -157,6 +158,7 @@ Status Registry::unregisterRank(const std::string& group, int32_t rank) {
   std::lock_guard<std::mutex> lock(mu_);
   if (ranks_.erase({group, rank}) == 0)
     return absl::NotFoundError(strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
+  ++generation_;
   bool any = false;
   for (const auto& [key, r] : ranks_) any |= key.first == group;
   if (!any) groups_.erase(group);
@@ -208,6 +210,57 @@ uint64_t Registry::registeredBytes() const {
   uint64_t n = 0;
   for (const auto& [key, r] : ranks_) n += r->bytes;
   return n;
+}
+
+StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, int32_t rank,
+                                                      const std::string& buffer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = ranks_.find({group, rank});
+  if (it == ranks_.end())
+    return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
+  for (const Buffer& b : it->second->buffers) {
+    if (b.name != buffer) continue;
+    if (!b.segment)
+      return absl::UnimplementedError(strCat("group \"", group, "\" rank ", rank, " buffer \"", buffer,
+                                             "\": syncs of CUDA buffers are not implemented yet (host shared memory only)"));
+    return LocalBuffer{static_cast<std::byte*>(b.segment->data()) + b.offset, b.size, b.segment};
+  }
+  return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " has no buffer \"", buffer, "\""));
+}
+
+uint64_t Registry::generation() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return generation_;
+}
+
+uint64_t Registry::version(const std::string& group) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = versions_.find(group);
+  return it == versions_.end() ? 0 : it->second;
+}
+
+void Registry::commitVersion(const std::string& group, uint64_t version) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    versions_[group] = version;
+  }
+  version_cv_.notify_all();
+  spdlog::info("group \"{}\" is at version {}", group, version);
+}
+
+uint64_t Registry::waitVersion(const std::string& group, uint64_t version, std::chrono::milliseconds timeout) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto current = [&] {
+    auto it = versions_.find(group);
+    return it == versions_.end() ? uint64_t{0} : it->second;
+  };
+  version_cv_.wait_for(lock, timeout, [&] { return current() >= version; });
+  return current();
+}
+
+bool Registry::hasGroup(const std::string& group) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return groups_.count(group) > 0;
 }
 
 int32_t Registry::registeredRanks() const {

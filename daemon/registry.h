@@ -4,6 +4,8 @@
 // Thread-safe: gRPC handlers call it concurrently.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -33,6 +35,23 @@ class Registry {
   v1::DescribeResponse describe() const;
   uint64_t registeredBytes() const;
   int32_t registeredRanks() const;
+
+  // Host memory of a registered buffer, kept mapped while the returned object lives.
+  struct LocalBuffer {
+    std::byte* data = nullptr;
+    uint64_t size = 0;
+    std::shared_ptr<void> keep_alive;
+  };
+  StatusOr<LocalBuffer> localBuffer(const std::string& group, int32_t rank, const std::string& buffer) const;
+  // Changes with every registration and unregistration (a sync fails if it changes under it).
+  uint64_t generation() const;
+
+  // Committed versions of groups with ranks here.
+  uint64_t version(const std::string& group) const;
+  void commitVersion(const std::string& group, uint64_t version);
+  // Waits until `group` reaches `version` or the timeout passes; returns the version then.
+  uint64_t waitVersion(const std::string& group, uint64_t version, std::chrono::milliseconds timeout) const;
+  bool hasGroup(const std::string& group) const;
 
  private:
   struct Buffer {
@@ -64,6 +83,9 @@ class Registry {
   mutable std::mutex mu_;
   std::map<std::pair<std::string, int32_t>, std::unique_ptr<Rank>> ranks_;
   std::map<std::string, Group> groups_;
+  std::map<std::string, uint64_t> versions_;
+  uint64_t generation_ = 0;
+  mutable std::condition_variable version_cv_;
   std::unique_ptr<transport::CopyEngine> cuda_copies_;  // created on the first CUDA registration
 };
 

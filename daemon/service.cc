@@ -2,6 +2,9 @@
 
 #include <spdlog/spdlog.h>
 
+#include <mutex>
+#include <thread>
+
 #include "common/strings.h"
 #include "planner/plan.h"
 #include "planner/report.h"
@@ -10,8 +13,155 @@ namespace shardcast::daemon {
 
 inline constexpr const char* kVersion = "0.1.0";
 
-ShardcastService::ShardcastService(const DaemonConfig& config, Registry& registry, PeerSet& peers, std::string transport)
-    : config_(config), registry_(registry), peers_(peers), transport_(std::move(transport)) {}
+ShardcastService::ShardcastService(const DaemonConfig& config, Registry& registry, PeerSet& peers, SyncEngine& engine,
+                                   std::string transport)
+    : config_(config), registry_(registry), peers_(peers), engine_(engine), transport_(std::move(transport)) {}
+
+std::string ShardcastService::selfAddress() const {
+  if (config_.listen.empty()) return "unix:" + config_.socket;
+  const auto colon = config_.listen.rfind(':');
+  const std::string host = config_.listen.substr(0, colon);
+  return (host == "0.0.0.0" || host == "[::]" ? "127.0.0.1" : host) + config_.listen.substr(colon);
+}
+
+StatusOr<std::pair<ClusterView, std::vector<std::string>>> ShardcastService::clusterWithAddresses() {
+  SC_ASSIGN_OR_RETURN(auto peers, peers_.describeAll());
+  SC_ASSIGN_OR_RETURN(auto view, ClusterView::build(registry_.describe(), peers));
+  std::vector<std::string> addresses{selfAddress()};
+  for (const auto& p : peers) addresses.push_back(p.address);
+  return std::make_pair(std::move(view), std::move(addresses));
+}
+
+grpc::Status ShardcastService::Sync(grpc::ServerContext*, const v1::SyncRequest* req, v1::SyncResponse* out) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  if (req->src_group().empty() || req->dst_group().empty() || req->src_group() == req->dst_group())
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "sync: give two different groups (src_group, dst_group)");
+  if (req->version() == 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "sync: version must be positive");
+  const uint32_t timeout_ms = req->options().timeout_ms() ? req->options().timeout_ms() : 300000;
+  const auto deadline = start + std::chrono::milliseconds(timeout_ms);
+
+  // Gather: both groups complete across the cluster (or wait for them, if asked).
+  StatusOr<std::pair<ClusterView, std::vector<std::string>>> cluster = absl::UnknownError("");
+  StatusOr<v1::Layout> src = absl::UnknownError(""), dst = absl::UnknownError("");
+  while (true) {
+    cluster = clusterWithAddresses();
+    if (cluster.ok()) {
+      src = cluster->first.completeGroup(req->src_group());
+      dst = cluster->first.completeGroup(req->dst_group());
+    }
+    const shardcast::Status st = !cluster.ok() ? cluster.status() : !src.ok() ? src.status() : dst.status();
+    if (st.ok()) break;
+    if (!req->options().wait_for_ranks() || Clock::now() + std::chrono::milliseconds(100) > deadline) return toGrpc(st);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  bool cached = false;
+  auto plan = engine_.plans().get(*src, *dst, &cached);
+  if (!plan.ok()) return toGrpc(plan.status());
+
+  const std::string id = strCat(config_.node, "-", next_sync_++, "-v", req->version());
+  const auto& addresses = cluster->second;
+  const auto& daemons = cluster->first.daemons();
+  auto call_deadline = [&] { return std::chrono::system_clock::now() + (deadline - Clock::now()); };
+  auto finish_all = [&](bool commit) {
+    for (const auto& address : addresses) {
+      grpc::ClientContext c;
+      c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms));
+      v1::FinishRequest f;
+      f.set_sync_id(id);
+      f.set_commit(commit);
+      v1::FinishResponse r;
+      v1::Peer::NewStub(peers_.channel(address))->Finish(&c, f, &r);
+    }
+  };
+
+  // Prepare every daemon: it plans (cached) and allocates where transfers land on it.
+  v1::ExecuteRequest exec;
+  exec.set_sync_id(id);
+  exec.set_timeout_ms(timeout_ms);
+  exec.set_verify(req->options().verify());
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    grpc::ClientContext c;
+    c.set_deadline(call_deadline());
+    v1::PrepareRequest p;
+    p.set_sync_id(id);
+    *p.mutable_src() = *src;
+    *p.mutable_dst() = *dst;
+    p.set_version(req->version());
+    v1::PrepareResponse r;
+    const grpc::Status st = v1::Peer::NewStub(peers_.channel(addresses[i]))->Prepare(&c, p, &r);
+    if (!st.ok()) {
+      finish_all(false);
+      return toGrpc(fromGrpc(st, strCat("sync ", id, ": prepare on node "", daemons[i].node(), """)));
+    }
+    auto* n = exec.add_nodes();
+    n->set_node(daemons[i].node());
+    n->set_transport_address(daemons[i].transport_address());
+    n->set_arena_region(r.arena_region());
+  }
+
+  // Execute everywhere at once; the first failure aborts the others.
+  std::vector<grpc::Status> results(addresses.size());
+  std::vector<v1::ExecuteResponse> parts(addresses.size());
+  std::once_flag aborted;
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < addresses.size(); ++i)
+    threads.emplace_back([&, i] {
+      grpc::ClientContext c;
+      c.set_deadline(call_deadline() + std::chrono::seconds(5));
+      results[i] = v1::Peer::NewStub(peers_.channel(addresses[i]))->Execute(&c, exec, &parts[i]);
+      if (!results[i].ok()) std::call_once(aborted, [&] { finish_all(false); });
+    });
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    if (results[i].ok() || results[i].error_code() == grpc::StatusCode::ABORTED) continue;
+    spdlog::warn("sync {} failed on node \"{}\": {}", id, daemons[i].node(), results[i].error_message());
+    return toGrpc(fromGrpc(results[i], strCat("sync ", id, " failed on node \"", daemons[i].node(), "\"")));
+  }
+  for (size_t i = 0; i < addresses.size(); ++i)
+    if (!results[i].ok())
+      return toGrpc(fromGrpc(results[i], strCat("sync ", id, " failed on node \"", daemons[i].node(), "\"")));
+  finish_all(true);
+
+  const auto& stats = (*plan)->plan.stats;
+  out->set_sync_id(id);
+  out->set_version(req->version());
+  out->set_network_bytes(static_cast<uint64_t>(stats.network_bytes));
+  out->set_local_bytes(static_cast<uint64_t>(stats.local_bytes));
+  out->set_bytes_needed(static_cast<uint64_t>(stats.bytes_needed));
+  out->set_seconds(std::chrono::duration<double>(Clock::now() - start).count());
+  out->set_plan_cached(cached);
+  out->set_plan_summary_json(planner::renderJson((*plan)->plan, (*plan)->nodes, planner::CostModel{}));
+  spdlog::info("sync {}: {} -> {} version {} committed in {:.3f} s", id, req->src_group(), req->dst_group(), req->version(),
+               out->seconds());
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardcastService::WaitVersion(grpc::ServerContext*, const v1::WaitVersionRequest* req, v1::WaitVersionResponse* out) {
+  if (!registry_.hasGroup(req->group()))
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        strCat("group \"", req->group(), "\" has no ranks registered on node \"", config_.node, "\""));
+  out->set_version(registry_.waitVersion(req->group(), req->version(), std::chrono::milliseconds(req->timeout_ms())));
+  return grpc::Status::OK;
+}
+
+grpc::Status PeerService::Prepare(grpc::ServerContext*, const v1::PrepareRequest* req, v1::PrepareResponse* out) {
+  auto r = engine_.prepare(*req);
+  if (!r.ok()) return toGrpc(r.status());
+  *out = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status PeerService::Execute(grpc::ServerContext*, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) {
+  auto r = engine_.execute(*req);
+  if (!r.ok()) return toGrpc(r.status());
+  *out = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status PeerService::Finish(grpc::ServerContext*, const v1::FinishRequest* req, v1::FinishResponse*) {
+  return toGrpc(engine_.finish(*req));
+}
 
 grpc::Status ShardcastService::Register(grpc::ServerContext*, const v1::RegisterRequest* req, v1::RegisterResponse* out) {
   auto r = registry_.registerRank(*req);
@@ -28,8 +178,8 @@ grpc::Status ShardcastService::Unregister(grpc::ServerContext*, const v1::Unregi
 }
 
 StatusOr<ClusterView> ShardcastService::cluster() {
-  SC_ASSIGN_OR_RETURN(auto peers, peers_.describeAll());
-  return ClusterView::build(registry_.describe(), peers);
+  SC_ASSIGN_OR_RETURN(auto c, clusterWithAddresses());
+  return std::move(c.first);
 }
 
 grpc::Status ShardcastService::List(grpc::ServerContext*, const v1::ListRequest* req, v1::ListResponse* out) {

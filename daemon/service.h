@@ -2,19 +2,24 @@
 // service. Handlers validate, call the registry / cluster, and convert Status at this edge only.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 
 #include "daemon/cluster.h"
 #include "daemon/config.h"
 #include "daemon/registry.h"
+#include "daemon/sync_engine.h"
 #include "shardcast/v1/service.grpc.pb.h"
 
 namespace shardcast::daemon {
 
 class ShardcastService final : public v1::Shardcast::Service {
  public:
-  ShardcastService(const DaemonConfig& config, Registry& registry, PeerSet& peers, std::string transport);
+  ShardcastService(const DaemonConfig& config, Registry& registry, PeerSet& peers, SyncEngine& engine,
+                   std::string transport);
 
+  grpc::Status Sync(grpc::ServerContext*, const v1::SyncRequest*, v1::SyncResponse*) override;
+  grpc::Status WaitVersion(grpc::ServerContext*, const v1::WaitVersionRequest*, v1::WaitVersionResponse*) override;
   grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest*, v1::RegisterResponse*) override;
   grpc::Status Unregister(grpc::ServerContext*, const v1::UnregisterRequest*, v1::UnregisterResponse*) override;
   grpc::Status List(grpc::ServerContext*, const v1::ListRequest*, v1::ListResponse*) override;
@@ -22,25 +27,34 @@ class ShardcastService final : public v1::Shardcast::Service {
   grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse*) override;
 
  private:
+  // The cluster view and the address of every daemon in it (this one included).
+  StatusOr<std::pair<ClusterView, std::vector<std::string>>> clusterWithAddresses();
   StatusOr<ClusterView> cluster();
+  std::string selfAddress() const;
 
   const DaemonConfig& config_;
   Registry& registry_;
   PeerSet& peers_;
+  SyncEngine& engine_;
+  std::atomic<uint64_t> next_sync_{1};
   std::string transport_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
 };
 
 class PeerService final : public v1::Peer::Service {
  public:
-  explicit PeerService(Registry& registry) : registry_(registry) {}
+  PeerService(Registry& registry, SyncEngine& engine) : registry_(registry), engine_(engine) {}
   grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse* out) override {
     *out = registry_.describe();
     return grpc::Status::OK;
   }
+  grpc::Status Prepare(grpc::ServerContext*, const v1::PrepareRequest* req, v1::PrepareResponse* out) override;
+  grpc::Status Execute(grpc::ServerContext*, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) override;
+  grpc::Status Finish(grpc::ServerContext*, const v1::FinishRequest* req, v1::FinishResponse*) override;
 
  private:
   Registry& registry_;
+  SyncEngine& engine_;
 };
 
 }  // namespace shardcast::daemon

@@ -133,8 +133,10 @@ StatusOr<Plan> makePlan(const ResolvedLayout& src, const ResolvedLayout& dst, co
 
 // The source rank that reads fragment `f` for chain `c` (a holder on the chain's source node).
 int32_t sourceRank(const Plan& plan, const ResolvedLayout& src, int32_t f, const Chain& c);
-// Where fragment `f` sits in source rank `rank`'s memory (rank must hold the fragment's cell).
+// Where fragment `f` (or its sub-box `sub`) sits in source rank `rank`'s memory (rank must hold
+// the fragment's cell; an empty Region otherwise).
 Region sourceRegion(const Plan& plan, const ResolvedLayout& src, int32_t f, int32_t rank);
+Region sourceRegion(const Plan& plan, const ResolvedLayout& src, int32_t f, int32_t rank, const Box& sub);
 // Every destination rank on `node` that needs part of fragment `f`, with the part's region.
 std::vector<std::pair<Box, Region>> destinationRegions(const Plan& plan, const ResolvedLayout& dst,
                                                        int32_t f, int32_t node);

@@ -532,12 +532,16 @@ int32_t sourceRank(const Plan& plan, const ResolvedLayout& src, int32_t f, const
 }
 
 Region sourceRegion(const Plan& plan, const ResolvedLayout& src, int32_t f, int32_t rank) {
+  return sourceRegion(plan, src, f, rank, plan.fragments[f].box);
+}
+
+Region sourceRegion(const Plan& plan, const ResolvedLayout& src, int32_t f, int32_t rank, const Box& sub) {
   const Fragment& frag = plan.fragments[f];
   const SourceCell& cell = plan.cells[frag.cell];
   const TensorLayout& st = src.tensors[plan.tensors[cell.tensor].src];
   for (int32_t i = 0; i < cell.holders_count; ++i) {
     const PieceRef& p = st.pieces[plan.cell_holders[cell.holders_begin + i]];
-    if (p.rank == rank) return src.region(st, p, frag.box);
+    if (p.rank == rank) return src.region(st, p, sub);
   }
   return {};
 }

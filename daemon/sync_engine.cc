@@ -1,0 +1,334 @@
+#include "daemon/sync_engine.h"
+
+#include <spdlog/spdlog.h>
+#include <xxhash.h>
+
+#include <atomic>
+#include <cstdio>
+#include <sstream>
+
+#include "common/strings.h"
+
+namespace shardcast::daemon {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+uint64_t alignUp(uint64_t v) { return (v + 63) & ~uint64_t{63}; }
+
+std::vector<int64_t> denseFor(const planner::Box& b) { return transport::denseStrides(b.sizes()); }
+
+}  // namespace
+
+uint64_t CachedPlan::landingOffset(int32_t transfer, int32_t node) const {
+  for (const auto& [n, off] : landing[transfer])
+    if (n == node) return off;
+  return UINT64_MAX;
+}
+
+StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src, const v1::Layout& dst, bool* hit) {
+  const std::string key = layoutDigest(src) + "/" + layoutDigest(dst);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = plans_.find(key);
+    if (it != plans_.end()) {
+      ++hits_;
+      *hit = true;
+      return it->second;
+    }
+  }
+  *hit = false;
+  auto c = std::make_shared<CachedPlan>();
+  SC_ASSIGN_OR_RETURN(c->src, planner::resolveLayout(src, c->nodes));
+  SC_ASSIGN_OR_RETURN(c->dst, planner::resolveLayout(dst, c->nodes));
+  SC_ASSIGN_OR_RETURN(c->plan, planner::makePlan(c->src, c->dst, c->nodes));
+  const auto& plan = c->plan;
+  c->arena_bytes.assign(c->nodes.size(), 0);
+  c->incoming.assign(c->nodes.size(), 0);
+  c->fragment_offset.assign(plan.fragments.size(), 0);
+  c->landing.resize(plan.transfers.size());
+  for (int32_t t = 0; t < static_cast<int32_t>(plan.transfers.size()); ++t) {
+    const auto& tr = plan.transfers[t];
+    uint64_t off = 0;
+    for (int32_t i = 0; i < tr.fragments_count; ++i) {
+      const int32_t f = plan.transfer_fragments[tr.fragments_begin + i];
+      c->fragment_offset[f] = off;
+      off += static_cast<uint64_t>(plan.fragments[f].bytes);
+    }
+    for (int32_t ch = tr.chains_begin; ch < tr.chains_begin + tr.chains_count; ++ch)
+      for (int32_t k = 0; k < plan.chains[ch].nodes_count; ++k) {
+        const int32_t n = plan.chain_nodes[plan.chains[ch].nodes_begin + k];
+        c->landing[t].emplace_back(n, c->arena_bytes[n]);
+        c->arena_bytes[n] = alignUp(c->arena_bytes[n] + static_cast<uint64_t>(tr.bytes));
+        ++c->incoming[n];
+      }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  plans_[key] = c;
+  return std::shared_ptr<const CachedPlan>(c);
+}
+
+uint64_t PlanCache::hits() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return hits_;
+}
+
+// A sync between prepare and finish on this daemon.
+struct SyncEngine::Active {
+  std::string id;
+  std::string dst_group;
+  uint64_t version = 0;
+  uint64_t generation = 0;
+  std::shared_ptr<const CachedPlan> plan;
+  int32_t self = -1;  // this node's id in the plan, -1 when it takes no part
+  std::shared_ptr<transport::MemoryRegion> arena;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Landed> landed;
+  Status failure;  // set by abort or by a failed write
+  int64_t writes_pending = 0;
+  // Staging buffers of sent transfers: freed with the sync, after every completion has run.
+  std::vector<std::shared_ptr<transport::MemoryRegion>> keep;
+};
+
+SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context& transport)
+    : node_(std::move(node)), registry_(registry), transport_(transport), copies_(transport::makeHostCopyEngine()) {
+  transport_.setNotificationHandler([this](std::string payload) { onNotification(payload); });
+}
+
+SyncEngine::~SyncEngine() { transport_.setNotificationHandler(nullptr); }
+
+std::shared_ptr<SyncEngine::Active> SyncEngine::find(const std::string& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = active_.find(id);
+  return it == active_.end() ? nullptr : it->second;
+}
+
+// Runs on the transport's progress thread: queue it for the executing thread, never block.
+void SyncEngine::onNotification(const std::string& payload) {
+  std::istringstream in(payload);
+  std::string id;
+  Landed l{};
+  if (!(in >> id >> l.transfer >> l.chain >> l.hop >> l.checksum)) {
+    spdlog::warn("sync: malformed notification \"{}\"", payload);
+    return;
+  }
+  auto a = find(id);
+  if (!a) {
+    spdlog::warn("sync {}: notification after the sync ended", id);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(a->mu);
+    a->landed.push_back(l);
+  }
+  a->cv.notify_all();
+}
+
+StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req) {
+  if (req.sync_id().empty()) return absl::InvalidArgumentError("prepare: sync_id is empty");
+  auto a = std::make_shared<Active>();
+  a->id = req.sync_id();
+  a->dst_group = req.dst().group();
+  a->version = req.version();
+  a->generation = registry_.generation();
+  if (registry_.hasGroup(a->dst_group) && registry_.version(a->dst_group) >= a->version)
+    return absl::FailedPreconditionError(strCat("group \"", a->dst_group, "\" is at version ", registry_.version(a->dst_group),
+                                                " on node \"", node_, "\": version ", a->version, " is not newer"));
+  bool hit = false;
+  SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), &hit));
+  for (int32_t n = 0; n < a->plan->nodes.size(); ++n)
+    if (a->plan->nodes.name(n) == node_) a->self = n;
+  v1::PrepareResponse resp;
+  if (a->self >= 0 && a->plan->arena_bytes[a->self] > 0) {
+    SC_ASSIGN_OR_RETURN(a->arena, transport_.allocateMemory(a->plan->arena_bytes[a->self]));
+    resp.set_arena_region(a->arena->remote().serialize());
+    resp.set_arena_bytes(a->plan->arena_bytes[a->self]);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto busy = busy_groups_.find(a->dst_group);
+  if (busy != busy_groups_.end())
+    return absl::FailedPreconditionError(strCat("a sync into group \"", a->dst_group, "\" (", busy->second,
+                                                ") is in progress on node \"", node_, "\""));
+  busy_groups_[a->dst_group] = a->id;
+  active_[a->id] = a;
+  spdlog::debug("sync {}: prepared ({} arena bytes, plan {})", a->id, resp.arena_bytes(), hit ? "cached" : "new");
+  return resp;
+}
+
+Status SyncEngine::finish(const v1::FinishRequest& req) {
+  std::shared_ptr<Active> a;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = active_.find(req.sync_id());
+    if (it == active_.end()) return absl::NotFoundError(strCat("sync ", req.sync_id(), " is not active on node \"", node_, "\""));
+    a = it->second;
+    active_.erase(it);
+    if (busy_groups_[a->dst_group] == a->id) busy_groups_.erase(a->dst_group);
+  }
+  {
+    std::lock_guard<std::mutex> lock(a->mu);
+    if (a->failure.ok() && !req.commit()) a->failure = absl::AbortedError(strCat("sync ", a->id, " aborted"));
+  }
+  a->cv.notify_all();
+  if (req.commit() && registry_.hasGroup(a->dst_group)) registry_.commitVersion(a->dst_group, a->version);
+  return absl::OkStatus();
+}
+
+StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req) {
+  auto a = find(req.sync_id());
+  if (!a) return absl::NotFoundError(strCat("sync ", req.sync_id(), " was not prepared on node \"", node_, "\""));
+  const CachedPlan& cp = *a->plan;
+  const planner::Plan& plan = cp.plan;
+  v1::ExecuteResponse resp;
+  if (a->self < 0) return resp;
+  const int32_t self = a->self;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(req.timeout_ms() ? req.timeout_ms() : 300000);
+
+  // Directory: transport address and arena of every node.
+  std::map<int32_t, std::pair<std::string, transport::RemoteRegion>> dir;
+  for (const auto& n : req.nodes()) {
+    int32_t id = -1;
+    for (int32_t i = 0; i < cp.nodes.size(); ++i)
+      if (cp.nodes.name(i) == n.node()) id = i;
+    if (id < 0) continue;
+    transport::RemoteRegion arena;
+    if (!n.arena_region().empty()) {
+      SC_ASSIGN_OR_RETURN(arena, transport::RemoteRegion::parse(n.arena_region()));
+    }
+    dir[id] = {n.transport_address(), arena};
+  }
+  auto endpoint = [&](int32_t node) -> StatusOr<std::shared_ptr<transport::Endpoint>> {
+    auto it = dir.find(node);
+    if (it == dir.end()) return absl::FailedPreconditionError(strCat("no daemon for node \"", cp.nodes.name(node), "\""));
+    return transport_.connect(it->second.first, cp.nodes.name(node));
+  };
+  auto buffer = [&](const planner::ResolvedLayout& l, const planner::Region& r) {
+    return registry_.localBuffer(l.group, r.rank, l.buffer_names[r.buffer]);
+  };
+  // Sends bytes [off, off + n) of `src` to `node`'s arena for transfer t, then the notification.
+  auto send = [&](const std::shared_ptr<transport::MemoryRegion>& src, uint64_t off, int32_t t, int32_t chain, int32_t hop,
+                  int32_t node, uint64_t checksum) -> Status {
+    SC_ASSIGN_OR_RETURN(auto ep, endpoint(node));
+    const uint64_t n = static_cast<uint64_t>(plan.transfers[t].bytes);
+    const uint64_t at = cp.landingOffset(t, node);
+    {
+      std::lock_guard<std::mutex> lock(a->mu);
+      a->writes_pending += 2;
+    }
+    auto done = [a](Status st) {
+      if (!st.ok()) {
+        std::lock_guard<std::mutex> lock(a->mu);
+        if (a->failure.ok()) a->failure = st;
+      }
+      {
+        std::lock_guard<std::mutex> lock(a->mu);
+        --a->writes_pending;
+      }
+      a->cv.notify_all();
+    };
+    ep->write({src, off, dir[node].second, at, n}, done);
+    ep->notify(strCat(a->id, " ", t, " ", chain, " ", hop, " ", checksum), done);
+    resp.set_bytes_sent(resp.bytes_sent() + n);
+    return absl::OkStatus();
+  };
+
+  // 1. Colocated fragments: straight from local source ranks into local destination ranks.
+  for (const auto& ls : plan.local_sources) {
+    if (ls.node != self) continue;
+    const auto& frag = plan.fragments[ls.fragment];
+    const int64_t elem = cp.dst.tensors[plan.tensors[frag.tensor].dst].elemBytes();
+    for (const auto& [sub, dr] : planner::destinationRegions(plan, cp.dst, ls.fragment, self)) {
+      const auto sr = planner::sourceRegion(plan, cp.src, ls.fragment, ls.src_rank, sub);
+      SC_ASSIGN_OR_RETURN(auto sb, buffer(cp.src, sr));
+      SC_ASSIGN_OR_RETURN(auto db, buffer(cp.dst, dr));
+      SC_RETURN_IF_ERROR(copies_->copy({db.data, transport::MemoryKind::kHost, dr.offset, dr.strides},
+                                       {sb.data, transport::MemoryKind::kHost, sr.offset, sr.strides}, dr.extent, elem));
+      resp.set_local_bytes(resp.local_bytes() + static_cast<uint64_t>(sub.volume() * elem));
+    }
+  }
+
+  // 2. Transfers this node's source ranks head: pack each fragment, send to the chain's first node.
+  for (int32_t t = 0; t < static_cast<int32_t>(plan.transfers.size()); ++t) {
+    const auto& tr = plan.transfers[t];
+    std::shared_ptr<transport::MemoryRegion> staging;
+    uint64_t checksum = 0;
+    for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
+      const auto& ch = plan.chains[c];
+      if (ch.src_node != self) continue;
+      if (!staging) {
+        SC_ASSIGN_OR_RETURN(staging, transport_.allocateMemory(static_cast<size_t>(tr.bytes)));
+        for (int32_t i = 0; i < tr.fragments_count; ++i) {
+          const int32_t f = plan.transfer_fragments[tr.fragments_begin + i];
+          const auto& frag = plan.fragments[f];
+          const int64_t elem = cp.src.tensors[plan.tensors[frag.tensor].src].elemBytes();
+          const int32_t rank = planner::sourceRank(plan, cp.src, f, ch);
+          const auto sr = planner::sourceRegion(plan, cp.src, f, rank);
+          SC_ASSIGN_OR_RETURN(auto sb, buffer(cp.src, sr));
+          SC_RETURN_IF_ERROR(copies_->copy(
+              {static_cast<std::byte*>(staging->data()) + cp.fragment_offset[f], transport::MemoryKind::kHost, 0, denseFor(frag.box)},
+              {sb.data, transport::MemoryKind::kHost, sr.offset, sr.strides}, sr.extent, elem));
+        }
+        if (req.verify()) checksum = XXH64(staging->data(), static_cast<size_t>(tr.bytes), 0);
+      }
+      SC_RETURN_IF_ERROR(send(staging, 0, t, c, 0, plan.chain_nodes[ch.nodes_begin], checksum));
+      std::lock_guard<std::mutex> lock(a->mu);
+      a->keep.push_back(staging);
+    }
+  }
+
+  // 3. Everything that lands here: verify, fan out to local ranks, forward along the chain.
+  int64_t processed = 0;
+  const int64_t expected = cp.incoming[self];
+  while (true) {
+    Landed l{};
+    {
+      std::unique_lock<std::mutex> lock(a->mu);
+      const bool woke = a->cv.wait_until(lock, deadline, [&] {
+        return !a->failure.ok() || !a->landed.empty() || (processed == expected && a->writes_pending == 0);
+      });
+      if (!a->failure.ok()) return a->failure;
+      if (!woke) {
+        return absl::DeadlineExceededError(strCat("sync ", a->id, " on node \"", node_, "\": ", processed, " of ", expected,
+                                                  " transfers landed before the timeout"));
+      }
+      if (a->landed.empty()) break;  // all landed, processed and forwarded
+      l = a->landed.front();
+      a->landed.pop_front();
+    }
+    const auto& tr = plan.transfers[l.transfer];
+    const uint64_t base = cp.landingOffset(l.transfer, self);
+    auto* landed = static_cast<std::byte*>(a->arena->data()) + base;
+    if (req.verify() && XXH64(landed, static_cast<size_t>(tr.bytes), 0) != l.checksum) {
+      return absl::DataLossError(strCat("sync ", a->id, ": transfer ", l.transfer, " arrived at node \"", node_,
+                                        "\" with a wrong checksum"));
+    }
+    for (int32_t i = 0; i < tr.fragments_count; ++i) {
+      const int32_t f = plan.transfer_fragments[tr.fragments_begin + i];
+      const auto& frag = plan.fragments[f];
+      const int64_t elem = cp.dst.tensors[plan.tensors[frag.tensor].dst].elemBytes();
+      const auto dense = denseFor(frag.box);
+      for (const auto& [sub, dr] : planner::destinationRegions(plan, cp.dst, f, self)) {
+        int64_t off = 0;
+        for (int d = 0; d < sub.ndim; ++d) off += (sub.lo[d] - frag.box.lo[d]) * dense[d];
+        SC_ASSIGN_OR_RETURN(auto db, buffer(cp.dst, dr));
+        SC_RETURN_IF_ERROR(copies_->copy({db.data, transport::MemoryKind::kHost, dr.offset, dr.strides},
+                                         {landed + cp.fragment_offset[f], transport::MemoryKind::kHost, off, dense},
+                                         dr.extent, elem));
+        resp.set_local_bytes(resp.local_bytes() + static_cast<uint64_t>(sub.volume() * elem));
+      }
+    }
+    resp.set_bytes_received(resp.bytes_received() + static_cast<uint64_t>(tr.bytes));
+    const auto& ch = plan.chains[l.chain];
+    if (l.hop + 1 < ch.nodes_count)
+      SC_RETURN_IF_ERROR(send(a->arena, base, l.transfer, l.chain, l.hop + 1, plan.chain_nodes[ch.nodes_begin + l.hop + 1],
+                              l.checksum));
+    ++processed;
+  }
+  if (registry_.generation() != a->generation)
+    return absl::AbortedError(strCat("sync ", a->id, ": registrations on node \"", node_, "\" changed during the sync"));
+  return resp;
+}
+
+}  // namespace shardcast::daemon

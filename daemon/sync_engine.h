@@ -1,0 +1,87 @@
+// One daemon's part of a sync. Three phases, driven by the coordinating daemon over the Peer
+// service:
+//   prepare  plan (cached by the layouts' digests; every daemon computes the same deterministic
+//            plan), allocate this node's landing arena, start accepting "landed" notifications
+//   execute  copy colocated fragments locally; pack and send the fragments this node's source ranks
+//            head; for every transfer landing here: verify (optional), fan out to the local
+//            destination ranks, forward it to the next node of its relay chain
+//   finish   commit the destination group's version here, or abort and drop everything
+// Writes and notifications go through the transport; execute's work runs on the calling (gRPC)
+// thread, which the transport's progress thread feeds through a queue. See docs/daemon.md.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "common/status.h"
+#include "daemon/registry.h"
+#include "planner/plan.h"
+#include "shardcast/v1/service.pb.h"
+#include "transport/copy_engine.h"
+#include "transport/transport.h"
+
+namespace shardcast::daemon {
+
+// A plan with everything needed to execute it, shared by the syncs that repeat it.
+struct CachedPlan {
+  planner::NodeTable nodes;
+  planner::ResolvedLayout src, dst;
+  planner::Plan plan;
+  // Per transfer: (node, offset in that node's arena) for every node the transfer lands on.
+  std::vector<std::vector<std::pair<int32_t, uint64_t>>> landing;
+  std::vector<uint64_t> arena_bytes;            // per node
+  std::vector<uint64_t> fragment_offset;        // per fragment: offset inside its transfer
+  std::vector<int64_t> incoming;                // per node: landings to process
+
+  uint64_t landingOffset(int32_t transfer, int32_t node) const;
+};
+
+class PlanCache {
+ public:
+  // The plan for these layouts; *hit says whether it was cached.
+  StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst, bool* hit);
+  uint64_t hits() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::string, std::shared_ptr<const CachedPlan>> plans_;
+  uint64_t hits_ = 0;
+};
+
+class SyncEngine {
+ public:
+  SyncEngine(std::string node, Registry& registry, transport::Context& transport);
+  ~SyncEngine();
+
+  StatusOr<v1::PrepareResponse> prepare(const v1::PrepareRequest& req);
+  StatusOr<v1::ExecuteResponse> execute(const v1::ExecuteRequest& req);
+  Status finish(const v1::FinishRequest& req);
+  PlanCache& plans() { return plans_; }
+
+ private:
+  struct Landed {
+    int32_t transfer;
+    int32_t chain;
+    int32_t hop;
+    uint64_t checksum;
+  };
+  struct Active;
+
+  void onNotification(const std::string& payload);
+  std::shared_ptr<Active> find(const std::string& id);
+
+  std::string node_;
+  Registry& registry_;
+  transport::Context& transport_;
+  PlanCache plans_;
+  std::unique_ptr<transport::CopyEngine> copies_;
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<Active>> active_;
+  std::map<std::string, std::string> busy_groups_;  // destination group -> sync id
+};
+
+}  // namespace shardcast::daemon

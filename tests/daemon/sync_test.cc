@@ -1,0 +1,201 @@
+// End-to-end syncs between real daemons on loopback: trainer ranks in shared memory, inference
+// ranks in another layout (colocated on one node, remote on others), every destination byte checked.
+#include <catch2/catch.hpp>
+
+#include <map>
+
+#include "planner/layout.h"
+#include "tests/daemon/daemon_harness.h"
+#include "transport/shm.h"
+
+using namespace shardcast;
+using namespace shardcast::testing;
+
+namespace {
+
+const char* kTrainer = R"({"group":"trainer","mesh":{"shape":[4]},"nodes":["n0","n0","n1","n1"],"tensors":[
+  {"name":"w","shape":[16,8],"dtype":"int32","placements":[{"shard":{"dim":0}}]},
+  {"name":"o","shape":[8,16],"dtype":"int32","placements":[{"shard":{"dim":0}}]},
+  {"name":"norm","shape":[8],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})";
+// vLLM-like: dp=2 x tp=2; replica 0 on n2, replica 1 colocated with trainer ranks on n0.
+const char* kInference = R"({"group":"infer","mesh":{"shape":[2,2]},"nodes":["n2","n2","n0","n0"],"tensors":[
+  {"name":"w","shape":[16,8],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":0}}]},
+  {"name":"o","shape":[8,16],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":1}}]},
+  {"name":"norm","shape":[8],"dtype":"int32"}]})";
+
+int32_t valueOf(const std::string& tensor, int64_t flat, int version) {
+  return static_cast<int32_t>(tensor.size() * 100000 + flat * 10 + version);
+}
+
+// One rank's buffers, all in one shared-memory segment.
+struct RankMemory {
+  std::unique_ptr<transport::ShmSegment> seg;
+  std::map<std::string, std::pair<uint64_t, uint64_t>> buffers;  // name -> (offset, size)
+};
+
+RankMemory allocate(const planner::ResolvedLayout& l, int32_t rank, const std::string& tag) {
+  RankMemory m;
+  uint64_t off = 0;
+  for (const auto& [buffer, bytes] : l.rankBuffers(rank)) {
+    m.buffers[l.buffer_names[buffer]] = {off, static_cast<uint64_t>(bytes)};
+    off += (bytes + 63) / 64 * 64;
+  }
+  auto seg = transport::ShmSegment::create("/sc-sync-" + std::to_string(::getpid()) + "-" + tag, std::max<uint64_t>(off, 64));
+  REQUIRE(seg.ok());
+  m.seg = std::make_unique<transport::ShmSegment>(std::move(*seg));
+  return m;
+}
+
+// Calls fn(tensor, piece, element offset in the rank's buffer, global flat index) for every element of `rank`.
+template <typename Fn>
+void forEachElement(const planner::ResolvedLayout& l, int32_t rank, Fn&& fn) {
+  for (const auto& t : l.tensors)
+    for (const auto& p : t.pieces) {
+      if (p.rank != rank) continue;
+      const auto& b = t.boxes[p.box];
+      std::vector<int64_t> idx(b.lo.begin(), b.lo.begin() + b.ndim);
+      if (b.empty()) continue;
+      while (true) {
+        int64_t off = p.offset, flat = 0;
+        for (int d = 0; d < b.ndim; ++d) {
+          off += (idx[d] - b.lo[d]) * l.strides[p.strides][d];
+          flat = flat * t.shape[d] + idx[d];
+        }
+        fn(t, p, off, flat);
+        int d = b.ndim - 1;
+        while (d >= 0 && ++idx[d] == b.hi[d]) idx[d] = b.lo[d], --d;
+        if (d < 0) break;
+      }
+    }
+}
+
+int32_t* at(RankMemory& m, const planner::ResolvedLayout& l, const planner::PieceRef& p, int64_t off) {
+  auto* base = static_cast<std::byte*>(m.seg->data()) + m.buffers[l.buffer_names[p.buffer]].first;
+  return reinterpret_cast<int32_t*>(base) + off;
+}
+
+v1::RegisterRequest request(const v1::Layout& layout, int32_t rank, int32_t world, const RankMemory& m) {
+  v1::RegisterRequest r;
+  r.set_group(layout.group());
+  r.set_rank(rank);
+  r.set_world_size(world);
+  *r.mutable_layout() = layout;
+  for (const auto& [name, where] : m.buffers) {
+    auto* b = r.add_buffers();
+    b->set_buffer(name);
+    b->mutable_shm()->set_name(m.seg->name());
+    b->mutable_shm()->set_offset(where.first);
+    b->mutable_shm()->set_size(where.second);
+  }
+  return r;
+}
+
+struct Cluster {
+  std::vector<int> ports;
+  std::vector<std::unique_ptr<Daemon>> daemons;
+  Cluster() {
+    for (int i = 0; i < 3; ++i) ports.push_back(freePort());
+    for (int i = 0; i < 3; ++i) start(i);
+  }
+  void start(int i) {
+    std::vector<std::string> peers;
+    for (int p : ports) peers.push_back("127.0.0.1:" + std::to_string(p));
+    if (daemons.size() <= static_cast<size_t>(i)) daemons.resize(i + 1);
+    daemons[i] = std::make_unique<Daemon>("n" + std::to_string(i), ports[i], peers);
+    REQUIRE(daemons[i]->ready());
+  }
+  Daemon& node(const std::string& name) { return *daemons[name[1] - '0']; }
+};
+
+}  // namespace
+
+TEST_CASE("syncs move every byte into the destination layout, version after version", "[daemon][sync]") {
+  Cluster cluster;
+  const auto src_proto = *planner::parseLayoutJson(kTrainer, "trainer");
+  const auto dst_proto = *planner::parseLayoutJson(kInference, "infer");
+  planner::NodeTable nodes;
+  const auto src = *planner::resolveLayout(src_proto, nodes);
+  const auto dst = *planner::resolveLayout(dst_proto, nodes);
+  std::vector<RankMemory> smem, dmem;
+  for (int32_t r = 0; r < 4; ++r) smem.push_back(allocate(src, r, "t" + std::to_string(r)));
+  for (int32_t r = 0; r < 4; ++r) dmem.push_back(allocate(dst, r, "i" + std::to_string(r)));
+  auto fill = [&](int version) {
+    for (int32_t r = 0; r < 4; ++r)
+      forEachElement(src, r, [&](const planner::TensorLayout& t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        *at(smem[r], src, p, off) = valueOf(t.name, flat, version);
+      });
+  };
+  auto wrong = [&](int version) {
+    int64_t bad = 0;
+    for (int32_t r = 0; r < 4; ++r)
+      forEachElement(dst, r, [&](const planner::TensorLayout& t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        bad += *at(dmem[r], dst, p, off) != valueOf(t.name, flat, version);
+      });
+    return bad;
+  };
+  for (int32_t r = 0; r < 4; ++r) {
+    v1::RegisterResponse resp;
+    REQUIRE(cluster.node(nodes.name(src.rank_node[r])).client()->Register(ctx().get(), request(src_proto, r, 4, smem[r]), &resp).ok());
+  }
+  // The inference group is still incomplete: the sync fails fast and names the missing ranks.
+  v1::SyncRequest sync;
+  sync.set_src_group("trainer");
+  sync.set_dst_group("infer");
+  sync.set_version(1);
+  v1::SyncResponse out;
+  grpc::Status st = cluster.node("n2").client()->Sync(ctx().get(), sync, &out);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("group \"infer\" has no registered ranks"));
+  for (int32_t r = 0; r < 4; ++r) {
+    v1::RegisterResponse resp;
+    REQUIRE(cluster.node(nodes.name(dst.rank_node[r])).client()->Register(ctx().get(), request(dst_proto, r, 4, dmem[r]), &resp).ok());
+  }
+
+  for (int version = 1; version <= 3; ++version) {
+    fill(version);
+    sync.set_version(version);
+    sync.mutable_options()->set_verify(version == 2);
+    // Coordinated by a different daemon each time.
+    Daemon& coordinator = *cluster.daemons[version % 3];
+    st = coordinator.client()->Sync(ctx().get(), sync, &out);
+    INFO("version " << version << ": " << st.error_message());
+    REQUIRE(st.ok());
+    CHECK(wrong(version) == 0);
+    CHECK(out.version() == static_cast<uint64_t>(version));
+    CHECK(out.network_bytes() > 0);
+    CHECK(out.plan_cached() == (version > 1 && coordinator.node() != "n1"));
+  }
+  // Inference ranks see the committed version on their nodes.
+  v1::WaitVersionRequest wv;
+  wv.set_group("infer");
+  wv.set_version(3);
+  wv.set_timeout_ms(1000);
+  v1::WaitVersionResponse wvr;
+  REQUIRE(cluster.node("n2").client()->WaitVersion(ctx().get(), wv, &wvr).ok());
+  CHECK(wvr.version() == 3);
+  // An old version is refused and nothing changes.
+  sync.set_version(2);
+  st = cluster.node("n0").client()->Sync(ctx().get(), sync, &out);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("is not newer"));
+  CHECK(wrong(3) == 0);
+
+  // A daemon that dies: the sync fails naming it, no version moves; after a restart and
+  // re-registration the next sync succeeds.
+  cluster.daemons[1]->kill();
+  fill(4);
+  sync.set_version(4);
+  st = cluster.node("n0").client()->Sync(ctx().get(), sync, &out);
+  CHECK(st.error_code() == grpc::StatusCode::UNAVAILABLE);
+  REQUIRE(cluster.node("n2").client()->WaitVersion(ctx().get(), wv, &wvr).ok());
+  CHECK(wvr.version() == 3);
+  cluster.start(1);
+  for (int32_t r = 2; r < 4; ++r) {
+    v1::RegisterResponse resp;
+    REQUIRE(cluster.node("n1").client()->Register(ctx().get(), request(src_proto, r, 4, smem[r]), &resp).ok());
+  }
+  st = cluster.node("n0").client()->Sync(ctx().get(), sync, &out);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  CHECK(wrong(4) == 0);
+}
