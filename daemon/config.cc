@@ -15,7 +15,7 @@ std::string DaemonConfig::describe() const {
      << " socket=" << (socket.empty() ? "(none)" : socket) << " peers=" << (peers.empty() ? "(none)" : strJoin(peers, ","))
      << " peer_dns=" << (peer_dns.empty() ? "(none)" : peer_dns) << " transport=" << transport
      << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol << " log_level=" << log_level
-     << " peer_timeout_ms=" << peer_timeout_ms;
+     << " peer_timeout_ms=" << peer_timeout_ms << " metrics=" << (metrics.empty() ? "(off)" : metrics);
   return os.str();
 }
 
@@ -55,6 +55,8 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
       ->capture_default_str();
   app.add_option("--peer-timeout-ms", c.peer_timeout_ms, "Deadline of calls between daemons")
       ->envname("SHARDCAST_PEER_TIMEOUT_MS")->check(CLI::Range(1, 600000))->capture_default_str();
+  app.add_option("--metrics", c.metrics, "host:port of the Prometheus /metrics endpoint (empty: off)")
+      ->envname("SHARDCAST_METRICS")->capture_default_str();
   bool print_config = false;
   app.add_flag("--print-config", print_config, "Print the effective configuration and exit");
   try {
@@ -69,6 +71,7 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   if (!c.listen.empty()) SC_RETURN_IF_ERROR(checkHostPort("--listen", c.listen));
   for (const auto& p : c.peers) SC_RETURN_IF_ERROR(checkHostPort("--peers entry", p));
   if (!c.peer_dns.empty()) SC_RETURN_IF_ERROR(checkHostPort("--peer-dns", c.peer_dns));
+  if (!c.metrics.empty()) SC_RETURN_IF_ERROR(checkHostPort("--metrics", c.metrics));
   if (!c.peers.empty() && !c.peer_dns.empty()) return absl::InvalidArgumentError("give --peers or --peer-dns, not both");
   if (c.listen.empty() && c.socket.empty()) return absl::InvalidArgumentError("--listen and --socket are both empty");
   if (print_config) {

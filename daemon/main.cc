@@ -15,6 +15,7 @@
 
 #include "common/logging.h"
 #include "daemon/config.h"
+#include "daemon/metrics.h"
 #include "daemon/registry.h"
 #include "daemon/service.h"
 #include "transport/transport.h"
@@ -67,8 +68,19 @@ int main(int argc, char** argv) {
 
   Registry registry(config->node, **transport);
   PeerSet peers(*config);
-  SyncEngine engine(config->node, registry, **transport);
-  ShardcastService shardcast(*config, registry, peers, engine, (*transport)->describe());
+  Metrics metrics;
+  SyncEngine engine(config->node, registry, **transport, metrics);
+  metrics.registered_bytes = [&] { return registry.registeredBytes(); };
+  metrics.registered_ranks = [&] { return static_cast<uint64_t>(registry.registeredRanks()); };
+  metrics.plan_cache_hits = [&] { return engine.plans().hits(); };
+  std::unique_ptr<MetricsServer> metrics_server;
+  if (!config->metrics.empty()) {
+    const auto colon = config->metrics.rfind(':');
+    auto m = MetricsServer::start(config->metrics.substr(0, colon), std::stoi(config->metrics.substr(colon + 1)), metrics);
+    if (!m.ok()) return fail(std::string(m.status().message()));
+    metrics_server = std::move(*m);
+  }
+  ShardcastService shardcast(*config, registry, peers, engine, metrics, (*transport)->describe());
   PeerService peer(registry, engine);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -94,7 +106,8 @@ int main(int argc, char** argv) {
   spdlog::info("serving node \"{}\" on {}{}", config->node, config->listen.empty() ? "" : config->listen + " ",
                config->socket.empty() ? "" : "unix:" + config->socket);
   // Stdout line for supervisors and tests: the daemon is ready.
-  std::cout << "shardcastd ready node=" << config->node << " port=" << tcp_port << std::endl;
+  std::cout << "shardcastd ready node=" << config->node << " port=" << tcp_port
+            << " metrics_port=" << (metrics_server ? metrics_server->port() : 0) << std::endl;
 
   const int sig = waitForSignal(signals);
   spdlog::info("signal {} received: shutting down", sig);

@@ -14,8 +14,9 @@ namespace shardcast::daemon {
 inline constexpr const char* kVersion = "0.1.0";
 
 ShardcastService::ShardcastService(const DaemonConfig& config, Registry& registry, PeerSet& peers, SyncEngine& engine,
-                                   std::string transport)
-    : config_(config), registry_(registry), peers_(peers), engine_(engine), transport_(std::move(transport)) {}
+                                   Metrics& metrics, std::string transport)
+    : config_(config), registry_(registry), peers_(peers), engine_(engine), metrics_(metrics),
+      transport_(std::move(transport)) {}
 
 std::string ShardcastService::selfAddress() const {
   if (config_.listen.empty()) return "unix:" + config_.socket;
@@ -33,6 +34,18 @@ StatusOr<std::pair<ClusterView, std::vector<std::string>>> ShardcastService::clu
 }
 
 grpc::Status ShardcastService::Sync(grpc::ServerContext*, const v1::SyncRequest* req, v1::SyncResponse* out) {
+  const grpc::Status st = coordinate(*req, out);
+  if (st.ok()) {
+    ++metrics_.syncs_ok;
+    metrics_.sync_micros_sum += static_cast<uint64_t>(out->seconds() * 1e6);
+  } else {
+    ++metrics_.syncs_failed;
+  }
+  return st;
+}
+
+grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::SyncResponse* out) {
+  const v1::SyncRequest* req = &request;
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   if (req->src_group().empty() || req->dst_group().empty() || req->src_group() == req->dst_group())

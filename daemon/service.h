@@ -16,9 +16,10 @@ namespace shardcast::daemon {
 class ShardcastService final : public v1::Shardcast::Service {
  public:
   ShardcastService(const DaemonConfig& config, Registry& registry, PeerSet& peers, SyncEngine& engine,
-                   std::string transport);
+                   Metrics& metrics, std::string transport);
 
   grpc::Status Sync(grpc::ServerContext*, const v1::SyncRequest*, v1::SyncResponse*) override;
+  grpc::Status coordinate(const v1::SyncRequest& req, v1::SyncResponse* out);
   grpc::Status WaitVersion(grpc::ServerContext*, const v1::WaitVersionRequest*, v1::WaitVersionResponse*) override;
   grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest*, v1::RegisterResponse*) override;
   grpc::Status Unregister(grpc::ServerContext*, const v1::UnregisterRequest*, v1::UnregisterResponse*) override;
@@ -36,6 +37,7 @@ class ShardcastService final : public v1::Shardcast::Service {
   Registry& registry_;
   PeerSet& peers_;
   SyncEngine& engine_;
+  Metrics& metrics_;
   std::atomic<uint64_t> next_sync_{1};
   std::string transport_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();

@@ -92,8 +92,9 @@ struct SyncEngine::Active {
   std::vector<std::shared_ptr<transport::MemoryRegion>> keep;
 };
 
-SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context& transport)
-    : node_(std::move(node)), registry_(registry), transport_(transport), copies_(transport::makeHostCopyEngine()) {
+SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics)
+    : node_(std::move(node)), registry_(registry), transport_(transport), metrics_(metrics),
+      copies_(transport::makeHostCopyEngine()) {
   transport_.setNotificationHandler([this](std::string payload) { onNotification(payload); });
 }
 
@@ -328,6 +329,9 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   }
   if (registry_.generation() != a->generation)
     return absl::AbortedError(strCat("sync ", a->id, ": registrations on node \"", node_, "\" changed during the sync"));
+  metrics_.bytes_sent += resp.bytes_sent();
+  metrics_.bytes_received += resp.bytes_received();
+  metrics_.local_bytes += resp.local_bytes();
   return resp;
 }
 

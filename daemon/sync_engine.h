@@ -18,6 +18,7 @@
 #include <string>
 
 #include "common/status.h"
+#include "daemon/metrics.h"
 #include "daemon/registry.h"
 #include "planner/plan.h"
 #include "shardcast/v1/service.pb.h"
@@ -54,7 +55,7 @@ class PlanCache {
 
 class SyncEngine {
  public:
-  SyncEngine(std::string node, Registry& registry, transport::Context& transport);
+  SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics);
   ~SyncEngine();
 
   StatusOr<v1::PrepareResponse> prepare(const v1::PrepareRequest& req);
@@ -77,6 +78,7 @@ class SyncEngine {
   std::string node_;
   Registry& registry_;
   transport::Context& transport_;
+  Metrics& metrics_;
   PlanCache plans_;
   std::unique_ptr<transport::CopyEngine> copies_;
   std::mutex mu_;

@@ -15,6 +15,10 @@
 #include "shardcast/v1/service.grpc.pb.h"
 #include "tests/transport/process.h"
 
+#ifndef SHARDCASTD_PATH
+#define SHARDCASTD_PATH "shardcastd"
+#endif
+
 namespace shardcast::testing {
 
 // A TCP port free right now on 127.0.0.1 (the kernel picks it).
@@ -32,11 +36,13 @@ inline int freePort() {
 
 class Daemon {
  public:
-  Daemon(std::string node, int port, std::vector<std::string> peers, std::vector<std::string> extra = {})
+  // `extra` flags come last (a later --ucx-tls overrides the tcp default).
+  Daemon(std::string node, int port, std::vector<std::string> peers, std::vector<std::string> extra = {},
+         std::string binary = SHARDCASTD_PATH)
       : node_(std::move(node)), port_(port) {
     socket_ = "/tmp/shardcast-test-" + std::to_string(::getpid()) + "-" + node_ + ".sock";
-    std::vector<std::string> argv = {SHARDCASTD_PATH, "--node", node_, "--listen", address(), "--socket", socket_,
-                                     "--ucx-tls", "tcp", "--log-level", "warn"};
+    std::vector<std::string> argv = {binary, "--node", node_, "--listen", address(), "--socket", socket_,
+                                     "--ucx-tls", "tcp", "--log-level", "warn", "--metrics", "127.0.0.1:0"};
     if (!peers.empty()) {
       std::string list;
       for (const auto& p : peers) list += (list.empty() ? "" : ",") + p;
@@ -50,6 +56,10 @@ class Daemon {
   ~Daemon() { stop(); }
 
   bool ready() const { return ready_line_.rfind("shardcastd ready", 0) == 0; }
+  int metricsPort() const {
+    const auto at = ready_line_.find("metrics_port=");
+    return at == std::string::npos ? 0 : std::stoi(ready_line_.substr(at + 13));
+  }
   const std::string& readyLine() const { return ready_line_; }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   const std::string& socketPath() const { return socket_; }

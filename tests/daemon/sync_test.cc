@@ -2,6 +2,8 @@
 // ranks in another layout (colocated on one node, remote on others), every destination byte checked.
 #include <catch2/catch.hpp>
 
+#include <httplib.h>
+
 #include <map>
 
 #include "planner/layout.h"
@@ -165,6 +167,14 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
     CHECK(out.network_bytes() > 0);
     CHECK(out.plan_cached() == (version > 1 && coordinator.node() != "n1"));
   }
+  // Prometheus metrics of a coordinator: committed syncs and bytes moved.
+  httplib::Client http("127.0.0.1", cluster.daemons[1]->metricsPort());
+  auto scrape = http.Get("/metrics");
+  REQUIRE(scrape);
+  CHECK(scrape->status == 200);
+  CHECK_THAT(scrape->body, Catch::Contains("shardcast_syncs_total{outcome=\"committed\"} 1"));
+  CHECK_THAT(scrape->body, Catch::Contains("shardcast_registered_ranks 2"));
+  CHECK_THAT(scrape->body, Catch::Contains("shardcast_bytes_sent_total"));
   // Inference ranks see the committed version on their nodes.
   v1::WaitVersionRequest wv;
   wv.set_group("infer");

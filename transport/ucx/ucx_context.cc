@@ -164,7 +164,8 @@ class UcxEngine {
   void run();
   void partDone(uint64_t op_id, const Status& st);
   void finishOp(uint64_t op_id);
-  void failEndpoint(EpState& ep, const Status& st);
+  // quiet: an intentional close (logged at debug), not a failure.
+  void failEndpoint(EpState& ep, const Status& st, bool quiet = false);
   void flushNotifies(EpState& ep);
   void sendNotify(EpState& ep, std::string payload, Completion done);
   void checkDeadlines();
@@ -480,10 +481,11 @@ void UcxEngine::sendNotify(EpState& ep, std::string payload, Completion done) {
   }
 }
 
-void UcxEngine::failEndpoint(EpState& ep, const Status& st) {
+void UcxEngine::failEndpoint(EpState& ep, const Status& st, bool quiet) {
   if (ep.error.ok()) {
     ep.error = st;
-    spdlog::warn("transport '{}': {}", options_.name, std::string(st.message()));
+    if (quiet || stopping_) spdlog::debug("transport '{}': {}", options_.name, std::string(st.message()));
+    else spdlog::warn("transport '{}': {}", options_.name, std::string(st.message()));
   }
   std::vector<uint64_t> failed;
   for (auto& [id, op] : ops_)
@@ -500,7 +502,7 @@ void UcxEngine::failEndpoint(EpState& ep, const Status& st) {
 void UcxEngine::closeEndpoint(const std::shared_ptr<EpState>& ep, bool force) {
   if (!ep->ep) return;
   force = force || !ep->error.ok();  // a failed connection cannot be flushed
-  failEndpoint(*ep, absl::FailedPreconditionError(strCat("endpoint to peer '", ep->name, "' is closed")));
+  failEndpoint(*ep, absl::FailedPreconditionError(strCat("endpoint to peer '", ep->name, "' is closed")), /*quiet=*/true);
   for (auto& [packed, rkey] : ep->rkeys) ucp_rkey_destroy(rkey);
   ep->rkeys.clear();
   ucp_request_param_t rp{};

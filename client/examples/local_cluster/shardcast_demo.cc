@@ -1,0 +1,262 @@
+// The README's main job: a small Shardcast cluster on this machine. Starts one shardcastd per
+// node (2 trainer nodes, 3 inference nodes by default), puts a Llama-like model's weights into
+// shared memory in the trainer layout (FSDP over 8 ranks), registers inference ranks in another
+// layout (vLLM-like TP=4 per node, fused qkv / gate_up), syncs it several versions in a row,
+// verifies every destination byte after each sync, and prints the plan and the throughput.
+//
+//   build/bin/shardcast-demo [--layers 4] [--hidden 1024] [--syncs 3] [--trainer-nodes 2]
+//                            [--inference-nodes 3] [--ucx-tls TLS] [--verify]
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <map>
+
+#include "planner/layout.h"
+#include "planner/report.h"
+#include "tests/daemon/daemon_harness.h"
+#include "transport/shm.h"
+
+using namespace shardcast;
+using namespace shardcast::testing;
+
+namespace {
+
+struct Options {
+  int layers = 4, syncs = 3, trainer_nodes = 2, inference_nodes = 3;
+  int64_t hidden = 1024, vocab = 32000;
+  std::string tls;
+  bool verify = false;
+};
+
+std::string layoutJson(const Options& o, bool trainer) {
+  const int64_t h = o.hidden, inter = h * 11 / 4, kv = h / 4;
+  struct T {
+    std::string name;
+    std::vector<int64_t> shape;
+    char kind;  // c column, r row, n norm
+  };
+  std::vector<T> ts{{"model.embed_tokens.weight", {o.vocab, h}, 'c'}};
+  for (int l = 0; l < o.layers; ++l) {
+    const std::string p = fmt::format("model.layers.{}.", l);
+    ts.push_back({p + "self_attn.q_proj.weight", {h, h}, 'c'});
+    ts.push_back({p + "self_attn.k_proj.weight", {kv, h}, 'c'});
+    ts.push_back({p + "self_attn.v_proj.weight", {kv, h}, 'c'});
+    ts.push_back({p + "self_attn.o_proj.weight", {h, h}, 'r'});
+    ts.push_back({p + "mlp.gate_proj.weight", {inter, h}, 'c'});
+    ts.push_back({p + "mlp.up_proj.weight", {inter, h}, 'c'});
+    ts.push_back({p + "mlp.down_proj.weight", {h, inter}, 'r'});
+    ts.push_back({p + "input_layernorm.weight", {h}, 'n'});
+  }
+  ts.push_back({"lm_head.weight", {o.vocab, h}, 'c'});
+  std::string json;
+  for (const auto& t : ts) {
+    std::string placements;
+    if (trainer) placements = R"([{"shard":{"dim":0}}])";
+    else if (t.kind == 'c') placements = R"([{"replicate":{}},{"shard":{"dim":0}}])";
+    else if (t.kind == 'r') placements = R"([{"replicate":{}},{"shard":{"dim":1}}])";
+    else placements = R"([{"replicate":{}},{"replicate":{}}])";
+    json += fmt::format(R"({}{{"name":"{}","shape":[{}],"dtype":"bfloat16","placements":{}}})", json.empty() ? "" : ",",
+                        t.name, fmt::join(t.shape, ","), placements);
+  }
+  if (trainer)
+    return fmt::format(R"({{"group":"trainer","mesh":{{"shape":[{}]}},"ranks_per_node":4,"node_prefix":"trainer-","tensors":[{}]}})",
+                       o.trainer_nodes * 4, json);
+  std::string fused;
+  for (int l = 0; l < o.layers; ++l)
+    fused += fmt::format(R"({}{{"name":"model.layers.{}.self_attn.qkv_proj.weight","dim":0,"tensors":["model.layers.{}.self_attn.q_proj.weight","model.layers.{}.self_attn.k_proj.weight","model.layers.{}.self_attn.v_proj.weight"]}},{{"name":"model.layers.{}.mlp.gate_up_proj.weight","dim":0,"tensors":["model.layers.{}.mlp.gate_proj.weight","model.layers.{}.mlp.up_proj.weight"]}})",
+                         l ? "," : "", l, l, l, l, l, l, l);
+  return fmt::format(R"({{"group":"vllm","mesh":{{"shape":[{},4],"dim_names":["dp","tp"]}},"ranks_per_node":4,"node_prefix":"inference-","tensors":[{}],"fused":[{}]}})",
+                     o.inference_nodes, json, fused);
+}
+
+// One rank's buffers in one shared-memory segment.
+struct RankMemory {
+  std::unique_ptr<transport::ShmSegment> seg;
+  std::map<int32_t, uint64_t> offset;  // buffer id -> offset
+  std::map<std::string, std::pair<uint64_t, uint64_t>> named;
+};
+
+RankMemory allocate(const planner::ResolvedLayout& l, int32_t rank, const std::string& tag) {
+  RankMemory m;
+  uint64_t off = 0;
+  for (const auto& [buffer, bytes] : l.rankBuffers(rank)) {
+    m.offset[buffer] = off;
+    m.named[l.buffer_names[buffer]] = {off, static_cast<uint64_t>(bytes)};
+    off += (static_cast<uint64_t>(bytes) + 63) / 64 * 64;
+  }
+  auto seg = transport::ShmSegment::create(fmt::format("/shardcast-demo-{}-{}", ::getpid(), tag), std::max<uint64_t>(off, 64));
+  if (!seg.ok()) throw std::runtime_error(std::string(seg.status().message()));
+  m.seg = std::make_unique<transport::ShmSegment>(std::move(*seg));
+  return m;
+}
+
+uint16_t valueOf(size_t tensor, int64_t flat, int version) {
+  return static_cast<uint16_t>(tensor * 7919 + static_cast<uint64_t>(flat) * 31 + static_cast<uint64_t>(version) * 1009);
+}
+
+// Writes (or, with check, counts mismatches of) every element a rank holds.
+int64_t visit(const planner::ResolvedLayout& l, int32_t rank, RankMemory& m, int version, bool check) {
+  int64_t bad = 0;
+  for (size_t ti = 0; ti < l.tensors.size(); ++ti) {
+    const auto& t = l.tensors[ti];
+    for (const auto& p : t.pieces) {
+      if (p.rank != rank) continue;
+      const auto& b = t.boxes[p.box];
+      if (b.empty()) continue;
+      auto* base = reinterpret_cast<uint16_t*>(static_cast<std::byte*>(m.seg->data()) + m.offset[p.buffer]);
+      const auto& st = l.strides[p.strides];
+      std::vector<int64_t> idx(b.lo.begin(), b.lo.begin() + b.ndim);
+      while (true) {
+        int64_t off = p.offset, flat = 0;
+        for (int d = 0; d < b.ndim; ++d) {
+          off += (idx[d] - b.lo[d]) * st[d];
+          flat = flat * t.shape[d] + idx[d];
+        }
+        const uint16_t v = valueOf(ti, flat, version);
+        if (check) bad += base[off] != v;
+        else base[off] = v;
+        int d = b.ndim - 1;
+        while (d >= 0 && ++idx[d] == b.hi[d]) idx[d] = b.lo[d], --d;
+        if (d < 0) break;
+      }
+    }
+  }
+  return bad;
+}
+
+v1::RegisterRequest request(const v1::Layout& layout, int32_t rank, int32_t world, const RankMemory& m) {
+  v1::RegisterRequest r;
+  r.set_group(layout.group());
+  r.set_rank(rank);
+  r.set_world_size(world);
+  *r.mutable_layout() = layout;
+  for (const auto& [name, where] : m.named) {
+    auto* b = r.add_buffers();
+    b->set_buffer(name);
+    b->mutable_shm()->set_name(m.seg->name());
+    b->mutable_shm()->set_offset(where.first);
+    b->mutable_shm()->set_size(where.second);
+  }
+  return r;
+}
+
+int run(const Options& o, const std::string& daemon_path) {
+  const auto src_proto = planner::parseLayoutJson(layoutJson(o, true), "trainer");
+  const auto dst_proto = planner::parseLayoutJson(layoutJson(o, false), "vllm");
+  if (!src_proto.ok() || !dst_proto.ok()) {
+    fmt::print(stderr, "demo layouts: {}\n", std::string((src_proto.ok() ? dst_proto.status() : src_proto.status()).message()));
+    return 1;
+  }
+  planner::NodeTable nodes;
+  const auto src = *planner::resolveLayout(*src_proto, nodes);
+  const auto dst = *planner::resolveLayout(*dst_proto, nodes);
+
+  // One daemon per node, each knowing all the others.
+  std::vector<std::string> names;
+  for (int i = 0; i < o.trainer_nodes; ++i) names.push_back(fmt::format("trainer-{}", i));
+  for (int i = 0; i < o.inference_nodes; ++i) names.push_back(fmt::format("inference-{}", i));
+  std::vector<int> ports;
+  std::vector<std::string> peers;
+  for (size_t i = 0; i < names.size(); ++i) {
+    ports.push_back(freePort());
+    peers.push_back(fmt::format("127.0.0.1:{}", ports.back()));
+  }
+  std::map<std::string, std::unique_ptr<Daemon>> daemons;
+  std::vector<std::string> extra;
+  if (!o.tls.empty()) extra = {"--ucx-tls", o.tls};
+  for (size_t i = 0; i < names.size(); ++i) {
+    daemons[names[i]] = std::make_unique<Daemon>(names[i], ports[i], peers, extra, daemon_path);
+    if (!daemons[names[i]]->ready()) {
+      fmt::print(stderr, "shardcastd for {} did not start: {}\n", names[i], daemons[names[i]]->readyLine());
+      return 1;
+    }
+  }
+  fmt::print("started {} daemons ({} trainer nodes, {} inference nodes) on loopback\n", names.size(), o.trainer_nodes,
+             o.inference_nodes);
+
+  std::vector<RankMemory> smem, dmem;
+  for (int32_t r = 0; r < src.world(); ++r) smem.push_back(allocate(src, r, fmt::format("t{}", r)));
+  for (int32_t r = 0; r < dst.world(); ++r) dmem.push_back(allocate(dst, r, fmt::format("i{}", r)));
+  auto register_all = [&](const v1::Layout& proto, const planner::ResolvedLayout& l, std::vector<RankMemory>& mem) {
+    for (int32_t r = 0; r < l.world(); ++r) {
+      v1::RegisterResponse resp;
+      auto st = daemons[nodes.name(l.rank_node[r])]->client()->Register(ctx().get(), request(proto, r, l.world(), mem[r]), &resp);
+      if (!st.ok()) throw std::runtime_error("register: " + st.error_message());
+    }
+  };
+  register_all(*src_proto, src, smem);
+  register_all(*dst_proto, dst, dmem);
+
+  v1::PlanRequest preq;
+  preq.set_src_group("trainer");
+  preq.set_dst_group("vllm");
+  v1::PlanResponse presp;
+  auto pst = daemons[names[0]]->client()->Plan(ctx().get(), preq, &presp);
+  if (!pst.ok()) throw std::runtime_error("plan: " + pst.error_message());
+  fmt::print("{}\n", presp.summary_text());
+
+  int failures = 0;
+  for (int v = 1; v <= o.syncs; ++v) {
+    for (int32_t r = 0; r < src.world(); ++r) visit(src, r, smem[r], v, false);  // the trainer's step v
+    v1::SyncRequest sync;
+    sync.set_src_group("trainer");
+    sync.set_dst_group("vllm");
+    sync.set_version(static_cast<uint64_t>(v));
+    sync.mutable_options()->set_verify(o.verify);
+    v1::SyncResponse out;
+    auto st = daemons[names[0]]->client()->Sync(ctx(600).get(), sync, &out);
+    if (!st.ok()) {
+      fmt::print(stderr, "sync {} failed: {}\n", v, st.error_message());
+      return 1;
+    }
+    int64_t bad = 0;
+    for (int32_t r = 0; r < dst.world(); ++r) bad += visit(dst, r, dmem[r], v, true);
+    failures += bad != 0;
+    fmt::print("sync v{}: {} to destination ranks ({} over the network) in {:.3f} s = {:.2f} GB/s delivered{}; "
+               "verified: {}\n",
+               v, planner::humanBytes(static_cast<double>(out.bytes_needed())),
+               planner::humanBytes(static_cast<double>(out.network_bytes())), out.seconds(),
+               static_cast<double>(out.bytes_needed()) / out.seconds() / 1e9, out.plan_cached() ? " (plan cached)" : "",
+               bad == 0 ? "every byte correct" : fmt::format("{} WRONG elements", bad));
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
+      return argv[++i];
+    };
+    try {
+      if (a == "--layers") o.layers = std::stoi(next());
+      else if (a == "--hidden") o.hidden = std::stoll(next());
+      else if (a == "--syncs") o.syncs = std::stoi(next());
+      else if (a == "--trainer-nodes") o.trainer_nodes = std::stoi(next());
+      else if (a == "--inference-nodes") o.inference_nodes = std::stoi(next());
+      else if (a == "--ucx-tls") o.tls = next();
+      else if (a == "--verify") o.verify = true;
+      else throw std::invalid_argument("unknown option " + a);
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "shardcast-demo: {}\n", e.what());
+      return 2;
+    }
+  }
+  if (o.layers < 1 || o.hidden < 16 || o.hidden % 16 || o.syncs < 1 || o.trainer_nodes < 1 || o.inference_nodes < 1) {
+    fmt::print(stderr, "shardcast-demo: --layers/--syncs/--*-nodes must be >= 1 and --hidden a multiple of 16\n");
+    return 2;
+  }
+  const auto daemon_path = (std::filesystem::canonical("/proc/self/exe").parent_path() / "shardcastd").string();
+  try {
+    return run(o, daemon_path);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "shardcast-demo: {}\n", e.what());
+    return 1;
+  }
+}

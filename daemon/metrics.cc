@@ -1,0 +1,54 @@
+#include "daemon/metrics.h"
+
+#include <httplib.h>
+
+#include <sstream>
+
+#include "common/strings.h"
+
+namespace shardcast::daemon {
+
+std::string Metrics::render() const {
+  std::ostringstream o;
+  auto metric = [&](const char* name, const char* type, const char* help) {
+    o << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n";
+  };
+  metric("shardcast_syncs_total", "counter", "Syncs coordinated by this daemon, by outcome.");
+  o << "shardcast_syncs_total{outcome=\"committed\"} " << syncs_ok << "\n";
+  o << "shardcast_syncs_total{outcome=\"failed\"} " << syncs_failed << "\n";
+  metric("shardcast_sync_duration_seconds", "summary", "Duration of committed syncs coordinated by this daemon.");
+  o << "shardcast_sync_duration_seconds_sum " << static_cast<double>(sync_micros_sum) / 1e6 << "\n";
+  o << "shardcast_sync_duration_seconds_count " << syncs_ok << "\n";
+  metric("shardcast_bytes_sent_total", "counter", "Bytes this daemon sent over the network (sources and relays).");
+  o << "shardcast_bytes_sent_total " << bytes_sent << "\n";
+  metric("shardcast_bytes_received_total", "counter", "Bytes that landed on this daemon over the network.");
+  o << "shardcast_bytes_received_total " << bytes_received << "\n";
+  metric("shardcast_local_bytes_total", "counter", "Bytes copied node-locally into destination ranks.");
+  o << "shardcast_local_bytes_total " << local_bytes << "\n";
+  metric("shardcast_plan_cache_hits_total", "counter", "Syncs whose plan came from the cache.");
+  o << "shardcast_plan_cache_hits_total " << (plan_cache_hits ? plan_cache_hits() : 0) << "\n";
+  metric("shardcast_registered_bytes", "gauge", "Bytes of rank memory registered with this daemon.");
+  o << "shardcast_registered_bytes " << (registered_bytes ? registered_bytes() : 0) << "\n";
+  metric("shardcast_registered_ranks", "gauge", "Ranks registered with this daemon.");
+  o << "shardcast_registered_ranks " << (registered_ranks ? registered_ranks() : 0) << "\n";
+  return o.str();
+}
+
+StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string& host, int port, const Metrics& metrics) {
+  std::unique_ptr<MetricsServer> s(new MetricsServer());
+  s->server_ = std::make_unique<httplib::Server>();
+  s->server_->Get("/metrics", [&metrics](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics.render(), "text/plain; version=0.0.4");
+  });
+  s->port_ = port == 0 ? s->server_->bind_to_any_port(host) : (s->server_->bind_to_port(host, port) ? port : -1);
+  if (s->port_ <= 0) return absl::UnavailableError(strCat("metrics: cannot listen on ", host, ":", port));
+  s->thread_ = std::thread([srv = s->server_.get()] { srv->listen_after_bind(); });
+  return s;
+}
+
+MetricsServer::~MetricsServer() {
+  if (server_) server_->stop();
+  if (thread_.joinable()) thread_.join();
+}
+
+}  // namespace shardcast::daemon

@@ -1,0 +1,43 @@
+// Prometheus metrics of one daemon, served as text on GET /metrics (cpp-httplib, Debian's
+// libcpp-httplib-dev). Counters are atomics updated by the sync paths; gauges are read on scrape.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "common/status.h"
+
+namespace httplib {
+class Server;
+}
+
+namespace shardcast::daemon {
+
+struct Metrics {
+  std::atomic<uint64_t> syncs_ok{0}, syncs_failed{0};
+  std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, local_bytes{0};
+  std::atomic<uint64_t> sync_micros_sum{0};  // of committed syncs coordinated here
+  // Read at scrape time.
+  std::function<uint64_t()> registered_bytes, registered_ranks, plan_cache_hits;
+
+  std::string render() const;
+};
+
+// Serves `metrics` on host:port until destroyed.
+class MetricsServer {
+ public:
+  static StatusOr<std::unique_ptr<MetricsServer>> start(const std::string& host, int port, const Metrics& metrics);
+  ~MetricsServer();
+  int port() const { return port_; }
+
+ private:
+  MetricsServer() = default;
+  std::unique_ptr<httplib::Server> server_;
+  std::thread thread_;
+  int port_ = 0;
+};
+
+}  // namespace shardcast::daemon
