@@ -40,6 +40,7 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
   }
   *hit = false;
   auto c = std::make_shared<CachedPlan>();
+  c->key = key;
   SC_ASSIGN_OR_RETURN(c->src, planner::resolveLayout(src, c->nodes));
   SC_ASSIGN_OR_RETURN(c->dst, planner::resolveLayout(dst, c->nodes));
   SC_ASSIGN_OR_RETURN(c->plan, planner::makePlan(c->src, c->dst, c->nodes));
@@ -88,8 +89,9 @@ struct SyncEngine::Active {
   std::deque<Landed> landed;
   Status failure;  // set by abort or by a failed write
   int64_t writes_pending = 0;
-  // Staging buffers of sent transfers: freed with the sync, after every completion has run.
-  std::vector<std::shared_ptr<transport::MemoryRegion>> keep;
+  // Where this node packs the transfers it heads: freed with the sync (or kept for the next one
+  // of the same plan on commit), after every completion has run.
+  std::shared_ptr<transport::MemoryRegion> staging;
 };
 
 SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics)
@@ -143,7 +145,17 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
     if (a->plan->nodes.name(n) == node_) a->self = n;
   v1::PrepareResponse resp;
   if (a->self >= 0 && a->plan->arena_bytes[a->self] > 0) {
-    SC_ASSIGN_OR_RETURN(a->arena, transport_.allocateMemory(a->plan->arena_bytes[a->self]));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto spare = spare_arenas_.find(a->plan->key);
+      if (spare != spare_arenas_.end()) {
+        a->arena = std::move(spare->second);
+        spare_arenas_.erase(spare);
+      }
+    }
+    if (!a->arena) {
+      SC_ASSIGN_OR_RETURN(a->arena, transport_.allocateMemory(a->plan->arena_bytes[a->self]));
+    }
     resp.set_arena_region(a->arena->remote().serialize());
     resp.set_arena_bytes(a->plan->arena_bytes[a->self]);
   }
@@ -173,7 +185,15 @@ Status SyncEngine::finish(const v1::FinishRequest& req) {
     if (a->failure.ok() && !req.commit()) a->failure = absl::AbortedError(strCat("sync ", a->id, " aborted"));
   }
   a->cv.notify_all();
-  if (req.commit() && registry_.hasGroup(a->dst_group)) registry_.commitVersion(a->dst_group, a->version);
+  if (req.commit()) {
+    if (registry_.hasGroup(a->dst_group)) registry_.commitVersion(a->dst_group, a->version);
+    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> alock(a->mu);
+    if (a->writes_pending == 0) {  // nothing can still touch them
+      if (a->arena) spare_arenas_[a->plan->key] = std::move(a->arena);
+      if (a->staging) spare_staging_[a->plan->key] = std::move(a->staging);
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -250,16 +270,43 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
     }
   }
 
-  // 2. Transfers this node's source ranks head: pack each fragment, send to the chain's first node.
+  // 2. Transfers this node's source ranks head: pack each fragment into one staging region (at
+  //    a fixed offset per transfer), send it to each chain's first node.
+  std::map<int32_t, uint64_t> head_offset;
+  uint64_t staging_bytes = 0;
   for (int32_t t = 0; t < static_cast<int32_t>(plan.transfers.size()); ++t) {
     const auto& tr = plan.transfers[t];
+    for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c)
+      if (plan.chains[c].src_node == self && !head_offset.count(t)) {
+        head_offset[t] = staging_bytes;
+        staging_bytes = alignUp(staging_bytes + static_cast<uint64_t>(tr.bytes));
+      }
+  }
+  if (staging_bytes > 0) {
     std::shared_ptr<transport::MemoryRegion> staging;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto spare = spare_staging_.find(cp.key);
+      if (spare != spare_staging_.end() && spare->second->size() >= staging_bytes) {
+        staging = std::move(spare->second);
+        spare_staging_.erase(spare);
+      }
+    }
+    if (!staging) {
+      SC_ASSIGN_OR_RETURN(staging, transport_.allocateMemory(staging_bytes));
+    }
+    std::lock_guard<std::mutex> lock(a->mu);
+    a->staging = staging;
+  }
+  for (const auto& [t, at] : head_offset) {
+    const auto& tr = plan.transfers[t];
+    auto* out = static_cast<std::byte*>(a->staging->data()) + at;
+    bool packed = false;
     uint64_t checksum = 0;
     for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
       const auto& ch = plan.chains[c];
       if (ch.src_node != self) continue;
-      if (!staging) {
-        SC_ASSIGN_OR_RETURN(staging, transport_.allocateMemory(static_cast<size_t>(tr.bytes)));
+      if (!packed) {
         for (int32_t i = 0; i < tr.fragments_count; ++i) {
           const int32_t f = plan.transfer_fragments[tr.fragments_begin + i];
           const auto& frag = plan.fragments[f];
@@ -267,15 +314,13 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
           const int32_t rank = planner::sourceRank(plan, cp.src, f, ch);
           const auto sr = planner::sourceRegion(plan, cp.src, f, rank);
           SC_ASSIGN_OR_RETURN(auto sb, buffer(cp.src, sr));
-          SC_RETURN_IF_ERROR(copies_->copy(
-              {static_cast<std::byte*>(staging->data()) + cp.fragment_offset[f], transport::MemoryKind::kHost, 0, denseFor(frag.box)},
-              {sb.data, transport::MemoryKind::kHost, sr.offset, sr.strides}, sr.extent, elem));
+          SC_RETURN_IF_ERROR(copies_->copy({out + cp.fragment_offset[f], transport::MemoryKind::kHost, 0, denseFor(frag.box)},
+                                           {sb.data, transport::MemoryKind::kHost, sr.offset, sr.strides}, sr.extent, elem));
         }
-        if (req.verify()) checksum = XXH64(staging->data(), static_cast<size_t>(tr.bytes), 0);
+        if (req.verify()) checksum = XXH64(out, static_cast<size_t>(tr.bytes), 0);
+        packed = true;
       }
-      SC_RETURN_IF_ERROR(send(staging, 0, t, c, 0, plan.chain_nodes[ch.nodes_begin], checksum));
-      std::lock_guard<std::mutex> lock(a->mu);
-      a->keep.push_back(staging);
+      SC_RETURN_IF_ERROR(send(a->staging, at, t, c, 0, plan.chain_nodes[ch.nodes_begin], checksum));
     }
   }
 

@@ -29,6 +29,7 @@ namespace shardcast::daemon {
 
 // A plan with everything needed to execute it, shared by the syncs that repeat it.
 struct CachedPlan {
+  std::string key;  // the two layout digests
   planner::NodeTable nodes;
   planner::ResolvedLayout src, dst;
   planner::Plan plan;
@@ -84,6 +85,9 @@ class SyncEngine {
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<Active>> active_;
   std::map<std::string, std::string> busy_groups_;  // destination group -> sync id
+  // Arenas and staging buffers of committed syncs, reused by the next sync of the same plan
+  // (allocation and first touch of large registered buffers costs more than the copies).
+  std::map<std::string, std::shared_ptr<transport::MemoryRegion>> spare_arenas_, spare_staging_;
 };
 
 }  // namespace shardcast::daemon
