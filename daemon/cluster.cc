@@ -56,6 +56,7 @@ std::shared_ptr<grpc::Channel> PeerSet::channel(const std::string& address) cons
 StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
   SC_ASSIGN_OR_RETURN(auto addrs, addresses());
   std::vector<PeerView> out;
+  std::set<std::string> seen{config_.node};
   for (const auto& address : addrs) {
     auto stub = v1::Peer::NewStub(channel(address));
     grpc::ClientContext ctx;
@@ -67,7 +68,8 @@ StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
       std::lock_guard<std::mutex> lock(mu_);
       channels_.erase(address);
     }
-    if (st.ok() && resp.node() == config_.node) continue;  // ourselves, listed among the peers
+    // Ourselves listed among the peers, or one daemon under two addresses (IPv4 and IPv6).
+    if (st.ok() && !seen.insert(resp.node()).second) continue;
     out.push_back({address, st.ok() ? StatusOr<v1::DescribeResponse>(std::move(resp))
                                     : StatusOr<v1::DescribeResponse>(fromGrpc(st, strCat("peer ", address)))});
   }

@@ -65,6 +65,8 @@ class Daemon {
   const std::string& socketPath() const { return socket_; }
   const std::string& node() const { return node_; }
   void kill() { child_.kill(); child_.wait(); }
+  pid_t pid() const { return child_.pid(); }
+  void reap() { child_.wait(); }
   int stop() {
     child_.kill(SIGTERM);
     return child_.wait();

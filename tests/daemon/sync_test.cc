@@ -4,7 +4,9 @@
 
 #include <httplib.h>
 
+#include <future>
 #include <map>
+#include <thread>
 
 #include "planner/layout.h"
 #include "tests/daemon/daemon_harness.h"
@@ -208,4 +210,111 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
   INFO(st.error_message());
   REQUIRE(st.ok());
   CHECK(wrong(4) == 0);
+}
+
+TEST_CASE("concurrent syncs: same group refused, different groups together; a stuck then killed daemon fails the sync",
+          "[daemon][sync]") {
+  Cluster cluster;
+  const auto src_proto = *planner::parseLayoutJson(kTrainer, "trainer");
+  const auto dst_proto = *planner::parseLayoutJson(kInference, "infer");
+  std::string second_json = kInference;
+  second_json.replace(second_json.find("\"infer\""), 7, "\"infer2\"");
+  const auto dst2_proto = *planner::parseLayoutJson(second_json, "infer2");
+  planner::NodeTable nodes;
+  const auto src = *planner::resolveLayout(src_proto, nodes);
+  const auto dst = *planner::resolveLayout(dst_proto, nodes);
+  std::vector<RankMemory> smem, dmem, dmem2;
+  for (int32_t r = 0; r < 4; ++r) smem.push_back(allocate(src, r, "u" + std::to_string(r)));
+  for (int32_t r = 0; r < 4; ++r) dmem.push_back(allocate(dst, r, "v" + std::to_string(r)));
+  for (int32_t r = 0; r < 4; ++r) dmem2.push_back(allocate(dst, r, "w" + std::to_string(r)));
+  for (int32_t r = 0; r < 4; ++r) {
+    v1::RegisterResponse resp;
+    REQUIRE(cluster.node(nodes.name(src.rank_node[r])).client()->Register(ctx().get(), request(src_proto, r, 4, smem[r]), &resp).ok());
+    REQUIRE(cluster.node(nodes.name(dst.rank_node[r])).client()->Register(ctx().get(), request(dst_proto, r, 4, dmem[r]), &resp).ok());
+    REQUIRE(cluster.node(nodes.name(dst.rank_node[r])).client()->Register(ctx().get(), request(dst2_proto, r, 4, dmem2[r]), &resp).ok());
+  }
+  for (int32_t r = 0; r < 4; ++r)
+    forEachElement(src, r, [&](const planner::TensorLayout& t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      *at(smem[r], src, p, off) = valueOf(t.name, flat, 1);
+    });
+
+  // A sync holds its destination group on every daemon from prepare to finish.
+  auto peer = v1::Peer::NewStub(grpc::CreateChannel(cluster.daemons[0]->address(), grpc::InsecureChannelCredentials()));
+  v1::PrepareRequest prep;
+  prep.set_sync_id("held");
+  *prep.mutable_src() = src_proto;
+  *prep.mutable_dst() = dst_proto;
+  prep.set_version(1);
+  v1::PrepareResponse presp;
+  REQUIRE(peer->Prepare(ctx().get(), prep, &presp).ok());
+  v1::SyncRequest sync;
+  sync.set_src_group("trainer");
+  sync.set_dst_group("infer");
+  sync.set_version(1);
+  v1::SyncResponse out;
+  grpc::Status st = cluster.node("n1").client()->Sync(ctx().get(), sync, &out);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("a sync into group \"infer\" (held) is in progress"));
+  v1::FinishRequest fin;
+  fin.set_sync_id("held");
+  v1::FinishResponse finr;
+  REQUIRE(peer->Finish(ctx().get(), fin, &finr).ok());
+
+  // Two syncs into different groups at the same time, coordinated by different daemons.
+  std::vector<grpc::Status> results(2);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i)
+    threads.emplace_back([&, i] {
+      v1::SyncRequest s = sync;
+      s.set_dst_group(i == 0 ? "infer" : "infer2");
+      v1::SyncResponse o;
+      results[i] = cluster.daemons[i]->client()->Sync(ctx(60).get(), s, &o);
+    });
+  for (auto& t : threads) t.join();
+  for (const auto& r : results) {
+    INFO(r.error_message());
+    CHECK(r.ok());
+  }
+  int64_t bad = 0;
+  for (auto* mem : {&dmem, &dmem2})
+    for (int32_t r = 0; r < 4; ++r)
+      forEachElement(dst, r, [&](const planner::TensorLayout& t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        bad += *at((*mem)[r], dst, p, off) != valueOf(t.name, flat, 1);
+      });
+  CHECK(bad == 0);
+
+  // A daemon that hangs (SIGSTOP) and then dies while a sync waits on it: the sync fails with the
+  // daemon named, no rank moves to the new version, and after a restart the next sync succeeds.
+  const pid_t n2 = cluster.daemons[2]->pid();
+  ::kill(n2, SIGSTOP);
+  std::promise<grpc::Status> pending;
+  std::thread t([&] {
+    v1::SyncRequest s = sync;
+    s.set_version(2);
+    v1::SyncResponse o;
+    pending.set_value(cluster.node("n0").client()->Sync(ctx(60).get(), s, &o));
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ::kill(n2, SIGKILL);
+  auto f = pending.get_future();
+  REQUIRE(f.wait_for(std::chrono::seconds(60)) == std::future_status::ready);
+  t.join();
+  st = f.get();
+  CHECK_FALSE(st.ok());
+  CHECK_THAT(st.error_message(), Catch::Contains("127.0.0.1:" + std::to_string(cluster.ports[2])));
+  v1::WaitVersionRequest wv;
+  wv.set_group("infer");
+  v1::WaitVersionResponse wvr;
+  REQUIRE(cluster.node("n0").client()->WaitVersion(ctx().get(), wv, &wvr).ok());
+  CHECK(wvr.version() == 1);
+  cluster.daemons[2]->reap();
+  cluster.start(2);
+  for (int32_t r = 0; r < 2; ++r) {
+    v1::RegisterResponse resp;
+    REQUIRE(cluster.node("n2").client()->Register(ctx().get(), request(dst_proto, r, 4, dmem[r]), &resp).ok());
+  }
+  sync.set_version(2);
+  st = cluster.node("n1").client()->Sync(ctx().get(), sync, &out);
+  INFO(st.error_message());
+  CHECK(st.ok());
 }
