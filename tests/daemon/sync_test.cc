@@ -10,6 +10,7 @@
 
 #include "planner/layout.h"
 #include "tests/daemon/daemon_harness.h"
+#include "tests/daemon/rank_memory.h"
 #include "transport/shm.h"
 
 using namespace shardcast;
@@ -27,71 +28,16 @@ const char* kInference = R"({"group":"infer","mesh":{"shape":[2,2]},"nodes":["n2
   {"name":"o","shape":[8,16],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":1}}]},
   {"name":"norm","shape":[8],"dtype":"int32"}]})";
 
-int32_t valueOf(const std::string& tensor, int64_t flat, int version) {
-  return static_cast<int32_t>(tensor.size() * 100000 + flat * 10 + version);
+int32_t valueOf(size_t tensor, int64_t flat, int version) {
+  return static_cast<int32_t>(tensor * 100000 + flat * 10 + version);
 }
-
-// One rank's buffers, all in one shared-memory segment.
-struct RankMemory {
-  std::unique_ptr<transport::ShmSegment> seg;
-  std::map<std::string, std::pair<uint64_t, uint64_t>> buffers;  // name -> (offset, size)
-};
 
 RankMemory allocate(const planner::ResolvedLayout& l, int32_t rank, const std::string& tag) {
-  RankMemory m;
-  uint64_t off = 0;
-  for (const auto& [buffer, bytes] : l.rankBuffers(rank)) {
-    m.buffers[l.buffer_names[buffer]] = {off, static_cast<uint64_t>(bytes)};
-    off += (bytes + 63) / 64 * 64;
-  }
-  auto seg = transport::ShmSegment::create("/sc-sync-" + std::to_string(::getpid()) + "-" + tag, std::max<uint64_t>(off, 64));
-  REQUIRE(seg.ok());
-  m.seg = std::make_unique<transport::ShmSegment>(std::move(*seg));
-  return m;
-}
-
-// Calls fn(tensor, piece, element offset in the rank's buffer, global flat index) for every element of `rank`.
-template <typename Fn>
-void forEachElement(const planner::ResolvedLayout& l, int32_t rank, Fn&& fn) {
-  for (const auto& t : l.tensors)
-    for (const auto& p : t.pieces) {
-      if (p.rank != rank) continue;
-      const auto& b = t.boxes[p.box];
-      std::vector<int64_t> idx(b.lo.begin(), b.lo.begin() + b.ndim);
-      if (b.empty()) continue;
-      while (true) {
-        int64_t off = p.offset, flat = 0;
-        for (int d = 0; d < b.ndim; ++d) {
-          off += (idx[d] - b.lo[d]) * l.strides[p.strides][d];
-          flat = flat * t.shape[d] + idx[d];
-        }
-        fn(t, p, off, flat);
-        int d = b.ndim - 1;
-        while (d >= 0 && ++idx[d] == b.hi[d]) idx[d] = b.lo[d], --d;
-        if (d < 0) break;
-      }
-    }
-}
-
-int32_t* at(RankMemory& m, const planner::ResolvedLayout& l, const planner::PieceRef& p, int64_t off) {
-  auto* base = static_cast<std::byte*>(m.seg->data()) + m.buffers[l.buffer_names[p.buffer]].first;
-  return reinterpret_cast<int32_t*>(base) + off;
+  return allocateRank(l, rank, "sync-" + tag);
 }
 
 v1::RegisterRequest request(const v1::Layout& layout, int32_t rank, int32_t world, const RankMemory& m) {
-  v1::RegisterRequest r;
-  r.set_group(layout.group());
-  r.set_rank(rank);
-  r.set_world_size(world);
-  *r.mutable_layout() = layout;
-  for (const auto& [name, where] : m.buffers) {
-    auto* b = r.add_buffers();
-    b->set_buffer(name);
-    b->mutable_shm()->set_name(m.seg->name());
-    b->mutable_shm()->set_offset(where.first);
-    b->mutable_shm()->set_size(where.second);
-  }
-  return r;
+  return registerRequest(layout, rank, world, m);
 }
 
 struct Cluster {
@@ -125,15 +71,15 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
   for (int32_t r = 0; r < 4; ++r) dmem.push_back(allocate(dst, r, "i" + std::to_string(r)));
   auto fill = [&](int version) {
     for (int32_t r = 0; r < 4; ++r)
-      forEachElement(src, r, [&](const planner::TensorLayout& t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-        *at(smem[r], src, p, off) = valueOf(t.name, flat, version);
+      forEachElement(src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        *smem[r].at<int32_t>(p, off) = valueOf(t, flat, version);
       });
   };
   auto wrong = [&](int version) {
     int64_t bad = 0;
     for (int32_t r = 0; r < 4; ++r)
-      forEachElement(dst, r, [&](const planner::TensorLayout& t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-        bad += *at(dmem[r], dst, p, off) != valueOf(t.name, flat, version);
+      forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        bad += *dmem[r].at<int32_t>(p, off) != valueOf(t, flat, version);
       });
     return bad;
   };
@@ -234,8 +180,8 @@ TEST_CASE("concurrent syncs: same group refused, different groups together; a st
     REQUIRE(cluster.node(nodes.name(dst.rank_node[r])).client()->Register(ctx().get(), request(dst2_proto, r, 4, dmem2[r]), &resp).ok());
   }
   for (int32_t r = 0; r < 4; ++r)
-    forEachElement(src, r, [&](const planner::TensorLayout& t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-      *at(smem[r], src, p, off) = valueOf(t.name, flat, 1);
+    forEachElement(src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      *smem[r].at<int32_t>(p, off) = valueOf(t, flat, 1);
     });
 
   // A sync holds its destination group on every daemon from prepare to finish.
@@ -278,8 +224,8 @@ TEST_CASE("concurrent syncs: same group refused, different groups together; a st
   int64_t bad = 0;
   for (auto* mem : {&dmem, &dmem2})
     for (int32_t r = 0; r < 4; ++r)
-      forEachElement(dst, r, [&](const planner::TensorLayout& t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-        bad += *at((*mem)[r], dst, p, off) != valueOf(t.name, flat, 1);
+      forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        bad += *(*mem)[r].at<int32_t>(p, off) != valueOf(t, flat, 1);
       });
   CHECK(bad == 0);
 

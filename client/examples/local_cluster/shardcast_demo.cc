@@ -16,6 +16,7 @@
 #include "planner/layout.h"
 #include "planner/report.h"
 #include "tests/daemon/daemon_harness.h"
+#include "tests/daemon/rank_memory.h"
 #include "transport/shm.h"
 
 using namespace shardcast;
@@ -71,27 +72,6 @@ std::string layoutJson(const Options& o, bool trainer) {
                      o.inference_nodes, json, fused);
 }
 
-// One rank's buffers in one shared-memory segment.
-struct RankMemory {
-  std::unique_ptr<transport::ShmSegment> seg;
-  std::map<int32_t, uint64_t> offset;  // buffer id -> offset
-  std::map<std::string, std::pair<uint64_t, uint64_t>> named;
-};
-
-RankMemory allocate(const planner::ResolvedLayout& l, int32_t rank, const std::string& tag) {
-  RankMemory m;
-  uint64_t off = 0;
-  for (const auto& [buffer, bytes] : l.rankBuffers(rank)) {
-    m.offset[buffer] = off;
-    m.named[l.buffer_names[buffer]] = {off, static_cast<uint64_t>(bytes)};
-    off += (static_cast<uint64_t>(bytes) + 63) / 64 * 64;
-  }
-  auto seg = transport::ShmSegment::create(fmt::format("/shardcast-demo-{}-{}", ::getpid(), tag), std::max<uint64_t>(off, 64));
-  if (!seg.ok()) throw std::runtime_error(std::string(seg.status().message()));
-  m.seg = std::make_unique<transport::ShmSegment>(std::move(*seg));
-  return m;
-}
-
 uint16_t valueOf(size_t tensor, int64_t flat, int version) {
   return static_cast<uint16_t>(tensor * 7919 + static_cast<uint64_t>(flat) * 31 + static_cast<uint64_t>(version) * 1009);
 }
@@ -99,47 +79,12 @@ uint16_t valueOf(size_t tensor, int64_t flat, int version) {
 // Writes (or, with check, counts mismatches of) every element a rank holds.
 int64_t visit(const planner::ResolvedLayout& l, int32_t rank, RankMemory& m, int version, bool check) {
   int64_t bad = 0;
-  for (size_t ti = 0; ti < l.tensors.size(); ++ti) {
-    const auto& t = l.tensors[ti];
-    for (const auto& p : t.pieces) {
-      if (p.rank != rank) continue;
-      const auto& b = t.boxes[p.box];
-      if (b.empty()) continue;
-      auto* base = reinterpret_cast<uint16_t*>(static_cast<std::byte*>(m.seg->data()) + m.offset[p.buffer]);
-      const auto& st = l.strides[p.strides];
-      std::vector<int64_t> idx(b.lo.begin(), b.lo.begin() + b.ndim);
-      while (true) {
-        int64_t off = p.offset, flat = 0;
-        for (int d = 0; d < b.ndim; ++d) {
-          off += (idx[d] - b.lo[d]) * st[d];
-          flat = flat * t.shape[d] + idx[d];
-        }
-        const uint16_t v = valueOf(ti, flat, version);
-        if (check) bad += base[off] != v;
-        else base[off] = v;
-        int d = b.ndim - 1;
-        while (d >= 0 && ++idx[d] == b.hi[d]) idx[d] = b.lo[d], --d;
-        if (d < 0) break;
-      }
-    }
-  }
+  forEachElement(l, rank, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+    uint16_t* e = m.at<uint16_t>(p, off);
+    if (check) bad += *e != valueOf(t, flat, version);
+    else *e = valueOf(t, flat, version);
+  });
   return bad;
-}
-
-v1::RegisterRequest request(const v1::Layout& layout, int32_t rank, int32_t world, const RankMemory& m) {
-  v1::RegisterRequest r;
-  r.set_group(layout.group());
-  r.set_rank(rank);
-  r.set_world_size(world);
-  *r.mutable_layout() = layout;
-  for (const auto& [name, where] : m.named) {
-    auto* b = r.add_buffers();
-    b->set_buffer(name);
-    b->mutable_shm()->set_name(m.seg->name());
-    b->mutable_shm()->set_offset(where.first);
-    b->mutable_shm()->set_size(where.second);
-  }
-  return r;
 }
 
 int run(const Options& o, const std::string& daemon_path) {
@@ -177,12 +122,12 @@ int run(const Options& o, const std::string& daemon_path) {
              o.inference_nodes);
 
   std::vector<RankMemory> smem, dmem;
-  for (int32_t r = 0; r < src.world(); ++r) smem.push_back(allocate(src, r, fmt::format("t{}", r)));
-  for (int32_t r = 0; r < dst.world(); ++r) dmem.push_back(allocate(dst, r, fmt::format("i{}", r)));
+  for (int32_t r = 0; r < src.world(); ++r) smem.push_back(allocateRank(src, r, fmt::format("demo-t{}", r)));
+  for (int32_t r = 0; r < dst.world(); ++r) dmem.push_back(allocateRank(dst, r, fmt::format("demo-i{}", r)));
   auto register_all = [&](const v1::Layout& proto, const planner::ResolvedLayout& l, std::vector<RankMemory>& mem) {
     for (int32_t r = 0; r < l.world(); ++r) {
       v1::RegisterResponse resp;
-      auto st = daemons[nodes.name(l.rank_node[r])]->client()->Register(ctx().get(), request(proto, r, l.world(), mem[r]), &resp);
+      auto st = daemons[nodes.name(l.rank_node[r])]->client()->Register(ctx().get(), registerRequest(proto, r, l.world(), mem[r]), &resp);
       if (!st.ok()) throw std::runtime_error("register: " + st.error_message());
     }
   };

@@ -1,0 +1,86 @@
+// Ranks' memory for tests and the local-cluster demo: one shared-memory segment per rank holding
+// all its buffers, the Register request that hands it to a daemon, and a walk over every element
+// a rank holds (for filling and verifying).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <unistd.h>
+
+#include "planner/layout.h"
+#include "shardcast/v1/service.pb.h"
+#include "transport/shm.h"
+
+namespace shardcast::testing {
+
+struct RankMemory {
+  std::unique_ptr<transport::ShmSegment> seg;
+  std::map<int32_t, uint64_t> offset;                              // buffer id -> offset
+  std::map<std::string, std::pair<uint64_t, uint64_t>> named;      // buffer name -> (offset, size)
+
+  template <typename T>
+  T* at(const planner::PieceRef& p, int64_t element) {
+    return reinterpret_cast<T*>(static_cast<std::byte*>(seg->data()) + offset.at(p.buffer)) + element;
+  }
+};
+
+inline RankMemory allocateRank(const planner::ResolvedLayout& l, int32_t rank, const std::string& tag) {
+  RankMemory m;
+  uint64_t off = 0;
+  for (const auto& [buffer, bytes] : l.rankBuffers(rank)) {
+    m.offset[buffer] = off;
+    m.named[l.buffer_names[buffer]] = {off, static_cast<uint64_t>(bytes)};
+    off += (static_cast<uint64_t>(bytes) + 63) / 64 * 64;
+  }
+  auto seg = transport::ShmSegment::create("/shardcast-" + std::to_string(::getpid()) + "-" + tag, std::max<uint64_t>(off, 64));
+  if (!seg.ok()) throw std::runtime_error(std::string(seg.status().message()));
+  m.seg = std::make_unique<transport::ShmSegment>(std::move(*seg));
+  return m;
+}
+
+inline v1::RegisterRequest registerRequest(const v1::Layout& layout, int32_t rank, int32_t world, const RankMemory& m) {
+  v1::RegisterRequest r;
+  r.set_group(layout.group());
+  r.set_rank(rank);
+  r.set_world_size(world);
+  *r.mutable_layout() = layout;
+  for (const auto& [name, where] : m.named) {
+    auto* b = r.add_buffers();
+    b->set_buffer(name);
+    b->mutable_shm()->set_name(m.seg->name());
+    b->mutable_shm()->set_offset(where.first);
+    b->mutable_shm()->set_size(where.second);
+  }
+  return r;
+}
+
+// Calls fn(tensor index, piece, element offset in the piece's buffer, global flat index) for every
+// element rank `rank` holds.
+template <typename Fn>
+void forEachElement(const planner::ResolvedLayout& l, int32_t rank, Fn&& fn) {
+  for (size_t ti = 0; ti < l.tensors.size(); ++ti) {
+    const auto& t = l.tensors[ti];
+    for (const auto& p : t.pieces) {
+      if (p.rank != rank) continue;
+      const auto& b = t.boxes[p.box];
+      if (b.empty()) continue;
+      const auto& st = l.strides[p.strides];
+      std::vector<int64_t> idx(b.lo.begin(), b.lo.begin() + b.ndim);
+      while (true) {
+        int64_t off = p.offset, flat = 0;
+        for (int d = 0; d < b.ndim; ++d) {
+          off += (idx[d] - b.lo[d]) * st[d];
+          flat = flat * t.shape[d] + idx[d];
+        }
+        fn(ti, p, off, flat);
+        int d = b.ndim - 1;
+        while (d >= 0 && ++idx[d] == b.hi[d]) idx[d] = b.lo[d], --d;
+        if (d < 0) break;
+      }
+    }
+  }
+}
+
+}  // namespace shardcast::testing
