@@ -54,6 +54,16 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   const uint32_t timeout_ms = req->options().timeout_ms() ? req->options().timeout_ms() : 300000;
   const auto deadline = start + std::chrono::milliseconds(timeout_ms);
 
+  const std::string id =
+      req->sync_id().empty() ? strCat(config_.node, "-", next_sync_++, "-v", req->version()) : req->sync_id();
+  progress_.update(id, [](v1::SyncProgress& p) { p.set_state("gathering"); });
+  auto gather_failed = [&](const shardcast::Status& st) {
+    progress_.update(id, [&](v1::SyncProgress& p) {
+      p.set_state("failed");
+      p.set_error(std::string(st.message()));
+    });
+    return toGrpc(st);
+  };
   // Gather: both groups complete across the cluster (or wait for them, if asked).
   StatusOr<std::pair<ClusterView, std::vector<std::string>>> cluster = absl::UnknownError("");
   StatusOr<v1::Layout> src = absl::UnknownError(""), dst = absl::UnknownError("");
@@ -65,14 +75,37 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     }
     const shardcast::Status st = !cluster.ok() ? cluster.status() : !src.ok() ? src.status() : dst.status();
     if (st.ok()) break;
-    if (!req->options().wait_for_ranks() || Clock::now() + std::chrono::milliseconds(100) > deadline) return toGrpc(st);
+    if (!req->options().wait_for_ranks() || Clock::now() + std::chrono::milliseconds(100) > deadline) return gather_failed(st);
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   bool cached = false;
   auto plan = engine_.plans().get(*src, *dst, &cached);
-  if (!plan.ok()) return toGrpc(plan.status());
+  if (!plan.ok()) return gather_failed(plan.status());
 
-  const std::string id = strCat(config_.node, "-", next_sync_++, "-v", req->version());
+  progress_.update(id, [&](v1::SyncProgress& p) {
+    p.set_state("preparing");
+    p.set_bytes_total(static_cast<uint64_t>((*plan)->plan.stats.network_bytes));
+    for (const auto& d : cluster->first.daemons()) {
+      auto* n = p.add_nodes();
+      n->set_node(d.node());
+      n->set_state("pending");
+    }
+  });
+  auto node_state = [&](size_t i, const std::string& state, const std::string& error = "") {
+    progress_.update(id, [&](v1::SyncProgress& p) {
+      p.mutable_nodes(static_cast<int>(i))->set_state(state);
+      if (!error.empty()) p.mutable_nodes(static_cast<int>(i))->set_error(error);
+      p.set_seconds(std::chrono::duration<double>(Clock::now() - start).count());
+    });
+  };
+  auto sync_failed = [&](const shardcast::Status& st) {
+    progress_.update(id, [&](v1::SyncProgress& p) {
+      p.set_state("failed");
+      p.set_error(std::string(st.message()));
+      p.set_seconds(std::chrono::duration<double>(Clock::now() - start).count());
+    });
+    return toGrpc(st);
+  };
   const auto& addresses = cluster->second;
   const auto& daemons = cluster->first.daemons();
   auto call_deadline = [&] { return std::chrono::system_clock::now() + (deadline - Clock::now()); };
@@ -114,6 +147,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   }
 
   // Execute everywhere at once; the first failure aborts the others.
+  progress_.update(id, [](v1::SyncProgress& p) { p.set_state("executing"); });
   std::vector<grpc::Status> results(addresses.size());
   std::vector<v1::ExecuteResponse> parts(addresses.size());
   std::once_flag aborted;
@@ -122,19 +156,35 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     threads.emplace_back([&, i] {
       grpc::ClientContext c;
       c.set_deadline(call_deadline() + std::chrono::seconds(5));
+      node_state(i, "executing");
       results[i] = v1::Peer::NewStub(peers_.channel(addresses[i]))->Execute(&c, exec, &parts[i]);
-      if (!results[i].ok()) std::call_once(aborted, [&] { finish_all(false); });
+      if (results[i].ok()) {
+        progress_.update(id, [&](v1::SyncProgress& p) {
+          auto* n = p.mutable_nodes(static_cast<int>(i));
+          n->set_state("done");
+          n->set_bytes_received(parts[i].bytes_received());
+          n->set_bytes_sent(parts[i].bytes_sent());
+          p.set_bytes_done(p.bytes_done() + parts[i].bytes_received());
+        });
+      } else {
+        node_state(i, results[i].error_code() == grpc::StatusCode::ABORTED ? "aborted" : "failed", results[i].error_message());
+        std::call_once(aborted, [&] { finish_all(false); });
+      }
     });
   for (auto& t : threads) t.join();
   for (size_t i = 0; i < addresses.size(); ++i) {
     if (results[i].ok() || results[i].error_code() == grpc::StatusCode::ABORTED) continue;
     spdlog::warn("sync {} failed on node \"{}\": {}", id, daemons[i].node(), results[i].error_message());
-    return toGrpc(fromGrpc(results[i], strCat("sync ", id, " failed on node \"", daemons[i].node(), "\"")));
+    return sync_failed(fromGrpc(results[i], strCat("sync ", id, " failed on node \"", daemons[i].node(), "\"")));
   }
   for (size_t i = 0; i < addresses.size(); ++i)
     if (!results[i].ok())
-      return toGrpc(fromGrpc(results[i], strCat("sync ", id, " failed on node \"", daemons[i].node(), "\"")));
+      return sync_failed(fromGrpc(results[i], strCat("sync ", id, " failed on node \"", daemons[i].node(), "\"")));
   finish_all(true);
+  progress_.update(id, [&](v1::SyncProgress& p) {
+    p.set_state("committed");
+    p.set_seconds(std::chrono::duration<double>(Clock::now() - start).count());
+  });
 
   const auto& stats = (*plan)->plan.stats;
   out->set_sync_id(id);
@@ -147,6 +197,17 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   out->set_plan_summary_json(planner::renderJson((*plan)->plan, (*plan)->nodes, planner::CostModel{}));
   spdlog::info("sync {}: {} -> {} version {} committed in {:.3f} s", id, req->src_group(), req->dst_group(), req->version(),
                out->seconds());
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardcastService::Watch(grpc::ServerContext* context, const v1::WatchRequest* req,
+                                     grpc::ServerWriter<v1::SyncProgress>* writer) {
+  const bool known = progress_.watch(req->sync_id(), std::chrono::seconds(5), [&](const v1::SyncProgress& p) {
+    return !context->IsCancelled() && writer->Write(p);
+  });
+  if (!known)
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        strCat("sync \"", req->sync_id(), "\" is not coordinated by node \"", config_.node, "\""));
   return grpc::Status::OK;
 }
 

@@ -7,6 +7,7 @@
 
 #include "daemon/cluster.h"
 #include "daemon/config.h"
+#include "daemon/progress.h"
 #include "daemon/registry.h"
 #include "daemon/sync_engine.h"
 #include "shardcast/v1/service.grpc.pb.h"
@@ -21,6 +22,7 @@ class ShardcastService final : public v1::Shardcast::Service {
   grpc::Status Sync(grpc::ServerContext*, const v1::SyncRequest*, v1::SyncResponse*) override;
   grpc::Status coordinate(const v1::SyncRequest& req, v1::SyncResponse* out);
   grpc::Status WaitVersion(grpc::ServerContext*, const v1::WaitVersionRequest*, v1::WaitVersionResponse*) override;
+  grpc::Status Watch(grpc::ServerContext*, const v1::WatchRequest*, grpc::ServerWriter<v1::SyncProgress>*) override;
   grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest*, v1::RegisterResponse*) override;
   grpc::Status Unregister(grpc::ServerContext*, const v1::UnregisterRequest*, v1::UnregisterResponse*) override;
   grpc::Status List(grpc::ServerContext*, const v1::ListRequest*, v1::ListResponse*) override;
@@ -39,6 +41,7 @@ class ShardcastService final : public v1::Shardcast::Service {
   SyncEngine& engine_;
   Metrics& metrics_;
   std::atomic<uint64_t> next_sync_{1};
+  ProgressBoard progress_;
   std::string transport_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
 };

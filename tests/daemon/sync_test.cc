@@ -105,9 +105,27 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
     fill(version);
     sync.set_version(version);
     sync.mutable_options()->set_verify(version == 2);
-    // Coordinated by a different daemon each time.
+    // Coordinated by a different daemon each time; the client names the sync and watches it.
     Daemon& coordinator = *cluster.daemons[version % 3];
+    sync.set_sync_id("watched-" + std::to_string(version));
+    std::vector<v1::SyncProgress> seen;
+    std::thread watcher([&] {
+      v1::WatchRequest w;
+      w.set_sync_id(sync.sync_id());
+      auto c = ctx();
+      auto reader = coordinator.client()->Watch(c.get(), w);
+      v1::SyncProgress p;
+      while (reader->Read(&p)) seen.push_back(p);
+      reader->Finish();
+    });
     st = coordinator.client()->Sync(ctx().get(), sync, &out);
+    watcher.join();
+    REQUIRE_FALSE(seen.empty());
+    CHECK(seen.back().state() == "committed");
+    CHECK(seen.back().bytes_done() == seen.back().bytes_total());
+    CHECK(seen.back().bytes_total() == out.network_bytes());
+    CHECK(seen.back().nodes_size() == 3);
+    for (const auto& n : seen.back().nodes()) CHECK(n.state() == "done");
     INFO("version " << version << ": " << st.error_message());
     REQUIRE(st.ok());
     CHECK(wrong(version) == 0);
@@ -123,6 +141,7 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
   CHECK_THAT(scrape->body, Catch::Contains("shardcast_syncs_total{outcome=\"committed\"} 1"));
   CHECK_THAT(scrape->body, Catch::Contains("shardcast_registered_ranks 2"));
   CHECK_THAT(scrape->body, Catch::Contains("shardcast_bytes_sent_total"));
+  sync.clear_sync_id();
   // Inference ranks see the committed version on their nodes.
   v1::WaitVersionRequest wv;
   wv.set_group("infer");
@@ -137,6 +156,16 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
   CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
   CHECK_THAT(st.error_message(), Catch::Contains("is not newer"));
   CHECK(wrong(3) == 0);
+  // Watching a sync nobody runs: NOT_FOUND after a short wait.
+  {
+    v1::WatchRequest w;
+    w.set_sync_id("no-such-sync");
+    auto c = ctx();
+    auto reader = cluster.node("n0").client()->Watch(c.get(), w);
+    v1::SyncProgress p;
+    CHECK_FALSE(reader->Read(&p));
+    CHECK(reader->Finish().error_code() == grpc::StatusCode::NOT_FOUND);
+  }
 
   // A daemon that dies: the sync fails naming it, no version moves; after a restart and
   // re-registration the next sync succeeds.

@@ -1,0 +1,66 @@
+// Progress of the syncs a daemon coordinates, for the Watch stream: the coordinator updates it at
+// every phase and node completion; watchers wait for changes. Keeps the last 64 finished syncs.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "shardcast/v1/service.pb.h"
+
+namespace shardcast::daemon {
+
+class ProgressBoard {
+ public:
+  // Applies `fn` to the sync's progress (creating it) and wakes the watchers.
+  template <typename Fn>
+  void update(const std::string& id, Fn&& fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto [it, inserted] = syncs_.try_emplace(id);
+      if (inserted) {
+        it->second.set_sync_id(id);
+        order_.push_back(id);
+        while (order_.size() > 64 && isDone(syncs_[order_.front()])) {
+          syncs_.erase(order_.front());
+          order_.pop_front();
+        }
+      }
+      fn(it->second);
+      ++generation_;
+    }
+    cv_.notify_all();
+  }
+
+  // Calls emit(progress) for the current state and every change until the sync ends; false when
+  // the id is unknown after `wait_for_start`, or when emit returns false (the watcher left).
+  template <typename Emit>
+  bool watch(const std::string& id, std::chrono::milliseconds wait_for_start, Emit&& emit) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, wait_for_start, [&] { return syncs_.count(id) > 0; })) return false;
+    uint64_t seen = 0;
+    while (true) {
+      cv_.wait_for(lock, std::chrono::milliseconds(500), [&] { return generation_ != seen; });
+      seen = generation_;
+      const v1::SyncProgress snapshot = syncs_[id];
+      lock.unlock();
+      if (!emit(snapshot)) return true;
+      if (isDone(snapshot)) return true;
+      lock.lock();
+    }
+  }
+
+  static bool isDone(const v1::SyncProgress& p) { return p.state() == "committed" || p.state() == "failed"; }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, v1::SyncProgress> syncs_;
+  std::deque<std::string> order_;
+  uint64_t generation_ = 0;
+};
+
+}  // namespace shardcast::daemon
