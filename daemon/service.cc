@@ -79,12 +79,14 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   bool cached = false;
-  auto plan = engine_.plans().get(*src, *dst, &cached);
+  const uint64_t budget = static_cast<uint64_t>(config_.staging_mib) << 20;
+  auto plan = engine_.plans().get(*src, *dst, budget, &cached);
   if (!plan.ok()) return gather_failed(plan.status());
 
   progress_.update(id, [&](v1::SyncProgress& p) {
     p.set_state("preparing");
     p.set_bytes_total(static_cast<uint64_t>((*plan)->plan.stats.network_bytes));
+    p.set_waves(static_cast<uint32_t>((*plan)->waves));
     for (const auto& d : cluster->first.daemons()) {
       auto* n = p.add_nodes();
       n->set_node(d.node());
@@ -134,6 +136,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     *p.mutable_src() = *src;
     *p.mutable_dst() = *dst;
     p.set_version(req->version());
+    p.set_staging_bytes(budget);
     v1::PrepareResponse r;
     const grpc::Status st = v1::Peer::NewStub(peers_.channel(addresses[i]))->Prepare(&c, p, &r);
     if (!st.ok()) {
@@ -146,32 +149,40 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     n->set_arena_region(r.arena_region());
   }
 
-  // Execute everywhere at once; the first failure aborts the others.
+  // Execute every wave everywhere at once, waves in order; the first failure aborts the others.
   progress_.update(id, [](v1::SyncProgress& p) { p.set_state("executing"); });
   std::vector<grpc::Status> results(addresses.size());
   std::vector<v1::ExecuteResponse> parts(addresses.size());
   std::once_flag aborted;
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < addresses.size(); ++i)
-    threads.emplace_back([&, i] {
-      grpc::ClientContext c;
-      c.set_deadline(call_deadline() + std::chrono::seconds(5));
-      node_state(i, "executing");
-      results[i] = v1::Peer::NewStub(peers_.channel(addresses[i]))->Execute(&c, exec, &parts[i]);
-      if (results[i].ok()) {
-        progress_.update(id, [&](v1::SyncProgress& p) {
-          auto* n = p.mutable_nodes(static_cast<int>(i));
-          n->set_state("done");
-          n->set_bytes_received(parts[i].bytes_received());
-          n->set_bytes_sent(parts[i].bytes_sent());
-          p.set_bytes_done(p.bytes_done() + parts[i].bytes_received());
-        });
-      } else {
-        node_state(i, results[i].error_code() == grpc::StatusCode::ABORTED ? "aborted" : "failed", results[i].error_message());
-        std::call_once(aborted, [&] { finish_all(false); });
-      }
-    });
-  for (auto& t : threads) t.join();
+  for (int32_t wave = 0; wave < (*plan)->waves; ++wave) {
+    exec.set_wave(static_cast<uint32_t>(wave));
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < addresses.size(); ++i)
+      threads.emplace_back([&, i] {
+        grpc::ClientContext c;
+        c.set_deadline(call_deadline() + std::chrono::seconds(5));
+        node_state(i, "executing");
+        v1::ExecuteResponse part;
+        results[i] = v1::Peer::NewStub(peers_.channel(addresses[i]))->Execute(&c, exec, &part);
+        if (results[i].ok()) {
+          progress_.update(id, [&](v1::SyncProgress& p) {
+            auto* n = p.mutable_nodes(static_cast<int>(i));
+            n->set_state(wave + 1 == (*plan)->waves ? "done" : "executing");
+            n->set_bytes_received(n->bytes_received() + part.bytes_received());
+            n->set_bytes_sent(n->bytes_sent() + part.bytes_sent());
+            p.set_bytes_done(p.bytes_done() + part.bytes_received());
+          });
+        } else {
+          node_state(i, results[i].error_code() == grpc::StatusCode::ABORTED ? "aborted" : "failed", results[i].error_message());
+          std::call_once(aborted, [&] { finish_all(false); });
+        }
+      });
+    for (auto& t : threads) t.join();
+    bool all_ok = true;
+    for (const auto& r : results) all_ok = all_ok && r.ok();
+    if (!all_ok) break;
+    progress_.update(id, [&](v1::SyncProgress& p) { p.set_waves_done(static_cast<uint32_t>(wave + 1)); });
+  }
   for (size_t i = 0; i < addresses.size(); ++i) {
     if (results[i].ok() || results[i].error_code() == grpc::StatusCode::ABORTED) continue;
     spdlog::warn("sync {} failed on node \"{}\": {}", id, daemons[i].node(), results[i].error_message());
@@ -194,6 +205,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   out->set_bytes_needed(static_cast<uint64_t>(stats.bytes_needed));
   out->set_seconds(std::chrono::duration<double>(Clock::now() - start).count());
   out->set_plan_cached(cached);
+  out->set_waves(static_cast<uint32_t>((*plan)->waves));
   out->set_plan_summary_json(planner::renderJson((*plan)->plan, (*plan)->nodes, planner::CostModel{}));
   spdlog::info("sync {}: {} -> {} version {} committed in {:.3f} s", id, req->src_group(), req->dst_group(), req->version(),
                out->seconds());

@@ -21,14 +21,16 @@ std::vector<int64_t> denseFor(const planner::Box& b) { return transport::denseSt
 
 }  // namespace
 
-uint64_t CachedPlan::landingOffset(int32_t transfer, int32_t node) const {
-  for (const auto& [n, off] : landing[transfer])
+uint64_t CachedPlan::offsetOf(const std::vector<std::pair<int32_t, uint64_t>>& list, int32_t node) {
+  for (const auto& [n, off] : list)
     if (n == node) return off;
   return UINT64_MAX;
 }
 
-StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src, const v1::Layout& dst, bool* hit) {
-  const std::string key = layoutDigest(src) + "/" + layoutDigest(dst);
+StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src, const v1::Layout& dst,
+                                                           uint64_t staging_budget, bool* hit) {
+  if (staging_budget == 0) return absl::InvalidArgumentError("staging budget must be positive");
+  const std::string key = layoutDigest(src) + "/" + layoutDigest(dst) + "/" + std::to_string(staging_budget);
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = plans_.find(key);
@@ -41,29 +43,61 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
   *hit = false;
   auto c = std::make_shared<CachedPlan>();
   c->key = key;
+  c->staging_budget = staging_budget;
   SC_ASSIGN_OR_RETURN(c->src, planner::resolveLayout(src, c->nodes));
   SC_ASSIGN_OR_RETURN(c->dst, planner::resolveLayout(dst, c->nodes));
   SC_ASSIGN_OR_RETURN(c->plan, planner::makePlan(c->src, c->dst, c->nodes));
   const auto& plan = c->plan;
-  c->arena_bytes.assign(c->nodes.size(), 0);
-  c->incoming.assign(c->nodes.size(), 0);
+  const size_t n_nodes = static_cast<size_t>(c->nodes.size());
+  c->arena_bytes.assign(n_nodes, 0);
+  c->staging_bytes.assign(n_nodes, 0);
   c->fragment_offset.assign(plan.fragments.size(), 0);
   c->landing.resize(plan.transfers.size());
+  c->heading.resize(plan.transfers.size());
+  c->wave.assign(plan.transfers.size(), 0);
+  c->incoming.assign(1, std::vector<int64_t>(n_nodes, 0));
+  std::vector<uint64_t> land(n_nodes, 0), stage(n_nodes, 0);  // this wave's use
+  bool wave_empty = true;
   for (int32_t t = 0; t < static_cast<int32_t>(plan.transfers.size()); ++t) {
     const auto& tr = plan.transfers[t];
+    const uint64_t bytes = alignUp(static_cast<uint64_t>(tr.bytes));
     uint64_t off = 0;
     for (int32_t i = 0; i < tr.fragments_count; ++i) {
       const int32_t f = plan.transfer_fragments[tr.fragments_begin + i];
       c->fragment_offset[f] = off;
       off += static_cast<uint64_t>(plan.fragments[f].bytes);
     }
-    for (int32_t ch = tr.chains_begin; ch < tr.chains_begin + tr.chains_count; ++ch)
-      for (int32_t k = 0; k < plan.chains[ch].nodes_count; ++k) {
-        const int32_t n = plan.chain_nodes[plan.chains[ch].nodes_begin + k];
-        c->landing[t].emplace_back(n, c->arena_bytes[n]);
-        c->arena_bytes[n] = alignUp(c->arena_bytes[n] + static_cast<uint64_t>(tr.bytes));
-        ++c->incoming[n];
+    // Does this transfer still fit in the current wave on every node it touches?
+    bool fits = true;
+    for (int32_t ch = tr.chains_begin; ch < tr.chains_begin + tr.chains_count; ++ch) {
+      const auto& chain = plan.chains[ch];
+      fits = fits && stage[chain.src_node] + bytes <= staging_budget;
+      for (int32_t k = 0; k < chain.nodes_count; ++k)
+        fits = fits && land[plan.chain_nodes[chain.nodes_begin + k]] + bytes <= staging_budget;
+    }
+    if (!fits && !wave_empty) {
+      ++c->waves;
+      c->incoming.emplace_back(n_nodes, 0);
+      std::fill(land.begin(), land.end(), 0);
+      std::fill(stage.begin(), stage.end(), 0);
+    }
+    wave_empty = false;
+    c->wave[t] = c->waves - 1;
+    for (int32_t ch = tr.chains_begin; ch < tr.chains_begin + tr.chains_count; ++ch) {
+      const auto& chain = plan.chains[ch];
+      if (CachedPlan::offsetOf(c->heading[t], chain.src_node) == UINT64_MAX) {
+        c->heading[t].emplace_back(chain.src_node, stage[chain.src_node]);
+        stage[chain.src_node] += bytes;
+        c->staging_bytes[chain.src_node] = std::max(c->staging_bytes[chain.src_node], stage[chain.src_node]);
       }
+      for (int32_t k = 0; k < chain.nodes_count; ++k) {
+        const int32_t n = plan.chain_nodes[chain.nodes_begin + k];
+        c->landing[t].emplace_back(n, land[n]);
+        land[n] += bytes;
+        c->arena_bytes[n] = std::max(c->arena_bytes[n], land[n]);
+        ++c->incoming.back()[n];
+      }
+    }
   }
   std::lock_guard<std::mutex> lock(mu_);
   plans_[key] = c;
@@ -140,7 +174,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
     return absl::FailedPreconditionError(strCat("group \"", a->dst_group, "\" is at version ", registry_.version(a->dst_group),
                                                 " on node \"", node_, "\": version ", a->version, " is not newer"));
   bool hit = false;
-  SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), &hit));
+  SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), req.staging_bytes(), &hit));
   for (int32_t n = 0; n < a->plan->nodes.size(); ++n)
     if (a->plan->nodes.name(n) == node_) a->self = n;
   v1::PrepareResponse resp;
@@ -233,7 +267,7 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
                   int32_t node, uint64_t checksum) -> Status {
     SC_ASSIGN_OR_RETURN(auto ep, endpoint(node));
     const uint64_t n = static_cast<uint64_t>(plan.transfers[t].bytes);
-    const uint64_t at = cp.landingOffset(t, node);
+    const uint64_t at = CachedPlan::offsetOf(cp.landing[t], node);
     {
       std::lock_guard<std::mutex> lock(a->mu);
       a->writes_pending += 2;
@@ -255,45 +289,46 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
     return absl::OkStatus();
   };
 
-  // 1. Colocated fragments: straight from local source ranks into local destination ranks.
-  for (const auto& ls : plan.local_sources) {
-    if (ls.node != self) continue;
-    const auto& frag = plan.fragments[ls.fragment];
-    const int64_t elem = cp.dst.tensors[plan.tensors[frag.tensor].dst].elemBytes();
-    for (const auto& [sub, dr] : planner::destinationRegions(plan, cp.dst, ls.fragment, self)) {
-      const auto sr = planner::sourceRegion(plan, cp.src, ls.fragment, ls.src_rank, sub);
-      SC_ASSIGN_OR_RETURN(auto sb, buffer(cp.src, sr));
-      SC_ASSIGN_OR_RETURN(auto db, buffer(cp.dst, dr));
-      SC_RETURN_IF_ERROR(copies_->copy({db.data, transport::MemoryKind::kHost, dr.offset, dr.strides},
-                                       {sb.data, transport::MemoryKind::kHost, sr.offset, sr.strides}, dr.extent, elem));
-      resp.set_local_bytes(resp.local_bytes() + static_cast<uint64_t>(sub.volume() * elem));
+  const int32_t w = static_cast<int32_t>(req.wave());
+  if (w < 0 || w >= cp.waves)
+    return absl::InvalidArgumentError(strCat("sync ", a->id, ": wave ", w, " of ", cp.waves));
+  // 1. Colocated fragments (first wave): straight from local source ranks into local destination ranks.
+  if (w == 0) {
+    for (const auto& ls : plan.local_sources) {
+      if (ls.node != self) continue;
+      const auto& frag = plan.fragments[ls.fragment];
+      const int64_t elem = cp.dst.tensors[plan.tensors[frag.tensor].dst].elemBytes();
+      for (const auto& [sub, dr] : planner::destinationRegions(plan, cp.dst, ls.fragment, self)) {
+        const auto sr = planner::sourceRegion(plan, cp.src, ls.fragment, ls.src_rank, sub);
+        SC_ASSIGN_OR_RETURN(auto sb, buffer(cp.src, sr));
+        SC_ASSIGN_OR_RETURN(auto db, buffer(cp.dst, dr));
+        SC_RETURN_IF_ERROR(copies_->copy({db.data, transport::MemoryKind::kHost, dr.offset, dr.strides},
+                                         {sb.data, transport::MemoryKind::kHost, sr.offset, sr.strides}, dr.extent, elem));
+        resp.set_local_bytes(resp.local_bytes() + static_cast<uint64_t>(sub.volume() * elem));
+      }
     }
   }
 
-  // 2. Transfers this node's source ranks head: pack each fragment into one staging region (at
-  //    a fixed offset per transfer), send it to each chain's first node.
+  // 2. This wave's transfers that this node's source ranks head: pack each into the staging region
+  //    (at its fixed offset), send it to each chain's first node.
   std::map<int32_t, uint64_t> head_offset;
-  uint64_t staging_bytes = 0;
-  for (int32_t t = 0; t < static_cast<int32_t>(plan.transfers.size()); ++t) {
-    const auto& tr = plan.transfers[t];
-    for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c)
-      if (plan.chains[c].src_node == self && !head_offset.count(t)) {
-        head_offset[t] = staging_bytes;
-        staging_bytes = alignUp(staging_bytes + static_cast<uint64_t>(tr.bytes));
-      }
-  }
-  if (staging_bytes > 0) {
+  for (int32_t t = 0; t < static_cast<int32_t>(plan.transfers.size()); ++t)
+    if (cp.wave[t] == w) {
+      const uint64_t at = CachedPlan::offsetOf(cp.heading[t], self);
+      if (at != UINT64_MAX) head_offset[t] = at;
+    }
+  if (!head_offset.empty() && !a->staging) {
     std::shared_ptr<transport::MemoryRegion> staging;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto spare = spare_staging_.find(cp.key);
-      if (spare != spare_staging_.end() && spare->second->size() >= staging_bytes) {
+      if (spare != spare_staging_.end()) {
         staging = std::move(spare->second);
         spare_staging_.erase(spare);
       }
     }
     if (!staging) {
-      SC_ASSIGN_OR_RETURN(staging, transport_.allocateMemory(staging_bytes));
+      SC_ASSIGN_OR_RETURN(staging, transport_.allocateMemory(cp.staging_bytes[self]));
     }
     std::lock_guard<std::mutex> lock(a->mu);
     a->staging = staging;
@@ -326,7 +361,7 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
 
   // 3. Everything that lands here: verify, fan out to local ranks, forward along the chain.
   int64_t processed = 0;
-  const int64_t expected = cp.incoming[self];
+  const int64_t expected = cp.incoming[w][self];
   while (true) {
     Landed l{};
     {
@@ -344,7 +379,7 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
       a->landed.pop_front();
     }
     const auto& tr = plan.transfers[l.transfer];
-    const uint64_t base = cp.landingOffset(l.transfer, self);
+    const uint64_t base = CachedPlan::offsetOf(cp.landing[l.transfer], self);
     auto* landed = static_cast<std::byte*>(a->arena->data()) + base;
     if (req.verify() && XXH64(landed, static_cast<size_t>(tr.bytes), 0) != l.checksum) {
       return absl::DataLossError(strCat("sync ", a->id, ": transfer ", l.transfer, " arrived at node \"", node_,

@@ -28,24 +28,34 @@
 namespace shardcast::daemon {
 
 // A plan with everything needed to execute it, shared by the syncs that repeat it.
+//
+// Bounded staging: transfers are cut into waves (in plan order) so that in every wave each node
+// lands at most `staging_bytes` and packs at most `staging_bytes` for the transfers it heads; a
+// wave's arena and staging offsets start again at zero. A single transfer larger than the budget
+// gets a wave of its own. The coordinator runs the waves one after another on every daemon.
 struct CachedPlan {
-  std::string key;  // the two layout digests
+  std::string key;  // the two layout digests and the staging budget
+  uint64_t staging_budget = 0;
   planner::NodeTable nodes;
   planner::ResolvedLayout src, dst;
   planner::Plan plan;
-  // Per transfer: (node, offset in that node's arena) for every node the transfer lands on.
-  std::vector<std::vector<std::pair<int32_t, uint64_t>>> landing;
-  std::vector<uint64_t> arena_bytes;            // per node
-  std::vector<uint64_t> fragment_offset;        // per fragment: offset inside its transfer
-  std::vector<int64_t> incoming;                // per node: landings to process
+  int32_t waves = 1;
+  std::vector<int32_t> wave;  // per transfer
+  // Per transfer: (node, offset in that node's arena) for every node the transfer lands on, and
+  // (node, offset in that node's staging) for every node that heads one of its chains.
+  std::vector<std::vector<std::pair<int32_t, uint64_t>>> landing, heading;
+  std::vector<uint64_t> arena_bytes, staging_bytes;  // per node: the largest wave's need
+  std::vector<uint64_t> fragment_offset;             // per fragment: offset inside its transfer
+  std::vector<std::vector<int64_t>> incoming;        // per wave, per node: landings to process
 
-  uint64_t landingOffset(int32_t transfer, int32_t node) const;
+  static uint64_t offsetOf(const std::vector<std::pair<int32_t, uint64_t>>& list, int32_t node);
 };
 
 class PlanCache {
  public:
-  // The plan for these layouts; *hit says whether it was cached.
-  StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst, bool* hit);
+  // The plan for these layouts and staging budget; *hit says whether it was cached.
+  StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst, uint64_t staging_budget,
+                                                  bool* hit);
   uint64_t hits() const;
 
  private:

@@ -5,7 +5,7 @@
 // verifies every destination byte after each sync, and prints the plan and the throughput.
 //
 //   build/bin/shardcast-demo [--layers 4] [--hidden 1024] [--syncs 3] [--trainer-nodes 2]
-//                            [--inference-nodes 3] [--ucx-tls TLS] [--verify]
+//                            [--inference-nodes 3] [--ucx-tls TLS] [--staging-mib N] [--verify]
 #include <fmt/format.h>
 
 #include <chrono>
@@ -28,6 +28,7 @@ struct Options {
   int layers = 4, syncs = 3, trainer_nodes = 2, inference_nodes = 3;
   int64_t hidden = 1024, vocab = 32000;
   std::string tls;
+  int64_t staging_mib = 0;  // 0: the daemon's default
   bool verify = false;
 };
 
@@ -111,6 +112,10 @@ int run(const Options& o, const std::string& daemon_path) {
   std::map<std::string, std::unique_ptr<Daemon>> daemons;
   std::vector<std::string> extra;
   if (!o.tls.empty()) extra = {"--ucx-tls", o.tls};
+  if (o.staging_mib > 0) {
+    extra.push_back("--staging-mib");
+    extra.push_back(std::to_string(o.staging_mib));
+  }
   for (size_t i = 0; i < names.size(); ++i) {
     daemons[names[i]] = std::make_unique<Daemon>(names[i], ports[i], peers, extra, daemon_path);
     if (!daemons[names[i]]->ready()) {
@@ -159,10 +164,11 @@ int run(const Options& o, const std::string& daemon_path) {
     int64_t bad = 0;
     for (int32_t r = 0; r < dst.world(); ++r) bad += visit(dst, r, dmem[r], v, true);
     failures += bad != 0;
-    fmt::print("sync v{}: {} to destination ranks ({} over the network) in {:.3f} s = {:.2f} GB/s delivered{}; "
+    fmt::print("sync v{}: {} to destination ranks ({} over the network, {} wave{}) in {:.3f} s = {:.2f} GB/s delivered{}; "
                "verified: {}\n",
                v, planner::humanBytes(static_cast<double>(out.bytes_needed())),
-               planner::humanBytes(static_cast<double>(out.network_bytes())), out.seconds(),
+               planner::humanBytes(static_cast<double>(out.network_bytes())), out.waves(), out.waves() == 1 ? "" : "s",
+               out.seconds(),
                static_cast<double>(out.bytes_needed()) / out.seconds() / 1e9, out.plan_cached() ? " (plan cached)" : "",
                bad == 0 ? "every byte correct" : fmt::format("{} WRONG elements", bad));
   }
@@ -186,6 +192,7 @@ int main(int argc, char** argv) {
       else if (a == "--trainer-nodes") o.trainer_nodes = std::stoi(next());
       else if (a == "--inference-nodes") o.inference_nodes = std::stoi(next());
       else if (a == "--ucx-tls") o.tls = next();
+      else if (a == "--staging-mib") o.staging_mib = std::stoll(next());
       else if (a == "--verify") o.verify = true;
       else throw std::invalid_argument("unknown option " + a);
     } catch (const std::exception& e) {
