@@ -15,7 +15,7 @@ std::string DaemonConfig::describe() const {
      << " socket=" << (socket.empty() ? "(none)" : socket) << " peers=" << (peers.empty() ? "(none)" : strJoin(peers, ","))
      << " peer_dns=" << (peer_dns.empty() ? "(none)" : peer_dns) << " transport=" << transport
      << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol << " log_level=" << log_level
-     << " peer_timeout_ms=" << peer_timeout_ms << " staging_mib=" << staging_mib << " metrics=" << (metrics.empty() ? "(off)" : metrics);
+     << " peer_timeout_ms=" << peer_timeout_ms << " chunk_mib=" << chunk_mib << " staging_mib=" << staging_mib << " metrics=" << (metrics.empty() ? "(off)" : metrics);
   return os.str();
 }
 
@@ -55,6 +55,8 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
       ->capture_default_str();
   app.add_option("--peer-timeout-ms", c.peer_timeout_ms, "Deadline of calls between daemons")
       ->envname("SHARDCAST_PEER_TIMEOUT_MS")->check(CLI::Range(1, 600000))->capture_default_str();
+  app.add_option("--chunk-mib", c.chunk_mib, "Large transfers travel in chunks of this size (pipelined along relays)")
+      ->envname("SHARDCAST_CHUNK_MIB")->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->capture_default_str();
   app.add_option("--staging-mib", c.staging_mib,
                  "Per-node memory for landing and staging a sync's transfers (bigger syncs run in waves)")
       ->envname("SHARDCAST_STAGING_MIB")->check(CLI::Range(int64_t{1}, int64_t{1} << 30))->capture_default_str();

@@ -20,6 +20,7 @@ struct DaemonConfig {
   std::string protocol = "auto";                       // auto | put | am
   std::string log_level = "info";
   int peer_timeout_ms = 5000;                          // deadline of daemon-to-daemon calls
+  int64_t chunk_mib = 64;                              // chunk size of large transfers
   int64_t staging_mib = 1024;                          // per-node landing and staging budget of a sync
   std::string metrics = "0.0.0.0:9464";                // Prometheus /metrics host:port ("" = off)
 

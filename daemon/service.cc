@@ -80,7 +80,8 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   }
   bool cached = false;
   const uint64_t budget = static_cast<uint64_t>(config_.staging_mib) << 20;
-  auto plan = engine_.plans().get(*src, *dst, budget, &cached);
+  const uint64_t chunk_bytes = static_cast<uint64_t>(config_.chunk_mib) << 20;
+  auto plan = engine_.plans().get(*src, *dst, budget, chunk_bytes, &cached);
   if (!plan.ok()) return gather_failed(plan.status());
 
   progress_.update(id, [&](v1::SyncProgress& p) {
@@ -137,6 +138,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     *p.mutable_dst() = *dst;
     p.set_version(req->version());
     p.set_staging_bytes(budget);
+    p.set_chunk_bytes(chunk_bytes);
     v1::PrepareResponse r;
     const grpc::Status st = v1::Peer::NewStub(peers_.channel(addresses[i]))->Prepare(&c, p, &r);
     if (!st.ok()) {

@@ -28,9 +28,10 @@ uint64_t CachedPlan::offsetOf(const std::vector<std::pair<int32_t, uint64_t>>& l
 }
 
 StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src, const v1::Layout& dst,
-                                                           uint64_t staging_budget, bool* hit) {
-  if (staging_budget == 0) return absl::InvalidArgumentError("staging budget must be positive");
-  const std::string key = layoutDigest(src) + "/" + layoutDigest(dst) + "/" + std::to_string(staging_budget);
+                                                           uint64_t staging_budget, uint64_t chunk_bytes, bool* hit) {
+  if (staging_budget == 0 || chunk_bytes == 0)
+    return absl::InvalidArgumentError("staging budget and chunk size must be positive");
+  const std::string key = strCat(layoutDigest(src), "/", layoutDigest(dst), "/", staging_budget, "/", chunk_bytes);
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = plans_.find(key);
@@ -46,7 +47,9 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
   c->staging_budget = staging_budget;
   SC_ASSIGN_OR_RETURN(c->src, planner::resolveLayout(src, c->nodes));
   SC_ASSIGN_OR_RETURN(c->dst, planner::resolveLayout(dst, c->nodes));
-  SC_ASSIGN_OR_RETURN(c->plan, planner::makePlan(c->src, c->dst, c->nodes));
+  planner::PlanOptions options;
+  options.chunk_bytes = static_cast<int64_t>(chunk_bytes);
+  SC_ASSIGN_OR_RETURN(c->plan, planner::makePlan(c->src, c->dst, c->nodes, options));
   const auto& plan = c->plan;
   const size_t n_nodes = static_cast<size_t>(c->nodes.size());
   c->arena_bytes.assign(n_nodes, 0);
@@ -55,6 +58,7 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
   c->landing.resize(plan.transfers.size());
   c->heading.resize(plan.transfers.size());
   c->wave.assign(plan.transfers.size(), 0);
+  c->chunks.resize(plan.transfers.size());
   c->incoming.assign(1, std::vector<int64_t>(n_nodes, 0));
   std::vector<uint64_t> land(n_nodes, 0), stage(n_nodes, 0);  // this wave's use
   bool wave_empty = true;
@@ -66,6 +70,19 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
       const int32_t f = plan.transfer_fragments[tr.fragments_begin + i];
       c->fragment_offset[f] = off;
       off += static_cast<uint64_t>(plan.fragments[f].bytes);
+    }
+    auto& chunks = c->chunks[t];
+    if (tr.fragments_count == 1) {
+      const auto& frag = plan.fragments[plan.transfer_fragments[tr.fragments_begin]];
+      const int64_t elem = c->dst.tensors[plan.tensors[frag.tensor].dst].elemBytes();
+      uint64_t at = 0;
+      for (const planner::Box& b : planner::splitIntoChunks(frag.box, elem, plan.options.chunk_bytes)) {
+        const uint64_t n = static_cast<uint64_t>(b.volume() * elem);
+        chunks.push_back({b, at, n});
+        at += n;
+      }
+    } else {
+      chunks.push_back({planner::Box{}, 0, static_cast<uint64_t>(tr.bytes)});
     }
     // Does this transfer still fit in the current wave on every node it touches?
     bool fits = true;
@@ -95,7 +112,7 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
         c->landing[t].emplace_back(n, land[n]);
         land[n] += bytes;
         c->arena_bytes[n] = std::max(c->arena_bytes[n], land[n]);
-        ++c->incoming.back()[n];
+        c->incoming.back()[n] += static_cast<int64_t>(chunks.size());
       }
     }
   }
@@ -147,7 +164,7 @@ void SyncEngine::onNotification(const std::string& payload) {
   std::istringstream in(payload);
   std::string id;
   Landed l{};
-  if (!(in >> id >> l.transfer >> l.chain >> l.hop >> l.checksum)) {
+  if (!(in >> id >> l.transfer >> l.chain >> l.hop >> l.chunk >> l.checksum)) {
     spdlog::warn("sync: malformed notification \"{}\"", payload);
     return;
   }
@@ -174,7 +191,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
     return absl::FailedPreconditionError(strCat("group \"", a->dst_group, "\" is at version ", registry_.version(a->dst_group),
                                                 " on node \"", node_, "\": version ", a->version, " is not newer"));
   bool hit = false;
-  SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), req.staging_bytes(), &hit));
+  SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), req.staging_bytes(), req.chunk_bytes(), &hit));
   for (int32_t n = 0; n < a->plan->nodes.size(); ++n)
     if (a->plan->nodes.name(n) == node_) a->self = n;
   v1::PrepareResponse resp;
@@ -262,12 +279,14 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   auto buffer = [&](const planner::ResolvedLayout& l, const planner::Region& r) {
     return registry_.localBuffer(l.group, r.rank, l.buffer_names[r.buffer]);
   };
-  // Sends bytes [off, off + n) of `src` to `node`'s arena for transfer t, then the notification.
+  // Sends chunk k of transfer t (at `off` in `src`) to `node`'s arena, then the notification.
   auto send = [&](const std::shared_ptr<transport::MemoryRegion>& src, uint64_t off, int32_t t, int32_t chain, int32_t hop,
-                  int32_t node, uint64_t checksum) -> Status {
+                  int32_t k, int32_t node, uint64_t checksum) -> Status {
     SC_ASSIGN_OR_RETURN(auto ep, endpoint(node));
-    const uint64_t n = static_cast<uint64_t>(plan.transfers[t].bytes);
-    const uint64_t at = CachedPlan::offsetOf(cp.landing[t], node);
+    const auto& chunk = cp.chunks[t][k];
+    const uint64_t n = chunk.bytes;
+    const uint64_t at = CachedPlan::offsetOf(cp.landing[t], node) + chunk.offset;
+    off += chunk.offset;
     {
       std::lock_guard<std::mutex> lock(a->mu);
       a->writes_pending += 2;
@@ -284,7 +303,7 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
       a->cv.notify_all();
     };
     ep->write({src, off, dir[node].second, at, n}, done);
-    ep->notify(strCat(a->id, " ", t, " ", chain, " ", hop, " ", checksum), done);
+    ep->notify(strCat(a->id, " ", t, " ", chain, " ", hop, " ", k, " ", checksum), done);
     resp.set_bytes_sent(resp.bytes_sent() + n);
     return absl::OkStatus();
   };
@@ -337,7 +356,7 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
     const auto& tr = plan.transfers[t];
     auto* out = static_cast<std::byte*>(a->staging->data()) + at;
     bool packed = false;
-    uint64_t checksum = 0;
+    std::vector<uint64_t> checksums(cp.chunks[t].size(), 0);
     for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
       const auto& ch = plan.chains[c];
       if (ch.src_node != self) continue;
@@ -352,10 +371,13 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
           SC_RETURN_IF_ERROR(copies_->copy({out + cp.fragment_offset[f], transport::MemoryKind::kHost, 0, denseFor(frag.box)},
                                            {sb.data, transport::MemoryKind::kHost, sr.offset, sr.strides}, sr.extent, elem));
         }
-        if (req.verify()) checksum = XXH64(out, static_cast<size_t>(tr.bytes), 0);
+        if (req.verify())
+          for (size_t k = 0; k < checksums.size(); ++k)
+            checksums[k] = XXH64(out + cp.chunks[t][k].offset, static_cast<size_t>(cp.chunks[t][k].bytes), 0);
         packed = true;
       }
-      SC_RETURN_IF_ERROR(send(a->staging, at, t, c, 0, plan.chain_nodes[ch.nodes_begin], checksum));
+      for (size_t k = 0; k < checksums.size(); ++k)
+        SC_RETURN_IF_ERROR(send(a->staging, at, t, c, 0, static_cast<int32_t>(k), plan.chain_nodes[ch.nodes_begin], checksums[k]));
     }
   }
 
@@ -372,39 +394,48 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
       if (!a->failure.ok()) return a->failure;
       if (!woke) {
         return absl::DeadlineExceededError(strCat("sync ", a->id, " on node \"", node_, "\": ", processed, " of ", expected,
-                                                  " transfers landed before the timeout"));
+                                                  " chunks landed before the timeout"));
       }
       if (a->landed.empty()) break;  // all landed, processed and forwarded
       l = a->landed.front();
       a->landed.pop_front();
     }
     const auto& tr = plan.transfers[l.transfer];
+    if (l.chunk < 0 || static_cast<size_t>(l.chunk) >= cp.chunks[l.transfer].size())
+      return absl::InternalError(strCat("sync ", a->id, ": notification for chunk ", l.chunk, " of transfer ", l.transfer));
+    const auto& chunk = cp.chunks[l.transfer][l.chunk];
     const uint64_t base = CachedPlan::offsetOf(cp.landing[l.transfer], self);
     auto* landed = static_cast<std::byte*>(a->arena->data()) + base;
-    if (req.verify() && XXH64(landed, static_cast<size_t>(tr.bytes), 0) != l.checksum) {
-      return absl::DataLossError(strCat("sync ", a->id, ": transfer ", l.transfer, " arrived at node \"", node_,
-                                        "\" with a wrong checksum"));
+    if (req.verify() && XXH64(landed + chunk.offset, static_cast<size_t>(chunk.bytes), 0) != l.checksum) {
+      return absl::DataLossError(strCat("sync ", a->id, ": chunk ", l.chunk, " of transfer ", l.transfer, " arrived at node \"",
+                                        node_, "\" with a wrong checksum"));
     }
+    // Fan the chunk out to the local ranks that need part of it.
     for (int32_t i = 0; i < tr.fragments_count; ++i) {
       const int32_t f = plan.transfer_fragments[tr.fragments_begin + i];
       const auto& frag = plan.fragments[f];
       const int64_t elem = cp.dst.tensors[plan.tensors[frag.tensor].dst].elemBytes();
       const auto dense = denseFor(frag.box);
       for (const auto& [sub, dr] : planner::destinationRegions(plan, cp.dst, f, self)) {
-        int64_t off = 0;
-        for (int d = 0; d < sub.ndim; ++d) off += (sub.lo[d] - frag.box.lo[d]) * dense[d];
+        const planner::Box part = chunk.box.ndim == 0 ? sub : planner::intersect(sub, chunk.box);
+        if (part.empty()) continue;
+        int64_t src_off = 0, dst_off = dr.offset;
+        for (int d = 0; d < part.ndim; ++d) {
+          src_off += (part.lo[d] - frag.box.lo[d]) * dense[d];
+          dst_off += (part.lo[d] - sub.lo[d]) * dr.strides[d];
+        }
         SC_ASSIGN_OR_RETURN(auto db, buffer(cp.dst, dr));
-        SC_RETURN_IF_ERROR(copies_->copy({db.data, transport::MemoryKind::kHost, dr.offset, dr.strides},
-                                         {landed + cp.fragment_offset[f], transport::MemoryKind::kHost, off, dense},
-                                         dr.extent, elem));
-        resp.set_local_bytes(resp.local_bytes() + static_cast<uint64_t>(sub.volume() * elem));
+        SC_RETURN_IF_ERROR(copies_->copy({db.data, transport::MemoryKind::kHost, dst_off, dr.strides},
+                                         {landed + cp.fragment_offset[f], transport::MemoryKind::kHost, src_off, dense},
+                                         part.sizes(), elem));
+        resp.set_local_bytes(resp.local_bytes() + static_cast<uint64_t>(part.volume() * elem));
       }
     }
-    resp.set_bytes_received(resp.bytes_received() + static_cast<uint64_t>(tr.bytes));
+    resp.set_bytes_received(resp.bytes_received() + chunk.bytes);
     const auto& ch = plan.chains[l.chain];
     if (l.hop + 1 < ch.nodes_count)
-      SC_RETURN_IF_ERROR(send(a->arena, base, l.transfer, l.chain, l.hop + 1, plan.chain_nodes[ch.nodes_begin + l.hop + 1],
-                              l.checksum));
+      SC_RETURN_IF_ERROR(send(a->arena, base, l.transfer, l.chain, l.hop + 1, l.chunk,
+                              plan.chain_nodes[ch.nodes_begin + l.hop + 1], l.checksum));
     ++processed;
   }
   if (registry_.generation() != a->generation)

@@ -46,6 +46,15 @@ struct CachedPlan {
   std::vector<std::vector<std::pair<int32_t, uint64_t>>> landing, heading;
   std::vector<uint64_t> arena_bytes, staging_bytes;  // per node: the largest wave's need
   std::vector<uint64_t> fragment_offset;             // per fragment: offset inside its transfer
+  // Per transfer: the chunks it travels in. A single-fragment transfer is cut into the plan's
+  // chunks (row-major slabs, contiguous in the packed bytes), so relays forward chunk k while
+  // chunk k+1 is on the wire and fan-out overlaps the network; a bucket is one chunk.
+  struct Chunk {
+    planner::Box box;  // ndim 0: the whole transfer
+    uint64_t offset = 0;
+    uint64_t bytes = 0;
+  };
+  std::vector<std::vector<Chunk>> chunks;
   std::vector<std::vector<int64_t>> incoming;        // per wave, per node: landings to process
 
   static uint64_t offsetOf(const std::vector<std::pair<int32_t, uint64_t>>& list, int32_t node);
@@ -55,7 +64,7 @@ class PlanCache {
  public:
   // The plan for these layouts and staging budget; *hit says whether it was cached.
   StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst, uint64_t staging_budget,
-                                                  bool* hit);
+                                                  uint64_t chunk_bytes, bool* hit);
   uint64_t hits() const;
 
  private:
@@ -79,6 +88,7 @@ class SyncEngine {
     int32_t transfer;
     int32_t chain;
     int32_t hop;
+    int32_t chunk;
     uint64_t checksum;
   };
   struct Active;

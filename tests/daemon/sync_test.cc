@@ -221,6 +221,7 @@ TEST_CASE("concurrent syncs: same group refused, different groups together; a st
   *prep.mutable_dst() = dst_proto;
   prep.set_version(1);
   prep.set_staging_bytes(uint64_t{1} << 30);
+  prep.set_chunk_bytes(uint64_t{64} << 20);
   v1::PrepareResponse presp;
   REQUIRE(peer->Prepare(ctx().get(), prep, &presp).ok());
   v1::SyncRequest sync;

@@ -5,7 +5,7 @@
 // verifies every destination byte after each sync, and prints the plan and the throughput.
 //
 //   build/bin/shardcast-demo [--layers 4] [--hidden 1024] [--syncs 3] [--trainer-nodes 2]
-//                            [--inference-nodes 3] [--ucx-tls TLS] [--staging-mib N] [--verify]
+//                            [--inference-nodes 3] [--ucx-tls TLS] [--staging-mib N] [--chunk-mib N] [--verify]
 #include <fmt/format.h>
 
 #include <chrono>
@@ -29,6 +29,7 @@ struct Options {
   int64_t hidden = 1024, vocab = 32000;
   std::string tls;
   int64_t staging_mib = 0;  // 0: the daemon's default
+  int64_t chunk_mib = 0;
   bool verify = false;
 };
 
@@ -112,6 +113,10 @@ int run(const Options& o, const std::string& daemon_path) {
   std::map<std::string, std::unique_ptr<Daemon>> daemons;
   std::vector<std::string> extra;
   if (!o.tls.empty()) extra = {"--ucx-tls", o.tls};
+  if (o.chunk_mib > 0) {
+    extra.push_back("--chunk-mib");
+    extra.push_back(std::to_string(o.chunk_mib));
+  }
   if (o.staging_mib > 0) {
     extra.push_back("--staging-mib");
     extra.push_back(std::to_string(o.staging_mib));
@@ -193,6 +198,7 @@ int main(int argc, char** argv) {
       else if (a == "--inference-nodes") o.inference_nodes = std::stoi(next());
       else if (a == "--ucx-tls") o.tls = next();
       else if (a == "--staging-mib") o.staging_mib = std::stoll(next());
+      else if (a == "--chunk-mib") o.chunk_mib = std::stoll(next());
       else if (a == "--verify") o.verify = true;
       else throw std::invalid_argument("unknown option " + a);
     } catch (const std::exception& e) {
