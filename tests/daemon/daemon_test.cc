@@ -5,7 +5,9 @@
 #include <sys/stat.h>
 
 #include <cstdlib>
+#include <thread>
 
+#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "planner/layout.h"
 #include "planner/plan.h"
 #include "planner/report.h"
@@ -72,6 +74,27 @@ TEST_CASE("shardcastd serves health, status and a 0660 Unix socket", "[daemon]")
   CHECK(status.node() == "n0");
   CHECK_THAT(status.transport(), Catch::Contains("ucx(tls=tcp"));
   CHECK(status.registered_ranks() == 0);
+  // Server reflection lists the services, as generic gRPC tools see them.
+  {
+    auto reflection = grpc::reflection::v1alpha::ServerReflection::NewStub(
+        grpc::CreateChannel(d.address(), grpc::InsecureChannelCredentials()));
+    auto c = ctx();
+    auto stream = reflection->ServerReflectionInfo(c.get());
+    grpc::reflection::v1alpha::ServerReflectionRequest rreq;
+    rreq.set_list_services("");
+    REQUIRE(stream->Write(rreq));
+    stream->WritesDone();
+    grpc::reflection::v1alpha::ServerReflectionResponse rresp;
+    REQUIRE(stream->Read(&rresp));
+    std::vector<std::string> services;
+    for (const auto& svc : rresp.list_services_response().service()) services.push_back(svc.name());
+    CHECK_THAT(services, Catch::VectorContains(std::string("shardcast.v1.Shardcast")));
+    CHECK_THAT(services, Catch::VectorContains(std::string("shardcast.v1.Peer")));
+    CHECK_THAT(services, Catch::VectorContains(std::string("grpc.health.v1.Health")));
+    while (stream->Read(&rresp)) {
+    }
+    CHECK(stream->Finish().ok());
+  }
   CHECK(d.stop() == 0);  // SIGTERM: clean exit
   CHECK(::access(d.socketPath().c_str(), F_OK) != 0);  // socket removed
 }
@@ -208,4 +231,50 @@ TEST_CASE("two daemons: the plan dry run sees the whole cluster and names missin
   st = d0.client()->Plan(ctx().get(), preq, &presp);
   CHECK(st.error_code() == grpc::StatusCode::UNAVAILABLE);
   CHECK_THAT(st.error_message(), Catch::Contains("127.0.0.1:" + std::to_string(p1)));
+}
+
+TEST_CASE("peers found through a DNS name; a sync waits for ranks that register late", "[daemon]") {
+  // localhost resolves to this daemon itself (once per address family): no duplicate peers.
+  const int port = freePort();
+  Daemon d("n0", port, {}, {"--peer-dns", "localhost:" + std::to_string(port)});
+  REQUIRE(d.ready());
+  v1::StatusResponse status;
+  REQUIRE(d.client()->Status(ctx().get(), v1::StatusRequest(), &status).ok());
+  REQUIRE(status.peers_size() >= 1);
+  for (const auto& p : status.peers()) {
+    CHECK(p.reachable());
+    CHECK(p.node() == "n0");
+  }
+  // One node holds everything: trainer ranks 0-1 and inference ranks 0-1, all on n0.
+  auto one_node = [](const std::string& group, int dim) {
+    auto l = planner::parseLayoutJson(R"({"group":")" + group + R"(","mesh":{"shape":[2]},"nodes":["n0","n0"],
+      "tensors":[{"name":"w","shape":[8,4],"dtype":"float32","placements":[{"shard":{"dim":)" + std::to_string(dim) + "}}]}]}",
+                                      "test");
+    REQUIRE(l.ok());
+    return *l;
+  };
+  const auto trainer = one_node("trainer", 0), infer = one_node("infer", 1);
+  Segment t0("dt0"), t1("dt1"), i0("di0"), i1("di1");
+  auto client = d.client();
+  REQUIRE(registerRank(*client, request("trainer", 0, trainer, t0)).ok());
+  REQUIRE(registerRank(*client, request("trainer", 1, trainer, t1)).ok());
+  REQUIRE(registerRank(*client, request("infer", 0, infer, i0)).ok());
+  // Inference rank 1 registers 300 ms after the sync starts; the sync waits for it.
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    auto c = d.client();
+    CHECK(registerRank(*c, request("infer", 1, infer, i1)).ok());
+  });
+  v1::SyncRequest sync;
+  sync.set_src_group("trainer");
+  sync.set_dst_group("infer");
+  sync.set_version(1);
+  sync.mutable_options()->set_wait_for_ranks(true);
+  sync.mutable_options()->set_timeout_ms(30000);
+  v1::SyncResponse out;
+  const grpc::Status st = client->Sync(ctx().get(), sync, &out);
+  late.join();
+  INFO(st.error_message());
+  CHECK(st.ok());
+  CHECK(out.network_bytes() == 0);  // everything is on one node: local copies only
 }
