@@ -223,7 +223,7 @@ StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, 
     if (!b.segment)
       return absl::UnimplementedError(strCat("group \"", group, "\" rank ", rank, " buffer \"", buffer,
                                              "\": syncs of CUDA buffers are not implemented yet (host shared memory only)"));
-    return LocalBuffer{static_cast<std::byte*>(b.segment->data()) + b.offset, b.size, b.segment};
+    return LocalBuffer{static_cast<std::byte*>(b.segment->data()) + b.offset, b.size, b.segment, b.region, b.offset};
   }
   return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " has no buffer \"", buffer, "\""));
 }

@@ -41,6 +41,8 @@ class Registry {
     std::byte* data = nullptr;
     uint64_t size = 0;
     std::shared_ptr<void> keep_alive;
+    std::shared_ptr<transport::MemoryRegion> region;  // the registration the buffer lies in
+    uint64_t region_offset = 0;                       // of data in that region
   };
   StatusOr<LocalBuffer> localBuffer(const std::string& group, int32_t rank, const std::string& buffer) const;
   // Changes with every registration and unregistration (a sync fails if it changes under it).

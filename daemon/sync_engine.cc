@@ -19,6 +19,17 @@ uint64_t alignUp(uint64_t v) { return (v + 63) & ~uint64_t{63}; }
 
 std::vector<int64_t> denseFor(const planner::Box& b) { return transport::denseStrides(b.sizes()); }
 
+// True when a box with these element strides is one contiguous run (size-1 dims never break it).
+bool contiguousRun(const std::vector<int64_t>& strides, const planner::Box& box) {
+  int64_t expected = 1;
+  for (int d = box.ndim - 1; d >= 0; --d) {
+    if (box.size(d) == 1) continue;
+    if (strides[d] != expected) return false;
+    expected *= box.size(d);
+  }
+  return true;
+}
+
 }  // namespace
 
 uint64_t CachedPlan::offsetOf(const std::vector<std::pair<int32_t, uint64_t>>& list, int32_t node) {
@@ -143,6 +154,8 @@ struct SyncEngine::Active {
   // Where this node packs the transfers it heads: freed with the sync (or kept for the next one
   // of the same plan on commit), after every completion has run.
   std::shared_ptr<transport::MemoryRegion> staging;
+  // Rank buffers sent from directly (no packing): kept mapped until the sync is gone.
+  std::vector<std::shared_ptr<void>> pinned;
 };
 
 SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics)
@@ -354,12 +367,40 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   }
   for (const auto& [t, at] : head_offset) {
     const auto& tr = plan.transfers[t];
+    // A single fragment that is contiguous in its source rank's registered buffer is sent from
+    // there (no packing copy); other chains go through the staging buffer below.
+    std::vector<char> sent(static_cast<size_t>(tr.chains_count), 0);
+    if (tr.fragments_count == 1) {
+      const int32_t f = plan.transfer_fragments[tr.fragments_begin];
+      const auto& frag = plan.fragments[f];
+      const int64_t elem = cp.src.tensors[plan.tensors[frag.tensor].src].elemBytes();
+      for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
+        const auto& ch = plan.chains[c];
+        if (ch.src_node != self) continue;
+        const int32_t rank = planner::sourceRank(plan, cp.src, f, ch);
+        const auto sr = planner::sourceRegion(plan, cp.src, f, rank);
+        if (!contiguousRun(sr.strides, frag.box)) continue;
+        SC_ASSIGN_OR_RETURN(auto sb, buffer(cp.src, sr));
+        if (!sb.region) continue;
+        const uint64_t from = sb.region_offset + static_cast<uint64_t>(sr.offset * elem);
+        {
+          std::lock_guard<std::mutex> lock(a->mu);
+          a->pinned.push_back(sb.keep_alive);
+        }
+        for (size_t k = 0; k < cp.chunks[t].size(); ++k) {
+          const auto& chunk = cp.chunks[t][k];
+          const uint64_t sum = req.verify() ? XXH64(sb.data + sr.offset * elem + chunk.offset, chunk.bytes, 0) : 0;
+          SC_RETURN_IF_ERROR(send(sb.region, from, t, c, 0, static_cast<int32_t>(k), plan.chain_nodes[ch.nodes_begin], sum));
+        }
+        sent[static_cast<size_t>(c - tr.chains_begin)] = 1;
+      }
+    }
     auto* out = static_cast<std::byte*>(a->staging->data()) + at;
     bool packed = false;
     std::vector<uint64_t> checksums(cp.chunks[t].size(), 0);
     for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
       const auto& ch = plan.chains[c];
-      if (ch.src_node != self) continue;
+      if (ch.src_node != self || sent[static_cast<size_t>(c - tr.chains_begin)]) continue;
       if (!packed) {
         for (int32_t i = 0; i < tr.fragments_count; ++i) {
           const int32_t f = plan.transfer_fragments[tr.fragments_begin + i];
