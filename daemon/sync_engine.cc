@@ -19,16 +19,6 @@ uint64_t alignUp(uint64_t v) { return (v + 63) & ~uint64_t{63}; }
 
 std::vector<int64_t> denseFor(const planner::Box& b) { return transport::denseStrides(b.sizes()); }
 
-// True when a box with these element strides is one contiguous run (size-1 dims never break it).
-bool contiguousRun(const std::vector<int64_t>& strides, const planner::Box& box) {
-  int64_t expected = 1;
-  for (int d = box.ndim - 1; d >= 0; --d) {
-    if (box.size(d) == 1) continue;
-    if (strides[d] != expected) return false;
-    expected *= box.size(d);
-  }
-  return true;
-}
 
 }  // namespace
 
@@ -379,7 +369,7 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
         if (ch.src_node != self) continue;
         const int32_t rank = planner::sourceRank(plan, cp.src, f, ch);
         const auto sr = planner::sourceRegion(plan, cp.src, f, rank);
-        if (!contiguousRun(sr.strides, frag.box)) continue;
+        if (!planner::isContiguous(sr.strides, frag.box)) continue;
         SC_ASSIGN_OR_RETURN(auto sb, buffer(cp.src, sr));
         if (!sb.region) continue;
         const uint64_t from = sb.region_offset + static_cast<uint64_t>(sr.offset * elem);

@@ -224,6 +224,16 @@ std::vector<std::pair<Box, int>> BoxGrid::decompose(const std::vector<int>& labe
   return out;
 }
 
+bool isContiguous(const std::vector<int64_t>& strides, const Box& box) {
+  int64_t expected = 1;
+  for (int d = box.ndim - 1; d >= 0; --d) {
+    if (box.size(d) == 1) continue;
+    if (strides[d] != expected) return false;
+    expected *= box.size(d);
+  }
+  return true;
+}
+
 std::vector<Box> disjointUnion(const std::vector<Box>& boxes) {
   std::vector<Box> nonempty;
   for (const Box& b : boxes)

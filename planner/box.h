@@ -62,6 +62,10 @@ class BoxGrid {
   int64_t cell_count_ = 0;
 };
 
+// True when `box`, laid out with these element strides, is one contiguous run of elements
+// (size-1 dims never break contiguity).
+bool isContiguous(const std::vector<int64_t>& strides, const Box& box);
+
 // Disjoint boxes whose union equals the union of `boxes` (all of the same rank).
 std::vector<Box> disjointUnion(const std::vector<Box>& boxes);
 // Number of elements in the union of `boxes`.

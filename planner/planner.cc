@@ -26,16 +26,6 @@ std::string bytesKey(const T* data, size_t n) {
   return std::string(reinterpret_cast<const char*>(data), n * sizeof(T));
 }
 
-// True when the region of `extent` with `strides` is one contiguous run of elements.
-bool contiguous(const std::vector<int64_t>& strides, const Box& box) {
-  int64_t expected = 1;
-  for (int d = box.ndim - 1; d >= 0; --d) {
-    if (box.size(d) == 1) continue;
-    if (strides[d] != expected) return false;
-    expected *= box.size(d);
-  }
-  return true;
-}
 
 class Planner {
  public:
@@ -278,7 +268,7 @@ class Planner {
     bool in_place = false;
     if (hits == 1) {
       const PieceRef& p = dt.pieces[g.rep_pieces[last_hit]];
-      in_place = dt.boxes[p.box].contains(piece) && contiguous(dst_.strides[p.strides], piece);
+      in_place = dt.boxes[p.box].contains(piece) && isContiguous(dst_.strides[p.strides], piece);
     }
     return {bytes, hits, in_place};
   }

@@ -82,3 +82,13 @@ TEST_CASE("splitIntoChunks tiles the box with row-major slabs under the limit", 
   }
   REQUIRE(splitIntoChunks(b, 2, 1 << 20).size() == 1);
 }
+
+TEST_CASE("isContiguous: dense boxes, sub-boxes and size-1 dims", "[box]") {
+  const Box b = Box::fromOffsetsSizes({0, 0}, {3, 4});
+  CHECK(isContiguous({4, 1}, b));          // dense 3x4
+  CHECK_FALSE(isContiguous({8, 1}, b));    // rows of a wider buffer
+  const Box row = Box::fromOffsetsSizes({2, 0}, {1, 4});
+  CHECK(isContiguous({8, 1}, row));        // one row is contiguous whatever the row stride
+  const Box col = Box::fromOffsetsSizes({0, 1}, {3, 1});
+  CHECK_FALSE(isContiguous({4, 1}, col));  // a column is strided
+}
