@@ -124,6 +124,9 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     }
   };
 
+  auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  out->set_gather_seconds(seconds_since(start));
+  const auto prepare_start = Clock::now();
   // Prepare every daemon: it plans (cached) and allocates where transfers land on it.
   v1::ExecuteRequest exec;
   exec.set_sync_id(id);
@@ -151,6 +154,8 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     n->set_arena_region(r.arena_region());
   }
 
+  out->set_prepare_seconds(seconds_since(prepare_start));
+  const auto execute_start = Clock::now();
   // Execute every wave everywhere at once, waves in order; the first failure aborts the others.
   progress_.update(id, [](v1::SyncProgress& p) { p.set_state("executing"); });
   std::vector<grpc::Status> results(addresses.size());
@@ -193,7 +198,10 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   for (size_t i = 0; i < addresses.size(); ++i)
     if (!results[i].ok())
       return sync_failed(fromGrpc(results[i], strCat("sync ", id, " failed on node \"", daemons[i].node(), "\"")));
+  out->set_execute_seconds(seconds_since(execute_start));
+  const auto finish_start = Clock::now();
   finish_all(true);
+  out->set_finish_seconds(seconds_since(finish_start));
   progress_.update(id, [&](v1::SyncProgress& p) {
     p.set_state("committed");
     p.set_seconds(std::chrono::duration<double>(Clock::now() - start).count());

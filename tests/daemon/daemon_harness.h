@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,13 +37,17 @@ inline int freePort() {
 
 class Daemon {
  public:
-  // `extra` flags come last (a later --ucx-tls overrides the tcp default).
+  // `extra` flags come last; without --ucx-tls among them the daemon uses UCX_TLS=tcp.
   Daemon(std::string node, int port, std::vector<std::string> peers, std::vector<std::string> extra = {},
          std::string binary = SHARDCASTD_PATH)
       : node_(std::move(node)), port_(port) {
     socket_ = "/tmp/shardcast-test-" + std::to_string(::getpid()) + "-" + node_ + ".sock";
     std::vector<std::string> argv = {binary, "--node", node_, "--listen", address(), "--socket", socket_,
-                                     "--ucx-tls", "tcp", "--log-level", "warn", "--metrics", "127.0.0.1:0"};
+                                     "--log-level", "warn", "--metrics", "127.0.0.1:0"};
+    if (std::find(extra.begin(), extra.end(), "--ucx-tls") == extra.end()) {
+      argv.push_back("--ucx-tls");  // separate hosts talk TCP; tests default to it
+      argv.push_back("tcp");
+    }
     if (!peers.empty()) {
       std::string list;
       for (const auto& p : peers) list += (list.empty() ? "" : ",") + p;

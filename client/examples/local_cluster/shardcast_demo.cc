@@ -176,6 +176,8 @@ int run(const Options& o, const std::string& daemon_path) {
                out.seconds(),
                static_cast<double>(out.bytes_needed()) / out.seconds() / 1e9, out.plan_cached() ? " (plan cached)" : "",
                bad == 0 ? "every byte correct" : fmt::format("{} WRONG elements", bad));
+    fmt::print("         gather+plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s\n", out.gather_seconds(),
+               out.prepare_seconds(), out.execute_seconds(), out.finish_seconds());
   }
   return failures == 0 ? 0 : 1;
 }
