@@ -119,22 +119,6 @@ Region ResolvedLayout::region(const TensorLayout& t, const PieceRef& piece, cons
   return r;
 }
 
-int64_t ResolvedLayout::bufferElements(int32_t rank, int32_t buffer) const {
-  int64_t n = 0;
-  for (const auto& t : tensors) {
-    auto first = std::lower_bound(t.pieces.begin(), t.pieces.end(), rank,
-                                  [](const PieceRef& p, int32_t r) { return p.rank < r; });
-    for (auto it = first; it != t.pieces.end() && it->rank == rank; ++it) {
-      if (it->buffer != buffer) continue;
-      const Box& b = t.boxes[it->box];
-      int64_t last = it->offset;
-      for (int d = 0; d < b.ndim; ++d) last += (b.size(d) - 1) * strides[it->strides][d];
-      if (!b.empty()) n = std::max(n, last + 1);
-    }
-  }
-  return n;
-}
-
 std::vector<std::pair<int32_t, int64_t>> ResolvedLayout::rankBuffers(int32_t rank) const {
   std::map<int32_t, int64_t> bytes;
   for (const auto& t : tensors) {

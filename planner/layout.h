@@ -71,14 +71,11 @@ struct ResolvedLayout {
   std::unordered_map<std::string, int32_t> tensor_index;
   std::vector<std::string> buffer_names;        // default buffer of a tensor is named after it
   std::vector<std::vector<int64_t>> strides;    // deduplicated stride vectors
-  std::vector<int64_t> buffer_elems_per_rank;   // filled lazily by bufferElements()
 
   int32_t world() const { return static_cast<int32_t>(rank_node.size()); }
   const TensorLayout* find(const std::string& name) const;
   // The region in piece.rank's memory holding `sub` (which must lie inside the piece's box).
   Region region(const TensorLayout& t, const PieceRef& piece, const Box& sub) const;
-  // Elements rank `rank` needs in buffer `buffer` (max offset + 1 over its pieces), for allocation.
-  int64_t bufferElements(int32_t rank, int32_t buffer) const;
   // Every buffer rank `rank` uses, with the bytes it needs (one pass over the tensors).
   std::vector<std::pair<int32_t, int64_t>> rankBuffers(int32_t rank) const;
 };

@@ -66,7 +66,6 @@ struct Transfer {
   int32_t chains_count = 0;
   int64_t bytes = 0;
   int64_t chunks = 0;           // network operations per hop
-  bool bucket = false;
 };
 
 // A fragment a destination node gets from a source rank on the same node (colocation).

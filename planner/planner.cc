@@ -340,7 +340,6 @@ class Planner {
 
   void emitBucket(Bucket& b) {
     Transfer tr;
-    tr.bucket = true;
     tr.fragments_begin = static_cast<int32_t>(plan_.transfer_fragments.size());
     tr.fragments_count = static_cast<int32_t>(b.fragments.size());
     plan_.transfer_fragments.insert(plan_.transfer_fragments.end(), b.fragments.begin(), b.fragments.end());

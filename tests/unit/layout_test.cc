@@ -99,7 +99,8 @@ TEST_CASE("Fused qkv: the local buffer is [q; k; v] of the rank's shards", "[lay
   CHECK(find("k").offset == 16);
   CHECK(find("v").offset == 24);
   CHECK(l.strides[find("v").strides] == std::vector<int64_t>{4, 1});
-  CHECK(l.bufferElements(1, find("q").buffer) == 32);
+  // Rank 1's only buffer is qkv: 8 rows x 4 columns of bfloat16.
+  CHECK(l.rankBuffers(1) == std::vector<std::pair<int32_t, int64_t>>{{find("q").buffer, 32 * 2}});
 }
 
 TEST_CASE("Resolution matches the brute-force reference on random layouts", "[layout][property]") {
