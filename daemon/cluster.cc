@@ -10,17 +10,6 @@
 
 namespace shardcast::daemon {
 
-grpc::Status toGrpc(const Status& st) {
-  if (st.ok()) return grpc::Status::OK;
-  // absl and gRPC share the canonical code numbering.
-  return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
-}
-
-Status fromGrpc(const grpc::Status& st, const std::string& context) {
-  if (st.ok()) return absl::OkStatus();
-  return Status(static_cast<absl::StatusCode>(st.error_code()), strCat(context, ": ", st.error_message()));
-}
-
 PeerSet::PeerSet(const DaemonConfig& config) : config_(config) {}
 
 StatusOr<std::vector<std::string>> PeerSet::addresses() const {

@@ -12,14 +12,12 @@
 #include <string>
 #include <vector>
 
+#include "common/grpc_status.h"
 #include "common/status.h"
 #include "daemon/config.h"
 #include "shardcast/v1/service.grpc.pb.h"
 
 namespace shardcast::daemon {
-
-grpc::Status toGrpc(const Status& st);
-Status fromGrpc(const grpc::Status& st, const std::string& context);
 
 class PeerSet {
  public:

@@ -5,14 +5,15 @@
 #include <string>
 #include <vector>
 
+#include "common/defaults.h"
 #include "common/status.h"
 
 namespace shardcast::daemon {
 
 struct DaemonConfig {
   std::string node;                                    // this daemon's node name (default: hostname)
-  std::string listen = "0.0.0.0:7070";                 // TCP address for clients and peers ("" = none)
-  std::string socket = "/run/shardcast/shardcastd.sock";  // Unix socket for local clients ("" = none)
+  std::string listen = kDefaultListen;                 // TCP address for clients and peers ("" = none)
+  std::string socket = kDefaultSocket;                 // Unix socket for local clients ("" = none)
   std::vector<std::string> peers;                      // static peer list, host:port
   std::string peer_dns;                                // or: a DNS name (host:port) listing every daemon
   std::string transport = "ucx";                       // ucx | loopback
@@ -22,7 +23,7 @@ struct DaemonConfig {
   int peer_timeout_ms = 5000;                          // deadline of daemon-to-daemon calls
   int64_t chunk_mib = 64;                              // chunk size of large transfers
   int64_t staging_mib = 1024;                          // per-node landing and staging budget of a sync
-  std::string metrics = "0.0.0.0:9464";                // Prometheus /metrics host:port ("" = off)
+  std::string metrics = kDefaultMetrics;              // Prometheus /metrics host:port ("" = off)
 
   // One line per setting, for the start-up log and `--print-config`.
   std::string describe() const;
@@ -31,8 +32,5 @@ struct DaemonConfig {
 // Parses argv (and SHARDCAST_* variables, and --config FILE). Returns the config, or a Status whose
 // message is the usage error. `exit_code` is set when parsing ends the program (--help: 0, error: 2).
 StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::string* output);
-
-// The socket path local clients use when none is given (also the CLI's default).
-inline constexpr const char* kDefaultSocket = "/run/shardcast/shardcastd.sock";
 
 }  // namespace shardcast::daemon

@@ -128,7 +128,9 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
       if (transport::cudaDeviceCount() == 0)
         return absl::FailedPreconditionError(strCat(who, ": buffer \"", name, "\" is CUDA memory but this daemon has no GPU (",
                                                     transport::cudaUnavailableReason(), ")"));
-      auto mapping = transport::importCudaIpcHandle(c.handle(), c.size(), c.device());
+      if (c.offset() > UINT64_MAX - c.size())
+        return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": offset overflows"));
+      auto mapping = transport::importCudaIpcHandle(c.handle(), c.offset() + c.size(), c.device());
       if (!mapping.ok()) return Status(mapping.status().code(), strCat(who, ": buffer \"", name, "\": ", mapping.status().message()));
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -138,7 +140,7 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
           cuda_copies_ = std::move(*engine);
         }
       }
-      auto mem = transport::TransferMemory::prepare(transport_, (*mapping)->data(), c.size(), transport::MemoryKind::kCuda,
+      auto mem = transport::TransferMemory::prepare(transport_, static_cast<std::byte*>((*mapping)->data()) + c.offset(), c.size(), transport::MemoryKind::kCuda,
                                                     cuda_copies_.get());
       if (!mem.ok()) return Status(mem.status().code(), strCat(who, ": buffer \"", name, "\": ", mem.status().message()));
       b.size = c.size();
@@ -178,8 +180,28 @@ std::vector<v1::RankRegistration> Registry::list() const {
     reg.set_layout_digest(r->digest);
     reg.set_registered_bytes(r->bytes);
     for (const auto& b : r->buffers) reg.add_buffers(b.name);
+    const auto v = versions_.find(r->group);
+    reg.set_version(v == versions_.end() ? 0 : v->second);
     out.push_back(std::move(reg));
   }
+  return out;
+}
+
+std::vector<v1::GroupStatus> Registry::groups() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<std::string, v1::GroupStatus> by_name;
+  for (const auto& [key, r] : ranks_) {
+    auto& g = by_name[r->group];
+    g.set_group(r->group);
+    g.set_world_size(r->world);
+    g.add_ranks(r->rank);
+    g.set_layout_digest(r->digest);
+    g.set_registered_bytes(g.registered_bytes() + r->bytes);
+    const auto v = versions_.find(r->group);
+    g.set_version(v == versions_.end() ? 0 : v->second);
+  }
+  std::vector<v1::GroupStatus> out;
+  for (auto& [name, g] : by_name) out.push_back(std::move(g));
   return out;
 }
 
@@ -194,6 +216,7 @@ v1::DescribeResponse Registry::describe() const {
     rr->set_group(r->group);
     rr->set_rank(r->rank);
     rr->set_layout_digest(r->digest);
+    if (const auto v = versions_.find(r->group); v != versions_.end()) rr->set_version(v->second);
     for (const auto& b : r->buffers) {
       auto* rb = rr->add_buffers();
       rb->set_buffer(b.name);

@@ -31,6 +31,8 @@ class Registry {
   StatusOr<v1::RegisterResponse> registerRank(const v1::RegisterRequest& request);
   Status unregisterRank(const std::string& group, int32_t rank);
   std::vector<v1::RankRegistration> list() const;
+  // Groups with ranks here: their ranks, versions and bytes.
+  std::vector<v1::GroupStatus> groups() const;
   // What peers need to plan and to write here.
   v1::DescribeResponse describe() const;
   uint64_t registeredBytes() const;

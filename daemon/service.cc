@@ -291,6 +291,7 @@ grpc::Status ShardcastService::List(grpc::ServerContext*, const v1::ListRequest*
       reg->set_rank(r.rank());
       reg->set_node(p.described->node());
       reg->set_layout_digest(r.layout_digest());
+      reg->set_version(r.version());
       uint64_t bytes = 0;
       for (const auto& b : r.buffers()) {
         bytes += b.size();
@@ -339,6 +340,7 @@ grpc::Status ShardcastService::Status(grpc::ServerContext*, const v1::StatusRequ
   out->set_registered_bytes(registry_.registeredBytes());
   out->set_registered_ranks(registry_.registeredRanks());
   out->set_uptime_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
+  for (auto& g : registry_.groups()) *out->add_groups() = std::move(g);
   auto addrs = peers_.addresses();
   if (!addrs.ok()) {
     auto* p = out->add_peers();

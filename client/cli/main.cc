@@ -2,6 +2,7 @@
 #include <CLI/CLI.hpp>
 #include <iostream>
 
+#include "client/cli/daemon_commands.h"
 #include "client/cli/exit_codes.h"
 #include "client/cli/plan_command.h"
 
@@ -10,6 +11,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   int exit_code = shardcast::cli::kOk;
   shardcast::cli::addPlanCommand(app, &exit_code);
+  shardcast::cli::addDaemonCommands(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

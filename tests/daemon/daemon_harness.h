@@ -1,99 +1,18 @@
-// Real shardcastd processes for integration tests: started on loopback with their own node name,
-// TCP port and Unix socket, stopped (SIGTERM) on destruction; gRPC stubs to talk to them.
+// Real shardcastd processes for integration tests (the local-cluster launcher) and call contexts.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
-#include <algorithm>
+#include <chrono>
 #include <memory>
-#include <string>
-#include <vector>
 
-#include "grpc/health/v1/health.grpc.pb.h"
-#include "shardcast/v1/service.grpc.pb.h"
+#include "client/examples/local_cluster/local_daemon.h"
 #include "tests/transport/process.h"
-
-#ifndef SHARDCASTD_PATH
-#define SHARDCASTD_PATH "shardcastd"
-#endif
 
 namespace shardcast::testing {
 
-// A TCP port free right now on 127.0.0.1 (the kernel picks it).
-inline int freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-class Daemon {
- public:
-  // `extra` flags come last; without --ucx-tls among them the daemon uses UCX_TLS=tcp.
-  Daemon(std::string node, int port, std::vector<std::string> peers, std::vector<std::string> extra = {},
-         std::string binary = SHARDCASTD_PATH)
-      : node_(std::move(node)), port_(port) {
-    socket_ = "/tmp/shardcast-test-" + std::to_string(::getpid()) + "-" + node_ + ".sock";
-    std::vector<std::string> argv = {binary, "--node", node_, "--listen", address(), "--socket", socket_,
-                                     "--log-level", "warn", "--metrics", "127.0.0.1:0"};
-    if (std::find(extra.begin(), extra.end(), "--ucx-tls") == extra.end()) {
-      argv.push_back("--ucx-tls");  // separate hosts talk TCP; tests default to it
-      argv.push_back("tcp");
-    }
-    if (!peers.empty()) {
-      std::string list;
-      for (const auto& p : peers) list += (list.empty() ? "" : ",") + p;
-      argv.push_back("--peers");
-      argv.push_back(list);
-    }
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    child_ = Child::spawn(argv);
-    ready_line_ = child_.readLine(std::chrono::seconds(30));
-  }
-  ~Daemon() { stop(); }
-
-  bool ready() const { return ready_line_.rfind("shardcastd ready", 0) == 0; }
-  int metricsPort() const {
-    const auto at = ready_line_.find("metrics_port=");
-    return at == std::string::npos ? 0 : std::stoi(ready_line_.substr(at + 13));
-  }
-  const std::string& readyLine() const { return ready_line_; }
-  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
-  const std::string& socketPath() const { return socket_; }
-  const std::string& node() const { return node_; }
-  void kill() { child_.kill(); child_.wait(); }
-  pid_t pid() const { return child_.pid(); }
-  void reap() { child_.wait(); }
-  int stop() {
-    child_.kill(SIGTERM);
-    return child_.wait();
-  }
-
-  std::unique_ptr<v1::Shardcast::Stub> client() const {
-    return v1::Shardcast::NewStub(grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials()));
-  }
-  std::unique_ptr<v1::Shardcast::Stub> tcpClient() const {
-    return v1::Shardcast::NewStub(grpc::CreateChannel(address(), grpc::InsecureChannelCredentials()));
-  }
-  std::unique_ptr<grpc::health::v1::Health::Stub> health() const {
-    return grpc::health::v1::Health::NewStub(grpc::CreateChannel(address(), grpc::InsecureChannelCredentials()));
-  }
-
- private:
-  std::string node_;
-  int port_;
-  std::string socket_;
-  Child child_;
-  std::string ready_line_;
-};
+using examples::Daemon;
+using examples::freePort;
 
 // A deadline-bounded context for test calls.
 inline std::unique_ptr<grpc::ClientContext> ctx(int seconds = 30) {

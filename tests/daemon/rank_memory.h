@@ -56,31 +56,6 @@ inline v1::RegisterRequest registerRequest(const v1::Layout& layout, int32_t ran
   return r;
 }
 
-// Calls fn(tensor index, piece, element offset in the piece's buffer, global flat index) for every
-// element rank `rank` holds.
-template <typename Fn>
-void forEachElement(const planner::ResolvedLayout& l, int32_t rank, Fn&& fn) {
-  for (size_t ti = 0; ti < l.tensors.size(); ++ti) {
-    const auto& t = l.tensors[ti];
-    for (const auto& p : t.pieces) {
-      if (p.rank != rank) continue;
-      const auto& b = t.boxes[p.box];
-      if (b.empty()) continue;
-      const auto& st = l.strides[p.strides];
-      std::vector<int64_t> idx(b.lo.begin(), b.lo.begin() + b.ndim);
-      while (true) {
-        int64_t off = p.offset, flat = 0;
-        for (int d = 0; d < b.ndim; ++d) {
-          off += (idx[d] - b.lo[d]) * st[d];
-          flat = flat * t.shape[d] + idx[d];
-        }
-        fn(ti, p, off, flat);
-        int d = b.ndim - 1;
-        while (d >= 0 && ++idx[d] == b.hi[d]) idx[d] = b.lo[d], --d;
-        if (d < 0) break;
-      }
-    }
-  }
-}
+using planner::forEachElement;
 
 }  // namespace shardcast::testing

@@ -105,6 +105,34 @@ StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaIpcHandle(const std::string&
   return std::unique_ptr<CudaIpcMapping>(std::make_unique<IpcMapping>(p, size));
 }
 
+StatusOr<ExportedCudaIpc> exportCudaIpcHandle(const void* device_ptr) {
+  cudaPointerAttributes attr{};
+  SC_RETURN_IF_ERROR(cudaStatus("cudaPointerGetAttributes", cudaPointerGetAttributes(&attr, device_ptr)));
+  if (attr.type != cudaMemoryTypeDevice)
+    return absl::InvalidArgumentError("a CUDA IPC handle needs device memory from cudaMalloc (this pointer is not)");
+  // The runtime has no call for an allocation's base; take the driver's through the runtime so
+  // that the daemon never links libcuda directly.
+  using GetAddressRange = int (*)(unsigned long long*, size_t*, unsigned long long);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  SC_RETURN_IF_ERROR(cudaStatus("cudaGetDriverEntryPointByVersion(cuMemGetAddressRange)",
+                                cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found)));
+  if (fn == nullptr || found != cudaDriverEntryPointSuccess) return absl::InternalError("cuMemGetAddressRange is not available");
+  unsigned long long base = 0;
+  size_t size = 0;
+  const unsigned long long ptr = reinterpret_cast<uintptr_t>(device_ptr);
+  if (const int rc = reinterpret_cast<GetAddressRange>(fn)(&base, &size, ptr); rc != 0)
+    return absl::InternalError(strCat("cuMemGetAddressRange: CUresult ", rc));
+  SC_RETURN_IF_ERROR(cudaStatus("cudaSetDevice", cudaSetDevice(attr.device)));
+  cudaIpcMemHandle_t h;
+  SC_RETURN_IF_ERROR(cudaStatus("cudaIpcGetMemHandle", cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base))));
+  ExportedCudaIpc out;
+  out.handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  out.offset = ptr - base;
+  out.device = attr.device;
+  return out;
+}
+
 StatusOr<std::unique_ptr<PinnedBuffer>> allocatePinned(size_t size) {
   void* p = nullptr;
   SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaMallocHost(", size, ")"), cudaMallocHost(&p, size)));

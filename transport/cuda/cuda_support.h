@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -24,6 +25,14 @@ class CudaIpcMapping {
   virtual size_t size() const = 0;
 };
 StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaIpcHandle(const std::string& handle, size_t size, int device);
+
+// The IPC handle of the device allocation holding `device_ptr`, and where the pointer lies in it.
+struct ExportedCudaIpc {
+  std::string handle;   // cudaIpcMemHandle_t bytes
+  uint64_t offset = 0;  // of device_ptr from the allocation's base
+  int device = 0;
+};
+StatusOr<ExportedCudaIpc> exportCudaIpcHandle(const void* device_ptr);
 
 // Page-locked host memory for staging device data when the transport cannot reach the device.
 class PinnedBuffer {

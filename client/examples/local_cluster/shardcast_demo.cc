@@ -13,14 +13,13 @@
 #include <filesystem>
 #include <map>
 
+#include "client/examples/local_cluster/local_daemon.h"
+#include "client/lib/client.h"
 #include "planner/layout.h"
 #include "planner/report.h"
-#include "tests/daemon/daemon_harness.h"
-#include "tests/daemon/rank_memory.h"
-#include "transport/shm.h"
 
 using namespace shardcast;
-using namespace shardcast::testing;
+using examples::Daemon;
 
 namespace {
 
@@ -79,15 +78,19 @@ uint16_t valueOf(size_t tensor, int64_t flat, int version) {
 }
 
 // Writes (or, with check, counts mismatches of) every element a rank holds.
-int64_t visit(const planner::ResolvedLayout& l, int32_t rank, RankMemory& m, int version, bool check) {
+int64_t visit(const planner::ResolvedLayout& l, int32_t rank, const HostTensors& m, int version, bool check) {
   int64_t bad = 0;
-  forEachElement(l, rank, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-    uint16_t* e = m.at<uint16_t>(p, off);
+  std::vector<uint16_t*> base(l.buffer_names.size(), nullptr);
+  for (size_t b = 0; b < base.size(); ++b) base[b] = m.as<uint16_t>(l.buffer_names[b]).data();
+  planner::forEachElement(l, rank, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+    uint16_t* e = base[static_cast<size_t>(p.buffer)] + off;
     if (check) bad += *e != valueOf(t, flat, version);
     else *e = valueOf(t, flat, version);
   });
   return bad;
 }
+
+StatusOr<Client> connectTo(const Daemon& d) { return Client::connect("unix:" + d.socketPath()); }
 
 int run(const Options& o, const std::string& daemon_path) {
   const auto src_proto = planner::parseLayoutJson(layoutJson(o, true), "trainer");
@@ -107,7 +110,7 @@ int run(const Options& o, const std::string& daemon_path) {
   std::vector<int> ports;
   std::vector<std::string> peers;
   for (size_t i = 0; i < names.size(); ++i) {
-    ports.push_back(freePort());
+    ports.push_back(examples::freePort());
     peers.push_back(fmt::format("127.0.0.1:{}", ports.back()));
   }
   std::map<std::string, std::unique_ptr<Daemon>> daemons;
@@ -131,41 +134,40 @@ int run(const Options& o, const std::string& daemon_path) {
   fmt::print("started {} daemons ({} trainer nodes, {} inference nodes) on loopback\n", names.size(), o.trainer_nodes,
              o.inference_nodes);
 
-  std::vector<RankMemory> smem, dmem;
-  for (int32_t r = 0; r < src.world(); ++r) smem.push_back(allocateRank(src, r, fmt::format("demo-t{}", r)));
-  for (int32_t r = 0; r < dst.world(); ++r) dmem.push_back(allocateRank(dst, r, fmt::format("demo-i{}", r)));
-  auto register_all = [&](const v1::Layout& proto, const planner::ResolvedLayout& l, std::vector<RankMemory>& mem) {
+  // Each rank's weights live in a shared-memory segment the rank (here: this process) writes into
+  // and its node's daemon reads and writes directly.
+  std::vector<HostTensors> smem, dmem;
+  auto register_all = [&](const v1::Layout& proto, const planner::ResolvedLayout& l, std::vector<HostTensors>& mem) {
     for (int32_t r = 0; r < l.world(); ++r) {
-      v1::RegisterResponse resp;
-      auto st = daemons[nodes.name(l.rank_node[r])]->client()->Register(ctx().get(), registerRequest(proto, r, l.world(), mem[r]), &resp);
-      if (!st.ok()) throw std::runtime_error("register: " + st.error_message());
+      auto tensors = HostTensors::forRank(proto, r);
+      if (!tensors.ok()) throw std::runtime_error(std::string(tensors.status().message()));
+      mem.push_back(std::move(*tensors));
+      auto client = connectTo(*daemons[nodes.name(l.rank_node[r])]);
+      if (!client.ok()) throw std::runtime_error(std::string(client.status().message()));
+      if (auto st = client->registerRank(proto, r, mem.back()); !st.ok()) throw std::runtime_error(std::string(st.status().message()));
     }
   };
   register_all(*src_proto, src, smem);
   register_all(*dst_proto, dst, dmem);
 
-  v1::PlanRequest preq;
-  preq.set_src_group("trainer");
-  preq.set_dst_group("vllm");
-  v1::PlanResponse presp;
-  auto pst = daemons[names[0]]->client()->Plan(ctx().get(), preq, &presp);
-  if (!pst.ok()) throw std::runtime_error("plan: " + pst.error_message());
-  fmt::print("{}\n", presp.summary_text());
+  auto coordinator = connectTo(*daemons[names[0]]);
+  if (!coordinator.ok()) throw std::runtime_error(std::string(coordinator.status().message()));
+  auto plan = coordinator->plan("trainer", "vllm");
+  if (!plan.ok()) throw std::runtime_error(std::string(plan.status().message()));
+  fmt::print("{}\n", plan->summary_text());
 
   int failures = 0;
   for (int v = 1; v <= o.syncs; ++v) {
     for (int32_t r = 0; r < src.world(); ++r) visit(src, r, smem[r], v, false);  // the trainer's step v
-    v1::SyncRequest sync;
-    sync.set_src_group("trainer");
-    sync.set_dst_group("vllm");
-    sync.set_version(static_cast<uint64_t>(v));
-    sync.mutable_options()->set_verify(o.verify);
-    v1::SyncResponse out;
-    auto st = daemons[names[0]]->client()->Sync(ctx(600).get(), sync, &out);
-    if (!st.ok()) {
-      fmt::print(stderr, "sync {} failed: {}\n", v, st.error_message());
+    SyncOptions so;
+    so.verify = o.verify;
+    so.timeout = std::chrono::minutes(10);
+    auto synced = coordinator->sync("trainer", "vllm", static_cast<uint64_t>(v), so);
+    if (!synced.ok()) {
+      fmt::print(stderr, "sync {} failed: {}\n", v, std::string(synced.status().message()));
       return 1;
     }
+    const v1::SyncResponse& out = *synced;
     int64_t bad = 0;
     for (int32_t r = 0; r < dst.world(); ++r) bad += visit(dst, r, dmem[r], v, true);
     failures += bad != 0;

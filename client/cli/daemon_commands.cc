@@ -1,0 +1,273 @@
+#include "client/cli/daemon_commands.h"
+
+#include <fmt/format.h>
+#include <google/protobuf/util/json_util.h>
+#include <unistd.h>
+
+#include <iostream>
+#include <memory>
+#include <random>
+#include <thread>
+
+#include "client/cli/exit_codes.h"
+#include "client/cli/progress_view.h"
+#include "client/lib/client.h"
+#include "planner/report.h"
+
+namespace shardcast::cli {
+
+namespace {
+
+struct CommonArgs {
+  std::string daemon;
+  bool json = false;
+};
+
+void addCommon(CLI::App* cmd, CommonArgs* a) {
+  cmd->add_option("--daemon", a->daemon,
+                  "shardcastd to talk to: host:port, unix:PATH or a socket path (default: $SHARDCAST_ADDRESS, "
+                  "$SHARDCAST_SOCKET, else /run/shardcast/shardcastd.sock)");
+  cmd->add_flag("--json", a->json, "Print JSON for scripts instead of text");
+}
+
+std::string toJson(const google::protobuf::Message& m) {
+  google::protobuf::util::JsonPrintOptions o;
+  o.preserve_proto_field_names = true;
+  o.always_print_primitive_fields = true;
+  std::string out;
+  if (!google::protobuf::util::MessageToJsonString(m, &out, o).ok()) return "{}";
+  return out;
+}
+
+// Connects, or prints why not and sets the exit code to kUnreachable.
+std::unique_ptr<Client> connectOrReport(const std::string& cmd, const CommonArgs& a, int* exit_code) {
+  auto c = Client::connect(a.daemon.empty() ? defaultDaemonTarget() : a.daemon);
+  if (!c.ok()) {
+    std::cerr << "shardcast " << cmd << ": " << c.status().message() << "\n";
+    *exit_code = kUnreachable;
+    return nullptr;
+  }
+  return std::make_unique<Client>(std::move(*c));
+}
+
+int failed(const std::string& cmd, const Status& st) {
+  std::cerr << "shardcast " << cmd << ": " << absl::StatusCodeToString(st.code()) << ": " << st.message() << "\n";
+  return kSyncFailed;
+}
+
+std::string newSyncId() {
+  std::random_device rd;
+  return fmt::format("cli-{:08x}", rd());
+}
+
+// ---- sync ----
+
+struct SyncArgs : CommonArgs {
+  std::string src, dst, sync_id;
+  uint64_t version = 0;
+  double timeout_s = 0;
+  bool verify = false, wait_for_ranks = false, no_progress = false;
+};
+
+int runSync(const SyncArgs& a) {
+  int rc = kOk;
+  auto client = connectOrReport("sync", a, &rc);
+  if (!client) return rc;
+  SyncOptions o;
+  o.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+  o.verify = a.verify;
+  o.wait_for_ranks = a.wait_for_ranks;
+  o.sync_id = a.sync_id.empty() ? newSyncId() : a.sync_id;
+
+  // The sync runs in its own thread; this one watches it and draws the progress.
+  const bool tty = ::isatty(STDERR_FILENO) != 0;
+  const bool show = !a.no_progress && (tty || !a.json);
+  WatchCancel cancel;
+  StatusOr<v1::SyncResponse> result = absl::UnknownError("not run");
+  std::thread syncer([&] {
+    result = client->sync(a.src, a.dst, a.version, o);
+    cancel.cancel();
+  });
+  if (show) {
+    ProgressView view(stderr, tty);
+    client->watch(o.sync_id, [&](const v1::SyncProgress& p) {
+      view.update(p);
+      return true;
+    }, &cancel).ok();  // the sync's own result decides the outcome
+    view.finish();
+  }
+  syncer.join();
+  if (!result.ok()) return failed("sync", result.status());
+  const auto& r = *result;
+  if (a.json) {
+    std::cout << toJson(r) << "\n";
+    return kOk;
+  }
+  const double gbps = r.seconds() > 0 ? static_cast<double>(r.network_bytes()) / r.seconds() / 1e9 : 0;
+  std::cout << fmt::format(
+      "sync {} committed: \"{}\" -> \"{}\" version {}\n"
+      "  {} needed, {} over the network, {} node-local, {} wave(s)\n"
+      "  {:.3f} s ({:.2f} GB/s network): gather {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s{}\n",
+      r.sync_id(), a.src, a.dst, r.version(), planner::humanBytes(static_cast<double>(r.bytes_needed())),
+      planner::humanBytes(static_cast<double>(r.network_bytes())), planner::humanBytes(static_cast<double>(r.local_bytes())),
+      r.waves(), r.seconds(), gbps, r.gather_seconds(), r.prepare_seconds(), r.execute_seconds(), r.finish_seconds(),
+      r.plan_cached() ? " (plan cached)" : "");
+  return kOk;
+}
+
+// ---- watch ----
+
+struct WatchArgs : CommonArgs {
+  std::string sync_id;
+};
+
+int runWatch(const WatchArgs& a) {
+  int rc = kOk;
+  auto client = connectOrReport("watch", a, &rc);
+  if (!client) return rc;
+  const bool tty = ::isatty(STDERR_FILENO) != 0;
+  ProgressView view(stderr, tty);
+  v1::SyncProgress last;
+  const Status st = client->watch(a.sync_id, [&](const v1::SyncProgress& p) {
+    last = p;
+    if (a.json) std::cout << toJson(p) << std::endl;  // JSON lines, one per update
+    else view.update(p);
+    return true;
+  });
+  view.finish();
+  if (!st.ok()) return failed("watch", st);
+  if (!a.json) std::cout << "sync " << a.sync_id << ": " << ProgressView::describe(last) << "\n";
+  return last.state() == "committed" ? kOk : kSyncFailed;
+}
+
+// ---- status ----
+
+int runStatus(const CommonArgs& a) {
+  int rc = kOk;
+  auto client = connectOrReport("status", a, &rc);
+  if (!client) return rc;
+  auto s = client->status();
+  if (!s.ok()) return failed("status", s.status());
+  if (a.json) {
+    std::cout << toJson(*s) << "\n";
+    return kOk;
+  }
+  int reachable = 0;
+  for (const auto& p : s->peers()) reachable += p.reachable();
+  std::cout << fmt::format("node        {} (shardcastd {}, transport {}, up {:.0f} s)\n", s->node(), s->version(),
+                           s->transport(), s->uptime_seconds());
+  std::cout << fmt::format("registered  {} rank(s), {}\n", s->registered_ranks(),
+                           planner::humanBytes(static_cast<double>(s->registered_bytes())));
+  std::cout << fmt::format("peers       {} ({} reachable)\n", s->peers_size(), reachable);
+  for (const auto& p : s->peers())
+    std::cout << fmt::format("  {:<24} {:<16} {}\n", p.address(), p.node().empty() ? "-" : p.node(),
+                             p.reachable() ? "ok" : "unreachable: " + p.error());
+  std::cout << fmt::format("groups      {}\n", s->groups_size());
+  if (s->groups_size() > 0) std::cout << fmt::format("  {:<20} {:>8} {:>6} {:>12}  {}\n", "GROUP", "VERSION", "WORLD", "BYTES", "RANKS HERE");
+  for (const auto& g : s->groups())
+    std::cout << fmt::format("  {:<20} {:>8} {:>6} {:>12}  {}\n", g.group(), g.version(), g.world_size(),
+                             planner::humanBytes(static_cast<double>(g.registered_bytes())), fmt::join(g.ranks(), ","));
+  return kOk;
+}
+
+// ---- layouts ----
+
+struct LayoutsArgs : CommonArgs {
+  bool local = false;
+};
+
+int runLayouts(const LayoutsArgs& a) {
+  int rc = kOk;
+  auto client = connectOrReport("layouts", a, &rc);
+  if (!client) return rc;
+  auto l = client->list(!a.local);
+  if (!l.ok()) return failed("layouts", l.status());
+  if (a.json) {
+    std::cout << toJson(*l) << "\n";
+    return kOk;
+  }
+  std::cout << fmt::format("{:<20} {:>5} {:>6} {:<16} {:>8} {:>12} {:>8}  {}\n", "GROUP", "RANK", "WORLD", "NODE", "VERSION",
+                           "BYTES", "BUFFERS", "LAYOUT DIGEST");
+  for (const auto& r : l->ranks())
+    std::cout << fmt::format("{:<20} {:>5} {:>6} {:<16} {:>8} {:>12} {:>8}  {}\n", r.group(), r.rank(), r.world_size(), r.node(),
+                             r.version(), planner::humanBytes(static_cast<double>(r.registered_bytes())), r.buffers_size(),
+                             r.layout_digest());
+  if (l->ranks_size() == 0) std::cout << "(nothing registered)\n";
+  return kOk;
+}
+
+// ---- wait ----
+
+struct WaitArgs : CommonArgs {
+  std::string group;
+  uint64_t version = 0;
+  double timeout_s = 60;
+};
+
+int runWait(const WaitArgs& a) {
+  int rc = kOk;
+  auto client = connectOrReport("wait", a, &rc);
+  if (!client) return rc;
+  auto v = client->waitVersion(a.group, a.version, std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000)));
+  if (!v.ok()) return failed("wait", v.status());
+  const bool reached = *v >= a.version;
+  if (a.json)
+    std::cout << fmt::format(R"({{"group":"{}","version":{},"reached":{}}})", a.group, *v, reached) << "\n";
+  else
+    std::cout << fmt::format("group \"{}\" is at version {}{}\n", a.group, *v,
+                             reached ? "" : fmt::format(" (waited {:.0f} s for {})", a.timeout_s, a.version));
+  return reached ? kOk : kSyncFailed;
+}
+
+}  // namespace
+
+void addDaemonCommands(CLI::App& app, int* exit_code) {
+  {
+    auto a = std::make_shared<SyncArgs>();
+    auto* cmd = app.add_subcommand("sync", "Sync a version of one registered group into another, with live progress");
+    cmd->add_option("--src", a->src, "Source group")->required();
+    cmd->add_option("--dst", a->dst, "Destination group")->required();
+    cmd->add_option("--version", a->version, "Version to publish (greater than the destination's)")->required()
+        ->check(CLI::PositiveNumber);
+    cmd->add_flag("--verify", a->verify, "Check per-chunk xxHash64 checksums at every destination node");
+    cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds (0: the daemon's 300 s)")
+        ->check(CLI::NonNegativeNumber);
+    cmd->add_flag("--wait-for-ranks", a->wait_for_ranks, "Wait (up to the timeout) for ranks not registered yet");
+    cmd->add_option("--sync-id", a->sync_id, "Id of the sync (default: a random one), for `shardcast watch`");
+    cmd->add_flag("--no-progress", a->no_progress, "Print only the result");
+    addCommon(cmd, a.get());
+    cmd->callback([a, exit_code] { *exit_code = runSync(*a); });
+  }
+  {
+    auto a = std::make_shared<WatchArgs>();
+    auto* cmd = app.add_subcommand("watch", "Follow a sync coordinated by this daemon until it ends");
+    cmd->add_option("sync_id", a->sync_id, "The sync's id")->required();
+    addCommon(cmd, a.get());
+    cmd->callback([a, exit_code] { *exit_code = runWatch(*a); });
+  }
+  {
+    auto a = std::make_shared<CommonArgs>();
+    auto* cmd = app.add_subcommand("status", "The daemon, its peers, its groups and their versions");
+    addCommon(cmd, a.get());
+    cmd->callback([a, exit_code] { *exit_code = runStatus(*a); });
+  }
+  {
+    auto a = std::make_shared<LayoutsArgs>();
+    auto* cmd = app.add_subcommand("layouts", "What is registered across the cluster, one row per rank");
+    cmd->add_flag("--local", a->local, "Only this daemon's registrations");
+    addCommon(cmd, a.get());
+    cmd->callback([a, exit_code] { *exit_code = runLayouts(*a); });
+  }
+  {
+    auto a = std::make_shared<WaitArgs>();
+    auto* cmd = app.add_subcommand("wait", "Wait until a group reaches a version on this node");
+    cmd->add_option("--group", a->group, "Group")->required();
+    cmd->add_option("--version", a->version, "Version to wait for")->required();
+    cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
+    addCommon(cmd, a.get());
+    cmd->callback([a, exit_code] { *exit_code = runWait(*a); });
+  }
+}
+
+}  // namespace shardcast::cli

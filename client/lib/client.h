@@ -1,0 +1,88 @@
+// shardcast::Client: what a trainer or an inference server calls to talk to its node's shardcastd —
+// register a rank's tensors, trigger a sync, watch it, wait for a version. Thread-safe (one gRPC
+// channel; every call is independent). Errors are Status values carrying the daemon's code and
+// message.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "client/lib/host_tensors.h"
+#include "common/status.h"
+#include "shardcast/v1/service.grpc.pb.h"
+
+namespace shardcast {
+
+// The daemon a client talks to when none is named: $SHARDCAST_ADDRESS (a gRPC target such as
+// "host:7070" or "unix:/path"), else the Unix socket $SHARDCAST_SOCKET, else kDefaultSocket.
+std::string defaultDaemonTarget();
+// "unix:" + path for a bare absolute path, the target unchanged otherwise.
+std::string normalizeTarget(const std::string& target);
+
+struct SyncOptions {
+  std::chrono::milliseconds timeout{0};  // 0: the daemon's default (300 s)
+  bool verify = false;                   // per-chunk xxHash64 checked at every destination node
+  bool wait_for_ranks = false;           // wait up to the timeout for ranks not yet registered
+  std::string sync_id;                   // "" = one chosen by the daemon; set it to Watch meanwhile
+};
+
+// Lets another thread end a Client::watch early (the watch then returns CANCELLED).
+class WatchCancel {
+ public:
+  void cancel();
+
+ private:
+  friend class Client;
+  std::mutex mu_;
+  grpc::ClientContext* context_ = nullptr;
+  bool cancelled_ = false;
+};
+
+class Client {
+ public:
+  // A client of the daemon at `target`; fails with UNAVAILABLE (naming the target) when the daemon
+  // does not answer within `connect_timeout`.
+  static StatusOr<Client> connect(const std::string& target = defaultDaemonTarget(),
+                                  std::chrono::milliseconds connect_timeout = std::chrono::seconds(5));
+
+  const std::string& target() const { return target_; }
+
+  // Registers `rank` of `layout`'s group with its buffers; the world size is the layout's.
+  StatusOr<v1::RegisterResponse> registerRank(const v1::Layout& layout, int32_t rank, const HostTensors& memory) const;
+  StatusOr<v1::RegisterResponse> registerRank(const v1::Layout& layout, int32_t rank,
+                                              const std::vector<v1::MemoryHandle>& buffers) const;
+  Status unregisterRank(const std::string& group, int32_t rank) const;
+
+  // Syncs version `version` of `src` into `dst`; returns once every destination rank has it.
+  StatusOr<v1::SyncResponse> sync(const std::string& src, const std::string& dst, uint64_t version,
+                                  const SyncOptions& options = {}) const;
+  // Calls on_progress for each update of a sync this daemon coordinates, until it ends (OK) or
+  // on_progress returns false (CANCELLED).
+  Status watch(const std::string& sync_id, const std::function<bool(const v1::SyncProgress&)>& on_progress,
+               WatchCancel* cancel = nullptr) const;
+  // Waits until `group`'s version on this node is at least `version`; returns the version seen
+  // (lower than asked when the timeout passed first; timeout 0 = the current version at once).
+  StatusOr<uint64_t> waitVersion(const std::string& group, uint64_t version, std::chrono::milliseconds timeout) const;
+
+  StatusOr<v1::StatusResponse> status() const;
+  StatusOr<v1::ListResponse> list(bool all_nodes) const;
+  StatusOr<v1::PlanResponse> plan(const std::string& src, const std::string& dst) const;
+
+  // Deadline of unary calls other than sync and waitVersion (which use their own timeouts).
+  void setCallTimeout(std::chrono::milliseconds timeout) { call_timeout_ = timeout; }
+
+ private:
+  Client(std::string target, std::shared_ptr<v1::Shardcast::Stub> stub) : target_(std::move(target)), stub_(std::move(stub)) {}
+  std::unique_ptr<grpc::ClientContext> context(std::chrono::milliseconds timeout) const;
+  Status error(const grpc::Status& st, const std::string& what) const;
+
+  std::string target_;
+  std::shared_ptr<v1::Shardcast::Stub> stub_;
+  std::chrono::milliseconds call_timeout_{std::chrono::seconds(30)};
+};
+
+}  // namespace shardcast
