@@ -146,7 +146,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     const grpc::Status st = v1::Peer::NewStub(peers_.channel(addresses[i]))->Prepare(&c, p, &r);
     if (!st.ok()) {
       finish_all(false);
-      return toGrpc(fromGrpc(st, strCat("sync ", id, ": prepare on node "", daemons[i].node(), """)));
+      return toGrpc(fromGrpc(st, strCat("sync ", id, ": prepare on node \"", daemons[i].node(), "\"")));
     }
     auto* n = exec.add_nodes();
     n->set_node(daemons[i].node());

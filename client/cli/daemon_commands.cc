@@ -70,6 +70,10 @@ struct SyncArgs : CommonArgs {
 };
 
 int runSync(const SyncArgs& a) {
+  if (a.version == 0) {
+    std::cerr << "shardcast sync: --version must be at least 1 (a destination starts at version 0)\n";
+    return kUsage;
+  }
   int rc = kOk;
   auto client = connectOrReport("sync", a, &rc);
   if (!client) return rc;
@@ -227,8 +231,7 @@ void addDaemonCommands(CLI::App& app, int* exit_code) {
     auto* cmd = app.add_subcommand("sync", "Sync a version of one registered group into another, with live progress");
     cmd->add_option("--src", a->src, "Source group")->required();
     cmd->add_option("--dst", a->dst, "Destination group")->required();
-    cmd->add_option("--version", a->version, "Version to publish (greater than the destination's)")->required()
-        ->check(CLI::PositiveNumber);
+    cmd->add_option("--version", a->version, "Version to publish (greater than the destination's)")->required();
     cmd->add_flag("--verify", a->verify, "Check per-chunk xxHash64 checksums at every destination node");
     cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds (0: the daemon's 300 s)")
         ->check(CLI::NonNegativeNumber);

@@ -1,0 +1,172 @@
+// shardcast::Client and HostTensors against real daemons: register from host tensors the library
+// created, sync, watch, wait for versions, read status; errors carry the daemon's code and message.
+#include <catch2/catch.hpp>
+
+#include <future>
+#include <thread>
+
+#include "client/lib/client.h"
+#include "planner/layout.h"
+#include "tests/client/client_cluster.h"
+#include "transport/cuda/cuda_support.h"
+#include "transport/shm.h"
+
+using namespace shardcast;
+using namespace shardcast::testing;
+
+TEST_CASE("HostTensors: buffers sized by the layout, aligned, zeroed, shared with whoever maps the segment", "[client]") {
+  const auto layout = *planner::parseLayoutJson(kClientTrainer, "trainer");
+  auto t = HostTensors::forRank(layout, 1);
+  REQUIRE(t.ok());
+  // rank 1 of 2 holds rows 8..15 of w [16,8] and rows 4..7 of o [8,16] (int32)
+  CHECK(t->bytes("w").size() == 8 * 8 * 4);
+  CHECK(t->bytes("o").size() == 4 * 16 * 4);
+  CHECK(t->bytes("missing").empty());
+  for (const auto& [name, slot] : t->buffers()) CHECK(slot.offset % 64 == 0);
+  for (int32_t v : t->as<int32_t>("w")) CHECK(v == 0);
+  t->as<int32_t>("o")[3] = 42;
+
+  // Another mapping of the same segment (what the daemon does) sees the application's writes.
+  auto other = HostTensors::adopt(t->segment(), t->buffers());
+  REQUIRE(other.ok());
+  CHECK(other->as<int32_t>("o")[3] == 42);
+  other->as<int32_t>("w")[0] = 7;
+  CHECK(t->as<int32_t>("w")[0] == 7);
+
+  const auto handles = t->handles();
+  REQUIRE(handles.size() == 2);
+  for (const auto& h : handles) {
+    CHECK(h.shm().name() == t->segment());
+    CHECK(h.shm().size() == t->bytes(h.buffer()).size());
+  }
+}
+
+TEST_CASE("HostTensors: bad input is refused with the reason", "[client]") {
+  const auto layout = *planner::parseLayoutJson(kClientTrainer, "trainer");
+  auto out_of_range = HostTensors::forRank(layout, 2);
+  REQUIRE_FALSE(out_of_range.ok());
+  CHECK_THAT(std::string(out_of_range.status().message()), Catch::Contains("rank 2 is outside 0..1"));
+  auto twice = HostTensors::create({{"a", 8}, {"a", 16}});
+  REQUIRE_FALSE(twice.ok());
+  CHECK_THAT(std::string(twice.status().message()), Catch::Contains("\"a\" is given twice"));
+  auto missing = HostTensors::adopt("/shardcast-no-such-segment", {{"a", {0, 64}}});
+  CHECK_FALSE(missing.ok());
+  auto seg = HostTensors::create({{"a", 100}});
+  REQUIRE(seg.ok());
+  auto too_big = HostTensors::adopt(seg->segment(), {{"a", {0, 1 << 20}}});  // beyond the segment's end
+  CHECK_FALSE(too_big.ok());
+}
+
+TEST_CASE("deviceHandle: CUDA pointers become IPC handles, or a clear error without CUDA", "[client][gpu]") {
+  if (transport::cudaDeviceCount() == 0) {
+    auto h = deviceHandle({"w", reinterpret_cast<void*>(0x1000), 64});
+    REQUIRE_FALSE(h.ok());
+    WARN("skipped the device part: " << transport::cudaUnavailableReason());
+    return;
+  }
+  auto dev = transport::allocateDevice(1 << 20, 0);
+  REQUIRE(dev.ok());
+  auto inner = deviceHandle({"w", static_cast<std::byte*>((*dev)->data()) + 4096, 1024});
+  REQUIRE(inner.ok());
+  CHECK(inner->cuda().offset() == 4096);
+  CHECK(inner->cuda().size() == 1024);
+  CHECK(inner->cuda().handle().size() == 64);
+}
+
+TEST_CASE("Client: an unreachable daemon is UNAVAILABLE and named", "[client]") {
+  auto c = Client::connect("unix:/tmp/shardcast-nobody-listens.sock", std::chrono::milliseconds(300));
+  REQUIRE_FALSE(c.ok());
+  CHECK(absl::IsUnavailable(c.status()));
+  CHECK_THAT(std::string(c.status().message()), Catch::Contains("/tmp/shardcast-nobody-listens.sock"));
+  CHECK(normalizeTarget("/run/x.sock") == "unix:/run/x.sock");
+  CHECK(normalizeTarget("10.0.0.1:7070") == "10.0.0.1:7070");
+}
+
+TEST_CASE("Client: register, sync with watch, wait for the version, status; every destination element checked",
+          "[client][daemon]") {
+  ClientCluster cluster;
+
+  auto coordinator = Client::connect("unix:" + cluster.daemons[0]->socketPath());
+  REQUIRE(coordinator.ok());
+  for (int version = 1; version <= 2; ++version) {
+    cluster.fillSource(version);
+    SyncOptions o;
+    o.sync_id = "client-test-" + std::to_string(version);
+    o.verify = true;
+    std::vector<v1::SyncProgress> seen;
+    auto watcher = std::async(std::launch::async, [&] {
+      return coordinator->watch(o.sync_id, [&](const v1::SyncProgress& p) {
+        seen.push_back(p);
+        return true;
+      });
+    });
+    auto r = coordinator->sync("trainer", "infer", static_cast<uint64_t>(version), o);
+    REQUIRE(r.ok());
+    CHECK(r->version() == static_cast<uint64_t>(version));
+    CHECK(r->sync_id() == o.sync_id);
+    CHECK(r->plan_cached() == (version > 1));
+    REQUIRE(watcher.get().ok());
+    REQUIRE_FALSE(seen.empty());
+    CHECK(seen.back().state() == "committed");
+    CHECK(seen.back().bytes_done() == seen.back().bytes_total());
+    CHECK(cluster.badDestinationElements(version) == 0);
+
+    // An inference process on node n1 waits for the version through its own daemon.
+    auto local = Client::connect("unix:" + cluster.daemons[1]->socketPath());
+    REQUIRE(local.ok());
+    auto v = local->waitVersion("infer", static_cast<uint64_t>(version), std::chrono::seconds(5));
+    REQUIRE(v.ok());
+    CHECK(*v == static_cast<uint64_t>(version));
+  }
+
+  auto st = coordinator->status();
+  REQUIRE(st.ok());
+  CHECK(st->node() == "n0");
+  REQUIRE(st->groups_size() == 1);  // n0 holds the trainer ranks only
+  CHECK(st->groups(0).group() == "trainer");
+  CHECK(st->groups(0).ranks_size() == 2);
+
+  auto all = coordinator->list(true);
+  REQUIRE(all.ok());
+  int infer_ranks = 0;
+  for (const auto& r : all->ranks())
+    if (r.group() == "infer") {
+      ++infer_ranks;
+      CHECK(r.version() == 2);
+      CHECK(r.node() == "n1");
+    }
+  CHECK(infer_ranks == 2);
+
+  // Errors keep the daemon's code and message.
+  auto old = coordinator->sync("trainer", "infer", 1);
+  REQUIRE_FALSE(old.ok());
+  CHECK(absl::IsFailedPrecondition(old.status()));
+  CHECK_THAT(std::string(old.status().message()), Catch::Contains("prepare on node \"n1\""));
+  CHECK_THAT(std::string(old.status().message()), Catch::Contains("version 1 is not newer"));
+  auto waited = coordinator->waitVersion("nobody", 1, std::chrono::milliseconds(10));
+  REQUIRE_FALSE(waited.ok());
+  CHECK(absl::IsNotFound(waited.status()));
+  auto unknown_watch = coordinator->watch("no-such-sync", [](const v1::SyncProgress&) { return true; });
+  CHECK(absl::IsNotFound(unknown_watch));
+}
+
+TEST_CASE("Client: a registration the daemon refuses comes back as INVALID_ARGUMENT with its reason", "[client][daemon]") {
+  ClientCluster cluster(/*register_ranks=*/false);
+  auto c = Client::connect("unix:" + cluster.daemons[0]->socketPath());
+  REQUIRE(c.ok());
+  const auto layout = *planner::parseLayoutJson(kClientTrainer, "trainer");
+  auto small = HostTensors::create({{"w", 16}, {"o", 4 * 16 * 4}});
+  REQUIRE(small.ok());
+  auto r = c->registerRank(layout, 0, *small);
+  REQUIRE_FALSE(r.ok());
+  CHECK(absl::IsInvalidArgument(r.status()));
+  CHECK_THAT(std::string(r.status().message()), Catch::Contains("\"w\" is given 16 bytes"));
+
+  auto ok = HostTensors::forRank(layout, 0);
+  REQUIRE(ok.ok());
+  auto reg = c->registerRank(layout, 0, *ok);
+  REQUIRE(reg.ok());
+  CHECK(reg->node() == "n0");
+  CHECK(c->unregisterRank("trainer", 0).ok());
+  CHECK(absl::IsNotFound(c->unregisterRank("trainer", 0)));
+}
