@@ -1,0 +1,87 @@
+"""One rank of a group in its own process, as a trainer or an inference server would be: registers
+its shard with its node's daemon, then follows commands from the test over a pipe."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+# Both groups hold w [16, 8] float32 and b [9] int64; values are a function of the element's global
+# index and the version, so every element can be checked.
+SHAPES = {"w": (16, 8), "b": (9,)}
+DTYPES = {"w": np.float32, "b": np.int64}
+
+TRAINER = {  # FSDP-like: every tensor sharded over dim 0 across 2 ranks on node n0
+    "group": "trainer", "mesh": {"shape": [2]}, "nodes": ["n0", "n0"],
+    "tensors": [{"name": "w", "shape": [16, 8], "dtype": "float32", "placements": [{"shard": {"dim": 0}}]},
+                {"name": "b", "shape": [9], "dtype": "int64", "placements": [{"shard": {"dim": 0}}]}],
+}
+INFERENCE = {  # TP-like: w split by columns, b replicated, 2 ranks on node n1
+    "group": "infer", "mesh": {"shape": [2]}, "nodes": ["n1", "n1"],
+    "tensors": [{"name": "w", "shape": [16, 8], "dtype": "float32", "placements": [{"shard": {"dim": 1}}]},
+                {"name": "b", "shape": [9], "dtype": "int64", "placements": [{"replicate": {}}]}],
+}
+
+
+def full(name: str, version: int) -> np.ndarray:
+    n = int(np.prod(SHAPES[name]))
+    return (np.arange(n, dtype=np.int64) * 3 + version * 1000).astype(DTYPES[name]).reshape(SHAPES[name])
+
+
+def chunk(x: np.ndarray, dim: int, k: int, i: int) -> np.ndarray:
+    """torch.chunk(x, k, dim)[i] (empty when there are fewer chunks)."""
+    size = -(-x.shape[dim] // k)
+    return np.take(x, range(min(i * size, x.shape[dim]), min((i + 1) * size, x.shape[dim])), axis=dim)
+
+
+def shard(role: str, name: str, rank: int, version: int) -> np.ndarray:
+    x = full(name, version)
+    if role == "trainer":
+        return chunk(x, 0, 2, rank)
+    return chunk(x, 1, 2, rank) if name == "w" else x
+
+
+def main(role: str, rank: int, target: str, use_torch: bool, conn) -> None:
+    import shardcast
+
+    try:
+        client = shardcast.Client(target)
+        layout = TRAINER if role == "trainer" else INFERENCE
+        start = 1 if role == "trainer" else 0  # inference ranks start empty (version 0 = zeros)
+        arrays = {n: shard(role, n, rank, start) * (1 if role == "trainer" else 0) for n in SHAPES}
+        if use_torch:
+            import torch
+
+            tensors = {n: torch.from_numpy(a.copy()) for n, a in arrays.items()}
+        else:
+            tensors = arrays
+        reg = client.register(layout["group"], rank, 2, tensors, layout)
+        if use_torch:  # torch tensors are moved into shared memory in place
+            assert all(reg.tensors[n] is tensors[n] for n in tensors)
+        conn.send(("registered", reg.node))
+        while True:
+            cmd, version = conn.recv()
+            if cmd == "write":  # a training step: new weights, written in place
+                for n in SHAPES:
+                    t = reg.tensors[n]
+                    (t.numpy() if use_torch else t)[...] = shard(role, n, rank, version)
+                conn.send(("written", version))
+            elif cmd == "check":
+                got = client.wait_version("infer", version, timeout=30)
+                bad = 0
+                for n in SHAPES:
+                    t = reg.tensors[n]
+                    a = t.numpy() if use_torch else t
+                    bad += int(np.count_nonzero(a != shard(role, n, rank, version)))
+                conn.send(("checked", (got, bad)))
+            elif cmd == "exit":
+                reg.close()
+                client.close()
+                conn.send(("closed", None))
+                return
+    except Exception as e:  # reported to the test, which fails with it
+        conn.send(("error", repr(e)))

@@ -1,0 +1,139 @@
+"""The Python client against real daemons: ranks registered from separate processes (numpy and
+torch), syncs with progress, every destination element checked; errors and defaults."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+
+import grpc
+import numpy as np
+import pytest
+
+import shardcast
+from conftest import shardcastd_path
+import rank_worker
+
+try:
+    import torch  # noqa: F401
+
+    HAVE_TORCH = True
+except ImportError:
+    HAVE_TORCH = False
+
+
+def recv(conn, what: str, timeout: float = 120):
+    assert conn.poll(timeout), f"no '{what}' from a rank within {timeout} s"
+    tag, value = conn.recv()
+    assert tag == what, f"rank answered {tag}: {value}"
+    return value
+
+
+def test_ranks_in_separate_processes_sync_every_element(cluster):
+    n0, n1 = cluster
+    ctx = mp.get_context("spawn")
+    workers = []
+    # trainer rank 0 numpy, rank 1 torch (when available); inference rank 0 torch, rank 1 numpy
+    for role, rank, daemon, use_torch in [("trainer", 0, n0, False), ("trainer", 1, n0, HAVE_TORCH),
+                                          ("infer", 0, n1, HAVE_TORCH), ("infer", 1, n1, False)]:
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=rank_worker.main, args=(role, rank, daemon.target, use_torch, child))
+        p.start()
+        workers.append((role, parent, p))
+    try:
+        for role, conn, _ in workers:
+            assert recv(conn, "registered") == ("n0" if role == "trainer" else "n1")
+        client = shardcast.Client(n0.target)
+        listed = client.list()
+        assert sorted((r.group, r.rank, r.node) for r in listed.ranks) == [
+            ("infer", 0, "n1"), ("infer", 1, "n1"), ("trainer", 0, "n0"), ("trainer", 1, "n0")]
+        for version in (1, 2):
+            for role, conn, _ in workers:
+                if role == "trainer":
+                    conn.send(("write", version))
+                    recv(conn, "written")
+            seen = []
+            result = client.sync("trainer", "infer", version, verify=True, progress=seen.append)
+            assert result.version == version
+            assert result.plan_cached == (version > 1)
+            assert seen and seen[-1].state == "committed"
+            assert seen[-1].bytes_done == seen[-1].bytes_total > 0
+            for role, conn, _ in workers:
+                if role == "infer":
+                    conn.send(("check", version))
+                    got, bad = recv(conn, "checked")
+                    assert got == version
+                    assert bad == 0, f"{bad} wrong elements after version {version}"
+        status = client.status()
+        assert status.node == "n0"
+        assert [g.group for g in status.groups] == ["trainer"]
+        plan = client.plan("trainer", "infer")
+        assert plan["network_bytes"] == plan["network_bytes_lower_bound"]
+    finally:
+        for _, conn, p in workers:
+            if p.is_alive():
+                conn.send(("exit", None))
+        for _, conn, p in workers:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    # after close() every rank is unregistered
+    assert len(shardcast.Client(n1.target).list(all_nodes=False).ranks) == 0
+
+
+def test_errors_carry_the_status_code_and_the_daemons_message(cluster):
+    n0, _ = cluster
+    client = shardcast.Client(n0.target)
+    small = {"w": np.zeros((2, 8), np.float32), "b": np.zeros(5, np.int64)}
+    with pytest.raises(shardcast.ShardcastError) as e:
+        client.register("trainer", 0, 2, small, rank_worker.TRAINER)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert '"w" is given 64 bytes' in e.value.details
+
+    with pytest.raises(shardcast.ShardcastError) as e:
+        client.sync("trainer", "infer", 1)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "trainer" in e.value.details
+
+    with pytest.raises(ValueError, match='not "other"'):
+        client.register("other", 0, 2, small, rank_worker.TRAINER)
+    with pytest.raises(TypeError, match='"w"'):
+        client.register("trainer", 0, 2, {"w": [1, 2, 3]}, rank_worker.TRAINER)
+
+    good = {n: rank_worker.shard("trainer", n, 0, 1) for n in rank_worker.SHAPES}
+    with client.register("trainer", 0, 2, good, rank_worker.TRAINER) as reg:
+        assert reg.node == "n0"
+        assert reg.registered_bytes == sum(a.nbytes for a in good.values())
+        assert np.array_equal(reg.tensors["w"], good["w"])
+        assert os.path.exists("/dev/shm" + reg.segment)
+        segment = reg.segment
+        assert client.wait_version("trainer", 5, timeout=0.2) == 0  # timed out at version 0
+    assert not os.path.exists("/dev/shm" + segment)
+    assert len(client.list(all_nodes=False).ranks) == 0
+
+    with pytest.raises(shardcast.ShardcastError) as e:
+        client.wait_version("nobody", 1, timeout=0.1)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_unreachable_daemon_and_default_target(monkeypatch):
+    with pytest.raises(shardcast.ShardcastError) as e:
+        shardcast.Client("unix:/tmp/shardcast-py-nobody.sock", connect_timeout=0.3)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "/tmp/shardcast-py-nobody.sock" in str(e.value)
+
+    monkeypatch.delenv("SHARDCAST_ADDRESS", raising=False)
+    monkeypatch.delenv("SHARDCAST_SOCKET", raising=False)
+    assert shardcast.default_target() == "unix:" + shardcast.DEFAULT_SOCKET
+    monkeypatch.setenv("SHARDCAST_SOCKET", "/tmp/x.sock")
+    assert shardcast.default_target() == "unix:/tmp/x.sock"
+    monkeypatch.setenv("SHARDCAST_ADDRESS", "10.1.2.3:7070")
+    assert shardcast.default_target() == "10.1.2.3:7070"
+
+
+def test_default_socket_is_the_daemons():
+    out = subprocess.run([str(shardcastd_path()), "--print-config"], capture_output=True, text=True, check=True,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("SHARDCAST_")}).stdout
+    settings = dict(token.split("=", 1) for token in out.split())
+    assert settings["socket"] == shardcast.DEFAULT_SOCKET
