@@ -5,10 +5,12 @@ through CUDA IPC handles without any copy."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import _posixshmem  # the C module behind multiprocessing.shared_memory
 
 from shardcast.v1 import service_pb2
 
@@ -51,11 +53,21 @@ class SharedTensors:
                 raise TypeError(f'tensor "{name}": expected a numpy array or a torch tensor, got {type(value).__name__}')
             slots.append((name, value, end))
             end += (_nbytes(value) + _ALIGN - 1) // _ALIGN * _ALIGN
-        self.name = f"shardcast-py-{os.getpid()}-{secrets.token_hex(4)}"
-        self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=max(end, _ALIGN))
-        # The segment's lifetime is ours (release), not the resource tracker's: another process of
-        # the job may still be using the daemon when this one exits.
-        resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+        # POSIX shm directly rather than multiprocessing.shared_memory, whose resource tracker
+        # would unlink segments behind our back; mode 0660 as the C++ client (the daemon may run as
+        # another user of the same group).
+        self.name = f"/shardcast-py-{os.getpid()}-{secrets.token_hex(4)}"
+        size = max(end, _ALIGN)
+        fd = _posixshmem.shm_open(self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o660)
+        try:
+            os.ftruncate(fd, size)
+            self._map: Optional[mmap.mmap] = mmap.mmap(fd, size)
+        except BaseException:
+            _posixshmem.shm_unlink(self.name)
+            raise
+        finally:
+            os.close(fd)
+        self._buf = memoryview(self._map)
         self.views: Dict[str, Any] = {}
         self.handles: List[service_pb2.MemoryHandle] = []
         for name, value, offset in slots:
@@ -65,7 +77,7 @@ class SharedTensors:
                 view = value
             self.views[name] = view
             h = service_pb2.MemoryHandle(buffer=name)
-            h.shm.name = "/" + self.name
+            h.shm.name = self.name
             h.shm.offset = offset
             h.shm.size = _nbytes(value)
             self.handles.append(h)
@@ -78,30 +90,31 @@ class SharedTensors:
             src = value.detach()
             if n == 0:
                 return torch.empty(src.shape, dtype=src.dtype)
-            dst = torch.frombuffer(self._shm.buf, dtype=src.dtype, count=src.numel(), offset=offset).view(src.shape)
+            dst = torch.frombuffer(self._buf, dtype=src.dtype, count=src.numel(), offset=offset).view(src.shape)
             dst.copy_(src)
             return dst
         import numpy as np
 
         src = np.asarray(value)
-        dst = np.ndarray(src.shape, dtype=src.dtype, buffer=self._shm.buf, offset=offset)
+        dst = np.ndarray(src.shape, dtype=src.dtype, buffer=self._buf, offset=offset)
         dst[...] = src
         return dst
 
     def release(self) -> None:
         """Unlinks the segment; the pages stay mapped while views of them are alive."""
-        if self._shm is None:
+        if self._map is None:
             return
         try:
-            self._shm.unlink()
+            _posixshmem.shm_unlink(self.name)
         except FileNotFoundError:
             pass
         self.views = {}
+        self._buf.release()
         try:
-            self._shm.close()
+            self._map.close()
         except BufferError:
             pass  # views handed to the application keep the mapping alive until they go
-        self._shm = None
+        self._map = None
 
 
 class Registration:
@@ -125,7 +138,7 @@ class Registration:
     @property
     def segment(self) -> Optional[str]:
         """The shared-memory segment's name (None when every tensor is on a GPU)."""
-        return None if self._shared is None else "/" + self._shared.name
+        return None if self._shared is None else self._shared.name
 
     def close(self) -> None:
         if self._client is not None:
