@@ -8,8 +8,14 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libucx-dev ucx-utils libspdlog-dev libfmt-dev catch2 libcli11-dev libxxhash-dev
   libcpp-httplib-dev
-  python3-grpcio python3-protobuf python3-pytest
+  python3-grpcio python3-protobuf python3-pytest python3-numpy
+  python3-torch  # optional for the Python client; its torch tests run when present
 )
+# The Node.js example's test needs node and npm; machines that already have them (e.g. from
+# NodeSource) keep theirs, since Debian's npm would conflict with those.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  packages+=(nodejs npm)
+fi
 
 missing=()
 for p in "${packages[@]}"; do

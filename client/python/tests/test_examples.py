@@ -7,11 +7,12 @@ import multiprocessing as mp
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
 import rank_worker
-from conftest import ROOT, build_dir
+from conftest import ROOT, build_dir, shardcastd_path
 from test_client import recv
 
 
@@ -96,3 +97,12 @@ def test_shell_example_syncs_with_the_cli(registered):
         assert "GROUP" in out.stdout  # the layouts table
 
     write_and_check(workers, 2, run_sync)
+
+
+def test_rl_loop_example_sees_every_step():
+    shardcastd_path()
+    out = subprocess.run([sys.executable, str(ROOT / "client" / "examples" / "rl_loop" / "run.py"), "--steps", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 steps, every inference rank saw every step exactly" in out.stdout
+    assert out.stdout.count("every weight matches the trainer") == 8  # 4 ranks x 2 steps

@@ -1,0 +1,116 @@
+"""A Shardcast cluster on this machine, for development, examples and tests: one shardcastd per
+named node on loopback, each knowing all the others (what a DaemonSet gives on a real cluster).
+
+    with LocalCluster(["trainer-0", "inference-0"]) as cluster:
+        client = Client(cluster.target("trainer-0"))
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+
+def find_shardcastd() -> str:
+    """$SHARDCASTD, else $SHARDCAST_BUILD/bin/shardcastd, else the source tree's build/, else PATH."""
+    if os.environ.get("SHARDCASTD"):
+        return os.environ["SHARDCASTD"]
+    candidates = []
+    if os.environ.get("SHARDCAST_BUILD"):
+        candidates.append(Path(os.environ["SHARDCAST_BUILD"]) / "bin" / "shardcastd")
+    candidates.append(Path(__file__).resolve().parents[3] / "build" / "bin" / "shardcastd")
+    for c in candidates:
+        if c.exists():
+            return str(c)
+    found = shutil.which("shardcastd")
+    if found:
+        return found
+    raise FileNotFoundError("shardcastd not found: build it (bash scripts/build.sh) or set SHARDCASTD")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalDaemon:
+    """One shardcastd process standing for node `node`; stopped with SIGTERM by stop()."""
+
+    def __init__(self, node: str, port: int, peers: Sequence[str], socket_dir: str, binary: str,
+                 extra: Sequence[str] = ()) -> None:
+        self.node = node
+        self.address = f"127.0.0.1:{port}"
+        self.socket = os.path.join(socket_dir, f"{node}.sock")
+        argv = [binary, "--node", node, "--listen", self.address, "--socket", self.socket, "--peers", ",".join(peers),
+                "--metrics", "127.0.0.1:0", "--log-level", "warn", *extra]
+        if "--ucx-tls" not in extra:
+            argv += ["--ucx-tls", "tcp"]  # what separate hosts would use
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        ready, _, _ = select.select([self.proc.stdout], [], [], 30)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line.startswith("shardcastd ready"):
+            self.stop()
+            raise RuntimeError(f"shardcastd for node {node} did not start: {line.strip()!r}")
+
+    @property
+    def target(self) -> str:
+        """The gRPC target of its Unix socket, as local clients use it."""
+        return "unix:" + self.socket
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+class LocalCluster:
+    """Daemons for `nodes`, started on entry (or start()) and stopped on exit (or stop())."""
+
+    def __init__(self, nodes: Sequence[str], *, binary: Optional[str] = None, extra: Sequence[str] = ()) -> None:
+        self.nodes: List[str] = list(nodes)
+        self.binary = binary or find_shardcastd()
+        self.extra = list(extra)
+        self.daemons: Dict[str, LocalDaemon] = {}
+        self._tmp: Optional[tempfile.TemporaryDirectory] = None
+
+    def start(self) -> "LocalCluster":
+        self._tmp = tempfile.TemporaryDirectory(prefix="shardcast-local-")
+        ports = [free_port() for _ in self.nodes]
+        peers = [f"127.0.0.1:{p}" for p in ports]
+        try:
+            for node, port in zip(self.nodes, ports):
+                self.daemons[node] = LocalDaemon(node, port, peers, self._tmp.name, self.binary, self.extra)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def target(self, node: str) -> str:
+        return self.daemons[node].target
+
+    def stop(self) -> None:
+        for d in self.daemons.values():
+            d.stop()
+        self.daemons = {}
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
