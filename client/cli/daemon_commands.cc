@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
 #include <iostream>
@@ -11,7 +12,9 @@
 
 #include "client/cli/exit_codes.h"
 #include "client/cli/progress_view.h"
+#include "common/grpc_status.h"
 #include "client/lib/client.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "planner/report.h"
 
 namespace shardcast::cli {
@@ -223,6 +226,35 @@ int runWait(const WaitArgs& a) {
   return reached ? kOk : kSyncFailed;
 }
 
+// ---- health ----
+
+struct HealthArgs : CommonArgs {
+  std::string service;
+  double timeout_s = 5;
+};
+
+// grpc.health.v1 Check, as Kubernetes' gRPC probes and grpc_health_probe do.
+int runHealth(const HealthArgs& a) {
+  const std::string target = normalizeTarget(a.daemon.empty() ? defaultDaemonTarget() : a.daemon);
+  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+  if (!channel->WaitForConnected(deadline)) {
+    std::cerr << "shardcast health: shardcastd at \"" << target << "\" is not reachable\n";
+    return kUnreachable;
+  }
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(a.service);
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(deadline);
+  const auto st = grpc::health::v1::Health::NewStub(channel)->Check(&ctx, req, &resp);
+  if (!st.ok()) return failed("health", fromGrpc(st));
+  const std::string status = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
+  if (a.json) std::cout << fmt::format(R"({{"service":"{}","status":"{}"}})", a.service, status) << "\n";
+  else std::cout << status << "\n";
+  return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? kOk : kSyncFailed;
+}
+
 }  // namespace
 
 void addDaemonCommands(CLI::App& app, int* exit_code) {
@@ -270,6 +302,15 @@ void addDaemonCommands(CLI::App& app, int* exit_code) {
         ->check(CLI::NonNegativeNumber);
     addCommon(cmd, a.get());
     cmd->callback([a, exit_code] { *exit_code = runWait(*a); });
+  }
+  {
+    auto a = std::make_shared<HealthArgs>();
+    auto* cmd = app.add_subcommand("health", "Ask the daemon's grpc.health.v1 service (exit 0 when SERVING)");
+    cmd->add_option("--service", a->service, "Service name to check (default: the whole server)");
+    cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")->capture_default_str()
+        ->check(CLI::PositiveNumber);
+    addCommon(cmd, a.get());
+    cmd->callback([a, exit_code] { *exit_code = runHealth(*a); });
   }
 }
 

@@ -1,4 +1,4 @@
-// `shardcast sync | watch | status | layouts | wait`: the commands that talk to a running shardcastd
+// `shardcast sync | watch | status | layouts | wait | health`: the commands that talk to a running shardcastd
 // through shardcast::Client. Every one takes --daemon (default: the local socket) and --json.
 #pragma once
 

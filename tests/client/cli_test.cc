@@ -119,6 +119,11 @@ TEST_CASE("CLI: sync, watch, status, layouts and wait against a running cluster"
   CHECK(not_yet.rc == 5);
   CHECK_THAT(not_yet.out, Catch::Contains("version 3"));
 
+  auto health = cli({"health", "--daemon", daemon});
+  CHECK(health.rc == 0);
+  CHECK_THAT(health.out, Catch::Contains("SERVING"));
+  CHECK(cli({"health", "--daemon", daemon, "--service", "no.such.Service"}).rc == 5);
+
   // Failed syncs exit 5: an old version, an unknown group.
   CHECK(cli({"sync", "--src", "trainer", "--dst", "infer", "--version", "3", "--daemon", daemon}).rc == 5);
   CHECK(cli({"sync", "--src", "trainer", "--dst", "nobody", "--version", "4", "--daemon", daemon}).rc == 5);
@@ -135,4 +140,5 @@ TEST_CASE("CLI: exit codes tell usage errors and an unreachable daemon apart", "
   CHECK(cli({"layouts", "--daemon", nowhere, "--json"}).rc == 4);
   CHECK(cli({"watch", "x", "--daemon", nowhere}).rc == 4);
   CHECK(cli({"wait", "--group", "g", "--version", "1", "--daemon", nowhere}).rc == 4);
+  CHECK(cli({"health", "--daemon", nowhere, "--timeout-s", "0.5"}).rc == 4);
 }
