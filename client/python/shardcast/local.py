@@ -27,7 +27,7 @@ def find_shardcastd() -> str:
     candidates.append(Path(__file__).resolve().parents[3] / "build" / "bin" / "shardcastd")
     for c in candidates:
         if c.exists():
-            return str(c)
+            return str(c.resolve())
     found = shutil.which("shardcastd")
     if found:
         return found
