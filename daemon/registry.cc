@@ -140,10 +140,11 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
           cuda_copies_ = std::move(*engine);
         }
       }
-      auto mem = transport::TransferMemory::prepare(transport_, static_cast<std::byte*>((*mapping)->data()) + c.offset(), c.size(), transport::MemoryKind::kCuda,
-                                                    cuda_copies_.get());
+      auto* device = static_cast<std::byte*>((*mapping)->data()) + c.offset();
+      auto mem = transport::TransferMemory::prepare(transport_, device, c.size(), transport::MemoryKind::kCuda, cuda_copies_.get());
       if (!mem.ok()) return Status(mem.status().code(), strCat(who, ": buffer \"", name, "\": ", mem.status().message()));
       b.size = c.size();
+      b.device = device;
       b.cuda = std::move(*mapping);
       b.region = (*mem)->region();
       b.cuda_memory = std::move(*mem);
@@ -243,10 +244,14 @@ StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, 
     return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
   for (const Buffer& b : it->second->buffers) {
     if (b.name != buffer) continue;
-    if (!b.segment)
-      return absl::UnimplementedError(strCat("group \"", group, "\" rank ", rank, " buffer \"", buffer,
-                                             "\": syncs of CUDA buffers are not implemented yet (host shared memory only)"));
-    return LocalBuffer{static_cast<std::byte*>(b.segment->data()) + b.offset, b.size, b.segment, b.region, b.offset};
+    if (b.segment)
+      return LocalBuffer{static_cast<std::byte*>(b.segment->data()) + b.offset, b.size, transport::MemoryKind::kHost,
+                         b.segment, b.region, b.offset, nullptr, nullptr};
+    // Device memory: keep the IPC mapping and its transfer registration alive together.
+    auto keep = std::make_shared<std::pair<std::shared_ptr<transport::CudaIpcMapping>, std::shared_ptr<transport::TransferMemory>>>(
+        b.cuda, b.cuda_memory);
+    return LocalBuffer{b.device, b.size, transport::MemoryKind::kCuda, keep, b.region, 0, b.cuda_memory.get(),
+                       cuda_copies_.get()};
   }
   return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " has no buffer \"", buffer, "\""));
 }

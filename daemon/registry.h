@@ -38,13 +38,18 @@ class Registry {
   uint64_t registeredBytes() const;
   int32_t registeredRanks() const;
 
-  // Host memory of a registered buffer, kept mapped while the returned object lives.
+  // A registered buffer as the sync engine uses it, kept mapped while the returned object lives:
+  // host shared memory, or device memory (then `copies` is the CUDA engine that reaches it, and
+  // `transfer` mirrors it into `region` when the transport cannot reach device memory itself).
   struct LocalBuffer {
     std::byte* data = nullptr;
     uint64_t size = 0;
+    transport::MemoryKind kind = transport::MemoryKind::kHost;
     std::shared_ptr<void> keep_alive;
     std::shared_ptr<transport::MemoryRegion> region;  // the registration the buffer lies in
     uint64_t region_offset = 0;                       // of data in that region
+    transport::TransferMemory* transfer = nullptr;    // device memory: stageOut before sending from region
+    transport::CopyEngine* copies = nullptr;          // device memory: the CUDA copy engine
   };
   StatusOr<LocalBuffer> localBuffer(const std::string& group, int32_t rank, const std::string& buffer) const;
   // Changes with every registration and unregistration (a sync fails if it changes under it).
@@ -62,8 +67,9 @@ class Registry {
     std::string name;
     uint64_t size = 0;
     std::shared_ptr<transport::ShmSegment> segment;          // shm: the mapping (shared by buffers)
-    std::unique_ptr<transport::CudaIpcMapping> cuda;         // cuda: the imported allocation
-    std::unique_ptr<transport::TransferMemory> cuda_memory;  // cuda: registered or staged
+    std::shared_ptr<transport::CudaIpcMapping> cuda;         // cuda: the imported allocation
+    std::shared_ptr<transport::TransferMemory> cuda_memory;  // cuda: registered or staged
+    std::byte* device = nullptr;                             // cuda: the buffer (offset applied)
     std::shared_ptr<transport::MemoryRegion> region;         // what peers write into
     uint64_t offset = 0;                                     // of the buffer in `region`
   };
@@ -90,7 +96,8 @@ class Registry {
   std::map<std::string, uint64_t> versions_;
   uint64_t generation_ = 0;
   mutable std::condition_variable version_cv_;
-  std::unique_ptr<transport::CopyEngine> cuda_copies_;  // created on the first CUDA registration
+  // Created on the first CUDA registration; lives as long as the registry (syncs use it).
+  std::unique_ptr<transport::CopyEngine> cuda_copies_;
 };
 
 }  // namespace shardcast::daemon

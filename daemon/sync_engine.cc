@@ -58,6 +58,7 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
   c->fragment_offset.assign(plan.fragments.size(), 0);
   c->landing.resize(plan.transfers.size());
   c->heading.resize(plan.transfers.size());
+  c->direct.resize(plan.transfers.size());
   c->wave.assign(plan.transfers.size(), 0);
   c->chunks.resize(plan.transfers.size());
   c->incoming.assign(1, std::vector<int64_t>(n_nodes, 0));
@@ -85,11 +86,26 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
     } else {
       chunks.push_back({planner::Box{}, 0, static_cast<uint64_t>(tr.bytes)});
     }
+    auto& direct = c->direct[t];
+    direct.assign(static_cast<size_t>(tr.chains_count), 0);
+    if (tr.fragments_count == 1) {
+      const int32_t f = plan.transfer_fragments[tr.fragments_begin];
+      for (int32_t ch = tr.chains_begin; ch < tr.chains_begin + tr.chains_count; ++ch) {
+        const auto sr = planner::sourceRegion(plan, c->src, f, planner::sourceRank(plan, c->src, f, plan.chains[ch]));
+        direct[static_cast<size_t>(ch - tr.chains_begin)] = planner::isContiguous(sr.strides, plan.fragments[f].box) ? 1 : 0;
+      }
+    }
+    // Staging is needed on a head node only for its chains that are not sent directly.
+    auto needs_staging = [&](int32_t node) {
+      for (int32_t ch = tr.chains_begin; ch < tr.chains_begin + tr.chains_count; ++ch)
+        if (plan.chains[ch].src_node == node && !direct[static_cast<size_t>(ch - tr.chains_begin)]) return true;
+      return false;
+    };
     // Does this transfer still fit in the current wave on every node it touches?
     bool fits = true;
     for (int32_t ch = tr.chains_begin; ch < tr.chains_begin + tr.chains_count; ++ch) {
       const auto& chain = plan.chains[ch];
-      fits = fits && stage[chain.src_node] + bytes <= staging_budget;
+      fits = fits && (!needs_staging(chain.src_node) || stage[chain.src_node] + bytes <= staging_budget);
       for (int32_t k = 0; k < chain.nodes_count; ++k)
         fits = fits && land[plan.chain_nodes[chain.nodes_begin + k]] + bytes <= staging_budget;
     }
@@ -103,7 +119,7 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
     c->wave[t] = c->waves - 1;
     for (int32_t ch = tr.chains_begin; ch < tr.chains_begin + tr.chains_count; ++ch) {
       const auto& chain = plan.chains[ch];
-      if (CachedPlan::offsetOf(c->heading[t], chain.src_node) == UINT64_MAX) {
+      if (needs_staging(chain.src_node) && CachedPlan::offsetOf(c->heading[t], chain.src_node) == UINT64_MAX) {
         c->heading[t].emplace_back(chain.src_node, stage[chain.src_node]);
         stage[chain.src_node] += bytes;
         c->staging_bytes[chain.src_node] = std::max(c->staging_bytes[chain.src_node], stage[chain.src_node]);
@@ -155,6 +171,15 @@ SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context&
 }
 
 SyncEngine::~SyncEngine() { transport_.setNotificationHandler(nullptr); }
+
+Status SyncEngine::copy(const transport::StridedView& dst, const transport::StridedView& src, const std::vector<int64_t>& extent,
+                        int64_t elem, transport::CopyEngine* device_copies) {
+  if (dst.kind == transport::MemoryKind::kHost && src.kind == transport::MemoryKind::kHost)
+    return copies_->copy(dst, src, extent, elem);
+  if (device_copies == nullptr) return absl::FailedPreconditionError("device memory to copy but no CUDA copy engine");
+  SC_RETURN_IF_ERROR(device_copies->copy(dst, src, extent, elem));
+  return device_copies->synchronize();
+}
 
 std::shared_ptr<SyncEngine::Active> SyncEngine::find(const std::string& id) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -324,91 +349,102 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
         const auto sr = planner::sourceRegion(plan, cp.src, ls.fragment, ls.src_rank, sub);
         SC_ASSIGN_OR_RETURN(auto sb, buffer(cp.src, sr));
         SC_ASSIGN_OR_RETURN(auto db, buffer(cp.dst, dr));
-        SC_RETURN_IF_ERROR(copies_->copy({db.data, transport::MemoryKind::kHost, dr.offset, dr.strides},
-                                         {sb.data, transport::MemoryKind::kHost, sr.offset, sr.strides}, dr.extent, elem));
+        SC_RETURN_IF_ERROR(copy({db.data, db.kind, dr.offset, dr.strides}, {sb.data, sb.kind, sr.offset, sr.strides}, dr.extent,
+                                elem, db.copies ? db.copies : sb.copies));
         resp.set_local_bytes(resp.local_bytes() + static_cast<uint64_t>(sub.volume() * elem));
       }
     }
   }
 
-  // 2. This wave's transfers that this node's source ranks head: pack each into the staging region
-  //    (at its fixed offset), send it to each chain's first node.
-  std::map<int32_t, uint64_t> head_offset;
-  for (int32_t t = 0; t < static_cast<int32_t>(plan.transfers.size()); ++t)
-    if (cp.wave[t] == w) {
-      const uint64_t at = CachedPlan::offsetOf(cp.heading[t], self);
-      if (at != UINT64_MAX) head_offset[t] = at;
-    }
-  if (!head_offset.empty() && !a->staging) {
-    std::shared_ptr<transport::MemoryRegion> staging;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto spare = spare_staging_.find(cp.key);
-      if (spare != spare_staging_.end()) {
-        staging = std::move(spare->second);
-        spare_staging_.erase(spare);
-      }
-    }
-    if (!staging) {
-      SC_ASSIGN_OR_RETURN(staging, transport_.allocateMemory(cp.staging_bytes[self]));
-    }
-    std::lock_guard<std::mutex> lock(a->mu);
-    a->staging = staging;
-  }
-  for (const auto& [t, at] : head_offset) {
+  // 2. This wave's transfers that this node's source ranks head. Chains the plan marks direct are
+  //    sent straight from the source rank's registered buffer; the others are packed into the
+  //    staging region (at the transfer's fixed offset) chunk by chunk, each chunk sent as soon as
+  //    it is packed so the network starts before the packing ends.
+  for (int32_t t = 0; t < static_cast<int32_t>(plan.transfers.size()); ++t) {
+    if (cp.wave[t] != w) continue;
     const auto& tr = plan.transfers[t];
-    // A single fragment that is contiguous in its source rank's registered buffer is sent from
-    // there (no packing copy); other chains go through the staging buffer below.
-    std::vector<char> sent(static_cast<size_t>(tr.chains_count), 0);
-    if (tr.fragments_count == 1) {
-      const int32_t f = plan.transfer_fragments[tr.fragments_begin];
-      const auto& frag = plan.fragments[f];
-      const int64_t elem = cp.src.tensors[plan.tensors[frag.tensor].src].elemBytes();
-      for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
-        const auto& ch = plan.chains[c];
-        if (ch.src_node != self) continue;
-        const int32_t rank = planner::sourceRank(plan, cp.src, f, ch);
-        const auto sr = planner::sourceRegion(plan, cp.src, f, rank);
-        if (!planner::isContiguous(sr.strides, frag.box)) continue;
-        SC_ASSIGN_OR_RETURN(auto sb, buffer(cp.src, sr));
-        if (!sb.region) continue;
-        const uint64_t from = sb.region_offset + static_cast<uint64_t>(sr.offset * elem);
-        {
-          std::lock_guard<std::mutex> lock(a->mu);
-          a->pinned.push_back(sb.keep_alive);
-        }
-        for (size_t k = 0; k < cp.chunks[t].size(); ++k) {
-          const auto& chunk = cp.chunks[t][k];
-          const uint64_t sum = req.verify() ? XXH64(sb.data + sr.offset * elem + chunk.offset, chunk.bytes, 0) : 0;
-          SC_RETURN_IF_ERROR(send(sb.region, from, t, c, 0, static_cast<int32_t>(k), plan.chain_nodes[ch.nodes_begin], sum));
-        }
-        sent[static_cast<size_t>(c - tr.chains_begin)] = 1;
-      }
-    }
-    auto* out = static_cast<std::byte*>(a->staging->data()) + at;
-    bool packed = false;
-    std::vector<uint64_t> checksums(cp.chunks[t].size(), 0);
+    std::vector<int32_t> staged;
     for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
       const auto& ch = plan.chains[c];
-      if (ch.src_node != self || sent[static_cast<size_t>(c - tr.chains_begin)]) continue;
-      if (!packed) {
-        for (int32_t i = 0; i < tr.fragments_count; ++i) {
-          const int32_t f = plan.transfer_fragments[tr.fragments_begin + i];
-          const auto& frag = plan.fragments[f];
-          const int64_t elem = cp.src.tensors[plan.tensors[frag.tensor].src].elemBytes();
-          const int32_t rank = planner::sourceRank(plan, cp.src, f, ch);
-          const auto sr = planner::sourceRegion(plan, cp.src, f, rank);
-          SC_ASSIGN_OR_RETURN(auto sb, buffer(cp.src, sr));
-          SC_RETURN_IF_ERROR(copies_->copy({out + cp.fragment_offset[f], transport::MemoryKind::kHost, 0, denseFor(frag.box)},
-                                           {sb.data, transport::MemoryKind::kHost, sr.offset, sr.strides}, sr.extent, elem));
-        }
-        if (req.verify())
-          for (size_t k = 0; k < checksums.size(); ++k)
-            checksums[k] = XXH64(out + cp.chunks[t][k].offset, static_cast<size_t>(cp.chunks[t][k].bytes), 0);
-        packed = true;
+      if (ch.src_node != self) continue;
+      if (!cp.direct[t][static_cast<size_t>(c - tr.chains_begin)]) {
+        staged.push_back(c);
+        continue;
       }
-      for (size_t k = 0; k < checksums.size(); ++k)
-        SC_RETURN_IF_ERROR(send(a->staging, at, t, c, 0, static_cast<int32_t>(k), plan.chain_nodes[ch.nodes_begin], checksums[k]));
+      const int32_t f = plan.transfer_fragments[tr.fragments_begin];
+      const int64_t elem = cp.src.tensors[plan.tensors[plan.fragments[f].tensor].src].elemBytes();
+      const auto sr = planner::sourceRegion(plan, cp.src, f, planner::sourceRank(plan, cp.src, f, ch));
+      SC_ASSIGN_OR_RETURN(auto sb, buffer(cp.src, sr));
+      if (!sb.region) return absl::InternalError(strCat("sync ", a->id, ": a source buffer of transfer ", t, " is not registered"));
+      {
+        std::lock_guard<std::mutex> lock(a->mu);
+        a->pinned.push_back(sb.keep_alive);
+      }
+      const uint64_t start = static_cast<uint64_t>(sr.offset * elem);
+      for (size_t k = 0; k < cp.chunks[t].size(); ++k) {
+        const auto& chunk = cp.chunks[t][k];
+        if (sb.transfer) SC_RETURN_IF_ERROR(sb.transfer->stageOut(start + chunk.offset, chunk.bytes));  // device -> mirror
+        uint64_t sum = 0;
+        if (req.verify()) {
+          const std::byte* bytes = sb.data + start + chunk.offset;
+          std::vector<std::byte> host;  // device memory the transport reads directly: hash a host copy
+          if (sb.kind != transport::MemoryKind::kHost) {
+            if (sb.transfer && sb.transfer->staged()) {
+              bytes = static_cast<const std::byte*>(sb.region->data()) + start + chunk.offset;
+            } else {
+              host.resize(chunk.bytes);
+              const std::vector<int64_t> unit{1};
+              SC_RETURN_IF_ERROR(copy({host.data(), transport::MemoryKind::kHost, 0, unit},
+                                      {sb.data + start + chunk.offset, sb.kind, 0, unit},
+                                      {static_cast<int64_t>(chunk.bytes)}, 1, sb.copies));
+              bytes = host.data();
+            }
+          }
+          sum = XXH64(bytes, static_cast<size_t>(chunk.bytes), 0);
+        }
+        SC_RETURN_IF_ERROR(send(sb.region, sb.region_offset + start, t, c, 0, static_cast<int32_t>(k),
+                                plan.chain_nodes[ch.nodes_begin], sum));
+      }
+    }
+    if (staged.empty()) continue;
+    const uint64_t at = CachedPlan::offsetOf(cp.heading[t], self);
+    if (at == UINT64_MAX) return absl::InternalError(strCat("sync ", a->id, ": no staging planned for transfer ", t));
+    if (!a->staging) {
+      std::shared_ptr<transport::MemoryRegion> staging;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto spare = spare_staging_.find(cp.key);
+        if (spare != spare_staging_.end()) {
+          staging = std::move(spare->second);
+          spare_staging_.erase(spare);
+        }
+      }
+      if (!staging) {
+        SC_ASSIGN_OR_RETURN(staging, transport_.allocateMemory(cp.staging_bytes[self]));
+      }
+      std::lock_guard<std::mutex> lock(a->mu);
+      a->staging = staging;
+    }
+    const auto& packer = plan.chains[staged.front()];  // whose source ranks the bytes are read from
+    auto* out = static_cast<std::byte*>(a->staging->data()) + at;
+    for (size_t k = 0; k < cp.chunks[t].size(); ++k) {
+      const auto& chunk = cp.chunks[t][k];
+      for (int32_t i = 0; i < tr.fragments_count; ++i) {
+        const int32_t f = plan.transfer_fragments[tr.fragments_begin + i];
+        const auto& frag = plan.fragments[f];
+        const int64_t elem = cp.src.tensors[plan.tensors[frag.tensor].src].elemBytes();
+        const int32_t rank = planner::sourceRank(plan, cp.src, f, packer);
+        // A chunk is a row-major slab of its (single) fragment: dense at chunk.offset.
+        const planner::Box& part = chunk.box.ndim == 0 ? frag.box : chunk.box;
+        const auto sr = chunk.box.ndim == 0 ? planner::sourceRegion(plan, cp.src, f, rank)
+                                            : planner::sourceRegion(plan, cp.src, f, rank, chunk.box);
+        SC_ASSIGN_OR_RETURN(auto sb, buffer(cp.src, sr));
+        SC_RETURN_IF_ERROR(copy({out + cp.fragment_offset[f] + chunk.offset, transport::MemoryKind::kHost, 0, denseFor(part)},
+                                {sb.data, sb.kind, sr.offset, sr.strides}, sr.extent, elem, sb.copies));
+      }
+      const uint64_t sum = req.verify() ? XXH64(out + chunk.offset, static_cast<size_t>(chunk.bytes), 0) : 0;
+      for (const int32_t c : staged)
+        SC_RETURN_IF_ERROR(send(a->staging, at, t, c, 0, static_cast<int32_t>(k), plan.chain_nodes[plan.chains[c].nodes_begin], sum));
     }
   }
 
@@ -441,6 +477,12 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
       return absl::DataLossError(strCat("sync ", a->id, ": chunk ", l.chunk, " of transfer ", l.transfer, " arrived at node \"",
                                         node_, "\" with a wrong checksum"));
     }
+    // Forward the chunk along its relay chain first: the next node's transfer then overlaps the
+    // local fan-out below (the arena keeps the bytes until the sync ends).
+    const auto& ch = plan.chains[l.chain];
+    if (l.hop + 1 < ch.nodes_count)
+      SC_RETURN_IF_ERROR(send(a->arena, base, l.transfer, l.chain, l.hop + 1, l.chunk,
+                              plan.chain_nodes[ch.nodes_begin + l.hop + 1], l.checksum));
     // Fan the chunk out to the local ranks that need part of it.
     for (int32_t i = 0; i < tr.fragments_count; ++i) {
       const int32_t f = plan.transfer_fragments[tr.fragments_begin + i];
@@ -456,17 +498,13 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
           dst_off += (part.lo[d] - sub.lo[d]) * dr.strides[d];
         }
         SC_ASSIGN_OR_RETURN(auto db, buffer(cp.dst, dr));
-        SC_RETURN_IF_ERROR(copies_->copy({db.data, transport::MemoryKind::kHost, dst_off, dr.strides},
-                                         {landed + cp.fragment_offset[f], transport::MemoryKind::kHost, src_off, dense},
-                                         part.sizes(), elem));
+        SC_RETURN_IF_ERROR(copy({db.data, db.kind, dst_off, dr.strides},
+                                {landed + cp.fragment_offset[f], transport::MemoryKind::kHost, src_off, dense}, part.sizes(), elem,
+                                db.copies));
         resp.set_local_bytes(resp.local_bytes() + static_cast<uint64_t>(part.volume() * elem));
       }
     }
     resp.set_bytes_received(resp.bytes_received() + chunk.bytes);
-    const auto& ch = plan.chains[l.chain];
-    if (l.hop + 1 < ch.nodes_count)
-      SC_RETURN_IF_ERROR(send(a->arena, base, l.transfer, l.chain, l.hop + 1, l.chunk,
-                              plan.chain_nodes[ch.nodes_begin + l.hop + 1], l.checksum));
     ++processed;
   }
   if (registry_.generation() != a->generation)

@@ -44,6 +44,9 @@ struct CachedPlan {
   // Per transfer: (node, offset in that node's arena) for every node the transfer lands on, and
   // (node, offset in that node's staging) for every node that heads one of its chains.
   std::vector<std::vector<std::pair<int32_t, uint64_t>>> landing, heading;
+  // Per transfer, per chain (from chains_begin): sent straight from its source rank's registered
+  // buffer (a single fragment, contiguous there), so its head needs no staging for it.
+  std::vector<std::vector<char>> direct;
   std::vector<uint64_t> arena_bytes, staging_bytes;  // per node: the largest wave's need
   std::vector<uint64_t> fragment_offset;             // per fragment: offset inside its transfer
   // Per transfer: the chunks it travels in. A single-fragment transfer is cut into the plan's
@@ -94,6 +97,10 @@ class SyncEngine {
   struct Active;
 
   void onNotification(const std::string& payload);
+  // Copies with the engine that reaches both sides: the host engine, or the registry's CUDA engine
+  // (synchronized, so the bytes are in place when it returns).
+  Status copy(const transport::StridedView& dst, const transport::StridedView& src, const std::vector<int64_t>& extent,
+              int64_t elem, transport::CopyEngine* device_copies);
   std::shared_ptr<Active> find(const std::string& id);
 
   std::string node_;
