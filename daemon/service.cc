@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <mutex>
 #include <thread>
 
@@ -161,6 +163,46 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   std::vector<grpc::Status> results(addresses.size());
   std::vector<v1::ExecuteResponse> parts(addresses.size());
   std::once_flag aborted;
+  // Bytes of the waves each node has finished: the floor under what the poller reports.
+  std::vector<uint64_t> done_received(addresses.size(), 0), done_sent(addresses.size(), 0);
+  auto record = [&](size_t i, uint64_t received, uint64_t sent) {
+    progress_.update(id, [&](v1::SyncProgress& p) {
+      auto* n = p.mutable_nodes(static_cast<int>(i));
+      n->set_bytes_received(std::max(n->bytes_received(), received));
+      n->set_bytes_sent(std::max(n->bytes_sent(), sent));
+      uint64_t total = 0;
+      for (const auto& node : p.nodes()) total += node.bytes_received();
+      p.set_bytes_done(total);
+      p.set_seconds(std::chrono::duration<double>(Clock::now() - start).count());
+    });
+  };
+  // While the waves run, ask every daemon what it has moved (chunk by chunk) for Watch.
+  std::mutex poll_mu;
+  std::condition_variable poll_cv;
+  bool executing = true;
+  std::thread poller([&] {
+    std::unique_lock<std::mutex> lock(poll_mu);
+    while (!poll_cv.wait_for(lock, std::chrono::milliseconds(250), [&] { return !executing; })) {
+      lock.unlock();
+      for (size_t i = 0; i < addresses.size(); ++i) {
+        grpc::ClientContext c;
+        c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+        v1::ProgressRequest pr;
+        pr.set_sync_id(id);
+        v1::ProgressResponse r;
+        if (v1::Peer::NewStub(peers_.channel(addresses[i]))->Progress(&c, pr, &r).ok()) record(i, r.bytes_received(), r.bytes_sent());
+      }
+      lock.lock();
+    }
+  });
+  auto stop_poller = [&] {
+    {
+      std::lock_guard<std::mutex> lock(poll_mu);
+      executing = false;
+    }
+    poll_cv.notify_all();
+    if (poller.joinable()) poller.join();
+  };
   for (int32_t wave = 0; wave < (*plan)->waves; ++wave) {
     exec.set_wave(static_cast<uint32_t>(wave));
     std::vector<std::thread> threads;
@@ -172,13 +214,10 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
         v1::ExecuteResponse part;
         results[i] = v1::Peer::NewStub(peers_.channel(addresses[i]))->Execute(&c, exec, &part);
         if (results[i].ok()) {
-          progress_.update(id, [&](v1::SyncProgress& p) {
-            auto* n = p.mutable_nodes(static_cast<int>(i));
-            n->set_state(wave + 1 == (*plan)->waves ? "done" : "executing");
-            n->set_bytes_received(n->bytes_received() + part.bytes_received());
-            n->set_bytes_sent(n->bytes_sent() + part.bytes_sent());
-            p.set_bytes_done(p.bytes_done() + part.bytes_received());
-          });
+          done_received[i] += part.bytes_received();
+          done_sent[i] += part.bytes_sent();
+          if (wave + 1 == (*plan)->waves) node_state(i, "done");
+          record(i, done_received[i], done_sent[i]);
         } else {
           node_state(i, results[i].error_code() == grpc::StatusCode::ABORTED ? "aborted" : "failed", results[i].error_message());
           std::call_once(aborted, [&] { finish_all(false); });
@@ -190,6 +229,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     if (!all_ok) break;
     progress_.update(id, [&](v1::SyncProgress& p) { p.set_waves_done(static_cast<uint32_t>(wave + 1)); });
   }
+  stop_poller();
   for (size_t i = 0; i < addresses.size(); ++i) {
     if (results[i].ok() || results[i].error_code() == grpc::StatusCode::ABORTED) continue;
     spdlog::warn("sync {} failed on node \"{}\": {}", id, daemons[i].node(), results[i].error_message());
@@ -250,6 +290,13 @@ grpc::Status PeerService::Prepare(grpc::ServerContext*, const v1::PrepareRequest
 
 grpc::Status PeerService::Execute(grpc::ServerContext*, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) {
   auto r = engine_.execute(*req);
+  if (!r.ok()) return toGrpc(r.status());
+  *out = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status PeerService::Progress(grpc::ServerContext*, const v1::ProgressRequest* req, v1::ProgressResponse* out) {
+  auto r = engine_.progress(req->sync_id());
   if (!r.ok()) return toGrpc(r.status());
   *out = std::move(*r);
   return grpc::Status::OK;

@@ -56,6 +56,7 @@ class PeerService final : public v1::Peer::Service {
   grpc::Status Prepare(grpc::ServerContext*, const v1::PrepareRequest* req, v1::PrepareResponse* out) override;
   grpc::Status Execute(grpc::ServerContext*, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) override;
   grpc::Status Finish(grpc::ServerContext*, const v1::FinishRequest* req, v1::FinishResponse*) override;
+  grpc::Status Progress(grpc::ServerContext*, const v1::ProgressRequest* req, v1::ProgressResponse* out) override;
 
  private:
   Registry& registry_;

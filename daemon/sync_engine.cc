@@ -162,6 +162,8 @@ struct SyncEngine::Active {
   std::shared_ptr<transport::MemoryRegion> staging;
   // Rank buffers sent from directly (no packing): kept mapped until the sync is gone.
   std::vector<std::shared_ptr<void>> pinned;
+  // Progress over all waves, read by progress() while execute() runs.
+  std::atomic<uint64_t> bytes_received{0}, bytes_sent{0}, local_bytes{0};
 };
 
 SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics)
@@ -276,6 +278,16 @@ Status SyncEngine::finish(const v1::FinishRequest& req) {
   return absl::OkStatus();
 }
 
+StatusOr<v1::ProgressResponse> SyncEngine::progress(const std::string& sync_id) {
+  auto a = find(sync_id);
+  if (!a) return absl::NotFoundError(strCat("sync ", sync_id, " is not active on node \"", node_, "\""));
+  v1::ProgressResponse out;
+  out.set_bytes_received(a->bytes_received);
+  out.set_bytes_sent(a->bytes_sent);
+  out.set_local_bytes(a->local_bytes);
+  return out;
+}
+
 StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req) {
   auto a = find(req.sync_id());
   if (!a) return absl::NotFoundError(strCat("sync ", req.sync_id(), " was not prepared on node \"", node_, "\""));
@@ -333,6 +345,7 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
     ep->write({src, off, dir[node].second, at, n}, done);
     ep->notify(strCat(a->id, " ", t, " ", chain, " ", hop, " ", k, " ", checksum), done);
     resp.set_bytes_sent(resp.bytes_sent() + n);
+    a->bytes_sent += n;
     return absl::OkStatus();
   };
 
@@ -352,6 +365,7 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
         SC_RETURN_IF_ERROR(copy({db.data, db.kind, dr.offset, dr.strides}, {sb.data, sb.kind, sr.offset, sr.strides}, dr.extent,
                                 elem, db.copies ? db.copies : sb.copies));
         resp.set_local_bytes(resp.local_bytes() + static_cast<uint64_t>(sub.volume() * elem));
+        a->local_bytes += static_cast<uint64_t>(sub.volume() * elem);
       }
     }
   }
@@ -502,9 +516,11 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
                                 {landed + cp.fragment_offset[f], transport::MemoryKind::kHost, src_off, dense}, part.sizes(), elem,
                                 db.copies));
         resp.set_local_bytes(resp.local_bytes() + static_cast<uint64_t>(part.volume() * elem));
+        a->local_bytes += static_cast<uint64_t>(part.volume() * elem);
       }
     }
     resp.set_bytes_received(resp.bytes_received() + chunk.bytes);
+    a->bytes_received += chunk.bytes;
     ++processed;
   }
   if (registry_.generation() != a->generation)

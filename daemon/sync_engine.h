@@ -10,6 +10,7 @@
 // thread, which the transport's progress thread feeds through a queue. See docs/daemon.md.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -84,6 +85,8 @@ class SyncEngine {
   StatusOr<v1::PrepareResponse> prepare(const v1::PrepareRequest& req);
   StatusOr<v1::ExecuteResponse> execute(const v1::ExecuteRequest& req);
   Status finish(const v1::FinishRequest& req);
+  // What a sync prepared here has moved so far; NOT_FOUND once it finished.
+  StatusOr<v1::ProgressResponse> progress(const std::string& sync_id);
   PlanCache& plans() { return plans_; }
 
  private:

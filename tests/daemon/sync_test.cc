@@ -2,6 +2,8 @@
 // ranks in another layout (colocated on one node, remote on others), every destination byte checked.
 #include <catch2/catch.hpp>
 
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
 #include <httplib.h>
 
 #include <future>
@@ -126,6 +128,13 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
     CHECK(seen.back().bytes_total() == out.network_bytes());
     CHECK(seen.back().nodes_size() == 3);
     for (const auto& n : seen.back().nodes()) CHECK(n.state() == "done");
+    for (size_t i = 1; i < seen.size(); ++i) CHECK(seen[i].bytes_done() >= seen[i - 1].bytes_done());  // never goes back
+    // Each node's bytes in the stream are what the plan lands on it.
+    google::protobuf::Struct summary;
+    REQUIRE(google::protobuf::util::JsonStringToMessage(out.plan_summary_json(), &summary).ok());
+    const auto& ingress = summary.fields().at("node_ingress_bytes").struct_value().fields();
+    for (const auto& n : seen.back().nodes())
+      CHECK(n.bytes_received() == static_cast<uint64_t>(ingress.at(n.node()).number_value()));
     INFO("version " << version << ": " << st.error_message());
     REQUIRE(st.ok());
     CHECK(wrong(version) == 0);
@@ -369,4 +378,93 @@ TEST_CASE("whole experts (uneven) into expert-stacked w13, and uneven torch.chun
   const std::string dst = R"({"group":"moe-infer","mesh":{"shape":[3]},"nodes":["n2","n2","n0"],"tensors":[)" + dst_t +
                           R"(],"fused":[{"name":"w13","dim":0,"tensors":[)" + members + "]}]}";
   CHECK(syncAndCount(cluster, src, dst, 2) == 0);
+}
+
+TEST_CASE("Peer.Progress: a daemon's bytes while its part of a sync runs, cumulative, gone after finish", "[daemon][sync]") {
+  // n0 holds the trainer; n1 and n2 each need half of it (no relay), so n1's part is done once n0
+  // has sent, whatever n2 does: the coordinator's Watch stream shows the same counters mid-sync.
+  Cluster cluster;
+  const char* trainer = R"({"group":"trainer","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
+    {"name":"w","shape":[64,32],"dtype":"int32"}]})";
+  const char* halves = R"({"group":"halves","mesh":{"shape":[2]},"nodes":["n1","n2"],"tensors":[
+    {"name":"w","shape":[64,32],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})";
+  const auto src_proto = *planner::parseLayoutJson(trainer, "trainer");
+  const auto dst_proto = *planner::parseLayoutJson(halves, "halves");
+  planner::NodeTable nodes;
+  const auto src = *planner::resolveLayout(src_proto, nodes);
+  const auto dst = *planner::resolveLayout(dst_proto, nodes);
+  RankMemory s0 = allocate(src, 0, "p-s0");
+  std::vector<RankMemory> d;
+  for (int32_t r = 0; r < 2; ++r) d.push_back(allocate(dst, r, "p-d" + std::to_string(r)));
+  v1::RegisterResponse resp;
+  REQUIRE(cluster.node("n0").client()->Register(ctx().get(), request(src_proto, 0, 1, s0), &resp).ok());
+  for (int32_t r = 0; r < 2; ++r)
+    REQUIRE(cluster.node(r == 0 ? "n1" : "n2").client()->Register(ctx().get(), request(dst_proto, r, 2, d[r]), &resp).ok());
+  forEachElement(src, 0, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+    *s0.at<int32_t>(p, off) = valueOf(t, flat, 1);
+  });
+
+  // Drive the phases by hand, as a coordinator would.
+  std::vector<std::unique_ptr<v1::Peer::Stub>> peers;
+  v1::ExecuteRequest exec;
+  exec.set_sync_id("by-hand");
+  exec.set_timeout_ms(30000);
+  for (int i = 0; i < 3; ++i) {
+    peers.push_back(v1::Peer::NewStub(grpc::CreateChannel(cluster.daemons[i]->address(), grpc::InsecureChannelCredentials())));
+    v1::DescribeResponse described;
+    REQUIRE(peers[i]->Describe(ctx().get(), v1::DescribeRequest(), &described).ok());
+    v1::PrepareRequest prep;
+    prep.set_sync_id("by-hand");
+    *prep.mutable_src() = src_proto;
+    *prep.mutable_dst() = dst_proto;
+    prep.set_version(1);
+    prep.set_staging_bytes(uint64_t{1} << 30);
+    prep.set_chunk_bytes(uint64_t{64} << 20);
+    v1::PrepareResponse presp;
+    REQUIRE(peers[i]->Prepare(ctx().get(), prep, &presp).ok());
+    auto* n = exec.add_nodes();
+    n->set_node(described.node());
+    n->set_transport_address(described.transport_address());
+    n->set_arena_region(presp.arena_region());
+  }
+  auto progress = [&](int i) {
+    v1::ProgressRequest pr;
+    pr.set_sync_id("by-hand");
+    v1::ProgressResponse r;
+    const grpc::Status st = peers[i]->Progress(ctx().get(), pr, &r);
+    return std::make_pair(st, r);
+  };
+  const uint64_t half = 32 * 32 * 4;
+  CHECK(progress(1).second.bytes_received() == 0);  // prepared, nothing moved yet
+
+  std::vector<v1::ExecuteResponse> parts(3);
+  grpc::Status n1_result;
+  std::thread n1([&] { n1_result = peers[1]->Execute(ctx().get(), exec, &parts[1]); });  // waits for its half
+  REQUIRE(peers[0]->Execute(ctx().get(), exec, &parts[0]).ok());                        // n0 sends both halves
+  n1.join();
+  REQUIRE(n1_result.ok());
+  // n1 finished its part; n2 has not run yet. Progress is there while the sync is still open.
+  auto [st1, p1] = progress(1);
+  REQUIRE(st1.ok());
+  CHECK(p1.bytes_received() == half);
+  CHECK(p1.local_bytes() == half);
+  CHECK(progress(0).second.bytes_sent() == 2 * half);
+  CHECK(progress(2).second.local_bytes() == 0);
+  REQUIRE(peers[2]->Execute(ctx().get(), exec, &parts[2]).ok());
+  CHECK(progress(2).second.bytes_received() == half);
+
+  for (int i = 0; i < 3; ++i) {
+    v1::FinishRequest fin;
+    fin.set_sync_id("by-hand");
+    fin.set_commit(true);
+    v1::FinishResponse fr;
+    REQUIRE(peers[i]->Finish(ctx().get(), fin, &fr).ok());
+  }
+  CHECK(progress(1).first.error_code() == grpc::StatusCode::NOT_FOUND);
+  int64_t bad = 0;
+  for (int32_t r = 0; r < 2; ++r)
+    forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      bad += *d[r].at<int32_t>(p, off) != valueOf(t, flat, 1);
+    });
+  CHECK(bad == 0);
 }

@@ -330,6 +330,11 @@ class PeerStub(object):
                 request_serializer=shardcast_dot_v1_dot_service__pb2.FinishRequest.SerializeToString,
                 response_deserializer=shardcast_dot_v1_dot_service__pb2.FinishResponse.FromString,
                 )
+        self.Progress = channel.unary_unary(
+                '/shardcast.v1.Peer/Progress',
+                request_serializer=shardcast_dot_v1_dot_service__pb2.ProgressRequest.SerializeToString,
+                response_deserializer=shardcast_dot_v1_dot_service__pb2.ProgressResponse.FromString,
+                )
 
 
 class PeerServicer(object):
@@ -359,6 +364,12 @@ class PeerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Progress(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -381,6 +392,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Finish,
                     request_deserializer=shardcast_dot_v1_dot_service__pb2.FinishRequest.FromString,
                     response_serializer=shardcast_dot_v1_dot_service__pb2.FinishResponse.SerializeToString,
+            ),
+            'Progress': grpc.unary_unary_rpc_method_handler(
+                    servicer.Progress,
+                    request_deserializer=shardcast_dot_v1_dot_service__pb2.ProgressRequest.FromString,
+                    response_serializer=shardcast_dot_v1_dot_service__pb2.ProgressResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -457,5 +473,22 @@ class Peer(object):
         return grpc.experimental.unary_unary(request, target, '/shardcast.v1.Peer/Finish',
             shardcast_dot_v1_dot_service__pb2.FinishRequest.SerializeToString,
             shardcast_dot_v1_dot_service__pb2.FinishResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Progress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/shardcast.v1.Peer/Progress',
+            shardcast_dot_v1_dot_service__pb2.ProgressRequest.SerializeToString,
+            shardcast_dot_v1_dot_service__pb2.ProgressResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
