@@ -13,6 +13,7 @@
 #include "planner/layout.h"
 #include "tests/daemon/daemon_harness.h"
 #include "tests/daemon/rank_memory.h"
+#include "transport/cuda/cuda_support.h"
 #include "transport/shm.h"
 
 using namespace shardcast;
@@ -466,5 +467,82 @@ TEST_CASE("Peer.Progress: a daemon's bytes while its part of a sync runs, cumula
     forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
       bad += *d[r].at<int32_t>(p, off) != valueOf(t, flat, 1);
     });
+  CHECK(bad == 0);
+}
+
+TEST_CASE("CUDA buffers: device sources and destinations sync byte-exact", "[daemon][sync][gpu]") {
+  if (transport::cudaDeviceCount() == 0) {
+    WARN("skipped: " << transport::cudaUnavailableReason());
+    return;
+  }
+  Cluster cluster;
+  // w: contiguous shards (sent straight from device memory); o: column shards (packed from it).
+  const char* trainer = R"({"group":"gtrainer","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
+    {"name":"w","shape":[256,64],"dtype":"int32","placements":[{"shard":{"dim":0}}]},
+    {"name":"o","shape":[64,256],"dtype":"int32","placements":[{"shard":{"dim":1}}]}]})";
+  const char* inference = R"({"group":"ginfer","mesh":{"shape":[2]},"nodes":["n1","n2"],"tensors":[
+    {"name":"w","shape":[256,64],"dtype":"int32","placements":[{"shard":{"dim":1}}]},
+    {"name":"o","shape":[64,256],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})";
+  const auto src_proto = *planner::parseLayoutJson(trainer, "gtrainer");
+  const auto dst_proto = *planner::parseLayoutJson(inference, "ginfer");
+  planner::NodeTable nodes;
+  const auto src = *planner::resolveLayout(src_proto, nodes);
+  const auto dst = *planner::resolveLayout(dst_proto, nodes);
+  struct DeviceRank {
+    std::vector<std::unique_ptr<transport::DeviceBuffer>> buffers;  // by buffer id
+    std::vector<std::vector<int32_t>> host;
+  };
+  auto make = [&](const planner::ResolvedLayout& l, const v1::Layout& proto, int32_t r, const std::string& node, DeviceRank& m,
+                  int version) {
+    v1::RegisterRequest req;
+    req.set_group(proto.group());
+    req.set_rank(r);
+    req.set_world_size(l.world());
+    *req.mutable_layout() = proto;
+    m.buffers.resize(l.buffer_names.size());
+    m.host.resize(l.buffer_names.size());
+    for (const auto& [b, bytes] : l.rankBuffers(r)) {
+      auto dev = transport::allocateDevice(static_cast<size_t>(bytes), 0);
+      REQUIRE(dev.ok());
+      m.host[b].assign(static_cast<size_t>(bytes) / 4, 0);
+      auto* h = req.add_buffers();
+      h->set_buffer(l.buffer_names[b]);
+      h->mutable_cuda()->set_handle(*(*dev)->ipcHandle());
+      h->mutable_cuda()->set_size(static_cast<uint64_t>(bytes));
+      m.buffers[b] = std::move(*dev);
+    }
+    if (version > 0) {
+      forEachElement(l, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        m.host[p.buffer][off] = valueOf(t, flat, version);
+      });
+      for (size_t b = 0; b < m.buffers.size(); ++b)
+        if (m.buffers[b]) REQUIRE(transport::copyToDevice(m.buffers[b]->data(), m.host[b].data(), m.host[b].size() * 4).ok());
+    }
+    v1::RegisterResponse resp;
+    const auto st = cluster.node(node).client()->Register(ctx().get(), req, &resp);
+    INFO(st.error_message());
+    REQUIRE(st.ok());
+  };
+  std::vector<DeviceRank> s(2), dm(2);
+  for (int32_t r = 0; r < 2; ++r) make(src, src_proto, r, "n0", s[r], 1);
+  for (int32_t r = 0; r < 2; ++r) make(dst, dst_proto, r, r == 0 ? "n1" : "n2", dm[r], 0);
+  v1::SyncRequest sync;
+  sync.set_src_group("gtrainer");
+  sync.set_dst_group("ginfer");
+  sync.set_version(1);
+  sync.mutable_options()->set_verify(true);
+  v1::SyncResponse out;
+  const auto st = cluster.node("n0").client()->Sync(ctx(120).get(), sync, &out);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  int64_t bad = 0;
+  for (int32_t r = 0; r < 2; ++r) {
+    for (size_t b = 0; b < dm[r].buffers.size(); ++b)
+      if (dm[r].buffers[b])
+        REQUIRE(transport::copyFromDevice(dm[r].host[b].data(), dm[r].buffers[b]->data(), dm[r].host[b].size() * 4).ok());
+    forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      bad += dm[r].host[p.buffer][off] != valueOf(t, flat, 1);
+    });
+  }
   CHECK(bad == 0);
 }
