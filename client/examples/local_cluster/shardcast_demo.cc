@@ -141,6 +141,9 @@ int run(const Options& o, const std::string& daemon_path) {
     for (int32_t r = 0; r < l.world(); ++r) {
       auto tensors = HostTensors::forRank(proto, r);
       if (!tensors.ok()) throw std::runtime_error(std::string(tensors.status().message()));
+      // An inference server's weights are loaded before the first sync: touch the pages now, so
+      // that the first sync's figure is not the kernel's page zeroing.
+      for (const auto& [name, slot] : tensors->buffers()) std::memset(tensors->bytes(name).data(), 0, slot.bytes);
       mem.push_back(std::move(*tensors));
       auto client = connectTo(*daemons[nodes.name(l.rank_node[r])]);
       if (!client.ok()) throw std::runtime_error(std::string(client.status().message()));
