@@ -216,8 +216,8 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
         if (results[i].ok()) {
           done_received[i] += part.bytes_received();
           done_sent[i] += part.bytes_sent();
-          if (wave + 1 == (*plan)->waves) node_state(i, "done");
           record(i, done_received[i], done_sent[i]);
+          if (wave + 1 == (*plan)->waves) node_state(i, "done");
         } else {
           node_state(i, results[i].error_code() == grpc::StatusCode::ABORTED ? "aborted" : "failed", results[i].error_message());
           std::call_once(aborted, [&] { finish_all(false); });
