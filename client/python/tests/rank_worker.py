@@ -85,3 +85,44 @@ def main(role: str, rank: int, target: str, use_torch: bool, conn) -> None:
                 return
     except Exception as e:  # reported to the test, which fails with it
         conn.send(("error", repr(e)))
+
+
+def recv(conn, what: str, timeout: float = 120):
+    """The value of the next message from a rank, which must be tagged `what`."""
+    assert conn.poll(timeout), f"no '{what}' from a rank within {timeout} s"
+    tag, value = conn.recv()
+    assert tag == what, f"rank answered {tag}: {value}"
+    return value
+
+
+class Ranks:
+    """Rank processes (spawned, one per (role, rank, daemon target, use_torch)), registered on
+    entry and told to unregister and exit on leaving."""
+
+    def __init__(self, specs) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.workers = []
+        for role, rank, target, use_torch in specs:
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=main, args=(role, rank, target, use_torch, child))
+            p.start()
+            self.workers.append((role, parent, p))
+
+    def __enter__(self):
+        try:
+            self.nodes = [recv(conn, "registered") for _, conn, _ in self.workers]
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for _, conn, p in self.workers:
+            if p.is_alive():
+                conn.send(("exit", None))
+        for _, _, p in self.workers:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()

@@ -3,7 +3,6 @@ torch), syncs with progress, every destination element checked; errors and defau
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import subprocess
 
@@ -14,6 +13,7 @@ import pytest
 import shardcast
 from conftest import shardcastd_path
 import rank_worker
+from rank_worker import Ranks, recv
 
 try:
     import torch  # noqa: F401
@@ -23,27 +23,14 @@ except ImportError:
     HAVE_TORCH = False
 
 
-def recv(conn, what: str, timeout: float = 120):
-    assert conn.poll(timeout), f"no '{what}' from a rank within {timeout} s"
-    tag, value = conn.recv()
-    assert tag == what, f"rank answered {tag}: {value}"
-    return value
-
-
 def test_ranks_in_separate_processes_sync_every_element(cluster):
     n0, n1 = cluster
-    ctx = mp.get_context("spawn")
-    workers = []
     # trainer rank 0 numpy, rank 1 torch (when available); inference rank 0 torch, rank 1 numpy
-    for role, rank, daemon, use_torch in [("trainer", 0, n0, False), ("trainer", 1, n0, HAVE_TORCH),
-                                          ("infer", 0, n1, HAVE_TORCH), ("infer", 1, n1, False)]:
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=rank_worker.main, args=(role, rank, daemon.target, use_torch, child))
-        p.start()
-        workers.append((role, parent, p))
-    try:
-        for role, conn, _ in workers:
-            assert recv(conn, "registered") == ("n0" if role == "trainer" else "n1")
+    specs = [("trainer", 0, n0.target, False), ("trainer", 1, n0.target, HAVE_TORCH),
+             ("infer", 0, n1.target, HAVE_TORCH), ("infer", 1, n1.target, False)]
+    with Ranks(specs) as ranks:
+        workers = ranks.workers
+        assert ranks.nodes == ["n0", "n0", "n1", "n1"]
         client = shardcast.Client(n0.target)
         listed = client.list()
         assert sorted((r.group, r.rank, r.node) for r in listed.ranks) == [
@@ -70,14 +57,6 @@ def test_ranks_in_separate_processes_sync_every_element(cluster):
         assert [g.group for g in status.groups] == ["trainer"]
         plan = client.plan("trainer", "infer")
         assert plan["network_bytes"] == plan["network_bytes_lower_bound"]
-    finally:
-        for _, conn, p in workers:
-            if p.is_alive():
-                conn.send(("exit", None))
-        for _, conn, p in workers:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
     # after close() every rank is unregistered
     assert len(shardcast.Client(n1.target).list(all_nodes=False).ranks) == 0
 

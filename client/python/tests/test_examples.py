@@ -3,7 +3,6 @@ dependencies) and the shell script around the CLI. Ranks are registered from Pyt
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import subprocess
@@ -13,31 +12,17 @@ import pytest
 
 import rank_worker
 from conftest import ROOT, build_dir, shardcastd_path
-from test_client import recv
+from rank_worker import Ranks, recv
 
 
 @pytest.fixture
 def registered(cluster):
     """Trainer ranks on n0 and inference ranks on n1, each in its own process."""
     n0, n1 = cluster
-    ctx = mp.get_context("spawn")
-    workers = []
-    for role, rank, daemon in [("trainer", 0, n0), ("trainer", 1, n0), ("infer", 0, n1), ("infer", 1, n1)]:
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=rank_worker.main, args=(role, rank, daemon.target, False, child))
-        p.start()
-        workers.append((role, parent, p))
-    try:
-        for _, conn, _ in workers:
-            recv(conn, "registered")
-        yield cluster, workers
-    finally:
-        for _, conn, p in workers:
-            if p.is_alive():
-                conn.send(("exit", None))
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    specs = [("trainer", 0, n0.target, False), ("trainer", 1, n0.target, False),
+             ("infer", 0, n1.target, False), ("infer", 1, n1.target, False)]
+    with Ranks(specs) as ranks:
+        yield cluster, ranks.workers
 
 
 def write_and_check(workers, version, run_sync):
