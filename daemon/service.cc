@@ -161,7 +161,6 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   // Execute every wave everywhere at once, waves in order; the first failure aborts the others.
   progress_.update(id, [](v1::SyncProgress& p) { p.set_state("executing"); });
   std::vector<grpc::Status> results(addresses.size());
-  std::vector<v1::ExecuteResponse> parts(addresses.size());
   std::once_flag aborted;
   // Bytes of the waves each node has finished: the floor under what the poller reports.
   std::vector<uint64_t> done_received(addresses.size(), 0), done_sent(addresses.size(), 0);

@@ -296,6 +296,8 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   v1::ExecuteResponse resp;
   if (a->self < 0) return resp;
   const int32_t self = a->self;
+  // This wave's figures are what the sync's counters (read by progress()) gain during it.
+  const uint64_t sent_before = a->bytes_sent, received_before = a->bytes_received, local_before = a->local_bytes;
   const auto deadline = Clock::now() + std::chrono::milliseconds(req.timeout_ms() ? req.timeout_ms() : 300000);
 
   // Directory: transport address and arena of every node.
@@ -344,7 +346,6 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
     };
     ep->write({src, off, dir[node].second, at, n}, done);
     ep->notify(strCat(a->id, " ", t, " ", chain, " ", hop, " ", k, " ", checksum), done);
-    resp.set_bytes_sent(resp.bytes_sent() + n);
     a->bytes_sent += n;
     return absl::OkStatus();
   };
@@ -364,7 +365,6 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
         SC_ASSIGN_OR_RETURN(auto db, buffer(cp.dst, dr));
         SC_RETURN_IF_ERROR(copy({db.data, db.kind, dr.offset, dr.strides}, {sb.data, sb.kind, sr.offset, sr.strides}, dr.extent,
                                 elem, db.copies ? db.copies : sb.copies));
-        resp.set_local_bytes(resp.local_bytes() + static_cast<uint64_t>(sub.volume() * elem));
         a->local_bytes += static_cast<uint64_t>(sub.volume() * elem);
       }
     }
@@ -515,16 +515,17 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
         SC_RETURN_IF_ERROR(copy({db.data, db.kind, dst_off, dr.strides},
                                 {landed + cp.fragment_offset[f], transport::MemoryKind::kHost, src_off, dense}, part.sizes(), elem,
                                 db.copies));
-        resp.set_local_bytes(resp.local_bytes() + static_cast<uint64_t>(part.volume() * elem));
         a->local_bytes += static_cast<uint64_t>(part.volume() * elem);
       }
     }
-    resp.set_bytes_received(resp.bytes_received() + chunk.bytes);
     a->bytes_received += chunk.bytes;
     ++processed;
   }
   if (registry_.generation() != a->generation)
     return absl::AbortedError(strCat("sync ", a->id, ": registrations on node \"", node_, "\" changed during the sync"));
+  resp.set_bytes_sent(a->bytes_sent - sent_before);
+  resp.set_bytes_received(a->bytes_received - received_before);
+  resp.set_local_bytes(a->local_bytes - local_before);
   metrics_.bytes_sent += resp.bytes_sent();
   metrics_.bytes_received += resp.bytes_received();
   metrics_.local_bytes += resp.local_bytes();

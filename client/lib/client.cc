@@ -34,8 +34,6 @@ std::unique_ptr<grpc::ClientContext> Client::context(std::chrono::milliseconds t
   return c;
 }
 
-Status Client::error(const grpc::Status& st, const std::string& what) const { return fromGrpc(st, what); }
-
 StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, int32_t rank, const HostTensors& memory) const {
   return registerRank(layout, rank, memory.handles());
 }
@@ -53,7 +51,7 @@ StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, in
   for (const auto& b : buffers) *req.add_buffers() = b;
   v1::RegisterResponse out;
   const auto st = stub_->Register(context(call_timeout_).get(), req, &out);
-  if (!st.ok()) return error(st, strCat("register group \"", layout.group(), "\" rank ", rank));
+  if (!st.ok()) return fromGrpc(st, strCat("register group \"", layout.group(), "\" rank ", rank));
   return out;
 }
 
@@ -62,7 +60,7 @@ Status Client::unregisterRank(const std::string& group, int32_t rank) const {
   req.set_group(group);
   req.set_rank(rank);
   v1::UnregisterResponse out;
-  return error(stub_->Unregister(context(call_timeout_).get(), req, &out), strCat("unregister group \"", group, "\" rank ", rank));
+  return fromGrpc(stub_->Unregister(context(call_timeout_).get(), req, &out), strCat("unregister group \"", group, "\" rank ", rank));
 }
 
 StatusOr<v1::SyncResponse> Client::sync(const std::string& src, const std::string& dst, uint64_t version,
@@ -79,7 +77,7 @@ StatusOr<v1::SyncResponse> Client::sync(const std::string& src, const std::strin
   const auto limit = (options.timeout.count() > 0 ? options.timeout : std::chrono::milliseconds(300'000)) + std::chrono::seconds(30);
   v1::SyncResponse out;
   const auto st = stub_->Sync(context(limit).get(), req, &out);
-  if (!st.ok()) return error(st, strCat("sync \"", src, "\" -> \"", dst, "\" version ", version));
+  if (!st.ok()) return fromGrpc(st, strCat("sync \"", src, "\" -> \"", dst, "\" version ", version));
   return out;
 }
 
@@ -116,7 +114,7 @@ Status Client::watch(const std::string& sync_id, const std::function<bool(const 
     stopped |= cancel->cancelled_;
   }
   if (stopped) return absl::CancelledError(strCat("stopped watching sync \"", sync_id, "\""));
-  return error(st, strCat("watch sync \"", sync_id, "\""));
+  return fromGrpc(st, strCat("watch sync \"", sync_id, "\""));
 }
 
 StatusOr<uint64_t> Client::waitVersion(const std::string& group, uint64_t version, std::chrono::milliseconds timeout) const {
@@ -126,14 +124,14 @@ StatusOr<uint64_t> Client::waitVersion(const std::string& group, uint64_t versio
   req.set_timeout_ms(static_cast<uint32_t>(timeout.count()));
   v1::WaitVersionResponse out;
   const auto st = stub_->WaitVersion(context(timeout + call_timeout_).get(), req, &out);
-  if (!st.ok()) return error(st, strCat("wait for group \"", group, "\" version ", version));
+  if (!st.ok()) return fromGrpc(st, strCat("wait for group \"", group, "\" version ", version));
   return out.version();
 }
 
 StatusOr<v1::StatusResponse> Client::status() const {
   v1::StatusResponse out;
   const auto st = stub_->Status(context(call_timeout_).get(), v1::StatusRequest(), &out);
-  if (!st.ok()) return error(st, "status");
+  if (!st.ok()) return fromGrpc(st, "status");
   return out;
 }
 
@@ -142,7 +140,7 @@ StatusOr<v1::ListResponse> Client::list(bool all_nodes) const {
   req.set_all_nodes(all_nodes);
   v1::ListResponse out;
   const auto st = stub_->List(context(call_timeout_).get(), req, &out);
-  if (!st.ok()) return error(st, "list");
+  if (!st.ok()) return fromGrpc(st, "list");
   return out;
 }
 
@@ -152,7 +150,7 @@ StatusOr<v1::PlanResponse> Client::plan(const std::string& src, const std::strin
   req.set_dst_group(dst);
   v1::PlanResponse out;
   const auto st = stub_->Plan(context(call_timeout_).get(), req, &out);
-  if (!st.ok()) return error(st, strCat("plan \"", src, "\" -> \"", dst, "\""));
+  if (!st.ok()) return fromGrpc(st, strCat("plan \"", src, "\" -> \"", dst, "\""));
   return out;
 }
 

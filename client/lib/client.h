@@ -78,7 +78,6 @@ class Client {
  private:
   Client(std::string target, std::shared_ptr<v1::Shardcast::Stub> stub) : target_(std::move(target)), stub_(std::move(stub)) {}
   std::unique_ptr<grpc::ClientContext> context(std::chrono::milliseconds timeout) const;
-  Status error(const grpc::Status& st, const std::string& what) const;
 
   std::string target_;
   std::shared_ptr<v1::Shardcast::Stub> stub_;
