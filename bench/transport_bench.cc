@@ -3,6 +3,7 @@
 // register 1,000 regions of 1 MiB. bench/transport.sh runs it beside ucx_perftest.
 //
 //   build/bin/transport_bench [--tls T] [--protocol auto|put|am] [--sizes 64,256,1024] [--iters N]
+//                             [--memory transport|shm]  (shm: both ends in POSIX shared memory, as ranks are)
 //   (sizes in MiB; the child receiver is this binary started with --role recv)
 #include <fmt/format.h>
 #include <unistd.h>
@@ -15,6 +16,7 @@
 
 #include "tests/transport/process.h"
 #include "transport/copy_engine.h"
+#include "transport/shm.h"
 #include "transport/transport.h"
 
 using namespace shardcast;
@@ -32,14 +34,18 @@ std::string arg(int argc, char** argv, const std::string& name, const std::strin
 
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
-int receiver(const TransportOptions& o, size_t size) {
+int receiver(const TransportOptions& o, size_t size, bool shm) {
   auto ctx = createContext(o);
   if (!ctx.ok()) {
     std::printf("ERROR %s\n", std::string(ctx.status().message()).c_str());
     return 1;
   }
-  // A landing buffer as the daemon allocates it (shareable with same-host peers).
-  auto region = (*ctx)->allocateMemory(size);
+  // A landing buffer as the daemon allocates it (shareable with same-host peers), or a rank's
+  // POSIX shared memory as clients register it.
+  StatusOr<ShmSegment> segment = absl::UnavailableError("not used");
+  if (shm) segment = ShmSegment::create(fmt::format("/shardcast-bench-{}", getpid()), size);
+  auto region = shm ? (segment.ok() ? (*ctx)->registerMemory(segment->data(), size, MemoryKind::kHost) : segment.status())
+                    : (*ctx)->allocateMemory(size);
   if (!region.ok()) return 1;
   std::memset((*region)->data(), 0, size);  // fault the pages in before timing starts
   std::printf("ADDRESS %s\nREGION %s\n", toHex((*ctx)->address()).c_str(), toHex((*region)->remote().serialize()).c_str());
@@ -94,10 +100,15 @@ int main(int argc, char** argv) {
   for (std::string s; std::getline(ss, s, ',');) sizes.push_back(std::stoull(s) << 20);
   const size_t max_size = *std::max_element(sizes.begin(), sizes.end());
   const int iters = std::stoi(arg(argc, argv, "--iters", "8"));
-  if (arg(argc, argv, "--role", "send") == "recv") return receiver(o, max_size);
+  const std::string memory = arg(argc, argv, "--memory", "transport");
+  if (memory != "transport" && memory != "shm") {
+    fmt::print(stderr, "--memory must be transport or shm\n");
+    return 2;
+  }
+  if (arg(argc, argv, "--role", "send") == "recv") return receiver(o, max_size, memory == "shm");
 
   Child child = Child::spawn({"/proc/self/exe", "--role", "recv", "--tls", o.ucx_tls, "--protocol", o.protocol, "--sizes",
-                              std::to_string(max_size >> 20)});
+                              std::to_string(max_size >> 20), "--memory", memory});
   const std::string a = child.readLine(std::chrono::seconds(60)), g = child.readLine(std::chrono::seconds(60));
   if (a.rfind("ADDRESS ", 0) != 0 || g.rfind("REGION ", 0) != 0) {
     fmt::print(stderr, "receiver did not start: {} {}\n", a, g);
@@ -107,7 +118,13 @@ int main(int argc, char** argv) {
   if (!ctx.ok()) return 1;
   std::vector<unsigned char> src(max_size);
   fillPattern(src.data(), src.size(), 1);
-  auto region = (*ctx)->registerMemory(src.data(), src.size(), MemoryKind::kHost);
+  StatusOr<ShmSegment> segment = absl::UnavailableError("not used");
+  if (memory == "shm") {
+    segment = ShmSegment::create(fmt::format("/shardcast-bench-{}", getpid()), max_size);
+    if (!segment.ok()) return 1;
+    std::memcpy(segment->data(), src.data(), max_size);
+  }
+  auto region = (*ctx)->registerMemory(memory == "shm" ? segment->data() : src.data(), src.size(), MemoryKind::kHost);
   auto remote = RemoteRegion::parse(fromHex(g.substr(7)));
   auto ep = (*ctx)->connect(fromHex(a.substr(8)), "bench-receiver");
   if (!region.ok() || !remote.ok() || !ep.ok()) {

@@ -15,7 +15,7 @@ std::string DaemonConfig::describe() const {
      << " socket=" << (socket.empty() ? "(none)" : socket) << " peers=" << (peers.empty() ? "(none)" : strJoin(peers, ","))
      << " peer_dns=" << (peer_dns.empty() ? "(none)" : peer_dns) << " transport=" << transport
      << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol << " log_level=" << log_level
-     << " peer_timeout_ms=" << peer_timeout_ms << " chunk_mib=" << chunk_mib << " staging_mib=" << staging_mib << " metrics=" << (metrics.empty() ? "(off)" : metrics);
+     << " peer_timeout_ms=" << peer_timeout_ms << " chunk_mib=" << chunk_mib << " staging_mib=" << staging_mib << " window_mib=" << window_mib << " metrics=" << (metrics.empty() ? "(off)" : metrics);
   return os.str();
 }
 
@@ -60,6 +60,9 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   app.add_option("--staging-mib", c.staging_mib,
                  "Per-node memory for landing and staging a sync's transfers (bigger syncs run in waves)")
       ->envname("SHARDCAST_STAGING_MIB")->check(CLI::Range(int64_t{1}, int64_t{1} << 30))->capture_default_str();
+  app.add_option("--window-mib", c.window_mib,
+                 "Bytes of writes in flight to each peer node (more chunks wait, so each lands early and relays start)")
+      ->envname("SHARDCAST_WINDOW_MIB")->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->capture_default_str();
   app.add_option("--metrics", c.metrics, "host:port of the Prometheus /metrics endpoint (empty: off)")
       ->envname("SHARDCAST_METRICS")->capture_default_str();
   bool print_config = false;

@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
   Registry registry(config->node, **transport);
   PeerSet peers(*config);
   Metrics metrics;
-  SyncEngine engine(config->node, registry, **transport, metrics);
+  SyncEngine engine(config->node, registry, **transport, metrics, static_cast<uint64_t>(config->window_mib) << 20);
   metrics.registered_bytes = [&] { return registry.registeredBytes(); };
   metrics.registered_ranks = [&] { return static_cast<uint64_t>(registry.registeredRanks()); };
   metrics.plan_cache_hits = [&] { return engine.plans().hits(); };

@@ -23,6 +23,9 @@ std::string Metrics::render() const {
   o << "shardcast_bytes_sent_total " << bytes_sent << "\n";
   metric("shardcast_bytes_received_total", "counter", "Bytes that landed on this daemon over the network.");
   o << "shardcast_bytes_received_total " << bytes_received << "\n";
+  metric("shardcast_bytes_landed_direct_total", "counter",
+         "Of the bytes received: written by peers straight into destination rank buffers (no unpack copy).");
+  o << "shardcast_bytes_landed_direct_total " << bytes_landed_direct << "\n";
   metric("shardcast_local_bytes_total", "counter", "Bytes copied node-locally into destination ranks.");
   o << "shardcast_local_bytes_total " << local_bytes << "\n";
   metric("shardcast_plan_cache_hits_total", "counter", "Syncs whose plan came from the cache.");

@@ -18,7 +18,7 @@ namespace shardcast::daemon {
 
 struct Metrics {
   std::atomic<uint64_t> syncs_ok{0}, syncs_failed{0};
-  std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, local_bytes{0};
+  std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, local_bytes{0}, bytes_landed_direct{0};
   std::atomic<uint64_t> sync_micros_sum{0};  // of committed syncs coordinated here
   // Read at scrape time.
   std::function<uint64_t()> registered_bytes, registered_ranks, plan_cache_hits;

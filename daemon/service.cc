@@ -1,8 +1,10 @@
 #include "daemon/service.h"
 
+#include <atomic>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -153,7 +155,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     auto* n = exec.add_nodes();
     n->set_node(daemons[i].node());
     n->set_transport_address(daemons[i].transport_address());
-    n->set_arena_region(r.arena_region());
+    *n->mutable_targets() = r.targets();
   }
 
   out->set_prepare_seconds(seconds_since(prepare_start));
@@ -164,6 +166,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   std::once_flag aborted;
   // Bytes of the waves each node has finished: the floor under what the poller reports.
   std::vector<uint64_t> done_received(addresses.size(), 0), done_sent(addresses.size(), 0);
+  std::atomic<uint64_t> landed_direct{0};
   auto record = [&](size_t i, uint64_t received, uint64_t sent) {
     progress_.update(id, [&](v1::SyncProgress& p) {
       auto* n = p.mutable_nodes(static_cast<int>(i));
@@ -215,6 +218,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
         if (results[i].ok()) {
           done_received[i] += part.bytes_received();
           done_sent[i] += part.bytes_sent();
+          landed_direct += part.bytes_landed_direct();
           record(i, done_received[i], done_sent[i]);
           if (wave + 1 == (*plan)->waves) node_state(i, "done");
         } else {
@@ -254,6 +258,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   out->set_bytes_needed(static_cast<uint64_t>(stats.bytes_needed));
   out->set_seconds(std::chrono::duration<double>(Clock::now() - start).count());
   out->set_plan_cached(cached);
+  out->set_bytes_landed_direct(landed_direct);
   out->set_waves(static_cast<uint32_t>((*plan)->waves));
   out->set_plan_summary_json(planner::renderJson((*plan)->plan, (*plan)->nodes, planner::CostModel{}));
   spdlog::info("sync {}: {} -> {} version {} committed in {:.3f} s", id, req->src_group(), req->dst_group(), req->version(),

@@ -3,11 +3,13 @@
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <sstream>
 
 #include "common/strings.h"
+#include "transport/shm.h"
 
 namespace shardcast::daemon {
 
@@ -19,8 +21,34 @@ uint64_t alignUp(uint64_t v) { return (v + 63) & ~uint64_t{63}; }
 
 std::vector<int64_t> denseFor(const planner::Box& b) { return transport::denseStrides(b.sizes()); }
 
+// Where transfer t lands on `node`: directly when it is one fragment that a rank there needs
+// whole and holds contiguously (row-major, as the fragment travels); arena otherwise.
+CachedPlan::Landing landingFor(const CachedPlan& c, int32_t t, int32_t node) {
+  CachedPlan::Landing l;
+  l.node = node;
+  const auto& tr = c.plan.transfers[t];
+  if (tr.fragments_count != 1) return l;
+  const int32_t f = c.plan.transfer_fragments[tr.fragments_begin];
+  const auto& frag = c.plan.fragments[f];
+  const int64_t elem = c.dst.tensors[c.plan.tensors[frag.tensor].dst].elemBytes();
+  for (const auto& [sub, dr] : planner::destinationRegions(c.plan, c.dst, f, node)) {
+    if (!(sub == frag.box) || !planner::isContiguous(dr.strides, sub)) continue;
+    l.rank = dr.rank;
+    l.buffer = dr.buffer;
+    l.buffer_offset = static_cast<uint64_t>(dr.offset * elem);
+    break;
+  }
+  return l;
+}
+
 
 }  // namespace
+
+const CachedPlan::Landing* CachedPlan::landingOn(int32_t transfer, int32_t node) const {
+  for (const Landing& l : landing[static_cast<size_t>(transfer)])
+    if (l.node == node) return &l;
+  return nullptr;
+}
 
 uint64_t CachedPlan::offsetOf(const std::vector<std::pair<int32_t, uint64_t>>& list, int32_t node) {
   for (const auto& [n, off] : list)
@@ -59,6 +87,7 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
   c->landing.resize(plan.transfers.size());
   c->heading.resize(plan.transfers.size());
   c->direct.resize(plan.transfers.size());
+  c->direct_targets.resize(n_nodes);
   c->wave.assign(plan.transfers.size(), 0);
   c->chunks.resize(plan.transfers.size());
   c->incoming.assign(1, std::vector<int64_t>(n_nodes, 0));
@@ -101,14 +130,19 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
         if (plan.chains[ch].src_node == node && !direct[static_cast<size_t>(ch - tr.chains_begin)]) return true;
       return false;
     };
+    // Where it lands on each of its nodes: directly in a rank's buffer, or (arena offset below) not.
+    std::vector<CachedPlan::Landing> lands;
+    for (int32_t ch = tr.chains_begin; ch < tr.chains_begin + tr.chains_count; ++ch) {
+      const auto& chain = plan.chains[ch];
+      for (int32_t k = 0; k < chain.nodes_count; ++k) lands.push_back(landingFor(*c, t, plan.chain_nodes[chain.nodes_begin + k]));
+    }
     // Does this transfer still fit in the current wave on every node it touches?
     bool fits = true;
     for (int32_t ch = tr.chains_begin; ch < tr.chains_begin + tr.chains_count; ++ch) {
       const auto& chain = plan.chains[ch];
       fits = fits && (!needs_staging(chain.src_node) || stage[chain.src_node] + bytes <= staging_budget);
-      for (int32_t k = 0; k < chain.nodes_count; ++k)
-        fits = fits && land[plan.chain_nodes[chain.nodes_begin + k]] + bytes <= staging_budget;
     }
+    for (const auto& l : lands) fits = fits && (l.direct() || land[l.node] + bytes <= staging_budget);
     if (!fits && !wave_empty) {
       ++c->waves;
       c->incoming.emplace_back(n_nodes, 0);
@@ -124,14 +158,22 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
         stage[chain.src_node] += bytes;
         c->staging_bytes[chain.src_node] = std::max(c->staging_bytes[chain.src_node], stage[chain.src_node]);
       }
-      for (int32_t k = 0; k < chain.nodes_count; ++k) {
-        const int32_t n = plan.chain_nodes[chain.nodes_begin + k];
-        c->landing[t].emplace_back(n, land[n]);
-        land[n] += bytes;
-        c->arena_bytes[n] = std::max(c->arena_bytes[n], land[n]);
-        c->incoming.back()[n] += static_cast<int64_t>(chunks.size());
-      }
     }
+    for (auto& l : lands) {
+      if (!l.direct()) {
+        l.arena_offset = land[l.node];
+        land[l.node] += bytes;
+        c->arena_bytes[l.node] = std::max(c->arena_bytes[l.node], land[l.node]);
+      } else {
+        c->direct_targets[l.node].emplace_back(l.rank, l.buffer);
+      }
+      c->incoming.back()[l.node] += static_cast<int64_t>(chunks.size());
+      c->landing[t].push_back(l);
+    }
+  }
+  for (auto& targets : c->direct_targets) {
+    std::sort(targets.begin(), targets.end());
+    targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
   }
   std::lock_guard<std::mutex> lock(mu_);
   plans_[key] = c;
@@ -155,19 +197,87 @@ struct SyncEngine::Active {
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Landed> landed;
-  Status failure;  // set by abort or by a failed write
+  Status failure;       // set by abort or by a failed write
+  bool closed = false;  // finished: no write may start any more
   int64_t writes_pending = 0;
   // Where this node packs the transfers it heads: freed with the sync (or kept for the next one
   // of the same plan on commit), after every completion has run.
   std::shared_ptr<transport::MemoryRegion> staging;
-  // Rank buffers sent from directly (no packing): kept mapped until the sync is gone.
+  // Rank buffers sent from directly or landed in directly: kept mapped until the sync is gone.
   std::vector<std::shared_ptr<void>> pinned;
   // Progress over all waves, read by progress() while execute() runs.
-  std::atomic<uint64_t> bytes_received{0}, bytes_sent{0}, local_bytes{0};
+  std::atomic<uint64_t> bytes_received{0}, bytes_sent{0}, local_bytes{0}, bytes_landed_direct{0};
+
+  // Writes to one node wait here while that node's window is full (see pump()).
+  struct Outgoing {
+    transport::WriteOp op;
+    std::string notification;
+  };
+  struct Outbox {
+    std::shared_ptr<transport::Endpoint> endpoint;
+    std::deque<Outgoing> queued;
+    uint64_t bytes_in_flight = 0;
+  };
+  std::map<int32_t, Outbox> outboxes;  // by destination node, under mu
+  uint64_t window_bytes = 0;
+
+  // Drops writes not started yet (after a failure or the end); under mu.
+  void dropQueued() {
+    for (auto& [node, box] : outboxes) {
+      writes_pending -= 2 * static_cast<int64_t>(box.queued.size());
+      box.queued.clear();
+    }
+  }
 };
 
-SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics)
-    : node_(std::move(node)), registry_(registry), transport_(transport), metrics_(metrics),
+// Starts the writes queued for `node` that fit in its window: at least one is always in flight
+// while any is queued. Each write is followed by its notification, which the transport delivers
+// once the write is visible. A write's completion pumps again. Without the window every chunk
+// would be on the wire at once; the transport then completes them all near the end, and relays
+// and fan-out could not start before the last byte arrived.
+void SyncEngine::pump(const std::shared_ptr<Active>& a, int32_t node) {
+  std::vector<Active::Outgoing> start;
+  std::shared_ptr<transport::Endpoint> ep;
+  {
+    std::lock_guard<std::mutex> lock(a->mu);
+    if (!a->failure.ok() || a->closed) {
+      a->dropQueued();
+      a->cv.notify_all();
+      return;
+    }
+    auto& box = a->outboxes[node];
+    ep = box.endpoint;
+    while (!box.queued.empty() && (box.bytes_in_flight == 0 || box.bytes_in_flight + box.queued.front().op.length <= a->window_bytes)) {
+      box.bytes_in_flight += box.queued.front().op.length;
+      start.push_back(std::move(box.queued.front()));
+      box.queued.pop_front();
+    }
+  }
+  auto finished = [a](Status st) {
+    {
+      std::lock_guard<std::mutex> lock(a->mu);
+      if (!st.ok() && a->failure.ok()) a->failure = st;
+      --a->writes_pending;
+    }
+    a->cv.notify_all();
+  };
+  for (auto& out : start) {
+    const uint64_t bytes = out.op.length;
+    ep->write(std::move(out.op), [a, node, bytes, finished](Status st) {
+      {
+        std::lock_guard<std::mutex> lock(a->mu);
+        a->outboxes[node].bytes_in_flight -= bytes;
+      }
+      finished(st);
+      pump(a, node);
+    });
+    ep->notify(std::move(out.notification), finished);
+  }
+}
+
+SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics,
+                       uint64_t window_bytes)
+    : node_(std::move(node)), registry_(registry), transport_(transport), metrics_(metrics), window_bytes_(window_bytes),
       copies_(transport::makeHostCopyEngine()) {
   transport_.setNotificationHandler([this](std::string payload) { onNotification(payload); });
 }
@@ -181,6 +291,17 @@ Status SyncEngine::copy(const transport::StridedView& dst, const transport::Stri
   if (device_copies == nullptr) return absl::FailedPreconditionError("device memory to copy but no CUDA copy engine");
   SC_RETURN_IF_ERROR(device_copies->copy(dst, src, extent, elem));
   return device_copies->synchronize();
+}
+
+StatusOr<uint64_t> SyncEngine::checksum(const Registry::LocalBuffer& b, uint64_t offset, uint64_t n) {
+  if (b.kind == transport::MemoryKind::kHost) return XXH64(b.data + offset, static_cast<size_t>(n), 0);
+  if (b.transfer && b.transfer->staged())
+    return XXH64(static_cast<const std::byte*>(b.region->data()) + b.region_offset + offset, static_cast<size_t>(n), 0);
+  std::vector<std::byte> host(n);
+  const std::vector<int64_t> unit{1};
+  SC_RETURN_IF_ERROR(copy({host.data(), transport::MemoryKind::kHost, 0, unit}, {b.data + offset, b.kind, 0, unit},
+                          {static_cast<int64_t>(n)}, 1, b.copies));
+  return XXH64(host.data(), static_cast<size_t>(n), 0);
 }
 
 std::shared_ptr<SyncEngine::Active> SyncEngine::find(const std::string& id) {
@@ -217,6 +338,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   a->dst_group = req.dst().group();
   a->version = req.version();
   a->generation = registry_.generation();
+  a->window_bytes = window_bytes_;
   if (registry_.hasGroup(a->dst_group) && registry_.version(a->dst_group) >= a->version)
     return absl::FailedPreconditionError(strCat("group \"", a->dst_group, "\" is at version ", registry_.version(a->dst_group),
                                                 " on node \"", node_, "\": version ", a->version, " is not newer"));
@@ -236,9 +358,30 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
     }
     if (!a->arena) {
       SC_ASSIGN_OR_RETURN(a->arena, transport_.allocateMemory(a->plan->arena_bytes[a->self]));
+      transport::lockResident(a->arena->data(), a->arena->size(), "a landing arena");
     }
-    resp.set_arena_region(a->arena->remote().serialize());
+    resp.mutable_targets()->set_arena_region(a->arena->remote().serialize());
     resp.set_arena_bytes(a->plan->arena_bytes[a->self]);
+  }
+  // The rank buffers peers write into directly, each registration's descriptor once.
+  if (a->self >= 0) {
+    auto* targets = resp.mutable_targets();
+    std::map<const transport::MemoryRegion*, uint32_t> index;
+    for (const auto& [rank, b] : a->plan->direct_targets[static_cast<size_t>(a->self)]) {
+      const std::string& name = a->plan->dst.buffer_names[static_cast<size_t>(b)];
+      SC_ASSIGN_OR_RETURN(auto lb, registry_.localBuffer(a->dst_group, rank, name));
+      if (!lb.region)
+        return absl::FailedPreconditionError(strCat("group \"", a->dst_group, "\" rank ", rank, " buffer \"", name,
+                                                    "\" is not registered with the transport on node \"", node_, "\""));
+      const auto [it, added] = index.emplace(lb.region.get(), static_cast<uint32_t>(targets->regions_size()));
+      if (added) targets->add_regions(lb.region->remote().serialize());
+      auto* out = targets->add_buffers();
+      out->set_rank(rank);
+      out->set_buffer(name);
+      out->set_region(it->second);
+      out->set_offset(lb.region_offset);
+      a->pinned.push_back(lb.keep_alive);
+    }
   }
   std::lock_guard<std::mutex> lock(mu_);
   auto busy = busy_groups_.find(a->dst_group);
@@ -247,7 +390,8 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
                                                 ") is in progress on node \"", node_, "\""));
   busy_groups_[a->dst_group] = a->id;
   active_[a->id] = a;
-  spdlog::debug("sync {}: prepared ({} arena bytes, plan {})", a->id, resp.arena_bytes(), hit ? "cached" : "new");
+  spdlog::debug("sync {}: prepared ({} arena bytes, {} buffers landed in directly, plan {})", a->id, resp.arena_bytes(),
+                resp.targets().buffers_size(), hit ? "cached" : "new");
   return resp;
 }
 
@@ -259,21 +403,24 @@ Status SyncEngine::finish(const v1::FinishRequest& req) {
     if (it == active_.end()) return absl::NotFoundError(strCat("sync ", req.sync_id(), " is not active on node \"", node_, "\""));
     a = it->second;
     active_.erase(it);
-    if (busy_groups_[a->dst_group] == a->id) busy_groups_.erase(a->dst_group);
   }
   {
-    std::lock_guard<std::mutex> lock(a->mu);
+    std::unique_lock<std::mutex> lock(a->mu);
+    a->closed = true;
     if (a->failure.ok() && !req.commit()) a->failure = absl::AbortedError(strCat("sync ", a->id, " aborted"));
+    a->dropQueued();
+    a->cv.notify_all();
+    // Peers write into rank buffers directly: before the group may take another sync, every write
+    // this node started has to complete or fail (the transport bounds each by its op timeout).
+    if (!a->cv.wait_for(lock, std::chrono::seconds(120), [&] { return a->writes_pending == 0; }))
+      spdlog::error("sync {}: {} writes still pending two minutes after it ended", a->id, a->writes_pending);
   }
-  a->cv.notify_all();
-  if (req.commit()) {
-    if (registry_.hasGroup(a->dst_group)) registry_.commitVersion(a->dst_group, a->version);
-    std::lock_guard<std::mutex> lock(mu_);
-    std::lock_guard<std::mutex> alock(a->mu);
-    if (a->writes_pending == 0) {  // nothing can still touch them
-      if (a->arena) spare_arenas_[a->plan->key] = std::move(a->arena);
-      if (a->staging) spare_staging_[a->plan->key] = std::move(a->staging);
-    }
+  if (req.commit() && registry_.hasGroup(a->dst_group)) registry_.commitVersion(a->dst_group, a->version);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (busy_groups_[a->dst_group] == a->id) busy_groups_.erase(a->dst_group);
+  if (req.commit() && a->writes_pending == 0) {  // nothing can still touch them
+    if (a->arena) spare_arenas_[a->plan->key] = std::move(a->arena);
+    if (a->staging) spare_staging_[a->plan->key] = std::move(a->staging);
   }
   return absl::OkStatus();
 }
@@ -285,225 +432,282 @@ StatusOr<v1::ProgressResponse> SyncEngine::progress(const std::string& sync_id) 
   out.set_bytes_received(a->bytes_received);
   out.set_bytes_sent(a->bytes_sent);
   out.set_local_bytes(a->local_bytes);
+  out.set_bytes_landed_direct(a->bytes_landed_direct);
   return out;
 }
 
-StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req) {
-  auto a = find(req.sync_id());
-  if (!a) return absl::NotFoundError(strCat("sync ", req.sync_id(), " was not prepared on node \"", node_, "\""));
-  const CachedPlan& cp = *a->plan;
-  const planner::Plan& plan = cp.plan;
-  v1::ExecuteResponse resp;
-  if (a->self < 0) return resp;
-  const int32_t self = a->self;
-  // This wave's figures are what the sync's counters (read by progress()) gain during it.
-  const uint64_t sent_before = a->bytes_sent, received_before = a->bytes_received, local_before = a->local_bytes;
-  const auto deadline = Clock::now() + std::chrono::milliseconds(req.timeout_ms() ? req.timeout_ms() : 300000);
+// One execute() call: this node's part of one wave.
+class SyncEngine::Execution {
+ public:
+  Execution(SyncEngine& engine, std::shared_ptr<Active> a, const v1::ExecuteRequest& req)
+      : e_(engine), a_(std::move(a)), req_(req), cp_(*a_->plan), plan_(cp_.plan), self_(a_->self),
+        wave_(static_cast<int32_t>(req.wave())),
+        deadline_(Clock::now() + std::chrono::milliseconds(req.timeout_ms() ? req.timeout_ms() : 300000)) {}
 
-  // Directory: transport address and arena of every node.
-  std::map<int32_t, std::pair<std::string, transport::RemoteRegion>> dir;
-  for (const auto& n : req.nodes()) {
-    int32_t id = -1;
-    for (int32_t i = 0; i < cp.nodes.size(); ++i)
-      if (cp.nodes.name(i) == n.node()) id = i;
-    if (id < 0) continue;
+  Status run() {
+    if (wave_ < 0 || wave_ >= cp_.waves)
+      return absl::InvalidArgumentError(strCat("sync ", a_->id, ": wave ", wave_, " of ", cp_.waves));
+    SC_RETURN_IF_ERROR(readDirectory());
+    if (wave_ == 0) SC_RETURN_IF_ERROR(copyColocated());
+    for (int32_t t = 0; t < static_cast<int32_t>(plan_.transfers.size()); ++t)
+      if (cp_.wave[t] == wave_) SC_RETURN_IF_ERROR(sendHeaded(t));
+    return receive();
+  }
+
+ private:
+  // What this node knows of another: its transport address and where to write into it.
+  struct Peer {
+    std::string address;
     transport::RemoteRegion arena;
-    if (!n.arena_region().empty()) {
-      SC_ASSIGN_OR_RETURN(arena, transport::RemoteRegion::parse(n.arena_region()));
-    }
-    dir[id] = {n.transport_address(), arena};
-  }
-  auto endpoint = [&](int32_t node) -> StatusOr<std::shared_ptr<transport::Endpoint>> {
-    auto it = dir.find(node);
-    if (it == dir.end()) return absl::FailedPreconditionError(strCat("no daemon for node \"", cp.nodes.name(node), "\""));
-    return transport_.connect(it->second.first, cp.nodes.name(node));
+    std::vector<transport::RemoteRegion> regions;
+    std::map<std::pair<int32_t, std::string>, std::pair<uint32_t, uint64_t>> buffers;  // (rank, name) -> (region, offset)
   };
-  auto buffer = [&](const planner::ResolvedLayout& l, const planner::Region& r) {
-    return registry_.localBuffer(l.group, r.rank, l.buffer_names[r.buffer]);
-  };
-  // Sends chunk k of transfer t (at `off` in `src`) to `node`'s arena, then the notification.
-  auto send = [&](const std::shared_ptr<transport::MemoryRegion>& src, uint64_t off, int32_t t, int32_t chain, int32_t hop,
-                  int32_t k, int32_t node, uint64_t checksum) -> Status {
-    SC_ASSIGN_OR_RETURN(auto ep, endpoint(node));
-    const auto& chunk = cp.chunks[t][k];
-    const uint64_t n = chunk.bytes;
-    const uint64_t at = CachedPlan::offsetOf(cp.landing[t], node) + chunk.offset;
-    off += chunk.offset;
-    {
-      std::lock_guard<std::mutex> lock(a->mu);
-      a->writes_pending += 2;
+
+  Status readDirectory() {
+    for (const auto& n : req_.nodes()) {
+      int32_t id = -1;
+      for (int32_t i = 0; i < cp_.nodes.size(); ++i)
+        if (cp_.nodes.name(i) == n.node()) id = i;
+      if (id < 0) continue;
+      Peer& p = peers_[id];
+      p.address = n.transport_address();
+      const auto& targets = n.targets();
+      if (!targets.arena_region().empty()) {
+        SC_ASSIGN_OR_RETURN(p.arena, transport::RemoteRegion::parse(targets.arena_region()));
+      }
+      for (const auto& r : targets.regions()) {
+        SC_ASSIGN_OR_RETURN(auto region, transport::RemoteRegion::parse(r));
+        p.regions.push_back(std::move(region));
+      }
+      for (const auto& b : targets.buffers()) {
+        if (b.region() >= p.regions.size())
+          return absl::InvalidArgumentError(strCat("sync ", a_->id, ": node \"", n.node(), "\" names landing region ", b.region(),
+                                                   " of ", p.regions.size()));
+        p.buffers[{b.rank(), b.buffer()}] = {b.region(), b.offset()};
+      }
     }
-    auto done = [a](Status st) {
-      if (!st.ok()) {
-        std::lock_guard<std::mutex> lock(a->mu);
-        if (a->failure.ok()) a->failure = st;
-      }
-      {
-        std::lock_guard<std::mutex> lock(a->mu);
-        --a->writes_pending;
-      }
-      a->cv.notify_all();
-    };
-    ep->write({src, off, dir[node].second, at, n}, done);
-    ep->notify(strCat(a->id, " ", t, " ", chain, " ", hop, " ", k, " ", checksum), done);
-    a->bytes_sent += n;
     return absl::OkStatus();
-  };
-
-  const int32_t w = static_cast<int32_t>(req.wave());
-  if (w < 0 || w >= cp.waves)
-    return absl::InvalidArgumentError(strCat("sync ", a->id, ": wave ", w, " of ", cp.waves));
-  // 1. Colocated fragments (first wave): straight from local source ranks into local destination ranks.
-  if (w == 0) {
-    for (const auto& ls : plan.local_sources) {
-      if (ls.node != self) continue;
-      const auto& frag = plan.fragments[ls.fragment];
-      const int64_t elem = cp.dst.tensors[plan.tensors[frag.tensor].dst].elemBytes();
-      for (const auto& [sub, dr] : planner::destinationRegions(plan, cp.dst, ls.fragment, self)) {
-        const auto sr = planner::sourceRegion(plan, cp.src, ls.fragment, ls.src_rank, sub);
-        SC_ASSIGN_OR_RETURN(auto sb, buffer(cp.src, sr));
-        SC_ASSIGN_OR_RETURN(auto db, buffer(cp.dst, dr));
-        SC_RETURN_IF_ERROR(copy({db.data, db.kind, dr.offset, dr.strides}, {sb.data, sb.kind, sr.offset, sr.strides}, dr.extent,
-                                elem, db.copies ? db.copies : sb.copies));
-        a->local_bytes += static_cast<uint64_t>(sub.volume() * elem);
-      }
-    }
   }
 
-  // 2. This wave's transfers that this node's source ranks head. Chains the plan marks direct are
-  //    sent straight from the source rank's registered buffer; the others are packed into the
-  //    staging region (at the transfer's fixed offset) chunk by chunk, each chunk sent as soon as
-  //    it is packed so the network starts before the packing ends.
-  for (int32_t t = 0; t < static_cast<int32_t>(plan.transfers.size()); ++t) {
-    if (cp.wave[t] != w) continue;
-    const auto& tr = plan.transfers[t];
+  StatusOr<Registry::LocalBuffer> buffer(const planner::ResolvedLayout& l, int32_t rank, int32_t b) const {
+    return e_.registry_.localBuffer(l.group, rank, l.buffer_names[static_cast<size_t>(b)]);
+  }
+
+  // Sends chunk k of transfer t (its first byte at `off` in `src`) to where it lands on `node`,
+  // then the notification that announces it.
+  Status send(const std::shared_ptr<transport::MemoryRegion>& src, uint64_t off, int32_t t, int32_t chain, int32_t hop, int32_t k,
+              int32_t node, uint64_t sum) {
+    auto peer = peers_.find(node);
+    if (peer == peers_.end()) return absl::FailedPreconditionError(strCat("no daemon for node \"", cp_.nodes.name(node), "\""));
+    const CachedPlan::Landing* landing = cp_.landingOn(t, node);
+    if (landing == nullptr) return absl::InternalError(strCat("sync ", a_->id, ": transfer ", t, " does not land on node ", node));
+    const auto& chunk = cp_.chunks[t][k];
+    transport::WriteOp op{src, off + chunk.offset, peer->second.arena, landing->arena_offset + chunk.offset, chunk.bytes};
+    if (landing->direct()) {
+      const std::string& name = cp_.dst.buffer_names[static_cast<size_t>(landing->buffer)];
+      auto target = peer->second.buffers.find({landing->rank, name});
+      if (target == peer->second.buffers.end())
+        return absl::FailedPreconditionError(strCat("sync ", a_->id, ": node \"", cp_.nodes.name(node), "\" did not offer buffer \"",
+                                                    name, "\" of rank ", landing->rank));
+      op.dst = peer->second.regions[target->second.first];
+      op.dst_offset = target->second.second + landing->buffer_offset + chunk.offset;
+    }
+    SC_ASSIGN_OR_RETURN(auto ep, e_.transport_.connect(peer->second.address, cp_.nodes.name(node)));
+    {
+      std::lock_guard<std::mutex> lock(a_->mu);
+      if (!a_->failure.ok()) return a_->failure;
+      if (a_->closed) return absl::AbortedError(strCat("sync ", a_->id, " ended"));
+      a_->writes_pending += 2;  // the write and its notification
+      auto& box = a_->outboxes[node];
+      box.endpoint = ep;
+      box.queued.push_back({std::move(op), strCat(a_->id, " ", t, " ", chain, " ", hop, " ", k, " ", sum)});
+    }
+    pump(a_, node);
+    a_->bytes_sent += chunk.bytes;
+    return absl::OkStatus();
+  }
+
+  // Colocated fragments (first wave): straight from local source ranks into local destination ranks.
+  Status copyColocated() {
+    for (const auto& ls : plan_.local_sources) {
+      if (ls.node != self_) continue;
+      const auto& frag = plan_.fragments[ls.fragment];
+      const int64_t elem = cp_.dst.tensors[plan_.tensors[frag.tensor].dst].elemBytes();
+      for (const auto& [sub, dr] : planner::destinationRegions(plan_, cp_.dst, ls.fragment, self_)) {
+        const auto sr = planner::sourceRegion(plan_, cp_.src, ls.fragment, ls.src_rank, sub);
+        SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
+        SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
+        SC_RETURN_IF_ERROR(e_.copy({db.data, db.kind, dr.offset, dr.strides}, {sb.data, sb.kind, sr.offset, sr.strides}, dr.extent,
+                                   elem, db.copies ? db.copies : sb.copies));
+        a_->local_bytes += static_cast<uint64_t>(sub.volume() * elem);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Transfer t's chains that this node's source ranks head. Chains the plan marks direct are sent
+  // straight from the source rank's registered buffer; the others are packed into the staging
+  // region (at the transfer's fixed offset) chunk by chunk, each chunk sent as soon as it is
+  // packed so the network starts before the packing ends.
+  Status sendHeaded(int32_t t) {
+    const auto& tr = plan_.transfers[t];
     std::vector<int32_t> staged;
     for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
-      const auto& ch = plan.chains[c];
-      if (ch.src_node != self) continue;
-      if (!cp.direct[t][static_cast<size_t>(c - tr.chains_begin)]) {
+      const auto& ch = plan_.chains[c];
+      if (ch.src_node != self_) continue;
+      if (!cp_.direct[t][static_cast<size_t>(c - tr.chains_begin)]) {
         staged.push_back(c);
         continue;
       }
-      const int32_t f = plan.transfer_fragments[tr.fragments_begin];
-      const int64_t elem = cp.src.tensors[plan.tensors[plan.fragments[f].tensor].src].elemBytes();
-      const auto sr = planner::sourceRegion(plan, cp.src, f, planner::sourceRank(plan, cp.src, f, ch));
-      SC_ASSIGN_OR_RETURN(auto sb, buffer(cp.src, sr));
-      if (!sb.region) return absl::InternalError(strCat("sync ", a->id, ": a source buffer of transfer ", t, " is not registered"));
+      const int32_t f = plan_.transfer_fragments[tr.fragments_begin];
+      const int64_t elem = cp_.src.tensors[plan_.tensors[plan_.fragments[f].tensor].src].elemBytes();
+      const auto sr = planner::sourceRegion(plan_, cp_.src, f, planner::sourceRank(plan_, cp_.src, f, ch));
+      SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
+      if (!sb.region) return absl::InternalError(strCat("sync ", a_->id, ": a source buffer of transfer ", t, " is not registered"));
       {
-        std::lock_guard<std::mutex> lock(a->mu);
-        a->pinned.push_back(sb.keep_alive);
+        std::lock_guard<std::mutex> lock(a_->mu);
+        a_->pinned.push_back(sb.keep_alive);
       }
       const uint64_t start = static_cast<uint64_t>(sr.offset * elem);
-      for (size_t k = 0; k < cp.chunks[t].size(); ++k) {
-        const auto& chunk = cp.chunks[t][k];
+      for (size_t k = 0; k < cp_.chunks[t].size(); ++k) {
+        const auto& chunk = cp_.chunks[t][k];
         if (sb.transfer) SC_RETURN_IF_ERROR(sb.transfer->stageOut(start + chunk.offset, chunk.bytes));  // device -> mirror
         uint64_t sum = 0;
-        if (req.verify()) {
-          const std::byte* bytes = sb.data + start + chunk.offset;
-          std::vector<std::byte> host;  // device memory the transport reads directly: hash a host copy
-          if (sb.kind != transport::MemoryKind::kHost) {
-            if (sb.transfer && sb.transfer->staged()) {
-              bytes = static_cast<const std::byte*>(sb.region->data()) + start + chunk.offset;
-            } else {
-              host.resize(chunk.bytes);
-              const std::vector<int64_t> unit{1};
-              SC_RETURN_IF_ERROR(copy({host.data(), transport::MemoryKind::kHost, 0, unit},
-                                      {sb.data + start + chunk.offset, sb.kind, 0, unit},
-                                      {static_cast<int64_t>(chunk.bytes)}, 1, sb.copies));
-              bytes = host.data();
-            }
-          }
-          sum = XXH64(bytes, static_cast<size_t>(chunk.bytes), 0);
+        if (req_.verify()) {
+          SC_ASSIGN_OR_RETURN(sum, e_.checksum(sb, start + chunk.offset, chunk.bytes));
         }
         SC_RETURN_IF_ERROR(send(sb.region, sb.region_offset + start, t, c, 0, static_cast<int32_t>(k),
-                                plan.chain_nodes[ch.nodes_begin], sum));
+                                plan_.chain_nodes[ch.nodes_begin], sum));
       }
     }
-    if (staged.empty()) continue;
-    const uint64_t at = CachedPlan::offsetOf(cp.heading[t], self);
-    if (at == UINT64_MAX) return absl::InternalError(strCat("sync ", a->id, ": no staging planned for transfer ", t));
-    if (!a->staging) {
-      std::shared_ptr<transport::MemoryRegion> staging;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto spare = spare_staging_.find(cp.key);
-        if (spare != spare_staging_.end()) {
-          staging = std::move(spare->second);
-          spare_staging_.erase(spare);
-        }
-      }
-      if (!staging) {
-        SC_ASSIGN_OR_RETURN(staging, transport_.allocateMemory(cp.staging_bytes[self]));
-      }
-      std::lock_guard<std::mutex> lock(a->mu);
-      a->staging = staging;
-    }
-    const auto& packer = plan.chains[staged.front()];  // whose source ranks the bytes are read from
-    auto* out = static_cast<std::byte*>(a->staging->data()) + at;
-    for (size_t k = 0; k < cp.chunks[t].size(); ++k) {
-      const auto& chunk = cp.chunks[t][k];
+    if (staged.empty()) return absl::OkStatus();
+    const uint64_t at = CachedPlan::offsetOf(cp_.heading[t], self_);
+    if (at == UINT64_MAX) return absl::InternalError(strCat("sync ", a_->id, ": no staging planned for transfer ", t));
+    SC_RETURN_IF_ERROR(ensureStaging());
+    const auto& packer = plan_.chains[staged.front()];  // whose source ranks the bytes are read from
+    auto* out = static_cast<std::byte*>(a_->staging->data()) + at;
+    for (size_t k = 0; k < cp_.chunks[t].size(); ++k) {
+      const auto& chunk = cp_.chunks[t][k];
       for (int32_t i = 0; i < tr.fragments_count; ++i) {
-        const int32_t f = plan.transfer_fragments[tr.fragments_begin + i];
-        const auto& frag = plan.fragments[f];
-        const int64_t elem = cp.src.tensors[plan.tensors[frag.tensor].src].elemBytes();
-        const int32_t rank = planner::sourceRank(plan, cp.src, f, packer);
+        const int32_t f = plan_.transfer_fragments[tr.fragments_begin + i];
+        const auto& frag = plan_.fragments[f];
+        const int64_t elem = cp_.src.tensors[plan_.tensors[frag.tensor].src].elemBytes();
+        const int32_t rank = planner::sourceRank(plan_, cp_.src, f, packer);
         // A chunk is a row-major slab of its (single) fragment: dense at chunk.offset.
         const planner::Box& part = chunk.box.ndim == 0 ? frag.box : chunk.box;
-        const auto sr = chunk.box.ndim == 0 ? planner::sourceRegion(plan, cp.src, f, rank)
-                                            : planner::sourceRegion(plan, cp.src, f, rank, chunk.box);
-        SC_ASSIGN_OR_RETURN(auto sb, buffer(cp.src, sr));
-        SC_RETURN_IF_ERROR(copy({out + cp.fragment_offset[f] + chunk.offset, transport::MemoryKind::kHost, 0, denseFor(part)},
-                                {sb.data, sb.kind, sr.offset, sr.strides}, sr.extent, elem, sb.copies));
+        const auto sr = chunk.box.ndim == 0 ? planner::sourceRegion(plan_, cp_.src, f, rank)
+                                            : planner::sourceRegion(plan_, cp_.src, f, rank, chunk.box);
+        SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
+        SC_RETURN_IF_ERROR(e_.copy({out + cp_.fragment_offset[f] + chunk.offset, transport::MemoryKind::kHost, 0, denseFor(part)},
+                                   {sb.data, sb.kind, sr.offset, sr.strides}, sr.extent, elem, sb.copies));
       }
-      const uint64_t sum = req.verify() ? XXH64(out + chunk.offset, static_cast<size_t>(chunk.bytes), 0) : 0;
+      const uint64_t sum = req_.verify() ? XXH64(out + chunk.offset, static_cast<size_t>(chunk.bytes), 0) : 0;
       for (const int32_t c : staged)
-        SC_RETURN_IF_ERROR(send(a->staging, at, t, c, 0, static_cast<int32_t>(k), plan.chain_nodes[plan.chains[c].nodes_begin], sum));
+        SC_RETURN_IF_ERROR(send(a_->staging, at, t, c, 0, static_cast<int32_t>(k), plan_.chain_nodes[plan_.chains[c].nodes_begin], sum));
+    }
+    return absl::OkStatus();
+  }
+
+  // The staging region of this sync: a spare one of the same plan, or a new one.
+  Status ensureStaging() {
+    if (a_->staging) return absl::OkStatus();
+    std::shared_ptr<transport::MemoryRegion> staging;
+    {
+      std::lock_guard<std::mutex> lock(e_.mu_);
+      auto spare = e_.spare_staging_.find(cp_.key);
+      if (spare != e_.spare_staging_.end()) {
+        staging = std::move(spare->second);
+        e_.spare_staging_.erase(spare);
+      }
+    }
+    if (!staging) {
+      SC_ASSIGN_OR_RETURN(staging, e_.transport_.allocateMemory(cp_.staging_bytes[self_]));
+      transport::lockResident(staging->data(), staging->size(), "a staging buffer");
+    }
+    std::lock_guard<std::mutex> lock(a_->mu);
+    a_->staging = staging;
+    return absl::OkStatus();
+  }
+
+  // Everything that lands here in this wave, one chunk at a time as notifications arrive.
+  Status receive() {
+    int64_t processed = 0;
+    const int64_t expected = cp_.incoming[wave_][self_];
+    while (true) {
+      Landed l{};
+      {
+        std::unique_lock<std::mutex> lock(a_->mu);
+        const bool woke = a_->cv.wait_until(lock, deadline_, [&] {
+          return !a_->failure.ok() || !a_->landed.empty() || (processed == expected && a_->writes_pending == 0);
+        });
+        if (!a_->failure.ok()) return a_->failure;
+        if (!woke) {
+          return absl::DeadlineExceededError(strCat("sync ", a_->id, " on node \"", e_.node_, "\": ", processed, " of ", expected,
+                                                    " chunks landed before the timeout"));
+        }
+        if (a_->landed.empty()) return absl::OkStatus();  // all landed, processed and forwarded
+        l = a_->landed.front();
+        a_->landed.pop_front();
+      }
+      SC_RETURN_IF_ERROR(processLanded(l));
+      ++processed;
     }
   }
 
-  // 3. Everything that lands here: verify, fan out to local ranks, forward along the chain.
-  int64_t processed = 0;
-  const int64_t expected = cp.incoming[w][self];
-  while (true) {
-    Landed l{};
-    {
-      std::unique_lock<std::mutex> lock(a->mu);
-      const bool woke = a->cv.wait_until(lock, deadline, [&] {
-        return !a->failure.ok() || !a->landed.empty() || (processed == expected && a->writes_pending == 0);
-      });
-      if (!a->failure.ok()) return a->failure;
-      if (!woke) {
-        return absl::DeadlineExceededError(strCat("sync ", a->id, " on node \"", node_, "\": ", processed, " of ", expected,
-                                                  " chunks landed before the timeout"));
+  // A landed chunk: verify it (optional), forward it along its relay chain, fan it out to the
+  // local ranks that need part of it.
+  Status processLanded(const Landed& l) {
+    if (l.transfer < 0 || static_cast<size_t>(l.transfer) >= plan_.transfers.size() || l.chunk < 0 ||
+        static_cast<size_t>(l.chunk) >= cp_.chunks[l.transfer].size())
+      return absl::InternalError(strCat("sync ", a_->id, ": notification for chunk ", l.chunk, " of transfer ", l.transfer));
+    const auto& tr = plan_.transfers[l.transfer];
+    const auto& chunk = cp_.chunks[l.transfer][l.chunk];
+    const CachedPlan::Landing* landing = cp_.landingOn(l.transfer, self_);
+    if (landing == nullptr)
+      return absl::InternalError(strCat("sync ", a_->id, ": transfer ", l.transfer, " landed on node \"", e_.node_, "\" unplanned"));
+    // Where the transfer's bytes are here: the landing rank's buffer, or the arena.
+    std::shared_ptr<transport::MemoryRegion> region = a_->arena;
+    uint64_t region_offset = landing->arena_offset;
+    Registry::LocalBuffer landed;
+    if (a_->arena) landed.data = static_cast<std::byte*>(a_->arena->data()) + landing->arena_offset;
+    uint64_t sum = 0;
+    if (landing->direct()) {
+      SC_ASSIGN_OR_RETURN(auto lb, buffer(cp_.dst, landing->rank, landing->buffer));
+      if (req_.verify()) {
+        SC_ASSIGN_OR_RETURN(sum, e_.checksum(lb, landing->buffer_offset + chunk.offset, chunk.bytes));
       }
-      if (a->landed.empty()) break;  // all landed, processed and forwarded
-      l = a->landed.front();
-      a->landed.pop_front();
+      region = lb.region;
+      region_offset = lb.region_offset + landing->buffer_offset;
+      landed = lb;
+      landed.data += landing->buffer_offset;
+    } else if (req_.verify()) {
+      sum = XXH64(landed.data + chunk.offset, static_cast<size_t>(chunk.bytes), 0);
     }
-    const auto& tr = plan.transfers[l.transfer];
-    if (l.chunk < 0 || static_cast<size_t>(l.chunk) >= cp.chunks[l.transfer].size())
-      return absl::InternalError(strCat("sync ", a->id, ": notification for chunk ", l.chunk, " of transfer ", l.transfer));
-    const auto& chunk = cp.chunks[l.transfer][l.chunk];
-    const uint64_t base = CachedPlan::offsetOf(cp.landing[l.transfer], self);
-    auto* landed = static_cast<std::byte*>(a->arena->data()) + base;
-    if (req.verify() && XXH64(landed + chunk.offset, static_cast<size_t>(chunk.bytes), 0) != l.checksum) {
-      return absl::DataLossError(strCat("sync ", a->id, ": chunk ", l.chunk, " of transfer ", l.transfer, " arrived at node \"",
-                                        node_, "\" with a wrong checksum"));
-    }
+    if (req_.verify() && sum != l.checksum)
+      return absl::DataLossError(strCat("sync ", a_->id, ": chunk ", l.chunk, " of transfer ", l.transfer, " arrived at node \"",
+                                        e_.node_, "\" with a wrong checksum"));
     // Forward the chunk along its relay chain first: the next node's transfer then overlaps the
-    // local fan-out below (the arena keeps the bytes until the sync ends).
-    const auto& ch = plan.chains[l.chain];
+    // local fan-out below (the bytes stay where they landed until the sync ends).
+    const auto& ch = plan_.chains[l.chain];
     if (l.hop + 1 < ch.nodes_count)
-      SC_RETURN_IF_ERROR(send(a->arena, base, l.transfer, l.chain, l.hop + 1, l.chunk,
-                              plan.chain_nodes[ch.nodes_begin + l.hop + 1], l.checksum));
-    // Fan the chunk out to the local ranks that need part of it.
+      SC_RETURN_IF_ERROR(send(region, region_offset, l.transfer, l.chain, l.hop + 1, l.chunk, plan_.chain_nodes[ch.nodes_begin + l.hop + 1],
+                              l.checksum));
+    if (landing->direct()) {
+      // Landed in a device buffer's transport mirror: into the device now.
+      if (landed.transfer)
+        SC_RETURN_IF_ERROR(landed.transfer->stageIn(landing->buffer_offset + chunk.offset, chunk.bytes));
+      a_->bytes_landed_direct += chunk.bytes;
+    }
+    // Fan the chunk out to the local ranks that need part of it (but the one it landed in).
     for (int32_t i = 0; i < tr.fragments_count; ++i) {
-      const int32_t f = plan.transfer_fragments[tr.fragments_begin + i];
-      const auto& frag = plan.fragments[f];
-      const int64_t elem = cp.dst.tensors[plan.tensors[frag.tensor].dst].elemBytes();
+      const int32_t f = plan_.transfer_fragments[tr.fragments_begin + i];
+      const auto& frag = plan_.fragments[f];
+      const int64_t elem = cp_.dst.tensors[plan_.tensors[frag.tensor].dst].elemBytes();
       const auto dense = denseFor(frag.box);
-      for (const auto& [sub, dr] : planner::destinationRegions(plan, cp.dst, f, self)) {
+      for (const auto& [sub, dr] : planner::destinationRegions(plan_, cp_.dst, f, self_)) {
+        if (landing->direct() && dr.rank == landing->rank && dr.buffer == landing->buffer &&
+            static_cast<uint64_t>(dr.offset * elem) == landing->buffer_offset)
+          continue;
         const planner::Box part = chunk.box.ndim == 0 ? sub : planner::intersect(sub, chunk.box);
         if (part.empty()) continue;
         int64_t src_off = 0, dst_off = dr.offset;
@@ -511,24 +715,46 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
           src_off += (part.lo[d] - frag.box.lo[d]) * dense[d];
           dst_off += (part.lo[d] - sub.lo[d]) * dr.strides[d];
         }
-        SC_ASSIGN_OR_RETURN(auto db, buffer(cp.dst, dr));
-        SC_RETURN_IF_ERROR(copy({db.data, db.kind, dst_off, dr.strides},
-                                {landed + cp.fragment_offset[f], transport::MemoryKind::kHost, src_off, dense}, part.sizes(), elem,
-                                db.copies));
-        a->local_bytes += static_cast<uint64_t>(part.volume() * elem);
+        SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
+        SC_RETURN_IF_ERROR(e_.copy({db.data, db.kind, dst_off, dr.strides},
+                                   {landed.data + cp_.fragment_offset[f], landed.kind, src_off, dense}, part.sizes(), elem,
+                                   db.copies ? db.copies : landed.copies));
+        a_->local_bytes += static_cast<uint64_t>(part.volume() * elem);
       }
     }
-    a->bytes_received += chunk.bytes;
-    ++processed;
+    a_->bytes_received += chunk.bytes;
+    return absl::OkStatus();
   }
+
+  SyncEngine& e_;
+  std::shared_ptr<Active> a_;
+  const v1::ExecuteRequest& req_;
+  const CachedPlan& cp_;
+  const planner::Plan& plan_;
+  const int32_t self_;
+  const int32_t wave_;
+  const Clock::time_point deadline_;
+  std::map<int32_t, Peer> peers_;
+};
+
+StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req) {
+  auto a = find(req.sync_id());
+  if (!a) return absl::NotFoundError(strCat("sync ", req.sync_id(), " was not prepared on node \"", node_, "\""));
+  v1::ExecuteResponse resp;
+  if (a->self < 0) return resp;
+  // This wave's figures are what the sync's counters (read by progress()) gain during it.
+  const uint64_t sent = a->bytes_sent, received = a->bytes_received, local = a->local_bytes, direct = a->bytes_landed_direct;
+  SC_RETURN_IF_ERROR(Execution(*this, a, req).run());
   if (registry_.generation() != a->generation)
     return absl::AbortedError(strCat("sync ", a->id, ": registrations on node \"", node_, "\" changed during the sync"));
-  resp.set_bytes_sent(a->bytes_sent - sent_before);
-  resp.set_bytes_received(a->bytes_received - received_before);
-  resp.set_local_bytes(a->local_bytes - local_before);
+  resp.set_bytes_sent(a->bytes_sent - sent);
+  resp.set_bytes_received(a->bytes_received - received);
+  resp.set_local_bytes(a->local_bytes - local);
+  resp.set_bytes_landed_direct(a->bytes_landed_direct - direct);
   metrics_.bytes_sent += resp.bytes_sent();
   metrics_.bytes_received += resp.bytes_received();
   metrics_.local_bytes += resp.local_bytes();
+  metrics_.bytes_landed_direct += resp.bytes_landed_direct();
   return resp;
 }
 

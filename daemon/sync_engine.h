@@ -1,11 +1,13 @@
 // One daemon's part of a sync. Three phases, driven by the coordinating daemon over the Peer
 // service:
 //   prepare  plan (cached by the layouts' digests; every daemon computes the same deterministic
-//            plan), allocate this node's landing arena, start accepting "landed" notifications
+//            plan), allocate this node's landing arena, name the rank buffers peers may write
+//            into directly, start accepting "landed" notifications
 //   execute  copy colocated fragments locally; pack and send the fragments this node's source ranks
 //            head; for every transfer landing here: verify (optional), fan out to the local
 //            destination ranks, forward it to the next node of its relay chain
-//   finish   commit the destination group's version here, or abort and drop everything
+//   finish   wait for this node's writes in flight, then commit the destination group's version
+//            here, or abort and drop everything
 // Writes and notifications go through the transport; execute's work runs on the calling (gRPC)
 // thread, which the transport's progress thread feeds through a queue. See docs/daemon.md.
 #pragma once
@@ -42,9 +44,23 @@ struct CachedPlan {
   planner::Plan plan;
   int32_t waves = 1;
   std::vector<int32_t> wave;  // per transfer
-  // Per transfer: (node, offset in that node's arena) for every node the transfer lands on, and
-  // (node, offset in that node's staging) for every node that heads one of its chains.
-  std::vector<std::vector<std::pair<int32_t, uint64_t>>> landing, heading;
+  // Where a transfer lands on one node: straight into a destination rank's buffer when the
+  // transfer is a single fragment that one rank there holds whole and contiguously (no arena, no
+  // unpack copy; the node's other ranks copy from there), else at an offset in the node's arena.
+  struct Landing {
+    int32_t node = -1;
+    uint64_t arena_offset = 0;
+    int32_t rank = -1;           // direct: the destination rank
+    int32_t buffer = -1;         // direct: index into dst.buffer_names
+    uint64_t buffer_offset = 0;  // direct: bytes from the buffer's start
+    bool direct() const { return rank >= 0; }
+  };
+  std::vector<std::vector<Landing>> landing;  // per transfer, one per node it lands on
+  // Per node: the (destination rank, buffer) pairs transfers land in directly, sorted, each once.
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> direct_targets;
+  // Per transfer: (node, offset in that node's staging) for every node that heads one of its
+  // chains with packed bytes.
+  std::vector<std::vector<std::pair<int32_t, uint64_t>>> heading;
   // Per transfer, per chain (from chains_begin): sent straight from its source rank's registered
   // buffer (a single fragment, contiguous there), so its head needs no staging for it.
   std::vector<std::vector<char>> direct;
@@ -62,6 +78,7 @@ struct CachedPlan {
   std::vector<std::vector<int64_t>> incoming;        // per wave, per node: landings to process
 
   static uint64_t offsetOf(const std::vector<std::pair<int32_t, uint64_t>>& list, int32_t node);
+  const Landing* landingOn(int32_t transfer, int32_t node) const;
 };
 
 class PlanCache {
@@ -79,7 +96,9 @@ class PlanCache {
 
 class SyncEngine {
  public:
-  SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics);
+  // `window_bytes`: per destination node, the bytes of writes in flight at once (at least one write).
+  SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics,
+             uint64_t window_bytes = uint64_t{32} << 20);
   ~SyncEngine();
 
   StatusOr<v1::PrepareResponse> prepare(const v1::PrepareRequest& req);
@@ -98,18 +117,26 @@ class SyncEngine {
     uint64_t checksum;
   };
   struct Active;
+  class Execution;
+
+  // Starts the writes queued for `node` that fit in its window of bytes in flight.
+  static void pump(const std::shared_ptr<Active>& a, int32_t node);
 
   void onNotification(const std::string& payload);
   // Copies with the engine that reaches both sides: the host engine, or the registry's CUDA engine
   // (synchronized, so the bytes are in place when it returns).
   Status copy(const transport::StridedView& dst, const transport::StridedView& src, const std::vector<int64_t>& extent,
               int64_t elem, transport::CopyEngine* device_copies);
+  // XXH64 of bytes [offset, offset + n) of a buffer (device memory: through its transport mirror,
+  // which holds the bytes around a send or a landing, or a host copy).
+  StatusOr<uint64_t> checksum(const Registry::LocalBuffer& b, uint64_t offset, uint64_t n);
   std::shared_ptr<Active> find(const std::string& id);
 
   std::string node_;
   Registry& registry_;
   transport::Context& transport_;
   Metrics& metrics_;
+  const uint64_t window_bytes_;
   PlanCache plans_;
   std::unique_ptr<transport::CopyEngine> copies_;
   std::mutex mu_;

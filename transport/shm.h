@@ -10,11 +10,20 @@
 
 namespace shardcast::transport {
 
+// Keeps memory resident with mlock(2): the kernel then neither reclaims nor unmaps its pages.
+// Proactive reclaim (e.g. DAMON's pageout scheme) unmaps pages that sat idle between syncs even
+// without swap, and every touch after that is a page fault; the daemon locks what peers write into
+// and reads from. Needs CAP_IPC_LOCK or a large enough RLIMIT_MEMLOCK: without them the memory
+// stays unlocked (still correct, slower after idle periods) and one warning per process says so.
+// Returns whether the memory is locked.
+bool lockResident(void* data, size_t size, const std::string& what);
+
 class ShmSegment {
  public:
   // Creates (O_EXCL) and maps a new segment of `size` bytes, zero-filled.
   static StatusOr<ShmSegment> create(const std::string& name, size_t size, bool unlink_on_close = true);
-  // Maps an existing segment, which must be at least `size` bytes.
+  // Maps an existing segment, which must be at least `size` bytes, with its pages mapped in at
+  // once (MAP_POPULATE).
   static StatusOr<ShmSegment> open(const std::string& name, size_t size);
 
   ShmSegment(ShmSegment&& other) noexcept;

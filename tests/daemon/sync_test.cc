@@ -141,6 +141,7 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
     CHECK(wrong(version) == 0);
     CHECK(out.version() == static_cast<uint64_t>(version));
     CHECK(out.network_bytes() > 0);
+    CHECK(out.bytes_landed_direct() == 0);  // every fragment is small: all travel in buckets, via arenas
     CHECK(out.plan_cached() == (version > 1 && coordinator.node() != "n1"));
   }
   // Prometheus metrics of a coordinator: committed syncs and bytes moved.
@@ -310,7 +311,8 @@ namespace {
 
 // Registers both layouts' ranks with their nodes' daemons, syncs `versions` times and returns the
 // number of wrong destination elements after the last one.
-int64_t syncAndCount(Cluster& cluster, const std::string& src_json, const std::string& dst_json, int versions) {
+int64_t syncAndCount(Cluster& cluster, const std::string& src_json, const std::string& dst_json, int versions,
+                     std::vector<v1::SyncResponse>* responses = nullptr) {
   const auto src_proto = *planner::parseLayoutJson(src_json, "src");
   const auto dst_proto = *planner::parseLayoutJson(dst_json, "dst");
   planner::NodeTable nodes;
@@ -344,6 +346,7 @@ int64_t syncAndCount(Cluster& cluster, const std::string& src_json, const std::s
     const grpc::Status st = cluster.daemons[v % 3]->client()->Sync(ctx().get(), sync, &out);
     INFO(st.error_message());
     REQUIRE(st.ok());
+    if (responses) responses->push_back(out);
     // Tensor indices match between the layouts here (same tensors in the same order).
     bad = 0;
     for (int32_t r = 0; r < dst->world(); ++r)
@@ -355,6 +358,32 @@ int64_t syncAndCount(Cluster& cluster, const std::string& src_json, const std::s
 }
 
 }  // namespace
+
+TEST_CASE("transfers land straight in a rank's buffer when one rank holds them whole and contiguously", "[daemon][sync]") {
+  Cluster cluster;
+  // FSDP=2 on n0; TP=2 on n1 and on n2 (two replicas, so one node relays to the other). "col" is
+  // cut by rows on both sides: each trainer half lies whole and contiguous in one inference rank
+  // and lands straight there (also where it is relayed from). "row" is cut by columns on the
+  // inference side: every trainer half spans both ranks, lands in the arena and is unpacked.
+  // Both fragments are 1 MiB, so none travels in a bucket.
+  const std::string src = R"({"group":"dl-trainer","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
+    {"name":"col","shape":[512,1024],"dtype":"int32","placements":[{"shard":{"dim":0}}]},
+    {"name":"row","shape":[512,1024],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})";
+  const std::string dst = R"({"group":"dl-infer","mesh":{"shape":[2,2]},"nodes":["n1","n1","n2","n2"],"tensors":[
+    {"name":"col","shape":[512,1024],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":0}}]},
+    {"name":"row","shape":[512,1024],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":1}}]}]})";
+  std::vector<v1::SyncResponse> out;
+  CHECK(syncAndCount(cluster, src, dst, 2, &out) == 0);  // verified end to end (checksums), every element checked
+  const uint64_t mib = uint64_t{1} << 20;
+  for (const auto& o : out) {
+    CHECK(o.network_bytes() == 2 * 4 * mib);     // each inference node needs both tensors
+    CHECK(o.bytes_landed_direct() == 2 * 2 * mib);  // "col" on both nodes
+  }
+  httplib::Client http("127.0.0.1", cluster.node("n2").metricsPort());
+  auto scrape = http.Get("/metrics");
+  REQUIRE(scrape);
+  CHECK_THAT(scrape->body, Catch::Contains("shardcast_bytes_landed_direct_total " + std::to_string(2 * 2 * mib)));
+}
 
 TEST_CASE("whole experts (uneven) into expert-stacked w13, and uneven torch.chunk shards", "[daemon][sync]") {
   Cluster cluster;
@@ -426,7 +455,7 @@ TEST_CASE("Peer.Progress: a daemon's bytes while its part of a sync runs, cumula
     auto* n = exec.add_nodes();
     n->set_node(described.node());
     n->set_transport_address(described.transport_address());
-    n->set_arena_region(presp.arena_region());
+    *n->mutable_targets() = presp.targets();
   }
   auto progress = [&](int i) {
     v1::ProgressRequest pr;
@@ -448,7 +477,9 @@ TEST_CASE("Peer.Progress: a daemon's bytes while its part of a sync runs, cumula
   auto [st1, p1] = progress(1);
   REQUIRE(st1.ok());
   CHECK(p1.bytes_received() == half);
-  CHECK(p1.local_bytes() == half);
+  // Its half is contiguous in its one rank: n0 wrote it straight there, nothing to copy locally.
+  CHECK(p1.bytes_landed_direct() == half);
+  CHECK(p1.local_bytes() == 0);
   CHECK(progress(0).second.bytes_sent() == 2 * half);
   CHECK(progress(2).second.local_bytes() == 0);
   REQUIRE(peers[2]->Execute(ctx().get(), exec, &parts[2]).ok());

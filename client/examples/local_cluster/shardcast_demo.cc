@@ -5,7 +5,7 @@
 // verifies every destination byte after each sync, and prints the plan and the throughput.
 //
 //   build/bin/shardcast-demo [--layers 4] [--hidden 1024] [--syncs 3] [--trainer-nodes 2]
-//                            [--inference-nodes 3] [--ucx-tls TLS] [--staging-mib N] [--chunk-mib N] [--verify]
+//                            [--inference-nodes 3] [--ucx-tls TLS] [--staging-mib N] [--chunk-mib N] [--window-mib N] [--verify]
 #include <fmt/format.h>
 
 #include <chrono>
@@ -29,6 +29,7 @@ struct Options {
   std::string tls;
   int64_t staging_mib = 0;  // 0: the daemon's default
   int64_t chunk_mib = 0;
+  int64_t window_mib = 0;
   bool verify = false;
 };
 
@@ -120,6 +121,10 @@ int run(const Options& o, const std::string& daemon_path) {
     extra.push_back("--chunk-mib");
     extra.push_back(std::to_string(o.chunk_mib));
   }
+  if (o.window_mib > 0) {
+    extra.push_back("--window-mib");
+    extra.push_back(std::to_string(o.window_mib));
+  }
   if (o.staging_mib > 0) {
     extra.push_back("--staging-mib");
     extra.push_back(std::to_string(o.staging_mib));
@@ -181,8 +186,10 @@ int run(const Options& o, const std::string& daemon_path) {
                out.seconds(),
                static_cast<double>(out.bytes_needed()) / out.seconds() / 1e9, out.plan_cached() ? " (plan cached)" : "",
                bad == 0 ? "every byte correct" : fmt::format("{} WRONG elements", bad));
-    fmt::print("         gather+plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s\n", out.gather_seconds(),
-               out.prepare_seconds(), out.execute_seconds(), out.finish_seconds());
+    fmt::print("         gather+plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s; {} landed straight in rank "
+               "buffers\n",
+               out.gather_seconds(), out.prepare_seconds(), out.execute_seconds(), out.finish_seconds(),
+               planner::humanBytes(static_cast<double>(out.bytes_landed_direct())));
   }
   return failures == 0 ? 0 : 1;
 }
@@ -206,6 +213,7 @@ int main(int argc, char** argv) {
       else if (a == "--ucx-tls") o.tls = next();
       else if (a == "--staging-mib") o.staging_mib = std::stoll(next());
       else if (a == "--chunk-mib") o.chunk_mib = std::stoll(next());
+      else if (a == "--window-mib") o.window_mib = std::stoll(next());
       else if (a == "--verify") o.verify = true;
       else throw std::invalid_argument("unknown option " + a);
     } catch (const std::exception& e) {
