@@ -83,7 +83,12 @@ async function main() {
     console.error(`[${syncId}] ${p.state.padEnd(10)} ${gib(p.bytes_done)}/${gib(p.bytes_total)} GiB` +
                   ` wave ${p.waves_done}/${p.waves}` + (p.error ? ` error: ${p.error}` : ''));
   });
-  watch.on('error', () => {});  // NOT_FOUND when the sync fails before it starts, CANCELLED below
+  // The stream ends by itself after the sync's last state; NOT_FOUND when the sync fails before it
+  // starts, CANCELLED if it is cut below.
+  const watchEnded = new Promise((resolve) => {
+    watch.on('end', resolve);
+    watch.on('error', resolve);
+  });
 
   const request = {
     src_group: args.src,
@@ -93,7 +98,9 @@ async function main() {
     options: { verify: args.verify, timeout_ms: Math.round(args.timeoutS * 1000) },
   };
   const deadline = Date.now() + ((args.timeoutS || 300) + 30) * 1000;
-  client.Sync(request, { deadline }, (err, res) => {
+  client.Sync(request, { deadline }, async (err, res) => {
+    // Let the stream deliver the final state (it may trail the answer), then stop following.
+    await Promise.race([watchEnded, new Promise((resolve) => setTimeout(resolve, 2000))]);
     watch.cancel();
     if (err) {
       console.error(`sync.js: sync failed: ${grpc.status[err.code]}: ${err.details}`);
