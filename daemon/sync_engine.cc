@@ -253,25 +253,23 @@ void SyncEngine::pump(const std::shared_ptr<Active>& a, int32_t node) {
       box.queued.pop_front();
     }
   }
-  auto finished = [a](Status st) {
+  // A write's or notification's completion; a write also frees its bytes of the window.
+  auto finished = [a, node](Status st, uint64_t window_bytes) {
     {
       std::lock_guard<std::mutex> lock(a->mu);
       if (!st.ok() && a->failure.ok()) a->failure = st;
       --a->writes_pending;
+      a->outboxes[node].bytes_in_flight -= window_bytes;
     }
     a->cv.notify_all();
   };
   for (auto& out : start) {
     const uint64_t bytes = out.op.length;
     ep->write(std::move(out.op), [a, node, bytes, finished](Status st) {
-      {
-        std::lock_guard<std::mutex> lock(a->mu);
-        a->outboxes[node].bytes_in_flight -= bytes;
-      }
-      finished(st);
+      finished(st, bytes);
       pump(a, node);
     });
-    ep->notify(std::move(out.notification), finished);
+    ep->notify(std::move(out.notification), [finished](Status st) { finished(st, 0); });
   }
 }
 
