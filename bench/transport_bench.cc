@@ -3,8 +3,10 @@
 // register 1,000 regions of 1 MiB. bench/transport.sh runs it beside ucx_perftest.
 //
 //   build/bin/transport_bench [--tls T] [--protocol auto|put|am] [--sizes 64,256,1024] [--iters N]
-//                             [--memory transport|shm]  (shm: both ends in POSIX shared memory, as ranks are)
-//   (sizes in MiB; the child receiver is this binary started with --role recv)
+//                             [--window N] [--memory transport|shm]
+//   sizes in MiB, or KiB with a k suffix (256k); --window: writes in flight (default 2);
+//   --memory shm: both ends in POSIX shared memory, as ranks are. The child receiver is this
+//   binary started with --role recv.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -31,6 +33,8 @@ std::string arg(int argc, char** argv, const std::string& name, const std::strin
     if (argv[i] == name) return argv[i + 1];
   return fallback;
 }
+
+std::string label(size_t bytes) { return bytes % (1 << 20) ? fmt::format("{} KiB", bytes >> 10) : fmt::format("{} MiB", bytes >> 20); }
 
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
@@ -97,9 +101,13 @@ int main(int argc, char** argv) {
   o.name = "bench";
   std::vector<size_t> sizes;
   std::stringstream ss(arg(argc, argv, "--sizes", "64,256,1024"));
-  for (std::string s; std::getline(ss, s, ',');) sizes.push_back(std::stoull(s) << 20);
+  for (std::string s; std::getline(ss, s, ',');) {
+    const bool kib = !s.empty() && (s.back() == 'k' || s.back() == 'K');
+    sizes.push_back(std::stoull(s) << (kib ? 10 : 20));
+  }
   const size_t max_size = *std::max_element(sizes.begin(), sizes.end());
   const int iters = std::stoi(arg(argc, argv, "--iters", "8"));
+  const int window = std::max(1, std::stoi(arg(argc, argv, "--window", "2")));
   const std::string memory = arg(argc, argv, "--memory", "transport");
   if (memory != "transport" && memory != "shm") {
     fmt::print(stderr, "--memory must be transport or shm\n");
@@ -108,7 +116,7 @@ int main(int argc, char** argv) {
   if (arg(argc, argv, "--role", "send") == "recv") return receiver(o, max_size, memory == "shm");
 
   Child child = Child::spawn({"/proc/self/exe", "--role", "recv", "--tls", o.ucx_tls, "--protocol", o.protocol, "--sizes",
-                              std::to_string(max_size >> 20), "--memory", memory});
+                              std::to_string(max_size >> 10) + "k", "--memory", memory});
   const std::string a = child.readLine(std::chrono::seconds(60)), g = child.readLine(std::chrono::seconds(60));
   if (a.rfind("ADDRESS ", 0) != 0 || g.rfind("REGION ", 0) != 0) {
     fmt::print(stderr, "receiver did not start: {} {}\n", a, g);
@@ -133,8 +141,9 @@ int main(int argc, char** argv) {
   }
   fmt::print("transport {} (UCX_TLS={})\n", (*ctx)->describe(), o.ucx_tls.empty() ? "default" : o.ucx_tls);
   for (size_t size : sizes) {
-    const double gbs = measure(**ep, *region, *remote, size, iters, 2);
-    fmt::print("  write {:>5} MiB x {:>2}: {:6.2f} GB/s\n", size >> 20, iters, gbs);
+    const double gbs = measure(**ep, *region, *remote, size, iters, window);
+    fmt::print("  write {:>9} x {:>2} ({} in flight): {:6.2f} GB/s\n", label(size), iters,
+               window, gbs);
     fmt::print("RESULT transport {} {:.3f}\n", size, gbs);
   }
   child.closeStdin();
@@ -151,15 +160,15 @@ int main(int argc, char** argv) {
     auto t1 = Clock::now();
     StridedView d{reinterpret_cast<std::byte*>(dst.data()), MemoryKind::kHost, 0, {1}};
     StridedView s{reinterpret_cast<std::byte*>(src.data()), MemoryKind::kHost, 0, {1}};
-    // A 2-D box of rows of 1 MiB: the shape fan-out copies have.
-    const std::vector<int64_t> extent{static_cast<int64_t>(size >> 20), int64_t{1} << 20};
-    d.strides = s.strides = {int64_t{1} << 20, 1};
+    // A 2-D box of rows of 1 KiB: the shape fan-out copies have.
+    const std::vector<int64_t> extent{static_cast<int64_t>(size >> 10), int64_t{1} << 10};
+    d.strides = s.strides = {int64_t{1} << 10, 1};
     auto t2 = Clock::now();
     for (int i = 0; i < n; ++i) (void)engine->copy(d, s, extent, 1);
     auto t3 = Clock::now();
     const double mem = static_cast<double>(size) * n / seconds(t0, t1) / 1e9;
     const double eng = static_cast<double>(size) * n / seconds(t2, t3) / 1e9;
-    fmt::print("  local copy {:>5} MiB: engine {:6.2f} GB/s, memcpy {:6.2f} GB/s ({:.0f}%)\n", size >> 20, eng, mem,
+    fmt::print("  local copy {:>9}: engine {:6.2f} GB/s, memcpy {:6.2f} GB/s ({:.0f}%)\n", label(size), eng, mem,
                100 * eng / mem);
     fmt::print("RESULT copy {} {:.3f} {:.3f}\n", size, eng, mem);
   }

@@ -25,6 +25,10 @@ namespace shardcast::planner {
 struct PlanOptions {
   int64_t chunk_bytes = int64_t{64} << 20;   // large transfers are cut into chunks of this size
   int64_t small_bytes = int64_t{1} << 20;    // fragments below this travel in buckets
+  // ... except fragments that land whole and contiguously in the one rank of a node that needs
+  // them: from this size they travel alone and are written straight into that rank (a bucket
+  // lands in an arena and is unpacked on every node).
+  int64_t small_in_place_bytes = int64_t{128} << 10;
   int64_t bucket_bytes = int64_t{16} << 20;  // a bucket is filled up to this size
   int32_t max_chain = 16;                    // destination nodes per relay chain
 };

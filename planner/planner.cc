@@ -226,7 +226,12 @@ class Planner {
     std::vector<Box> distinct;
     for (size_t i = 0; i < g.boxes.size(); ++i)
       if (i == 0 || g.boxes[i] != g.boxes[i - 1]) distinct.push_back(dt.boxes[g.boxes[i]]);
-    const std::vector<Box> need = disjointUnion(distinct);
+    // The group's need, as disjoint boxes. When the node's ranks need disjoint boxes, each box is
+    // its own need: a fragment then belongs to one rank, and the network can land it straight in
+    // that rank's memory (a source that holds it strided packs it once, instead of every
+    // destination node unpacking it, e.g. row-parallel weights split by columns across TP ranks).
+    // Only overlapping boxes (replicas within a node) are merged into their union.
+    const std::vector<Box> need = pairwiseDisjoint(distinct) ? distinct : disjointUnion(distinct);
     int64_t need_volume = 0;
     for (const Box& b : need) need_volume += b.volume();
     addLowerBound(g, need, need_volume);
@@ -289,6 +294,11 @@ class Planner {
         net_.push_back(n);
       }
     }
+    // Large fragments travel alone; so do those that land in place from a smaller size. The rest
+    // share buckets, which land in an arena: nothing of a bucket lands in place.
+    const bool alone = frag.bytes >= plan_.options.small_bytes ||
+                       (in_place && frag.bytes >= plan_.options.small_in_place_bytes);
+    in_place = in_place && alone;
     // Figures shared by every network node of the group are added once per group by the caller.
     const int64_t landing = in_place ? frag.bytes : 0;
     if (net_.size() == g.nodes.size()) {
@@ -308,7 +318,7 @@ class Planner {
     for (int32_t i = 0; i < cell.nodes_count; ++i) pull_egress_[hn[i]] += share;
     if (cell.nodes_count == 1) unique_held_[hn[0]] += frag.bytes;
 
-    if (frag.bytes >= plan_.options.small_bytes) {
+    if (alone) {
       Transfer tr;
       tr.fragments_begin = static_cast<int32_t>(plan_.transfer_fragments.size());
       tr.fragments_count = 1;

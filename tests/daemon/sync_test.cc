@@ -361,28 +361,32 @@ int64_t syncAndCount(Cluster& cluster, const std::string& src_json, const std::s
 
 TEST_CASE("transfers land straight in a rank's buffer when one rank holds them whole and contiguously", "[daemon][sync]") {
   Cluster cluster;
-  // FSDP=2 on n0; TP=2 on n1 and on n2 (two replicas, so one node relays to the other). "col" is
-  // cut by rows on both sides: each trainer half lies whole and contiguous in one inference rank
-  // and lands straight there (also where it is relayed from). "row" is cut by columns on the
-  // inference side: every trainer half spans both ranks, lands in the arena and is unpacked.
-  // Both fragments are 1 MiB, so none travels in a bucket.
+  // FSDP=2 on n0; TP=2 on n1 and on n2 (two replicas, so one node relays to the other).
+  // "col" is cut by rows on both sides: each trainer half lies whole and contiguous in one
+  // inference rank and lands straight there (also where it is relayed from). "row" is cut by
+  // columns on the inference side: each trainer half is split per inference rank, packed at the
+  // source, and each part lands straight in its rank. "strided" is cut by columns on the trainer
+  // and by rows on the inference side: every fragment is strided in its inference rank, so it
+  // lands in the arena (in a bucket: 512 KiB each) and is unpacked.
   const std::string src = R"({"group":"dl-trainer","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
     {"name":"col","shape":[512,1024],"dtype":"int32","placements":[{"shard":{"dim":0}}]},
-    {"name":"row","shape":[512,1024],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})";
+    {"name":"row","shape":[512,1024],"dtype":"int32","placements":[{"shard":{"dim":0}}]},
+    {"name":"strided","shape":[512,1024],"dtype":"int32","placements":[{"shard":{"dim":1}}]}]})";
   const std::string dst = R"({"group":"dl-infer","mesh":{"shape":[2,2]},"nodes":["n1","n1","n2","n2"],"tensors":[
     {"name":"col","shape":[512,1024],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":0}}]},
-    {"name":"row","shape":[512,1024],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":1}}]}]})";
+    {"name":"row","shape":[512,1024],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":1}}]},
+    {"name":"strided","shape":[512,1024],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":0}}]}]})";
   std::vector<v1::SyncResponse> out;
   CHECK(syncAndCount(cluster, src, dst, 2, &out) == 0);  // verified end to end (checksums), every element checked
   const uint64_t mib = uint64_t{1} << 20;
   for (const auto& o : out) {
-    CHECK(o.network_bytes() == 2 * 4 * mib);     // each inference node needs both tensors
-    CHECK(o.bytes_landed_direct() == 2 * 2 * mib);  // "col" on both nodes
+    CHECK(o.network_bytes() == 2 * 6 * mib);        // each inference node needs all three tensors
+    CHECK(o.bytes_landed_direct() == 2 * 4 * mib);  // "col" and "row" on both nodes
   }
   httplib::Client http("127.0.0.1", cluster.node("n2").metricsPort());
   auto scrape = http.Get("/metrics");
   REQUIRE(scrape);
-  CHECK_THAT(scrape->body, Catch::Contains("shardcast_bytes_landed_direct_total " + std::to_string(2 * 2 * mib)));
+  CHECK_THAT(scrape->body, Catch::Contains("shardcast_bytes_landed_direct_total " + std::to_string(2 * 4 * mib)));
 }
 
 TEST_CASE("whole experts (uneven) into expert-stacked w13, and uneven torch.chunk shards", "[daemon][sync]") {

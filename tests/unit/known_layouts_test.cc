@@ -73,9 +73,43 @@ TEST_CASE("FSDP2 trainer to vLLM TP=2 x DP=2: exact, relayed, column and row par
   CHECK(egressOf(*p, "t0") + egressOf(*p, "t1") == model);
   CHECK(p->plan.stats.max_chain == 2);
   CHECK(p->plan.stats.bytes_needed == 2 * model + 2 * 8 * 4);  // norm: every rank
-  // Row-parallel "down": each node's two TP ranks need [:, 0:8] and [:, 8:16]; fragments cover the
-  // node's whole need (one per FSDP row block), fanned out to both ranks.
+  // The replicated "norm" is copied from where it lands to the node's other rank.
   CHECK(p->plan.stats.local_bytes > 0);
+}
+
+TEST_CASE("Row-parallel weights: a node's disjoint rank boxes are needs of their own, so each part lands in place",
+          "[planner][known]") {
+  // "down" on the inference side: each node's two TP ranks need [:, 0:8] and [:, 8:16], while
+  // each FSDP rank holds a block of rows. A fragment is one rank's part of one row block
+  // (contiguous in that rank, strided in the source), not the whole row block spanning both ranks.
+  const char* vllm = R"({"group":"vllm","mesh":{"shape":[2,2],"dim_names":["dp","tp"]},
+    "nodes":["i0","i0","i1","i1"],"tensors":[
+    {"name":"down","shape":[8,16],"dtype":"bfloat16","placements":[{"replicate":{}},{"shard":{"dim":1}}]}]})";
+  const char* trainer = R"({"group":"trainer","mesh":{"shape":[4],"dim_names":["fsdp"]},
+    "nodes":["t0","t0","t1","t1"],"tensors":[
+    {"name":"down","shape":[8,16],"dtype":"bfloat16","placements":[{"shard":{"dim":0}}]}]})";
+  PlanOptions opts;
+  opts.small_in_place_bytes = 0;  // in-place fragments travel alone, whatever their size
+  auto p = planAndSimulate(trainer, vllm, opts);
+  CHECK(p->plan.stats.fragments == 4 * 2);  // 4 row blocks x 2 ranks' columns
+  CHECK(p->plan.stats.buckets == 0);
+  CHECK(p->plan.stats.transfers == 8);
+  CHECK(p->plan.stats.local_bytes == 0);  // each part lands in its rank: nothing to copy on the node
+  for (const auto& f : p->plan.fragments) {
+    CHECK(f.box.size(0) == 2);
+    CHECK(f.box.size(1) == 8);
+  }
+  // Below the in-place size they share buckets again (and are unpacked from an arena).
+  opts.small_in_place_bytes = int64_t{1} << 20;
+  auto q = planAndSimulate(trainer, vllm, opts);
+  CHECK(q->plan.stats.fragments == 8);
+  CHECK(q->plan.stats.buckets > 0);
+  CHECK(q->plan.stats.local_bytes > 0);
+  // Overlapping boxes on a node (replicas within it) still travel once, as their union.
+  const char* replicas = R"({"group":"vllm","mesh":{"shape":[2,2]},"nodes":["i0","i0","i1","i1"],"tensors":[
+    {"name":"down","shape":[8,16],"dtype":"bfloat16","placements":[{"shard":{"dim":1}},{"replicate":{}}]}]})";
+  auto r = planAndSimulate(trainer, replicas, opts);
+  CHECK(r->plan.stats.network_bytes == 8 * 16 * 2);  // each node needs its half of the columns, once
 }
 
 TEST_CASE("Megatron TP=4 to vLLM TP=2 with fused qkv and gate_up", "[planner][known]") {
