@@ -3,8 +3,9 @@
 // register 1,000 regions of 1 MiB. bench/transport.sh runs it beside ucx_perftest.
 //
 //   build/bin/transport_bench [--tls T] [--protocol auto|put|am] [--sizes 64,256,1024] [--iters N]
-//                             [--window N] [--memory transport|shm]
+//                             [--window N] [--pairs N] [--memory transport|shm]
 //   sizes in MiB, or KiB with a k suffix (256k); --window: writes in flight (default 2);
+//   --pairs N: N sender/receiver pairs write at once (2N processes), the figure is their sum;
 //   --memory shm: both ends in POSIX shared memory, as ranks are. The child receiver is this
 //   binary started with --role recv.
 #include <fmt/format.h>
@@ -60,9 +61,14 @@ int receiver(const TransportOptions& o, size_t size, bool shm) {
   return 0;
 }
 
-// Moves `iters` messages of `size` bytes with up to `window` in flight; returns GB/s.
-double measure(Endpoint& ep, const std::shared_ptr<MemoryRegion>& src, const RemoteRegion& dst, size_t size, int iters,
-               int window) {
+struct Span {
+  Clock::time_point start, end;
+  double gbs(size_t bytes) const { return static_cast<double>(bytes) / seconds(start, end) / 1e9; }
+};
+
+// Moves `iters` messages of `size` bytes with up to `window` in flight; returns when it started and ended.
+Span measure(Endpoint& ep, const std::shared_ptr<MemoryRegion>& src, const RemoteRegion& dst, size_t size, int iters,
+             int window) {
   std::mutex mu;
   std::condition_variable cv;
   int in_flight = 0, failed = 0;
@@ -89,7 +95,50 @@ double measure(Endpoint& ep, const std::shared_ptr<MemoryRegion>& src, const Rem
   cv.wait(lock, [&] { return in_flight == 0; });
   const auto t1 = Clock::now();
   if (failed) fmt::print("  {} writes failed\n", failed);
-  return static_cast<double>(size) * iters / seconds(t0, t1) / 1e9;
+  return {t0, t1};
+}
+
+int64_t nanos(Clock::time_point t) { return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count(); }
+
+// --pairs N: N sender processes (each with its own receiver) write at once, as the daemons of a
+// sync share the machine; the figure is all their bytes over the span from the first start to
+// the last end. Each sender runs this binary with --role pair and measures when told to.
+int concurrentPairs(int pairs, const std::vector<std::string>& args, const std::vector<size_t>& sizes, int iters, int window) {
+  std::vector<Child> senders;
+  for (int i = 0; i < pairs; ++i) {
+    std::vector<std::string> argv{"/proc/self/exe"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    argv.insert(argv.end(), {"--role", "pair"});
+    senders.push_back(Child::spawn(argv));
+    if (senders.back().readLine(std::chrono::seconds(60)) != "READY") {
+      fmt::print(stderr, "sender {} did not start\n", i);
+      return 1;
+    }
+  }
+  for (size_t size : sizes) {
+    for (auto& s : senders) s.writeLine("GO");
+    int64_t first = INT64_MAX, last = 0;
+    for (auto& s : senders) {
+      std::istringstream line(s.readLine(std::chrono::minutes(10)));
+      std::string tag;
+      int64_t a = 0, b = 0;
+      if (!(line >> tag >> a >> b) || tag != "SPAN") {
+        fmt::print(stderr, "a sender failed\n");
+        return 1;
+      }
+      first = std::min(first, a);
+      last = std::max(last, b);
+    }
+    const double gbs = static_cast<double>(size) * iters * pairs / (static_cast<double>(last - first) / 1e9) / 1e9;
+    fmt::print("  write {:>9} x {:>2} ({} in flight) on {} pairs at once: {:6.2f} GB/s in all\n", label(size), iters, window,
+               pairs, gbs);
+    fmt::print("RESULT transport_pairs {} {} {:.3f}\n", pairs, size, gbs);
+  }
+  for (auto& s : senders) {
+    s.closeStdin();
+    s.wait();
+  }
+  return 0;
 }
 
 }  // namespace
@@ -113,7 +162,14 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "--memory must be transport or shm\n");
     return 2;
   }
-  if (arg(argc, argv, "--role", "send") == "recv") return receiver(o, max_size, memory == "shm");
+  const std::string role = arg(argc, argv, "--role", "send");
+  if (role == "recv") return receiver(o, max_size, memory == "shm");
+  const int pairs = std::max(1, std::stoi(arg(argc, argv, "--pairs", "1")));
+  if (role == "send" && pairs > 1) {
+    return concurrentPairs(pairs, {"--tls", o.ucx_tls, "--protocol", o.protocol, "--sizes", arg(argc, argv, "--sizes", "64,256,1024"),
+                                   "--iters", std::to_string(iters), "--window", std::to_string(window), "--memory", memory},
+                           sizes, iters, window);
+  }
 
   Child child = Child::spawn({"/proc/self/exe", "--role", "recv", "--tls", o.ucx_tls, "--protocol", o.protocol, "--sizes",
                               std::to_string(max_size >> 10) + "k", "--memory", memory});
@@ -139,11 +195,24 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "setup failed\n");
     return 1;
   }
+  if (role == "pair") {  // one of --pairs: measure each size when the parent says so
+    std::printf("READY\n");
+    std::fflush(stdout);
+    char line[64];
+    for (size_t size : sizes) {
+      if (!std::fgets(line, sizeof(line), stdin)) return 1;
+      const Span span = measure(**ep, *region, *remote, size, iters, window);
+      std::printf("SPAN %lld %lld\n", static_cast<long long>(nanos(span.start)), static_cast<long long>(nanos(span.end)));
+      std::fflush(stdout);
+    }
+    child.closeStdin();
+    child.wait();
+    return 0;
+  }
   fmt::print("transport {} (UCX_TLS={})\n", (*ctx)->describe(), o.ucx_tls.empty() ? "default" : o.ucx_tls);
   for (size_t size : sizes) {
-    const double gbs = measure(**ep, *region, *remote, size, iters, window);
-    fmt::print("  write {:>9} x {:>2} ({} in flight): {:6.2f} GB/s\n", label(size), iters,
-               window, gbs);
+    const double gbs = measure(**ep, *region, *remote, size, iters, window).gbs(size * static_cast<size_t>(iters));
+    fmt::print("  write {:>9} x {:>2} ({} in flight): {:6.2f} GB/s\n", label(size), iters, window, gbs);
     fmt::print("RESULT transport {} {:.3f}\n", size, gbs);
   }
   child.closeStdin();

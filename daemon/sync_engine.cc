@@ -253,15 +253,19 @@ void SyncEngine::pump(const std::shared_ptr<Active>& a, int32_t node) {
       box.queued.pop_front();
     }
   }
-  // A write's or notification's completion; a write also frees its bytes of the window.
+  // A write's or notification's completion; a write also frees its bytes of the window. Waiters
+  // care only about the last one or a failure (waking them per completion costs a context switch
+  // per chunk).
   auto finished = [a, node](Status st, uint64_t window_bytes) {
+    bool wake;
     {
       std::lock_guard<std::mutex> lock(a->mu);
       if (!st.ok() && a->failure.ok()) a->failure = st;
       --a->writes_pending;
       a->outboxes[node].bytes_in_flight -= window_bytes;
+      wake = a->writes_pending == 0 || !st.ok();
     }
-    a->cv.notify_all();
+    if (wake) a->cv.notify_all();
   };
   for (auto& out : start) {
     const uint64_t bytes = out.op.length;

@@ -24,17 +24,29 @@ class TaskQueue {
   bool valid() const { return fd_ >= 0; }
   int fd() const { return fd_; }
 
+  // Only the push that finds the queue empty signals the eventfd: the tasks pushed after it are
+  // taken by the same drain (a wake-up per task would cost a syscall and a context switch each).
   void push(std::function<void()> task) {
+    bool was_empty;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      was_empty = tasks_.empty();
       tasks_.push_back(std::move(task));
     }
+    if (!was_empty) return;
     const uint64_t one = 1;
     [[maybe_unused]] auto n = ::write(fd_, &one, sizeof(one));
   }
 
-  // Runs every queued task outside the lock; returns how many ran.
+  // Runs every queued task outside the lock; returns how many ran. An empty queue costs no
+  // syscall (its eventfd is not signalled: only a push onto an empty queue signals it, and the
+  // one thread that drains reads the signal before taking the tasks, so a task pushed after the
+  // swap signals again).
   size_t drain() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (tasks_.empty()) return 0;
+    }
     uint64_t ignored;
     [[maybe_unused]] auto n = ::read(fd_, &ignored, sizeof(ignored));
     std::deque<std::function<void()>> batch;
