@@ -231,11 +231,14 @@ struct SyncEngine::Active {
 };
 
 // Starts the writes queued for `node` that fit in its window: at least one is always in flight
-// while any is queued. Each write is followed by its notification, which the transport delivers
-// once the write is visible. A write's completion pumps again. Without the window every chunk
-// would be on the wire at once; the transport then completes them all near the end, and relays
-// and fan-out could not start before the last byte arrived.
+// while any is queued. Without the window every chunk would be on the wire at once; the transport
+// then completes them all near the end, and relays and fan-out could not start before the last
+// byte arrived. The window is refilled once half of it has drained, so writes start in batches
+// and one notification (delivered by the transport once every write before it is visible)
+// announces a whole batch: a message and a wake-up of the receiving thread per batch, not per
+// chunk. A write's completion pumps again.
 void SyncEngine::pump(const std::shared_ptr<Active>& a, int32_t node) {
+  constexpr size_t kMaxBatch = 256;  // chunks per notification (~60 bytes each, under the transport's 64 KiB)
   std::vector<Active::Outgoing> start;
   std::shared_ptr<transport::Endpoint> ep;
   {
@@ -247,34 +250,41 @@ void SyncEngine::pump(const std::shared_ptr<Active>& a, int32_t node) {
     }
     auto& box = a->outboxes[node];
     ep = box.endpoint;
-    while (!box.queued.empty() && (box.bytes_in_flight == 0 || box.bytes_in_flight + box.queued.front().op.length <= a->window_bytes)) {
+    if (box.bytes_in_flight > a->window_bytes / 2) return;
+    while (!box.queued.empty() && start.size() < kMaxBatch &&
+           (box.bytes_in_flight == 0 || box.bytes_in_flight + box.queued.front().op.length <= a->window_bytes)) {
       box.bytes_in_flight += box.queued.front().op.length;
       start.push_back(std::move(box.queued.front()));
       box.queued.pop_front();
     }
   }
+  if (start.empty()) return;
   // A write's or notification's completion; a write also frees its bytes of the window. Waiters
   // care only about the last one or a failure (waking them per completion costs a context switch
   // per chunk).
-  auto finished = [a, node](Status st, uint64_t window_bytes) {
+  auto finished = [a, node](Status st, uint64_t window_bytes, int64_t ops) {
     bool wake;
     {
       std::lock_guard<std::mutex> lock(a->mu);
       if (!st.ok() && a->failure.ok()) a->failure = st;
-      --a->writes_pending;
+      a->writes_pending -= ops;
       a->outboxes[node].bytes_in_flight -= window_bytes;
       wake = a->writes_pending == 0 || !st.ok();
     }
     if (wake) a->cv.notify_all();
   };
+  std::string notification;
   for (auto& out : start) {
     const uint64_t bytes = out.op.length;
     ep->write(std::move(out.op), [a, node, bytes, finished](Status st) {
-      finished(st, bytes);
+      finished(st, bytes, 1);
       pump(a, node);
     });
-    ep->notify(std::move(out.notification), [finished](Status st) { finished(st, 0); });
+    notification += out.notification;
+    notification += '\n';
   }
+  const int64_t announced = static_cast<int64_t>(start.size());
+  ep->notify(std::move(notification), [finished, announced](Status st) { finished(st, 0, announced); });
 }
 
 SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics,
@@ -312,23 +322,37 @@ std::shared_ptr<SyncEngine::Active> SyncEngine::find(const std::string& id) {
   return it == active_.end() ? nullptr : it->second;
 }
 
-// Runs on the transport's progress thread: queue it for the executing thread, never block.
+// Runs on the transport's progress thread: queue the chunks a notification announces (one line
+// each) for the executing thread, never block.
 void SyncEngine::onNotification(const std::string& payload) {
   std::istringstream in(payload);
-  std::string id;
-  Landed l{};
-  if (!(in >> id >> l.transfer >> l.chain >> l.hop >> l.chunk >> l.checksum)) {
-    spdlog::warn("sync: malformed notification \"{}\"", payload);
-    return;
+  std::shared_ptr<Active> a;
+  std::vector<Landed> batch;
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream fields(line);
+    std::string id;
+    Landed l{};
+    if (!(fields >> id >> l.transfer >> l.chain >> l.hop >> l.chunk >> l.checksum)) {
+      spdlog::warn("sync: malformed notification line \"{}\"", line);
+      return;
+    }
+    if (a && a->id != id) {  // pump() batches the writes of one sync only
+      spdlog::warn("sync {}: notification also names sync {}; ignored from there", a->id, id);
+      break;
+    }
+    if (!a) {
+      a = find(id);
+      if (!a) {
+        spdlog::warn("sync {}: notification after the sync ended", id);
+        return;
+      }
+    }
+    batch.push_back(l);
   }
-  auto a = find(id);
-  if (!a) {
-    spdlog::warn("sync {}: notification after the sync ended", id);
-    return;
-  }
+  if (!a) return;
   {
     std::lock_guard<std::mutex> lock(a->mu);
-    a->landed.push_back(l);
+    a->landed.insert(a->landed.end(), batch.begin(), batch.end());
   }
   a->cv.notify_all();
 }

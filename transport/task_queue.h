@@ -24,34 +24,29 @@ class TaskQueue {
   bool valid() const { return fd_ >= 0; }
   int fd() const { return fd_; }
 
-  // Only the push that finds the queue empty signals the eventfd: the tasks pushed after it are
-  // taken by the same drain (a wake-up per task would cost a syscall and a context switch each).
+  // The eventfd is signalled at most once between drains (a wake-up per task would cost a
+  // syscall and a context switch each), and `signalled_` mirrors it exactly: both change only
+  // under the lock, so a drain never leaves it readable over an empty queue (poll would then
+  // return at once, forever) and an empty queue costs no syscall.
   void push(std::function<void()> task) {
-    bool was_empty;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      was_empty = tasks_.empty();
-      tasks_.push_back(std::move(task));
-    }
-    if (!was_empty) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+    if (signalled_) return;
     const uint64_t one = 1;
     [[maybe_unused]] auto n = ::write(fd_, &one, sizeof(one));
+    signalled_ = true;
   }
 
-  // Runs every queued task outside the lock; returns how many ran. An empty queue costs no
-  // syscall (its eventfd is not signalled: only a push onto an empty queue signals it, and the
-  // one thread that drains reads the signal before taking the tasks, so a task pushed after the
-  // swap signals again).
+  // Runs every queued task outside the lock; returns how many ran.
   size_t drain() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (tasks_.empty()) return 0;
-    }
-    uint64_t ignored;
-    [[maybe_unused]] auto n = ::read(fd_, &ignored, sizeof(ignored));
     std::deque<std::function<void()>> batch;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (signalled_) {
+        uint64_t ignored;
+        [[maybe_unused]] auto n = ::read(fd_, &ignored, sizeof(ignored));
+        signalled_ = false;
+      }
       batch.swap(tasks_);
     }
     for (auto& t : batch) t();
@@ -62,6 +57,7 @@ class TaskQueue {
   int fd_;
   std::mutex mu_;
   std::deque<std::function<void()>> tasks_;
+  bool signalled_ = false;
 };
 
 // A TaskQueue that can be closed: once its owner shuts it down, post() refuses work (so callers
