@@ -226,12 +226,7 @@ class Planner {
     std::vector<Box> distinct;
     for (size_t i = 0; i < g.boxes.size(); ++i)
       if (i == 0 || g.boxes[i] != g.boxes[i - 1]) distinct.push_back(dt.boxes[g.boxes[i]]);
-    // The group's need, as disjoint boxes. When the node's ranks need disjoint boxes, each box is
-    // its own need: a fragment then belongs to one rank, and the network can land it straight in
-    // that rank's memory (a source that holds it strided packs it once, instead of every
-    // destination node unpacking it, e.g. row-parallel weights split by columns across TP ranks).
-    // Only overlapping boxes (replicas within a node) are merged into their union.
-    const std::vector<Box> need = pairwiseDisjoint(distinct) ? distinct : disjointUnion(distinct);
+    const std::vector<Box> need = disjointUnion(distinct);
     int64_t need_volume = 0;
     for (const Box& b : need) need_volume += b.volume();
     addLowerBound(g, need, need_volume);
@@ -243,10 +238,12 @@ class Planner {
         if (!overlaps(b, plan_.cells[c].box)) continue;
         const Box piece = intersect(b, plan_.cells[c].box);
         covered += piece.volume();
-        const int32_t f = static_cast<int32_t>(plan_.fragments.size());
-        plan_.fragments.push_back({piece, t, c, g.id, piece.volume() * elem_});
-        const auto [fanout, pieces_hit, lands_in_place] = fanOut(dt, g, piece);
-        routeFragment(f, g, fanout, pieces_hit, lands_in_place, group_local, group_local_ops, group_pull);
+        for (const Box& part : partsThatLandInPlace(dt, g, piece)) {
+          const int32_t f = static_cast<int32_t>(plan_.fragments.size());
+          plan_.fragments.push_back({part, t, c, g.id, part.volume() * elem_});
+          const auto [fanout, pieces_hit, lands_in_place] = fanOut(dt, g, part);
+          routeFragment(f, g, fanout, pieces_hit, lands_in_place, group_local, group_local_ops, group_pull);
+        }
       }
       if (covered != b.volume()) return uncovered(st, dt, g, b, cells_begin, cells_end);
     }
@@ -256,6 +253,28 @@ class Planner {
     }
     plan_.stats.local_ops += group_local_ops * static_cast<int64_t>(g.nodes.size());
     return absl::OkStatus();
+  }
+
+  // `piece` split by the node's ranks when each of them needs a disjoint part of it that it holds
+  // contiguously and that is large enough to travel alone: each part is then written straight
+  // into its rank, packed once at the source, instead of landing whole in an arena and being
+  // unpacked on every node of the group (e.g. row-parallel weights split by columns across TP
+  // ranks, against FSDP's row blocks). Otherwise {piece}.
+  std::vector<Box> partsThatLandInPlace(const TensorLayout& dt, const Group& g, const Box& piece) {
+    std::vector<Box> parts;
+    int64_t volume = 0;
+    for (size_t i = 0; i < g.boxes.size(); ++i) {
+      const Box& b = dt.boxes[g.boxes[i]];
+      if (!overlaps(b, piece)) continue;
+      parts.push_back(intersect(b, piece));
+      volume += parts.back().volume();
+      const PieceRef& p = dt.pieces[g.rep_pieces[i]];
+      if (parts.back().volume() * elem_ < plan_.options.small_in_place_bytes ||
+          !isContiguous(dst_.strides[p.strides], parts.back()))
+        return {piece};
+    }
+    if (parts.size() < 2 || volume != piece.volume() || !pairwiseDisjoint(parts)) return {piece};
+    return parts;
   }
 
   // Bytes the ranks of one node of the group need from `piece`, how many copies that is, and

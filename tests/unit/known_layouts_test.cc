@@ -77,11 +77,11 @@ TEST_CASE("FSDP2 trainer to vLLM TP=2 x DP=2: exact, relayed, column and row par
   CHECK(p->plan.stats.local_bytes > 0);
 }
 
-TEST_CASE("Row-parallel weights: a node's disjoint rank boxes are needs of their own, so each part lands in place",
+TEST_CASE("Row-parallel weights: a fragment spanning several ranks is split so each part lands in its rank",
           "[planner][known]") {
   // "down" on the inference side: each node's two TP ranks need [:, 0:8] and [:, 8:16], while
-  // each FSDP rank holds a block of rows. A fragment is one rank's part of one row block
-  // (contiguous in that rank, strided in the source), not the whole row block spanning both ranks.
+  // each FSDP rank holds a block of rows. Each row block spans both ranks of a node; split by
+  // rank, each part is contiguous in its rank (strided in the source, packed once there).
   const char* vllm = R"({"group":"vllm","mesh":{"shape":[2,2],"dim_names":["dp","tp"]},
     "nodes":["i0","i0","i1","i1"],"tensors":[
     {"name":"down","shape":[8,16],"dtype":"bfloat16","placements":[{"replicate":{}},{"shard":{"dim":1}}]}]})";
@@ -89,7 +89,7 @@ TEST_CASE("Row-parallel weights: a node's disjoint rank boxes are needs of their
     "nodes":["t0","t0","t1","t1"],"tensors":[
     {"name":"down","shape":[8,16],"dtype":"bfloat16","placements":[{"shard":{"dim":0}}]}]})";
   PlanOptions opts;
-  opts.small_in_place_bytes = 0;  // in-place fragments travel alone, whatever their size
+  opts.small_in_place_bytes = 0;  // in-place parts travel alone, whatever their size
   auto p = planAndSimulate(trainer, vllm, opts);
   CHECK(p->plan.stats.fragments == 4 * 2);  // 4 row blocks x 2 ranks' columns
   CHECK(p->plan.stats.buckets == 0);
@@ -99,17 +99,20 @@ TEST_CASE("Row-parallel weights: a node's disjoint rank boxes are needs of their
     CHECK(f.box.size(0) == 2);
     CHECK(f.box.size(1) == 8);
   }
-  // Below the in-place size they share buckets again (and are unpacked from an arena).
+  // Parts below the size that travels alone are not split: a row block travels whole (in a
+  // bucket here), lands in an arena and is copied into both ranks.
   opts.small_in_place_bytes = int64_t{1} << 20;
   auto q = planAndSimulate(trainer, vllm, opts);
-  CHECK(q->plan.stats.fragments == 8);
+  CHECK(q->plan.stats.fragments == 4);
   CHECK(q->plan.stats.buckets > 0);
-  CHECK(q->plan.stats.local_bytes > 0);
-  // Overlapping boxes on a node (replicas within it) still travel once, as their union.
+  CHECK(q->plan.stats.local_bytes == 2 * 8 * 16 * 2);  // both nodes copy the whole tensor out
+  // Overlapping boxes on a node (replicas within it) are never split: the bytes travel once.
+  opts.small_in_place_bytes = 0;
   const char* replicas = R"({"group":"vllm","mesh":{"shape":[2,2]},"nodes":["i0","i0","i1","i1"],"tensors":[
     {"name":"down","shape":[8,16],"dtype":"bfloat16","placements":[{"shard":{"dim":1}},{"replicate":{}}]}]})";
   auto r = planAndSimulate(trainer, replicas, opts);
   CHECK(r->plan.stats.network_bytes == 8 * 16 * 2);  // each node needs its half of the columns, once
+  CHECK(r->plan.stats.fragments == 4 * 2);           // a row block's half per node, not per rank
 }
 
 TEST_CASE("Megatron TP=4 to vLLM TP=2 with fused qkv and gate_up", "[planner][known]") {
