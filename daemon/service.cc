@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cctype>
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
@@ -55,6 +56,13 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   if (req->src_group().empty() || req->dst_group().empty() || req->src_group() == req->dst_group())
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "sync: give two different groups (src_group, dst_group)");
   if (req->version() == 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "sync: version must be positive");
+  // A client's sync id travels in the daemons' notifications (space-separated lines).
+  const bool id_ok = req->sync_id().size() <= 128 && std::all_of(req->sync_id().begin(), req->sync_id().end(), [](char c) {
+                       return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' || c == ':';
+                     });
+  if (!id_ok)
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "sync: sync_id must be at most 128 characters of letters, digits and - _ . :");
   const uint32_t timeout_ms = req->options().timeout_ms() ? req->options().timeout_ms() : 300000;
   const auto deadline = start + std::chrono::milliseconds(timeout_ms);
 

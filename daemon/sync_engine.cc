@@ -238,7 +238,7 @@ struct SyncEngine::Active {
 // announces a whole batch: a message and a wake-up of the receiving thread per batch, not per
 // chunk. A write's completion pumps again.
 void SyncEngine::pump(const std::shared_ptr<Active>& a, int32_t node) {
-  constexpr size_t kMaxBatch = 256;  // chunks per notification (~60 bytes each, under the transport's 64 KiB)
+  constexpr size_t kMaxNotification = 32 << 10;  // bytes per batch's notification (the transport takes 64 KiB)
   std::vector<Active::Outgoing> start;
   std::shared_ptr<transport::Endpoint> ep;
   {
@@ -251,9 +251,12 @@ void SyncEngine::pump(const std::shared_ptr<Active>& a, int32_t node) {
     auto& box = a->outboxes[node];
     ep = box.endpoint;
     if (box.bytes_in_flight > a->window_bytes / 2) return;
-    while (!box.queued.empty() && start.size() < kMaxBatch &&
-           (box.bytes_in_flight == 0 || box.bytes_in_flight + box.queued.front().op.length <= a->window_bytes)) {
+    size_t notification_bytes = 0;
+    while (!box.queued.empty() &&
+           (box.bytes_in_flight == 0 || box.bytes_in_flight + box.queued.front().op.length <= a->window_bytes) &&
+           (start.empty() || notification_bytes + box.queued.front().notification.size() + 1 <= kMaxNotification)) {
       box.bytes_in_flight += box.queued.front().op.length;
+      notification_bytes += box.queued.front().notification.size() + 1;
       start.push_back(std::move(box.queued.front()));
       box.queued.pop_front();
     }

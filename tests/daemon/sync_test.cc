@@ -167,6 +167,16 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
   CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
   CHECK_THAT(st.error_message(), Catch::Contains("is not newer"));
   CHECK(wrong(3) == 0);
+  // A client's sync id travels in the daemons' notifications: only a short, plain one is taken.
+  sync.set_version(4);
+  for (const std::string& bad : {std::string("two words"), std::string("line\nbreak"), std::string(129, 'x')}) {
+    sync.set_sync_id(bad);
+    st = cluster.node("n0").client()->Sync(ctx().get(), sync, &out);
+    CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(st.error_message(), Catch::Contains("sync_id"));
+  }
+  sync.clear_sync_id();
+  CHECK(wrong(3) == 0);
   // Watching a sync nobody runs: NOT_FOUND after a short wait.
   {
     v1::WatchRequest w;
