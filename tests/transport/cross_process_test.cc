@@ -65,6 +65,12 @@ TEST_CASE("a peer killed mid-transfer fails in-flight writes with a clear error,
     INFO("tls " << (*tls ? tls : "default"));
     const size_t size = size_t{64} << 20;
     Receiver r = startReceiver({}, tls, size);
+    // What the completions touch outlives the context: one that is still pending when the
+    // context goes runs (cancelled) in its destructor.
+    std::atomic<int> ok{0}, failed{0}, done{0};
+    std::mutex mu;
+    std::string first_error;
+    std::promise<Status> later;
     TransportOptions o;
     o.name = "killer";
     o.ucx_tls = tls;
@@ -79,9 +85,6 @@ TEST_CASE("a peer killed mid-transfer fails in-flight writes with a clear error,
     auto ep = (*ctx)->connect(fromHex(r.address), "doomed-peer");
     REQUIRE(ep.ok());
 
-    std::atomic<int> ok{0}, failed{0}, done{0};
-    std::mutex mu;
-    std::string first_error;
     const int kWrites = 400;
     auto start = std::chrono::steady_clock::now();
     for (int i = 0; i < kWrites; ++i) {
@@ -112,7 +115,6 @@ TEST_CASE("a peer killed mid-transfer fails in-flight writes with a clear error,
     INFO("first error: " << first_error);
     CHECK_THAT(first_error, Catch::Contains("doomed-peer"));
     // Later operations on the dead endpoint fail at once.
-    std::promise<Status> later;
     (*ep)->write({*region, 0, *remote, 0, 16}, [&](Status st) { later.set_value(st); });
     auto f = later.get_future();
     REQUIRE(f.wait_for(std::chrono::seconds(30)) == std::future_status::ready);
