@@ -35,7 +35,9 @@ std::string arg(int argc, char** argv, const std::string& name, const std::strin
   return fallback;
 }
 
-std::string label(size_t bytes) { return bytes % (1 << 20) ? fmt::format("{} KiB", bytes >> 10) : fmt::format("{} MiB", bytes >> 20); }
+std::string label(size_t bytes) {
+  return bytes % (1 << 20) ? fmt::format("{} KiB", bytes >> 10) : fmt::format("{} MiB", bytes >> 20);
+}
 
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
@@ -65,6 +67,9 @@ struct Span {
   Clock::time_point start, end;
   double gbs(size_t bytes) const { return static_cast<double>(bytes) / seconds(start, end) / 1e9; }
 };
+
+int64_t nanos(Clock::time_point t) { return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count(); }
+Clock::time_point fromNanos(int64_t ns) { return Clock::time_point(std::chrono::nanoseconds(ns)); }
 
 // Moves `iters` messages of `size` bytes with up to `window` in flight; returns when it started and ended.
 Span measure(Endpoint& ep, const std::shared_ptr<MemoryRegion>& src, const RemoteRegion& dst, size_t size, int iters,
@@ -98,8 +103,6 @@ Span measure(Endpoint& ep, const std::shared_ptr<MemoryRegion>& src, const Remot
   return {t0, t1};
 }
 
-int64_t nanos(Clock::time_point t) { return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count(); }
-
 // --pairs N: N sender processes (each with its own receiver) write at once, as the daemons of a
 // sync share the machine; the figure is all their bytes over the span from the first start to
 // the last end. Each sender runs this binary with --role pair and measures when told to.
@@ -129,7 +132,7 @@ int concurrentPairs(int pairs, const std::vector<std::string>& args, const std::
       first = std::min(first, a);
       last = std::max(last, b);
     }
-    const double gbs = static_cast<double>(size) * iters * pairs / (static_cast<double>(last - first) / 1e9) / 1e9;
+    const double gbs = Span{fromNanos(first), fromNanos(last)}.gbs(size * static_cast<size_t>(iters) * static_cast<size_t>(pairs));
     fmt::print("  write {:>9} x {:>2} ({} in flight) on {} pairs at once: {:6.2f} GB/s in all\n", label(size), iters, window,
                pairs, gbs);
     fmt::print("RESULT transport_pairs {} {} {:.3f}\n", pairs, size, gbs);
