@@ -6,35 +6,69 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <string>
 #include <vector>
-
-extern char** environ;
 
 namespace shardcast {
 
 class Child {
  public:
-  // Starts argv[0] (a path) with argv; returns a child whose pid() < 0 on failure.
+  // Starts argv[0] (a path, or a name looked up in $PATH) with argv; returns once the program runs,
+  // or a child whose pid() < 0 when it could not be started. The child gets SIGTERM when the
+  // thread that started it exits, so daemons started by a demo or a test never outlive it, however
+  // it ends (a signal, a crash, a closed pipe).
   static Child spawn(const std::vector<std::string>& argv) {
     Child c;
-    int in[2], out[2];
-    if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) return c;
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+    if (argv.empty()) return c;
+    const std::string path = findExecutable(argv[0]);
     std::vector<char*> args;
     for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
-    pid_t pid = -1;
-    if (posix_spawnp(&pid, args[0], &fa, nullptr, args.data(), environ) != 0) pid = -1;
-    posix_spawn_file_actions_destroy(&fa);
+    // in/out: the child's stdin and stdout; started: closed by a successful exec (close-on-exec),
+    // or carries the child's errno when it fails.
+    int in[2] = {-1, -1}, out[2] = {-1, -1}, started[2] = {-1, -1};
+    auto close_all = [&] {
+      for (int fd : {in[0], in[1], out[0], out[1], started[0], started[1]})
+        if (fd >= 0) ::close(fd);
+    };
+    if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0 || pipe2(started, O_CLOEXEC) != 0) {
+      close_all();
+      return c;
+    }
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid == 0) {  // the child: async-signal-safe calls only until exec
+      if (::prctl(PR_SET_PDEATHSIG, SIGTERM) == 0 && ::getppid() == parent && ::dup2(in[0], 0) >= 0 &&
+          ::dup2(out[1], 1) >= 0)
+        ::execv(path.c_str(), args.data());
+      const int err = errno;
+      (void)!::write(started[1], &err, sizeof(err));
+      ::_exit(127);
+    }
+    if (pid < 0) {
+      close_all();
+      return c;
+    }
+    // Wait for the exec: the death signal is armed before this thread may exit.
+    ::close(started[1]);
+    started[1] = -1;
+    int err = 0;
+    ssize_t n;
+    while ((n = ::read(started[0], &err, sizeof(err))) < 0 && errno == EINTR) {
+    }
+    if (n > 0) {
+      ::waitpid(pid, nullptr, 0);
+      close_all();
+      return c;
+    }
+    ::close(started[0]);
     ::close(in[0]);
     ::close(out[1]);
     c.pid_ = pid;
@@ -105,6 +139,22 @@ class Child {
   }
 
  private:
+  // `name` itself when it holds a '/', else the first executable of that name in $PATH (looked up
+  // before fork: the child may only make async-signal-safe calls).
+  static std::string findExecutable(const std::string& name) {
+    if (name.find('/') != std::string::npos) return name;
+    const char* env = std::getenv("PATH");
+    const std::string dirs = env ? env : "/usr/local/bin:/usr/bin:/bin";
+    for (size_t begin = 0; begin <= dirs.size();) {
+      size_t end = dirs.find(':', begin);
+      if (end == std::string::npos) end = dirs.size();
+      const std::string candidate = (end == begin ? std::string(".") : dirs.substr(begin, end - begin)) + "/" + name;
+      if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+      begin = end + 1;
+    }
+    return name;
+  }
+
   pid_t pid_ = -1;
   int stdin_ = -1;
   int stdout_ = -1;

@@ -14,7 +14,8 @@ std::string DaemonConfig::describe() const {
   os << "node=" << node << " listen=" << (listen.empty() ? "(none)" : listen)
      << " socket=" << (socket.empty() ? "(none)" : socket) << " peers=" << (peers.empty() ? "(none)" : strJoin(peers, ","))
      << " peer_dns=" << (peer_dns.empty() ? "(none)" : peer_dns) << " transport=" << transport
-     << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol << " log_level=" << log_level
+     << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol
+     << " ucx_tcp_segment_kib=" << ucx_tcp_segment_kib << " log_level=" << log_level
      << " peer_timeout_ms=" << peer_timeout_ms << " chunk_mib=" << chunk_mib << " staging_mib=" << staging_mib << " window_mib=" << window_mib << " metrics=" << (metrics.empty() ? "(off)" : metrics);
   return os.str();
 }
@@ -50,6 +51,10 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   app.add_option("--ucx-tls", c.ucx_tls, "UCX transports (UCX_TLS syntax; empty: UCX's default)")->envname("SHARDCAST_UCX_TLS");
   app.add_option("--protocol", c.protocol, "Write protocol: put (RMA), am (active messages) or auto")
       ->envname("SHARDCAST_PROTOCOL")->check(CLI::IsMember({"auto", "put", "am"}))->capture_default_str();
+  app.add_option("--ucx-tcp-segment-kib", c.ucx_tcp_segment_kib,
+                 "UCX over TCP: segment size, the fragment large writes travel in (0: UCX's default, 64 KiB; "
+                 "UCX_TCP_RX_SEG_SIZE in the environment wins)")
+      ->envname("SHARDCAST_UCX_TCP_SEGMENT_KIB")->check(CLI::Range(int64_t{0}, int64_t{64} << 10))->capture_default_str();
   app.add_option("--log-level", c.log_level, "trace, debug, info, warn, error, critical, off")
       ->envname("SHARDCAST_LOG_LEVEL")->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
       ->capture_default_str();

@@ -19,6 +19,7 @@ struct DaemonConfig {
   std::string transport = "ucx";                       // ucx | loopback
   std::string ucx_tls;                                 // UCX_TLS for the data plane ("" = UCX default)
   std::string protocol = "auto";                       // auto | put | am
+  int64_t ucx_tcp_segment_kib = 1024;                  // UCX over TCP: fragment size (0 = UCX's 64 KiB)
   std::string log_level = "info";
   int peer_timeout_ms = 5000;                          // deadline of daemon-to-daemon calls
   int64_t chunk_mib = 64;                              // chunk size of large transfers

@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
   topts.name = config->node;
   topts.ucx_tls = config->ucx_tls;
   topts.protocol = config->protocol;
+  topts.ucx_tcp_segment_bytes = static_cast<size_t>(config->ucx_tcp_segment_kib) << 10;
   auto transport = transport::createContext(topts);
   if (!transport.ok()) return fail("transport: " + std::string(transport.status().message()));
   spdlog::info("data plane: {}", (*transport)->describe());

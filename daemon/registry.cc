@@ -109,7 +109,7 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
     auto seg = transport::ShmSegment::open(name, end);
     if (!seg.ok()) return Status(seg.status().code(), strCat(who, ": ", seg.status().message()));
     auto shared = std::make_shared<transport::ShmSegment>(std::move(*seg));
-    transport::lockResident(shared->data(), end, strCat("shm segment \"", name, "\""));
+    transport::makeResident(shared->data(), end, strCat("shm segment \"", name, "\""));
     auto region = transport_.registerMemory(shared->data(), end, transport::MemoryKind::kHost);
     if (!region.ok()) return Status(region.status().code(), strCat(who, ": segment \"", name, "\": ", region.status().message()));
     segments[name] = {shared, *region};

@@ -387,7 +387,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
     }
     if (!a->arena) {
       SC_ASSIGN_OR_RETURN(a->arena, transport_.allocateMemory(a->plan->arena_bytes[a->self]));
-      transport::lockResident(a->arena->data(), a->arena->size(), "a landing arena");
+      transport::makeResident(a->arena->data(), a->arena->size(), "a landing arena");
     }
     resp.mutable_targets()->set_arena_region(a->arena->remote().serialize());
     resp.set_arena_bytes(a->plan->arena_bytes[a->self]);
@@ -651,7 +651,7 @@ class SyncEngine::Execution {
     }
     if (!staging) {
       SC_ASSIGN_OR_RETURN(staging, e_.transport_.allocateMemory(cp_.staging_bytes[self_]));
-      transport::lockResident(staging->data(), staging->size(), "a staging buffer");
+      transport::makeResident(staging->data(), staging->size(), "a staging buffer");
     }
     std::lock_guard<std::mutex> lock(a_->mu);
     a_->staging = staging;

@@ -89,6 +89,11 @@ struct TransportOptions {
   // How writes travel: "put" (RMA + flush), "am" (active messages into registered memory, acked),
   // or "auto": am when the transports are TCP only (UCX 1.13's TCP put is ~4x slower), else put.
   std::string protocol = "auto";
+  // UCX over TCP: the segment size (UCX_TCP_RX_SEG_SIZE), which bounds each fragment a large write
+  // travels in, one sendmsg(2) per fragment. UCX's default of 64 KiB makes 16x the system calls of
+  // 1 MiB, and each one traps under virtualisation. 0 keeps UCX's own; an explicit
+  // UCX_TCP_RX_SEG_SIZE in the environment wins over this.
+  size_t ucx_tcp_segment_bytes = size_t{1} << 20;
   // An operation not completed after this long fails with DEADLINE_EXCEEDED (a vanished peer).
   std::chrono::milliseconds op_timeout{30000};
 };

@@ -1,6 +1,7 @@
 // Node-local copy engine and shared-memory segments.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -94,6 +95,15 @@ TEST_CASE("shared-memory segments: create, open from elsewhere, validate", "[shm
   auto too_big = ShmSegment::open(name, 2 << 20);
   CHECK(too_big.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(std::string(too_big.status().message()), Catch::Contains("has 1048576 bytes but 2097152 were expected"));
+  {
+    // Made resident (locked where allowed, every page read once): the contents are untouched.
+    auto other = ShmSegment::open(name, 1 << 20);
+    REQUIRE(other.ok());
+    makeResident(other->data(), (1 << 20) - 100, "a test segment");
+    makeResident(other->data(), 0, "nothing");
+    const auto* bytes = static_cast<unsigned char*>(seg->data());
+    CHECK(std::all_of(bytes, bytes + (1 << 20), [](unsigned char b) { return b == 0xab; }));
+  }
   CHECK(ShmSegment::open("/shardcast-no-such-segment", 10).status().code() == absl::StatusCode::kNotFound);
   CHECK(ShmSegment::create("no-slash", 10).status().code() == absl::StatusCode::kInvalidArgument);
   *seg = std::move(*seg);  // self-move keeps the mapping

@@ -45,6 +45,17 @@ Receiver startReceiver(const std::vector<std::string>& prefix, const std::string
 
 }  // namespace
 
+TEST_CASE("a spawned child gets SIGTERM when the thread that started it ends", "[process]") {
+  // What keeps a demo's or a test's daemons from outliving it, however it ends.
+  Child child;
+  std::thread([&] { child = Child::spawn({"sleep", "120"}); }).join();
+  REQUIRE(child.pid() > 0);
+  const int status = child.wait();  // returns once the child is gone: it does not sleep 120 s
+  REQUIRE(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGTERM);
+  CHECK(Child::spawn({"/no/such/program"}).pid() < 0);  // refused at once, not a child exiting 127
+}
+
 TEST_CASE("two processes: 96 MiB arrive intact over each transport", "[transport][process]") {
   for (const char* tls : {"tcp", "posix,sysv,cma,self", ""}) {
     const size_t size = size_t{96} << 20;

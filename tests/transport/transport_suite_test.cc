@@ -1,6 +1,6 @@
 // The shared backend suite: every test runs against every backend and protocol (loopback; UCX
 // with its default transports, with tcp (active messages, and put), with posix/sysv shared memory
-// (put, and active messages)). Every byte written is verified.
+// (put, and active messages), and tcp with UCX's own segment size). Every byte written is verified.
 #include <catch2/catch.hpp>
 
 #include <atomic>
@@ -35,6 +35,15 @@ struct UcxTcpAm {
   static TransportOptions options() {
     TransportOptions o;
     o.ucx_tls = "tcp";  // auto -> am
+    return o;
+  }
+  static constexpr bool kChecksTargets = true;
+};
+struct UcxTcpAmUcxSegment {  // UCX's own 64 KiB TCP segments instead of the 1 MiB default
+  static TransportOptions options() {
+    TransportOptions o;
+    o.ucx_tls = "tcp";
+    o.ucx_tcp_segment_bytes = 0;
     return o;
   }
   static constexpr bool kChecksTargets = true;
@@ -105,7 +114,7 @@ std::shared_ptr<MemoryRegion> reg(Context& c, std::vector<unsigned char>& buf) {
 
 }  // namespace
 
-#define BACKENDS Loopback, UcxDefault, UcxTcpAm, UcxTcpPut, UcxShmPut, UcxShmAm
+#define BACKENDS Loopback, UcxDefault, UcxTcpAm, UcxTcpAmUcxSegment, UcxTcpPut, UcxShmPut, UcxShmAm
 
 TEMPLATE_TEST_CASE("writes of 1 byte to 256 MiB at unaligned offsets arrive intact", "[transport]", BACKENDS) {
   Pair<TestType> p;
@@ -318,6 +327,29 @@ TEST_CASE("auto protocol: active messages on TCP only, put elsewhere", "[transpo
     REQUIRE(c.ok());
     CHECK_THAT((*c)->describe(), Catch::Contains("protocol=put"));
   }
+}
+
+TEST_CASE("TCP segment size: 1 MiB by default, UCX's own when 0, the environment's when set", "[transport]") {
+  auto describe = [](const std::string& tls, size_t segment) {
+    TransportOptions o;
+    o.ucx_tls = tls;
+    o.ucx_tcp_segment_bytes = segment;
+    auto c = createContext(o);
+    INFO(tls << ": " << (c.ok() ? "" : std::string(c.status().message())));
+    REQUIRE(c.ok());
+    return (*c)->describe();
+  };
+  ::unsetenv("UCX_TCP_RX_SEG_SIZE");
+  CHECK_THAT(describe("tcp", TransportOptions{}.ucx_tcp_segment_bytes), Catch::Contains("tcp_segment=1M"));
+  CHECK_THAT(describe("tcp", 256 << 10), Catch::Contains("tcp_segment=256K"));
+  CHECK_THAT(describe("tcp", 0), Catch::Contains("tcp_segment=64K"));
+  CHECK_THAT(describe("", size_t{1} << 20), Catch::Contains("tcp_segment=1M"));  // UCX's default includes tcp
+  // Without tcp nothing is set (UCX would warn that no transport took the setting).
+  CHECK_THAT(describe("posix,sysv,self", size_t{1} << 20), !Catch::Contains("tcp_segment"));
+  CHECK_THAT(describe("^tcp,posix", size_t{1} << 20), !Catch::Contains("tcp_segment"));
+  ::setenv("UCX_TCP_RX_SEG_SIZE", "128k", 1);
+  CHECK_THAT(describe("tcp", size_t{1} << 20), Catch::Contains("tcp_segment=128k"));
+  ::unsetenv("UCX_TCP_RX_SEG_SIZE");
 }
 
 TEMPLATE_TEST_CASE("backend-allocated landing buffers receive writes", "[transport]", BACKENDS) {

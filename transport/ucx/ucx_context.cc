@@ -648,13 +648,13 @@ class UcxEndpoint final : public Endpoint {
 
 class UcxContext final : public Context {
  public:
-  UcxContext(std::shared_ptr<UcxEngine> engine, std::string tls, bool cuda)
-      : engine_(std::move(engine)), tls_(std::move(tls)), cuda_(cuda) {}
+  UcxContext(std::shared_ptr<UcxEngine> engine, std::string tls, std::string tcp_segment, bool cuda)
+      : engine_(std::move(engine)), tls_(std::move(tls)), tcp_segment_(std::move(tcp_segment)), cuda_(cuda) {}
   ~UcxContext() override { engine_->stop(); }
 
   std::string describe() const override {
     return strCat("ucx(tls=", tls_.empty() ? "default" : tls_, ", protocol=", engine_->protocol(),
-                  ", cuda=", cuda_ ? "yes" : "no", ")");
+                  tcp_segment_.empty() ? "" : strCat(", tcp_segment=", tcp_segment_), ", cuda=", cuda_ ? "yes" : "no", ")");
   }
   std::string address() const override { return engine_->address(); }
   bool canAccess(MemoryKind kind) const override { return kind == MemoryKind::kHost || cuda_; }
@@ -732,6 +732,7 @@ class UcxContext final : public Context {
 
   std::shared_ptr<UcxEngine> engine_;
   std::string tls_;
+  std::string tcp_segment_;  // UCX_TCP_RX_SEG_SIZE in effect, for describe() ("" without tcp)
   bool cuda_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<UcxEndpoint>> endpoints_;
@@ -752,6 +753,16 @@ bool hasNetworkTransport(const std::string& tls) {
         item != "mm" && item != "knem" && item != "xpmem")
       return true;
   return false;
+}
+
+// True when the UCX_TLS list lets UCX use TCP (an exclusion list "^..." unless it names tcp).
+bool mayUseTcp(const std::string& tls) {
+  const bool exclude = !tls.empty() && tls[0] == '^';
+  std::stringstream ss(exclude ? tls.substr(1) : tls);
+  std::string item;
+  bool named = false;
+  while (std::getline(ss, item, ',')) named |= item == "tcp" || item == "all";
+  return tls.empty() || (exclude ? !named : named);
 }
 
 }  // namespace
@@ -784,6 +795,20 @@ StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& opti
       return absl::InvalidArgumentError(ucxError(strCat("UCX transports \"", options.ucx_tls, "\""), st));
     }
   }
+  std::string tcp_segment = mayUseTcp(tls) ? "64K" : "";  // UCX 1.13's default; none without tcp
+  if (const char* env = std::getenv("UCX_TCP_RX_SEG_SIZE")) {
+    tcp_segment = env;
+  } else if (options.ucx_tcp_segment_bytes > 0 && mayUseTcp(tls)) {
+    // A transport-level key (the tcp interface's RX_SEG_SIZE), which UCX applies to the interfaces
+    // that have it; only set where tcp may be used, or UCX warns that no interface took it.
+    const size_t b = options.ucx_tcp_segment_bytes;  // in UCX's size syntax, e.g. "1M"
+    tcp_segment = b % (1 << 20) == 0 ? strCat(b >> 20, "M") : b % 1024 == 0 ? strCat(b >> 10, "K") : std::to_string(b);
+    st = ucp_config_modify(config, "RX_SEG_SIZE", tcp_segment.c_str());
+    if (st != UCS_OK) {
+      ucp_config_release(config);
+      return absl::InvalidArgumentError(ucxError(strCat("UCX TCP segment size ", options.ucx_tcp_segment_bytes), st));
+    }
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
@@ -810,7 +835,7 @@ StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& opti
   const std::string protocol = options.protocol == "auto" ? autoProtocolFor(tls) : options.protocol;
   auto engine = std::make_shared<UcxEngine>(options, core, worker, protocol, hasNetworkTransport(tls));
   SC_RETURN_IF_ERROR(engine->start());
-  auto ctx = std::make_unique<UcxContext>(std::move(engine), tls, cuda);
+  auto ctx = std::make_unique<UcxContext>(std::move(engine), tls, tcp_segment, cuda);
   spdlog::debug("transport '{}': {}", options.name, ctx->describe());
   return std::unique_ptr<Context>(std::move(ctx));
 }
