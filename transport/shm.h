@@ -12,10 +12,10 @@ namespace shardcast::transport {
 
 // Makes memory the daemon moves bytes through ready for a sync: locks it with mlock(2), so the
 // kernel neither reclaims nor unmaps its pages (proactive reclaim, e.g. DAMON's pageout scheme,
-// unmaps pages that sat idle between syncs even without swap), and reads every page once, so the
-// first sync does not pay this process's first touch of each page (under virtualisation with
-// shadow page tables that costs ~9 us per 4 KiB page even after MAP_POPULATE: 2.4 s per GiB on
-// the development VM). Locking needs CAP_IPC_LOCK or a large enough RLIMIT_MEMLOCK: without them
+// unmaps pages that sat idle between syncs even without swap), and reads every page once from user
+// and once from kernel mode, so the first sync does not pay this process's first touch of each
+// page (under virtualisation with shadow page tables that costs ~9 us per 4 KiB page and mode even
+// after MAP_POPULATE: 2.3 s per GiB and mode on the development VM; ~20 ms per GiB elsewhere). Locking needs CAP_IPC_LOCK or a large enough RLIMIT_MEMLOCK: without them
 // the memory stays unlocked (still correct, slower after idle periods) and one warning per
 // process says so. Returns whether the memory is locked.
 bool makeResident(void* data, size_t size, const std::string& what);
