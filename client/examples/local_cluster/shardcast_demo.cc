@@ -5,7 +5,8 @@
 // verifies every destination byte after each sync, and prints the plan and the throughput.
 //
 //   build/bin/shardcast-demo [--layers 4] [--hidden 1024] [--syncs 3] [--trainer-nodes 2]
-//                            [--inference-nodes 3] [--ucx-tls TLS] [--staging-mib N] [--chunk-mib N] [--window-mib N] [--verify]
+//                            [--inference-nodes 3] [--ucx-tls TLS] [--staging-mib N] [--chunk-mib N] [--window-mib N]
+//                            [--verify] [--daemon-arg ARG]...
 #include <fmt/format.h>
 
 #include <chrono>
@@ -31,7 +32,17 @@ struct Options {
   int64_t chunk_mib = 0;
   int64_t window_mib = 0;
   bool verify = false;
+  std::vector<std::string> daemon_args;  // passed to every shardcastd as they are
 };
+
+constexpr const char* kUsage =
+    "usage: shardcast-demo [--layers 4] [--hidden 1024] [--syncs 3] [--trainer-nodes 2] [--inference-nodes 3]\n"
+    "                      [--ucx-tls TLS] [--staging-mib N] [--chunk-mib N] [--window-mib N] [--verify]\n"
+    "                      [--daemon-arg ARG]...\n"
+    "Starts one shardcastd per node on loopback, registers a Llama-like model's ranks in a trainer layout\n"
+    "(FSDP) and an inference layout (TP per node, fused qkv/gate_up), syncs --syncs versions, checks every\n"
+    "destination byte and prints the plan and the throughput. --daemon-arg passes a flag to every daemon,\n"
+    "e.g. --daemon-arg=--ucx-tcp-segment-kib=64 (shardcastd --help lists them).\n";
 
 std::string layoutJson(const Options& o, bool trainer) {
   const int64_t h = o.hidden, inter = h * 11 / 4, kv = h / 4;
@@ -129,6 +140,7 @@ int run(const Options& o, const std::string& daemon_path) {
     extra.push_back("--staging-mib");
     extra.push_back(std::to_string(o.staging_mib));
   }
+  extra.insert(extra.end(), o.daemon_args.begin(), o.daemon_args.end());
   for (size_t i = 0; i < names.size(); ++i) {
     daemons[names[i]] = std::make_unique<Daemon>(names[i], ports[i], peers, extra, daemon_path);
     if (!daemons[names[i]]->ready()) {
@@ -199,11 +211,22 @@ int run(const Options& o, const std::string& daemon_path) {
 int main(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
+    std::string a = argv[i];
+    std::string inline_value;  // --flag=value
+    const bool has_inline = a.rfind("--", 0) == 0 && a.find('=') != std::string::npos;
+    if (has_inline) {
+      inline_value = a.substr(a.find('=') + 1);
+      a = a.substr(0, a.find('='));
+    }
     auto next = [&]() -> std::string {
+      if (has_inline) return inline_value;
       if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
       return argv[++i];
     };
+    if (a == "--help" || a == "-h") {
+      fmt::print("{}", kUsage);
+      return 0;
+    }
     try {
       if (a == "--layers") o.layers = std::stoi(next());
       else if (a == "--hidden") o.hidden = std::stoll(next());
@@ -215,9 +238,10 @@ int main(int argc, char** argv) {
       else if (a == "--chunk-mib") o.chunk_mib = std::stoll(next());
       else if (a == "--window-mib") o.window_mib = std::stoll(next());
       else if (a == "--verify") o.verify = true;
+      else if (a == "--daemon-arg") o.daemon_args.push_back(next());
       else throw std::invalid_argument("unknown option " + a);
     } catch (const std::exception& e) {
-      fmt::print(stderr, "shardcast-demo: {}\n", e.what());
+      fmt::print(stderr, "shardcast-demo: {}\n{}", e.what(), kUsage);
       return 2;
     }
   }
