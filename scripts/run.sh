@@ -4,7 +4,7 @@
 # layout (FSDP over 8 ranks), synced 3 versions in a row into a vLLM-like layout (TP=4 per
 # inference node, fused qkv / gate_up); every destination byte is verified after each sync and the
 # plan summary and throughput are printed. Extra arguments go to shardcast-demo (--layers,
-# --hidden, --syncs, --trainer-nodes, --inference-nodes, --ucx-tls, --verify).
+# --hidden, --syncs, --trainer-nodes, --inference-nodes, --ucx-tls, --verify, --daemon-arg; --help).
 # `scripts/run.sh plan` instead plans the example layout files (client/examples/layouts).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
