@@ -69,11 +69,8 @@ bool makeResident(void* data, size_t size, const std::string& what) {
   if (size == 0) return true;
   const bool locked = ::mlock(data, size) == 0;
   const int err = errno;
-  // One read per page from user mode and one from kernel mode: the page tables both kinds of access
-  // go through are complete now. Under a hypervisor that shadows guest page tables (separately for
-  // the guest's user and kernel mode), MAP_POPULATE and mlock fill only the guest's, and the first
-  // touch of each 4 KiB page from this process still traps, once per mode (~9 us: 2.3 s per GiB,
-  // which the first sync would pay otherwise). Reading never races with the owner's writes.
+  // One read per page from user mode and one from kernel mode (see shm.h); reading never races
+  // with the owner's writes.
   const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
   const auto* bytes = static_cast<const volatile unsigned char*>(data);
   unsigned char sink = 0;

@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -742,41 +743,51 @@ class UcxContext final : public Context {
 
 namespace {
 
+// A UCX_TLS value: its transport names, and whether it lists the ones to leave out ("^a,b").
+struct TlsList {
+  std::vector<std::string> items;
+  bool exclude = false;
+  bool empty() const { return items.empty(); }  // UCX's default: every transport
+  bool names(const std::string& t) const { return std::find(items.begin(), items.end(), t) != items.end(); }
+};
+
+TlsList parseTls(const std::string& tls) {
+  TlsList l;
+  l.exclude = !tls.empty() && tls[0] == '^';
+  std::stringstream ss(l.exclude ? tls.substr(1) : tls);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) l.items.push_back(item);
+  return l;
+}
+
 // True when the UCX_TLS list can reach another host (then peer-failure handling is available);
 // UCX 1.13's shared-memory transports have none and refuse PEER error handling.
 bool hasNetworkTransport(const std::string& tls) {
-  if (tls.empty() || tls[0] == '^') return true;
-  std::stringstream ss(tls);
-  std::string item;
-  while (std::getline(ss, item, ','))
+  const TlsList l = parseTls(tls);
+  if (l.empty() || l.exclude) return true;
+  for (const auto& item : l.items)
     if (item != "self" && item != "posix" && item != "sysv" && item != "cma" && item != "sm" && item != "shm" &&
         item != "mm" && item != "knem" && item != "xpmem")
       return true;
   return false;
 }
 
-// True when the UCX_TLS list lets UCX use TCP (an exclusion list "^..." unless it names tcp).
+// True when the UCX_TLS list lets UCX use TCP (an exclusion list unless it names tcp).
 bool mayUseTcp(const std::string& tls) {
-  const bool exclude = !tls.empty() && tls[0] == '^';
-  std::stringstream ss(exclude ? tls.substr(1) : tls);
-  std::string item;
-  bool named = false;
-  while (std::getline(ss, item, ',')) named |= item == "tcp" || item == "all";
-  return tls.empty() || (exclude ? !named : named);
+  const TlsList l = parseTls(tls);
+  const bool named = l.names("tcp") || l.names("all");
+  return l.empty() || (l.exclude ? !named : named);
 }
 
 }  // namespace
 
 const char* autoProtocolFor(const std::string& tls) {
-  if (tls.empty()) return "put";
-  std::stringstream ss(tls);
-  std::string item;
-  bool tcp = false, other = false;
-  while (std::getline(ss, item, ',')) {
-    if (item == "tcp") tcp = true;
-    else if (item != "self") other = true;
-  }
-  return tcp && !other ? "am" : "put";
+  const TlsList l = parseTls(tls);
+  if (l.empty() || l.exclude || !l.names("tcp")) return "put";
+  for (const auto& item : l.items)
+    if (item != "tcp" && item != "self") return "put";
+  return "am";
 }
 
 StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& options) {
