@@ -375,8 +375,18 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
   ep->incomplete.insert(op.seq);
   op.remaining = 1;  // held until every part is issued, so that an early completion cannot finish it
   for (const WriteOp& w : ops) op.bytes += w.length;
+  // UCX may report the endpoint failed from inside a send call; failEndpoint then finishes this
+  // operation at once. So the operation is looked up again before each part, never through a
+  // reference held across a UCX call, and no further part is issued once it is finished.
+  auto hold = [this, id]() {
+    auto it = ops_.find(id);
+    if (it == ops_.end()) return false;
+    ++it->second.remaining;
+    return true;
+  };
   for (const WriteOp& w : ops) {
     if (w.length == 0) continue;
+    if (!hold()) return;
     auto* region = static_cast<UcxRegion*>(w.src.get());
     void* src = static_cast<std::byte*>(w.src->data()) + w.src_offset;
     auto* ctx = new RequestCtx{this, id, nullptr, nullptr, {}, {}, nullptr};
@@ -387,7 +397,6 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
     rp.user_data = ctx;
     rp.memh = region->memh();
     ucs_status_ptr_t req;
-    ++ops_[id].remaining;
     if (protocol_ == "put") {
       auto rkey = rkeyFor(*ep, w.dst.rkey);
       if (!rkey.ok()) {
@@ -409,12 +418,12 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
   }
   if (protocol_ == "put") {
     // Remote visibility: a flush completes after every earlier put reached the peer's memory.
+    if (!hold()) return;
     auto* ctx = new RequestCtx{this, id, nullptr, nullptr, {}, {}, nullptr};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.send = &Callbacks::onSend;
     rp.user_data = ctx;
-    ++ops_[id].remaining;
     ucs_status_ptr_t req = ucp_ep_flush_nbx(ep->ep, &rp);
     if (req == nullptr) {
       delete ctx;
