@@ -24,17 +24,16 @@ class TaskQueue {
   bool valid() const { return fd_ >= 0; }
   int fd() const { return fd_; }
 
-  // The eventfd is signalled at most once between drains (a wake-up per task would cost a
-  // syscall and a context switch each), and `signalled_` mirrors it exactly: both change only
-  // under the lock, so a drain never leaves it readable over an empty queue (poll would then
-  // return at once, forever) and an empty queue costs no syscall.
+  // The eventfd is signalled exactly while tasks wait: by the push that makes the queue non-empty,
+  // cleared by the drain that empties it, both under the lock (a wake-up per task would cost a
+  // syscall and a context switch each; a drain never leaves it readable over an empty queue, where
+  // poll would return at once, forever; an empty queue costs no syscall).
   void push(std::function<void()> task) {
     std::lock_guard<std::mutex> lock(mu_);
     tasks_.push_back(std::move(task));
-    if (signalled_) return;
+    if (tasks_.size() > 1) return;  // signalled already
     const uint64_t one = 1;
     [[maybe_unused]] auto n = ::write(fd_, &one, sizeof(one));
-    signalled_ = true;
   }
 
   // Runs every queued task outside the lock; returns how many ran.
@@ -42,10 +41,9 @@ class TaskQueue {
     std::deque<std::function<void()>> batch;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (signalled_) {
+      if (!tasks_.empty()) {
         uint64_t ignored;
         [[maybe_unused]] auto n = ::read(fd_, &ignored, sizeof(ignored));
-        signalled_ = false;
       }
       batch.swap(tasks_);
     }
@@ -57,7 +55,6 @@ class TaskQueue {
   int fd_;
   std::mutex mu_;
   std::deque<std::function<void()>> tasks_;
-  bool signalled_ = false;
 };
 
 // A TaskQueue that can be closed: once its owner shuts it down, post() refuses work (so callers
