@@ -10,7 +10,7 @@ if [ "${1:-}" = "--sanitize" ]; then
   build="$root/build-asan"
   flags+=(-DSHARDCAST_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug)
 fi
-bash "$root/scripts/deps.sh"
+bash "$root/scripts/deps.sh" build
 if [ ! -f "$build/CMakeCache.txt" ]; then
   cmake -S "$root" -B "$build" "${flags[@]}" >/dev/null
 fi

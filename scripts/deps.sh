@@ -1,27 +1,32 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages Shardcast needs to build and test. Idempotent: when everything is
-# already installed it only runs dpkg-query and exits (well under a second).
+# Installs what Shardcast needs to build and test on Debian 12. Idempotent: when everything is
+# already there it only runs dpkg-query and compares one stamp file (well under a second).
+#
+#   deps.sh build   the Debian packages that building shardcastd and the CLI needs (the container
+#                   image and scripts/run.sh use this)
+#   deps.sh         also the test tools (Go, clang, iproute2) and the test venv: Debian's Python
+#                   with torch >= 2.4, pytest, kubernetes-validate and the client package from
+#                   client/python, all from PyPI (scripts/requirements-test.txt). It is created
+#                   once and cached in $SHARDCAST_VENV (default ~/.cache/shardcast/venv-py3),
+#                   recreated only when the requirements change; `.venv` in the checkout links to it.
 set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+mode="${1:-all}"
 
-# `deps.sh build`: what building shardcastd and the CLI needs (the container image uses this).
-# `deps.sh` (all): also what the tests and examples need.
 packages=(
   build-essential cmake pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libucx-dev ucx-utils libspdlog-dev libfmt-dev catch2 libcli11-dev libxxhash-dev
   libcpp-httplib-dev
 )
-if [ "${1:-all}" != "build" ]; then
+if [ "$mode" != "build" ]; then
   packages+=(
-    python3-grpcio python3-protobuf python3-pytest python3-numpy python3-yaml
-    python3-torch  # optional for the Python client; its torch tests run when present
-    iproute2       # network-namespace tests
+    python3 python3-venv  # the test venv's interpreter (Debian's 3.11)
+    iproute2              # network-namespace tests
+    # The Go example client, built in GOPATH mode from Debian's Go packages (no module downloads).
+    golang-go golang-google-grpc-dev golang-google-protobuf-dev protoc-gen-go protoc-gen-go-grpc
+    golang-github-golang-protobuf-1-5-dev  # grpc-go's codec must know protoc-gen-go's (APIv2) messages
   )
-  # The Node.js example and the manifest checks need node and npm; machines that already have
-  # them (e.g. from NodeSource) keep theirs, since Debian's npm would conflict with those.
-  if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
-    packages+=(nodejs npm)
-  fi
 fi
 
 missing=()
@@ -30,11 +35,29 @@ for p in "${packages[@]}"; do
     missing+=("$p")
   fi
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "deps: installing ${missing[*]}" >&2
+  sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+[ "$mode" = "build" ] && exit 0
 
-echo "deps: installing ${missing[*]}" >&2
-sudo=""
-[ "$(id -u)" -ne 0 ] && sudo="sudo"
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -qq
-$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# The test venv. The stamp names what it was made from; a venv without a matching stamp (never
+# made, made from other requirements, or interrupted half-way) is made again from scratch.
+venv="${SHARDCAST_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/shardcast/venv-py3}"
+stamp="$(cat "$root/scripts/requirements-test.txt" "$root/client/python/pyproject.toml" | sha256sum | cut -c1-16)"
+stamp="$stamp $(/usr/bin/python3 -c 'import sys; print(sys.version.split()[0])')"
+if [ "$(cat "$venv/.shardcast-stamp" 2>/dev/null)" != "$stamp" ]; then
+  echo "deps: creating the test venv in $venv (torch from PyPI: a few GB, once)" >&2
+  rm -rf "$venv"
+  mkdir -p "$(dirname "$venv")"
+  /usr/bin/python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  # The client package as a user installs it: its grpcio, protobuf and numpy come from PyPI.
+  "$venv/bin/python" -m pip install -q -r "$root/scripts/requirements-test.txt" "$root/client/python"
+  echo "$stamp" >"$venv/.shardcast-stamp"
+fi
+ln -sfn "$venv" "$root/.venv"

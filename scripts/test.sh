@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds everything and runs every test: pytest (Python client, examples, deployment), then ctest.
-# ctest's summary is the last thing printed. With --sanitize: an ASan/UBSan build in build-asan/.
+# Builds everything and runs every test: pytest (Python client, examples, real PyTorch DTensor
+# syncs, deployment) in the test venv, then ctest. ctest's summary is the last thing printed.
+# With --sanitize: an ASan/UBSan build in build-asan/ (the daemons the Python tests start too).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="$root/build"
@@ -10,11 +11,17 @@ if [ "${1:-}" = "--sanitize" ]; then
   build="$root/build-asan"
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 fi
+bash "$root/scripts/deps.sh"  # Debian packages and the test venv (torch, grpcio, protobuf from PyPI)
 bash "$root/scripts/build.sh" "${mode[@]}"
+py="$root/.venv/bin/python"
+# The client package as installed by pip, from this checkout (the venv may hold an older one).
+"$py" -m pip install -q --no-deps --no-build-isolation --force-reinstall "$root/client/python"
+"$py" -c 'import google.protobuf, grpc, torch; print(f"test venv: torch {torch.__version__}, grpcio {grpc.__version__}, protobuf {google.protobuf.__version__}")'
 # pytest: the Python client and the examples, then the deployment checks (manifests validated
-# against Kubernetes' API types, consistency with the daemon's flags, the daemon run as the
+# against Kubernetes' schemas, consistency with the daemon's flags, the daemon run as the
 # DaemonSet says). Separate runs: each directory has its own conftest.
-SHARDCAST_BUILD="$build" /usr/bin/python3 -m pytest -q -rs "$root/client/python/tests"
-SHARDCAST_BUILD="$build" /usr/bin/python3 -m pytest -q -rs "$root/deploy/tests"
+export SHARDCAST_BUILD="$build"
+"$py" -m pytest -q -rs "$root/client/python/tests"
+"$py" -m pytest -q -rs "$root/deploy/tests"
 cd "$build"
 ctest --output-on-failure -j "$(nproc 2>/dev/null || echo 2)"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -17,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 TOOLS = DEPLOY / "tools"
 K8S = DEPLOY / "k8s"
-sys.path.insert(0, str(ROOT / "client" / "python"))
+sys.path.insert(0, str(TOOLS))
 
+import validate  # noqa: E402  (deploy/tools/validate.py)
 from shardcast.local import find_shardcastd  # noqa: E402
 
 
@@ -45,22 +45,20 @@ def daemon_flags() -> DaemonFlags:
 
 
 @pytest.fixture(scope="session")
-def node_tools() -> Path:
-    """deploy/tools with its npm packages installed (npm ci from the committed lockfile)."""
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.fail("node and npm are needed for the manifest checks (scripts/deps.sh installs them)")
-    stamp = TOOLS / "node_modules" / ".package-lock.json"
-    if not stamp.exists() or stamp.stat().st_mtime < (TOOLS / "package-lock.json").stat().st_mtime:
-        r = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=TOOLS, capture_output=True, text=True, timeout=600)
-        if r.returncode != 0:
-            pytest.fail(f"npm ci in deploy/tools failed: {r.stderr[-2000:]}")
-    return TOOLS
+def kubectl() -> str:
+    """kubectl (with kustomize v5), which renders the kustomizations as `kubectl apply -k` would."""
+    path = shutil.which("kubectl")
+    if path is None:
+        pytest.fail("kubectl is needed for the manifest checks (it renders the kustomize overlays)")
+    return path
 
 
 def render(directory: Path) -> List[dict]:
-    r = subprocess.run(["node", str(TOOLS / "render.js"), str(directory), "--json"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    """The objects `kubectl kustomize DIR` renders."""
+    try:
+        return validate.render(directory)
+    except validate.RenderError as e:
+        pytest.fail(str(e))
 
 
 def by_kind(objects: List[dict], kind: str) -> Dict[str, dict]:

@@ -70,7 +70,7 @@ def expand(value: str, env: Dict[str, str]) -> str:
 
 
 @pytest.mark.parametrize("where", SHIPPED)
-def test_flags_env_ports_probes_and_socket_match_the_daemon(node_tools, daemon_flags, where):
+def test_flags_env_ports_probes_and_socket_match_the_daemon(kubectl, daemon_flags, where):
     pod, container, objects = daemon_container(where)
     flags = flag_values(container)
     assert set(flags) <= daemon_flags.flags, f"{where}: unknown flags {set(flags) - daemon_flags.flags}"
@@ -111,7 +111,7 @@ def test_flags_env_ports_probes_and_socket_match_the_daemon(node_tools, daemon_f
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
-def test_services_select_the_daemon_pods(node_tools, overlay):
+def test_services_select_the_daemon_pods(kubectl, overlay):
     objects = render(overlay)
     ds = by_kind(objects, "DaemonSet")["shardcastd"]
     labels = ds["spec"]["template"]["metadata"]["labels"]
@@ -124,7 +124,7 @@ def test_services_select_the_daemon_pods(node_tools, overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
-def test_the_daemon_accepts_each_overlays_configuration(node_tools, overlay):
+def test_the_daemon_accepts_each_overlays_configuration(kubectl, overlay):
     objects = render(overlay)
     container = by_kind(objects, "DaemonSet")["shardcastd"]["spec"]["template"]["spec"]["containers"][0]
     env = env_of(container, objects)

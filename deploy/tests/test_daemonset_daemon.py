@@ -38,7 +38,7 @@ def health_check(address: str, service: str = "") -> int:
     return response[1]
 
 
-def test_daemon_started_as_the_daemonset_says(node_tools):
+def test_daemon_started_as_the_daemonset_says(kubectl):
     objects = render(K8S / "base")
     pod = by_kind(objects, "DaemonSet")["shardcastd"]["spec"]["template"]["spec"]
     container = pod["containers"][0]

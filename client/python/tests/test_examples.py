@@ -1,10 +1,10 @@
-"""The other-language examples against real daemons: the Node.js script (when npm can install its
-dependencies) and the shell script around the CLI. Ranks are registered from Python workers."""
+"""The other-language examples against real daemons: the Go client (built from Debian's Go packages)
+and the shell script around the CLI. Ranks are registered from Python workers."""
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -37,36 +37,44 @@ def write_and_check(workers, version, run_sync):
             assert recv(conn, "checked") == (version, 0)
 
 
-def test_node_example_triggers_a_sync(registered, tmp_path):
-    (n0, _), workers = registered
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("Node.js example not run: node/npm are not installed")
-    example = ROOT / "client" / "examples" / "node"
-    for f in ("package.json", "package-lock.json", "sync.js"):
-        shutil.copy(example / f, tmp_path / f)
-    install = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=300)
-    if install.returncode != 0:
-        pytest.skip(f"Node.js example not run: npm could not install @grpc/grpc-js ({install.stderr.strip()[-300:]})")
-    env = dict(os.environ, SHARDCAST_PROTO_DIR=str(ROOT / "proto"))
+@pytest.fixture(scope="module")
+def go_example(tmp_path_factory):
+    """The Go example client, built with Debian's Go toolchain and packages (GOPATH mode)."""
+    out = tmp_path_factory.mktemp("go") / "shardcast-sync"
+    r = subprocess.run(["bash", str(ROOT / "client" / "examples" / "go" / "build.sh"), str(out)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, f"the Go example does not build (scripts/deps.sh installs Go): {r.stderr[-3000:]}"
+    return out
+
+
+def test_go_example_syncs_watches_and_waits(go_example, registered):
+    (n0, n1), workers = registered
+    go = str(go_example)
 
     def run_sync():
-        out = subprocess.run(["node", "sync.js", "--daemon", n0.target, "--src", "trainer", "--dst", "infer",
-                              "--version", "1", "--verify"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=120)
+        out = subprocess.run([go, "sync", "--daemon", n0.target, "--src", "trainer", "--dst", "infer", "--version", "1",
+                              "--verify"], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
-        assert '"version":"1"' in out.stdout
-        assert "committed" in out.stderr
+        result = json.loads(out.stdout)
+        assert result["version"] == 1 and result["network_bytes"] > 0
+        assert "committed" in out.stderr  # the progress stream, followed while the sync ran
+        waited = subprocess.run([go, "wait", "--daemon", n1.target, "--group", "infer", "--version", "1",
+                                 "--timeout-s", "10"], capture_output=True, text=True, timeout=60)
+        assert waited.returncode == 0, waited.stderr
+        assert json.loads(waited.stdout) == {"group": "infer", "version": 1}
 
     write_and_check(workers, 1, run_sync)
-    again = subprocess.run(["node", "sync.js", "--daemon", n0.target, "--src", "trainer", "--dst", "infer",
-                            "--version", "1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    again = subprocess.run([go, "sync", "--daemon", n0.target, "--src", "trainer", "--dst", "infer", "--version", "1"],
+                           capture_output=True, text=True, timeout=120)
     assert again.returncode == 5 and "not newer" in again.stderr
-    nowhere = subprocess.run(["node", "sync.js", "--daemon", "unix:/tmp/shardcast-node-nobody.sock", "--src", "a",
-                              "--dst", "b", "--version", "1"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=60)
-    assert nowhere.returncode == 4
-    assert subprocess.run(["node", "sync.js", "--src", "a"], cwd=tmp_path, env=env, capture_output=True).returncode == 2
+    later = subprocess.run([go, "wait", "--daemon", n1.target, "--group", "infer", "--version", "2", "--timeout-s",
+                            "0.5"], capture_output=True, text=True, timeout=60)
+    assert later.returncode == 5 and "at version 1" in later.stderr
+    nowhere = subprocess.run([go, "sync", "--daemon", "unix:/tmp/shardcast-go-nobody.sock", "--src", "a", "--dst",
+                              "b", "--version", "1"], capture_output=True, text=True, timeout=60)
+    assert nowhere.returncode == 4 and "not reachable" in nowhere.stderr
+    for usage in (["sync", "--src", "a"], ["wait", "--group", "g"], ["frobnicate"], [], ["sync", "--bogus"]):
+        assert subprocess.run([go, *usage], capture_output=True).returncode == 2, usage
 
 
 def test_shell_example_syncs_with_the_cli(registered):
