@@ -3,14 +3,18 @@ between differently sharded groups, watch them and wait for versions.
 
     import shardcast
     client = shardcast.Client()                      # the node's daemon (Unix socket)
-    reg = client.register("trainer", rank, world, model.state_dict(), layout)
-    ...                                              # train: the tensors now live in shared memory
+    # trainer rank (FSDP2 / TP DTensors), in place: every optimizer step lands in shared memory
+    reg = client.register_dtensors("trainer", dict(model.named_parameters()))
     client.sync("trainer", "vllm", version=step)     # every inference rank has step's weights
+    # inference rank: its local tensors and its parallel plan (TP, fused qkv / gate_up, experts)
+    plan = shardcast.ParallelPlan(tp_size=4, tp_rank=r, column=["*q_proj*"], row=["*o_proj*"], fused={...})
+    client.register_inference("vllm", local_tensors, plan, meta_model.state_dict(), nodes=[...])
 """
 
 from shardcast.client import Client, ShardcastError, default_target, DEFAULT_SOCKET
 from shardcast.layout import load_layout, layout_from_dtensors, dtensor_available
 from shardcast.memory import Registration
+from shardcast.parallel import ParallelPlan, inference_layout, local_shapes
 
 __all__ = [
     "Client",
@@ -21,4 +25,7 @@ __all__ = [
     "load_layout",
     "layout_from_dtensors",
     "dtensor_available",
+    "ParallelPlan",
+    "inference_layout",
+    "local_shapes",
 ]

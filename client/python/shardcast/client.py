@@ -6,12 +6,13 @@ import json
 import os
 import threading
 import uuid
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import grpc
 
-from shardcast.layout import LayoutLike, load_layout
-from shardcast.memory import Registration, SharedTensors, _cuda_handle, _is_torch
+from shardcast.layout import LayoutLike, layout_from_dtensors, load_layout, root_mesh
+from shardcast.memory import Registration, SharedTensors, _cuda_handle, _is_torch, in_place_handle, local_tensor
+from shardcast.parallel import ParallelPlan, check_local_tensors, gather_nodes, inference_layout
 from shardcast.v1 import service_pb2, service_pb2_grpc
 
 #: Where a node's daemon listens for local clients (common/defaults.h says the same).
@@ -72,24 +73,33 @@ class Client:
 
     # ---- registration ----
 
-    def register(self, group: str, rank: int, world_size: int, tensors: Mapping[str, Any], layout: LayoutLike,
-                 *, rebind: bool = True) -> Registration:
-        """Registers `rank` of `group` with its local tensors (numpy arrays or torch tensors, keyed by
-        the layout's tensor or fused-buffer names). Host tensors move into shared memory (torch
-        tensors in place when `rebind`; see Registration.tensors); CUDA tensors are shared by IPC."""
+    def register(self, group: str, rank: int, world_size: int, tensors: Mapping[str, Any],
+                 layout: LayoutLike) -> Registration:
+        """Registers `rank` of `group` with its local tensors, keyed by the layout's tensor or
+        fused-buffer names: torch tensors (CPU or CUDA, nn.Parameters, DTensors: their local shard)
+        are shared in place, numpy arrays are copied once into shared memory (see
+        Registration.tensors). For layouts derived from DTensors or a parallel plan, see
+        register_dtensors and register_inference."""
         msg = load_layout(layout, group)
         req = service_pb2.RegisterRequest(group=group, rank=rank, world_size=world_size)
         req.layout.CopyFrom(msg)
-        host = {n: t for n, t in tensors.items() if not (_is_torch(t) and t.is_cuda)}
-        shared = SharedTensors(host, rebind=rebind) if host else None
-        views: Dict[str, Any] = {}
+        copied: Dict[str, Any] = {}
+        in_place: List[Tuple[str, Any, int]] = []
+        for name, t in tensors.items():
+            if not _is_torch(t):
+                if int(getattr(t, "nbytes", 1)) > 0:
+                    copied[name] = t
+                continue
+            local = local_tensor(t)
+            if local.numel() == 0:
+                continue  # a rank that holds none of a tensor (an uneven shard) registers no memory for it
+            if local.is_cuda:
+                req.buffers.append(_cuda_handle(name, local))
+            else:
+                req.buffers.append(in_place_handle(name, local))
+                in_place.append((name, t, local.untyped_storage().data_ptr()))
+        shared = SharedTensors(copied) if copied else None
         try:
-            for name, t in tensors.items():
-                if name in host:
-                    views[name] = shared.views[name]  # type: ignore[union-attr]
-                else:
-                    req.buffers.append(_cuda_handle(name, t))
-                    views[name] = t
             if shared is not None:
                 req.buffers.extend(shared.handles)
             resp = self._stub.Register(req, timeout=self.timeout)
@@ -101,7 +111,47 @@ class Client:
             if shared is not None:
                 shared.release()
             raise
-        return Registration(self, group, rank, world_size, resp, views, shared)
+        views = {name: (shared.views[name] if name in copied else t)  # type: ignore[union-attr]
+                 for name, t in tensors.items()}
+        return Registration(self, group, rank, world_size, resp, views, shared, in_place)
+
+    def register_dtensors(self, group: str, tensors: Mapping[str, Any], *, nodes: Optional[Sequence[str]] = None,
+                          process_group: Any = None) -> Registration:
+        """A trainer rank registers its DTensors ({name: DTensor}, e.g. dict(model.named_parameters())
+        after fully_shard / parallelize_module), in place. The group's layout comes from the
+        DTensors' mesh and placements; the rank is this process's position in the mesh; each rank's
+        node is gathered through torch.distributed (or given as `nodes`). Every rank of the group
+        calls this (it is a collective when nodes are gathered). Register after the first forward
+        pass: FSDP2 may re-pad uneven shards in its lazy init (Registration.check() tells)."""
+        if not tensors:
+            raise ValueError(f'register group "{group}": no tensors')
+        mesh = root_mesh(tensors)
+        world = int(mesh.size())
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError(f'register group "{group}": this process is not in the DTensors\' device mesh')
+        rank = 0
+        for c, n in zip(coordinate, mesh.mesh.shape):
+            rank = rank * int(n) + int(c)
+        if nodes is None:
+            nodes = gather_nodes(self.status().node, world, process_group)
+        layout = layout_from_dtensors(group, tensors, nodes=nodes)
+        return self.register(group, rank, world, tensors, layout)
+
+    def register_inference(self, group: str, tensors: Mapping[str, Any], plan: ParallelPlan, model: Mapping[str, Any],
+                           *, nodes: Optional[Sequence[str]] = None, ranks_per_node: Optional[int] = None,
+                           node_prefix: str = "node-", process_group: Any = None) -> Registration:
+        """An inference rank registers its local tensors ({buffer: tensor}, named as the engine
+        holds them: fused buffers by their own names) under its parallel `plan`, for `model`'s full
+        tensor shapes ({name: tensor or (shape, dtype)}; a meta-device model's state_dict will do).
+        Each local tensor must have exactly the shape and dtype the plan gives this rank. Nodes:
+        `nodes`, `ranks_per_node` (+ `node_prefix`), or gathered through `process_group`."""
+        check_local_tensors(plan, model, tensors)
+        if nodes is None and ranks_per_node is None:
+            nodes = gather_nodes(self.status().node, plan.world_size, process_group)
+        layout = inference_layout(group, plan, model, nodes=nodes, ranks_per_node=ranks_per_node,
+                                  node_prefix=node_prefix)
+        return self.register(group, plan.rank, plan.world_size, tensors, layout)
 
     def unregister(self, group: str, rank: int) -> None:
         try:

@@ -59,18 +59,52 @@ def dtensor_available() -> Optional[str]:
 
 
 def _placement(p: Any) -> dict:
-    # Duck-typed on DTensor's Placement API (is_shard / is_replicate / is_partial), which has been
-    # stable from torch 2.0 on; _StridedShard is a Shard with a split_factor.
+    # Duck-typed on DTensor's Placement API (is_shard / is_replicate / is_partial). _StridedShard
+    # (FSDP2 over TP) carries a split_factor; it is a Shard subclass up to torch 2.5 and a
+    # placement of its own, with is_shard() False, from torch 2.6 on: look for split_factor first.
     if p.is_replicate():
         return {"replicate": {}}
-    if p.is_shard():
-        split = getattr(p, "split_factor", None)
-        if split is not None and split != 1:
+    split = getattr(p, "split_factor", None)
+    if split is not None and hasattr(p, "dim"):
+        if int(split) != 1:
             return {"strided_shard": {"dim": int(p.dim), "split_factor": int(split)}}
+        return {"shard": {"dim": int(p.dim)}}
+    if p.is_shard():
         return {"shard": {"dim": int(p.dim)}}
     if p.is_partial():
         raise ValueError("a Partial placement holds unreduced sums: reduce (redistribute to Replicate/Shard) before syncing")
     raise ValueError(f"unsupported placement {p!r}")
+
+
+def root_mesh(tensors: Mapping[str, Any]) -> Any:
+    """The group's device mesh: that of the DTensor with the most mesh dims. The others must be
+    on it or on a named submesh of it (FSDP2 over a TP mesh leaves the parameters TP does not
+    touch on the "dp" submesh)."""
+    meshes = [t.device_mesh for t in tensors.values() if hasattr(t, "device_mesh")]
+    if not meshes:
+        raise ValueError("no DTensor among the tensors: the device mesh comes from them")
+    return max(meshes, key=lambda m: m.mesh.ndim)
+
+
+def _placements_on(root: Any, name: str, t: Any) -> list:
+    """`t`'s placements over the root mesh's dims (Replicate over dims its submesh lacks)."""
+    m = t.device_mesh
+    if m.mesh.shape == root.mesh.shape and m.mesh.tolist() == root.mesh.tolist():
+        return [_placement(p) for p in t.placements]
+    names, root_names = list(getattr(m, "mesh_dim_names", None) or []), list(getattr(root, "mesh_dim_names", None) or [])
+    where = [root_names.index(n) if n in root_names else -1 for n in names]
+    if not names or -1 in where or where != sorted(where):
+        raise ValueError(f'tensor "{name}" is on device mesh {names or m.mesh.tolist()}, which is not a named '
+                         f"submesh of the group's mesh {root_names or root.mesh.tolist()}")
+    coordinate = root.get_coordinate()
+    index = tuple(slice(None) if i in where else coordinate[i] for i in range(root.mesh.ndim))
+    if root.mesh[index].tolist() != m.mesh.tolist():
+        raise ValueError(f'tensor "{name}": its submesh {m.mesh.tolist()} is not the slice of the group\'s mesh '
+                         f"{root.mesh.tolist()} through this rank")
+    out: list = [{"replicate": {}} for _ in range(root.mesh.ndim)]
+    for i, p in zip(where, t.placements):
+        out[i] = _placement(p)
+    return out
 
 
 def layout_from_dtensors(
@@ -83,26 +117,19 @@ def layout_from_dtensors(
     fused: Optional[Sequence[Mapping[str, Any]]] = None,
 ) -> dict:
     """The layout (JSON form, a dict) of a group holding `tensors`, DTensors keyed by name, all on one
-    device mesh whose ranks are 0..N-1 in row-major order. Say where ranks run with `nodes` (one node
+    device mesh whose ranks are 0..N-1 in row-major order (plain tensors among them are replicated:
+    every rank holds the same values). Say where ranks run with `nodes` (one node
     name per rank) or `ranks_per_node` (+ `node_prefix`); default: every rank on its own node."""
     if not tensors:
         raise ValueError("no tensors")
-    mesh = None
+    mesh = root_mesh(tensors)
     out_tensors = []
     for name, t in tensors.items():
-        m = t.device_mesh
-        if mesh is None:
-            mesh = m
-        elif m.mesh.tolist() != mesh.mesh.tolist():
-            raise ValueError(f'tensor "{name}" is on another device mesh than the first tensor')
-        out_tensors.append(
-            {
-                "name": name,
-                "shape": [int(s) for s in t.shape],
-                "dtype": str(t.dtype).replace("torch.", ""),
-                "placements": [_placement(p) for p in t.placements],
-            }
-        )
+        entry = {"name": name, "shape": [int(s) for s in t.shape], "dtype": str(t.dtype).replace("torch.", "")}
+        if hasattr(t, "device_mesh"):
+            entry["placements"] = _placements_on(mesh, name, t)
+        # else: a plain tensor (e.g. a norm weight TP leaves alone) is the same on every rank
+        out_tensors.append(entry)
     ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
     if ranks != list(range(len(ranks))):
         raise ValueError(f"the device mesh's ranks must be 0..{len(ranks) - 1} in row-major order (got {ranks})")

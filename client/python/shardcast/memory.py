@@ -1,10 +1,18 @@
-"""A rank's registered tensors. Host tensors are copied once, at registration, into one POSIX
-shared-memory segment that the daemon maps too: from then on the application and the daemon share
-the same pages, so syncs read and write the application's weights directly. CUDA tensors are shared
-through CUDA IPC handles without any copy."""
+"""A rank's registered memory, shared with the node's daemon without a copy where possible:
+
+- torch CPU tensors (plain, nn.Parameter, or a DTensor's local tensor) stay where they are: their
+  storage is moved into POSIX shared memory in place with torch's own machinery (the
+  `file_system` sharing strategy), so every view of it (the parameter, FSDP2's padded shard, the
+  optimizer's reference) keeps working and every later update lands in memory the daemon reads;
+- CUDA tensors are shared through CUDA IPC handles, no copy;
+- numpy arrays are copied once into one segment; write into `Registration.tensors`, which are
+  arrays backed by that segment;
+- a tensor a rank holds no element of (an uneven shard) registers no memory.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import secrets
@@ -19,6 +27,18 @@ _ALIGN = 64
 
 def _is_torch(value: Any) -> bool:
     return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr")
+
+
+def _is_dtensor(value: Any) -> bool:
+    return _is_torch(value) and hasattr(value, "device_mesh") and hasattr(value, "placements")
+
+
+def local_tensor(value: Any) -> Any:
+    """The tensor whose memory a rank registers: a DTensor's local shard, else `value` itself."""
+    if _is_dtensor(value):
+        local = getattr(value, "_local_tensor", None)
+        return local if local is not None else value.to_local()
+    return value
 
 
 def _nbytes(value: Any) -> int:
@@ -42,14 +62,63 @@ def _cuda_handle(name: str, t: Any) -> service_pb2.MemoryHandle:
     return h
 
 
-class SharedTensors:
-    """Host tensors in one shared-memory segment (owned: unlinked by release())."""
+def _segment_bytes(name: str, offset: int, n: int) -> bytes:
+    fd = _posixshmem.shm_open(name, os.O_RDONLY, mode=0)
+    try:
+        size = os.fstat(fd).st_size
+        if offset + n > size:
+            return b""
+        start = offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(fd, offset + n - start, prot=mmap.PROT_READ, offset=start) as m:
+            return m[offset - start:offset - start + n]
+    finally:
+        os.close(fd)
 
-    def __init__(self, tensors: Mapping[str, Any], *, rebind: bool = True) -> None:
+
+def in_place_handle(name: str, t: Any) -> service_pb2.MemoryHandle:
+    """The handle of a torch CPU tensor's memory after moving its storage into shared memory in
+    place (torch's `file_system` strategy: segment /torch_<pid>_..., removed by torch when the
+    storage is freed or the process ends). The data sits behind the segment's header; where is
+    derived from the segment's size and checked against the tensor's own bytes."""
+    if not t.is_contiguous():
+        raise ValueError(f'tensor "{name}": strides {tuple(t.stride())} for shape {tuple(t.shape)} are not '
+                         "row-major; register a contiguous tensor")
+    storage = t.untyped_storage()
+    try:
+        _manager, segment, nbytes = storage._share_filename_cpu_()
+    except (RuntimeError, AttributeError) as e:
+        raise ValueError(f'tensor "{name}": its storage cannot be moved into shared memory in place: {e}') from None
+    segment = segment.decode() if isinstance(segment, bytes) else str(segment)
+    fd = _posixshmem.shm_open(segment, os.O_RDONLY, mode=0)
+    try:
+        header = os.fstat(fd).st_size - int(nbytes)
+    finally:
+        os.close(fd)
+    if not 0 <= header <= 4096:
+        raise ValueError(f'tensor "{name}": shared segment "{segment}" has {header} bytes beyond its storage; '
+                         "cannot tell where the data is")
+    begin = header + t.storage_offset() * t.element_size()
+    size = _nbytes(t)
+    # The segment at `begin` must be the tensor's own memory (a few KiB at both ends compared).
+    for off in {0, max(0, size - 4096)}:
+        n = min(4096, size - off)
+        if _segment_bytes(segment, begin + off, n) != ctypes.string_at(t.data_ptr() + off, n):
+            raise ValueError(f'tensor "{name}": shared segment "{segment}" does not hold the tensor at offset {begin}')
+    h = service_pb2.MemoryHandle(buffer=name)
+    h.shm.name = segment
+    h.shm.offset = begin
+    h.shm.size = size
+    return h
+
+
+class SharedTensors:
+    """numpy arrays copied once into one shared-memory segment (owned: unlinked by release())."""
+
+    def __init__(self, tensors: Mapping[str, Any]) -> None:
         slots: List[Tuple[str, Any, int]] = []
         end = 0
         for name, value in tensors.items():
-            if not _is_torch(value) and not hasattr(value, "__array_interface__"):
+            if not hasattr(value, "__array_interface__"):
                 raise TypeError(f'tensor "{name}": expected a numpy array or a torch tensor, got {type(value).__name__}')
             slots.append((name, value, end))
             end += (_nbytes(value) + _ALIGN - 1) // _ALIGN * _ALIGN
@@ -61,70 +130,56 @@ class SharedTensors:
         fd = _posixshmem.shm_open(self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o660)
         try:
             os.ftruncate(fd, size)
-            self._map: Optional[mmap.mmap] = mmap.mmap(fd, size)
+            mapping = mmap.mmap(fd, size)
         except BaseException:
             _posixshmem.shm_unlink(self.name)
             raise
         finally:
             os.close(fd)
-        self._buf = memoryview(self._map)
+        # The arrays below hold the mapping through this memoryview: it stays mapped for as long as
+        # any of them is alive, whatever happens to the registration.
+        buf = memoryview(mapping)
+        self._unlinked = False
         self.views: Dict[str, Any] = {}
         self.handles: List[service_pb2.MemoryHandle] = []
         for name, value, offset in slots:
-            view = self._place(value, offset)
-            if rebind and _is_torch(value) and view is not value:
-                value.data = view  # the caller's tensor (or nn.Parameter) now lives in the segment
-                view = value
-            self.views[name] = view
+            self.views[name] = self._place(buf, value, offset)
             h = service_pb2.MemoryHandle(buffer=name)
             h.shm.name = self.name
             h.shm.offset = offset
             h.shm.size = _nbytes(value)
             self.handles.append(h)
 
-    def _place(self, value: Any, offset: int) -> Any:
-        n = _nbytes(value)
-        if _is_torch(value):
-            import torch
-
-            src = value.detach()
-            if n == 0:
-                return torch.empty(src.shape, dtype=src.dtype)
-            dst = torch.frombuffer(self._buf, dtype=src.dtype, count=src.numel(), offset=offset).view(src.shape)
-            dst.copy_(src)
-            return dst
+    @staticmethod
+    def _place(buf: memoryview, value: Any, offset: int) -> Any:
         import numpy as np
 
         src = np.asarray(value)
-        dst = np.ndarray(src.shape, dtype=src.dtype, buffer=self._buf, offset=offset)
+        dst = np.ndarray(src.shape, dtype=src.dtype, buffer=buf, offset=offset)
         dst[...] = src
         return dst
 
     def release(self) -> None:
-        """Unlinks the segment; the pages stay mapped while views of them are alive."""
-        if self._map is None:
+        """Unlinks the segment; its pages stay mapped while arrays viewing them are alive."""
+        if self._unlinked:
             return
+        self._unlinked = True
         try:
             _posixshmem.shm_unlink(self.name)
         except FileNotFoundError:
             pass
         self.views = {}
-        self._buf.release()
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # views handed to the application keep the mapping alive until they go
-        self._map = None
 
 
 class Registration:
-    """What `Client.register` returns: the rank's tensors as the daemon sees them. For torch CPU
-    tensors these are the caller's own tensors, moved into shared memory in place; for numpy arrays
-    they are new arrays backed by shared memory (write the weights there); CUDA tensors are the
-    caller's, shared by IPC. `close()` (or a `with` block) unregisters and frees the segment."""
+    """What `Client.register` returns: the rank's tensors as the daemon sees them. Torch tensors
+    (CPU, CUDA, DTensors) are the caller's own, shared in place; numpy arrays are new arrays backed
+    by shared memory (write the weights there). `close()` (or a `with` block) unregisters; the
+    memory stays valid for as long as the application holds a tensor or array of it."""
 
     def __init__(self, client: Any, group: str, rank: int, world_size: int, response: service_pb2.RegisterResponse,
-                 tensors: Dict[str, Any], shared: Optional[SharedTensors]) -> None:
+                 tensors: Dict[str, Any], shared: Optional[SharedTensors],
+                 in_place: Optional[List[Tuple[str, Any, int]]] = None) -> None:
         self.group = group
         self.rank = rank
         self.world_size = world_size
@@ -134,10 +189,25 @@ class Registration:
         self.tensors = tensors
         self._client = client
         self._shared = shared
+        self._in_place = in_place or []
+
+    def moved(self) -> List[str]:
+        """The registered torch tensors whose memory is no longer the memory registered: something
+        replaced their storage (`param.data = ...`, `load_state_dict(assign=True)`, `model.to()`,
+        FSDP2 re-padding a shard in its lazy init). The daemon would sync the old memory."""
+        return [name for name, t, ptr in self._in_place if local_tensor(t).untyped_storage().data_ptr() != ptr]
+
+    def check(self) -> None:
+        """Raises RuntimeError naming every tensor that moved (see moved()); call it before a sync
+        is triggered (the trainer example does, every step)."""
+        gone = self.moved()
+        if gone:
+            raise RuntimeError(f'group "{self.group}" rank {self.rank}: {len(gone)} registered tensor(s) no longer '
+                               f"live in the registered memory (re-register them): {', '.join(gone[:8])}")
 
     @property
     def segment(self) -> Optional[str]:
-        """The shared-memory segment's name (None when every tensor is on a GPU)."""
+        """The segment numpy arrays were copied into (None when nothing was copied)."""
         return None if self._shared is None else self._shared.name
 
     def close(self) -> None:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "client" / "python"))
 
 from shardcast.local import LocalCluster, find_shardcastd  # noqa: E402
 

@@ -3,12 +3,9 @@ its shard with its node's daemon, then follows commands from the test over a pip
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 # Both groups hold w [16, 8] float32 and b [9] int64; values are a function of the element's global
 # index and the version, so every element can be checked.

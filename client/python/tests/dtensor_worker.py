@@ -1,0 +1,96 @@
+"""One trainer rank of the real-DTensor tests, in its own process: torch.distributed over gloo on
+the CPU, the example transformer sharded with FSDP2 / TP / both (or MoE experts sharded over an
+expert-parallel mesh), real AdamW steps, its parameters registered in place with its node's
+daemon through the named-tensor API. Talks to the test over a pipe; rank 0 sends the full weights
+(`full_tensor()` of every parameter) after every step."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "client" / "examples" / "rl_loop"))
+
+# MoE sizes: 5 experts over 4 ranks is uneven (2, 2, 1, 0: the last rank holds none).
+EXPERTS, MOE_HIDDEN, MOE_INTER = 5, 8, 6
+
+
+def build_moe(mesh):
+    import torch
+    import torch.nn as nn
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(7)
+    full = {"router": torch.randn(EXPERTS, MOE_HIDDEN, generator=g),
+            "w1": torch.randn(EXPERTS, MOE_INTER, MOE_HIDDEN, generator=g),
+            "w3": torch.randn(EXPERTS, MOE_INTER, MOE_HIDDEN, generator=g),
+            "w2": torch.randn(EXPERTS, MOE_HIDDEN, MOE_INTER, generator=g)}
+    module = nn.Module()
+    for name, t in full.items():
+        placement = [Replicate()] if name == "router" else [Shard(0)]
+        module.register_parameter(name, nn.Parameter(distribute_tensor(t, mesh, placement)))
+    return module
+
+
+def moe_loss(module, step):
+    # Sums over sharded DTensors are Partial; full_tensor() reduces them (differentiably).
+    loss = sum(((p - 0.1 * step) ** 2).sum() for p in module.parameters())
+    return loss.full_tensor()
+
+
+def main(kind: str, rank: int, world: int, port: int, target: str, group: str, conn) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import model as lm
+    import shardcast
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        torch.manual_seed(0)  # the same initial weights on every rank
+        if kind == "ep":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            net = build_moe(init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
+            loss_of = moe_loss
+        else:
+            net = lm.shard_for_training(lm.TinyLM(), kind)
+            loss_of = lm.loss_fn
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+
+        def train_step(step: int) -> None:
+            opt.zero_grad()
+            loss_of(net, step).backward()
+            opt.step()
+
+        def full_weights():
+            # A collective: every rank takes part, rank 0 sends.
+            out = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().numpy().copy()
+                   for n, p in net.named_parameters()}
+            return out if rank == 0 else None
+
+        train_step(0)  # the first forward runs FSDP2's lazy init: register after it
+        client = shardcast.Client(target)
+        params = dict(net.named_parameters())
+        reg = client.register_dtensors(group, params)
+        placements = {n: str(getattr(p, "placements", "plain")) for n, p in params.items()}
+        conn.send(("registered", (full_weights(), placements)))
+        step = 0
+        while True:
+            cmd = conn.recv()
+            if cmd == "step":
+                step += 1
+                train_step(step)  # in place: the registered memory holds the new weights
+                reg.check()
+                conn.send(("stepped", full_weights()))
+            elif cmd == "exit":
+                reg.close()
+                client.close()
+                dist.destroy_process_group()
+                conn.send(("closed", None))
+                return
+    except Exception as e:  # reported to the test, which fails with it
+        import traceback
+
+        conn.send(("error", f"trainer rank {rank}: {e!r}\n{traceback.format_exc()}"))

@@ -1,0 +1,251 @@
+"""Real PyTorch DTensors (torch >= 2.4, gloo on the CPU, one process per trainer rank) synced through
+real daemons into vLLM-like inference ranks, every element checked against `full_tensor()` of
+every parameter, for two versions (the second after a real AdamW step, which the registered
+memory must follow: registration is in place, never a snapshot):
+
+- FSDP2 `fully_shard` over 4 ranks (uneven shards, empty ones included);
+- TP with `parallelize_module` (ColwiseParallel / RowwiseParallel) over 2 ranks;
+- FSDP2 + TP on a (dp=2, tp=2) mesh (`_StridedShard` placements);
+- expert-parallel MoE weights (5 experts over 4 ranks) into expert-stacked, TP-sharded ranks
+  (fused w13) and into expert-parallel ranks holding whole experts.
+
+Destinations are registered with the named-tensor API (local tensors + a ParallelPlan) on two
+nodes, two TP=2 replicas, with fused qkv_proj / gate_up_proj."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+from typing import Dict, List
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the test venv (scripts/deps.sh) has torch")
+
+import dtensor_worker  # noqa: E402
+import shardcast  # noqa: E402
+from conftest import ROOT  # noqa: E402
+from shardcast.local import LocalCluster, free_port  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "client" / "examples" / "rl_loop"))
+import model as lm  # noqa: E402
+
+NODES = ["t0", "t1", "i0", "i1"]
+INFERENCE_NODES = ["i0", "i0", "i1", "i1"]  # two replicas of TP=2
+
+
+def test_torch_is_a_real_2x_with_dtensor():
+    print(f"torch {torch.__version__}")
+    assert int(torch.__version__.split(".")[0]) >= 2
+    assert shardcast.dtensor_available() is None, shardcast.dtensor_available()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(NODES) as c:
+        yield c
+
+
+def recv(conn, what: str, timeout: float = 180):
+    assert conn.poll(timeout), f"no '{what}' from a trainer rank within {timeout} s"
+    tag, value = conn.recv()
+    assert tag == what, f"trainer rank answered {tag}: {value}"
+    return value
+
+
+class Trainers:
+    """`world` trainer rank processes of `kind`, ranks 0..world/2-1 on node t0, the rest on t1."""
+
+    def __init__(self, cluster, kind: str, world: int, group: str) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.procs, self.conns = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            target = cluster.target("t0" if rank < world // 2 else "t1")
+            p = ctx.Process(target=dtensor_worker.main, args=(kind, rank, world, port, target, group, child))
+            p.start()
+            self.procs.append(p)
+            self.conns.append(parent)
+
+    def registered(self):
+        answers = [recv(c, "registered") for c in self.conns]
+        return answers[0]  # (full weights, placements) from rank 0
+
+    def step(self) -> Dict[str, np.ndarray]:
+        for c in self.conns:
+            c.send("step")
+        return [recv(c, "stepped") for c in self.conns][0]
+
+    def close(self) -> None:
+        for c, p in zip(self.conns, self.procs):
+            if p.is_alive():
+                c.send("exit")
+        for p in self.procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+def register_destination(cluster, group: str, plans, model, nodes=INFERENCE_NODES):
+    """One registration per plan (rank), each on its node's daemon; returns [(plan, tensors, reg)]."""
+    out = []
+    for plan in plans:
+        tensors = {n: torch.zeros(shape, dtype=getattr(torch, dtype))
+                   for n, (shape, dtype) in shardcast.local_shapes(plan, model).items()}
+        client = shardcast.Client(cluster.target(nodes[plan.rank]))
+        reg = client.register_inference(group, tensors, plan, model, nodes=nodes)
+        assert reg.tensors == tensors or all(reg.tensors[n] is tensors[n] for n in tensors)
+        out.append((plan, tensors, reg, client))
+    return out
+
+
+def wrong_elements(tensors: Dict[str, "torch.Tensor"], expected: Dict[str, "torch.Tensor"]) -> List[str]:
+    assert set(tensors) == set(expected)
+    bad = []
+    for name, t in tensors.items():
+        e = expected[name]
+        if t.shape != e.shape:
+            bad.append(f"{name}: shape {tuple(t.shape)} != {tuple(e.shape)}")
+        elif not torch.equal(t, e):
+            bad.append(f"{name}: {int((t != e).sum())} of {t.numel()} elements differ")
+    return bad
+
+
+def sync_and_check(cluster, src: str, destinations, version: int, full, expected_of) -> None:
+    client = shardcast.Client(cluster.target("t0"))
+    for dst, ranks in destinations:
+        r = client.sync(src, dst, version, verify=True, wait_for_ranks=True, timeout=120)
+        assert r.version == version and r.bytes_needed > 0
+        for plan, tensors, reg, c in ranks:
+            assert c.wait_version(dst, version, timeout=30) >= version
+            bad = wrong_elements(tensors, expected_of(dst, plan, full))
+            assert not bad, f"{dst} rank {plan.rank} version {version}: {bad}"
+    client.close()
+
+
+def run_scenario(cluster, kind: str, world: int, destinations_of, expected_of, check_placements=None) -> None:
+    src = f"{kind}-trainer"
+    trainers = Trainers(cluster, kind, world, src)
+    registrations = []
+    try:
+        full_v1, placements = trainers.registered()
+        if check_placements:
+            check_placements(placements)
+        full_v1 = {n: torch.from_numpy(a) for n, a in full_v1.items()}
+        destinations = destinations_of(cluster, kind)
+        registrations = [x for _, ranks in destinations for x in ranks]
+        sync_and_check(cluster, src, destinations, 1, full_v1, expected_of)
+        full_v2 = {n: torch.from_numpy(a) for n, a in trainers.step().items()}
+        changed = [n for n in full_v2 if not torch.equal(full_v1[n], full_v2[n])]
+        assert len(changed) == len(full_v2), f"the optimizer step left {set(full_v2) - set(changed)} unchanged"
+        sync_and_check(cluster, src, destinations, 2, full_v2, expected_of)
+    finally:
+        for _, _, reg, client in registrations:
+            reg.close()
+            client.close()
+        trainers.close()
+
+
+# ---- the transformer: FSDP2, TP, FSDP2 + TP -> vLLM-like TP=2 x 2 replicas, fused ----
+
+def lm_destinations(cluster, kind: str):
+    meta = lm.meta_model()
+    plans = [lm.inference_plan(t, 2, r, 2) for r in range(2) for t in range(2)]
+    return [(f"{kind}-vllm", register_destination(cluster, f"{kind}-vllm", plans, meta))]
+
+
+def lm_expected(dst, plan, full):
+    return lm.expected_local(full, plan.tp_rank, plan.tp_size)
+
+
+def test_fsdp2_over_4_ranks_uneven_into_vllm_tp(cluster):
+    def placements(p):
+        assert p["lm_head.weight"] == "(Shard(dim=0),)"  # 13 rows over 4 ranks: 4, 4, 4, 1
+        assert p["value_head.weight"] == "(Shard(dim=0),)"  # 1 row: three ranks hold none
+    run_scenario(cluster, "fsdp", 4, lm_destinations, lm_expected, placements)
+
+
+def test_tp_parallelize_module_over_2_ranks_into_vllm_tp(cluster):
+    def placements(p):
+        assert p["layers.0.q_proj.weight"] == "(Shard(dim=0),)"
+        assert p["layers.0.o_proj.weight"] == "(Shard(dim=1),)"
+        assert p["embed.weight"] == "plain"  # left alone by the TP plan: replicated
+    run_scenario(cluster, "tp", 2, lm_destinations, lm_expected, placements)
+
+
+def test_fsdp2_and_tp_on_a_2d_mesh_with_strided_shards_into_vllm_tp(cluster):
+    def placements(p):
+        assert "_StridedShard(dim=0, sf=2)" in p["layers.0.gate_proj.weight"], p["layers.0.gate_proj.weight"]
+        assert p["layers.0.down_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    run_scenario(cluster, "fsdp+tp", 4, lm_destinations, lm_expected, placements)
+
+
+# ---- MoE experts, expert-parallel over 4 ranks -> expert-stacked TP=2 (fused w13), and EP=2 ----
+
+def moe_meta():
+    E, H, I = dtensor_worker.EXPERTS, dtensor_worker.MOE_HIDDEN, dtensor_worker.MOE_INTER
+    return {"router": ((E, H), "float32"), "w1": ((E, I, H), "float32"), "w3": ((E, I, H), "float32"),
+            "w2": ((E, H, I), "float32")}
+
+
+def moe_plan(t: int, r: int, expert_parallel: bool):
+    if expert_parallel:  # experts [0, 3) on TP rank 0 and [3, 5) on rank 1, whole
+        return shardcast.ParallelPlan(tp_size=2, tp_rank=t, replicas=2, replica=r, experts=["w1", "w2", "w3"],
+                                      expert_ranges=[(0, 3), (3, 5)])
+    return shardcast.ParallelPlan(tp_size=2, tp_rank=t, replicas=2, replica=r, column=["w1", "w3"], row=["w2"],
+                                  fused={"w13": ["w1", "w3"]})
+
+
+def moe_destinations(cluster, kind: str):
+    meta = moe_meta()
+    out = []
+    for ep in (False, True):
+        dst = f"moe-{'ep' if ep else 'tp'}-vllm"
+        plans = [moe_plan(t, r, ep) for r in range(2) for t in range(2)]
+        out.append((dst, register_destination(cluster, dst, plans, meta)))
+    return out
+
+
+def moe_expected(dst, plan, full):
+    if dst == "moe-ep-vllm":
+        start, stop = plan.expert_ranges[plan.tp_rank]
+        return {"router": full["router"], **{n: full[n][start:stop] for n in ("w1", "w2", "w3")}}
+    t, k = plan.tp_rank, plan.tp_size
+    return {"router": full["router"], "w2": full["w2"].chunk(k, dim=2)[t],
+            "w13": torch.cat([full["w1"].chunk(k, dim=1)[t], full["w3"].chunk(k, dim=1)[t]], dim=1)}
+
+
+def test_expert_parallel_moe_into_expert_stacked_tp_and_into_ep(cluster):
+    def placements(p):
+        assert p["w1"] == "(Shard(dim=0),)" and p["router"] == "(Replicate(),)"
+    run_scenario(cluster, "ep", 4, moe_destinations, moe_expected, placements)
+
+
+# ---- the named-tensor API refuses what does not fit, naming it ----
+
+def test_inference_registration_checks_local_tensors_against_the_plan():
+    meta = lm.meta_model()
+    plan = lm.inference_plan(1, 2, 0, 1)
+    good = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in shardcast.local_shapes(plan, meta).items()}
+    assert tuple(good["layers.0.qkv_proj.weight"].shape) == (12 + 6 + 6, 24)  # q/2 + k/2 + v/2 rows
+    assert tuple(good["layers.0.o_proj.weight"].shape) == (24, 12)
+    from shardcast.parallel import check_local_tensors
+
+    check_local_tensors(plan, meta, good)
+    wrong = dict(good, **{"layers.0.qkv_proj.weight": torch.zeros(23, 24)})
+    with pytest.raises(ValueError, match=r'"layers.0.qkv_proj.weight" is \[23, 24\] float32, the plan gives '
+                                         r"tp_rank 1 \[24, 24\] float32"):
+        check_local_tensors(plan, meta, wrong)
+    with pytest.raises(ValueError, match='"layers.1.down_proj.weight" is missing'):
+        check_local_tensors(plan, meta, {n: t for n, t in good.items() if n != "layers.1.down_proj.weight"})
+    with pytest.raises(ValueError, match='"layers.0.q_proj.weight" is not a tensor or fused buffer'):
+        check_local_tensors(plan, meta, dict(good, **{"layers.0.q_proj.weight": torch.zeros(12, 24)}))
+    half = dict(good, **{"norm": torch.zeros(24, dtype=torch.float16)})
+    with pytest.raises(ValueError, match='"norm" is \\[24\\] float16'):
+        check_local_tensors(plan, meta, half)
+    with pytest.raises(ValueError, match="tp_rank 2 is not in"):
+        shardcast.ParallelPlan(tp_size=2, tp_rank=2)
+    with pytest.raises(ValueError, match="nodes"):
+        shardcast.inference_layout("g", plan, meta)
