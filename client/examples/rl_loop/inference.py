@@ -1,33 +1,39 @@
-"""One inference rank of the RL loop: registers its (vLLM-like, fused) buffers with its node's
-daemon, then for every step waits for that version, checks that it holds exactly the trainer's
-weights of that step in its own layout, and hands back its "rollouts" (here: what it checked)."""
+"""One inference rank of the RL loop: a vLLM-like rank (TP=2 within its replica, q/k/v fused into
+qkv_proj and gate/up into gate_up_proj) that registers its local weights with its node's daemon
+through its parallel plan, then for every step waits for that version, checks every weight
+against the trainer's full state dict of that step, and hands back its "rollouts"."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+
+import torch  # noqa: E402
 
 import shardcast  # noqa: E402
 
 import model  # noqa: E402
 
 
-def serve(rank: int, daemon: str, steps: int, rollouts) -> int:
+def serve(rank: int, daemon: str, nodes, steps: int, inbox, rollouts) -> int:
     """Returns the number of wrong elements seen over all steps (0 when every step was exact)."""
+    tp_size = 2
+    plan = model.inference_plan(rank % tp_size, tp_size, rank // tp_size, len(nodes) // tp_size)
+    meta = model.meta_model()
+    weights = {n: torch.zeros(shape, dtype=getattr(torch, dtype))  # what the engine allocated
+               for n, (shape, dtype) in shardcast.local_shapes(plan, meta).items()}
     client = shardcast.Client(daemon)
-    buffers = {n: np.zeros_like(a) for n, a in model.rank_buffers("inference", rank, 0).items()}
-    reg = client.register("inference", rank, 4, buffers, model.layout("inference"))
+    reg = client.register_inference("inference", weights, plan, meta, nodes=nodes)
     wrong = 0
-    for step in range(1, steps + 1):
+    for _ in range(steps):
+        step, full = inbox.get(timeout=300)
         got = client.wait_version("inference", step, timeout=120)  # an engine pauses generation here
         if got < step:
             raise TimeoutError(f"inference rank {rank}: version {step} did not arrive (at {got})")
-        expected = model.rank_buffers("inference", rank, step)
-        bad = sum(int(np.count_nonzero(reg.tensors[n] != expected[n])) for n in expected)
+        expected = model.expected_local({n: torch.from_numpy(a) for n, a in full.items()}, plan.tp_rank, tp_size)
+        bad = sum(int((weights[n] != expected[n]).sum()) for n in expected)
         wrong += bad
         print(f"inference rank {rank} ({reg.node}): version {step}: "
               f"{'every weight matches the trainer' if bad == 0 else f'{bad} WRONG elements'}", flush=True)

@@ -1,8 +1,8 @@
-"""One trainer rank of the RL loop: registers its shards with its node's daemon, then every step
-updates its weights in place and, once all trainer ranks are done, rank 0 publishes the step to
-the inference group with a sync and waits for the rollouts generated with it (synchronous
-on-policy RL). run.py starts four of these as processes; in a real job they are the training
-processes themselves and the barrier is torch.distributed's."""
+"""One trainer rank of the RL loop: the example transformer trained with real FSDP2 (gloo on the
+CPU, AdamW), its parameters registered in place with its node's daemon. Every step all ranks
+train; rank 0 then publishes the step to the inference group with a sync, hands the step's full
+state dict to the inference ranks (so they can check every weight), and waits for their rollouts
+before the next step (synchronous on-policy RL). run.py starts four of these as processes."""
 
 from __future__ import annotations
 
@@ -11,33 +11,46 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
 import shardcast  # noqa: E402
 
 import model  # noqa: E402
 
 
-def train(rank: int, daemon: str, steps: int, barrier, rollouts, inference_ranks: int, verify: bool = True) -> None:
-    try:
-        import torch
-    except ImportError:
-        torch = None
+def train(rank: int, world: int, port: int, daemon: str, steps: int, to_inference, rollouts,
+          verify: bool = True) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)  # the same initial weights on every rank before FSDP2 shards them
+    net = model.shard_for_training(model.TinyLM(), "fsdp")
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+
+    def train_step(step: int) -> float:
+        opt.zero_grad()
+        loss = model.loss_fn(net, step)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    train_step(0)  # FSDP2's lazy init runs in the first forward: register after it
     client = shardcast.Client(daemon)
-    initial = model.rank_buffers("trainer", rank, 0)
-    params = {n: torch.from_numpy(a) for n, a in initial.items()} if torch else initial
-    # After registering, `params` live in shared memory: the daemon reads them where they are.
-    reg = client.register("trainer", rank, 4, params, model.layout("trainer"))
+    # In place: from here on, every optimizer step writes into memory the daemon reads.
+    reg = client.register_dtensors("trainer", dict(net.named_parameters()))
     for step in range(1, steps + 1):
-        target = model.rank_buffers("trainer", rank, step)
-        for name, t in reg.tensors.items():  # "optimizer.step()": in place
-            (t.numpy() if torch else t)[...] = target[name]
-        barrier.wait()  # every trainer rank has written step `step`
+        loss = train_step(step)
+        reg.check()  # fail loudly if anything replaced a registered parameter's storage
+        full = {n: p.full_tensor().detach().numpy().copy() for n, p in net.named_parameters()}  # collective
+        dist.barrier()  # every rank has finished step `step`: its weights are final
         if rank == 0:
             result = client.sync("trainer", "inference", step, verify=verify, wait_for_ranks=True, timeout=120)
-            print(f"trainer: step {step} published: {result.network_bytes} B over the network in "
+            print(f"trainer: step {step} (loss {loss:.4f}) published: {result.network_bytes} B over the network in "
                   f"{result.seconds * 1e3:.1f} ms{' (plan cached)' if result.plan_cached else ''}", flush=True)
-            for _ in range(inference_ranks):  # the rollouts of this step's policy
+            for q in to_inference:
+                q.put((step, full))
+            for _ in to_inference:  # the rollouts of this step's policy
                 rollouts.get(timeout=120)
-        barrier.wait()  # nobody writes step+1 before the rollouts of step are in
+        dist.barrier()  # nobody trains step+1 before the rollouts of step are in
     reg.close()
     client.close()
-
+    dist.destroy_process_group()
