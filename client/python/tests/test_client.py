@@ -116,3 +116,29 @@ def test_default_socket_is_the_daemons():
                          env={k: v for k, v in os.environ.items() if not k.startswith("SHARDCAST_")}).stdout
     settings = dict(token.split("=", 1) for token in out.split())
     assert settings["socket"] == shardcast.DEFAULT_SOCKET
+
+
+def test_torch_tensors_are_registered_in_place_and_a_moved_one_is_named(cluster):
+    torch = pytest.importorskip("torch")
+    n0, _ = cluster
+    layout = {"group": "inplace", "mesh": {"shape": [1]}, "nodes": ["n0"],
+              "tensors": [{"name": "w", "shape": [4, 3], "dtype": "float32"},
+                          {"name": "b", "shape": [3], "dtype": "float32"}]}
+    params = {"w": torch.nn.Parameter(torch.arange(12.0).view(4, 3)), "b": torch.nn.Parameter(torch.ones(3))}
+    before = {n: p.data_ptr() for n, p in params.items()}
+    with shardcast.Client(n0.target) as client:
+        reg = client.register("inplace", 0, 1, params, layout)
+        assert all(reg.tensors[n] is params[n] for n in params)  # the caller's own parameters
+        assert all(params[n].untyped_storage().is_shared() for n in params)
+        assert params["w"].tolist() == torch.arange(12.0).view(4, 3).tolist()  # values kept
+        assert any(params[n].data_ptr() != before[n] for n in params)  # moved into shared memory
+        assert reg.moved() == []
+        reg.check()
+        params["b"].data = torch.zeros(3)  # replaces the storage: syncs would read the old memory
+        assert reg.moved() == ["b"]
+        with pytest.raises(RuntimeError, match=r'group "inplace" rank 0: 1 registered tensor\(s\) .*: b'):
+            reg.check()
+        reg.close()
+    with torch.no_grad():
+        params["w"].add_(1)  # still the caller's memory after close(): usable, never a dangling view
+    assert params["w"][0, 0].item() == 1.0
