@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <thread>
 
-#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "planner/layout.h"
 #include "planner/plan.h"
 #include "planner/report.h"
@@ -74,27 +73,7 @@ TEST_CASE("shardcastd serves health, status and a 0660 Unix socket", "[daemon]")
   CHECK(status.node() == "n0");
   CHECK_THAT(status.transport(), Catch::Contains("ucx(tls=tcp"));
   CHECK(status.registered_ranks() == 0);
-  // Server reflection lists the services, as generic gRPC tools see them.
-  {
-    auto reflection = grpc::reflection::v1alpha::ServerReflection::NewStub(
-        grpc::CreateChannel(d.address(), grpc::InsecureChannelCredentials()));
-    auto c = ctx();
-    auto stream = reflection->ServerReflectionInfo(c.get());
-    grpc::reflection::v1alpha::ServerReflectionRequest rreq;
-    rreq.set_list_services("");
-    REQUIRE(stream->Write(rreq));
-    stream->WritesDone();
-    grpc::reflection::v1alpha::ServerReflectionResponse rresp;
-    REQUIRE(stream->Read(&rresp));
-    std::vector<std::string> services;
-    for (const auto& svc : rresp.list_services_response().service()) services.push_back(svc.name());
-    CHECK_THAT(services, Catch::VectorContains(std::string("shardcast.v1.Shardcast")));
-    CHECK_THAT(services, Catch::VectorContains(std::string("shardcast.v1.Peer")));
-    CHECK_THAT(services, Catch::VectorContains(std::string("grpc.health.v1.Health")));
-    while (stream->Read(&rresp)) {
-    }
-    CHECK(stream->Finish().ok());
-  }
+  // Server reflection: client/python/tests/test_client.py asks it with grpcio-reflection.
   CHECK(d.stop() == 0);  // SIGTERM: clean exit
   CHECK(::access(d.socketPath().c_str(), F_OK) != 0);  // socket removed
 }

@@ -142,3 +142,17 @@ def test_torch_tensors_are_registered_in_place_and_a_moved_one_is_named(cluster)
     with torch.no_grad():
         params["w"].add_(1)  # still the caller's memory after close(): usable, never a dangling view
     assert params["w"][0, 0].item() == 1.0
+
+
+def test_server_reflection_describes_the_services_to_generic_grpc_tools(cluster):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    from google.protobuf.descriptor_pool import DescriptorPool
+
+    n0, _ = cluster
+    with grpc.insecure_channel(n0.target) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        services = set(db.get_services())
+        assert {"shardcast.v1.Shardcast", "shardcast.v1.Peer", "grpc.health.v1.Health"} <= services
+        sync = DescriptorPool(db).FindServiceByName("shardcast.v1.Shardcast").FindMethodByName("Sync")
+        assert sync.input_type.full_name == "shardcast.v1.SyncRequest"
+        assert "dst_group" in sync.input_type.fields_by_name
