@@ -58,8 +58,13 @@ func fail(code int, format string, args ...interface{}) {
 	os.Exit(code)
 }
 
-// connect waits up to five seconds for the daemon, as the other clients do.
-func connect(target string) (*grpc.ClientConn, pb.ShardcastClient) {
+// connect reaches the daemon at `daemon` (default: defaultTarget()), waiting up to five seconds
+// as the other clients do.
+func connect(daemon string) (*grpc.ClientConn, pb.ShardcastClient) {
+	target := defaultTarget()
+	if daemon != "" {
+		target = normalize(daemon)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	conn, err := grpc.DialContext(ctx, target, grpc.WithInsecure(), grpc.WithBlock())
@@ -116,11 +121,7 @@ func runSync(args []string) int {
 		fs.Usage()
 		return exitUsage
 	}
-	target := defaultTarget()
-	if *daemon != "" {
-		target = normalize(*daemon)
-	}
-	conn, client := connect(target)
+	conn, client := connect(*daemon)
 	defer conn.Close()
 
 	id := syncID()
@@ -179,11 +180,7 @@ func runWait(args []string) int {
 		fs.Usage()
 		return exitUsage
 	}
-	target := defaultTarget()
-	if *daemon != "" {
-		target = normalize(*daemon)
-	}
-	conn, client := connect(target)
+	conn, client := connect(*daemon)
 	defer conn.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(*timeoutS+30)*time.Second)
 	defer cancel()

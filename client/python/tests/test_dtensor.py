@@ -26,6 +26,7 @@ torch = pytest.importorskip("torch", reason="the test venv (scripts/deps.sh) has
 import dtensor_worker  # noqa: E402
 import shardcast  # noqa: E402
 from conftest import ROOT  # noqa: E402
+from rank_worker import recv  # noqa: E402
 from shardcast.local import LocalCluster, free_port  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "client" / "examples" / "rl_loop"))
@@ -47,13 +48,6 @@ def cluster():
         yield c
 
 
-def recv(conn, what: str, timeout: float = 180):
-    assert conn.poll(timeout), f"no '{what}' from a trainer rank within {timeout} s"
-    tag, value = conn.recv()
-    assert tag == what, f"trainer rank answered {tag}: {value}"
-    return value
-
-
 class Trainers:
     """`world` trainer rank processes of `kind`, ranks 0..world/2-1 on node t0, the rest on t1."""
 
@@ -70,13 +64,13 @@ class Trainers:
             self.conns.append(parent)
 
     def registered(self):
-        answers = [recv(c, "registered") for c in self.conns]
+        answers = [recv(c, "registered", timeout=180) for c in self.conns]
         return answers[0]  # (full weights, placements) from rank 0
 
     def step(self) -> Dict[str, np.ndarray]:
         for c in self.conns:
             c.send("step")
-        return [recv(c, "stepped") for c in self.conns][0]
+        return [recv(c, "stepped", timeout=180) for c in self.conns][0]
 
     def close(self) -> None:
         for c, p in zip(self.conns, self.procs):
