@@ -5,6 +5,8 @@
 
 namespace shardcast {
 
+// The release, as --version and Status report it.
+inline constexpr const char* kShardcastVersion = "0.2.0";
 inline constexpr const char* kDefaultSocket = "/run/shardcast/shardcastd.sock";
 inline constexpr const char* kDefaultListen = "0.0.0.0:7070";
 inline constexpr const char* kDefaultMetrics = "0.0.0.0:9464";

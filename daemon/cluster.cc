@@ -10,7 +10,7 @@
 
 namespace shardcast::daemon {
 
-PeerSet::PeerSet(const DaemonConfig& config) : config_(config) {}
+PeerSet::PeerSet(const DaemonConfig& config, std::string instance) : config_(config), instance_(std::move(instance)) {}
 
 StatusOr<std::vector<std::string>> PeerSet::addresses() const {
   std::vector<std::string> out = config_.peers;
@@ -38,14 +38,23 @@ StatusOr<std::vector<std::string>> PeerSet::addresses() const {
 std::shared_ptr<grpc::Channel> PeerSet::channel(const std::string& address) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto& ch = channels_[address];
-  if (!ch) ch = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  if (!ch) {
+    // A restarted peer must be reached at once, not after gRPC's reconnect backoff (1 s doubling
+    // to 120 s by default): a sync retried after a restart would fail "unavailable" meanwhile.
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    args.SetMaxReceiveMessageSize(1 << 30);
+    ch = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  }
   return ch;
 }
 
 StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
   SC_ASSIGN_OR_RETURN(auto addrs, addresses());
   std::vector<PeerView> out;
-  std::set<std::string> seen{config_.node};
+  std::set<std::string> seen{instance_};
   for (const auto& address : addrs) {
     auto stub = v1::Peer::NewStub(channel(address));
     grpc::ClientContext ctx;
@@ -57,8 +66,10 @@ StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
       std::lock_guard<std::mutex> lock(mu_);
       channels_.erase(address);
     }
-    // Ourselves listed among the peers, or one daemon under two addresses (IPv4 and IPv6).
-    if (st.ok() && !seen.insert(resp.node()).second) continue;
+    // Ourselves listed among the peers, or one daemon under two addresses (IPv4 and IPv6): the
+    // same instance. Another daemon with our node name is a different instance: ClusterView
+    // refuses the pair.
+    if (st.ok() && !seen.insert(resp.instance()).second) continue;
     out.push_back({address, st.ok() ? StatusOr<v1::DescribeResponse>(std::move(resp))
                                     : StatusOr<v1::DescribeResponse>(fromGrpc(st, strCat("peer ", address)))});
   }
@@ -88,7 +99,8 @@ StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self, const
   std::set<std::string> nodes;
   for (const auto& d : v.daemons_) {
     if (!nodes.insert(d.node()).second)
-      return absl::FailedPreconditionError(strCat("two daemons claim node \"", d.node(), "\""));
+      return absl::FailedPreconditionError(strCat("two daemons claim node \"", d.node(), "\" (instances ", d.instance(),
+                                                  " and another): give every daemon its own --node"));
     for (const auto& layout : d.layouts()) {
       const std::string digest = layoutDigest(layout);
       auto [it, inserted] = v.groups_.try_emplace(layout.group(), GroupInfo{layout, digest, {}});
@@ -98,12 +110,22 @@ StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self, const
     }
     for (const auto& r : d.ranks()) {
       auto& g = v.groups_[r.group()];
+      const v1::Role role = r.role() == v1::ROLE_SOURCE ? v1::ROLE_SOURCE : v1::ROLE_DESTINATION;
+      if (g.role != v1::ROLE_UNSPECIFIED && g.role != role)
+        return absl::FailedPreconditionError(strCat("group \"", r.group(), "\" rank ", r.rank(), " on node \"", d.node(),
+                                                    "\" is registered as ", roleName(role), " but other ranks as ", roleName(g.role)));
+      g.role = role;
       if (!g.ranks.insert(r.rank()).second)
         return absl::FailedPreconditionError(
             strCat("group \"", r.group(), "\" rank ", r.rank(), " is registered twice (again on node \"", d.node(), "\")"));
     }
   }
   return v;
+}
+
+v1::Role ClusterView::role(const std::string& group) const {
+  auto it = groups_.find(group);
+  return it == groups_.end() ? v1::ROLE_UNSPECIFIED : it->second.role;
 }
 
 StatusOr<v1::Layout> ClusterView::completeGroup(const std::string& group) const {

@@ -21,7 +21,9 @@ namespace shardcast::daemon {
 
 class PeerSet {
  public:
-  explicit PeerSet(const DaemonConfig& config);
+  // `instance`: this daemon's (DescribeResponse.instance), to tell itself from a daemon that
+  // claims the same node name.
+  PeerSet(const DaemonConfig& config, std::string instance);
 
   // Peer addresses (host:port), sorted; for --peer-dns resolved anew on each call.
   StatusOr<std::vector<std::string>> addresses() const;
@@ -37,6 +39,7 @@ class PeerSet {
 
  private:
   DaemonConfig config_;
+  std::string instance_;
   mutable std::mutex mu_;
   mutable std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
 };
@@ -51,12 +54,15 @@ class ClusterView {
   // naming the missing ranks (or an unknown group) otherwise.
   StatusOr<v1::Layout> completeGroup(const std::string& group) const;
   const std::vector<v1::DescribeResponse>& daemons() const { return daemons_; }
+  // The role `group` registered with (ROLE_UNSPECIFIED for an unknown group).
+  v1::Role role(const std::string& group) const;
 
  private:
   struct GroupInfo {
     v1::Layout layout;
     std::string digest;
     std::set<int32_t> ranks;
+    v1::Role role = v1::ROLE_UNSPECIFIED;
   };
   std::vector<v1::DescribeResponse> daemons_;
   std::map<std::string, GroupInfo> groups_;

@@ -16,7 +16,8 @@ std::string DaemonConfig::describe() const {
      << " peer_dns=" << (peer_dns.empty() ? "(none)" : peer_dns) << " transport=" << transport
      << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol
      << " ucx_tcp_segment_kib=" << ucx_tcp_segment_kib << " log_level=" << log_level
-     << " peer_timeout_ms=" << peer_timeout_ms << " chunk_mib=" << chunk_mib << " staging_mib=" << staging_mib << " window_mib=" << window_mib << " metrics=" << (metrics.empty() ? "(off)" : metrics);
+     << " peer_timeout_ms=" << peer_timeout_ms << " chunk_mib=" << chunk_mib << " staging_mib=" << staging_mib << " window_mib=" << window_mib << " metrics=" << (metrics.empty() ? "(off)" : metrics)
+     << " sync_lease_ms=" << sync_lease_ms << " shutdown_grace_ms=" << shutdown_grace_ms;
   return os.str();
 }
 
@@ -39,7 +40,9 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   char host[256] = {0};
   if (::gethostname(host, sizeof(host) - 1) == 0) c.node = host;
   CLI::App app{"shardcastd: the Shardcast per-node daemon (gRPC control plane, UCX data plane)"};
-  app.set_config("--config", "", "Read settings from an INI or TOML file (flag names as keys)");
+  app.set_config("--config", "", "Read settings from an INI or TOML file (flag names as keys; unknown keys are an error)");
+  app.allow_config_extras(CLI::config_extras_mode::error);
+  app.set_version_flag("--version", std::string("shardcastd ") + kShardcastVersion);
   app.add_option("--node", c.node, "Node name of this daemon (layouts name nodes)")->envname("SHARDCAST_NODE")->capture_default_str();
   app.add_option("--listen", c.listen, "TCP host:port for clients and peers (empty: none)")->envname("SHARDCAST_LISTEN")->capture_default_str();
   app.add_option("--socket", c.socket, "Unix socket for local clients, mode 0660 (empty: none)")->envname("SHARDCAST_SOCKET")->capture_default_str();
@@ -70,6 +73,13 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
       ->envname("SHARDCAST_WINDOW_MIB")->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->capture_default_str();
   app.add_option("--metrics", c.metrics, "host:port of the Prometheus /metrics endpoint (empty: off)")
       ->envname("SHARDCAST_METRICS")->capture_default_str();
+  app.add_option("--sync-lease-ms", c.sync_lease_ms,
+                 "A sync whose coordinator stays silent this long is aborted on every daemon (its destination ranks "
+                 "marked dirty); a daemon silent this long fails the sync it takes part in")
+      ->envname("SHARDCAST_SYNC_LEASE_MS")->check(CLI::Range(200, 600000))->capture_default_str();
+  app.add_option("--shutdown-grace-ms", c.shutdown_grace_ms,
+                 "On SIGTERM: how long syncs and calls in flight get before the daemon aborts them and exits")
+      ->envname("SHARDCAST_SHUTDOWN_GRACE_MS")->check(CLI::Range(0, 600000))->capture_default_str();
   bool print_config = false;
   app.add_flag("--print-config", print_config, "Print the effective configuration and exit");
   try {

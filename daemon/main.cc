@@ -5,13 +5,18 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <thread>
 
 #include "common/logging.h"
 #include "daemon/config.h"
@@ -37,6 +42,41 @@ int waitForSignal(const sigset_t& set) {
   return sig;
 }
 
+// Every registered shm segment keeps a descriptor open (to catch truncation before it is a
+// SIGBUS): take the hard limit of open files.
+void raiseFileLimit() {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur < lim.rlim_max) {
+    lim.rlim_cur = lim.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &lim);
+  }
+}
+
+// The Unix socket belongs to the daemon holding `<socket>.lock` (flock, released when the process
+// ends however it ends): a second daemon never deletes a live daemon's socket. Returns the held
+// descriptor, or -1 with `error` set.
+int lockSocket(const std::string& socket, std::string* error) {
+  const std::string path = socket + ".lock";
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    *error = "cannot open " + path + ": " + std::strerror(errno);
+    return -1;
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    char pid[32] = {0};
+    const ssize_t n = ::pread(fd, pid, sizeof(pid) - 1, 0);
+    *error = "another shardcastd (pid " + std::string(n > 0 ? pid : "?") + ") serves " + socket +
+             ": refusing to take its socket (stop it, or give this one another --socket)";
+    ::close(fd);
+    return -1;
+  }
+  const std::string me = std::to_string(::getpid());
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) {
+    // The pid is for the message above only.
+  }
+  return fd;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -55,7 +95,16 @@ int main(int argc, char** argv) {
     return output.empty() ? 2 : exit_code;
   }
   if (auto st = setupLogging(config->log_level); !st.ok()) return fail(std::string(st.message()));
-  spdlog::info("shardcastd starting: {}", config->describe());
+  spdlog::info("shardcastd {} starting: {}", kShardcastVersion, config->describe());
+  raiseFileLimit();
+  int socket_lock = -1;
+  if (!config->socket.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(std::filesystem::path(config->socket).parent_path(), ec);
+    std::string error;
+    socket_lock = lockSocket(config->socket, &error);
+    if (socket_lock < 0) return fail(error);
+  }
 
   transport::TransportOptions topts;
   topts.backend = config->transport;
@@ -68,12 +117,23 @@ int main(int argc, char** argv) {
   spdlog::info("data plane: {}", (*transport)->describe());
 
   Registry registry(config->node, **transport);
-  PeerSet peers(*config);
+  PeerSet peers(*config, registry.instance());
+  // Another daemon already serving this node name: refuse loudly rather than split the node.
+  if (auto views = peers.describeAll(); views.ok())
+    for (const auto& v : *views)
+      if (v.described.ok() && v.described->node() == config->node)
+        return fail("another shardcastd (at " + v.address + ") already serves node \"" + config->node +
+                    "\": give every daemon its own --node");
   Metrics metrics;
   SyncEngine engine(config->node, registry, **transport, metrics, static_cast<uint64_t>(config->window_mib) << 20);
   metrics.registered_bytes = [&] { return registry.registeredBytes(); };
   metrics.registered_ranks = [&] { return static_cast<uint64_t>(registry.registeredRanks()); };
   metrics.plan_cache_hits = [&] { return engine.plans().hits(); };
+  metrics.rank_states = [&] {
+    std::map<std::string, uint64_t> out;
+    for (const auto& [state, n] : registry.stateCounts()) out[std::string(stateName(state))] = n;
+    return out;
+  };
   std::unique_ptr<MetricsServer> metrics_server;
   if (!config->metrics.empty()) {
     const auto colon = config->metrics.rfind(':');
@@ -90,9 +150,7 @@ int main(int argc, char** argv) {
   builder.SetMaxReceiveMessageSize(1 << 30);  // layouts of 1T-parameter models are large
   builder.SetMaxSendMessageSize(1 << 30);
   if (!config->socket.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(std::filesystem::path(config->socket).parent_path(), ec);
-    ::unlink(config->socket.c_str());  // a stale socket from a previous run
+    ::unlink(config->socket.c_str());  // a stale socket from a previous run (we hold its lock)
     builder.AddListeningPort("unix:" + config->socket, grpc::InsecureServerCredentials());
   }
   int tcp_port = 0;
@@ -111,8 +169,23 @@ int main(int argc, char** argv) {
             << " metrics_port=" << (metrics_server ? metrics_server->port() : 0) << std::endl;
 
   const int sig = waitForSignal(signals);
-  spdlog::info("signal {} received: shutting down", sig);
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  const auto grace = std::chrono::milliseconds(config->shutdown_grace_ms);
+  spdlog::info("signal {} received: shutting down (grace {} ms)", sig, grace.count());
+  // Bounded: whatever still runs after the grace period (a call to a stopped peer, a transport
+  // close that cannot flush) is abandoned and the process exits.
+  std::thread([grace, socket = config->socket] {
+    std::this_thread::sleep_for(grace + std::chrono::seconds(2));
+    spdlog::error("shutdown took longer than the grace period: exiting now");
+    spdlog::default_logger()->flush();
+    if (!socket.empty()) ::unlink(socket.c_str());
+    ::_exit(1);
+  }).detach();
+  shardcast.stop();  // session streams end (their clients re-register with the next daemon)
+  server->Shutdown(std::chrono::system_clock::now() + grace);
+  engine.abortAll("the daemon is shutting down");
   if (!config->socket.empty()) ::unlink(config->socket.c_str());
+  server.reset();
+  spdlog::info("stopped");
+  if (socket_lock >= 0) ::close(socket_lock);
   return 0;
 }

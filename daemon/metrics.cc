@@ -34,6 +34,15 @@ std::string Metrics::render() const {
   o << "shardcast_registered_bytes " << (registered_bytes ? registered_bytes() : 0) << "\n";
   metric("shardcast_registered_ranks", "gauge", "Ranks registered with this daemon.");
   o << "shardcast_registered_ranks " << (registered_ranks ? registered_ranks() : 0) << "\n";
+  metric("shardcast_ranks", "gauge", "Ranks registered with this daemon, by state (see docs/daemon.md).");
+  std::map<std::string, uint64_t> states{{"empty", 0}, {"updating", 0}, {"ready", 0}, {"dirty", 0}};
+  if (rank_states)
+    for (const auto& [state, n] : rank_states()) states[state] = n;
+  for (const auto& [state, n] : states) o << "shardcast_ranks{state=\"" << state << "\"} " << n << "\n";
+  metric("shardcast_syncs_expired_total", "counter", "Syncs aborted here because their coordinator went silent (lease).");
+  o << "shardcast_syncs_expired_total " << syncs_expired << "\n";
+  metric("shardcast_sessions_ended_total", "counter", "Client sessions that ended, their ranks unregistered.");
+  o << "shardcast_sessions_ended_total " << sessions_ended << "\n";
   return o.str();
 }
 

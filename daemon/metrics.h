@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -20,8 +21,12 @@ struct Metrics {
   std::atomic<uint64_t> syncs_ok{0}, syncs_failed{0};
   std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, local_bytes{0}, bytes_landed_direct{0};
   std::atomic<uint64_t> sync_micros_sum{0};  // of committed syncs coordinated here
+  std::atomic<uint64_t> syncs_expired{0};    // aborted here because their coordinator's lease ran out
+  std::atomic<uint64_t> sessions_ended{0};   // client sessions that ended (ranks unregistered)
   // Read at scrape time.
   std::function<uint64_t()> registered_bytes, registered_ranks, plan_cache_hits;
+  // Registered ranks per state: empty, updating, ready, dirty.
+  std::function<std::map<std::string, uint64_t>()> rank_states;
 
   std::string render() const;
 };

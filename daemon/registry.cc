@@ -6,6 +6,8 @@
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 
+#include <random>
+
 #include "common/strings.h"
 #include "planner/layout.h"
 #include "transport/cuda/cuda_support.h"
@@ -25,7 +27,37 @@ std::string layoutDigest(const v1::Layout& layout) {
   return hex;
 }
 
-Registry::Registry(std::string node, transport::Context& transport) : node_(std::move(node)), transport_(transport) {}
+namespace {
+
+std::string randomInstance() {
+  std::random_device rd;
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%08x%08x", rd(), rd());
+  return hex;
+}
+
+std::string rankList(const std::vector<int32_t>& ranks) {
+  std::vector<std::string> s;
+  for (int32_t r : ranks) s.push_back(std::to_string(r));
+  return strJoin(s, ",");
+}
+
+}  // namespace
+
+std::string_view roleName(v1::Role role) { return role == v1::ROLE_SOURCE ? "source" : "destination"; }
+
+std::string_view stateName(v1::RankState state) {
+  switch (state) {
+    case v1::RANK_EMPTY: return "empty";
+    case v1::RANK_UPDATING: return "updating";
+    case v1::RANK_READY: return "ready";
+    case v1::RANK_DIRTY: return "dirty";
+    default: return "unknown";
+  }
+}
+
+Registry::Registry(std::string node, transport::Context& transport)
+    : node_(std::move(node)), instance_(randomInstance()), transport_(transport) {}
 
 StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest& req) {
   const std::string who = strCat("group \"", req.group(), "\" rank ", req.rank());
@@ -33,30 +65,60 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   if (req.layout().group() != req.group())
     return absl::InvalidArgumentError(strCat(who, ": the layout is for group \"", req.layout().group(), "\""));
   const std::string digest = layoutDigest(req.layout());
+  const v1::Role role = req.role() == v1::ROLE_SOURCE ? v1::ROLE_SOURCE : v1::ROLE_DESTINATION;
+  if (req.role() != v1::ROLE_UNSPECIFIED && !v1::Role_IsValid(req.role()))
+    return absl::InvalidArgumentError(strCat(who, ": unknown role ", static_cast<int>(req.role())));
+  if (req.version() != 0 && role != v1::ROLE_SOURCE)
+    return absl::InvalidArgumentError(strCat(who, ": only a source rank may register with a version (its own bytes); a "
+                                                  "destination rank starts EMPTY until a sync commits"));
+  if (req.version() >= kMaxVersion)
+    return absl::InvalidArgumentError(strCat(who, ": version ", req.version(), " is not below 2^63"));
   {
-    // Every rank of a group must register the same layout (the planner needs one per group).
     std::lock_guard<std::mutex> lock(mu_);
+    if (!req.session_id().empty() && !sessions_.count(req.session_id()))
+      return absl::FailedPreconditionError(strCat(who, ": session \"", req.session_id(), "\" is not open on node \"", node_,
+                                                  "\" (the daemon restarted or the session ended): open a new one"));
+    // Every rank of a group must register the same layout (the planner needs one per group) and role.
     auto g = groups_.find(req.group());
-    if (g != groups_.end() && g->second.digest != digest) {
-      bool others = false;
-      for (const auto& [key, r] : ranks_) others |= key.first == req.group() && key.second != req.rank();
-      if (others)
-        return absl::FailedPreconditionError(strCat(who, ": layout digest ", digest, " differs from ", g->second.digest,
-                                                    " registered by other ranks of the group"));
-    }
+    bool others = false;
+    for (const auto& [key, r] : ranks_) others |= key.first == req.group() && key.second != req.rank();
+    if (g != groups_.end() && others && g->second.digest != digest)
+      return absl::FailedPreconditionError(strCat(who, ": layout digest ", digest, " differs from ", g->second.digest,
+                                                  " registered by other ranks of the group"));
+    if (g != groups_.end() && others && g->second.role != role)
+      return absl::FailedPreconditionError(strCat(who, ": registers as ", roleName(role), " but the group's other ranks are ",
+                                                  roleName(g->second.role)));
   }
   SC_ASSIGN_OR_RETURN(auto rank, build(req, digest));
   v1::RegisterResponse resp;
   resp.set_layout_digest(digest);
   resp.set_registered_bytes(rank->bytes);
   resp.set_node(node_);
+  rank->role = role;
+  rank->session = req.session_id();
+  if (req.version() > 0) {
+    rank->state = v1::RANK_READY;
+    rank->committed = req.version();
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  groups_[req.group()] = Group{req.layout(), digest};
+  if (!req.session_id().empty() && !sessions_.count(req.session_id()))
+    return absl::FailedPreconditionError(strCat(who, ": session \"", req.session_id(), "\" ended during the registration"));
+  groups_[req.group()] = Group{req.layout(), digest, role};
   ++generation_;
-  const bool replaced = ranks_.count({req.group(), req.rank()}) > 0;
+  auto old = ranks_.find({req.group(), req.rank()});
+  const bool replaced = old != ranks_.end();
+  if (replaced) {
+    // A re-registration is a new rank: it starts over (its old state and holds end here).
+    if (!old->second->readers.empty() || !old->second->writer.empty())
+      spdlog::warn("{} re-registered while sync {} uses it: that sync fails", who,
+                   old->second->writer.empty() ? *old->second->readers.begin() : old->second->writer);
+  }
   ranks_[{req.group(), req.rank()}] = std::move(rank);
-  spdlog::info("{} {}registered: {} buffers, {} bytes, layout {}", who, replaced ? "re-" : "",
-               ranks_[{req.group(), req.rank()}]->buffers.size(), resp.registered_bytes(), digest);
+  state_cv_.notify_all();
+  const Rank& r = *ranks_[{req.group(), req.rank()}];
+  spdlog::info("{} {}registered as {}: {} buffers, {} bytes, layout {}, {}{}", who, replaced ? "re-" : "", roleName(role),
+               r.buffers.size(), resp.registered_bytes(), digest, stateName(r.state),
+               r.state == v1::RANK_READY ? strCat("(", r.committed, ")") : "");
   return resp;
 }
 
@@ -87,6 +149,26 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
   for (const auto& [name, bytes] : needed)
     if (!given.count(name))
       return absl::InvalidArgumentError(strCat(who, ": no memory handle for buffer \"", name, "\" (", bytes, " bytes)"));
+  // What the client says it holds there, when it says so: the layout's dtype and element count.
+  for (const auto& [name, h] : given) {
+    const planner::TensorLayout* t = layout->find(name);
+    if (!h->dtype().empty() && t != nullptr && h->dtype() != planner::dtypeName(t->dtype))
+      return absl::InvalidArgumentError(strCat(who, ": tensor \"", name, "\" is ", h->dtype(), " here but ",
+                                               planner::dtypeName(t->dtype), " in the layout"));
+    if (h->shape_size() > 0) {
+      int64_t elems = 1;
+      for (int64_t d : h->shape()) {
+        if (d < 0 || (d > 0 && elems > INT64_MAX / d))
+          return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": bad shape"));
+        elems *= d;
+      }
+      const int64_t elem = t != nullptr ? t->elemBytes() : 1;
+      if (elems > INT64_MAX / elem || elems * elem != needed[name])
+        return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" has shape [", strJoin(h->shape(), ", "),
+                                                 "] (", elems, " elements) but the layout gives this rank ", needed[name] / elem,
+                                                 " elements of it"));
+    }
+  }
 
   auto rank = std::make_unique<Rank>();
   rank->group = req.group();
@@ -160,14 +242,31 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
 
 Status Registry::unregisterRank(const std::string& group, int32_t rank) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (ranks_.erase({group, rank}) == 0)
+  auto it = ranks_.find({group, rank});
+  if (it == ranks_.end())
     return absl::NotFoundError(strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
+  removeRank(it, false);
+  spdlog::info("group \"{}\" rank {} unregistered", group, rank);
+  return absl::OkStatus();
+}
+
+void Registry::removeRank(std::map<std::pair<std::string, int32_t>, std::unique_ptr<Rank>>::iterator it, bool unlink) {
+  const std::string group = it->first.first;
+  std::unique_ptr<Rank> gone = std::move(it->second);
+  ranks_.erase(it);
   ++generation_;
   bool any = false;
   for (const auto& [key, r] : ranks_) any |= key.first == group;
   if (!any) groups_.erase(group);
-  spdlog::info("group \"{}\" rank {} unregistered", group, rank);
-  return absl::OkStatus();
+  state_cv_.notify_all();
+  if (!unlink) return;
+  std::set<std::string> mapped_elsewhere;
+  for (const auto& [key, r] : ranks_)
+    for (const auto& b : r->buffers)
+      if (b.segment) mapped_elsewhere.insert(b.segment->name());
+  std::set<std::string> done;
+  for (const auto& b : gone->buffers)
+    if (b.segment && !mapped_elsewhere.count(b.segment->name()) && done.insert(b.segment->name()).second) b.segment->unlinkName();
 }
 
 std::vector<v1::RankRegistration> Registry::list() const {
@@ -182,8 +281,12 @@ std::vector<v1::RankRegistration> Registry::list() const {
     reg.set_layout_digest(r->digest);
     reg.set_registered_bytes(r->bytes);
     for (const auto& b : r->buffers) reg.add_buffers(b.name);
-    const auto v = versions_.find(r->group);
-    reg.set_version(v == versions_.end() ? 0 : v->second);
+    const v1::RankStatus st = statusOf(*r);
+    reg.set_version(st.version());
+    reg.set_state(st.state());
+    reg.set_role(r->role);
+    reg.set_held(r->held);
+    reg.set_detail(st.detail());
     out.push_back(std::move(reg));
   }
   return out;
@@ -199,11 +302,16 @@ std::vector<v1::GroupStatus> Registry::groups() const {
     g.add_ranks(r->rank);
     g.set_layout_digest(r->digest);
     g.set_registered_bytes(g.registered_bytes() + r->bytes);
-    const auto v = versions_.find(r->group);
-    g.set_version(v == versions_.end() ? 0 : v->second);
+    g.set_role(r->role);
+    *g.add_rank_states() = statusOf(*r);
   }
   std::vector<v1::GroupStatus> out;
-  for (auto& [name, g] : by_name) out.push_back(std::move(g));
+  for (auto& [name, g] : by_name) {
+    uint64_t version = UINT64_MAX;
+    for (const auto& st : g.rank_states()) version = std::min(version, st.state() == v1::RANK_READY ? st.version() : 0);
+    g.set_version(version == UINT64_MAX ? 0 : version);
+    out.push_back(std::move(g));
+  }
   return out;
 }
 
@@ -211,6 +319,7 @@ v1::DescribeResponse Registry::describe() const {
   v1::DescribeResponse d;
   d.set_node(node_);
   d.set_transport_address(transport_.address());
+  d.set_instance(instance_);
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [group, g] : groups_) *d.add_layouts() = g.layout;
   for (const auto& [key, r] : ranks_) {
@@ -218,7 +327,11 @@ v1::DescribeResponse Registry::describe() const {
     rr->set_group(r->group);
     rr->set_rank(r->rank);
     rr->set_layout_digest(r->digest);
-    if (const auto v = versions_.find(r->group); v != versions_.end()) rr->set_version(v->second);
+    const v1::RankStatus st = statusOf(*r);
+    rr->set_version(st.version());
+    rr->set_state(st.state());
+    rr->set_role(r->role);
+    rr->set_held(r->held);
     for (const auto& b : r->buffers) {
       auto* rb = rr->add_buffers();
       rb->set_buffer(b.name);
@@ -262,29 +375,242 @@ uint64_t Registry::generation() const {
   return generation_;
 }
 
-uint64_t Registry::version(const std::string& group) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = versions_.find(group);
-  return it == versions_.end() ? 0 : it->second;
+Registry::Rank* Registry::findRank(const std::string& group, int32_t rank) const {
+  auto it = ranks_.find({group, rank});
+  return it == ranks_.end() ? nullptr : it->second.get();
 }
 
-void Registry::commitVersion(const std::string& group, uint64_t version) {
+v1::RankStatus Registry::statusOf(const Rank& r) const {
+  v1::RankStatus st;
+  st.set_rank(r.rank);
+  st.set_state(r.state);
+  st.set_held(r.held);
+  st.set_node(node_);
+  switch (r.state) {
+    case v1::RANK_READY: st.set_version(r.committed); break;
+    case v1::RANK_UPDATING: st.set_version(r.role == v1::ROLE_SOURCE ? r.committed : r.writing); break;
+    case v1::RANK_DIRTY:
+      st.set_version(r.committed);
+      st.set_detail(r.detail);
+      break;
+    default: break;
+  }
+  return st;
+}
+
+Status Registry::checkSegments(const Rank& r) const {
+  for (const auto& b : r.buffers)
+    if (b.segment) {
+      if (auto st = b.segment->checkSize(); !st.ok())
+        return absl::FailedPreconditionError(strCat("group \"", r.group, "\" rank ", r.rank, " on node \"", node_, "\" buffer \"",
+                                                    b.name, "\": ", st.message()));
+    }
+  return absl::OkStatus();
+}
+
+Status Registry::beginSync(const std::string& id, const std::string& src, const std::string& dst, uint64_t version) {
+  if (version == 0 || version >= kMaxVersion)
+    return absl::InvalidArgumentError(strCat("sync ", id, ": version ", version, " is not in [1, 2^63)"));
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Rank*> readers, writers;
+  for (const auto& [key, r] : ranks_) {
+    const std::string who = strCat("group \"", r->group, "\" rank ", r->rank, " on node \"", node_, "\"");
+    if (key.first == src) {
+      if (r->role != v1::ROLE_SOURCE)
+        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " is a destination; a sync reads only source groups"));
+      if (r->held || r->state == v1::RANK_UPDATING)
+        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " is being written by its owner (acquired, version ",
+                                                    r->committed, " was published before)"));
+      if (r->state != v1::RANK_READY || r->committed != version)
+        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, r->state == v1::RANK_READY
+                                                                                ? strCat(" published version ", r->committed)
+                                                                                : std::string(" has published no version"),
+                                                    ", not ", version));
+      SC_RETURN_IF_ERROR(checkSegments(*r));
+      readers.push_back(r.get());
+    } else if (key.first == dst) {
+      if (r->role != v1::ROLE_DESTINATION)
+        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who,
+                                                    " is a source; a sync writes only destination groups (refusing to overwrite it)"));
+      if (r->held) return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " does not accept updates (acquired by its client)"));
+      if (!r->writer.empty())
+        return absl::FailedPreconditionError(strCat("sync ", id, ": a sync into group \"", dst, "\" (", r->writer, ") is in progress on node \"",
+                                                    node_, "\""));
+      if (r->committed >= version)
+        return absl::FailedPreconditionError(strCat("group \"", dst, "\" is at version ", r->committed, " on node \"", node_,
+                                                    "\" (rank ", r->rank, "): version ", version, " is not newer"));
+      SC_RETURN_IF_ERROR(checkSegments(*r));
+      writers.push_back(r.get());
+    }
+  }
+  for (Rank* r : readers) r->readers.insert(id);
+  for (Rank* r : writers) {
+    r->writer = id;
+    r->before = r->state;
+    r->before_detail = r->detail;
+    r->state = v1::RANK_UPDATING;
+    r->writing = version;
+  }
+  if (!writers.empty() || !readers.empty()) state_cv_.notify_all();
+  return absl::OkStatus();
+}
+
+Status Registry::checkSync(const std::string& src, const std::string& dst) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [key, r] : ranks_)
+    if (key.first == src || key.first == dst) SC_RETURN_IF_ERROR(checkSegments(*r));
+  return absl::OkStatus();
+}
+
+void Registry::endSync(const std::string& id, const std::string& src, const std::string& dst, SyncEnd end,
+                       const std::string& reason) {
+  std::vector<int32_t> touched;
+  uint64_t version = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    versions_[group] = version;
+    for (auto& [key, r] : ranks_) {
+      if (key.first == src) r->readers.erase(id);
+      if (key.first != dst || r->writer != id) continue;
+      r->writer.clear();
+      touched.push_back(r->rank);
+      version = r->writing;
+      switch (end) {
+        case SyncEnd::kCommit:
+          r->state = v1::RANK_READY;
+          r->committed = r->writing;
+          r->detail.clear();
+          break;
+        case SyncEnd::kRevert:
+          r->state = r->before;
+          r->detail = r->before_detail;
+          break;
+        case SyncEnd::kDirty:
+          r->state = v1::RANK_DIRTY;
+          r->detail = strCat("sync ", id, " wrote part of version ", r->writing, " and did not commit: ", reason);
+          break;
+      }
+    }
   }
-  version_cv_.notify_all();
-  spdlog::info("group \"{}\" is at version {}", group, version);
+  state_cv_.notify_all();
+  if (touched.empty()) return;
+  if (end == SyncEnd::kCommit)
+    spdlog::info("group \"{}\" ranks {} on node \"{}\" are READY at version {} (sync {})", dst, rankList(touched), node_, version, id);
+  else if (end == SyncEnd::kDirty)
+    spdlog::warn("group \"{}\" ranks {} are DIRTY: sync {} failed after writing: {}", dst, rankList(touched), id, reason);
 }
 
-uint64_t Registry::waitVersion(const std::string& group, uint64_t version, std::chrono::milliseconds timeout) const {
+StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t rank, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
-  auto current = [&] {
-    auto it = versions_.find(group);
-    return it == versions_.end() ? uint64_t{0} : it->second;
+  const std::string who = strCat("group \"", group, "\" rank ", rank);
+  Rank* r = findRank(group, rank);
+  if (r == nullptr) return absl::NotFoundError(strCat(who, " is not registered on node \"", node_, "\""));
+  if (r->held) return absl::FailedPreconditionError(strCat(who, " is already acquired"));
+  // The rank object may be replaced (re-registration) while waiting: look it up again each time.
+  const bool ok = state_cv_.wait_for(lock, timeout, [&] {
+    r = findRank(group, rank);
+    return r == nullptr || (r->readers.empty() && r->writer.empty());
+  });
+  if (r == nullptr) return absl::NotFoundError(strCat(who, " was unregistered while waiting to acquire it"));
+  if (!ok)
+    return absl::DeadlineExceededError(strCat(who, " on node \"", node_, "\": sync ",
+                                              r->writer.empty() ? *r->readers.begin() : r->writer, " still uses it after ",
+                                              timeout.count(), " ms"));
+  r->held = true;
+  if (r->role == v1::ROLE_SOURCE) r->state = v1::RANK_UPDATING;
+  state_cv_.notify_all();
+  return statusOf(*r);
+}
+
+StatusOr<v1::RankStatus> Registry::release(const std::string& group, int32_t rank, uint64_t version) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string who = strCat("group \"", group, "\" rank ", rank);
+  Rank* r = findRank(group, rank);
+  if (r == nullptr) return absl::NotFoundError(strCat(who, " is not registered on node \"", node_, "\""));
+  if (r->role == v1::ROLE_SOURCE) {
+    if (version == 0 || version >= kMaxVersion)
+      return absl::InvalidArgumentError(strCat(who, ": a source rank publishes a version in [1, 2^63), not ", version));
+    if (version < r->committed)
+      return absl::InvalidArgumentError(strCat(who, ": version ", version, " is older than version ", r->committed,
+                                               " it published before"));
+    if (!r->held && r->state == v1::RANK_READY && version != r->committed)
+      return absl::FailedPreconditionError(strCat(who, " publishes version ", version, " without acquiring it after version ",
+                                                  r->committed, ": acquire first (a sync may be reading it)"));
+    r->state = v1::RANK_READY;
+    r->committed = version;
+  } else {
+    if (version != 0)
+      return absl::InvalidArgumentError(strCat(who, " is a destination: only syncs give it versions (release with version 0)"));
+    if (!r->held) return absl::FailedPreconditionError(strCat(who, " is not acquired"));
+  }
+  r->held = false;
+  state_cv_.notify_all();
+  return statusOf(*r);
+}
+
+StatusOr<v1::WaitVersionResponse> Registry::waitVersion(const std::string& group, uint64_t version,
+                                                        std::chrono::milliseconds timeout) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  v1::WaitVersionResponse out;
+  Status failed = absl::OkStatus();
+  auto check = [&] {
+    out.Clear();
+    uint64_t min = UINT64_MAX;
+    bool any = false;
+    for (const auto& [key, r] : ranks_) {
+      if (key.first != group) continue;
+      any = true;
+      const v1::RankStatus st = statusOf(*r);
+      if (st.state() == v1::RANK_DIRTY) {
+        failed = absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", r->rank, " on node \"", node_, "\" is DIRTY: ",
+                                                      st.detail()));
+        return true;
+      }
+      min = std::min(min, st.state() == v1::RANK_READY ? st.version() : 0);
+      *out.add_ranks() = st;
+    }
+    if (!any) {
+      failed = absl::NotFoundError(strCat("group \"", group, "\" has no ranks registered on node \"", node_, "\""));
+      return true;
+    }
+    out.set_version(min);
+    return min >= version;
   };
-  version_cv_.wait_for(lock, timeout, [&] { return current() >= version; });
-  return current();
+  state_cv_.wait_for(lock, timeout, check);
+  if (!failed.ok()) return failed;
+  return out;
+}
+
+std::string Registry::openSession(const std::string& client) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string id = strCat(instance_, "-", next_session_++);
+  sessions_.insert(id);
+  spdlog::debug("session {} opened ({})", id, client);
+  return id;
+}
+
+void Registry::closeSession(const std::string& session) {
+  std::vector<std::string> gone;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sessions_.erase(session);
+    for (auto it = ranks_.begin(); it != ranks_.end();) {
+      auto next = std::next(it);
+      if (it->second->session == session) {
+        gone.push_back(strCat("group \"", it->first.first, "\" rank ", it->first.second));
+        removeRank(it, true);
+      }
+      it = next;
+    }
+  }
+  if (!gone.empty())
+    spdlog::info("session {} ended (its client exited or closed): unregistered {}", session, strJoin(gone, ", "));
+}
+
+std::map<v1::RankState, uint64_t> Registry::stateCounts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<v1::RankState, uint64_t> out;
+  for (const auto& [key, r] : ranks_) ++out[r->state];
+  return out;
 }
 
 bool Registry::hasGroup(const std::string& group) const {

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,11 @@ namespace shardcast::daemon {
 
 // A stable digest of a layout (xxHash64 of its deterministic serialisation), hex.
 std::string layoutDigest(const v1::Layout& layout);
+
+// Versions are below 2^63 (so that every client language holds them in a signed 64-bit integer).
+inline constexpr uint64_t kMaxVersion = uint64_t{1} << 63;
+std::string_view roleName(v1::Role role);
+std::string_view stateName(v1::RankState state);
 
 class Registry {
  public:
@@ -54,13 +60,41 @@ class Registry {
   StatusOr<LocalBuffer> localBuffer(const std::string& group, int32_t rank, const std::string& buffer) const;
   // Changes with every registration and unregistration (a sync fails if it changes under it).
   uint64_t generation() const;
+  const std::string& instance() const { return instance_; }
 
-  // Committed versions of groups with ranks here.
-  uint64_t version(const std::string& group) const;
-  void commitVersion(const std::string& group, uint64_t version);
-  // Waits until `group` reaches `version` or the timeout passes; returns the version then.
-  uint64_t waitVersion(const std::string& group, uint64_t version, std::chrono::milliseconds timeout) const;
+  // ---- the version contract (see docs/daemon.md, "Rank states") ----
+
+  // Starts sync `id` of version V from `src` into `dst` on this node, atomically: every source
+  // rank here must be READY at exactly V and not acquired (it gains a reader: its owner's acquire
+  // waits until the sync ends); every destination rank here must be a destination, not acquired,
+  // not being written, and have committed only older versions (it becomes UPDATING(V)). Every
+  // involved shm segment is checked for truncation. Nothing changes when it fails.
+  Status beginSync(const std::string& id, const std::string& src, const std::string& dst, uint64_t version);
+  // Before every use of the involved ranks' memory (every execute): segments still whole.
+  Status checkSync(const std::string& src, const std::string& dst) const;
+  enum class SyncEnd {
+    kCommit,  // every byte landed everywhere: destination ranks READY(V)
+    kRevert,  // nothing was written anywhere: destination ranks back to where they were
+    kDirty,   // bytes may have landed: destination ranks DIRTY (with `reason`)
+  };
+  void endSync(const std::string& id, const std::string& src, const std::string& dst, SyncEnd end,
+               const std::string& reason = "");
+
+  // The owner takes a rank (see AcquireRequest) / gives it back (ReleaseRequest).
+  StatusOr<v1::RankStatus> acquire(const std::string& group, int32_t rank, std::chrono::milliseconds timeout);
+  StatusOr<v1::RankStatus> release(const std::string& group, int32_t rank, uint64_t version);
+  // Waits until every rank of `group` here is READY at >= `version` or the timeout passes;
+  // FAILED_PRECONDITION naming the rank when one is DIRTY, NOT_FOUND when none is registered.
+  StatusOr<v1::WaitVersionResponse> waitVersion(const std::string& group, uint64_t version,
+                                                std::chrono::milliseconds timeout) const;
   bool hasGroup(const std::string& group) const;
+
+  // Sessions (client liveness): registrations made under a session end with it.
+  std::string openSession(const std::string& client);
+  // Unregisters the session's ranks and unlinks their shm segments (those no other rank maps).
+  void closeSession(const std::string& session);
+  // Ranks per state, for metrics.
+  std::map<v1::RankState, uint64_t> stateCounts() const;
 
  private:
   struct Buffer {
@@ -80,22 +114,42 @@ class Registry {
     std::string digest;
     uint64_t bytes = 0;
     std::vector<Buffer> buffers;
+    v1::Role role = v1::ROLE_DESTINATION;
+    v1::RankState state = v1::RANK_EMPTY;
+    uint64_t committed = 0;  // destination: last committed version; source: last published
+    uint64_t writing = 0;    // destination, UPDATING: the version being written
+    bool held = false;       // acquired by its owner
+    std::string detail;      // DIRTY: which sync, why
+    std::string session;
+    std::set<std::string> readers;  // source: syncs reading it
+    std::string writer;             // destination: the sync writing it
+    // Destination, UPDATING: where it was before, for kRevert.
+    v1::RankState before = v1::RANK_EMPTY;
+    std::string before_detail;
   };
   struct Group {
     v1::Layout layout;
     std::string digest;
+    v1::Role role = v1::ROLE_DESTINATION;
   };
 
   StatusOr<std::unique_ptr<Rank>> build(const v1::RegisterRequest& request, std::string digest);
+  v1::RankStatus statusOf(const Rank& r) const;
+  Rank* findRank(const std::string& group, int32_t rank) const;
+  Status checkSegments(const Rank& r) const;
+  // Unregisters (with mu_ held); unlinks its segments when `unlink` and nothing else maps them.
+  void removeRank(std::map<std::pair<std::string, int32_t>, std::unique_ptr<Rank>>::iterator it, bool unlink);
 
   std::string node_;
+  std::string instance_;  // random per daemon start (DescribeResponse.instance)
   transport::Context& transport_;
   mutable std::mutex mu_;
   std::map<std::pair<std::string, int32_t>, std::unique_ptr<Rank>> ranks_;
   std::map<std::string, Group> groups_;
-  std::map<std::string, uint64_t> versions_;
+  std::set<std::string> sessions_;
+  uint64_t next_session_ = 1;
   uint64_t generation_ = 0;
-  mutable std::condition_variable version_cv_;
+  mutable std::condition_variable state_cv_;  // any rank state, reader or writer change
   // Created on the first CUDA registration; lives as long as the registry (syncs use it).
   std::unique_ptr<transport::CopyEngine> cuda_copies_;
 };

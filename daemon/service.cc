@@ -7,7 +7,9 @@
 #include <cctype>
 #include <atomic>
 #include <condition_variable>
+#include <set>
 #include <mutex>
+#include <functional>
 #include <thread>
 
 #include "common/strings.h"
@@ -15,8 +17,6 @@
 #include "planner/report.h"
 
 namespace shardcast::daemon {
-
-inline constexpr const char* kVersion = "0.1.0";
 
 ShardcastService::ShardcastService(const DaemonConfig& config, Registry& registry, PeerSet& peers, SyncEngine& engine,
                                    Metrics& metrics, std::string transport)
@@ -38,6 +38,28 @@ StatusOr<std::pair<ClusterView, std::vector<std::string>>> ShardcastService::clu
   return std::make_pair(std::move(view), std::move(addresses));
 }
 
+shardcast::Status ShardcastService::checkVersions(const ClusterView& view, const std::string& src, const std::string& dst,
+                                                  uint64_t version) const {
+  // Destinations first: a replayed old sync is told so, whatever its sources hold now.
+  for (const auto& d : view.daemons())
+    for (const auto& r : d.ranks())
+      if (r.group() == dst && (r.state() == v1::RANK_READY || r.state() == v1::RANK_DIRTY) && r.version() >= version)
+        return absl::FailedPreconditionError(strCat("sync: group \"", dst, "\" rank ", r.rank(), " on node \"", d.node(),
+                                                    "\" is at version ", r.version(), ": version ", version, " is not newer"));
+  for (const auto& d : view.daemons())
+    for (const auto& r : d.ranks()) {
+      const std::string who = strCat("group \"", r.group(), "\" rank ", r.rank(), " on node \"", d.node(), "\"");
+      if (r.group() == src && r.state() == v1::RANK_UPDATING)
+        return absl::FailedPreconditionError(strCat("sync: ", who, " is being written by its owner (acquired, not published)"));
+      if (r.group() == src && (r.state() != v1::RANK_READY || r.version() != version))
+        return absl::FailedPreconditionError(strCat("sync: ", who,
+                                                    r.state() == v1::RANK_READY ? strCat(" published version ", r.version())
+                                                                                : std::string(" has published no version"),
+                                                    ", not ", version));
+    }
+  return absl::OkStatus();
+}
+
 grpc::Status ShardcastService::Sync(grpc::ServerContext*, const v1::SyncRequest* req, v1::SyncResponse* out) {
   const grpc::Status st = coordinate(*req, out);
   if (st.ok()) {
@@ -55,7 +77,9 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   const auto start = Clock::now();
   if (req->src_group().empty() || req->dst_group().empty() || req->src_group() == req->dst_group())
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "sync: give two different groups (src_group, dst_group)");
-  if (req->version() == 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "sync: version must be positive");
+  if (req->version() == 0 || req->version() >= kMaxVersion)
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        strCat("sync: version ", req->version(), " is not in [1, 2^63)"));
   // A client's sync id travels in the daemons' notifications (space-separated lines).
   const bool id_ok = req->sync_id().size() <= 128 && std::all_of(req->sync_id().begin(), req->sync_id().end(), [](char c) {
                        return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' || c == ':';
@@ -84,9 +108,23 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     if (cluster.ok()) {
       src = cluster->first.completeGroup(req->src_group());
       dst = cluster->first.completeGroup(req->dst_group());
+      // Roles are not worth waiting for: a wrong one is the caller's mistake.
+      if (src.ok() && cluster->first.role(req->src_group()) != v1::ROLE_SOURCE)
+        return gather_failed(absl::FailedPreconditionError(
+            strCat("sync: group \"", req->src_group(), "\" is registered as a destination; a sync reads only source groups")));
+      if (dst.ok() && cluster->first.role(req->dst_group()) != v1::ROLE_DESTINATION)
+        return gather_failed(absl::FailedPreconditionError(strCat(
+            "sync: group \"", req->dst_group(), "\" is registered as a source; a sync writes only destination groups (refusing to "
+            "overwrite it)")));
     }
     const shardcast::Status st = !cluster.ok() ? cluster.status() : !src.ok() ? src.status() : dst.status();
-    if (st.ok()) break;
+    if (st.ok()) {
+      // The version contract, as the daemons described it (each daemon checks again, atomically,
+      // when it prepares): fail before preparing anything, naming the rank.
+      if (auto contract = checkVersions(cluster->first, req->src_group(), req->dst_group(), req->version()); !contract.ok())
+        return gather_failed(contract);
+      break;
+    }
     if (!req->options().wait_for_ranks() || Clock::now() + std::chrono::milliseconds(100) > deadline) return gather_failed(st);
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
@@ -124,16 +162,48 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   const auto& addresses = cluster->second;
   const auto& daemons = cluster->first.daemons();
   auto call_deadline = [&] { return std::chrono::system_clock::now() + (deadline - Clock::now()); };
-  auto finish_all = [&](bool commit) {
-    for (const auto& address : addresses) {
-      grpc::ClientContext c;
-      c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms));
-      v1::FinishRequest f;
-      f.set_sync_id(id);
-      f.set_commit(commit);
-      v1::FinishResponse r;
-      v1::Peer::NewStub(peers_.channel(address))->Finish(&c, f, &r);
+  // Calls in flight to the daemons, cancelled when the sync is given up.
+  std::mutex calls_mu;
+  std::set<grpc::ClientContext*> calls;
+  bool given_up = false;
+  auto track = [&](grpc::ClientContext* c) {
+    std::lock_guard<std::mutex> lock(calls_mu);
+    if (given_up) c->TryCancel();
+    calls.insert(c);
+  };
+  auto untrack = [&](grpc::ClientContext* c) {
+    std::lock_guard<std::mutex> lock(calls_mu);
+    calls.erase(c);
+  };
+  // Ends the sync on every daemon, in parallel (a stopped daemon costs one peer timeout, not one
+  // per daemon); returns the failures of commits.
+  std::atomic<bool> executed{false};
+  auto finish_all = [&](bool commit, const std::string& reason) {
+    std::vector<grpc::Status> results(addresses.size());
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < addresses.size(); ++i)
+      threads.emplace_back([&, i] {
+        grpc::ClientContext c;
+        c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms));
+        v1::FinishRequest f;
+        f.set_sync_id(id);
+        f.set_commit(commit);
+        f.set_executed(executed);
+        f.set_reason(reason);
+        v1::FinishResponse r;
+        results[i] = v1::Peer::NewStub(peers_.channel(addresses[i]))->Finish(&c, f, &r);
+      });
+    for (auto& t : threads) t.join();
+    return results;
+  };
+  auto give_up = [&](const std::string& reason) {
+    {
+      std::lock_guard<std::mutex> lock(calls_mu);
+      if (given_up) return;
+      given_up = true;
+      for (auto* c : calls) c->TryCancel();
     }
+    finish_all(false, reason);
   };
 
   auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
@@ -144,10 +214,80 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   exec.set_sync_id(id);
   exec.set_timeout_ms(timeout_ms);
   exec.set_verify(req->options().verify());
+  auto record = [&](size_t i, uint64_t received, uint64_t sent) {
+    progress_.update(id, [&](v1::SyncProgress& p) {
+      auto* n = p.mutable_nodes(static_cast<int>(i));
+      n->set_bytes_received(std::max(n->bytes_received(), received));
+      n->set_bytes_sent(std::max(n->bytes_sent(), sent));
+      uint64_t total = 0;
+      for (const auto& node : p.nodes()) total += node.bytes_received();
+      p.set_bytes_done(total);
+      p.set_seconds(std::chrono::duration<double>(Clock::now() - start).count());
+    });
+  };
+  // From here on the daemons hold the sync under a lease this coordinator renews (Progress calls,
+  // every quarter lease); a daemon that stops answering for a lease fails the sync, named.
+  const auto lease = std::chrono::milliseconds(config_.sync_lease_ms);
+  std::vector<Clock::time_point> answered(addresses.size(), Clock::now());
+  std::mutex poll_mu;
+  std::condition_variable poll_cv;
+  bool polling = true;
+  std::string stalled;  // the node that stopped answering, under poll_mu
+  std::thread poller([&] {
+    std::unique_lock<std::mutex> lock(poll_mu);
+    const auto period = std::min(std::chrono::milliseconds(250), lease / 4);
+    while (!poll_cv.wait_for(lock, period, [&] { return !polling; })) {
+      lock.unlock();
+      std::vector<std::thread> asks;
+      std::vector<v1::ProgressResponse> got(addresses.size());
+      std::vector<grpc::Status> st(addresses.size());
+      for (size_t i = 0; i < addresses.size(); ++i)
+        asks.emplace_back([&, i] {
+          grpc::ClientContext c;
+          c.set_deadline(std::chrono::system_clock::now() + std::max(period, lease / 2));
+          v1::ProgressRequest pr;
+          pr.set_sync_id(id);
+          st[i] = v1::Peer::NewStub(peers_.channel(addresses[i]))->Progress(&c, pr, &got[i]);
+        });
+      for (auto& t : asks) t.join();
+      std::string silent;
+      for (size_t i = 0; i < addresses.size(); ++i) {
+        // NOT_FOUND: the daemon answers (the sync is not prepared there yet, or over).
+        if (st[i].ok() || st[i].error_code() == grpc::StatusCode::NOT_FOUND) answered[i] = Clock::now();
+        if (st[i].ok()) record(i, got[i].bytes_received(), got[i].bytes_sent());
+        if (Clock::now() - answered[i] > lease && silent.empty()) silent = daemons[i].node();
+      }
+      lock.lock();
+      if (!silent.empty() && stalled.empty() && polling) {
+        stalled = silent;
+        lock.unlock();
+        spdlog::warn("sync {}: node \"{}\" has not answered for {} ms: giving the sync up", id, silent, lease.count());
+        give_up(strCat("node \"", silent, "\" stopped answering"));
+        lock.lock();
+      }
+    }
+  });
+  auto stop_poller = [&] {
+    {
+      std::lock_guard<std::mutex> lock(poll_mu);
+      polling = false;
+    }
+    poll_cv.notify_all();
+    if (poller.joinable()) poller.join();
+  };
+  struct OnExit {
+    std::function<void()> fn;
+    ~OnExit() { fn(); }
+  } poller_stopped{stop_poller};
+  auto stalled_node = [&] {
+    std::lock_guard<std::mutex> lock(poll_mu);
+    return stalled;
+  };
   for (size_t i = 0; i < addresses.size(); ++i) {
     grpc::ClientContext c;
     c.set_deadline(call_deadline());
     v1::PrepareRequest p;
+    p.set_lease_ms(static_cast<uint32_t>(lease.count()));
     p.set_sync_id(id);
     *p.mutable_src() = *src;
     *p.mutable_dst() = *dst;
@@ -155,10 +295,15 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     p.set_staging_bytes(budget);
     p.set_chunk_bytes(chunk_bytes);
     v1::PrepareResponse r;
+    track(&c);
     const grpc::Status st = v1::Peer::NewStub(peers_.channel(addresses[i]))->Prepare(&c, p, &r);
+    untrack(&c);
     if (!st.ok()) {
-      finish_all(false);
-      return toGrpc(fromGrpc(st, strCat("sync ", id, ": prepare on node \"", daemons[i].node(), "\"")));
+      const std::string node = stalled_node().empty() ? daemons[i].node() : stalled_node();
+      const shardcast::Status failure = fromGrpc(st, strCat("sync ", id, ": prepare on node \"", node, "\""));
+      give_up(std::string(failure.message()));
+      stop_poller();
+      return sync_failed(failure);
     }
     auto* n = exec.add_nodes();
     n->set_node(daemons[i].node());
@@ -175,54 +320,19 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   // Bytes of the waves each node has finished: the floor under what the poller reports.
   std::vector<uint64_t> done_received(addresses.size(), 0), done_sent(addresses.size(), 0);
   std::atomic<uint64_t> landed_direct{0};
-  auto record = [&](size_t i, uint64_t received, uint64_t sent) {
-    progress_.update(id, [&](v1::SyncProgress& p) {
-      auto* n = p.mutable_nodes(static_cast<int>(i));
-      n->set_bytes_received(std::max(n->bytes_received(), received));
-      n->set_bytes_sent(std::max(n->bytes_sent(), sent));
-      uint64_t total = 0;
-      for (const auto& node : p.nodes()) total += node.bytes_received();
-      p.set_bytes_done(total);
-      p.set_seconds(std::chrono::duration<double>(Clock::now() - start).count());
-    });
-  };
-  // While the waves run, ask every daemon what it has moved (chunk by chunk) for Watch.
-  std::mutex poll_mu;
-  std::condition_variable poll_cv;
-  bool executing = true;
-  std::thread poller([&] {
-    std::unique_lock<std::mutex> lock(poll_mu);
-    while (!poll_cv.wait_for(lock, std::chrono::milliseconds(250), [&] { return !executing; })) {
-      lock.unlock();
-      for (size_t i = 0; i < addresses.size(); ++i) {
-        grpc::ClientContext c;
-        c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-        v1::ProgressRequest pr;
-        pr.set_sync_id(id);
-        v1::ProgressResponse r;
-        if (v1::Peer::NewStub(peers_.channel(addresses[i]))->Progress(&c, pr, &r).ok()) record(i, r.bytes_received(), r.bytes_sent());
-      }
-      lock.lock();
-    }
-  });
-  auto stop_poller = [&] {
-    {
-      std::lock_guard<std::mutex> lock(poll_mu);
-      executing = false;
-    }
-    poll_cv.notify_all();
-    if (poller.joinable()) poller.join();
-  };
   for (int32_t wave = 0; wave < (*plan)->waves; ++wave) {
     exec.set_wave(static_cast<uint32_t>(wave));
     std::vector<std::thread> threads;
+    executed = true;
     for (size_t i = 0; i < addresses.size(); ++i)
       threads.emplace_back([&, i] {
         grpc::ClientContext c;
         c.set_deadline(call_deadline() + std::chrono::seconds(5));
         node_state(i, "executing");
         v1::ExecuteResponse part;
+        track(&c);
         results[i] = v1::Peer::NewStub(peers_.channel(addresses[i]))->Execute(&c, exec, &part);
+        untrack(&c);
         if (results[i].ok()) {
           done_received[i] += part.bytes_received();
           done_sent[i] += part.bytes_sent();
@@ -231,7 +341,9 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
           if (wave + 1 == (*plan)->waves) node_state(i, "done");
         } else {
           node_state(i, results[i].error_code() == grpc::StatusCode::ABORTED ? "aborted" : "failed", results[i].error_message());
-          std::call_once(aborted, [&] { finish_all(false); });
+          std::call_once(aborted, [&] {
+            give_up(strCat("node \"", daemons[i].node(), "\" failed: ", results[i].error_message()));
+          });
         }
       });
     for (auto& t : threads) t.join();
@@ -240,19 +352,36 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     if (!all_ok) break;
     progress_.update(id, [&](v1::SyncProgress& p) { p.set_waves_done(static_cast<uint32_t>(wave + 1)); });
   }
-  stop_poller();
+  if (const std::string node = stalled_node(); !node.empty()) {
+    stop_poller();
+    return sync_failed(absl::UnavailableError(strCat("sync ", id, " failed: node \"", node, "\" stopped answering (for ",
+                                                     lease.count(), " ms, the sync's lease)")));
+  }
   for (size_t i = 0; i < addresses.size(); ++i) {
-    if (results[i].ok() || results[i].error_code() == grpc::StatusCode::ABORTED) continue;
+    if (results[i].ok() || results[i].error_code() == grpc::StatusCode::ABORTED ||
+        results[i].error_code() == grpc::StatusCode::CANCELLED)
+      continue;
+    stop_poller();
     spdlog::warn("sync {} failed on node \"{}\": {}", id, daemons[i].node(), results[i].error_message());
     return sync_failed(fromGrpc(results[i], strCat("sync ", id, " failed on node \"", daemons[i].node(), "\"")));
   }
   for (size_t i = 0; i < addresses.size(); ++i)
-    if (!results[i].ok())
+    if (!results[i].ok()) {
+      stop_poller();
       return sync_failed(fromGrpc(results[i], strCat("sync ", id, " failed on node \"", daemons[i].node(), "\"")));
+    }
   out->set_execute_seconds(seconds_since(execute_start));
   const auto finish_start = Clock::now();
-  finish_all(true);
+  const auto committed = finish_all(true, "");
+  stop_poller();
   out->set_finish_seconds(seconds_since(finish_start));
+  // A daemon that did not commit (it restarted, or its lease ran out) left its ranks DIRTY: the
+  // sync failed there, whatever the others committed.
+  for (size_t i = 0; i < addresses.size(); ++i)
+    if (!committed[i].ok()) {
+      spdlog::warn("sync {}: commit on node \"{}\" failed: {}", id, daemons[i].node(), committed[i].error_message());
+      return sync_failed(fromGrpc(committed[i], strCat("sync ", id, ": commit on node \"", daemons[i].node(), "\"")));
+    }
   progress_.update(id, [&](v1::SyncProgress& p) {
     p.set_state("committed");
     p.set_seconds(std::chrono::duration<double>(Clock::now() - start).count());
@@ -286,11 +415,56 @@ grpc::Status ShardcastService::Watch(grpc::ServerContext* context, const v1::Wat
 }
 
 grpc::Status ShardcastService::WaitVersion(grpc::ServerContext*, const v1::WaitVersionRequest* req, v1::WaitVersionResponse* out) {
-  if (!registry_.hasGroup(req->group()))
-    return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                        strCat("group \"", req->group(), "\" has no ranks registered on node \"", config_.node, "\""));
-  out->set_version(registry_.waitVersion(req->group(), req->version(), std::chrono::milliseconds(req->timeout_ms())));
+  auto r = registry_.waitVersion(req->group(), req->version(), std::chrono::milliseconds(req->timeout_ms()));
+  if (!r.ok()) return toGrpc(r.status());
+  *out = std::move(*r);
   return grpc::Status::OK;
+}
+
+grpc::Status ShardcastService::Acquire(grpc::ServerContext*, const v1::AcquireRequest* req, v1::AcquireResponse* out) {
+  auto r = registry_.acquire(req->group(), req->rank(), std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 30000));
+  if (!r.ok()) return toGrpc(r.status());
+  *out->mutable_status() = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardcastService::Release(grpc::ServerContext*, const v1::ReleaseRequest* req, v1::ReleaseResponse* out) {
+  auto r = registry_.release(req->group(), req->rank(), req->version());
+  if (!r.ok()) return toGrpc(r.status());
+  *out->mutable_status() = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardcastService::Session(grpc::ServerContext* context, const v1::SessionRequest* req,
+                                       grpc::ServerWriter<v1::SessionEvent>* writer) {
+  const std::string session = registry_.openSession(req->client());
+  v1::SessionEvent ev;
+  ev.set_session_id(session);
+  ev.set_node(config_.node);
+  if (writer->Write(ev)) {
+    // Until the client goes (its process ends: the connection closes) or the daemon stops.
+    // IsCancelled has no wake-up of its own in the synchronous API: look every 100 ms.
+    std::unique_lock<std::mutex> lock(sessions_mu_);
+    while (!sessions_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_ || context->IsCancelled(); })) {
+    }
+  }
+  bool stopping;
+  {
+    std::lock_guard<std::mutex> lock(sessions_mu_);
+    stopping = stopping_;
+  }
+  if (stopping) return grpc::Status(grpc::StatusCode::UNAVAILABLE, strCat("shardcastd on node \"", config_.node, "\" is stopping"));
+  registry_.closeSession(session);
+  ++metrics_.sessions_ended;
+  return grpc::Status::OK;
+}
+
+void ShardcastService::stop() {
+  {
+    std::lock_guard<std::mutex> lock(sessions_mu_);
+    stopping_ = true;
+  }
+  sessions_cv_.notify_all();
 }
 
 grpc::Status PeerService::Prepare(grpc::ServerContext*, const v1::PrepareRequest* req, v1::PrepareResponse* out) {
@@ -351,6 +525,9 @@ grpc::Status ShardcastService::List(grpc::ServerContext*, const v1::ListRequest*
       reg->set_node(p.described->node());
       reg->set_layout_digest(r.layout_digest());
       reg->set_version(r.version());
+      reg->set_state(r.state());
+      reg->set_role(r.role());
+      reg->set_held(r.held());
       uint64_t bytes = 0;
       for (const auto& b : r.buffers()) {
         bytes += b.size();
@@ -394,7 +571,7 @@ grpc::Status ShardcastService::Plan(grpc::ServerContext*, const v1::PlanRequest*
 
 grpc::Status ShardcastService::Status(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse* out) {
   out->set_node(config_.node);
-  out->set_version(kVersion);
+  out->set_version(kShardcastVersion);
   out->set_transport(transport_);
   out->set_registered_bytes(registry_.registeredBytes());
   out->set_registered_ranks(registry_.registeredRanks());

@@ -4,6 +4,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 
 #include "daemon/cluster.h"
 #include "daemon/config.h"
@@ -24,6 +26,11 @@ class ShardcastService final : public v1::Shardcast::Service {
   grpc::Status WaitVersion(grpc::ServerContext*, const v1::WaitVersionRequest*, v1::WaitVersionResponse*) override;
   grpc::Status Watch(grpc::ServerContext*, const v1::WatchRequest*, grpc::ServerWriter<v1::SyncProgress>*) override;
   grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest*, v1::RegisterResponse*) override;
+  grpc::Status Acquire(grpc::ServerContext*, const v1::AcquireRequest*, v1::AcquireResponse*) override;
+  grpc::Status Release(grpc::ServerContext*, const v1::ReleaseRequest*, v1::ReleaseResponse*) override;
+  grpc::Status Session(grpc::ServerContext*, const v1::SessionRequest*, grpc::ServerWriter<v1::SessionEvent>*) override;
+  // Shutdown: ends every open session stream (their registrations end with them).
+  void stop();
   grpc::Status Unregister(grpc::ServerContext*, const v1::UnregisterRequest*, v1::UnregisterResponse*) override;
   grpc::Status List(grpc::ServerContext*, const v1::ListRequest*, v1::ListResponse*) override;
   grpc::Status Plan(grpc::ServerContext*, const v1::PlanRequest*, v1::PlanResponse*) override;
@@ -33,6 +40,10 @@ class ShardcastService final : public v1::Shardcast::Service {
   // The cluster view and the address of every daemon in it (this one included).
   StatusOr<std::pair<ClusterView, std::vector<std::string>>> clusterWithAddresses();
   StatusOr<ClusterView> cluster();
+  // The version contract as the cluster view shows it: source ranks published `version`, no
+  // destination rank is at it or newer.
+  shardcast::Status checkVersions(const ClusterView& view, const std::string& src, const std::string& dst,
+                                  uint64_t version) const;
   std::string selfAddress() const;
 
   const DaemonConfig& config_;
@@ -44,6 +55,9 @@ class ShardcastService final : public v1::Shardcast::Service {
   ProgressBoard progress_;
   std::string transport_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  std::mutex sessions_mu_;
+  std::condition_variable sessions_cv_;
+  bool stopping_ = false;
 };
 
 class PeerService final : public v1::Peer::Service {

@@ -188,7 +188,14 @@ uint64_t PlanCache::hits() const {
 // A sync between prepare and finish on this daemon.
 struct SyncEngine::Active {
   std::string id;
+  std::string src_group;
   std::string dst_group;
+  // The coordinator's lease: renewed by every call about this sync; when it runs out the reaper
+  // aborts the sync here (steady-clock nanoseconds).
+  std::chrono::milliseconds lease{10000};
+  std::atomic<int64_t> lease_until{0};
+  void renew() { lease_until = (Clock::now() + lease).time_since_epoch().count(); }
+  bool expired(Clock::time_point now) const { return now.time_since_epoch().count() > lease_until; }
   uint64_t version = 0;
   uint64_t generation = 0;
   std::shared_ptr<const CachedPlan> plan;
@@ -295,9 +302,27 @@ SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context&
     : node_(std::move(node)), registry_(registry), transport_(transport), metrics_(metrics), window_bytes_(window_bytes),
       copies_(transport::makeHostCopyEngine()) {
   transport_.setNotificationHandler([this](std::string payload) { onNotification(payload); });
+  reaper_ = std::thread([this] { reap(); });
 }
 
-SyncEngine::~SyncEngine() { transport_.setNotificationHandler(nullptr); }
+SyncEngine::~SyncEngine() {
+  {
+    std::lock_guard<std::mutex> lock(reaper_mu_);
+    stopping_ = true;
+  }
+  reaper_cv_.notify_all();
+  reaper_.join();
+  transport_.setNotificationHandler(nullptr);
+}
+
+void SyncEngine::abortAll(const std::string& reason) {
+  std::map<std::string, std::shared_ptr<Active>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    all.swap(active_);
+  }
+  for (const auto& [id, a] : all) close(a, Registry::SyncEnd::kDirty, reason).IgnoreError();
+}
 
 Status SyncEngine::copy(const transport::StridedView& dst, const transport::StridedView& src, const std::vector<int64_t>& extent,
                         int64_t elem, transport::CopyEngine* device_copies) {
@@ -362,17 +387,30 @@ void SyncEngine::onNotification(const std::string& payload) {
 
 StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req) {
   if (req.sync_id().empty()) return absl::InvalidArgumentError("prepare: sync_id is empty");
+  if (find(req.sync_id())) return absl::AlreadyExistsError(strCat("sync ", req.sync_id(), " is already prepared on node \"", node_, "\""));
   auto a = std::make_shared<Active>();
   a->id = req.sync_id();
+  a->src_group = req.src().group();
   a->dst_group = req.dst().group();
   a->version = req.version();
   a->generation = registry_.generation();
   a->window_bytes = window_bytes_;
-  if (registry_.hasGroup(a->dst_group) && registry_.version(a->dst_group) >= a->version)
-    return absl::FailedPreconditionError(strCat("group \"", a->dst_group, "\" is at version ", registry_.version(a->dst_group),
-                                                " on node \"", node_, "\": version ", a->version, " is not newer"));
+  if (req.lease_ms() > 0) a->lease = std::chrono::milliseconds(req.lease_ms());
+  a->renew();
   bool hit = false;
   SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), req.staging_bytes(), req.chunk_bytes(), &hit));
+  // The fences: source ranks here published exactly this version, destination ranks here accept
+  // it. From here on, every way out ends the sync in the registry.
+  SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, a->dst_group, a->version));
+  auto prepared = prepareTargets(a, hit);
+  if (!prepared.ok()) {
+    registry_.endSync(a->id, a->src_group, a->dst_group, Registry::SyncEnd::kRevert);
+    return prepared.status();
+  }
+  return prepared;
+}
+
+StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<Active>& a, bool hit) {
   for (int32_t n = 0; n < a->plan->nodes.size(); ++n)
     if (a->plan->nodes.name(n) == node_) a->self = n;
   v1::PrepareResponse resp;
@@ -413,12 +451,8 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
-  auto busy = busy_groups_.find(a->dst_group);
-  if (busy != busy_groups_.end())
-    return absl::FailedPreconditionError(strCat("a sync into group \"", a->dst_group, "\" (", busy->second,
-                                                ") is in progress on node \"", node_, "\""));
-  busy_groups_[a->dst_group] = a->id;
-  active_[a->id] = a;
+  if (!active_.emplace(a->id, a).second)
+    return absl::AlreadyExistsError(strCat("sync ", a->id, " is already prepared on node \"", node_, "\""));
   spdlog::debug("sync {}: prepared ({} arena bytes, {} buffers landed in directly, plan {})", a->id, resp.arena_bytes(),
                 resp.targets().buffers_size(), hit ? "cached" : "new");
   return resp;
@@ -433,10 +467,21 @@ Status SyncEngine::finish(const v1::FinishRequest& req) {
     a = it->second;
     active_.erase(it);
   }
+  Registry::SyncEnd end = Registry::SyncEnd::kCommit;
+  if (!req.commit()) end = req.executed() ? Registry::SyncEnd::kDirty : Registry::SyncEnd::kRevert;
+  return close(a, end, req.reason().empty() ? "aborted by its coordinator" : req.reason());
+}
+
+Status SyncEngine::close(const std::shared_ptr<Active>& a, Registry::SyncEnd end, const std::string& reason) {
+  const bool commit = end == Registry::SyncEnd::kCommit;
   {
     std::unique_lock<std::mutex> lock(a->mu);
+    if (commit && !a->failure.ok()) {
+      // A write of this node failed after its execute returned: the bytes are not all there.
+      end = Registry::SyncEnd::kDirty;
+    }
     a->closed = true;
-    if (a->failure.ok() && !req.commit()) a->failure = absl::AbortedError(strCat("sync ", a->id, " aborted"));
+    if (a->failure.ok() && !commit) a->failure = absl::AbortedError(strCat("sync ", a->id, " aborted: ", reason));
     a->dropQueued();
     a->cv.notify_all();
     // Peers write into rank buffers directly: before the group may take another sync, every write
@@ -444,19 +489,50 @@ Status SyncEngine::finish(const v1::FinishRequest& req) {
     if (!a->cv.wait_for(lock, std::chrono::seconds(120), [&] { return a->writes_pending == 0; }))
       spdlog::error("sync {}: {} writes still pending two minutes after it ended", a->id, a->writes_pending);
   }
-  if (req.commit() && registry_.hasGroup(a->dst_group)) registry_.commitVersion(a->dst_group, a->version);
+  if (end == Registry::SyncEnd::kDirty && commit) {
+    registry_.endSync(a->id, a->src_group, a->dst_group, end, std::string(a->failure.message()));
+    return Status(a->failure.code(), strCat("sync ", a->id, " on node \"", node_, "\": ", a->failure.message()));
+  }
+  registry_.endSync(a->id, a->src_group, a->dst_group, end, reason);
   std::lock_guard<std::mutex> lock(mu_);
-  if (busy_groups_[a->dst_group] == a->id) busy_groups_.erase(a->dst_group);
-  if (req.commit() && a->writes_pending == 0) {  // nothing can still touch them
+  if (commit && a->writes_pending == 0) {  // nothing can still touch them
     if (a->arena) spare_arenas_[a->plan->key] = std::move(a->arena);
     if (a->staging) spare_staging_[a->plan->key] = std::move(a->staging);
   }
   return absl::OkStatus();
 }
 
+void SyncEngine::reap() {
+  std::unique_lock<std::mutex> lock(reaper_mu_);
+  while (!reaper_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_; })) {
+    std::vector<std::shared_ptr<Active>> expired;
+    {
+      std::lock_guard<std::mutex> active_lock(mu_);
+      const auto now = Clock::now();
+      for (auto it = active_.begin(); it != active_.end();) {
+        if (it->second->expired(now)) {
+          expired.push_back(it->second);
+          it = active_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    lock.unlock();
+    for (const auto& a : expired) {
+      const std::string why = strCat("its coordinator went silent (no word for ", a->lease.count(), " ms, the sync's lease)");
+      spdlog::warn("sync {} aborted on node \"{}\": {}", a->id, node_, why);
+      ++metrics_.syncs_expired;
+      close(a, Registry::SyncEnd::kDirty, why).IgnoreError();
+    }
+    lock.lock();
+  }
+}
+
 StatusOr<v1::ProgressResponse> SyncEngine::progress(const std::string& sync_id) {
   auto a = find(sync_id);
   if (!a) return absl::NotFoundError(strCat("sync ", sync_id, " is not active on node \"", node_, "\""));
+  a->renew();
   v1::ProgressResponse out;
   out.set_bytes_received(a->bytes_received);
   out.set_bytes_sent(a->bytes_sent);
@@ -769,8 +845,10 @@ class SyncEngine::Execution {
 StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req) {
   auto a = find(req.sync_id());
   if (!a) return absl::NotFoundError(strCat("sync ", req.sync_id(), " was not prepared on node \"", node_, "\""));
+  a->renew();
   v1::ExecuteResponse resp;
   if (a->self < 0) return resp;
+  SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dst_group));
   // This wave's figures are what the sync's counters (read by progress()) gain during it.
   const uint64_t sent = a->bytes_sent, received = a->bytes_received, local = a->local_bytes, direct = a->bytes_landed_direct;
   SC_RETURN_IF_ERROR(Execution(*this, a, req).run());

@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "common/status.h"
 #include "daemon/metrics.h"
@@ -107,6 +108,8 @@ class SyncEngine {
   // What a sync prepared here has moved so far; NOT_FOUND once it finished.
   StatusOr<v1::ProgressResponse> progress(const std::string& sync_id);
   PlanCache& plans() { return plans_; }
+  // Shutdown: aborts every sync prepared here (destination ranks written by them become DIRTY).
+  void abortAll(const std::string& reason);
 
  private:
   struct Landed {
@@ -123,6 +126,11 @@ class SyncEngine {
   static void pump(const std::shared_ptr<Active>& a, int32_t node);
 
   void onNotification(const std::string& payload);
+  StatusOr<v1::PrepareResponse> prepareTargets(const std::shared_ptr<Active>& a, bool hit);
+  // Ends a sync here (removed from active_ already): waits for its writes, then tells the registry.
+  Status close(const std::shared_ptr<Active>& a, Registry::SyncEnd end, const std::string& reason);
+  // The reaper thread: aborts syncs whose coordinator's lease ran out.
+  void reap();
   // Copies with the engine that reaches both sides: the host engine, or the registry's CUDA engine
   // (synchronized, so the bytes are in place when it returns).
   Status copy(const transport::StridedView& dst, const transport::StridedView& src, const std::vector<int64_t>& extent,
@@ -141,10 +149,13 @@ class SyncEngine {
   std::unique_ptr<transport::CopyEngine> copies_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<Active>> active_;
-  std::map<std::string, std::string> busy_groups_;  // destination group -> sync id
   // Arenas and staging buffers of committed syncs, reused by the next sync of the same plan
   // (allocation and first touch of large registered buffers costs more than the copies).
   std::map<std::string, std::shared_ptr<transport::MemoryRegion>> spare_arenas_, spare_staging_;
+  std::mutex reaper_mu_;
+  std::condition_variable reaper_cv_;
+  bool stopping_ = false;
+  std::thread reaper_;
 };
 
 }  // namespace shardcast::daemon

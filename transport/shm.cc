@@ -126,15 +126,41 @@ StatusOr<ShmSegment> ShmSegment::open(const std::string& name, size_t size) {
   // page when a sync first touches the memory (expensive under virtualisation: seconds per GiB).
   void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   const int err = errno;
+  if (p == MAP_FAILED) {
+    ::close(fd);
+    return errnoStatus(strCat("mmap(\"", name, "\", ", size, ")"), err);
+  }
+  ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+  return ShmSegment(name, p, size, false, fd);
+}
+
+Status ShmSegment::checkSize() const {
+  if (fd_ < 0) return absl::OkStatus();
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) return errnoStatus(strCat("fstat(\"", name_, "\")"), errno);
+  if (static_cast<uint64_t>(st.st_size) < size_)
+    return absl::FailedPreconditionError(strCat("shm segment \"", name_, "\" was truncated to ", st.st_size,
+                                                " bytes while registered with ", size_, " (its owner resized or freed it)"));
+  return absl::OkStatus();
+}
+
+void ShmSegment::unlinkName() const {
+  if (fd_ < 0) return;
+  struct stat ours {}, named {};
+  const int fd = ::shm_open(name_.c_str(), O_RDONLY, 0);
+  if (fd < 0) return;  // already gone
+  const bool same = ::fstat(fd_, &ours) == 0 && ::fstat(fd, &named) == 0 && ours.st_ino == named.st_ino &&
+                    ours.st_dev == named.st_dev;
   ::close(fd);
-  if (p == MAP_FAILED) return errnoStatus(strCat("mmap(\"", name, "\", ", size, ")"), err);
-  return ShmSegment(name, p, size, false);
+  if (same && ::shm_unlink(name_.c_str()) != 0 && errno != ENOENT)
+    spdlog::warn("shm_unlink(\"{}\") failed: {}", name_, std::strerror(errno));
 }
 
 ShmSegment::ShmSegment(ShmSegment&& o) noexcept
-    : name_(std::move(o.name_)), data_(o.data_), size_(o.size_), unlink_(o.unlink_) {
+    : name_(std::move(o.name_)), data_(o.data_), size_(o.size_), unlink_(o.unlink_), fd_(o.fd_) {
   o.data_ = nullptr;
   o.unlink_ = false;
+  o.fd_ = -1;
 }
 
 ShmSegment& ShmSegment::operator=(ShmSegment&& o) noexcept {
@@ -144,8 +170,10 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& o) noexcept {
     data_ = o.data_;
     size_ = o.size_;
     unlink_ = o.unlink_;
+    fd_ = o.fd_;
     o.data_ = nullptr;
     o.unlink_ = false;
+    o.fd_ = -1;
   }
   return *this;
 }
@@ -159,6 +187,8 @@ void ShmSegment::release() {
   if (unlink_ && ::shm_unlink(name_.c_str()) != 0)
     spdlog::warn("shm_unlink(\"{}\") failed: {}", name_, std::strerror(errno));
   unlink_ = false;
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
 }
 
 }  // namespace shardcast::transport

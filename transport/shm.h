@@ -39,15 +39,22 @@ class ShmSegment {
   size_t size() const { return size_; }
   const std::string& name() const { return name_; }
 
+  // Opened segments: fails (FAILED_PRECONDITION) when the owner truncated the segment below the
+  // mapped size, so that touching the mapping would raise SIGBUS. Check before every use.
+  Status checkSize() const;
+  // Opened segments: unlinks the name if it still names this segment (not a newer one).
+  void unlinkName() const;
+
  private:
-  ShmSegment(std::string name, void* data, size_t size, bool unlink)
-      : name_(std::move(name)), data_(data), size_(size), unlink_(unlink) {}
+  ShmSegment(std::string name, void* data, size_t size, bool unlink, int fd = -1)
+      : name_(std::move(name)), data_(data), size_(size), unlink_(unlink), fd_(fd) {}
   void release();
 
   std::string name_;
   void* data_ = nullptr;
   size_t size_ = 0;
   bool unlink_ = false;
+  int fd_ = -1;  // opened segments: kept for checkSize
 };
 
 }  // namespace shardcast::transport

@@ -170,10 +170,18 @@ int runStatus(const CommonArgs& a) {
     std::cout << fmt::format("  {:<24} {:<16} {}\n", p.address(), p.node().empty() ? "-" : p.node(),
                              p.reachable() ? "ok" : "unreachable: " + p.error());
   std::cout << fmt::format("groups      {}\n", s->groups_size());
-  if (s->groups_size() > 0) std::cout << fmt::format("  {:<20} {:>8} {:>6} {:>12}  {}\n", "GROUP", "VERSION", "WORLD", "BYTES", "RANKS HERE");
-  for (const auto& g : s->groups())
-    std::cout << fmt::format("  {:<20} {:>8} {:>6} {:>12}  {}\n", g.group(), g.version(), g.world_size(),
-                             planner::humanBytes(static_cast<double>(g.registered_bytes())), fmt::join(g.ranks(), ","));
+  if (s->groups_size() > 0)
+    std::cout << fmt::format("  {:<20} {:<11} {:>8} {:>6} {:>12}  {}\n", "GROUP", "ROLE", "VERSION", "WORLD", "BYTES",
+                             "RANKS HERE (state)");
+  for (const auto& g : s->groups()) {
+    std::vector<std::string> ranks;
+    for (const auto& r : g.rank_states()) ranks.push_back(fmt::format("{}:{}", r.rank(), describeRank(r)));
+    std::cout << fmt::format("  {:<20} {:<11} {:>8} {:>6} {:>12}  {}\n", g.group(),
+                             g.role() == v1::ROLE_SOURCE ? "source" : "destination", g.version(), g.world_size(),
+                             planner::humanBytes(static_cast<double>(g.registered_bytes())), fmt::join(ranks, " "));
+    for (const auto& r : g.rank_states())
+      if (r.state() == v1::RANK_DIRTY) std::cout << fmt::format("    rank {} is dirty: {}\n", r.rank(), r.detail());
+  }
   return kOk;
 }
 
@@ -193,12 +201,17 @@ int runLayouts(const LayoutsArgs& a) {
     std::cout << toJson(*l) << "\n";
     return kOk;
   }
-  std::cout << fmt::format("{:<20} {:>5} {:>6} {:<16} {:>8} {:>12} {:>8}  {}\n", "GROUP", "RANK", "WORLD", "NODE", "VERSION",
-                           "BYTES", "BUFFERS", "LAYOUT DIGEST");
-  for (const auto& r : l->ranks())
-    std::cout << fmt::format("{:<20} {:>5} {:>6} {:<16} {:>8} {:>12} {:>8}  {}\n", r.group(), r.rank(), r.world_size(), r.node(),
-                             r.version(), planner::humanBytes(static_cast<double>(r.registered_bytes())), r.buffers_size(),
-                             r.layout_digest());
+  std::cout << fmt::format("{:<20} {:>5} {:>6} {:<16} {:<11} {:<16} {:>12} {:>8}  {}\n", "GROUP", "RANK", "WORLD", "NODE",
+                           "ROLE", "STATE", "BYTES", "BUFFERS", "LAYOUT DIGEST");
+  for (const auto& r : l->ranks()) {
+    v1::RankStatus st;
+    st.set_state(r.state());
+    st.set_version(r.version());
+    st.set_held(r.held());
+    std::cout << fmt::format("{:<20} {:>5} {:>6} {:<16} {:<11} {:<16} {:>12} {:>8}  {}\n", r.group(), r.rank(), r.world_size(),
+                             r.node(), r.role() == v1::ROLE_SOURCE ? "source" : "destination", describeRank(st),
+                             planner::humanBytes(static_cast<double>(r.registered_bytes())), r.buffers_size(), r.layout_digest());
+  }
   if (l->ranks_size() == 0) std::cout << "(nothing registered)\n";
   return kOk;
 }
@@ -224,6 +237,29 @@ int runWait(const WaitArgs& a) {
     std::cout << fmt::format("group \"{}\" is at version {}{}\n", a.group, *v,
                              reached ? "" : fmt::format(" (waited {:.0f} s for {})", a.timeout_s, a.version));
   return reached ? kOk : kSyncFailed;
+}
+
+// ---- fences: acquire, publish, release ----
+
+struct FenceArgs : CommonArgs {
+  std::string group;
+  int32_t rank = 0;
+  uint64_t version = 0;
+  double timeout_s = 30;
+};
+
+int runFence(const std::string& cmd, const FenceArgs& a) {
+  int rc = kOk;
+  auto client = connectOrReport(cmd, a, &rc);
+  if (!client) return rc;
+  StatusOr<v1::RankStatus> st = absl::UnknownError("");
+  if (cmd == "acquire") st = client->acquire(a.group, a.rank, std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000)));
+  else if (cmd == "publish") st = client->publish(a.group, a.rank, a.version);
+  else st = client->release(a.group, a.rank);
+  if (!st.ok()) return failed(cmd, st.status());
+  if (a.json) std::cout << toJson(*st) << "\n";
+  else std::cout << fmt::format("group \"{}\" rank {}: {}\n", a.group, a.rank, describeRank(*st));
+  return kOk;
 }
 
 // ---- health ----
@@ -295,13 +331,28 @@ void addDaemonCommands(CLI::App& app, int* exit_code) {
   }
   {
     auto a = std::make_shared<WaitArgs>();
-    auto* cmd = app.add_subcommand("wait", "Wait until a group reaches a version on this node");
+    auto* cmd = app.add_subcommand("wait", "Wait until every rank of a group on this node is ready at a version (fails on a dirty one)");
     cmd->add_option("--group", a->group, "Group")->required();
     cmd->add_option("--version", a->version, "Version to wait for")->required();
     cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")->capture_default_str()
         ->check(CLI::NonNegativeNumber);
     addCommon(cmd, a.get());
     cmd->callback([a, exit_code] { *exit_code = runWait(*a); });
+  }
+  for (const std::string name : {"acquire", "publish", "release"}) {
+    auto a = std::make_shared<FenceArgs>();
+    const char* help = name == "acquire"   ? "Take a rank's memory: a source to write it (waits for syncs reading it), a destination to "
+                                             "read it undisturbed (waits for the sync writing it)"
+                       : name == "publish" ? "A source rank's buffers hold this version and will not change until acquired"
+                                           : "A destination rank accepts updates again";
+    auto* cmd = app.add_subcommand(name, help);
+    cmd->add_option("--group", a->group, "Group")->required();
+    cmd->add_option("--rank", a->rank, "Rank")->required();
+    if (name == "publish") cmd->add_option("--version", a->version, "The version the rank's buffers now hold")->required();
+    if (name == "acquire")
+      cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")->capture_default_str()->check(CLI::PositiveNumber);
+    addCommon(cmd, a.get());
+    cmd->callback([a, exit_code, name] { *exit_code = runFence(name, *a); });
   }
   {
     auto a = std::make_shared<HealthArgs>();

@@ -1,8 +1,11 @@
 #include "client/lib/client.h"
 
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
+#include <condition_variable>
 #include <cstdlib>
+#include <map>
 
 #include "common/defaults.h"
 #include "common/grpc_status.h"
@@ -18,10 +21,137 @@ std::string defaultDaemonTarget() {
 
 std::string normalizeTarget(const std::string& target) { return target.rfind('/', 0) == 0 ? "unix:" + target : target; }
 
+std::string_view rankStateName(v1::RankState state) {
+  switch (state) {
+    case v1::RANK_EMPTY: return "empty";
+    case v1::RANK_UPDATING: return "updating";
+    case v1::RANK_READY: return "ready";
+    case v1::RANK_DIRTY: return "dirty";
+    default: return "unknown";
+  }
+}
+
+std::string describeRank(const v1::RankStatus& st) {
+  std::string out(rankStateName(st.state()));
+  if (st.state() == v1::RANK_READY || st.state() == v1::RANK_UPDATING) out += strCat("(", st.version(), ")");
+  if (st.held()) out += " held";
+  return out;
+}
+
+// The session thread: holds the Session stream open; when it breaks (the daemon went away) it
+// opens a new one as soon as the daemon answers and registers every recorded rank again.
+struct Client::SessionState {
+  struct Recorded {
+    v1::RegisterRequest request;
+    uint64_t published = 0;  // source: last version published
+    bool held = false;       // source: acquired (not to be re-registered as ready)
+  };
+  std::shared_ptr<v1::Shardcast::Stub> stub;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::string id;  // "" while no session is open
+  bool stop = false;
+  bool lost = false;  // a session was open and ended: re-register when the next one opens
+  grpc::ClientContext* stream = nullptr;
+  std::map<std::pair<std::string, int32_t>, Recorded> ranks;
+  uint64_t reconnects = 0;
+  std::thread thread;
+
+  void run() {
+    while (true) {
+      grpc::ClientContext ctx;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (stop) return;
+        stream = &ctx;
+      }
+      v1::SessionRequest req;
+      req.set_client(strCat("c++ pid ", ::getpid()));
+      auto reader = stub->Session(&ctx, req);
+      v1::SessionEvent ev;
+      if (reader->Read(&ev)) {
+        std::unique_lock<std::mutex> lock(mu);
+        id = ev.session_id();
+        if (lost) reregister(lock);
+        cv.notify_all();
+        lock.unlock();
+        while (reader->Read(&ev)) {
+        }
+      }
+      reader->Finish().IgnoreError();
+      std::unique_lock<std::mutex> lock(mu);
+      stream = nullptr;
+      if (!id.empty()) lost = true;
+      id.clear();
+      if (stop) return;
+      cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return stop; });
+    }
+  }
+
+  // With mu held (released around the calls).
+  void reregister(std::unique_lock<std::mutex>& lock) {
+    lost = false;
+    ++reconnects;
+    std::vector<v1::RegisterRequest> again;
+    for (auto& [key, r] : ranks) {
+      v1::RegisterRequest req = r.request;
+      req.set_session_id(id);
+      req.set_version(req.role() == v1::ROLE_SOURCE && !r.held ? r.published : 0);
+      again.push_back(std::move(req));
+    }
+    lock.unlock();
+    for (const auto& req : again) {
+      grpc::ClientContext c;
+      c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+      v1::RegisterResponse out;
+      const grpc::Status st = stub->Register(&c, req, &out);
+      if (!st.ok())
+        std::fprintf(stderr, "shardcast: re-registering group \"%s\" rank %d after a daemon restart failed: %s\n",
+                     req.group().c_str(), req.rank(), st.error_message().c_str());
+    }
+    lock.lock();
+  }
+
+  ~SessionState() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+      if (stream) stream->TryCancel();
+    }
+    cv.notify_all();
+    if (thread.joinable()) thread.join();
+  }
+};
+
+Status Client::startSession(std::chrono::milliseconds timeout) {
+  if (session_) return absl::OkStatus();
+  auto s = std::make_shared<SessionState>();
+  s->stub = stub_;
+  s->thread = std::thread([raw = s.get()] { raw->run(); });
+  std::unique_lock<std::mutex> lock(s->mu);
+  if (!s->cv.wait_for(lock, timeout, [&] { return !s->id.empty(); })) {
+    lock.unlock();
+    return absl::UnavailableError(strCat("shardcastd at \"", target_, "\" opened no session within ", timeout.count(), " ms"));
+  }
+  lock.unlock();
+  session_ = std::move(s);
+  return absl::OkStatus();
+}
+
+uint64_t Client::reconnects() const {
+  if (!session_) return 0;
+  std::lock_guard<std::mutex> lock(session_->mu);
+  return session_->reconnects;
+}
+
 StatusOr<Client> Client::connect(const std::string& target, std::chrono::milliseconds connect_timeout) {
   const std::string t = normalizeTarget(target);
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);  // plan summaries of very large models
+  // A restarted daemon is reached at once (not after gRPC's reconnect backoff of up to 120 s).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   auto channel = grpc::CreateCustomChannel(t, grpc::InsecureChannelCredentials(), args);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + connect_timeout))
     return absl::UnavailableError(strCat("shardcastd at \"", t, "\" is not reachable (is the daemon running? set --daemon or SHARDCAST_ADDRESS)"));
@@ -34,12 +164,14 @@ std::unique_ptr<grpc::ClientContext> Client::context(std::chrono::milliseconds t
   return c;
 }
 
-StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, int32_t rank, const HostTensors& memory) const {
-  return registerRank(layout, rank, memory.handles());
+StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, int32_t rank, const HostTensors& memory,
+                                                    const RegisterOptions& options) const {
+  return registerRank(layout, rank, memory.handles(), options);
 }
 
 StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, int32_t rank,
-                                                    const std::vector<v1::MemoryHandle>& buffers) const {
+                                                    const std::vector<v1::MemoryHandle>& buffers,
+                                                    const RegisterOptions& options) const {
   // The world is the mesh's size; the daemon validates everything else against the layout.
   int64_t world = 1;
   for (const int64_t s : layout.mesh().shape()) world *= s;
@@ -49,18 +181,82 @@ StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, in
   req.set_world_size(static_cast<int32_t>(world));
   *req.mutable_layout() = layout;
   for (const auto& b : buffers) *req.add_buffers() = b;
+  req.set_role(options.role);
+  req.set_version(options.version);
   v1::RegisterResponse out;
+  if (!session_) {
+    const auto st = stub_->Register(context(call_timeout_).get(), req, &out);
+    if (!st.ok()) return fromGrpc(st, strCat("register group \"", layout.group(), "\" rank ", rank));
+    return out;
+  }
+  // Under the session (waiting for it while the daemon restarts); recorded for re-registration.
+  std::unique_lock<std::mutex> lock(session_->mu);
+  if (!session_->cv.wait_for(lock, call_timeout_, [&] { return !session_->id.empty(); }))
+    return absl::UnavailableError(strCat("register group \"", layout.group(), "\" rank ", rank, ": no session with shardcastd at \"",
+                                         target_, "\""));
+  req.set_session_id(session_->id);
+  session_->ranks[{layout.group(), rank}] = {req, options.version, false};
+  lock.unlock();
   const auto st = stub_->Register(context(call_timeout_).get(), req, &out);
-  if (!st.ok()) return fromGrpc(st, strCat("register group \"", layout.group(), "\" rank ", rank));
+  if (!st.ok()) {
+    std::lock_guard<std::mutex> relock(session_->mu);
+    session_->ranks.erase({layout.group(), rank});
+    return fromGrpc(st, strCat("register group \"", layout.group(), "\" rank ", rank));
+  }
   return out;
 }
 
 Status Client::unregisterRank(const std::string& group, int32_t rank) const {
+  if (session_) {
+    std::lock_guard<std::mutex> lock(session_->mu);
+    session_->ranks.erase({group, rank});
+  }
   v1::UnregisterRequest req;
   req.set_group(group);
   req.set_rank(rank);
   v1::UnregisterResponse out;
   return fromGrpc(stub_->Unregister(context(call_timeout_).get(), req, &out), strCat("unregister group \"", group, "\" rank ", rank));
+}
+
+StatusOr<v1::RankStatus> Client::acquire(const std::string& group, int32_t rank, std::chrono::milliseconds timeout) const {
+  v1::AcquireRequest req;
+  req.set_group(group);
+  req.set_rank(rank);
+  req.set_timeout_ms(static_cast<uint32_t>(timeout.count()));
+  v1::AcquireResponse out;
+  const auto st = stub_->Acquire(context(timeout + call_timeout_).get(), req, &out);
+  if (!st.ok()) return fromGrpc(st, strCat("acquire group \"", group, "\" rank ", rank));
+  if (session_) {
+    std::lock_guard<std::mutex> lock(session_->mu);
+    if (auto it = session_->ranks.find({group, rank}); it != session_->ranks.end()) it->second.held = true;
+  }
+  return out.status();
+}
+
+StatusOr<v1::RankStatus> Client::publish(const std::string& group, int32_t rank, uint64_t version) const {
+  return releaseRank(group, rank, version);
+}
+
+StatusOr<v1::RankStatus> Client::release(const std::string& group, int32_t rank) const { return releaseRank(group, rank, 0); }
+
+StatusOr<v1::RankStatus> Client::releaseRank(const std::string& group, int32_t rank, uint64_t version) const {
+  v1::ReleaseRequest req;
+  req.set_group(group);
+  req.set_rank(rank);
+  req.set_version(version);
+  v1::ReleaseResponse out;
+  const auto st = stub_->Release(context(call_timeout_).get(), req, &out);
+  if (!st.ok())
+    return fromGrpc(st, version ? strCat("publish group \"", group, "\" rank ", rank, " version ", version)
+                                : strCat("release group \"", group, "\" rank ", rank));
+  if (session_) {
+    std::lock_guard<std::mutex> lock(session_->mu);
+    if (auto it = session_->ranks.find({group, rank}); it != session_->ranks.end()) {
+      it->second.held = false;
+      if (version) it->second.published = version;
+    }
+  }
+  return out.status();
 }
 
 StatusOr<v1::SyncResponse> Client::sync(const std::string& src, const std::string& dst, uint64_t version,
@@ -118,6 +314,12 @@ Status Client::watch(const std::string& sync_id, const std::function<bool(const 
 }
 
 StatusOr<uint64_t> Client::waitVersion(const std::string& group, uint64_t version, std::chrono::milliseconds timeout) const {
+  SC_ASSIGN_OR_RETURN(auto out, waitReady(group, version, timeout));
+  return out.version();
+}
+
+StatusOr<v1::WaitVersionResponse> Client::waitReady(const std::string& group, uint64_t version,
+                                                    std::chrono::milliseconds timeout) const {
   v1::WaitVersionRequest req;
   req.set_group(group);
   req.set_version(version);
@@ -125,7 +327,7 @@ StatusOr<uint64_t> Client::waitVersion(const std::string& group, uint64_t versio
   v1::WaitVersionResponse out;
   const auto st = stub_->WaitVersion(context(timeout + call_timeout_).get(), req, &out);
   if (!st.ok()) return fromGrpc(st, strCat("wait for group \"", group, "\" version ", version));
-  return out.version();
+  return out;
 }
 
 StatusOr<v1::StatusResponse> Client::status() const {

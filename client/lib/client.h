@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "client/lib/host_tensors.h"
@@ -29,6 +30,18 @@ struct SyncOptions {
   bool wait_for_ranks = false;           // wait up to the timeout for ranks not yet registered
   std::string sync_id;                   // "" = one chosen by the daemon; set it to Watch meanwhile
 };
+
+// How a rank registers: a source (a trainer: it fills its buffers and publishes versions; syncs
+// only read it) or a destination (syncs write it). A source may say at once which version its
+// buffers already hold (as if published).
+struct RegisterOptions {
+  v1::Role role = v1::ROLE_DESTINATION;
+  uint64_t version = 0;
+};
+
+// "ready(3)", "updating(4)", "empty", "dirty (sync ... )", with " held" when acquired.
+std::string describeRank(const v1::RankStatus& st);
+std::string_view rankStateName(v1::RankState state);
 
 // Lets another thread end a Client::watch early (the watch then returns CANCELLED).
 class WatchCancel {
@@ -51,11 +64,31 @@ class Client {
 
   const std::string& target() const { return target_; }
 
+  // Ties this client's registrations to its life: opens a session with the daemon (a stream that
+  // ends when this process does, however it ends; the daemon then unregisters its ranks and
+  // unlinks their shm segments). While it is open, registrations made through this client (and
+  // its copies) are re-made by themselves after the daemon restarts, source ranks at the version
+  // they last published. The session ends with the last copy of this client.
+  Status startSession(std::chrono::milliseconds timeout = std::chrono::seconds(10));
+  // How many times the session re-registered after losing its daemon (0 without a session).
+  uint64_t reconnects() const;
+
   // Registers `rank` of `layout`'s group with its buffers; the world size is the layout's.
-  StatusOr<v1::RegisterResponse> registerRank(const v1::Layout& layout, int32_t rank, const HostTensors& memory) const;
+  StatusOr<v1::RegisterResponse> registerRank(const v1::Layout& layout, int32_t rank, const HostTensors& memory,
+                                              const RegisterOptions& options = {}) const;
   StatusOr<v1::RegisterResponse> registerRank(const v1::Layout& layout, int32_t rank,
-                                              const std::vector<v1::MemoryHandle>& buffers) const;
+                                              const std::vector<v1::MemoryHandle>& buffers,
+                                              const RegisterOptions& options = {}) const;
   Status unregisterRank(const std::string& group, int32_t rank) const;
+
+  // The fences (see docs/daemon.md). A source rank's owner acquires it before writing (waits
+  // until every sync reading it ended) and publishes the version it then holds; a destination
+  // rank's engine acquires it to read undisturbed (waits until the sync writing it ended) and
+  // releases it to accept updates again.
+  StatusOr<v1::RankStatus> acquire(const std::string& group, int32_t rank,
+                                   std::chrono::milliseconds timeout = std::chrono::seconds(30)) const;
+  StatusOr<v1::RankStatus> publish(const std::string& group, int32_t rank, uint64_t version) const;
+  StatusOr<v1::RankStatus> release(const std::string& group, int32_t rank) const;
 
   // Syncs version `version` of `src` into `dst`; returns once every destination rank has it.
   StatusOr<v1::SyncResponse> sync(const std::string& src, const std::string& dst, uint64_t version,
@@ -64,9 +97,13 @@ class Client {
   // on_progress returns false (CANCELLED).
   Status watch(const std::string& sync_id, const std::function<bool(const v1::SyncProgress&)>& on_progress,
                WatchCancel* cancel = nullptr) const;
-  // Waits until `group`'s version on this node is at least `version`; returns the version seen
-  // (lower than asked when the timeout passed first; timeout 0 = the current version at once).
+  // Waits until every rank of `group` on this node is ready at `version` or newer; returns the
+  // version they are all ready at (lower than asked when the timeout passed first; timeout 0 =
+  // at once). A dirty rank fails it at once (FAILED_PRECONDITION naming the rank and the sync).
   StatusOr<uint64_t> waitVersion(const std::string& group, uint64_t version, std::chrono::milliseconds timeout) const;
+  // The same, with every rank's state.
+  StatusOr<v1::WaitVersionResponse> waitReady(const std::string& group, uint64_t version,
+                                              std::chrono::milliseconds timeout) const;
 
   StatusOr<v1::StatusResponse> status() const;
   StatusOr<v1::ListResponse> list(bool all_nodes) const;
@@ -76,11 +113,14 @@ class Client {
   void setCallTimeout(std::chrono::milliseconds timeout) { call_timeout_ = timeout; }
 
  private:
+  struct SessionState;
   Client(std::string target, std::shared_ptr<v1::Shardcast::Stub> stub) : target_(std::move(target)), stub_(std::move(stub)) {}
   std::unique_ptr<grpc::ClientContext> context(std::chrono::milliseconds timeout) const;
+  StatusOr<v1::RankStatus> releaseRank(const std::string& group, int32_t rank, uint64_t version) const;
 
   std::string target_;
   std::shared_ptr<v1::Shardcast::Stub> stub_;
+  std::shared_ptr<SessionState> session_;
   std::chrono::milliseconds call_timeout_{std::chrono::seconds(30)};
 };
 

@@ -39,18 +39,19 @@ struct ClientCluster {
     trainer = *planner::resolveLayout(trainer_layout, nodes);
     inference = *planner::resolveLayout(inference_layout, nodes);
     if (!register_ranks) return;
-    registerAll(*daemons[0], trainer_layout, trainer_mem);
+    registerAll(*daemons[0], trainer_layout, trainer_mem, {v1::ROLE_SOURCE, 0});
     registerAll(*daemons[1], inference_layout, inference_mem);
   }
 
-  static void registerAll(const Daemon& d, const v1::Layout& layout, std::vector<HostTensors>& mem) {
+  static void registerAll(const Daemon& d, const v1::Layout& layout, std::vector<HostTensors>& mem,
+                          const RegisterOptions& options = {}) {
     auto client = Client::connect("unix:" + d.socketPath());
     REQUIRE(client.ok());
     for (int32_t r = 0; r < 2; ++r) {
       auto t = HostTensors::forRank(layout, r);
       REQUIRE(t.ok());
       mem.push_back(std::move(*t));
-      auto reg = client->registerRank(layout, r, mem.back());
+      auto reg = client->registerRank(layout, r, mem.back(), options);
       INFO(reg.status().message());
       REQUIRE(reg.ok());
     }
@@ -68,9 +69,23 @@ struct ClientCluster {
     });
   }
 
+  // A trainer step: acquire the source ranks (waits for syncs reading them), write `version`'s
+  // values, publish it.
   void fillSource(int version) {
+    auto client = Client::connect("unix:" + daemons[0]->socketPath());
+    REQUIRE(client.ok());
+    for (int32_t r = 0; r < 2; ++r) {
+      auto held = client->acquire("trainer", r);
+      INFO(held.status().message());
+      REQUIRE(held.ok());
+    }
     for (int32_t r = 0; r < 2; ++r)
       visit(trainer, r, trainer_mem[static_cast<size_t>(r)], [&](int32_t* e, size_t t, int64_t flat) { *e = valueOf(t, flat, version); });
+    for (int32_t r = 0; r < 2; ++r) {
+      auto published = client->publish("trainer", r, static_cast<uint64_t>(version));
+      INFO(published.status().message());
+      REQUIRE(published.ok());
+    }
   }
 
   int64_t badDestinationElements(int version) {

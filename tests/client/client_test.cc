@@ -141,7 +141,7 @@ TEST_CASE("Client: register, sync with watch, wait for the version, status; ever
   auto old = coordinator->sync("trainer", "infer", 1);
   REQUIRE_FALSE(old.ok());
   CHECK(absl::IsFailedPrecondition(old.status()));
-  CHECK_THAT(std::string(old.status().message()), Catch::Contains("prepare on node \"n1\""));
+  CHECK_THAT(std::string(old.status().message()), Catch::Contains("on node \"n1\" is at version 2"));
   CHECK_THAT(std::string(old.status().message()), Catch::Contains("version 1 is not newer"));
   auto waited = coordinator->waitVersion("nobody", 1, std::chrono::milliseconds(10));
   REQUIRE_FALSE(waited.ok());

@@ -235,8 +235,13 @@ TEST_CASE("peers found through a DNS name; a sync waits for ranks that register 
   const auto trainer = one_node("trainer", 0), infer = one_node("infer", 1);
   Segment t0("dt0"), t1("dt1"), i0("di0"), i1("di1");
   auto client = d.client();
-  REQUIRE(registerRank(*client, request("trainer", 0, trainer, t0)).ok());
-  REQUIRE(registerRank(*client, request("trainer", 1, trainer, t1)).ok());
+  auto source = [](v1::RegisterRequest r) {
+    r.set_role(v1::ROLE_SOURCE);
+    r.set_version(1);
+    return r;
+  };
+  REQUIRE(registerRank(*client, source(request("trainer", 0, trainer, t0))).ok());
+  REQUIRE(registerRank(*client, source(request("trainer", 1, trainer, t1))).ok());
   REQUIRE(registerRank(*client, request("infer", 0, infer, i0)).ok());
   // Inference rank 1 registers 300 ms after the sync starts; the sync waits for it.
   std::thread late([&] {

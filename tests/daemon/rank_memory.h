@@ -40,8 +40,13 @@ inline RankMemory allocateRank(const planner::ResolvedLayout& l, int32_t rank, c
   return m;
 }
 
-inline v1::RegisterRequest registerRequest(const v1::Layout& layout, int32_t rank, int32_t world, const RankMemory& m) {
+// A destination rank by default; a source rank with role ROLE_SOURCE (READY at `version` when
+// given: its bytes already hold that version).
+inline v1::RegisterRequest registerRequest(const v1::Layout& layout, int32_t rank, int32_t world, const RankMemory& m,
+                                           v1::Role role = v1::ROLE_DESTINATION, uint64_t version = 0) {
   v1::RegisterRequest r;
+  r.set_role(role);
+  r.set_version(version);
   r.set_group(layout.group());
   r.set_rank(rank);
   r.set_world_size(world);

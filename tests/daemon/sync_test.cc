@@ -43,6 +43,11 @@ v1::RegisterRequest request(const v1::Layout& layout, int32_t rank, int32_t worl
   return registerRequest(layout, rank, world, m);
 }
 
+// A source rank (a trainer's), READY at `version` when given.
+v1::RegisterRequest source(const v1::Layout& layout, int32_t rank, int32_t world, const RankMemory& m, uint64_t version = 0) {
+  return registerRequest(layout, rank, world, m, v1::ROLE_SOURCE, version);
+}
+
 struct Cluster {
   std::vector<int> ports;
   std::vector<std::unique_ptr<Daemon>> daemons;
@@ -58,6 +63,33 @@ struct Cluster {
     REQUIRE(daemons[i]->ready());
   }
   Daemon& node(const std::string& name) { return *daemons[name[1] - '0']; }
+
+  // As a trainer steps: every source rank is acquired (waiting for syncs reading it), written by
+  // `write`, and published at `version`.
+  template <typename Write>
+  void step(const planner::ResolvedLayout& src, const planner::NodeTable& nodes, uint64_t version, Write&& write) {
+    for (int32_t r = 0; r < src.world(); ++r) {
+      v1::AcquireRequest a;
+      a.set_group(src.group);
+      a.set_rank(r);
+      v1::AcquireResponse ar;
+      const auto st = node(nodes.name(src.rank_node[r])).client()->Acquire(ctx().get(), a, &ar);
+      INFO(st.error_message());
+      REQUIRE(st.ok());
+    }
+    write();
+    for (int32_t r = 0; r < src.world(); ++r) {
+      v1::ReleaseRequest p;
+      p.set_group(src.group);
+      p.set_rank(r);
+      p.set_version(version);
+      v1::ReleaseResponse pr;
+      const auto st = node(nodes.name(src.rank_node[r])).client()->Release(ctx().get(), p, &pr);
+      INFO(st.error_message());
+      REQUIRE(st.ok());
+      REQUIRE(pr.status().state() == v1::RANK_READY);
+    }
+  }
 };
 
 }  // namespace
@@ -88,7 +120,7 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
   };
   for (int32_t r = 0; r < 4; ++r) {
     v1::RegisterResponse resp;
-    REQUIRE(cluster.node(nodes.name(src.rank_node[r])).client()->Register(ctx().get(), request(src_proto, r, 4, smem[r]), &resp).ok());
+    REQUIRE(cluster.node(nodes.name(src.rank_node[r])).client()->Register(ctx().get(), source(src_proto, r, 4, smem[r]), &resp).ok());
   }
   // The inference group is still incomplete: the sync fails fast and names the missing ranks.
   v1::SyncRequest sync;
@@ -105,7 +137,7 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
   }
 
   for (int version = 1; version <= 3; ++version) {
-    fill(version);
+    cluster.step(src, nodes, version, [&] { fill(version); });
     sync.set_version(version);
     sync.mutable_options()->set_verify(version == 2);
     // Coordinated by a different daemon each time; the client names the sync and watches it.
@@ -190,8 +222,8 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
 
   // A daemon that dies: the sync fails naming it, no version moves; after a restart and
   // re-registration the next sync succeeds.
+  cluster.step(src, nodes, 4, [&] { fill(4); });
   cluster.daemons[1]->kill();
-  fill(4);
   sync.set_version(4);
   st = cluster.node("n0").client()->Sync(ctx().get(), sync, &out);
   CHECK(st.error_code() == grpc::StatusCode::UNAVAILABLE);
@@ -200,7 +232,7 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
   cluster.start(1);
   for (int32_t r = 2; r < 4; ++r) {
     v1::RegisterResponse resp;
-    REQUIRE(cluster.node("n1").client()->Register(ctx().get(), request(src_proto, r, 4, smem[r]), &resp).ok());
+    REQUIRE(cluster.node("n1").client()->Register(ctx().get(), source(src_proto, r, 4, smem[r], 4), &resp).ok());
   }
   st = cluster.node("n0").client()->Sync(ctx().get(), sync, &out);
   INFO(st.error_message());
@@ -225,7 +257,7 @@ TEST_CASE("concurrent syncs: same group refused, different groups together; a st
   for (int32_t r = 0; r < 4; ++r) dmem2.push_back(allocate(dst, r, "w" + std::to_string(r)));
   for (int32_t r = 0; r < 4; ++r) {
     v1::RegisterResponse resp;
-    REQUIRE(cluster.node(nodes.name(src.rank_node[r])).client()->Register(ctx().get(), request(src_proto, r, 4, smem[r]), &resp).ok());
+    REQUIRE(cluster.node(nodes.name(src.rank_node[r])).client()->Register(ctx().get(), source(src_proto, r, 4, smem[r], 1), &resp).ok());
     REQUIRE(cluster.node(nodes.name(dst.rank_node[r])).client()->Register(ctx().get(), request(dst_proto, r, 4, dmem[r]), &resp).ok());
     REQUIRE(cluster.node(nodes.name(dst.rank_node[r])).client()->Register(ctx().get(), request(dst2_proto, r, 4, dmem2[r]), &resp).ok());
   }
@@ -283,6 +315,7 @@ TEST_CASE("concurrent syncs: same group refused, different groups together; a st
 
   // A daemon that hangs (SIGSTOP) and then dies while a sync waits on it: the sync fails with the
   // daemon named, no rank moves to the new version, and after a restart the next sync succeeds.
+  cluster.step(src, nodes, 2, [] {});
   const pid_t n2 = cluster.daemons[2]->pid();
   ::kill(n2, SIGSTOP);
   std::promise<grpc::Status> pending;
@@ -335,7 +368,7 @@ int64_t syncAndCount(Cluster& cluster, const std::string& src_json, const std::s
   for (int32_t r = 0; r < dst->world(); ++r) dmem.push_back(allocate(*dst, r, dst->group + std::to_string(r)));
   for (int32_t r = 0; r < src->world(); ++r) {
     v1::RegisterResponse resp;
-    REQUIRE(cluster.node(nodes.name(src->rank_node[r])).client()->Register(ctx().get(), request(src_proto, r, src->world(), smem[r]), &resp).ok());
+    REQUIRE(cluster.node(nodes.name(src->rank_node[r])).client()->Register(ctx().get(), source(src_proto, r, src->world(), smem[r]), &resp).ok());
   }
   for (int32_t r = 0; r < dst->world(); ++r) {
     v1::RegisterResponse resp;
@@ -343,10 +376,12 @@ int64_t syncAndCount(Cluster& cluster, const std::string& src_json, const std::s
   }
   int64_t bad = 0;
   for (int v = 1; v <= versions; ++v) {
-    for (int32_t r = 0; r < src->world(); ++r)
-      forEachElement(*src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-        *smem[r].at<int32_t>(p, off) = valueOf(t, flat, v);
-      });
+    cluster.step(*src, nodes, static_cast<uint64_t>(v), [&] {
+      for (int32_t r = 0; r < src->world(); ++r)
+        forEachElement(*src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+          *smem[r].at<int32_t>(p, off) = valueOf(t, flat, v);
+        });
+    });
     v1::SyncRequest sync;
     sync.set_src_group(src->group);
     sync.set_dst_group(dst->group);
@@ -441,7 +476,7 @@ TEST_CASE("Peer.Progress: a daemon's bytes while its part of a sync runs, cumula
   std::vector<RankMemory> d;
   for (int32_t r = 0; r < 2; ++r) d.push_back(allocate(dst, r, "p-d" + std::to_string(r)));
   v1::RegisterResponse resp;
-  REQUIRE(cluster.node("n0").client()->Register(ctx().get(), request(src_proto, 0, 1, s0), &resp).ok());
+  REQUIRE(cluster.node("n0").client()->Register(ctx().get(), source(src_proto, 0, 1, s0, 1), &resp).ok());
   for (int32_t r = 0; r < 2; ++r)
     REQUIRE(cluster.node(r == 0 ? "n1" : "n2").client()->Register(ctx().get(), request(dst_proto, r, 2, d[r]), &resp).ok());
   forEachElement(src, 0, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
@@ -542,6 +577,10 @@ TEST_CASE("CUDA buffers: device sources and destinations sync byte-exact", "[dae
     v1::RegisterRequest req;
     req.set_group(proto.group());
     req.set_rank(r);
+    if (version > 0) {
+      req.set_role(v1::ROLE_SOURCE);
+      req.set_version(static_cast<uint64_t>(version));
+    }
     req.set_world_size(l.world());
     *req.mutable_layout() = proto;
     m.buffers.resize(l.buffer_names.size());

@@ -494,7 +494,12 @@ void UcxEngine::sendNotify(EpState& ep, std::string payload, Completion done) {
 void UcxEngine::failEndpoint(EpState& ep, const Status& st, bool quiet) {
   if (ep.error.ok()) {
     ep.error = st;
+    // A peer that goes while nothing is in flight to it (a clean stop, a restart between syncs)
+    // is normal: worth a warning only when it fails writes or notifications.
+    bool busy = !ep.notifies.empty();
+    for (const auto& [id, op] : ops_) busy = busy || op.ep.get() == &ep;
     if (quiet || stopping_) spdlog::debug("transport '{}': {}", options_.name, std::string(st.message()));
+    else if (!busy) spdlog::info("transport '{}': {} (nothing was in flight to it)", options_.name, std::string(st.message()));
     else spdlog::warn("transport '{}': {}", options_.name, std::string(st.message()));
   }
   std::vector<uint64_t> failed;

@@ -154,7 +154,8 @@ int run(const Options& o, const std::string& daemon_path) {
   // Each rank's weights live in a shared-memory segment the rank (here: this process) writes into
   // and its node's daemon reads and writes directly.
   std::vector<HostTensors> smem, dmem;
-  auto register_all = [&](const v1::Layout& proto, const planner::ResolvedLayout& l, std::vector<HostTensors>& mem) {
+  auto register_all = [&](const v1::Layout& proto, const planner::ResolvedLayout& l, std::vector<HostTensors>& mem,
+                          v1::Role role) {
     for (int32_t r = 0; r < l.world(); ++r) {
       auto tensors = HostTensors::forRank(proto, r);
       if (!tensors.ok()) throw std::runtime_error(std::string(tensors.status().message()));
@@ -164,11 +165,28 @@ int run(const Options& o, const std::string& daemon_path) {
       mem.push_back(std::move(*tensors));
       auto client = connectTo(*daemons[nodes.name(l.rank_node[r])]);
       if (!client.ok()) throw std::runtime_error(std::string(client.status().message()));
-      if (auto st = client->registerRank(proto, r, mem.back()); !st.ok()) throw std::runtime_error(std::string(st.status().message()));
+      if (auto st = client->registerRank(proto, r, mem.back(), {role, 0}); !st.ok())
+        throw std::runtime_error(std::string(st.status().message()));
     }
   };
-  register_all(*src_proto, src, smem);
-  register_all(*dst_proto, dst, dmem);
+  register_all(*src_proto, src, smem, v1::ROLE_SOURCE);
+  register_all(*dst_proto, dst, dmem, v1::ROLE_DESTINATION);
+  // The trainer's side of the fences: acquire its ranks (waits until no sync reads them), write,
+  // publish the version they now hold.
+  std::vector<Client> trainer_clients;
+  for (int32_t r = 0; r < src.world(); ++r) {
+    auto client = connectTo(*daemons[nodes.name(src.rank_node[r])]);
+    if (!client.ok()) throw std::runtime_error(std::string(client.status().message()));
+    trainer_clients.push_back(std::move(*client));
+  }
+  auto step = [&](int v) {
+    for (int32_t r = 0; r < src.world(); ++r)
+      if (auto st = trainer_clients[r].acquire("trainer", r); !st.ok()) throw std::runtime_error(std::string(st.status().message()));
+    for (int32_t r = 0; r < src.world(); ++r) visit(src, r, smem[r], v, false);
+    for (int32_t r = 0; r < src.world(); ++r)
+      if (auto st = trainer_clients[r].publish("trainer", r, static_cast<uint64_t>(v)); !st.ok())
+        throw std::runtime_error(std::string(st.status().message()));
+  };
 
   auto coordinator = connectTo(*daemons[names[0]]);
   if (!coordinator.ok()) throw std::runtime_error(std::string(coordinator.status().message()));
@@ -178,7 +196,7 @@ int run(const Options& o, const std::string& daemon_path) {
 
   int failures = 0;
   for (int v = 1; v <= o.syncs; ++v) {
-    for (int32_t r = 0; r < src.world(); ++r) visit(src, r, smem[r], v, false);  // the trainer's step v
+    step(v);  // the trainer's step v
     SyncOptions so;
     so.verify = o.verify;
     so.timeout = std::chrono::minutes(10);
