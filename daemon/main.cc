@@ -180,9 +180,10 @@ int main(int argc, char** argv) {
     if (!socket.empty()) ::unlink(socket.c_str());
     ::_exit(1);
   }).detach();
-  shardcast.stop();  // session streams end (their clients re-register with the next daemon)
-  server->Shutdown(std::chrono::system_clock::now() + grace);
+  shardcast.stop();     // session streams end (their clients re-register with the next daemon)
+  registry.shutdown();  // waiting acquires and version waits return
   engine.abortAll("the daemon is shutting down");
+  server->Shutdown(std::chrono::system_clock::now() + grace);
   if (!config->socket.empty()) ::unlink(config->socket.c_str());
   server.reset();
   spdlog::info("stopped");

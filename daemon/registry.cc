@@ -150,11 +150,17 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
     if (!given.count(name))
       return absl::InvalidArgumentError(strCat(who, ": no memory handle for buffer \"", name, "\" (", bytes, " bytes)"));
   // What the client says it holds there, when it says so: the layout's dtype and element count.
+  // A buffer holds one tensor's shard or several fused tensors' (one dtype: their first's).
+  std::map<std::string, const planner::TensorLayout*> held_by;
+  for (const auto& t : layout->tensors)
+    for (const auto& p : t.pieces)
+      if (p.rank == req.rank()) held_by.emplace(layout->buffer_names[static_cast<size_t>(p.buffer)], &t);
   for (const auto& [name, h] : given) {
-    const planner::TensorLayout* t = layout->find(name);
+    const auto holder = held_by.find(name);
+    const planner::TensorLayout* t = holder == held_by.end() ? nullptr : holder->second;
     if (!h->dtype().empty() && t != nullptr && h->dtype() != planner::dtypeName(t->dtype))
-      return absl::InvalidArgumentError(strCat(who, ": tensor \"", name, "\" is ", h->dtype(), " here but ",
-                                               planner::dtypeName(t->dtype), " in the layout"));
+      return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" is ", h->dtype(), " here but ",
+                                               planner::dtypeName(t->dtype), " in the layout (tensor \"", t->name, "\")"));
     if (h->shape_size() > 0) {
       int64_t elems = 1;
       for (int64_t d : h->shape()) {
@@ -508,8 +514,9 @@ StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t ran
   // The rank object may be replaced (re-registration) while waiting: look it up again each time.
   const bool ok = state_cv_.wait_for(lock, timeout, [&] {
     r = findRank(group, rank);
-    return r == nullptr || (r->readers.empty() && r->writer.empty());
+    return stopping_ || r == nullptr || (r->readers.empty() && r->writer.empty());
   });
+  if (stopping_) return absl::UnavailableError(strCat("shardcastd on node \"", node_, "\" is stopping"));
   if (r == nullptr) return absl::NotFoundError(strCat(who, " was unregistered while waiting to acquire it"));
   if (!ok)
     return absl::DeadlineExceededError(strCat(who, " on node \"", node_, "\": sync ",
@@ -554,6 +561,10 @@ StatusOr<v1::WaitVersionResponse> Registry::waitVersion(const std::string& group
   Status failed = absl::OkStatus();
   auto check = [&] {
     out.Clear();
+    if (stopping_) {
+      failed = absl::UnavailableError(strCat("shardcastd on node \"", node_, "\" is stopping"));
+      return true;
+    }
     uint64_t min = UINT64_MAX;
     bool any = false;
     for (const auto& [key, r] : ranks_) {
@@ -578,6 +589,14 @@ StatusOr<v1::WaitVersionResponse> Registry::waitVersion(const std::string& group
   state_cv_.wait_for(lock, timeout, check);
   if (!failed.ok()) return failed;
   return out;
+}
+
+void Registry::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  state_cv_.notify_all();
 }
 
 std::string Registry::openSession(const std::string& client) {

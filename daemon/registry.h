@@ -93,6 +93,8 @@ class Registry {
   std::string openSession(const std::string& client);
   // Unregisters the session's ranks and unlinks their shm segments (those no other rank maps).
   void closeSession(const std::string& session);
+  // Shutdown: every waiting acquire and waitVersion returns UNAVAILABLE now.
+  void shutdown();
   // Ranks per state, for metrics.
   std::map<v1::RankState, uint64_t> stateCounts() const;
 
@@ -149,6 +151,7 @@ class Registry {
   std::set<std::string> sessions_;
   uint64_t next_session_ = 1;
   uint64_t generation_ = 0;
+  bool stopping_ = false;
   mutable std::condition_variable state_cv_;  // any rank state, reader or writer change
   // Created on the first CUDA registration; lives as long as the registry (syncs use it).
   std::unique_ptr<transport::CopyEngine> cuda_copies_;

@@ -38,8 +38,11 @@ def train(rank: int, world: int, port: int, daemon: str, steps: int, to_inferenc
     # In place: from here on, every optimizer step writes into memory the daemon reads.
     reg = client.register_dtensors("trainer", dict(net.named_parameters()))
     for step in range(1, steps + 1):
-        loss = train_step(step)
-        reg.check()  # fail loudly if anything replaced a registered parameter's storage
+        # Acquire (waits until no sync reads these weights), train, publish `step`: a sync reads
+        # exactly the weights of the version it names. publish() also fails loudly if anything
+        # replaced a registered parameter's storage.
+        with reg.writing(step):
+            loss = train_step(step)
         full = {n: p.full_tensor().detach().numpy().copy() for n, p in net.named_parameters()}  # collective
         dist.barrier()  # every rank has finished step `step`: its weights are final
         if rank == 0:

@@ -4,14 +4,16 @@ between differently sharded groups, watch them and wait for versions.
     import shardcast
     client = shardcast.Client()                      # the node's daemon (Unix socket)
     # trainer rank (FSDP2 / TP DTensors), in place: every optimizer step lands in shared memory
-    reg = client.register_dtensors("trainer", dict(model.named_parameters()))
+    reg = client.register_dtensors("trainer", dict(model.named_parameters()))   # a source group
+    with reg.writing(step):                          # waits for syncs reading it, then publishes step
+        optimizer.step()
     client.sync("trainer", "vllm", version=step)     # every inference rank has step's weights
     # inference rank: its local tensors and its parallel plan (TP, fused qkv / gate_up, experts)
     plan = shardcast.ParallelPlan(tp_size=4, tp_rank=r, column=["*q_proj*"], row=["*o_proj*"], fused={...})
     client.register_inference("vllm", local_tensors, plan, meta_model.state_dict(), nodes=[...])
 """
 
-from shardcast.client import Client, ShardcastError, default_target, DEFAULT_SOCKET
+from shardcast.client import Client, ShardcastError, default_target, describe_rank, DEFAULT_SOCKET
 from shardcast.layout import load_layout, layout_from_dtensors, dtensor_available
 from shardcast.memory import Registration
 from shardcast.parallel import ParallelPlan, inference_layout, local_shapes
@@ -21,6 +23,7 @@ __all__ = [
     "ShardcastError",
     "Registration",
     "default_target",
+    "describe_rank",
     "DEFAULT_SOCKET",
     "load_layout",
     "layout_from_dtensors",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
+import time
 import uuid
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -45,6 +47,105 @@ def _error(e: grpc.RpcError, what: str) -> ShardcastError:
     return ShardcastError(e.code(), f"{what}: {e.details()}")
 
 
+_ROLES = {"source": service_pb2.ROLE_SOURCE, "destination": service_pb2.ROLE_DESTINATION}
+_STATES = {service_pb2.RANK_EMPTY: "empty", service_pb2.RANK_UPDATING: "updating", service_pb2.RANK_READY: "ready",
+           service_pb2.RANK_DIRTY: "dirty"}
+
+
+def describe_rank(st: Any) -> str:
+    """'ready(3)', 'updating(4)', 'empty', 'dirty' (+ ' held' when acquired) for a RankStatus,
+    RankRegistration or RemoteRank."""
+    name = _STATES.get(st.state, "unknown")
+    out = f"{name}({st.version})" if name in ("ready", "updating") else name
+    return out + (" held" if st.held else "")
+
+
+def _dtype_name(t: Any) -> str:
+    """The torch name of a tensor's or array's dtype ('float32', 'bfloat16', ...)."""
+    return str(t.dtype).replace("torch.", "")
+
+
+class _Session:
+    """The client's liveness with its daemon: a Session stream open for the life of this process
+    (the daemon unregisters its ranks and unlinks their segments when it ends), re-opened after the
+    daemon restarts, every registration then made again (source ranks at the version they last
+    published, unless acquired)."""
+
+    def __init__(self, client: "Client") -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self.id: Optional[str] = None
+        self._lost = False
+        self._closed = False
+        self._call: Any = None
+        self.reconnects = 0
+        # (group, rank) -> [request, published version, held]
+        self.ranks: Dict[Tuple[str, int], List[Any]] = {}
+        self._thread = threading.Thread(target=self._run, name="shardcast-session", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float) -> str:
+        with self._ready:
+            if not self._ready.wait_for(lambda: self.id is not None or self._closed, timeout=timeout) or self.id is None:
+                raise ShardcastError(grpc.StatusCode.UNAVAILABLE,
+                                     f'no session with shardcastd at "{self._client.target}" (is the daemon running?)')
+            return self.id
+
+    def _run(self) -> None:
+        req = service_pb2.SessionRequest(client=f"python pid {os.getpid()}")
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                call = self._call = self._client._stub.Session(req)
+            try:
+                first = next(call)
+                with self._ready:
+                    self.id = first.session_id
+                    lost, self._lost = self._lost, False
+                    self._ready.notify_all()
+                if lost:
+                    self._reregister(first.session_id)
+                for _ in call:
+                    pass
+            except (grpc.RpcError, StopIteration):
+                pass
+            with self._ready:
+                if self.id is not None:
+                    self._lost = True
+                self.id = None
+                self._call = None
+                if self._closed:
+                    return
+            time.sleep(0.2)
+
+    def _reregister(self, session_id: str) -> None:
+        with self._lock:
+            self.reconnects += 1
+            again = []
+            for (group, rank), (req, published, held) in self.ranks.items():
+                r = service_pb2.RegisterRequest()
+                r.CopyFrom(req)
+                r.session_id = session_id
+                r.version = published if r.role == service_pb2.ROLE_SOURCE and not held else 0
+                again.append(r)
+        for r in again:
+            try:
+                self._client._stub.Register(r, timeout=self._client.timeout)
+            except grpc.RpcError as e:
+                print(f'shardcast: re-registering group "{r.group}" rank {r.rank} after a daemon restart failed: '
+                      f"{e.code().name}: {e.details()}", file=sys.stderr)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._call is not None:
+                self._call.cancel()
+            self._ready.notify_all()
+        self._thread.join(timeout=5)
+
+
 class Client:
     """A connection to one shardcastd (normally the node's own, over its Unix socket).
 
@@ -53,7 +154,13 @@ class Client:
     def __init__(self, target: Optional[str] = None, *, timeout: float = 30.0, connect_timeout: float = 5.0) -> None:
         self.target = _normalize(target) if target else default_target()
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(self.target, options=[("grpc.max_receive_message_length", 256 << 20)])
+        # A restarted daemon is reached at once, not after gRPC's reconnect backoff (up to 120 s).
+        self._channel = grpc.insecure_channel(self.target, options=[
+            ("grpc.max_receive_message_length", 256 << 20),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ])
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
         except grpc.FutureTimeoutError:
@@ -61,9 +168,25 @@ class Client:
             raise ShardcastError(grpc.StatusCode.UNAVAILABLE,
                                  f'shardcastd at "{self.target}" is not reachable (is the daemon running?)') from None
         self._stub = service_pb2_grpc.ShardcastStub(self._channel)
+        self._session: Optional[_Session] = None
+        self._session_lock = threading.Lock()
 
     def close(self) -> None:
+        """Ends the session (the daemon unregisters this client's ranks) and the connection."""
+        if self._session is not None:
+            self._session.close()
         self._channel.close()
+
+    @property
+    def reconnects(self) -> int:
+        """How many times this client re-registered its ranks after its daemon restarted."""
+        return 0 if self._session is None else self._session.reconnects
+
+    def _session_id(self) -> str:
+        with self._session_lock:
+            if self._session is None:
+                self._session = _Session(self)
+        return self._session.wait(self.timeout)
 
     def __enter__(self) -> "Client":
         return self
@@ -74,14 +197,24 @@ class Client:
     # ---- registration ----
 
     def register(self, group: str, rank: int, world_size: int, tensors: Mapping[str, Any],
-                 layout: LayoutLike) -> Registration:
+                 layout: LayoutLike, *, role: str = "destination", version: int = 0,
+                 session: bool = True) -> Registration:
         """Registers `rank` of `group` with its local tensors, keyed by the layout's tensor or
         fused-buffer names: torch tensors (CPU or CUDA, nn.Parameters, DTensors: their local shard)
         are shared in place, numpy arrays are copied once into shared memory (see
         Registration.tensors). For layouts derived from DTensors or a parallel plan, see
-        register_dtensors and register_inference."""
+        register_dtensors and register_inference.
+
+        `role`: "source" (a trainer: syncs read it once it publishes a version, see
+        Registration.publish) or "destination" (syncs write it). A source may register with the
+        `version` its tensors already hold. With `session` (the default) the registration lives as
+        long as this process and this client: the daemon drops it when the process dies, and it is
+        made again by itself after the daemon restarts."""
+        if role not in _ROLES:
+            raise ValueError(f'register group "{group}" rank {rank}: role must be "source" or "destination", not {role!r}')
         msg = load_layout(layout, group)
-        req = service_pb2.RegisterRequest(group=group, rank=rank, world_size=world_size)
+        req = service_pb2.RegisterRequest(group=group, rank=rank, world_size=world_size, role=_ROLES[role],
+                                          version=version)
         req.layout.CopyFrom(msg)
         copied: Dict[str, Any] = {}
         in_place: List[Tuple[str, Any, int]] = []
@@ -94,14 +227,23 @@ class Client:
             if local.numel() == 0:
                 continue  # a rank that holds none of a tensor (an uneven shard) registers no memory for it
             if local.is_cuda:
-                req.buffers.append(_cuda_handle(name, local))
+                h = _cuda_handle(name, local)
             else:
-                req.buffers.append(in_place_handle(name, local))
+                h = in_place_handle(name, local)
                 in_place.append((name, t, local.untyped_storage().data_ptr()))
+            h.dtype = _dtype_name(local)  # the daemon checks them against the layout
+            h.shape.extend(int(d) for d in local.shape)
+            req.buffers.append(h)
         shared = SharedTensors(copied) if copied else None
         try:
             if shared is not None:
+                for h in shared.handles:
+                    value = copied[h.buffer]
+                    h.dtype = _dtype_name(value)
+                    h.shape.extend(int(d) for d in getattr(value, "shape", ()))
                 req.buffers.extend(shared.handles)
+            if session:
+                req.session_id = self._session_id()
             resp = self._stub.Register(req, timeout=self.timeout)
         except grpc.RpcError as e:
             if shared is not None:
@@ -113,16 +255,21 @@ class Client:
             raise
         views = {name: (shared.views[name] if name in copied else t)  # type: ignore[union-attr]
                  for name, t in tensors.items()}
-        return Registration(self, group, rank, world_size, resp, views, shared, in_place)
+        if session and self._session is not None:
+            with self._session._lock:
+                self._session.ranks[(group, rank)] = [req, version, False]
+        return Registration(self, group, rank, world_size, resp, views, shared, in_place, role=role)
 
     def register_dtensors(self, group: str, tensors: Mapping[str, Any], *, nodes: Optional[Sequence[str]] = None,
-                          process_group: Any = None) -> Registration:
+                          process_group: Any = None, version: int = 0) -> Registration:
         """A trainer rank registers its DTensors ({name: DTensor}, e.g. dict(model.named_parameters())
         after fully_shard / parallelize_module), in place. The group's layout comes from the
         DTensors' mesh and placements; the rank is this process's position in the mesh; each rank's
         node is gathered through torch.distributed (or given as `nodes`). Every rank of the group
         calls this (it is a collective when nodes are gathered). Register after the first forward
-        pass: FSDP2 may re-pad uneven shards in its lazy init (Registration.check() tells)."""
+        pass: FSDP2 may re-pad uneven shards in its lazy init (Registration.check() tells). The
+        group is a source: give the `version` the parameters hold now, or publish one later
+        (Registration.writing / publish)."""
         if not tensors:
             raise ValueError(f'register group "{group}": no tensors')
         mesh = root_mesh(tensors)
@@ -136,7 +283,7 @@ class Client:
         if nodes is None:
             nodes = gather_nodes(self.status().node, world, process_group)
         layout = layout_from_dtensors(group, tensors, nodes=nodes)
-        return self.register(group, rank, world, tensors, layout)
+        return self.register(group, rank, world, tensors, layout, role="source", version=version)
 
     def register_inference(self, group: str, tensors: Mapping[str, Any], plan: ParallelPlan, model: Mapping[str, Any],
                            *, nodes: Optional[Sequence[str]] = None, ranks_per_node: Optional[int] = None,
@@ -151,13 +298,59 @@ class Client:
             nodes = gather_nodes(self.status().node, plan.world_size, process_group)
         layout = inference_layout(group, plan, model, nodes=nodes, ranks_per_node=ranks_per_node,
                                   node_prefix=node_prefix)
-        return self.register(group, plan.rank, plan.world_size, tensors, layout)
+        return self.register(group, plan.rank, plan.world_size, tensors, layout, role="destination")
 
     def unregister(self, group: str, rank: int) -> None:
+        if self._session is not None:
+            with self._session._lock:
+                self._session.ranks.pop((group, rank), None)
         try:
             self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank), timeout=self.timeout)
         except grpc.RpcError as e:
             raise _error(e, f'unregister group "{group}" rank {rank}') from None
+
+    # ---- fences ----
+
+    def acquire(self, group: str, rank: int, timeout: float = 30.0) -> service_pb2.RankStatus:
+        """Takes a rank's memory: a source rank to write it (waits until every sync reading it
+        ended; syncs then refuse it until it publishes), a destination rank to read it undisturbed
+        (waits until the sync writing it ended; syncs then refuse it until it is released)."""
+        req = service_pb2.AcquireRequest(group=group, rank=rank, timeout_ms=int(timeout * 1000))
+        try:
+            st = self._stub.Acquire(req, timeout=timeout + self.timeout).status
+        except grpc.RpcError as e:
+            raise _error(e, f'acquire group "{group}" rank {rank}') from None
+        self._remember(group, rank, held=True)
+        return st
+
+    def publish(self, group: str, rank: int, version: int) -> service_pb2.RankStatus:
+        """A source rank's tensors hold `version` and will not change until acquired again."""
+        return self._release(group, rank, version)
+
+    def release(self, group: str, rank: int) -> service_pb2.RankStatus:
+        """A destination rank accepts updates again."""
+        return self._release(group, rank, 0)
+
+    def _release(self, group: str, rank: int, version: int) -> service_pb2.RankStatus:
+        req = service_pb2.ReleaseRequest(group=group, rank=rank, version=version)
+        try:
+            st = self._stub.Release(req, timeout=self.timeout).status
+        except grpc.RpcError as e:
+            what = f'publish group "{group}" rank {rank} version {version}' if version else \
+                f'release group "{group}" rank {rank}'
+            raise _error(e, what) from None
+        self._remember(group, rank, held=False, published=version or None)
+        return st
+
+    def _remember(self, group: str, rank: int, *, held: bool, published: Optional[int] = None) -> None:
+        if self._session is None:
+            return
+        with self._session._lock:
+            entry = self._session.ranks.get((group, rank))
+            if entry is not None:
+                entry[2] = held
+                if published:
+                    entry[1] = published
 
     # ---- syncs ----
 
@@ -199,8 +392,10 @@ class Client:
             raise _error(e, f'watch sync "{sync_id}"') from None
 
     def wait_version(self, group: str, version: int, timeout: Optional[float] = None) -> int:
-        """Waits until `group` has `version` (or newer) on this node; returns the version reached,
-        which is lower than asked only when `timeout` (seconds; None = no limit) passed first."""
+        """Waits until every rank of `group` on this node is ready at `version` or newer; returns
+        the version they are all ready at, lower than asked only when `timeout` (seconds; None = no
+        limit) passed first. A dirty rank (a sync wrote part of a version and failed) raises
+        ShardcastError (FAILED_PRECONDITION) at once, naming the rank and the sync."""
         remaining = timeout
         while True:
             step = 60.0 if remaining is None else min(remaining, 60.0)
@@ -215,6 +410,19 @@ class Client:
                 remaining -= step
                 if remaining <= 0:
                     return got
+
+    def ranks(self, group: str) -> List[service_pb2.RankStatus]:
+        """The state of every rank of `group` on this node (see describe_rank)."""
+        req = service_pb2.WaitVersionRequest(group=group, version=0, timeout_ms=0)
+        try:
+            return list(self._stub.WaitVersion(req, timeout=self.timeout).ranks)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise _error(e, f'ranks of group "{group}"') from None
+        for g in self.status().groups:
+            if g.group == group:
+                return list(g.rank_states)
+        return []
 
     # ---- inspection ----
 

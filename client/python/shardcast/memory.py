@@ -12,11 +12,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import secrets
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import _posixshmem  # the C module behind multiprocessing.shared_memory
 
@@ -179,8 +180,9 @@ class Registration:
 
     def __init__(self, client: Any, group: str, rank: int, world_size: int, response: service_pb2.RegisterResponse,
                  tensors: Dict[str, Any], shared: Optional[SharedTensors],
-                 in_place: Optional[List[Tuple[str, Any, int]]] = None) -> None:
+                 in_place: Optional[List[Tuple[str, Any, int]]] = None, role: str = "destination") -> None:
         self.group = group
+        self.role = role
         self.rank = rank
         self.world_size = world_size
         self.node = response.node
@@ -204,6 +206,52 @@ class Registration:
         if gone:
             raise RuntimeError(f'group "{self.group}" rank {self.rank}: {len(gone)} registered tensor(s) no longer '
                                f"live in the registered memory (re-register them): {', '.join(gone[:8])}")
+
+    # ---- fences (see Client.acquire / publish / release) ----
+
+    def acquire(self, timeout: float = 30.0) -> Any:
+        """Takes this rank's memory (source: to write it; destination: to read it undisturbed)."""
+        return self._live().acquire(self.group, self.rank, timeout)
+
+    def publish(self, version: int) -> Any:
+        """Source: the tensors hold `version` and will not change until acquired again. Checks
+        first that no registered tensor moved (see check())."""
+        self.check()
+        return self._live().publish(self.group, self.rank, version)
+
+    def release(self) -> Any:
+        """Destination: accept updates again."""
+        return self._live().release(self.group, self.rank)
+
+    @contextlib.contextmanager
+    def writing(self, version: int, timeout: float = 30.0) -> Iterator["Registration"]:
+        """Source: `with reg.writing(step): optimizer.step()` acquires the rank (waiting for syncs
+        that read it), and publishes `version` when the block ends without an exception (after one,
+        the rank stays acquired: no sync reads half-written weights)."""
+        self.acquire(timeout)
+        yield self
+        self.publish(version)
+
+    @contextlib.contextmanager
+    def reading(self, timeout: float = 30.0) -> Iterator["Registration"]:
+        """Destination: `with reg.reading(): generate()` holds updates off while the block runs."""
+        self.acquire(timeout)
+        try:
+            yield self
+        finally:
+            self.release()
+
+    def state(self) -> Any:
+        """This rank's RankStatus on its node (state, version, held, detail)."""
+        for st in self._live().ranks(self.group):
+            if st.rank == self.rank:
+                return st
+        raise RuntimeError(f'group "{self.group}" rank {self.rank} is not registered on its node any more')
+
+    def _live(self) -> Any:
+        if self._client is None:
+            raise RuntimeError(f'group "{self.group}" rank {self.rank}: the registration is closed')
+        return self._client
 
     @property
     def segment(self) -> Optional[str]:

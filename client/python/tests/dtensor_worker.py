@@ -73,16 +73,16 @@ def main(kind: str, rank: int, world: int, port: int, target: str, group: str, c
         train_step(0)  # the first forward runs FSDP2's lazy init: register after it
         client = shardcast.Client(target)
         params = dict(net.named_parameters())
-        reg = client.register_dtensors(group, params)
+        reg = client.register_dtensors(group, params, version=1)  # the weights the test calls version 1
         placements = {n: str(getattr(p, "placements", "plain")) for n, p in params.items()}
         conn.send(("registered", (full_weights(), placements)))
-        step = 0
+        step = 1
         while True:
             cmd = conn.recv()
             if cmd == "step":
                 step += 1
-                train_step(step)  # in place: the registered memory holds the new weights
-                reg.check()
+                with reg.writing(step):  # no sync reads while the optimizer writes; then step is published
+                    train_step(step)  # in place: the registered memory holds the new weights
                 conn.send(("stepped", full_weights()))
             elif cmd == "exit":
                 reg.close()

@@ -56,16 +56,19 @@ def main(role: str, rank: int, target: str, use_torch: bool, conn) -> None:
             tensors = {n: torch.from_numpy(a.copy()) for n, a in arrays.items()}
         else:
             tensors = arrays
-        reg = client.register(layout["group"], rank, 2, tensors, layout)
+        # The trainer's tensors hold version 1 already: it registers as a source ready at 1.
+        reg = client.register(layout["group"], rank, 2, tensors, layout,
+                              role="source" if role == "trainer" else "destination", version=start)
         if use_torch:  # torch tensors are moved into shared memory in place
             assert all(reg.tensors[n] is tensors[n] for n in tensors)
         conn.send(("registered", reg.node))
         while True:
             cmd, version = conn.recv()
-            if cmd == "write":  # a training step: new weights, written in place
-                for n in SHAPES:
-                    t = reg.tensors[n]
-                    (t.numpy() if use_torch else t)[...] = shard(role, n, rank, version)
+            if cmd == "write":  # a training step: new weights, written in place, then published
+                with reg.writing(version):
+                    for n in SHAPES:
+                        t = reg.tensors[n]
+                        (t.numpy() if use_torch else t)[...] = shard(role, n, rank, version)
                 conn.send(("written", version))
             elif cmd == "check":
                 got = client.wait_version("infer", version, timeout=30)

@@ -25,7 +25,8 @@ SYNC_SCRIPT = textwrap.dedent("""
     full = np.arange(24, dtype=np.float32).reshape(6, 4)
     with LocalCluster(["a", "b"], binary=sys.argv[1]) as c:
         src, dst = shardcast.Client(c.target("a")), shardcast.Client(c.target("b"))
-        regs = [src.register("t", r, 2, {"w": full[3 * r:3 * r + 3]}, layout("t", "a", 0)) for r in range(2)]
+        regs = [src.register("t", r, 2, {"w": full[3 * r:3 * r + 3]}, layout("t", "a", 0), role="source", version=1)
+                for r in range(2)]
         outs = [dst.register("i", r, 2, {"w": np.zeros((6, 2), np.float32)}, layout("i", "b", 1)) for r in range(2)]
         src.sync("t", "i", 1, verify=True)
         assert all((o.tensors["w"] == full[:, 2 * r:2 * r + 2]).all() for r, o in enumerate(outs))

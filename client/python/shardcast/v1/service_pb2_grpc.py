@@ -39,6 +39,21 @@ class ShardcastStub(object):
                 request_serializer=shardcast_dot_v1_dot_service__pb2.UnregisterRequest.SerializeToString,
                 response_deserializer=shardcast_dot_v1_dot_service__pb2.UnregisterResponse.FromString,
                 )
+        self.Acquire = channel.unary_unary(
+                '/shardcast.v1.Shardcast/Acquire',
+                request_serializer=shardcast_dot_v1_dot_service__pb2.AcquireRequest.SerializeToString,
+                response_deserializer=shardcast_dot_v1_dot_service__pb2.AcquireResponse.FromString,
+                )
+        self.Release = channel.unary_unary(
+                '/shardcast.v1.Shardcast/Release',
+                request_serializer=shardcast_dot_v1_dot_service__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=shardcast_dot_v1_dot_service__pb2.ReleaseResponse.FromString,
+                )
+        self.Session = channel.unary_stream(
+                '/shardcast.v1.Shardcast/Session',
+                request_serializer=shardcast_dot_v1_dot_service__pb2.SessionRequest.SerializeToString,
+                response_deserializer=shardcast_dot_v1_dot_service__pb2.SessionEvent.FromString,
+                )
         self.List = channel.unary_unary(
                 '/shardcast.v1.Shardcast/List',
                 request_serializer=shardcast_dot_v1_dot_service__pb2.ListRequest.SerializeToString,
@@ -92,6 +107,25 @@ class ShardcastServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Acquire(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request, context):
+        """A client's liveness: registrations made with its session_id end when this stream ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def List(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -138,6 +172,21 @@ def add_ShardcastServicer_to_server(servicer, server):
                     servicer.Unregister,
                     request_deserializer=shardcast_dot_v1_dot_service__pb2.UnregisterRequest.FromString,
                     response_serializer=shardcast_dot_v1_dot_service__pb2.UnregisterResponse.SerializeToString,
+            ),
+            'Acquire': grpc.unary_unary_rpc_method_handler(
+                    servicer.Acquire,
+                    request_deserializer=shardcast_dot_v1_dot_service__pb2.AcquireRequest.FromString,
+                    response_serializer=shardcast_dot_v1_dot_service__pb2.AcquireResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=shardcast_dot_v1_dot_service__pb2.ReleaseRequest.FromString,
+                    response_serializer=shardcast_dot_v1_dot_service__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Session': grpc.unary_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=shardcast_dot_v1_dot_service__pb2.SessionRequest.FromString,
+                    response_serializer=shardcast_dot_v1_dot_service__pb2.SessionEvent.SerializeToString,
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
@@ -246,6 +295,57 @@ class Shardcast(object):
         return grpc.experimental.unary_unary(request, target, '/shardcast.v1.Shardcast/Unregister',
             shardcast_dot_v1_dot_service__pb2.UnregisterRequest.SerializeToString,
             shardcast_dot_v1_dot_service__pb2.UnregisterResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Acquire(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/shardcast.v1.Shardcast/Acquire',
+            shardcast_dot_v1_dot_service__pb2.AcquireRequest.SerializeToString,
+            shardcast_dot_v1_dot_service__pb2.AcquireResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/shardcast.v1.Shardcast/Release',
+            shardcast_dot_v1_dot_service__pb2.ReleaseRequest.SerializeToString,
+            shardcast_dot_v1_dot_service__pb2.ReleaseResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Session(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(request, target, '/shardcast.v1.Shardcast/Session',
+            shardcast_dot_v1_dot_service__pb2.SessionRequest.SerializeToString,
+            shardcast_dot_v1_dot_service__pb2.SessionEvent.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
