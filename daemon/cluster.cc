@@ -70,8 +70,14 @@ StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
     // same instance. Another daemon with our node name is a different instance: ClusterView
     // refuses the pair.
     if (st.ok() && !seen.insert(resp.instance()).second) continue;
+    std::string known;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (st.ok()) nodes_[address] = resp.node();
+      if (auto it = nodes_.find(address); it != nodes_.end()) known = strCat(" (node \"", it->second, "\")");
+    }
     out.push_back({address, st.ok() ? StatusOr<v1::DescribeResponse>(std::move(resp))
-                                    : StatusOr<v1::DescribeResponse>(fromGrpc(st, strCat("peer ", address)))});
+                                    : StatusOr<v1::DescribeResponse>(fromGrpc(st, strCat("peer ", address, known)))});
   }
   return out;
 }

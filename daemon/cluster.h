@@ -42,6 +42,7 @@ class PeerSet {
   std::string instance_;
   mutable std::mutex mu_;
   mutable std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
+  mutable std::map<std::string, std::string> nodes_;  // address -> node it last described itself as
 };
 
 // Groups as registered across the cluster.

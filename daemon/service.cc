@@ -60,6 +60,26 @@ shardcast::Status ShardcastService::checkVersions(const ClusterView& view, const
   return absl::OkStatus();
 }
 
+std::string ShardcastService::firstSilent(const std::vector<std::string>& addresses,
+                                          const std::vector<v1::DescribeResponse>& daemons) {
+  std::vector<grpc::Status> st(addresses.size());
+  std::vector<std::thread> asks;
+  for (size_t i = 0; i < addresses.size(); ++i)
+    asks.emplace_back([&, i] {
+      grpc::ClientContext c;
+      c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(std::min(config_.peer_timeout_ms, 1000)));
+      v1::ProgressRequest pr;  // the cheapest call: answers NOT_FOUND once the sync is gone
+      pr.set_sync_id("");
+      v1::ProgressResponse r;
+      st[i] = v1::Peer::NewStub(peers_.channel(addresses[i]))->Progress(&c, pr, &r);
+    });
+  for (auto& t : asks) t.join();
+  for (size_t i = 0; i < addresses.size(); ++i)
+    if (st[i].error_code() == grpc::StatusCode::UNAVAILABLE || st[i].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
+      return daemons[i].node();
+  return "";
+}
+
 grpc::Status ShardcastService::Sync(grpc::ServerContext*, const v1::SyncRequest* req, v1::SyncResponse* out) {
   const grpc::Status st = coordinate(*req, out);
   if (st.ok()) {
@@ -356,6 +376,23 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     stop_poller();
     return sync_failed(absl::UnavailableError(strCat("sync ", id, " failed: node \"", node, "\" stopped answering (for ",
                                                      lease.count(), " ms, the sync's lease)")));
+  }
+  // A node that failed because a peer vanished reports the peer; the peer itself may not answer
+  // at all. Name the daemon that is gone when there is one (a quick Describe each).
+  bool any_failed = false;
+  for (const auto& r : results) any_failed = any_failed || !r.ok();
+  if (any_failed) {
+    const std::string gone = firstSilent(addresses, daemons);
+    if (!gone.empty()) {
+      stop_poller();
+      std::string first;
+      for (size_t i = 0; i < addresses.size() && first.empty(); ++i)
+        if (!results[i].ok() && results[i].error_code() != grpc::StatusCode::ABORTED &&
+            results[i].error_code() != grpc::StatusCode::CANCELLED)
+          first = strCat(" (node \"", daemons[i].node(), "\": ", results[i].error_message(), ")");
+      spdlog::warn("sync {} failed: node \"{}\" does not answer{}", id, gone, first);
+      return sync_failed(absl::UnavailableError(strCat("sync ", id, " failed: node \"", gone, "\" does not answer", first)));
+    }
   }
   for (size_t i = 0; i < addresses.size(); ++i) {
     if (results[i].ok() || results[i].error_code() == grpc::StatusCode::ABORTED ||

@@ -40,6 +40,8 @@ class ShardcastService final : public v1::Shardcast::Service {
   // The cluster view and the address of every daemon in it (this one included).
   StatusOr<std::pair<ClusterView, std::vector<std::string>>> clusterWithAddresses();
   StatusOr<ClusterView> cluster();
+  // The first daemon of `addresses` that does not answer a quick call ("" when all answer).
+  std::string firstSilent(const std::vector<std::string>& addresses, const std::vector<v1::DescribeResponse>& daemons);
   // The version contract as the cluster view shows it: source ranks published `version`, no
   // destination rank is at it or newer.
   shardcast::Status checkVersions(const ClusterView& view, const std::string& src, const std::string& dst,

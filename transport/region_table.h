@@ -28,15 +28,18 @@ class RegionTable {
     std::lock_guard<std::mutex> lock(mu_);
     by_range_.erase({reinterpret_cast<uintptr_t>(data), size, kind});
   }
-  // True when [addr, addr + len) lies inside one live registered region.
-  bool covers(uint64_t addr, uint64_t len) {
+  // The live registered region [addr, addr + len) lies inside, or null. Whoever writes there
+  // holds it until the write is done: the region (an arena) cannot be freed under the write.
+  std::shared_ptr<MemoryRegion> containing(uint64_t addr, uint64_t len) {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [key, weak] : by_range_) {
       const uint64_t base = std::get<0>(key), size = std::get<1>(key);
-      if (addr >= base && len <= size && addr - base <= size - len && !weak.expired()) return true;
+      if (addr >= base && len <= size && addr - base <= size - len)
+        if (auto live = weak.lock()) return live;
     }
-    return false;
+    return nullptr;
   }
+  bool covers(uint64_t addr, uint64_t len) { return containing(addr, len) != nullptr; }
 
  private:
   std::mutex mu_;

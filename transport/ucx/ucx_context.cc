@@ -127,6 +127,7 @@ struct RequestCtx {
   std::string payload;  // notification / ack message bytes kept alive until sent
   Completion done;      // notifications
   ucp_ep_h reply_ep = nullptr;  // receiver side: where to ack a rendezvous receive
+  std::shared_ptr<MemoryRegion> target;  // receiver side: kept registered until the data is in
 };
 
 class UcxEndpoint;
@@ -389,7 +390,7 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
     if (!hold()) return;
     auto* region = static_cast<UcxRegion*>(w.src.get());
     void* src = static_cast<std::byte*>(w.src->data()) + w.src_offset;
-    auto* ctx = new RequestCtx{this, id, nullptr, nullptr, {}, {}, nullptr};
+    auto* ctx = new RequestCtx{this, id, nullptr, nullptr, {}, {}, nullptr, nullptr};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH |
                       UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
@@ -419,7 +420,7 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
   if (protocol_ == "put") {
     // Remote visibility: a flush completes after every earlier put reached the peer's memory.
     if (!hold()) return;
-    auto* ctx = new RequestCtx{this, id, nullptr, nullptr, {}, {}, nullptr};
+    auto* ctx = new RequestCtx{this, id, nullptr, nullptr, {}, {}, nullptr, nullptr};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.send = &Callbacks::onSend;
@@ -476,7 +477,7 @@ void UcxEngine::flushNotifies(EpState& ep) {
 
 void UcxEngine::sendNotify(EpState& ep, std::string payload, Completion done) {
   if (!ep.error.ok()) return done(ep.error);
-  auto* ctx = new RequestCtx{this, 0, nullptr, nullptr, std::move(payload), std::move(done), nullptr};
+  auto* ctx = new RequestCtx{this, 0, nullptr, nullptr, std::move(payload), std::move(done), nullptr, nullptr};
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   rp.cb.send = &Callbacks::onSend;
@@ -557,7 +558,7 @@ void UcxEngine::checkDeadlines() {
 void UcxEngine::sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st) {
   if (!reply_ep) return;
   auto* ctx = new RequestCtx{this, 0, nullptr, std::make_unique<AckHeader>(AckHeader{op_id, static_cast<int32_t>(st.code()), 0}),
-                             std::string(st.message()), {}, nullptr};
+                             std::string(st.message()), {}, nullptr, nullptr};
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   rp.cb.send = &Callbacks::onSend;
@@ -579,13 +580,14 @@ ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size
   }
   DataHeader h;
   std::memcpy(&h, header, sizeof(h));
-  if (h.length != len || !regions_->covers(h.addr, len)) {
+  std::shared_ptr<MemoryRegion> target = h.length == len ? regions_->containing(h.addr, len) : nullptr;
+  if (!target) {
     sendAck(reply, h.op_id, absl::PermissionDeniedError(strCat("target range of ", len, " bytes at 0x", std::hex, h.addr,
                                                                " is not inside memory registered here")));
     return UCS_OK;
   }
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-    auto* ctx = new RequestCtx{this, h.op_id, nullptr, nullptr, {}, {}, reply};
+    auto* ctx = new RequestCtx{this, h.op_id, nullptr, nullptr, {}, {}, reply, std::move(target)};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.recv_am = &Callbacks::onRecvData;

@@ -101,6 +101,7 @@ class _Session:
                 call = self._call = self._client._stub.Session(req)
             try:
                 first = next(call)
+                self._client.node = first.node or self._client.node
                 with self._ready:
                     self.id = first.session_id
                     lost, self._lost = self._lost, False
@@ -168,6 +169,8 @@ class Client:
             raise ShardcastError(grpc.StatusCode.UNAVAILABLE,
                                  f'shardcastd at "{self.target}" is not reachable (is the daemon running?)') from None
         self._stub = service_pb2_grpc.ShardcastStub(self._channel)
+        #: The node of this client's daemon, once known (a session, a registration, status()).
+        self.node: Optional[str] = None
         self._session: Optional[_Session] = None
         self._session_lock = threading.Lock()
 
@@ -176,6 +179,15 @@ class Client:
         if self._session is not None:
             self._session.close()
         self._channel.close()
+
+    def _fail(self, e: grpc.RpcError, what: str) -> ShardcastError:
+        """The daemon's error; when the daemon itself is gone, one that names it (its node)."""
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and any(
+                s in (e.details() or "") for s in ("Socket closed", "Stream removed", "failed to connect",
+                                                   "Connection reset", "Broken pipe")):
+            node = f' (node "{self.node}")' if self.node else ""
+            return ShardcastError(e.code(), f'{what}: shardcastd at "{self.target}"{node} went away: {e.details()}')
+        return _error(e, what)
 
     @property
     def reconnects(self) -> int:
@@ -245,10 +257,11 @@ class Client:
             if session:
                 req.session_id = self._session_id()
             resp = self._stub.Register(req, timeout=self.timeout)
+            self.node = resp.node
         except grpc.RpcError as e:
             if shared is not None:
                 shared.release()
-            raise _error(e, f'register group "{group}" rank {rank}') from None
+            raise self._fail(e, f'register group "{group}" rank {rank}') from None
         except BaseException:
             if shared is not None:
                 shared.release()
@@ -307,7 +320,7 @@ class Client:
         try:
             self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank), timeout=self.timeout)
         except grpc.RpcError as e:
-            raise _error(e, f'unregister group "{group}" rank {rank}') from None
+            raise self._fail(e, f'unregister group "{group}" rank {rank}') from None
 
     # ---- fences ----
 
@@ -319,7 +332,7 @@ class Client:
         try:
             st = self._stub.Acquire(req, timeout=timeout + self.timeout).status
         except grpc.RpcError as e:
-            raise _error(e, f'acquire group "{group}" rank {rank}') from None
+            raise self._fail(e, f'acquire group "{group}" rank {rank}') from None
         self._remember(group, rank, held=True)
         return st
 
@@ -338,7 +351,7 @@ class Client:
         except grpc.RpcError as e:
             what = f'publish group "{group}" rank {rank} version {version}' if version else \
                 f'release group "{group}" rank {rank}'
-            raise _error(e, what) from None
+            raise self._fail(e, what) from None
         self._remember(group, rank, held=False, published=version or None)
         return st
 
@@ -371,7 +384,7 @@ class Client:
         try:
             return self._stub.Sync(req, timeout=(timeout or 300.0) + 30.0)
         except grpc.RpcError as e:
-            raise _error(e, f'sync "{src}" -> "{dst}" version {version}') from None
+            raise self._fail(e, f'sync "{src}" -> "{dst}" version {version}') from None
         finally:
             if watcher is not None:
                 watcher.join(timeout=10)
@@ -389,7 +402,7 @@ class Client:
             for p in self._stub.Watch(service_pb2.WatchRequest(sync_id=sync_id)):
                 yield p
         except grpc.RpcError as e:
-            raise _error(e, f'watch sync "{sync_id}"') from None
+            raise self._fail(e, f'watch sync "{sync_id}"') from None
 
     def wait_version(self, group: str, version: int, timeout: Optional[float] = None) -> int:
         """Waits until every rank of `group` on this node is ready at `version` or newer; returns
@@ -403,7 +416,7 @@ class Client:
             try:
                 got = self._stub.WaitVersion(req, timeout=step + self.timeout).version
             except grpc.RpcError as e:
-                raise _error(e, f'wait for group "{group}" version {version}') from None
+                raise self._fail(e, f'wait for group "{group}" version {version}') from None
             if got >= version:
                 return got
             if remaining is not None:
@@ -418,7 +431,7 @@ class Client:
             return list(self._stub.WaitVersion(req, timeout=self.timeout).ranks)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                raise _error(e, f'ranks of group "{group}"') from None
+                raise self._fail(e, f'ranks of group "{group}"') from None
         for g in self.status().groups:
             if g.group == group:
                 return list(g.rank_states)
@@ -430,18 +443,18 @@ class Client:
         try:
             return self._stub.Status(service_pb2.StatusRequest(), timeout=self.timeout)
         except grpc.RpcError as e:
-            raise _error(e, "status") from None
+            raise self._fail(e, "status") from None
 
     def list(self, all_nodes: bool = True) -> service_pb2.ListResponse:
         try:
             return self._stub.List(service_pb2.ListRequest(all_nodes=all_nodes), timeout=self.timeout)
         except grpc.RpcError as e:
-            raise _error(e, "list") from None
+            raise self._fail(e, "list") from None
 
     def plan(self, src: str, dst: str) -> Dict[str, Any]:
         """The plan summary (as `shardcast plan --json` prints it) for two registered groups."""
         try:
             resp = self._stub.Plan(service_pb2.PlanRequest(src_group=src, dst_group=dst), timeout=self.timeout)
         except grpc.RpcError as e:
-            raise _error(e, f'plan "{src}" -> "{dst}"') from None
+            raise self._fail(e, f'plan "{src}" -> "{dst}"') from None
         return json.loads(resp.summary_json)

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 
 def find_shardcastd() -> str:
@@ -44,7 +44,7 @@ class LocalDaemon:
     """One shardcastd process standing for node `node`; stopped with SIGTERM by stop()."""
 
     def __init__(self, node: str, port: int, peers: Sequence[str], socket_dir: str, binary: str,
-                 extra: Sequence[str] = ()) -> None:
+                 extra: Sequence[str] = (), stderr: Any = None) -> None:
         self.node = node
         self.address = f"127.0.0.1:{port}"
         self.socket = os.path.join(socket_dir, f"{node}.sock")
@@ -52,7 +52,7 @@ class LocalDaemon:
                 "--metrics", "127.0.0.1:0", "--log-level", "warn", *extra]
         if "--ucx-tls" not in extra:
             argv += ["--ucx-tls", "tcp"]  # what separate hosts would use
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], 30)
         line = self.proc.stdout.readline() if ready else ""
         if not line.startswith("shardcastd ready"):
@@ -84,19 +84,26 @@ class LocalCluster:
         self.binary = binary or find_shardcastd()
         self.extra = list(extra)
         self.daemons: Dict[str, LocalDaemon] = {}
+        self.ports: Dict[str, int] = {}
         self._tmp: Optional[tempfile.TemporaryDirectory] = None
 
     def start(self) -> "LocalCluster":
         self._tmp = tempfile.TemporaryDirectory(prefix="shardcast-local-")
-        ports = [free_port() for _ in self.nodes]
-        peers = [f"127.0.0.1:{p}" for p in ports]
+        self.ports = {node: free_port() for node in self.nodes}
         try:
-            for node, port in zip(self.nodes, ports):
-                self.daemons[node] = LocalDaemon(node, port, peers, self._tmp.name, self.binary, self.extra)
+            for node in self.nodes:
+                self.restart(node)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def restart(self, node: str) -> LocalDaemon:
+        """(Re)starts the daemon of `node` on its port (the old process must be gone)."""
+        assert self._tmp is not None, "start the cluster first"
+        peers = [f"127.0.0.1:{p}" for p in self.ports.values()]
+        self.daemons[node] = LocalDaemon(node, self.ports[node], peers, self._tmp.name, self.binary, self.extra)
+        return self.daemons[node]
 
     def target(self, node: str) -> str:
         return self.daemons[node].target
