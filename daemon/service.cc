@@ -80,6 +80,13 @@ std::string ShardcastService::firstSilent(const std::vector<std::string>& addres
   return "";
 }
 
+uint64_t ShardcastService::newFence() {
+  std::lock_guard<std::mutex> lock(fence_mu_);
+  uint64_t f = 0;
+  while (f == 0) f = fence_rng_();
+  return f;
+}
+
 grpc::Status ShardcastService::Sync(grpc::ServerContext*, const v1::SyncRequest* req, v1::SyncResponse* out) {
   const grpc::Status st = coordinate(*req, out);
   if (st.ok()) {
@@ -248,6 +255,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   // From here on the daemons hold the sync under a lease this coordinator renews (Progress calls,
   // every quarter lease); a daemon that stops answering for a lease fails the sync, named.
   const auto lease = std::chrono::milliseconds(config_.sync_lease_ms);
+  const uint64_t fence = newFence();
   std::vector<Clock::time_point> answered(addresses.size(), Clock::now());
   std::mutex poll_mu;
   std::condition_variable poll_cv;
@@ -308,6 +316,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
     c.set_deadline(call_deadline());
     v1::PrepareRequest p;
     p.set_lease_ms(static_cast<uint32_t>(lease.count()));
+    p.set_fence(fence);
     p.set_sync_id(id);
     *p.mutable_src() = *src;
     *p.mutable_dst() = *dst;

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <random>
 
 #include "daemon/cluster.h"
 #include "daemon/config.h"
@@ -41,6 +42,8 @@ class ShardcastService final : public v1::Shardcast::Service {
   StatusOr<std::pair<ClusterView, std::vector<std::string>>> clusterWithAddresses();
   StatusOr<ClusterView> cluster();
   // The first daemon of `addresses` that does not answer a quick call ("" when all answer).
+  // A random write fence for one sync attempt (never 0).
+  uint64_t newFence();
   std::string firstSilent(const std::vector<std::string>& addresses, const std::vector<v1::DescribeResponse>& daemons);
   // The version contract as the cluster view shows it: source ranks published `version`, no
   // destination rank is at it or newer.
@@ -57,6 +60,8 @@ class ShardcastService final : public v1::Shardcast::Service {
   ProgressBoard progress_;
   std::string transport_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  std::mutex fence_mu_;
+  std::mt19937_64 fence_rng_{std::random_device{}()};
   std::mutex sessions_mu_;
   std::condition_variable sessions_cv_;
   bool stopping_ = false;

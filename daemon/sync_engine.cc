@@ -193,6 +193,7 @@ struct SyncEngine::Active {
   // The coordinator's lease: renewed by every call about this sync; when it runs out the reaper
   // aborts the sync here (steady-clock nanoseconds).
   std::chrono::milliseconds lease{10000};
+  uint64_t fence = 0;  // WriteOp::fence of this sync's writes, open here from prepare to close
   std::atomic<int64_t> lease_until{0};
   void renew() { lease_until = (Clock::now() + lease).time_since_epoch().count(); }
   bool expired(Clock::time_point now) const { return now.time_since_epoch().count() > lease_until; }
@@ -396,14 +397,17 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   a->generation = registry_.generation();
   a->window_bytes = window_bytes_;
   if (req.lease_ms() > 0) a->lease = std::chrono::milliseconds(req.lease_ms());
+  a->fence = req.fence() ? req.fence() : (XXH64(a->id.data(), a->id.size(), 0) | 1);
   a->renew();
   bool hit = false;
   SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), req.staging_bytes(), req.chunk_bytes(), &hit));
   // The fences: source ranks here published exactly this version, destination ranks here accept
   // it. From here on, every way out ends the sync in the registry.
   SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, a->dst_group, a->version));
+  transport_.openFence(a->fence);  // before any peer learns where to write
   auto prepared = prepareTargets(a, hit);
   if (!prepared.ok()) {
+    transport_.closeFence(a->fence, std::chrono::seconds(0));
     registry_.endSync(a->id, a->src_group, a->dst_group, Registry::SyncEnd::kRevert);
     return prepared.status();
   }
@@ -489,6 +493,10 @@ Status SyncEngine::close(const std::shared_ptr<Active>& a, Registry::SyncEnd end
     if (!a->cv.wait_for(lock, std::chrono::seconds(120), [&] { return a->writes_pending == 0; }))
       spdlog::error("sync {}: {} writes still pending two minutes after it ended", a->id, a->writes_pending);
   }
+  // No write of this sync lands here any more: later ones are refused, those landing now are waited
+  // for (bounded by the transport's op timeout on the sender's side).
+  if (!transport_.closeFence(a->fence, std::chrono::seconds(60)))
+    spdlog::error("sync {}: writes into node \"{}\" still landing a minute after it ended", a->id, node_);
   if (end == Registry::SyncEnd::kDirty && commit) {
     registry_.endSync(a->id, a->src_group, a->dst_group, end, std::string(a->failure.message()));
     return Status(a->failure.code(), strCat("sync ", a->id, " on node \"", node_, "\": ", a->failure.message()));
@@ -607,7 +615,7 @@ class SyncEngine::Execution {
     const CachedPlan::Landing* landing = cp_.landingOn(t, node);
     if (landing == nullptr) return absl::InternalError(strCat("sync ", a_->id, ": transfer ", t, " does not land on node ", node));
     const auto& chunk = cp_.chunks[t][k];
-    transport::WriteOp op{src, off + chunk.offset, peer->second.arena, landing->arena_offset + chunk.offset, chunk.bytes};
+    transport::WriteOp op{src, off + chunk.offset, peer->second.arena, landing->arena_offset + chunk.offset, chunk.bytes, a_->fence};
     if (landing->direct()) {
       const std::string& name = cp_.dst.buffer_names[static_cast<size_t>(landing->buffer)];
       auto target = peer->second.buffers.find({landing->rank, name});

@@ -2,10 +2,13 @@
 // not register can never be written) and for reusing a registration of the same range.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <tuple>
 
 #include "transport/transport.h"
@@ -41,9 +44,48 @@ class RegionTable {
   }
   bool covers(uint64_t addr, uint64_t len) { return containing(addr, len) != nullptr; }
 
+  // Write fences (see WriteOp::fence): a write naming a fence lands only while it is open here.
+  void openFence(uint64_t fence) {
+    std::lock_guard<std::mutex> lock(fences_->mu);
+    fences_->landing.emplace(fence, 0);
+  }
+  // Refuses later writes naming `fence`, then waits (up to `timeout`) until the writes landing
+  // under it now are done. False when some were still landing at the timeout.
+  bool closeFence(uint64_t fence, std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(fences_->mu);
+    fences_->closing.insert(fence);
+    const bool drained = fences_->cv.wait_for(lock, timeout, [&] {
+      auto it = fences_->landing.find(fence);
+      return it == fences_->landing.end() || it->second == 0;
+    });
+    fences_->landing.erase(fence);
+    fences_->closing.erase(fence);
+    return drained;
+  }
+  // Held by one write while it lands; null when `fence` is not open (the write is refused).
+  std::shared_ptr<void> enterFence(uint64_t fence) {
+    std::lock_guard<std::mutex> lock(fences_->mu);
+    auto it = fences_->landing.find(fence);
+    if (it == fences_->landing.end() || fences_->closing.count(fence)) return nullptr;
+    ++it->second;
+    auto fences = fences_;
+    return std::shared_ptr<void>(reinterpret_cast<void*>(fence), [fences, fence](void*) {
+      std::lock_guard<std::mutex> released(fences->mu);
+      auto f = fences->landing.find(fence);
+      if (f != fences->landing.end() && --f->second == 0) fences->cv.notify_all();
+    });
+  }
+
  private:
   std::mutex mu_;
   std::map<std::tuple<uintptr_t, size_t, MemoryKind>, std::weak_ptr<MemoryRegion>> by_range_;
+  struct Fences {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::map<uint64_t, int64_t> landing;  // open fences: writes landing under each now
+    std::set<uint64_t> closing;
+  };
+  std::shared_ptr<Fences> fences_ = std::make_shared<Fences>();
 };
 
 }  // namespace shardcast::transport

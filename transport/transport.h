@@ -63,6 +63,12 @@ struct WriteOp {
   RemoteRegion dst;
   size_t dst_offset = 0;
   size_t length = 0;
+  // Nonzero: the peer lets the write land only while it has this fence open (Context::openFence),
+  // and refuses it (ABORTED) after. A sync opens its fence on every node at prepare and closes it
+  // when it ends there, so a write of an ended sync (a peer frozen and resumed) can never land in
+  // a rank a later sync wrote. Backends that write without the target's help (UCX put: RMA) land
+  // it regardless: see docs/transport.md.
+  uint64_t fence = 0;
 };
 
 // A connection to one peer. Operations complete in any order, except that a notification is
@@ -110,6 +116,10 @@ class Context {
   // Host memory allocated and registered by the backend (staging and landing buffers). With UCX
   // this memory is shareable, so peers on the same host can put into it by plain stores.
   virtual StatusOr<std::shared_ptr<MemoryRegion>> allocateMemory(size_t size) = 0;
+  // Write fences (WriteOp::fence). closeFence refuses later writes naming the fence and waits up
+  // to `timeout` for those landing under it now; false when some were still landing then.
+  virtual void openFence(uint64_t fence) = 0;
+  virtual bool closeFence(uint64_t fence, std::chrono::milliseconds timeout) = 0;
   // Connects lazily: the same peer address returns the same endpoint while it is open.
   virtual StatusOr<std::shared_ptr<Endpoint>> connect(const std::string& peer_address,
                                                       const std::string& peer_name) = 0;

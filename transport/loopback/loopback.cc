@@ -73,6 +73,9 @@ class LoopbackEndpoint final : public Endpoint {
       for (const WriteOp& op : ops) {
         Status st = this_ep->check(op, *peer);
         if (!st.ok()) return done(st);
+        std::shared_ptr<void> hold = op.fence ? peer->regions.enterFence(op.fence) : nullptr;
+        if (op.fence && !hold)
+          return done(absl::AbortedError(strCat("write to peer '", this_ep->peer_name_, "': its fence is closed there (the sync ended)")));
         std::memcpy(reinterpret_cast<void*>(op.dst.base + op.dst_offset),
                     static_cast<const std::byte*>(op.src->data()) + op.src_offset, op.length);
       }
@@ -146,6 +149,10 @@ class LoopbackContext final : public Context {
   }
 
   std::string describe() const override { return "loopback"; }
+  void openFence(uint64_t fence) override { state_->regions.openFence(fence); }
+  bool closeFence(uint64_t fence, std::chrono::milliseconds timeout) override {
+    return state_->regions.closeFence(fence, timeout);
+  }
   std::string address() const override { return address_; }
   bool canAccess(MemoryKind kind) const override { return kind == MemoryKind::kHost; }
 

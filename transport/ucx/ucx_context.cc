@@ -35,6 +35,7 @@ struct DataHeader {
   uint64_t op_id;
   uint64_t addr;
   uint64_t length;
+  uint64_t fence;  // WriteOp::fence
 };
 
 struct AckHeader {
@@ -128,6 +129,7 @@ struct RequestCtx {
   Completion done;      // notifications
   ucp_ep_h reply_ep = nullptr;  // receiver side: where to ack a rendezvous receive
   std::shared_ptr<MemoryRegion> target;  // receiver side: kept registered until the data is in
+  std::shared_ptr<void> fence;           // receiver side: the write's fence held until it is in
 };
 
 class UcxEndpoint;
@@ -390,7 +392,7 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
     if (!hold()) return;
     auto* region = static_cast<UcxRegion*>(w.src.get());
     void* src = static_cast<std::byte*>(w.src->data()) + w.src_offset;
-    auto* ctx = new RequestCtx{this, id, nullptr, nullptr, {}, {}, nullptr, nullptr};
+    auto* ctx = new RequestCtx{this, id, nullptr, nullptr, {}, {}, nullptr, nullptr, nullptr};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH |
                       UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
@@ -407,7 +409,7 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
       }
       req = ucp_put_nbx(ep->ep, src, w.length, w.dst.base + w.dst_offset, *rkey, &rp);
     } else {
-      ctx->data_header = std::make_unique<DataHeader>(DataHeader{id, w.dst.base + w.dst_offset, w.length});
+      ctx->data_header = std::make_unique<DataHeader>(DataHeader{id, w.dst.base + w.dst_offset, w.length, w.fence});
       rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
       rp.flags = UCP_AM_SEND_FLAG_REPLY;
       req = ucp_am_send_nbx(ep->ep, kAmData, ctx->data_header.get(), sizeof(DataHeader), src, w.length, &rp);
@@ -420,7 +422,7 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
   if (protocol_ == "put") {
     // Remote visibility: a flush completes after every earlier put reached the peer's memory.
     if (!hold()) return;
-    auto* ctx = new RequestCtx{this, id, nullptr, nullptr, {}, {}, nullptr, nullptr};
+    auto* ctx = new RequestCtx{this, id, nullptr, nullptr, {}, {}, nullptr, nullptr, nullptr};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.send = &Callbacks::onSend;
@@ -477,7 +479,7 @@ void UcxEngine::flushNotifies(EpState& ep) {
 
 void UcxEngine::sendNotify(EpState& ep, std::string payload, Completion done) {
   if (!ep.error.ok()) return done(ep.error);
-  auto* ctx = new RequestCtx{this, 0, nullptr, nullptr, std::move(payload), std::move(done), nullptr, nullptr};
+  auto* ctx = new RequestCtx{this, 0, nullptr, nullptr, std::move(payload), std::move(done), nullptr, nullptr, nullptr};
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   rp.cb.send = &Callbacks::onSend;
@@ -558,7 +560,7 @@ void UcxEngine::checkDeadlines() {
 void UcxEngine::sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st) {
   if (!reply_ep) return;
   auto* ctx = new RequestCtx{this, 0, nullptr, std::make_unique<AckHeader>(AckHeader{op_id, static_cast<int32_t>(st.code()), 0}),
-                             std::string(st.message()), {}, nullptr, nullptr};
+                             std::string(st.message()), {}, nullptr, nullptr, nullptr};
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   rp.cb.send = &Callbacks::onSend;
@@ -586,8 +588,13 @@ ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size
                                                                " is not inside memory registered here")));
     return UCS_OK;
   }
+  std::shared_ptr<void> fence = h.fence ? regions_->enterFence(h.fence) : nullptr;
+  if (h.fence && !fence) {
+    sendAck(reply, h.op_id, absl::AbortedError("the write's fence is closed here (its sync ended)"));
+    return UCS_OK;
+  }
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-    auto* ctx = new RequestCtx{this, h.op_id, nullptr, nullptr, {}, {}, reply, std::move(target)};
+    auto* ctx = new RequestCtx{this, h.op_id, nullptr, nullptr, {}, {}, reply, std::move(target), std::move(fence)};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.recv_am = &Callbacks::onRecvData;
@@ -674,6 +681,10 @@ class UcxContext final : public Context {
                   tcp_segment_.empty() ? "" : strCat(", tcp_segment=", tcp_segment_), ", cuda=", cuda_ ? "yes" : "no", ")");
   }
   std::string address() const override { return engine_->address(); }
+  void openFence(uint64_t fence) override { engine_->regions()->openFence(fence); }
+  bool closeFence(uint64_t fence, std::chrono::milliseconds timeout) override {
+    return engine_->regions()->closeFence(fence, timeout);
+  }
   bool canAccess(MemoryKind kind) const override { return kind == MemoryKind::kHost || cuda_; }
 
   StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) override {

@@ -182,9 +182,10 @@ class Client:
 
     def _fail(self, e: grpc.RpcError, what: str) -> ShardcastError:
         """The daemon's error; when the daemon itself is gone, one that names it (its node)."""
-        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and any(
-                s in (e.details() or "") for s in ("Socket closed", "Stream removed", "failed to connect",
-                                                   "Connection reset", "Broken pipe")):
+        # gRPC's own words for a connection that failed (the daemon's messages never start so).
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and (e.details() or "").startswith(
+                ("Socket closed", "Stream removed", "failed to connect", "Connection reset", "Broken pipe", "recvmsg",
+                 "sendmsg", "Connection refused")):
             node = f' (node "{self.node}")' if self.node else ""
             return ShardcastError(e.code(), f'{what}: shardcastd at "{self.target}"{node} went away: {e.details()}')
         return _error(e, what)
