@@ -46,6 +46,9 @@ std::shared_ptr<grpc::Channel> PeerSet::channel(const std::string& address) cons
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     args.SetMaxReceiveMessageSize(1 << 30);
+    // Not gRPC's process-wide subchannel pool: a channel made anew after a peer restarted must not
+    // inherit a connection to the old process.
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     ch = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   }
   return ch;

@@ -152,6 +152,7 @@ StatusOr<Client> Client::connect(const std::string& target, std::chrono::millise
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // not a connection another channel left to an old daemon
   auto channel = grpc::CreateCustomChannel(t, grpc::InsecureChannelCredentials(), args);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + connect_timeout))
     return absl::UnavailableError(strCat("shardcastd at \"", t, "\" is not reachable (is the daemon running? set --daemon or SHARDCAST_ADDRESS)"));

@@ -78,11 +78,14 @@ class Daemon {
     return child_.wait();
   }
 
-  std::unique_ptr<v1::Shardcast::Stub> client() const {
-    return v1::Shardcast::NewStub(grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials()));
-  }
-  std::unique_ptr<v1::Shardcast::Stub> tcpClient() const {
-    return v1::Shardcast::NewStub(grpc::CreateChannel(address(), grpc::InsecureChannelCredentials()));
+  // Each on a connection of its own (no subchannel shared with earlier channels, which may still
+  // hold a connection to a daemon that was restarted since).
+  std::unique_ptr<v1::Shardcast::Stub> client() const { return v1::Shardcast::NewStub(channel("unix:" + socket_)); }
+  std::unique_ptr<v1::Shardcast::Stub> tcpClient() const { return v1::Shardcast::NewStub(channel(address())); }
+  static std::shared_ptr<grpc::Channel> channel(const std::string& target) {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   }
   std::unique_ptr<grpc::health::v1::Health::Stub> health() const {
     return grpc::health::v1::Health::NewStub(grpc::CreateChannel(address(), grpc::InsecureChannelCredentials()));

@@ -161,6 +161,7 @@ class Client:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.use_local_subchannel_pool", 1),  # not a connection another channel left to an old daemon
         ])
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)

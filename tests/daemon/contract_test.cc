@@ -1,0 +1,511 @@
+// The version contract between real daemons: rank states, fences, roles and types, leases and
+// sessions (docs/daemon.md, "Rank states and fences"). Syncs are driven whole (Shardcast.Sync)
+// or phase by phase over the Peer service, as a coordinator would, to stop them at a chosen point.
+#include <catch2/catch.hpp>
+
+#include <fcntl.h>
+#include <httplib.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <future>
+#include <thread>
+
+#include "client/lib/client.h"
+#include "planner/layout.h"
+#include "tests/daemon/daemon_harness.h"
+#include "tests/daemon/rank_memory.h"
+
+using namespace shardcast;
+using namespace shardcast::testing;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// n0 holds the trainer (2 ranks, rows), n1 the inference group (2 ranks, columns): every byte
+// crosses the network.
+const char* kSrc = R"({"group":"src","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
+  {"name":"w","shape":[64,32],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})";
+const char* kDst = R"({"group":"dst","mesh":{"shape":[2]},"nodes":["n1","n1"],"tensors":[
+  {"name":"w","shape":[64,32],"dtype":"int32","placements":[{"shard":{"dim":1}}]}]})";
+
+int32_t valueOf(int64_t flat, uint64_t version) { return static_cast<int32_t>(flat * 10 + static_cast<int64_t>(version)); }
+
+struct Pair {
+  std::vector<int> ports{freePort(), freePort()};
+  std::vector<std::unique_ptr<Daemon>> daemons;
+  v1::Layout src_proto = *planner::parseLayoutJson(kSrc, "src");
+  v1::Layout dst_proto = *planner::parseLayoutJson(kDst, "dst");
+  planner::NodeTable nodes;
+  planner::ResolvedLayout src = *planner::resolveLayout(src_proto, nodes);
+  planner::ResolvedLayout dst = *planner::resolveLayout(dst_proto, nodes);
+  std::vector<RankMemory> smem, dmem;
+
+  explicit Pair(std::vector<std::string> extra = {}) {
+    std::vector<std::string> peers;
+    for (int p : ports) peers.push_back("127.0.0.1:" + std::to_string(p));
+    for (int i = 0; i < 2; ++i) {
+      daemons.push_back(std::make_unique<Daemon>("n" + std::to_string(i), ports[static_cast<size_t>(i)], peers, extra));
+      REQUIRE(daemons.back()->ready());
+    }
+    for (int32_t r = 0; r < 2; ++r) smem.push_back(allocateRank(src, r, "contract-s" + std::to_string(r)));
+    for (int32_t r = 0; r < 2; ++r) dmem.push_back(allocateRank(dst, r, "contract-d" + std::to_string(r)));
+  }
+  Daemon& n0() { return *daemons[0]; }
+  Daemon& n1() { return *daemons[1]; }
+
+  void fill(uint64_t version) {
+    for (int32_t r = 0; r < 2; ++r)
+      forEachElement(src, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        *smem[r].at<int32_t>(p, off) = valueOf(flat, version);
+      });
+  }
+  int64_t wrong(uint64_t version) {
+    int64_t bad = 0;
+    for (int32_t r = 0; r < 2; ++r)
+      forEachElement(dst, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        bad += *dmem[r].at<int32_t>(p, off) != valueOf(flat, version);
+      });
+    return bad;
+  }
+  // Sources READY at `version` (their bytes filled), destinations EMPTY.
+  void registerAll(uint64_t version) {
+    fill(version);
+    v1::RegisterResponse resp;
+    for (int32_t r = 0; r < 2; ++r) {
+      auto st = n0().client()->Register(ctx().get(), registerRequest(src_proto, r, 2, smem[r], v1::ROLE_SOURCE, version), &resp);
+      INFO(st.error_message());
+      REQUIRE(st.ok());
+      st = n1().client()->Register(ctx().get(), registerRequest(dst_proto, r, 2, dmem[r]), &resp);
+      INFO(st.error_message());
+      REQUIRE(st.ok());
+    }
+  }
+  // Acquire every source rank, write `version`, publish it.
+  void step(uint64_t version) {
+    auto c = Client::connect("unix:" + n0().socketPath());
+    REQUIRE(c.ok());
+    for (int32_t r = 0; r < 2; ++r) REQUIRE(c->acquire("src", r).ok());
+    fill(version);
+    for (int32_t r = 0; r < 2; ++r) REQUIRE(c->publish("src", r, version).ok());
+  }
+  grpc::Status sync(uint64_t version, v1::SyncResponse* out = nullptr) {
+    v1::SyncRequest s;
+    s.set_src_group("src");
+    s.set_dst_group("dst");
+    s.set_version(version);
+    s.mutable_options()->set_timeout_ms(20000);
+    v1::SyncResponse o;
+    return n0().client()->Sync(ctx(60).get(), s, out ? out : &o);
+  }
+  // The states of `group`'s ranks on daemon `d`, by rank.
+  std::map<int32_t, v1::RankStatus> states(Daemon& d, const std::string& group) {
+    v1::StatusResponse st;
+    const grpc::Status called = d.client()->Status(ctx().get(), v1::StatusRequest(), &st);
+    INFO(called.error_message());
+    REQUIRE(called.ok());
+    std::map<int32_t, v1::RankStatus> out;
+    for (const auto& g : st.groups())
+      if (g.group() == group)
+        for (const auto& r : g.rank_states()) out[r.rank()] = r;
+    return out;
+  }
+
+  // Phase by phase, as a coordinator: prepare on both, execute on n0 (which sends every byte).
+  std::vector<std::unique_ptr<v1::Peer::Stub>> peers() {
+    std::vector<std::unique_ptr<v1::Peer::Stub>> out;
+    for (auto& d : daemons) out.push_back(v1::Peer::NewStub(grpc::CreateChannel(d->address(), grpc::InsecureChannelCredentials())));
+    return out;
+  }
+  v1::ExecuteRequest prepare(const std::string& id, uint64_t version, uint32_t lease_ms = 0) {
+    auto p = peers();
+    v1::ExecuteRequest exec;
+    exec.set_sync_id(id);
+    exec.set_timeout_ms(20000);
+    for (int i = 0; i < 2; ++i) {
+      v1::DescribeResponse described;
+      REQUIRE(p[i]->Describe(ctx().get(), v1::DescribeRequest(), &described).ok());
+      v1::PrepareRequest prep;
+      prep.set_sync_id(id);
+      *prep.mutable_src() = src_proto;
+      *prep.mutable_dst() = dst_proto;
+      prep.set_version(version);
+      prep.set_staging_bytes(uint64_t{1} << 30);
+      prep.set_chunk_bytes(uint64_t{64} << 20);
+      prep.set_lease_ms(lease_ms);
+      v1::PrepareResponse presp;
+      const auto st = p[i]->Prepare(ctx().get(), prep, &presp);
+      INFO(st.error_message());
+      REQUIRE(st.ok());
+      auto* n = exec.add_nodes();
+      n->set_node(described.node());
+      n->set_transport_address(described.transport_address());
+      *n->mutable_targets() = presp.targets();
+    }
+    return exec;
+  }
+  void finish(const std::string& id, bool commit, bool executed, const std::string& reason = "") {
+    auto p = peers();
+    for (int i = 0; i < 2; ++i) {
+      v1::FinishRequest f;
+      f.set_sync_id(id);
+      f.set_commit(commit);
+      f.set_executed(executed);
+      f.set_reason(reason);
+      v1::FinishResponse fr;
+      REQUIRE(p[i]->Finish(ctx().get(), f, &fr).ok());
+    }
+  }
+};
+
+v1::WaitVersionResponse waitVersion(Daemon& d, const std::string& group, uint64_t version, uint32_t timeout_ms,
+                                    grpc::Status* status) {
+  v1::WaitVersionRequest w;
+  w.set_group(group);
+  w.set_version(version);
+  w.set_timeout_ms(timeout_ms);
+  v1::WaitVersionResponse out;
+  *status = d.client()->WaitVersion(ctx().get(), w, &out);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("rank states: empty, updating, ready; a sync that wrote and failed leaves them dirty until the next commits",
+          "[daemon][contract]") {
+  Pair c;
+  c.registerAll(1);
+  for (const auto& [r, st] : c.states(c.n1(), "dst")) CHECK(st.state() == v1::RANK_EMPTY);
+  for (const auto& [r, st] : c.states(c.n0(), "src")) {
+    CHECK(st.state() == v1::RANK_READY);
+    CHECK(st.version() == 1);
+  }
+  grpc::Status gs;
+  auto w = waitVersion(c.n1(), "dst", 1, 0, &gs);
+  REQUIRE(gs.ok());
+  CHECK(w.version() == 0);
+  REQUIRE(w.ranks_size() == 2);
+
+  // Prepared: the destination ranks are being written (updating), the group reports no version.
+  auto exec = c.prepare("by-hand", 1);
+  for (const auto& [r, st] : c.states(c.n1(), "dst")) {
+    CHECK(st.state() == v1::RANK_UPDATING);
+    CHECK(st.version() == 1);
+  }
+  // n0 sends every byte into n1's ranks; then the sync is aborted after executing: dirty.
+  v1::ExecuteResponse part;
+  REQUIRE(c.peers()[0]->Execute(ctx().get(), exec, &part).ok());
+  CHECK(part.bytes_sent() > 0);
+  c.finish("by-hand", false, true, "the test aborted it");
+  for (const auto& [r, st] : c.states(c.n1(), "dst")) {
+    CHECK(st.state() == v1::RANK_DIRTY);
+    CHECK_THAT(st.detail(), Catch::Contains("sync by-hand wrote part of version 1"));
+    CHECK_THAT(st.detail(), Catch::Contains("the test aborted it"));
+  }
+  // WaitVersion fails at once on a dirty rank, naming it.
+  const auto began = Clock::now();
+  waitVersion(c.n1(), "dst", 1, 10000, &gs);
+  CHECK(gs.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(gs.error_message(), Catch::Contains("group \"dst\" rank 0 on node \"n1\" is DIRTY"));
+  CHECK(Clock::now() - began < std::chrono::seconds(5));
+
+  // The next sync of the same version repairs them.
+  grpc::Status st = c.sync(1);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  CHECK(c.wrong(1) == 0);
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) {
+    CHECK(s.state() == v1::RANK_READY);
+    CHECK(s.version() == 1);
+  }
+  w = waitVersion(c.n1(), "dst", 1, 1000, &gs);
+  REQUIRE(gs.ok());
+  CHECK(w.version() == 1);
+
+  // Prepared and aborted before anything was sent anywhere: back to where they were.
+  c.step(2);
+  c.prepare("not-executed", 2);
+  c.finish("not-executed", false, false);
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) {
+    CHECK(s.state() == v1::RANK_READY);
+    CHECK(s.version() == 1);
+  }
+
+  // Versions do not outlive ranks: registered again, a rank starts empty, and waiting for the
+  // old version does not return at once.
+  for (int32_t r = 0; r < 2; ++r) {
+    v1::UnregisterRequest un;
+    un.set_group("dst");
+    un.set_rank(r);
+    v1::UnregisterResponse ur;
+    REQUIRE(c.n1().client()->Unregister(ctx().get(), un, &ur).ok());
+    v1::RegisterResponse resp;
+    REQUIRE(c.n1().client()->Register(ctx().get(), registerRequest(c.dst_proto, r, 2, c.dmem[r]), &resp).ok());
+  }
+  w = waitVersion(c.n1(), "dst", 1, 200, &gs);
+  REQUIRE(gs.ok());
+  CHECK(w.version() == 0);
+  for (const auto& r : w.ranks()) CHECK(r.state() == v1::RANK_EMPTY);
+}
+
+TEST_CASE("a sync whose coordinator goes silent is aborted on every daemon within its lease, its ranks dirty",
+          "[daemon][contract]") {
+  Pair c;
+  c.registerAll(1);
+  auto exec = c.prepare("orphan", 1, /*lease_ms=*/400);
+  v1::ExecuteResponse part;
+  REQUIRE(c.peers()[0]->Execute(ctx().get(), exec, &part).ok());
+  // Nobody finishes it, nobody asks for progress: the lease runs out.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  for (const auto& [r, st] : c.states(c.n1(), "dst")) {
+    CHECK(st.state() == v1::RANK_DIRTY);
+    CHECK_THAT(st.detail(), Catch::Contains("its coordinator went silent"));
+  }
+  v1::ProgressRequest pr;
+  pr.set_sync_id("orphan");
+  v1::ProgressResponse prr;
+  CHECK(c.peers()[1]->Progress(ctx().get(), pr, &prr).error_code() == grpc::StatusCode::NOT_FOUND);
+  // The source ranks were released: their owner can acquire them, and the group takes the next sync.
+  c.step(2);
+  const grpc::Status st = c.sync(2);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  CHECK(c.wrong(2) == 0);
+  httplib::Client http("127.0.0.1", c.n1().metricsPort());
+  auto scrape = http.Get("/metrics");
+  REQUIRE(scrape);
+  CHECK_THAT(scrape->body, Catch::Contains("shardcast_syncs_expired_total 1"));
+  CHECK_THAT(scrape->body, Catch::Contains("shardcast_ranks{state=\"ready\"} 2"));
+}
+
+TEST_CASE("fences: a sync reads only what a source published; owners acquire around their writes and reads",
+          "[daemon][contract]") {
+  Pair c;
+  c.registerAll(0);  // sources registered EMPTY: nothing published yet
+  grpc::Status st = c.sync(1);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("group \"src\" rank 0 on node \"n0\" has published no version, not 1"));
+  c.step(1);
+  st = c.sync(2);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("published version 1, not 2"));
+
+  auto client = Client::connect("unix:" + c.n0().socketPath());
+  REQUIRE(client.ok());
+  // A sync reading the sources holds their owner off until it ends.
+  c.prepare("reading", 1);
+  auto acquired = std::async(std::launch::async, [&] { return client->acquire("src", 0, std::chrono::seconds(20)); });
+  CHECK(acquired.wait_for(std::chrono::milliseconds(300)) == std::future_status::timeout);
+  auto quick = client->acquire("src", 1, std::chrono::milliseconds(100));
+  REQUIRE_FALSE(quick.ok());
+  CHECK(absl::IsDeadlineExceeded(quick.status()));
+  CHECK_THAT(std::string(quick.status().message()), Catch::Contains("sync reading still uses it"));
+  c.finish("reading", false, false);
+  REQUIRE(acquired.wait_for(std::chrono::seconds(10)) == std::future_status::ready);
+  auto held = acquired.get();
+  REQUIRE(held.ok());
+  CHECK(held->state() == v1::RANK_UPDATING);
+  CHECK(held->held());
+  // Being written: no sync reads it.
+  st = c.sync(1);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("group \"src\" rank 0 on node \"n0\" is being written by its owner"));
+  CHECK(absl::IsInvalidArgument(client->publish("src", 0, 0).status()));
+  CHECK(absl::IsInvalidArgument(client->publish("src", 0, uint64_t{1} << 63).status()));
+  REQUIRE(client->acquire("src", 1).ok());
+  c.fill(3);
+  for (int32_t r = 0; r < 2; ++r) REQUIRE(client->publish("src", r, 3).ok());
+  auto older = client->publish("src", 0, 2);
+  CHECK(absl::IsInvalidArgument(older.status()));
+  CHECK_THAT(std::string(older.status().message()), Catch::Contains("older than version 3"));
+  auto unacquired = client->publish("src", 0, 4);
+  CHECK(absl::IsFailedPrecondition(unacquired.status()));
+  CHECK_THAT(std::string(unacquired.status().message()), Catch::Contains("acquire first"));
+
+  // A destination rank its engine holds does not take updates until released.
+  auto engine = Client::connect("unix:" + c.n1().socketPath());
+  REQUIRE(engine.ok());
+  auto paused = engine->acquire("dst", 1);
+  REQUIRE(paused.ok());
+  CHECK(paused->held());
+  st = c.sync(3);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("group \"dst\" rank 1 on node \"n1\" does not accept updates"));
+  CHECK(absl::IsInvalidArgument(engine->publish("dst", 1, 3).status()));
+  REQUIRE(engine->release("dst", 1).ok());
+  st = c.sync(3);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  CHECK(c.wrong(3) == 0);
+}
+
+TEST_CASE("roles and types: no sync into a source or out of a destination; dtype, shape and version bounds checked",
+          "[daemon][contract]") {
+  Pair c;
+  c.registerAll(1);
+  // A second source group on n1 with the destination's layout: a sync into it is refused and it
+  // keeps its bytes.
+  std::string other_json = kDst;
+  other_json.replace(other_json.find("\"dst\""), 5, "\"src2\"");
+  const auto other = *planner::parseLayoutJson(other_json, "src2");
+  std::vector<RankMemory> omem;
+  v1::RegisterResponse resp;
+  for (int32_t r = 0; r < 2; ++r) {
+    omem.push_back(allocateRank(c.dst, r, "contract-o" + std::to_string(r)));
+    std::memset(omem.back().seg->data(), 0x5a, omem.back().seg->size());
+    REQUIRE(c.n1().client()->Register(ctx().get(), registerRequest(other, r, 2, omem[r], v1::ROLE_SOURCE, 7), &resp).ok());
+  }
+  v1::SyncRequest s;
+  s.set_src_group("src");
+  s.set_dst_group("src2");
+  s.set_version(9);
+  v1::SyncResponse out;
+  grpc::Status st = c.n0().client()->Sync(ctx().get(), s, &out);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("\"src2\" is registered as a source"));
+  CHECK_THAT(st.error_message(), Catch::Contains("refusing to overwrite it"));
+  for (const auto& m : omem) {
+    const auto* bytes = static_cast<const unsigned char*>(m.seg->data());
+    CHECK(std::all_of(bytes, bytes + m.seg->size(), [](unsigned char b) { return b == 0x5a; }));
+  }
+  s.set_src_group("dst");
+  s.set_dst_group("src2");
+  st = c.n0().client()->Sync(ctx().get(), s, &out);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("\"dst\" is registered as a destination"));
+
+  // One group, one role.
+  auto mixed = registerRequest(c.src_proto, 1, 2, c.smem[1]);  // a destination, where rank 0 is a source
+  st = c.n0().client()->Register(ctx().get(), mixed, &resp);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("registers as destination but the group's other ranks are source"));
+
+  // What the client says it holds must be what the layout says.
+  auto typed = registerRequest(c.dst_proto, 0, 2, c.dmem[0]);
+  typed.mutable_buffers(0)->set_dtype("float32");
+  st = c.n1().client()->Register(ctx().get(), typed, &resp);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("buffer \"w\" is float32 here but int32 in the layout"));
+  typed.mutable_buffers(0)->set_dtype("int32");
+  typed.mutable_buffers(0)->add_shape(64);
+  typed.mutable_buffers(0)->add_shape(32);
+  st = c.n1().client()->Register(ctx().get(), typed, &resp);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("has shape [64, 32] (2048 elements) but the layout gives this rank 1024"));
+  typed.mutable_buffers(0)->clear_shape();
+  typed.mutable_buffers(0)->add_shape(64);
+  typed.mutable_buffers(0)->add_shape(16);
+  st = c.n1().client()->Register(ctx().get(), typed, &resp);
+  INFO(st.error_message());
+  CHECK(st.ok());
+
+  // Two layouts that disagree on a tensor's dtype: the sync names the tensor.
+  std::string f32 = kDst;
+  f32.replace(f32.find("\"dst\""), 5, "\"dstf\"");
+  f32.replace(f32.find("int32"), 5, "float32");
+  const auto f32_proto = *planner::parseLayoutJson(f32, "dstf");
+  std::vector<RankMemory> fmem;
+  for (int32_t r = 0; r < 2; ++r) {
+    fmem.push_back(allocateRank(c.dst, r, "contract-f" + std::to_string(r)));
+    REQUIRE(c.n1().client()->Register(ctx().get(), registerRequest(f32_proto, r, 2, fmem[r]), &resp).ok());
+  }
+  s.set_src_group("src");
+  s.set_dst_group("dstf");
+  s.set_version(1);
+  st = c.n0().client()->Sync(ctx().get(), s, &out);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("tensor \"w\": layout \"src\" has int32 [64, 32] but layout \"dstf\" has float32"));
+
+  // Versions live below 2^63.
+  s.set_dst_group("dst");
+  s.set_version(uint64_t{1} << 63);
+  st = c.n0().client()->Sync(ctx().get(), s, &out);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("is not in [1, 2^63)"));
+  auto huge = registerRequest(c.src_proto, 0, 2, c.smem[0], v1::ROLE_SOURCE, uint64_t{1} << 63);
+  CHECK(c.n0().client()->Register(ctx().get(), huge, &resp).error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  auto versioned_dst = registerRequest(c.dst_proto, 0, 2, c.dmem[0], v1::ROLE_DESTINATION, 3);
+  st = c.n1().client()->Register(ctx().get(), versioned_dst, &resp);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("only a source rank may register with a version"));
+}
+
+TEST_CASE("sessions: a client's ranks end with it (segments unlinked); the C++ client re-registers after a restart",
+          "[daemon][contract]") {
+  Pair c;
+  c.registerAll(1);
+  // A session by hand: its stream open, a rank registered under it, then the client goes.
+  auto stub = c.n1().client();
+  grpc::ClientContext session;
+  auto reader = stub->Session(&session, v1::SessionRequest());
+  v1::SessionEvent ev;
+  REQUIRE(reader->Read(&ev));
+  CHECK(ev.node() == "n1");
+  const std::string name = "/sc-contract-" + std::to_string(::getpid()) + "-session";
+  auto seg = transport::ShmSegment::create(name, 4096, /*unlink_on_close=*/false);
+  REQUIRE(seg.ok());
+  const char* one = R"({"group":"solo","mesh":{"shape":[1]},"nodes":["n1"],"tensors":[
+    {"name":"w","shape":[16],"dtype":"int32"}]})";
+  v1::RegisterRequest req;
+  req.set_group("solo");
+  req.set_world_size(1);
+  *req.mutable_layout() = *planner::parseLayoutJson(one, "solo");
+  auto* h = req.add_buffers();
+  h->set_buffer("w");
+  h->mutable_shm()->set_name(name);
+  h->mutable_shm()->set_size(64);
+  req.set_session_id("no-such-session");
+  v1::RegisterResponse resp;
+  grpc::Status st = stub->Register(ctx().get(), req, &resp);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("is not open on node \"n1\""));
+  req.set_session_id(ev.session_id());
+  st = stub->Register(ctx().get(), req, &resp);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  session.TryCancel();  // what the kernel does when the client process dies
+  reader->Finish().IgnoreError();
+  bool gone = false;
+  for (int i = 0; i < 50 && !gone; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    v1::ListResponse l;
+    REQUIRE(stub->List(ctx().get(), v1::ListRequest(), &l).ok());
+    gone = std::none_of(l.ranks().begin(), l.ranks().end(), [](const auto& r) { return r.group() == "solo"; });
+  }
+  CHECK(gone);
+  const int fd = ::shm_open(name.c_str(), O_RDONLY, 0);
+  CHECK(fd < 0);  // unlinked by the daemon
+  if (fd >= 0) {
+    ::close(fd);
+    ::shm_unlink(name.c_str());
+  }
+
+  // The C++ client with a session: its source rank is back, at its published version, after the
+  // daemon restarts.
+  auto client = Client::connect("unix:" + c.n1().socketPath());
+  REQUIRE(client.ok());
+  REQUIRE(client->startSession().ok());
+  auto seg2 = transport::ShmSegment::create(name + "-2", 4096);
+  REQUIRE(seg2.ok());
+  v1::MemoryHandle mh;
+  mh.set_buffer("w");
+  mh.mutable_shm()->set_name(name + "-2");
+  mh.mutable_shm()->set_size(64);
+  REQUIRE(client->registerRank(*planner::parseLayoutJson(one, "solo"), 0, std::vector<v1::MemoryHandle>{mh},
+                               {v1::ROLE_SOURCE, 5}).ok());
+  const int port = c.ports[1];
+  c.daemons[1]->kill();
+  c.daemons[1] = std::make_unique<Daemon>("n1", port, std::vector<std::string>{"127.0.0.1:" + std::to_string(c.ports[0]),
+                                                                               "127.0.0.1:" + std::to_string(port)});
+  REQUIRE(c.n1().ready());
+  bool back = false;
+  for (int i = 0; i < 100 && !back; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    for (const auto& [r, s] : c.states(c.n1(), "solo")) back = s.state() == v1::RANK_READY && s.version() == 5;
+  }
+  CHECK(back);
+  CHECK(client->reconnects() == 1);
+}
