@@ -427,12 +427,15 @@ class Client:
                     return got
 
     def ranks(self, group: str) -> List[service_pb2.RankStatus]:
-        """The state of every rank of `group` on this node (see describe_rank)."""
+        """The state of every rank of `group` on this node (see describe_rank); [] when none is
+        registered here."""
         req = service_pb2.WaitVersionRequest(group=group, version=0, timeout_ms=0)
         try:
             return list(self._stub.WaitVersion(req, timeout=self.timeout).ranks)
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                return []  # none registered on this node
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # a dirty rank: Status tells them all
                 raise self._fail(e, f'ranks of group "{group}"') from None
         for g in self.status().groups:
             if g.group == group:

@@ -49,7 +49,9 @@ class LocalDaemon:
         self.address = f"127.0.0.1:{port}"
         self.socket = os.path.join(socket_dir, f"{node}.sock")
         argv = [binary, "--node", node, "--listen", self.address, "--socket", self.socket, "--peers", ",".join(peers),
-                "--metrics", "127.0.0.1:0", "--log-level", "warn", *extra]
+                "--metrics", "127.0.0.1:0", *extra]
+        if "--log-level" not in extra:
+            argv += ["--log-level", "warn"]
         if "--ucx-tls" not in extra:
             argv += ["--ucx-tls", "tcp"]  # what separate hosts would use
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)

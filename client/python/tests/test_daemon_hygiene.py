@@ -1,0 +1,133 @@
+"""shardcastd's own hygiene, on real processes: --version, unknown config keys, duplicate node
+names, a live daemon's socket, bounded and quiet shutdown, registered memory truncated under it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+import shardcast
+from shardcast.local import LocalCluster, LocalDaemon, free_port
+
+import rank_worker
+from conftest import shardcastd_path
+
+
+def _run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([str(shardcastd_path()), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_version_flags_of_both_binaries():
+    daemon = _run("--version")
+    assert daemon.returncode == 0
+    assert daemon.stdout.startswith("shardcastd 0.")
+    cli = subprocess.run([str(shardcastd_path().parent / "shardcast"), "--version"], capture_output=True, text=True)
+    assert cli.returncode == 0
+    assert cli.stdout.startswith("shardcast 0.")
+    assert cli.stdout.split()[1] == daemon.stdout.split()[1]
+
+
+def test_unknown_config_keys_are_an_error(tmp_path):
+    config = tmp_path / "shardcastd.toml"
+    config.write_text('node = "n9"\nstaging-mib = 64\nstagin-mib = 128\n')
+    out = _run("--config", str(config), "--print-config")
+    assert out.returncode == 2
+    assert "stagin-mib" in out.stdout + out.stderr
+    config.write_text('node = "n9"\nstaging-mib = 64\n')
+    out = _run("--config", str(config), "--print-config")
+    assert out.returncode == 0, out.stderr
+    assert "node=n9" in out.stdout and "staging_mib=64" in out.stdout
+
+
+def test_a_second_daemon_with_a_taken_node_name_or_socket_is_refused(tmp_path):
+    with LocalCluster(["n0", "n1"]) as c:
+        peers = ",".join(f"127.0.0.1:{p}" for p in c.ports.values())
+        # The same node name as n1, its own socket and port: refused loudly at start.
+        dup = _run("--node", "n1", "--listen", f"127.0.0.1:{free_port()}", "--socket", str(tmp_path / "dup.sock"),
+                   "--peers", peers, "--metrics", "", "--ucx-tls", "tcp")
+        assert dup.returncode == 1
+        assert 'already serves node "n1"' in dup.stderr
+        # n0's socket is held by n0: a daemon given it refuses and leaves it alone.
+        taken = _run("--node", "n7", "--listen", f"127.0.0.1:{free_port()}", "--socket", c.daemons["n0"].socket,
+                     "--metrics", "", "--ucx-tls", "tcp")
+        assert taken.returncode == 1
+        assert "another shardcastd" in taken.stderr and "refusing to take its socket" in taken.stderr
+        assert shardcast.Client(c.target("n0")).status().node == "n0"  # still served
+
+
+def _sync_once(c_src: shardcast.Client, c_dst: shardcast.Client):
+    regs = [c_src.register("trainer", r, 2, {n: rank_worker.shard("trainer", n, r, 1) for n in rank_worker.SHAPES},
+                           rank_worker.TRAINER, role="source", version=1) for r in range(2)]
+    regs += [c_dst.register("infer", r, 2, {n: np.zeros_like(rank_worker.shard("infer", n, r, 0))
+                                            for n in rank_worker.SHAPES}, rank_worker.INFERENCE) for r in range(2)]
+    c_src.sync("trainer", "infer", 1)
+    return regs
+
+
+def test_a_clean_stop_is_quiet_on_both_sides(tmp_path):
+    ports = {"n0": free_port(), "n1": free_port()}
+    peers = [f"127.0.0.1:{p}" for p in ports.values()]
+    logs = {n: open(tmp_path / f"{n}.log", "w") for n in ports}
+    daemons = {n: LocalDaemon(n, ports[n], peers, str(tmp_path), str(shardcastd_path()), ["--log-level", "info"],
+                              stderr=logs[n]) for n in ports}
+    try:
+        src, dst = shardcast.Client(daemons["n0"].target), shardcast.Client(daemons["n1"].target)
+        _sync_once(src, dst)
+        dst.close()
+        daemons["n1"].stop()
+        assert daemons["n1"].proc.returncode == 0
+        src.close()
+        daemons["n0"].stop()
+        assert daemons["n0"].proc.returncode == 0
+    finally:
+        for d in daemons.values():
+            d.stop()
+        for f in logs.values():
+            f.close()
+    for n in ports:
+        text = (tmp_path / f"{n}.log").read_text()
+        assert " warning " not in text and " error " not in text and " critical " not in text, f"{n}:\n{text}"
+        assert "stopped" in text
+
+
+def test_shutdown_is_bounded_while_a_peer_is_frozen():
+    with LocalCluster(["n0", "n1"], extra=["--shutdown-grace-ms", "1000"]) as c:
+        src, dst = shardcast.Client(c.target("n0")), shardcast.Client(c.target("n1"))
+        _sync_once(src, dst)  # n0 holds a transport endpoint to n1 now
+        n1 = c.daemons["n1"]
+        os.kill(n1.proc.pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            c.daemons["n0"].proc.send_signal(signal.SIGTERM)
+            c.daemons["n0"].proc.wait(timeout=20)
+            # The grace period, then 2 s more at most before the daemon abandons what is left.
+            assert time.monotonic() - began < 6
+        finally:
+            os.kill(n1.proc.pid, signal.SIGCONT)
+        src.close()
+        dst.close()
+
+
+def test_a_truncated_registered_segment_fails_the_sync_not_the_daemon(cluster):
+    n0, n1 = cluster
+    src, dst = shardcast.Client(n0.target), shardcast.Client(n1.target)
+    regs = [src.register("trainer", r, 2, {n: rank_worker.shard("trainer", n, r, 1) for n in rank_worker.SHAPES},
+                         rank_worker.TRAINER, role="source", version=1) for r in range(2)]
+    outs = [dst.register("infer", r, 2, {n: np.zeros_like(rank_worker.shard("infer", n, r, 0)) for n in rank_worker.SHAPES},
+                         rank_worker.INFERENCE) for r in range(2)]
+    fd = os.open("/dev/shm" + outs[1].segment, os.O_RDWR)
+    os.ftruncate(fd, 64)  # its owner frees most of it
+    os.close(fd)
+    with pytest.raises(shardcast.ShardcastError) as e:
+        src.sync("trainer", "infer", 1)
+    assert e.value.code.name == "FAILED_PRECONDITION"
+    assert f'shm segment "{outs[1].segment}" was truncated' in e.value.details
+    assert 'group "infer" rank 1 on node "n1"' in e.value.details
+    assert dst.status().node == "n1"  # alive
+    for reg in regs + outs:
+        reg.close()

@@ -1,0 +1,189 @@
+"""A registration lives as long as its client: ranks of a client that dies (SIGKILL, SIGTERM, an
+uncaught exception) are unregistered and their shared memory unlinked; a client re-registers by
+itself after its daemon restarts; tensors stay usable after close(); parameters are shared in place."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import shardcast
+from shardcast.client import service_pb2
+
+import rank_worker
+
+HAVE_TORCH = True
+try:
+    import torch
+except ImportError:  # pragma: no cover - the test venv has torch
+    HAVE_TORCH = False
+
+CLIENT = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    import shardcast
+    sys.path.insert(0, sys.argv[3])
+    import rank_worker
+    client = shardcast.Client(sys.argv[1])
+    tensors = {n: rank_worker.shard("trainer", n, 0, 1) for n in rank_worker.SHAPES}
+    reg = client.register("trainer", 0, 2, tensors, rank_worker.TRAINER, role="source", version=1)
+    print(reg.segment, flush=True)
+    if sys.argv[2] == "raise":
+        raise RuntimeError("the trainer crashed")
+    time.sleep(600)
+""")
+
+
+def _ranks(client: shardcast.Client):
+    return [(r.group, r.rank) for r in client.list(all_nodes=False).ranks]
+
+
+def _wait(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "raise"])
+def test_a_dead_clients_ranks_are_unregistered_and_their_segments_unlinked(cluster, how):
+    n0, _ = cluster
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, n0.target, how, here], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    segment = proc.stdout.readline().strip()
+    assert segment.startswith("/shardcast-py-"), proc.stderr.read()
+    observer = shardcast.Client(n0.target)
+    assert _wait(lambda: ("trainer", 0) in _ranks(observer))
+    if how != "raise":
+        proc.send_signal(getattr(signal, how))
+    proc.wait(timeout=30)
+    assert _wait(lambda: ("trainer", 0) not in _ranks(observer)), "the dead client's rank is still registered"
+    assert _wait(lambda: not os.path.exists("/dev/shm" + segment)), f"segment {segment} was not unlinked"
+
+
+def test_clients_re_register_by_themselves_after_their_daemon_restarts(tmp_path):
+    from shardcast.local import LocalCluster
+
+    with LocalCluster(["n0", "n1"]) as c:
+        src, dst = shardcast.Client(c.target("n0")), shardcast.Client(c.target("n1"))
+        trainers = [src.register("trainer", r, 2, {n: rank_worker.shard("trainer", n, r, 1) for n in rank_worker.SHAPES},
+                                 rank_worker.TRAINER, role="source", version=1) for r in range(2)]
+        infers = [dst.register("infer", r, 2, {n: np.zeros_like(rank_worker.shard("infer", n, r, 0))
+                                               for n in rank_worker.SHAPES}, rank_worker.INFERENCE) for r in range(2)]
+        src.sync("trainer", "infer", 1)
+        for node in ("n0", "n1"):
+            d = c.daemons[node]
+            os.kill(d.proc.pid, signal.SIGKILL)
+            d.proc.wait()
+            c.restart(node)
+        # Back by themselves: the trainer ranks at the version they published, the inference
+        # ranks empty (a new daemon knows nothing of what they hold).
+        assert _wait(lambda: len(src.ranks("trainer")) == 2 and len(dst.ranks("infer")) == 2, 15)
+        assert src.reconnects == 1 and dst.reconnects == 1
+        assert [shardcast.describe_rank(s) for s in src.ranks("trainer")] == ["ready(1)", "ready(1)"]
+        assert [shardcast.describe_rank(s) for s in dst.ranks("infer")] == ["empty", "empty"]
+        for r, reg in enumerate(trainers):
+            with reg.writing(2):
+                for n in rank_worker.SHAPES:
+                    reg.tensors[n][...] = rank_worker.shard("trainer", n, r, 2)
+        src.sync("trainer", "infer", 2, verify=True)  # the first sync after the restart commits
+        assert dst.wait_version("infer", 2, timeout=5) == 2
+        for r, reg in enumerate(infers):
+            for n in rank_worker.SHAPES:
+                assert np.array_equal(reg.tensors[n], rank_worker.shard("infer", n, r, 2)), n
+        for reg in trainers + infers:
+            reg.close()
+
+
+def test_wait_version_fails_fast_on_a_dirty_rank_and_the_fences_hold(cluster):
+    n0, n1 = cluster
+    src, dst = shardcast.Client(n0.target), shardcast.Client(n1.target)
+    trainers = [src.register("trainer", r, 2, {n: rank_worker.shard("trainer", n, r, 1) for n in rank_worker.SHAPES},
+                             rank_worker.TRAINER, role="source", version=1) for r in range(2)]
+    infers = [dst.register("infer", r, 2, {n: np.zeros_like(rank_worker.shard("infer", n, r, 0)) for n in rank_worker.SHAPES},
+                           rank_worker.INFERENCE) for r in range(2)]
+    assert [shardcast.describe_rank(s) for s in dst.ranks("infer")] == ["empty", "empty"]
+    # An inference engine reading its weights holds syncs off.
+    with infers[1].reading():
+        assert shardcast.describe_rank(infers[1].state()) == "empty held"
+        with pytest.raises(shardcast.ShardcastError) as e:
+            src.sync("trainer", "infer", 1)
+        assert 'group "infer" rank 1 on node "n1" does not accept updates' in e.value.details
+    src.sync("trainer", "infer", 1)
+    assert dst.wait_version("infer", 1, timeout=5) == 1
+    # A sync into the trainer is refused; the trainer's weights stay.
+    with pytest.raises(shardcast.ShardcastError) as e:
+        dst.sync("infer", "trainer", 2)
+    assert e.value.code.name == "FAILED_PRECONDITION"
+    assert "registered as a destination" in e.value.details or "registered as a source" in e.value.details
+    assert np.array_equal(trainers[0].tensors["w"], rank_worker.shard("trainer", "w", 0, 1))
+    # A step that raises leaves the rank acquired: nothing reads half-written weights.
+    with pytest.raises(ZeroDivisionError):
+        with trainers[0].writing(2):
+            trainers[0].tensors["w"][...] = 0
+            1 / 0
+    assert shardcast.describe_rank(trainers[0].state()) == "updating(1) held"
+    with pytest.raises(shardcast.ShardcastError) as e:
+        src.sync("trainer", "infer", 2)
+    assert "being written by its owner" in e.value.details
+    for reg in trainers + infers:
+        reg.close()
+
+
+def test_tensors_stay_usable_after_close_and_the_client_going(cluster):
+    n0, _ = cluster
+    code = textwrap.dedent("""
+        import sys, gc
+        import numpy as np
+        import shardcast
+        sys.path.insert(0, sys.argv[2])
+        import rank_worker
+        arrays = {n: rank_worker.shard("trainer", n, 0, 1) for n in rank_worker.SHAPES}
+        tensors = dict(arrays)
+        try:
+            import torch
+            tensors["w"] = torch.from_numpy(arrays["w"].copy())
+        except ImportError:
+            pass
+        with shardcast.Client(sys.argv[1]) as client:
+            with client.register("trainer", 0, 2, tensors, rank_worker.TRAINER) as reg:
+                views = reg.tensors
+        gc.collect()
+        total = 0.0
+        for name, t in views.items():  # after close() and the client: still mapped, still the data
+            a = t.numpy() if hasattr(t, "numpy") else t
+            a[...] = a + 1
+            total += float(a.sum())
+        print("ok", total)
+    """)
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", code, n0.target, here], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok")
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_state_dict_registers_the_parameters_in_place_not_a_snapshot(cluster):
+    n0, _ = cluster
+    model = torch.nn.Linear(8, 4, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    layout = {"group": "sd", "mesh": {"shape": [1]}, "nodes": ["n0"],
+              "tensors": [{"name": "weight", "shape": [4, 8], "dtype": "float32"}]}
+    client = shardcast.Client(n0.target)
+    reg = client.register("sd", 0, 1, model.state_dict(), layout, role="source")
+    segment_view = reg.tensors["weight"]
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()  # in place: the registered memory follows
+    assert torch.equal(segment_view, model.weight.detach())
+    assert reg.moved() == []
+    reg.close()
