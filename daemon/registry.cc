@@ -468,9 +468,10 @@ Status Registry::checkSync(const std::string& src, const std::string& dst) const
   return absl::OkStatus();
 }
 
-void Registry::endSync(const std::string& id, const std::string& src, const std::string& dst, SyncEnd end,
-                       const std::string& reason) {
+std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::string& src, const std::string& dst,
+                                              SyncEnd end, const std::string& reason) {
   std::vector<int32_t> touched;
+  std::vector<v1::RankStatus> after;
   uint64_t version = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -495,14 +496,16 @@ void Registry::endSync(const std::string& id, const std::string& src, const std:
           r->detail = strCat("sync ", id, " wrote part of version ", r->writing, " and did not commit: ", reason);
           break;
       }
+      after.push_back(statusOf(*r));
     }
   }
   state_cv_.notify_all();
-  if (touched.empty()) return;
+  if (touched.empty()) return after;
   if (end == SyncEnd::kCommit)
     spdlog::info("group \"{}\" ranks {} on node \"{}\" are READY at version {} (sync {})", dst, rankList(touched), node_, version, id);
   else if (end == SyncEnd::kDirty)
     spdlog::warn("group \"{}\" ranks {} are DIRTY: sync {} failed after writing: {}", dst, rankList(touched), id, reason);
+  return after;
 }
 
 StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t rank, std::chrono::milliseconds timeout) {

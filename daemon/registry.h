@@ -77,8 +77,9 @@ class Registry {
     kRevert,  // nothing was written anywhere: destination ranks back to where they were
     kDirty,   // bytes may have landed: destination ranks DIRTY (with `reason`)
   };
-  void endSync(const std::string& id, const std::string& src, const std::string& dst, SyncEnd end,
-               const std::string& reason = "");
+  // Returns the states of the destination ranks the sync was writing here, after the change.
+  std::vector<v1::RankStatus> endSync(const std::string& id, const std::string& src, const std::string& dst, SyncEnd end,
+                                      const std::string& reason = "");
 
   // The owner takes a rank (see AcquireRequest) / gives it back (ReleaseRequest).
   StatusOr<v1::RankStatus> acquire(const std::string& group, int32_t rank, std::chrono::milliseconds timeout);

@@ -219,6 +219,10 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
         f.set_reason(reason);
         v1::FinishResponse r;
         results[i] = v1::Peer::NewStub(peers_.channel(addresses[i]))->Finish(&c, f, &r);
+        if (results[i].ok() && r.ranks_size() > 0)  // what the sync left this node's ranks at, for Watch
+          progress_.update(id, [&](v1::SyncProgress& p) {
+            if (static_cast<int>(i) < p.nodes_size()) *p.mutable_nodes(static_cast<int>(i))->mutable_ranks() = r.ranks();
+          });
       });
     for (auto& t : threads) t.join();
     return results;
@@ -534,8 +538,11 @@ grpc::Status PeerService::Progress(grpc::ServerContext*, const v1::ProgressReque
   return grpc::Status::OK;
 }
 
-grpc::Status PeerService::Finish(grpc::ServerContext*, const v1::FinishRequest* req, v1::FinishResponse*) {
-  return toGrpc(engine_.finish(*req));
+grpc::Status PeerService::Finish(grpc::ServerContext*, const v1::FinishRequest* req, v1::FinishResponse* out) {
+  auto r = engine_.finish(*req);
+  if (!r.ok()) return toGrpc(r.status());
+  *out = std::move(*r);
+  return grpc::Status::OK;
 }
 
 grpc::Status ShardcastService::Register(grpc::ServerContext*, const v1::RegisterRequest* req, v1::RegisterResponse* out) {

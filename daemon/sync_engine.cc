@@ -322,7 +322,7 @@ void SyncEngine::abortAll(const std::string& reason) {
     std::lock_guard<std::mutex> lock(mu_);
     all.swap(active_);
   }
-  for (const auto& [id, a] : all) close(a, Registry::SyncEnd::kDirty, reason).IgnoreError();
+  for (const auto& [id, a] : all) close(a, Registry::SyncEnd::kDirty, reason).status().IgnoreError();
 }
 
 Status SyncEngine::copy(const transport::StridedView& dst, const transport::StridedView& src, const std::vector<int64_t>& extent,
@@ -462,7 +462,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<A
   return resp;
 }
 
-Status SyncEngine::finish(const v1::FinishRequest& req) {
+StatusOr<v1::FinishResponse> SyncEngine::finish(const v1::FinishRequest& req) {
   std::shared_ptr<Active> a;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -476,7 +476,8 @@ Status SyncEngine::finish(const v1::FinishRequest& req) {
   return close(a, end, req.reason().empty() ? "aborted by its coordinator" : req.reason());
 }
 
-Status SyncEngine::close(const std::shared_ptr<Active>& a, Registry::SyncEnd end, const std::string& reason) {
+StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<Active>& a, Registry::SyncEnd end,
+                                               const std::string& reason) {
   const bool commit = end == Registry::SyncEnd::kCommit;
   {
     std::unique_lock<std::mutex> lock(a->mu);
@@ -501,13 +502,14 @@ Status SyncEngine::close(const std::shared_ptr<Active>& a, Registry::SyncEnd end
     registry_.endSync(a->id, a->src_group, a->dst_group, end, std::string(a->failure.message()));
     return Status(a->failure.code(), strCat("sync ", a->id, " on node \"", node_, "\": ", a->failure.message()));
   }
-  registry_.endSync(a->id, a->src_group, a->dst_group, end, reason);
+  v1::FinishResponse out;
+  for (auto& st : registry_.endSync(a->id, a->src_group, a->dst_group, end, reason)) *out.add_ranks() = std::move(st);
   std::lock_guard<std::mutex> lock(mu_);
   if (commit && a->writes_pending == 0) {  // nothing can still touch them
     if (a->arena) spare_arenas_[a->plan->key] = std::move(a->arena);
     if (a->staging) spare_staging_[a->plan->key] = std::move(a->staging);
   }
-  return absl::OkStatus();
+  return out;
 }
 
 void SyncEngine::reap() {
@@ -531,7 +533,7 @@ void SyncEngine::reap() {
       const std::string why = strCat("its coordinator went silent (no word for ", a->lease.count(), " ms, the sync's lease)");
       spdlog::warn("sync {} aborted on node \"{}\": {}", a->id, node_, why);
       ++metrics_.syncs_expired;
-      close(a, Registry::SyncEnd::kDirty, why).IgnoreError();
+      close(a, Registry::SyncEnd::kDirty, why).status().IgnoreError();
     }
     lock.lock();
   }

@@ -104,7 +104,8 @@ class SyncEngine {
 
   StatusOr<v1::PrepareResponse> prepare(const v1::PrepareRequest& req);
   StatusOr<v1::ExecuteResponse> execute(const v1::ExecuteRequest& req);
-  Status finish(const v1::FinishRequest& req);
+  // The states of this node's destination ranks after the sync ended here.
+  StatusOr<v1::FinishResponse> finish(const v1::FinishRequest& req);
   // What a sync prepared here has moved so far; NOT_FOUND once it finished.
   StatusOr<v1::ProgressResponse> progress(const std::string& sync_id);
   PlanCache& plans() { return plans_; }
@@ -128,7 +129,7 @@ class SyncEngine {
   void onNotification(const std::string& payload);
   StatusOr<v1::PrepareResponse> prepareTargets(const std::shared_ptr<Active>& a, bool hit);
   // Ends a sync here (removed from active_ already): waits for its writes, then tells the registry.
-  Status close(const std::shared_ptr<Active>& a, Registry::SyncEnd end, const std::string& reason);
+  StatusOr<v1::FinishResponse> close(const std::shared_ptr<Active>& a, Registry::SyncEnd end, const std::string& reason);
   // The reaper thread: aborts syncs whose coordinator's lease ran out.
   void reap();
   // Copies with the engine that reaches both sides: the host engine, or the registry's CUDA engine

@@ -160,7 +160,15 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
     CHECK(seen.back().bytes_done() == seen.back().bytes_total());
     CHECK(seen.back().bytes_total() == out.network_bytes());
     CHECK(seen.back().nodes_size() == 3);
-    for (const auto& n : seen.back().nodes()) CHECK(n.state() == "done");
+    for (const auto& n : seen.back().nodes()) {
+      CHECK(n.state() == "done");
+      // The destination ranks each node holds, as the sync left them: ready at this version.
+      CHECK(n.ranks_size() == (n.node() == "n1" ? 0 : 2));
+      for (const auto& r : n.ranks()) {
+        CHECK(r.state() == v1::RANK_READY);
+        CHECK(r.version() == static_cast<uint64_t>(version));
+      }
+    }
     for (size_t i = 1; i < seen.size(); ++i) CHECK(seen[i].bytes_done() >= seen[i - 1].bytes_done());  // never goes back
     // Each node's bytes in the stream are what the plan lands on it.
     google::protobuf::Struct summary;
