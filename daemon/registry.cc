@@ -139,8 +139,36 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
   // The buffers this rank needs and their sizes, against the handles given.
   std::map<std::string, int64_t> needed;
   for (const auto& [buffer, bytes] : layout->rankBuffers(req.rank())) needed[layout->buffer_names[buffer]] = bytes;
+  // What the client says it holds there, when it says so: the layout's dtype and element count.
+  // A buffer holds one tensor's shard or several fused tensors' (one dtype: their first's).
+  std::map<std::string, const planner::TensorLayout*> held_by;
+  for (const auto& t : layout->tensors)
+    for (const auto& p : t.pieces)
+      if (p.rank == req.rank()) held_by.emplace(layout->buffer_names[static_cast<size_t>(p.buffer)], &t);
+
+  auto rank = std::make_unique<Rank>();
+  rank->group = req.group();
+  rank->rank = req.rank();
+  rank->world = req.world_size();
+  rank->digest = std::move(digest);
+  SC_ASSIGN_OR_RETURN(rank->buffers, mapBuffers(who, req.buffers(), needed, held_by));
+  if (req.shadow_buffers_size() > 0) {
+    // Double-buffered: a second set of the same buffers; syncs write the set not in use.
+    if (req.role() == v1::ROLE_SOURCE)
+      return absl::InvalidArgumentError(strCat(who, ": only a destination rank is double-buffered (shadow_buffers)"));
+    SC_ASSIGN_OR_RETURN(rank->shadow, mapBuffers(strCat(who, " (shadow)"), req.shadow_buffers(), needed, held_by));
+  }
+  for (const auto& set : {&rank->buffers, &rank->shadow})
+    for (const auto& b : *set) rank->bytes += b.size;
+  return rank;
+}
+
+StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
+    const std::string& who, const google::protobuf::RepeatedPtrField<v1::MemoryHandle>& handles,
+    std::map<std::string, int64_t> needed, const std::map<std::string, const planner::TensorLayout*>& held_by) {
+  std::vector<Buffer> out;
   std::map<std::string, const v1::MemoryHandle*> given;
-  for (const auto& h : req.buffers()) {
+  for (const auto& h : handles) {
     if (!needed.count(h.buffer()))
       return absl::InvalidArgumentError(strCat(who, ": buffer \"", h.buffer(), "\" is not a buffer this rank holds in the layout"));
     if (!given.emplace(h.buffer(), &h).second)
@@ -149,12 +177,6 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
   for (const auto& [name, bytes] : needed)
     if (!given.count(name))
       return absl::InvalidArgumentError(strCat(who, ": no memory handle for buffer \"", name, "\" (", bytes, " bytes)"));
-  // What the client says it holds there, when it says so: the layout's dtype and element count.
-  // A buffer holds one tensor's shard or several fused tensors' (one dtype: their first's).
-  std::map<std::string, const planner::TensorLayout*> held_by;
-  for (const auto& t : layout->tensors)
-    for (const auto& p : t.pieces)
-      if (p.rank == req.rank()) held_by.emplace(layout->buffer_names[static_cast<size_t>(p.buffer)], &t);
   for (const auto& [name, h] : given) {
     const auto holder = held_by.find(name);
     const planner::TensorLayout* t = holder == held_by.end() ? nullptr : holder->second;
@@ -176,11 +198,6 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
     }
   }
 
-  auto rank = std::make_unique<Rank>();
-  rank->group = req.group();
-  rank->rank = req.rank();
-  rank->world = req.world_size();
-  rank->digest = std::move(digest);
   // Map each shared-memory segment once, covering every buffer in it, and register it once.
   std::map<std::string, uint64_t> segment_end;
   for (const auto& [name, h] : given) {
@@ -240,10 +257,9 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
     } else {
       return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" has neither a shm nor a cuda handle"));
     }
-    rank->bytes += b.size;
-    rank->buffers.push_back(std::move(b));
+    out.push_back(std::move(b));
   }
-  return rank;
+  return out;
 }
 
 Status Registry::unregisterRank(const std::string& group, int32_t rank) {
@@ -268,11 +284,14 @@ void Registry::removeRank(std::map<std::pair<std::string, int32_t>, std::unique_
   if (!unlink) return;
   std::set<std::string> mapped_elsewhere;
   for (const auto& [key, r] : ranks_)
-    for (const auto& b : r->buffers)
-      if (b.segment) mapped_elsewhere.insert(b.segment->name());
+    for (const auto* set : {&r->buffers, &r->shadow})
+      for (const auto& b : *set)
+        if (b.segment) mapped_elsewhere.insert(b.segment->name());
   std::set<std::string> done;
-  for (const auto& b : gone->buffers)
-    if (b.segment && !mapped_elsewhere.count(b.segment->name()) && done.insert(b.segment->name()).second) b.segment->unlinkName();
+  for (const auto* set : {&gone->buffers, &gone->shadow})
+    for (const auto& b : *set)
+      if (b.segment && !mapped_elsewhere.count(b.segment->name()) && done.insert(b.segment->name()).second)
+        b.segment->unlinkName();
 }
 
 std::vector<v1::RankRegistration> Registry::list() const {
@@ -362,7 +381,7 @@ StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, 
   auto it = ranks_.find({group, rank});
   if (it == ranks_.end())
     return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
-  for (const Buffer& b : it->second->buffers) {
+  for (const Buffer& b : it->second->writeSet()) {  // sources and single-buffered ranks: their only set
     if (b.name != buffer) continue;
     if (b.segment)
       return LocalBuffer{static_cast<std::byte*>(b.segment->data()) + b.offset, b.size, transport::MemoryKind::kHost,
@@ -392,6 +411,11 @@ v1::RankStatus Registry::statusOf(const Rank& r) const {
   st.set_state(r.state);
   st.set_held(r.held);
   st.set_node(node_);
+  if (r.doubled()) {
+    st.set_double_buffered(true);
+    st.set_active_set(static_cast<uint32_t>(r.active));
+    if (!r.writer.empty()) st.set_writing(r.writing);
+  }
   switch (r.state) {
     case v1::RANK_READY: st.set_version(r.committed); break;
     case v1::RANK_UPDATING: st.set_version(r.role == v1::ROLE_SOURCE ? r.committed : r.writing); break;
@@ -405,7 +429,8 @@ v1::RankStatus Registry::statusOf(const Rank& r) const {
 }
 
 Status Registry::checkSegments(const Rank& r) const {
-  for (const auto& b : r.buffers)
+  for (const auto* set : {&r.buffers, &r.shadow})
+    for (const auto& b : *set)
     if (b.segment) {
       if (auto st = b.segment->checkSize(); !st.ok())
         return absl::FailedPreconditionError(strCat("group \"", r.group, "\" rank ", r.rank, " on node \"", node_, "\" buffer \"",
@@ -438,7 +463,9 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
       if (r->role != v1::ROLE_DESTINATION)
         return absl::FailedPreconditionError(strCat("sync ", id, ": ", who,
                                                     " is a source; a sync writes only destination groups (refusing to overwrite it)"));
-      if (r->held) return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " does not accept updates (acquired by its client)"));
+      if (r->held && (!r->doubled() || r->pinned != r->active))
+        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " does not accept updates (acquired by its client",
+                                                    r->doubled() ? ", which still reads the set this sync would write)" : ")"));
       if (!r->writer.empty())
         return absl::FailedPreconditionError(strCat("sync ", id, ": a sync into group \"", dst, "\" (", r->writer, ") is in progress on node \"",
                                                     node_, "\""));
@@ -454,8 +481,8 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
     r->writer = id;
     r->before = r->state;
     r->before_detail = r->detail;
-    r->state = v1::RANK_UPDATING;
     r->writing = version;
+    if (!r->doubled()) r->state = v1::RANK_UPDATING;  // double-buffered: the set in use does not change
   }
   if (!writers.empty() || !readers.empty()) state_cv_.notify_all();
   return absl::OkStatus();
@@ -481,6 +508,18 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::
       r->writer.clear();
       touched.push_back(r->rank);
       version = r->writing;
+      if (r->doubled()) {
+        // Commit flips to the set just written; otherwise the set in use is untouched: the rank
+        // stays where it was (the other set is rewritten whole by the next sync).
+        if (end == SyncEnd::kCommit) {
+          r->active = 1 - r->active;
+          r->state = v1::RANK_READY;
+          r->committed = r->writing;
+          r->detail.clear();
+        }
+        after.push_back(statusOf(*r));
+        continue;
+      }
       switch (end) {
         case SyncEnd::kCommit:
           r->state = v1::RANK_READY;
@@ -517,7 +556,8 @@ StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t ran
   // The rank object may be replaced (re-registration) while waiting: look it up again each time.
   const bool ok = state_cv_.wait_for(lock, timeout, [&] {
     r = findRank(group, rank);
-    return stopping_ || r == nullptr || (r->readers.empty() && r->writer.empty());
+    // A double-buffered destination's writer writes the other set: not waited for.
+    return stopping_ || r == nullptr || (r->readers.empty() && (r->writer.empty() || r->doubled()));
   });
   if (stopping_) return absl::UnavailableError(strCat("shardcastd on node \"", node_, "\" is stopping"));
   if (r == nullptr) return absl::NotFoundError(strCat(who, " was unregistered while waiting to acquire it"));
@@ -527,6 +567,7 @@ StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t ran
                                               timeout.count(), " ms"));
   r->held = true;
   if (r->role == v1::ROLE_SOURCE) r->state = v1::RANK_UPDATING;
+  if (r->doubled()) r->pinned = r->active;
   state_cv_.notify_all();
   return statusOf(*r);
 }
@@ -553,6 +594,7 @@ StatusOr<v1::RankStatus> Registry::release(const std::string& group, int32_t ran
     if (!r->held) return absl::FailedPreconditionError(strCat(who, " is not acquired"));
   }
   r->held = false;
+  r->pinned = -1;
   state_cv_.notify_all();
   return statusOf(*r);
 }

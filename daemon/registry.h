@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "planner/layout.h"
 #include "shardcast/v1/service.pb.h"
 #include "transport/copy_engine.h"
 #include "transport/device_staging.h"
@@ -117,6 +118,14 @@ class Registry {
     std::string digest;
     uint64_t bytes = 0;
     std::vector<Buffer> buffers;
+    // Double-buffered destination: the second set; `active` is the set the state describes (0:
+    // buffers, 1: shadow), syncs write the other; `pinned` the set its engine acquired (-1: none).
+    std::vector<Buffer> shadow;
+    int active = 0;
+    int pinned = -1;
+    bool doubled() const { return !shadow.empty(); }
+    // The set syncs write: the only one for single-buffered ranks.
+    const std::vector<Buffer>& writeSet() const { return doubled() && active == 0 ? shadow : buffers; }
     v1::Role role = v1::ROLE_DESTINATION;
     v1::RankState state = v1::RANK_EMPTY;
     uint64_t committed = 0;  // destination: last committed version; source: last published
@@ -137,6 +146,11 @@ class Registry {
   };
 
   StatusOr<std::unique_ptr<Rank>> build(const v1::RegisterRequest& request, std::string digest);
+  // One set of a rank's buffers from its handles, checked against what the layout gives it.
+  StatusOr<std::vector<Buffer>> mapBuffers(const std::string& who,
+                                           const google::protobuf::RepeatedPtrField<v1::MemoryHandle>& handles,
+                                           std::map<std::string, int64_t> needed,
+                                           const std::map<std::string, const planner::TensorLayout*>& held_by);
   v1::RankStatus statusOf(const Rank& r) const;
   Rank* findRank(const std::string& group, int32_t rank) const;
   Status checkSegments(const Rank& r) const;

@@ -184,6 +184,7 @@ StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, in
   for (const auto& b : buffers) *req.add_buffers() = b;
   req.set_role(options.role);
   req.set_version(options.version);
+  for (const auto& b : options.shadow) *req.add_shadow_buffers() = b;
   v1::RegisterResponse out;
   if (!session_) {
     const auto st = stub_->Register(context(call_timeout_).get(), req, &out);

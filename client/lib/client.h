@@ -37,6 +37,24 @@ struct SyncOptions {
 struct RegisterOptions {
   v1::Role role = v1::ROLE_DESTINATION;
   uint64_t version = 0;
+  // Destinations, optional: a second set of the same buffers (double buffering, twice the
+  // memory): syncs write the set not in use and flip at commit (RankStatus.active_set says which
+  // set holds the version; acquire pins it while the engine reads).
+  std::vector<v1::MemoryHandle> shadow;
+
+  // A source rank, READY at `version` when its buffers already hold one.
+  static RegisterOptions source(uint64_t version = 0) {
+    RegisterOptions o;
+    o.role = v1::ROLE_SOURCE;
+    o.version = version;
+    return o;
+  }
+  // A double-buffered destination rank.
+  static RegisterOptions doubleBuffered(std::vector<v1::MemoryHandle> shadow) {
+    RegisterOptions o;
+    o.shadow = std::move(shadow);
+    return o;
+  }
 };
 
 // "ready(3)", "updating(4)", "empty", "dirty (sync ... )", with " held" when acquired.

@@ -39,7 +39,7 @@ struct ClientCluster {
     trainer = *planner::resolveLayout(trainer_layout, nodes);
     inference = *planner::resolveLayout(inference_layout, nodes);
     if (!register_ranks) return;
-    registerAll(*daemons[0], trainer_layout, trainer_mem, {v1::ROLE_SOURCE, 0});
+    registerAll(*daemons[0], trainer_layout, trainer_mem, RegisterOptions::source());
     registerAll(*daemons[1], inference_layout, inference_mem);
   }
 

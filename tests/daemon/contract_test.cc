@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstring>
 #include <future>
+#include <set>
 #include <thread>
 
 #include "client/lib/client.h"
@@ -495,7 +496,7 @@ TEST_CASE("sessions: a client's ranks end with it (segments unlinked); the C++ c
   mh.mutable_shm()->set_name(name + "-2");
   mh.mutable_shm()->set_size(64);
   REQUIRE(client->registerRank(*planner::parseLayoutJson(one, "solo"), 0, std::vector<v1::MemoryHandle>{mh},
-                               {v1::ROLE_SOURCE, 5}).ok());
+                               RegisterOptions::source(5)).ok());
   const int port = c.ports[1];
   c.daemons[1]->kill();
   c.daemons[1] = std::make_unique<Daemon>("n1", port, std::vector<std::string>{"127.0.0.1:" + std::to_string(c.ports[0]),
@@ -508,4 +509,92 @@ TEST_CASE("sessions: a client's ranks end with it (segments unlinked); the C++ c
   }
   CHECK(back);
   CHECK(client->reconnects() == 1);
+}
+
+TEST_CASE("double-buffered destinations: syncs write the set not in use, flip at commit, a failure leaves it untouched",
+          "[daemon][contract]") {
+  Pair c;
+  c.registerAll(1);
+  // dst rank 0 again, with a second set of its buffers (the engine's other copy of the weights).
+  std::vector<RankMemory> shadow;
+  for (int32_t r = 0; r < 2; ++r) shadow.push_back(allocateRank(c.dst, r, "contract-shadow" + std::to_string(r)));
+  auto shadow_handles = [&](int32_t r) {
+    const auto request = registerRequest(c.dst_proto, r, 2, shadow[r]);
+    return std::vector<v1::MemoryHandle>(request.buffers().begin(), request.buffers().end());
+  };
+  auto engine = Client::connect("unix:" + c.n1().socketPath());
+  REQUIRE(engine.ok());
+  for (int32_t r = 0; r < 2; ++r) {
+    const auto live_request = registerRequest(c.dst_proto, r, 2, c.dmem[r]);
+    std::vector<v1::MemoryHandle> live(live_request.buffers().begin(), live_request.buffers().end());
+    auto reg = engine->registerRank(c.dst_proto, r, live, RegisterOptions::doubleBuffered(shadow_handles(r)));
+    INFO(reg.status().message());
+    REQUIRE(reg.ok());
+    CHECK(reg->registered_bytes() == 2 * 64 * 16 * 4);  // twice the memory
+  }
+  auto set_wrong = [&](std::vector<RankMemory>& set, uint64_t version) {
+    int64_t bad = 0;
+    for (int32_t r = 0; r < 2; ++r)
+      forEachElement(c.dst, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        bad += *set[r].at<int32_t>(p, off) != valueOf(flat, version);
+      });
+    return bad;
+  };
+  auto active = [&] {
+    std::set<uint32_t> sets;
+    for (const auto& [r, st] : c.states(c.n1(), "dst")) {
+      CHECK(st.double_buffered());
+      sets.insert(st.active_set());
+    }
+    REQUIRE(sets.size() == 1);
+    return *sets.begin();
+  };
+  CHECK(active() == 0);
+  // v1 lands in the shadow (set 1) and the ranks flip to it; the live set is untouched.
+  grpc::Status st = c.sync(1);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  CHECK(active() == 1);
+  CHECK(set_wrong(shadow, 1) == 0);
+  CHECK(set_wrong(c.dmem, 1) == 64 * 32);  // still zeros
+  // The engine reads set 1 (pinned); v2 goes into set 0 meanwhile and commits: a flip to set 0.
+  auto pinned = engine->acquire("dst", 0);
+  REQUIRE(pinned.ok());
+  CHECK(pinned->active_set() == 1);
+  REQUIRE(engine->acquire("dst", 1).ok());
+  c.step(2);
+  st = c.sync(2);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  CHECK(active() == 0);
+  CHECK(set_wrong(c.dmem, 2) == 0);
+  CHECK(set_wrong(shadow, 1) == 0);  // what the engine is still reading
+  // v3 would write set 1, which the engine still reads: refused until it lets go.
+  c.step(3);
+  st = c.sync(3);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("which still reads the set this sync would write"));
+  REQUIRE(engine->release("dst", 0).ok());
+  REQUIRE(engine->release("dst", 1).ok());
+  // A sync that writes and fails: the set in use (0, at v2) is untouched and stays ready(2).
+  auto exec = c.prepare("fails", 3);
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) {
+    CHECK(s.state() == v1::RANK_READY);
+    CHECK(s.version() == 2);
+    CHECK(s.writing() == 3);
+  }
+  v1::ExecuteResponse part;
+  REQUIRE(c.peers()[0]->Execute(ctx().get(), exec, &part).ok());
+  c.finish("fails", false, true, "the test aborted it");
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) {
+    CHECK(s.state() == v1::RANK_READY);
+    CHECK(s.version() == 2);
+    CHECK(s.active_set() == 0);
+  }
+  CHECK(set_wrong(c.dmem, 2) == 0);
+  st = c.sync(3);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  CHECK(active() == 1);
+  CHECK(set_wrong(shadow, 3) == 0);
 }

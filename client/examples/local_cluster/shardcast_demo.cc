@@ -165,7 +165,8 @@ int run(const Options& o, const std::string& daemon_path) {
       mem.push_back(std::move(*tensors));
       auto client = connectTo(*daemons[nodes.name(l.rank_node[r])]);
       if (!client.ok()) throw std::runtime_error(std::string(client.status().message()));
-      if (auto st = client->registerRank(proto, r, mem.back(), {role, 0}); !st.ok())
+      const auto options = role == v1::ROLE_SOURCE ? RegisterOptions::source() : RegisterOptions{};
+      if (auto st = client->registerRank(proto, r, mem.back(), options); !st.ok())
         throw std::runtime_error(std::string(st.status().message()));
     }
   };

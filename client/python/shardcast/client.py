@@ -65,6 +65,50 @@ def _dtype_name(t: Any) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
+class _Handles:
+    """One set of a rank's tensors as memory handles: torch tensors shared in place (CPU) or by
+    CUDA IPC, numpy arrays copied once into one segment."""
+
+    def __init__(self, tensors: Mapping[str, Any]) -> None:
+        self.tensors = tensors
+        self.handles: List[service_pb2.MemoryHandle] = []
+        self.in_place: List[Tuple[str, Any, int]] = []
+        self.shared: Optional[SharedTensors] = None
+        self.views: Dict[str, Any] = {}
+
+    def share(self) -> None:
+        copied: Dict[str, Any] = {}
+        for name, t in self.tensors.items():
+            if not _is_torch(t):
+                if int(getattr(t, "nbytes", 1)) > 0:
+                    copied[name] = t
+                continue
+            local = local_tensor(t)
+            if local.numel() == 0:
+                continue  # a rank that holds none of a tensor (an uneven shard) registers no memory for it
+            if local.is_cuda:
+                h = _cuda_handle(name, local)
+            else:
+                h = in_place_handle(name, local)
+                self.in_place.append((name, t, local.untyped_storage().data_ptr()))
+            h.dtype = _dtype_name(local)  # the daemon checks them against the layout
+            h.shape.extend(int(d) for d in local.shape)
+            self.handles.append(h)
+        if copied:
+            self.shared = SharedTensors(copied)
+            for h in self.shared.handles:
+                value = copied[h.buffer]
+                h.dtype = _dtype_name(value)
+                h.shape.extend(int(d) for d in getattr(value, "shape", ()))
+            self.handles.extend(self.shared.handles)
+        self.views = {name: (self.shared.views[name] if name in copied else t)  # type: ignore[union-attr]
+                      for name, t in self.tensors.items()}
+
+    def release(self) -> None:
+        if self.shared is not None:
+            self.shared.release()
+
+
 class _Session:
     """The client's liveness with its daemon: a Session stream open for the life of this process
     (the daemon unregisters its ranks and unlinks their segments when it ends), re-opened after the
@@ -212,7 +256,7 @@ class Client:
 
     def register(self, group: str, rank: int, world_size: int, tensors: Mapping[str, Any],
                  layout: LayoutLike, *, role: str = "destination", version: int = 0,
-                 session: bool = True) -> Registration:
+                 session: bool = True, shadow: Optional[Mapping[str, Any]] = None) -> Registration:
         """Registers `rank` of `group` with its local tensors, keyed by the layout's tensor or
         fused-buffer names: torch tensors (CPU or CUDA, nn.Parameters, DTensors: their local shard)
         are shared in place, numpy arrays are copied once into shared memory (see
@@ -223,57 +267,46 @@ class Client:
         Registration.publish) or "destination" (syncs write it). A source may register with the
         `version` its tensors already hold. With `session` (the default) the registration lives as
         long as this process and this client: the daemon drops it when the process dies, and it is
-        made again by itself after the daemon restarts."""
+        made again by itself after the daemon restarts.
+
+        `shadow` (destinations): a second set of the same tensors, for engines that cannot pause:
+        syncs write the set not in use and flip at commit, a failed sync leaves the set in use
+        untouched. Twice the memory. Read through `with reg.reading() as tensors:` (the set in use,
+        pinned while the block runs)."""
         if role not in _ROLES:
             raise ValueError(f'register group "{group}" rank {rank}: role must be "source" or "destination", not {role!r}')
         msg = load_layout(layout, group)
         req = service_pb2.RegisterRequest(group=group, rank=rank, world_size=world_size, role=_ROLES[role],
                                           version=version)
         req.layout.CopyFrom(msg)
-        copied: Dict[str, Any] = {}
-        in_place: List[Tuple[str, Any, int]] = []
-        for name, t in tensors.items():
-            if not _is_torch(t):
-                if int(getattr(t, "nbytes", 1)) > 0:
-                    copied[name] = t
-                continue
-            local = local_tensor(t)
-            if local.numel() == 0:
-                continue  # a rank that holds none of a tensor (an uneven shard) registers no memory for it
-            if local.is_cuda:
-                h = _cuda_handle(name, local)
-            else:
-                h = in_place_handle(name, local)
-                in_place.append((name, t, local.untyped_storage().data_ptr()))
-            h.dtype = _dtype_name(local)  # the daemon checks them against the layout
-            h.shape.extend(int(d) for d in local.shape)
-            req.buffers.append(h)
-        shared = SharedTensors(copied) if copied else None
+        if shadow is not None and role != "destination":
+            raise ValueError(f'register group "{group}" rank {rank}: only a destination rank is double-buffered')
+        sets = [_Handles(tensors)] + ([_Handles(shadow)] if shadow is not None else [])
         try:
-            if shared is not None:
-                for h in shared.handles:
-                    value = copied[h.buffer]
-                    h.dtype = _dtype_name(value)
-                    h.shape.extend(int(d) for d in getattr(value, "shape", ()))
-                req.buffers.extend(shared.handles)
+            for handles in sets:
+                handles.share()
+            req.buffers.extend(sets[0].handles)
+            if shadow is not None:
+                req.shadow_buffers.extend(sets[1].handles)
             if session:
                 req.session_id = self._session_id()
             resp = self._stub.Register(req, timeout=self.timeout)
             self.node = resp.node
         except grpc.RpcError as e:
-            if shared is not None:
-                shared.release()
+            for handles in sets:
+                handles.release()
             raise self._fail(e, f'register group "{group}" rank {rank}') from None
         except BaseException:
-            if shared is not None:
-                shared.release()
+            for handles in sets:
+                handles.release()
             raise
-        views = {name: (shared.views[name] if name in copied else t)  # type: ignore[union-attr]
-                 for name, t in tensors.items()}
         if session and self._session is not None:
             with self._session._lock:
                 self._session.ranks[(group, rank)] = [req, version, False]
-        return Registration(self, group, rank, world_size, resp, views, shared, in_place, role=role)
+        reg = Registration(self, group, rank, world_size, resp, sets[0].views, sets[0].shared, sets[0].in_place, role=role)
+        if shadow is not None:
+            reg._shadow = sets[1]
+        return reg
 
     def register_dtensors(self, group: str, tensors: Mapping[str, Any], *, nodes: Optional[Sequence[str]] = None,
                           process_group: Any = None, version: int = 0) -> Registration:

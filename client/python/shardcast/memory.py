@@ -192,6 +192,7 @@ class Registration:
         self._client = client
         self._shared = shared
         self._in_place = in_place or []
+        self._shadow: Any = None  # double-buffered: the second set (client._Handles)
 
     def moved(self) -> List[str]:
         """The registered torch tensors whose memory is no longer the memory registered: something
@@ -233,13 +234,27 @@ class Registration:
         self.publish(version)
 
     @contextlib.contextmanager
-    def reading(self, timeout: float = 30.0) -> Iterator["Registration"]:
-        """Destination: `with reg.reading(): generate()` holds updates off while the block runs."""
-        self.acquire(timeout)
+    def reading(self, timeout: float = 30.0) -> Iterator[Dict[str, Any]]:
+        """Destination: `with reg.reading() as tensors: generate(tensors)`. Single-buffered: holds
+        updates off while the block runs. Double-buffered (`shadow=`): syncs go on into the other
+        set; the block gets the set in use, which no sync writes until the block ends."""
+        st = self.acquire(timeout)
         try:
-            yield self
+            yield self.set_tensors(int(st.active_set))
         finally:
             self.release()
+
+    @property
+    def double_buffered(self) -> bool:
+        return self._shadow is not None
+
+    def set_tensors(self, which: int) -> Dict[str, Any]:
+        """Double-buffered: the tensors of set `which` (0: the tensors, 1: the shadow)."""
+        return self._shadow.views if which == 1 and self._shadow is not None else self.tensors
+
+    def current(self) -> Dict[str, Any]:
+        """The tensors of the set in use now (unpinned: see reading())."""
+        return self.set_tensors(int(self.state().active_set))
 
     def state(self) -> Any:
         """This rank's RankStatus on its node (state, version, held, detail)."""
@@ -266,6 +281,8 @@ class Registration:
                 self._client = None
                 if self._shared is not None:
                     self._shared.release()
+                if self._shadow is not None:
+                    self._shadow.release()
 
     def __enter__(self) -> "Registration":
         return self

@@ -187,3 +187,27 @@ def test_state_dict_registers_the_parameters_in_place_not_a_snapshot(cluster):
     assert torch.equal(segment_view, model.weight.detach())
     assert reg.moved() == []
     reg.close()
+
+
+def test_double_buffered_engine_reads_one_set_while_syncs_write_the_other(cluster):
+    n0, n1 = cluster
+    src, dst = shardcast.Client(n0.target), shardcast.Client(n1.target)
+    trainers = [src.register("trainer", r, 2, {n: rank_worker.shard("trainer", n, r, 1) for n in rank_worker.SHAPES},
+                             rank_worker.TRAINER, role="source", version=1) for r in range(2)]
+    zeros = lambda r: {n: np.zeros_like(rank_worker.shard("infer", n, r, 0)) for n in rank_worker.SHAPES}  # noqa: E731
+    infers = [dst.register("infer", r, 2, zeros(r), rank_worker.INFERENCE, shadow=zeros(r)) for r in range(2)]
+    assert all(reg.double_buffered for reg in infers)
+    src.sync("trainer", "infer", 1)
+    with infers[0].reading() as weights:  # the set holding version 1, pinned
+        assert np.array_equal(weights["w"], rank_worker.shard("infer", "w", 0, 1))
+        for r, reg in enumerate(trainers):
+            with reg.writing(2):
+                for n in rank_worker.SHAPES:
+                    reg.tensors[n][...] = rank_worker.shard("trainer", n, r, 2)
+        src.sync("trainer", "infer", 2)  # lands in the other set and flips: the engine still sees 1
+        assert np.array_equal(weights["w"], rank_worker.shard("infer", "w", 0, 1))
+        assert dst.wait_version("infer", 2, timeout=5) == 2
+    with infers[0].reading() as weights:
+        assert np.array_equal(weights["w"], rank_worker.shard("infer", "w", 0, 2))
+    for reg in trainers + infers:
+        reg.close()
