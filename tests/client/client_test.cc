@@ -82,7 +82,7 @@ TEST_CASE("Client: an unreachable daemon is UNAVAILABLE and named", "[client]") 
   CHECK(normalizeTarget("10.0.0.1:7070") == "10.0.0.1:7070");
 }
 
-TEST_CASE("Client: register, sync with watch, wait for the version, status; every destination element checked",
+TEST_CASE("Client: register, sync with watch, wait for the version, status - every destination element checked",
           "[client][daemon]") {
   ClientCluster cluster;
 

@@ -175,7 +175,7 @@ v1::WaitVersionResponse waitVersion(Daemon& d, const std::string& group, uint64_
 
 }  // namespace
 
-TEST_CASE("rank states: empty, updating, ready; a sync that wrote and failed leaves them dirty until the next commits",
+TEST_CASE("rank states: empty, updating, ready - a sync that wrote and failed leaves them dirty until the next commits",
           "[daemon][contract]") {
   Pair c;
   c.registerAll(1);
@@ -282,7 +282,7 @@ TEST_CASE("a sync whose coordinator goes silent is aborted on every daemon withi
   CHECK_THAT(scrape->body, Catch::Contains("shardcast_ranks{state=\"ready\"} 2"));
 }
 
-TEST_CASE("fences: a sync reads only what a source published; owners acquire around their writes and reads",
+TEST_CASE("fences: a sync reads only what a source published - owners acquire around their writes and reads",
           "[daemon][contract]") {
   Pair c;
   c.registerAll(0);  // sources registered EMPTY: nothing published yet
@@ -343,7 +343,7 @@ TEST_CASE("fences: a sync reads only what a source published; owners acquire aro
   CHECK(c.wrong(3) == 0);
 }
 
-TEST_CASE("roles and types: no sync into a source or out of a destination; dtype, shape and version bounds checked",
+TEST_CASE("roles and types: no sync into a source or out of a destination - dtype, shape and version bounds checked",
           "[daemon][contract]") {
   Pair c;
   c.registerAll(1);
@@ -434,7 +434,7 @@ TEST_CASE("roles and types: no sync into a source or out of a destination; dtype
   CHECK_THAT(st.error_message(), Catch::Contains("only a source rank may register with a version"));
 }
 
-TEST_CASE("sessions: a client's ranks end with it (segments unlinked); the C++ client re-registers after a restart",
+TEST_CASE("sessions: a client's ranks end with it (segments unlinked) - the C++ client re-registers after a restart",
           "[daemon][contract]") {
   Pair c;
   c.registerAll(1);

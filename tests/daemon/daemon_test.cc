@@ -212,7 +212,7 @@ TEST_CASE("two daemons: the plan dry run sees the whole cluster and names missin
   CHECK_THAT(st.error_message(), Catch::Contains("127.0.0.1:" + std::to_string(p1)));
 }
 
-TEST_CASE("peers found through a DNS name; a sync waits for ranks that register late", "[daemon]") {
+TEST_CASE("peers found through a DNS name - a sync waits for ranks that register late", "[daemon]") {
   // localhost resolves to this daemon itself (once per address family): no duplicate peers.
   const int port = freePort();
   Daemon d("n0", port, {}, {"--peer-dns", "localhost:" + std::to_string(port)});

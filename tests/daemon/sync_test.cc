@@ -248,7 +248,7 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
   CHECK(wrong(4) == 0);
 }
 
-TEST_CASE("concurrent syncs: same group refused, different groups together; a stuck then killed daemon fails the sync",
+TEST_CASE("concurrent syncs: same group refused, different groups together - a stuck then killed daemon fails the sync",
           "[daemon][sync]") {
   Cluster cluster;
   const auto src_proto = *planner::parseLayoutJson(kTrainer, "trainer");

@@ -21,7 +21,7 @@ bool readable(const TaskQueue& q) {
 
 }  // namespace
 
-TEST_CASE("TaskQueue: readable exactly while tasks wait; one drain runs a whole batch", "[transport][queue]") {
+TEST_CASE("TaskQueue: readable exactly while tasks wait - one drain runs a whole batch", "[transport][queue]") {
   TaskQueue q;
   REQUIRE(q.valid());
   CHECK_FALSE(readable(q));

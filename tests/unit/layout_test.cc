@@ -80,7 +80,7 @@ TEST_CASE("Node of each rank from ranks_per_node and node_prefix", "[layout]") {
   CHECK(names == std::vector<std::string>{"host-0", "host-0", "host-1", "host-1", "host-2"});
 }
 
-TEST_CASE("Fused qkv: the local buffer is [q; k; v] of the rank's shards", "[layout]") {
+TEST_CASE("Fused qkv: the local buffer is q, k and v stacked of the rank's shards", "[layout]") {
   auto l = resolve(R"({"group":"vllm","mesh":{"shape":[2]},"ranks_per_node":2,
     "tensors":[
       {"name":"q","shape":[8,4],"dtype":"bfloat16","placements":[{"shard":{"dim":0}}]},
