@@ -35,6 +35,22 @@ class ProgressBoard {
     cv_.notify_all();
   }
 
+  // Starts sync `id` afresh ("gathering"); false when a sync of that id is still running here.
+  bool start(const std::string& id) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto [it, inserted] = syncs_.try_emplace(id);
+      if (!inserted && !isDone(it->second)) return false;
+      if (inserted) order_.push_back(id);
+      it->second = v1::SyncProgress();
+      it->second.set_sync_id(id);
+      it->second.set_state("gathering");
+      ++generation_;
+    }
+    cv_.notify_all();
+    return true;
+  }
+
   // Calls emit(progress) for the current state and every change until the sync ends; false when
   // the id is unknown after `wait_for_start`, or when emit returns false (the watcher left).
   template <typename Emit>

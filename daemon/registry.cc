@@ -103,16 +103,16 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   std::lock_guard<std::mutex> lock(mu_);
   if (!req.session_id().empty() && !sessions_.count(req.session_id()))
     return absl::FailedPreconditionError(strCat(who, ": session \"", req.session_id(), "\" ended during the registration"));
+  if (auto in_use = ranks_.find({req.group(), req.rank()});
+      in_use != ranks_.end() && (!in_use->second->readers.empty() || !in_use->second->writer.empty()))
+    return absl::FailedPreconditionError(strCat(who, " is in use by sync ",
+                                                in_use->second->writer.empty() ? *in_use->second->readers.begin()
+                                                                               : in_use->second->writer,
+                                                ": register it again once that sync ended"));
   groups_[req.group()] = Group{req.layout(), digest, role};
   ++generation_;
-  auto old = ranks_.find({req.group(), req.rank()});
-  const bool replaced = old != ranks_.end();
-  if (replaced) {
-    // A re-registration is a new rank: it starts over (its old state and holds end here).
-    if (!old->second->readers.empty() || !old->second->writer.empty())
-      spdlog::warn("{} re-registered while sync {} uses it: that sync fails", who,
-                   old->second->writer.empty() ? *old->second->readers.begin() : old->second->writer);
-  }
+  // A re-registration is a new rank: it starts over.
+  const bool replaced = ranks_.count({req.group(), req.rank()}) > 0;
   ranks_[{req.group(), req.rank()}] = std::move(rank);
   state_cv_.notify_all();
   const Rank& r = *ranks_[{req.group(), req.rank()}];
@@ -267,6 +267,10 @@ Status Registry::unregisterRank(const std::string& group, int32_t rank) {
   auto it = ranks_.find({group, rank});
   if (it == ranks_.end())
     return absl::NotFoundError(strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
+  if (!it->second->readers.empty() || !it->second->writer.empty())
+    return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " is in use by sync ",
+                                                it->second->writer.empty() ? *it->second->readers.begin() : it->second->writer,
+                                                ": unregister it once that sync ended"));
   removeRank(it, false);
   spdlog::info("group \"{}\" rank {} unregistered", group, rank);
   return absl::OkStatus();
@@ -439,13 +443,18 @@ Status Registry::checkSegments(const Rank& r) const {
   return absl::OkStatus();
 }
 
-Status Registry::beginSync(const std::string& id, const std::string& src, const std::string& dst, uint64_t version) {
+Status Registry::beginSync(const std::string& id, const std::string& src, const std::string& dst, uint64_t version,
+                           const std::string& src_digest, const std::string& dst_digest) {
   if (version == 0 || version >= kMaxVersion)
     return absl::InvalidArgumentError(strCat("sync ", id, ": version ", version, " is not in [1, 2^63)"));
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<Rank*> readers, writers;
   for (const auto& [key, r] : ranks_) {
     const std::string who = strCat("group \"", r->group, "\" rank ", r->rank, " on node \"", node_, "\"");
+    if ((key.first == src && r->digest != src_digest) || (key.first == dst && r->digest != dst_digest))
+      return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " registered layout ", r->digest,
+                                                  " since the sync was planned (for ", key.first == src ? src_digest : dst_digest,
+                                                  "): retry the sync"));
     if (key.first == src) {
       if (r->role != v1::ROLE_SOURCE)
         return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " is a destination; a sync reads only source groups"));
@@ -517,6 +526,7 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::
           r->committed = r->writing;
           r->detail.clear();
         }
+        if (end == SyncEnd::kDraining) r->writer = id;  // its other set is still being written
         after.push_back(statusOf(*r));
         continue;
       }
@@ -531,8 +541,13 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::
           r->detail = r->before_detail;
           break;
         case SyncEnd::kDirty:
+        case SyncEnd::kDraining:
           r->state = v1::RANK_DIRTY;
           r->detail = strCat("sync ", id, " wrote part of version ", r->writing, " and did not commit: ", reason);
+          if (end == SyncEnd::kDraining) {
+            r->writer = id;  // still held: writes of it are still landing
+            r->detail += " (writes still landing: no sync until they are done)";
+          }
           break;
       }
       after.push_back(statusOf(*r));
@@ -553,7 +568,8 @@ StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t ran
   Rank* r = findRank(group, rank);
   if (r == nullptr) return absl::NotFoundError(strCat(who, " is not registered on node \"", node_, "\""));
   if (r->held) return absl::FailedPreconditionError(strCat(who, " is already acquired"));
-  // The rank object may be replaced (re-registration) while waiting: look it up again each time.
+  // The rank object may be replaced while waiting (after a restart of its client): look it up
+  // again each time; and another acquire may win the wait.
   const bool ok = state_cv_.wait_for(lock, timeout, [&] {
     r = findRank(group, rank);
     // A double-buffered destination's writer writes the other set: not waited for.
@@ -565,6 +581,7 @@ StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t ran
     return absl::DeadlineExceededError(strCat(who, " on node \"", node_, "\": sync ",
                                               r->writer.empty() ? *r->readers.begin() : r->writer, " still uses it after ",
                                               timeout.count(), " ms"));
+  if (r->held) return absl::FailedPreconditionError(strCat(who, " was acquired by another caller meanwhile"));
   r->held = true;
   if (r->role == v1::ROLE_SOURCE) r->state = v1::RANK_UPDATING;
   if (r->doubled()) r->pinned = r->active;
@@ -580,9 +597,10 @@ StatusOr<v1::RankStatus> Registry::release(const std::string& group, int32_t ran
   if (r->role == v1::ROLE_SOURCE) {
     if (version == 0 || version >= kMaxVersion)
       return absl::InvalidArgumentError(strCat(who, ": a source rank publishes a version in [1, 2^63), not ", version));
-    if (version < r->committed)
-      return absl::InvalidArgumentError(strCat(who, ": version ", version, " is older than version ", r->committed,
-                                               " it published before"));
+    if (version < r->committed || (r->held && version == r->committed))
+      return absl::InvalidArgumentError(strCat(who, ": version ", version, r->held ? " is not newer than" : " is older than",
+                                               " version ", r->committed, " it published before",
+                                               r->held ? " (acquired and written: publish a new version)" : ""));
     if (!r->held && r->state == v1::RANK_READY && version != r->committed)
       return absl::FailedPreconditionError(strCat(who, " publishes version ", version, " without acquiring it after version ",
                                                   r->committed, ": acquire first (a sync may be reading it)"));
@@ -634,6 +652,16 @@ StatusOr<v1::WaitVersionResponse> Registry::waitVersion(const std::string& group
   state_cv_.wait_for(lock, timeout, check);
   if (!failed.ok()) return failed;
   return out;
+}
+
+void Registry::drained(const std::string& id, const std::string& dst) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, r] : ranks_)
+      if (key.first == dst && r->writer == id) r->writer.clear();
+  }
+  state_cv_.notify_all();
+  spdlog::info("sync {}: its last writes into group \"{}\" on node \"{}\" are done", id, dst, node_);
 }
 
 void Registry::shutdown() {

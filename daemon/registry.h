@@ -36,6 +36,7 @@ class Registry {
   Registry(std::string node, transport::Context& transport);
 
   StatusOr<v1::RegisterResponse> registerRank(const v1::RegisterRequest& request);
+  // Refused (FAILED_PRECONDITION) while a sync uses the rank: its memory may still be written.
   Status unregisterRank(const std::string& group, int32_t rank);
   std::vector<v1::RankRegistration> list() const;
   // Groups with ranks here: their ranks, versions and bytes.
@@ -70,14 +71,20 @@ class Registry {
   // waits until the sync ends); every destination rank here must be a destination, not acquired,
   // not being written, and have committed only older versions (it becomes UPDATING(V)). Every
   // involved shm segment is checked for truncation. Nothing changes when it fails.
-  Status beginSync(const std::string& id, const std::string& src, const std::string& dst, uint64_t version);
+  // `src_digest` / `dst_digest`: the layouts the sync was planned for; every rank here must have
+  // registered exactly those (a group registered again with another layout is refused).
+  Status beginSync(const std::string& id, const std::string& src, const std::string& dst, uint64_t version,
+                   const std::string& src_digest, const std::string& dst_digest);
   // Before every use of the involved ranks' memory (every execute): segments still whole.
   Status checkSync(const std::string& src, const std::string& dst) const;
   enum class SyncEnd {
     kCommit,  // every byte landed everywhere: destination ranks READY(V)
     kRevert,  // nothing was written anywhere: destination ranks back to where they were
     kDirty,   // bytes may have landed: destination ranks DIRTY (with `reason`)
+    kDraining,  // as kDirty, but writes are still landing: the ranks stay held until drained()
   };
+  // A kDraining sync's writes are done: its destination ranks take syncs again.
+  void drained(const std::string& id, const std::string& dst);
   // Returns the states of the destination ranks the sync was writing here, after the change.
   std::vector<v1::RankStatus> endSync(const std::string& id, const std::string& src, const std::string& dst, SyncEnd end,
                                       const std::string& reason = "");

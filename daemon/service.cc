@@ -118,8 +118,14 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   const auto deadline = start + std::chrono::milliseconds(timeout_ms);
 
   const std::string id =
-      req->sync_id().empty() ? strCat(config_.node, "-", next_sync_++, "-v", req->version()) : req->sync_id();
-  progress_.update(id, [](v1::SyncProgress& p) { p.set_state("gathering"); });
+      req->sync_id().empty() ? strCat(config_.node, "-", registry_.instance().substr(0, 8), "-", next_sync_++, "-v", req->version())
+                             : req->sync_id();
+  // Daemons tell the attempts of one id apart by their fence; a client that reuses the id of a
+  // sync still running here is refused outright.
+  if (!progress_.start(id))
+    return grpc::Status(grpc::StatusCode::ALREADY_EXISTS, strCat("sync: a sync with id \"", id, "\" is still running on node \"",
+                                                                 config_.node, "\""));
+  const uint64_t fence = newFence();
   auto gather_failed = [&](const shardcast::Status& st) {
     progress_.update(id, [&](v1::SyncProgress& p) {
       p.set_state("failed");
@@ -214,6 +220,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
         c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms));
         v1::FinishRequest f;
         f.set_sync_id(id);
+        f.set_fence(fence);
         f.set_commit(commit);
         f.set_executed(executed);
         f.set_reason(reason);
@@ -245,6 +252,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   exec.set_sync_id(id);
   exec.set_timeout_ms(timeout_ms);
   exec.set_verify(req->options().verify());
+  exec.set_fence(fence);
   auto record = [&](size_t i, uint64_t received, uint64_t sent) {
     progress_.update(id, [&](v1::SyncProgress& p) {
       auto* n = p.mutable_nodes(static_cast<int>(i));
@@ -259,7 +267,6 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   // From here on the daemons hold the sync under a lease this coordinator renews (Progress calls,
   // every quarter lease); a daemon that stops answering for a lease fails the sync, named.
   const auto lease = std::chrono::milliseconds(config_.sync_lease_ms);
-  const uint64_t fence = newFence();
   std::vector<Clock::time_point> answered(addresses.size(), Clock::now());
   std::mutex poll_mu;
   std::condition_variable poll_cv;
@@ -279,6 +286,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
           c.set_deadline(std::chrono::system_clock::now() + std::max(period, lease / 2));
           v1::ProgressRequest pr;
           pr.set_sync_id(id);
+          pr.set_fence(fence);
           st[i] = v1::Peer::NewStub(peers_.channel(addresses[i]))->Progress(&c, pr, &got[i]);
         });
       for (auto& t : asks) t.join();
@@ -532,7 +540,7 @@ grpc::Status PeerService::Execute(grpc::ServerContext*, const v1::ExecuteRequest
 }
 
 grpc::Status PeerService::Progress(grpc::ServerContext*, const v1::ProgressRequest* req, v1::ProgressResponse* out) {
-  auto r = engine_.progress(req->sync_id());
+  auto r = engine_.progress(req->sync_id(), req->fence());
   if (!r.ok()) return toGrpc(r.status());
   *out = std::move(*r);
   return grpc::Status::OK;

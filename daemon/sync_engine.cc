@@ -194,6 +194,7 @@ struct SyncEngine::Active {
   // aborts the sync here (steady-clock nanoseconds).
   std::chrono::milliseconds lease{10000};
   uint64_t fence = 0;  // WriteOp::fence of this sync's writes, open here from prepare to close
+  int executing = 0;   // execute() calls running (under mu): close() waits for them
   std::atomic<int64_t> lease_until{0};
   void renew() { lease_until = (Clock::now() + lease).time_since_epoch().count(); }
   bool expired(Clock::time_point now) const { return now.time_since_epoch().count() > lease_until; }
@@ -345,10 +346,11 @@ StatusOr<uint64_t> SyncEngine::checksum(const Registry::LocalBuffer& b, uint64_t
   return XXH64(host.data(), static_cast<size_t>(n), 0);
 }
 
-std::shared_ptr<SyncEngine::Active> SyncEngine::find(const std::string& id) {
+std::shared_ptr<SyncEngine::Active> SyncEngine::find(const std::string& id, uint64_t fence) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = active_.find(id);
-  return it == active_.end() ? nullptr : it->second;
+  if (it == active_.end() || (fence != 0 && it->second->fence != fence)) return nullptr;
+  return it->second;
 }
 
 // Runs on the transport's progress thread: queue the chunks a notification announces (one line
@@ -388,7 +390,24 @@ void SyncEngine::onNotification(const std::string& payload) {
 
 StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req) {
   if (req.sync_id().empty()) return absl::InvalidArgumentError("prepare: sync_id is empty");
-  if (find(req.sync_id())) return absl::AlreadyExistsError(strCat("sync ", req.sync_id(), " is already prepared on node \"", node_, "\""));
+  {
+    // One attempt per id at a time here, and never one its coordinator already finished (a
+    // Prepare that arrives after the Finish that gave it up).
+    std::lock_guard<std::mutex> lock(mu_);
+    if (active_.count(req.sync_id()) || preparing_.count(req.sync_id()))
+      return absl::AlreadyExistsError(strCat("sync ", req.sync_id(), " is already prepared on node \"", node_, "\""));
+    if (req.fence() != 0 && finished_.count({req.sync_id(), req.fence()}))
+      return absl::AbortedError(strCat("sync ", req.sync_id(), " was given up by its coordinator before it was prepared here"));
+    preparing_.insert(req.sync_id());
+  }
+  struct Prepared {
+    SyncEngine& e;
+    std::string id;
+    ~Prepared() {
+      std::lock_guard<std::mutex> lock(e.mu_);
+      e.preparing_.erase(id);
+    }
+  } prepared_guard{*this, req.sync_id()};
   auto a = std::make_shared<Active>();
   a->id = req.sync_id();
   a->src_group = req.src().group();
@@ -403,7 +422,8 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), req.staging_bytes(), req.chunk_bytes(), &hit));
   // The fences: source ranks here published exactly this version, destination ranks here accept
   // it. From here on, every way out ends the sync in the registry.
-  SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, a->dst_group, a->version));
+  SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, a->dst_group, a->version, layoutDigest(req.src()),
+                                         layoutDigest(req.dst())));
   transport_.openFence(a->fence);  // before any peer learns where to write
   auto prepared = prepareTargets(a, hit);
   if (!prepared.ok()) {
@@ -455,6 +475,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<A
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
+  a->renew();  // the lease runs from here: planning and allocating do not count against it
   if (!active_.emplace(a->id, a).second)
     return absl::AlreadyExistsError(strCat("sync ", a->id, " is already prepared on node \"", node_, "\""));
   spdlog::debug("sync {}: prepared ({} arena bytes, {} buffers landed in directly, plan {})", a->id, resp.arena_bytes(),
@@ -467,7 +488,17 @@ StatusOr<v1::FinishResponse> SyncEngine::finish(const v1::FinishRequest& req) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = active_.find(req.sync_id());
-    if (it == active_.end()) return absl::NotFoundError(strCat("sync ", req.sync_id(), " is not active on node \"", node_, "\""));
+    if (it == active_.end() || (req.fence() != 0 && it->second->fence != req.fence())) {
+      if (req.fence() != 0) {  // remembered: a Prepare of this attempt still on its way is refused
+        finished_.insert({req.sync_id(), req.fence()});
+        finished_order_.push_back({req.sync_id(), req.fence()});
+        if (finished_order_.size() > 4096) {
+          finished_.erase(finished_order_.front());
+          finished_order_.pop_front();
+        }
+      }
+      return absl::NotFoundError(strCat("sync ", req.sync_id(), " is not active on node \"", node_, "\""));
+    }
     a = it->second;
     active_.erase(it);
   }
@@ -490,14 +521,24 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<Active>& a,
     a->dropQueued();
     a->cv.notify_all();
     // Peers write into rank buffers directly: before the group may take another sync, every write
-    // this node started has to complete or fail (the transport bounds each by its op timeout).
-    if (!a->cv.wait_for(lock, std::chrono::seconds(120), [&] { return a->writes_pending == 0; }))
-      spdlog::error("sync {}: {} writes still pending two minutes after it ended", a->id, a->writes_pending);
+    // this node started has to complete or fail (the transport bounds each by its op timeout),
+    // and this node's own execute calls (local copies into its ranks) have to return.
+    if (!a->cv.wait_for(lock, std::chrono::seconds(120), [&] { return a->writes_pending == 0 && a->executing == 0; }))
+      spdlog::error("sync {}: {} writes and {} executes still pending two minutes after it ended", a->id, a->writes_pending,
+                    a->executing);
   }
   // No write of this sync lands here any more: later ones are refused, those landing now are waited
   // for (bounded by the transport's op timeout on the sender's side).
-  if (!transport_.closeFence(a->fence, std::chrono::seconds(60)))
-    spdlog::error("sync {}: writes into node \"{}\" still landing a minute after it ended", a->id, node_);
+  if (!transport_.closeFence(a->fence, std::chrono::seconds(10))) {
+    // A peer frozen mid-write: its ranks stay held (dirty) until those writes are done or failed;
+    // the reaper polls the fence.
+    spdlog::error("sync {}: writes into node \"{}\" still landing 10 s after it ended: its ranks stay held until "
+                  "they are done", a->id, node_);
+    registry_.endSync(a->id, a->src_group, a->dst_group, Registry::SyncEnd::kDraining, reason);
+    std::lock_guard<std::mutex> lock(mu_);
+    draining_.push_back(a);
+    return Status(absl::StatusCode::kUnavailable, strCat("sync ", a->id, " on node \"", node_, "\": writes still landing"));
+  }
   if (end == Registry::SyncEnd::kDirty && commit) {
     registry_.endSync(a->id, a->src_group, a->dst_group, end, std::string(a->failure.message()));
     return Status(a->failure.code(), strCat("sync ", a->id, " on node \"", node_, "\": ", a->failure.message()));
@@ -528,7 +569,20 @@ void SyncEngine::reap() {
         }
       }
     }
+    std::vector<std::shared_ptr<Active>> drained;
+    {
+      std::lock_guard<std::mutex> active_lock(mu_);
+      for (auto it = draining_.begin(); it != draining_.end();) {
+        if (transport_.closeFence((*it)->fence, std::chrono::milliseconds(0))) {
+          drained.push_back(*it);
+          it = draining_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
     lock.unlock();
+    for (const auto& a : drained) registry_.drained(a->id, a->dst_group);
     for (const auto& a : expired) {
       const std::string why = strCat("its coordinator went silent (no word for ", a->lease.count(), " ms, the sync's lease)");
       spdlog::warn("sync {} aborted on node \"{}\": {}", a->id, node_, why);
@@ -539,8 +593,8 @@ void SyncEngine::reap() {
   }
 }
 
-StatusOr<v1::ProgressResponse> SyncEngine::progress(const std::string& sync_id) {
-  auto a = find(sync_id);
+StatusOr<v1::ProgressResponse> SyncEngine::progress(const std::string& sync_id, uint64_t fence) {
+  auto a = find(sync_id, fence);
   if (!a) return absl::NotFoundError(strCat("sync ", sync_id, " is not active on node \"", node_, "\""));
   a->renew();
   v1::ProgressResponse out;
@@ -604,6 +658,15 @@ class SyncEngine::Execution {
     return absl::OkStatus();
   }
 
+  // Before every local copy into or out of rank memory: the sync may have been ended meanwhile
+  // (aborted, or its lease ran out); then its ranks are no longer its to touch.
+  Status alive() const {
+    std::lock_guard<std::mutex> lock(a_->mu);
+    if (!a_->failure.ok()) return a_->failure;
+    if (a_->closed) return absl::AbortedError(strCat("sync ", a_->id, " ended"));
+    return absl::OkStatus();
+  }
+
   StatusOr<Registry::LocalBuffer> buffer(const planner::ResolvedLayout& l, int32_t rank, int32_t b) const {
     return e_.registry_.localBuffer(l.group, rank, l.buffer_names[static_cast<size_t>(b)]);
   }
@@ -649,6 +712,7 @@ class SyncEngine::Execution {
       const auto& frag = plan_.fragments[ls.fragment];
       const int64_t elem = cp_.dst.tensors[plan_.tensors[frag.tensor].dst].elemBytes();
       for (const auto& [sub, dr] : planner::destinationRegions(plan_, cp_.dst, ls.fragment, self_)) {
+        SC_RETURN_IF_ERROR(alive());
         const auto sr = planner::sourceRegion(plan_, cp_.src, ls.fragment, ls.src_rank, sub);
         SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
         SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
@@ -772,6 +836,7 @@ class SyncEngine::Execution {
   // A landed chunk: verify it (optional), forward it along its relay chain, fan it out to the
   // local ranks that need part of it.
   Status processLanded(const Landed& l) {
+    SC_RETURN_IF_ERROR(alive());
     if (l.transfer < 0 || static_cast<size_t>(l.transfer) >= plan_.transfers.size() || l.chunk < 0 ||
         static_cast<size_t>(l.chunk) >= cp_.chunks[l.transfer].size())
       return absl::InternalError(strCat("sync ", a_->id, ": notification for chunk ", l.chunk, " of transfer ", l.transfer));
@@ -853,8 +918,24 @@ class SyncEngine::Execution {
 };
 
 StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req) {
-  auto a = find(req.sync_id());
+  auto a = find(req.sync_id(), req.fence());
   if (!a) return absl::NotFoundError(strCat("sync ", req.sync_id(), " was not prepared on node \"", node_, "\""));
+  {
+    std::lock_guard<std::mutex> lock(a->mu);
+    if (!a->failure.ok()) return a->failure;
+    if (a->closed) return absl::AbortedError(strCat("sync ", a->id, " ended"));
+    ++a->executing;
+  }
+  struct Leave {
+    Active& a;
+    ~Leave() {
+      {
+        std::lock_guard<std::mutex> lock(a.mu);
+        --a.executing;
+      }
+      a.cv.notify_all();
+    }
+  } leave{*a};
   a->renew();
   v1::ExecuteResponse resp;
   if (a->self < 0) return resp;

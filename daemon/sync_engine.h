@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <set>
 #include <thread>
 
 #include "common/status.h"
@@ -107,7 +108,8 @@ class SyncEngine {
   // The states of this node's destination ranks after the sync ended here.
   StatusOr<v1::FinishResponse> finish(const v1::FinishRequest& req);
   // What a sync prepared here has moved so far; NOT_FOUND once it finished.
-  StatusOr<v1::ProgressResponse> progress(const std::string& sync_id);
+  // `fence` 0: whichever attempt of `sync_id`; else only that attempt.
+  StatusOr<v1::ProgressResponse> progress(const std::string& sync_id, uint64_t fence = 0);
   PlanCache& plans() { return plans_; }
   // Shutdown: aborts every sync prepared here (destination ranks written by them become DIRTY).
   void abortAll(const std::string& reason);
@@ -139,7 +141,7 @@ class SyncEngine {
   // XXH64 of bytes [offset, offset + n) of a buffer (device memory: through its transport mirror,
   // which holds the bytes around a send or a landing, or a host copy).
   StatusOr<uint64_t> checksum(const Registry::LocalBuffer& b, uint64_t offset, uint64_t n);
-  std::shared_ptr<Active> find(const std::string& id);
+  std::shared_ptr<Active> find(const std::string& id, uint64_t fence = 0);
 
   std::string node_;
   Registry& registry_;
@@ -150,6 +152,12 @@ class SyncEngine {
   std::unique_ptr<transport::CopyEngine> copies_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<Active>> active_;
+  std::set<std::string> preparing_;  // ids between the start of prepare and active_
+  // Attempts (id, fence) finished (given up) before they were prepared here: refused if they come.
+  std::set<std::pair<std::string, uint64_t>> finished_;
+  std::deque<std::pair<std::string, uint64_t>> finished_order_;
+  // Closed syncs whose incoming writes were still landing: their fences are polled by the reaper.
+  std::vector<std::shared_ptr<Active>> draining_;
   // Arenas and staging buffers of committed syncs, reused by the next sync of the same plan
   // (allocation and first touch of large registered buffers costs more than the copies).
   std::map<std::string, std::shared_ptr<transport::MemoryRegion>> spare_arenas_, spare_staging_;

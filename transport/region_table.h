@@ -50,7 +50,8 @@ class RegionTable {
     fences_->landing.emplace(fence, 0);
   }
   // Refuses later writes naming `fence`, then waits (up to `timeout`) until the writes landing
-  // under it now are done. False when some were still landing at the timeout.
+  // under it now are done. False when some were still landing at the timeout: the fence stays
+  // closing (refusing) and a later call (timeout 0 to poll) finishes it once they are done.
   bool closeFence(uint64_t fence, std::chrono::milliseconds timeout) {
     std::unique_lock<std::mutex> lock(fences_->mu);
     fences_->closing.insert(fence);
@@ -58,9 +59,10 @@ class RegionTable {
       auto it = fences_->landing.find(fence);
       return it == fences_->landing.end() || it->second == 0;
     });
+    if (!drained) return false;
     fences_->landing.erase(fence);
     fences_->closing.erase(fence);
-    return drained;
+    return true;
   }
   // Held by one write while it lands; null when `fence` is not open (the write is refused).
   std::shared_ptr<void> enterFence(uint64_t fence) {

@@ -598,3 +598,79 @@ TEST_CASE("double-buffered destinations: syncs write the set not in use, flip at
   CHECK(active() == 1);
   CHECK(set_wrong(shadow, 3) == 0);
 }
+
+TEST_CASE("sync attempts are told apart: a duplicate id, a late Prepare, another layout, ranks in use", "[daemon][contract]") {
+  Pair c;
+  c.registerAll(1);
+  // A sync prepared by hand under id "dup"; a coordinated sync reusing the id fails to prepare,
+  // and its abort (another attempt's fence) must not end the first one.
+  c.prepare("dup", 1);
+  v1::SyncRequest s;
+  s.set_src_group("src");
+  s.set_dst_group("dst");
+  s.set_version(1);
+  s.set_sync_id("dup");
+  v1::SyncResponse out;
+  grpc::Status st = c.n0().client()->Sync(ctx().get(), s, &out);
+  CHECK_FALSE(st.ok());
+  v1::ProgressRequest pr;
+  pr.set_sync_id("dup");
+  v1::ProgressResponse prr;
+  CHECK(c.peers()[1]->Progress(ctx().get(), pr, &prr).ok());  // still there
+  for (const auto& [r, s2] : c.states(c.n1(), "dst")) CHECK(s2.state() == v1::RANK_UPDATING);
+  // Ranks a sync uses can be neither registered again nor unregistered meanwhile.
+  v1::RegisterResponse resp;
+  st = c.n1().client()->Register(ctx().get(), registerRequest(c.dst_proto, 0, 2, c.dmem[0]), &resp);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("is in use by sync dup"));
+  v1::UnregisterRequest un;
+  un.set_group("src");
+  un.set_rank(0);
+  v1::UnregisterResponse ur;
+  st = c.n0().client()->Unregister(ctx().get(), un, &ur);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("is in use by sync dup"));
+  c.finish("dup", false, false);
+
+  // A Finish that overtook its Prepare: the Prepare, when it comes, is refused.
+  v1::FinishRequest f;
+  f.set_sync_id("late");
+  f.set_fence(77);
+  v1::FinishResponse fr;
+  CHECK(c.peers()[1]->Finish(ctx().get(), f, &fr).error_code() == grpc::StatusCode::NOT_FOUND);
+  v1::PrepareRequest prep;
+  prep.set_sync_id("late");
+  prep.set_fence(77);
+  *prep.mutable_src() = c.src_proto;
+  *prep.mutable_dst() = c.dst_proto;
+  prep.set_version(1);
+  prep.set_staging_bytes(uint64_t{1} << 30);
+  prep.set_chunk_bytes(uint64_t{64} << 20);
+  v1::PrepareResponse presp;
+  st = c.peers()[1]->Prepare(ctx().get(), prep, &presp);
+  CHECK(st.error_code() == grpc::StatusCode::ABORTED);
+  for (const auto& [r, s2] : c.states(c.n1(), "dst")) CHECK(s2.state() == v1::RANK_EMPTY);
+
+  // Planned for another layout than the ranks registered: refused where the ranks are.
+  prep.set_sync_id("other-layout");
+  prep.set_fence(0);
+  prep.mutable_dst()->mutable_tensors(0)->mutable_placements(0)->mutable_shard()->set_dim(0);  // rows, not columns
+  st = c.peers()[1]->Prepare(ctx().get(), prep, &presp);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("since the sync was planned"));
+
+  // The same id again once the first attempt ended: a fresh attempt that commits.
+  st = c.n0().client()->Sync(ctx().get(), s, &out);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  CHECK(c.wrong(1) == 0);
+  // An owner that acquired and wrote publishes a new version, not the old one again.
+  auto client = Client::connect("unix:" + c.n0().socketPath());
+  REQUIRE(client.ok());
+  REQUIRE(client->acquire("src", 0).ok());
+  auto same = client->publish("src", 0, 1);
+  CHECK(absl::IsInvalidArgument(same.status()));
+  CHECK_THAT(std::string(same.status().message()), Catch::Contains("publish a new version"));
+  CHECK(absl::IsFailedPrecondition(client->acquire("src", 0).status()));  // once
+  REQUIRE(client->publish("src", 0, 2).ok());
+}

@@ -56,9 +56,9 @@ def main(role: str, rank: int, target: str, use_torch: bool, conn) -> None:
             tensors = {n: torch.from_numpy(a.copy()) for n, a in arrays.items()}
         else:
             tensors = arrays
-        # The trainer's tensors hold version 1 already: it registers as a source ready at 1.
+        # A source: nothing published until the first "write" (acquire, write, publish).
         reg = client.register(layout["group"], rank, 2, tensors, layout,
-                              role="source" if role == "trainer" else "destination", version=start)
+                              role="source" if role == "trainer" else "destination")
         if use_torch:  # torch tensors are moved into shared memory in place
             assert all(reg.tensors[n] is tensors[n] for n in tensors)
         conn.send(("registered", reg.node))
