@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <sstream>
 
 #include "common/strings.h"
 #include "transport/shm.h"
@@ -220,8 +219,10 @@ struct SyncEngine::Active {
   // Writes to one node wait here while that node's window is full (see pump()).
   struct Outgoing {
     transport::WriteOp op;
-    std::string notification;
+    LandedChunk landed;  // announced to the target once the write is visible there
   };
+  // Chunks processed here (transfer, chunk): each lands on a node once; a repeat is refused.
+  std::set<std::pair<int32_t, int32_t>> seen;
   struct Outbox {
     std::shared_ptr<transport::Endpoint> endpoint;
     std::deque<Outgoing> queued;
@@ -248,6 +249,7 @@ struct SyncEngine::Active {
 // chunk. A write's completion pumps again.
 void SyncEngine::pump(const std::shared_ptr<Active>& a, int32_t node) {
   constexpr size_t kMaxNotification = 32 << 10;  // bytes per batch's notification (the transport takes 64 KiB)
+  const size_t max_batch = std::min(kMaxLanded, (kMaxNotification - notificationBytes(a->id.size(), 0)) / kLandedBytes);
   std::vector<Active::Outgoing> start;
   std::shared_ptr<transport::Endpoint> ep;
   {
@@ -260,12 +262,10 @@ void SyncEngine::pump(const std::shared_ptr<Active>& a, int32_t node) {
     auto& box = a->outboxes[node];
     ep = box.endpoint;
     if (box.bytes_in_flight > a->window_bytes / 2) return;
-    size_t notification_bytes = 0;
     while (!box.queued.empty() &&
            (box.bytes_in_flight == 0 || box.bytes_in_flight + box.queued.front().op.length <= a->window_bytes) &&
-           (start.empty() || notification_bytes + box.queued.front().notification.size() + 1 <= kMaxNotification)) {
+           start.size() < max_batch) {
       box.bytes_in_flight += box.queued.front().op.length;
-      notification_bytes += box.queued.front().notification.size() + 1;
       start.push_back(std::move(box.queued.front()));
       box.queued.pop_front();
     }
@@ -285,18 +285,19 @@ void SyncEngine::pump(const std::shared_ptr<Active>& a, int32_t node) {
     }
     if (wake) a->cv.notify_all();
   };
-  std::string notification;
+  Notification notification;
+  notification.sync_id = a->id;
+  notification.fence = a->fence;
   for (auto& out : start) {
     const uint64_t bytes = out.op.length;
     ep->write(std::move(out.op), [a, node, bytes, finished](Status st) {
       finished(st, bytes, 1);
       pump(a, node);
     });
-    notification += out.notification;
-    notification += '\n';
+    notification.chunks.push_back(out.landed);
   }
   const int64_t announced = static_cast<int64_t>(start.size());
-  ep->notify(std::move(notification), [finished, announced](Status st) { finished(st, 0, announced); });
+  ep->notify(encodeNotification(notification), [finished, announced](Status st) { finished(st, 0, announced); });
 }
 
 SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics,
@@ -353,37 +354,23 @@ std::shared_ptr<SyncEngine::Active> SyncEngine::find(const std::string& id, uint
   return it->second;
 }
 
-// Runs on the transport's progress thread: queue the chunks a notification announces (one line
-// each) for the executing thread, never block.
+// Runs on the transport's progress thread: queue the chunks a notification announces for the
+// executing thread (which checks each against the plan), never block. Peers are untrusted here:
+// what does not parse, or names no attempt open here, is dropped with a warning.
 void SyncEngine::onNotification(const std::string& payload) {
-  std::istringstream in(payload);
-  std::shared_ptr<Active> a;
-  std::vector<Landed> batch;
-  for (std::string line; std::getline(in, line);) {
-    std::istringstream fields(line);
-    std::string id;
-    Landed l{};
-    if (!(fields >> id >> l.transfer >> l.chain >> l.hop >> l.chunk >> l.checksum)) {
-      spdlog::warn("sync: malformed notification line \"{}\"", line);
-      return;
-    }
-    if (a && a->id != id) {  // pump() batches the writes of one sync only
-      spdlog::warn("sync {}: notification also names sync {}; ignored from there", a->id, id);
-      break;
-    }
-    if (!a) {
-      a = find(id);
-      if (!a) {
-        spdlog::warn("sync {}: notification after the sync ended", id);
-        return;
-      }
-    }
-    batch.push_back(l);
+  auto n = parseNotification(payload);
+  if (!n.ok()) {
+    spdlog::warn("sync: dropped a notification: {}", std::string(n.status().message()));
+    return;
   }
-  if (!a) return;
+  auto a = find(n->sync_id, n->fence);
+  if (!a) {
+    spdlog::warn("sync {}: notification for an attempt not open here (ended, or another attempt)", n->sync_id);
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(a->mu);
-    a->landed.insert(a->landed.end(), batch.begin(), batch.end());
+    a->landed.insert(a->landed.end(), n->chunks.begin(), n->chunks.end());
   }
   a->cv.notify_all();
 }
@@ -698,7 +685,7 @@ class SyncEngine::Execution {
       a_->writes_pending += 2;  // the write and its notification
       auto& box = a_->outboxes[node];
       box.endpoint = ep;
-      box.queued.push_back({std::move(op), strCat(a_->id, " ", t, " ", chain, " ", hop, " ", k, " ", sum)});
+      box.queued.push_back({std::move(op), LandedChunk{t, chain, hop, k, sum}});
     }
     pump(a_, node);
     a_->bytes_sent += chunk.bytes;
@@ -837,10 +824,25 @@ class SyncEngine::Execution {
   // local ranks that need part of it.
   Status processLanded(const Landed& l) {
     SC_RETURN_IF_ERROR(alive());
-    if (l.transfer < 0 || static_cast<size_t>(l.transfer) >= plan_.transfers.size() || l.chunk < 0 ||
-        static_cast<size_t>(l.chunk) >= cp_.chunks[l.transfer].size())
-      return absl::InternalError(strCat("sync ", a_->id, ": notification for chunk ", l.chunk, " of transfer ", l.transfer));
+    // Every index a peer sent, against the plan: the transfer and chunk exist and belong to this
+    // wave, the chain is one of the transfer's, and its hop is this node; each chunk lands once.
+    auto bad = [&](const std::string& what) {
+      return absl::InvalidArgumentError(strCat("sync ", a_->id, " on node \"", e_.node_, "\": a peer announced ", what,
+                                               " (transfer ", l.transfer, ", chain ", l.chain, ", hop ", l.hop, ", chunk ",
+                                               l.chunk, ")"));
+    };
+    if (l.transfer < 0 || static_cast<size_t>(l.transfer) >= plan_.transfers.size()) return bad("a transfer not in the plan");
+    if (cp_.wave[static_cast<size_t>(l.transfer)] != wave_) return bad("a transfer of another wave");
+    if (l.chunk < 0 || static_cast<size_t>(l.chunk) >= cp_.chunks[l.transfer].size()) return bad("a chunk not in the transfer");
     const auto& tr = plan_.transfers[l.transfer];
+    if (l.chain < tr.chains_begin || l.chain >= tr.chains_begin + tr.chains_count) return bad("a chain not of the transfer");
+    const auto& announced = plan_.chains[l.chain];
+    if (l.hop < 0 || l.hop >= announced.nodes_count || plan_.chain_nodes[announced.nodes_begin + l.hop] != self_)
+      return bad("a hop that is not this node");
+    {
+      std::lock_guard<std::mutex> lock(a_->mu);
+      if (!a_->seen.insert({l.transfer, l.chunk}).second) return bad("a chunk that already landed");
+    }
     const auto& chunk = cp_.chunks[l.transfer][l.chunk];
     const CachedPlan::Landing* landing = cp_.landingOn(l.transfer, self_);
     if (landing == nullptr)

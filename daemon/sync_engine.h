@@ -24,6 +24,7 @@
 
 #include "common/status.h"
 #include "daemon/metrics.h"
+#include "daemon/notification.h"
 #include "daemon/registry.h"
 #include "planner/plan.h"
 #include "shardcast/v1/service.pb.h"
@@ -115,13 +116,7 @@ class SyncEngine {
   void abortAll(const std::string& reason);
 
  private:
-  struct Landed {
-    int32_t transfer;
-    int32_t chain;
-    int32_t hop;
-    int32_t chunk;
-    uint64_t checksum;
-  };
+  using Landed = LandedChunk;
   struct Active;
   class Execution;
 
