@@ -562,7 +562,8 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::
   return after;
 }
 
-StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t rank, std::chrono::milliseconds timeout) {
+StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t rank, std::chrono::milliseconds timeout,
+                                           const std::function<bool()>& gone) {
   std::unique_lock<std::mutex> lock(mu_);
   const std::string who = strCat("group \"", group, "\" rank ", rank);
   Rank* r = findRank(group, rank);
@@ -570,11 +571,20 @@ StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t ran
   if (r->held) return absl::FailedPreconditionError(strCat(who, " is already acquired"));
   // The rank object may be replaced while waiting (after a restart of its client): look it up
   // again each time; and another acquire may win the wait.
-  const bool ok = state_cv_.wait_for(lock, timeout, [&] {
+  auto free = [&] {
     r = findRank(group, rank);
     // A double-buffered destination's writer writes the other set: not waited for.
     return stopping_ || r == nullptr || (r->readers.empty() && (r->writer.empty() || r->doubled()));
-  });
+  };
+  // In steps, to notice a caller that went away.
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  bool ok = free();
+  while (!ok && std::chrono::steady_clock::now() < until) {
+    if (gone && gone()) return absl::CancelledError(strCat(who, ": the caller went away while waiting to acquire it"));
+    const auto step = std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(100),
+                                                                     until - std::chrono::steady_clock::now());
+    ok = state_cv_.wait_for(lock, step, free);
+  }
   if (stopping_) return absl::UnavailableError(strCat("shardcastd on node \"", node_, "\" is stopping"));
   if (r == nullptr) return absl::NotFoundError(strCat(who, " was unregistered while waiting to acquire it"));
   if (!ok)

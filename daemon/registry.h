@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -90,7 +91,10 @@ class Registry {
                                       const std::string& reason = "");
 
   // The owner takes a rank (see AcquireRequest) / gives it back (ReleaseRequest).
-  StatusOr<v1::RankStatus> acquire(const std::string& group, int32_t rank, std::chrono::milliseconds timeout);
+  // `gone`: polled while waiting; true when the caller went away (its call was cancelled): then
+  // the rank is not taken (CANCELLED), so no ownerless acquire holds it later.
+  StatusOr<v1::RankStatus> acquire(const std::string& group, int32_t rank, std::chrono::milliseconds timeout,
+                                   const std::function<bool()>& gone = nullptr);
   StatusOr<v1::RankStatus> release(const std::string& group, int32_t rank, uint64_t version);
   // Waits until every rank of `group` here is READY at >= `version` or the timeout passes;
   // FAILED_PRECONDITION naming the rank when one is DIRTY, NOT_FOUND when none is registered.

@@ -479,8 +479,9 @@ grpc::Status ShardcastService::WaitVersion(grpc::ServerContext*, const v1::WaitV
   return grpc::Status::OK;
 }
 
-grpc::Status ShardcastService::Acquire(grpc::ServerContext*, const v1::AcquireRequest* req, v1::AcquireResponse* out) {
-  auto r = registry_.acquire(req->group(), req->rank(), std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 30000));
+grpc::Status ShardcastService::Acquire(grpc::ServerContext* context, const v1::AcquireRequest* req, v1::AcquireResponse* out) {
+  auto r = registry_.acquire(req->group(), req->rank(), std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 30000),
+                             [context] { return context->IsCancelled(); });
   if (!r.ok()) return toGrpc(r.status());
   *out->mutable_status() = std::move(*r);
   return grpc::Status::OK;

@@ -315,6 +315,7 @@ SyncEngine::~SyncEngine() {
   }
   reaper_cv_.notify_all();
   reaper_.join();
+  for (auto& f : closers_) f.wait();
   transport_.setNotificationHandler(nullptr);
 }
 
@@ -574,8 +575,17 @@ void SyncEngine::reap() {
       const std::string why = strCat("its coordinator went silent (no word for ", a->lease.count(), " ms, the sync's lease)");
       spdlog::warn("sync {} aborted on node \"{}\": {}", a->id, node_, why);
       ++metrics_.syncs_expired;
-      close(a, Registry::SyncEnd::kDirty, why).status().IgnoreError();
+      // Each on its own thread: a close waits for the sync's writes, and one sync's slow peer
+      // must not keep the others' ranks held.
+      closers_.push_back(std::async(std::launch::async, [this, a, why] {
+        close(a, Registry::SyncEnd::kDirty, why).status().IgnoreError();
+      }));
     }
+    closers_.erase(std::remove_if(closers_.begin(), closers_.end(),
+                                  [](const std::future<void>& f) {
+                                    return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+                                  }),
+                   closers_.end());
     lock.lock();
   }
 }

@@ -20,6 +20,7 @@
 #include <mutex>
 #include <string>
 #include <set>
+#include <future>
 #include <thread>
 
 #include "common/status.h"
@@ -160,6 +161,7 @@ class SyncEngine {
   std::condition_variable reaper_cv_;
   bool stopping_ = false;
   std::thread reaper_;
+  std::vector<std::future<void>> closers_;  // the reaper's closes in flight (reaper thread only)
 };
 
 }  // namespace shardcast::daemon

@@ -304,10 +304,23 @@ TEST_CASE("fences: a sync reads only what a source published - owners acquire ar
   REQUIRE_FALSE(quick.ok());
   CHECK(absl::IsDeadlineExceeded(quick.status()));
   CHECK_THAT(std::string(quick.status().message()), Catch::Contains("sync reading still uses it"));
+  // A caller that gives up waiting does not take the rank later.
+  {
+    v1::AcquireRequest aq;
+    aq.set_group("src");
+    aq.set_rank(1);
+    aq.set_timeout_ms(20000);
+    v1::AcquireResponse ar;
+    grpc::ClientContext gone;
+    gone.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+    CHECK(c.n0().client()->Acquire(&gone, aq, &ar).error_code() == grpc::StatusCode::DEADLINE_EXCEEDED);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the daemon notices within 100 ms
+  }
   c.finish("reading", false, false);
   REQUIRE(acquired.wait_for(std::chrono::seconds(10)) == std::future_status::ready);
   auto held = acquired.get();
   REQUIRE(held.ok());
+  CHECK_FALSE(c.states(c.n0(), "src")[1].held());  // the caller that went away holds nothing
   CHECK(held->state() == v1::RANK_UPDATING);
   CHECK(held->held());
   // Being written: no sync reads it.
