@@ -122,7 +122,7 @@ StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self, const
       const v1::Role role = r.role() == v1::ROLE_SOURCE ? v1::ROLE_SOURCE : v1::ROLE_DESTINATION;
       if (g.role != v1::ROLE_UNSPECIFIED && g.role != role)
         return absl::FailedPreconditionError(strCat("group \"", r.group(), "\" rank ", r.rank(), " on node \"", d.node(),
-                                                    "\" is registered as ", roleName(role), " but other ranks as ", roleName(g.role)));
+                                                    "\" is registered as ", v1::roleName(role), " but other ranks as ", v1::roleName(g.role)));
       g.role = role;
       if (!g.ranks.insert(r.rank()).second)
         return absl::FailedPreconditionError(

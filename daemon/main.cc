@@ -131,7 +131,7 @@ int main(int argc, char** argv) {
   metrics.plan_cache_hits = [&] { return engine.plans().hits(); };
   metrics.rank_states = [&] {
     std::map<std::string, uint64_t> out;
-    for (const auto& [state, n] : registry.stateCounts()) out[std::string(stateName(state))] = n;
+    for (const auto& [state, n] : registry.stateCounts()) out[std::string(v1::rankStateName(state))] = n;
     return out;
   };
   std::unique_ptr<MetricsServer> metrics_server;

@@ -44,18 +44,6 @@ std::string rankList(const std::vector<int32_t>& ranks) {
 
 }  // namespace
 
-std::string_view roleName(v1::Role role) { return role == v1::ROLE_SOURCE ? "source" : "destination"; }
-
-std::string_view stateName(v1::RankState state) {
-  switch (state) {
-    case v1::RANK_EMPTY: return "empty";
-    case v1::RANK_UPDATING: return "updating";
-    case v1::RANK_READY: return "ready";
-    case v1::RANK_DIRTY: return "dirty";
-    default: return "unknown";
-  }
-}
-
 Registry::Registry(std::string node, transport::Context& transport)
     : node_(std::move(node)), instance_(randomInstance()), transport_(transport) {}
 
@@ -86,8 +74,8 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
       return absl::FailedPreconditionError(strCat(who, ": layout digest ", digest, " differs from ", g->second.digest,
                                                   " registered by other ranks of the group"));
     if (g != groups_.end() && others && g->second.role != role)
-      return absl::FailedPreconditionError(strCat(who, ": registers as ", roleName(role), " but the group's other ranks are ",
-                                                  roleName(g->second.role)));
+      return absl::FailedPreconditionError(strCat(who, ": registers as ", v1::roleName(role), " but the group's other ranks are ",
+                                                  v1::roleName(g->second.role)));
   }
   SC_ASSIGN_OR_RETURN(auto rank, build(req, digest));
   v1::RegisterResponse resp;
@@ -116,8 +104,8 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   ranks_[{req.group(), req.rank()}] = std::move(rank);
   state_cv_.notify_all();
   const Rank& r = *ranks_[{req.group(), req.rank()}];
-  spdlog::info("{} {}registered as {}: {} buffers, {} bytes, layout {}, {}{}", who, replaced ? "re-" : "", roleName(role),
-               r.buffers.size(), resp.registered_bytes(), digest, stateName(r.state),
+  spdlog::info("{} {}registered as {}: {} buffers, {} bytes, layout {}, {}{}", who, replaced ? "re-" : "", v1::roleName(role),
+               r.buffers.size(), resp.registered_bytes(), digest, v1::rankStateName(r.state),
                r.state == v1::RANK_READY ? strCat("(", r.committed, ")") : "");
   return resp;
 }
@@ -713,11 +701,6 @@ std::map<v1::RankState, uint64_t> Registry::stateCounts() const {
   std::map<v1::RankState, uint64_t> out;
   for (const auto& [key, r] : ranks_) ++out[r->state];
   return out;
-}
-
-bool Registry::hasGroup(const std::string& group) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return groups_.count(group) > 0;
 }
 
 int32_t Registry::registeredRanks() const {

@@ -16,6 +16,7 @@
 
 #include "common/status.h"
 #include "planner/layout.h"
+#include "proto/shardcast/v1/names.h"
 #include "shardcast/v1/service.pb.h"
 #include "transport/copy_engine.h"
 #include "transport/device_staging.h"
@@ -29,8 +30,6 @@ std::string layoutDigest(const v1::Layout& layout);
 
 // Versions are below 2^63 (so that every client language holds them in a signed 64-bit integer).
 inline constexpr uint64_t kMaxVersion = uint64_t{1} << 63;
-std::string_view roleName(v1::Role role);
-std::string_view stateName(v1::RankState state);
 
 class Registry {
  public:
@@ -100,7 +99,6 @@ class Registry {
   // FAILED_PRECONDITION naming the rank when one is DIRTY, NOT_FOUND when none is registered.
   StatusOr<v1::WaitVersionResponse> waitVersion(const std::string& group, uint64_t version,
                                                 std::chrono::milliseconds timeout) const;
-  bool hasGroup(const std::string& group) const;
 
   // Sessions (client liveness): registrations made under a session end with it.
   std::string openSession(const std::string& client);

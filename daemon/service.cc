@@ -357,7 +357,6 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
   // Execute every wave everywhere at once, waves in order; the first failure aborts the others.
   progress_.update(id, [](v1::SyncProgress& p) { p.set_state("executing"); });
   std::vector<grpc::Status> results(addresses.size());
-  std::once_flag aborted;
   // Bytes of the waves each node has finished: the floor under what the poller reports.
   std::vector<uint64_t> done_received(addresses.size(), 0), done_sent(addresses.size(), 0);
   std::atomic<uint64_t> landed_direct{0};
@@ -382,9 +381,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
           if (wave + 1 == (*plan)->waves) node_state(i, "done");
         } else {
           node_state(i, results[i].error_code() == grpc::StatusCode::ABORTED ? "aborted" : "failed", results[i].error_message());
-          std::call_once(aborted, [&] {
-            give_up(strCat("node \"", daemons[i].node(), "\" failed: ", results[i].error_message()));
-          });
+          give_up(strCat("node \"", daemons[i].node(), "\" failed: ", results[i].error_message()));  // once
         }
       });
     for (auto& t : threads) t.join();

@@ -177,7 +177,7 @@ int runStatus(const CommonArgs& a) {
     std::vector<std::string> ranks;
     for (const auto& r : g.rank_states()) ranks.push_back(fmt::format("{}:{}", r.rank(), describeRank(r)));
     std::cout << fmt::format("  {:<20} {:<11} {:>8} {:>6} {:>12}  {}\n", g.group(),
-                             g.role() == v1::ROLE_SOURCE ? "source" : "destination", g.version(), g.world_size(),
+                             v1::roleName(g.role()), g.version(), g.world_size(),
                              planner::humanBytes(static_cast<double>(g.registered_bytes())), fmt::join(ranks, " "));
     for (const auto& r : g.rank_states())
       if (r.state() == v1::RANK_DIRTY) std::cout << fmt::format("    rank {} is dirty: {}\n", r.rank(), r.detail());
@@ -209,7 +209,7 @@ int runLayouts(const LayoutsArgs& a) {
     st.set_version(r.version());
     st.set_held(r.held());
     std::cout << fmt::format("{:<20} {:>5} {:>6} {:<16} {:<11} {:<16} {:>12} {:>8}  {}\n", r.group(), r.rank(), r.world_size(),
-                             r.node(), r.role() == v1::ROLE_SOURCE ? "source" : "destination", describeRank(st),
+                             r.node(), v1::roleName(r.role()), describeRank(st),
                              planner::humanBytes(static_cast<double>(r.registered_bytes())), r.buffers_size(), r.layout_digest());
   }
   if (l->ranks_size() == 0) std::cout << "(nothing registered)\n";

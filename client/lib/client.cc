@@ -21,18 +21,8 @@ std::string defaultDaemonTarget() {
 
 std::string normalizeTarget(const std::string& target) { return target.rfind('/', 0) == 0 ? "unix:" + target : target; }
 
-std::string_view rankStateName(v1::RankState state) {
-  switch (state) {
-    case v1::RANK_EMPTY: return "empty";
-    case v1::RANK_UPDATING: return "updating";
-    case v1::RANK_READY: return "ready";
-    case v1::RANK_DIRTY: return "dirty";
-    default: return "unknown";
-  }
-}
-
 std::string describeRank(const v1::RankStatus& st) {
-  std::string out(rankStateName(st.state()));
+  std::string out(v1::rankStateName(st.state()));
   if (st.state() == v1::RANK_READY || st.state() == v1::RANK_UPDATING) out += strCat("(", st.version(), ")");
   if (st.held()) out += " held";
   return out;

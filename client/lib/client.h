@@ -14,6 +14,7 @@
 
 #include "client/lib/host_tensors.h"
 #include "common/status.h"
+#include "proto/shardcast/v1/names.h"
 #include "shardcast/v1/service.grpc.pb.h"
 
 namespace shardcast {
@@ -59,7 +60,6 @@ struct RegisterOptions {
 
 // "ready(3)", "updating(4)", "empty", "dirty (sync ... )", with " held" when acquired.
 std::string describeRank(const v1::RankStatus& st);
-std::string_view rankStateName(v1::RankState state);
 
 // Lets another thread end a Client::watch early (the watch then returns CANCELLED).
 class WatchCancel {

@@ -129,13 +129,7 @@ struct Pair {
     for (int i = 0; i < 2; ++i) {
       v1::DescribeResponse described;
       REQUIRE(p[i]->Describe(ctx().get(), v1::DescribeRequest(), &described).ok());
-      v1::PrepareRequest prep;
-      prep.set_sync_id(id);
-      *prep.mutable_src() = src_proto;
-      *prep.mutable_dst() = dst_proto;
-      prep.set_version(version);
-      prep.set_staging_bytes(uint64_t{1} << 30);
-      prep.set_chunk_bytes(uint64_t{64} << 20);
+      v1::PrepareRequest prep = prepareRequest(id, src_proto, dst_proto, version);
       prep.set_lease_ms(lease_ms);
       v1::PrepareResponse presp;
       const auto st = p[i]->Prepare(ctx().get(), prep, &presp);
@@ -651,14 +645,7 @@ TEST_CASE("sync attempts are told apart: a duplicate id, a late Prepare, another
   f.set_fence(77);
   v1::FinishResponse fr;
   CHECK(c.peers()[1]->Finish(ctx().get(), f, &fr).error_code() == grpc::StatusCode::NOT_FOUND);
-  v1::PrepareRequest prep;
-  prep.set_sync_id("late");
-  prep.set_fence(77);
-  *prep.mutable_src() = c.src_proto;
-  *prep.mutable_dst() = c.dst_proto;
-  prep.set_version(1);
-  prep.set_staging_bytes(uint64_t{1} << 30);
-  prep.set_chunk_bytes(uint64_t{64} << 20);
+  v1::PrepareRequest prep = prepareRequest("late", c.src_proto, c.dst_proto, 1, 77);
   v1::PrepareResponse presp;
   st = c.peers()[1]->Prepare(ctx().get(), prep, &presp);
   CHECK(st.error_code() == grpc::StatusCode::ABORTED);

@@ -77,14 +77,7 @@ TEST_CASE("a daemon fed lying notifications fails the sync and stays up", "[daem
   auto peer1 = v1::Peer::NewStub(Daemon::channel(n1.address()));
   v1::DescribeResponse described;
   REQUIRE(peer1->Describe(ctx().get(), v1::DescribeRequest(), &described).ok());
-  v1::PrepareRequest prep;
-  prep.set_sync_id("lied-to");
-  prep.set_fence(99);
-  *prep.mutable_src() = src_proto;
-  *prep.mutable_dst() = dst_proto;
-  prep.set_version(1);
-  prep.set_staging_bytes(uint64_t{1} << 30);
-  prep.set_chunk_bytes(uint64_t{64} << 20);
+  const v1::PrepareRequest prep = prepareRequest("lied-to", src_proto, dst_proto, 1, 99);
   v1::PrepareResponse presp;
   REQUIRE(peer1->Prepare(ctx().get(), prep, &presp).ok());
 

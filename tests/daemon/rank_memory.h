@@ -61,6 +61,20 @@ inline v1::RegisterRequest registerRequest(const v1::Layout& layout, int32_t ran
   return r;
 }
 
+// Prepare of a sync driven by hand (as a coordinator would), with the daemons' default budgets.
+inline v1::PrepareRequest prepareRequest(const std::string& id, const v1::Layout& src, const v1::Layout& dst, uint64_t version,
+                                         uint64_t fence = 0) {
+  v1::PrepareRequest p;
+  p.set_sync_id(id);
+  p.set_fence(fence);
+  *p.mutable_src() = src;
+  *p.mutable_dst() = dst;
+  p.set_version(version);
+  p.set_staging_bytes(uint64_t{1} << 30);
+  p.set_chunk_bytes(uint64_t{64} << 20);
+  return p;
+}
+
 using planner::forEachElement;
 
 }  // namespace shardcast::testing

@@ -126,3 +126,19 @@ class Ranks:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+def register_trainers(client, version: int = 1):
+    """Both trainer ranks in this process, as sources holding `version` (published)."""
+    return [client.register("trainer", r, 2, {n: shard("trainer", n, r, version) for n in SHAPES}, TRAINER,
+                            role="source", version=version) for r in range(2)]
+
+
+def zeros(rank: int):
+    """An inference rank's tensors, all zero (nothing received yet)."""
+    return {n: np.zeros_like(shard("infer", n, rank, 0)) for n in SHAPES}
+
+
+def register_inference(client, **kwargs):
+    """Both inference ranks in this process, zero-filled destinations (`kwargs` to register)."""
+    return [client.register("infer", r, 2, zeros(r), INFERENCE, **kwargs) for r in range(2)]

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import time
 
-import numpy as np
 import pytest
 
 import shardcast
@@ -61,10 +60,8 @@ def test_a_second_daemon_with_a_taken_node_name_or_socket_is_refused(tmp_path):
 
 
 def _sync_once(c_src: shardcast.Client, c_dst: shardcast.Client):
-    regs = [c_src.register("trainer", r, 2, {n: rank_worker.shard("trainer", n, r, 1) for n in rank_worker.SHAPES},
-                           rank_worker.TRAINER, role="source", version=1) for r in range(2)]
-    regs += [c_dst.register("infer", r, 2, {n: np.zeros_like(rank_worker.shard("infer", n, r, 0))
-                                            for n in rank_worker.SHAPES}, rank_worker.INFERENCE) for r in range(2)]
+    regs = rank_worker.register_trainers(c_src)
+    regs += rank_worker.register_inference(c_dst)
     c_src.sync("trainer", "infer", 1)
     return regs
 
@@ -116,10 +113,8 @@ def test_shutdown_is_bounded_while_a_peer_is_frozen():
 def test_a_truncated_registered_segment_fails_the_sync_not_the_daemon(cluster):
     n0, n1 = cluster
     src, dst = shardcast.Client(n0.target), shardcast.Client(n1.target)
-    regs = [src.register("trainer", r, 2, {n: rank_worker.shard("trainer", n, r, 1) for n in rank_worker.SHAPES},
-                         rank_worker.TRAINER, role="source", version=1) for r in range(2)]
-    outs = [dst.register("infer", r, 2, {n: np.zeros_like(rank_worker.shard("infer", n, r, 0)) for n in rank_worker.SHAPES},
-                         rank_worker.INFERENCE) for r in range(2)]
+    regs = rank_worker.register_trainers(src)
+    outs = rank_worker.register_inference(dst)
     fd = os.open("/dev/shm" + outs[1].segment, os.O_RDWR)
     os.ftruncate(fd, 64)  # its owner frees most of it
     os.close(fd)

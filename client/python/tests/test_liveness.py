@@ -76,10 +76,8 @@ def test_clients_re_register_by_themselves_after_their_daemon_restarts(tmp_path)
 
     with LocalCluster(["n0", "n1"]) as c:
         src, dst = shardcast.Client(c.target("n0")), shardcast.Client(c.target("n1"))
-        trainers = [src.register("trainer", r, 2, {n: rank_worker.shard("trainer", n, r, 1) for n in rank_worker.SHAPES},
-                                 rank_worker.TRAINER, role="source", version=1) for r in range(2)]
-        infers = [dst.register("infer", r, 2, {n: np.zeros_like(rank_worker.shard("infer", n, r, 0))
-                                               for n in rank_worker.SHAPES}, rank_worker.INFERENCE) for r in range(2)]
+        trainers = rank_worker.register_trainers(src)
+        infers = rank_worker.register_inference(dst)
         src.sync("trainer", "infer", 1)
         for node in ("n0", "n1"):
             d = c.daemons[node]
@@ -108,10 +106,8 @@ def test_clients_re_register_by_themselves_after_their_daemon_restarts(tmp_path)
 def test_wait_version_fails_fast_on_a_dirty_rank_and_the_fences_hold(cluster):
     n0, n1 = cluster
     src, dst = shardcast.Client(n0.target), shardcast.Client(n1.target)
-    trainers = [src.register("trainer", r, 2, {n: rank_worker.shard("trainer", n, r, 1) for n in rank_worker.SHAPES},
-                             rank_worker.TRAINER, role="source", version=1) for r in range(2)]
-    infers = [dst.register("infer", r, 2, {n: np.zeros_like(rank_worker.shard("infer", n, r, 0)) for n in rank_worker.SHAPES},
-                           rank_worker.INFERENCE) for r in range(2)]
+    trainers = rank_worker.register_trainers(src)
+    infers = rank_worker.register_inference(dst)
     assert [shardcast.describe_rank(s) for s in dst.ranks("infer")] == ["empty", "empty"]
     # An inference engine reading its weights holds syncs off.
     with infers[1].reading():
@@ -192,10 +188,9 @@ def test_state_dict_registers_the_parameters_in_place_not_a_snapshot(cluster):
 def test_double_buffered_engine_reads_one_set_while_syncs_write_the_other(cluster):
     n0, n1 = cluster
     src, dst = shardcast.Client(n0.target), shardcast.Client(n1.target)
-    trainers = [src.register("trainer", r, 2, {n: rank_worker.shard("trainer", n, r, 1) for n in rank_worker.SHAPES},
-                             rank_worker.TRAINER, role="source", version=1) for r in range(2)]
-    zeros = lambda r: {n: np.zeros_like(rank_worker.shard("infer", n, r, 0)) for n in rank_worker.SHAPES}  # noqa: E731
-    infers = [dst.register("infer", r, 2, zeros(r), rank_worker.INFERENCE, shadow=zeros(r)) for r in range(2)]
+    trainers = rank_worker.register_trainers(src)
+    infers = [dst.register("infer", r, 2, rank_worker.zeros(r), rank_worker.INFERENCE, shadow=rank_worker.zeros(r))
+              for r in range(2)]
     assert all(reg.double_buffered for reg in infers)
     src.sync("trainer", "infer", 1)
     with infers[0].reading() as weights:  # the set holding version 1, pinned
