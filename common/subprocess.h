@@ -138,7 +138,6 @@ class Child {
     return status;
   }
 
- private:
   // `name` itself when it holds a '/', else the first executable of that name in $PATH (looked up
   // before fork: the child may only make async-signal-safe calls).
   static std::string findExecutable(const std::string& name) {
@@ -155,6 +154,7 @@ class Child {
     return name;
   }
 
+ private:
   pid_t pid_ = -1;
   int stdin_ = -1;
   int stdout_ = -1;

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "common/strings.h"
+#include "common/tls.h"
 #include "daemon/registry.h"
 
 namespace shardcast::daemon {
@@ -49,37 +50,55 @@ std::shared_ptr<grpc::Channel> PeerSet::channel(const std::string& address) cons
     // Not gRPC's process-wide subchannel pool: a channel made anew after a peer restarted must not
     // inherit a connection to the old process.
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    ch = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    ch = grpc::CreateCustomChannel(address, channelCredentials(config_.tls, &args), args);
   }
   return ch;
 }
 
+std::map<std::string, std::string> PeerSet::knownNodes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return nodes_;
+}
+
 StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
   SC_ASSIGN_OR_RETURN(auto addrs, addresses());
-  std::vector<PeerView> out;
-  std::set<std::string> seen{instance_};
+  std::vector<std::pair<std::string, grpc::Status>> calls;
+  std::vector<v1::DescribeResponse> responses;
   for (const auto& address : addrs) {
     auto stub = v1::Peer::NewStub(channel(address));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms));
-    v1::DescribeResponse resp;
-    const grpc::Status st = stub->Describe(&ctx, v1::DescribeRequest(), &resp);
-    if (st.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    responses.emplace_back();
+    calls.emplace_back(address, stub->Describe(&ctx, v1::DescribeRequest(), &responses.back()));
+    if (calls.back().second.error_code() == grpc::StatusCode::UNAVAILABLE) {
       // A fresh channel next time: a restarted peer is then reached without reconnect backoff.
       std::lock_guard<std::mutex> lock(mu_);
       channels_.erase(address);
     }
+  }
+  {
+    // What each peer says of itself, then what the others know of peers this daemon never reached.
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < calls.size(); ++i)
+      if (calls[i].second.ok()) nodes_[calls[i].first] = responses[i].node();
+    for (size_t i = 0; i < calls.size(); ++i)
+      if (calls[i].second.ok())
+        for (const auto& [address, node] : responses[i].peer_nodes()) nodes_.emplace(address, node);
+  }
+  std::vector<PeerView> out;
+  std::set<std::string> seen{instance_};
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const auto& [address, st] = calls[i];
     // Ourselves listed among the peers, or one daemon under two addresses (IPv4 and IPv6): the
     // same instance. Another daemon with our node name is a different instance: ClusterView
     // refuses the pair.
-    if (st.ok() && !seen.insert(resp.instance()).second) continue;
+    if (st.ok() && !seen.insert(responses[i].instance()).second) continue;
     std::string known;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (st.ok()) nodes_[address] = resp.node();
       if (auto it = nodes_.find(address); it != nodes_.end()) known = strCat(" (node \"", it->second, "\")");
     }
-    out.push_back({address, st.ok() ? StatusOr<v1::DescribeResponse>(std::move(resp))
+    out.push_back({address, st.ok() ? StatusOr<v1::DescribeResponse>(std::move(responses[i]))
                                     : StatusOr<v1::DescribeResponse>(fromGrpc(st, strCat("peer ", address, known)))});
   }
   return out;

@@ -34,6 +34,8 @@ class PeerSet {
   };
   // Describe of every peer other than this node, each within the peer timeout.
   StatusOr<std::vector<PeerView>> describeAll() const;
+  // The peers reached so far: address -> the node each described itself as.
+  std::map<std::string, std::string> knownNodes() const;
   // A cached channel to a daemon (a peer, or this daemon itself).
   std::shared_ptr<grpc::Channel> channel(const std::string& address) const;
 

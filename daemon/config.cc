@@ -17,7 +17,10 @@ std::string DaemonConfig::describe() const {
      << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol
      << " ucx_tcp_segment_kib=" << ucx_tcp_segment_kib << " log_level=" << log_level
      << " peer_timeout_ms=" << peer_timeout_ms << " chunk_mib=" << chunk_mib << " staging_mib=" << staging_mib << " window_mib=" << window_mib << " metrics=" << (metrics.empty() ? "(off)" : metrics)
-     << " sync_lease_ms=" << sync_lease_ms << " shutdown_grace_ms=" << shutdown_grace_ms;
+     << " sync_lease_ms=" << sync_lease_ms << " shutdown_grace_ms=" << shutdown_grace_ms
+     << " tls=" << (tls.enabled() ? strCat("cert:", tls.cert, ",key:", tls.key, ",ca:", tls.ca, ",reload_s:", tls.reload_s) : "(none)")
+     << " insecure=" << (insecure ? "true" : "false")
+     << " client_token_file=" << (client_token_file.empty() ? "(none)" : client_token_file);
   return os.str();
 }
 
@@ -80,6 +83,21 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   app.add_option("--shutdown-grace-ms", c.shutdown_grace_ms,
                  "On SIGTERM: how long syncs and calls in flight get before the daemon aborts them and exits")
       ->envname("SHARDCAST_SHUTDOWN_GRACE_MS")->check(CLI::Range(0, 600000))->capture_default_str();
+  app.add_option("--tls-cert", c.tls.cert, "This daemon's certificate chain (PEM; its DNS names include shardcast-daemon)")
+      ->envname("SHARDCAST_TLS_CERT");
+  app.add_option("--tls-key", c.tls.key, "Its private key (PEM)")->envname("SHARDCAST_TLS_KEY");
+  app.add_option("--tls-ca", c.tls.ca, "The cluster CA: peers' and clients' certificates must chain to it (PEM)")
+      ->envname("SHARDCAST_TLS_CA");
+  app.add_option("--tls-reload-s", c.tls.reload_s, "How often the three TLS files are re-read (rotated certificates)")
+      ->envname("SHARDCAST_TLS_RELOAD_S")->check(CLI::Range(1, 86400))->capture_default_str();
+  app.add_flag("--insecure", c.insecure,
+               "Plaintext TCP: no peer or client is authenticated and anyone reaching --listen can read and write "
+               "registered memory (one trusted host only)")
+      ->envname("SHARDCAST_INSECURE");
+  app.add_option("--client-token-file", c.client_token_file,
+                 "TCP clients may authenticate with this bearer token (first line of the file) instead of a client "
+                 "certificate")
+      ->envname("SHARDCAST_CLIENT_TOKEN_FILE");
   bool print_config = false;
   app.add_flag("--print-config", print_config, "Print the effective configuration and exit");
   try {
@@ -97,6 +115,13 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   if (!c.metrics.empty()) SC_RETURN_IF_ERROR(checkHostPort("--metrics", c.metrics));
   if (!c.peers.empty() && !c.peer_dns.empty()) return absl::InvalidArgumentError("give --peers or --peer-dns, not both");
   if (c.listen.empty() && c.socket.empty()) return absl::InvalidArgumentError("--listen and --socket are both empty");
+  if (c.insecure && c.tls.enabled()) return absl::InvalidArgumentError("give --tls-cert/--tls-key/--tls-ca or --insecure, not both");
+  if (!c.listen.empty() && !c.insecure && !c.tls.enabled())
+    return absl::InvalidArgumentError(
+        "--listen serves peers and remote clients, which must be authenticated: give --tls-cert, --tls-key and --tls-ca "
+        "(scripts/certs.sh mints them), or --insecure for plaintext on a trusted host, or --listen \"\" for one node");
+  if (c.tls.enabled()) SC_RETURN_IF_ERROR(c.tls.check());
+  if (!c.client_token_file.empty()) SC_RETURN_IF_ERROR(readToken(c.client_token_file).status());
   if (print_config) {
     *exit_code = 0;
     *output = c.describe() + "\n";

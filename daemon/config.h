@@ -7,6 +7,7 @@
 
 #include "common/defaults.h"
 #include "common/status.h"
+#include "common/tls.h"
 
 namespace shardcast::daemon {
 
@@ -28,6 +29,9 @@ struct DaemonConfig {
   std::string metrics = kDefaultMetrics;              // Prometheus /metrics host:port ("" = off)
   int sync_lease_ms = 10000;                           // a sync whose coordinator is silent this long is aborted
   int shutdown_grace_ms = 10000;                       // SIGTERM: then abort whatever is left and exit
+  TlsFiles tls;                                        // mutual TLS on the TCP listener and to peers
+  bool insecure = false;                               // plaintext TCP, nobody authenticated (tests on one host)
+  std::string client_token_file;                       // TCP clients may also authenticate with this bearer token
 
   // One line per setting, for the start-up log and `--print-config`.
   std::string describe() const;

@@ -1,5 +1,6 @@
-// shardcastd: the per-node daemon. Serves the Shardcast and Peer services on a Unix socket (local
-// clients, mode 0660) and TCP, with grpc.health.v1 and server reflection; stops on SIGTERM/SIGINT.
+// shardcastd: the per-node daemon. Serves the Shardcast service to local clients on a Unix socket
+// (mode 0660; each connection's uid read with SO_PEERCRED) and both services on TCP with mutual TLS
+// (or plaintext with --insecure), with grpc.health.v1 and server reflection; stops on SIGTERM/SIGINT.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -19,6 +20,8 @@
 #include <thread>
 
 #include "common/logging.h"
+#include "common/tls.h"
+#include "daemon/access.h"
 #include "daemon/config.h"
 #include "daemon/metrics.h"
 #include "daemon/registry.h"
@@ -112,6 +115,7 @@ int main(int argc, char** argv) {
   topts.ucx_tls = config->ucx_tls;
   topts.protocol = config->protocol;
   topts.ucx_tcp_segment_bytes = static_cast<size_t>(config->ucx_tcp_segment_kib) << 10;
+  topts.bounded_writes_only = !config->insecure;
   auto transport = transport::createContext(topts);
   if (!transport.ok()) return fail("transport: " + std::string(transport.status().message()));
   spdlog::info("data plane: {}", (*transport)->describe());
@@ -141,27 +145,48 @@ int main(int argc, char** argv) {
     if (!m.ok()) return fail(std::string(m.status().message()));
     metrics_server = std::move(*m);
   }
-  ShardcastService shardcast(*config, registry, peers, engine, metrics, (*transport)->describe());
-  PeerService peer(registry, engine);
+  std::unique_ptr<LocalListener> local;
+  if (!config->socket.empty()) {
+    auto l = LocalListener::bind(config->socket);
+    if (!l.ok()) return fail(std::string(l.status().message()));
+    local = std::move(*l);
+  }
+  std::string token;
+  if (!config->client_token_file.empty()) {
+    auto t = readToken(config->client_token_file);
+    if (!t.ok()) return fail(std::string(t.status().message()));
+    token = std::move(*t);
+  }
+  const AccessPolicy access(config->insecure, token, local.get());
+  ShardcastService shardcast(*config, access, registry, peers, engine, metrics, (*transport)->describe());
+  PeerService peer(access, registry, peers, engine);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(1 << 30);  // layouts of 1T-parameter models are large
   builder.SetMaxSendMessageSize(1 << 30);
-  if (!config->socket.empty()) {
-    ::unlink(config->socket.c_str());  // a stale socket from a previous run (we hold its lock)
-    builder.AddListeningPort("unix:" + config->socket, grpc::InsecureServerCredentials());
-  }
   int tcp_port = 0;
-  if (!config->listen.empty()) builder.AddListeningPort(config->listen, grpc::InsecureServerCredentials(), &tcp_port);
+  if (!config->listen.empty()) {
+    if (config->insecure)
+      spdlog::warn("--insecure: {} is PLAINTEXT and unauthenticated: anyone who reaches it can register memory, read "
+                   "and write weights and commit versions; use only on one trusted host",
+                   config->listen);
+    builder.AddListeningPort(config->listen,
+                             config->insecure ? grpc::InsecureServerCredentials()
+                                              : serverCredentials(config->tls, /*require_client_cert=*/token.empty()),
+                             &tcp_port);
+  }
   builder.RegisterService(&shardcast);
   builder.RegisterService(&peer);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server) return fail("cannot serve on " + config->listen + " / unix:" + config->socket + " (address in use?)");
+  if (!server) return fail("cannot serve on " + config->listen + " (address in use?)");
   if (!config->listen.empty() && tcp_port == 0) return fail("cannot listen on " + config->listen);
-  if (!config->socket.empty() && ::chmod(config->socket.c_str(), 0660) != 0)
-    return fail("chmod 0660 " + config->socket + ": " + std::strerror(errno));
+  if (local) local->serve(server.get());
+  metrics.serving = true;
+  if (config->tls.enabled())
+    spdlog::info("mutual TLS: certificate {}, CA {} (re-read every {} s); TCP clients need a certificate of the CA{}",
+                 config->tls.cert, config->tls.ca, config->tls.reload_s, token.empty() ? "" : " or the bearer token");
   spdlog::info("serving node \"{}\" on {}{}", config->node, config->listen.empty() ? "" : config->listen + " ",
                config->socket.empty() ? "" : "unix:" + config->socket);
   // Stdout line for supervisors and tests: the daemon is ready.
@@ -180,9 +205,11 @@ int main(int argc, char** argv) {
     if (!socket.empty()) ::unlink(socket.c_str());
     ::_exit(1);
   }).detach();
+  metrics.serving = false;
   shardcast.stop();     // session streams end (their clients re-register with the next daemon)
   registry.shutdown();  // waiting acquires and version waits return
   engine.abortAll("the daemon is shutting down");
+  if (local) local->stop();
   server->Shutdown(std::chrono::system_clock::now() + grace);
   if (!config->socket.empty()) ::unlink(config->socket.c_str());
   server.reset();

@@ -52,6 +52,11 @@ StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string&
   s->server_->Get("/metrics", [&metrics](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics.render(), "text/plain; version=0.0.4");
   });
+  s->server_->Get("/healthz", [&metrics](const httplib::Request&, httplib::Response& res) {
+    const bool up = metrics.serving.load();
+    res.status = up ? 200 : 503;
+    res.set_content(up ? "SERVING\n" : "NOT_SERVING\n", "text/plain");
+  });
   s->port_ = port == 0 ? s->server_->bind_to_any_port(host) : (s->server_->bind_to_port(host, port) ? port : -1);
   if (s->port_ <= 0) return absl::UnavailableError(strCat("metrics: cannot listen on ", host, ":", port));
   s->thread_ = std::thread([srv = s->server_.get()] { srv->listen_after_bind(); });

@@ -1,5 +1,7 @@
 // Prometheus metrics of one daemon, served as text on GET /metrics (cpp-httplib, Debian's
-// libcpp-httplib-dev). Counters are atomics updated by the sync paths; gauges are read on scrape.
+// libcpp-httplib-dev), and GET /healthz for probes that cannot speak TLS (kubelet's gRPC probes
+// are plaintext; the gRPC port is mutual TLS). Counters are atomics updated by the sync paths;
+// gauges are read on scrape.
 #pragma once
 
 #include <atomic>
@@ -23,6 +25,7 @@ struct Metrics {
   std::atomic<uint64_t> sync_micros_sum{0};  // of committed syncs coordinated here
   std::atomic<uint64_t> syncs_expired{0};    // aborted here because their coordinator's lease ran out
   std::atomic<uint64_t> sessions_ended{0};   // client sessions that ended (ranks unregistered)
+  std::atomic<bool> serving{false};          // /healthz: 200 once the gRPC server runs, 503 when stopping
   // Read at scrape time.
   std::function<uint64_t()> registered_bytes, registered_ranks, plan_cache_hits;
   // Registered ranks per state: empty, updating, ready, dirty.

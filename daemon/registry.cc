@@ -6,6 +6,7 @@
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 
+#include <algorithm>
 #include <random>
 
 #include "common/strings.h"
@@ -47,7 +48,7 @@ std::string rankList(const std::vector<int32_t>& ranks) {
 Registry::Registry(std::string node, transport::Context& transport)
     : node_(std::move(node)), instance_(randomInstance()), transport_(transport) {}
 
-StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest& req) {
+StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest& req, const MemoryCaller& caller) {
   const std::string who = strCat("group \"", req.group(), "\" rank ", req.rank());
   if (req.group().empty()) return absl::InvalidArgumentError("register: group is empty");
   if (req.layout().group() != req.group())
@@ -77,7 +78,7 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
       return absl::FailedPreconditionError(strCat(who, ": registers as ", v1::roleName(role), " but the group's other ranks are ",
                                                   v1::roleName(g->second.role)));
   }
-  SC_ASSIGN_OR_RETURN(auto rank, build(req, digest));
+  SC_ASSIGN_OR_RETURN(auto rank, build(req, digest, caller));
   v1::RegisterResponse resp;
   resp.set_layout_digest(digest);
   resp.set_registered_bytes(rank->bytes);
@@ -110,7 +111,8 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   return resp;
 }
 
-StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequest& req, std::string digest) {
+StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequest& req, std::string digest,
+                                                          const MemoryCaller& caller) {
   const std::string who = strCat("group \"", req.group(), "\" rank ", req.rank());
   planner::NodeTable nodes;
   auto layout = planner::resolveLayout(req.layout(), nodes);
@@ -139,12 +141,12 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
   rank->rank = req.rank();
   rank->world = req.world_size();
   rank->digest = std::move(digest);
-  SC_ASSIGN_OR_RETURN(rank->buffers, mapBuffers(who, req.buffers(), needed, held_by));
+  SC_ASSIGN_OR_RETURN(rank->buffers, mapBuffers(who, req.buffers(), needed, held_by, caller));
   if (req.shadow_buffers_size() > 0) {
     // Double-buffered: a second set of the same buffers; syncs write the set not in use.
     if (req.role() == v1::ROLE_SOURCE)
       return absl::InvalidArgumentError(strCat(who, ": only a destination rank is double-buffered (shadow_buffers)"));
-    SC_ASSIGN_OR_RETURN(rank->shadow, mapBuffers(strCat(who, " (shadow)"), req.shadow_buffers(), needed, held_by));
+    SC_ASSIGN_OR_RETURN(rank->shadow, mapBuffers(strCat(who, " (shadow)"), req.shadow_buffers(), needed, held_by, caller));
   }
   for (const auto& set : {&rank->buffers, &rank->shadow})
     for (const auto& b : *set) rank->bytes += b.size;
@@ -153,7 +155,8 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
 
 StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
     const std::string& who, const google::protobuf::RepeatedPtrField<v1::MemoryHandle>& handles,
-    std::map<std::string, int64_t> needed, const std::map<std::string, const planner::TensorLayout*>& held_by) {
+    std::map<std::string, int64_t> needed, const std::map<std::string, const planner::TensorLayout*>& held_by,
+    const MemoryCaller& caller) {
   std::vector<Buffer> out;
   std::map<std::string, const v1::MemoryHandle*> given;
   for (const auto& h : handles) {
@@ -199,7 +202,10 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
   }
   std::map<std::string, std::pair<std::shared_ptr<transport::ShmSegment>, std::shared_ptr<transport::MemoryRegion>>> segments;
   for (const auto& [name, end] : segment_end) {
-    auto seg = transport::ShmSegment::open(name, end);
+    if (std::none_of(std::begin(kShmPrefixes), std::end(kShmPrefixes), [&](const char* p) { return name.rfind(p, 0) == 0; }))
+      return absl::PermissionDeniedError(strCat(who, ": shm segment ", quote(name), " is not named under ",
+                                                strJoin(kShmPrefixes, " or "), " (the names Shardcast's clients and torch use)"));
+    auto seg = transport::ShmSegment::open(name, end, caller.any_owner ? std::nullopt : std::optional<uid_t>(caller.uid));
     if (!seg.ok()) return Status(seg.status().code(), strCat(who, ": ", seg.status().message()));
     auto shared = std::make_shared<transport::ShmSegment>(std::move(*seg));
     transport::makeResident(shared->data(), end, strCat("shm segment \"", name, "\""));

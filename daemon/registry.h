@@ -31,11 +31,22 @@ std::string layoutDigest(const v1::Layout& layout);
 // Versions are below 2^63 (so that every client language holds them in a signed 64-bit integer).
 inline constexpr uint64_t kMaxVersion = uint64_t{1} << 63;
 
+// Who registers memory, as the daemon knows it: a caller on the Unix socket has the uid the kernel
+// reports for its connection (SO_PEERCRED) and may register only shm segments it owns, named
+// under kShmPrefixes. `any_owner`: root, or a --insecure daemon's TCP caller.
+struct MemoryCaller {
+  uid_t uid = 0;
+  bool any_owner = false;
+};
+
+// Names a registered shm segment may have: the clients' own and torch's file_system strategy's.
+inline constexpr const char* kShmPrefixes[] = {"/shardcast", "/torch_"};
+
 class Registry {
  public:
   Registry(std::string node, transport::Context& transport);
 
-  StatusOr<v1::RegisterResponse> registerRank(const v1::RegisterRequest& request);
+  StatusOr<v1::RegisterResponse> registerRank(const v1::RegisterRequest& request, const MemoryCaller& caller);
   // Refused (FAILED_PRECONDITION) while a sync uses the rank: its memory may still be written.
   Status unregisterRank(const std::string& group, int32_t rank);
   std::vector<v1::RankRegistration> list() const;
@@ -154,12 +165,13 @@ class Registry {
     v1::Role role = v1::ROLE_DESTINATION;
   };
 
-  StatusOr<std::unique_ptr<Rank>> build(const v1::RegisterRequest& request, std::string digest);
+  StatusOr<std::unique_ptr<Rank>> build(const v1::RegisterRequest& request, std::string digest, const MemoryCaller& caller);
   // One set of a rank's buffers from its handles, checked against what the layout gives it.
   StatusOr<std::vector<Buffer>> mapBuffers(const std::string& who,
                                            const google::protobuf::RepeatedPtrField<v1::MemoryHandle>& handles,
                                            std::map<std::string, int64_t> needed,
-                                           const std::map<std::string, const planner::TensorLayout*>& held_by);
+                                           const std::map<std::string, const planner::TensorLayout*>& held_by,
+                                           const MemoryCaller& caller);
   v1::RankStatus statusOf(const Rank& r) const;
   Rank* findRank(const std::string& group, int32_t rank) const;
   Status checkSegments(const Rank& r) const;

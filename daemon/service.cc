@@ -18,9 +18,9 @@
 
 namespace shardcast::daemon {
 
-ShardcastService::ShardcastService(const DaemonConfig& config, Registry& registry, PeerSet& peers, SyncEngine& engine,
-                                   Metrics& metrics, std::string transport)
-    : config_(config), registry_(registry), peers_(peers), engine_(engine), metrics_(metrics),
+ShardcastService::ShardcastService(const DaemonConfig& config, const AccessPolicy& access, Registry& registry,
+                                   PeerSet& peers, SyncEngine& engine, Metrics& metrics, std::string transport)
+    : config_(config), access_(access), registry_(registry), peers_(peers), engine_(engine), metrics_(metrics),
       transport_(std::move(transport)) {}
 
 std::string ShardcastService::selfAddress() const {
@@ -87,7 +87,9 @@ uint64_t ShardcastService::newFence() {
   return f;
 }
 
-grpc::Status ShardcastService::Sync(grpc::ServerContext*, const v1::SyncRequest* req, v1::SyncResponse* out) {
+grpc::Status ShardcastService::Sync(grpc::ServerContext* ctx, const v1::SyncRequest* req, v1::SyncResponse* out) {
+  const auto caller = access_.client(*ctx);
+  if (!caller.ok()) return toGrpc(caller.status());
   const grpc::Status st = coordinate(*req, out);
   if (st.ok()) {
     ++metrics_.syncs_ok;
@@ -460,6 +462,8 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& request, v1::Sy
 
 grpc::Status ShardcastService::Watch(grpc::ServerContext* context, const v1::WatchRequest* req,
                                      grpc::ServerWriter<v1::SyncProgress>* writer) {
+  const auto caller = access_.client(*context);
+  if (!caller.ok()) return toGrpc(caller.status());
   const bool known = progress_.watch(req->sync_id(), std::chrono::seconds(5), [&](const v1::SyncProgress& p) {
     return !context->IsCancelled() && writer->Write(p);
   });
@@ -469,7 +473,9 @@ grpc::Status ShardcastService::Watch(grpc::ServerContext* context, const v1::Wat
   return grpc::Status::OK;
 }
 
-grpc::Status ShardcastService::WaitVersion(grpc::ServerContext*, const v1::WaitVersionRequest* req, v1::WaitVersionResponse* out) {
+grpc::Status ShardcastService::WaitVersion(grpc::ServerContext* ctx, const v1::WaitVersionRequest* req, v1::WaitVersionResponse* out) {
+  const auto caller = access_.client(*ctx);
+  if (!caller.ok()) return toGrpc(caller.status());
   auto r = registry_.waitVersion(req->group(), req->version(), std::chrono::milliseconds(req->timeout_ms()));
   if (!r.ok()) return toGrpc(r.status());
   *out = std::move(*r);
@@ -477,6 +483,8 @@ grpc::Status ShardcastService::WaitVersion(grpc::ServerContext*, const v1::WaitV
 }
 
 grpc::Status ShardcastService::Acquire(grpc::ServerContext* context, const v1::AcquireRequest* req, v1::AcquireResponse* out) {
+  const auto caller = access_.client(*context);
+  if (!caller.ok()) return toGrpc(caller.status());
   auto r = registry_.acquire(req->group(), req->rank(), std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 30000),
                              [context] { return context->IsCancelled(); });
   if (!r.ok()) return toGrpc(r.status());
@@ -484,7 +492,9 @@ grpc::Status ShardcastService::Acquire(grpc::ServerContext* context, const v1::A
   return grpc::Status::OK;
 }
 
-grpc::Status ShardcastService::Release(grpc::ServerContext*, const v1::ReleaseRequest* req, v1::ReleaseResponse* out) {
+grpc::Status ShardcastService::Release(grpc::ServerContext* ctx, const v1::ReleaseRequest* req, v1::ReleaseResponse* out) {
+  const auto caller = access_.client(*ctx);
+  if (!caller.ok()) return toGrpc(caller.status());
   auto r = registry_.release(req->group(), req->rank(), req->version());
   if (!r.ok()) return toGrpc(r.status());
   *out->mutable_status() = std::move(*r);
@@ -493,6 +503,8 @@ grpc::Status ShardcastService::Release(grpc::ServerContext*, const v1::ReleaseRe
 
 grpc::Status ShardcastService::Session(grpc::ServerContext* context, const v1::SessionRequest* req,
                                        grpc::ServerWriter<v1::SessionEvent>* writer) {
+  const auto caller = access_.client(*context);
+  if (!caller.ok()) return toGrpc(caller.status());
   const std::string session = registry_.openSession(req->client());
   v1::SessionEvent ev;
   ev.set_session_id(session);
@@ -523,36 +535,52 @@ void ShardcastService::stop() {
   sessions_cv_.notify_all();
 }
 
-grpc::Status PeerService::Prepare(grpc::ServerContext*, const v1::PrepareRequest* req, v1::PrepareResponse* out) {
+grpc::Status PeerService::Describe(grpc::ServerContext* ctx, const v1::DescribeRequest*, v1::DescribeResponse* out) {
+  if (auto allowed = access_.peer(*ctx); !allowed.ok()) return toGrpc(allowed);
+  *out = registry_.describe();
+  for (auto& [address, node] : peers_.knownNodes()) (*out->mutable_peer_nodes())[address] = node;
+  return grpc::Status::OK;
+}
+
+grpc::Status PeerService::Prepare(grpc::ServerContext* ctx, const v1::PrepareRequest* req, v1::PrepareResponse* out) {
+  if (auto allowed = access_.peer(*ctx); !allowed.ok()) return toGrpc(allowed);
   auto r = engine_.prepare(*req);
   if (!r.ok()) return toGrpc(r.status());
   *out = std::move(*r);
   return grpc::Status::OK;
 }
 
-grpc::Status PeerService::Execute(grpc::ServerContext*, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) {
+grpc::Status PeerService::Execute(grpc::ServerContext* ctx, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) {
+  if (auto allowed = access_.peer(*ctx); !allowed.ok()) return toGrpc(allowed);
   auto r = engine_.execute(*req);
   if (!r.ok()) return toGrpc(r.status());
   *out = std::move(*r);
   return grpc::Status::OK;
 }
 
-grpc::Status PeerService::Progress(grpc::ServerContext*, const v1::ProgressRequest* req, v1::ProgressResponse* out) {
+grpc::Status PeerService::Progress(grpc::ServerContext* ctx, const v1::ProgressRequest* req, v1::ProgressResponse* out) {
+  if (auto allowed = access_.peer(*ctx); !allowed.ok()) return toGrpc(allowed);
   auto r = engine_.progress(req->sync_id(), req->fence());
   if (!r.ok()) return toGrpc(r.status());
   *out = std::move(*r);
   return grpc::Status::OK;
 }
 
-grpc::Status PeerService::Finish(grpc::ServerContext*, const v1::FinishRequest* req, v1::FinishResponse* out) {
+grpc::Status PeerService::Finish(grpc::ServerContext* ctx, const v1::FinishRequest* req, v1::FinishResponse* out) {
+  if (auto allowed = access_.peer(*ctx); !allowed.ok()) return toGrpc(allowed);
   auto r = engine_.finish(*req);
   if (!r.ok()) return toGrpc(r.status());
   *out = std::move(*r);
   return grpc::Status::OK;
 }
 
-grpc::Status ShardcastService::Register(grpc::ServerContext*, const v1::RegisterRequest* req, v1::RegisterResponse* out) {
-  auto r = registry_.registerRank(*req);
+grpc::Status ShardcastService::Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req, v1::RegisterResponse* out) {
+  const auto caller = access_.client(*ctx);
+  if (!caller.ok()) return toGrpc(caller.status());
+  if (!caller->local && !access_.insecure())
+    return toGrpc(absl::PermissionDeniedError(strCat(
+        caller->who, ": ranks register over the Unix socket (the daemon checks that the memory is the caller's own)")));
+  auto r = registry_.registerRank(*req, caller->memory(access_.insecure()));
   if (!r.ok()) {
     spdlog::warn("register refused: {}", std::string(r.status().message()));
     return toGrpc(r.status());
@@ -561,7 +589,9 @@ grpc::Status ShardcastService::Register(grpc::ServerContext*, const v1::Register
   return grpc::Status::OK;
 }
 
-grpc::Status ShardcastService::Unregister(grpc::ServerContext*, const v1::UnregisterRequest* req, v1::UnregisterResponse*) {
+grpc::Status ShardcastService::Unregister(grpc::ServerContext* ctx, const v1::UnregisterRequest* req, v1::UnregisterResponse*) {
+  const auto caller = access_.client(*ctx);
+  if (!caller.ok()) return toGrpc(caller.status());
   return toGrpc(registry_.unregisterRank(req->group(), req->rank()));
 }
 
@@ -570,7 +600,9 @@ StatusOr<ClusterView> ShardcastService::cluster() {
   return std::move(c.first);
 }
 
-grpc::Status ShardcastService::List(grpc::ServerContext*, const v1::ListRequest* req, v1::ListResponse* out) {
+grpc::Status ShardcastService::List(grpc::ServerContext* ctx, const v1::ListRequest* req, v1::ListResponse* out) {
+  const auto caller = access_.client(*ctx);
+  if (!caller.ok()) return toGrpc(caller.status());
   for (auto& r : registry_.list()) *out->add_ranks() = std::move(r);
   if (!req->all_nodes()) return grpc::Status::OK;
   auto peers = peers_.describeAll();
@@ -604,7 +636,9 @@ grpc::Status ShardcastService::List(grpc::ServerContext*, const v1::ListRequest*
   return grpc::Status::OK;
 }
 
-grpc::Status ShardcastService::Plan(grpc::ServerContext*, const v1::PlanRequest* req, v1::PlanResponse* out) {
+grpc::Status ShardcastService::Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req, v1::PlanResponse* out) {
+  const auto caller = access_.client(*ctx);
+  if (!caller.ok()) return toGrpc(caller.status());
   auto view = cluster();
   if (!view.ok()) return toGrpc(view.status());
   auto src = view->completeGroup(req->src_group());
@@ -628,7 +662,9 @@ grpc::Status ShardcastService::Plan(grpc::ServerContext*, const v1::PlanRequest*
   return grpc::Status::OK;
 }
 
-grpc::Status ShardcastService::Status(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse* out) {
+grpc::Status ShardcastService::Status(grpc::ServerContext* ctx, const v1::StatusRequest*, v1::StatusResponse* out) {
+  const auto caller = access_.client(*ctx);
+  if (!caller.ok()) return toGrpc(caller.status());
   out->set_node(config_.node);
   out->set_version(kShardcastVersion);
   out->set_transport(transport_);

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <random>
 
+#include "daemon/access.h"
 #include "daemon/cluster.h"
 #include "daemon/config.h"
 #include "daemon/progress.h"
@@ -19,8 +20,8 @@ namespace shardcast::daemon {
 
 class ShardcastService final : public v1::Shardcast::Service {
  public:
-  ShardcastService(const DaemonConfig& config, Registry& registry, PeerSet& peers, SyncEngine& engine,
-                   Metrics& metrics, std::string transport);
+  ShardcastService(const DaemonConfig& config, const AccessPolicy& access, Registry& registry, PeerSet& peers,
+                   SyncEngine& engine, Metrics& metrics, std::string transport);
 
   grpc::Status Sync(grpc::ServerContext*, const v1::SyncRequest*, v1::SyncResponse*) override;
   grpc::Status coordinate(const v1::SyncRequest& req, v1::SyncResponse* out);
@@ -52,6 +53,7 @@ class ShardcastService final : public v1::Shardcast::Service {
   std::string selfAddress() const;
 
   const DaemonConfig& config_;
+  const AccessPolicy& access_;
   Registry& registry_;
   PeerSet& peers_;
   SyncEngine& engine_;
@@ -69,18 +71,18 @@ class ShardcastService final : public v1::Shardcast::Service {
 
 class PeerService final : public v1::Peer::Service {
  public:
-  PeerService(Registry& registry, SyncEngine& engine) : registry_(registry), engine_(engine) {}
-  grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse* out) override {
-    *out = registry_.describe();
-    return grpc::Status::OK;
-  }
+  PeerService(const AccessPolicy& access, Registry& registry, const PeerSet& peers, SyncEngine& engine)
+      : access_(access), registry_(registry), peers_(peers), engine_(engine) {}
+  grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse* out) override;
   grpc::Status Prepare(grpc::ServerContext*, const v1::PrepareRequest* req, v1::PrepareResponse* out) override;
   grpc::Status Execute(grpc::ServerContext*, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) override;
   grpc::Status Finish(grpc::ServerContext*, const v1::FinishRequest* req, v1::FinishResponse*) override;
   grpc::Status Progress(grpc::ServerContext*, const v1::ProgressRequest* req, v1::ProgressResponse* out) override;
 
  private:
+  const AccessPolicy& access_;
   Registry& registry_;
+  const PeerSet& peers_;
   SyncEngine& engine_;
 };
 

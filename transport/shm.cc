@@ -107,7 +107,7 @@ StatusOr<ShmSegment> ShmSegment::create(const std::string& name, size_t size, bo
   return ShmSegment(name, p, size, unlink_on_close);
 }
 
-StatusOr<ShmSegment> ShmSegment::open(const std::string& name, size_t size) {
+StatusOr<ShmSegment> ShmSegment::open(const std::string& name, size_t size, std::optional<uid_t> owner) {
   SC_RETURN_IF_ERROR(checkName(name));
   const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0) return errnoStatus(strCat("shm_open(\"", name, "\")"), errno);
@@ -116,6 +116,11 @@ StatusOr<ShmSegment> ShmSegment::open(const std::string& name, size_t size) {
     const int err = errno;
     ::close(fd);
     return errnoStatus(strCat("fstat(\"", name, "\")"), err);
+  }
+  if (owner && st.st_uid != *owner) {
+    ::close(fd);
+    return absl::PermissionDeniedError(strCat("shm segment ", quote(name), " belongs to uid ", st.st_uid, ", not to uid ",
+                                              *owner, " (a rank registers only its own memory)"));
   }
   if (static_cast<size_t>(st.st_size) < size) {
     ::close(fd);

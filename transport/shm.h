@@ -3,7 +3,10 @@
 // the name unlinked when this object created it with unlink_on_close.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
+#include <optional>
 #include <string>
 
 #include "common/status.h"
@@ -27,7 +30,9 @@ class ShmSegment {
   static StatusOr<ShmSegment> create(const std::string& name, size_t size, bool unlink_on_close = true);
   // Maps an existing segment, which must be at least `size` bytes, with its pages mapped in at
   // once (MAP_POPULATE).
-  static StatusOr<ShmSegment> open(const std::string& name, size_t size);
+  // `owner`: the segment must belong to this uid (PERMISSION_DENIED otherwise; checked on the
+  // opened descriptor, so a segment swapped after the check is not the one mapped).
+  static StatusOr<ShmSegment> open(const std::string& name, size_t size, std::optional<uid_t> owner = std::nullopt);
 
   ShmSegment(ShmSegment&& other) noexcept;
   ShmSegment& operator=(ShmSegment&& other) noexcept;

@@ -95,6 +95,11 @@ struct TransportOptions {
   // How writes travel: "put" (RMA + flush), "am" (active messages into registered memory, acked),
   // or "auto": am when the transports are TCP only (UCX 1.13's TCP put is ~4x slower), else put.
   std::string protocol = "auto";
+  // Only writes the target can bound to the region it registered: put only over transports whose
+  // hardware checks the remote key (InfiniBand/RoCE rc/dc, CUDA IPC), never over tcp, cma or
+  // shared memory, where UCX's emulated RMA writes wherever an address and key point. "auto" then
+  // picks am elsewhere and an explicit "put" is an error. Daemons set it unless run --insecure.
+  bool bounded_writes_only = false;
   // UCX over TCP: the segment size (UCX_TCP_RX_SEG_SIZE), which bounds each fragment a large write
   // travels in, one sendmsg(2) per fragment. UCX's default of 64 KiB makes 16x the system calls of
   // 1 MiB, and each one traps under virtualisation. 0 keeps UCX's own; an explicit

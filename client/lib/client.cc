@@ -134,7 +134,18 @@ uint64_t Client::reconnects() const {
   return session_->reconnects;
 }
 
+std::string ConnectOptions::tokenFileFromEnv() {
+  const char* f = std::getenv("SHARDCAST_TOKEN_FILE");
+  return f ? f : "";
+}
+
 StatusOr<Client> Client::connect(const std::string& target, std::chrono::milliseconds connect_timeout) {
+  ConnectOptions options;
+  options.timeout = connect_timeout;
+  return connect(target, options);
+}
+
+StatusOr<Client> Client::connect(const std::string& target, const ConnectOptions& options) {
   const std::string t = normalizeTarget(target);
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);  // plan summaries of very large models
@@ -143,9 +154,20 @@ StatusOr<Client> Client::connect(const std::string& target, std::chrono::millise
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // not a connection another channel left to an old daemon
-  auto channel = grpc::CreateCustomChannel(t, grpc::InsecureChannelCredentials(), args);
-  if (!channel->WaitForConnected(std::chrono::system_clock::now() + connect_timeout))
-    return absl::UnavailableError(strCat("shardcastd at \"", t, "\" is not reachable (is the daemon running? set --daemon or SHARDCAST_ADDRESS)"));
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (t.rfind("unix:", 0) != 0 && (options.tls.enabled() || !options.token_file.empty())) {
+    SC_RETURN_IF_ERROR(options.tls.checkClient());
+    std::string token;
+    if (!options.token_file.empty()) {
+      SC_ASSIGN_OR_RETURN(token, readToken(options.token_file));
+    }
+    credentials = channelCredentials(options.tls, &args, token);
+  }
+  auto channel = grpc::CreateCustomChannel(t, credentials, args);
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + options.timeout))
+    return absl::UnavailableError(strCat("shardcastd at \"", t, "\" is not reachable (is the daemon running? set --daemon or ",
+                                         "SHARDCAST_ADDRESS; over TCP a daemon needs SHARDCAST_TLS_CA and a client ",
+                                         "certificate or token, see docs/security.md)"));
   return Client(t, std::shared_ptr<v1::Shardcast::Stub>(v1::Shardcast::NewStub(channel)));
 }
 

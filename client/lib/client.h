@@ -14,6 +14,7 @@
 
 #include "client/lib/host_tensors.h"
 #include "common/status.h"
+#include "common/tls.h"
 #include "proto/shardcast/v1/names.h"
 #include "shardcast/v1/service.grpc.pb.h"
 
@@ -73,12 +74,25 @@ class WatchCancel {
   bool cancelled_ = false;
 };
 
+// How a client reaches a daemon over TCP (the Unix socket needs none of it: the kernel vouches for
+// local callers). Defaults from the environment: SHARDCAST_TLS_CA (the cluster CA), with
+// SHARDCAST_TLS_CERT and SHARDCAST_TLS_KEY (a client certificate) or SHARDCAST_TOKEN_FILE (the
+// daemon's --client-token-file). Without them a TCP channel is plaintext (--insecure daemons).
+struct ConnectOptions {
+  std::chrono::milliseconds timeout{5000};
+  TlsFiles tls = TlsFiles::fromEnv();
+  std::string token_file = tokenFileFromEnv();
+
+  static std::string tokenFileFromEnv();
+};
+
 class Client {
  public:
   // A client of the daemon at `target`; fails with UNAVAILABLE (naming the target) when the daemon
   // does not answer within `connect_timeout`.
   static StatusOr<Client> connect(const std::string& target = defaultDaemonTarget(),
                                   std::chrono::milliseconds connect_timeout = std::chrono::seconds(5));
+  static StatusOr<Client> connect(const std::string& target, const ConnectOptions& options);
 
   const std::string& target() const { return target_; }
 

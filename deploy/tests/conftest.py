@@ -63,3 +63,25 @@ def render(directory: Path) -> List[dict]:
 
 def by_kind(objects: List[dict], kind: str) -> Dict[str, dict]:
     return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+#: Where the manifests and the systemd unit mount the daemon's TLS identity (cert-manager's names).
+TLS_DIR = "/etc/shardcast/tls"
+
+
+@pytest.fixture(scope="session")
+def local_tls(tmp_path_factory) -> Path:
+    """A directory laid out as TLS_DIR is in a pod (tls.crt, tls.key, ca.crt), minted here by
+    scripts/certs.sh, so that the shipped command lines run on this machine."""
+    minted = tmp_path_factory.mktemp("certs")
+    subprocess.run(["bash", str(ROOT / "scripts" / "certs.sh"), str(minted)], check=True, capture_output=True)
+    layout = tmp_path_factory.mktemp("tls")
+    for src, dst in (("daemon.pem", "tls.crt"), ("daemon.key", "tls.key"), ("ca.pem", "ca.crt"),
+                     ("client.pem", "client.crt"), ("client.key", "client.key")):
+        (layout / dst).write_bytes((minted / src).read_bytes())
+    return layout
+
+
+def localize(value: str, tls: Path) -> str:
+    """`value` with the pod's TLS directory replaced by this machine's copy."""
+    return value.replace(TLS_DIR, str(tls))

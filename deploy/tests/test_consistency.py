@@ -13,11 +13,11 @@ from typing import Dict, List
 import pytest
 
 import shardcast
-from conftest import DEPLOY, K8S, ROOT, binary, by_kind, render
+from conftest import DEPLOY, K8S, ROOT, TLS_DIR, binary, by_kind, localize, render
 
 import yaml
 
-OVERLAYS = [K8S / "base", K8S / "overlays" / "dev", K8S / "overlays" / "rdma"]
+OVERLAYS = [K8S / "base", K8S / "overlays" / "dev", K8S / "overlays" / "rdma", K8S / "overlays" / "cert-manager"]
 
 
 def default_socket_of_the_cpp_clients() -> str:
@@ -25,7 +25,7 @@ def default_socket_of_the_cpp_clients() -> str:
     return re.search(r'kDefaultSocket = "([^"]+)"', text).group(1)
 
 
-SHIPPED = ["base", "dev", "rdma", "native-sidecar"]
+SHIPPED = ["base", "dev", "rdma", "cert-manager", "native-sidecar"]
 
 
 def daemon_container(where: str) -> tuple:
@@ -87,11 +87,20 @@ def test_flags_env_ports_probes_and_socket_match_the_daemon(kubectl, daemon_flag
     assert int(args["metrics"].rsplit(":", 1)[1]) == ports["metrics"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         if probe in container:
-            grpc_probe = container[probe]["grpc"]
-            assert grpc_probe["port"] == ports["grpc"], f"{where}: {probe} checks another port"
-            # The daemon serves grpc.health.v1 for the whole server (service ""), which is what a
-            # probe without `service` asks; test_daemonset_daemon checks that live.
-            assert grpc_probe.get("service", "") == ""
+            # The gRPC port is mutual TLS, which kubelet's gRPC probes cannot speak: /healthz on the
+            # metrics port (test_daemonset_daemon asks it live).
+            http = container[probe]["httpGet"]
+            assert http["path"] == "/healthz", f"{where}: {probe}"
+            assert http["port"] in ("metrics", ports["metrics"]), f"{where}: {probe} checks another port"
+
+    # Mutual TLS: the identity comes from the Secret the cert-manager overlay issues.
+    assert "insecure" not in args, f"{where}: shipped daemons authenticate their peers"
+    for flag, name in (("tls-cert", "tls.crt"), ("tls-key", "tls.key"), ("tls-ca", "ca.crt")):
+        assert args[flag] == f"{TLS_DIR}/{name}", f"{where}: --{flag}"
+    tls_mount = next(m for m in container["volumeMounts"] if m["mountPath"] == TLS_DIR)
+    assert tls_mount.get("readOnly") is True
+    tls_volume = next(v for v in pod["volumes"] if v["name"] == tls_mount["name"])
+    assert tls_volume["secret"]["secretName"] == "shardcastd-tls"
 
     socket = args["socket"]
     assert socket == default_socket_of_the_cpp_clients() == shardcast.DEFAULT_SOCKET
@@ -124,11 +133,11 @@ def test_services_select_the_daemon_pods(kubectl, overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
-def test_the_daemon_accepts_each_overlays_configuration(kubectl, overlay):
+def test_the_daemon_accepts_each_overlays_configuration(kubectl, overlay, local_tls):
     objects = render(overlay)
     container = by_kind(objects, "DaemonSet")["shardcastd"]["spec"]["template"]["spec"]["containers"][0]
     env = env_of(container, objects)
-    args = [expand(a, env) for a in container["args"]]
+    args = [localize(expand(a, env), local_tls) for a in container["args"]]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SHARDCAST_")}
     r = subprocess.run([binary("shardcastd"), *args, "--print-config"], env={**clean, **env}, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -155,10 +164,12 @@ def test_workload_examples_use_the_daemons_socket_and_group():
             assert volumes[mounts["/dev/shm"]]["hostPath"]["path"] == "/dev/shm"
 
 
-def test_systemd_unit(daemon_flags, tmp_path):
+def test_systemd_unit(daemon_flags, tmp_path, local_tls):
     unit = (DEPLOY / "systemd" / "shardcastd.service").read_text()
     env_file = DEPLOY / "systemd" / "shardcastd.env"
     env = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if line and not line.startswith("#"))
+    assert env["SHARDCAST_TLS_CERT"].startswith(TLS_DIR) and "SHARDCAST_INSECURE" not in env
+    env = {k: localize(v, local_tls) for k, v in env.items()}
     assert set(env) <= daemon_flags.envs
     assert env["SHARDCAST_SOCKET"] == shardcast.DEFAULT_SOCKET
     assert "RuntimeDirectory=shardcast" in unit  # /run/shardcast, where the socket goes

@@ -6,6 +6,9 @@ or a missing required field is an error. Kustomization directories are rendered 
 
     validate.py [--kubernetes-version 1.30] FILE_OR_KUSTOMIZATION_DIR...
 
+cert-manager's Issuer and Certificate (a CRD, not in Kubernetes' schemas) are checked against the
+subset of cert-manager.io/v1 the manifests use: known fields only, required ones present.
+
 Prints one line per problem on stderr and a summary on stdout; exit status 1 when anything is
 invalid, 2 on bad usage."""
 
@@ -27,6 +30,48 @@ KUBERNETES_VERSION = "1.30"
 
 class RenderError(Exception):
     pass
+
+
+#: cert-manager.io/v1 fields the manifests may use, per kind: {field: nested spec or None}; "!"
+#: marks a required field. Anything else is an error, as with Kubernetes' strict schemas.
+_KEY_USAGES = {"digital signature", "key encipherment", "server auth", "client auth", "cert sign", "crl sign"}
+_ISSUER_REF = {"!name": None, "kind": None, "group": None}
+CERT_MANAGER = {
+    "Issuer": {"selfSigned": {}, "ca": {"!secretName": None}},
+    "Certificate": {
+        "!secretName": None, "!issuerRef": _ISSUER_REF, "commonName": None, "dnsNames": None, "isCA": None,
+        "duration": None, "renewBefore": None, "usages": None,
+        "privateKey": {"algorithm": None, "size": None, "rotationPolicy": None, "encoding": None},
+    },
+}
+
+
+def _spec_problem(spec, allowed: dict, where: str) -> str:
+    if not isinstance(spec, dict):
+        return f"{where}: expected a mapping"
+    names = {k.lstrip("!"): (k.startswith("!"), v) for k, v in allowed.items()}
+    for key in spec:
+        if key not in names:
+            return f"{where}.{key}: unknown field"
+    for key, (required, nested) in names.items():
+        if required and key not in spec:
+            return f"{where}: '{key}' is a required property"
+        if key in spec and nested:
+            found = _spec_problem(spec[key], nested, f"{where}.{key}")
+            if found:
+                return found
+    return ""
+
+
+def cert_manager_problem(doc: dict) -> str:
+    spec = doc.get("spec") or {}
+    if doc["kind"] == "Issuer" and len(spec) != 1:
+        return ".spec: an Issuer has exactly one of selfSigned or ca"
+    found = _spec_problem(spec, CERT_MANAGER[doc["kind"]], ".spec")
+    if found:
+        return found
+    unknown = set(spec.get("usages", [])) - _KEY_USAGES
+    return f".spec.usages: unknown usages {sorted(unknown)}" if unknown else ""
 
 
 def render(directory: Path) -> List[dict]:
@@ -59,6 +104,8 @@ def problem(doc: dict, version: str = KUBERNETES_VERSION) -> str:
     """Why `doc` is not a valid object of Kubernetes `version`, or "" when it is."""
     if doc.get("kind") == "Kustomization":
         return ""  # kubectl kustomize checks these when it renders them
+    if doc.get("apiVersion") == "cert-manager.io/v1" and doc.get("kind") in CERT_MANAGER:
+        return cert_manager_problem(doc)
     try:
         kubernetes_validate.validate(doc, version, strict=True)
     except kubernetes_validate.SchemaNotFoundError:

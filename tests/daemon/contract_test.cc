@@ -118,7 +118,7 @@ struct Pair {
   // Phase by phase, as a coordinator: prepare on both, execute on n0 (which sends every byte).
   std::vector<std::unique_ptr<v1::Peer::Stub>> peers() {
     std::vector<std::unique_ptr<v1::Peer::Stub>> out;
-    for (auto& d : daemons) out.push_back(v1::Peer::NewStub(grpc::CreateChannel(d->address(), grpc::InsecureChannelCredentials())));
+    for (auto& d : daemons) out.push_back(d->peer());
     return out;
   }
   v1::ExecuteRequest prepare(const std::string& id, uint64_t version, uint32_t lease_ms = 0) {
@@ -452,7 +452,7 @@ TEST_CASE("sessions: a client's ranks end with it (segments unlinked) - the C++ 
   v1::SessionEvent ev;
   REQUIRE(reader->Read(&ev));
   CHECK(ev.node() == "n1");
-  const std::string name = "/sc-contract-" + std::to_string(::getpid()) + "-session";
+  const std::string name = "/shardcast-contract-" + std::to_string(::getpid()) + "-session";
   auto seg = transport::ShmSegment::create(name, 4096, /*unlink_on_close=*/false);
   REQUIRE(seg.ok());
   const char* one = R"({"group":"solo","mesh":{"shape":[1]},"nodes":["n1"],"tensors":[

@@ -31,7 +31,7 @@ v1::Layout layout(const std::string& group, int shard_dim) {
 struct Segment {
   transport::ShmSegment seg;
   explicit Segment(const std::string& tag, size_t size = 4096)
-      : seg(*transport::ShmSegment::create("/sc-dtest-" + std::to_string(::getpid()) + "-" + tag, size)) {}
+      : seg(*transport::ShmSegment::create("/shardcast-dtest-" + std::to_string(::getpid()) + "-" + tag, size)) {}
 };
 
 v1::RegisterRequest request(const std::string& group, int rank, const v1::Layout& l, const Segment& s,
@@ -81,12 +81,29 @@ TEST_CASE("shardcastd serves health, status and a 0660 Unix socket", "[daemon]")
 TEST_CASE("shardcastd flags: environment variables, validation, exit codes", "[daemon]") {
   Child bad = Child::spawn({SHARDCASTD_PATH, "--protocol", "bogus"});
   CHECK(WEXITSTATUS(bad.wait()) == 2);
-  Child print = Child::spawn({"env", "SHARDCAST_NODE=from-env", "SHARDCAST_PEERS=a:1,b:2", SHARDCASTD_PATH, "--print-config"});
+  Child print = Child::spawn(
+      {"env", "SHARDCAST_NODE=from-env", "SHARDCAST_PEERS=a:1,b:2", "SHARDCAST_INSECURE=true", SHARDCASTD_PATH, "--print-config"});
   const std::string line = print.readLine(std::chrono::seconds(10));
   CHECK_THAT(line, Catch::Contains("node=from-env") && Catch::Contains("peers=a:1,b:2"));
   CHECK(WEXITSTATUS(print.wait()) == 0);
   Child bad_peer = Child::spawn({SHARDCASTD_PATH, "--peers", "nohostport", "--socket", ""});
   CHECK(WEXITSTATUS(bad_peer.wait()) == 2);
+  // TCP is authenticated: without certificates (or --insecure) a daemon that listens does not start.
+  // (sh merges the daemon's stderr into the pipe read here.)
+  const auto withStderr = [](std::vector<std::string> args) {
+    args.insert(args.begin(), {"sh", "-c", "exec \"$0\" \"$@\" 2>&1", SHARDCASTD_PATH});
+    return Child::spawn(args);
+  };
+  Child plaintext = withStderr({"--node", "x", "--socket", ""});
+  CHECK_THAT(plaintext.readLine(std::chrono::seconds(10)), Catch::Contains("--tls-cert"));
+  CHECK(WEXITSTATUS(plaintext.wait()) == 2);
+  Child both = withStderr({"--insecure", "--tls-ca", "/etc/hostname", "--print-config"});
+  CHECK_THAT(both.readLine(std::chrono::seconds(10)), Catch::Contains("not both"));
+  CHECK(WEXITSTATUS(both.wait()) == 2);
+  Child missing = withStderr({"--tls-cert", "/nonexistent.pem", "--tls-key", "/etc/hostname", "--tls-ca", "/etc/hostname",
+                              "--print-config"});
+  CHECK_THAT(missing.readLine(std::chrono::seconds(10)), Catch::Contains("/nonexistent.pem"));
+  CHECK(WEXITSTATUS(missing.wait()) == 2);
   Child help = Child::spawn({SHARDCASTD_PATH, "--help"});
   CHECK_THAT(help.readLine(std::chrono::seconds(10)), Catch::Contains("shardcastd"));
   CHECK(WEXITSTATUS(help.wait()) == 0);
@@ -124,7 +141,7 @@ TEST_CASE("registration is validated against the layout and the node", "[daemon]
   CHECK_THAT(st.error_message(), Catch::Contains("buffer \"bias\" is not a buffer this rank holds"));
 
   auto no_segment = request("trainer", 0, trainer, s0);
-  no_segment.mutable_buffers(0)->mutable_shm()->set_name("/sc-no-such-segment");
+  no_segment.mutable_buffers(0)->mutable_shm()->set_name("/shardcast-no-such-segment");
   st = registerRank(*stub, no_segment);
   CHECK(st.error_code() == grpc::StatusCode::NOT_FOUND);
 

@@ -74,7 +74,7 @@ TEST_CASE("a daemon fed lying notifications fails the sync and stays up", "[daem
     d.push_back(allocateRank(dst, r, "notify-d" + std::to_string(r)));
     REQUIRE(n1.client()->Register(ctx().get(), registerRequest(dst_proto, r, 2, d[r]), &resp).ok());
   }
-  auto peer1 = v1::Peer::NewStub(Daemon::channel(n1.address()));
+  auto peer1 = n1.peer();
   v1::DescribeResponse described;
   REQUIRE(peer1->Describe(ctx().get(), v1::DescribeRequest(), &described).ok());
   const v1::PrepareRequest prep = prepareRequest("lied-to", src_proto, dst_proto, 1, 99);

@@ -275,7 +275,7 @@ TEST_CASE("concurrent syncs: same group refused, different groups together - a s
     });
 
   // A sync holds its destination group on every daemon from prepare to finish.
-  auto peer = v1::Peer::NewStub(grpc::CreateChannel(cluster.daemons[0]->address(), grpc::InsecureChannelCredentials()));
+  auto peer = cluster.daemons[0]->peer();
   v1::PrepareRequest prep;
   prep.set_sync_id("held");
   *prep.mutable_src() = src_proto;
@@ -497,7 +497,7 @@ TEST_CASE("Peer.Progress: a daemon's bytes while its part of a sync runs, cumula
   exec.set_sync_id("by-hand");
   exec.set_timeout_ms(30000);
   for (int i = 0; i < 3; ++i) {
-    peers.push_back(v1::Peer::NewStub(grpc::CreateChannel(cluster.daemons[i]->address(), grpc::InsecureChannelCredentials())));
+    peers.push_back(cluster.daemons[i]->peer());
     v1::DescribeResponse described;
     REQUIRE(peers[i]->Describe(ctx().get(), v1::DescribeRequest(), &described).ok());
     v1::PrepareRequest prep;

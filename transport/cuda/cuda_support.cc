@@ -94,24 +94,11 @@ std::string cudaUnavailableReason() {
   return n == 0 ? "no CUDA device" : "";
 }
 
-StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaIpcHandle(const std::string& handle, size_t size, int device) {
-  if (handle.size() != sizeof(cudaIpcMemHandle_t))
-    return absl::InvalidArgumentError(strCat("CUDA IPC handle of ", handle.size(), " bytes (expected ", sizeof(cudaIpcMemHandle_t), ")"));
-  SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaSetDevice(", device, ")"), cudaSetDevice(device)));
-  cudaIpcMemHandle_t h;
-  std::memcpy(&h, handle.data(), sizeof(h));
-  void* p = nullptr;
-  SC_RETURN_IF_ERROR(cudaStatus("cudaIpcOpenMemHandle", cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess)));
-  return std::unique_ptr<CudaIpcMapping>(std::make_unique<IpcMapping>(p, size));
-}
+namespace {
 
-StatusOr<ExportedCudaIpc> exportCudaIpcHandle(const void* device_ptr) {
-  cudaPointerAttributes attr{};
-  SC_RETURN_IF_ERROR(cudaStatus("cudaPointerGetAttributes", cudaPointerGetAttributes(&attr, device_ptr)));
-  if (attr.type != cudaMemoryTypeDevice)
-    return absl::InvalidArgumentError("a CUDA IPC handle needs device memory from cudaMalloc (this pointer is not)");
-  // The runtime has no call for an allocation's base; take the driver's through the runtime so
-  // that the daemon never links libcuda directly.
+// The allocation holding `ptr`: its base and size (the driver's cuMemGetAddressRange, reached
+// through the runtime so that the daemon never links libcuda directly).
+StatusOr<std::pair<unsigned long long, size_t>> allocationRange(const void* ptr) {
   using GetAddressRange = int (*)(unsigned long long*, size_t*, unsigned long long);
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found{};
@@ -120,9 +107,41 @@ StatusOr<ExportedCudaIpc> exportCudaIpcHandle(const void* device_ptr) {
   if (fn == nullptr || found != cudaDriverEntryPointSuccess) return absl::InternalError("cuMemGetAddressRange is not available");
   unsigned long long base = 0;
   size_t size = 0;
-  const unsigned long long ptr = reinterpret_cast<uintptr_t>(device_ptr);
-  if (const int rc = reinterpret_cast<GetAddressRange>(fn)(&base, &size, ptr); rc != 0)
+  if (const int rc = reinterpret_cast<GetAddressRange>(fn)(&base, &size, reinterpret_cast<uintptr_t>(ptr)); rc != 0)
     return absl::InternalError(strCat("cuMemGetAddressRange: CUresult ", rc));
+  return std::make_pair(base, size);
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaIpcHandle(const std::string& handle, size_t size, int device) {
+  if (handle.size() != sizeof(cudaIpcMemHandle_t))
+    return absl::InvalidArgumentError(strCat("CUDA IPC handle of ", handle.size(), " bytes (expected ", sizeof(cudaIpcMemHandle_t), ")"));
+  SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaSetDevice(", device, ")"), cudaSetDevice(device)));
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  void* p = nullptr;
+  SC_RETURN_IF_ERROR(cudaStatus("cudaIpcOpenMemHandle", cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess)));
+  // The bytes a registration claims must exist: the allocation behind the handle is at least
+  // `size` long (a smaller one would let syncs read and write past it).
+  auto range = allocationRange(p);
+  if (!range.ok() || range->second < size) {
+    cudaIpcCloseMemHandle(p);
+    if (!range.ok()) return range.status();
+    return absl::InvalidArgumentError(strCat("CUDA IPC handle: the allocation has ", range->second, " bytes but ", size,
+                                             " are registered in it"));
+  }
+  return std::unique_ptr<CudaIpcMapping>(std::make_unique<IpcMapping>(p, size));
+}
+
+StatusOr<ExportedCudaIpc> exportCudaIpcHandle(const void* device_ptr) {
+  cudaPointerAttributes attr{};
+  SC_RETURN_IF_ERROR(cudaStatus("cudaPointerGetAttributes", cudaPointerGetAttributes(&attr, device_ptr)));
+  if (attr.type != cudaMemoryTypeDevice)
+    return absl::InvalidArgumentError("a CUDA IPC handle needs device memory from cudaMalloc (this pointer is not)");
+  SC_ASSIGN_OR_RETURN(const auto range, allocationRange(device_ptr));
+  const unsigned long long ptr = reinterpret_cast<uintptr_t>(device_ptr);
+  const unsigned long long base = range.first;
   SC_RETURN_IF_ERROR(cudaStatus("cudaSetDevice", cudaSetDevice(attr.device)));
   cudaIpcMemHandle_t h;
   SC_RETURN_IF_ERROR(cudaStatus("cudaIpcGetMemHandle", cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base))));

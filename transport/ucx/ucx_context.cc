@@ -744,15 +744,19 @@ class UcxContext final : public Context {
       data = attr.address;
     }
     auto region = std::make_shared<UcxRegion>(engine_->core(), engine_->regions(), data, size, kind, memh);
-    void* rkey_buf = nullptr;
-    size_t rkey_len = 0;
-    st = ucp_rkey_pack(engine_->core()->ctx, memh, &rkey_buf, &rkey_len);
-    if (st != UCS_OK) return statusFromUcs("ucp_rkey_pack", st);
     RemoteRegion remote;
     remote.base = reinterpret_cast<uint64_t>(data);
     remote.size = size;
-    remote.rkey.assign(static_cast<char*>(rkey_buf), rkey_len);
-    ucp_rkey_buffer_release(rkey_buf);
+    // A remote key is what lets a peer write here without us: packed only when writes are puts
+    // (active messages land through our own handler, which checks every range).
+    if (engine_->protocol() == "put") {
+      void* rkey_buf = nullptr;
+      size_t rkey_len = 0;
+      st = ucp_rkey_pack(engine_->core()->ctx, memh, &rkey_buf, &rkey_len);
+      if (st != UCS_OK) return statusFromUcs("ucp_rkey_pack", st);
+      remote.rkey.assign(static_cast<char*>(rkey_buf), rkey_len);
+      ucp_rkey_buffer_release(rkey_buf);
+    }
     region->setRemote(std::move(remote));
     engine_->regions()->add(region);
     return std::shared_ptr<MemoryRegion>(region);
@@ -808,6 +812,17 @@ bool mayUseTcp(const std::string& tls) {
 }
 
 }  // namespace
+
+bool putIsBounded(const std::string& tls) {
+  const TlsList l = parseTls(tls);
+  if (l.empty() || l.exclude) return false;  // UCX's default set includes tcp and cma
+  for (const auto& item : l.items) {
+    const bool hardware = item.rfind("rc", 0) == 0 || item.rfind("dc", 0) == 0 || item == "ib" ||
+                          item.rfind("cuda", 0) == 0 || item == "gdr_copy" || item == "self";
+    if (!hardware) return false;
+  }
+  return true;
+}
 
 const char* autoProtocolFor(const std::string& tls) {
   const TlsList l = parseTls(tls);
@@ -870,7 +885,17 @@ StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& opti
   st = ucp_worker_create(core->ctx, &wp, &worker);
   if (st != UCS_OK) return statusFromUcs("ucp_worker_create", st);
 
-  const std::string protocol = options.protocol == "auto" ? autoProtocolFor(tls) : options.protocol;
+  std::string protocol = options.protocol == "auto" ? autoProtocolFor(tls) : options.protocol;
+  if (options.bounded_writes_only && protocol == "put" && !putIsBounded(tls)) {
+    if (options.protocol == "put") {
+      ucp_worker_destroy(worker);
+      return absl::InvalidArgumentError(strCat(
+          "protocol put over UCX_TLS=", tls.empty() ? "(default)" : tls,
+          ": these transports cannot bound a peer's writes to the registered region (tcp, cma and shared memory "
+          "emulate RMA); use am, or rc/dc verbs, or accept it explicitly (shardcastd --insecure)"));
+    }
+    protocol = "am";
+  }
   auto engine = std::make_shared<UcxEngine>(options, core, worker, protocol, hasNetworkTransport(tls));
   SC_RETURN_IF_ERROR(engine->start());
   auto ctx = std::make_unique<UcxContext>(std::move(engine), tls, tcp_segment, cuda);

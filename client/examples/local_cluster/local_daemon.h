@@ -1,6 +1,7 @@
 // shardcastd processes on this machine standing for the nodes of a cluster: each started on
-// loopback with its own node name, TCP port and Unix socket, stopped (SIGTERM) on destruction.
-// Used by the local-cluster demo and by the integration tests.
+// loopback with its own node name, TCP port and Unix socket, with mutual TLS between them
+// (certificates minted once per process by shardcast-certs, scripts/certs.sh), stopped (SIGTERM) on
+// destruction. Used by the local-cluster demo and by the integration tests.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -9,11 +10,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "common/subprocess.h"
+#include "common/tls.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "shardcast/v1/service.grpc.pb.h"
 
@@ -36,15 +39,53 @@ inline int freePort() {
   return ntohs(a.sin_port);
 }
 
+// The local cluster's CA, one daemon identity and one client identity, minted on first use into
+// a directory of this process (removed at exit) by shardcast-certs found beside `binary`.
+class LocalCerts {
+ public:
+  static const LocalCerts& get(const std::string& binary = SHARDCASTD_PATH) {
+    static const LocalCerts certs(binary);
+    return certs;
+  }
+  ~LocalCerts() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  bool ok() const { return ok_; }
+  const std::string& dir() const { return dir_; }
+  const std::string& script() const { return script_; }
+  // What a daemon presents (to clients and to other daemons) and what a TCP client presents.
+  TlsFiles daemon() const { return {dir_ + "/daemon.pem", dir_ + "/daemon.key", dir_ + "/ca.pem"}; }
+  TlsFiles client() const { return {dir_ + "/client.pem", dir_ + "/client.key", dir_ + "/ca.pem"}; }
+
+ private:
+  explicit LocalCerts(const std::string& binary) {
+    dir_ = "/tmp/shardcast-certs-" + std::to_string(::getpid());
+    const auto beside = std::filesystem::path(Child::findExecutable(binary)).parent_path() / "shardcast-certs";
+    script_ = std::filesystem::exists(beside) ? beside.string() : Child::findExecutable("shardcast-certs");
+    Child mint = Child::spawn({"bash", script_, dir_});
+    ok_ = mint.wait() == 0;
+  }
+  std::string dir_;
+  std::string script_;
+  bool ok_ = false;
+};
+
 class Daemon {
  public:
-  // `extra` flags come last; without --ucx-tls among them the daemon uses UCX_TLS=tcp.
+  // `extra` flags come last; without --ucx-tls among them the daemon uses UCX_TLS=tcp, and without
+  // --insecure among them mutual TLS with LocalCerts.
   Daemon(std::string node, int port, std::vector<std::string> peers, std::vector<std::string> extra = {},
          std::string binary = SHARDCASTD_PATH)
       : node_(std::move(node)), port_(port) {
     socket_ = "/tmp/shardcast-test-" + std::to_string(::getpid()) + "-" + node_ + ".sock";
     std::vector<std::string> argv = {binary, "--node", node_, "--listen", address(), "--socket", socket_,
                                      "--log-level", "warn", "--metrics", "127.0.0.1:0"};
+    insecure_ = std::find(extra.begin(), extra.end(), "--insecure") != extra.end();
+    if (!insecure_) {
+      const TlsFiles tls = LocalCerts::get(binary).daemon();
+      argv.insert(argv.end(), {"--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca});
+    }
     if (std::find(extra.begin(), extra.end(), "--ucx-tls") == extra.end()) {
       argv.push_back("--ucx-tls");  // separate hosts talk TCP; tests default to it
       argv.push_back("tcp");
@@ -79,21 +120,28 @@ class Daemon {
   }
 
   // Each on a connection of its own (no subchannel shared with earlier channels, which may still
-  // hold a connection to a daemon that was restarted since).
+  // hold a connection to a daemon that was restarted since). TCP channels present the client
+  // certificate; peerChannel the daemon certificate (what another daemon would present).
   std::unique_ptr<v1::Shardcast::Stub> client() const { return v1::Shardcast::NewStub(channel("unix:" + socket_)); }
-  std::unique_ptr<v1::Shardcast::Stub> tcpClient() const { return v1::Shardcast::NewStub(channel(address())); }
-  static std::shared_ptr<grpc::Channel> channel(const std::string& target) {
+  std::unique_ptr<v1::Shardcast::Stub> tcpClient() const {
+    return v1::Shardcast::NewStub(channel(address(), tls(LocalCerts::get().client())));
+  }
+  std::unique_ptr<v1::Peer::Stub> peer() const { return v1::Peer::NewStub(channel(address(), tls(LocalCerts::get().daemon()))); }
+  static std::shared_ptr<grpc::Channel> channel(const std::string& target, const TlsFiles& tls = {}) {
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+    return grpc::CreateCustomChannel(target, channelCredentials(tls, &args), args);
   }
   std::unique_ptr<grpc::health::v1::Health::Stub> health() const {
-    return grpc::health::v1::Health::NewStub(grpc::CreateChannel(address(), grpc::InsecureChannelCredentials()));
+    return grpc::health::v1::Health::NewStub(channel(address(), tls(LocalCerts::get().client())));
   }
+  // `files`, or none for an --insecure daemon.
+  TlsFiles tls(const TlsFiles& files) const { return insecure_ ? TlsFiles{} : files; }
 
  private:
   std::string node_;
   int port_;
+  bool insecure_ = false;
   std::string socket_;
   Child child_;
   std::string ready_line_;

@@ -13,7 +13,7 @@ between differently sharded groups, watch them and wait for versions.
     client.register_inference("vllm", local_tensors, plan, meta_model.state_dict(), nodes=[...])
 """
 
-from shardcast.client import Client, ShardcastError, default_target, describe_rank, DEFAULT_SOCKET
+from shardcast.client import Client, ShardcastError, TlsFiles, default_target, describe_rank, DEFAULT_SOCKET
 from shardcast.layout import load_layout, layout_from_dtensors, dtensor_available
 from shardcast.memory import Registration
 from shardcast.parallel import ParallelPlan, inference_layout, local_shapes
@@ -21,6 +21,7 @@ from shardcast.parallel import ParallelPlan, inference_layout, local_shapes
 __all__ = [
     "Client",
     "ShardcastError",
+    "TlsFiles",
     "Registration",
     "default_target",
     "describe_rank",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -191,28 +192,83 @@ class _Session:
         self._thread.join(timeout=5)
 
 
+#: The DNS name every daemon certificate carries; TCP channels verify it (scripts/certs.sh).
+DAEMON_IDENTITY = "shardcast-daemon"
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a TCP client: the cluster CA, and a client certificate and key (or none, with a token)."""
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    @staticmethod
+    def from_env() -> "TlsFiles":
+        return TlsFiles(os.environ.get("SHARDCAST_TLS_CA", ""), os.environ.get("SHARDCAST_TLS_CERT", ""),
+                        os.environ.get("SHARDCAST_TLS_KEY", ""))
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        if not self.ca:
+            raise ValueError("TLS to a daemon needs the cluster CA (SHARDCAST_TLS_CA)")
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("give a client certificate and its key together (SHARDCAST_TLS_CERT, SHARDCAST_TLS_KEY)")
+
+        def read(path: str) -> Optional[bytes]:
+            if not path:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+
+def read_token(path: str) -> str:
+    """The bearer token in the first line of `path` (a daemon's --client-token-file)."""
+    with open(path, encoding="utf-8") as f:
+        token = f.readline().strip()
+    if not token:
+        raise ValueError(f"the token file {path!r} is empty")
+    return token
+
+
 class Client:
     """A connection to one shardcastd (normally the node's own, over its Unix socket).
 
     Thread-safe: calls may come from several threads at once."""
 
-    def __init__(self, target: Optional[str] = None, *, timeout: float = 30.0, connect_timeout: float = 5.0) -> None:
+    def __init__(self, target: Optional[str] = None, *, timeout: float = 30.0, connect_timeout: float = 5.0,
+                 tls: Optional["TlsFiles"] = None, token_file: Optional[str] = None) -> None:
+        """`target`: the daemon (default: $SHARDCAST_ADDRESS, $SHARDCAST_SOCKET, the node's socket).
+        Over TCP, `tls` (default: $SHARDCAST_TLS_CA with $SHARDCAST_TLS_CERT/$SHARDCAST_TLS_KEY) and
+        `token_file` (default: $SHARDCAST_TOKEN_FILE) authenticate this client; see docs/security.md."""
         self.target = _normalize(target) if target else default_target()
         self.timeout = timeout
-        # A restarted daemon is reached at once, not after gRPC's reconnect backoff (up to 120 s).
-        self._channel = grpc.insecure_channel(self.target, options=[
+        options = [
             ("grpc.max_receive_message_length", 256 << 20),
+            # A restarted daemon is reached at once, not after gRPC's reconnect backoff (up to 120 s).
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.use_local_subchannel_pool", 1),  # not a connection another channel left to an old daemon
-        ])
+        ]
+        tls = tls if tls is not None else TlsFiles.from_env()
+        token_file = token_file if token_file is not None else os.environ.get("SHARDCAST_TOKEN_FILE", "")
+        if self.target.startswith("unix:") or not (tls.ca or token_file):
+            self._channel = grpc.insecure_channel(self.target, options=options)
+        else:
+            credentials = tls.channel_credentials()
+            if token_file:
+                credentials = grpc.composite_channel_credentials(
+                    credentials, grpc.access_token_call_credentials(read_token(token_file)))
+            options.append(("grpc.ssl_target_name_override", DAEMON_IDENTITY))
+            self._channel = grpc.secure_channel(self.target, credentials, options=options)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
         except grpc.FutureTimeoutError:
             self._channel.close()
             raise ShardcastError(grpc.StatusCode.UNAVAILABLE,
-                                 f'shardcastd at "{self.target}" is not reachable (is the daemon running?)') from None
+                                 f'shardcastd at "{self.target}" is not reachable (is the daemon running? over TCP it '
+                                 'needs $SHARDCAST_TLS_CA and a client certificate or token, see docs/security.md)') from None
         self._stub = service_pb2_grpc.ShardcastStub(self._channel)
         #: The node of this client's daemon, once known (a session, a registration, status()).
         self.node: Optional[str] = None

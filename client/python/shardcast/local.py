@@ -14,7 +14,9 @@ import socket
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from shardcast.client import TlsFiles
 
 
 def find_shardcastd() -> str:
@@ -44,7 +46,7 @@ class LocalDaemon:
     """One shardcastd process standing for node `node`; stopped with SIGTERM by stop()."""
 
     def __init__(self, node: str, port: int, peers: Sequence[str], socket_dir: str, binary: str,
-                 extra: Sequence[str] = (), stderr: Any = None) -> None:
+                 extra: Sequence[str] = (), stderr: Any = None, tls: Optional[TlsFiles] = None) -> None:
         self.node = node
         self.address = f"127.0.0.1:{port}"
         self.socket = os.path.join(socket_dir, f"{node}.sock")
@@ -54,6 +56,8 @@ class LocalDaemon:
             argv += ["--log-level", "warn"]
         if "--ucx-tls" not in extra:
             argv += ["--ucx-tls", "tcp"]  # what separate hosts would use
+        if tls is not None and "--insecure" not in extra:
+            argv += ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], 30)
         line = self.proc.stdout.readline() if ready else ""
@@ -78,8 +82,24 @@ class LocalDaemon:
             self.proc.stdout.close()
 
 
+def mint_certificates(directory: str, binary: str) -> Tuple[TlsFiles, TlsFiles]:
+    """A CA, a daemon identity and a client identity in `directory`, by shardcast-certs (installed
+    beside shardcastd; scripts/certs.sh in the source tree). Returns (daemon, client) files."""
+    script = Path(binary).resolve().parent / "shardcast-certs"
+    if not script.exists():
+        script = Path(__file__).resolve().parents[3] / "scripts" / "certs.sh"
+    done = subprocess.run(["bash", str(script), directory], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"minting certificates with {script} failed: {done.stderr.strip()}")
+    d = Path(directory)
+    return (TlsFiles(ca=str(d / "ca.pem"), cert=str(d / "daemon.pem"), key=str(d / "daemon.key")),
+            TlsFiles(ca=str(d / "ca.pem"), cert=str(d / "client.pem"), key=str(d / "client.key")))
+
+
 class LocalCluster:
-    """Daemons for `nodes`, started on entry (or start()) and stopped on exit (or stop())."""
+    """Daemons for `nodes`, started on entry (or start()) and stopped on exit (or stop()), with
+    mutual TLS between them (certificates minted into the cluster's temporary directory; pass
+    "--insecure" in `extra` for plaintext). `client_tls` is what a TCP client presents."""
 
     def __init__(self, nodes: Sequence[str], *, binary: Optional[str] = None, extra: Sequence[str] = ()) -> None:
         self.nodes: List[str] = list(nodes)
@@ -88,9 +108,13 @@ class LocalCluster:
         self.daemons: Dict[str, LocalDaemon] = {}
         self.ports: Dict[str, int] = {}
         self._tmp: Optional[tempfile.TemporaryDirectory] = None
+        self.daemon_tls: Optional[TlsFiles] = None
+        self.client_tls: Optional[TlsFiles] = None
 
     def start(self) -> "LocalCluster":
         self._tmp = tempfile.TemporaryDirectory(prefix="shardcast-local-")
+        if "--insecure" not in self.extra:
+            self.daemon_tls, self.client_tls = mint_certificates(os.path.join(self._tmp.name, "certs"), self.binary)
         self.ports = {node: free_port() for node in self.nodes}
         try:
             for node in self.nodes:
@@ -104,7 +128,8 @@ class LocalCluster:
         """(Re)starts the daemon of `node` on its port (the old process must be gone)."""
         assert self._tmp is not None, "start the cluster first"
         peers = [f"127.0.0.1:{p}" for p in self.ports.values()]
-        self.daemons[node] = LocalDaemon(node, self.ports[node], peers, self._tmp.name, self.binary, self.extra)
+        self.daemons[node] = LocalDaemon(node, self.ports[node], peers, self._tmp.name, self.binary, self.extra,
+                                         tls=self.daemon_tls)
         return self.daemons[node]
 
     def target(self, node: str) -> str:

@@ -112,7 +112,7 @@ def test_unreachable_daemon_and_default_target(monkeypatch):
 
 
 def test_default_socket_is_the_daemons():
-    out = subprocess.run([str(shardcastd_path()), "--print-config"], capture_output=True, text=True, check=True,
+    out = subprocess.run([str(shardcastd_path()), "--print-config", "--insecure"], capture_output=True, text=True, check=True,
                          env={k: v for k, v in os.environ.items() if not k.startswith("SHARDCAST_")}).stdout
     settings = dict(token.split("=", 1) for token in out.split())
     assert settings["socket"] == shardcast.DEFAULT_SOCKET

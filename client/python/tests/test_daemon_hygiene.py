@@ -11,7 +11,7 @@ import time
 import pytest
 
 import shardcast
-from shardcast.local import LocalCluster, LocalDaemon, free_port
+from shardcast.local import LocalCluster, LocalDaemon, free_port, mint_certificates
 
 import rank_worker
 from conftest import shardcastd_path
@@ -34,11 +34,11 @@ def test_version_flags_of_both_binaries():
 def test_unknown_config_keys_are_an_error(tmp_path):
     config = tmp_path / "shardcastd.toml"
     config.write_text('node = "n9"\nstaging-mib = 64\nstagin-mib = 128\n')
-    out = _run("--config", str(config), "--print-config")
+    out = _run("--config", str(config), "--print-config", "--insecure")
     assert out.returncode == 2
     assert "stagin-mib" in out.stdout + out.stderr
     config.write_text('node = "n9"\nstaging-mib = 64\n')
-    out = _run("--config", str(config), "--print-config")
+    out = _run("--config", str(config), "--print-config", "--insecure")
     assert out.returncode == 0, out.stderr
     assert "node=n9" in out.stdout and "staging_mib=64" in out.stdout
 
@@ -46,14 +46,16 @@ def test_unknown_config_keys_are_an_error(tmp_path):
 def test_a_second_daemon_with_a_taken_node_name_or_socket_is_refused(tmp_path):
     with LocalCluster(["n0", "n1"]) as c:
         peers = ",".join(f"127.0.0.1:{p}" for p in c.ports.values())
+        tls = c.daemon_tls
+        tls_args = ("--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca)
         # The same node name as n1, its own socket and port: refused loudly at start.
         dup = _run("--node", "n1", "--listen", f"127.0.0.1:{free_port()}", "--socket", str(tmp_path / "dup.sock"),
-                   "--peers", peers, "--metrics", "", "--ucx-tls", "tcp")
+                   "--peers", peers, "--metrics", "", "--ucx-tls", "tcp", *tls_args)
         assert dup.returncode == 1
         assert 'already serves node "n1"' in dup.stderr
         # n0's socket is held by n0: a daemon given it refuses and leaves it alone.
         taken = _run("--node", "n7", "--listen", f"127.0.0.1:{free_port()}", "--socket", c.daemons["n0"].socket,
-                     "--metrics", "", "--ucx-tls", "tcp")
+                     "--metrics", "", "--ucx-tls", "tcp", *tls_args)
         assert taken.returncode == 1
         assert "another shardcastd" in taken.stderr and "refusing to take its socket" in taken.stderr
         assert shardcast.Client(c.target("n0")).status().node == "n0"  # still served
@@ -70,8 +72,9 @@ def test_a_clean_stop_is_quiet_on_both_sides(tmp_path):
     ports = {"n0": free_port(), "n1": free_port()}
     peers = [f"127.0.0.1:{p}" for p in ports.values()]
     logs = {n: open(tmp_path / f"{n}.log", "w") for n in ports}
+    tls, _ = mint_certificates(str(tmp_path / "certs"), str(shardcastd_path()))
     daemons = {n: LocalDaemon(n, ports[n], peers, str(tmp_path), str(shardcastd_path()), ["--log-level", "info"],
-                              stderr=logs[n]) for n in ports}
+                              stderr=logs[n], tls=tls) for n in ports}
     try:
         src, dst = shardcast.Client(daemons["n0"].target), shardcast.Client(daemons["n1"].target)
         _sync_once(src, dst)

@@ -1,0 +1,188 @@
+#include "daemon/access.h"
+
+#include <grpcpp/server_posix.h>
+#include <poll.h>
+#include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "common/strings.h"
+#include "common/tls.h"
+
+namespace shardcast::daemon {
+
+namespace {
+
+bool startsWith(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+// Equal without revealing, by the time taken, how long a common prefix was.
+bool sameSecret(const std::string& given, const std::string& secret) {
+  if (given.size() != secret.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < given.size(); ++i) diff |= static_cast<unsigned char>(given[i] ^ secret[i]);
+  return diff == 0;
+}
+
+std::vector<std::string> property(const grpc::AuthContext& auth, const char* name) {
+  std::vector<std::string> out;
+  for (const auto& v : auth.FindPropertyValues(name)) out.emplace_back(v.data(), v.size());
+  return out;
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<LocalListener>> LocalListener::bind(const std::string& path) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path))
+    return absl::InvalidArgumentError(strCat("--socket ", quote(path), " is longer than ", sizeof(addr.sun_path) - 1, " bytes"));
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError(strCat("socket(AF_UNIX): ", std::strerror(errno)));
+  ::unlink(path.c_str());  // a stale socket of an earlier run (the caller holds the lock)
+  // 0660 from the start (umask), not after a window in which others could connect.
+  const mode_t old = ::umask(0117);
+  const int rc = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  const int err = errno;
+  ::umask(old);
+  if (rc != 0 || ::listen(fd, 256) != 0) {
+    ::close(fd);
+    return absl::UnavailableError(strCat("cannot listen on unix:", path, ": ", std::strerror(rc != 0 ? err : errno)));
+  }
+  const int wake = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake < 0) {
+    ::close(fd);
+    return absl::InternalError(strCat("eventfd: ", std::strerror(errno)));
+  }
+  return std::unique_ptr<LocalListener>(new LocalListener(path, fd, wake));
+}
+
+LocalListener::LocalListener(std::string path, int fd, int wake) : path_(std::move(path)), fd_(fd), wake_(wake) {}
+
+LocalListener::~LocalListener() {
+  stop();
+  ::close(fd_);
+  ::close(wake_);
+}
+
+void LocalListener::serve(grpc::Server* server) {
+  thread_ = std::thread([this, server] { run(server); });
+}
+
+void LocalListener::stop() {
+  const uint64_t one = 1;
+  if (::write(wake_, &one, sizeof(one)) < 0) {
+    // The eventfd cannot be full: one write is enough to wake the loop.
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void LocalListener::run(grpc::Server* server) {
+  pollfd fds[2] = {{fd_, POLLIN, 0}, {wake_, POLLIN, 0}};
+  while (true) {
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      spdlog::error("unix:{}: poll: {}", path_, std::strerror(errno));
+      return;
+    }
+    if (fds[1].revents) return;
+    const int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (c < 0) {
+      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
+        spdlog::warn("unix:{}: accept: {}", path_, std::strerror(errno));
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));  // EMFILE: do not spin
+      }
+      continue;
+    }
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    if (::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      spdlog::warn("unix:{}: SO_PEERCRED: {}; connection refused", path_, std::strerror(errno));
+      ::close(c);
+      continue;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      connections_[c] = cred;
+    }
+    grpc::AddInsecureChannelFromFd(server, c);  // gRPC owns the descriptor from here
+  }
+}
+
+std::optional<ucred> LocalListener::credentials(const std::string& peer) const {
+  if (!startsWith(peer, "fd:")) return std::nullopt;
+  int fd = -1;
+  try {
+    fd = std::stoi(peer.substr(3));
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = connections_.find(fd);
+  if (it == connections_.end()) return std::nullopt;
+  return it->second;
+}
+
+MemoryCaller Caller::memory(bool insecure) const {
+  MemoryCaller m;
+  if (local) {
+    m.uid = local->uid;
+    m.any_owner = local->uid == 0;
+  } else {
+    m.any_owner = insecure;
+  }
+  return m;
+}
+
+StatusOr<Caller> AccessPolicy::client(const grpc::ServerContext& ctx) const {
+  Caller c;
+  const std::string peer = ctx.peer();
+  if (local_) c.local = local_->credentials(peer);
+  if (c.local) {
+    c.authenticated = true;
+    c.who = strCat("uid ", c.local->uid, " (pid ", c.local->pid, ")");
+    return c;
+  }
+  c.who = peer;
+  if (const auto auth = ctx.auth_context(); auth && auth->IsPeerAuthenticated()) {
+    const auto cn = property(*auth, GRPC_X509_CN_PROPERTY_NAME);
+    c.authenticated = true;
+    c.who = strCat("certificate CN=", cn.empty() ? "?" : cn[0], " at ", peer);
+    return c;
+  }
+  if (!token_.empty()) {
+    const auto& md = ctx.client_metadata();
+    for (auto [it, end] = md.equal_range("authorization"); it != end; ++it) {
+      const std::string value(it->second.data(), it->second.size());
+      if (startsWith(value, "Bearer ") && sameSecret(value.substr(7), token_)) {
+        c.authenticated = true;
+        c.who = strCat("token at ", peer);
+        return c;
+      }
+    }
+  }
+  if (insecure_) return c;
+  return absl::UnauthenticatedError(strCat(
+      "caller ", peer, " is not authenticated: over TCP a client needs a certificate of the cluster CA "
+      "(SHARDCAST_TLS_CERT/KEY/CA)", token_.empty() ? "" : " or the bearer token", "; local clients use the Unix socket"));
+}
+
+Status AccessPolicy::peer(const grpc::ServerContext& ctx) const {
+  if (insecure_) return absl::OkStatus();
+  const std::string peer = ctx.peer();
+  if (local_ && local_->credentials(peer))
+    return absl::PermissionDeniedError("the Peer service is for daemons over TCP, not for local clients");
+  const auto auth = ctx.auth_context();
+  if (auth && auth->IsPeerAuthenticated())
+    for (const auto& san : property(*auth, GRPC_X509_SAN_PROPERTY_NAME))
+      if (san == kDaemonIdentity) return absl::OkStatus();
+  return absl::PermissionDeniedError(strCat("caller ", peer, " is not a daemon of this cluster (its certificate does not "
+                                            "name ", kDaemonIdentity, ")"));
+}
+
+}  // namespace shardcast::daemon

@@ -1,0 +1,79 @@
+// Who may call what (docs/security.md). The client service answers local callers on the Unix
+// socket (the kernel names their uid) and, over TCP, callers with a certificate of the cluster CA or
+// the bearer token; the Peer service answers only daemons of the cluster (a certificate carrying
+// kDaemonIdentity). A --insecure daemon admits every caller and says so at start.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "common/status.h"
+#include "daemon/registry.h"
+
+namespace shardcast::daemon {
+
+// The Unix socket, accepted here rather than by gRPC so that each connection's peer credentials
+// (SO_PEERCRED) are read before gRPC serves it; gRPC then names the connection "fd:N".
+class LocalListener {
+ public:
+  // Binds `path` (mode 0660; an existing file there is replaced: the caller holds its lock).
+  static StatusOr<std::unique_ptr<LocalListener>> bind(const std::string& path);
+  ~LocalListener();
+
+  // Accepts connections on a thread of its own and hands each to `server`.
+  void serve(grpc::Server* server);
+  // Stops accepting (connections already handed over stay with gRPC).
+  void stop();
+  // The credentials of the connection gRPC calls `peer` ("fd:N"), if it is one of ours.
+  std::optional<ucred> credentials(const std::string& peer) const;
+
+ private:
+  LocalListener(std::string path, int fd, int wake);
+  void run(grpc::Server* server);
+
+  std::string path_;
+  int fd_ = -1;
+  int wake_ = -1;  // eventfd that ends the accept loop
+  std::thread thread_;
+  mutable std::mutex mu_;
+  std::map<int, ucred> connections_;  // by descriptor (a reused descriptor is overwritten at accept)
+};
+
+// One caller of the client service, as far as the daemon can tell.
+struct Caller {
+  std::optional<ucred> local;  // on the Unix socket
+  bool authenticated = false;  // local, a certificate of the CA, or the token
+  std::string who;             // for errors and logs: "uid 1000 (pid 42)", "certificate CN=...", "ipv4:..."
+
+  // The memory this caller may register (its own segments; anything when root or --insecure).
+  MemoryCaller memory(bool insecure) const;
+};
+
+class AccessPolicy {
+ public:
+  AccessPolicy(bool insecure, std::string token, const LocalListener* local)
+      : insecure_(insecure), token_(std::move(token)), local_(local) {}
+
+  bool insecure() const { return insecure_; }
+  // The client service: PERMISSION_DENIED (UNAUTHENTICATED without credentials) unless the caller
+  // is local, presents a certificate of the CA, or the token; anyone when insecure.
+  StatusOr<Caller> client(const grpc::ServerContext& ctx) const;
+  // The Peer service: only daemons of the cluster (certificate with kDaemonIdentity); anyone when
+  // insecure. Never a caller on the Unix socket.
+  Status peer(const grpc::ServerContext& ctx) const;
+
+ private:
+  const bool insecure_;
+  const std::string token_;
+  const LocalListener* local_;
+};
+
+}  // namespace shardcast::daemon

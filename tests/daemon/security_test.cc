@@ -1,0 +1,139 @@
+// Who may call what, against real daemons (docs/security.md): the Peer service answers only
+// daemons of the cluster, TCP clients need a certificate of the CA or the bearer token, memory is
+// registered only over the Unix socket and only under the clients' names, and no remote key leaves
+// a daemon whose peers write with active messages. (A caller of another uid: client/python/tests/
+// test_security.py, which can drop privileges.)
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "client/lib/client.h"
+#include "planner/layout.h"
+#include "tests/daemon/daemon_harness.h"
+#include "tests/daemon/rank_memory.h"
+#include "transport/transport.h"
+
+using namespace shardcast;
+using namespace shardcast::testing;
+using examples::LocalCerts;
+
+namespace {
+
+const char* kLayout = R"({"group":"g","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
+  {"name":"w","shape":[16,16],"dtype":"float32","placements":[{"replicate":{}}]}]})";
+
+std::unique_ptr<v1::Peer::Stub> peerAs(const Daemon& d, const TlsFiles& tls) {
+  return v1::Peer::NewStub(Daemon::channel(d.address(), tls));
+}
+
+grpc::StatusCode describeAs(v1::Peer::Stub& peer) {
+  v1::DescribeResponse out;
+  return peer.Describe(ctx(10).get(), v1::DescribeRequest(), &out).error_code();
+}
+
+// The identity `who` minted by shardcast-certs into `dir`.
+TlsFiles minted(const std::string& dir, const std::string& who) {
+  return {dir + "/" + who + ".pem", dir + "/" + who + ".key", dir + "/ca.pem"};
+}
+
+}  // namespace
+
+TEST_CASE("the Peer service answers only daemons of the cluster", "[daemon][security]") {
+  Daemon d("n0", freePort(), {});
+  REQUIRE(d.ready());
+  const auto& certs = LocalCerts::get();
+  REQUIRE(certs.ok());
+
+  CHECK(describeAs(*d.peer()) == grpc::StatusCode::OK);  // the daemon identity
+  // A client certificate of the same CA: authenticated, but not a daemon.
+  auto as_client = peerAs(d, certs.client());
+  CHECK(describeAs(*as_client) == grpc::StatusCode::PERMISSION_DENIED);
+  v1::PrepareResponse prepared;
+  CHECK(as_client->Prepare(ctx(10).get(), v1::PrepareRequest(), &prepared).error_code() == grpc::StatusCode::PERMISSION_DENIED);
+  v1::FinishRequest commit;
+  commit.set_sync_id("forged");
+  commit.set_commit(true);
+  v1::FinishResponse finished;
+  CHECK(as_client->Finish(ctx(10).get(), commit, &finished).error_code() == grpc::StatusCode::PERMISSION_DENIED);
+  // A local process on the Unix socket is not a daemon either.
+  auto local = v1::Peer::NewStub(Daemon::channel("unix:" + d.socketPath()));
+  CHECK(describeAs(*local) == grpc::StatusCode::PERMISSION_DENIED);
+  // Plaintext, or a daemon certificate of another CA: no handshake at all.
+  CHECK(describeAs(*peerAs(d, {})) == grpc::StatusCode::UNAVAILABLE);
+  const std::string other = certs.dir() + "-other";
+  Child mint = Child::spawn({"bash", certs.script(), other});
+  REQUIRE(mint.wait() == 0);
+  CHECK(describeAs(*peerAs(d, minted(other, "daemon"))) == grpc::StatusCode::UNAVAILABLE);
+  std::filesystem::remove_all(other);
+}
+
+TEST_CASE("TCP clients need a certificate of the CA or the bearer token, memory registers only locally",
+          "[daemon][security]") {
+  const std::string token_file = "/tmp/shardcast-token-" + std::to_string(::getpid());
+  std::ofstream(token_file) << "t0ken-" << ::getpid() << "\n";
+  Daemon d("n0", freePort(), {}, {"--client-token-file", token_file});
+  REQUIRE(d.ready());
+  const auto& certs = LocalCerts::get();
+  v1::StatusResponse status;
+
+  CHECK(d.tcpClient()->Status(ctx(10).get(), v1::StatusRequest(), &status).ok());  // client certificate
+  // The token over server-authenticated TLS (no client certificate).
+  const TlsFiles ca_only{"", "", certs.client().ca};
+  auto with_token = [&](const std::string& token) {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    auto creds = channelCredentials(ca_only, &args, token);
+    return v1::Shardcast::NewStub(grpc::CreateCustomChannel(d.address(), creds, args));
+  };
+  CHECK(with_token("t0ken-" + std::to_string(::getpid()))->Status(ctx(10).get(), v1::StatusRequest(), &status).ok());
+  CHECK(with_token("wrong")->Status(ctx(10).get(), v1::StatusRequest(), &status).error_code() ==
+        grpc::StatusCode::UNAUTHENTICATED);
+  // TLS without a certificate or token: refused; plaintext: no handshake.
+  auto anonymous = v1::Shardcast::NewStub(Daemon::channel(d.address(), ca_only));
+  CHECK(anonymous->Status(ctx(10).get(), v1::StatusRequest(), &status).error_code() == grpc::StatusCode::UNAUTHENTICATED);
+  CHECK(v1::Shardcast::NewStub(Daemon::channel(d.address()))->Status(ctx(10).get(), v1::StatusRequest(), &status).error_code() ==
+        grpc::StatusCode::UNAVAILABLE);
+
+  // Memory is the caller's own only where the kernel says who the caller is: over the socket.
+  const v1::Layout layout = *planner::parseLayoutJson(kLayout, "g");
+  planner::NodeTable nodes;
+  const auto resolved = *planner::resolveLayout(layout, nodes);
+  RankMemory mem = allocateRank(resolved, 0, "security");
+  const v1::RegisterRequest req = registerRequest(layout, 0, 1, mem);
+  v1::RegisterResponse registered;
+  const grpc::Status over_tcp = d.tcpClient()->Register(ctx(10).get(), req, &registered);
+  CHECK(over_tcp.error_code() == grpc::StatusCode::PERMISSION_DENIED);
+  CHECK_THAT(over_tcp.error_message(), Catch::Contains("Unix socket"));
+  // Over the socket: only segments named as Shardcast's clients and torch name them.
+  v1::RegisterRequest foreign_name = req;
+  for (auto& b : *foreign_name.mutable_buffers()) b.mutable_shm()->set_name("/dev-shm-of-someone-else");
+  const grpc::Status named = d.client()->Register(ctx(10).get(), foreign_name, &registered);
+  CHECK(named.error_code() == grpc::StatusCode::PERMISSION_DENIED);
+  CHECK_THAT(named.error_message(), Catch::Contains("/shardcast"));
+  const grpc::Status ok = d.client()->Register(ctx(10).get(), req, &registered);
+  INFO(ok.error_message());
+  CHECK(ok.ok());
+
+  // Active messages land through the daemon's own handler: no remote key is handed out.
+  v1::DescribeResponse described;
+  REQUIRE(d.peer()->Describe(ctx(10).get(), v1::DescribeRequest(), &described).ok());
+  REQUIRE(described.ranks_size() == 1);
+  for (const auto& b : described.ranks(0).buffers()) {
+    auto region = transport::RemoteRegion::parse(b.region());
+    REQUIRE(region.ok());
+    CHECK(region->rkey.empty());
+  }
+  ::unlink(token_file.c_str());
+}
+
+TEST_CASE("put over transports that cannot bound it needs --insecure", "[daemon][security]") {
+  Child put = Child::spawn({"sh", "-c", "exec \"$0\" \"$@\" 2>&1", SHARDCASTD_PATH, "--node", "x", "--listen", "", "--socket",
+                            "/tmp/shardcast-put-" + std::to_string(::getpid()) + ".sock", "--protocol", "put", "--ucx-tls", "tcp"});
+  std::string out, line;
+  while (!(line = put.readLine(std::chrono::seconds(10))).empty()) out += line + "\n";
+  CHECK(put.wait() != 0);
+  CHECK_THAT(out, Catch::Contains("cannot bound"));
+}
