@@ -132,6 +132,7 @@ MemoryCaller Caller::memory(bool insecure) const {
   MemoryCaller m;
   if (local) {
     m.uid = local->uid;
+    m.local = true;
     m.any_owner = local->uid == 0;
   } else {
     m.any_owner = insecure;

@@ -85,6 +85,7 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   resp.set_node(node_);
   rank->role = role;
   rank->session = req.session_id();
+  if (caller.local) rank->owner = caller.uid;
   if (req.version() > 0) {
     rank->state = v1::RANK_READY;
     rank->committed = req.version();
@@ -92,6 +93,10 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   std::lock_guard<std::mutex> lock(mu_);
   if (!req.session_id().empty() && !sessions_.count(req.session_id()))
     return absl::FailedPreconditionError(strCat(who, ": session \"", req.session_id(), "\" ended during the registration"));
+  if (auto mine = ranks_.find({req.group(), req.rank()}); mine != ranks_.end() && !caller.any_owner &&
+                                                          mine->second->owner && *mine->second->owner != caller.uid)
+    return absl::PermissionDeniedError(strCat(who, " is registered by uid ", *mine->second->owner, ": uid ", caller.uid,
+                                              " may not register it again"));
   if (auto in_use = ranks_.find({req.group(), req.rank()});
       in_use != ranks_.end() && (!in_use->second->readers.empty() || !in_use->second->writer.empty()))
     return absl::FailedPreconditionError(strCat(who, " is in use by sync ",
@@ -254,6 +259,16 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
     out.push_back(std::move(b));
   }
   return out;
+}
+
+Status Registry::checkOwner(const std::string& group, int32_t rank, const MemoryCaller& caller, const char* what) const {
+  if (caller.any_owner) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = ranks_.find({group, rank});
+  if (it == ranks_.end() || !it->second->owner || (caller.local && *it->second->owner == caller.uid)) return absl::OkStatus();
+  return absl::PermissionDeniedError(strCat("group ", quote(group), " rank ", rank, " is registered by uid ", *it->second->owner,
+                                            ": ", caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"),
+                                            " may not ", what, " it"));
 }
 
 Status Registry::unregisterRank(const std::string& group, int32_t rank) {

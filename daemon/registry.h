@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -33,10 +34,12 @@ inline constexpr uint64_t kMaxVersion = uint64_t{1} << 63;
 
 // Who registers memory, as the daemon knows it: a caller on the Unix socket has the uid the kernel
 // reports for its connection (SO_PEERCRED) and may register only shm segments it owns, named
-// under kShmPrefixes. `any_owner`: root, or a --insecure daemon's TCP caller.
+// under kShmPrefixes. The rank is then that uid's: only it (or root) may re-register, unregister,
+// acquire, publish or release it. `any_owner`: root, or a --insecure daemon's TCP caller.
 struct MemoryCaller {
   uid_t uid = 0;
-  bool any_owner = false;
+  bool local = false;      // on the Unix socket: `uid` is the kernel's word
+  bool any_owner = false;  // root, or --insecure
 };
 
 // Names a registered shm segment may have: the clients' own and torch's file_system strategy's.
@@ -49,6 +52,9 @@ class Registry {
   StatusOr<v1::RegisterResponse> registerRank(const v1::RegisterRequest& request, const MemoryCaller& caller);
   // Refused (FAILED_PRECONDITION) while a sync uses the rank: its memory may still be written.
   Status unregisterRank(const std::string& group, int32_t rank);
+  // PERMISSION_DENIED unless `caller` may change `rank` (its registering uid, root, --insecure);
+  // OK for a rank not registered (the call itself then says so).
+  Status checkOwner(const std::string& group, int32_t rank, const MemoryCaller& caller, const char* what) const;
   std::vector<v1::RankRegistration> list() const;
   // Groups with ranks here: their ranks, versions and bytes.
   std::vector<v1::GroupStatus> groups() const;
@@ -153,6 +159,7 @@ class Registry {
     bool held = false;       // acquired by its owner
     std::string detail;      // DIRTY: which sync, why
     std::string session;
+    std::optional<uid_t> owner;     // the uid that registered it over the Unix socket
     std::set<std::string> readers;  // source: syncs reading it
     std::string writer;             // destination: the sync writing it
     // Destination, UPDATING: where it was before, for kRevert.

@@ -485,6 +485,8 @@ grpc::Status ShardcastService::WaitVersion(grpc::ServerContext* ctx, const v1::W
 grpc::Status ShardcastService::Acquire(grpc::ServerContext* context, const v1::AcquireRequest* req, v1::AcquireResponse* out) {
   const auto caller = access_.client(*context);
   if (!caller.ok()) return toGrpc(caller.status());
+  if (auto mine = registry_.checkOwner(req->group(), req->rank(), caller->memory(access_.insecure()), "acquire"); !mine.ok())
+    return toGrpc(mine);
   auto r = registry_.acquire(req->group(), req->rank(), std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 30000),
                              [context] { return context->IsCancelled(); });
   if (!r.ok()) return toGrpc(r.status());
@@ -495,6 +497,10 @@ grpc::Status ShardcastService::Acquire(grpc::ServerContext* context, const v1::A
 grpc::Status ShardcastService::Release(grpc::ServerContext* ctx, const v1::ReleaseRequest* req, v1::ReleaseResponse* out) {
   const auto caller = access_.client(*ctx);
   if (!caller.ok()) return toGrpc(caller.status());
+  if (auto mine = registry_.checkOwner(req->group(), req->rank(), caller->memory(access_.insecure()),
+                                       req->version() ? "publish" : "release");
+      !mine.ok())
+    return toGrpc(mine);
   auto r = registry_.release(req->group(), req->rank(), req->version());
   if (!r.ok()) return toGrpc(r.status());
   *out->mutable_status() = std::move(*r);
@@ -592,6 +598,9 @@ grpc::Status ShardcastService::Register(grpc::ServerContext* ctx, const v1::Regi
 grpc::Status ShardcastService::Unregister(grpc::ServerContext* ctx, const v1::UnregisterRequest* req, v1::UnregisterResponse*) {
   const auto caller = access_.client(*ctx);
   if (!caller.ok()) return toGrpc(caller.status());
+  if (auto mine = registry_.checkOwner(req->group(), req->rank(), caller->memory(access_.insecure()), "unregister");
+      !mine.ok())
+    return toGrpc(mine);
   return toGrpc(registry_.unregisterRank(req->group(), req->rank()));
 }
 

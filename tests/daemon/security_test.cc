@@ -5,6 +5,7 @@
 // test_security.py, which can drop privileges.)
 #include <catch2/catch.hpp>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -136,4 +137,49 @@ TEST_CASE("put over transports that cannot bound it needs --insecure", "[daemon]
   while (!(line = put.readLine(std::chrono::seconds(10))).empty()) out += line + "\n";
   CHECK(put.wait() != 0);
   CHECK_THAT(out, Catch::Contains("cannot bound"));
+}
+
+TEST_CASE("a local caller of another uid cannot register, take or change another user's memory and ranks",
+          "[daemon][security]") {
+  if (::geteuid() != 0) {
+    WARN("needs root to run a caller as another uid (setpriv): skipped");
+    return;
+  }
+  Daemon d("n0", freePort(), {});
+  REQUIRE(d.ready());
+  // The victim (root): a source rank in a segment only root may open (0600).
+  const v1::Layout layout = *planner::parseLayoutJson(kLayout, "g");
+  planner::NodeTable nodes;
+  const auto resolved = *planner::resolveLayout(layout, nodes);
+  RankMemory mem = allocateRank(resolved, 0, "victim");
+  REQUIRE(::chmod(("/dev/shm" + mem.seg->name()).c_str(), 0600) == 0);
+  v1::RegisterResponse registered;
+  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(layout, 0, 1, mem, v1::ROLE_SOURCE, 1), &registered).ok());
+
+  // nobody, in the socket's group (root's, mode 0660) so that it reaches the daemon at all.
+  Child caller = Child::spawn({"setpriv", "--reuid=65534", "--regid=0", "--clear-groups", FOREIGN_CALLER_PATH,
+                               d.socketPath(), kLayout, mem.seg->name(), "g"});
+  std::map<std::string, std::string> result;
+  for (std::string line; !(line = caller.readLine(std::chrono::seconds(30))).empty();)
+    result[line.substr(0, line.find(' '))] = line.substr(line.find(' ') + 1);
+  REQUIRE(caller.wait() == 0);
+  CHECK(result["own"] == "OK");
+  CHECK(result["theirs"] == "PERMISSION_DENIED");
+  CHECK(result["reregister"] == "PERMISSION_DENIED");
+  CHECK(result["unregister"] == "PERMISSION_DENIED");
+  CHECK(result["acquire"] == "PERMISSION_DENIED");
+  CHECK(result["publish"] == "PERMISSION_DENIED");
+  // The victim's rank is as it was.
+  v1::StatusResponse status;
+  REQUIRE(d.client()->Status(ctx(10).get(), v1::StatusRequest(), &status).ok());
+  bool found = false;
+  for (const auto& g : status.groups())
+    for (const auto& r : g.rank_states())
+      if (g.group() == "g") {
+        found = true;
+        CHECK(r.state() == v1::RANK_READY);
+        CHECK(r.version() == 1);
+        CHECK_FALSE(r.held());
+      }
+  CHECK(found);
 }

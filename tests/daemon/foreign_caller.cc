@@ -1,0 +1,52 @@
+// A local client of another uid, for security_test.cc (run there through setpriv): registers a
+// rank of its own, then tries to take what belongs to another user. Prints one line per attempt,
+// "<step> <status code name>", and exits 0 once every attempt was made.
+//   foreign_caller SOCKET LAYOUT_JSON VICTIM_SEGMENT VICTIM_GROUP
+#include <cstdio>
+
+#include "client/lib/client.h"
+#include "planner/layout.h"
+
+using namespace shardcast;
+
+namespace {
+
+void report(const char* step, const Status& st) {
+  std::printf("%s %s\n", step, absl::StatusCodeToString(st.code()).c_str());
+  if (!st.ok()) std::fprintf(stderr, "%s: %s\n", step, std::string(st.message()).c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 5) {
+    std::fprintf(stderr, "usage: foreign_caller SOCKET LAYOUT_JSON VICTIM_SEGMENT VICTIM_GROUP\n");
+    return 2;
+  }
+  const std::string victim_segment = argv[3], victim_group = argv[4];
+  auto client = Client::connect(std::string("unix:") + argv[1]);
+  if (!client.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(client.status().message()).c_str());
+    return 1;
+  }
+  auto layout = planner::parseLayoutJson(argv[2], "mine");
+  if (!layout.ok()) return 1;
+  layout->set_group("mine");
+  // Its own memory: fine.
+  auto own = HostTensors::forRank(*layout, 0);
+  if (!own.ok()) return 1;
+  report("own", client->registerRank(*layout, 0, *own).status());
+  // Someone else's segment (which it cannot open itself) named in a rank of its own: the daemon
+  // must not open it on its behalf.
+  std::vector<v1::MemoryHandle> handles = own->handles();
+  for (auto& h : handles) h.mutable_shm()->set_name(victim_segment);
+  layout->set_group("stolen");
+  report("theirs", client->registerRank(*layout, 0, handles).status());
+  // Someone else's rank: not its to re-register, unregister, acquire, publish or release.
+  layout->set_group(victim_group);
+  report("reregister", client->registerRank(*layout, 0, *own).status());
+  report("unregister", client->unregisterRank(victim_group, 0));
+  report("acquire", client->acquire(victim_group, 0, std::chrono::milliseconds(100)).status());
+  report("publish", client->publish(victim_group, 0, 1000).status());
+  return 0;
+}
