@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "common/strings.h"
 #include "common/tls.h"
@@ -46,7 +47,7 @@ std::shared_ptr<grpc::Channel> PeerSet::channel(const std::string& address) cons
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-    args.SetMaxReceiveMessageSize(1 << 30);
+    args.SetMaxReceiveMessageSize(std::numeric_limits<int>::max());  // a Describe of the largest legal layouts
     // Not gRPC's process-wide subchannel pool: a channel made anew after a peer restarted must not
     // inherit a connection to the old process.
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);

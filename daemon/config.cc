@@ -20,7 +20,8 @@ std::string DaemonConfig::describe() const {
      << " sync_lease_ms=" << sync_lease_ms << " shutdown_grace_ms=" << shutdown_grace_ms
      << " tls=" << (tls.enabled() ? strCat("cert:", tls.cert, ",key:", tls.key, ",ca:", tls.ca, ",reload_s:", tls.reload_s) : "(none)")
      << " insecure=" << (insecure ? "true" : "false")
-     << " client_token_file=" << (client_token_file.empty() ? "(none)" : client_token_file);
+     << " client_token_file=" << (client_token_file.empty() ? "(none)" : client_token_file)
+     << " max_layout_ranks=" << max_layout_ranks << " max_layout_tensors=" << max_layout_tensors;
   return os.str();
 }
 
@@ -98,6 +99,11 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
                  "TCP clients may authenticate with this bearer token (first line of the file) instead of a client "
                  "certificate")
       ->envname("SHARDCAST_CLIENT_TOKEN_FILE");
+  app.add_option("--max-layout-ranks", c.max_layout_ranks,
+                 "Largest mesh a layout may have (ranks); bigger layouts are refused at registration")
+      ->envname("SHARDCAST_MAX_LAYOUT_RANKS")->check(CLI::Range(int64_t{1}, int64_t{1} << 22))->capture_default_str();
+  app.add_option("--max-layout-tensors", c.max_layout_tensors, "Most tensors (and fused buffers) one layout may have")
+      ->envname("SHARDCAST_MAX_LAYOUT_TENSORS")->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->capture_default_str();
   bool print_config = false;
   app.add_flag("--print-config", print_config, "Print the effective configuration and exit");
   try {

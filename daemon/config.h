@@ -32,6 +32,8 @@ struct DaemonConfig {
   TlsFiles tls;                                        // mutual TLS on the TCP listener and to peers
   bool insecure = false;                               // plaintext TCP, nobody authenticated (tests on one host)
   std::string client_token_file;                       // TCP clients may also authenticate with this bearer token
+  int64_t max_layout_ranks = int64_t{1} << 16;         // planner::Limits::max_ranks
+  int64_t max_layout_tensors = int64_t{1} << 17;       // planner::Limits::max_tensors
 
   // One line per setting, for the start-up log and `--print-config`.
   std::string describe() const;

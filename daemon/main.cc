@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <thread>
 
 #include "common/logging.h"
@@ -26,6 +27,7 @@
 #include "daemon/metrics.h"
 #include "daemon/registry.h"
 #include "daemon/service.h"
+#include "planner/limits.h"
 #include "transport/transport.h"
 
 using namespace shardcast;
@@ -100,6 +102,10 @@ int main(int argc, char** argv) {
   if (auto st = setupLogging(config->log_level); !st.ok()) return fail(std::string(st.message()));
   spdlog::info("shardcastd {} starting: {}", kShardcastVersion, config->describe());
   raiseFileLimit();
+  planner::Limits limits;
+  limits.max_ranks = config->max_layout_ranks;
+  limits.max_tensors = config->max_layout_tensors;
+  planner::setLimits(limits);
   int socket_lock = -1;
   if (!config->socket.empty()) {
     std::error_code ec;
@@ -164,8 +170,10 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.SetMaxReceiveMessageSize(1 << 30);  // layouts of 1T-parameter models are large
-  builder.SetMaxSendMessageSize(1 << 30);
+  // The largest legal messages: a Describe of planner::Limits::max_groups_per_daemon layouts of
+  // max_layout_message_bytes each (gRPC's ceiling is 2 GiB).
+  builder.SetMaxReceiveMessageSize(std::numeric_limits<int>::max());
+  builder.SetMaxSendMessageSize(std::numeric_limits<int>::max());
   int tcp_port = 0;
   if (!config->listen.empty()) {
     if (config->insecure)

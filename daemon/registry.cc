@@ -11,6 +11,7 @@
 
 #include "common/strings.h"
 #include "planner/layout.h"
+#include "planner/limits.h"
 #include "transport/cuda/cuda_support.h"
 
 namespace shardcast::daemon {
@@ -103,6 +104,9 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
                                                 in_use->second->writer.empty() ? *in_use->second->readers.begin()
                                                                                : in_use->second->writer,
                                                 ": register it again once that sync ended"));
+  if (!groups_.count(req.group()) && static_cast<int>(groups_.size()) >= planner::limits().max_groups_per_daemon)
+    return absl::ResourceExhaustedError(strCat(who, ": this daemon already holds ", groups_.size(),
+                                               " groups (at most ", planner::limits().max_groups_per_daemon, ")"));
   groups_[req.group()] = Group{req.layout(), digest, role};
   ++generation_;
   // A re-registration is a new rank: it starts over.

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "common/strings.h"
+#include "planner/limits.h"
 #include "planner/plan.h"
 #include "planner/report.h"
 
@@ -90,6 +91,7 @@ uint64_t ShardcastService::newFence() {
 grpc::Status ShardcastService::Sync(grpc::ServerContext* ctx, const v1::SyncRequest* req, v1::SyncResponse* out) {
   const auto caller = access_.client(*ctx);
   if (!caller.ok()) return toGrpc(caller.status());
+  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   const grpc::Status st = coordinate(*req, out);
   if (st.ok()) {
     ++metrics_.syncs_ok;
@@ -464,6 +466,7 @@ grpc::Status ShardcastService::Watch(grpc::ServerContext* context, const v1::Wat
                                      grpc::ServerWriter<v1::SyncProgress>* writer) {
   const auto caller = access_.client(*context);
   if (!caller.ok()) return toGrpc(caller.status());
+  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   const bool known = progress_.watch(req->sync_id(), std::chrono::seconds(5), [&](const v1::SyncProgress& p) {
     return !context->IsCancelled() && writer->Write(p);
   });
@@ -476,6 +479,7 @@ grpc::Status ShardcastService::Watch(grpc::ServerContext* context, const v1::Wat
 grpc::Status ShardcastService::WaitVersion(grpc::ServerContext* ctx, const v1::WaitVersionRequest* req, v1::WaitVersionResponse* out) {
   const auto caller = access_.client(*ctx);
   if (!caller.ok()) return toGrpc(caller.status());
+  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   auto r = registry_.waitVersion(req->group(), req->version(), std::chrono::milliseconds(req->timeout_ms()));
   if (!r.ok()) return toGrpc(r.status());
   *out = std::move(*r);
@@ -485,6 +489,7 @@ grpc::Status ShardcastService::WaitVersion(grpc::ServerContext* ctx, const v1::W
 grpc::Status ShardcastService::Acquire(grpc::ServerContext* context, const v1::AcquireRequest* req, v1::AcquireResponse* out) {
   const auto caller = access_.client(*context);
   if (!caller.ok()) return toGrpc(caller.status());
+  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   if (auto mine = registry_.checkOwner(req->group(), req->rank(), caller->memory(access_.insecure()), "acquire"); !mine.ok())
     return toGrpc(mine);
   auto r = registry_.acquire(req->group(), req->rank(), std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 30000),
@@ -497,6 +502,7 @@ grpc::Status ShardcastService::Acquire(grpc::ServerContext* context, const v1::A
 grpc::Status ShardcastService::Release(grpc::ServerContext* ctx, const v1::ReleaseRequest* req, v1::ReleaseResponse* out) {
   const auto caller = access_.client(*ctx);
   if (!caller.ok()) return toGrpc(caller.status());
+  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   if (auto mine = registry_.checkOwner(req->group(), req->rank(), caller->memory(access_.insecure()),
                                        req->version() ? "publish" : "release");
       !mine.ok())
@@ -511,6 +517,7 @@ grpc::Status ShardcastService::Session(grpc::ServerContext* context, const v1::S
                                        grpc::ServerWriter<v1::SessionEvent>* writer) {
   const auto caller = access_.client(*context);
   if (!caller.ok()) return toGrpc(caller.status());
+  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   const std::string session = registry_.openSession(req->client());
   v1::SessionEvent ev;
   ev.set_session_id(session);
@@ -550,6 +557,7 @@ grpc::Status PeerService::Describe(grpc::ServerContext* ctx, const v1::DescribeR
 
 grpc::Status PeerService::Prepare(grpc::ServerContext* ctx, const v1::PrepareRequest* req, v1::PrepareResponse* out) {
   if (auto allowed = access_.peer(*ctx); !allowed.ok()) return toGrpc(allowed);
+  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   auto r = engine_.prepare(*req);
   if (!r.ok()) return toGrpc(r.status());
   *out = std::move(*r);
@@ -558,6 +566,7 @@ grpc::Status PeerService::Prepare(grpc::ServerContext* ctx, const v1::PrepareReq
 
 grpc::Status PeerService::Execute(grpc::ServerContext* ctx, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) {
   if (auto allowed = access_.peer(*ctx); !allowed.ok()) return toGrpc(allowed);
+  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   auto r = engine_.execute(*req);
   if (!r.ok()) return toGrpc(r.status());
   *out = std::move(*r);
@@ -566,6 +575,7 @@ grpc::Status PeerService::Execute(grpc::ServerContext* ctx, const v1::ExecuteReq
 
 grpc::Status PeerService::Progress(grpc::ServerContext* ctx, const v1::ProgressRequest* req, v1::ProgressResponse* out) {
   if (auto allowed = access_.peer(*ctx); !allowed.ok()) return toGrpc(allowed);
+  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   auto r = engine_.progress(req->sync_id(), req->fence());
   if (!r.ok()) return toGrpc(r.status());
   *out = std::move(*r);
@@ -574,6 +584,7 @@ grpc::Status PeerService::Progress(grpc::ServerContext* ctx, const v1::ProgressR
 
 grpc::Status PeerService::Finish(grpc::ServerContext* ctx, const v1::FinishRequest* req, v1::FinishResponse* out) {
   if (auto allowed = access_.peer(*ctx); !allowed.ok()) return toGrpc(allowed);
+  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   auto r = engine_.finish(*req);
   if (!r.ok()) return toGrpc(r.status());
   *out = std::move(*r);
@@ -583,6 +594,7 @@ grpc::Status PeerService::Finish(grpc::ServerContext* ctx, const v1::FinishReque
 grpc::Status ShardcastService::Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req, v1::RegisterResponse* out) {
   const auto caller = access_.client(*ctx);
   if (!caller.ok()) return toGrpc(caller.status());
+  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   if (!caller->local && !access_.insecure())
     return toGrpc(absl::PermissionDeniedError(strCat(
         caller->who, ": ranks register over the Unix socket (the daemon checks that the memory is the caller's own)")));
@@ -598,6 +610,7 @@ grpc::Status ShardcastService::Register(grpc::ServerContext* ctx, const v1::Regi
 grpc::Status ShardcastService::Unregister(grpc::ServerContext* ctx, const v1::UnregisterRequest* req, v1::UnregisterResponse*) {
   const auto caller = access_.client(*ctx);
   if (!caller.ok()) return toGrpc(caller.status());
+  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   if (auto mine = registry_.checkOwner(req->group(), req->rank(), caller->memory(access_.insecure()), "unregister");
       !mine.ok())
     return toGrpc(mine);
@@ -612,6 +625,7 @@ StatusOr<ClusterView> ShardcastService::cluster() {
 grpc::Status ShardcastService::List(grpc::ServerContext* ctx, const v1::ListRequest* req, v1::ListResponse* out) {
   const auto caller = access_.client(*ctx);
   if (!caller.ok()) return toGrpc(caller.status());
+  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   for (auto& r : registry_.list()) *out->add_ranks() = std::move(r);
   if (!req->all_nodes()) return grpc::Status::OK;
   auto peers = peers_.describeAll();
@@ -648,6 +662,7 @@ grpc::Status ShardcastService::List(grpc::ServerContext* ctx, const v1::ListRequ
 grpc::Status ShardcastService::Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req, v1::PlanResponse* out) {
   const auto caller = access_.client(*ctx);
   if (!caller.ok()) return toGrpc(caller.status());
+  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   auto view = cluster();
   if (!view.ok()) return toGrpc(view.status());
   auto src = view->completeGroup(req->src_group());

@@ -9,6 +9,7 @@
 #include <unordered_set>
 
 #include "common/strings.h"
+#include "planner/limits.h"
 
 namespace shardcast::planner {
 
@@ -30,6 +31,16 @@ constexpr DTypeInfo kDTypes[] = {
 };
 
 std::string shapeStr(const std::vector<int64_t>& s) { return "[" + strJoin(s, ", ") + "]"; }
+
+// "[lo:hi, ...]" of a piece as given (hi written "lo+size" where it would not fit an int64).
+std::string spanStr(const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes) {
+  std::vector<std::string> dims;
+  for (size_t d = 0; d < offsets.size(); ++d) {
+    const auto hi = checkedAdd(offsets[d], sizes[d]);
+    dims.push_back(hi ? strCat(offsets[d], ":", *hi) : strCat(offsets[d], ":", offsets[d], "+", sizes[d]));
+  }
+  return "[" + strJoin(dims, ", ") + "]";
+}
 
 template <typename T>
 std::vector<int64_t> toVec(const T& repeated) {
@@ -203,6 +214,7 @@ class Resolver {
   Resolver(const v1::Layout& layout, NodeTable& nodes) : in_(layout), nodes_(nodes) {}
 
   StatusOr<ResolvedLayout> run() {
+    SC_RETURN_IF_ERROR(checkSizes());
     SC_RETURN_IF_ERROR(resolveMesh());
     SC_RETURN_IF_ERROR(resolveNodes());
     SC_RETURN_IF_ERROR(assignBuffers());
@@ -213,9 +225,28 @@ class Resolver {
   }
 
  private:
-  std::string where() const { return strCat("layout \"", in_.group(), "\""); }
-  std::string where(const std::string& tensor) const {
-    return strCat(where(), ": tensor \"", tensor, "\"");
+  std::string where() const { return strCat("layout ", quote(in_.group())); }
+  std::string where(const std::string& tensor) const { return strCat(where(), ": tensor ", quote(tensor)); }
+
+  // Before anything is allocated for it: the layout's own size, its names and its counts.
+  Status checkSizes() {
+    const Limits& lim = limits();
+    if (auto st = checkStringLengths(in_); !st.ok())
+      return absl::InvalidArgumentError(strCat("layout: ", st.message()));
+    if (in_.ByteSizeLong() > lim.max_layout_message_bytes)
+      return absl::InvalidArgumentError(strCat(where(), " is ", in_.ByteSizeLong(), " bytes serialised (at most ",
+                                               lim.max_layout_message_bytes, ")"));
+    if (in_.tensors_size() > lim.max_tensors || in_.fused_size() > lim.max_tensors)
+      return absl::InvalidArgumentError(strCat(where(), " has ", in_.tensors_size(), " tensors and ", in_.fused_size(),
+                                               " fused buffers (at most ", lim.max_tensors, " each; --max-layout-tensors)"));
+    if (in_.mesh().shape_size() > kMaxMeshDims)
+      return absl::InvalidArgumentError(strCat(where(), ": mesh has ", in_.mesh().shape_size(), " dims (at most ",
+                                               kMaxMeshDims, ")"));
+    int64_t pieces = 0;
+    for (const auto& t : in_.tensors()) pieces += t.pieces_size();  // each below 2^31: no overflow
+    if (pieces > lim.max_explicit_pieces)
+      return absl::InvalidArgumentError(strCat(where(), " lists ", pieces, " pieces (at most ", lim.max_explicit_pieces, ")"));
+    return absl::OkStatus();
   }
 
   Status resolveMesh() {
@@ -224,15 +255,17 @@ class Resolver {
     if (in_.mesh().shape_size() == 0)
       return absl::InvalidArgumentError(where() + ": mesh.shape is empty");
     int64_t world = 1;
+    const int64_t max_ranks = limits().max_ranks;
     for (int m = 0; m < in_.mesh().shape_size(); ++m) {
       const int64_t s = in_.mesh().shape(m);
       if (s <= 0)
         return absl::InvalidArgumentError(
             strCat(where(), ": mesh.shape[", m, "] = ", s, " must be positive"));
-      world *= s;
-      if (world > (1 << 22))
-        return absl::InvalidArgumentError(strCat(where(), ": mesh has more than ", 1 << 22,
-                                                       " ranks"));
+      const auto product = checkedMul(world, s);
+      if (!product || *product > max_ranks)
+        return absl::InvalidArgumentError(strCat(where(), ": mesh ", strJoin(in_.mesh().shape(), "x"), " has more than ",
+                                                 max_ranks, " ranks (--max-layout-ranks)"));
+      world = *product;
     }
     if (in_.mesh().dim_names_size() != 0 && in_.mesh().dim_names_size() != in_.mesh().shape_size())
       return absl::InvalidArgumentError(
@@ -347,6 +380,14 @@ class Resolver {
     auto dt = parseDType(in.dtype());
     if (!dt.ok()) return absl::InvalidArgumentError(where(in.name()) + ": " + std::string(dt.status().message()));
     b.t.dtype = *dt;
+    // Every size derived from this tensor fits an int64: elements, bytes, and the layout's total.
+    std::optional<int64_t> bytes = dtypeBytes(*dt);
+    for (int d = 0; d < ndim && bytes; ++d) bytes = checkedMul(*bytes, in.shape(d));
+    const auto layout_bytes = bytes ? checkedAdd(layout_bytes_, *bytes) : std::nullopt;
+    if (!layout_bytes || *layout_bytes > limits().max_layout_bytes)
+      return absl::InvalidArgumentError(strCat(where(in.name()), ": shape ", shapeStr(b.t.shape), " takes the layout past ",
+                                               limits().max_layout_bytes, " bytes"));
+    layout_bytes_ = *layout_bytes;
     auto fused = fused_of_.find(in.name());
     const int32_t buffer = fused != fused_of_.end() ? fused->second : addBuffer(in.name());
     if (buffer < 0)
@@ -380,6 +421,10 @@ class Resolver {
         next += t.boxes[t.pieces[i].box].volume();
       }
     }
+    pieces_ += static_cast<int64_t>(t.pieces.size());
+    if (pieces_ > limits().max_pieces)
+      return absl::InvalidArgumentError(strCat(where(in.name()), ": the layout resolves to more than ", limits().max_pieces,
+                                               " pieces (tensor x rank x box)"));
     out_.tensor_index.emplace(t.name, static_cast<int32_t>(out_.tensors.size()));
     out_.tensors.push_back(std::move(t));
     local_shapes_.push_back(std::move(shapes));
@@ -395,13 +440,13 @@ class Resolver {
             where(in.name()), ": piece ", i, " has ", p.offsets_size(), " offsets and ",
             p.sizes_size(), " sizes but the tensor has ", ndim, " dims"));
       const auto offsets = toVec(p.offsets()), sizes = toVec(p.sizes());
-      const Box box = Box::fromOffsetsSizes(offsets, sizes);
       for (int d = 0; d < ndim; ++d) {
-        if (offsets[d] < 0 || sizes[d] < 0 || offsets[d] + sizes[d] > in.shape(d))
+        if (offsets[d] < 0 || sizes[d] < 0 || offsets[d] > in.shape(d) || sizes[d] > in.shape(d) - offsets[d])
           return absl::InvalidArgumentError(
               strCat(where(in.name()), ": piece ", i, " (rank ", p.ranks_size() ? p.ranks(0) : p.rank(),
-                           ") ", box.str(), " exceeds shape ", shapeStr(b.t.shape)));
+                           ") ", spanStr(offsets, sizes), " exceeds shape ", shapeStr(b.t.shape)));
       }
+      const Box box = Box::fromOffsetsSizes(offsets, sizes);
       if (p.ranks_size() > 0 && p.rank() != 0)
         return absl::InvalidArgumentError(
             strCat(where(in.name()), ": piece ", i, " sets both rank and ranks"));
@@ -435,10 +480,10 @@ class Resolver {
       if (p.has_shard()) dim = p.shard().dim();
       if (p.has_strided_shard()) {
         dim = p.strided_shard().dim();
-        if (p.strided_shard().split_factor() < 1)
+        if (p.strided_shard().split_factor() < 1 || p.strided_shard().split_factor() > limits().max_split_factor)
           return absl::InvalidArgumentError(strCat(
               where(in.name()), ": placement ", m, ": strided_shard split_factor ",
-              p.strided_shard().split_factor(), " must be at least 1"));
+              p.strided_shard().split_factor(), " must be in [1, ", limits().max_split_factor, "]"));
       }
       if (p.kind_case() == v1::Placement::KIND_NOT_SET)
         return absl::InvalidArgumentError(strCat(
@@ -613,6 +658,8 @@ class Resolver {
   NodeTable& nodes_;
   ResolvedLayout out_;
   int32_t world_ = 0;
+  int64_t layout_bytes_ = 0;  // of the tensors resolved so far
+  int64_t pieces_ = 0;
   std::unordered_map<std::string, int32_t> buffer_ids_;
   std::unordered_map<std::string, int32_t> fused_of_;
   std::unordered_map<std::string, std::vector<CachedRank>> placement_cache_;

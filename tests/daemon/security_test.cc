@@ -183,3 +183,57 @@ TEST_CASE("a local caller of another uid cannot register, take or change another
       }
   CHECK(found);
 }
+
+TEST_CASE("bounded inputs: huge names are refused briefly, a big legal layout does not break syncs", "[daemon][security]") {
+  std::vector<int> ports{freePort(), freePort()};
+  std::vector<std::string> peers{"127.0.0.1:" + std::to_string(ports[0]), "127.0.0.1:" + std::to_string(ports[1])};
+  Daemon n0("n0", ports[0], peers), n1("n1", ports[1], peers);
+  REQUIRE(n0.ready());
+  REQUIRE(n1.ready());
+
+  // A 10 MB group name and sync id: INVALID_ARGUMENT, quoting a few dozen bytes of it.
+  const std::string huge(10 << 20, 'x');
+  v1::RegisterRequest named;
+  named.set_group(huge);
+  v1::RegisterResponse registered;
+  const grpc::Status reg = n0.client()->Register(ctx(30).get(), named, &registered);
+  CHECK(reg.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(reg.error_message(), Catch::Contains("group is 10485760 bytes"));
+  CHECK(reg.error_message().size() < 400);
+  v1::SyncRequest sync;
+  sync.set_sync_id(huge);
+  v1::SyncResponse synced;
+  const grpc::Status s = n0.client()->Sync(ctx(30).get(), sync, &synced);
+  CHECK(s.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(s.error_message().size() < 400);
+
+  // 20,000 tensors with 300-byte names on n0: its Describe is ~7 MB, over gRPC's default 4 MiB.
+  std::string json = R"({"group":"big","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[)";
+  for (int i = 0; i < 20000; ++i)
+    json += (i ? "," : "") + std::string(R"({"name":")") + std::string(290, 'n') + std::to_string(i) +
+            R"(","shape":[1],"dtype":"float32","placements":[{"replicate":{}}]})";
+  json += "]}";
+  const v1::Layout big = *planner::parseLayoutJson(json, "big");
+  planner::NodeTable nodes;
+  RankMemory big_mem = allocateRank(*planner::resolveLayout(big, nodes), 0, "big");
+  const grpc::Status big_reg = n0.client()->Register(ctx(60).get(), registerRequest(big, 0, 1, big_mem, v1::ROLE_SOURCE, 1), &registered);
+  INFO(big_reg.error_message());
+  REQUIRE(big_reg.ok());
+
+  // A small sync coordinated by n1 (which describes n0) still runs.
+  const v1::Layout src = *planner::parseLayoutJson(R"({"group":"s","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
+    {"name":"w","shape":[8,8],"dtype":"float32","placements":[{"replicate":{}}]}]})", "s");
+  const v1::Layout dst = *planner::parseLayoutJson(R"({"group":"d","mesh":{"shape":[1]},"nodes":["n1"],"tensors":[
+    {"name":"w","shape":[8,8],"dtype":"float32","placements":[{"replicate":{}}]}]})", "d");
+  RankMemory smem = allocateRank(*planner::resolveLayout(src, nodes), 0, "bounded-s");
+  RankMemory dmem = allocateRank(*planner::resolveLayout(dst, nodes), 0, "bounded-d");
+  REQUIRE(n0.client()->Register(ctx(10).get(), registerRequest(src, 0, 1, smem, v1::ROLE_SOURCE, 1), &registered).ok());
+  REQUIRE(n1.client()->Register(ctx(10).get(), registerRequest(dst, 0, 1, dmem), &registered).ok());
+  v1::SyncRequest small;
+  small.set_src_group("s");
+  small.set_dst_group("d");
+  small.set_version(1);
+  const grpc::Status done = n1.client()->Sync(ctx(60).get(), small, &synced);
+  INFO(done.error_message());
+  CHECK(done.ok());
+}

@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include "planner/layout.h"
+#include "planner/limits.h"
 #include "planner/plan.h"
 
 using namespace shardcast;
@@ -61,7 +62,7 @@ TEST_CASE("shard dim out of range", "[validation]") {
   CHECK_THAT(e2, Catch::Contains("shards dim -1"));
   const auto e3 = layoutError(oneTensor(
       R"({"name":"w","shape":[4,4],"dtype":"float32","placements":[{"strided_shard":{"dim":0,"split_factor":0}}]})"));
-  CHECK_THAT(e3, Catch::Contains("split_factor 0 must be at least 1"));
+  CHECK_THAT(e3, Catch::Contains("split_factor 0 must be in [1, 4096]"));
   const auto e4 = layoutError(oneTensor(R"({"name":"w","shape":[4],"dtype":"float32","placements":[{}]})"));
   CHECK_THAT(e4, Catch::Contains("placement 0 is empty"));
 }
@@ -156,4 +157,54 @@ TEST_CASE("plan errors: mismatched shape or dtype, missing tensor, uncovered ele
       {"name":"bias","shape":[4],"dtype":"float16"}]})";
   CHECK_THAT(planError(src, dst_missing), Catch::Contains("tensor \"bias\": layout \"infer\" needs it but layout "
                                                           "\"trainer\" has no such tensor"));
+}
+
+TEST_CASE("limits: tiny layouts that would cost huge memory, CPU or overflow are refused", "[validation][limits]") {
+  // A mesh whose product wraps int64 past the rank cap, and one merely too large.
+  CHECK_THAT(layoutError(R"({"group":"g","mesh":{"shape":[4294967296,4294967296]},"ranks_per_node":1,"tensors":[]})"),
+             Catch::Contains("more than 65536 ranks"));
+  CHECK_THAT(layoutError(R"({"group":"g","mesh":{"shape":[4194304]},"ranks_per_node":1,"tensors":[]})"),
+             Catch::Contains("--max-layout-ranks"));
+  // A split factor costing seconds of CPU per rank.
+  CHECK_THAT(layoutError(oneTensor(
+                 R"({"name":"w","shape":[4,4],"dtype":"float32","placements":[{"strided_shard":{"dim":0,"split_factor":2147483647}}]})")),
+             Catch::Contains("must be in [1, 4096]"));
+  // Shapes whose element count or byte count leaves int64, one by one or summed over the layout.
+  CHECK_THAT(layoutError(oneTensor(R"({"name":"w","shape":[4611686018427387904,4],"dtype":"float32","placements":[{}]})")),
+             Catch::Contains("takes the layout past"));
+  CHECK_THAT(layoutError(R"({"group":"g","mesh":{"shape":[1]},"nodes":["n"],"tensors":[
+               {"name":"a","shape":[8796093022208],"dtype":"float64","placements":[{"replicate":{}}]},
+               {"name":"b","shape":[1],"dtype":"float64","placements":[{"replicate":{}}]}]})"),
+             Catch::Contains("tensor \"b\"") && Catch::Contains("takes the layout past"));
+  // A piece whose offset + size wraps.
+  CHECK_THAT(layoutError(oneTensor(
+                 R"({"name":"w","shape":[4],"dtype":"float32","pieces":[{"rank":0,"offsets":[2],"sizes":[9223372036854775807]}]})")),
+             Catch::Contains("[2:2+9223372036854775807] exceeds shape [4]"));
+  // Names are bounded, and an error quotes at most a few hundred bytes of one.
+  const std::string huge(10 << 20, 'x');
+  const auto e = layoutError(R"({"group":")" + huge + R"(","mesh":{"shape":[1]},"nodes":["n"],"tensors":[]})");
+  CHECK_THAT(e, Catch::Contains("group is 10485760 bytes (at most 512)"));
+  CHECK(e.size() < 400);
+  const auto prefix = layoutError(R"({"group":"g","mesh":{"shape":[1000]},"ranks_per_node":1,"node_prefix":")" + huge +
+                                  R"(","tensors":[]})");
+  CHECK_THAT(prefix, Catch::Contains("node_prefix is 10485760 bytes"));
+  CHECK(prefix.size() < 400);
+}
+
+TEST_CASE("limits: counts follow setLimits", "[validation][limits]") {
+  const Limits saved = limits();
+  Limits small = saved;
+  small.max_tensors = 2;
+  small.max_pieces = 5;
+  setLimits(small);
+  const std::string three = R"({"group":"g","mesh":{"shape":[1]},"nodes":["n"],"tensors":[
+      {"name":"a","shape":[2],"dtype":"float32","placements":[{"replicate":{}}]},
+      {"name":"b","shape":[2],"dtype":"float32","placements":[{"replicate":{}}]},
+      {"name":"c","shape":[2],"dtype":"float32","placements":[{"replicate":{}}]}]})";
+  CHECK_THAT(layoutError(three), Catch::Contains("3 tensors") && Catch::Contains("at most 2"));
+  const std::string pieces = R"({"group":"g","mesh":{"shape":[6]},"ranks_per_node":6,"tensors":[
+      {"name":"a","shape":[2],"dtype":"float32","placements":[{"replicate":{}}]}]})";
+  CHECK_THAT(layoutError(pieces), Catch::Contains("more than 5 pieces"));
+  setLimits(saved);
+  CHECK(layoutError(three).empty());
 }

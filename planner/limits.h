@@ -1,0 +1,44 @@
+// What a layout (and any request) may ask of a daemon: every size a client or peer controls is
+// bounded here, so that no small request costs unbounded memory or CPU and every size computed
+// from a valid layout fits an int64 (docs/security.md, "Limits"). The daemon sets them once at
+// start (--max-layout-ranks, --max-layout-tensors); everything else resolves against them.
+#pragma once
+
+#include <google/protobuf/message.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "common/status.h"
+
+namespace shardcast::planner {
+
+// Dims of a device mesh (DTensor meshes have up to 5: PP x DP x FSDP x CP x TP).
+inline constexpr int kMaxMeshDims = 16;
+
+struct Limits {
+  int64_t max_ranks = int64_t{1} << 16;    // ranks of one layout's mesh (8,192 nodes x 8 GPUs)
+  int64_t max_tensors = int64_t{1} << 17;  // tensors of one layout (a 1T-parameter MoE has ~10^5)
+  int64_t max_pieces = int64_t{1} << 23;   // resolved pieces (tensor x rank x box) of one layout
+  int64_t max_explicit_pieces = int64_t{1} << 20;  // pieces spelled out in one layout
+  int64_t max_split_factor = 4096;         // strided_shard split factor (FSDP2 uses the TP degree)
+  int64_t max_layout_bytes = int64_t{1} << 46;  // sum of one layout's tensors (64 TiB: 2^62 with every rank)
+  size_t max_string_bytes = 512;           // any name: group, tensor, buffer, node, sync id
+  size_t max_layout_message_bytes = size_t{128} << 20;  // a layout's serialised size
+  int max_groups_per_daemon = 12;          // 12 layouts of 128 MiB keep Describe under gRPC's 2 GiB
+};
+
+// The limits in force (the defaults until setLimits).
+const Limits& limits();
+// Called once at start-up, before any thread resolves a layout.
+void setLimits(const Limits& l);
+
+// a * b and a + b, or nothing when the result leaves [0, INT64_MAX] (inputs are non-negative).
+std::optional<int64_t> checkedMul(int64_t a, int64_t b);
+std::optional<int64_t> checkedAdd(int64_t a, int64_t b);
+
+// INVALID_ARGUMENT naming the field (e.g. "layout.tensors[3].name") of the first string field of
+// `message`, at any depth, longer than `max` bytes. Bytes fields are not strings.
+Status checkStringLengths(const google::protobuf::Message& message, size_t max = limits().max_string_bytes);
+
+}  // namespace shardcast::planner
