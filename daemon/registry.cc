@@ -211,7 +211,8 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
   }
   std::map<std::string, std::pair<std::shared_ptr<transport::ShmSegment>, std::shared_ptr<transport::MemoryRegion>>> segments;
   for (const auto& [name, end] : segment_end) {
-    if (std::none_of(std::begin(kShmPrefixes), std::end(kShmPrefixes), [&](const char* p) { return name.rfind(p, 0) == 0; }))
+    const std::string& segment = name;  // (a structured binding is not captured before C++20's clang 16)
+    if (std::none_of(std::begin(kShmPrefixes), std::end(kShmPrefixes), [&](const char* p) { return segment.rfind(p, 0) == 0; }))
       return absl::PermissionDeniedError(strCat(who, ": shm segment ", quote(name), " is not named under ",
                                                 strJoin(kShmPrefixes, " or "), " (the names Shardcast's clients and torch use)"));
     auto seg = transport::ShmSegment::open(name, end, caller.any_owner ? std::nullopt : std::optional<uid_t>(caller.uid));

@@ -49,6 +49,20 @@ const CachedPlan::Landing* CachedPlan::landingOn(int32_t transfer, int32_t node)
   return nullptr;
 }
 
+std::string CachedPlan::landedProblem(const LandedChunk& l, int32_t in_wave, int32_t self) const {
+  if (l.transfer < 0 || static_cast<size_t>(l.transfer) >= plan.transfers.size()) return "a transfer not in the plan";
+  if (wave[static_cast<size_t>(l.transfer)] != in_wave) return "a transfer of another wave";
+  if (l.chunk < 0 || static_cast<size_t>(l.chunk) >= chunks[static_cast<size_t>(l.transfer)].size())
+    return "a chunk not in the transfer";
+  const auto& tr = plan.transfers[static_cast<size_t>(l.transfer)];
+  if (l.chain < tr.chains_begin || l.chain - tr.chains_begin >= tr.chains_count) return "a chain not of the transfer";
+  const auto& announced = plan.chains[static_cast<size_t>(l.chain)];
+  if (l.hop < 0 || l.hop >= announced.nodes_count ||
+      plan.chain_nodes[static_cast<size_t>(announced.nodes_begin + l.hop)] != self)
+    return "a hop that is not this node";
+  return "";
+}
+
 uint64_t CachedPlan::offsetOf(const std::vector<std::pair<int32_t, uint64_t>>& list, int32_t node) {
   for (const auto& [n, off] : list)
     if (n == node) return off;
@@ -841,18 +855,12 @@ class SyncEngine::Execution {
                                                " (transfer ", l.transfer, ", chain ", l.chain, ", hop ", l.hop, ", chunk ",
                                                l.chunk, ")"));
     };
-    if (l.transfer < 0 || static_cast<size_t>(l.transfer) >= plan_.transfers.size()) return bad("a transfer not in the plan");
-    if (cp_.wave[static_cast<size_t>(l.transfer)] != wave_) return bad("a transfer of another wave");
-    if (l.chunk < 0 || static_cast<size_t>(l.chunk) >= cp_.chunks[l.transfer].size()) return bad("a chunk not in the transfer");
-    const auto& tr = plan_.transfers[l.transfer];
-    if (l.chain < tr.chains_begin || l.chain >= tr.chains_begin + tr.chains_count) return bad("a chain not of the transfer");
-    const auto& announced = plan_.chains[l.chain];
-    if (l.hop < 0 || l.hop >= announced.nodes_count || plan_.chain_nodes[announced.nodes_begin + l.hop] != self_)
-      return bad("a hop that is not this node");
+    if (const std::string problem = cp_.landedProblem(l, wave_, self_); !problem.empty()) return bad(problem);
     {
       std::lock_guard<std::mutex> lock(a_->mu);
       if (!a_->seen.insert({l.transfer, l.chunk}).second) return bad("a chunk that already landed");
     }
+    const auto& tr = plan_.transfers[l.transfer];
     const auto& chunk = cp_.chunks[l.transfer][l.chunk];
     const CachedPlan::Landing* landing = cp_.landingOn(l.transfer, self_);
     if (landing == nullptr)

@@ -83,6 +83,10 @@ struct CachedPlan {
 
   static uint64_t offsetOf(const std::vector<std::pair<int32_t, uint64_t>>& list, int32_t node);
   const Landing* landingOn(int32_t transfer, int32_t node) const;
+  // What is wrong with a peer's word that chunk `l` landed on node `self` in wave `wave`: "" when
+  // the transfer and chunk exist and belong to the wave, the chain is one of the transfer's and
+  // its hop is `self`; else what is not (every index a peer sends is checked here).
+  std::string landedProblem(const LandedChunk& l, int32_t wave, int32_t self) const;
 };
 
 class PlanCache {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds everything and runs every test: pytest (Python client, examples, real PyTorch DTensor
-# syncs, deployment) in the test venv, then ctest. ctest's summary is the last thing printed.
+# syncs, deployment) in the test venv, the fuzzers for 20 s each, then ctest. ctest's summary is
+# the last thing printed.
 # With --sanitize: an ASan/UBSan build in build-asan/ (the daemons the Python tests start too).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -23,5 +24,7 @@ py="$root/.venv/bin/python"
 export SHARDCAST_BUILD="$build"
 "$py" -m pytest -q -rs "$root/client/python/tests"
 "$py" -m pytest -q -rs "$root/deploy/tests"
+# Every libFuzzer target for a short fixed time on its ASan + UBSan build (build-fuzz/, clang).
+bash "$root/scripts/fuzz.sh" --seconds "${SHARDCAST_FUZZ_SECONDS:-20}"
 cd "$build"
 ctest --output-on-failure -j "$(nproc 2>/dev/null || echo 2)"
