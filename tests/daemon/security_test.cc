@@ -10,6 +10,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "client/lib/client.h"
 #include "planner/layout.h"
@@ -236,4 +237,39 @@ TEST_CASE("bounded inputs: huge names are refused briefly, a big legal layout do
   const grpc::Status done = n1.client()->Sync(ctx(60).get(), small, &synced);
   INFO(done.error_message());
   CHECK(done.ok());
+}
+
+TEST_CASE("certificates are re-read: a rotated CA and identity are served without a restart", "[daemon][security]") {
+  // Two generations of certificates; the daemon reads them through a symlink swapped atomically,
+  // as Kubernetes updates a Secret volume.
+  const std::string base = "/tmp/shardcast-rotate-" + std::to_string(::getpid());
+  const auto& certs = LocalCerts::get();
+  for (const char* gen : {"/one", "/two"}) {
+    Child mint = Child::spawn({"bash", certs.script(), base + gen});
+    REQUIRE(mint.wait() == 0);
+  }
+  std::filesystem::create_directory_symlink(base + "/one", base + "/current");
+  const std::string cur = base + "/current";
+  Daemon d("n0", freePort(), {},
+           {"--tls-cert", cur + "/daemon.pem", "--tls-key", cur + "/daemon.key", "--tls-ca", cur + "/ca.pem",
+            "--tls-reload-s", "1"});
+  REQUIRE(d.ready());
+  auto statusAs = [&](const std::string& gen) {
+    v1::StatusResponse out;
+    return v1::Shardcast::NewStub(Daemon::channel(d.address(), minted(base + gen, "client")))
+        ->Status(ctx(5).get(), v1::StatusRequest(), &out)
+        .error_code();
+  };
+  CHECK(statusAs("/one") == grpc::StatusCode::OK);
+  CHECK(statusAs("/two") == grpc::StatusCode::UNAVAILABLE);  // another CA: no handshake
+  std::filesystem::create_directory_symlink(base + "/two", base + "/next");
+  std::filesystem::rename(base + "/next", cur);  // atomic swap
+  bool rotated = false;
+  for (int i = 0; i < 50 && !rotated; ++i) {  // re-read within a few seconds (every 1 s)
+    rotated = statusAs("/two") == grpc::StatusCode::OK;
+    if (!rotated) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  CHECK(rotated);
+  CHECK(statusAs("/one") == grpc::StatusCode::UNAVAILABLE);
+  std::filesystem::remove_all(base);
 }

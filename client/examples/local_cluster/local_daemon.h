@@ -74,7 +74,7 @@ class LocalCerts {
 class Daemon {
  public:
   // `extra` flags come last; without --ucx-tls among them the daemon uses UCX_TLS=tcp, and without
-  // --insecure among them mutual TLS with LocalCerts.
+  // --insecure or --tls-cert among them mutual TLS with LocalCerts.
   Daemon(std::string node, int port, std::vector<std::string> peers, std::vector<std::string> extra = {},
          std::string binary = SHARDCASTD_PATH)
       : node_(std::move(node)), port_(port) {
@@ -82,7 +82,8 @@ class Daemon {
     std::vector<std::string> argv = {binary, "--node", node_, "--listen", address(), "--socket", socket_,
                                      "--log-level", "warn", "--metrics", "127.0.0.1:0"};
     insecure_ = std::find(extra.begin(), extra.end(), "--insecure") != extra.end();
-    if (!insecure_) {
+    const bool own_tls = std::find(extra.begin(), extra.end(), "--tls-cert") != extra.end();
+    if (!insecure_ && !own_tls) {
       const TlsFiles tls = LocalCerts::get(binary).daemon();
       argv.insert(argv.end(), {"--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca});
     }

@@ -1,0 +1,62 @@
+"""The Python client over TCP, as a remote client connects (docs/security.md): mutual TLS with a
+client certificate, the bearer token over TLS, and what is refused; registration stays local."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+import shardcast
+from shardcast.client import TlsFiles
+from shardcast.local import LocalCluster
+
+import rank_worker
+
+
+@pytest.fixture
+def secured(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("py-t0ken\n")
+    with LocalCluster(["n0", "n1"], extra=["--client-token-file", str(token)]) as c:
+        yield c, token
+
+
+def test_a_client_certificate_or_the_token_reaches_a_daemon_over_tcp(secured, tmp_path):
+    cluster, token = secured
+    address = cluster.daemons["n0"].address
+    with shardcast.Client(address, tls=cluster.client_tls) as c:
+        assert c.status().node == "n0"
+    ca_only = TlsFiles(ca=cluster.client_tls.ca)
+    with shardcast.Client(address, tls=ca_only, token_file=str(token)) as c:
+        assert c.status().node == "n0"
+    wrong = tmp_path / "wrong"
+    wrong.write_text("nope\n")
+    with shardcast.Client(address, tls=ca_only, token_file=str(wrong)) as c:
+        with pytest.raises(shardcast.ShardcastError) as e:
+            c.status()
+        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+    # Plaintext to a TLS port: no connection at all.
+    with pytest.raises(shardcast.ShardcastError) as e:
+        shardcast.Client(address, tls=TlsFiles(), token_file="", connect_timeout=2)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_environment_configures_tcp_clients(secured, monkeypatch):
+    cluster, _ = secured
+    monkeypatch.setenv("SHARDCAST_TLS_CA", cluster.client_tls.ca)
+    monkeypatch.setenv("SHARDCAST_TLS_CERT", cluster.client_tls.cert)
+    monkeypatch.setenv("SHARDCAST_TLS_KEY", cluster.client_tls.key)
+    with shardcast.Client(cluster.daemons["n1"].address) as c:
+        assert c.status().node == "n1"
+
+
+def test_ranks_register_only_over_the_unix_socket(secured):
+    cluster, _ = secured
+    with shardcast.Client(cluster.daemons["n0"].address, tls=cluster.client_tls) as remote:
+        with pytest.raises(shardcast.ShardcastError) as e:
+            rank_worker.register_trainers(remote)
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "Unix socket" in str(e.value)
+    with shardcast.Client(cluster.target("n0")) as local:
+        regs = rank_worker.register_trainers(local)
+        assert regs
