@@ -88,7 +88,9 @@ StatusOr<std::string> readToken(const std::string& path) {
   if (!in) return absl::InvalidArgumentError(strCat("cannot read the token file ", quote(path)));
   std::string token;
   std::getline(in, token);
-  while (!token.empty() && (token.back() == '\r' || token.back() == ' ')) token.pop_back();
+  // Surrounding whitespace is not part of it (as Python's str.strip() in the Python client).
+  const auto first = token.find_first_not_of(" \t\r\v\f");
+  token = first == std::string::npos ? "" : token.substr(first, token.find_last_not_of(" \t\r\v\f") - first + 1);
   if (token.empty()) return absl::InvalidArgumentError(strCat("the token file ", quote(path), " is empty"));
   return token;
 }

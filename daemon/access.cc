@@ -180,8 +180,8 @@ Status AccessPolicy::peer(const grpc::ServerContext& ctx) const {
     return absl::PermissionDeniedError("the Peer service is for daemons over TCP, not for local clients");
   const auto auth = ctx.auth_context();
   if (auth && auth->IsPeerAuthenticated())
-    for (const auto& san : property(*auth, GRPC_X509_SAN_PROPERTY_NAME))
-      if (san == kDaemonIdentity) return absl::OkStatus();
+    for (const auto& dns : property(*auth, GRPC_PEER_DNS_PROPERTY_NAME))  // DNS names only, not URI or IP SANs
+      if (dns == kDaemonIdentity) return absl::OkStatus();
   return absl::PermissionDeniedError(strCat("caller ", peer, " is not a daemon of this cluster (its certificate does not "
                                             "name ", kDaemonIdentity, ")"));
 }

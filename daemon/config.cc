@@ -3,9 +3,11 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdlib>
 #include <sstream>
 
 #include "common/strings.h"
+#include "transport/ucx/ucx_context.h"
 
 namespace shardcast::daemon {
 
@@ -128,6 +130,15 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
         "(scripts/certs.sh mints them), or --insecure for plaintext on a trusted host, or --listen \"\" for one node");
   if (c.tls.enabled()) SC_RETURN_IF_ERROR(c.tls.check());
   if (!c.client_token_file.empty()) SC_RETURN_IF_ERROR(readToken(c.client_token_file).status());
+  if (c.transport == "ucx" && c.protocol == "put" && !c.insecure) {
+    const char* env = std::getenv("UCX_TLS");
+    const std::string tls = !c.ucx_tls.empty() ? c.ucx_tls : env ? env : "";
+    if (!transport::putIsBounded(tls))
+      return absl::InvalidArgumentError(strCat(
+          "--protocol put over UCX_TLS=", tls.empty() ? "(UCX's default)" : tls,
+          ": those transports cannot bound a peer's writes to the registered region (tcp, cma and shared memory emulate "
+          "RMA): use --protocol auto (active messages there), name only rc/dc/ud/cuda transports, or --insecure"));
+  }
   if (print_config) {
     *exit_code = 0;
     *output = c.describe() + "\n";

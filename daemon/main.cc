@@ -62,7 +62,8 @@ void raiseFileLimit() {
 // descriptor, or -1 with `error` set.
 int lockSocket(const std::string& socket, std::string* error) {
   const std::string path = socket + ".lock";
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  // O_NOFOLLOW: a symlink planted there by someone who can write the directory is not followed.
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd < 0) {
     *error = "cannot open " + path + ": " + std::strerror(errno);
     return -1;
@@ -170,9 +171,11 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  // The largest legal messages: a Describe of planner::Limits::max_groups_per_daemon layouts of
-  // max_layout_message_bytes each (gRPC's ceiling is 2 GiB).
-  builder.SetMaxReceiveMessageSize(std::numeric_limits<int>::max());
+  // Requests: the largest legal one is a Prepare with two layouts (a Register has one, plus its
+  // handles), read before any handler checks who sent it: no more than that. Replies: a Describe
+  // of every group's layout and every rank's buffers (planner::Limits::max_describe_bytes).
+  const auto& lim = planner::limits();
+  builder.SetMaxReceiveMessageSize(static_cast<int>(2 * lim.max_layout_message_bytes + (size_t{64} << 20)));
   builder.SetMaxSendMessageSize(std::numeric_limits<int>::max());
   int tcp_port = 0;
   if (!config->listen.empty()) {

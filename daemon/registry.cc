@@ -68,16 +68,7 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
     if (!req.session_id().empty() && !sessions_.count(req.session_id()))
       return absl::FailedPreconditionError(strCat(who, ": session \"", req.session_id(), "\" is not open on node \"", node_,
                                                   "\" (the daemon restarted or the session ended): open a new one"));
-    // Every rank of a group must register the same layout (the planner needs one per group) and role.
-    auto g = groups_.find(req.group());
-    bool others = false;
-    for (const auto& [key, r] : ranks_) others |= key.first == req.group() && key.second != req.rank();
-    if (g != groups_.end() && others && g->second.digest != digest)
-      return absl::FailedPreconditionError(strCat(who, ": layout digest ", digest, " differs from ", g->second.digest,
-                                                  " registered by other ranks of the group"));
-    if (g != groups_.end() && others && g->second.role != role)
-      return absl::FailedPreconditionError(strCat(who, ": registers as ", v1::roleName(role), " but the group's other ranks are ",
-                                                  v1::roleName(g->second.role)));
+    SC_RETURN_IF_ERROR(mayJoin(req, digest, role, caller));
   }
   SC_ASSIGN_OR_RETURN(auto rank, build(req, digest, caller));
   v1::RegisterResponse resp;
@@ -94,10 +85,13 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   std::lock_guard<std::mutex> lock(mu_);
   if (!req.session_id().empty() && !sessions_.count(req.session_id()))
     return absl::FailedPreconditionError(strCat(who, ": session \"", req.session_id(), "\" ended during the registration"));
-  if (auto mine = ranks_.find({req.group(), req.rank()}); mine != ranks_.end() && !caller.any_owner &&
-                                                          mine->second->owner && *mine->second->owner != caller.uid)
-    return absl::PermissionDeniedError(strCat(who, " is registered by uid ", *mine->second->owner, ": uid ", caller.uid,
-                                              " may not register it again"));
+  // Again under the lock that commits: another rank of the group may have registered meanwhile.
+  SC_RETURN_IF_ERROR(mayJoin(req, digest, role, caller));
+  const size_t layout_bytes = req.layout().ByteSizeLong();
+  if (const size_t described = describeBytesWith(*rank, layout_bytes); described > planner::limits().max_describe_bytes)
+    return absl::ResourceExhaustedError(strCat(who, ": this daemon's registrations would describe themselves in ", described,
+                                               " bytes (at most ", planner::limits().max_describe_bytes,
+                                               ", what peers can receive)"));
   if (auto in_use = ranks_.find({req.group(), req.rank()});
       in_use != ranks_.end() && (!in_use->second->readers.empty() || !in_use->second->writer.empty()))
     return absl::FailedPreconditionError(strCat(who, " is in use by sync ",
@@ -107,7 +101,10 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   if (!groups_.count(req.group()) && static_cast<int>(groups_.size()) >= planner::limits().max_groups_per_daemon)
     return absl::ResourceExhaustedError(strCat(who, ": this daemon already holds ", groups_.size(),
                                                " groups (at most ", planner::limits().max_groups_per_daemon, ")"));
-  groups_[req.group()] = Group{req.layout(), digest, role};
+  auto [group, added] = groups_.try_emplace(req.group());
+  const std::optional<uid_t> group_owner = added ? (caller.local ? std::optional<uid_t>(caller.uid) : std::nullopt)
+                                                 : group->second.owner;
+  group->second = Group{req.layout(), digest, role, group_owner, layout_bytes};
   ++generation_;
   // A re-registration is a new rank: it starts over.
   const bool replaced = ranks_.count({req.group(), req.rank()}) > 0;
@@ -159,6 +156,8 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
   }
   for (const auto& set : {&rank->buffers, &rank->shadow})
     for (const auto& b : *set) rank->bytes += b.size;
+  for (const auto& b : rank->buffers)  // RemoteBuffer: name, region descriptor, offset, size
+    rank->describe_bytes += b.name.size() + (b.region ? b.region->remote().serialize().size() : 0) + 32;
   return rank;
 }
 
@@ -266,21 +265,50 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
   return out;
 }
 
-Status Registry::checkOwner(const std::string& group, int32_t rank, const MemoryCaller& caller, const char* what) const {
-  if (caller.any_owner) return absl::OkStatus();
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = ranks_.find({group, rank});
-  if (it == ranks_.end() || !it->second->owner || (caller.local && *it->second->owner == caller.uid)) return absl::OkStatus();
-  return absl::PermissionDeniedError(strCat("group ", quote(group), " rank ", rank, " is registered by uid ", *it->second->owner,
+Status Registry::mayJoin(const v1::RegisterRequest& req, const std::string& digest, v1::Role role,
+                         const MemoryCaller& caller) const {
+  const std::string who = strCat("group ", quote(req.group()), " rank ", req.rank());
+  auto g = groups_.find(req.group());
+  if (g == groups_.end()) return absl::OkStatus();
+  // A group is its first registering uid's: no other uid adds ranks to it or replaces them.
+  if (!caller.any_owner && g->second.owner && !(caller.local && *g->second.owner == caller.uid))
+    return absl::PermissionDeniedError(strCat(who, ": the group is registered by uid ", *g->second.owner, " on node \"", node_,
+                                              "\"; ", caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"),
+                                              " may not register its ranks"));
+  // Every rank of a group must register the same layout (the planner needs one per group) and role.
+  bool others = false;
+  for (const auto& [key, r] : ranks_) others |= key.first == req.group() && key.second != req.rank();
+  if (others && g->second.digest != digest)
+    return absl::FailedPreconditionError(strCat(who, ": layout digest ", digest, " differs from ", g->second.digest,
+                                                " registered by other ranks of the group"));
+  if (others && g->second.role != role)
+    return absl::FailedPreconditionError(strCat(who, ": registers as ", v1::roleName(role), " but the group's other ranks are ",
+                                                v1::roleName(g->second.role)));
+  return absl::OkStatus();
+}
+
+size_t Registry::describeBytesWith(const Rank& rank, size_t layout_bytes) const {
+  size_t total = rank.describe_bytes + layout_bytes;
+  for (const auto& [key, r] : ranks_)
+    if (key != std::make_pair(rank.group, rank.rank)) total += r->describe_bytes;
+  for (const auto& [name, g] : groups_)
+    if (name != rank.group) total += g.layout_bytes;
+  return total;
+}
+
+Status Registry::mayChange(const Rank& r, const MemoryCaller& caller, const char* what) const {
+  if (caller.any_owner || !r.owner || (caller.local && *r.owner == caller.uid)) return absl::OkStatus();
+  return absl::PermissionDeniedError(strCat("group ", quote(r.group), " rank ", r.rank, " is registered by uid ", *r.owner,
                                             ": ", caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"),
                                             " may not ", what, " it"));
 }
 
-Status Registry::unregisterRank(const std::string& group, int32_t rank) {
+Status Registry::unregisterRank(const std::string& group, int32_t rank, const MemoryCaller& caller) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = ranks_.find({group, rank});
   if (it == ranks_.end())
     return absl::NotFoundError(strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
+  SC_RETURN_IF_ERROR(mayChange(*it->second, caller, "unregister"));
   if (!it->second->readers.empty() || !it->second->writer.empty())
     return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " is in use by sync ",
                                                 it->second->writer.empty() ? *it->second->readers.begin() : it->second->writer,
@@ -576,12 +604,13 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::
   return after;
 }
 
-StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t rank, std::chrono::milliseconds timeout,
-                                           const std::function<bool()>& gone) {
+StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t rank, const MemoryCaller& caller,
+                                           std::chrono::milliseconds timeout, const std::function<bool()>& gone) {
   std::unique_lock<std::mutex> lock(mu_);
   const std::string who = strCat("group \"", group, "\" rank ", rank);
   Rank* r = findRank(group, rank);
   if (r == nullptr) return absl::NotFoundError(strCat(who, " is not registered on node \"", node_, "\""));
+  SC_RETURN_IF_ERROR(mayChange(*r, caller, "acquire"));
   if (r->held) return absl::FailedPreconditionError(strCat(who, " is already acquired"));
   // The rank object may be replaced while waiting (after a restart of its client): look it up
   // again each time; and another acquire may win the wait.
@@ -606,6 +635,7 @@ StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t ran
                                               r->writer.empty() ? *r->readers.begin() : r->writer, " still uses it after ",
                                               timeout.count(), " ms"));
   if (r->held) return absl::FailedPreconditionError(strCat(who, " was acquired by another caller meanwhile"));
+  SC_RETURN_IF_ERROR(mayChange(*r, caller, "acquire"));  // re-registered while waiting: by whom?
   r->held = true;
   if (r->role == v1::ROLE_SOURCE) r->state = v1::RANK_UPDATING;
   if (r->doubled()) r->pinned = r->active;
@@ -613,11 +643,13 @@ StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t ran
   return statusOf(*r);
 }
 
-StatusOr<v1::RankStatus> Registry::release(const std::string& group, int32_t rank, uint64_t version) {
+StatusOr<v1::RankStatus> Registry::release(const std::string& group, int32_t rank, uint64_t version,
+                                           const MemoryCaller& caller) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string who = strCat("group \"", group, "\" rank ", rank);
   Rank* r = findRank(group, rank);
   if (r == nullptr) return absl::NotFoundError(strCat(who, " is not registered on node \"", node_, "\""));
+  SC_RETURN_IF_ERROR(mayChange(*r, caller, version ? "publish" : "release"));
   if (r->role == v1::ROLE_SOURCE) {
     if (version == 0 || version >= kMaxVersion)
       return absl::InvalidArgumentError(strCat(who, ": a source rank publishes a version in [1, 2^63), not ", version));

@@ -51,10 +51,9 @@ class Registry {
 
   StatusOr<v1::RegisterResponse> registerRank(const v1::RegisterRequest& request, const MemoryCaller& caller);
   // Refused (FAILED_PRECONDITION) while a sync uses the rank: its memory may still be written.
-  Status unregisterRank(const std::string& group, int32_t rank);
-  // PERMISSION_DENIED unless `caller` may change `rank` (its registering uid, root, --insecure);
-  // OK for a rank not registered (the call itself then says so).
-  Status checkOwner(const std::string& group, int32_t rank, const MemoryCaller& caller, const char* what) const;
+  // Unregister, acquire and release (publish) are the rank's owner's (MemoryCaller): anyone else
+  // gets PERMISSION_DENIED, checked under the lock that acts.
+  Status unregisterRank(const std::string& group, int32_t rank, const MemoryCaller& caller);
   std::vector<v1::RankRegistration> list() const;
   // Groups with ranks here: their ranks, versions and bytes.
   std::vector<v1::GroupStatus> groups() const;
@@ -109,9 +108,10 @@ class Registry {
   // The owner takes a rank (see AcquireRequest) / gives it back (ReleaseRequest).
   // `gone`: polled while waiting; true when the caller went away (its call was cancelled): then
   // the rank is not taken (CANCELLED), so no ownerless acquire holds it later.
-  StatusOr<v1::RankStatus> acquire(const std::string& group, int32_t rank, std::chrono::milliseconds timeout,
+  StatusOr<v1::RankStatus> acquire(const std::string& group, int32_t rank, const MemoryCaller& caller,
+                                   std::chrono::milliseconds timeout,
                                    const std::function<bool()>& gone = nullptr);
-  StatusOr<v1::RankStatus> release(const std::string& group, int32_t rank, uint64_t version);
+  StatusOr<v1::RankStatus> release(const std::string& group, int32_t rank, uint64_t version, const MemoryCaller& caller);
   // Waits until every rank of `group` here is READY at >= `version` or the timeout passes;
   // FAILED_PRECONDITION naming the rank when one is DIRTY, NOT_FOUND when none is registered.
   StatusOr<v1::WaitVersionResponse> waitVersion(const std::string& group, uint64_t version,
@@ -160,6 +160,7 @@ class Registry {
     std::string detail;      // DIRTY: which sync, why
     std::string session;
     std::optional<uid_t> owner;     // the uid that registered it over the Unix socket
+    size_t describe_bytes = 0;      // what it adds to Describe (its buffers' entries)
     std::set<std::string> readers;  // source: syncs reading it
     std::string writer;             // destination: the sync writing it
     // Destination, UPDATING: where it was before, for kRevert.
@@ -170,7 +171,17 @@ class Registry {
     v1::Layout layout;
     std::string digest;
     v1::Role role = v1::ROLE_DESTINATION;
+    std::optional<uid_t> owner;  // the uid of its first rank registered over the Unix socket
+    size_t layout_bytes = 0;     // the layout's serialised size (in Describe once)
   };
+  // With mu_ held: Describe's size if `rank` joined (replacing its predecessor, if any) with a
+  // layout of `layout_bytes`.
+  size_t describeBytesWith(const Rank& rank, size_t layout_bytes) const;
+
+  // With mu_ held: may `caller` register this rank of `req.group()` with this layout and role?
+  Status mayJoin(const v1::RegisterRequest& req, const std::string& digest, v1::Role role, const MemoryCaller& caller) const;
+  // With mu_ held: may `caller` unregister, acquire or publish `r`?
+  Status mayChange(const Rank& r, const MemoryCaller& caller, const char* what) const;
 
   StatusOr<std::unique_ptr<Rank>> build(const v1::RegisterRequest& request, std::string digest, const MemoryCaller& caller);
   // One set of a rank's buffers from its handles, checked against what the layout gives it.

@@ -490,9 +490,7 @@ grpc::Status ShardcastService::Acquire(grpc::ServerContext* context, const v1::A
   const auto caller = access_.client(*context);
   if (!caller.ok()) return toGrpc(caller.status());
   if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
-  if (auto mine = registry_.checkOwner(req->group(), req->rank(), caller->memory(access_.insecure()), "acquire"); !mine.ok())
-    return toGrpc(mine);
-  auto r = registry_.acquire(req->group(), req->rank(), std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 30000),
+  auto r = registry_.acquire(req->group(), req->rank(), caller->memory(access_.insecure()), std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 30000),
                              [context] { return context->IsCancelled(); });
   if (!r.ok()) return toGrpc(r.status());
   *out->mutable_status() = std::move(*r);
@@ -503,11 +501,7 @@ grpc::Status ShardcastService::Release(grpc::ServerContext* ctx, const v1::Relea
   const auto caller = access_.client(*ctx);
   if (!caller.ok()) return toGrpc(caller.status());
   if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
-  if (auto mine = registry_.checkOwner(req->group(), req->rank(), caller->memory(access_.insecure()),
-                                       req->version() ? "publish" : "release");
-      !mine.ok())
-    return toGrpc(mine);
-  auto r = registry_.release(req->group(), req->rank(), req->version());
+  auto r = registry_.release(req->group(), req->rank(), req->version(), caller->memory(access_.insecure()));
   if (!r.ok()) return toGrpc(r.status());
   *out->mutable_status() = std::move(*r);
   return grpc::Status::OK;
@@ -611,10 +605,7 @@ grpc::Status ShardcastService::Unregister(grpc::ServerContext* ctx, const v1::Un
   const auto caller = access_.client(*ctx);
   if (!caller.ok()) return toGrpc(caller.status());
   if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
-  if (auto mine = registry_.checkOwner(req->group(), req->rank(), caller->memory(access_.insecure()), "unregister");
-      !mine.ok())
-    return toGrpc(mine);
-  return toGrpc(registry_.unregisterRank(req->group(), req->rank()));
+  return toGrpc(registry_.unregisterRank(req->group(), req->rank(), caller->memory(access_.insecure())));
 }
 
 StatusOr<ClusterView> ShardcastService::cluster() {

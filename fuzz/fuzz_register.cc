@@ -52,6 +52,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   caller.uid = ::getuid();
   caller.local = true;
   auto r = w.registry->registerRank(req, caller);
-  if (r.ok()) w.registry->unregisterRank(req.group(), req.rank()).IgnoreError();
+  if (r.ok()) w.registry->unregisterRank(req.group(), req.rank(), caller).IgnoreError();
   return 0;
 }

@@ -159,6 +159,23 @@ BoxGrid::BoxGrid(const std::vector<Box>& boxes, const Box* clip) {
   }
 }
 
+int64_t BoxGrid::countCells(const std::vector<Box>& boxes) {
+  if (boxes.empty()) return 0;
+  int64_t cells = 1;
+  for (int d = 0; d < boxes[0].ndim; ++d) {
+    std::vector<int64_t> c;
+    c.reserve(2 * boxes.size());
+    for (const Box& b : boxes) {
+      c.push_back(b.lo[d]);
+      c.push_back(b.hi[d]);
+    }
+    std::sort(c.begin(), c.end());
+    const auto distinct = static_cast<int64_t>(std::unique(c.begin(), c.end()) - c.begin());
+    if (__builtin_mul_overflow(cells, std::max<int64_t>(0, distinct - 1), &cells)) return -1;
+  }
+  return cells;
+}
+
 void BoxGrid::forEachCover(const std::vector<Box>& boxes,
                            const std::function<void(int64_t, int)>& fn) const {
   for (int i = 0; i < static_cast<int>(boxes.size()); ++i) {

@@ -48,6 +48,9 @@ class BoxGrid {
   BoxGrid(const std::vector<Box>& boxes, const Box* clip = nullptr);
 
   int64_t cellCount() const { return cell_count_; }
+  // The cells a grid over `boxes` would have, or -1 when that does not fit an int64 (checked
+  // before building one: overlapping pieces of a layout can ask for K^ndim cells).
+  static int64_t countCells(const std::vector<Box>& boxes);
   // Visits every box index covering each cell: fn(cell_index, box_index).
   void forEachCover(const std::vector<Box>& boxes, const std::function<void(int64_t, int)>& fn) const;
   Box cellBox(int64_t cell) const;

@@ -242,8 +242,9 @@ class Resolver {
     if (in_.mesh().shape_size() > kMaxMeshDims)
       return absl::InvalidArgumentError(strCat(where(), ": mesh has ", in_.mesh().shape_size(), " dims (at most ",
                                                kMaxMeshDims, ")"));
-    int64_t pieces = 0;
-    for (const auto& t : in_.tensors()) pieces += t.pieces_size();  // each below 2^31: no overflow
+    int64_t pieces = 0;  // a piece held by several ranks counts once per rank (sums of ints: no overflow)
+    for (const auto& t : in_.tensors())
+      for (const auto& p : t.pieces()) pieces += std::max(1, p.ranks_size());
     if (pieces > lim.max_explicit_pieces)
       return absl::InvalidArgumentError(strCat(where(), " lists ", pieces, " pieces (at most ", lim.max_explicit_pieces, ")"));
     return absl::OkStatus();
@@ -421,6 +422,13 @@ class Resolver {
         next += t.boxes[t.pieces[i].box].volume();
       }
     }
+    if (!pairwiseDisjoint(t.boxes)) {
+      const int64_t cells = BoxGrid::countCells(t.boxes);
+      if (cells < 0 || cells > limits().max_grid_cells)
+        return absl::InvalidArgumentError(strCat(where(in.name()), ": its ", t.boxes.size(), " overlapping pieces cut it into ",
+                                                 cells < 0 ? std::string("more than 2^63") : std::to_string(cells),
+                                                 " cells (at most ", limits().max_grid_cells, ")"));
+    }
     pieces_ += static_cast<int64_t>(t.pieces.size());
     if (pieces_ > limits().max_pieces)
       return absl::InvalidArgumentError(strCat(where(in.name()), ": the layout resolves to more than ", limits().max_pieces,
@@ -500,6 +508,7 @@ class Resolver {
     if (it == placement_cache_.end()) {
       std::vector<CachedRank> per_rank(world_);
       std::vector<int64_t> coords(mesh_dims);
+      int64_t boxes = pieces_;  // the pieces this tensor adds to the layout's, counted before they are made
       for (int32_t r = 0; r < world_; ++r) {
         int64_t rem = r;
         for (int m = mesh_dims - 1; m >= 0; --m) {
@@ -507,6 +516,13 @@ class Resolver {
           rem /= out_.mesh_shape[m];
         }
         SC_ASSIGN_OR_RETURN(auto iv, placementIntervals(in, out_.mesh_shape, coords));
+        std::optional<int64_t> here = 1;  // the cartesian product of this rank's intervals
+        for (const auto& dim : iv) here = here ? checkedMul(*here, static_cast<int64_t>(dim.size())) : std::nullopt;
+        const auto sum = here ? checkedAdd(boxes, *here) : std::nullopt;
+        if (!sum || *sum > limits().max_pieces)
+          return absl::InvalidArgumentError(strCat(where(in.name()), ": its placements cut it into more than ",
+                                                   limits().max_pieces, " pieces over the layout's ranks"));
+        boxes = *sum;
         per_rank[r] = expand(iv, ndim);
       }
       it = placement_cache_.emplace(key, std::move(per_rank)).first;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mints the certificates of a Shardcast cluster with openssl (for the demo, the tests and bare-metal
-# deployments; on Kubernetes cert-manager does this, see deploy/k8s/overlays/mtls):
+# deployments; on Kubernetes cert-manager does this, see deploy/k8s/overlays/cert-manager):
 #   certs.sh DIR [NODE...]
 # DIR/ca.pem + ca.key      the cluster CA (kept if present: re-running adds certificates to it)
 # DIR/daemon.pem + .key    a daemon identity (DNS name shardcast-daemon), when no NODE is given

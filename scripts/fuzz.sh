@@ -37,6 +37,7 @@ fi
 cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)" --target fuzz_seeds $(printf 'fuzz_%s ' "${targets[@]}") >/dev/null
 
 corpus="$build/corpus"
+rm -rf "$build/crashes"  # this run's crashes only (an earlier run's stay in its log)
 mkdir -p "$build/crashes"
 "$build/bin/fuzz_seeds" "$corpus/seeds" >/dev/null
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:${ASAN_OPTIONS:-}"  # leaks of the fuzz loop's caches are not bugs

@@ -45,6 +45,9 @@ int main(int argc, char** argv) {
   // Someone else's rank: not its to re-register, unregister, acquire, publish or release.
   layout->set_group(victim_group);
   report("reregister", client->registerRank(*layout, 0, *own).status());
+  auto own1 = HostTensors::forRank(*layout, 1);  // a rank of the victim's group it has not registered
+  if (!own1.ok()) return 1;
+  report("join", client->registerRank(*layout, 1, *own1).status());
   report("unregister", client->unregisterRank(victim_group, 0));
   report("acquire", client->acquire(victim_group, 0, std::chrono::milliseconds(100)).status());
   report("publish", client->publish(victim_group, 0, 1000).status());

@@ -148,18 +148,20 @@ TEST_CASE("a local caller of another uid cannot register, take or change another
   }
   Daemon d("n0", freePort(), {});
   REQUIRE(d.ready());
-  // The victim (root): a source rank in a segment only root may open (0600).
-  const v1::Layout layout = *planner::parseLayoutJson(kLayout, "g");
+  // The victim (root): source rank 0 of a 2-rank group, in a segment only root may open (0600).
+  const char* two = R"({"group":"g","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
+    {"name":"w","shape":[16,16],"dtype":"float32","placements":[{"replicate":{}}]}]})";
+  const v1::Layout layout = *planner::parseLayoutJson(two, "g");
   planner::NodeTable nodes;
   const auto resolved = *planner::resolveLayout(layout, nodes);
   RankMemory mem = allocateRank(resolved, 0, "victim");
   REQUIRE(::chmod(("/dev/shm" + mem.seg->name()).c_str(), 0600) == 0);
   v1::RegisterResponse registered;
-  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(layout, 0, 1, mem, v1::ROLE_SOURCE, 1), &registered).ok());
+  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(layout, 0, 2, mem, v1::ROLE_SOURCE, 1), &registered).ok());
 
   // nobody, in the socket's group (root's, mode 0660) so that it reaches the daemon at all.
   Child caller = Child::spawn({"setpriv", "--reuid=65534", "--regid=0", "--clear-groups", FOREIGN_CALLER_PATH,
-                               d.socketPath(), kLayout, mem.seg->name(), "g"});
+                               d.socketPath(), two, mem.seg->name(), "g"});
   std::map<std::string, std::string> result;
   for (std::string line; !(line = caller.readLine(std::chrono::seconds(30))).empty();)
     result[line.substr(0, line.find(' '))] = line.substr(line.find(' ') + 1);
@@ -167,6 +169,7 @@ TEST_CASE("a local caller of another uid cannot register, take or change another
   CHECK(result["own"] == "OK");
   CHECK(result["theirs"] == "PERMISSION_DENIED");
   CHECK(result["reregister"] == "PERMISSION_DENIED");
+  CHECK(result["join"] == "PERMISSION_DENIED");  // the group is root's: no squatting on its missing ranks
   CHECK(result["unregister"] == "PERMISSION_DENIED");
   CHECK(result["acquire"] == "PERMISSION_DENIED");
   CHECK(result["publish"] == "PERMISSION_DENIED");

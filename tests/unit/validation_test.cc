@@ -208,3 +208,29 @@ TEST_CASE("limits: counts follow setLimits", "[validation][limits]") {
   setLimits(saved);
   CHECK(layoutError(three).empty());
 }
+
+TEST_CASE("limits: pieces are counted before they are made", "[validation][limits]") {
+  // Two strided shards of 4096 on a 2x2 mesh: 16.7 M boxes per rank (~10 GB) from 300 bytes.
+  CHECK_THAT(layoutError(oneTensor(
+                 R"({"name":"w","shape":[8192,8192],"dtype":"float32","placements":[
+                     {"strided_shard":{"dim":0,"split_factor":4096}},{"strided_shard":{"dim":1,"split_factor":4096}}]})",
+                 R"({"shape":[2,2]})", R"("ranks_per_node":4)")),
+             Catch::Contains("cut it into more than 8388608 pieces"));
+  const Limits saved = limits();
+  Limits small = saved;
+  small.max_explicit_pieces = 4;
+  small.max_grid_cells = 10;
+  setLimits(small);
+  // Every rank of a piece's ranks list is a piece.
+  CHECK_THAT(layoutError(oneTensor(
+                 R"({"name":"w","shape":[4],"dtype":"float32","pieces":[{"ranks":[0,1,0,1,0],"offsets":[0],"sizes":[4]}]})")),
+             Catch::Contains("lists 5 pieces (at most 4)"));
+  // Overlapping pieces: the grid their boundaries cut the tensor into is bounded (4 diagonal
+  // 2x2 pieces overlapping by one: 5 x 5 = 25 cells).
+  CHECK_THAT(layoutError(oneTensor(
+                 R"({"name":"w","shape":[8,8],"dtype":"float32","pieces":[
+                     {"rank":0,"offsets":[0,0],"sizes":[2,2]},{"rank":0,"offsets":[1,1],"sizes":[2,2]},
+                     {"rank":1,"offsets":[2,2],"sizes":[2,2]},{"rank":1,"offsets":[3,3],"sizes":[2,2]}]})")),
+             Catch::Contains("4 overlapping pieces cut it into 25 cells (at most 10)"));
+  setLimits(saved);
+}

@@ -817,8 +817,8 @@ bool putIsBounded(const std::string& tls) {
   const TlsList l = parseTls(tls);
   if (l.empty() || l.exclude) return false;  // UCX's default set includes tcp and cma
   for (const auto& item : l.items) {
-    const bool hardware = item.rfind("rc", 0) == 0 || item.rfind("dc", 0) == 0 || item == "ib" ||
-                          item.rfind("cuda", 0) == 0 || item == "gdr_copy" || item == "self";
+    const bool hardware = item.rfind("rc", 0) == 0 || item.rfind("dc", 0) == 0 || item.rfind("ud", 0) == 0 ||
+                          item == "ib" || item.rfind("cuda", 0) == 0 || item == "gdr_copy" || item == "self";
     if (!hardware) return false;
   }
   return true;

@@ -14,5 +14,8 @@ StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& opti
 
 // "am" or "put": what protocol=auto resolves to for a UCX_TLS value ("" = UCX's default).
 const char* autoProtocolFor(const std::string& tls);
+// Whether every transport of a UCX_TLS list bounds a remote write to the registered region in
+// hardware (rc/dc verbs, CUDA IPC; ud carries no RMA): put is safe against a peer that lies.
+bool putIsBounded(const std::string& tls);
 
 }  // namespace shardcast::transport
