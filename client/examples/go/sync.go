@@ -12,17 +12,21 @@ package main
 import (
 	"context"
 	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/hex"
 	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
+	"io/ioutil"
 	"os"
 	"strings"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/status"
 
 	pb "shardcast/v1"
@@ -58,6 +62,55 @@ func fail(code int, format string, args ...interface{}) {
 	os.Exit(code)
 }
 
+// dialOptions: the Unix socket needs no credentials (the kernel tells the daemon who calls). Over
+// TCP, with $SHARDCAST_TLS_CA set: TLS verifying the daemon identity "shardcast-daemon", with a
+// client certificate ($SHARDCAST_TLS_CERT, $SHARDCAST_TLS_KEY) and/or a bearer token
+// ($SHARDCAST_TOKEN_FILE); plaintext otherwise (daemons run --insecure). docs/security.md.
+func dialOptions(target string) ([]grpc.DialOption, error) {
+	caFile := os.Getenv("SHARDCAST_TLS_CA")
+	if strings.HasPrefix(target, "unix:") || caFile == "" {
+		return []grpc.DialOption{grpc.WithInsecure()}, nil
+	}
+	ca, err := ioutil.ReadFile(caFile)
+	if err != nil {
+		return nil, fmt.Errorf("SHARDCAST_TLS_CA: %v", err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(ca) {
+		return nil, fmt.Errorf("SHARDCAST_TLS_CA %q holds no PEM certificate", caFile)
+	}
+	config := &tls.Config{RootCAs: pool, ServerName: "shardcast-daemon", MinVersion: tls.VersionTLS12}
+	if certFile := os.Getenv("SHARDCAST_TLS_CERT"); certFile != "" {
+		pair, err := tls.LoadX509KeyPair(certFile, os.Getenv("SHARDCAST_TLS_KEY"))
+		if err != nil {
+			return nil, fmt.Errorf("SHARDCAST_TLS_CERT/KEY: %v", err)
+		}
+		config.Certificates = []tls.Certificate{pair}
+	}
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(credentials.NewTLS(config))}
+	if tokenFile := os.Getenv("SHARDCAST_TOKEN_FILE"); tokenFile != "" {
+		text, err := ioutil.ReadFile(tokenFile)
+		if err != nil {
+			return nil, fmt.Errorf("SHARDCAST_TOKEN_FILE: %v", err)
+		}
+		token := strings.TrimSpace(strings.SplitN(string(text), "\n", 2)[0])
+		if token == "" {
+			return nil, fmt.Errorf("SHARDCAST_TOKEN_FILE %q is empty", tokenFile)
+		}
+		opts = append(opts, grpc.WithPerRPCCredentials(bearer(token)))
+	}
+	return opts, nil
+}
+
+// bearer sends "authorization: Bearer <token>" with every call, over TLS only.
+type bearer string
+
+func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + string(b)}, nil
+}
+
+func (b bearer) RequireTransportSecurity() bool { return true }
+
 // connect reaches the daemon at `daemon` (default: defaultTarget()), waiting up to five seconds
 // as the other clients do.
 func connect(daemon string) (*grpc.ClientConn, pb.ShardcastClient) {
@@ -65,9 +118,13 @@ func connect(daemon string) (*grpc.ClientConn, pb.ShardcastClient) {
 	if daemon != "" {
 		target = normalize(daemon)
 	}
+	opts, err := dialOptions(target)
+	if err != nil {
+		fail(exitUsage, "%v", err)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	conn, err := grpc.DialContext(ctx, target, grpc.WithInsecure(), grpc.WithBlock())
+	conn, err := grpc.DialContext(ctx, target, append(opts, grpc.WithBlock())...)
 	if err != nil {
 		fail(exitUnreachable, "shardcastd at %q is not reachable: %v", target, err)
 	}

@@ -49,6 +49,7 @@ class LocalDaemon:
                  extra: Sequence[str] = (), stderr: Any = None, tls: Optional[TlsFiles] = None) -> None:
         self.node = node
         self.address = f"127.0.0.1:{port}"
+        self.tls = tls  # what it presents (None: --insecure)
         self.socket = os.path.join(socket_dir, f"{node}.sock")
         argv = [binary, "--node", node, "--listen", self.address, "--socket", self.socket, "--peers", ",".join(peers),
                 "--metrics", "127.0.0.1:0", *extra]

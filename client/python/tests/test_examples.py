@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,6 +76,16 @@ def test_go_example_syncs_watches_and_waits(go_example, registered):
     assert nowhere.returncode == 4 and "not reachable" in nowhere.stderr
     for usage in (["sync", "--src", "a"], ["wait", "--group", "g"], ["frobnicate"], [], ["sync", "--bogus"]):
         assert subprocess.run([go, *usage], capture_output=True).returncode == 2, usage
+    # Over TCP: mutual TLS with the client certificate from the environment, or nothing at all.
+    certs = Path(n1.tls.ca).parent
+    tls_env = dict(os.environ, SHARDCAST_TLS_CA=str(certs / "ca.pem"), SHARDCAST_TLS_CERT=str(certs / "client.pem"),
+                   SHARDCAST_TLS_KEY=str(certs / "client.key"))
+    remote = subprocess.run([go, "wait", "--daemon", n1.address, "--group", "infer", "--version", "1"],
+                            capture_output=True, text=True, timeout=60, env=tls_env)
+    assert remote.returncode == 0, remote.stderr
+    plaintext = subprocess.run([go, "wait", "--daemon", n1.address, "--group", "infer", "--version", "1"],
+                               capture_output=True, text=True, timeout=60)
+    assert plaintext.returncode == 4
 
 
 def test_shell_example_syncs_with_the_cli(registered):
