@@ -105,6 +105,15 @@ StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
   return out;
 }
 
+StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::DescribeResponse& self,
+                                          const std::string& self_address) {
+  SC_ASSIGN_OR_RETURN(auto described, peers.describeAll());
+  SC_ASSIGN_OR_RETURN(auto view, ClusterView::build(self, described));
+  ClusterSnapshot out{std::move(view), {self_address}};
+  for (const auto& p : described) out.addresses.push_back(p.address);
+  return out;
+}
+
 std::string rankRanges(const std::vector<int32_t>& ranks) {
   std::string out;
   for (size_t i = 0; i < ranks.size();) {

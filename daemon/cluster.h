@@ -71,6 +71,15 @@ class ClusterView {
   std::map<std::string, GroupInfo> groups_;
 };
 
+// The cluster as one gather saw it: the view, and each daemon's address (addresses[i] reaches
+// view.daemons()[i]; this daemon first, at `self_address`).
+struct ClusterSnapshot {
+  ClusterView view;
+  std::vector<std::string> addresses;
+};
+StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::DescribeResponse& self,
+                                          const std::string& self_address);
+
 // "0-2, 5, 7-9"
 std::string rankRanges(const std::vector<int32_t>& ranks);
 

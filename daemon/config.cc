@@ -27,6 +27,13 @@ std::string DaemonConfig::describe() const {
   return os.str();
 }
 
+std::string DaemonConfig::selfAddress() const {
+  if (listen.empty()) return "unix:" + socket;
+  const auto colon = listen.rfind(':');
+  const std::string host = listen.substr(0, colon);
+  return (host == "0.0.0.0" || host == "[::]" ? "127.0.0.1" : host) + listen.substr(colon);
+}
+
 namespace {
 
 Status checkHostPort(const std::string& what, const std::string& v) {

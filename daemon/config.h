@@ -37,6 +37,8 @@ struct DaemonConfig {
 
   // One line per setting, for the start-up log and `--print-config`.
   std::string describe() const;
+  // How this daemon reaches itself: its TCP address (a wildcard host as 127.0.0.1), else its socket.
+  std::string selfAddress() const;
 };
 
 // Parses argv (and SHARDCAST_* variables, and --config FILE). Returns the config, or a Status whose

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <string>
 
+#include "proto/shardcast/v1/names.h"
 #include "shardcast/v1/service.pb.h"
 
 namespace shardcast::daemon {
@@ -44,7 +45,7 @@ class ProgressBoard {
       if (inserted) order_.push_back(id);
       it->second = v1::SyncProgress();
       it->second.set_sync_id(id);
-      it->second.set_state("gathering");
+      setPhase(it->second, v1::SYNC_GATHERING);
       ++generation_;
     }
     cv_.notify_all();
@@ -69,7 +70,12 @@ class ProgressBoard {
     }
   }
 
-  static bool isDone(const v1::SyncProgress& p) { return p.state() == "committed" || p.state() == "failed"; }
+  static bool isDone(const v1::SyncProgress& p) { return p.phase() == v1::SYNC_COMMITTED || p.phase() == v1::SYNC_FAILED; }
+  // The phase, as the enum and as its name (the field clients before 0.3 read).
+  static void setPhase(v1::SyncProgress& p, v1::SyncPhase phase) {
+    p.set_phase(phase);
+    p.set_state(std::string(v1::syncPhaseName(phase)));
+  }
 
  private:
   std::mutex mu_;

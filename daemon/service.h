@@ -10,6 +10,8 @@
 
 #include "daemon/access.h"
 #include "daemon/cluster.h"
+#include "daemon/coordinator.h"
+#include "daemon/executor.h"
 #include "daemon/config.h"
 #include "daemon/progress.h"
 #include "daemon/registry.h"
@@ -39,18 +41,9 @@ class ShardcastService final : public v1::Shardcast::Service {
   grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse*) override;
 
  private:
-  // The cluster view and the address of every daemon in it (this one included).
-  StatusOr<std::pair<ClusterView, std::vector<std::string>>> clusterWithAddresses();
   StatusOr<ClusterView> cluster();
-  // The first daemon of `addresses` that does not answer a quick call ("" when all answer).
   // A random write fence for one sync attempt (never 0).
   uint64_t newFence();
-  std::string firstSilent(const std::vector<std::string>& addresses, const std::vector<v1::DescribeResponse>& daemons);
-  // The version contract as the cluster view shows it: source ranks published `version`, no
-  // destination rank is at it or newer.
-  shardcast::Status checkVersions(const ClusterView& view, const std::string& src, const std::string& dst,
-                                  uint64_t version) const;
-  std::string selfAddress() const;
 
   const DaemonConfig& config_;
   const AccessPolicy& access_;
@@ -64,6 +57,7 @@ class ShardcastService final : public v1::Shardcast::Service {
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   std::mutex fence_mu_;
   std::mt19937_64 fence_rng_{std::random_device{}()};
+  Executor executor_;  // the calls of every sync coordinated here
   std::mutex sessions_mu_;
   std::condition_variable sessions_cv_;
   bool stopping_ = false;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <utility>
 
 #include "common/strings.h"
 #include "transport/shm.h"
@@ -80,7 +81,8 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
     if (it != plans_.end()) {
       ++hits_;
       *hit = true;
-      return it->second;
+      lru_.splice(lru_.begin(), lru_, it->second.age);
+      return it->second.plan;
     }
   }
   *hit = false;
@@ -189,13 +191,35 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
     targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
   }
   std::lock_guard<std::mutex> lock(mu_);
-  plans_[key] = c;
+  if (auto raced = plans_.find(key); raced != plans_.end()) return raced->second.plan;  // planned twice at once
+  lru_.push_front(key);
+  plans_[key] = Entry{c, lru_.begin()};
+  while (plans_.size() > capacity_) {
+    evicted_.push_back(lru_.back());
+    plans_.erase(lru_.back());
+    lru_.pop_back();
+  }
   return std::shared_ptr<const CachedPlan>(c);
 }
 
 uint64_t PlanCache::hits() const {
   std::lock_guard<std::mutex> lock(mu_);
   return hits_;
+}
+
+bool PlanCache::contains(const std::string& key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return plans_.count(key) > 0;
+}
+
+size_t PlanCache::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return plans_.size();
+}
+
+std::vector<std::string> PlanCache::takeEvicted() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(evicted_, {});
 }
 
 // A sync between prepare and finish on this daemon.
@@ -422,6 +446,13 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   a->renew();
   bool hit = false;
   SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), req.staging_bytes(), req.chunk_bytes(), &hit));
+  if (auto evicted = plans_.takeEvicted(); !evicted.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);  // spare memory of plans no longer cached goes with them
+    for (const auto& key : evicted) {
+      spare_arenas_.erase(key);
+      spare_staging_.erase(key);
+    }
+  }
   // The fences: source ranks here published exactly this version, destination ranks here accept
   // it. From here on, every way out ends the sync in the registry.
   SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, a->dst_group, a->version, layoutDigest(req.src()),
@@ -547,8 +578,9 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<Active>& a,
   }
   v1::FinishResponse out;
   for (auto& st : registry_.endSync(a->id, a->src_group, a->dst_group, end, reason)) *out.add_ranks() = std::move(st);
+  const bool cached = plans_.contains(a->plan->key);  // spares of a plan evicted meanwhile are dropped
   std::lock_guard<std::mutex> lock(mu_);
-  if (commit && a->writes_pending == 0) {  // nothing can still touch them
+  if (commit && a->writes_pending == 0 && cached) {  // nothing can still touch them
     if (a->arena) spare_arenas_[a->plan->key] = std::move(a->arena);
     if (a->staging) spare_staging_[a->plan->key] = std::move(a->staging);
   }

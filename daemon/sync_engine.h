@@ -15,6 +15,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -89,16 +90,31 @@ struct CachedPlan {
   std::string landedProblem(const LandedChunk& l, int32_t wave, int32_t self) const;
 };
 
+// The plans of the layout pairs synced lately: a bounded LRU of immutable plans (syncs in flight
+// keep theirs alive by reference). A plan evicted here takes the engine's spare arena and staging
+// for it along (SyncEngine drops them when it learns of the eviction).
 class PlanCache {
  public:
+  explicit PlanCache(size_t capacity = 16) : capacity_(capacity == 0 ? 1 : capacity) {}
   // The plan for these layouts and staging budget; *hit says whether it was cached.
   StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst, uint64_t staging_budget,
                                                   uint64_t chunk_bytes, bool* hit);
   uint64_t hits() const;
+  size_t size() const;
+  bool contains(const std::string& key) const;
+  // The keys evicted since the last call.
+  std::vector<std::string> takeEvicted();
 
  private:
+  struct Entry {
+    std::shared_ptr<const CachedPlan> plan;
+    std::list<std::string>::iterator age;
+  };
+  const size_t capacity_;
   mutable std::mutex mu_;
-  std::map<std::string, std::shared_ptr<const CachedPlan>> plans_;
+  std::map<std::string, Entry> plans_;
+  std::list<std::string> lru_;  // most recently used first
+  std::vector<std::string> evicted_;
   uint64_t hits_ = 0;
 };
 

@@ -144,7 +144,7 @@ int runWatch(const WatchArgs& a) {
   view.finish();
   if (!st.ok()) return failed("watch", st);
   if (!a.json) std::cout << "sync " << a.sync_id << ": " << ProgressView::describe(last) << "\n";
-  return last.state() == "committed" ? kOk : kSyncFailed;
+  return last.phase() == v1::SYNC_COMMITTED ? kOk : kSyncFailed;
 }
 
 // ---- status ----

@@ -10,7 +10,7 @@ namespace shardcast::cli {
 
 std::string ProgressView::describe(const v1::SyncProgress& p) {
   const double total = static_cast<double>(p.bytes_total());
-  const double pct = total > 0 ? 100.0 * static_cast<double>(p.bytes_done()) / total : (p.state() == "committed" ? 100 : 0);
+  const double pct = total > 0 ? 100.0 * static_cast<double>(p.bytes_done()) / total : (p.phase() == v1::SYNC_COMMITTED ? 100 : 0);
   const double gbps = p.seconds() > 0 ? static_cast<double>(p.bytes_done()) / p.seconds() / 1e9 : 0;
   std::map<std::string, int> states;
   for (const auto& n : p.nodes()) ++states[n.state()];
@@ -29,7 +29,7 @@ void ProgressView::update(const v1::SyncProgress& p) {
   const auto now = std::chrono::steady_clock::now();
   if (tty_) {
     const double total = static_cast<double>(p.bytes_total());
-    const double frac = total > 0 ? static_cast<double>(p.bytes_done()) / total : (p.state() == "committed" ? 1.0 : 0.0);
+    const double frac = total > 0 ? static_cast<double>(p.bytes_done()) / total : (p.phase() == v1::SYNC_COMMITTED ? 1.0 : 0.0);
     constexpr int kWidth = 24;
     const int filled = static_cast<int>(frac * kWidth + 0.5);
     const std::string bar = std::string(static_cast<size_t>(filled), '#') + std::string(static_cast<size_t>(kWidth - filled), '.');

@@ -20,4 +20,16 @@ inline std::string_view rankStateName(RankState state) {
   }
 }
 
+inline std::string_view syncPhaseName(SyncPhase phase) {
+  switch (phase) {
+    case SYNC_GATHERING: return "gathering";
+    case SYNC_PREPARING: return "preparing";
+    case SYNC_EXECUTING: return "executing";
+    case SYNC_COMMITTING: return "committing";
+    case SYNC_COMMITTED: return "committed";
+    case SYNC_FAILED: return "failed";
+    default: return "unknown";
+  }
+}
+
 }  // namespace shardcast::v1
