@@ -129,9 +129,15 @@ v1::Layout inference(const Model& m) {
     auto* p = t->add_placements();
     switch (d.kind) {
       case Kind::kColumn:
-      case Kind::kVocab: p->mutable_shard()->set_dim(0); break;
-      case Kind::kRow: p->mutable_shard()->set_dim(1); break;
-      case Kind::kReplicated: p->mutable_replicate(); break;
+      case Kind::kVocab:
+        p->mutable_shard()->set_dim(0);
+        break;
+      case Kind::kRow:
+        p->mutable_shard()->set_dim(1);
+        break;
+      case Kind::kReplicated:
+        p->mutable_replicate();
+        break;
     }
   }
   const int per_rank = (m.experts + m.dst_tp - 1) / m.dst_tp;
@@ -148,7 +154,9 @@ v1::Layout inference(const Model& m) {
       std::vector<int32_t> ranks;
       for (int r = 0; r < m.dst_replicas; ++r) ranks.push_back(r * m.dst_tp + e / per_rank);
       for (const char* w : {"w1", "w3", "w2"}) {
-        addPiece(addTensor(l, expertName(layer, e, w), {w[1] == '2' ? m.hidden : m.inter, w[1] == '2' ? m.inter : m.hidden}), ranks);
+        addPiece(
+            addTensor(l, expertName(layer, e, w), {w[1] == '2' ? m.hidden : m.inter, w[1] == '2' ? m.inter : m.hidden}),
+            ranks);
         (w[1] == '2' ? w2 : w13)->add_tensors(expertName(layer, e, w));
       }
     }
@@ -173,11 +181,16 @@ int main(int argc, char** argv) {
   std::string write_dir;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
-    if (a == "--layers") m.layers = std::stoi(argv[i + 1]);
-    else if (a == "--experts") m.experts = std::stoi(argv[i + 1]);
-    else if (a == "--dst-replicas") m.dst_replicas = std::stoi(argv[i + 1]);
-    else if (a == "--src-replicas") m.src_replicas = std::stoi(argv[i + 1]);
-    else if (a == "--write-layouts") write_dir = argv[i + 1];
+    if (a == "--layers")
+      m.layers = std::stoi(argv[i + 1]);
+    else if (a == "--experts")
+      m.experts = std::stoi(argv[i + 1]);
+    else if (a == "--dst-replicas")
+      m.dst_replicas = std::stoi(argv[i + 1]);
+    else if (a == "--src-replicas")
+      m.src_replicas = std::stoi(argv[i + 1]);
+    else if (a == "--write-layouts")
+      write_dir = argv[i + 1];
     else {
       fmt::print(stderr, "unknown option {}\n", a);
       return 2;
@@ -213,7 +226,8 @@ int main(int argc, char** argv) {
   const PlanStats& s = plan->stats;
   const double rss = peakRssGiB();
   CostModel model;  // 400 Gbit/s NIC per node
-  const double bound_egress = std::max<double>(static_cast<double>(s.maxIngress()), static_cast<double>(s.max_unique_held));
+  const double bound_egress =
+      std::max<double>(static_cast<double>(s.maxIngress()), static_cast<double>(s.max_unique_held));
 
   fmt::print("plan_bench: Kimi-K2-like MoE, {} layers, {} experts\n", m.layers, m.experts);
   fmt::print("  source      {} ranks ({} nodes), destination {} ranks ({} nodes)\n", src->world(),
@@ -227,8 +241,8 @@ int main(int argc, char** argv) {
              s.transfers, s.buckets, plan->chain_nodes.size(), s.network_ops);
   fmt::print("  network     {} (lower bound {}, ratio {:.4f})\n", humanBytes(s.network_bytes),
              humanBytes(s.network_lower_bound), static_cast<double>(s.network_bytes) / s.network_lower_bound);
-  fmt::print("  max node    ingress {}  egress {}  unique-held {}\n", humanBytes(s.maxIngress()), humanBytes(s.maxEgress()),
-             humanBytes(s.max_unique_held));
+  fmt::print("  max node    ingress {}  egress {}  unique-held {}\n", humanBytes(s.maxIngress()),
+             humanBytes(s.maxEgress()), humanBytes(s.max_unique_held));
   fmt::print("  egress      max egress / max(max ingress, unique-held) = {:.3f} (target <= 1.1)\n",
              s.maxEgress() / bound_egress);
   fmt::print("  predicted   {:.2f} s at {} Gbit/s per node; rank pull {:.2f} s ({}); gather+broadcast {:.2f} s ({})\n",

@@ -51,11 +51,13 @@ int receiver(const TransportOptions& o, size_t size, bool shm) {
   // POSIX shared memory as clients register it.
   StatusOr<ShmSegment> segment = absl::UnavailableError("not used");
   if (shm) segment = ShmSegment::create(fmt::format("/shardcast-bench-{}", getpid()), size);
-  auto region = shm ? (segment.ok() ? (*ctx)->registerMemory(segment->data(), size, MemoryKind::kHost) : segment.status())
-                    : (*ctx)->allocateMemory(size);
+  auto region =
+      shm ? (segment.ok() ? (*ctx)->registerMemory(segment->data(), size, MemoryKind::kHost) : segment.status())
+          : (*ctx)->allocateMemory(size);
   if (!region.ok()) return 1;
   std::memset((*region)->data(), 0, size);  // fault the pages in before timing starts
-  std::printf("ADDRESS %s\nREGION %s\n", toHex((*ctx)->address()).c_str(), toHex((*region)->remote().serialize()).c_str());
+  std::printf("ADDRESS %s\nREGION %s\n", toHex((*ctx)->address()).c_str(),
+              toHex((*region)->remote().serialize()).c_str());
   std::fflush(stdout);
   char line[64];
   while (std::fgets(line, sizeof(line), stdin)) {
@@ -68,7 +70,9 @@ struct Span {
   double gbs(size_t bytes) const { return static_cast<double>(bytes) / seconds(start, end) / 1e9; }
 };
 
-int64_t nanos(Clock::time_point t) { return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count(); }
+int64_t nanos(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
 Clock::time_point fromNanos(int64_t ns) { return Clock::time_point(std::chrono::nanoseconds(ns)); }
 
 // Moves `iters` messages of `size` bytes with up to `window` in flight; returns when it started and ended.
@@ -106,7 +110,8 @@ Span measure(Endpoint& ep, const std::shared_ptr<MemoryRegion>& src, const Remot
 // --pairs N: N sender processes (each with its own receiver) write at once, as the daemons of a
 // sync share the machine; the figure is all their bytes over the span from the first start to
 // the last end. Each sender runs this binary with --role pair and measures when told to.
-int concurrentPairs(int pairs, const std::vector<std::string>& args, const std::vector<size_t>& sizes, int iters, int window) {
+int concurrentPairs(int pairs, const std::vector<std::string>& args, const std::vector<size_t>& sizes, int iters,
+                    int window) {
   std::vector<Child> senders;
   for (int i = 0; i < pairs; ++i) {
     std::vector<std::string> argv{"/proc/self/exe"};
@@ -132,9 +137,10 @@ int concurrentPairs(int pairs, const std::vector<std::string>& args, const std::
       first = std::min(first, a);
       last = std::max(last, b);
     }
-    const double gbs = Span{fromNanos(first), fromNanos(last)}.gbs(size * static_cast<size_t>(iters) * static_cast<size_t>(pairs));
-    fmt::print("  write {:>9} x {:>2} ({} in flight) on {} pairs at once: {:6.2f} GB/s in all\n", label(size), iters, window,
-               pairs, gbs);
+    const double gbs =
+        Span{fromNanos(first), fromNanos(last)}.gbs(size * static_cast<size_t>(iters) * static_cast<size_t>(pairs));
+    fmt::print("  write {:>9} x {:>2} ({} in flight) on {} pairs at once: {:6.2f} GB/s in all\n", label(size), iters,
+               window, pairs, gbs);
     fmt::print("RESULT transport_pairs {} {} {:.3f}\n", pairs, size, gbs);
   }
   for (auto& s : senders) {
@@ -169,13 +175,15 @@ int main(int argc, char** argv) {
   if (role == "recv") return receiver(o, max_size, memory == "shm");
   const int pairs = std::max(1, std::stoi(arg(argc, argv, "--pairs", "1")));
   if (role == "send" && pairs > 1) {
-    return concurrentPairs(pairs, {"--tls", o.ucx_tls, "--protocol", o.protocol, "--sizes", arg(argc, argv, "--sizes", "64,256,1024"),
-                                   "--iters", std::to_string(iters), "--window", std::to_string(window), "--memory", memory},
-                           sizes, iters, window);
+    return concurrentPairs(
+        pairs,
+        {"--tls", o.ucx_tls, "--protocol", o.protocol, "--sizes", arg(argc, argv, "--sizes", "64,256,1024"), "--iters",
+         std::to_string(iters), "--window", std::to_string(window), "--memory", memory},
+        sizes, iters, window);
   }
 
-  Child child = Child::spawn({"/proc/self/exe", "--role", "recv", "--tls", o.ucx_tls, "--protocol", o.protocol, "--sizes",
-                              std::to_string(max_size >> 10) + "k", "--memory", memory});
+  Child child = Child::spawn({"/proc/self/exe", "--role", "recv", "--tls", o.ucx_tls, "--protocol", o.protocol,
+                              "--sizes", std::to_string(max_size >> 10) + "k", "--memory", memory});
   const std::string a = child.readLine(std::chrono::seconds(60)), g = child.readLine(std::chrono::seconds(60));
   if (a.rfind("ADDRESS ", 0) != 0 || g.rfind("REGION ", 0) != 0) {
     fmt::print(stderr, "receiver did not start: {} {}\n", a, g);
@@ -205,7 +213,8 @@ int main(int argc, char** argv) {
     for (size_t size : sizes) {
       if (!std::fgets(line, sizeof(line), stdin)) return 1;
       const Span span = measure(**ep, *region, *remote, size, iters, window);
-      std::printf("SPAN %lld %lld\n", static_cast<long long>(nanos(span.start)), static_cast<long long>(nanos(span.end)));
+      std::printf("SPAN %lld %lld\n", static_cast<long long>(nanos(span.start)),
+                  static_cast<long long>(nanos(span.end)));
       std::fflush(stdout);
     }
     child.closeStdin();

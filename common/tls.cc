@@ -25,8 +25,8 @@ Status readable(const char* what, const std::string& path) {
 }
 
 std::shared_ptr<grpc::experimental::FileWatcherCertificateProvider> provider(const TlsFiles& files) {
-  return std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-      files.key, files.cert, files.ca, static_cast<unsigned>(files.reload_s));
+  return std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(files.key, files.cert, files.ca,
+                                                                              static_cast<unsigned>(files.reload_s));
 }
 
 }  // namespace
@@ -42,7 +42,8 @@ Status TlsFiles::check() const {
 Status TlsFiles::checkClient() const {
   SC_RETURN_IF_ERROR(readable("CA (SHARDCAST_TLS_CA)", ca));
   if (cert.empty() != key.empty())
-    return absl::InvalidArgumentError("TLS: give a client certificate and its key together (SHARDCAST_TLS_CERT, SHARDCAST_TLS_KEY)");
+    return absl::InvalidArgumentError(
+        "TLS: give a client certificate and its key together (SHARDCAST_TLS_CERT, SHARDCAST_TLS_KEY)");
   if (!cert.empty()) {
     SC_RETURN_IF_ERROR(readable("certificate (SHARDCAST_TLS_CERT)", cert));
     SC_RETURN_IF_ERROR(readable("private key (SHARDCAST_TLS_KEY)", key));

@@ -16,9 +16,9 @@ namespace shardcast {
 inline constexpr const char* kDaemonIdentity = "shardcast-daemon";
 
 struct TlsFiles {
-  std::string cert;  // certificate chain (PEM)
-  std::string key;   // its private key (PEM)
-  std::string ca;    // the cluster CA bundle that peers' certificates must chain to (PEM)
+  std::string cert;   // certificate chain (PEM)
+  std::string key;    // its private key (PEM)
+  std::string ca;     // the cluster CA bundle that peers' certificates must chain to (PEM)
   int reload_s = 60;  // how often gRPC re-reads the three files
 
   bool enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }

@@ -39,7 +39,8 @@ std::vector<std::string> property(const grpc::AuthContext& auth, const char* nam
 StatusOr<std::unique_ptr<LocalListener>> LocalListener::bind(const std::string& path) {
   sockaddr_un addr{};
   if (path.size() >= sizeof(addr.sun_path))
-    return absl::InvalidArgumentError(strCat("--socket ", quote(path), " is longer than ", sizeof(addr.sun_path) - 1, " bytes"));
+    return absl::InvalidArgumentError(
+        strCat("--socket ", quote(path), " is longer than ", sizeof(addr.sun_path) - 1, " bytes"));
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -168,9 +169,11 @@ StatusOr<Caller> AccessPolicy::client(const grpc::ServerContext& ctx) const {
     }
   }
   if (insecure_) return c;
-  return absl::UnauthenticatedError(strCat(
-      "caller ", peer, " is not authenticated: over TCP a client needs a certificate of the cluster CA "
-      "(SHARDCAST_TLS_CERT/KEY/CA)", token_.empty() ? "" : " or the bearer token", "; local clients use the Unix socket"));
+  return absl::UnauthenticatedError(
+      strCat("caller ", peer,
+             " is not authenticated: over TCP a client needs a certificate of the cluster CA "
+             "(SHARDCAST_TLS_CERT/KEY/CA)",
+             token_.empty() ? "" : " or the bearer token", "; local clients use the Unix socket"));
 }
 
 Status AccessPolicy::peer(const grpc::ServerContext& ctx) const {
@@ -182,8 +185,10 @@ Status AccessPolicy::peer(const grpc::ServerContext& ctx) const {
   if (auth && auth->IsPeerAuthenticated())
     for (const auto& dns : property(*auth, GRPC_PEER_DNS_PROPERTY_NAME))  // DNS names only, not URI or IP SANs
       if (dns == kDaemonIdentity) return absl::OkStatus();
-  return absl::PermissionDeniedError(strCat("caller ", peer, " is not a daemon of this cluster (its certificate does not "
-                                            "name ", kDaemonIdentity, ")"));
+  return absl::PermissionDeniedError(strCat("caller ", peer,
+                                            " is not a daemon of this cluster (its certificate does not "
+                                            "name ",
+                                            kDaemonIdentity, ")"));
 }
 
 }  // namespace shardcast::daemon

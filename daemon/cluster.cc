@@ -23,7 +23,8 @@ StatusOr<std::vector<std::string>> PeerSet::addresses() const {
     hints.ai_socktype = SOCK_STREAM;
     addrinfo* res = nullptr;
     const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
-    if (rc != 0) return absl::UnavailableError(strCat("resolving peers \"", config_.peer_dns, "\": ", gai_strerror(rc)));
+    if (rc != 0)
+      return absl::UnavailableError(strCat("resolving peers \"", config_.peer_dns, "\": ", gai_strerror(rc)));
     for (addrinfo* a = res; a; a = a->ai_next) {
       char ip[NI_MAXHOST];
       if (::getnameinfo(a->ai_addr, a->ai_addrlen, ip, sizeof(ip), nullptr, 0, NI_NUMERICHOST) != 0) continue;
@@ -126,12 +127,14 @@ std::string rankRanges(const std::vector<int32_t>& ranks) {
   return out;
 }
 
-StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self, const std::vector<PeerSet::PeerView>& peers) {
+StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self,
+                                         const std::vector<PeerSet::PeerView>& peers) {
   ClusterView v;
   v.daemons_.push_back(self);
   for (const auto& p : peers) {
     if (!p.described.ok())
-      return absl::UnavailableError(strCat("peer daemon ", p.address, " is unreachable: ", p.described.status().message()));
+      return absl::UnavailableError(
+          strCat("peer daemon ", p.address, " is unreachable: ", p.described.status().message()));
     v.daemons_.push_back(*p.described);
   }
   std::set<std::string> nodes;
@@ -144,18 +147,20 @@ StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self, const
       auto [it, inserted] = v.groups_.try_emplace(layout.group(), GroupInfo{layout, digest, {}});
       if (!inserted && it->second.digest != digest)
         return absl::FailedPreconditionError(strCat("group \"", layout.group(), "\" is registered with two layouts (",
-                                                    it->second.digest, " and ", digest, " on node \"", d.node(), "\")"));
+                                                    it->second.digest, " and ", digest, " on node \"", d.node(),
+                                                    "\")"));
     }
     for (const auto& r : d.ranks()) {
       auto& g = v.groups_[r.group()];
       const v1::Role role = r.role() == v1::ROLE_SOURCE ? v1::ROLE_SOURCE : v1::ROLE_DESTINATION;
       if (g.role != v1::ROLE_UNSPECIFIED && g.role != role)
-        return absl::FailedPreconditionError(strCat("group \"", r.group(), "\" rank ", r.rank(), " on node \"", d.node(),
-                                                    "\" is registered as ", v1::roleName(role), " but other ranks as ", v1::roleName(g.role)));
+        return absl::FailedPreconditionError(strCat("group \"", r.group(), "\" rank ", r.rank(), " on node \"",
+                                                    d.node(), "\" is registered as ", v1::roleName(role),
+                                                    " but other ranks as ", v1::roleName(g.role)));
       g.role = role;
       if (!g.ranks.insert(r.rank()).second)
-        return absl::FailedPreconditionError(
-            strCat("group \"", r.group(), "\" rank ", r.rank(), " is registered twice (again on node \"", d.node(), "\")"));
+        return absl::FailedPreconditionError(strCat("group \"", r.group(), "\" rank ", r.rank(),
+                                                    " is registered twice (again on node \"", d.node(), "\")"));
     }
   }
   return v;
@@ -180,8 +185,8 @@ StatusOr<v1::Layout> ClusterView::completeGroup(const std::string& group) const 
   for (int32_t r = 0; r < world; ++r)
     if (!it->second.ranks.count(r)) missing.push_back(r);
   if (!missing.empty())
-    return absl::FailedPreconditionError(strCat("group \"", group, "\" is incomplete: ranks ", rankRanges(missing), " of ",
-                                                world, " are not registered"));
+    return absl::FailedPreconditionError(strCat("group \"", group, "\" is incomplete: ranks ", rankRanges(missing),
+                                                " of ", world, " are not registered"));
   return it->second.layout;
 }
 

@@ -14,13 +14,16 @@ namespace shardcast::daemon {
 std::string DaemonConfig::describe() const {
   std::ostringstream os;
   os << "node=" << node << " listen=" << (listen.empty() ? "(none)" : listen)
-     << " socket=" << (socket.empty() ? "(none)" : socket) << " peers=" << (peers.empty() ? "(none)" : strJoin(peers, ","))
+     << " socket=" << (socket.empty() ? "(none)" : socket)
+     << " peers=" << (peers.empty() ? "(none)" : strJoin(peers, ","))
      << " peer_dns=" << (peer_dns.empty() ? "(none)" : peer_dns) << " transport=" << transport
      << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol
      << " ucx_tcp_segment_kib=" << ucx_tcp_segment_kib << " log_level=" << log_level
-     << " peer_timeout_ms=" << peer_timeout_ms << " chunk_mib=" << chunk_mib << " staging_mib=" << staging_mib << " window_mib=" << window_mib << " metrics=" << (metrics.empty() ? "(off)" : metrics)
-     << " sync_lease_ms=" << sync_lease_ms << " shutdown_grace_ms=" << shutdown_grace_ms
-     << " tls=" << (tls.enabled() ? strCat("cert:", tls.cert, ",key:", tls.key, ",ca:", tls.ca, ",reload_s:", tls.reload_s) : "(none)")
+     << " peer_timeout_ms=" << peer_timeout_ms << " chunk_mib=" << chunk_mib << " staging_mib=" << staging_mib
+     << " window_mib=" << window_mib << " metrics=" << (metrics.empty() ? "(off)" : metrics)
+     << " sync_lease_ms=" << sync_lease_ms << " shutdown_grace_ms=" << shutdown_grace_ms << " tls="
+     << (tls.enabled() ? strCat("cert:", tls.cert, ",key:", tls.key, ",ca:", tls.ca, ",reload_s:", tls.reload_s)
+                       : "(none)")
      << " insecure=" << (insecure ? "true" : "false")
      << " client_token_file=" << (client_token_file.empty() ? "(none)" : client_token_file)
      << " max_layout_ranks=" << max_layout_ranks << " max_layout_tensors=" << max_layout_tensors;
@@ -53,53 +56,86 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   char host[256] = {0};
   if (::gethostname(host, sizeof(host) - 1) == 0) c.node = host;
   CLI::App app{"shardcastd: the Shardcast per-node daemon (gRPC control plane, UCX data plane)"};
-  app.set_config("--config", "", "Read settings from an INI or TOML file (flag names as keys; unknown keys are an error)");
+  app.set_config("--config", "",
+                 "Read settings from an INI or TOML file (flag names as keys; unknown keys are an error)");
   app.allow_config_extras(CLI::config_extras_mode::error);
   app.set_version_flag("--version", std::string("shardcastd ") + kShardcastVersion);
-  app.add_option("--node", c.node, "Node name of this daemon (layouts name nodes)")->envname("SHARDCAST_NODE")->capture_default_str();
-  app.add_option("--listen", c.listen, "TCP host:port for clients and peers (empty: none)")->envname("SHARDCAST_LISTEN")->capture_default_str();
-  app.add_option("--socket", c.socket, "Unix socket for local clients, mode 0660 (empty: none)")->envname("SHARDCAST_SOCKET")->capture_default_str();
-  app.add_option("--peers", c.peers, "Static peer daemons, host:port (comma-separated)")->envname("SHARDCAST_PEERS")->delimiter(',');
+  app.add_option("--node", c.node, "Node name of this daemon (layouts name nodes)")
+      ->envname("SHARDCAST_NODE")
+      ->capture_default_str();
+  app.add_option("--listen", c.listen, "TCP host:port for clients and peers (empty: none)")
+      ->envname("SHARDCAST_LISTEN")
+      ->capture_default_str();
+  app.add_option("--socket", c.socket, "Unix socket for local clients, mode 0660 (empty: none)")
+      ->envname("SHARDCAST_SOCKET")
+      ->capture_default_str();
+  app.add_option("--peers", c.peers, "Static peer daemons, host:port (comma-separated)")
+      ->envname("SHARDCAST_PEERS")
+      ->delimiter(',');
   app.add_option("--peer-dns", c.peer_dns, "DNS name:port whose addresses are every daemon (a headless Service)")
       ->envname("SHARDCAST_PEER_DNS");
-  app.add_option("--transport", c.transport, "Data plane backend")->envname("SHARDCAST_TRANSPORT")
-      ->check(CLI::IsMember({"ucx", "loopback"}))->capture_default_str();
-  app.add_option("--ucx-tls", c.ucx_tls, "UCX transports (UCX_TLS syntax; empty: UCX's default)")->envname("SHARDCAST_UCX_TLS");
+  app.add_option("--transport", c.transport, "Data plane backend")
+      ->envname("SHARDCAST_TRANSPORT")
+      ->check(CLI::IsMember({"ucx", "loopback"}))
+      ->capture_default_str();
+  app.add_option("--ucx-tls", c.ucx_tls, "UCX transports (UCX_TLS syntax; empty: UCX's default)")
+      ->envname("SHARDCAST_UCX_TLS");
   app.add_option("--protocol", c.protocol, "Write protocol: put (RMA), am (active messages) or auto")
-      ->envname("SHARDCAST_PROTOCOL")->check(CLI::IsMember({"auto", "put", "am"}))->capture_default_str();
+      ->envname("SHARDCAST_PROTOCOL")
+      ->check(CLI::IsMember({"auto", "put", "am"}))
+      ->capture_default_str();
   app.add_option("--ucx-tcp-segment-kib", c.ucx_tcp_segment_kib,
                  "UCX over TCP: segment size, the fragment large writes travel in (0: UCX's default, 64 KiB; "
                  "UCX_TCP_RX_SEG_SIZE in the environment wins)")
-      ->envname("SHARDCAST_UCX_TCP_SEGMENT_KIB")->check(CLI::Range(int64_t{0}, int64_t{64} << 10))->capture_default_str();
+      ->envname("SHARDCAST_UCX_TCP_SEGMENT_KIB")
+      ->check(CLI::Range(int64_t{0}, int64_t{64} << 10))
+      ->capture_default_str();
   app.add_option("--log-level", c.log_level, "trace, debug, info, warn, error, critical, off")
-      ->envname("SHARDCAST_LOG_LEVEL")->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
+      ->envname("SHARDCAST_LOG_LEVEL")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
       ->capture_default_str();
   app.add_option("--peer-timeout-ms", c.peer_timeout_ms, "Deadline of calls between daemons")
-      ->envname("SHARDCAST_PEER_TIMEOUT_MS")->check(CLI::Range(1, 600000))->capture_default_str();
+      ->envname("SHARDCAST_PEER_TIMEOUT_MS")
+      ->check(CLI::Range(1, 600000))
+      ->capture_default_str();
   app.add_option("--chunk-mib", c.chunk_mib, "Large transfers travel in chunks of this size (pipelined along relays)")
-      ->envname("SHARDCAST_CHUNK_MIB")->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->capture_default_str();
+      ->envname("SHARDCAST_CHUNK_MIB")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
   app.add_option("--staging-mib", c.staging_mib,
                  "Per-node memory for landing and staging a sync's transfers (bigger syncs run in waves)")
-      ->envname("SHARDCAST_STAGING_MIB")->check(CLI::Range(int64_t{1}, int64_t{1} << 30))->capture_default_str();
+      ->envname("SHARDCAST_STAGING_MIB")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
+      ->capture_default_str();
   app.add_option("--window-mib", c.window_mib,
                  "Bytes of writes in flight to each peer node (more chunks wait, so each lands early and relays start)")
-      ->envname("SHARDCAST_WINDOW_MIB")->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->capture_default_str();
+      ->envname("SHARDCAST_WINDOW_MIB")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
   app.add_option("--metrics", c.metrics, "host:port of the Prometheus /metrics endpoint (empty: off)")
-      ->envname("SHARDCAST_METRICS")->capture_default_str();
+      ->envname("SHARDCAST_METRICS")
+      ->capture_default_str();
   app.add_option("--sync-lease-ms", c.sync_lease_ms,
                  "A sync whose coordinator stays silent this long is aborted on every daemon (its destination ranks "
                  "marked dirty); a daemon silent this long fails the sync it takes part in")
-      ->envname("SHARDCAST_SYNC_LEASE_MS")->check(CLI::Range(200, 600000))->capture_default_str();
+      ->envname("SHARDCAST_SYNC_LEASE_MS")
+      ->check(CLI::Range(200, 600000))
+      ->capture_default_str();
   app.add_option("--shutdown-grace-ms", c.shutdown_grace_ms,
                  "On SIGTERM: how long syncs and calls in flight get before the daemon aborts them and exits")
-      ->envname("SHARDCAST_SHUTDOWN_GRACE_MS")->check(CLI::Range(0, 600000))->capture_default_str();
-  app.add_option("--tls-cert", c.tls.cert, "This daemon's certificate chain (PEM; its DNS names include shardcast-daemon)")
+      ->envname("SHARDCAST_SHUTDOWN_GRACE_MS")
+      ->check(CLI::Range(0, 600000))
+      ->capture_default_str();
+  app.add_option("--tls-cert", c.tls.cert,
+                 "This daemon's certificate chain (PEM; its DNS names include shardcast-daemon)")
       ->envname("SHARDCAST_TLS_CERT");
   app.add_option("--tls-key", c.tls.key, "Its private key (PEM)")->envname("SHARDCAST_TLS_KEY");
   app.add_option("--tls-ca", c.tls.ca, "The cluster CA: peers' and clients' certificates must chain to it (PEM)")
       ->envname("SHARDCAST_TLS_CA");
   app.add_option("--tls-reload-s", c.tls.reload_s, "How often the three TLS files are re-read (rotated certificates)")
-      ->envname("SHARDCAST_TLS_RELOAD_S")->check(CLI::Range(1, 86400))->capture_default_str();
+      ->envname("SHARDCAST_TLS_RELOAD_S")
+      ->check(CLI::Range(1, 86400))
+      ->capture_default_str();
   app.add_flag("--insecure", c.insecure,
                "Plaintext TCP: no peer or client is authenticated and anyone reaching --listen can read and write "
                "registered memory (one trusted host only)")
@@ -110,9 +146,13 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
       ->envname("SHARDCAST_CLIENT_TOKEN_FILE");
   app.add_option("--max-layout-ranks", c.max_layout_ranks,
                  "Largest mesh a layout may have (ranks); bigger layouts are refused at registration")
-      ->envname("SHARDCAST_MAX_LAYOUT_RANKS")->check(CLI::Range(int64_t{1}, int64_t{1} << 22))->capture_default_str();
+      ->envname("SHARDCAST_MAX_LAYOUT_RANKS")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 22))
+      ->capture_default_str();
   app.add_option("--max-layout-tensors", c.max_layout_tensors, "Most tensors (and fused buffers) one layout may have")
-      ->envname("SHARDCAST_MAX_LAYOUT_TENSORS")->check(CLI::Range(int64_t{1}, int64_t{1} << 20))->capture_default_str();
+      ->envname("SHARDCAST_MAX_LAYOUT_TENSORS")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
   bool print_config = false;
   app.add_flag("--print-config", print_config, "Print the effective configuration and exit");
   try {
@@ -128,12 +168,15 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   for (const auto& p : c.peers) SC_RETURN_IF_ERROR(checkHostPort("--peers entry", p));
   if (!c.peer_dns.empty()) SC_RETURN_IF_ERROR(checkHostPort("--peer-dns", c.peer_dns));
   if (!c.metrics.empty()) SC_RETURN_IF_ERROR(checkHostPort("--metrics", c.metrics));
-  if (!c.peers.empty() && !c.peer_dns.empty()) return absl::InvalidArgumentError("give --peers or --peer-dns, not both");
+  if (!c.peers.empty() && !c.peer_dns.empty())
+    return absl::InvalidArgumentError("give --peers or --peer-dns, not both");
   if (c.listen.empty() && c.socket.empty()) return absl::InvalidArgumentError("--listen and --socket are both empty");
-  if (c.insecure && c.tls.enabled()) return absl::InvalidArgumentError("give --tls-cert/--tls-key/--tls-ca or --insecure, not both");
+  if (c.insecure && c.tls.enabled())
+    return absl::InvalidArgumentError("give --tls-cert/--tls-key/--tls-ca or --insecure, not both");
   if (!c.listen.empty() && !c.insecure && !c.tls.enabled())
     return absl::InvalidArgumentError(
-        "--listen serves peers and remote clients, which must be authenticated: give --tls-cert, --tls-key and --tls-ca "
+        "--listen serves peers and remote clients, which must be authenticated: give --tls-cert, --tls-key and "
+        "--tls-ca "
         "(scripts/certs.sh mints them), or --insecure for plaintext on a trusted host, or --listen \"\" for one node");
   if (c.tls.enabled()) SC_RETURN_IF_ERROR(c.tls.check());
   if (!c.client_token_file.empty()) SC_RETURN_IF_ERROR(readToken(c.client_token_file).status());
@@ -143,7 +186,8 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
     if (!transport::putIsBounded(tls))
       return absl::InvalidArgumentError(strCat(
           "--protocol put over UCX_TLS=", tls.empty() ? "(UCX's default)" : tls,
-          ": those transports cannot bound a peer's writes to the registered region (tcp, cma and shared memory emulate "
+          ": those transports cannot bound a peer's writes to the registered region (tcp, cma and shared memory "
+          "emulate "
           "RMA): use --protocol auto (active messages there), name only rc/dc/ud/cuda transports, or --insecure"));
   }
   if (print_config) {

@@ -12,28 +12,28 @@
 namespace shardcast::daemon {
 
 struct DaemonConfig {
-  std::string node;                                    // this daemon's node name (default: hostname)
-  std::string listen = kDefaultListen;                 // TCP address for clients and peers ("" = none)
-  std::string socket = kDefaultSocket;                 // Unix socket for local clients ("" = none)
-  std::vector<std::string> peers;                      // static peer list, host:port
-  std::string peer_dns;                                // or: a DNS name (host:port) listing every daemon
-  std::string transport = "ucx";                       // ucx | loopback
-  std::string ucx_tls;                                 // UCX_TLS for the data plane ("" = UCX default)
-  std::string protocol = "auto";                       // auto | put | am
-  int64_t ucx_tcp_segment_kib = 1024;                  // UCX over TCP: fragment size (0 = UCX's 64 KiB)
+  std::string node;                     // this daemon's node name (default: hostname)
+  std::string listen = kDefaultListen;  // TCP address for clients and peers ("" = none)
+  std::string socket = kDefaultSocket;  // Unix socket for local clients ("" = none)
+  std::vector<std::string> peers;       // static peer list, host:port
+  std::string peer_dns;                 // or: a DNS name (host:port) listing every daemon
+  std::string transport = "ucx";        // ucx | loopback
+  std::string ucx_tls;                  // UCX_TLS for the data plane ("" = UCX default)
+  std::string protocol = "auto";        // auto | put | am
+  int64_t ucx_tcp_segment_kib = 1024;   // UCX over TCP: fragment size (0 = UCX's 64 KiB)
   std::string log_level = "info";
-  int peer_timeout_ms = 5000;                          // deadline of daemon-to-daemon calls
-  int64_t chunk_mib = 64;                              // chunk size of large transfers
-  int64_t staging_mib = 1024;                          // per-node landing and staging budget of a sync
-  int64_t window_mib = 32;                             // bytes in flight to each peer node
-  std::string metrics = kDefaultMetrics;              // Prometheus /metrics host:port ("" = off)
-  int sync_lease_ms = 10000;                           // a sync whose coordinator is silent this long is aborted
-  int shutdown_grace_ms = 10000;                       // SIGTERM: then abort whatever is left and exit
-  TlsFiles tls;                                        // mutual TLS on the TCP listener and to peers
-  bool insecure = false;                               // plaintext TCP, nobody authenticated (tests on one host)
-  std::string client_token_file;                       // TCP clients may also authenticate with this bearer token
-  int64_t max_layout_ranks = int64_t{1} << 16;         // planner::Limits::max_ranks
-  int64_t max_layout_tensors = int64_t{1} << 17;       // planner::Limits::max_tensors
+  int peer_timeout_ms = 5000;                     // deadline of daemon-to-daemon calls
+  int64_t chunk_mib = 64;                         // chunk size of large transfers
+  int64_t staging_mib = 1024;                     // per-node landing and staging budget of a sync
+  int64_t window_mib = 32;                        // bytes in flight to each peer node
+  std::string metrics = kDefaultMetrics;          // Prometheus /metrics host:port ("" = off)
+  int sync_lease_ms = 10000;                      // a sync whose coordinator is silent this long is aborted
+  int shutdown_grace_ms = 10000;                  // SIGTERM: then abort whatever is left and exit
+  TlsFiles tls;                                   // mutual TLS on the TCP listener and to peers
+  bool insecure = false;                          // plaintext TCP, nobody authenticated (tests on one host)
+  std::string client_token_file;                  // TCP clients may also authenticate with this bearer token
+  int64_t max_layout_ranks = int64_t{1} << 16;    // planner::Limits::max_ranks
+  int64_t max_layout_tensors = int64_t{1} << 17;  // planner::Limits::max_tensors
 
   // One line per setting, for the start-up log and `--print-config`.
   std::string describe() const;

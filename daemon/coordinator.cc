@@ -106,7 +106,8 @@ class SyncCoordinator::LeaseKeeper {
       if (!silent.empty() && stalled_.empty() && running_) {
         stalled_ = silent;
         lock.unlock();
-        spdlog::warn("sync {}: node \"{}\" has not answered for {} ms: giving the sync up", c_.id_, silent, lease.count());
+        spdlog::warn("sync {}: node \"{}\" has not answered for {} ms: giving the sync up", c_.id_, silent,
+                     lease.count());
         c_.giveUp(strCat("node \"", silent, "\" stopped answering"));
         lock.lock();
       }
@@ -159,8 +160,8 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   out_.set_bytes_landed_direct(landed_direct_);
   out_.set_waves(static_cast<uint32_t>(plan_->waves));
   out_.set_plan_summary_json(planner::renderJson(plan_->plan, plan_->nodes, planner::CostModel{}));
-  spdlog::info("sync {}: {} -> {} version {} committed in {:.3f} s", id_, req_.src_group(), req_.dst_group(), req_.version(),
-               out_.seconds());
+  spdlog::info("sync {}: {} -> {} version {} committed in {:.3f} s", id_, req_.src_group(), req_.dst_group(),
+               req_.version(), out_.seconds());
   return out_;
 }
 
@@ -175,12 +176,13 @@ Status SyncCoordinator::gather() {
       dst = snapshot->view.completeGroup(req_.dst_group());
       // Roles are not worth waiting for: a wrong one is the caller's mistake.
       if (src.ok() && snapshot->view.role(req_.src_group()) != v1::ROLE_SOURCE)
-        return failed(absl::FailedPreconditionError(
-            strCat("sync: group \"", req_.src_group(), "\" is registered as a destination; a sync reads only source groups")));
-      if (dst.ok() && snapshot->view.role(req_.dst_group()) != v1::ROLE_DESTINATION)
         return failed(absl::FailedPreconditionError(strCat(
-            "sync: group \"", req_.dst_group(), "\" is registered as a source; a sync writes only destination groups (refusing to "
-            "overwrite it)")));
+            "sync: group \"", req_.src_group(), "\" is registered as a destination; a sync reads only source groups")));
+      if (dst.ok() && snapshot->view.role(req_.dst_group()) != v1::ROLE_DESTINATION)
+        return failed(absl::FailedPreconditionError(
+            strCat("sync: group \"", req_.dst_group(),
+                   "\" is registered as a source; a sync writes only destination groups (refusing to "
+                   "overwrite it)")));
     }
     const Status st = !snapshot.ok() ? snapshot.status() : !src.ok() ? src.status() : dst.status();
     if (st.ok()) {
@@ -192,7 +194,8 @@ Status SyncCoordinator::gather() {
       peers_ = std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses, ctx_.executor);
       return absl::OkStatus();
     }
-    if (!req_.options().wait_for_ranks() || Clock::now() + std::chrono::milliseconds(100) > deadline_) return failed(st);
+    if (!req_.options().wait_for_ranks() || Clock::now() + std::chrono::milliseconds(100) > deadline_)
+      return failed(st);
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
 }
@@ -205,17 +208,20 @@ Status SyncCoordinator::checkVersions() const {
   for (const auto& d : cluster_->view.daemons())
     for (const auto& r : d.ranks())
       if (r.group() == dst && (r.state() == v1::RANK_READY || r.state() == v1::RANK_DIRTY) && r.version() >= version)
-        return absl::FailedPreconditionError(strCat("sync: group \"", dst, "\" rank ", r.rank(), " on node \"", d.node(),
-                                                    "\" is at version ", r.version(), ": version ", version, " is not newer"));
+        return absl::FailedPreconditionError(strCat("sync: group \"", dst, "\" rank ", r.rank(), " on node \"",
+                                                    d.node(), "\" is at version ", r.version(), ": version ", version,
+                                                    " is not newer"));
   for (const auto& d : cluster_->view.daemons())
     for (const auto& r : d.ranks()) {
       const std::string who = strCat("group \"", r.group(), "\" rank ", r.rank(), " on node \"", d.node(), "\"");
       if (r.group() == src && r.state() == v1::RANK_UPDATING)
-        return absl::FailedPreconditionError(strCat("sync: ", who, " is being written by its owner (acquired, not published)"));
+        return absl::FailedPreconditionError(
+            strCat("sync: ", who, " is being written by its owner (acquired, not published)"));
       if (r.group() == src && (r.state() != v1::RANK_READY || r.version() != version))
         return absl::FailedPreconditionError(strCat("sync: ", who,
-                                                    r.state() == v1::RANK_READY ? strCat(" published version ", r.version())
-                                                                                : std::string(" has published no version"),
+                                                    r.state() == v1::RANK_READY
+                                                        ? strCat(" published version ", r.version())
+                                                        : std::string(" has published no version"),
                                                     ", not ", version));
     }
   return absl::OkStatus();
@@ -260,13 +266,12 @@ Status SyncCoordinator::prepare() {
     p.set_staging_bytes(static_cast<uint64_t>(ctx_.config.staging_mib) << 20);
     p.set_chunk_bytes(static_cast<uint64_t>(ctx_.config.chunk_mib) << 20);
     v1::PrepareResponse r;
-    const grpc::Status st = peers_->call(i, callDeadline(), [&](v1::Peer::Stub& stub, grpc::ClientContext& c) {
-      return stub.Prepare(&c, p, &r);
-    });
+    const grpc::Status st = peers_->call(
+        i, callDeadline(), [&](v1::Peer::Stub& stub, grpc::ClientContext& c) { return stub.Prepare(&c, p, &r); });
     if (!st.ok()) {
       const std::string stalled = lease_keeper_->stalled();
-      const Status failure =
-          fromGrpc(st, strCat("sync ", id_, ": prepare on node \"", stalled.empty() ? daemons[i].node() : stalled, "\""));
+      const Status failure = fromGrpc(
+          st, strCat("sync ", id_, ": prepare on node \"", stalled.empty() ? daemons[i].node() : stalled, "\""));
       giveUp(std::string(failure.message()));
       return failed(failure);
     }
@@ -288,32 +293,33 @@ Status SyncCoordinator::execute() {
   for (int32_t wave = 0; wave < plan_->waves; ++wave) {
     exec_.set_wave(static_cast<uint32_t>(wave));
     executed_ = true;
-    peers_->forEach(callDeadline() + std::chrono::seconds(5),
-                    [&](size_t i, v1::Peer::Stub& stub, grpc::ClientContext& c) {
-                      nodeState(i, "executing");
-                      v1::ExecuteResponse part;
-                      const grpc::Status st = stub.Execute(&c, exec_, &part);
-                      if (st.ok()) {
-                        done_received[i] += part.bytes_received();
-                        done_sent[i] += part.bytes_sent();
-                        landed_direct_ += part.bytes_landed_direct();
-                        record(i, done_received[i], done_sent[i]);
-                        if (wave + 1 == plan_->waves) nodeState(i, "done");
-                      } else {
-                        nodeState(i, st.error_code() == grpc::StatusCode::ABORTED ? "aborted" : "failed", st.error_message());
-                        giveUp(strCat("node \"", daemons[i].node(), "\" failed: ", st.error_message()));  // once
-                      }
-                      return st;
-                    },
-                    &results);
+    peers_->forEach(
+        callDeadline() + std::chrono::seconds(5),
+        [&](size_t i, v1::Peer::Stub& stub, grpc::ClientContext& c) {
+          nodeState(i, "executing");
+          v1::ExecuteResponse part;
+          const grpc::Status st = stub.Execute(&c, exec_, &part);
+          if (st.ok()) {
+            done_received[i] += part.bytes_received();
+            done_sent[i] += part.bytes_sent();
+            landed_direct_ += part.bytes_landed_direct();
+            record(i, done_received[i], done_sent[i]);
+            if (wave + 1 == plan_->waves) nodeState(i, "done");
+          } else {
+            nodeState(i, st.error_code() == grpc::StatusCode::ABORTED ? "aborted" : "failed", st.error_message());
+            giveUp(strCat("node \"", daemons[i].node(), "\" failed: ", st.error_message()));  // once
+          }
+          return st;
+        },
+        &results);
     bool all_ok = true;
     for (const auto& r : results) all_ok = all_ok && r.ok();
     if (!all_ok) break;
     ctx_.progress.update(id_, [&](v1::SyncProgress& p) { p.set_waves_done(static_cast<uint32_t>(wave + 1)); });
   }
   if (const std::string node = lease_keeper_->stalled(); !node.empty())
-    return failed(absl::UnavailableError(
-        strCat("sync ", id_, " failed: node \"", node, "\" stopped answering (for ", lease_.count(), " ms, the sync's lease)")));
+    return failed(absl::UnavailableError(strCat("sync ", id_, " failed: node \"", node, "\" stopped answering (for ",
+                                                lease_.count(), " ms, the sync's lease)")));
   bool any_failed = false;
   for (const auto& r : results) any_failed = any_failed || !r.ok();
   if (!any_failed) return absl::OkStatus();
@@ -337,7 +343,8 @@ Status SyncCoordinator::execute() {
       return failed(fromGrpc(results[i], strCat("sync ", id_, " failed on node \"", daemons[i].node(), "\"")));
     }
   for (size_t i = 0; i < results.size(); ++i)
-    if (!results[i].ok()) return failed(fromGrpc(results[i], strCat("sync ", id_, " failed on node \"", daemons[i].node(), "\"")));
+    if (!results[i].ok())
+      return failed(fromGrpc(results[i], strCat("sync ", id_, " failed on node \"", daemons[i].node(), "\"")));
   return absl::OkStatus();
 }
 
@@ -393,13 +400,15 @@ std::string SyncCoordinator::firstSilent() {
   std::vector<grpc::Status> st(daemons.size());
   ctx_.executor.forEach(daemons.size(), [&](size_t i) {
     grpc::ClientContext c;
-    c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(std::min(ctx_.config.peer_timeout_ms, 1000)));
+    c.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(std::min(ctx_.config.peer_timeout_ms, 1000)));
     v1::ProgressRequest pr;  // the cheapest call: answers NOT_FOUND once the sync is gone
     v1::ProgressResponse r;
     st[i] = v1::Peer::NewStub(ctx_.peers.channel(cluster_->addresses[i]))->Progress(&c, pr, &r);
   });
   for (size_t i = 0; i < daemons.size(); ++i)
-    if (st[i].error_code() == grpc::StatusCode::UNAVAILABLE || st[i].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
+    if (st[i].error_code() == grpc::StatusCode::UNAVAILABLE ||
+        st[i].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
       return daemons[i].node();
   return "";
 }

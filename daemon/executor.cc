@@ -22,7 +22,8 @@ size_t Executor::threads() const {
 
 void Executor::forget(const void* owner) {
   std::lock_guard<std::mutex> lock(mu_);
-  tasks_.erase(std::remove_if(tasks_.begin(), tasks_.end(), [&](const Task& t) { return t.owner == owner; }), tasks_.end());
+  tasks_.erase(std::remove_if(tasks_.begin(), tasks_.end(), [&](const Task& t) { return t.owner == owner; }),
+               tasks_.end());
 }
 
 void Executor::post(Task task) {

@@ -1,12 +1,12 @@
 // shardcastd: the per-node daemon. Serves the Shardcast service to local clients on a Unix socket
 // (mode 0660; each connection's uid read with SO_PEERCRED) and both services on TCP with mutual TLS
 // (or plaintext with --insecure), with grpc.health.v1 and server reflection; stops on SIGTERM/SIGINT.
+#include <fcntl.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
-#include <fcntl.h>
 #include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -96,8 +96,10 @@ int main(int argc, char** argv) {
   std::string output;
   auto config = parseConfig(argc, argv, &exit_code, &output);
   if (!config.ok()) {
-    if (!output.empty()) (exit_code == 0 ? std::cout : std::cerr) << output;
-    else std::cerr << "shardcastd: " << config.status().message() << "\n";
+    if (!output.empty())
+      (exit_code == 0 ? std::cout : std::cerr) << output;
+    else
+      std::cerr << "shardcastd: " << config.status().message() << "\n";
     return output.empty() ? 2 : exit_code;
   }
   if (auto st = setupLogging(config->log_level); !st.ok()) return fail(std::string(st.message()));
@@ -148,7 +150,8 @@ int main(int argc, char** argv) {
   std::unique_ptr<MetricsServer> metrics_server;
   if (!config->metrics.empty()) {
     const auto colon = config->metrics.rfind(':');
-    auto m = MetricsServer::start(config->metrics.substr(0, colon), std::stoi(config->metrics.substr(colon + 1)), metrics);
+    auto m =
+        MetricsServer::start(config->metrics.substr(0, colon), std::stoi(config->metrics.substr(colon + 1)), metrics);
     if (!m.ok()) return fail(std::string(m.status().message()));
     metrics_server = std::move(*m);
   }
@@ -180,9 +183,10 @@ int main(int argc, char** argv) {
   int tcp_port = 0;
   if (!config->listen.empty()) {
     if (config->insecure)
-      spdlog::warn("--insecure: {} is PLAINTEXT and unauthenticated: anyone who reaches it can register memory, read "
-                   "and write weights and commit versions; use only on one trusted host",
-                   config->listen);
+      spdlog::warn(
+          "--insecure: {} is PLAINTEXT and unauthenticated: anyone who reaches it can register memory, read "
+          "and write weights and commit versions; use only on one trusted host",
+          config->listen);
     builder.AddListeningPort(config->listen,
                              config->insecure ? grpc::InsecureServerCredentials()
                                               : serverCredentials(config->tls, /*require_client_cert=*/token.empty()),

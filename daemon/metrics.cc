@@ -39,14 +39,16 @@ std::string Metrics::render() const {
   if (rank_states)
     for (const auto& [state, n] : rank_states()) states[state] = n;
   for (const auto& [state, n] : states) o << "shardcast_ranks{state=\"" << state << "\"} " << n << "\n";
-  metric("shardcast_syncs_expired_total", "counter", "Syncs aborted here because their coordinator went silent (lease).");
+  metric("shardcast_syncs_expired_total", "counter",
+         "Syncs aborted here because their coordinator went silent (lease).");
   o << "shardcast_syncs_expired_total " << syncs_expired << "\n";
   metric("shardcast_sessions_ended_total", "counter", "Client sessions that ended, their ranks unregistered.");
   o << "shardcast_sessions_ended_total " << sessions_ended << "\n";
   return o.str();
 }
 
-StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string& host, int port, const Metrics& metrics) {
+StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string& host, int port,
+                                                              const Metrics& metrics) {
   std::unique_ptr<MetricsServer> s(new MetricsServer());
   s->server_ = std::make_unique<httplib::Server>();
   s->server_->Get("/metrics", [&metrics](const httplib::Request&, httplib::Response& res) {

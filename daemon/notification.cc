@@ -69,7 +69,8 @@ StatusOr<Notification> parseNotification(std::string_view bytes) {
   if (!r.get(&magic) || magic != kNotificationMagic)
     return absl::InvalidArgumentError(strCat("notification: not a Shardcast notification (", bytes.size(), " bytes)"));
   if (!r.get(&version) || version != kNotificationVersion)
-    return absl::InvalidArgumentError(strCat("notification: format version ", version, ", this daemon reads ", kNotificationVersion));
+    return absl::InvalidArgumentError(
+        strCat("notification: format version ", version, ", this daemon reads ", kNotificationVersion));
   if (!r.get(&id_len) || id_len == 0 || id_len > kMaxSyncId)
     return absl::InvalidArgumentError(strCat("notification: sync id of ", id_len, " bytes (1 to ", kMaxSyncId, ")"));
   Notification n;
@@ -79,7 +80,8 @@ StatusOr<Notification> parseNotification(std::string_view bytes) {
   if (count == 0 || count > kMaxLanded)
     return absl::InvalidArgumentError(strCat("notification: ", count, " chunks (1 to ", kMaxLanded, ")"));
   if (r.left() != static_cast<size_t>(count) * kLandedBytes)
-    return absl::InvalidArgumentError(strCat("notification: ", r.left(), " bytes for ", count, " chunks of ", kLandedBytes));
+    return absl::InvalidArgumentError(
+        strCat("notification: ", r.left(), " bytes for ", count, " chunks of ", kLandedBytes));
   n.chunks.resize(count);
   for (auto& c : n.chunks) {
     r.get(&c.transfer);

@@ -43,6 +43,8 @@ std::string encodeNotification(const Notification& n);
 // INVALID_ARGUMENT naming what is wrong (bad magic, unknown version, lengths that do not add up).
 StatusOr<Notification> parseNotification(std::string_view bytes);
 // The encoded size of a notification of `chunks` chunks for sync id `id_bytes` long.
-inline size_t notificationBytes(size_t id_bytes, size_t chunks) { return 4 + 2 + 2 + 8 + id_bytes + 4 + chunks * kLandedBytes; }
+inline size_t notificationBytes(size_t id_bytes, size_t chunks) {
+  return 4 + 2 + 2 + 8 + id_bytes + 4 + chunks * kLandedBytes;
+}
 
 }  // namespace shardcast::daemon

@@ -70,7 +70,9 @@ class ProgressBoard {
     }
   }
 
-  static bool isDone(const v1::SyncProgress& p) { return p.phase() == v1::SYNC_COMMITTED || p.phase() == v1::SYNC_FAILED; }
+  static bool isDone(const v1::SyncProgress& p) {
+    return p.phase() == v1::SYNC_COMMITTED || p.phase() == v1::SYNC_FAILED;
+  }
   // The phase, as the enum and as its name (the field clients before 0.3 read).
   static void setPhase(v1::SyncProgress& p, v1::SyncPhase phase) {
     p.set_phase(phase);

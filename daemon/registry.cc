@@ -1,10 +1,9 @@
 #include "daemon/registry.h"
 
-#include <spdlog/spdlog.h>
-#include <xxhash.h>
-
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <spdlog/spdlog.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <random>
@@ -59,14 +58,16 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   if (req.role() != v1::ROLE_UNSPECIFIED && !v1::Role_IsValid(req.role()))
     return absl::InvalidArgumentError(strCat(who, ": unknown role ", static_cast<int>(req.role())));
   if (req.version() != 0 && role != v1::ROLE_SOURCE)
-    return absl::InvalidArgumentError(strCat(who, ": only a source rank may register with a version (its own bytes); a "
-                                                  "destination rank starts EMPTY until a sync commits"));
+    return absl::InvalidArgumentError(strCat(who,
+                                             ": only a source rank may register with a version (its own bytes); a "
+                                             "destination rank starts EMPTY until a sync commits"));
   if (req.version() >= kMaxVersion)
     return absl::InvalidArgumentError(strCat(who, ": version ", req.version(), " is not below 2^63"));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!req.session_id().empty() && !sessions_.count(req.session_id()))
-      return absl::FailedPreconditionError(strCat(who, ": session \"", req.session_id(), "\" is not open on node \"", node_,
+      return absl::FailedPreconditionError(strCat(who, ": session \"", req.session_id(), "\" is not open on node \"",
+                                                  node_,
                                                   "\" (the daemon restarted or the session ended): open a new one"));
     SC_RETURN_IF_ERROR(mayJoin(req, digest, role, caller));
   }
@@ -84,26 +85,27 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (!req.session_id().empty() && !sessions_.count(req.session_id()))
-    return absl::FailedPreconditionError(strCat(who, ": session \"", req.session_id(), "\" ended during the registration"));
+    return absl::FailedPreconditionError(
+        strCat(who, ": session \"", req.session_id(), "\" ended during the registration"));
   // Again under the lock that commits: another rank of the group may have registered meanwhile.
   SC_RETURN_IF_ERROR(mayJoin(req, digest, role, caller));
   const size_t layout_bytes = req.layout().ByteSizeLong();
   if (const size_t described = describeBytesWith(*rank, layout_bytes); described > planner::limits().max_describe_bytes)
-    return absl::ResourceExhaustedError(strCat(who, ": this daemon's registrations would describe themselves in ", described,
-                                               " bytes (at most ", planner::limits().max_describe_bytes,
+    return absl::ResourceExhaustedError(strCat(who, ": this daemon's registrations would describe themselves in ",
+                                               described, " bytes (at most ", planner::limits().max_describe_bytes,
                                                ", what peers can receive)"));
   if (auto in_use = ranks_.find({req.group(), req.rank()});
       in_use != ranks_.end() && (!in_use->second->readers.empty() || !in_use->second->writer.empty()))
-    return absl::FailedPreconditionError(strCat(who, " is in use by sync ",
-                                                in_use->second->writer.empty() ? *in_use->second->readers.begin()
-                                                                               : in_use->second->writer,
-                                                ": register it again once that sync ended"));
+    return absl::FailedPreconditionError(
+        strCat(who, " is in use by sync ",
+               in_use->second->writer.empty() ? *in_use->second->readers.begin() : in_use->second->writer,
+               ": register it again once that sync ended"));
   if (!groups_.count(req.group()) && static_cast<int>(groups_.size()) >= planner::limits().max_groups_per_daemon)
-    return absl::ResourceExhaustedError(strCat(who, ": this daemon already holds ", groups_.size(),
-                                               " groups (at most ", planner::limits().max_groups_per_daemon, ")"));
+    return absl::ResourceExhaustedError(strCat(who, ": this daemon already holds ", groups_.size(), " groups (at most ",
+                                               planner::limits().max_groups_per_daemon, ")"));
   auto [group, added] = groups_.try_emplace(req.group());
-  const std::optional<uid_t> group_owner = added ? (caller.local ? std::optional<uid_t>(caller.uid) : std::nullopt)
-                                                 : group->second.owner;
+  const std::optional<uid_t> group_owner =
+      added ? (caller.local ? std::optional<uid_t>(caller.uid) : std::nullopt) : group->second.owner;
   group->second = Group{req.layout(), digest, role, group_owner, layout_bytes};
   ++generation_;
   // A re-registration is a new rank: it starts over.
@@ -111,8 +113,8 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   ranks_[{req.group(), req.rank()}] = std::move(rank);
   state_cv_.notify_all();
   const Rank& r = *ranks_[{req.group(), req.rank()}];
-  spdlog::info("{} {}registered as {}: {} buffers, {} bytes, layout {}, {}{}", who, replaced ? "re-" : "", v1::roleName(role),
-               r.buffers.size(), resp.registered_bytes(), digest, v1::rankStateName(r.state),
+  spdlog::info("{} {}registered as {}: {} buffers, {} bytes, layout {}, {}{}", who, replaced ? "re-" : "",
+               v1::roleName(role), r.buffers.size(), resp.registered_bytes(), digest, v1::rankStateName(r.state),
                r.state == v1::RANK_READY ? strCat("(", r.committed, ")") : "");
   return resp;
 }
@@ -124,14 +126,14 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
   auto layout = planner::resolveLayout(req.layout(), nodes);
   if (!layout.ok()) return absl::InvalidArgumentError(strCat(who, ": ", layout.status().message()));
   if (req.world_size() != layout->world())
-    return absl::InvalidArgumentError(strCat(who, ": world_size ", req.world_size(), " but the layout's mesh has ",
-                                             layout->world(), " ranks"));
+    return absl::InvalidArgumentError(
+        strCat(who, ": world_size ", req.world_size(), " but the layout's mesh has ", layout->world(), " ranks"));
   if (req.rank() < 0 || req.rank() >= layout->world())
     return absl::InvalidArgumentError(strCat(who, ": rank out of range [0, ", layout->world(), ")"));
   const std::string& rank_node = nodes.name(layout->rank_node[req.rank()]);
   if (rank_node != node_)
-    return absl::FailedPreconditionError(strCat(who, ": the layout places it on node \"", rank_node,
-                                                "\" but this daemon is node \"", node_, "\""));
+    return absl::FailedPreconditionError(
+        strCat(who, ": the layout places it on node \"", rank_node, "\" but this daemon is node \"", node_, "\""));
   // The buffers this rank needs and their sizes, against the handles given.
   std::map<std::string, int64_t> needed;
   for (const auto& [buffer, bytes] : layout->rankBuffers(req.rank())) needed[layout->buffer_names[buffer]] = bytes;
@@ -152,7 +154,8 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
     // Double-buffered: a second set of the same buffers; syncs write the set not in use.
     if (req.role() == v1::ROLE_SOURCE)
       return absl::InvalidArgumentError(strCat(who, ": only a destination rank is double-buffered (shadow_buffers)"));
-    SC_ASSIGN_OR_RETURN(rank->shadow, mapBuffers(strCat(who, " (shadow)"), req.shadow_buffers(), needed, held_by, caller));
+    SC_ASSIGN_OR_RETURN(rank->shadow,
+                        mapBuffers(strCat(who, " (shadow)"), req.shadow_buffers(), needed, held_by, caller));
   }
   for (const auto& set : {&rank->buffers, &rank->shadow})
     for (const auto& b : *set) rank->bytes += b.size;
@@ -169,19 +172,22 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
   std::map<std::string, const v1::MemoryHandle*> given;
   for (const auto& h : handles) {
     if (!needed.count(h.buffer()))
-      return absl::InvalidArgumentError(strCat(who, ": buffer \"", h.buffer(), "\" is not a buffer this rank holds in the layout"));
+      return absl::InvalidArgumentError(
+          strCat(who, ": buffer \"", h.buffer(), "\" is not a buffer this rank holds in the layout"));
     if (!given.emplace(h.buffer(), &h).second)
       return absl::InvalidArgumentError(strCat(who, ": buffer \"", h.buffer(), "\" is given twice"));
   }
   for (const auto& [name, bytes] : needed)
     if (!given.count(name))
-      return absl::InvalidArgumentError(strCat(who, ": no memory handle for buffer \"", name, "\" (", bytes, " bytes)"));
+      return absl::InvalidArgumentError(
+          strCat(who, ": no memory handle for buffer \"", name, "\" (", bytes, " bytes)"));
   for (const auto& [name, h] : given) {
     const auto holder = held_by.find(name);
     const planner::TensorLayout* t = holder == held_by.end() ? nullptr : holder->second;
     if (!h->dtype().empty() && t != nullptr && h->dtype() != planner::dtypeName(t->dtype))
       return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" is ", h->dtype(), " here but ",
-                                               planner::dtypeName(t->dtype), " in the layout (tensor \"", t->name, "\")"));
+                                               planner::dtypeName(t->dtype), " in the layout (tensor \"", t->name,
+                                               "\")"));
     if (h->shape_size() > 0) {
       int64_t elems = 1;
       for (int64_t d : h->shape()) {
@@ -192,8 +198,8 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
       const int64_t elem = t != nullptr ? t->elemBytes() : 1;
       if (elems > INT64_MAX / elem || elems * elem != needed[name])
         return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" has shape [", strJoin(h->shape(), ", "),
-                                                 "] (", elems, " elements) but the layout gives this rank ", needed[name] / elem,
-                                                 " elements of it"));
+                                                 "] (", elems, " elements) but the layout gives this rank ",
+                                                 needed[name] / elem, " elements of it"));
     }
   }
 
@@ -203,23 +209,29 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
     if (!h->has_shm()) continue;
     const auto& s = h->shm();
     if (s.size() < static_cast<uint64_t>(needed[name]))
-      return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" is given ", s.size(), " bytes but needs ",
-                                               needed[name]));
-    if (s.offset() > UINT64_MAX - s.size()) return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": offset overflows"));
+      return absl::InvalidArgumentError(
+          strCat(who, ": buffer \"", name, "\" is given ", s.size(), " bytes but needs ", needed[name]));
+    if (s.offset() > UINT64_MAX - s.size())
+      return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": offset overflows"));
     segment_end[s.name()] = std::max(segment_end[s.name()], s.offset() + s.size());
   }
-  std::map<std::string, std::pair<std::shared_ptr<transport::ShmSegment>, std::shared_ptr<transport::MemoryRegion>>> segments;
+  std::map<std::string, std::pair<std::shared_ptr<transport::ShmSegment>, std::shared_ptr<transport::MemoryRegion>>>
+      segments;
   for (const auto& [name, end] : segment_end) {
     const std::string& segment = name;  // (a structured binding is not captured before C++20's clang 16)
-    if (std::none_of(std::begin(kShmPrefixes), std::end(kShmPrefixes), [&](const char* p) { return segment.rfind(p, 0) == 0; }))
+    if (std::none_of(std::begin(kShmPrefixes), std::end(kShmPrefixes),
+                     [&](const char* p) { return segment.rfind(p, 0) == 0; }))
       return absl::PermissionDeniedError(strCat(who, ": shm segment ", quote(name), " is not named under ",
-                                                strJoin(kShmPrefixes, " or "), " (the names Shardcast's clients and torch use)"));
-    auto seg = transport::ShmSegment::open(name, end, caller.any_owner ? std::nullopt : std::optional<uid_t>(caller.uid));
+                                                strJoin(kShmPrefixes, " or "),
+                                                " (the names Shardcast's clients and torch use)"));
+    auto seg =
+        transport::ShmSegment::open(name, end, caller.any_owner ? std::nullopt : std::optional<uid_t>(caller.uid));
     if (!seg.ok()) return Status(seg.status().code(), strCat(who, ": ", seg.status().message()));
     auto shared = std::make_shared<transport::ShmSegment>(std::move(*seg));
     transport::makeResident(shared->data(), end, strCat("shm segment \"", name, "\""));
     auto region = transport_.registerMemory(shared->data(), end, transport::MemoryKind::kHost);
-    if (!region.ok()) return Status(region.status().code(), strCat(who, ": segment \"", name, "\": ", region.status().message()));
+    if (!region.ok())
+      return Status(region.status().code(), strCat(who, ": segment \"", name, "\": ", region.status().message()));
     segments[name] = {shared, *region};
   }
   for (const auto& [name, h] : given) {
@@ -233,14 +245,17 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
     } else if (h->has_cuda()) {
       const auto& c = h->cuda();
       if (c.size() < static_cast<uint64_t>(needed[name]))
-        return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" is given ", c.size(), " bytes but needs ", needed[name]));
+        return absl::InvalidArgumentError(
+            strCat(who, ": buffer \"", name, "\" is given ", c.size(), " bytes but needs ", needed[name]));
       if (transport::cudaDeviceCount() == 0)
-        return absl::FailedPreconditionError(strCat(who, ": buffer \"", name, "\" is CUDA memory but this daemon has no GPU (",
+        return absl::FailedPreconditionError(strCat(who, ": buffer \"", name,
+                                                    "\" is CUDA memory but this daemon has no GPU (",
                                                     transport::cudaUnavailableReason(), ")"));
       if (c.offset() > UINT64_MAX - c.size())
         return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": offset overflows"));
       auto mapping = transport::importCudaIpcHandle(c.handle(), c.offset() + c.size(), c.device());
-      if (!mapping.ok()) return Status(mapping.status().code(), strCat(who, ": buffer \"", name, "\": ", mapping.status().message()));
+      if (!mapping.ok())
+        return Status(mapping.status().code(), strCat(who, ": buffer \"", name, "\": ", mapping.status().message()));
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (!cuda_copies_) {
@@ -250,8 +265,10 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
         }
       }
       auto* device = static_cast<std::byte*>((*mapping)->data()) + c.offset();
-      auto mem = transport::TransferMemory::prepare(transport_, device, c.size(), transport::MemoryKind::kCuda, cuda_copies_.get());
-      if (!mem.ok()) return Status(mem.status().code(), strCat(who, ": buffer \"", name, "\": ", mem.status().message()));
+      auto mem = transport::TransferMemory::prepare(transport_, device, c.size(), transport::MemoryKind::kCuda,
+                                                    cuda_copies_.get());
+      if (!mem.ok())
+        return Status(mem.status().code(), strCat(who, ": buffer \"", name, "\": ", mem.status().message()));
       b.size = c.size();
       b.device = device;
       b.cuda = std::move(*mapping);
@@ -272,9 +289,9 @@ Status Registry::mayJoin(const v1::RegisterRequest& req, const std::string& dige
   if (g == groups_.end()) return absl::OkStatus();
   // A group is its first registering uid's: no other uid adds ranks to it or replaces them.
   if (!caller.any_owner && g->second.owner && !(caller.local && *g->second.owner == caller.uid))
-    return absl::PermissionDeniedError(strCat(who, ": the group is registered by uid ", *g->second.owner, " on node \"", node_,
-                                              "\"; ", caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"),
-                                              " may not register its ranks"));
+    return absl::PermissionDeniedError(strCat(
+        who, ": the group is registered by uid ", *g->second.owner, " on node \"", node_, "\"; ",
+        caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"), " may not register its ranks"));
   // Every rank of a group must register the same layout (the planner needs one per group) and role.
   bool others = false;
   for (const auto& [key, r] : ranks_) others |= key.first == req.group() && key.second != req.rank();
@@ -282,8 +299,8 @@ Status Registry::mayJoin(const v1::RegisterRequest& req, const std::string& dige
     return absl::FailedPreconditionError(strCat(who, ": layout digest ", digest, " differs from ", g->second.digest,
                                                 " registered by other ranks of the group"));
   if (others && g->second.role != role)
-    return absl::FailedPreconditionError(strCat(who, ": registers as ", v1::roleName(role), " but the group's other ranks are ",
-                                                v1::roleName(g->second.role)));
+    return absl::FailedPreconditionError(strCat(who, ": registers as ", v1::roleName(role),
+                                                " but the group's other ranks are ", v1::roleName(g->second.role)));
   return absl::OkStatus();
 }
 
@@ -298,21 +315,23 @@ size_t Registry::describeBytesWith(const Rank& rank, size_t layout_bytes) const 
 
 Status Registry::mayChange(const Rank& r, const MemoryCaller& caller, const char* what) const {
   if (caller.any_owner || !r.owner || (caller.local && *r.owner == caller.uid)) return absl::OkStatus();
-  return absl::PermissionDeniedError(strCat("group ", quote(r.group), " rank ", r.rank, " is registered by uid ", *r.owner,
-                                            ": ", caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"),
-                                            " may not ", what, " it"));
+  return absl::PermissionDeniedError(
+      strCat("group ", quote(r.group), " rank ", r.rank, " is registered by uid ", *r.owner, ": ",
+             caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"), " may not ", what, " it"));
 }
 
 Status Registry::unregisterRank(const std::string& group, int32_t rank, const MemoryCaller& caller) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = ranks_.find({group, rank});
   if (it == ranks_.end())
-    return absl::NotFoundError(strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
+    return absl::NotFoundError(
+        strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
   SC_RETURN_IF_ERROR(mayChange(*it->second, caller, "unregister"));
   if (!it->second->readers.empty() || !it->second->writer.empty())
-    return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " is in use by sync ",
-                                                it->second->writer.empty() ? *it->second->readers.begin() : it->second->writer,
-                                                ": unregister it once that sync ended"));
+    return absl::FailedPreconditionError(
+        strCat("group \"", group, "\" rank ", rank, " is in use by sync ",
+               it->second->writer.empty() ? *it->second->readers.begin() : it->second->writer,
+               ": unregister it once that sync ended"));
   removeRank(it, false);
   spdlog::info("group \"{}\" rank {} unregistered", group, rank);
   return absl::OkStatus();
@@ -426,17 +445,25 @@ StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, 
   std::lock_guard<std::mutex> lock(mu_);
   auto it = ranks_.find({group, rank});
   if (it == ranks_.end())
-    return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
+    return absl::FailedPreconditionError(
+        strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
   for (const Buffer& b : it->second->writeSet()) {  // sources and single-buffered ranks: their only set
     if (b.name != buffer) continue;
     if (b.segment)
-      return LocalBuffer{static_cast<std::byte*>(b.segment->data()) + b.offset, b.size, transport::MemoryKind::kHost,
-                         b.segment, b.region, b.offset, nullptr, nullptr};
+      return LocalBuffer{static_cast<std::byte*>(b.segment->data()) + b.offset,
+                         b.size,
+                         transport::MemoryKind::kHost,
+                         b.segment,
+                         b.region,
+                         b.offset,
+                         nullptr,
+                         nullptr};
     // Device memory: keep the IPC mapping and its transfer registration alive together.
-    auto keep = std::make_shared<std::pair<std::shared_ptr<transport::CudaIpcMapping>, std::shared_ptr<transport::TransferMemory>>>(
+    auto keep = std::make_shared<
+        std::pair<std::shared_ptr<transport::CudaIpcMapping>, std::shared_ptr<transport::TransferMemory>>>(
         b.cuda, b.cuda_memory);
-    return LocalBuffer{b.device, b.size, transport::MemoryKind::kCuda, keep, b.region, 0, b.cuda_memory.get(),
-                       cuda_copies_.get()};
+    return LocalBuffer{b.device, b.size, transport::MemoryKind::kCuda, keep,
+                       b.region, 0,      b.cuda_memory.get(),          cuda_copies_.get()};
   }
   return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " has no buffer \"", buffer, "\""));
 }
@@ -463,13 +490,18 @@ v1::RankStatus Registry::statusOf(const Rank& r) const {
     if (!r.writer.empty()) st.set_writing(r.writing);
   }
   switch (r.state) {
-    case v1::RANK_READY: st.set_version(r.committed); break;
-    case v1::RANK_UPDATING: st.set_version(r.role == v1::ROLE_SOURCE ? r.committed : r.writing); break;
+    case v1::RANK_READY:
+      st.set_version(r.committed);
+      break;
+    case v1::RANK_UPDATING:
+      st.set_version(r.role == v1::ROLE_SOURCE ? r.committed : r.writing);
+      break;
     case v1::RANK_DIRTY:
       st.set_version(r.committed);
       st.set_detail(r.detail);
       break;
-    default: break;
+    default:
+      break;
   }
   return st;
 }
@@ -477,11 +509,11 @@ v1::RankStatus Registry::statusOf(const Rank& r) const {
 Status Registry::checkSegments(const Rank& r) const {
   for (const auto* set : {&r.buffers, &r.shadow})
     for (const auto& b : *set)
-    if (b.segment) {
-      if (auto st = b.segment->checkSize(); !st.ok())
-        return absl::FailedPreconditionError(strCat("group \"", r.group, "\" rank ", r.rank, " on node \"", node_, "\" buffer \"",
-                                                    b.name, "\": ", st.message()));
-    }
+      if (b.segment) {
+        if (auto st = b.segment->checkSize(); !st.ok())
+          return absl::FailedPreconditionError(strCat("group \"", r.group, "\" rank ", r.rank, " on node \"", node_,
+                                                      "\" buffer \"", b.name, "\": ", st.message()));
+      }
   return absl::OkStatus();
 }
 
@@ -495,34 +527,39 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
     const std::string who = strCat("group \"", r->group, "\" rank ", r->rank, " on node \"", node_, "\"");
     if ((key.first == src && r->digest != src_digest) || (key.first == dst && r->digest != dst_digest))
       return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " registered layout ", r->digest,
-                                                  " since the sync was planned (for ", key.first == src ? src_digest : dst_digest,
-                                                  "): retry the sync"));
+                                                  " since the sync was planned (for ",
+                                                  key.first == src ? src_digest : dst_digest, "): retry the sync"));
     if (key.first == src) {
       if (r->role != v1::ROLE_SOURCE)
-        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " is a destination; a sync reads only source groups"));
+        return absl::FailedPreconditionError(
+            strCat("sync ", id, ": ", who, " is a destination; a sync reads only source groups"));
       if (r->held || r->state == v1::RANK_UPDATING)
-        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " is being written by its owner (acquired, version ",
-                                                    r->committed, " was published before)"));
+        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who,
+                                                    " is being written by its owner (acquired, version ", r->committed,
+                                                    " was published before)"));
       if (r->state != v1::RANK_READY || r->committed != version)
-        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, r->state == v1::RANK_READY
-                                                                                ? strCat(" published version ", r->committed)
-                                                                                : std::string(" has published no version"),
+        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who,
+                                                    r->state == v1::RANK_READY
+                                                        ? strCat(" published version ", r->committed)
+                                                        : std::string(" has published no version"),
                                                     ", not ", version));
       SC_RETURN_IF_ERROR(checkSegments(*r));
       readers.push_back(r.get());
     } else if (key.first == dst) {
       if (r->role != v1::ROLE_DESTINATION)
-        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who,
-                                                    " is a source; a sync writes only destination groups (refusing to overwrite it)"));
+        return absl::FailedPreconditionError(strCat(
+            "sync ", id, ": ", who, " is a source; a sync writes only destination groups (refusing to overwrite it)"));
       if (r->held && (!r->doubled() || r->pinned != r->active))
-        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " does not accept updates (acquired by its client",
-                                                    r->doubled() ? ", which still reads the set this sync would write)" : ")"));
+        return absl::FailedPreconditionError(
+            strCat("sync ", id, ": ", who, " does not accept updates (acquired by its client",
+                   r->doubled() ? ", which still reads the set this sync would write)" : ")"));
       if (!r->writer.empty())
-        return absl::FailedPreconditionError(strCat("sync ", id, ": a sync into group \"", dst, "\" (", r->writer, ") is in progress on node \"",
-                                                    node_, "\""));
+        return absl::FailedPreconditionError(strCat("sync ", id, ": a sync into group \"", dst, "\" (", r->writer,
+                                                    ") is in progress on node \"", node_, "\""));
       if (r->committed >= version)
-        return absl::FailedPreconditionError(strCat("group \"", dst, "\" is at version ", r->committed, " on node \"", node_,
-                                                    "\" (rank ", r->rank, "): version ", version, " is not newer"));
+        return absl::FailedPreconditionError(strCat("group \"", dst, "\" is at version ", r->committed, " on node \"",
+                                                    node_, "\" (rank ", r->rank, "): version ", version,
+                                                    " is not newer"));
       SC_RETURN_IF_ERROR(checkSegments(*r));
       writers.push_back(r.get());
     }
@@ -598,9 +635,11 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::
   state_cv_.notify_all();
   if (touched.empty()) return after;
   if (end == SyncEnd::kCommit)
-    spdlog::info("group \"{}\" ranks {} on node \"{}\" are READY at version {} (sync {})", dst, rankList(touched), node_, version, id);
+    spdlog::info("group \"{}\" ranks {} on node \"{}\" are READY at version {} (sync {})", dst, rankList(touched),
+                 node_, version, id);
   else if (end == SyncEnd::kDirty)
-    spdlog::warn("group \"{}\" ranks {} are DIRTY: sync {} failed after writing: {}", dst, rankList(touched), id, reason);
+    spdlog::warn("group \"{}\" ranks {} are DIRTY: sync {} failed after writing: {}", dst, rankList(touched), id,
+                 reason);
   return after;
 }
 
@@ -625,15 +664,15 @@ StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t ran
   while (!ok && std::chrono::steady_clock::now() < until) {
     if (gone && gone()) return absl::CancelledError(strCat(who, ": the caller went away while waiting to acquire it"));
     const auto step = std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(100),
-                                                                     until - std::chrono::steady_clock::now());
+                                                                    until - std::chrono::steady_clock::now());
     ok = state_cv_.wait_for(lock, step, free);
   }
   if (stopping_) return absl::UnavailableError(strCat("shardcastd on node \"", node_, "\" is stopping"));
   if (r == nullptr) return absl::NotFoundError(strCat(who, " was unregistered while waiting to acquire it"));
   if (!ok)
     return absl::DeadlineExceededError(strCat(who, " on node \"", node_, "\": sync ",
-                                              r->writer.empty() ? *r->readers.begin() : r->writer, " still uses it after ",
-                                              timeout.count(), " ms"));
+                                              r->writer.empty() ? *r->readers.begin() : r->writer,
+                                              " still uses it after ", timeout.count(), " ms"));
   if (r->held) return absl::FailedPreconditionError(strCat(who, " was acquired by another caller meanwhile"));
   SC_RETURN_IF_ERROR(mayChange(*r, caller, "acquire"));  // re-registered while waiting: by whom?
   r->held = true;
@@ -654,17 +693,19 @@ StatusOr<v1::RankStatus> Registry::release(const std::string& group, int32_t ran
     if (version == 0 || version >= kMaxVersion)
       return absl::InvalidArgumentError(strCat(who, ": a source rank publishes a version in [1, 2^63), not ", version));
     if (version < r->committed || (r->held && version == r->committed))
-      return absl::InvalidArgumentError(strCat(who, ": version ", version, r->held ? " is not newer than" : " is older than",
-                                               " version ", r->committed, " it published before",
-                                               r->held ? " (acquired and written: publish a new version)" : ""));
+      return absl::InvalidArgumentError(strCat(
+          who, ": version ", version, r->held ? " is not newer than" : " is older than", " version ", r->committed,
+          " it published before", r->held ? " (acquired and written: publish a new version)" : ""));
     if (!r->held && r->state == v1::RANK_READY && version != r->committed)
-      return absl::FailedPreconditionError(strCat(who, " publishes version ", version, " without acquiring it after version ",
-                                                  r->committed, ": acquire first (a sync may be reading it)"));
+      return absl::FailedPreconditionError(strCat(who, " publishes version ", version,
+                                                  " without acquiring it after version ", r->committed,
+                                                  ": acquire first (a sync may be reading it)"));
     r->state = v1::RANK_READY;
     r->committed = version;
   } else {
     if (version != 0)
-      return absl::InvalidArgumentError(strCat(who, " is a destination: only syncs give it versions (release with version 0)"));
+      return absl::InvalidArgumentError(
+          strCat(who, " is a destination: only syncs give it versions (release with version 0)"));
     if (!r->held) return absl::FailedPreconditionError(strCat(who, " is not acquired"));
   }
   r->held = false;
@@ -691,8 +732,8 @@ StatusOr<v1::WaitVersionResponse> Registry::waitVersion(const std::string& group
       any = true;
       const v1::RankStatus st = statusOf(*r);
       if (st.state() == v1::RANK_DIRTY) {
-        failed = absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", r->rank, " on node \"", node_, "\" is DIRTY: ",
-                                                      st.detail()));
+        failed = absl::FailedPreconditionError(
+            strCat("group \"", group, "\" rank ", r->rank, " on node \"", node_, "\" is DIRTY: ", st.detail()));
         return true;
       }
       min = std::min(min, st.state() == v1::RANK_READY ? st.version() : 0);

@@ -94,24 +94,24 @@ class Registry {
   // Before every use of the involved ranks' memory (every execute): segments still whole.
   Status checkSync(const std::string& src, const std::string& dst) const;
   enum class SyncEnd {
-    kCommit,  // every byte landed everywhere: destination ranks READY(V)
-    kRevert,  // nothing was written anywhere: destination ranks back to where they were
-    kDirty,   // bytes may have landed: destination ranks DIRTY (with `reason`)
+    kCommit,    // every byte landed everywhere: destination ranks READY(V)
+    kRevert,    // nothing was written anywhere: destination ranks back to where they were
+    kDirty,     // bytes may have landed: destination ranks DIRTY (with `reason`)
     kDraining,  // as kDirty, but writes are still landing: the ranks stay held until drained()
   };
   // A kDraining sync's writes are done: its destination ranks take syncs again.
   void drained(const std::string& id, const std::string& dst);
   // Returns the states of the destination ranks the sync was writing here, after the change.
-  std::vector<v1::RankStatus> endSync(const std::string& id, const std::string& src, const std::string& dst, SyncEnd end,
-                                      const std::string& reason = "");
+  std::vector<v1::RankStatus> endSync(const std::string& id, const std::string& src, const std::string& dst,
+                                      SyncEnd end, const std::string& reason = "");
 
   // The owner takes a rank (see AcquireRequest) / gives it back (ReleaseRequest).
   // `gone`: polled while waiting; true when the caller went away (its call was cancelled): then
   // the rank is not taken (CANCELLED), so no ownerless acquire holds it later.
   StatusOr<v1::RankStatus> acquire(const std::string& group, int32_t rank, const MemoryCaller& caller,
-                                   std::chrono::milliseconds timeout,
-                                   const std::function<bool()>& gone = nullptr);
-  StatusOr<v1::RankStatus> release(const std::string& group, int32_t rank, uint64_t version, const MemoryCaller& caller);
+                                   std::chrono::milliseconds timeout, const std::function<bool()>& gone = nullptr);
+  StatusOr<v1::RankStatus> release(const std::string& group, int32_t rank, uint64_t version,
+                                   const MemoryCaller& caller);
   // Waits until every rank of `group` here is READY at >= `version` or the timeout passes;
   // FAILED_PRECONDITION naming the rank when one is DIRTY, NOT_FOUND when none is registered.
   StatusOr<v1::WaitVersionResponse> waitVersion(const std::string& group, uint64_t version,
@@ -179,11 +179,13 @@ class Registry {
   size_t describeBytesWith(const Rank& rank, size_t layout_bytes) const;
 
   // With mu_ held: may `caller` register this rank of `req.group()` with this layout and role?
-  Status mayJoin(const v1::RegisterRequest& req, const std::string& digest, v1::Role role, const MemoryCaller& caller) const;
+  Status mayJoin(const v1::RegisterRequest& req, const std::string& digest, v1::Role role,
+                 const MemoryCaller& caller) const;
   // With mu_ held: may `caller` unregister, acquire or publish `r`?
   Status mayChange(const Rank& r, const MemoryCaller& caller, const char* what) const;
 
-  StatusOr<std::unique_ptr<Rank>> build(const v1::RegisterRequest& request, std::string digest, const MemoryCaller& caller);
+  StatusOr<std::unique_ptr<Rank>> build(const v1::RegisterRequest& request, std::string digest,
+                                        const MemoryCaller& caller);
   // One set of a rank's buffers from its handles, checked against what the layout gives it.
   StatusOr<std::vector<Buffer>> mapBuffers(const std::string& who,
                                            const google::protobuf::RepeatedPtrField<v1::MemoryHandle>& handles,

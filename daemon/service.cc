@@ -16,7 +16,12 @@ namespace shardcast::daemon {
 
 ShardcastService::ShardcastService(const DaemonConfig& config, const AccessPolicy& access, Registry& registry,
                                    PeerSet& peers, SyncEngine& engine, Metrics& metrics, std::string transport)
-    : config_(config), access_(access), registry_(registry), peers_(peers), engine_(engine), metrics_(metrics),
+    : config_(config),
+      access_(access),
+      registry_(registry),
+      peers_(peers),
+      engine_(engine),
+      metrics_(metrics),
       transport_(std::move(transport)) {}
 
 StatusOr<ClusterView> ShardcastService::cluster() {
@@ -49,24 +54,26 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
   if (req.src_group().empty() || req.dst_group().empty() || req.src_group() == req.dst_group())
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "sync: give two different groups (src_group, dst_group)");
   if (req.version() == 0 || req.version() >= kMaxVersion)
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, strCat("sync: version ", req.version(), " is not in [1, 2^63)"));
-  // A client's sync id travels in the daemons' notifications, logs and metrics.
-  const bool id_ok = req.sync_id().size() <= kMaxSyncId && std::all_of(req.sync_id().begin(), req.sync_id().end(), [](char c) {
-                       return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' || c == ':';
-                     });
-  if (!id_ok)
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        strCat("sync: sync_id must be at most ", kMaxSyncId, " characters of letters, digits and - _ . :"));
-  const std::string id =
-      req.sync_id().empty() ? strCat(config_.node, "-", registry_.instance().substr(0, 8), "-", next_sync_++, "-v", req.version())
-                            : req.sync_id();
+                        strCat("sync: version ", req.version(), " is not in [1, 2^63)"));
+  // A client's sync id travels in the daemons' notifications, logs and metrics.
+  const bool id_ok =
+      req.sync_id().size() <= kMaxSyncId && std::all_of(req.sync_id().begin(), req.sync_id().end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' || c == ':';
+      });
+  if (!id_ok)
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, strCat("sync: sync_id must be at most ", kMaxSyncId,
+                                                                   " characters of letters, digits and - _ . :"));
+  const std::string id = req.sync_id().empty() ? strCat(config_.node, "-", registry_.instance().substr(0, 8), "-",
+                                                        next_sync_++, "-v", req.version())
+                                               : req.sync_id();
   // Daemons tell the attempts of one id apart by their fence; a client that reuses the id of a
   // sync still running here is refused outright.
   if (!progress_.start(id))
     return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
                         strCat("sync: a sync with id \"", id, "\" is still running on node \"", config_.node, "\""));
-  SyncCoordinator coordinator({config_, registry_, peers_, engine_, progress_, executor_, config_.selfAddress()}, req, id,
-                              newFence());
+  SyncCoordinator coordinator({config_, registry_, peers_, engine_, progress_, executor_, config_.selfAddress()}, req,
+                              id, newFence());
   auto done = coordinator.run();
   if (!done.ok()) return toGrpc(done.status());
   *out = std::move(*done);
@@ -87,7 +94,8 @@ grpc::Status ShardcastService::Watch(grpc::ServerContext* context, const v1::Wat
   return grpc::Status::OK;
 }
 
-grpc::Status ShardcastService::WaitVersion(grpc::ServerContext* ctx, const v1::WaitVersionRequest* req, v1::WaitVersionResponse* out) {
+grpc::Status ShardcastService::WaitVersion(grpc::ServerContext* ctx, const v1::WaitVersionRequest* req,
+                                           v1::WaitVersionResponse* out) {
   const auto caller = access_.client(*ctx);
   if (!caller.ok()) return toGrpc(caller.status());
   if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
@@ -97,18 +105,21 @@ grpc::Status ShardcastService::WaitVersion(grpc::ServerContext* ctx, const v1::W
   return grpc::Status::OK;
 }
 
-grpc::Status ShardcastService::Acquire(grpc::ServerContext* context, const v1::AcquireRequest* req, v1::AcquireResponse* out) {
+grpc::Status ShardcastService::Acquire(grpc::ServerContext* context, const v1::AcquireRequest* req,
+                                       v1::AcquireResponse* out) {
   const auto caller = access_.client(*context);
   if (!caller.ok()) return toGrpc(caller.status());
   if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
-  auto r = registry_.acquire(req->group(), req->rank(), caller->memory(access_.insecure()), std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 30000),
+  auto r = registry_.acquire(req->group(), req->rank(), caller->memory(access_.insecure()),
+                             std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 30000),
                              [context] { return context->IsCancelled(); });
   if (!r.ok()) return toGrpc(r.status());
   *out->mutable_status() = std::move(*r);
   return grpc::Status::OK;
 }
 
-grpc::Status ShardcastService::Release(grpc::ServerContext* ctx, const v1::ReleaseRequest* req, v1::ReleaseResponse* out) {
+grpc::Status ShardcastService::Release(grpc::ServerContext* ctx, const v1::ReleaseRequest* req,
+                                       v1::ReleaseResponse* out) {
   const auto caller = access_.client(*ctx);
   if (!caller.ok()) return toGrpc(caller.status());
   if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
@@ -131,7 +142,8 @@ grpc::Status ShardcastService::Session(grpc::ServerContext* context, const v1::S
     // Until the client goes (its process ends: the connection closes) or the daemon stops.
     // IsCancelled has no wake-up of its own in the synchronous API: look every 100 ms.
     std::unique_lock<std::mutex> lock(sessions_mu_);
-    while (!sessions_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_ || context->IsCancelled(); })) {
+    while (!sessions_cv_.wait_for(lock, std::chrono::milliseconds(100),
+                                  [&] { return stopping_ || context->IsCancelled(); })) {
     }
   }
   bool stopping;
@@ -139,7 +151,8 @@ grpc::Status ShardcastService::Session(grpc::ServerContext* context, const v1::S
     std::lock_guard<std::mutex> lock(sessions_mu_);
     stopping = stopping_;
   }
-  if (stopping) return grpc::Status(grpc::StatusCode::UNAVAILABLE, strCat("shardcastd on node \"", config_.node, "\" is stopping"));
+  if (stopping)
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, strCat("shardcastd on node \"", config_.node, "\" is stopping"));
   registry_.closeSession(session);
   ++metrics_.sessions_ended;
   return grpc::Status::OK;
@@ -178,7 +191,8 @@ grpc::Status PeerService::Execute(grpc::ServerContext* ctx, const v1::ExecuteReq
   return grpc::Status::OK;
 }
 
-grpc::Status PeerService::Progress(grpc::ServerContext* ctx, const v1::ProgressRequest* req, v1::ProgressResponse* out) {
+grpc::Status PeerService::Progress(grpc::ServerContext* ctx, const v1::ProgressRequest* req,
+                                   v1::ProgressResponse* out) {
   if (auto allowed = access_.peer(*ctx); !allowed.ok()) return toGrpc(allowed);
   if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   auto r = engine_.progress(req->sync_id(), req->fence());
@@ -196,7 +210,8 @@ grpc::Status PeerService::Finish(grpc::ServerContext* ctx, const v1::FinishReque
   return grpc::Status::OK;
 }
 
-grpc::Status ShardcastService::Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req, v1::RegisterResponse* out) {
+grpc::Status ShardcastService::Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
+                                        v1::RegisterResponse* out) {
   const auto caller = access_.client(*ctx);
   if (!caller.ok()) return toGrpc(caller.status());
   if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
@@ -212,7 +227,8 @@ grpc::Status ShardcastService::Register(grpc::ServerContext* ctx, const v1::Regi
   return grpc::Status::OK;
 }
 
-grpc::Status ShardcastService::Unregister(grpc::ServerContext* ctx, const v1::UnregisterRequest* req, v1::UnregisterResponse*) {
+grpc::Status ShardcastService::Unregister(grpc::ServerContext* ctx, const v1::UnregisterRequest* req,
+                                          v1::UnregisterResponse*) {
   const auto caller = access_.client(*ctx);
   if (!caller.ok()) return toGrpc(caller.status());
   if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
@@ -310,8 +326,10 @@ grpc::Status ShardcastService::Status(grpc::ServerContext* ctx, const v1::Status
         if (v.address == a) {
           found = true;
           p->set_reachable(v.described.ok());
-          if (v.described.ok()) p->set_node(v.described->node());
-          else p->set_error(std::string(v.described.status().message()));
+          if (v.described.ok())
+            p->set_node(v.described->node());
+          else
+            p->set_error(std::string(v.described.status().message()));
         }
     if (!found) {  // the address is this daemon itself
       p->set_reachable(true);

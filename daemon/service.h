@@ -10,9 +10,9 @@
 
 #include "daemon/access.h"
 #include "daemon/cluster.h"
+#include "daemon/config.h"
 #include "daemon/coordinator.h"
 #include "daemon/executor.h"
-#include "daemon/config.h"
 #include "daemon/progress.h"
 #include "daemon/registry.h"
 #include "daemon/sync_engine.h"

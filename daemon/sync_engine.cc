@@ -41,7 +41,6 @@ CachedPlan::Landing landingFor(const CachedPlan& c, int32_t t, int32_t node) {
   return l;
 }
 
-
 }  // namespace
 
 const CachedPlan::Landing* CachedPlan::landingOn(int32_t transfer, int32_t node) const {
@@ -136,7 +135,8 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
       const int32_t f = plan.transfer_fragments[tr.fragments_begin];
       for (int32_t ch = tr.chains_begin; ch < tr.chains_begin + tr.chains_count; ++ch) {
         const auto sr = planner::sourceRegion(plan, c->src, f, planner::sourceRank(plan, c->src, f, plan.chains[ch]));
-        direct[static_cast<size_t>(ch - tr.chains_begin)] = planner::isContiguous(sr.strides, plan.fragments[f].box) ? 1 : 0;
+        direct[static_cast<size_t>(ch - tr.chains_begin)] =
+            planner::isContiguous(sr.strides, plan.fragments[f].box) ? 1 : 0;
       }
     }
     // Staging is needed on a head node only for its chains that are not sent directly.
@@ -149,7 +149,8 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
     std::vector<CachedPlan::Landing> lands;
     for (int32_t ch = tr.chains_begin; ch < tr.chains_begin + tr.chains_count; ++ch) {
       const auto& chain = plan.chains[ch];
-      for (int32_t k = 0; k < chain.nodes_count; ++k) lands.push_back(landingFor(*c, t, plan.chain_nodes[chain.nodes_begin + k]));
+      for (int32_t k = 0; k < chain.nodes_count; ++k)
+        lands.push_back(landingFor(*c, t, plan.chain_nodes[chain.nodes_begin + k]));
     }
     // Does this transfer still fit in the current wave on every node it touches?
     bool fits = true;
@@ -340,7 +341,11 @@ void SyncEngine::pump(const std::shared_ptr<Active>& a, int32_t node) {
 
 SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics,
                        uint64_t window_bytes)
-    : node_(std::move(node)), registry_(registry), transport_(transport), metrics_(metrics), window_bytes_(window_bytes),
+    : node_(std::move(node)),
+      registry_(registry),
+      transport_(transport),
+      metrics_(metrics),
+      window_bytes_(window_bytes),
       copies_(transport::makeHostCopyEngine()) {
   transport_.setNotificationHandler([this](std::string payload) { onNotification(payload); });
   reaper_ = std::thread([this] { reap(); });
@@ -366,8 +371,8 @@ void SyncEngine::abortAll(const std::string& reason) {
   for (const auto& [id, a] : all) close(a, Registry::SyncEnd::kDirty, reason).status().IgnoreError();
 }
 
-Status SyncEngine::copy(const transport::StridedView& dst, const transport::StridedView& src, const std::vector<int64_t>& extent,
-                        int64_t elem, transport::CopyEngine* device_copies) {
+Status SyncEngine::copy(const transport::StridedView& dst, const transport::StridedView& src,
+                        const std::vector<int64_t>& extent, int64_t elem, transport::CopyEngine* device_copies) {
   if (dst.kind == transport::MemoryKind::kHost && src.kind == transport::MemoryKind::kHost)
     return copies_->copy(dst, src, extent, elem);
   if (device_copies == nullptr) return absl::FailedPreconditionError("device memory to copy but no CUDA copy engine");
@@ -423,7 +428,8 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
     if (active_.count(req.sync_id()) || preparing_.count(req.sync_id()))
       return absl::AlreadyExistsError(strCat("sync ", req.sync_id(), " is already prepared on node \"", node_, "\""));
     if (req.fence() != 0 && finished_.count({req.sync_id(), req.fence()}))
-      return absl::AbortedError(strCat("sync ", req.sync_id(), " was given up by its coordinator before it was prepared here"));
+      return absl::AbortedError(
+          strCat("sync ", req.sync_id(), " was given up by its coordinator before it was prepared here"));
     preparing_.insert(req.sync_id());
   }
   struct Prepared {
@@ -557,20 +563,23 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<Active>& a,
     // this node started has to complete or fail (the transport bounds each by its op timeout),
     // and this node's own execute calls (local copies into its ranks) have to return.
     if (!a->cv.wait_for(lock, std::chrono::seconds(120), [&] { return a->writes_pending == 0 && a->executing == 0; }))
-      spdlog::error("sync {}: {} writes and {} executes still pending two minutes after it ended", a->id, a->writes_pending,
-                    a->executing);
+      spdlog::error("sync {}: {} writes and {} executes still pending two minutes after it ended", a->id,
+                    a->writes_pending, a->executing);
   }
   // No write of this sync lands here any more: later ones are refused, those landing now are waited
   // for (bounded by the transport's op timeout on the sender's side).
   if (!transport_.closeFence(a->fence, std::chrono::seconds(10))) {
     // A peer frozen mid-write: its ranks stay held (dirty) until those writes are done or failed;
     // the reaper polls the fence.
-    spdlog::error("sync {}: writes into node \"{}\" still landing 10 s after it ended: its ranks stay held until "
-                  "they are done", a->id, node_);
+    spdlog::error(
+        "sync {}: writes into node \"{}\" still landing 10 s after it ended: its ranks stay held until "
+        "they are done",
+        a->id, node_);
     registry_.endSync(a->id, a->src_group, a->dst_group, Registry::SyncEnd::kDraining, reason);
     std::lock_guard<std::mutex> lock(mu_);
     draining_.push_back(a);
-    return Status(absl::StatusCode::kUnavailable, strCat("sync ", a->id, " on node \"", node_, "\": writes still landing"));
+    return Status(absl::StatusCode::kUnavailable,
+                  strCat("sync ", a->id, " on node \"", node_, "\": writes still landing"));
   }
   if (end == Registry::SyncEnd::kDirty && commit) {
     registry_.endSync(a->id, a->src_group, a->dst_group, end, std::string(a->failure.message()));
@@ -618,14 +627,14 @@ void SyncEngine::reap() {
     lock.unlock();
     for (const auto& a : drained) registry_.drained(a->id, a->dst_group);
     for (const auto& a : expired) {
-      const std::string why = strCat("its coordinator went silent (no word for ", a->lease.count(), " ms, the sync's lease)");
+      const std::string why =
+          strCat("its coordinator went silent (no word for ", a->lease.count(), " ms, the sync's lease)");
       spdlog::warn("sync {} aborted on node \"{}\": {}", a->id, node_, why);
       ++metrics_.syncs_expired;
       // Each on its own thread: a close waits for the sync's writes, and one sync's slow peer
       // must not keep the others' ranks held.
-      closers_.push_back(std::async(std::launch::async, [this, a, why] {
-        close(a, Registry::SyncEnd::kDirty, why).status().IgnoreError();
-      }));
+      closers_.push_back(std::async(
+          std::launch::async, [this, a, why] { close(a, Registry::SyncEnd::kDirty, why).status().IgnoreError(); }));
     }
     closers_.erase(std::remove_if(closers_.begin(), closers_.end(),
                                   [](const std::future<void>& f) {
@@ -652,7 +661,12 @@ StatusOr<v1::ProgressResponse> SyncEngine::progress(const std::string& sync_id, 
 class SyncEngine::Execution {
  public:
   Execution(SyncEngine& engine, std::shared_ptr<Active> a, const v1::ExecuteRequest& req)
-      : e_(engine), a_(std::move(a)), req_(req), cp_(*a_->plan), plan_(cp_.plan), self_(a_->self),
+      : e_(engine),
+        a_(std::move(a)),
+        req_(req),
+        cp_(*a_->plan),
+        plan_(cp_.plan),
+        self_(a_->self),
         wave_(static_cast<int32_t>(req.wave())),
         deadline_(Clock::now() + std::chrono::milliseconds(req.timeout_ms() ? req.timeout_ms() : 300000)) {}
 
@@ -672,7 +686,8 @@ class SyncEngine::Execution {
     std::string address;
     transport::RemoteRegion arena;
     std::vector<transport::RemoteRegion> regions;
-    std::map<std::pair<int32_t, std::string>, std::pair<uint32_t, uint64_t>> buffers;  // (rank, name) -> (region, offset)
+    std::map<std::pair<int32_t, std::string>, std::pair<uint32_t, uint64_t>>
+        buffers;  // (rank, name) -> (region, offset)
   };
 
   Status readDirectory() {
@@ -693,8 +708,8 @@ class SyncEngine::Execution {
       }
       for (const auto& b : targets.buffers()) {
         if (b.region() >= p.regions.size())
-          return absl::InvalidArgumentError(strCat("sync ", a_->id, ": node \"", n.node(), "\" names landing region ", b.region(),
-                                                   " of ", p.regions.size()));
+          return absl::InvalidArgumentError(strCat("sync ", a_->id, ": node \"", n.node(), "\" names landing region ",
+                                                   b.region(), " of ", p.regions.size()));
         p.buffers[{b.rank(), b.buffer()}] = {b.region(), b.offset()};
       }
     }
@@ -716,20 +731,23 @@ class SyncEngine::Execution {
 
   // Sends chunk k of transfer t (its first byte at `off` in `src`) to where it lands on `node`,
   // then the notification that announces it.
-  Status send(const std::shared_ptr<transport::MemoryRegion>& src, uint64_t off, int32_t t, int32_t chain, int32_t hop, int32_t k,
-              int32_t node, uint64_t sum) {
+  Status send(const std::shared_ptr<transport::MemoryRegion>& src, uint64_t off, int32_t t, int32_t chain, int32_t hop,
+              int32_t k, int32_t node, uint64_t sum) {
     auto peer = peers_.find(node);
-    if (peer == peers_.end()) return absl::FailedPreconditionError(strCat("no daemon for node \"", cp_.nodes.name(node), "\""));
+    if (peer == peers_.end())
+      return absl::FailedPreconditionError(strCat("no daemon for node \"", cp_.nodes.name(node), "\""));
     const CachedPlan::Landing* landing = cp_.landingOn(t, node);
-    if (landing == nullptr) return absl::InternalError(strCat("sync ", a_->id, ": transfer ", t, " does not land on node ", node));
+    if (landing == nullptr)
+      return absl::InternalError(strCat("sync ", a_->id, ": transfer ", t, " does not land on node ", node));
     const auto& chunk = cp_.chunks[t][k];
-    transport::WriteOp op{src, off + chunk.offset, peer->second.arena, landing->arena_offset + chunk.offset, chunk.bytes, a_->fence};
+    transport::WriteOp op{src,         off + chunk.offset, peer->second.arena, landing->arena_offset + chunk.offset,
+                          chunk.bytes, a_->fence};
     if (landing->direct()) {
       const std::string& name = cp_.dst.buffer_names[static_cast<size_t>(landing->buffer)];
       auto target = peer->second.buffers.find({landing->rank, name});
       if (target == peer->second.buffers.end())
-        return absl::FailedPreconditionError(strCat("sync ", a_->id, ": node \"", cp_.nodes.name(node), "\" did not offer buffer \"",
-                                                    name, "\" of rank ", landing->rank));
+        return absl::FailedPreconditionError(strCat("sync ", a_->id, ": node \"", cp_.nodes.name(node),
+                                                    "\" did not offer buffer \"", name, "\" of rank ", landing->rank));
       op.dst = peer->second.regions[target->second.first];
       op.dst_offset = target->second.second + landing->buffer_offset + chunk.offset;
     }
@@ -759,8 +777,8 @@ class SyncEngine::Execution {
         const auto sr = planner::sourceRegion(plan_, cp_.src, ls.fragment, ls.src_rank, sub);
         SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
         SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
-        SC_RETURN_IF_ERROR(e_.copy({db.data, db.kind, dr.offset, dr.strides}, {sb.data, sb.kind, sr.offset, sr.strides}, dr.extent,
-                                   elem, db.copies ? db.copies : sb.copies));
+        SC_RETURN_IF_ERROR(e_.copy({db.data, db.kind, dr.offset, dr.strides}, {sb.data, sb.kind, sr.offset, sr.strides},
+                                   dr.extent, elem, db.copies ? db.copies : sb.copies));
         a_->local_bytes += static_cast<uint64_t>(sub.volume() * elem);
       }
     }
@@ -785,7 +803,8 @@ class SyncEngine::Execution {
       const int64_t elem = cp_.src.tensors[plan_.tensors[plan_.fragments[f].tensor].src].elemBytes();
       const auto sr = planner::sourceRegion(plan_, cp_.src, f, planner::sourceRank(plan_, cp_.src, f, ch));
       SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
-      if (!sb.region) return absl::InternalError(strCat("sync ", a_->id, ": a source buffer of transfer ", t, " is not registered"));
+      if (!sb.region)
+        return absl::InternalError(strCat("sync ", a_->id, ": a source buffer of transfer ", t, " is not registered"));
       {
         std::lock_guard<std::mutex> lock(a_->mu);
         a_->pinned.push_back(sb.keep_alive);
@@ -793,7 +812,8 @@ class SyncEngine::Execution {
       const uint64_t start = static_cast<uint64_t>(sr.offset * elem);
       for (size_t k = 0; k < cp_.chunks[t].size(); ++k) {
         const auto& chunk = cp_.chunks[t][k];
-        if (sb.transfer) SC_RETURN_IF_ERROR(sb.transfer->stageOut(start + chunk.offset, chunk.bytes));  // device -> mirror
+        if (sb.transfer)
+          SC_RETURN_IF_ERROR(sb.transfer->stageOut(start + chunk.offset, chunk.bytes));  // device -> mirror
         uint64_t sum = 0;
         if (req_.verify()) {
           SC_ASSIGN_OR_RETURN(sum, e_.checksum(sb, start + chunk.offset, chunk.bytes));
@@ -820,12 +840,14 @@ class SyncEngine::Execution {
         const auto sr = chunk.box.ndim == 0 ? planner::sourceRegion(plan_, cp_.src, f, rank)
                                             : planner::sourceRegion(plan_, cp_.src, f, rank, chunk.box);
         SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
-        SC_RETURN_IF_ERROR(e_.copy({out + cp_.fragment_offset[f] + chunk.offset, transport::MemoryKind::kHost, 0, denseFor(part)},
-                                   {sb.data, sb.kind, sr.offset, sr.strides}, sr.extent, elem, sb.copies));
+        SC_RETURN_IF_ERROR(
+            e_.copy({out + cp_.fragment_offset[f] + chunk.offset, transport::MemoryKind::kHost, 0, denseFor(part)},
+                    {sb.data, sb.kind, sr.offset, sr.strides}, sr.extent, elem, sb.copies));
       }
       const uint64_t sum = req_.verify() ? XXH64(out + chunk.offset, static_cast<size_t>(chunk.bytes), 0) : 0;
       for (const int32_t c : staged)
-        SC_RETURN_IF_ERROR(send(a_->staging, at, t, c, 0, static_cast<int32_t>(k), plan_.chain_nodes[plan_.chains[c].nodes_begin], sum));
+        SC_RETURN_IF_ERROR(send(a_->staging, at, t, c, 0, static_cast<int32_t>(k),
+                                plan_.chain_nodes[plan_.chains[c].nodes_begin], sum));
     }
     return absl::OkStatus();
   }
@@ -864,8 +886,8 @@ class SyncEngine::Execution {
         });
         if (!a_->failure.ok()) return a_->failure;
         if (!woke) {
-          return absl::DeadlineExceededError(strCat("sync ", a_->id, " on node \"", e_.node_, "\": ", processed, " of ", expected,
-                                                    " chunks landed before the timeout"));
+          return absl::DeadlineExceededError(strCat("sync ", a_->id, " on node \"", e_.node_, "\": ", processed, " of ",
+                                                    expected, " chunks landed before the timeout"));
         }
         if (a_->landed.empty()) return absl::OkStatus();  // all landed, processed and forwarded
         l = a_->landed.front();
@@ -884,8 +906,8 @@ class SyncEngine::Execution {
     // wave, the chain is one of the transfer's, and its hop is this node; each chunk lands once.
     auto bad = [&](const std::string& what) {
       return absl::InvalidArgumentError(strCat("sync ", a_->id, " on node \"", e_.node_, "\": a peer announced ", what,
-                                               " (transfer ", l.transfer, ", chain ", l.chain, ", hop ", l.hop, ", chunk ",
-                                               l.chunk, ")"));
+                                               " (transfer ", l.transfer, ", chain ", l.chain, ", hop ", l.hop,
+                                               ", chunk ", l.chunk, ")"));
     };
     if (const std::string problem = cp_.landedProblem(l, wave_, self_); !problem.empty()) return bad(problem);
     {
@@ -896,7 +918,8 @@ class SyncEngine::Execution {
     const auto& chunk = cp_.chunks[l.transfer][l.chunk];
     const CachedPlan::Landing* landing = cp_.landingOn(l.transfer, self_);
     if (landing == nullptr)
-      return absl::InternalError(strCat("sync ", a_->id, ": transfer ", l.transfer, " landed on node \"", e_.node_, "\" unplanned"));
+      return absl::InternalError(
+          strCat("sync ", a_->id, ": transfer ", l.transfer, " landed on node \"", e_.node_, "\" unplanned"));
     // Where the transfer's bytes are here: the landing rank's buffer, or the arena.
     std::shared_ptr<transport::MemoryRegion> region = a_->arena;
     uint64_t region_offset = landing->arena_offset;
@@ -916,14 +939,14 @@ class SyncEngine::Execution {
       sum = XXH64(landed.data + chunk.offset, static_cast<size_t>(chunk.bytes), 0);
     }
     if (req_.verify() && sum != l.checksum)
-      return absl::DataLossError(strCat("sync ", a_->id, ": chunk ", l.chunk, " of transfer ", l.transfer, " arrived at node \"",
-                                        e_.node_, "\" with a wrong checksum"));
+      return absl::DataLossError(strCat("sync ", a_->id, ": chunk ", l.chunk, " of transfer ", l.transfer,
+                                        " arrived at node \"", e_.node_, "\" with a wrong checksum"));
     // Forward the chunk along its relay chain first: the next node's transfer then overlaps the
     // local fan-out below (the bytes stay where they landed until the sync ends).
     const auto& ch = plan_.chains[l.chain];
     if (l.hop + 1 < ch.nodes_count)
-      SC_RETURN_IF_ERROR(send(region, region_offset, l.transfer, l.chain, l.hop + 1, l.chunk, plan_.chain_nodes[ch.nodes_begin + l.hop + 1],
-                              l.checksum));
+      SC_RETURN_IF_ERROR(send(region, region_offset, l.transfer, l.chain, l.hop + 1, l.chunk,
+                              plan_.chain_nodes[ch.nodes_begin + l.hop + 1], l.checksum));
     if (landing->direct()) {
       // Landed in a device buffer's transport mirror: into the device now.
       if (landed.transfer)
@@ -949,8 +972,8 @@ class SyncEngine::Execution {
         }
         SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
         SC_RETURN_IF_ERROR(e_.copy({db.data, db.kind, dst_off, dr.strides},
-                                   {landed.data + cp_.fragment_offset[f], landed.kind, src_off, dense}, part.sizes(), elem,
-                                   db.copies ? db.copies : landed.copies));
+                                   {landed.data + cp_.fragment_offset[f], landed.kind, src_off, dense}, part.sizes(),
+                                   elem, db.copies ? db.copies : landed.copies));
         a_->local_bytes += static_cast<uint64_t>(part.volume() * elem);
       }
     }
@@ -993,10 +1016,12 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   if (a->self < 0) return resp;
   SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dst_group));
   // This wave's figures are what the sync's counters (read by progress()) gain during it.
-  const uint64_t sent = a->bytes_sent, received = a->bytes_received, local = a->local_bytes, direct = a->bytes_landed_direct;
+  const uint64_t sent = a->bytes_sent, received = a->bytes_received, local = a->local_bytes,
+                 direct = a->bytes_landed_direct;
   SC_RETURN_IF_ERROR(Execution(*this, a, req).run());
   if (registry_.generation() != a->generation)
-    return absl::AbortedError(strCat("sync ", a->id, ": registrations on node \"", node_, "\" changed during the sync"));
+    return absl::AbortedError(
+        strCat("sync ", a->id, ": registrations on node \"", node_, "\" changed during the sync"));
   resp.set_bytes_sent(a->bytes_sent - sent);
   resp.set_bytes_received(a->bytes_received - received);
   resp.set_local_bytes(a->local_bytes - local);

@@ -15,13 +15,13 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <future>
 #include <list>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <string>
 #include <set>
-#include <future>
+#include <string>
 #include <thread>
 
 #include "common/status.h"
@@ -80,7 +80,7 @@ struct CachedPlan {
     uint64_t bytes = 0;
   };
   std::vector<std::vector<Chunk>> chunks;
-  std::vector<std::vector<int64_t>> incoming;        // per wave, per node: landings to process
+  std::vector<std::vector<int64_t>> incoming;  // per wave, per node: landings to process
 
   static uint64_t offsetOf(const std::vector<std::pair<int32_t, uint64_t>>& list, int32_t node);
   const Landing* landingOn(int32_t transfer, int32_t node) const;
@@ -147,7 +147,8 @@ class SyncEngine {
   void onNotification(const std::string& payload);
   StatusOr<v1::PrepareResponse> prepareTargets(const std::shared_ptr<Active>& a, bool hit);
   // Ends a sync here (removed from active_ already): waits for its writes, then tells the registry.
-  StatusOr<v1::FinishResponse> close(const std::shared_ptr<Active>& a, Registry::SyncEnd end, const std::string& reason);
+  StatusOr<v1::FinishResponse> close(const std::shared_ptr<Active>& a, Registry::SyncEnd end,
+                                     const std::string& reason);
   // The reaper thread: aborts syncs whose coordinator's lease ran out.
   void reap();
   // Copies with the engine that reaches both sides: the host engine, or the registry's CUDA engine

@@ -18,7 +18,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto n = parseNotification(std::string_view(reinterpret_cast<const char*>(data), size));
   if (!n.ok()) return 0;
   auto again = parseNotification(encodeNotification(*n));
-  if (!again.ok() || again->sync_id != n->sync_id || again->fence != n->fence || again->chunks.size() != n->chunks.size())
+  if (!again.ok() || again->sync_id != n->sync_id || again->fence != n->fence ||
+      again->chunks.size() != n->chunks.size())
     std::abort();
   for (const auto& chunk : n->chunks)
     for (int32_t wave = 0; wave < plan->waves; ++wave)

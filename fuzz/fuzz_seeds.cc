@@ -85,7 +85,8 @@ int main(int argc, char** argv) {
     const auto& chain = plan->plan.chains[static_cast<size_t>(tr.chains_begin)];
     daemon::LandedChunk c{t, tr.chains_begin, chain.nodes_count > 1 ? 1 : 0, 0, 0};
     all.chunks.push_back(c);
-    if (t < 4) write(dir / "notification" / ("chunk-" + std::to_string(t)), daemon::encodeNotification({"seed-sync", 42, {c}}));
+    if (t < 4)
+      write(dir / "notification" / ("chunk-" + std::to_string(t)), daemon::encodeNotification({"seed-sync", 42, {c}}));
     if (all.chunks.size() == 64) break;
   }
   write(dir / "notification" / "batch", daemon::encodeNotification(all));

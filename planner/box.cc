@@ -176,8 +176,7 @@ int64_t BoxGrid::countCells(const std::vector<Box>& boxes) {
   return cells;
 }
 
-void BoxGrid::forEachCover(const std::vector<Box>& boxes,
-                           const std::function<void(int64_t, int)>& fn) const {
+void BoxGrid::forEachCover(const std::vector<Box>& boxes, const std::function<void(int64_t, int)>& fn) const {
   for (int i = 0; i < static_cast<int>(boxes.size()); ++i) {
     const Box& b = boxes[i];
     std::array<int64_t, kMaxDims> lo{}, hi{};
@@ -287,8 +286,7 @@ bool pairwiseDisjoint(const std::vector<Box>& boxes) {
   }
   std::vector<int> order(boxes.size());
   std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(),
-            [&](int a, int b) { return boxes[a].lo[best] < boxes[b].lo[best]; });
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return boxes[a].lo[best] < boxes[b].lo[best]; });
   for (size_t i = 0; i < order.size(); ++i) {
     const Box& a = boxes[order[i]];
     for (size_t j = i + 1; j < order.size() && boxes[order[j]].lo[best] < a.hi[best]; ++j)

@@ -22,12 +22,18 @@ struct DTypeInfo {
 };
 
 constexpr DTypeInfo kDTypes[] = {
-    {"bfloat16", DType::kBFloat16, 2},   {"float16", DType::kFloat16, 2},
-    {"float32", DType::kFloat32, 4},     {"float64", DType::kFloat64, 8},
-    {"float8_e4m3fn", DType::kFloat8E4M3, 1}, {"float8_e5m2", DType::kFloat8E5M2, 1},
-    {"int8", DType::kInt8, 1},           {"uint8", DType::kUInt8, 1},
-    {"int16", DType::kInt16, 2},         {"int32", DType::kInt32, 4},
-    {"int64", DType::kInt64, 8},         {"bool", DType::kBool, 1},
+    {"bfloat16", DType::kBFloat16, 2},
+    {"float16", DType::kFloat16, 2},
+    {"float32", DType::kFloat32, 4},
+    {"float64", DType::kFloat64, 8},
+    {"float8_e4m3fn", DType::kFloat8E4M3, 1},
+    {"float8_e5m2", DType::kFloat8E5M2, 1},
+    {"int8", DType::kInt8, 1},
+    {"uint8", DType::kUInt8, 1},
+    {"int16", DType::kInt16, 2},
+    {"int32", DType::kInt32, 4},
+    {"int64", DType::kInt64, 8},
+    {"bool", DType::kBool, 1},
 };
 
 std::string shapeStr(const std::vector<int64_t>& s) { return "[" + strJoin(s, ", ") + "]"; }
@@ -91,8 +97,8 @@ StatusOr<DType> parseDType(std::string_view name) {
     if (d.name == name) return d.type;
   std::vector<std::string_view> names;
   for (const auto& d : kDTypes) names.push_back(d.name);
-  return absl::InvalidArgumentError(strCat("unknown dtype \"", name, "\" (expected one of ",
-                                                 strJoin(names, ", "), ")"));
+  return absl::InvalidArgumentError(
+      strCat("unknown dtype \"", name, "\" (expected one of ", strJoin(names, ", "), ")"));
 }
 
 std::string_view dtypeName(DType t) {
@@ -153,8 +159,7 @@ StatusOr<v1::Layout> parseLayoutJson(std::string_view json, std::string_view ori
   opts.ignore_unknown_fields = false;
   auto st = google::protobuf::util::JsonStringToMessage(std::string(json), &layout, opts);
   if (!st.ok()) {
-    return absl::InvalidArgumentError(
-        strCat(origin, ": not a valid shardcast.v1.Layout: ", std::string(st.message())));
+    return absl::InvalidArgumentError(strCat(origin, ": not a valid shardcast.v1.Layout: ", std::string(st.message())));
   }
   return layout;
 }
@@ -167,8 +172,7 @@ StatusOr<v1::Layout> readLayoutFile(const std::string& path) {
   return parseLayoutJson(ss.str(), path);
 }
 
-StatusOr<std::vector<Intervals>> placementIntervals(const v1::Tensor& tensor,
-                                                    const std::vector<int64_t>& mesh_shape,
+StatusOr<std::vector<Intervals>> placementIntervals(const v1::Tensor& tensor, const std::vector<int64_t>& mesh_shape,
                                                     const std::vector<int64_t>& coords) {
   const int ndim = tensor.shape_size();
   std::vector<Intervals> iv(ndim);
@@ -238,40 +242,39 @@ class Resolver {
                                                lim.max_layout_message_bytes, ")"));
     if (in_.tensors_size() > lim.max_tensors || in_.fused_size() > lim.max_tensors)
       return absl::InvalidArgumentError(strCat(where(), " has ", in_.tensors_size(), " tensors and ", in_.fused_size(),
-                                               " fused buffers (at most ", lim.max_tensors, " each; --max-layout-tensors)"));
+                                               " fused buffers (at most ", lim.max_tensors,
+                                               " each; --max-layout-tensors)"));
     if (in_.mesh().shape_size() > kMaxMeshDims)
-      return absl::InvalidArgumentError(strCat(where(), ": mesh has ", in_.mesh().shape_size(), " dims (at most ",
-                                               kMaxMeshDims, ")"));
+      return absl::InvalidArgumentError(
+          strCat(where(), ": mesh has ", in_.mesh().shape_size(), " dims (at most ", kMaxMeshDims, ")"));
     int64_t pieces = 0;  // a piece held by several ranks counts once per rank (sums of ints: no overflow)
     for (const auto& t : in_.tensors())
       for (const auto& p : t.pieces()) pieces += std::max(1, p.ranks_size());
     if (pieces > lim.max_explicit_pieces)
-      return absl::InvalidArgumentError(strCat(where(), " lists ", pieces, " pieces (at most ", lim.max_explicit_pieces, ")"));
+      return absl::InvalidArgumentError(
+          strCat(where(), " lists ", pieces, " pieces (at most ", lim.max_explicit_pieces, ")"));
     return absl::OkStatus();
   }
 
   Status resolveMesh() {
     out_.group = in_.group();
     if (in_.group().empty()) return absl::InvalidArgumentError("layout: \"group\" is empty");
-    if (in_.mesh().shape_size() == 0)
-      return absl::InvalidArgumentError(where() + ": mesh.shape is empty");
+    if (in_.mesh().shape_size() == 0) return absl::InvalidArgumentError(where() + ": mesh.shape is empty");
     int64_t world = 1;
     const int64_t max_ranks = limits().max_ranks;
     for (int m = 0; m < in_.mesh().shape_size(); ++m) {
       const int64_t s = in_.mesh().shape(m);
       if (s <= 0)
-        return absl::InvalidArgumentError(
-            strCat(where(), ": mesh.shape[", m, "] = ", s, " must be positive"));
+        return absl::InvalidArgumentError(strCat(where(), ": mesh.shape[", m, "] = ", s, " must be positive"));
       const auto product = checkedMul(world, s);
       if (!product || *product > max_ranks)
-        return absl::InvalidArgumentError(strCat(where(), ": mesh ", strJoin(in_.mesh().shape(), "x"), " has more than ",
-                                                 max_ranks, " ranks (--max-layout-ranks)"));
+        return absl::InvalidArgumentError(strCat(where(), ": mesh ", strJoin(in_.mesh().shape(), "x"),
+                                                 " has more than ", max_ranks, " ranks (--max-layout-ranks)"));
       world = *product;
     }
     if (in_.mesh().dim_names_size() != 0 && in_.mesh().dim_names_size() != in_.mesh().shape_size())
-      return absl::InvalidArgumentError(
-          strCat(where(), ": mesh.dim_names has ", in_.mesh().dim_names_size(),
-                       " names but mesh.shape has ", in_.mesh().shape_size(), " dims"));
+      return absl::InvalidArgumentError(strCat(where(), ": mesh.dim_names has ", in_.mesh().dim_names_size(),
+                                               " names but mesh.shape has ", in_.mesh().shape_size(), " dims"));
     out_.mesh_shape = toVec(in_.mesh().shape());
     world_ = static_cast<int32_t>(world);
     return absl::OkStatus();
@@ -283,20 +286,17 @@ class Resolver {
       if (in_.ranks_per_node() != 0)
         return absl::InvalidArgumentError(where() + ": give either nodes or ranks_per_node, not both");
       if (in_.nodes_size() != world_)
-        return absl::InvalidArgumentError(
-            strCat(where(), ": nodes has ", in_.nodes_size(), " entries but the mesh ",
-                         shapeStr(out_.mesh_shape), " has ", world_, " ranks"));
+        return absl::InvalidArgumentError(strCat(where(), ": nodes has ", in_.nodes_size(), " entries but the mesh ",
+                                                 shapeStr(out_.mesh_shape), " has ", world_, " ranks"));
       for (int32_t r = 0; r < world_; ++r) {
-        if (in_.nodes(r).empty())
-          return absl::InvalidArgumentError(strCat(where(), ": nodes[", r, "] is empty"));
+        if (in_.nodes(r).empty()) return absl::InvalidArgumentError(strCat(where(), ": nodes[", r, "] is empty"));
         out_.rank_node[r] = nodes_.intern(in_.nodes(r));
       }
       return absl::OkStatus();
     }
     if (in_.ranks_per_node() <= 0)
       return absl::InvalidArgumentError(
-          strCat(where(), ": set nodes (one per rank) or a positive ranks_per_node (got ",
-                       in_.ranks_per_node(), ")"));
+          strCat(where(), ": set nodes (one per rank) or a positive ranks_per_node (got ", in_.ranks_per_node(), ")"));
     for (int32_t r = 0; r < world_; ++r)
       out_.rank_node[r] = nodes_.intern(strCat(in_.node_prefix(), r / in_.ranks_per_node()));
     return absl::OkStatus();
@@ -307,30 +307,25 @@ class Resolver {
     std::unordered_map<std::string, int> tensor_pos;
     for (int i = 0; i < in_.tensors_size(); ++i) {
       const auto& name = in_.tensors(i).name();
-      if (name.empty())
-        return absl::InvalidArgumentError(strCat(where(), ": tensors[", i, "] has no name"));
-      if (!tensor_pos.emplace(name, i).second)
-        return absl::InvalidArgumentError(where(name) + ": listed twice");
+      if (name.empty()) return absl::InvalidArgumentError(strCat(where(), ": tensors[", i, "] has no name"));
+      if (!tensor_pos.emplace(name, i).second) return absl::InvalidArgumentError(where(name) + ": listed twice");
     }
     for (const auto& f : in_.fused()) {
       if (f.name().empty()) return absl::InvalidArgumentError(where() + ": a fused buffer has no name");
       if (tensor_pos.count(f.name()))
-        return absl::InvalidArgumentError(strCat(
-            where(), ": fused buffer \"", f.name(), "\" has the name of a tensor; pick another"));
-      if (f.tensors_size() == 0)
         return absl::InvalidArgumentError(
-            strCat(where(), ": fused buffer \"", f.name(), "\" has no tensors"));
+            strCat(where(), ": fused buffer \"", f.name(), "\" has the name of a tensor; pick another"));
+      if (f.tensors_size() == 0)
+        return absl::InvalidArgumentError(strCat(where(), ": fused buffer \"", f.name(), "\" has no tensors"));
       const int32_t id = addBuffer(f.name());
       if (id < 0)
-        return absl::InvalidArgumentError(
-            strCat(where(), ": fused buffer \"", f.name(), "\" is declared twice"));
+        return absl::InvalidArgumentError(strCat(where(), ": fused buffer \"", f.name(), "\" is declared twice"));
       for (const auto& member : f.tensors()) {
         if (!tensor_pos.count(member))
-          return absl::InvalidArgumentError(strCat(where(), ": fused buffer \"", f.name(),
-                                                         "\" names unknown tensor \"", member, "\""));
-        if (!fused_of_.emplace(member, id).second)
           return absl::InvalidArgumentError(
-              where(member) + ": belongs to more than one fused buffer");
+              strCat(where(), ": fused buffer \"", f.name(), "\" names unknown tensor \"", member, "\""));
+        if (!fused_of_.emplace(member, id).second)
+          return absl::InvalidArgumentError(where(member) + ": belongs to more than one fused buffer");
       }
     }
     return absl::OkStatus();
@@ -372,8 +367,8 @@ class Resolver {
     b.t.shape = toVec(in.shape());
     const int ndim = in.shape_size();
     if (ndim > kMaxDims)
-      return absl::InvalidArgumentError(strCat(where(in.name()), ": ", ndim,
-                                                     " dims; at most ", kMaxDims, " are supported"));
+      return absl::InvalidArgumentError(
+          strCat(where(in.name()), ": ", ndim, " dims; at most ", kMaxDims, " are supported"));
     for (int d = 0; d < ndim; ++d)
       if (in.shape(d) < 0)
         return absl::InvalidArgumentError(
@@ -386,13 +381,12 @@ class Resolver {
     for (int d = 0; d < ndim && bytes; ++d) bytes = checkedMul(*bytes, in.shape(d));
     const auto layout_bytes = bytes ? checkedAdd(layout_bytes_, *bytes) : std::nullopt;
     if (!layout_bytes || *layout_bytes > limits().max_layout_bytes)
-      return absl::InvalidArgumentError(strCat(where(in.name()), ": shape ", shapeStr(b.t.shape), " takes the layout past ",
-                                               limits().max_layout_bytes, " bytes"));
+      return absl::InvalidArgumentError(strCat(where(in.name()), ": shape ", shapeStr(b.t.shape),
+                                               " takes the layout past ", limits().max_layout_bytes, " bytes"));
     layout_bytes_ = *layout_bytes;
     auto fused = fused_of_.find(in.name());
     const int32_t buffer = fused != fused_of_.end() ? fused->second : addBuffer(in.name());
-    if (buffer < 0)
-      return absl::InvalidArgumentError(where(in.name()) + ": its buffer name is already taken");
+    if (buffer < 0) return absl::InvalidArgumentError(where(in.name()) + ": its buffer name is already taken");
 
     if (in.pieces_size() > 0 && in.placements_size() > 0)
       return absl::InvalidArgumentError(where(in.name()) + ": give placements or pieces, not both");
@@ -425,14 +419,15 @@ class Resolver {
     if (!pairwiseDisjoint(t.boxes)) {
       const int64_t cells = BoxGrid::countCells(t.boxes);
       if (cells < 0 || cells > limits().max_grid_cells)
-        return absl::InvalidArgumentError(strCat(where(in.name()), ": its ", t.boxes.size(), " overlapping pieces cut it into ",
+        return absl::InvalidArgumentError(strCat(where(in.name()), ": its ", t.boxes.size(),
+                                                 " overlapping pieces cut it into ",
                                                  cells < 0 ? std::string("more than 2^63") : std::to_string(cells),
                                                  " cells (at most ", limits().max_grid_cells, ")"));
     }
     pieces_ += static_cast<int64_t>(t.pieces.size());
     if (pieces_ > limits().max_pieces)
-      return absl::InvalidArgumentError(strCat(where(in.name()), ": the layout resolves to more than ", limits().max_pieces,
-                                               " pieces (tensor x rank x box)"));
+      return absl::InvalidArgumentError(strCat(where(in.name()), ": the layout resolves to more than ",
+                                               limits().max_pieces, " pieces (tensor x rank x box)"));
     out_.tensor_index.emplace(t.name, static_cast<int32_t>(out_.tensors.size()));
     out_.tensors.push_back(std::move(t));
     local_shapes_.push_back(std::move(shapes));
@@ -444,20 +439,19 @@ class Resolver {
     for (int i = 0; i < in.pieces_size(); ++i) {
       const auto& p = in.pieces(i);
       if (p.offsets_size() != ndim || p.sizes_size() != ndim)
-        return absl::InvalidArgumentError(strCat(
-            where(in.name()), ": piece ", i, " has ", p.offsets_size(), " offsets and ",
-            p.sizes_size(), " sizes but the tensor has ", ndim, " dims"));
+        return absl::InvalidArgumentError(strCat(where(in.name()), ": piece ", i, " has ", p.offsets_size(),
+                                                 " offsets and ", p.sizes_size(), " sizes but the tensor has ", ndim,
+                                                 " dims"));
       const auto offsets = toVec(p.offsets()), sizes = toVec(p.sizes());
       for (int d = 0; d < ndim; ++d) {
         if (offsets[d] < 0 || sizes[d] < 0 || offsets[d] > in.shape(d) || sizes[d] > in.shape(d) - offsets[d])
-          return absl::InvalidArgumentError(
-              strCat(where(in.name()), ": piece ", i, " (rank ", p.ranks_size() ? p.ranks(0) : p.rank(),
-                           ") ", spanStr(offsets, sizes), " exceeds shape ", shapeStr(b.t.shape)));
+          return absl::InvalidArgumentError(strCat(where(in.name()), ": piece ", i, " (rank ",
+                                                   p.ranks_size() ? p.ranks(0) : p.rank(), ") ",
+                                                   spanStr(offsets, sizes), " exceeds shape ", shapeStr(b.t.shape)));
       }
       const Box box = Box::fromOffsetsSizes(offsets, sizes);
       if (p.ranks_size() > 0 && p.rank() != 0)
-        return absl::InvalidArgumentError(
-            strCat(where(in.name()), ": piece ", i, " sets both rank and ranks"));
+        return absl::InvalidArgumentError(strCat(where(in.name()), ": piece ", i, " sets both rank and ranks"));
       std::vector<int32_t> ranks(p.ranks().begin(), p.ranks().end());
       if (ranks.empty()) ranks.push_back(p.rank());
       if (box.empty()) continue;
@@ -466,8 +460,8 @@ class Resolver {
       const int32_t shape_id = internShape(sizes);
       for (int32_t r : ranks) {
         if (r < 0 || r >= world_)
-          return absl::InvalidArgumentError(strCat(where(in.name()), ": piece ", i, " rank ", r,
-                                                         " is out of range [0, ", world_, ")"));
+          return absl::InvalidArgumentError(
+              strCat(where(in.name()), ": piece ", i, " rank ", r, " is out of range [0, ", world_, ")"));
         // Offsets are assigned after sorting by rank: a rank's pieces sit one after another.
         b.t.pieces.push_back({r, box_id, buffer, strides, 0});
         b.local_shape.push_back(shape_id);
@@ -480,8 +474,8 @@ class Resolver {
     const int ndim = in.shape_size();
     const int mesh_dims = static_cast<int>(out_.mesh_shape.size());
     if (in.placements_size() != 0 && in.placements_size() != mesh_dims)
-      return absl::InvalidArgumentError(strCat(where(in.name()), ": ", in.placements_size(),
-                                                     " placements for a mesh of ", mesh_dims, " dims"));
+      return absl::InvalidArgumentError(
+          strCat(where(in.name()), ": ", in.placements_size(), " placements for a mesh of ", mesh_dims, " dims"));
     for (int m = 0; m < in.placements_size(); ++m) {
       const auto& p = in.placements(m);
       int dim = -1;
@@ -489,17 +483,16 @@ class Resolver {
       if (p.has_strided_shard()) {
         dim = p.strided_shard().dim();
         if (p.strided_shard().split_factor() < 1 || p.strided_shard().split_factor() > limits().max_split_factor)
-          return absl::InvalidArgumentError(strCat(
-              where(in.name()), ": placement ", m, ": strided_shard split_factor ",
-              p.strided_shard().split_factor(), " must be in [1, ", limits().max_split_factor, "]"));
+          return absl::InvalidArgumentError(strCat(where(in.name()), ": placement ", m, ": strided_shard split_factor ",
+                                                   p.strided_shard().split_factor(), " must be in [1, ",
+                                                   limits().max_split_factor, "]"));
       }
       if (p.kind_case() == v1::Placement::KIND_NOT_SET)
-        return absl::InvalidArgumentError(strCat(
-            where(in.name()), ": placement ", m, " is empty (use replicate, shard or strided_shard)"));
+        return absl::InvalidArgumentError(
+            strCat(where(in.name()), ": placement ", m, " is empty (use replicate, shard or strided_shard)"));
       if (!p.has_replicate() && (dim < 0 || dim >= ndim))
-        return absl::InvalidArgumentError(strCat(where(in.name()), ": placement ", m,
-                                                       " shards dim ", dim, " but the tensor has ",
-                                                       ndim, " dims"));
+        return absl::InvalidArgumentError(
+            strCat(where(in.name()), ": placement ", m, " shards dim ", dim, " but the tensor has ", ndim, " dims"));
     }
     // Tensors of equal shape and placements resolve identically: compute once per key.
     std::string key = in.dtype() + "|" + strJoin(in.shape(), ",") + "|";
@@ -593,14 +586,13 @@ class Resolver {
     for (int32_t m : members) {
       const TensorLayout& t = out_.tensors[m];
       if (static_cast<int>(t.shape.size()) != ndim || k < 0 || k >= ndim)
-        return absl::InvalidArgumentError(strCat(
-            where(), ": fused buffer \"", f.name(), "\": dim ", k, " is invalid for tensor \"",
-            t.name, "\" of shape ", shapeStr(t.shape), " (members need the same number of dims as \"",
-            first.name, "\")"));
+        return absl::InvalidArgumentError(strCat(where(), ": fused buffer \"", f.name(), "\": dim ", k,
+                                                 " is invalid for tensor \"", t.name, "\" of shape ", shapeStr(t.shape),
+                                                 " (members need the same number of dims as \"", first.name, "\")"));
       if (t.dtype != first.dtype)
-        return absl::InvalidArgumentError(strCat(
-            where(), ": fused buffer \"", f.name(), "\": tensor \"", t.name, "\" is ",
-            dtypeName(t.dtype), " but \"", first.name, "\" is ", dtypeName(first.dtype)));
+        return absl::InvalidArgumentError(strCat(where(), ": fused buffer \"", f.name(), "\": tensor \"", t.name,
+                                                 "\" is ", dtypeName(t.dtype), " but \"", first.name, "\" is ",
+                                                 dtypeName(first.dtype)));
     }
     // (rank, member, piece) for every member piece, grouped by rank: work proportional to pieces.
     struct Entry {
@@ -627,9 +619,9 @@ class Resolver {
         if (e > lo && entries[e].member == entries[e - 1].member) {
           const TensorLayout& t = out_.tensors[members[entries[e].member]];
           if (explicit_.count(t.name))
-            return absl::InvalidArgumentError(strCat(
-                where(t.name), ": rank ", r, " holds several pieces, but a member of fused buffer \"",
-                f.name(), "\" must hold one piece per rank"));
+            return absl::InvalidArgumentError(strCat(where(t.name), ": rank ", r,
+                                                     " holds several pieces, but a member of fused buffer \"", f.name(),
+                                                     "\" must hold one piece per rank"));
           continue;  // further boxes of one placement-resolved local tensor (strided shards)
         }
         const TensorLayout& t = out_.tensors[members[entries[e].member]];
@@ -641,10 +633,9 @@ class Resolver {
         }
         for (int d = 0; d < ndim; ++d) {
           if (d != k && local[d] != fused_shape[d])
-            return absl::InvalidArgumentError(strCat(
-                where(), ": fused buffer \"", f.name(), "\" on rank ", r, ": tensor \"", t.name,
-                "\" has local shape ", shapeStr(local), " which does not match \"", first_on_rank,
-                "\" outside dim ", k));
+            return absl::InvalidArgumentError(strCat(where(), ": fused buffer \"", f.name(), "\" on rank ", r,
+                                                     ": tensor \"", t.name, "\" has local shape ", shapeStr(local),
+                                                     " which does not match \"", first_on_rank, "\" outside dim ", k));
         }
         start_along_k[entries[e].member] = fused_shape[k];
         fused_shape[k] += local[k];

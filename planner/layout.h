@@ -15,8 +15,18 @@
 namespace shardcast::planner {
 
 enum class DType : uint8_t {
-  kBFloat16, kFloat16, kFloat32, kFloat64, kFloat8E4M3, kFloat8E5M2,
-  kInt8, kUInt8, kInt16, kInt32, kInt64, kBool,
+  kBFloat16,
+  kFloat16,
+  kFloat32,
+  kFloat64,
+  kFloat8E4M3,
+  kFloat8E5M2,
+  kInt8,
+  kUInt8,
+  kInt16,
+  kInt32,
+  kInt64,
+  kBool,
 };
 
 StatusOr<DType> parseDType(std::string_view torch_name);
@@ -69,8 +79,8 @@ struct ResolvedLayout {
   std::vector<int32_t> rank_node;  // node id (in the plan's NodeTable) of each rank
   std::vector<TensorLayout> tensors;
   std::unordered_map<std::string, int32_t> tensor_index;
-  std::vector<std::string> buffer_names;        // default buffer of a tensor is named after it
-  std::vector<std::vector<int64_t>> strides;    // deduplicated stride vectors
+  std::vector<std::string> buffer_names;      // default buffer of a tensor is named after it
+  std::vector<std::vector<int64_t>> strides;  // deduplicated stride vectors
 
   int32_t world() const { return static_cast<int32_t>(rank_node.size()); }
   const TensorLayout* find(const std::string& name) const;
@@ -91,8 +101,7 @@ StatusOr<ResolvedLayout> resolveLayout(const v1::Layout& layout, NodeTable& node
 // Per-dim global index intervals a rank holds under DTensor placements (exposed for tests):
 // the rank's local tensor along dim d is the concatenation of intervals[d] in order.
 using Intervals = std::vector<std::pair<int64_t, int64_t>>;
-StatusOr<std::vector<Intervals>> placementIntervals(const v1::Tensor& tensor,
-                                                    const std::vector<int64_t>& mesh_shape,
+StatusOr<std::vector<Intervals>> placementIntervals(const v1::Tensor& tensor, const std::vector<int64_t>& mesh_shape,
                                                     const std::vector<int64_t>& coords);
 
 // Calls fn(tensor index, piece, element offset in the piece's buffer, global row-major index in

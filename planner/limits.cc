@@ -38,7 +38,8 @@ Status walk(const Message& m, size_t max, const std::string& path) {
         if (s.size() > max)
           return absl::InvalidArgumentError(strCat(at, " is ", s.size(), " bytes (at most ", max, "): ", quote(s, 60)));
       } else {
-        SC_RETURN_IF_ERROR(walk(f->is_repeated() ? refl->GetRepeatedMessage(m, f, i) : refl->GetMessage(m, f), max, at));
+        SC_RETURN_IF_ERROR(
+            walk(f->is_repeated() ? refl->GetRepeatedMessage(m, f, i) : refl->GetMessage(m, f), max, at));
       }
     }
   }

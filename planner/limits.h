@@ -17,17 +17,18 @@ namespace shardcast::planner {
 inline constexpr int kMaxMeshDims = 16;
 
 struct Limits {
-  int64_t max_ranks = int64_t{1} << 16;    // ranks of one layout's mesh (8,192 nodes x 8 GPUs)
-  int64_t max_tensors = int64_t{1} << 17;  // tensors of one layout (a 1T-parameter MoE has ~10^5)
-  int64_t max_pieces = int64_t{1} << 23;   // resolved pieces (tensor x rank x box) of one layout
+  int64_t max_ranks = int64_t{1} << 16;            // ranks of one layout's mesh (8,192 nodes x 8 GPUs)
+  int64_t max_tensors = int64_t{1} << 17;          // tensors of one layout (a 1T-parameter MoE has ~10^5)
+  int64_t max_pieces = int64_t{1} << 23;           // resolved pieces (tensor x rank x box) of one layout
   int64_t max_explicit_pieces = int64_t{1} << 20;  // pieces spelled out in one layout (each rank of a piece counts)
-  int64_t max_grid_cells = int64_t{1} << 24;       // cells the distinct boxes of one tensor cut it into, where they overlap
-  int64_t max_split_factor = 4096;         // strided_shard split factor (FSDP2 uses the TP degree)
-  int64_t max_layout_bytes = int64_t{1} << 46;  // sum of one layout's tensors (64 TiB: 2^62 with every rank)
-  size_t max_string_bytes = 512;           // any name: group, tensor, buffer, node, sync id
+  int64_t max_grid_cells = int64_t{1} << 24;  // cells the distinct boxes of one tensor cut it into, where they overlap
+  int64_t max_split_factor = 4096;            // strided_shard split factor (FSDP2 uses the TP degree)
+  int64_t max_layout_bytes = int64_t{1} << 46;          // sum of one layout's tensors (64 TiB: 2^62 with every rank)
+  size_t max_string_bytes = 512;                        // any name: group, tensor, buffer, node, sync id
   size_t max_layout_message_bytes = size_t{128} << 20;  // a layout's serialised size
-  int max_groups_per_daemon = 12;          // groups with ranks registered on one daemon
-  size_t max_describe_bytes = size_t{1536} << 20;  // what a daemon's registrations cost its Describe (gRPC's ceiling is 2 GiB)
+  int max_groups_per_daemon = 12;                       // groups with ranks registered on one daemon
+  size_t max_describe_bytes = size_t{1536}
+                              << 20;  // what a daemon's registrations cost its Describe (gRPC's ceiling is 2 GiB)
 };
 
 // The limits in force (the defaults until setLimits).

@@ -23,8 +23,8 @@
 namespace shardcast::planner {
 
 struct PlanOptions {
-  int64_t chunk_bytes = int64_t{64} << 20;   // large transfers are cut into chunks of this size
-  int64_t small_bytes = int64_t{1} << 20;    // fragments below this travel in buckets
+  int64_t chunk_bytes = int64_t{64} << 20;  // large transfers are cut into chunks of this size
+  int64_t small_bytes = int64_t{1} << 20;   // fragments below this travel in buckets
   // ... except fragments that land whole and contiguously in the one rank of a node that needs
   // them: from this size they travel alone and are written straight into that rank (a bucket
   // lands in an arena and is unpacked on every node).
@@ -38,7 +38,7 @@ struct SourceCell {
   int32_t tensor = 0;         // index into the plan's tensors
   int32_t holders_begin = 0;  // into Plan::cell_holders: src piece indices, sorted by (node, rank)
   int32_t holders_count = 0;
-  int32_t nodes_begin = 0;    // into Plan::cell_nodes: distinct holder nodes, sorted
+  int32_t nodes_begin = 0;  // into Plan::cell_nodes: distinct holder nodes, sorted
   int32_t nodes_count = 0;
 };
 
@@ -66,10 +66,10 @@ struct Chain {
 struct Transfer {
   int32_t fragments_begin = 0;  // into Plan::transfer_fragments
   int32_t fragments_count = 0;
-  int32_t chains_begin = 0;     // into Plan::chains
+  int32_t chains_begin = 0;  // into Plan::chains
   int32_t chains_count = 0;
   int64_t bytes = 0;
-  int64_t chunks = 0;           // network operations per hop
+  int64_t chunks = 0;  // network operations per hop
 };
 
 // A fragment a destination node gets from a source rank on the same node (colocation).
@@ -96,9 +96,9 @@ struct PlanStats {
   int64_t transfers = 0;
   int64_t buckets = 0;
   int64_t fragments = 0;
-  int32_t max_chain = 0;            // longest relay chain in hops
+  int32_t max_chain = 0;  // longest relay chain in hops
   int64_t largest_chunk = 0;
-  int64_t max_unique_held = 0;      // most bytes some needed data whose only holders are on one node
+  int64_t max_unique_held = 0;  // most bytes some needed data whose only holders are on one node
   std::vector<int64_t> node_ingress, node_egress, node_local;  // indexed by node id
   // Baseline: each destination rank pulls its own slice (no node-level dedup, no relays).
   int64_t pull_network_bytes = 0;
@@ -141,8 +141,8 @@ int32_t sourceRank(const Plan& plan, const ResolvedLayout& src, int32_t f, const
 Region sourceRegion(const Plan& plan, const ResolvedLayout& src, int32_t f, int32_t rank);
 Region sourceRegion(const Plan& plan, const ResolvedLayout& src, int32_t f, int32_t rank, const Box& sub);
 // Every destination rank on `node` that needs part of fragment `f`, with the part's region.
-std::vector<std::pair<Box, Region>> destinationRegions(const Plan& plan, const ResolvedLayout& dst,
-                                                       int32_t f, int32_t node);
+std::vector<std::pair<Box, Region>> destinationRegions(const Plan& plan, const ResolvedLayout& dst, int32_t f,
+                                                       int32_t node);
 
 // Simple cost model (docs/planner.md): full-duplex NICs of nic_gbps per node, node-local copies at
 // local_gbps, chunks pipelined so that relays and local fan-out overlap with the network.

@@ -26,11 +26,9 @@ std::string bytesKey(const T* data, size_t n) {
   return std::string(reinterpret_cast<const char*>(data), n * sizeof(T));
 }
 
-
 class Planner {
  public:
-  Planner(const ResolvedLayout& src, const ResolvedLayout& dst, const NodeTable& nodes,
-          const PlanOptions& options)
+  Planner(const ResolvedLayout& src, const ResolvedLayout& dst, const NodeTable& nodes, const PlanOptions& options)
       : src_(src), dst_(dst), nodes_(nodes) {
     plan_.options = options;
     const size_t n = nodes.size();
@@ -52,8 +50,7 @@ class Planner {
     for (int32_t j = 0; j < static_cast<int32_t>(dst_.tensors.size()); ++j) SC_RETURN_IF_ERROR(planTensor(j));
     flushBuckets();
     finishStats();
-    plan_.stats.plan_ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    plan_.stats.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     return std::move(plan_);
   }
 
@@ -81,15 +78,14 @@ class Planner {
     const TensorLayout& dt = dst_.tensors[j];
     auto it = src_.tensor_index.find(dt.name);
     if (it == src_.tensor_index.end())
-      return absl::FailedPreconditionError(strCat(
-          "tensor \"", dt.name, "\": layout \"", dst_.group, "\" needs it but layout \"", src_.group,
-          "\" has no such tensor"));
+      return absl::FailedPreconditionError(strCat("tensor \"", dt.name, "\": layout \"", dst_.group,
+                                                  "\" needs it but layout \"", src_.group, "\" has no such tensor"));
     const TensorLayout& st = src_.tensors[it->second];
     if (st.shape != dt.shape || st.dtype != dt.dtype)
-      return absl::InvalidArgumentError(strCat(
-          "tensor \"", dt.name, "\": layout \"", src_.group, "\" has ", dtypeName(st.dtype), " [",
-          strJoin(st.shape, ", "), "] but layout \"", dst_.group, "\" has ", dtypeName(dt.dtype),
-          " [", strJoin(dt.shape, ", "), "]"));
+      return absl::InvalidArgumentError(strCat("tensor \"", dt.name, "\": layout \"", src_.group, "\" has ",
+                                               dtypeName(st.dtype), " [", strJoin(st.shape, ", "), "] but layout \"",
+                                               dst_.group, "\" has ", dtypeName(dt.dtype), " [",
+                                               strJoin(dt.shape, ", "), "]"));
     const int32_t t = static_cast<int32_t>(plan_.tensors.size());
     plan_.tensors.push_back({it->second, j});
     elem_ = dt.elemBytes();
@@ -108,8 +104,7 @@ class Planner {
   // Source cells: disjoint boxes, each with every source piece that covers it.
   void buildCells(const TensorLayout& st, int32_t t) {
     std::vector<std::vector<int32_t>> box_holders(st.boxes.size());
-    for (int32_t i = 0; i < static_cast<int32_t>(st.pieces.size()); ++i)
-      box_holders[st.pieces[i].box].push_back(i);
+    for (int32_t i = 0; i < static_cast<int32_t>(st.pieces.size()); ++i) box_holders[st.pieces[i].box].push_back(i);
     if (pairwiseDisjoint(st.boxes)) {
       for (size_t b = 0; b < st.boxes.size(); ++b) addCell(st, t, st.boxes[b], box_holders[b]);
       return;
@@ -123,8 +118,8 @@ class Planner {
     std::vector<int> labels(grid.cellCount(), -1);
     for (int64_t c = 0; c < grid.cellCount(); ++c) {
       if (cover[c].empty()) continue;
-      auto [lit, inserted] = label_of.try_emplace(bytesKey(cover[c].data(), cover[c].size()),
-                                                  static_cast<int>(label_boxes.size()));
+      auto [lit, inserted] =
+          label_of.try_emplace(bytesKey(cover[c].data(), cover[c].size()), static_cast<int>(label_boxes.size()));
       if (inserted) label_boxes.push_back(cover[c]);
       labels[c] = lit->second;
     }
@@ -166,8 +161,8 @@ class Planner {
   struct Group {
     int32_t id = 0;
     std::vector<int32_t> nodes;
-    std::vector<int32_t> boxes;         // multiset of destination box ids per node (sorted)
-    std::vector<int32_t> rep_pieces;    // the first node's pieces, parallel to boxes
+    std::vector<int32_t> boxes;       // multiset of destination box ids per node (sorted)
+    std::vector<int32_t> rep_pieces;  // the first node's pieces, parallel to boxes
   };
 
   // Destination nodes grouped by the multiset of boxes their ranks need.
@@ -202,7 +197,8 @@ class Planner {
     for (size_t i = 0; i < by_node.size() && !one_piece_per_node;) {
       size_t e = i;
       key.clear();
-      while (e < by_node.size() && by_node[e].first == by_node[i].first) key.push_back(dt.pieces[by_node[e++].second].box);
+      while (e < by_node.size() && by_node[e].first == by_node[i].first)
+        key.push_back(dt.pieces[by_node[e++].second].box);
       auto [it, inserted] = index.try_emplace(bytesKey(key.data(), key.size()), groups.size());
       if (inserted) {
         Group g;
@@ -221,8 +217,8 @@ class Planner {
     return groups;
   }
 
-  Status planGroup(const TensorLayout& st, const TensorLayout& dt, int32_t t, const Group& g,
-                   int32_t cells_begin, int32_t cells_end) {
+  Status planGroup(const TensorLayout& st, const TensorLayout& dt, int32_t t, const Group& g, int32_t cells_begin,
+                   int32_t cells_end) {
     std::vector<Box> distinct;
     for (size_t i = 0; i < g.boxes.size(); ++i)
       if (i == 0 || g.boxes[i] != g.boxes[i - 1]) distinct.push_back(dt.boxes[g.boxes[i]]);
@@ -297,8 +293,8 @@ class Planner {
     return {bytes, hits, in_place};
   }
 
-  void routeFragment(int32_t f, const Group& g, int64_t fanout, int64_t hits, bool in_place,
-                     int64_t& group_local, int64_t& group_local_ops, int64_t& group_pull) {
+  void routeFragment(int32_t f, const Group& g, int64_t fanout, int64_t hits, bool in_place, int64_t& group_local,
+                     int64_t& group_local_ops, int64_t& group_pull) {
     const Fragment& frag = plan_.fragments[f];
     const SourceCell& cell = plan_.cells[frag.cell];
     const int32_t* hn = plan_.cell_nodes.data() + cell.nodes_begin;
@@ -315,8 +311,8 @@ class Planner {
     }
     // Large fragments travel alone; so do those that land in place from a smaller size. The rest
     // share buckets, which land in an arena: nothing of a bucket lands in place.
-    const bool alone = frag.bytes >= plan_.options.small_bytes ||
-                       (in_place && frag.bytes >= plan_.options.small_in_place_bytes);
+    const bool alone =
+        frag.bytes >= plan_.options.small_bytes || (in_place && frag.bytes >= plan_.options.small_in_place_bytes);
     in_place = in_place && alone;
     // Figures shared by every network node of the group are added once per group by the caller.
     const int64_t landing = in_place ? frag.bytes : 0;
@@ -445,8 +441,9 @@ class Planner {
 
   void addLowerBound(const Group& g, const std::vector<Box>& need, int64_t need_volume) {
     for (int32_t n : g.nodes) {
-      auto [lo, hi] = std::equal_range(local_src_boxes_.begin(), local_src_boxes_.end(), std::pair<int32_t, int32_t>{n, -1},
-                                       [](const auto& a, const auto& b) { return a.first < b.first; });
+      auto [lo, hi] =
+          std::equal_range(local_src_boxes_.begin(), local_src_boxes_.end(), std::pair<int32_t, int32_t>{n, -1},
+                           [](const auto& a, const auto& b) { return a.first < b.first; });
       int64_t missing = need_volume;
       if (lo != hi) {
         std::vector<Box> held;
@@ -459,8 +456,8 @@ class Planner {
     }
   }
 
-  Status uncovered(const TensorLayout& st, const TensorLayout& dt, const Group& g, const Box& b,
-                   int32_t cells_begin, int32_t cells_end) {
+  Status uncovered(const TensorLayout& st, const TensorLayout& dt, const Group& g, const Box& b, int32_t cells_begin,
+                   int32_t cells_end) {
     std::vector<Box> cells;
     for (int32_t c = cells_begin; c < cells_end; ++c)
       if (overlaps(b, plan_.cells[c].box)) cells.push_back(intersect(b, plan_.cells[c].box));
@@ -477,11 +474,10 @@ class Planner {
     for (int32_t p : g.rep_pieces)
       if (overlaps(dt.boxes[dt.pieces[p].box], hole)) rank = dt.pieces[p].rank;
     std::vector<int64_t> point(hole.lo.begin(), hole.lo.begin() + hole.ndim);
-    return absl::FailedPreconditionError(strCat(
-        "tensor \"", dt.name, "\": rank ", rank, " of layout \"", dst_.group, "\" (node \"",
-        nodes_.name(dst_.rank_node[rank]), "\") needs element [", strJoin(point, ", "),
-        "] (within ", hole.str(), ") but no rank of layout \"", src_.group, "\" holds it (",
-        st.pieces.size(), " source pieces)"));
+    return absl::FailedPreconditionError(
+        strCat("tensor \"", dt.name, "\": rank ", rank, " of layout \"", dst_.group, "\" (node \"",
+               nodes_.name(dst_.rank_node[rank]), "\") needs element [", strJoin(point, ", "), "] (within ", hole.str(),
+               ") but no rank of layout \"", src_.group, "\" holds it (", st.pieces.size(), " source pieces)"));
   }
 
   void finishStats() {
@@ -564,8 +560,8 @@ Region sourceRegion(const Plan& plan, const ResolvedLayout& src, int32_t f, int3
   return {};
 }
 
-std::vector<std::pair<Box, Region>> destinationRegions(const Plan& plan, const ResolvedLayout& dst,
-                                                       int32_t f, int32_t node) {
+std::vector<std::pair<Box, Region>> destinationRegions(const Plan& plan, const ResolvedLayout& dst, int32_t f,
+                                                       int32_t node) {
   const Fragment& frag = plan.fragments[f];
   const TensorLayout& dt = dst.tensors[plan.tensors[frag.tensor].dst];
   std::vector<std::pair<Box, Region>> out;
@@ -588,8 +584,8 @@ double predictSeconds(const PlanStats& s, const CostModel& m) {
   // Pipelining: the last chain node starts one chunk per hop late; the last chunk's fan-out ends last.
   const double chunk = static_cast<double>(s.largest_chunk);
   const double fill = s.max_chain * (chunk / nic + m.op_latency_s) + chunk / local;
-  const int64_t nodes = std::max<int64_t>(1, std::count_if(s.node_ingress.begin(), s.node_ingress.end(),
-                                                         [](int64_t v) { return v > 0; }));
+  const int64_t nodes = std::max<int64_t>(
+      1, std::count_if(s.node_ingress.begin(), s.node_ingress.end(), [](int64_t v) { return v > 0; }));
   const double ops = static_cast<double>(s.network_ops) / nodes * m.op_latency_s;
   return std::max(net + ops, copies) + fill;
 }

@@ -13,8 +13,8 @@ namespace shardcast::planner {
 // baselines {rank_pull, gather_broadcast}, and plan shape figures. Integers are bytes.
 std::string renderJson(const Plan& plan, const NodeTable& nodes, const CostModel& model);
 // A readable summary with a per-node ingress/egress table.
-std::string renderText(const Plan& plan, const NodeTable& nodes, const CostModel& model,
-                       const std::string& src_group, const std::string& dst_group);
+std::string renderText(const Plan& plan, const NodeTable& nodes, const CostModel& model, const std::string& src_group,
+                       const std::string& dst_group);
 // "1.50 GiB"
 std::string humanBytes(double bytes);
 

@@ -22,6 +22,7 @@ packages=(
 if [ "$mode" != "build" ]; then
   packages+=(
     python3 python3-venv  # the test venv's interpreter (Debian's 3.11)
+    clang libclang-rt-dev clang-format  # the fuzzers (libFuzzer, sanitizers) and the format check
     iproute2              # network-namespace tests
     # The Go example client, built in GOPATH mode from Debian's Go packages (no module downloads).
     golang-go golang-google-grpc-dev golang-google-protobuf-dev protoc-gen-go protoc-gen-go-grpc

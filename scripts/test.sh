@@ -13,6 +13,7 @@ if [ "${1:-}" = "--sanitize" ]; then
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 fi
 bash "$root/scripts/deps.sh"  # Debian packages and the test venv (torch, grpcio, protobuf from PyPI)
+bash "$root/scripts/format.sh" --check  # sources as .clang-format says (first: it fails fast)
 bash "$root/scripts/build.sh" "${mode[@]}"
 py="$root/.venv/bin/python"
 # The client package as installed by pip, from this checkout (the venv may hold an older one).

@@ -48,8 +48,8 @@ StatusOr<std::unique_ptr<CopyEngine>> makeCudaCopyEngine(int device);
 // The runs of a strided box copy: calls fn(dst_byte_offset, src_byte_offset, bytes) for every
 // maximal contiguous run (shared by the host and CUDA engines).
 template <typename Fn>
-void forEachRun(const StridedView& dst, const StridedView& src, const std::vector<int64_t>& extent,
-                int64_t elem_bytes, Fn&& fn);
+void forEachRun(const StridedView& dst, const StridedView& src, const std::vector<int64_t>& extent, int64_t elem_bytes,
+                Fn&& fn);
 
 }  // namespace shardcast::transport
 

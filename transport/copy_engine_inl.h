@@ -6,8 +6,8 @@
 namespace shardcast::transport {
 
 template <typename Fn>
-void forEachRun(const StridedView& dst, const StridedView& src, const std::vector<int64_t>& extent,
-                int64_t elem_bytes, Fn&& fn) {
+void forEachRun(const StridedView& dst, const StridedView& src, const std::vector<int64_t>& extent, int64_t elem_bytes,
+                Fn&& fn) {
   const int nd = static_cast<int>(extent.size());
   for (int d = 0; d < nd; ++d)
     if (extent[d] <= 0) return;

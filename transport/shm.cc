@@ -1,7 +1,5 @@
 #include "transport/shm.h"
 
-#include <atomic>
-
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
 #include <sys/mman.h>
@@ -9,6 +7,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <vector>
@@ -30,8 +29,8 @@ Status errnoStatus(const std::string& what, int err) {
 
 Status checkName(const std::string& name) {
   if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos || name.size() > 255)
-    return absl::InvalidArgumentError(strCat("shm segment name \"", name,
-                                             "\" must look like \"/name\" (one leading slash, at most 255 chars)"));
+    return absl::InvalidArgumentError(
+        strCat("shm segment name \"", name, "\" must look like \"/name\" (one leading slash, at most 255 chars)"));
   return absl::OkStatus();
 }
 
@@ -41,7 +40,7 @@ Status checkName(const std::string& name) {
 void readPagesFromKernel(const unsigned char* data, size_t size, size_t page) {
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) return;  // an optimisation only: the first sync pays instead
-  constexpr size_t kBatch = 1024;  // IOV_MAX; 1 KiB fits the pipe, so writev never blocks
+  constexpr size_t kBatch = 1024;            // IOV_MAX; 1 KiB fits the pipe, so writev never blocks
   std::vector<iovec> iov;
   iov.reserve(kBatch);
   char sink[kBatch];
@@ -80,9 +79,10 @@ bool makeResident(void* data, size_t size, const std::string& what) {
   if (locked) return true;
   static std::atomic<bool> warned{false};
   if (!warned.exchange(true))
-    spdlog::warn("cannot lock {} ({} bytes) in memory: {}; idle pages may be unmapped by reclaim and cost page faults in "
-                 "the next sync (give the daemon CAP_IPC_LOCK or raise RLIMIT_MEMLOCK; warned once)",
-                 what, size, std::strerror(err));
+    spdlog::warn(
+        "cannot lock {} ({} bytes) in memory: {}; idle pages may be unmapped by reclaim and cost page faults in "
+        "the next sync (give the daemon CAP_IPC_LOCK or raise RLIMIT_MEMLOCK; warned once)",
+        what, size, std::strerror(err));
   return false;
 }
 
@@ -119,8 +119,8 @@ StatusOr<ShmSegment> ShmSegment::open(const std::string& name, size_t size, std:
   }
   if (owner && st.st_uid != *owner) {
     ::close(fd);
-    return absl::PermissionDeniedError(strCat("shm segment ", quote(name), " belongs to uid ", st.st_uid, ", not to uid ",
-                                              *owner, " (a rank registers only its own memory)"));
+    return absl::PermissionDeniedError(strCat("shm segment ", quote(name), " belongs to uid ", st.st_uid,
+                                              ", not to uid ", *owner, " (a rank registers only its own memory)"));
   }
   if (static_cast<size_t>(st.st_size) < size) {
     ::close(fd);
@@ -145,13 +145,15 @@ Status ShmSegment::checkSize() const {
   if (::fstat(fd_, &st) != 0) return errnoStatus(strCat("fstat(\"", name_, "\")"), errno);
   if (static_cast<uint64_t>(st.st_size) < size_)
     return absl::FailedPreconditionError(strCat("shm segment \"", name_, "\" was truncated to ", st.st_size,
-                                                " bytes while registered with ", size_, " (its owner resized or freed it)"));
+                                                " bytes while registered with ", size_,
+                                                " (its owner resized or freed it)"));
   return absl::OkStatus();
 }
 
 void ShmSegment::unlinkName() const {
   if (fd_ < 0) return;
-  struct stat ours {}, named {};
+  struct stat ours {
+  }, named{};
   const int fd = ::shm_open(name_.c_str(), O_RDONLY, 0);
   if (fd < 0) return;  // already gone
   const bool same = ::fstat(fd_, &ours) == 0 && ::fstat(fd, &named) == 0 && ours.st_ino == named.st_ino &&

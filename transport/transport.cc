@@ -34,26 +34,28 @@ std::string RemoteRegion::serialize() const {
 
 StatusOr<RemoteRegion> RemoteRegion::parse(const std::string& bytes) {
   if (bytes.size() < 28 || std::memcmp(bytes.data(), kMagic, 4) != 0)
-    return absl::InvalidArgumentError(strCat("remote region descriptor of ", bytes.size(),
-                                             " bytes is not a shardcast region descriptor"));
+    return absl::InvalidArgumentError(
+        strCat("remote region descriptor of ", bytes.size(), " bytes is not a shardcast region descriptor"));
   RemoteRegion r;
   r.base = getU64(bytes.data() + 4);
   r.size = getU64(bytes.data() + 12);
   const uint64_t len = getU64(bytes.data() + 20);
   if (len != bytes.size() - 28)
-    return absl::InvalidArgumentError(strCat("remote region descriptor: rkey length ", len, " but ",
-                                             bytes.size() - 28, " bytes follow"));
+    return absl::InvalidArgumentError(
+        strCat("remote region descriptor: rkey length ", len, " but ", bytes.size() - 28, " bytes follow"));
   r.rkey = bytes.substr(28);
   return r;
 }
 
 StatusOr<std::unique_ptr<Context>> createContext(const TransportOptions& options) {
   if (options.protocol != "auto" && options.protocol != "put" && options.protocol != "am")
-    return absl::InvalidArgumentError(strCat("transport protocol \"", options.protocol, "\" (expected auto, put or am)"));
+    return absl::InvalidArgumentError(
+        strCat("transport protocol \"", options.protocol, "\" (expected auto, put or am)"));
   if (options.op_timeout.count() <= 0) return absl::InvalidArgumentError("transport op_timeout must be positive");
   if (options.backend == "ucx") return createUcxContext(options);
   if (options.backend == "loopback") return createLoopbackContext(options);
-  return absl::InvalidArgumentError(strCat("unknown transport backend \"", options.backend, "\" (expected ucx or loopback)"));
+  return absl::InvalidArgumentError(
+      strCat("unknown transport backend \"", options.backend, "\" (expected ucx or loopback)"));
 }
 
 }  // namespace shardcast::transport

@@ -88,7 +88,7 @@ class Endpoint {
 };
 
 struct TransportOptions {
-  std::string backend = "ucx";  // "ucx" or "loopback"
+  std::string backend = "ucx";     // "ucx" or "loopback"
   std::string name = "shardcast";  // used in error messages ("context 'x': peer 'y': ...")
   // UCX: transports to use (UCX_TLS syntax, e.g. "tcp", "posix,sysv,self"); empty = UCX's default.
   std::string ucx_tls;

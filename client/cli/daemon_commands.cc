@@ -12,8 +12,8 @@
 
 #include "client/cli/exit_codes.h"
 #include "client/cli/progress_view.h"
-#include "common/grpc_status.h"
 #include "client/lib/client.h"
+#include "common/grpc_status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "planner/report.h"
 
@@ -97,10 +97,15 @@ int runSync(const SyncArgs& a) {
   });
   if (show) {
     ProgressView view(stderr, tty);
-    client->watch(o.sync_id, [&](const v1::SyncProgress& p) {
-      view.update(p);
-      return true;
-    }, &cancel).ok();  // the sync's own result decides the outcome
+    client
+        ->watch(
+            o.sync_id,
+            [&](const v1::SyncProgress& p) {
+              view.update(p);
+              return true;
+            },
+            &cancel)
+        .ok();  // the sync's own result decides the outcome
     view.finish();
   }
   syncer.join();
@@ -116,9 +121,9 @@ int runSync(const SyncArgs& a) {
       "  {} needed, {} over the network, {} node-local, {} wave(s)\n"
       "  {:.3f} s ({:.2f} GB/s network): gather {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s{}\n",
       r.sync_id(), a.src, a.dst, r.version(), planner::humanBytes(static_cast<double>(r.bytes_needed())),
-      planner::humanBytes(static_cast<double>(r.network_bytes())), planner::humanBytes(static_cast<double>(r.local_bytes())),
-      r.waves(), r.seconds(), gbps, r.gather_seconds(), r.prepare_seconds(), r.execute_seconds(), r.finish_seconds(),
-      r.plan_cached() ? " (plan cached)" : "");
+      planner::humanBytes(static_cast<double>(r.network_bytes())),
+      planner::humanBytes(static_cast<double>(r.local_bytes())), r.waves(), r.seconds(), gbps, r.gather_seconds(),
+      r.prepare_seconds(), r.execute_seconds(), r.finish_seconds(), r.plan_cached() ? " (plan cached)" : "");
   return kOk;
 }
 
@@ -137,8 +142,10 @@ int runWatch(const WatchArgs& a) {
   v1::SyncProgress last;
   const Status st = client->watch(a.sync_id, [&](const v1::SyncProgress& p) {
     last = p;
-    if (a.json) std::cout << toJson(p) << std::endl;  // JSON lines, one per update
-    else view.update(p);
+    if (a.json)
+      std::cout << toJson(p) << std::endl;  // JSON lines, one per update
+    else
+      view.update(p);
     return true;
   });
   view.finish();
@@ -176,9 +183,9 @@ int runStatus(const CommonArgs& a) {
   for (const auto& g : s->groups()) {
     std::vector<std::string> ranks;
     for (const auto& r : g.rank_states()) ranks.push_back(fmt::format("{}:{}", r.rank(), describeRank(r)));
-    std::cout << fmt::format("  {:<20} {:<11} {:>8} {:>6} {:>12}  {}\n", g.group(),
-                             v1::roleName(g.role()), g.version(), g.world_size(),
-                             planner::humanBytes(static_cast<double>(g.registered_bytes())), fmt::join(ranks, " "));
+    std::cout << fmt::format("  {:<20} {:<11} {:>8} {:>6} {:>12}  {}\n", g.group(), v1::roleName(g.role()), g.version(),
+                             g.world_size(), planner::humanBytes(static_cast<double>(g.registered_bytes())),
+                             fmt::join(ranks, " "));
     for (const auto& r : g.rank_states())
       if (r.state() == v1::RANK_DIRTY) std::cout << fmt::format("    rank {} is dirty: {}\n", r.rank(), r.detail());
   }
@@ -201,16 +208,17 @@ int runLayouts(const LayoutsArgs& a) {
     std::cout << toJson(*l) << "\n";
     return kOk;
   }
-  std::cout << fmt::format("{:<20} {:>5} {:>6} {:<16} {:<11} {:<16} {:>12} {:>8}  {}\n", "GROUP", "RANK", "WORLD", "NODE",
-                           "ROLE", "STATE", "BYTES", "BUFFERS", "LAYOUT DIGEST");
+  std::cout << fmt::format("{:<20} {:>5} {:>6} {:<16} {:<11} {:<16} {:>12} {:>8}  {}\n", "GROUP", "RANK", "WORLD",
+                           "NODE", "ROLE", "STATE", "BYTES", "BUFFERS", "LAYOUT DIGEST");
   for (const auto& r : l->ranks()) {
     v1::RankStatus st;
     st.set_state(r.state());
     st.set_version(r.version());
     st.set_held(r.held());
-    std::cout << fmt::format("{:<20} {:>5} {:>6} {:<16} {:<11} {:<16} {:>12} {:>8}  {}\n", r.group(), r.rank(), r.world_size(),
-                             r.node(), v1::roleName(r.role()), describeRank(st),
-                             planner::humanBytes(static_cast<double>(r.registered_bytes())), r.buffers_size(), r.layout_digest());
+    std::cout << fmt::format("{:<20} {:>5} {:>6} {:<16} {:<11} {:<16} {:>12} {:>8}  {}\n", r.group(), r.rank(),
+                             r.world_size(), r.node(), v1::roleName(r.role()), describeRank(st),
+                             planner::humanBytes(static_cast<double>(r.registered_bytes())), r.buffers_size(),
+                             r.layout_digest());
   }
   if (l->ranks_size() == 0) std::cout << "(nothing registered)\n";
   return kOk;
@@ -253,12 +261,17 @@ int runFence(const std::string& cmd, const FenceArgs& a) {
   auto client = connectOrReport(cmd, a, &rc);
   if (!client) return rc;
   StatusOr<v1::RankStatus> st = absl::UnknownError("");
-  if (cmd == "acquire") st = client->acquire(a.group, a.rank, std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000)));
-  else if (cmd == "publish") st = client->publish(a.group, a.rank, a.version);
-  else st = client->release(a.group, a.rank);
+  if (cmd == "acquire")
+    st = client->acquire(a.group, a.rank, std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000)));
+  else if (cmd == "publish")
+    st = client->publish(a.group, a.rank, a.version);
+  else
+    st = client->release(a.group, a.rank);
   if (!st.ok()) return failed(cmd, st.status());
-  if (a.json) std::cout << toJson(*st) << "\n";
-  else std::cout << fmt::format("group \"{}\" rank {}: {}\n", a.group, a.rank, describeRank(*st));
+  if (a.json)
+    std::cout << toJson(*st) << "\n";
+  else
+    std::cout << fmt::format("group \"{}\" rank {}: {}\n", a.group, a.rank, describeRank(*st));
   return kOk;
 }
 
@@ -273,7 +286,8 @@ struct HealthArgs : CommonArgs {
 int runHealth(const HealthArgs& a) {
   const std::string target = normalizeTarget(a.daemon.empty() ? defaultDaemonTarget() : a.daemon);
   auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
-  const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+  const auto deadline =
+      std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   if (!channel->WaitForConnected(deadline)) {
     std::cerr << "shardcast health: shardcastd at \"" << target << "\" is not reachable\n";
     return kUnreachable;
@@ -286,8 +300,10 @@ int runHealth(const HealthArgs& a) {
   const auto st = grpc::health::v1::Health::NewStub(channel)->Check(&ctx, req, &resp);
   if (!st.ok()) return failed("health", fromGrpc(st));
   const std::string status = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
-  if (a.json) std::cout << fmt::format(R"({{"service":"{}","status":"{}"}})", a.service, status) << "\n";
-  else std::cout << status << "\n";
+  if (a.json)
+    std::cout << fmt::format(R"({{"service":"{}","status":"{}"}})", a.service, status) << "\n";
+  else
+    std::cout << status << "\n";
   return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? kOk : kSyncFailed;
 }
 
@@ -331,26 +347,32 @@ void addDaemonCommands(CLI::App& app, int* exit_code) {
   }
   {
     auto a = std::make_shared<WaitArgs>();
-    auto* cmd = app.add_subcommand("wait", "Wait until every rank of a group on this node is ready at a version (fails on a dirty one)");
+    auto* cmd = app.add_subcommand(
+        "wait", "Wait until every rank of a group on this node is ready at a version (fails on a dirty one)");
     cmd->add_option("--group", a->group, "Group")->required();
     cmd->add_option("--version", a->version, "Version to wait for")->required();
-    cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")->capture_default_str()
+    cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")
+        ->capture_default_str()
         ->check(CLI::NonNegativeNumber);
     addCommon(cmd, a.get());
     cmd->callback([a, exit_code] { *exit_code = runWait(*a); });
   }
   for (const std::string name : {"acquire", "publish", "release"}) {
     auto a = std::make_shared<FenceArgs>();
-    const char* help = name == "acquire"   ? "Take a rank's memory: a source to write it (waits for syncs reading it), a destination to "
-                                             "read it undisturbed (waits for the sync writing it)"
-                       : name == "publish" ? "A source rank's buffers hold this version and will not change until acquired"
-                                           : "A destination rank accepts updates again";
+    const char* help =
+        name == "acquire" ? "Take a rank's memory: a source to write it (waits for syncs reading it), a destination to "
+                            "read it undisturbed (waits for the sync writing it)"
+        : name == "publish" ? "A source rank's buffers hold this version and will not change until acquired"
+                            : "A destination rank accepts updates again";
     auto* cmd = app.add_subcommand(name, help);
     cmd->add_option("--group", a->group, "Group")->required();
     cmd->add_option("--rank", a->rank, "Rank")->required();
-    if (name == "publish") cmd->add_option("--version", a->version, "The version the rank's buffers now hold")->required();
+    if (name == "publish")
+      cmd->add_option("--version", a->version, "The version the rank's buffers now hold")->required();
     if (name == "acquire")
-      cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")->capture_default_str()->check(CLI::PositiveNumber);
+      cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")
+          ->capture_default_str()
+          ->check(CLI::PositiveNumber);
     addCommon(cmd, a.get());
     cmd->callback([a, exit_code, name] { *exit_code = runFence(name, *a); });
   }
@@ -358,7 +380,8 @@ void addDaemonCommands(CLI::App& app, int* exit_code) {
     auto a = std::make_shared<HealthArgs>();
     auto* cmd = app.add_subcommand("health", "Ask the daemon's grpc.health.v1 service (exit 0 when SERVING)");
     cmd->add_option("--service", a->service, "Service name to check (default: the whole server)");
-    cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")->capture_default_str()
+    cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")
+        ->capture_default_str()
         ->check(CLI::PositiveNumber);
     addCommon(cmd, a.get());
     cmd->callback([a, exit_code] { *exit_code = runHealth(*a); });

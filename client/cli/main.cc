@@ -3,9 +3,9 @@
 #include <iostream>
 
 #include "client/cli/daemon_commands.h"
-#include "common/defaults.h"
 #include "client/cli/exit_codes.h"
 #include "client/cli/plan_command.h"
+#include "common/defaults.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"shardcast: weight sync between differently sharded GPU groups"};

@@ -26,7 +26,7 @@ int runPlan(const PlanArgs& a) {
   auto fail = [](const Status& st) {
     std::cerr << "shardcast plan: " << st.message() << "\n";
     return absl::IsNotFound(st) || absl::IsInvalidArgument(st) || absl::IsFailedPrecondition(st) ? kInvalidInput
-                                                                                                  : kInternal;
+                                                                                                 : kInternal;
   };
   auto src_json = readLayoutFile(a.src);
   if (!src_json.ok()) return fail(src_json.status());
@@ -59,17 +59,23 @@ void addPlanCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--dst", args->dst, "Destination layout")->required();
   cmd->add_flag("--json", args->json, "Print one JSON object instead of the summary");
   cmd->add_option("--nic-gbps", args->model.nic_gbps, "NIC bandwidth per node, Gbit/s")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--local-gbps", args->model.local_gbps, "Node-local copy bandwidth, Gbit/s")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--chunk-mib", args->chunk_mib, "Chunk size of large transfers, MiB")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--bucket-mib", args->bucket_mib, "Bucket size for small tensors, MiB")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--small-kib", args->small_kib, "Fragments below this size travel in buckets, KiB")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--max-chain", args->max_chain, "Destination nodes per relay chain")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   cmd->callback([args, exit_code] { *exit_code = runPlan(*args); });
 }
 

@@ -121,7 +121,8 @@ Status Client::startSession(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(s->mu);
   if (!s->cv.wait_for(lock, timeout, [&] { return !s->id.empty(); })) {
     lock.unlock();
-    return absl::UnavailableError(strCat("shardcastd at \"", target_, "\" opened no session within ", timeout.count(), " ms"));
+    return absl::UnavailableError(
+        strCat("shardcastd at \"", target_, "\" opened no session within ", timeout.count(), " ms"));
   }
   lock.unlock();
   session_ = std::move(s);
@@ -165,7 +166,8 @@ StatusOr<Client> Client::connect(const std::string& target, const ConnectOptions
   }
   auto channel = grpc::CreateCustomChannel(t, credentials, args);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + options.timeout))
-    return absl::UnavailableError(strCat("shardcastd at \"", t, "\" is not reachable (is the daemon running? set --daemon or ",
+    return absl::UnavailableError(strCat("shardcastd at \"", t,
+                                         "\" is not reachable (is the daemon running? set --daemon or ",
                                          "SHARDCAST_ADDRESS; over TCP a daemon needs SHARDCAST_TLS_CA and a client ",
                                          "certificate or token, see docs/security.md)"));
   return Client(t, std::shared_ptr<v1::Shardcast::Stub>(v1::Shardcast::NewStub(channel)));
@@ -206,8 +208,8 @@ StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, in
   // Under the session (waiting for it while the daemon restarts); recorded for re-registration.
   std::unique_lock<std::mutex> lock(session_->mu);
   if (!session_->cv.wait_for(lock, call_timeout_, [&] { return !session_->id.empty(); }))
-    return absl::UnavailableError(strCat("register group \"", layout.group(), "\" rank ", rank, ": no session with shardcastd at \"",
-                                         target_, "\""));
+    return absl::UnavailableError(strCat("register group \"", layout.group(), "\" rank ", rank,
+                                         ": no session with shardcastd at \"", target_, "\""));
   req.set_session_id(session_->id);
   session_->ranks[{layout.group(), rank}] = {req, options.version, false};
   lock.unlock();
@@ -229,10 +231,12 @@ Status Client::unregisterRank(const std::string& group, int32_t rank) const {
   req.set_group(group);
   req.set_rank(rank);
   v1::UnregisterResponse out;
-  return fromGrpc(stub_->Unregister(context(call_timeout_).get(), req, &out), strCat("unregister group \"", group, "\" rank ", rank));
+  return fromGrpc(stub_->Unregister(context(call_timeout_).get(), req, &out),
+                  strCat("unregister group \"", group, "\" rank ", rank));
 }
 
-StatusOr<v1::RankStatus> Client::acquire(const std::string& group, int32_t rank, std::chrono::milliseconds timeout) const {
+StatusOr<v1::RankStatus> Client::acquire(const std::string& group, int32_t rank,
+                                         std::chrono::milliseconds timeout) const {
   v1::AcquireRequest req;
   req.set_group(group);
   req.set_rank(rank);
@@ -251,7 +255,9 @@ StatusOr<v1::RankStatus> Client::publish(const std::string& group, int32_t rank,
   return releaseRank(group, rank, version);
 }
 
-StatusOr<v1::RankStatus> Client::release(const std::string& group, int32_t rank) const { return releaseRank(group, rank, 0); }
+StatusOr<v1::RankStatus> Client::release(const std::string& group, int32_t rank) const {
+  return releaseRank(group, rank, 0);
+}
 
 StatusOr<v1::RankStatus> Client::releaseRank(const std::string& group, int32_t rank, uint64_t version) const {
   v1::ReleaseRequest req;
@@ -284,7 +290,8 @@ StatusOr<v1::SyncResponse> Client::sync(const std::string& src, const std::strin
   req.mutable_options()->set_verify(options.verify);
   req.mutable_options()->set_wait_for_ranks(options.wait_for_ranks);
   // The daemon enforces the sync's own timeout; the call's deadline leaves it room to report.
-  const auto limit = (options.timeout.count() > 0 ? options.timeout : std::chrono::milliseconds(300'000)) + std::chrono::seconds(30);
+  const auto limit =
+      (options.timeout.count() > 0 ? options.timeout : std::chrono::milliseconds(300'000)) + std::chrono::seconds(30);
   v1::SyncResponse out;
   const auto st = stub_->Sync(context(limit).get(), req, &out);
   if (!st.ok()) return fromGrpc(st, strCat("sync \"", src, "\" -> \"", dst, "\" version ", version));
@@ -327,7 +334,8 @@ Status Client::watch(const std::string& sync_id, const std::function<bool(const 
   return fromGrpc(st, strCat("watch sync \"", sync_id, "\""));
 }
 
-StatusOr<uint64_t> Client::waitVersion(const std::string& group, uint64_t version, std::chrono::milliseconds timeout) const {
+StatusOr<uint64_t> Client::waitVersion(const std::string& group, uint64_t version,
+                                       std::chrono::milliseconds timeout) const {
   SC_ASSIGN_OR_RETURN(auto out, waitReady(group, version, timeout));
   return out.version();
 }

@@ -146,7 +146,8 @@ class Client {
 
  private:
   struct SessionState;
-  Client(std::string target, std::shared_ptr<v1::Shardcast::Stub> stub) : target_(std::move(target)), stub_(std::move(stub)) {}
+  Client(std::string target, std::shared_ptr<v1::Shardcast::Stub> stub)
+      : target_(std::move(target)), stub_(std::move(stub)) {}
   std::unique_ptr<grpc::ClientContext> context(std::chrono::milliseconds timeout) const;
   StatusOr<v1::RankStatus> releaseRank(const std::string& group, int32_t rank, uint64_t version) const;
 

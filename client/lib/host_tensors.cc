@@ -47,8 +47,8 @@ StatusOr<HostTensors> HostTensors::forRank(const v1::Layout& layout, int32_t ran
   planner::NodeTable nodes;
   SC_ASSIGN_OR_RETURN(const auto resolved, planner::resolveLayout(layout, nodes));
   if (rank < 0 || rank >= resolved.world())
-    return absl::InvalidArgumentError(strCat("group \"", layout.group(), "\": rank ", rank, " is outside 0..",
-                                             resolved.world() - 1));
+    return absl::InvalidArgumentError(
+        strCat("group \"", layout.group(), "\": rank ", rank, " is outside 0..", resolved.world() - 1));
   std::vector<std::pair<std::string, uint64_t>> buffers;
   for (const auto& [buffer, bytes] : resolved.rankBuffers(rank))
     buffers.emplace_back(resolved.buffer_names[buffer], static_cast<uint64_t>(bytes));

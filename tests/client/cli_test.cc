@@ -1,10 +1,9 @@
 // The `shardcast` CLI against real daemons: sync (progress lines when not a terminal, JSON result),
 // watch, status, layouts, wait; exit codes for usage errors, an unreachable daemon, failed syncs.
-#include <catch2/catch.hpp>
-
 #include <google/protobuf/util/json_util.h>
 #include <sys/wait.h>
 
+#include <catch2/catch.hpp>
 #include <future>
 
 #include "tests/client/client_cluster.h"
@@ -75,8 +74,8 @@ TEST_CASE("CLI: sync, watch, status, layouts and wait against a running cluster"
   // watch: a sync started elsewhere, followed as JSON lines until committed.
   cluster.fillSource(3);
   auto sync3 = std::async(std::launch::async, [&] {
-    return cli({"sync", "--src", "trainer", "--dst", "infer", "--version", "3", "--daemon", daemon, "--sync-id", "cli-watched",
-                "--no-progress"});
+    return cli({"sync", "--src", "trainer", "--dst", "infer", "--version", "3", "--daemon", daemon, "--sync-id",
+                "cli-watched", "--no-progress"});
   });
   auto watched = cli({"watch", "cli-watched", "--daemon", daemon, "--json"});
   CHECK(sync3.get().rc == 0);

@@ -80,7 +80,8 @@ struct ClientCluster {
       REQUIRE(held.ok());
     }
     for (int32_t r = 0; r < 2; ++r)
-      visit(trainer, r, trainer_mem[static_cast<size_t>(r)], [&](int32_t* e, size_t t, int64_t flat) { *e = valueOf(t, flat, version); });
+      visit(trainer, r, trainer_mem[static_cast<size_t>(r)],
+            [&](int32_t* e, size_t t, int64_t flat) { *e = valueOf(t, flat, version); });
     for (int32_t r = 0; r < 2; ++r) {
       auto published = client->publish("trainer", r, static_cast<uint64_t>(version));
       INFO(published.status().message());
@@ -91,7 +92,8 @@ struct ClientCluster {
   int64_t badDestinationElements(int version) {
     int64_t bad = 0;
     for (int32_t r = 0; r < 2; ++r)
-      visit(inference, r, inference_mem[static_cast<size_t>(r)], [&](int32_t* e, size_t t, int64_t flat) { bad += *e != valueOf(t, flat, version); });
+      visit(inference, r, inference_mem[static_cast<size_t>(r)],
+            [&](int32_t* e, size_t t, int64_t flat) { bad += *e != valueOf(t, flat, version); });
     return bad;
   }
 };

@@ -1,11 +1,11 @@
 // shardcast::Client and HostTensors against real daemons: register from host tensors the library
 // created, sync, watch, wait for versions, read status; errors carry the daemon's code and message.
-#include <catch2/catch.hpp>
+#include "client/lib/client.h"
 
+#include <catch2/catch.hpp>
 #include <future>
 #include <thread>
 
-#include "client/lib/client.h"
 #include "planner/layout.h"
 #include "tests/client/client_cluster.h"
 #include "transport/cuda/cuda_support.h"
@@ -14,7 +14,8 @@
 using namespace shardcast;
 using namespace shardcast::testing;
 
-TEST_CASE("HostTensors: buffers sized by the layout, aligned, zeroed, shared with whoever maps the segment", "[client]") {
+TEST_CASE("HostTensors: buffers sized by the layout, aligned, zeroed, shared with whoever maps the segment",
+          "[client]") {
   const auto layout = *planner::parseLayoutJson(kClientTrainer, "trainer");
   auto t = HostTensors::forRank(layout, 1);
   REQUIRE(t.ok());
@@ -150,7 +151,8 @@ TEST_CASE("Client: register, sync with watch, wait for the version, status - eve
   CHECK(absl::IsNotFound(unknown_watch));
 }
 
-TEST_CASE("Client: a registration the daemon refuses comes back as INVALID_ARGUMENT with its reason", "[client][daemon]") {
+TEST_CASE("Client: a registration the daemon refuses comes back as INVALID_ARGUMENT with its reason",
+          "[client][daemon]") {
   ClientCluster cluster(/*register_ranks=*/false);
   auto c = Client::connect("unix:" + cluster.daemons[0]->socketPath());
   REQUIRE(c.ok());

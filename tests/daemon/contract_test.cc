@@ -1,14 +1,13 @@
 // The version contract between real daemons: rank states, fences, roles and types, leases and
 // sessions (docs/daemon.md, "Rank states and fences"). Syncs are driven whole (Shardcast.Sync)
 // or phase by phase over the Peer service, as a coordinator would, to stop them at a chosen point.
-#include <catch2/catch.hpp>
-
 #include <fcntl.h>
 #include <httplib.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cstring>
 #include <future>
 #include <set>
@@ -33,7 +32,9 @@ const char* kSrc = R"({"group":"src","mesh":{"shape":[2]},"nodes":["n0","n0"],"t
 const char* kDst = R"({"group":"dst","mesh":{"shape":[2]},"nodes":["n1","n1"],"tensors":[
   {"name":"w","shape":[64,32],"dtype":"int32","placements":[{"shard":{"dim":1}}]}]})";
 
-int32_t valueOf(int64_t flat, uint64_t version) { return static_cast<int32_t>(flat * 10 + static_cast<int64_t>(version)); }
+int32_t valueOf(int64_t flat, uint64_t version) {
+  return static_cast<int32_t>(flat * 10 + static_cast<int64_t>(version));
+}
 
 struct Pair {
   std::vector<int> ports{freePort(), freePort()};
@@ -77,7 +78,8 @@ struct Pair {
     fill(version);
     v1::RegisterResponse resp;
     for (int32_t r = 0; r < 2; ++r) {
-      auto st = n0().client()->Register(ctx().get(), registerRequest(src_proto, r, 2, smem[r], v1::ROLE_SOURCE, version), &resp);
+      auto st = n0().client()->Register(ctx().get(),
+                                        registerRequest(src_proto, r, 2, smem[r], v1::ROLE_SOURCE, version), &resp);
       INFO(st.error_message());
       REQUIRE(st.ok());
       st = n1().client()->Register(ctx().get(), registerRequest(dst_proto, r, 2, dmem[r]), &resp);
@@ -282,7 +284,8 @@ TEST_CASE("fences: a sync reads only what a source published - owners acquire ar
   c.registerAll(0);  // sources registered EMPTY: nothing published yet
   grpc::Status st = c.sync(1);
   CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
-  CHECK_THAT(st.error_message(), Catch::Contains("group \"src\" rank 0 on node \"n0\" has published no version, not 1"));
+  CHECK_THAT(st.error_message(),
+             Catch::Contains("group \"src\" rank 0 on node \"n0\" has published no version, not 1"));
   c.step(1);
   st = c.sync(2);
   CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
@@ -364,7 +367,8 @@ TEST_CASE("roles and types: no sync into a source or out of a destination - dtyp
   for (int32_t r = 0; r < 2; ++r) {
     omem.push_back(allocateRank(c.dst, r, "contract-o" + std::to_string(r)));
     std::memset(omem.back().seg->data(), 0x5a, omem.back().seg->size());
-    REQUIRE(c.n1().client()->Register(ctx().get(), registerRequest(other, r, 2, omem[r], v1::ROLE_SOURCE, 7), &resp).ok());
+    REQUIRE(
+        c.n1().client()->Register(ctx().get(), registerRequest(other, r, 2, omem[r], v1::ROLE_SOURCE, 7), &resp).ok());
   }
   v1::SyncRequest s;
   s.set_src_group("src");
@@ -402,7 +406,8 @@ TEST_CASE("roles and types: no sync into a source or out of a destination - dtyp
   typed.mutable_buffers(0)->add_shape(32);
   st = c.n1().client()->Register(ctx().get(), typed, &resp);
   CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-  CHECK_THAT(st.error_message(), Catch::Contains("has shape [64, 32] (2048 elements) but the layout gives this rank 1024"));
+  CHECK_THAT(st.error_message(),
+             Catch::Contains("has shape [64, 32] (2048 elements) but the layout gives this rank 1024"));
   typed.mutable_buffers(0)->clear_shape();
   typed.mutable_buffers(0)->add_shape(64);
   typed.mutable_buffers(0)->add_shape(16);
@@ -425,7 +430,8 @@ TEST_CASE("roles and types: no sync into a source or out of a destination - dtyp
   s.set_version(1);
   st = c.n0().client()->Sync(ctx().get(), s, &out);
   CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-  CHECK_THAT(st.error_message(), Catch::Contains("tensor \"w\": layout \"src\" has int32 [64, 32] but layout \"dstf\" has float32"));
+  CHECK_THAT(st.error_message(),
+             Catch::Contains("tensor \"w\": layout \"src\" has int32 [64, 32] but layout \"dstf\" has float32"));
 
   // Versions live below 2^63.
   s.set_dst_group("dst");
@@ -502,12 +508,15 @@ TEST_CASE("sessions: a client's ranks end with it (segments unlinked) - the C++ 
   mh.set_buffer("w");
   mh.mutable_shm()->set_name(name + "-2");
   mh.mutable_shm()->set_size(64);
-  REQUIRE(client->registerRank(*planner::parseLayoutJson(one, "solo"), 0, std::vector<v1::MemoryHandle>{mh},
-                               RegisterOptions::source(5)).ok());
+  REQUIRE(client
+              ->registerRank(*planner::parseLayoutJson(one, "solo"), 0, std::vector<v1::MemoryHandle>{mh},
+                             RegisterOptions::source(5))
+              .ok());
   const int port = c.ports[1];
   c.daemons[1]->kill();
-  c.daemons[1] = std::make_unique<Daemon>("n1", port, std::vector<std::string>{"127.0.0.1:" + std::to_string(c.ports[0]),
-                                                                               "127.0.0.1:" + std::to_string(port)});
+  c.daemons[1] = std::make_unique<Daemon>(
+      "n1", port,
+      std::vector<std::string>{"127.0.0.1:" + std::to_string(c.ports[0]), "127.0.0.1:" + std::to_string(port)});
   REQUIRE(c.n1().ready());
   bool back = false;
   for (int i = 0; i < 100 && !back; ++i) {
@@ -606,7 +615,8 @@ TEST_CASE("double-buffered destinations: syncs write the set not in use, flip at
   CHECK(set_wrong(shadow, 3) == 0);
 }
 
-TEST_CASE("sync attempts are told apart: a duplicate id, a late Prepare, another layout, ranks in use", "[daemon][contract]") {
+TEST_CASE("sync attempts are told apart: a duplicate id, a late Prepare, another layout, ranks in use",
+          "[daemon][contract]") {
   Pair c;
   c.registerAll(1);
   // A sync prepared by hand under id "dup"; a coordinated sync reusing the id fails to prepare,

@@ -1,9 +1,8 @@
 // shardcastd as a process: serving, health, configuration, registration validation, and the
 // cluster-wide plan dry run across several daemons on loopback.
-#include <catch2/catch.hpp>
-
 #include <sys/stat.h>
 
+#include <catch2/catch.hpp>
 #include <cstdlib>
 #include <thread>
 
@@ -23,7 +22,8 @@ namespace {
 v1::Layout layout(const std::string& group, int shard_dim) {
   auto l = planner::parseLayoutJson(R"({"group":")" + group + R"(","mesh":{"shape":[2]},"nodes":["n0","n1"],
     "tensors":[{"name":"w","shape":[8,4],"dtype":"float32","placements":[{"shard":{"dim":)" +
-                                        std::to_string(shard_dim) + "}}]}]}", "test");
+                                        std::to_string(shard_dim) + "}}]}]}",
+                                    "test");
   REQUIRE(l.ok());
   return *l;
 }
@@ -74,15 +74,15 @@ TEST_CASE("shardcastd serves health, status and a 0660 Unix socket", "[daemon]")
   CHECK_THAT(status.transport(), Catch::Contains("ucx(tls=tcp"));
   CHECK(status.registered_ranks() == 0);
   // Server reflection: client/python/tests/test_client.py asks it with grpcio-reflection.
-  CHECK(d.stop() == 0);  // SIGTERM: clean exit
+  CHECK(d.stop() == 0);                                // SIGTERM: clean exit
   CHECK(::access(d.socketPath().c_str(), F_OK) != 0);  // socket removed
 }
 
 TEST_CASE("shardcastd flags: environment variables, validation, exit codes", "[daemon]") {
   Child bad = Child::spawn({SHARDCASTD_PATH, "--protocol", "bogus"});
   CHECK(WEXITSTATUS(bad.wait()) == 2);
-  Child print = Child::spawn(
-      {"env", "SHARDCAST_NODE=from-env", "SHARDCAST_PEERS=a:1,b:2", "SHARDCAST_INSECURE=true", SHARDCASTD_PATH, "--print-config"});
+  Child print = Child::spawn({"env", "SHARDCAST_NODE=from-env", "SHARDCAST_PEERS=a:1,b:2", "SHARDCAST_INSECURE=true",
+                              SHARDCASTD_PATH, "--print-config"});
   const std::string line = print.readLine(std::chrono::seconds(10));
   CHECK_THAT(line, Catch::Contains("node=from-env") && Catch::Contains("peers=a:1,b:2"));
   CHECK(WEXITSTATUS(print.wait()) == 0);
@@ -100,8 +100,8 @@ TEST_CASE("shardcastd flags: environment variables, validation, exit codes", "[d
   Child both = withStderr({"--insecure", "--tls-ca", "/etc/hostname", "--print-config"});
   CHECK_THAT(both.readLine(std::chrono::seconds(10)), Catch::Contains("not both"));
   CHECK(WEXITSTATUS(both.wait()) == 2);
-  Child missing = withStderr({"--tls-cert", "/nonexistent.pem", "--tls-key", "/etc/hostname", "--tls-ca", "/etc/hostname",
-                              "--print-config"});
+  Child missing = withStderr(
+      {"--tls-cert", "/nonexistent.pem", "--tls-key", "/etc/hostname", "--tls-ca", "/etc/hostname", "--print-config"});
   CHECK_THAT(missing.readLine(std::chrono::seconds(10)), Catch::Contains("/nonexistent.pem"));
   CHECK(WEXITSTATUS(missing.wait()) == 2);
   Child help = Child::spawn({SHARDCASTD_PATH, "--help"});
@@ -244,7 +244,8 @@ TEST_CASE("peers found through a DNS name - a sync waits for ranks that register
   // One node holds everything: trainer ranks 0-1 and inference ranks 0-1, all on n0.
   auto one_node = [](const std::string& group, int dim) {
     auto l = planner::parseLayoutJson(R"({"group":")" + group + R"(","mesh":{"shape":[2]},"nodes":["n0","n0"],
-      "tensors":[{"name":"w","shape":[8,4],"dtype":"float32","placements":[{"shard":{"dim":)" + std::to_string(dim) + "}}]}]}",
+      "tensors":[{"name":"w","shape":[8,4],"dtype":"float32","placements":[{"shard":{"dim":)" +
+                                          std::to_string(dim) + "}}]}]}",
                                       "test");
     REQUIRE(l.ok());
     return *l;

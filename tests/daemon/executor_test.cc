@@ -1,14 +1,13 @@
 // The coordinator's executor: every index runs, in parallel, threads are reused, and a forEach
 // inside another one completes even when the pool is exhausted.
-#include <catch2/catch.hpp>
+#include "daemon/executor.h"
 
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <condition_variable>
 #include <mutex>
 #include <set>
 #include <thread>
-
-#include "daemon/executor.h"
 
 using shardcast::daemon::Executor;
 

@@ -1,15 +1,15 @@
 // The data plane's one peer message: its parser refuses everything malformed, and a daemon that
 // receives malformed or lying notifications fails the sync, naming the problem, and stays up.
-#include <catch2/catch.hpp>
-
 #include "daemon/notification.h"
+
+#include <catch2/catch.hpp>
+#include <future>
+#include <thread>
+
 #include "planner/layout.h"
 #include "tests/daemon/daemon_harness.h"
 #include "tests/daemon/rank_memory.h"
 #include "transport/transport.h"
-
-#include <future>
-#include <thread>
 
 using namespace shardcast;
 using namespace shardcast::daemon;
@@ -60,9 +60,11 @@ TEST_CASE("a daemon fed lying notifications fails the sync and stays up", "[daem
   REQUIRE(n0.ready());
   REQUIRE(n1.ready());
   const auto src_proto = *planner::parseLayoutJson(R"({"group":"s","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
-    {"name":"w","shape":[64,32],"dtype":"int32"}]})", "s");
+    {"name":"w","shape":[64,32],"dtype":"int32"}]})",
+                                                   "s");
   const auto dst_proto = *planner::parseLayoutJson(R"({"group":"d","mesh":{"shape":[2]},"nodes":["n1","n1"],"tensors":[
-    {"name":"w","shape":[64,32],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})", "d");
+    {"name":"w","shape":[64,32],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})",
+                                                   "d");
   planner::NodeTable nodes;
   const auto src = *planner::resolveLayout(src_proto, nodes);
   const auto dst = *planner::resolveLayout(dst_proto, nodes);

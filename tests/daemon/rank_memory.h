@@ -3,11 +3,12 @@
 // a rank holds (for filling and verifying).
 #pragma once
 
+#include <unistd.h>
+
 #include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
-#include <unistd.h>
 
 #include "planner/layout.h"
 #include "shardcast/v1/service.pb.h"
@@ -17,8 +18,8 @@ namespace shardcast::testing {
 
 struct RankMemory {
   std::unique_ptr<transport::ShmSegment> seg;
-  std::map<int32_t, uint64_t> offset;                              // buffer id -> offset
-  std::map<std::string, std::pair<uint64_t, uint64_t>> named;      // buffer name -> (offset, size)
+  std::map<int32_t, uint64_t> offset;                          // buffer id -> offset
+  std::map<std::string, std::pair<uint64_t, uint64_t>> named;  // buffer name -> (offset, size)
 
   template <typename T>
   T* at(const planner::PieceRef& p, int64_t element) {
@@ -34,7 +35,8 @@ inline RankMemory allocateRank(const planner::ResolvedLayout& l, int32_t rank, c
     m.named[l.buffer_names[buffer]] = {off, static_cast<uint64_t>(bytes)};
     off += (static_cast<uint64_t>(bytes) + 63) / 64 * 64;
   }
-  auto seg = transport::ShmSegment::create("/shardcast-" + std::to_string(::getpid()) + "-" + tag, std::max<uint64_t>(off, 64));
+  auto seg = transport::ShmSegment::create("/shardcast-" + std::to_string(::getpid()) + "-" + tag,
+                                           std::max<uint64_t>(off, 64));
   if (!seg.ok()) throw std::runtime_error(std::string(seg.status().message()));
   m.seg = std::make_unique<transport::ShmSegment>(std::move(*seg));
   return m;
@@ -62,8 +64,8 @@ inline v1::RegisterRequest registerRequest(const v1::Layout& layout, int32_t ran
 }
 
 // Prepare of a sync driven by hand (as a coordinator would), with the daemons' default budgets.
-inline v1::PrepareRequest prepareRequest(const std::string& id, const v1::Layout& src, const v1::Layout& dst, uint64_t version,
-                                         uint64_t fence = 0) {
+inline v1::PrepareRequest prepareRequest(const std::string& id, const v1::Layout& src, const v1::Layout& dst,
+                                         uint64_t version, uint64_t fence = 0) {
   v1::PrepareRequest p;
   p.set_sync_id(id);
   p.set_fence(fence);

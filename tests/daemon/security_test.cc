@@ -3,11 +3,10 @@
 // registered only over the Unix socket and only under the clients' names, and no remote key leaves
 // a daemon whose peers write with active messages. (A caller of another uid: client/python/tests/
 // test_security.py, which can drop privileges.)
-#include <catch2/catch.hpp>
-
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -54,7 +53,8 @@ TEST_CASE("the Peer service answers only daemons of the cluster", "[daemon][secu
   auto as_client = peerAs(d, certs.client());
   CHECK(describeAs(*as_client) == grpc::StatusCode::PERMISSION_DENIED);
   v1::PrepareResponse prepared;
-  CHECK(as_client->Prepare(ctx(10).get(), v1::PrepareRequest(), &prepared).error_code() == grpc::StatusCode::PERMISSION_DENIED);
+  CHECK(as_client->Prepare(ctx(10).get(), v1::PrepareRequest(), &prepared).error_code() ==
+        grpc::StatusCode::PERMISSION_DENIED);
   v1::FinishRequest commit;
   commit.set_sync_id("forged");
   commit.set_commit(true);
@@ -95,9 +95,11 @@ TEST_CASE("TCP clients need a certificate of the CA or the bearer token, memory 
         grpc::StatusCode::UNAUTHENTICATED);
   // TLS without a certificate or token: refused; plaintext: no handshake.
   auto anonymous = v1::Shardcast::NewStub(Daemon::channel(d.address(), ca_only));
-  CHECK(anonymous->Status(ctx(10).get(), v1::StatusRequest(), &status).error_code() == grpc::StatusCode::UNAUTHENTICATED);
-  CHECK(v1::Shardcast::NewStub(Daemon::channel(d.address()))->Status(ctx(10).get(), v1::StatusRequest(), &status).error_code() ==
-        grpc::StatusCode::UNAVAILABLE);
+  CHECK(anonymous->Status(ctx(10).get(), v1::StatusRequest(), &status).error_code() ==
+        grpc::StatusCode::UNAUTHENTICATED);
+  CHECK(v1::Shardcast::NewStub(Daemon::channel(d.address()))
+            ->Status(ctx(10).get(), v1::StatusRequest(), &status)
+            .error_code() == grpc::StatusCode::UNAVAILABLE);
 
   // Memory is the caller's own only where the kernel says who the caller is: over the socket.
   const v1::Layout layout = *planner::parseLayoutJson(kLayout, "g");
@@ -132,8 +134,9 @@ TEST_CASE("TCP clients need a certificate of the CA or the bearer token, memory 
 }
 
 TEST_CASE("put over transports that cannot bound it needs --insecure", "[daemon][security]") {
-  Child put = Child::spawn({"sh", "-c", "exec \"$0\" \"$@\" 2>&1", SHARDCASTD_PATH, "--node", "x", "--listen", "", "--socket",
-                            "/tmp/shardcast-put-" + std::to_string(::getpid()) + ".sock", "--protocol", "put", "--ucx-tls", "tcp"});
+  Child put = Child::spawn({"sh", "-c", "exec \"$0\" \"$@\" 2>&1", SHARDCASTD_PATH, "--node", "x", "--listen", "",
+                            "--socket", "/tmp/shardcast-put-" + std::to_string(::getpid()) + ".sock", "--protocol",
+                            "put", "--ucx-tls", "tcp"});
   std::string out, line;
   while (!(line = put.readLine(std::chrono::seconds(10))).empty()) out += line + "\n";
   CHECK(put.wait() != 0);
@@ -157,7 +160,8 @@ TEST_CASE("a local caller of another uid cannot register, take or change another
   RankMemory mem = allocateRank(resolved, 0, "victim");
   REQUIRE(::chmod(("/dev/shm" + mem.seg->name()).c_str(), 0600) == 0);
   v1::RegisterResponse registered;
-  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(layout, 0, 2, mem, v1::ROLE_SOURCE, 1), &registered).ok());
+  REQUIRE(
+      d.client()->Register(ctx(10).get(), registerRequest(layout, 0, 2, mem, v1::ROLE_SOURCE, 1), &registered).ok());
 
   // nobody, in the socket's group (root's, mode 0660) so that it reaches the daemon at all.
   Child caller = Child::spawn({"setpriv", "--reuid=65534", "--regid=0", "--clear-groups", FOREIGN_CALLER_PATH,
@@ -188,7 +192,8 @@ TEST_CASE("a local caller of another uid cannot register, take or change another
   CHECK(found);
 }
 
-TEST_CASE("bounded inputs: huge names are refused briefly, a big legal layout does not break syncs", "[daemon][security]") {
+TEST_CASE("bounded inputs: huge names are refused briefly, a big legal layout does not break syncs",
+          "[daemon][security]") {
   std::vector<int> ports{freePort(), freePort()};
   std::vector<std::string> peers{"127.0.0.1:" + std::to_string(ports[0]), "127.0.0.1:" + std::to_string(ports[1])};
   Daemon n0("n0", ports[0], peers), n1("n1", ports[1], peers);
@@ -220,15 +225,18 @@ TEST_CASE("bounded inputs: huge names are refused briefly, a big legal layout do
   const v1::Layout big = *planner::parseLayoutJson(json, "big");
   planner::NodeTable nodes;
   RankMemory big_mem = allocateRank(*planner::resolveLayout(big, nodes), 0, "big");
-  const grpc::Status big_reg = n0.client()->Register(ctx(60).get(), registerRequest(big, 0, 1, big_mem, v1::ROLE_SOURCE, 1), &registered);
+  const grpc::Status big_reg =
+      n0.client()->Register(ctx(60).get(), registerRequest(big, 0, 1, big_mem, v1::ROLE_SOURCE, 1), &registered);
   INFO(big_reg.error_message());
   REQUIRE(big_reg.ok());
 
   // A small sync coordinated by n1 (which describes n0) still runs.
   const v1::Layout src = *planner::parseLayoutJson(R"({"group":"s","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
-    {"name":"w","shape":[8,8],"dtype":"float32","placements":[{"replicate":{}}]}]})", "s");
+    {"name":"w","shape":[8,8],"dtype":"float32","placements":[{"replicate":{}}]}]})",
+                                                   "s");
   const v1::Layout dst = *planner::parseLayoutJson(R"({"group":"d","mesh":{"shape":[1]},"nodes":["n1"],"tensors":[
-    {"name":"w","shape":[8,8],"dtype":"float32","placements":[{"replicate":{}}]}]})", "d");
+    {"name":"w","shape":[8,8],"dtype":"float32","placements":[{"replicate":{}}]}]})",
+                                                   "d");
   RankMemory smem = allocateRank(*planner::resolveLayout(src, nodes), 0, "bounded-s");
   RankMemory dmem = allocateRank(*planner::resolveLayout(dst, nodes), 0, "bounded-d");
   REQUIRE(n0.client()->Register(ctx(10).get(), registerRequest(src, 0, 1, smem, v1::ROLE_SOURCE, 1), &registered).ok());

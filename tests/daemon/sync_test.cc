@@ -1,11 +1,10 @@
 // End-to-end syncs between real daemons on loopback: trainer ranks in shared memory, inference
 // ranks in another layout (colocated on one node, remote on others), every destination byte checked.
-#include <catch2/catch.hpp>
-
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 #include <httplib.h>
 
+#include <catch2/catch.hpp>
 #include <future>
 #include <map>
 #include <thread>
@@ -44,7 +43,8 @@ v1::RegisterRequest request(const v1::Layout& layout, int32_t rank, int32_t worl
 }
 
 // A source rank (a trainer's), READY at `version` when given.
-v1::RegisterRequest source(const v1::Layout& layout, int32_t rank, int32_t world, const RankMemory& m, uint64_t version = 0) {
+v1::RegisterRequest source(const v1::Layout& layout, int32_t rank, int32_t world, const RankMemory& m,
+                           uint64_t version = 0) {
   return registerRequest(layout, rank, world, m, v1::ROLE_SOURCE, version);
 }
 
@@ -120,7 +120,10 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
   };
   for (int32_t r = 0; r < 4; ++r) {
     v1::RegisterResponse resp;
-    REQUIRE(cluster.node(nodes.name(src.rank_node[r])).client()->Register(ctx().get(), source(src_proto, r, 4, smem[r]), &resp).ok());
+    REQUIRE(cluster.node(nodes.name(src.rank_node[r]))
+                .client()
+                ->Register(ctx().get(), source(src_proto, r, 4, smem[r]), &resp)
+                .ok());
   }
   // The inference group is still incomplete: the sync fails fast and names the missing ranks.
   v1::SyncRequest sync;
@@ -133,7 +136,10 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
   CHECK_THAT(st.error_message(), Catch::Contains("group \"infer\" has no registered ranks"));
   for (int32_t r = 0; r < 4; ++r) {
     v1::RegisterResponse resp;
-    REQUIRE(cluster.node(nodes.name(dst.rank_node[r])).client()->Register(ctx().get(), request(dst_proto, r, 4, dmem[r]), &resp).ok());
+    REQUIRE(cluster.node(nodes.name(dst.rank_node[r]))
+                .client()
+                ->Register(ctx().get(), request(dst_proto, r, 4, dmem[r]), &resp)
+                .ok());
   }
 
   for (int version = 1; version <= 3; ++version) {
@@ -169,7 +175,8 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
         CHECK(r.version() == static_cast<uint64_t>(version));
       }
     }
-    for (size_t i = 1; i < seen.size(); ++i) CHECK(seen[i].bytes_done() >= seen[i - 1].bytes_done());  // never goes back
+    for (size_t i = 1; i < seen.size(); ++i)
+      CHECK(seen[i].bytes_done() >= seen[i - 1].bytes_done());  // never goes back
     // Each node's bytes in the stream are what the plan lands on it.
     google::protobuf::Struct summary;
     REQUIRE(google::protobuf::util::JsonStringToMessage(out.plan_summary_json(), &summary).ok());
@@ -265,9 +272,18 @@ TEST_CASE("concurrent syncs: same group refused, different groups together - a s
   for (int32_t r = 0; r < 4; ++r) dmem2.push_back(allocate(dst, r, "w" + std::to_string(r)));
   for (int32_t r = 0; r < 4; ++r) {
     v1::RegisterResponse resp;
-    REQUIRE(cluster.node(nodes.name(src.rank_node[r])).client()->Register(ctx().get(), source(src_proto, r, 4, smem[r], 1), &resp).ok());
-    REQUIRE(cluster.node(nodes.name(dst.rank_node[r])).client()->Register(ctx().get(), request(dst_proto, r, 4, dmem[r]), &resp).ok());
-    REQUIRE(cluster.node(nodes.name(dst.rank_node[r])).client()->Register(ctx().get(), request(dst2_proto, r, 4, dmem2[r]), &resp).ok());
+    REQUIRE(cluster.node(nodes.name(src.rank_node[r]))
+                .client()
+                ->Register(ctx().get(), source(src_proto, r, 4, smem[r], 1), &resp)
+                .ok());
+    REQUIRE(cluster.node(nodes.name(dst.rank_node[r]))
+                .client()
+                ->Register(ctx().get(), request(dst_proto, r, 4, dmem[r]), &resp)
+                .ok());
+    REQUIRE(cluster.node(nodes.name(dst.rank_node[r]))
+                .client()
+                ->Register(ctx().get(), request(dst2_proto, r, 4, dmem2[r]), &resp)
+                .ok());
   }
   for (int32_t r = 0; r < 4; ++r)
     forEachElement(src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
@@ -376,11 +392,17 @@ int64_t syncAndCount(Cluster& cluster, const std::string& src_json, const std::s
   for (int32_t r = 0; r < dst->world(); ++r) dmem.push_back(allocate(*dst, r, dst->group + std::to_string(r)));
   for (int32_t r = 0; r < src->world(); ++r) {
     v1::RegisterResponse resp;
-    REQUIRE(cluster.node(nodes.name(src->rank_node[r])).client()->Register(ctx().get(), source(src_proto, r, src->world(), smem[r]), &resp).ok());
+    REQUIRE(cluster.node(nodes.name(src->rank_node[r]))
+                .client()
+                ->Register(ctx().get(), source(src_proto, r, src->world(), smem[r]), &resp)
+                .ok());
   }
   for (int32_t r = 0; r < dst->world(); ++r) {
     v1::RegisterResponse resp;
-    REQUIRE(cluster.node(nodes.name(dst->rank_node[r])).client()->Register(ctx().get(), request(dst_proto, r, dst->world(), dmem[r]), &resp).ok());
+    REQUIRE(cluster.node(nodes.name(dst->rank_node[r]))
+                .client()
+                ->Register(ctx().get(), request(dst_proto, r, dst->world(), dmem[r]), &resp)
+                .ok());
   }
   int64_t bad = 0;
   for (int v = 1; v <= versions; ++v) {
@@ -412,7 +434,8 @@ int64_t syncAndCount(Cluster& cluster, const std::string& src_json, const std::s
 
 }  // namespace
 
-TEST_CASE("transfers land straight in a rank's buffer when one rank holds them whole and contiguously", "[daemon][sync]") {
+TEST_CASE("transfers land straight in a rank's buffer when one rank holds them whole and contiguously",
+          "[daemon][sync]") {
   Cluster cluster;
   // FSDP=2 on n0; TP=2 on n1 and on n2 (two replicas, so one node relays to the other).
   // "col" is cut by rows on both sides: each trainer half lies whole and contiguous in one
@@ -461,13 +484,15 @@ TEST_CASE("whole experts (uneven) into expert-stacked w13, and uneven torch.chun
     }
   src_t += R"(,{"name":"odd","shape":[7,3],"dtype":"int32","placements":[{"shard":{"dim":0}}]})";
   dst_t += R"(,{"name":"odd","shape":[7,3],"dtype":"int32","placements":[{"shard":{"dim":0}}]})";
-  const std::string src = R"({"group":"moe-trainer","mesh":{"shape":[4]},"nodes":["n0","n0","n1","n1"],"tensors":[)" + src_t + "]}";
+  const std::string src =
+      R"({"group":"moe-trainer","mesh":{"shape":[4]},"nodes":["n0","n0","n1","n1"],"tensors":[)" + src_t + "]}";
   const std::string dst = R"({"group":"moe-infer","mesh":{"shape":[3]},"nodes":["n2","n2","n0"],"tensors":[)" + dst_t +
                           R"(],"fused":[{"name":"w13","dim":0,"tensors":[)" + members + "]}]}";
   CHECK(syncAndCount(cluster, src, dst, 2) == 0);
 }
 
-TEST_CASE("Peer.Progress: a daemon's bytes while its part of a sync runs, cumulative, gone after finish", "[daemon][sync]") {
+TEST_CASE("Peer.Progress: a daemon's bytes while its part of a sync runs, cumulative, gone after finish",
+          "[daemon][sync]") {
   // n0 holds the trainer; n1 and n2 each need half of it (no relay), so n1's part is done once n0
   // has sent, whatever n2 does: the coordinator's Watch stream shows the same counters mid-sync.
   Cluster cluster;
@@ -486,7 +511,8 @@ TEST_CASE("Peer.Progress: a daemon's bytes while its part of a sync runs, cumula
   v1::RegisterResponse resp;
   REQUIRE(cluster.node("n0").client()->Register(ctx().get(), source(src_proto, 0, 1, s0, 1), &resp).ok());
   for (int32_t r = 0; r < 2; ++r)
-    REQUIRE(cluster.node(r == 0 ? "n1" : "n2").client()->Register(ctx().get(), request(dst_proto, r, 2, d[r]), &resp).ok());
+    REQUIRE(
+        cluster.node(r == 0 ? "n1" : "n2").client()->Register(ctx().get(), request(dst_proto, r, 2, d[r]), &resp).ok());
   forEachElement(src, 0, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
     *s0.at<int32_t>(p, off) = valueOf(t, flat, 1);
   });
@@ -527,7 +553,7 @@ TEST_CASE("Peer.Progress: a daemon's bytes while its part of a sync runs, cumula
   std::vector<v1::ExecuteResponse> parts(3);
   grpc::Status n1_result;
   std::thread n1([&] { n1_result = peers[1]->Execute(ctx().get(), exec, &parts[1]); });  // waits for its half
-  REQUIRE(peers[0]->Execute(ctx().get(), exec, &parts[0]).ok());                        // n0 sends both halves
+  REQUIRE(peers[0]->Execute(ctx().get(), exec, &parts[0]).ok());                         // n0 sends both halves
   n1.join();
   REQUIRE(n1_result.ok());
   // n1 finished its part; n2 has not run yet. Progress is there while the sync is still open.
@@ -580,8 +606,8 @@ TEST_CASE("CUDA buffers: device sources and destinations sync byte-exact", "[dae
     std::vector<std::unique_ptr<transport::DeviceBuffer>> buffers;  // by buffer id
     std::vector<std::vector<int32_t>> host;
   };
-  auto make = [&](const planner::ResolvedLayout& l, const v1::Layout& proto, int32_t r, const std::string& node, DeviceRank& m,
-                  int version) {
+  auto make = [&](const planner::ResolvedLayout& l, const v1::Layout& proto, int32_t r, const std::string& node,
+                  DeviceRank& m, int version) {
     v1::RegisterRequest req;
     req.set_group(proto.group());
     req.set_rank(r);
@@ -608,7 +634,8 @@ TEST_CASE("CUDA buffers: device sources and destinations sync byte-exact", "[dae
         m.host[p.buffer][off] = valueOf(t, flat, version);
       });
       for (size_t b = 0; b < m.buffers.size(); ++b)
-        if (m.buffers[b]) REQUIRE(transport::copyToDevice(m.buffers[b]->data(), m.host[b].data(), m.host[b].size() * 4).ok());
+        if (m.buffers[b])
+          REQUIRE(transport::copyToDevice(m.buffers[b]->data(), m.host[b].data(), m.host[b].size() * 4).ok());
     }
     v1::RegisterResponse resp;
     const auto st = cluster.node(node).client()->Register(ctx().get(), req, &resp);
@@ -631,7 +658,8 @@ TEST_CASE("CUDA buffers: device sources and destinations sync byte-exact", "[dae
   for (int32_t r = 0; r < 2; ++r) {
     for (size_t b = 0; b < dm[r].buffers.size(); ++b)
       if (dm[r].buffers[b])
-        REQUIRE(transport::copyFromDevice(dm[r].host[b].data(), dm[r].buffers[b]->data(), dm[r].host[b].size() * 4).ok());
+        REQUIRE(
+            transport::copyFromDevice(dm[r].host[b].data(), dm[r].buffers[b]->data(), dm[r].host[b].size() * 4).ok());
     forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
       bad += dm[r].host[p.buffer][off] != valueOf(t, flat, 1);
     });

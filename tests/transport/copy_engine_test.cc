@@ -1,14 +1,14 @@
 // Node-local copy engine and shared-memory segments.
-#include <catch2/catch.hpp>
+#include "transport/copy_engine.h"
 
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cstring>
 #include <numeric>
 #include <random>
 
-#include "transport/copy_engine.h"
-#include "transport/device_staging.h"
 #include "transport/cuda/cuda_support.h"
+#include "transport/device_staging.h"
 #include "transport/shm.h"
 
 using namespace shardcast;

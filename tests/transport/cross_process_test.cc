@@ -1,10 +1,9 @@
 // Transport between real processes: two processes over each transport, a peer killed in the
 // middle of a transfer, and two network namespaces joined by a veth pair (real separate hosts).
-#include <catch2/catch.hpp>
-
 #include <unistd.h>
 
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <cstdlib>
 #include <future>
 #include <thread>
@@ -118,7 +117,8 @@ TEST_CASE("a peer killed mid-transfer fails in-flight writes with a clear error,
     }
     // Bounded: every write completes (most with an error) well within op_timeout plus slack.
     const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    while (done < kWrites && std::chrono::steady_clock::now() < limit) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    while (done < kWrites && std::chrono::steady_clock::now() < limit)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     REQUIRE(done == kWrites);
     CHECK(failed > 0);
     CHECK(ok >= 2);
@@ -164,9 +164,9 @@ TEST_CASE("two network namespaces joined by veth, UCX_TLS=tcp", "[transport][pro
   }
   const size_t size = size_t{32} << 20;
   Receiver r = startReceiver({"ip", "netns", "exec", b, "env", "UCX_NET_DEVICES=" + vb}, "tcp", size);
-  Child sender = Child::spawn({"ip", "netns", "exec", a, "env", "UCX_NET_DEVICES=" + va, peerBinary(), "send", "--tls",
-                               "tcp", "--size", std::to_string(size), "--seed", "9", "--address", r.address, "--region",
-                               r.region});
+  Child sender =
+      Child::spawn({"ip", "netns", "exec", a, "env", "UCX_NET_DEVICES=" + va, peerBinary(), "send", "--tls", "tcp",
+                    "--size", std::to_string(size), "--seed", "9", "--address", r.address, "--region", r.region});
   CHECK(sender.readLine(std::chrono::seconds(60)) == "SENT");
   CHECK(r.child.readLine(std::chrono::seconds(60)) == "OK 9");
   CHECK(sender.wait() == 0);

@@ -1,14 +1,13 @@
 // The progress thread's task queue: its eventfd is readable exactly while tasks wait, so the
 // thread sleeps in poll() when there is nothing to do and wakes once per batch of tasks.
-#include <catch2/catch.hpp>
+#include "transport/task_queue.h"
 
 #include <poll.h>
 
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <thread>
 #include <vector>
-
-#include "transport/task_queue.h"
 
 using namespace shardcast::transport;
 

@@ -57,12 +57,15 @@ int main(int argc, char** argv) {
       uint64_t seed = 0, len = 0;
       if (std::sscanf(msg.c_str(), "check %lu %lu", &seed, &len) == 2) {
         const size_t bad = checkPattern(buf.data(), std::min<size_t>(len, buf.size()), seed);
-        if (bad == len) std::printf("OK %lu\n", seed);
-        else std::printf("BAD %lu %zu\n", seed, bad);
+        if (bad == len)
+          std::printf("OK %lu\n", seed);
+        else
+          std::printf("BAD %lu %zu\n", seed, bad);
         std::fflush(stdout);
       }
     });
-    std::printf("ADDRESS %s\nREGION %s\n", toHex((*ctx)->address()).c_str(), toHex((*region)->remote().serialize()).c_str());
+    std::printf("ADDRESS %s\nREGION %s\n", toHex((*ctx)->address()).c_str(),
+                toHex((*region)->remote().serialize()).c_str());
     std::fflush(stdout);
     std::string line;
     while (std::getline(std::cin, line)) {

@@ -1,9 +1,8 @@
 // The shared backend suite: every test runs against every backend and protocol (loopback; UCX
 // with its default transports, with tcp (active messages, and put), with posix/sysv shared memory
 // (put, and active messages), and tcp with UCX's own segment size). Every byte written is verified.
-#include <catch2/catch.hpp>
-
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <cstring>
 #include <future>
 #include <mutex>
@@ -79,7 +78,8 @@ Status await(const std::function<void(Completion)>& start, std::chrono::seconds 
   auto p = std::make_shared<std::promise<Status>>();
   auto f = p->get_future();
   start([p](Status st) { p->set_value(st); });
-  if (f.wait_for(limit) != std::future_status::ready) return absl::DeadlineExceededError("test: operation did not complete");
+  if (f.wait_for(limit) != std::future_status::ready)
+    return absl::DeadlineExceededError("test: operation did not complete");
   return f.get();
 }
 
@@ -173,7 +173,8 @@ TEMPLATE_TEST_CASE("many concurrent writes to disjoint ranges from several threa
       const size_t slot = static_cast<size_t>(t * kPerThread + i) * kSlot;
       const size_t len = 1 + rng() % (kSlot - 1);
       REQUIRE(checkPattern(dst.data() + slot, len, 7, slot) == len);
-      REQUIRE(std::all_of(dst.begin() + slot + len, dst.begin() + slot + kSlot, [](unsigned char c) { return c == 0; }));
+      REQUIRE(
+          std::all_of(dst.begin() + slot + len, dst.begin() + slot + kSlot, [](unsigned char c) { return c == 0; }));
     }
   }
 }
@@ -213,8 +214,14 @@ TEMPLATE_TEST_CASE("notifications are delivered after the data written before th
     fillPattern(src.data(), kSize, round);
     // Two halves, then the notification, without waiting in between.
     std::promise<void> w1, w2;
-    p.ep->write({rs, 0, rd->remote(), 0, kSize / 2}, [&](Status st) { CHECK(st.ok()); w1.set_value(); });
-    p.ep->write({rs, kSize / 2, rd->remote(), kSize / 2, kSize / 2}, [&](Status st) { CHECK(st.ok()); w2.set_value(); });
+    p.ep->write({rs, 0, rd->remote(), 0, kSize / 2}, [&](Status st) {
+      CHECK(st.ok());
+      w1.set_value();
+    });
+    p.ep->write({rs, kSize / 2, rd->remote(), kSize / 2, kSize / 2}, [&](Status st) {
+      CHECK(st.ok());
+      w2.set_value();
+    });
     REQUIRE(await([&](Completion done) { p.ep->notify(std::to_string(round), std::move(done)); }).ok());
     w1.get_future().wait();
     w2.get_future().wait();

@@ -1,18 +1,15 @@
 // Box algebra against brute-force element enumeration.
-#include <catch2/catch.hpp>
+#include "planner/box.h"
 
+#include <catch2/catch.hpp>
 #include <random>
 #include <set>
-
-#include "planner/box.h"
 
 using namespace shardcast::planner;
 
 namespace {
 
-Box box2(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
-  return Box::fromOffsetsSizes({a0, b0}, {a1 - a0, b1 - b0});
-}
+Box box2(int64_t a0, int64_t a1, int64_t b0, int64_t b1) { return Box::fromOffsetsSizes({a0, b0}, {a1 - a0, b1 - b0}); }
 
 std::set<std::pair<int64_t, int64_t>> elements(const std::vector<Box>& boxes) {
   std::set<std::pair<int64_t, int64_t>> s;
@@ -85,10 +82,10 @@ TEST_CASE("splitIntoChunks tiles the box with row-major slabs under the limit", 
 
 TEST_CASE("isContiguous: dense boxes, sub-boxes and size-1 dims", "[box]") {
   const Box b = Box::fromOffsetsSizes({0, 0}, {3, 4});
-  CHECK(isContiguous({4, 1}, b));          // dense 3x4
-  CHECK_FALSE(isContiguous({8, 1}, b));    // rows of a wider buffer
+  CHECK(isContiguous({4, 1}, b));        // dense 3x4
+  CHECK_FALSE(isContiguous({8, 1}, b));  // rows of a wider buffer
   const Box row = Box::fromOffsetsSizes({2, 0}, {1, 4});
-  CHECK(isContiguous({8, 1}, row));        // one row is contiguous whatever the row stride
+  CHECK(isContiguous({8, 1}, row));  // one row is contiguous whatever the row stride
   const Box col = Box::fromOffsetsSizes({0, 1}, {3, 1});
   CHECK_FALSE(isContiguous({4, 1}, col));  // a column is strided
 }

@@ -158,7 +158,8 @@ TEST_CASE("Whole experts (FlexShard-like, uneven) to vLLM TP=2 and to expert-sta
     for (const char* w : {"w1", "w3"}) {
       const std::string name = "e" + std::to_string(e) + "." + w;
       if (!tp_tensors.empty()) tp_tensors += ",", fused_members += ",";
-      tp_tensors += "{\"name\":\"" + name + "\",\"shape\":[6,4],\"dtype\":\"bfloat16\",\"placements\":[{\"shard\":{\"dim\":0}}]}";
+      tp_tensors +=
+          "{\"name\":\"" + name + "\",\"shape\":[6,4],\"dtype\":\"bfloat16\",\"placements\":[{\"shard\":{\"dim\":0}}]}";
       fused_members += "\"" + name + "\"";
     }
   const std::string vllm_tp = R"({"group":"vllm","mesh":{"shape":[2]},"nodes":["v0","v1"],"tensors":[)" + tp_tensors +
@@ -228,10 +229,12 @@ TEST_CASE("One source, many receivers: relays keep the source's egress near what
 TEST_CASE("Small tensors travel in buckets", "[planner][known]") {
   std::string tensors;
   for (int i = 0; i < 40; ++i)
-    tensors += std::string(i ? "," : "") + "{\"name\":\"norm" + std::to_string(i) + "\",\"shape\":[64],\"dtype\":\"float32\"}";
-  const std::string trainer = R"({"group":"trainer","mesh":{"shape":[2]},"nodes":["t0","t1"],"tensors":[)" + tensors + "]}";
-  const std::string infer = R"({"group":"infer","mesh":{"shape":[4]},"ranks_per_node":2,"node_prefix":"i","tensors":[)" +
-                            tensors + "]}";
+    tensors +=
+        std::string(i ? "," : "") + "{\"name\":\"norm" + std::to_string(i) + "\",\"shape\":[64],\"dtype\":\"float32\"}";
+  const std::string trainer =
+      R"({"group":"trainer","mesh":{"shape":[2]},"nodes":["t0","t1"],"tensors":[)" + tensors + "]}";
+  const std::string infer =
+      R"({"group":"infer","mesh":{"shape":[4]},"ranks_per_node":2,"node_prefix":"i","tensors":[)" + tensors + "]}";
   PlanOptions opts;
   opts.bucket_bytes = 1024;  // 4 norms of 256 bytes per bucket
   auto p = planAndSimulate(trainer, infer, opts);

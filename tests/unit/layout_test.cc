@@ -1,8 +1,9 @@
 // Layout resolution: DTensor placements, explicit pieces and fused buffers, checked element by
 // element against the brute-force reference, plus hand-computed DTensor cases.
+#include "planner/layout.h"
+
 #include <catch2/catch.hpp>
 
-#include "planner/layout.h"
 #include "tests/unit/reference.h"
 #include "tests/unit/test_util.h"
 
@@ -73,7 +74,8 @@ TEST_CASE("A StridedShard alone holds non-contiguous rows, concatenated locally"
 TEST_CASE("Node of each rank from ranks_per_node and node_prefix", "[layout]") {
   NodeTable nodes;
   auto r = resolveLayout(layoutFromJson(R"({"group":"g","mesh":{"shape":[5]},"ranks_per_node":2,
-    "node_prefix":"host-","tensors":[]})"), nodes);
+    "node_prefix":"host-","tensors":[]})"),
+                         nodes);
   REQUIRE(r.ok());
   std::vector<std::string> names;
   for (int32_t n : r->rank_node) names.push_back(nodes.name(n));

@@ -112,7 +112,8 @@ inline ElementMap referenceElements(const v1::Layout& l) {
       for (int64_t r = 0; r < world; ++r) {
         RefLocal loc;
         for (const auto& d : dims[r]) loc.shape.push_back(static_cast<int64_t>(d.size()));
-        forEachProduct(dims[r], [&](const Index& g, const Index& pos) { loc.elements.emplace_back(flatIndex(t, g), pos); });
+        forEachProduct(dims[r],
+                       [&](const Index& g, const Index& pos) { loc.elements.emplace_back(flatIndex(t, g), pos); });
         if (!loc.elements.empty()) per_rank[r].push_back(loc);
       }
     } else {
@@ -123,7 +124,8 @@ inline ElementMap referenceElements(const v1::Layout& l) {
           for (int64_t i = 0; i < p.sizes(d); ++i) dims[d].push_back(p.offsets(d) + i);
           loc.shape.push_back(p.sizes(d));
         }
-        forEachProduct(dims, [&](const Index& g, const Index& pos) { loc.elements.emplace_back(flatIndex(t, g), pos); });
+        forEachProduct(dims,
+                       [&](const Index& g, const Index& pos) { loc.elements.emplace_back(flatIndex(t, g), pos); });
         if (loc.elements.empty()) continue;
         std::vector<int32_t> ranks(p.ranks().begin(), p.ranks().end());
         if (ranks.empty()) ranks.push_back(p.rank());
@@ -235,12 +237,15 @@ inline void addRandomTensor(std::mt19937& rng, v1::Layout& l, const RandomTensor
     for (int m = 0; m < l.mesh().shape_size(); ++m) {
       auto* p = t->add_placements();
       switch (rng() % 4) {
-        case 0: p->mutable_replicate(); break;
+        case 0:
+          p->mutable_replicate();
+          break;
         case 3:
           p->mutable_strided_shard()->set_dim(static_cast<int32_t>(rng() % nd));
           p->mutable_strided_shard()->set_split_factor(1 + static_cast<int32_t>(rng() % 3));
           break;
-        default: p->mutable_shard()->set_dim(static_cast<int32_t>(rng() % nd));
+        default:
+          p->mutable_shard()->set_dim(static_cast<int32_t>(rng() % nd));
       }
     }
     return;
@@ -250,7 +255,8 @@ inline void addRandomTensor(std::mt19937& rng, v1::Layout& l, const RandomTensor
   std::vector<std::vector<int64_t>> cuts(nd);
   for (int d = 0; d < nd; ++d) {
     cuts[d] = {0, spec.shape[d]};
-    if (spec.shape[d] > 1 && rng() % 2) cuts[d].insert(cuts[d].begin() + 1, 1 + static_cast<int64_t>(rng() % (spec.shape[d] - 1)));
+    if (spec.shape[d] > 1 && rng() % 2)
+      cuts[d].insert(cuts[d].begin() + 1, 1 + static_cast<int64_t>(rng() % (spec.shape[d] - 1)));
   }
   std::vector<size_t> idx(nd, 0);
   while (true) {

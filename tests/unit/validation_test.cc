@@ -38,24 +38,26 @@ std::string oneTensor(const std::string& tensor, const std::string& mesh = R"({"
 }  // namespace
 
 TEST_CASE("valid layouts resolve", "[validation]") {
-  CHECK(layoutError(oneTensor(R"({"name":"w","shape":[4,4],"dtype":"bfloat16","placements":[{"shard":{"dim":1}}]})")) == "");
+  CHECK(layoutError(oneTensor(R"({"name":"w","shape":[4,4],"dtype":"bfloat16","placements":[{"shard":{"dim":1}}]})")) ==
+        "");
   CHECK(layoutError(oneTensor(R"({"name":"w","shape":[4],"dtype":"bool"})")) == "");
 }
 
 TEST_CASE("unknown dtype", "[validation]") {
   const auto e = layoutError(oneTensor(R"({"name":"w","shape":[4],"dtype":"bf16"})"));
-  CHECK_THAT(e, Catch::Contains("tensor \"w\"") && Catch::Contains("unknown dtype \"bf16\"") &&
-                    Catch::Contains("bfloat16"));
+  CHECK_THAT(
+      e, Catch::Contains("tensor \"w\"") && Catch::Contains("unknown dtype \"bf16\"") && Catch::Contains("bfloat16"));
 }
 
 TEST_CASE("placement count differs from mesh dims", "[validation]") {
-  const auto e = layoutError(oneTensor(
-      R"({"name":"w","shape":[4],"dtype":"float32","placements":[{"replicate":{}},{"shard":{"dim":0}}]})"));
+  const auto e = layoutError(
+      oneTensor(R"({"name":"w","shape":[4],"dtype":"float32","placements":[{"replicate":{}},{"shard":{"dim":0}}]})"));
   CHECK_THAT(e, Catch::Contains("tensor \"w\"") && Catch::Contains("2 placements for a mesh of 1 dims"));
 }
 
 TEST_CASE("shard dim out of range", "[validation]") {
-  const auto e = layoutError(oneTensor(R"({"name":"w","shape":[4,4],"dtype":"float32","placements":[{"shard":{"dim":2}}]})"));
+  const auto e =
+      layoutError(oneTensor(R"({"name":"w","shape":[4,4],"dtype":"float32","placements":[{"shard":{"dim":2}}]})"));
   CHECK_THAT(e, Catch::Contains("tensor \"w\"") && Catch::Contains("shards dim 2 but the tensor has 2 dims"));
   const auto e2 = layoutError(oneTensor(
       R"({"name":"w","shape":[4,4],"dtype":"float32","placements":[{"strided_shard":{"dim":-1,"split_factor":2}}]})"));
@@ -73,11 +75,11 @@ TEST_CASE("piece outside the shape", "[validation]") {
           "pieces":[{"rank":1,"offsets":[0,0],"sizes":[512,4097]}]})"));
   CHECK_THAT(e, Catch::Contains("tensor \"layers.3.mlp.up_proj.weight\"") && Catch::Contains("rank 1") &&
                     Catch::Contains("[0:512, 0:4097] exceeds shape [4096, 4096]"));
-  const auto e2 = layoutError(oneTensor(
-      R"({"name":"w","shape":[4,4],"dtype":"bfloat16","pieces":[{"rank":0,"offsets":[0],"sizes":[4]}]})"));
+  const auto e2 = layoutError(
+      oneTensor(R"({"name":"w","shape":[4,4],"dtype":"bfloat16","pieces":[{"rank":0,"offsets":[0],"sizes":[4]}]})"));
   CHECK_THAT(e2, Catch::Contains("1 offsets and 1 sizes but the tensor has 2 dims"));
-  const auto e3 = layoutError(oneTensor(
-      R"({"name":"w","shape":[4],"dtype":"bfloat16","pieces":[{"rank":0,"offsets":[-1],"sizes":[2]}]})"));
+  const auto e3 = layoutError(
+      oneTensor(R"({"name":"w","shape":[4],"dtype":"bfloat16","pieces":[{"rank":0,"offsets":[-1],"sizes":[2]}]})"));
   CHECK_THAT(e3, Catch::Contains("exceeds shape [4]"));
 }
 
@@ -94,7 +96,8 @@ TEST_CASE("node list of the wrong length", "[validation]") {
   const auto e = layoutError(oneTensor(R"({"name":"w","shape":[4],"dtype":"float32"})", R"({"shape":[2,4]})",
                                        R"("nodes":["a","a","a","b","b","b","b"])"));
   CHECK_THAT(e, Catch::Contains("nodes has 7 entries but the mesh [2, 4] has 8 ranks"));
-  const auto e2 = layoutError(oneTensor(R"({"name":"w","shape":[4],"dtype":"float32"})", R"({"shape":[2]})", R"("group2":1)"));
+  const auto e2 =
+      layoutError(oneTensor(R"({"name":"w","shape":[4],"dtype":"float32"})", R"({"shape":[2]})", R"("group2":1)"));
   CHECK_THAT(e2, Catch::Contains("group2"));  // unknown field: protobuf's JSON parser names it
   const auto e3 = layoutError(R"({"group":"g","mesh":{"shape":[2]},"tensors":[]})");
   CHECK_THAT(e3, Catch::Contains("set nodes (one per rank) or a positive ranks_per_node"));
@@ -106,7 +109,8 @@ TEST_CASE("mesh and naming mistakes", "[validation]") {
   CHECK_THAT(layoutError(R"({"group":"g","mesh":{"shape":[2],"dim_names":["a","b"]},"ranks_per_node":1})"),
              Catch::Contains("dim_names has 2 names but mesh.shape has 1 dims"));
   CHECK_THAT(layoutError(R"({"mesh":{"shape":[2]},"ranks_per_node":1})"), Catch::Contains("\"group\" is empty"));
-  CHECK_THAT(layoutError(oneTensor(R"({"name":"w","shape":[4],"dtype":"float32"},{"name":"w","shape":[4],"dtype":"float32"})")),
+  CHECK_THAT(layoutError(
+                 oneTensor(R"({"name":"w","shape":[4],"dtype":"float32"},{"name":"w","shape":[4],"dtype":"float32"})")),
              Catch::Contains("tensor \"w\": listed twice"));
   CHECK_THAT(layoutError(oneTensor(R"({"name":"w","shape":[4],"dtype":"float32","placements":[{"replicate":{}}],
                                       "pieces":[{"rank":0,"offsets":[0],"sizes":[4]}]})")),
@@ -121,9 +125,11 @@ TEST_CASE("fused buffer mistakes", "[validation]") {
          {"name":"k","shape":[4,6],"dtype":"bfloat16","placements":[{"shard":{"dim":0}}]},
          {"name":"v","shape":[4,4],"dtype":"float32","placements":[{"shard":{"dim":0}}]})";
   auto with = [&](const std::string& fused) {
-    return R"({"group":"vllm","mesh":{"shape":[2]},"ranks_per_node":2,"tensors":[)" + tensors + R"(],"fused":[)" + fused + "]}";
+    return R"({"group":"vllm","mesh":{"shape":[2]},"ranks_per_node":2,"tensors":[)" + tensors + R"(],"fused":[)" +
+           fused + "]}";
   };
-  CHECK_THAT(layoutError(with(R"({"name":"qkv","dim":0,"tensors":["q","x"]})")), Catch::Contains("names unknown tensor \"x\""));
+  CHECK_THAT(layoutError(with(R"({"name":"qkv","dim":0,"tensors":["q","x"]})")),
+             Catch::Contains("names unknown tensor \"x\""));
   CHECK_THAT(layoutError(with(R"({"name":"qk","dim":0,"tensors":["q","k"]})")),
              Catch::Contains("tensor \"k\" has local shape [2, 6] which does not match \"q\" outside dim 0"));
   CHECK_THAT(layoutError(with(R"({"name":"qv","dim":0,"tensors":["q","v"]})")),
@@ -131,7 +137,8 @@ TEST_CASE("fused buffer mistakes", "[validation]") {
   CHECK_THAT(layoutError(with(R"({"name":"a","dim":0,"tensors":["q"]},{"name":"b","dim":0,"tensors":["q"]})")),
              Catch::Contains("tensor \"q\": belongs to more than one fused buffer"));
   CHECK_THAT(layoutError(with(R"({"name":"q","dim":0,"tensors":["k"]})")), Catch::Contains("has the name of a tensor"));
-  CHECK_THAT(layoutError(with(R"({"name":"qq","dim":2,"tensors":["q"]})")), Catch::Contains("dim 2 is invalid for tensor \"q\""));
+  CHECK_THAT(layoutError(with(R"({"name":"qq","dim":2,"tensors":["q"]})")),
+             Catch::Contains("dim 2 is invalid for tensor \"q\""));
 }
 
 TEST_CASE("plan errors: mismatched shape or dtype, missing tensor, uncovered element", "[validation]") {
@@ -166,20 +173,23 @@ TEST_CASE("limits: tiny layouts that would cost huge memory, CPU or overflow are
   CHECK_THAT(layoutError(R"({"group":"g","mesh":{"shape":[4194304]},"ranks_per_node":1,"tensors":[]})"),
              Catch::Contains("--max-layout-ranks"));
   // A split factor costing seconds of CPU per rank.
-  CHECK_THAT(layoutError(oneTensor(
-                 R"({"name":"w","shape":[4,4],"dtype":"float32","placements":[{"strided_shard":{"dim":0,"split_factor":2147483647}}]})")),
-             Catch::Contains("must be in [1, 4096]"));
+  CHECK_THAT(
+      layoutError(oneTensor(
+          R"({"name":"w","shape":[4,4],"dtype":"float32","placements":[{"strided_shard":{"dim":0,"split_factor":2147483647}}]})")),
+      Catch::Contains("must be in [1, 4096]"));
   // Shapes whose element count or byte count leaves int64, one by one or summed over the layout.
-  CHECK_THAT(layoutError(oneTensor(R"({"name":"w","shape":[4611686018427387904,4],"dtype":"float32","placements":[{}]})")),
-             Catch::Contains("takes the layout past"));
+  CHECK_THAT(
+      layoutError(oneTensor(R"({"name":"w","shape":[4611686018427387904,4],"dtype":"float32","placements":[{}]})")),
+      Catch::Contains("takes the layout past"));
   CHECK_THAT(layoutError(R"({"group":"g","mesh":{"shape":[1]},"nodes":["n"],"tensors":[
                {"name":"a","shape":[8796093022208],"dtype":"float64","placements":[{"replicate":{}}]},
                {"name":"b","shape":[1],"dtype":"float64","placements":[{"replicate":{}}]}]})"),
              Catch::Contains("tensor \"b\"") && Catch::Contains("takes the layout past"));
   // A piece whose offset + size wraps.
-  CHECK_THAT(layoutError(oneTensor(
-                 R"({"name":"w","shape":[4],"dtype":"float32","pieces":[{"rank":0,"offsets":[2],"sizes":[9223372036854775807]}]})")),
-             Catch::Contains("[2:2+9223372036854775807] exceeds shape [4]"));
+  CHECK_THAT(
+      layoutError(oneTensor(
+          R"({"name":"w","shape":[4],"dtype":"float32","pieces":[{"rank":0,"offsets":[2],"sizes":[9223372036854775807]}]})")),
+      Catch::Contains("[2:2+9223372036854775807] exceeds shape [4]"));
   // Names are bounded, and an error quotes at most a few hundred bytes of one.
   const std::string huge(10 << 20, 'x');
   const auto e = layoutError(R"({"group":")" + huge + R"(","mesh":{"shape":[1]},"nodes":["n"],"tensors":[]})");
@@ -222,9 +232,10 @@ TEST_CASE("limits: pieces are counted before they are made", "[validation][limit
   small.max_grid_cells = 10;
   setLimits(small);
   // Every rank of a piece's ranks list is a piece.
-  CHECK_THAT(layoutError(oneTensor(
-                 R"({"name":"w","shape":[4],"dtype":"float32","pieces":[{"ranks":[0,1,0,1,0],"offsets":[0],"sizes":[4]}]})")),
-             Catch::Contains("lists 5 pieces (at most 4)"));
+  CHECK_THAT(
+      layoutError(oneTensor(
+          R"({"name":"w","shape":[4],"dtype":"float32","pieces":[{"ranks":[0,1,0,1,0],"offsets":[0],"sizes":[4]}]})")),
+      Catch::Contains("lists 5 pieces (at most 4)"));
   // Overlapping pieces: the grid their boundaries cut the tensor into is bounded (4 diagonal
   // 2x2 pieces overlapping by one: 5 x 5 = 25 cells).
   CHECK_THAT(layoutError(oneTensor(

@@ -102,9 +102,11 @@ StatusOr<std::pair<unsigned long long, size_t>> allocationRange(const void* ptr)
   using GetAddressRange = int (*)(unsigned long long*, size_t*, unsigned long long);
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found{};
-  SC_RETURN_IF_ERROR(cudaStatus("cudaGetDriverEntryPointByVersion(cuMemGetAddressRange)",
-                                cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found)));
-  if (fn == nullptr || found != cudaDriverEntryPointSuccess) return absl::InternalError("cuMemGetAddressRange is not available");
+  SC_RETURN_IF_ERROR(
+      cudaStatus("cudaGetDriverEntryPointByVersion(cuMemGetAddressRange)",
+                 cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found)));
+  if (fn == nullptr || found != cudaDriverEntryPointSuccess)
+    return absl::InternalError("cuMemGetAddressRange is not available");
   unsigned long long base = 0;
   size_t size = 0;
   if (const int rc = reinterpret_cast<GetAddressRange>(fn)(&base, &size, reinterpret_cast<uintptr_t>(ptr)); rc != 0)
@@ -116,7 +118,8 @@ StatusOr<std::pair<unsigned long long, size_t>> allocationRange(const void* ptr)
 
 StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaIpcHandle(const std::string& handle, size_t size, int device) {
   if (handle.size() != sizeof(cudaIpcMemHandle_t))
-    return absl::InvalidArgumentError(strCat("CUDA IPC handle of ", handle.size(), " bytes (expected ", sizeof(cudaIpcMemHandle_t), ")"));
+    return absl::InvalidArgumentError(
+        strCat("CUDA IPC handle of ", handle.size(), " bytes (expected ", sizeof(cudaIpcMemHandle_t), ")"));
   SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaSetDevice(", device, ")"), cudaSetDevice(device)));
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle.data(), sizeof(h));
@@ -128,8 +131,8 @@ StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaIpcHandle(const std::string&
   if (!range.ok() || range->second < size) {
     cudaIpcCloseMemHandle(p);
     if (!range.ok()) return range.status();
-    return absl::InvalidArgumentError(strCat("CUDA IPC handle: the allocation has ", range->second, " bytes but ", size,
-                                             " are registered in it"));
+    return absl::InvalidArgumentError(
+        strCat("CUDA IPC handle: the allocation has ", range->second, " bytes but ", size, " are registered in it"));
   }
   return std::unique_ptr<CudaIpcMapping>(std::make_unique<IpcMapping>(p, size));
 }
@@ -173,7 +176,8 @@ Status copyFromDevice(void* dst, const void* src, size_t n) {
 }
 
 StatusOr<std::unique_ptr<CopyEngine>> makeCudaCopyEngine(int device) {
-  if (cudaDeviceCount() <= device) return absl::UnavailableError(strCat("CUDA device ", device, ": ", cudaUnavailableReason()));
+  if (cudaDeviceCount() <= device)
+    return absl::UnavailableError(strCat("CUDA device ", device, ": ", cudaUnavailableReason()));
   SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaSetDevice(", device, ")"), cudaSetDevice(device)));
   cudaStream_t stream;
   SC_RETURN_IF_ERROR(cudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)));

@@ -4,9 +4,9 @@
 
 #include <atomic>
 #include <cstring>
-#include <new>
 #include <map>
 #include <mutex>
+#include <new>
 #include <thread>
 
 #include "common/strings.h"
@@ -66,16 +66,21 @@ class LoopbackEndpoint final : public Endpoint {
   // Runs on this context's thread, in issue order: a later notify sees every earlier write done.
   void writeBatch(std::vector<WriteOp> ops, Completion done) override {
     auto fallback = done;
-    const bool posted = self_->mailbox.post([this_ep = this, ops = std::move(ops), done = std::move(done), closed = closed_]() {
-      if (closed->load()) return done(absl::FailedPreconditionError(strCat("endpoint to peer '", this_ep->peer_name_, "' is closed")));
+    const bool posted = self_->mailbox.post([this_ep = this, ops = std::move(ops), done = std::move(done),
+                                             closed = closed_]() {
+      if (closed->load())
+        return done(absl::FailedPreconditionError(strCat("endpoint to peer '", this_ep->peer_name_, "' is closed")));
       auto peer = lookup(this_ep->peer_address_);
-      if (!peer) return done(absl::UnavailableError(strCat("peer '", this_ep->peer_name_, "' (", this_ep->peer_address_, ") is gone")));
+      if (!peer)
+        return done(
+            absl::UnavailableError(strCat("peer '", this_ep->peer_name_, "' (", this_ep->peer_address_, ") is gone")));
       for (const WriteOp& op : ops) {
         Status st = this_ep->check(op, *peer);
         if (!st.ok()) return done(st);
         std::shared_ptr<void> hold = op.fence ? peer->regions.enterFence(op.fence) : nullptr;
         if (op.fence && !hold)
-          return done(absl::AbortedError(strCat("write to peer '", this_ep->peer_name_, "': its fence is closed there (the sync ended)")));
+          return done(absl::AbortedError(
+              strCat("write to peer '", this_ep->peer_name_, "': its fence is closed there (the sync ended)")));
         std::memcpy(reinterpret_cast<void*>(op.dst.base + op.dst_offset),
                     static_cast<const std::byte*>(op.src->data()) + op.src_offset, op.length);
       }
@@ -86,8 +91,10 @@ class LoopbackEndpoint final : public Endpoint {
 
   void notify(std::string payload, Completion done) override {
     auto fallback = done;
-    const bool posted = self_->mailbox.post([this_ep = this, payload = std::move(payload), done = std::move(done), closed = closed_]() mutable {
-      if (closed->load()) return done(absl::FailedPreconditionError(strCat("endpoint to peer '", this_ep->peer_name_, "' is closed")));
+    const bool posted = self_->mailbox.post([this_ep = this, payload = std::move(payload), done = std::move(done),
+                                             closed = closed_]() mutable {
+      if (closed->load())
+        return done(absl::FailedPreconditionError(strCat("endpoint to peer '", this_ep->peer_name_, "' is closed")));
       auto peer = lookup(this_ep->peer_address_);
       if (!peer) return done(absl::UnavailableError(strCat("peer '", this_ep->peer_name_, "' is gone")));
       peer->mailbox.post([peer, payload = std::move(payload)]() mutable {
@@ -110,11 +117,12 @@ class LoopbackEndpoint final : public Endpoint {
   Status check(const WriteOp& op, LoopbackState& peer) const {
     if (!op.src || op.src_offset > op.src->size() || op.length > op.src->size() - op.src_offset)
       return absl::OutOfRangeError(strCat("write to peer '", peer_name_, "': source range [", op.src_offset, ", +",
-                                          op.length, ") exceeds the local region of ", op.src ? op.src->size() : 0, " bytes"));
+                                          op.length, ") exceeds the local region of ", op.src ? op.src->size() : 0,
+                                          " bytes"));
     if (op.dst_offset > op.dst.size || op.length > op.dst.size - op.dst_offset ||
         !peer.regions.covers(op.dst.base + op.dst_offset, op.length))
-      return absl::PermissionDeniedError(strCat("write to peer '", peer_name_, "': target range [", op.dst_offset, ", +",
-                                                op.length, ") is not inside memory the peer registered"));
+      return absl::PermissionDeniedError(strCat("write to peer '", peer_name_, "': target range [", op.dst_offset,
+                                                ", +", op.length, ") is not inside memory the peer registered"));
     return absl::OkStatus();
   }
 
@@ -178,7 +186,8 @@ class LoopbackContext final : public Context {
 
   StatusOr<std::shared_ptr<Endpoint>> connect(const std::string& peer_address, const std::string& peer_name) override {
     if (!lookup(peer_address))
-      return absl::UnavailableError(strCat("connect to peer '", peer_name, "': no loopback context at \"", peer_address, "\""));
+      return absl::UnavailableError(
+          strCat("connect to peer '", peer_name, "': no loopback context at \"", peer_address, "\""));
     std::lock_guard<std::mutex> lock(mu_);
     auto& ep = endpoints_[peer_address];
     if (!ep) ep = std::make_shared<LoopbackEndpoint>(state_, peer_address, peer_name);

@@ -49,15 +49,21 @@ std::string ucxError(const std::string& what, ucs_status_t st) { return strCat(w
 Status statusFromUcs(const std::string& what, ucs_status_t st) {
   const std::string msg = ucxError(what, st);
   switch (st) {
-    case UCS_ERR_CANCELED: return absl::CancelledError(msg);
-    case UCS_ERR_TIMED_OUT: return absl::DeadlineExceededError(msg);
+    case UCS_ERR_CANCELED:
+      return absl::CancelledError(msg);
+    case UCS_ERR_TIMED_OUT:
+      return absl::DeadlineExceededError(msg);
     case UCS_ERR_UNREACHABLE:
     case UCS_ERR_CONNECTION_RESET:
     case UCS_ERR_ENDPOINT_TIMEOUT:
-    case UCS_ERR_REJECTED: return absl::UnavailableError(msg);
-    case UCS_ERR_NO_MEMORY: return absl::ResourceExhaustedError(msg);
-    case UCS_ERR_INVALID_PARAM: return absl::InvalidArgumentError(msg);
-    default: return absl::InternalError(msg);
+    case UCS_ERR_REJECTED:
+      return absl::UnavailableError(msg);
+    case UCS_ERR_NO_MEMORY:
+      return absl::ResourceExhaustedError(msg);
+    case UCS_ERR_INVALID_PARAM:
+      return absl::InvalidArgumentError(msg);
+    default:
+      return absl::InternalError(msg);
   }
 }
 
@@ -72,8 +78,8 @@ struct UcxCore {
 
 class UcxRegion final : public MemoryRegion {
  public:
-  UcxRegion(std::shared_ptr<UcxCore> core, std::shared_ptr<RegionTable> table, void* data, size_t size,
-            MemoryKind kind, ucp_mem_h memh)
+  UcxRegion(std::shared_ptr<UcxCore> core, std::shared_ptr<RegionTable> table, void* data, size_t size, MemoryKind kind,
+            ucp_mem_h memh)
       : MemoryRegion(kind, data, size), core_(std::move(core)), table_(std::move(table)), memh_(memh) {}
   ~UcxRegion() override {
     table_->remove(data_, size_, kind_);
@@ -125,9 +131,9 @@ struct RequestCtx {
   uint64_t op_id;  // 0: no operation to account (acks, notifications)
   std::unique_ptr<DataHeader> data_header;
   std::unique_ptr<AckHeader> ack_header;
-  std::string payload;  // notification / ack message bytes kept alive until sent
-  Completion done;      // notifications
-  ucp_ep_h reply_ep = nullptr;  // receiver side: where to ack a rendezvous receive
+  std::string payload;                   // notification / ack message bytes kept alive until sent
+  Completion done;                       // notifications
+  ucp_ep_h reply_ep = nullptr;           // receiver side: where to ack a rendezvous receive
   std::shared_ptr<MemoryRegion> target;  // receiver side: kept registered until the data is in
   std::shared_ptr<void> fence;           // receiver side: the write's fence held until it is in
 };
@@ -138,8 +144,12 @@ class UcxEngine {
  public:
   UcxEngine(TransportOptions options, std::shared_ptr<UcxCore> core, ucp_worker_h worker, std::string protocol,
             bool peer_failure)
-      : options_(std::move(options)), core_(std::move(core)), worker_(worker), protocol_(std::move(protocol)),
-        peer_failure_(peer_failure), regions_(std::make_shared<RegionTable>()) {}
+      : options_(std::move(options)),
+        core_(std::move(core)),
+        worker_(worker),
+        protocol_(std::move(protocol)),
+        peer_failure_(peer_failure),
+        regions_(std::make_shared<RegionTable>()) {}
 
   Status start();
   void stop();
@@ -195,7 +205,7 @@ class UcxEngine {
   std::unordered_map<uint64_t, PendingOp> ops_;
   uint64_t next_op_ = 1;
   std::vector<std::shared_ptr<EpState>> endpoints_;
-  bool stopping_ = false;            // progress thread only
+  bool stopping_ = false;  // progress thread only
   std::atomic<bool> stopped_{false};
   std::thread thread_;
 };
@@ -235,7 +245,8 @@ struct Callbacks {
   }
   static void onEpError(void* arg, ucp_ep_h, ucs_status_t st) {
     auto* ep = static_cast<EpState*>(arg);
-    ep->engine->failEndpoint(*ep, absl::UnavailableError(ucxError(strCat("peer '", ep->name, "': connection lost"), st)));
+    ep->engine->failEndpoint(*ep,
+                             absl::UnavailableError(ucxError(strCat("peer '", ep->name, "': connection lost"), st)));
   }
 };
 
@@ -330,7 +341,8 @@ StatusOr<std::shared_ptr<EpState>> UcxEngine::openEndpoint(const std::string& ad
   state->address = address;
   state->name = name;
   ucp_ep_params_t p{};
-  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  p.field_mask =
+      UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
   p.address = reinterpret_cast<const ucp_address_t*>(address.data());
   p.err_mode = peer_failure_ ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   p.err_handler.cb = &Callbacks::onEpError;
@@ -363,8 +375,9 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
   if (!ep->error.ok()) return done(ep->error);
   for (const WriteOp& w : ops) {
     if (!w.src || w.src_offset > w.src->size() || w.length > w.src->size() - w.src_offset)
-      return done(absl::OutOfRangeError(strCat("write to peer '", ep->name, "': source range [", w.src_offset, ", +",
-                                               w.length, ") exceeds the local region of ", w.src ? w.src->size() : 0, " bytes")));
+      return done(
+          absl::OutOfRangeError(strCat("write to peer '", ep->name, "': source range [", w.src_offset, ", +", w.length,
+                                       ") exceeds the local region of ", w.src ? w.src->size() : 0, " bytes")));
     if (w.dst_offset > w.dst.size || w.length > w.dst.size - w.dst_offset)
       return done(absl::OutOfRangeError(strCat("write to peer '", ep->name, "': target range [", w.dst_offset, ", +",
                                                w.length, ") exceeds the remote region of ", w.dst.size, " bytes")));
@@ -416,7 +429,8 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
     }
     if (UCS_PTR_IS_ERR(req)) {
       delete ctx;
-      partDone(id, statusFromUcs(strCat("write of ", w.length, " bytes to peer '", ep->name, "'"), UCS_PTR_STATUS(req)));
+      partDone(id,
+               statusFromUcs(strCat("write of ", w.length, " bytes to peer '", ep->name, "'"), UCS_PTR_STATUS(req)));
     }
   }
   if (protocol_ == "put") {
@@ -443,8 +457,7 @@ void UcxEngine::partDone(uint64_t op_id, const Status& st) {
   auto it = ops_.find(op_id);
   if (it == ops_.end()) return;
   PendingOp& op = it->second;
-  if (!st.ok() && op.status.ok())
-    op.status = Status(st.code(), strCat("peer '", op.ep->name, "': ", st.message()));
+  if (!st.ok() && op.status.ok()) op.status = Status(st.code(), strCat("peer '", op.ep->name, "': ", st.message()));
   if (--op.remaining == 0) finishOp(op_id);
 }
 
@@ -501,9 +514,12 @@ void UcxEngine::failEndpoint(EpState& ep, const Status& st, bool quiet) {
     // is normal: worth a warning only when it fails writes or notifications.
     bool busy = !ep.notifies.empty();
     for (const auto& [id, op] : ops_) busy = busy || op.ep.get() == &ep;
-    if (quiet || stopping_) spdlog::debug("transport '{}': {}", options_.name, std::string(st.message()));
-    else if (!busy) spdlog::info("transport '{}': {} (nothing was in flight to it)", options_.name, std::string(st.message()));
-    else spdlog::warn("transport '{}': {}", options_.name, std::string(st.message()));
+    if (quiet || stopping_)
+      spdlog::debug("transport '{}': {}", options_.name, std::string(st.message()));
+    else if (!busy)
+      spdlog::info("transport '{}': {} (nothing was in flight to it)", options_.name, std::string(st.message()));
+    else
+      spdlog::warn("transport '{}': {}", options_.name, std::string(st.message()));
   }
   std::vector<uint64_t> failed;
   for (auto& [id, op] : ops_)
@@ -520,7 +536,8 @@ void UcxEngine::failEndpoint(EpState& ep, const Status& st, bool quiet) {
 void UcxEngine::closeEndpoint(const std::shared_ptr<EpState>& ep, bool force) {
   if (!ep->ep) return;
   force = force || !ep->error.ok();  // a failed connection cannot be flushed
-  failEndpoint(*ep, absl::FailedPreconditionError(strCat("endpoint to peer '", ep->name, "' is closed")), /*quiet=*/true);
+  failEndpoint(*ep, absl::FailedPreconditionError(strCat("endpoint to peer '", ep->name, "' is closed")),
+               /*quiet=*/true);
   for (auto& [packed, rkey] : ep->rkeys) ucp_rkey_destroy(rkey);
   ep->rkeys.clear();
   ucp_request_param_t rp{};
@@ -559,22 +576,31 @@ void UcxEngine::checkDeadlines() {
 
 void UcxEngine::sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st) {
   if (!reply_ep) return;
-  auto* ctx = new RequestCtx{this, 0, nullptr, std::make_unique<AckHeader>(AckHeader{op_id, static_cast<int32_t>(st.code()), 0}),
-                             std::string(st.message()), {}, nullptr, nullptr, nullptr};
+  auto* ctx = new RequestCtx{this,
+                             0,
+                             nullptr,
+                             std::make_unique<AckHeader>(AckHeader{op_id, static_cast<int32_t>(st.code()), 0}),
+                             std::string(st.message()),
+                             {},
+                             nullptr,
+                             nullptr,
+                             nullptr};
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   rp.cb.send = &Callbacks::onSend;
   rp.user_data = ctx;
   rp.flags = UCP_AM_SEND_FLAG_EAGER;
-  ucs_status_ptr_t req =
-      ucp_am_send_nbx(reply_ep, kAmAck, ctx->ack_header.get(), sizeof(AckHeader), ctx->payload.data(), ctx->payload.size(), &rp);
+  ucs_status_ptr_t req = ucp_am_send_nbx(reply_ep, kAmAck, ctx->ack_header.get(), sizeof(AckHeader),
+                                         ctx->payload.data(), ctx->payload.size(), &rp);
   if (req == nullptr || UCS_PTR_IS_ERR(req)) {
-    if (UCS_PTR_IS_ERR(req)) spdlog::warn("transport '{}': ack of op {}: {}", options_.name, op_id, ucs_status_string(UCS_PTR_STATUS(req)));
+    if (UCS_PTR_IS_ERR(req))
+      spdlog::warn("transport '{}': ack of op {}: {}", options_.name, op_id, ucs_status_string(UCS_PTR_STATUS(req)));
     delete ctx;
   }
 }
 
-ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size_t len, const ucp_am_recv_param_t* param) {
+ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size_t len,
+                               const ucp_am_recv_param_t* param) {
   ucp_ep_h reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr;
   if (hlen != sizeof(DataHeader)) {
     spdlog::warn("transport '{}': dropped a data message with a {}-byte header", options_.name, hlen);
@@ -584,8 +610,9 @@ ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size
   std::memcpy(&h, header, sizeof(h));
   std::shared_ptr<MemoryRegion> target = h.length == len ? regions_->containing(h.addr, len) : nullptr;
   if (!target) {
-    sendAck(reply, h.op_id, absl::PermissionDeniedError(strCat("target range of ", len, " bytes at 0x", std::hex, h.addr,
-                                                               " is not inside memory registered here")));
+    sendAck(reply, h.op_id,
+            absl::PermissionDeniedError(strCat("target range of ", len, " bytes at 0x", std::hex, h.addr,
+                                               " is not inside memory registered here")));
     return UCS_OK;
   }
   std::shared_ptr<void> fence = h.fence ? regions_->enterFence(h.fence) : nullptr;
@@ -616,7 +643,8 @@ ucs_status_t UcxEngine::onAck(const void* header, size_t hlen, void* data, size_
   AckHeader h;
   std::memcpy(&h, header, sizeof(h));
   const auto code = static_cast<absl::StatusCode>(h.code);
-  partDone(h.op_id, code == absl::StatusCode::kOk ? Status() : Status(code, std::string(static_cast<char*>(data), len)));
+  partDone(h.op_id,
+           code == absl::StatusCode::kOk ? Status() : Status(code, std::string(static_cast<char*>(data), len)));
   return UCS_OK;
 }
 
@@ -648,16 +676,18 @@ class UcxEndpoint final : public Endpoint {
   }
   void writeBatch(std::vector<WriteOp> ops, Completion done) override {
     auto fallback = done;
-    if (!engine_->mailbox().post([e = engine_.get(), s = state_, ops = std::move(ops), done = std::move(done)]() mutable {
-          e->submitWrites(s, std::move(ops), std::move(done));
-        }))
+    if (!engine_->mailbox().post(
+            [e = engine_.get(), s = state_, ops = std::move(ops), done = std::move(done)]() mutable {
+              e->submitWrites(s, std::move(ops), std::move(done));
+            }))
       fallback(absl::FailedPreconditionError("transport context is shut down"));
   }
   void notify(std::string payload, Completion done) override {
     auto fallback = done;
-    if (!engine_->mailbox().post([e = engine_.get(), s = state_, p = std::move(payload), done = std::move(done)]() mutable {
-          e->submitNotify(s, std::move(p), std::move(done));
-        }))
+    if (!engine_->mailbox().post(
+            [e = engine_.get(), s = state_, p = std::move(payload), done = std::move(done)]() mutable {
+              e->submitNotify(s, std::move(p), std::move(done));
+            }))
       fallback(absl::FailedPreconditionError("transport context is shut down"));
   }
   void close() override {
@@ -678,7 +708,8 @@ class UcxContext final : public Context {
 
   std::string describe() const override {
     return strCat("ucx(tls=", tls_.empty() ? "default" : tls_, ", protocol=", engine_->protocol(),
-                  tcp_segment_.empty() ? "" : strCat(", tcp_segment=", tcp_segment_), ", cuda=", cuda_ ? "yes" : "no", ")");
+                  tcp_segment_.empty() ? "" : strCat(", tcp_segment=", tcp_segment_), ", cuda=", cuda_ ? "yes" : "no",
+                  ")");
   }
   std::string address() const override { return engine_->address(); }
   void openFence(uint64_t fence) override { engine_->regions()->openFence(fence); }
@@ -690,8 +721,8 @@ class UcxContext final : public Context {
   StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) override {
     if (!data || size == 0) return absl::InvalidArgumentError("registerMemory: null or empty range");
     if (!canAccess(kind))
-      return absl::FailedPreconditionError(
-          strCat("this UCX (", describe(), ") cannot access ", memoryKindName(kind), " memory: stage it through pinned host memory"));
+      return absl::FailedPreconditionError(strCat("this UCX (", describe(), ") cannot access ", memoryKindName(kind),
+                                                  " memory: stage it through pinned host memory"));
     if (auto existing = engine_->regions()->find(data, size, kind)) return existing;
     return map(data, size, kind);
   }
@@ -717,14 +748,16 @@ class UcxContext final : public Context {
     return std::shared_ptr<Endpoint>(ep);
   }
 
-  void setNotificationHandler(std::function<void(std::string)> handler) override { engine_->setHandler(std::move(handler)); }
+  void setNotificationHandler(std::function<void(std::string)> handler) override {
+    engine_->setHandler(std::move(handler));
+  }
 
  private:
   // Registers [data, data + size), or lets UCX allocate `size` bytes when data is null.
   StatusOr<std::shared_ptr<MemoryRegion>> map(void* data, size_t size, MemoryKind kind) {
     ucp_mem_map_params_t p{};
-    p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE |
-                   UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                   UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
     p.address = data;
     p.length = size;
     p.memory_type = kind == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
@@ -732,7 +765,8 @@ class UcxContext final : public Context {
     ucp_mem_h memh = nullptr;
     ucs_status_t st = ucp_mem_map(engine_->core()->ctx, &p, &memh);
     if (st != UCS_OK)
-      return statusFromUcs(strCat(data ? "register " : "allocate ", size, " bytes of ", memoryKindName(kind), " memory"), st);
+      return statusFromUcs(
+          strCat(data ? "register " : "allocate ", size, " bytes of ", memoryKindName(kind), " memory"), st);
     if (!data) {
       ucp_mem_attr_t attr{};
       attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS;
@@ -889,10 +923,10 @@ StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& opti
   if (options.bounded_writes_only && protocol == "put" && !putIsBounded(tls)) {
     if (options.protocol == "put") {
       ucp_worker_destroy(worker);
-      return absl::InvalidArgumentError(strCat(
-          "protocol put over UCX_TLS=", tls.empty() ? "(default)" : tls,
-          ": these transports cannot bound a peer's writes to the registered region (tcp, cma and shared memory "
-          "emulate RMA); use am, or rc/dc verbs, or accept it explicitly (shardcastd --insecure)"));
+      return absl::InvalidArgumentError(
+          strCat("protocol put over UCX_TLS=", tls.empty() ? "(default)" : tls,
+                 ": these transports cannot bound a peer's writes to the registered region (tcp, cma and shared memory "
+                 "emulate RMA); use am, or rc/dc verbs, or accept it explicitly (shardcastd --insecure)"));
     }
     protocol = "am";
   }

@@ -79,8 +79,8 @@ class Daemon {
          std::string binary = SHARDCASTD_PATH)
       : node_(std::move(node)), port_(port) {
     socket_ = "/tmp/shardcast-test-" + std::to_string(::getpid()) + "-" + node_ + ".sock";
-    std::vector<std::string> argv = {binary, "--node", node_, "--listen", address(), "--socket", socket_,
-                                     "--log-level", "warn", "--metrics", "127.0.0.1:0"};
+    std::vector<std::string> argv = {binary,  "--node",      node_,  "--listen",  address(),    "--socket",
+                                     socket_, "--log-level", "warn", "--metrics", "127.0.0.1:0"};
     insecure_ = std::find(extra.begin(), extra.end(), "--insecure") != extra.end();
     const bool own_tls = std::find(extra.begin(), extra.end(), "--tls-cert") != extra.end();
     if (!insecure_ && !own_tls) {
@@ -112,7 +112,10 @@ class Daemon {
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   const std::string& socketPath() const { return socket_; }
   const std::string& node() const { return node_; }
-  void kill() { child_.kill(); child_.wait(); }
+  void kill() {
+    child_.kill();
+    child_.wait();
+  }
   pid_t pid() const { return child_.pid(); }
   void reap() { child_.wait(); }
   int stop() {
@@ -127,7 +130,9 @@ class Daemon {
   std::unique_ptr<v1::Shardcast::Stub> tcpClient() const {
     return v1::Shardcast::NewStub(channel(address(), tls(LocalCerts::get().client())));
   }
-  std::unique_ptr<v1::Peer::Stub> peer() const { return v1::Peer::NewStub(channel(address(), tls(LocalCerts::get().daemon()))); }
+  std::unique_ptr<v1::Peer::Stub> peer() const {
+    return v1::Peer::NewStub(channel(address(), tls(LocalCerts::get().daemon())));
+  }
   static std::shared_ptr<grpc::Channel> channel(const std::string& target, const TlsFiles& tls = {}) {
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);

@@ -67,26 +67,34 @@ std::string layoutJson(const Options& o, bool trainer) {
   std::string json;
   for (const auto& t : ts) {
     std::string placements;
-    if (trainer) placements = R"([{"shard":{"dim":0}}])";
-    else if (t.kind == 'c') placements = R"([{"replicate":{}},{"shard":{"dim":0}}])";
-    else if (t.kind == 'r') placements = R"([{"replicate":{}},{"shard":{"dim":1}}])";
-    else placements = R"([{"replicate":{}},{"replicate":{}}])";
+    if (trainer)
+      placements = R"([{"shard":{"dim":0}}])";
+    else if (t.kind == 'c')
+      placements = R"([{"replicate":{}},{"shard":{"dim":0}}])";
+    else if (t.kind == 'r')
+      placements = R"([{"replicate":{}},{"shard":{"dim":1}}])";
+    else
+      placements = R"([{"replicate":{}},{"replicate":{}}])";
     json += fmt::format(R"({}{{"name":"{}","shape":[{}],"dtype":"bfloat16","placements":{}}})", json.empty() ? "" : ",",
                         t.name, fmt::join(t.shape, ","), placements);
   }
   if (trainer)
-    return fmt::format(R"({{"group":"trainer","mesh":{{"shape":[{}]}},"ranks_per_node":4,"node_prefix":"trainer-","tensors":[{}]}})",
-                       o.trainer_nodes * 4, json);
+    return fmt::format(
+        R"({{"group":"trainer","mesh":{{"shape":[{}]}},"ranks_per_node":4,"node_prefix":"trainer-","tensors":[{}]}})",
+        o.trainer_nodes * 4, json);
   std::string fused;
   for (int l = 0; l < o.layers; ++l)
-    fused += fmt::format(R"({}{{"name":"model.layers.{}.self_attn.qkv_proj.weight","dim":0,"tensors":["model.layers.{}.self_attn.q_proj.weight","model.layers.{}.self_attn.k_proj.weight","model.layers.{}.self_attn.v_proj.weight"]}},{{"name":"model.layers.{}.mlp.gate_up_proj.weight","dim":0,"tensors":["model.layers.{}.mlp.gate_proj.weight","model.layers.{}.mlp.up_proj.weight"]}})",
-                         l ? "," : "", l, l, l, l, l, l, l);
-  return fmt::format(R"({{"group":"vllm","mesh":{{"shape":[{},4],"dim_names":["dp","tp"]}},"ranks_per_node":4,"node_prefix":"inference-","tensors":[{}],"fused":[{}]}})",
-                     o.inference_nodes, json, fused);
+    fused += fmt::format(
+        R"({}{{"name":"model.layers.{}.self_attn.qkv_proj.weight","dim":0,"tensors":["model.layers.{}.self_attn.q_proj.weight","model.layers.{}.self_attn.k_proj.weight","model.layers.{}.self_attn.v_proj.weight"]}},{{"name":"model.layers.{}.mlp.gate_up_proj.weight","dim":0,"tensors":["model.layers.{}.mlp.gate_proj.weight","model.layers.{}.mlp.up_proj.weight"]}})",
+        l ? "," : "", l, l, l, l, l, l, l);
+  return fmt::format(
+      R"({{"group":"vllm","mesh":{{"shape":[{},4],"dim_names":["dp","tp"]}},"ranks_per_node":4,"node_prefix":"inference-","tensors":[{}],"fused":[{}]}})",
+      o.inference_nodes, json, fused);
 }
 
 uint16_t valueOf(size_t tensor, int64_t flat, int version) {
-  return static_cast<uint16_t>(tensor * 7919 + static_cast<uint64_t>(flat) * 31 + static_cast<uint64_t>(version) * 1009);
+  return static_cast<uint16_t>(tensor * 7919 + static_cast<uint64_t>(flat) * 31 +
+                               static_cast<uint64_t>(version) * 1009);
 }
 
 // Writes (or, with check, counts mismatches of) every element a rank holds.
@@ -96,8 +104,10 @@ int64_t visit(const planner::ResolvedLayout& l, int32_t rank, const HostTensors&
   for (size_t b = 0; b < base.size(); ++b) base[b] = m.as<uint16_t>(l.buffer_names[b]).data();
   planner::forEachElement(l, rank, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
     uint16_t* e = base[static_cast<size_t>(p.buffer)] + off;
-    if (check) bad += *e != valueOf(t, flat, version);
-    else *e = valueOf(t, flat, version);
+    if (check)
+      bad += *e != valueOf(t, flat, version);
+    else
+      *e = valueOf(t, flat, version);
   });
   return bad;
 }
@@ -108,7 +118,8 @@ int run(const Options& o, const std::string& daemon_path) {
   const auto src_proto = planner::parseLayoutJson(layoutJson(o, true), "trainer");
   const auto dst_proto = planner::parseLayoutJson(layoutJson(o, false), "vllm");
   if (!src_proto.ok() || !dst_proto.ok()) {
-    fmt::print(stderr, "demo layouts: {}\n", std::string((src_proto.ok() ? dst_proto.status() : src_proto.status()).message()));
+    fmt::print(stderr, "demo layouts: {}\n",
+               std::string((src_proto.ok() ? dst_proto.status() : src_proto.status()).message()));
     return 1;
   }
   planner::NodeTable nodes;
@@ -182,7 +193,8 @@ int run(const Options& o, const std::string& daemon_path) {
   }
   auto step = [&](int v) {
     for (int32_t r = 0; r < src.world(); ++r)
-      if (auto st = trainer_clients[r].acquire("trainer", r); !st.ok()) throw std::runtime_error(std::string(st.status().message()));
+      if (auto st = trainer_clients[r].acquire("trainer", r); !st.ok())
+        throw std::runtime_error(std::string(st.status().message()));
     for (int32_t r = 0; r < src.world(); ++r) visit(src, r, smem[r], v, false);
     for (int32_t r = 0; r < src.world(); ++r)
       if (auto st = trainer_clients[r].publish("trainer", r, static_cast<uint64_t>(v)); !st.ok())
@@ -210,17 +222,20 @@ int run(const Options& o, const std::string& daemon_path) {
     int64_t bad = 0;
     for (int32_t r = 0; r < dst.world(); ++r) bad += visit(dst, r, dmem[r], v, true);
     failures += bad != 0;
-    fmt::print("sync v{}: {} to destination ranks ({} over the network, {} wave{}) in {:.3f} s = {:.2f} GB/s delivered{}; "
-               "verified: {}\n",
-               v, planner::humanBytes(static_cast<double>(out.bytes_needed())),
-               planner::humanBytes(static_cast<double>(out.network_bytes())), out.waves(), out.waves() == 1 ? "" : "s",
-               out.seconds(),
-               static_cast<double>(out.bytes_needed()) / out.seconds() / 1e9, out.plan_cached() ? " (plan cached)" : "",
-               bad == 0 ? "every byte correct" : fmt::format("{} WRONG elements", bad));
-    fmt::print("         gather+plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s; {} landed straight in rank "
-               "buffers\n",
-               out.gather_seconds(), out.prepare_seconds(), out.execute_seconds(), out.finish_seconds(),
-               planner::humanBytes(static_cast<double>(out.bytes_landed_direct())));
+    fmt::print(
+        "sync v{}: {} to destination ranks ({} over the network, {} wave{}) in {:.3f} s = {:.2f} GB/s delivered{}; "
+        "verified: {}\n",
+        v, planner::humanBytes(static_cast<double>(out.bytes_needed())),
+        planner::humanBytes(static_cast<double>(out.network_bytes())), out.waves(), out.waves() == 1 ? "" : "s",
+        out.seconds(), static_cast<double>(out.bytes_needed()) / out.seconds() / 1e9,
+        out.plan_cached() ? " (plan cached)" : "",
+        bad == 0 ? "every byte correct" : fmt::format("{} WRONG elements", bad));
+    fmt::print(
+        "         gather+plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s; {} landed straight in "
+        "rank "
+        "buffers\n",
+        out.gather_seconds(), out.prepare_seconds(), out.execute_seconds(), out.finish_seconds(),
+        planner::humanBytes(static_cast<double>(out.bytes_landed_direct())));
   }
   return failures == 0 ? 0 : 1;
 }
@@ -247,18 +262,30 @@ int main(int argc, char** argv) {
       return 0;
     }
     try {
-      if (a == "--layers") o.layers = std::stoi(next());
-      else if (a == "--hidden") o.hidden = std::stoll(next());
-      else if (a == "--syncs") o.syncs = std::stoi(next());
-      else if (a == "--trainer-nodes") o.trainer_nodes = std::stoi(next());
-      else if (a == "--inference-nodes") o.inference_nodes = std::stoi(next());
-      else if (a == "--ucx-tls") o.tls = next();
-      else if (a == "--staging-mib") o.staging_mib = std::stoll(next());
-      else if (a == "--chunk-mib") o.chunk_mib = std::stoll(next());
-      else if (a == "--window-mib") o.window_mib = std::stoll(next());
-      else if (a == "--verify") o.verify = true;
-      else if (a == "--daemon-arg") o.daemon_args.push_back(next());
-      else throw std::invalid_argument("unknown option " + a);
+      if (a == "--layers")
+        o.layers = std::stoi(next());
+      else if (a == "--hidden")
+        o.hidden = std::stoll(next());
+      else if (a == "--syncs")
+        o.syncs = std::stoi(next());
+      else if (a == "--trainer-nodes")
+        o.trainer_nodes = std::stoi(next());
+      else if (a == "--inference-nodes")
+        o.inference_nodes = std::stoi(next());
+      else if (a == "--ucx-tls")
+        o.tls = next();
+      else if (a == "--staging-mib")
+        o.staging_mib = std::stoll(next());
+      else if (a == "--chunk-mib")
+        o.chunk_mib = std::stoll(next());
+      else if (a == "--window-mib")
+        o.window_mib = std::stoll(next());
+      else if (a == "--verify")
+        o.verify = true;
+      else if (a == "--daemon-arg")
+        o.daemon_args.push_back(next());
+      else
+        throw std::invalid_argument("unknown option " + a);
     } catch (const std::exception& e) {
       fmt::print(stderr, "shardcast-demo: {}\n{}", e.what(), kUsage);
       return 2;
