@@ -143,7 +143,7 @@ StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self,
       return absl::FailedPreconditionError(strCat("two daemons claim node \"", d.node(), "\" (instances ", d.instance(),
                                                   " and another): give every daemon its own --node"));
     for (const auto& layout : d.layouts()) {
-      const std::string digest = layoutDigest(layout);
+      const std::string digest = planner::layoutDigest(layout);
       auto [it, inserted] = v.groups_.try_emplace(layout.group(), GroupInfo{layout, digest, {}});
       if (!inserted && it->second.digest != digest)
         return absl::FailedPreconditionError(strCat("group \"", layout.group(), "\" is registered with two layouts (",

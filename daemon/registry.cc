@@ -1,9 +1,6 @@
 #include "daemon/registry.h"
 
-#include <google/protobuf/io/coded_stream.h>
-#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <spdlog/spdlog.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <random>
@@ -14,19 +11,6 @@
 #include "transport/cuda/cuda_support.h"
 
 namespace shardcast::daemon {
-
-std::string layoutDigest(const v1::Layout& layout) {
-  std::string bytes;
-  {
-    google::protobuf::io::StringOutputStream out(&bytes);
-    google::protobuf::io::CodedOutputStream coded(&out);
-    coded.SetSerializationDeterministic(true);
-    layout.SerializeToCodedStream(&coded);
-  }
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(XXH64(bytes.data(), bytes.size(), 0)));
-  return hex;
-}
 
 namespace {
 
@@ -53,7 +37,7 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   if (req.group().empty()) return absl::InvalidArgumentError("register: group is empty");
   if (req.layout().group() != req.group())
     return absl::InvalidArgumentError(strCat(who, ": the layout is for group \"", req.layout().group(), "\""));
-  const std::string digest = layoutDigest(req.layout());
+  const std::string digest = planner::layoutDigest(req.layout());
   const v1::Role role = req.role() == v1::ROLE_SOURCE ? v1::ROLE_SOURCE : v1::ROLE_DESTINATION;
   if (req.role() != v1::ROLE_UNSPECIFIED && !v1::Role_IsValid(req.role()))
     return absl::InvalidArgumentError(strCat(who, ": unknown role ", static_cast<int>(req.role())));

@@ -26,9 +26,6 @@
 
 namespace shardcast::daemon {
 
-// A stable digest of a layout (xxHash64 of its deterministic serialisation), hex.
-std::string layoutDigest(const v1::Layout& layout);
-
 // Versions are below 2^63 (so that every client language holds them in a signed 64-bit integer).
 inline constexpr uint64_t kMaxVersion = uint64_t{1} << 63;
 

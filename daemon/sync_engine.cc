@@ -73,7 +73,8 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
                                                            uint64_t staging_budget, uint64_t chunk_bytes, bool* hit) {
   if (staging_budget == 0 || chunk_bytes == 0)
     return absl::InvalidArgumentError("staging budget and chunk size must be positive");
-  const std::string key = strCat(layoutDigest(src), "/", layoutDigest(dst), "/", staging_budget, "/", chunk_bytes);
+  const std::string key =
+      strCat(planner::layoutDigest(src), "/", planner::layoutDigest(dst), "/", staging_budget, "/", chunk_bytes);
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = plans_.find(key);
@@ -461,8 +462,8 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   }
   // The fences: source ranks here published exactly this version, destination ranks here accept
   // it. From here on, every way out ends the sync in the registry.
-  SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, a->dst_group, a->version, layoutDigest(req.src()),
-                                         layoutDigest(req.dst())));
+  SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, a->dst_group, a->version,
+                                         planner::layoutDigest(req.src()), planner::layoutDigest(req.dst())));
   transport_.openFence(a->fence);  // before any peer learns where to write
   auto prepared = prepareTargets(a, hit);
   if (!prepared.ok()) {

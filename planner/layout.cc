@@ -1,8 +1,12 @@
 #include "planner/layout.h"
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <google/protobuf/util/json_util.h>
+#include <xxhash.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -162,6 +166,19 @@ StatusOr<v1::Layout> parseLayoutJson(std::string_view json, std::string_view ori
     return absl::InvalidArgumentError(strCat(origin, ": not a valid shardcast.v1.Layout: ", std::string(st.message())));
   }
   return layout;
+}
+
+std::string layoutDigest(const v1::Layout& layout) {
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream out(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&out);
+    coded.SetSerializationDeterministic(true);
+    layout.SerializeToCodedStream(&coded);
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(XXH64(bytes.data(), bytes.size(), 0)));
+  return hex;
 }
 
 StatusOr<v1::Layout> readLayoutFile(const std::string& path) {

@@ -94,6 +94,9 @@ struct ResolvedLayout {
 // are errors). `origin` names the input in messages (a file path).
 StatusOr<v1::Layout> parseLayoutJson(std::string_view json, std::string_view origin);
 StatusOr<v1::Layout> readLayoutFile(const std::string& path);
+// A stable digest of a layout (xxHash64 of its deterministic serialisation), 16 hex digits: what
+// daemons compare to know two ranks registered the same layout, and what keys cached plans.
+std::string layoutDigest(const v1::Layout& layout);
 
 // Validates `layout` and resolves every tensor's pieces; node names are interned into `nodes`.
 StatusOr<ResolvedLayout> resolveLayout(const v1::Layout& layout, NodeTable& nodes);

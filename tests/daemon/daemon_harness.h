@@ -6,7 +6,7 @@
 #include <chrono>
 #include <memory>
 
-#include "client/examples/local_cluster/local_daemon.h"
+#include "tests/support/local_daemon.h"
 #include "tests/transport/process.h"
 
 namespace shardcast::testing {

@@ -1,4 +1,4 @@
-// Helpers for cross-process tests: child processes (common/subprocess.h) and byte patterns that
+// Helpers for cross-process tests: child processes (tests/support/subprocess.h) and byte patterns that
 // tell every byte of a transfer apart.
 #pragma once
 
@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "common/subprocess.h"
+#include "tests/support/subprocess.h"
 
 namespace shardcast::testing {
 

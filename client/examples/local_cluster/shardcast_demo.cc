@@ -14,10 +14,10 @@
 #include <filesystem>
 #include <map>
 
-#include "client/examples/local_cluster/local_daemon.h"
 #include "client/lib/client.h"
 #include "planner/layout.h"
 #include "planner/report.h"
+#include "tests/support/local_daemon.h"
 
 using namespace shardcast;
 using examples::Daemon;

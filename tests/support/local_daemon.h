@@ -15,10 +15,10 @@
 #include <string>
 #include <vector>
 
-#include "common/subprocess.h"
 #include "common/tls.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "shardcast/v1/service.grpc.pb.h"
+#include "tests/support/subprocess.h"
 
 #ifndef SHARDCASTD_PATH
 #define SHARDCASTD_PATH "shardcastd"
