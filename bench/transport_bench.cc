@@ -154,8 +154,14 @@ int concurrentPairs(int pairs, const std::vector<std::string>& args, const std::
 
 int main(int argc, char** argv) {
   TransportOptions o;
-  o.ucx_tls = arg(argc, argv, "--tls", "");
-  o.protocol = arg(argc, argv, "--protocol", "auto");
+  o.ucx.tls = arg(argc, argv, "--tls", "");
+  const std::string protocol = arg(argc, argv, "--protocol", "auto");
+  auto parsed = parseProtocol(protocol);
+  if (!parsed.ok()) {
+    fmt::print(stderr, "{}\n", std::string(parsed.status().message()));
+    return 2;
+  }
+  o.ucx.protocol = *parsed;
   o.name = "bench";
   std::vector<size_t> sizes;
   std::stringstream ss(arg(argc, argv, "--sizes", "64,256,1024"));
@@ -177,13 +183,13 @@ int main(int argc, char** argv) {
   if (role == "send" && pairs > 1) {
     return concurrentPairs(
         pairs,
-        {"--tls", o.ucx_tls, "--protocol", o.protocol, "--sizes", arg(argc, argv, "--sizes", "64,256,1024"), "--iters",
+        {"--tls", o.ucx.tls, "--protocol", protocol, "--sizes", arg(argc, argv, "--sizes", "64,256,1024"), "--iters",
          std::to_string(iters), "--window", std::to_string(window), "--memory", memory},
         sizes, iters, window);
   }
 
-  Child child = Child::spawn({"/proc/self/exe", "--role", "recv", "--tls", o.ucx_tls, "--protocol", o.protocol,
-                              "--sizes", std::to_string(max_size >> 10) + "k", "--memory", memory});
+  Child child = Child::spawn({"/proc/self/exe", "--role", "recv", "--tls", o.ucx.tls, "--protocol", protocol, "--sizes",
+                              std::to_string(max_size >> 10) + "k", "--memory", memory});
   const std::string a = child.readLine(std::chrono::seconds(60)), g = child.readLine(std::chrono::seconds(60));
   if (a.rfind("ADDRESS ", 0) != 0 || g.rfind("REGION ", 0) != 0) {
     fmt::print(stderr, "receiver did not start: {} {}\n", a, g);
@@ -221,7 +227,7 @@ int main(int argc, char** argv) {
     child.wait();
     return 0;
   }
-  fmt::print("transport {} (UCX_TLS={})\n", (*ctx)->describe(), o.ucx_tls.empty() ? "default" : o.ucx_tls);
+  fmt::print("transport {} (UCX_TLS={})\n", (*ctx)->describe(), o.ucx.tls.empty() ? "default" : o.ucx.tls);
   for (size_t size : sizes) {
     const double gbs = measure(**ep, *region, *remote, size, iters, window).gbs(size * static_cast<size_t>(iters));
     fmt::print("  write {:>9} x {:>2} ({} in flight): {:6.2f} GB/s\n", label(size), iters, window, gbs);

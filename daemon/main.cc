@@ -121,10 +121,10 @@ int main(int argc, char** argv) {
   transport::TransportOptions topts;
   topts.backend = config->transport;
   topts.name = config->node;
-  topts.ucx_tls = config->ucx_tls;
-  topts.protocol = config->protocol;
-  topts.ucx_tcp_segment_bytes = static_cast<size_t>(config->ucx_tcp_segment_kib) << 10;
-  topts.bounded_writes_only = !config->insecure;
+  topts.ucx.tls = config->ucx_tls;
+  topts.ucx.protocol = *transport::parseProtocol(config->protocol);  // CLI11 checked the name
+  topts.ucx.tcp_segment_bytes = static_cast<size_t>(config->ucx_tcp_segment_kib) << 10;
+  topts.ucx.bounded_writes_only = !config->insecure;
   auto transport = transport::createContext(topts);
   if (!transport.ok()) return fail("transport: " + std::string(transport.status().message()));
   spdlog::info("data plane: {}", (*transport)->describe());

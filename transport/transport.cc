@@ -4,8 +4,6 @@
 #include <cstring>
 
 #include "common/strings.h"
-#include "transport/loopback/loopback.h"
-#include "transport/ucx/ucx_context.h"
 
 namespace shardcast::transport {
 
@@ -47,15 +45,32 @@ StatusOr<RemoteRegion> RemoteRegion::parse(const std::string& bytes) {
   return r;
 }
 
-StatusOr<std::unique_ptr<Context>> createContext(const TransportOptions& options) {
-  if (options.protocol != "auto" && options.protocol != "put" && options.protocol != "am")
-    return absl::InvalidArgumentError(
-        strCat("transport protocol \"", options.protocol, "\" (expected auto, put or am)"));
-  if (options.op_timeout.count() <= 0) return absl::InvalidArgumentError("transport op_timeout must be positive");
-  if (options.backend == "ucx") return createUcxContext(options);
-  if (options.backend == "loopback") return createLoopbackContext(options);
-  return absl::InvalidArgumentError(
-      strCat("unknown transport backend \"", options.backend, "\" (expected ucx or loopback)"));
+std::string_view protocolName(Protocol protocol) {
+  switch (protocol) {
+    case Protocol::kPut:
+      return "put";
+    case Protocol::kAm:
+      return "am";
+    default:
+      return "auto";
+  }
+}
+
+StatusOr<Protocol> parseProtocol(std::string_view name) {
+  for (const Protocol p : {Protocol::kAuto, Protocol::kPut, Protocol::kAm})
+    if (name == protocolName(p)) return p;
+  return absl::InvalidArgumentError(strCat("transport protocol \"", name, "\" (expected auto, put or am)"));
+}
+
+Status checkWriteRanges(const WriteOp& op, const std::string& peer_name) {
+  if (!op.src || op.src_offset > op.src->size() || op.length > op.src->size() - op.src_offset)
+    return absl::OutOfRangeError(strCat("write to peer '", peer_name, "': source range [", op.src_offset, ", +",
+                                        op.length, ") exceeds the local region of ", op.src ? op.src->size() : 0,
+                                        " bytes"));
+  if (op.dst_offset > op.dst.size || op.length > op.dst.size - op.dst_offset)
+    return absl::OutOfRangeError(strCat("write to peer '", peer_name, "': target range [", op.dst_offset, ", +",
+                                        op.length, ") exceeds the remote region of ", op.dst.size, " bytes"));
+  return absl::OkStatus();
 }
 
 }  // namespace shardcast::transport

@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -87,26 +88,47 @@ class Endpoint {
   virtual const std::string& peerName() const = 0;
 };
 
-struct TransportOptions {
-  std::string backend = "ucx";     // "ucx" or "loopback"
-  std::string name = "shardcast";  // used in error messages ("context 'x': peer 'y': ...")
-  // UCX: transports to use (UCX_TLS syntax, e.g. "tcp", "posix,sysv,self"); empty = UCX's default.
-  std::string ucx_tls;
-  // How writes travel: "put" (RMA + flush), "am" (active messages into registered memory, acked),
-  // or "auto": am when the transports are TCP only (UCX 1.13's TCP put is ~4x slower), else put.
-  std::string protocol = "auto";
+// How UCX writes travel: RMA put + flush, or active messages into registered memory, acked (the
+// target's handler checks every range and the sync's fence); auto picks per transport
+// (UcxOptions::bounded_writes_only, docs/transport.md).
+enum class Protocol { kAuto, kPut, kAm };
+std::string_view protocolName(Protocol protocol);
+// "auto", "put" or "am"; INVALID_ARGUMENT naming the others.
+StatusOr<Protocol> parseProtocol(std::string_view name);
+
+// The UCX backend's options.
+struct UcxOptions {
+  // Transports to use (UCX_TLS syntax, e.g. "tcp", "posix,sysv,self"); empty = UCX's default.
+  std::string tls;
+  // auto: am when the transports are TCP only (UCX 1.13's TCP put is ~4x slower), else put.
+  Protocol protocol = Protocol::kAuto;
   // Only writes the target can bound to the region it registered: put only over transports whose
   // hardware checks the remote key (InfiniBand/RoCE rc/dc, CUDA IPC), never over tcp, cma or
   // shared memory, where UCX's emulated RMA writes wherever an address and key point. "auto" then
-  // picks am elsewhere and an explicit "put" is an error. Daemons set it unless run --insecure.
+  // picks am elsewhere and an explicit put is an error. Daemons set it unless run --insecure.
   bool bounded_writes_only = false;
-  // UCX over TCP: the segment size (UCX_TCP_RX_SEG_SIZE), which bounds each fragment a large write
+  // Over TCP: the segment size (UCX_TCP_RX_SEG_SIZE), which bounds each fragment a large write
   // travels in, one sendmsg(2) per fragment. UCX's default of 64 KiB makes 16x the system calls of
   // 1 MiB, and each one traps under virtualisation. 0 keeps UCX's own; an explicit
   // UCX_TCP_RX_SEG_SIZE in the environment wins over this.
-  size_t ucx_tcp_segment_bytes = size_t{1} << 20;
+  size_t tcp_segment_bytes = size_t{1} << 20;
+};
+
+struct TransportOptions {
+  std::string backend = "ucx";     // a name of backends(): "ucx" or "loopback"
+  std::string name = "shardcast";  // used in error messages ("context 'x': peer 'y': ...")
   // An operation not completed after this long fails with DEADLINE_EXCEEDED (a vanished peer).
   std::chrono::milliseconds op_timeout{30000};
+  UcxOptions ucx;
+};
+
+// What a context can do, for callers that choose a path by it (the sync engine, Status).
+struct Capabilities {
+  bool cuda_memory = false;                    // registers device memory itself (GPUDirect)
+  bool ordered_notify = true;                  // a notification lands after the writes before it
+  size_t max_notify_bytes = size_t{64} << 10;  // the largest notification payload
+  bool detects_peer_failure = false;           // in-flight operations fail when the peer goes (else: op_timeout)
+  bool bounded_writes = true;                  // the target checks every write against its regions and fences
 };
 
 class Context {
@@ -117,6 +139,7 @@ class Context {
   // The bytes a peer passes to connect() (exchanged out of band).
   virtual std::string address() const = 0;
   virtual bool canAccess(MemoryKind kind) const = 0;
+  virtual Capabilities capabilities() const = 0;
   virtual StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) = 0;
   // Host memory allocated and registered by the backend (staging and landing buffers). With UCX
   // this memory is shareable, so peers on the same host can put into it by plain stores.
@@ -132,7 +155,20 @@ class Context {
   virtual void setNotificationHandler(std::function<void(std::string payload)> handler) = 0;
 };
 
+// The backends, by name (transport/backends.cc): a new one is a directory with its own CMake
+// target and one row there.
+struct Backend {
+  const char* name;
+  StatusOr<std::unique_ptr<Context>> (*create)(const TransportOptions& options);
+  const char* description;
+};
+const std::vector<Backend>& backends();
+
 // Creates a context of options.backend. INVALID_ARGUMENT for an unknown backend or option.
 StatusOr<std::unique_ptr<Context>> createContext(const TransportOptions& options);
+
+// The checks every backend makes of a write before it travels: the source range inside its
+// region, the target range inside the remote region (OUT_OF_RANGE naming the peer and the range).
+Status checkWriteRanges(const WriteOp& op, const std::string& peer_name);
 
 }  // namespace shardcast::transport

@@ -87,7 +87,7 @@ TEST_CASE("a daemon fed lying notifications fails the sync and stays up", "[daem
   // chain and hop the plan does not have for this node.
   transport::TransportOptions opts;
   opts.name = "impostor";
-  opts.ucx_tls = "tcp";
+  opts.ucx.tls = "tcp";
   auto ctx_or = transport::createContext(opts);
   REQUIRE(ctx_or.ok());
   auto ep = (*ctx_or)->connect(described.transport_address(), "n1");

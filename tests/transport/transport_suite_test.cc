@@ -33,7 +33,7 @@ struct UcxDefault {
 struct UcxTcpAm {
   static TransportOptions options() {
     TransportOptions o;
-    o.ucx_tls = "tcp";  // auto -> am
+    o.ucx.tls = "tcp";  // auto -> am
     return o;
   }
   static constexpr bool kChecksTargets = true;
@@ -41,8 +41,8 @@ struct UcxTcpAm {
 struct UcxTcpAmUcxSegment {  // UCX's own 64 KiB TCP segments instead of the 1 MiB default
   static TransportOptions options() {
     TransportOptions o;
-    o.ucx_tls = "tcp";
-    o.ucx_tcp_segment_bytes = 0;
+    o.ucx.tls = "tcp";
+    o.ucx.tcp_segment_bytes = 0;
     return o;
   }
   static constexpr bool kChecksTargets = true;
@@ -50,8 +50,8 @@ struct UcxTcpAmUcxSegment {  // UCX's own 64 KiB TCP segments instead of the 1 M
 struct UcxTcpPut {
   static TransportOptions options() {
     TransportOptions o;
-    o.ucx_tls = "tcp";
-    o.protocol = "put";
+    o.ucx.tls = "tcp";
+    o.ucx.protocol = Protocol::kPut;
     return o;
   }
   static constexpr bool kChecksTargets = false;
@@ -59,7 +59,7 @@ struct UcxTcpPut {
 struct UcxShmPut {
   static TransportOptions options() {
     TransportOptions o;
-    o.ucx_tls = "posix,sysv,self";  // auto -> put
+    o.ucx.tls = "posix,sysv,self";  // auto -> put
     return o;
   }
   static constexpr bool kChecksTargets = false;
@@ -67,8 +67,8 @@ struct UcxShmPut {
 struct UcxShmAm {
   static TransportOptions options() {
     TransportOptions o;
-    o.ucx_tls = "posix,sysv,self";
-    o.protocol = "am";
+    o.ucx.tls = "posix,sysv,self";
+    o.ucx.protocol = Protocol::kAm;
     return o;
   }
   static constexpr bool kChecksTargets = true;
@@ -296,11 +296,10 @@ TEST_CASE("context options are validated", "[transport]") {
   auto c = createContext(o);
   REQUIRE_FALSE(c.ok());
   CHECK_THAT(std::string(c.status().message()), Catch::Contains("unknown transport backend \"carrier-pigeon\""));
+  CHECK_THAT(std::string(parseProtocol("telepathy").status().message()), Catch::Contains("expected auto, put or am"));
+  CHECK(*parseProtocol("am") == Protocol::kAm);
   o = {};
-  o.protocol = "telepathy";
-  CHECK_FALSE(createContext(o).ok());
-  o = {};
-  o.ucx_tls = "no_such_transport";
+  o.ucx.tls = "no_such_transport";
   auto u = createContext(o);
   if (u.ok()) {
     // UCX may accept an unknown name and fail at connect time instead; either way it says so.
@@ -322,14 +321,14 @@ TEST_CASE("loopback: connecting to an unknown address fails", "[transport]") {
 TEST_CASE("auto protocol: active messages on TCP only, put elsewhere", "[transport]") {
   for (const char* tls : {"tcp", "tcp,self", "self,tcp"}) {
     TransportOptions o;
-    o.ucx_tls = tls;
+    o.ucx.tls = tls;
     auto c = createContext(o);
     REQUIRE(c.ok());
     CHECK_THAT((*c)->describe(), Catch::Contains("protocol=am"));
   }
   for (const char* tls : {"posix,sysv,self", "tcp,posix", "all"}) {
     TransportOptions o;
-    o.ucx_tls = tls;
+    o.ucx.tls = tls;
     auto c = createContext(o);
     REQUIRE(c.ok());
     CHECK_THAT((*c)->describe(), Catch::Contains("protocol=put"));
@@ -339,15 +338,15 @@ TEST_CASE("auto protocol: active messages on TCP only, put elsewhere", "[transpo
 TEST_CASE("TCP segment size: 1 MiB by default, UCX's own when 0, the environment's when set", "[transport]") {
   auto describe = [](const std::string& tls, size_t segment) {
     TransportOptions o;
-    o.ucx_tls = tls;
-    o.ucx_tcp_segment_bytes = segment;
+    o.ucx.tls = tls;
+    o.ucx.tcp_segment_bytes = segment;
     auto c = createContext(o);
     INFO(tls << ": " << (c.ok() ? "" : std::string(c.status().message())));
     REQUIRE(c.ok());
     return (*c)->describe();
   };
   ::unsetenv("UCX_TCP_RX_SEG_SIZE");
-  CHECK_THAT(describe("tcp", TransportOptions{}.ucx_tcp_segment_bytes), Catch::Contains("tcp_segment=1M"));
+  CHECK_THAT(describe("tcp", TransportOptions{}.ucx.tcp_segment_bytes), Catch::Contains("tcp_segment=1M"));
   CHECK_THAT(describe("tcp", 256 << 10), Catch::Contains("tcp_segment=256K"));
   CHECK_THAT(describe("tcp", 0), Catch::Contains("tcp_segment=64K"));
   CHECK_THAT(describe("", size_t{1} << 20), Catch::Contains("tcp_segment=1M"));  // UCX's default includes tcp
@@ -372,4 +371,33 @@ TEMPLATE_TEST_CASE("backend-allocated landing buffers receive writes", "[transpo
   REQUIRE(await([&](Completion done) { p.ep->write({rs, 0, (*landing)->remote(), 0, kSize}, std::move(done)); }).ok());
   CHECK(checkPattern(static_cast<unsigned char*>((*landing)->data()), kSize, 11) == kSize);
   CHECK_FALSE(p.b->allocateMemory(0).ok());
+}
+
+TEST_CASE("capabilities say what each backend bounds and detects", "[transport]") {
+  TransportOptions loop;
+  loop.backend = "loopback";
+  auto l = createContext(loop);
+  REQUIRE(l.ok());
+  CHECK((*l)->capabilities().bounded_writes);
+  CHECK_FALSE((*l)->capabilities().cuda_memory);
+  TransportOptions am;
+  am.ucx.tls = "tcp";  // auto: active messages, checked by the target
+  auto a = createContext(am);
+  REQUIRE(a.ok());
+  CHECK((*a)->capabilities().bounded_writes);
+  CHECK((*a)->capabilities().max_notify_bytes == size_t{64} << 10);
+  CHECK((*a)->capabilities().detects_peer_failure);  // a network transport
+  TransportOptions put;
+  put.ucx.tls = "posix,sysv,self";  // auto: put, which shared memory cannot bound
+  auto p = createContext(put);
+  REQUIRE(p.ok());
+  CHECK_FALSE((*p)->capabilities().bounded_writes);
+  put.ucx.bounded_writes_only = true;  // as a daemon without --insecure: am instead
+  auto bounded = createContext(put);
+  REQUIRE(bounded.ok());
+  CHECK((*bounded)->capabilities().bounded_writes);
+  CHECK_THAT((*bounded)->describe(), Catch::Contains("protocol=am"));
+  std::vector<std::string> names;
+  for (const auto& b : backends()) names.push_back(b.name);
+  CHECK(names == std::vector<std::string>{"ucx", "loopback"});
 }

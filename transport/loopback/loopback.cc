@@ -115,12 +115,9 @@ class LoopbackEndpoint final : public Endpoint {
 
  private:
   Status check(const WriteOp& op, LoopbackState& peer) const {
-    if (!op.src || op.src_offset > op.src->size() || op.length > op.src->size() - op.src_offset)
-      return absl::OutOfRangeError(strCat("write to peer '", peer_name_, "': source range [", op.src_offset, ", +",
-                                          op.length, ") exceeds the local region of ", op.src ? op.src->size() : 0,
-                                          " bytes"));
-    if (op.dst_offset > op.dst.size || op.length > op.dst.size - op.dst_offset ||
-        !peer.regions.covers(op.dst.base + op.dst_offset, op.length))
+    SC_RETURN_IF_ERROR(checkWriteRanges(op, peer_name_));
+    // The target's own check (UCX's active-message handler makes the same one on arrival).
+    if (!peer.regions.covers(op.dst.base + op.dst_offset, op.length))
       return absl::PermissionDeniedError(strCat("write to peer '", peer_name_, "': target range [", op.dst_offset,
                                                 ", +", op.length, ") is not inside memory the peer registered"));
     return absl::OkStatus();
@@ -163,6 +160,11 @@ class LoopbackContext final : public Context {
   }
   std::string address() const override { return address_; }
   bool canAccess(MemoryKind kind) const override { return kind == MemoryKind::kHost; }
+  Capabilities capabilities() const override {
+    Capabilities c;
+    c.detects_peer_failure = true;  // a context that is gone is not found: writes to it fail at once
+    return c;
+  }
 
   StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) override {
     if (kind != MemoryKind::kHost)

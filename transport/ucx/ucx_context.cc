@@ -142,12 +142,12 @@ class UcxEndpoint;
 
 class UcxEngine {
  public:
-  UcxEngine(TransportOptions options, std::shared_ptr<UcxCore> core, ucp_worker_h worker, std::string protocol,
+  UcxEngine(TransportOptions options, std::shared_ptr<UcxCore> core, ucp_worker_h worker, Protocol protocol,
             bool peer_failure)
       : options_(std::move(options)),
         core_(std::move(core)),
         worker_(worker),
-        protocol_(std::move(protocol)),
+        protocol_(protocol),
         peer_failure_(peer_failure),
         regions_(std::make_shared<RegionTable>()) {}
 
@@ -156,7 +156,8 @@ class UcxEngine {
   ~UcxEngine();
 
   const TransportOptions& options() const { return options_; }
-  const std::string& protocol() const { return protocol_; }
+  Protocol protocol() const { return protocol_; }
+  bool peerFailure() const { return peer_failure_; }
   const std::string& address() const { return address_; }
   std::shared_ptr<UcxCore> core() const { return core_; }
   std::shared_ptr<RegionTable> regions() const { return regions_; }
@@ -193,7 +194,7 @@ class UcxEngine {
   TransportOptions options_;
   std::shared_ptr<UcxCore> core_;
   ucp_worker_h worker_;
-  std::string protocol_;
+  Protocol protocol_;  // put or am (auto resolved at creation)
   bool peer_failure_;  // ask UCX for peer-failure detection (network transports have it)
   std::shared_ptr<RegionTable> regions_;
   std::string address_;
@@ -373,15 +374,8 @@ StatusOr<ucp_rkey_h> UcxEngine::rkeyFor(EpState& ep, const std::string& packed) 
 
 void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<WriteOp> ops, Completion done) {
   if (!ep->error.ok()) return done(ep->error);
-  for (const WriteOp& w : ops) {
-    if (!w.src || w.src_offset > w.src->size() || w.length > w.src->size() - w.src_offset)
-      return done(
-          absl::OutOfRangeError(strCat("write to peer '", ep->name, "': source range [", w.src_offset, ", +", w.length,
-                                       ") exceeds the local region of ", w.src ? w.src->size() : 0, " bytes")));
-    if (w.dst_offset > w.dst.size || w.length > w.dst.size - w.dst_offset)
-      return done(absl::OutOfRangeError(strCat("write to peer '", ep->name, "': target range [", w.dst_offset, ", +",
-                                               w.length, ") exceeds the remote region of ", w.dst.size, " bytes")));
-  }
+  for (const WriteOp& w : ops)
+    if (auto checked = checkWriteRanges(w, ep->name); !checked.ok()) return done(checked);
   const uint64_t id = next_op_++;
   PendingOp& op = ops_[id];
   op.done = std::move(done);
@@ -413,7 +407,7 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
     rp.user_data = ctx;
     rp.memh = region->memh();
     ucs_status_ptr_t req;
-    if (protocol_ == "put") {
+    if (protocol_ == Protocol::kPut) {
       auto rkey = rkeyFor(*ep, w.dst.rkey);
       if (!rkey.ok()) {
         delete ctx;
@@ -433,7 +427,7 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
                statusFromUcs(strCat("write of ", w.length, " bytes to peer '", ep->name, "'"), UCS_PTR_STATUS(req)));
     }
   }
-  if (protocol_ == "put") {
+  if (protocol_ == Protocol::kPut) {
     // Remote visibility: a flush completes after every earlier put reached the peer's memory.
     if (!hold()) return;
     auto* ctx = new RequestCtx{this, id, nullptr, nullptr, {}, {}, nullptr, nullptr, nullptr};
@@ -707,7 +701,7 @@ class UcxContext final : public Context {
   ~UcxContext() override { engine_->stop(); }
 
   std::string describe() const override {
-    return strCat("ucx(tls=", tls_.empty() ? "default" : tls_, ", protocol=", engine_->protocol(),
+    return strCat("ucx(tls=", tls_.empty() ? "default" : tls_, ", protocol=", protocolName(engine_->protocol()),
                   tcp_segment_.empty() ? "" : strCat(", tcp_segment=", tcp_segment_), ", cuda=", cuda_ ? "yes" : "no",
                   ")");
   }
@@ -717,6 +711,14 @@ class UcxContext final : public Context {
     return engine_->regions()->closeFence(fence, timeout);
   }
   bool canAccess(MemoryKind kind) const override { return kind == MemoryKind::kHost || cuda_; }
+  Capabilities capabilities() const override {
+    Capabilities c;
+    c.cuda_memory = cuda_;
+    c.max_notify_bytes = kMaxNotify;
+    c.detects_peer_failure = engine_->peerFailure();
+    c.bounded_writes = engine_->protocol() == Protocol::kAm || putIsBounded(tls_);
+    return c;
+  }
 
   StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) override {
     if (!data || size == 0) return absl::InvalidArgumentError("registerMemory: null or empty range");
@@ -783,7 +785,7 @@ class UcxContext final : public Context {
     remote.size = size;
     // A remote key is what lets a peer write here without us: packed only when writes are puts
     // (active messages land through our own handler, which checks every range).
-    if (engine_->protocol() == "put") {
+    if (engine_->protocol() == Protocol::kPut) {
       void* rkey_buf = nullptr;
       size_t rkey_len = 0;
       st = ucp_rkey_pack(engine_->core()->ctx, memh, &rkey_buf, &rkey_len);
@@ -858,16 +860,16 @@ bool putIsBounded(const std::string& tls) {
   return true;
 }
 
-const char* autoProtocolFor(const std::string& tls) {
+Protocol autoProtocolFor(const std::string& tls) {
   const TlsList l = parseTls(tls);
-  if (l.empty() || l.exclude || !l.names("tcp")) return "put";
+  if (l.empty() || l.exclude || !l.names("tcp")) return Protocol::kPut;
   for (const auto& item : l.items)
-    if (item != "tcp" && item != "self") return "put";
-  return "am";
+    if (item != "tcp" && item != "self") return Protocol::kPut;
+  return Protocol::kAm;
 }
 
 StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& options) {
-  std::string tls = options.ucx_tls;
+  std::string tls = options.ucx.tls;
   if (tls.empty()) {
     const char* env = std::getenv("UCX_TLS");
     if (env) tls = env;
@@ -875,25 +877,25 @@ StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& opti
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return statusFromUcs("ucp_config_read", st);
-  if (!options.ucx_tls.empty()) {
-    st = ucp_config_modify(config, "TLS", options.ucx_tls.c_str());
+  if (!options.ucx.tls.empty()) {
+    st = ucp_config_modify(config, "TLS", options.ucx.tls.c_str());
     if (st != UCS_OK) {
       ucp_config_release(config);
-      return absl::InvalidArgumentError(ucxError(strCat("UCX transports \"", options.ucx_tls, "\""), st));
+      return absl::InvalidArgumentError(ucxError(strCat("UCX transports \"", options.ucx.tls, "\""), st));
     }
   }
   std::string tcp_segment = mayUseTcp(tls) ? "64K" : "";  // UCX 1.13's default; none without tcp
   if (const char* env = std::getenv("UCX_TCP_RX_SEG_SIZE")) {
     tcp_segment = env;
-  } else if (options.ucx_tcp_segment_bytes > 0 && mayUseTcp(tls)) {
+  } else if (options.ucx.tcp_segment_bytes > 0 && mayUseTcp(tls)) {
     // A transport-level key (the tcp interface's RX_SEG_SIZE), which UCX applies to the interfaces
     // that have it; only set where tcp may be used, or UCX warns that no interface took it.
-    const size_t b = options.ucx_tcp_segment_bytes;  // in UCX's size syntax, e.g. "1M"
+    const size_t b = options.ucx.tcp_segment_bytes;  // in UCX's size syntax, e.g. "1M"
     tcp_segment = b % (1 << 20) == 0 ? strCat(b >> 20, "M") : b % 1024 == 0 ? strCat(b >> 10, "K") : std::to_string(b);
     st = ucp_config_modify(config, "RX_SEG_SIZE", tcp_segment.c_str());
     if (st != UCS_OK) {
       ucp_config_release(config);
-      return absl::InvalidArgumentError(ucxError(strCat("UCX TCP segment size ", options.ucx_tcp_segment_bytes), st));
+      return absl::InvalidArgumentError(ucxError(strCat("UCX TCP segment size ", options.ucx.tcp_segment_bytes), st));
     }
   }
   ucp_params_t params{};
@@ -919,16 +921,17 @@ StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& opti
   st = ucp_worker_create(core->ctx, &wp, &worker);
   if (st != UCS_OK) return statusFromUcs("ucp_worker_create", st);
 
-  std::string protocol = options.protocol == "auto" ? autoProtocolFor(tls) : options.protocol;
-  if (options.bounded_writes_only && protocol == "put" && !putIsBounded(tls)) {
-    if (options.protocol == "put") {
+  Protocol protocol = options.ucx.protocol;
+  if (protocol == Protocol::kAuto) protocol = autoProtocolFor(tls);
+  if (options.ucx.bounded_writes_only && protocol == Protocol::kPut && !putIsBounded(tls)) {
+    if (options.ucx.protocol == Protocol::kPut) {
       ucp_worker_destroy(worker);
       return absl::InvalidArgumentError(
           strCat("protocol put over UCX_TLS=", tls.empty() ? "(default)" : tls,
                  ": these transports cannot bound a peer's writes to the registered region (tcp, cma and shared memory "
                  "emulate RMA); use am, or rc/dc verbs, or accept it explicitly (shardcastd --insecure)"));
     }
-    protocol = "am";
+    protocol = Protocol::kAm;
   }
   auto engine = std::make_shared<UcxEngine>(options, core, worker, protocol, hasNetworkTransport(tls));
   SC_RETURN_IF_ERROR(engine->start());
