@@ -29,65 +29,19 @@
 #include "daemon/notification.h"
 #include "daemon/registry.h"
 #include "planner/plan.h"
+#include "planner/schedule.h"
 #include "shardcast/v1/service.pb.h"
 #include "transport/copy_engine.h"
 #include "transport/transport.h"
 
 namespace shardcast::daemon {
 
-// A plan with everything needed to execute it, shared by the syncs that repeat it.
-//
-// Bounded staging: transfers are cut into waves (in plan order) so that in every wave each node
-// lands at most `staging_bytes` and packs at most `staging_bytes` for the transfers it heads; a
-// wave's arena and staging offsets start again at zero. A single transfer larger than the budget
-// gets a wave of its own. The coordinator runs the waves one after another on every daemon.
-struct CachedPlan {
-  std::string key;  // the two layout digests and the staging budget
-  uint64_t staging_budget = 0;
-  planner::NodeTable nodes;
-  planner::ResolvedLayout src, dst;
-  planner::Plan plan;
-  int32_t waves = 1;
-  std::vector<int32_t> wave;  // per transfer
-  // Where a transfer lands on one node: straight into a destination rank's buffer when the
-  // transfer is a single fragment that one rank there holds whole and contiguously (no arena, no
-  // unpack copy; the node's other ranks copy from there), else at an offset in the node's arena.
-  struct Landing {
-    int32_t node = -1;
-    uint64_t arena_offset = 0;
-    int32_t rank = -1;           // direct: the destination rank
-    int32_t buffer = -1;         // direct: index into dst.buffer_names
-    uint64_t buffer_offset = 0;  // direct: bytes from the buffer's start
-    bool direct() const { return rank >= 0; }
-  };
-  std::vector<std::vector<Landing>> landing;  // per transfer, one per node it lands on
-  // Per node: the (destination rank, buffer) pairs transfers land in directly, sorted, each once.
-  std::vector<std::vector<std::pair<int32_t, int32_t>>> direct_targets;
-  // Per transfer: (node, offset in that node's staging) for every node that heads one of its
-  // chains with packed bytes.
-  std::vector<std::vector<std::pair<int32_t, uint64_t>>> heading;
-  // Per transfer, per chain (from chains_begin): sent straight from its source rank's registered
-  // buffer (a single fragment, contiguous there), so its head needs no staging for it.
-  std::vector<std::vector<char>> direct;
-  std::vector<uint64_t> arena_bytes, staging_bytes;  // per node: the largest wave's need
-  std::vector<uint64_t> fragment_offset;             // per fragment: offset inside its transfer
-  // Per transfer: the chunks it travels in. A single-fragment transfer is cut into the plan's
-  // chunks (row-major slabs, contiguous in the packed bytes), so relays forward chunk k while
-  // chunk k+1 is on the wire and fan-out overlaps the network; a bucket is one chunk.
-  struct Chunk {
-    planner::Box box;  // ndim 0: the whole transfer
-    uint64_t offset = 0;
-    uint64_t bytes = 0;
-  };
-  std::vector<std::vector<Chunk>> chunks;
-  std::vector<std::vector<int64_t>> incoming;  // per wave, per node: landings to process
-
-  static uint64_t offsetOf(const std::vector<std::pair<int32_t, uint64_t>>& list, int32_t node);
-  const Landing* landingOn(int32_t transfer, int32_t node) const;
-  // What is wrong with a peer's word that chunk `l` landed on node `self` in wave `wave`: "" when
-  // the transfer and chunk exist and belong to the wave, the chain is one of the transfer's and
-  // its hop is `self`; else what is not (every index a peer sends is checked here).
-  std::string landedProblem(const LandedChunk& l, int32_t wave, int32_t self) const;
+// A schedule as the daemon caches it, under the key of its layouts and budgets.
+struct CachedPlan : planner::Schedule {
+  std::string key;  // the two layout digests, the staging budget and the chunk size
+  std::string landedProblem(const LandedChunk& l, int32_t in_wave, int32_t self) const {
+    return Schedule::landedProblem(l.transfer, l.chain, l.hop, l.chunk, in_wave, self);
+  }
 };
 
 // The plans of the layout pairs synced lately: a bounded LRU of immutable plans (syncs in flight

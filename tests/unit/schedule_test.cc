@@ -1,0 +1,93 @@
+// The schedule of random plans (planner/schedule.h): the staging budget rule per wave and node,
+// offsets that never overlap, chunks that cover each transfer exactly, and the notification check
+// that accepts exactly what the schedule sends.
+#include "planner/schedule.h"
+
+#include <catch2/catch.hpp>
+#include <map>
+#include <random>
+
+#include "tests/unit/reference.h"
+#include "tests/unit/test_util.h"
+
+using namespace shardcast;
+using namespace shardcast::planner;
+using namespace shardcast::testing;
+
+namespace {
+
+uint64_t aligned(int64_t bytes) { return (static_cast<uint64_t>(bytes) + 63) & ~uint64_t{63}; }
+
+// [offset, offset + size) per user, in one (wave, node) space: none overlap, all inside `limit`;
+// more than one only while the sum stays within `budget` (one alone may exceed it).
+void checkSpace(const std::vector<std::pair<uint64_t, uint64_t>>& used, uint64_t budget, uint64_t limit) {
+  uint64_t sum = 0;
+  for (size_t i = 0; i < used.size(); ++i) {
+    sum += used[i].second;
+    CHECK(used[i].first + used[i].second <= limit);
+    for (size_t j = i + 1; j < used.size(); ++j)
+      CHECK((used[i].first + used[i].second <= used[j].first || used[j].first + used[j].second <= used[i].first));
+  }
+  if (used.size() > 1) CHECK(sum <= budget);
+}
+
+}  // namespace
+
+TEST_CASE("schedule: waves keep every node within the staging budget, offsets never overlap", "[planner][schedule]") {
+  std::mt19937 rng(20261201);
+  for (int it = 0; it < 300; ++it) {
+    const auto specs = randomTensorSpecs(rng);
+    v1::Layout src = randomLayoutShell(rng, "trainer");
+    v1::Layout dst = randomLayoutShell(rng, "inference");
+    for (const auto& s : specs) {
+      addRandomTensor(rng, src, s, /*cover=*/true);
+      if (rng() % 4 != 0) addRandomTensor(rng, dst, s, /*cover=*/false);
+    }
+    const uint64_t budget = std::vector<uint64_t>{64, 256, 4096, 1 << 20}[rng() % 4];
+    const uint64_t chunk = std::vector<uint64_t>{8, 64, 1 << 20}[rng() % 3];
+    INFO("src: " << src.ShortDebugString() << "\ndst: " << dst.ShortDebugString() << "\nbudget " << budget << " chunk "
+                 << chunk);
+    auto s = makeSchedule(src, dst, budget, chunk);
+    REQUIRE(s.ok());
+    const auto& plan = s->plan;
+    const size_t transfers = plan.transfers.size();
+    // Waves follow plan order.
+    for (size_t t = 1; t < transfers; ++t) CHECK(s->wave[t - 1] <= s->wave[t]);
+    if (transfers > 0) CHECK(s->waves == s->wave.back() + 1);
+    std::map<std::pair<int32_t, int32_t>, std::vector<std::pair<uint64_t, uint64_t>>> arena, staging;
+    for (size_t t = 0; t < transfers; ++t) {
+      const auto& tr = plan.transfers[t];
+      const int32_t w = s->wave[t];
+      for (const auto& l : s->landing[t])
+        if (!l.direct()) arena[{w, l.node}].emplace_back(l.arena_offset, aligned(tr.bytes));
+      for (const auto& [node, offset] : s->heading[t]) staging[{w, node}].emplace_back(offset, aligned(tr.bytes));
+      // Chunks: one after another, covering the transfer exactly.
+      uint64_t at = 0;
+      for (const auto& c : s->chunks[t]) {
+        CHECK(c.offset == at);
+        at += c.bytes;
+      }
+      CHECK(at == static_cast<uint64_t>(tr.bytes));
+      // The receiver accepts what the schedule sends, in its wave only.
+      for (int32_t ch = tr.chains_begin; ch < tr.chains_begin + tr.chains_count; ++ch) {
+        const auto& chain = plan.chains[static_cast<size_t>(ch)];
+        for (int32_t hop = 1; hop < chain.nodes_count; ++hop) {
+          const int32_t node = plan.chain_nodes[static_cast<size_t>(chain.nodes_begin + hop)];
+          CHECK(s->landedProblem(static_cast<int32_t>(t), ch, hop, 0, w, node).empty());
+          CHECK_FALSE(s->landedProblem(static_cast<int32_t>(t), ch, hop, 0, w + 1, node).empty());
+          CHECK_FALSE(
+              s->landedProblem(static_cast<int32_t>(t), ch, hop, static_cast<int32_t>(s->chunks[t].size()), w, node)
+                  .empty());
+        }
+      }
+    }
+    for (const auto& [key, used] : arena) checkSpace(used, budget, s->arena_bytes[static_cast<size_t>(key.second)]);
+    for (const auto& [key, used] : staging) checkSpace(used, budget, s->staging_bytes[static_cast<size_t>(key.second)]);
+  }
+}
+
+TEST_CASE("schedule: budgets and chunk sizes must be positive", "[planner][schedule]") {
+  const v1::Layout l = layoutFromJson(R"({"group":"g","mesh":{"shape":[1]},"nodes":["a"],"tensors":[]})");
+  CHECK_FALSE(makeSchedule(l, l, 0, 1).ok());
+  CHECK_FALSE(makeSchedule(l, l, 1, 0).ok());
+}
