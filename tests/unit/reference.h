@@ -7,6 +7,7 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "shardcast/v1/layout.pb.h"
@@ -286,6 +287,18 @@ inline void addRandomTensor(std::mt19937& rng, v1::Layout& l, const RandomTensor
     }
     p->set_rank(static_cast<int32_t>(rng() % world));
   }
+}
+
+// A random trainer layout holding every tensor and an inference layout needing most of them (the
+// shape of the property tests' inputs).
+inline std::pair<v1::Layout, v1::Layout> randomLayoutPair(std::mt19937& rng) {
+  const auto specs = randomTensorSpecs(rng);
+  std::pair<v1::Layout, v1::Layout> out{randomLayoutShell(rng, "trainer"), randomLayoutShell(rng, "inference")};
+  for (const auto& s : specs) {
+    addRandomTensor(rng, out.first, s, /*cover=*/true);
+    if (rng() % 4 != 0) addRandomTensor(rng, out.second, s, /*cover=*/false);
+  }
+  return out;
 }
 
 }  // namespace shardcast::testing
