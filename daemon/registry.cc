@@ -9,6 +9,7 @@
 #include "planner/layout.h"
 #include "planner/limits.h"
 #include "transport/cuda/cuda_support.h"
+#include "transport/resident.h"
 
 namespace shardcast::daemon {
 

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "common/strings.h"
+#include "transport/resident.h"
 #include "transport/shm.h"
 
 namespace shardcast::daemon {

@@ -9,6 +9,7 @@
 
 #include "transport/cuda/cuda_support.h"
 #include "transport/device_staging.h"
+#include "transport/resident.h"
 #include "transport/shm.h"
 
 using namespace shardcast;
