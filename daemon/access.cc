@@ -13,6 +13,7 @@
 
 #include "common/strings.h"
 #include "common/tls.h"
+#include "planner/limits.h"
 
 namespace shardcast::daemon {
 
@@ -141,7 +142,7 @@ MemoryCaller Caller::memory(bool insecure) const {
   return m;
 }
 
-StatusOr<Caller> AccessPolicy::client(const grpc::ServerContext& ctx) const {
+StatusOr<Caller> AccessPolicy::identify(const grpc::ServerContext& ctx) const {
   Caller c;
   const std::string peer = ctx.peer();
   if (local_) c.local = local_->credentials(peer);
@@ -176,7 +177,7 @@ StatusOr<Caller> AccessPolicy::client(const grpc::ServerContext& ctx) const {
              token_.empty() ? "" : " or the bearer token", "; local clients use the Unix socket"));
 }
 
-Status AccessPolicy::peer(const grpc::ServerContext& ctx) const {
+Status AccessPolicy::isDaemon(const grpc::ServerContext& ctx) const {
   if (insecure_) return absl::OkStatus();
   const std::string peer = ctx.peer();
   if (local_ && local_->credentials(peer))
@@ -189,6 +190,17 @@ Status AccessPolicy::peer(const grpc::ServerContext& ctx) const {
                                             " is not a daemon of this cluster (its certificate does not "
                                             "name ",
                                             kDaemonIdentity, ")"));
+}
+
+StatusOr<Caller> AccessPolicy::client(const grpc::ServerContext& ctx, const google::protobuf::Message& request) const {
+  SC_ASSIGN_OR_RETURN(Caller caller, identify(ctx));
+  SC_RETURN_IF_ERROR(planner::checkStringLengths(request));
+  return caller;
+}
+
+Status AccessPolicy::peer(const grpc::ServerContext& ctx, const google::protobuf::Message& request) const {
+  SC_RETURN_IF_ERROR(isDaemon(ctx));
+  return planner::checkStringLengths(request);
 }
 
 }  // namespace shardcast::daemon

@@ -4,6 +4,7 @@
 // kDaemonIdentity). A --insecure daemon admits every caller and says so at start.
 #pragma once
 
+#include <google/protobuf/message.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/socket.h>
 
@@ -63,14 +64,18 @@ class AccessPolicy {
       : insecure_(insecure), token_(std::move(token)), local_(local) {}
 
   bool insecure() const { return insecure_; }
-  // The client service: PERMISSION_DENIED (UNAUTHENTICATED without credentials) unless the caller
-  // is local, presents a certificate of the CA, or the token; anyone when insecure.
-  StatusOr<Caller> client(const grpc::ServerContext& ctx) const;
-  // The Peer service: only daemons of the cluster (certificate with kDaemonIdentity); anyone when
-  // insecure. Never a caller on the Unix socket.
-  Status peer(const grpc::ServerContext& ctx) const;
+  // Every handler starts here, with its request. The client service: PERMISSION_DENIED
+  // (UNAUTHENTICATED without credentials) unless the caller is local, presents a certificate of
+  // the CA, or the token (anyone when insecure); then the request's strings within bounds.
+  StatusOr<Caller> client(const grpc::ServerContext& ctx, const google::protobuf::Message& request) const;
+  // The Peer service: only daemons of the cluster (certificate with kDaemonIdentity; anyone when
+  // insecure), never a caller on the Unix socket; then the request's strings within bounds.
+  Status peer(const grpc::ServerContext& ctx, const google::protobuf::Message& request) const;
 
  private:
+  StatusOr<Caller> identify(const grpc::ServerContext& ctx) const;
+  Status isDaemon(const grpc::ServerContext& ctx) const;
+
   const bool insecure_;
   const std::string token_;
   const LocalListener* local_;

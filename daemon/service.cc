@@ -8,11 +8,22 @@
 
 #include "common/strings.h"
 #include "daemon/notification.h"
-#include "planner/limits.h"
 #include "planner/plan.h"
 #include "planner/report.h"
 
 namespace shardcast::daemon {
+
+namespace {
+
+// A handler's result: the value into the response, or the error as gRPC's.
+template <typename T>
+grpc::Status reply(StatusOr<T> result, T* out) {
+  if (!result.ok()) return toGrpc(result.status());
+  *out = std::move(*result);
+  return grpc::Status::OK;
+}
+
+}  // namespace
 
 ShardcastService::ShardcastService(const DaemonConfig& config, const AccessPolicy& access, Registry& registry,
                                    PeerSet& peers, SyncEngine& engine, Metrics& metrics, std::string transport)
@@ -37,9 +48,8 @@ uint64_t ShardcastService::newFence() {
 }
 
 grpc::Status ShardcastService::Sync(grpc::ServerContext* ctx, const v1::SyncRequest* req, v1::SyncResponse* out) {
-  const auto caller = access_.client(*ctx);
+  const auto caller = access_.client(*ctx, *req);
   if (!caller.ok()) return toGrpc(caller.status());
-  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   const grpc::Status st = coordinate(*req, out);
   if (st.ok()) {
     ++metrics_.syncs_ok;
@@ -82,9 +92,8 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
 
 grpc::Status ShardcastService::Watch(grpc::ServerContext* context, const v1::WatchRequest* req,
                                      grpc::ServerWriter<v1::SyncProgress>* writer) {
-  const auto caller = access_.client(*context);
+  const auto caller = access_.client(*context, *req);
   if (!caller.ok()) return toGrpc(caller.status());
-  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   const bool known = progress_.watch(req->sync_id(), std::chrono::seconds(5), [&](const v1::SyncProgress& p) {
     return !context->IsCancelled() && writer->Write(p);
   });
@@ -96,20 +105,15 @@ grpc::Status ShardcastService::Watch(grpc::ServerContext* context, const v1::Wat
 
 grpc::Status ShardcastService::WaitVersion(grpc::ServerContext* ctx, const v1::WaitVersionRequest* req,
                                            v1::WaitVersionResponse* out) {
-  const auto caller = access_.client(*ctx);
+  const auto caller = access_.client(*ctx, *req);
   if (!caller.ok()) return toGrpc(caller.status());
-  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
-  auto r = registry_.waitVersion(req->group(), req->version(), std::chrono::milliseconds(req->timeout_ms()));
-  if (!r.ok()) return toGrpc(r.status());
-  *out = std::move(*r);
-  return grpc::Status::OK;
+  return reply(registry_.waitVersion(req->group(), req->version(), std::chrono::milliseconds(req->timeout_ms())), out);
 }
 
 grpc::Status ShardcastService::Acquire(grpc::ServerContext* context, const v1::AcquireRequest* req,
                                        v1::AcquireResponse* out) {
-  const auto caller = access_.client(*context);
+  const auto caller = access_.client(*context, *req);
   if (!caller.ok()) return toGrpc(caller.status());
-  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   auto r = registry_.acquire(req->group(), req->rank(), caller->memory(access_.insecure()),
                              std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 30000),
                              [context] { return context->IsCancelled(); });
@@ -120,9 +124,8 @@ grpc::Status ShardcastService::Acquire(grpc::ServerContext* context, const v1::A
 
 grpc::Status ShardcastService::Release(grpc::ServerContext* ctx, const v1::ReleaseRequest* req,
                                        v1::ReleaseResponse* out) {
-  const auto caller = access_.client(*ctx);
+  const auto caller = access_.client(*ctx, *req);
   if (!caller.ok()) return toGrpc(caller.status());
-  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   auto r = registry_.release(req->group(), req->rank(), req->version(), caller->memory(access_.insecure()));
   if (!r.ok()) return toGrpc(r.status());
   *out->mutable_status() = std::move(*r);
@@ -131,9 +134,8 @@ grpc::Status ShardcastService::Release(grpc::ServerContext* ctx, const v1::Relea
 
 grpc::Status ShardcastService::Session(grpc::ServerContext* context, const v1::SessionRequest* req,
                                        grpc::ServerWriter<v1::SessionEvent>* writer) {
-  const auto caller = access_.client(*context);
+  const auto caller = access_.client(*context, *req);
   if (!caller.ok()) return toGrpc(caller.status());
-  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   const std::string session = registry_.openSession(req->client());
   v1::SessionEvent ev;
   ev.set_session_id(session);
@@ -166,55 +168,39 @@ void ShardcastService::stop() {
   sessions_cv_.notify_all();
 }
 
-grpc::Status PeerService::Describe(grpc::ServerContext* ctx, const v1::DescribeRequest*, v1::DescribeResponse* out) {
-  if (auto allowed = access_.peer(*ctx); !allowed.ok()) return toGrpc(allowed);
+grpc::Status PeerService::Describe(grpc::ServerContext* ctx, const v1::DescribeRequest* req,
+                                   v1::DescribeResponse* out) {
+  if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
   *out = registry_.describe();
   for (auto& [address, node] : peers_.knownNodes()) (*out->mutable_peer_nodes())[address] = node;
   return grpc::Status::OK;
 }
 
 grpc::Status PeerService::Prepare(grpc::ServerContext* ctx, const v1::PrepareRequest* req, v1::PrepareResponse* out) {
-  if (auto allowed = access_.peer(*ctx); !allowed.ok()) return toGrpc(allowed);
-  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
-  auto r = engine_.prepare(*req);
-  if (!r.ok()) return toGrpc(r.status());
-  *out = std::move(*r);
-  return grpc::Status::OK;
+  if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
+  return reply(engine_.prepare(*req), out);
 }
 
 grpc::Status PeerService::Execute(grpc::ServerContext* ctx, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) {
-  if (auto allowed = access_.peer(*ctx); !allowed.ok()) return toGrpc(allowed);
-  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
-  auto r = engine_.execute(*req);
-  if (!r.ok()) return toGrpc(r.status());
-  *out = std::move(*r);
-  return grpc::Status::OK;
+  if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
+  return reply(engine_.execute(*req), out);
 }
 
 grpc::Status PeerService::Progress(grpc::ServerContext* ctx, const v1::ProgressRequest* req,
                                    v1::ProgressResponse* out) {
-  if (auto allowed = access_.peer(*ctx); !allowed.ok()) return toGrpc(allowed);
-  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
-  auto r = engine_.progress(req->sync_id(), req->fence());
-  if (!r.ok()) return toGrpc(r.status());
-  *out = std::move(*r);
-  return grpc::Status::OK;
+  if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
+  return reply(engine_.progress(req->sync_id(), req->fence()), out);
 }
 
 grpc::Status PeerService::Finish(grpc::ServerContext* ctx, const v1::FinishRequest* req, v1::FinishResponse* out) {
-  if (auto allowed = access_.peer(*ctx); !allowed.ok()) return toGrpc(allowed);
-  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
-  auto r = engine_.finish(*req);
-  if (!r.ok()) return toGrpc(r.status());
-  *out = std::move(*r);
-  return grpc::Status::OK;
+  if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
+  return reply(engine_.finish(*req), out);
 }
 
 grpc::Status ShardcastService::Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                                         v1::RegisterResponse* out) {
-  const auto caller = access_.client(*ctx);
+  const auto caller = access_.client(*ctx, *req);
   if (!caller.ok()) return toGrpc(caller.status());
-  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   if (!caller->local && !access_.insecure())
     return toGrpc(absl::PermissionDeniedError(strCat(
         caller->who, ": ranks register over the Unix socket (the daemon checks that the memory is the caller's own)")));
@@ -229,16 +215,14 @@ grpc::Status ShardcastService::Register(grpc::ServerContext* ctx, const v1::Regi
 
 grpc::Status ShardcastService::Unregister(grpc::ServerContext* ctx, const v1::UnregisterRequest* req,
                                           v1::UnregisterResponse*) {
-  const auto caller = access_.client(*ctx);
+  const auto caller = access_.client(*ctx, *req);
   if (!caller.ok()) return toGrpc(caller.status());
-  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   return toGrpc(registry_.unregisterRank(req->group(), req->rank(), caller->memory(access_.insecure())));
 }
 
 grpc::Status ShardcastService::List(grpc::ServerContext* ctx, const v1::ListRequest* req, v1::ListResponse* out) {
-  const auto caller = access_.client(*ctx);
+  const auto caller = access_.client(*ctx, *req);
   if (!caller.ok()) return toGrpc(caller.status());
-  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   for (auto& r : registry_.list()) *out->add_ranks() = std::move(r);
   if (!req->all_nodes()) return grpc::Status::OK;
   auto peers = peers_.describeAll();
@@ -273,9 +257,8 @@ grpc::Status ShardcastService::List(grpc::ServerContext* ctx, const v1::ListRequ
 }
 
 grpc::Status ShardcastService::Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req, v1::PlanResponse* out) {
-  const auto caller = access_.client(*ctx);
+  const auto caller = access_.client(*ctx, *req);
   if (!caller.ok()) return toGrpc(caller.status());
-  if (auto sized = planner::checkStringLengths(*req); !sized.ok()) return toGrpc(sized);
   auto view = cluster();
   if (!view.ok()) return toGrpc(view.status());
   auto src = view->completeGroup(req->src_group());
@@ -299,8 +282,8 @@ grpc::Status ShardcastService::Plan(grpc::ServerContext* ctx, const v1::PlanRequ
   return grpc::Status::OK;
 }
 
-grpc::Status ShardcastService::Status(grpc::ServerContext* ctx, const v1::StatusRequest*, v1::StatusResponse* out) {
-  const auto caller = access_.client(*ctx);
+grpc::Status ShardcastService::Status(grpc::ServerContext* ctx, const v1::StatusRequest* req, v1::StatusResponse* out) {
+  const auto caller = access_.client(*ctx, *req);
   if (!caller.ok()) return toGrpc(caller.status());
   out->set_node(config_.node);
   out->set_version(kShardcastVersion);
