@@ -19,19 +19,14 @@
 
 namespace shardcast::planner {
 
-// A plan with everything needed to execute it: the schedule of its transfers.
+// A plan with everything needed to execute it: one TransferSchedule per transfer of the plan and
+// one NodeSchedule per node of its NodeTable.
 //
 // Bounded staging: transfers are cut into waves (in plan order) so that in every wave each node
-// lands at most `staging_bytes` and packs at most `staging_bytes` for the transfers it heads; a
+// lands at most `staging_budget` bytes and packs at most as much for the transfers it heads; a
 // wave's arena and staging offsets start again at zero. A single transfer larger than the budget
 // gets a wave of its own. The coordinator runs the waves one after another on every daemon.
 struct Schedule {
-  uint64_t staging_budget = 0;
-  NodeTable nodes;
-  ResolvedLayout src, dst;
-  Plan plan;
-  int32_t waves = 1;
-  std::vector<int32_t> wave;  // per transfer
   // Where a transfer lands on one node: straight into a destination rank's buffer when the
   // transfer is a single fragment that one rank there holds whole and contiguously (no arena, no
   // unpack copy; the node's other ranks copy from there), else at an offset in the node's arena.
@@ -43,30 +38,51 @@ struct Schedule {
     uint64_t buffer_offset = 0;  // direct: bytes from the buffer's start
     bool direct() const { return rank >= 0; }
   };
-  std::vector<std::vector<Landing>> landing;  // per transfer, one per node it lands on
-  // Per node: the (destination rank, buffer) pairs transfers land in directly, sorted, each once.
-  std::vector<std::vector<std::pair<int32_t, int32_t>>> direct_targets;
-  // Per transfer: (node, offset in that node's staging) for every node that heads one of its
-  // chains with packed bytes.
-  std::vector<std::vector<std::pair<int32_t, uint64_t>>> heading;
-  // Per transfer, per chain (from chains_begin): sent straight from its source rank's registered
-  // buffer (a single fragment, contiguous there), so its head needs no staging for it.
-  std::vector<std::vector<char>> direct;
-  std::vector<uint64_t> arena_bytes, staging_bytes;  // per node: the largest wave's need
-  std::vector<uint64_t> fragment_offset;             // per fragment: offset inside its transfer
-  // Per transfer: the chunks it travels in. A single-fragment transfer is cut into the plan's
-  // chunks (row-major slabs, contiguous in the packed bytes), so relays forward chunk k while
-  // chunk k+1 is on the wire and fan-out overlaps the network; a bucket is one chunk.
+  // A piece a transfer travels in. A single-fragment transfer is cut into the plan's chunks
+  // (row-major slabs, contiguous in the packed bytes), so relays forward chunk k while chunk k+1
+  // is on the wire and fan-out overlaps the network; a bucket is one chunk.
   struct Chunk {
     Box box;  // ndim 0: the whole transfer
     uint64_t offset = 0;
     uint64_t bytes = 0;
   };
-  std::vector<std::vector<Chunk>> chunks;
-  std::vector<std::vector<int64_t>> incoming;  // per wave, per node: landings to process
+  // A node that heads some of a transfer's chains with packed bytes, and where it packs them.
+  struct Heading {
+    int32_t node = -1;
+    uint64_t staging_offset = 0;
+  };
+  // Everything about one transfer of the plan (same index as plan.transfers).
+  struct TransferSchedule {
+    int32_t wave = 0;
+    std::vector<Landing> landings;  // one per node it lands on
+    std::vector<Heading> heading;
+    // Per chain (from the transfer's chains_begin): sent straight from its source rank's
+    // registered buffer (a single fragment, contiguous there), so its head needs no staging for it.
+    std::vector<char> direct;
+    std::vector<Chunk> chunks;
+    const Landing* landingOn(int32_t node) const;
+    // Where `node` packs this transfer; UINT64_MAX when it packs none of it.
+    uint64_t stagingOffset(int32_t node) const;
+  };
+  // What one node needs for the whole schedule (same index as the NodeTable).
+  struct NodeSchedule {
+    uint64_t arena_bytes = 0, staging_bytes = 0;  // the largest wave's need
+    // The (destination rank, buffer) pairs transfers land in directly, sorted, each once.
+    std::vector<std::pair<int32_t, int32_t>> direct_targets;
+    std::vector<int64_t> incoming;  // per wave: chunk landings to process
+  };
 
-  static uint64_t offsetOf(const std::vector<std::pair<int32_t, uint64_t>>& list, int32_t node);
-  const Landing* landingOn(int32_t transfer, int32_t node) const;
+  uint64_t staging_budget = 0;
+  NodeTable nodes;
+  ResolvedLayout src, dst;
+  Plan plan;
+  int32_t waves = 1;
+  std::vector<TransferSchedule> transfers;
+  std::vector<NodeSchedule> per_node;
+  std::vector<uint64_t> fragment_offset;  // per fragment: offset inside its transfer's packed bytes
+
+  const TransferSchedule& transfer(int32_t t) const { return transfers[static_cast<size_t>(t)]; }
+  const NodeSchedule& node(int32_t n) const { return per_node[static_cast<size_t>(n)]; }
   // What is wrong with a peer's word that chunk `chunk` of `transfer` landed on node `self`, hop
   // `hop` of chain `chain`, in wave `wave`: "" when the transfer and chunk exist and belong to the
   // wave, the chain is one of the transfer's and its hop is `self`; else what is not (every index
@@ -79,5 +95,9 @@ struct Schedule {
 // `staging_budget` bytes per node and wave.
 StatusOr<Schedule> makeSchedule(const v1::Layout& src, const v1::Layout& dst, uint64_t staging_budget,
                                 uint64_t chunk_bytes);
+// Schedules a plan already made over these resolved layouts and node table (a replica set's
+// composed plan, say) for `staging_budget` bytes per node and wave.
+StatusOr<Schedule> scheduleOf(NodeTable nodes, ResolvedLayout src, ResolvedLayout dst, Plan plan,
+                              uint64_t staging_budget);
 
 }  // namespace shardcast::planner

@@ -3,6 +3,7 @@
 // that accepts exactly what the schedule sends.
 #include "planner/schedule.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <map>
 #include <random>
@@ -46,18 +47,28 @@ TEST_CASE("schedule: waves keep every node within the staging budget, offsets ne
     const auto& plan = s->plan;
     const size_t transfers = plan.transfers.size();
     // Waves follow plan order.
-    for (size_t t = 1; t < transfers; ++t) CHECK(s->wave[t - 1] <= s->wave[t]);
-    if (transfers > 0) CHECK(s->waves == s->wave.back() + 1);
+    for (size_t t = 1; t < transfers; ++t) CHECK(s->transfers[t - 1].wave <= s->transfers[t].wave);
+    if (transfers > 0) CHECK(s->waves == s->transfers.back().wave + 1);
+    REQUIRE(s->transfers.size() == transfers);
+    REQUIRE(s->per_node.size() == static_cast<size_t>(s->nodes.size()));
+    std::map<std::pair<int32_t, int32_t>, int64_t> landings;  // (wave, node) -> chunks landing
     std::map<std::pair<int32_t, int32_t>, std::vector<std::pair<uint64_t, uint64_t>>> arena, staging;
     for (size_t t = 0; t < transfers; ++t) {
       const auto& tr = plan.transfers[t];
-      const int32_t w = s->wave[t];
-      for (const auto& l : s->landing[t])
+      const auto& ts = s->transfers[t];
+      const int32_t w = ts.wave;
+      for (const auto& l : ts.landings) {
         if (!l.direct()) arena[{w, l.node}].emplace_back(l.arena_offset, aligned(tr.bytes));
-      for (const auto& [node, offset] : s->heading[t]) staging[{w, node}].emplace_back(offset, aligned(tr.bytes));
+        landings[{w, l.node}] += static_cast<int64_t>(ts.chunks.size());
+        CHECK(ts.landingOn(l.node) == &l);
+      }
+      for (const auto& h : ts.heading) {
+        staging[{w, h.node}].emplace_back(h.staging_offset, aligned(tr.bytes));
+        CHECK(ts.stagingOffset(h.node) == h.staging_offset);
+      }
       // Chunks: one after another, covering the transfer exactly.
       uint64_t at = 0;
-      for (const auto& c : s->chunks[t]) {
+      for (const auto& c : ts.chunks) {
         CHECK(c.offset == at);
         at += c.bytes;
       }
@@ -70,13 +81,21 @@ TEST_CASE("schedule: waves keep every node within the staging budget, offsets ne
           CHECK(s->landedProblem(static_cast<int32_t>(t), ch, hop, 0, w, node).empty());
           CHECK_FALSE(s->landedProblem(static_cast<int32_t>(t), ch, hop, 0, w + 1, node).empty());
           CHECK_FALSE(
-              s->landedProblem(static_cast<int32_t>(t), ch, hop, static_cast<int32_t>(s->chunks[t].size()), w, node)
+              s->landedProblem(static_cast<int32_t>(t), ch, hop, static_cast<int32_t>(ts.chunks.size()), w, node)
                   .empty());
         }
       }
     }
-    for (const auto& [key, used] : arena) checkSpace(used, budget, s->arena_bytes[static_cast<size_t>(key.second)]);
-    for (const auto& [key, used] : staging) checkSpace(used, budget, s->staging_bytes[static_cast<size_t>(key.second)]);
+    for (const auto& [key, used] : arena) checkSpace(used, budget, s->node(key.second).arena_bytes);
+    for (const auto& [key, used] : staging) checkSpace(used, budget, s->node(key.second).staging_bytes);
+    // Each node expects, per wave, exactly the chunks that land on it; direct targets once each.
+    for (int32_t n = 0; n < s->nodes.size(); ++n) {
+      const auto& ns = s->node(n);
+      REQUIRE(ns.incoming.size() == static_cast<size_t>(s->waves));
+      for (int32_t w = 0; w < s->waves; ++w) CHECK(ns.incoming[static_cast<size_t>(w)] == landings[{w, n}]);
+      CHECK(std::is_sorted(ns.direct_targets.begin(), ns.direct_targets.end()));
+      CHECK(std::adjacent_find(ns.direct_targets.begin(), ns.direct_targets.end()) == ns.direct_targets.end());
+    }
   }
 }
 

@@ -1,0 +1,328 @@
+#include "daemon/execution.h"
+
+#include <xxhash.h>
+
+#include <utility>
+
+#include "common/strings.h"
+#include "transport/resident.h"
+
+namespace shardcast::daemon {
+
+namespace {
+
+std::vector<int64_t> denseFor(const planner::Box& b) { return transport::denseStrides(b.sizes()); }
+
+}  // namespace
+
+Execution::Execution(ExecutionEnv env, std::shared_ptr<SyncAttempt> attempt, const v1::ExecuteRequest& req)
+    : env_(env),
+      a_(std::move(attempt)),
+      req_(req),
+      cp_(*a_->plan),
+      plan_(cp_.plan),
+      self_(a_->self),
+      wave_(static_cast<int32_t>(req.wave())),
+      deadline_(Clock::now() + std::chrono::milliseconds(req.timeout_ms() ? req.timeout_ms() : 300000)) {}
+
+Status Execution::run() {
+  if (wave_ < 0 || wave_ >= cp_.waves)
+    return absl::InvalidArgumentError(strCat("sync ", a_->id, ": wave ", wave_, " of ", cp_.waves));
+  SC_RETURN_IF_ERROR(readDirectory());
+  if (wave_ == 0) SC_RETURN_IF_ERROR(copyColocated());
+  for (int32_t t = 0; t < static_cast<int32_t>(plan_.transfers.size()); ++t)
+    if (cp_.transfer(t).wave == wave_) SC_RETURN_IF_ERROR(sendHeaded(t));
+  return receive();
+}
+
+Status Execution::readDirectory() {
+  for (const auto& n : req_.nodes()) {
+    int32_t id = -1;
+    for (int32_t i = 0; i < cp_.nodes.size(); ++i)
+      if (cp_.nodes.name(i) == n.node()) id = i;
+    if (id < 0) continue;
+    Peer& p = peers_[id];
+    p.address = n.transport_address();
+    const auto& targets = n.targets();
+    if (!targets.arena_region().empty()) {
+      SC_ASSIGN_OR_RETURN(p.arena, transport::RemoteRegion::parse(targets.arena_region()));
+    }
+    for (const auto& r : targets.regions()) {
+      SC_ASSIGN_OR_RETURN(auto region, transport::RemoteRegion::parse(r));
+      p.regions.push_back(std::move(region));
+    }
+    for (const auto& b : targets.buffers()) {
+      if (b.region() >= p.regions.size())
+        return absl::InvalidArgumentError(strCat("sync ", a_->id, ": node \"", n.node(), "\" names landing region ",
+                                                 b.region(), " of ", p.regions.size()));
+      p.buffers[{b.rank(), b.buffer()}] = {b.region(), b.offset()};
+    }
+  }
+  return absl::OkStatus();
+}
+
+Status Execution::alive() const {
+  std::lock_guard<std::mutex> lock(a_->mu);
+  return a_->usable();
+}
+
+StatusOr<Registry::LocalBuffer> Execution::buffer(const planner::ResolvedLayout& l, int32_t rank, int32_t b) const {
+  return env_.registry.localBuffer(l.group, rank, l.buffer_names[static_cast<size_t>(b)]);
+}
+
+TypedView Execution::typed(const Registry::LocalBuffer& b, int64_t offset, std::vector<int64_t> strides,
+                           const planner::TensorLayout& t) {
+  return {{b.data, b.kind, offset, std::move(strides)}, t.dtype, b.copies};
+}
+
+StatusOr<uint64_t> Execution::checksum(const Registry::LocalBuffer& b, uint64_t offset, uint64_t n) {
+  if (b.kind == transport::MemoryKind::kHost) return XXH64(b.data + offset, static_cast<size_t>(n), 0);
+  if (b.transfer && b.transfer->staged())
+    return XXH64(static_cast<const std::byte*>(b.region->data()) + b.region_offset + offset, static_cast<size_t>(n), 0);
+  std::vector<std::byte> host(n);
+  const std::vector<int64_t> unit{1};
+  SC_RETURN_IF_ERROR(copyBox(env_.host_copies, b.copies, {host.data(), transport::MemoryKind::kHost, 0, unit},
+                             {b.data + offset, b.kind, 0, unit}, {static_cast<int64_t>(n)}, 1));
+  return XXH64(host.data(), static_cast<size_t>(n), 0);
+}
+
+Status Execution::send(const std::shared_ptr<transport::MemoryRegion>& src, uint64_t off, int32_t t, int32_t chain,
+                       int32_t hop, int32_t k, int32_t node, uint64_t sum) {
+  auto peer = peers_.find(node);
+  if (peer == peers_.end())
+    return absl::FailedPreconditionError(strCat("no daemon for node \"", cp_.nodes.name(node), "\""));
+  const auto* landing = cp_.transfer(t).landingOn(node);
+  if (landing == nullptr)
+    return absl::InternalError(strCat("sync ", a_->id, ": transfer ", t, " does not land on node ", node));
+  const auto& chunk = cp_.transfer(t).chunks[static_cast<size_t>(k)];
+  transport::WriteOp op{src,         off + chunk.offset, peer->second.arena, landing->arena_offset + chunk.offset,
+                        chunk.bytes, a_->fence};
+  if (landing->direct()) {
+    const std::string& name = cp_.dst.buffer_names[static_cast<size_t>(landing->buffer)];
+    auto target = peer->second.buffers.find({landing->rank, name});
+    if (target == peer->second.buffers.end())
+      return absl::FailedPreconditionError(strCat("sync ", a_->id, ": node \"", cp_.nodes.name(node),
+                                                  "\" did not offer buffer \"", name, "\" of rank ", landing->rank));
+    op.dst = peer->second.regions[target->second.first];
+    op.dst_offset = target->second.second + landing->buffer_offset + chunk.offset;
+  }
+  SC_ASSIGN_OR_RETURN(auto ep, env_.transport.connect(peer->second.address, cp_.nodes.name(node)));
+  SC_RETURN_IF_ERROR(queueWrite(a_, node, std::move(ep), {std::move(op), LandedChunk{t, chain, hop, k, sum}}));
+  a_->bytes_sent += chunk.bytes;
+  return absl::OkStatus();
+}
+
+// Colocated fragments (first wave): straight from local source ranks into local destination ranks.
+Status Execution::copyColocated() {
+  for (const auto& ls : plan_.local_sources) {
+    if (ls.node != self_) continue;
+    const auto& frag = plan_.fragments[ls.fragment];
+    const auto& pair = plan_.tensors[frag.tensor];
+    const auto& st = cp_.src.tensors[pair.src];
+    const auto& dt = cp_.dst.tensors[pair.dst];
+    for (const auto& [sub, dr] : planner::destinationRegions(plan_, cp_.dst, ls.fragment, self_)) {
+      SC_RETURN_IF_ERROR(alive());
+      const auto sr = planner::sourceRegion(plan_, cp_.src, ls.fragment, ls.src_rank, sub);
+      SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
+      SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
+      SC_RETURN_IF_ERROR(env_.stage.copyLocal(typed(db, dr.offset, dr.strides, dt),
+                                              typed(sb, sr.offset, sr.strides, st), dr.extent, {dt.name, sub}));
+      a_->local_bytes += static_cast<uint64_t>(sub.volume() * dt.elemBytes());
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Transfer t's chains that this node's source ranks head. Chains the schedule marks direct are sent
+// straight from the source rank's registered buffer; the others are packed into the staging
+// region (at the transfer's fixed offset) chunk by chunk, each chunk sent as soon as it is
+// packed so the network starts before the packing ends.
+Status Execution::sendHeaded(int32_t t) {
+  const auto& tr = plan_.transfers[t];
+  const auto& ts = cp_.transfer(t);
+  std::vector<int32_t> staged;
+  for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
+    const auto& ch = plan_.chains[c];
+    if (ch.src_node != self_) continue;
+    if (!ts.direct[static_cast<size_t>(c - tr.chains_begin)]) {
+      staged.push_back(c);
+      continue;
+    }
+    const int32_t f = plan_.transfer_fragments[tr.fragments_begin];
+    const int64_t elem = cp_.src.tensors[plan_.tensors[plan_.fragments[f].tensor].src].elemBytes();
+    const auto sr = planner::sourceRegion(plan_, cp_.src, f, planner::sourceRank(plan_, cp_.src, f, ch));
+    SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
+    if (!sb.region)
+      return absl::InternalError(strCat("sync ", a_->id, ": a source buffer of transfer ", t, " is not registered"));
+    {
+      std::lock_guard<std::mutex> lock(a_->mu);
+      a_->pinned.push_back(sb.keep_alive);
+    }
+    const uint64_t start = static_cast<uint64_t>(sr.offset * elem);
+    for (size_t k = 0; k < ts.chunks.size(); ++k) {
+      const auto& chunk = ts.chunks[k];
+      if (sb.transfer)
+        SC_RETURN_IF_ERROR(sb.transfer->stageOut(start + chunk.offset, chunk.bytes));  // device -> mirror
+      uint64_t sum = 0;
+      if (req_.verify()) {
+        SC_ASSIGN_OR_RETURN(sum, checksum(sb, start + chunk.offset, chunk.bytes));
+      }
+      SC_RETURN_IF_ERROR(send(sb.region, sb.region_offset + start, t, c, 0, static_cast<int32_t>(k),
+                              plan_.chain_nodes[ch.nodes_begin], sum));
+    }
+  }
+  if (staged.empty()) return absl::OkStatus();
+  const uint64_t at = ts.stagingOffset(self_);
+  if (at == UINT64_MAX) return absl::InternalError(strCat("sync ", a_->id, ": no staging planned for transfer ", t));
+  SC_RETURN_IF_ERROR(ensureStaging());
+  const auto& packer = plan_.chains[staged.front()];  // whose source ranks the bytes are read from
+  auto* out = static_cast<std::byte*>(a_->staging->data()) + at;
+  for (size_t k = 0; k < ts.chunks.size(); ++k) {
+    const auto& chunk = ts.chunks[k];
+    for (int32_t i = 0; i < tr.fragments_count; ++i) {
+      const int32_t f = plan_.transfer_fragments[tr.fragments_begin + i];
+      const auto& frag = plan_.fragments[f];
+      const auto& st = cp_.src.tensors[plan_.tensors[frag.tensor].src];
+      const auto& dt = cp_.dst.tensors[plan_.tensors[frag.tensor].dst];
+      const int32_t rank = planner::sourceRank(plan_, cp_.src, f, packer);
+      // A chunk is a row-major slab of its (single) fragment: dense at chunk.offset.
+      const planner::Box& part = chunk.box.ndim == 0 ? frag.box : chunk.box;
+      const auto sr = chunk.box.ndim == 0 ? planner::sourceRegion(plan_, cp_.src, f, rank)
+                                          : planner::sourceRegion(plan_, cp_.src, f, rank, chunk.box);
+      SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
+      const TypedView wire{
+          {out + cp_.fragment_offset[f] + chunk.offset, transport::MemoryKind::kHost, 0, denseFor(part)}, dt.dtype};
+      SC_RETURN_IF_ERROR(env_.stage.pack(wire, typed(sb, sr.offset, sr.strides, st), sr.extent, {dt.name, part}));
+    }
+    const uint64_t sum = req_.verify() ? XXH64(out + chunk.offset, static_cast<size_t>(chunk.bytes), 0) : 0;
+    for (const int32_t c : staged)
+      SC_RETURN_IF_ERROR(
+          send(a_->staging, at, t, c, 0, static_cast<int32_t>(k), plan_.chain_nodes[plan_.chains[c].nodes_begin], sum));
+  }
+  return absl::OkStatus();
+}
+
+// The staging region of this sync: a spare one of the same plan, or a new one.
+Status Execution::ensureStaging() {
+  if (a_->staging) return absl::OkStatus();
+  auto staging = env_.spares.take(cp_.key, SpareMemory::Use::kStaging);
+  if (!staging) {
+    SC_ASSIGN_OR_RETURN(staging, env_.transport.allocateMemory(cp_.node(self_).staging_bytes));
+    transport::makeResident(staging->data(), staging->size(), "a staging buffer");
+  }
+  std::lock_guard<std::mutex> lock(a_->mu);
+  a_->staging = staging;
+  return absl::OkStatus();
+}
+
+// Everything that lands here in this wave, one chunk at a time as notifications arrive.
+Status Execution::receive() {
+  int64_t processed = 0;
+  const int64_t expected = cp_.node(self_).incoming[static_cast<size_t>(wave_)];
+  while (true) {
+    LandedChunk l{};
+    {
+      std::unique_lock<std::mutex> lock(a_->mu);
+      const bool woke = a_->cv.wait_until(lock, deadline_, [&] {
+        return !a_->failure.ok() || !a_->landed.empty() || (processed == expected && a_->writes_pending == 0);
+      });
+      if (!a_->failure.ok()) return a_->failure;
+      if (!woke) {
+        return absl::DeadlineExceededError(strCat("sync ", a_->id, " on node \"", env_.node, "\": ", processed, " of ",
+                                                  expected, " chunks landed before the timeout"));
+      }
+      if (a_->landed.empty()) return absl::OkStatus();  // all landed, processed and forwarded
+      l = a_->landed.front();
+      a_->landed.pop_front();
+    }
+    SC_RETURN_IF_ERROR(processLanded(l));
+    ++processed;
+  }
+}
+
+// A landed chunk: verify it (optional), forward it along its relay chain, unpack it into the
+// local ranks that need part of it.
+Status Execution::processLanded(const LandedChunk& l) {
+  SC_RETURN_IF_ERROR(alive());
+  // Every index a peer sent, against the plan: the transfer and chunk exist and belong to this
+  // wave, the chain is one of the transfer's, and its hop is this node; each chunk lands once.
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(strCat("sync ", a_->id, " on node \"", env_.node, "\": a peer announced ", what,
+                                             " (transfer ", l.transfer, ", chain ", l.chain, ", hop ", l.hop,
+                                             ", chunk ", l.chunk, ")"));
+  };
+  if (const std::string problem = cp_.landedProblem(l, wave_, self_); !problem.empty()) return bad(problem);
+  {
+    std::lock_guard<std::mutex> lock(a_->mu);
+    if (!a_->seen.insert({l.transfer, l.chunk}).second) return bad("a chunk that already landed");
+  }
+  const auto& tr = plan_.transfers[l.transfer];
+  const auto& ts = cp_.transfer(l.transfer);
+  const auto& chunk = ts.chunks[static_cast<size_t>(l.chunk)];
+  const auto* landing = ts.landingOn(self_);
+  if (landing == nullptr)
+    return absl::InternalError(
+        strCat("sync ", a_->id, ": transfer ", l.transfer, " landed on node \"", env_.node, "\" unplanned"));
+  // Where the transfer's bytes are here: the landing rank's buffer, or the arena.
+  std::shared_ptr<transport::MemoryRegion> region = a_->arena;
+  uint64_t region_offset = landing->arena_offset;
+  Registry::LocalBuffer landed;
+  if (a_->arena) landed.data = static_cast<std::byte*>(a_->arena->data()) + landing->arena_offset;
+  uint64_t sum = 0;
+  if (landing->direct()) {
+    SC_ASSIGN_OR_RETURN(auto lb, buffer(cp_.dst, landing->rank, landing->buffer));
+    if (req_.verify()) {
+      SC_ASSIGN_OR_RETURN(sum, checksum(lb, landing->buffer_offset + chunk.offset, chunk.bytes));
+    }
+    region = lb.region;
+    region_offset = lb.region_offset + landing->buffer_offset;
+    landed = lb;
+    landed.data += landing->buffer_offset;
+  } else if (req_.verify()) {
+    sum = XXH64(landed.data + chunk.offset, static_cast<size_t>(chunk.bytes), 0);
+  }
+  if (req_.verify() && sum != l.checksum)
+    return absl::DataLossError(strCat("sync ", a_->id, ": chunk ", l.chunk, " of transfer ", l.transfer,
+                                      " arrived at node \"", env_.node, "\" with a wrong checksum"));
+  // Forward the chunk along its relay chain first: the next node's transfer then overlaps the
+  // local fan-out below (the bytes stay where they landed until the sync ends).
+  const auto& ch = plan_.chains[l.chain];
+  if (l.hop + 1 < ch.nodes_count)
+    SC_RETURN_IF_ERROR(send(region, region_offset, l.transfer, l.chain, l.hop + 1, l.chunk,
+                            plan_.chain_nodes[ch.nodes_begin + l.hop + 1], l.checksum));
+  if (landing->direct()) {
+    // Landed in a device buffer's transport mirror: into the device now.
+    if (landed.transfer)
+      SC_RETURN_IF_ERROR(landed.transfer->stageIn(landing->buffer_offset + chunk.offset, chunk.bytes));
+    a_->bytes_landed_direct += chunk.bytes;
+  }
+  // Unpack the chunk into the local ranks that need part of it (but the one it landed in).
+  for (int32_t i = 0; i < tr.fragments_count; ++i) {
+    const int32_t f = plan_.transfer_fragments[tr.fragments_begin + i];
+    const auto& frag = plan_.fragments[f];
+    const auto& dt = cp_.dst.tensors[plan_.tensors[frag.tensor].dst];
+    const int64_t elem = dt.elemBytes();
+    const auto dense = denseFor(frag.box);
+    for (const auto& [sub, dr] : planner::destinationRegions(plan_, cp_.dst, f, self_)) {
+      if (landing->direct() && dr.rank == landing->rank && dr.buffer == landing->buffer &&
+          static_cast<uint64_t>(dr.offset * elem) == landing->buffer_offset)
+        continue;
+      const planner::Box part = chunk.box.ndim == 0 ? sub : planner::intersect(sub, chunk.box);
+      if (part.empty()) continue;
+      int64_t src_off = 0, dst_off = dr.offset;
+      for (int d = 0; d < part.ndim; ++d) {
+        src_off += (part.lo[d] - frag.box.lo[d]) * dense[d];
+        dst_off += (part.lo[d] - sub.lo[d]) * dr.strides[d];
+      }
+      SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
+      const TypedView wire{
+          {landed.data + cp_.fragment_offset[f], landed.kind, src_off, dense}, dt.dtype, landed.copies};
+      SC_RETURN_IF_ERROR(env_.stage.unpack(typed(db, dst_off, dr.strides, dt), wire, part.sizes(), {dt.name, part}));
+      a_->local_bytes += static_cast<uint64_t>(part.volume() * elem);
+    }
+  }
+  a_->bytes_received += chunk.bytes;
+  return absl::OkStatus();
+}
+
+}  // namespace shardcast::daemon

@@ -1,0 +1,74 @@
+// The daemon's memory of the layout pairs it synced lately: their schedules (a bounded LRU of
+// immutable plans, shared by the syncs that repeat them) and the landing arenas and staging
+// buffers those syncs leave behind for the next sync of the same plan.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "daemon/notification.h"
+#include "planner/schedule.h"
+#include "shardcast/v1/layout.pb.h"
+#include "transport/transport.h"
+
+namespace shardcast::daemon {
+
+// A schedule as the daemon caches it, under the key of its layouts and budgets.
+struct CachedPlan : planner::Schedule {
+  std::string key;  // the two layout digests, the staging budget and the chunk size
+  std::string landedProblem(const LandedChunk& l, int32_t in_wave, int32_t self) const {
+    return Schedule::landedProblem(l.transfer, l.chain, l.hop, l.chunk, in_wave, self);
+  }
+};
+
+// Syncs in flight keep their plan alive by reference, so an eviction never pulls a plan from
+// under one. Thread-safe.
+class PlanCache {
+ public:
+  explicit PlanCache(size_t capacity = 16) : capacity_(capacity == 0 ? 1 : capacity) {}
+  // The plan for these layouts and staging budget; *hit says whether it was cached.
+  StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst, uint64_t staging_budget,
+                                                  uint64_t chunk_bytes, bool* hit);
+  uint64_t hits() const;
+  size_t size() const;
+  bool contains(const std::string& key) const;
+  // The keys evicted since the last call (their spare memory should go too: SpareMemory::drop).
+  std::vector<std::string> takeEvicted();
+
+ private:
+  struct Entry {
+    std::shared_ptr<const CachedPlan> plan;
+    std::list<std::string>::iterator age;
+  };
+  const size_t capacity_;
+  mutable std::mutex mu_;
+  std::map<std::string, Entry> plans_;
+  std::list<std::string> lru_;  // most recently used first
+  std::vector<std::string> evicted_;
+  uint64_t hits_ = 0;
+};
+
+// Arenas and staging buffers of committed syncs, by plan key: allocating and first touching large
+// registered buffers costs more than the copies, so the next sync of the same plan reuses them.
+// At most one of each per plan; dropped with the plan. Thread-safe.
+class SpareMemory {
+ public:
+  enum class Use { kArena, kStaging };
+  // A spare region of `use` for the plan `key`, taken out of the pool; null when there is none.
+  std::shared_ptr<transport::MemoryRegion> take(const std::string& key, Use use);
+  void keep(const std::string& key, Use use, std::shared_ptr<transport::MemoryRegion> region);
+  void drop(const std::string& key);
+  size_t size() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, Use>, std::shared_ptr<transport::MemoryRegion>> spare_;
+};
+
+}  // namespace shardcast::daemon

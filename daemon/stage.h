@@ -1,0 +1,65 @@
+// The pack/unpack stage of a sync: how elements move between a rank's memory and the bytes a
+// transfer travels in. The head of a chain packs (rank memory -> wire bytes), every node a
+// transfer lands on unpacks (wire bytes -> its ranks' memory), colocated fragments copy rank to
+// rank. Views carry the element type of each side, so a stage that converts (fp32 -> bf16,
+// bf16 -> fp8 with block scales) or encodes (a delta against the bytes last sent) plugs in here
+// and neither the coordinator nor the schedule changes.
+//
+// Contract: called on a sync's executing threads (several syncs at once: a stage is
+// thread-safe); a call returns when the destination holds the bytes (device copies synchronised);
+// errors name the tensor and the dtypes. Transfers the schedule sends or lands directly (a rank's
+// buffer is the wire: planner/schedule.h) bypass the stage; the schedule does so only for tensors
+// whose source and destination dtypes are equal, where a stage must move bytes unchanged.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "planner/box.h"
+#include "planner/layout.h"
+#include "transport/copy_engine.h"
+
+namespace shardcast::daemon {
+
+// A strided box of elements of one dtype, in host or device memory.
+struct TypedView {
+  transport::StridedView view;
+  planner::DType dtype = planner::DType::kFloat32;
+  transport::CopyEngine* device = nullptr;  // device memory: the CUDA engine that reaches it
+};
+
+// What a call moves: a box (global element indices) of one tensor of the plan, for stages that
+// keep per-tensor state or name the tensor in errors.
+struct StageSite {
+  const std::string& tensor;
+  const planner::Box& box;
+};
+
+class Stage {
+ public:
+  virtual ~Stage() = default;
+  virtual const char* name() const = 0;
+  // Rank memory -> the packed bytes of a transfer (`wire`, dense).
+  virtual Status pack(const TypedView& wire, const TypedView& memory, const std::vector<int64_t>& extent,
+                      const StageSite& site) = 0;
+  // The landed bytes of a transfer (`wire`, dense) -> a destination rank's memory.
+  virtual Status unpack(const TypedView& memory, const TypedView& wire, const std::vector<int64_t>& extent,
+                        const StageSite& site) = 0;
+  // A source rank's memory -> a destination rank's memory on the same node.
+  virtual Status copyLocal(const TypedView& dst, const TypedView& src, const std::vector<int64_t>& extent,
+                           const StageSite& site) = 0;
+};
+
+// The stage every sync uses today: bytes unchanged (host memcpy, or the CUDA engine of a device
+// view); a dtype mismatch is INVALID_ARGUMENT naming the tensor (it would need a converting stage).
+std::unique_ptr<Stage> makeCopyStage();
+
+// Copies the box of `extent` elements of `elem_bytes` between two views with the engine that
+// reaches both: `host` for host memory on both sides, else `device` (synchronised).
+Status copyBox(transport::CopyEngine& host, transport::CopyEngine* device, const transport::StridedView& dst,
+               const transport::StridedView& src, const std::vector<int64_t>& extent, int64_t elem_bytes);
+
+}  // namespace shardcast::daemon

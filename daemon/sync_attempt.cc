@@ -1,0 +1,95 @@
+#include "daemon/sync_attempt.h"
+
+#include <algorithm>
+
+#include "common/strings.h"
+
+namespace shardcast::daemon {
+
+Status SyncAttempt::usable() const {
+  if (!failure.ok()) return failure;
+  if (closed) return absl::AbortedError(strCat("sync ", id, " ended"));
+  return absl::OkStatus();
+}
+
+void SyncAttempt::dropQueued() {
+  for (auto& [node, box] : outboxes) {
+    writes_pending -= 2 * static_cast<int64_t>(box.queued.size());
+    box.queued.clear();
+  }
+}
+
+Status queueWrite(const std::shared_ptr<SyncAttempt>& a, int32_t node, std::shared_ptr<transport::Endpoint> endpoint,
+                  SyncAttempt::Outgoing out) {
+  {
+    std::lock_guard<std::mutex> lock(a->mu);
+    SC_RETURN_IF_ERROR(a->usable());
+    a->writes_pending += 2;  // the write and its notification
+    auto& box = a->outboxes[node];
+    box.endpoint = std::move(endpoint);
+    box.queued.push_back(std::move(out));
+  }
+  startWrites(a, node);
+  return absl::OkStatus();
+}
+
+// At least one write is always in flight while any is queued. Without the window every chunk
+// would be on the wire at once; the transport then completes them all near the end, and relays
+// and fan-out could not start before the last byte arrived. The window is refilled once half of
+// it has drained, so writes start in batches and one notification (delivered by the transport
+// once every write before it is visible) announces a whole batch: a message and a wake-up of the
+// receiving thread per batch, not per chunk. A write's completion starts more.
+void startWrites(const std::shared_ptr<SyncAttempt>& a, int32_t node) {
+  constexpr size_t kMaxNotification = 32 << 10;  // bytes per batch's notification (the transport takes 64 KiB)
+  const size_t max_batch = std::min(kMaxLanded, (kMaxNotification - notificationBytes(a->id.size(), 0)) / kLandedBytes);
+  std::vector<SyncAttempt::Outgoing> start;
+  std::shared_ptr<transport::Endpoint> ep;
+  {
+    std::lock_guard<std::mutex> lock(a->mu);
+    if (!a->failure.ok() || a->closed) {
+      a->dropQueued();
+      a->cv.notify_all();
+      return;
+    }
+    auto& box = a->outboxes[node];
+    ep = box.endpoint;
+    if (box.bytes_in_flight > a->window_bytes / 2) return;
+    while (!box.queued.empty() &&
+           (box.bytes_in_flight == 0 || box.bytes_in_flight + box.queued.front().op.length <= a->window_bytes) &&
+           start.size() < max_batch) {
+      box.bytes_in_flight += box.queued.front().op.length;
+      start.push_back(std::move(box.queued.front()));
+      box.queued.pop_front();
+    }
+  }
+  if (start.empty()) return;
+  // A write's or notification's completion; a write also frees its bytes of the window. Waiters
+  // care only about the last one or a failure (waking them per completion costs a context switch
+  // per chunk).
+  auto finished = [a, node](Status st, uint64_t window_bytes, int64_t ops) {
+    bool wake;
+    {
+      std::lock_guard<std::mutex> lock(a->mu);
+      if (!st.ok() && a->failure.ok()) a->failure = st;
+      a->writes_pending -= ops;
+      a->outboxes[node].bytes_in_flight -= window_bytes;
+      wake = a->writes_pending == 0 || !st.ok();
+    }
+    if (wake) a->cv.notify_all();
+  };
+  Notification notification;
+  notification.sync_id = a->id;
+  notification.fence = a->fence;
+  for (auto& out : start) {
+    const uint64_t bytes = out.op.length;
+    ep->write(std::move(out.op), [a, node, bytes, finished](Status st) {
+      finished(st, bytes, 1);
+      startWrites(a, node);
+    });
+    notification.chunks.push_back(out.landed);
+  }
+  const int64_t announced = static_cast<int64_t>(start.size());
+  ep->notify(encodeNotification(notification), [finished, announced](Status st) { finished(st, 0, announced); });
+}
+
+}  // namespace shardcast::daemon
