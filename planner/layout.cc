@@ -277,6 +277,12 @@ class Resolver {
     out_.group = in_.group();
     if (in_.group().empty()) return absl::InvalidArgumentError("layout: \"group\" is empty");
     if (in_.mesh().shape_size() == 0) return absl::InvalidArgumentError(where() + ": mesh.shape is empty");
+    // The replica_set name is bounded with every other string, by checkSizes.
+    if (in_.replica() < 0)
+      return absl::InvalidArgumentError(strCat(where(), ": replica ", in_.replica(), " must be >= 0"));
+    if (in_.replica() != 0 && in_.replica_set().empty())
+      return absl::InvalidArgumentError(
+          strCat(where(), ": replica ", in_.replica(), " is set but replica_set is empty (not a replica)"));
     int64_t world = 1;
     const int64_t max_ranks = limits().max_ranks;
     for (int m = 0; m < in_.mesh().shape_size(); ++m) {

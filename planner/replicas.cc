@@ -1,0 +1,516 @@
+// Replica sets: one replica planned by position, the plan reused for every replica of the set and
+// composed into relay chains across replicas (planner/replicas.h, docs/planner.md).
+#include "planner/replicas.h"
+
+#include <algorithm>
+#include <chrono>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "common/strings.h"
+#include "planner/limits.h"
+
+namespace shardcast::planner {
+
+namespace {
+
+std::string who(const Replica& r) { return strCat("replica ", r.id, " (group ", quote(r.layout.group()), ")"); }
+
+bool reservedNodeName(const std::string& name) { return name.starts_with(kPositionNodePrefix); }
+
+// The node name of every rank of `l`, validated as resolveLayout does (the mesh within the rank
+// limit, one node per rank or a positive ranks_per_node).
+StatusOr<std::vector<std::string>> rankNodeNames(const v1::Layout& l) {
+  if (l.mesh().shape_size() == 0) return absl::InvalidArgumentError("mesh.shape is empty");
+  int64_t world = 1;
+  for (int m = 0; m < l.mesh().shape_size(); ++m) {
+    const int64_t s = l.mesh().shape(m);
+    if (s <= 0) return absl::InvalidArgumentError(strCat("mesh.shape[", m, "] = ", s, " must be positive"));
+    const auto product = checkedMul(world, s);
+    if (!product || *product > limits().max_ranks)
+      return absl::InvalidArgumentError(strCat("mesh ", strJoin(l.mesh().shape(), "x"), " has more than ",
+                                               limits().max_ranks, " ranks (--max-layout-ranks)"));
+    world = *product;
+  }
+  std::vector<std::string> out;
+  out.reserve(static_cast<size_t>(world));
+  if (l.nodes_size() > 0) {
+    if (l.ranks_per_node() != 0) return absl::InvalidArgumentError("give either nodes or ranks_per_node, not both");
+    if (l.nodes_size() != world)
+      return absl::InvalidArgumentError(
+          strCat("nodes has ", l.nodes_size(), " entries but the mesh has ", world, " ranks"));
+    for (int r = 0; r < l.nodes_size(); ++r) {
+      if (l.nodes(r).empty()) return absl::InvalidArgumentError(strCat("nodes[", r, "] is empty"));
+      out.push_back(l.nodes(r));
+    }
+    return out;
+  }
+  if (l.ranks_per_node() <= 0)
+    return absl::InvalidArgumentError(
+        strCat("set nodes (one per rank) or a positive ranks_per_node (got ", l.ranks_per_node(), ")"));
+  for (int64_t r = 0; r < world; ++r) out.push_back(strCat(l.node_prefix(), r / l.ranks_per_node()));
+  return out;
+}
+
+// Positions of ranks: distinct nodes numbered in order of first appearance. `names` gets the node
+// of each position.
+std::vector<int32_t> positionsOf(const std::vector<std::string>& rank_nodes, std::vector<std::string>* names) {
+  std::unordered_map<std::string, int32_t> position;
+  std::vector<int32_t> out;
+  out.reserve(rank_nodes.size());
+  for (const std::string& n : rank_nodes) {
+    auto [it, inserted] = position.try_emplace(n, static_cast<int32_t>(position.size()));
+    if (inserted && names) names->push_back(n);
+    out.push_back(it->second);
+  }
+  return out;
+}
+
+template <typename M>
+bool sameMessage(const M& a, const M& b) {
+  return a.SerializeAsString() == b.SerializeAsString();
+}
+
+std::string meshStr(const v1::Mesh& m) {
+  std::string s = "[" + strJoin(m.shape(), ", ") + "]";
+  if (m.dim_names_size() > 0) s += " named [" + strJoin(m.dim_names(), ", ") + "]";
+  return s;
+}
+
+std::string placementsStr(const v1::Tensor& t) {
+  std::vector<std::string> parts;
+  for (const auto& p : t.placements()) parts.push_back(p.ShortDebugString());
+  return "[" + strJoin(parts, ", ") + "]";
+}
+
+// The first thing, outside group and nodes, in which two layouts differ.
+std::string difference(const v1::Layout& a, const v1::Layout& b) {
+  if (!sameMessage(a.mesh(), b.mesh())) return strCat("mesh ", meshStr(a.mesh()), " vs ", meshStr(b.mesh()));
+  if (a.tensors_size() != b.tensors_size()) return strCat(a.tensors_size(), " tensors vs ", b.tensors_size());
+  for (int i = 0; i < a.tensors_size(); ++i) {
+    const v1::Tensor &x = a.tensors(i), &y = b.tensors(i);
+    if (sameMessage(x, y)) continue;
+    if (x.name() != y.name()) return strCat("tensors[", i, "] is ", quote(x.name()), " vs ", quote(y.name()));
+    const std::string t = strCat("tensor ", quote(x.name()), ": ");
+    if (!std::equal(x.shape().begin(), x.shape().end(), y.shape().begin(), y.shape().end()))
+      return strCat(t, "shape [", strJoin(x.shape(), ", "), "] vs [", strJoin(y.shape(), ", "), "]");
+    if (x.dtype() != y.dtype()) return strCat(t, "dtype ", quote(x.dtype()), " vs ", quote(y.dtype()));
+    if (x.placements_size() != y.placements_size() ||
+        !std::equal(x.placements().begin(), x.placements().end(), y.placements().begin(),
+                    [](const auto& p, const auto& q) { return sameMessage(p, q); }))
+      return strCat(t, "placements ", placementsStr(x), " vs ", placementsStr(y));
+    if (x.pieces_size() != y.pieces_size()) return strCat(t, x.pieces_size(), " pieces vs ", y.pieces_size());
+    for (int p = 0; p < x.pieces_size(); ++p)
+      if (!sameMessage(x.pieces(p), y.pieces(p))) return strCat(t, "piece ", p, " differs");
+    return strCat(t, "differs");
+  }
+  if (a.fused_size() != b.fused_size()) return strCat(a.fused_size(), " fused buffers vs ", b.fused_size());
+  for (int i = 0; i < a.fused_size(); ++i)
+    if (!sameMessage(a.fused(i), b.fused(i))) return strCat("fused buffer ", quote(a.fused(i).name()), " differs");
+  return "their serialisations differ";
+}
+
+// What checkReplicaSet learns on the way: the shared rank -> position pattern and, per replica,
+// its node of each position.
+struct SetShape {
+  std::vector<int32_t> rank_position;
+  std::vector<std::vector<std::string>> nodes;
+};
+
+StatusOr<SetShape> examine(const std::vector<Replica>& replicas) {
+  if (replicas.empty()) return absl::InvalidArgumentError("a replica set needs at least one replica");
+  const Replica& first = replicas[0];
+  SetShape shape;
+  std::string first_digest;
+  std::unordered_map<int32_t, size_t> ids;
+  std::unordered_map<std::string, size_t> groups, node_owner;
+  for (size_t i = 0; i < replicas.size(); ++i) {
+    const Replica& rep = replicas[i];
+    const v1::Layout& l = rep.layout;
+    if (rep.id < 0) return absl::InvalidArgumentError(strCat(who(rep), ": id ", rep.id, " must be >= 0"));
+    if (l.replica() != rep.id)
+      return absl::InvalidArgumentError(strCat(who(rep), ": its layout says replica ", l.replica()));
+    if (l.replica_set().empty())
+      return absl::InvalidArgumentError(strCat(who(rep), ": its layout has no replica_set (not a replica)"));
+    if (l.replica_set() != first.layout.replica_set())
+      return absl::InvalidArgumentError(strCat(who(rep), ": replica_set ", quote(l.replica_set()), " but ", who(first),
+                                               " has ", quote(first.layout.replica_set())));
+    if (auto [it, inserted] = ids.try_emplace(rep.id, i); !inserted)
+      return absl::InvalidArgumentError(strCat("replica id ", rep.id, " is given twice (groups ",
+                                               quote(replicas[it->second].layout.group()), " and ", quote(l.group()),
+                                               ")"));
+    if (auto [it, inserted] = groups.try_emplace(l.group(), i); !inserted)
+      return absl::InvalidArgumentError(strCat("group ", quote(l.group()), " is given for ", who(replicas[it->second]),
+                                               " and replica ", rep.id, ": each replica is a group of its own"));
+    const std::string digest = replicaDigest(l);
+    if (i == 0) {
+      first_digest = digest;
+    } else if (digest != first_digest) {
+      return absl::InvalidArgumentError(strCat(who(rep), ": its layout differs from ", who(first),
+                                               "'s beyond group and nodes: ", difference(l, first.layout)));
+    }
+    auto rank_nodes = rankNodeNames(l);
+    if (!rank_nodes.ok()) return absl::InvalidArgumentError(strCat(who(rep), ": ", rank_nodes.status().message()));
+    std::vector<std::string> names;
+    std::vector<int32_t> positions = positionsOf(*rank_nodes, &names);
+    if (i == 0) {
+      shape.rank_position = std::move(positions);
+    } else {
+      for (size_t r = 0; r < positions.size(); ++r)
+        if (positions[r] != shape.rank_position[r])
+          return absl::InvalidArgumentError(strCat(who(rep), ": rank ", r, " is on node ", quote((*rank_nodes)[r]),
+                                                   " (position ", positions[r], ") but ", who(first), " has rank ", r,
+                                                   " at position ", shape.rank_position[r],
+                                                   ": every replica must spread its ranks over its nodes alike"));
+    }
+    for (const std::string& n : names) {
+      if (reservedNodeName(n))
+        return absl::InvalidArgumentError(
+            strCat(who(rep), ": node ", quote(n), " has a name reserved for replica positions"));
+      if (auto [it, inserted] = node_owner.try_emplace(n, i); !inserted)
+        return absl::InvalidArgumentError(strCat("node ", quote(n), " is in ", who(replicas[it->second]), " and in ",
+                                                 who(rep), ": every replica has nodes of its own"));
+    }
+    shape.nodes.push_back(std::move(names));
+  }
+  const auto world =
+      checkedMul(static_cast<int64_t>(replicas.size()), static_cast<int64_t>(shape.rank_position.size()));
+  if (!world || *world > limits().max_ranks)
+    return absl::InvalidArgumentError(strCat("replica set ", quote(first.layout.replica_set()), ": ", replicas.size(),
+                                             " replicas of ", shape.rank_position.size(), " ranks are more than ",
+                                             limits().max_ranks, " ranks (--max-layout-ranks)"));
+  return shape;
+}
+
+bool sameOptions(const PlanOptions& a, const PlanOptions& b) {
+  return a.chunk_bytes == b.chunk_bytes && a.small_bytes == b.small_bytes &&
+         a.small_in_place_bytes == b.small_in_place_bytes && a.bucket_bytes == b.bucket_bytes &&
+         a.max_chain == b.max_chain;
+}
+
+// `replica` names the replica (and its set) whose node `node` is.
+Status colocated(const std::string& node, int32_t src_rank, const std::string& src_group, const std::string& replica) {
+  return absl::FailedPreconditionError(
+      strCat("node ", quote(node), " hosts rank ", src_rank, " of layout ", quote(src_group), " and ", replica,
+             ": a replica set is composed from one replica's plan only when no replica node hosts a source rank "
+             "(colocation changes that replica's plan); plan the stacked layout with makePlan instead"));
+}
+
+}  // namespace
+
+std::string replicaDigest(const v1::Layout& layout) {
+  v1::Layout shared = layout;
+  shared.clear_group();
+  shared.clear_nodes();
+  shared.clear_ranks_per_node();
+  shared.clear_node_prefix();
+  shared.clear_replica_set();
+  shared.clear_replica();
+  return layoutDigest(shared);
+}
+
+Status checkReplicaSet(const std::vector<Replica>& replicas) { return examine(replicas).status(); }
+
+StatusOr<std::vector<int32_t>> rankPositions(const v1::Layout& layout) {
+  auto names = rankNodeNames(layout);
+  if (!names.ok())
+    return absl::InvalidArgumentError(strCat("layout ", quote(layout.group()), ": ", names.status().message()));
+  return positionsOf(*names, nullptr);
+}
+
+v1::Layout positionLayout(const v1::Layout& replica) {
+  v1::Layout out = replica;
+  if (!replica.replica_set().empty()) out.set_group(replica.replica_set());
+  out.clear_replica_set();
+  out.clear_replica();
+  auto positions = rankPositions(replica);
+  if (!positions.ok()) return out;
+  out.clear_nodes();
+  out.clear_ranks_per_node();
+  out.clear_node_prefix();
+  std::vector<std::string> names;
+  out.mutable_nodes()->Reserve(static_cast<int>(positions->size()));
+  for (int32_t p : *positions) {
+    while (names.size() <= static_cast<size_t>(p)) names.push_back(strCat(kPositionNodePrefix, names.size()));
+    out.add_nodes(names[p]);
+  }
+  return out;
+}
+
+v1::Layout stackReplicas(const std::vector<Replica>& replicas) {
+  if (replicas.empty()) return {};
+  const v1::Layout& first = replicas[0].layout;
+  v1::Layout out = first;
+  out.set_group(first.replica_set().empty() ? first.group() : first.replica_set());
+  out.clear_replica_set();
+  out.clear_replica();
+  out.clear_nodes();
+  out.clear_ranks_per_node();
+  out.clear_node_prefix();
+  const int64_t count = static_cast<int64_t>(replicas.size());
+  int64_t world = 1;
+  for (int64_t s : first.mesh().shape()) world *= s;
+
+  v1::Mesh* mesh = out.mutable_mesh();
+  mesh->clear_shape();
+  mesh->add_shape(count);
+  for (int64_t s : first.mesh().shape()) mesh->add_shape(s);
+  if (first.mesh().dim_names_size() > 0) {
+    mesh->clear_dim_names();
+    mesh->add_dim_names("replica");
+    for (const auto& n : first.mesh().dim_names()) mesh->add_dim_names(n);
+  }
+  for (const Replica& rep : replicas) {
+    auto names = rankNodeNames(rep.layout);
+    if (names.ok())
+      for (std::string& n : *names) out.add_nodes(std::move(n));
+  }
+  for (v1::Tensor& t : *out.mutable_tensors()) {
+    if (t.placements_size() > 0) {
+      auto* placements = t.mutable_placements();
+      placements->Add()->mutable_replicate();
+      for (int i = placements->size() - 1; i > 0; --i) placements->SwapElements(i, i - 1);
+    }
+    for (v1::Piece& p : *t.mutable_pieces()) {
+      std::vector<int32_t> own(p.ranks().begin(), p.ranks().end());
+      if (own.empty()) own.push_back(p.rank());
+      p.clear_rank();
+      p.clear_ranks();
+      if (count == 1 && own.size() == 1) {
+        p.set_rank(own[0]);
+        continue;
+      }
+      for (int64_t k = 0; k < count; ++k)
+        for (int32_t r : own) p.add_ranks(static_cast<int32_t>(k * world + r));
+    }
+  }
+  return out;
+}
+
+StatusOr<PositionPlan> planPositions(const ResolvedLayout& src, const NodeTable& nodes, const v1::Layout& replica,
+                                     const PlanOptions& options) {
+  SC_ASSIGN_OR_RETURN(std::vector<int32_t> rank_position, rankPositions(replica));
+  std::vector<char> seen(nodes.size(), 0);
+  for (int32_t n : src.rank_node) {
+    if (seen[n]) continue;
+    seen[n] = 1;
+    if (reservedNodeName(nodes.name(n)))
+      return absl::InvalidArgumentError(strCat("layout ", quote(src.group), ": node ", quote(nodes.name(n)),
+                                               " has a name reserved for replica positions"));
+  }
+  PositionPlan out;
+  out.nodes = nodes;
+  SC_ASSIGN_OR_RETURN(ResolvedLayout dst, resolveLayout(positionLayout(replica), out.nodes));
+  const int32_t positions = 1 + *std::max_element(rank_position.begin(), rank_position.end());
+  out.position_node.assign(positions, -1);
+  for (size_t r = 0; r < rank_position.size(); ++r) out.position_node[rank_position[r]] = dst.rank_node[r];
+  SC_ASSIGN_OR_RETURN(out.plan, makePlan(src, dst, out.nodes, options));
+  out.rank_position = std::move(rank_position);
+  out.src_rank_node = src.rank_node;
+  out.src_tensors = static_cast<int32_t>(src.tensors.size());
+  out.dst_tensors = static_cast<int32_t>(dst.tensors.size());
+  out.replica_digest = replicaDigest(replica);
+  return out;
+}
+
+StatusOr<Plan> composeReplicas(const PositionPlan& pp, const ResolvedLayout& src, const ResolvedLayout& dst,
+                               const NodeTable& nodes) {
+  const auto start = std::chrono::steady_clock::now();
+  const Plan& tp = pp.plan;
+  const int32_t W = pp.replicaWorld(), P = pp.positions();
+  if (W == 0 || dst.world() == 0 || dst.world() % W != 0)
+    return absl::FailedPreconditionError(strCat("layout ", quote(dst.group), " has ", dst.world(),
+                                                " ranks: not a whole number of replicas of ", W, " ranks"));
+  const int32_t R = dst.world() / W;
+  if (src.world() != static_cast<int32_t>(pp.src_rank_node.size()) ||
+      static_cast<int32_t>(src.tensors.size()) != pp.src_tensors ||
+      static_cast<int32_t>(dst.tensors.size()) != pp.dst_tensors)
+    return absl::FailedPreconditionError(
+        strCat("layouts ", quote(src.group), " (", src.world(), " ranks, ", src.tensors.size(), " tensors) and ",
+               quote(dst.group), " (", dst.tensors.size(), " tensors) are not those of the position plan (",
+               pp.src_rank_node.size(), " source ranks, ", pp.src_tensors, " and ", pp.dst_tensors, " tensors)"));
+  if (!tp.local_sources.empty())
+    return absl::FailedPreconditionError("the position plan has local sources: it was not made by planPositions");
+
+  // Source nodes: the position plan's id -> the id in `nodes`, read through the ranks.
+  std::vector<int32_t> src_map(pp.nodes.size(), -1);
+  for (int32_t r = 0; r < src.world(); ++r) {
+    const int32_t a = pp.src_rank_node[r], b = src.rank_node[r];
+    if (src_map[a] < 0 && pp.nodes.name(a) == nodes.name(b)) src_map[a] = b;
+    if (src_map[a] != b)
+      return absl::FailedPreconditionError(strCat("layout ", quote(src.group), ": rank ", r, " is on node ",
+                                                  quote(nodes.name(b)), " but the position plan has it on ",
+                                                  quote(pp.nodes.name(a))));
+  }
+  // Replica k's node of position p, and the replica owning each node.
+  std::vector<int32_t> owner(nodes.size(), -1), replica_node(static_cast<size_t>(R) * P, -1);
+  for (int32_t k = 0; k < R; ++k) {
+    for (int32_t r = 0; r < W; ++r) {
+      const int32_t n = dst.rank_node[k * W + r], p = pp.rank_position[r];
+      int32_t& slot = replica_node[static_cast<size_t>(k) * P + p];
+      if (slot == n) continue;
+      if (slot >= 0 || owner[n] >= 0)
+        return absl::FailedPreconditionError(
+            strCat("layout ", quote(dst.group), ": rank ", k * W + r, " (replica ", k, ", rank ", r, ") on node ",
+                   quote(nodes.name(n)), " breaks the position pattern of the replica set (nodes of their own, ranks ",
+                   "spread over them alike): not a stacking of this position plan's replicas"));
+      owner[n] = k;
+      slot = n;
+    }
+  }
+  for (int32_t r = 0; r < src.world(); ++r)
+    if (const int32_t k = owner[src.rank_node[r]]; k >= 0)
+      return colocated(
+          nodes.name(src.rank_node[r]), r, src.group,
+          strCat("replica ", k, " of layout ", quote(dst.group), " (its ranks ", k * W, "..", (k + 1) * W - 1, ")"));
+  // Every destination node of the position plan is a position.
+  std::vector<int32_t> position_of(pp.nodes.size(), -1);
+  for (int32_t p = 0; p < P; ++p) position_of[pp.position_node[p]] = p;
+  for (const auto* list : {&tp.group_nodes, &tp.chain_nodes})
+    for (int32_t n : *list)
+      if (position_of[n] < 0)
+        return absl::FailedPreconditionError(
+            strCat("the position plan sends to node ", quote(pp.nodes.name(n)), ", which is no position"));
+  for (const Chain& c : tp.chains)
+    if (src_map[c.src_node] < 0)
+      return absl::FailedPreconditionError(strCat("the position plan sends from node ",
+                                                  quote(pp.nodes.name(c.src_node)), ", which holds no source rank"));
+  auto nodeOf = [&](int32_t k, int32_t template_node) {
+    return replica_node[static_cast<size_t>(k) * P + position_of[template_node]];
+  };
+
+  Plan out;
+  out.options = tp.options;
+  out.tensors = tp.tensors;
+  out.cells = tp.cells;
+  out.cell_holders = tp.cell_holders;
+  out.fragments = tp.fragments;
+  out.transfers = tp.transfers;
+  out.transfer_fragments = tp.transfer_fragments;
+
+  // Cells keep their holders; their nodes get this table's ids (re-sorted where the order differs).
+  out.cell_nodes.reserve(tp.cell_nodes.size());
+  for (int32_t n : tp.cell_nodes) out.cell_nodes.push_back(src_map[n]);
+  for (const SourceCell& c : out.cells) {
+    auto nb = out.cell_nodes.begin() + c.nodes_begin, ne = nb + c.nodes_count;
+    if (std::is_sorted(nb, ne)) continue;
+    std::sort(nb, ne);
+    const TensorLayout& st = src.tensors[out.tensors[c.tensor].src];
+    auto hb = out.cell_holders.begin() + c.holders_begin;
+    std::sort(hb, hb + c.holders_count, [&](int32_t a, int32_t b) {
+      const int32_t ra = st.pieces[a].rank, rb = st.pieces[b].rank;
+      const int32_t na = src.rank_node[ra], nb2 = src.rank_node[rb];
+      return na != nb2 ? na < nb2 : ra < rb;
+    });
+  }
+
+  // Groups: every replica's node of each of the group's positions.
+  out.groups = tp.groups;
+  out.group_nodes.reserve(tp.group_nodes.size() * R);
+  for (NodeGroup& g : out.groups) {
+    const int32_t begin = static_cast<int32_t>(out.group_nodes.size());
+    for (int32_t k = 0; k < R; ++k)
+      for (int32_t i = g.nodes_begin; i < g.nodes_begin + g.nodes_count; ++i)
+        out.group_nodes.push_back(nodeOf(k, tp.group_nodes[i]));
+    std::sort(out.group_nodes.begin() + begin, out.group_nodes.end());
+    g.nodes_begin = begin;
+    g.nodes_count = static_cast<int32_t>(out.group_nodes.size()) - begin;
+  }
+
+  // Chains: each template chain over replica after replica, cut greedily at max_chain nodes.
+  PlanStats& s = out.stats;
+  s.node_ingress.assign(nodes.size(), 0);
+  s.node_egress.assign(nodes.size(), 0);
+  s.node_local.assign(nodes.size(), 0);
+  const int32_t M = tp.options.max_chain;
+  out.chain_nodes.reserve(tp.chain_nodes.size() * R);
+  std::vector<int32_t> sequence;
+  for (Transfer& tr : out.transfers) {
+    const int32_t begin = static_cast<int32_t>(out.chains.size());
+    for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
+      const Chain& tc = tp.chains[c];
+      sequence.clear();
+      for (int32_t k = 0; k < R; ++k)
+        for (int32_t i = tc.nodes_begin; i < tc.nodes_begin + tc.nodes_count; ++i)
+          sequence.push_back(nodeOf(k, tp.chain_nodes[i]));
+      for (size_t lo = 0; lo < sequence.size(); lo += M) {
+        const size_t hi = std::min(sequence.size(), lo + M);
+        Chain ch{src_map[tc.src_node], tc.src_rank, static_cast<int32_t>(out.chain_nodes.size()),
+                 static_cast<int32_t>(hi - lo)};
+        s.node_egress[ch.src_node] += tr.bytes;
+        for (size_t i = lo; i < hi; ++i) {
+          out.chain_nodes.push_back(sequence[i]);
+          s.node_ingress[sequence[i]] += tr.bytes;
+          if (i + 1 < hi) s.node_egress[sequence[i]] += tr.bytes;  // relays to the next node
+        }
+        s.max_chain = std::max(s.max_chain, ch.nodes_count);
+        s.network_bytes += tr.bytes * ch.nodes_count;
+        s.network_ops += tr.chunks * ch.nodes_count;
+        out.chains.push_back(ch);
+      }
+    }
+    tr.chains_begin = begin;
+    tr.chains_count = static_cast<int32_t>(out.chains.size()) - begin;
+  }
+
+  // Per-node figures: a replica node does what its position does in the position plan. No node
+  // hosts a source rank (checked above), so every node's lower bound is its need, as for its
+  // position: the bound is the position plan's, once per replica.
+  const PlanStats& ts = tp.stats;
+  for (int32_t k = 0; k < R; ++k)
+    for (int32_t p = 0; p < P; ++p)
+      s.node_local[replica_node[static_cast<size_t>(k) * P + p]] = ts.node_local[pp.position_node[p]];
+  for (int64_t v : s.node_local) s.local_bytes += v;
+  for (const TensorPair& t : out.tensors) {
+    const TensorLayout& dt = dst.tensors[t.dst];
+    for (const PieceRef& piece : dt.pieces) s.bytes_needed += dt.boxes[piece.box].volume() * dt.elemBytes();
+  }
+  s.tensors = ts.tensors;
+  s.network_lower_bound = ts.network_lower_bound * R;
+  s.local_ops = ts.local_ops * R;
+  s.transfers = static_cast<int64_t>(out.transfers.size());
+  s.buckets = ts.buckets;
+  s.fragments = static_cast<int64_t>(out.fragments.size());
+  s.largest_chunk = ts.largest_chunk;
+  s.max_unique_held = ts.max_unique_held;  // source-side: per source node, bytes only it holds
+  s.pull_network_bytes = ts.pull_network_bytes * R;
+  s.pull_max_ingress = ts.pull_max_ingress;    // per destination node: as its position's
+  s.pull_max_egress = ts.pull_max_egress * R;  // per source node: once per replica
+  s.gather_bytes = ts.gather_bytes;
+  s.model_bytes = ts.model_bytes;
+  s.broadcast_bytes = ts.model_bytes * static_cast<int64_t>(R) * P;
+  s.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  return out;
+}
+
+StatusOr<ReplicaSetPlan> planReplicaSet(const v1::Layout& src, const std::vector<Replica>& replicas,
+                                        const PlanOptions& options, std::shared_ptr<const PositionPlan> reuse) {
+  SC_ASSIGN_OR_RETURN(SetShape shape, examine(replicas));
+  ReplicaSetPlan out;
+  SC_ASSIGN_OR_RETURN(out.src, resolveLayout(src, out.nodes));
+  // Colocation, by name, before anything is planned.
+  std::unordered_map<std::string, int32_t> src_rank_on;
+  for (int32_t r = 0; r < out.src.world(); ++r) src_rank_on.try_emplace(out.nodes.name(out.src.rank_node[r]), r);
+  for (size_t k = 0; k < replicas.size(); ++k)
+    for (const std::string& n : shape.nodes[k])
+      if (auto it = src_rank_on.find(n); it != src_rank_on.end())
+        return colocated(n, it->second, out.src.group,
+                         strCat(who(replicas[k]), " of replica set ", quote(replicas[k].layout.replica_set())));
+
+  const std::string src_digest = layoutDigest(src);
+  if (reuse && reuse->src_digest == src_digest && reuse->replica_digest == replicaDigest(replicas[0].layout) &&
+      reuse->rank_position == shape.rank_position && sameOptions(reuse->plan.options, options)) {
+    out.positions = std::move(reuse);
+    out.reused_positions = true;
+  } else {
+    SC_ASSIGN_OR_RETURN(PositionPlan planned, planPositions(out.src, out.nodes, replicas[0].layout, options));
+    planned.src_digest = src_digest;
+    out.positions = std::make_shared<const PositionPlan>(std::move(planned));
+  }
+  out.stacked = stackReplicas(replicas);
+  SC_ASSIGN_OR_RETURN(out.dst, resolveLayout(out.stacked, out.nodes));
+  SC_ASSIGN_OR_RETURN(out.plan, composeReplicas(*out.positions, out.src, out.dst, out.nodes));
+  return out;
+}
+
+}  // namespace shardcast::planner
