@@ -8,6 +8,7 @@
 
 #include "planner/layout.h"
 #include "tests/client/client_cluster.h"
+#include "tests/support/device_buffer.h"
 #include "transport/cuda/cuda_support.h"
 #include "transport/shm.h"
 
@@ -65,7 +66,7 @@ TEST_CASE("deviceHandle: CUDA pointers become IPC handles, or a clear error with
     WARN("skipped the device part: " << transport::cudaUnavailableReason());
     return;
   }
-  auto dev = transport::allocateDevice(1 << 20, 0);
+  auto dev = allocateDevice(1 << 20, 0);
   REQUIRE(dev.ok());
   auto inner = deviceHandle({"w", static_cast<std::byte*>((*dev)->data()) + 4096, 1024});
   REQUIRE(inner.ok());

@@ -12,6 +12,7 @@
 #include "planner/layout.h"
 #include "tests/daemon/daemon_harness.h"
 #include "tests/daemon/rank_memory.h"
+#include "tests/support/device_buffer.h"
 #include "transport/cuda/cuda_support.h"
 #include "transport/shm.h"
 
@@ -603,7 +604,7 @@ TEST_CASE("CUDA buffers: device sources and destinations sync byte-exact", "[dae
   const auto src = *planner::resolveLayout(src_proto, nodes);
   const auto dst = *planner::resolveLayout(dst_proto, nodes);
   struct DeviceRank {
-    std::vector<std::unique_ptr<transport::DeviceBuffer>> buffers;  // by buffer id
+    std::vector<std::unique_ptr<DeviceBuffer>> buffers;  // by buffer id
     std::vector<std::vector<int32_t>> host;
   };
   auto make = [&](const planner::ResolvedLayout& l, const v1::Layout& proto, int32_t r, const std::string& node,
@@ -620,7 +621,7 @@ TEST_CASE("CUDA buffers: device sources and destinations sync byte-exact", "[dae
     m.buffers.resize(l.buffer_names.size());
     m.host.resize(l.buffer_names.size());
     for (const auto& [b, bytes] : l.rankBuffers(r)) {
-      auto dev = transport::allocateDevice(static_cast<size_t>(bytes), 0);
+      auto dev = allocateDevice(static_cast<size_t>(bytes), 0);
       REQUIRE(dev.ok());
       m.host[b].assign(static_cast<size_t>(bytes) / 4, 0);
       auto* h = req.add_buffers();
@@ -634,8 +635,7 @@ TEST_CASE("CUDA buffers: device sources and destinations sync byte-exact", "[dae
         m.host[p.buffer][off] = valueOf(t, flat, version);
       });
       for (size_t b = 0; b < m.buffers.size(); ++b)
-        if (m.buffers[b])
-          REQUIRE(transport::copyToDevice(m.buffers[b]->data(), m.host[b].data(), m.host[b].size() * 4).ok());
+        if (m.buffers[b]) REQUIRE(copyToDevice(m.buffers[b]->data(), m.host[b].data(), m.host[b].size() * 4).ok());
     }
     v1::RegisterResponse resp;
     const auto st = cluster.node(node).client()->Register(ctx().get(), req, &resp);
@@ -658,8 +658,7 @@ TEST_CASE("CUDA buffers: device sources and destinations sync byte-exact", "[dae
   for (int32_t r = 0; r < 2; ++r) {
     for (size_t b = 0; b < dm[r].buffers.size(); ++b)
       if (dm[r].buffers[b])
-        REQUIRE(
-            transport::copyFromDevice(dm[r].host[b].data(), dm[r].buffers[b]->data(), dm[r].host[b].size() * 4).ok());
+        REQUIRE(copyFromDevice(dm[r].host[b].data(), dm[r].buffers[b]->data(), dm[r].host[b].size() * 4).ok());
     forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
       bad += dm[r].host[p.buffer][off] != valueOf(t, flat, 1);
     });

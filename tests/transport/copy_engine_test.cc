@@ -7,6 +7,7 @@
 #include <numeric>
 #include <random>
 
+#include "tests/support/device_buffer.h"
 #include "transport/cuda/cuda_support.h"
 #include "transport/device_staging.h"
 #include "transport/resident.h"
@@ -118,7 +119,7 @@ TEST_CASE("CUDA copies between host and device memory", "[gpu]") {
   }
   auto engine = makeCudaCopyEngine(0);
   REQUIRE(engine.ok());
-  auto dev = allocateDevice(1 << 20, 0);
+  auto dev = testing::allocateDevice(1 << 20, 0);
   REQUIRE(dev.ok());
   std::vector<int32_t> host(1 << 18), back(1 << 18, 0);
   std::iota(host.begin(), host.end(), 0);
@@ -159,11 +160,11 @@ TEST_CASE("device memory is staged through pinned host memory when UCX cannot re
   REQUIRE(ctx.ok());
   auto engine = makeCudaCopyEngine(0);
   REQUIRE(engine.ok());
-  auto dev = allocateDevice(1 << 20, 0);
+  auto dev = testing::allocateDevice(1 << 20, 0);
   REQUIRE(dev.ok());
   std::vector<unsigned char> host(1 << 20);
   for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<unsigned char>(i * 7);
-  REQUIRE(copyToDevice((*dev)->data(), host.data(), host.size()).ok());
+  REQUIRE(testing::copyToDevice((*dev)->data(), host.data(), host.size()).ok());
   auto m = TransferMemory::prepare(**ctx, (*dev)->data(), 1 << 20, MemoryKind::kCuda, engine->get());
   REQUIRE(m.ok());
   CHECK((*m)->staged() == !(*ctx)->canAccess(MemoryKind::kCuda));

@@ -41,23 +41,6 @@ class Pinned final : public PinnedBuffer {
   size_t n_;
 };
 
-class Device final : public DeviceBuffer {
- public:
-  Device(void* p, size_t n) : p_(p), n_(n) {}
-  ~Device() override { cudaFree(p_); }
-  void* data() const override { return p_; }
-  size_t size() const override { return n_; }
-  StatusOr<std::string> ipcHandle() const override {
-    cudaIpcMemHandle_t h;
-    SC_RETURN_IF_ERROR(cudaStatus("cudaIpcGetMemHandle", cudaIpcGetMemHandle(&h, p_)));
-    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
-  }
-
- private:
-  void* p_;
-  size_t n_;
-};
-
 class CudaCopyEngine final : public CopyEngine {
  public:
   CudaCopyEngine(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
@@ -159,20 +142,6 @@ StatusOr<std::unique_ptr<PinnedBuffer>> allocatePinned(size_t size) {
   void* p = nullptr;
   SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaMallocHost(", size, ")"), cudaMallocHost(&p, size)));
   return std::unique_ptr<PinnedBuffer>(std::make_unique<Pinned>(p, size));
-}
-
-StatusOr<std::unique_ptr<DeviceBuffer>> allocateDevice(size_t size, int device) {
-  SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaSetDevice(", device, ")"), cudaSetDevice(device)));
-  void* p = nullptr;
-  SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaMalloc(", size, ")"), cudaMalloc(&p, size)));
-  return std::unique_ptr<DeviceBuffer>(std::make_unique<Device>(p, size));
-}
-
-Status copyToDevice(void* dst, const void* src, size_t n) {
-  return cudaStatus("cudaMemcpy H2D", cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice));
-}
-Status copyFromDevice(void* dst, const void* src, size_t n) {
-  return cudaStatus("cudaMemcpy D2H", cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost));
 }
 
 StatusOr<std::unique_ptr<CopyEngine>> makeCudaCopyEngine(int device) {

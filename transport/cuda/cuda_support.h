@@ -43,16 +43,4 @@ class PinnedBuffer {
 };
 StatusOr<std::unique_ptr<PinnedBuffer>> allocatePinned(size_t size);
 
-// Device allocation for tests and benchmarks, with its IPC handle bytes.
-class DeviceBuffer {
- public:
-  virtual ~DeviceBuffer() = default;
-  virtual void* data() const = 0;
-  virtual size_t size() const = 0;
-  virtual StatusOr<std::string> ipcHandle() const = 0;
-};
-StatusOr<std::unique_ptr<DeviceBuffer>> allocateDevice(size_t size, int device);
-Status copyToDevice(void* dst, const void* src, size_t n);
-Status copyFromDevice(void* dst, const void* src, size_t n);
-
 }  // namespace shardcast::transport

@@ -13,9 +13,6 @@ std::string cudaUnavailableReason() { return "built without the CUDA toolkit"; }
 StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaIpcHandle(const std::string&, size_t, int) { return unavailable(); }
 StatusOr<ExportedCudaIpc> exportCudaIpcHandle(const void*) { return unavailable(); }
 StatusOr<std::unique_ptr<PinnedBuffer>> allocatePinned(size_t) { return unavailable(); }
-StatusOr<std::unique_ptr<DeviceBuffer>> allocateDevice(size_t, int) { return unavailable(); }
-Status copyToDevice(void*, const void*, size_t) { return unavailable(); }
-Status copyFromDevice(void*, const void*, size_t) { return unavailable(); }
 StatusOr<std::unique_ptr<CopyEngine>> makeCudaCopyEngine(int) { return unavailable(); }
 
 }  // namespace shardcast::transport
