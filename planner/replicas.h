@@ -33,6 +33,10 @@ std::string replicaDigest(const v1::Layout& layout);
 struct Replica {
   int32_t id = 0;  // must equal layout.replica()
   v1::Layout layout;
+  // replicaDigest(layout) where the caller keeps it (a daemon computes it once, at registration:
+  // digesting a 10^5-tensor layout costs ~30 ms, once per replica per check); "" = computed here.
+  // Trusted: it must be the digest of this very layout.
+  std::string digest{};
 };
 
 // OK when `replicas` form one valid set: at least one; the same non-empty replica_set; distinct

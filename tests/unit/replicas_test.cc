@@ -466,6 +466,14 @@ TEST_CASE("replica sets: stackReplicas equals the hand-written flat layout", "[p
                       tensors)};
   REQUIRE(checkReplicaSet(replicas).ok());
   CHECK(replicaDigest(replicas[0].layout) == replicaDigest(replicas[1].layout));
+  {
+    // A digest the caller kept stands for the layout (and a wrong one is believed).
+    std::vector<Replica> kept = replicas;
+    for (Replica& r : kept) r.digest = replicaDigest(r.layout);
+    CHECK(checkReplicaSet(kept).ok());
+    kept[1].digest = "0000000000000000";
+    CHECK_THAT(std::string(checkReplicaSet(kept).message()), Catch::Contains("differs from replica 0"));
+  }
   CHECK(layoutDigest(replicas[0].layout) != layoutDigest(replicas[1].layout));
 
   const v1::Layout expected = layoutFromJson(R"({"group":"rollout","mesh":{"shape":[2,2],"dim_names":["replica","tp"]},
@@ -521,6 +529,16 @@ TEST_CASE("replica sets: the stacked layout of random replicas holds what each r
     const int32_t count = 1 + static_cast<int32_t>(rng() % 4);
     const std::vector<Replica> replicas = makeReplicas(base, count, rng);
     REQUIRE(checkReplicaSet(replicas).ok());
+    for (const Replica& rep : replicas) {
+      v1::Layout cleared = rep.layout;
+      cleared.clear_group();
+      cleared.clear_nodes();
+      cleared.clear_ranks_per_node();
+      cleared.clear_node_prefix();
+      cleared.clear_replica_set();
+      cleared.clear_replica();
+      CHECK(replicaDigest(rep.layout) == layoutDigest(cleared));
+    }
     const v1::Layout stacked = stackReplicas(replicas);
     NodeTable nodes;
     auto resolved = resolveLayout(stacked, nodes);
