@@ -7,24 +7,17 @@
 
 namespace shardcast::daemon {
 
-StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src, const v1::Layout& dst,
-                                                           uint64_t staging_budget, uint64_t chunk_bytes, bool* hit) {
-  if (staging_budget == 0 || chunk_bytes == 0)
-    return absl::InvalidArgumentError("staging budget and chunk size must be positive");
-  const std::string key =
-      strCat(planner::layoutDigest(src), "/", planner::layoutDigest(dst), "/", staging_budget, "/", chunk_bytes);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = plans_.find(key);
-    if (it != plans_.end()) {
-      ++hits_;
-      *hit = true;
-      lru_.splice(lru_.begin(), lru_, it->second.age);
-      return it->second.plan;
-    }
-  }
-  *hit = false;
-  SC_ASSIGN_OR_RETURN(auto schedule, planner::makeSchedule(src, dst, staging_budget, chunk_bytes));
+std::shared_ptr<const CachedPlan> PlanCache::lookup(const std::string& key, bool* hit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = plans_.find(key);
+  *hit = it != plans_.end();
+  if (!*hit) return nullptr;
+  ++hits_;
+  lru_.splice(lru_.begin(), lru_, it->second.age);
+  return it->second.plan;
+}
+
+std::shared_ptr<const CachedPlan> PlanCache::insert(const std::string& key, planner::Schedule schedule) {
   auto c = std::make_shared<CachedPlan>();
   static_cast<planner::Schedule&>(*c) = std::move(schedule);
   c->key = key;
@@ -37,7 +30,63 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
     plans_.erase(lru_.back());
     lru_.pop_back();
   }
-  return std::shared_ptr<const CachedPlan>(c);
+  return c;
+}
+
+StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src, const v1::Layout& dst,
+                                                           uint64_t staging_budget, uint64_t chunk_bytes, bool* hit) {
+  if (staging_budget == 0 || chunk_bytes == 0)
+    return absl::InvalidArgumentError("staging budget and chunk size must be positive");
+  const std::string key =
+      strCat(planner::layoutDigest(src), "/", planner::layoutDigest(dst), "/", staging_budget, "/", chunk_bytes);
+  if (auto cached = lookup(key, hit)) return cached;
+  SC_ASSIGN_OR_RETURN(auto schedule, planner::makeSchedule(src, dst, staging_budget, chunk_bytes));
+  return insert(key, std::move(schedule));
+}
+
+StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::Layout& src,
+                                                                     const std::vector<planner::Replica>& replicas,
+                                                                     uint64_t staging_budget, uint64_t chunk_bytes,
+                                                                     bool* hit) {
+  if (staging_budget == 0 || chunk_bytes == 0)
+    return absl::InvalidArgumentError("staging budget and chunk size must be positive");
+  if (replicas.empty()) return absl::InvalidArgumentError("a replica set needs at least one replica");
+  const std::string src_digest = planner::layoutDigest(src);
+  std::string members;
+  for (const auto& r : replicas) members += strCat(r.id, ":", planner::layoutDigest(r.layout), ",");
+  const std::string key = strCat(src_digest, "/set:", replicas.front().layout.replica_set(), "[", members, "]/",
+                                 staging_budget, "/", chunk_bytes);
+  if (auto cached = lookup(key, hit)) return cached;
+  const std::string replica_digest =
+      replicas.front().digest.empty() ? planner::replicaDigest(replicas.front().layout) : replicas.front().digest;
+  const std::string positions_key = strCat(src_digest, "/", replica_digest, "/", chunk_bytes);
+  std::shared_ptr<const planner::PositionPlan> reuse;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = positions_.find(positions_key); it != positions_.end()) reuse = it->second;
+  }
+  planner::PlanOptions options;
+  options.chunk_bytes = static_cast<int64_t>(chunk_bytes);
+  // planReplicaSet takes `reuse` only where it was planned for this very source, replica layout,
+  // rank -> position pattern and options; else it plans the positions again.
+  SC_ASSIGN_OR_RETURN(auto set, planner::planReplicaSet(src, replicas, options, reuse));
+  if (!set.reused_positions) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++positions_made_;
+    if (positions_.insert_or_assign(positions_key, set.positions).second) positions_age_.push_back(positions_key);
+    while (positions_.size() > capacity_) {
+      positions_.erase(positions_age_.front());
+      positions_age_.pop_front();
+    }
+  }
+  SC_ASSIGN_OR_RETURN(auto schedule, planner::scheduleOf(std::move(set.nodes), std::move(set.src), std::move(set.dst),
+                                                         std::move(set.plan), staging_budget));
+  return insert(key, std::move(schedule));
+}
+
+uint64_t PlanCache::positionPlansMade() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return positions_made_;
 }
 
 uint64_t PlanCache::hits() const {

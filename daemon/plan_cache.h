@@ -13,6 +13,7 @@
 
 #include "common/status.h"
 #include "daemon/notification.h"
+#include "planner/replicas.h"
 #include "planner/schedule.h"
 #include "shardcast/v1/layout.pb.h"
 #include "transport/transport.h"
@@ -35,6 +36,15 @@ class PlanCache {
   // The plan for these layouts and staging budget; *hit says whether it was cached.
   StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst, uint64_t staging_budget,
                                                   uint64_t chunk_bytes, bool* hit);
+  // The plan of a sync from `src` into the replica set `replicas` (planner/replicas.h), whose
+  // destination is stackReplicas(replicas) (CachedPlan::dst). Plans are cached per membership;
+  // the set's position plan apart from them, so a replica that joins or leaves costs a
+  // composition, not a planning, and leaves the other replicas' routes as they were.
+  StatusOr<std::shared_ptr<const CachedPlan>> getReplicaSet(const v1::Layout& src,
+                                                            const std::vector<planner::Replica>& replicas,
+                                                            uint64_t staging_budget, uint64_t chunk_bytes, bool* hit);
+  // Position plans made so far (each replica set's once per source layout and chunk size).
+  uint64_t positionPlansMade() const;
   uint64_t hits() const;
   size_t size() const;
   bool contains(const std::string& key) const;
@@ -46,9 +56,20 @@ class PlanCache {
     std::shared_ptr<const CachedPlan> plan;
     std::list<std::string>::iterator age;
   };
+  // The cached plan under `key`, counted as a hit; null when there is none.
+  std::shared_ptr<const CachedPlan> lookup(const std::string& key, bool* hit);
+  // Caches a plan just made (or returns the one another caller made meanwhile), evicting the
+  // least recently used beyond capacity.
+  std::shared_ptr<const CachedPlan> insert(const std::string& key, planner::Schedule schedule);
+
   const size_t capacity_;
   mutable std::mutex mu_;
   std::map<std::string, Entry> plans_;
+  // Position plans by (source digest, replica digest, chunk size), at most `capacity_` (oldest
+  // made first out: memberships of a set in use keep it fresh by reusing it).
+  std::map<std::string, std::shared_ptr<const planner::PositionPlan>> positions_;
+  std::list<std::string> positions_age_;
+  uint64_t positions_made_ = 0;
   std::list<std::string> lru_;  // most recently used first
   std::vector<std::string> evicted_;
   uint64_t hits_ = 0;

@@ -85,6 +85,9 @@ class Endpoint {
   virtual void notify(std::string payload, Completion done) = 0;
   // Flushes and closes; later operations fail with FAILED_PRECONDITION. Idempotent.
   virtual void close() = 0;
+  // False once closed, or once the peer failed (went away, or stopped completing operations
+  // within the op timeout): then Context::connect makes a new endpoint to that address.
+  virtual bool open() const = 0;
   virtual const std::string& peerName() const = 0;
 };
 
@@ -148,7 +151,8 @@ class Context {
   // to `timeout` for those landing under it now; false when some were still landing then.
   virtual void openFence(uint64_t fence) = 0;
   virtual bool closeFence(uint64_t fence, std::chrono::milliseconds timeout) = 0;
-  // Connects lazily: the same peer address returns the same endpoint while it is open.
+  // Connects lazily: the same peer address returns the same endpoint while it is open; endpoints
+  // no longer open are dropped (their resources freed once no operation holds them).
   virtual StatusOr<std::shared_ptr<Endpoint>> connect(const std::string& peer_address,
                                                       const std::string& peer_name) = 0;
   // Called on the progress thread for every notification a peer sends to this context.

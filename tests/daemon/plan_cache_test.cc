@@ -1,5 +1,8 @@
-// The daemon's plan cache: a bounded LRU of immutable plans, and what it evicted.
+// The daemon's plan cache: a bounded LRU of immutable plans, what it evicted, and replica sets
+// whose position plan outlives their memberships.
 #include <catch2/catch.hpp>
+#include <map>
+#include <set>
 
 #include "daemon/sync_engine.h"
 #include "planner/layout.h"
@@ -48,4 +51,86 @@ TEST_CASE("plan cache: least recently used plans are evicted, and reported once"
   get(64);
   CHECK_FALSE(cache.contains(first->key));
   CHECK(first->plan.stats.network_bytes > 0);
+}
+
+namespace {
+
+// Replica `k` of the set "rollout": two ranks on nodes r<k>a and r<k>b, rows sharded.
+planner::Replica replica(int k, int rows = 64) {
+  const std::string n = "r" + std::to_string(k);
+  planner::Replica r;
+  r.id = k;
+  r.layout = *planner::parseLayoutJson(R"({"group":"rollout.)" + n + R"(","replica_set":"rollout","replica":)" +
+                                           std::to_string(k) + R"(,"mesh":{"shape":[2]},"nodes":[")" + n + R"(a",")" +
+                                           n + R"(b"],"tensors":[{"name":"w","shape":[)" + std::to_string(rows) +
+                                           R"(,32],"dtype":"float32","placements":[{"shard":{"dim":0}}]}]})",
+                                       n);
+  return r;
+}
+
+// Per node name: the (transfer, node it receives from) pairs of a plan.
+std::map<std::string, std::set<std::pair<int32_t, std::string>>> upstreams(const CachedPlan& p) {
+  std::map<std::string, std::set<std::pair<int32_t, std::string>>> out;
+  for (int32_t t = 0; t < static_cast<int32_t>(p.plan.transfers.size()); ++t) {
+    const auto& tr = p.plan.transfers[static_cast<size_t>(t)];
+    for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
+      const auto& ch = p.plan.chains[static_cast<size_t>(c)];
+      std::string from = p.nodes.name(ch.src_node);
+      for (int32_t h = 0; h < ch.nodes_count; ++h) {
+        const std::string& node = p.nodes.name(p.plan.chain_nodes[static_cast<size_t>(ch.nodes_begin + h)]);
+        out[node].insert({t, from});
+        from = node;
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("plan cache: a replica set's position plan is planned once and reused as replicas join and leave",
+          "[daemon][plan-cache][replicas]") {
+  PlanCache cache(4);
+  const v1::Layout src = *planner::parseLayoutJson(
+      R"({"group":"train","mesh":{"shape":[1]},"nodes":["t0"],"tensors":[{"name":"w","shape":[64,32],"dtype":"float32"}]})",
+      "train");
+  bool hit = false;
+  auto two = cache.getReplicaSet(src, {replica(0), replica(1)}, 1 << 20, 1 << 20, &hit);
+  INFO((two.ok() ? "" : std::string(two.status().message())));
+  REQUIRE(two.ok());
+  CHECK_FALSE(hit);
+  CHECK(cache.positionPlansMade() == 1);
+  CHECK((*two)->dst.world() == 4);  // the stacked destination the engines execute against
+  auto again = cache.getReplicaSet(src, {replica(0), replica(1)}, 1 << 20, 1 << 20, &hit);
+  REQUIRE(again.ok());
+  CHECK(hit);
+  CHECK(again->get() == two->get());
+
+  // A replica joins: composed anew from the same position plan; every node of the new replica
+  // receives, and the earlier replicas' nodes receive the same transfers from the same nodes.
+  auto three = cache.getReplicaSet(src, {replica(0), replica(1), replica(2)}, 1 << 20, 1 << 20, &hit);
+  REQUIRE(three.ok());
+  CHECK_FALSE(hit);
+  CHECK(cache.positionPlansMade() == 1);
+  CHECK((*three)->dst.world() == 6);
+  const auto before = upstreams(**two), after = upstreams(**three);
+  for (const char* node : {"r0a", "r0b", "r1a", "r1b"}) CHECK(after.at(node) == before.at(node));
+  CHECK(after.count("r2a"));
+  CHECK(after.count("r2b"));
+  for (int32_t n = 0; n < (*three)->nodes.size(); ++n)
+    if ((*three)->nodes.name(n)[0] == 'r') CHECK((*three)->node(n).incoming[0] > 0);
+
+  // A replica leaves: still no planning.
+  auto without_one = cache.getReplicaSet(src, {replica(0), replica(2)}, 1 << 20, 1 << 20, &hit);
+  REQUIRE(without_one.ok());
+  CHECK(cache.positionPlansMade() == 1);
+  CHECK((*without_one)->dst.world() == 4);
+
+  // Another chunk size is another position plan; a replica of another shape is refused by name.
+  REQUIRE(cache.getReplicaSet(src, {replica(0)}, 1 << 20, 1 << 10, &hit).ok());
+  CHECK(cache.positionPlansMade() == 2);
+  auto odd = cache.getReplicaSet(src, {replica(0), replica(1, 32)}, 1 << 20, 1 << 20, &hit);
+  REQUIRE_FALSE(odd.ok());
+  CHECK(odd.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(odd.status().message()), Catch::Contains("rollout.r1"));
 }

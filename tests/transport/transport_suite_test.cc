@@ -253,7 +253,8 @@ TEMPLATE_TEST_CASE("registration is reused for the same range and released with 
   CHECK(p.b->canAccess(MemoryKind::kHost));
 }
 
-TEMPLATE_TEST_CASE("bad ranges and closed endpoints fail with a clear error", "[transport]", BACKENDS) {
+TEMPLATE_TEST_CASE("bad ranges and closed endpoints fail with a clear error - connect replaces a closed endpoint",
+                   "[transport]", BACKENDS) {
   Pair<TestType> p;
   std::vector<unsigned char> src(4096), dst(4096);
   auto rs = reg(*p.a, src);
@@ -271,10 +272,24 @@ TEMPLATE_TEST_CASE("bad ranges and closed endpoints fail with a clear error", "[
     CHECK(st.code() == absl::StatusCode::kPermissionDenied);
     CHECK_THAT(std::string(st.message()), Catch::Contains("not inside memory"));
   }
+  CHECK(p.ep->open());
   p.ep->close();
+  CHECK_FALSE(p.ep->open());
   st = await([&](Completion done) { p.ep->write({rs, 0, rd->remote(), 0, 100}, std::move(done)); });
   CHECK(st.code() == absl::StatusCode::kFailedPrecondition);
   CHECK_THAT(std::string(st.message()), Catch::Contains("closed"));
+  // The same peer again: a new endpoint, not the closed one, and it writes.
+  auto again = p.a->connect(p.b->address(), "receiver");
+  REQUIRE(again.ok());
+  CHECK(again->get() != p.ep.get());
+  CHECK((*again)->open());
+  std::fill(src.begin(), src.end(), 0xab);
+  st = await([&](Completion done) { (*again)->write({rs, 0, rd->remote(), 0, 100}, std::move(done)); });
+  CHECK(st.ok());
+  CHECK(dst[99] == 0xab);
+  auto same = p.a->connect(p.b->address(), "receiver");
+  REQUIRE(same.ok());
+  CHECK(same->get() == again->get());  // an open endpoint is reused
 }
 
 TEST_CASE("remote region descriptors round-trip and reject garbage", "[transport]") {

@@ -111,6 +111,7 @@ class LoopbackEndpoint final : public Endpoint {
   }
 
   void close() override { closed_->store(true); }
+  bool open() const override { return !closed_->load(); }
   const std::string& peerName() const override { return peer_name_; }
 
  private:
@@ -191,6 +192,7 @@ class LoopbackContext final : public Context {
       return absl::UnavailableError(
           strCat("connect to peer '", peer_name, "': no loopback context at \"", peer_address, "\""));
     std::lock_guard<std::mutex> lock(mu_);
+    std::erase_if(endpoints_, [](const auto& entry) { return !entry.second->open(); });
     auto& ep = endpoints_[peer_address];
     if (!ep) ep = std::make_shared<LoopbackEndpoint>(state_, peer_address, peer_name);
     return std::shared_ptr<Endpoint>(ep);

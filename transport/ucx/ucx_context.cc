@@ -103,7 +103,8 @@ struct EpState {
   ucp_ep_h ep = nullptr;
   std::string address;
   std::string name;
-  Status error;  // non-OK once the peer failed or the endpoint closed
+  Status error;                    // non-OK once the peer failed or the endpoint closed (progress thread only)
+  std::atomic<bool> usable{true};  // error.ok(), for other threads (Endpoint::open)
   std::map<std::string, ucp_rkey_h> rkeys;
   uint64_t next_seq = 1;
   std::set<uint64_t> incomplete;  // seqs of writes not yet visible at the peer
@@ -358,6 +359,11 @@ StatusOr<std::shared_ptr<EpState>> UcxEngine::openEndpoint(const std::string& ad
       spdlog::debug("transport '{}': peer '{}' reached without peer-failure detection", options_.name, name);
   }
   if (st != UCS_OK) return statusFromUcs(strCat("connect to peer '", name, "'"), st);
+  // Endpoints whose peer failed are closed now (their operations have all failed), closed ones
+  // forgotten: a long-lived daemon whose peers come and go keeps only the live ones.
+  for (auto& old : endpoints_)
+    if (old->ep && !old->error.ok()) closeEndpoint(old, true);
+  std::erase_if(endpoints_, [](const std::shared_ptr<EpState>& e) { return e->ep == nullptr; });
   endpoints_.push_back(state);
   return state;
 }
@@ -504,6 +510,7 @@ void UcxEngine::sendNotify(EpState& ep, std::string payload, Completion done) {
 void UcxEngine::failEndpoint(EpState& ep, const Status& st, bool quiet) {
   if (ep.error.ok()) {
     ep.error = st;
+    ep.usable = false;
     // A peer that goes while nothing is in flight to it (a clean stop, a restart between syncs)
     // is normal: worth a warning only when it fails writes or notifications.
     bool busy = !ep.notifies.empty();
@@ -685,8 +692,10 @@ class UcxEndpoint final : public Endpoint {
       fallback(absl::FailedPreconditionError("transport context is shut down"));
   }
   void close() override {
+    state_->usable = false;
     engine_->mailbox().post([e = engine_.get(), s = state_] { e->closeEndpoint(s, false); });
   }
+  bool open() const override { return state_->usable; }
   const std::string& peerName() const override { return state_->name; }
 
  private:
@@ -736,6 +745,10 @@ class UcxContext final : public Context {
 
   StatusOr<std::shared_ptr<Endpoint>> connect(const std::string& peer_address, const std::string& peer_name) override {
     std::lock_guard<std::mutex> lock(mu_);
+    // A failed or closed endpoint is not handed out again (a peer that stopped answering for a
+    // while and came back is reached through a new one); dropping it here frees it once the
+    // operations still holding it complete.
+    std::erase_if(endpoints_, [](const auto& entry) { return !entry.second->open(); });
     auto it = endpoints_.find(peer_address);
     if (it != endpoints_.end()) return std::shared_ptr<Endpoint>(it->second);
     // Endpoint creation is a worker call: run it on the progress thread and wait for it.
