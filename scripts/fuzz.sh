@@ -32,7 +32,7 @@ fi
 
 build="$root/build-fuzz"
 if [ ! -f "$build/CMakeCache.txt" ]; then
-  CC=clang CXX=clang++ cmake -S "$root" -B "$build" -DSHARDCAST_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  CC=clang CXX=clang++ cmake -S "$root" -B "$build" -DSHARDCAST_FUZZ=ON -DSHARDCAST_CUDA_KERNELS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 fi
 cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)" --target fuzz_seeds $(printf 'fuzz_%s ' "${targets[@]}") >/dev/null
 

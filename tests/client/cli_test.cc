@@ -23,7 +23,7 @@ struct Run {
 };
 
 Run cli(std::vector<std::string> args) {
-  args.insert(args.begin(), SHARDCAST_CLI_PATH);
+  args.insert(args.begin(), testBinary(SHARDCAST_CLI_PATH));
   Child c = Child::spawn(args);
   Run r;
   while (true) {

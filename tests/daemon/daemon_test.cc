@@ -79,19 +79,19 @@ TEST_CASE("shardcastd serves health, status and a 0660 Unix socket", "[daemon]")
 }
 
 TEST_CASE("shardcastd flags: environment variables, validation, exit codes", "[daemon]") {
-  Child bad = Child::spawn({SHARDCASTD_PATH, "--protocol", "bogus"});
+  Child bad = Child::spawn({testBinary(SHARDCASTD_PATH), "--protocol", "bogus"});
   CHECK(WEXITSTATUS(bad.wait()) == 2);
   Child print = Child::spawn({"env", "SHARDCAST_NODE=from-env", "SHARDCAST_PEERS=a:1,b:2", "SHARDCAST_INSECURE=true",
-                              SHARDCASTD_PATH, "--print-config"});
+                              testBinary(SHARDCASTD_PATH), "--print-config"});
   const std::string line = print.readLine(std::chrono::seconds(10));
   CHECK_THAT(line, Catch::Contains("node=from-env") && Catch::Contains("peers=a:1,b:2"));
   CHECK(WEXITSTATUS(print.wait()) == 0);
-  Child bad_peer = Child::spawn({SHARDCASTD_PATH, "--peers", "nohostport", "--socket", ""});
+  Child bad_peer = Child::spawn({testBinary(SHARDCASTD_PATH), "--peers", "nohostport", "--socket", ""});
   CHECK(WEXITSTATUS(bad_peer.wait()) == 2);
   // TCP is authenticated: without certificates (or --insecure) a daemon that listens does not start.
   // (sh merges the daemon's stderr into the pipe read here.)
   const auto withStderr = [](std::vector<std::string> args) {
-    args.insert(args.begin(), {"sh", "-c", "exec \"$0\" \"$@\" 2>&1", SHARDCASTD_PATH});
+    args.insert(args.begin(), {"sh", "-c", "exec \"$0\" \"$@\" 2>&1", testBinary(SHARDCASTD_PATH)});
     return Child::spawn(args);
   };
   Child plaintext = withStderr({"--node", "x", "--socket", ""});
@@ -104,7 +104,7 @@ TEST_CASE("shardcastd flags: environment variables, validation, exit codes", "[d
       {"--tls-cert", "/nonexistent.pem", "--tls-key", "/etc/hostname", "--tls-ca", "/etc/hostname", "--print-config"});
   CHECK_THAT(missing.readLine(std::chrono::seconds(10)), Catch::Contains("/nonexistent.pem"));
   CHECK(WEXITSTATUS(missing.wait()) == 2);
-  Child help = Child::spawn({SHARDCASTD_PATH, "--help"});
+  Child help = Child::spawn({testBinary(SHARDCASTD_PATH), "--help"});
   CHECK_THAT(help.readLine(std::chrono::seconds(10)), Catch::Contains("shardcastd"));
   CHECK(WEXITSTATUS(help.wait()) == 0);
 }

@@ -134,9 +134,9 @@ TEST_CASE("TCP clients need a certificate of the CA or the bearer token, memory 
 }
 
 TEST_CASE("put over transports that cannot bound it needs --insecure", "[daemon][security]") {
-  Child put = Child::spawn({"sh", "-c", "exec \"$0\" \"$@\" 2>&1", SHARDCASTD_PATH, "--node", "x", "--listen", "",
-                            "--socket", "/tmp/shardcast-put-" + std::to_string(::getpid()) + ".sock", "--protocol",
-                            "put", "--ucx-tls", "tcp"});
+  Child put = Child::spawn({"sh", "-c", "exec \"$0\" \"$@\" 2>&1", testBinary(SHARDCASTD_PATH), "--node", "x",
+                            "--listen", "", "--socket", "/tmp/shardcast-put-" + std::to_string(::getpid()) + ".sock",
+                            "--protocol", "put", "--ucx-tls", "tcp"});
   std::string out, line;
   while (!(line = put.readLine(std::chrono::seconds(10))).empty()) out += line + "\n";
   CHECK(put.wait() != 0);
@@ -164,8 +164,8 @@ TEST_CASE("a local caller of another uid cannot register, take or change another
       d.client()->Register(ctx(10).get(), registerRequest(layout, 0, 2, mem, v1::ROLE_SOURCE, 1), &registered).ok());
 
   // nobody, in the socket's group (root's, mode 0660) so that it reaches the daemon at all.
-  Child caller = Child::spawn({"setpriv", "--reuid=65534", "--regid=0", "--clear-groups", FOREIGN_CALLER_PATH,
-                               d.socketPath(), two, mem.seg->name(), "g"});
+  Child caller = Child::spawn({"setpriv", "--reuid=65534", "--regid=0", "--clear-groups",
+                               testBinary(FOREIGN_CALLER_PATH), d.socketPath(), two, mem.seg->name(), "g"});
   std::map<std::string, std::string> result;
   for (std::string line; !(line = caller.readLine(std::chrono::seconds(30))).empty();)
     result[line.substr(0, line.find(' '))] = line.substr(line.find(' ') + 1);

@@ -18,6 +18,7 @@
 #include "common/tls.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "shardcast/v1/service.grpc.pb.h"
+#include "tests/support/binaries.h"
 #include "tests/support/subprocess.h"
 
 #ifndef SHARDCASTD_PATH
@@ -43,7 +44,7 @@ inline int freePort() {
 // a directory of this process (removed at exit) by shardcast-certs found beside `binary`.
 class LocalCerts {
  public:
-  static const LocalCerts& get(const std::string& binary = SHARDCASTD_PATH) {
+  static const LocalCerts& get(const std::string& binary = testBinary(SHARDCASTD_PATH)) {
     static const LocalCerts certs(binary);
     return certs;
   }
@@ -76,7 +77,7 @@ class Daemon {
   // `extra` flags come last; without --ucx-tls among them the daemon uses UCX_TLS=tcp, and without
   // --insecure or --tls-cert among them mutual TLS with LocalCerts.
   Daemon(std::string node, int port, std::vector<std::string> peers, std::vector<std::string> extra = {},
-         std::string binary = SHARDCASTD_PATH)
+         std::string binary = testBinary(SHARDCASTD_PATH))
       : node_(std::move(node)), port_(port) {
     socket_ = "/tmp/shardcast-test-" + std::to_string(::getpid()) + "-" + node_ + ".sock";
     std::vector<std::string> argv = {binary,  "--node",      node_,  "--listen",  address(),    "--socket",

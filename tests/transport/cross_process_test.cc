@@ -8,6 +8,7 @@
 #include <future>
 #include <thread>
 
+#include "tests/support/binaries.h"
 #include "tests/transport/process.h"
 #include "transport/transport.h"
 
@@ -17,7 +18,7 @@ using namespace shardcast::testing;
 
 namespace {
 
-std::string peerBinary() { return TRANSPORT_PEER_PATH; }
+std::string peerBinary() { return testBinary(TRANSPORT_PEER_PATH); }
 
 struct Receiver {
   Child child;

@@ -7,6 +7,7 @@
 
 #include "common/strings.h"
 #include "transport/copy_engine.h"
+#include "transport/cuda/strided_copy.h"
 
 namespace shardcast::transport {
 
@@ -41,15 +42,39 @@ class Pinned final : public PinnedBuffer {
   size_t n_;
 };
 
+// The alignment both views' bases share (the kernel's word is at most it).
+int64_t baseAlignment(const StridedView& dst, const StridedView& src) {
+  const auto bits = reinterpret_cast<uintptr_t>(dst.base) | reinterpret_cast<uintptr_t>(src.base);
+  int64_t a = 16;
+  while (a > 1 && (bits % static_cast<uintptr_t>(a)) != 0) a /= 2;
+  return a;
+}
+
 class CudaCopyEngine final : public CopyEngine {
  public:
   CudaCopyEngine(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
   ~CudaCopyEngine() override { cudaStreamDestroy(stream_); }
-  const char* name() const override { return "cuda-memcpy"; }
+  const char* name() const override { return "cuda"; }
   bool canCopy(MemoryKind, MemoryKind) const override { return true; }
+  // Device to device with more than one run: one strided-copy kernel launch (a fused buffer's
+  // slice, an FSDP row block out of a TP shard) instead of a cudaMemcpyAsync per run. Anything
+  // touching host memory (pageable shm the kernel cannot reach), a single run, or a build without
+  // the kernel: cudaMemcpyAsync per contiguous run.
   Status copy(const StridedView& dst, const StridedView& src, const std::vector<int64_t>& extent,
               int64_t elem_bytes) override {
     cudaError_t err = cudaSetDevice(device_);
+    if (err != cudaSuccess) return cudaStatus(strCat("cudaSetDevice(", device_, ")"), err);
+    if (dst.kind == MemoryKind::kCuda && src.kind == MemoryKind::kCuda) {
+      SC_ASSIGN_OR_RETURN(const auto plan, planStridedCopy(dst, src, extent, elem_bytes, baseAlignment(dst, src)));
+      if (plan.runs > 1) {
+        const int launched = launchStridedCopyKernel(plan, dst.base, src.base, stream_);
+        if (launched == cudaSuccess) return absl::OkStatus();
+        if (launched != kStridedCopyNotBuilt)
+          return cudaStatus(strCat("strided copy kernel (", plan.runs, " runs of ", plan.run_bytes, " bytes, ",
+                                   plan.word, "-byte words)"),
+                            static_cast<cudaError_t>(launched));
+      }
+    }
     forEachRun(dst, src, extent, elem_bytes, [&](int64_t d, int64_t s, int64_t n) {
       if (err == cudaSuccess)
         err = cudaMemcpyAsync(dst.base + d, src.base + s, static_cast<size_t>(n), cudaMemcpyDefault, stream_);
