@@ -116,6 +116,12 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
                                                     cuda_copies_.get());
       if (!mem.ok())
         return Status(mem.status().code(), strCat(who, ": buffer \"", name, "\": ", mem.status().message()));
+      // Which path this buffer's bytes take, said once per registration: straight from and into
+      // device memory (a CUDA-aware UCX: GPUDirect where the NIC has it), or through a pinned
+      // host mirror with a device copy around every send and landing.
+      spdlog::info("{}: buffer \"{}\" ({} bytes on GPU {}): {}", who, name, c.size(), c.device(),
+                   (*mem)->staged() ? "staged through pinned host memory (this transport cannot reach device memory)"
+                                    : "registered with the transport directly (device memory, no staging)");
       b.size = c.size();
       b.device = device;
       b.cuda = std::move(*mapping);

@@ -15,6 +15,8 @@ fi
 bash "$root/scripts/deps.sh"  # Debian packages and the test venv (torch, grpcio, protobuf from PyPI)
 bash "$root/scripts/format.sh" --check  # sources as .clang-format says (first: it fails fast)
 bash "$root/scripts/build.sh" "${mode[@]}"
+# The GPU bundle scripts/device-check.sh runs where a GPU is: built and size-checked every time.
+if [ ${#mode[@]} -eq 0 ]; then bash "$root/scripts/device-bundle.sh"; fi
 py="$root/.venv/bin/python"
 # The client package as installed by pip, from this checkout (the venv may hold an older one).
 "$py" -m pip install -q --no-deps --no-build-isolation --force-reinstall "$root/client/python"

@@ -17,7 +17,8 @@ from conftest import DEPLOY, K8S, ROOT, TLS_DIR, binary, by_kind, localize, rend
 
 import yaml
 
-OVERLAYS = [K8S / "base", K8S / "overlays" / "dev", K8S / "overlays" / "rdma", K8S / "overlays" / "cert-manager"]
+OVERLAYS = [K8S / "base", K8S / "overlays" / "dev", K8S / "overlays" / "rdma", K8S / "overlays" / "cert-manager",
+            K8S / "overlays" / "gpu"]
 
 
 def default_socket_of_the_cpp_clients() -> str:
@@ -25,7 +26,7 @@ def default_socket_of_the_cpp_clients() -> str:
     return re.search(r'kDefaultSocket = "([^"]+)"', text).group(1)
 
 
-SHIPPED = ["base", "dev", "rdma", "cert-manager", "native-sidecar"]
+SHIPPED = ["base", "dev", "rdma", "cert-manager", "gpu", "native-sidecar"]
 
 
 def daemon_container(where: str) -> tuple:
@@ -212,3 +213,26 @@ def test_dockerfile_builds_with_the_readme_scripts_and_ships_every_library():
     sanitizers = {"libasan8", "libubsan1"}  # when these tests run on the ASan build; images are not sanitized
     missing = needed - listed - essential - sanitizers
     assert not missing, f"the runtime stage lacks {sorted(missing)}"
+
+
+def test_gpu_overlay_gives_the_daemon_every_gpu_and_the_cuda_image(kubectl):
+    """The GPU overlay: the NVIDIA runtime with every GPU visible and none claimed (claiming
+    nvidia.com/gpu would take GPUs from the workloads), host IPC for CUDA IPC, and the image the
+    Dockerfile's runtime-cuda stage builds (the daemon compiled with CUDA, its runtime shipped)."""
+    pod, container, _ = daemon_container("gpu")
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["hostIPC"] is True
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert "compute" in env["NVIDIA_DRIVER_CAPABILITIES"].split(",")
+    for kind in ("requests", "limits"):
+        assert not any("nvidia.com" in r for r in container.get("resources", {}).get(kind, {})), kind
+    assert container["image"].endswith(":0.1.0-cuda")
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    build = text[text.index("AS build-cuda"):text.index("AS runtime-cuda")]
+    assert "FROM ucx-cuda AS build-cuda" in text, "the CUDA build must have the toolkit (stage ucx-cuda)"
+    assert "bash scripts/build.sh shardcastd shardcast" in build
+    assert "libcudart.so" in build
+    runtime = text[text.index("AS runtime-cuda"):]
+    assert "COPY --from=build-cuda /out/ /" in runtime
+    assert "0.1.0-cuda" in text

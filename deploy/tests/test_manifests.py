@@ -14,7 +14,7 @@ import yaml
 import validate
 from conftest import K8S, TOOLS
 
-OVERLAYS = [K8S / "base", K8S / "overlays" / "dev", K8S / "overlays" / "rdma"]
+OVERLAYS = [K8S / "base", K8S / "overlays" / "dev", K8S / "overlays" / "rdma", K8S / "overlays" / "gpu"]
 
 
 def run_validate(*paths) -> subprocess.CompletedProcess:

@@ -1,0 +1,243 @@
+// GPU figures (prints them; scripts/device-check.sh runs it where a GPU is, docs/gpu.md keeps them):
+//   copy   the CUDA copy engine packing a strided box (a TP column slice of a row-major bf16
+//          matrix) into a dense buffer and unpacking it back, one kernel launch each, beside a
+//          device-to-device copy of the same bytes (cudaMemcpyAsync), and host<->device staging
+//          through pinned memory
+//   sync   real daemons syncing device tensors on both sides (CUDA IPC registrations): trainer
+//          ranks FSDP row shards on node n0 -> inference ranks TP column shards on n1, GB/s per
+//          sync, every byte checked after the last
+// Without a GPU it says why and exits 0. Usage: device_bench [--mib N] [--syncs N]
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "planner/layout.h"
+#include "tests/support/device_buffer.h"
+#include "tests/support/local_daemon.h"
+#include "transport/copy_engine.h"
+#include "transport/cuda/cuda_support.h"
+
+using namespace shardcast;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+[[noreturn]] void fail(const std::string& what) {
+  fmt::print(stderr, "device_bench: {}\n", what);
+  std::exit(1);
+}
+
+template <typename T>
+T must(StatusOr<T> v, const char* what) {
+  if (!v.ok()) fail(fmt::format("{}: {}", what, std::string(v.status().message())));
+  return std::move(*v);
+}
+
+void must(const Status& st, const char* what) {
+  if (!st.ok()) fail(fmt::format("{}: {}", what, std::string(st.message())));
+}
+
+// Best of `iters` timed runs of `fn` (each synchronised), after one warm-up.
+template <typename Fn>
+double bestSeconds(int iters, transport::CopyEngine& engine, Fn&& fn) {
+  fn();
+  must(engine.synchronize(), "warm-up");
+  double best = 1e30;
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = Clock::now();
+    fn();
+    must(engine.synchronize(), "timed copy");
+    best = std::min(best, seconds(t0, Clock::now()));
+  }
+  return best;
+}
+
+void copyFigures(int64_t mib) {
+  auto engine = must(transport::makeCudaCopyEngine(0), "CUDA copy engine");
+  // bf16 [rows, 8192]; a TP=4 column slice is rows x 2048 (4 KiB runs).
+  const int64_t cols = 8192, slice = 2048, elem = 2;
+  const int64_t rows = std::max<int64_t>(1, (mib << 20) / (slice * elem));
+  const size_t slice_bytes = static_cast<size_t>(rows * slice * elem);
+  auto full = must(testing::allocateDevice(static_cast<size_t>(rows * cols * elem), 0), "device buffer");
+  auto dense = must(testing::allocateDevice(slice_bytes, 0), "device buffer");
+  auto other = must(testing::allocateDevice(slice_bytes, 0), "device buffer");
+  std::vector<std::byte> host(slice_bytes);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<std::byte>(i * 131 + 7);
+  must(testing::copyToDevice(full->data(), host.data(), host.size()), "fill");
+  auto* base = static_cast<std::byte*>(full->data());
+  const transport::StridedView strided{base, transport::MemoryKind::kCuda, slice, {cols, 1}};
+  const transport::StridedView packed{
+      static_cast<std::byte*>(dense->data()), transport::MemoryKind::kCuda, 0, {slice, 1}};
+  const transport::StridedView copy_to{
+      static_cast<std::byte*>(other->data()), transport::MemoryKind::kCuda, 0, {slice, 1}};
+  const int iters = 10;
+  const double pack = bestSeconds(iters, *engine, [&] {
+    must(engine->copy(packed, strided, {rows, slice}, elem), "pack");
+  });
+  const double unpack = bestSeconds(iters, *engine, [&] {
+    must(engine->copy(strided, packed, {rows, slice}, elem), "unpack");
+  });
+  const double d2d = bestSeconds(iters, *engine, [&] {
+    must(engine->copy(copy_to, packed, {rows, slice}, elem), "d2d");
+  });
+  // Pinned staging (what a transport without CUDA support goes through).
+  auto pinned = must(transport::allocatePinned(slice_bytes), "pinned buffer");
+  const transport::StridedView pin{static_cast<std::byte*>(pinned->data()), transport::MemoryKind::kHost, 0, {1}};
+  const transport::StridedView dev{static_cast<std::byte*>(dense->data()), transport::MemoryKind::kCuda, 0, {1}};
+  const int64_t n = static_cast<int64_t>(slice_bytes);
+  const double d2h = bestSeconds(iters, *engine, [&] { must(engine->copy(pin, dev, {n}, 1), "d2h"); });
+  const double h2d = bestSeconds(iters, *engine, [&] { must(engine->copy(dev, pin, {n}, 1), "h2d"); });
+  const double gb = static_cast<double>(slice_bytes) / 1e9;
+  fmt::print("== copy engine, {:.0f} MiB bf16 (a {} x {} column slice of {} columns, {} B runs)\n",
+             static_cast<double>(slice_bytes) / (1 << 20), rows, slice, cols, slice * elem);
+  fmt::print(
+      "RESULT copy pack_gbps {:.1f} unpack_gbps {:.1f} d2d_gbps {:.1f} pack_of_d2d {:.0f}% d2h_gbps {:.1f} "
+      "h2d_gbps {:.1f}\n",
+      gb / pack, gb / unpack, gb / d2d, 100 * d2d / pack, gb / d2h, gb / h2d);
+  fmt::print("   (GB/s of bytes moved, reads and writes counted once; best of {})\n", iters);
+}
+
+struct DeviceRank {
+  std::vector<std::unique_ptr<testing::DeviceBuffer>> buffers;  // by buffer id
+};
+
+void syncFigures(int64_t mib, int syncs) {
+  // float32 [rows, 4096]: FSDP row shards over 2 trainer ranks -> TP column shards over 2.
+  const int64_t cols = 4096;
+  const int64_t rows = std::max<int64_t>(2, (mib << 20) / (cols * 4)) / 2 * 2;
+  const std::string shape = fmt::format("[{},{}]", rows, cols);
+  const auto src_proto =
+      must(planner::parseLayoutJson(R"({"group":"dev-trainer","mesh":{"shape":[2]},"nodes":["n0","n0"],
+    "tensors":[{"name":"w","shape":)" + shape +
+                                        R"(,"dtype":"float32","placements":[{"shard":{"dim":0}}]}]})",
+                                    "trainer"),
+           "layout");
+  const auto dst_proto = must(planner::parseLayoutJson(R"({"group":"dev-infer","mesh":{"shape":[2]},"nodes":["n1","n1"],
+    "tensors":[{"name":"w","shape":)" + shape + R"(,"dtype":"float32","placements":[{"shard":{"dim":1}}]}]})",
+                                                       "infer"),
+                              "layout");
+  planner::NodeTable nodes;
+  const auto src = must(planner::resolveLayout(src_proto, nodes), "resolve");
+  const auto dst = must(planner::resolveLayout(dst_proto, nodes), "resolve");
+  const int p0 = examples::freePort(), p1 = examples::freePort();
+  const std::vector<std::string> peers{"127.0.0.1:" + std::to_string(p0), "127.0.0.1:" + std::to_string(p1)};
+  examples::Daemon n0("n0", p0, peers), n1("n1", p1, peers);
+  if (!n0.ready() || !n1.ready()) fail("daemons did not start: " + n0.readyLine() + " / " + n1.readyLine());
+  auto value = [](int64_t flat, int version) { return static_cast<float>((flat * 7 + version) % 100003); };
+  std::vector<DeviceRank> s(2), d(2);
+  auto make = [&](const planner::ResolvedLayout& l, const v1::Layout& proto, int32_t r, examples::Daemon& node,
+                  DeviceRank& m, int version) {
+    v1::RegisterRequest req;
+    req.set_group(proto.group());
+    req.set_rank(r);
+    req.set_world_size(l.world());
+    if (version > 0) {
+      req.set_role(v1::ROLE_SOURCE);
+      req.set_version(static_cast<uint64_t>(version));
+    }
+    *req.mutable_layout() = proto;
+    m.buffers.resize(l.buffer_names.size());
+    for (const auto& [b, bytes] : l.rankBuffers(r)) {
+      auto dev = must(testing::allocateDevice(static_cast<size_t>(bytes), 0), "device buffer");
+      std::vector<float> host(static_cast<size_t>(bytes) / 4, 0.f);
+      if (version > 0)
+        planner::forEachElement(l, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+          if (p.buffer == b) host[static_cast<size_t>(off)] = value(flat, version);
+        });
+      must(testing::copyToDevice(dev->data(), host.data(), static_cast<size_t>(bytes)), "fill");
+      auto* h = req.add_buffers();
+      h->set_buffer(l.buffer_names[b]);
+      h->mutable_cuda()->set_handle(must(dev->ipcHandle(), "IPC handle"));
+      h->mutable_cuda()->set_size(static_cast<uint64_t>(bytes));
+      m.buffers[b] = std::move(dev);
+    }
+    grpc::ClientContext c;
+    v1::RegisterResponse resp;
+    const auto st = node.client()->Register(&c, req, &resp);
+    if (!st.ok()) fail("register: " + st.error_message());
+  };
+  for (int32_t r = 0; r < 2; ++r) make(src, src_proto, r, n0, s[r], 1);
+  for (int32_t r = 0; r < 2; ++r) make(dst, dst_proto, r, n1, d[r], 0);
+  const double gb = static_cast<double>(rows * cols * 4) / 1e9;
+  fmt::print("== sync, {:.0f} MiB float32 device tensors: FSDP rows (2 ranks, n0) -> TP columns (2 ranks, n1)\n",
+             gb * 1e9 / (1 << 20));
+  std::vector<double> figures;
+  for (int v = 1; v <= syncs; ++v) {
+    if (v > 1) {  // the trainer publishes v (same bytes: the figure is the sync's, not the fill's)
+      for (int32_t r = 0; r < 2; ++r) {
+        for (const char* what : {"acquire", "release"}) {
+          grpc::ClientContext c;
+          if (std::string(what) == "acquire") {
+            v1::AcquireRequest a;
+            a.set_group("dev-trainer");
+            a.set_rank(r);
+            v1::AcquireResponse ar;
+            if (auto st = n0.client()->Acquire(&c, a, &ar); !st.ok()) fail("acquire: " + st.error_message());
+          } else {
+            v1::ReleaseRequest a;
+            a.set_group("dev-trainer");
+            a.set_rank(r);
+            a.set_version(static_cast<uint64_t>(v));
+            v1::ReleaseResponse ar;
+            if (auto st = n0.client()->Release(&c, a, &ar); !st.ok()) fail("release: " + st.error_message());
+          }
+        }
+      }
+    }
+    v1::SyncRequest req;
+    req.set_src_group("dev-trainer");
+    req.set_dst_group("dev-infer");
+    req.set_version(static_cast<uint64_t>(v));
+    v1::SyncResponse out;
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    const auto t0 = Clock::now();
+    const auto st = n0.client()->Sync(&c, req, &out);
+    const double t = seconds(t0, Clock::now());
+    if (!st.ok()) fail("sync: " + st.error_message());
+    figures.push_back(gb / t);
+    fmt::print("sync v{}: {:.3f} s = {:.2f} GB/s{}\n", v, t, gb / t, v == 1 ? " (plans, allocates, connects)" : "");
+  }
+  int64_t bad = 0;
+  for (int32_t r = 0; r < 2; ++r)
+    for (size_t b = 0; b < d[r].buffers.size(); ++b) {
+      if (!d[r].buffers[b]) continue;
+      std::vector<float> host(d[r].buffers[b]->size() / 4);
+      must(testing::copyFromDevice(host.data(), d[r].buffers[b]->data(), d[r].buffers[b]->size()), "read back");
+      planner::forEachElement(dst, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        if (p.buffer == static_cast<int32_t>(b)) bad += host[static_cast<size_t>(off)] != value(flat, 1);
+      });
+    }
+  double best = 0;
+  for (size_t i = 1; i < figures.size(); ++i) best = std::max(best, figures[i]);
+  fmt::print("RESULT sync best_cached_gbps {:.2f} wrong_elements {}\n", best, bad);
+  if (bad != 0) std::exit(1);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t mib = 512;
+  int syncs = 4;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--mib")
+      mib = std::stoll(argv[i + 1]);
+    else if (flag == "--syncs")
+      syncs = std::stoi(argv[i + 1]);
+    else
+      fail("unknown flag " + flag + " (--mib N, --syncs N)");
+  }
+  if (transport::cudaDeviceCount() == 0) {
+    fmt::print("device_bench: no GPU here ({}): nothing to measure\n", transport::cudaUnavailableReason());
+    return 0;
+  }
+  copyFigures(mib);
+  syncFigures(mib, std::max(2, syncs));
+  return 0;
+}

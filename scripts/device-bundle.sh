@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Builds here what scripts/device-check.sh runs on a machine with a GPU, and packs it with its
+# shared-library closure into .device-bundle/ (git-ignored; the device tool carries it: `carry`
+# [".device-bundle"]). That machine has the CUDA driver, torch, grpcio and protobuf but no gRPC,
+# UCX or spdlog libraries and no downloads, so the bundle holds:
+#   bin/   one wrapper per program (sets LD_LIBRARY_PATH and UCX_MODULE_DIR to the bundle, then
+#          runs the real program from bin/.real/), and shardcast-certs
+#   lib/   every shared library the programs need but the C runtime, libstdc++/libgcc (the
+#          machine's own are newer) and the CUDA driver; lib/ucx/ UCX's transport modules
+# Everything stripped; fails when the bundle is over 50 MiB. Prints its size.
+# Usage: scripts/device-bundle.sh [output directory]
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+out="${1:-$root/.device-bundle}"
+programs=(shardcastd shardcast transport_tests daemon_tests client_tests transport_peer foreign_caller device_bench)
+bash "$root/scripts/build.sh" "${programs[@]}" >/dev/null
+rm -rf "$out"
+mkdir -p "$out/bin/.real" "$out/lib/ucx"
+for p in "${programs[@]}"; do
+  install -m 0755 "$root/build/bin/$p" "$out/bin/.real/$p"
+  strip --strip-unneeded "$out/bin/.real/$p"
+  cat >"$out/bin/$p" <<WRAP
+#!/bin/sh
+# The bundled $p with the bundle's libraries (scripts/device-bundle.sh).
+here=\$(cd "\$(dirname "\$0")" && pwd)
+LD_LIBRARY_PATH="\$here/../lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" UCX_MODULE_DIR="\$here/../lib/ucx" exec "\$here/.real/$p" "\$@"
+WRAP
+  chmod 0755 "$out/bin/$p"
+done
+install -m 0755 "$root/build/bin/shardcast-certs" "$out/bin/shardcast-certs"
+# UCX's transport modules (loaded at run time, not seen by ldd on the programs): those whose own
+# libraries are present here.
+ucx_modules="$(dirname "$(readlink -f "$(ldconfig -p | awk '/libucp\.so\.0 / {print $NF; exit}')")")/ucx"
+for m in "$ucx_modules"/libuct_*.so.0; do
+  [ -e "$m" ] || continue
+  if ! ldd "$m" | grep -q "not found"; then cp -L "$m" "$out/lib/ucx/"; fi
+done
+# The closure: every library ldd resolves, but the ones the machine must bring itself.
+skip='^(libc|libm|libdl|libpthread|librt|libresolv|ld-linux-x86-64|libstdc\+\+|libgcc_s|libcuda)\.so'
+ldd "$out"/bin/.real/* "$out"/lib/ucx/*.so.0 2>/dev/null | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
+  name="$(basename "$lib")"
+  [[ "$name" =~ $skip ]] && continue
+  cp -L "$lib" "$out/lib/$name"
+done
+find "$out/lib" -name '*.so*' -exec strip --strip-unneeded {} +
+if missing="$(LD_LIBRARY_PATH="$out/lib" ldd "$out"/bin/.real/* | grep "not found")"; then
+  echo "device bundle: unresolved libraries:" >&2
+  echo "$missing" >&2
+  exit 1
+fi
+bytes=$(du -sb "$out" | cut -f1)
+echo "device bundle: $out, $(find "$out" -type f | wc -l) files, $((bytes / 1024 / 1024)) MiB ($bytes bytes)"
+if [ "$bytes" -gt $((50 * 1024 * 1024)) ]; then
+  echo "device bundle: over 50 MiB" >&2
+  exit 1
+fi

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU check, run on a machine with a GPU from the repository root, with the bundle that
+# scripts/device-bundle.sh built here carried along as .device-bundle/ (the device tool:
+# `run` with carry [".device-bundle"] and command `bash scripts/device-check.sh`). About 3-5 min.
+# Prints, and writes to $OUT/device-check.log when OUT is set:
+#   the GPU; the [gpu] tests (CUDA copies, the strided-copy kernel, staging through pinned memory,
+#   a sync between daemons with device buffers on both sides, every byte checked); pack/unpack
+#   GB/s of the kernel beside a device-to-device copy of the same bytes; sync GB/s with device
+#   tensors (bench/device_bench.cc); a real torch DTensor on a CUDA mesh registered by CUDA IPC
+#   and synced into CUDA destination tensors (client/python/tests/test_gpu.py).
+# docs/gpu.md says where the figures go. Exit status: the number of steps that failed.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+bundle="${SHARDCAST_BUNDLE:-$root/.device-bundle}"
+[ -x "$bundle/bin/shardcastd" ] || { echo "no bundle at $bundle: run scripts/device-bundle.sh where it builds" >&2; exit 2; }
+log="${OUT:-/tmp}/device-check.log"
+exec > >(tee "$log") 2>&1
+export SHARDCAST_BIN_DIR="$bundle/bin" SHARDCAST_BUILD="$bundle" PYTHONUNBUFFERED=1
+export PYTHONPATH="$root/client/python:$root/client/python/tests${PYTHONPATH:+:$PYTHONPATH}"
+failed=0
+step() {
+  local name="$1"
+  shift
+  echo
+  echo "== $name"
+  local t0=$SECONDS
+  if timeout "${STEP_TIMEOUT:-240}" "$@"; then
+    echo "-- $name: ok ($((SECONDS - t0)) s)"
+  else
+    echo "-- $name: FAILED (exit $?, $((SECONDS - t0)) s)"
+    failed=$((failed + 1))
+  fi
+}
+echo "device check $(date -u +%Y-%m-%dT%H:%MZ), commit $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi: not available"
+cd "$(mktemp -d)"  # the tests' scratch files
+step "transport [gpu] and kernel geometry" "$bundle/bin/transport_tests" "[gpu],[strided-copy]" --reporter compact
+step "daemon [gpu]: device buffers on both sides of a sync" "$bundle/bin/daemon_tests" "[gpu]" --reporter compact
+step "client [gpu]: CUDA pointers become IPC handles" "$bundle/bin/client_tests" "[gpu]" --reporter compact
+step "device bench: kernel pack/unpack vs device copy, sync GB/s" "$bundle/bin/device_bench" --mib "${DEVICE_MIB:-1024}" --syncs 5
+step "python: a CUDA DTensor registered by IPC and synced" "${PYTHON:-python3}" -m pytest -q -rs "$root/client/python/tests/test_gpu.py"
+echo
+echo "device check: $failed step(s) failed; log in $log"
+exit "$failed"
