@@ -1,6 +1,7 @@
 #include "daemon/stage.h"
 
 #include "common/strings.h"
+#include "daemon/convert.h"
 
 namespace shardcast::daemon {
 
@@ -15,9 +16,11 @@ Status copyBox(transport::CopyEngine& host, transport::CopyEngine* device, const
 
 namespace {
 
-class CopyStage final : public Stage {
+// Bytes unchanged where the dtypes agree; the declared conversions (planner::convertible)
+// converted on the host: device memory is copied to or from a dense host buffer around it.
+class StandardStage final : public Stage {
  public:
-  const char* name() const override { return "copy"; }
+  const char* name() const override { return "standard"; }
   Status pack(const TypedView& wire, const TypedView& memory, const std::vector<int64_t>& extent,
               const StageSite& site) override {
     return move(wire, memory, extent, site);
@@ -33,18 +36,38 @@ class CopyStage final : public Stage {
 
  private:
   Status move(const TypedView& dst, const TypedView& src, const std::vector<int64_t>& extent, const StageSite& site) {
-    if (dst.dtype != src.dtype)
-      return absl::InvalidArgumentError(strCat("tensor ", quote(site.tensor), ": ", planner::dtypeName(src.dtype),
-                                               " -> ", planner::dtypeName(dst.dtype),
-                                               " needs a converting stage; stage \"copy\" moves bytes unchanged"));
-    return copyBox(*host_, dst.device ? dst.device : src.device, dst.view, src.view, extent,
-                   planner::dtypeBytes(dst.dtype));
+    transport::CopyEngine* device = dst.device ? dst.device : src.device;
+    if (dst.dtype == src.dtype)
+      return copyBox(*host_, device, dst.view, src.view, extent, planner::dtypeBytes(dst.dtype));
+    if (!planner::convertible(src.dtype, dst.dtype))
+      return absl::InvalidArgumentError(strCat("tensor ", quote(site.tensor), ": no conversion from ",
+                                               planner::dtypeName(src.dtype), " to ", planner::dtypeName(dst.dtype)));
+    const auto dense = transport::denseStrides(extent);
+    int64_t count = 1;
+    for (int64_t e : extent) count *= e;
+    // Host on both sides: in place. Otherwise through dense host copies of the device side(s).
+    std::vector<std::byte> src_host, dst_host;
+    transport::StridedView from = src.view, to = dst.view;
+    if (src.view.kind != transport::MemoryKind::kHost) {
+      src_host.resize(static_cast<size_t>(count * planner::dtypeBytes(src.dtype)));
+      from = {src_host.data(), transport::MemoryKind::kHost, 0, dense};
+      SC_RETURN_IF_ERROR(copyBox(*host_, device, from, src.view, extent, planner::dtypeBytes(src.dtype)));
+    }
+    if (dst.view.kind != transport::MemoryKind::kHost) {
+      dst_host.resize(static_cast<size_t>(count * planner::dtypeBytes(dst.dtype)));
+      to = {dst_host.data(), transport::MemoryKind::kHost, 0, dense};
+    }
+    if (Status st = convertBox(to, dst.dtype, from, src.dtype, extent); !st.ok())
+      return Status(st.code(), strCat("tensor ", quote(site.tensor), ": ", st.message()));
+    if (dst.view.kind != transport::MemoryKind::kHost)
+      return copyBox(*host_, device, dst.view, to, extent, planner::dtypeBytes(dst.dtype));
+    return absl::OkStatus();
   }
   std::unique_ptr<transport::CopyEngine> host_ = transport::makeHostCopyEngine();
 };
 
 }  // namespace
 
-std::unique_ptr<Stage> makeCopyStage() { return std::make_unique<CopyStage>(); }
+std::unique_ptr<Stage> makeStandardStage() { return std::make_unique<StandardStage>(); }
 
 }  // namespace shardcast::daemon

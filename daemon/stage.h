@@ -7,9 +7,10 @@
 //
 // Contract: called on a sync's executing threads (several syncs at once: a stage is
 // thread-safe); a call returns when the destination holds the bytes (device copies synchronised);
-// errors name the tensor and the dtypes. Transfers the schedule sends or lands directly (a rank's
-// buffer is the wire: planner/schedule.h) bypass the stage; the schedule does so only for tensors
-// whose source and destination dtypes are equal, where a stage must move bytes unchanged.
+// errors name the tensor and the dtypes. The wire carries the destination's dtype. Transfers the
+// schedule sends or lands directly (a rank's buffer is the wire: planner/schedule.h) bypass the
+// stage: it sends directly only tensors whose source dtype is the destination's, and landing
+// directly is always the wire's dtype, so a stage moves same-dtype bytes unchanged.
 #pragma once
 
 #include <cstdint>
@@ -53,9 +54,11 @@ class Stage {
                            const StageSite& site) = 0;
 };
 
-// The stage every sync uses today: bytes unchanged (host memcpy, or the CUDA engine of a device
-// view); a dtype mismatch is INVALID_ARGUMENT naming the tensor (it would need a converting stage).
-std::unique_ptr<Stage> makeCopyStage();
+// The stage every sync uses: bytes unchanged where both dtypes agree (host memcpy, or the CUDA
+// engine of a device view); the conversions a destination may declare (planner::convertible:
+// float32 -> bfloat16, rounded to nearest even as torch does) converted, at the source's packer
+// (the wire carries the destination's dtype); any other pair INVALID_ARGUMENT naming the tensor.
+std::unique_ptr<Stage> makeStandardStage();
 
 // Copies the box of `extent` elements of `elem_bytes` between two views with the engine that
 // reaches both: `host` for host memory on both sides, else `device` (synchronised).

@@ -24,7 +24,7 @@ SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context&
       transport_(transport),
       metrics_(metrics),
       window_bytes_(window_bytes),
-      stage_(stage ? std::move(stage) : makeCopyStage()),
+      stage_(stage ? std::move(stage) : makeStandardStage()),
       copies_(transport::makeHostCopyEngine()) {
   transport_.setNotificationHandler([this](std::string payload) { onNotification(payload); });
   reaper_ = std::thread([this] { reap(); });

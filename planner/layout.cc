@@ -111,6 +111,8 @@ std::string_view dtypeName(DType t) {
   return "?";
 }
 
+bool convertible(DType from, DType to) { return from == to || (from == DType::kFloat32 && to == DType::kBFloat16); }
+
 int64_t dtypeBytes(DType t) {
   for (const auto& d : kDTypes)
     if (d.type == t) return d.bytes;

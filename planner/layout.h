@@ -32,6 +32,11 @@ enum class DType : uint8_t {
 StatusOr<DType> parseDType(std::string_view torch_name);
 std::string_view dtypeName(DType t);
 int64_t dtypeBytes(DType t);
+// Whether a destination tensor may declare dtype `to` for a source tensor of dtype `from`: the
+// same dtype, or a conversion the sync makes at the source (fewer bytes on the wire):
+// float32 -> bfloat16 (round to nearest even, as torch's .to(torch.bfloat16)). The daemon's pack
+// stage (daemon/stage.h) converts exactly these.
+bool convertible(DType from, DType to);
 
 // Node names are shared by the source and destination layouts of one plan (colocation).
 class NodeTable {

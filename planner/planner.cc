@@ -81,11 +81,13 @@ class Planner {
       return absl::FailedPreconditionError(strCat("tensor \"", dt.name, "\": layout \"", dst_.group,
                                                   "\" needs it but layout \"", src_.group, "\" has no such tensor"));
     const TensorLayout& st = src_.tensors[it->second];
-    if (st.shape != dt.shape || st.dtype != dt.dtype)
-      return absl::InvalidArgumentError(strCat("tensor \"", dt.name, "\": layout \"", src_.group, "\" has ",
-                                               dtypeName(st.dtype), " [", strJoin(st.shape, ", "), "] but layout \"",
-                                               dst_.group, "\" has ", dtypeName(dt.dtype), " [",
-                                               strJoin(dt.shape, ", "), "]"));
+    // A destination may declare a dtype its source converts to (planner::convertible): the bytes
+    // travel in the destination's dtype, so every size below is the destination's.
+    if (st.shape != dt.shape || !convertible(st.dtype, dt.dtype))
+      return absl::InvalidArgumentError(
+          strCat("tensor \"", dt.name, "\": layout \"", src_.group, "\" has ", dtypeName(st.dtype), " [",
+                 strJoin(st.shape, ", "), "] but layout \"", dst_.group, "\" has ", dtypeName(dt.dtype), " [",
+                 strJoin(dt.shape, ", "), "]", st.shape == dt.shape ? " (no conversion between these dtypes)" : ""));
     const int32_t t = static_cast<int32_t>(plan_.tensors.size());
     plan_.tensors.push_back({it->second, j});
     elem_ = dt.elemBytes();

@@ -10,16 +10,17 @@ namespace {
 
 uint64_t alignUp(uint64_t v) { return (v + 63) & ~uint64_t{63}; }
 
-// Whether a fragment's memory bytes are its wire bytes on both sides: only then may a rank's
-// buffer be sent from or landed in directly, bypassing the pack/unpack stage.
+// Whether a fragment's source memory holds its wire bytes (the wire carries the destination's
+// dtype): only then may a chain be sent straight from a source rank's buffer, bypassing the pack
+// stage (which converts, daemon/stage.h). Landing straight in a destination rank is always the
+// wire's dtype.
 bool sameDType(const Schedule& c, const Fragment& frag) {
   const auto& pair = c.plan.tensors[frag.tensor];
   return c.src.tensors[pair.src].dtype == c.dst.tensors[pair.dst].dtype;
 }
 
 // Where transfer t lands on `node`: directly when it is one fragment that a rank there needs
-// whole and holds contiguously (row-major, as the fragment travels) in the dtype it travels in;
-// arena otherwise (then the node's unpack stage writes every rank, daemon/stage.h).
+// whole and holds contiguously (row-major, as the fragment travels); arena otherwise.
 Schedule::Landing landingFor(const Schedule& c, int32_t t, int32_t node) {
   Schedule::Landing l;
   l.node = node;
@@ -27,7 +28,6 @@ Schedule::Landing landingFor(const Schedule& c, int32_t t, int32_t node) {
   if (tr.fragments_count != 1) return l;
   const int32_t f = c.plan.transfer_fragments[tr.fragments_begin];
   const auto& frag = c.plan.fragments[f];
-  if (!sameDType(c, frag)) return l;
   const int64_t elem = c.dst.tensors[c.plan.tensors[frag.tensor].dst].elemBytes();
   for (const auto& [sub, dr] : destinationRegions(c.plan, c.dst, f, node)) {
     if (!(sub == frag.box) || !isContiguous(dr.strides, sub)) continue;

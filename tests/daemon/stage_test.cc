@@ -1,15 +1,22 @@
-// The pack/unpack stage (daemon/stage.h): the copy stage moves bytes unchanged and refuses dtype
-// mismatches by name; and a sync between two in-process engines runs every packed and every
-// unpacked byte through the stage it was given (a stage that scrambles the wire bytes on pack
-// and restores them on unpack still delivers every byte; one that only scrambles does not).
+// The pack/unpack stage (daemon/stage.h): the standard stage moves same-dtype bytes unchanged,
+// converts float32 -> bfloat16 bit-exactly (against an independent reference) and refuses other
+// pairs by name; a sync between two in-process engines runs every packed and every unpacked byte
+// through the stage it was given (a stage that scrambles the wire bytes on pack and restores them
+// on unpack still delivers every byte; one that only scrambles does not), and a declared
+// float32 -> bfloat16 destination receives exactly the rounded values, half the bytes on the wire.
 #include "daemon/stage.h"
 
 #include <atomic>
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <cstring>
 #include <future>
+#include <limits>
+#include <map>
 #include <numeric>
+#include <random>
 
+#include "daemon/convert.h"
 #include "daemon/metrics.h"
 #include "daemon/registry.h"
 #include "daemon/sync_engine.h"
@@ -21,8 +28,9 @@ using namespace shardcast;
 using namespace shardcast::daemon;
 using namespace shardcast::testing;
 
-TEST_CASE("copy stage: strided boxes unchanged, a dtype mismatch refused naming the tensor", "[daemon][stage]") {
-  auto stage = makeCopyStage();
+TEST_CASE("standard stage: strided boxes unchanged, an unconvertible pair refused naming the tensor",
+          "[daemon][stage]") {
+  auto stage = makeStandardStage();
   std::vector<int32_t> src(6 * 8), dst(6 * 4, -1);
   std::iota(src.begin(), src.end(), 0);
   // Columns 2..5 of a 6x8 row-major tensor, packed dense.
@@ -46,14 +54,33 @@ TEST_CASE("copy stage: strided boxes unchanged, a dtype mismatch refused naming 
     for (int c = 0; c < 8; ++c) CHECK(back[r * 8 + c] == (c >= 2 && c < 6 ? r * 8 + c : -1));
   TypedView as_float = wire;
   as_float.dtype = planner::DType::kFloat32;
-  TypedView as_bf16 = memory;
-  as_bf16.dtype = planner::DType::kBFloat16;
-  const Status st = stage->pack(as_bf16, as_float, {6, 4}, {name, box});
+  const Status st = stage->pack(as_float, memory, {6, 4}, {name, box});  // int32 -> float32: not declared
   CHECK(st.code() == absl::StatusCode::kInvalidArgument);
-  CHECK_THAT(std::string(st.message()), Catch::Contains("\"layers.0.w\"") && Catch::Contains("float32 -> bfloat16"));
+  CHECK_THAT(std::string(st.message()),
+             Catch::Contains("\"layers.0.w\"") && Catch::Contains("no conversion from int32 to float32"));
 }
 
 namespace {
+
+// The bfloat16 nearest to `f` by an independent route: the two candidates around it compared in
+// double precision, ties to the even one; NaN the quiet NaN torch writes.
+uint16_t referenceBfloat16(float f) {
+  if (std::isnan(f)) return 0x7fc0;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t toward_zero = static_cast<uint16_t>(u >> 16);
+  if ((u & 0xffffu) == 0) return toward_zero;                    // exact (infinities included)
+  const uint16_t away = static_cast<uint16_t>(toward_zero + 1);  // the next magnitude, same sign
+  const double x = std::fabs(static_cast<double>(f)),
+               a = std::fabs(static_cast<double>(floatFromBfloat16(toward_zero)));
+  // Past the largest finite bfloat16 the next value is infinity: its distance is that of the
+  // next step had the exponent range gone on (2^120 above the largest, 0x7f7f).
+  const double b =
+      (away & 0x7fff) == 0x7f80 ? a + std::ldexp(1.0, 120) : std::fabs(static_cast<double>(floatFromBfloat16(away)));
+  if (x - a < b - x) return toward_zero;
+  if (b - x < x - a) return away;
+  return (toward_zero & 1) == 0 ? toward_zero : away;
+}
 
 // Flips every wire byte with `key` on pack; on unpack too when `restore`. Counts its calls.
 class ScramblingStage final : public Stage {
@@ -99,11 +126,12 @@ class ScramblingStage final : public Stage {
   std::atomic<int>& packs_;
   std::atomic<int>& unpacks_;
   const bool restore_;
-  std::unique_ptr<Stage> copy_ = makeCopyStage();
+  std::unique_ptr<Stage> copy_ = makeStandardStage();
 };
 
 // A daemon's data plane in this process: a loopback transport, a registry and a sync engine.
 struct InProcessNode {
+  // `stage`: null for the engine's standard stage.
   InProcessNode(const std::string& name, std::unique_ptr<Stage> stage)
       : context(makeContext(name)),
         registry(name, *context),
@@ -185,6 +213,62 @@ bool syncThroughStages(const std::function<std::unique_ptr<Stage>()>& stage, con
 
 }  // namespace
 
+TEST_CASE("float32 -> bfloat16: round to nearest even, NaN quiet, against an independent reference",
+          "[daemon][stage]") {
+  std::vector<float> values = {0.0f,
+                               -0.0f,
+                               1.0f,
+                               -1.0f,
+                               1.00390625f,
+                               1.01171875f,
+                               1.0078125f,
+                               3.14159265f,
+                               std::numeric_limits<float>::infinity(),
+                               -std::numeric_limits<float>::infinity(),
+                               std::numeric_limits<float>::quiet_NaN(),
+                               std::numeric_limits<float>::max(),
+                               std::numeric_limits<float>::lowest(),
+                               std::numeric_limits<float>::min(),
+                               std::numeric_limits<float>::denorm_min(),
+                               3.3895313892515355e38f,
+                               3.3961e38f};
+  std::mt19937 rng(3);
+  for (int i = 0; i < 200000; ++i) {
+    const uint32_t u = static_cast<uint32_t>(rng());
+    float f;
+    std::memcpy(&f, &u, 4);
+    values.push_back(f);
+  }
+  for (float f : values) {
+    INFO("float bits " << std::hex << [&] {
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      return u;
+    }());
+    CHECK(bfloat16FromFloat(f) == referenceBfloat16(f));
+  }
+  // Through the stage on a strided box (columns 1..3 of a 4 x 5 row-major float tensor).
+  std::vector<float> src(20);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = 0.1f * static_cast<float>(i) - 0.7f;
+  std::vector<uint16_t> wire(12, 0);
+  auto stage = makeStandardStage();
+  planner::Box box;
+  box.ndim = 2;
+  box.lo = {0, 1};
+  box.hi = {4, 4};
+  const std::string name = "w";
+  REQUIRE(stage
+              ->pack({{reinterpret_cast<std::byte*>(wire.data()), transport::MemoryKind::kHost, 0, {3, 1}},
+                      planner::DType::kBFloat16},
+                     {{reinterpret_cast<std::byte*>(src.data()), transport::MemoryKind::kHost, 1, {5, 1}},
+                      planner::DType::kFloat32},
+                     {4, 3}, {name, box})
+              .ok());
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 3; ++c)
+      CHECK(wire[static_cast<size_t>(r * 3 + c)] == referenceBfloat16(src[static_cast<size_t>(r * 5 + c + 1)]));
+}
+
 TEST_CASE("a sync packs and unpacks every byte through its engines' stage", "[daemon][stage]") {
   std::atomic<int> packs{0}, unpacks{0};
   SECTION("scrambled on pack, restored on unpack: every byte arrives") {
@@ -197,6 +281,80 @@ TEST_CASE("a sync packs and unpacks every byte through its engines' stage", "[da
         syncThroughStages([&] { return std::make_unique<ScramblingStage>(packs, unpacks, false); }, "stage-scrambled"));
   }
   SECTION("the copy stage") {
-    CHECK(syncThroughStages([] { return makeCopyStage(); }, "stage-copy"));
+    CHECK(syncThroughStages([] { return makeStandardStage(); }, "stage-copy"));
   }
+}
+
+TEST_CASE("a float32 source syncs into a bfloat16 destination: rounded values, half the bytes on the wire",
+          "[daemon][stage]") {
+  // w: rows 0..255 to a rank on the source's own node (a converting local copy), rows 256..511
+  // to a rank on "b" (packed and converted at the source, landed straight in the rank); b: a
+  // small replicated tensor (to both ranks: one converting local copy, one converted send).
+  const auto src_proto = *planner::parseLayoutJson(R"({"group":"s","mesh":{"shape":[1]},"nodes":["a"],"tensors":[
+    {"name":"w","shape":[512,256],"dtype":"float32"},{"name":"b","shape":[8],"dtype":"float32"}]})",
+                                                   "s");
+  const auto dst_proto = *planner::parseLayoutJson(R"({"group":"d","mesh":{"shape":[2]},"nodes":["a","b"],"tensors":[
+    {"name":"w","shape":[512,256],"dtype":"bfloat16","placements":[{"shard":{"dim":0}}]},
+    {"name":"b","shape":[8],"dtype":"bfloat16"}]})",
+                                                   "d");
+  planner::NodeTable nodes;
+  const auto src = *planner::resolveLayout(src_proto, nodes);
+  const auto dst = *planner::resolveLayout(dst_proto, nodes);
+  InProcessNode a("a", nullptr), b("b", nullptr);
+  const MemoryCaller root{0, true, true};
+  RankMemory s0 = allocateRank(src, 0, "convert-s0");
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.f, 0.02f);
+  std::map<std::pair<size_t, int64_t>, float> value;  // (tensor, flat index) -> source value
+  forEachElement(src, 0, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+    const float v = normal(rng);
+    *s0.at<float>(p, off) = v;
+    value[{t, flat}] = v;
+  });
+  REQUIRE(a.registry.registerRank(registerRequest(src_proto, 0, 1, s0, v1::ROLE_SOURCE, 1), root).ok());
+  RankMemory d0 = allocateRank(dst, 0, "convert-d0"), d1 = allocateRank(dst, 1, "convert-d1");
+  REQUIRE(a.registry.registerRank(registerRequest(dst_proto, 0, 2, d0), root).ok());
+  REQUIRE(b.registry.registerRank(registerRequest(dst_proto, 1, 2, d1), root).ok());
+  const v1::PrepareRequest prep = prepareRequest("convert", src_proto, dst_proto, 1, 9);
+  auto pa = a.engine.prepare(prep);
+  auto pb = b.engine.prepare(prep);
+  REQUIRE(pa.ok());
+  REQUIRE(pb.ok());
+  v1::ExecuteRequest exec;
+  exec.set_sync_id("convert");
+  exec.set_fence(9);
+  exec.set_timeout_ms(10000);
+  exec.set_verify(true);
+  for (auto [node, targets] : {std::pair{&a, &*pa}, std::pair{&b, &*pb}}) {
+    auto* n = exec.add_nodes();
+    n->set_node(node == &a ? "a" : "b");
+    n->set_transport_address(node->context->address());
+    *n->mutable_targets() = targets->targets();
+  }
+  auto ea = std::async(std::launch::async, [&] { return a.engine.execute(exec); });
+  auto eb = b.engine.execute(exec);
+  const auto ra = ea.get();
+  INFO((ra.ok() ? "" : std::string(ra.status().message())) << (eb.ok() ? "" : std::string(eb.status().message())));
+  REQUIRE(ra.ok());
+  REQUIRE(eb.ok());
+  // On the wire, bfloat16: half of what the float32 rows and the bias would be.
+  CHECK(eb->bytes_received() == 256 * 256 * 2 + 8 * 2);
+  CHECK(eb->bytes_landed_direct() == 256 * 256 * 2 + 8 * 2);  // both land straight in rank 1
+  CHECK(ra->local_bytes() == 256 * 256 * 2 + 8 * 2);
+  v1::FinishRequest fin;
+  fin.set_sync_id("convert");
+  fin.set_fence(9);
+  fin.set_commit(true);
+  REQUIRE(a.engine.finish(fin).ok());
+  REQUIRE(b.engine.finish(fin).ok());
+  int64_t wrong = 0, checked = 0;
+  for (auto* m : {&d0, &d1}) {
+    const int32_t r = m == &d0 ? 0 : 1;
+    forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      ++checked;
+      wrong += *m->at<uint16_t>(p, off) != referenceBfloat16(value.at({t, flat}));
+    });
+  }
+  CHECK(checked == 512 * 256 + 2 * 8);
+  CHECK(wrong == 0);
 }

@@ -255,3 +255,36 @@ TEST_CASE("Chunks: large transfers are cut into chunk-sized operations", "[plann
   CHECK(p->plan.transfers[0].chunks == 4);
   CHECK(p->plan.stats.network_ops == 4);
 }
+
+TEST_CASE("A destination declaring bfloat16 for a float32 source: bytes counted in bfloat16, others refused",
+          "[planner][known]") {
+  const char* trainer = R"({"group":"trainer","mesh":{"shape":[2]},"nodes":["t","t"],"tensors":[
+    {"name":"w","shape":[256,128],"dtype":"float32","placements":[{"shard":{"dim":0}}]}]})";
+  const char* infer = R"({"group":"infer","mesh":{"shape":[2]},"nodes":["i0","i1"],"tensors":[
+    {"name":"w","shape":[256,128],"dtype":"bfloat16","placements":[{"shard":{"dim":1}}]}]})";
+  NodeTable table;
+  auto s = resolveLayout(layoutFromJson(trainer), table);
+  auto d = resolveLayout(layoutFromJson(infer), table);
+  REQUIRE(s.ok());
+  REQUIRE(d.ok());
+  auto p = makePlan(*s, *d, table);
+  REQUIRE(p.ok());
+  CHECK(p->stats.bytes_needed == 256 * 128 * 2);
+  CHECK(p->stats.network_bytes == 256 * 128 * 2);
+  CHECK(p->stats.network_lower_bound == 256 * 128 * 2);
+  // The other way round (and any pair but float32 -> bfloat16) is no conversion the daemons make.
+  NodeTable again;
+  auto back_src = resolveLayout(layoutFromJson(infer), again);
+  auto back_dst = resolveLayout(layoutFromJson(trainer), again);
+  REQUIRE(back_src.ok());
+  REQUIRE(back_dst.ok());
+  auto refused = makePlan(*back_src, *back_dst, again);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(refused.status().message()),
+             Catch::Contains("tensor \"w\"") && Catch::Contains("no conversion between these dtypes"));
+  CHECK(convertible(DType::kFloat32, DType::kBFloat16));
+  CHECK_FALSE(convertible(DType::kBFloat16, DType::kFloat32));
+  CHECK_FALSE(convertible(DType::kFloat32, DType::kFloat16));
+  CHECK(convertible(DType::kInt8, DType::kInt8));
+}
