@@ -368,10 +368,11 @@ StatusOr<v1::ListResponse> Client::list(bool all_nodes) const {
   return out;
 }
 
-StatusOr<v1::PlanResponse> Client::plan(const std::string& src, const std::string& dst) const {
+StatusOr<v1::PlanResponse> Client::plan(const std::string& src, const std::string& dst, double nic_gbps) const {
   v1::PlanRequest req;
   req.set_src_group(src);
   req.set_dst_group(dst);
+  req.set_nic_gbps(nic_gbps);
   v1::PlanResponse out;
   const auto st = stub_->Plan(context(call_timeout_).get(), req, &out);
   if (!st.ok()) return fromGrpc(st, strCat("plan \"", src, "\" -> \"", dst, "\""));

@@ -139,7 +139,8 @@ class Client {
 
   StatusOr<v1::StatusResponse> status() const;
   StatusOr<v1::ListResponse> list(bool all_nodes) const;
-  StatusOr<v1::PlanResponse> plan(const std::string& src, const std::string& dst) const;
+  // `nic_gbps`: the NIC rate the predicted time is for (0: the daemon's default).
+  StatusOr<v1::PlanResponse> plan(const std::string& src, const std::string& dst, double nic_gbps = 0) const;
 
   // Deadline of unary calls other than sync and waitVersion (which use their own timeouts).
   void setCallTimeout(std::chrono::milliseconds timeout) { call_timeout_ = timeout; }

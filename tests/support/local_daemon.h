@@ -76,9 +76,12 @@ class Daemon {
  public:
   // `extra` flags come last; without --ucx-tls among them the daemon uses UCX_TLS=tcp, and without
   // --insecure or --tls-cert among them mutual TLS with LocalCerts.
+  // `host`: the address it listens on (127.0.0.1, or its network namespace's); `launcher`: a
+  // command prefix it runs under (e.g. {"ip", "netns", "exec", "sc-n0"}).
   Daemon(std::string node, int port, std::vector<std::string> peers, std::vector<std::string> extra = {},
-         std::string binary = testBinary(SHARDCASTD_PATH))
-      : node_(std::move(node)), port_(port) {
+         std::string binary = testBinary(SHARDCASTD_PATH), std::string host = "127.0.0.1",
+         std::vector<std::string> launcher = {})
+      : node_(std::move(node)), host_(std::move(host)), port_(port) {
     socket_ = "/tmp/shardcast-test-" + std::to_string(::getpid()) + "-" + node_ + ".sock";
     std::vector<std::string> argv = {binary,  "--node",      node_,  "--listen",  address(),    "--socket",
                                      socket_, "--log-level", "warn", "--metrics", "127.0.0.1:0"};
@@ -99,6 +102,7 @@ class Daemon {
       argv.push_back(list);
     }
     argv.insert(argv.end(), extra.begin(), extra.end());
+    argv.insert(argv.begin(), launcher.begin(), launcher.end());
     child_ = Child::spawn(argv);
     ready_line_ = child_.readLine(std::chrono::seconds(30));
   }
@@ -110,7 +114,7 @@ class Daemon {
     return at == std::string::npos ? 0 : std::stoi(ready_line_.substr(at + 13));
   }
   const std::string& readyLine() const { return ready_line_; }
-  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  std::string address() const { return host_ + ":" + std::to_string(port_); }
   const std::string& socketPath() const { return socket_; }
   const std::string& node() const { return node_; }
   void kill() {
@@ -147,6 +151,7 @@ class Daemon {
 
  private:
   std::string node_;
+  std::string host_;
   int port_;
   bool insecure_ = false;
   std::string socket_;

@@ -6,7 +6,10 @@
 //
 //   build/bin/shardcast-demo [--layers 4] [--hidden 1024] [--syncs 3] [--trainer-nodes 2]
 //                            [--inference-nodes 3] [--ucx-tls TLS] [--staging-mib N] [--chunk-mib N] [--window-mib N]
-//                            [--verify] [--daemon-arg ARG]...
+//                            [--verify] [--daemon-arg ARG]... [--netns] [--nic-gbps G] [--report]
+// With --netns each daemon runs in the network namespace "sc-<node>" that bench/cluster.sh made
+// (node k of trainer-0.., inference-0.. at 10.77.0.<k+2>): a real, rate-limited network between
+// the nodes; ranks still reach their daemon over its Unix socket.
 #include <fmt/format.h>
 
 #include <chrono>
@@ -33,16 +36,21 @@ struct Options {
   int64_t window_mib = 0;
   bool verify = false;
   std::vector<std::string> daemon_args;  // passed to every shardcastd as they are
+  bool netns = false;                    // daemons in bench/cluster.sh's namespaces
+  double nic_gbps = 0;                   // the link rate the plan's prediction is for (0: default)
+  bool report = false;                   // RESULT lines for scripts
 };
 
 constexpr const char* kUsage =
     "usage: shardcast-demo [--layers 4] [--hidden 1024] [--syncs 3] [--trainer-nodes 2] [--inference-nodes 3]\n"
     "                      [--ucx-tls TLS] [--staging-mib N] [--chunk-mib N] [--window-mib N] [--verify]\n"
-    "                      [--daemon-arg ARG]...\n"
+    "                      [--daemon-arg ARG]... [--netns] [--nic-gbps G] [--report]\n"
     "Starts one shardcastd per node on loopback, registers a Llama-like model's ranks in a trainer layout\n"
     "(FSDP) and an inference layout (TP per node, fused qkv/gate_up), syncs --syncs versions, checks every\n"
     "destination byte and prints the plan and the throughput. --daemon-arg passes a flag to every daemon,\n"
-    "e.g. --daemon-arg=--ucx-tcp-segment-kib=64 (shardcastd --help lists them).\n";
+    "e.g. --daemon-arg=--ucx-tcp-segment-kib=64 (shardcastd --help lists them). --netns runs each daemon in the\n"
+    "network namespace sc-<node> that bench/cluster.sh made; --nic-gbps the plan's prediction is for that link\n"
+    "rate; --report prints RESULT lines (plan figures, each sync's seconds) for scripts.\n";
 
 std::string layoutJson(const Options& o, bool trainer) {
   const int64_t h = o.hidden, inter = h * 11 / 4, kv = h / 4;
@@ -131,10 +139,11 @@ int run(const Options& o, const std::string& daemon_path) {
   for (int i = 0; i < o.trainer_nodes; ++i) names.push_back(fmt::format("trainer-{}", i));
   for (int i = 0; i < o.inference_nodes; ++i) names.push_back(fmt::format("inference-{}", i));
   std::vector<int> ports;
-  std::vector<std::string> peers;
+  std::vector<std::string> hosts, peers;
   for (size_t i = 0; i < names.size(); ++i) {
-    ports.push_back(examples::freePort());
-    peers.push_back(fmt::format("127.0.0.1:{}", ports.back()));
+    ports.push_back(o.netns ? 7070 : examples::freePort());
+    hosts.push_back(o.netns ? fmt::format("10.77.0.{}", i + 2) : "127.0.0.1");
+    peers.push_back(fmt::format("{}:{}", hosts.back(), ports.back()));
   }
   std::map<std::string, std::unique_ptr<Daemon>> daemons;
   std::vector<std::string> extra;
@@ -153,14 +162,16 @@ int run(const Options& o, const std::string& daemon_path) {
   }
   extra.insert(extra.end(), o.daemon_args.begin(), o.daemon_args.end());
   for (size_t i = 0; i < names.size(); ++i) {
-    daemons[names[i]] = std::make_unique<Daemon>(names[i], ports[i], peers, extra, daemon_path);
+    std::vector<std::string> launcher;
+    if (o.netns) launcher = {"ip", "netns", "exec", "sc-" + names[i]};
+    daemons[names[i]] = std::make_unique<Daemon>(names[i], ports[i], peers, extra, daemon_path, hosts[i], launcher);
     if (!daemons[names[i]]->ready()) {
       fmt::print(stderr, "shardcastd for {} did not start: {}\n", names[i], daemons[names[i]]->readyLine());
       return 1;
     }
   }
-  fmt::print("started {} daemons ({} trainer nodes, {} inference nodes) on loopback\n", names.size(), o.trainer_nodes,
-             o.inference_nodes);
+  fmt::print("started {} daemons ({} trainer nodes, {} inference nodes) {}\n", names.size(), o.trainer_nodes,
+             o.inference_nodes, o.netns ? "in network namespaces (bench/cluster.sh)" : "on loopback");
 
   // Each rank's weights live in a shared-memory segment the rank (here: this process) writes into
   // and its node's daemon reads and writes directly.
@@ -203,9 +214,10 @@ int run(const Options& o, const std::string& daemon_path) {
 
   auto coordinator = connectTo(*daemons[names[0]]);
   if (!coordinator.ok()) throw std::runtime_error(std::string(coordinator.status().message()));
-  auto plan = coordinator->plan("trainer", "vllm");
+  auto plan = coordinator->plan("trainer", "vllm", o.nic_gbps);
   if (!plan.ok()) throw std::runtime_error(std::string(plan.status().message()));
   fmt::print("{}\n", plan->summary_text());
+  if (o.report) fmt::print("RESULT plan {}\n", plan->summary_json());
 
   int failures = 0;
   for (int v = 1; v <= o.syncs; ++v) {
@@ -230,6 +242,12 @@ int run(const Options& o, const std::string& daemon_path) {
         out.seconds(), static_cast<double>(out.bytes_needed()) / out.seconds() / 1e9,
         out.plan_cached() ? " (plan cached)" : "",
         bad == 0 ? "every byte correct" : fmt::format("{} WRONG elements", bad));
+    if (o.report)
+      fmt::print(
+          "RESULT sync v={} seconds={:.6f} gather={:.6f} prepare={:.6f} execute={:.6f} finish={:.6f} network_bytes={} "
+          "bytes_needed={} wrong={}\n",
+          v, out.seconds(), out.gather_seconds(), out.prepare_seconds(), out.execute_seconds(), out.finish_seconds(),
+          out.network_bytes(), out.bytes_needed(), bad);
     fmt::print(
         "         gather+plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s; {} landed straight in "
         "rank "
@@ -284,12 +302,22 @@ int main(int argc, char** argv) {
         o.verify = true;
       else if (a == "--daemon-arg")
         o.daemon_args.push_back(next());
+      else if (a == "--netns")
+        o.netns = true;
+      else if (a == "--nic-gbps")
+        o.nic_gbps = std::stod(next());
+      else if (a == "--report")
+        o.report = true;
       else
         throw std::invalid_argument("unknown option " + a);
     } catch (const std::exception& e) {
       fmt::print(stderr, "shardcast-demo: {}\n{}", e.what(), kUsage);
       return 2;
     }
+  }
+  if (o.netns && o.trainer_nodes + o.inference_nodes > 250) {
+    fmt::print(stderr, "shardcast-demo: --netns takes at most 250 nodes (10.77.0.2-251)\n");
+    return 2;
   }
   if (o.layers < 1 || o.hidden < 16 || o.hidden % 16 || o.syncs < 1 || o.trainer_nodes < 1 || o.inference_nodes < 1) {
     fmt::print(stderr, "shardcast-demo: --layers/--syncs/--*-nodes must be >= 1 and --hidden a multiple of 16\n");

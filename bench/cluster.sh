@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Syncs measured on a network rather than loopback: every node a Linux network namespace
+# ("sc-<node>", 10.77.0.<k+2>/24) joined through a bridge in a switch namespace ("sc-switch"), its
+# link rate-limited both ways (tc tbf, optional netem delay); one shardcastd per node inside its
+# namespace (shardcast-demo --netns), UCX over TCP. Per scenario it reports the measured sync time
+# (best of the cached syncs), the plan's predicted time for the link rate, the network lower bound
+# (the busiest node's ingress over the link rate) and their ratios. With --control-plane: syncs of a
+# tiny model across 8..64 daemons on loopback, the time per phase against the node count.
+# Traffic stays inside the namespaces this script makes; they are removed on exit, whatever happens.
+# Needs root (ip netns, tc). Usage:
+#   bench/cluster.sh [--rate-mbit 1000] [--delay-ms 0] [--scenario relay|fsdp-tp|16-node|all] [--syncs 3]
+#   bench/cluster.sh --control-plane [--nodes "8 16 32 64"]
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+rate=1000 delay=0 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --rate-mbit) rate="$2"; shift 2 ;;
+    --delay-ms) delay="$2"; shift 2 ;;
+    --scenario) scenario="$2"; shift 2 ;;
+    --syncs) syncs="$2"; shift 2 ;;
+    --control-plane) control=1; shift ;;
+    --nodes) cp_nodes="$2"; shift 2 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    *) echo "bench/cluster.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+bash "$root/scripts/build.sh" shardcast-demo shardcastd >/dev/null
+demo="$root/build/bin/shardcast-demo"
+py=/usr/bin/python3
+
+made=()
+teardown() {
+  for ns in "${made[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
+  made=()
+}
+trap teardown EXIT INT TERM
+
+# shape NS DEV: the link's rate (and delay) on DEV's egress inside NS.
+shape() {
+  local ns="$1" dev="$2" burst=$((rate * 1000000 / 8 / 100))  # 10 ms at the rate
+  [ "$burst" -lt 65536 ] && burst=65536
+  if [ "$delay" != 0 ]; then
+    ip netns exec "$ns" tc qdisc add dev "$dev" root handle 1: netem delay "${delay}ms"
+    ip netns exec "$ns" tc qdisc add dev "$dev" parent 1: handle 2: tbf rate "${rate}mbit" burst "$burst" latency 200ms
+  else
+    ip netns exec "$ns" tc qdisc add dev "$dev" root tbf rate "${rate}mbit" burst "$burst" latency 200ms
+  fi
+}
+
+# network NODE...: a switch namespace and one namespace per node, node k at 10.77.0.<k+2>.
+network() {
+  teardown
+  ip netns add sc-switch
+  made+=(sc-switch)
+  ip netns exec sc-switch ip link add br0 type bridge
+  ip netns exec sc-switch ip link set br0 up
+  local k=0
+  for node in "$@"; do
+    local ns="sc-$node"
+    ip netns add "$ns"
+    made+=("$ns")
+    ip link add "scv$k" netns "$ns" type veth peer name "p$k" netns sc-switch
+    ip netns exec "$ns" ip link set "scv$k" name eth0
+    ip netns exec "$ns" ip addr add "10.77.0.$((k + 2))/24" dev eth0
+    ip netns exec "$ns" ip link set eth0 up
+    ip netns exec "$ns" ip link set lo up
+    ip netns exec sc-switch ip link set "p$k" master br0
+    ip netns exec sc-switch ip link set "p$k" up
+    shape "$ns" eth0       # the node's egress
+    shape sc-switch "p$k"  # its ingress
+    k=$((k + 1))
+  done
+}
+
+# scenario NAME TRAINERS INFERENCE DEMO-FLAGS...: one row of the table.
+run_scenario() {
+  local name="$1" t="$2" i="$3"
+  shift 3
+  local nodes=()
+  for ((n = 0; n < t; n++)); do nodes+=("trainer-$n"); done
+  for ((n = 0; n < i; n++)); do nodes+=("inference-$n"); done
+  network "${nodes[@]}"
+  local out
+  if ! out=$("$demo" --netns --report --trainer-nodes "$t" --inference-nodes "$i" --syncs "$syncs" \
+               --nic-gbps "$($py -c "print($rate / 1000)")" "$@" 2>&1); then
+    echo "$out" | tail -20 >&2
+    echo "| $name | $((t + i)) | sync failed (above) |"
+    return
+  fi
+  echo "$out" | $py -c '
+import json, sys
+name, nodes, rate_mbit = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+plan, syncs = None, []
+for line in sys.stdin:
+    if line.startswith("RESULT plan "):
+        plan = json.loads(line[len("RESULT plan "):])
+    elif line.startswith("RESULT sync "):
+        syncs.append(dict(kv.split("=") for kv in line.split()[2:]))
+rate = rate_mbit * 1e6 / 8
+cached = [float(s["seconds"]) for s in syncs[1:]] or [float(s["seconds"]) for s in syncs]
+wrong = sum(int(s["wrong"]) for s in syncs)
+measured = min(cached)
+bound = max(plan["max_node_ingress_bytes"], plan["max_node_egress_bytes"]) / rate
+predicted = plan["predicted_seconds"]
+gb = float(syncs[-1]["network_bytes"]) / 1e9
+print(f"| {name} | {nodes} | {rate_mbit:.0f} Mbit/s | {gb:.3f} GB | {measured:.2f} s | {predicted:.2f} s | "
+      f"{bound:.2f} s | {measured / bound:.2f}x | {predicted / measured:.2f} | {wrong} |")
+' "$name" "$((t + i))" "$rate"
+}
+
+if [ "$control" = 1 ]; then
+  echo "== control plane: a tiny model (1 layer, hidden 64) from 1 trainer node into N-1 inference nodes, loopback"
+  echo "| daemons | gather+plan | prepare | execute | finish | whole sync (best cached) |"
+  echo "| --- | --- | --- | --- | --- | --- |"
+  for n in $cp_nodes; do
+    out=$("$demo" --report --layers 1 --hidden 64 --trainer-nodes 1 --inference-nodes $((n - 1)) --syncs 4 2>&1) || {
+      echo "$out" | tail -5 >&2
+      echo "| $n | failed |"
+      continue
+    }
+    echo "$out" | $py -c '
+import sys
+n = sys.argv[1]
+rows = [dict(kv.split("=") for kv in l.split()[2:]) for l in sys.stdin if l.startswith("RESULT sync ")]
+best = min(rows[1:], key=lambda r: float(r["seconds"]))
+ms = lambda k: f"{float(best[k]) * 1000:.1f} ms"
+print(f"| {n} | {ms(\"gather\")} | {ms(\"prepare\")} | {ms(\"execute\")} | {ms(\"finish\")} | {ms(\"seconds\")} |")
+' "$n"
+  done
+  exit 0
+fi
+
+echo "== syncs over emulated links: ${rate} Mbit/s each way per node, ${delay} ms delay, UCX over TCP"
+echo "| scenario | nodes | link | network bytes per sync | measured | predicted | lower bound | measured / bound | predicted / measured | wrong elements |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+case "$scenario" in
+  relay | all) run_scenario "relay: 1 trainer node into 6 inference nodes" 1 6 --layers 2 --hidden 1024 ;;&
+  fsdp-tp | all) run_scenario "FSDP (8 ranks) into TP=4 x 2 nodes, fused qkv/gate_up" 2 2 --layers 4 --hidden 1024 ;;&
+  16-node | all) run_scenario "16 nodes: 4 trainer, 12 inference" 4 12 --layers 2 --hidden 512 ;;&
+  relay | fsdp-tp | 16-node | all) ;;
+  *) echo "unknown scenario $scenario" >&2; exit 2 ;;
+esac
