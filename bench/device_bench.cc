@@ -235,7 +235,8 @@ int main(int argc, char** argv) {
   }
   if (transport::cudaDeviceCount() == 0) {
     fmt::print("device_bench: no GPU here ({}): nothing to measure\n", transport::cudaUnavailableReason());
-    return 0;
+    const char* required = std::getenv("SHARDCAST_REQUIRE_GPU");  // scripts/device-check.sh
+    return required != nullptr && *required != '\0' && *required != '0' ? 3 : 0;
   }
   copyFigures(mib);
   syncFigures(mib, std::max(2, syncs));

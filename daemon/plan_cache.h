@@ -65,8 +65,8 @@ class PlanCache {
   const size_t capacity_;
   mutable std::mutex mu_;
   std::map<std::string, Entry> plans_;
-  // Position plans by (source digest, replica digest, chunk size), at most `capacity_` (oldest
-  // made first out: memberships of a set in use keep it fresh by reusing it).
+  // Position plans by (source digest, replica digest, chunk size), at most `capacity_`, the
+  // oldest made first out.
   std::map<std::string, std::shared_ptr<const planner::PositionPlan>> positions_;
   std::list<std::string> positions_age_;
   uint64_t positions_made_ = 0;

@@ -234,12 +234,16 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
   }
   v1::FinishResponse out;
   for (auto& st : registry_.endSync(a->id, a->src_group, a->dst_group, end, reason)) *out.add_ranks() = std::move(st);
-  const bool cached = plans_.contains(a->plan->key);  // spares of a plan evicted meanwhile are dropped
-  std::lock_guard<std::mutex> lock(a->mu);
-  if (commit && a->writes_pending == 0 && cached) {  // nothing can still touch them
-    spares_.keep(a->plan->key, SpareMemory::Use::kArena, std::move(a->arena));
-    spares_.keep(a->plan->key, SpareMemory::Use::kStaging, std::move(a->staging));
+  {
+    std::lock_guard<std::mutex> lock(a->mu);
+    if (commit && a->writes_pending == 0) {  // nothing can still touch them
+      spares_.keep(a->plan->key, SpareMemory::Use::kArena, std::move(a->arena));
+      spares_.keep(a->plan->key, SpareMemory::Use::kStaging, std::move(a->staging));
+    }
   }
+  // Spares of a plan evicted meanwhile go with it: checked after keeping them, so an eviction
+  // (whose drop may have run before the keep) never leaves them behind.
+  if (!plans_.contains(a->plan->key)) spares_.drop(a->plan->key);
   return out;
 }
 
@@ -311,6 +315,11 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
     std::lock_guard<std::mutex> lock(a->mu);
     if (!a->failure.ok()) return a->failure;
     if (a->closed) return absl::AbortedError(strCat("sync ", a->id, " ended"));
+    // One wave at a time: a second Execute of this attempt (a retried call) would share its
+    // staging and landed-chunk queue with the one running.
+    if (a->executing > 0)
+      return absl::FailedPreconditionError(
+          strCat("sync ", a->id, ": an execute of this attempt is already running on node \"", node_, "\""));
     ++a->executing;
   }
   struct Leave {

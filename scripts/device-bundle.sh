@@ -5,11 +5,13 @@
 # UCX or spdlog libraries and no downloads, so the bundle holds:
 #   bin/   one wrapper per program (sets LD_LIBRARY_PATH and UCX_MODULE_DIR to the bundle, then
 #          runs the real program from bin/.real/), and shardcast-certs
-#   lib/   every shared library the programs need but the C runtime, libstdc++/libgcc (the
-#          machine's own are newer) and the CUDA driver; lib/ucx/ UCX's transport modules
+#   lib/   every shared library the programs need but the C runtime (glibc >= 2.34 there) and
+#          the CUDA driver (>= 580 for the CUDA 13 runtime); libstdc++ too, which only the
+#          wrapped programs see; lib/ucx/ UCX's transport modules
 # Everything stripped; fails when the bundle is over 50 MiB. Prints its size.
 # Usage: scripts/device-bundle.sh [output directory]
 set -euo pipefail
+shopt -s nullglob
 root="$(cd "$(dirname "$0")/.." && pwd)"
 out="${1:-$root/.device-bundle}"
 programs=(shardcastd shardcast transport_tests daemon_tests client_tests transport_peer foreign_caller device_bench)
@@ -36,8 +38,8 @@ for m in "$ucx_modules"/libuct_*.so.0; do
   if ! ldd "$m" | grep -q "not found"; then cp -L "$m" "$out/lib/ucx/"; fi
 done
 # The closure: every library ldd resolves, but the ones the machine must bring itself.
-skip='^(libc|libm|libdl|libpthread|librt|libresolv|ld-linux-x86-64|libstdc\+\+|libgcc_s|libcuda)\.so'
-ldd "$out"/bin/.real/* "$out"/lib/ucx/*.so.0 2>/dev/null | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
+skip='^(libc|libm|libdl|libpthread|librt|libresolv|ld-linux-x86-64|libcuda)\.so'
+{ ldd "$out"/bin/.real/* "$out"/lib/ucx/*.so.0 2>/dev/null || true; } | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
   name="$(basename "$lib")"
   [[ "$name" =~ $skip ]] && continue
   cp -L "$lib" "$out/lib/$name"

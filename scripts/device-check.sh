@@ -14,31 +14,48 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 bundle="${SHARDCAST_BUNDLE:-$root/.device-bundle}"
 [ -x "$bundle/bin/shardcastd" ] || { echo "no bundle at $bundle: run scripts/device-bundle.sh where it builds" >&2; exit 2; }
 log="${OUT:-/tmp}/device-check.log"
-exec > >(tee "$log") 2>&1
 export SHARDCAST_BIN_DIR="$bundle/bin" SHARDCAST_BUILD="$bundle" PYTHONUNBUFFERED=1
+# On a GPU machine a GPU test that skips is a failure (tests/support/gpu.h, test_gpu.py, device_bench).
+export SHARDCAST_REQUIRE_GPU="${SHARDCAST_REQUIRE_GPU:-1}"
 export PYTHONPATH="$root/client/python:$root/client/python/tests${PYTHONPATH:+:$PYTHONPATH}"
 failed=0
 step() {
-  local name="$1"
-  shift
+  local name="$1" limit="$2"
+  shift 2
   echo
   echo "== $name"
   local t0=$SECONDS
-  if timeout "${STEP_TIMEOUT:-240}" "$@"; then
+  if timeout "$limit" "$@"; then
     echo "-- $name: ok ($((SECONDS - t0)) s)"
   else
     echo "-- $name: FAILED (exit $?, $((SECONDS - t0)) s)"
     failed=$((failed + 1))
   fi
 }
-echo "device check $(date -u +%Y-%m-%dT%H:%MZ), commit $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi: not available"
-cd "$(mktemp -d)"  # the tests' scratch files
-step "transport [gpu] and kernel geometry" "$bundle/bin/transport_tests" "[gpu],[strided-copy]" --reporter compact
-step "daemon [gpu]: device buffers on both sides of a sync" "$bundle/bin/daemon_tests" "[gpu]" --reporter compact
-step "client [gpu]: CUDA pointers become IPC handles" "$bundle/bin/client_tests" "[gpu]" --reporter compact
-step "device bench: kernel pack/unpack vs device copy, sync GB/s" "$bundle/bin/device_bench" --mib "${DEVICE_MIB:-1024}" --syncs 5
-step "python: a CUDA DTensor registered by IPC and synced" "${PYTHON:-python3}" -m pytest -q -rs "$root/client/python/tests/test_gpu.py"
-echo
-echo "device check: $failed step(s) failed; log in $log"
-exit "$failed"
+check() {
+  echo "device check $(date -u +%Y-%m-%dT%H:%MZ), commit $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  # Preflight: a GPU and a driver new enough for the bundled CUDA 13 runtime (>= 580).
+  if ! nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; then
+    echo "-- preflight: FAILED (nvidia-smi sees no GPU)"
+    failed=$((failed + 1))
+  fi
+  local driver
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
+  if [ -n "$driver" ] && [ "$driver" -lt 580 ]; then
+    echo "-- preflight: FAILED (driver $driver: the bundled CUDA 13 runtime needs 580 or newer)"
+    failed=$((failed + 1))
+  fi
+  cd "$(mktemp -d)"  # the tests' scratch files
+  # Limits add up to under 9 minutes (the device tool's command limit is 10).
+  step "transport [gpu] and kernel geometry" 60 "$bundle/bin/transport_tests" "[gpu],[strided-copy]" --reporter compact
+  step "daemon [gpu]: device buffers on both sides of a sync" 120 "$bundle/bin/daemon_tests" "[gpu]" --reporter compact
+  step "client [gpu]: CUDA pointers become IPC handles" 40 "$bundle/bin/client_tests" "[gpu]" --reporter compact
+  step "device bench: kernel pack/unpack vs device copy, sync GB/s" 150 "$bundle/bin/device_bench" --mib "${DEVICE_MIB:-1024}" --syncs 5
+  step "python: a CUDA DTensor registered by IPC and synced" 150 "${PYTHON:-python3}" -m pytest -q -rs \
+    "$root/client/python/tests/test_gpu.py"
+  echo
+  echo "device check: $failed step(s) failed; log in $log"
+  return "$failed"
+}
+check 2>&1 | tee "$log"
+exit "${PIPESTATUS[0]}"

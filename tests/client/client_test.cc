@@ -9,6 +9,7 @@
 #include "planner/layout.h"
 #include "tests/client/client_cluster.h"
 #include "tests/support/device_buffer.h"
+#include "tests/support/gpu.h"
 #include "transport/cuda/cuda_support.h"
 #include "transport/shm.h"
 
@@ -63,6 +64,8 @@ TEST_CASE("deviceHandle: CUDA pointers become IPC handles, or a clear error with
   if (transport::cudaDeviceCount() == 0) {
     auto h = deviceHandle({"w", reinterpret_cast<void*>(0x1000), 64});
     REQUIRE_FALSE(h.ok());
+    if (gpuRequired())
+      FAIL("no GPU visible (" << transport::cudaUnavailableReason() << ") and SHARDCAST_REQUIRE_GPU is set");
     WARN("skipped the device part: " << transport::cudaUnavailableReason());
     return;
   }

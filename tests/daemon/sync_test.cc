@@ -13,6 +13,7 @@
 #include "tests/daemon/daemon_harness.h"
 #include "tests/daemon/rank_memory.h"
 #include "tests/support/device_buffer.h"
+#include "tests/support/gpu.h"
 #include "transport/cuda/cuda_support.h"
 #include "transport/shm.h"
 
@@ -586,10 +587,7 @@ TEST_CASE("Peer.Progress: a daemon's bytes while its part of a sync runs, cumula
 }
 
 TEST_CASE("CUDA buffers: device sources and destinations sync byte-exact", "[daemon][sync][gpu]") {
-  if (transport::cudaDeviceCount() == 0) {
-    WARN("skipped: " << transport::cudaUnavailableReason());
-    return;
-  }
+  SHARDCAST_SKIP_WITHOUT_GPU();
   Cluster cluster;
   // w: contiguous shards (sent straight from device memory); o: column shards (packed from it).
   const char* trainer = R"({"group":"gtrainer","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "tests/support/device_buffer.h"
+#include "tests/support/gpu.h"
 #include "transport/cuda/cuda_support.h"
 #include "transport/device_staging.h"
 #include "transport/resident.h"
@@ -113,10 +114,7 @@ TEST_CASE("shared-memory segments: create, open from elsewhere, validate", "[shm
 }
 
 TEST_CASE("CUDA copies between host and device memory", "[gpu]") {
-  if (cudaDeviceCount() == 0) {
-    WARN("skipped: " << cudaUnavailableReason());
-    return;
-  }
+  SHARDCAST_SKIP_WITHOUT_GPU();
   auto engine = makeCudaCopyEngine(0);
   REQUIRE(engine.ok());
   auto dev = testing::allocateDevice(1 << 20, 0);
@@ -135,10 +133,7 @@ TEST_CASE("CUDA copies between host and device memory", "[gpu]") {
 }
 
 TEST_CASE("CUDA strided copies between device buffers (one kernel launch) match the host engine", "[gpu]") {
-  if (cudaDeviceCount() == 0) {
-    WARN("skipped: " << cudaUnavailableReason());
-    return;
-  }
+  SHARDCAST_SKIP_WITHOUT_GPU();
   auto engine = makeCudaCopyEngine(0);
   REQUIRE(engine.ok());
   auto host_engine = makeHostCopyEngine();
@@ -187,10 +182,7 @@ TEST_CASE("host memory is registered directly, never staged", "[copy]") {
 }
 
 TEST_CASE("device memory is staged through pinned host memory when UCX cannot reach it", "[gpu]") {
-  if (cudaDeviceCount() == 0) {
-    WARN("skipped: " << cudaUnavailableReason());
-    return;
-  }
+  SHARDCAST_SKIP_WITHOUT_GPU();
   auto ctx = createContext(TransportOptions{});
   REQUIRE(ctx.ok());
   auto engine = makeCudaCopyEngine(0);

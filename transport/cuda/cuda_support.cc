@@ -57,21 +57,24 @@ class CudaCopyEngine final : public CopyEngine {
   const char* name() const override { return "cuda"; }
   bool canCopy(MemoryKind, MemoryKind) const override { return true; }
   // Device to device with more than one run: one strided-copy kernel launch (a fused buffer's
-  // slice, an FSDP row block out of a TP shard) instead of a cudaMemcpyAsync per run. Anything
-  // touching host memory (pageable shm the kernel cannot reach), a single run, or a build without
-  // the kernel: cudaMemcpyAsync per contiguous run.
+  // slice, an FSDP row block out of a TP shard) instead of a cudaMemcpyAsync per run, when both
+  // buffers are on this engine's GPU (the kernel runs there; another GPU's memory needs peer
+  // access it may not have). Anything else (host memory the kernel cannot reach, another GPU, a
+  // single run, a box the kernel does not take, a build without it): cudaMemcpyAsync per
+  // contiguous run, which reaches any pair.
   Status copy(const StridedView& dst, const StridedView& src, const std::vector<int64_t>& extent,
               int64_t elem_bytes) override {
     cudaError_t err = cudaSetDevice(device_);
     if (err != cudaSuccess) return cudaStatus(strCat("cudaSetDevice(", device_, ")"), err);
-    if (dst.kind == MemoryKind::kCuda && src.kind == MemoryKind::kCuda) {
-      SC_ASSIGN_OR_RETURN(const auto plan, planStridedCopy(dst, src, extent, elem_bytes, baseAlignment(dst, src)));
-      if (plan.runs > 1) {
-        const int launched = launchStridedCopyKernel(plan, dst.base, src.base, stream_);
+    if (dst.kind == MemoryKind::kCuda && src.kind == MemoryKind::kCuda && onThisDevice(dst.base) &&
+        onThisDevice(src.base)) {
+      const auto plan = planStridedCopy(dst, src, extent, elem_bytes, baseAlignment(dst, src));
+      if (plan.ok() && plan->runs > 1) {
+        const int launched = launchStridedCopyKernel(*plan, dst.base, src.base, stream_);
         if (launched == cudaSuccess) return absl::OkStatus();
         if (launched != kStridedCopyNotBuilt)
-          return cudaStatus(strCat("strided copy kernel (", plan.runs, " runs of ", plan.run_bytes, " bytes, ",
-                                   plan.word, "-byte words)"),
+          return cudaStatus(strCat("strided copy kernel (", plan->runs, " runs of ", plan->run_bytes, " bytes, ",
+                                   plan->word, "-byte words)"),
                             static_cast<cudaError_t>(launched));
       }
     }
@@ -84,6 +87,15 @@ class CudaCopyEngine final : public CopyEngine {
   Status synchronize() override { return cudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(stream_)); }
 
  private:
+  // Device memory of this engine's GPU (an IPC mapping opened there included).
+  bool onThisDevice(const void* p) const {
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+      cudaGetLastError();  // not a CUDA pointer: clear the error, take the memcpy path
+      return false;
+    }
+    return attr.type == cudaMemoryTypeDevice && attr.device == device_;
+  }
   int device_;
   cudaStream_t stream_;
 };

@@ -6,11 +6,14 @@ tensors too (TP over columns: strided slices of the source rows), every element 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="the test venv (scripts/deps.sh) has torch")
 if not torch.cuda.is_available():
+    if os.environ.get("SHARDCAST_REQUIRE_GPU", "0") not in ("", "0"):  # scripts/device-check.sh
+        pytest.fail("no CUDA device visible to torch and SHARDCAST_REQUIRE_GPU is set", pytrace=False)
     pytest.skip("no CUDA device (scripts/device-check.sh runs this where one is)", allow_module_level=True)
 
 import gpu_worker  # noqa: E402
