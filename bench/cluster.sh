@@ -9,10 +9,11 @@
 # Traffic stays inside the namespaces this script makes; they are removed on exit, whatever happens.
 # Needs root (ip netns, tc). Usage:
 #   bench/cluster.sh [--rate-mbit 1000] [--delay-ms 0] [--scenario relay|fsdp-tp|16-node|all] [--syncs 3]
+#                    [--demo-arg ARG]...   (passed to shardcast-demo, e.g. --demo-arg=--chunk-mib=4)
 #   bench/cluster.sh --control-plane [--nodes "8 16 32 64"]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-rate=1000 delay=0 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64"
+rate=1000 delay=0 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64" demo_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --rate-mbit) rate="$2"; shift 2 ;;
@@ -21,6 +22,8 @@ while [ $# -gt 0 ]; do
     --syncs) syncs="$2"; shift 2 ;;
     --control-plane) control=1; shift ;;
     --nodes) cp_nodes="$2"; shift 2 ;;
+    --demo-arg) demo_args+=("$2"); shift 2 ;;
+    --demo-arg=*) demo_args+=("${1#--demo-arg=}"); shift ;;
     -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "bench/cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
@@ -83,7 +86,7 @@ run_scenario() {
   network "${nodes[@]}"
   local out
   if ! out=$("$demo" --netns --report --trainer-nodes "$t" --inference-nodes "$i" --syncs "$syncs" \
-               --nic-gbps "$($py -c "print($rate / 1000)")" "$@" 2>&1); then
+               --nic-gbps "$($py -c "print($rate / 1000)")" "$@" "${demo_args[@]}" 2>&1); then
     echo "$out" | tail -20 >&2
     echo "| $name | $((t + i)) | sync failed (above) |"
     return
@@ -110,11 +113,11 @@ print(f"| {name} | {nodes} | {rate_mbit:.0f} Mbit/s | {gb:.3f} GB | {measured:.2
 }
 
 if [ "$control" = 1 ]; then
-  echo "== control plane: a tiny model (1 layer, hidden 64) from 1 trainer node into N-1 inference nodes, loopback"
+  echo "== control plane: a tiny model (1 layer, hidden 64, vocab 256: 0.2 MB) from 1 trainer node into N-1 inference nodes, loopback"
   echo "| daemons | gather+plan | prepare | execute | finish | whole sync (best cached) |"
   echo "| --- | --- | --- | --- | --- | --- |"
   for n in $cp_nodes; do
-    out=$("$demo" --report --layers 1 --hidden 64 --trainer-nodes 1 --inference-nodes $((n - 1)) --syncs 4 2>&1) || {
+    out=$("$demo" --report --layers 1 --hidden 64 --vocab 256 --trainer-nodes 1 --inference-nodes $((n - 1)) --syncs 4 2>&1) || {
       echo "$out" | tail -5 >&2
       echo "| $n | failed |"
       continue
@@ -124,8 +127,8 @@ import sys
 n = sys.argv[1]
 rows = [dict(kv.split("=") for kv in l.split()[2:]) for l in sys.stdin if l.startswith("RESULT sync ")]
 best = min(rows[1:], key=lambda r: float(r["seconds"]))
-ms = lambda k: f"{float(best[k]) * 1000:.1f} ms"
-print(f"| {n} | {ms(\"gather\")} | {ms(\"prepare\")} | {ms(\"execute\")} | {ms(\"finish\")} | {ms(\"seconds\")} |")
+cells = " | ".join("%.1f ms" % (float(best[k]) * 1000) for k in ("gather", "prepare", "execute", "finish", "seconds"))
+print("| %s | %s |" % (n, cells))
 ' "$n"
   done
   exit 0

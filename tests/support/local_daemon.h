@@ -40,6 +40,27 @@ inline int freePort() {
   return ntohs(a.sin_port);
 }
 
+// `count` TCP ports free on 127.0.0.1 right now, consecutive from a pseudo-random start below the
+// kernel's ephemeral range (32768+): many daemons started one after another cannot then take
+// each other's ports with the ephemeral ports they bind themselves (metrics, UCX).
+inline std::vector<int> freePortsBelowEphemeral(int count) {
+  auto free = [](int port) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+    ::close(fd);
+    return ok;
+  };
+  std::vector<int> out;
+  for (int port = 20000 + static_cast<int>(::getpid() % 500) * 20; port < 32768 && static_cast<int>(out.size()) < count;
+       ++port)
+    if (free(port)) out.push_back(port);
+  return out;
+}
+
 // The local cluster's CA, one daemon identity and one client identity, minted on first use into
 // a directory of this process (removed at exit) by shardcast-certs found beside `binary`.
 class LocalCerts {

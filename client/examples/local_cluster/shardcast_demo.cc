@@ -6,7 +6,7 @@
 //
 //   build/bin/shardcast-demo [--layers 4] [--hidden 1024] [--syncs 3] [--trainer-nodes 2]
 //                            [--inference-nodes 3] [--ucx-tls TLS] [--staging-mib N] [--chunk-mib N] [--window-mib N]
-//                            [--verify] [--daemon-arg ARG]... [--netns] [--nic-gbps G] [--report]
+//                            [--verify] [--daemon-arg ARG]... [--netns] [--nic-gbps G] [--report] [--vocab N]
 // With --netns each daemon runs in the network namespace "sc-<node>" that bench/cluster.sh made
 // (node k of trainer-0.., inference-0.. at 10.77.0.<k+2>): a real, rate-limited network between
 // the nodes; ranks still reach their daemon over its Unix socket.
@@ -44,7 +44,7 @@ struct Options {
 constexpr const char* kUsage =
     "usage: shardcast-demo [--layers 4] [--hidden 1024] [--syncs 3] [--trainer-nodes 2] [--inference-nodes 3]\n"
     "                      [--ucx-tls TLS] [--staging-mib N] [--chunk-mib N] [--window-mib N] [--verify]\n"
-    "                      [--daemon-arg ARG]... [--netns] [--nic-gbps G] [--report]\n"
+    "                      [--daemon-arg ARG]... [--netns] [--nic-gbps G] [--report] [--vocab 32000]\n"
     "Starts one shardcastd per node on loopback, registers a Llama-like model's ranks in a trainer layout\n"
     "(FSDP) and an inference layout (TP per node, fused qkv/gate_up), syncs --syncs versions, checks every\n"
     "destination byte and prints the plan and the throughput. --daemon-arg passes a flag to every daemon,\n"
@@ -140,8 +140,10 @@ int run(const Options& o, const std::string& daemon_path) {
   for (int i = 0; i < o.inference_nodes; ++i) names.push_back(fmt::format("inference-{}", i));
   std::vector<int> ports;
   std::vector<std::string> hosts, peers;
+  const std::vector<int> local_ports = examples::freePortsBelowEphemeral(static_cast<int>(names.size()));
+  if (!o.netns && local_ports.size() < names.size()) throw std::runtime_error("not enough free TCP ports on 127.0.0.1");
   for (size_t i = 0; i < names.size(); ++i) {
-    ports.push_back(o.netns ? 7070 : examples::freePort());
+    ports.push_back(o.netns ? 7070 : local_ports[i]);
     hosts.push_back(o.netns ? fmt::format("10.77.0.{}", i + 2) : "127.0.0.1");
     peers.push_back(fmt::format("{}:{}", hosts.back(), ports.back()));
   }
@@ -308,6 +310,8 @@ int main(int argc, char** argv) {
         o.nic_gbps = std::stod(next());
       else if (a == "--report")
         o.report = true;
+      else if (a == "--vocab")
+        o.vocab = std::stoll(next());
       else
         throw std::invalid_argument("unknown option " + a);
     } catch (const std::exception& e) {
@@ -319,7 +323,8 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "shardcast-demo: --netns takes at most 250 nodes (10.77.0.2-251)\n");
     return 2;
   }
-  if (o.layers < 1 || o.hidden < 16 || o.hidden % 16 || o.syncs < 1 || o.trainer_nodes < 1 || o.inference_nodes < 1) {
+  if (o.layers < 1 || o.hidden < 16 || o.hidden % 16 || o.syncs < 1 || o.trainer_nodes < 1 || o.inference_nodes < 1 ||
+      o.vocab < 1) {
     fmt::print(stderr, "shardcast-demo: --layers/--syncs/--*-nodes must be >= 1 and --hidden a multiple of 16\n");
     return 2;
   }
