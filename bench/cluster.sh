@@ -8,16 +8,18 @@
 # tiny model across 8..64 daemons on loopback, the time per phase against the node count.
 # Traffic stays inside the namespaces this script makes; they are removed on exit, whatever happens.
 # Needs root (ip netns, tc). Usage:
-#   bench/cluster.sh [--rate-mbit 1000] [--delay-ms 0] [--scenario relay|fsdp-tp|16-node|all] [--syncs 3]
+#   bench/cluster.sh [--rate-mbit 1000] [--delay-ms 0] [--queue-ms 200] [--scenario relay|fsdp-tp|16-node|all]
+#                    [--syncs 3]
 #                    [--demo-arg ARG]...   (passed to shardcast-demo, e.g. --demo-arg=--chunk-mib=4)
 #   bench/cluster.sh --control-plane [--nodes "8 16 32 64"]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-rate=1000 delay=0 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64" demo_args=()
+rate=1000 delay=0 queue_ms=200 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64" demo_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --rate-mbit) rate="$2"; shift 2 ;;
     --delay-ms) delay="$2"; shift 2 ;;
+    --queue-ms) queue_ms="$2"; shift 2 ;;
     --scenario) scenario="$2"; shift 2 ;;
     --syncs) syncs="$2"; shift 2 ;;
     --control-plane) control=1; shift ;;
@@ -45,9 +47,9 @@ shape() {
   [ "$burst" -lt 65536 ] && burst=65536
   if [ "$delay" != 0 ]; then
     ip netns exec "$ns" tc qdisc add dev "$dev" root handle 1: netem delay "${delay}ms"
-    ip netns exec "$ns" tc qdisc add dev "$dev" parent 1: handle 2: tbf rate "${rate}mbit" burst "$burst" latency 200ms
+    ip netns exec "$ns" tc qdisc add dev "$dev" parent 1: handle 2: tbf rate "${rate}mbit" burst "$burst" latency ${queue_ms}ms
   else
-    ip netns exec "$ns" tc qdisc add dev "$dev" root tbf rate "${rate}mbit" burst "$burst" latency 200ms
+    ip netns exec "$ns" tc qdisc add dev "$dev" root tbf rate "${rate}mbit" burst "$burst" latency ${queue_ms}ms
   fi
 }
 

@@ -25,7 +25,7 @@ struct DaemonConfig {
   int peer_timeout_ms = 5000;                     // deadline of daemon-to-daemon calls
   int64_t chunk_mib = 64;                         // chunk size of large transfers
   int64_t staging_mib = 1024;                     // per-node landing and staging budget of a sync
-  int64_t window_mib = 32;                        // bytes in flight to each peer node
+  int64_t window_mib = 128;                       // bytes in flight to each peer node
   std::string metrics = kDefaultMetrics;          // Prometheus /metrics host:port ("" = off)
   int sync_lease_ms = 10000;                      // a sync whose coordinator is silent this long is aborted
   int shutdown_grace_ms = 10000;                  // SIGTERM: then abort whatever is left and exit

@@ -35,13 +35,18 @@ Status queueWrite(const std::shared_ptr<SyncAttempt>& a, int32_t node, std::shar
 
 // At least one write is always in flight while any is queued. Without the window every chunk
 // would be on the wire at once; the transport then completes them all near the end, and relays
-// and fan-out could not start before the last byte arrived. The window is refilled once half of
-// it has drained, so writes start in batches and one notification (delivered by the transport
-// once every write before it is visible) announces a whole batch: a message and a wake-up of the
-// receiving thread per batch, not per chunk. A write's completion starts more.
+// and fan-out could not start before the last byte arrived. Writes start in batches of up to
+// kBatchBytes (or half the window, if smaller) once a batch fits in the window, and one
+// notification (delivered by the transport once every write before it is visible) announces a
+// whole batch: a message and a wake-up of the receiving thread per batch, not per chunk. The
+// window keeps the link busy across the round trip of an acknowledged write; the batch bounds how
+// long a relay waits to hear of what landed (it forwards nothing it has not heard of). A write's
+// completion starts more.
 void startWrites(const std::shared_ptr<SyncAttempt>& a, int32_t node) {
   constexpr size_t kMaxNotification = 32 << 10;  // bytes per batch's notification (the transport takes 64 KiB)
+  constexpr uint64_t kBatchBytes = uint64_t{8} << 20;
   const size_t max_batch = std::min(kMaxLanded, (kMaxNotification - notificationBytes(a->id.size(), 0)) / kLandedBytes);
+  const uint64_t batch_bytes = std::max<uint64_t>(1, std::min(kBatchBytes, a->window_bytes / 2));
   std::vector<SyncAttempt::Outgoing> start;
   std::shared_ptr<transport::Endpoint> ep;
   {
@@ -53,10 +58,12 @@ void startWrites(const std::shared_ptr<SyncAttempt>& a, int32_t node) {
     }
     auto& box = a->outboxes[node];
     ep = box.endpoint;
-    if (box.bytes_in_flight > a->window_bytes / 2) return;
+    if (box.bytes_in_flight > 0 && box.bytes_in_flight + batch_bytes > a->window_bytes) return;
+    uint64_t batched = 0;
     while (!box.queued.empty() &&
            (box.bytes_in_flight == 0 || box.bytes_in_flight + box.queued.front().op.length <= a->window_bytes) &&
-           start.size() < max_batch) {
+           (batched == 0 || batched + box.queued.front().op.length <= batch_bytes) && start.size() < max_batch) {
+      batched += box.queued.front().op.length;
       box.bytes_in_flight += box.queued.front().op.length;
       start.push_back(std::move(box.queued.front()));
       box.queued.pop_front();

@@ -41,7 +41,7 @@ class SyncEngine {
   // `window_bytes`: per destination node, the bytes of writes in flight at once (at least one write).
   // `stage`: how bytes are packed and unpacked (daemon/stage.h); the copy stage when null.
   SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics,
-             uint64_t window_bytes = uint64_t{32} << 20, std::unique_ptr<Stage> stage = nullptr);
+             uint64_t window_bytes = uint64_t{128} << 20, std::unique_ptr<Stage> stage = nullptr);
   ~SyncEngine();
 
   StatusOr<v1::PrepareResponse> prepare(const v1::PrepareRequest& req);
