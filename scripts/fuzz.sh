@@ -64,13 +64,13 @@ for t in "${targets[@]}"; do
   rc=$?
   set -e
   cat "$run"/fuzz-*.log >>"$log" 2>/dev/null || true
-  execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | awk '{s+=$2} END {print s+0}')
+  execs=$(grep -a -o 'stat::number_of_executed_units: *[0-9]*' "$log" | awk '{s+=$2} END {print s+0}')
   units=$(ls "$corpus/$t" | wc -l)
   crashes=$(ls "$build/crashes" 2>/dev/null | grep -c "^$t-" || true)
   echo "fuzz $t: $execs executions in ${seconds} s, corpus $units inputs, crashes $crashes"
   if [ $rc -ne 0 ] || [ "$crashes" -gt 0 ]; then
     failed=1
-    grep -E "ERROR|runtime error|SUMMARY|Test unit written" "$log" | head -20 >&2
+    grep -a -E "ERROR|runtime error|SUMMARY|Test unit written" "$log" | head -20 >&2
   fi
 done
 exit $failed
