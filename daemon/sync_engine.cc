@@ -4,14 +4,11 @@
 #include <xxhash.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cstdio>
 #include <utility>
 
 #include "common/strings.h"
 #include "daemon/execution.h"
 #include "transport/resident.h"
-#include "transport/shm.h"
 
 namespace shardcast::daemon {
 

@@ -132,10 +132,11 @@ class ScramblingStage final : public Stage {
 // A daemon's data plane in this process: a loopback transport, a registry and a sync engine.
 struct InProcessNode {
   // `stage`: null for the engine's standard stage.
-  InProcessNode(const std::string& name, std::unique_ptr<Stage> stage)
-      : context(makeContext(name)),
-        registry(name, *context),
-        engine(name, registry, *context, metrics, 1 << 20, std::move(stage)) {}
+  InProcessNode(const std::string& node, std::unique_ptr<Stage> stage)
+      : name(node),
+        context(makeContext(node)),
+        registry(node, *context),
+        engine(node, registry, *context, metrics, 1 << 20, std::move(stage)) {}
   static std::unique_ptr<transport::Context> makeContext(const std::string& name) {
     transport::TransportOptions options;
     options.backend = "loopback";
@@ -144,11 +145,48 @@ struct InProcessNode {
     if (!c.ok()) throw std::runtime_error(std::string(c.status().message()));
     return std::move(*c);
   }
+  std::string name;
   std::unique_ptr<transport::Context> context;
   Metrics metrics;
   Registry registry;
   SyncEngine engine;
 };
+
+// Syncs version 1 from `a`'s source ranks into the destination ranks of `a` and `b` as a
+// coordinator would: prepare on both, execute on both at once, commit. The two execute replies.
+std::pair<v1::ExecuteResponse, v1::ExecuteResponse> syncByHand(InProcessNode& a, InProcessNode& b,
+                                                               const std::string& id, const v1::Layout& src,
+                                                               const v1::Layout& dst, uint64_t fence, bool verify) {
+  const v1::PrepareRequest prep = prepareRequest(id, src, dst, 1, fence);
+  auto pa = a.engine.prepare(prep);
+  auto pb = b.engine.prepare(prep);
+  REQUIRE(pa.ok());
+  REQUIRE(pb.ok());
+  v1::ExecuteRequest exec;
+  exec.set_sync_id(id);
+  exec.set_fence(fence);
+  exec.set_timeout_ms(10000);
+  exec.set_verify(verify);
+  for (auto [node, targets] : {std::pair{&a, &*pa}, std::pair{&b, &*pb}}) {
+    auto* n = exec.add_nodes();
+    n->set_node(node->name);
+    n->set_transport_address(node->context->address());
+    *n->mutable_targets() = targets->targets();
+  }
+  auto ea = std::async(std::launch::async, [&] { return a.engine.execute(exec); });
+  auto eb = b.engine.execute(exec);
+  auto ra = ea.get();
+  INFO((ra.ok() ? "" : std::string(ra.status().message())) << (eb.ok() ? "" : std::string(eb.status().message())));
+  REQUIRE(ra.ok());
+  REQUIRE(eb.ok());
+  v1::FinishRequest fin;
+  fin.set_sync_id(id);
+  fin.set_fence(fence);
+  fin.set_commit(true);
+  REQUIRE(a.engine.finish(fin).ok());
+  REQUIRE(b.engine.finish(fin).ok());
+  return {*ra, *eb};
+}
 
 // Syncs version 1 of the source rank on node "a" into the two destination ranks on node "b", as a
 // coordinator would (prepare everywhere, execute everywhere at once, commit), every stage given by
@@ -177,32 +215,8 @@ bool syncThroughStages(const std::function<std::unique_ptr<Stage>()>& stage, con
     d.push_back(allocateRank(dst, r, tag + "-d" + std::to_string(r)));
     REQUIRE(b.registry.registerRank(registerRequest(dst_proto, r, 2, d.back()), root).ok());
   }
-  const v1::PrepareRequest prep = prepareRequest(tag, src_proto, dst_proto, 1, 7);
-  auto pa = a.engine.prepare(prep);
-  auto pb = b.engine.prepare(prep);
-  REQUIRE(pa.ok());
-  REQUIRE(pb.ok());
-  v1::ExecuteRequest exec;
-  exec.set_sync_id(tag);
-  exec.set_fence(7);
-  exec.set_timeout_ms(10000);
-  for (auto [node, targets] : {std::pair{&a, &*pa}, std::pair{&b, &*pb}}) {
-    auto* n = exec.add_nodes();
-    n->set_node(node == &a ? "a" : "b");
-    n->set_transport_address(node->context->address());
-    *n->mutable_targets() = targets->targets();
-  }
-  auto ea = std::async(std::launch::async, [&] { return a.engine.execute(exec); });
-  auto eb = b.engine.execute(exec);
-  REQUIRE(ea.get().ok());
-  REQUIRE(eb.ok());
-  CHECK(eb->bytes_landed_direct() == 0);
-  v1::FinishRequest fin;
-  fin.set_sync_id(tag);
-  fin.set_fence(7);
-  fin.set_commit(true);
-  REQUIRE(a.engine.finish(fin).ok());
-  REQUIRE(b.engine.finish(fin).ok());
+  const auto [ea, eb] = syncByHand(a, b, tag, src_proto, dst_proto, 7, false);
+  CHECK(eb.bytes_landed_direct() == 0);
   bool exact = true;
   for (int32_t r = 0; r < 2; ++r)
     forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
@@ -315,38 +329,11 @@ TEST_CASE("a float32 source syncs into a bfloat16 destination: rounded values, h
   RankMemory d0 = allocateRank(dst, 0, "convert-d0"), d1 = allocateRank(dst, 1, "convert-d1");
   REQUIRE(a.registry.registerRank(registerRequest(dst_proto, 0, 2, d0), root).ok());
   REQUIRE(b.registry.registerRank(registerRequest(dst_proto, 1, 2, d1), root).ok());
-  const v1::PrepareRequest prep = prepareRequest("convert", src_proto, dst_proto, 1, 9);
-  auto pa = a.engine.prepare(prep);
-  auto pb = b.engine.prepare(prep);
-  REQUIRE(pa.ok());
-  REQUIRE(pb.ok());
-  v1::ExecuteRequest exec;
-  exec.set_sync_id("convert");
-  exec.set_fence(9);
-  exec.set_timeout_ms(10000);
-  exec.set_verify(true);
-  for (auto [node, targets] : {std::pair{&a, &*pa}, std::pair{&b, &*pb}}) {
-    auto* n = exec.add_nodes();
-    n->set_node(node == &a ? "a" : "b");
-    n->set_transport_address(node->context->address());
-    *n->mutable_targets() = targets->targets();
-  }
-  auto ea = std::async(std::launch::async, [&] { return a.engine.execute(exec); });
-  auto eb = b.engine.execute(exec);
-  const auto ra = ea.get();
-  INFO((ra.ok() ? "" : std::string(ra.status().message())) << (eb.ok() ? "" : std::string(eb.status().message())));
-  REQUIRE(ra.ok());
-  REQUIRE(eb.ok());
+  const auto [ra, eb] = syncByHand(a, b, "convert", src_proto, dst_proto, 9, true);
   // On the wire, bfloat16: half of what the float32 rows and the bias would be.
-  CHECK(eb->bytes_received() == 256 * 256 * 2 + 8 * 2);
-  CHECK(eb->bytes_landed_direct() == 256 * 256 * 2 + 8 * 2);  // both land straight in rank 1
-  CHECK(ra->local_bytes() == 256 * 256 * 2 + 8 * 2);
-  v1::FinishRequest fin;
-  fin.set_sync_id("convert");
-  fin.set_fence(9);
-  fin.set_commit(true);
-  REQUIRE(a.engine.finish(fin).ok());
-  REQUIRE(b.engine.finish(fin).ok());
+  CHECK(eb.bytes_received() == 256 * 256 * 2 + 8 * 2);
+  CHECK(eb.bytes_landed_direct() == 256 * 256 * 2 + 8 * 2);  // both land straight in rank 1
+  CHECK(ra.local_bytes() == 256 * 256 * 2 + 8 * 2);
   int64_t wrong = 0, checked = 0;
   for (auto* m : {&d0, &d1}) {
     const int32_t r = m == &d0 ? 0 : 1;

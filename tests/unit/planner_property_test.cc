@@ -80,30 +80,7 @@ TEST_CASE("disjoint node pools: network bytes equal every node's need", "[planne
 TEST_CASE("fused destination buffers receive the right elements", "[planner][property]") {
   std::mt19937 rng(5);
   for (int it = 0; it < 150; ++it) {
-    const int tp = 1 + static_cast<int>(rng() % 4);
-    const int cols = 1 + static_cast<int>(rng() % 4);
-    v1::Layout src = randomLayoutShell(rng, "trainer");
-    v1::Layout dst;
-    dst.set_group("vllm");
-    dst.mutable_mesh()->add_shape(2);
-    dst.mutable_mesh()->add_shape(tp);
-    dst.set_ranks_per_node(1 + static_cast<int32_t>(rng() % 4));
-    dst.set_node_prefix("n");
-    auto* f = dst.add_fused();
-    f->set_name("qkv");
-    f->set_dim(0);
-    for (const char* name : {"q", "k", "v"}) {
-      RandomTensorSpec spec{name, {tp * (1 + static_cast<int64_t>(rng() % 3)), cols}, "bfloat16"};
-      addRandomTensor(rng, src, spec, true);
-      auto* t = dst.add_tensors();
-      t->set_name(name);
-      t->add_shape(spec.shape[0]);
-      t->add_shape(spec.shape[1]);
-      t->set_dtype("bfloat16");
-      t->add_placements()->mutable_replicate();
-      t->add_placements()->mutable_shard()->set_dim(0);
-      f->add_tensors(name);
-    }
+    const auto [src, dst] = randomFusedLayoutPair(rng);
     checkPlan(src, dst, randomOptions(rng));
   }
 }

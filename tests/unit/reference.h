@@ -301,4 +301,34 @@ inline std::pair<v1::Layout, v1::Layout> randomLayoutPair(std::mt19937& rng) {
   return out;
 }
 
+// A random trainer layout of q, k and v, and a vLLM-like inference layout (mesh [2, tp]) holding
+// them fused into qkv along dim 0.
+inline std::pair<v1::Layout, v1::Layout> randomFusedLayoutPair(std::mt19937& rng) {
+  const int tp = 1 + static_cast<int>(rng() % 4);
+  const int cols = 1 + static_cast<int>(rng() % 4);
+  std::pair<v1::Layout, v1::Layout> out{randomLayoutShell(rng, "trainer"), {}};
+  v1::Layout& dst = out.second;
+  dst.set_group("vllm");
+  dst.mutable_mesh()->add_shape(2);
+  dst.mutable_mesh()->add_shape(tp);
+  dst.set_ranks_per_node(1 + static_cast<int32_t>(rng() % 4));
+  dst.set_node_prefix("n");
+  auto* f = dst.add_fused();
+  f->set_name("qkv");
+  f->set_dim(0);
+  for (const char* name : {"q", "k", "v"}) {
+    RandomTensorSpec spec{name, {tp * (1 + static_cast<int64_t>(rng() % 3)), cols}, "bfloat16"};
+    addRandomTensor(rng, out.first, spec, true);
+    auto* t = dst.add_tensors();
+    t->set_name(name);
+    t->add_shape(spec.shape[0]);
+    t->add_shape(spec.shape[1]);
+    t->set_dtype("bfloat16");
+    t->add_placements()->mutable_replicate();
+    t->add_placements()->mutable_shard()->set_dim(0);
+    f->add_tensors(name);
+  }
+  return out;
+}
+
 }  // namespace shardcast::testing

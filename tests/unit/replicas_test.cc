@@ -245,46 +245,6 @@ void checkComposed(const v1::Layout& src_proto, const ReplicaSetPlan& set, int32
   CHECK(a.largest_chunk == b.largest_chunk);
 }
 
-// A trainer holding every tensor, and one inference replica needing most of them on nodes apart.
-std::pair<v1::Layout, v1::Layout> randomSourceAndReplica(std::mt19937& rng) {
-  const auto specs = randomTensorSpecs(rng);
-  std::pair<v1::Layout, v1::Layout> out{randomLayoutShell(rng, "trainer"), randomLayoutShell(rng, "inference")};
-  for (const auto& s : specs) {
-    addRandomTensor(rng, out.first, s, /*cover=*/true);
-    if (rng() % 4 != 0) addRandomTensor(rng, out.second, s, /*cover=*/false);
-  }
-  return out;
-}
-
-// A vLLM-like replica: mesh [2, tp], q, k, v fused into qkv along dim 0.
-std::pair<v1::Layout, v1::Layout> randomFusedSourceAndReplica(std::mt19937& rng) {
-  const int tp = 1 + static_cast<int>(rng() % 4);
-  const int cols = 1 + static_cast<int>(rng() % 4);
-  std::pair<v1::Layout, v1::Layout> out{randomLayoutShell(rng, "trainer"), {}};
-  v1::Layout& dst = out.second;
-  dst.set_group("vllm");
-  dst.mutable_mesh()->add_shape(2);
-  dst.mutable_mesh()->add_shape(tp);
-  dst.set_ranks_per_node(1 + static_cast<int32_t>(rng() % 4));
-  dst.set_node_prefix("n");
-  auto* f = dst.add_fused();
-  f->set_name("qkv");
-  f->set_dim(0);
-  for (const char* name : {"q", "k", "v"}) {
-    RandomTensorSpec spec{name, {tp * (1 + static_cast<int64_t>(rng() % 3)), cols}, "bfloat16"};
-    addRandomTensor(rng, out.first, spec, true);
-    auto* t = dst.add_tensors();
-    t->set_name(name);
-    t->add_shape(spec.shape[0]);
-    t->add_shape(spec.shape[1]);
-    t->set_dtype("bfloat16");
-    t->add_placements()->mutable_replicate();
-    t->add_placements()->mutable_shard()->set_dim(0);
-    f->add_tensors(name);
-  }
-  return out;
-}
-
 // For R = 1..5: plans the set (the position plan taken from the previous membership), checks it,
 // and checks that replica R joining left replicas 0..R-1's part of the plan as it was.
 void checkMemberships(const v1::Layout& src, const v1::Layout& base, const PlanOptions& opts, std::mt19937& rng) {
@@ -350,7 +310,7 @@ std::string setError(const std::vector<Replica>& replicas) { return std::string(
 TEST_CASE("replica sets of random layouts: composed plans are exact for 1 to 5 replicas", "[planner][replicas]") {
   std::mt19937 rng(20261207);
   for (int it = 0; it < 250; ++it) {
-    const auto [src, base] = randomSourceAndReplica(rng);
+    const auto [src, base] = randomLayoutPair(rng);
     checkMemberships(src, base, randomOptions(rng), rng);
   }
 }
@@ -358,7 +318,7 @@ TEST_CASE("replica sets of random layouts: composed plans are exact for 1 to 5 r
 TEST_CASE("replica sets with fused buffers: composed plans are exact", "[planner][replicas]") {
   std::mt19937 rng(41);
   for (int it = 0; it < 80; ++it) {
-    const auto [src, base] = randomFusedSourceAndReplica(rng);
+    const auto [src, base] = randomFusedLayoutPair(rng);
     checkMemberships(src, base, randomOptions(rng), rng);
   }
 }
@@ -367,7 +327,7 @@ TEST_CASE("replica sets: with long enough chains source egress does not grow wit
           "[planner][replicas]") {
   std::mt19937 rng(9);
   for (int it = 0; it < 150; ++it) {
-    const auto [src, base] = randomSourceAndReplica(rng);
+    const auto [src, base] = randomLayoutPair(rng);
     PlanOptions opts = randomOptions(rng);
     opts.max_chain = 64;  // >= 5 replicas x 12 positions
     const std::vector<Replica> all = makeReplicas(base, 5, rng);
@@ -386,7 +346,7 @@ TEST_CASE("replica sets: with long enough chains source egress does not grow wit
 TEST_CASE("replica sets: one position plan composed twice, for 2 and for 3 replicas", "[planner][replicas]") {
   std::mt19937 rng(3);
   for (int it = 0; it < 40; ++it) {
-    const auto [src_proto, base] = randomSourceAndReplica(rng);
+    const auto [src_proto, base] = randomLayoutPair(rng);
     INFO("src: " << src_proto.ShortDebugString());
     INFO("replica: " << base.ShortDebugString());
     const std::vector<Replica> all = makeReplicas(base, 3, rng);
@@ -427,7 +387,7 @@ TEST_CASE("replica sets: one position plan composed twice, for 2 and for 3 repli
 
 TEST_CASE("replica sets: a leave, then a join, compose from the cached position plan", "[planner][replicas]") {
   std::mt19937 rng(12);
-  const auto [src, base] = randomSourceAndReplica(rng);
+  const auto [src, base] = randomLayoutPair(rng);
   const std::vector<Replica> all = makeReplicas(base, 4, rng);
   auto first = planReplicaSet(src, all);
   REQUIRE(first.ok());
@@ -525,7 +485,7 @@ TEST_CASE("replica sets: stackReplicas equals the hand-written flat layout", "[p
 TEST_CASE("replica sets: the stacked layout of random replicas holds what each replica holds", "[planner][replicas]") {
   std::mt19937 rng(17);
   for (int it = 0; it < 100; ++it) {
-    const auto [src, base] = randomSourceAndReplica(rng);
+    const auto [src, base] = randomLayoutPair(rng);
     const int32_t count = 1 + static_cast<int32_t>(rng() % 4);
     const std::vector<Replica> replicas = makeReplicas(base, count, rng);
     REQUIRE(checkReplicaSet(replicas).ok());
