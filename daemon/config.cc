@@ -20,7 +20,8 @@ std::string DaemonConfig::describe() const {
      << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol
      << " ucx_tcp_segment_kib=" << ucx_tcp_segment_kib << " log_level=" << log_level
      << " peer_timeout_ms=" << peer_timeout_ms << " chunk_mib=" << chunk_mib << " staging_mib=" << staging_mib
-     << " window_mib=" << window_mib << " metrics=" << (metrics.empty() ? "(off)" : metrics)
+     << " window_mib=" << window_mib << " delta_cache_mib=" << delta_cache_mib
+     << " delta_dense_every=" << delta_dense_every << " metrics=" << (metrics.empty() ? "(off)" : metrics)
      << " sync_lease_ms=" << sync_lease_ms << " shutdown_grace_ms=" << shutdown_grace_ms << " tls="
      << (tls.enabled() ? strCat("cert:", tls.cert, ",key:", tls.key, ",ca:", tls.ca, ",reload_s:", tls.reload_s)
                        : "(none)")
@@ -111,6 +112,18 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
                  "Bytes of writes in flight to each peer node (more chunks wait, so each lands early and relays start)")
       ->envname("SHARDCAST_WINDOW_MIB")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("--delta-cache-mib", c.delta_cache_mib,
+                 "Host memory for delta syncs' bases: the bytes last sent of each chunk this node packs, all plans "
+                 "(chunks beyond it travel dense; 0: no delta syncs from this node)")
+      ->envname("SHARDCAST_DELTA_CACHE_MIB")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30))
+      ->capture_default_str();
+  app.add_option("--delta-dense-every", c.delta_dense_every,
+                 "Syncs this daemon coordinates with delta DELTA_AUTO go dense (bases refreshed) when their version is "
+                 "a multiple of this (0: never)")
+      ->envname("SHARDCAST_DELTA_DENSE_EVERY")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
       ->capture_default_str();
   app.add_option("--metrics", c.metrics, "host:port of the Prometheus /metrics endpoint (empty: off)")
       ->envname("SHARDCAST_METRICS")

@@ -26,6 +26,8 @@ struct DaemonConfig {
   int64_t chunk_mib = 64;                         // chunk size of large transfers
   int64_t staging_mib = 1024;                     // per-node landing and staging budget of a sync
   int64_t window_mib = 128;                       // bytes in flight to each peer node
+  int64_t delta_cache_mib = 8192;                 // host memory for delta bases (all plans)
+  int64_t delta_dense_every = 0;                  // DELTA_AUTO syncs of versions divisible by this go dense
   std::string metrics = kDefaultMetrics;          // Prometheus /metrics host:port ("" = off)
   int sync_lease_ms = 10000;                      // a sync whose coordinator is silent this long is aborted
   int shutdown_grace_ms = 10000;                  // SIGTERM: then abort whatever is left and exit

@@ -159,6 +159,10 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   out_.set_plan_cached(plan_cached_);
   out_.set_bytes_landed_direct(landed_direct_);
   out_.set_waves(static_cast<uint32_t>(plan_->waves));
+  out_.set_wire_bytes(wire_bytes_);
+  out_.set_delta_chunks(delta_chunks_);
+  out_.set_dense_chunks(dense_chunks_);
+  out_.set_delta(delta_);
   out_.set_plan_summary_json(planner::renderJson(plan_->plan, plan_->nodes, planner::CostModel{}));
   spdlog::info("sync {}: {} -> {} version {} committed in {:.3f} s", id_, req_.src_group(), req_.dst_group(),
                req_.version(), out_.seconds());
@@ -230,7 +234,8 @@ Status SyncCoordinator::checkVersions() const {
 Status SyncCoordinator::plan() {
   const uint64_t budget = static_cast<uint64_t>(ctx_.config.staging_mib) << 20;
   const uint64_t chunk_bytes = static_cast<uint64_t>(ctx_.config.chunk_mib) << 20;
-  auto plan = ctx_.engine.plans().get(src_, dst_, budget, chunk_bytes, &plan_cached_);
+  const bool zero_copy = req_.options().delta() == v1::DELTA_OFF;
+  auto plan = ctx_.engine.plans().get(src_, dst_, budget, chunk_bytes, &plan_cached_, zero_copy);
   if (!plan.ok()) return failed(plan.status());
   plan_ = std::move(*plan);
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
@@ -253,6 +258,10 @@ Status SyncCoordinator::prepare() {
   exec_.set_timeout_ms(timeout_ms_);
   exec_.set_verify(req_.options().verify());
   exec_.set_fence(fence_);
+  delta_ = req_.options().delta();
+  if (delta_ == v1::DELTA_AUTO && ctx_.config.delta_dense_every > 0 &&
+      req_.version() % static_cast<uint64_t>(ctx_.config.delta_dense_every) == 0)
+    delta_ = v1::DELTA_DENSE;  // the periodic refresh
   lease_keeper_ = std::make_unique<LeaseKeeper>(*this);
   const auto& daemons = cluster_->view.daemons();
   for (size_t i = 0; i < daemons.size(); ++i) {
@@ -265,6 +274,7 @@ Status SyncCoordinator::prepare() {
     p.set_version(req_.version());
     p.set_staging_bytes(static_cast<uint64_t>(ctx_.config.staging_mib) << 20);
     p.set_chunk_bytes(static_cast<uint64_t>(ctx_.config.chunk_mib) << 20);
+    p.set_delta(delta_);
     v1::PrepareResponse r;
     const grpc::Status st = peers_->call(
         i, callDeadline(), [&](v1::Peer::Stub& stub, grpc::ClientContext& c) { return stub.Prepare(&c, p, &r); });
@@ -279,6 +289,8 @@ Status SyncCoordinator::prepare() {
     n->set_node(daemons[i].node());
     n->set_transport_address(daemons[i].transport_address());
     *n->mutable_targets() = r.targets();
+    n->set_base_version(r.base_version());
+    n->set_base_fence(r.base_fence());
   }
   return absl::OkStatus();
 }
@@ -303,6 +315,8 @@ Status SyncCoordinator::execute() {
             done_received[i] += part.bytes_received();
             done_sent[i] += part.bytes_sent();
             landed_direct_ += part.bytes_landed_direct();
+            delta_chunks_ += part.delta_chunks();
+            dense_chunks_ += part.dense_chunks();
             record(i, done_received[i], done_sent[i]);
             if (wave + 1 == plan_->waves) nodeState(i, "done");
           } else {
@@ -322,7 +336,10 @@ Status SyncCoordinator::execute() {
                                                 lease_.count(), " ms, the sync's lease)")));
   bool any_failed = false;
   for (const auto& r : results) any_failed = any_failed || !r.ok();
-  if (!any_failed) return absl::OkStatus();
+  if (!any_failed) {
+    for (const uint64_t sent : done_sent) wire_bytes_ += sent;
+    return absl::OkStatus();
+  }
   // A node that failed because a peer vanished reports the peer; the peer itself may not answer
   // at all. Name the daemon that is gone when there is one.
   const auto cancelled = [](const grpc::Status& r) {

@@ -2,6 +2,8 @@
 
 #include <xxhash.h>
 
+#include <cstring>
+#include <set>
 #include <utility>
 
 #include "common/strings.h"
@@ -43,6 +45,7 @@ Status Execution::readDirectory() {
     if (id < 0) continue;
     Peer& p = peers_[id];
     p.address = n.transport_address();
+    p.base = {n.base_version(), n.base_fence()};
     const auto& targets = n.targets();
     if (!targets.arena_region().empty()) {
       SC_ASSIGN_OR_RETURN(p.arena, transport::RemoteRegion::parse(targets.arena_region()));
@@ -86,17 +89,17 @@ StatusOr<uint64_t> Execution::checksum(const Registry::LocalBuffer& b, uint64_t 
   return XXH64(host.data(), static_cast<size_t>(n), 0);
 }
 
-Status Execution::send(const std::shared_ptr<transport::MemoryRegion>& src, uint64_t off, int32_t t, int32_t chain,
-                       int32_t hop, int32_t k, int32_t node, uint64_t sum) {
+Status Execution::send(const std::shared_ptr<transport::MemoryRegion>& src, uint64_t off, const LandedChunk& word,
+                       int32_t node) {
   auto peer = peers_.find(node);
   if (peer == peers_.end())
     return absl::FailedPreconditionError(strCat("no daemon for node \"", cp_.nodes.name(node), "\""));
-  const auto* landing = cp_.transfer(t).landingOn(node);
+  const auto* landing = cp_.transfer(word.transfer).landingOn(node);
   if (landing == nullptr)
-    return absl::InternalError(strCat("sync ", a_->id, ": transfer ", t, " does not land on node ", node));
-  const auto& chunk = cp_.transfer(t).chunks[static_cast<size_t>(k)];
-  transport::WriteOp op{src,         off + chunk.offset, peer->second.arena, landing->arena_offset + chunk.offset,
-                        chunk.bytes, a_->fence};
+    return absl::InternalError(strCat("sync ", a_->id, ": transfer ", word.transfer, " does not land on node ", node));
+  const auto& chunk = cp_.transfer(word.transfer).chunks[static_cast<size_t>(word.chunk)];
+  transport::WriteOp op{src,        off + chunk.offset, peer->second.arena, landing->arena_offset + chunk.offset,
+                        word.bytes, a_->fence};
   if (landing->direct()) {
     const std::string& name = cp_.dst.buffer_names[static_cast<size_t>(landing->buffer)];
     auto target = peer->second.buffers.find({landing->rank, name});
@@ -107,8 +110,56 @@ Status Execution::send(const std::shared_ptr<transport::MemoryRegion>& src, uint
     op.dst_offset = target->second.second + landing->buffer_offset + chunk.offset;
   }
   SC_ASSIGN_OR_RETURN(auto ep, env_.transport.connect(peer->second.address, cp_.nodes.name(node)));
-  SC_RETURN_IF_ERROR(queueWrite(a_, node, std::move(ep), {std::move(op), LandedChunk{t, chain, hop, k, sum}}));
-  a_->bytes_sent += chunk.bytes;
+  SC_RETURN_IF_ERROR(queueWrite(a_, node, std::move(ep), {std::move(op), word}));
+  a_->bytes_sent += word.bytes;
+  return absl::OkStatus();
+}
+
+uint64_t Execution::deltaTarget(int32_t t) const {
+  if (a_->delta != v1::DELTA_AUTO || !a_->bases) return 0;
+  uint64_t fence = 0;
+  for (const auto& l : cp_.transfer(t).landings) {
+    auto p = peers_.find(l.node);
+    if (p == peers_.end() || p->second.base.fence == 0) return 0;
+    if (fence != 0 && p->second.base.fence != fence) return 0;
+    fence = p->second.base.fence;
+  }
+  return fence;
+}
+
+size_t Execution::deltaUnit(int32_t t) const {
+  const auto& tr = plan_.transfers[t];
+  int64_t unit = 8;
+  for (int32_t i = 0; i < tr.fragments_count; ++i) {
+    const auto& frag = plan_.fragments[plan_.transfer_fragments[tr.fragments_begin + i]];
+    unit = std::min(unit, cp_.dst.tensors[plan_.tensors[frag.tensor].dst].elemBytes());
+  }
+  return static_cast<size_t>(unit);
+}
+
+Status Execution::encodeChunk(int32_t t, int32_t k, std::byte* packed, uint64_t target, LandedChunk* word) {
+  if (!a_->bases) return absl::OkStatus();
+  const uint64_t n = word->bytes;
+  DeltaBases::Base* base = a_->bases->find(t, k);
+  if (target != 0 && base != nullptr && base->committed && base->fence == target && base->bytes.size() == n) {
+    const uint64_t result = XXH64(packed, static_cast<size_t>(n), 0);
+    encoded_.resize(static_cast<size_t>(static_cast<double>(n) * kDeltaWorthFraction));
+    base->fence = a_->fence;
+    base->committed = false;
+    if (auto size = encodeDelta(packed, base->bytes.data(), n, deltaUnit(t), encoded_.data(), encoded_.size())) {
+      std::memcpy(packed, encoded_.data(), *size);
+      word->encoding = LandedChunk::kDelta;
+      word->bytes = *size;
+      word->result = result;
+      return absl::OkStatus();
+    }
+    std::memcpy(base->bytes.data(), packed, n);  // too much changed: dense, and these bytes the base
+    return absl::OkStatus();
+  }
+  base = a_->bases->make(t, k, n);
+  if (base == nullptr) return absl::OkStatus();  // no room: dense next time too
+  std::memcpy(base->bytes.data(), packed, n);
+  base->fence = a_->fence;
   return absl::OkStatus();
 }
 
@@ -163,12 +214,12 @@ Status Execution::sendHeaded(int32_t t) {
       const auto& chunk = ts.chunks[k];
       if (sb.transfer)
         SC_RETURN_IF_ERROR(sb.transfer->stageOut(start + chunk.offset, chunk.bytes));  // device -> mirror
-      uint64_t sum = 0;
+      LandedChunk word{t, c, 0, static_cast<int32_t>(k)};
+      word.bytes = chunk.bytes;
       if (req_.verify()) {
-        SC_ASSIGN_OR_RETURN(sum, checksum(sb, start + chunk.offset, chunk.bytes));
+        SC_ASSIGN_OR_RETURN(word.checksum, checksum(sb, start + chunk.offset, chunk.bytes));
       }
-      SC_RETURN_IF_ERROR(send(sb.region, sb.region_offset + start, t, c, 0, static_cast<int32_t>(k),
-                              plan_.chain_nodes[ch.nodes_begin], sum));
+      SC_RETURN_IF_ERROR(send(sb.region, sb.region_offset + start, word, plan_.chain_nodes[ch.nodes_begin]));
     }
   }
   if (staged.empty()) return absl::OkStatus();
@@ -177,6 +228,7 @@ Status Execution::sendHeaded(int32_t t) {
   SC_RETURN_IF_ERROR(ensureStaging());
   const auto& packer = plan_.chains[staged.front()];  // whose source ranks the bytes are read from
   auto* out = static_cast<std::byte*>(a_->staging->data()) + at;
+  const uint64_t target = deltaTarget(t);
   for (size_t k = 0; k < ts.chunks.size(); ++k) {
     const auto& chunk = ts.chunks[k];
     for (int32_t i = 0; i < tr.fragments_count; ++i) {
@@ -194,10 +246,14 @@ Status Execution::sendHeaded(int32_t t) {
           {out + cp_.fragment_offset[f] + chunk.offset, transport::MemoryKind::kHost, 0, denseFor(part)}, dt.dtype};
       SC_RETURN_IF_ERROR(env_.stage.pack(wire, typed(sb, sr.offset, sr.strides, st), sr.extent, {dt.name, part}));
     }
-    const uint64_t sum = req_.verify() ? XXH64(out + chunk.offset, static_cast<size_t>(chunk.bytes), 0) : 0;
-    for (const int32_t c : staged)
-      SC_RETURN_IF_ERROR(
-          send(a_->staging, at, t, c, 0, static_cast<int32_t>(k), plan_.chain_nodes[plan_.chains[c].nodes_begin], sum));
+    LandedChunk word{t, 0, 0, static_cast<int32_t>(k)};
+    word.bytes = chunk.bytes;
+    SC_RETURN_IF_ERROR(encodeChunk(t, static_cast<int32_t>(k), out + chunk.offset, target, &word));
+    if (req_.verify()) word.checksum = XXH64(out + chunk.offset, static_cast<size_t>(word.bytes), 0);
+    for (const int32_t c : staged) {
+      word.chain = c;
+      SC_RETURN_IF_ERROR(send(a_->staging, at, word, plan_.chain_nodes[plan_.chains[c].nodes_begin]));
+    }
   }
   return absl::OkStatus();
 }
@@ -241,7 +297,7 @@ Status Execution::receive() {
 }
 
 // A landed chunk: verify it (optional), forward it along its relay chain, unpack it into the
-// local ranks that need part of it.
+// local ranks that need part of it (a delta: rebuilt from their bytes first).
 Status Execution::processLanded(const LandedChunk& l) {
   SC_RETURN_IF_ERROR(alive());
   // Every index a peer sent, against the plan: the transfer and chunk exist and belong to this
@@ -252,17 +308,22 @@ Status Execution::processLanded(const LandedChunk& l) {
                                              ", chunk ", l.chunk, ")"));
   };
   if (const std::string problem = cp_.landedProblem(l, wave_, self_); !problem.empty()) return bad(problem);
-  {
-    std::lock_guard<std::mutex> lock(a_->mu);
-    if (!a_->seen.insert({l.transfer, l.chunk}).second) return bad("a chunk that already landed");
-  }
-  const auto& tr = plan_.transfers[l.transfer];
   const auto& ts = cp_.transfer(l.transfer);
   const auto& chunk = ts.chunks[static_cast<size_t>(l.chunk)];
   const auto* landing = ts.landingOn(self_);
   if (landing == nullptr)
     return absl::InternalError(
         strCat("sync ", a_->id, ": transfer ", l.transfer, " landed on node \"", env_.node, "\" unplanned"));
+  const bool delta = l.encoding == LandedChunk::kDelta;
+  if (l.encoding != LandedChunk::kDense && !delta) return bad(strCat("an unknown encoding ", l.encoding));
+  if (!delta && l.bytes != chunk.bytes) return bad(strCat("a dense chunk of ", l.bytes, " bytes, not ", chunk.bytes));
+  if (delta && (l.bytes > chunk.bytes || landing->direct() || a_->base.fence == 0))
+    return bad(l.bytes > chunk.bytes ? strCat("a delta of ", l.bytes, " bytes for a chunk of ", chunk.bytes)
+                                     : std::string("a delta for a node whose ranks hold no base"));
+  {
+    std::lock_guard<std::mutex> lock(a_->mu);
+    if (!a_->seen.insert({l.transfer, l.chunk}).second) return bad("a chunk that already landed");
+  }
   // Where the transfer's bytes are here: the landing rank's buffer, or the arena.
   std::shared_ptr<transport::MemoryRegion> region = a_->arena;
   uint64_t region_offset = landing->arena_offset;
@@ -279,7 +340,7 @@ Status Execution::processLanded(const LandedChunk& l) {
     landed = lb;
     landed.data += landing->buffer_offset;
   } else if (req_.verify()) {
-    sum = XXH64(landed.data + chunk.offset, static_cast<size_t>(chunk.bytes), 0);
+    sum = XXH64(landed.data + chunk.offset, static_cast<size_t>(l.bytes), 0);
   }
   if (req_.verify() && sum != l.checksum)
     return absl::DataLossError(strCat("sync ", a_->id, ": chunk ", l.chunk, " of transfer ", l.transfer,
@@ -287,16 +348,45 @@ Status Execution::processLanded(const LandedChunk& l) {
   // Forward the chunk along its relay chain first: the next node's transfer then overlaps the
   // local fan-out below (the bytes stay where they landed until the sync ends).
   const auto& ch = plan_.chains[l.chain];
-  if (l.hop + 1 < ch.nodes_count)
-    SC_RETURN_IF_ERROR(send(region, region_offset, l.transfer, l.chain, l.hop + 1, l.chunk,
-                            plan_.chain_nodes[ch.nodes_begin + l.hop + 1], l.checksum));
+  if (l.hop + 1 < ch.nodes_count) {
+    LandedChunk next = l;
+    next.hop = l.hop + 1;
+    SC_RETURN_IF_ERROR(send(region, region_offset, next, plan_.chain_nodes[ch.nodes_begin + l.hop + 1]));
+  }
   if (landing->direct()) {
     // Landed in a device buffer's transport mirror: into the device now.
     if (landed.transfer)
       SC_RETURN_IF_ERROR(landed.transfer->stageIn(landing->buffer_offset + chunk.offset, chunk.bytes));
     a_->bytes_landed_direct += chunk.bytes;
   }
-  // Unpack the chunk into the local ranks that need part of it (but the one it landed in).
+  SC_ASSIGN_OR_RETURN(auto pieces, localPieces(l.transfer, l.chunk));
+  // The dense chunk: where it landed, or rebuilt from the delta.
+  const std::byte* wire = landed.data + chunk.offset;
+  transport::MemoryKind kind = landed.kind;
+  transport::CopyEngine* copies = landed.copies;
+  if (delta) {
+    SC_RETURN_IF_ERROR(decode(l, wire, pieces));
+    wire = decoded_.data();
+    kind = transport::MemoryKind::kHost;
+    copies = nullptr;
+  }
+  for (const auto& p : pieces) {
+    const TypedView from{{const_cast<std::byte*>(wire) + (p.at - chunk.offset), kind, 0, p.dense},
+                         p.tensor->dtype,
+                         copies};
+    SC_RETURN_IF_ERROR(env_.stage.unpack(p.memory, from, p.part.sizes(), {p.tensor->name, p.part}));
+    a_->local_bytes += static_cast<uint64_t>(p.part.volume() * p.tensor->elemBytes());
+  }
+  (delta ? a_->delta_chunks : a_->dense_chunks) += 1;
+  a_->bytes_received += l.bytes;
+  return absl::OkStatus();
+}
+
+StatusOr<std::vector<Execution::Piece>> Execution::localPieces(int32_t t, int32_t k) const {
+  const auto& tr = plan_.transfers[t];
+  const auto& chunk = cp_.transfer(t).chunks[static_cast<size_t>(k)];
+  const auto* landing = cp_.transfer(t).landingOn(self_);
+  std::vector<Piece> out;
   for (int32_t i = 0; i < tr.fragments_count; ++i) {
     const int32_t f = plan_.transfer_fragments[tr.fragments_begin + i];
     const auto& frag = plan_.fragments[f];
@@ -315,14 +405,37 @@ Status Execution::processLanded(const LandedChunk& l) {
         dst_off += (part.lo[d] - sub.lo[d]) * dr.strides[d];
       }
       SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
-      const TypedView wire{
-          {landed.data + cp_.fragment_offset[f], landed.kind, src_off, dense}, dt.dtype, landed.copies};
-      SC_RETURN_IF_ERROR(env_.stage.unpack(typed(db, dst_off, dr.strides, dt), wire, part.sizes(), {dt.name, part}));
-      a_->local_bytes += static_cast<uint64_t>(part.volume() * elem);
+      out.push_back({cp_.fragment_offset[f] + static_cast<uint64_t>(src_off * elem), part,
+                     typed(db, dst_off, dr.strides, dt), dense, &dt, dr.rank});
     }
   }
-  a_->bytes_received += chunk.bytes;
-  return absl::OkStatus();
+  return out;
+}
+
+// The base is what the local ranks hold of the chunk (they all hold the version the delta is
+// against: Registry::Base); the delta is applied to it, and the result must hash as the source's
+// dense bytes did, or a rank here did not hold its base: the sync fails naming them.
+Status Execution::decode(const LandedChunk& l, const std::byte* delta, const std::vector<Piece>& pieces) {
+  const auto& chunk = cp_.transfer(l.transfer).chunks[static_cast<size_t>(l.chunk)];
+  decoded_.resize(static_cast<size_t>(chunk.bytes));
+  for (const auto& p : pieces) {
+    const TypedView to{{decoded_.data() + (p.at - chunk.offset), transport::MemoryKind::kHost, 0, p.dense},
+                       p.tensor->dtype};
+    SC_RETURN_IF_ERROR(env_.stage.pack(to, p.memory, p.part.sizes(), {p.tensor->name, p.part}));
+  }
+  if (auto st = applyDelta(decoded_.data(), chunk.bytes, deltaUnit(l.transfer), delta, l.bytes); !st.ok())
+    return absl::InvalidArgumentError(strCat("sync ", a_->id, " on node \"", env_.node, "\": chunk ", l.chunk,
+                                             " of transfer ", l.transfer, ": ", st.message()));
+  if (XXH64(decoded_.data(), decoded_.size(), 0) == l.result) return absl::OkStatus();
+  std::set<int32_t> ranks;
+  for (const auto& p : pieces) ranks.insert(p.rank);
+  std::string names;
+  for (const int32_t r : ranks) names += strCat(names.empty() ? "" : ", ", r);
+  return absl::DataLossError(strCat(
+      "sync ", a_->id, ": a delta of tensor \"", pieces.empty() ? std::string("?") : pieces.front().tensor->name,
+      "\" (transfer ", l.transfer, ", chunk ", l.chunk, ") does not rebuild the source's bytes on node \"", env_.node,
+      "\": group \"", a_->dst_group, "\" rank(s) ", names, " there do not hold version ", a_->base.version,
+      " as committed (written outside a sync?); sync without deltas (delta: DELTA_DENSE) to repair them"));
 }
 
 }  // namespace shardcast::daemon

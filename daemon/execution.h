@@ -48,6 +48,17 @@ class Execution {
     std::vector<transport::RemoteRegion> regions;
     std::map<std::pair<int32_t, std::string>, std::pair<uint32_t, uint64_t>>
         buffers;  // (rank, name) -> (region, offset)
+    Registry::Base base;  // what its destination ranks held when prepared (delta syncs)
+  };
+  // A piece of a landed chunk that a local destination rank holds: where it starts in the
+  // transfer's packed bytes, its box, and the rank memory it goes to.
+  struct Piece {
+    uint64_t at = 0;
+    planner::Box part;
+    TypedView memory;
+    std::vector<int64_t> dense;  // the wire's strides (the fragment's row-major box)
+    const planner::TensorLayout* tensor = nullptr;  // the destination's
+    int32_t rank = -1;
   };
 
   Status readDirectory();
@@ -61,10 +72,22 @@ class Execution {
   // XXH64 of bytes [offset, offset + n) of a buffer (device memory: through its transport mirror,
   // which holds the bytes around a send or a landing, or a host copy).
   StatusOr<uint64_t> checksum(const Registry::LocalBuffer& b, uint64_t offset, uint64_t n);
-  // Sends chunk k of transfer t (its first byte at `off` in `src`) to where it lands on `node`,
-  // then the notification that announces it.
-  Status send(const std::shared_ptr<transport::MemoryRegion>& src, uint64_t off, int32_t t, int32_t chain, int32_t hop,
-              int32_t k, int32_t node, uint64_t sum);
+  // Sends chunk word.chunk of transfer word.transfer (word.bytes of it, from `off` in `src` on:
+  // the chunk's offset is added) to where it lands on `node`, then the word that announces it.
+  Status send(const std::shared_ptr<transport::MemoryRegion>& src, uint64_t off, const LandedChunk& word, int32_t node);
+  // Delta syncs: the fence of the base every node transfer t lands on holds (0: not all the same,
+  // or none), and the unit its deltas are encoded in (the smallest element of its tensors).
+  uint64_t deltaTarget(int32_t t) const;
+  size_t deltaUnit(int32_t t) const;
+  // The chunk just packed at `packed` (dense): encoded against its base when `target` (a base
+  // fence) is the base's and that is worth it (word says how it travels; `packed` then holds the
+  // delta); the base becomes these bytes either way (when kept).
+  Status encodeChunk(int32_t t, int32_t k, std::byte* packed, uint64_t target, LandedChunk* word);
+  // The pieces of chunk `k` of transfer `t` this node's destination ranks hold (but the rank it
+  // landed in directly, if it did).
+  StatusOr<std::vector<Piece>> localPieces(int32_t t, int32_t k) const;
+  // A delta chunk: rebuilt from the local ranks' bytes (the base) into decoded_, checked.
+  Status decode(const LandedChunk& l, const std::byte* delta, const std::vector<Piece>& pieces);
   Status copyColocated();
   Status sendHeaded(int32_t t);
   Status ensureStaging();
@@ -80,6 +103,7 @@ class Execution {
   const int32_t wave_;
   const Clock::time_point deadline_;
   std::map<int32_t, Peer> peers_;
+  std::vector<std::byte> encoded_, decoded_;  // delta syncs: one chunk's delta, one rebuilt chunk
 };
 
 }  // namespace shardcast::daemon

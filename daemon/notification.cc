@@ -57,7 +57,10 @@ std::string encodeNotification(const Notification& n) {
     put<int32_t>(out, c.chain);
     put<int32_t>(out, c.hop);
     put<int32_t>(out, c.chunk);
+    put<int32_t>(out, c.encoding);
     put<uint64_t>(out, c.checksum);
+    put<uint64_t>(out, c.bytes);
+    put<uint64_t>(out, c.result);
   }
   return out;
 }
@@ -88,7 +91,10 @@ StatusOr<Notification> parseNotification(std::string_view bytes) {
     r.get(&c.chain);
     r.get(&c.hop);
     r.get(&c.chunk);
+    r.get(&c.encoding);
     r.get(&c.checksum);
+    r.get(&c.bytes);
+    r.get(&c.result);
   }
   return n;
 }

@@ -34,13 +34,14 @@ std::shared_ptr<const CachedPlan> PlanCache::insert(const std::string& key, plan
 }
 
 StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src, const v1::Layout& dst,
-                                                           uint64_t staging_budget, uint64_t chunk_bytes, bool* hit) {
+                                                           uint64_t staging_budget, uint64_t chunk_bytes, bool* hit,
+                                                           bool zero_copy) {
   if (staging_budget == 0 || chunk_bytes == 0)
     return absl::InvalidArgumentError("staging budget and chunk size must be positive");
-  const std::string key =
-      strCat(planner::layoutDigest(src), "/", planner::layoutDigest(dst), "/", staging_budget, "/", chunk_bytes);
+  const std::string key = strCat(planner::layoutDigest(src), "/", planner::layoutDigest(dst), "/", staging_budget, "/",
+                                 chunk_bytes, zero_copy ? "" : "/packed");
   if (auto cached = lookup(key, hit)) return cached;
-  SC_ASSIGN_OR_RETURN(auto schedule, planner::makeSchedule(src, dst, staging_budget, chunk_bytes));
+  SC_ASSIGN_OR_RETURN(auto schedule, planner::makeSchedule(src, dst, staging_budget, chunk_bytes, zero_copy));
   return insert(key, std::move(schedule));
 }
 

@@ -22,7 +22,7 @@ namespace shardcast::daemon {
 
 // A schedule as the daemon caches it, under the key of its layouts and budgets.
 struct CachedPlan : planner::Schedule {
-  std::string key;  // the two layout digests, the staging budget and the chunk size
+  std::string key;  // the two layout digests, the staging budget, the chunk size (and "/packed": no zero copy)
   std::string landedProblem(const LandedChunk& l, int32_t in_wave, int32_t self) const {
     return Schedule::landedProblem(l.transfer, l.chain, l.hop, l.chunk, in_wave, self);
   }
@@ -34,8 +34,9 @@ class PlanCache {
  public:
   explicit PlanCache(size_t capacity = 16) : capacity_(capacity == 0 ? 1 : capacity) {}
   // The plan for these layouts and staging budget; *hit says whether it was cached.
+  // `zero_copy`: planner::Schedule::zero_copy (off for delta syncs: a plan of its own).
   StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst, uint64_t staging_budget,
-                                                  uint64_t chunk_bytes, bool* hit);
+                                                  uint64_t chunk_bytes, bool* hit, bool zero_copy = true);
   // The plan of a sync from `src` into the replica set `replicas` (planner/replicas.h), whose
   // destination is stackReplicas(replicas) (CachedPlan::dst). Plans are cached per membership;
   // the set's position plan apart from them, so a replica that joins or leaves costs a

@@ -86,8 +86,16 @@ class Registry {
   // involved shm segment is checked for truncation. Nothing changes when it fails.
   // `src_digest` / `dst_digest`: the layouts the sync was planned for; every rank here must have
   // registered exactly those (a group registered again with another layout is refused).
+  // `fence`: the attempt's; committing it records it (a delta base names the attempt that sent it).
+  // `base`, when given: what every destination rank here held as it was taken (Base{} when one was
+  // not READY, they differ, or one is double-buffered: its written set is not the one it holds).
+  struct Base {
+    uint64_t version = 0;
+    uint64_t fence = 0;  // of the sync attempt that committed it
+  };
   Status beginSync(const std::string& id, const std::string& src, const std::string& dst, uint64_t version,
-                   const std::string& src_digest, const std::string& dst_digest);
+                   const std::string& src_digest, const std::string& dst_digest, uint64_t fence = 0,
+                   Base* base = nullptr);
   // Before every use of the involved ranks' memory (every execute): segments still whole.
   Status checkSync(const std::string& src, const std::string& dst) const;
   enum class SyncEnd {
@@ -153,6 +161,8 @@ class Registry {
     v1::RankState state = v1::RANK_EMPTY;
     uint64_t committed = 0;  // destination: last committed version; source: last published
     uint64_t writing = 0;    // destination, UPDATING: the version being written
+    uint64_t committed_by = 0;  // destination: the fence of the sync attempt that committed `committed`
+    uint64_t writer_fence = 0;  // destination: the fence of the sync writing it
     bool held = false;       // acquired by its owner
     std::string detail;      // DIRTY: which sync, why
     std::string session;

@@ -21,7 +21,8 @@ std::string rankList(const std::vector<int32_t>& ranks) {
 }  // namespace
 
 Status Registry::beginSync(const std::string& id, const std::string& src, const std::string& dst, uint64_t version,
-                           const std::string& src_digest, const std::string& dst_digest) {
+                           const std::string& src_digest, const std::string& dst_digest, uint64_t fence,
+                           Base* base) {
   if (version == 0 || version >= kMaxVersion)
     return absl::InvalidArgumentError(strCat("sync ", id, ": version ", version, " is not in [1, 2^63)"));
   std::lock_guard<std::mutex> lock(mu_);
@@ -67,9 +68,18 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
       writers.push_back(r.get());
     }
   }
+  if (base != nullptr) {
+    *base = {};
+    bool common = !writers.empty();
+    for (const Rank* r : writers)
+      common = common && r->state == v1::RANK_READY && !r->doubled() && r->committed_by != 0 &&
+               r->committed == writers.front()->committed && r->committed_by == writers.front()->committed_by;
+    if (common) *base = {writers.front()->committed, writers.front()->committed_by};
+  }
   for (Rank* r : readers) r->readers.insert(id);
   for (Rank* r : writers) {
     r->writer = id;
+    r->writer_fence = fence;
     r->before = r->state;
     r->before_detail = r->detail;
     r->writing = version;
@@ -106,6 +116,7 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::
           r->active = 1 - r->active;
           r->state = v1::RANK_READY;
           r->committed = r->writing;
+          r->committed_by = 0;  // the other set held the base: never one for a delta
           r->detail.clear();
         }
         if (end == SyncEnd::kDraining) r->writer = id;  // its other set is still being written
@@ -116,6 +127,7 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::
         case SyncEnd::kCommit:
           r->state = v1::RANK_READY;
           r->committed = r->writing;
+          r->committed_by = r->writer_fence;
           r->detail.clear();
           break;
         case SyncEnd::kRevert:
@@ -125,6 +137,7 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::
         case SyncEnd::kDirty:
         case SyncEnd::kDraining:
           r->state = v1::RANK_DIRTY;
+          r->committed_by = 0;
           r->detail = strCat("sync ", id, " wrote part of version ", r->writing, " and did not commit: ", reason);
           if (end == SyncEnd::kDraining) {
             r->writer = id;  // still held: writes of it are still landing

@@ -89,11 +89,15 @@ void startWrites(const std::shared_ptr<SyncAttempt>& a, int32_t node) {
   notification.fence = a->fence;
   for (auto& out : start) {
     const uint64_t bytes = out.op.length;
+    notification.chunks.push_back(out.landed);
+    if (bytes == 0) {  // an empty delta: only the word that it landed
+      finished(absl::OkStatus(), 0, 1);
+      continue;
+    }
     ep->write(std::move(out.op), [a, node, bytes, finished](Status st) {
       finished(st, bytes, 1);
       startWrites(a, node);
     });
-    notification.chunks.push_back(out.landed);
   }
   const int64_t announced = static_cast<int64_t>(start.size());
   ep->notify(encodeNotification(notification), [finished, announced](Status st) { finished(st, 0, announced); });

@@ -18,8 +18,11 @@
 #include <vector>
 
 #include "common/status.h"
+#include "daemon/delta.h"
 #include "daemon/notification.h"
 #include "daemon/plan_cache.h"
+#include "daemon/registry.h"
+#include "shardcast/v1/service.pb.h"
 #include "transport/transport.h"
 
 namespace shardcast::daemon {
@@ -36,6 +39,12 @@ struct SyncAttempt {
   std::shared_ptr<const CachedPlan> plan;
   int32_t self = -1;  // this node's id in the plan, -1 when it takes no part
   uint64_t window_bytes = 0;
+  // Delta syncs (daemon/delta.h): the mode; what this node's destination ranks held when the sync
+  // took them (a delta may land here only on that base); the bases of the chunks this node packs
+  // (null: none kept, every chunk it packs dense).
+  v1::DeltaMode delta = v1::DELTA_OFF;
+  Registry::Base base;
+  std::shared_ptr<DeltaBases::Plan> bases;
 
   // The coordinator's lease: renewed by every call about this sync; when it runs out the reaper
   // aborts the sync here.
@@ -51,6 +60,7 @@ struct SyncAttempt {
 
   // Progress over all waves, read by progress() while execute() runs.
   std::atomic<uint64_t> bytes_received{0}, bytes_sent{0}, local_bytes{0}, bytes_landed_direct{0};
+  std::atomic<uint64_t> delta_chunks{0}, dense_chunks{0};  // chunks landed here, by encoding
 
   std::mutex mu;
   std::condition_variable cv;

@@ -15,12 +15,13 @@ namespace shardcast::daemon {
 using Clock = std::chrono::steady_clock;
 
 SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics,
-                       uint64_t window_bytes, std::unique_ptr<Stage> stage)
+                       uint64_t window_bytes, std::unique_ptr<Stage> stage, uint64_t delta_cache_bytes)
     : node_(std::move(node)),
       registry_(registry),
       transport_(transport),
       metrics_(metrics),
       window_bytes_(window_bytes),
+      bases_(delta_cache_bytes),
       stage_(stage ? std::move(stage) : makeStandardStage()),
       copies_(transport::makeHostCopyEngine()) {
   transport_.setNotificationHandler([this](std::string payload) { onNotification(payload); });
@@ -105,17 +106,27 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   a->window_bytes = window_bytes_;
   if (req.lease_ms() > 0) a->lease = std::chrono::milliseconds(req.lease_ms());
   a->fence = req.fence() ? req.fence() : (XXH64(a->id.data(), a->id.size(), 0) | 1);
+  a->delta = req.delta();
   a->renew();
   bool hit = false;
-  SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), req.staging_bytes(), req.chunk_bytes(), &hit));
-  for (const auto& key : plans_.takeEvicted()) spares_.drop(key);  // spare memory goes with its plan
+  SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), req.staging_bytes(), req.chunk_bytes(), &hit,
+                                          a->delta == v1::DELTA_OFF));
+  for (const auto& key : plans_.takeEvicted()) {  // spare memory and delta bases go with their plan
+    spares_.drop(key);
+    bases_.drop(key);
+  }
   // The fences: source ranks here published exactly this version, destination ranks here accept
   // it. From here on, every way out ends the sync in the registry.
   SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, a->dst_group, a->version,
-                                         planner::layoutDigest(req.src()), planner::layoutDigest(req.dst())));
+                                         planner::layoutDigest(req.src()), planner::layoutDigest(req.dst()), a->fence,
+                                         &a->base));
+  // Another attempt of the same plan using them (it cannot commit: the destination refuses a
+  // second writer): this one keeps none, and packs dense.
+  if (a->delta != v1::DELTA_OFF) a->bases = bases_.claim(a->plan->key, a->fence);
   transport_.openFence(a->fence);  // before any peer learns where to write
   auto prepared = prepareTargets(a, hit);
   if (!prepared.ok()) {
+    if (a->bases) bases_.finish(a->plan->key, a->fence, false);
     transport_.closeFence(a->fence, std::chrono::seconds(0));
     registry_.endSync(a->id, a->src_group, a->dst_group, Registry::SyncEnd::kRevert);
     return prepared.status();
@@ -136,6 +147,10 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
     }
     resp.mutable_targets()->set_arena_region(a->arena->remote().serialize());
     resp.set_arena_bytes(arena_bytes);
+  }
+  if (a->delta != v1::DELTA_OFF) {
+    resp.set_base_version(a->base.version);
+    resp.set_base_fence(a->base.fence);
   }
   // The rank buffers peers write into directly, each registration's descriptor once.
   if (a->self >= 0) {
@@ -210,6 +225,8 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
       spdlog::error("sync {}: {} writes and {} executes still pending two minutes after it ended", a->id,
                     a->writes_pending, a->executing);
   }
+  // What this node sent is a base for the next delta only if the sync committed here.
+  if (a->bases) bases_.finish(a->plan->key, a->fence, end == Registry::SyncEnd::kCommit);
   // No write of this sync lands here any more: later ones are refused, those landing now are waited
   // for (bounded by the transport's op timeout on the sender's side).
   if (!transport_.closeFence(a->fence, std::chrono::seconds(10))) {
@@ -335,7 +352,7 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dst_group));
   // This wave's figures are what the sync's counters (read by progress()) gain during it.
   const uint64_t sent = a->bytes_sent, received = a->bytes_received, local = a->local_bytes,
-                 direct = a->bytes_landed_direct;
+                 direct = a->bytes_landed_direct, deltas = a->delta_chunks, dense = a->dense_chunks;
   SC_RETURN_IF_ERROR(Execution({node_, registry_, transport_, *stage_, *copies_, spares_}, a, req).run());
   if (registry_.generation() != a->generation)
     return absl::AbortedError(
@@ -344,6 +361,8 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   resp.set_bytes_received(a->bytes_received - received);
   resp.set_local_bytes(a->local_bytes - local);
   resp.set_bytes_landed_direct(a->bytes_landed_direct - direct);
+  resp.set_delta_chunks(a->delta_chunks - deltas);
+  resp.set_dense_chunks(a->dense_chunks - dense);
   metrics_.bytes_sent += resp.bytes_sent();
   metrics_.bytes_received += resp.bytes_received();
   metrics_.local_bytes += resp.local_bytes();

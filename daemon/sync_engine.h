@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "common/status.h"
+#include "daemon/delta.h"
 #include "daemon/metrics.h"
 #include "daemon/notification.h"
 #include "daemon/plan_cache.h"
@@ -40,8 +41,10 @@ class SyncEngine {
  public:
   // `window_bytes`: per destination node, the bytes of writes in flight at once (at least one write).
   // `stage`: how bytes are packed and unpacked (daemon/stage.h); the copy stage when null.
+  // `delta_cache_bytes`: host memory for the bases of delta syncs (daemon/delta.h), all plans.
   SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics,
-             uint64_t window_bytes = uint64_t{128} << 20, std::unique_ptr<Stage> stage = nullptr);
+             uint64_t window_bytes = uint64_t{128} << 20, std::unique_ptr<Stage> stage = nullptr,
+             uint64_t delta_cache_bytes = uint64_t{8} << 30);
   ~SyncEngine();
 
   StatusOr<v1::PrepareResponse> prepare(const v1::PrepareRequest& req);
@@ -52,6 +55,7 @@ class SyncEngine {
   // `fence` 0: whichever attempt of `sync_id`; else only that attempt.
   StatusOr<v1::ProgressResponse> progress(const std::string& sync_id, uint64_t fence = 0);
   PlanCache& plans() { return plans_; }
+  const DeltaBases& deltaBases() const { return bases_; }
   // Shutdown: aborts every sync prepared here (destination ranks written by them become DIRTY).
   void abortAll(const std::string& reason);
 
@@ -72,6 +76,7 @@ class SyncEngine {
   const uint64_t window_bytes_;
   PlanCache plans_;
   SpareMemory spares_;
+  DeltaBases bases_;
   std::unique_ptr<Stage> stage_;
   std::unique_ptr<transport::CopyEngine> copies_;
   std::mutex mu_;

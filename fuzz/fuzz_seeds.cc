@@ -1,10 +1,11 @@
-// Writes the binary seed corpora of the fuzzers into DIR/register and DIR/notification: valid
+// Writes the binary seed corpora of the fuzzers into DIR/register, DIR/notification and DIR/delta: valid
 // messages as the code encodes them today (so that mutations start deep inside the checks), and
 // a few wrong ones.   fuzz_seeds DIR
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 
+#include "daemon/delta.h"
 #include "daemon/notification.h"
 #include "fuzz/fuzz_plan.h"
 #include "planner/layout.h"
@@ -51,6 +52,7 @@ int main(int argc, char** argv) {
   const std::filesystem::path dir = argv[1];
   std::filesystem::create_directories(dir / "register");
   std::filesystem::create_directories(dir / "notification");
+  std::filesystem::create_directories(dir / "delta");
 
   const char* plain = R"({"group":"g","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
     {"name":"w","shape":[16,16],"dtype":"float32","placements":[{"replicate":{}}]}]})";
@@ -92,6 +94,19 @@ int main(int argc, char** argv) {
   write(dir / "notification" / "batch", daemon::encodeNotification(all));
   write(dir / "notification" / "out-of-range",
         daemon::encodeNotification({"seed-sync", 7, {{1 << 30, -1, 1 << 20, -5, 99}}}));
+  // A delta word, and deltas (unit 2): a real encoding applied to a base, and a pair of chunks.
+  daemon::LandedChunk d{0, plan->plan.transfers[0].chains_begin, 0, 0, daemon::LandedChunk::kDelta};
+  d.bytes = 6;
+  write(dir / "notification" / "delta", daemon::encodeNotification({"seed-sync", 42, {d}}));
+  std::string before(64, '\0'), now = before;
+  now[2] = '\x3f';
+  now[40] = '\x01';
+  std::string delta(64, '\0');
+  const auto size = daemon::encodeDelta(reinterpret_cast<const std::byte*>(now.data()),
+                                        reinterpret_cast<std::byte*>(before.data()), now.size(), 2,
+                                        reinterpret_cast<std::byte*>(delta.data()), delta.size());
+  write(dir / "delta" / "apply", std::string("\x01\x20", 2) + delta.substr(0, size.value_or(0)));
+  write(dir / "delta" / "pair", std::string("\x05\x07", 2) + now + std::string(64, '\0'));
   std::cout << "seeds in " << dir.string() << "\n";
   return 0;
 }

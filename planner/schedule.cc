@@ -25,7 +25,7 @@ Schedule::Landing landingFor(const Schedule& c, int32_t t, int32_t node) {
   Schedule::Landing l;
   l.node = node;
   const auto& tr = c.plan.transfers[t];
-  if (tr.fragments_count != 1) return l;
+  if (!c.zero_copy || tr.fragments_count != 1) return l;
   const int32_t f = c.plan.transfer_fragments[tr.fragments_begin];
   const auto& frag = c.plan.fragments[f];
   const int64_t elem = c.dst.tensors[c.plan.tensors[frag.tensor].dst].elemBytes();
@@ -60,7 +60,7 @@ std::vector<Schedule::Chunk> chunksOf(const Schedule& c, const Transfer& tr) {
 // Per chain of `tr`: can its head send straight from the source rank's buffer?
 std::vector<char> directChains(const Schedule& c, const Transfer& tr) {
   std::vector<char> direct(static_cast<size_t>(tr.chains_count), 0);
-  if (tr.fragments_count != 1) return direct;
+  if (!c.zero_copy || tr.fragments_count != 1) return direct;
   const int32_t f = c.plan.transfer_fragments[tr.fragments_begin];
   if (!sameDType(c, c.plan.fragments[f])) return direct;
   for (int32_t ch = tr.chains_begin; ch < tr.chains_begin + tr.chains_count; ++ch) {
@@ -100,7 +100,7 @@ std::string Schedule::landedProblem(int32_t t, int32_t chain, int32_t hop, int32
 }
 
 StatusOr<Schedule> makeSchedule(const v1::Layout& src, const v1::Layout& dst, uint64_t staging_budget,
-                                uint64_t chunk_bytes) {
+                                uint64_t chunk_bytes, bool zero_copy) {
   if (staging_budget == 0 || chunk_bytes == 0)
     return absl::InvalidArgumentError("staging budget and chunk size must be positive");
   NodeTable nodes;
@@ -109,14 +109,15 @@ StatusOr<Schedule> makeSchedule(const v1::Layout& src, const v1::Layout& dst, ui
   PlanOptions options;
   options.chunk_bytes = static_cast<int64_t>(chunk_bytes);
   SC_ASSIGN_OR_RETURN(auto plan, makePlan(s, d, nodes, options));
-  return scheduleOf(std::move(nodes), std::move(s), std::move(d), std::move(plan), staging_budget);
+  return scheduleOf(std::move(nodes), std::move(s), std::move(d), std::move(plan), staging_budget, zero_copy);
 }
 
 StatusOr<Schedule> scheduleOf(NodeTable nodes, ResolvedLayout src, ResolvedLayout dst, Plan plan,
-                              uint64_t staging_budget) {
+                              uint64_t staging_budget, bool zero_copy) {
   if (staging_budget == 0) return absl::InvalidArgumentError("staging budget must be positive");
   Schedule out;
   out.staging_budget = staging_budget;
+  out.zero_copy = zero_copy;
   out.nodes = std::move(nodes);
   out.src = std::move(src);
   out.dst = std::move(dst);

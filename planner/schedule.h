@@ -73,6 +73,10 @@ struct Schedule {
   };
 
   uint64_t staging_budget = 0;
+  // Sends straight from source rank buffers and landings straight into destination rank buffers
+  // where the layouts allow (above). Off for delta syncs: every chunk is packed where it can be
+  // encoded, and lands where it can be decoded before it reaches a rank (daemon/delta.h).
+  bool zero_copy = true;
   NodeTable nodes;
   ResolvedLayout src, dst;
   Plan plan;
@@ -92,12 +96,12 @@ struct Schedule {
 };
 
 // Resolves both layouts, plans src -> dst with chunks of `chunk_bytes`, and schedules the plan for
-// `staging_budget` bytes per node and wave.
+// `staging_budget` bytes per node and wave (`zero_copy`: Schedule::zero_copy).
 StatusOr<Schedule> makeSchedule(const v1::Layout& src, const v1::Layout& dst, uint64_t staging_budget,
-                                uint64_t chunk_bytes);
+                                uint64_t chunk_bytes, bool zero_copy = true);
 // Schedules a plan already made over these resolved layouts and node table (a replica set's
 // composed plan, say) for `staging_budget` bytes per node and wave.
 StatusOr<Schedule> scheduleOf(NodeTable nodes, ResolvedLayout src, ResolvedLayout dst, Plan plan,
-                              uint64_t staging_budget);
+                              uint64_t staging_budget, bool zero_copy = true);
 
 }  // namespace shardcast::planner

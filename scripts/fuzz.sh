@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (clang, ASan + UBSan, in build-fuzz/) and runs each for a fixed time
-# from its seed corpus: layout JSON -> resolve -> plan, registration, peer notifications.
+# from its seed corpus: layout JSON -> resolve -> plan, registration, peer notifications, deltas.
 #   scripts/fuzz.sh [--seconds N] [--jobs J] [target...]      (default: 20 s each, all targets)
 # Prints one line per target (executions, corpus size, crashes) and exits 1 if any input crashed
 # or tripped a sanitizer; the input is kept in build-fuzz/crashes/. bench/fuzz.sh runs it longer.
@@ -17,7 +17,7 @@ while [ $# -gt 0 ]; do
     *) targets+=("$1"); shift ;;
   esac
 done
-[ ${#targets[@]} -gt 0 ] || targets=(layout register notification)
+[ ${#targets[@]} -gt 0 ] || targets=(layout register notification delta)
 
 bash "$root/scripts/deps.sh" build
 # clang and its runtime (libFuzzer, the sanitizers), Debian's
@@ -48,7 +48,8 @@ for t in "${targets[@]}"; do
     layout) seeds=("$root/fuzz/corpus/layout" "$root/client/examples/layouts"); max_len=16384 ;;
     register) seeds=("$corpus/seeds/register"); max_len=16384 ;;
     notification) seeds=("$corpus/seeds/notification"); max_len=8192 ;;
-    *) echo "fuzz: unknown target $t (layout, register, notification)" >&2; exit 2 ;;
+    delta) seeds=("$corpus/seeds/delta"); max_len=4096 ;;
+    *) echo "fuzz: unknown target $t (layout, register, notification, delta)" >&2; exit 2 ;;
   esac
   mkdir -p "$corpus/$t"
   log="$build/fuzz_$t.log"

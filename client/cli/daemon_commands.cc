@@ -70,6 +70,7 @@ struct SyncArgs : CommonArgs {
   uint64_t version = 0;
   double timeout_s = 0;
   bool verify = false, wait_for_ranks = false, no_progress = false;
+  std::string delta = "off";
 };
 
 int runSync(const SyncArgs& a) {
@@ -84,6 +85,7 @@ int runSync(const SyncArgs& a) {
   o.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   o.verify = a.verify;
   o.wait_for_ranks = a.wait_for_ranks;
+  o.delta = a.delta == "auto" ? v1::DELTA_AUTO : a.delta == "dense" ? v1::DELTA_DENSE : v1::DELTA_OFF;
   o.sync_id = a.sync_id.empty() ? newSyncId() : a.sync_id;
 
   // The sync runs in its own thread; this one watches it and draws the progress.
@@ -124,6 +126,13 @@ int runSync(const SyncArgs& a) {
       planner::humanBytes(static_cast<double>(r.network_bytes())),
       planner::humanBytes(static_cast<double>(r.local_bytes())), r.waves(), r.seconds(), gbps, r.gather_seconds(),
       r.prepare_seconds(), r.execute_seconds(), r.finish_seconds(), r.plan_cached() ? " (plan cached)" : "");
+  if (r.delta() != v1::DELTA_OFF)
+    std::cout << fmt::format("  {} on the wire ({:.1f}% of dense): {} chunk landing(s) as deltas, {} dense\n",
+                             planner::humanBytes(static_cast<double>(r.wire_bytes())),
+                             r.network_bytes() ? 100.0 * static_cast<double>(r.wire_bytes()) /
+                                                     static_cast<double>(r.network_bytes())
+                                               : 0.0,
+                             r.delta_chunks(), r.dense_chunks());
   return kOk;
 }
 
@@ -320,6 +329,11 @@ void addDaemonCommands(CLI::App& app, int* exit_code) {
     cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds (0: the daemon's 300 s)")
         ->check(CLI::NonNegativeNumber);
     cmd->add_flag("--wait-for-ranks", a->wait_for_ranks, "Wait (up to the timeout) for ranks not registered yet");
+    cmd->add_option("--delta", a->delta,
+                    "off: dense; auto: only the elements that changed, to nodes holding the bytes this source last "
+                    "sent (docs/delta.md); dense: dense, keeping the bases for later deltas")
+        ->check(CLI::IsMember({"off", "auto", "dense"}))
+        ->capture_default_str();
     cmd->add_option("--sync-id", a->sync_id, "Id of the sync (default: a random one), for `shardcast watch`");
     cmd->add_flag("--no-progress", a->no_progress, "Print only the result");
     addCommon(cmd, a.get());

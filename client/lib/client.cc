@@ -289,6 +289,7 @@ StatusOr<v1::SyncResponse> Client::sync(const std::string& src, const std::strin
   req.mutable_options()->set_timeout_ms(static_cast<uint32_t>(options.timeout.count()));
   req.mutable_options()->set_verify(options.verify);
   req.mutable_options()->set_wait_for_ranks(options.wait_for_ranks);
+  req.mutable_options()->set_delta(options.delta);
   // The daemon enforces the sync's own timeout; the call's deadline leaves it room to report.
   const auto limit =
       (options.timeout.count() > 0 ? options.timeout : std::chrono::milliseconds(300'000)) + std::chrono::seconds(30);

@@ -30,6 +30,7 @@ struct SyncOptions {
   std::chrono::milliseconds timeout{0};  // 0: the daemon's default (300 s)
   bool verify = false;                   // per-chunk xxHash64 checked at every destination node
   bool wait_for_ranks = false;           // wait up to the timeout for ranks not yet registered
+  v1::DeltaMode delta = v1::DELTA_OFF;   // delta syncs (v1::DeltaMode, docs/delta.md)
   std::string sync_id;                   // "" = one chosen by the daemon; set it to Watch meanwhile
 };
 

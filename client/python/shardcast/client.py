@@ -459,14 +459,23 @@ class Client:
     # ---- syncs ----
 
     def sync(self, src: str, dst: str, version: int, *, verify: bool = False, timeout: Optional[float] = None,
-             wait_for_ranks: bool = False, sync_id: Optional[str] = None,
+             wait_for_ranks: bool = False, sync_id: Optional[str] = None, delta: str = "off",
              progress: Optional[Callable[[service_pb2.SyncProgress], None]] = None) -> service_pb2.SyncResponse:
         """Syncs version `version` of `src` into `dst` and returns once every destination rank has it
-        (or raises ShardcastError, and no rank has it). `progress` is called with each update."""
+        (or raises ShardcastError, and no rank has it). `progress` is called with each update.
+
+        `delta`: "off" (dense), "auto" (only the elements that changed, to nodes that hold the bytes
+        this source last sent them; dense to the others, in the same sync: see docs/delta.md) or
+        "dense" (dense, keeping the bases for later deltas). The response's wire_bytes,
+        delta_chunks and dense_chunks say what happened."""
+        modes = {"off": service_pb2.DELTA_OFF, "auto": service_pb2.DELTA_AUTO, "dense": service_pb2.DELTA_DENSE}
+        if delta not in modes:
+            raise ValueError(f'delta must be one of {", ".join(modes)}, not {delta!r}')
         sync_id = sync_id or f"py-{uuid.uuid4().hex[:12]}"
         req = service_pb2.SyncRequest(src_group=src, dst_group=dst, version=version, sync_id=sync_id)
         req.options.verify = verify
         req.options.wait_for_ranks = wait_for_ranks
+        req.options.delta = modes[delta]
         req.options.timeout_ms = int((timeout or 0) * 1000)
         watcher = None
         if progress is not None:

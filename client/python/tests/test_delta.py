@@ -1,0 +1,205 @@
+"""Delta syncs through real daemons (docs/delta.md): after a first dense sync, a source daemon sends
+a destination node that holds the bytes it last sent only the elements that changed; every byte
+of every destination rank is checked against the source after every sync. Nodes that do not hold
+the base (a rank registered again) get dense bytes in the same sync; a destination whose memory
+was written outside a sync fails the delta loudly, naming the ranks, and the next sync repairs it;
+--delta-dense-every refreshes the bases."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+import shardcast
+from shardcast.local import LocalCluster
+from shardcast.v1 import service_pb2
+
+torch = pytest.importorskip("torch", reason="the test venv (scripts/deps.sh) has torch")
+
+ROWS, COLS = 2048, 1024  # w: 4 MiB of bfloat16, so 1 MiB chunks make several per shard
+
+
+def src_layout(node):
+    return {"group": "trainer", "mesh": {"shape": [1]}, "nodes": [node], "tensors": [
+        {"name": "w", "shape": [ROWS, COLS], "dtype": "bfloat16", "placements": [{"replicate": {}}]},
+        {"name": "m", "shape": [128, 256], "dtype": "float32", "placements": [{"replicate": {}}]},
+        {"name": "b", "shape": [COLS], "dtype": "bfloat16", "placements": [{"replicate": {}}]}]}
+
+
+def dst_layout(nodes):
+    """Rank r holds rows r/len of w, columns r/len of m (declared bfloat16: converted), all of b."""
+    return {"group": "vllm", "mesh": {"shape": [len(nodes)]}, "nodes": nodes, "tensors": [
+        {"name": "w", "shape": [ROWS, COLS], "dtype": "bfloat16", "placements": [{"shard": {"dim": 0}}]},
+        {"name": "m", "shape": [128, 256], "dtype": "bfloat16", "placements": [{"shard": {"dim": 1}}]},
+        {"name": "b", "shape": [COLS], "dtype": "bfloat16", "placements": [{"replicate": {}}]}]}
+
+
+def source_tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(ROWS, COLS, generator=g).to(torch.bfloat16),
+            "m": torch.randn(128, 256, generator=g),
+            "b": torch.randn(COLS, generator=g).to(torch.bfloat16)}
+
+
+def destination_tensors(world):
+    return {"w": torch.zeros(ROWS // world, COLS, dtype=torch.bfloat16),
+            "m": torch.zeros(128, 256 // world, dtype=torch.bfloat16),
+            "b": torch.zeros(COLS, dtype=torch.bfloat16)}
+
+
+def step(src, version, fraction, seed):
+    """An optimizer-like step: `fraction` of the elements of w and m change, b does not."""
+    g = torch.Generator().manual_seed(seed)
+    with src.writing(version):
+        for name, bump in (("w", 1.0), ("m", 0.25)):
+            flat = src.tensors[name].view(-1)
+            idx = torch.randperm(flat.numel(), generator=g)[: int(flat.numel() * fraction)]
+            flat[idx] = flat[idx] + bump
+
+
+def bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+def check_all(src, dst, world):
+    w, m, b = src.tensors["w"], src.tensors["m"], src.tensors["b"]
+    for r, reg in enumerate(dst):
+        want = {"w": w[r * ROWS // world:(r + 1) * ROWS // world],
+                "m": m[:, r * 256 // world:(r + 1) * 256 // world].to(torch.bfloat16), "b": b}
+        for name, t in want.items():
+            assert torch.equal(bits(reg.tensors[name]), bits(t.contiguous())), f"rank {r}: {name} differs"
+
+
+@pytest.fixture
+def two_nodes():
+    shardcast.local.find_shardcastd()
+    with LocalCluster(["n0", "n1"], extra=["--chunk-mib", "1"]) as c:
+        yield c.daemons["n0"], c.daemons["n1"]
+
+
+def test_deltas_carry_only_what_changed_and_every_byte_matches(two_nodes):
+    n0, n1 = two_nodes
+    with shardcast.Client(n0.target) as c0, shardcast.Client(n1.target) as c1:
+        src = c0.register("trainer", 0, 1, source_tensors(), src_layout("n0"), role="source", version=1)
+        dst = [c1.register("vllm", r, 2, destination_tensors(2), dst_layout(["n1", "n1"])) for r in range(2)]
+
+        first = c0.sync("trainer", "vllm", 1, delta="auto")  # no base yet: dense, bases kept
+        assert first.delta == service_pb2.DELTA_AUTO
+        assert first.delta_chunks == 0 and first.dense_chunks > 1
+        assert first.wire_bytes == first.network_bytes
+        check_all(src, dst, 2)
+
+        step(src, 2, 0.02, seed=2)
+        second = c0.sync("trainer", "vllm", 2, delta="auto", verify=True)
+        check_all(src, dst, 2)
+        assert second.delta_chunks == first.dense_chunks and second.dense_chunks == 0
+        assert second.network_bytes == first.network_bytes
+        # 2% of the elements changed, 3 bytes each on the wire for 2 dense: about 3% of the bytes.
+        assert second.wire_bytes <= 0.10 * second.network_bytes, (second.wire_bytes, second.network_bytes)
+
+        with src.writing(3):
+            pass  # a version with nothing changed: empty deltas, only the words that they landed
+        third = c0.sync("trainer", "vllm", 3, delta="auto")
+        assert third.wire_bytes == 0 and third.delta_chunks == first.dense_chunks
+        check_all(src, dst, 2)
+
+        step(src, 4, 0.6, seed=4)  # too much changed: those chunks travel dense
+        fourth = c0.sync("trainer", "vllm", 4, delta="auto")
+        check_all(src, dst, 2)
+        assert fourth.dense_chunks > 0
+
+        step(src, 5, 0.01, seed=5)
+        off = c0.sync("trainer", "vllm", 5)  # dense, zero copy: the bases are not this version's
+        assert off.delta == service_pb2.DELTA_OFF and off.delta_chunks == 0
+        check_all(src, dst, 2)
+        step(src, 6, 0.01, seed=6)
+        after = c0.sync("trainer", "vllm", 6, delta="auto")
+        assert after.delta_chunks == 0 and after.wire_bytes == after.network_bytes
+        check_all(src, dst, 2)
+
+        with pytest.raises(ValueError, match="delta must be one of"):
+            c0.sync("trainer", "vllm", 7, delta="sometimes")
+        for reg in dst:
+            reg.close()
+        src.close()
+
+
+def test_a_node_without_the_base_gets_dense_bytes_in_the_same_sync_and_relays_forward_deltas():
+    shardcast.local.find_shardcastd()
+    with LocalCluster(["n0", "n1", "n2"], extra=["--chunk-mib", "1"]) as c:
+        n0, n1, n2 = (c.daemons[n] for n in ("n0", "n1", "n2"))
+        with shardcast.Client(n0.target) as c0, shardcast.Client(n1.target) as c1, \
+                shardcast.Client(n2.target) as c2:
+            src = c0.register("trainer", 0, 1, source_tensors(1), src_layout("n0"), role="source", version=1)
+            layout = dst_layout(["n1", "n2"])
+            dst = [c1.register("vllm", 0, 2, destination_tensors(2), layout),
+                   c2.register("vllm", 1, 2, destination_tensors(2), layout)]
+            c0.sync("trainer", "vllm", 1, delta="auto")
+            check_all(src, dst, 2)
+
+            step(src, 2, 0.02, seed=12)
+            both = c0.sync("trainer", "vllm", 2, delta="auto")
+            check_all(src, dst, 2)
+            # b is needed on both nodes: it travels n0 -> n1 -> n2, forwarded as the delta it is.
+            assert both.dense_chunks == 0 and both.delta_chunks > 0
+            assert both.wire_bytes <= 0.10 * both.network_bytes
+
+            # Rank 1 registers again (an inference replica restarted): EMPTY, no base on n2.
+            dst[1].close()
+            dst[1] = c2.register("vllm", 1, 2, destination_tensors(2), layout)
+            step(src, 3, 0.02, seed=13)
+            mixed = c0.sync("trainer", "vllm", 3, delta="auto")
+            check_all(src, dst, 2)
+            assert mixed.delta_chunks > 0 and mixed.dense_chunks > 0  # deltas to n1, dense to n2
+            step(src, 4, 0.02, seed=14)
+            again = c0.sync("trainer", "vllm", 4, delta="auto")  # n2 holds the base now
+            check_all(src, dst, 2)
+            assert again.dense_chunks == 0
+            for reg in dst:
+                reg.close()
+            src.close()
+
+
+def test_a_destination_written_outside_a_sync_fails_the_delta_naming_it_and_is_repaired(two_nodes):
+    n0, n1 = two_nodes
+    with shardcast.Client(n0.target) as c0, shardcast.Client(n1.target) as c1:
+        src = c0.register("trainer", 0, 1, source_tensors(3), src_layout("n0"), role="source", version=1)
+        dst = [c1.register("vllm", r, 2, destination_tensors(2), dst_layout(["n1", "n1"])) for r in range(2)]
+        c0.sync("trainer", "vllm", 1, delta="auto")
+        dst[1].tensors["w"][5, 7] += 1  # the engine wrote its weights: rank 1 no longer holds version 1
+        step(src, 2, 0.02, seed=22)
+        with pytest.raises(shardcast.ShardcastError, match=r'rank\(s\) 1 there do not hold version 1') as e:
+            c0.sync("trainer", "vllm", 2, delta="auto")
+        assert e.value.code == grpc.StatusCode.DATA_LOSS
+        assert dst[1].state().state == service_pb2.RANK_DIRTY
+        repaired = c0.sync("trainer", "vllm", 2, delta="auto")  # DIRTY: no base, so dense
+        assert repaired.delta_chunks == 0
+        check_all(src, dst, 2)
+        step(src, 3, 0.02, seed=23)
+        assert c0.sync("trainer", "vllm", 3, delta="auto").delta_chunks > 0
+        check_all(src, dst, 2)
+        for reg in dst:
+            reg.close()
+        src.close()
+
+
+def test_delta_dense_every_refreshes_the_bases():
+    shardcast.local.find_shardcastd()
+    with LocalCluster(["n0", "n1"], extra=["--chunk-mib", "1", "--delta-dense-every", "3"]) as c:
+        n0, n1 = c.daemons["n0"], c.daemons["n1"]
+        with shardcast.Client(n0.target) as c0, shardcast.Client(n1.target) as c1:
+            src = c0.register("trainer", 0, 1, source_tensors(4), src_layout("n0"), role="source", version=1)
+            dst = [c1.register("vllm", 0, 1, destination_tensors(1), dst_layout(["n1"]))]
+            modes = []
+            for v in range(1, 6):
+                if v > 1:
+                    step(src, v, 0.02, seed=30 + v)
+                r = c0.sync("trainer", "vllm", v, delta="auto")
+                modes.append((r.delta, r.delta_chunks > 0))
+                check_all(src, dst, 1)
+            assert modes == [(service_pb2.DELTA_AUTO, False), (service_pb2.DELTA_AUTO, True),
+                             (service_pb2.DELTA_DENSE, False), (service_pb2.DELTA_AUTO, True),
+                             (service_pb2.DELTA_AUTO, True)]
+            for reg in dst:
+                reg.close()
+            src.close()

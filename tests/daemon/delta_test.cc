@@ -1,0 +1,162 @@
+// Delta chunks (daemon/delta.h): the encoding rebuilds the new bytes exactly from the old ones, is
+// as small as its format says, refuses what does not fit; a peer's malformed delta is refused; the
+// bases a source keeps are bounded, belong to one attempt at a time, and count only once it
+// committed.
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "daemon/delta.h"
+
+using namespace shardcast::daemon;
+
+namespace {
+
+std::vector<std::byte> randomBytes(size_t n, std::mt19937_64& rng) {
+  std::vector<std::byte> v(n);
+  for (auto& b : v) b = static_cast<std::byte>(rng());
+  return v;
+}
+
+// The size the format gives for these changed units (see daemon/delta.h).
+size_t expectedSize(const std::vector<size_t>& changed, size_t unit) {
+  size_t size = 0, next = 0;
+  for (const size_t u : changed) {
+    size += (u - next) / kDeltaSkip + 1 + unit;
+    next = u + 1;
+  }
+  return size;
+}
+
+}  // namespace
+
+TEST_CASE("delta: every change is rebuilt exactly, in the format's size, for every unit and density",
+          "[daemon][delta]") {
+  std::mt19937_64 rng(7);
+  for (const size_t unit : {1, 2, 4, 8})
+    for (const double density : {0.0, 0.001, 0.02, 0.3, 1.0}) {
+      const size_t units = 1 + rng() % 20000;
+      const auto before = randomBytes(units * unit, rng);
+      auto now = before;
+      std::vector<size_t> changed;
+      std::bernoulli_distribution change(density);
+      for (size_t u = 0; u < units; ++u)
+        if (change(rng)) {
+          const size_t byte = rng() % unit;  // one byte of the unit differs: a unit is compared whole
+          now[u * unit + byte] = ~now[u * unit + byte];
+          changed.push_back(u);
+        }
+      auto base = before;
+      std::vector<std::byte> out(units * (unit + 1) + units / kDeltaSkip + 1);
+      const auto size = encodeDelta(now.data(), base.data(), now.size(), unit, out.data(), out.size());
+      INFO("unit " << unit << ", density " << density << ", " << units << " units, " << changed.size() << " changed");
+      REQUIRE(size.has_value());
+      CHECK(*size == expectedSize(changed, unit));
+      CHECK(base == now);  // the base now holds what was sent
+      auto rebuilt = before;
+      REQUIRE(applyDelta(rebuilt.data(), rebuilt.size(), unit, out.data(), *size).ok());
+      CHECK(rebuilt == now);
+    }
+}
+
+TEST_CASE("delta: nothing changed is an empty delta; long unchanged runs are skips of 255", "[daemon][delta]") {
+  std::vector<std::byte> before(2000 * 2, std::byte{1});
+  auto now = before;
+  std::vector<std::byte> out(64);
+  auto base = before;
+  auto size = encodeDelta(now.data(), base.data(), now.size(), 2, out.data(), out.size());
+  REQUIRE(size.has_value());
+  CHECK(*size == 0);
+  // Units 600 and 1999 changed: skips of 255, 255, then 90 and the value; then 255 x5, 113, value.
+  now[600 * 2] = std::byte{9};
+  now[1999 * 2 + 1] = std::byte{9};
+  base = before;
+  size = encodeDelta(now.data(), base.data(), now.size(), 2, out.data(), out.size());
+  REQUIRE(size.has_value());
+  REQUIRE(*size == 3 + 2 + 6 + 2);
+  CHECK(static_cast<int>(out[0]) == 255);
+  CHECK(static_cast<int>(out[1]) == 255);
+  CHECK(static_cast<int>(out[2]) == 90);
+  CHECK(static_cast<int>(out[10]) == 1398 - 5 * 255);
+  auto rebuilt = before;
+  REQUIRE(applyDelta(rebuilt.data(), rebuilt.size(), 2, out.data(), *size).ok());
+  CHECK(rebuilt == now);
+}
+
+TEST_CASE("delta: an encoding that does not fit, or bytes that are not whole units, are refused", "[daemon][delta]") {
+  std::mt19937_64 rng(3);
+  const auto before = randomBytes(4096, rng);
+  const auto now = randomBytes(4096, rng);
+  std::vector<std::byte> out(4096 * 3 / 4);
+  auto base = before;
+  CHECK_FALSE(encodeDelta(now.data(), base.data(), now.size(), 4, out.data(), out.size()).has_value());
+  CHECK_FALSE(encodeDelta(now.data(), base.data(), 4094, 4, out.data(), out.size()).has_value());
+  CHECK_FALSE(encodeDelta(now.data(), base.data(), 4096, 3, out.data(), out.size()).has_value());
+}
+
+TEST_CASE("delta: a peer's malformed delta is refused, never applied past the base", "[daemon][delta]") {
+  std::vector<std::byte> base(10 * 4, std::byte{0});
+  const auto apply = [&](std::vector<uint8_t> d) {
+    return applyDelta(base.data(), base.size(), 4, reinterpret_cast<const std::byte*>(d.data()), d.size());
+  };
+  CHECK(apply({9, 1, 2, 3, 4}).ok());                                  // the last unit
+  CHECK(static_cast<int>(base[36]) == 1);
+  CHECK_FALSE(apply({10, 1, 2, 3, 4}).ok());                           // a value past the end
+  CHECK_FALSE(apply({255}).ok());                                      // a skip past the end
+  CHECK_FALSE(apply({0, 1, 2}).ok());                                  // a value cut short
+  CHECK_FALSE(apply({3, 1, 2, 3, 4, 5, 1, 2, 3, 4, 0}).ok());          // 3, then 5 past it: unit 9 ok, 10 not
+  CHECK(apply({}).ok());                                               // nothing changed
+  CHECK_FALSE(applyDelta(base.data(), 6, 4, nullptr, 0).ok());         // a base that is not whole units
+  CHECK(apply({0, 7, 7, 7, 7, 0, 8, 8, 8, 8}).ok());                   // units 0 and 1
+  CHECK(static_cast<int>(base[0]) == 7);
+  CHECK(static_cast<int>(base[4]) == 8);
+}
+
+TEST_CASE("delta bases: bounded, one attempt at a time, a base only once its attempt committed",
+          "[daemon][delta]") {
+  DeltaBases bases(1000);
+  auto p = bases.claim("plan-a", 11);
+  REQUIRE(p);
+  CHECK_FALSE(bases.claim("plan-a", 12));  // another attempt of the same plan: no bases for it
+  CHECK(p->find(0, 0) == nullptr);
+  auto* b = p->make(0, 0, 600);
+  REQUIRE(b != nullptr);
+  b->fence = 11;
+  CHECK(p->make(0, 1, 500) == nullptr);  // 1100 > 1000 and the only other plan is this one
+  CHECK(bases.bytes() == 600);
+  bases.finish("plan-a", 11, true);
+  CHECK(p->find(0, 0)->committed);
+  CHECK(p->find(0, 0)->fence == 11);
+
+  // A failed attempt's bytes are no base: its fence is cleared.
+  p = bases.claim("plan-a", 13);
+  REQUIRE(p);
+  p->find(0, 0)->fence = 13;
+  p->find(0, 0)->committed = false;
+  bases.finish("plan-a", 13, false);
+  CHECK(p->find(0, 0)->fence == 0);
+  CHECK_FALSE(p->find(0, 0)->committed);
+
+  // Another plan evicts the unclaimed one when it needs the room.
+  auto q = bases.claim("plan-b", 21);
+  REQUIRE(q);
+  REQUIRE(q->make(0, 0, 700) != nullptr);
+  CHECK(bases.bytes() == 700);
+  auto again = bases.claim("plan-a", 22);
+  REQUIRE(again);
+  CHECK(again->find(0, 0) == nullptr);  // evicted: a new, empty plan
+  CHECK(again->make(0, 0, 400) == nullptr);  // plan-b is claimed: not evicted for it
+  bases.finish("plan-b", 21, true);
+  CHECK(again->make(0, 0, 400) != nullptr);  // now it is
+  CHECK(bases.bytes() == 400);
+
+  // A plan dropped while claimed keeps its bases for the attempt; nothing more is kept for it.
+  auto* kept = again->find(0, 0);
+  bases.drop("plan-a");
+  CHECK(bases.bytes() == 0);
+  CHECK(again->find(0, 0) == kept);
+  kept->bytes[399] = std::byte{1};  // still its memory
+  CHECK(again->make(1, 0, 10) == nullptr);
+  CHECK(bases.capacity() == 1000);
+}
