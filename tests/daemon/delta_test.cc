@@ -60,7 +60,7 @@ TEST_CASE("delta: every change is rebuilt exactly, in the format's size, for eve
     }
 }
 
-TEST_CASE("delta: nothing changed is an empty delta; long unchanged runs are skips of 255", "[daemon][delta]") {
+TEST_CASE("delta: nothing changed is an empty delta, long unchanged runs are skips of 255", "[daemon][delta]") {
   std::vector<std::byte> before(2000 * 2, std::byte{1});
   auto now = before;
   std::vector<std::byte> out(64);

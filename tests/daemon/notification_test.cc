@@ -19,7 +19,7 @@ TEST_CASE("notifications: round trip, and every malformed form refused", "[daemo
   Notification n;
   n.sync_id = "step-7";
   n.fence = 0x1234567890abcdefULL;
-  n.chunks = {{1, 2, 0, 3, 42}, {4, 5, 1, 0, 0}};
+  n.chunks = {{1, 2, 0, 3, LandedChunk::kDelta, 42, 17, 0xfedcba9876543210ULL}, {4, 5, 1, 0}};
   const std::string bytes = encodeNotification(n);
   CHECK(bytes.size() == notificationBytes(6, 2));
   auto back = parseNotification(bytes);
@@ -28,8 +28,12 @@ TEST_CASE("notifications: round trip, and every malformed form refused", "[daemo
   CHECK(back->fence == n.fence);
   REQUIRE(back->chunks.size() == 2);
   CHECK(back->chunks[0].chunk == 3);
+  CHECK(back->chunks[0].encoding == LandedChunk::kDelta);
   CHECK(back->chunks[0].checksum == 42);
+  CHECK(back->chunks[0].bytes == 17);
+  CHECK(back->chunks[0].result == 0xfedcba9876543210ULL);
   CHECK(back->chunks[1].hop == 1);
+  CHECK(back->chunks[1].encoding == LandedChunk::kDense);
   // Every truncation, and one byte too many.
   for (size_t len = 0; len < bytes.size(); ++len) CHECK_FALSE(parseNotification(bytes.substr(0, len)).ok());
   CHECK_FALSE(parseNotification(bytes + "x").ok());
@@ -79,12 +83,8 @@ TEST_CASE("a daemon fed lying notifications fails the sync and stays up", "[daem
   auto peer1 = n1.peer();
   v1::DescribeResponse described;
   REQUIRE(peer1->Describe(ctx().get(), v1::DescribeRequest(), &described).ok());
-  const v1::PrepareRequest prep = prepareRequest("lied-to", src_proto, dst_proto, 1, 99);
-  v1::PrepareResponse presp;
-  REQUIRE(peer1->Prepare(ctx().get(), prep, &presp).ok());
 
-  // An impostor on the data plane: garbage, another attempt's notification, then one naming a
-  // chain and hop the plan does not have for this node.
+  // An impostor on the data plane: garbage, another attempt's notification, then one that lies.
   transport::TransportOptions opts;
   opts.name = "impostor";
   opts.ucx.tls = "tcp";
@@ -97,33 +97,42 @@ TEST_CASE("a daemon fed lying notifications fails the sync and stays up", "[daem
     (*ep)->notify(std::move(payload), [&](Status st) { done.set_value(st); });
     return done.get_future().get();
   };
-  REQUIRE(send("lied-to 0 0 0 0 0\n").ok());  // the old text form: not parsed any more
-  Notification other{"lied-to", 98, {{0, 0, 0, 0, 0}}};
-  REQUIRE(send(encodeNotification(other)).ok());
-  Notification lie{"lied-to", 99, {{0, 7, 3, 0, 0}}};
-  REQUIRE(send(encodeNotification(lie)).ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-
-  v1::ExecuteRequest exec;
-  exec.set_sync_id("lied-to");
-  exec.set_fence(99);
-  exec.set_timeout_ms(5000);
-  auto* me = exec.add_nodes();
-  me->set_node("n1");
-  me->set_transport_address(described.transport_address());
-  *me->mutable_targets() = presp.targets();
-  v1::ExecuteResponse part;
-  const grpc::Status st = peer1->Execute(ctx().get(), exec, &part);
-  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-  CHECK_THAT(st.error_message(), Catch::Contains("a peer announced a chain not of the transfer"));
-  v1::StatusResponse status;
-  CHECK(n1.client()->Status(ctx().get(), v1::StatusRequest(), &status).ok());  // alive
-  v1::FinishRequest fin;
-  fin.set_sync_id("lied-to");
-  fin.set_fence(99);
-  fin.set_executed(true);
-  v1::FinishResponse fr;
-  REQUIRE(peer1->Finish(ctx().get(), fin, &fr).ok());
-  for (const auto& r : fr.ranks()) CHECK(r.state() == v1::RANK_DIRTY);
+  // One sync per lie: n1 prepares it, hears the lie, and its execute fails naming it.
+  auto lied_to = [&](const std::string& id, LandedChunk lie, const std::string& refused) {
+    INFO(id);
+    const v1::PrepareRequest prep = prepareRequest(id, src_proto, dst_proto, 1, 99);
+    v1::PrepareResponse presp;
+    REQUIRE(peer1->Prepare(ctx().get(), prep, &presp).ok());
+    REQUIRE(send(id + " 0 0 0 0 0\n").ok());  // the old text form: not parsed any more
+    REQUIRE(send(encodeNotification({id, 98, {{0, 0, 0, 0}}})).ok());  // another attempt's
+    REQUIRE(send(encodeNotification({id, 99, {lie}})).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    v1::ExecuteRequest exec;
+    exec.set_sync_id(id);
+    exec.set_fence(99);
+    exec.set_timeout_ms(5000);
+    auto* me = exec.add_nodes();
+    me->set_node("n1");
+    me->set_transport_address(described.transport_address());
+    *me->mutable_targets() = presp.targets();
+    v1::ExecuteResponse part;
+    const grpc::Status st = peer1->Execute(ctx().get(), exec, &part);
+    CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(st.error_message(), Catch::Contains(refused));
+    v1::StatusResponse status;
+    CHECK(n1.client()->Status(ctx().get(), v1::StatusRequest(), &status).ok());  // alive
+    v1::FinishRequest fin;
+    fin.set_sync_id(id);
+    fin.set_fence(99);
+    fin.set_executed(true);
+    v1::FinishResponse fr;
+    REQUIRE(peer1->Finish(ctx().get(), fin, &fr).ok());
+    for (const auto& r : fr.ranks()) CHECK(r.state() == v1::RANK_DIRTY);
+  };
+  const uint64_t chunk_bytes = 64 * 32 * 4;  // w lands on n1 whole: one transfer, one chunk
+  lied_to("lied-chain", {0, 7, 3, 0, LandedChunk::kDense, 0, chunk_bytes}, "a peer announced a chain not of the transfer");
+  lied_to("lied-encoding", {0, 0, 0, 0, 7, 0, chunk_bytes}, "a peer announced an unknown encoding 7");
+  lied_to("lied-size", {0, 0, 0, 0, LandedChunk::kDense, 0, 3}, "a dense chunk of 3 bytes, not 8192");
+  lied_to("lied-delta", {0, 0, 0, 0, LandedChunk::kDelta, 0, 5}, "a delta for a node whose ranks hold no base");
   (*ep)->close();
 }

@@ -46,12 +46,13 @@ class LocalDaemon:
     """One shardcastd process standing for node `node`; stopped with SIGTERM by stop()."""
 
     def __init__(self, node: str, port: int, peers: Sequence[str], socket_dir: str, binary: str,
-                 extra: Sequence[str] = (), stderr: Any = None, tls: Optional[TlsFiles] = None) -> None:
+                 extra: Sequence[str] = (), stderr: Any = None, tls: Optional[TlsFiles] = None,
+                 host: str = "127.0.0.1", launcher: Sequence[str] = ()) -> None:
         self.node = node
-        self.address = f"127.0.0.1:{port}"
+        self.address = f"{host}:{port}"
         self.tls = tls  # what it presents (None: --insecure)
         self.socket = os.path.join(socket_dir, f"{node}.sock")
-        argv = [binary, "--node", node, "--listen", self.address, "--socket", self.socket, "--peers", ",".join(peers),
+        argv = [*launcher, binary, "--node", node, "--listen", self.address, "--socket", self.socket, "--peers", ",".join(peers),
                 "--metrics", "127.0.0.1:0", *extra]
         if "--log-level" not in extra:
             argv += ["--log-level", "warn"]
@@ -102,8 +103,12 @@ class LocalCluster:
     mutual TLS between them (certificates minted into the cluster's temporary directory; pass
     "--insecure" in `extra` for plaintext). `client_tls` is what a TCP client presents."""
 
-    def __init__(self, nodes: Sequence[str], *, binary: Optional[str] = None, extra: Sequence[str] = ()) -> None:
+    def __init__(self, nodes: Sequence[str], *, binary: Optional[str] = None, extra: Sequence[str] = (),
+                 netns: bool = False) -> None:
         self.nodes: List[str] = list(nodes)
+        # netns: node k's daemon runs in network namespace "sc-<node>" at 10.77.0.<k+2>:7070, as
+        # bench/cluster.sh makes them (root only); clients still reach it over its Unix socket.
+        self.netns = netns
         self.binary = binary or find_shardcastd()
         self.extra = list(extra)
         self.daemons: Dict[str, LocalDaemon] = {}
@@ -116,7 +121,7 @@ class LocalCluster:
         self._tmp = tempfile.TemporaryDirectory(prefix="shardcast-local-")
         if "--insecure" not in self.extra:
             self.daemon_tls, self.client_tls = mint_certificates(os.path.join(self._tmp.name, "certs"), self.binary)
-        self.ports = {node: free_port() for node in self.nodes}
+        self.ports = {node: 7070 if self.netns else free_port() for node in self.nodes}
         try:
             for node in self.nodes:
                 self.restart(node)
@@ -128,9 +133,11 @@ class LocalCluster:
     def restart(self, node: str) -> LocalDaemon:
         """(Re)starts the daemon of `node` on its port (the old process must be gone)."""
         assert self._tmp is not None, "start the cluster first"
-        peers = [f"127.0.0.1:{p}" for p in self.ports.values()]
+        hosts = {n: f"10.77.0.{k + 2}" if self.netns else "127.0.0.1" for k, n in enumerate(self.nodes)}
+        peers = [f"{hosts[n]}:{p}" for n, p in self.ports.items()]
+        launcher = ["ip", "netns", "exec", f"sc-{node}"] if self.netns else []
         self.daemons[node] = LocalDaemon(node, self.ports[node], peers, self._tmp.name, self.binary, self.extra,
-                                         tls=self.daemon_tls)
+                                         tls=self.daemon_tls, host=hosts[node], launcher=launcher)
         return self.daemons[node]
 
     def target(self, node: str) -> str:
