@@ -10,11 +10,13 @@
 # Needs root (ip netns, tc). Usage:
 #   bench/cluster.sh [--rate-mbit 1000] [--delay-ms 0] [--queue-ms 200] [--scenario relay|fsdp-tp|16-node|all]
 #                    [--syncs 3]
+#   bench/cluster.sh --scenario delta [--delta-arg ARG]...  (bench/delta_bench.py on 2 nodes: AdamW steps,
+#                    dense and delta syncs side by side; not part of "all")
 #                    [--demo-arg ARG]...   (passed to shardcast-demo, e.g. --demo-arg=--chunk-mib=4)
 #   bench/cluster.sh --control-plane [--nodes "8 16 32 64"]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-rate=1000 delay=0 queue_ms=200 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64" demo_args=()
+rate=1000 delay=0 queue_ms=200 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64" demo_args=() delta_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --rate-mbit) rate="$2"; shift 2 ;;
@@ -26,7 +28,9 @@ while [ $# -gt 0 ]; do
     --nodes) cp_nodes="$2"; shift 2 ;;
     --demo-arg) demo_args+=("$2"); shift 2 ;;
     --demo-arg=*) demo_args+=("${1#--demo-arg=}"); shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    --delta-arg) delta_args+=("$2"); shift 2 ;;
+    --delta-arg=*) delta_args+=("${1#--delta-arg=}"); shift ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "bench/cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -133,6 +137,14 @@ cells = " | ".join("%.1f ms" % (float(best[k]) * 1000) for k in ("gather", "prep
 print("| %s | %s |" % (n, cells))
 ' "$n"
   done
+  exit 0
+fi
+
+if [ "$scenario" = delta ]; then
+  echo "== delta syncs over emulated links: ${rate} Mbit/s each way per node, ${delay} ms delay, UCX over TCP"
+  network trainer-0 inference-0
+  [ -x "$root/.venv/bin/python" ] || bash "$root/scripts/deps.sh" >/dev/null  # the test venv (torch)
+  SHARDCAST_BUILD="$root/build" "$root/.venv/bin/python" "$root/bench/delta_bench.py" --netns "${delta_args[@]}"
   exit 0
 fi
 
