@@ -1,8 +1,174 @@
 #include "daemon/convert.h"
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
 #include "common/strings.h"
 
 namespace shardcast::daemon {
+
+uint8_t e4m3FromFloat(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return sign | 0x7f;     // NaN
+  if (u >= 0x43e00000u) return sign | 0x7e;    // >= 448 (and infinity): saturated
+  if (u < 0x3c800000u) {                       // below 2^-6: a subnormal, steps of 2^-9
+    const float a = std::fabs(f) * 512.0f;     // exact: a power-of-two scaling
+    return sign | static_cast<uint8_t>(std::nearbyint(a));  // ties to even (8 is the smallest normal)
+  }
+  // Normal: exponent rebased to 7, mantissa from 23 bits to 3, ties to even (a carry moves the
+  // exponent up, which is the right encoding).
+  uint32_t q = (((u >> 23) - 127 + 7) << 3) | ((u >> 20) & 7u);
+  const uint32_t rest = u & 0xfffffu;
+  if (rest > 0x80000u || (rest == 0x80000u && (q & 1u))) ++q;
+  return sign | static_cast<uint8_t>(std::min<uint32_t>(q, 0x7e));
+}
+
+float floatFromE4m3(uint8_t q) {
+  const float sign = (q & 0x80) ? -1.0f : 1.0f;
+  const int e = (q >> 3) & 15, m = q & 7;
+  if (e == 15 && m == 7) return std::numeric_limits<float>::quiet_NaN();
+  if (e == 0) return sign * std::ldexp(static_cast<float>(m), -9);
+  return sign * std::ldexp(1.0f + static_cast<float>(m) / 8.0f, e - 7);
+}
+
+float blockScale(float amax, bool pow2) {
+  if (std::isnan(amax)) return amax;
+  if (amax == 0.0f) return 1.0f;
+  const float s = amax / 448.0f;
+  if (!pow2 || std::isinf(s)) return s;
+  int e = 0;
+  const float m = std::frexp(s, &e);  // s = m * 2^e, m in [0.5, 1)
+  return std::ldexp(1.0f, m == 0.5f ? e - 1 : e);
+}
+
+namespace {
+
+float loadFloat(const std::byte* p, planner::DType from) {
+  if (from == planner::DType::kBFloat16) {
+    uint16_t b;
+    std::memcpy(&b, p, 2);
+    return floatFromBfloat16(b);
+  }
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
+}
+
+// Calls fn(offset) for every element of a box of `sizes` elements at `origin` with `strides`
+// (elements), row-major.
+template <typename Fn>
+void forEachOffset(int64_t origin, const std::vector<int64_t>& strides, const std::vector<int64_t>& sizes, Fn&& fn) {
+  const size_t nd = sizes.size();
+  for (int64_t n : sizes)
+    if (n <= 0) return;
+  std::vector<int64_t> idx(nd, 0);
+  while (true) {
+    int64_t off = origin;
+    for (size_t d = 0; d < nd; ++d) off += idx[d] * strides[d];
+    fn(off, idx);
+    size_t d = nd;
+    while (d > 0 && ++idx[d - 1] == sizes[d - 1]) idx[--d] = 0;
+    if (d == 0) return;
+  }
+}
+
+// The scale of the block whose first element is at `origin` in `src` (elements of `from`, the
+// weight's strides `inner`), `sizes` elements (cut at the tensor's edge).
+float scaleAt(const transport::StridedView& src, planner::DType from, int64_t origin,
+              const std::vector<int64_t>& inner, const std::vector<int64_t>& sizes, bool pow2) {
+  const int64_t elem = planner::dtypeBytes(from);
+  float amax = 0.0f;
+  bool nan = false;
+  forEachOffset(origin, inner, sizes, [&](int64_t off, const std::vector<int64_t>&) {
+    const float v = std::fabs(loadFloat(src.base + off * elem, from));
+    nan = nan || std::isnan(v);
+    amax = std::max(amax, v);
+  });
+  return blockScale(nan ? std::numeric_limits<float>::quiet_NaN() : amax, pow2);
+}
+
+Status checkScaled(planner::DType from, size_t nd, const transport::StridedView& dst,
+                   const transport::StridedView& src, const std::vector<int64_t>& block) {
+  if (from != planner::DType::kFloat32 && from != planner::DType::kBFloat16)
+    return absl::InvalidArgumentError(strCat("block-scaled fp8 from ", planner::dtypeName(from),
+                                             ": only float32 and bfloat16 are quantised"));
+  if (dst.strides.size() != nd || src.strides.size() != nd || block.size() != nd)
+    return absl::InvalidArgumentError(strCat("block-scaled fp8: a box of ", nd, " dims, strides of ",
+                                             src.strides.size(), " and ", dst.strides.size(), ", a block of ",
+                                             block.size()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Status quantizeBox(const transport::StridedView& dst, const transport::StridedView& src, planner::DType from,
+                   const planner::Box& box, const planner::TensorLayout& t) {
+  const size_t nd = static_cast<size_t>(box.ndim);
+  SC_RETURN_IF_ERROR(checkScaled(from, nd, dst, src, t.block));
+  if (box.empty()) return absl::OkStatus();
+  const int64_t elem = planner::dtypeBytes(from);
+  auto* out = reinterpret_cast<uint8_t*>(dst.base);
+  // Block by block: its scale from the whole block, then its elements inside the box.
+  std::vector<int64_t> first(nd), count(nd);
+  for (size_t d = 0; d < nd; ++d) {
+    first[d] = box.lo[d] / t.block[d];
+    count[d] = (box.hi[d] + t.block[d] - 1) / t.block[d] - first[d];
+  }
+  const std::vector<int64_t> unit(nd, 0);
+  forEachOffset(0, unit, count, [&](int64_t, const std::vector<int64_t>& k) {
+    std::vector<int64_t> blo(nd), bsize(nd), plo(nd), psize(nd);
+    int64_t block_origin = src.offset, part_src = src.offset, part_dst = dst.offset;
+    for (size_t d = 0; d < nd; ++d) {
+      blo[d] = (first[d] + k[d]) * t.block[d];
+      bsize[d] = std::min(blo[d] + t.block[d], t.shape[d]) - blo[d];
+      plo[d] = std::max(blo[d], box.lo[d]);
+      psize[d] = std::min(blo[d] + bsize[d], box.hi[d]) - plo[d];
+      block_origin += (blo[d] - box.lo[d]) * src.strides[d];
+      part_src += (plo[d] - box.lo[d]) * src.strides[d];
+      part_dst += (plo[d] - box.lo[d]) * dst.strides[d];
+    }
+    const float scale = scaleAt(src, from, block_origin, src.strides, bsize, t.pow2);
+    forEachOffset(0, unit, psize, [&](int64_t, const std::vector<int64_t>& i) {
+      int64_t s = part_src, o = part_dst;
+      for (size_t d = 0; d < nd; ++d) {
+        s += i[d] * src.strides[d];
+        o += i[d] * dst.strides[d];
+      }
+      const float x = loadFloat(src.base + s * elem, from) / scale;
+      out[o] = e4m3FromFloat(std::isnan(x) ? x : std::clamp(x, -448.0f, 448.0f));
+    });
+  });
+  return absl::OkStatus();
+}
+
+Status scaleBox(const transport::StridedView& dst, const transport::StridedView& src, planner::DType from,
+                const planner::Box& box, const planner::TensorLayout& scale) {
+  const size_t nd = static_cast<size_t>(box.ndim);
+  SC_RETURN_IF_ERROR(checkScaled(from, nd, dst, src, scale.block));
+  std::vector<int64_t> inner(nd);
+  for (size_t d = 0; d < nd; ++d) {
+    if (src.strides[d] % scale.block[d] != 0)
+      return absl::InternalError("block scales: the source view's strides are not the weight's times the block");
+    inner[d] = src.strides[d] / scale.block[d];
+  }
+  auto* out = reinterpret_cast<float*>(dst.base);
+  forEachOffset(0, std::vector<int64_t>(nd, 0), box.sizes(), [&](int64_t, const std::vector<int64_t>& i) {
+    std::vector<int64_t> bsize(nd);
+    int64_t s = src.offset, o = dst.offset;
+    for (size_t d = 0; d < nd; ++d) {
+      const int64_t lo = (box.lo[d] + i[d]) * scale.block[d];
+      bsize[d] = std::min(lo + scale.block[d], scale.scaled_shape[d]) - lo;
+      s += i[d] * src.strides[d];
+      o += i[d] * dst.strides[d];
+    }
+    out[o] = scaleAt(src, from, s, inner, bsize, scale.pow2);
+  });
+  return absl::OkStatus();
+}
 
 Status convertBox(const transport::StridedView& dst, planner::DType to, const transport::StridedView& src,
                   planner::DType from, const std::vector<int64_t>& extent) {

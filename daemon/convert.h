@@ -29,6 +29,26 @@ inline float floatFromBfloat16(uint16_t b) {
   return f;
 }
 
+// float -> float8_e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits, no infinity),
+// rounded to nearest even as torch's .to(torch.float8_e4m3fn); |f| beyond 448 saturates to 448,
+// NaN stays NaN (0x7f with its sign).
+uint8_t e4m3FromFloat(float f);
+float floatFromE4m3(uint8_t q);
+// The scale of a block whose largest magnitude is `amax`: amax / 448 (1 for an all-zero block),
+// rounded up to a power of two with `pow2`. NaN in, NaN out.
+float blockScale(float amax, bool pow2);
+
+// Block-scaled fp8 (v1::BlockScale), host memory. quantizeBox: box `box` (global indices) of the
+// block-scaled tensor `t` from `src` (dtype `from`: float32 or bfloat16, its view's origin at
+// box.lo) into `dst` (e4m3); each element divided by the scale of its whole block, read from
+// `src` around the box (the whole block lies in the source's memory: planner::addScaleSources).
+// scaleBox: the scales of the blocks `box` (block indices) of scale tensor `scale`, from `src`,
+// a view whose element i is the first element of block i (strides: the weight's times the block).
+Status quantizeBox(const transport::StridedView& dst, const transport::StridedView& src, planner::DType from,
+                   const planner::Box& box, const planner::TensorLayout& t);
+Status scaleBox(const transport::StridedView& dst, const transport::StridedView& src, planner::DType from,
+                const planner::Box& box, const planner::TensorLayout& scale);
+
 // Converts the box of `extent` elements from `src` (dtype `from`) into `dst` (dtype `to`), both
 // host memory, strides in elements of their own dtype. INVALID_ARGUMENT for a pair that is not
 // planner::convertible or not a conversion (equal dtypes are a copy, not this).

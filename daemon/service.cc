@@ -270,6 +270,7 @@ grpc::Status ShardcastService::Plan(grpc::ServerContext* ctx, const v1::PlanRequ
   if (!rs.ok()) return toGrpc(rs.status());
   auto rd = planner::resolveLayout(*dst, nodes);
   if (!rd.ok()) return toGrpc(rd.status());
+  if (auto st = planner::addScaleSources(*rs, *rd); !st.ok()) return toGrpc(st);
   auto plan = planner::makePlan(*rs, *rd, nodes);
   if (!plan.ok()) return toGrpc(plan.status());
   planner::CostModel model;

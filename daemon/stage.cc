@@ -23,18 +23,34 @@ class StandardStage final : public Stage {
   const char* name() const override { return "standard"; }
   Status pack(const TypedView& wire, const TypedView& memory, const std::vector<int64_t>& extent,
               const StageSite& site) override {
+    if (computed(site)) return quantize(wire, memory, site);
     return move(wire, memory, extent, site);
   }
   Status unpack(const TypedView& memory, const TypedView& wire, const std::vector<int64_t>& extent,
                 const StageSite& site) override {
-    return move(memory, wire, extent, site);
+    return move(memory, wire, extent, site);  // the wire holds the destination's values
   }
   Status copyLocal(const TypedView& dst, const TypedView& src, const std::vector<int64_t>& extent,
                    const StageSite& site) override {
+    if (computed(site)) return quantize(dst, src, site);
     return move(dst, src, extent, site);
   }
 
  private:
+  static bool computed(const StageSite& site) {
+    return site.layout != nullptr && (site.layout->blockScaled() || site.layout->scale_of >= 0);
+  }
+  // A block-scaled weight's fp8 values, or its blocks' scales, from a source rank's memory.
+  Status quantize(const TypedView& dst, const TypedView& src, const StageSite& site) {
+    if (dst.view.kind != transport::MemoryKind::kHost || src.view.kind != transport::MemoryKind::kHost)
+      return absl::UnimplementedError(strCat("tensor ", quote(site.tensor),
+                                             ": block-scaled fp8 is quantised from and into host memory only "
+                                             "(not yet from or into a GPU)"));
+    const Status st = site.layout->scale_of >= 0 ? scaleBox(dst.view, src.view, src.dtype, site.box, *site.layout)
+                                                 : quantizeBox(dst.view, src.view, src.dtype, site.box, *site.layout);
+    if (!st.ok()) return Status(st.code(), strCat("tensor ", quote(site.tensor), ": ", st.message()));
+    return absl::OkStatus();
+  }
   Status move(const TypedView& dst, const TypedView& src, const std::vector<int64_t>& extent, const StageSite& site) {
     transport::CopyEngine* device = dst.device ? dst.device : src.device;
     if (dst.dtype == src.dtype)

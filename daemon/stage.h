@@ -37,6 +37,9 @@ struct TypedView {
 struct StageSite {
   const std::string& tensor;
   const planner::Box& box;
+  // The destination's tensor: a block-scaled weight or a block scale (planner/layout.h) is
+  // computed from the source's memory around the box, not copied or converted element by element.
+  const planner::TensorLayout* layout = nullptr;
 };
 
 class Stage {
@@ -56,8 +59,10 @@ class Stage {
 
 // The stage every sync uses: bytes unchanged where both dtypes agree (host memcpy, or the CUDA
 // engine of a device view); the conversions a destination may declare (planner::convertible:
-// float32 -> bfloat16, rounded to nearest even as torch does) converted, at the source's packer
-// (the wire carries the destination's dtype); any other pair INVALID_ARGUMENT naming the tensor.
+// float32 -> bfloat16, rounded to nearest even as torch does; float32 / bfloat16 -> block-scaled
+// fp8 e4m3 and its scales, daemon/convert.h) converted, at the source's packer (the wire carries
+// the destination's dtype); any other pair INVALID_ARGUMENT naming the tensor. Block-scaled
+// tensors are quantised from host memory only (UNIMPLEMENTED naming the tensor from a device).
 std::unique_ptr<Stage> makeStandardStage();
 
 // Copies the box of `extent` elements of `elem_bytes` between two views with the engine that

@@ -30,6 +30,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto s = resolveLayout(*src, nodes);
   auto d = resolveLayout(*dst, nodes);
   if (!s.ok() || !d.ok()) return 0;
+  if (!addScaleSources(*s, *d).ok()) return 0;
   auto plan = makePlan(*s, *d, nodes);
   if (!plan.ok()) return 0;
   // What the daemons do with a plan: where each fragment is read and written, and its report.

@@ -111,7 +111,10 @@ std::string_view dtypeName(DType t) {
   return "?";
 }
 
-bool convertible(DType from, DType to) { return from == to || (from == DType::kFloat32 && to == DType::kBFloat16); }
+bool convertible(DType from, DType to) {
+  return from == to || (from == DType::kFloat32 && to == DType::kBFloat16) ||
+         ((from == DType::kFloat32 || from == DType::kBFloat16) && to == DType::kFloat8E4M3);
+}
 
 int64_t dtypeBytes(DType t) {
   for (const auto& d : kDTypes)
@@ -244,6 +247,8 @@ class Resolver {
     out_.tensors.reserve(in_.tensors_size());
     for (const auto& t : in_.tensors()) SC_RETURN_IF_ERROR(resolveTensor(t));
     for (const auto& f : in_.fused()) SC_RETURN_IF_ERROR(resolveFused(f));
+    for (int i = 0; i < in_.tensors_size(); ++i)
+      if (in_.tensors(i).has_block_scale()) SC_RETURN_IF_ERROR(deriveScale(in_.tensors(i), i));
     return std::move(out_);
   }
 
@@ -356,6 +361,81 @@ class Resolver {
     return absl::OkStatus();
   }
 
+  // A block-scaled tensor's declaration: fp8 e4m3, a block per dim (default 128 x 128 over the
+  // last two), a scale tensor named apart from every tensor and buffer.
+  Status checkBlockScale(const v1::Tensor& in, TensorLayout& t) {
+    const auto& bs = in.block_scale();
+    const int ndim = in.shape_size();
+    if (t.dtype != DType::kFloat8E4M3)
+      return absl::InvalidArgumentError(strCat(where(in.name()), ": block_scale needs dtype float8_e4m3fn, not ",
+                                               dtypeName(t.dtype)));
+    if (ndim == 0) return absl::InvalidArgumentError(where(in.name()) + ": a scalar has no blocks");
+    t.block = toVec(bs.block());
+    if (t.block.empty()) {
+      t.block.assign(static_cast<size_t>(ndim), 1);
+      for (int d = std::max(0, ndim - 2); d < ndim; ++d) t.block[static_cast<size_t>(d)] = 128;
+    }
+    if (static_cast<int>(t.block.size()) != ndim)
+      return absl::InvalidArgumentError(strCat(where(in.name()), ": block_scale.block has ", t.block.size(),
+                                               " sizes for ", ndim, " dims"));
+    for (const int64_t b : t.block)
+      if (b < 1 || b > (int64_t{1} << 20))
+        return absl::InvalidArgumentError(
+            strCat(where(in.name()), ": block_scale.block ", shapeStr(t.block), ": sizes must be in [1, 2^20]"));
+    t.pow2 = bs.pow2();
+    if (bs.scale().empty()) return absl::InvalidArgumentError(where(in.name()) + ": block_scale.scale is empty");
+    if (buffer_ids_.count(bs.scale()) || fused_of_.count(bs.scale()))
+      return absl::InvalidArgumentError(strCat(where(in.name()), ": block_scale.scale \"", bs.scale(),
+                                               "\" is already the name of a tensor or buffer"));
+    for (const auto& other : in_.tensors())
+      if (other.name() == bs.scale())
+        return absl::InvalidArgumentError(strCat(where(in.name()), ": block_scale.scale \"", bs.scale(),
+                                                 "\" is already the name of a tensor"));
+    return absl::OkStatus();
+  }
+
+  // The scale tensor of the block-scaled tensor `in` (the i-th): one float32 per block, and on
+  // every rank the blocks its piece touches, row-major in a buffer named after the scale tensor.
+  Status deriveScale(const v1::Tensor& in, int i) {
+    const int32_t wi = out_.tensor_index.at(in.name());
+    TensorLayout s;
+    s.name = in.block_scale().scale();
+    s.dtype = DType::kFloat32;
+    s.block = out_.tensors[wi].block;
+    s.pow2 = out_.tensors[wi].pow2;
+    s.scale_of = wi;
+    s.scaled_shape = out_.tensors[wi].shape;
+    for (size_t d = 0; d < s.block.size(); ++d)
+      s.shape.push_back((s.scaled_shape[d] + s.block[d] - 1) / s.block[d]);
+    const int32_t buffer = addBuffer(s.name);
+    if (buffer < 0)
+      return absl::InvalidArgumentError(strCat(where(in.name()), ": block_scale.scale \"", s.name,
+                                               "\" is the scale of another tensor too"));
+    std::unordered_map<Box, int32_t, BoxHash> box_ids;
+    const TensorLayout& w = out_.tensors[wi];
+    for (size_t p = 0; p < w.pieces.size(); ++p) {
+      if (p > 0 && w.pieces[p].rank == w.pieces[p - 1].rank)
+        return absl::InvalidArgumentError(strCat(where(in.name()), ": rank ", w.pieces[p].rank,
+                                                 " holds several pieces; a block-scaled tensor takes one per rank"));
+      const Box& wb = w.boxes[w.pieces[p].box];
+      Box sb;
+      sb.ndim = wb.ndim;
+      for (int d = 0; d < wb.ndim; ++d) {
+        sb.lo[d] = wb.lo[d] / s.block[d];
+        sb.hi[d] = (wb.hi[d] + s.block[d] - 1) / s.block[d];
+      }
+      auto [it, added] = box_ids.try_emplace(sb, static_cast<int32_t>(s.boxes.size()));
+      if (added) s.boxes.push_back(sb);
+      s.pieces.push_back({w.pieces[p].rank, it->second, buffer, internStrides(rowMajorStrides(sb.sizes())), 0});
+    }
+    out_.tensors[wi].scale = static_cast<int32_t>(out_.tensors.size());
+    out_.tensor_index.emplace(s.name, static_cast<int32_t>(out_.tensors.size()));
+    out_.tensors.push_back(std::move(s));
+    local_shapes_.emplace_back();
+    (void)i;
+    return absl::OkStatus();
+  }
+
   int32_t addBuffer(const std::string& name) {
     auto [it, inserted] = buffer_ids_.try_emplace(name, static_cast<int32_t>(out_.buffer_names.size()));
     if (!inserted) return -1;
@@ -401,6 +481,7 @@ class Resolver {
     auto dt = parseDType(in.dtype());
     if (!dt.ok()) return absl::InvalidArgumentError(where(in.name()) + ": " + std::string(dt.status().message()));
     b.t.dtype = *dt;
+    if (in.has_block_scale()) SC_RETURN_IF_ERROR(checkBlockScale(in, b.t));
     // Every size derived from this tensor fits an int64: elements, bytes, and the layout's total.
     std::optional<int64_t> bytes = dtypeBytes(*dt);
     for (int d = 0; d < ndim && bytes; ++d) bytes = checkedMul(*bytes, in.shape(d));
@@ -706,6 +787,52 @@ class Resolver {
 
 StatusOr<ResolvedLayout> resolveLayout(const v1::Layout& layout, NodeTable& nodes) {
   return Resolver(layout, nodes).run();
+}
+
+Status addScaleSources(ResolvedLayout& src, const ResolvedLayout& dst) {
+  for (const TensorLayout& ds : dst.tensors) {
+    if (ds.scale_of < 0 || src.find(ds.name) != nullptr) continue;
+    const TensorLayout& dw = dst.tensors[static_cast<size_t>(ds.scale_of)];
+    const TensorLayout* w = src.find(dw.name);
+    if (w == nullptr) continue;  // the planner names the missing weight
+    if (w->shape != dw.shape)
+      return absl::InvalidArgumentError(strCat("tensor \"", dw.name, "\": layout \"", src.group, "\" has shape [",
+                                               strJoin(w->shape, ", "), "] but layout \"", dst.group, "\" has [",
+                                               strJoin(dw.shape, ", "), "]"));
+    TensorLayout v;
+    v.name = ds.name;
+    v.shape = ds.shape;
+    v.dtype = w->dtype;
+    v.block = ds.block;
+    v.pow2 = dw.pow2;
+    v.scale_of = src.tensor_index.at(w->name);
+    v.scaled_shape = w->shape;
+    std::unordered_map<Box, int32_t, BoxHash> box_ids;
+    for (const PieceRef& p : w->pieces) {
+      const Box& wb = w->boxes[p.box];
+      Box vb;
+      vb.ndim = wb.ndim;
+      for (int d = 0; d < wb.ndim; ++d) {
+        const int64_t b = v.block[d];
+        if (wb.lo[d] % b != 0 || (wb.hi[d] % b != 0 && wb.hi[d] != w->shape[d]))
+          return absl::FailedPreconditionError(strCat(
+              "tensor \"", dw.name, "\": layout \"", src.group, "\" rank ", p.rank, " holds ", wb.str(),
+              ", which cuts blocks of ", shapeStr(v.block), " along dim ", d, ": layout \"", dst.group,
+              "\" quantises it per block (block_scale), and a block's scale needs the whole block on one source rank"));
+        vb.lo[d] = wb.lo[d] / b;
+        vb.hi[d] = (wb.hi[d] + b - 1) / b;
+      }
+      auto [it, added] = box_ids.try_emplace(vb, static_cast<int32_t>(v.boxes.size()));
+      if (added) v.boxes.push_back(vb);
+      std::vector<int64_t> strides = src.strides[static_cast<size_t>(p.strides)];
+      for (size_t d = 0; d < strides.size(); ++d) strides[d] *= v.block[d];
+      src.strides.push_back(std::move(strides));
+      v.pieces.push_back({p.rank, it->second, p.buffer, static_cast<int32_t>(src.strides.size() - 1), p.offset});
+    }
+    src.tensor_index.emplace(v.name, static_cast<int32_t>(src.tensors.size()));
+    src.tensors.push_back(std::move(v));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace shardcast::planner

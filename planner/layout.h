@@ -34,8 +34,9 @@ std::string_view dtypeName(DType t);
 int64_t dtypeBytes(DType t);
 // Whether a destination tensor may declare dtype `to` for a source tensor of dtype `from`: the
 // same dtype, or a conversion the sync makes at the source (fewer bytes on the wire):
-// float32 -> bfloat16 (round to nearest even, as torch's .to(torch.bfloat16)). The daemon's pack
-// stage (daemon/stage.h) converts exactly these.
+// float32 -> bfloat16 (round to nearest even, as torch's .to(torch.bfloat16)); bfloat16 or
+// float32 -> float8_e4m3fn when the destination declares block scales (v1::BlockScale; checked
+// by the planner). The daemon's pack stage (daemon/stage.h) converts exactly these.
 bool convertible(DType from, DType to);
 
 // Node names are shared by the source and destination layouts of one plan (colocation).
@@ -67,6 +68,19 @@ struct TensorLayout {
   std::vector<Box> boxes;        // distinct boxes held by some rank
   std::vector<PieceRef> pieces;  // sorted by rank, then local order
   int64_t elemBytes() const { return dtypeBytes(dtype); }
+
+  // Block-scaled fp8 (v1::BlockScale). A quantised weight: `block` is its block shape and
+  // `scale` the index of its scale tensor. A scale tensor (derived, scale_of >= 0): element i
+  // scales block i of tensor `scale_of` of the same layout, whose shape is `scaled_shape` (edge
+  // blocks are cut there) and whose block shape is `block`. In a source layout a scale tensor is
+  // virtual (addScaleSources): its pieces point at the first element of each block in the
+  // weight's own buffer, its strides are the weight's times the block, its dtype the weight's.
+  std::vector<int64_t> block;
+  bool pow2 = false;
+  int32_t scale = -1;
+  int32_t scale_of = -1;
+  std::vector<int64_t> scaled_shape;
+  bool blockScaled() const { return !block.empty() && scale_of < 0; }
 };
 
 // A contiguous-or-strided run of elements in one rank's buffer, for one box.
@@ -104,7 +118,13 @@ StatusOr<v1::Layout> readLayoutFile(const std::string& path);
 std::string layoutDigest(const v1::Layout& layout);
 
 // Validates `layout` and resolves every tensor's pieces; node names are interned into `nodes`.
+// A block-scaled tensor's scale tensor is added to the resolved layout (after the declared ones).
 StatusOr<ResolvedLayout> resolveLayout(const v1::Layout& layout, NodeTable& nodes);
+
+// Before planning `src` into `dst`: for every scale tensor of `dst`, the virtual source tensor the
+// scales are computed from (TensorLayout::scale_of). FAILED_PRECONDITION, naming the rank and its
+// piece, when a block of the weight is split between source pieces (its amax is nowhere whole).
+Status addScaleSources(ResolvedLayout& src, const ResolvedLayout& dst);
 
 // Per-dim global index intervals a rank holds under DTensor placements (exposed for tests):
 // the rank's local tensor along dim d is the concatenation of intervals[d] in order.

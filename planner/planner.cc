@@ -78,12 +78,32 @@ class Planner {
     const TensorLayout& dt = dst_.tensors[j];
     auto it = src_.tensor_index.find(dt.name);
     if (it == src_.tensor_index.end())
-      return absl::FailedPreconditionError(strCat("tensor \"", dt.name, "\": layout \"", dst_.group,
-                                                  "\" needs it but layout \"", src_.group, "\" has no such tensor"));
+      return absl::FailedPreconditionError(strCat(
+          "tensor \"", dt.name, "\": layout \"", dst_.group, "\" needs it but layout \"", src_.group,
+          "\" has no such tensor",
+          dt.scale_of >= 0 ? strCat(" (the block scales of \"", dst_.tensors[dt.scale_of].name,
+                                    "\": planner::addScaleSources derives them; replica sets do not yet)")
+                           : std::string()));
     const TensorLayout& st = src_.tensors[it->second];
     // A destination may declare a dtype its source converts to (planner::convertible): the bytes
     // travel in the destination's dtype, so every size below is the destination's.
-    if (st.shape != dt.shape || !convertible(st.dtype, dt.dtype))
+    // A scale tensor is computed from its weight's source (addScaleSources), whatever its dtype.
+    const bool computed = dt.scale_of >= 0 && st.scale_of >= 0;
+    if (!computed && st.dtype != dt.dtype && dt.dtype == DType::kFloat8E4M3 && !dt.blockScaled())
+      return absl::InvalidArgumentError(strCat("tensor \"", dt.name, "\": layout \"", dst_.group,
+                                               "\" converts it to float8_e4m3fn without block scales: declare "
+                                               "block_scale (the scales it is quantised with)"));
+    if (dt.blockScaled() && st.dtype != DType::kFloat32 && st.dtype != DType::kBFloat16)
+      return absl::InvalidArgumentError(strCat("tensor \"", dt.name, "\": layout \"", dst_.group,
+                                               "\" quantises it per block, from float32 or bfloat16; layout \"",
+                                               src_.group, "\" has ", dtypeName(st.dtype)));
+    if (dt.scale_of >= 0 && st.scale_of < 0 && st.dtype != dt.dtype)
+      return absl::InvalidArgumentError(strCat("tensor \"", dt.name, "\": layout \"", src_.group, "\" has it as ",
+                                               dtypeName(st.dtype), "; as a block scale it is float32"));
+    if (dt.scale_of < 0 && st.scale_of >= 0)
+      return absl::FailedPreconditionError(strCat("tensor \"", dt.name, "\" of layout \"", dst_.group,
+                                                  "\" is a block scale in layout \"", src_.group, "\" only"));
+    if (st.shape != dt.shape || (!computed && !convertible(st.dtype, dt.dtype)))
       return absl::InvalidArgumentError(
           strCat("tensor \"", dt.name, "\": layout \"", src_.group, "\" has ", dtypeName(st.dtype), " [",
                  strJoin(st.shape, ", "), "] but layout \"", dst_.group, "\" has ", dtypeName(dt.dtype), " [",

@@ -16,7 +16,10 @@ uint64_t alignUp(uint64_t v) { return (v + 63) & ~uint64_t{63}; }
 // wire's dtype.
 bool sameDType(const Schedule& c, const Fragment& frag) {
   const auto& pair = c.plan.tensors[frag.tensor];
-  return c.src.tensors[pair.src].dtype == c.dst.tensors[pair.dst].dtype;
+  const auto& st = c.src.tensors[pair.src];
+  const auto& dt = c.dst.tensors[pair.dst];
+  // Block scales are computed, quantised weights converted: neither is the source's bytes.
+  return st.dtype == dt.dtype && st.scale_of < 0 && !dt.blockScaled();
 }
 
 // Where transfer t lands on `node`: directly when it is one fragment that a rank there needs
@@ -106,6 +109,7 @@ StatusOr<Schedule> makeSchedule(const v1::Layout& src, const v1::Layout& dst, ui
   NodeTable nodes;
   SC_ASSIGN_OR_RETURN(auto s, resolveLayout(src, nodes));
   SC_ASSIGN_OR_RETURN(auto d, resolveLayout(dst, nodes));
+  SC_RETURN_IF_ERROR(addScaleSources(s, d));
   PlanOptions options;
   options.chunk_bytes = static_cast<int64_t>(chunk_bytes);
   SC_ASSIGN_OR_RETURN(auto plan, makePlan(s, d, nodes, options));

@@ -36,6 +36,7 @@ int runPlan(const PlanArgs& a) {
   if (!src.ok()) return fail(Status(src.status().code(), a.src + ": " + std::string(src.status().message())));
   auto dst = resolveLayout(*dst_json, nodes);
   if (!dst.ok()) return fail(Status(dst.status().code(), a.dst + ": " + std::string(dst.status().message())));
+  if (auto st = addScaleSources(*src, *dst); !st.ok()) return fail(st);
   PlanOptions opts;
   opts.chunk_bytes = static_cast<int64_t>(a.chunk_mib * (1 << 20));
   opts.bucket_bytes = static_cast<int64_t>(a.bucket_mib * (1 << 20));

@@ -1,0 +1,149 @@
+"""Block-scaled fp8 through real daemons: bfloat16 and float32 trainer weights synced into
+float8_e4m3fn inference weights with one float32 scale per block (v1::BlockScale), quantised at
+the source, matching torch's reference recipe bit for bit (scale = amax / 448 of the whole block,
+optionally a power of two; q = (x / scale).clamp(+-448).to(float8_e4m3fn)), including a block
+split between two destination ranks (quantised once, both hold its scale) and edge blocks; with
+half the bytes of bfloat16 on the wire, deltas on top, and a source layout that cuts blocks
+refused naming the rank."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+import shardcast
+
+torch = pytest.importorskip("torch", reason="the test venv (scripts/deps.sh) has torch")
+if not hasattr(torch, "float8_e4m3fn"):
+    pytest.skip("this torch has no float8_e4m3fn", allow_module_level=True)
+
+R, C = 512, 320  # w: 4 x 3 blocks of 128 x 128, the last column of blocks 64 wide
+M_R, M_C = 256, 200  # m: 4 x 4 blocks of 64 x 64, the last 8 wide
+
+
+def reference(x: torch.Tensor, block, pow2=False):
+    """torch's recipe: per block, scale = amax / 448 (1 for an all-zero block), rounded up to a power
+    of two with pow2; q = (x / scale).clamp(-448, 448).to(float8_e4m3fn)."""
+    xf = x.float()
+    br, bc = block
+    nr, nc = -(-xf.shape[0] // br), -(-xf.shape[1] // bc)
+    pad = torch.zeros(nr * br, nc * bc)
+    pad[: xf.shape[0], : xf.shape[1]] = xf.abs()
+    amax = pad.view(nr, br, nc, bc).amax(dim=(1, 3))
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / 448.0)
+    if pow2:
+        m, e = torch.frexp(scale)
+        scale = torch.where(m == 0.5, torch.ldexp(torch.ones_like(scale), e - 1), torch.ldexp(torch.ones_like(scale), e))
+    full = scale.repeat_interleave(br, 0)[: xf.shape[0]].repeat_interleave(bc, 1)[:, : xf.shape[1]]
+    return (xf / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def src_layout(rows_per_rank_ranks=2, shape=(R, C)):
+    return {"group": "trainer", "mesh": {"shape": [rows_per_rank_ranks]}, "nodes": ["n0"] * rows_per_rank_ranks,
+            "tensors": [
+                {"name": "w", "shape": list(shape), "dtype": "bfloat16", "placements": [{"shard": {"dim": 0}}]},
+                {"name": "m", "shape": [M_R, M_C], "dtype": "float32", "placements": [{"replicate": {}}]}]}
+
+
+def dst_layout(shape=(R, C)):
+    return {"group": "vllm-fp8", "mesh": {"shape": [2]}, "nodes": ["n1", "n1"], "tensors": [
+        {"name": "w", "shape": list(shape), "dtype": "float8_e4m3fn", "placements": [{"shard": {"dim": 1}}],
+         "block_scale": {"scale": "w_scale_inv"}},
+        {"name": "m", "shape": [M_R, M_C], "dtype": "float8_e4m3fn", "placements": [{"shard": {"dim": 0}}],
+         "block_scale": {"block": [64, 64], "scale": "m_scale", "pow2": True}}]}
+
+
+def destination(rank):
+    cols = C // 2
+    w_blocks = (-(-(cols * (rank + 1)) // 128)) - (cols * rank) // 128
+    return {"w": torch.zeros(R, cols, dtype=torch.float8_e4m3fn),
+            "w_scale_inv": torch.zeros(4, w_blocks),
+            "m": torch.zeros(M_R // 2, M_C, dtype=torch.float8_e4m3fn),
+            "m_scale": torch.zeros(2, 4)}
+
+
+def check(w, m, dst):
+    qw, sw = reference(w, (128, 128))
+    qm, sm = reference(m, (64, 64), pow2=True)
+    cols = C // 2
+    for r, reg in enumerate(dst):
+        got = reg.tensors
+        assert torch.equal(got["w"].view(torch.uint8), qw[:, r * cols:(r + 1) * cols].view(torch.uint8)), \
+            f"rank {r}: w's fp8 bits differ"
+        first, last = (r * cols) // 128, -(-((r + 1) * cols) // 128)
+        assert torch.equal(got["w_scale_inv"].view(torch.int32), sw[:, first:last].contiguous().view(torch.int32)), \
+            f"rank {r}: w's scales differ"
+        assert torch.equal(got["m"].view(torch.uint8), qm[r * 128:(r + 1) * 128].view(torch.uint8)), f"rank {r}: m"
+        assert torch.equal(got["m_scale"].view(torch.int32), sm[2 * r:2 * r + 2].contiguous().view(torch.int32))
+    return qw, sw
+
+
+def test_block_scaled_fp8_matches_torch_bit_for_bit_with_split_and_edge_blocks(cluster):
+    n0, n1 = cluster
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(R, C, generator=g) * 0.02).to(torch.bfloat16)
+    w[0:128, 0:128] = 0  # an all-zero block: scale 1
+    w[200, 300] = 7.5    # an edge block with one large weight
+    m = torch.randn(M_R, M_C, generator=g) * 3
+    with shardcast.Client(n0.target) as c0, shardcast.Client(n1.target) as c1:
+        src = [c0.register("trainer", r, 2, {"w": w[r * 256:(r + 1) * 256].clone(), "m": m.clone()}, src_layout(),
+                           role="source", version=1) for r in range(2)]
+        dst = [c1.register("vllm-fp8", r, 2, destination(r), dst_layout()) for r in range(2)]
+        result = c0.sync("trainer", "vllm-fp8", 1, verify=True)
+        qw, sw = check(w, m, dst)
+        assert float(sw[0, 0]) == 1.0
+        # One byte per weight on the wire (bfloat16 would be two), and each node's scales once.
+        assert result.network_bytes == R * C + M_R * M_C + 4 * 3 * 4 + 4 * 4 * 4
+        # Dequantised, every weight is within e4m3's half ulp (2^-4 relative) of the source.
+        deq = qw.float() * sw.repeat_interleave(128, 0)[:R].repeat_interleave(128, 1)[:, :C]
+        err = ((deq - w.float()).abs() / w.float().abs().clamp_min(1e-30))[w.float().abs() > 1e-3]
+        assert float(err.max()) <= 2.0 ** -4
+
+        # A trainer step that moves 1% of the weights: deltas of fp8 bytes and of scales.
+        for s in src:
+            with s.writing(2):
+                flat = s.tensors["w"].view(-1)
+                idx = torch.randperm(flat.numel(), generator=g)[: flat.numel() // 100]
+                flat[idx] = flat[idx] * 1.5
+        w = torch.cat([s.tensors["w"] for s in src])
+        first = c0.sync("trainer", "vllm-fp8", 2, delta="auto")  # no base yet: dense
+        assert first.delta_chunks == 0
+        check(w, m, dst)
+        for s in src:
+            with s.writing(3):
+                s.tensors["w"][3, :5] = 0.01
+        w = torch.cat([s.tensors["w"] for s in src])
+        delta = c0.sync("trainer", "vllm-fp8", 3, delta="auto")
+        check(w, m, dst)
+        assert delta.delta_chunks > 0 and delta.wire_bytes < delta.network_bytes // 10
+        for reg in dst + src:
+            reg.close()
+
+
+def test_a_source_that_cuts_blocks_is_refused_naming_the_rank(cluster):
+    n0, n1 = cluster
+    shape = (384, C)  # 192 rows per source rank: blocks of 128 rows are cut
+    with shardcast.Client(n0.target) as c0, shardcast.Client(n1.target) as c1:
+        src = [c0.register("trainer", r, 2, {"w": torch.zeros(192, C, dtype=torch.bfloat16), "m": torch.zeros(M_R, M_C)},
+                           src_layout(shape=shape), role="source", version=1) for r in range(2)]
+        dst = [c1.register("vllm-fp8", r, 2, {**destination(r), "w": torch.zeros(384, C // 2, dtype=torch.float8_e4m3fn),
+                                              "w_scale_inv": torch.zeros(3, 2)}, dst_layout(shape=shape))
+               for r in range(2)]
+        with pytest.raises(shardcast.ShardcastError, match=r'rank 0 holds \[0:192, 0:320\], which cuts blocks') as e:
+            c0.sync("trainer", "vllm-fp8", 1)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        for reg in dst + src:
+            reg.close()
+
+
+def test_a_destination_layout_with_a_bad_block_scale_is_refused(cluster):
+    _, n1 = cluster
+    bad = dst_layout()
+    bad["tensors"][0]["dtype"] = "bfloat16"
+    with shardcast.Client(n1.target) as c1:
+        with pytest.raises(shardcast.ShardcastError, match="block_scale needs dtype float8_e4m3fn"):
+            c1.register("vllm-fp8", 0, 2, destination(0), bad)
+        bad = dst_layout()
+        bad["tensors"][1]["block_scale"]["scale"] = "w"
+        with pytest.raises(shardcast.ShardcastError, match='block_scale.scale "w" is already the name'):
+            c1.register("vllm-fp8", 0, 2, destination(0), bad)
