@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Delta syncs under real optimizer steps: a small transformer trained with AdamW at RL-like
-learning rates, fp32 master weights on the trainer node, synced after every step into two bf16
-inference groups on the inference node (tensor parallel over 2 ranks): one dense (delta off), one
-with deltas (delta auto), from the same version, in the same run. Per step it prints the fraction
-of bf16 elements that changed, the bytes each sync put on the wire, the two sync times and their
-ratio; every destination byte is checked against the trainer's weights rounded to bf16.
+learning rates, fp32 master weights on the trainer node, synced after every step into three
+inference groups on the inference node (tensor parallel over 2 ranks), from the same version, in
+the same run: bf16 dense (delta off), bf16 with deltas (delta auto), and fp8 e4m3 with 128 x 128
+block scales for the matrices (bf16 vectors), with deltas. Per step it prints the fraction of
+bf16 elements that changed, the bytes each sync put on the wire, the sync times and their ratio,
+and fp8's error against the fp32 weights; every destination byte is checked (bf16: the trainer's
+weights rounded; fp8: shardcast.fp8's reference quantisation, bit for bit).
 
     .venv/bin/python bench/delta_bench.py [--lrs 1e-6,3e-6,1e-5] [--steps 5] [--d-model 512]
         [--layers 6] [--netns]      (--netns: inside bench/cluster.sh --scenario delta's namespaces)
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"
 import torch  # noqa: E402
 
 import shardcast  # noqa: E402
+from shardcast.fp8 import block_dequantize, block_quantize  # noqa: E402
 from shardcast.local import LocalCluster  # noqa: E402
 
 
@@ -43,14 +46,58 @@ def layouts(params, trainer: str, inference: str, group: str):
                             "placements": [{"replicate": {}}]})
         tensors_dst.append({"name": name, "shape": list(p.shape), "dtype": "bfloat16",
                             "placements": [{"shard": {"dim": 0}} if shard else {"replicate": {}}]})
+    tensors_fp8 = [dict(t, dtype="float8_e4m3fn", block_scale={"scale": f"{t['name']}_scale"})
+                   if len(t["shape"]) == 2 else t for t in tensors_dst]
     src = {"group": f"trainer-{group}", "mesh": {"shape": [1]}, "nodes": [trainer], "tensors": tensors_src}
-    dst = lambda kind: {"group": f"{kind}-{group}", "mesh": {"shape": [2]}, "nodes": [inference, inference],
-                        "tensors": tensors_dst}
-    return src, dst("dense"), dst("delta")
+    dst = lambda kind, tensors: {"group": f"{kind}-{group}", "mesh": {"shape": [2]}, "nodes": [inference, inference],
+                                 "tensors": tensors}
+    return src, dst("dense", tensors_dst), dst("delta", tensors_dst), dst("fp8", tensors_fp8)
 
 
 def local_shard(p: torch.Tensor, rank: int, shard: bool) -> torch.Tensor:
     return p.chunk(2, dim=0)[rank] if shard else p
+
+
+def fp8_tensors(params, shard, rank):
+    """One rank's fp8 group: matrices as e4m3 with the scales of the 128 x 128 blocks its rows touch."""
+    out = {}
+    for n, p in params.items():
+        if p.dim() != 2:
+            out[n] = torch.zeros_like(local_shard(p.data, rank, shard[n]), dtype=torch.bfloat16)
+            continue
+        rows = p.shape[0] // 2 if shard[n] else p.shape[0]
+        lo = rank * rows if shard[n] else 0
+        out[n] = torch.zeros(rows, p.shape[1], dtype=torch.float8_e4m3fn)
+        out[f"{n}_scale"] = torch.zeros(-(-(lo + rows) // 128) - lo // 128, -(-p.shape[1] // 128))
+    return out
+
+
+def check_fp8(params, shard, regs, lr, version):
+    """Every fp8 byte and scale against the reference quantisation of the trainer's fp32 weights;
+    the relative error of the dequantised weights: RMS over all matrices, and the largest for
+    weights whose scaled value is in e4m3's normal range (smaller ones round to its subnormals)."""
+    num = den = 0.0
+    worst = 0.0
+    for n, p in params.items():
+        if p.dim() != 2:
+            continue
+        q, scale = block_quantize(p.detach(), (128, 128))
+        rows = p.shape[0] // 2 if shard[n] else p.shape[0]
+        for r, reg in enumerate(regs):
+            lo = r * rows if shard[n] else 0
+            b0, b1 = lo // 128, -(-(lo + rows) // 128)
+            if not (torch.equal(reg.tensors[n].view(torch.uint8), q[lo:lo + rows].view(torch.uint8)) and
+                    torch.equal(reg.tensors[f"{n}_scale"], scale[b0:b1])):
+                raise SystemExit(f"lr {lr:g} version {version}: fp8 rank {r} tensor {n} differs from the reference")
+        x = p.detach().float()
+        deq = block_dequantize(q, scale, (128, 128))
+        num += float(((deq - x) ** 2).sum())
+        den += float((x ** 2).sum())
+        scaled = (x / block_dequantize(torch.ones_like(q, dtype=torch.float32), scale, (128, 128))).abs()
+        normal = scaled >= 2.0 ** -6
+        if bool(normal.any()):
+            worst = max(worst, float(((deq - x).abs() / x.abs())[normal].max()))
+    return {"fp8_rms": (num / den) ** 0.5, "fp8_max": worst}
 
 
 def run_lr(lr: float, args, c_train: shardcast.Client, c_inf: shardcast.Client, trainer: str, inference: str):
@@ -58,7 +105,7 @@ def run_lr(lr: float, args, c_train: shardcast.Client, c_inf: shardcast.Client, 
     params = {n.replace(".", "_"): p for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     tag = f"{lr:g}".replace("-", "m").replace(".", "p")
-    src_l, dense_l, delta_l = layouts(params, trainer, inference, tag)
+    src_l, dense_l, delta_l, fp8_l = layouts(params, trainer, inference, tag)
     src = c_train.register(src_l["group"], 0, 1, {n: p.data for n, p in params.items()}, src_l, role="source",
                            version=1)
     shard = {n: t["placements"][0].get("shard") is not None for n, t in zip(params, dense_l["tensors"])}
@@ -67,6 +114,7 @@ def run_lr(lr: float, args, c_train: shardcast.Client, c_inf: shardcast.Client, 
         dests[kind] = [c_inf.register(lay["group"], r, 2, {
             n: torch.zeros_like(local_shard(p.data, r, shard[n]), dtype=torch.bfloat16) for n, p in params.items()},
             lay) for r in range(2)]
+    dests["fp8"] = [c_inf.register(fp8_l["group"], r, 2, fp8_tensors(params, shard, r), fp8_l) for r in range(2)]
     g = torch.Generator().manual_seed(1)
     rows = []
     before = {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
@@ -86,6 +134,8 @@ def run_lr(lr: float, args, c_train: shardcast.Client, c_inf: shardcast.Client, 
         before = now
         dense = c_train.sync(src_l["group"], dense_l["group"], version)
         delta = c_train.sync(src_l["group"], delta_l["group"], version, delta="auto")
+        fp8 = c_train.sync(src_l["group"], fp8_l["group"], version, delta="auto")
+        err = check_fp8(params, shard, dests["fp8"], lr, version)
         for kind in ("dense", "delta"):
             for r, reg in enumerate(dests[kind]):
                 for n in params:
@@ -95,13 +145,16 @@ def run_lr(lr: float, args, c_train: shardcast.Client, c_inf: shardcast.Client, 
         rows.append({"lr": lr, "version": version, "changed": changed / total if version > 1 else 1.0,
                      "dense_bytes": dense.network_bytes, "wire_bytes": delta.wire_bytes,
                      "dense_s": dense.seconds, "delta_s": delta.seconds, "delta_chunks": delta.delta_chunks,
-                     "dense_chunks": delta.dense_chunks})
+                     "dense_chunks": delta.dense_chunks, "fp8_network": fp8.network_bytes,
+                     "fp8_wire": fp8.wire_bytes, "fp8_s": fp8.seconds, **err})
         r = rows[-1]
         print(f"lr {lr:g} v{version}: {100 * r['changed']:5.2f}% of bf16 elements changed, "
               f"wire {r['wire_bytes'] / 1e6:7.2f} MB of {r['dense_bytes'] / 1e6:.2f} "
               f"({100 * r['wire_bytes'] / r['dense_bytes']:5.1f}%), delta {r['delta_s'] * 1e3:7.1f} ms, "
               f"dense {r['dense_s'] * 1e3:7.1f} ms ({r['dense_s'] / r['delta_s']:.1f}x), "
-              f"chunks {r['delta_chunks']} delta / {r['dense_chunks']} dense", flush=True)
+              f"chunks {r['delta_chunks']} delta / {r['dense_chunks']} dense; fp8 {r['fp8_network'] / 1e6:.2f} MB dense, "
+              f"wire {r['fp8_wire'] / 1e6:.2f} MB, {r['fp8_s'] * 1e3:.1f} ms, error vs fp32 rms "
+              f"{r['fp8_rms']:.4f} max {r['fp8_max']:.4f}", flush=True)
     for kind in dests:
         for reg in dests[kind]:
             reg.close()
@@ -131,15 +184,19 @@ def main() -> int:
         print(f"daemons {'in network namespaces' if args.netns else 'on loopback'}; "
               f"model d_model {args.d_model}, {args.layers} layers, vocab {args.vocab}", flush=True)
         rows = [r for lr in args.lrs.split(",") for r in run_lr(float(lr), args, c_train, c_inf, trainer, inference)]
-    print("\n| lr | steps | changed (median) | wire / dense (median) | delta sync | dense sync | dense / delta |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| lr | steps | changed (median) | wire / dense (median) | delta sync | dense sync | dense / delta |"
+          " fp8 wire / bf16 dense | fp8 delta wire / bf16 dense | fp8 error rms / max |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for lr in sorted({r["lr"] for r in rows}):
         steps = [r for r in rows if r["lr"] == lr and r["version"] > 1]
         med = lambda k: statistics.median(r[k] for r in steps)
         print(f"| {lr:g} | {len(steps)} | {100 * med('changed'):.2f}% | "
               f"{100 * statistics.median(r['wire_bytes'] / r['dense_bytes'] for r in steps):.1f}% | "
               f"{med('delta_s') * 1e3:.1f} ms | {med('dense_s') * 1e3:.1f} ms | "
-              f"{statistics.median(r['dense_s'] / r['delta_s'] for r in steps):.1f}x |")
+              f"{statistics.median(r['dense_s'] / r['delta_s'] for r in steps):.1f}x | "
+              f"{100 * steps[0]['fp8_network'] / steps[0]['dense_bytes']:.1f}% | "
+              f"{100 * statistics.median(r['fp8_wire'] / r['dense_bytes'] for r in steps):.1f}% | "
+              f"{max(r['fp8_rms'] for r in steps):.4f} / {max(r['fp8_max'] for r in steps):.4f} |")
     print(f"\n{len(rows)} syncs of each kind, every destination byte checked, {time.time() - t0:.0f} s")
     return 0
 

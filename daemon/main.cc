@@ -143,6 +143,8 @@ int main(int argc, char** argv) {
   metrics.registered_bytes = [&] { return registry.registeredBytes(); };
   metrics.registered_ranks = [&] { return static_cast<uint64_t>(registry.registeredRanks()); };
   metrics.plan_cache_hits = [&] { return engine.plans().hits(); };
+  metrics.delta_base_bytes = [&] { return engine.deltaBases().bytes(); };
+  metrics.delta_base_capacity = [&] { return engine.deltaBases().capacity(); };
   metrics.rank_states = [&] {
     std::map<std::string, uint64_t> out;
     for (const auto& [state, n] : registry.stateCounts()) out[std::string(v1::rankStateName(state))] = n;

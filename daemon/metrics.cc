@@ -28,6 +28,14 @@ std::string Metrics::render() const {
   o << "shardcast_bytes_landed_direct_total " << bytes_landed_direct << "\n";
   metric("shardcast_local_bytes_total", "counter", "Bytes copied node-locally into destination ranks.");
   o << "shardcast_local_bytes_total " << local_bytes << "\n";
+  metric("shardcast_chunks_landed_total", "counter", "Chunks that landed on this daemon, by encoding (docs/delta.md).");
+  o << "shardcast_chunks_landed_total{encoding=\"dense\"} " << dense_chunks << "\n";
+  o << "shardcast_chunks_landed_total{encoding=\"delta\"} " << delta_chunks << "\n";
+  metric("shardcast_delta_base_bytes", "gauge",
+         "Host memory holding the bytes this daemon last sent, as bases of delta syncs (at most --delta-cache-mib).");
+  o << "shardcast_delta_base_bytes " << (delta_base_bytes ? delta_base_bytes() : 0) << "\n";
+  metric("shardcast_delta_base_capacity_bytes", "gauge", "--delta-cache-mib, in bytes.");
+  o << "shardcast_delta_base_capacity_bytes " << (delta_base_capacity ? delta_base_capacity() : 0) << "\n";
   metric("shardcast_plan_cache_hits_total", "counter", "Syncs whose plan came from the cache.");
   o << "shardcast_plan_cache_hits_total " << (plan_cache_hits ? plan_cache_hits() : 0) << "\n";
   metric("shardcast_registered_bytes", "gauge", "Bytes of rank memory registered with this daemon.");

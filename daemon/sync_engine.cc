@@ -367,6 +367,8 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   metrics_.bytes_received += resp.bytes_received();
   metrics_.local_bytes += resp.local_bytes();
   metrics_.bytes_landed_direct += resp.bytes_landed_direct();
+  metrics_.delta_chunks += resp.delta_chunks();
+  metrics_.dense_chunks += resp.dense_chunks();
   return resp;
 }
 

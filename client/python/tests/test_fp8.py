@@ -1,10 +1,10 @@
 """Block-scaled fp8 through real daemons: bfloat16 and float32 trainer weights synced into
 float8_e4m3fn inference weights with one float32 scale per block (v1::BlockScale), quantised at
-the source, matching torch's reference recipe bit for bit (scale = amax / 448 of the whole block,
-optionally a power of two; q = (x / scale).clamp(+-448).to(float8_e4m3fn)), including a block
-split between two destination ranks (quantised once, both hold its scale) and edge blocks; with
-half the bytes of bfloat16 on the wire, deltas on top, and a source layout that cuts blocks
-refused naming the rank."""
+the source, matching torch's reference recipe (shardcast.fp8) bit for bit: scale = amax / 448 of
+the whole block, optionally a power of two; q = (x / scale).clamp(+-448).to(float8_e4m3fn). This
+includes a block split between two destination ranks (quantised once, both hold its scale) and
+edge blocks, with half the bytes of bfloat16 on the wire and deltas on top; a source layout that
+cuts blocks is refused naming the rank."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 import shardcast
+from shardcast.fp8 import block_dequantize, block_quantize
 
 torch = pytest.importorskip("torch", reason="the test venv (scripts/deps.sh) has torch")
 if not hasattr(torch, "float8_e4m3fn"):
@@ -19,23 +20,6 @@ if not hasattr(torch, "float8_e4m3fn"):
 
 R, C = 512, 320  # w: 4 x 3 blocks of 128 x 128, the last column of blocks 64 wide
 M_R, M_C = 256, 200  # m: 4 x 4 blocks of 64 x 64, the last 8 wide
-
-
-def reference(x: torch.Tensor, block, pow2=False):
-    """torch's recipe: per block, scale = amax / 448 (1 for an all-zero block), rounded up to a power
-    of two with pow2; q = (x / scale).clamp(-448, 448).to(float8_e4m3fn)."""
-    xf = x.float()
-    br, bc = block
-    nr, nc = -(-xf.shape[0] // br), -(-xf.shape[1] // bc)
-    pad = torch.zeros(nr * br, nc * bc)
-    pad[: xf.shape[0], : xf.shape[1]] = xf.abs()
-    amax = pad.view(nr, br, nc, bc).amax(dim=(1, 3))
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / 448.0)
-    if pow2:
-        m, e = torch.frexp(scale)
-        scale = torch.where(m == 0.5, torch.ldexp(torch.ones_like(scale), e - 1), torch.ldexp(torch.ones_like(scale), e))
-    full = scale.repeat_interleave(br, 0)[: xf.shape[0]].repeat_interleave(bc, 1)[:, : xf.shape[1]]
-    return (xf / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
 def src_layout(rows_per_rank_ranks=2, shape=(R, C)):
@@ -63,8 +47,8 @@ def destination(rank):
 
 
 def check(w, m, dst):
-    qw, sw = reference(w, (128, 128))
-    qm, sm = reference(m, (64, 64), pow2=True)
+    qw, sw = block_quantize(w, (128, 128))
+    qm, sm = block_quantize(m, (64, 64), pow2=True)
     cols = C // 2
     for r, reg in enumerate(dst):
         got = reg.tensors
@@ -95,7 +79,7 @@ def test_block_scaled_fp8_matches_torch_bit_for_bit_with_split_and_edge_blocks(c
         # One byte per weight on the wire (bfloat16 would be two), and each node's scales once.
         assert result.network_bytes == R * C + M_R * M_C + 4 * 3 * 4 + 4 * 4 * 4
         # Dequantised, every weight is within e4m3's half ulp (2^-4 relative) of the source.
-        deq = qw.float() * sw.repeat_interleave(128, 0)[:R].repeat_interleave(128, 1)[:, :C]
+        deq = block_dequantize(qw, sw, (128, 128))
         err = ((deq - w.float()).abs() / w.float().abs().clamp_min(1e-30))[w.float().abs() > 1e-3]
         assert float(err.max()) <= 2.0 ** -4
 
