@@ -131,3 +131,34 @@ def test_a_destination_layout_with_a_bad_block_scale_is_refused(cluster):
         bad["tensors"][1]["block_scale"]["scale"] = "w"
         with pytest.raises(shardcast.ShardcastError, match='block_scale.scale "w" is already the name'):
             c1.register("vllm-fp8", 0, 2, destination(0), bad)
+
+
+def test_fused_fp8_destination_members_keep_their_own_blocks_and_scales(cluster):
+    """vLLM's qkv_proj in fp8: q and k fused along dim 0 into one buffer per rank, TP=2 over
+    rows; k's 128-row block is split between the two ranks (64 rows each)."""
+    n0, n1 = cluster
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(256, 256, generator=g).to(torch.bfloat16)
+    k = (torch.randn(128, 256, generator=g) * 4).to(torch.bfloat16)
+    src_l = {"group": "trainer", "mesh": {"shape": [1]}, "nodes": ["n0"], "tensors": [
+        {"name": n, "shape": list(t.shape), "dtype": "bfloat16"} for n, t in (("q", q), ("k", k))]}
+    dst_l = {"group": "vllm-qkv", "mesh": {"shape": [2]}, "nodes": ["n1", "n1"], "tensors": [
+        {"name": n, "shape": list(t.shape), "dtype": "float8_e4m3fn", "placements": [{"shard": {"dim": 0}}],
+         "block_scale": {"scale": f"{n}_scale"}} for n, t in (("q", q), ("k", k))],
+        "fused": [{"name": "qk_proj", "dim": 0, "tensors": ["q", "k"]}]}
+    with shardcast.Client(n0.target) as c0, shardcast.Client(n1.target) as c1:
+        src = c0.register("trainer", 0, 1, {"q": q.clone(), "k": k.clone()}, src_l, role="source", version=1)
+        dst = [c1.register("vllm-qkv", r, 2, {"qk_proj": torch.zeros(128 + 64, 256, dtype=torch.float8_e4m3fn),
+                                              "q_scale": torch.zeros(1, 2), "k_scale": torch.zeros(1, 2)}, dst_l)
+               for r in range(2)]
+        c0.sync("trainer", "vllm-qkv", 1, verify=True)
+        qq, qs = block_quantize(q)
+        qk, ks = block_quantize(k)
+        for r, reg in enumerate(dst):
+            fused = reg.tensors["qk_proj"].view(torch.uint8)
+            assert torch.equal(fused[:128], qq[128 * r:128 * (r + 1)].view(torch.uint8)), f"rank {r}: q"
+            assert torch.equal(fused[128:], qk[64 * r:64 * (r + 1)].view(torch.uint8)), f"rank {r}: k"
+            assert torch.equal(reg.tensors["q_scale"], qs[r:r + 1])
+            assert torch.equal(reg.tensors["k_scale"], ks)  # both ranks hold k's one row of blocks
+        for reg in dst + [src]:
+            reg.close()
