@@ -47,48 +47,127 @@ float blockScale(float amax, bool pow2) {
 
 namespace {
 
-float loadFloat(const std::byte* p, planner::DType from) {
-  if (from == planner::DType::kBFloat16) {
+// One element of a float32 or bfloat16 source, as float.
+template <planner::DType From>
+float load(const std::byte* base, int64_t element) {
+  if constexpr (From == planner::DType::kBFloat16) {
     uint16_t b;
-    std::memcpy(&b, p, 2);
+    std::memcpy(&b, base + element * 2, 2);
     return floatFromBfloat16(b);
+  } else {
+    float f;
+    std::memcpy(&f, base + element * 4, 4);
+    return f;
   }
-  float f;
-  std::memcpy(&f, p, 4);
-  return f;
 }
 
-// Calls fn(offset) for every element of a box of `sizes` elements at `origin` with `strides`
-// (elements), row-major.
+// Calls fn(offset) for the first element of every innermost row of a box of `sizes` elements at
+// `origin` with `strides` (elements), rows in row-major order; the caller walks each row.
 template <typename Fn>
-void forEachOffset(int64_t origin, const std::vector<int64_t>& strides, const std::vector<int64_t>& sizes, Fn&& fn) {
+void forEachRow(int64_t origin, const std::vector<int64_t>& strides, const std::vector<int64_t>& sizes, Fn&& fn) {
   const size_t nd = sizes.size();
   for (int64_t n : sizes)
     if (n <= 0) return;
-  std::vector<int64_t> idx(nd, 0);
+  if (nd <= 1) {
+    fn(origin);
+    return;
+  }
+  std::vector<int64_t> idx(nd - 1, 0);
+  int64_t off = origin;
   while (true) {
-    int64_t off = origin;
-    for (size_t d = 0; d < nd; ++d) off += idx[d] * strides[d];
-    fn(off, idx);
+    fn(off);
+    size_t d = nd - 1;
+    while (d > 0) {
+      --d;
+      off += strides[d];
+      if (++idx[d] < sizes[d]) break;
+      off -= idx[d] * strides[d];
+      idx[d] = 0;
+      if (d == 0) return;
+    }
+  }
+}
+
+// The scale of the block whose first element is at `origin` in `src` (the weight's strides
+// `inner`), `sizes` elements (cut at the tensor's edge).
+template <planner::DType From>
+float scaleAt(const std::byte* src, int64_t origin, const std::vector<int64_t>& inner,
+              const std::vector<int64_t>& sizes, bool pow2) {
+  const int64_t n = sizes.empty() ? 1 : sizes.back(), step = inner.empty() ? 1 : inner.back();
+  float amax = 0.0f;
+  bool nan = false;
+  forEachRow(origin, inner, sizes, [&](int64_t row) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = std::fabs(load<From>(src, row + i * step));
+      nan = nan || std::isnan(v);
+      amax = std::max(amax, v);
+    }
+  });
+  return blockScale(nan ? std::numeric_limits<float>::quiet_NaN() : amax, pow2);
+}
+
+template <planner::DType From>
+void quantizeBlocks(const transport::StridedView& dst, const transport::StridedView& src, const planner::Box& box,
+                    const planner::TensorLayout& t) {
+  const size_t nd = static_cast<size_t>(box.ndim);
+  auto* out = reinterpret_cast<uint8_t*>(dst.base);
+  // Block by block: its scale from the whole block, then its elements inside the box.
+  std::vector<int64_t> first(nd), count(nd), unit(nd, 1);
+  for (size_t d = 0; d < nd; ++d) {
+    first[d] = box.lo[d] / t.block[d];
+    count[d] = (box.hi[d] + t.block[d] - 1) / t.block[d] - first[d];
+  }
+  std::vector<int64_t> k(nd, 0), blo(nd), bsize(nd), psize(nd);
+  while (true) {
+    int64_t block_origin = src.offset, part_src = src.offset, part_dst = dst.offset;
+    for (size_t d = 0; d < nd; ++d) {
+      blo[d] = (first[d] + k[d]) * t.block[d];
+      bsize[d] = std::min(blo[d] + t.block[d], t.shape[d]) - blo[d];
+      const int64_t plo = std::max(blo[d], box.lo[d]);
+      psize[d] = std::min(blo[d] + bsize[d], box.hi[d]) - plo;
+      block_origin += (blo[d] - box.lo[d]) * src.strides[d];
+      part_src += (plo - box.lo[d]) * src.strides[d];
+      part_dst += (plo - box.lo[d]) * dst.strides[d];
+    }
+    const float scale = scaleAt<From>(src.base, block_origin, src.strides, bsize, t.pow2);
+    const int64_t n = psize[nd - 1], ss = src.strides[nd - 1], ds = dst.strides[nd - 1];
+    // The rows of the part, walked in the source and the destination together.
+    std::vector<int64_t> rows_dst;
+    forEachRow(part_dst, dst.strides, psize, [&](int64_t row) { rows_dst.push_back(row); });
+    size_t r = 0;
+    forEachRow(part_src, src.strides, psize, [&](int64_t row) {
+      const int64_t o = rows_dst[r++];
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = load<From>(src.base, row + i * ss) / scale;
+        out[o + i * ds] = e4m3FromFloat(std::isnan(x) ? x : std::clamp(x, -448.0f, 448.0f));
+      }
+    });
     size_t d = nd;
-    while (d > 0 && ++idx[d - 1] == sizes[d - 1]) idx[--d] = 0;
+    while (d > 0 && ++k[d - 1] == count[d - 1]) k[--d] = 0;
     if (d == 0) return;
   }
 }
 
-// The scale of the block whose first element is at `origin` in `src` (elements of `from`, the
-// weight's strides `inner`), `sizes` elements (cut at the tensor's edge).
-float scaleAt(const transport::StridedView& src, planner::DType from, int64_t origin,
-              const std::vector<int64_t>& inner, const std::vector<int64_t>& sizes, bool pow2) {
-  const int64_t elem = planner::dtypeBytes(from);
-  float amax = 0.0f;
-  bool nan = false;
-  forEachOffset(origin, inner, sizes, [&](int64_t off, const std::vector<int64_t>&) {
-    const float v = std::fabs(loadFloat(src.base + off * elem, from));
-    nan = nan || std::isnan(v);
-    amax = std::max(amax, v);
-  });
-  return blockScale(nan ? std::numeric_limits<float>::quiet_NaN() : amax, pow2);
+template <planner::DType From>
+void scaleBlocks(const transport::StridedView& dst, const transport::StridedView& src, const planner::Box& box,
+                 const planner::TensorLayout& scale, const std::vector<int64_t>& inner) {
+  const size_t nd = static_cast<size_t>(box.ndim);
+  auto* out = reinterpret_cast<float*>(dst.base);
+  std::vector<int64_t> i(nd, 0), bsize(nd);
+  const auto sizes = box.sizes();
+  while (true) {
+    int64_t s = src.offset, o = dst.offset;
+    for (size_t d = 0; d < nd; ++d) {
+      const int64_t lo = (box.lo[d] + i[d]) * scale.block[d];
+      bsize[d] = std::min(lo + scale.block[d], scale.scaled_shape[d]) - lo;
+      s += i[d] * src.strides[d];
+      o += i[d] * dst.strides[d];
+    }
+    out[o] = scaleAt<From>(src.base, s, inner, bsize, scale.pow2);
+    size_t d = nd;
+    while (d > 0 && ++i[d - 1] == sizes[d - 1]) i[--d] = 0;
+    if (d == 0) return;
+  }
 }
 
 Status checkScaled(planner::DType from, size_t nd, const transport::StridedView& dst,
@@ -96,7 +175,7 @@ Status checkScaled(planner::DType from, size_t nd, const transport::StridedView&
   if (from != planner::DType::kFloat32 && from != planner::DType::kBFloat16)
     return absl::InvalidArgumentError(strCat("block-scaled fp8 from ", planner::dtypeName(from),
                                              ": only float32 and bfloat16 are quantised"));
-  if (dst.strides.size() != nd || src.strides.size() != nd || block.size() != nd)
+  if (nd == 0 || dst.strides.size() != nd || src.strides.size() != nd || block.size() != nd)
     return absl::InvalidArgumentError(strCat("block-scaled fp8: a box of ", nd, " dims, strides of ",
                                              src.strides.size(), " and ", dst.strides.size(), ", a block of ",
                                              block.size()));
@@ -107,41 +186,12 @@ Status checkScaled(planner::DType from, size_t nd, const transport::StridedView&
 
 Status quantizeBox(const transport::StridedView& dst, const transport::StridedView& src, planner::DType from,
                    const planner::Box& box, const planner::TensorLayout& t) {
-  const size_t nd = static_cast<size_t>(box.ndim);
-  SC_RETURN_IF_ERROR(checkScaled(from, nd, dst, src, t.block));
+  SC_RETURN_IF_ERROR(checkScaled(from, static_cast<size_t>(box.ndim), dst, src, t.block));
   if (box.empty()) return absl::OkStatus();
-  const int64_t elem = planner::dtypeBytes(from);
-  auto* out = reinterpret_cast<uint8_t*>(dst.base);
-  // Block by block: its scale from the whole block, then its elements inside the box.
-  std::vector<int64_t> first(nd), count(nd);
-  for (size_t d = 0; d < nd; ++d) {
-    first[d] = box.lo[d] / t.block[d];
-    count[d] = (box.hi[d] + t.block[d] - 1) / t.block[d] - first[d];
-  }
-  const std::vector<int64_t> unit(nd, 0);
-  forEachOffset(0, unit, count, [&](int64_t, const std::vector<int64_t>& k) {
-    std::vector<int64_t> blo(nd), bsize(nd), plo(nd), psize(nd);
-    int64_t block_origin = src.offset, part_src = src.offset, part_dst = dst.offset;
-    for (size_t d = 0; d < nd; ++d) {
-      blo[d] = (first[d] + k[d]) * t.block[d];
-      bsize[d] = std::min(blo[d] + t.block[d], t.shape[d]) - blo[d];
-      plo[d] = std::max(blo[d], box.lo[d]);
-      psize[d] = std::min(blo[d] + bsize[d], box.hi[d]) - plo[d];
-      block_origin += (blo[d] - box.lo[d]) * src.strides[d];
-      part_src += (plo[d] - box.lo[d]) * src.strides[d];
-      part_dst += (plo[d] - box.lo[d]) * dst.strides[d];
-    }
-    const float scale = scaleAt(src, from, block_origin, src.strides, bsize, t.pow2);
-    forEachOffset(0, unit, psize, [&](int64_t, const std::vector<int64_t>& i) {
-      int64_t s = part_src, o = part_dst;
-      for (size_t d = 0; d < nd; ++d) {
-        s += i[d] * src.strides[d];
-        o += i[d] * dst.strides[d];
-      }
-      const float x = loadFloat(src.base + s * elem, from) / scale;
-      out[o] = e4m3FromFloat(std::isnan(x) ? x : std::clamp(x, -448.0f, 448.0f));
-    });
-  });
+  if (from == planner::DType::kBFloat16)
+    quantizeBlocks<planner::DType::kBFloat16>(dst, src, box, t);
+  else
+    quantizeBlocks<planner::DType::kFloat32>(dst, src, box, t);
   return absl::OkStatus();
 }
 
@@ -149,24 +199,17 @@ Status scaleBox(const transport::StridedView& dst, const transport::StridedView&
                 const planner::Box& box, const planner::TensorLayout& scale) {
   const size_t nd = static_cast<size_t>(box.ndim);
   SC_RETURN_IF_ERROR(checkScaled(from, nd, dst, src, scale.block));
+  if (box.empty()) return absl::OkStatus();
   std::vector<int64_t> inner(nd);
   for (size_t d = 0; d < nd; ++d) {
     if (src.strides[d] % scale.block[d] != 0)
       return absl::InternalError("block scales: the source view's strides are not the weight's times the block");
     inner[d] = src.strides[d] / scale.block[d];
   }
-  auto* out = reinterpret_cast<float*>(dst.base);
-  forEachOffset(0, std::vector<int64_t>(nd, 0), box.sizes(), [&](int64_t, const std::vector<int64_t>& i) {
-    std::vector<int64_t> bsize(nd);
-    int64_t s = src.offset, o = dst.offset;
-    for (size_t d = 0; d < nd; ++d) {
-      const int64_t lo = (box.lo[d] + i[d]) * scale.block[d];
-      bsize[d] = std::min(lo + scale.block[d], scale.scaled_shape[d]) - lo;
-      s += i[d] * src.strides[d];
-      o += i[d] * dst.strides[d];
-    }
-    out[o] = scaleAt(src, from, s, inner, bsize, scale.pow2);
-  });
+  if (from == planner::DType::kBFloat16)
+    scaleBlocks<planner::DType::kBFloat16>(dst, src, box, scale, inner);
+  else
+    scaleBlocks<planner::DType::kFloat32>(dst, src, box, scale, inner);
   return absl::OkStatus();
 }
 
