@@ -16,8 +16,11 @@ uint8_t e4m3FromFloat(float f) {
   if (u > 0x7f800000u) return sign | 0x7f;     // NaN
   if (u >= 0x43e00000u) return sign | 0x7e;    // >= 448 (and infinity): saturated
   if (u < 0x3c800000u) {                       // below 2^-6: a subnormal, steps of 2^-9
-    const float a = std::fabs(f) * 512.0f;     // exact: a power-of-two scaling
-    return sign | static_cast<uint8_t>(std::nearbyint(a));  // ties to even (8 is the smallest normal)
+    const float a = std::fabs(f) * 512.0f;     // exact: a power-of-two scaling, in [0, 8)
+    uint32_t m = static_cast<uint32_t>(a);
+    const float frac = a - static_cast<float>(m);  // exact
+    if (frac > 0.5f || (frac == 0.5f && (m & 1u))) ++m;  // ties to even; 8 is the smallest normal
+    return sign | static_cast<uint8_t>(m);
   }
   // Normal: exponent rebased to 7, mantissa from 23 bits to 3, ties to even (a carry moves the
   // exponent up, which is the right encoding).

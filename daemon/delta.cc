@@ -132,8 +132,8 @@ bool DeltaBases::makeRoom(uint64_t bytes, const Plan* keep) {
       ++it;
       continue;
     }
+    // Not cleared: a plan unclaimed here may still be held by an attempt that let go of it.
     for (const auto& [at, b] : p->bases_) bytes_ -= b.bytes.size();
-    p->bases_.clear();
     plans_.erase(*it);
     it = std::make_reverse_iterator(lru_.erase(std::next(it).base()));
   }

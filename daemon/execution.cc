@@ -318,9 +318,9 @@ Status Execution::processLanded(const LandedChunk& l) {
   const bool delta = l.encoding == LandedChunk::kDelta;
   if (l.encoding != LandedChunk::kDense && !delta) return bad(strCat("an unknown encoding ", l.encoding));
   if (!delta && l.bytes != chunk.bytes) return bad(strCat("a dense chunk of ", l.bytes, " bytes, not ", chunk.bytes));
-  if (delta && (l.bytes > chunk.bytes || landing->direct() || a_->base.fence == 0))
-    return bad(l.bytes > chunk.bytes ? strCat("a delta of ", l.bytes, " bytes for a chunk of ", chunk.bytes)
-                                     : std::string("a delta for a node whose ranks hold no base"));
+  if (delta && l.bytes > chunk.bytes) return bad(strCat("a delta of ", l.bytes, " bytes for a chunk of ", chunk.bytes));
+  if (delta && landing->direct()) return bad("a delta for a chunk that lands in a rank directly");
+  if (delta && a_->base.fence == 0) return bad("a delta for a node whose ranks hold no base");
   {
     std::lock_guard<std::mutex> lock(a_->mu);
     if (!a_->seen.insert({l.transfer, l.chunk}).second) return bad("a chunk that already landed");

@@ -87,6 +87,7 @@ void startWrites(const std::shared_ptr<SyncAttempt>& a, int32_t node) {
   Notification notification;
   notification.sync_id = a->id;
   notification.fence = a->fence;
+  bool wrote = false;
   for (auto& out : start) {
     const uint64_t bytes = out.op.length;
     notification.chunks.push_back(out.landed);
@@ -94,6 +95,7 @@ void startWrites(const std::shared_ptr<SyncAttempt>& a, int32_t node) {
       finished(absl::OkStatus(), 0, 1);
       continue;
     }
+    wrote = true;
     ep->write(std::move(out.op), [a, node, bytes, finished](Status st) {
       finished(st, bytes, 1);
       startWrites(a, node);
@@ -101,6 +103,8 @@ void startWrites(const std::shared_ptr<SyncAttempt>& a, int32_t node) {
   }
   const int64_t announced = static_cast<int64_t>(start.size());
   ep->notify(encodeNotification(notification), [finished, announced](Status st) { finished(st, 0, announced); });
+  // A batch of empty deltas only: no completion of it will start what is queued behind it.
+  if (!wrote) startWrites(a, node);
 }
 
 }  // namespace shardcast::daemon

@@ -123,6 +123,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   // Another attempt of the same plan using them (it cannot commit: the destination refuses a
   // second writer): this one keeps none, and packs dense.
   if (a->delta != v1::DELTA_OFF) a->bases = bases_.claim(a->plan->key, a->fence);
+  if (a->delta == v1::DELTA_OFF) a->base = {};  // no delta may land here
   transport_.openFence(a->fence);  // before any peer learns where to write
   auto prepared = prepareTargets(a, hit);
   if (!prepared.ok()) {
@@ -225,8 +226,15 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
       spdlog::error("sync {}: {} writes and {} executes still pending two minutes after it ended", a->id,
                     a->writes_pending, a->executing);
   }
-  // What this node sent is a base for the next delta only if the sync committed here.
-  if (a->bases) bases_.finish(a->plan->key, a->fence, end == Registry::SyncEnd::kCommit);
+  // What this node sent is a base for the next delta only if the sync committed here. An execute
+  // still running (stuck past the wait above) may still write into the bases: they stay claimed
+  // by this attempt for good (later syncs of the plan pack dense) rather than shared with it.
+  bool still_executing = false;
+  {
+    std::lock_guard<std::mutex> lock(a->mu);
+    still_executing = a->executing > 0;
+  }
+  if (a->bases && !still_executing) bases_.finish(a->plan->key, a->fence, end == Registry::SyncEnd::kCommit);
   // No write of this sync lands here any more: later ones are refused, those landing now are waited
   // for (bounded by the transport's op timeout on the sender's side).
   if (!transport_.closeFence(a->fence, std::chrono::seconds(10))) {

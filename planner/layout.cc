@@ -791,7 +791,12 @@ StatusOr<ResolvedLayout> resolveLayout(const v1::Layout& layout, NodeTable& node
 
 Status addScaleSources(ResolvedLayout& src, const ResolvedLayout& dst) {
   for (const TensorLayout& ds : dst.tensors) {
-    if (ds.scale_of < 0 || src.find(ds.name) != nullptr) continue;
+    if (ds.scale_of < 0) continue;
+    if (src.find(ds.name) != nullptr)  // scales are computed here, never taken from a source
+      return absl::FailedPreconditionError(
+          strCat("tensor \"", ds.name, "\": layout \"", dst.group, "\" derives it (the block scales of \"",
+                 dst.tensors[static_cast<size_t>(ds.scale_of)].name, "\"), but layout \"", src.group,
+                 "\" has a tensor of that name: rename one (the daemons quantise and scale at the source)"));
     const TensorLayout& dw = dst.tensors[static_cast<size_t>(ds.scale_of)];
     const TensorLayout* w = src.find(dw.name);
     if (w == nullptr) continue;  // the planner names the missing weight

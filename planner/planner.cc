@@ -97,9 +97,10 @@ class Planner {
       return absl::InvalidArgumentError(strCat("tensor \"", dt.name, "\": layout \"", dst_.group,
                                                "\" quantises it per block, from float32 or bfloat16; layout \"",
                                                src_.group, "\" has ", dtypeName(st.dtype)));
-    if (dt.scale_of >= 0 && st.scale_of < 0 && st.dtype != dt.dtype)
-      return absl::InvalidArgumentError(strCat("tensor \"", dt.name, "\": layout \"", src_.group, "\" has it as ",
-                                               dtypeName(st.dtype), "; as a block scale it is float32"));
+    if (dt.scale_of >= 0 && st.scale_of < 0)
+      return absl::FailedPreconditionError(strCat("tensor \"", dt.name, "\": layout \"", dst_.group,
+                                                  "\" derives it (block scales) but layout \"", src_.group,
+                                                  "\" has a tensor of that name (see planner::addScaleSources)"));
     if (dt.scale_of < 0 && st.scale_of >= 0)
       return absl::FailedPreconditionError(strCat("tensor \"", dt.name, "\" of layout \"", dst_.group,
                                                   "\" is a block scale in layout \"", src_.group, "\" only"));

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "daemon/delta.h"
+#include "daemon/sync_attempt.h"
 
 using namespace shardcast::daemon;
 
@@ -159,4 +160,53 @@ TEST_CASE("delta bases: bounded, one attempt at a time, a base only once its att
   kept->bytes[399] = std::byte{1};  // still its memory
   CHECK(again->make(1, 0, 10) == nullptr);
   CHECK(bases.capacity() == 1000);
+}
+
+namespace {
+
+// An endpoint that holds every completion until the test runs it, and counts what it was given.
+class HeldEndpoint final : public shardcast::transport::Endpoint {
+ public:
+  void write(shardcast::transport::WriteOp, shardcast::transport::Completion done) override {
+    writes.push_back(std::move(done));
+  }
+  void writeBatch(std::vector<shardcast::transport::WriteOp>, shardcast::transport::Completion done) override {
+    writes.push_back(std::move(done));
+  }
+  void notify(std::string payload, shardcast::transport::Completion done) override {
+    announced += parseNotification(payload)->chunks.size();
+    done(absl::OkStatus());
+  }
+  void close() override {}
+  bool open() const override { return true; }
+  const std::string& peerName() const override { return name; }
+  std::vector<shardcast::transport::Completion> writes;
+  size_t announced = 0;
+  std::string name = "held";
+};
+
+}  // namespace
+
+TEST_CASE("delta: empty deltas queued behind a full window are all announced once it drains", "[daemon][delta]") {
+  auto a = std::make_shared<SyncAttempt>();
+  a->id = std::string("window-test-sync");
+  a->window_bytes = 1;  // one write in flight at a time
+  auto ep = std::make_shared<HeldEndpoint>();
+  const auto chunk = [&](int32_t k, size_t bytes) {
+    SyncAttempt::Outgoing out;
+    out.op.length = bytes;
+    out.landed = LandedChunk{0, 0, 0, k, bytes ? LandedChunk::kDense : LandedChunk::kDelta};
+    return out;
+  };
+  REQUIRE(queueWrite(a, 1, ep, chunk(0, 8)).ok());  // in flight: the window is full
+  for (int32_t k = 1; k <= 3000; ++k) REQUIRE(queueWrite(a, 1, ep, chunk(k, 0)).ok());  // > one batch
+  REQUIRE(queueWrite(a, 1, ep, chunk(3001, 8)).ok());
+  CHECK(ep->announced == 1);
+  REQUIRE(ep->writes.size() == 1);
+  ep->writes[0](absl::OkStatus());  // the first write completes: everything behind it starts
+  CHECK(ep->announced == 3002);     // batches of empty deltas, then the last write, in flight
+  REQUIRE(ep->writes.size() == 2);
+  ep->writes[1](absl::OkStatus());
+  std::lock_guard<std::mutex> lock(a->mu);
+  CHECK(a->writes_pending == 0);
 }

@@ -182,6 +182,19 @@ TEST_CASE("fp8 layouts: the scale tensor of each rank's blocks, and sources that
   CHECK(cut.code() == absl::StatusCode::kFailedPrecondition);
   CHECK_THAT(std::string(cut.message()), Catch::Contains("rank 0 holds [0:64, 0:320], which cuts blocks"));
 
+  // A source with its own tensor of the scale's name: refused (scales are computed, never taken).
+  auto own = *two;
+  auto* t = own.add_tensors();
+  t->set_name("w_scale_inv");
+  t->add_shape(2);
+  t->add_shape(3);
+  t->set_dtype("float32");
+  auto so = planner::resolveLayout(own, nodes);
+  REQUIRE(so.ok());
+  const Status named = planner::addScaleSources(*so, *d);
+  CHECK(named.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(named.message()), Catch::Contains("has a tensor of that name"));
+
   auto bad = *dst;
   bad.mutable_tensors(0)->mutable_block_scale()->add_block(128);  // one size for two dims
   CHECK_FALSE(planner::resolveLayout(bad, nodes).ok());

@@ -38,7 +38,8 @@ def block_quantize(x: Any, block: Sequence[int] = (128, 128), pow2: bool = False
     if pow2:
         m, e = torch.frexp(scale)
         one = torch.ones_like(scale)
-        scale = torch.where(m == 0.5, torch.ldexp(one, e - 1), torch.ldexp(one, e))
+        pow2_scale = torch.where(m == 0.5, torch.ldexp(one, e - 1), torch.ldexp(one, e))
+        scale = torch.where(torch.isfinite(scale), pow2_scale, scale)  # inf and NaN stay
     q = (xf / _expand(scale, block, xf.shape)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q, scale
 
