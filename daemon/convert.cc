@@ -13,12 +13,12 @@ uint8_t e4m3FromFloat(float f) {
   std::memcpy(&u, &f, sizeof(u));
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return sign | 0x7f;     // NaN
-  if (u >= 0x43e00000u) return sign | 0x7e;    // >= 448 (and infinity): saturated
-  if (u < 0x3c800000u) {                       // below 2^-6: a subnormal, steps of 2^-9
-    const float a = std::fabs(f) * 512.0f;     // exact: a power-of-two scaling, in [0, 8)
+  if (u > 0x7f800000u) return sign | 0x7f;   // NaN
+  if (u >= 0x43e00000u) return sign | 0x7e;  // >= 448 (and infinity): saturated
+  if (u < 0x3c800000u) {                     // below 2^-6: a subnormal, steps of 2^-9
+    const float a = std::fabs(f) * 512.0f;   // exact: a power-of-two scaling, in [0, 8)
     uint32_t m = static_cast<uint32_t>(a);
-    const float frac = a - static_cast<float>(m);  // exact
+    const float frac = a - static_cast<float>(m);        // exact
     if (frac > 0.5f || (frac == 0.5f && (m & 1u))) ++m;  // ties to even; 8 is the smallest normal
     return sign | static_cast<uint8_t>(m);
   }
@@ -173,11 +173,11 @@ void scaleBlocks(const transport::StridedView& dst, const transport::StridedView
   }
 }
 
-Status checkScaled(planner::DType from, size_t nd, const transport::StridedView& dst,
-                   const transport::StridedView& src, const std::vector<int64_t>& block) {
+Status checkScaled(planner::DType from, size_t nd, const transport::StridedView& dst, const transport::StridedView& src,
+                   const std::vector<int64_t>& block) {
   if (from != planner::DType::kFloat32 && from != planner::DType::kBFloat16)
-    return absl::InvalidArgumentError(strCat("block-scaled fp8 from ", planner::dtypeName(from),
-                                             ": only float32 and bfloat16 are quantised"));
+    return absl::InvalidArgumentError(
+        strCat("block-scaled fp8 from ", planner::dtypeName(from), ": only float32 and bfloat16 are quantised"));
   if (nd == 0 || dst.strides.size() != nd || src.strides.size() != nd || block.size() != nd)
     return absl::InvalidArgumentError(strCat("block-scaled fp8: a box of ", nd, " dims, strides of ",
                                              src.strides.size(), " and ", dst.strides.size(), ", a block of ",

@@ -244,8 +244,7 @@ Status Execution::sendHeaded(int32_t t) {
       SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
       const TypedView wire{
           {out + cp_.fragment_offset[f] + chunk.offset, transport::MemoryKind::kHost, 0, denseFor(part)}, dt.dtype};
-      SC_RETURN_IF_ERROR(
-          env_.stage.pack(wire, typed(sb, sr.offset, sr.strides, st), sr.extent, {dt.name, part, &dt}));
+      SC_RETURN_IF_ERROR(env_.stage.pack(wire, typed(sb, sr.offset, sr.strides, st), sr.extent, {dt.name, part, &dt}));
     }
     LandedChunk word{t, 0, 0, static_cast<int32_t>(k)};
     word.bytes = chunk.bytes;
@@ -372,9 +371,8 @@ Status Execution::processLanded(const LandedChunk& l) {
     copies = nullptr;
   }
   for (const auto& p : pieces) {
-    const TypedView from{{const_cast<std::byte*>(wire) + (p.at - chunk.offset), kind, 0, p.dense},
-                         p.tensor->dtype,
-                         copies};
+    const TypedView from{
+        {const_cast<std::byte*>(wire) + (p.at - chunk.offset), kind, 0, p.dense}, p.tensor->dtype, copies};
     SC_RETURN_IF_ERROR(env_.stage.unpack(p.memory, from, p.part.sizes(), {p.tensor->name, p.part, p.tensor}));
     a_->local_bytes += static_cast<uint64_t>(p.part.volume() * p.tensor->elemBytes());
   }
@@ -420,8 +418,8 @@ Status Execution::decode(const LandedChunk& l, const std::byte* delta, const std
   const auto& chunk = cp_.transfer(l.transfer).chunks[static_cast<size_t>(l.chunk)];
   decoded_.resize(static_cast<size_t>(chunk.bytes));
   for (const auto& p : pieces)  // the ranks' bytes as they are: no stage (nothing converts)
-    SC_RETURN_IF_ERROR(copyBox(env_.host_copies, p.memory.device, {decoded_.data() + (p.at - chunk.offset),
-                                                                    transport::MemoryKind::kHost, 0, p.dense},
+    SC_RETURN_IF_ERROR(copyBox(env_.host_copies, p.memory.device,
+                               {decoded_.data() + (p.at - chunk.offset), transport::MemoryKind::kHost, 0, p.dense},
                                p.memory.view, p.part.sizes(), p.tensor->elemBytes()));
   if (auto st = applyDelta(decoded_.data(), chunk.bytes, deltaUnit(l.transfer), delta, l.bytes); !st.ok())
     return absl::InvalidArgumentError(strCat("sync ", a_->id, " on node \"", env_.node, "\": chunk ", l.chunk,

@@ -46,8 +46,8 @@ class Execution {
     std::string address;
     transport::RemoteRegion arena;
     std::vector<transport::RemoteRegion> regions;
-    std::map<std::pair<int32_t, std::string>, std::pair<uint32_t, uint64_t>>
-        buffers;  // (rank, name) -> (region, offset)
+    // (rank, name) -> (region, offset)
+    std::map<std::pair<int32_t, std::string>, std::pair<uint32_t, uint64_t>> buffers;
     Registry::Base base;  // what its destination ranks held when prepared (delta syncs)
   };
   // A piece of a landed chunk that a local destination rank holds: where it starts in the
@@ -56,7 +56,7 @@ class Execution {
     uint64_t at = 0;
     planner::Box part;
     TypedView memory;
-    std::vector<int64_t> dense;  // the wire's strides (the fragment's row-major box)
+    std::vector<int64_t> dense;                     // the wire's strides (the fragment's row-major box)
     const planner::TensorLayout* tensor = nullptr;  // the destination's
     int32_t rank = -1;
   };

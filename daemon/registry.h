@@ -159,12 +159,12 @@ class Registry {
     const std::vector<Buffer>& writeSet() const { return doubled() && active == 0 ? shadow : buffers; }
     v1::Role role = v1::ROLE_DESTINATION;
     v1::RankState state = v1::RANK_EMPTY;
-    uint64_t committed = 0;  // destination: last committed version; source: last published
-    uint64_t writing = 0;    // destination, UPDATING: the version being written
+    uint64_t committed = 0;     // destination: last committed version; source: last published
+    uint64_t writing = 0;       // destination, UPDATING: the version being written
     uint64_t committed_by = 0;  // destination: the fence of the sync attempt that committed `committed`
     uint64_t writer_fence = 0;  // destination: the fence of the sync writing it
-    bool held = false;       // acquired by its owner
-    std::string detail;      // DIRTY: which sync, why
+    bool held = false;          // acquired by its owner
+    std::string detail;         // DIRTY: which sync, why
     std::string session;
     std::optional<uid_t> owner;     // the uid that registered it over the Unix socket
     size_t describe_bytes = 0;      // what it adds to Describe (its buffers' entries)

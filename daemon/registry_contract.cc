@@ -21,8 +21,7 @@ std::string rankList(const std::vector<int32_t>& ranks) {
 }  // namespace
 
 Status Registry::beginSync(const std::string& id, const std::string& src, const std::string& dst, uint64_t version,
-                           const std::string& src_digest, const std::string& dst_digest, uint64_t fence,
-                           Base* base) {
+                           const std::string& src_digest, const std::string& dst_digest, uint64_t fence, Base* base) {
   if (version == 0 || version >= kMaxVersion)
     return absl::InvalidArgumentError(strCat("sync ", id, ": version ", version, " is not in [1, 2^63)"));
   std::lock_guard<std::mutex> lock(mu_);

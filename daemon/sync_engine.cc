@@ -124,7 +124,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   // second writer): this one keeps none, and packs dense.
   if (a->delta != v1::DELTA_OFF) a->bases = bases_.claim(a->plan->key, a->fence);
   if (a->delta == v1::DELTA_OFF) a->base = {};  // no delta may land here
-  transport_.openFence(a->fence);  // before any peer learns where to write
+  transport_.openFence(a->fence);               // before any peer learns where to write
   auto prepared = prepareTargets(a, hit);
   if (!prepared.ok()) {
     if (a->bases) bases_.finish(a->plan->key, a->fence, false);

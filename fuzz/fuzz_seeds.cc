@@ -102,9 +102,9 @@ int main(int argc, char** argv) {
   now[2] = '\x3f';
   now[40] = '\x01';
   std::string delta(64, '\0');
-  const auto size = daemon::encodeDelta(reinterpret_cast<const std::byte*>(now.data()),
-                                        reinterpret_cast<std::byte*>(before.data()), now.size(), 2,
-                                        reinterpret_cast<std::byte*>(delta.data()), delta.size());
+  const auto size =
+      daemon::encodeDelta(reinterpret_cast<const std::byte*>(now.data()), reinterpret_cast<std::byte*>(before.data()),
+                          now.size(), 2, reinterpret_cast<std::byte*>(delta.data()), delta.size());
   write(dir / "delta" / "apply", std::string("\x01\x20", 2) + delta.substr(0, size.value_or(0)));
   write(dir / "delta" / "pair", std::string("\x05\x07", 2) + now + std::string(64, '\0'));
   std::cout << "seeds in " << dir.string() << "\n";

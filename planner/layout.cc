@@ -367,8 +367,8 @@ class Resolver {
     const auto& bs = in.block_scale();
     const int ndim = in.shape_size();
     if (t.dtype != DType::kFloat8E4M3)
-      return absl::InvalidArgumentError(strCat(where(in.name()), ": block_scale needs dtype float8_e4m3fn, not ",
-                                               dtypeName(t.dtype)));
+      return absl::InvalidArgumentError(
+          strCat(where(in.name()), ": block_scale needs dtype float8_e4m3fn, not ", dtypeName(t.dtype)));
     if (ndim == 0) return absl::InvalidArgumentError(where(in.name()) + ": a scalar has no blocks");
     t.block = toVec(bs.block());
     if (t.block.empty()) {
@@ -376,8 +376,8 @@ class Resolver {
       for (int d = std::max(0, ndim - 2); d < ndim; ++d) t.block[static_cast<size_t>(d)] = 128;
     }
     if (static_cast<int>(t.block.size()) != ndim)
-      return absl::InvalidArgumentError(strCat(where(in.name()), ": block_scale.block has ", t.block.size(),
-                                               " sizes for ", ndim, " dims"));
+      return absl::InvalidArgumentError(
+          strCat(where(in.name()), ": block_scale.block has ", t.block.size(), " sizes for ", ndim, " dims"));
     for (const int64_t b : t.block)
       if (b < 1 || b > (int64_t{1} << 20))
         return absl::InvalidArgumentError(
@@ -389,8 +389,8 @@ class Resolver {
                                                "\" is already the name of a tensor or buffer"));
     for (const auto& other : in_.tensors())
       if (other.name() == bs.scale())
-        return absl::InvalidArgumentError(strCat(where(in.name()), ": block_scale.scale \"", bs.scale(),
-                                                 "\" is already the name of a tensor"));
+        return absl::InvalidArgumentError(
+            strCat(where(in.name()), ": block_scale.scale \"", bs.scale(), "\" is already the name of a tensor"));
     return absl::OkStatus();
   }
 
@@ -405,12 +405,11 @@ class Resolver {
     s.pow2 = out_.tensors[wi].pow2;
     s.scale_of = wi;
     s.scaled_shape = out_.tensors[wi].shape;
-    for (size_t d = 0; d < s.block.size(); ++d)
-      s.shape.push_back((s.scaled_shape[d] + s.block[d] - 1) / s.block[d]);
+    for (size_t d = 0; d < s.block.size(); ++d) s.shape.push_back((s.scaled_shape[d] + s.block[d] - 1) / s.block[d]);
     const int32_t buffer = addBuffer(s.name);
     if (buffer < 0)
-      return absl::InvalidArgumentError(strCat(where(in.name()), ": block_scale.scale \"", s.name,
-                                               "\" is the scale of another tensor too"));
+      return absl::InvalidArgumentError(
+          strCat(where(in.name()), ": block_scale.scale \"", s.name, "\" is the scale of another tensor too"));
     std::unordered_map<Box, int32_t, BoxHash> box_ids;
     const TensorLayout& w = out_.tensors[wi];
     for (size_t p = 0; p < w.pieces.size(); ++p) {

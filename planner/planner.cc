@@ -78,12 +78,12 @@ class Planner {
     const TensorLayout& dt = dst_.tensors[j];
     auto it = src_.tensor_index.find(dt.name);
     if (it == src_.tensor_index.end())
-      return absl::FailedPreconditionError(strCat(
-          "tensor \"", dt.name, "\": layout \"", dst_.group, "\" needs it but layout \"", src_.group,
-          "\" has no such tensor",
-          dt.scale_of >= 0 ? strCat(" (the block scales of \"", dst_.tensors[dt.scale_of].name,
-                                    "\": planner::addScaleSources derives them; replica sets do not yet)")
-                           : std::string()));
+      return absl::FailedPreconditionError(
+          strCat("tensor \"", dt.name, "\": layout \"", dst_.group, "\" needs it but layout \"", src_.group,
+                 "\" has no such tensor",
+                 dt.scale_of >= 0 ? strCat(" (the block scales of \"", dst_.tensors[dt.scale_of].name,
+                                           "\": planner::addScaleSources derives them; replica sets do not yet)")
+                                  : std::string()));
     const TensorLayout& st = src_.tensors[it->second];
     // A destination may declare a dtype its source converts to (planner::convertible): the bytes
     // travel in the destination's dtype, so every size below is the destination's.

@@ -127,12 +127,11 @@ int runSync(const SyncArgs& a) {
       planner::humanBytes(static_cast<double>(r.local_bytes())), r.waves(), r.seconds(), gbps, r.gather_seconds(),
       r.prepare_seconds(), r.execute_seconds(), r.finish_seconds(), r.plan_cached() ? " (plan cached)" : "");
   if (r.delta() != v1::DELTA_OFF)
-    std::cout << fmt::format("  {} on the wire ({:.1f}% of dense): {} chunk landing(s) as deltas, {} dense\n",
-                             planner::humanBytes(static_cast<double>(r.wire_bytes())),
-                             r.network_bytes() ? 100.0 * static_cast<double>(r.wire_bytes()) /
-                                                     static_cast<double>(r.network_bytes())
-                                               : 0.0,
-                             r.delta_chunks(), r.dense_chunks());
+    std::cout << fmt::format(
+        "  {} on the wire ({:.1f}% of dense): {} chunk landing(s) as deltas, {} dense\n",
+        planner::humanBytes(static_cast<double>(r.wire_bytes())),
+        r.network_bytes() ? 100.0 * static_cast<double>(r.wire_bytes()) / static_cast<double>(r.network_bytes()) : 0.0,
+        r.delta_chunks(), r.dense_chunks());
   return kOk;
 }
 

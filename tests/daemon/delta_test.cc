@@ -2,12 +2,13 @@
 // as small as its format says, refuses what does not fit; a peer's malformed delta is refused; the
 // bases a source keeps are bounded, belong to one attempt at a time, and count only once it
 // committed.
+#include "daemon/delta.h"
+
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <random>
 #include <vector>
 
-#include "daemon/delta.h"
 #include "daemon/sync_attempt.h"
 
 using namespace shardcast::daemon;
@@ -101,21 +102,20 @@ TEST_CASE("delta: a peer's malformed delta is refused, never applied past the ba
   const auto apply = [&](std::vector<uint8_t> d) {
     return applyDelta(base.data(), base.size(), 4, reinterpret_cast<const std::byte*>(d.data()), d.size());
   };
-  CHECK(apply({9, 1, 2, 3, 4}).ok());                                  // the last unit
+  CHECK(apply({9, 1, 2, 3, 4}).ok());  // the last unit
   CHECK(static_cast<int>(base[36]) == 1);
-  CHECK_FALSE(apply({10, 1, 2, 3, 4}).ok());                           // a value past the end
-  CHECK_FALSE(apply({255}).ok());                                      // a skip past the end
-  CHECK_FALSE(apply({0, 1, 2}).ok());                                  // a value cut short
-  CHECK_FALSE(apply({3, 1, 2, 3, 4, 5, 1, 2, 3, 4, 0}).ok());          // 3, then 5 past it: unit 9 ok, 10 not
-  CHECK(apply({}).ok());                                               // nothing changed
-  CHECK_FALSE(applyDelta(base.data(), 6, 4, nullptr, 0).ok());         // a base that is not whole units
-  CHECK(apply({0, 7, 7, 7, 7, 0, 8, 8, 8, 8}).ok());                   // units 0 and 1
+  CHECK_FALSE(apply({10, 1, 2, 3, 4}).ok());                    // a value past the end
+  CHECK_FALSE(apply({255}).ok());                               // a skip past the end
+  CHECK_FALSE(apply({0, 1, 2}).ok());                           // a value cut short
+  CHECK_FALSE(apply({3, 1, 2, 3, 4, 5, 1, 2, 3, 4, 0}).ok());   // 3, then 5 past it: unit 9 ok, 10 not
+  CHECK(apply({}).ok());                                        // nothing changed
+  CHECK_FALSE(applyDelta(base.data(), 6, 4, nullptr, 0).ok());  // a base that is not whole units
+  CHECK(apply({0, 7, 7, 7, 7, 0, 8, 8, 8, 8}).ok());            // units 0 and 1
   CHECK(static_cast<int>(base[0]) == 7);
   CHECK(static_cast<int>(base[4]) == 8);
 }
 
-TEST_CASE("delta bases: bounded, one attempt at a time, a base only once its attempt committed",
-          "[daemon][delta]") {
+TEST_CASE("delta bases: bounded, one attempt at a time, a base only once its attempt committed", "[daemon][delta]") {
   DeltaBases bases(1000);
   auto p = bases.claim("plan-a", 11);
   REQUIRE(p);
@@ -146,7 +146,7 @@ TEST_CASE("delta bases: bounded, one attempt at a time, a base only once its att
   CHECK(bases.bytes() == 700);
   auto again = bases.claim("plan-a", 22);
   REQUIRE(again);
-  CHECK(again->find(0, 0) == nullptr);  // evicted: a new, empty plan
+  CHECK(again->find(0, 0) == nullptr);       // evicted: a new, empty plan
   CHECK(again->make(0, 0, 400) == nullptr);  // plan-b is claimed: not evicted for it
   bases.finish("plan-b", 21, true);
   CHECK(again->make(0, 0, 400) != nullptr);  // now it is
@@ -198,7 +198,7 @@ TEST_CASE("delta: empty deltas queued behind a full window are all announced onc
     out.landed = LandedChunk{0, 0, 0, k, bytes ? LandedChunk::kDense : LandedChunk::kDelta};
     return out;
   };
-  REQUIRE(queueWrite(a, 1, ep, chunk(0, 8)).ok());  // in flight: the window is full
+  REQUIRE(queueWrite(a, 1, ep, chunk(0, 8)).ok());                                      // in flight: the window is full
   for (int32_t k = 1; k <= 3000; ++k) REQUIRE(queueWrite(a, 1, ep, chunk(k, 0)).ok());  // > one batch
   REQUIRE(queueWrite(a, 1, ep, chunk(3001, 8)).ok());
   CHECK(ep->announced == 1);

@@ -48,8 +48,9 @@ TEST_CASE("fp8: e4m3 rounds to nearest even like the brute-force reference, satu
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> exponent(-12.0f, 10.0f);
   for (int i = 0; i < 20000; ++i) {
-    const float x = std::ldexp(1.0f + static_cast<float>(rng() % 8388608) / 8388608.0f, static_cast<int>(exponent(rng))) *
-                    (rng() % 2 ? -1.0f : 1.0f);
+    const float x =
+        std::ldexp(1.0f + static_cast<float>(rng() % 8388608) / 8388608.0f, static_cast<int>(exponent(rng))) *
+        (rng() % 2 ? -1.0f : 1.0f);
     INFO(x);
     REQUIRE(e4m3FromFloat(x) == nearestE4m3(x));
   }
@@ -65,7 +66,7 @@ TEST_CASE("fp8: block scales are amax / 448, a power of two when asked, 1 for an
   CHECK(blockScale(448.0f, false) == 1.0f);
   CHECK(blockScale(0.0f, false) == 1.0f);
   CHECK(blockScale(3.0f, false) == 3.0f / 448.0f);
-  CHECK(blockScale(3.0f, true) == 0.0078125f);    // 3/448 = 0.0067 -> 2^-7
+  CHECK(blockScale(3.0f, true) == 0.0078125f);        // 3/448 = 0.0067 -> 2^-7
   CHECK(blockScale(448.0f / 64, true) == 1.0f / 64);  // already a power of two: kept
   CHECK(std::isnan(blockScale(std::nanf(""), false)));
 }
@@ -110,7 +111,8 @@ TEST_CASE("fp8: quantising boxes that cut blocks gives the bytes of the whole te
     for (int64_t c = 0; c < 13; ++c) {
       float amax = 0;
       for (int64_t i = r / 4 * 4; i < std::min<int64_t>(r / 4 * 4 + 4, 10); ++i)
-        for (int64_t j = c / 5 * 5; j < std::min<int64_t>(c / 5 * 5 + 5, 13); ++j) amax = std::max(amax, std::fabs(x[i * 13 + j]));
+        for (int64_t j = c / 5 * 5; j < std::min<int64_t>(c / 5 * 5 + 5, 13); ++j)
+          amax = std::max(amax, std::fabs(x[i * 13 + j]));
       const float q = std::clamp(x[r * 13 + c] / (amax / 448.0f), -448.0f, 448.0f);
       INFO(r << "," << c);
       REQUIRE(whole[r * 13 + c] == e4m3FromFloat(q));
@@ -136,7 +138,8 @@ TEST_CASE("fp8: quantising boxes that cut blocks gives the bytes of the whole te
       CHECK(scales[(bi - 1) * 2 + (bj - 1)] == amax / 448.0f);
     }
   CHECK_FALSE(quantizeBox({nullptr, transport::MemoryKind::kHost, 0, strides},
-                          {nullptr, transport::MemoryKind::kHost, 0, strides}, planner::DType::kInt32, box(0, 1, 0, 1), w)
+                          {nullptr, transport::MemoryKind::kHost, 0, strides}, planner::DType::kInt32, box(0, 1, 0, 1),
+                          w)
                   .ok());
 }
 

@@ -103,7 +103,7 @@ TEST_CASE("a daemon fed lying notifications fails the sync and stays up", "[daem
     const v1::PrepareRequest prep = prepareRequest(id, src_proto, dst_proto, 1, 99);
     v1::PrepareResponse presp;
     REQUIRE(peer1->Prepare(ctx().get(), prep, &presp).ok());
-    REQUIRE(send(id + " 0 0 0 0 0\n").ok());  // the old text form: not parsed any more
+    REQUIRE(send(id + " 0 0 0 0 0\n").ok());                           // the old text form: not parsed any more
     REQUIRE(send(encodeNotification({id, 98, {{0, 0, 0, 0}}})).ok());  // another attempt's
     REQUIRE(send(encodeNotification({id, 99, {lie}})).ok());
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -130,7 +130,8 @@ TEST_CASE("a daemon fed lying notifications fails the sync and stays up", "[daem
     for (const auto& r : fr.ranks()) CHECK(r.state() == v1::RANK_DIRTY);
   };
   const uint64_t chunk_bytes = 64 * 32 * 4;  // w lands on n1 whole: one transfer, one chunk
-  lied_to("lied-chain", {0, 7, 3, 0, LandedChunk::kDense, 0, chunk_bytes}, "a peer announced a chain not of the transfer");
+  lied_to("lied-chain", {0, 7, 3, 0, LandedChunk::kDense, 0, chunk_bytes},
+          "a peer announced a chain not of the transfer");
   lied_to("lied-encoding", {0, 0, 0, 0, 7, 0, chunk_bytes}, "a peer announced an unknown encoding 7");
   lied_to("lied-size", {0, 0, 0, 0, LandedChunk::kDense, 0, 3}, "a dense chunk of 3 bytes, not 8192");
   lied_to("lied-delta", {0, 0, 0, 0, LandedChunk::kDelta, 0, 5}, "a delta for a node whose ranks hold no base");
