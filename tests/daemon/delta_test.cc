@@ -207,6 +207,7 @@ TEST_CASE("delta: empty deltas queued behind a full window are all announced onc
   CHECK(ep->announced == 3002);     // batches of empty deltas, then the last write, in flight
   REQUIRE(ep->writes.size() == 2);
   ep->writes[1](absl::OkStatus());
+  ep->writes.clear();  // as a transport does once it ran them (they hold the attempt)
   std::lock_guard<std::mutex> lock(a->mu);
   CHECK(a->writes_pending == 0);
 }
