@@ -26,6 +26,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // Two chunks: the first half is the new bytes, the second the old, scaled up by data[1] so that
   // long runs of equal units (the 255 skips) are reached.
   const size_t half = (n / 2) / unit * unit;
+  if (half == 0) return 0;
   const size_t repeat = 1 + data[1] % 64;
   std::vector<std::byte> now(half * repeat), before(half * repeat);
   for (size_t r = 0; r < repeat; ++r) {

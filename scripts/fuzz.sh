@@ -33,6 +33,8 @@ fi
 build="$root/build-fuzz"
 if [ ! -f "$build/CMakeCache.txt" ]; then
   CC=clang CXX=clang++ cmake -S "$root" -B "$build" -DSHARDCAST_FUZZ=ON -DSHARDCAST_CUDA_KERNELS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+else
+  cmake "$build" >/dev/null  # a target added since it was configured (make cannot name it before)
 fi
 cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)" --target fuzz_seeds $(printf 'fuzz_%s ' "${targets[@]}") >/dev/null
 
