@@ -64,31 +64,40 @@ float load(const std::byte* base, int64_t element) {
   }
 }
 
-// Calls fn(offset) for the first element of every innermost row of a box of `sizes` elements at
-// `origin` with `strides` (elements), rows in row-major order; the caller walks each row.
+// Calls fn(a, b) for the first element of every innermost row of a box of `sizes` elements, in
+// row-major order: `a` its offset in a view at `origin_a` with `strides_a`, `b` in a second view
+// (elements); the caller walks each row. forEachRow: one view.
 template <typename Fn>
-void forEachRow(int64_t origin, const std::vector<int64_t>& strides, const std::vector<int64_t>& sizes, Fn&& fn) {
+void forEachRowPair(int64_t origin_a, const std::vector<int64_t>& strides_a, int64_t origin_b,
+                    const std::vector<int64_t>& strides_b, const std::vector<int64_t>& sizes, Fn&& fn) {
   const size_t nd = sizes.size();
   for (int64_t n : sizes)
     if (n <= 0) return;
   if (nd <= 1) {
-    fn(origin);
+    fn(origin_a, origin_b);
     return;
   }
   std::vector<int64_t> idx(nd - 1, 0);
-  int64_t off = origin;
+  int64_t a = origin_a, b = origin_b;
   while (true) {
-    fn(off);
+    fn(a, b);
     size_t d = nd - 1;
     while (d > 0) {
       --d;
-      off += strides[d];
+      a += strides_a[d];
+      b += strides_b[d];
       if (++idx[d] < sizes[d]) break;
-      off -= idx[d] * strides[d];
+      a -= idx[d] * strides_a[d];
+      b -= idx[d] * strides_b[d];
       idx[d] = 0;
       if (d == 0) return;
     }
   }
+}
+
+template <typename Fn>
+void forEachRow(int64_t origin, const std::vector<int64_t>& strides, const std::vector<int64_t>& sizes, Fn&& fn) {
+  forEachRowPair(origin, strides, origin, strides, sizes, [&](int64_t a, int64_t) { fn(a); });
 }
 
 // The scale of the block whose first element is at `origin` in `src` (the weight's strides
@@ -134,12 +143,7 @@ void quantizeBlocks(const transport::StridedView& dst, const transport::StridedV
     }
     const float scale = scaleAt<From>(src.base, block_origin, src.strides, bsize, t.pow2);
     const int64_t n = psize[nd - 1], ss = src.strides[nd - 1], ds = dst.strides[nd - 1];
-    // The rows of the part, walked in the source and the destination together.
-    std::vector<int64_t> rows_dst;
-    forEachRow(part_dst, dst.strides, psize, [&](int64_t row) { rows_dst.push_back(row); });
-    size_t r = 0;
-    forEachRow(part_src, src.strides, psize, [&](int64_t row) {
-      const int64_t o = rows_dst[r++];
+    forEachRowPair(part_src, src.strides, part_dst, dst.strides, psize, [&](int64_t row, int64_t o) {
       for (int64_t i = 0; i < n; ++i) {
         const float x = load<From>(src.base, row + i * ss) / scale;
         out[o + i * ds] = e4m3FromFloat(std::isnan(x) ? x : std::clamp(x, -448.0f, 448.0f));
@@ -233,20 +237,12 @@ Status convertBox(const transport::StridedView& dst, planner::DType to, const tr
     out[dst.offset] = bfloat16FromFloat(in[src.offset]);
     return absl::OkStatus();
   }
-  // Row by row along the innermost dim; the outer index walks the rest of the box.
+  // Row by row along the innermost dim.
   const int64_t inner = extent[nd - 1], si = src.strides[nd - 1], di = dst.strides[nd - 1];
-  std::vector<int64_t> idx(nd - 1, 0);
-  while (true) {
-    int64_t s = src.offset, d = dst.offset;
-    for (size_t k = 0; k + 1 < nd; ++k) {
-      s += idx[k] * src.strides[k];
-      d += idx[k] * dst.strides[k];
-    }
+  forEachRowPair(src.offset, src.strides, dst.offset, dst.strides, extent, [&](int64_t s, int64_t d) {
     for (int64_t i = 0; i < inner; ++i) out[d + i * di] = bfloat16FromFloat(in[s + i * si]);
-    size_t k = nd - 1;
-    while (k > 0 && ++idx[k - 1] == extent[k - 1]) idx[--k] = 0;
-    if (k == 0) return absl::OkStatus();
-  }
+  });
+  return absl::OkStatus();
 }
 
 }  // namespace shardcast::daemon

@@ -361,7 +361,7 @@ Status Execution::processLanded(const LandedChunk& l) {
   }
   SC_ASSIGN_OR_RETURN(auto pieces, localPieces(l.transfer, l.chunk));
   // The dense chunk: where it landed, or rebuilt from the delta.
-  const std::byte* wire = landed.data + chunk.offset;
+  std::byte* wire = landed.data + chunk.offset;
   transport::MemoryKind kind = landed.kind;
   transport::CopyEngine* copies = landed.copies;
   if (delta) {
@@ -371,8 +371,7 @@ Status Execution::processLanded(const LandedChunk& l) {
     copies = nullptr;
   }
   for (const auto& p : pieces) {
-    const TypedView from{
-        {const_cast<std::byte*>(wire) + (p.at - chunk.offset), kind, 0, p.dense}, p.tensor->dtype, copies};
+    const TypedView from{{wire + (p.at - chunk.offset), kind, 0, p.dense}, p.tensor->dtype, copies};
     SC_RETURN_IF_ERROR(env_.stage.unpack(p.memory, from, p.part.sizes(), {p.tensor->name, p.part, p.tensor}));
     a_->local_bytes += static_cast<uint64_t>(p.part.volume() * p.tensor->elemBytes());
   }
