@@ -4,12 +4,14 @@
 # link rate-limited both ways (tc tbf, optional netem delay); one shardcastd per node inside its
 # namespace (shardcast-demo --netns), UCX over TCP. Per scenario it reports the measured sync time
 # (best of the cached syncs), the plan's predicted time for the link rate, the network lower bound
-# (the busiest node's ingress over the link rate) and their ratios. With --control-plane: syncs of a
+# (the busiest node's ingress over the link rate), each baseline's measured time (every rank
+# pulling its own slices; everything through one node) and their ratios. With --control-plane: syncs of a
 # tiny model across 8..64 daemons on loopback, the time per phase against the node count.
 # Traffic stays inside the namespaces this script makes; they are removed on exit, whatever happens.
 # Needs root (ip netns, tc). Usage:
-#   bench/cluster.sh [--rate-mbit 1000] [--delay-ms 0] [--queue-ms 200] [--scenario relay|fsdp-tp|16-node|all]
-#                    [--syncs 3]
+#   bench/cluster.sh [--rate-mbit 1000] [--delay-ms 0] [--queue-ms 200] [--scenario relay|fsdp-tp|moe|16-node|all]
+#                    [--syncs 3] [--strategies planned,rank-pull,gather-broadcast]
+#                    (the baselines run by the same daemons, after Shardcast's plan: sync --strategy)
 #   bench/cluster.sh --scenario delta [--delta-arg ARG]...  (bench/delta_bench.py on 2 nodes: AdamW steps,
 #                    dense and delta syncs side by side; not part of "all")
 #                    [--demo-arg ARG]...   (passed to shardcast-demo, e.g. --demo-arg=--chunk-mib=4)
@@ -17,6 +19,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 rate=1000 delay=0 queue_ms=200 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64" demo_args=() delta_args=()
+strategies=planned,rank-pull,gather-broadcast
 while [ $# -gt 0 ]; do
   case "$1" in
     --rate-mbit) rate="$2"; shift 2 ;;
@@ -24,13 +27,14 @@ while [ $# -gt 0 ]; do
     --queue-ms) queue_ms="$2"; shift 2 ;;
     --scenario) scenario="$2"; shift 2 ;;
     --syncs) syncs="$2"; shift 2 ;;
+    --strategies) strategies="$2"; shift 2 ;;
     --control-plane) control=1; shift ;;
     --nodes) cp_nodes="$2"; shift 2 ;;
     --demo-arg) demo_args+=("$2"); shift 2 ;;
     --demo-arg=*) demo_args+=("${1#--demo-arg=}"); shift ;;
     --delta-arg) delta_args+=("$2"); shift 2 ;;
     --delta-arg=*) delta_args+=("${1#--delta-arg=}"); shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "bench/cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -82,7 +86,8 @@ network() {
   done
 }
 
-# scenario NAME TRAINERS INFERENCE DEMO-FLAGS...: one row of the table.
+# scenario NAME TRAINERS INFERENCE DEMO-FLAGS...: one row of the table. The same daemons run the
+# syncs with Shardcast's plan, then with each baseline (shardcast-demo --strategies).
 run_scenario() {
   local name="$1" t="$2" i="$3"
   shift 3
@@ -92,7 +97,7 @@ run_scenario() {
   network "${nodes[@]}"
   local out
   if ! out=$("$demo" --netns --report --trainer-nodes "$t" --inference-nodes "$i" --syncs "$syncs" \
-               --nic-gbps "$($py -c "print($rate / 1000)")" "$@" "${demo_args[@]}" 2>&1); then
+               --strategies "$strategies" --nic-gbps "$($py -c "print($rate / 1000)")" "$@" "${demo_args[@]}" 2>&1); then
     echo "$out" | tail -20 >&2
     echo "| $name | $((t + i)) | sync failed (above) |"
     return
@@ -100,21 +105,34 @@ run_scenario() {
   echo "$out" | $py -c '
 import json, sys
 name, nodes, rate_mbit = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-plan, syncs = None, []
+plans, syncs = {}, {}
 for line in sys.stdin:
     if line.startswith("RESULT plan "):
-        plan = json.loads(line[len("RESULT plan "):])
+        strategy, body = line[len("RESULT plan "):].split(" ", 1)
+        plans[strategy.split("=")[1]] = json.loads(body)
     elif line.startswith("RESULT sync "):
-        syncs.append(dict(kv.split("=") for kv in line.split()[2:]))
+        row = dict(kv.split("=") for kv in line.split()[2:])
+        syncs.setdefault(row["strategy"], []).append(row)
 rate = rate_mbit * 1e6 / 8
-cached = [float(s["seconds"]) for s in syncs[1:]] or [float(s["seconds"]) for s in syncs]
-wrong = sum(int(s["wrong"]) for s in syncs)
-measured = min(cached)
+def best(strategy):  # best of the cached syncs (the first one plans, allocates and connects)
+    rows = syncs.get(strategy, [])
+    cached = rows[1:] or rows
+    return min(float(r["seconds"]) for r in cached) if cached else float("nan")
+plan = plans["planned"]
+measured = best("planned")
 bound = max(plan["max_node_ingress_bytes"], plan["max_node_egress_bytes"]) / rate
 predicted = plan["predicted_seconds"]
-gb = float(syncs[-1]["network_bytes"]) / 1e9
-print(f"| {name} | {nodes} | {rate_mbit:.0f} Mbit/s | {gb:.3f} GB | {measured:.2f} s | {predicted:.2f} s | "
-      f"{bound:.2f} s | {measured / bound:.2f}x | {predicted / measured:.2f} | {wrong} |")
+wrong = sum(int(r["wrong"]) for rows in syncs.values() for r in rows)
+gb = float(syncs["planned"][-1]["network_bytes"]) / 1e9
+cells = []
+for s in ("rank-pull", "gather-broadcast"):
+    if s in syncs:
+        m = best(s)
+        cells.append(f"{m:.2f} s ({m / measured:.1f}x; predicted {plans[s][\"predicted_seconds\"]:.2f} s)")
+    else:
+        cells.append("not run")
+print(f"| {name} | {nodes} | {gb:.3f} GB | {measured:.2f} s | {predicted:.2f} s | {bound:.2f} s | "
+      f"{measured / bound:.2f}x | {cells[0]} | {cells[1]} | {predicted / measured:.2f} | {wrong} |")
 ' "$name" "$((t + i))" "$rate"
 }
 
@@ -149,12 +167,13 @@ if [ "$scenario" = delta ]; then
 fi
 
 echo "== syncs over emulated links: ${rate} Mbit/s each way per node, ${delay} ms delay, UCX over TCP"
-echo "| scenario | nodes | link | network bytes per sync | measured | predicted | lower bound | measured / bound | predicted / measured | wrong elements |"
-echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+echo "| scenario | nodes | network bytes per sync | measured | predicted | lower bound | measured / bound | rank pull | gather+broadcast | predicted / measured | wrong elements |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 case "$scenario" in
   relay | all) run_scenario "relay: 1 trainer node into 6 inference nodes" 1 6 --layers 2 --hidden 1024 ;;&
   fsdp-tp | all) run_scenario "FSDP (8 ranks) into TP=4 x 2 nodes, fused qkv/gate_up" 2 2 --layers 4 --hidden 1024 ;;&
+  moe | all) run_scenario "MoE: 16 whole experts per layer (FSDP, 8 ranks) into EP=3 x TP=4" 2 3 --layers 2 --hidden 1024 --experts 16 --vocab 8192 ;;&
   16-node | all) run_scenario "16 nodes: 4 trainer, 12 inference" 4 12 --layers 2 --hidden 512 ;;&
-  relay | fsdp-tp | 16-node | all) ;;
+  relay | fsdp-tp | moe | 16-node | all) ;;
   *) echo "unknown scenario $scenario" >&2; exit 2 ;;
 esac

@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <limits>
 
 #include "common/strings.h"
@@ -64,20 +65,38 @@ std::map<std::string, std::string> PeerSet::knownNodes() const {
 
 StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
   SC_ASSIGN_OR_RETURN(auto addrs, addresses());
-  std::vector<std::pair<std::string, grpc::Status>> calls;
-  std::vector<v1::DescribeResponse> responses;
-  for (const auto& address : addrs) {
-    auto stub = v1::Peer::NewStub(channel(address));
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms));
-    responses.emplace_back();
-    calls.emplace_back(address, stub->Describe(&ctx, v1::DescribeRequest(), &responses.back()));
-    if (calls.back().second.error_code() == grpc::StatusCode::UNAVAILABLE) {
+  // Every Describe at once (gRPC's callback API, no thread per call): a gather costs about one
+  // round trip however many peers there are, not one per peer.
+  const size_t n = addrs.size();
+  std::vector<std::pair<std::string, grpc::Status>> calls(n);
+  std::vector<v1::DescribeResponse> responses(n);
+  std::vector<grpc::ClientContext> contexts(n);
+  const v1::DescribeRequest request;
+  std::mutex done_mu;
+  std::condition_variable done_cv;
+  size_t pending = n;
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms);
+  for (size_t i = 0; i < n; ++i) {
+    calls[i].first = addrs[i];
+    contexts[i].set_deadline(deadline);
+    v1::Peer::NewStub(channel(addrs[i]))
+        ->async()
+        ->Describe(&contexts[i], &request, &responses[i], [&, i](grpc::Status st) {
+          std::lock_guard<std::mutex> lock(done_mu);
+          calls[i].second = std::move(st);
+          if (--pending == 0) done_cv.notify_all();
+        });
+  }
+  {
+    std::unique_lock<std::mutex> lock(done_mu);
+    done_cv.wait(lock, [&] { return pending == 0; });  // every call ends by its deadline
+  }
+  for (const auto& [address, st] : calls)
+    if (st.error_code() == grpc::StatusCode::UNAVAILABLE) {
       // A fresh channel next time: a restarted peer is then reached without reconnect backoff.
       std::lock_guard<std::mutex> lock(mu_);
       channels_.erase(address);
     }
-  }
   {
     // What each peer says of itself, then what the others know of peers this daemon never reached.
     std::lock_guard<std::mutex> lock(mu_);

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <condition_variable>
+#include <optional>
 #include <thread>
 
 #include "common/grpc_status.h"
@@ -163,6 +164,7 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   out_.set_delta_chunks(delta_chunks_);
   out_.set_dense_chunks(dense_chunks_);
   out_.set_delta(delta_);
+  out_.set_strategy(req_.options().strategy());
   out_.set_plan_summary_json(planner::renderJson(plan_->plan, plan_->nodes, planner::CostModel{}));
   spdlog::info("sync {}: {} -> {} version {} committed in {:.3f} s", id_, req_.src_group(), req_.dst_group(),
                req_.version(), out_.seconds());
@@ -235,7 +237,9 @@ Status SyncCoordinator::plan() {
   const uint64_t budget = static_cast<uint64_t>(ctx_.config.staging_mib) << 20;
   const uint64_t chunk_bytes = static_cast<uint64_t>(ctx_.config.chunk_mib) << 20;
   const bool zero_copy = req_.options().delta() == v1::DELTA_OFF;
-  auto plan = ctx_.engine.plans().get(src_, dst_, budget, chunk_bytes, &plan_cached_, zero_copy);
+  auto strategy = strategyOf(req_.options().strategy(), req_.options().delta());
+  if (!strategy.ok()) return failed(strategy.status());
+  auto plan = ctx_.engine.plans().get(src_, dst_, budget, chunk_bytes, &plan_cached_, zero_copy, *strategy);
   if (!plan.ok()) return failed(plan.status());
   plan_ = std::move(*plan);
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
@@ -251,8 +255,9 @@ Status SyncCoordinator::plan() {
   return absl::OkStatus();
 }
 
-// Every daemon plans (cached) and allocates where transfers land on it, one after another (the
-// first failure ends it); the lease starts with the first.
+// Every daemon plans (cached) and allocates where transfers land on it, all at once; the first
+// failure gives the sync up everywhere (a Prepare still on its way is refused where the Finish
+// came first). The lease starts here.
 Status SyncCoordinator::prepare() {
   exec_.set_sync_id(id_);
   exec_.set_timeout_ms(timeout_ms_);
@@ -264,33 +269,47 @@ Status SyncCoordinator::prepare() {
     delta_ = v1::DELTA_DENSE;  // the periodic refresh
   lease_keeper_ = std::make_unique<LeaseKeeper>(*this);
   const auto& daemons = cluster_->view.daemons();
+  v1::PrepareRequest p;
+  p.set_lease_ms(static_cast<uint32_t>(lease_.count()));
+  p.set_fence(fence_);
+  p.set_sync_id(id_);
+  *p.mutable_src() = src_;
+  *p.mutable_dst() = dst_;
+  p.set_version(req_.version());
+  p.set_staging_bytes(static_cast<uint64_t>(ctx_.config.staging_mib) << 20);
+  p.set_chunk_bytes(static_cast<uint64_t>(ctx_.config.chunk_mib) << 20);
+  p.set_delta(delta_);
+  p.set_strategy(req_.options().strategy());
+  std::vector<v1::PrepareResponse> prepared(daemons.size());
+  std::vector<grpc::Status> results;
+  peers_->forEach(
+      callDeadline(),
+      [&](size_t i, v1::Peer::Stub& stub, grpc::ClientContext& c) {
+        const grpc::Status st = stub.Prepare(&c, p, &prepared[i]);
+        if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED)
+          giveUp(strCat("prepare failed on node \"", daemons[i].node(), "\": ", st.error_message()));  // once
+        return st;
+      },
+      &results);
+  // The node whose own failure gave the sync up, rather than the calls cancelled because of it.
+  std::optional<size_t> at_fault;
+  for (size_t i = 0; i < results.size(); ++i)
+    if (!results[i].ok() && (!at_fault || results[*at_fault].error_code() == grpc::StatusCode::CANCELLED)) at_fault = i;
+  if (at_fault) {
+    const std::string stalled = lease_keeper_->stalled();
+    const Status failure = fromGrpc(
+        results[*at_fault],
+        strCat("sync ", id_, ": prepare on node \"", stalled.empty() ? daemons[*at_fault].node() : stalled, "\""));
+    giveUp(std::string(failure.message()));
+    return failed(failure);
+  }
   for (size_t i = 0; i < daemons.size(); ++i) {
-    v1::PrepareRequest p;
-    p.set_lease_ms(static_cast<uint32_t>(lease_.count()));
-    p.set_fence(fence_);
-    p.set_sync_id(id_);
-    *p.mutable_src() = src_;
-    *p.mutable_dst() = dst_;
-    p.set_version(req_.version());
-    p.set_staging_bytes(static_cast<uint64_t>(ctx_.config.staging_mib) << 20);
-    p.set_chunk_bytes(static_cast<uint64_t>(ctx_.config.chunk_mib) << 20);
-    p.set_delta(delta_);
-    v1::PrepareResponse r;
-    const grpc::Status st = peers_->call(
-        i, callDeadline(), [&](v1::Peer::Stub& stub, grpc::ClientContext& c) { return stub.Prepare(&c, p, &r); });
-    if (!st.ok()) {
-      const std::string stalled = lease_keeper_->stalled();
-      const Status failure = fromGrpc(
-          st, strCat("sync ", id_, ": prepare on node \"", stalled.empty() ? daemons[i].node() : stalled, "\""));
-      giveUp(std::string(failure.message()));
-      return failed(failure);
-    }
     auto* n = exec_.add_nodes();
     n->set_node(daemons[i].node());
     n->set_transport_address(daemons[i].transport_address());
-    *n->mutable_targets() = r.targets();
-    n->set_base_version(r.base_version());
-    n->set_base_fence(r.base_fence());
+    *n->mutable_targets() = std::move(*prepared[i].mutable_targets());
+    n->set_base_version(prepared[i].base_version());
+    n->set_base_fence(prepared[i].base_fence());
   }
   return absl::OkStatus();
 }

@@ -2,6 +2,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstring>
 #include <set>
 #include <utility>
@@ -345,13 +346,15 @@ Status Execution::processLanded(const LandedChunk& l) {
   if (req_.verify() && sum != l.checksum)
     return absl::DataLossError(strCat("sync ", a_->id, ": chunk ", l.chunk, " of transfer ", l.transfer,
                                       " arrived at node \"", env_.node, "\" with a wrong checksum"));
-  // Forward the chunk along its relay chain first: the next node's transfer then overlaps the
-  // local fan-out below (the bytes stay where they landed until the sync ends).
+  // Forward the chunk along its relay chain first (a star's first node: to every other node of
+  // it): the next nodes' transfers then overlap the local fan-out below (the bytes stay where
+  // they landed until the sync ends).
   const auto& ch = plan_.chains[l.chain];
-  if (l.hop + 1 < ch.nodes_count) {
+  const int32_t last = ch.star ? (l.hop == 0 ? ch.nodes_count - 1 : l.hop) : std::min(l.hop + 1, ch.nodes_count - 1);
+  for (int32_t hop = l.hop + 1; hop <= last; ++hop) {
     LandedChunk next = l;
-    next.hop = l.hop + 1;
-    SC_RETURN_IF_ERROR(send(region, region_offset, next, plan_.chain_nodes[ch.nodes_begin + l.hop + 1]));
+    next.hop = hop;
+    SC_RETURN_IF_ERROR(send(region, region_offset, next, plan_.chain_nodes[ch.nodes_begin + hop]));
   }
   if (landing->direct()) {
     // Landed in a device buffer's transport mirror: into the device now.

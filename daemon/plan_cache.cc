@@ -7,6 +7,18 @@
 
 namespace shardcast::daemon {
 
+StatusOr<planner::Strategy> strategyOf(int strategy, v1::DeltaMode delta) {
+  if (!v1::SyncStrategy_IsValid(strategy))
+    return absl::InvalidArgumentError(strCat("sync strategy ", strategy,
+                                             " is not one of STRATEGY_PLANNED, "
+                                             "STRATEGY_RANK_PULL, STRATEGY_GATHER_BROADCAST"));
+  if (strategy == v1::STRATEGY_PLANNED) return planner::Strategy::kPlanned;
+  if (delta != v1::DELTA_OFF)
+    return absl::InvalidArgumentError(strCat("sync strategy ", v1::SyncStrategy_Name(strategy),
+                                             " is a baseline, measured dense: it takes no deltas (delta: DELTA_OFF)"));
+  return strategy == v1::STRATEGY_RANK_PULL ? planner::Strategy::kRankPull : planner::Strategy::kGatherBroadcast;
+}
+
 std::shared_ptr<const CachedPlan> PlanCache::lookup(const std::string& key, bool* hit) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = plans_.find(key);
@@ -35,13 +47,16 @@ std::shared_ptr<const CachedPlan> PlanCache::insert(const std::string& key, plan
 
 StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src, const v1::Layout& dst,
                                                            uint64_t staging_budget, uint64_t chunk_bytes, bool* hit,
-                                                           bool zero_copy) {
+                                                           bool zero_copy, planner::Strategy strategy) {
   if (staging_budget == 0 || chunk_bytes == 0)
     return absl::InvalidArgumentError("staging budget and chunk size must be positive");
+  const char* routing = strategy == planner::Strategy::kRankPull          ? "/rank-pull"
+                        : strategy == planner::Strategy::kGatherBroadcast ? "/gather-broadcast"
+                                                                          : "";
   const std::string key = strCat(planner::layoutDigest(src), "/", planner::layoutDigest(dst), "/", staging_budget, "/",
-                                 chunk_bytes, zero_copy ? "" : "/packed");
+                                 chunk_bytes, zero_copy ? "" : "/packed", routing);
   if (auto cached = lookup(key, hit)) return cached;
-  SC_ASSIGN_OR_RETURN(auto schedule, planner::makeSchedule(src, dst, staging_budget, chunk_bytes, zero_copy));
+  SC_ASSIGN_OR_RETURN(auto schedule, planner::makeSchedule(src, dst, staging_budget, chunk_bytes, zero_copy, strategy));
   return insert(key, std::move(schedule));
 }
 

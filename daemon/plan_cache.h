@@ -16,17 +16,24 @@
 #include "planner/replicas.h"
 #include "planner/schedule.h"
 #include "shardcast/v1/layout.pb.h"
+#include "shardcast/v1/service.pb.h"
 #include "transport/transport.h"
 
 namespace shardcast::daemon {
 
 // A schedule as the daemon caches it, under the key of its layouts and budgets.
 struct CachedPlan : planner::Schedule {
-  std::string key;  // the two layout digests, the staging budget, the chunk size (and "/packed": no zero copy)
+  // The two layout digests, the staging budget, the chunk size (and "/packed": no zero copy;
+  // "/rank-pull", "/gather-broadcast": a baseline's routing).
+  std::string key;
   std::string landedProblem(const LandedChunk& l, int32_t in_wave, int32_t self) const {
     return Schedule::landedProblem(l.transfer, l.chain, l.hop, l.chunk, in_wave, self);
   }
 };
+
+// The planner's routing for a sync's strategy: INVALID_ARGUMENT for an unknown one, or for a
+// baseline asked to run with deltas (baselines are measured dense).
+StatusOr<planner::Strategy> strategyOf(int strategy, v1::DeltaMode delta);
 
 // Syncs in flight keep their plan alive by reference, so an eviction never pulls a plan from
 // under one. Thread-safe.
@@ -34,9 +41,11 @@ class PlanCache {
  public:
   explicit PlanCache(size_t capacity = 16) : capacity_(capacity == 0 ? 1 : capacity) {}
   // The plan for these layouts and staging budget; *hit says whether it was cached.
-  // `zero_copy`: planner::Schedule::zero_copy (off for delta syncs: a plan of its own).
+  // `zero_copy`: planner::Schedule::zero_copy (off for delta syncs: a plan of its own); `strategy`:
+  // the routing (a baseline's plan is cached apart from the planned one).
   StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst, uint64_t staging_budget,
-                                                  uint64_t chunk_bytes, bool* hit, bool zero_copy = true);
+                                                  uint64_t chunk_bytes, bool* hit, bool zero_copy = true,
+                                                  planner::Strategy strategy = planner::Strategy::kPlanned);
   // The plan of a sync from `src` into the replica set `replicas` (planner/replicas.h), whose
   // destination is stackReplicas(replicas) (CachedPlan::dst). Plans are cached per membership;
   // the set's position plan apart from them, so a replica that joins or leaves costs a

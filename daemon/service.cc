@@ -271,7 +271,12 @@ grpc::Status ShardcastService::Plan(grpc::ServerContext* ctx, const v1::PlanRequ
   auto rd = planner::resolveLayout(*dst, nodes);
   if (!rd.ok()) return toGrpc(rd.status());
   if (auto st = planner::addScaleSources(*rs, *rd); !st.ok()) return toGrpc(st);
-  auto plan = planner::makePlan(*rs, *rd, nodes);
+  auto strategy = strategyOf(req->strategy(), v1::DELTA_OFF);
+  if (!strategy.ok()) return toGrpc(strategy.status());
+  planner::PlanOptions options;  // as a sync plans it (SyncEngine)
+  options.chunk_bytes = config_.chunk_mib << 20;
+  options.strategy = *strategy;
+  auto plan = planner::makePlan(*rs, *rd, nodes, options);
   if (!plan.ok()) return toGrpc(plan.status());
   planner::CostModel model;
   if (req->nic_gbps() < 0 || req->local_gbps() < 0)

@@ -109,8 +109,9 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   a->delta = req.delta();
   a->renew();
   bool hit = false;
+  SC_ASSIGN_OR_RETURN(const auto strategy, strategyOf(req.strategy(), req.delta()));
   SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), req.staging_bytes(), req.chunk_bytes(), &hit,
-                                          a->delta == v1::DELTA_OFF));
+                                          a->delta == v1::DELTA_OFF, strategy));
   for (const auto& key : plans_.takeEvicted()) {  // spare memory and delta bases go with their plan
     spares_.drop(key);
     bases_.drop(key);

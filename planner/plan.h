@@ -22,7 +22,18 @@
 
 namespace shardcast::planner {
 
+// How a plan routes bytes. kPlanned is Shardcast's; the other two are the shapes it is measured
+// against, executed by the same daemons (v1::SyncStrategy, bench/cluster.sh):
+//   kRankPull         every destination rank gets its own copy of each slice it needs straight
+//                     from a source rank, as per-rank P2P systems do: a group per rank (no dedup
+//                     across a node's ranks), no relays
+//   kGatherBroadcast  every byte that crosses the network goes through one root node (source rank
+//                     0's): its holder sends it there, the root sends each destination node what it
+//                     needs (a star: the parameter-server shape), chunk by chunk
+enum class Strategy { kPlanned, kRankPull, kGatherBroadcast };
+
 struct PlanOptions {
+  Strategy strategy = Strategy::kPlanned;
   int64_t chunk_bytes = int64_t{64} << 20;  // large transfers are cut into chunks of this size
   int64_t small_bytes = int64_t{1} << 20;   // fragments below this travel in buckets
   // ... except fragments that land whole and contiguously in the one rank of a node that needs
@@ -31,6 +42,10 @@ struct PlanOptions {
   int64_t small_in_place_bytes = int64_t{128} << 10;
   int64_t bucket_bytes = int64_t{16} << 20;  // a bucket is filled up to this size
   int32_t max_chain = 16;                    // destination nodes per relay chain
+  // Transfers smaller than this go straight from their source to every node that needs them: a
+  // relay hop costs a store-and-forward latency (tens of microseconds on a fast network, far more
+  // on a loaded host) that sending a small transfer once more does not.
+  int64_t relay_min_bytes = int64_t{1} << 20;
 };
 
 struct SourceCell {
@@ -46,6 +61,7 @@ struct NodeGroup {
   int32_t tensor = 0;
   int32_t nodes_begin = 0;  // into Plan::group_nodes, sorted
   int32_t nodes_count = 0;
+  int32_t rank = -1;  // Strategy::kRankPull: the one destination rank it is for (-1: every rank that needs it)
 };
 
 struct Fragment {
@@ -61,6 +77,9 @@ struct Chain {
   int32_t src_rank = 0;     // the rank that reads its memory for the first fragment of the transfer
   int32_t nodes_begin = 0;  // into Plan::chain_nodes
   int32_t nodes_count = 0;
+  // The first node forwards to every other node of the chain (Strategy::kGatherBroadcast's root),
+  // instead of each node to the next.
+  bool star = false;
 };
 
 struct Transfer {
@@ -96,7 +115,7 @@ struct PlanStats {
   int64_t transfers = 0;
   int64_t buckets = 0;
   int64_t fragments = 0;
-  int32_t max_chain = 0;  // longest relay chain in hops
+  int32_t max_chain = 0;  // longest relay chain in hops (a star: 2)
   int64_t largest_chunk = 0;
   int64_t max_unique_held = 0;  // most bytes some needed data whose only holders are on one node
   std::vector<int64_t> node_ingress, node_egress, node_local;  // indexed by node id
@@ -140,7 +159,8 @@ int32_t sourceRank(const Plan& plan, const ResolvedLayout& src, int32_t f, const
 // the fragment's cell; an empty Region otherwise).
 Region sourceRegion(const Plan& plan, const ResolvedLayout& src, int32_t f, int32_t rank);
 Region sourceRegion(const Plan& plan, const ResolvedLayout& src, int32_t f, int32_t rank, const Box& sub);
-// Every destination rank on `node` that needs part of fragment `f`, with the part's region.
+// Every destination rank on `node` that needs part of fragment `f`, with the part's region (only
+// its group's rank when the group is one rank's: Strategy::kRankPull).
 std::vector<std::pair<Box, Region>> destinationRegions(const Plan& plan, const ResolvedLayout& dst, int32_t f,
                                                        int32_t node);
 

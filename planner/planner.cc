@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <string>
 #include <unordered_map>
 
@@ -39,6 +40,7 @@ class Planner {
     pull_egress_.assign(n, 0);
     unique_held_.assign(n, 0);
     rank_egress_.assign(src.world(), 0);
+    if (!src.rank_node.empty()) root_ = src.rank_node[0];
   }
 
   StatusOr<Plan> run() {
@@ -188,8 +190,10 @@ class Planner {
     std::vector<int32_t> rep_pieces;  // the first node's pieces, parallel to boxes
   };
 
-  // Destination nodes grouped by the multiset of boxes their ranks need.
+  // Destination nodes grouped by the multiset of boxes their ranks need (kRankPull: one group
+  // per destination rank, whatever the others on its node need).
   std::vector<Group> buildGroups(const TensorLayout& dt, int32_t t) {
+    if (plan_.options.strategy == Strategy::kRankPull) return rankGroups(dt, t);
     std::vector<std::pair<int32_t, int32_t>> by_node;  // (node, piece index)
     by_node.reserve(dt.pieces.size());
     for (int32_t i = 0; i < static_cast<int32_t>(dt.pieces.size()); ++i)
@@ -232,12 +236,31 @@ class Planner {
       groups[it->second].nodes.push_back(by_node[i].first);
       i = e;
     }
-    for (Group& g : groups) {
-      g.id = static_cast<int32_t>(plan_.groups.size());
-      plan_.groups.push_back({t, static_cast<int32_t>(plan_.group_nodes.size()), static_cast<int32_t>(g.nodes.size())});
-      plan_.group_nodes.insert(plan_.group_nodes.end(), g.nodes.begin(), g.nodes.end());
+    for (Group& g : groups) addGroup(g, t, -1);
+    return groups;
+  }
+
+  std::vector<Group> rankGroups(const TensorLayout& dt, int32_t t) {
+    std::map<int32_t, Group> by_rank;
+    for (int32_t i = 0; i < static_cast<int32_t>(dt.pieces.size()); ++i) {
+      Group& g = by_rank[dt.pieces[i].rank];
+      g.boxes.push_back(dt.pieces[i].box);
+      g.rep_pieces.push_back(i);
+    }
+    std::vector<Group> groups;
+    for (auto& [rank, g] : by_rank) {
+      g.nodes = {dst_.rank_node[rank]};
+      addGroup(g, t, rank);
+      groups.push_back(std::move(g));
     }
     return groups;
+  }
+
+  void addGroup(Group& g, int32_t t, int32_t rank) {
+    g.id = static_cast<int32_t>(plan_.groups.size());
+    plan_.groups.push_back(
+        {t, static_cast<int32_t>(plan_.group_nodes.size()), static_cast<int32_t>(g.nodes.size()), rank});
+    plan_.group_nodes.insert(plan_.group_nodes.end(), g.nodes.begin(), g.nodes.end());
   }
 
   Status planGroup(const TensorLayout& st, const TensorLayout& dt, int32_t t, const Group& g, int32_t cells_begin,
@@ -409,10 +432,15 @@ class Planner {
 
   // Splits the receiving nodes into chains of at most max_chain nodes; each chain starts at the
   // holder node (then rank) with the least egress so far. Rotating the order per fragment spreads
-  // the forwarding role (every node but a chain's last forwards) evenly over the nodes.
+  // the forwarding role (every node but a chain's last forwards) evenly over the nodes. A transfer
+  // below relay_min_bytes, and every transfer of kRankPull, goes straight to each node (chains of
+  // one); kGatherBroadcast routes through its root (gatherChains).
   void addChains(Transfer& tr, const SourceCell& cell, const std::vector<int32_t>& nodes, int32_t rotation) {
+    if (plan_.options.strategy == Strategy::kGatherBroadcast) return gatherChains(tr, cell, nodes);
     const int32_t k = static_cast<int32_t>(nodes.size());
-    const int32_t count = (k + plan_.options.max_chain - 1) / plan_.options.max_chain;
+    const bool direct = plan_.options.strategy == Strategy::kRankPull || tr.bytes < plan_.options.relay_min_bytes;
+    const int32_t longest = direct ? 1 : plan_.options.max_chain;
+    const int32_t count = (k + longest - 1) / longest;
     const int32_t shift = rotation % k;
     const int32_t* hn = plan_.cell_nodes.data() + cell.nodes_begin;
     tr.chains_begin = static_cast<int32_t>(plan_.chains.size());
@@ -423,24 +451,62 @@ class Planner {
         const int32_t n = hn[(i + rotation) % cell.nodes_count];
         if (best < 0 || egress_[n] < egress_[best]) best = n;
       }
-      const int32_t rank = leastLoadedHolder(cell, best);
-      Chain ch{best, rank, static_cast<int32_t>(plan_.chain_nodes.size()), 0};
       const int32_t lo = static_cast<int32_t>(static_cast<int64_t>(c) * k / count);
       const int32_t hi = static_cast<int32_t>(static_cast<int64_t>(c + 1) * k / count);
-      egress_[best] += tr.bytes;
-      rank_egress_[rank] += tr.bytes;
-      for (int32_t i = lo; i < hi; ++i) {
-        const int32_t n = nodes[(i + shift) % k];
-        plan_.chain_nodes.push_back(n);
-        ingress_[n] += tr.bytes;
-        if (i + 1 < hi) egress_[n] += tr.bytes;
-      }
-      ch.nodes_count = hi - lo;
-      plan_.stats.max_chain = std::max(plan_.stats.max_chain, ch.nodes_count);
-      plan_.stats.network_bytes += tr.bytes * ch.nodes_count;
-      plan_.stats.network_ops += tr.chunks * ch.nodes_count;
-      plan_.chains.push_back(ch);
+      std::vector<int32_t>& chain = chain_scratch_;
+      chain.clear();
+      for (int32_t i = lo; i < hi; ++i) chain.push_back(nodes[(i + shift) % k]);
+      addChain(tr, cell, best, chain, false);
     }
+  }
+
+  // kGatherBroadcast: the root forwards every transfer to the nodes that need it (a star). A
+  // transfer the root holds is sent from there straight to each node; any other goes from its
+  // least loaded holder node to the root first (a hop of its own where the root needs none of it).
+  void gatherChains(Transfer& tr, const SourceCell& cell, const std::vector<int32_t>& nodes) {
+    const int32_t* hn = plan_.cell_nodes.data() + cell.nodes_begin;
+    tr.chains_begin = static_cast<int32_t>(plan_.chains.size());
+    std::vector<int32_t>& chain = chain_scratch_;
+    if (std::binary_search(hn, hn + cell.nodes_count, root_)) {
+      tr.chains_count = static_cast<int32_t>(nodes.size());
+      for (const int32_t n : nodes) {
+        chain.assign(1, n);
+        addChain(tr, cell, root_, chain, false);
+      }
+      return;
+    }
+    int32_t best = -1;
+    for (int32_t i = 0; i < cell.nodes_count; ++i)
+      if (best < 0 || egress_[hn[i]] < egress_[best]) best = hn[i];
+    chain.assign(1, root_);
+    for (const int32_t n : nodes)
+      if (n != root_) chain.push_back(n);
+    tr.chains_count = 1;
+    addChain(tr, cell, best, chain, true);
+  }
+
+  // One chain of `tr` from `src_node` (its least loaded holder rank there) through `nodes`.
+  void addChain(const Transfer& tr, const SourceCell& cell, int32_t src_node, const std::vector<int32_t>& nodes,
+                bool star) {
+    const int32_t rank = leastLoadedHolder(cell, src_node);
+    Chain ch{src_node, rank, static_cast<int32_t>(plan_.chain_nodes.size()), static_cast<int32_t>(nodes.size()), star};
+    egress_[src_node] += tr.bytes;
+    rank_egress_[rank] += tr.bytes;
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      plan_.chain_nodes.push_back(nodes[i]);
+      ingress_[nodes[i]] += tr.bytes;
+    }
+    // Forwarding: a star's first node sends to all the others, a chain's every node but the last
+    // to the next.
+    const int32_t forwards = static_cast<int32_t>(nodes.size()) - 1;
+    if (star)
+      egress_[nodes.front()] += tr.bytes * forwards;
+    else
+      for (int32_t i = 0; i < forwards; ++i) egress_[nodes[static_cast<size_t>(i)]] += tr.bytes;
+    plan_.stats.max_chain = std::max(plan_.stats.max_chain, star ? std::min(ch.nodes_count, 2) : ch.nodes_count);
+    plan_.stats.network_bytes += tr.bytes * ch.nodes_count;
+    plan_.stats.network_ops += tr.chunks * ch.nodes_count;
+    plan_.chains.push_back(ch);
   }
 
   int32_t holderOnNode(const SourceCell& cell, int32_t node) const {
@@ -544,7 +610,8 @@ class Planner {
   std::vector<double> pull_ingress_, pull_egress_;
   std::vector<std::pair<int32_t, int32_t>> local_src_boxes_;  // (node, source box id), sorted
   const std::vector<Box>* src_boxes_ = nullptr;
-  std::vector<int32_t> net_;
+  std::vector<int32_t> net_, chain_scratch_;
+  int32_t root_ = -1;  // kGatherBroadcast: the node everything goes through (source rank 0's)
   std::unordered_map<std::string, size_t> bucket_index_;
   std::vector<Bucket> buckets_;
 };
@@ -588,8 +655,10 @@ std::vector<std::pair<Box, Region>> destinationRegions(const Plan& plan, const R
   const Fragment& frag = plan.fragments[f];
   const TensorLayout& dt = dst.tensors[plan.tensors[frag.tensor].dst];
   std::vector<std::pair<Box, Region>> out;
+  const int32_t only = plan.groups[static_cast<size_t>(frag.group)].rank;
   for (const PieceRef& p : dt.pieces) {
-    if (dst.rank_node[p.rank] != node || !overlaps(dt.boxes[p.box], frag.box)) continue;
+    if (dst.rank_node[p.rank] != node || (only >= 0 && p.rank != only) || !overlaps(dt.boxes[p.box], frag.box))
+      continue;
     const Box sub = intersect(dt.boxes[p.box], frag.box);
     out.emplace_back(sub, dst.region(dt, p, sub));
   }

@@ -103,7 +103,7 @@ std::string Schedule::landedProblem(int32_t t, int32_t chain, int32_t hop, int32
 }
 
 StatusOr<Schedule> makeSchedule(const v1::Layout& src, const v1::Layout& dst, uint64_t staging_budget,
-                                uint64_t chunk_bytes, bool zero_copy) {
+                                uint64_t chunk_bytes, bool zero_copy, Strategy strategy) {
   if (staging_budget == 0 || chunk_bytes == 0)
     return absl::InvalidArgumentError("staging budget and chunk size must be positive");
   NodeTable nodes;
@@ -112,6 +112,7 @@ StatusOr<Schedule> makeSchedule(const v1::Layout& src, const v1::Layout& dst, ui
   SC_RETURN_IF_ERROR(addScaleSources(s, d));
   PlanOptions options;
   options.chunk_bytes = static_cast<int64_t>(chunk_bytes);
+  options.strategy = strategy;
   SC_ASSIGN_OR_RETURN(auto plan, makePlan(s, d, nodes, options));
   return scheduleOf(std::move(nodes), std::move(s), std::move(d), std::move(plan), staging_budget, zero_copy);
 }

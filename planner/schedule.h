@@ -95,10 +95,10 @@ struct Schedule {
                             int32_t self) const;
 };
 
-// Resolves both layouts, plans src -> dst with chunks of `chunk_bytes`, and schedules the plan for
-// `staging_budget` bytes per node and wave (`zero_copy`: Schedule::zero_copy).
+// Resolves both layouts, plans src -> dst with chunks of `chunk_bytes` (routed by `strategy`), and
+// schedules the plan for `staging_budget` bytes per node and wave (`zero_copy`: Schedule::zero_copy).
 StatusOr<Schedule> makeSchedule(const v1::Layout& src, const v1::Layout& dst, uint64_t staging_budget,
-                                uint64_t chunk_bytes, bool zero_copy = true);
+                                uint64_t chunk_bytes, bool zero_copy = true, Strategy strategy = Strategy::kPlanned);
 // Schedules a plan already made over these resolved layouts and node table (a replica set's
 // composed plan, say) for `staging_budget` bytes per node and wave.
 StatusOr<Schedule> scheduleOf(NodeTable nodes, ResolvedLayout src, ResolvedLayout dst, Plan plan,

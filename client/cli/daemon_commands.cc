@@ -71,6 +71,7 @@ struct SyncArgs : CommonArgs {
   double timeout_s = 0;
   bool verify = false, wait_for_ranks = false, no_progress = false;
   std::string delta = "off";
+  std::string strategy = "planned";
 };
 
 int runSync(const SyncArgs& a) {
@@ -86,6 +87,9 @@ int runSync(const SyncArgs& a) {
   o.verify = a.verify;
   o.wait_for_ranks = a.wait_for_ranks;
   o.delta = a.delta == "auto" ? v1::DELTA_AUTO : a.delta == "dense" ? v1::DELTA_DENSE : v1::DELTA_OFF;
+  o.strategy = a.strategy == "rank-pull"          ? v1::STRATEGY_RANK_PULL
+               : a.strategy == "gather-broadcast" ? v1::STRATEGY_GATHER_BROADCAST
+                                                  : v1::STRATEGY_PLANNED;
   o.sync_id = a.sync_id.empty() ? newSyncId() : a.sync_id;
 
   // The sync runs in its own thread; this one watches it and draws the progress.
@@ -332,6 +336,12 @@ void addDaemonCommands(CLI::App& app, int* exit_code) {
                     "off: dense; auto: only the elements that changed, to nodes holding the bytes this source last "
                     "sent (docs/delta.md); dense: dense, keeping the bases for later deltas")
         ->check(CLI::IsMember({"off", "auto", "dense"}))
+        ->capture_default_str();
+    cmd->add_option("--strategy", a->strategy,
+                    "planned: Shardcast's plan; rank-pull, gather-broadcast: the baselines it is measured against "
+                    "(every destination rank pulling its own slices; everything through source rank 0's node), "
+                    "executed by the same daemons, dense")
+        ->check(CLI::IsMember({"planned", "rank-pull", "gather-broadcast"}))
         ->capture_default_str();
     cmd->add_option("--sync-id", a->sync_id, "Id of the sync (default: a random one), for `shardcast watch`");
     cmd->add_flag("--no-progress", a->no_progress, "Print only the result");

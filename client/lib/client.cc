@@ -290,6 +290,7 @@ StatusOr<v1::SyncResponse> Client::sync(const std::string& src, const std::strin
   req.mutable_options()->set_verify(options.verify);
   req.mutable_options()->set_wait_for_ranks(options.wait_for_ranks);
   req.mutable_options()->set_delta(options.delta);
+  req.mutable_options()->set_strategy(options.strategy);
   // The daemon enforces the sync's own timeout; the call's deadline leaves it room to report.
   const auto limit =
       (options.timeout.count() > 0 ? options.timeout : std::chrono::milliseconds(300'000)) + std::chrono::seconds(30);
@@ -369,11 +370,13 @@ StatusOr<v1::ListResponse> Client::list(bool all_nodes) const {
   return out;
 }
 
-StatusOr<v1::PlanResponse> Client::plan(const std::string& src, const std::string& dst, double nic_gbps) const {
+StatusOr<v1::PlanResponse> Client::plan(const std::string& src, const std::string& dst, double nic_gbps,
+                                        v1::SyncStrategy strategy) const {
   v1::PlanRequest req;
   req.set_src_group(src);
   req.set_dst_group(dst);
   req.set_nic_gbps(nic_gbps);
+  req.set_strategy(strategy);
   v1::PlanResponse out;
   const auto st = stub_->Plan(context(call_timeout_).get(), req, &out);
   if (!st.ok()) return fromGrpc(st, strCat("plan \"", src, "\" -> \"", dst, "\""));

@@ -31,7 +31,9 @@ struct SyncOptions {
   bool verify = false;                   // per-chunk xxHash64 checked at every destination node
   bool wait_for_ranks = false;           // wait up to the timeout for ranks not yet registered
   v1::DeltaMode delta = v1::DELTA_OFF;   // delta syncs (v1::DeltaMode, docs/delta.md)
-  std::string sync_id;                   // "" = one chosen by the daemon; set it to Watch meanwhile
+  // The routing: Shardcast's plan, or a baseline it is measured against (v1::SyncStrategy)
+  v1::SyncStrategy strategy = v1::STRATEGY_PLANNED;
+  std::string sync_id;  // "" = one chosen by the daemon; set it to Watch meanwhile
 };
 
 // How a rank registers: a source (a trainer: it fills its buffers and publishes versions; syncs
@@ -141,7 +143,8 @@ class Client {
   StatusOr<v1::StatusResponse> status() const;
   StatusOr<v1::ListResponse> list(bool all_nodes) const;
   // `nic_gbps`: the NIC rate the predicted time is for (0: the daemon's default).
-  StatusOr<v1::PlanResponse> plan(const std::string& src, const std::string& dst, double nic_gbps = 0) const;
+  StatusOr<v1::PlanResponse> plan(const std::string& src, const std::string& dst, double nic_gbps = 0,
+                                  v1::SyncStrategy strategy = v1::STRATEGY_PLANNED) const;
 
   // Deadline of unary calls other than sync and waitVersion (which use their own timeouts).
   void setCallTimeout(std::chrono::milliseconds timeout) { call_timeout_ = timeout; }

@@ -7,6 +7,11 @@
 //   build/bin/shardcast-demo [--layers 4] [--hidden 1024] [--syncs 3] [--trainer-nodes 2]
 //                            [--inference-nodes 3] [--ucx-tls TLS] [--staging-mib N] [--chunk-mib N] [--window-mib N]
 //                            [--verify] [--daemon-arg ARG]... [--netns] [--nic-gbps G] [--report] [--vocab N]
+//                            [--experts E] [--strategies planned,rank-pull,gather-broadcast]
+// --experts makes every layer's MLP a mixture of E experts (stacked w13 [E, 2h, h] and w2
+// [E, h, h], a router [E, h]): whole experts per trainer rank, experts split across inference
+// nodes (EP) and their intermediate dim across each node's ranks (TP). --strategies runs the syncs
+// once per routing, in the same cluster: Shardcast's plan and the baselines (v1::SyncStrategy).
 // With --netns each daemon runs in the network namespace "sc-<node>" that bench/cluster.sh made
 // (node k of trainer-0.., inference-0.. at 10.77.0.<k+2>): a real, rate-limited network between
 // the nodes; ranks still reach their daemon over its Unix socket.
@@ -39,25 +44,35 @@ struct Options {
   bool netns = false;                    // daemons in bench/cluster.sh's namespaces
   double nic_gbps = 0;                   // the link rate the plan's prediction is for (0: default)
   bool report = false;                   // RESULT lines for scripts
+  int64_t experts = 0;                   // 0: dense MLPs
+  std::vector<std::string> strategies{"planned"};
 };
+
+const std::map<std::string, v1::SyncStrategy> kStrategies{{"planned", v1::STRATEGY_PLANNED},
+                                                          {"rank-pull", v1::STRATEGY_RANK_PULL},
+                                                          {"gather-broadcast", v1::STRATEGY_GATHER_BROADCAST}};
 
 constexpr const char* kUsage =
     "usage: shardcast-demo [--layers 4] [--hidden 1024] [--syncs 3] [--trainer-nodes 2] [--inference-nodes 3]\n"
     "                      [--ucx-tls TLS] [--staging-mib N] [--chunk-mib N] [--window-mib N] [--verify]\n"
     "                      [--daemon-arg ARG]... [--netns] [--nic-gbps G] [--report] [--vocab 32000]\n"
+    "                      [--experts E] [--strategies planned,rank-pull,gather-broadcast]\n"
     "Starts one shardcastd per node on loopback, registers a Llama-like model's ranks in a trainer layout\n"
     "(FSDP) and an inference layout (TP per node, fused qkv/gate_up), syncs --syncs versions, checks every\n"
     "destination byte and prints the plan and the throughput. --daemon-arg passes a flag to every daemon,\n"
     "e.g. --daemon-arg=--ucx-tcp-segment-kib=64 (shardcastd --help lists them). --netns runs each daemon in the\n"
     "network namespace sc-<node> that bench/cluster.sh made; --nic-gbps the plan's prediction is for that link\n"
-    "rate; --report prints RESULT lines (plan figures, each sync's seconds) for scripts.\n";
+    "rate; --report prints RESULT lines (plan figures, each sync's seconds) for scripts. --experts E makes every\n"
+    "MLP a mixture of E experts (whole experts per trainer rank; EP across inference nodes, TP within).\n"
+    "--strategies runs the syncs once per routing in the same cluster: Shardcast's plan and the baselines\n"
+    "(rank-pull: every destination rank pulls its own slices; gather-broadcast: all through one node).\n";
 
 std::string layoutJson(const Options& o, bool trainer) {
   const int64_t h = o.hidden, inter = h * 11 / 4, kv = h / 4;
   struct T {
     std::string name;
     std::vector<int64_t> shape;
-    char kind;  // c column, r row, n norm
+    char kind;  // c column, r row, n replicated (norms, routers), e/f expert-stacked w13/w2
   };
   std::vector<T> ts{{"model.embed_tokens.weight", {o.vocab, h}, 'c'}};
   for (int l = 0; l < o.layers; ++l) {
@@ -66,9 +81,15 @@ std::string layoutJson(const Options& o, bool trainer) {
     ts.push_back({p + "self_attn.k_proj.weight", {kv, h}, 'c'});
     ts.push_back({p + "self_attn.v_proj.weight", {kv, h}, 'c'});
     ts.push_back({p + "self_attn.o_proj.weight", {h, h}, 'r'});
-    ts.push_back({p + "mlp.gate_proj.weight", {inter, h}, 'c'});
-    ts.push_back({p + "mlp.up_proj.weight", {inter, h}, 'c'});
-    ts.push_back({p + "mlp.down_proj.weight", {h, inter}, 'r'});
+    if (o.experts > 0) {
+      ts.push_back({p + "mlp.gate.weight", {o.experts, h}, 'n'});
+      ts.push_back({p + "mlp.experts.w13_weight", {o.experts, 2 * h, h}, 'e'});
+      ts.push_back({p + "mlp.experts.w2_weight", {o.experts, h, h}, 'f'});
+    } else {
+      ts.push_back({p + "mlp.gate_proj.weight", {inter, h}, 'c'});
+      ts.push_back({p + "mlp.up_proj.weight", {inter, h}, 'c'});
+      ts.push_back({p + "mlp.down_proj.weight", {h, inter}, 'r'});
+    }
     ts.push_back({p + "input_layernorm.weight", {h}, 'n'});
   }
   ts.push_back({"lm_head.weight", {o.vocab, h}, 'c'});
@@ -81,6 +102,10 @@ std::string layoutJson(const Options& o, bool trainer) {
       placements = R"([{"replicate":{}},{"shard":{"dim":0}}])";
     else if (t.kind == 'r')
       placements = R"([{"replicate":{}},{"shard":{"dim":1}}])";
+    else if (t.kind == 'e')  // experts across nodes, their intermediate dim across a node's ranks
+      placements = R"([{"shard":{"dim":0}},{"shard":{"dim":1}}])";
+    else if (t.kind == 'f')
+      placements = R"([{"shard":{"dim":0}},{"shard":{"dim":2}}])";
     else
       placements = R"([{"replicate":{}},{"replicate":{}}])";
     json += fmt::format(R"({}{{"name":"{}","shape":[{}],"dtype":"bfloat16","placements":{}}})", json.empty() ? "" : ",",
@@ -92,12 +117,17 @@ std::string layoutJson(const Options& o, bool trainer) {
         o.trainer_nodes * 4, json);
   std::string fused;
   for (int l = 0; l < o.layers; ++l)
-    fused += fmt::format(
-        R"({}{{"name":"model.layers.{}.self_attn.qkv_proj.weight","dim":0,"tensors":["model.layers.{}.self_attn.q_proj.weight","model.layers.{}.self_attn.k_proj.weight","model.layers.{}.self_attn.v_proj.weight"]}},{{"name":"model.layers.{}.mlp.gate_up_proj.weight","dim":0,"tensors":["model.layers.{}.mlp.gate_proj.weight","model.layers.{}.mlp.up_proj.weight"]}})",
-        l ? "," : "", l, l, l, l, l, l, l);
+    fused +=
+        o.experts > 0
+            ? fmt::format(
+                  R"({}{{"name":"model.layers.{}.self_attn.qkv_proj.weight","dim":0,"tensors":["model.layers.{}.self_attn.q_proj.weight","model.layers.{}.self_attn.k_proj.weight","model.layers.{}.self_attn.v_proj.weight"]}})",
+                  l ? "," : "", l, l, l, l)
+            : fmt::format(
+                  R"({}{{"name":"model.layers.{}.self_attn.qkv_proj.weight","dim":0,"tensors":["model.layers.{}.self_attn.q_proj.weight","model.layers.{}.self_attn.k_proj.weight","model.layers.{}.self_attn.v_proj.weight"]}},{{"name":"model.layers.{}.mlp.gate_up_proj.weight","dim":0,"tensors":["model.layers.{}.mlp.gate_proj.weight","model.layers.{}.mlp.up_proj.weight"]}})",
+                  l ? "," : "", l, l, l, l, l, l, l);
   return fmt::format(
-      R"({{"group":"vllm","mesh":{{"shape":[{},4],"dim_names":["dp","tp"]}},"ranks_per_node":4,"node_prefix":"inference-","tensors":[{}],"fused":[{}]}})",
-      o.inference_nodes, json, fused);
+      R"({{"group":"vllm","mesh":{{"shape":[{},4],"dim_names":["{}","tp"]}},"ranks_per_node":4,"node_prefix":"inference-","tensors":[{}],"fused":[{}]}})",
+      o.inference_nodes, o.experts > 0 ? "ep" : "dp", json, fused);
 }
 
 uint16_t valueOf(size_t tensor, int64_t flat, int version) {
@@ -216,46 +246,49 @@ int run(const Options& o, const std::string& daemon_path) {
 
   auto coordinator = connectTo(*daemons[names[0]]);
   if (!coordinator.ok()) throw std::runtime_error(std::string(coordinator.status().message()));
-  auto plan = coordinator->plan("trainer", "vllm", o.nic_gbps);
-  if (!plan.ok()) throw std::runtime_error(std::string(plan.status().message()));
-  fmt::print("{}\n", plan->summary_text());
-  if (o.report) fmt::print("RESULT plan {}\n", plan->summary_json());
-
-  int failures = 0;
-  for (int v = 1; v <= o.syncs; ++v) {
-    step(v);  // the trainer's step v
-    SyncOptions so;
-    so.verify = o.verify;
-    so.timeout = std::chrono::minutes(10);
-    auto synced = coordinator->sync("trainer", "vllm", static_cast<uint64_t>(v), so);
-    if (!synced.ok()) {
-      fmt::print(stderr, "sync {} failed: {}\n", v, std::string(synced.status().message()));
-      return 1;
-    }
-    const v1::SyncResponse& out = *synced;
-    int64_t bad = 0;
-    for (int32_t r = 0; r < dst.world(); ++r) bad += visit(dst, r, dmem[r], v, true);
-    failures += bad != 0;
-    fmt::print(
-        "sync v{}: {} to destination ranks ({} over the network, {} wave{}) in {:.3f} s = {:.2f} GB/s delivered{}; "
-        "verified: {}\n",
-        v, planner::humanBytes(static_cast<double>(out.bytes_needed())),
-        planner::humanBytes(static_cast<double>(out.network_bytes())), out.waves(), out.waves() == 1 ? "" : "s",
-        out.seconds(), static_cast<double>(out.bytes_needed()) / out.seconds() / 1e9,
-        out.plan_cached() ? " (plan cached)" : "",
-        bad == 0 ? "every byte correct" : fmt::format("{} WRONG elements", bad));
-    if (o.report)
+  int failures = 0, v = 0;
+  for (const std::string& name : o.strategies) {
+    const v1::SyncStrategy strategy = kStrategies.at(name);
+    auto plan = coordinator->plan("trainer", "vllm", o.nic_gbps, strategy);
+    if (!plan.ok()) throw std::runtime_error(std::string(plan.status().message()));
+    if (o.strategies.size() > 1) fmt::print("== strategy {}\n", name);
+    fmt::print("{}\n", plan->summary_text());
+    if (o.report) fmt::print("RESULT plan strategy={} {}\n", name, plan->summary_json());
+    for (int s = 1; s <= o.syncs; ++s) {
+      step(++v);  // the trainer's step v
+      SyncOptions so;
+      so.verify = o.verify;
+      so.timeout = std::chrono::minutes(10);
+      so.strategy = strategy;
+      auto synced = coordinator->sync("trainer", "vllm", static_cast<uint64_t>(v), so);
+      if (!synced.ok()) {
+        fmt::print(stderr, "sync {} ({}) failed: {}\n", v, name, std::string(synced.status().message()));
+        return 1;
+      }
+      const v1::SyncResponse& out = *synced;
+      int64_t bad = 0;
+      for (int32_t r = 0; r < dst.world(); ++r) bad += visit(dst, r, dmem[r], v, true);
+      failures += bad != 0;
       fmt::print(
-          "RESULT sync v={} seconds={:.6f} gather={:.6f} prepare={:.6f} execute={:.6f} finish={:.6f} network_bytes={} "
-          "bytes_needed={} wrong={}\n",
-          v, out.seconds(), out.gather_seconds(), out.prepare_seconds(), out.execute_seconds(), out.finish_seconds(),
-          out.network_bytes(), out.bytes_needed(), bad);
-    fmt::print(
-        "         gather+plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s; {} landed straight in "
-        "rank "
-        "buffers\n",
-        out.gather_seconds(), out.prepare_seconds(), out.execute_seconds(), out.finish_seconds(),
-        planner::humanBytes(static_cast<double>(out.bytes_landed_direct())));
+          "sync v{}: {} to destination ranks ({} over the network, {} wave{}) in {:.3f} s = {:.2f} GB/s delivered{}; "
+          "verified: {}\n",
+          v, planner::humanBytes(static_cast<double>(out.bytes_needed())),
+          planner::humanBytes(static_cast<double>(out.network_bytes())), out.waves(), out.waves() == 1 ? "" : "s",
+          out.seconds(), static_cast<double>(out.bytes_needed()) / out.seconds() / 1e9,
+          out.plan_cached() ? " (plan cached)" : "",
+          bad == 0 ? "every byte correct" : fmt::format("{} WRONG elements", bad));
+      if (o.report)
+        fmt::print(
+            "RESULT sync strategy={} v={} seconds={:.6f} gather={:.6f} prepare={:.6f} execute={:.6f} finish={:.6f} "
+            "network_bytes={} bytes_needed={} wrong={}\n",
+            name, v, out.seconds(), out.gather_seconds(), out.prepare_seconds(), out.execute_seconds(),
+            out.finish_seconds(), out.network_bytes(), out.bytes_needed(), bad);
+      fmt::print(
+          "         gather+plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s; {} landed straight in "
+          "rank buffers\n",
+          out.gather_seconds(), out.prepare_seconds(), out.execute_seconds(), out.finish_seconds(),
+          planner::humanBytes(static_cast<double>(out.bytes_landed_direct())));
+    }
   }
   return failures == 0 ? 0 : 1;
 }
@@ -312,7 +345,20 @@ int main(int argc, char** argv) {
         o.report = true;
       else if (a == "--vocab")
         o.vocab = std::stoll(next());
-      else
+      else if (a == "--experts")
+        o.experts = std::stoll(next());
+      else if (a == "--strategies") {
+        o.strategies.clear();
+        const std::string list = next();
+        for (size_t at = 0; at <= list.size();) {
+          const size_t comma = std::min(list.find(',', at), list.size());
+          const std::string name = list.substr(at, comma - at);
+          if (!kStrategies.count(name))
+            throw std::invalid_argument("unknown strategy \"" + name + "\" (planned, rank-pull, gather-broadcast)");
+          o.strategies.push_back(name);
+          at = comma + 1;
+        }
+      } else
         throw std::invalid_argument("unknown option " + a);
     } catch (const std::exception& e) {
       fmt::print(stderr, "shardcast-demo: {}\n{}", e.what(), kUsage);
@@ -324,7 +370,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (o.layers < 1 || o.hidden < 16 || o.hidden % 16 || o.syncs < 1 || o.trainer_nodes < 1 || o.inference_nodes < 1 ||
-      o.vocab < 1) {
+      o.vocab < 1 || o.experts < 0) {
     fmt::print(stderr, "shardcast-demo: --layers/--syncs/--*-nodes must be >= 1 and --hidden a multiple of 16\n");
     return 2;
   }

@@ -32,6 +32,16 @@ class ShardcastError(Exception):
         self.details = details
 
 
+_STRATEGIES = {"planned": service_pb2.STRATEGY_PLANNED, "rank-pull": service_pb2.STRATEGY_RANK_PULL,
+               "gather-broadcast": service_pb2.STRATEGY_GATHER_BROADCAST}
+
+
+def _strategy(name: str) -> int:
+    if name not in _STRATEGIES:
+        raise ValueError(f'strategy must be one of {", ".join(_STRATEGIES)}, not {name!r}')
+    return _STRATEGIES[name]
+
+
 def _normalize(target: str) -> str:
     return "unix:" + target if target.startswith("/") else target
 
@@ -460,6 +470,7 @@ class Client:
 
     def sync(self, src: str, dst: str, version: int, *, verify: bool = False, timeout: Optional[float] = None,
              wait_for_ranks: bool = False, sync_id: Optional[str] = None, delta: str = "off",
+             strategy: str = "planned",
              progress: Optional[Callable[[service_pb2.SyncProgress], None]] = None) -> service_pb2.SyncResponse:
         """Syncs version `version` of `src` into `dst` and returns once every destination rank has it
         (or raises ShardcastError, and no rank has it). `progress` is called with each update.
@@ -467,15 +478,22 @@ class Client:
         `delta`: "off" (dense), "auto" (only the elements that changed, to nodes that hold the bytes
         this source last sent them; dense to the others, in the same sync: see docs/delta.md) or
         "dense" (dense, keeping the bases for later deltas). The response's wire_bytes,
-        delta_chunks and dense_chunks say what happened."""
+        delta_chunks and dense_chunks say what happened.
+
+        `strategy`: "planned" (Shardcast's plan) or a baseline it is measured against, run by the same
+        daemons, dense: "rank-pull" (every destination rank gets its own slices straight from source
+        ranks) or "gather-broadcast" (everything through source rank 0's node, which sends each node
+        what it needs)."""
         modes = {"off": service_pb2.DELTA_OFF, "auto": service_pb2.DELTA_AUTO, "dense": service_pb2.DELTA_DENSE}
         if delta not in modes:
             raise ValueError(f'delta must be one of {", ".join(modes)}, not {delta!r}')
+        strategy_value = _strategy(strategy)
         sync_id = sync_id or f"py-{uuid.uuid4().hex[:12]}"
         req = service_pb2.SyncRequest(src_group=src, dst_group=dst, version=version, sync_id=sync_id)
         req.options.verify = verify
         req.options.wait_for_ranks = wait_for_ranks
         req.options.delta = modes[delta]
+        req.options.strategy = strategy_value
         req.options.timeout_ms = int((timeout or 0) * 1000)
         watcher = None
         if progress is not None:
@@ -554,10 +572,13 @@ class Client:
         except grpc.RpcError as e:
             raise self._fail(e, "list") from None
 
-    def plan(self, src: str, dst: str) -> Dict[str, Any]:
-        """The plan summary (as `shardcast plan --json` prints it) for two registered groups."""
+    def plan(self, src: str, dst: str, *, strategy: str = "planned", nic_gbps: float = 0.0) -> Dict[str, Any]:
+        """The plan summary (as `shardcast plan --json` prints it) for two registered groups: the
+        plan a sync with `strategy` runs (see sync), its prediction for NICs of `nic_gbps`
+        (0: the default)."""
+        req = service_pb2.PlanRequest(src_group=src, dst_group=dst, strategy=_strategy(strategy), nic_gbps=nic_gbps)
         try:
-            resp = self._stub.Plan(service_pb2.PlanRequest(src_group=src, dst_group=dst), timeout=self.timeout)
+            resp = self._stub.Plan(req, timeout=self.timeout)
         except grpc.RpcError as e:
             raise self._fail(e, f'plan "{src}" -> "{dst}"') from None
         return json.loads(resp.summary_json)
