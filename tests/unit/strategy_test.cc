@@ -142,7 +142,7 @@ TEST_CASE("Gather-broadcast with the root among the destinations: it keeps its p
   CHECK(gb.plan.stats.node_egress[b] == half);       // only to the root
 }
 
-TEST_CASE("Small transfers skip relays; large ones are relayed", "[planner][strategy]") {
+TEST_CASE("Small transfers skip relays, large ones are relayed", "[planner][strategy]") {
   std::string nodes;
   for (int i = 0; i < 20; ++i) nodes += std::string(i ? "," : "") + "\"i" + std::to_string(i) + "\"";
   const auto sp = layoutFromJson(R"({"group":"s","mesh":{"shape":[1]},"nodes":["t"],"tensors":[
