@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <condition_variable>
+#include <map>
 #include <optional>
 #include <thread>
 
@@ -259,10 +260,6 @@ Status SyncCoordinator::plan() {
 // failure gives the sync up everywhere (a Prepare still on its way is refused where the Finish
 // came first). The lease starts here.
 Status SyncCoordinator::prepare() {
-  exec_.set_sync_id(id_);
-  exec_.set_timeout_ms(timeout_ms_);
-  exec_.set_verify(req_.options().verify());
-  exec_.set_fence(fence_);
   delta_ = req_.options().delta();
   if (delta_ == v1::DELTA_AUTO && ctx_.config.delta_dense_every > 0 &&
       req_.version() % static_cast<uint64_t>(ctx_.config.delta_dense_every) == 0)
@@ -303,13 +300,32 @@ Status SyncCoordinator::prepare() {
     giveUp(std::string(failure.message()));
     return failed(failure);
   }
+  // Each daemon learns where the nodes it writes to land, not every node's directory: the
+  // requests' total size grows with the plan's edges, not with the square of the nodes.
+  std::map<std::string, size_t> daemon_of;
+  for (size_t i = 0; i < daemons.size(); ++i) daemon_of[daemons[i].node()] = i;
+  exec_.assign(daemons.size(), {});
   for (size_t i = 0; i < daemons.size(); ++i) {
-    auto* n = exec_.add_nodes();
-    n->set_node(daemons[i].node());
-    n->set_transport_address(daemons[i].transport_address());
-    *n->mutable_targets() = std::move(*prepared[i].mutable_targets());
-    n->set_base_version(prepared[i].base_version());
-    n->set_base_fence(prepared[i].base_fence());
+    auto& e = exec_[i];
+    e.set_sync_id(id_);
+    e.set_timeout_ms(timeout_ms_);
+    e.set_verify(req_.options().verify());
+    e.set_fence(fence_);
+    const auto& nodes = plan_->nodes;
+    for (int32_t self = 0; self < nodes.size(); ++self) {
+      if (nodes.name(self) != daemons[i].node()) continue;
+      for (const int32_t peer : plan_->node(self).peers) {
+        const auto it = daemon_of.find(nodes.name(peer));
+        if (it == daemon_of.end()) continue;  // the planned node has no daemon: its sends fail naming it
+        const size_t j = it->second;
+        auto* n = e.add_nodes();
+        n->set_node(daemons[j].node());
+        n->set_transport_address(daemons[j].transport_address());
+        *n->mutable_targets() = prepared[j].targets();
+        n->set_base_version(prepared[j].base_version());
+        n->set_base_fence(prepared[j].base_fence());
+      }
+    }
   }
   return absl::OkStatus();
 }
@@ -322,14 +338,14 @@ Status SyncCoordinator::execute() {
   // Bytes of the waves each node has finished: the floor under what the lease keeper reports.
   std::vector<uint64_t> done_received(daemons.size(), 0), done_sent(daemons.size(), 0);
   for (int32_t wave = 0; wave < plan_->waves; ++wave) {
-    exec_.set_wave(static_cast<uint32_t>(wave));
+    for (auto& e : exec_) e.set_wave(static_cast<uint32_t>(wave));
     executed_ = true;
     peers_->forEach(
         callDeadline() + std::chrono::seconds(5),
         [&](size_t i, v1::Peer::Stub& stub, grpc::ClientContext& c) {
           nodeState(i, "executing");
           v1::ExecuteResponse part;
-          const grpc::Status st = stub.Execute(&c, exec_, &part);
+          const grpc::Status st = stub.Execute(&c, exec_[i], &part);
           if (st.ok()) {
             done_received[i] += part.bytes_received();
             done_sent[i] += part.bytes_sent();

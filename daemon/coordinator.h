@@ -115,7 +115,9 @@ class SyncCoordinator {
   bool plan_cached_ = false;
   std::unique_ptr<PeerClient> peers_;
   std::unique_ptr<LeaseKeeper> lease_keeper_;
-  v1::ExecuteRequest exec_;
+  // Per daemon (same index as the cluster's): its Execute request, with the landing directory
+  // of the nodes it writes to or encodes for only (planner::Schedule::NodeSchedule::peers).
+  std::vector<v1::ExecuteRequest> exec_;
   std::atomic<bool> executed_{false};
   std::atomic<bool> given_up_{false};
   std::atomic<uint64_t> landed_direct_{0};

@@ -196,7 +196,22 @@ StatusOr<Schedule> scheduleOf(NodeTable nodes, ResolvedLayout src, ResolvedLayou
       ts.landings.push_back(l);
     }
   }
+  for (int32_t t = 0; t < static_cast<int32_t>(p.transfers.size()); ++t) {
+    const auto& tr = p.transfers[t];
+    for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
+      const auto& ch = p.chains[c];
+      auto& head = out.per_node[static_cast<size_t>(ch.src_node)].peers;
+      for (const auto& l : out.transfers[static_cast<size_t>(t)].landings) head.push_back(l.node);
+      // Forwarders: a star's first node writes to all the others, a chain's every node to the next.
+      for (int32_t k = 1; k < ch.nodes_count; ++k) {
+        const int32_t from = p.chain_nodes[ch.nodes_begin + (ch.star ? 0 : k - 1)];
+        out.per_node[static_cast<size_t>(from)].peers.push_back(p.chain_nodes[ch.nodes_begin + k]);
+      }
+    }
+  }
   for (auto& n : out.per_node) {
+    std::sort(n.peers.begin(), n.peers.end());
+    n.peers.erase(std::unique(n.peers.begin(), n.peers.end()), n.peers.end());
     std::sort(n.direct_targets.begin(), n.direct_targets.end());
     n.direct_targets.erase(std::unique(n.direct_targets.begin(), n.direct_targets.end()), n.direct_targets.end());
   }

@@ -70,6 +70,11 @@ struct Schedule {
     // The (destination rank, buffer) pairs transfers land in directly, sorted, each once.
     std::vector<std::pair<int32_t, int32_t>> direct_targets;
     std::vector<int64_t> incoming;  // per wave: chunk landings to process
+    // The nodes whose landing directory this node needs to execute (sorted, each once): every node
+    // it writes to (its chains' heads, the hops it forwards to) and every node the transfers it
+    // heads land on (a delta is encoded only when all of them hold its base). Small and bounded
+    // by what the node does, so no node is told where every other node lands.
+    std::vector<int32_t> peers;
   };
 
   uint64_t staging_budget = 0;
