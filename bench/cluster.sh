@@ -102,6 +102,7 @@ run_scenario() {
     echo "| $name | $((t + i)) | sync failed (above) |"
     return
   fi
+  echo "$out" >"${TMPDIR:-/tmp}/shardcast-cluster-${name%%[: ]*}.log" 2>/dev/null || true  # the raw run, for a second look
   echo "$out" | $py -c '
 import json, sys
 name, nodes, rate_mbit = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
@@ -127,8 +128,8 @@ gb = float(syncs["planned"][-1]["network_bytes"]) / 1e9
 cells = []
 for s in ("rank-pull", "gather-broadcast"):
     if s in syncs:
-        m = best(s)
-        cells.append(f"{m:.2f} s ({m / measured:.1f}x; predicted {plans[s][\"predicted_seconds\"]:.2f} s)")
+        m, p = best(s), plans[s]["predicted_seconds"]
+        cells.append(f"{m:.2f} s ({m / measured:.1f}x; predicted {p:.2f} s)")
     else:
         cells.append("not run")
 print(f"| {name} | {nodes} | {gb:.3f} GB | {measured:.2f} s | {predicted:.2f} s | {bound:.2f} s | "

@@ -42,10 +42,6 @@ struct PlanOptions {
   int64_t small_in_place_bytes = int64_t{128} << 10;
   int64_t bucket_bytes = int64_t{16} << 20;  // a bucket is filled up to this size
   int32_t max_chain = 16;                    // destination nodes per relay chain
-  // Transfers smaller than this go straight from their source to every node that needs them: a
-  // relay hop costs a store-and-forward latency (tens of microseconds on a fast network, far more
-  // on a loaded host) that sending a small transfer once more does not.
-  int64_t relay_min_bytes = int64_t{1} << 20;
 };
 
 struct SourceCell {

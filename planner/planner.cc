@@ -432,14 +432,13 @@ class Planner {
 
   // Splits the receiving nodes into chains of at most max_chain nodes; each chain starts at the
   // holder node (then rank) with the least egress so far. Rotating the order per fragment spreads
-  // the forwarding role (every node but a chain's last forwards) evenly over the nodes. A transfer
-  // below relay_min_bytes, and every transfer of kRankPull, goes straight to each node (chains of
-  // one); kGatherBroadcast routes through its root (gatherChains).
+  // the forwarding role (every node but a chain's last forwards) evenly over the nodes. kRankPull
+  // sends straight to each node (chains of one); kGatherBroadcast routes through its root
+  // (gatherChains).
   void addChains(Transfer& tr, const SourceCell& cell, const std::vector<int32_t>& nodes, int32_t rotation) {
     if (plan_.options.strategy == Strategy::kGatherBroadcast) return gatherChains(tr, cell, nodes);
     const int32_t k = static_cast<int32_t>(nodes.size());
-    const bool direct = plan_.options.strategy == Strategy::kRankPull || tr.bytes < plan_.options.relay_min_bytes;
-    const int32_t longest = direct ? 1 : plan_.options.max_chain;
+    const int32_t longest = plan_.options.strategy == Strategy::kRankPull ? 1 : plan_.options.max_chain;
     const int32_t count = (k + longest - 1) / longest;
     const int32_t shift = rotation % k;
     const int32_t* hn = plan_.cell_nodes.data() + cell.nodes_begin;

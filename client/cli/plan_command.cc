@@ -18,7 +18,6 @@ struct PlanArgs {
   planner::CostModel model;
   double chunk_mib = 64, bucket_mib = 16, small_kib = 1024;
   int max_chain = 16;
-  double relay_min_kib = 1024;
   std::string strategy = "planned";
 };
 
@@ -44,7 +43,6 @@ int runPlan(const PlanArgs& a) {
   opts.bucket_bytes = static_cast<int64_t>(a.bucket_mib * (1 << 20));
   opts.small_bytes = static_cast<int64_t>(a.small_kib * 1024);
   opts.max_chain = a.max_chain;
-  opts.relay_min_bytes = static_cast<int64_t>(a.relay_min_kib * 1024);
   opts.strategy = a.strategy == "rank-pull"          ? Strategy::kRankPull
                   : a.strategy == "gather-broadcast" ? Strategy::kGatherBroadcast
                                                      : Strategy::kPlanned;
@@ -83,10 +81,6 @@ void addPlanCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--max-chain", args->max_chain, "Destination nodes per relay chain")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--relay-min-kib", args->relay_min_kib,
-                  "Transfers below this size go straight to every node that needs them, never relayed, KiB")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--strategy", args->strategy,
                   "planned: Shardcast's plan; rank-pull, gather-broadcast: the baselines a sync can run instead "
                   "(shardcast sync --strategy)")

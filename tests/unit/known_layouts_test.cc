@@ -64,8 +64,7 @@ TEST_CASE("FSDP2 trainer to vLLM TP=2 x DP=2: exact, relayed, column and row par
     {"name":"down","shape":[8,16],"dtype":"bfloat16","placements":[{"replicate":{}},{"shard":{"dim":1}}]},
     {"name":"norm","shape":[8],"dtype":"float32"}]})";
   PlanOptions opts;
-  opts.small_bytes = 0;      // no buckets: one transfer per fragment
-  opts.relay_min_bytes = 0;  // relays, however small the transfers
+  opts.small_bytes = 0;  // no buckets: one transfer per fragment
   auto p = planAndSimulate(kFsdpTrainer, vllm, opts);
   const int64_t model = (16 * 8 + 8 * 16) * 2 + 8 * 4;
   // Each inference node needs the whole model once; a relay chain means each byte leaves the

@@ -47,7 +47,6 @@ PlanOptions randomOptions(std::mt19937& rng) {
   o.bucket_bytes = std::vector<int64_t>{1, 32, 256}[rng() % 3];
   o.chunk_bytes = std::vector<int64_t>{8, 64, 1 << 20}[rng() % 3];
   o.max_chain = 1 + static_cast<int32_t>(rng() % 3);
-  o.relay_min_bytes = std::vector<int64_t>{0, 64, 1 << 20}[rng() % 3];
   return o;
 }
 

@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 #include <map>
 #include <random>
+#include <set>
 
 #include "tests/unit/reference.h"
 #include "tests/unit/test_util.h"
@@ -103,4 +104,39 @@ TEST_CASE("schedule: budgets and chunk sizes must be positive", "[planner][sched
   const v1::Layout l = layoutFromJson(R"({"group":"g","mesh":{"shape":[1]},"nodes":["a"],"tensors":[]})");
   CHECK_FALSE(makeSchedule(l, l, 0, 1).ok());
   CHECK_FALSE(makeSchedule(l, l, 1, 0).ok());
+}
+
+TEST_CASE("schedule: each node's peers are exactly the nodes it writes to and the landings of what it heads",
+          "[planner][schedule]") {
+  std::mt19937 rng(20261202);
+  for (int it = 0; it < 200; ++it) {
+    const auto [src, dst] = randomLayoutPair(rng);
+    const auto strategy = std::vector<Strategy>{Strategy::kPlanned, Strategy::kRankPull,
+                                                Strategy::kGatherBroadcast}[rng() % 3];
+    INFO("src: " << src.ShortDebugString() << "\ndst: " << dst.ShortDebugString());
+    auto s = makeSchedule(src, dst, 1 << 20, 64, true, strategy);
+    REQUIRE(s.ok());
+    const auto& plan = s->plan;
+    // Brute force: replay every send the executor makes (heads, then forwards hop by hop).
+    std::vector<std::set<int32_t>> want(static_cast<size_t>(s->nodes.size()));
+    for (size_t t = 0; t < plan.transfers.size(); ++t) {
+      const auto& tr = plan.transfers[t];
+      for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
+        const auto& ch = plan.chains[c];
+        for (const auto& l : s->transfers[t].landings) want[static_cast<size_t>(ch.src_node)].insert(l.node);
+        for (int32_t hop = 0; hop < ch.nodes_count; ++hop) {
+          const int32_t here = plan.chain_nodes[ch.nodes_begin + hop];
+          const int32_t last = ch.star ? (hop == 0 ? ch.nodes_count - 1 : hop) : std::min(hop + 1, ch.nodes_count - 1);
+          for (int32_t next = hop + 1; next <= last; ++next)
+            want[static_cast<size_t>(here)].insert(plan.chain_nodes[ch.nodes_begin + next]);
+        }
+      }
+    }
+    for (int32_t n = 0; n < s->nodes.size(); ++n) {
+      const auto& peers = s->node(n).peers;
+      CHECK(std::set<int32_t>(peers.begin(), peers.end()) == want[static_cast<size_t>(n)]);
+      CHECK(std::is_sorted(peers.begin(), peers.end()));
+      CHECK(std::adjacent_find(peers.begin(), peers.end()) == peers.end());
+    }
+  }
 }

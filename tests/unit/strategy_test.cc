@@ -1,6 +1,5 @@
 // The routings a plan can take (planner::Strategy): the baselines Shardcast is measured against
-// deliver every element right, with the traffic their shape implies, and small transfers skip
-// relays (PlanOptions::relay_min_bytes).
+// deliver every element right, with the traffic their shape implies.
 #include <catch2/catch.hpp>
 
 #include <random>
@@ -142,28 +141,6 @@ TEST_CASE("Gather-broadcast with the root among the destinations: it keeps its p
   CHECK(gb.plan.stats.node_egress[b] == half);       // only to the root
 }
 
-TEST_CASE("Small transfers skip relays, large ones are relayed", "[planner][strategy]") {
-  std::string nodes;
-  for (int i = 0; i < 20; ++i) nodes += std::string(i ? "," : "") + "\"i" + std::to_string(i) + "\"";
-  const auto sp = layoutFromJson(R"({"group":"s","mesh":{"shape":[1]},"nodes":["t"],"tensors":[
-    {"name":"small","shape":[64,64],"dtype":"float32"},{"name":"large","shape":[1024,512],"dtype":"float32"}]})");
-  const auto dp = layoutFromJson(R"({"group":"d","mesh":{"shape":[20]},"nodes":[)" + nodes + R"(],"tensors":[
-    {"name":"small","shape":[64,64],"dtype":"float32"},{"name":"large","shape":[1024,512],"dtype":"float32"}]})");
-  PlanOptions opts;
-  opts.small_bytes = 0;  // both travel alone
-  opts.relay_min_bytes = 1 << 20;
-  const Routed r = route(sp, dp, Strategy::kPlanned, opts);
-  CHECK(r.sim.duplicate_arrivals == 0);
-  CHECK(r.sim.needless_arrivals == 0);
-  const int64_t small = 64 * 64 * 4, large = 1024 * 512 * 4;
-  // The small tensor goes to all 20 nodes from the source; the large one in two chains of 10.
-  CHECK(r.plan.stats.node_egress[r.node("t")] == 20 * small + 2 * large);
-  CHECK(r.plan.stats.max_chain == 10);
-  opts.relay_min_bytes = 0;
-  const Routed all = route(sp, dp, Strategy::kPlanned, opts);
-  CHECK(all.plan.stats.node_egress[all.node("t")] == 2 * small + 2 * large);
-}
-
 TEST_CASE("random layouts: every routing delivers every element", "[planner][strategy][property]") {
   std::mt19937 rng(20261201);
   for (int it = 0; it < 200; ++it) {
@@ -174,7 +151,6 @@ TEST_CASE("random layouts: every routing delivers every element", "[planner][str
     opts.small_bytes = std::vector<int64_t>{0, 64, 1 << 20}[rng() % 3];
     opts.chunk_bytes = std::vector<int64_t>{8, 64, 1 << 20}[rng() % 3];
     opts.max_chain = 1 + static_cast<int32_t>(rng() % 3);
-    opts.relay_min_bytes = std::vector<int64_t>{0, 64, 1 << 20}[rng() % 3];
     const Routed planned = route(src, dst, Strategy::kPlanned, opts);
     CHECK(planned.sim.duplicate_arrivals == 0);
     CHECK(planned.sim.needless_arrivals == 0);
