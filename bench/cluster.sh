@@ -95,9 +95,10 @@ run_scenario() {
   for ((n = 0; n < t; n++)); do nodes+=("trainer-$n"); done
   for ((n = 0; n < i; n++)); do nodes+=("inference-$n"); done
   network "${nodes[@]}"
-  local out
+  local out gbps
+  gbps=$($py -c "print($rate / 1000)")  # the daemons size chunks and windows for it (shardcastd --nic-gbps)
   if ! out=$("$demo" --netns --report --trainer-nodes "$t" --inference-nodes "$i" --syncs "$syncs" \
-               --strategies "$strategies" --nic-gbps "$($py -c "print($rate / 1000)")" "$@" "${demo_args[@]}" 2>&1); then
+               --strategies "$strategies" --nic-gbps "$gbps" --daemon-arg "--nic-gbps=$gbps" "$@" "${demo_args[@]}" 2>&1); then
     echo "$out" | tail -20 >&2
     echo "| $name | $((t + i)) | sync failed (above) |"
     return

@@ -20,7 +20,7 @@ std::string DaemonConfig::describe() const {
      << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol
      << " ucx_tcp_segment_kib=" << ucx_tcp_segment_kib << " log_level=" << log_level
      << " peer_timeout_ms=" << peer_timeout_ms << " chunk_mib=" << chunk_mib << " staging_mib=" << staging_mib
-     << " window_mib=" << window_mib << " delta_cache_mib=" << delta_cache_mib
+     << " window_mib=" << window_mib << " nic_gbps=" << nic_gbps << " delta_cache_mib=" << delta_cache_mib
      << " delta_dense_every=" << delta_dense_every << " metrics=" << (metrics.empty() ? "(off)" : metrics)
      << " sync_lease_ms=" << sync_lease_ms << " shutdown_grace_ms=" << shutdown_grace_ms << " tls="
      << (tls.enabled() ? strCat("cert:", tls.cert, ",key:", tls.key, ",ca:", tls.ca, ",reload_s:", tls.reload_s)
@@ -51,6 +51,19 @@ Status checkHostPort(const std::string& what, const std::string& v) {
 }
 
 }  // namespace
+
+void sizeForLink(DaemonConfig* c, bool chunk_given, bool window_given) {
+  if (c->nic_gbps <= 0) return;
+  // A relay forwards a chunk once it has landed whole: each hop of a chain adds one chunk's time
+  // on the link to the sync. About 8 ms of it (1 MiB at 1 Gbit/s, 64 MiB from 100 Gbit/s on)
+  // keeps that small against a sync while the per-chunk costs stay negligible; a window of two
+  // chunks per peer keeps the link busy and lets each chunk land (and move on) in order.
+  const double mib = c->nic_gbps * 1e9 / 8 * 0.008 / (1 << 20);
+  int64_t chunk = 1;
+  while (chunk * 2 <= mib && chunk < 64) chunk *= 2;
+  if (!chunk_given) c->chunk_mib = chunk;
+  if (!window_given) c->window_mib = 2 * c->chunk_mib;
+}
 
 StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::string* output) {
   DaemonConfig c;
@@ -99,19 +112,28 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
       ->envname("SHARDCAST_PEER_TIMEOUT_MS")
       ->check(CLI::Range(1, 600000))
       ->capture_default_str();
-  app.add_option("--chunk-mib", c.chunk_mib, "Large transfers travel in chunks of this size (pipelined along relays)")
-      ->envname("SHARDCAST_CHUNK_MIB")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
-      ->capture_default_str();
+  auto* chunk_opt = app.add_option("--chunk-mib", c.chunk_mib,
+                                   "Large transfers travel in chunks of this size (pipelined along relays)")
+                        ->envname("SHARDCAST_CHUNK_MIB")
+                        ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+                        ->capture_default_str();
   app.add_option("--staging-mib", c.staging_mib,
                  "Per-node memory for landing and staging a sync's transfers (bigger syncs run in waves)")
       ->envname("SHARDCAST_STAGING_MIB")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
       ->capture_default_str();
-  app.add_option("--window-mib", c.window_mib,
-                 "Bytes of writes in flight to each peer node (more chunks wait, so each lands early and relays start)")
-      ->envname("SHARDCAST_WINDOW_MIB")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+  auto* window_opt =
+      app.add_option(
+             "--window-mib", c.window_mib,
+             "Bytes of writes in flight to each peer node (more chunks wait, so each lands early and relays start)")
+          ->envname("SHARDCAST_WINDOW_MIB")
+          ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+          ->capture_default_str();
+  app.add_option("--nic-gbps", c.nic_gbps,
+                 "This node's link rate in Gbit/s: chunks of about 8 ms on the link (1-64 MiB) and a window of two "
+                 "chunks unless --chunk-mib/--window-mib are given, and the plan's cost model (0: unknown)")
+      ->envname("SHARDCAST_NIC_GBPS")
+      ->check(CLI::Range(0.0, 1e6))
       ->capture_default_str();
   app.add_option("--delta-cache-mib", c.delta_cache_mib,
                  "Host memory for delta syncs' bases: the bytes last sent of each chunk this node packs, all plans "
@@ -177,6 +199,7 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
     return absl::InvalidArgumentError(*output);
   }
   if (c.node.empty()) return absl::InvalidArgumentError("--node is empty and the hostname is unknown");
+  sizeForLink(&c, chunk_opt->count() > 0, window_opt->count() > 0);
   if (!c.listen.empty()) SC_RETURN_IF_ERROR(checkHostPort("--listen", c.listen));
   for (const auto& p : c.peers) SC_RETURN_IF_ERROR(checkHostPort("--peers entry", p));
   if (!c.peer_dns.empty()) SC_RETURN_IF_ERROR(checkHostPort("--peer-dns", c.peer_dns));

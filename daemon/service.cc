@@ -279,6 +279,7 @@ grpc::Status ShardcastService::Plan(grpc::ServerContext* ctx, const v1::PlanRequ
   auto plan = planner::makePlan(*rs, *rd, nodes, options);
   if (!plan.ok()) return toGrpc(plan.status());
   planner::CostModel model;
+  if (config_.nic_gbps > 0) model.nic_gbps = config_.nic_gbps;
   if (req->nic_gbps() < 0 || req->local_gbps() < 0)
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "nic_gbps and local_gbps must not be negative");
   if (req->nic_gbps() > 0) model.nic_gbps = req->nic_gbps();

@@ -46,7 +46,11 @@ void startWrites(const std::shared_ptr<SyncAttempt>& a, int32_t node) {
   constexpr size_t kMaxNotification = 32 << 10;  // bytes per batch's notification (the transport takes 64 KiB)
   constexpr uint64_t kBatchBytes = uint64_t{8} << 20;
   const size_t max_batch = std::min(kMaxLanded, (kMaxNotification - notificationBytes(a->id.size(), 0)) / kLandedBytes);
-  const uint64_t batch_bytes = std::max<uint64_t>(1, std::min(kBatchBytes, a->window_bytes / 2));
+  // A relay forwards only what it heard of: a batch of at most two chunks keeps each hop's wait
+  // near one chunk's transfer time.
+  const uint64_t chunk_bytes = static_cast<uint64_t>(a->plan->plan.options.chunk_bytes);
+  const uint64_t batch_bytes = std::max<uint64_t>(
+      1, std::min({kBatchBytes, a->window_bytes / 2, chunk_bytes > 0 ? 2 * chunk_bytes : kBatchBytes}));
   std::vector<SyncAttempt::Outgoing> start;
   std::shared_ptr<transport::Endpoint> ep;
   {

@@ -40,6 +40,9 @@ class Planner {
     pull_egress_.assign(n, 0);
     unique_held_.assign(n, 0);
     rank_egress_.assign(src.world(), 0);
+    need_in_.assign(n, 0);
+    reserve_.assign(n, 0);
+    sole_.assign(n, 0);
     if (!src.rank_node.empty()) root_ = src.rank_node[0];
   }
 
@@ -51,6 +54,7 @@ class Planner {
     reserve();
     for (int32_t j = 0; j < static_cast<int32_t>(dst_.tensors.size()); ++j) SC_RETURN_IF_ERROR(planTensor(j));
     flushBuckets();
+    routeChains();
     finishStats();
     plan_.stats.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     return std::move(plan_);
@@ -430,17 +434,60 @@ class Planner {
       if (!b.fragments.empty()) emitBucket(b);
   }
 
-  // Splits the receiving nodes into chains of at most max_chain nodes; each chain starts at the
-  // holder node (then rank) with the least egress so far. Rotating the order per fragment spreads
-  // the forwarding role (every node but a chain's last forwards) evenly over the nodes. kRankPull
-  // sends straight to each node (chains of one); kGatherBroadcast routes through its root
-  // (gatherChains).
+  // The chains of a transfer to `nodes`. kRankPull sends straight to each node (chains of one),
+  // kGatherBroadcast routes through its root (gatherChains); the planned route is chosen once
+  // every transfer is known (routeChains), so here it is only noted.
   void addChains(Transfer& tr, const SourceCell& cell, const std::vector<int32_t>& nodes, int32_t rotation) {
     if (plan_.options.strategy == Strategy::kGatherBroadcast) return gatherChains(tr, cell, nodes);
+    if (plan_.options.strategy == Strategy::kRankPull)
+      return splitChains(tr, cell, nodes, rotation, static_cast<int32_t>(nodes.size()));
     const int32_t k = static_cast<int32_t>(nodes.size());
-    const int32_t longest = plan_.options.strategy == Strategy::kRankPull ? 1 : plan_.options.max_chain;
-    const int32_t count = (k + longest - 1) / longest;
-    const int32_t shift = rotation % k;
+    const int32_t count_min = (k + plan_.options.max_chain - 1) / plan_.options.max_chain;
+    const int32_t* hn = plan_.cell_nodes.data() + cell.nodes_begin;
+    pending_.push_back({static_cast<int32_t>(plan_.transfers.size()), static_cast<int32_t>(&cell - plan_.cells.data()),
+                        rotation, static_cast<int32_t>(pending_nodes_.size()), k});
+    pending_nodes_.insert(pending_nodes_.end(), nodes.begin(), nodes.end());
+    for (const int32_t n : nodes) need_in_[n] += tr.bytes;
+    if (cell.nodes_count == 1) {
+      reserve_[hn[0]] += count_min * tr.bytes;
+      sole_[hn[0]] += tr.bytes;
+    }
+  }
+
+  // Planned routes, in transfer order. Every node receives each transfer it needs once, so the
+  // busiest node's ingress (or what one node alone must send) bounds the sync however it is
+  // routed; a transfer gets as many chains as its holders' egress affords under that bound, so
+  // chains are as short as the bound allows (every hop adds a chunk's store-and-forward to the
+  // sync) and never longer than max_chain nodes. A source with spare egress sends straight to
+  // every node; one that holds everything relays it along a chain through all of them. A node
+  // that alone holds S bytes affords bound / S copies of each: the same for all its transfers,
+  // so that no transfer is left with the longest chains (the sync ends with its slowest chain).
+  void routeChains() {
+    int64_t bound = 0;
+    for (size_t n = 0; n < need_in_.size(); ++n) bound = std::max({bound, need_in_[n], reserve_[n]});
+    for (const Pending& p : pending_) {
+      Transfer& tr = plan_.transfers[static_cast<size_t>(p.transfer)];
+      const SourceCell& cell = plan_.cells[static_cast<size_t>(p.cell)];
+      const int32_t* hn = plan_.cell_nodes.data() + cell.nodes_begin;
+      const int32_t count_min = (p.nodes_count + plan_.options.max_chain - 1) / plan_.options.max_chain;
+      if (cell.nodes_count == 1) reserve_[hn[0]] -= count_min * tr.bytes;  // this one's own minimum
+      int64_t spare = 0;  // copies of it the holders can send without passing the bound
+      for (int32_t i = 0; i < cell.nodes_count; ++i)
+        spare += std::max<int64_t>(0, bound - egress_[hn[i]] - reserve_[hn[i]]) / std::max<int64_t>(1, tr.bytes);
+      if (cell.nodes_count == 1) spare = std::min(spare, bound / std::max<int64_t>(1, sole_[hn[0]]));
+      const int32_t count = static_cast<int32_t>(std::clamp<int64_t>(spare, count_min, p.nodes_count));
+      nodes_scratch_.assign(pending_nodes_.begin() + p.nodes_begin,
+                            pending_nodes_.begin() + p.nodes_begin + p.nodes_count);
+      splitChains(tr, cell, nodes_scratch_, p.rotation, count);
+    }
+  }
+
+  // Cuts `nodes` into `count` chains (lengths differing by at most one), in their order (a
+  // group's, the same for all its transfers: a link carries one ordered stream); each chain
+  // starts at the holder node (then rank) with the least egress so far, ties broken by `rotation`.
+  void splitChains(Transfer& tr, const SourceCell& cell, const std::vector<int32_t>& nodes, int32_t rotation,
+                   int32_t count) {
+    const int32_t k = static_cast<int32_t>(nodes.size());
     const int32_t* hn = plan_.cell_nodes.data() + cell.nodes_begin;
     tr.chains_begin = static_cast<int32_t>(plan_.chains.size());
     tr.chains_count = count;
@@ -452,10 +499,8 @@ class Planner {
       }
       const int32_t lo = static_cast<int32_t>(static_cast<int64_t>(c) * k / count);
       const int32_t hi = static_cast<int32_t>(static_cast<int64_t>(c + 1) * k / count);
-      std::vector<int32_t>& chain = chain_scratch_;
-      chain.clear();
-      for (int32_t i = lo; i < hi; ++i) chain.push_back(nodes[(i + shift) % k]);
-      addChain(tr, cell, best, chain, false);
+      chain_scratch_.assign(nodes.begin() + lo, nodes.begin() + hi);
+      addChain(tr, cell, best, chain_scratch_, false);
     }
   }
 
@@ -609,7 +654,16 @@ class Planner {
   std::vector<double> pull_ingress_, pull_egress_;
   std::vector<std::pair<int32_t, int32_t>> local_src_boxes_;  // (node, source box id), sorted
   const std::vector<Box>* src_boxes_ = nullptr;
-  std::vector<int32_t> net_, chain_scratch_;
+  std::vector<int32_t> net_, chain_scratch_, nodes_scratch_;
+  // Planned transfers whose chains routeChains chooses: the transfer, its cell, the nodes it goes
+  // to (a range of pending_nodes_); per node the bytes it receives and the egress its sole
+  // holdings still need (one copy per max_chain nodes).
+  struct Pending {
+    int32_t transfer, cell, rotation, nodes_begin, nodes_count;
+  };
+  std::vector<Pending> pending_;
+  std::vector<int32_t> pending_nodes_;
+  std::vector<int64_t> need_in_, reserve_, sole_;  // sole_: bytes of the transfers a node alone holds
   int32_t root_ = -1;  // kGatherBroadcast: the node everything goes through (source rank 0's)
   std::unordered_map<std::string, size_t> bucket_index_;
   std::vector<Bucket> buckets_;

@@ -67,11 +67,21 @@ TEST_CASE("FSDP2 trainer to vLLM TP=2 x DP=2: exact, relayed, column and row par
   opts.small_bytes = 0;  // no buckets: one transfer per fragment
   auto p = planAndSimulate(kFsdpTrainer, vllm, opts);
   const int64_t model = (16 * 8 + 8 * 16) * 2 + 8 * 4;
-  // Each inference node needs the whole model once; a relay chain means each byte leaves the
-  // trainer nodes once in total.
+  // Each inference node needs the whole model once. Each trainer node holds half of it, so it can
+  // send its half to both nodes without sending more than one node receives: no relays.
   CHECK(p->plan.stats.network_bytes == 2 * model);
-  CHECK(egressOf(*p, "t0") + egressOf(*p, "t1") == model);
-  CHECK(p->plan.stats.max_chain == 2);
+  CHECK(egressOf(*p, "t0") + egressOf(*p, "t1") == 2 * model);
+  CHECK(p->plan.stats.maxEgress() <= p->plan.stats.maxIngress());
+  CHECK(p->plan.stats.max_chain == 1);
+  // With the trainer on one node it must relay: each byte leaves it once, along a chain of two.
+  const std::string one_node = R"({"group":"trainer","mesh":{"shape":[4],"dim_names":["fsdp"]},
+    "nodes":["t0","t0","t0","t0"],"tensors":[
+    {"name":"up","shape":[16,8],"dtype":"bfloat16","placements":[{"shard":{"dim":0}}]},
+    {"name":"down","shape":[8,16],"dtype":"bfloat16","placements":[{"shard":{"dim":0}}]},
+    {"name":"norm","shape":[8],"dtype":"float32","placements":[{"shard":{"dim":0}}]}]})";
+  auto q = planAndSimulate(one_node, vllm, opts);
+  CHECK(egressOf(*q, "t0") == model);
+  CHECK(q->plan.stats.max_chain == 2);
   CHECK(p->plan.stats.bytes_needed == 2 * model + 2 * 8 * 4);  // norm: every rank
   // The replicated "norm" is copied from where it lands to the node's other rank.
   CHECK(p->plan.stats.local_bytes > 0);

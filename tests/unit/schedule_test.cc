@@ -111,8 +111,8 @@ TEST_CASE("schedule: each node's peers are exactly the nodes it writes to and th
   std::mt19937 rng(20261202);
   for (int it = 0; it < 200; ++it) {
     const auto [src, dst] = randomLayoutPair(rng);
-    const auto strategy = std::vector<Strategy>{Strategy::kPlanned, Strategy::kRankPull,
-                                                Strategy::kGatherBroadcast}[rng() % 3];
+    const auto strategy =
+        std::vector<Strategy>{Strategy::kPlanned, Strategy::kRankPull, Strategy::kGatherBroadcast}[rng() % 3];
     INFO("src: " << src.ShortDebugString() << "\ndst: " << dst.ShortDebugString());
     auto s = makeSchedule(src, dst, 1 << 20, 64, true, strategy);
     REQUIRE(s.ok());

@@ -1,7 +1,6 @@
 // The routings a plan can take (planner::Strategy): the baselines Shardcast is measured against
 // deliver every element right, with the traffic their shape implies.
 #include <catch2/catch.hpp>
-
 #include <random>
 
 #include "planner/plan.h"
@@ -136,9 +135,9 @@ TEST_CASE("Gather-broadcast with the root among the destinations: it keeps its p
   const int64_t half = 32 * 64 * 4;
   CHECK(gb.sim.needless_arrivals == 0);
   CHECK(gb.sim.duplicate_arrivals == 0);
-  CHECK(gb.plan.stats.node_ingress[a] == half);      // b's half, once
-  CHECK(gb.plan.stats.node_egress[a] == 3 * half);   // its own half to b and c, b's half to c
-  CHECK(gb.plan.stats.node_egress[b] == half);       // only to the root
+  CHECK(gb.plan.stats.node_ingress[a] == half);     // b's half, once
+  CHECK(gb.plan.stats.node_egress[a] == 3 * half);  // its own half to b and c, b's half to c
+  CHECK(gb.plan.stats.node_egress[b] == half);      // only to the root
 }
 
 TEST_CASE("random layouts: every routing delivers every element", "[planner][strategy][property]") {
