@@ -48,7 +48,7 @@ void startWrites(const std::shared_ptr<SyncAttempt>& a, int32_t node) {
   const size_t max_batch = std::min(kMaxLanded, (kMaxNotification - notificationBytes(a->id.size(), 0)) / kLandedBytes);
   // A relay forwards only what it heard of: a batch of at most two chunks keeps each hop's wait
   // near one chunk's transfer time.
-  const uint64_t chunk_bytes = static_cast<uint64_t>(a->plan->plan.options.chunk_bytes);
+  const uint64_t chunk_bytes = a->plan ? static_cast<uint64_t>(a->plan->plan.options.chunk_bytes) : 0;
   const uint64_t batch_bytes = std::max<uint64_t>(
       1, std::min({kBatchBytes, a->window_bytes / 2, chunk_bytes > 0 ? 2 * chunk_bytes : kBatchBytes}));
   std::vector<SyncAttempt::Outgoing> start;

@@ -1,10 +1,9 @@
 // The daemon's configuration: a link rate sizes chunks and the write window unless they are given.
-#include <catch2/catch.hpp>
+#include "daemon/config.h"
 
+#include <catch2/catch.hpp>
 #include <string>
 #include <vector>
-
-#include "daemon/config.h"
 
 using namespace shardcast;
 using namespace shardcast::daemon;
@@ -29,8 +28,8 @@ TEST_CASE("config: --nic-gbps sizes chunks (about 8 ms on the link) and a window
   REQUIRE(plain.ok());
   CHECK(plain->chunk_mib == 64);  // no link rate: the defaults
   CHECK(plain->window_mib == 128);
-  const std::vector<std::pair<std::string, int64_t>> rates{{"1", 1}, {"2", 1}, {"10", 8}, {"25", 16}, {"100", 64},
-                                                           {"400", 64}};
+  const std::vector<std::pair<std::string, int64_t>> rates{{"1", 1},   {"2", 1},    {"10", 8},
+                                                           {"25", 16}, {"100", 64}, {"400", 64}};
   for (const auto& [gbps, chunk] : rates) {
     auto c = parse({"--nic-gbps=" + gbps});
     REQUIRE(c.ok());
