@@ -175,6 +175,12 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
+  // Its coordinator may have given it up while this Prepare was on its way (prepares go to every
+  // daemon at once): a Finish that found nothing active left its word here. Under the lock that
+  // guards both, so one of the two always sees the other.
+  if (finished_.count({a->id, a->fence}))
+    return absl::AbortedError(
+        strCat("sync ", a->id, " was given up by its coordinator while it was being prepared on node \"", node_, "\""));
   a->renew();  // the lease runs from here: planning and allocating do not count against it
   if (!active_.emplace(a->id, a).second)
     return absl::AlreadyExistsError(strCat("sync ", a->id, " is already prepared on node \"", node_, "\""));
