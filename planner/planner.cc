@@ -464,7 +464,12 @@ class Planner {
   // so that no transfer is left with the longest chains (the sync ends with its slowest chain).
   void routeChains() {
     int64_t bound = 0;
-    for (size_t n = 0; n < need_in_.size(); ++n) bound = std::max({bound, need_in_[n], reserve_[n]});
+    ordinal_.assign(need_in_.size(), 0);
+    int32_t sources = 0;
+    for (size_t n = 0; n < need_in_.size(); ++n) {
+      bound = std::max({bound, need_in_[n], reserve_[n]});
+      if (sole_[n] > 0) ordinal_[n] = sources++;
+    }
     for (const Pending& p : pending_) {
       Transfer& tr = plan_.transfers[static_cast<size_t>(p.transfer)];
       const SourceCell& cell = plan_.cells[static_cast<size_t>(p.cell)];
@@ -478,6 +483,12 @@ class Planner {
       const int32_t count = static_cast<int32_t>(std::clamp<int64_t>(spare, count_min, p.nodes_count));
       nodes_scratch_.assign(pending_nodes_.begin() + p.nodes_begin,
                             pending_nodes_.begin() + p.nodes_begin + p.nodes_count);
+      // Sole holders start their chains at different nodes (the i-th such node i places into
+      // the order): each node then heads about as many sources' chains as the others, instead
+      // of a few nodes taking every source's stream at once.
+      const int32_t len = (p.nodes_count + count - 1) / count;
+      if (cell.nodes_count == 1 && len > 1)
+        std::rotate(nodes_scratch_.begin(), nodes_scratch_.begin() + ordinal_[hn[0]] % len, nodes_scratch_.end());
       splitChains(tr, cell, nodes_scratch_, p.rotation, count);
     }
   }
@@ -664,6 +675,7 @@ class Planner {
   std::vector<Pending> pending_;
   std::vector<int32_t> pending_nodes_;
   std::vector<int64_t> need_in_, reserve_, sole_;  // sole_: bytes of the transfers a node alone holds
+  std::vector<int32_t> ordinal_;                   // per node: its place among the sole holders
   int32_t root_ = -1;  // kGatherBroadcast: the node everything goes through (source rank 0's)
   std::unordered_map<std::string, size_t> bucket_index_;
   std::vector<Bucket> buckets_;
