@@ -279,19 +279,25 @@ Status SyncCoordinator::prepare() {
   p.set_strategy(req_.options().strategy());
   std::vector<v1::PrepareResponse> prepared(daemons.size());
   std::vector<grpc::Status> results;
+  // The first daemon whose own failure gave the sync up: the others' calls are then cancelled,
+  // or refused as given up, because of it.
+  std::atomic<int64_t> first_failure{-1};
   peers_->forEach(
       callDeadline(),
       [&](size_t i, v1::Peer::Stub& stub, grpc::ClientContext& c) {
         const grpc::Status st = stub.Prepare(&c, p, &prepared[i]);
-        if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED)
+        if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED) {
+          int64_t none = -1;
+          first_failure.compare_exchange_strong(none, static_cast<int64_t>(i));
           giveUp(strCat("prepare failed on node \"", daemons[i].node(), "\": ", st.error_message()));  // once
+        }
         return st;
       },
       &results);
-  // The node whose own failure gave the sync up, rather than the calls cancelled because of it.
   std::optional<size_t> at_fault;
-  for (size_t i = 0; i < results.size(); ++i)
-    if (!results[i].ok() && (!at_fault || results[*at_fault].error_code() == grpc::StatusCode::CANCELLED)) at_fault = i;
+  if (first_failure >= 0) at_fault = static_cast<size_t>(first_failure.load());
+  for (size_t i = 0; i < results.size() && !at_fault; ++i)
+    if (!results[i].ok()) at_fault = i;  // the lease keeper gave it up: every call cancelled
   if (at_fault) {
     const std::string stalled = lease_keeper_->stalled();
     const Status failure = fromGrpc(
