@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "python"))
 sys.path.insert(0, str(HERE))
 
-from shardcast.local import LocalCluster, free_port  # noqa: E402
+from shardcast.local import LocalCluster, TorchRendezvous  # noqa: E402
 
 import inference  # noqa: E402
 import trainer  # noqa: E402
@@ -53,8 +53,8 @@ def main() -> int:
         print(f"started shardcastd for {', '.join(nodes)}", flush=True)
         rollouts, failures = ctx.Queue(), ctx.Queue()
         inboxes = [ctx.Queue() for _ in range(4)]
-        port = free_port()
-        procs = [ctx.Process(target=_trainer, args=(r, port, cluster.target(f"trainer-{r // 2}"), a.steps, inboxes,
+        rendezvous = TorchRendezvous()
+        procs = [ctx.Process(target=_trainer, args=(r, rendezvous.port, cluster.target(f"trainer-{r // 2}"), a.steps, inboxes,
                                                     rollouts, failures)) for r in range(4)]
         inference_nodes = [f"inference-{r // 2}" for r in range(4)]
         procs += [ctx.Process(target=_inference, args=(r, cluster.target(inference_nodes[r]), inference_nodes, a.steps,

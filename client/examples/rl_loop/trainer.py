@@ -15,13 +15,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import shardcast  # noqa: E402
+from shardcast.local import join_process_group  # noqa: E402
 
 import model  # noqa: E402
 
 
 def train(rank: int, world: int, port: int, daemon: str, steps: int, to_inference, rollouts,
           verify: bool = True) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_process_group(port, rank, world)
     torch.manual_seed(0)  # the same initial weights on every rank before FSDP2 shards them
     net = model.shard_for_training(model.TinyLM(), "fsdp")
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)

@@ -8,6 +8,7 @@ named node on loopback, each knowing all the others (what a DaemonSet gives on a
 from __future__ import annotations
 
 import os
+import random
 import select
 import shutil
 import socket
@@ -37,9 +38,46 @@ def find_shardcastd() -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range so that no outgoing connection is given
+    it before its listener binds it (a port from bind(0) is ephemeral: any connect() may take it
+    meanwhile). Where the caller's own process can listen, bind port 0 instead (TorchRendezvous)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    candidates = random.sample(range(10000, ephemeral_low), 64) if ephemeral_low > 12000 else []
+    for port in candidates + [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
+
+
+class TorchRendezvous:
+    """The rendezvous store of a torch.distributed group whose ranks run on this host, served by
+    this process on a port the kernel assigned as it bound it. (A free_port() that rank 0 binds
+    later races with every socket opened in between: CI saw EADDRINUSE.) Keep it alive until the
+    ranks are done; each rank calls join_process_group(rendezvous.port, rank, world)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+        self.port: int = self._store.port
+
+
+def join_process_group(port: int, rank: int, world: int, backend: str = "gloo") -> None:
+    """torch.distributed.init_process_group through the TorchRendezvous listening on `port`."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
 class LocalDaemon:

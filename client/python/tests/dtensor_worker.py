@@ -45,9 +45,10 @@ def main(kind: str, rank: int, world: int, port: int, target: str, group: str, c
 
     import model as lm
     import shardcast
+    from shardcast.local import join_process_group
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        join_process_group(port, rank, world)
         torch.manual_seed(0)  # the same initial weights on every rank
         if kind == "ep":
             from torch.distributed.device_mesh import init_device_mesh

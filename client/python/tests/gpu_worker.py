@@ -22,9 +22,10 @@ def main(rank: int, world: int, port: int, target: str, group: str, conn) -> Non
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     import shardcast
+    from shardcast.local import join_process_group
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        join_process_group(port, rank, world)
         torch.cuda.set_device(0)  # every rank on the one GPU: IPC handles name device 0
         mesh = init_device_mesh("cuda", (world,))
         full = full_weights()

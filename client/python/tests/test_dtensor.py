@@ -27,7 +27,7 @@ import dtensor_worker  # noqa: E402
 import shardcast  # noqa: E402
 from conftest import ROOT  # noqa: E402
 from rank_worker import recv  # noqa: E402
-from shardcast.local import LocalCluster, free_port  # noqa: E402
+from shardcast.local import LocalCluster, TorchRendezvous  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "client" / "examples" / "rl_loop"))
 import model as lm  # noqa: E402
@@ -53,12 +53,12 @@ class Trainers:
 
     def __init__(self, cluster, kind: str, world: int, group: str) -> None:
         ctx = mp.get_context("spawn")
-        port = free_port()
+        self.rendezvous = TorchRendezvous()
         self.procs, self.conns = [], []
         for rank in range(world):
             parent, child = ctx.Pipe()
             target = cluster.target("t0" if rank < world // 2 else "t1")
-            p = ctx.Process(target=dtensor_worker.main, args=(kind, rank, world, port, target, group, child))
+            p = ctx.Process(target=dtensor_worker.main, args=(kind, rank, world, self.rendezvous.port, target, group, child))
             p.start()
             self.procs.append(p)
             self.conns.append(parent)

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 import gpu_worker  # noqa: E402
 import shardcast  # noqa: E402
 from rank_worker import recv  # noqa: E402
-from shardcast.local import LocalCluster, free_port  # noqa: E402
+from shardcast.local import LocalCluster, TorchRendezvous  # noqa: E402
 
 
 def destination_layout(group: str):
@@ -33,10 +33,10 @@ def destination_layout(group: str):
 def test_cuda_dtensor_syncs_into_cuda_destination_ranks():
     with LocalCluster(["t0", "i0"]) as cluster:
         ctx = mp.get_context("spawn")
-        port, procs, conns = free_port(), [], []
+        rendezvous, procs, conns = TorchRendezvous(), [], []
         for rank in range(2):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=gpu_worker.main, args=(rank, 2, port, cluster.target("t0"), "gpu-trainer", child))
+            p = ctx.Process(target=gpu_worker.main, args=(rank, 2, rendezvous.port, cluster.target("t0"), "gpu-trainer", child))
             p.start()
             procs.append(p)
             conns.append(parent)
