@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Syncs measured on a network rather than loopback: every node a Linux network namespace
 # ("sc-<node>", 10.77.0.<k+2>/24) joined through a bridge in a switch namespace ("sc-switch"), its
-# link rate-limited both ways (tc tbf, optional netem delay); one shardcastd per node inside its
+# link rate-limited both ways (tc tbf, optional netem delay, MTU 1500 unless --mtu); one shardcastd per node inside its
 # namespace (shardcast-demo --netns), UCX over TCP. Per scenario it reports the measured sync time
 # (best of the cached syncs), the plan's predicted time for the link rate, the network lower bound
 # (the busiest node's ingress over the link rate), each baseline's measured time (every rank
@@ -9,7 +9,9 @@
 # tiny model across 8..64 daemons on loopback, the time per phase against the node count.
 # Traffic stays inside the namespaces this script makes; they are removed on exit, whatever happens.
 # Needs root (ip netns, tc). Usage:
-#   bench/cluster.sh [--rate-mbit 1000] [--delay-ms 0] [--queue-ms 200] [--scenario relay|fsdp-tp|moe|16-node|all]
+#   bench/cluster.sh [--rate-mbit R] [--delay-ms 0] [--queue-ms 200] [--mtu 1500] [--scenario relay|fsdp-tp|moe|16-node|all]
+#                    (links of 1000 Mbit/s, the 16-node case's 500: what 2 cores forward for 16 nodes;
+#                    --rate-mbit sets every scenario's)
 #                    [--syncs 3] [--strategies planned,rank-pull,gather-broadcast]
 #                    (the baselines run by the same daemons, after Shardcast's plan: sync --strategy)
 #   bench/cluster.sh --scenario delta [--delta-arg ARG]...  (bench/delta_bench.py on 2 nodes: AdamW steps,
@@ -18,13 +20,14 @@
 #   bench/cluster.sh --control-plane [--nodes "8 16 32 64"]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-rate=1000 delay=0 queue_ms=200 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64" demo_args=() delta_args=()
+rate="" delay=0 queue_ms=200 mtu=1500 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64" demo_args=() delta_args=()
 strategies=planned,rank-pull,gather-broadcast
 while [ $# -gt 0 ]; do
   case "$1" in
     --rate-mbit) rate="$2"; shift 2 ;;
     --delay-ms) delay="$2"; shift 2 ;;
     --queue-ms) queue_ms="$2"; shift 2 ;;
+    --mtu) mtu="$2"; shift 2 ;;
     --scenario) scenario="$2"; shift 2 ;;
     --syncs) syncs="$2"; shift 2 ;;
     --strategies) strategies="$2"; shift 2 ;;
@@ -34,7 +37,7 @@ while [ $# -gt 0 ]; do
     --demo-arg=*) demo_args+=("${1#--demo-arg=}"); shift ;;
     --delta-arg) delta_args+=("$2"); shift 2 ;;
     --delta-arg=*) delta_args+=("${1#--delta-arg=}"); shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "bench/cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -49,9 +52,10 @@ teardown() {
 }
 trap teardown EXIT INT TERM
 
-# shape NS DEV: the link's rate (and delay) on DEV's egress inside NS.
+# shape NS DEV RATE: the link's rate in Mbit/s (and delay) on DEV's egress inside NS.
 shape() {
-  local ns="$1" dev="$2" burst=$((rate * 1000000 / 8 / 100))  # 10 ms at the rate
+  local ns="$1" dev="$2" rate="$3"
+  local burst=$((rate * 1000000 / 8 / 100))  # 10 ms at the rate
   [ "$burst" -lt 65536 ] && burst=65536
   if [ "$delay" != 0 ]; then
     ip netns exec "$ns" tc qdisc add dev "$dev" root handle 1: netem delay "${delay}ms"
@@ -61,40 +65,44 @@ shape() {
   fi
 }
 
-# network NODE...: a switch namespace and one namespace per node, node k at 10.77.0.<k+2>.
+# network RATE NODE...: a switch namespace and one namespace per node, node k at 10.77.0.<k+2>,
+# each linked to the switch at RATE Mbit/s.
 network() {
+  local rate="$1"
+  shift
   teardown
   ip netns add sc-switch
   made+=(sc-switch)
-  ip netns exec sc-switch ip link add br0 type bridge
+  ip netns exec sc-switch ip link add br0 mtu "$mtu" type bridge
   ip netns exec sc-switch ip link set br0 up
   local k=0
   for node in "$@"; do
     local ns="sc-$node"
     ip netns add "$ns"
     made+=("$ns")
-    ip link add "scv$k" netns "$ns" type veth peer name "p$k" netns sc-switch
+    ip link add "scv$k" netns "$ns" mtu "$mtu" type veth peer name "p$k" netns sc-switch mtu "$mtu"
     ip netns exec "$ns" ip link set "scv$k" name eth0
     ip netns exec "$ns" ip addr add "10.77.0.$((k + 2))/24" dev eth0
     ip netns exec "$ns" ip link set eth0 up
     ip netns exec "$ns" ip link set lo up
     ip netns exec sc-switch ip link set "p$k" master br0
     ip netns exec sc-switch ip link set "p$k" up
-    shape "$ns" eth0       # the node's egress
-    shape sc-switch "p$k"  # its ingress
+    shape "$ns" eth0 "$rate"       # the node's egress
+    shape sc-switch "p$k" "$rate"  # its ingress
     k=$((k + 1))
   done
 }
 
-# scenario NAME TRAINERS INFERENCE DEMO-FLAGS...: one row of the table. The same daemons run the
-# syncs with Shardcast's plan, then with each baseline (shardcast-demo --strategies).
+# scenario NAME RATE TRAINERS INFERENCE DEMO-FLAGS...: one row of the table, links of RATE Mbit/s
+# (--rate-mbit wins). The same daemons run the syncs with Shardcast's plan, then with each
+# baseline (shardcast-demo --strategies).
 run_scenario() {
-  local name="$1" t="$2" i="$3"
-  shift 3
+  local name="$1" rate="${rate:-$2}" t="$3" i="$4"
+  shift 4
   local nodes=()
   for ((n = 0; n < t; n++)); do nodes+=("trainer-$n"); done
   for ((n = 0; n < i; n++)); do nodes+=("inference-$n"); done
-  network "${nodes[@]}"
+  network "$rate" "${nodes[@]}"
   local out gbps
   gbps=$($py -c "print($rate / 1000)")  # the daemons size chunks and windows for it (shardcastd --nic-gbps)
   if ! out=$("$demo" --netns --report --trainer-nodes "$t" --inference-nodes "$i" --syncs "$syncs" \
@@ -133,7 +141,7 @@ for s in ("rank-pull", "gather-broadcast"):
         cells.append(f"{m:.2f} s ({m / measured:.1f}x; predicted {p:.2f} s)")
     else:
         cells.append("not run")
-print(f"| {name} | {nodes} | {gb:.3f} GB | {measured:.2f} s | {predicted:.2f} s | {bound:.2f} s | "
+print(f"| {name} | {nodes} | {rate_mbit:g} Mbit/s | {gb:.3f} GB | {measured:.2f} s | {predicted:.2f} s | {bound:.2f} s | "
       f"{measured / bound:.2f}x | {cells[0]} | {cells[1]} | {predicted / measured:.2f} | {wrong} |")
 ' "$name" "$((t + i))" "$rate"
 }
@@ -161,21 +169,24 @@ print("| %s | %s |" % (n, cells))
 fi
 
 if [ "$scenario" = delta ]; then
+  rate="${rate:-1000}"
   echo "== delta syncs over emulated links: ${rate} Mbit/s each way per node, ${delay} ms delay, UCX over TCP"
-  network trainer-0 inference-0
+  network "$rate" trainer-0 inference-0
   [ -x "$root/.venv/bin/python" ] || bash "$root/scripts/deps.sh" >/dev/null  # the test venv (torch)
   SHARDCAST_BUILD="$root/build" "$root/.venv/bin/python" "$root/bench/delta_bench.py" --netns "${delta_args[@]}"
   exit 0
 fi
 
-echo "== syncs over emulated links: ${rate} Mbit/s each way per node, ${delay} ms delay, UCX over TCP"
-echo "| scenario | nodes | network bytes per sync | measured | predicted | lower bound | measured / bound | rank pull | gather+broadcast | predicted / measured | wrong elements |"
-echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+echo "== syncs over emulated links (each way per node), ${delay} ms delay, MTU ${mtu}, UCX over TCP"
+echo "| scenario | nodes | link | network bytes per sync | measured | predicted | lower bound | measured / bound | rank pull | gather+broadcast | predicted / measured | wrong elements |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 case "$scenario" in
-  relay | all) run_scenario "relay: 1 trainer node into 6 inference nodes" 1 6 --layers 2 --hidden 1024 ;;&
-  fsdp-tp | all) run_scenario "FSDP (8 ranks) into TP=4 x 2 nodes, fused qkv/gate_up" 2 2 --layers 4 --hidden 1024 ;;&
-  moe | all) run_scenario "MoE: 16 whole experts per layer (FSDP, 8 ranks) into EP=3 x TP=4" 2 3 --layers 2 --hidden 1024 --experts 16 --vocab 8192 ;;&
-  16-node | all) run_scenario "16 nodes: 4 trainer, 12 inference" 4 12 --layers 2 --hidden 512 ;;&
+  relay | all) run_scenario "relay: 1 trainer node into 6 inference nodes" 1000 1 6 --layers 2 --hidden 1024 ;;&
+  fsdp-tp | all) run_scenario "FSDP (8 ranks) into TP=4 x 2 nodes, fused qkv/gate_up" 1000 2 2 --layers 4 --hidden 1024 ;;&
+  moe | all) run_scenario "MoE: 16 whole experts per layer (FSDP, 8 ranks) into EP=3 x TP=4" 1000 2 3 --layers 2 --hidden 1024 --experts 16 --vocab 8192 ;;&
+  # 16 links of 1000 Mbit/s are more than 2 cores forward through veth, bridge and tbf (about
+  # 10% idle and +-15% between syncs there): 500 keeps the network the limit (docs/performance.md).
+  16-node | all) run_scenario "16 nodes: 4 trainer, 12 inference" 500 4 12 --layers 2 --hidden 512 ;;&
   relay | fsdp-tp | moe | 16-node | all) ;;
   *) echo "unknown scenario $scenario" >&2; exit 2 ;;
 esac

@@ -19,8 +19,8 @@ std::string DaemonConfig::describe() const {
      << " peer_dns=" << (peer_dns.empty() ? "(none)" : peer_dns) << " transport=" << transport
      << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol
      << " ucx_tcp_segment_kib=" << ucx_tcp_segment_kib << " log_level=" << log_level
-     << " peer_timeout_ms=" << peer_timeout_ms << " chunk_mib=" << chunk_mib << " staging_mib=" << staging_mib
-     << " window_mib=" << window_mib << " nic_gbps=" << nic_gbps << " delta_cache_mib=" << delta_cache_mib
+     << " peer_timeout_ms=" << peer_timeout_ms << " chunk_kib=" << (chunk_bytes >> 10) << " staging_mib=" << staging_mib
+     << " window_kib=" << (window_bytes >> 10) << " nic_gbps=" << nic_gbps << " delta_cache_mib=" << delta_cache_mib
      << " delta_dense_every=" << delta_dense_every << " metrics=" << (metrics.empty() ? "(off)" : metrics)
      << " sync_lease_ms=" << sync_lease_ms << " shutdown_grace_ms=" << shutdown_grace_ms << " tls="
      << (tls.enabled() ? strCat("cert:", tls.cert, ",key:", tls.key, ",ca:", tls.ca, ",reload_s:", tls.reload_s)
@@ -53,16 +53,19 @@ Status checkHostPort(const std::string& what, const std::string& v) {
 }  // namespace
 
 void sizeForLink(DaemonConfig* c, bool chunk_given, bool window_given) {
+  c->chunk_bytes = c->chunk_mib << 20;
+  c->window_bytes = c->window_mib << 20;
   if (c->nic_gbps <= 0) return;
   // A relay forwards a chunk once it has landed whole: each hop of a chain adds one chunk's time
-  // on the link to the sync. About 8 ms of it (1 MiB at 1 Gbit/s, 64 MiB from 100 Gbit/s on)
-  // keeps that small against a sync while the per-chunk costs stay negligible; a window of two
-  // chunks per peer keeps the link busy and lets each chunk land (and move on) in order.
-  const double mib = c->nic_gbps * 1e9 / 8 * 0.008 / (1 << 20);
-  int64_t chunk = 1;
-  while (chunk * 2 <= mib && chunk < 64) chunk *= 2;
-  if (!chunk_given) c->chunk_mib = chunk;
-  if (!window_given) c->window_mib = 2 * c->chunk_mib;
+  // on the link to the sync. About 8 ms of it (the nearest power of two: 512 KiB at 0.5 Gbit/s,
+  // 1 MiB at 1, 8 MiB at 10, 64 MiB from 100 Gbit/s on; at least 64 KiB) keeps that small against
+  // a sync while the per-chunk costs stay negligible; a window of two chunks per peer keeps the
+  // link busy and lets each chunk land (and move on) in order.
+  const double bytes = c->nic_gbps * 1e9 / 8 * 0.008;
+  int64_t chunk = int64_t{64} << 10;
+  while (chunk < (int64_t{64} << 20) && static_cast<double>(chunk) * 1.4142 < bytes) chunk *= 2;
+  if (!chunk_given) c->chunk_bytes = chunk;
+  if (!window_given) c->window_bytes = 2 * c->chunk_bytes;
 }
 
 StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::string* output) {

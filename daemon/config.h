@@ -23,12 +23,15 @@ struct DaemonConfig {
   int64_t ucx_tcp_segment_kib = 1024;   // UCX over TCP: fragment size (0 = UCX's 64 KiB)
   std::string log_level = "info";
   int peer_timeout_ms = 5000;  // deadline of daemon-to-daemon calls
-  int64_t chunk_mib = 64;      // chunk size of large transfers
+  int64_t chunk_mib = 64;      // --chunk-mib: chunk size of large transfers
   int64_t staging_mib = 1024;  // per-node landing and staging budget of a sync
-  int64_t window_mib = 128;    // bytes in flight to each peer node
+  int64_t window_mib = 128;    // --window-mib: bytes in flight to each peer node
   // This node's link rate, Gbit/s (0: not given). Sizes what travels for it where --chunk-mib and
   // --window-mib are not given (sizeForLink), and is the Plan RPC's default cost model.
   double nic_gbps = 0;
+  // In effect: the options', or sized for the link (below 1 MiB on slow links).
+  int64_t chunk_bytes = int64_t{64} << 20;
+  int64_t window_bytes = int64_t{128} << 20;
   int64_t delta_cache_mib = 8192;                 // host memory for delta bases (all plans)
   int64_t delta_dense_every = 0;                  // DELTA_AUTO syncs of versions divisible by this go dense
   std::string metrics = kDefaultMetrics;          // Prometheus /metrics host:port ("" = off)
@@ -48,7 +51,8 @@ struct DaemonConfig {
 
 // Parses argv (and SHARDCAST_* variables, and --config FILE). Returns the config, or a Status whose
 // message is the usage error. `exit_code` is set when parsing ends the program (--help: 0, error: 2).
-// With a link rate (nic_gbps > 0): the chunk and window sizes for it, where not given.
+// chunk_bytes and window_bytes: from --chunk-mib and --window-mib where given, else with a link
+// rate (nic_gbps > 0) sized for it, else the defaults.
 void sizeForLink(DaemonConfig* c, bool chunk_given, bool window_given);
 StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::string* output);
 

@@ -236,7 +236,7 @@ Status SyncCoordinator::checkVersions() const {
 
 Status SyncCoordinator::plan() {
   const uint64_t budget = static_cast<uint64_t>(ctx_.config.staging_mib) << 20;
-  const uint64_t chunk_bytes = static_cast<uint64_t>(ctx_.config.chunk_mib) << 20;
+  const auto chunk_bytes = static_cast<uint64_t>(ctx_.config.chunk_bytes);
   const bool zero_copy = req_.options().delta() == v1::DELTA_OFF;
   auto strategy = strategyOf(req_.options().strategy(), req_.options().delta());
   if (!strategy.ok()) return failed(strategy.status());
@@ -274,7 +274,7 @@ Status SyncCoordinator::prepare() {
   *p.mutable_dst() = dst_;
   p.set_version(req_.version());
   p.set_staging_bytes(static_cast<uint64_t>(ctx_.config.staging_mib) << 20);
-  p.set_chunk_bytes(static_cast<uint64_t>(ctx_.config.chunk_mib) << 20);
+  p.set_chunk_bytes(static_cast<uint64_t>(ctx_.config.chunk_bytes));
   p.set_delta(delta_);
   p.set_strategy(req_.options().strategy());
   std::vector<v1::PrepareResponse> prepared(daemons.size());

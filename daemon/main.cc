@@ -138,8 +138,8 @@ int main(int argc, char** argv) {
         return fail("another shardcastd (at " + v.address + ") already serves node \"" + config->node +
                     "\": give every daemon its own --node");
   Metrics metrics;
-  SyncEngine engine(config->node, registry, **transport, metrics, static_cast<uint64_t>(config->window_mib) << 20,
-                    nullptr, static_cast<uint64_t>(config->delta_cache_mib) << 20);
+  SyncEngine engine(config->node, registry, **transport, metrics, static_cast<uint64_t>(config->window_bytes), nullptr,
+                    static_cast<uint64_t>(config->delta_cache_mib) << 20);
   metrics.registered_bytes = [&] { return registry.registeredBytes(); };
   metrics.registered_ranks = [&] { return static_cast<uint64_t>(registry.registeredRanks()); };
   metrics.plan_cache_hits = [&] { return engine.plans().hits(); };

@@ -274,7 +274,7 @@ grpc::Status ShardcastService::Plan(grpc::ServerContext* ctx, const v1::PlanRequ
   auto strategy = strategyOf(req->strategy(), v1::DELTA_OFF);
   if (!strategy.ok()) return toGrpc(strategy.status());
   planner::PlanOptions options;  // as a sync plans it (SyncEngine)
-  options.chunk_bytes = config_.chunk_mib << 20;
+  options.chunk_bytes = config_.chunk_bytes;
   options.strategy = *strategy;
   auto plan = planner::makePlan(*rs, *rd, nodes, options);
   if (!plan.ok()) return toGrpc(plan.status());

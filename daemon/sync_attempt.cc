@@ -36,18 +36,19 @@ Status queueWrite(const std::shared_ptr<SyncAttempt>& a, int32_t node, std::shar
 // At least one write is always in flight while any is queued. Without the window every chunk
 // would be on the wire at once; the transport then completes them all near the end, and relays
 // and fan-out could not start before the last byte arrived. Writes start in batches of up to
-// kBatchBytes (or half the window, if smaller) once a batch fits in the window, and one
-// notification (delivered by the transport once every write before it is visible) announces a
-// whole batch: a message and a wake-up of the receiving thread per batch, not per chunk. The
-// window keeps the link busy across the round trip of an acknowledged write; the batch bounds how
-// long a relay waits to hear of what landed (it forwards nothing it has not heard of). A write's
-// completion starts more.
+// kBatchBytes (or half the window, if smaller) once a batch fits in the window. A relay forwards
+// nothing it has not heard of, so a chunk of kOwnNoticeBytes or more carries its own announcement
+// (WriteOp::notice: over TCP in the write's header, heard of as it lands, not after a round trip
+// and behind the chunks sent after it); the smaller ones of a batch share one notification
+// (delivered once every write before it is visible): a message and a wake-up of the receiving
+// thread per batch, not per small chunk. The window keeps the link busy across the round trip of
+// an acknowledged write. A write's completion starts more.
 void startWrites(const std::shared_ptr<SyncAttempt>& a, int32_t node) {
   constexpr size_t kMaxNotification = 32 << 10;  // bytes per batch's notification (the transport takes 64 KiB)
   constexpr uint64_t kBatchBytes = uint64_t{8} << 20;
+  constexpr uint64_t kOwnNoticeBytes = uint64_t{64} << 10;
   const size_t max_batch = std::min(kMaxLanded, (kMaxNotification - notificationBytes(a->id.size(), 0)) / kLandedBytes);
-  // A relay forwards only what it heard of: a batch of at most two chunks keeps each hop's wait
-  // near one chunk's transfer time.
+  // A batch of at most two chunks: each write's completion frees room for the next soon.
   const uint64_t chunk_bytes = a->plan ? static_cast<uint64_t>(a->plan->plan.options.chunk_bytes) : 0;
   const uint64_t batch_bytes = std::max<uint64_t>(
       1, std::min({kBatchBytes, a->window_bytes / 2, chunk_bytes > 0 ? 2 * chunk_bytes : kBatchBytes}));
@@ -88,25 +89,30 @@ void startWrites(const std::shared_ptr<SyncAttempt>& a, int32_t node) {
     }
     if (wake) a->cv.notify_all();
   };
-  Notification notification;
+  Notification notification;  // the batch's small chunks
   notification.sync_id = a->id;
   notification.fence = a->fence;
   bool wrote = false;
   for (auto& out : start) {
     const uint64_t bytes = out.op.length;
-    notification.chunks.push_back(out.landed);
+    const bool own = bytes >= kOwnNoticeBytes;
+    if (own)
+      out.op.notice = encodeNotification({a->id, a->fence, {out.landed}});
+    else
+      notification.chunks.push_back(out.landed);
     if (bytes == 0) {  // an empty delta: only the word that it landed
       finished(absl::OkStatus(), 0, 1);
       continue;
     }
     wrote = true;
-    ep->write(std::move(out.op), [a, node, bytes, finished](Status st) {
-      finished(st, bytes, 1);
+    ep->write(std::move(out.op), [a, node, bytes, own, finished](Status st) {
+      finished(st, bytes, own ? 2 : 1);  // the write, and its notice with it
       startWrites(a, node);
     });
   }
-  const int64_t announced = static_cast<int64_t>(start.size());
-  ep->notify(encodeNotification(notification), [finished, announced](Status st) { finished(st, 0, announced); });
+  const auto announced = static_cast<int64_t>(notification.chunks.size());
+  if (announced > 0)
+    ep->notify(encodeNotification(notification), [finished, announced](Status st) { finished(st, 0, announced); });
   // A batch of empty deltas only: no completion of it will start what is queued behind it.
   if (!wrote) startWrites(a, node);
 }

@@ -70,6 +70,9 @@ Status checkWriteRanges(const WriteOp& op, const std::string& peer_name) {
   if (op.dst_offset > op.dst.size || op.length > op.dst.size - op.dst_offset)
     return absl::OutOfRangeError(strCat("write to peer '", peer_name, "': target range [", op.dst_offset, ", +",
                                         op.length, ") exceeds the remote region of ", op.dst.size, " bytes"));
+  if (op.notice.size() > kMaxNotifyBytes)
+    return absl::InvalidArgumentError(
+        strCat("write to peer '", peer_name, "': a notice of ", op.notice.size(), " bytes exceeds ", kMaxNotifyBytes));
   return absl::OkStatus();
 }
 

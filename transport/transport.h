@@ -70,6 +70,12 @@ struct WriteOp {
   // a rank a later sync wrote. Backends that write without the target's help (UCX put: RMA) land
   // it regardless: see docs/transport.md.
   uint64_t fence = 0;
+  // Non-empty: a notification (<= kMaxNotifyBytes) for the peer's handler, delivered
+  // once this write is visible there, with no ordering against other writes. Over UCX active
+  // messages it travels in the write's own header, so a relay hears of a chunk as it lands instead
+  // of a round trip later behind the chunks sent after it; otherwise it follows the write as
+  // notify() would. The write completes once both are done.
+  std::string notice{};
 };
 
 // A connection to one peer. Operations complete in any order, except that a notification is
@@ -125,6 +131,9 @@ struct TransportOptions {
   UcxOptions ucx;
 };
 
+// The largest notification (Endpoint::notify, WriteOp::notice) any backend takes.
+constexpr size_t kMaxNotifyBytes = size_t{64} << 10;
+
 // What a context can do, for callers that choose a path by it (the sync engine, Status).
 struct Capabilities {
   bool cuda_memory = false;                    // registers device memory itself (GPUDirect)
@@ -172,7 +181,8 @@ const std::vector<Backend>& backends();
 StatusOr<std::unique_ptr<Context>> createContext(const TransportOptions& options);
 
 // The checks every backend makes of a write before it travels: the source range inside its
-// region, the target range inside the remote region (OUT_OF_RANGE naming the peer and the range).
+// region, the target range inside the remote region (OUT_OF_RANGE naming the peer and the range),
+// a notice no larger than kMaxNotifyBytes (INVALID_ARGUMENT).
 Status checkWriteRanges(const WriteOp& op, const std::string& peer_name);
 
 }  // namespace shardcast::transport

@@ -1,6 +1,7 @@
 // The shared backend suite: every test runs against every backend and protocol (loopback; UCX
 // with its default transports, with tcp (active messages, and put), with posix/sysv shared memory
 // (put, and active messages), and tcp with UCX's own segment size). Every byte written is verified.
+#include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <cstring>
@@ -238,6 +239,64 @@ TEMPLATE_TEST_CASE("notifications are delivered after the data written before th
   CHECK(bad == 0);
   std::lock_guard<std::mutex> lock(mu);
   CHECK(seen == std::vector<std::string>{"1", "2", "3", "4", "5", "6", "7", "8", "9", "10"});
+}
+
+TEMPLATE_TEST_CASE("a write's notice reaches the handler once that write's bytes are in place", "[transport]",
+                   BACKENDS) {
+  Pair<TestType> p;
+  constexpr size_t kPart = size_t{512} << 10;
+  // Notices that ride in the write's header, and ones too long for it (UCX: 8 KiB headers)
+  // that follow it; an empty write's notice; up to the largest notification taken.
+  const std::vector<size_t> notice_bytes{1, 100, 7000, 16000, kMaxNotifyBytes, 40};
+  const std::vector<size_t> lengths{kPart, kPart, kPart, kPart, kPart, 0};
+  std::vector<unsigned char> src(kPart * lengths.size()), dst(src.size());
+  auto rs = reg(*p.a, src);
+  auto rd = reg(*p.b, dst);
+  std::mutex mu;
+  std::vector<int> seen;
+  int bad = 0;
+  p.b->setNotificationHandler([&](std::string payload) {
+    const int i = payload[0] - 'a';
+    const bool in_place = checkPattern(dst.data() + i * kPart, lengths[i], 100 + i) == lengths[i];
+    std::lock_guard<std::mutex> lock(mu);
+    bad += !in_place || payload.size() != notice_bytes[i];
+    seen.push_back(i);
+  });
+  for (int round = 0; round < 3; ++round) {
+    std::fill(dst.begin(), dst.end(), 0);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      seen.clear();
+    }
+    std::vector<std::future<Status>> writes;
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      fillPattern(src.data() + i * kPart, lengths[i], 100 + i);
+      WriteOp op{rs, i * kPart, rd->remote(), i * kPart, lengths[i]};
+      op.notice = std::string(notice_bytes[i], static_cast<char>('a' + i));
+      auto done = std::make_shared<std::promise<Status>>();
+      writes.push_back(done->get_future());
+      p.ep->write(std::move(op), [done](Status st) { done->set_value(st); });
+    }
+    for (auto& w : writes) {
+      REQUIRE(w.wait_for(std::chrono::seconds(60)) == std::future_status::ready);
+      CHECK(w.get().ok());
+    }
+    for (int k = 0; k < 20000; ++k) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (seen.size() >= lengths.size()) break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    std::sort(seen.begin(), seen.end());
+    CHECK(seen == std::vector<int>{0, 1, 2, 3, 4, 5});  // each notice once
+    CHECK(bad == 0);
+  }
+  WriteOp too_long{rs, 0, rd->remote(), 0, 8};
+  too_long.notice = std::string(kMaxNotifyBytes + 1, 'x');
+  const Status st = await([&](Completion done) { p.ep->write(std::move(too_long), std::move(done)); });
+  CHECK(st.code() == absl::StatusCode::kInvalidArgument);
 }
 
 TEMPLATE_TEST_CASE("registration is reused for the same range and released with its region", "[transport]", BACKENDS) {

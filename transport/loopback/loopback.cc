@@ -83,6 +83,7 @@ class LoopbackEndpoint final : public Endpoint {
               strCat("write to peer '", this_ep->peer_name_, "': its fence is closed there (the sync ended)")));
         std::memcpy(reinterpret_cast<void*>(op.dst.base + op.dst_offset),
                     static_cast<const std::byte*>(op.src->data()) + op.src_offset, op.length);
+        if (!op.notice.empty()) deliver(peer, op.notice);
       }
       done(absl::OkStatus());
     });
@@ -97,14 +98,7 @@ class LoopbackEndpoint final : public Endpoint {
         return done(absl::FailedPreconditionError(strCat("endpoint to peer '", this_ep->peer_name_, "' is closed")));
       auto peer = lookup(this_ep->peer_address_);
       if (!peer) return done(absl::UnavailableError(strCat("peer '", this_ep->peer_name_, "' is gone")));
-      peer->mailbox.post([peer, payload = std::move(payload)]() mutable {
-        std::function<void(std::string)> handler;
-        {
-          std::lock_guard<std::mutex> lock(peer->handler_mu);
-          handler = peer->handler;
-        }
-        if (handler) handler(std::move(payload));
-      });
+      deliver(peer, std::move(payload));
       done(absl::OkStatus());
     });
     if (!posted) fallback(absl::FailedPreconditionError("transport context is shut down"));
@@ -115,6 +109,18 @@ class LoopbackEndpoint final : public Endpoint {
   const std::string& peerName() const override { return peer_name_; }
 
  private:
+  // To the peer's notification handler, on the peer's thread.
+  static void deliver(const std::shared_ptr<LoopbackState>& peer, std::string payload) {
+    peer->mailbox.post([peer, payload = std::move(payload)]() mutable {
+      std::function<void(std::string)> handler;
+      {
+        std::lock_guard<std::mutex> lock(peer->handler_mu);
+        handler = peer->handler;
+      }
+      if (handler) handler(std::move(payload));
+    });
+  }
+
   Status check(const WriteOp& op, LoopbackState& peer) const {
     SC_RETURN_IF_ERROR(checkWriteRanges(op, peer_name_));
     // The target's own check (UCX's active-message handler makes the same one on arrival).

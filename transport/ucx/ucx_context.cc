@@ -26,16 +26,17 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr unsigned kAmData = 1;    // header: DataHeader; payload: the bytes to place
+constexpr unsigned kAmData = 1;    // header: DataHeader, then its notice; payload: the bytes to place
 constexpr unsigned kAmAck = 2;     // header: AckHeader; payload: error message (if any)
 constexpr unsigned kAmNotify = 3;  // payload: the notification
-constexpr size_t kMaxNotify = 64 * 1024;
 
 struct DataHeader {
   uint64_t op_id;
   uint64_t addr;
   uint64_t length;
-  uint64_t fence;  // WriteOp::fence
+  uint64_t fence;         // WriteOp::fence
+  uint32_t notice_bytes;  // WriteOp::notice, right after this header
+  uint32_t pad;
 };
 
 struct AckHeader {
@@ -129,12 +130,12 @@ struct PendingOp {
 // The per-request callback context: which engine and operation a UCX request belongs to.
 struct RequestCtx {
   UcxEngine* engine;
-  uint64_t op_id;  // 0: no operation to account (acks, notifications)
-  std::unique_ptr<DataHeader> data_header;
+  uint64_t op_id;           // 0: no operation to account (acks, notifications)
+  std::string data_header;  // an AM write's: DataHeader and its notice (empty for other requests)
   std::unique_ptr<AckHeader> ack_header;
-  std::string payload;                   // notification / ack message bytes kept alive until sent
-  Completion done;                       // notifications
-  ucp_ep_h reply_ep = nullptr;           // receiver side: where to ack a rendezvous receive
+  std::string payload;          // notification / ack message bytes kept alive until sent; receiver: a write's notice
+  Completion done;              // notifications
+  ucp_ep_h reply_ep = nullptr;  // receiver side: where to ack a rendezvous receive
   std::shared_ptr<MemoryRegion> target;  // receiver side: kept registered until the data is in
   std::shared_ptr<void> fence;           // receiver side: the write's fence held until it is in
 };
@@ -191,6 +192,7 @@ class UcxEngine {
                       const ucp_am_recv_param_t* param);
   ucs_status_t onAck(const void* header, size_t header_length, void* data, size_t length);
   ucs_status_t onNotify(void* data, size_t length, const ucp_am_recv_param_t* param);
+  void deliver(std::string payload);  // to the notification handler
 
   TransportOptions options_;
   std::shared_ptr<UcxCore> core_;
@@ -200,6 +202,7 @@ class UcxEngine {
   std::shared_ptr<RegionTable> regions_;
   std::string address_;
   int efd_ = -1;
+  size_t max_am_header_ = 0;  // a notice travels in its write's header when that fits in this
   Mailbox mailbox_;
   std::mutex handler_mu_;
   std::function<void(std::string)> handler_;
@@ -219,7 +222,7 @@ struct Callbacks {
     if (ctx->op_id) {
       // A put, a flush, or an AM send whose ack will report the outcome: only errors count here,
       // except for puts and flushes which are complete once sent.
-      if (st != UCS_OK || !ctx->data_header)
+      if (st != UCS_OK || ctx->data_header.empty())
         ctx->engine->partDone(ctx->op_id, st == UCS_OK ? Status() : statusFromUcs("send", st));
     } else if (ctx->done) {
       ctx->done(st == UCS_OK ? Status() : statusFromUcs("notification", st));
@@ -229,6 +232,7 @@ struct Callbacks {
   }
   static void onRecvData(void* request, ucs_status_t st, size_t, void* user) {
     auto* ctx = static_cast<RequestCtx*>(user);
+    if (st == UCS_OK && !ctx->payload.empty()) ctx->engine->deliver(std::move(ctx->payload));
     ctx->engine->sendAck(ctx->reply_ep, ctx->op_id, st == UCS_OK ? Status() : statusFromUcs("receive", st));
     delete ctx;
     if (request) ucp_request_free(request);
@@ -254,10 +258,11 @@ struct Callbacks {
 
 Status UcxEngine::start() {
   ucp_worker_attr_t attr{};
-  attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+  attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS | UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
   ucs_status_t st = ucp_worker_query(worker_, &attr);
   if (st != UCS_OK) return statusFromUcs("ucp_worker_query", st);
   address_.assign(static_cast<const char*>(static_cast<void*>(attr.address)), attr.address_length);
+  max_am_header_ = attr.max_am_header;
   ucp_worker_release_address(worker_, attr.address);
   st = ucp_worker_get_efd(worker_, &efd_);
   if (st != UCS_OK) return statusFromUcs("ucp_worker_get_efd", st);
@@ -391,6 +396,27 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
   ep->incomplete.insert(op.seq);
   op.remaining = 1;  // held until every part is issued, so that an early completion cannot finish it
   for (const WriteOp& w : ops) op.bytes += w.length;
+  // Notices that cannot ride in their write's header (put, or too long for it) follow as
+  // notifications ordered after this operation; the caller's completion then waits for them too.
+  std::vector<std::string> follow;
+  for (WriteOp& w : ops)
+    if (!w.notice.empty() &&
+        (protocol_ == Protocol::kPut || w.length == 0 || sizeof(DataHeader) + w.notice.size() > max_am_header_))
+      follow.push_back(std::move(w.notice));
+  if (!follow.empty()) {
+    struct Join {
+      size_t left;
+      Status status;
+      Completion done;
+    };
+    auto join = std::make_shared<Join>(Join{follow.size() + 1, Status(), std::move(op.done)});
+    auto part = [join](Status st) {
+      if (!st.ok() && join->status.ok()) join->status = st;
+      if (--join->left == 0) join->done(join->status);
+    };
+    op.done = part;
+    for (std::string& n : follow) ep->notifies.push_back({std::move(n), op.seq, part});
+  }
   // UCX may report the endpoint failed from inside a send call; failEndpoint then finishes this
   // operation at once. So the operation is looked up again before each part, never through a
   // reference held across a UCX call, and no further part is issued once it is finished.
@@ -405,7 +431,7 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
     if (!hold()) return;
     auto* region = static_cast<UcxRegion*>(w.src.get());
     void* src = static_cast<std::byte*>(w.src->data()) + w.src_offset;
-    auto* ctx = new RequestCtx{this, id, nullptr, nullptr, {}, {}, nullptr, nullptr, nullptr};
+    auto* ctx = new RequestCtx{this, id, {}, nullptr, {}, {}, nullptr, nullptr, nullptr};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH |
                       UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
@@ -422,10 +448,12 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
       }
       req = ucp_put_nbx(ep->ep, src, w.length, w.dst.base + w.dst_offset, *rkey, &rp);
     } else {
-      ctx->data_header = std::make_unique<DataHeader>(DataHeader{id, w.dst.base + w.dst_offset, w.length, w.fence});
+      const DataHeader h{id, w.dst.base + w.dst_offset, w.length, w.fence, static_cast<uint32_t>(w.notice.size()), 0};
+      ctx->data_header.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+      ctx->data_header += w.notice;
       rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
       rp.flags = UCP_AM_SEND_FLAG_REPLY;
-      req = ucp_am_send_nbx(ep->ep, kAmData, ctx->data_header.get(), sizeof(DataHeader), src, w.length, &rp);
+      req = ucp_am_send_nbx(ep->ep, kAmData, ctx->data_header.data(), ctx->data_header.size(), src, w.length, &rp);
     }
     if (UCS_PTR_IS_ERR(req)) {
       delete ctx;
@@ -436,7 +464,7 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
   if (protocol_ == Protocol::kPut) {
     // Remote visibility: a flush completes after every earlier put reached the peer's memory.
     if (!hold()) return;
-    auto* ctx = new RequestCtx{this, id, nullptr, nullptr, {}, {}, nullptr, nullptr, nullptr};
+    auto* ctx = new RequestCtx{this, id, {}, nullptr, {}, {}, nullptr, nullptr, nullptr};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.send = &Callbacks::onSend;
@@ -473,8 +501,9 @@ void UcxEngine::finishOp(uint64_t op_id) {
 
 void UcxEngine::submitNotify(const std::shared_ptr<EpState>& ep, std::string payload, Completion done) {
   if (!ep->error.ok()) return done(ep->error);
-  if (payload.size() > kMaxNotify)
-    return done(absl::InvalidArgumentError(strCat("notification of ", payload.size(), " bytes exceeds ", kMaxNotify)));
+  if (payload.size() > kMaxNotifyBytes)
+    return done(
+        absl::InvalidArgumentError(strCat("notification of ", payload.size(), " bytes exceeds ", kMaxNotifyBytes)));
   ep->notifies.push_back({std::move(payload), ep->next_seq - 1, std::move(done)});
   flushNotifies(*ep);
 }
@@ -492,7 +521,7 @@ void UcxEngine::flushNotifies(EpState& ep) {
 
 void UcxEngine::sendNotify(EpState& ep, std::string payload, Completion done) {
   if (!ep.error.ok()) return done(ep.error);
-  auto* ctx = new RequestCtx{this, 0, nullptr, nullptr, std::move(payload), std::move(done), nullptr, nullptr, nullptr};
+  auto* ctx = new RequestCtx{this, 0, {}, nullptr, std::move(payload), std::move(done), nullptr, nullptr, nullptr};
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   rp.cb.send = &Callbacks::onSend;
@@ -579,7 +608,7 @@ void UcxEngine::sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st) {
   if (!reply_ep) return;
   auto* ctx = new RequestCtx{this,
                              0,
-                             nullptr,
+                             {},
                              std::make_unique<AckHeader>(AckHeader{op_id, static_cast<int32_t>(st.code()), 0}),
                              std::string(st.message()),
                              {},
@@ -603,12 +632,13 @@ void UcxEngine::sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st) {
 ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size_t len,
                                const ucp_am_recv_param_t* param) {
   ucp_ep_h reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr;
-  if (hlen != sizeof(DataHeader)) {
+  DataHeader h{};
+  if (hlen >= sizeof(DataHeader)) std::memcpy(&h, header, sizeof(h));
+  if (hlen < sizeof(DataHeader) || hlen - sizeof(DataHeader) != h.notice_bytes) {
     spdlog::warn("transport '{}': dropped a data message with a {}-byte header", options_.name, hlen);
     return UCS_OK;
   }
-  DataHeader h;
-  std::memcpy(&h, header, sizeof(h));
+  std::string notice(static_cast<const char*>(header) + sizeof(DataHeader), h.notice_bytes);
   std::shared_ptr<MemoryRegion> target = h.length == len ? regions_->containing(h.addr, len) : nullptr;
   if (!target) {
     sendAck(reply, h.op_id,
@@ -622,7 +652,8 @@ ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size
     return UCS_OK;
   }
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-    auto* ctx = new RequestCtx{this, h.op_id, nullptr, nullptr, {}, {}, reply, std::move(target), std::move(fence)};
+    auto* ctx =
+        new RequestCtx{this, h.op_id, {}, nullptr, std::move(notice), {}, reply, std::move(target), std::move(fence)};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.recv_am = &Callbacks::onRecvData;
@@ -635,6 +666,7 @@ ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size
     return UCS_OK;
   }
   std::memcpy(reinterpret_cast<void*>(h.addr), data, len);
+  if (!notice.empty()) deliver(std::move(notice));
   sendAck(reply, h.op_id, Status());
   return UCS_OK;
 }
@@ -654,13 +686,17 @@ ucs_status_t UcxEngine::onNotify(void* data, size_t len, const ucp_am_recv_param
     spdlog::warn("transport '{}': dropped a rendezvous notification of {} bytes", options_.name, len);
     return UCS_OK;
   }
+  deliver(std::string(static_cast<char*>(data), len));
+  return UCS_OK;
+}
+
+void UcxEngine::deliver(std::string payload) {
   std::function<void(std::string)> handler;
   {
     std::lock_guard<std::mutex> lock(handler_mu_);
     handler = handler_;
   }
-  if (handler) handler(std::string(static_cast<char*>(data), len));
-  return UCS_OK;
+  if (handler) handler(std::move(payload));
 }
 
 // ---- public objects -----------------------------------------------------------------------------
@@ -723,7 +759,7 @@ class UcxContext final : public Context {
   Capabilities capabilities() const override {
     Capabilities c;
     c.cuda_memory = cuda_;
-    c.max_notify_bytes = kMaxNotify;
+    c.max_notify_bytes = kMaxNotifyBytes;
     c.detects_peer_failure = engine_->peerFailure();
     c.bounded_writes = engine_->protocol() == Protocol::kAm || putIsBounded(tls_);
     return c;
