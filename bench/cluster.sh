@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Syncs measured on a network rather than loopback: every node a Linux network namespace
 # ("sc-<node>", 10.77.0.<k+2>/24) joined through a bridge in a switch namespace ("sc-switch"), its
-# link rate-limited both ways (tc tbf, optional netem delay, MTU 1500 unless --mtu); one shardcastd per node inside its
+# link rate-limited both ways (tc tbf, optional netem delay; jumbo frames, MTU 9000, as datacenter
+# fabrics run, unless --mtu); one shardcastd per node inside its
 # namespace (shardcast-demo --netns), UCX over TCP. Per scenario it reports the measured sync time
 # (best of the cached syncs), the plan's predicted time for the link rate, the network lower bound
 # (the busiest node's ingress over the link rate), each baseline's measured time (every rank
@@ -9,7 +10,7 @@
 # tiny model across 8..64 daemons on loopback, the time per phase against the node count.
 # Traffic stays inside the namespaces this script makes; they are removed on exit, whatever happens.
 # Needs root (ip netns, tc). Usage:
-#   bench/cluster.sh [--rate-mbit R] [--delay-ms 0] [--queue-ms 200] [--mtu 1500] [--scenario relay|fsdp-tp|moe|16-node|all]
+#   bench/cluster.sh [--rate-mbit R] [--delay-ms 0] [--queue-ms 200] [--mtu 9000] [--scenario relay|fsdp-tp|moe|16-node|all]
 #                    (links of 1000 Mbit/s, the 16-node case's 500: what 2 cores forward for 16 nodes;
 #                    --rate-mbit sets every scenario's)
 #                    [--syncs 3] [--strategies planned,rank-pull,gather-broadcast]
@@ -20,7 +21,7 @@
 #   bench/cluster.sh --control-plane [--nodes "8 16 32 64"]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-rate="" delay=0 queue_ms=200 mtu=1500 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64" demo_args=() delta_args=()
+rate="" delay=0 queue_ms=200 mtu=9000 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64" demo_args=() delta_args=()
 strategies=planned,rank-pull,gather-broadcast
 while [ $# -gt 0 ]; do
   case "$1" in

@@ -45,9 +45,12 @@ std::shared_ptr<grpc::Channel> PeerSet::channel(const std::string& address) cons
   if (!ch) {
     // A restarted peer must be reached at once, not after gRPC's reconnect backoff (1 s doubling
     // to 120 s by default): a sync retried after a restart would fail "unavailable" meanwhile.
+    // gRPC's "min reconnect backoff" is the least time a connection attempt (TCP, TLS handshake,
+    // HTTP/2 settings) is given: at 100 ms, 64 daemons starting on 2 cores failed their first
+    // handshakes ("timed out before receiving SETTINGS frame"), so attempts get the call deadline.
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::max(1000, config_.peer_timeout_ms));
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     args.SetMaxReceiveMessageSize(std::numeric_limits<int>::max());  // a Describe of the largest legal layouts
     // Not gRPC's process-wide subchannel pool: a channel made anew after a peer restarted must not
@@ -63,34 +66,54 @@ std::map<std::string, std::string> PeerSet::knownNodes() const {
   return nodes_;
 }
 
+std::vector<grpc::Status> fanOut(std::vector<grpc::ClientContext>& contexts,
+                                 std::chrono::system_clock::time_point deadline,
+                                 const std::function<void(size_t, grpc::ClientContext&, CallDone)>& start,
+                                 const std::function<void(size_t, const grpc::Status&)>& each) {
+  const size_t n = contexts.size();
+  std::vector<grpc::Status> results(n);
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<size_t> completed;  // not yet handed to `each`
+  size_t pending = n;
+  for (auto& c : contexts) c.set_deadline(deadline);
+  for (size_t i = 0; i < n; ++i)
+    start(i, contexts[i], [&, i](grpc::Status st) {
+      std::lock_guard<std::mutex> lock(mu);
+      results[i] = std::move(st);
+      completed.push_back(i);
+      --pending;
+      cv.notify_all();
+    });
+  std::unique_lock<std::mutex> lock(mu);
+  while (true) {
+    cv.wait(lock, [&] { return pending == 0 || (each && !completed.empty()); });
+    if (!each) break;
+    std::vector<size_t> now;
+    now.swap(completed);
+    const bool last = pending == 0;
+    lock.unlock();
+    for (const size_t i : now) each(i, results[i]);  // a completed call's status no longer changes
+    lock.lock();
+    if (last && completed.empty()) break;
+  }
+  return results;
+}
+
 StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
   SC_ASSIGN_OR_RETURN(auto addrs, addresses());
-  // Every Describe at once (gRPC's callback API, no thread per call): a gather costs about one
-  // round trip however many peers there are, not one per peer.
+  // Every Describe at once: a gather costs about one round trip however many peers there are.
   const size_t n = addrs.size();
   std::vector<std::pair<std::string, grpc::Status>> calls(n);
   std::vector<v1::DescribeResponse> responses(n);
-  std::vector<grpc::ClientContext> contexts(n);
   const v1::DescribeRequest request;
-  std::mutex done_mu;
-  std::condition_variable done_cv;
-  size_t pending = n;
-  const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms);
-  for (size_t i = 0; i < n; ++i) {
-    calls[i].first = addrs[i];
-    contexts[i].set_deadline(deadline);
-    v1::Peer::NewStub(channel(addrs[i]))
-        ->async()
-        ->Describe(&contexts[i], &request, &responses[i], [&, i](grpc::Status st) {
-          std::lock_guard<std::mutex> lock(done_mu);
-          calls[i].second = std::move(st);
-          if (--pending == 0) done_cv.notify_all();
-        });
-  }
-  {
-    std::unique_lock<std::mutex> lock(done_mu);
-    done_cv.wait(lock, [&] { return pending == 0; });  // every call ends by its deadline
-  }
+  std::vector<grpc::ClientContext> contexts(n);
+  const auto statuses =
+      fanOut(contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms),
+             [&](size_t i, grpc::ClientContext& c, CallDone done) {
+               v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &request, &responses[i], std::move(done));
+             });
+  for (size_t i = 0; i < n; ++i) calls[i] = {addrs[i], statuses[i]};
   for (const auto& [address, st] : calls)
     if (st.error_code() == grpc::StatusCode::UNAVAILABLE) {
       // A fresh channel next time: a restarted peer is then reached without reconnect backoff.

@@ -19,6 +19,18 @@
 
 namespace shardcast::daemon {
 
+// One call per context, all at once through gRPC's callback API (no thread and no completion
+// queue per call): start(i, contexts[i], done) issues call i with `done` as its completion, after
+// the context's deadline is set. `each(i, status)` (optional) runs on the calling thread as each
+// call completes, never on gRPC's threads, so it may block (give a sync up, cancel the other
+// contexts). Returns every call's status once all have completed; a call ends by its deadline, so
+// this does too. The contexts are the caller's, for cancelling calls in flight.
+using CallDone = std::function<void(grpc::Status)>;
+std::vector<grpc::Status> fanOut(std::vector<grpc::ClientContext>& contexts,
+                                 std::chrono::system_clock::time_point deadline,
+                                 const std::function<void(size_t, grpc::ClientContext&, CallDone)>& start,
+                                 const std::function<void(size_t, const grpc::Status&)>& each = nullptr);
+
 class PeerSet {
  public:
   // `instance`: this daemon's (DescribeResponse.instance), to tell itself from a daemon that

@@ -15,32 +15,28 @@ namespace shardcast::daemon {
 
 // ---- PeerClient ----
 
-PeerClient::PeerClient(const PeerSet& peers, std::vector<std::string> addresses, Executor& executor)
-    : peers_(peers), addresses_(std::move(addresses)), executor_(executor) {}
+PeerClient::PeerClient(const PeerSet& peers, std::vector<std::string> addresses)
+    : peers_(peers), addresses_(std::move(addresses)) {}
 
-grpc::Status PeerClient::call(size_t i, std::chrono::system_clock::time_point deadline,
-                              const std::function<grpc::Status(v1::Peer::Stub&, grpc::ClientContext&)>& fn) {
-  grpc::ClientContext c;
-  c.set_deadline(deadline);
+std::vector<grpc::Status> PeerClient::forEach(std::chrono::system_clock::time_point deadline, const Start& start,
+                                              const std::function<void(size_t, const grpc::Status&)>& then) {
+  const size_t n = addresses_.size();
+  std::vector<grpc::ClientContext> contexts(n);
+  std::vector<std::unique_ptr<v1::Peer::Stub>> stubs(n);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (cancelled_) c.TryCancel();
-    calls_.insert(&c);
+    for (auto& c : contexts) {
+      if (cancelled_) c.TryCancel();
+      calls_.insert(&c);
+    }
   }
-  auto stub = v1::Peer::NewStub(peers_.channel(addresses_[i]));
-  const grpc::Status st = fn(*stub, c);
+  for (size_t i = 0; i < n; ++i) stubs[i] = v1::Peer::NewStub(peers_.channel(addresses_[i]));
+  auto results = fanOut(
+      contexts, deadline,
+      [&](size_t i, grpc::ClientContext& c, CallDone done) { start(i, *stubs[i], c, std::move(done)); }, then);
   std::lock_guard<std::mutex> lock(mu_);
-  calls_.erase(&c);
-  return st;
-}
-
-void PeerClient::forEach(std::chrono::system_clock::time_point deadline,
-                         const std::function<grpc::Status(size_t, v1::Peer::Stub&, grpc::ClientContext&)>& fn,
-                         std::vector<grpc::Status>* results) {
-  results->assign(addresses_.size(), grpc::Status::OK);
-  executor_.forEach(addresses_.size(), [&](size_t i) {
-    (*results)[i] = call(i, deadline, [&](v1::Peer::Stub& stub, grpc::ClientContext& c) { return fn(i, stub, c); });
-  });
+  for (auto& c : contexts) calls_.erase(&c);
+  return results;
 }
 
 bool PeerClient::cancelAll() {
@@ -198,7 +194,7 @@ Status SyncCoordinator::gather() {
       dst_ = std::move(*dst);
       // Fail before preparing anything, naming the rank (each daemon checks again when it prepares).
       if (auto contract = checkVersions(); !contract.ok()) return failed(contract);
-      peers_ = std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses, ctx_.executor);
+      peers_ = std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses);
       return absl::OkStatus();
     }
     if (!req_.options().wait_for_ranks() || Clock::now() + std::chrono::milliseconds(100) > deadline_)
@@ -278,22 +274,21 @@ Status SyncCoordinator::prepare() {
   p.set_delta(delta_);
   p.set_strategy(req_.options().strategy());
   std::vector<v1::PrepareResponse> prepared(daemons.size());
-  std::vector<grpc::Status> results;
   // The first daemon whose own failure gave the sync up: the others' calls are then cancelled,
   // or refused as given up, because of it.
   std::atomic<int64_t> first_failure{-1};
-  peers_->forEach(
+  const std::vector<grpc::Status> results = peers_->forEach(
       callDeadline(),
-      [&](size_t i, v1::Peer::Stub& stub, grpc::ClientContext& c) {
-        const grpc::Status st = stub.Prepare(&c, p, &prepared[i]);
+      [&](size_t i, v1::Peer::Stub& stub, grpc::ClientContext& c, CallDone done) {
+        stub.async()->Prepare(&c, &p, &prepared[i], std::move(done));
+      },
+      [&](size_t i, const grpc::Status& st) {
         if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED) {
           int64_t none = -1;
           first_failure.compare_exchange_strong(none, static_cast<int64_t>(i));
           giveUp(strCat("prepare failed on node \"", daemons[i].node(), "\": ", st.error_message()));  // once
         }
-        return st;
-      },
-      &results);
+      });
   std::optional<size_t> at_fault;
   if (first_failure >= 0) at_fault = static_cast<size_t>(first_failure.load());
   for (size_t i = 0; i < results.size() && !at_fault; ++i)
@@ -346,12 +341,15 @@ Status SyncCoordinator::execute() {
   for (int32_t wave = 0; wave < plan_->waves; ++wave) {
     for (auto& e : exec_) e.set_wave(static_cast<uint32_t>(wave));
     executed_ = true;
-    peers_->forEach(
+    std::vector<v1::ExecuteResponse> parts(daemons.size());
+    results = peers_->forEach(
         callDeadline() + std::chrono::seconds(5),
-        [&](size_t i, v1::Peer::Stub& stub, grpc::ClientContext& c) {
+        [&](size_t i, v1::Peer::Stub& stub, grpc::ClientContext& c, CallDone done) {
           nodeState(i, "executing");
-          v1::ExecuteResponse part;
-          const grpc::Status st = stub.Execute(&c, exec_[i], &part);
+          stub.async()->Execute(&c, &exec_[i], &parts[i], std::move(done));
+        },
+        [&](size_t i, const grpc::Status& st) {
+          const v1::ExecuteResponse& part = parts[i];
           if (st.ok()) {
             done_received[i] += part.bytes_received();
             done_sent[i] += part.bytes_sent();
@@ -364,9 +362,7 @@ Status SyncCoordinator::execute() {
             nodeState(i, st.error_code() == grpc::StatusCode::ABORTED ? "aborted" : "failed", st.error_message());
             giveUp(strCat("node \"", daemons[i].node(), "\" failed: ", st.error_message()));  // once
           }
-          return st;
-        },
-        &results);
+        });
     bool all_ok = true;
     for (const auto& r : results) all_ok = all_ok && r.ok();
     if (!all_ok) break;
@@ -427,22 +423,23 @@ Status SyncCoordinator::commit() {
 
 std::vector<grpc::Status> SyncCoordinator::finishAll(bool commit, const std::string& reason) {
   // Its own deadline (not the sync's): a sync given up for its timeout must still be ended.
-  std::vector<grpc::Status> results(peers_->size());
-  ctx_.executor.forEach(peers_->size(), [&](size_t i) {
-    grpc::ClientContext c;
-    c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ctx_.config.peer_timeout_ms));
-    v1::FinishRequest f;
-    f.set_sync_id(id_);
-    f.set_fence(fence_);
-    f.set_commit(commit);
-    f.set_executed(executed_);
-    f.set_reason(reason);
-    v1::FinishResponse r;
-    results[i] = v1::Peer::NewStub(ctx_.peers.channel(cluster_->addresses[i]))->Finish(&c, f, &r);
-    if (results[i].ok() && r.ranks_size() > 0)  // what the sync left this node's ranks at, for Watch
-      ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
-        if (static_cast<int>(i) < p.nodes_size()) *p.mutable_nodes(static_cast<int>(i))->mutable_ranks() = r.ranks();
+  v1::FinishRequest f;
+  f.set_sync_id(id_);
+  f.set_fence(fence_);
+  f.set_commit(commit);
+  f.set_executed(executed_);
+  f.set_reason(reason);
+  std::vector<v1::FinishResponse> r(peers_->size());
+  std::vector<grpc::ClientContext> contexts(peers_->size());
+  auto results = fanOut(
+      contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(ctx_.config.peer_timeout_ms),
+      [&](size_t i, grpc::ClientContext& c, CallDone done) {
+        v1::Peer::NewStub(ctx_.peers.channel(cluster_->addresses[i]))->async()->Finish(&c, &f, &r[i], std::move(done));
       });
+  ctx_.progress.update(id_, [&](v1::SyncProgress& p) {  // what the sync left each node's ranks at, for Watch
+    for (size_t i = 0; i < results.size(); ++i)
+      if (results[i].ok() && r[i].ranks_size() > 0 && static_cast<int>(i) < p.nodes_size())
+        *p.mutable_nodes(static_cast<int>(i))->mutable_ranks() = r[i].ranks();
   });
   return results;
 }

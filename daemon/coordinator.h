@@ -34,24 +34,21 @@ namespace shardcast::daemon {
 // cancellable at once (when the sync is given up).
 class PeerClient {
  public:
-  PeerClient(const PeerSet& peers, std::vector<std::string> addresses, Executor& executor);
+  PeerClient(const PeerSet& peers, std::vector<std::string> addresses);
 
   size_t size() const { return addresses_.size(); }
-  // Calls call(i, stub, context) for every daemon i at once and waits for all; the context has
-  // `deadline` and is cancelled by cancelAll().
-  void forEach(std::chrono::system_clock::time_point deadline,
-               const std::function<grpc::Status(size_t, v1::Peer::Stub&, grpc::ClientContext&)>& call,
-               std::vector<grpc::Status>* results);
-  // One call to daemon i.
-  grpc::Status call(size_t i, std::chrono::system_clock::time_point deadline,
-                    const std::function<grpc::Status(v1::Peer::Stub&, grpc::ClientContext&)>& call);
+  // Issues start(i, stub, context, done) for every daemon i at once (a callback-API call, see
+  // fanOut) and runs then(i, status) on this thread as each completes; returns every status once
+  // all have. The contexts have `deadline` and are cancelled by cancelAll().
+  using Start = std::function<void(size_t, v1::Peer::Stub&, grpc::ClientContext&, CallDone)>;
+  std::vector<grpc::Status> forEach(std::chrono::system_clock::time_point deadline, const Start& start,
+                                    const std::function<void(size_t, const grpc::Status&)>& then);
   // Cancels every call in flight and every later one; false when already cancelled.
   bool cancelAll();
 
  private:
   const PeerSet& peers_;
   const std::vector<std::string> addresses_;
-  Executor& executor_;
   std::mutex mu_;
   std::set<grpc::ClientContext*> calls_;
   bool cancelled_ = false;

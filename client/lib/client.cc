@@ -150,9 +150,11 @@ StatusOr<Client> Client::connect(const std::string& target, const ConnectOptions
   const std::string t = normalizeTarget(target);
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);  // plan summaries of very large models
-  // A restarted daemon is reached at once (not after gRPC's reconnect backoff of up to 120 s).
+  // A restarted daemon is reached at once (not after gRPC's reconnect backoff of up to 120 s);
+  // each connection attempt (TLS handshake included) still gets 5 s: gRPC's "min reconnect
+  // backoff" is that attempt's timeout, and 100 ms fails handshakes on a loaded host.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 5000);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // not a connection another channel left to an old daemon
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();

@@ -255,9 +255,11 @@ class Client:
         self.timeout = timeout
         options = [
             ("grpc.max_receive_message_length", 256 << 20),
-            # A restarted daemon is reached at once, not after gRPC's reconnect backoff (up to 120 s).
+            # A restarted daemon is reached at once, not after gRPC's reconnect backoff (up to 120 s);
+            # each connection attempt (TLS handshake included) gets 5 s: gRPC's "min reconnect
+            # backoff" is that attempt's timeout, and 100 ms fails handshakes on a loaded host.
             ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 5000),
             ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.use_local_subchannel_pool", 1),  # not a connection another channel left to an old daemon
         ]
