@@ -50,7 +50,7 @@ std::shared_ptr<grpc::Channel> PeerSet::channel(const std::string& address) cons
     // handshakes ("timed out before receiving SETTINGS frame"), so attempts get the call deadline.
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::max(1000, config_.peer_timeout_ms));
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::clamp(config_.peer_timeout_ms, 1000, 20000));
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     args.SetMaxReceiveMessageSize(std::numeric_limits<int>::max());  // a Describe of the largest legal layouts
     // Not gRPC's process-wide subchannel pool: a channel made anew after a peer restarted must not
@@ -115,7 +115,7 @@ StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
              });
   for (size_t i = 0; i < n; ++i) calls[i] = {addrs[i], statuses[i]};
   for (const auto& [address, st] : calls)
-    if (st.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    if (st.error_code() == grpc::StatusCode::UNAVAILABLE || st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
       // A fresh channel next time: a restarted peer is then reached without reconnect backoff.
       std::lock_guard<std::mutex> lock(mu_);
       channels_.erase(address);

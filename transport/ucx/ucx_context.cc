@@ -397,7 +397,8 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
   op.remaining = 1;  // held until every part is issued, so that an early completion cannot finish it
   for (const WriteOp& w : ops) op.bytes += w.length;
   // Notices that cannot ride in their write's header (put, or too long for it) follow as
-  // notifications ordered after this operation; the caller's completion then waits for them too.
+  // notifications once this operation succeeded (never for a failed write); the caller's
+  // completion then waits for them too.
   std::vector<std::string> follow;
   for (WriteOp& w : ops)
     if (!w.notice.empty() &&
@@ -412,10 +413,18 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
     auto join = std::make_shared<Join>(Join{follow.size() + 1, Status(), std::move(op.done)});
     auto part = [join](Status st) {
       if (!st.ok() && join->status.ok()) join->status = st;
-      if (--join->left == 0) join->done(join->status);
+      if (--join->left == 0 && join->done) join->done(join->status);
     };
-    op.done = part;
-    for (std::string& n : follow) ep->notifies.push_back({std::move(n), op.seq, part});
+    // Runs in finishOp, which sends the queued notifications next (or at shutdown, failed).
+    op.done = [ep, seq = op.seq, follow = std::move(follow), part](Status st) mutable {
+      for (std::string& n : follow) {
+        if (st.ok())
+          ep->notifies.push_back({std::move(n), seq, part});
+        else
+          part(st);
+      }
+      part(st);
+    };
   }
   // UCX may report the endpoint failed from inside a send call; failEndpoint then finishes this
   // operation at once. So the operation is looked up again before each part, never through a
@@ -636,6 +645,15 @@ ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size
   if (hlen >= sizeof(DataHeader)) std::memcpy(&h, header, sizeof(h));
   if (hlen < sizeof(DataHeader) || hlen - sizeof(DataHeader) != h.notice_bytes) {
     spdlog::warn("transport '{}': dropped a data message with a {}-byte header", options_.name, hlen);
+    // Refused at once, not left to time out, where the header still names the operation (a peer
+    // of another version, whose header differs).
+    if (hlen >= sizeof(uint64_t)) {
+      uint64_t op_id = 0;
+      std::memcpy(&op_id, header, sizeof(op_id));
+      sendAck(reply, op_id,
+              absl::FailedPreconditionError(strCat("the peer refused a data message with a ", hlen,
+                                                   "-byte header (a shardcastd of another version?)")));
+    }
     return UCS_OK;
   }
   std::string notice(static_cast<const char*>(header) + sizeof(DataHeader), h.notice_bytes);
@@ -660,6 +678,7 @@ ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size
     rp.user_data = ctx;
     ucs_status_ptr_t req = ucp_am_recv_data_nbx(worker_, data, reinterpret_cast<void*>(h.addr), len, &rp);
     if (req == nullptr || UCS_PTR_IS_ERR(req)) {
+      if (req == nullptr && !ctx->payload.empty()) deliver(std::move(ctx->payload));  // landed at once
       sendAck(reply, h.op_id, req == nullptr ? Status() : statusFromUcs("receive", UCS_PTR_STATUS(req)));
       delete ctx;
     }
