@@ -405,6 +405,16 @@ Status SyncCoordinator::execute() {
 // Every daemon commits; one that cannot (it restarted, or its lease ran out) left its ranks
 // DIRTY: the sync failed there, whatever the others committed.
 Status SyncCoordinator::commit() {
+  // From here on the sync is the commit's: a lease that runs out meanwhile no longer gives it up
+  // (its aborts would race the commits, leaving some nodes at the new version and some not). If
+  // it was given up since execute() checked, nothing is committed.
+  if (given_up_.exchange(true)) {
+    const std::string node = lease_keeper_->stalled();
+    return failed(absl::UnavailableError(strCat(
+        "sync ", id_,
+        " failed: ", node.empty() ? std::string("it was given up") : strCat("node \"", node, "\" stopped answering"),
+        " before it was committed")));
+  }
   setPhase(v1::SYNC_COMMITTING);
   const auto committed = finishAll(true, "");
   lease_keeper_->stop();
