@@ -104,7 +104,6 @@ StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
   SC_ASSIGN_OR_RETURN(auto addrs, addresses());
   // Every Describe at once: a gather costs about one round trip however many peers there are.
   const size_t n = addrs.size();
-  std::vector<std::pair<std::string, grpc::Status>> calls(n);
   std::vector<v1::DescribeResponse> responses(n);
   const v1::DescribeRequest request;
   std::vector<grpc::ClientContext> contexts(n);
@@ -113,26 +112,26 @@ StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
              [&](size_t i, grpc::ClientContext& c, CallDone done) {
                v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &request, &responses[i], std::move(done));
              });
-  for (size_t i = 0; i < n; ++i) calls[i] = {addrs[i], statuses[i]};
-  for (const auto& [address, st] : calls)
-    if (st.error_code() == grpc::StatusCode::UNAVAILABLE || st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-      // A fresh channel next time: a restarted peer is then reached without reconnect backoff.
-      std::lock_guard<std::mutex> lock(mu_);
-      channels_.erase(address);
-    }
   {
-    // What each peer says of itself, then what the others know of peers this daemon never reached.
     std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = 0; i < calls.size(); ++i)
-      if (calls[i].second.ok()) nodes_[calls[i].first] = responses[i].node();
-    for (size_t i = 0; i < calls.size(); ++i)
-      if (calls[i].second.ok())
+    for (size_t i = 0; i < n; ++i) {
+      const grpc::StatusCode code = statuses[i].error_code();
+      // A fresh channel next time: a restarted peer is then reached without reconnect backoff.
+      if (code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED)
+        channels_.erase(addrs[i]);
+    }
+    // What each peer says of itself, then what the others know of peers this daemon never reached.
+    for (size_t i = 0; i < n; ++i)
+      if (statuses[i].ok()) nodes_[addrs[i]] = responses[i].node();
+    for (size_t i = 0; i < n; ++i)
+      if (statuses[i].ok())
         for (const auto& [address, node] : responses[i].peer_nodes()) nodes_.emplace(address, node);
   }
   std::vector<PeerView> out;
   std::set<std::string> seen{instance_};
-  for (size_t i = 0; i < calls.size(); ++i) {
-    const auto& [address, st] = calls[i];
+  for (size_t i = 0; i < n; ++i) {
+    const std::string& address = addrs[i];
+    const grpc::Status& st = statuses[i];
     // Ourselves listed among the peers, or one daemon under two addresses (IPv4 and IPv6): the
     // same instance. Another daemon with our node name is a different instance: ClusterView
     // refuses the pair.

@@ -276,7 +276,7 @@ Status SyncCoordinator::prepare() {
   std::vector<v1::PrepareResponse> prepared(daemons.size());
   // The first daemon whose own failure gave the sync up: the others' calls are then cancelled,
   // or refused as given up, because of it.
-  std::atomic<int64_t> first_failure{-1};
+  std::optional<size_t> at_fault;
   const std::vector<grpc::Status> results = peers_->forEach(
       callDeadline(),
       [&](size_t i, v1::Peer::Stub& stub, grpc::ClientContext& c, CallDone done) {
@@ -284,13 +284,10 @@ Status SyncCoordinator::prepare() {
       },
       [&](size_t i, const grpc::Status& st) {
         if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED) {
-          int64_t none = -1;
-          first_failure.compare_exchange_strong(none, static_cast<int64_t>(i));
+          if (!at_fault) at_fault = i;
           giveUp(strCat("prepare failed on node \"", daemons[i].node(), "\": ", st.error_message()));  // once
         }
       });
-  std::optional<size_t> at_fault;
-  if (first_failure >= 0) at_fault = static_cast<size_t>(first_failure.load());
   for (size_t i = 0; i < results.size() && !at_fault; ++i)
     if (!results[i].ok()) at_fault = i;  // the lease keeper gave it up: every call cancelled
   if (at_fault) {
