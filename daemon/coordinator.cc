@@ -233,7 +233,10 @@ Status SyncCoordinator::checkVersions() const {
 Status SyncCoordinator::plan() {
   const uint64_t budget = static_cast<uint64_t>(ctx_.config.staging_mib) << 20;
   const auto chunk_bytes = static_cast<uint64_t>(ctx_.config.chunk_bytes);
-  const bool zero_copy = req_.options().delta() == v1::DELTA_OFF;
+  // Device memory some daemon's transport cannot reach travels through host staging: no
+  // zero-copy sends or landings anywhere (every daemon plans what the coordinator tells it).
+  for (const auto& d : cluster_->view.daemons()) packed_ = packed_ || d.stages_device_memory();
+  const bool zero_copy = req_.options().delta() == v1::DELTA_OFF && !packed_;
   auto strategy = strategyOf(req_.options().strategy(), req_.options().delta());
   if (!strategy.ok()) return failed(strategy.status());
   auto plan = ctx_.engine.plans().get(src_, dst_, budget, chunk_bytes, &plan_cached_, zero_copy, *strategy);
@@ -273,6 +276,7 @@ Status SyncCoordinator::prepare() {
   p.set_chunk_bytes(static_cast<uint64_t>(ctx_.config.chunk_bytes));
   p.set_delta(delta_);
   p.set_strategy(req_.options().strategy());
+  p.set_packed(packed_);
   std::vector<v1::PrepareResponse> prepared(daemons.size());
   // The first daemon whose own failure gave the sync up: the others' calls are then cancelled,
   // or refused as given up, because of it.

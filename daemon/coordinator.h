@@ -110,6 +110,7 @@ class SyncCoordinator {
   v1::Layout src_, dst_;
   std::shared_ptr<const CachedPlan> plan_;
   bool plan_cached_ = false;
+  bool packed_ = false;  // planned without zero-copy: some daemon stages device memory
   std::unique_ptr<PeerClient> peers_;
   std::unique_ptr<LeaseKeeper> lease_keeper_;
   // Per daemon (same index as the cluster's): its Execute request, with the landing directory

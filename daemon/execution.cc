@@ -35,7 +35,16 @@ Status Execution::run() {
   if (wave_ == 0) SC_RETURN_IF_ERROR(copyColocated());
   for (int32_t t = 0; t < static_cast<int32_t>(plan_.transfers.size()); ++t)
     if (cp_.transfer(t).wave == wave_) SC_RETURN_IF_ERROR(sendHeaded(t));
-  return receive();
+  SC_RETURN_IF_ERROR(device_.flush());
+  SC_RETURN_IF_ERROR(receive());
+  // The local ranks hold every byte only once the device copies into them are done.
+  if (Status st = device_.settle(); !st.ok())
+    return Status(st.code(), strCat("sync ", a_->id, ": device copies on node \"", env_.node, "\": ", st.message()));
+  return absl::OkStatus();
+}
+
+transport::CopyEngine* Execution::engine(const Registry::LocalBuffer& b, Direction direction) {
+  return device_.use(direction == Direction::kOutgoing ? b.outgoing : b.incoming);
 }
 
 Status Execution::readDirectory() {
@@ -75,17 +84,15 @@ StatusOr<Registry::LocalBuffer> Execution::buffer(const planner::ResolvedLayout&
 }
 
 TypedView Execution::typed(const Registry::LocalBuffer& b, int64_t offset, std::vector<int64_t> strides,
-                           const planner::TensorLayout& t) {
-  return {{b.data, b.kind, offset, std::move(strides)}, t.dtype, b.copies};
+                           const planner::TensorLayout& t, Direction direction) {
+  return {{b.data, b.kind, offset, std::move(strides)}, t.dtype, engine(b, direction)};
 }
 
 StatusOr<uint64_t> Execution::checksum(const Registry::LocalBuffer& b, uint64_t offset, uint64_t n) {
   if (b.kind == transport::MemoryKind::kHost) return XXH64(b.data + offset, static_cast<size_t>(n), 0);
-  if (b.transfer && b.transfer->staged())
-    return XXH64(static_cast<const std::byte*>(b.region->data()) + b.region_offset + offset, static_cast<size_t>(n), 0);
   std::vector<std::byte> host(n);
   const std::vector<int64_t> unit{1};
-  SC_RETURN_IF_ERROR(copyBox(env_.host_copies, b.copies, {host.data(), transport::MemoryKind::kHost, 0, unit},
+  SC_RETURN_IF_ERROR(copyBox(env_.host_copies, b.outgoing, {host.data(), transport::MemoryKind::kHost, 0, unit},
                              {b.data + offset, b.kind, 0, unit}, {static_cast<int64_t>(n)}, 1));
   return XXH64(host.data(), static_cast<size_t>(n), 0);
 }
@@ -177,8 +184,9 @@ Status Execution::copyColocated() {
       const auto sr = planner::sourceRegion(plan_, cp_.src, ls.fragment, ls.src_rank, sub);
       SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
       SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
-      SC_RETURN_IF_ERROR(env_.stage.copyLocal(typed(db, dr.offset, dr.strides, dt),
-                                              typed(sb, sr.offset, sr.strides, st), dr.extent, {dt.name, sub, &dt}));
+      SC_RETURN_IF_ERROR(env_.stage.copyLocal(typed(db, dr.offset, dr.strides, dt, Direction::kIncoming),
+                                              typed(sb, sr.offset, sr.strides, st, Direction::kOutgoing), dr.extent,
+                                              {dt.name, sub, &dt}));
       a_->local_bytes += static_cast<uint64_t>(sub.volume() * dt.elemBytes());
     }
   }
@@ -213,8 +221,6 @@ Status Execution::sendHeaded(int32_t t) {
     const uint64_t start = static_cast<uint64_t>(sr.offset * elem);
     for (size_t k = 0; k < ts.chunks.size(); ++k) {
       const auto& chunk = ts.chunks[k];
-      if (sb.transfer)
-        SC_RETURN_IF_ERROR(sb.transfer->stageOut(start + chunk.offset, chunk.bytes));  // device -> mirror
       LandedChunk word{t, c, 0, static_cast<int32_t>(k)};
       word.bytes = chunk.bytes;
       if (req_.verify()) {
@@ -245,16 +251,22 @@ Status Execution::sendHeaded(int32_t t) {
       SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
       const TypedView wire{
           {out + cp_.fragment_offset[f] + chunk.offset, transport::MemoryKind::kHost, 0, denseFor(part)}, dt.dtype};
-      SC_RETURN_IF_ERROR(env_.stage.pack(wire, typed(sb, sr.offset, sr.strides, st), sr.extent, {dt.name, part, &dt}));
+      SC_RETURN_IF_ERROR(env_.stage.pack(wire, typed(sb, sr.offset, sr.strides, st, Direction::kOutgoing), sr.extent,
+                                         {dt.name, part, &dt}));
     }
-    LandedChunk word{t, 0, 0, static_cast<int32_t>(k)};
-    word.bytes = chunk.bytes;
-    SC_RETURN_IF_ERROR(encodeChunk(t, static_cast<int32_t>(k), out + chunk.offset, target, &word));
-    if (req_.verify()) word.checksum = XXH64(out + chunk.offset, static_cast<size_t>(word.bytes), 0);
-    for (const int32_t c : staged) {
-      word.chain = c;
-      SC_RETURN_IF_ERROR(send(a_->staging, at, word, plan_.chain_nodes[plan_.chains[c].nodes_begin]));
-    }
+    // Encoded, checksummed and sent once packed (device packs: a chunk behind the next one's).
+    auto then = [this, t, k, packed = out + chunk.offset, bytes = chunk.bytes, target, at, staged]() -> Status {
+      LandedChunk word{t, 0, 0, static_cast<int32_t>(k)};
+      word.bytes = bytes;
+      SC_RETURN_IF_ERROR(encodeChunk(t, static_cast<int32_t>(k), packed, target, &word));
+      if (req_.verify()) word.checksum = XXH64(packed, static_cast<size_t>(word.bytes), 0);
+      for (const int32_t c : staged) {
+        word.chain = c;
+        SC_RETURN_IF_ERROR(send(a_->staging, at, word, plan_.chain_nodes[plan_.chains[c].nodes_begin]));
+      }
+      return absl::OkStatus();
+    };
+    SC_RETURN_IF_ERROR(device_.whenCopied(std::move(then)));
   }
   return absl::OkStatus();
 }
@@ -264,8 +276,8 @@ Status Execution::ensureStaging() {
   if (a_->staging) return absl::OkStatus();
   auto staging = env_.spares.take(cp_.key, SpareMemory::Use::kStaging);
   if (!staging) {
-    SC_ASSIGN_OR_RETURN(staging, env_.transport.allocateMemory(cp_.node(self_).staging_bytes));
-    transport::makeResident(staging->data(), staging->size(), "a staging buffer");
+    SC_ASSIGN_OR_RETURN(staging, transport::allocateHostStaging(env_.transport, cp_.node(self_).staging_bytes,
+                                                                env_.registry.hasDeviceMemory(), "a staging buffer"));
   }
   std::lock_guard<std::mutex> lock(a_->mu);
   a_->staging = staging;
@@ -356,17 +368,12 @@ Status Execution::processLanded(const LandedChunk& l) {
     next.hop = hop;
     SC_RETURN_IF_ERROR(send(region, region_offset, next, plan_.chain_nodes[ch.nodes_begin + hop]));
   }
-  if (landing->direct()) {
-    // Landed in a device buffer's transport mirror: into the device now.
-    if (landed.transfer)
-      SC_RETURN_IF_ERROR(landed.transfer->stageIn(landing->buffer_offset + chunk.offset, chunk.bytes));
-    a_->bytes_landed_direct += chunk.bytes;
-  }
+  if (landing->direct()) a_->bytes_landed_direct += chunk.bytes;
   SC_ASSIGN_OR_RETURN(auto pieces, localPieces(l.transfer, l.chunk));
   // The dense chunk: where it landed, or rebuilt from the delta.
   std::byte* wire = landed.data + chunk.offset;
   transport::MemoryKind kind = landed.kind;
-  transport::CopyEngine* copies = landed.copies;
+  transport::CopyEngine* copies = engine(landed, Direction::kIncoming);
   if (delta) {
     SC_RETURN_IF_ERROR(decode(l, wire, pieces));
     wire = decoded_.data();
@@ -383,7 +390,7 @@ Status Execution::processLanded(const LandedChunk& l) {
   return absl::OkStatus();
 }
 
-StatusOr<std::vector<Execution::Piece>> Execution::localPieces(int32_t t, int32_t k) const {
+StatusOr<std::vector<Execution::Piece>> Execution::localPieces(int32_t t, int32_t k) {
   const auto& tr = plan_.transfers[t];
   const auto& chunk = cp_.transfer(t).chunks[static_cast<size_t>(k)];
   const auto* landing = cp_.transfer(t).landingOn(self_);
@@ -407,7 +414,7 @@ StatusOr<std::vector<Execution::Piece>> Execution::localPieces(int32_t t, int32_
       }
       SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
       out.push_back({cp_.fragment_offset[f] + static_cast<uint64_t>(src_off * elem), part,
-                     typed(db, dst_off, dr.strides, dt), dense, &dt, dr.rank});
+                     typed(db, dst_off, dr.strides, dt, Direction::kIncoming), dense, &dt, dr.rank});
     }
   }
   return out;

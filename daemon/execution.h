@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "daemon/device_work.h"
 #include "daemon/plan_cache.h"
 #include "daemon/registry.h"
 #include "daemon/stage.h"
@@ -66,9 +67,13 @@ class Execution {
   // (aborted, or its lease ran out); then its ranks are no longer its to touch.
   Status alive() const;
   StatusOr<Registry::LocalBuffer> buffer(const planner::ResolvedLayout& l, int32_t rank, int32_t b) const;
-  // A rank buffer's view of region `r`, typed as tensor `t` of layout `l`.
-  static TypedView typed(const Registry::LocalBuffer& b, int64_t offset, std::vector<int64_t> strides,
-                         const planner::TensorLayout& t);
+  // A rank buffer's view, typed as tensor `t`; device memory is copied on its GPU's engine of
+  // `direction` (packs and local copies read with the outgoing one, landings the incoming one),
+  // which device_ then waits for.
+  enum class Direction { kOutgoing, kIncoming };
+  TypedView typed(const Registry::LocalBuffer& b, int64_t offset, std::vector<int64_t> strides,
+                  const planner::TensorLayout& t, Direction direction);
+  transport::CopyEngine* engine(const Registry::LocalBuffer& b, Direction direction);
   // XXH64 of bytes [offset, offset + n) of a buffer (device memory: through its transport mirror,
   // which holds the bytes around a send or a landing, or a host copy).
   StatusOr<uint64_t> checksum(const Registry::LocalBuffer& b, uint64_t offset, uint64_t n);
@@ -85,7 +90,7 @@ class Execution {
   Status encodeChunk(int32_t t, int32_t k, std::byte* packed, uint64_t target, LandedChunk* word);
   // The pieces of chunk `k` of transfer `t` this node's destination ranks hold (but the rank it
   // landed in directly, if it did).
-  StatusOr<std::vector<Piece>> localPieces(int32_t t, int32_t k) const;
+  StatusOr<std::vector<Piece>> localPieces(int32_t t, int32_t k);
   // A delta chunk: rebuilt from the local ranks' bytes (the base) into decoded_, checked.
   Status decode(const LandedChunk& l, const std::byte* delta, const std::vector<Piece>& pieces);
   Status copyColocated();
@@ -104,6 +109,9 @@ class Execution {
   const Clock::time_point deadline_;
   std::map<int32_t, Peer> peers_;
   std::vector<std::byte> encoded_, decoded_;  // delta syncs: one chunk's delta, one rebuilt chunk
+  // Device copies issued and not waited for; last, so destroyed (settled) first: nothing this
+  // execution issued still reads the arena or staging, or writes a rank, once it is gone.
+  DeviceWork device_;
 };
 
 }  // namespace shardcast::daemon

@@ -287,7 +287,10 @@ v1::DescribeResponse Registry::describe() const {
     for (const auto& b : r->buffers) {
       auto* rb = rr->add_buffers();
       rb->set_buffer(b.name);
-      rb->set_region(b.region->remote().serialize());
+      if (b.region)
+        rb->set_region(b.region->remote().serialize());
+      else  // device memory the transport cannot reach: no region to offer peers
+        d.set_stages_device_memory(true);
       rb->set_offset(b.offset);
       rb->set_size(b.size);
     }
@@ -325,9 +328,14 @@ StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, 
         std::pair<std::shared_ptr<transport::CudaIpcMapping>, std::shared_ptr<transport::TransferMemory>>>(
         b.cuda, b.cuda_memory);
     return LocalBuffer{b.device, b.size, transport::MemoryKind::kCuda, keep,
-                       b.region, 0,      b.cuda_memory.get(),          cuda_copies_.get()};
+                       b.region, 0,      b.engines->outgoing.get(),    b.engines->incoming.get()};
   }
   return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " has no buffer \"", buffer, "\""));
+}
+
+bool Registry::hasDeviceMemory() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !cuda_engines_.empty();
 }
 
 uint64_t Registry::generation() const {

@@ -57,11 +57,15 @@ class Registry {
   // What peers need to plan and to write here.
   v1::DescribeResponse describe() const;
   uint64_t registeredBytes() const;
+  // Whether device memory was ever registered here (a sync's host staging is then pinned for
+  // its GPUs' copies).
+  bool hasDeviceMemory() const;
   int32_t registeredRanks() const;
 
   // A registered buffer as the sync engine uses it, kept mapped while the returned object lives:
-  // host shared memory, or device memory (then `copies` is the CUDA engine that reaches it, and
-  // `transfer` mirrors it into `region` when the transport cannot reach device memory itself).
+  // host shared memory, or device memory (then `outgoing` and `incoming` are the copy engines of
+  // its GPU's two streams, and `region` is null when the transport cannot reach device memory:
+  // its bytes are staged, and syncs planned packed).
   struct LocalBuffer {
     std::byte* data = nullptr;
     uint64_t size = 0;
@@ -69,8 +73,8 @@ class Registry {
     std::shared_ptr<void> keep_alive;
     std::shared_ptr<transport::MemoryRegion> region;  // the registration the buffer lies in
     uint64_t region_offset = 0;                       // of data in that region
-    transport::TransferMemory* transfer = nullptr;    // device memory: stageOut before sending from region
-    transport::CopyEngine* copies = nullptr;          // device memory: the CUDA copy engine
+    transport::CopyEngine* outgoing = nullptr;        // device memory: packs, sends, local copies out
+    transport::CopyEngine* incoming = nullptr;        // device memory: landings, unpacks
   };
   StatusOr<LocalBuffer> localBuffer(const std::string& group, int32_t rank, const std::string& buffer) const;
   // Changes with every registration and unregistration (a sync fails if it changes under it).
@@ -132,6 +136,12 @@ class Registry {
   std::map<v1::RankState, uint64_t> stateCounts() const;
 
  private:
+  // The copy engines of each GPU with registered memory, one stream per direction so that
+  // landings are not queued behind packs; created on the GPU's first registration, they live as
+  // long as the registry (syncs use them).
+  struct DeviceEngines {
+    std::unique_ptr<transport::CopyEngine> outgoing, incoming;
+  };
   struct Buffer {
     std::string name;
     uint64_t size = 0;
@@ -139,6 +149,7 @@ class Registry {
     std::shared_ptr<transport::CudaIpcMapping> cuda;         // cuda: the imported allocation
     std::shared_ptr<transport::TransferMemory> cuda_memory;  // cuda: registered or staged
     std::byte* device = nullptr;                             // cuda: the buffer (offset applied)
+    const DeviceEngines* engines = nullptr;                  // cuda: its GPU's
     std::shared_ptr<transport::MemoryRegion> region;         // what peers write into
     uint64_t offset = 0;                                     // of the buffer in `region`
   };
@@ -216,8 +227,10 @@ class Registry {
   uint64_t generation_ = 0;
   bool stopping_ = false;
   mutable std::condition_variable state_cv_;  // any rank state, reader or writer change
-  // Created on the first CUDA registration; lives as long as the registry (syncs use it).
-  std::unique_ptr<transport::CopyEngine> cuda_copies_;
+  StatusOr<const DeviceEngines*> deviceEngines(int gpu);
+  // By GPU. Declared last, so destroyed first: each waits for its stream before the mappings its
+  // copies read and write are closed.
+  std::map<int, DeviceEngines> cuda_engines_;
 };
 
 }  // namespace shardcast::daemon

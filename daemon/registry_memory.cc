@@ -103,27 +103,24 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
       auto mapping = transport::importCudaIpcHandle(c.handle(), c.offset() + c.size(), c.device());
       if (!mapping.ok())
         return Status(mapping.status().code(), strCat(who, ": buffer \"", name, "\": ", mapping.status().message()));
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!cuda_copies_) {
-          auto engine = transport::makeCudaCopyEngine(c.device());
-          if (!engine.ok()) return engine.status();
-          cuda_copies_ = std::move(*engine);
-        }
-      }
+      auto engines = deviceEngines(c.device());
+      if (!engines.ok())
+        return Status(engines.status().code(), strCat(who, ": buffer \"", name, "\": ", engines.status().message()));
       auto* device = static_cast<std::byte*>((*mapping)->data()) + c.offset();
       auto mem = transport::TransferMemory::prepare(transport_, device, c.size(), transport::MemoryKind::kCuda,
-                                                    cuda_copies_.get());
+                                                    (*engines)->outgoing.get());
       if (!mem.ok())
         return Status(mem.status().code(), strCat(who, ": buffer \"", name, "\": ", mem.status().message()));
       // Which path this buffer's bytes take, said once per registration: straight from and into
-      // device memory (a CUDA-aware UCX: GPUDirect where the NIC has it), or through a pinned
-      // host mirror with a device copy around every send and landing.
+      // device memory (a CUDA-aware UCX: GPUDirect where the NIC has it), or packed on the GPU
+      // into pinned host staging and unpacked on it from the landing arena (syncs planned packed).
       spdlog::info("{}: buffer \"{}\" ({} bytes on GPU {}): {}", who, name, c.size(), c.device(),
-                   (*mem)->staged() ? "staged through pinned host memory (this transport cannot reach device memory)"
+                   (*mem)->staged() ? "staged: packed and unpacked on the GPU through pinned host memory (this "
+                                      "transport cannot reach device memory)"
                                     : "registered with the transport directly (device memory, no staging)");
       b.size = c.size();
       b.device = device;
+      b.engines = *engines;
       b.cuda = std::move(*mapping);
       b.region = (*mem)->region();
       b.cuda_memory = std::move(*mem);
@@ -133,6 +130,16 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
     out.push_back(std::move(b));
   }
   return out;
+}
+
+StatusOr<const Registry::DeviceEngines*> Registry::deviceEngines(int gpu) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = cuda_engines_.find(gpu);
+  if (it != cuda_engines_.end()) return &it->second;
+  DeviceEngines e;
+  SC_ASSIGN_OR_RETURN(e.outgoing, transport::makeCudaCopyEngine(gpu));
+  SC_ASSIGN_OR_RETURN(e.incoming, transport::makeCudaCopyEngine(gpu));
+  return &cuda_engines_.emplace(gpu, std::move(e)).first->second;
 }
 
 Status Registry::checkSegments(const Rank& r) const {

@@ -5,19 +5,27 @@
 
 namespace shardcast::daemon {
 
-Status copyBox(transport::CopyEngine& host, transport::CopyEngine* device, const transport::StridedView& dst,
-               const transport::StridedView& src, const std::vector<int64_t>& extent, int64_t elem_bytes) {
+Status issueBox(transport::CopyEngine& host, transport::CopyEngine* device, const transport::StridedView& dst,
+                const transport::StridedView& src, const std::vector<int64_t>& extent, int64_t elem_bytes) {
   if (dst.kind == transport::MemoryKind::kHost && src.kind == transport::MemoryKind::kHost)
     return host.copy(dst, src, extent, elem_bytes);
   if (device == nullptr) return absl::FailedPreconditionError("device memory to copy but no CUDA copy engine");
-  SC_RETURN_IF_ERROR(device->copy(dst, src, extent, elem_bytes));
-  return device->synchronize();
+  return device->copy(dst, src, extent, elem_bytes);
+}
+
+Status copyBox(transport::CopyEngine& host, transport::CopyEngine* device, const transport::StridedView& dst,
+               const transport::StridedView& src, const std::vector<int64_t>& extent, int64_t elem_bytes) {
+  SC_RETURN_IF_ERROR(issueBox(host, device, dst, src, extent, elem_bytes));
+  if (dst.kind == transport::MemoryKind::kHost && src.kind == transport::MemoryKind::kHost) return absl::OkStatus();
+  SC_ASSIGN_OR_RETURN(auto mark, device->mark());
+  return mark ? mark->wait() : absl::OkStatus();
 }
 
 namespace {
 
-// Bytes unchanged where the dtypes agree; the declared conversions (planner::convertible)
-// converted on the host: device memory is copied to or from a dense host buffer around it.
+// Bytes unchanged where the dtypes agree (a device copy issued, not waited for); the declared
+// conversions (planner::convertible) converted on the host: device memory is copied to or from a
+// dense host buffer around it, waited for.
 class StandardStage final : public Stage {
  public:
   const char* name() const override { return "standard"; }
@@ -52,9 +60,9 @@ class StandardStage final : public Stage {
     return absl::OkStatus();
   }
   Status move(const TypedView& dst, const TypedView& src, const std::vector<int64_t>& extent, const StageSite& site) {
-    transport::CopyEngine* device = dst.device ? dst.device : src.device;
+    transport::CopyEngine* device = src.device ? src.device : dst.device;
     if (dst.dtype == src.dtype)
-      return copyBox(*host_, device, dst.view, src.view, extent, planner::dtypeBytes(dst.dtype));
+      return issueBox(*host_, device, dst.view, src.view, extent, planner::dtypeBytes(dst.dtype));
     if (!planner::convertible(src.dtype, dst.dtype))
       return absl::InvalidArgumentError(strCat("tensor ", quote(site.tensor), ": no conversion from ",
                                                planner::dtypeName(src.dtype), " to ", planner::dtypeName(dst.dtype)));

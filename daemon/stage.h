@@ -6,9 +6,12 @@
 // and neither the coordinator nor the schedule changes.
 //
 // Contract: called on a sync's executing threads (several syncs at once: a stage is
-// thread-safe); a call returns when the destination holds the bytes (device copies synchronised);
-// errors name the tensor and the dtypes. The wire carries the destination's dtype. Transfers the
-// schedule sends or lands directly (a rank's buffer is the wire: planner/schedule.h) bypass the
+// thread-safe); a call returns when host memory it writes holds the bytes; a device copy of
+// bytes unchanged is issued on an engine of the views (the one of the side it reads from when
+// that is device memory, so it follows the copies that wrote those bytes; else the
+// destination's) and done in that engine's order: the caller takes a mark (CopyEngine::mark)
+// before anything else reads the destination. Errors name the tensor and the dtypes. The wire carries the destination's
+// dtype. Transfers the schedule sends or lands directly (a rank's buffer is the wire: planner/schedule.h) bypass the
 // stage: it sends directly only tensors whose source dtype is the destination's, and landing
 // directly is always the wire's dtype, so a stage moves same-dtype bytes unchanged.
 #pragma once
@@ -29,7 +32,7 @@ namespace shardcast::daemon {
 struct TypedView {
   transport::StridedView view;
   planner::DType dtype = planner::DType::kFloat32;
-  transport::CopyEngine* device = nullptr;  // device memory: the CUDA engine that reaches it
+  transport::CopyEngine* device = nullptr;  // device memory: the CUDA engine that copies it
 };
 
 // What a call moves: a box (global element indices) of one tensor of the plan, for stages that
@@ -66,8 +69,11 @@ class Stage {
 std::unique_ptr<Stage> makeStandardStage();
 
 // Copies the box of `extent` elements of `elem_bytes` between two views with the engine that
-// reaches both: `host` for host memory on both sides, else `device` (synchronised).
+// reaches both: `host` for host memory on both sides, else `device`, and waits for it.
 Status copyBox(transport::CopyEngine& host, transport::CopyEngine* device, const transport::StridedView& dst,
                const transport::StridedView& src, const std::vector<int64_t>& extent, int64_t elem_bytes);
+// The same without waiting: a device copy is issued on `device`, done in its order.
+Status issueBox(transport::CopyEngine& host, transport::CopyEngine* device, const transport::StridedView& dst,
+                const transport::StridedView& src, const std::vector<int64_t>& extent, int64_t elem_bytes);
 
 }  // namespace shardcast::daemon

@@ -111,7 +111,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   bool hit = false;
   SC_ASSIGN_OR_RETURN(const auto strategy, strategyOf(req.strategy(), req.delta()));
   SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), req.staging_bytes(), req.chunk_bytes(), &hit,
-                                          a->delta == v1::DELTA_OFF, strategy));
+                                          a->delta == v1::DELTA_OFF && !req.packed(), strategy));
   for (const auto& key : plans_.takeEvicted()) {  // spare memory and delta bases go with their plan
     spares_.drop(key);
     bases_.drop(key);
@@ -144,8 +144,8 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
   if (arena_bytes > 0) {
     a->arena = spares_.take(a->plan->key, SpareMemory::Use::kArena);
     if (!a->arena) {
-      SC_ASSIGN_OR_RETURN(a->arena, transport_.allocateMemory(arena_bytes));
-      transport::makeResident(a->arena->data(), a->arena->size(), "a landing arena");
+      SC_ASSIGN_OR_RETURN(a->arena, transport::allocateHostStaging(transport_, arena_bytes, registry_.hasDeviceMemory(),
+                                                                   "a landing arena"));
     }
     resp.mutable_targets()->set_arena_region(a->arena->remote().serialize());
     resp.set_arena_bytes(arena_bytes);

@@ -1,7 +1,8 @@
 // Node-local copies between regions of one node: whole ranges, and strided sub-boxes (pack a box
 // out of a row-major buffer, unpack it into another, or both at once). Used by the relay fan-out.
-// Host memory uses memcpy on the calling thread; CUDA memory (when built with CUDA and a GPU is
-// present) uses cudaMemcpyAsync on the engine's stream, completed by synchronize().
+// Host memory uses memcpy on the calling thread (done when copy() returns); CUDA memory (when
+// built with CUDA and a GPU is present) uses the engine's stream (transport/device_copy.h): a copy
+// is issued, not done, when copy() returns; mark() and synchronize() say when it is.
 #pragma once
 
 #include <cstddef>
@@ -26,6 +27,14 @@ struct StridedView {
 // Row-major strides of a dense box of `extent`.
 std::vector<int64_t> denseStrides(const std::vector<int64_t>& extent);
 
+// A point in an engine's order of copies: wait() returns once every copy issued before the mark
+// was taken is done.
+class CopyMark {
+ public:
+  virtual ~CopyMark() = default;
+  virtual Status wait() = 0;
+};
+
 class CopyEngine {
  public:
   virtual ~CopyEngine() = default;
@@ -37,6 +46,8 @@ class CopyEngine {
                       int64_t elem_bytes) = 0;
   // Waits for every copy issued so far (a no-op for host copies).
   virtual Status synchronize() = 0;
+  // A mark after every copy issued so far; null when they are all done already (host copies).
+  virtual StatusOr<std::shared_ptr<CopyMark>> mark() { return std::shared_ptr<CopyMark>(); }
 };
 
 // memcpy between host regions.

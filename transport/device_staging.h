@@ -1,6 +1,8 @@
-// Memory ready for the transport whatever its kind: registered directly when the transport can
-// reach it (host memory; device memory with a CUDA-aware UCX), otherwise mirrored by a pinned host
-// buffer that is registered instead, with explicit copies to and from the device around transfers.
+// Memory ready for the transport whatever its kind. Device memory is registered directly when
+// the transport can reach it (a CUDA-aware UCX: GPUDirect where the NIC has it); otherwise it is
+// not registered at all, and its bytes travel through host memory a sync allocates for the wave
+// in flight (the staging region it packs into, the arena transfers land in), which is pinned for
+// the GPU's copies: bounded by the staging budget, never a host mirror of every device buffer.
 // The decision is made at run time from Context::canAccess(), never at build time.
 #pragma once
 
@@ -14,25 +16,25 @@ namespace shardcast::transport {
 
 class TransferMemory {
  public:
-  // `data` of `size` bytes of `kind`; `copies` must be able to copy device<->host when staging
-  // is needed (a CUDA copy engine), and may be null for host memory.
+  // `data` of `size` bytes of `kind`; `copies` must be able to copy device<->host when the
+  // transport cannot reach `kind` (a CUDA copy engine), and may be null for host memory.
   static StatusOr<std::unique_ptr<TransferMemory>> prepare(Context& ctx, void* data, size_t size, MemoryKind kind,
                                                            CopyEngine* copies);
 
-  // The region to read from or write into over the network.
+  // The registration peers read from and write into; null when staged.
   const std::shared_ptr<MemoryRegion>& region() const { return region_; }
-  bool staged() const { return pinned_ != nullptr; }
-  // Before sending bytes [offset, offset + n): copy them from the device to the staging buffer.
-  Status stageOut(size_t offset, size_t n);
-  // After receiving bytes [offset, offset + n): copy them from the staging buffer to the device.
-  Status stageIn(size_t offset, size_t n);
+  // Not reachable by the transport: moved through host staging by the copies around transfers.
+  bool staged() const { return region_ == nullptr; }
 
  private:
-  void* data_ = nullptr;
-  size_t size_ = 0;
-  CopyEngine* copies_ = nullptr;
-  std::unique_ptr<PinnedBuffer> pinned_;  // before region_: the region is released first
   std::shared_ptr<MemoryRegion> region_;
 };
+
+// `bytes` of host memory registered with the transport for a sync's staging or arena, made
+// resident; with `for_device`, also page-locked for the GPU's copies (cudaHostRegister: DMA
+// straight from and into it, copies that overlap; where that fails, said once in the log and
+// used pageable). `what` names it in messages ("a landing arena").
+StatusOr<std::shared_ptr<MemoryRegion>> allocateHostStaging(Context& ctx, size_t bytes, bool for_device,
+                                                            const char* what);
 
 }  // namespace shardcast::transport

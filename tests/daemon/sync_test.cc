@@ -589,7 +589,8 @@ TEST_CASE("Peer.Progress: a daemon's bytes while its part of a sync runs, cumula
 TEST_CASE("CUDA buffers: device sources and destinations sync byte-exact", "[daemon][sync][gpu]") {
   SHARDCAST_SKIP_WITHOUT_GPU();
   Cluster cluster;
-  // w: contiguous shards (sent straight from device memory); o: column shards (packed from it).
+  // w: contiguous shards (sent straight from device memory with a CUDA-aware UCX, else packed
+  // through host staging like every staged buffer); o: column shards (packed on the GPU).
   const char* trainer = R"({"group":"gtrainer","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
     {"name":"w","shape":[256,64],"dtype":"int32","placements":[{"shard":{"dim":0}}]},
     {"name":"o","shape":[64,256],"dtype":"int32","placements":[{"shard":{"dim":1}}]}]})";

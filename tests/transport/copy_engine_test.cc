@@ -174,14 +174,27 @@ TEST_CASE("host memory is registered directly, never staged", "[copy]") {
   REQUIRE(m.ok());
   CHECK_FALSE((*m)->staged());
   CHECK((*m)->region()->data() == buf.data());
-  CHECK((*m)->stageOut(0, 4096).ok());
   // Device memory with no copy engine cannot be staged: a precise error, not a crash.
   auto d = TransferMemory::prepare(**ctx, buf.data(), buf.size(), MemoryKind::kCuda, nullptr);
   CHECK(d.status().code() == absl::StatusCode::kFailedPrecondition);
   CHECK_THAT(std::string(d.status().message()), Catch::Contains("cannot reach cuda memory"));
 }
 
-TEST_CASE("device memory is staged through pinned host memory when UCX cannot reach it", "[gpu]") {
+TEST_CASE("host staging for device copies: registered, and usable where it cannot be page-locked", "[copy]") {
+  TransportOptions o;
+  o.backend = "loopback";
+  auto ctx = createContext(o);
+  REQUIRE(ctx.ok());
+  // Without a GPU it cannot be pinned: the region is still there, registered, whole.
+  auto region = allocateHostStaging(**ctx, 1 << 16, /*for_device=*/true, "a test staging buffer");
+  REQUIRE(region.ok());
+  REQUIRE((*region)->size() >= (1 << 16));
+  std::memset((*region)->data(), 0x3c, 1 << 16);
+  CHECK(static_cast<unsigned char*>((*region)->data())[(1 << 16) - 1] == 0x3c);
+  CHECK(!(*region)->remote().serialize().empty());
+}
+
+TEST_CASE("device memory the transport cannot reach is staged, and its host staging is pinned", "[gpu]") {
   SHARDCAST_SKIP_WITHOUT_GPU();
   auto ctx = createContext(TransportOptions{});
   REQUIRE(ctx.ok());
@@ -195,6 +208,17 @@ TEST_CASE("device memory is staged through pinned host memory when UCX cannot re
   auto m = TransferMemory::prepare(**ctx, (*dev)->data(), 1 << 20, MemoryKind::kCuda, engine->get());
   REQUIRE(m.ok());
   CHECK((*m)->staged() == !(*ctx)->canAccess(MemoryKind::kCuda));
-  REQUIRE((*m)->stageOut(0, 1 << 20).ok());
-  if ((*m)->staged()) CHECK(std::memcmp((*m)->region()->data(), host.data(), host.size()) == 0);
+  CHECK(((*m)->region() == nullptr) == (*m)->staged());
+  auto staging = allocateHostStaging(**ctx, 1 << 20, /*for_device=*/true, "a test staging buffer");
+  REQUIRE(staging.ok());
+  auto* out = static_cast<std::byte*>((*staging)->data());
+  REQUIRE((*engine)
+              ->copy({out, MemoryKind::kHost, 0, {1}},
+                     {static_cast<std::byte*>((*dev)->data()), MemoryKind::kCuda, 0, {1}}, {1 << 20}, 1)
+              .ok());
+  auto mark = (*engine)->mark();
+  REQUIRE(mark.ok());
+  REQUIRE(*mark != nullptr);
+  REQUIRE((*mark)->wait().ok());
+  CHECK(std::memcmp(out, host.data(), host.size()) == 0);
 }

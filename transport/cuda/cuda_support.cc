@@ -1,4 +1,4 @@
-// CUDA support through the CUDA runtime API (no kernels: copies, IPC, pinned memory).
+// CUDA support through the CUDA runtime API: streams for the copy engine, IPC, pinned memory.
 #include "transport/cuda/cuda_support.h"
 
 #include <cuda_runtime_api.h>
@@ -8,6 +8,7 @@
 #include "common/strings.h"
 #include "transport/copy_engine.h"
 #include "transport/cuda/strided_copy.h"
+#include "transport/device_copy.h"
 
 namespace shardcast::transport {
 
@@ -42,62 +43,89 @@ class Pinned final : public PinnedBuffer {
   size_t n_;
 };
 
-// The alignment both views' bases share (the kernel's word is at most it).
-int64_t baseAlignment(const StridedView& dst, const StridedView& src) {
-  const auto bits = reinterpret_cast<uintptr_t>(dst.base) | reinterpret_cast<uintptr_t>(src.base);
-  int64_t a = 16;
-  while (a > 1 && (bits % static_cast<uintptr_t>(a)) != 0) a /= 2;
-  return a;
-}
-
-class CudaCopyEngine final : public CopyEngine {
+// One CUDA stream of one GPU (transport/device_copy.h runs the copy decisions over it).
+class CudaStream final : public DeviceStream {
  public:
-  CudaCopyEngine(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
-  ~CudaCopyEngine() override { cudaStreamDestroy(stream_); }
-  const char* name() const override { return "cuda"; }
-  bool canCopy(MemoryKind, MemoryKind) const override { return true; }
-  // Device to device with more than one run: one strided-copy kernel launch (a fused buffer's
-  // slice, an FSDP row block out of a TP shard) instead of a cudaMemcpyAsync per run, when both
-  // buffers are on this engine's GPU (the kernel runs there; another GPU's memory needs peer
-  // access it may not have). Anything else (host memory the kernel cannot reach, another GPU, a
-  // single run, a box the kernel does not take, a build without it): cudaMemcpyAsync per
-  // contiguous run, which reaches any pair.
-  Status copy(const StridedView& dst, const StridedView& src, const std::vector<int64_t>& extent,
-              int64_t elem_bytes) override {
-    cudaError_t err = cudaSetDevice(device_);
-    if (err != cudaSuccess) return cudaStatus(strCat("cudaSetDevice(", device_, ")"), err);
-    if (dst.kind == MemoryKind::kCuda && src.kind == MemoryKind::kCuda && onThisDevice(dst.base) &&
-        onThisDevice(src.base)) {
-      const auto plan = planStridedCopy(dst, src, extent, elem_bytes, baseAlignment(dst, src));
-      if (plan.ok() && plan->runs > 1) {
-        const int launched = launchStridedCopyKernel(*plan, dst.base, src.base, stream_);
-        if (launched == cudaSuccess) return absl::OkStatus();
-        if (launched != kStridedCopyNotBuilt)
-          return cudaStatus(strCat("strided copy kernel (", plan->runs, " runs of ", plan->run_bytes, " bytes, ",
-                                   plan->word, "-byte words)"),
-                            static_cast<cudaError_t>(launched));
-      }
-    }
-    forEachRun(dst, src, extent, elem_bytes, [&](int64_t d, int64_t s, int64_t n) {
-      if (err == cudaSuccess)
-        err = cudaMemcpyAsync(dst.base + d, src.base + s, static_cast<size_t>(n), cudaMemcpyDefault, stream_);
-    });
-    return cudaStatus("cudaMemcpyAsync", err);
+  CudaStream(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
+  ~CudaStream() override {
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    if (scratch_ != nullptr) cudaFree(scratch_);
+    cudaStreamDestroy(stream_);
   }
-  Status synchronize() override { return cudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(stream_)); }
-
- private:
-  // Device memory of this engine's GPU (an IPC mapping opened there included).
-  bool onThisDevice(const void* p) const {
+  std::string name() const override { return strCat("cuda:", device_); }
+  // Device memory of this GPU (an IPC mapping opened here included).
+  bool local(const void* p) const override {
     cudaPointerAttributes attr{};
     if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
-      cudaGetLastError();  // not a CUDA pointer: clear the error, take the memcpy path
+      cudaGetLastError();  // not a CUDA pointer: clear the error
       return false;
     }
     return attr.type == cudaMemoryTypeDevice && attr.device == device_;
   }
+  bool kernels() const override { return stridedCopyKernelBuilt(); }
+  Status launch(const StridedCopyPlan& plan, std::byte* dst, const std::byte* src) override {
+    SC_RETURN_IF_ERROR(here());
+    return cudaStatus("launch", static_cast<cudaError_t>(launchStridedCopyKernel(plan, dst, src, stream_)));
+  }
+  Status copy(void* dst, const void* src, size_t n) override {
+    SC_RETURN_IF_ERROR(here());
+    return cudaStatus("cudaMemcpyAsync", cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, stream_));
+  }
+  StatusOr<std::byte*> scratch(size_t n) override {
+    if (n <= scratch_bytes_) return scratch_;
+    SC_RETURN_IF_ERROR(here());
+    size_t want = size_t{1} << 20;
+    while (want < n) want *= 2;
+    // Released and allocated in stream order: the copies already issued on the old scratch run
+    // first (without stream-ordered allocation: after a synchronisation).
+    void* p = nullptr;
+    cudaError_t err = scratch_ ? cudaFreeAsync(scratch_, stream_) : cudaSuccess;
+    if (err == cudaSuccess) err = cudaMallocAsync(&p, want, stream_);
+    if (err == cudaErrorNotSupported) {
+      cudaGetLastError();
+      SC_RETURN_IF_ERROR(cudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(stream_)));
+      if (scratch_) cudaFree(scratch_);
+      err = cudaMalloc(&p, want);
+    }
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+    SC_RETURN_IF_ERROR(cudaStatus(strCat("device scratch of ", want, " bytes"), err));
+    scratch_ = static_cast<std::byte*>(p);
+    scratch_bytes_ = want;
+    return scratch_;
+  }
+  StatusOr<std::shared_ptr<CopyMark>> record() override {
+    SC_RETURN_IF_ERROR(here());
+    cudaEvent_t e;
+    SC_RETURN_IF_ERROR(cudaStatus("cudaEventCreate", cudaEventCreateWithFlags(&e, cudaEventDisableTiming)));
+    if (const cudaError_t err = cudaEventRecord(e, stream_); err != cudaSuccess) {
+      cudaEventDestroy(e);
+      return cudaStatus("cudaEventRecord", err);
+    }
+    return std::shared_ptr<CopyMark>(std::make_shared<Event>(e));
+  }
+  Status synchronize() override {
+    SC_RETURN_IF_ERROR(here());
+    return cudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(stream_));
+  }
+
+ private:
+  class Event final : public CopyMark {
+   public:
+    explicit Event(cudaEvent_t e) : e_(e) {}
+    ~Event() override { cudaEventDestroy(e_); }
+    Status wait() override { return cudaStatus("cudaEventSynchronize", cudaEventSynchronize(e_)); }
+
+   private:
+    cudaEvent_t e_;
+  };
+  Status here() const { return cudaStatus(strCat("cudaSetDevice(", device_, ")"), cudaSetDevice(device_)); }
+
   int device_;
   cudaStream_t stream_;
+  std::byte* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
 };
 
 }  // namespace
@@ -181,13 +209,28 @@ StatusOr<std::unique_ptr<PinnedBuffer>> allocatePinned(size_t size) {
   return std::unique_ptr<PinnedBuffer>(std::make_unique<Pinned>(p, size));
 }
 
+StatusOr<std::unique_ptr<HostPin>> pinHostMemory(void* data, size_t size) {
+  class Registered final : public HostPin {
+   public:
+    explicit Registered(void* p) : p_(p) {}
+    ~Registered() override { cudaHostUnregister(p_); }
+
+   private:
+    void* p_;
+  };
+  if (cudaDeviceCount() == 0) return absl::UnavailableError(cudaUnavailableReason());
+  SC_RETURN_IF_ERROR(
+      cudaStatus(strCat("cudaHostRegister(", size, " bytes)"), cudaHostRegister(data, size, cudaHostRegisterDefault)));
+  return std::unique_ptr<HostPin>(std::make_unique<Registered>(data));
+}
+
 StatusOr<std::unique_ptr<CopyEngine>> makeCudaCopyEngine(int device) {
   if (cudaDeviceCount() <= device)
     return absl::UnavailableError(strCat("CUDA device ", device, ": ", cudaUnavailableReason()));
   SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaSetDevice(", device, ")"), cudaSetDevice(device)));
   cudaStream_t stream;
   SC_RETURN_IF_ERROR(cudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)));
-  return std::unique_ptr<CopyEngine>(std::make_unique<CudaCopyEngine>(device, stream));
+  return makeStreamCopyEngine(std::make_unique<CudaStream>(device, stream));
 }
 
 }  // namespace shardcast::transport

@@ -43,4 +43,11 @@ class PinnedBuffer {
 };
 StatusOr<std::unique_ptr<PinnedBuffer>> allocatePinned(size_t size);
 
+// Host memory allocated elsewhere, page-locked for the GPU's copies until destroyed.
+class HostPin {
+ public:
+  virtual ~HostPin() = default;
+};
+StatusOr<std::unique_ptr<HostPin>> pinHostMemory(void* data, size_t size);
+
 }  // namespace shardcast::transport

@@ -13,6 +13,7 @@ std::string cudaUnavailableReason() { return "built without the CUDA toolkit"; }
 StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaIpcHandle(const std::string&, size_t, int) { return unavailable(); }
 StatusOr<ExportedCudaIpc> exportCudaIpcHandle(const void*) { return unavailable(); }
 StatusOr<std::unique_ptr<PinnedBuffer>> allocatePinned(size_t) { return unavailable(); }
+StatusOr<std::unique_ptr<HostPin>> pinHostMemory(void*, size_t) { return unavailable(); }
 StatusOr<std::unique_ptr<CopyEngine>> makeCudaCopyEngine(int) { return unavailable(); }
 
 }  // namespace shardcast::transport

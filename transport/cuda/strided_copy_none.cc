@@ -8,4 +8,6 @@ int launchStridedCopyKernel(const StridedCopyPlan&, std::byte*, const std::byte*
   return kStridedCopyNotBuilt;
 }
 
+bool stridedCopyKernelBuilt() { return false; }
+
 }  // namespace shardcast::transport

@@ -53,5 +53,7 @@ SC_HOST_DEVICE inline void stridedCopyWordOffsets(const StridedCopyPlan& p, int6
 // compiled (strided_copy_none.cc: the caller copies run by run). Defined in strided_copy.cu.
 inline constexpr int kStridedCopyNotBuilt = -1;
 int launchStridedCopyKernel(const StridedCopyPlan& plan, std::byte* dst_base, const std::byte* src_base, void* stream);
+// Whether launchStridedCopyKernel launches (false: it answers kStridedCopyNotBuilt).
+bool stridedCopyKernelBuilt();
 
 }  // namespace shardcast::transport
