@@ -27,7 +27,8 @@ std::string DaemonConfig::describe() const {
                        : "(none)")
      << " insecure=" << (insecure ? "true" : "false")
      << " client_token_file=" << (client_token_file.empty() ? "(none)" : client_token_file)
-     << " max_layout_ranks=" << max_layout_ranks << " max_layout_tensors=" << max_layout_tensors;
+     << " max_layout_ranks=" << max_layout_ranks << " max_layout_tensors=" << max_layout_tensors
+     << " emulate_gpus=" << emulate_gpus;
   return os.str();
 }
 
@@ -190,6 +191,12 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   app.add_option("--max-layout-tensors", c.max_layout_tensors, "Most tensors (and fused buffers) one layout may have")
       ->envname("SHARDCAST_MAX_LAYOUT_TENSORS")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("--emulate-gpus", c.emulate_gpus,
+                 "Tests only: this many GPUs emulated in host memory instead of the node's (CUDA buffers are then "
+                 "shared-memory segments named by emulated IPC handles; device copies run only when waited for)")
+      ->envname("SHARDCAST_EMULATE_GPUS")
+      ->check(CLI::Range(0, 64))
       ->capture_default_str();
   bool print_config = false;
   app.add_flag("--print-config", print_config, "Print the effective configuration and exit");

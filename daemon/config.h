@@ -42,6 +42,9 @@ struct DaemonConfig {
   std::string client_token_file;                  // TCP clients may also authenticate with this bearer token
   int64_t max_layout_ranks = int64_t{1} << 16;    // planner::Limits::max_ranks
   int64_t max_layout_tensors = int64_t{1} << 17;  // planner::Limits::max_tensors
+  // Tests only: this many GPUs emulated in host memory (transport/emulated_gpus.h) instead of the
+  // node's (0: the node's own, through CUDA).
+  int emulate_gpus = 0;
 
   // One line per setting, for the start-up log and `--print-config`.
   std::string describe() const;

@@ -4,7 +4,10 @@
 
 namespace shardcast::daemon {
 
-DeviceWork::~DeviceWork() { settle().IgnoreError(); }
+DeviceWork::~DeviceWork() {
+  pending_.reset();  // only a failed execution leaves one: its chunk is not sent
+  settle().IgnoreError();
+}
 
 transport::CopyEngine* DeviceWork::use(transport::CopyEngine* engine) {
   if (engine != nullptr && std::find(engines_.begin(), engines_.end(), engine) == engines_.end())
@@ -38,7 +41,6 @@ Status DeviceWork::flush() {
 }
 
 Status DeviceWork::settle() {
-  pending_.reset();
   Status first;  // every engine is waited for, whatever one of them answers
   for (auto* e : engines_) {
     auto mark = e->mark();

@@ -19,7 +19,7 @@ class DeviceWork {
   DeviceWork() = default;
   DeviceWork(const DeviceWork&) = delete;
   DeviceWork& operator=(const DeviceWork&) = delete;
-  ~DeviceWork();  // settles: nothing issued runs on after its execution (errors dropped)
+  ~DeviceWork();  // drops a follow-up still waiting and settles (errors dropped)
 
   // Notes that copies will be issued on `engine` (null: host memory); returns it.
   transport::CopyEngine* use(transport::CopyEngine* engine);
@@ -28,8 +28,7 @@ class DeviceWork {
   Status whenCopied(std::function<Status()> then);
   // Runs the follow-up still waiting, after its copies.
   Status flush();
-  // Waits for every copy issued on any engine used; a follow-up still waiting is dropped (only
-  // a failed execution leaves one).
+  // Waits for every copy issued so far on any engine used (a follow-up still waiting stays).
   Status settle();
 
  private:

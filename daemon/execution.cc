@@ -277,7 +277,7 @@ Status Execution::ensureStaging() {
   auto staging = env_.spares.take(cp_.key, SpareMemory::Use::kStaging);
   if (!staging) {
     SC_ASSIGN_OR_RETURN(staging, transport::allocateHostStaging(env_.transport, cp_.node(self_).staging_bytes,
-                                                                env_.registry.hasDeviceMemory(), "a staging buffer"));
+                                                                env_.registry.deviceRuntime(), "a staging buffer"));
   }
   std::lock_guard<std::mutex> lock(a_->mu);
   a_->staging = staging;
@@ -385,6 +385,9 @@ Status Execution::processLanded(const LandedChunk& l) {
     SC_RETURN_IF_ERROR(env_.stage.unpack(p.memory, from, p.part.sizes(), {p.tensor->name, p.part, p.tensor}));
     a_->local_bytes += static_cast<uint64_t>(p.part.volume() * p.tensor->elemBytes());
   }
+  // A rebuilt chunk is unpacked from decoded_, which the next delta overwrites: its device
+  // copies have to be done first (a landed chunk's bytes stay in the arena until the wave ends).
+  if (delta) SC_RETURN_IF_ERROR(device_.settle());
   (delta ? a_->delta_chunks : a_->dense_chunks) += 1;
   a_->bytes_received += l.bytes;
   return absl::OkStatus();

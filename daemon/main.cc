@@ -28,6 +28,7 @@
 #include "daemon/registry.h"
 #include "daemon/service.h"
 #include "planner/limits.h"
+#include "transport/emulated_gpus.h"
 #include "transport/transport.h"
 
 using namespace shardcast;
@@ -129,7 +130,13 @@ int main(int argc, char** argv) {
   if (!transport.ok()) return fail("transport: " + std::string(transport.status().message()));
   spdlog::info("data plane: {}", (*transport)->describe());
 
-  Registry registry(config->node, **transport);
+  std::unique_ptr<transport::EmulatedGpus> emulated;
+  if (config->emulate_gpus > 0) {
+    emulated = std::make_unique<transport::EmulatedGpus>(config->emulate_gpus);
+    spdlog::warn("GPUs: {} emulated in host memory (--emulate-gpus, for tests); this node's own are not used",
+                 config->emulate_gpus);
+  }
+  Registry registry(config->node, **transport, emulated ? *emulated : transport::cudaRuntime());
   PeerSet peers(*config, registry.instance());
   // Another daemon already serving this node name: refuse loudly rather than split the node.
   if (auto views = peers.describeAll(); views.ok())

@@ -25,8 +25,8 @@ std::string randomInstance() {
 
 }  // namespace
 
-Registry::Registry(std::string node, transport::Context& transport)
-    : node_(std::move(node)), instance_(randomInstance()), transport_(transport) {}
+Registry::Registry(std::string node, transport::Context& transport, transport::DeviceRuntime& gpus)
+    : node_(std::move(node)), instance_(randomInstance()), transport_(transport), gpus_(gpus) {}
 
 StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest& req, const MemoryCaller& caller) {
   const std::string who = strCat("group \"", req.group(), "\" rank ", req.rank());
@@ -333,9 +333,9 @@ StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, 
   return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " has no buffer \"", buffer, "\""));
 }
 
-bool Registry::hasDeviceMemory() const {
+transport::DeviceRuntime* Registry::deviceRuntime() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return !cuda_engines_.empty();
+  return cuda_engines_.empty() ? nullptr : &gpus_;
 }
 
 uint64_t Registry::generation() const {

@@ -20,6 +20,7 @@
 #include "proto/shardcast/v1/names.h"
 #include "shardcast/v1/service.pb.h"
 #include "transport/copy_engine.h"
+#include "transport/device_runtime.h"
 #include "transport/device_staging.h"
 #include "transport/shm.h"
 #include "transport/transport.h"
@@ -44,7 +45,8 @@ inline constexpr const char* kShmPrefixes[] = {"/shardcast", "/torch_"};
 
 class Registry {
  public:
-  Registry(std::string node, transport::Context& transport);
+  // `gpus`: the runtime CUDA buffers are imported and copied with (emulated GPUs in tests).
+  Registry(std::string node, transport::Context& transport, transport::DeviceRuntime& gpus = transport::cudaRuntime());
 
   StatusOr<v1::RegisterResponse> registerRank(const v1::RegisterRequest& request, const MemoryCaller& caller);
   // Refused (FAILED_PRECONDITION) while a sync uses the rank: its memory may still be written.
@@ -57,9 +59,9 @@ class Registry {
   // What peers need to plan and to write here.
   v1::DescribeResponse describe() const;
   uint64_t registeredBytes() const;
-  // Whether device memory was ever registered here (a sync's host staging is then pinned for
-  // its GPUs' copies).
-  bool hasDeviceMemory() const;
+  // The runtime of the GPUs whose memory is registered here (a sync's host staging is then
+  // pinned for their copies); null while none is.
+  transport::DeviceRuntime* deviceRuntime() const;
   int32_t registeredRanks() const;
 
   // A registered buffer as the sync engine uses it, kept mapped while the returned object lives:
@@ -219,6 +221,7 @@ class Registry {
   std::string node_;
   std::string instance_;  // random per daemon start (DescribeResponse.instance)
   transport::Context& transport_;
+  transport::DeviceRuntime& gpus_;
   mutable std::mutex mu_;
   std::map<std::pair<std::string, int32_t>, std::unique_ptr<Rank>> ranks_;
   std::map<std::string, Group> groups_;

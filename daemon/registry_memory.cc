@@ -94,13 +94,14 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
       if (c.size() < static_cast<uint64_t>(needed[name]))
         return absl::InvalidArgumentError(
             strCat(who, ": buffer \"", name, "\" is given ", c.size(), " bytes but needs ", needed[name]));
-      if (transport::cudaDeviceCount() == 0)
+      if (gpus_.deviceCount() == 0)
         return absl::FailedPreconditionError(strCat(who, ": buffer \"", name,
                                                     "\" is CUDA memory but this daemon has no GPU (",
-                                                    transport::cudaUnavailableReason(), ")"));
+                                                    gpus_.unavailableReason(), ")"));
       if (c.offset() > UINT64_MAX - c.size())
         return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": offset overflows"));
-      auto mapping = transport::importCudaIpcHandle(c.handle(), c.offset() + c.size(), c.device());
+      auto mapping = gpus_.importHandle(c.handle(), c.offset() + c.size(), c.device(),
+                                        caller.any_owner ? std::nullopt : std::optional<uid_t>(caller.uid));
       if (!mapping.ok())
         return Status(mapping.status().code(), strCat(who, ": buffer \"", name, "\": ", mapping.status().message()));
       auto engines = deviceEngines(c.device());
@@ -137,8 +138,8 @@ StatusOr<const Registry::DeviceEngines*> Registry::deviceEngines(int gpu) {
   auto it = cuda_engines_.find(gpu);
   if (it != cuda_engines_.end()) return &it->second;
   DeviceEngines e;
-  SC_ASSIGN_OR_RETURN(e.outgoing, transport::makeCudaCopyEngine(gpu));
-  SC_ASSIGN_OR_RETURN(e.incoming, transport::makeCudaCopyEngine(gpu));
+  SC_ASSIGN_OR_RETURN(e.outgoing, gpus_.makeEngine(gpu));
+  SC_ASSIGN_OR_RETURN(e.incoming, gpus_.makeEngine(gpu));
   return &cuda_engines_.emplace(gpu, std::move(e)).first->second;
 }
 

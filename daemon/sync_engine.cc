@@ -144,7 +144,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
   if (arena_bytes > 0) {
     a->arena = spares_.take(a->plan->key, SpareMemory::Use::kArena);
     if (!a->arena) {
-      SC_ASSIGN_OR_RETURN(a->arena, transport::allocateHostStaging(transport_, arena_bytes, registry_.hasDeviceMemory(),
+      SC_ASSIGN_OR_RETURN(a->arena, transport::allocateHostStaging(transport_, arena_bytes, registry_.deviceRuntime(),
                                                                    "a landing arena"));
     }
     resp.mutable_targets()->set_arena_region(a->arena->remote().serialize());

@@ -88,8 +88,8 @@ class StreamCopyEngine final : public CopyEngine {
     if (bytes > kMaxBounceBytes) return std::nullopt;
     const StridedView& far = into_device ? src : dst;
     const StridedView dense_far{far.base, far.kind, far.offset, denseStrides(extent)};
-    const int64_t far_runs = into_device ? runCount(dense_far, far, extent, elem_bytes)
-                                         : runCount(far, dense_far, extent, elem_bytes);
+    const int64_t far_runs =
+        into_device ? runCount(dense_far, far, extent, elem_bytes) : runCount(far, dense_far, extent, elem_bytes);
     if (far_runs * 4 > runs) return std::nullopt;
     auto scratch = stream_->scratch(static_cast<size_t>(bytes));
     if (!scratch.ok()) return scratch.status();

@@ -23,12 +23,12 @@ StatusOr<std::unique_ptr<TransferMemory>> TransferMemory::prepare(Context& ctx, 
   return m;
 }
 
-StatusOr<std::shared_ptr<MemoryRegion>> allocateHostStaging(Context& ctx, size_t bytes, bool for_device,
+StatusOr<std::shared_ptr<MemoryRegion>> allocateHostStaging(Context& ctx, size_t bytes, DeviceRuntime* gpus,
                                                             const char* what) {
   SC_ASSIGN_OR_RETURN(auto region, ctx.allocateMemory(bytes));
   makeResident(region->data(), region->size(), what);
-  if (!for_device) return region;
-  auto pin = pinHostMemory(region->data(), region->size());
+  if (gpus == nullptr) return region;
+  auto pin = gpus->pinHost(region->data(), region->size());
   if (!pin.ok()) {
     static std::atomic<bool> said{false};
     if (!said.exchange(true))

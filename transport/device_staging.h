@@ -10,6 +10,7 @@
 
 #include "transport/copy_engine.h"
 #include "transport/cuda/cuda_support.h"
+#include "transport/device_runtime.h"
 #include "transport/transport.h"
 
 namespace shardcast::transport {
@@ -31,10 +32,10 @@ class TransferMemory {
 };
 
 // `bytes` of host memory registered with the transport for a sync's staging or arena, made
-// resident; with `for_device`, also page-locked for the GPU's copies (cudaHostRegister: DMA
-// straight from and into it, copies that overlap; where that fails, said once in the log and
-// used pageable). `what` names it in messages ("a landing arena").
-StatusOr<std::shared_ptr<MemoryRegion>> allocateHostStaging(Context& ctx, size_t bytes, bool for_device,
+// resident; with `gpus`, also page-locked for their copies (cudaHostRegister: DMA straight from
+// and into it, copies that overlap; where that fails, said once in the log and used pageable).
+// `what` names it in messages ("a landing arena").
+StatusOr<std::shared_ptr<MemoryRegion>> allocateHostStaging(Context& ctx, size_t bytes, DeviceRuntime* gpus,
                                                             const char* what);
 
 }  // namespace shardcast::transport

@@ -1,6 +1,6 @@
 // What a sync does around device copies that run on after they are issued
 // (daemon/device_work.h), and the stage's device moves, on an emulated GPU stream
-// (tests/transport/emulated_device.h: copies run only once waited for).
+// (transport/emulated_gpus.h: copies run only once waited for).
 #include "daemon/device_work.h"
 
 #include <catch2/catch.hpp>
@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "daemon/stage.h"
-#include "tests/transport/emulated_device.h"
 #include "transport/device_copy.h"
+#include "transport/emulated_gpus.h"
 
 using namespace shardcast;
 using namespace shardcast::daemon;
@@ -19,19 +19,18 @@ namespace {
 
 // Issues a copy of `n` bytes from device memory to `dst` on `engine`.
 void issue(transport::CopyEngine& engine, std::byte* dst, std::byte* device, size_t n) {
-  REQUIRE(engine.copy({dst, MemoryKind::kHost, 0, {1}}, {device, MemoryKind::kCuda, 0, {1}},
-                      {static_cast<int64_t>(n)}, 1)
-              .ok());
+  REQUIRE(
+      engine.copy({dst, MemoryKind::kHost, 0, {1}}, {device, MemoryKind::kCuda, 0, {1}}, {static_cast<int64_t>(n)}, 1)
+          .ok());
 }
 
 }  // namespace
 
-TEST_CASE("a chunk's follow-up runs once its device copies are done, one chunk behind",
-          "[daemon][device-work]") {
-  testing::EmulatedDevice gpu;
-  auto engine = transport::makeStreamCopyEngine(gpu.stream());
+TEST_CASE("a chunk's follow-up runs once its device copies are done, one chunk behind", "[daemon][device-work]") {
+  transport::EmulatedGpus gpu(1);
+  auto engine = transport::makeStreamCopyEngine(gpu.stream(0));
   constexpr size_t kChunk = 1024;
-  std::byte* device = gpu.allocate(4 * kChunk);
+  std::byte* device = gpu.allocate(0, 4 * kChunk);
   for (size_t i = 0; i < 4 * kChunk; ++i) device[i] = static_cast<std::byte>(i / kChunk + 1);
   std::vector<std::byte> wire(4 * kChunk, std::byte{0});
   std::vector<int> sent;  // chunks, in the order their follow-ups ran, each checked complete
@@ -74,10 +73,10 @@ TEST_CASE("without device copies a follow-up runs at once, and its error is the 
 
 TEST_CASE("settling waits for every engine used, and a failed execution's follow-up never runs",
           "[daemon][device-work]") {
-  testing::EmulatedDevice gpu;
-  auto outgoing = transport::makeStreamCopyEngine(gpu.stream());
-  auto incoming = transport::makeStreamCopyEngine(gpu.stream());
-  std::byte* device = gpu.allocate(256);
+  transport::EmulatedGpus gpu(1);
+  auto outgoing = transport::makeStreamCopyEngine(gpu.stream(0));
+  auto incoming = transport::makeStreamCopyEngine(gpu.stream(0));
+  std::byte* device = gpu.allocate(0, 256);
   std::memset(device, 7, 256);
   std::vector<std::byte> a(256), b(256), c(256);
   bool ran = false;
@@ -93,22 +92,23 @@ TEST_CASE("settling waits for every engine used, and a failed execution's follow
     REQUIRE(work.settle().ok());
     CHECK(a[255] == std::byte{7});
     CHECK(b[255] == std::byte{7});
-    CHECK_FALSE(ran);  // dropped: settle() without flush() is the way out of a failure
+    CHECK_FALSE(ran);  // settling runs no follow-up
     issue(*work.use(incoming.get()), c.data(), device, 256);
     CHECK(c[0] == std::byte{0});
-  }  // destroyed: settled
+  }  // destroyed (as a failed execution is): settled, the follow-up dropped
   CHECK(c[255] == std::byte{7});
+  CHECK_FALSE(ran);
   CHECK(gpu.queued() == 0);
 }
 
 TEST_CASE("the standard stage issues device moves without waiting and converts through waited copies",
           "[daemon][device-work]") {
-  testing::EmulatedDevice gpu;
-  auto engine = transport::makeStreamCopyEngine(gpu.stream());
+  transport::EmulatedGpus gpu(1);
+  auto engine = transport::makeStreamCopyEngine(gpu.stream(0));
   auto stage = makeStandardStage();
   const std::string name = "w";
   const planner::Box box = planner::Box::whole({4, 8});
-  std::byte* device = gpu.allocate(4 * 8 * 4);
+  std::byte* device = gpu.allocate(0, 4 * 8 * 4);
   std::vector<float> values(32);
   for (int i = 0; i < 32; ++i) values[static_cast<size_t>(i)] = 1.5f * static_cast<float>(i);
   std::memcpy(device, values.data(), sizeof(float) * 32);

@@ -186,7 +186,7 @@ TEST_CASE("host staging for device copies: registered, and usable where it canno
   auto ctx = createContext(o);
   REQUIRE(ctx.ok());
   // Without a GPU it cannot be pinned: the region is still there, registered, whole.
-  auto region = allocateHostStaging(**ctx, 1 << 16, /*for_device=*/true, "a test staging buffer");
+  auto region = allocateHostStaging(**ctx, 1 << 16, &cudaRuntime(), "a test staging buffer");
   REQUIRE(region.ok());
   REQUIRE((*region)->size() >= (1 << 16));
   std::memset((*region)->data(), 0x3c, 1 << 16);
@@ -209,7 +209,7 @@ TEST_CASE("device memory the transport cannot reach is staged, and its host stag
   REQUIRE(m.ok());
   CHECK((*m)->staged() == !(*ctx)->canAccess(MemoryKind::kCuda));
   CHECK(((*m)->region() == nullptr) == (*m)->staged());
-  auto staging = allocateHostStaging(**ctx, 1 << 20, /*for_device=*/true, "a test staging buffer");
+  auto staging = allocateHostStaging(**ctx, 1 << 20, &cudaRuntime(), "a test staging buffer");
   REQUIRE(staging.ok());
   auto* out = static_cast<std::byte*>((*staging)->data());
   REQUIRE((*engine)

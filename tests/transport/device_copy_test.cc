@@ -1,6 +1,6 @@
 // The CUDA copy engine's decisions (transport/device_copy.h) run on an emulated GPU stream
-// (tests/transport/emulated_device.h): the same engine code as on a GPU, with host memory
-// standing in for device memory and every copy deferred until it is waited for.
+// (transport/emulated_gpus.h): the same engine code as on a GPU, with host memory standing in
+// for device memory and every copy deferred until it is waited for.
 #include "transport/device_copy.h"
 
 #include <catch2/catch.hpp>
@@ -8,7 +8,7 @@
 #include <numeric>
 #include <random>
 
-#include "tests/transport/emulated_device.h"
+#include "transport/emulated_gpus.h"
 
 using namespace shardcast;
 using namespace shardcast::transport;
@@ -45,8 +45,8 @@ TEST_CASE("the CUDA copy engine, on an emulated GPU, copies every box as the hos
   std::mt19937 rng(20261202);
   auto host = makeHostCopyEngine();
   for (const bool kernels : {true, false}) {
-    testing::EmulatedDevice gpu, other;  // `other`: memory of another GPU (not this stream's)
-    auto engine = makeStreamCopyEngine(gpu.stream(kernels));
+    EmulatedGpus gpus(2);  // the engine's stream is GPU 0's; GPU 1 is another GPU
+    auto engine = makeStreamCopyEngine(gpus.stream(0, kernels));
     for (int it = 0; it < 600; ++it) {
       const int nd = 1 + static_cast<int>(rng() % 4);
       std::vector<int64_t> extent;
@@ -55,17 +55,21 @@ TEST_CASE("the CUDA copy engine, on an emulated GPU, copies every box as the hos
       const auto where_dst = static_cast<Where>(rng() % 3), where_src = static_cast<Where>(rng() % 3);
       const Place dp = randomPlace(rng, extent, rng() % 3 == 0), sp = randomPlace(rng, extent, rng() % 3 == 0);
       auto place = [&](Where w, size_t n) -> std::byte* {
-        return w == Where::kThisGpu ? gpu.allocate(n) : w == Where::kOtherGpu ? other.allocate(n) : nullptr;
+        return w == Where::kThisGpu ? gpus.allocate(0, n) : w == Where::kOtherGpu ? gpus.allocate(1, n) : nullptr;
       };
       const size_t dn = static_cast<size_t>(dp.elements() * elem), sn = static_cast<size_t>(sp.elements() * elem);
       std::vector<std::byte> host_src(sn), host_dst(dn, std::byte{0x5a}), expect(dn, std::byte{0x5a});
       for (auto& b : host_src) b = static_cast<std::byte>(rng());
       std::byte* src = place(where_src, sn);
       std::byte* dst = place(where_dst, dn);
-      if (src == nullptr) src = host_src.data();
-      else std::memcpy(src, host_src.data(), sn);
-      if (dst == nullptr) dst = host_dst.data();
-      else std::memset(dst, 0x5a, dn);
+      if (src == nullptr)
+        src = host_src.data();
+      else
+        std::memcpy(src, host_src.data(), sn);
+      if (dst == nullptr)
+        dst = host_dst.data();
+      else
+        std::memset(dst, 0x5a, dn);
       auto kind = [](Where w) { return w == Where::kHost ? MemoryKind::kHost : MemoryKind::kCuda; };
       const StridedView dv{dst, kind(where_dst), dp.offset(), denseStrides(dp.shape)};
       const StridedView sv{src, kind(where_src), sp.offset(), denseStrides(sp.shape)};
@@ -78,7 +82,7 @@ TEST_CASE("the CUDA copy engine, on an emulated GPU, copies every box as the hos
                         << static_cast<int>(where_dst) << ", src " << static_cast<int>(where_src));
       CHECK(std::memcmp(dst, expect.data(), dn) == 0);
     }
-    CHECK(gpu.queued() == 0);
+    CHECK(gpus.queued() == 0);
   }
 }
 
@@ -86,9 +90,9 @@ TEST_CASE("a TP column slice packs to the wire as one kernel and one copy, and u
           "[transport][device-copy]") {
   // A bf16 [512 x 96] shard on the GPU; its column slice [512 x 40] from column 8 (512 runs of 80 B).
   const int64_t rows = 512, cols = 96, width = 40, elem = 2;
-  testing::EmulatedDevice gpu;
-  auto engine = makeStreamCopyEngine(gpu.stream());
-  std::byte* shard = gpu.allocate(static_cast<size_t>(rows * cols * elem));
+  EmulatedGpus gpu(1);
+  auto engine = makeStreamCopyEngine(gpu.stream(0));
+  std::byte* shard = gpu.allocate(0, static_cast<size_t>(rows * cols * elem));
   for (int64_t i = 0; i < rows * cols * elem; ++i) shard[i] = static_cast<std::byte>(i * 13 + 1);
   std::vector<std::byte> wire(static_cast<size_t>(rows * width * elem));
   const StridedView slice{shard, MemoryKind::kCuda, 8, {cols, 1}};
@@ -102,7 +106,7 @@ TEST_CASE("a TP column slice packs to the wire as one kernel and one copy, and u
                         static_cast<size_t>(width * elem)) == 0);
 
   // Back into another shard's slice: one copy into scratch, one kernel out of it.
-  std::byte* target = gpu.allocate(static_cast<size_t>(rows * cols * elem));
+  std::byte* target = gpu.allocate(0, static_cast<size_t>(rows * cols * elem));
   std::memset(target, 0, static_cast<size_t>(rows * cols * elem));
   REQUIRE(engine->copy({target, MemoryKind::kCuda, 8, {cols, 1}}, dense, {rows, width}, elem).ok());
   REQUIRE(engine->synchronize().ok());
@@ -124,9 +128,9 @@ TEST_CASE("a TP column slice packs to the wire as one kernel and one copy, and u
     CHECK(gpu.counts().copies == before.copies + rows);
   }
   SECTION("without the kernel: a copy per run") {
-    testing::EmulatedDevice plain;
-    auto no_kernels = makeStreamCopyEngine(plain.stream(/*kernels=*/false));
-    std::byte* s = plain.allocate(static_cast<size_t>(rows * cols * elem));
+    EmulatedGpus plain(1);
+    auto no_kernels = makeStreamCopyEngine(plain.stream(0, /*kernels=*/false));
+    std::byte* s = plain.allocate(0, static_cast<size_t>(rows * cols * elem));
     REQUIRE(no_kernels->copy(dense, {s, MemoryKind::kCuda, 8, {cols, 1}}, {rows, width}, elem).ok());
     REQUIRE(no_kernels->synchronize().ok());
     CHECK(plain.counts().launches == 0);
@@ -136,10 +140,10 @@ TEST_CASE("a TP column slice packs to the wire as one kernel and one copy, and u
 
 TEST_CASE("device copies are issued, not done: a mark covers what was issued before it, no more",
           "[transport][device-copy]") {
-  testing::EmulatedDevice gpu;
-  auto engine = makeStreamCopyEngine(gpu.stream());
-  std::byte* a = gpu.allocate(4096);
-  std::byte* b = gpu.allocate(4096);
+  EmulatedGpus gpu(1);
+  auto engine = makeStreamCopyEngine(gpu.stream(0));
+  std::byte* a = gpu.allocate(0, 4096);
+  std::byte* b = gpu.allocate(0, 4096);
   std::memset(a, 1, 4096);
   std::memset(b, 2, 4096);
   std::vector<std::byte> first(4096, std::byte{0}), second(4096, std::byte{0});
@@ -161,18 +165,19 @@ TEST_CASE("device copies are issued, not done: a mark covers what was issued bef
 }
 
 TEST_CASE("device scratch grows under copies still queued on the old one", "[transport][device-copy]") {
-  testing::EmulatedDevice gpu;
-  auto engine = makeStreamCopyEngine(gpu.stream());
+  EmulatedGpus gpu(1);
+  auto engine = makeStreamCopyEngine(gpu.stream(0));
   const int64_t cols = 64;
   std::vector<std::vector<std::byte>> outs;
   std::vector<std::byte*> shards;
   for (const int64_t rows : {16, 256, 64}) {
-    std::byte* s = gpu.allocate(static_cast<size_t>(rows * cols * 4));
+    std::byte* s = gpu.allocate(0, static_cast<size_t>(rows * cols * 4));
     for (int64_t i = 0; i < rows * cols * 4; ++i) s[i] = static_cast<std::byte>(i * 7 + rows);
     shards.push_back(s);
     outs.emplace_back(static_cast<size_t>(rows * 8 * 4));
-    REQUIRE(engine->copy({outs.back().data(), MemoryKind::kHost, 0, {8, 1}}, {s, MemoryKind::kCuda, 3, {cols, 1}},
-                         {rows, 8}, 4)
+    REQUIRE(engine
+                ->copy({outs.back().data(), MemoryKind::kHost, 0, {8, 1}}, {s, MemoryKind::kCuda, 3, {cols, 1}},
+                       {rows, 8}, 4)
                 .ok());
   }
   CHECK(gpu.counts().scratch_allocations == 2);  // grown once, for 256 rows

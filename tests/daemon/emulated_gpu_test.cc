@@ -1,0 +1,200 @@
+// The device path of whole daemons where there is no GPU: daemons run with --emulate-gpus
+// (transport/emulated_gpus.h), ranks register their memory as CUDA buffers (shared-memory segments
+// behind emulated IPC handles), and every device copy the daemons issue runs only once they wait
+// for it. A send, unpack or commit that does not wait for its copies moves stale bytes, and the
+// byte checks below fail.
+#include <catch2/catch.hpp>
+#include <cstring>
+
+#include "planner/layout.h"
+#include "tests/daemon/daemon_harness.h"
+#include "tests/daemon/rank_memory.h"
+#include "transport/emulated_gpus.h"
+
+using namespace shardcast;
+using namespace shardcast::testing;
+
+namespace {
+
+// Trainer: 4 ranks on n0, n0, n1, n1, row shards. Inference: dp=2 x tp=2, replica 0 on n2,
+// replica 1 on n0 (colocated with trainer ranks); w in row shards, o in column shards (strided on
+// the GPU: packed and unpacked by the kernel through scratch), m converted float32 -> bfloat16.
+const char* kTrainer = R"({"group":"trainer","mesh":{"shape":[4]},"nodes":["n0","n0","n1","n1"],"tensors":[
+  {"name":"w","shape":[4096,512],"dtype":"int32","placements":[{"shard":{"dim":0}}]},
+  {"name":"o","shape":[512,4096],"dtype":"int32","placements":[{"shard":{"dim":0}}]},
+  {"name":"m","shape":[64,256],"dtype":"float32","placements":[{"shard":{"dim":0}}]}]})";
+const char* kInference = R"({"group":"infer","mesh":{"shape":[2,2]},"nodes":["n2","n2","n0","n0"],"tensors":[
+  {"name":"w","shape":[4096,512],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":0}}]},
+  {"name":"o","shape":[512,4096],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":1}}]},
+  {"name":"m","shape":[64,256],"dtype":"bfloat16","placements":[{"replicate":{}},{"shard":{"dim":1}}]}]})";
+
+// Element `flat` of tensor `t` at `version`; m's values are small integers, exact in bfloat16.
+int32_t intValue(size_t t, int64_t flat, int version) { return static_cast<int32_t>(t * 100000 + flat * 10 + version); }
+float floatValue(int64_t flat, int version) { return static_cast<float>((flat * 7 + version) % 200); }
+uint16_t bf16Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>(u >> 16);  // exact: the value has at most 8 significant bits
+}
+
+// A rank's memory registered as device memory of GPU `gpu` of an emulated node.
+v1::RegisterRequest onGpu(v1::RegisterRequest r, const RankMemory& m, int gpu) {
+  for (auto& b : *r.mutable_buffers()) {
+    const auto where = m.named.at(b.buffer());
+    b.clear_shm();
+    b.mutable_cuda()->set_handle(transport::EmulatedGpus::handleOf(m.seg->name()));
+    b.mutable_cuda()->set_offset(where.first);
+    b.mutable_cuda()->set_size(where.second);
+    b.mutable_cuda()->set_device(gpu);
+  }
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("emulated GPUs: device ranks on every side sync byte-exact through host staging, deltas too",
+          "[daemon][sync][emulated-gpu]") {
+  std::vector<int> ports;
+  for (int i = 0; i < 3; ++i) ports.push_back(freePort());
+  std::vector<std::string> peers;
+  for (int p : ports) peers.push_back("127.0.0.1:" + std::to_string(p));
+  std::vector<std::unique_ptr<Daemon>> daemons;
+  for (int i = 0; i < 3; ++i) {
+    // 1 MiB chunks and 2 MiB of staging: several chunks per transfer (sends one chunk behind
+    // the packs) and several waves.
+    daemons.push_back(std::make_unique<Daemon>(
+        "n" + std::to_string(i), ports[i], peers,
+        std::vector<std::string>{"--emulate-gpus", "2", "--chunk-mib", "1", "--staging-mib", "2"}));
+    REQUIRE(daemons.back()->ready());
+  }
+  auto node = [&](const std::string& name) -> Daemon& { return *daemons[name[1] - '0']; };
+  const auto src_proto = *planner::parseLayoutJson(kTrainer, "trainer");
+  const auto dst_proto = *planner::parseLayoutJson(kInference, "infer");
+  planner::NodeTable nodes;
+  const auto src = *planner::resolveLayout(src_proto, nodes);
+  const auto dst = *planner::resolveLayout(dst_proto, nodes);
+  std::vector<RankMemory> smem, dmem;
+  for (int32_t r = 0; r < 4; ++r) smem.push_back(allocateRank(src, r, "egpu-t" + std::to_string(r)));
+  for (int32_t r = 0; r < 4; ++r) dmem.push_back(allocateRank(dst, r, "egpu-i" + std::to_string(r)));
+  // Version v everywhere; with `some`, only every 16th element of w and o changes from v - 1.
+  auto fill = [&](int version, bool some) {
+    for (int32_t r = 0; r < 4; ++r)
+      forEachElement(src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        if (src.tensors[t].name == "m") *smem[r].at<float>(p, off) = floatValue(flat, version);
+        else if (!some || flat % 16 == 0) *smem[r].at<int32_t>(p, off) = intValue(t, flat, version);
+      });
+  };
+  auto wrong = [&](int version, bool some) {
+    int64_t bad = 0;
+    for (int32_t r = 0; r < 4; ++r)
+      forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        if (dst.tensors[t].name == "m") {
+          bad += *dmem[r].at<uint16_t>(p, off) != bf16Bits(floatValue(flat, version));
+        } else {
+          const int v = some && flat % 16 != 0 ? version - 1 : version;
+          bad += *dmem[r].at<int32_t>(p, off) != intValue(t, flat, v);
+        }
+      });
+    return bad;
+  };
+  fill(1, false);
+  for (int32_t r = 0; r < 4; ++r) {
+    v1::RegisterResponse resp;
+    const auto st =
+        node(nodes.name(src.rank_node[r]))
+            .client()
+            ->Register(ctx().get(), onGpu(registerRequest(src_proto, r, 4, smem[r], v1::ROLE_SOURCE, 1), smem[r], r % 2),
+                       &resp);
+    INFO(st.error_message());
+    REQUIRE(st.ok());
+  }
+  for (int32_t r = 0; r < 4; ++r) {
+    v1::RegisterResponse resp;
+    const auto st = node(nodes.name(dst.rank_node[r]))
+                        .client()
+                        ->Register(ctx().get(), onGpu(registerRequest(dst_proto, r, 4, dmem[r]), dmem[r], r % 2), &resp);
+    INFO(st.error_message());
+    REQUIRE(st.ok());
+  }
+  auto sync = [&](int version, v1::DeltaMode delta) {
+    v1::SyncRequest req;
+    req.set_src_group("trainer");
+    req.set_dst_group("infer");
+    req.set_version(static_cast<uint64_t>(version));
+    req.mutable_options()->set_verify(true);
+    req.mutable_options()->set_delta(delta);
+    v1::SyncResponse out;
+    const auto st = node("n1").client()->Sync(ctx(120).get(), req, &out);
+    INFO(st.error_message());
+    REQUIRE(st.ok());
+    return out;
+  };
+  // Publishes `version` on every source rank after writing it (acquired around the write).
+  auto step = [&](int version, bool some) {
+    for (int32_t r = 0; r < 4; ++r) {
+      v1::AcquireRequest a;
+      a.set_group("trainer");
+      a.set_rank(r);
+      v1::AcquireResponse ar;
+      REQUIRE(node(nodes.name(src.rank_node[r])).client()->Acquire(ctx().get(), a, &ar).ok());
+    }
+    fill(version, some);
+    for (int32_t r = 0; r < 4; ++r) {
+      v1::ReleaseRequest p;
+      p.set_group("trainer");
+      p.set_rank(r);
+      p.set_version(static_cast<uint64_t>(version));
+      v1::ReleaseResponse pr;
+      REQUIRE(node(nodes.name(src.rank_node[r])).client()->Release(ctx().get(), p, &pr).ok());
+    }
+  };
+
+  const auto first = sync(1, v1::DELTA_OFF);
+  CHECK(wrong(1, false) == 0);
+  CHECK(first.waves() > 1);
+  CHECK(first.bytes_landed_direct() == 0);  // staged device memory: planned packed, nothing lands in a rank directly
+  CHECK(first.local_bytes() > 0);           // the colocated replica on n0, device to device
+  step(2, false);
+  CHECK(sync(2, v1::DELTA_AUTO).delta_chunks() == 0);  // no bases yet: dense, and the bases kept
+  CHECK(wrong(2, false) == 0);
+  step(3, true);
+  const auto third = sync(3, v1::DELTA_AUTO);
+  CHECK(wrong(3, true) == 0);
+  CHECK(third.delta_chunks() > 0);  // rebuilt on the destinations from the bytes their GPUs hold
+  CHECK(third.wire_bytes() < third.network_bytes());
+}
+
+TEST_CASE("emulated GPUs: a handle that names no segment of the caller is refused, naming the buffer",
+          "[daemon][emulated-gpu]") {
+  const int port = freePort();
+  Daemon d("n0", port, {}, {"--emulate-gpus", "1"});
+  REQUIRE(d.ready());
+  const char* layout = R"({"group":"g","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
+    {"name":"w","shape":[64],"dtype":"int32"}]})";
+  const auto proto = *planner::parseLayoutJson(layout, "g");
+  planner::NodeTable nodes;
+  const auto l = *planner::resolveLayout(proto, nodes);
+  auto mem = allocateRank(l, 0, "egpu-bad");
+  auto req = onGpu(registerRequest(proto, 0, 1, mem), mem, 0);
+  SECTION("no such segment") {
+    req.mutable_buffers(0)->mutable_cuda()->set_handle(transport::EmulatedGpus::handleOf("/shardcast-no-such-one"));
+    v1::RegisterResponse resp;
+    const auto st = d.client()->Register(ctx().get(), req, &resp);
+    CHECK(st.error_code() == grpc::StatusCode::NOT_FOUND);
+    CHECK_THAT(st.error_message(), Catch::Contains("buffer \"w\""));
+  }
+  SECTION("not an emulated handle") {
+    req.mutable_buffers(0)->mutable_cuda()->set_handle(std::string(64, '\x01'));
+    v1::RegisterResponse resp;
+    const auto st = d.client()->Register(ctx().get(), req, &resp);
+    CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(st.error_message(), Catch::Contains("buffer \"w\""));
+  }
+  SECTION("a GPU the node does not have") {
+    req.mutable_buffers(0)->mutable_cuda()->set_device(1);
+    v1::RegisterResponse resp;
+    const auto st = d.client()->Register(ctx().get(), req, &resp);
+    CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(st.error_message(), Catch::Contains("emulated GPU 1 of 1"));
+  }
+}

@@ -1,0 +1,27 @@
+#include "transport/device_runtime.h"
+
+namespace shardcast::transport {
+
+namespace {
+
+// The free functions of cuda/cuda_support.h (the CUDA runtime, or UNAVAILABLE without it).
+class Cuda final : public DeviceRuntime {
+ public:
+  int deviceCount() const override { return cudaDeviceCount(); }
+  std::string unavailableReason() const override { return cudaUnavailableReason(); }
+  StatusOr<std::unique_ptr<CudaIpcMapping>> importHandle(const std::string& handle, size_t size, int device,
+                                                         std::optional<uid_t>) override {
+    return importCudaIpcHandle(handle, size, device);
+  }
+  StatusOr<std::unique_ptr<CopyEngine>> makeEngine(int device) override { return makeCudaCopyEngine(device); }
+  StatusOr<std::unique_ptr<HostPin>> pinHost(void* data, size_t size) override { return pinHostMemory(data, size); }
+};
+
+}  // namespace
+
+DeviceRuntime& cudaRuntime() {
+  static Cuda runtime;
+  return runtime;
+}
+
+}  // namespace shardcast::transport

@@ -1,0 +1,41 @@
+// What the daemon needs of its node's GPUs: how many there are, a client's device allocation
+// mapped from its IPC handle, copy engines (one stream each), host memory page-locked for them.
+// cudaRuntime() is the CUDA runtime's (transport/cuda/cuda_support.cc; without the toolkit every
+// call answers UNAVAILABLE); EmulatedGpus (transport/emulated_gpus.h) stands host memory in for
+// GPUs, so the whole device path of a daemon runs where there is no GPU (shardcastd
+// --emulate-gpus, for tests).
+#pragma once
+
+#include <cstddef>
+#include <sys/types.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "common/status.h"
+#include "transport/copy_engine.h"
+#include "transport/cuda/cuda_support.h"
+
+namespace shardcast::transport {
+
+class DeviceRuntime {
+ public:
+  virtual ~DeviceRuntime() = default;
+  // Usable GPUs; 0 when there are none (unavailableReason() says why).
+  virtual int deviceCount() const = 0;
+  virtual std::string unavailableReason() const = 0;
+  // The allocation a client shared by `handle`, at least `size` bytes, on GPU `device`. `owner`:
+  // the calling client's uid where the runtime opens what the handle names by a name (emulated
+  // GPUs: a segment of another user is refused); CUDA's driver checks its own handles.
+  virtual StatusOr<std::unique_ptr<CudaIpcMapping>> importHandle(const std::string& handle, size_t size, int device,
+                                                                 std::optional<uid_t> owner) = 0;
+  // A copy engine over a new stream of GPU `device` (transport/device_copy.h).
+  virtual StatusOr<std::unique_ptr<CopyEngine>> makeEngine(int device) = 0;
+  // Host memory page-locked for the GPUs' copies while the returned object lives.
+  virtual StatusOr<std::unique_ptr<HostPin>> pinHost(void* data, size_t size) = 0;
+};
+
+DeviceRuntime& cudaRuntime();
+
+}  // namespace shardcast::transport

@@ -1,0 +1,184 @@
+#include "transport/emulated_gpus.h"
+
+#include <cstring>
+#include <deque>
+#include <functional>
+
+#include "common/strings.h"
+#include "transport/cuda/strided_copy.h"
+#include "transport/shm.h"
+
+namespace shardcast::transport {
+
+namespace {
+constexpr char kHandlePrefix[] = "shardcast-emulated-gpu:";
+}  // namespace
+
+class EmulatedGpus::Stream final : public DeviceStream {
+ public:
+  Stream(EmulatedGpus* gpus, int device, bool kernels)
+      : gpus_(gpus), device_(device), kernels_(kernels), queue_(std::make_shared<Queue>()) {}
+  ~Stream() override { queue_->runUntil(UINT64_MAX, gpus_); }
+  std::string name() const override { return strCat("emulated:", device_); }
+  bool local(const void* p) const override { return gpus_->onDevice(p, device_); }
+  bool kernels() const override { return kernels_; }
+  Status launch(const StridedCopyPlan& plan, std::byte* dst, const std::byte* src) override {
+    issue([plan, dst, src] { emulateStridedCopy(plan, dst, src); }, &Counts::launches);
+    return absl::OkStatus();
+  }
+  Status copy(void* dst, const void* src, size_t n) override {
+    issue([dst, src, n] { std::memcpy(dst, src, n); }, &Counts::copies);
+    return absl::OkStatus();
+  }
+  StatusOr<std::byte*> scratch(size_t n) override {
+    if (n > scratch_bytes_) {  // the old scratch stays allocated: work queued on it still runs
+      scratch_ = gpus_->allocate(device_, n);
+      scratch_bytes_ = n;
+      gpus_->counted(&Counts::scratch_allocations, 0);
+    }
+    return scratch_;
+  }
+  StatusOr<std::shared_ptr<CopyMark>> record() override {
+    std::lock_guard<std::mutex> lock(queue_->mu);
+    return std::shared_ptr<CopyMark>(std::make_shared<Mark>(queue_, gpus_, queue_->issued));
+  }
+  Status synchronize() override {
+    queue_->runUntil(UINT64_MAX, gpus_);
+    return absl::OkStatus();
+  }
+
+ private:
+  // The stream's work, shared with the marks taken on it.
+  struct Queue {
+    std::mutex mu;
+    std::deque<std::function<void()>> work;
+    uint64_t issued = 0, ran = 0;
+    void runUntil(uint64_t at, EmulatedGpus* gpus) {
+      std::lock_guard<std::mutex> lock(mu);
+      while (ran < at && !work.empty()) {
+        work.front()();
+        work.pop_front();
+        ++ran;
+        gpus->counted(nullptr, -1);
+      }
+    }
+  };
+  class Mark final : public CopyMark {
+   public:
+    Mark(std::shared_ptr<Queue> q, EmulatedGpus* gpus, uint64_t at) : q_(std::move(q)), gpus_(gpus), at_(at) {}
+    Status wait() override {
+      q_->runUntil(at_, gpus_);
+      return absl::OkStatus();
+    }
+
+   private:
+    std::shared_ptr<Queue> q_;
+    EmulatedGpus* gpus_;
+    uint64_t at_;
+  };
+  void issue(std::function<void()> work, int Counts::*counter) {
+    {
+      std::lock_guard<std::mutex> lock(queue_->mu);
+      queue_->work.push_back(std::move(work));
+      ++queue_->issued;
+    }
+    gpus_->counted(counter, 1);
+  }
+
+  EmulatedGpus* gpus_;
+  int device_;
+  bool kernels_;
+  std::shared_ptr<Queue> queue_;
+  std::byte* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+};
+
+std::string EmulatedGpus::handleOf(const std::string& shm_name) { return kHandlePrefix + shm_name; }
+
+std::byte* EmulatedGpus::allocate(int device, size_t n) {
+  auto block = std::make_unique<std::byte[]>(n);
+  std::byte* p = block.get();
+  std::lock_guard<std::mutex> lock(mu_);
+  memory_.push_back(std::move(block));
+  ranges_[p] = {n, device};
+  return p;
+}
+
+std::unique_ptr<DeviceStream> EmulatedGpus::stream(int device, bool kernels) {
+  return std::make_unique<Stream>(this, device, kernels);
+}
+
+EmulatedGpus::Counts EmulatedGpus::counts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return counts_;
+}
+
+size_t EmulatedGpus::queued() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return queued_;
+}
+
+std::string EmulatedGpus::unavailableReason() const { return count_ > 0 ? "" : "no emulated GPUs"; }
+
+StatusOr<std::unique_ptr<CudaIpcMapping>> EmulatedGpus::importHandle(const std::string& handle, size_t size,
+                                                                     int device, std::optional<uid_t> owner) {
+  if (device < 0 || device >= count_)
+    return absl::InvalidArgumentError(strCat("emulated GPU ", device, " of ", count_));
+  if (handle.rfind(kHandlePrefix, 0) != 0)
+    return absl::InvalidArgumentError(
+        strCat("an emulated GPU's IPC handle names a shared-memory segment (\"", kHandlePrefix, "/name\")"));
+  SC_ASSIGN_OR_RETURN(auto segment, ShmSegment::open(handle.substr(sizeof(kHandlePrefix) - 1), size, owner));
+  class Mapping final : public CudaIpcMapping {
+   public:
+    Mapping(EmulatedGpus* gpus, ShmSegment segment, size_t size)
+        : gpus_(gpus), segment_(std::move(segment)), size_(size) {}
+    ~Mapping() override { gpus_->removeRange(static_cast<std::byte*>(segment_.data())); }
+    void* data() const override { return segment_.data(); }
+    size_t size() const override { return size_; }
+
+   private:
+    EmulatedGpus* gpus_;
+    ShmSegment segment_;
+    size_t size_;
+  };
+  addRange(static_cast<std::byte*>(segment.data()), segment.size(), device);
+  return std::unique_ptr<CudaIpcMapping>(std::make_unique<Mapping>(this, std::move(segment), size));
+}
+
+StatusOr<std::unique_ptr<CopyEngine>> EmulatedGpus::makeEngine(int device) {
+  if (device < 0 || device >= count_)
+    return absl::UnavailableError(strCat("emulated GPU ", device, " of ", count_));
+  return makeStreamCopyEngine(stream(device));
+}
+
+StatusOr<std::unique_ptr<HostPin>> EmulatedGpus::pinHost(void*, size_t) {
+  counted(&Counts::pins, 0);
+  return std::make_unique<HostPin>();
+}
+
+bool EmulatedGpus::onDevice(const void* p, int device) const {
+  const auto* b = static_cast<const std::byte*>(p);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = ranges_.upper_bound(b);
+  if (it == ranges_.begin()) return false;
+  --it;
+  return b < it->first + it->second.size && it->second.device == device;
+}
+
+void EmulatedGpus::addRange(const std::byte* p, size_t n, int device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ranges_[p] = {n, device};
+}
+
+void EmulatedGpus::removeRange(const std::byte* p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ranges_.erase(p);
+}
+
+void EmulatedGpus::counted(int Counts::*counter, int queued_delta) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (counter != nullptr) ++(counts_.*counter);
+  queued_ = static_cast<size_t>(static_cast<int64_t>(queued_) + queued_delta);
+}
+
+}  // namespace shardcast::transport

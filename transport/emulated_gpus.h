@@ -1,0 +1,69 @@
+// GPUs emulated in host memory, so that the device path of the copy engine and of a whole
+// daemon runs where there is no GPU (tests; shardcastd --emulate-gpus). "Device memory" is host
+// memory this object knows as some GPU's: buffers it allocates (in-process tests) or shared-memory
+// segments a client names in an emulated IPC handle (handleOf). Kernels are emulated word by word
+// as the kernel's threads copy (emulateStridedCopy). Nothing runs when issued: a stream's work
+// queues up and runs, in order, only when one of its marks is waited for or it is synchronised,
+// as a real stream may run it at any time later; so a caller that reads bytes before waiting for
+// them reads stale ones, and two streams never order each other's work.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "transport/device_copy.h"
+#include "transport/device_runtime.h"
+
+namespace shardcast::transport {
+
+class EmulatedGpus final : public DeviceRuntime {
+ public:
+  explicit EmulatedGpus(int count) : count_(count) {}
+  EmulatedGpus(const EmulatedGpus&) = delete;
+  EmulatedGpus& operator=(const EmulatedGpus&) = delete;
+
+  struct Counts {
+    int launches = 0, copies = 0, scratch_allocations = 0, pins = 0;
+  };
+  // The IPC handle a client registers the shared-memory segment `shm_name` with as device memory.
+  static std::string handleOf(const std::string& shm_name);
+
+  // `n` bytes of GPU `device`'s memory (valid while this object lives).
+  std::byte* allocate(int device, size_t n);
+  // A new stream of GPU `device` (it must not outlive this object).
+  std::unique_ptr<DeviceStream> stream(int device, bool kernels = true);
+  Counts counts() const;
+  size_t queued() const;  // work issued on any stream and not run yet
+
+  int deviceCount() const override { return count_; }
+  std::string unavailableReason() const override;
+  StatusOr<std::unique_ptr<CudaIpcMapping>> importHandle(const std::string& handle, size_t size, int device,
+                                                         std::optional<uid_t> owner) override;
+  StatusOr<std::unique_ptr<CopyEngine>> makeEngine(int device) override;
+  StatusOr<std::unique_ptr<HostPin>> pinHost(void* data, size_t size) override;
+
+ private:
+  class Stream;
+  friend class Stream;
+  struct Range {
+    size_t size = 0;
+    int device = 0;
+  };
+  bool onDevice(const void* p, int device) const;
+  void addRange(const std::byte* p, size_t n, int device);
+  void removeRange(const std::byte* p);
+  void counted(int Counts::*counter, int queued_delta);
+
+  const int count_;
+  mutable std::mutex mu_;
+  std::vector<std::unique_ptr<std::byte[]>> memory_;
+  std::map<const std::byte*, Range> ranges_;
+  size_t queued_ = 0;
+  Counts counts_;
+};
+
+}  // namespace shardcast::transport
