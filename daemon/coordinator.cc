@@ -156,6 +156,7 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   out_.set_seconds(since(start_));
   out_.set_plan_cached(plan_cached_);
   out_.set_bytes_landed_direct(landed_direct_);
+  out_.set_device_fanout_bytes(device_fanout_);
   out_.set_waves(static_cast<uint32_t>(plan_->waves));
   out_.set_wire_bytes(wire_bytes_);
   out_.set_delta_chunks(delta_chunks_);
@@ -355,6 +356,7 @@ Status SyncCoordinator::execute() {
             done_received[i] += part.bytes_received();
             done_sent[i] += part.bytes_sent();
             landed_direct_ += part.bytes_landed_direct();
+            device_fanout_ += part.device_fanout_bytes();
             delta_chunks_ += part.delta_chunks();
             dense_chunks_ += part.dense_chunks();
             record(i, done_received[i], done_sent[i]);

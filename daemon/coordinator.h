@@ -119,6 +119,7 @@ class SyncCoordinator {
   std::atomic<bool> executed_{false};
   std::atomic<bool> given_up_{false};
   std::atomic<uint64_t> landed_direct_{0};
+  std::atomic<uint64_t> device_fanout_{0};
   std::atomic<uint64_t> delta_chunks_{0}, dense_chunks_{0};
   uint64_t wire_bytes_ = 0;              // every node's bytes sent, once every wave is done
   v1::DeltaMode delta_ = v1::DELTA_OFF;  // the mode it runs in (a periodic refresh: DELTA_DENSE)

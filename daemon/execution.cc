@@ -380,10 +380,20 @@ Status Execution::processLanded(const LandedChunk& l) {
     kind = transport::MemoryKind::kHost;
     copies = nullptr;
   }
-  for (const auto& p : pieces) {
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const Piece& p = pieces[i];
+    const uint64_t bytes = static_cast<uint64_t>(p.part.volume() * p.tensor->elemBytes());
+    if (kind == transport::MemoryKind::kHost)
+      if (const Piece* first = deviceCopyOf(pieces, i)) {
+        SC_RETURN_IF_ERROR(
+            env_.stage.unpack(p.memory, first->memory, p.part.sizes(), {p.tensor->name, p.part, p.tensor}));
+        a_->local_bytes += bytes;
+        a_->device_fanout_bytes += bytes;
+        continue;
+      }
     const TypedView from{{wire + (p.at - chunk.offset), kind, 0, p.dense}, p.tensor->dtype, copies};
     SC_RETURN_IF_ERROR(env_.stage.unpack(p.memory, from, p.part.sizes(), {p.tensor->name, p.part, p.tensor}));
-    a_->local_bytes += static_cast<uint64_t>(p.part.volume() * p.tensor->elemBytes());
+    a_->local_bytes += bytes;
   }
   // A rebuilt chunk is unpacked from decoded_, which the next delta overwrites: its device
   // copies have to be done first (a landed chunk's bytes stay in the arena until the wave ends).
@@ -391,6 +401,24 @@ Status Execution::processLanded(const LandedChunk& l) {
   (delta ? a_->delta_chunks : a_->dense_chunks) += 1;
   a_->bytes_received += l.bytes;
   return absl::OkStatus();
+}
+
+const Execution::Piece* Execution::deviceCopyOf(const std::vector<Piece>& pieces, size_t i) {
+  auto contiguous = [](const Piece& p) {
+    int64_t runs = 0;
+    transport::forEachRun(p.memory.view, p.memory.view, p.part.sizes(), p.tensor->elemBytes(),
+                          [&](int64_t, int64_t, int64_t) { ++runs; });
+    return runs == 1;
+  };
+  const Piece& p = pieces[i];
+  if (p.memory.view.kind != transport::MemoryKind::kCuda || !contiguous(p)) return nullptr;
+  for (size_t j = 0; j < i; ++j) {
+    const Piece& q = pieces[j];
+    if (q.tensor == p.tensor && q.part == p.part && q.memory.view.kind == transport::MemoryKind::kCuda &&
+        contiguous(q) && deviceCopyOf(pieces, j) == nullptr)
+      return &q;
+  }
+  return nullptr;
 }
 
 StatusOr<std::vector<Execution::Piece>> Execution::localPieces(int32_t t, int32_t k) {

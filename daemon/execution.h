@@ -88,6 +88,12 @@ class Execution {
   // fence) is the base's and that is worth it (word says how it travels; `packed` then holds the
   // delta); the base becomes these bytes either way (when kept).
   Status encodeChunk(int32_t t, int32_t k, std::byte* packed, uint64_t target, LandedChunk* word);
+  // Node-local fan-out between GPUs: a box that several local ranks hold (replicas on one node)
+  // crosses from host memory into the GPUs once; piece i (device memory, one contiguous run) is
+  // copied device to device (NVLink or PCIe peer copies) from the first earlier piece of the same
+  // box that came from host memory, returned here; null: piece i comes from the wire. Its copy
+  // runs on that rank's engine (the source's), so after the copy into it.
+  static const Piece* deviceCopyOf(const std::vector<Piece>& pieces, size_t i);
   // The pieces of chunk `k` of transfer `t` this node's destination ranks hold (but the rank it
   // landed in directly, if it did).
   StatusOr<std::vector<Piece>> localPieces(int32_t t, int32_t k);

@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<transport::EmulatedGpus> emulated;
   if (config->emulate_gpus > 0) {
-    emulated = std::make_unique<transport::EmulatedGpus>(config->emulate_gpus);
+    emulated = std::make_unique<transport::EmulatedGpus>(config->emulate_gpus, /*abort_on_hazard=*/true);
     spdlog::warn("GPUs: {} emulated in host memory (--emulate-gpus, for tests); this node's own are not used",
                  config->emulate_gpus);
   }

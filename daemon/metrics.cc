@@ -28,6 +28,9 @@ std::string Metrics::render() const {
   o << "shardcast_bytes_landed_direct_total " << bytes_landed_direct << "\n";
   metric("shardcast_local_bytes_total", "counter", "Bytes copied node-locally into destination ranks.");
   o << "shardcast_local_bytes_total " << local_bytes << "\n";
+  metric("shardcast_device_fanout_bytes_total", "counter",
+         "Of the local bytes: copied GPU to GPU from a local rank that received the same box first.");
+  o << "shardcast_device_fanout_bytes_total " << device_fanout_bytes << "\n";
   metric("shardcast_chunks_landed_total", "counter", "Chunks that landed on this daemon, by encoding (docs/delta.md).");
   o << "shardcast_chunks_landed_total{encoding=\"dense\"} " << dense_chunks << "\n";
   o << "shardcast_chunks_landed_total{encoding=\"delta\"} " << delta_chunks << "\n";

@@ -22,6 +22,7 @@ namespace shardcast::daemon {
 struct Metrics {
   std::atomic<uint64_t> syncs_ok{0}, syncs_failed{0};
   std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, local_bytes{0}, bytes_landed_direct{0};
+  std::atomic<uint64_t> device_fanout_bytes{0};
   std::atomic<uint64_t> sync_micros_sum{0};                // of committed syncs coordinated here
   std::atomic<uint64_t> syncs_expired{0};                  // aborted here because their coordinator's lease ran out
   std::atomic<uint64_t> sessions_ended{0};                 // client sessions that ended (ranks unregistered)

@@ -60,6 +60,7 @@ struct SyncAttempt {
 
   // Progress over all waves, read by progress() while execute() runs.
   std::atomic<uint64_t> bytes_received{0}, bytes_sent{0}, local_bytes{0}, bytes_landed_direct{0};
+  std::atomic<uint64_t> device_fanout_bytes{0};  // of local_bytes: copied GPU to GPU (Execution::deviceCopyOf)
   std::atomic<uint64_t> delta_chunks{0}, dense_chunks{0};  // chunks landed here, by encoding
 
   std::mutex mu;

@@ -367,7 +367,8 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dst_group));
   // This wave's figures are what the sync's counters (read by progress()) gain during it.
   const uint64_t sent = a->bytes_sent, received = a->bytes_received, local = a->local_bytes,
-                 direct = a->bytes_landed_direct, deltas = a->delta_chunks, dense = a->dense_chunks;
+                 direct = a->bytes_landed_direct, deltas = a->delta_chunks, dense = a->dense_chunks,
+                 fanout = a->device_fanout_bytes;
   SC_RETURN_IF_ERROR(Execution({node_, registry_, transport_, *stage_, *copies_, spares_}, a, req).run());
   if (registry_.generation() != a->generation)
     return absl::AbortedError(
@@ -378,12 +379,14 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   resp.set_bytes_landed_direct(a->bytes_landed_direct - direct);
   resp.set_delta_chunks(a->delta_chunks - deltas);
   resp.set_dense_chunks(a->dense_chunks - dense);
+  resp.set_device_fanout_bytes(a->device_fanout_bytes - fanout);
   metrics_.bytes_sent += resp.bytes_sent();
   metrics_.bytes_received += resp.bytes_received();
   metrics_.local_bytes += resp.local_bytes();
   metrics_.bytes_landed_direct += resp.bytes_landed_direct();
   metrics_.delta_chunks += resp.delta_chunks();
   metrics_.dense_chunks += resp.dense_chunks();
+  metrics_.device_fanout_bytes += resp.device_fanout_bytes();
   return resp;
 }
 

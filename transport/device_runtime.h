@@ -6,9 +6,9 @@
 // --emulate-gpus, for tests).
 #pragma once
 
-#include <cstddef>
 #include <sys/types.h>
 
+#include <cstddef>
 #include <memory>
 #include <optional>
 #include <string>

@@ -1,5 +1,9 @@
 #include "transport/emulated_gpus.h"
 
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -23,11 +27,24 @@ class EmulatedGpus::Stream final : public DeviceStream {
   bool local(const void* p) const override { return gpus_->onDevice(p, device_); }
   bool kernels() const override { return kernels_; }
   Status launch(const StridedCopyPlan& plan, std::byte* dst, const std::byte* src) override {
-    issue([plan, dst, src] { emulateStridedCopy(plan, dst, src); }, &Counts::launches);
+    Footprint f;
+    const int64_t per_run = plan.run_bytes / plan.word;
+    for (int64_t r = 0; r < plan.runs; ++r) {
+      int64_t d = 0, s = 0;
+      stridedCopyWordOffsets(plan, r * per_run, &d, &s);
+      f.writes.emplace_back(address(dst + d), address(dst + d + plan.run_bytes));
+      f.reads.emplace_back(address(src + s), address(src + s + plan.run_bytes));
+    }
+    issue([plan, dst, src] { emulateStridedCopy(plan, dst, src); }, &Counts::launches, std::move(f),
+          strCat("a kernel (", plan.runs, " runs of ", plan.run_bytes, " bytes)"));
     return absl::OkStatus();
   }
   Status copy(void* dst, const void* src, size_t n) override {
-    issue([dst, src, n] { std::memcpy(dst, src, n); }, &Counts::copies);
+    Footprint f;
+    f.writes.emplace_back(address(dst), address(dst) + n);
+    f.reads.emplace_back(address(src), address(src) + n);
+    issue([dst, src, n] { std::memcpy(dst, src, n); }, &Counts::copies, std::move(f),
+          strCat("a copy of ", n, " bytes"));
     return absl::OkStatus();
   }
   StatusOr<std::byte*> scratch(size_t n) override {
@@ -48,6 +65,7 @@ class EmulatedGpus::Stream final : public DeviceStream {
   }
 
  private:
+  static uintptr_t address(const void* p) { return reinterpret_cast<uintptr_t>(p); }
   // The stream's work, shared with the marks taken on it.
   struct Queue {
     std::mutex mu;
@@ -58,7 +76,7 @@ class EmulatedGpus::Stream final : public DeviceStream {
       while (ran < at && !work.empty()) {
         work.front()();
         work.pop_front();
-        ++ran;
+        gpus->done(this, ran++);
         gpus->counted(nullptr, -1);
       }
     }
@@ -76,9 +94,10 @@ class EmulatedGpus::Stream final : public DeviceStream {
     EmulatedGpus* gpus_;
     uint64_t at_;
   };
-  void issue(std::function<void()> work, int Counts::*counter) {
+  void issue(std::function<void()> work, int Counts::*counter, Footprint f, const std::string& what) {
     {
       std::lock_guard<std::mutex> lock(queue_->mu);
+      gpus_->queue(queue_.get(), queue_->issued, std::move(f), strCat(what, " on ", name()));
       queue_->work.push_back(std::move(work));
       ++queue_->issued;
     }
@@ -120,8 +139,8 @@ size_t EmulatedGpus::queued() const {
 
 std::string EmulatedGpus::unavailableReason() const { return count_ > 0 ? "" : "no emulated GPUs"; }
 
-StatusOr<std::unique_ptr<CudaIpcMapping>> EmulatedGpus::importHandle(const std::string& handle, size_t size,
-                                                                     int device, std::optional<uid_t> owner) {
+StatusOr<std::unique_ptr<CudaIpcMapping>> EmulatedGpus::importHandle(const std::string& handle, size_t size, int device,
+                                                                     std::optional<uid_t> owner) {
   if (device < 0 || device >= count_)
     return absl::InvalidArgumentError(strCat("emulated GPU ", device, " of ", count_));
   if (handle.rfind(kHandlePrefix, 0) != 0)
@@ -146,8 +165,7 @@ StatusOr<std::unique_ptr<CudaIpcMapping>> EmulatedGpus::importHandle(const std::
 }
 
 StatusOr<std::unique_ptr<CopyEngine>> EmulatedGpus::makeEngine(int device) {
-  if (device < 0 || device >= count_)
-    return absl::UnavailableError(strCat("emulated GPU ", device, " of ", count_));
+  if (device < 0 || device >= count_) return absl::UnavailableError(strCat("emulated GPU ", device, " of ", count_));
   return makeStreamCopyEngine(stream(device));
 }
 
@@ -173,6 +191,71 @@ void EmulatedGpus::addRange(const std::byte* p, size_t n, int device) {
 void EmulatedGpus::removeRange(const std::byte* p) {
   std::lock_guard<std::mutex> lock(mu_);
   ranges_.erase(p);
+}
+
+namespace {
+
+using Ranges = std::vector<std::pair<uintptr_t, uintptr_t>>;
+
+void normalise(Ranges* r) {
+  std::sort(r->begin(), r->end());
+  Ranges merged;
+  for (const auto& x : *r) {
+    if (x.first == x.second) continue;
+    if (!merged.empty() && x.first <= merged.back().second)
+      merged.back().second = std::max(merged.back().second, x.second);
+    else
+      merged.push_back(x);
+  }
+  *r = std::move(merged);
+}
+
+bool overlap(const Ranges& a, const Ranges& b) {
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (a[i].second <= b[j].first)
+      ++i;
+    else if (b[j].second <= a[i].first)
+      ++j;
+    else
+      return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+void EmulatedGpus::queue(const void* stream, uint64_t seq, Footprint f, const std::string& what) {
+  normalise(&f.reads);
+  normalise(&f.writes);
+  std::string hazard;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& q : pending_) {
+      if (q.stream == stream) continue;
+      if (overlap(f.writes, q.f.writes) || overlap(f.writes, q.f.reads) || overlap(f.reads, q.f.writes)) {
+        ++counts_.hazards;
+        hazard = strCat(what, " touches bytes that ", q.what,
+                        ", still queued, writes or reads: the two streams "
+                        "do not order them, so on a GPU they race");
+        break;
+      }
+    }
+    pending_.push_back({stream, seq, std::move(f), what});
+  }
+  if (!hazard.empty() && abort_on_hazard_) {
+    spdlog::critical("emulated GPUs: {}", hazard);
+    std::abort();
+  }
+}
+
+void EmulatedGpus::done(const void* stream, uint64_t seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = pending_.begin(); it != pending_.end(); ++it)
+    if (it->stream == stream && it->seq == seq) {
+      pending_.erase(it);
+      return;
+    }
 }
 
 void EmulatedGpus::counted(int Counts::*counter, int queued_delta) {

@@ -5,10 +5,13 @@
 // as the kernel's threads copy (emulateStridedCopy). Nothing runs when issued: a stream's work
 // queues up and runs, in order, only when one of its marks is waited for or it is synchronised,
 // as a real stream may run it at any time later; so a caller that reads bytes before waiting for
-// them reads stale ones, and two streams never order each other's work.
+// them reads stale ones. Two streams never order each other's work: work issued on one stream
+// that touches bytes another stream's queued work writes (or writes bytes it reads) is a race on
+// a real GPU, and is counted as a hazard (the daemon's emulation aborts on the first, naming it).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -22,12 +25,14 @@ namespace shardcast::transport {
 
 class EmulatedGpus final : public DeviceRuntime {
  public:
-  explicit EmulatedGpus(int count) : count_(count) {}
+  // `abort_on_hazard`: a hazard is logged and ends the process (a daemon's emulation) instead of
+  // only being counted (tests that look for them).
+  explicit EmulatedGpus(int count, bool abort_on_hazard = false) : count_(count), abort_on_hazard_(abort_on_hazard) {}
   EmulatedGpus(const EmulatedGpus&) = delete;
   EmulatedGpus& operator=(const EmulatedGpus&) = delete;
 
   struct Counts {
-    int launches = 0, copies = 0, scratch_allocations = 0, pins = 0;
+    int launches = 0, copies = 0, scratch_allocations = 0, pins = 0, hazards = 0;
   };
   // The IPC handle a client registers the shared-memory segment `shm_name` with as device memory.
   static std::string handleOf(const std::string& shm_name);
@@ -49,6 +54,14 @@ class EmulatedGpus final : public DeviceRuntime {
  private:
   class Stream;
   friend class Stream;
+  // The bytes one queued piece of work reads and writes: sorted, merged [begin, end) ranges.
+  struct Footprint {
+    std::vector<std::pair<uintptr_t, uintptr_t>> reads, writes;
+  };
+  // Checks work about to be queued on stream `stream` against every other stream's queued work,
+  // then records it; `done` when it has run.
+  void queue(const void* stream, uint64_t seq, Footprint f, const std::string& what);
+  void done(const void* stream, uint64_t seq);
   struct Range {
     size_t size = 0;
     int device = 0;
@@ -59,6 +72,14 @@ class EmulatedGpus final : public DeviceRuntime {
   void counted(int Counts::*counter, int queued_delta);
 
   const int count_;
+  const bool abort_on_hazard_;
+  struct Queued {
+    const void* stream;
+    uint64_t seq;
+    Footprint f;
+    std::string what;
+  };
+  std::vector<Queued> pending_;  // every stream's work not run yet
   mutable std::mutex mu_;
   std::vector<std::unique_ptr<std::byte[]>> memory_;
   std::map<const std::byte*, Range> ranges_;

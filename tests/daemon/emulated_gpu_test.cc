@@ -80,8 +80,10 @@ TEST_CASE("emulated GPUs: device ranks on every side sync byte-exact through hos
   auto fill = [&](int version, bool some) {
     for (int32_t r = 0; r < 4; ++r)
       forEachElement(src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-        if (src.tensors[t].name == "m") *smem[r].at<float>(p, off) = floatValue(flat, version);
-        else if (!some || flat % 16 == 0) *smem[r].at<int32_t>(p, off) = intValue(t, flat, version);
+        if (src.tensors[t].name == "m")
+          *smem[r].at<float>(p, off) = floatValue(flat, version);
+        else if (!some || flat % 16 == 0)
+          *smem[r].at<int32_t>(p, off) = intValue(t, flat, version);
       });
   };
   auto wrong = [&](int version, bool some) {
@@ -103,16 +105,17 @@ TEST_CASE("emulated GPUs: device ranks on every side sync byte-exact through hos
     const auto st =
         node(nodes.name(src.rank_node[r]))
             .client()
-            ->Register(ctx().get(), onGpu(registerRequest(src_proto, r, 4, smem[r], v1::ROLE_SOURCE, 1), smem[r], r % 2),
-                       &resp);
+            ->Register(ctx().get(),
+                       onGpu(registerRequest(src_proto, r, 4, smem[r], v1::ROLE_SOURCE, 1), smem[r], r % 2), &resp);
     INFO(st.error_message());
     REQUIRE(st.ok());
   }
   for (int32_t r = 0; r < 4; ++r) {
     v1::RegisterResponse resp;
-    const auto st = node(nodes.name(dst.rank_node[r]))
-                        .client()
-                        ->Register(ctx().get(), onGpu(registerRequest(dst_proto, r, 4, dmem[r]), dmem[r], r % 2), &resp);
+    const auto st =
+        node(nodes.name(dst.rank_node[r]))
+            .client()
+            ->Register(ctx().get(), onGpu(registerRequest(dst_proto, r, 4, dmem[r]), dmem[r], r % 2), &resp);
     INFO(st.error_message());
     REQUIRE(st.ok());
   }
@@ -197,4 +200,64 @@ TEST_CASE("emulated GPUs: a handle that names no segment of the caller is refuse
     CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
     CHECK_THAT(st.error_message(), Catch::Contains("emulated GPU 1 of 1"));
   }
+}
+
+TEST_CASE("emulated GPUs: replicas on one node: a box crosses into the GPUs once, the others copy it GPU to GPU",
+          "[daemon][sync][emulated-gpu]") {
+  // Two replicas (dp=2 x tp=2) on n1's four GPUs, fed from n0: w (row shards from row shards:
+  // each piece contiguous in its rank) lands once and fans out device to device; o (row shards
+  // from column shards: each piece strided in its rank) comes from the host copy into every rank.
+  const char* trainer = R"({"group":"trainer","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
+    {"name":"w","shape":[1024,256],"dtype":"int32","placements":[{"shard":{"dim":0}}]},
+    {"name":"o","shape":[256,1024],"dtype":"int32","placements":[{"shard":{"dim":1}}]}]})";
+  const char* inference = R"({"group":"infer","mesh":{"shape":[2,2]},"nodes":["n1","n1","n1","n1"],"tensors":[
+    {"name":"w","shape":[1024,256],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":0}}]},
+    {"name":"o","shape":[256,1024],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":0}}]}]})";
+  std::vector<int> ports{freePort(), freePort()};
+  const std::vector<std::string> peers{"127.0.0.1:" + std::to_string(ports[0]),
+                                       "127.0.0.1:" + std::to_string(ports[1])};
+  Daemon n0("n0", ports[0], peers, {"--emulate-gpus", "2", "--chunk-mib", "1"});
+  Daemon n1("n1", ports[1], peers, {"--emulate-gpus", "4", "--chunk-mib", "1"});
+  REQUIRE(n0.ready());
+  REQUIRE(n1.ready());
+  const auto src_proto = *planner::parseLayoutJson(trainer, "trainer");
+  const auto dst_proto = *planner::parseLayoutJson(inference, "infer");
+  planner::NodeTable nodes;
+  const auto src = *planner::resolveLayout(src_proto, nodes);
+  const auto dst = *planner::resolveLayout(dst_proto, nodes);
+  std::vector<RankMemory> smem, dmem;
+  for (int32_t r = 0; r < 2; ++r) {
+    smem.push_back(allocateRank(src, r, "egpu-ft" + std::to_string(r)));
+    forEachElement(src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      *smem[r].at<int32_t>(p, off) = intValue(t, flat, 1);
+    });
+    v1::RegisterResponse resp;
+    REQUIRE(n0.client()
+                ->Register(ctx().get(),
+                           onGpu(registerRequest(src_proto, r, 2, smem[r], v1::ROLE_SOURCE, 1), smem[r], r), &resp)
+                .ok());
+  }
+  for (int32_t r = 0; r < 4; ++r) {
+    dmem.push_back(allocateRank(dst, r, "egpu-fi" + std::to_string(r)));
+    v1::RegisterResponse resp;
+    REQUIRE(
+        n1.client()->Register(ctx().get(), onGpu(registerRequest(dst_proto, r, 4, dmem[r]), dmem[r], r), &resp).ok());
+  }
+  v1::SyncRequest req;
+  req.set_src_group("trainer");
+  req.set_dst_group("infer");
+  req.set_version(1);
+  v1::SyncResponse out;
+  const auto st = n0.client()->Sync(ctx(120).get(), req, &out);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  int64_t bad = 0;
+  for (int32_t r = 0; r < 4; ++r)
+    forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      bad += *dmem[r].at<int32_t>(p, off) != intValue(t, flat, 1);
+    });
+  CHECK(bad == 0);
+  CHECK(out.network_bytes() == 2 * (1024 * 256 * 4));   // each byte to n1 once
+  CHECK(out.device_fanout_bytes() == 1024 * 256 * 4);   // all of w, for the second replica
+  CHECK(out.local_bytes() == 2 * out.network_bytes());  // both replicas, from wire or GPU
 }

@@ -189,3 +189,34 @@ TEST_CASE("device scratch grows under copies still queued on the old one", "[tra
     ++i;
   }
 }
+
+TEST_CASE("emulated GPUs count a hazard where two streams' queued work touches the same bytes",
+          "[transport][device-copy]") {
+  EmulatedGpus gpus(1);
+  auto a = makeStreamCopyEngine(gpus.stream(0));
+  auto b = makeStreamCopyEngine(gpus.stream(0));
+  std::byte* x = gpus.allocate(0, 8192);
+  std::vector<std::byte> host(8192, std::byte{9}), out(8192);
+  const StridedView device{x, MemoryKind::kCuda, 0, {1}};
+  REQUIRE(a->copy(device, {host.data(), MemoryKind::kHost, 0, {1}}, {4096}, 1).ok());
+  // Another stream reading the bytes still being written: a race on a GPU.
+  REQUIRE(b->copy({out.data(), MemoryKind::kHost, 0, {1}}, device, {4096}, 1).ok());
+  CHECK(gpus.counts().hazards == 1);
+  // Disjoint bytes, or once the writer's work was waited for: none.
+  REQUIRE(b->copy({out.data(), MemoryKind::kHost, 0, {1}}, {x, MemoryKind::kCuda, 4096, {1}}, {4096}, 1).ok());
+  CHECK(gpus.counts().hazards == 1);
+  auto mark = a->mark();
+  REQUIRE(mark.ok());
+  REQUIRE((*mark)->wait().ok());
+  REQUIRE(b->copy({out.data(), MemoryKind::kHost, 0, {1}}, device, {4096}, 1).ok());
+  CHECK(gpus.counts().hazards == 1);
+  // A kernel's footprint is its runs, not their hull: interleaved column slices do not collide.
+  std::byte* m = gpus.allocate(0, 64 * 64 * 4);
+  std::vector<std::byte> left(32 * 64 * 4), right(32 * 64 * 4);
+  REQUIRE(a->copy({m, MemoryKind::kCuda, 0, {64, 1}}, {left.data(), MemoryKind::kHost, 0, {32, 1}}, {64, 32}, 4).ok());
+  REQUIRE(
+      b->copy({m, MemoryKind::kCuda, 32, {64, 1}}, {right.data(), MemoryKind::kHost, 0, {32, 1}}, {64, 32}, 4).ok());
+  CHECK(gpus.counts().hazards == 1);
+  REQUIRE(a->synchronize().ok());
+  REQUIRE(b->synchronize().ok());
+}
