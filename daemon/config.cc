@@ -195,7 +195,6 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   app.add_option("--emulate-gpus", c.emulate_gpus,
                  "Tests only: this many GPUs emulated in host memory instead of the node's (CUDA buffers are then "
                  "shared-memory segments named by emulated IPC handles; device copies run only when waited for)")
-      ->envname("SHARDCAST_EMULATE_GPUS")
       ->check(CLI::Range(0, 64))
       ->capture_default_str();
   bool print_config = false;

@@ -1,5 +1,6 @@
-// shardcastd's configuration: every flag has an environment variable (SHARDCAST_<FLAG>), values
-// may also come from an INI/TOML file (--config); validated once and logged once at start-up.
+// shardcastd's configuration: every flag but --emulate-gpus (tests only) has an environment
+// variable (SHARDCAST_<FLAG>), values may also come from an INI/TOML file (--config); validated
+// once and logged once at start-up.
 #pragma once
 
 #include <string>

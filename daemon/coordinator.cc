@@ -236,7 +236,10 @@ Status SyncCoordinator::plan() {
   const auto chunk_bytes = static_cast<uint64_t>(ctx_.config.chunk_bytes);
   // Device memory some daemon's transport cannot reach travels through host staging: no
   // zero-copy sends or landings anywhere (every daemon plans what the coordinator tells it).
-  for (const auto& d : cluster_->view.daemons()) packed_ = packed_ || d.stages_device_memory();
+  for (const auto& d : cluster_->view.daemons())
+    for (const auto& r : d.ranks())
+      if (r.group() == req_.src_group() || r.group() == req_.dst_group())
+        for (const auto& b : r.buffers()) packed_ = packed_ || b.staged();
   const bool zero_copy = req_.options().delta() == v1::DELTA_OFF && !packed_;
   auto strategy = strategyOf(req_.options().strategy(), req_.options().delta());
   if (!strategy.ok()) return failed(strategy.status());
@@ -303,6 +306,16 @@ Status SyncCoordinator::prepare() {
     giveUp(std::string(failure.message()));
     return failed(failure);
   }
+  // Every daemon must execute the coordinator's plan: one that planned another (a daemon of
+  // another version, say) would write where the others do not read.
+  for (size_t i = 0; i < daemons.size(); ++i)
+    if (prepared[i].plan_key() != plan_->key) {
+      const Status failure = absl::FailedPreconditionError(
+          strCat("sync ", id_, ": node \"", daemons[i].node(), "\" planned this sync differently (plan \"",
+                 prepared[i].plan_key(), "\", not \"", plan_->key, "\"): are the daemons of one version?"));
+      giveUp(std::string(failure.message()));
+      return failed(failure);
+    }
   // Each daemon learns where the nodes it writes to land, not every node's directory: the
   // requests' total size grows with the plan's edges, not with the square of the nodes.
   std::map<std::string, size_t> daemon_of;

@@ -85,6 +85,7 @@ StatusOr<Registry::LocalBuffer> Execution::buffer(const planner::ResolvedLayout&
 
 TypedView Execution::typed(const Registry::LocalBuffer& b, int64_t offset, std::vector<int64_t> strides,
                            const planner::TensorLayout& t, Direction direction) {
+  if (b.keep_alive) mapped_.emplace(b.keep_alive.get(), b.keep_alive);
   return {{b.data, b.kind, offset, std::move(strides)}, t.dtype, engine(b, direction)};
 }
 

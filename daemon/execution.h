@@ -74,8 +74,7 @@ class Execution {
   TypedView typed(const Registry::LocalBuffer& b, int64_t offset, std::vector<int64_t> strides,
                   const planner::TensorLayout& t, Direction direction);
   transport::CopyEngine* engine(const Registry::LocalBuffer& b, Direction direction);
-  // XXH64 of bytes [offset, offset + n) of a buffer (device memory: through its transport mirror,
-  // which holds the bytes around a send or a landing, or a host copy).
+  // XXH64 of bytes [offset, offset + n) of a buffer (device memory: of a host copy, waited for).
   StatusOr<uint64_t> checksum(const Registry::LocalBuffer& b, uint64_t offset, uint64_t n);
   // Sends chunk word.chunk of transfer word.transfer (word.bytes of it, from `off` in `src` on:
   // the chunk's offset is added) to where it lands on `node`, then the word that announces it.
@@ -115,8 +114,12 @@ class Execution {
   const Clock::time_point deadline_;
   std::map<int32_t, Peer> peers_;
   std::vector<std::byte> encoded_, decoded_;  // delta syncs: one chunk's delta, one rebuilt chunk
+  // The mappings of every rank buffer this execution issued copies on: a client that ends its
+  // session mid-sync unregisters its ranks, but their memory stays mapped until the copies into
+  // and out of it are done.
+  std::map<const void*, std::shared_ptr<void>> mapped_;
   // Device copies issued and not waited for; last, so destroyed (settled) first: nothing this
-  // execution issued still reads the arena or staging, or writes a rank, once it is gone.
+  // execution issued still reads the arena or staging, or touches a rank, once it is gone.
   DeviceWork device_;
 };
 

@@ -290,7 +290,7 @@ v1::DescribeResponse Registry::describe() const {
       if (b.region)
         rb->set_region(b.region->remote().serialize());
       else  // device memory the transport cannot reach: no region to offer peers
-        d.set_stages_device_memory(true);
+        rb->set_staged(true);
       rb->set_offset(b.offset);
       rb->set_size(b.size);
     }

@@ -134,23 +134,25 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
 }
 
 StatusOr<const Registry::DeviceEngines*> Registry::deviceEngines(int gpu) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = cuda_engines_.find(gpu);
-  if (it != cuda_engines_.end()) return &it->second;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = cuda_engines_.find(gpu); it != cuda_engines_.end()) return &it->second;
+  }
+  // Made without the lock (a GPU's first streams may take the driver a while); a registration
+  // racing this one for the same GPU keeps whichever was inserted first.
   DeviceEngines e;
   SC_ASSIGN_OR_RETURN(e.outgoing, gpus_.makeEngine(gpu));
   SC_ASSIGN_OR_RETURN(e.incoming, gpus_.makeEngine(gpu));
+  std::lock_guard<std::mutex> lock(mu_);
   return &cuda_engines_.emplace(gpu, std::move(e)).first->second;
 }
 
 Status Registry::checkSegments(const Rank& r) const {
   for (const auto* set : {&r.buffers, &r.shadow})
     for (const auto& b : *set)
-      if (b.segment) {
-        if (auto st = b.segment->checkSize(); !st.ok())
-          return absl::FailedPreconditionError(strCat("group \"", r.group, "\" rank ", r.rank, " on node \"", node_,
-                                                      "\" buffer \"", b.name, "\": ", st.message()));
-      }
+      if (auto st = b.segment ? b.segment->checkSize() : b.cuda ? b.cuda->check() : absl::OkStatus(); !st.ok())
+        return absl::FailedPreconditionError(strCat("group \"", r.group, "\" rank ", r.rank, " on node \"", node_,
+                                                    "\" buffer \"", b.name, "\": ", st.message()));
   return absl::OkStatus();
 }
 

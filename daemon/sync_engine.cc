@@ -150,6 +150,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
     resp.mutable_targets()->set_arena_region(a->arena->remote().serialize());
     resp.set_arena_bytes(arena_bytes);
   }
+  resp.set_plan_key(a->plan->key);
   if (a->delta != v1::DELTA_OFF) {
     resp.set_base_version(a->base.version);
     resp.set_base_fence(a->base.fence);

@@ -16,6 +16,7 @@ namespace shardcast::transport {
 
 namespace {
 constexpr char kHandlePrefix[] = "shardcast-emulated-gpu:";
+constexpr char kSegmentPrefix[] = "/shardcast";  // what Shardcast's clients and tests name theirs
 }  // namespace
 
 class EmulatedGpus::Stream final : public DeviceStream {
@@ -146,7 +147,11 @@ StatusOr<std::unique_ptr<CudaIpcMapping>> EmulatedGpus::importHandle(const std::
   if (handle.rfind(kHandlePrefix, 0) != 0)
     return absl::InvalidArgumentError(
         strCat("an emulated GPU's IPC handle names a shared-memory segment (\"", kHandlePrefix, "/name\")"));
-  SC_ASSIGN_OR_RETURN(auto segment, ShmSegment::open(handle.substr(sizeof(kHandlePrefix) - 1), size, owner));
+  const std::string name = handle.substr(sizeof(kHandlePrefix) - 1);
+  if (name.rfind(kSegmentPrefix, 0) != 0)
+    return absl::PermissionDeniedError(
+        strCat("an emulated GPU's memory is a segment named under ", kSegmentPrefix, ", not ", quote(name)));
+  SC_ASSIGN_OR_RETURN(auto segment, ShmSegment::open(name, size, owner));
   class Mapping final : public CudaIpcMapping {
    public:
     Mapping(EmulatedGpus* gpus, ShmSegment segment, size_t size)
@@ -154,6 +159,7 @@ StatusOr<std::unique_ptr<CudaIpcMapping>> EmulatedGpus::importHandle(const std::
     ~Mapping() override { gpus_->removeRange(static_cast<std::byte*>(segment_.data())); }
     void* data() const override { return segment_.data(); }
     size_t size() const override { return size_; }
+    Status check() const override { return segment_.checkSize(); }
 
    private:
     EmulatedGpus* gpus_;

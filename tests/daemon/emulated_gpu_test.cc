@@ -3,6 +3,8 @@
 // behind emulated IPC handles), and every device copy the daemons issue runs only once they wait
 // for it. A send, unpack or commit that does not wait for its copies moves stale bytes, and the
 // byte checks below fail.
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
 #include <cstring>
 
@@ -193,6 +195,15 @@ TEST_CASE("emulated GPUs: a handle that names no segment of the caller is refuse
     CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
     CHECK_THAT(st.error_message(), Catch::Contains("buffer \"w\""));
   }
+  SECTION("a segment not named as Shardcast's") {
+    auto other = transport::ShmSegment::create("/sc-egpu-other-" + std::to_string(::getpid()), 4096);
+    REQUIRE(other.ok());
+    req.mutable_buffers(0)->mutable_cuda()->set_handle(transport::EmulatedGpus::handleOf(other->name()));
+    v1::RegisterResponse resp;
+    const auto st = d.client()->Register(ctx().get(), req, &resp);
+    CHECK(st.error_code() == grpc::StatusCode::PERMISSION_DENIED);
+    CHECK_THAT(st.error_message(), Catch::Contains("named under /shardcast"));
+  }
   SECTION("a GPU the node does not have") {
     req.mutable_buffers(0)->mutable_cuda()->set_device(1);
     v1::RegisterResponse resp;
@@ -260,4 +271,44 @@ TEST_CASE("emulated GPUs: replicas on one node: a box crosses into the GPUs once
   CHECK(out.network_bytes() == 2 * (1024 * 256 * 4));   // each byte to n1 once
   CHECK(out.device_fanout_bytes() == 1024 * 256 * 4);   // all of w, for the second replica
   CHECK(out.local_bytes() == 2 * out.network_bytes());  // both replicas, from wire or GPU
+
+  // Groups in host memory beside them are still synced zero-copy: only a sync of groups with
+  // staged device memory is planned packed.
+  // (w of 2 MiB: its 1 MiB row shards travel alone, not in a bucket, so they can land directly.)
+  const char* htrainer = R"({"group":"htrainer","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
+    {"name":"w","shape":[2048,256],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})";
+  const char* hinfer = R"({"group":"hinfer","mesh":{"shape":[2,2]},"nodes":["n1","n1","n1","n1"],"tensors":[
+    {"name":"w","shape":[2048,256],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":0}}]}]})";
+  const auto hsrc_proto = *planner::parseLayoutJson(htrainer, "htrainer");
+  const auto hdst_proto = *planner::parseLayoutJson(hinfer, "hinfer");
+  planner::NodeTable hnodes;
+  const auto hsrc = *planner::resolveLayout(hsrc_proto, hnodes);
+  const auto hdst = *planner::resolveLayout(hdst_proto, hnodes);
+  std::vector<RankMemory> hs, hd;
+  for (int32_t r = 0; r < 2; ++r) {
+    hs.push_back(allocateRank(hsrc, r, "egpu-hs" + std::to_string(r)));
+    forEachElement(hsrc, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      *hs[r].at<int32_t>(p, off) = intValue(t, flat, 1);
+    });
+    v1::RegisterResponse resp;
+    REQUIRE(
+        n0.client()->Register(ctx().get(), registerRequest(hsrc_proto, r, 2, hs[r], v1::ROLE_SOURCE, 1), &resp).ok());
+  }
+  for (int32_t r = 0; r < 4; ++r) {
+    hd.push_back(allocateRank(hdst, r, "egpu-hd" + std::to_string(r)));
+    v1::RegisterResponse resp;
+    REQUIRE(n1.client()->Register(ctx().get(), registerRequest(hdst_proto, r, 4, hd[r]), &resp).ok());
+  }
+  req.set_src_group("htrainer");
+  req.set_dst_group("hinfer");
+  v1::SyncResponse host_out;
+  REQUIRE(n0.client()->Sync(ctx(120).get(), req, &host_out).ok());
+  CHECK(host_out.bytes_landed_direct() > 0);
+  CHECK(host_out.device_fanout_bytes() == 0);
+  int64_t host_bad = 0;
+  for (int32_t r = 0; r < 4; ++r)
+    forEachElement(hdst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      host_bad += *hd[r].at<int32_t>(p, off) != intValue(t, flat, 1);
+    });
+  CHECK(host_bad == 0);
 }

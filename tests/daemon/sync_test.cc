@@ -594,7 +594,13 @@ TEST_CASE("CUDA buffers: device sources and destinations sync byte-exact", "[dae
   const char* trainer = R"({"group":"gtrainer","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
     {"name":"w","shape":[256,64],"dtype":"int32","placements":[{"shard":{"dim":0}}]},
     {"name":"o","shape":[64,256],"dtype":"int32","placements":[{"shard":{"dim":1}}]}]})";
-  const char* inference = R"({"group":"ginfer","mesh":{"shape":[2]},"nodes":["n1","n2"],"tensors":[
+  // Both destination ranks on n1 (one GPU): replicas, so w (contiguous in both) crosses into the
+  // GPU once and is copied device to device into the second; else one rank per node.
+  const bool replicas = GENERATE(false, true);
+  const char* inference = replicas ? R"({"group":"ginfer","mesh":{"shape":[2]},"nodes":["n1","n1"],"tensors":[
+    {"name":"w","shape":[256,64],"dtype":"int32","placements":[{"replicate":{}}]},
+    {"name":"o","shape":[64,256],"dtype":"int32","placements":[{"replicate":{}}]}]})"
+                                   : R"({"group":"ginfer","mesh":{"shape":[2]},"nodes":["n1","n2"],"tensors":[
     {"name":"w","shape":[256,64],"dtype":"int32","placements":[{"shard":{"dim":1}}]},
     {"name":"o","shape":[64,256],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})";
   const auto src_proto = *planner::parseLayoutJson(trainer, "gtrainer");
@@ -643,7 +649,7 @@ TEST_CASE("CUDA buffers: device sources and destinations sync byte-exact", "[dae
   };
   std::vector<DeviceRank> s(2), dm(2);
   for (int32_t r = 0; r < 2; ++r) make(src, src_proto, r, "n0", s[r], 1);
-  for (int32_t r = 0; r < 2; ++r) make(dst, dst_proto, r, r == 0 ? "n1" : "n2", dm[r], 0);
+  for (int32_t r = 0; r < 2; ++r) make(dst, dst_proto, r, r == 0 || replicas ? "n1" : "n2", dm[r], 0);
   v1::SyncRequest sync;
   sync.set_src_group("gtrainer");
   sync.set_dst_group("ginfer");
@@ -663,4 +669,5 @@ TEST_CASE("CUDA buffers: device sources and destinations sync byte-exact", "[dae
     });
   }
   CHECK(bad == 0);
+  CHECK(out.device_fanout_bytes() == (replicas ? 256 * 64 * 4 : 0));  // o's column blocks are strided
 }

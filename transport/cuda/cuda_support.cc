@@ -16,6 +16,7 @@ namespace {
 
 Status cudaStatus(const std::string& what, cudaError_t err) {
   if (err == cudaSuccess) return absl::OkStatus();
+  cudaGetLastError();  // a failed call's error stays pending on the thread: clear it, or the next launch reports it
   return absl::InternalError(strCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
 }
 
@@ -80,16 +81,19 @@ class CudaStream final : public DeviceStream {
     // Released and allocated in stream order: the copies already issued on the old scratch run
     // first (without stream-ordered allocation: after a synchronisation).
     void* p = nullptr;
-    cudaError_t err = scratch_ ? cudaFreeAsync(scratch_, stream_) : cudaSuccess;
-    if (err == cudaSuccess) err = cudaMallocAsync(&p, want, stream_);
-    if (err == cudaErrorNotSupported) {
+    cudaError_t err = cudaMallocAsync(&p, want, stream_);
+    if (err == cudaErrorNotSupported) {  // no stream-ordered allocator: after the work issued
       cudaGetLastError();
       SC_RETURN_IF_ERROR(cudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(stream_)));
-      if (scratch_) cudaFree(scratch_);
       err = cudaMalloc(&p, want);
+      if (err == cudaSuccess && scratch_ != nullptr) cudaFree(scratch_);
+    } else if (err == cudaSuccess && scratch_ != nullptr) {
+      err = cudaFreeAsync(scratch_, stream_);
     }
-    scratch_ = nullptr;
-    scratch_bytes_ = 0;
+    if (err != cudaSuccess && p != nullptr) {  // keep the old scratch; drop the new one
+      cudaFree(p);
+      return cudaStatus(strCat("device scratch of ", want, " bytes"), err);
+    }
     SC_RETURN_IF_ERROR(cudaStatus(strCat("device scratch of ", want, " bytes"), err));
     scratch_ = static_cast<std::byte*>(p);
     scratch_bytes_ = want;
@@ -98,7 +102,8 @@ class CudaStream final : public DeviceStream {
   StatusOr<std::shared_ptr<CopyMark>> record() override {
     SC_RETURN_IF_ERROR(here());
     cudaEvent_t e;
-    SC_RETURN_IF_ERROR(cudaStatus("cudaEventCreate", cudaEventCreateWithFlags(&e, cudaEventDisableTiming)));
+    SC_RETURN_IF_ERROR(
+        cudaStatus("cudaEventCreate", cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventBlockingSync)));
     if (const cudaError_t err = cudaEventRecord(e, stream_); err != cudaSuccess) {
       cudaEventDestroy(e);
       return cudaStatus("cudaEventRecord", err);
@@ -219,8 +224,12 @@ StatusOr<std::unique_ptr<HostPin>> pinHostMemory(void* data, size_t size) {
     void* p_;
   };
   if (cudaDeviceCount() == 0) return absl::UnavailableError(cudaUnavailableReason());
-  SC_RETURN_IF_ERROR(
-      cudaStatus(strCat("cudaHostRegister(", size, " bytes)"), cudaHostRegister(data, size, cudaHostRegisterDefault)));
+  const cudaError_t err = cudaHostRegister(data, size, cudaHostRegisterPortable);
+  if (err == cudaErrorHostMemoryAlreadyRegistered) {  // pinned already (by UCX's cuda_copy, say): not ours to undo
+    cudaGetLastError();
+    return std::make_unique<HostPin>();
+  }
+  SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaHostRegister(", size, " bytes)"), err));
   return std::unique_ptr<HostPin>(std::make_unique<Registered>(data));
 }
 

@@ -23,6 +23,9 @@ class CudaIpcMapping {
   virtual ~CudaIpcMapping() = default;
   virtual void* data() const = 0;
   virtual size_t size() const = 0;
+  // Whether the memory is still all there (an emulated GPU's segment may be truncated by its
+  // owner, as shm can; a CUDA allocation cannot shrink under its mapping). Checked before use.
+  virtual Status check() const { return absl::OkStatus(); }
 };
 StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaIpcHandle(const std::string& handle, size_t size, int device);
 

@@ -24,6 +24,7 @@ __global__ void stridedCopyKernel(StridedCopyPlan plan, std::byte* dst, const st
 int launchStridedCopyKernel(const StridedCopyPlan& plan, std::byte* dst_base, const std::byte* src_base, void* stream) {
   if (plan.words() == 0) return cudaSuccess;
   auto s = static_cast<cudaStream_t>(stream);
+  cudaGetLastError();  // what follows reports this launch, not an earlier call's error
   switch (plan.word) {
     case 16:
       stridedCopyKernel<uint4><<<plan.blocks, plan.threads, 0, s>>>(plan, dst_base, src_base);
