@@ -396,11 +396,36 @@ Status Execution::processLanded(const LandedChunk& l) {
     SC_RETURN_IF_ERROR(env_.stage.unpack(p.memory, from, p.part.sizes(), {p.tensor->name, p.part, p.tensor}));
     a_->local_bytes += bytes;
   }
+  if (req_.verify()) SC_RETURN_IF_ERROR(checkPieces(l, wire, kind, copies, pieces));
   // A rebuilt chunk is unpacked from decoded_, which the next delta overwrites: its device
   // copies have to be done first (a landed chunk's bytes stay in the arena until the wave ends).
   if (delta) SC_RETURN_IF_ERROR(device_.settle());
   (delta ? a_->delta_chunks : a_->dense_chunks) += 1;
   a_->bytes_received += l.bytes;
+  return absl::OkStatus();
+}
+
+Status Execution::checkPieces(const LandedChunk& l, std::byte* wire, transport::MemoryKind kind,
+                              transport::CopyEngine* copies, const std::vector<Piece>& pieces) {
+  SC_RETURN_IF_ERROR(device_.settle());
+  const auto& chunk = cp_.transfer(l.transfer).chunks[static_cast<size_t>(l.chunk)];
+  std::vector<std::byte> held, landed;
+  for (const auto& p : pieces) {
+    const int64_t elem = p.tensor->elemBytes();
+    const auto sizes = p.part.sizes();
+    const auto dense = transport::denseStrides(sizes);
+    held.resize(static_cast<size_t>(p.part.volume() * elem));
+    landed.resize(held.size());
+    SC_RETURN_IF_ERROR(copyBox(env_.host_copies, p.memory.device, {held.data(), transport::MemoryKind::kHost, 0, dense},
+                               p.memory.view, sizes, elem));
+    SC_RETURN_IF_ERROR(copyBox(env_.host_copies, copies, {landed.data(), transport::MemoryKind::kHost, 0, dense},
+                               {wire + (p.at - chunk.offset), kind, 0, p.dense}, sizes, elem));
+    if (held != landed)
+      return absl::DataLossError(strCat("sync ", a_->id, ": group \"", a_->dst_group, "\" rank ", p.rank, " on node \"",
+                                        env_.node, "\" does not hold the bytes of tensor \"", p.tensor->name, "\" ",
+                                        p.part.str(), " that landed (chunk ", l.chunk, " of transfer ", l.transfer,
+                                        ") after they were copied into it"));
+  }
   return absl::OkStatus();
 }
 

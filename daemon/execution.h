@@ -93,6 +93,10 @@ class Execution {
   // box that came from host memory, returned here; null: piece i comes from the wire. Its copy
   // runs on that rank's engine (the source's), so after the copy into it.
   static const Piece* deviceCopyOf(const std::vector<Piece>& pieces, size_t i);
+  // verify: once the copies into them are done, every piece as its rank holds it against the
+  // landed (or rebuilt) bytes at `wire`; a copy that went astray fails the sync naming the rank.
+  Status checkPieces(const LandedChunk& l, std::byte* wire, transport::MemoryKind kind, transport::CopyEngine* copies,
+                     const std::vector<Piece>& pieces);
   // The pieces of chunk `k` of transfer `t` this node's destination ranks hold (but the rank it
   // landed in directly, if it did).
   StatusOr<std::vector<Piece>> localPieces(int32_t t, int32_t k);
