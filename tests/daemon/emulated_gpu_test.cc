@@ -52,6 +52,47 @@ v1::RegisterRequest onGpu(v1::RegisterRequest r, const RankMemory& m, int gpu) {
   return r;
 }
 
+// A source group (every rank at version 1, on `from`) and a destination group (on `to`) of two
+// layouts, registered; with `gpus`, each rank's memory is GPU `rank`'s of its emulated node.
+struct GroupPair {
+  planner::NodeTable nodes;
+  planner::ResolvedLayout src, dst;
+  std::vector<RankMemory> smem, dmem;
+
+  GroupPair(const char* src_json, const char* dst_json, Daemon& from, Daemon& to, bool gpus, const std::string& tag) {
+    const auto src_proto = *planner::parseLayoutJson(src_json, "source layout");
+    const auto dst_proto = *planner::parseLayoutJson(dst_json, "destination layout");
+    src = *planner::resolveLayout(src_proto, nodes);
+    dst = *planner::resolveLayout(dst_proto, nodes);
+    auto put = [&](Daemon& d, const v1::RegisterRequest& req, const RankMemory& m, int32_t r) {
+      v1::RegisterResponse resp;
+      const auto st = d.client()->Register(ctx().get(), gpus ? onGpu(req, m, r) : req, &resp);
+      INFO(st.error_message());
+      REQUIRE(st.ok());
+    };
+    for (int32_t r = 0; r < src.world(); ++r) {
+      smem.push_back(allocateRank(src, r, tag + "s" + std::to_string(r)));
+      forEachElement(src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        *smem[r].at<int32_t>(p, off) = intValue(t, flat, 1);
+      });
+      put(from, registerRequest(src_proto, r, src.world(), smem[r], v1::ROLE_SOURCE, 1), smem[r], r);
+    }
+    for (int32_t r = 0; r < dst.world(); ++r) {
+      dmem.push_back(allocateRank(dst, r, tag + "d" + std::to_string(r)));
+      put(to, registerRequest(dst_proto, r, dst.world(), dmem[r]), dmem[r], r);
+    }
+  }
+  // Destination elements that do not hold version 1.
+  int64_t wrong() {
+    int64_t bad = 0;
+    for (int32_t r = 0; r < dst.world(); ++r)
+      forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        bad += *dmem[r].at<int32_t>(p, off) != intValue(t, flat, 1);
+      });
+    return bad;
+  }
+};
+
 }  // namespace
 
 TEST_CASE("emulated GPUs: device ranks on every side sync byte-exact through host staging, deltas too",
@@ -231,29 +272,7 @@ TEST_CASE("emulated GPUs: replicas on one node: a box crosses into the GPUs once
   Daemon n1("n1", ports[1], peers, {"--emulate-gpus", "4", "--chunk-mib", "1"});
   REQUIRE(n0.ready());
   REQUIRE(n1.ready());
-  const auto src_proto = *planner::parseLayoutJson(trainer, "trainer");
-  const auto dst_proto = *planner::parseLayoutJson(inference, "infer");
-  planner::NodeTable nodes;
-  const auto src = *planner::resolveLayout(src_proto, nodes);
-  const auto dst = *planner::resolveLayout(dst_proto, nodes);
-  std::vector<RankMemory> smem, dmem;
-  for (int32_t r = 0; r < 2; ++r) {
-    smem.push_back(allocateRank(src, r, "egpu-ft" + std::to_string(r)));
-    forEachElement(src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-      *smem[r].at<int32_t>(p, off) = intValue(t, flat, 1);
-    });
-    v1::RegisterResponse resp;
-    REQUIRE(n0.client()
-                ->Register(ctx().get(),
-                           onGpu(registerRequest(src_proto, r, 2, smem[r], v1::ROLE_SOURCE, 1), smem[r], r), &resp)
-                .ok());
-  }
-  for (int32_t r = 0; r < 4; ++r) {
-    dmem.push_back(allocateRank(dst, r, "egpu-fi" + std::to_string(r)));
-    v1::RegisterResponse resp;
-    REQUIRE(
-        n1.client()->Register(ctx().get(), onGpu(registerRequest(dst_proto, r, 4, dmem[r]), dmem[r], r), &resp).ok());
-  }
+  GroupPair device(trainer, inference, n0, n1, /*gpus=*/true, "egpu-f");
   v1::SyncRequest req;
   req.set_src_group("trainer");
   req.set_dst_group("infer");
@@ -262,12 +281,7 @@ TEST_CASE("emulated GPUs: replicas on one node: a box crosses into the GPUs once
   const auto st = n0.client()->Sync(ctx(120).get(), req, &out);
   INFO(st.error_message());
   REQUIRE(st.ok());
-  int64_t bad = 0;
-  for (int32_t r = 0; r < 4; ++r)
-    forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-      bad += *dmem[r].at<int32_t>(p, off) != intValue(t, flat, 1);
-    });
-  CHECK(bad == 0);
+  CHECK(device.wrong() == 0);
   CHECK(out.network_bytes() == 2 * (1024 * 256 * 4));   // each byte to n1 once
   CHECK(out.device_fanout_bytes() == 1024 * 256 * 4);   // all of w, for the second replica
   CHECK(out.local_bytes() == 2 * out.network_bytes());  // both replicas, from wire or GPU
@@ -279,36 +293,12 @@ TEST_CASE("emulated GPUs: replicas on one node: a box crosses into the GPUs once
     {"name":"w","shape":[2048,256],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})";
   const char* hinfer = R"({"group":"hinfer","mesh":{"shape":[2,2]},"nodes":["n1","n1","n1","n1"],"tensors":[
     {"name":"w","shape":[2048,256],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":0}}]}]})";
-  const auto hsrc_proto = *planner::parseLayoutJson(htrainer, "htrainer");
-  const auto hdst_proto = *planner::parseLayoutJson(hinfer, "hinfer");
-  planner::NodeTable hnodes;
-  const auto hsrc = *planner::resolveLayout(hsrc_proto, hnodes);
-  const auto hdst = *planner::resolveLayout(hdst_proto, hnodes);
-  std::vector<RankMemory> hs, hd;
-  for (int32_t r = 0; r < 2; ++r) {
-    hs.push_back(allocateRank(hsrc, r, "egpu-hs" + std::to_string(r)));
-    forEachElement(hsrc, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-      *hs[r].at<int32_t>(p, off) = intValue(t, flat, 1);
-    });
-    v1::RegisterResponse resp;
-    REQUIRE(
-        n0.client()->Register(ctx().get(), registerRequest(hsrc_proto, r, 2, hs[r], v1::ROLE_SOURCE, 1), &resp).ok());
-  }
-  for (int32_t r = 0; r < 4; ++r) {
-    hd.push_back(allocateRank(hdst, r, "egpu-hd" + std::to_string(r)));
-    v1::RegisterResponse resp;
-    REQUIRE(n1.client()->Register(ctx().get(), registerRequest(hdst_proto, r, 4, hd[r]), &resp).ok());
-  }
+  GroupPair host(htrainer, hinfer, n0, n1, /*gpus=*/false, "egpu-h");
   req.set_src_group("htrainer");
   req.set_dst_group("hinfer");
   v1::SyncResponse host_out;
   REQUIRE(n0.client()->Sync(ctx(120).get(), req, &host_out).ok());
   CHECK(host_out.bytes_landed_direct() > 0);
   CHECK(host_out.device_fanout_bytes() == 0);
-  int64_t host_bad = 0;
-  for (int32_t r = 0; r < 4; ++r)
-    forEachElement(hdst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-      host_bad += *hd[r].at<int32_t>(p, off) != intValue(t, flat, 1);
-    });
-  CHECK(host_bad == 0);
+  CHECK(host.wrong() == 0);
 }
