@@ -100,33 +100,77 @@ std::vector<grpc::Status> fanOut(std::vector<grpc::ClientContext>& contexts,
   return results;
 }
 
-StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
-  SC_ASSIGN_OR_RETURN(auto addrs, addresses());
+Status PeerSet::checkTransportAddress(const std::string& node, const std::string& address) const {
+  std::vector<std::string> at;  // the gRPC addresses node was last reached at
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = transports_.find(node);
+    if (it != transports_.end() && it->second == address) return absl::OkStatus();
+    for (const auto& [a, n] : nodes_)
+      if (n == node) at.push_back(a);
+  }
+  // Not known, or changed (a restarted peer): ask the node itself where it was reached before,
+  // every peer otherwise (at most once a second: a peer cannot make this daemon ask the whole
+  // cluster on every call).
+  if (at.empty()) {
+    bool refresh = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const auto now = std::chrono::steady_clock::now();
+      refresh = now - last_refresh_ >= std::chrono::seconds(1);
+      if (refresh) last_refresh_ = now;
+    }
+    if (refresh) {
+      SC_ASSIGN_OR_RETURN(at, addresses());
+    }
+  }
+  if (!at.empty()) {
+    std::vector<v1::DescribeResponse> responses;
+    describe(at, &responses);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = transports_.find(node);
+  if (it != transports_.end() && it->second == address) return absl::OkStatus();
+  return absl::InvalidArgumentError(strCat("the transport address given for node ", quote(node),
+                                           " is not the one that node describes to this daemon"));
+}
+
+std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addrs,
+                                            std::vector<v1::DescribeResponse>* responses) const {
   // Every Describe at once: a gather costs about one round trip however many peers there are.
   const size_t n = addrs.size();
-  std::vector<v1::DescribeResponse> responses(n);
+  responses->assign(n, {});
   const v1::DescribeRequest request;
   std::vector<grpc::ClientContext> contexts(n);
   const auto statuses =
       fanOut(contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms),
              [&](size_t i, grpc::ClientContext& c, CallDone done) {
-               v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &request, &responses[i], std::move(done));
+               v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &request, &(*responses)[i], std::move(done));
              });
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = 0; i < n; ++i) {
-      const grpc::StatusCode code = statuses[i].error_code();
-      // A fresh channel next time: a restarted peer is then reached without reconnect backoff.
-      if (code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED)
-        channels_.erase(addrs[i]);
-    }
-    // What each peer says of itself, then what the others know of peers this daemon never reached.
-    for (size_t i = 0; i < n; ++i)
-      if (statuses[i].ok()) nodes_[addrs[i]] = responses[i].node();
-    for (size_t i = 0; i < n; ++i)
-      if (statuses[i].ok())
-        for (const auto& [address, node] : responses[i].peer_nodes()) nodes_.emplace(address, node);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < n; ++i) {
+    const grpc::StatusCode code = statuses[i].error_code();
+    // A fresh channel next time: a restarted peer is then reached without reconnect backoff.
+    if (code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED)
+      channels_.erase(addrs[i]);
   }
+  // What each peer says of itself, then what the others know of peers this daemon never reached.
+  for (size_t i = 0; i < n; ++i)
+    if (statuses[i].ok()) {
+      nodes_[addrs[i]] = (*responses)[i].node();
+      transports_[(*responses)[i].node()] = (*responses)[i].transport_address();
+    }
+  for (size_t i = 0; i < n; ++i)
+    if (statuses[i].ok())
+      for (const auto& [address, node] : (*responses)[i].peer_nodes()) nodes_.emplace(address, node);
+  return statuses;
+}
+
+StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
+  SC_ASSIGN_OR_RETURN(auto addrs, addresses());
+  const size_t n = addrs.size();
+  std::vector<v1::DescribeResponse> responses;
+  const auto statuses = describe(addrs, &responses);
   std::vector<PeerView> out;
   std::set<std::string> seen{instance_};
   for (size_t i = 0; i < n; ++i) {

@@ -48,15 +48,26 @@ class PeerSet {
   StatusOr<std::vector<PeerView>> describeAll() const;
   // The peers reached so far: address -> the node each described itself as.
   std::map<std::string, std::string> knownNodes() const;
+  // OK when `address` is the transport address `node` gave in its own Describe to this daemon
+  // (over mutual TLS); asks that node again when it is not known yet or differs (a restarted
+  // peer). INVALID_ARGUMENT otherwise: this daemon connects to no transport address a third party
+  // hands it (docs/security.md).
+  Status checkTransportAddress(const std::string& node, const std::string& address) const;
   // A cached channel to a daemon (a peer, or this daemon itself).
   std::shared_ptr<grpc::Channel> channel(const std::string& address) const;
 
  private:
+  // Describe of each of `addrs` at once; remembers which node and transport address each gave.
+  std::vector<grpc::Status> describe(const std::vector<std::string>& addrs,
+                                     std::vector<v1::DescribeResponse>* responses) const;
+
   DaemonConfig config_;
   std::string instance_;
   mutable std::mutex mu_;
   mutable std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
   mutable std::map<std::string, std::string> nodes_;  // address -> node it last described itself as
+  mutable std::map<std::string, std::string> transports_;  // node -> the transport address it described
+  mutable std::chrono::steady_clock::time_point last_refresh_{};  // of transports_ by checkTransportAddress
 };
 
 // Groups as registered across the cluster.

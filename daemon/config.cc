@@ -22,7 +22,7 @@ std::string DaemonConfig::describe() const {
      << " peer_timeout_ms=" << peer_timeout_ms << " chunk_kib=" << (chunk_bytes >> 10) << " staging_mib=" << staging_mib
      << " window_kib=" << (window_bytes >> 10) << " nic_gbps=" << nic_gbps << " delta_cache_mib=" << delta_cache_mib
      << " delta_dense_every=" << delta_dense_every << " metrics=" << (metrics.empty() ? "(off)" : metrics)
-     << " sync_lease_ms=" << sync_lease_ms << " shutdown_grace_ms=" << shutdown_grace_ms << " tls="
+     << " sync_lease_ms=" << sync_lease_ms << " max_sync_lease_ms=" << max_sync_lease_ms << " shutdown_grace_ms=" << shutdown_grace_ms << " tls="
      << (tls.enabled() ? strCat("cert:", tls.cert, ",key:", tls.key, ",ca:", tls.ca, ",reload_s:", tls.reload_s)
                        : "(none)")
      << " insecure=" << (insecure ? "true" : "false")
@@ -160,6 +160,12 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
       ->envname("SHARDCAST_SYNC_LEASE_MS")
       ->check(CLI::Range(200, 600000))
       ->capture_default_str();
+  app.add_option("--max-sync-lease-ms", c.max_sync_lease_ms,
+                 "The longest lease a coordinating daemon may give a sync here (a Prepare asking more is refused): "
+                 "bounds how long a silent or hostile peer can hold this node's ranks")
+      ->envname("SHARDCAST_MAX_SYNC_LEASE_MS")
+      ->check(CLI::Range(200, 600000))
+      ->capture_default_str();
   app.add_option("--shutdown-grace-ms", c.shutdown_grace_ms,
                  "On SIGTERM: how long syncs and calls in flight get before the daemon aborts them and exits")
       ->envname("SHARDCAST_SHUTDOWN_GRACE_MS")
@@ -216,6 +222,9 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   if (!c.peers.empty() && !c.peer_dns.empty())
     return absl::InvalidArgumentError("give --peers or --peer-dns, not both");
   if (c.listen.empty() && c.socket.empty()) return absl::InvalidArgumentError("--listen and --socket are both empty");
+  if (c.max_sync_lease_ms < c.sync_lease_ms)
+    return absl::InvalidArgumentError(strCat("--max-sync-lease-ms ", c.max_sync_lease_ms, " is below --sync-lease-ms ",
+                                             c.sync_lease_ms, ": this daemon's own syncs would be refused"));
   if (c.insecure && c.tls.enabled())
     return absl::InvalidArgumentError("give --tls-cert/--tls-key/--tls-ca or --insecure, not both");
   if (!c.listen.empty() && !c.insecure && !c.tls.enabled())

@@ -37,6 +37,7 @@ struct DaemonConfig {
   int64_t delta_dense_every = 0;                  // DELTA_AUTO syncs of versions divisible by this go dense
   std::string metrics = kDefaultMetrics;          // Prometheus /metrics host:port ("" = off)
   int sync_lease_ms = 10000;                      // a sync whose coordinator is silent this long is aborted
+  int max_sync_lease_ms = 60000;                  // the longest lease a coordinating peer may ask for
   int shutdown_grace_ms = 10000;                  // SIGTERM: then abort whatever is left and exit
   TlsFiles tls;                                   // mutual TLS on the TCP listener and to peers
   bool insecure = false;                          // plaintext TCP, nobody authenticated (tests on one host)

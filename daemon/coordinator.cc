@@ -272,6 +272,7 @@ Status SyncCoordinator::prepare() {
   v1::PrepareRequest p;
   p.set_lease_ms(static_cast<uint32_t>(lease_.count()));
   p.set_fence(fence_);
+  p.set_write_key(std::string(key_.view()));
   p.set_sync_id(id_);
   *p.mutable_src() = src_;
   *p.mutable_dst() = dst_;

@@ -101,6 +101,8 @@ class SyncCoordinator {
   const v1::SyncRequest& req_;
   const std::string id_;
   const uint64_t fence_;
+  // The attempt's write key (PrepareRequest.write_key): handed to its daemons only in Prepare.
+  const transport::WriteKey key_ = transport::WriteKey::random();
   const Clock::time_point start_ = Clock::now();
   Clock::time_point deadline_;
   uint32_t timeout_ms_ = 0;

@@ -145,8 +145,10 @@ int main(int argc, char** argv) {
         return fail("another shardcastd (at " + v.address + ") already serves node \"" + config->node +
                     "\": give every daemon its own --node");
   Metrics metrics;
+  PeerLimits peer_limits;
+  peer_limits.max_lease = std::chrono::milliseconds(config->max_sync_lease_ms);
   SyncEngine engine(config->node, registry, **transport, metrics, static_cast<uint64_t>(config->window_bytes), nullptr,
-                    static_cast<uint64_t>(config->delta_cache_mib) << 20);
+                    static_cast<uint64_t>(config->delta_cache_mib) << 20, peer_limits);
   metrics.registered_bytes = [&] { return registry.registeredBytes(); };
   metrics.registered_ranks = [&] { return static_cast<uint64_t>(registry.registeredRanks()); };
   metrics.plan_cache_hits = [&] { return engine.plans().hits(); };

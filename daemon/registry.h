@@ -82,6 +82,8 @@ class Registry {
   // Changes with every registration and unregistration (a sync fails if it changes under it).
   uint64_t generation() const;
   const std::string& instance() const { return instance_; }
+  const std::string& node() const { return node_; }
+  std::string transportAddress() const { return transport_.address(); }
 
   // ---- the version contract (see docs/daemon.md, "Rank states") ----
 

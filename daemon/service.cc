@@ -183,6 +183,13 @@ grpc::Status PeerService::Prepare(grpc::ServerContext* ctx, const v1::PrepareReq
 
 grpc::Status PeerService::Execute(grpc::ServerContext* ctx, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) {
   if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
+  // The transport addresses a coordinator hands out reach UCX's own (unchecking) parser when this
+  // daemon connects: only addresses the named nodes gave this daemon themselves are used.
+  for (const auto& n : req->nodes()) {
+    if (n.node() == registry_.node() && n.transport_address() == registry_.transportAddress()) continue;
+    if (Status st = peers_.checkTransportAddress(n.node(), n.transport_address()); !st.ok())
+      return toGrpc(Status(st.code(), strCat("execute of sync ", req->sync_id(), ": ", st.message())));
+  }
   return reply(engine_.execute(*req), out);
 }
 

@@ -112,7 +112,8 @@ void startWrites(const std::shared_ptr<SyncAttempt>& a, int32_t node) {
   }
   const auto announced = static_cast<int64_t>(notification.chunks.size());
   if (announced > 0)
-    ep->notify(encodeNotification(notification), [finished, announced](Status st) { finished(st, 0, announced); });
+    ep->notify(encodeNotification(notification), a->key,
+               [finished, announced](Status st) { finished(st, 0, announced); });
   // A batch of empty deltas only: no completion of it will start what is queued behind it.
   if (!wrote) startWrites(a, node);
 }

@@ -35,7 +35,8 @@ struct SyncAttempt {
   std::string dst_group;
   uint64_t version = 0;
   uint64_t generation = 0;  // the registry's when prepared: registrations may not change under a sync
-  uint64_t fence = 0;       // WriteOp::fence of this sync's writes, open here from prepare to close
+  uint64_t fence = 0;       // names the attempt (PrepareRequest.fence); not a secret
+  transport::WriteKey key;  // WriteOp::key of this sync's writes, open here from prepare to close
   std::shared_ptr<const CachedPlan> plan;
   int32_t self = -1;  // this node's id in the plan, -1 when it takes no part
   uint64_t window_bytes = 0;
@@ -74,6 +75,10 @@ struct SyncAttempt {
   std::vector<std::shared_ptr<void>> pinned;
   // Chunks processed here (transfer, chunk): each lands on a node once; a repeat is refused.
   std::set<std::pair<int32_t, int32_t>> seen;
+  // Waves whose execute finished here without error. A commit here needs every wave and every
+  // chunk the schedule lands on this node (SyncEngine::missing): the coordinator's word alone
+  // commits nothing.
+  std::set<int32_t> waves_done;
 
   // A write waiting for room in its destination node's window, and the word announcing it.
   struct Outgoing {

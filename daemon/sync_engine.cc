@@ -15,16 +15,19 @@ namespace shardcast::daemon {
 using Clock = std::chrono::steady_clock;
 
 SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics,
-                       uint64_t window_bytes, std::unique_ptr<Stage> stage, uint64_t delta_cache_bytes)
+                       uint64_t window_bytes, std::unique_ptr<Stage> stage, uint64_t delta_cache_bytes,
+                       PeerLimits limits)
     : node_(std::move(node)),
       registry_(registry),
       transport_(transport),
       metrics_(metrics),
       window_bytes_(window_bytes),
+      limits_(limits),
       bases_(delta_cache_bytes),
       stage_(stage ? std::move(stage) : makeStandardStage()),
       copies_(transport::makeHostCopyEngine()) {
-  transport_.setNotificationHandler([this](std::string payload) { onNotification(payload); });
+  transport_.setNotificationHandler(
+      [this](std::string payload, const transport::WriteKey& key) { onNotification(payload, key); });
   reaper_ = std::thread([this] { reap(); });
 }
 
@@ -58,14 +61,16 @@ std::shared_ptr<SyncAttempt> SyncEngine::find(const std::string& id, uint64_t fe
 // Runs on the transport's progress thread: queue the chunks a notification announces for the
 // executing thread (which checks each against the plan), never block. Peers are untrusted here:
 // what does not parse, or names no attempt open here, is dropped with a warning.
-void SyncEngine::onNotification(const std::string& payload) {
+void SyncEngine::onNotification(const std::string& payload, const transport::WriteKey& key) {
   auto n = parseNotification(payload);
   if (!n.ok()) {
     spdlog::warn("sync: dropped a notification: {}", std::string(n.status().message()));
     return;
   }
   auto a = find(n->sync_id, n->fence);
-  if (!a) {
+  // The transport delivers only notifications under a key open here; it must be this attempt's
+  // (a daemon of another attempt cannot speak for this one).
+  if (!a || a->key != key) {
     spdlog::warn("sync {}: notification for an attempt not open here (ended, or another attempt)", n->sync_id);
     return;
   }
@@ -78,6 +83,17 @@ void SyncEngine::onNotification(const std::string& payload) {
 
 StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req) {
   if (req.sync_id().empty()) return absl::InvalidArgumentError("prepare: sync_id is empty");
+  // Every field a peer controls is bounded before it is used.
+  auto key = transport::WriteKey::fromBytes(req.write_key());
+  if (!key.ok()) return absl::InvalidArgumentError(strCat("prepare of sync ", req.sync_id(), ": ", key.status().message()));
+  if (req.lease_ms() != 0 && (req.lease_ms() < limits_.min_lease.count() || req.lease_ms() > limits_.max_lease.count()))
+    return absl::InvalidArgumentError(strCat("prepare of sync ", req.sync_id(), ": a lease of ", req.lease_ms(),
+                                             " ms is outside [", limits_.min_lease.count(), ", ",
+                                             limits_.max_lease.count(), "] ms on node \"", node_,
+                                             "\" (--max-sync-lease-ms)"));
+  if (req.chunk_bytes() < limits_.min_chunk_bytes)
+    return absl::InvalidArgumentError(strCat("prepare of sync ", req.sync_id(), ": chunks of ", req.chunk_bytes(),
+                                             " bytes (at least ", limits_.min_chunk_bytes, ")"));
   {
     // One attempt per id at a time here, and never one its coordinator already finished (a
     // Prepare that arrives after the Finish that gave it up).
@@ -106,6 +122,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   a->window_bytes = window_bytes_;
   if (req.lease_ms() > 0) a->lease = std::chrono::milliseconds(req.lease_ms());
   a->fence = req.fence() ? req.fence() : (XXH64(a->id.data(), a->id.size(), 0) | 1);
+  a->key = *key;
   a->delta = req.delta();
   a->renew();
   bool hit = false;
@@ -125,11 +142,10 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   // second writer): this one keeps none, and packs dense.
   if (a->delta != v1::DELTA_OFF) a->bases = bases_.claim(a->plan->key, a->fence);
   if (a->delta == v1::DELTA_OFF) a->base = {};  // no delta may land here
-  transport_.openFence(a->fence);               // before any peer learns where to write
   auto prepared = prepareTargets(a, hit);
   if (!prepared.ok()) {
     if (a->bases) bases_.finish(a->plan->key, a->fence, false);
-    transport_.closeFence(a->fence, std::chrono::seconds(0));
+    transport_.closeFence(a->key, std::chrono::seconds(0));
     registry_.endSync(a->id, a->src_group, a->dst_group, Registry::SyncEnd::kRevert);
     return prepared.status();
   }
@@ -155,10 +171,14 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
     resp.set_base_version(a->base.version);
     resp.set_base_fence(a->base.fence);
   }
-  // The rank buffers peers write into directly, each registration's descriptor once.
+  // The rank buffers peers write into directly, each registration's descriptor once, and exactly
+  // the byte ranges of this node's landings: the only places a write under this attempt's key
+  // may land here.
+  std::vector<transport::LandingRange> ranges;
   if (a->self >= 0) {
     auto* targets = resp.mutable_targets();
     std::map<const transport::MemoryRegion*, uint32_t> index;
+    std::map<std::pair<int32_t, int32_t>, uint64_t> direct;  // (rank, buffer) -> its base here
     for (const auto& [rank, b] : a->plan->node(a->self).direct_targets) {
       const std::string& name = a->plan->dst.buffer_names[static_cast<size_t>(b)];
       SC_ASSIGN_OR_RETURN(auto lb, registry_.localBuffer(a->dst_group, rank, name));
@@ -173,8 +193,22 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
       out->set_region(it->second);
       out->set_offset(lb.region_offset);
       a->pinned.push_back(lb.keep_alive);
+      direct[{rank, b}] = lb.region->remote().base + lb.region_offset;
+    }
+    for (const auto& ts : a->plan->transfers) {
+      const auto* landing = ts.landingOn(a->self);
+      if (landing == nullptr || ts.chunks.empty()) continue;
+      const uint64_t bytes = ts.chunks.back().offset + ts.chunks.back().bytes;
+      if (!landing->direct()) {
+        if (a->arena) ranges.push_back({a->arena->remote().base + landing->arena_offset, bytes});
+        continue;
+      }
+      auto it = direct.find({landing->rank, landing->buffer});
+      if (it != direct.end()) ranges.push_back({it->second + landing->buffer_offset, bytes});
     }
   }
+  // Open before any peer learns where to write (the response below).
+  transport_.openFence(a->key, std::move(ranges));
   std::lock_guard<std::mutex> lock(mu_);
   // Its coordinator may have given it up while this Prepare was on its way (prepares go to every
   // daemon at once): a Finish that found nothing active left its word here. Under the lock that
@@ -223,6 +257,12 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
       // A write of this node failed after its execute returned: the bytes are not all there.
       end = Registry::SyncEnd::kDirty;
     }
+    // A destination commits only what it saw land: the coordinator's word alone is not enough.
+    if (const std::string gap = commit && a->failure.ok() ? missing(*a) : ""; !gap.empty()) {
+      a->failure = absl::FailedPreconditionError(strCat("commit refused on node \"", node_, "\": ", gap));
+      spdlog::warn("sync {}: {}", a->id, std::string(a->failure.message()));
+      end = Registry::SyncEnd::kDirty;
+    }
     a->closed = true;
     if (a->failure.ok() && !commit) a->failure = absl::AbortedError(strCat("sync ", a->id, " aborted: ", reason));
     a->dropQueued();
@@ -245,7 +285,7 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
   if (a->bases && !still_executing) bases_.finish(a->plan->key, a->fence, end == Registry::SyncEnd::kCommit);
   // No write of this sync lands here any more: later ones are refused, those landing now are waited
   // for (bounded by the transport's op timeout on the sender's side).
-  if (!transport_.closeFence(a->fence, std::chrono::seconds(10))) {
+  if (!transport_.closeFence(a->key, std::chrono::seconds(10))) {
     // A peer frozen mid-write: its ranks stay held (dirty) until those writes are done or failed;
     // the reaper polls the fence.
     spdlog::error(
@@ -277,6 +317,21 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
   return out;
 }
 
+std::string SyncEngine::missing(const SyncAttempt& a) const {
+  if (a.self < 0) return "";  // nothing of the sync lands or is read here
+  std::string waves;
+  for (int32_t w = 0; w < a.plan->waves; ++w)
+    if (!a.waves_done.count(w)) waves += strCat(waves.empty() ? "" : ", ", w);
+  int64_t expected = 0;
+  for (const int64_t n : a.plan->node(a.self).incoming) expected += n;
+  const auto landed = static_cast<int64_t>(a.seen.size());
+  if (waves.empty() && landed == expected) return "";
+  std::string out;
+  if (!waves.empty()) out = strCat("wave(s) ", waves, " of ", a.plan->waves, " not executed here; ");
+  return strCat(out, landed, " of the ", expected, " chunks planned to land here arrived and were checked (group \"",
+                a.dst_group, "\" goes dirty here)");
+}
+
 void SyncEngine::reap() {
   std::unique_lock<std::mutex> lock(reaper_mu_);
   while (!reaper_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_; })) {
@@ -297,7 +352,7 @@ void SyncEngine::reap() {
     {
       std::lock_guard<std::mutex> active_lock(mu_);
       for (auto it = draining_.begin(); it != draining_.end();) {
-        if (transport_.closeFence((*it)->fence, std::chrono::milliseconds(0))) {
+        if (transport_.closeFence((*it)->key, std::chrono::milliseconds(0))) {
           drained.push_back(*it);
           it = draining_.erase(it);
         } else {
@@ -374,6 +429,10 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   if (registry_.generation() != a->generation)
     return absl::AbortedError(
         strCat("sync ", a->id, ": registrations on node \"", node_, "\" changed during the sync"));
+  {
+    std::lock_guard<std::mutex> lock(a->mu);
+    a->waves_done.insert(static_cast<int32_t>(req.wave()));
+  }
   resp.set_bytes_sent(a->bytes_sent - sent);
   resp.set_bytes_received(a->bytes_received - received);
   resp.set_local_bytes(a->local_bytes - local);

@@ -37,6 +37,17 @@
 
 namespace shardcast::daemon {
 
+// Bounds on what a coordinating peer may ask of this daemon in a Prepare (docs/security.md,
+// "Limits"): outside them the Prepare is refused with INVALID_ARGUMENT, never clamped.
+struct PeerLimits {
+  // The sync's lease: a peer cannot hold this node's ranks past the daemon's own bound.
+  std::chrono::milliseconds min_lease{200};
+  std::chrono::milliseconds max_lease{60000};  // --max-sync-lease-ms
+  // Chunks below this cost the plan memory out of proportion to the bytes (a chunk of 4 bytes
+  // made one Prepare cost 194 MB); the daemons' own flags never go below it.
+  uint64_t min_chunk_bytes = uint64_t{64} << 10;
+};
+
 class SyncEngine {
  public:
   // `window_bytes`: per destination node, the bytes of writes in flight at once (at least one write).
@@ -44,7 +55,7 @@ class SyncEngine {
   // `delta_cache_bytes`: host memory for the bases of delta syncs (daemon/delta.h), all plans.
   SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics,
              uint64_t window_bytes = uint64_t{128} << 20, std::unique_ptr<Stage> stage = nullptr,
-             uint64_t delta_cache_bytes = uint64_t{8} << 30);
+             uint64_t delta_cache_bytes = uint64_t{8} << 30, PeerLimits limits = {});
   ~SyncEngine();
 
   StatusOr<v1::PrepareResponse> prepare(const v1::PrepareRequest& req);
@@ -60,7 +71,10 @@ class SyncEngine {
   void abortAll(const std::string& reason);
 
  private:
-  void onNotification(const std::string& payload);
+  void onNotification(const std::string& payload, const transport::WriteKey& key);
+  // Why this node cannot commit attempt `a` ("" when it can): the waves it did not execute, the
+  // chunks planned to land here that did not. Under a->mu.
+  std::string missing(const SyncAttempt& a) const;
   StatusOr<v1::PrepareResponse> prepareTargets(const std::shared_ptr<SyncAttempt>& a, bool hit);
   // Ends a sync here (removed from active_ already): waits for its writes, then tells the registry.
   StatusOr<v1::FinishResponse> close(const std::shared_ptr<SyncAttempt>& a, Registry::SyncEnd end,
@@ -74,6 +88,7 @@ class SyncEngine {
   transport::Context& transport_;
   Metrics& metrics_;
   const uint64_t window_bytes_;
+  const PeerLimits limits_;
   PlanCache plans_;
   SpareMemory spares_;
   DeltaBases bases_;

@@ -2,14 +2,15 @@
 // not register can never be written) and for reusing a registration of the same range.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <tuple>
+#include <vector>
 
 #include "transport/transport.h"
 
@@ -44,48 +45,97 @@ class RegionTable {
   }
   bool covers(uint64_t addr, uint64_t len) { return containing(addr, len) != nullptr; }
 
-  // Write fences (see WriteOp::fence): a write naming a fence lands only while it is open here.
-  void openFence(uint64_t fence) {
+  // Write fences (WriteOp::key): a write lands only under a key open here, inside the ranges
+  // opened with it, and inside a live registered region.
+  void openFence(const WriteKey& key, std::vector<LandingRange> ranges) {
     std::lock_guard<std::mutex> lock(fences_->mu);
-    fences_->landing.emplace(fence, 0);
+    Fence& f = fences_->open[key];
+    f.ranges = mergeRanges(std::move(ranges));
   }
-  // Refuses later writes naming `fence`, then waits (up to `timeout`) until the writes landing
-  // under it now are done. False when some were still landing at the timeout: the fence stays
-  // closing (refusing) and a later call (timeout 0 to poll) finishes it once they are done.
-  bool closeFence(uint64_t fence, std::chrono::milliseconds timeout) {
+  // Refuses later writes under `key`, then waits (up to `timeout`) until the writes landing under
+  // it now are done. False when some were still landing at the timeout: the fence stays closing
+  // (refusing) and a later call (timeout 0 to poll) finishes it once they are done.
+  bool closeFence(const WriteKey& key, std::chrono::milliseconds timeout) {
     std::unique_lock<std::mutex> lock(fences_->mu);
-    fences_->closing.insert(fence);
+    auto it = fences_->open.find(key);
+    if (it == fences_->open.end()) return true;
+    it->second.closing = true;
     const bool drained = fences_->cv.wait_for(lock, timeout, [&] {
-      auto it = fences_->landing.find(fence);
-      return it == fences_->landing.end() || it->second == 0;
+      auto f = fences_->open.find(key);
+      return f == fences_->open.end() || f->second.landing == 0;
     });
     if (!drained) return false;
-    fences_->landing.erase(fence);
-    fences_->closing.erase(fence);
+    fences_->open.erase(key);
     return true;
   }
-  // Held by one write while it lands; null when `fence` is not open (the write is refused).
-  std::shared_ptr<void> enterFence(uint64_t fence) {
+  // True while `key` is open here and not closing (a notification under it may be delivered).
+  bool fenceOpen(const WriteKey& key) {
     std::lock_guard<std::mutex> lock(fences_->mu);
-    auto it = fences_->landing.find(fence);
-    if (it == fences_->landing.end() || fences_->closing.count(fence)) return nullptr;
-    ++it->second;
-    auto fences = fences_;
-    return std::shared_ptr<void>(reinterpret_cast<void*>(fence), [fences, fence](void*) {
-      std::lock_guard<std::mutex> released(fences->mu);
-      auto f = fences->landing.find(fence);
-      if (f != fences->landing.end() && --f->second == 0) fences->cv.notify_all();
-    });
+    auto it = fences_->open.find(key);
+    return it != fences_->open.end() && !it->second.closing;
+  }
+  // What one incoming write holds while it lands: the fence it came under and the region it lands
+  // in. Empty (the write is refused) unless `key` is open here, [addr, addr + len) lies inside
+  // one of its ranges, and inside a live registered region: the caller gives one answer for every
+  // refusal, so a refused write tells the sender nothing about where memory is.
+  struct Landing {
+    std::shared_ptr<void> fence;
+    std::shared_ptr<MemoryRegion> region;
+    explicit operator bool() const { return fence && region; }
+  };
+  Landing admit(const WriteKey& key, uint64_t addr, uint64_t len) {
+    Landing out;
+    {
+      std::lock_guard<std::mutex> lock(fences_->mu);
+      auto it = fences_->open.find(key);
+      if (key.empty() || it == fences_->open.end() || it->second.closing || !inside(it->second.ranges, addr, len))
+        return {};
+      ++it->second.landing;
+      auto fences = fences_;
+      out.fence = std::shared_ptr<void>(fences.get(), [fences, key](void*) {
+        std::lock_guard<std::mutex> released(fences->mu);
+        auto f = fences->open.find(key);
+        if (f != fences->open.end() && --f->second.landing == 0) fences->cv.notify_all();
+      });
+    }
+    out.region = containing(addr, len);
+    if (!out.region) return {};  // the fence hold goes with `out`
+    return out;
   }
 
  private:
+  struct Fence {
+    std::vector<LandingRange> ranges;  // sorted by address, disjoint
+    int64_t landing = 0;               // writes landing under it now
+    bool closing = false;
+  };
+  static std::vector<LandingRange> mergeRanges(std::vector<LandingRange> ranges) {
+    std::erase_if(ranges, [](const LandingRange& r) { return r.size == 0 || r.addr + r.size < r.addr; });
+    std::sort(ranges.begin(), ranges.end(), [](const LandingRange& a, const LandingRange& b) { return a.addr < b.addr; });
+    std::vector<LandingRange> out;
+    for (const LandingRange& r : ranges) {
+      if (!out.empty() && r.addr <= out.back().addr + out.back().size)
+        out.back().size = std::max(out.back().addr + out.back().size, r.addr + r.size) - out.back().addr;
+      else
+        out.push_back(r);
+    }
+    return out;
+  }
+  static bool inside(const std::vector<LandingRange>& ranges, uint64_t addr, uint64_t len) {
+    // The last range starting at or before addr is the only one that can hold it (disjoint).
+    auto it = std::upper_bound(ranges.begin(), ranges.end(), addr,
+                               [](uint64_t a, const LandingRange& r) { return a < r.addr; });
+    if (it == ranges.begin()) return false;
+    --it;
+    return len <= it->size && addr - it->addr <= it->size - len;
+  }
+
   std::mutex mu_;
   std::map<std::tuple<uintptr_t, size_t, MemoryKind>, std::weak_ptr<MemoryRegion>> by_range_;
   struct Fences {
     std::mutex mu;
     std::condition_variable cv;
-    std::map<uint64_t, int64_t> landing;  // open fences: writes landing under each now
-    std::set<uint64_t> closing;
+    std::map<WriteKey, Fence> open;
   };
   std::shared_ptr<Fences> fences_ = std::make_shared<Fences>();
 };

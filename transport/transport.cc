@@ -1,6 +1,10 @@
 // Backend registry and the serialised form of remote region descriptors.
 #include "transport/transport.h"
 
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include "common/strings.h"
@@ -45,6 +49,37 @@ StatusOr<RemoteRegion> RemoteRegion::parse(const std::string& bytes) {
   return r;
 }
 
+WriteKey WriteKey::random() {
+  WriteKey k;
+  do {
+    size_t got = 0;
+    while (got < kBytes) {
+      const ssize_t n = ::getrandom(k.bytes.data() + got, kBytes - got, 0);
+      if (n < 0 && errno == EINTR) continue;
+      // getrandom cannot fail once the kernel's pool is initialised (since boot on any system
+      // that runs this); a key from anything weaker would be guessable, so there is no fallback.
+      if (n < 0) std::abort();
+      got += static_cast<size_t>(n);
+    }
+  } while (k.empty());
+  return k;
+}
+
+StatusOr<WriteKey> WriteKey::fromBytes(std::string_view raw) {
+  if (raw.size() != kBytes)
+    return absl::InvalidArgumentError(strCat("a write key is ", kBytes, " bytes, not ", raw.size()));
+  WriteKey k;
+  std::memcpy(k.bytes.data(), raw.data(), kBytes);
+  if (k.empty()) return absl::InvalidArgumentError("a write key of all zero bytes");
+  return k;
+}
+
+bool WriteKey::empty() const {
+  for (const unsigned char b : bytes)
+    if (b != 0) return false;
+  return true;
+}
+
 std::string_view protocolName(Protocol protocol) {
   switch (protocol) {
     case Protocol::kPut:
@@ -70,6 +105,8 @@ Status checkWriteRanges(const WriteOp& op, const std::string& peer_name) {
   if (op.dst_offset > op.dst.size || op.length > op.dst.size - op.dst_offset)
     return absl::OutOfRangeError(strCat("write to peer '", peer_name, "': target range [", op.dst_offset, ", +",
                                         op.length, ") exceeds the remote region of ", op.dst.size, " bytes"));
+  if (op.key.empty())
+    return absl::InvalidArgumentError(strCat("write to peer '", peer_name, "': no write key (every write needs one)"));
   if (op.notice.size() > kMaxNotifyBytes)
     return absl::InvalidArgumentError(
         strCat("write to peer '", peer_name, "': a notice of ", op.notice.size(), " bytes exceeds ", kMaxNotifyBytes));

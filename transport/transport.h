@@ -9,7 +9,9 @@
 // their memory alive until the completion callback has run.
 #pragma once
 
+#include <array>
 #include <chrono>
+#include <compare>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -56,6 +58,30 @@ class MemoryRegion {
 
 using Completion = std::function<void(Status)>;
 
+// The secret that lets one sync attempt's writes and notifications in (docs/security.md): 128
+// random bits, handed to the attempt's daemons only over mutually authenticated gRPC. A target
+// lets a write land only while it holds the write's key open (Context::openFence) and only inside
+// the ranges opened with it; there is no keyless write.
+struct WriteKey {
+  static constexpr size_t kBytes = 16;
+  std::array<unsigned char, kBytes> bytes{};
+
+  // From the kernel's CSPRNG (getrandom(2)); never all zero.
+  static WriteKey random();
+  // Exactly kBytes bytes, not all zero; INVALID_ARGUMENT otherwise.
+  static StatusOr<WriteKey> fromBytes(std::string_view raw);
+  std::string_view view() const { return {reinterpret_cast<const char*>(bytes.data()), bytes.size()}; }
+  bool empty() const;  // all zero: no key, and no write carrying it lands anywhere
+  friend auto operator<=>(const WriteKey&, const WriteKey&) = default;
+};
+
+// Bytes [addr, addr + size) of this context's own registered memory: where writes under one key
+// may land (an attempt's landing arena, the rank buffers peers land in directly).
+struct LandingRange {
+  uint64_t addr = 0;
+  uint64_t size = 0;
+};
+
 // One remote write: bytes [src_offset, src_offset + length) of `src` into
 // [dst_offset, dst_offset + length) of the peer's region `dst`.
 struct WriteOp {
@@ -64,12 +90,14 @@ struct WriteOp {
   RemoteRegion dst;
   size_t dst_offset = 0;
   size_t length = 0;
-  // Nonzero: the peer lets the write land only while it has this fence open (Context::openFence),
-  // and refuses it (ABORTED) after. A sync opens its fence on every node at prepare and closes it
-  // when it ends there, so a write of an ended sync (a peer frozen and resumed) can never land in
-  // a rank a later sync wrote. Backends that write without the target's help (UCX put: RMA) land
-  // it regardless: see docs/transport.md.
-  uint64_t fence = 0;
+  // The sync attempt's key: the peer lets the write land only while it holds this key open
+  // (Context::openFence) and only inside the ranges opened with it; anything else is refused with
+  // one answer (PERMISSION_DENIED, whatever the reason: no oracle). A sync opens its key on every
+  // node at prepare and closes it when it ends there, so a write of an ended sync (a peer frozen
+  // and resumed) can never land in a rank a later sync wrote. Backends that write without the
+  // target's help (UCX put: RMA over hardware that bounds it) land it by remote key instead:
+  // docs/transport.md.
+  WriteKey key{};
   // Non-empty: a notification (<= kMaxNotifyBytes) for the peer's handler, delivered
   // once this write is visible there, with no ordering against other writes. Over UCX active
   // messages it travels in the write's own header, so a relay hears of a chunk as it lands instead
@@ -88,7 +116,9 @@ class Endpoint {
   // Many writes, one completion (the first error, if any).
   virtual void writeBatch(std::vector<WriteOp> ops, Completion done) = 0;
   // A small message (<= 64 KiB) for the peer's notification handler, ordered after earlier writes.
-  virtual void notify(std::string payload, Completion done) = 0;
+  // Delivered only while the peer holds `key` open (as a write under it would be); dropped there
+  // otherwise.
+  virtual void notify(std::string payload, const WriteKey& key, Completion done) = 0;
   // Flushes and closes; later operations fail with FAILED_PRECONDITION. Idempotent.
   virtual void close() = 0;
   // False once closed, or once the peer failed (went away, or stopped completing operations
@@ -140,7 +170,7 @@ struct Capabilities {
   bool ordered_notify = true;                  // a notification lands after the writes before it
   size_t max_notify_bytes = size_t{64} << 10;  // the largest notification payload
   bool detects_peer_failure = false;           // in-flight operations fail when the peer goes (else: op_timeout)
-  bool bounded_writes = true;                  // the target checks every write against its regions and fences
+  bool bounded_writes = true;                  // the target checks every write against its keys and their ranges
 };
 
 class Context {
@@ -156,16 +186,20 @@ class Context {
   // Host memory allocated and registered by the backend (staging and landing buffers). With UCX
   // this memory is shareable, so peers on the same host can put into it by plain stores.
   virtual StatusOr<std::shared_ptr<MemoryRegion>> allocateMemory(size_t size) = 0;
-  // Write fences (WriteOp::fence). closeFence refuses later writes naming the fence and waits up
-  // to `timeout` for those landing under it now; false when some were still landing then.
-  virtual void openFence(uint64_t fence) = 0;
-  virtual bool closeFence(uint64_t fence, std::chrono::milliseconds timeout) = 0;
+  // Write fences (WriteOp::key): from openFence, writes under `key` may land inside `ranges` (and
+  // only there) and notifications under it are delivered. closeFence refuses later writes under
+  // the key and waits up to `timeout` for those landing under it now; false when some were still
+  // landing then. Opening an open key again replaces its ranges.
+  virtual void openFence(const WriteKey& key, std::vector<LandingRange> ranges) = 0;
+  virtual bool closeFence(const WriteKey& key, std::chrono::milliseconds timeout) = 0;
   // Connects lazily: the same peer address returns the same endpoint while it is open; endpoints
   // no longer open are dropped (their resources freed once no operation holds them).
   virtual StatusOr<std::shared_ptr<Endpoint>> connect(const std::string& peer_address,
                                                       const std::string& peer_name) = 0;
-  // Called on the progress thread for every notification a peer sends to this context.
-  virtual void setNotificationHandler(std::function<void(std::string payload)> handler) = 0;
+  // Called on the progress thread for every notification a peer sends to this context under a key
+  // open here (the key it came under, for the handler to match against what it opened).
+  using NotificationHandler = std::function<void(std::string payload, const WriteKey& key)>;
+  virtual void setNotificationHandler(NotificationHandler handler) = 0;
 };
 
 // The backends, by name (transport/backends.cc): a new one is a directory with its own CMake
@@ -182,7 +216,7 @@ StatusOr<std::unique_ptr<Context>> createContext(const TransportOptions& options
 
 // The checks every backend makes of a write before it travels: the source range inside its
 // region, the target range inside the remote region (OUT_OF_RANGE naming the peer and the range),
-// a notice no larger than kMaxNotifyBytes (INVALID_ARGUMENT).
+// a notice no larger than kMaxNotifyBytes, a key (INVALID_ARGUMENT).
 Status checkWriteRanges(const WriteOp& op, const std::string& peer_name);
 
 }  // namespace shardcast::transport

@@ -128,11 +128,13 @@ struct Pair {
     v1::ExecuteRequest exec;
     exec.set_sync_id(id);
     exec.set_timeout_ms(20000);
+    const std::string key(transport::WriteKey::random().view());  // one attempt: one key everywhere
     for (int i = 0; i < 2; ++i) {
       v1::DescribeResponse described;
       REQUIRE(p[i]->Describe(ctx().get(), v1::DescribeRequest(), &described).ok());
       v1::PrepareRequest prep = prepareRequest(id, src_proto, dst_proto, version);
       prep.set_lease_ms(lease_ms);
+      prep.set_write_key(key);
       v1::PrepareResponse presp;
       const auto st = p[i]->Prepare(ctx().get(), prep, &presp);
       INFO(st.error_message());
@@ -683,4 +685,80 @@ TEST_CASE("sync attempts are told apart: a duplicate id, a late Prepare, another
   CHECK_THAT(std::string(same.status().message()), Catch::Contains("publish a new version"));
   CHECK(absl::IsFailedPrecondition(client->acquire("src", 0).status()));  // once
   REQUIRE(client->publish("src", 0, 2).ok());
+}
+
+TEST_CASE("a destination commits only what landed: Prepare then Finish(commit) without Execute leaves it dirty",
+          "[daemon][contract][security]") {
+  Pair c;
+  c.registerAll(1);
+  REQUIRE(c.sync(1).ok());
+  REQUIRE(c.wrong(1) == 0);
+  c.step(2);  // sources publish 2; the attacker commits a version that never moved instead
+  c.prepare("never-moved", 2);
+  auto peers = c.peers();
+  v1::FinishRequest f;
+  f.set_sync_id("never-moved");
+  f.set_commit(true);
+  f.set_executed(false);
+  v1::FinishResponse fr;
+  const grpc::Status st = peers[1]->Finish(ctx().get(), f, &fr);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("commit refused on node \"n1\"") &&
+                                     Catch::Contains("wave(s) 0 of 1 not executed here") &&
+                                     Catch::Contains("0 of the 1 chunks planned to land here"));
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) {
+    CHECK(s.state() == v1::RANK_DIRTY);  // never READY(2) with version 1's bytes
+    CHECK(s.version() != 2);
+  }
+  // The source side did not execute either: refused too, its ranks untouched (sources never go dirty).
+  CHECK(peers[0]->Finish(ctx().get(), f, &fr).error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  for (const auto& [r, s] : c.states(c.n0(), "src")) {
+    CHECK(s.state() == v1::RANK_READY);
+    CHECK(s.version() == 2);
+  }
+  // A real sync repairs them.
+  REQUIRE(c.sync(2).ok());
+  CHECK(c.wrong(2) == 0);
+}
+
+TEST_CASE("peer inputs are bounded before use: lease, chunk size, write key, transport addresses",
+          "[daemon][contract][security]") {
+  Pair c;
+  c.registerAll(1);
+  auto peers = c.peers();
+  v1::PrepareResponse presp;
+  auto refused = [&](v1::PrepareRequest prep, const std::string& why) {
+    INFO(why);
+    const grpc::Status st = peers[1]->Prepare(ctx().get(), prep, &presp);
+    CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(st.error_message(), Catch::Contains(why));
+  };
+  v1::PrepareRequest prep = prepareRequest("bounded", c.src_proto, c.dst_proto, 1);
+  prep.set_lease_ms(UINT32_MAX);  // would hold the ranks for 49 days
+  refused(prep, "a lease of 4294967295 ms is outside [200, 60000] ms on node \"n1\"");
+  prep.set_lease_ms(10);
+  refused(prep, "a lease of 10 ms");
+  prep.set_lease_ms(0);
+  prep.set_chunk_bytes(4);  // a plan of 4-byte chunks: hundreds of MB per Prepare
+  refused(prep, "chunks of 4 bytes (at least 65536)");
+  prep.set_chunk_bytes(uint64_t{64} << 20);
+  prep.clear_write_key();
+  refused(prep, "a write key is 16 bytes, not 0");
+  prep.set_write_key(std::string(16, '\0'));
+  refused(prep, "a write key of all zero bytes");
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) CHECK(s.state() == v1::RANK_EMPTY);  // nothing held
+
+  // A transport address that is not the one the node describes itself (UCX would abort on "ff").
+  auto exec = c.prepare("bad-address", 1);
+  for (auto& n : *exec.mutable_nodes())
+    if (n.node() == "n1") n.set_transport_address("\xff");
+  v1::ExecuteResponse part;
+  const grpc::Status st = peers[0]->Execute(ctx().get(), exec, &part);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("the transport address given for node \"n1\" is not the one"));
+  v1::StatusResponse alive;
+  CHECK(c.n0().client()->Status(ctx().get(), v1::StatusRequest(), &alive).ok());
+  c.finish("bad-address", false, false);
+  REQUIRE(c.sync(1).ok());  // and both serve on
+  CHECK(c.wrong(1) == 0);
 }

@@ -92,9 +92,9 @@ TEST_CASE("a daemon fed lying notifications fails the sync and stays up", "[daem
   REQUIRE(ctx_or.ok());
   auto ep = (*ctx_or)->connect(described.transport_address(), "n1");
   REQUIRE(ep.ok());
-  auto send = [&](std::string payload) {
+  auto send = [&](std::string payload, const transport::WriteKey& key) {
     std::promise<Status> done;
-    (*ep)->notify(std::move(payload), [&](Status st) { done.set_value(st); });
+    (*ep)->notify(std::move(payload), key, [&](Status st) { done.set_value(st); });
     return done.get_future().get();
   };
   // One sync per lie: n1 prepares it, hears the lie, and its execute fails naming it.
@@ -103,9 +103,15 @@ TEST_CASE("a daemon fed lying notifications fails the sync and stays up", "[daem
     const v1::PrepareRequest prep = prepareRequest(id, src_proto, dst_proto, 1, 99);
     v1::PrepareResponse presp;
     REQUIRE(peer1->Prepare(ctx().get(), prep, &presp).ok());
-    REQUIRE(send(id + " 0 0 0 0 0\n").ok());                           // the old text form: not parsed any more
-    REQUIRE(send(encodeNotification({id, 98, {{0, 0, 0, 0}}})).ok());  // another attempt's
-    REQUIRE(send(encodeNotification({id, 99, {lie}})).ok());
+    // A peer of the attempt (it holds the attempt's key) that lies; an impostor without the key is
+    // not heard at all.
+    const auto key = *transport::WriteKey::fromBytes(prep.write_key());
+    REQUIRE(send(id + " 0 0 0 0 0\n", key).ok());                           // the old text form: not parsed
+    REQUIRE(send(encodeNotification({id, 98, {{0, 0, 0, 0}}}), key).ok());  // another attempt's
+    REQUIRE(send(encodeNotification({id, 99, {{0, 0, 0, 0, LandedChunk::kDense, 0, 8192}}}),
+                 transport::WriteKey::random())
+                .ok());  // a true word, but without the key: dropped (else the lie below would be a repeat)
+    REQUIRE(send(encodeNotification({id, 99, {lie}}), key).ok());
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     v1::ExecuteRequest exec;
     exec.set_sync_id(id);

@@ -13,6 +13,7 @@
 #include "planner/layout.h"
 #include "shardcast/v1/service.pb.h"
 #include "transport/shm.h"
+#include "transport/transport.h"
 
 namespace shardcast::testing {
 
@@ -74,6 +75,7 @@ inline v1::PrepareRequest prepareRequest(const std::string& id, const v1::Layout
   p.set_version(version);
   p.set_staging_bytes(uint64_t{1} << 30);
   p.set_chunk_bytes(uint64_t{64} << 20);
+  p.set_write_key(std::string(transport::WriteKey::random().view()));
   return p;
 }
 

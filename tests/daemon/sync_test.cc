@@ -301,6 +301,7 @@ TEST_CASE("concurrent syncs: same group refused, different groups together - a s
   prep.set_version(1);
   prep.set_staging_bytes(uint64_t{1} << 30);
   prep.set_chunk_bytes(uint64_t{64} << 20);
+  prep.set_write_key(std::string(transport::WriteKey::random().view()));
   v1::PrepareResponse presp;
   REQUIRE(peer->Prepare(ctx().get(), prep, &presp).ok());
   v1::SyncRequest sync;
@@ -524,6 +525,7 @@ TEST_CASE("Peer.Progress: a daemon's bytes while its part of a sync runs, cumula
   v1::ExecuteRequest exec;
   exec.set_sync_id("by-hand");
   exec.set_timeout_ms(30000);
+  const std::string key(transport::WriteKey::random().view());  // one attempt: one key on every daemon
   for (int i = 0; i < 3; ++i) {
     peers.push_back(cluster.daemons[i]->peer());
     v1::DescribeResponse described;
@@ -535,6 +537,7 @@ TEST_CASE("Peer.Progress: a daemon's bytes while its part of a sync runs, cumula
     prep.set_version(1);
     prep.set_staging_bytes(uint64_t{1} << 30);
     prep.set_chunk_bytes(uint64_t{64} << 20);
+    prep.set_write_key(key);
     v1::PrepareResponse presp;
     REQUIRE(peers[i]->Prepare(ctx().get(), prep, &presp).ok());
     auto* n = exec.add_nodes();

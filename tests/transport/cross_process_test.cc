@@ -22,7 +22,7 @@ std::string peerBinary() { return testBinary(TRANSPORT_PEER_PATH); }
 
 struct Receiver {
   Child child;
-  std::string address, region;
+  std::string address, region, key;
 };
 
 Receiver startReceiver(const std::vector<std::string>& prefix, const std::string& tls, size_t size,
@@ -31,15 +31,18 @@ Receiver startReceiver(const std::vector<std::string>& prefix, const std::string
   for (const auto& a : {peerBinary(), std::string("recv"), std::string("--tls"), tls, std::string("--size"),
                         std::to_string(size), std::string("--protocol"), protocol})
     argv.push_back(a);
-  Receiver r{Child::spawn(argv), {}, {}};
+  Receiver r{Child::spawn(argv), {}, {}, {}};
   REQUIRE(r.child.pid() > 0);
   const std::string a = r.child.readLine(std::chrono::seconds(30));
   const std::string g = r.child.readLine(std::chrono::seconds(30));
-  INFO("receiver said: " << a << " / " << g);
+  const std::string k = r.child.readLine(std::chrono::seconds(30));
+  INFO("receiver said: " << a << " / " << g << " / " << k);
   REQUIRE(a.rfind("ADDRESS ", 0) == 0);
   REQUIRE(g.rfind("REGION ", 0) == 0);
+  REQUIRE(k.rfind("KEY ", 0) == 0);
   r.address = a.substr(8);
   r.region = g.substr(7);
+  r.key = k.substr(4);
   return r;
 }
 
@@ -61,7 +64,7 @@ TEST_CASE("two processes: 96 MiB arrive intact over each transport", "[transport
     const size_t size = size_t{96} << 20;
     Receiver r = startReceiver({}, tls, size);
     Child sender = Child::spawn({peerBinary(), "send", "--tls", tls, "--size", std::to_string(size), "--seed", "5",
-                                 "--address", r.address, "--region", r.region});
+                                 "--address", r.address, "--region", r.region, "--key", r.key});
     INFO("tls " << tls);
     CHECK(sender.readLine(std::chrono::seconds(60)) == "SENT");
     CHECK(r.child.readLine(std::chrono::seconds(60)) == "OK 5");
@@ -95,6 +98,8 @@ TEST_CASE("a peer killed mid-transfer fails in-flight writes with a clear error,
     REQUIRE(remote.ok());
     auto ep = (*ctx)->connect(fromHex(r.address), "doomed-peer");
     REQUIRE(ep.ok());
+    auto key = WriteKey::fromBytes(fromHex(r.key));
+    REQUIRE(key.ok());
 
     const int kWrites = 400;
     auto start = std::chrono::steady_clock::now();
@@ -105,7 +110,7 @@ TEST_CASE("a peer killed mid-transfer fails in-flight writes with a clear error,
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
         r.child.kill();
       }
-      (*ep)->write({*region, 0, *remote, 0, size / 4}, [&](Status st) {
+      (*ep)->write({*region, 0, *remote, 0, size / 4, *key}, [&](Status st) {
         if (st.ok()) {
           ++ok;
         } else {
@@ -127,7 +132,7 @@ TEST_CASE("a peer killed mid-transfer fails in-flight writes with a clear error,
     INFO("first error: " << first_error);
     CHECK_THAT(first_error, Catch::Contains("doomed-peer"));
     // Later operations on the dead endpoint fail at once.
-    (*ep)->write({*region, 0, *remote, 0, 16}, [&](Status st) { later.set_value(st); });
+    (*ep)->write({*region, 0, *remote, 0, 16, *key}, [&](Status st) { later.set_value(st); });
     auto f = later.get_future();
     REQUIRE(f.wait_for(std::chrono::seconds(30)) == std::future_status::ready);
     CHECK_FALSE(f.get().ok());
@@ -167,7 +172,7 @@ TEST_CASE("two network namespaces joined by veth, UCX_TLS=tcp", "[transport][pro
   Receiver r = startReceiver({"ip", "netns", "exec", b, "env", "UCX_NET_DEVICES=" + vb}, "tcp", size);
   Child sender =
       Child::spawn({"ip", "netns", "exec", a, "env", "UCX_NET_DEVICES=" + va, peerBinary(), "send", "--tls", "tcp",
-                    "--size", std::to_string(size), "--seed", "9", "--address", r.address, "--region", r.region});
+                    "--size", std::to_string(size), "--seed", "9", "--address", r.address, "--region", r.region, "--key", r.key});
   CHECK(sender.readLine(std::chrono::seconds(60)) == "SENT");
   CHECK(r.child.readLine(std::chrono::seconds(60)) == "OK 9");
   CHECK(sender.wait() == 0);

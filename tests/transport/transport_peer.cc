@@ -1,9 +1,10 @@
 // A transport endpoint in its own process, for cross-process tests (peer killed mid-transfer,
 // network namespaces). Protocol on stdin/stdout, one line each:
 //   transport_peer recv --tls T [--protocol P] --size N
-//       prints "ADDRESS <hex>" and "REGION <hex>"; for each notification "check SEED LEN" prints
+//       prints "ADDRESS <hex>", "REGION <hex>" and "KEY <hex>" (a write key open over the whole
+//       region); for each notification "check SEED LEN" prints
 //       "OK SEED" or "BAD SEED OFFSET"; exits 0 at EOF on stdin.
-//   transport_peer send --tls T [--protocol P] --size N --seed S --address HEX --region HEX
+//   transport_peer send --tls T [--protocol P] --size N --seed S --address HEX --region HEX --key HEX
 //       writes N pattern bytes (64 MiB writes, pipelined), notifies "check S N", prints "SENT"
 //       (exit 0) or "ERROR <message>" (exit 1).
 #include <cstdio>
@@ -58,7 +59,9 @@ int main(int argc, char** argv) {
   if (role == "recv") {
     auto region = (*ctx)->registerMemory(buf.data(), buf.size(), MemoryKind::kHost);
     if (!region.ok()) return fail(region.status());
-    (*ctx)->setNotificationHandler([&](std::string msg) {
+    const WriteKey key = WriteKey::random();
+    (*ctx)->openFence(key, {{(*region)->remote().base, (*region)->size()}});
+    (*ctx)->setNotificationHandler([&](std::string msg, const WriteKey&) {
       uint64_t seed = 0, len = 0;
       if (std::sscanf(msg.c_str(), "check %lu %lu", &seed, &len) == 2) {
         const size_t bad = checkPattern(buf.data(), std::min<size_t>(len, buf.size()), seed);
@@ -69,8 +72,8 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       }
     });
-    std::printf("ADDRESS %s\nREGION %s\n", toHex((*ctx)->address()).c_str(),
-                toHex((*region)->remote().serialize()).c_str());
+    std::printf("ADDRESS %s\nREGION %s\nKEY %s\n", toHex((*ctx)->address()).c_str(),
+                toHex((*region)->remote().serialize()).c_str(), toHex(std::string(key.view())).c_str());
     std::fflush(stdout);
     std::string line;
     while (std::getline(std::cin, line)) {
@@ -84,6 +87,8 @@ int main(int argc, char** argv) {
   if (!region.ok()) return fail(region.status());
   auto remote = RemoteRegion::parse(fromHex(arg(argc, argv, "--region")));
   if (!remote.ok()) return fail(remote.status());
+  auto key = WriteKey::fromBytes(fromHex(arg(argc, argv, "--key")));
+  if (!key.ok()) return fail(key.status());
   auto ep = (*ctx)->connect(fromHex(arg(argc, argv, "--address")), "peer-recv");
   if (!ep.ok()) return fail(ep.status());
   const size_t chunk = size_t{64} << 20;
@@ -91,11 +96,12 @@ int main(int argc, char** argv) {
   for (size_t off = 0; off < size; off += chunk) {
     auto p = std::make_shared<std::promise<Status>>();
     pending.push_back(p->get_future());
-    (*ep)->write({*region, off, *remote, off, std::min(chunk, size - off)}, [p](Status st) { p->set_value(st); });
+    (*ep)->write({*region, off, *remote, off, std::min(chunk, size - off), *key}, [p](Status st) { p->set_value(st); });
   }
   auto p = std::make_shared<std::promise<Status>>();
   pending.push_back(p->get_future());
-  (*ep)->notify("check " + std::to_string(seed) + " " + std::to_string(size), [p](Status st) { p->set_value(st); });
+  (*ep)->notify("check " + std::to_string(seed) + " " + std::to_string(size), *key,
+                [p](Status st) { p->set_value(st); });
   for (auto& f : pending) {
     const Status st = f.get();
     if (!st.ok()) return fail(st);

@@ -84,11 +84,28 @@ Status await(const std::function<void(Completion)>& start, std::chrono::seconds 
   return f.get();
 }
 
-// Two contexts of one backend: A writes into B.
+std::shared_ptr<MemoryRegion> reg(Context& c, std::vector<unsigned char>& buf) {
+  auto r = c.registerMemory(buf.data(), buf.size(), MemoryKind::kHost);
+  INFO((r.ok() ? "" : std::string(r.status().message())));
+  REQUIRE(r.ok());
+  return *r;
+}
+
+// Two contexts of one backend: A writes into B, under a key B holds open over the memory it
+// offers as landing memory (landing()).
 template <typename B>
 struct Pair {
   std::unique_ptr<Context> a, b;
   std::shared_ptr<Endpoint> ep;
+  WriteKey key = WriteKey::random();
+  std::vector<LandingRange> ranges;
+  // Registers `buf` with B and opens the key over it too.
+  std::shared_ptr<MemoryRegion> landing(std::vector<unsigned char>& buf) { return land(reg(*b, buf)); }
+  std::shared_ptr<MemoryRegion> land(std::shared_ptr<MemoryRegion> r) {
+    ranges.push_back({r->remote().base, r->size()});
+    b->openFence(key, ranges);
+    return r;
+  }
   explicit Pair() {
     auto oa = B::options(), ob = B::options();
     oa.name = "sender";
@@ -106,13 +123,6 @@ struct Pair {
   }
 };
 
-std::shared_ptr<MemoryRegion> reg(Context& c, std::vector<unsigned char>& buf) {
-  auto r = c.registerMemory(buf.data(), buf.size(), MemoryKind::kHost);
-  INFO((r.ok() ? "" : std::string(r.status().message())));
-  REQUIRE(r.ok());
-  return *r;
-}
-
 }  // namespace
 
 #define BACKENDS Loopback, UcxDefault, UcxTcpAm, UcxTcpAmUcxSegment, UcxTcpPut, UcxShmPut, UcxShmAm
@@ -124,11 +134,11 @@ TEMPLATE_TEST_CASE("writes of 1 byte to 256 MiB at unaligned offsets arrive inta
   std::vector<unsigned char> src(kMax + 64), dst(kMax + 64);
   fillPattern(src.data(), src.size(), 42);
   auto rs = reg(*p.a, src);
-  auto rd = reg(*p.b, dst);
+  auto rd = p.landing(dst);
   for (size_t size : {size_t{1}, size_t{7}, size_t{4099}, (size_t{1} << 20) + 5, size_t{64} << 20, kMax}) {
     const size_t so = size % 61, doff = (size * 7 + 3) % 59;
     std::memset(dst.data(), 0, dst.size());
-    const Status st = await([&](Completion done) { p.ep->write({rs, so, rd->remote(), doff, size}, std::move(done)); });
+    const Status st = await([&](Completion done) { p.ep->write({rs, so, rd->remote(), doff, size, p.key}, std::move(done)); });
     INFO("size " << size);
     REQUIRE(st.ok());
     CHECK(checkPattern(dst.data() + doff, size, 42, so) == size);
@@ -145,7 +155,7 @@ TEMPLATE_TEST_CASE("many concurrent writes to disjoint ranges from several threa
   std::vector<unsigned char> src(kSlot * kThreads * kPerThread), dst(src.size());
   fillPattern(src.data(), src.size(), 7);
   auto rs = reg(*p.a, src);
-  auto rd = reg(*p.b, dst);
+  auto rd = p.landing(dst);
   std::atomic<int> ok{0}, failed{0};
   std::vector<std::thread> threads;
   std::promise<void> all_done;
@@ -156,7 +166,7 @@ TEMPLATE_TEST_CASE("many concurrent writes to disjoint ranges from several threa
       for (int i = 0; i < kPerThread; ++i) {
         const size_t slot = static_cast<size_t>(t * kPerThread + i) * kSlot;
         const size_t len = 1 + rng() % (kSlot - 1);  // each slot's bytes come from the same offset
-        p.ep->write({rs, slot, rd->remote(), slot, len}, [&, len](Status st) {
+        p.ep->write({rs, slot, rd->remote(), slot, len, p.key}, [&, len](Status st) {
           (st.ok() ? ok : failed)++;
           if (--left == 0) all_done.set_value();
         });
@@ -185,9 +195,9 @@ TEMPLATE_TEST_CASE("a batch of writes completes once, after all of them", "[tran
   std::vector<unsigned char> src(1 << 22), dst(1 << 22);
   fillPattern(src.data(), src.size(), 3);
   auto rs = reg(*p.a, src);
-  auto rd = reg(*p.b, dst);
+  auto rd = p.landing(dst);
   std::vector<WriteOp> ops;
-  for (size_t off = 0; off < src.size(); off += 16384) ops.push_back({rs, off, rd->remote(), off, 16384 - 1});
+  for (size_t off = 0; off < src.size(); off += 16384) ops.push_back({rs, off, rd->remote(), off, 16384 - 1, p.key});
   REQUIRE(await([&](Completion done) { p.ep->writeBatch(ops, std::move(done)); }).ok());
   for (size_t off = 0; off < src.size(); off += 16384) {
     REQUIRE(checkPattern(dst.data() + off, 16383, 3, off) == 16383);
@@ -200,11 +210,11 @@ TEMPLATE_TEST_CASE("notifications are delivered after the data written before th
   const size_t kSize = size_t{8} << 20;
   std::vector<unsigned char> src(kSize), dst(kSize);
   auto rs = reg(*p.a, src);
-  auto rd = reg(*p.b, dst);
+  auto rd = p.landing(dst);
   std::mutex mu;
   std::vector<std::string> seen;
   std::atomic<int> good{0}, bad{0};
-  p.b->setNotificationHandler([&](std::string payload) {
+  p.b->setNotificationHandler([&](std::string payload, const WriteKey&) {
     // Runs on B's progress thread: the data of round k must already be in place.
     const uint64_t seed = std::stoull(payload);
     (checkPattern(dst.data(), kSize, seed) == kSize ? good : bad)++;
@@ -215,15 +225,15 @@ TEMPLATE_TEST_CASE("notifications are delivered after the data written before th
     fillPattern(src.data(), kSize, round);
     // Two halves, then the notification, without waiting in between.
     std::promise<void> w1, w2;
-    p.ep->write({rs, 0, rd->remote(), 0, kSize / 2}, [&](Status st) {
+    p.ep->write({rs, 0, rd->remote(), 0, kSize / 2, p.key}, [&](Status st) {
       CHECK(st.ok());
       w1.set_value();
     });
-    p.ep->write({rs, kSize / 2, rd->remote(), kSize / 2, kSize / 2}, [&](Status st) {
+    p.ep->write({rs, kSize / 2, rd->remote(), kSize / 2, kSize / 2, p.key}, [&](Status st) {
       CHECK(st.ok());
       w2.set_value();
     });
-    REQUIRE(await([&](Completion done) { p.ep->notify(std::to_string(round), std::move(done)); }).ok());
+    REQUIRE(await([&](Completion done) { p.ep->notify(std::to_string(round), p.key, std::move(done)); }).ok());
     w1.get_future().wait();
     w2.get_future().wait();
     // Wait for the handler to run before the source changes.
@@ -251,11 +261,11 @@ TEMPLATE_TEST_CASE("a write's notice reaches the handler once that write's bytes
   const std::vector<size_t> lengths{kPart, kPart, kPart, kPart, kPart, 0};
   std::vector<unsigned char> src(kPart * lengths.size()), dst(src.size());
   auto rs = reg(*p.a, src);
-  auto rd = reg(*p.b, dst);
+  auto rd = p.landing(dst);
   std::mutex mu;
   std::vector<int> seen;
   int bad = 0;
-  p.b->setNotificationHandler([&](std::string payload) {
+  p.b->setNotificationHandler([&](std::string payload, const WriteKey&) {
     const int i = payload[0] - 'a';
     const bool in_place = checkPattern(dst.data() + i * kPart, lengths[i], 100 + i) == lengths[i];
     std::lock_guard<std::mutex> lock(mu);
@@ -271,7 +281,7 @@ TEMPLATE_TEST_CASE("a write's notice reaches the handler once that write's bytes
     std::vector<std::future<Status>> writes;
     for (size_t i = 0; i < lengths.size(); ++i) {
       fillPattern(src.data() + i * kPart, lengths[i], 100 + i);
-      WriteOp op{rs, i * kPart, rd->remote(), i * kPart, lengths[i]};
+      WriteOp op{rs, i * kPart, rd->remote(), i * kPart, lengths[i], p.key};
       op.notice = std::string(notice_bytes[i], static_cast<char>('a' + i));
       auto done = std::make_shared<std::promise<Status>>();
       writes.push_back(done->get_future());
@@ -293,7 +303,7 @@ TEMPLATE_TEST_CASE("a write's notice reaches the handler once that write's bytes
     CHECK(seen == std::vector<int>{0, 1, 2, 3, 4, 5});  // each notice once
     CHECK(bad == 0);
   }
-  WriteOp too_long{rs, 0, rd->remote(), 0, 8};
+  WriteOp too_long{rs, 0, rd->remote(), 0, 8, p.key};
   too_long.notice = std::string(kMaxNotifyBytes + 1, 'x');
   const Status st = await([&](Completion done) { p.ep->write(std::move(too_long), std::move(done)); });
   CHECK(st.code() == absl::StatusCode::kInvalidArgument);
@@ -317,24 +327,24 @@ TEMPLATE_TEST_CASE("bad ranges and closed endpoints fail with a clear error - co
   Pair<TestType> p;
   std::vector<unsigned char> src(4096), dst(4096);
   auto rs = reg(*p.a, src);
-  auto rd = reg(*p.b, dst);
-  Status st = await([&](Completion done) { p.ep->write({rs, 4000, rd->remote(), 0, 200}, std::move(done)); });
+  auto rd = p.landing(dst);
+  Status st = await([&](Completion done) { p.ep->write({rs, 4000, rd->remote(), 0, 200, p.key}, std::move(done)); });
   CHECK(st.code() == absl::StatusCode::kOutOfRange);
   CHECK_THAT(std::string(st.message()), Catch::Contains("source range") && Catch::Contains("receiver"));
-  st = await([&](Completion done) { p.ep->write({rs, 0, rd->remote(), 4000, 200}, std::move(done)); });
+  st = await([&](Completion done) { p.ep->write({rs, 0, rd->remote(), 4000, 200, p.key}, std::move(done)); });
   CHECK_FALSE(st.ok());
   if (TestType::kChecksTargets) {
     // A forged descriptor claiming more than was registered: the receiver refuses the range.
     RemoteRegion forged = rd->remote();
     forged.size = 1 << 20;
-    st = await([&](Completion done) { p.ep->write({rs, 0, forged, 8192, 100}, std::move(done)); });
+    st = await([&](Completion done) { p.ep->write({rs, 0, forged, 8192, 100, p.key}, std::move(done)); });
     CHECK(st.code() == absl::StatusCode::kPermissionDenied);
-    CHECK_THAT(std::string(st.message()), Catch::Contains("not inside memory"));
+    CHECK_THAT(std::string(st.message()), Catch::Contains("write refused by the peer"));
   }
   CHECK(p.ep->open());
   p.ep->close();
   CHECK_FALSE(p.ep->open());
-  st = await([&](Completion done) { p.ep->write({rs, 0, rd->remote(), 0, 100}, std::move(done)); });
+  st = await([&](Completion done) { p.ep->write({rs, 0, rd->remote(), 0, 100, p.key}, std::move(done)); });
   CHECK(st.code() == absl::StatusCode::kFailedPrecondition);
   CHECK_THAT(std::string(st.message()), Catch::Contains("closed"));
   // The same peer again: a new endpoint, not the closed one, and it writes.
@@ -343,12 +353,74 @@ TEMPLATE_TEST_CASE("bad ranges and closed endpoints fail with a clear error - co
   CHECK(again->get() != p.ep.get());
   CHECK((*again)->open());
   std::fill(src.begin(), src.end(), 0xab);
-  st = await([&](Completion done) { (*again)->write({rs, 0, rd->remote(), 0, 100}, std::move(done)); });
+  st = await([&](Completion done) { (*again)->write({rs, 0, rd->remote(), 0, 100, p.key}, std::move(done)); });
   CHECK(st.ok());
   CHECK(dst[99] == 0xab);
   auto same = p.a->connect(p.b->address(), "receiver");
   REQUIRE(same.ok());
   CHECK(same->get() == again->get());  // an open endpoint is reused
+}
+
+TEMPLATE_TEST_CASE("a write lands only under a key open there, inside its ranges, and every refusal looks the same",
+                   "[transport][security]", BACKENDS) {
+  if (!TestType::kChecksTargets) {
+    SUCCEED("put: the hardware's remote key bounds writes, not the target (docs/transport.md)");
+    return;
+  }
+  Pair<TestType> p;
+  std::vector<unsigned char> src(8192, 0x5a), offered(4096), private_memory(4096);
+  auto rs = reg(*p.a, src);
+  auto rd = p.landing(offered);
+  auto rp = reg(*p.b, private_memory);  // registered, but no landing range of any key
+  std::atomic<int> delivered{0};
+  p.b->setNotificationHandler([&](std::string, const WriteKey& key) {
+    CHECK(key == p.key);
+    ++delivered;
+  });
+  auto write = [&](const WriteOp& op) { return await([&](Completion done) { p.ep->write(op, std::move(done)); }); };
+  const WriteKey guessed = WriteKey::random();
+  std::vector<Status> refusals;
+  refusals.push_back(write({rs, 0, rd->remote(), 0, 100, guessed}));  // a guessed key, an offered range
+  refusals.push_back(write({rs, 0, rp->remote(), 0, 100, p.key}));    // the key, memory it does not open
+  RemoteRegion beyond = rd->remote();
+  beyond.size = 1 << 20;
+  refusals.push_back(write({rs, 0, beyond, 4000, 200, p.key}));  // past the range (and the region)
+  for (const Status& st : refusals) {
+    CHECK(st.code() == absl::StatusCode::kPermissionDenied);
+    // One answer: nothing says whether the range or the key was wrong.
+    CHECK(st.message() == refusals.front().message());
+  }
+  CHECK(std::all_of(offered.begin(), offered.end(), [](unsigned char c) { return c == 0; }));
+  CHECK(std::all_of(private_memory.begin(), private_memory.end(), [](unsigned char c) { return c == 0; }));
+  // No key at all is refused before anything travels.
+  CHECK(write({rs, 0, rd->remote(), 0, 100, WriteKey{}}).code() == absl::StatusCode::kInvalidArgument);
+  // Under the key, inside its range: lands. Notifications: only under the open key.
+  REQUIRE(write({rs, 0, rd->remote(), 0, 100, p.key}).ok());
+  CHECK(offered[99] == 0x5a);
+  REQUIRE(await([&](Completion done) { p.ep->notify("under the key", p.key, std::move(done)); }).ok());
+  REQUIRE(await([&](Completion done) { p.ep->notify("guessed", guessed, std::move(done)); }).ok());
+  for (int i = 0; i < 2000 && delivered < 1; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // Closed: the same write is refused with the same answer.
+  CHECK(p.b->closeFence(p.key, std::chrono::seconds(5)));
+  const Status closed = write({rs, 0, rd->remote(), 100, 100, p.key});
+  CHECK(closed.code() == absl::StatusCode::kPermissionDenied);
+  CHECK(closed.message() == refusals.front().message());
+  CHECK(offered[100] == 0);
+  REQUIRE(await([&](Completion done) { p.ep->notify("after close", p.key, std::move(done)); }).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  CHECK(delivered == 1);  // only "under the key"
+}
+
+TEST_CASE("write keys: 128 random bits, parsed strictly", "[transport][security]") {
+  const WriteKey a = WriteKey::random(), b = WriteKey::random();
+  CHECK_FALSE(a.empty());
+  CHECK(a != b);
+  auto back = WriteKey::fromBytes(a.view());
+  REQUIRE(back.ok());
+  CHECK(*back == a);
+  CHECK_FALSE(WriteKey::fromBytes(std::string(15, 'x')).ok());
+  CHECK_FALSE(WriteKey::fromBytes(std::string(17, 'x')).ok());
+  CHECK_FALSE(WriteKey::fromBytes(std::string(16, '\0')).ok());  // the old "fence 0": no key
 }
 
 TEST_CASE("remote region descriptors round-trip and reject garbage", "[transport]") {
@@ -437,12 +509,13 @@ TEMPLATE_TEST_CASE("backend-allocated landing buffers receive writes", "[transpo
   const size_t kSize = (size_t{16} << 20) + 3;
   auto landing = p.b->allocateMemory(kSize);
   REQUIRE(landing.ok());
+  p.land(*landing);
   REQUIRE((*landing)->size() == kSize);
   std::memset((*landing)->data(), 0, kSize);
   std::vector<unsigned char> src(kSize);
   fillPattern(src.data(), kSize, 11);
   auto rs = reg(*p.a, src);
-  REQUIRE(await([&](Completion done) { p.ep->write({rs, 0, (*landing)->remote(), 0, kSize}, std::move(done)); }).ok());
+  REQUIRE(await([&](Completion done) { p.ep->write({rs, 0, (*landing)->remote(), 0, kSize, p.key}, std::move(done)); }).ok());
   CHECK(checkPattern(static_cast<unsigned char*>((*landing)->data()), kSize, 11) == kSize);
   CHECK_FALSE(p.b->allocateMemory(0).ok());
 }

@@ -24,7 +24,7 @@ struct LoopbackState {
   TaskQueue& tasks = mailbox.queue();
   RegionTable regions;
   std::mutex handler_mu;
-  std::function<void(std::string)> handler;
+  Context::NotificationHandler handler;
 };
 
 std::mutex g_registry_mu;
@@ -75,30 +75,35 @@ class LoopbackEndpoint final : public Endpoint {
         return done(
             absl::UnavailableError(strCat("peer '", this_ep->peer_name_, "' (", this_ep->peer_address_, ") is gone")));
       for (const WriteOp& op : ops) {
-        Status st = this_ep->check(op, *peer);
-        if (!st.ok()) return done(st);
-        std::shared_ptr<void> hold = op.fence ? peer->regions.enterFence(op.fence) : nullptr;
-        if (op.fence && !hold)
-          return done(absl::AbortedError(
-              strCat("write to peer '", this_ep->peer_name_, "': its fence is closed there (the sync ended)")));
+        if (Status st = checkWriteRanges(op, this_ep->peer_name_); !st.ok()) return done(st);
+        // The target's own check, as UCX's active-message handler makes it on arrival: the key
+        // open there, the range inside its landing ranges and registered memory; one answer.
+        auto landing = peer->regions.admit(op.key, op.dst.base + op.dst_offset, op.length);
+        if (!landing)
+          return done(absl::PermissionDeniedError(strCat("write to peer '", this_ep->peer_name_,
+                                                         "': write refused by the peer (no open sync attempt of "
+                                                         "this key lands there)")));
         std::memcpy(reinterpret_cast<void*>(op.dst.base + op.dst_offset),
                     static_cast<const std::byte*>(op.src->data()) + op.src_offset, op.length);
-        if (!op.notice.empty()) deliver(peer, op.notice);
+        if (!op.notice.empty()) deliver(peer, op.notice, op.key);
       }
       done(absl::OkStatus());
     });
     if (!posted) fallback(absl::FailedPreconditionError("transport context is shut down"));
   }
 
-  void notify(std::string payload, Completion done) override {
+  void notify(std::string payload, const WriteKey& key, Completion done) override {
     auto fallback = done;
-    const bool posted = self_->mailbox.post([this_ep = this, payload = std::move(payload), done = std::move(done),
+    const bool posted = self_->mailbox.post([this_ep = this, payload = std::move(payload), key, done = std::move(done),
                                              closed = closed_]() mutable {
       if (closed->load())
         return done(absl::FailedPreconditionError(strCat("endpoint to peer '", this_ep->peer_name_, "' is closed")));
       auto peer = lookup(this_ep->peer_address_);
       if (!peer) return done(absl::UnavailableError(strCat("peer '", this_ep->peer_name_, "' is gone")));
-      deliver(peer, std::move(payload));
+      if (key.empty())
+        return done(absl::InvalidArgumentError(strCat("notification to peer '", this_ep->peer_name_, "': no write key")));
+      // Dropped there unless the key is open, as UCX's handler does.
+      if (peer->regions.fenceOpen(key)) deliver(peer, std::move(payload), key);
       done(absl::OkStatus());
     });
     if (!posted) fallback(absl::FailedPreconditionError("transport context is shut down"));
@@ -110,24 +115,15 @@ class LoopbackEndpoint final : public Endpoint {
 
  private:
   // To the peer's notification handler, on the peer's thread.
-  static void deliver(const std::shared_ptr<LoopbackState>& peer, std::string payload) {
-    peer->mailbox.post([peer, payload = std::move(payload)]() mutable {
-      std::function<void(std::string)> handler;
+  static void deliver(const std::shared_ptr<LoopbackState>& peer, std::string payload, const WriteKey& key) {
+    peer->mailbox.post([peer, payload = std::move(payload), key]() mutable {
+      Context::NotificationHandler handler;
       {
         std::lock_guard<std::mutex> lock(peer->handler_mu);
         handler = peer->handler;
       }
-      if (handler) handler(std::move(payload));
+      if (handler) handler(std::move(payload), key);
     });
-  }
-
-  Status check(const WriteOp& op, LoopbackState& peer) const {
-    SC_RETURN_IF_ERROR(checkWriteRanges(op, peer_name_));
-    // The target's own check (UCX's active-message handler makes the same one on arrival).
-    if (!peer.regions.covers(op.dst.base + op.dst_offset, op.length))
-      return absl::PermissionDeniedError(strCat("write to peer '", peer_name_, "': target range [", op.dst_offset,
-                                                ", +", op.length, ") is not inside memory the peer registered"));
-    return absl::OkStatus();
   }
 
   std::shared_ptr<LoopbackState> self_;
@@ -161,9 +157,11 @@ class LoopbackContext final : public Context {
   }
 
   std::string describe() const override { return "loopback"; }
-  void openFence(uint64_t fence) override { state_->regions.openFence(fence); }
-  bool closeFence(uint64_t fence, std::chrono::milliseconds timeout) override {
-    return state_->regions.closeFence(fence, timeout);
+  void openFence(const WriteKey& key, std::vector<LandingRange> ranges) override {
+    state_->regions.openFence(key, std::move(ranges));
+  }
+  bool closeFence(const WriteKey& key, std::chrono::milliseconds timeout) override {
+    return state_->regions.closeFence(key, timeout);
   }
   std::string address() const override { return address_; }
   bool canAccess(MemoryKind kind) const override { return kind == MemoryKind::kHost; }
@@ -204,7 +202,7 @@ class LoopbackContext final : public Context {
     return std::shared_ptr<Endpoint>(ep);
   }
 
-  void setNotificationHandler(std::function<void(std::string)> handler) override {
+  void setNotificationHandler(NotificationHandler handler) override {
     std::lock_guard<std::mutex> lock(state_->handler_mu);
     state_->handler = std::move(handler);
   }

@@ -19,6 +19,7 @@
 #include "common/strings.h"
 #include "transport/region_table.h"
 #include "transport/task_queue.h"
+#include "transport/ucx/wire.h"
 
 namespace shardcast::transport {
 
@@ -26,24 +27,14 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr unsigned kAmData = 1;    // header: DataHeader, then its notice; payload: the bytes to place
-constexpr unsigned kAmAck = 2;     // header: AckHeader; payload: error message (if any)
-constexpr unsigned kAmNotify = 3;  // payload: the notification
+// Active-message ids; every header is written and read by transport/ucx/wire.h.
+constexpr unsigned kAmData = 1;    // header: data header, then its notice; payload: the bytes to place
+constexpr unsigned kAmAck = 2;     // header: ack header; payload: error message (if any)
+constexpr unsigned kAmNotify = 3;  // header: notify header (the key); payload: the notification
 
-struct DataHeader {
-  uint64_t op_id;
-  uint64_t addr;
-  uint64_t length;
-  uint64_t fence;         // WriteOp::fence
-  uint32_t notice_bytes;  // WriteOp::notice, right after this header
-  uint32_t pad;
-};
-
-struct AckHeader {
-  uint64_t op_id;
-  int32_t code;  // absl::StatusCode
-  int32_t pad;
-};
+// The one answer a refused write gets, whatever refused it (no key, a closed key, a range outside
+// the key's landing ranges, memory not registered): a sender learns nothing about where memory is.
+constexpr char kRefused[] = "write refused by the peer (no open sync attempt of this key lands there)";
 
 std::string ucxError(const std::string& what, ucs_status_t st) { return strCat(what, ": ", ucs_status_string(st)); }
 
@@ -111,6 +102,7 @@ struct EpState {
   std::set<uint64_t> incomplete;  // seqs of writes not yet visible at the peer
   struct PendingNotify {
     std::string payload;
+    WriteKey key;
     uint64_t after_seq;
     Completion done;
   };
@@ -129,15 +121,15 @@ struct PendingOp {
 
 // The per-request callback context: which engine and operation a UCX request belongs to.
 struct RequestCtx {
-  UcxEngine* engine;
-  uint64_t op_id;           // 0: no operation to account (acks, notifications)
-  std::string data_header;  // an AM write's: DataHeader and its notice (empty for other requests)
-  std::unique_ptr<AckHeader> ack_header;
+  UcxEngine* engine = nullptr;
+  uint64_t op_id = 0;           // 0: no operation to account (acks, notifications)
+  bool data = false;            // an AM write, whose ack reports its outcome
+  std::string header;           // the AM header (wire.h), kept alive until sent
   std::string payload;          // notification / ack message bytes kept alive until sent; receiver: a write's notice
   Completion done;              // notifications
   ucp_ep_h reply_ep = nullptr;  // receiver side: where to ack a rendezvous receive
-  std::shared_ptr<MemoryRegion> target;  // receiver side: kept registered until the data is in
-  std::shared_ptr<void> fence;           // receiver side: the write's fence held until it is in
+  WriteKey key{};               // receiver side: the key a write's notice is delivered under
+  RegionTable::Landing landing;  // receiver side: the write's fence and target region, held until it is in
 };
 
 class UcxEndpoint;
@@ -165,7 +157,7 @@ class UcxEngine {
   std::shared_ptr<RegionTable> regions() const { return regions_; }
   Mailbox& mailbox() { return mailbox_; }
 
-  void setHandler(std::function<void(std::string)> h) {
+  void setHandler(Context::NotificationHandler h) {
     std::lock_guard<std::mutex> lock(handler_mu_);
     handler_ = std::move(h);
   }
@@ -173,7 +165,7 @@ class UcxEngine {
   // ---- progress thread only ----
   StatusOr<std::shared_ptr<EpState>> openEndpoint(const std::string& address, const std::string& name);
   void submitWrites(const std::shared_ptr<EpState>& ep, std::vector<WriteOp> ops, Completion done);
-  void submitNotify(const std::shared_ptr<EpState>& ep, std::string payload, Completion done);
+  void submitNotify(const std::shared_ptr<EpState>& ep, std::string payload, const WriteKey& key, Completion done);
   void closeEndpoint(const std::shared_ptr<EpState>& ep, bool force);
 
  private:
@@ -184,15 +176,17 @@ class UcxEngine {
   // quiet: an intentional close (logged at debug), not a failure.
   void failEndpoint(EpState& ep, const Status& st, bool quiet = false);
   void flushNotifies(EpState& ep);
-  void sendNotify(EpState& ep, std::string payload, Completion done);
+  void sendNotify(EpState& ep, std::string payload, const WriteKey& key, Completion done);
   void checkDeadlines();
   void sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st);
   StatusOr<ucp_rkey_h> rkeyFor(EpState& ep, const std::string& packed);
   ucs_status_t onData(const void* header, size_t header_length, void* data, size_t length,
                       const ucp_am_recv_param_t* param);
   ucs_status_t onAck(const void* header, size_t header_length, void* data, size_t length);
-  ucs_status_t onNotify(void* data, size_t length, const ucp_am_recv_param_t* param);
-  void deliver(std::string payload);  // to the notification handler
+  ucs_status_t onNotify(const void* header, size_t header_length, void* data, size_t length,
+                        const ucp_am_recv_param_t* param);
+  void deliver(std::string payload, const WriteKey& key);  // to the notification handler
+  void warnRefused(const std::string& what);               // rate-limited: peers are untrusted
 
   TransportOptions options_;
   std::shared_ptr<UcxCore> core_;
@@ -205,7 +199,8 @@ class UcxEngine {
   size_t max_am_header_ = 0;  // a notice travels in its write's header when that fits in this
   Mailbox mailbox_;
   std::mutex handler_mu_;
-  std::function<void(std::string)> handler_;
+  Context::NotificationHandler handler_;
+  uint64_t refused_ = 0;  // messages refused or dropped (progress thread only)
   // Progress thread state.
   std::unordered_map<uint64_t, PendingOp> ops_;
   uint64_t next_op_ = 1;
@@ -222,7 +217,7 @@ struct Callbacks {
     if (ctx->op_id) {
       // A put, a flush, or an AM send whose ack will report the outcome: only errors count here,
       // except for puts and flushes which are complete once sent.
-      if (st != UCS_OK || ctx->data_header.empty())
+      if (st != UCS_OK || !ctx->data)
         ctx->engine->partDone(ctx->op_id, st == UCS_OK ? Status() : statusFromUcs("send", st));
     } else if (ctx->done) {
       ctx->done(st == UCS_OK ? Status() : statusFromUcs("notification", st));
@@ -232,7 +227,7 @@ struct Callbacks {
   }
   static void onRecvData(void* request, ucs_status_t st, size_t, void* user) {
     auto* ctx = static_cast<RequestCtx*>(user);
-    if (st == UCS_OK && !ctx->payload.empty()) ctx->engine->deliver(std::move(ctx->payload));
+    if (st == UCS_OK && !ctx->payload.empty()) ctx->engine->deliver(std::move(ctx->payload), ctx->key);
     ctx->engine->sendAck(ctx->reply_ep, ctx->op_id, st == UCS_OK ? Status() : statusFromUcs("receive", st));
     delete ctx;
     if (request) ucp_request_free(request);
@@ -245,9 +240,9 @@ struct Callbacks {
                               const ucp_am_recv_param_t*) {
     return static_cast<UcxEngine*>(arg)->onAck(header, hlen, data, len);
   }
-  static ucs_status_t onAmNotify(void* arg, const void*, size_t, void* data, size_t len,
+  static ucs_status_t onAmNotify(void* arg, const void* header, size_t hlen, void* data, size_t len,
                                  const ucp_am_recv_param_t* param) {
-    return static_cast<UcxEngine*>(arg)->onNotify(data, len, param);
+    return static_cast<UcxEngine*>(arg)->onNotify(header, hlen, data, len, param);
   }
   static void onEpError(void* arg, ucp_ep_h, ucs_status_t st) {
     auto* ep = static_cast<EpState*>(arg);
@@ -399,11 +394,11 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
   // Notices that cannot ride in their write's header (put, or too long for it) follow as
   // notifications once this operation succeeded (never for a failed write); the caller's
   // completion then waits for them too.
-  std::vector<std::string> follow;
+  std::vector<std::pair<std::string, WriteKey>> follow;
   for (WriteOp& w : ops)
-    if (!w.notice.empty() &&
-        (protocol_ == Protocol::kPut || w.length == 0 || sizeof(DataHeader) + w.notice.size() > max_am_header_))
-      follow.push_back(std::move(w.notice));
+    if (!w.notice.empty() && (protocol_ == Protocol::kPut || w.length == 0 ||
+                              ucx_wire::kDataHeaderBytes + w.notice.size() > max_am_header_))
+      follow.emplace_back(std::move(w.notice), w.key);
   if (!follow.empty()) {
     struct Join {
       size_t left;
@@ -417,9 +412,9 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
     };
     // Runs in finishOp, which sends the queued notifications next (or at shutdown, failed).
     op.done = [ep, seq = op.seq, follow = std::move(follow), part](Status st) mutable {
-      for (std::string& n : follow) {
+      for (auto& [n, key] : follow) {
         if (st.ok())
-          ep->notifies.push_back({std::move(n), seq, part});
+          ep->notifies.push_back({std::move(n), key, seq, part});
         else
           part(st);
       }
@@ -440,7 +435,7 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
     if (!hold()) return;
     auto* region = static_cast<UcxRegion*>(w.src.get());
     void* src = static_cast<std::byte*>(w.src->data()) + w.src_offset;
-    auto* ctx = new RequestCtx{this, id, {}, nullptr, {}, {}, nullptr, nullptr, nullptr};
+    auto* ctx = new RequestCtx{.engine = this, .op_id = id};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH |
                       UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
@@ -457,12 +452,11 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
       }
       req = ucp_put_nbx(ep->ep, src, w.length, w.dst.base + w.dst_offset, *rkey, &rp);
     } else {
-      const DataHeader h{id, w.dst.base + w.dst_offset, w.length, w.fence, static_cast<uint32_t>(w.notice.size()), 0};
-      ctx->data_header.assign(reinterpret_cast<const char*>(&h), sizeof(h));
-      ctx->data_header += w.notice;
+      ctx->data = true;
+      ctx->header = ucx_wire::encodeData(id, w.dst.base + w.dst_offset, w.length, w.key, w.notice);
       rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
       rp.flags = UCP_AM_SEND_FLAG_REPLY;
-      req = ucp_am_send_nbx(ep->ep, kAmData, ctx->data_header.data(), ctx->data_header.size(), src, w.length, &rp);
+      req = ucp_am_send_nbx(ep->ep, kAmData, ctx->header.data(), ctx->header.size(), src, w.length, &rp);
     }
     if (UCS_PTR_IS_ERR(req)) {
       delete ctx;
@@ -473,7 +467,7 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
   if (protocol_ == Protocol::kPut) {
     // Remote visibility: a flush completes after every earlier put reached the peer's memory.
     if (!hold()) return;
-    auto* ctx = new RequestCtx{this, id, {}, nullptr, {}, {}, nullptr, nullptr, nullptr};
+    auto* ctx = new RequestCtx{.engine = this, .op_id = id};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.send = &Callbacks::onSend;
@@ -508,12 +502,15 @@ void UcxEngine::finishOp(uint64_t op_id) {
   flushNotifies(*op.ep);
 }
 
-void UcxEngine::submitNotify(const std::shared_ptr<EpState>& ep, std::string payload, Completion done) {
+void UcxEngine::submitNotify(const std::shared_ptr<EpState>& ep, std::string payload, const WriteKey& key,
+                             Completion done) {
   if (!ep->error.ok()) return done(ep->error);
+  if (key.empty())
+    return done(absl::InvalidArgumentError(strCat("notification to peer '", ep->name, "': no write key")));
   if (payload.size() > kMaxNotifyBytes)
     return done(
         absl::InvalidArgumentError(strCat("notification of ", payload.size(), " bytes exceeds ", kMaxNotifyBytes)));
-  ep->notifies.push_back({std::move(payload), ep->next_seq - 1, std::move(done)});
+  ep->notifies.push_back({std::move(payload), key, ep->next_seq - 1, std::move(done)});
   flushNotifies(*ep);
 }
 
@@ -524,19 +521,21 @@ void UcxEngine::flushNotifies(EpState& ep) {
     if (!ep.incomplete.empty() && *ep.incomplete.begin() <= n.after_seq) return;
     auto pending = std::move(n);
     ep.notifies.pop_front();
-    sendNotify(ep, std::move(pending.payload), std::move(pending.done));
+    sendNotify(ep, std::move(pending.payload), pending.key, std::move(pending.done));
   }
 }
 
-void UcxEngine::sendNotify(EpState& ep, std::string payload, Completion done) {
+void UcxEngine::sendNotify(EpState& ep, std::string payload, const WriteKey& key, Completion done) {
   if (!ep.error.ok()) return done(ep.error);
-  auto* ctx = new RequestCtx{this, 0, {}, nullptr, std::move(payload), std::move(done), nullptr, nullptr, nullptr};
+  auto* ctx = new RequestCtx{
+      .engine = this, .header = ucx_wire::encodeNotify(key), .payload = std::move(payload), .done = std::move(done)};
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   rp.cb.send = &Callbacks::onSend;
   rp.user_data = ctx;
   rp.flags = UCP_AM_SEND_FLAG_EAGER;
-  ucs_status_ptr_t req = ucp_am_send_nbx(ep.ep, kAmNotify, nullptr, 0, ctx->payload.data(), ctx->payload.size(), &rp);
+  ucs_status_ptr_t req = ucp_am_send_nbx(ep.ep, kAmNotify, ctx->header.data(), ctx->header.size(), ctx->payload.data(),
+                                         ctx->payload.size(), &rp);
   if (req == nullptr || UCS_PTR_IS_ERR(req)) {
     const ucs_status_t st = req == nullptr ? UCS_OK : UCS_PTR_STATUS(req);
     Completion cb = std::move(ctx->done);
@@ -615,21 +614,15 @@ void UcxEngine::checkDeadlines() {
 
 void UcxEngine::sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st) {
   if (!reply_ep) return;
-  auto* ctx = new RequestCtx{this,
-                             0,
-                             {},
-                             std::make_unique<AckHeader>(AckHeader{op_id, static_cast<int32_t>(st.code()), 0}),
-                             std::string(st.message()),
-                             {},
-                             nullptr,
-                             nullptr,
-                             nullptr};
+  auto* ctx = new RequestCtx{.engine = this,
+                             .header = ucx_wire::encodeAck(op_id, static_cast<int32_t>(st.code())),
+                             .payload = std::string(st.message())};
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   rp.cb.send = &Callbacks::onSend;
   rp.user_data = ctx;
   rp.flags = UCP_AM_SEND_FLAG_EAGER;
-  ucs_status_ptr_t req = ucp_am_send_nbx(reply_ep, kAmAck, ctx->ack_header.get(), sizeof(AckHeader),
+  ucs_status_ptr_t req = ucp_am_send_nbx(reply_ep, kAmAck, ctx->header.data(), ctx->header.size(),
                                          ctx->payload.data(), ctx->payload.size(), &rp);
   if (req == nullptr || UCS_PTR_IS_ERR(req)) {
     if (UCS_PTR_IS_ERR(req))
@@ -641,81 +634,96 @@ void UcxEngine::sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st) {
 ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size_t len,
                                const ucp_am_recv_param_t* param) {
   ucp_ep_h reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr;
-  DataHeader h{};
-  if (hlen >= sizeof(DataHeader)) std::memcpy(&h, header, sizeof(h));
-  if (hlen < sizeof(DataHeader) || hlen - sizeof(DataHeader) != h.notice_bytes) {
-    spdlog::warn("transport '{}': dropped a data message with a {}-byte header", options_.name, hlen);
-    // Refused at once, not left to time out, where the header still names the operation (a peer
-    // of another version, whose header differs).
-    if (hlen >= sizeof(uint64_t)) {
-      uint64_t op_id = 0;
-      std::memcpy(&op_id, header, sizeof(op_id));
+  const std::string_view bytes(static_cast<const char*>(header), hlen);
+  auto h = ucx_wire::parseHeader(bytes, ucx_wire::MessageType::kData);
+  if (!h.ok()) {
+    warnRefused(strCat("dropped a data message: ", h.status().message()));
+    // Refused at once, not left to time out, where the header still names the operation (a
+    // shardcastd of another version).
+    if (const uint64_t op_id = ucx_wire::foreignOpId(bytes); op_id != 0)
       sendAck(reply, op_id,
-              absl::FailedPreconditionError(strCat("the peer refused a data message with a ", hlen,
-                                                   "-byte header (a shardcastd of another version?)")));
-    }
+              absl::FailedPreconditionError(strCat("the peer refused a data message: ", h.status().message())));
     return UCS_OK;
   }
-  std::string notice(static_cast<const char*>(header) + sizeof(DataHeader), h.notice_bytes);
-  std::shared_ptr<MemoryRegion> target = h.length == len ? regions_->containing(h.addr, len) : nullptr;
-  if (!target) {
-    sendAck(reply, h.op_id,
-            absl::PermissionDeniedError(strCat("target range of ", len, " bytes at 0x", std::hex, h.addr,
-                                               " is not inside memory registered here")));
+  // The key first, then the range inside the key's landing ranges, then registered memory: one
+  // answer for all of them.
+  RegionTable::Landing landing = h->length == len ? regions_->admit(h->key, h->addr, len) : RegionTable::Landing{};
+  if (!landing) {
+    warnRefused(strCat("refused a write of ", len, " bytes"));
+    sendAck(reply, h->op_id, absl::PermissionDeniedError(kRefused));
     return UCS_OK;
   }
-  std::shared_ptr<void> fence = h.fence ? regions_->enterFence(h.fence) : nullptr;
-  if (h.fence && !fence) {
-    sendAck(reply, h.op_id, absl::AbortedError("the write's fence is closed here (its sync ended)"));
-    return UCS_OK;
-  }
+  std::string notice(h->notice);
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-    auto* ctx =
-        new RequestCtx{this, h.op_id, {}, nullptr, std::move(notice), {}, reply, std::move(target), std::move(fence)};
+    auto* ctx = new RequestCtx{.engine = this,
+                               .op_id = h->op_id,
+                               .payload = std::move(notice),
+                               .reply_ep = reply,
+                               .key = h->key,
+                               .landing = std::move(landing)};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.recv_am = &Callbacks::onRecvData;
     rp.user_data = ctx;
-    ucs_status_ptr_t req = ucp_am_recv_data_nbx(worker_, data, reinterpret_cast<void*>(h.addr), len, &rp);
+    ucs_status_ptr_t req = ucp_am_recv_data_nbx(worker_, data, reinterpret_cast<void*>(h->addr), len, &rp);
     if (req == nullptr || UCS_PTR_IS_ERR(req)) {
-      if (req == nullptr && !ctx->payload.empty()) deliver(std::move(ctx->payload));  // landed at once
-      sendAck(reply, h.op_id, req == nullptr ? Status() : statusFromUcs("receive", UCS_PTR_STATUS(req)));
+      if (req == nullptr && !ctx->payload.empty()) deliver(std::move(ctx->payload), h->key);  // landed at once
+      sendAck(reply, h->op_id, req == nullptr ? Status() : statusFromUcs("receive", UCS_PTR_STATUS(req)));
       delete ctx;
     }
     return UCS_OK;
   }
-  std::memcpy(reinterpret_cast<void*>(h.addr), data, len);
-  if (!notice.empty()) deliver(std::move(notice));
-  sendAck(reply, h.op_id, Status());
+  std::memcpy(reinterpret_cast<void*>(h->addr), data, len);
+  if (!notice.empty()) deliver(std::move(notice), h->key);
+  sendAck(reply, h->op_id, Status());
   return UCS_OK;
 }
 
 ucs_status_t UcxEngine::onAck(const void* header, size_t hlen, void* data, size_t len) {
-  if (hlen != sizeof(AckHeader)) return UCS_OK;
-  AckHeader h;
-  std::memcpy(&h, header, sizeof(h));
-  const auto code = static_cast<absl::StatusCode>(h.code);
-  partDone(h.op_id,
+  auto h = ucx_wire::parseHeader({static_cast<const char*>(header), hlen}, ucx_wire::MessageType::kAck);
+  if (!h.ok()) {
+    warnRefused(strCat("dropped an ack: ", h.status().message()));
+    return UCS_OK;
+  }
+  const auto code = static_cast<absl::StatusCode>(h->code);
+  partDone(h->op_id,
            code == absl::StatusCode::kOk ? Status() : Status(code, std::string(static_cast<char*>(data), len)));
   return UCS_OK;
 }
 
-ucs_status_t UcxEngine::onNotify(void* data, size_t len, const ucp_am_recv_param_t* param) {
-  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-    spdlog::warn("transport '{}': dropped a rendezvous notification of {} bytes", options_.name, len);
+ucs_status_t UcxEngine::onNotify(const void* header, size_t hlen, void* data, size_t len,
+                                 const ucp_am_recv_param_t* param) {
+  auto h = ucx_wire::parseHeader({static_cast<const char*>(header), hlen}, ucx_wire::MessageType::kNotify);
+  if (!h.ok()) {
+    warnRefused(strCat("dropped a notification: ", h.status().message()));
     return UCS_OK;
   }
-  deliver(std::string(static_cast<char*>(data), len));
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    warnRefused(strCat("dropped a rendezvous notification of ", len, " bytes"));
+    return UCS_OK;
+  }
+  if (!regions_->fenceOpen(h->key)) {
+    warnRefused("dropped a notification under a key not open here");
+    return UCS_OK;
+  }
+  deliver(std::string(static_cast<char*>(data), len), h->key);
   return UCS_OK;
 }
 
-void UcxEngine::deliver(std::string payload) {
-  std::function<void(std::string)> handler;
+void UcxEngine::deliver(std::string payload, const WriteKey& key) {
+  Context::NotificationHandler handler;
   {
     std::lock_guard<std::mutex> lock(handler_mu_);
     handler = handler_;
   }
-  if (handler) handler(std::move(payload));
+  if (handler) handler(std::move(payload), key);
+}
+
+void UcxEngine::warnRefused(const std::string& what) {
+  // The first few, then one in a thousand: a peer that floods refused messages cannot fill the log.
+  ++refused_;
+  if (refused_ <= 8 || refused_ % 1000 == 0)
+    spdlog::warn("transport '{}': {} ({} refused so far)", options_.name, what, refused_);
 }
 
 // ---- public objects -----------------------------------------------------------------------------
@@ -738,11 +746,11 @@ class UcxEndpoint final : public Endpoint {
             }))
       fallback(absl::FailedPreconditionError("transport context is shut down"));
   }
-  void notify(std::string payload, Completion done) override {
+  void notify(std::string payload, const WriteKey& key, Completion done) override {
     auto fallback = done;
     if (!engine_->mailbox().post(
-            [e = engine_.get(), s = state_, p = std::move(payload), done = std::move(done)]() mutable {
-              e->submitNotify(s, std::move(p), std::move(done));
+            [e = engine_.get(), s = state_, p = std::move(payload), key, done = std::move(done)]() mutable {
+              e->submitNotify(s, std::move(p), key, std::move(done));
             }))
       fallback(absl::FailedPreconditionError("transport context is shut down"));
   }
@@ -770,9 +778,11 @@ class UcxContext final : public Context {
                   ")");
   }
   std::string address() const override { return engine_->address(); }
-  void openFence(uint64_t fence) override { engine_->regions()->openFence(fence); }
-  bool closeFence(uint64_t fence, std::chrono::milliseconds timeout) override {
-    return engine_->regions()->closeFence(fence, timeout);
+  void openFence(const WriteKey& key, std::vector<LandingRange> ranges) override {
+    engine_->regions()->openFence(key, std::move(ranges));
+  }
+  bool closeFence(const WriteKey& key, std::chrono::milliseconds timeout) override {
+    return engine_->regions()->closeFence(key, timeout);
   }
   bool canAccess(MemoryKind kind) const override { return kind == MemoryKind::kHost || cuda_; }
   Capabilities capabilities() const override {
@@ -818,7 +828,7 @@ class UcxContext final : public Context {
     return std::shared_ptr<Endpoint>(ep);
   }
 
-  void setNotificationHandler(std::function<void(std::string)> handler) override {
+  void setNotificationHandler(NotificationHandler handler) override {
     engine_->setHandler(std::move(handler));
   }
 
