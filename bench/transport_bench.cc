@@ -56,8 +56,10 @@ int receiver(const TransportOptions& o, size_t size, bool shm) {
           : (*ctx)->allocateMemory(size);
   if (!region.ok()) return 1;
   std::memset((*region)->data(), 0, size);  // fault the pages in before timing starts
-  std::printf("ADDRESS %s\nREGION %s\n", toHex((*ctx)->address()).c_str(),
-              toHex((*region)->remote().serialize()).c_str());
+  const WriteKey key = WriteKey::random();  // as a sync attempt opens its landing memory
+  (*ctx)->openFence(key, {{(*region)->remote().base, size}});
+  std::printf("ADDRESS %s\nREGION %s\nKEY %s\n", toHex((*ctx)->address()).c_str(),
+              toHex((*region)->remote().serialize()).c_str(), toHex(std::string(key.view())).c_str());
   std::fflush(stdout);
   char line[64];
   while (std::fgets(line, sizeof(line), stdin)) {
@@ -76,8 +78,8 @@ int64_t nanos(Clock::time_point t) {
 Clock::time_point fromNanos(int64_t ns) { return Clock::time_point(std::chrono::nanoseconds(ns)); }
 
 // Moves `iters` messages of `size` bytes with up to `window` in flight; returns when it started and ended.
-Span measure(Endpoint& ep, const std::shared_ptr<MemoryRegion>& src, const RemoteRegion& dst, size_t size, int iters,
-             int window) {
+Span measure(Endpoint& ep, const std::shared_ptr<MemoryRegion>& src, const RemoteRegion& dst, const WriteKey& key,
+             size_t size, int iters, int window) {
   std::mutex mu;
   std::condition_variable cv;
   int in_flight = 0, failed = 0;
@@ -86,7 +88,7 @@ Span measure(Endpoint& ep, const std::shared_ptr<MemoryRegion>& src, const Remot
     cv.wait(lock, [&] { return in_flight < window; });
     ++in_flight;
     lock.unlock();
-    ep.write({src, 0, dst, 0, size}, [&](Status st) {
+    ep.write({src, 0, dst, 0, size, key}, [&](Status st) {
       std::lock_guard<std::mutex> l(mu);
       --in_flight;
       if (!st.ok()) ++failed;
@@ -190,9 +192,10 @@ int main(int argc, char** argv) {
 
   Child child = Child::spawn({"/proc/self/exe", "--role", "recv", "--tls", o.ucx.tls, "--protocol", protocol, "--sizes",
                               std::to_string(max_size >> 10) + "k", "--memory", memory});
-  const std::string a = child.readLine(std::chrono::seconds(60)), g = child.readLine(std::chrono::seconds(60));
-  if (a.rfind("ADDRESS ", 0) != 0 || g.rfind("REGION ", 0) != 0) {
-    fmt::print(stderr, "receiver did not start: {} {}\n", a, g);
+  const std::string a = child.readLine(std::chrono::seconds(60)), g = child.readLine(std::chrono::seconds(60)),
+                    k = child.readLine(std::chrono::seconds(60));
+  if (a.rfind("ADDRESS ", 0) != 0 || g.rfind("REGION ", 0) != 0 || k.rfind("KEY ", 0) != 0) {
+    fmt::print(stderr, "receiver did not start: {} {} {}\n", a, g, k);
     return 1;
   }
   auto ctx = createContext(o);
@@ -207,8 +210,9 @@ int main(int argc, char** argv) {
   }
   auto region = (*ctx)->registerMemory(memory == "shm" ? segment->data() : src.data(), src.size(), MemoryKind::kHost);
   auto remote = RemoteRegion::parse(fromHex(g.substr(7)));
+  auto key = WriteKey::fromBytes(fromHex(k.substr(4)));
   auto ep = (*ctx)->connect(fromHex(a.substr(8)), "bench-receiver");
-  if (!region.ok() || !remote.ok() || !ep.ok()) {
+  if (!region.ok() || !remote.ok() || !ep.ok() || !key.ok()) {
     fmt::print(stderr, "setup failed\n");
     return 1;
   }
@@ -218,7 +222,7 @@ int main(int argc, char** argv) {
     char line[64];
     for (size_t size : sizes) {
       if (!std::fgets(line, sizeof(line), stdin)) return 1;
-      const Span span = measure(**ep, *region, *remote, size, iters, window);
+      const Span span = measure(**ep, *region, *remote, *key, size, iters, window);
       std::printf("SPAN %lld %lld\n", static_cast<long long>(nanos(span.start)),
                   static_cast<long long>(nanos(span.end)));
       std::fflush(stdout);
@@ -229,7 +233,8 @@ int main(int argc, char** argv) {
   }
   fmt::print("transport {} (UCX_TLS={})\n", (*ctx)->describe(), o.ucx.tls.empty() ? "default" : o.ucx.tls);
   for (size_t size : sizes) {
-    const double gbs = measure(**ep, *region, *remote, size, iters, window).gbs(size * static_cast<size_t>(iters));
+    const double gbs =
+        measure(**ep, *region, *remote, *key, size, iters, window).gbs(size * static_cast<size_t>(iters));
     fmt::print("  write {:>9} x {:>2} ({} in flight): {:6.2f} GB/s\n", label(size), iters, window, gbs);
     fmt::print("RESULT transport {} {:.3f}\n", size, gbs);
   }

@@ -235,6 +235,7 @@ StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self,
                                                     it->second.digest, " and ", digest, " on node \"", d.node(),
                                                     "\")"));
     }
+    for (const auto& a : d.access()) v.access_[a.group()].emplace_back(d.node(), a);
     for (const auto& r : d.ranks()) {
       auto& g = v.groups_[r.group()];
       const v1::Role role = r.role() == v1::ROLE_SOURCE ? v1::ROLE_SOURCE : v1::ROLE_DESTINATION;
@@ -249,6 +250,26 @@ StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self,
     }
   }
   return v;
+}
+
+Status ClusterView::maySync(uint32_t uid, const std::string& src, const std::string& dst) const {
+  auto owners = [&](const std::string& group) {
+    auto it = access_.find(group);
+    return it == access_.end() ? std::vector<std::pair<std::string, v1::GroupAccess>>{} : it->second;
+  };
+  for (const auto& [node, a] : owners(dst))
+    if (a.owner_uid() != uid)
+      return absl::PermissionDeniedError(strCat("sync: uid ", uid, " may not write group ", quote(dst), ": it is uid ",
+                                                a.owner_uid(), "'s on node ", quote(node),
+                                                " (only a destination's owner syncs into it)"));
+  for (const auto& [node, a] : owners(src)) {
+    const bool granted = std::find(a.readers().begin(), a.readers().end(), uid) != a.readers().end();
+    if (a.owner_uid() != uid && !granted)
+      return absl::PermissionDeniedError(strCat("sync: uid ", uid, " may not read group ", quote(src), ": it is uid ",
+                                                a.owner_uid(), "'s on node ", quote(node),
+                                                ", who has not granted it (RegisterRequest.readers)"));
+  }
+  return absl::OkStatus();
 }
 
 v1::Role ClusterView::role(const std::string& group) const {

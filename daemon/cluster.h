@@ -82,6 +82,10 @@ class ClusterView {
   const std::vector<v1::DescribeResponse>& daemons() const { return daemons_; }
   // The role `group` registered with (ROLE_UNSPECIFIED for an unknown group).
   v1::Role role(const std::string& group) const;
+  // May a local caller of `uid` (not root) sync `src` into `dst`? Only the owner of `dst` on every
+  // node that holds part of it, reading a `src` that is its own on every node or whose owner there
+  // granted it (RegisterRequest.readers). PERMISSION_DENIED naming the group, node and owner.
+  Status maySync(uint32_t uid, const std::string& src, const std::string& dst) const;
 
  private:
   struct GroupInfo {
@@ -92,6 +96,8 @@ class ClusterView {
   };
   std::vector<v1::DescribeResponse> daemons_;
   std::map<std::string, GroupInfo> groups_;
+  // Per group: each node's owner and read grants (DescribeResponse.access).
+  std::map<std::string, std::vector<std::pair<std::string, v1::GroupAccess>>> access_;
 };
 
 // The cluster as one gather saw it: the view, and each daemon's address (addresses[i] reaches

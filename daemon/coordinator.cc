@@ -189,6 +189,9 @@ Status SyncCoordinator::gather() {
                    "overwrite it)")));
     }
     const Status st = !snapshot.ok() ? snapshot.status() : !src.ok() ? src.status() : dst.status();
+    if (st.ok() && ctx_.caller_uid)  // not worth waiting for either
+      if (Status allowed = snapshot->view.maySync(*ctx_.caller_uid, req_.src_group(), req_.dst_group()); !allowed.ok())
+        return failed(allowed);
     if (st.ok()) {
       cluster_ = std::make_unique<ClusterSnapshot>(std::move(*snapshot));
       src_ = std::move(*src);

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <set>
 #include <string>
@@ -64,6 +65,9 @@ class SyncCoordinator {
     ProgressBoard& progress;
     Executor& executor;
     std::string self_address;  // this daemon, as the others and the coordinator reach it
+    // A local caller other than root (the kernel's uid): may sync only what ClusterView::maySync
+    // allows. Unset for root, remote callers of the job (certificate or token) and --insecure.
+    std::optional<uint32_t> caller_uid{};
   };
   // `id` is started on the progress board already; `fence` names this attempt (never 0).
   SyncCoordinator(Context ctx, const v1::SyncRequest& request, std::string id, uint64_t fence);

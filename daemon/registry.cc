@@ -43,6 +43,8 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
                                              "destination rank starts EMPTY until a sync commits"));
   if (req.version() >= kMaxVersion)
     return absl::InvalidArgumentError(strCat(who, ": version ", req.version(), " is not below 2^63"));
+  if (req.readers_size() > 64)
+    return absl::InvalidArgumentError(strCat(who, ": ", req.readers_size(), " read grants (at most 64)"));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!req.session_id().empty() && !sessions_.count(req.session_id()))
@@ -86,7 +88,9 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   auto [group, added] = groups_.try_emplace(req.group());
   const std::optional<uid_t> group_owner =
       added ? (caller.local ? std::optional<uid_t>(caller.uid) : std::nullopt) : group->second.owner;
-  group->second = Group{req.layout(), digest, role, group_owner, layout_bytes};
+  std::set<uint32_t> readers = added ? std::set<uint32_t>{} : group->second.readers;
+  readers.insert(req.readers().begin(), req.readers().end());  // mayJoin: the caller may join it
+  group->second = Group{req.layout(), digest, role, group_owner, layout_bytes, std::move(readers)};
   ++generation_;
   // A re-registration is a new rank: it starts over.
   const bool replaced = ranks_.count({req.group(), req.rank()}) > 0;
@@ -273,7 +277,14 @@ v1::DescribeResponse Registry::describe() const {
   d.set_transport_address(transport_.address());
   d.set_instance(instance_);
   std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& [group, g] : groups_) *d.add_layouts() = g.layout;
+  for (const auto& [group, g] : groups_) {
+    *d.add_layouts() = g.layout;
+    if (!g.owner) continue;  // registered by a --insecure daemon's remote caller: nobody's
+    auto* a = d.add_access();
+    a->set_group(group);
+    a->set_owner_uid(*g.owner);
+    for (const uint32_t uid : g.readers) a->add_readers(uid);
+  }
   for (const auto& [key, r] : ranks_) {
     auto* rr = d.add_ranks();
     rr->set_group(r->group);

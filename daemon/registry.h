@@ -195,6 +195,7 @@ class Registry {
     v1::Role role = v1::ROLE_DESTINATION;
     std::optional<uid_t> owner;  // the uid of its first rank registered over the Unix socket
     size_t layout_bytes = 0;     // the layout's serialised size (in Describe once)
+    std::set<uint32_t> readers;  // RegisterRequest.readers: uids the owner lets sync it out of here
   };
   // With mu_ held: Describe's size if `rank` joined (replacing its predecessor, if any) with a
   // layout of `layout_bytes`.

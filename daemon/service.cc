@@ -50,17 +50,25 @@ uint64_t ShardcastService::newFence() {
 grpc::Status ShardcastService::Sync(grpc::ServerContext* ctx, const v1::SyncRequest* req, v1::SyncResponse* out) {
   const auto caller = access_.client(*ctx, *req);
   if (!caller.ok()) return toGrpc(caller.status());
-  const grpc::Status st = coordinate(*req, out);
+  // A local caller acts for its uid (root for everyone); a remote caller of the job (certificate
+  // or token) for the job (docs/security.md, "Who may sync").
+  std::optional<uint32_t> uid;
+  if (caller->local && caller->local->uid != 0 && !access_.insecure()) uid = caller->local->uid;
+  const grpc::Status st = coordinate(*req, out, uid);
   if (st.ok()) {
     ++metrics_.syncs_ok;
     metrics_.sync_micros_sum += static_cast<uint64_t>(out->seconds() * 1e6);
   } else {
     ++metrics_.syncs_failed;
+    if (st.error_code() == grpc::StatusCode::PERMISSION_DENIED)
+      spdlog::warn("sync {} -> {} version {} refused for {}: {}", quote(req->src_group()), quote(req->dst_group()),
+                   req->version(), caller->who, st.error_message());
   }
   return st;
 }
 
-grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncResponse* out) {
+grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncResponse* out,
+                                          std::optional<uint32_t> caller_uid) {
   if (req.src_group().empty() || req.dst_group().empty() || req.src_group() == req.dst_group())
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "sync: give two different groups (src_group, dst_group)");
   if (req.version() == 0 || req.version() >= kMaxVersion)
@@ -82,8 +90,9 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
   if (!progress_.start(id))
     return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
                         strCat("sync: a sync with id \"", id, "\" is still running on node \"", config_.node, "\""));
-  SyncCoordinator coordinator({config_, registry_, peers_, engine_, progress_, executor_, config_.selfAddress()}, req,
-                              id, newFence());
+  SyncCoordinator coordinator(
+      {config_, registry_, peers_, engine_, progress_, executor_, config_.selfAddress(), caller_uid}, req, id,
+      newFence());
   auto done = coordinator.run();
   if (!done.ok()) return toGrpc(done.status());
   *out = std::move(*done);

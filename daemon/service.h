@@ -26,7 +26,8 @@ class ShardcastService final : public v1::Shardcast::Service {
                    SyncEngine& engine, Metrics& metrics, std::string transport);
 
   grpc::Status Sync(grpc::ServerContext*, const v1::SyncRequest*, v1::SyncResponse*) override;
-  grpc::Status coordinate(const v1::SyncRequest& req, v1::SyncResponse* out);
+  // `caller_uid`: SyncCoordinator::Context::caller_uid.
+  grpc::Status coordinate(const v1::SyncRequest& req, v1::SyncResponse* out, std::optional<uint32_t> caller_uid);
   grpc::Status WaitVersion(grpc::ServerContext*, const v1::WaitVersionRequest*, v1::WaitVersionResponse*) override;
   grpc::Status Watch(grpc::ServerContext*, const v1::WatchRequest*, grpc::ServerWriter<v1::SyncProgress>*) override;
   grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest*, v1::RegisterResponse*) override;

@@ -84,8 +84,9 @@ void SyncEngine::onNotification(const std::string& payload, const transport::Wri
 StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req) {
   if (req.sync_id().empty()) return absl::InvalidArgumentError("prepare: sync_id is empty");
   // Every field a peer controls is bounded before it is used.
-  auto key = transport::WriteKey::fromBytes(req.write_key());
-  if (!key.ok()) return absl::InvalidArgumentError(strCat("prepare of sync ", req.sync_id(), ": ", key.status().message()));
+  auto write_key = transport::WriteKey::fromBytes(req.write_key());
+  if (!write_key.ok())
+    return absl::InvalidArgumentError(strCat("prepare of sync ", req.sync_id(), ": ", write_key.status().message()));
   if (req.lease_ms() != 0 && (req.lease_ms() < limits_.min_lease.count() || req.lease_ms() > limits_.max_lease.count()))
     return absl::InvalidArgumentError(strCat("prepare of sync ", req.sync_id(), ": a lease of ", req.lease_ms(),
                                              " ms is outside [", limits_.min_lease.count(), ", ",
@@ -122,7 +123,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   a->window_bytes = window_bytes_;
   if (req.lease_ms() > 0) a->lease = std::chrono::milliseconds(req.lease_ms());
   a->fence = req.fence() ? req.fence() : (XXH64(a->id.data(), a->id.size(), 0) | 1);
-  a->key = *key;
+  a->key = *write_key;
   a->delta = req.delta();
   a->renew();
   bool hit = false;

@@ -8,6 +8,7 @@
 #include "daemon/delta.h"
 #include "daemon/notification.h"
 #include "fuzz/fuzz_plan.h"
+#include "transport/ucx/wire.h"
 #include "planner/layout.h"
 
 using namespace shardcast;
@@ -53,6 +54,8 @@ int main(int argc, char** argv) {
   std::filesystem::create_directories(dir / "register");
   std::filesystem::create_directories(dir / "notification");
   std::filesystem::create_directories(dir / "delta");
+  std::filesystem::create_directories(dir / "ucx_header");
+  std::filesystem::create_directories(dir / "peer");
 
   const char* plain = R"({"group":"g","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
     {"name":"w","shape":[16,16],"dtype":"float32","placements":[{"replicate":{}}]}]})";
@@ -107,6 +110,38 @@ int main(int argc, char** argv) {
                           now.size(), 2, reinterpret_cast<std::byte*>(delta.data()), delta.size());
   write(dir / "delta" / "apply", std::string("\x01\x20", 2) + delta.substr(0, size.value_or(0)));
   write(dir / "delta" / "pair", std::string("\x05\x07", 2) + now + std::string(64, '\0'));
+  // UCX headers: one of each type (the first byte picks the type the receiver expects).
+  namespace wire = transport::ucx_wire;
+  const transport::WriteKey key = transport::WriteKey::random();
+  write(dir / "ucx_header" / "data", std::string(1, '\0') + wire::encodeData(1, 4096, 64, key, "notice"));
+  write(dir / "ucx_header" / "ack", std::string(1, '\1') + wire::encodeAck(1, 7));
+  write(dir / "ucx_header" / "notify", std::string(1, '\2') + wire::encodeNotify(key));
+  // Peer requests (first byte: 0 Prepare, 1 Execute, 2 Finish) of the example layouts.
+  const std::string layouts = std::string(SHARDCAST_SOURCE_DIR) + "/client/examples/layouts/";
+  v1::PrepareRequest prep;
+  prep.set_sync_id("seed-sync");
+  prep.set_fence(42);
+  *prep.mutable_src() = *planner::readLayoutFile(layouts + "trainer_fsdp2_tp4.json");
+  *prep.mutable_dst() = *planner::readLayoutFile(layouts + "vllm_tp4_dp2.json");
+  prep.set_version(1);
+  prep.set_staging_bytes(uint64_t{64} << 20);
+  prep.set_chunk_bytes(uint64_t{1} << 20);
+  prep.set_lease_ms(1000);
+  prep.set_write_key(std::string(key.view()));
+  write(dir / "peer" / "prepare", std::string(1, '\0') + prep.SerializeAsString());
+  v1::ExecuteRequest exec;
+  exec.set_sync_id("seed-sync");
+  exec.set_fence(42);
+  exec.set_wave(0);
+  auto* node = exec.add_nodes();
+  node->set_node("n1");
+  node->set_transport_address("loopback:1");
+  write(dir / "peer" / "execute", std::string(1, '\1') + exec.SerializeAsString());
+  v1::FinishRequest fin;
+  fin.set_sync_id("seed-sync");
+  fin.set_fence(42);
+  fin.set_commit(true);
+  write(dir / "peer" / "finish", std::string(1, '\2') + fin.SerializeAsString());
   std::cout << "seeds in " << dir.string() << "\n";
   return 0;
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (clang, ASan + UBSan, in build-fuzz/) and runs each for a fixed time
-# from its seed corpus: layout JSON -> resolve -> plan, registration, peer notifications, deltas.
+# from its seed corpus: layout JSON -> resolve -> plan, registration, peer notifications, deltas,
+# UCX message headers, peer requests (Prepare, Execute, Finish).
 #   scripts/fuzz.sh [--seconds N] [--jobs J] [target...]      (default: 20 s each, all targets)
 # Prints one line per target (executions, corpus size, crashes) and exits 1 if any input crashed
 # or tripped a sanitizer; the input is kept in build-fuzz/crashes/. bench/fuzz.sh runs it longer.
@@ -17,7 +18,7 @@ while [ $# -gt 0 ]; do
     *) targets+=("$1"); shift ;;
   esac
 done
-[ ${#targets[@]} -gt 0 ] || targets=(layout register notification delta)
+[ ${#targets[@]} -gt 0 ] || targets=(layout register notification delta ucx_header peer)
 
 bash "$root/scripts/deps.sh" build
 # clang and its runtime (libFuzzer, the sanitizers), Debian's
@@ -51,7 +52,9 @@ for t in "${targets[@]}"; do
     register) seeds=("$corpus/seeds/register"); max_len=16384 ;;
     notification) seeds=("$corpus/seeds/notification"); max_len=8192 ;;
     delta) seeds=("$corpus/seeds/delta"); max_len=4096 ;;
-    *) echo "fuzz: unknown target $t (layout, register, notification, delta)" >&2; exit 2 ;;
+    ucx_header) seeds=("$corpus/seeds/ucx_header"); max_len=1024 ;;
+    peer) seeds=("$corpus/seeds/peer"); max_len=65536 ;;
+    *) echo "fuzz: unknown target $t (layout, register, notification, delta, ucx_header, peer)" >&2; exit 2 ;;
   esac
   mkdir -p "$corpus/$t"
   log="$build/fuzz_$t.log"

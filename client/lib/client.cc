@@ -201,6 +201,7 @@ StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, in
   req.set_role(options.role);
   req.set_version(options.version);
   for (const auto& b : options.shadow) *req.add_shadow_buffers() = b;
+  for (const uint32_t uid : options.readers) req.add_readers(uid);
   v1::RegisterResponse out;
   if (!session_) {
     const auto st = stub_->Register(context(call_timeout_).get(), req, &out);

@@ -46,6 +46,9 @@ struct RegisterOptions {
   // memory): syncs write the set not in use and flip at commit (RankStatus.active_set says which
   // set holds the version; acquire pins it while the engine reads).
   std::vector<v1::MemoryHandle> shadow;
+  // Read grants: uids besides this group's owner whose syncs may read it (a source) out of this
+  // node (RegisterRequest.readers, docs/security.md "Who may sync").
+  std::vector<uint32_t> readers;
 
   // A source rank, READY at `version` when its buffers already hold one.
   static RegisterOptions source(uint64_t version = 0) {

@@ -2,6 +2,10 @@
 // rank of its own, then tries to take what belongs to another user. Prints one line per attempt,
 // "<step> <status code name>", and exits 0 once every attempt was made.
 //   foreign_caller SOCKET LAYOUT_JSON VICTIM_SEGMENT VICTIM_GROUP
+//   foreign_caller sync SOCKET LAYOUT_JSON VICTIM_SOURCE VICTIM_DESTINATION
+//       registers a source "mine-src" (version 1) and a destination "mine-dst" of its own with the
+//       layout, then syncs the victim's source into its destination ("read") and its source into
+//       the victim's destination as version 100 ("write")
 #include <cstdio>
 
 #include "client/lib/client.h"
@@ -18,7 +22,25 @@ void report(const char* step, const Status& st) {
 
 }  // namespace
 
+// The sync attempts across uids.
+int syncs(const std::string& socket, const char* json, const std::string& victim_src, const std::string& victim_dst) {
+  auto client = Client::connect("unix:" + socket);
+  if (!client.ok()) return 1;
+  auto layout = planner::parseLayoutJson(json, "mine");
+  if (!layout.ok()) return 1;
+  auto src_memory = HostTensors::forRank(*layout, 0), dst_memory = HostTensors::forRank(*layout, 0);
+  if (!src_memory.ok() || !dst_memory.ok()) return 1;
+  layout->set_group("mine-src");
+  report("own-source", client->registerRank(*layout, 0, *src_memory, RegisterOptions::source(100)).status());
+  layout->set_group("mine-dst");
+  report("own-destination", client->registerRank(*layout, 0, *dst_memory).status());
+  report("read", client->sync(victim_src, "mine-dst", 1).status());
+  report("write", client->sync("mine-src", victim_dst, 100).status());
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc == 6 && std::string(argv[1]) == "sync") return syncs(argv[2], argv[3], argv[4], argv[5]);
   if (argc != 5) {
     std::fprintf(stderr, "usage: foreign_caller SOCKET LAYOUT_JSON VICTIM_SEGMENT VICTIM_GROUP\n");
     return 2;

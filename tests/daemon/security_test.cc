@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -190,6 +191,70 @@ TEST_CASE("a local caller of another uid cannot register, take or change another
         CHECK_FALSE(r.held());
       }
   CHECK(found);
+}
+
+TEST_CASE("a local caller syncs only into its own groups, out of its own or granted ones", "[daemon][security]") {
+  if (::geteuid() != 0) {
+    WARN("needs root to run a caller as another uid (setpriv): skipped");
+    return;
+  }
+  Daemon d("n0", freePort(), {});
+  REQUIRE(d.ready());
+  const char* one = R"({"group":"g","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
+    {"name":"w","shape":[16,16],"dtype":"float32","placements":[{"replicate":{}}]}]})";
+  v1::Layout src = *planner::parseLayoutJson(one, "root-src");
+  src.set_group("root-src");
+  v1::Layout dst = src;
+  dst.set_group("root-dst");
+  planner::NodeTable nodes;
+  const auto resolved = *planner::resolveLayout(src, nodes);
+  RankMemory smem = allocateRank(resolved, 0, "root-src"), dmem = allocateRank(resolved, 0, "root-dst");
+  for (auto* m : {&smem, &dmem}) REQUIRE(::chmod(("/dev/shm" + m->seg->name()).c_str(), 0600) == 0);
+  std::memset(smem.seg->data(), 0x42, smem.seg->size());  // root's weights
+  v1::RegisterResponse registered;
+  REQUIRE(
+      d.client()->Register(ctx(10).get(), registerRequest(src, 0, 1, smem, v1::ROLE_SOURCE, 1), &registered).ok());
+  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(dst, 0, 1, dmem), &registered).ok());
+  auto attempt = [&] {
+    Child caller = Child::spawn({"setpriv", "--reuid=65534", "--regid=0", "--clear-groups",
+                                 testBinary(FOREIGN_CALLER_PATH), "sync", d.socketPath(), one, "root-src", "root-dst"});
+    std::map<std::string, std::string> result;
+    for (std::string line; !(line = caller.readLine(std::chrono::seconds(60))).empty();)
+      result[line.substr(0, line.find(' '))] = line.substr(line.find(' ') + 1);
+    REQUIRE(caller.wait() == 0);
+    CHECK(result["own-source"] == "OK");
+    CHECK(result["own-destination"] == "OK");
+    return result;
+  };
+  auto root_dst = [&] {
+    v1::WaitVersionRequest w;
+    w.set_group("root-dst");
+    v1::WaitVersionResponse out;
+    REQUIRE(d.client()->WaitVersion(ctx(10).get(), w, &out).ok());
+    REQUIRE(out.ranks_size() == 1);
+    return out.ranks(0);
+  };
+  auto first = attempt();
+  CHECK(first["read"] == "PERMISSION_DENIED");   // root's weights into nobody's memory
+  CHECK(first["write"] == "PERMISSION_DENIED");  // nobody's bytes into root's destination as v100
+  CHECK(root_dst().state() == v1::RANK_EMPTY);
+  // Root grants nobody reads of its source: the read goes through; writing root's ranks still not.
+  v1::RegisterRequest granted = registerRequest(src, 0, 1, smem, v1::ROLE_SOURCE, 1);
+  granted.add_readers(65534);
+  REQUIRE(d.client()->Register(ctx(10).get(), granted, &registered).ok());
+  auto second = attempt();
+  CHECK(second["read"] == "OK");
+  CHECK(second["write"] == "PERMISSION_DENIED");
+  CHECK(root_dst().state() == v1::RANK_EMPTY);
+  // Root itself may sync anything.
+  v1::SyncRequest s;
+  s.set_src_group("root-src");
+  s.set_dst_group("root-dst");
+  s.set_version(1);
+  v1::SyncResponse out;
+  REQUIRE(d.client()->Sync(ctx(30).get(), s, &out).ok());
+  CHECK(root_dst().state() == v1::RANK_READY);
+  CHECK(std::memcmp(dmem.seg->data(), smem.seg->data(), smem.seg->size()) == 0);
 }
 
 TEST_CASE("bounded inputs: huge names are refused briefly, a big legal layout does not break syncs",
