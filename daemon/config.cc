@@ -22,7 +22,7 @@ std::string DaemonConfig::describe() const {
      << " peer_timeout_ms=" << peer_timeout_ms << " chunk_kib=" << (chunk_bytes >> 10) << " staging_mib=" << staging_mib
      << " window_kib=" << (window_bytes >> 10) << " nic_gbps=" << nic_gbps << " delta_cache_mib=" << delta_cache_mib
      << " delta_dense_every=" << delta_dense_every << " metrics=" << (metrics.empty() ? "(off)" : metrics)
-     << " sync_lease_ms=" << sync_lease_ms << " max_sync_lease_ms=" << max_sync_lease_ms << " shutdown_grace_ms=" << shutdown_grace_ms << " tls="
+     << " sync_lease_ms=" << sync_lease_ms << " max_sync_lease_ms=" << max_sync_lease_ms << " owner_grace_s=" << owner_grace_s << " shutdown_grace_ms=" << shutdown_grace_ms << " tls="
      << (tls.enabled() ? strCat("cert:", tls.cert, ",key:", tls.key, ",ca:", tls.ca, ",reload_s:", tls.reload_s)
                        : "(none)")
      << " insecure=" << (insecure ? "true" : "false")
@@ -165,6 +165,12 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
                  "bounds how long a silent or hostile peer can hold this node's ranks")
       ->envname("SHARDCAST_MAX_SYNC_LEASE_MS")
       ->check(CLI::Range(200, 600000))
+      ->capture_default_str();
+  app.add_option("--owner-grace-s", c.owner_grace_s,
+                 "After a restart, the groups local clients had registered stay reserved for their owner uid this "
+                 "long (kept in <socket>.owners): no other uid can register those names meanwhile")
+      ->envname("SHARDCAST_OWNER_GRACE_S")
+      ->check(CLI::Range(0, 86400))
       ->capture_default_str();
   app.add_option("--shutdown-grace-ms", c.shutdown_grace_ms,
                  "On SIGTERM: how long syncs and calls in flight get before the daemon aborts them and exits")

@@ -38,6 +38,7 @@ struct DaemonConfig {
   std::string metrics = kDefaultMetrics;          // Prometheus /metrics host:port ("" = off)
   int sync_lease_ms = 10000;                      // a sync whose coordinator is silent this long is aborted
   int max_sync_lease_ms = 60000;                  // the longest lease a coordinating peer may ask for
+  int owner_grace_s = 300;  // after a restart, groups stay reserved for their owner uid this long
   int shutdown_grace_ms = 10000;                  // SIGTERM: then abort whatever is left and exit
   TlsFiles tls;                                   // mutual TLS on the TCP listener and to peers
   bool insecure = false;                          // plaintext TCP, nobody authenticated (tests on one host)

@@ -137,6 +137,10 @@ int main(int argc, char** argv) {
                  config->emulate_gpus);
   }
   Registry registry(config->node, **transport, emulated ? *emulated : transport::cudaRuntime());
+  if (!config->socket.empty())  // only local callers own groups; the socket's lock is held
+    if (Status kept = registry.keepOwners(config->socket + ".owners", std::chrono::seconds(config->owner_grace_s));
+        !kept.ok())
+      return fail(std::string(kept.message()));
   PeerSet peers(*config, registry.instance());
   // Another daemon already serving this node name: refuse loudly rather than split the node.
   if (auto views = peers.describeAll(); views.ok())

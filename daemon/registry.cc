@@ -3,10 +3,17 @@
 // contract in registry_contract.cc.
 #include "daemon/registry.h"
 
+#include <fcntl.h>
 #include <spdlog/spdlog.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <random>
+#include <sstream>
 
 #include "common/strings.h"
 #include "planner/layout.h"
@@ -91,6 +98,10 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   std::set<uint32_t> readers = added ? std::set<uint32_t>{} : group->second.readers;
   readers.insert(req.readers().begin(), req.readers().end());  // mayJoin: the caller may join it
   group->second = Group{req.layout(), digest, role, group_owner, layout_bytes, std::move(readers)};
+  if (added) {
+    reserved_.erase(req.group());  // live again (its owner, or past the grace)
+    if (group_owner) persistOwners();
+  }
   ++generation_;
   // A re-registration is a new rank: it starts over.
   const bool replaced = ranks_.count({req.group(), req.rank()}) > 0;
@@ -152,12 +163,26 @@ Status Registry::mayJoin(const v1::RegisterRequest& req, const std::string& dige
                          const MemoryCaller& caller) const {
   const std::string who = strCat("group ", quote(req.group()), " rank ", req.rank());
   auto g = groups_.find(req.group());
-  if (g == groups_.end()) return absl::OkStatus();
+  if (g == groups_.end()) {
+    auto r = reserved_.find(req.group());
+    if (r == reserved_.end() || std::chrono::steady_clock::now() >= r->second.second || caller.any_owner ||
+        (caller.local && caller.uid == r->second.first))
+      return absl::OkStatus();
+    const auto left = std::chrono::duration_cast<std::chrono::seconds>(r->second.second - std::chrono::steady_clock::now());
+    return absl::PermissionDeniedError(strCat(
+        who, ": the group is reserved for uid ", r->second.first, ", which held it on node \"", node_,
+        "\" before the daemon restarted (for ", left.count() + 1, " s more, --owner-grace-s); ",
+        caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"), " may not take it"));
+  }
   // A group is its first registering uid's: no other uid adds ranks to it or replaces them.
   if (!caller.any_owner && g->second.owner && !(caller.local && *g->second.owner == caller.uid))
     return absl::PermissionDeniedError(strCat(
         who, ": the group is registered by uid ", *g->second.owner, " on node \"", node_, "\"; ",
         caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"), " may not register its ranks"));
+  // A rank is its registering uid's: only it replaces it (the group's owner included: root may
+  // have registered a rank of it).
+  if (auto r = ranks_.find({req.group(), req.rank()}); r != ranks_.end())
+    SC_RETURN_IF_ERROR(mayChange(*r->second, caller, "replace"));
   // Every rank of a group must register the same layout (the planner needs one per group) and role.
   bool others = false;
   for (const auto& [key, r] : ranks_) others |= key.first == req.group() && key.second != req.rank();
@@ -210,7 +235,11 @@ void Registry::removeRank(std::map<std::pair<std::string, int32_t>, std::unique_
   ++generation_;
   bool any = false;
   for (const auto& [key, r] : ranks_) any |= key.first == group;
-  if (!any) groups_.erase(group);
+  if (!any) {
+    const bool owned = groups_[group].owner.has_value();
+    groups_.erase(group);
+    if (owned) persistOwners();
+  }
   state_cv_.notify_all();
   if (!unlink) return;
   std::set<std::string> mapped_elsewhere;
@@ -269,6 +298,81 @@ std::vector<v1::GroupStatus> Registry::groups() const {
     out.push_back(std::move(g));
   }
   return out;
+}
+
+Status Registry::keepOwners(const std::string& path, std::chrono::seconds grace) {
+  std::lock_guard<std::mutex> lock(mu_);
+  owners_path_ = path;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return absl::FailedPreconditionError(strCat("owners file ", quote(path), ": ", std::strerror(errno)));
+  }
+  struct stat st {};
+  std::string text;
+  if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() && st.st_size <= (4 << 20)) {
+    text.resize(static_cast<size_t>(st.st_size));
+    text.resize(static_cast<size_t>(std::max<ssize_t>(0, ::read(fd, text.data(), text.size()))));
+  } else {
+    ::close(fd);
+    return absl::FailedPreconditionError(strCat("owners file ", quote(path),
+                                                " is not a regular file of this daemon's uid (at most 4 MiB)"));
+  }
+  ::close(fd);
+  // "uid hex(group)" per line: written by persistOwners, read back as such; anything else skipped.
+  const auto until = std::chrono::steady_clock::now() + grace;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto space = line.find(' ');
+    if (space == std::string::npos || space == 0) continue;
+    const std::string hex = line.substr(space + 1);
+    if (hex.empty() || hex.size() % 2 != 0 || hex.size() > 2 * 512) continue;
+    std::string group;
+    bool ok = true;
+    for (size_t i = 0; i < hex.size() && ok; i += 2) {
+      unsigned value = 0;
+      ok = std::sscanf(hex.c_str() + i, "%2x", &value) == 1;
+      group.push_back(static_cast<char>(value));
+    }
+    char* end = nullptr;
+    const unsigned long uid = std::strtoul(line.c_str(), &end, 10);
+    if (!ok || end != line.c_str() + space || uid > UINT32_MAX) continue;
+    reserved_[group] = {static_cast<uid_t>(uid), until};
+  }
+  if (!reserved_.empty())
+    spdlog::info("{} group name(s) reserved for their owners for {} s (held before this daemon restarted)",
+                 reserved_.size(), grace.count());
+  return absl::OkStatus();
+}
+
+void Registry::persistOwners() const {
+  if (owners_path_.empty()) return;
+  std::string text;
+  for (const auto& [name, g] : groups_) {
+    if (!g.owner) continue;
+    text += strCat(*g.owner, " ");
+    for (const unsigned char c : name) text += fmt::format("{:02x}", c);
+    text += "\n";
+  }
+  // Reservations not yet taken up stay reserved across a second restart within the grace.
+  const auto now = std::chrono::steady_clock::now();
+  for (const auto& [name, r] : reserved_) {
+    if (groups_.count(name) || now >= r.second) continue;
+    text += strCat(r.first, " ");
+    for (const unsigned char c : name) text += fmt::format("{:02x}", c);
+    text += "\n";
+  }
+  const std::string tmp = owners_path_ + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    spdlog::warn("owners file {}: {}", tmp, std::strerror(errno));
+    return;
+  }
+  const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  if (!written || ::rename(tmp.c_str(), owners_path_.c_str()) != 0)
+    spdlog::warn("owners file {}: could not be written: {}", owners_path_, std::strerror(errno));
 }
 
 v1::DescribeResponse Registry::describe() const {

@@ -139,7 +139,16 @@ class Registry {
   // Ranks per state, for metrics.
   std::map<v1::RankState, uint64_t> stateCounts() const;
 
+  // Group owners outlive a restart (docs/security.md, "Group names after a restart"): `path`
+  // (beside the socket, the daemon's own) holds the owned groups, rewritten whenever a group gains
+  // or loses its owner. What it held at start stays reserved for its owner uid for `grace`: no
+  // other uid registers those names meanwhile, so a restart cannot be raced to squat a running
+  // job's group. A file that is missing starts empty; one that is not the daemon's is an error.
+  Status keepOwners(const std::string& path, std::chrono::seconds grace);
+
  private:
+  // With mu_ held: rewrites the owners file (keepOwners), if any; failures are logged.
+  void persistOwners() const;
   // The copy engines of each GPU with registered memory, one stream per direction so that
   // landings are not queued behind packs; created on the GPU's first registration, they live as
   // long as the registry (syncs use them).
@@ -228,6 +237,9 @@ class Registry {
   mutable std::mutex mu_;
   std::map<std::pair<std::string, int32_t>, std::unique_ptr<Rank>> ranks_;
   std::map<std::string, Group> groups_;
+  // keepOwners: the file, and the groups reserved for their owner uid until a time.
+  std::string owners_path_;
+  std::map<std::string, std::pair<uid_t, std::chrono::steady_clock::time_point>> reserved_;
   std::set<std::string> sessions_;
   uint64_t next_session_ = 1;
   uint64_t generation_ = 0;

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "client/lib/client.h"
+#include "daemon/registry.h"
 #include "planner/layout.h"
 #include "tests/daemon/daemon_harness.h"
 #include "tests/daemon/rank_memory.h"
@@ -257,6 +258,39 @@ TEST_CASE("a local caller syncs only into its own groups, out of its own or gran
   CHECK(std::memcmp(dmem.seg->data(), smem.seg->data(), smem.seg->size()) == 0);
 }
 
+TEST_CASE("after a restart a group's name stays its owner's: another uid cannot squat it", "[daemon][security]") {
+  if (::geteuid() != 0) {
+    WARN("needs root to run a caller as another uid (setpriv): skipped");
+    return;
+  }
+  const char* two = R"({"group":"held","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
+    {"name":"w","shape":[16,16],"dtype":"float32","placements":[{"replicate":{}}]}]})";
+  const v1::Layout layout = *planner::parseLayoutJson(two, "held");
+  planner::NodeTable nodes;
+  const auto resolved = *planner::resolveLayout(layout, nodes);
+  RankMemory mem = allocateRank(resolved, 0, "held");
+  Daemon before("n0", freePort(), {});
+  REQUIRE(before.ready());
+  v1::RegisterResponse registered;
+  REQUIRE(before.client()->Register(ctx(10).get(), registerRequest(layout, 0, 2, mem), &registered).ok());
+  before.kill();  // a crash, or a rolling update: the group's ranks are gone with it
+  Daemon after("n0", freePort(), {}, {"--owner-grace-s", "120"});  // the same socket, a new daemon
+  REQUIRE(after.ready());
+  Child caller = Child::spawn({"setpriv", "--reuid=65534", "--regid=0", "--clear-groups",
+                               testBinary(FOREIGN_CALLER_PATH), after.socketPath(), two, mem.seg->name(), "held"});
+  std::map<std::string, std::string> result;
+  for (std::string line; !(line = caller.readLine(std::chrono::seconds(30))).empty();)
+    result[line.substr(0, line.find(' '))] = line.substr(line.find(' ') + 1);
+  REQUIRE(caller.wait() == 0);
+  CHECK(result["own"] == "OK");
+  CHECK(result["reregister"] == "PERMISSION_DENIED");  // with no ranks left, only the reservation refuses
+  CHECK(result["join"] == "PERMISSION_DENIED");
+  // Its owner takes it back.
+  const grpc::Status back = after.client()->Register(ctx(10).get(), registerRequest(layout, 0, 2, mem), &registered);
+  INFO(back.error_message());
+  CHECK(back.ok());
+}
+
 TEST_CASE("bounded inputs: huge names are refused briefly, a big legal layout does not break syncs",
           "[daemon][security]") {
   std::vector<int> ports{freePort(), freePort()};
@@ -348,4 +382,37 @@ TEST_CASE("certificates are re-read: a rotated CA and identity are served withou
   CHECK(rotated);
   CHECK(statusAs("/one") == grpc::StatusCode::UNAVAILABLE);
   std::filesystem::remove_all(base);
+}
+
+TEST_CASE("a rank is replaced only by the uid that registered it, the group's owner included",
+          "[daemon][security]") {
+  if (::geteuid() != 0) {
+    WARN("needs root to hand segments to another uid (chown): skipped");
+    return;
+  }
+  transport::TransportOptions o;
+  o.backend = "loopback";
+  auto transport = transport::createContext(o);
+  REQUIRE(transport.ok());
+  daemon::Registry registry("n0", **transport);
+  const char* two = R"({"group":"g","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
+    {"name":"w","shape":[16,16],"dtype":"float32","placements":[{"replicate":{}}]}]})";
+  const v1::Layout layout = *planner::parseLayoutJson(two, "g");
+  planner::NodeTable nodes;
+  const auto resolved = *planner::resolveLayout(layout, nodes);
+  RankMemory nobody0 = allocateRank(resolved, 0, "nobody0"), nobody1 = allocateRank(resolved, 1, "nobody1"),
+             root1 = allocateRank(resolved, 1, "root1");
+  for (auto* m : {&nobody0, &nobody1}) REQUIRE(::chown(("/dev/shm" + m->seg->name()).c_str(), 65534, 0) == 0);
+  daemon::MemoryCaller nobody{65534, true, false}, root{0, true, true};
+  // nobody owns the group (its first rank); root adds rank 1 of it.
+  REQUIRE(registry.registerRank(registerRequest(layout, 0, 2, nobody0), nobody).ok());
+  REQUIRE(registry.registerRank(registerRequest(layout, 1, 2, root1), root).ok());
+  // The group's owner may not take root's rank over.
+  auto taken = registry.registerRank(registerRequest(layout, 1, 2, nobody1), nobody);
+  REQUIRE_FALSE(taken.ok());
+  CHECK(taken.status().code() == absl::StatusCode::kPermissionDenied);
+  CHECK_THAT(std::string(taken.status().message()),
+             Catch::Contains("rank 1 is registered by uid 0: uid 65534 may not replace it"));
+  // Its own rank, it may.
+  CHECK(registry.registerRank(registerRequest(layout, 0, 2, nobody0), nobody).ok());
 }

@@ -127,7 +127,10 @@ class Daemon {
     child_ = Child::spawn(argv);
     ready_line_ = child_.readLine(std::chrono::seconds(30));
   }
-  ~Daemon() { stop(); }
+  ~Daemon() {
+    stop();
+    ::unlink((socket_ + ".owners").c_str());  // the group owners it kept over restarts (tests only)
+  }
 
   bool ready() const { return ready_line_.rfind("shardcastd ready", 0) == 0; }
   int metricsPort() const {
