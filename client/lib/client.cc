@@ -44,6 +44,9 @@ struct Client::SessionState {
   bool lost = false;  // a session was open and ended: re-register when the next one opens
   grpc::ClientContext* stream = nullptr;
   std::map<std::pair<std::string, int32_t>, Recorded> ranks;
+  // Why re-registering a rank after a daemon restart failed: the client's next call about its
+  // ranks returns it (Client::checkSession) until the rank is registered again or unregistered.
+  std::map<std::pair<std::string, int32_t>, std::string> failed;
   uint64_t reconnects = 0;
   std::thread thread;
 
@@ -95,9 +98,14 @@ struct Client::SessionState {
       c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
       v1::RegisterResponse out;
       const grpc::Status st = stub->Register(&c, req, &out);
-      if (!st.ok())
-        std::fprintf(stderr, "shardcast: re-registering group \"%s\" rank %d after a daemon restart failed: %s\n",
-                     req.group().c_str(), req.rank(), st.error_message().c_str());
+      if (st.ok()) continue;
+      const std::string why = strCat("re-registering group \"", req.group(), "\" rank ", req.rank(),
+                                     " after its daemon restarted failed: ", absl::StatusCodeToString(
+                                         static_cast<absl::StatusCode>(st.error_code())),
+                                     ": ", st.error_message());
+      std::fprintf(stderr, "shardcast: %s\n", why.c_str());
+      std::lock_guard<std::mutex> relock(mu);
+      failed[{req.group(), req.rank()}] = why;
     }
     lock.lock();
   }
@@ -215,6 +223,7 @@ StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, in
                                          ": no session with shardcastd at \"", target_, "\""));
   req.set_session_id(session_->id);
   session_->ranks[{layout.group(), rank}] = {req, options.version, false};
+  session_->failed.erase({layout.group(), rank});
   lock.unlock();
   const auto st = stub_->Register(context(call_timeout_).get(), req, &out);
   if (!st.ok()) {
@@ -229,6 +238,7 @@ Status Client::unregisterRank(const std::string& group, int32_t rank) const {
   if (session_) {
     std::lock_guard<std::mutex> lock(session_->mu);
     session_->ranks.erase({group, rank});
+    session_->failed.erase({group, rank});
   }
   v1::UnregisterRequest req;
   req.set_group(group);
@@ -240,6 +250,7 @@ Status Client::unregisterRank(const std::string& group, int32_t rank) const {
 
 StatusOr<v1::RankStatus> Client::acquire(const std::string& group, int32_t rank,
                                          std::chrono::milliseconds timeout) const {
+  SC_RETURN_IF_ERROR(checkSession());
   v1::AcquireRequest req;
   req.set_group(group);
   req.set_rank(rank);
@@ -263,6 +274,7 @@ StatusOr<v1::RankStatus> Client::release(const std::string& group, int32_t rank)
 }
 
 StatusOr<v1::RankStatus> Client::releaseRank(const std::string& group, int32_t rank, uint64_t version) const {
+  SC_RETURN_IF_ERROR(checkSession());
   v1::ReleaseRequest req;
   req.set_group(group);
   req.set_rank(rank);
@@ -284,6 +296,7 @@ StatusOr<v1::RankStatus> Client::releaseRank(const std::string& group, int32_t r
 
 StatusOr<v1::SyncResponse> Client::sync(const std::string& src, const std::string& dst, uint64_t version,
                                         const SyncOptions& options) const {
+  SC_RETURN_IF_ERROR(checkSession());
   v1::SyncRequest req;
   req.set_src_group(src);
   req.set_dst_group(dst);
@@ -345,8 +358,18 @@ StatusOr<uint64_t> Client::waitVersion(const std::string& group, uint64_t versio
   return out.version();
 }
 
+Status Client::checkSession() const {
+  if (!session_) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(session_->mu);
+  if (session_->failed.empty()) return absl::OkStatus();
+  std::string all;
+  for (const auto& [key, why] : session_->failed) all += strCat(all.empty() ? "" : "; ", why);
+  return absl::FailedPreconditionError(strCat(all, " (register the rank again, or unregister it)"));
+}
+
 StatusOr<v1::WaitVersionResponse> Client::waitReady(const std::string& group, uint64_t version,
                                                     std::chrono::milliseconds timeout) const {
+  SC_RETURN_IF_ERROR(checkSession());
   v1::WaitVersionRequest req;
   req.set_group(group);
   req.set_version(version);

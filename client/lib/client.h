@@ -110,6 +110,10 @@ class Client {
   Status startSession(std::chrono::milliseconds timeout = std::chrono::seconds(10));
   // How many times the session re-registered after losing its daemon (0 without a session).
   uint64_t reconnects() const;
+  // FAILED_PRECONDITION naming each rank the session could not register again after its daemon
+  // restarted (and why), until it is registered again or unregistered; acquire, publish, release,
+  // sync and the waits return it too, so a rank that no longer receives syncs is never silent.
+  Status checkSession() const;
 
   // Registers `rank` of `layout`'s group with its buffers; the world size is the layout's.
   StatusOr<v1::RegisterResponse> registerRank(const v1::Layout& layout, int32_t rank, const HostTensors& memory,

@@ -527,6 +527,30 @@ TEST_CASE("sessions: a client's ranks end with it (segments unlinked) - the C++ 
   }
   CHECK(back);
   CHECK(client->reconnects() == 1);
+
+  // A re-registration that fails (its segment is gone) is not only on stderr: the client's next
+  // calls about its ranks say so, naming the rank and the cause.
+  ::shm_unlink((name + "-2").c_str());
+  c.daemons[1]->kill();
+  c.daemons[1] = std::make_unique<Daemon>(
+      "n1", port,
+      std::vector<std::string>{"127.0.0.1:" + std::to_string(c.ports[0]), "127.0.0.1:" + std::to_string(port)});
+  REQUIRE(c.n1().ready());
+  for (int i = 0; i < 100 && client->reconnects() < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  REQUIRE(client->reconnects() == 2);
+  Status failed = client->checkSession();
+  for (int i = 0; i < 50 && failed.ok(); ++i) {  // the re-registration runs on the session's thread
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    failed = client->checkSession();
+  }
+  CHECK(absl::IsFailedPrecondition(failed));
+  CHECK_THAT(std::string(failed.message()),
+             Catch::Contains("re-registering group \"solo\" rank 0 after its daemon restarted failed: "));
+  auto publish = client->publish("solo", 0, 6);
+  CHECK(absl::IsFailedPrecondition(publish.status()));
+  CHECK(absl::IsFailedPrecondition(client->waitReady("solo", 5, std::chrono::milliseconds(10)).status()));
+  CHECK(absl::IsNotFound(client->unregisterRank("solo", 0)));  // dealt with: the new daemon never had it
+  CHECK(client->checkSession().ok());
 }
 
 TEST_CASE("double-buffered destinations: syncs write the set not in use, flip at commit, a failure leaves it untouched",

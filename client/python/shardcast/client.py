@@ -137,6 +137,9 @@ class _Session:
         self.reconnects = 0
         # (group, rank) -> [request, published version, held]
         self.ranks: Dict[Tuple[str, int], List[Any]] = {}
+        # (group, rank) -> why re-registering it after a daemon restart failed: the client's next
+        # call about its ranks raises it (Client._check_session) until it is registered again.
+        self.failures: Dict[Tuple[str, int], str] = {}
         self._thread = threading.Thread(target=self._run, name="shardcast-session", daemon=True)
         self._thread.start()
 
@@ -190,8 +193,11 @@ class _Session:
             try:
                 self._client._stub.Register(r, timeout=self._client.timeout)
             except grpc.RpcError as e:
-                print(f'shardcast: re-registering group "{r.group}" rank {r.rank} after a daemon restart failed: '
-                      f"{e.code().name}: {e.details()}", file=sys.stderr)
+                why = (f're-registering group "{r.group}" rank {r.rank} after its daemon restarted failed: '
+                       f"{e.code().name}: {e.details()}")
+                print(f"shardcast: {why}", file=sys.stderr)
+                with self._lock:
+                    self.failures[(r.group, r.rank)] = why
 
     def close(self) -> None:
         with self._lock:
@@ -293,6 +299,19 @@ class Client:
             self._session.close()
         self._channel.close()
 
+    def _check_session(self) -> None:
+        """Raises (FAILED_PRECONDITION) while a rank of this client's session could not be
+        registered again after its daemon restarted: its memory no longer receives syncs, and
+        nothing else would tell the application."""
+        session = self._session
+        if session is None:
+            return
+        with session._lock:
+            failures = list(session.failures.values())
+        if failures:
+            raise ShardcastError(grpc.StatusCode.FAILED_PRECONDITION,
+                                 "; ".join(failures) + " (register the rank again, or unregister it)")
+
     def _fail(self, e: grpc.RpcError, what: str) -> ShardcastError:
         """The daemon's error; when the daemon itself is gone, one that names it (its node)."""
         # gRPC's own words for a connection that failed (the daemon's messages never start so).
@@ -371,6 +390,7 @@ class Client:
         if session and self._session is not None:
             with self._session._lock:
                 self._session.ranks[(group, rank)] = [req, version, False]
+                self._session.failures.pop((group, rank), None)
         reg = Registration(self, group, rank, world_size, resp, sets[0].views, sets[0].shared, sets[0].in_place, role=role)
         if shadow is not None:
             reg._shadow = sets[1]
@@ -420,6 +440,7 @@ class Client:
         if self._session is not None:
             with self._session._lock:
                 self._session.ranks.pop((group, rank), None)
+                self._session.failures.pop((group, rank), None)
         try:
             self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank), timeout=self.timeout)
         except grpc.RpcError as e:
@@ -431,6 +452,7 @@ class Client:
         """Takes a rank's memory: a source rank to write it (waits until every sync reading it
         ended; syncs then refuse it until it publishes), a destination rank to read it undisturbed
         (waits until the sync writing it ended; syncs then refuse it until it is released)."""
+        self._check_session()
         req = service_pb2.AcquireRequest(group=group, rank=rank, timeout_ms=int(timeout * 1000))
         try:
             st = self._stub.Acquire(req, timeout=timeout + self.timeout).status
@@ -448,6 +470,7 @@ class Client:
         return self._release(group, rank, 0)
 
     def _release(self, group: str, rank: int, version: int) -> service_pb2.RankStatus:
+        self._check_session()
         req = service_pb2.ReleaseRequest(group=group, rank=rank, version=version)
         try:
             st = self._stub.Release(req, timeout=self.timeout).status
@@ -486,6 +509,7 @@ class Client:
         daemons, dense: "rank-pull" (every destination rank gets its own slices straight from source
         ranks) or "gather-broadcast" (everything through source rank 0's node, which sends each node
         what it needs)."""
+        self._check_session()
         modes = {"off": service_pb2.DELTA_OFF, "auto": service_pb2.DELTA_AUTO, "dense": service_pb2.DELTA_DENSE}
         if delta not in modes:
             raise ValueError(f'delta must be one of {", ".join(modes)}, not {delta!r}')
@@ -529,6 +553,7 @@ class Client:
         the version they are all ready at, lower than asked only when `timeout` (seconds; None = no
         limit) passed first. A dirty rank (a sync wrote part of a version and failed) raises
         ShardcastError (FAILED_PRECONDITION) at once, naming the rank and the sync."""
+        self._check_session()
         remaining = timeout
         while True:
             step = 60.0 if remaining is None else min(remaining, 60.0)

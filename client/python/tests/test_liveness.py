@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 
+import grpc
 import numpy as np
 import pytest
 
@@ -101,6 +102,35 @@ def test_clients_re_register_by_themselves_after_their_daemon_restarts(tmp_path)
                 assert np.array_equal(reg.tensors[n], rank_worker.shard("infer", n, r, 2)), n
         for reg in trainers + infers:
             reg.close()
+
+
+def test_a_failed_re_registration_raises_where_the_application_sees_it():
+    from shardcast.local import LocalCluster
+
+    with LocalCluster(["n0"]) as c:
+        src = shardcast.Client(c.target("n0"))
+        trainers = rank_worker.register_trainers(src)
+        d = c.daemons["n0"]
+        os.kill(d.proc.pid, signal.SIGKILL)
+        d.proc.wait()
+        c.extra = c.extra + ["--max-layout-tensors", "1"]  # the trainer's layout (2 tensors) is refused now
+        c.restart("n0")
+        assert _wait(lambda: src.reconnects == 1, 15)
+        with pytest.raises(shardcast.ShardcastError) as failed:
+            src.acquire("trainer", 0)
+        assert failed.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert 're-registering group "trainer" rank 0 after its daemon restarted failed: INVALID_ARGUMENT' in str(
+            failed.value)
+        with pytest.raises(shardcast.ShardcastError):
+            src.wait_version("trainer", 1, timeout=1)
+        # Once the application deals with it (here: gives the ranks up), its calls are its own again.
+        for reg in trainers:
+            with pytest.raises(shardcast.ShardcastError) as gone:
+                reg.close()
+            assert gone.value.code == grpc.StatusCode.NOT_FOUND  # the new daemon never had them
+        with pytest.raises(shardcast.ShardcastError) as unknown:
+            src.acquire("trainer", 0)
+        assert unknown.value.code == grpc.StatusCode.NOT_FOUND
 
 
 def test_wait_version_fails_fast_on_a_dirty_rank_and_the_fences_hold(cluster):
