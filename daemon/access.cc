@@ -37,7 +37,7 @@ std::vector<std::string> property(const grpc::AuthContext& auth, const char* nam
 
 }  // namespace
 
-StatusOr<std::unique_ptr<LocalListener>> LocalListener::bind(const std::string& path) {
+StatusOr<std::unique_ptr<LocalListener>> LocalListener::bind(const std::string& path, int max_per_uid) {
   sockaddr_un addr{};
   if (path.size() >= sizeof(addr.sun_path))
     return absl::InvalidArgumentError(
@@ -61,10 +61,25 @@ StatusOr<std::unique_ptr<LocalListener>> LocalListener::bind(const std::string& 
     ::close(fd);
     return absl::InternalError(strCat("eventfd: ", std::strerror(errno)));
   }
-  return std::unique_ptr<LocalListener>(new LocalListener(path, fd, wake));
+  return std::unique_ptr<LocalListener>(new LocalListener(path, fd, wake, max_per_uid));
 }
 
-LocalListener::LocalListener(std::string path, int fd, int wake) : path_(std::move(path)), fd_(fd), wake_(wake) {}
+LocalListener::LocalListener(std::string path, int fd, int wake, int max_per_uid)
+    : path_(std::move(path)), fd_(fd), wake_(wake), max_per_uid_(max_per_uid) {}
+
+int LocalListener::liveConnections(uid_t uid) {
+  int n = 0;
+  for (auto it = connections_.begin(); it != connections_.end();) {
+    struct stat st {};
+    if (::fstat(it->first, &st) != 0 || !S_ISSOCK(st.st_mode) || st.st_ino != it->second.inode) {
+      it = connections_.erase(it);
+      continue;
+    }
+    n += it->second.cred.uid == uid;
+    ++it;
+  }
+  return n;
+}
 
 LocalListener::~LocalListener() {
   stop();
@@ -108,9 +123,19 @@ void LocalListener::run(grpc::Server* server) {
       ::close(c);
       continue;
     }
+    struct stat st {};
+    ::fstat(c, &st);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      connections_[c] = cred;
+      if (cred.uid != 0 && liveConnections(cred.uid) >= max_per_uid_) {
+        // The first few, then one in a thousand: a flood of connections cannot fill the log either.
+        if (++refused_ <= 8 || refused_ % 1000 == 0)
+          spdlog::warn("unix:{}: uid {} (pid {}) already holds {} connections: one more refused ({} so far)", path_,
+                       cred.uid, cred.pid, max_per_uid_, refused_);
+        ::close(c);
+        continue;
+      }
+      connections_[c] = {cred, st.st_ino};
     }
     grpc::AddInsecureChannelFromFd(server, c);  // gRPC owns the descriptor from here
   }
@@ -127,7 +152,7 @@ std::optional<ucred> LocalListener::credentials(const std::string& peer) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = connections_.find(fd);
   if (it == connections_.end()) return std::nullopt;
-  return it->second;
+  return it->second.cred;
 }
 
 MemoryCaller Caller::memory(bool insecure) const {

@@ -26,7 +26,9 @@ namespace shardcast::daemon {
 class LocalListener {
  public:
   // Binds `path` (mode 0660; an existing file there is replaced: the caller holds its lock).
-  static StatusOr<std::unique_ptr<LocalListener>> bind(const std::string& path);
+  // `max_per_uid`: connections one uid other than root may hold open at once; more are closed at
+  // accept (docs/security.md, "Limits"): idle connections cannot exhaust the daemon's descriptors.
+  static StatusOr<std::unique_ptr<LocalListener>> bind(const std::string& path, int max_per_uid = 64);
   ~LocalListener();
 
   // Accepts connections on a thread of its own and hands each to `server`.
@@ -37,15 +39,24 @@ class LocalListener {
   std::optional<ucred> credentials(const std::string& peer) const;
 
  private:
-  LocalListener(std::string path, int fd, int wake);
+  LocalListener(std::string path, int fd, int wake, int max_per_uid);
   void run(grpc::Server* server);
+  // With mu_ held: forgets connections gRPC has closed (their descriptor is gone or now names
+  // another file), then counts `uid`'s.
+  int liveConnections(uid_t uid);
 
   std::string path_;
   int fd_ = -1;
   int wake_ = -1;  // eventfd that ends the accept loop
   std::thread thread_;
   mutable std::mutex mu_;
-  std::map<int, ucred> connections_;  // by descriptor (a reused descriptor is overwritten at accept)
+  struct Connection {
+    ucred cred;
+    ino_t inode;  // of the socket: a descriptor reused for another file is told apart
+  };
+  std::map<int, Connection> connections_;  // by descriptor (a reused descriptor is overwritten at accept)
+  const int max_per_uid_;
+  uint64_t refused_ = 0;  // accept thread only
 };
 
 // One caller of the client service, as far as the daemon can tell.

@@ -22,7 +22,8 @@ std::string DaemonConfig::describe() const {
      << " peer_timeout_ms=" << peer_timeout_ms << " chunk_kib=" << (chunk_bytes >> 10) << " staging_mib=" << staging_mib
      << " window_kib=" << (window_bytes >> 10) << " nic_gbps=" << nic_gbps << " delta_cache_mib=" << delta_cache_mib
      << " delta_dense_every=" << delta_dense_every << " metrics=" << (metrics.empty() ? "(off)" : metrics)
-     << " sync_lease_ms=" << sync_lease_ms << " max_sync_lease_ms=" << max_sync_lease_ms << " owner_grace_s=" << owner_grace_s << " shutdown_grace_ms=" << shutdown_grace_ms << " tls="
+     << " sync_lease_ms=" << sync_lease_ms << " max_sync_lease_ms=" << max_sync_lease_ms << " owner_grace_s=" << owner_grace_s << " max_local_connections_per_uid=" << max_local_connections_per_uid
+     << " grpc_memory_mib=" << grpc_memory_mib << " shutdown_grace_ms=" << shutdown_grace_ms << " tls="
      << (tls.enabled() ? strCat("cert:", tls.cert, ",key:", tls.key, ",ca:", tls.ca, ",reload_s:", tls.reload_s)
                        : "(none)")
      << " insecure=" << (insecure ? "true" : "false")
@@ -171,6 +172,17 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
                  "long (kept in <socket>.owners): no other uid can register those names meanwhile")
       ->envname("SHARDCAST_OWNER_GRACE_S")
       ->check(CLI::Range(0, 86400))
+      ->capture_default_str();
+  app.add_option("--max-local-connections-per-uid", c.max_local_connections_per_uid,
+                 "Unix-socket connections one uid other than root may hold open at once (more are closed at accept)")
+      ->envname("SHARDCAST_MAX_LOCAL_CONNECTIONS_PER_UID")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  app.add_option("--grpc-memory-mib", c.grpc_memory_mib,
+                 "Memory gRPC may use for every connection's buffers together (a quota: requests wait or fail "
+                 "beyond it, the daemon stays up)")
+      ->envname("SHARDCAST_GRPC_MEMORY_MIB")
+      ->check(CLI::Range(int64_t{64}, int64_t{1} << 20))
       ->capture_default_str();
   app.add_option("--shutdown-grace-ms", c.shutdown_grace_ms,
                  "On SIGTERM: how long syncs and calls in flight get before the daemon aborts them and exits")

@@ -173,7 +173,7 @@ int main(int argc, char** argv) {
   }
   std::unique_ptr<LocalListener> local;
   if (!config->socket.empty()) {
-    auto l = LocalListener::bind(config->socket);
+    auto l = LocalListener::bind(config->socket, config->max_local_connections_per_uid);
     if (!l.ok()) return fail(std::string(l.status().message()));
     local = std::move(*l);
   }
@@ -196,6 +196,16 @@ int main(int argc, char** argv) {
   const auto& lim = planner::limits();
   builder.SetMaxReceiveMessageSize(static_cast<int>(2 * lim.max_layout_message_bytes + (size_t{64} << 20)));
   builder.SetMaxSendMessageSize(std::numeric_limits<int>::max());
+  // A TCP connection that has not finished its TLS handshake within 5 s is closed (gRPC's default
+  // is 120 s: 2,000 silent connections took a daemon off its peers), and one idle for 10 minutes
+  // too (clients and peers reconnect by themselves). Every connection's buffers come out of one
+  // memory quota, so that concurrent huge requests cannot take the daemon's memory
+  // (docs/security.md, "Limits").
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, 5000);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 600000);
+  grpc::ResourceQuota quota("shardcastd");
+  quota.Resize(static_cast<size_t>(config->grpc_memory_mib) << 20);
+  builder.SetResourceQuota(quota);
   int tcp_port = 0;
   if (!config->listen.empty()) {
     if (config->insecure)

@@ -29,18 +29,18 @@ struct World {
 };
 
 World& world() {
-  static World w = [] {
-    World out;
+  static World* w = [] {
+    auto* out = new World;  // lives for the process: the engine's threads run until it exits
     transport::TransportOptions o;
     o.backend = "loopback";
     o.name = "n0";
-    out.transport = std::move(*transport::createContext(o));
-    out.registry = std::make_unique<daemon::Registry>("n0", *out.transport);
-    out.engine = std::make_unique<daemon::SyncEngine>("n0", *out.registry, *out.transport, out.metrics,
-                                                      uint64_t{8} << 20, nullptr, uint64_t{64} << 20);
+    out->transport = std::move(*transport::createContext(o));
+    out->registry = std::make_unique<daemon::Registry>("n0", *out->transport);
+    out->engine = std::make_unique<daemon::SyncEngine>("n0", *out->registry, *out->transport, out->metrics,
+                                                       uint64_t{8} << 20, nullptr, uint64_t{64} << 20);
     return out;
   }();
-  return w;
+  return *w;
 }
 
 }  // namespace

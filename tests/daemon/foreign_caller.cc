@@ -6,7 +6,18 @@
 //       registers a source "mine-src" (version 1) and a destination "mine-dst" of its own with the
 //       layout, then syncs the victim's source into its destination ("read") and its source into
 //       the victim's destination as version 100 ("write")
+//   foreign_caller flood SOCKET N
+//       opens N connections to the socket and keeps them; prints "held K" (those the daemon did not
+//       close), then waits for EOF on stdin
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <thread>
 
 #include "client/lib/client.h"
 #include "planner/layout.h"
@@ -39,7 +50,36 @@ int syncs(const std::string& socket, const char* json, const std::string& victim
   return 0;
 }
 
+// Idle connections, as many as it can hold.
+int flood(const std::string& socket, int n) {
+  std::vector<int> fds;
+  for (int i = 0; i < n; ++i) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, socket.c_str(), sizeof(addr.sun_path) - 1);
+    if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return 1;
+    fds.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  int held = 0;
+  for (const int fd : fds) {
+    pollfd p{fd, POLLIN, 0};
+    char c;
+    // Closed by the daemon: readable with EOF. Held: nothing to read (gRPC waits for the preface).
+    const bool closed = ::poll(&p, 1, 0) > 0 && ::recv(fd, &c, 1, MSG_DONTWAIT | MSG_PEEK) == 0;
+    held += !closed;
+  }
+  std::printf("held %d\n", held);
+  std::fflush(stdout);
+  for (std::string line; std::getline(std::cin, line);) {
+  }
+  for (const int fd : fds) ::close(fd);
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc == 4 && std::string(argv[1]) == "flood") return flood(argv[2], std::stoi(argv[3]));
   if (argc == 6 && std::string(argv[1]) == "sync") return syncs(argv[2], argv[3], argv[4], argv[5]);
   if (argc != 5) {
     std::fprintf(stderr, "usage: foreign_caller SOCKET LAYOUT_JSON VICTIM_SEGMENT VICTIM_GROUP\n");

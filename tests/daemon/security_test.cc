@@ -3,6 +3,9 @@
 // registered only over the Unix socket and only under the clients' names, and no remote key leaves
 // a daemon whose peers write with active messages. (A caller of another uid: client/python/tests/
 // test_security.py, which can drop privileges.)
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -289,6 +292,65 @@ TEST_CASE("after a restart a group's name stays its owner's: another uid cannot 
   const grpc::Status back = after.client()->Register(ctx(10).get(), registerRequest(layout, 0, 2, mem), &registered);
   INFO(back.error_message());
   CHECK(back.ok());
+}
+
+TEST_CASE("idle Unix-socket connections of one uid are capped; the daemon serves everyone else", "[daemon][security]") {
+  if (::geteuid() != 0) {
+    WARN("needs root to run a caller as another uid (setpriv): skipped");
+    return;
+  }
+  Daemon d("n0", freePort(), {}, {"--max-local-connections-per-uid", "16"});
+  REQUIRE(d.ready());
+  Child flood = Child::spawn({"setpriv", "--reuid=65534", "--regid=0", "--clear-groups",
+                              testBinary(FOREIGN_CALLER_PATH), "flood", d.socketPath(), "200"});
+  const std::string held = flood.readLine(std::chrono::seconds(60));
+  CHECK(held == "held 16");  // the rest were closed at accept
+  // Root's calls (and any other uid's) are served while nobody holds its share.
+  v1::StatusResponse status;
+  CHECK(d.client()->Status(ctx(10).get(), v1::StatusRequest(), &status).ok());
+  flood.closeStdin();
+  CHECK(flood.wait() == 0);
+}
+
+TEST_CASE("silent TCP connections are closed before they authenticate; peers and clients are served meanwhile",
+          "[daemon][security]") {
+  Daemon d("n0", freePort(), {});
+  REQUIRE(d.ready());
+  const int port = std::stoi(d.address().substr(d.address().rfind(':') + 1));
+  std::vector<int> silent;
+  for (int i = 0; i < 2000; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    REQUIRE(fd >= 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+    silent.push_back(fd);  // never sends a byte: no TLS handshake
+  }
+  struct Close {
+    std::vector<int>& fds;
+    ~Close() {
+      for (const int fd : fds) ::close(fd);
+    }
+  } close_all{silent};
+  // A peer and a TCP client with certificates are answered while the 2,000 wait.
+  v1::DescribeResponse described;
+  CHECK(d.peer()->Describe(ctx(10).get(), v1::DescribeRequest(), &described).ok());
+  v1::StatusResponse status;
+  CHECK(d.tcpClient()->Status(ctx(10).get(), v1::StatusRequest(), &status).ok());
+  // Within the handshake timeout (5 s) and some slack, the daemon has closed every one of them.
+  int open = 0;
+  for (int waited = 0; waited < 200; ++waited) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    open = 0;
+    for (const int fd : silent) {
+      char c;
+      open += ::recv(fd, &c, 1, MSG_DONTWAIT | MSG_PEEK) != 0;  // 0: closed by the daemon
+    }
+    if (open == 0) break;
+  }
+  CHECK(open == 0);
 }
 
 TEST_CASE("bounded inputs: huge names are refused briefly, a big legal layout does not break syncs",
