@@ -36,8 +36,16 @@ Status checkName(const std::string& name) {
 StatusOr<ShmSegment> ShmSegment::create(const std::string& name, size_t size, bool unlink_on_close) {
   SC_RETURN_IF_ERROR(checkName(name));
   if (size == 0) return absl::InvalidArgumentError(strCat("shm segment \"", name, "\": size 0"));
-  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0660);
+  // 0600 whatever the umask: only its owner, and the daemon (root, or CAP_DAC_OVERRIDE, which
+  // opens a segment only for the uid that owns it), may map it (docs/security.md).
+  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) return errnoStatus(strCat("shm_open(\"", name, "\", create)"), errno);
+  if (::fchmod(fd, 0600) != 0) {
+    const int err = errno;
+    ::close(fd);
+    ::shm_unlink(name.c_str());
+    return errnoStatus(strCat("fchmod(\"", name, "\", 0600)"), err);
+  }
   if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
     const int err = errno;
     ::close(fd);

@@ -110,7 +110,10 @@ def test_flags_env_ports_probes_and_socket_match_the_daemon(kubectl, daemon_flag
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     assert os.path.dirname(socket) in mounts, f"{where}: the socket directory is not a volume"
     assert "/dev/shm" in mounts, f"{where}: clients' shared memory is not visible"
-    assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
+    added = container["securityContext"]["capabilities"]["add"]
+    assert "IPC_LOCK" in added
+    assert "DAC_OVERRIDE" in added, f"{where}: clients' segments are 0600: the daemon maps them by DAC_OVERRIDE"
+    assert set(added) <= {"IPC_LOCK", "DAC_OVERRIDE"}, f"{where}: no other capability"
     assert not container["securityContext"].get("privileged", False)
 
     # Peers: the DNS name is the headless Service of these pods, on the gRPC port.

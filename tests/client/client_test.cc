@@ -2,6 +2,8 @@
 // created, sync, watch, wait for versions, read status; errors carry the daemon's code and message.
 #include "client/lib/client.h"
 
+#include <sys/stat.h>
+
 #include <catch2/catch.hpp>
 #include <future>
 #include <thread>
@@ -42,6 +44,17 @@ TEST_CASE("HostTensors: buffers sized by the layout, aligned, zeroed, shared wit
     CHECK(h.shm().name() == t->segment());
     CHECK(h.shm().size() == t->bytes(h.buffer()).size());
   }
+}
+
+TEST_CASE("HostTensors: segments are 0600 whatever the umask (no group or other access)", "[client][security]") {
+  const auto layout = *planner::parseLayoutJson(kClientTrainer, "trainer");
+  const mode_t before = ::umask(0);  // the most permissive umask: 0660 would stay 0660
+  auto t = HostTensors::forRank(layout, 0);
+  ::umask(before);
+  REQUIRE(t.ok());
+  struct stat st {};
+  REQUIRE(::stat(("/dev/shm" + t->segment()).c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0600);
 }
 
 TEST_CASE("HostTensors: bad input is refused with the reason", "[client]") {

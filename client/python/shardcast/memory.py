@@ -124,12 +124,14 @@ class SharedTensors:
             slots.append((name, value, end))
             end += (_nbytes(value) + _ALIGN - 1) // _ALIGN * _ALIGN
         # POSIX shm directly rather than multiprocessing.shared_memory, whose resource tracker
-        # would unlink segments behind our back; mode 0660 as the C++ client (the daemon may run as
-        # another user of the same group).
+        # would unlink segments behind our back; mode 0600 whatever the umask, as the C++ client:
+        # only this uid and the daemon (root or CAP_DAC_OVERRIDE; it maps a segment only for the
+        # uid that owns it) can open it (docs/security.md).
         self.name = f"/shardcast-py-{os.getpid()}-{secrets.token_hex(4)}"
         size = max(end, _ALIGN)
-        fd = _posixshmem.shm_open(self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o660)
+        fd = _posixshmem.shm_open(self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         try:
+            os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)
             mapping = mmap.mmap(fd, size)
         except BaseException:

@@ -60,3 +60,22 @@ def test_ranks_register_only_over_the_unix_socket(secured):
     with shardcast.Client(cluster.target("n0")) as local:
         regs = rank_worker.register_trainers(local)
         assert regs
+
+
+def test_segments_the_client_creates_are_0600_whatever_the_umask(cluster):
+    import os
+    import stat
+
+    n0, _ = cluster
+    client = shardcast.Client(n0.target)
+    before = os.umask(0)  # the most permissive: a 0660 segment would stay group-writable
+    try:
+        tensors = {n: rank_worker.shard("trainer", n, 0, 1) for n in rank_worker.SHAPES}  # numpy: copied
+        reg = client.register("trainer", 0, 2, tensors, rank_worker.TRAINER, role="source", version=1)
+    finally:
+        os.umask(before)
+    try:
+        mode = stat.S_IMODE(os.stat("/dev/shm" + reg.segment).st_mode)
+        assert mode == 0o600, oct(mode)
+    finally:
+        reg.close()
