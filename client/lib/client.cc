@@ -1,11 +1,17 @@
 #include "client/lib/client.h"
 
 #include <grpcpp/grpcpp.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <map>
+#include <thread>
 
 #include "common/defaults.h"
 #include "common/grpc_status.h"
@@ -148,6 +154,53 @@ std::string ConnectOptions::tokenFileFromEnv() {
   return f ? f : "";
 }
 
+std::vector<uint32_t> ConnectOptions::daemonUidsFromEnv() {
+  std::vector<uint32_t> out;
+  const char* env = std::getenv("SHARDCAST_DAEMON_UID");
+  std::string list = env ? env : "";
+  for (size_t at = 0; at < list.size();) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    const std::string part = list.substr(at, comma - at);
+    char* end = nullptr;
+    const unsigned long uid = std::strtoul(part.c_str(), &end, 10);
+    if (!part.empty() && end == part.c_str() + part.size() && uid <= UINT32_MAX)
+      out.push_back(static_cast<uint32_t>(uid));
+    at = comma + 1;
+  }
+  return out;
+}
+
+StatusOr<uint32_t> checkDaemonUid(const std::string& path, const std::vector<uint32_t>& allowed,
+                                  std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path))
+    return absl::InvalidArgumentError(strCat("socket path \"", path, "\" is too long"));
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  ucred cred{};
+  while (true) {  // a daemon still starting (no socket yet) is waited for, as a channel would
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return absl::InternalError(strCat("socket(AF_UNIX): ", std::strerror(errno)));
+    socklen_t len = sizeof(cred);
+    const bool ok = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                    ::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0;
+    const int err = errno;
+    ::close(fd);
+    if (ok) break;
+    if (std::chrono::steady_clock::now() >= deadline)
+      return absl::UnavailableError(strCat("shardcastd at \"unix:", path,
+                                           "\" is not reachable (is the daemon running?): ", std::strerror(err)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (cred.uid == 0 || cred.uid == ::geteuid() ||
+      std::find(allowed.begin(), allowed.end(), static_cast<uint32_t>(cred.uid)) != allowed.end())
+    return static_cast<uint32_t>(cred.uid);
+  return absl::PermissionDeniedError(strCat("the process serving \"unix:", path, "\" (pid ", cred.pid, ") runs as uid ",
+                                            cred.uid, ", not as root, this process's uid or one of ",
+                                            "SHARDCAST_DAEMON_UID: not a daemon this client trusts"));
+}
+
 StatusOr<Client> Client::connect(const std::string& target, std::chrono::milliseconds connect_timeout) {
   ConnectOptions options;
   options.timeout = connect_timeout;
@@ -156,6 +209,7 @@ StatusOr<Client> Client::connect(const std::string& target, std::chrono::millise
 
 StatusOr<Client> Client::connect(const std::string& target, const ConnectOptions& options) {
   const std::string t = normalizeTarget(target);
+  if (t.rfind("unix:", 0) == 0) SC_RETURN_IF_ERROR(checkDaemonUid(t.substr(5), options.daemon_uids, options.timeout).status());
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);  // plan summaries of very large models
   // A restarted daemon is reached at once (not after gRPC's reconnect backoff of up to 120 s);

@@ -88,9 +88,20 @@ struct ConnectOptions {
   std::chrono::milliseconds timeout{5000};
   TlsFiles tls = TlsFiles::fromEnv();
   std::string token_file = tokenFileFromEnv();
+  // Over the Unix socket: uids the daemon may run as besides root and this process's own
+  // (checkDaemonUid); default $SHARDCAST_DAEMON_UID (comma-separated).
+  std::vector<uint32_t> daemon_uids = daemonUidsFromEnv();
 
   static std::string tokenFileFromEnv();
+  static std::vector<uint32_t> daemonUidsFromEnv();
 };
+
+// The uid of the process serving the Unix socket `path` (SO_PEERCRED, the kernel's word), waited
+// for up to `timeout` while nothing listens there yet; PERMISSION_DENIED unless it is root, this
+// process's uid or one of `allowed`: a process in the daemon's place on the path is never believed
+// (docs/security.md). UNAVAILABLE when nothing serves the path.
+StatusOr<uint32_t> checkDaemonUid(const std::string& path, const std::vector<uint32_t>& allowed,
+                                  std::chrono::milliseconds timeout);
 
 class Client {
  public:

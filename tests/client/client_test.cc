@@ -5,11 +5,13 @@
 #include <sys/stat.h>
 
 #include <catch2/catch.hpp>
+#include <filesystem>
 #include <future>
 #include <thread>
 
 #include "planner/layout.h"
 #include "tests/client/client_cluster.h"
+#include "tests/transport/process.h"
 #include "tests/support/device_buffer.h"
 #include "tests/support/gpu.h"
 #include "transport/cuda/cuda_support.h"
@@ -55,6 +57,40 @@ TEST_CASE("HostTensors: segments are 0600 whatever the umask (no group or other 
   struct stat st {};
   REQUIRE(::stat(("/dev/shm" + t->segment()).c_str(), &st) == 0);
   CHECK((st.st_mode & 0777) == 0600);
+}
+
+TEST_CASE("Client: a process of another uid serving the socket path in the daemon's place is not believed",
+          "[client][security]") {
+  if (::geteuid() != 0 || ::access("/usr/bin/python3", X_OK) != 0) {
+    WARN("needs root (setpriv) and /usr/bin/python3 to run an impostor as another uid: skipped");
+    return;
+  }
+  const std::string dir = "/tmp/shardcast-impostor-" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  std::filesystem::permissions(dir, std::filesystem::perms::all);
+  const std::string path = dir + "/shardcast.sock";
+  // nobody listens where the daemon's socket would be (it accepts, it could even speak gRPC).
+  Child impostor = Child::spawn(
+      {"setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
+       "import socket, sys, time\ns = socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\ns.listen(64)\n"
+       "print('listening', flush=True)\nwhile True:\n    c, _ = s.accept()\n",
+       path});
+  REQUIRE(impostor.readLine(std::chrono::seconds(30)) == "listening");
+  auto c = Client::connect("unix:" + path, std::chrono::seconds(2));
+  REQUIRE_FALSE(c.ok());
+  CHECK(absl::IsPermissionDenied(c.status()));
+  CHECK_THAT(std::string(c.status().message()), Catch::Contains("runs as uid 65534") &&
+                                                    Catch::Contains("not a daemon this client trusts"));
+  // Unless it is the uid the deployment says the daemon runs as.
+  ConnectOptions trusted;
+  trusted.timeout = std::chrono::milliseconds(300);
+  trusted.daemon_uids = {65534};
+  auto uid = checkDaemonUid(path, trusted.daemon_uids, trusted.timeout);
+  REQUIRE(uid.ok());
+  CHECK(*uid == 65534);
+  impostor.kill();
+  impostor.wait();
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("HostTensors: bad input is refused with the reason", "[client]") {

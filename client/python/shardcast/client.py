@@ -46,6 +46,46 @@ def _normalize(target: str) -> str:
     return "unix:" + target if target.startswith("/") else target
 
 
+def daemon_uids_from_env() -> List[int]:
+    """$SHARDCAST_DAEMON_UID: uids (comma-separated) a daemon may run as besides root and this
+    process's own (a DaemonSet's non-root daemon: 10001)."""
+    out = []
+    for part in os.environ.get("SHARDCAST_DAEMON_UID", "").split(","):
+        if part.strip():
+            out.append(int(part))
+    return out
+
+
+def check_daemon_uid(path: str, allowed: Sequence[int] = (), timeout: float = 5.0) -> int:
+    """The uid of the process serving the Unix socket `path` (SO_PEERCRED, the kernel's word),
+    checked against root, this process's uid and `allowed`: PERMISSION_DENIED otherwise, so a
+    process that took the daemon's place on the socket path is never believed (docs/security.md)."""
+    import socket
+    import struct
+
+    deadline = time.monotonic() + timeout
+    while True:  # a daemon still starting (no socket yet) is waited for, as a channel would
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            s.connect(path)
+            creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid, uid, _ = struct.unpack("3i", creds)
+            break
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ShardcastError(grpc.StatusCode.UNAVAILABLE,
+                                     f'shardcastd at "unix:{path}" is not reachable (is the daemon running?): {e}') from None
+            time.sleep(0.05)
+        finally:
+            s.close()
+    if uid not in {0, os.geteuid(), *allowed}:
+        raise ShardcastError(grpc.StatusCode.PERMISSION_DENIED,
+                             f'the process serving "unix:{path}" (pid {pid}) runs as uid {uid}, not as root, this '
+                             f"process's uid or one of $SHARDCAST_DAEMON_UID: not a daemon this client trusts")
+    return uid
+
+
 def default_target() -> str:
     """$SHARDCAST_ADDRESS (host:port or unix:PATH), else $SHARDCAST_SOCKET, else DEFAULT_SOCKET."""
     for var in ("SHARDCAST_ADDRESS", "SHARDCAST_SOCKET"):
@@ -253,11 +293,17 @@ class Client:
     Thread-safe: calls may come from several threads at once."""
 
     def __init__(self, target: Optional[str] = None, *, timeout: float = 30.0, connect_timeout: float = 5.0,
-                 tls: Optional["TlsFiles"] = None, token_file: Optional[str] = None) -> None:
+                 tls: Optional["TlsFiles"] = None, token_file: Optional[str] = None,
+                 daemon_uids: Optional[Sequence[int]] = None) -> None:
         """`target`: the daemon (default: $SHARDCAST_ADDRESS, $SHARDCAST_SOCKET, the node's socket).
         Over TCP, `tls` (default: $SHARDCAST_TLS_CA with $SHARDCAST_TLS_CERT/$SHARDCAST_TLS_KEY) and
-        `token_file` (default: $SHARDCAST_TOKEN_FILE) authenticate this client; see docs/security.md."""
+        `token_file` (default: $SHARDCAST_TOKEN_FILE) authenticate this client; see docs/security.md.
+        Over the Unix socket the daemon must run as root, as this process's uid or as one of
+        `daemon_uids` (default: $SHARDCAST_DAEMON_UID); else PERMISSION_DENIED (check_daemon_uid)."""
         self.target = _normalize(target) if target else default_target()
+        if self.target.startswith("unix:"):
+            check_daemon_uid(self.target[len("unix:"):],
+                             daemon_uids if daemon_uids is not None else daemon_uids_from_env(), connect_timeout)
         self.timeout = timeout
         options = [
             ("grpc.max_receive_message_length", 256 << 20),

@@ -79,3 +79,34 @@ def test_segments_the_client_creates_are_0600_whatever_the_umask(cluster):
         assert mode == 0o600, oct(mode)
     finally:
         reg.close()
+
+
+def test_a_process_of_another_uid_in_the_daemons_place_is_not_believed():
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip("needs root (setpriv) and /usr/bin/python3 to run an impostor as another uid")
+    where = tempfile.mkdtemp(prefix="shardcast-impostor-", dir="/tmp")  # reachable by nobody
+    os.chmod(where, 0o777)
+    path = os.path.join(where, "shardcast.sock")
+    # nobody listens on the socket path (it could answer WaitVersion with any version it likes).
+    impostor = subprocess.Popen(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
+         "import socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\ns.listen(64)\n"
+         "print('listening', flush=True)\nwhile True:\n    s.accept()\n", path],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert impostor.stdout.readline().strip() == "listening"
+        with pytest.raises(shardcast.ShardcastError) as refused:
+            shardcast.Client("unix:" + path, connect_timeout=2)
+        assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "runs as uid 65534" in str(refused.value) and "not a daemon this client trusts" in str(refused.value)
+        from shardcast.client import check_daemon_uid
+        assert check_daemon_uid(path, [65534]) == 65534  # a deployment that says so ($SHARDCAST_DAEMON_UID)
+    finally:
+        impostor.kill()
+        impostor.wait()
+        shutil.rmtree(where, ignore_errors=True)
