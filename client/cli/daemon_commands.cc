@@ -248,13 +248,15 @@ int runWait(const WaitArgs& a) {
   int rc = kOk;
   auto client = connectOrReport("wait", a, &rc);
   if (!client) return rc;
-  auto v = client->waitVersion(a.group, a.version, std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000)));
-  if (!v.ok()) return failed("wait", v.status());
-  const bool reached = *v >= a.version;
+  // The query form: a version not reached in time is reported (exit 5), not an error of the call.
+  auto out = client->waitReady(a.group, a.version, std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000)));
+  if (!out.ok()) return failed("wait", out.status());
+  const uint64_t v = out->version();
+  const bool reached = v >= a.version;
   if (a.json)
-    std::cout << fmt::format(R"({{"group":"{}","version":{},"reached":{}}})", a.group, *v, reached) << "\n";
+    std::cout << fmt::format(R"({{"group":"{}","version":{},"reached":{}}})", a.group, v, reached) << "\n";
   else
-    std::cout << fmt::format("group \"{}\" is at version {}{}\n", a.group, *v,
+    std::cout << fmt::format("group \"{}\" is at version {}{}\n", a.group, v,
                              reached ? "" : fmt::format(" (waited {:.0f} s for {})", a.timeout_s, a.version));
   return reached ? kOk : kSyncFailed;
 }

@@ -409,7 +409,14 @@ Status Client::watch(const std::string& sync_id, const std::function<bool(const 
 StatusOr<uint64_t> Client::waitVersion(const std::string& group, uint64_t version,
                                        std::chrono::milliseconds timeout) const {
   SC_ASSIGN_OR_RETURN(auto out, waitReady(group, version, timeout));
-  return out.version();
+  if (out.version() >= version) return out.version();
+  std::string ranks;
+  for (int i = 0; i < out.ranks_size() && i < 8; ++i)
+    ranks += strCat(i ? ", " : "", out.ranks(i).rank(), " ", describeRank(out.ranks(i)));
+  if (out.ranks_size() > 8) ranks += strCat(" (+", out.ranks_size() - 8, " more)");
+  return absl::DeadlineExceededError(strCat("group \"", group, "\" is at version ", out.version(), ", not ", version,
+                                            ", after waiting ", timeout.count(), " ms: its weights are stale (ranks: ",
+                                            ranks, ")"));
 }
 
 Status Client::checkSession() const {

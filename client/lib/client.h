@@ -151,10 +151,12 @@ class Client {
   Status watch(const std::string& sync_id, const std::function<bool(const v1::SyncProgress&)>& on_progress,
                WatchCancel* cancel = nullptr) const;
   // Waits until every rank of `group` on this node is ready at `version` or newer; returns the
-  // version they are all ready at (lower than asked when the timeout passed first; timeout 0 =
-  // at once). A dirty rank fails it at once (FAILED_PRECONDITION naming the rank and the sync).
+  // version they are all ready at (>= `version`). Never stale weights: DEADLINE_EXCEEDED naming
+  // the version the ranks are at when the timeout passed first (timeout 0 = at once). A dirty rank
+  // fails it at once (FAILED_PRECONDITION naming the rank and the sync).
   StatusOr<uint64_t> waitVersion(const std::string& group, uint64_t version, std::chrono::milliseconds timeout) const;
-  // The same, with every rank's state.
+  // Every rank's state once they are all ready at `version`, or when the timeout passed: a query,
+  // whose version() may be lower than asked (check it; waitVersion does).
   StatusOr<v1::WaitVersionResponse> waitReady(const std::string& group, uint64_t version,
                                               std::chrono::milliseconds timeout) const;
 

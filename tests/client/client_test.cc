@@ -200,6 +200,17 @@ TEST_CASE("Client: register, sync with watch, wait for the version, status - eve
   auto waited = coordinator->waitVersion("nobody", 1, std::chrono::milliseconds(10));
   REQUIRE_FALSE(waited.ok());
   CHECK(absl::IsNotFound(waited.status()));
+  // A version that does not arrive in time is an error, never a lower version to serve from.
+  auto inference = Client::connect("unix:" + cluster.daemons[1]->socketPath());
+  REQUIRE(inference.ok());
+  auto stale = inference->waitVersion("infer", 99, std::chrono::milliseconds(10));
+  REQUIRE_FALSE(stale.ok());
+  CHECK(absl::IsDeadlineExceeded(stale.status()));
+  CHECK_THAT(std::string(stale.status().message()),
+             Catch::Contains("group \"infer\" is at version 2, not 99") && Catch::Contains("weights are stale"));
+  auto query = inference->waitReady("infer", 99, std::chrono::milliseconds(10));  // the query form reports
+  REQUIRE(query.ok());
+  CHECK(query->version() == 2);
   auto unknown_watch = coordinator->watch("no-such-sync", [](const v1::SyncProgress&) { return true; });
   CHECK(absl::IsNotFound(unknown_watch));
 }

@@ -595,25 +595,33 @@ class Client:
             raise self._fail(e, f'watch sync "{sync_id}"') from None
 
     def wait_version(self, group: str, version: int, timeout: Optional[float] = None) -> int:
-        """Waits until every rank of `group` on this node is ready at `version` or newer; returns
-        the version they are all ready at, lower than asked only when `timeout` (seconds; None = no
-        limit) passed first. A dirty rank (a sync wrote part of a version and failed) raises
-        ShardcastError (FAILED_PRECONDITION) at once, naming the rank and the sync."""
+        """Waits until every rank of `group` on this node is ready at `version` or newer and returns
+        the version they are all ready at (>= `version`). Never returns stale weights: when
+        `timeout` (seconds; None = no limit) passes first it raises ShardcastError
+        (DEADLINE_EXCEEDED) naming the version the ranks are at. A dirty rank (a sync wrote part of
+        a version and failed) raises ShardcastError (FAILED_PRECONDITION) at once, naming the rank
+        and the sync."""
         self._check_session()
         remaining = timeout
         while True:
-            step = 60.0 if remaining is None else min(remaining, 60.0)
+            step = 60.0 if remaining is None else max(0.0, min(remaining, 60.0))
             req = service_pb2.WaitVersionRequest(group=group, version=version, timeout_ms=int(step * 1000))
             try:
-                got = self._stub.WaitVersion(req, timeout=step + self.timeout).version
+                got = self._stub.WaitVersion(req, timeout=step + self.timeout)
             except grpc.RpcError as e:
                 raise self._fail(e, f'wait for group "{group}" version {version}') from None
-            if got >= version:
-                return got
+            if got.version >= version:
+                return got.version
             if remaining is not None:
                 remaining -= step
                 if remaining <= 0:
-                    return got
+                    states = ", ".join(f"{r.rank} {describe_rank(r)}" for r in list(got.ranks)[:8])
+                    more = f" (+{len(got.ranks) - 8} more)" if len(got.ranks) > 8 else ""
+                    node = f' on node "{self.node}"' if self.node else " on this node"
+                    raise ShardcastError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f'group "{group}"{node} is at version {got.version}, not {version}, after waiting '
+                        f"{timeout:g} s: its weights are stale (ranks: {states}{more})")
 
     def ranks(self, group: str) -> List[service_pb2.RankStatus]:
         """The state of every rank of `group` on this node (see describe_rank); [] when none is

@@ -87,7 +87,12 @@ def test_errors_carry_the_status_code_and_the_daemons_message(cluster):
         assert np.array_equal(reg.tensors["w"], good["w"])
         assert os.path.exists("/dev/shm" + reg.segment)
         segment = reg.segment
-        assert client.wait_version("trainer", 5, timeout=0.2) == 0  # timed out at version 0
+        # Timed out at version 0: raised, never returned (an application would serve stale weights).
+        with pytest.raises(shardcast.ShardcastError) as stale:
+            client.wait_version("trainer", 5, timeout=0.2)
+        assert stale.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert 'group "trainer"' in str(stale.value) and "is at version 0, not 5" in str(stale.value)
+        assert "weights are stale" in str(stale.value)
     assert not os.path.exists("/dev/shm" + segment)
     assert len(client.list(all_nodes=False).ranks) == 0
 
