@@ -151,8 +151,7 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
   for (size_t i = 0; i < n; ++i) {
     const grpc::StatusCode code = statuses[i].error_code();
     // A fresh channel next time: a restarted peer is then reached without reconnect backoff.
-    if (code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED)
-      channels_.erase(addrs[i]);
+    if (code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED) channels_.erase(addrs[i]);
   }
   // What each peer says of itself, then what the others know of peers this daemon never reached.
   for (size_t i = 0; i < n; ++i)

@@ -65,8 +65,8 @@ class PeerSet {
   std::string instance_;
   mutable std::mutex mu_;
   mutable std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
-  mutable std::map<std::string, std::string> nodes_;  // address -> node it last described itself as
-  mutable std::map<std::string, std::string> transports_;  // node -> the transport address it described
+  mutable std::map<std::string, std::string> nodes_;              // address -> node it last described itself as
+  mutable std::map<std::string, std::string> transports_;         // node -> the transport address it described
   mutable std::chrono::steady_clock::time_point last_refresh_{};  // of transports_ by checkTransportAddress
 };
 

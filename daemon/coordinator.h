@@ -14,8 +14,8 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>

@@ -107,8 +107,8 @@ Status Execution::send(const std::shared_ptr<transport::MemoryRegion>& src, uint
   if (landing == nullptr)
     return absl::InternalError(strCat("sync ", a_->id, ": transfer ", word.transfer, " does not land on node ", node));
   const auto& chunk = cp_.transfer(word.transfer).chunks[static_cast<size_t>(word.chunk)];
-  transport::WriteOp op{src,        off + chunk.offset, peer->second.arena, landing->arena_offset + chunk.offset,
-                        word.bytes, a_->key};
+  transport::WriteOp op{
+      src, off + chunk.offset, peer->second.arena, landing->arena_offset + chunk.offset, word.bytes, a_->key};
   if (landing->direct()) {
     const std::string& name = cp_.dst.buffer_names[static_cast<size_t>(landing->buffer)];
     auto target = peer->second.buffers.find({landing->rank, name});

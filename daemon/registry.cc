@@ -18,6 +18,7 @@
 #include "common/strings.h"
 #include "planner/layout.h"
 #include "planner/limits.h"
+#include "transport/copy_engine.h"
 
 namespace shardcast::daemon {
 
@@ -135,22 +136,37 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
   // What the client says it holds there, when it says so: the layout's dtype and element count.
   // A buffer holds one tensor's shard or several fused tensors' (one dtype: their first's).
   std::map<std::string, const planner::TensorLayout*> held_by;
+  // A buffer that is exactly one box of one tensor, dense and row-major from its start, has that
+  // box's shape: a client's shape must be it, not merely as many elements (a [6, 4] tensor where
+  // the layout says [4, 6] would take the bytes scrambled).
+  std::map<std::string, std::vector<int64_t>> shapes;
+  std::map<std::string, int> pieces_in;
   for (const auto& t : layout->tensors)
     for (const auto& p : t.pieces)
-      if (p.rank == req.rank()) held_by.emplace(layout->buffer_names[static_cast<size_t>(p.buffer)], &t);
+      if (p.rank == req.rank()) {
+        const std::string& name = layout->buffer_names[static_cast<size_t>(p.buffer)];
+        held_by.emplace(name, &t);
+        if (++pieces_in[name] > 1) {
+          shapes.erase(name);
+          continue;
+        }
+        const auto sizes = t.boxes[static_cast<size_t>(p.box)].sizes();
+        if (p.offset == 0 && layout->strides[static_cast<size_t>(p.strides)] == transport::denseStrides(sizes))
+          shapes[name] = sizes;
+      }
 
   auto rank = std::make_unique<Rank>();
   rank->group = req.group();
   rank->rank = req.rank();
   rank->world = req.world_size();
   rank->digest = std::move(digest);
-  SC_ASSIGN_OR_RETURN(rank->buffers, mapBuffers(who, req.buffers(), needed, held_by, caller));
+  SC_ASSIGN_OR_RETURN(rank->buffers, mapBuffers(who, req.buffers(), needed, held_by, shapes, caller));
   if (req.shadow_buffers_size() > 0) {
     // Double-buffered: a second set of the same buffers; syncs write the set not in use.
     if (req.role() == v1::ROLE_SOURCE)
       return absl::InvalidArgumentError(strCat(who, ": only a destination rank is double-buffered (shadow_buffers)"));
     SC_ASSIGN_OR_RETURN(rank->shadow,
-                        mapBuffers(strCat(who, " (shadow)"), req.shadow_buffers(), needed, held_by, caller));
+                        mapBuffers(strCat(who, " (shadow)"), req.shadow_buffers(), needed, held_by, shapes, caller));
   }
   for (const auto& set : {&rank->buffers, &rank->shadow})
     for (const auto& b : *set) rank->bytes += b.size;
@@ -168,11 +184,12 @@ Status Registry::mayJoin(const v1::RegisterRequest& req, const std::string& dige
     if (r == reserved_.end() || std::chrono::steady_clock::now() >= r->second.second || caller.any_owner ||
         (caller.local && caller.uid == r->second.first))
       return absl::OkStatus();
-    const auto left = std::chrono::duration_cast<std::chrono::seconds>(r->second.second - std::chrono::steady_clock::now());
-    return absl::PermissionDeniedError(strCat(
-        who, ": the group is reserved for uid ", r->second.first, ", which held it on node \"", node_,
-        "\" before the daemon restarted (for ", left.count() + 1, " s more, --owner-grace-s); ",
-        caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"), " may not take it"));
+    const auto left =
+        std::chrono::duration_cast<std::chrono::seconds>(r->second.second - std::chrono::steady_clock::now());
+    return absl::PermissionDeniedError(
+        strCat(who, ": the group is reserved for uid ", r->second.first, ", which held it on node \"", node_,
+               "\" before the daemon restarted (for ", left.count() + 1, " s more, --owner-grace-s); ",
+               caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"), " may not take it"));
   }
   // A group is its first registering uid's: no other uid adds ranks to it or replaces them.
   if (!caller.any_owner && g->second.owner && !(caller.local && *g->second.owner == caller.uid))
@@ -315,8 +332,8 @@ Status Registry::keepOwners(const std::string& path, std::chrono::seconds grace)
     text.resize(static_cast<size_t>(std::max<ssize_t>(0, ::read(fd, text.data(), text.size()))));
   } else {
     ::close(fd);
-    return absl::FailedPreconditionError(strCat("owners file ", quote(path),
-                                                " is not a regular file of this daemon's uid (at most 4 MiB)"));
+    return absl::FailedPreconditionError(
+        strCat("owners file ", quote(path), " is not a regular file of this daemon's uid (at most 4 MiB)"));
   }
   ::close(fd);
   // "uid hex(group)" per line: written by persistOwners, read back as such; anything else skipped.

@@ -223,6 +223,7 @@ class Registry {
                                            const google::protobuf::RepeatedPtrField<v1::MemoryHandle>& handles,
                                            std::map<std::string, int64_t> needed,
                                            const std::map<std::string, const planner::TensorLayout*>& held_by,
+                                           const std::map<std::string, std::vector<int64_t>>& shapes,
                                            const MemoryCaller& caller);
   v1::RankStatus statusOf(const Rank& r) const;
   Rank* findRank(const std::string& group, int32_t rank) const;

@@ -3,6 +3,8 @@
 // transport once (daemon/registry.h).
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+
 #include "common/strings.h"
 #include "daemon/registry.h"
 #include "planner/layout.h"
@@ -14,7 +16,7 @@ namespace shardcast::daemon {
 StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
     const std::string& who, const google::protobuf::RepeatedPtrField<v1::MemoryHandle>& handles,
     std::map<std::string, int64_t> needed, const std::map<std::string, const planner::TensorLayout*>& held_by,
-    const MemoryCaller& caller) {
+    const std::map<std::string, std::vector<int64_t>>& shapes, const MemoryCaller& caller) {
   std::vector<Buffer> out;
   std::map<std::string, const v1::MemoryHandle*> given;
   for (const auto& h : handles) {
@@ -47,6 +49,13 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
         return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" has shape [", strJoin(h->shape(), ", "),
                                                  "] (", elems, " elements) but the layout gives this rank ",
                                                  needed[name] / elem, " elements of it"));
+      const auto expected = shapes.find(name);
+      if (expected != shapes.end() &&
+          !std::equal(h->shape().begin(), h->shape().end(), expected->second.begin(), expected->second.end()))
+        return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" has shape [", strJoin(h->shape(), ", "),
+                                                 "] but the layout gives this rank [", strJoin(expected->second, ", "),
+                                                 "] of it (as many elements, in another order: the bytes would land "
+                                                 "scrambled)"));
     }
   }
 

@@ -8,8 +8,8 @@
 #include "daemon/delta.h"
 #include "daemon/notification.h"
 #include "fuzz/fuzz_plan.h"
-#include "transport/ucx/wire.h"
 #include "planner/layout.h"
+#include "transport/ucx/wire.h"
 
 using namespace shardcast;
 

@@ -111,7 +111,8 @@ class RegionTable {
   };
   static std::vector<LandingRange> mergeRanges(std::vector<LandingRange> ranges) {
     std::erase_if(ranges, [](const LandingRange& r) { return r.size == 0 || r.addr + r.size < r.addr; });
-    std::sort(ranges.begin(), ranges.end(), [](const LandingRange& a, const LandingRange& b) { return a.addr < b.addr; });
+    std::sort(ranges.begin(), ranges.end(),
+              [](const LandingRange& a, const LandingRange& b) { return a.addr < b.addr; });
     std::vector<LandingRange> out;
     for (const LandingRange& r : ranges) {
       if (!out.empty() && r.addr <= out.back().addr + out.back().size)

@@ -105,10 +105,9 @@ struct Client::SessionState {
       v1::RegisterResponse out;
       const grpc::Status st = stub->Register(&c, req, &out);
       if (st.ok()) continue;
-      const std::string why = strCat("re-registering group \"", req.group(), "\" rank ", req.rank(),
-                                     " after its daemon restarted failed: ", absl::StatusCodeToString(
-                                         static_cast<absl::StatusCode>(st.error_code())),
-                                     ": ", st.error_message());
+      const std::string why =
+          strCat("re-registering group \"", req.group(), "\" rank ", req.rank(), " after its daemon restarted failed: ",
+                 absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code())), ": ", st.error_message());
       std::fprintf(stderr, "shardcast: %s\n", why.c_str());
       std::lock_guard<std::mutex> relock(mu);
       failed[{req.group(), req.rank()}] = why;
@@ -189,8 +188,8 @@ StatusOr<uint32_t> checkDaemonUid(const std::string& path, const std::vector<uin
     ::close(fd);
     if (ok) break;
     if (std::chrono::steady_clock::now() >= deadline)
-      return absl::UnavailableError(strCat("shardcastd at \"unix:", path,
-                                           "\" is not reachable (is the daemon running?): ", std::strerror(err)));
+      return absl::UnavailableError(
+          strCat("shardcastd at \"unix:", path, "\" is not reachable (is the daemon running?): ", std::strerror(err)));
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   if (cred.uid == 0 || cred.uid == ::geteuid() ||
@@ -209,7 +208,8 @@ StatusOr<Client> Client::connect(const std::string& target, std::chrono::millise
 
 StatusOr<Client> Client::connect(const std::string& target, const ConnectOptions& options) {
   const std::string t = normalizeTarget(target);
-  if (t.rfind("unix:", 0) == 0) SC_RETURN_IF_ERROR(checkDaemonUid(t.substr(5), options.daemon_uids, options.timeout).status());
+  if (t.rfind("unix:", 0) == 0)
+    SC_RETURN_IF_ERROR(checkDaemonUid(t.substr(5), options.daemon_uids, options.timeout).status());
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);  // plan summaries of very large models
   // A restarted daemon is reached at once (not after gRPC's reconnect backoff of up to 120 s);
@@ -415,8 +415,8 @@ StatusOr<uint64_t> Client::waitVersion(const std::string& group, uint64_t versio
     ranks += strCat(i ? ", " : "", out.ranks(i).rank(), " ", describeRank(out.ranks(i)));
   if (out.ranks_size() > 8) ranks += strCat(" (+", out.ranks_size() - 8, " more)");
   return absl::DeadlineExceededError(strCat("group \"", group, "\" is at version ", out.version(), ", not ", version,
-                                            ", after waiting ", timeout.count(), " ms: its weights are stale (ranks: ",
-                                            ranks, ")"));
+                                            ", after waiting ", timeout.count(),
+                                            " ms: its weights are stale (ranks: ", ranks, ")"));
 }
 
 Status Client::checkSession() const {

@@ -11,9 +11,9 @@
 
 #include "planner/layout.h"
 #include "tests/client/client_cluster.h"
-#include "tests/transport/process.h"
 #include "tests/support/device_buffer.h"
 #include "tests/support/gpu.h"
+#include "tests/transport/process.h"
 #include "transport/cuda/cuda_support.h"
 #include "transport/shm.h"
 
@@ -70,17 +70,17 @@ TEST_CASE("Client: a process of another uid serving the socket path in the daemo
   std::filesystem::permissions(dir, std::filesystem::perms::all);
   const std::string path = dir + "/shardcast.sock";
   // nobody listens where the daemon's socket would be (it accepts, it could even speak gRPC).
-  Child impostor = Child::spawn(
-      {"setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
-       "import socket, sys, time\ns = socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\ns.listen(64)\n"
-       "print('listening', flush=True)\nwhile True:\n    c, _ = s.accept()\n",
-       path});
+  Child impostor =
+      Child::spawn({"setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
+                    "import socket, sys, time\ns = socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\ns.listen(64)\n"
+                    "print('listening', flush=True)\nwhile True:\n    c, _ = s.accept()\n",
+                    path});
   REQUIRE(impostor.readLine(std::chrono::seconds(30)) == "listening");
   auto c = Client::connect("unix:" + path, std::chrono::seconds(2));
   REQUIRE_FALSE(c.ok());
   CHECK(absl::IsPermissionDenied(c.status()));
-  CHECK_THAT(std::string(c.status().message()), Catch::Contains("runs as uid 65534") &&
-                                                    Catch::Contains("not a daemon this client trusts"));
+  CHECK_THAT(std::string(c.status().message()),
+             Catch::Contains("runs as uid 65534") && Catch::Contains("not a daemon this client trusts"));
   // Unless it is the uid the deployment says the daemon runs as.
   ConnectOptions trusted;
   trusted.timeout = std::chrono::milliseconds(300);

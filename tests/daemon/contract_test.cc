@@ -410,6 +410,13 @@ TEST_CASE("roles and types: no sync into a source or out of a destination - dtyp
   CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
   CHECK_THAT(st.error_message(),
              Catch::Contains("has shape [64, 32] (2048 elements) but the layout gives this rank 1024"));
+  typed.mutable_buffers(0)->clear_shape();  // as many elements, transposed: refused, not scrambled
+  typed.mutable_buffers(0)->add_shape(16);
+  typed.mutable_buffers(0)->add_shape(64);
+  st = c.n1().client()->Register(ctx().get(), typed, &resp);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("buffer \"w\" has shape [16, 64] but the layout gives this rank "
+                                                 "[64, 16] of it"));
   typed.mutable_buffers(0)->clear_shape();
   typed.mutable_buffers(0)->add_shape(64);
   typed.mutable_buffers(0)->add_shape(16);

@@ -173,7 +173,8 @@ class HeldEndpoint final : public shardcast::transport::Endpoint {
   void writeBatch(std::vector<shardcast::transport::WriteOp>, shardcast::transport::Completion done) override {
     writes.push_back(std::move(done));
   }
-  void notify(std::string payload, const shardcast::transport::WriteKey&, shardcast::transport::Completion done) override {
+  void notify(std::string payload, const shardcast::transport::WriteKey&,
+              shardcast::transport::Completion done) override {
     announced += parseNotification(payload)->chunks.size();
     done(absl::OkStatus());
   }

@@ -216,8 +216,7 @@ TEST_CASE("a local caller syncs only into its own groups, out of its own or gran
   for (auto* m : {&smem, &dmem}) REQUIRE(::chmod(("/dev/shm" + m->seg->name()).c_str(), 0600) == 0);
   std::memset(smem.seg->data(), 0x42, smem.seg->size());  // root's weights
   v1::RegisterResponse registered;
-  REQUIRE(
-      d.client()->Register(ctx(10).get(), registerRequest(src, 0, 1, smem, v1::ROLE_SOURCE, 1), &registered).ok());
+  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(src, 0, 1, smem, v1::ROLE_SOURCE, 1), &registered).ok());
   REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(dst, 0, 1, dmem), &registered).ok());
   auto attempt = [&] {
     Child caller = Child::spawn({"setpriv", "--reuid=65534", "--regid=0", "--clear-groups",
@@ -446,8 +445,7 @@ TEST_CASE("certificates are re-read: a rotated CA and identity are served withou
   std::filesystem::remove_all(base);
 }
 
-TEST_CASE("a rank is replaced only by the uid that registered it, the group's owner included",
-          "[daemon][security]") {
+TEST_CASE("a rank is replaced only by the uid that registered it, the group's owner included", "[daemon][security]") {
   if (::geteuid() != 0) {
     WARN("needs root to hand segments to another uid (chown): skipped");
     return;

@@ -170,9 +170,10 @@ TEST_CASE("two network namespaces joined by veth, UCX_TLS=tcp", "[transport][pro
   }
   const size_t size = size_t{32} << 20;
   Receiver r = startReceiver({"ip", "netns", "exec", b, "env", "UCX_NET_DEVICES=" + vb}, "tcp", size);
-  Child sender =
-      Child::spawn({"ip", "netns", "exec", a, "env", "UCX_NET_DEVICES=" + va, peerBinary(), "send", "--tls", "tcp",
-                    "--size", std::to_string(size), "--seed", "9", "--address", r.address, "--region", r.region, "--key", r.key});
+  Child sender = Child::spawn({"ip",         "netns", "exec",      a,         "env",      "UCX_NET_DEVICES=" + va,
+                               peerBinary(), "send",  "--tls",     "tcp",     "--size",   std::to_string(size),
+                               "--seed",     "9",     "--address", r.address, "--region", r.region,
+                               "--key",      r.key});
   CHECK(sender.readLine(std::chrono::seconds(60)) == "SENT");
   CHECK(r.child.readLine(std::chrono::seconds(60)) == "OK 9");
   CHECK(sender.wait() == 0);

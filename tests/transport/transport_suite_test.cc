@@ -138,7 +138,9 @@ TEMPLATE_TEST_CASE("writes of 1 byte to 256 MiB at unaligned offsets arrive inta
   for (size_t size : {size_t{1}, size_t{7}, size_t{4099}, (size_t{1} << 20) + 5, size_t{64} << 20, kMax}) {
     const size_t so = size % 61, doff = (size * 7 + 3) % 59;
     std::memset(dst.data(), 0, dst.size());
-    const Status st = await([&](Completion done) { p.ep->write({rs, so, rd->remote(), doff, size, p.key}, std::move(done)); });
+    const Status st = await([&](Completion done) {
+      p.ep->write({rs, so, rd->remote(), doff, size, p.key}, std::move(done));
+    });
     INFO("size " << size);
     REQUIRE(st.ok());
     CHECK(checkPattern(dst.data() + doff, size, 42, so) == size);
@@ -515,7 +517,9 @@ TEMPLATE_TEST_CASE("backend-allocated landing buffers receive writes", "[transpo
   std::vector<unsigned char> src(kSize);
   fillPattern(src.data(), kSize, 11);
   auto rs = reg(*p.a, src);
-  REQUIRE(await([&](Completion done) { p.ep->write({rs, 0, (*landing)->remote(), 0, kSize, p.key}, std::move(done)); }).ok());
+  REQUIRE(await([&](Completion done) {
+            p.ep->write({rs, 0, (*landing)->remote(), 0, kSize, p.key}, std::move(done));
+          }).ok());
   CHECK(checkPattern(static_cast<unsigned char*>((*landing)->data()), kSize, 11) == kSize);
   CHECK_FALSE(p.b->allocateMemory(0).ok());
 }

@@ -59,7 +59,8 @@ TEST_CASE("UCX headers: anything else is refused, never read past its end", "[tr
   refused(wire::encodeAck(1, 0) + "x", wire::MessageType::kAck, "not an ack's size");
   refused(wire::encodeNotify(key).substr(1), wire::MessageType::kNotify, "magic");
   // Every prefix of a valid header is refused (no read past the end: ASan builds check).
-  for (size_t n = 0; n < data.size(); ++n) CHECK_FALSE(wire::parseHeader(data.substr(0, n), wire::MessageType::kData).ok());
+  for (size_t n = 0; n < data.size(); ++n)
+    CHECK_FALSE(wire::parseHeader(data.substr(0, n), wire::MessageType::kData).ok());
 }
 
 namespace {
@@ -72,7 +73,8 @@ class FakeRegion final : public MemoryRegion {
 };
 }  // namespace
 
-TEST_CASE("a write is admitted only under an open key, inside its ranges and registered memory", "[transport][security]") {
+TEST_CASE("a write is admitted only under an open key, inside its ranges and registered memory",
+          "[transport][security]") {
   std::vector<unsigned char> memory(1 << 16);
   auto region = std::make_shared<FakeRegion>(memory.data(), memory.size());
   RegionTable table;
@@ -83,11 +85,11 @@ TEST_CASE("a write is admitted only under an open key, inside its ranges and reg
   table.openFence(key, {{base + 4096, 4096}, {base + 8192, 4096}, {base + 100, 0}});
   CHECK(table.admit(key, base + 4096, 8192));  // two adjacent ranges merge
   CHECK(table.admit(key, base + 4096 + 100, 16));
-  CHECK_FALSE(table.admit(key, base, 16));             // registered, but outside the key's ranges
-  CHECK_FALSE(table.admit(key, base + 4000, 200));     // straddles the start
-  CHECK_FALSE(table.admit(key, base + 12000, 1000));   // straddles the end
-  CHECK_FALSE(table.admit(key, ~uint64_t{0} - 4, 16)); // wraps
-  CHECK_FALSE(table.admit(WriteKey{}, base + 4096, 16));       // no key ("fence 0")
+  CHECK_FALSE(table.admit(key, base, 16));                        // registered, but outside the key's ranges
+  CHECK_FALSE(table.admit(key, base + 4000, 200));                // straddles the start
+  CHECK_FALSE(table.admit(key, base + 12000, 1000));              // straddles the end
+  CHECK_FALSE(table.admit(key, ~uint64_t{0} - 4, 16));            // wraps
+  CHECK_FALSE(table.admit(WriteKey{}, base + 4096, 16));          // no key ("fence 0")
   CHECK_FALSE(table.admit(WriteKey::random(), base + 4096, 16));  // a guessed key
   {
     auto held = table.admit(key, base + 4096, 16);

@@ -101,7 +101,8 @@ class LoopbackEndpoint final : public Endpoint {
       auto peer = lookup(this_ep->peer_address_);
       if (!peer) return done(absl::UnavailableError(strCat("peer '", this_ep->peer_name_, "' is gone")));
       if (key.empty())
-        return done(absl::InvalidArgumentError(strCat("notification to peer '", this_ep->peer_name_, "': no write key")));
+        return done(
+            absl::InvalidArgumentError(strCat("notification to peer '", this_ep->peer_name_, "': no write key")));
       // Dropped there unless the key is open, as UCX's handler does.
       if (peer->regions.fenceOpen(key)) deliver(peer, std::move(payload), key);
       done(absl::OkStatus());

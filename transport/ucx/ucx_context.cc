@@ -122,14 +122,14 @@ struct PendingOp {
 // The per-request callback context: which engine and operation a UCX request belongs to.
 struct RequestCtx {
   UcxEngine* engine = nullptr;
-  uint64_t op_id = 0;           // 0: no operation to account (acks, notifications)
-  bool data = false;            // an AM write, whose ack reports its outcome
-  std::string header;           // the AM header (wire.h), kept alive until sent
-  std::string payload;          // notification / ack message bytes kept alive until sent; receiver: a write's notice
-  Completion done;              // notifications
-  ucp_ep_h reply_ep = nullptr;  // receiver side: where to ack a rendezvous receive
-  WriteKey key{};               // receiver side: the key a write's notice is delivered under
-  RegionTable::Landing landing;  // receiver side: the write's fence and target region, held until it is in
+  uint64_t op_id = 0;              // 0: no operation to account (acks, notifications)
+  bool data = false;               // an AM write, whose ack reports its outcome
+  std::string header{};            // the AM header (wire.h), kept alive until sent
+  std::string payload{};           // notification / ack message bytes kept alive until sent; receiver: a write's notice
+  Completion done{};               // notifications
+  ucp_ep_h reply_ep = nullptr;     // receiver side: where to ack a rendezvous receive
+  WriteKey key{};                  // receiver side: the key a write's notice is delivered under
+  RegionTable::Landing landing{};  // receiver side: the write's fence and target region, held until it is in
 };
 
 class UcxEndpoint;
@@ -396,8 +396,8 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
   // completion then waits for them too.
   std::vector<std::pair<std::string, WriteKey>> follow;
   for (WriteOp& w : ops)
-    if (!w.notice.empty() && (protocol_ == Protocol::kPut || w.length == 0 ||
-                              ucx_wire::kDataHeaderBytes + w.notice.size() > max_am_header_))
+    if (!w.notice.empty() &&
+        (protocol_ == Protocol::kPut || w.length == 0 || ucx_wire::kDataHeaderBytes + w.notice.size() > max_am_header_))
       follow.emplace_back(std::move(w.notice), w.key);
   if (!follow.empty()) {
     struct Join {
@@ -622,8 +622,8 @@ void UcxEngine::sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st) {
   rp.cb.send = &Callbacks::onSend;
   rp.user_data = ctx;
   rp.flags = UCP_AM_SEND_FLAG_EAGER;
-  ucs_status_ptr_t req = ucp_am_send_nbx(reply_ep, kAmAck, ctx->header.data(), ctx->header.size(),
-                                         ctx->payload.data(), ctx->payload.size(), &rp);
+  ucs_status_ptr_t req = ucp_am_send_nbx(reply_ep, kAmAck, ctx->header.data(), ctx->header.size(), ctx->payload.data(),
+                                         ctx->payload.size(), &rp);
   if (req == nullptr || UCS_PTR_IS_ERR(req)) {
     if (UCS_PTR_IS_ERR(req))
       spdlog::warn("transport '{}': ack of op {}: {}", options_.name, op_id, ucs_status_string(UCS_PTR_STATUS(req)));
@@ -828,9 +828,7 @@ class UcxContext final : public Context {
     return std::shared_ptr<Endpoint>(ep);
   }
 
-  void setNotificationHandler(NotificationHandler handler) override {
-    engine_->setHandler(std::move(handler));
-  }
+  void setNotificationHandler(NotificationHandler handler) override { engine_->setHandler(std::move(handler)); }
 
  private:
   // Registers [data, data + size), or lets UCX allocate `size` bytes when data is null.

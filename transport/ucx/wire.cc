@@ -16,7 +16,8 @@ void put(std::string& out, T v) {
 template <typename T>
 T get(std::string_view bytes, size_t at) {
   uint64_t v = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[at + i])) << (8 * i);
+  for (size_t i = 0; i < sizeof(T); ++i)
+    v |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[at + i])) << (8 * i);
   return static_cast<T>(v);
 }
 

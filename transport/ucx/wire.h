@@ -28,12 +28,12 @@ constexpr size_t kNotifyHeaderBytes = kPrefixBytes + WriteKey::kBytes;          
 
 struct Header {
   MessageType type = MessageType::kData;
-  uint64_t op_id = 0;      // data, ack: the sender's operation
-  uint64_t addr = 0;       // data: where in the target's address space
-  uint64_t length = 0;     // data: bytes of payload
-  WriteKey key{};          // data, notify: the sync attempt's key
-  int32_t code = 0;        // ack: an absl::StatusCode (the message text is the payload)
-  std::string_view notice; // data: WriteOp::notice, inside the parsed bytes
+  uint64_t op_id = 0;       // data, ack: the sender's operation
+  uint64_t addr = 0;        // data: where in the target's address space
+  uint64_t length = 0;      // data: bytes of payload
+  WriteKey key{};           // data, notify: the sync attempt's key
+  int32_t code = 0;         // ack: an absl::StatusCode (the message text is the payload)
+  std::string_view notice;  // data: WriteOp::notice, inside the parsed bytes
 };
 
 std::string encodeData(uint64_t op_id, uint64_t addr, uint64_t length, const WriteKey& key, std::string_view notice);

@@ -69,6 +69,12 @@ def test_errors_carry_the_status_code_and_the_daemons_message(cluster):
         client.register("trainer", 0, 2, small, rank_worker.TRAINER)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert 'buffer "w" has shape [2, 8] (16 elements) but the layout gives this rank 64 elements' in e.value.details
+    # As many elements in another shape (transposed): refused too, or the bytes would land scrambled.
+    transposed = {"w": np.zeros((8, 8), np.float32).reshape(4, 16), "b": np.zeros(5, np.int64)}
+    with pytest.raises(shardcast.ShardcastError) as e:
+        client.register("trainer", 0, 2, transposed, rank_worker.TRAINER)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert 'buffer "w" has shape [4, 16] but the layout gives this rank [8, 8] of it' in e.value.details
 
     with pytest.raises(shardcast.ShardcastError) as e:
         client.sync("trainer", "infer", 1)
