@@ -57,7 +57,7 @@ int receiver(const TransportOptions& o, size_t size, bool shm) {
   if (!region.ok()) return 1;
   std::memset((*region)->data(), 0, size);  // fault the pages in before timing starts
   const WriteKey key = WriteKey::random();  // as a sync attempt opens its landing memory
-  (*ctx)->openFence(key, {{(*region)->remote().base, size}});
+  if (!(*ctx)->openFence(key, {{(*region)->remote().base, size}})) return 1;
   std::printf("ADDRESS %s\nREGION %s\nKEY %s\n", toHex((*ctx)->address()).c_str(),
               toHex((*region)->remote().serialize()).c_str(), toHex(std::string(key.view())).c_str());
   std::fflush(stdout);

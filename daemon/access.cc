@@ -161,6 +161,7 @@ MemoryCaller Caller::memory(bool insecure) const {
     m.uid = local->uid;
     m.local = true;
     m.any_owner = local->uid == 0;
+    m.pid = local->pid;
   } else {
     m.any_owner = insecure;
   }

@@ -28,7 +28,7 @@ class LocalListener {
   // Binds `path` (mode 0660; an existing file there is replaced: the caller holds its lock).
   // `max_per_uid`: connections one uid other than root may hold open at once; more are closed at
   // accept (docs/security.md, "Limits"): idle connections cannot exhaust the daemon's descriptors.
-  static StatusOr<std::unique_ptr<LocalListener>> bind(const std::string& path, int max_per_uid = 64);
+  static StatusOr<std::unique_ptr<LocalListener>> bind(const std::string& path, int max_per_uid = 256);
   ~LocalListener();
 
   // Accepts connections on a thread of its own and hands each to `server`.

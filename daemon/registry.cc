@@ -69,6 +69,7 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   rank->role = role;
   rank->session = req.session_id();
   if (caller.local) rank->owner = caller.uid;
+  rank->holder = caller.local ? strCat("uid ", caller.uid, " (pid ", caller.pid, ")") : std::string("a remote client");
   if (req.version() > 0) {
     rank->state = v1::RANK_READY;
     rank->committed = req.version();
@@ -104,9 +105,28 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
     if (group_owner) persistOwners();
   }
   ++generation_;
-  // A re-registration is a new rank: it starts over.
-  const bool replaced = ranks_.count({req.group(), req.rank()}) > 0;
+  // A re-registration is a new rank: it starts over. The one it replaces is told (its session) and
+  // its segments no other rank maps are unlinked.
+  rank->registration = next_registration_++;
+  resp.set_registration(rank->registration);
+  std::unique_ptr<Rank> superseded;
+  if (auto old = ranks_.find({req.group(), req.rank()}); old != ranks_.end()) superseded = std::move(old->second);
+  const bool replaced = superseded != nullptr;
   ranks_[{req.group(), req.rank()}] = std::move(rank);
+  if (superseded) {
+    if (!superseded->session.empty() && superseded->session != req.session_id() &&
+        sessions_.count(superseded->session)) {
+      v1::SupersededRank told;
+      told.set_group(req.group());
+      told.set_rank(req.rank());
+      told.set_registration(superseded->registration);
+      told.set_message(strCat(who, " on node \"", node_, "\" was taken over by ",
+                              ranks_[{req.group(), req.rank()}]->holder, " (registration ", superseded->registration,
+                              " superseded): this process no longer holds it"));
+      superseded_[superseded->session].push_back(std::move(told));
+    }
+    unlinkSegments(*superseded);
+  }
   state_cv_.notify_all();
   const Rank& r = *ranks_[{req.group(), req.rank()}];
   spdlog::info("{} {}registered as {}: {} buffers, {} bytes, layout {}, {}{}", who, replaced ? "re-" : "",
@@ -198,8 +218,15 @@ Status Registry::mayJoin(const v1::RegisterRequest& req, const std::string& dige
         caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"), " may not register its ranks"));
   // A rank is its registering uid's: only it replaces it (the group's owner included: root may
   // have registered a rank of it).
-  if (auto r = ranks_.find({req.group(), req.rank()}); r != ranks_.end())
+  if (auto r = ranks_.find({req.group(), req.rank()}); r != ranks_.end()) {
     SC_RETURN_IF_ERROR(mayChange(*r->second, caller, "replace"));
+    // A second registration never takes a rank over silently: its holder would go on believing
+    // it holds the rank (and its version) while another process's memory receives the syncs.
+    if (!req.replace())
+      return absl::AlreadyExistsError(strCat(who, " is registered already on node \"", node_, "\", by ",
+                                             r->second->holder, " (registration ", r->second->registration,
+                                             "): register with replace to take it over (its holder is told)"));
+  }
   // Every rank of a group must register the same layout (the planner needs one per group) and role.
   bool others = false;
   for (const auto& [key, r] : ranks_) others |= key.first == req.group() && key.second != req.rank();
@@ -221,20 +248,27 @@ size_t Registry::describeBytesWith(const Rank& rank, size_t layout_bytes) const 
   return total;
 }
 
-Status Registry::mayChange(const Rank& r, const MemoryCaller& caller, const char* what) const {
-  if (caller.any_owner || !r.owner || (caller.local && *r.owner == caller.uid)) return absl::OkStatus();
-  return absl::PermissionDeniedError(
-      strCat("group ", quote(r.group), " rank ", r.rank, " is registered by uid ", *r.owner, ": ",
-             caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"), " may not ", what, " it"));
+Status Registry::mayChange(const Rank& r, const MemoryCaller& caller, const char* what, uint64_t registration) const {
+  if (!(caller.any_owner || !r.owner || (caller.local && *r.owner == caller.uid)))
+    return absl::PermissionDeniedError(
+        strCat("group ", quote(r.group), " rank ", r.rank, " is registered by uid ", *r.owner, ": ",
+               caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"), " may not ", what, " it"));
+  // A registration that was replaced never acts on its successor.
+  if (registration != 0 && registration != r.registration)
+    return absl::FailedPreconditionError(strCat("group ", quote(r.group), " rank ", r.rank, ": registration ",
+                                                registration, " was taken over by ", r.holder, " (registration ",
+                                                r.registration, "): this one may not ", what, " it any more"));
+  return absl::OkStatus();
 }
 
-Status Registry::unregisterRank(const std::string& group, int32_t rank, const MemoryCaller& caller) {
+Status Registry::unregisterRank(const std::string& group, int32_t rank, const MemoryCaller& caller,
+                                uint64_t registration) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = ranks_.find({group, rank});
   if (it == ranks_.end())
     return absl::NotFoundError(
         strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
-  SC_RETURN_IF_ERROR(mayChange(*it->second, caller, "unregister"));
+  SC_RETURN_IF_ERROR(mayChange(*it->second, caller, "unregister", registration));
   if (!it->second->readers.empty() || !it->second->writer.empty())
     return absl::FailedPreconditionError(
         strCat("group \"", group, "\" rank ", rank, " is in use by sync ",
@@ -258,14 +292,17 @@ void Registry::removeRank(std::map<std::pair<std::string, int32_t>, std::unique_
     if (owned) persistOwners();
   }
   state_cv_.notify_all();
-  if (!unlink) return;
+  if (unlink) unlinkSegments(*gone);
+}
+
+void Registry::unlinkSegments(const Rank& gone) {
   std::set<std::string> mapped_elsewhere;
   for (const auto& [key, r] : ranks_)
     for (const auto* set : {&r->buffers, &r->shadow})
       for (const auto& b : *set)
         if (b.segment) mapped_elsewhere.insert(b.segment->name());
   std::set<std::string> done;
-  for (const auto* set : {&gone->buffers, &gone->shadow})
+  for (const auto* set : {&gone.buffers, &gone.shadow})
     for (const auto& b : *set)
       if (b.segment && !mapped_elsewhere.count(b.segment->name()) && done.insert(b.segment->name()).second)
         b.segment->unlinkName();
@@ -320,10 +357,12 @@ std::vector<v1::GroupStatus> Registry::groups() const {
 Status Registry::keepOwners(const std::string& path, std::chrono::seconds grace) {
   std::lock_guard<std::mutex> lock(mu_);
   owners_path_ = path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  // Non-blocking: a FIFO planted there cannot hang the start. Anything but this daemon's own
+  // regular file is ignored, loudly (the reservations are then lost; the daemon still serves).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
-    if (errno == ENOENT) return absl::OkStatus();
-    return absl::FailedPreconditionError(strCat("owners file ", quote(path), ": ", std::strerror(errno)));
+    if (errno != ENOENT) spdlog::warn("owners file {}: {}; no group names reserved", quote(path), std::strerror(errno));
+    return absl::OkStatus();
   }
   struct stat st {};
   std::string text;
@@ -331,9 +370,8 @@ Status Registry::keepOwners(const std::string& path, std::chrono::seconds grace)
     text.resize(static_cast<size_t>(st.st_size));
     text.resize(static_cast<size_t>(std::max<ssize_t>(0, ::read(fd, text.data(), text.size()))));
   } else {
-    ::close(fd);
-    return absl::FailedPreconditionError(
-        strCat("owners file ", quote(path), " is not a regular file of this daemon's uid (at most 4 MiB)"));
+    spdlog::warn("owners file {} is not a regular file of this daemon's uid (at most 4 MiB): no group names reserved",
+                 quote(path));
   }
   ::close(fd);
   // "uid hex(group)" per line: written by persistOwners, read back as such; anything else skipped.
@@ -347,11 +385,14 @@ Status Registry::keepOwners(const std::string& path, std::chrono::seconds grace)
     if (hex.empty() || hex.size() % 2 != 0 || hex.size() > 2 * 512) continue;
     std::string group;
     bool ok = true;
-    for (size_t i = 0; i < hex.size() && ok; i += 2) {
-      unsigned value = 0;
-      ok = std::sscanf(hex.c_str() + i, "%2x", &value) == 1;
-      group.push_back(static_cast<char>(value));
-    }
+    auto nibble = [&](char c) -> int {
+      if (c >= '0' && c <= '9') return c - '0';
+      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+      ok = false;
+      return 0;
+    };
+    for (size_t i = 0; i < hex.size() && ok; i += 2)
+      group.push_back(static_cast<char>(nibble(hex[i]) * 16 + nibble(hex[i + 1])));
     char* end = nullptr;
     const unsigned long uid = std::strtoul(line.c_str(), &end, 10);
     if (!ok || end != line.c_str() + space || uid > UINT32_MAX) continue;
@@ -380,8 +421,11 @@ void Registry::persistOwners() const {
     for (const unsigned char c : name) text += fmt::format("{:02x}", c);
     text += "\n";
   }
+  // A fresh file (whatever was planted at the name goes first: a FIFO there would block this open
+  // under the registry's lock), then renamed over the old one.
   const std::string tmp = owners_path_ + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+  ::unlink(tmp.c_str());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, 0600);
   if (fd < 0) {
     spdlog::warn("owners file {}: {}", tmp, std::strerror(errno));
     return;
@@ -516,11 +560,21 @@ std::string Registry::openSession(const std::string& client) {
   return id;
 }
 
+std::vector<v1::SupersededRank> Registry::takeSuperseded(const std::string& session) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = superseded_.find(session);
+  if (it == superseded_.end()) return {};
+  std::vector<v1::SupersededRank> out = std::move(it->second);
+  superseded_.erase(it);
+  return out;
+}
+
 void Registry::closeSession(const std::string& session) {
   std::vector<std::string> gone;
   {
     std::lock_guard<std::mutex> lock(mu_);
     sessions_.erase(session);
+    superseded_.erase(session);
     for (auto it = ranks_.begin(); it != ranks_.end();) {
       auto next = std::next(it);
       if (it->second->session == session) {

@@ -38,6 +38,7 @@ struct MemoryCaller {
   uid_t uid = 0;
   bool local = false;      // on the Unix socket: `uid` is the kernel's word
   bool any_owner = false;  // root, or --insecure
+  pid_t pid = 0;           // on the Unix socket: the process, for messages
 };
 
 // Names a registered shm segment may have: the clients' own and torch's file_system strategy's.
@@ -52,7 +53,9 @@ class Registry {
   // Refused (FAILED_PRECONDITION) while a sync uses the rank: its memory may still be written.
   // Unregister, acquire and release (publish) are the rank's owner's (MemoryCaller): anyone else
   // gets PERMISSION_DENIED, checked under the lock that acts.
-  Status unregisterRank(const std::string& group, int32_t rank, const MemoryCaller& caller);
+  // `registration`: 0, or the RegisterResponse.registration the caller holds (a later registration
+  // of the rank is then left alone: FAILED_PRECONDITION). Likewise for acquire and release.
+  Status unregisterRank(const std::string& group, int32_t rank, const MemoryCaller& caller, uint64_t registration = 0);
   std::vector<v1::RankRegistration> list() const;
   // Groups with ranks here: their ranks, versions and bytes.
   std::vector<v1::GroupStatus> groups() const;
@@ -122,9 +125,10 @@ class Registry {
   // `gone`: polled while waiting; true when the caller went away (its call was cancelled): then
   // the rank is not taken (CANCELLED), so no ownerless acquire holds it later.
   StatusOr<v1::RankStatus> acquire(const std::string& group, int32_t rank, const MemoryCaller& caller,
-                                   std::chrono::milliseconds timeout, const std::function<bool()>& gone = nullptr);
-  StatusOr<v1::RankStatus> release(const std::string& group, int32_t rank, uint64_t version,
-                                   const MemoryCaller& caller);
+                                   std::chrono::milliseconds timeout, const std::function<bool()>& gone = nullptr,
+                                   uint64_t registration = 0);
+  StatusOr<v1::RankStatus> release(const std::string& group, int32_t rank, uint64_t version, const MemoryCaller& caller,
+                                   uint64_t registration = 0);
   // Waits until every rank of `group` here is READY at >= `version` or the timeout passes;
   // FAILED_PRECONDITION naming the rank when one is DIRTY, NOT_FOUND when none is registered.
   StatusOr<v1::WaitVersionResponse> waitVersion(const std::string& group, uint64_t version,
@@ -134,6 +138,9 @@ class Registry {
   std::string openSession(const std::string& client);
   // Unregisters the session's ranks and unlinks their shm segments (those no other rank maps).
   void closeSession(const std::string& session);
+  // What happened to the session's ranks since the last call: each one another process took over
+  // (RegisterRequest.replace), as SessionEvent.superseded says it.
+  std::vector<v1::SupersededRank> takeSuperseded(const std::string& session);
   // Shutdown: every waiting acquire and waitVersion returns UNAVAILABLE now.
   void shutdown();
   // Ranks per state, for metrics.
@@ -143,7 +150,7 @@ class Registry {
   // (beside the socket, the daemon's own) holds the owned groups, rewritten whenever a group gains
   // or loses its owner. What it held at start stays reserved for its owner uid for `grace`: no
   // other uid registers those names meanwhile, so a restart cannot be raced to squat a running
-  // job's group. A file that is missing starts empty; one that is not the daemon's is an error.
+  // job's group. A file that is missing, or is not the daemon's own regular file, reserves nothing.
   Status keepOwners(const std::string& path, std::chrono::seconds grace);
 
  private:
@@ -191,6 +198,8 @@ class Registry {
     std::string detail;         // DIRTY: which sync, why
     std::string session;
     std::optional<uid_t> owner;     // the uid that registered it over the Unix socket
+    uint64_t registration = 0;      // RegisterResponse.registration
+    std::string holder;             // "uid U (pid P)", for the process that replaces it
     size_t describe_bytes = 0;      // what it adds to Describe (its buffers' entries)
     std::set<std::string> readers;  // source: syncs reading it
     std::string writer;             // destination: the sync writing it
@@ -210,11 +219,14 @@ class Registry {
   // layout of `layout_bytes`.
   size_t describeBytesWith(const Rank& rank, size_t layout_bytes) const;
 
+  // With mu_ held: unlinks the shm segments of `gone` that no registered rank maps any more.
+  void unlinkSegments(const Rank& gone);
   // With mu_ held: may `caller` register this rank of `req.group()` with this layout and role?
   Status mayJoin(const v1::RegisterRequest& req, const std::string& digest, v1::Role role,
                  const MemoryCaller& caller) const;
-  // With mu_ held: may `caller` unregister, acquire or publish `r`?
-  Status mayChange(const Rank& r, const MemoryCaller& caller, const char* what) const;
+  // With mu_ held: may `caller` unregister, acquire or publish `r`? `registration`: as the public
+  // calls take it (0: any).
+  Status mayChange(const Rank& r, const MemoryCaller& caller, const char* what, uint64_t registration = 0) const;
 
   StatusOr<std::unique_ptr<Rank>> build(const v1::RegisterRequest& request, std::string digest,
                                         const MemoryCaller& caller);
@@ -242,6 +254,8 @@ class Registry {
   std::string owners_path_;
   std::map<std::string, std::pair<uid_t, std::chrono::steady_clock::time_point>> reserved_;
   std::set<std::string> sessions_;
+  std::map<std::string, std::vector<v1::SupersededRank>> superseded_;  // by session: takeSuperseded
+  uint64_t next_registration_ = 1;
   uint64_t next_session_ = 1;
   uint64_t generation_ = 0;
   bool stopping_ = false;

@@ -159,12 +159,13 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::
 }
 
 StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t rank, const MemoryCaller& caller,
-                                           std::chrono::milliseconds timeout, const std::function<bool()>& gone) {
+                                           std::chrono::milliseconds timeout, const std::function<bool()>& gone,
+                                           uint64_t registration) {
   std::unique_lock<std::mutex> lock(mu_);
   const std::string who = strCat("group \"", group, "\" rank ", rank);
   Rank* r = findRank(group, rank);
   if (r == nullptr) return absl::NotFoundError(strCat(who, " is not registered on node \"", node_, "\""));
-  SC_RETURN_IF_ERROR(mayChange(*r, caller, "acquire"));
+  SC_RETURN_IF_ERROR(mayChange(*r, caller, "acquire", registration));
   if (r->held) return absl::FailedPreconditionError(strCat(who, " is already acquired"));
   // The rank object may be replaced while waiting (after a restart of its client): look it up
   // again each time; and another acquire may win the wait.
@@ -189,7 +190,7 @@ StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t ran
                                               r->writer.empty() ? *r->readers.begin() : r->writer,
                                               " still uses it after ", timeout.count(), " ms"));
   if (r->held) return absl::FailedPreconditionError(strCat(who, " was acquired by another caller meanwhile"));
-  SC_RETURN_IF_ERROR(mayChange(*r, caller, "acquire"));  // re-registered while waiting: by whom?
+  SC_RETURN_IF_ERROR(mayChange(*r, caller, "acquire", registration));  // re-registered while waiting: by whom?
   r->held = true;
   if (r->role == v1::ROLE_SOURCE) r->state = v1::RANK_UPDATING;
   if (r->doubled()) r->pinned = r->active;
@@ -198,12 +199,12 @@ StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t ran
 }
 
 StatusOr<v1::RankStatus> Registry::release(const std::string& group, int32_t rank, uint64_t version,
-                                           const MemoryCaller& caller) {
+                                           const MemoryCaller& caller, uint64_t registration) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string who = strCat("group \"", group, "\" rank ", rank);
   Rank* r = findRank(group, rank);
   if (r == nullptr) return absl::NotFoundError(strCat(who, " is not registered on node \"", node_, "\""));
-  SC_RETURN_IF_ERROR(mayChange(*r, caller, version ? "publish" : "release"));
+  SC_RETURN_IF_ERROR(mayChange(*r, caller, version ? "publish" : "release", registration));
   if (r->role == v1::ROLE_SOURCE) {
     if (version == 0 || version >= kMaxVersion)
       return absl::InvalidArgumentError(strCat(who, ": a source rank publishes a version in [1, 2^63), not ", version));

@@ -123,9 +123,10 @@ grpc::Status ShardcastService::Acquire(grpc::ServerContext* context, const v1::A
                                        v1::AcquireResponse* out) {
   const auto caller = access_.client(*context, *req);
   if (!caller.ok()) return toGrpc(caller.status());
-  auto r = registry_.acquire(req->group(), req->rank(), caller->memory(access_.insecure()),
-                             std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 30000),
-                             [context] { return context->IsCancelled(); });
+  auto r = registry_.acquire(
+      req->group(), req->rank(), caller->memory(access_.insecure()),
+      std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 30000),
+      [context] { return context->IsCancelled(); }, req->registration());
   if (!r.ok()) return toGrpc(r.status());
   *out->mutable_status() = std::move(*r);
   return grpc::Status::OK;
@@ -135,7 +136,8 @@ grpc::Status ShardcastService::Release(grpc::ServerContext* ctx, const v1::Relea
                                        v1::ReleaseResponse* out) {
   const auto caller = access_.client(*ctx, *req);
   if (!caller.ok()) return toGrpc(caller.status());
-  auto r = registry_.release(req->group(), req->rank(), req->version(), caller->memory(access_.insecure()));
+  auto r = registry_.release(req->group(), req->rank(), req->version(), caller->memory(access_.insecure()),
+                             req->registration());
   if (!r.ok()) return toGrpc(r.status());
   *out->mutable_status() = std::move(*r);
   return grpc::Status::OK;
@@ -151,10 +153,21 @@ grpc::Status ShardcastService::Session(grpc::ServerContext* context, const v1::S
   ev.set_node(config_.node);
   if (writer->Write(ev)) {
     // Until the client goes (its process ends: the connection closes) or the daemon stops.
-    // IsCancelled has no wake-up of its own in the synchronous API: look every 100 ms.
+    // IsCancelled has no wake-up of its own in the synchronous API: look every 100 ms, and tell
+    // the client of its ranks another process took over meanwhile.
     std::unique_lock<std::mutex> lock(sessions_mu_);
     while (!sessions_cv_.wait_for(lock, std::chrono::milliseconds(100),
                                   [&] { return stopping_ || context->IsCancelled(); })) {
+      auto superseded = registry_.takeSuperseded(session);
+      if (superseded.empty()) continue;
+      v1::SessionEvent told;
+      told.set_session_id(session);
+      told.set_node(config_.node);
+      for (auto& s : superseded) *told.add_superseded() = std::move(s);
+      lock.unlock();
+      const bool written = writer->Write(told);
+      lock.lock();
+      if (!written) break;
     }
   }
   bool stopping;
@@ -233,7 +246,8 @@ grpc::Status ShardcastService::Unregister(grpc::ServerContext* ctx, const v1::Un
                                           v1::UnregisterResponse*) {
   const auto caller = access_.client(*ctx, *req);
   if (!caller.ok()) return toGrpc(caller.status());
-  return toGrpc(registry_.unregisterRank(req->group(), req->rank(), caller->memory(access_.insecure())));
+  return toGrpc(
+      registry_.unregisterRank(req->group(), req->rank(), caller->memory(access_.insecure()), req->registration()));
 }
 
 grpc::Status ShardcastService::List(grpc::ServerContext* ctx, const v1::ListRequest* req, v1::ListResponse* out) {

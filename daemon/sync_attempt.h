@@ -37,6 +37,7 @@ struct SyncAttempt {
   uint64_t generation = 0;  // the registry's when prepared: registrations may not change under a sync
   uint64_t fence = 0;       // names the attempt (PrepareRequest.fence); not a secret
   transport::WriteKey key;  // WriteOp::key of this sync's writes, open here from prepare to close
+  bool key_open = false;    // this attempt opened it (and so closes it)
   std::shared_ptr<const CachedPlan> plan;
   int32_t self = -1;  // this node's id in the plan, -1 when it takes no part
   uint64_t window_bytes = 0;

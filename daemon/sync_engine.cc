@@ -146,7 +146,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   auto prepared = prepareTargets(a, hit);
   if (!prepared.ok()) {
     if (a->bases) bases_.finish(a->plan->key, a->fence, false);
-    transport_.closeFence(a->key, std::chrono::seconds(0));
+    if (a->key_open) transport_.closeFence(a->key, std::chrono::seconds(0));
     registry_.endSync(a->id, a->src_group, a->dst_group, Registry::SyncEnd::kRevert);
     return prepared.status();
   }
@@ -209,7 +209,10 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
     }
   }
   // Open before any peer learns where to write (the response below).
-  transport_.openFence(a->key, std::move(ranges));
+  if (!transport_.openFence(a->key, std::move(ranges)))
+    return absl::InvalidArgumentError(
+        strCat("prepare of sync ", a->id, ": its write key is another attempt's, open on node \"", node_, "\""));
+  a->key_open = true;
   std::lock_guard<std::mutex> lock(mu_);
   // Its coordinator may have given it up while this Prepare was on its way (prepares go to every
   // daemon at once): a Finish that found nothing active left its word here. Under the lock that

@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
   namespace wire = transport::ucx_wire;
   const transport::WriteKey key = transport::WriteKey::random();
   write(dir / "ucx_header" / "data", std::string(1, '\0') + wire::encodeData(1, 4096, 64, key, "notice"));
-  write(dir / "ucx_header" / "ack", std::string(1, '\1') + wire::encodeAck(1, 7));
+  write(dir / "ucx_header" / "ack", std::string(1, '\1') + wire::encodeAck(1, 7, key));
   write(dir / "ucx_header" / "notify", std::string(1, '\2') + wire::encodeNotify(key));
   // Peer requests (first byte: 0 Prepare, 1 Execute, 2 Finish) of the example layouts.
   const std::string layouts = std::string(SHARDCAST_SOURCE_DIR) + "/client/examples/layouts/";

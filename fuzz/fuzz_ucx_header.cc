@@ -24,7 +24,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       again = wire::encodeData(h->op_id, h->addr, h->length, h->key, h->notice);
       break;
     case wire::MessageType::kAck:
-      again = wire::encodeAck(h->op_id, h->code);
+      again = wire::encodeAck(h->op_id, h->code, h->key);
       break;
     case wire::MessageType::kNotify:
       again = wire::encodeNotify(h->key);

@@ -47,10 +47,14 @@ class RegionTable {
 
   // Write fences (WriteOp::key): a write lands only under a key open here, inside the ranges
   // opened with it, and inside a live registered region.
-  void openFence(const WriteKey& key, std::vector<LandingRange> ranges) {
+  // False (nothing changes) when `key` is open here already: one attempt's fence is never
+  // redefined by another's Prepare naming the same key.
+  bool openFence(const WriteKey& key, std::vector<LandingRange> ranges) {
     std::lock_guard<std::mutex> lock(fences_->mu);
-    Fence& f = fences_->open[key];
-    f.ranges = mergeRanges(std::move(ranges));
+    auto [it, added] = fences_->open.try_emplace(key);
+    if (!added) return false;
+    it->second.ranges = mergeRanges(std::move(ranges));
+    return true;
   }
   // Refuses later writes under `key`, then waits (up to `timeout`) until the writes landing under
   // it now are done. False when some were still landing at the timeout: the fence stays closing

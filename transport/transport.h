@@ -189,8 +189,8 @@ class Context {
   // Write fences (WriteOp::key): from openFence, writes under `key` may land inside `ranges` (and
   // only there) and notifications under it are delivered. closeFence refuses later writes under
   // the key and waits up to `timeout` for those landing under it now; false when some were still
-  // landing then. Opening an open key again replaces its ranges.
-  virtual void openFence(const WriteKey& key, std::vector<LandingRange> ranges) = 0;
+  // landing then. openFence of a key open already changes nothing and returns false.
+  [[nodiscard]] virtual bool openFence(const WriteKey& key, std::vector<LandingRange> ranges) = 0;
   virtual bool closeFence(const WriteKey& key, std::chrono::milliseconds timeout) = 0;
   // Connects lazily: the same peer address returns the same endpoint while it is open; endpoints
   // no longer open are dropped (their resources freed once no operation holds them).

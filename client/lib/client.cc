@@ -53,6 +53,7 @@ struct Client::SessionState {
   // Why re-registering a rank after a daemon restart failed: the client's next call about its
   // ranks returns it (Client::checkSession) until the rank is registered again or unregistered.
   std::map<std::pair<std::string, int32_t>, std::string> failed;
+  std::shared_ptr<Client::Registrations> registrations;  // the client's, updated on re-registration
   uint64_t reconnects = 0;
   std::thread thread;
 
@@ -74,7 +75,10 @@ struct Client::SessionState {
         if (lost) reregister(lock);
         cv.notify_all();
         lock.unlock();
-        while (reader->Read(&ev)) {
+        while (reader->Read(&ev)) {  // later events: ranks another process took over
+          for (const auto& s : ev.superseded()) std::fprintf(stderr, "shardcast: %s\n", s.message().c_str());
+          std::lock_guard<std::mutex> told(mu);
+          for (const auto& s : ev.superseded()) failed[{s.group(), s.rank()}] = s.message();
         }
       }
       reader->Finish().IgnoreError();
@@ -104,7 +108,15 @@ struct Client::SessionState {
       c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
       v1::RegisterResponse out;
       const grpc::Status st = stub->Register(&c, req, &out);
-      if (st.ok()) continue;
+      if (st.ok()) {
+        std::lock_guard<std::mutex> relock(mu);
+        failed.erase({req.group(), req.rank()});
+        if (registrations) {
+          std::lock_guard<std::mutex> ids(registrations->mu);
+          registrations->ids[{req.group(), req.rank()}] = out.registration();
+        }
+        continue;
+      }
       const std::string why =
           strCat("re-registering group \"", req.group(), "\" rank ", req.rank(), " after its daemon restarted failed: ",
                  absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code())), ": ", st.error_message());
@@ -264,10 +276,16 @@ StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, in
   req.set_version(options.version);
   for (const auto& b : options.shadow) *req.add_shadow_buffers() = b;
   for (const uint32_t uid : options.readers) req.add_readers(uid);
+  req.set_replace(options.replace);
   v1::RegisterResponse out;
+  auto remember = [&] {
+    std::lock_guard<std::mutex> lock(registrations_->mu);
+    registrations_->ids[{layout.group(), rank}] = out.registration();
+  };
   if (!session_) {
     const auto st = stub_->Register(context(call_timeout_).get(), req, &out);
     if (!st.ok()) return fromGrpc(st, strCat("register group \"", layout.group(), "\" rank ", rank));
+    remember();
     return out;
   }
   // Under the session (waiting for it while the daemon restarts); recorded for re-registration.
@@ -276,8 +294,11 @@ StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, in
     return absl::UnavailableError(strCat("register group \"", layout.group(), "\" rank ", rank,
                                          ": no session with shardcastd at \"", target_, "\""));
   req.set_session_id(session_->id);
-  session_->ranks[{layout.group(), rank}] = {req, options.version, false};
+  v1::RegisterRequest recorded = req;
+  recorded.set_replace(false);  // re-made after a restart: a rank the new daemon does not hold
+  session_->ranks[{layout.group(), rank}] = {recorded, options.version, false};
   session_->failed.erase({layout.group(), rank});
+  session_->registrations = registrations_;
   lock.unlock();
   const auto st = stub_->Register(context(call_timeout_).get(), req, &out);
   if (!st.ok()) {
@@ -285,6 +306,7 @@ StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, in
     session_->ranks.erase({layout.group(), rank});
     return fromGrpc(st, strCat("register group \"", layout.group(), "\" rank ", rank));
   }
+  remember();
   return out;
 }
 
@@ -297,6 +319,14 @@ Status Client::unregisterRank(const std::string& group, int32_t rank) const {
   v1::UnregisterRequest req;
   req.set_group(group);
   req.set_rank(rank);
+  {
+    std::lock_guard<std::mutex> lock(registrations_->mu);
+    auto it = registrations_->ids.find({group, rank});
+    if (it != registrations_->ids.end()) {
+      req.set_registration(it->second);
+      registrations_->ids.erase(it);
+    }
+  }
   v1::UnregisterResponse out;
   return fromGrpc(stub_->Unregister(context(call_timeout_).get(), req, &out),
                   strCat("unregister group \"", group, "\" rank ", rank));
@@ -304,10 +334,11 @@ Status Client::unregisterRank(const std::string& group, int32_t rank) const {
 
 StatusOr<v1::RankStatus> Client::acquire(const std::string& group, int32_t rank,
                                          std::chrono::milliseconds timeout) const {
-  SC_RETURN_IF_ERROR(checkSession());
+  SC_RETURN_IF_ERROR(checkSession({group}));
   v1::AcquireRequest req;
   req.set_group(group);
   req.set_rank(rank);
+  req.set_registration(registrations_->of(group, rank));
   req.set_timeout_ms(static_cast<uint32_t>(timeout.count()));
   v1::AcquireResponse out;
   const auto st = stub_->Acquire(context(timeout + call_timeout_).get(), req, &out);
@@ -328,10 +359,11 @@ StatusOr<v1::RankStatus> Client::release(const std::string& group, int32_t rank)
 }
 
 StatusOr<v1::RankStatus> Client::releaseRank(const std::string& group, int32_t rank, uint64_t version) const {
-  SC_RETURN_IF_ERROR(checkSession());
+  SC_RETURN_IF_ERROR(checkSession({group}));
   v1::ReleaseRequest req;
   req.set_group(group);
   req.set_rank(rank);
+  req.set_registration(registrations_->of(group, rank));
   req.set_version(version);
   v1::ReleaseResponse out;
   const auto st = stub_->Release(context(call_timeout_).get(), req, &out);
@@ -350,7 +382,7 @@ StatusOr<v1::RankStatus> Client::releaseRank(const std::string& group, int32_t r
 
 StatusOr<v1::SyncResponse> Client::sync(const std::string& src, const std::string& dst, uint64_t version,
                                         const SyncOptions& options) const {
-  SC_RETURN_IF_ERROR(checkSession());
+  SC_RETURN_IF_ERROR(checkSession({src, dst}));
   v1::SyncRequest req;
   req.set_src_group(src);
   req.set_dst_group(dst);
@@ -419,18 +451,20 @@ StatusOr<uint64_t> Client::waitVersion(const std::string& group, uint64_t versio
                                             " ms: its weights are stale (ranks: ", ranks, ")"));
 }
 
-Status Client::checkSession() const {
+Status Client::checkSession(const std::vector<std::string>& groups) const {
   if (!session_) return absl::OkStatus();
   std::lock_guard<std::mutex> lock(session_->mu);
-  if (session_->failed.empty()) return absl::OkStatus();
   std::string all;
-  for (const auto& [key, why] : session_->failed) all += strCat(all.empty() ? "" : "; ", why);
+  for (const auto& [key, why] : session_->failed)
+    if (groups.empty() || std::find(groups.begin(), groups.end(), key.first) != groups.end())
+      all += strCat(all.empty() ? "" : "; ", why);
+  if (all.empty()) return absl::OkStatus();
   return absl::FailedPreconditionError(strCat(all, " (register the rank again, or unregister it)"));
 }
 
 StatusOr<v1::WaitVersionResponse> Client::waitReady(const std::string& group, uint64_t version,
                                                     std::chrono::milliseconds timeout) const {
-  SC_RETURN_IF_ERROR(checkSession());
+  SC_RETURN_IF_ERROR(checkSession({group}));
   v1::WaitVersionRequest req;
   req.set_group(group);
   req.set_version(version);

@@ -49,6 +49,9 @@ struct RegisterOptions {
   // Read grants: uids besides this group's owner whose syncs may read it (a source) out of this
   // node (RegisterRequest.readers, docs/security.md "Who may sync").
   std::vector<uint32_t> readers;
+  // Take over a rank registered already (by this uid). Without it such a registration is refused
+  // (ALREADY_EXISTS naming the holder); with it the holder is told (its next call raises).
+  bool replace = false;
 
   // A source rank, READY at `version` when its buffers already hold one.
   static RegisterOptions source(uint64_t version = 0) {
@@ -121,10 +124,12 @@ class Client {
   Status startSession(std::chrono::milliseconds timeout = std::chrono::seconds(10));
   // How many times the session re-registered after losing its daemon (0 without a session).
   uint64_t reconnects() const;
-  // FAILED_PRECONDITION naming each rank the session could not register again after its daemon
-  // restarted (and why), until it is registered again or unregistered; acquire, publish, release,
-  // sync and the waits return it too, so a rank that no longer receives syncs is never silent.
-  Status checkSession() const;
+  // FAILED_PRECONDITION naming each rank of `groups` (every group when empty) that is no longer
+  // this client's: its session could not register it again after its daemon restarted, or another
+  // process took it over (RegisterOptions::replace); until it is registered again or
+  // unregistered. acquire, publish, release, sync and the waits return it for their groups, so a
+  // rank that no longer receives syncs is never silent.
+  Status checkSession(const std::vector<std::string>& groups = {}) const;
 
   // Registers `rank` of `layout`'s group with its buffers; the world size is the layout's.
   StatusOr<v1::RegisterResponse> registerRank(const v1::Layout& layout, int32_t rank, const HostTensors& memory,
@@ -171,6 +176,17 @@ class Client {
 
  private:
   struct SessionState;
+  // RegisterResponse.registration of this client's registrations, by (group, rank): acquire,
+  // publish, release and unregister act only on them, never on a later one of another process.
+  struct Registrations {
+    std::mutex mu;
+    std::map<std::pair<std::string, int32_t>, uint64_t> ids;
+    uint64_t of(const std::string& group, int32_t rank) {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = ids.find({group, rank});
+      return it == ids.end() ? 0 : it->second;
+    }
+  };
   Client(std::string target, std::shared_ptr<v1::Shardcast::Stub> stub)
       : target_(std::move(target)), stub_(std::move(stub)) {}
   std::unique_ptr<grpc::ClientContext> context(std::chrono::milliseconds timeout) const;
@@ -179,6 +195,7 @@ class Client {
   std::string target_;
   std::shared_ptr<v1::Shardcast::Stub> stub_;
   std::shared_ptr<SessionState> session_;
+  std::shared_ptr<Registrations> registrations_ = std::make_shared<Registrations>();
   std::chrono::milliseconds call_timeout_{std::chrono::seconds(30)};
 };
 

@@ -393,12 +393,14 @@ TEST_CASE("roles and types: no sync into a source or out of a destination - dtyp
 
   // One group, one role.
   auto mixed = registerRequest(c.src_proto, 1, 2, c.smem[1]);  // a destination, where rank 0 is a source
+  mixed.set_replace(true);
   st = c.n0().client()->Register(ctx().get(), mixed, &resp);
   CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
   CHECK_THAT(st.error_message(), Catch::Contains("registers as destination but the group's other ranks are source"));
 
   // What the client says it holds must be what the layout says.
   auto typed = registerRequest(c.dst_proto, 0, 2, c.dmem[0]);
+  typed.set_replace(true);
   typed.mutable_buffers(0)->set_dtype("float32");
   st = c.n1().client()->Register(ctx().get(), typed, &resp);
   CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
@@ -576,7 +578,9 @@ TEST_CASE("double-buffered destinations: syncs write the set not in use, flip at
   for (int32_t r = 0; r < 2; ++r) {
     const auto live_request = registerRequest(c.dst_proto, r, 2, c.dmem[r]);
     std::vector<v1::MemoryHandle> live(live_request.buffers().begin(), live_request.buffers().end());
-    auto reg = engine->registerRank(c.dst_proto, r, live, RegisterOptions::doubleBuffered(shadow_handles(r)));
+    RegisterOptions doubled = RegisterOptions::doubleBuffered(shadow_handles(r));
+    doubled.replace = true;  // registered single-buffered before
+    auto reg = engine->registerRank(c.dst_proto, r, live, doubled);
     INFO(reg.status().message());
     REQUIRE(reg.ok());
     CHECK(reg->registered_bytes() == 2 * 64 * 16 * 4);  // twice the memory
@@ -670,7 +674,9 @@ TEST_CASE("sync attempts are told apart: a duplicate id, a late Prepare, another
   for (const auto& [r, s2] : c.states(c.n1(), "dst")) CHECK(s2.state() == v1::RANK_UPDATING);
   // Ranks a sync uses can be neither registered again nor unregistered meanwhile.
   v1::RegisterResponse resp;
-  st = c.n1().client()->Register(ctx().get(), registerRequest(c.dst_proto, 0, 2, c.dmem[0]), &resp);
+  auto again = registerRequest(c.dst_proto, 0, 2, c.dmem[0]);
+  again.set_replace(true);
+  st = c.n1().client()->Register(ctx().get(), again, &resp);
   CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
   CHECK_THAT(st.error_message(), Catch::Contains("is in use by sync dup"));
   v1::UnregisterRequest un;
@@ -792,4 +798,59 @@ TEST_CASE("peer inputs are bounded before use: lease, chunk size, write key, tra
   c.finish("bad-address", false, false);
   REQUIRE(c.sync(1).ok());  // and both serve on
   CHECK(c.wrong(1) == 0);
+}
+
+TEST_CASE("taking over a registered rank needs replace - its holder is told, its segment unlinked, its handle inert",
+          "[daemon][contract]") {
+  Pair c;
+  const v1::Layout solo = *planner::parseLayoutJson(R"({"group":"solo","mesh":{"shape":[1]},"nodes":["n1"],
+    "tensors":[{"name":"w","shape":[16],"dtype":"int32"}]})",
+                                                    "solo");
+  auto first = Client::connect("unix:" + c.n1().socketPath());
+  auto second = Client::connect("unix:" + c.n1().socketPath());
+  REQUIRE(first.ok());
+  REQUIRE(second.ok());
+  REQUIRE(first->startSession().ok());
+  REQUIRE(second->startSession().ok());
+  auto mine = HostTensors::forRank(solo, 0);
+  auto theirs = HostTensors::forRank(solo, 0);
+  REQUIRE(mine.ok());
+  REQUIRE(theirs.ok());
+  REQUIRE(first->registerRank(solo, 0, *mine, RegisterOptions::source(4)).ok());
+  // A second registration of the rank: refused, naming the holder; the holder keeps it.
+  auto refused = second->registerRank(solo, 0, *theirs, RegisterOptions::source(5));
+  REQUIRE_FALSE(refused.ok());
+  CHECK(absl::IsAlreadyExists(refused.status()));
+  CHECK_THAT(std::string(refused.status().message()),
+             Catch::Contains("is registered already on node \"n1\", by uid " + std::to_string(::geteuid())) &&
+                 Catch::Contains("register with replace to take it over"));
+  for (const auto& [r, s] : c.states(c.n1(), "solo")) CHECK(s.version() == 4);
+  // With replace: taken over. The holder's next calls about the rank fail naming the new process.
+  RegisterOptions take = RegisterOptions::source(5);
+  take.replace = true;
+  REQUIRE(second->registerRank(solo, 0, *theirs, take).ok());
+  Status told = first->checkSession({"solo"});
+  for (int i = 0; i < 50 && told.ok(); ++i) {  // the session's event arrives on its own thread
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    told = first->checkSession({"solo"});
+  }
+  CHECK(absl::IsFailedPrecondition(told));
+  CHECK_THAT(std::string(told.message()),
+             Catch::Contains("group \"solo\" rank 0 on node \"n1\" was taken over by uid " +
+                             std::to_string(::geteuid()) + " (pid " + std::to_string(::getpid()) + ")"));
+  CHECK(absl::IsFailedPrecondition(first->publish("solo", 0, 6).status()));
+  CHECK(first->checkSession({"other-group"}).ok());  // only calls about its ranks' groups
+  // The superseded registration's segment is unlinked (the holder's mapping stays valid).
+  const int fd = ::shm_open(mine->segment().c_str(), O_RDONLY, 0);
+  CHECK(fd < 0);
+  if (fd >= 0) ::close(fd);
+  // Its handle never drops the newer registration: unregistering by it is refused, the rank stays.
+  auto dropped = first->unregisterRank("solo", 0);
+  CHECK(absl::IsFailedPrecondition(dropped));
+  CHECK_THAT(std::string(dropped.message()), Catch::Contains("was taken over by"));
+  for (const auto& [r, s] : c.states(c.n1(), "solo")) {
+    CHECK(s.state() == v1::RANK_READY);
+    CHECK(s.version() == 5);
+  }
+  CHECK(second->unregisterRank("solo", 0).ok());
 }

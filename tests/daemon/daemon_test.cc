@@ -167,8 +167,11 @@ TEST_CASE("registration is validated against the layout and the node", "[daemon]
   CHECK(list.ranks(0).group() == "trainer");
   CHECK(list.ranks(0).registered_bytes() == 64);
   CHECK(list.ranks(0).node() == "n0");
-  // Re-registering the same rank replaces it.
-  REQUIRE(registerRank(*stub, request("trainer", 0, trainer, s0)).ok());
+  // Re-registering the same rank: refused unless asked to replace it.
+  auto again = request("trainer", 0, trainer, s0);
+  CHECK(registerRank(*stub, again).error_code() == grpc::StatusCode::ALREADY_EXISTS);
+  again.set_replace(true);
+  REQUIRE(registerRank(*stub, again).ok());
 
   v1::UnregisterRequest un;
   un.set_group("trainer");

@@ -42,9 +42,11 @@ int syncs(const std::string& socket, const char* json, const std::string& victim
   auto src_memory = HostTensors::forRank(*layout, 0), dst_memory = HostTensors::forRank(*layout, 0);
   if (!src_memory.ok() || !dst_memory.ok()) return 1;
   layout->set_group("mine-src");
-  report("own-source", client->registerRank(*layout, 0, *src_memory, RegisterOptions::source(100)).status());
+  RegisterOptions source = RegisterOptions::source(100), destination;
+  source.replace = destination.replace = true;  // its own, from an earlier run
+  report("own-source", client->registerRank(*layout, 0, *src_memory, source).status());
   layout->set_group("mine-dst");
-  report("own-destination", client->registerRank(*layout, 0, *dst_memory).status());
+  report("own-destination", client->registerRank(*layout, 0, *dst_memory, destination).status());
   report("read", client->sync(victim_src, "mine-dst", 1).status());
   report("write", client->sync("mine-src", victim_dst, 100).status());
   return 0;

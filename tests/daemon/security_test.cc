@@ -244,6 +244,7 @@ TEST_CASE("a local caller syncs only into its own groups, out of its own or gran
   // Root grants nobody reads of its source: the read goes through; writing root's ranks still not.
   v1::RegisterRequest granted = registerRequest(src, 0, 1, smem, v1::ROLE_SOURCE, 1);
   granted.add_readers(65534);
+  granted.set_replace(true);
   REQUIRE(d.client()->Register(ctx(10).get(), granted, &registered).ok());
   auto second = attempt();
   CHECK(second["read"] == "OK");
@@ -293,7 +294,7 @@ TEST_CASE("after a restart a group's name stays its owner's: another uid cannot 
   CHECK(back.ok());
 }
 
-TEST_CASE("idle Unix-socket connections of one uid are capped; the daemon serves everyone else", "[daemon][security]") {
+TEST_CASE("idle Unix-socket connections of one uid are capped, the daemon serves everyone else", "[daemon][security]") {
   if (::geteuid() != 0) {
     WARN("needs root to run a caller as another uid (setpriv): skipped");
     return;
@@ -311,7 +312,7 @@ TEST_CASE("idle Unix-socket connections of one uid are capped; the daemon serves
   CHECK(flood.wait() == 0);
 }
 
-TEST_CASE("silent TCP connections are closed before they authenticate; peers and clients are served meanwhile",
+TEST_CASE("silent TCP connections are closed before they authenticate, peers and clients are served meanwhile",
           "[daemon][security]") {
   Daemon d("n0", freePort(), {});
   REQUIRE(d.ready());
@@ -473,6 +474,9 @@ TEST_CASE("a rank is replaced only by the uid that registered it, the group's ow
   CHECK(taken.status().code() == absl::StatusCode::kPermissionDenied);
   CHECK_THAT(std::string(taken.status().message()),
              Catch::Contains("rank 1 is registered by uid 0: uid 65534 may not replace it"));
-  // Its own rank, it may.
-  CHECK(registry.registerRank(registerRequest(layout, 0, 2, nobody0), nobody).ok());
+  // Its own rank, it may (asked to replace it).
+  auto own = registerRequest(layout, 0, 2, nobody0);
+  CHECK(registry.registerRank(own, nobody).status().code() == absl::StatusCode::kAlreadyExists);
+  own.set_replace(true);
+  CHECK(registry.registerRank(own, nobody).ok());
 }

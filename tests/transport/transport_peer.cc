@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
     auto region = (*ctx)->registerMemory(buf.data(), buf.size(), MemoryKind::kHost);
     if (!region.ok()) return fail(region.status());
     const WriteKey key = WriteKey::random();
-    (*ctx)->openFence(key, {{(*region)->remote().base, (*region)->size()}});
+    if (!(*ctx)->openFence(key, {{(*region)->remote().base, (*region)->size()}})) return 1;
     (*ctx)->setNotificationHandler([&](std::string msg, const WriteKey&) {
       uint64_t seed = 0, len = 0;
       if (std::sscanf(msg.c_str(), "check %lu %lu", &seed, &len) == 2) {

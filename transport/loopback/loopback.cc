@@ -80,9 +80,9 @@ class LoopbackEndpoint final : public Endpoint {
         // open there, the range inside its landing ranges and registered memory; one answer.
         auto landing = peer->regions.admit(op.key, op.dst.base + op.dst_offset, op.length);
         if (!landing)
-          return done(absl::PermissionDeniedError(strCat("write to peer '", this_ep->peer_name_,
-                                                         "': write refused by the peer (no open sync attempt of "
-                                                         "this key lands there)")));
+          return done(absl::AbortedError(strCat("write to peer '", this_ep->peer_name_,
+                                                "': write refused by the peer (no open sync attempt of "
+                                                "this key lands there)")));
         std::memcpy(reinterpret_cast<void*>(op.dst.base + op.dst_offset),
                     static_cast<const std::byte*>(op.src->data()) + op.src_offset, op.length);
         if (!op.notice.empty()) deliver(peer, op.notice, op.key);
@@ -158,8 +158,8 @@ class LoopbackContext final : public Context {
   }
 
   std::string describe() const override { return "loopback"; }
-  void openFence(const WriteKey& key, std::vector<LandingRange> ranges) override {
-    state_->regions.openFence(key, std::move(ranges));
+  bool openFence(const WriteKey& key, std::vector<LandingRange> ranges) override {
+    return state_->regions.openFence(key, std::move(ranges));
   }
   bool closeFence(const WriteKey& key, std::chrono::milliseconds timeout) override {
     return state_->regions.closeFence(key, timeout);

@@ -117,6 +117,7 @@ struct PendingOp {
   std::shared_ptr<EpState> ep;
   uint64_t seq = 0;
   size_t bytes = 0;
+  std::vector<WriteKey> keys;  // of its active-message writes: an ack must echo one of them
 };
 
 // The per-request callback context: which engine and operation a UCX request belongs to.
@@ -178,7 +179,7 @@ class UcxEngine {
   void flushNotifies(EpState& ep);
   void sendNotify(EpState& ep, std::string payload, const WriteKey& key, Completion done);
   void checkDeadlines();
-  void sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st);
+  void sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st, const WriteKey& key);
   StatusOr<ucp_rkey_h> rkeyFor(EpState& ep, const std::string& packed);
   ucs_status_t onData(const void* header, size_t header_length, void* data, size_t length,
                       const ucp_am_recv_param_t* param);
@@ -228,7 +229,7 @@ struct Callbacks {
   static void onRecvData(void* request, ucs_status_t st, size_t, void* user) {
     auto* ctx = static_cast<RequestCtx*>(user);
     if (st == UCS_OK && !ctx->payload.empty()) ctx->engine->deliver(std::move(ctx->payload), ctx->key);
-    ctx->engine->sendAck(ctx->reply_ep, ctx->op_id, st == UCS_OK ? Status() : statusFromUcs("receive", st));
+    ctx->engine->sendAck(ctx->reply_ep, ctx->op_id, st == UCS_OK ? Status() : statusFromUcs("receive", st), ctx->key);
     delete ctx;
     if (request) ucp_request_free(request);
   }
@@ -390,7 +391,11 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
   op.seq = ep->next_seq++;
   ep->incomplete.insert(op.seq);
   op.remaining = 1;  // held until every part is issued, so that an early completion cannot finish it
-  for (const WriteOp& w : ops) op.bytes += w.length;
+  for (const WriteOp& w : ops) {
+    op.bytes += w.length;
+    if (protocol_ == Protocol::kAm && std::find(op.keys.begin(), op.keys.end(), w.key) == op.keys.end())
+      op.keys.push_back(w.key);
+  }
   // Notices that cannot ride in their write's header (put, or too long for it) follow as
   // notifications once this operation succeeded (never for a failed write); the caller's
   // completion then waits for them too.
@@ -612,10 +617,10 @@ void UcxEngine::checkDeadlines() {
   }
 }
 
-void UcxEngine::sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st) {
+void UcxEngine::sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st, const WriteKey& key) {
   if (!reply_ep) return;
   auto* ctx = new RequestCtx{.engine = this,
-                             .header = ucx_wire::encodeAck(op_id, static_cast<int32_t>(st.code())),
+                             .header = ucx_wire::encodeAck(op_id, static_cast<int32_t>(st.code()), key),
                              .payload = std::string(st.message())};
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -642,7 +647,8 @@ ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size
     // shardcastd of another version).
     if (const uint64_t op_id = ucx_wire::foreignOpId(bytes); op_id != 0)
       sendAck(reply, op_id,
-              absl::FailedPreconditionError(strCat("the peer refused a data message: ", h.status().message())));
+              absl::FailedPreconditionError(strCat("the peer refused a data message: ", h.status().message())),
+              WriteKey{});
     return UCS_OK;
   }
   // The key first, then the range inside the key's landing ranges, then registered memory: one
@@ -650,7 +656,7 @@ ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size
   RegionTable::Landing landing = h->length == len ? regions_->admit(h->key, h->addr, len) : RegionTable::Landing{};
   if (!landing) {
     warnRefused(strCat("refused a write of ", len, " bytes"));
-    sendAck(reply, h->op_id, absl::PermissionDeniedError(kRefused));
+    sendAck(reply, h->op_id, absl::AbortedError(kRefused), h->key);
     return UCS_OK;
   }
   std::string notice(h->notice);
@@ -668,14 +674,14 @@ ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size
     ucs_status_ptr_t req = ucp_am_recv_data_nbx(worker_, data, reinterpret_cast<void*>(h->addr), len, &rp);
     if (req == nullptr || UCS_PTR_IS_ERR(req)) {
       if (req == nullptr && !ctx->payload.empty()) deliver(std::move(ctx->payload), h->key);  // landed at once
-      sendAck(reply, h->op_id, req == nullptr ? Status() : statusFromUcs("receive", UCS_PTR_STATUS(req)));
+      sendAck(reply, h->op_id, req == nullptr ? Status() : statusFromUcs("receive", UCS_PTR_STATUS(req)), h->key);
       delete ctx;
     }
     return UCS_OK;
   }
   std::memcpy(reinterpret_cast<void*>(h->addr), data, len);
   if (!notice.empty()) deliver(std::move(notice), h->key);
-  sendAck(reply, h->op_id, Status());
+  sendAck(reply, h->op_id, Status(), h->key);
   return UCS_OK;
 }
 
@@ -683,6 +689,15 @@ ucs_status_t UcxEngine::onAck(const void* header, size_t hlen, void* data, size_
   auto h = ucx_wire::parseHeader({static_cast<const char*>(header), hlen}, ucx_wire::MessageType::kAck);
   if (!h.ok()) {
     warnRefused(strCat("dropped an ack: ", h.status().message()));
+    return UCS_OK;
+  }
+  // Believed only from whoever holds the acked write's key (a refusal of a header the receiver
+  // could not read carries none, and can only fail the write).
+  auto op = ops_.find(h->op_id);
+  if (op == ops_.end()) return UCS_OK;
+  const auto& keys = op->second.keys;
+  if (!h->key.empty() ? std::find(keys.begin(), keys.end(), h->key) == keys.end() : h->code == 0) {
+    warnRefused(strCat("dropped an ack of operation ", h->op_id, " under a key not its own"));
     return UCS_OK;
   }
   const auto code = static_cast<absl::StatusCode>(h->code);
@@ -778,8 +793,8 @@ class UcxContext final : public Context {
                   ")");
   }
   std::string address() const override { return engine_->address(); }
-  void openFence(const WriteKey& key, std::vector<LandingRange> ranges) override {
-    engine_->regions()->openFence(key, std::move(ranges));
+  bool openFence(const WriteKey& key, std::vector<LandingRange> ranges) override {
+    return engine_->regions()->openFence(key, std::move(ranges));
   }
   bool closeFence(const WriteKey& key, std::chrono::milliseconds timeout) override {
     return engine_->regions()->closeFence(key, timeout);
@@ -929,8 +944,10 @@ bool putIsBounded(const std::string& tls) {
   const TlsList l = parseTls(tls);
   if (l.empty() || l.exclude) return false;  // UCX's default set includes tcp and cma
   for (const auto& item : l.items) {
-    const bool hardware = item.rfind("rc", 0) == 0 || item.rfind("dc", 0) == 0 || item.rfind("ud", 0) == 0 ||
-                          item == "ib" || item.rfind("cuda", 0) == 0 || item == "gdr_copy" || item == "self";
+    // Reliable-connected and dynamically-connected verbs do RDMA in the NIC, bounded by the remote
+    // key; UD has no RDMA (UCX emulates put over it), and "ib" would let UCX pick UD.
+    const bool hardware = item.rfind("rc", 0) == 0 || item.rfind("dc", 0) == 0 || item.rfind("cuda", 0) == 0 ||
+                          item == "gdr_copy" || item == "self";
     if (!hardware) return false;
   }
   return true;
@@ -974,9 +991,26 @@ StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& opti
       return absl::InvalidArgumentError(ucxError(strCat("UCX TCP segment size ", options.ucx.tcp_segment_bytes), st));
     }
   }
+  // The protocol first: it decides whether this context serves RMA at all. UCX answers the RMA
+  // requests of any peer (a put lands, a get is answered, at whatever address the request names)
+  // whenever the feature is on, emulated in software over tcp, cma and shared memory: so the
+  // feature is requested only for put, which runs only over hardware that bounds it (or
+  // --insecure). Active-message writes land through onData, which checks every key and range.
+  Protocol protocol = options.ucx.protocol;
+  if (protocol == Protocol::kAuto) protocol = autoProtocolFor(tls);
+  if (options.ucx.bounded_writes_only && protocol == Protocol::kPut && !putIsBounded(tls)) {
+    if (options.ucx.protocol == Protocol::kPut) {
+      ucp_config_release(config);
+      return absl::InvalidArgumentError(
+          strCat("protocol put over UCX_TLS=", tls.empty() ? "(default)" : tls,
+                 ": these transports cannot bound a peer's writes to the registered region (tcp, cma and shared memory "
+                 "emulate RMA); use am, or rc/dc verbs, or accept it explicitly (shardcastd --insecure)"));
+    }
+    protocol = Protocol::kAm;
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP | (protocol == Protocol::kPut ? UCP_FEATURE_RMA : 0);
   params.mt_workers_shared = 1;  // registration runs on caller threads, the worker on its own
   params.name = options.name.c_str();
   auto core = std::make_shared<UcxCore>();
@@ -997,18 +1031,6 @@ StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& opti
   st = ucp_worker_create(core->ctx, &wp, &worker);
   if (st != UCS_OK) return statusFromUcs("ucp_worker_create", st);
 
-  Protocol protocol = options.ucx.protocol;
-  if (protocol == Protocol::kAuto) protocol = autoProtocolFor(tls);
-  if (options.ucx.bounded_writes_only && protocol == Protocol::kPut && !putIsBounded(tls)) {
-    if (options.ucx.protocol == Protocol::kPut) {
-      ucp_worker_destroy(worker);
-      return absl::InvalidArgumentError(
-          strCat("protocol put over UCX_TLS=", tls.empty() ? "(default)" : tls,
-                 ": these transports cannot bound a peer's writes to the registered region (tcp, cma and shared memory "
-                 "emulate RMA); use am, or rc/dc verbs, or accept it explicitly (shardcastd --insecure)"));
-    }
-    protocol = Protocol::kAm;
-  }
   auto engine = std::make_shared<UcxEngine>(options, core, worker, protocol, hasNetworkTransport(tls));
   SC_RETURN_IF_ERROR(engine->start());
   auto ctx = std::make_unique<UcxContext>(std::move(engine), tls, tcp_segment, cuda);

@@ -57,11 +57,12 @@ std::string encodeData(uint64_t op_id, uint64_t addr, uint64_t length, const Wri
   return out;
 }
 
-std::string encodeAck(uint64_t op_id, int32_t code) {
+std::string encodeAck(uint64_t op_id, int32_t code, const WriteKey& key) {
   std::string out = prefix(MessageType::kAck);
   put<uint64_t>(out, op_id);
   put<int32_t>(out, code);
   put<uint32_t>(out, 0);
+  out.append(key.view());
   return out;
 }
 
@@ -103,6 +104,8 @@ StatusOr<Header> parseHeader(std::string_view bytes, MessageType expected) {
       h.code = get<int32_t>(bytes, 16);
       if (h.code < 0 || h.code > static_cast<int32_t>(absl::StatusCode::kUnauthenticated))
         return bad(strCat("status code ", h.code));
+      std::memcpy(h.key.bytes.data(), bytes.data() + 24, WriteKey::kBytes);
+      if (h.code == 0 && h.key.empty()) return bad("an OK without the write's key");
       return h;
     }
     case MessageType::kNotify: {

@@ -23,7 +23,7 @@ enum class MessageType : uint8_t { kData = 1, kAck = 2, kNotify = 3 };
 // Sizes on the wire: every header starts with magic (4), version (1), type (1), reserved (2).
 constexpr size_t kPrefixBytes = 8;
 constexpr size_t kDataHeaderBytes = kPrefixBytes + 8 + 8 + 8 + WriteKey::kBytes + 4 + 4;  // 56
-constexpr size_t kAckHeaderBytes = kPrefixBytes + 8 + 4 + 4;                              // 24
+constexpr size_t kAckHeaderBytes = kPrefixBytes + 8 + 4 + 4 + WriteKey::kBytes;           // 40
 constexpr size_t kNotifyHeaderBytes = kPrefixBytes + WriteKey::kBytes;                    // 24
 
 struct Header {
@@ -31,13 +31,15 @@ struct Header {
   uint64_t op_id = 0;       // data, ack: the sender's operation
   uint64_t addr = 0;        // data: where in the target's address space
   uint64_t length = 0;      // data: bytes of payload
-  WriteKey key{};           // data, notify: the sync attempt's key
+  WriteKey key{};           // data, notify: the sync attempt's key; ack: the acked write's (none: a refusal)
   int32_t code = 0;         // ack: an absl::StatusCode (the message text is the payload)
   std::string_view notice;  // data: WriteOp::notice, inside the parsed bytes
 };
 
 std::string encodeData(uint64_t op_id, uint64_t addr, uint64_t length, const WriteKey& key, std::string_view notice);
-std::string encodeAck(uint64_t op_id, int32_t code);
+// An ack echoes the key of the write it answers: a sender believes an ack only from whoever holds
+// that key (an empty key: a refusal of a header the receiver could not read, never an "OK").
+std::string encodeAck(uint64_t op_id, int32_t code, const WriteKey& key);
 std::string encodeNotify(const WriteKey& key);
 
 // The header of one received message of type `expected`. INVALID_ARGUMENT for anything that is

@@ -206,8 +206,12 @@ class _Session:
                     self._ready.notify_all()
                 if lost:
                     self._reregister(first.session_id)
-                for _ in call:
-                    pass
+                for event in call:  # later events: ranks another process took over
+                    with self._lock:
+                        for s in event.superseded:
+                            self.failures[(s.group, s.rank)] = s.message
+                    for s in event.superseded:
+                        print(f"shardcast: {s.message}", file=sys.stderr)
             except (grpc.RpcError, StopIteration):
                 pass
             with self._ready:
@@ -231,7 +235,11 @@ class _Session:
                 again.append(r)
         for r in again:
             try:
-                self._client._stub.Register(r, timeout=self._client.timeout)
+                resp = self._client._stub.Register(r, timeout=self._client.timeout)
+                with self._lock:
+                    self.failures.pop((r.group, r.rank), None)
+                with self._client._registrations_lock:
+                    self._client._registrations[(r.group, r.rank)] = resp.registration
             except grpc.RpcError as e:
                 why = (f're-registering group "{r.group}" rank {r.rank} after its daemon restarted failed: '
                        f"{e.code().name}: {e.details()}")
@@ -338,6 +346,10 @@ class Client:
         self.node: Optional[str] = None
         self._session: Optional[_Session] = None
         self._session_lock = threading.Lock()
+        # (group, rank) -> RegisterResponse.registration of this client's registration: acquire,
+        # publish, release and unregister act only on it, never on a later one of another process.
+        self._registrations: Dict[Tuple[str, int], int] = {}
+        self._registrations_lock = threading.Lock()
 
     def close(self) -> None:
         """Ends the session (the daemon unregisters this client's ranks) and the connection."""
@@ -345,15 +357,20 @@ class Client:
             self._session.close()
         self._channel.close()
 
-    def _check_session(self) -> None:
-        """Raises (FAILED_PRECONDITION) while a rank of this client's session could not be
-        registered again after its daemon restarted: its memory no longer receives syncs, and
+    def _registration(self, group: str, rank: int) -> int:
+        with self._registrations_lock:
+            return self._registrations.get((group, rank), 0)
+
+    def _check_session(self, *groups: str) -> None:
+        """Raises (FAILED_PRECONDITION) while a rank of this client's session, of one of `groups`,
+        is no longer this process's: it could not be registered again after its daemon restarted,
+        or another process took it over (replace). Its memory no longer receives syncs, and
         nothing else would tell the application."""
         session = self._session
         if session is None:
             return
         with session._lock:
-            failures = list(session.failures.values())
+            failures = [why for (group, _), why in sorted(session.failures.items()) if group in groups]
         if failures:
             raise ShardcastError(grpc.StatusCode.FAILED_PRECONDITION,
                                  "; ".join(failures) + " (register the rank again, or unregister it)")
@@ -389,7 +406,8 @@ class Client:
 
     def register(self, group: str, rank: int, world_size: int, tensors: Mapping[str, Any],
                  layout: LayoutLike, *, role: str = "destination", version: int = 0,
-                 session: bool = True, shadow: Optional[Mapping[str, Any]] = None) -> Registration:
+                 session: bool = True, shadow: Optional[Mapping[str, Any]] = None,
+                 replace: bool = False, readers: Sequence[int] = ()) -> Registration:
         """Registers `rank` of `group` with its local tensors, keyed by the layout's tensor or
         fused-buffer names: torch tensors (CPU or CUDA, nn.Parameters, DTensors: their local shard)
         are shared in place, numpy arrays are copied once into shared memory (see
@@ -405,12 +423,17 @@ class Client:
         `shadow` (destinations): a second set of the same tensors, for engines that cannot pause:
         syncs write the set not in use and flip at commit, a failed sync leaves the set in use
         untouched. Twice the memory. Read through `with reg.reading() as tensors:` (the set in use,
-        pinned while the block runs)."""
+        pinned while the block runs).
+
+        A rank registered already (by this process or another) is refused (ALREADY_EXISTS naming
+        its holder) unless `replace`: then this registration takes it over and the holder is told
+        (its next call about the rank raises, naming this process). `readers`: uids besides this
+        group's owner whose syncs may read it out of this node (docs/security.md)."""
         if role not in _ROLES:
             raise ValueError(f'register group "{group}" rank {rank}: role must be "source" or "destination", not {role!r}')
         msg = load_layout(layout, group)
         req = service_pb2.RegisterRequest(group=group, rank=rank, world_size=world_size, role=_ROLES[role],
-                                          version=version)
+                                          version=version, replace=replace, readers=list(readers))
         req.layout.CopyFrom(msg)
         if shadow is not None and role != "destination":
             raise ValueError(f'register group "{group}" rank {rank}: only a destination rank is double-buffered')
@@ -433,8 +456,11 @@ class Client:
             for handles in sets:
                 handles.release()
             raise
+        with self._registrations_lock:
+            self._registrations[(group, rank)] = resp.registration
         if session and self._session is not None:
             with self._session._lock:
+                req.replace = False  # re-made after a restart: a rank the new daemon does not hold
                 self._session.ranks[(group, rank)] = [req, version, False]
                 self._session.failures.pop((group, rank), None)
         reg = Registration(self, group, rank, world_size, resp, sets[0].views, sets[0].shared, sets[0].in_place, role=role)
@@ -482,13 +508,20 @@ class Client:
                                   node_prefix=node_prefix)
         return self.register(group, plan.rank, plan.world_size, tensors, layout, role="destination")
 
-    def unregister(self, group: str, rank: int) -> None:
+    def unregister(self, group: str, rank: int, registration: Optional[int] = None) -> None:
+        """Unregisters `rank` of `group` as this client registered it (or `registration`, a
+        RegisterResponse.registration): a later registration of the rank, by another process, is
+        left alone (FAILED_PRECONDITION naming its holder)."""
         if self._session is not None:
             with self._session._lock:
                 self._session.ranks.pop((group, rank), None)
                 self._session.failures.pop((group, rank), None)
+        with self._registrations_lock:
+            known = self._registrations.pop((group, rank), 0)
+        registration = known if registration is None else registration
         try:
-            self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank), timeout=self.timeout)
+            self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank, registration=registration),
+                                  timeout=self.timeout)
         except grpc.RpcError as e:
             raise self._fail(e, f'unregister group "{group}" rank {rank}') from None
 
@@ -498,8 +531,9 @@ class Client:
         """Takes a rank's memory: a source rank to write it (waits until every sync reading it
         ended; syncs then refuse it until it publishes), a destination rank to read it undisturbed
         (waits until the sync writing it ended; syncs then refuse it until it is released)."""
-        self._check_session()
-        req = service_pb2.AcquireRequest(group=group, rank=rank, timeout_ms=int(timeout * 1000))
+        self._check_session(group)
+        req = service_pb2.AcquireRequest(group=group, rank=rank, timeout_ms=int(timeout * 1000),
+                                         registration=self._registration(group, rank))
         try:
             st = self._stub.Acquire(req, timeout=timeout + self.timeout).status
         except grpc.RpcError as e:
@@ -516,8 +550,9 @@ class Client:
         return self._release(group, rank, 0)
 
     def _release(self, group: str, rank: int, version: int) -> service_pb2.RankStatus:
-        self._check_session()
-        req = service_pb2.ReleaseRequest(group=group, rank=rank, version=version)
+        self._check_session(group)
+        req = service_pb2.ReleaseRequest(group=group, rank=rank, version=version,
+                                         registration=self._registration(group, rank))
         try:
             st = self._stub.Release(req, timeout=self.timeout).status
         except grpc.RpcError as e:
@@ -555,7 +590,7 @@ class Client:
         daemons, dense: "rank-pull" (every destination rank gets its own slices straight from source
         ranks) or "gather-broadcast" (everything through source rank 0's node, which sends each node
         what it needs)."""
-        self._check_session()
+        self._check_session(src, dst)
         modes = {"off": service_pb2.DELTA_OFF, "auto": service_pb2.DELTA_AUTO, "dense": service_pb2.DELTA_DENSE}
         if delta not in modes:
             raise ValueError(f'delta must be one of {", ".join(modes)}, not {delta!r}')
@@ -601,7 +636,7 @@ class Client:
         (DEADLINE_EXCEEDED) naming the version the ranks are at. A dirty rank (a sync wrote part of
         a version and failed) raises ShardcastError (FAILED_PRECONDITION) at once, naming the rank
         and the sync."""
-        self._check_session()
+        self._check_session(group)
         remaining = timeout
         while True:
             step = 60.0 if remaining is None else max(0.0, min(remaining, 60.0))

@@ -190,6 +190,9 @@ class Registration:
         self.node = response.node
         self.layout_digest = response.layout_digest
         self.registered_bytes = response.registered_bytes
+        #: This registration's id on its daemon: closing it never unregisters a later registration
+        #: of the rank (another process that took it over with replace=True).
+        self.registration = response.registration
         self.tensors = tensors
         self._client = client
         self._shared = shared
@@ -278,7 +281,10 @@ class Registration:
     def close(self) -> None:
         if self._client is not None:
             try:
-                self._client.unregister(self.group, self.rank)
+                self._client.unregister(self.group, self.rank, registration=self.registration)
+            except Exception as e:  # taken over: the rank is another process's now, nothing to undo here
+                if "was taken over by" not in str(e):
+                    raise
             finally:
                 self._client = None
                 if self._shared is not None:

@@ -236,3 +236,36 @@ def test_double_buffered_engine_reads_one_set_while_syncs_write_the_other(cluste
         assert np.array_equal(weights["w"], rank_worker.shard("infer", "w", 0, 2))
     for reg in trainers + infers:
         reg.close()
+
+
+def test_taking_over_a_rank_needs_replace_the_holder_is_told_and_its_handle_is_inert(cluster):
+    n0, _ = cluster
+    holder, newcomer = shardcast.Client(n0.target), shardcast.Client(n0.target)
+    mine = {n: rank_worker.shard("trainer", n, 0, 4) for n in rank_worker.SHAPES}
+    theirs = {n: rank_worker.shard("trainer", n, 0, 5) for n in rank_worker.SHAPES}
+    held = holder.register("trainer", 0, 2, mine, rank_worker.TRAINER, role="source", version=4)
+    with pytest.raises(shardcast.ShardcastError) as refused:
+        newcomer.register("trainer", 0, 2, theirs, rank_worker.TRAINER, role="source", version=5)
+    assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert "register with replace to take it over" in refused.value.details
+    assert [shardcast.describe_rank(s) for s in holder.ranks("trainer")] == ["ready(4)"]
+    taken = newcomer.register("trainer", 0, 2, theirs, rank_worker.TRAINER, role="source", version=5, replace=True)
+
+    def told():  # the session's event arrives on its own thread
+        try:
+            holder.wait_version("trainer", 1, timeout=0.1)
+        except shardcast.ShardcastError as e:
+            return e
+        return None
+    assert _wait(lambda: told() is not None)
+    e = told()
+    assert e.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(shardcast.ShardcastError) as acquire:
+        holder.acquire("trainer", 0, timeout=1)
+    assert "was taken over by" in str(acquire.value)
+    assert f'group "trainer" rank 0 on node "n0" was taken over by uid {os.geteuid()} (pid {os.getpid()})' in str(e)
+    assert not os.path.exists("/dev/shm" + held.segment)  # the superseded copy is unlinked
+    held.close()  # inert: it does not drop the newer registration
+    assert [shardcast.describe_rank(s) for s in newcomer.ranks("trainer")] == ["ready(5)"]
+    taken.close()
+    assert newcomer.ranks("trainer") == []
