@@ -156,13 +156,31 @@ struct RawUcxPeer {
     REQUIRE(ucp_ep_rkey_unpack(ep, packed, &rkey) == UCS_OK);
     ucp_rkey_buffer_release(packed);
   }
+  ~RawUcxPeer() {
+    if (rkey) ucp_rkey_destroy(rkey);
+    if (memh) ucp_mem_unmap(ctx, memh);
+    if (ep) {
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &rp);
+      if (req != nullptr && !UCS_PTR_IS_ERR(req)) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+        while (ucp_request_check_status(req) == UCS_INPROGRESS && std::chrono::steady_clock::now() < until)
+          ucp_worker_progress(worker);
+        ucp_request_free(req);
+      }
+    }
+    if (worker) ucp_worker_destroy(worker);
+    if (ctx) ucp_cleanup(ctx);
+  }
   // Progresses for `seconds`; the request's status then (UCS_INPROGRESS: never answered).
   ucs_status_t settle(ucs_status_ptr_t req, double seconds) {
     const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
     while (std::chrono::steady_clock::now() < until) ucp_worker_progress(worker);
     if (req == nullptr || UCS_PTR_IS_ERR(req)) return UCS_PTR_STATUS(req);
     const ucs_status_t st = ucp_request_check_status(req);
-    if (st == UCS_INPROGRESS) ucp_request_cancel(worker, req);
+    ucp_request_free(req);  // released whatever its state (one never answered is purged at the close)
     return st;
   }
 };
