@@ -18,13 +18,14 @@ std::string DaemonConfig::describe() const {
      << " peers=" << (peers.empty() ? "(none)" : strJoin(peers, ","))
      << " peer_dns=" << (peer_dns.empty() ? "(none)" : peer_dns) << " transport=" << transport
      << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol
-     << " ucx_tcp_segment_kib=" << ucx_tcp_segment_kib << " log_level=" << log_level
-     << " peer_timeout_ms=" << peer_timeout_ms << " chunk_kib=" << (chunk_bytes >> 10) << " staging_mib=" << staging_mib
-     << " window_kib=" << (window_bytes >> 10) << " nic_gbps=" << nic_gbps << " delta_cache_mib=" << delta_cache_mib
-     << " delta_dense_every=" << delta_dense_every << " metrics=" << (metrics.empty() ? "(off)" : metrics)
-     << " sync_lease_ms=" << sync_lease_ms << " max_sync_lease_ms=" << max_sync_lease_ms
-     << " owner_grace_s=" << owner_grace_s << " max_local_connections_per_uid=" << max_local_connections_per_uid
-     << " grpc_memory_mib=" << grpc_memory_mib << " shutdown_grace_ms=" << shutdown_grace_ms << " tls="
+     << " host_zero_copy=" << host_zero_copy << " ucx_tcp_segment_kib=" << ucx_tcp_segment_kib
+     << " log_level=" << log_level << " peer_timeout_ms=" << peer_timeout_ms << " chunk_kib=" << (chunk_bytes >> 10)
+     << " staging_mib=" << staging_mib << " window_kib=" << (window_bytes >> 10) << " nic_gbps=" << nic_gbps
+     << " delta_cache_mib=" << delta_cache_mib << " delta_dense_every=" << delta_dense_every
+     << " metrics=" << (metrics.empty() ? "(off)" : metrics) << " sync_lease_ms=" << sync_lease_ms
+     << " max_sync_lease_ms=" << max_sync_lease_ms << " owner_grace_s=" << owner_grace_s
+     << " max_local_connections_per_uid=" << max_local_connections_per_uid << " grpc_memory_mib=" << grpc_memory_mib
+     << " shutdown_grace_ms=" << shutdown_grace_ms << " tls="
      << (tls.enabled() ? strCat("cert:", tls.cert, ",key:", tls.key, ",ca:", tls.ca, ",reload_s:", tls.reload_s)
                        : "(none)")
      << " insecure=" << (insecure ? "true" : "false")
@@ -103,6 +104,13 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   app.add_option("--protocol", c.protocol, "Write protocol: put (RMA), am (active messages) or auto")
       ->envname("SHARDCAST_PROTOCOL")
       ->check(CLI::IsMember({"auto", "put", "am"}))
+      ->capture_default_str();
+  app.add_option("--host-zero-copy", c.host_zero_copy,
+                 "Send from and land in clients' shared-memory segments directly (auto: only over transports the "
+                 "kernel does not copy through, RDMA; on: also over tcp, where a client truncating its own segment "
+                 "mid-sync aborts this daemon inside UCX; off: always through this daemon's staging and arena)")
+      ->envname("SHARDCAST_HOST_ZERO_COPY")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
   app.add_option("--ucx-tcp-segment-kib", c.ucx_tcp_segment_kib,
                  "UCX over TCP: segment size, the fragment large writes travel in (0: UCX's default, 64 KiB; "

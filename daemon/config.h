@@ -22,6 +22,9 @@ struct DaemonConfig {
   std::string ucx_tls;                  // UCX_TLS for the data plane ("" = UCX default)
   std::string protocol = "auto";        // auto | put | am
   int64_t ucx_tcp_segment_kib = 1024;   // UCX over TCP: fragment size (0 = UCX's 64 KiB)
+  // Clients' host segments handed to the transport itself (zero-copy sends and landings): auto
+  // where it cannot fault on them (transport::Capabilities::host_faults_contained), on, or off.
+  std::string host_zero_copy = "auto";
   std::string log_level = "info";
   int peer_timeout_ms = 5000;  // deadline of daemon-to-daemon calls
   int64_t chunk_mib = 64;      // --chunk-mib: chunk size of large transfers

@@ -141,6 +141,12 @@ int main(int argc, char** argv) {
     if (Status kept = registry.keepOwners(config->socket + ".owners", std::chrono::seconds(config->owner_grace_s));
         !kept.ok())
       return fail(std::string(kept.message()));
+  if (config->host_zero_copy != "auto") registry.setHostZeroCopy(config->host_zero_copy == "on");
+  if (config->host_zero_copy == "on" && !(*transport)->capabilities().host_faults_contained)
+    spdlog::warn(
+        "--host-zero-copy on over {}: a client that truncates its shared-memory segment mid-sync aborts "
+        "this daemon (docs/security.md)",
+        (*transport)->describe());
   PeerSet peers(*config, registry.instance());
   // Another daemon already serving this node name: refuse loudly rather than split the node.
   if (auto views = peers.describeAll(); views.ok())

@@ -441,6 +441,7 @@ v1::DescribeResponse Registry::describe() const {
   d.set_node(node_);
   d.set_transport_address(transport_.address());
   d.set_instance(instance_);
+  const bool host_safe = host_zero_copy_.value_or(transport_.capabilities().host_faults_contained);
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [group, g] : groups_) {
     *d.add_layouts() = g.layout;
@@ -463,10 +464,11 @@ v1::DescribeResponse Registry::describe() const {
     for (const auto& b : r->buffers) {
       auto* rb = rr->add_buffers();
       rb->set_buffer(b.name);
-      if (b.region)
-        rb->set_region(b.region->remote().serialize());
-      else  // device memory the transport cannot reach: no region to offer peers
-        rb->set_staged(true);
+      if (b.region) rb->set_region(b.region->remote().serialize());
+      // Device memory the transport cannot reach (no region to offer peers), or a client's segment
+      // that a transport faulting in the kernel must not touch: synced packed, through this
+      // daemon's own staging and arena.
+      if (!b.region || (b.segment && !host_safe)) rb->set_staged(true);
       rb->set_offset(b.offset);
       rb->set_size(b.size);
     }

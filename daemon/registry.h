@@ -152,6 +152,10 @@ class Registry {
   // other uid registers those names meanwhile, so a restart cannot be raced to squat a running
   // job's group. A file that is missing, or is not the daemon's own regular file, reserves nothing.
   Status keepOwners(const std::string& path, std::chrono::seconds grace);
+  // Whether peers may send from and land in clients' shm segments directly (Describe's
+  // RemoteBuffer.staged): by default where the transport cannot fault on a truncated segment
+  // (transport::Capabilities::host_faults_contained); --host-zero-copy overrides it.
+  void setHostZeroCopy(bool on) { host_zero_copy_ = on; }
 
  private:
   // With mu_ held: rewrites the owners file (keepOwners), if any; failures are logged.
@@ -252,6 +256,7 @@ class Registry {
   std::map<std::string, Group> groups_;
   // keepOwners: the file, and the groups reserved for their owner uid until a time.
   std::string owners_path_;
+  std::optional<bool> host_zero_copy_;  // setHostZeroCopy; unset: the transport's capability
   std::map<std::string, std::pair<uid_t, std::chrono::steady_clock::time_point>> reserved_;
   std::set<std::string> sessions_;
   std::map<std::string, std::vector<v1::SupersededRank>> superseded_;  // by session: takeSuperseded

@@ -278,6 +278,15 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
       spdlog::error("sync {}: {} writes and {} executes still pending two minutes after it ended", a->id,
                     a->writes_pending, a->executing);
   }
+  // Peers' writes into the rank buffers are all done: a segment truncated under them fails the
+  // commit here, naming the rank, rather than committing the zero pages that replaced it.
+  if (end == Registry::SyncEnd::kCommit)
+    if (Status st = registry_.checkSync("", a->dst_group); !st.ok()) {
+      std::lock_guard<std::mutex> lock(a->mu);
+      a->failure = absl::FailedPreconditionError(strCat("commit refused on node \"", node_, "\": ", st.message()));
+      spdlog::warn("sync {}: {}", a->id, std::string(a->failure.message()));
+      end = Registry::SyncEnd::kDirty;
+    }
   // What this node sent is a base for the next delta only if the sync committed here. An execute
   // still running (stuck past the wait above) may still write into the bases: they stay claimed
   // by this attempt for good (later syncs of the plan pack dense) rather than shared with it.
@@ -430,6 +439,9 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
                  direct = a->bytes_landed_direct, deltas = a->delta_chunks, dense = a->dense_chunks,
                  fanout = a->device_fanout_bytes;
   SC_RETURN_IF_ERROR(Execution({node_, registry_, transport_, *stage_, *copies_, spares_}, a, req).run());
+  // A client that truncated its segment while this wave read or wrote it: the daemon survived the
+  // fault (transport/shm.h), the bytes it moved are not the rank's.
+  SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dst_group));
   if (registry_.generation() != a->generation)
     return absl::AbortedError(
         strCat("sync ", a->id, ": registrations on node \"", node_, "\" changed during the sync"));

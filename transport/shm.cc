@@ -1,13 +1,18 @@
 #include "transport/shm.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <spdlog/spdlog.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <vector>
 
 #include "common/strings.h"
 
@@ -30,6 +35,98 @@ Status checkName(const std::string& name) {
         strCat("shm segment name \"", name, "\" must look like \"/name\" (one leading slash, at most 255 chars)"));
   return absl::OkStatus();
 }
+
+// Truncation guard. A segment's owner can shrink it at any time; touching the daemon's mapping past
+// the new end then raises SIGBUS, on whichever thread touched it (a copy engine, UCX's progress
+// thread). Every mapping of an opened segment is registered here; on SIGBUS inside one, the
+// handler replaces the whole mapping with private zero pages (mmap MAP_FIXED, a plain syscall) and
+// marks it faulted, so the faulting access is retried and completes harmlessly, and checkSize()
+// fails from then on: the sync fails naming the rank, the rank must register again, and the
+// daemon stays up. A SIGBUS anywhere else goes to the handler installed before ours (UCX's
+// backtrace printer, or the default action).
+namespace guard {
+
+struct Slot {
+  std::atomic<uintptr_t> begin{0};  // 0: free
+  std::atomic<size_t> length{0};
+  std::atomic<bool> faulted{false};
+};
+constexpr size_t kSlots = size_t{1} << 16;  // mappings at once; zero pages until used
+Slot slots[kSlots];
+std::atomic<size_t> used{0};  // slots at or above this were never used
+std::mutex mu;                // add/remove (never taken by the handler)
+std::vector<size_t> free_slots;
+struct sigaction previous {};
+
+void onSigbus(int sig, siginfo_t* info, void* context) {
+  const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
+  const size_t n = used.load(std::memory_order_acquire);
+  for (size_t i = 0; i < n; ++i) {
+    Slot& s = slots[i];
+    const uintptr_t begin = s.begin.load(std::memory_order_acquire);
+    const size_t length = s.length.load(std::memory_order_acquire);
+    if (begin == 0 || addr < begin || addr - begin >= length) continue;
+    void* p = ::mmap(reinterpret_cast<void*>(begin), length, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) break;
+    s.faulted.store(true, std::memory_order_release);
+    return;
+  }
+  if ((previous.sa_flags & SA_SIGINFO) && previous.sa_sigaction != nullptr) {
+    previous.sa_sigaction(sig, info, context);
+    return;
+  }
+  if (!(previous.sa_flags & SA_SIGINFO) && previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN) {
+    previous.sa_handler(sig);
+    return;
+  }
+  ::signal(sig, SIG_DFL);  // the access faults again and the process dies of it, as without us
+}
+
+void install() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction sa {};
+    sa.sa_sigaction = onSigbus;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    if (::sigaction(SIGBUS, &sa, &previous) != 0)
+      spdlog::warn("cannot handle SIGBUS ({}): a client truncating its segment mid-sync kills the daemon",
+                   std::strerror(errno));
+  });
+}
+
+// The slot guarding [data, data + size), or -1 when all are taken (the mapping is then unguarded).
+int add(void* data, size_t size) {
+  install();
+  std::lock_guard<std::mutex> lock(mu);
+  size_t i;
+  if (!free_slots.empty()) {
+    i = free_slots.back();
+    free_slots.pop_back();
+  } else if (used.load() < kSlots) {
+    i = used.load();
+  } else {
+    spdlog::warn("{} shm segments mapped: this one is not guarded against truncation", kSlots);
+    return -1;
+  }
+  slots[i].faulted.store(false);
+  slots[i].length.store(size, std::memory_order_release);
+  slots[i].begin.store(reinterpret_cast<uintptr_t>(data), std::memory_order_release);
+  if (i == used.load()) used.store(i + 1, std::memory_order_release);
+  return static_cast<int>(i);
+}
+
+void remove(int slot) {
+  if (slot < 0) return;
+  std::lock_guard<std::mutex> lock(mu);
+  slots[slot].begin.store(0, std::memory_order_release);
+  free_slots.push_back(static_cast<size_t>(slot));
+}
+
+bool faulted(int slot) { return slot >= 0 && slots[slot].faulted.load(std::memory_order_acquire); }
+
+}  // namespace guard
 
 }  // namespace
 
@@ -91,11 +188,17 @@ StatusOr<ShmSegment> ShmSegment::open(const std::string& name, size_t size, std:
     return errnoStatus(strCat("mmap(\"", name, "\", ", size, ")"), err);
   }
   ::fcntl(fd, F_SETFD, FD_CLOEXEC);
-  return ShmSegment(name, p, size, false, fd);
+  ShmSegment out(name, p, size, false, fd);
+  out.guard_ = guard::add(p, size);
+  return out;
 }
 
 Status ShmSegment::checkSize() const {
   if (fd_ < 0) return absl::OkStatus();
+  if (guard::faulted(guard_))
+    return absl::FailedPreconditionError(strCat("shm segment \"", name_,
+                                                "\" was truncated by its owner while the daemon read or wrote it (",
+                                                size_, " bytes registered): register the rank again"));
   struct stat st {};
   if (::fstat(fd_, &st) != 0) return errnoStatus(strCat("fstat(\"", name_, "\")"), errno);
   if (static_cast<uint64_t>(st.st_size) < size_)
@@ -119,10 +222,11 @@ void ShmSegment::unlinkName() const {
 }
 
 ShmSegment::ShmSegment(ShmSegment&& o) noexcept
-    : name_(std::move(o.name_)), data_(o.data_), size_(o.size_), unlink_(o.unlink_), fd_(o.fd_) {
+    : name_(std::move(o.name_)), data_(o.data_), size_(o.size_), unlink_(o.unlink_), fd_(o.fd_), guard_(o.guard_) {
   o.data_ = nullptr;
   o.unlink_ = false;
   o.fd_ = -1;
+  o.guard_ = -1;
 }
 
 ShmSegment& ShmSegment::operator=(ShmSegment&& o) noexcept {
@@ -133,9 +237,11 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& o) noexcept {
     size_ = o.size_;
     unlink_ = o.unlink_;
     fd_ = o.fd_;
+    guard_ = o.guard_;
     o.data_ = nullptr;
     o.unlink_ = false;
     o.fd_ = -1;
+    o.guard_ = -1;
   }
   return *this;
 }
@@ -143,6 +249,8 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& o) noexcept {
 ShmSegment::~ShmSegment() { release(); }
 
 void ShmSegment::release() {
+  guard::remove(guard_);  // before the unmap: the address range may be reused at once
+  guard_ = -1;
   if (data_ && ::munmap(data_, size_) != 0)
     spdlog::warn("munmap of shm segment \"{}\" failed: {}", name_, std::strerror(errno));
   data_ = nullptr;

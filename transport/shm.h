@@ -34,7 +34,10 @@ class ShmSegment {
   const std::string& name() const { return name_; }
 
   // Opened segments: fails (FAILED_PRECONDITION) when the owner truncated the segment below the
-  // mapped size, so that touching the mapping would raise SIGBUS. Check before every use.
+  // mapped size, so that touching the mapping would raise SIGBUS, or when it did so while the
+  // mapping was touched: opened segments are guarded, the SIGBUS is absorbed (the mapping turns
+  // into private zero pages, detached from the owner's memory for good) and reported here. Check
+  // before every use and after every copy.
   Status checkSize() const;
   // Opened segments: unlinks the name if it still names this segment (not a newer one).
   void unlinkName() const;
@@ -48,7 +51,8 @@ class ShmSegment {
   void* data_ = nullptr;
   size_t size_ = 0;
   bool unlink_ = false;
-  int fd_ = -1;  // opened segments: kept for checkSize
+  int fd_ = -1;     // opened segments: kept for checkSize
+  int guard_ = -1;  // opened segments: the truncation guard's slot (shm.cc)
 };
 
 }  // namespace shardcast::transport

@@ -171,6 +171,12 @@ struct Capabilities {
   size_t max_notify_bytes = size_t{64} << 10;  // the largest notification payload
   bool detects_peer_failure = false;           // in-flight operations fail when the peer goes (else: op_timeout)
   bool bounded_writes = true;                  // the target checks every write against its keys and their ranges
+  // Host memory it sends from or lands in cannot fault inside it when its owner truncates a shm
+  // segment under a write: the hardware holds the pages (verbs, CUDA), or every access is a plain
+  // load or store of this process (which the segment guard absorbs, transport/shm.h). False where
+  // the kernel touches it (tcp's sendmsg and recv, cma): UCX meets EFAULT there and aborts, so a
+  // daemon hands such a transport only its own memory (clients' segments are synced packed).
+  bool host_faults_contained = true;
 };
 
 class Context {

@@ -268,8 +268,8 @@ TEST_CASE("emulated GPUs: replicas on one node: a box crosses into the GPUs once
   std::vector<int> ports{freePort(), freePort()};
   const std::vector<std::string> peers{"127.0.0.1:" + std::to_string(ports[0]),
                                        "127.0.0.1:" + std::to_string(ports[1])};
-  Daemon n0("n0", ports[0], peers, {"--emulate-gpus", "2", "--chunk-mib", "1"});
-  Daemon n1("n1", ports[1], peers, {"--emulate-gpus", "4", "--chunk-mib", "1"});
+  Daemon n0("n0", ports[0], peers, {"--emulate-gpus", "2", "--chunk-mib", "1", "--host-zero-copy", "on"});
+  Daemon n1("n1", ports[1], peers, {"--emulate-gpus", "4", "--chunk-mib", "1", "--host-zero-copy", "on"});
   REQUIRE(n0.ready());
   REQUIRE(n1.ready());
   GroupPair device(trainer, inference, n0, n1, /*gpus=*/true, "egpu-f");

@@ -4,7 +4,9 @@
 // a daemon whose peers write with active messages. (A caller of another uid: client/python/tests/
 // test_security.py, which can drop privileges.)
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -479,4 +481,104 @@ TEST_CASE("a rank is replaced only by the uid that registered it, the group's ow
   CHECK(registry.registerRank(own, nobody).status().code() == absl::StatusCode::kAlreadyExists);
   own.set_replace(true);
   CHECK(registry.registerRank(own, nobody).ok());
+}
+
+TEST_CASE("a client truncating its segment mid-sync fails that sync naming the rank, the daemons serve on",
+          "[daemon][security]") {
+  // Source rank on n0; destination ranks on n0 (a local copy) and n1 (over UCX). Each round one
+  // rank's owner shrinks its segment at a different moment of the sync: before it, while bytes
+  // move, after. Whatever the moment, the sync either fails naming that rank's buffer, or it
+  // completed before the truncation with every byte right; neither daemon dies (a truncated
+  // mapping raises SIGBUS in whichever thread touches it: transport/shm.h).
+  const int p0 = freePort(), p1 = freePort();
+  const std::vector<std::string> peers = {"127.0.0.1:" + std::to_string(p0), "127.0.0.1:" + std::to_string(p1)};
+  Daemon n0("n0", p0, peers), n1("n1", p1, peers);
+  REQUIRE(n0.ready());
+  REQUIRE(n1.ready());
+  const char* src_json = R"({"group":"src","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
+    {"name":"w","shape":[2048,2048],"dtype":"int32","placements":[{"replicate":{}}]}]})";
+  const char* dst_json = R"({"group":"dst","mesh":{"shape":[2]},"nodes":["n0","n1"],"tensors":[
+    {"name":"w","shape":[2048,2048],"dtype":"int32","placements":[{"replicate":{}}]}]})";
+  const v1::Layout src_proto = *planner::parseLayoutJson(src_json, "src");
+  const v1::Layout dst_proto = *planner::parseLayoutJson(dst_json, "dst");
+  planner::NodeTable nodes;
+  const auto src = *planner::resolveLayout(src_proto, nodes);
+  const auto dst = *planner::resolveLayout(dst_proto, nodes);
+  auto reg = [&](Daemon& d, v1::RegisterRequest r) {
+    r.set_replace(true);
+    v1::RegisterResponse resp;
+    const auto st = d.client()->Register(ctx().get(), r, &resp);
+    INFO(st.error_message());
+    REQUIRE(st.ok());
+  };
+  RankMemory smem = allocateRank(src, 0, "trunc-s");
+  std::vector<RankMemory> dmem;
+  for (int32_t r = 0; r < 2; ++r) dmem.push_back(allocateRank(dst, r, "trunc-d" + std::to_string(r)));
+  for (int32_t r = 0; r < 2; ++r) reg(r == 0 ? n0 : n1, registerRequest(dst_proto, r, 2, dmem[r]));
+  auto fill = [&](uint64_t version) {
+    forEachElement(src, 0, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      *smem.at<int32_t>(p, off) = static_cast<int32_t>(flat * 7 + version);
+    });
+  };
+  auto right = [&](int32_t r, uint64_t version) {
+    int64_t bad = 0;
+    forEachElement(dst, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      bad += *dmem[r].at<int32_t>(p, off) != static_cast<int32_t>(flat * 7 + version);
+    });
+    return bad == 0;
+  };
+  auto sync = [&](uint64_t version) {
+    v1::SyncRequest s;
+    s.set_src_group("src");
+    s.set_dst_group("dst");
+    s.set_version(version);
+    v1::SyncResponse out;
+    return n0.client()->Sync(ctx(60).get(), s, &out);
+  };
+  int failed = 0;
+  for (uint64_t v = 1; v <= 12; ++v) {
+    fill(v);
+    reg(n0, registerRequest(src_proto, 0, 1, smem, v1::ROLE_SOURCE, v));
+    // Round by round: the source, the local destination, the remote one; 0, 8, 16, 24 ms in.
+    const int victim = static_cast<int>(v % 3);
+    RankMemory& m = victim == 0 ? smem : dmem[victim - 1];
+    const std::string name = m.seg->name();
+    std::thread owner([&, delay = std::chrono::milliseconds((v - 1) / 3 * 8)] {
+      std::this_thread::sleep_for(delay);
+      const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
+      if (fd >= 0) {
+        CHECK(::ftruncate(fd, 4096) == 0);
+        ::close(fd);
+      }
+    });
+    const grpc::Status st = sync(v);
+    owner.join();
+    INFO("round " << v << ", truncated " << (victim == 0 ? "source" : "destination rank " + std::to_string(victim - 1))
+                  << ": " << st.error_message());
+    if (st.ok()) {
+      for (int32_t r = 0; r < 2; ++r)
+        if (victim != r + 1) CHECK(right(r, v));
+    } else {
+      ++failed;
+      CHECK_THAT(st.error_message(), Catch::Contains("group \"" + std::string(victim == 0 ? "src" : "dst") +
+                                                     "\" rank " + std::to_string(victim == 0 ? 0 : victim - 1)));
+      CHECK_THAT(st.error_message(), Catch::Contains("truncated"));
+    }
+    // The owner registers fresh memory; both daemons are still there to take it.
+    m = allocateRank(victim == 0 ? src : dst, victim == 0 ? 0 : victim - 1,
+                     "trunc-" + std::to_string(victim) + "-" + std::to_string(v));
+    if (victim == 0)
+      fill(v);
+    else
+      reg(victim == 1 ? n0 : n1, registerRequest(dst_proto, victim - 1, 2, m));
+  }
+  CHECK(failed > 0);  // the immediate truncations at least are seen (before or during the copy)
+  // Both daemons serve a clean sync afterwards, every byte right.
+  fill(13);
+  reg(n0, registerRequest(src_proto, 0, 1, smem, v1::ROLE_SOURCE, 13));
+  const grpc::Status last = sync(13);
+  INFO(last.error_message());
+  REQUIRE(last.ok());
+  CHECK(right(0, 13));
+  CHECK(right(1, 13));
 }

@@ -53,7 +53,8 @@ v1::RegisterRequest source(const v1::Layout& layout, int32_t rank, int32_t world
 struct Cluster {
   std::vector<int> ports;
   std::vector<std::unique_ptr<Daemon>> daemons;
-  Cluster() {
+  std::vector<std::string> extra;  // flags of every daemon
+  explicit Cluster(std::vector<std::string> flags = {}) : extra(std::move(flags)) {
     for (int i = 0; i < 3; ++i) ports.push_back(freePort());
     for (int i = 0; i < 3; ++i) start(i);
   }
@@ -61,7 +62,7 @@ struct Cluster {
     std::vector<std::string> peers;
     for (int p : ports) peers.push_back("127.0.0.1:" + std::to_string(p));
     if (daemons.size() <= static_cast<size_t>(i)) daemons.resize(i + 1);
-    daemons[i] = std::make_unique<Daemon>("n" + std::to_string(i), ports[i], peers);
+    daemons[i] = std::make_unique<Daemon>("n" + std::to_string(i), ports[i], peers, extra);
     REQUIRE(daemons[i]->ready());
   }
   Daemon& node(const std::string& name) { return *daemons[name[1] - '0']; }
@@ -439,7 +440,8 @@ int64_t syncAndCount(Cluster& cluster, const std::string& src_json, const std::s
 
 TEST_CASE("transfers land straight in a rank's buffer when one rank holds them whole and contiguously",
           "[daemon][sync]") {
-  Cluster cluster;
+  // Over tcp only with --host-zero-copy on (by default clients' segments travel packed there).
+  Cluster cluster({"--host-zero-copy", "on"});
   // FSDP=2 on n0; TP=2 on n1 and on n2 (two replicas, so one node relays to the other).
   // "col" is cut by rows on both sides: each trainer half lies whole and contiguous in one
   // inference rank and lands straight there (also where it is relayed from). "row" is cut by
@@ -498,7 +500,7 @@ TEST_CASE("Peer.Progress: a daemon's bytes while its part of a sync runs, cumula
           "[daemon][sync]") {
   // n0 holds the trainer; n1 and n2 each need half of it (no relay), so n1's part is done once n0
   // has sent, whatever n2 does: the coordinator's Watch stream shows the same counters mid-sync.
-  Cluster cluster;
+  Cluster cluster({"--host-zero-copy", "on"});  // the direct landings are counted too
   const char* trainer = R"({"group":"trainer","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
     {"name":"w","shape":[64,32],"dtype":"int32"}]})";
   const char* halves = R"({"group":"halves","mesh":{"shape":[2]},"nodes":["n1","n2"],"tensors":[

@@ -1,11 +1,18 @@
 // Node-local copy engine and shared-memory segments.
 #include "transport/copy_engine.h"
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <thread>
 
 #include "tests/support/device_buffer.h"
 #include "tests/support/gpu.h"
@@ -111,6 +118,59 @@ TEST_CASE("shared-memory segments: create, open from elsewhere, validate", "[shm
   CHECK(ShmSegment::create("no-slash", 10).status().code() == absl::StatusCode::kInvalidArgument);
   *seg = std::move(*seg);  // self-move keeps the mapping
   CHECK(seg->data() != nullptr);
+}
+
+TEST_CASE("a segment truncated by its owner under an opened mapping fails its checks, the process lives", "[shm]") {
+  const std::string name = "/shardcast-test-trunc-" + std::to_string(::getpid());
+  constexpr size_t kBytes = 8 << 20;
+  auto owner = ShmSegment::create(name, kBytes);
+  REQUIRE(owner.ok());
+  std::memset(owner->data(), 0x5a, kBytes);
+  auto mapped = ShmSegment::open(name, kBytes);  // as the daemon maps a client's segment
+  REQUIRE(mapped.ok());
+  REQUIRE(mapped->checkSize().ok());
+  const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
+  REQUIRE(fd >= 0);
+  REQUIRE(::ftruncate(fd, 4096) == 0);  // the owner shrinks it
+  auto size_check = mapped->checkSize();
+  CHECK(size_check.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(size_check.message()), Catch::Contains("was truncated to 4096 bytes"));
+  // Touched past the new end from two threads at once (a copy engine reading, a transport thread
+  // writing): without the guard this is SIGBUS and the end of the process.
+  auto* bytes = static_cast<unsigned char*>(mapped->data());
+  unsigned sum = 0;
+  std::thread writer([&] { std::memset(bytes + kBytes / 2, 0x11, kBytes / 2); });
+  for (size_t i = 4096; i < kBytes; i += 4096) sum += bytes[i];
+  writer.join();
+  CHECK(sum < 0x5a * (kBytes / 4096));  // not the owner's bytes: zero pages (and some 0x11)
+  // The owner puts the size back: the mapping stays detached from its memory and says so.
+  REQUIRE(::ftruncate(fd, kBytes) == 0);
+  ::close(fd);
+  auto fault_check = mapped->checkSize();
+  CHECK(fault_check.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(fault_check.message()), Catch::Contains("truncated by its owner while the daemon"));
+  const auto* owned = static_cast<unsigned char*>(owner->data());
+  CHECK(owned[kBytes - 1] == 0);  // the daemon-side writes never reached the owner's (new) pages
+  // A freshly opened mapping of the restored segment is sound again (re-registration).
+  auto again = ShmSegment::open(name, kBytes);
+  REQUIRE(again.ok());
+  CHECK(again->checkSize().ok());
+  // A SIGBUS outside every guarded mapping still ends the process, as it would without the guard.
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    char path[] = "/tmp/shardcast-sigbus-XXXXXX";
+    const int file = ::mkstemp(path);
+    ::unlink(path);
+    if (file < 0 || ::ftruncate(file, 8192) != 0) ::_exit(3);
+    auto* p = static_cast<volatile unsigned char*>(::mmap(nullptr, 8192, PROT_READ, MAP_SHARED, file, 0));
+    if (p == MAP_FAILED || ::ftruncate(file, 0) != 0) ::_exit(3);
+    ::_exit(p[4096]);  // SIGBUS
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK(WIFSIGNALED(status));
+  if (WIFSIGNALED(status)) CHECK(WTERMSIG(status) == SIGBUS);
 }
 
 TEST_CASE("CUDA copies between host and device memory", "[gpu]") {

@@ -806,6 +806,7 @@ class UcxContext final : public Context {
     c.max_notify_bytes = kMaxNotifyBytes;
     c.detects_peer_failure = engine_->peerFailure();
     c.bounded_writes = engine_->protocol() == Protocol::kAm || putIsBounded(tls_);
+    c.host_faults_contained = putIsBounded(tls_);  // only hardware transports (and self) in the set
     return c;
   }
 
