@@ -1,6 +1,9 @@
 #include "daemon/access.h"
 
+#include <arpa/inet.h>
 #include <grpcpp/server_posix.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
@@ -141,6 +144,133 @@ void LocalListener::run(grpc::Server* server) {
   }
 }
 
+StatusOr<std::unique_ptr<TcpListener>> TcpListener::bind(const std::string& listen, int max_per_address) {
+  const auto colon = listen.rfind(':');
+  if (colon == std::string::npos || colon + 1 == listen.size())
+    return absl::InvalidArgumentError(strCat("--listen ", quote(listen), ": not host:port"));
+  std::string host = listen.substr(0, colon);
+  const std::string port = listen.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found); rc != 0)
+    return absl::InvalidArgumentError(strCat("--listen ", quote(listen), ": ", ::gai_strerror(rc)));
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> hold(found, &::freeaddrinfo);
+  std::string why = "no address";
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
+    if (fd < 0) {
+      why = std::strerror(errno);
+      continue;
+    }
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // a restart reuses its port at once
+    if (a->ai_family == AF_INET6) {
+      const int zero = 0;  // "[::]" also takes IPv4, as gRPC's own listener does
+      ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+    }
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, 1024) != 0) {
+      why = std::strerror(errno);
+      ::close(fd);
+      continue;
+    }
+    sockaddr_storage bound{};
+    socklen_t len = sizeof(bound);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
+    const int bound_port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                                             : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    const int wake = ::eventfd(0, EFD_CLOEXEC);
+    if (wake < 0) {
+      ::close(fd);
+      return absl::InternalError(strCat("eventfd: ", std::strerror(errno)));
+    }
+    return std::unique_ptr<TcpListener>(new TcpListener(listen, fd, wake, bound_port, max_per_address));
+  }
+  return absl::UnavailableError(strCat("cannot listen on ", listen, ": ", why));
+}
+
+TcpListener::TcpListener(std::string listen, int fd, int wake, int port, int max_per_address)
+    : listen_(std::move(listen)), fd_(fd), wake_(wake), port_(port), max_per_address_(max_per_address) {}
+
+TcpListener::~TcpListener() {
+  stop();
+  ::close(fd_);
+  ::close(wake_);
+}
+
+void TcpListener::serve(std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor) {
+  acceptor_ = std::move(acceptor);
+  thread_ = std::thread([this] { run(); });
+}
+
+void TcpListener::stop() {
+  const uint64_t one = 1;
+  if (::write(wake_, &one, sizeof(one)) < 0) {
+    // The eventfd cannot be full: one write is enough to wake the loop.
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+int TcpListener::liveConnections(const std::string& address) {
+  int n = 0;
+  for (auto it = connections_.begin(); it != connections_.end();) {
+    struct stat st {};
+    if (::fstat(it->first, &st) != 0 || !S_ISSOCK(st.st_mode) || st.st_ino != it->second.inode) {
+      it = connections_.erase(it);
+      continue;
+    }
+    n += it->second.address == address;
+    ++it;
+  }
+  return n;
+}
+
+void TcpListener::run() {
+  pollfd fds[2] = {{fd_, POLLIN, 0}, {wake_, POLLIN, 0}};
+  while (true) {
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      spdlog::error("{}: poll: {}", listen_, std::strerror(errno));
+      return;
+    }
+    if (fds[1].revents) return;
+    sockaddr_storage peer{};
+    socklen_t len = sizeof(peer);
+    const int c = ::accept4(fd_, reinterpret_cast<sockaddr*>(&peer), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (c < 0) {
+      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
+        spdlog::warn("{}: accept: {}", listen_, std::strerror(errno));
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));  // EMFILE: do not spin
+      }
+      continue;
+    }
+    char host[INET6_ADDRSTRLEN] = "?";
+    if (peer.ss_family == AF_INET)
+      ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&peer)->sin_addr, host, sizeof(host));
+    else if (peer.ss_family == AF_INET6)
+      ::inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(&peer)->sin6_addr, host, sizeof(host));
+    const std::string address = host;
+    if (liveConnections(address) >= max_per_address_) {
+      // The first few, then one in a thousand: a flood cannot fill the log either.
+      if (++refused_ <= 8 || refused_ % 1000 == 0)
+        spdlog::warn("{}: {} already holds {} connections: one more refused ({} so far)", listen_, address,
+                     max_per_address_, refused_);
+      ::close(c);
+      continue;
+    }
+    struct stat st {};
+    ::fstat(c, &st);
+    connections_[c] = {address, st.st_ino};
+    grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters params;
+    params.listener_fd = fd_;
+    params.fd = c;
+    acceptor_->HandleNewConnection(&params);  // gRPC owns the descriptor from here
+  }
+}
+
 std::optional<ucred> LocalListener::credentials(const std::string& peer) const {
   if (!startsWith(peer, "fd:")) return std::nullopt;
   int fd = -1;
@@ -152,6 +282,9 @@ std::optional<ucred> LocalListener::credentials(const std::string& peer) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = connections_.find(fd);
   if (it == connections_.end()) return std::nullopt;
+  // Still the socket accepted here (a descriptor reused for another connection is not ours).
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || st.st_ino != it->second.inode) return std::nullopt;
   return it->second.cred;
 }
 

@@ -59,6 +59,44 @@ class LocalListener {
   uint64_t refused_ = 0;  // accept thread only
 };
 
+// The TCP listener, accepted here rather than by gRPC (which hands the connections to gRPC's TLS
+// through its external-connection acceptor): at most `max_per_address` connections from one
+// remote address at once, more closed at accept (docs/security.md, "Limits"), and the port bound
+// without SO_REUSEPORT, so a port another process holds is an error at start ("address in use"),
+// never a port two daemons silently share.
+class TcpListener {
+ public:
+  // Binds `listen` (host:port, [v6]:port; port 0 picks one) now, before the server starts.
+  static StatusOr<std::unique_ptr<TcpListener>> bind(const std::string& listen, int max_per_address = 256);
+  ~TcpListener();
+  int port() const { return port_; }
+
+  // Accepts on a thread of its own and hands each connection to `acceptor` (made by the server's
+  // builder, with the listener's credentials).
+  void serve(std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor);
+  void stop();
+
+ private:
+  TcpListener(std::string listen, int fd, int wake, int port, int max_per_address);
+  void run();
+  // Forgets connections gRPC has closed, then counts those from `address`.
+  int liveConnections(const std::string& address);
+
+  std::string listen_;
+  int fd_ = -1;
+  int wake_ = -1;
+  int port_ = 0;
+  const int max_per_address_;
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor_;
+  std::thread thread_;
+  struct Connection {
+    std::string address;
+    ino_t inode;
+  };
+  std::map<int, Connection> connections_;  // accept thread only
+  uint64_t refused_ = 0;
+};
+
 // One caller of the client service, as far as the daemon can tell.
 struct Caller {
   std::optional<ucred> local;  // on the Unix socket

@@ -24,7 +24,8 @@ std::string DaemonConfig::describe() const {
      << " delta_cache_mib=" << delta_cache_mib << " delta_dense_every=" << delta_dense_every
      << " metrics=" << (metrics.empty() ? "(off)" : metrics) << " sync_lease_ms=" << sync_lease_ms
      << " max_sync_lease_ms=" << max_sync_lease_ms << " owner_grace_s=" << owner_grace_s
-     << " max_local_connections_per_uid=" << max_local_connections_per_uid << " grpc_memory_mib=" << grpc_memory_mib
+     << " max_local_connections_per_uid=" << max_local_connections_per_uid
+     << " max_connections_per_address=" << max_connections_per_address << " grpc_memory_mib=" << grpc_memory_mib
      << " shutdown_grace_ms=" << shutdown_grace_ms << " tls="
      << (tls.enabled() ? strCat("cert:", tls.cert, ",key:", tls.key, ",ca:", tls.ca, ",reload_s:", tls.reload_s)
                        : "(none)")
@@ -185,6 +186,12 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   app.add_option("--max-local-connections-per-uid", c.max_local_connections_per_uid,
                  "Unix-socket connections one uid other than root may hold open at once (more are closed at accept)")
       ->envname("SHARDCAST_MAX_LOCAL_CONNECTIONS_PER_UID")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  app.add_option("--max-connections-per-address", c.max_connections_per_address,
+                 "TCP connections one remote address may hold open at once (more are closed at accept; peers "
+                 "and clients need a few each)")
+      ->envname("SHARDCAST_MAX_CONNECTIONS_PER_ADDRESS")
       ->check(CLI::Range(1, 65536))
       ->capture_default_str();
   app.add_option("--grpc-memory-mib", c.grpc_memory_mib,

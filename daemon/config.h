@@ -43,6 +43,7 @@ struct DaemonConfig {
   int max_sync_lease_ms = 60000;                  // the longest lease a coordinating peer may ask for
   int owner_grace_s = 300;                        // after a restart, groups stay reserved for their owner uid this long
   int max_local_connections_per_uid = 256;        // open Unix-socket connections per uid (root: any)
+  int max_connections_per_address = 256;          // open TCP connections per remote address
   int64_t grpc_memory_mib = 1024;                 // gRPC's memory quota: every connection's buffers together
   int shutdown_grace_ms = 10000;                  // SIGTERM: then abort whatever is left and exit
   TlsFiles tls;                                   // mutual TLS on the TCP listener and to peers

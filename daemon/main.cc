@@ -212,23 +212,28 @@ int main(int argc, char** argv) {
   grpc::ResourceQuota quota("shardcastd");
   quota.Resize(static_cast<size_t>(config->grpc_memory_mib) << 20);
   builder.SetResourceQuota(quota);
-  int tcp_port = 0;
+  std::unique_ptr<TcpListener> tcp;
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> tcp_acceptor;
   if (!config->listen.empty()) {
     if (config->insecure)
       spdlog::warn(
           "--insecure: {} is PLAINTEXT and unauthenticated: anyone who reaches it can register memory, read "
           "and write weights and commit versions; use only on one trusted host",
           config->listen);
-    builder.AddListeningPort(config->listen,
-                             config->insecure ? grpc::InsecureServerCredentials()
-                                              : serverCredentials(config->tls, /*require_client_cert=*/token.empty()),
-                             &tcp_port);
+    auto l = TcpListener::bind(config->listen, config->max_connections_per_address);
+    if (!l.ok()) return fail(std::string(l.status().message()));
+    tcp = std::move(*l);
+    tcp_acceptor = builder.experimental().AddExternalConnectionAcceptor(
+        grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
+        config->insecure ? grpc::InsecureServerCredentials()
+                         : serverCredentials(config->tls, /*require_client_cert=*/token.empty()));
   }
+  const int tcp_port = tcp ? tcp->port() : 0;
   builder.RegisterService(&shardcast);
   builder.RegisterService(&peer);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server) return fail("cannot serve on " + config->listen + " (address in use?)");
-  if (!config->listen.empty() && tcp_port == 0) return fail("cannot listen on " + config->listen);
+  if (!server) return fail("cannot serve on " + config->listen);
+  if (tcp) tcp->serve(std::move(tcp_acceptor));
   if (local) local->serve(server.get());
   metrics.serving = true;
   if (config->tls.enabled())
@@ -257,6 +262,7 @@ int main(int argc, char** argv) {
   registry.shutdown();  // waiting acquires and version waits return
   engine.abortAll("the daemon is shutting down");
   if (local) local->stop();
+  if (tcp) tcp->stop();
   server->Shutdown(std::chrono::system_clock::now() + grace);
   if (!config->socket.empty()) ::unlink(config->socket.c_str());
   server.reset();

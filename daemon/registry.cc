@@ -139,7 +139,7 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
                                                           const MemoryCaller& caller) {
   const std::string who = strCat("group \"", req.group(), "\" rank ", req.rank());
   planner::NodeTable nodes;
-  auto layout = planner::resolveLayout(req.layout(), nodes);
+  auto layout = planner::resolveLayout(req.layout(), nodes, req.rank());  // this rank's pieces only
   if (!layout.ok()) return absl::InvalidArgumentError(strCat(who, ": ", layout.status().message()));
   if (req.world_size() != layout->world())
     return absl::InvalidArgumentError(

@@ -237,11 +237,14 @@ namespace {
 
 class Resolver {
  public:
-  Resolver(const v1::Layout& layout, NodeTable& nodes) : in_(layout), nodes_(nodes) {}
+  Resolver(const v1::Layout& layout, NodeTable& nodes, std::optional<int32_t> only_rank)
+      : in_(layout), nodes_(nodes), only_rank_(only_rank) {}
 
   StatusOr<ResolvedLayout> run() {
     SC_RETURN_IF_ERROR(checkSizes());
     SC_RETURN_IF_ERROR(resolveMesh());
+    if (only_rank_ && (*only_rank_ < 0 || *only_rank_ >= world_))
+      return absl::InvalidArgumentError(strCat("rank out of range [0, ", world_, ")"));
     SC_RETURN_IF_ERROR(resolveNodes());
     SC_RETURN_IF_ERROR(assignBuffers());
     out_.tensors.reserve(in_.tensors_size());
@@ -560,16 +563,20 @@ class Resolver {
       std::vector<int32_t> ranks(p.ranks().begin(), p.ranks().end());
       if (ranks.empty()) ranks.push_back(p.rank());
       if (box.empty()) continue;
-      const int32_t box_id = b.boxId(box);
-      const int32_t strides = internStrides(rowMajorStrides(sizes));
-      const int32_t shape_id = internShape(sizes);
+      std::optional<int32_t> box_id, strides, shape_id;  // interned once a rank kept here holds it
       for (int32_t r : ranks) {
         if (r < 0 || r >= world_)
           return absl::InvalidArgumentError(
               strCat(where(in.name()), ": piece ", i, " rank ", r, " is out of range [0, ", world_, ")"));
+        if (!keeps(r)) continue;
+        if (!box_id) {
+          box_id = b.boxId(box);
+          strides = internStrides(rowMajorStrides(sizes));
+          shape_id = internShape(sizes);
+        }
         // Offsets are assigned after sorting by rank: a rank's pieces sit one after another.
-        b.t.pieces.push_back({r, box_id, buffer, strides, 0});
-        b.local_shape.push_back(shape_id);
+        b.t.pieces.push_back({r, *box_id, buffer, *strides, 0});
+        b.local_shape.push_back(*shape_id);
       }
     }
     return absl::OkStatus();
@@ -621,11 +628,11 @@ class Resolver {
           return absl::InvalidArgumentError(strCat(where(in.name()), ": its placements cut it into more than ",
                                                    limits().max_pieces, " pieces over the layout's ranks"));
         boxes = *sum;
-        per_rank[r] = expand(iv, ndim);
+        if (keeps(r)) per_rank[r] = expand(iv, ndim);
       }
       it = placement_cache_.emplace(key, std::move(per_rank)).first;
     }
-    for (int32_t r = 0; r < world_; ++r) {
+    for (int32_t r = only_rank_.value_or(0); r < (only_rank_ ? *only_rank_ + 1 : world_); ++r) {
       const CachedRank& c = it->second[r];
       for (size_t i = 0; i < c.boxes.size(); ++i) {
         b.t.pieces.push_back({r, b.boxId(c.boxes[i]), buffer, c.strides, c.offsets[i]});
@@ -780,12 +787,14 @@ class Resolver {
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<std::vector<int32_t>> local_shapes_;  // per tensor, per piece
   std::unordered_set<std::string> explicit_;
+  std::optional<int32_t> only_rank_;  // resolveLayout's only_rank
+  bool keeps(int32_t rank) const { return !only_rank_ || rank == *only_rank_; }
 };
 
 }  // namespace
 
-StatusOr<ResolvedLayout> resolveLayout(const v1::Layout& layout, NodeTable& nodes) {
-  return Resolver(layout, nodes).run();
+StatusOr<ResolvedLayout> resolveLayout(const v1::Layout& layout, NodeTable& nodes, std::optional<int32_t> only_rank) {
+  return Resolver(layout, nodes, only_rank).run();
 }
 
 Status addScaleSources(ResolvedLayout& src, const ResolvedLayout& dst) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -119,7 +120,11 @@ std::string layoutDigest(const v1::Layout& layout);
 
 // Validates `layout` and resolves every tensor's pieces; node names are interned into `nodes`.
 // A block-scaled tensor's scale tensor is added to the resolved layout (after the declared ones).
-StatusOr<ResolvedLayout> resolveLayout(const v1::Layout& layout, NodeTable& nodes);
+// `only_rank`: only that rank's pieces are made (what a registration needs: a 65,536-rank layout
+// costs its rank's pieces, not 7.8 million). The layout is validated as a whole all the same,
+// except the checks that look at pieces (overlap, fused members), which cover that rank's.
+StatusOr<ResolvedLayout> resolveLayout(const v1::Layout& layout, NodeTable& nodes,
+                                       std::optional<int32_t> only_rank = std::nullopt);
 
 // Before planning `src` into `dst`: for every scale tensor of `dst`, the virtual source tensor the
 // scales are computed from (TensorLayout::scale_of). FAILED_PRECONDITION, naming the rank and its

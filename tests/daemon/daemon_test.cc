@@ -104,6 +104,18 @@ TEST_CASE("shardcastd flags: environment variables, validation, exit codes", "[d
       {"--tls-cert", "/nonexistent.pem", "--tls-key", "/etc/hostname", "--tls-ca", "/etc/hostname", "--print-config"});
   CHECK_THAT(missing.readLine(std::chrono::seconds(10)), Catch::Contains("/nonexistent.pem"));
   CHECK(WEXITSTATUS(missing.wait()) == 2);
+  // A port another process holds is an error at start, never a port two daemons share (gRPC's
+  // own listener sets SO_REUSEPORT: a second daemon started "fine" and took half the connections).
+  const int port = freePort();
+  Daemon first("n0", port, {}, {"--insecure"});
+  REQUIRE(first.ready());
+  Child second =
+      withStderr({"--node", "n1", "--insecure", "--listen", first.address(), "--socket", "", "--metrics", ""});
+  std::string said;
+  for (int i = 0; i < 40 && said.find("cannot listen") == std::string::npos; ++i)
+    said = second.readLine(std::chrono::seconds(10));
+  CHECK_THAT(said, Catch::Contains("cannot listen on " + first.address() + ": Address already in use"));
+  CHECK(WEXITSTATUS(second.wait()) != 0);
   Child help = Child::spawn({testBinary(SHARDCASTD_PATH), "--help"});
   CHECK_THAT(help.readLine(std::chrono::seconds(10)), Catch::Contains("shardcastd"));
   CHECK(WEXITSTATUS(help.wait()) == 0);

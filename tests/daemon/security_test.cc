@@ -5,6 +5,7 @@
 // test_security.py, which can drop privileges.)
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <netinet/in.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -12,6 +13,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -35,6 +37,15 @@ const char* kLayout = R"({"group":"g","mesh":{"shape":[1]},"nodes":["n0"],"tenso
 
 std::unique_ptr<v1::Peer::Stub> peerAs(const Daemon& d, const TlsFiles& tls) {
   return v1::Peer::NewStub(Daemon::channel(d.address(), tls));
+}
+
+// A daemon's peak resident memory so far (VmHWM), in MiB.
+int64_t peakRssMib(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) / 1024;
+  return -1;
 }
 
 grpc::StatusCode describeAs(v1::Peer::Stub& peer) {
@@ -118,6 +129,9 @@ TEST_CASE("TCP clients need a certificate of the CA or the bearer token, memory 
   const grpc::Status over_tcp = d.tcpClient()->Register(ctx(10).get(), req, &registered);
   CHECK(over_tcp.error_code() == grpc::StatusCode::PERMISSION_DENIED);
   CHECK_THAT(over_tcp.error_message(), Catch::Contains("Unix socket"));
+  // Named by its address: a TCP connection is never taken for a local one ("fd:N", whose
+  // credentials the Unix listener holds), whatever descriptor it has.
+  CHECK_THAT(over_tcp.error_message(), Catch::Contains("ipv4:127.0.0.1:"));
   // Over the socket: only segments named as Shardcast's clients and torch name them.
   v1::RegisterRequest foreign_name = req;
   for (auto& b : *foreign_name.mutable_buffers()) b.mutable_shm()->set_name("/dev-shm-of-someone-else");
@@ -314,22 +328,40 @@ TEST_CASE("idle Unix-socket connections of one uid are capped, the daemon serves
   CHECK(flood.wait() == 0);
 }
 
-TEST_CASE("silent TCP connections are closed before they authenticate, peers and clients are served meanwhile",
+TEST_CASE("silent TCP connections are capped per address and closed before they authenticate, peers are served",
           "[daemon][security]") {
-  Daemon d("n0", freePort(), {});
+  Daemon d("n0", freePort(), {}, {"--max-connections-per-address", "64"});
   REQUIRE(d.ready());
   const int port = std::stoi(d.address().substr(d.address().rfind(':') + 1));
+  // 2,000 connections that never send a byte (no TLS handshake), from 127.0.0.2 and 127.0.0.3:
+  // the peer and the client below come from 127.0.0.1.
   std::vector<int> silent;
   for (int i = 0; i < 2000; ++i) {
     const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     REQUIRE(fd >= 0);
+    sockaddr_in from{};
+    from.sin_family = AF_INET;
+    from.sin_addr.s_addr = htonl(INADDR_LOOPBACK + 2 + i % 2);
+    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof(from)) == 0);
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
     addr.sin_port = htons(static_cast<uint16_t>(port));
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-    silent.push_back(fd);  // never sends a byte: no TLS handshake
+    silent.push_back(fd);
   }
+  // Beyond 64 per address the daemon closes them at accept, well before the handshake timeout (5 s).
+  int held = 0;
+  for (int waited = 0; waited < 30; ++waited) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    held = 0;
+    for (const int fd : silent) {
+      char c;
+      held += ::recv(fd, &c, 1, MSG_DONTWAIT | MSG_PEEK) != 0;
+    }
+    if (held <= 2 * 64) break;
+  }
+  CHECK(held <= 2 * 64);
   struct Close {
     std::vector<int>& fds;
     ~Close() {
@@ -355,7 +387,7 @@ TEST_CASE("silent TCP connections are closed before they authenticate, peers and
   CHECK(open == 0);
 }
 
-TEST_CASE("bounded inputs: huge names are refused briefly, a big legal layout does not break syncs",
+TEST_CASE("bounded inputs: huge names are refused briefly, huge legal layouts cost little and do not break syncs",
           "[daemon][security]") {
   std::vector<int> ports{freePort(), freePort()};
   std::vector<std::string> peers{"127.0.0.1:" + std::to_string(ports[0]), "127.0.0.1:" + std::to_string(ports[1])};
@@ -392,6 +424,23 @@ TEST_CASE("bounded inputs: huge names are refused briefly, a big legal layout do
       n0.client()->Register(ctx(60).get(), registerRequest(big, 0, 1, big_mem, v1::ROLE_SOURCE, 1), &registered);
   INFO(big_reg.error_message());
   REQUIRE(big_reg.ok());
+
+  // 120 tensors sharded over 65,536 ranks, from a 7.6 KB request: 7.8 million pieces over all
+  // ranks. Registering rank 0 resolves rank 0's (it took 5.6 s and 1.3 GB resolving them all).
+  std::string wide = R"({"group":"wide","mesh":{"shape":[65536]},"ranks_per_node":65536,"node_prefix":"n","tensors":[)";
+  for (int i = 0; i < 120; ++i)
+    wide += (i ? "," : "") + std::string(R"({"name":"t)") + std::to_string(i) +
+            R"(","shape":[262144,4],"dtype":"float32","placements":[{"shard":{"dim":0}}]})";
+  wide += "]}";
+  const v1::Layout wide_layout = *planner::parseLayoutJson(wide, "wide");
+  planner::NodeTable wide_nodes;
+  RankMemory wide_mem = allocateRank(*planner::resolveLayout(wide_layout, wide_nodes, 0), 0, "wide");
+  const int64_t wide_before = peakRssMib(n0.pid());
+  const grpc::Status wide_reg = n0.client()->Register(
+      ctx(60).get(), registerRequest(wide_layout, 0, 65536, wide_mem, v1::ROLE_SOURCE, 1), &registered);
+  INFO(wide_reg.error_message());
+  CHECK(wide_reg.ok());
+  CHECK(peakRssMib(n0.pid()) - wide_before < 64);
 
   // A small sync coordinated by n1 (which describes n0) still runs.
   const v1::Layout src = *planner::parseLayoutJson(R"({"group":"s","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
@@ -581,4 +630,51 @@ TEST_CASE("a client truncating its segment mid-sync fails that sync naming the r
   REQUIRE(last.ok());
   CHECK(right(0, 13));
   CHECK(right(1, 13));
+}
+
+TEST_CASE("oversize requests are refused, and what they cost the daemon is bounded by its gRPC memory quota",
+          "[daemon][security]") {
+  // gRPC 1.51 reads a message whole before it checks its size: the quota (--grpc-memory-mib),
+  // shared by every connection, is what bounds the memory such requests take.
+  Daemon d("n0", freePort(), {}, {"--grpc-memory-mib", "256"});
+  REQUIRE(d.ready());
+  const int64_t before = peakRssMib(d.pid());
+  REQUIRE(before > 0);
+  // 400 MiB, above the largest legal request (2 x 128 MiB + 64 MiB), four at once, as the
+  // probe sent them: over the Unix socket (any local user) and over TCP with a client certificate.
+  const std::string junk(size_t{400} << 20, 'x');
+  std::vector<std::thread> senders;
+  std::vector<grpc::StatusCode> codes(4, grpc::StatusCode::OK);
+  for (int i = 0; i < 4; ++i)
+    senders.emplace_back([&, i] {
+      auto channel = i % 2 ? Daemon::channel(d.address(), d.tls(LocalCerts::get().client()))
+                           : Daemon::channel("unix:" + d.socketPath());
+      grpc::GenericStub stub(channel);
+      grpc::Slice slice(junk.data(), junk.size());
+      grpc::ByteBuffer request(&slice, 1), reply;
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      std::mutex mu;
+      std::condition_variable cv;
+      bool done = false;
+      grpc::Status result;
+      stub.UnaryCall(&context, "/shardcast.v1.Shardcast/Status", grpc::StubOptions(), &request, &reply,
+                     [&](grpc::Status st) {
+                       std::lock_guard<std::mutex> lock(mu);
+                       result = st;
+                       done = true;
+                       cv.notify_all();
+                     });
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return done; });
+      codes[i] = result.error_code();
+    });
+  for (auto& t : senders) t.join();
+  for (const auto code : codes) CHECK(code == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  const int64_t after = peakRssMib(d.pid());
+  INFO("daemon peak RSS " << before << " MiB before, " << after << " MiB after");
+  CHECK(after - before < 256 + 160);  // the quota and one message's slack; without it, 1.6 GB and more
+  // And it serves on.
+  v1::StatusResponse status;
+  CHECK(d.client()->Status(ctx(10).get(), v1::StatusRequest(), &status).ok());
 }

@@ -152,3 +152,41 @@ TEST_CASE("Fused buffers match the reference on random TP layouts", "[layout][pr
     CHECK(dup.empty());
   }
 }
+
+TEST_CASE("Resolving one rank gives that rank exactly what the whole resolve gives it", "[layout]") {
+  // Placements (strided and nested), explicit pieces shared by several ranks, and a fused buffer.
+  const std::string json = R"({"group":"g","mesh":{"shape":[2,3]},"ranks_per_node":3,"node_prefix":"n","tensors":[
+    {"name":"q","shape":[12,8],"dtype":"float32","placements":[{"strided_shard":{"dim":0,"split_factor":3}},{"shard":{"dim":0}}]},
+    {"name":"k","shape":[6,8],"dtype":"float32","placements":[{"replicate":{}},{"shard":{"dim":0}}]},
+    {"name":"e","shape":[5,4],"dtype":"float32","pieces":[{"ranks":[0,3],"offsets":[0,0],"sizes":[2,4]},
+      {"ranks":[1,2,4,5],"offsets":[2,0],"sizes":[3,4]}]},
+    {"name":"n","shape":[7],"dtype":"float32"}],
+    "fused":[{"name":"qk","dim":0,"tensors":["q","k"]}]})";
+  const v1::Layout layout = layoutFromJson(json);
+  NodeTable all_nodes;
+  const auto all = resolveLayout(layout, all_nodes);
+  REQUIRE(all.ok());
+  for (int32_t r = 0; r < all->world(); ++r) {
+    NodeTable nodes;
+    const auto one = resolveLayout(layout, nodes, r);
+    REQUIRE(one.ok());
+    CHECK(one->rankBuffers(r) == all->rankBuffers(r));
+    for (size_t t = 0; t < all->tensors.size(); ++t) {
+      std::vector<std::string> want, got;
+      for (const auto& p : all->tensors[t].pieces)
+        if (p.rank == r)
+          want.push_back(all->tensors[t].boxes[p.box].str() + "@" + std::to_string(p.buffer) + "+" +
+                         std::to_string(p.offset));
+      for (const auto& p : one->tensors[t].pieces) {
+        CHECK(p.rank == r);  // nobody else's
+        got.push_back(one->tensors[t].boxes[p.box].str() + "@" + std::to_string(p.buffer) + "+" +
+                      std::to_string(p.offset));
+      }
+      INFO("rank " << r << " tensor " << all->tensors[t].name);
+      CHECK(got == want);
+    }
+  }
+  NodeTable nodes;
+  CHECK_THAT(std::string(resolveLayout(layout, nodes, 6).status().message()),
+             Catch::Contains("rank out of range [0, 6)"));
+}
