@@ -22,4 +22,23 @@ Status setupLogging(std::string_view level) {
   return absl::OkStatus();
 }
 
+bool LogLimiter::allow(const std::string& key, uint64_t* held) {
+  const auto now = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = seen_.find(key);
+  if (it == seen_.end()) {
+    if (seen_.size() >= 4096) seen_.clear();  // a flood of distinct keys: start over, never grow
+    seen_.emplace(key, Seen{now, 0});
+    *held = 0;
+    return true;
+  }
+  if (now - it->second.last < interval_) {
+    ++it->second.held;
+    return false;
+  }
+  *held = it->second.held;
+  it->second = Seen{now, 0};
+  return true;
+}
+
 }  // namespace shardcast

@@ -2,6 +2,7 @@
 // (mode 0660; each connection's uid read with SO_PEERCRED) and both services on TCP with mutual TLS
 // (or plaintext with --insecure), with grpc.health.v1 and server reflection; stops on SIGTERM/SIGINT.
 #include <fcntl.h>
+#include <grpc/support/log.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -21,6 +22,7 @@
 #include <thread>
 
 #include "common/logging.h"
+#include "common/strings.h"
 #include "common/tls.h"
 #include "daemon/access.h"
 #include "daemon/config.h"
@@ -35,6 +37,22 @@ using namespace shardcast;
 using namespace shardcast::daemon;
 
 namespace {
+
+// gRPC core's own log lines (TLS handshake failures, for one) through spdlog, each kind of line
+// (its source location) at most once per 10 s with a count of those held back: a plaintext caller
+// on the TLS port no longer fills the log.
+void grpcLog(gpr_log_func_args* args) {
+  static LogLimiter limiter;
+  uint64_t held = 0;
+  if (!limiter.allow(strCat(args->file, ":", args->line), &held)) return;
+  const std::string more = held ? strCat(" (", held, " more like it in the last 10 s)") : std::string();
+  if (args->severity == GPR_LOG_SEVERITY_ERROR)
+    spdlog::warn("grpc: {}{}", args->message, more);
+  else if (args->severity == GPR_LOG_SEVERITY_INFO)
+    spdlog::info("grpc: {}{}", args->message, more);
+  else
+    spdlog::debug("grpc: {}{}", args->message, more);
+}
 
 int fail(const std::string& what) {
   spdlog::critical("{}", what);
@@ -104,6 +122,7 @@ int main(int argc, char** argv) {
     return output.empty() ? 2 : exit_code;
   }
   if (auto st = setupLogging(config->log_level); !st.ok()) return fail(std::string(st.message()));
+  gpr_set_log_function(grpcLog);
   spdlog::info("shardcastd {} starting: {}", kShardcastVersion, config->describe());
   raiseFileLimit();
   planner::Limits limits;

@@ -2,6 +2,8 @@
 
 #include <httplib.h>
 
+#include <cerrno>
+#include <cstring>
 #include <sstream>
 
 #include "common/strings.h"
@@ -62,6 +64,12 @@ StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string&
                                                               const Metrics& metrics) {
   std::unique_ptr<MetricsServer> s(new MetricsServer());
   s->server_ = std::make_unique<httplib::Server>();
+  // SO_REUSEADDR only: httplib's default adds SO_REUSEPORT, with which a second daemon on a taken
+  // port bound it too and scrapes went to either at random.
+  s->server_->set_socket_options([](socket_t sock) {
+    const int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   s->server_->Get("/metrics", [&metrics](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics.render(), "text/plain; version=0.0.4");
   });
@@ -71,7 +79,8 @@ StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string&
     res.set_content(up ? "SERVING\n" : "NOT_SERVING\n", "text/plain");
   });
   s->port_ = port == 0 ? s->server_->bind_to_any_port(host) : (s->server_->bind_to_port(host, port) ? port : -1);
-  if (s->port_ <= 0) return absl::UnavailableError(strCat("metrics: cannot listen on ", host, ":", port));
+  if (s->port_ <= 0)  // errno: of the bind or listen that failed (httplib closes the socket after it)
+    return absl::UnavailableError(strCat("metrics: cannot listen on ", host, ":", port, ": ", std::strerror(errno)));
   s->thread_ = std::thread([srv = s->server_.get()] { srv->listen_after_bind(); });
   return s;
 }

@@ -60,9 +60,14 @@ grpc::Status ShardcastService::Sync(grpc::ServerContext* ctx, const v1::SyncRequ
     metrics_.sync_micros_sum += static_cast<uint64_t>(out->seconds() * 1e6);
   } else {
     ++metrics_.syncs_failed;
-    if (st.error_code() == grpc::StatusCode::PERMISSION_DENIED)
-      spdlog::warn("sync {} -> {} version {} refused for {}: {}", quote(req->src_group()), quote(req->dst_group()),
-                   req->version(), caller->who, st.error_message());
+    // Every refused or failed sync leaves one line: which, for whom, why (a caller retrying in a
+    // loop gets one line per 10 s, with the count of those held back).
+    uint64_t held = 0;
+    if (failure_log_.allow(strCat(caller->who, "|", req->src_group(), "|", req->dst_group(), "|", st.error_code()),
+                           &held))
+      spdlog::warn("sync {} -> {} version {} for {} failed: {}{}", quote(req->src_group()), quote(req->dst_group()),
+                   req->version(), caller->who, st.error_message(),
+                   held ? strCat(" (and ", held, " more of these syncs since the last line)") : std::string());
   }
   return st;
 }

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <random>
 
+#include "common/logging.h"
 #include "daemon/access.h"
 #include "daemon/cluster.h"
 #include "daemon/config.h"
@@ -58,7 +59,8 @@ class ShardcastService final : public v1::Shardcast::Service {
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   std::mutex fence_mu_;
   std::mt19937_64 fence_rng_{std::random_device{}()};
-  Executor executor_;  // the calls of every sync coordinated here
+  LogLimiter failure_log_;  // Sync: one line per failed sync kind per caller and 10 s
+  Executor executor_;       // the calls of every sync coordinated here
   std::mutex sessions_mu_;
   std::condition_variable sessions_cv_;
   bool stopping_ = false;

@@ -323,13 +323,18 @@ int runHealth(const HealthArgs& a) {
 
 }  // namespace
 
+// Versions are below 2^63 in every client language (and "-1" must not wrap to 2^64 - 1).
+const CLI::Range kVersionRange(uint64_t{1}, (uint64_t{1} << 63) - 1, "a version in [1, 2^63)");
+
 void addDaemonCommands(CLI::App& app, int* exit_code) {
   {
     auto a = std::make_shared<SyncArgs>();
     auto* cmd = app.add_subcommand("sync", "Sync a version of one registered group into another, with live progress");
     cmd->add_option("--src", a->src, "Source group")->required();
     cmd->add_option("--dst", a->dst, "Destination group")->required();
-    cmd->add_option("--version", a->version, "Version to publish (greater than the destination's)")->required();
+    cmd->add_option("--version", a->version, "Version to publish (greater than the destination's)")
+        ->required()
+        ->check(kVersionRange);
     cmd->add_flag("--verify", a->verify, "Check per-chunk xxHash64 checksums at every destination node");
     cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds (0: the daemon's 300 s)")
         ->check(CLI::NonNegativeNumber);
@@ -375,7 +380,7 @@ void addDaemonCommands(CLI::App& app, int* exit_code) {
     auto* cmd = app.add_subcommand(
         "wait", "Wait until every rank of a group on this node is ready at a version (fails on a dirty one)");
     cmd->add_option("--group", a->group, "Group")->required();
-    cmd->add_option("--version", a->version, "Version to wait for")->required();
+    cmd->add_option("--version", a->version, "Version to wait for")->required()->check(kVersionRange);
     cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")
         ->capture_default_str()
         ->check(CLI::NonNegativeNumber);
@@ -393,7 +398,9 @@ void addDaemonCommands(CLI::App& app, int* exit_code) {
     cmd->add_option("--group", a->group, "Group")->required();
     cmd->add_option("--rank", a->rank, "Rank")->required();
     if (name == "publish")
-      cmd->add_option("--version", a->version, "The version the rank's buffers now hold")->required();
+      cmd->add_option("--version", a->version, "The version the rank's buffers now hold")
+          ->required()
+          ->check(kVersionRange);
     if (name == "acquire")
       cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")
           ->capture_default_str()

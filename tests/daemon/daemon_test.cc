@@ -115,7 +115,16 @@ TEST_CASE("shardcastd flags: environment variables, validation, exit codes", "[d
   for (int i = 0; i < 40 && said.find("cannot listen") == std::string::npos; ++i)
     said = second.readLine(std::chrono::seconds(10));
   CHECK_THAT(said, Catch::Contains("cannot listen on " + first.address() + ": Address already in use"));
-  CHECK(WEXITSTATUS(second.wait()) != 0);
+  CHECK(WEXITSTATUS(second.wait()) == 1);
+  // Its metrics port too.
+  const std::string metrics = "127.0.0.1:" + std::to_string(first.metricsPort());
+  Child third = withStderr({"--node", "n2", "--insecure", "--listen", "127.0.0.1:" + std::to_string(freePort()),
+                            "--socket", "", "--metrics", metrics});
+  said.clear();
+  for (int i = 0; i < 40 && said.find("cannot listen") == std::string::npos; ++i)
+    said = third.readLine(std::chrono::seconds(10));
+  CHECK_THAT(said, Catch::Contains("metrics: cannot listen on " + metrics + ": Address already in use"));
+  CHECK(WEXITSTATUS(third.wait()) == 1);
   Child help = Child::spawn({testBinary(SHARDCASTD_PATH), "--help"});
   CHECK_THAT(help.readLine(std::chrono::seconds(10)), Catch::Contains("shardcastd"));
   CHECK(WEXITSTATUS(help.wait()) == 0);
@@ -294,4 +303,65 @@ TEST_CASE("peers found through a DNS name - a sync waits for ranks that register
   INFO(st.error_message());
   CHECK(st.ok());
   CHECK(out.network_bytes() == 0);  // everything is on one node: local copies only
+}
+
+TEST_CASE("refused syncs are logged once with their reason and caller, handshake failures rate-limited", "[daemon]") {
+  const int port = freePort();
+  const std::string socket = "/tmp/shardcast-test-" + std::to_string(::getpid()) + "-logs.sock";
+  const auto tls = examples::LocalCerts::get().daemon();
+  // Its log on the pipe read here (sh merges stderr into it).
+  Child d = Child::spawn({"sh",
+                          "-c",
+                          "exec \"$0\" \"$@\" 2>&1",
+                          testBinary(SHARDCASTD_PATH),
+                          "--node",
+                          "n0",
+                          "--listen",
+                          "127.0.0.1:" + std::to_string(port),
+                          "--socket",
+                          socket,
+                          "--metrics",
+                          "",
+                          "--ucx-tls",
+                          "tcp",
+                          "--tls-cert",
+                          tls.cert,
+                          "--tls-key",
+                          tls.key,
+                          "--tls-ca",
+                          tls.ca});
+  std::string line;
+  for (int i = 0; i < 100 && line.rfind("shardcastd ready", 0) != 0; ++i) line = d.readLine(std::chrono::seconds(10));
+  REQUIRE(line.rfind("shardcastd ready", 0) == 0);
+  auto client = v1::Shardcast::NewStub(Daemon::channel("unix:" + socket));
+  v1::SyncRequest sync;
+  sync.set_src_group("nosuch");
+  sync.set_dst_group("none");
+  sync.set_version(3);
+  v1::SyncResponse out;
+  for (int i = 0; i < 5; ++i) CHECK_FALSE(client->Sync(ctx(10).get(), sync, &out).ok());
+  // Plaintext callers on the TLS port: gRPC's handshake errors, 40 of them.
+  for (int i = 0; i < 40; ++i) {
+    auto plain = v1::Shardcast::NewStub(Daemon::channel("127.0.0.1:" + std::to_string(port)));
+    v1::StatusResponse st;
+    CHECK_FALSE(plain->Status(ctx(2).get(), v1::StatusRequest(), &st).ok());
+  }
+  int refused = 0, handshakes = 0;
+  std::string first;
+  for (line = d.readLine(std::chrono::seconds(3)); !line.empty(); line = d.readLine(std::chrono::seconds(3))) {
+    if (line.find("sync \"nosuch\" -> \"none\" version 3 for uid ") != std::string::npos) {
+      ++refused;
+      if (first.empty()) first = line;
+    }
+    handshakes += line.find("grpc:") != std::string::npos;
+  }
+  INFO(first);
+  CHECK(refused == 1);  // the first of the five; the rest are counted on its next line
+  CHECK_THAT(first, Catch::Contains("warn") && Catch::Contains("(pid ") && Catch::Contains("failed:") &&
+                        Catch::Contains("group \"nosuch\" has no registered ranks"));
+  CHECK(handshakes >= 1);
+  CHECK(handshakes <= 4);  // each kind of gRPC line once per 10 s, not 40 times
+  d.kill(SIGTERM);
+  d.wait();
+  ::unlink((socket + ".owners").c_str());
 }
