@@ -1,16 +1,38 @@
 #!/usr/bin/env bash
 # Mints the certificates of a Shardcast cluster with openssl (for the demo, the tests and bare-metal
-# deployments; on Kubernetes cert-manager does this, see deploy/k8s/overlays/cert-manager):
-#   certs.sh DIR [NODE...]
-# DIR/ca.pem + ca.key      the cluster CA (kept if present: re-running adds certificates to it)
-# DIR/daemon.pem + .key    a daemon identity (DNS name shardcast-daemon), when no NODE is given
-# DIR/NODE.pem + .key      one daemon identity per NODE (DNS names shardcast-daemon and NODE)
-# DIR/client.pem + .key    a client identity (TCP clients; not a daemon: the Peer service refuses it)
-# Keys are EC P-256, mode 0600; certificates are valid for 825 days (CERT_DAYS to change).
+# deployments), installed beside shardcastd as shardcast-certs: `--help` says what it makes.
 set -euo pipefail
-if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
-  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
-  exit $(( $# < 1 ? 2 : 0 ))
+
+usage() {
+  cat <<EOF
+Usage: $(basename "$0") DIR [NODE...]
+
+Mints the certificates of a Shardcast cluster into DIR with openssl: a cluster CA, daemon
+identities and a client identity (on Kubernetes, cert-manager does this instead).
+
+Arguments:
+  DIR        where the files go (created if missing; a CA already there is kept, so re-running
+             adds certificates signed by it)
+  NODE...    one daemon identity per node name (letters, digits, '.', '_', '-'); without any,
+             one identity for every daemon
+
+Outputs, in DIR:
+  ca.pem, ca.key          the cluster CA
+  daemon.pem, daemon.key  the daemon identity (DNS name shardcast-daemon), when no NODE is given
+  NODE.pem, NODE.key      each node's daemon identity (DNS names shardcast-daemon and NODE)
+  client.pem, client.key  a client identity, for TCP clients (the Peer service refuses it)
+
+Keys are EC P-256, mode 0600; certificates are valid for 825 days (\$CERT_DAYS to change).
+EOF
+}
+
+if [ $# -lt 1 ]; then
+  usage >&2
+  exit 2
+fi
+if [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
+  usage
+  exit 0
 fi
 command -v openssl >/dev/null || { echo "certs.sh: openssl is not installed (apt-get install openssl)" >&2; exit 1; }
 dir="$1"; shift
@@ -56,4 +78,7 @@ else
 fi
 issue client shardcast-client "" "clientAuth"
 chmod 0644 "$dir"/*.pem
-echo "certificates in $dir: ca.pem, $( [ $# -eq 0 ] && echo daemon || echo "$*" | sed 's/ /, /g').pem/.key, client.pem/.key"
+identities=("${@:-daemon}")
+summary="ca.pem/.key"
+for name in "${identities[@]}" client; do summary+=", $name.pem/.key"; done
+echo "certificates in $dir: $summary"

@@ -13,12 +13,23 @@ between differently sharded groups, watch them and wait for versions.
     client.register_inference("vllm", local_tensors, plan, meta_model.state_dict(), nodes=[...])
 """
 
+import os
+
+# gRPC's fork handlers run in every fork() after a channel exists (torch, multiprocessing,
+# subprocess) and, since this client's channel threads are always busy, skip themselves and say so
+# on stderr each time. Nothing here forks and uses gRPC in the child, so they are turned off. gRPC
+# reads this once, when grpc is first imported: it is set before the imports below, and an
+# application's own setting wins.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+from shardcast import fp8  # light: its functions import torch when called
 from shardcast.client import Client, ShardcastError, TlsFiles, default_target, describe_rank, DEFAULT_SOCKET
 from shardcast.layout import load_layout, layout_from_dtensors, dtensor_available
 from shardcast.memory import Registration
 from shardcast.parallel import ParallelPlan, inference_layout, local_shapes
 
 __all__ = [
+    "fp8",
     "Client",
     "ShardcastError",
     "TlsFiles",

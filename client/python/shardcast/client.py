@@ -350,12 +350,22 @@ class Client:
         # publish, release and unregister act only on it, never on a later one of another process.
         self._registrations: Dict[Tuple[str, int], int] = {}
         self._registrations_lock = threading.Lock()
+        self._closed = False
 
     def close(self) -> None:
-        """Ends the session (the daemon unregisters this client's ranks) and the connection."""
+        """Ends the session (the daemon unregisters this client's ranks) and the connection. Every
+        later call raises ShardcastError (FAILED_PRECONDITION); closing again does nothing."""
+        self._closed = True
         if self._session is not None:
             self._session.close()
         self._channel.close()
+
+    def _check_open(self, what: str) -> None:
+        """Raises (FAILED_PRECONDITION) once the client is closed: gRPC's own error for a closed
+        channel is a bare ValueError that names neither the call nor the daemon."""
+        if self._closed:
+            raise ShardcastError(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f'{what}: the client of shardcastd at "{self.target}" is closed')
 
     def _registration(self, group: str, rank: int) -> int:
         with self._registrations_lock:
@@ -429,14 +439,16 @@ class Client:
         its holder) unless `replace`: then this registration takes it over and the holder is told
         (its next call about the rank raises, naming this process). `readers`: uids besides this
         group's owner whose syncs may read it out of this node (docs/security.md)."""
+        what = f'register group "{group}" rank {rank}'
+        self._check_open(what)
         if role not in _ROLES:
-            raise ValueError(f'register group "{group}" rank {rank}: role must be "source" or "destination", not {role!r}')
+            raise ValueError(f'{what}: role must be "source" or "destination", not {role!r}')
         msg = load_layout(layout, group)
         req = service_pb2.RegisterRequest(group=group, rank=rank, world_size=world_size, role=_ROLES[role],
                                           version=version, replace=replace, readers=list(readers))
         req.layout.CopyFrom(msg)
         if shadow is not None and role != "destination":
-            raise ValueError(f'register group "{group}" rank {rank}: only a destination rank is double-buffered')
+            raise ValueError(f"{what}: only a destination rank is double-buffered")
         sets = [_Handles(tensors)] + ([_Handles(shadow)] if shadow is not None else [])
         try:
             for handles in sets:
@@ -451,7 +463,7 @@ class Client:
         except grpc.RpcError as e:
             for handles in sets:
                 handles.release()
-            raise self._fail(e, f'register group "{group}" rank {rank}') from None
+            raise self._fail(e, what) from None
         except BaseException:
             for handles in sets:
                 handles.release()
@@ -478,6 +490,7 @@ class Client:
         pass: FSDP2 may re-pad uneven shards in its lazy init (Registration.check() tells). The
         group is a source: give the `version` the parameters hold now, or publish one later
         (Registration.writing / publish)."""
+        self._check_open(f'register group "{group}"')
         if not tensors:
             raise ValueError(f'register group "{group}": no tensors')
         mesh = root_mesh(tensors)
@@ -501,6 +514,7 @@ class Client:
         tensor shapes ({name: tensor or (shape, dtype)}; a meta-device model's state_dict will do).
         Each local tensor must have exactly the shape and dtype the plan gives this rank. Nodes:
         `nodes`, `ranks_per_node` (+ `node_prefix`), or gathered through `process_group`."""
+        self._check_open(f'register group "{group}" rank {plan.rank}')
         check_local_tensors(plan, model, tensors)
         if nodes is None and ranks_per_node is None:
             nodes = gather_nodes(self.status().node, plan.world_size, process_group)
@@ -512,6 +526,8 @@ class Client:
         """Unregisters `rank` of `group` as this client registered it (or `registration`, a
         RegisterResponse.registration): a later registration of the rank, by another process, is
         left alone (FAILED_PRECONDITION naming its holder)."""
+        what = f'unregister group "{group}" rank {rank}'
+        self._check_open(what)
         if self._session is not None:
             with self._session._lock:
                 self._session.ranks.pop((group, rank), None)
@@ -523,7 +539,7 @@ class Client:
             self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank, registration=registration),
                                   timeout=self.timeout)
         except grpc.RpcError as e:
-            raise self._fail(e, f'unregister group "{group}" rank {rank}') from None
+            raise self._fail(e, what) from None
 
     # ---- fences ----
 
@@ -531,13 +547,15 @@ class Client:
         """Takes a rank's memory: a source rank to write it (waits until every sync reading it
         ended; syncs then refuse it until it publishes), a destination rank to read it undisturbed
         (waits until the sync writing it ended; syncs then refuse it until it is released)."""
+        what = f'acquire group "{group}" rank {rank}'
+        self._check_open(what)
         self._check_session(group)
         req = service_pb2.AcquireRequest(group=group, rank=rank, timeout_ms=int(timeout * 1000),
                                          registration=self._registration(group, rank))
         try:
             st = self._stub.Acquire(req, timeout=timeout + self.timeout).status
         except grpc.RpcError as e:
-            raise self._fail(e, f'acquire group "{group}" rank {rank}') from None
+            raise self._fail(e, what) from None
         self._remember(group, rank, held=True)
         return st
 
@@ -550,14 +568,15 @@ class Client:
         return self._release(group, rank, 0)
 
     def _release(self, group: str, rank: int, version: int) -> service_pb2.RankStatus:
+        what = f'publish group "{group}" rank {rank} version {version}' if version else \
+            f'release group "{group}" rank {rank}'
+        self._check_open(what)
         self._check_session(group)
         req = service_pb2.ReleaseRequest(group=group, rank=rank, version=version,
                                          registration=self._registration(group, rank))
         try:
             st = self._stub.Release(req, timeout=self.timeout).status
         except grpc.RpcError as e:
-            what = f'publish group "{group}" rank {rank} version {version}' if version else \
-                f'release group "{group}" rank {rank}'
             raise self._fail(e, what) from None
         self._remember(group, rank, held=False, published=version or None)
         return st
@@ -590,6 +609,8 @@ class Client:
         daemons, dense: "rank-pull" (every destination rank gets its own slices straight from source
         ranks) or "gather-broadcast" (everything through source rank 0's node, which sends each node
         what it needs)."""
+        what = f'sync "{src}" -> "{dst}" version {version}'
+        self._check_open(what)
         self._check_session(src, dst)
         modes = {"off": service_pb2.DELTA_OFF, "auto": service_pb2.DELTA_AUTO, "dense": service_pb2.DELTA_DENSE}
         if delta not in modes:
@@ -609,7 +630,7 @@ class Client:
         try:
             return self._stub.Sync(req, timeout=(timeout or 300.0) + 30.0)
         except grpc.RpcError as e:
-            raise self._fail(e, f'sync "{src}" -> "{dst}" version {version}') from None
+            raise self._fail(e, what) from None
         finally:
             if watcher is not None:
                 watcher.join(timeout=10)
@@ -623,11 +644,13 @@ class Client:
 
     def watch(self, sync_id: str) -> Iterator[service_pb2.SyncProgress]:
         """Yields the progress of a sync this daemon coordinates until it is committed or failed."""
+        what = f'watch sync "{sync_id}"'
+        self._check_open(what)
         try:
             for p in self._stub.Watch(service_pb2.WatchRequest(sync_id=sync_id)):
                 yield p
         except grpc.RpcError as e:
-            raise self._fail(e, f'watch sync "{sync_id}"') from None
+            raise self._fail(e, what) from None
 
     def wait_version(self, group: str, version: int, timeout: Optional[float] = None) -> int:
         """Waits until every rank of `group` on this node is ready at `version` or newer and returns
@@ -636,6 +659,8 @@ class Client:
         (DEADLINE_EXCEEDED) naming the version the ranks are at. A dirty rank (a sync wrote part of
         a version and failed) raises ShardcastError (FAILED_PRECONDITION) at once, naming the rank
         and the sync."""
+        what = f'wait for group "{group}" version {version}'
+        self._check_open(what)
         self._check_session(group)
         remaining = timeout
         while True:
@@ -644,7 +669,7 @@ class Client:
             try:
                 got = self._stub.WaitVersion(req, timeout=step + self.timeout)
             except grpc.RpcError as e:
-                raise self._fail(e, f'wait for group "{group}" version {version}') from None
+                raise self._fail(e, what) from None
             if got.version >= version:
                 return got.version
             if remaining is not None:
@@ -661,6 +686,8 @@ class Client:
     def ranks(self, group: str) -> List[service_pb2.RankStatus]:
         """The state of every rank of `group` on this node (see describe_rank); [] when none is
         registered here."""
+        what = f'ranks of group "{group}"'
+        self._check_open(what)
         req = service_pb2.WaitVersionRequest(group=group, version=0, timeout_ms=0)
         try:
             return list(self._stub.WaitVersion(req, timeout=self.timeout).ranks)
@@ -668,7 +695,7 @@ class Client:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 return []  # none registered on this node
             if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # a dirty rank: Status tells them all
-                raise self._fail(e, f'ranks of group "{group}"') from None
+                raise self._fail(e, what) from None
         for g in self.status().groups:
             if g.group == group:
                 return list(g.rank_states)
@@ -677,12 +704,14 @@ class Client:
     # ---- inspection ----
 
     def status(self) -> service_pb2.StatusResponse:
+        self._check_open("status")
         try:
             return self._stub.Status(service_pb2.StatusRequest(), timeout=self.timeout)
         except grpc.RpcError as e:
             raise self._fail(e, "status") from None
 
     def list(self, all_nodes: bool = True) -> service_pb2.ListResponse:
+        self._check_open("list")
         try:
             return self._stub.List(service_pb2.ListRequest(all_nodes=all_nodes), timeout=self.timeout)
         except grpc.RpcError as e:
@@ -692,9 +721,11 @@ class Client:
         """The plan summary (as `shardcast plan --json` prints it) for two registered groups: the
         plan a sync with `strategy` runs (see sync), its prediction for NICs of `nic_gbps`
         (0: the default)."""
+        what = f'plan "{src}" -> "{dst}"'
+        self._check_open(what)
         req = service_pb2.PlanRequest(src_group=src, dst_group=dst, strategy=_strategy(strategy), nic_gbps=nic_gbps)
         try:
             resp = self._stub.Plan(req, timeout=self.timeout)
         except grpc.RpcError as e:
-            raise self._fail(e, f'plan "{src}" -> "{dst}"') from None
+            raise self._fail(e, what) from None
         return json.loads(resp.summary_json)

@@ -22,22 +22,33 @@ def load_layout(layout: LayoutLike, group: Optional[str] = None) -> layout_pb2.L
         msg.CopyFrom(layout)
     else:
         if isinstance(layout, Mapping):
-            data = dict(layout)
+            data, source = dict(layout), "layout"
         elif isinstance(layout, str) and layout.lstrip().startswith("{"):
-            data = json.loads(layout)
+            source = "layout JSON"
+            data = _parse_json(layout, source)
         else:
-            with open(os.fspath(layout), encoding="utf-8") as f:
-                data = json.load(f)
+            path = os.fspath(layout)
+            source = f'layout file "{path}"'
+            with open(path, encoding="utf-8") as f:
+                data = _parse_json(f.read(), source)
         msg = layout_pb2.Layout()
         try:
             json_format.ParseDict(data, msg)
         except json_format.ParseError as e:
-            raise ValueError(f"layout: {e}") from None
+            raise ValueError(f"{source}: {e}") from None
     if group is not None:
         if msg.group and msg.group != group:
             raise ValueError(f'layout is for group "{msg.group}", not "{group}"')
         msg.group = group
     return msg
+
+
+def _parse_json(text: str, source: str) -> Any:
+    """`text` parsed; a ValueError naming `source` and the line and column where it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{source}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
 
 
 def dtensor_available() -> Optional[str]:

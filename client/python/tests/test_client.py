@@ -167,3 +167,31 @@ def test_server_reflection_describes_the_services_to_generic_grpc_tools(cluster)
         sync = DescriptorPool(db).FindServiceByName("shardcast.v1.Shardcast").FindMethodByName("Sync")
         assert sync.input_type.full_name == "shardcast.v1.SyncRequest"
         assert "dst_group" in sync.input_type.fields_by_name
+
+
+def test_every_call_on_a_closed_client_says_so_and_names_the_call(cluster):
+    n0, _ = cluster
+    client = shardcast.Client(n0.target)
+    client.status()
+    client.close()
+    client.close()  # closing again does nothing
+    good = {n: rank_worker.shard("trainer", n, 0, 1) for n in rank_worker.SHAPES}
+    calls = {
+        "status": lambda: client.status(),
+        "list": lambda: client.list(),
+        'register group "trainer" rank 0': lambda: client.register("trainer", 0, 2, good, rank_worker.TRAINER),
+        'unregister group "trainer" rank 0': lambda: client.unregister("trainer", 0),
+        'acquire group "trainer" rank 0': lambda: client.acquire("trainer", 0),
+        'publish group "trainer" rank 0 version 2': lambda: client.publish("trainer", 0, 2),
+        'release group "infer" rank 1': lambda: client.release("infer", 1),
+        'sync "trainer" -> "infer" version 1': lambda: client.sync("trainer", "infer", 1),
+        'watch sync "s1"': lambda: list(client.watch("s1")),
+        'wait for group "infer" version 1': lambda: client.wait_version("infer", 1, timeout=1),
+        'ranks of group "infer"': lambda: client.ranks("infer"),
+        'plan "trainer" -> "infer"': lambda: client.plan("trainer", "infer"),
+    }
+    for what, call in calls.items():
+        with pytest.raises(shardcast.ShardcastError) as e:
+            call()
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION, what
+        assert e.value.details == f'{what}: the client of shardcastd at "{n0.target}" is closed'

@@ -1,9 +1,13 @@
 """shardcastd's own hygiene, on real processes: --version, unknown config keys, duplicate node
-names, a live daemon's socket, bounded and quiet shutdown, registered memory truncated under it."""
+names, a live daemon's socket, bounded and quiet shutdown, registered memory truncated under it;
+and that of the tools beside it: docs/clients.md lists the CLI as its --help does, and
+shardcast-certs explains itself."""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import time
@@ -14,7 +18,7 @@ import shardcast
 from shardcast.local import LocalCluster, LocalDaemon, free_port, mint_certificates
 
 import rank_worker
-from conftest import shardcastd_path
+from conftest import ROOT, shardcastd_path
 
 
 def _run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -29,6 +33,51 @@ def test_version_flags_of_both_binaries():
     assert cli.returncode == 0
     assert cli.stdout.startswith("shardcast 0.")
     assert cli.stdout.split()[1] == daemon.stdout.split()[1]
+
+
+def _cli_help(*subcommand: str) -> str:
+    cli = shardcastd_path().parent / "shardcast"
+    return subprocess.run([str(cli), *subcommand, "--help"], capture_output=True, text=True, check=True).stdout
+
+
+def test_the_cli_list_in_clients_md_matches_the_cli():
+    """Every subcommand of `shardcast --help` has a line in docs/clients.md's CLI list, with every
+    option its own --help shows (--daemon and --json are said once for all of them)."""
+    section = (ROOT / "docs" / "clients.md").read_text().split("## The `shardcast` CLI", 1)[1].split("\n## ", 1)[0]
+    documented = {}  # subcommand -> its usage line(s) in the list
+    for line in section.splitlines():
+        if line.startswith("    shardcast "):
+            name = line.split()[1]
+            documented[name] = line
+        elif line.startswith("        ") and documented:  # a usage line continued
+            documented[name] += line
+    subcommands = re.findall(r"^  (\w+) ", _cli_help().split("Subcommands:", 1)[1], re.M)
+    assert "health" in subcommands
+    for sub in subcommands:
+        assert sub in documented, f"docs/clients.md does not list `shardcast {sub}`"
+        options = set(re.findall(r"^ +(--[\w-]+)", _cli_help(sub), re.M)) - {"--help", "--daemon", "--json"}
+        missing = sorted(o for o in options if o not in documented[sub])
+        assert not missing, f"docs/clients.md's `shardcast {sub}` lacks {missing}"
+    assert set(documented) <= set(subcommands) | {"--version"}
+
+
+def test_shardcast_certs_help_says_what_it_makes(tmp_path):
+    # The script as installed beside shardcastd (build/bin/shardcast-certs, a copy made at configure time).
+    script = tmp_path / "bin" / "shardcast-certs"
+    script.parent.mkdir()
+    shutil.copy(ROOT / "scripts" / "certs.sh", script)
+    usage = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True)
+    assert usage.returncode == 0
+    assert usage.stdout.startswith("Usage: shardcast-certs DIR [NODE...]\n")
+    assert "set -euo pipefail" not in usage.stdout
+    for output in ("ca.pem, ca.key", "daemon.pem, daemon.key", "NODE.pem, NODE.key", "client.pem, client.key"):
+        assert output in usage.stdout
+    bare = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert bare.returncode == 2 and bare.stdout == "" and bare.stderr == usage.stdout
+    made = subprocess.run(["bash", str(script), str(tmp_path / "certs"), "a", "b"], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout == f"certificates in {tmp_path / 'certs'}: ca.pem/.key, a.pem/.key, b.pem/.key, client.pem/.key\n"
+    assert sorted(p.name for p in (tmp_path / "certs").glob("*.pem")) == ["a.pem", "b.pem", "ca.pem", "client.pem"]
 
 
 def test_unknown_config_keys_are_an_error(tmp_path):

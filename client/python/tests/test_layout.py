@@ -4,6 +4,7 @@ stand-ins with DTensor's attributes (device_mesh, placements, is_shard()...) eve
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -115,3 +116,17 @@ def test_real_dtensors():
     layout = layout_from_dtensors("g", {"w": t})
     assert layout["tensors"][0]["placements"] == [{"shard": {"dim": 0}}]
     assert layout["mesh"]["shape"] == [1]
+
+
+def test_a_malformed_layout_names_its_file_line_and_column(tmp_path):
+    f = tmp_path / "trainer.json"
+    f.write_text('{\n  "group": "g",\n  "mesh": {"shape": [2]}\n  "tensors": []\n}\n')  # no comma after the mesh
+    with pytest.raises(ValueError) as e:
+        load_layout(f)
+    assert str(e.value).startswith(f'layout file "{f}": not valid JSON at line 4 column 3: ')
+    with pytest.raises(ValueError, match=r"^layout JSON: not valid JSON at line 1 column 15: "):
+        load_layout('{"group": "g",}')
+    # A file that is JSON but not a layout: named too.
+    f.write_text('{"group": "g", "no_such_field": 1}')
+    with pytest.raises(ValueError, match=re.escape(f'layout file "{f}": ') + ".*no_such_field"):
+        load_layout(f)

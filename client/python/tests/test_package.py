@@ -1,15 +1,18 @@
 """The client as a user gets it: `pip install ./client/python` into a fresh venv pulls current
 grpcio, protobuf and numpy from PyPI, and the shipped stubs load under that protobuf runtime and
-run a real sync there. The test venv itself runs the pip-installed package, not the source tree."""
+run a real sync there. The test venv itself runs the pip-installed package, not the source tree.
+`import shardcast` alone gives every module, and a process with a client forks quietly."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import textwrap
 import venv
 
 import google.protobuf
+import pytest
 
 import shardcast
 from conftest import ROOT, shardcastd_path
@@ -36,6 +39,30 @@ SYNC_SCRIPT = textwrap.dedent("""
 """)
 
 
+FORK_SCRIPT = textwrap.dedent("""
+    import multiprocessing, os, sys
+    import shardcast
+    from shardcast.local import LocalCluster
+    with LocalCluster(["n0"], binary=sys.argv[1], extra=["--insecure"]) as c, shardcast.Client(c.target("n0")) as client:
+        client.status()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        child = multiprocessing.get_context("fork").Process(target=os.getpid)
+        child.start()
+        child.join()
+        assert child.exitcode == 0
+        client.status()
+    print("forked twice")
+""")
+
+
+def _fresh_python(*args: str, env: dict, cwd) -> subprocess.CompletedProcess:
+    """This venv's python, isolated (-I: not the current directory, no PYTHONPATH, no user site)."""
+    return subprocess.run([sys.executable, "-I", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+
+
 def test_the_tests_run_the_pip_installed_package():
     assert "site-packages" in shardcast.__file__, shardcast.__file__
     assert int(google.protobuf.__version__.split(".")[0]) >= 4  # PyPI's runtime, not Debian 12's 3.21
@@ -59,3 +86,28 @@ def test_pip_install_into_a_fresh_venv_and_sync(tmp_path):
     assert str(env_dir) in run.stdout.split()[1]  # the package pip installed, not the source tree
     assert "synced: every element matches" in run.stdout
     print(run.stdout.splitlines()[0])
+
+
+def test_fp8_comes_with_import_shardcast(tmp_path):
+    pytest.importorskip("torch")
+    run = _fresh_python("-c", "import shardcast, torch\n"
+                        "q, scale = shardcast.fp8.block_quantize(torch.full((4, 4), 448.0), (2, 2))\n"
+                        "print(q.dtype, scale.tolist())", env=dict(os.environ), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["torch.float8_e4m3fn", "[[1.0,", "1.0],", "[1.0,", "1.0]]"]
+
+
+def test_forking_a_process_with_a_client_prints_no_grpc_fork_warning(tmp_path):
+    # This test process imported shardcast, which set the variable: the child must start without it.
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    script = tmp_path / "fork.py"
+    script.write_text(FORK_SCRIPT)
+    run = _fresh_python(str(script), str(shardcastd_path()), env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "forked twice" in run.stdout
+    for warning in ("fork() handlers", "GRPC_ENABLE_FORK_SUPPORT", "fork_posix"):
+        assert warning not in run.stderr, run.stderr
+    # An application's own choice wins.
+    run = _fresh_python("-c", "import os, shardcast; print(os.environ['GRPC_ENABLE_FORK_SUPPORT'])",
+                        env=dict(env, GRPC_ENABLE_FORK_SUPPORT="1"), cwd=tmp_path)
+    assert run.stdout.strip() == "1", run.stderr
