@@ -276,7 +276,7 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
           "--protocol put over UCX_TLS=", tls.empty() ? "(UCX's default)" : tls,
           ": those transports cannot bound a peer's writes to the registered region (tcp, cma and shared memory "
           "emulate "
-          "RMA): use --protocol auto (active messages there), name only rc/dc/ud/cuda transports, or --insecure"));
+          "RMA): use --protocol auto (active messages there), name only rc/dc/cuda transports, or --insecure"));
   }
   if (print_config) {
     *exit_code = 0;

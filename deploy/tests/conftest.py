@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
+import copy
+import functools
+import itertools
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
-from typing import Dict, List, Set
+from typing import Dict, List, Set, Tuple
 
 import pytest
 
@@ -59,6 +64,63 @@ def render(directory: Path) -> List[dict]:
         return validate.render(directory)
     except validate.RenderError as e:
         pytest.fail(str(e))
+
+
+#: The kustomize Components under deploy/k8s/components; docs/deploy.md offers any combination of
+#: them over the base.
+COMPONENTS: Tuple[str, ...] = ("gpu", "rdma", "cert-manager")
+#: Each component alone, each pair, all three.
+COMBINATIONS: List[Tuple[str, ...]] = [c for n in range(1, len(COMPONENTS) + 1)
+                                       for c in itertools.combinations(COMPONENTS, n)]
+#: The kustomization directories we ship: the base and every overlay.
+SHIPPED_DIRS: Dict[str, Path] = {"base": K8S / "base",
+                                 **{p.name: p for p in sorted((K8S / "overlays").iterdir()) if p.is_dir()}}
+#: Every deployment the checks render: the shipped directories, then every combination of
+#: components not shipped as an overlay of its own ("gpu+rdma": the base with both).
+DEPLOYMENTS: List[str] = list(dict.fromkeys([*SHIPPED_DIRS, *("+".join(c) for c in COMBINATIONS)]))
+
+
+def components_of(name: str) -> Set[str]:
+    """The components a deployment is made of, as its directory's kustomization lists them."""
+    text = (deployment_dir(name) / "kustomization.yaml").read_text()
+    return {c for c in COMPONENTS if f"components/{c}\n" in text}
+
+
+_scratch: List[Path] = []
+
+
+def deployment_dir(name: str) -> Path:
+    """The kustomization directory of a deployment: a shipped one, or for "a+b" one written here as
+    a user would write it (the base as its resource, the components listed), in a temporary
+    directory outside the repository (kustomize takes relative paths only)."""
+    if name in SHIPPED_DIRS:
+        return SHIPPED_DIRS[name]
+    if not _scratch:
+        _scratch.append(Path(tempfile.mkdtemp(prefix="shardcast-k8s-")))
+        atexit.register(shutil.rmtree, _scratch[0], True)
+    directory = _scratch[0] / name.replace("+", "_")
+    if not directory.exists():
+        directory.mkdir()
+        up = os.path.relpath(K8S, directory)
+        listed = "".join(f"  - {up}/components/{c}\n" for c in name.split("+"))
+        (directory / "kustomization.yaml").write_text(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+            f"resources:\n  - {up}/base\ncomponents:\n{listed}")
+    return directory
+
+
+@functools.lru_cache(maxsize=None)
+def _rendered(name: str) -> List[dict]:
+    return render(deployment_dir(name))
+
+
+def render_deployment(name: str) -> List[dict]:
+    """What `kubectl kustomize` renders for a deployment of DEPLOYMENTS (a copy: callers may edit it)."""
+    return copy.deepcopy(_rendered(name))
+
+
+def daemonset_pod(objects: List[dict]) -> dict:
+    return by_kind(objects, "DaemonSet")["shardcastd"]["spec"]["template"]["spec"]
 
 
 def by_kind(objects: List[dict], kind: str) -> Dict[str, dict]:

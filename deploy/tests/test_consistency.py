@@ -13,12 +13,10 @@ from typing import Dict, List
 import pytest
 
 import shardcast
-from conftest import DEPLOY, K8S, ROOT, TLS_DIR, binary, by_kind, localize, render
+from conftest import (DEPLOY, DEPLOYMENTS, K8S, ROOT, TLS_DIR, binary, by_kind, components_of, daemonset_pod, localize,
+                      render_deployment)
 
 import yaml
-
-OVERLAYS = [K8S / "base", K8S / "overlays" / "dev", K8S / "overlays" / "rdma", K8S / "overlays" / "cert-manager",
-            K8S / "overlays" / "gpu"]
 
 
 def default_socket_of_the_cpp_clients() -> str:
@@ -26,18 +24,19 @@ def default_socket_of_the_cpp_clients() -> str:
     return re.search(r'kDefaultSocket = "([^"]+)"', text).group(1)
 
 
-SHIPPED = ["base", "dev", "rdma", "cert-manager", "gpu", "native-sidecar"]
+SHIPPED = [*DEPLOYMENTS, "native-sidecar"]
 
 
 def daemon_container(where: str) -> tuple:
-    """(pod spec, shardcastd container, all objects) of a shardcastd we ship: the DaemonSet of the
-    base or an overlay (rendered), or the native sidecar example."""
+    """(pod spec, shardcastd container, all objects) of a shardcastd we ship: the DaemonSet of a
+    deployment (rendered: the base, an overlay, a combination of components), or the native
+    sidecar example."""
     if where == "native-sidecar":
         objects = list(yaml.safe_load_all((K8S / "examples" / "native-sidecar.yaml").read_text()))
         pod = by_kind(objects, "Job")["rl-trainer-sidecar"]["spec"]["template"]["spec"]
         return pod, next(c for c in pod["initContainers"] if c["name"] == "shardcastd"), objects
-    objects = render(K8S / "base" if where == "base" else K8S / "overlays" / where)
-    pod = by_kind(objects, "DaemonSet")["shardcastd"]["spec"]["template"]["spec"]
+    objects = render_deployment(where)
+    pod = daemonset_pod(objects)
     return pod, pod["containers"][0], objects
 
 
@@ -125,9 +124,9 @@ def test_flags_env_ports_probes_and_socket_match_the_daemon(kubectl, daemon_flag
     assert "$(POD_NAMESPACE)" in flags["peer-dns"], f"{where}: the peer name must follow the pod's namespace"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+@pytest.mark.parametrize("overlay", DEPLOYMENTS)
 def test_services_select_the_daemon_pods(kubectl, overlay):
-    objects = render(overlay)
+    objects = render_deployment(overlay)
     ds = by_kind(objects, "DaemonSet")["shardcastd"]
     labels = ds["spec"]["template"]["metadata"]["labels"]
     port_names = {p["name"] for p in ds["spec"]["template"]["spec"]["containers"][0]["ports"]}
@@ -138,19 +137,27 @@ def test_services_select_the_daemon_pods(kubectl, overlay):
     assert ds["spec"]["template"]["spec"]["serviceAccountName"] in by_kind(objects, "ServiceAccount")
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
-def test_the_daemon_accepts_each_overlays_configuration(kubectl, overlay, local_tls):
-    objects = render(overlay)
-    container = by_kind(objects, "DaemonSet")["shardcastd"]["spec"]["template"]["spec"]["containers"][0]
+def print_config(args: List[str], env: Dict[str, str]) -> subprocess.CompletedProcess:
+    """`shardcastd ARGS --print-config` with exactly `env` as its SHARDCAST_* environment."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHARDCAST_")}
+    return subprocess.run([binary("shardcastd"), *args, "--print-config"], env={**clean, **env}, capture_output=True,
+                          text=True)
+
+
+@pytest.mark.parametrize("where", SHIPPED)
+def test_the_daemon_accepts_each_deployments_configuration(kubectl, where, local_tls):
+    """The daemon parses what each deployment gives it, and reads the values we set (the memory
+    budgets the limit is computed from, the transports and protocol the rdma component relies on)."""
+    _, container, objects = daemon_container(where)
     env = env_of(container, objects)
     args = [localize(expand(a, env), local_tls) for a in container["args"]]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHARDCAST_")}
-    r = subprocess.run([binary("shardcastd"), *args, "--print-config"], env={**clean, **env}, capture_output=True, text=True)
+    r = print_config(args, env)
     assert r.returncode == 0, r.stderr
     settings = dict(t.split("=", 1) for t in r.stdout.split())
     assert settings["node"] == "test-node"
-    assert settings["staging_mib"] == env["SHARDCAST_STAGING_MIB"]
-    assert settings["ucx_tls"] == env["SHARDCAST_UCX_TLS"]
+    for key in ("staging_mib", "delta_cache_mib", "grpc_memory_mib", "ucx_tls", "protocol"):
+        if f"SHARDCAST_{key.upper()}" in env:  # test_memory checks that the budgets are all set
+            assert settings[key] == env[f"SHARDCAST_{key.upper()}"], (where, key)
 
 
 def test_workload_examples_use_the_daemons_socket_and_group():
@@ -220,11 +227,13 @@ def test_dockerfile_builds_with_the_readme_scripts_and_ships_every_library():
     assert not missing, f"the runtime stage lacks {sorted(missing)}"
 
 
-def test_gpu_overlay_gives_the_daemon_every_gpu_and_the_cuda_image(kubectl):
-    """The GPU overlay: the NVIDIA runtime with every GPU visible and none claimed (claiming
-    nvidia.com/gpu would take GPUs from the workloads), host IPC for CUDA IPC, and the image the
-    Dockerfile's runtime-cuda stage builds (the daemon compiled with CUDA, its runtime shipped)."""
-    pod, container, _ = daemon_container("gpu")
+@pytest.mark.parametrize("where", [d for d in DEPLOYMENTS if "gpu" in components_of(d)])
+def test_gpu_component_gives_the_daemon_every_gpu_and_the_cuda_image(kubectl, where):
+    """The GPU component, alone or with others: the NVIDIA runtime with every GPU visible and none
+    claimed (claiming nvidia.com/gpu would take GPUs from the workloads), host IPC for CUDA IPC,
+    and the image the Dockerfile's runtime-cuda stage builds (the daemon compiled with CUDA, its
+    runtime shipped)."""
+    pod, container, _ = daemon_container(where)
     assert pod["runtimeClassName"] == "nvidia"
     assert pod["hostIPC"] is True
     env = {e["name"]: e.get("value") for e in container.get("env", [])}
@@ -232,7 +241,7 @@ def test_gpu_overlay_gives_the_daemon_every_gpu_and_the_cuda_image(kubectl):
     assert "compute" in env["NVIDIA_DRIVER_CAPABILITIES"].split(",")
     for kind in ("requests", "limits"):
         assert not any("nvidia.com" in r for r in container.get("resources", {}).get(kind, {})), kind
-    assert container["image"].endswith(":0.1.0-cuda")
+    assert container["image"].endswith(f":{daemon_version()}-cuda")
     text = (DEPLOY / "docker" / "Dockerfile").read_text()
     build = text[text.index("AS build-cuda"):text.index("AS runtime-cuda")]
     assert "FROM ucx-cuda AS build-cuda" in text, "the CUDA build must have the toolkit (stage ucx-cuda)"
@@ -240,4 +249,53 @@ def test_gpu_overlay_gives_the_daemon_every_gpu_and_the_cuda_image(kubectl):
     assert "libcudart.so" in build
     runtime = text[text.index("AS runtime-cuda"):]
     assert "COPY --from=build-cuda /out/ /" in runtime
-    assert "0.1.0-cuda" in text
+    assert f"shardcastd:{daemon_version()}-cuda" in text
+
+
+def daemon_version() -> str:
+    """The release: kShardcastVersion in common/defaults.h, what `shardcastd --version` prints."""
+    return re.search(r'kShardcastVersion = "([^"]+)"', (ROOT / "common" / "defaults.h").read_text()).group(1)
+
+
+SHARDCASTD_IMAGE = "ghcr.io/shardcast/shardcastd"
+
+
+def shardcastd_images(objects: List[dict]) -> List[str]:
+    """Every container image of shardcastd's repository in these objects (init containers too)."""
+    images = []
+    for o in objects:
+        pod = (((o.get("spec") or {}).get("template") or {}).get("spec")) or {}
+        for c in pod.get("initContainers", []) + pod.get("containers", []):
+            if c["image"].split(":")[0] == SHARDCASTD_IMAGE:
+                images.append(c["image"])
+    return images
+
+
+@pytest.mark.parametrize("where", SHIPPED)
+def test_every_shardcastd_image_is_the_daemons_version(kubectl, where):
+    """The image tag is the release the daemon reports: <version>, or <version>-cuda where the gpu
+    component (or the GPU sidecar) runs the CUDA build. An image without a tag would be :latest."""
+    version = daemon_version()
+    out = subprocess.run([binary("shardcastd"), "--version"], capture_output=True, text=True)
+    assert out.stdout.split() == ["shardcastd", version], out.stdout + out.stderr
+    if where == "native-sidecar":
+        objects = list(yaml.safe_load_all((K8S / "examples" / "native-sidecar.yaml").read_text()))
+        cuda = True
+    else:
+        objects = render_deployment(where)
+        cuda = "gpu" in components_of(where)
+    images = shardcastd_images(objects)
+    assert images, where
+    expected = f"{SHARDCASTD_IMAGE}:{version}" + ("-cuda" if cuda else "")
+    assert set(images) == {expected}, where
+
+
+def test_the_docs_and_the_dockerfile_name_the_daemons_version():
+    """The build commands a reader copies tag the image as the manifests expect it."""
+    version = daemon_version()
+    for path in (ROOT / "docs" / "deploy.md", DEPLOY / "docker" / "Dockerfile"):
+        tags = re.findall(r"shardcastd:([0-9][A-Za-z0-9.\-]*)", path.read_text())
+        assert tags, path
+        assert set(tags) <= {version, f"{version}-cuda"}, (path, tags)
+        tags = re.findall(r"tag `([0-9][A-Za-z0-9.\-]*)`", path.read_text())
+        assert set(tags) <= {version, f"{version}-cuda"}, (path, tags)

@@ -12,9 +12,10 @@ import pytest
 import yaml
 
 import validate
-from conftest import K8S, TOOLS
+from conftest import K8S, SHIPPED_DIRS, TOOLS
 
-OVERLAYS = [K8S / "base", K8S / "overlays" / "dev", K8S / "overlays" / "rdma", K8S / "overlays" / "gpu"]
+#: The base first, then every overlay (test_components validates every combination of components).
+OVERLAYS = list(SHIPPED_DIRS.values())
 
 
 def run_validate(*paths) -> subprocess.CompletedProcess:

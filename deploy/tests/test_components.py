@@ -1,0 +1,176 @@
+"""The gpu, rdma and cert-manager components compose over the base in every combination
+docs/deploy.md offers: each renders with the real `kubectl kustomize`, validates against Kubernetes'
+schemas, has each of its components' effects and no other's, and does not depend on the order the
+components are listed in. The rdma component writes by RMA put over transports that bound it."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import List, Set
+
+import pytest
+import yaml
+
+from conftest import (COMBINATIONS, COMPONENTS, DEPLOYMENTS, K8S, ROOT, by_kind, components_of, daemonset_pod,
+                      deployment_dir, localize, render, render_deployment)
+from test_consistency import env_of, expand, print_config
+from test_manifests import run_validate
+
+RDMA_RESOURCE = "rdma/rdma_shared_device_a"
+
+
+def test_every_combination_is_a_deployment_we_check():
+    names = {"+".join(c) for c in COMBINATIONS}
+    assert len(names) == 2 ** len(COMPONENTS) - 1
+    for c in COMPONENTS:  # each component alone is shipped as an overlay of its own
+        assert components_of(c) == {c}
+    assert components_of("gpu-rdma-cert-manager") == set(COMPONENTS)
+    assert names <= set(DEPLOYMENTS)
+
+
+def test_components_are_kustomize_components():
+    """Overlays each bring their own copy of the base, so two of them cannot be combined (kustomize
+    refuses the second Namespace); Components add to whichever base includes them."""
+    for c in COMPONENTS:
+        spec = yaml.safe_load((K8S / "components" / c / "kustomization.yaml").read_text())
+        assert (spec["apiVersion"], spec["kind"]) == ("kustomize.config.k8s.io/v1alpha1", "Component"), c
+        assert not any(r.rstrip("/").endswith("base") for r in spec.get("resources", [])), (
+            f"{c}: a component must not include the base itself")
+
+
+def test_every_deployment_validates_against_kubernetes(kubectl):
+    r = run_validate(*(deployment_dir(d) for d in DEPLOYMENTS))
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert "all valid" in r.stdout
+
+
+def effects(objects: List[dict]) -> Set[str]:
+    """Which components' changes a rendering shows, each checked in full where it is present."""
+    pod = daemonset_pod(objects)
+    containers = pod["initContainers"] + pod["containers"]
+    daemon = pod["containers"][0]
+    env = env_of(daemon, objects)
+    found = set()
+
+    if pod.get("runtimeClassName") == "nvidia" or "NVIDIA_VISIBLE_DEVICES" in env:
+        assert pod["runtimeClassName"] == "nvidia"
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and "compute" in env["NVIDIA_DRIVER_CAPABILITIES"]
+        assert all(c["image"].endswith("-cuda") for c in containers), "every container runs the CUDA image"
+        assert not any("nvidia.com/gpu" in daemon["resources"].get(k, {}) for k in ("requests", "limits"))
+        found.add("gpu")
+
+    if pod.get("hostNetwork"):
+        assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"  # the Service names still resolve
+        for kind in ("requests", "limits"):
+            assert daemon["resources"][kind][RDMA_RESOURCE] == "1", kind
+        assert env["UCX_NET_DEVICES"] and env["UCX_IB_GID_INDEX"]
+        assert env["SHARDCAST_PROTOCOL"] == "put"
+        # No tcp, shared memory or ud (the daemon's own check: test_rdma_writes_by_put_...).
+        assert all(t.startswith(("rc", "dc", "cuda")) or t in ("gdr_copy", "self")
+                   for t in env["SHARDCAST_UCX_TLS"].split(","))
+        found.add("rdma")
+    else:
+        assert RDMA_RESOURCE not in daemon["resources"].get("limits", {})
+
+    certificates = by_kind(objects, "Certificate")
+    if certificates:
+        secret = next(v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v)
+        assert certificates["shardcastd"]["spec"]["secretName"] == secret, "the identity the daemon mounts"
+        assert "shardcast-daemon" in certificates["shardcastd"]["spec"]["dnsNames"]
+        assert "client auth" in certificates["shardcast-client"]["spec"]["usages"]
+        issuers = by_kind(objects, "Issuer")
+        for cert in certificates.values():
+            assert cert["spec"]["issuerRef"]["name"] in issuers
+            assert cert["metadata"]["namespace"] == "shardcast"
+        found.add("cert-manager")
+    return found
+
+
+@pytest.mark.parametrize("where", DEPLOYMENTS)
+def test_each_deployment_has_its_components_effects_and_no_others(kubectl, where):
+    objects = render_deployment(where)
+    assert effects(objects) == components_of(where)
+    # One of each base object: the components add to the base, they do not bring another copy.
+    base = render_deployment("base")
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(names) == len(set(names)), where
+    assert {(o["kind"], o["metadata"]["name"]) for o in base} <= set(names)
+
+
+def test_the_order_of_the_components_does_not_matter(kubectl, tmp_path):
+    """Same objects whatever the order; only the daemon's environment lists the components'
+    variables in another order, which means nothing as none refers to another."""
+    def key(objects):
+        for o in objects:
+            if o["kind"] == "DaemonSet":
+                env = daemonset_pod([o])["containers"][0]["env"]
+                assert not any("$(" in e.get("value", "") for e in env)
+                env.sort(key=lambda e: e["name"])
+        return sorted(objects, key=lambda o: (o["kind"], o["metadata"]["name"]))
+
+    reference = key(render_deployment("gpu+rdma+cert-manager"))
+    up = os.path.relpath(K8S, tmp_path)
+    for order in (("cert-manager", "rdma", "gpu"), ("rdma", "gpu", "cert-manager")):
+        listed = "".join(f"  - {up}/components/{c}\n" for c in order)
+        (tmp_path / "kustomization.yaml").write_text(
+            f"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {up}/base\n"
+            f"components:\n{listed}")
+        assert key(render(tmp_path)) == reference, order
+
+
+# ---- the rdma component's transports and protocol ----
+
+def rdma_daemon(local_tls):
+    objects = render_deployment("rdma")
+    container = daemonset_pod(objects)["containers"][0]
+    env = env_of(container, objects)
+    return [localize(expand(a, env), local_tls) for a in container["args"]], env
+
+
+def test_rdma_writes_by_put_over_transports_that_bound_it(kubectl, local_tls):
+    """The daemon itself judges the list: with --protocol put it refuses, at start, any transport
+    whose hardware does not bound a remote write to the registered region (daemon/config.cc)."""
+    args, env = rdma_daemon(local_tls)
+    assert env["SHARDCAST_PROTOCOL"] == "put"
+    r = print_config(args, env)
+    assert r.returncode == 0, r.stderr
+    assert "protocol=put" in r.stdout.split()
+
+
+@pytest.mark.parametrize("tls", ["rc_x,ud_x,self", "rc_x,ud_x,sm,self", "rc_x,tcp,self"])
+def test_rdma_refuses_transports_that_cannot_bound_a_put(kubectl, local_tls, tls):
+    """What the rdma overlay and docs/deploy.md used to list: with ud or shared memory in the list,
+    auto would silently have chosen active messages; put makes the daemon say so and stop."""
+    args, env = rdma_daemon(local_tls)
+    r = print_config(args, {**env, "SHARDCAST_UCX_TLS": tls})
+    assert r.returncode == 2, r.stdout
+    assert "cannot bound a peer's writes" in r.stderr
+
+
+def test_the_docs_name_the_transports_the_manifests_set(kubectl):
+    """Every SHARDCAST_UCX_TLS=... and SHARDCAST_PROTOCOL=... docs/deploy.md quotes is a value
+    some deployment sets (or the documented GPUDirect extension of the rdma list)."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    set_tls, set_protocols = set(), set()
+    for name in DEPLOYMENTS:
+        data = by_kind(render_deployment(name), "ConfigMap")["shardcastd-config"]["data"]
+        set_tls.add(data["SHARDCAST_UCX_TLS"])
+        set_protocols.add(data["SHARDCAST_PROTOCOL"])
+    rdma_tls = by_kind(render_deployment("rdma"), "ConfigMap")["shardcastd-config"]["data"]["SHARDCAST_UCX_TLS"]
+    gpudirect = rdma_tls.replace(",self", ",cuda_copy,cuda_ipc,gdr_copy,self")
+    quoted_tls = set(re.findall(r"SHARDCAST_UCX_TLS=([a-z0-9_,]+)", text))
+    quoted_protocols = set(re.findall(r"SHARDCAST_PROTOCOL=([a-z]+)", text))
+    assert rdma_tls in quoted_tls and "put" in quoted_protocols
+    assert quoted_tls <= set_tls | {gpudirect}, quoted_tls - set_tls
+    assert quoted_protocols <= set_protocols
+
+
+def test_gpudirect_transports_still_bound_puts(kubectl, local_tls):
+    """The list docs/deploy.md gives for GPUDirect RDMA (rdma with gpu) is one the daemon accepts
+    with put."""
+    args, env = rdma_daemon(local_tls)
+    tls = env["SHARDCAST_UCX_TLS"].replace(",self", ",cuda_copy,cuda_ipc,gdr_copy,self")
+    assert f"SHARDCAST_UCX_TLS={tls}" in (ROOT / "docs" / "deploy.md").read_text()
+    r = print_config(args, {**env, "SHARDCAST_UCX_TLS": tls})
+    assert r.returncode == 0, r.stderr
