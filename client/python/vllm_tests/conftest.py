@@ -1,0 +1,48 @@
+"""The shardcast.vllm backend's tests, against a real vLLM on the CPU: they run in the vLLM venv
+(`bash scripts/test-vllm.sh`, which `scripts/deps.sh vllm` prepares)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+try:
+    import vllm  # noqa: F401
+except ImportError:  # the main test venv: these tests are scripts/test-vllm.sh's
+    collect_ignore_glob = ["test_*.py"]
+
+
+def run_script(script: str, *args: str, timeout: float = 600, tp: int = 1) -> dict:
+    """Runs a script of this directory in its own process (vLLM starts its engine processes) and
+    returns the JSON it printed on its RESULT line."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    if tp == 2:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per TP rank
+    proc = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise AssertionError(f"{script} {' '.join(args)} printed no result (exit {proc.returncode}):\n"
+                         f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    from models import make_llama
+
+    root = tmp_path_factory.mktemp("models")
+    return {
+        # GQA (4 query heads, 2 KV heads), untied lm_head, a vocab of 512 (no padding)
+        "llama": make_llama(str(root / "llama")),
+        # tied embeddings, one KV head (replicated at TP=2), a vocab of 500 (padded to 512)
+        "llama_tied": make_llama(str(root / "llama_tied"), vocab=500, layers=1, kv_heads=1, tied=True, seed=1),
+    }
