@@ -272,11 +272,11 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
     const char* env = std::getenv("UCX_TLS");
     const std::string tls = !c.ucx_tls.empty() ? c.ucx_tls : env ? env : "";
     if (!transport::putIsBounded(tls))
-      return absl::InvalidArgumentError(strCat(
-          "--protocol put over UCX_TLS=", tls.empty() ? "(UCX's default)" : tls,
-          ": those transports cannot bound a peer's writes to the registered region (tcp, cma and shared memory "
-          "emulate "
-          "RMA): use --protocol auto (active messages there), name only rc/dc/cuda transports, or --insecure"));
+      return absl::InvalidArgumentError(
+          strCat("--protocol put over UCX_TLS=", tls.empty() ? "(UCX's default)" : tls,
+                 ": those transports cannot bound a peer's writes to the registered region (tcp, cma and shared memory "
+                 "emulate "
+                 "RMA): use --protocol auto (active messages there), name only rc/dc/cuda transports, or --insecure"));
   }
   if (print_config) {
     *exit_code = 0;

@@ -242,13 +242,13 @@ StatusOr<Client> Client::connect(const std::string& target, const ConnectOptions
   }
   auto channel = grpc::CreateCustomChannel(t, credentials, args);
   const bool tcp = t.rfind("unix:", 0) != 0;
-  if (!channel->WaitForConnected(std::chrono::system_clock::now() + options.timeout) && tcp && options.tls.enabled() &&
-      options.tls.cert.empty() && options.token_file.empty())
+  const bool connected = channel->WaitForConnected(std::chrono::system_clock::now() + options.timeout);
+  if (!connected && tcp && options.tls.enabled() && options.tls.cert.empty() && options.token_file.empty())
     return absl::UnavailableError(strCat(
         "shardcastd at \"", t, "\" did not take the connection: only a CA was given (SHARDCAST_TLS_CA), and a daemon ",
         "takes TCP clients with a client certificate of that CA (SHARDCAST_TLS_CERT and SHARDCAST_TLS_KEY) or its ",
         "bearer token (SHARDCAST_TOKEN_FILE); see docs/security.md"));
-  if (channel->GetState(false) != GRPC_CHANNEL_READY)
+  if (!connected)
     return absl::UnavailableError(strCat("shardcastd at \"", t,
                                          "\" is not reachable (is the daemon running? set --daemon or ",
                                          "SHARDCAST_ADDRESS; over TCP a daemon needs SHARDCAST_TLS_CA and a client ",

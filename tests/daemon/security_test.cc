@@ -674,7 +674,9 @@ TEST_CASE("oversize requests are refused, and what they cost the daemon is bound
   const int64_t after = peakRssMib(d.pid());
   INFO("daemon peak RSS " << before << " MiB before, " << after << " MiB after");
 #if defined(__SANITIZE_ADDRESS__)
-  WARN("ASan build: the daemon's memory (redzones, a quarantine of freed blocks) is not what it costs: bound not checked");
+  WARN(
+      "ASan build: the daemon's memory (redzones, a quarantine of freed blocks) is not what it costs: bound not "
+      "checked");
 #else
   CHECK(after - before < 256 + 160);  // the quota and one message's slack; without it, 1.6 GB and more
 #endif
