@@ -1,0 +1,81 @@
+"""A vLLM worker's destination rank, from what `probe` found: the tensors it registers (views of
+its live parameters where they are in the loader's layout, of a staging set in that layout where
+they are not) and the group's layout (every rank's pieces, gathered)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
+
+import torch
+
+from shardcast.vllm.probe import Landing, ParamMap, ProbeError
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+               torch.float64: "float64", torch.int8: "int8", torch.uint8: "uint8", torch.int32: "int32",
+               torch.int64: "int64", torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+
+
+@dataclass
+class RankMemory:
+    """One worker's destination rank: the registered tensors (checkpoint name -> a view of the
+    memory its box lands in), which parameters are direct and which processed, the processed ones'
+    staging tensors, and this rank's pieces (checkpoint name -> (offsets, sizes))."""
+
+    tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
+    direct: List[str] = field(default_factory=list)
+    processed: List[str] = field(default_factory=list)
+    staging: Dict[str, torch.Tensor] = field(default_factory=dict)
+    pieces: Dict[str, Tuple[List[int], List[int]]] = field(default_factory=dict)
+
+
+def is_direct(live: torch.Tensor, pm: ParamMap) -> bool:
+    """The live parameter is exactly the loader's layout: bytes can land in it in place."""
+    return (tuple(live.shape) == pm.shape and live.dtype == pm.dtype and live.is_contiguous()
+            and live.device.type in ("cpu", "cuda"))
+
+
+def rank_memory(maps: Mapping[str, ParamMap], live: Mapping[str, torch.Tensor]) -> RankMemory:
+    """The tensors this worker registers for `maps` (probe's result), `live` its named parameters
+    (`named_parameters(remove_duplicate=False)`). A checkpoint tensor landing in two parameters of
+    one worker is an error naming both (one rank holds one buffer per tensor)."""
+    out = RankMemory()
+    where: Dict[str, str] = {}
+    for name, pm in maps.items():
+        param = live[name]
+        if is_direct(param, pm):
+            memory = param.data.reshape(-1)
+            out.direct.append(name)
+        else:
+            staged = torch.zeros(pm.shape, dtype=pm.dtype, device=param.device)
+            out.staging[name] = staged
+            memory = staged.reshape(-1)
+            out.processed.append(name)
+        for l in pm.landings:
+            if l.tensor in where:
+                raise ProbeError(f"checkpoint tensor {l.tensor!r} lands in both {where[l.tensor]!r} and {name!r} "
+                                 "on one worker; a rank holds one buffer per tensor")
+            where[l.tensor] = name
+            out.tensors[l.tensor] = memory[l.at:l.at + l.numel].view(l.sizes)
+            out.pieces[l.tensor] = (list(l.offsets), list(l.sizes))
+    return out
+
+
+def destination_layout(group: str, nodes: Sequence[str], pieces: Sequence[Mapping[str, Tuple[List[int], List[int]]]],
+                       checkpoint: Mapping[str, Tuple[Sequence[int], torch.dtype]]) -> Dict[str, Any]:
+    """The group's layout (the JSON form of shardcast.v1.Layout): rank r on nodes[r] holds
+    pieces[r] (checkpoint name -> (offsets, sizes)); `checkpoint` gives each tensor's full shape and
+    the dtype the destination holds it in. Tensors no rank holds are left out."""
+    if len(nodes) != len(pieces):
+        raise ValueError(f"{len(nodes)} nodes for {len(pieces)} ranks")
+    tensors = []
+    for name, (shape, dtype) in checkpoint.items():
+        held = [{"rank": r, "offsets": list(p[name][0]), "sizes": list(p[name][1])}
+                for r, p in enumerate(pieces) if name in p]
+        if not held:
+            continue
+        if dtype not in DTYPE_NAMES:
+            raise ProbeError(f"checkpoint tensor {name!r}: dtype {dtype} has no Shardcast name")
+        tensors.append({"name": name, "shape": [int(s) for s in shape], "dtype": DTYPE_NAMES[dtype],
+                        "pieces": held})
+    return {"group": group, "mesh": {"shape": [len(nodes)]}, "nodes": list(nodes), "tensors": tensors}
