@@ -436,12 +436,30 @@ void Registry::persistOwners() const {
     spdlog::warn("owners file {}: could not be written: {}", owners_path_, std::strerror(errno));
 }
 
+bool Registry::hostSafe() const { return host_zero_copy_.value_or(transport_.capabilities().host_faults_contained); }
+
+bool Registry::mustPack(const Buffer& b, bool host_safe) { return !b.region || (b.segment && !host_safe); }
+
+std::string Registry::packedOnly(const std::string& src, const std::string& dst) const {
+  const bool host_safe = hostSafe();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [key, r] : ranks_)
+    if (key.first == src || key.first == dst)
+      for (const auto& b : r->buffers)
+        if (mustPack(b, host_safe))
+          return strCat("group \"", r->group, "\" rank ", r->rank, " buffer \"", b.name, "\" on node \"", node_, "\" (",
+                        b.segment ? "a client's shared memory, which this transport would touch in the kernel"
+                                  : "device memory this transport cannot reach",
+                        ")");
+  return "";
+}
+
 v1::DescribeResponse Registry::describe() const {
   v1::DescribeResponse d;
   d.set_node(node_);
   d.set_transport_address(transport_.address());
   d.set_instance(instance_);
-  const bool host_safe = host_zero_copy_.value_or(transport_.capabilities().host_faults_contained);
+  const bool host_safe = hostSafe();
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [group, g] : groups_) {
     *d.add_layouts() = g.layout;
@@ -468,7 +486,7 @@ v1::DescribeResponse Registry::describe() const {
       // Device memory the transport cannot reach (no region to offer peers), or a client's segment
       // that a transport faulting in the kernel must not touch: synced packed, through this
       // daemon's own staging and arena.
-      if (!b.region || (b.segment && !host_safe)) rb->set_staged(true);
+      if (mustPack(b, host_safe)) rb->set_staged(true);
       rb->set_offset(b.offset);
       rb->set_size(b.size);
     }

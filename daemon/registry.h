@@ -109,6 +109,10 @@ class Registry {
                    Base* base = nullptr);
   // Before every use of the involved ranks' memory (every execute): segments still whole.
   Status checkSync(const std::string& src, const std::string& dst) const;
+  // A buffer of `src` or `dst` here that syncs must move packed (Describe's RemoteBuffer.staged:
+  // device memory the transport cannot reach, or a client's segment the transport would touch in
+  // the kernel), described for errors; "" when there is none.
+  std::string packedOnly(const std::string& src, const std::string& dst) const;
   enum class SyncEnd {
     kCommit,    // every byte landed everywhere: destination ranks READY(V)
     kRevert,    // nothing was written anywhere: destination ranks back to where they were
@@ -257,6 +261,8 @@ class Registry {
   // keepOwners: the file, and the groups reserved for their owner uid until a time.
   std::string owners_path_;
   std::optional<bool> host_zero_copy_;  // setHostZeroCopy; unset: the transport's capability
+  bool hostSafe() const;                // clients' segments may be handed to the transport
+  static bool mustPack(const Buffer& b, bool host_safe);
   std::map<std::string, std::pair<uid_t, std::chrono::steady_clock::time_point>> reserved_;
   std::set<std::string> sessions_;
   std::map<std::string, std::vector<v1::SupersededRank>> superseded_;  // by session: takeSuperseded

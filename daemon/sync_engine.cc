@@ -126,6 +126,12 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   a->key = *write_key;
   a->delta = req.delta();
   a->renew();
+  // A zero-copy plan would hand this node's transport memory it must not touch directly: a
+  // coordinator that planned without this node's Describe (or ignored it) is refused here.
+  if (req.delta() == v1::DELTA_OFF && !req.packed())
+    if (const std::string which = registry_.packedOnly(a->src_group, a->dst_group); !which.empty())
+      return absl::FailedPreconditionError(strCat("sync ", a->id, ": planned zero-copy, but ", which,
+                                                  " travels only packed: its coordinator must plan it packed"));
   bool hit = false;
   SC_ASSIGN_OR_RETURN(const auto strategy, strategyOf(req.strategy(), req.delta()));
   SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), req.staging_bytes(), req.chunk_bytes(), &hit,

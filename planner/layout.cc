@@ -461,6 +461,7 @@ class Resolver {
     TensorLayout t;
     std::unordered_map<Box, int32_t, BoxHash> box_ids;
     std::vector<int32_t> local_shape;  // per piece: shape id of the rank's local tensor
+    int64_t all_pieces = 0;            // over every rank, also those only_rank leaves out
     int32_t boxId(const Box& b) {
       auto [it, inserted] = box_ids.try_emplace(b, static_cast<int32_t>(t.boxes.size()));
       if (inserted) t.boxes.push_back(b);
@@ -532,7 +533,7 @@ class Resolver {
                                                  cells < 0 ? std::string("more than 2^63") : std::to_string(cells),
                                                  " cells (at most ", limits().max_grid_cells, ")"));
     }
-    pieces_ += static_cast<int64_t>(t.pieces.size());
+    pieces_ += b.all_pieces;  // the layout's, whichever ranks were made here
     if (pieces_ > limits().max_pieces)
       return absl::InvalidArgumentError(strCat(where(in.name()), ": the layout resolves to more than ",
                                                limits().max_pieces, " pieces (tensor x rank x box)"));
@@ -568,6 +569,7 @@ class Resolver {
         if (r < 0 || r >= world_)
           return absl::InvalidArgumentError(
               strCat(where(in.name()), ": piece ", i, " rank ", r, " is out of range [0, ", world_, ")"));
+        ++b.all_pieces;
         if (!keeps(r)) continue;
         if (!box_id) {
           box_id = b.boxId(box);
@@ -631,7 +633,9 @@ class Resolver {
         if (keeps(r)) per_rank[r] = expand(iv, ndim);
       }
       it = placement_cache_.emplace(key, std::move(per_rank)).first;
+      placement_pieces_[key] = boxes - pieces_;
     }
+    b.all_pieces = placement_pieces_[key];
     for (int32_t r = only_rank_.value_or(0); r < (only_rank_ ? *only_rank_ + 1 : world_); ++r) {
       const CachedRank& c = it->second[r];
       for (size_t i = 0; i < c.boxes.size(); ++i) {
@@ -782,6 +786,7 @@ class Resolver {
   std::unordered_map<std::string, int32_t> buffer_ids_;
   std::unordered_map<std::string, int32_t> fused_of_;
   std::unordered_map<std::string, std::vector<CachedRank>> placement_cache_;
+  std::unordered_map<std::string, int64_t> placement_pieces_;  // per key: pieces over every rank
   std::map<std::vector<int64_t>, int32_t> stride_ids_;
   std::map<std::vector<int64_t>, int32_t> shape_ids_;
   std::vector<std::vector<int64_t>> shapes_;

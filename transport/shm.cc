@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "common/strings.h"
@@ -47,31 +49,56 @@ Status checkName(const std::string& name) {
 namespace guard {
 
 struct Slot {
-  std::atomic<uintptr_t> begin{0};  // 0: free
+  std::atomic<uint64_t> generation{0};  // odd while add() or remove() changes the slot (a seqlock)
+  std::atomic<uintptr_t> begin{0};      // 0: free
   std::atomic<size_t> length{0};
   std::atomic<bool> faulted{false};
 };
 constexpr size_t kSlots = size_t{1} << 16;  // mappings at once; zero pages until used
 Slot slots[kSlots];
-std::atomic<size_t> used{0};  // slots at or above this were never used
-std::mutex mu;                // add/remove (never taken by the handler)
+std::atomic<size_t> used{0};     // slots at or above this were never used
+std::atomic<int> in_handler{0};  // handlers running now: remove() waits for them before the unmap
+std::mutex mu;                   // add/remove (never taken by the handler)
 std::vector<size_t> free_slots;
 struct sigaction previous {};
 
+// The slot's range, read consistently (never one mapping's start with another's length).
+bool readSlot(const Slot& s, uintptr_t* begin, size_t* length) {
+  for (int tries = 0; tries < 64; ++tries) {
+    const uint64_t g = s.generation.load(std::memory_order_acquire);
+    if (g & 1) continue;
+    *begin = s.begin.load(std::memory_order_acquire);
+    *length = s.length.load(std::memory_order_acquire);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (s.generation.load(std::memory_order_relaxed) == g) return *begin != 0;
+  }
+  return false;
+}
+
 void onSigbus(int sig, siginfo_t* info, void* context) {
+  const int saved_errno = errno;
+  in_handler.fetch_add(1, std::memory_order_acq_rel);
+  // Only a fault past the end of a mapped file (BUS_ADRERR); a SIGBUS sent by kill() carries a
+  // sender, not an address.
   const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
-  const size_t n = used.load(std::memory_order_acquire);
+  const size_t n = info->si_code == BUS_ADRERR ? used.load(std::memory_order_acquire) : 0;
   for (size_t i = 0; i < n; ++i) {
     Slot& s = slots[i];
-    const uintptr_t begin = s.begin.load(std::memory_order_acquire);
-    const size_t length = s.length.load(std::memory_order_acquire);
-    if (begin == 0 || addr < begin || addr - begin >= length) continue;
-    void* p = ::mmap(reinterpret_cast<void*>(begin), length, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) break;
+    uintptr_t begin = 0;
+    size_t length = 0;
+    if (!readSlot(s, &begin, &length) || addr < begin || addr - begin >= length) continue;
+    // The raw system call: libc's mmap may be hooked (UCX's memory hooks run callbacks that lock
+    // and allocate), which a signal handler must not enter.
+    const long p = ::syscall(SYS_mmap, begin, length, PROT_READ | PROT_WRITE,
+                             MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    if (p == -1 || static_cast<uintptr_t>(p) != begin) break;
     s.faulted.store(true, std::memory_order_release);
+    in_handler.fetch_sub(1, std::memory_order_acq_rel);
+    errno = saved_errno;
     return;
   }
+  in_handler.fetch_sub(1, std::memory_order_acq_rel);
+  errno = saved_errno;
   if ((previous.sa_flags & SA_SIGINFO) && previous.sa_sigaction != nullptr) {
     previous.sa_sigaction(sig, info, context);
     return;
@@ -80,7 +107,8 @@ void onSigbus(int sig, siginfo_t* info, void* context) {
     previous.sa_handler(sig);
     return;
   }
-  ::signal(sig, SIG_DFL);  // the access faults again and the process dies of it, as without us
+  if (info->si_code != BUS_ADRERR) return;  // a sent SIGBUS with no handler of its own: ignored, as before us
+  ::signal(sig, SIG_DFL);                   // the access faults again and the process dies of it, as without us
 }
 
 void install() {
@@ -110,9 +138,11 @@ int add(void* data, size_t size) {
     spdlog::warn("{} shm segments mapped: this one is not guarded against truncation", kSlots);
     return -1;
   }
+  slots[i].generation.fetch_add(1, std::memory_order_acq_rel);  // odd: changing
   slots[i].faulted.store(false);
   slots[i].length.store(size, std::memory_order_release);
   slots[i].begin.store(reinterpret_cast<uintptr_t>(data), std::memory_order_release);
+  slots[i].generation.fetch_add(1, std::memory_order_acq_rel);  // even: consistent
   if (i == used.load()) used.store(i + 1, std::memory_order_release);
   return static_cast<int>(i);
 }
@@ -120,7 +150,12 @@ int add(void* data, size_t size) {
 void remove(int slot) {
   if (slot < 0) return;
   std::lock_guard<std::mutex> lock(mu);
+  slots[slot].generation.fetch_add(1, std::memory_order_acq_rel);
   slots[slot].begin.store(0, std::memory_order_release);
+  slots[slot].generation.fetch_add(1, std::memory_order_acq_rel);
+  // A handler that matched this slot before it was cleared may still be remapping it: the caller
+  // unmaps only once none runs (handlers are short; this is a few iterations at most).
+  while (in_handler.load(std::memory_order_acquire) != 0) std::this_thread::yield();
   free_slots.push_back(static_cast<size_t>(slot));
 }
 

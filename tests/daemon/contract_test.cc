@@ -783,6 +783,14 @@ TEST_CASE("peer inputs are bounded before use: lease, chunk size, write key, tra
   refused(prep, "a write key is 16 bytes, not 0");
   prep.set_write_key(std::string(16, '\0'));
   refused(prep, "a write key of all zero bytes");
+  // A zero-copy plan over tcp would hand UCX the clients' segments (which it must not touch in the
+  // kernel: docs/security.md, "Truncated segments"), whatever the coordinator says.
+  prep.set_write_key(std::string(transport::WriteKey::random().view()));
+  prep.set_packed(false);
+  const grpc::Status unpacked = peers[1]->Prepare(ctx().get(), prep, &presp);
+  CHECK(unpacked.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(unpacked.error_message(),
+             Catch::Contains("planned zero-copy, but group \"") && Catch::Contains("travels only packed"));
   for (const auto& [r, s] : c.states(c.n1(), "dst")) CHECK(s.state() == v1::RANK_EMPTY);  // nothing held
 
   // A transport address that is not the one the node describes itself (UCX would abort on "ff").

@@ -76,6 +76,9 @@ inline v1::PrepareRequest prepareRequest(const std::string& id, const v1::Layout
   p.set_staging_bytes(uint64_t{1} << 30);
   p.set_chunk_bytes(uint64_t{64} << 20);
   p.set_write_key(std::string(transport::WriteKey::random().view()));
+  // As a coordinator plans it over tcp: clients' segments travel packed there (the daemons refuse
+  // a zero-copy plan that would hand them to the transport; --host-zero-copy on allows it).
+  p.set_packed(true);
   return p;
 }
 

@@ -157,7 +157,8 @@ struct InProcessNode {
 std::pair<v1::ExecuteResponse, v1::ExecuteResponse> syncByHand(InProcessNode& a, InProcessNode& b,
                                                                const std::string& id, const v1::Layout& src,
                                                                const v1::Layout& dst, uint64_t fence, bool verify) {
-  const v1::PrepareRequest prep = prepareRequest(id, src, dst, 1, fence);
+  v1::PrepareRequest prep = prepareRequest(id, src, dst, 1, fence);
+  prep.set_packed(false);  // loopback: plain copies in this process, so zero-copy plans are allowed
   auto pa = a.engine.prepare(prep);
   auto pb = b.engine.prepare(prep);
   REQUIRE(pa.ok());

@@ -303,6 +303,7 @@ TEST_CASE("concurrent syncs: same group refused, different groups together - a s
   prep.set_staging_bytes(uint64_t{1} << 30);
   prep.set_chunk_bytes(uint64_t{64} << 20);
   prep.set_write_key(std::string(transport::WriteKey::random().view()));
+  prep.set_packed(true);  // clients' segments over tcp (as the coordinator plans it)
   v1::PrepareResponse presp;
   REQUIRE(peer->Prepare(ctx().get(), prep, &presp).ok());
   v1::SyncRequest sync;
