@@ -25,7 +25,7 @@ def derive(worker, model_dir: str, target: str):
     with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     maps = probe(model, shapes)
-    rm = rank_memory(maps, dict(model.named_parameters(remove_duplicate=False)))
+    rm = rank_memory(maps, dict(model.named_parameters(remove_duplicate=False)), dict(model.named_modules()))
     client = shardcast.Client(target)
     # Kept on the worker between calls (these functions travel by value: no module state survives).
     worker.shardcast_test = {"rm": rm, "maps": maps, "client": client}
@@ -60,6 +60,25 @@ def check(worker, model_dir: str, delta: float):
     return {"wrong": wrong, "checked": len(rm.tensors)}
 
 
+PROMPTS = ["t5 t6 t7", "t9 t3", "t100 t200 t300 t400"]
+
+
+def generate(llm):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [{"tokens": list(o.outputs[0].token_ids),
+             "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]}
+            for o in outs]
+
+
+def apply(worker):
+    from shardcast.vllm.apply import process_staged
+
+    return process_staged(worker.model_runner.model, worker.shardcast_test["rm"].reprocess)
+
+
 def main() -> None:
     model_dir, tp, target, group = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     from safetensors import safe_open
@@ -90,8 +109,11 @@ def main() -> None:
     result = client.sync("trainer", group, 1)
     client.wait_version(group, 1, timeout=60)
     checks = llm.collective_rpc(check, args=(model_dir, 1.0))
+    processed = llm.collective_rpc(apply)
+    served = generate(llm)
     print("RESULT " + json.dumps({"ranks": [{k: r[k] for k in ("rank", "node", "direct", "processed")} for r in ranks],
                                   "registered_bytes": registered, "checks": checks,
+                                  "processed_layers": processed, "served": served,
                                   "bytes_needed": result.bytes_needed, "layout_tensors": len(layout["tensors"])}),
           flush=True)
     src.close()

@@ -5,9 +5,24 @@ loader's layout (direct), in a staging set where vLLM processed it (prepacked li
 
 from __future__ import annotations
 
+import os
+import shutil
+
 from shardcast.local import LocalCluster
 
 from conftest import run_script
+
+
+def _trained_copy(model: str, dest: str) -> str:
+    """The model with every checkpoint tensor plus 1 (what run_sync.py's source rank publishes)."""
+    if not os.path.exists(dest):
+        from safetensors.torch import load_file, save_file
+
+        shutil.copytree(model, dest)
+        values = load_file(os.path.join(model, "model.safetensors"))
+        save_file({k: v + 1.0 for k, v in values.items()}, os.path.join(dest, "model.safetensors"),
+                  metadata={"format": "pt"})
+    return dest
 
 
 def _sync(model: str, tp: int) -> dict:
@@ -26,6 +41,12 @@ def test_tp1_every_worker_tensor_receives_its_box(models):
     (check,) = out["checks"]
     assert check["wrong"] == [] and check["checked"] == out["layout_tensors"]
     assert out["bytes_needed"] > 0
+    # Processed layers re-run vLLM's processing from the synced bytes; the engine then serves
+    # exactly what a vLLM started from the trained weights serves: same greedy tokens, same
+    # logprobs, bit for bit.
+    assert "model.layers.0.self_attn.qkv_proj" in out["processed_layers"][0]
+    fresh = run_script("run_generate.py", _trained_copy(models["llama"], models["llama"] + "-trained"), "1")
+    assert out["served"] == fresh["served"]
 
 
 def test_tp2_each_rank_receives_exactly_its_shards(models):
@@ -35,3 +56,6 @@ def test_tp2_each_rank_receives_exactly_its_shards(models):
         assert check["wrong"] == []
     # Every checkpoint tensor lands somewhere; the tied lm_head is the embedding.
     assert out["checks"][0]["checked"] == out["checks"][1]["checked"] == out["layout_tensors"]
+    fresh = run_script("run_generate.py", _trained_copy(models["llama_tied"], models["llama_tied"] + "-trained"), "2",
+                       tp=2)
+    assert out["served"] == fresh["served"]

@@ -27,6 +27,11 @@ class RankMemory:
     processed: List[str] = field(default_factory=list)
     staging: Dict[str, torch.Tensor] = field(default_factory=dict)
     pieces: Dict[str, Tuple[List[int], List[int]]] = field(default_factory=dict)
+    # What vLLM's processing must run on after bytes land (shardcast.vllm.apply): every processed
+    # parameter (from its staging tensor) and every direct one whose layer derives kernel state
+    # from it (from the live parameter itself: an lm_head the CPU backend prepacks keeps its
+    # weight in the loader's layout, yet computes with a packed copy made from it).
+    reprocess: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def is_direct(live: torch.Tensor, pm: ParamMap) -> bool:
@@ -35,10 +40,25 @@ def is_direct(live: torch.Tensor, pm: ParamMap) -> bool:
             and live.device.type in ("cpu", "cuda"))
 
 
-def rank_memory(maps: Mapping[str, ParamMap], live: Mapping[str, torch.Tensor]) -> RankMemory:
+def derives_kernel_state(layer: torch.nn.Module) -> bool:
+    """Whether vLLM processes `layer`'s weights after loading (a quantisation method, or the
+    layer's own hook): then its kernels may compute with state derived from the parameters (a
+    packed copy), and bytes landing in a parameter are not in service until that runs again."""
+    try:
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    except ImportError:
+        return True  # cannot tell: process it, which is never wrong
+    return isinstance(getattr(layer, "quant_method", None), QuantizeMethodBase) or callable(
+        getattr(layer, "process_weights_after_loading", None))
+
+
+def rank_memory(maps: Mapping[str, ParamMap], live: Mapping[str, torch.Tensor],
+                modules: Mapping[str, torch.nn.Module] = None) -> RankMemory:
     """The tensors this worker registers for `maps` (probe's result), `live` its named parameters
-    (`named_parameters(remove_duplicate=False)`). A checkpoint tensor landing in two parameters of
-    one worker is an error naming both (one rank holds one buffer per tensor)."""
+    (`named_parameters(remove_duplicate=False)`), `modules` its named modules (to tell which
+    direct parameters' layers must be processed again; without them, all are). A checkpoint tensor
+    landing in two parameters of one worker is an error naming both (one rank holds one buffer per
+    tensor)."""
     out = RankMemory()
     where: Dict[str, str] = {}
     for name, pm in maps.items():
@@ -46,9 +66,18 @@ def rank_memory(maps: Mapping[str, ParamMap], live: Mapping[str, torch.Tensor]) 
         if is_direct(param, pm):
             memory = param.data.reshape(-1)
             out.direct.append(name)
+            # The parameter under every name it has (a tied lm_head is the embedding's): each of
+            # those layers may keep state derived from it.
+            for alias, other in live.items():
+                if other is not param:
+                    continue
+                layer = (modules or {}).get(alias.rpartition(".")[0])
+                if layer is None or derives_kernel_state(layer):
+                    out.reprocess[alias] = param
         else:
             staged = torch.zeros(pm.shape, dtype=pm.dtype, device=param.device)
             out.staging[name] = staged
+            out.reprocess[name] = staged
             memory = staged.reshape(-1)
             out.processed.append(name)
         for l in pm.landings:
