@@ -59,3 +59,19 @@ def test_tp2_each_rank_receives_exactly_its_shards(models):
     fresh = run_script("run_generate.py", _trained_copy(models["llama_tied"], models["llama_tied"] + "-trained"), "2",
                        tp=2)
     assert out["served"] == fresh["served"]
+
+
+def test_the_shardcast_backend_through_vllms_own_rl_calls(models):
+    # LLM(..., weight_transfer_config={"backend": "shardcast"}): the plugin registers the backend
+    # in every vLLM process; init, start, update_weights, finish as an RL trainer calls them.
+    with LocalCluster(["n0"]) as c:
+        out = run_script("run_engine.py", models["llama"], "1", c.target("n0"))
+    fresh = run_script("run_generate.py", _trained_copy(models["llama"], models["llama"] + "-trained"), "1")
+    assert out["served"] == fresh["served"]
+    assert out["weight_version"] == "1"
+    # A version that does not arrive raises (naming what the rank holds), never serves stale weights
+    # as new, and the engine keeps serving version 1.
+    # (vLLM shortens the worker's message in the middle.)
+    error = out["missing_version_error"]
+    assert "DEADLINE_EXCEEDED" in error and "its weights are stale (ranks: 0 ready(1))" in error
+    assert out["served_after"] == out["served"]

@@ -1,0 +1,118 @@
+"""The `shardcast` weight-transfer backend, worker side: a vLLM `WeightTransferEngine` whose
+bytes arrive through the node's shardcastd instead of a collective.
+
+- `init_transfer_engine`: the worker probes its model (shardcast.vllm.probe), derives its
+  destination rank (shardcast.vllm.layout), gathers every rank's pieces and node over vLLM's
+  tensor-parallel group, and registers the rank with its node's daemon as part of one destination
+  group (every rank registers the same layout). Direct parameters are registered in place.
+- `receive_weights({"version": V})`: waits until this worker's rank is ready at V (the trainer's
+  sync commits it); a dirty rank raises at once, naming it, and a version that does not arrive in
+  time raises naming the version the rank is at. Never returns with stale weights.
+- `finish_weight_update`: re-runs vLLM's processing for the layers that need it
+  (shardcast.vllm.apply), putting the landed bytes into service.
+
+Imports vLLM: load it only inside vLLM processes (the plugin does, shardcast.vllm.plugin)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from shardcast.vllm.apply import process_staged
+from shardcast.vllm.layout import destination_layout, rank_memory
+from shardcast.vllm.probe import ProbeError, probe
+
+
+@dataclass
+class ShardcastInitInfo(WeightTransferInitInfo):
+    """What the trainer tells the workers once: the checkpoint's tensors (name -> [shape, dtype
+    name], the names the model's `load_weights` takes), the destination group to register, and the
+    daemon (default: the node's socket, SHARDCAST_ADDRESS / SHARDCAST_SOCKET)."""
+
+    checkpoint: Dict[str, List[Any]] = field(default_factory=dict)
+    group: str = "vllm"
+    daemon: str = ""
+
+
+@dataclass
+class ShardcastUpdateInfo(WeightTransferUpdateInfo):
+    """One update: the version the trainer synced (or is syncing) into the group."""
+
+    version: int = 0
+    timeout_s: float = 600.0
+
+
+class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, ShardcastUpdateInfo]):
+    init_info_cls = ShardcastInitInfo
+    update_info_cls = ShardcastUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.client = None
+        self.registration = None
+        self.memory = None
+        self.group = ""
+
+    def init_transfer_engine(self, init_info: ShardcastInitInfo) -> None:
+        import shardcast
+        from vllm.distributed.parallel_state import get_tp_group
+
+        if not init_info.checkpoint:
+            raise ValueError("shardcast: init_info.checkpoint is empty (name -> [shape, dtype] of every tensor)")
+        if self.registration is not None:
+            raise RuntimeError(f'shardcast: this worker already registered group "{self.group}"')
+        shapes = {name: tuple(int(s) for s in spec[0]) for name, spec in init_info.checkpoint.items()}
+        maps = probe(self.model, shapes)
+        self.memory = rank_memory(maps, dict(self.model.named_parameters(remove_duplicate=False)),
+                                  dict(self.model.named_modules()))
+        self.client = shardcast.Client(init_info.daemon or None)
+        tp = get_tp_group()
+        mine = {"node": self.client.status().node, "pieces": self.memory.pieces,
+                "dtypes": {l.tensor: str(pm.dtype).replace("torch.", "") for pm in maps.values() for l in pm.landings}}
+        everyone: List[Optional[dict]] = [None] * tp.world_size
+        torch.distributed.all_gather_object(everyone, mine, group=tp.cpu_group)
+        dtypes: Dict[str, str] = {}
+        for r in everyone:
+            dtypes.update(r["dtypes"])
+        checkpoint = {name: (shapes[name], getattr(torch, dtypes.get(name, str(spec[1])))) for name, spec in
+                      init_info.checkpoint.items()}
+        layout = destination_layout(init_info.group, [r["node"] for r in everyone], [r["pieces"] for r in everyone],
+                                    checkpoint)
+        self.group = init_info.group
+        self.registration = self.client.register(self.group, tp.rank_in_group, tp.world_size, self.memory.tensors,
+                                                 layout)
+
+    def start_weight_update(self) -> None:
+        if self.registration is None:
+            raise RuntimeError("shardcast: start_weight_update before init_transfer_engine")
+
+    def receive_weights(self, update_info: ShardcastUpdateInfo) -> None:
+        if self.registration is None:
+            raise RuntimeError("shardcast: update_weights before init_transfer_engine")
+        if update_info.version <= 0:
+            raise ValueError(f"shardcast: update_info.version must be a version >= 1, not {update_info.version}")
+        self.client.wait_version(self.group, update_info.version, timeout=update_info.timeout_s)
+
+    def finish_weight_update(self) -> None:
+        if self.memory is None:
+            raise RuntimeError("shardcast: finish_weight_update before init_transfer_engine")
+        process_staged(self.model, self.memory.reprocess)
+
+    def shutdown(self) -> None:
+        if self.registration is not None:
+            self.registration.close()
+            self.registration = None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+__all__ = ["ShardcastInitInfo", "ShardcastUpdateInfo", "ShardcastWeightTransferEngine", "ProbeError"]
