@@ -75,3 +75,14 @@ def test_the_shardcast_backend_through_vllms_own_rl_calls(models):
     error = out["missing_version_error"]
     assert "DEADLINE_EXCEEDED" in error and "its weights are stale (ranks: 0 ready(1))" in error
     assert out["served_after"] == out["served"]
+
+
+def test_the_backend_at_tp2_gathers_every_workers_pieces_itself(models):
+    # Each worker's pieces gathered over vLLM's own tensor-parallel group (gloo), not by a driver.
+    with LocalCluster(["n0"]) as c:
+        out = run_script("run_engine.py", models["llama_tied"], "2", c.target("n0"), tp=2)
+    fresh = run_script("run_generate.py", _trained_copy(models["llama_tied"], models["llama_tied"] + "-trained"), "2",
+                       tp=2)
+    assert out["served"] == fresh["served"]
+    assert "DEADLINE_EXCEEDED" in out["missing_version_error"]
+    assert out["served_after"] == out["served"]
