@@ -19,13 +19,14 @@ except ImportError:  # the main test venv: these tests are scripts/test-vllm.sh'
     collect_ignore_glob = ["test_*.py"]
 
 
-def run_script(script: str, *args: str, timeout: float = 600, tp: int = 1) -> dict:
+def run_script(script: str, *args: str, timeout: float = 600, tp: int = 1, env_extra: dict | None = None) -> dict:
     """Runs a script of this directory in its own process (vLLM starts its engine processes) and
     returns the JSON it printed on its RESULT line."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     if tp == 2:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per TP rank
+    env.update(env_extra or {})
     proc = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
     for line in proc.stdout.splitlines():

@@ -86,3 +86,15 @@ def test_the_backend_at_tp2_gathers_every_workers_pieces_itself(models):
     assert out["served"] == fresh["served"]
     assert "DEADLINE_EXCEEDED" in out["missing_version_error"]
     assert out["served_after"] == out["served"]
+
+
+def test_trainer_and_worker_engines_from_vllms_factories(models):
+    # The trainer engine registers the model's parameters in place and drives vLLM's update itself;
+    # the workers find their node's daemon as deployed processes do (SHARDCAST_ADDRESS).
+    with LocalCluster(["n0"]) as c:
+        out = run_script("run_trainer.py", models["llama"], "1", c.target("n0"),
+                         env_extra={"SHARDCAST_ADDRESS": c.target("n0")})
+    assert out["engine"] == "ShardcastTrainerEngine"
+    assert out["weight_version"] == "1"
+    fresh = run_script("run_generate.py", _trained_copy(models["llama"], models["llama"] + "-trained"), "1")
+    assert out["served"] == fresh["served"]

@@ -1,14 +1,15 @@
 """vLLM's general-plugin entry point (`vllm.general_plugins`: shardcast): registers the `shardcast`
-weight-transfer backend in every vLLM process (engine core, each worker), so that
-`LLM(..., weight_transfer_config={"backend": "shardcast"})` finds it. Registering twice is
+weight-transfer backend, in both registries (workers, trainers), in every vLLM process (engine
+core, each worker), so that `LLM(..., weight_transfer_config={"backend": "shardcast"})` finds it. Registering twice is
 harmless (vLLM may load plugins more than once per process)."""
 
 
 def register() -> None:
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    try:
-        WeightTransferEngineFactory.register_engine("shardcast", "shardcast.vllm.engine",
-                                                    "ShardcastWeightTransferEngine")
-    except ValueError:  # registered already in this process
-        pass
+    for factory, module, name in ((WeightTransferEngineFactory, "shardcast.vllm.engine", "ShardcastWeightTransferEngine"),
+                                  (WeightTransferTrainerFactory, "shardcast.vllm.trainer", "ShardcastTrainerEngine")):
+        try:
+            factory.register_engine("shardcast", module, name)
+        except ValueError:  # registered already in this process
+            pass

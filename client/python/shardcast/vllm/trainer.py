@@ -1,0 +1,106 @@
+"""The `shardcast` weight-transfer backend, trainer side: a vLLM `TrainerWeightTransferEngine`.
+
+`trainer_init` runs on every trainer rank and registers the rank's parameters with its node's
+daemon in place, as a source group (DTensors: their layout from mesh and placements; plain
+tensors: one rank holding them whole). The sender (rank 0) then tells the inference workers what
+the checkpoint holds (`init_weight_transfer_engine`). `send_weights` runs on every rank after
+an optimizer step: each rank publishes the next version of its parameters, and the sender syncs
+that version into the inference group and drives vLLM's update (`start_weight_update`,
+`update_weights({"version": V})`, `finish_weight_update(str(V))`).
+
+The trainer's parameter names must be the checkpoint's (what the model's `load_weights` takes): a
+Hugging Face model's own `named_parameters()` are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, Optional
+
+import torch
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+
+from shardcast.vllm import plugin
+
+plugin.register()  # the trainer registry too, for a process that defines these first
+
+
+@dataclass
+class ShardcastTrainerInitInfo(TrainerInitInfo):
+    """`group`: the trainer's source group; `destination`: the inference group the workers register
+    (their `ShardcastInitInfo.group`); `daemon`: this node's shardcastd ("": the local socket);
+    `delta`: the sync's delta mode (docs/delta.md); `timeout_s`: how long the workers wait for a
+    version."""
+
+    backend: ClassVar[str] = "shardcast"
+    group: str = "trainer"
+    destination: str = "vllm"
+    daemon: str = ""
+    delta: str = "off"
+    timeout_s: float = 600.0
+
+
+def _module_of(source: Any) -> torch.nn.Module:
+    module = getattr(source, "_module", None) if source is not None else None
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError("shardcast: trainer_init registers a module's parameters in place: pass "
+                         "source=ModuleSource(model)")
+    return module
+
+
+class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInfo]):
+    init_info_cls = ShardcastTrainerInitInfo
+
+    def __init__(self, *, client, source=None, is_sender: bool = True) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.info: Optional[ShardcastTrainerInitInfo] = None
+        self.shardcast = None
+        self.registration = None
+        self.version = 0
+
+    @classmethod
+    def trainer_init(cls, init_info: ShardcastTrainerInitInfo, *, client, source=None) -> "ShardcastTrainerEngine":
+        import shardcast
+
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        engine.info = init_info
+        params: Dict[str, torch.Tensor] = dict(_module_of(source).named_parameters())
+        engine.shardcast = shardcast.Client(init_info.daemon or None)
+        is_dtensor = any(type(t).__name__ == "DTensor" for t in params.values())
+        if is_dtensor:
+            engine.registration = engine.shardcast.register_dtensors(init_info.group, params)
+        else:
+            node = engine.shardcast.status().node
+            layout = {"group": init_info.group, "mesh": {"shape": [1]}, "nodes": [node],
+                      "tensors": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+                                  for n, t in params.items()]}
+            engine.registration = engine.shardcast.register(init_info.group, 0, 1, params, layout, role="source")
+        if engine.is_sender:
+            checkpoint = {n: [list(m.shape), str(m.dtype).replace("torch.", "")] for n, m in
+                          ((p.name, p) for p in source.metadata())}
+            client.init_weight_transfer_engine({"checkpoint": checkpoint, "group": init_info.destination,
+                                                "daemon": ""})
+        return engine
+
+    def send_weights(self) -> None:
+        self.version += 1
+        version = self.version
+        # Every rank: its parameters hold this version (acquire waits for syncs still reading them).
+        self.registration.acquire()
+        self.registration.publish(version)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # every rank published before the sender syncs
+        if not self.is_sender:
+            return
+        self.client.start_weight_update()
+        self.shardcast.sync(self.info.group, self.info.destination, version, delta=self.info.delta,
+                            wait_for_ranks=True)
+        self.client.update_weights({"version": version, "timeout_s": self.info.timeout_s})
+        self.client.finish_weight_update(str(version))
+
+    def shutdown(self) -> None:
+        if self.registration is not None:
+            self.registration.close()
+            self.registration = None
+        if self.shardcast is not None:
+            self.shardcast.close()
+            self.shardcast = None
