@@ -1,33 +1,76 @@
 #!/usr/bin/env bash
-# Builds everything and runs every test: pytest (Python client, examples, real PyTorch DTensor
-# syncs, deployment) in the test venv, the fuzzers for 20 s each, then ctest. ctest's summary is
-# the last thing printed.
-# With --sanitize: an ASan/UBSan build in build-asan/ (the daemons the Python tests start too).
+# Builds everything and runs every test. ctest's summary is the last thing printed.
+#
+#   scripts/test.sh             the complete suite (what .ci/run runs): format check, build, the GPU
+#                               bundle, pytest (Python client, examples, real PyTorch DTensor syncs,
+#                               deployment), the vLLM backend against a real vLLM on the CPU, the
+#                               fuzzers for a short fixed time, then every ctest test
+#   scripts/test.sh --quick     the inner loop (a few minutes after a build): unit, property and
+#                               contract tests and single real syncs; everything tagged slow is left
+#                               out (ctest label `slow`, pytest marker `slow`, the vLLM tests, fuzzing)
+#   scripts/test.sh --sanitize  the complete suite on an ASan/UBSan build in build-asan/ (the daemons
+#                               the Python tests start too); no vLLM tests, no fuzzing (own build)
+#
+# Each phase prints its time; the times are summed up again before ctest runs.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="$root/build"
-mode=()
-if [ "${1:-}" = "--sanitize" ]; then
-  mode=(--sanitize)
-  build="$root/build-asan"
-  export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+tier=full
+case "${1:-}" in
+  "") ;;
+  --quick) tier=quick ;;
+  --sanitize)
+    tier=sanitize
+    build="$root/build-asan"
+    export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+    ;;
+  -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  *) echo "test.sh: unknown option $1 (--quick, --sanitize, --help)" >&2; exit 2 ;;
+esac
+
+times=()
+phase() {  # phase NAME COMMAND...: runs it, prints and records how long it took
+  local name="$1" start=$SECONDS
+  shift
+  "$@"
+  times+=("$(printf '%-28s %4d s' "$name" $((SECONDS - start)))")
+  echo "== $name: $((SECONDS - start)) s" >&2
+}
+
+deps=()
+[ "$tier" = full ] && deps=(vllm)  # the vLLM venv as well (a few GB from PyPI, once)
+phase "deps" bash "$root/scripts/deps.sh" "${deps[@]}"
+phase "format check" bash "$root/scripts/format.sh" --check  # first: it fails fast
+if [ "$tier" = sanitize ]; then
+  phase "build (ASan/UBSan)" bash "$root/scripts/build.sh" --sanitize
+else
+  phase "build" bash "$root/scripts/build.sh"
 fi
-bash "$root/scripts/deps.sh"  # Debian packages and the test venv (torch, grpcio, protobuf from PyPI)
-bash "$root/scripts/format.sh" --check  # sources as .clang-format says (first: it fails fast)
-bash "$root/scripts/build.sh" "${mode[@]}"
 # The GPU bundle scripts/device-check.sh runs where a GPU is: built and size-checked every time.
-if [ ${#mode[@]} -eq 0 ]; then bash "$root/scripts/device-bundle.sh"; fi
+[ "$tier" = full ] && phase "device bundle" bash "$root/scripts/device-bundle.sh"
+
 py="$root/.venv/bin/python"
 # The client package as installed by pip, from this checkout (the venv may hold an older one).
 "$py" -m pip install -q --no-deps --no-build-isolation --force-reinstall "$root/client/python"
 "$py" -c 'import google.protobuf, grpc, torch; print(f"test venv: torch {torch.__version__}, grpcio {grpc.__version__}, protobuf {google.protobuf.__version__}")'
+export SHARDCAST_BUILD="$build"
+markers=()
+[ "$tier" = quick ] && markers=(-m "not slow")
 # pytest: the Python client and the examples, then the deployment checks (manifests validated
 # against Kubernetes' schemas, consistency with the daemon's flags, the daemon run as the
 # DaemonSet says). Separate runs: each directory has its own conftest.
-export SHARDCAST_BUILD="$build"
-"$py" -m pytest -q -rs "$root/client/python/tests"
-"$py" -m pytest -q -rs "$root/deploy/tests"
-# Every libFuzzer target for a short fixed time on its ASan + UBSan build (build-fuzz/, clang).
-bash "$root/scripts/fuzz.sh" --seconds "${SHARDCAST_FUZZ_SECONDS:-20}"
+phase "pytest client" "$py" -m pytest -q -rs -p no:cacheprovider "${markers[@]}" "$root/client/python/tests"
+phase "pytest deploy" "$py" -m pytest -q -rs -p no:cacheprovider "${markers[@]}" "$root/deploy/tests"
+if [ "$tier" = full ]; then
+  # shardcast.vllm inside a real vLLM (the vLLM venv of scripts/deps.sh vllm).
+  phase "pytest vllm" bash "$root/scripts/test-vllm.sh" -p no:cacheprovider
+  # Every libFuzzer target for a short fixed time on its ASan + UBSan build (build-fuzz/, clang).
+  phase "fuzz" bash "$root/scripts/fuzz.sh" --seconds "${SHARDCAST_FUZZ_SECONDS:-20}"
+fi
+
+echo "test.sh ($tier): time per phase" >&2
+printf '  %s\n' "${times[@]}" >&2
+labels=()
+[ "$tier" = quick ] && labels=(-LE slow)
 cd "$build"
-ctest --output-on-failure -j "$(nproc 2>/dev/null || echo 2)"
+ctest --output-on-failure -j "$(nproc 2>/dev/null || echo 2)" "${labels[@]}"

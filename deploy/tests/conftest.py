@@ -147,3 +147,8 @@ def local_tls(tmp_path_factory) -> Path:
 def localize(value: str, tls: Path) -> str:
     """`value` with the pod's TLS directory replaced by this machine's copy."""
     return value.replace(TLS_DIR, str(tls))
+
+
+def pytest_configure(config):
+    # scripts/test.sh --quick runs -m "not slow"; the complete suite runs everything.
+    config.addinivalue_line("markers", "slow: left out of the quick tier (scripts/test.sh --quick)")

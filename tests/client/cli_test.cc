@@ -128,7 +128,7 @@ TEST_CASE("CLI: sync, watch, status, layouts and wait against a running cluster"
   CHECK(cli({"sync", "--src", "trainer", "--dst", "nobody", "--version", "4", "--daemon", daemon}).rc == 5);
 }
 
-TEST_CASE("CLI: exit codes tell usage errors and an unreachable daemon apart", "[cli]") {
+TEST_CASE("CLI: exit codes tell usage errors and an unreachable daemon apart", "[cli][slow]") {
   CHECK(cli({"sync", "--src", "a", "--dst", "b"}).rc == 2);  // --version missing
   CHECK(cli({"sync", "--src", "a", "--dst", "b", "--version", "x"}).rc == 2);
   CHECK(cli({"sync", "--src", "a", "--dst", "b", "--version", "0"}).rc == 2);

@@ -24,6 +24,7 @@
 #include "planner/layout.h"
 #include "tests/daemon/daemon_harness.h"
 #include "tests/daemon/rank_memory.h"
+#include "tests/support/skip.h"
 #include "transport/transport.h"
 
 using namespace shardcast;
@@ -167,8 +168,7 @@ TEST_CASE("put over transports that cannot bound it needs --insecure", "[daemon]
 TEST_CASE("a local caller of another uid cannot register, take or change another user's memory and ranks",
           "[daemon][security]") {
   if (::geteuid() != 0) {
-    WARN("needs root to run a caller as another uid (setpriv): skipped");
-    return;
+    SHARDCAST_SKIP("needs root to run a caller as another uid (setpriv)");
   }
   Daemon d("n0", freePort(), {});
   REQUIRE(d.ready());
@@ -215,8 +215,7 @@ TEST_CASE("a local caller of another uid cannot register, take or change another
 
 TEST_CASE("a local caller syncs only into its own groups, out of its own or granted ones", "[daemon][security]") {
   if (::geteuid() != 0) {
-    WARN("needs root to run a caller as another uid (setpriv): skipped");
-    return;
+    SHARDCAST_SKIP("needs root to run a caller as another uid (setpriv)");
   }
   Daemon d("n0", freePort(), {});
   REQUIRE(d.ready());
@@ -279,8 +278,7 @@ TEST_CASE("a local caller syncs only into its own groups, out of its own or gran
 
 TEST_CASE("after a restart a group's name stays its owner's: another uid cannot squat it", "[daemon][security]") {
   if (::geteuid() != 0) {
-    WARN("needs root to run a caller as another uid (setpriv): skipped");
-    return;
+    SHARDCAST_SKIP("needs root to run a caller as another uid (setpriv)");
   }
   const char* two = R"({"group":"held","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
     {"name":"w","shape":[16,16],"dtype":"float32","placements":[{"replicate":{}}]}]})";
@@ -312,8 +310,7 @@ TEST_CASE("after a restart a group's name stays its owner's: another uid cannot 
 
 TEST_CASE("idle Unix-socket connections of one uid are capped, the daemon serves everyone else", "[daemon][security]") {
   if (::geteuid() != 0) {
-    WARN("needs root to run a caller as another uid (setpriv): skipped");
-    return;
+    SHARDCAST_SKIP("needs root to run a caller as another uid (setpriv)");
   }
   Daemon d("n0", freePort(), {}, {"--max-local-connections-per-uid", "16"});
   REQUIRE(d.ready());
@@ -499,8 +496,7 @@ TEST_CASE("certificates are re-read: a rotated CA and identity are served withou
 
 TEST_CASE("a rank is replaced only by the uid that registered it, the group's owner included", "[daemon][security]") {
   if (::geteuid() != 0) {
-    WARN("needs root to hand segments to another uid (chown): skipped");
-    return;
+    SHARDCAST_SKIP("needs root to hand segments to another uid (chown)");
   }
   transport::TransportOptions o;
   o.backend = "loopback";

@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 
+#include "tests/support/skip.h"
 #include "transport/cuda/cuda_support.h"
 
 namespace shardcast::testing {
@@ -16,14 +17,14 @@ inline bool gpuRequired() {
 
 }  // namespace shardcast::testing
 
-// In a Catch2 test body: returns (skips) without a GPU, or fails when one is required.
-#define SHARDCAST_SKIP_WITHOUT_GPU()                                               \
-  do {                                                                             \
-    if (::shardcast::transport::cudaDeviceCount() == 0) {                          \
-      if (::shardcast::testing::gpuRequired())                                     \
-        FAIL("no GPU visible (" << ::shardcast::transport::cudaUnavailableReason() \
-                                << ") and SHARDCAST_REQUIRE_GPU is set");          \
-      WARN("skipped: " << ::shardcast::transport::cudaUnavailableReason());        \
-      return;                                                                      \
-    }                                                                              \
+// In a Catch2 test body: returns without a GPU, or fails when one is required. It prints
+// SHARDCAST-SKIPPED, which ctest reads as "skipped" (tests/CMakeLists.txt), never as passed.
+#define SHARDCAST_SKIP_WITHOUT_GPU()                                                 \
+  do {                                                                               \
+    if (::shardcast::transport::cudaDeviceCount() == 0) {                            \
+      if (::shardcast::testing::gpuRequired())                                       \
+        FAIL("no GPU visible (" << ::shardcast::transport::cudaUnavailableReason()   \
+                                << ") and SHARDCAST_REQUIRE_GPU is set");            \
+      SHARDCAST_SKIP("no GPU: " << ::shardcast::transport::cudaUnavailableReason()); \
+    }                                                                                \
   } while (0)

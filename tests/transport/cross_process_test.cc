@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "tests/support/binaries.h"
+#include "tests/support/skip.h"
 #include "tests/transport/process.h"
 #include "transport/transport.h"
 
@@ -141,8 +142,7 @@ TEST_CASE("a peer killed mid-transfer fails in-flight writes with a clear error,
 
 TEST_CASE("two network namespaces joined by veth, UCX_TLS=tcp", "[transport][process][netns]") {
   if (::geteuid() != 0 || std::system("command -v ip >/dev/null 2>&1") != 0) {
-    WARN("skipped: creating network namespaces needs root and iproute2");
-    return;
+    SHARDCAST_SKIP("creating network namespaces needs root and iproute2");
   }
   const std::string id = std::to_string(::getpid() % 100000);
   const std::string a = "sc-a-" + id, b = "sc-b-" + id, va = "sca" + id, vb = "scb" + id;
@@ -156,8 +156,7 @@ TEST_CASE("two network namespaces joined by veth, UCX_TLS=tcp", "[transport][pro
     }
   } cleanup{a, b};
   if (!sh("ip netns add " + a) || !sh("ip netns add " + b)) {
-    WARN("skipped: cannot create network namespaces here (no CAP_SYS_ADMIN?)");
-    return;
+    SHARDCAST_SKIP("cannot create network namespaces here (no CAP_SYS_ADMIN?)");
   }
   REQUIRE(sh("ip link add " + va + " type veth peer name " + vb));
   REQUIRE(sh("ip link set " + va + " netns " + a));

@@ -128,7 +128,7 @@ struct Pair {
 
 #define BACKENDS Loopback, UcxDefault, UcxTcpAm, UcxTcpAmUcxSegment, UcxTcpPut, UcxShmPut, UcxShmAm
 
-TEMPLATE_TEST_CASE("writes of 1 byte to 256 MiB at unaligned offsets arrive intact", "[transport]", BACKENDS) {
+TEMPLATE_TEST_CASE("writes of 1 byte to 256 MiB at unaligned offsets arrive intact", "[transport][slow]", BACKENDS) {
   Pair<TestType> p;
   INFO(p.a->describe());
   const size_t kMax = size_t{256} << 20;

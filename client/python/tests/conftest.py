@@ -28,3 +28,8 @@ def cluster():
     shardcastd_path()
     with LocalCluster(["n0", "n1"]) as c:
         yield [c.daemons["n0"], c.daemons["n1"]]
+
+
+def pytest_configure(config):
+    # scripts/test.sh --quick runs -m "not slow"; the complete suite runs everything.
+    config.addinivalue_line("markers", "slow: left out of the quick tier (scripts/test.sh --quick)")

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+import pytest
+
 import chaos
 
 
+@pytest.mark.slow
 def test_chaos_soak_no_torn_no_wedged_no_unnamed_failures():
     lines = []
     with chaos.Soak(seed=7, log=lines.append) as soak:

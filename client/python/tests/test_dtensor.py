@@ -154,6 +154,7 @@ def lm_expected(dst, plan, full):
     return lm.expected_local(full, plan.tp_rank, plan.tp_size)
 
 
+@pytest.mark.slow
 def test_fsdp2_over_4_ranks_uneven_into_vllm_tp(cluster):
     def placements(p):
         assert p["lm_head.weight"] == "(Shard(dim=0),)"  # 13 rows over 4 ranks: 4, 4, 4, 1
@@ -169,6 +170,7 @@ def test_tp_parallelize_module_over_2_ranks_into_vllm_tp(cluster):
     run_scenario(cluster, "tp", 2, lm_destinations, lm_expected, placements)
 
 
+@pytest.mark.slow
 def test_fsdp2_and_tp_on_a_2d_mesh_with_strided_shards_into_vllm_tp(cluster):
     def placements(p):
         assert "_StridedShard(dim=0, sf=2)" in p["layers.0.gate_proj.weight"], p["layers.0.gate_proj.weight"]
@@ -211,6 +213,7 @@ def moe_expected(dst, plan, full):
             "w13": torch.cat([full["w1"].chunk(k, dim=1)[t], full["w3"].chunk(k, dim=1)[t]], dim=1)}
 
 
+@pytest.mark.slow
 def test_expert_parallel_moe_into_expert_stacked_tp_and_into_ep(cluster):
     def placements(p):
         assert p["w1"] == "(Shard(dim=0),)" and p["router"] == "(Replicate(),)"

@@ -48,6 +48,7 @@ def go_example(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_go_example_syncs_watches_and_waits(go_example, registered):
     (n0, n1), workers = registered
     go = str(go_example)
@@ -103,6 +104,7 @@ def test_shell_example_syncs_with_the_cli(registered):
     write_and_check(workers, 2, run_sync)
 
 
+@pytest.mark.slow
 def test_rl_loop_example_sees_every_step():
     shardcastd_path()
     out = subprocess.run([sys.executable, str(ROOT / "client" / "examples" / "rl_loop" / "run.py"), "--steps", "2"],

@@ -68,6 +68,7 @@ def test_the_tests_run_the_pip_installed_package():
     assert int(google.protobuf.__version__.split(".")[0]) >= 4  # PyPI's runtime, not Debian 12's 3.21
 
 
+@pytest.mark.slow
 def test_pip_install_into_a_fresh_venv_and_sync(tmp_path):
     daemon = str(shardcastd_path())
     env_dir = tmp_path / "venv"

@@ -19,6 +19,12 @@ except ImportError:  # the main test venv: these tests are scripts/test-vllm.sh'
     collect_ignore_glob = ["test_*.py"]
 
 
+# A vLLM whose engine runs in the calling process (no engine-core process; at TP=1 the scripts add
+# the "uni" executor: no worker process either): the same model code and numbers, a third of the
+# start-up. For fresh references and probes; the backend's own tests run vLLM as deployed.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def run_script(script: str, *args: str, timeout: float = 600, tp: int = 1, env_extra: dict | None = None) -> dict:
     """Runs a script of this directory in its own process (vLLM starts its engine processes) and
     returns the JSON it printed on its RESULT line."""

@@ -1,9 +1,11 @@
-"""A fresh vLLM on MODEL at tensor-parallel size TP (CPU), the same engine configuration as
-run_sync.py: prints its greedy tokens and logprobs for run_sync.PROMPTS as one JSON result.
-Usage: python run_generate.py MODEL TP"""
+"""Fresh vLLMs, one after the other in this process, on each MODEL at tensor-parallel size TP (CPU),
+the engine configuration of the other scripts (engine_args): prints the greedy tokens and logprobs
+of each for PROMPTS as one JSON result, a list in the order given.
+Usage: python run_generate.py TP MODEL [MODEL...]"""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -11,11 +13,17 @@ import sys
 def main() -> None:
     from vllm import LLM
 
-    from run_sync import generate
+    from engines import engine_args, generate
 
-    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
-              gpu_memory_utilization=0.1, tensor_parallel_size=int(sys.argv[2]))
-    print("RESULT " + json.dumps({"served": generate(llm)}), flush=True)
+    tp, models = int(sys.argv[1]), sys.argv[2:]
+    served = []
+    for model in models:
+        llm = LLM(model=model, **engine_args(tp, **({"distributed_executor_backend": "uni"} if tp == 1 else {})))
+        served.append(generate(llm))
+        llm.llm_engine.engine_core.shutdown()  # its engine process (and workers) before the next one
+        del llm
+        gc.collect()
+    print("RESULT " + json.dumps({"served": served}), flush=True)
 
 
 if __name__ == "__main__":

@@ -43,16 +43,15 @@ def probe_worker(worker, model_dir: str):
 
 def main() -> None:
     model_dir, tp = sys.argv[1], int(sys.argv[2])
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
-              gpu_memory_utilization=0.1, tensor_parallel_size=tp)
-    params = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
-    before = [o.outputs[0].token_ids for o in llm.generate(["t5 t6 t7", "t9 t3"], params, use_tqdm=False)]
+    from engines import engine_args, generate
+
+    llm = LLM(model=model_dir, **engine_args(tp, **({"distributed_executor_backend": "uni"} if tp == 1 else {})))
+    before = generate(llm)
     workers = llm.collective_rpc(probe_worker, args=(model_dir,))
-    after = [o.outputs[0].token_ids for o in llm.generate(["t5 t6 t7", "t9 t3"], params, use_tqdm=False)]
-    print("RESULT " + json.dumps({"workers": workers, "before": [list(t) for t in before],
-                                  "after": [list(t) for t in after]}), flush=True)
+    after = generate(llm)
+    print("RESULT " + json.dumps({"workers": workers, "before": before, "after": after}), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ parallel embedding with padding, untied and tied lm_head, replicated norms)."""
 
 from __future__ import annotations
 
-from conftest import run_script
+from conftest import IN_PROCESS, run_script
 
 
 def landings(worker: dict, param: str) -> list:
@@ -23,7 +23,7 @@ def covered(entry: dict) -> int:
 
 
 def test_tp1_every_parameter_maps_and_live_ones_hold_the_checkpoint(models):
-    out = run_script("run_probe.py", models["llama"], "1")
+    out = run_script("run_probe.py", models["llama"], "1", env_extra=IN_PROCESS)
     (w,) = out["workers"]
     p = "model.layers.0."
     # QKV: q rows, then k, then v (GQA: 2 KV heads of 64), each a whole checkpoint tensor.
@@ -51,7 +51,7 @@ def test_tp1_every_parameter_maps_and_live_ones_hold_the_checkpoint(models):
 
 
 def test_tp2_shards_replicated_kv_heads_vocab_padding_and_tied_embeddings(models):
-    out = run_script("run_probe.py", models["llama_tied"], "2", tp=2)
+    out = run_script("run_probe.py", models["llama_tied"], "2", tp=2, env_extra=IN_PROCESS)
     w0, w1 = out["workers"]
     p = "model.layers.0."
     # Column parallel: each rank its half of q's rows (2 query heads of 64); one KV head, which

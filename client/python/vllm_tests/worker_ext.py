@@ -1,0 +1,26 @@
+"""A vLLM worker extension for the tests (`worker_extension_cls`, `--worker-extension-cls`): asks a
+worker whether the bytes its shardcast backend registered are a checkpoint's, cut the vLLM way."""
+
+from __future__ import annotations
+
+import os
+
+
+class ShardcastCheck:
+    def shardcast_check(self, checkpoint_dir: str) -> dict:
+        """Every tensor this worker's rank registered (a view into the live parameter for direct
+        ones, the staging tensor for processed ones) against its box of the checkpoint in
+        `checkpoint_dir`: the names that differ, and which parameters took which path."""
+        import torch
+        from safetensors import safe_open
+
+        memory = self.weight_transfer_engine.memory
+        wrong = []
+        with safe_open(os.path.join(checkpoint_dir, "model.safetensors"), "pt") as f:
+            for name, view in memory.tensors.items():
+                offsets, sizes = memory.pieces[name]
+                want = f.get_tensor(name)[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+                if not torch.equal(view, want.to(view.dtype)):
+                    wrong.append(name)
+        return {"wrong": wrong, "checked": len(memory.tensors), "direct": memory.direct,
+                "processed": memory.processed}
