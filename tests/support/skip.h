@@ -5,8 +5,8 @@
 
 #include <catch2/catch.hpp>
 
-#define SHARDCAST_SKIP(reason)                   \
-  do {                                           \
-    WARN("SHARDCAST-SKIPPED: " << reason);       \
-    return;                                      \
+#define SHARDCAST_SKIP(reason)             \
+  do {                                     \
+    WARN("SHARDCAST-SKIPPED: " << reason); \
+    return;                                \
   } while (0)
