@@ -65,7 +65,7 @@ if [ "$tier" = full ]; then
   # shardcast.vllm inside a real vLLM (the vLLM venv of scripts/deps.sh vllm).
   phase "pytest vllm" bash "$root/scripts/test-vllm.sh" -p no:cacheprovider
   # Every libFuzzer target for a short fixed time on its ASan + UBSan build (build-fuzz/, clang).
-  phase "fuzz" bash "$root/scripts/fuzz.sh" --seconds "${SHARDCAST_FUZZ_SECONDS:-20}"
+  phase "fuzz" bash "$root/scripts/fuzz.sh" --seconds "${SHARDCAST_FUZZ_SECONDS:-10}"
 fi
 
 echo "test.sh ($tier): time per phase" >&2

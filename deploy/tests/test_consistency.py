@@ -299,3 +299,8 @@ def test_the_docs_and_the_dockerfile_name_the_daemons_version():
         assert set(tags) <= {version, f"{version}-cuda"}, (path, tags)
         tags = re.findall(r"tag `([0-9][A-Za-z0-9.\-]*)`", path.read_text())
         assert set(tags) <= {version, f"{version}-cuda"}, (path, tags)
+
+
+def test_the_python_package_is_the_daemons_version():
+    text = (ROOT / "client" / "python" / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"', text, re.M).group(1) == daemon_version()

@@ -58,3 +58,26 @@ def test_fsdp2_trainer_into_vllm_serve_tp2_over_http(models, tmp_path):
     paths = check_steps(out, 2)
     assert "model.embed_tokens.weight" in paths["direct"]
     assert "model.layers.0.self_attn.qkv_proj.weight" in paths["processed"]
+
+
+def test_a_daemon_killed_mid_update_raises_naming_the_rank_and_vllm_serves_on(models, tmp_path):
+    # Double-buffered workers (no byte lands in a live parameter before the update finishes); the
+    # trainer is one process of plain tensors (the trainer engine's non-DTensor path).
+    out = run_script("run_failure.py", models["llama"], str(tmp_path), env_extra=IN_PROCESS, timeout=600)
+    fresh = run_script("run_generate.py", "1", out["dir_1"], out["dir_3"], env_extra=IN_PROCESS)["served"]
+    # Step 1: while the bytes had landed but the update had not finished, vLLM served its old
+    # weights; after finish, exactly the step's.
+    assert out["served_landed"] == out["served_0"]
+    assert out["served_1"] == fresh[0]
+    assert out["served_1"] != out["served_0"]
+    assert all(c["wrong"] == [] for c in out["checks_1"])
+    # Step 2: the vLLM node's daemon killed mid-sync: the update raises naming the rank, and vLLM
+    # serves step 1 as before.
+    failure = out["failure"]
+    assert "version 2 did not reach 'vllm'" in failure, failure
+    assert 'rank 0 of group "vllm" on node "n1"' in failure, failure
+    assert out["served_after_failure"] == out["served_1"]
+    # Step 3, after the daemon's restart: the update succeeds.
+    assert out["served_3"] == fresh[1]
+    assert all(c["wrong"] == [] for c in out["checks_3"])
+    assert out["weight_version"] == "3"

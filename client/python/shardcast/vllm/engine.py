@@ -4,12 +4,20 @@ bytes arrive through the node's shardcastd instead of a collective.
 - `init_transfer_engine`: the worker probes its model (shardcast.vllm.probe), derives its
   destination rank (shardcast.vllm.layout), gathers every rank's pieces and node over vLLM's
   tensor-parallel group, and registers the rank with its node's daemon as part of one destination
-  group (every rank registers the same layout). Direct parameters are registered in place.
+  group (every rank registers the same layout). Direct parameters are registered in place, or,
+  double-buffered (`double_buffer`), a staging copy of them is.
 - `receive_weights({"version": V})`: waits until this worker's rank is ready at V (the trainer's
   sync commits it); a dirty rank raises at once, naming it, and a version that does not arrive in
   time raises naming the version the rank is at. Never returns with stale weights.
-- `finish_weight_update`: re-runs vLLM's processing for the layers that need it
+- `finish_weight_update`: double-buffered, copies the landed direct parameters into the live ones
+  (the only pause the update needs); then re-runs vLLM's processing for the layers that need it
   (shardcast.vllm.apply), putting the landed bytes into service.
+
+Double buffering keeps vLLM serving its current weights while a sync lands (no byte lands in a
+live parameter before `finish_weight_update`), and a failed update leaves them untouched. Without
+it, direct parameters take the bytes as they land: keep generation paused (vLLM's /pause) from
+`start_weight_update` until an update succeeds, since a failed one leaves them torn (the rank is
+dirty, and `update_weights` says so).
 
 Imports vLLM: load it only inside vLLM processes (the plugin does, shardcast.vllm.plugin)."""
 
@@ -39,6 +47,7 @@ class ShardcastInitInfo(WeightTransferInitInfo):
     checkpoint: Dict[str, List[Any]] = field(default_factory=dict)
     group: str = "vllm"
     daemon: str = ""
+    double_buffer: bool = False
 
 
 @dataclass
@@ -72,7 +81,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         shapes = {name: tuple(int(s) for s in spec[0]) for name, spec in init_info.checkpoint.items()}
         maps = probe(self.model, shapes)
         self.memory = rank_memory(maps, dict(self.model.named_parameters(remove_duplicate=False)),
-                                  dict(self.model.named_modules()))
+                                  dict(self.model.named_modules()), double_buffer=init_info.double_buffer)
         self.client = shardcast.Client(init_info.daemon or None)
         tp = get_tp_group()
         mine = {"node": self.client.status().node, "pieces": self.memory.pieces,
@@ -87,6 +96,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         layout = destination_layout(init_info.group, [r["node"] for r in everyone], [r["pieces"] for r in everyone],
                                     checkpoint)
         self.group = init_info.group
+        self.where = f'rank {tp.rank_in_group} of group "{self.group}" on node "{mine["node"]}"'
         self.registration = self.client.register(self.group, tp.rank_in_group, tp.world_size, self.memory.tensors,
                                                  layout)
 
@@ -99,11 +109,15 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
             raise RuntimeError("shardcast: update_weights before init_transfer_engine")
         if update_info.version <= 0:
             raise ValueError(f"shardcast: update_info.version must be a version >= 1, not {update_info.version}")
-        self.client.wait_version(self.group, update_info.version, timeout=update_info.timeout_s)
+        try:
+            self.client.wait_version(self.group, update_info.version, timeout=update_info.timeout_s)
+        except Exception as e:  # the daemon's error (a dirty rank, a timeout) or its absence, with the rank
+            raise RuntimeError(f"shardcast: {self.where} did not receive version {update_info.version}: {e}") from e
 
     def finish_weight_update(self) -> None:
         if self.memory is None:
             raise RuntimeError("shardcast: finish_weight_update before init_transfer_engine")
+        self.memory.flip()
         process_staged(self.model, self.memory.reprocess)
 
     def shutdown(self) -> None:

@@ -32,6 +32,15 @@ class RankMemory:
     # from it (from the live parameter itself: an lm_head the CPU backend prepacks keeps its
     # weight in the loader's layout, yet computes with a packed copy made from it).
     reprocess: Dict[str, torch.Tensor] = field(default_factory=dict)
+    # Double-buffered: direct parameters land in a staging tensor of their own too, copied into the
+    # live parameter when the update finishes (parameter name -> (staging, live)).
+    flips: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def flip(self) -> None:
+        """Puts double-buffered direct parameters' landed bytes into the live parameters (in place:
+        their storage stays, so CUDA graphs over them stay valid)."""
+        for staged, live in self.flips.values():
+            live.data.copy_(staged.view(live.shape))
 
 
 def is_direct(live: torch.Tensor, pm: ParamMap) -> bool:
@@ -53,18 +62,25 @@ def derives_kernel_state(layer: torch.nn.Module) -> bool:
 
 
 def rank_memory(maps: Mapping[str, ParamMap], live: Mapping[str, torch.Tensor],
-                modules: Mapping[str, torch.nn.Module] = None) -> RankMemory:
+                modules: Mapping[str, torch.nn.Module] = None, double_buffer: bool = False) -> RankMemory:
     """The tensors this worker registers for `maps` (probe's result), `live` its named parameters
     (`named_parameters(remove_duplicate=False)`), `modules` its named modules (to tell which
-    direct parameters' layers must be processed again; without them, all are). A checkpoint tensor
-    landing in two parameters of one worker is an error naming both (one rank holds one buffer per
-    tensor)."""
+    direct parameters' layers must be processed again; without them, all are). With
+    `double_buffer`, no byte lands in a live parameter: direct ones get a staging tensor too
+    (RankMemory.flips), so the engine serves its current weights until the update finishes, and a
+    failed update leaves them as they were. A checkpoint tensor landing in two parameters of one
+    worker is an error naming both (one rank holds one buffer per tensor)."""
     out = RankMemory()
     where: Dict[str, str] = {}
     for name, pm in maps.items():
         param = live[name]
         if is_direct(param, pm):
-            memory = param.data.reshape(-1)
+            if double_buffer:
+                staged = torch.zeros(pm.shape, dtype=pm.dtype, device=param.device)
+                out.flips[name] = (staged, param)
+                memory = staged.reshape(-1)
+            else:
+                memory = param.data.reshape(-1)
             out.direct.append(name)
             # The parameter under every name it has (a tied lm_head is the embedding's): each of
             # those layers may keep state derived from it.

@@ -29,7 +29,10 @@ class ShardcastTrainerInitInfo(TrainerInitInfo):
     """`group`: the trainer's source group; `destination`: the inference group the workers register
     (their `ShardcastInitInfo.group`); `daemon`: this node's shardcastd ("": the local socket);
     `delta`: the sync's delta mode (docs/delta.md); `timeout_s`: how long the workers wait for a
-    version."""
+    version; `double_buffer`: the workers' direct parameters double-buffered (vLLM serves during
+    the transfer, and a failed update leaves it serving the previous version); `wait_for_ranks`:
+    a sync that finds a rank or a daemon missing waits for it (up to the daemon's sync timeout)
+    instead of failing at once, naming it."""
 
     backend: ClassVar[str] = "shardcast"
     group: str = "trainer"
@@ -37,6 +40,8 @@ class ShardcastTrainerInitInfo(TrainerInitInfo):
     daemon: str = ""
     delta: str = "off"
     timeout_s: float = 600.0
+    double_buffer: bool = False
+    wait_for_ranks: bool = False
 
 
 def _module_of(source: Any) -> torch.nn.Module:
@@ -78,7 +83,7 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
             checkpoint = {n: [list(m.shape), str(m.dtype).replace("torch.", "")] for n, m in
                           ((p.name, p) for p in source.metadata())}
             client.init_weight_transfer_engine({"checkpoint": checkpoint, "group": init_info.destination,
-                                                "daemon": ""})
+                                                "daemon": "", "double_buffer": init_info.double_buffer})
         return engine
 
     def send_weights(self) -> None:
@@ -92,8 +97,21 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         if not self.is_sender:
             return
         self.client.start_weight_update()
-        self.shardcast.sync(self.info.group, self.info.destination, version, delta=self.info.delta,
-                            wait_for_ranks=True)
+        try:
+            self.shardcast.sync(self.info.group, self.info.destination, version, delta=self.info.delta,
+                                wait_for_ranks=self.info.wait_for_ranks)
+        except Exception as sync_error:
+            # vLLM's update session must end: update_weights on a version that did not arrive
+            # raises on the workers (naming the rank and what it holds) and closes the session,
+            # so the next send_weights can start one. Both errors are reported. (Workers that do
+            # hold the version, ready at it, got every byte: the sync failed after its commit.)
+            try:
+                self.client.update_weights({"version": version, "timeout_s": 1.0})
+            except Exception as update_error:
+                raise RuntimeError(f"shardcast: version {version} did not reach {self.info.destination!r}: "
+                                   f"sync: {sync_error}; vLLM: {update_error}") from sync_error
+            self.client.finish_weight_update(str(version))
+            return
         self.client.update_weights({"version": version, "timeout_s": self.info.timeout_s})
         self.client.finish_weight_update(str(version))
 
