@@ -8,8 +8,10 @@ an optimizer step: each rank publishes the next version of its parameters, and t
 that version into the inference group and drives vLLM's update (`start_weight_update`,
 `update_weights({"version": V})`, `finish_weight_update(str(V))`).
 
-The trainer's parameter names must be the checkpoint's (what the model's `load_weights` takes): a
-Hugging Face model's own `named_parameters()` are."""
+Parameters are registered under the checkpoint's names (what the model's `load_weights` takes,
+mapped by vLLM itself onto its fused parameters): a Hugging Face model's own names, without the
+components training wrappers add (torch.compile, FSDP1, activation checkpointing, DDP), and
+renamed by `name_map` where the trainer's names are not the checkpoint's (shardcast.vllm.names)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from shardcast.vllm import plugin
+from shardcast.vllm.names import checkpoint_names, is_data_parallel
 
 plugin.register()  # the trainer registry too, for a process that defines these first
 
@@ -32,7 +35,8 @@ class ShardcastTrainerInitInfo(TrainerInitInfo):
     version; `double_buffer`: the workers' direct parameters double-buffered (vLLM serves during
     the transfer, and a failed update leaves it serving the previous version); `wait_for_ranks`:
     a sync that finds a rank or a daemon missing waits for it (up to the daemon's sync timeout)
-    instead of failing at once, naming it."""
+    instead of failing at once, naming it; `name_map`: a dict or a function from the trainer's
+    parameter names (without wrapper components) to the checkpoint's (shardcast.vllm.names)."""
 
     backend: ClassVar[str] = "shardcast"
     group: str = "trainer"
@@ -42,6 +46,7 @@ class ShardcastTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = 600.0
     double_buffer: bool = False
     wait_for_ranks: bool = False
+    name_map: Any = None
 
 
 def _module_of(source: Any) -> torch.nn.Module:
@@ -68,7 +73,10 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
 
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.info = init_info
-        params: Dict[str, torch.Tensor] = dict(_module_of(source).named_parameters())
+        module = _module_of(source)
+        named = dict(module.named_parameters())
+        names = checkpoint_names(named, init_info.name_map, is_data_parallel(module))
+        params: Dict[str, torch.Tensor] = {names[n]: t for n, t in named.items()}
         engine.shardcast = shardcast.Client(init_info.daemon or None)
         is_dtensor = any(type(t).__name__ == "DTensor" for t in params.values())
         if is_dtensor:
@@ -80,8 +88,8 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
                                   for n, t in params.items()]}
             engine.registration = engine.shardcast.register(init_info.group, 0, 1, params, layout, role="source")
         if engine.is_sender:
-            checkpoint = {n: [list(m.shape), str(m.dtype).replace("torch.", "")] for n, m in
-                          ((p.name, p) for p in source.metadata())}
+            # Global shapes (a DTensor's shape is its global one), under the names registered.
+            checkpoint = {n: [list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in params.items()}
             client.init_weight_transfer_engine({"checkpoint": checkpoint, "group": init_info.destination,
                                                 "daemon": "", "double_buffer": init_info.double_buffer})
         return engine
