@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardcast.vllm.names import checkpoint_names, is_data_parallel, strip_wrappers
+from shardcast.vllm.names import checkpoint_names, is_data_parallel, refuse_fsdp1, strip_wrappers
 
 
 class Block(torch.nn.Module):
@@ -49,6 +49,7 @@ def test_a_leading_module_is_ddps_only():
     assert strip_wrappers("module.lm_head.weight") == "module.lm_head.weight"
     assert strip_wrappers("a.module.b", data_parallel=True) == "a.module.b"
     assert is_data_parallel(torch.nn.DataParallel(Tiny()))
+    assert is_data_parallel(torch.compile(torch.nn.DataParallel(Tiny())))  # compiled DDP too
     assert not is_data_parallel(Tiny())
 
 
@@ -65,3 +66,20 @@ def test_two_parameters_under_one_name_are_refused_naming_both():
         checkpoint_names(["_orig_mod.w", "w"])
     with pytest.raises(ValueError, match="maps to no checkpoint name"):
         checkpoint_names(["w"], lambda n: "")
+
+
+def test_a_name_mapped_to_none_is_a_trainer_only_parameter():
+    names = ["model.layers.0.q_proj.weight", "value_head.weight"]
+    out = checkpoint_names(names, {"value_head.weight": None})
+    assert out == {"model.layers.0.q_proj.weight": "model.layers.0.q_proj.weight"}
+
+
+def test_fsdp1_is_refused_with_what_to_use_instead():
+    class FullyShardedDataParallel(torch.nn.Module):  # stands for FSDP1's wrapper (same class name)
+        pass
+
+    model = Tiny()
+    model.model.layers[0] = FullyShardedDataParallel()
+    with pytest.raises(ValueError, match="FSDP1.*fully_shard"):
+        refuse_fsdp1(model)
+    refuse_fsdp1(Tiny())  # no FSDP1: nothing to refuse

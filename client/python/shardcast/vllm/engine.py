@@ -109,10 +109,26 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
             raise RuntimeError("shardcast: update_weights before init_transfer_engine")
         if update_info.version <= 0:
             raise ValueError(f"shardcast: update_info.version must be a version >= 1, not {update_info.version}")
+        error = None
         try:
             self.client.wait_version(self.group, update_info.version, timeout=update_info.timeout_s)
         except Exception as e:  # the daemon's error (a dirty rank, a timeout) or its absence, with the rank
-            raise RuntimeError(f"shardcast: {self.where} did not receive version {update_info.version}: {e}") from e
+            error = e
+        # All ranks or none: vLLM ends the update session only on a worker whose update_weights
+        # raises, so a rank that got the version while another did not must raise too, or its
+        # session stays open and the next start_weight_update fails there.
+        from vllm.distributed.parallel_state import get_tp_group
+
+        tp = get_tp_group()
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        if tp.world_size > 1:
+            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=tp.cpu_group)
+        if error is not None:
+            raise RuntimeError(f"shardcast: {self.where} did not receive version {update_info.version}: "
+                               f"{error}") from error
+        if failed.item():
+            raise RuntimeError(f"shardcast: {self.where} holds version {update_info.version}, but another rank "
+                               "of the group did not receive it (its worker names it); the update is not applied")
 
     def finish_weight_update(self) -> None:
         if self.memory is None:

@@ -76,7 +76,9 @@ def rank_memory(maps: Mapping[str, ParamMap], live: Mapping[str, torch.Tensor],
         param = live[name]
         if is_direct(param, pm):
             if double_buffer:
-                staged = torch.zeros(pm.shape, dtype=pm.dtype, device=param.device)
+                # From the live values: elements no checkpoint element lands in (a vocab shard's
+                # padding rows) keep theirs through the flip.
+                staged = param.detach().clone()
                 out.flips[name] = (staged, param)
                 memory = staged.reshape(-1)
             else:

@@ -15,6 +15,7 @@ renamed by `name_map` where the trainer's names are not the checkpoint's (shardc
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional
 
@@ -22,7 +23,7 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from shardcast.vllm import plugin
-from shardcast.vllm.names import checkpoint_names, is_data_parallel
+from shardcast.vllm.names import checkpoint_names, is_data_parallel, refuse_fsdp1
 
 plugin.register()  # the trainer registry too, for a process that defines these first
 
@@ -74,9 +75,10 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.info = init_info
         module = _module_of(source)
+        refuse_fsdp1(module)
         named = dict(module.named_parameters())
         names = checkpoint_names(named, init_info.name_map, is_data_parallel(module))
-        params: Dict[str, torch.Tensor] = {names[n]: t for n, t in named.items()}
+        params: Dict[str, torch.Tensor] = {names[n]: t for n, t in named.items() if n in names}
         engine.shardcast = shardcast.Client(init_info.daemon or None)
         is_dtensor = any(type(t).__name__ == "DTensor" for t in params.values())
         if is_dtensor:
@@ -118,6 +120,9 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
             except Exception as update_error:
                 raise RuntimeError(f"shardcast: version {version} did not reach {self.info.destination!r}: "
                                    f"sync: {sync_error}; vLLM: {update_error}") from sync_error
+            logging.getLogger("shardcast").warning(
+                "shardcast: the sync of version %d into %r reported %s, yet every worker holds the version: "
+                "finishing the update", version, self.info.destination, sync_error)
             self.client.finish_weight_update(str(version))
             return
         self.client.update_weights({"version": version, "timeout_s": self.info.timeout_s})
