@@ -27,30 +27,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client" / "python" / "vllm_tests"))
 
 
-class TimedClient:
-    """vLLM's VLLMWeightSyncClient over an offline LLM, timing each call."""
-
-    def __init__(self, llm) -> None:
-        self.llm, self.seconds = llm, {}
-
-    def _timed(self, what, fn):
-        t = time.perf_counter()
-        fn()
-        self.seconds[what] = time.perf_counter() - t
-
-    def init_weight_transfer_engine(self, init_info):
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self):
-        self._timed("start", self.llm.start_weight_update)
-
-    def update_weights(self, update_info):
-        self._timed("update", lambda: self.llm.update_weights({"update_info": update_info}))
-
-    def finish_weight_update(self, weight_version=None):
-        self._timed("finish", lambda: self.llm.finish_weight_update(weight_version))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=1024)
@@ -65,7 +41,7 @@ def main() -> None:
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from engines import engine_args, generate
+    from engines import OfflineClient, engine_args, generate
     from models import make_llama
     from run_rl import save_step
     from shardcast.local import LocalCluster
@@ -79,7 +55,7 @@ def main() -> None:
         os.environ["SHARDCAST_ADDRESS"] = cluster.target("n1")
         llm = LLM(model=model_dir, weight_transfer_config={"backend": "shardcast"},
                   **engine_args(1))
-        client = TimedClient(llm)
+        client = OfflineClient(llm)
         model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
         params = sum(p.numel() for p in model.parameters())
         engine = WeightTransferTrainerFactory.trainer_init(

@@ -18,31 +18,6 @@ import threading
 import time
 
 
-class HookedClient:
-    """vLLM's VLLMWeightSyncClient over an offline LLM, with a hook before each call."""
-
-    def __init__(self, llm) -> None:
-        self.llm = llm
-        self.on_start = None
-        self.on_update = None
-
-    def init_weight_transfer_engine(self, init_info):
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self):
-        if self.on_start:
-            self.on_start()
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info):
-        if self.on_update:
-            self.on_update()
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version=None):
-        self.llm.finish_weight_update(weight_version)
-
-
 def main() -> None:
     model_dir, out = sys.argv[1], sys.argv[2]
     import torch
@@ -53,7 +28,7 @@ def main() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     import shardcast
-    from engines import engine_args, generate
+    from engines import OfflineClient, engine_args, generate
     from run_rl import save_step
     from shardcast.local import LocalCluster
     from shardcast.vllm.trainer import ShardcastTrainerInitInfo
@@ -68,7 +43,7 @@ def main() -> None:
         os.environ["SHARDCAST_ADDRESS"] = cluster.target("n1")  # vLLM's workers: node n1
         llm = LLM(model=model_dir, worker_extension_cls="worker_ext.ShardcastCheck",
                   weight_transfer_config={"backend": "shardcast"}, **engine_args(1))
-        client = HookedClient(llm)
+        client = OfflineClient(llm)
         model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         engine = WeightTransferTrainerFactory.trainer_init(
@@ -91,9 +66,9 @@ def main() -> None:
         # Step 1, double-buffered: the bytes have landed (the sync returned), the update has not
         # finished: vLLM serves what it served before.
         train(1)
-        client.on_update = lambda: result.setdefault("served_landed", generate(llm))
+        client.before["update"] = lambda: result.setdefault("served_landed", generate(llm))
         engine.send_weights()
-        client.on_update = None
+        client.before["update"] = None
         result["served_1"], result["dir_1"] = generate(llm), save(1)
         result["checks_1"] = llm.collective_rpc("shardcast_check", args=(result["dir_1"],))
         mark("step 1")
@@ -105,13 +80,13 @@ def main() -> None:
             os.kill(n1, signal.SIGSTOP)
             threading.Timer(1.5, lambda: os.kill(n1, signal.SIGKILL)).start()
 
-        client.on_start = freeze_then_kill
+        client.before["start"] = freeze_then_kill
         try:
             engine.send_weights()
             result["failure"] = ""
         except Exception as e:
             result["failure"] = str(e)
-        client.on_start = None
+        client.before["start"] = None
         mark("step 2 failed")
         result["served_after_failure"] = generate(llm)
         # n1 back; the workers' client re-registers their rank by itself.

@@ -28,25 +28,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class OfflineClient:
-    """vLLM's VLLMWeightSyncClient protocol over an offline LLM in this process."""
-
-    def __init__(self, llm) -> None:
-        self.llm = llm
-
-    def init_weight_transfer_engine(self, init_info):
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self):
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info):
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version=None):
-        self.llm.finish_weight_update(weight_version)
-
-
 class Served:
     """What vLLM serves for engines.PROMPTS and what its workers hold, offline or over HTTP."""
 
@@ -148,7 +129,7 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
             if mode == "offline":
                 from vllm import LLM
 
-                from engines import engine_args
+                from engines import OfflineClient, engine_args
 
                 llm = LLM(model=model_dir, worker_extension_cls="worker_ext.ShardcastCheck",
                           weight_transfer_config={"backend": "shardcast"}, **engine_args(tp))
