@@ -7,7 +7,9 @@
 #   a sync between daemons with device buffers on both sides, every byte checked); pack/unpack
 #   GB/s of the kernel beside a device-to-device copy of the same bytes; sync GB/s with device
 #   tensors (bench/device_bench.cc); a real torch DTensor on a CUDA mesh registered by CUDA IPC
-#   and synced into CUDA destination tensors (client/python/tests/test_gpu.py).
+#   and synced into CUDA destination tensors (client/python/tests/test_gpu.py); the vLLM backend's
+#   direct path: views into live CUDA parameters registered by IPC, bytes landing in place
+#   (client/python/tests/test_vllm_direct.py).
 # docs/gpu.md says where the figures go. Exit status: the number of steps that failed.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -51,8 +53,9 @@ check() {
   step "daemon [gpu]: device buffers on both sides of a sync" 120 "$bundle/bin/daemon_tests" "[gpu]" --reporter compact
   step "client [gpu]: CUDA pointers become IPC handles" 40 "$bundle/bin/client_tests" "[gpu]" --reporter compact
   step "device bench: kernel pack/unpack vs device copy, sync GB/s" 150 "$bundle/bin/device_bench" --mib "${DEVICE_MIB:-1024}" --syncs 5
-  step "python: a CUDA DTensor registered by IPC and synced" 150 "${PYTHON:-python3}" -m pytest -q -rs \
-    "$root/client/python/tests/test_gpu.py"
+  step "python: a CUDA DTensor registered by IPC and synced; vLLM's direct path into live CUDA parameters" 150 \
+    "${PYTHON:-python3}" -m pytest -q -rs "$root/client/python/tests/test_gpu.py" \
+    "$root/client/python/tests/test_vllm_direct.py"
   echo
   echo "device check: $failed step(s) failed; log in $log"
   return "$failed"

@@ -44,7 +44,7 @@ def run_script(script: str, *args: str, timeout: float = 600, tp: int = 1, env_e
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
-    from models import make_llama
+    from models import make_llama, make_qwen3_moe
 
     root = tmp_path_factory.mktemp("models")
     return {
@@ -52,4 +52,6 @@ def models(tmp_path_factory):
         "llama": make_llama(str(root / "llama")),
         # tied embeddings, one KV head (replicated at TP=2), a vocab of 500 (padded to 512)
         "llama_tied": make_llama(str(root / "llama_tied"), vocab=500, layers=1, kv_heads=1, tied=True, seed=1),
+        # 4 experts per layer, 2 per token; the trainer's transformers keeps them fused
+        "qwen3_moe": make_qwen3_moe(str(root / "qwen3_moe")),
     }

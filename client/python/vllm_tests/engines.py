@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import time
 
+from shardcast.vllm.clients import LLMWeightSyncClient
+
 PROMPTS = ["t5 t6 t7", "t9 t3", "t100 t200 t300 t400"]
 
 
-def engine_args(tp: int, **extra) -> dict:
-    """float32 (bf16 dies with SIGILL on this CPU), eager, a small KV cache."""
+def engine_args(tp, **extra) -> dict:
+    """float32 (bf16 dies with SIGILL on this CPU), eager, a small KV cache. `tp`: the tensor-
+    parallel size, or a string of it: "2ep" is TP=2 with expert parallelism (a MoE layer's experts
+    split over the ranks, whole, instead of each expert's matrices)."""
+    spec = str(tp)
+    ep = spec.endswith("ep")
     return dict(dtype="float32", max_model_len=128, enforce_eager=True, seed=0, gpu_memory_utilization=0.1,
-                tensor_parallel_size=tp, **extra)
+                tensor_parallel_size=int(spec[:-2] if ep else spec), **({"enable_expert_parallel": True} if ep else {}),
+                **extra)
 
 
 def generate(llm) -> list:
@@ -25,13 +32,13 @@ def generate(llm) -> list:
             for o in outs]
 
 
-class OfflineClient:
-    """vLLM's VLLMWeightSyncClient protocol over an offline LLM in this process (what a trainer
-    engine drives). `before[call]`, if set, runs before that call (a test's fault injection);
-    `seconds[call]` is how long the last one took (the benchmark's figures)."""
+class OfflineClient(LLMWeightSyncClient):
+    """The package's offline client with fault injection and timings: `before[call]`, if set, runs
+    before that call (init, start, update, finish); `seconds[call]` is how long the last one took
+    (the benchmark's figures)."""
 
     def __init__(self, llm) -> None:
-        self.llm = llm
+        super().__init__(llm)
         self.before: dict = {}
         self.seconds: dict = {}
 
@@ -41,15 +48,3 @@ class OfflineClient:
         t = time.perf_counter()
         fn()
         self.seconds[what] = time.perf_counter() - t
-
-    def init_weight_transfer_engine(self, init_info):
-        self._call("init", lambda: self.llm.init_weight_transfer_engine({"init_info": init_info}))
-
-    def start_weight_update(self):
-        self._call("start", self.llm.start_weight_update)
-
-    def update_weights(self, update_info):
-        self._call("update", lambda: self.llm.update_weights({"update_info": update_info}))
-
-    def finish_weight_update(self, weight_version=None):
-        self._call("finish", lambda: self.llm.finish_weight_update(weight_version))

@@ -1,7 +1,7 @@
 """Fresh vLLMs, one after the other in this process, on each MODEL at tensor-parallel size TP (CPU),
 the engine configuration of the other scripts (engine_args): prints the greedy tokens and logprobs
 of each for PROMPTS as one JSON result, a list in the order given.
-Usage: python run_generate.py TP MODEL [MODEL...]"""
+Usage: python run_generate.py TP MODEL [MODEL...]   (TP: as engines.engine_args takes it, "2ep")"""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ def main() -> None:
 
     from engines import engine_args, generate
 
-    tp, models = int(sys.argv[1]), sys.argv[2:]
+    tp, models = sys.argv[1], sys.argv[2:]
     served = []
     for model in models:
-        llm = LLM(model=model, **engine_args(tp, **({"distributed_executor_backend": "uni"} if tp == 1 else {})))
+        llm = LLM(model=model, **engine_args(tp, **({"distributed_executor_backend": "uni"} if tp == "1" else {})))
         served.append(generate(llm))
         llm.llm_engine.engine_core.shutdown()  # its engine process (and workers) before the next one
         del llm

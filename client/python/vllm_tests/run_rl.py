@@ -7,7 +7,7 @@ HTTPVLLMWeightSyncClient). After each step rank 0 saves the full weights to OUT/
 vLLM to serve, run_generate.py), records what vLLM serves, and asks every worker whether its
 registered bytes are that checkpoint's. Offline, an update to a version that never comes must
 raise and leave vLLM serving the last step. Prints one JSON result.
-Usage: python run_rl.py MODEL TP TARGET OUT STEPS offline|serve"""
+Usage: python run_rl.py MODEL TP TARGET OUT STEPS offline|serve   (TP: "2ep" for expert parallelism)"""
 
 from __future__ import annotations
 
@@ -77,8 +77,9 @@ def start_server(model_dir: str, tp: int, target: str, log_path: str):
            "--model", model_dir, "--port", str(port),
            "--host", "127.0.0.1", "--dtype", args["dtype"], "--max-model-len", str(args["max_model_len"]),
            "--enforce-eager", "--seed", "0", "--gpu-memory-utilization", str(args["gpu_memory_utilization"]),
-           "--tensor-parallel-size", str(tp), "--weight-transfer-config", '{"backend": "shardcast"}',
-           "--worker-extension-cls", "worker_ext.ShardcastCheck"]
+           "--tensor-parallel-size", str(args["tensor_parallel_size"]),
+           "--weight-transfer-config", '{"backend": "shardcast"}', "--worker-extension-cls", "worker_ext.ShardcastCheck",
+           *(["--enable-expert-parallel"] if args.get("enable_expert_parallel") else [])]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", SHARDCAST_ADDRESS=target)
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -99,10 +100,17 @@ def start_server(model_dir: str, tp: int, target: str, log_path: str):
     raise RuntimeError(f"vllm serve did not come up in 300 s: see {log_path}")
 
 
-def save_step(state: dict, model_dir: str, out_dir: str) -> None:
+def save_step(state: dict, model, model_dir: str, out_dir: str) -> None:
     """The trainer's full weights as a model directory a fresh vLLM loads (config and tokenizer
-    from MODEL)."""
+    from MODEL), in the checkpoint's format (the model's own save conversion: transformers saves
+    fused MoE experts one tensor per expert)."""
     from safetensors.torch import save_file
+
+    from shardcast.vllm.fused import hf_conversion
+
+    convert = hf_conversion(model)
+    if convert is not None:
+        state = dict(convert(state))
 
     shutil.copytree(model_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors"))
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"),
@@ -115,13 +123,14 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from shardcast.local import join_process_group
     from shardcast.vllm.trainer import ShardcastTrainerInitInfo
 
+    llm = None
     try:
         join_process_group(port, rank, world)
         served = None
@@ -139,7 +148,7 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
 
                 served, client = Served(url=url, model=model_dir), HTTPVLLMWeightSyncClient(url)
         torch.manual_seed(0)
-        model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
@@ -161,7 +170,7 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if rank == 0:
                 step_dir = os.path.join(out, f"step-{step}")
-                save_step(state, model_dir, step_dir)
+                save_step(state, model, model_dir, step_dir)
                 record["steps"].append({"dir": step_dir, "loss": float(loss.detach()), "send_s": seconds,
                                         "served": served.generate(), "checks": served.check(step_dir)})
             dist.barrier()
@@ -186,11 +195,13 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
         import traceback
 
         results.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+        if llm is not None:  # its engine and worker processes would outlive this one
+            llm.llm_engine.engine_core.shutdown()
         raise
 
 
 def main() -> None:
-    model_dir, tp, target, out, steps, mode = (sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4],
+    model_dir, tp, target, out, steps, mode = (sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4],
                                                int(sys.argv[5]), sys.argv[6])
     from shardcast.local import TorchRendezvous
 

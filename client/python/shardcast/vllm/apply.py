@@ -18,13 +18,48 @@ from shardcast.vllm.probe import ProbeError
 
 def _machinery():
     try:
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
         from vllm.model_executor.model_loader.reload import layerwise, meta, utils
         return (layerwise.get_layerwise_info, meta.restore_layer_on_meta, meta.materialize_layer,
-                utils.get_layer_params_buffers, layerwise._copy_and_restore_kernel_tensors, QuantizeMethodBase)
+                utils.get_layer_params_buffers, layerwise._copy_and_restore_kernel_tensors)
     except (ImportError, AttributeError) as e:
         raise ProbeError(f"this vLLM's layerwise reload machinery differs from 0.32's ({e}): processed "
                          "parameters cannot be put into service") from None
+
+
+@torch.no_grad()
+def run_processing(layer: torch.nn.Module) -> None:
+    """vLLM's processing of `layer` once its loader-layout parameters hold new values: its
+    quantisation method's `process_weights_after_loading`, as a load runs it.
+
+    One difference from vLLM's own weight-update path: a FusedMoE layer whose experts set
+    themselves up from the layer (vLLM 0.32's CPU experts prepack `w13_weight` and `w2_weight`
+    into their grouped-GEMM layout there) gets that setup again. vLLM runs it only on the first
+    load (`UnquantizedFusedMoEMethod._setup_kernel`), so after its own `reload_weights` the CPU
+    kernels compute with unpacked weights; the tests saw a reload of unchanged weights change the
+    served tokens."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    if hasattr(layer, "_already_called_process_weights_after_loading"):
+        delattr(layer, "_already_called_process_weights_after_loading")
+    quant_method = getattr(layer, "quant_method", None)
+    if not isinstance(quant_method, QuantizeMethodBase):
+        return
+    quant_method.process_weights_after_loading(layer)
+    experts = getattr(getattr(quant_method, "moe_kernel", None), "fused_experts", None)
+    if experts is not None and _sets_up_from_layer(experts):
+        experts.process_weights_after_loading(layer)
+    if hasattr(layer, "update_param_tp_status"):
+        layer.update_param_tp_status()
+
+
+def _sets_up_from_layer(experts) -> bool:
+    """Whether a FusedMoE experts implementation overrides the (no-op) setup from the layer."""
+    try:
+        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+    except ImportError:
+        return False
+    base = getattr(FusedMoEExperts, "process_weights_after_loading", None)
+    return base is not None and getattr(type(experts), "process_weights_after_loading", base) is not base
 
 
 @torch.no_grad()
@@ -34,7 +69,7 @@ def process_staged(model: torch.nn.Module, staging: Mapping[str, torch.Tensor]) 
     that layout; RankMemory.reprocess). Every loader-layout parameter of such a layer must be given
     (a parameter nothing lands in would be processed from garbage): otherwise ProbeError naming it.
     Returns the layers processed."""
-    (get_info, restore_on_meta, materialize, params_buffers, copy_back, QuantizeMethodBase) = _machinery()
+    (get_info, restore_on_meta, materialize, params_buffers, copy_back) = _machinery()
     modules = dict(model.named_modules())
     by_layer: Dict[str, Dict[str, torch.Tensor]] = defaultdict(dict)
     for full, tensor in staging.items():
@@ -55,13 +90,7 @@ def process_staged(model: torch.nn.Module, staging: Mapping[str, torch.Tensor]) 
         materialize(layer, info)
         for local, tensor in staged.items():
             getattr(layer, local).data.copy_(tensor)
-        if hasattr(layer, "_already_called_process_weights_after_loading"):
-            delattr(layer, "_already_called_process_weights_after_loading")
-        quant_method = getattr(layer, "quant_method", None)
-        if isinstance(quant_method, QuantizeMethodBase):
-            quant_method.process_weights_after_loading(layer)
-            if hasattr(layer, "update_param_tp_status"):
-                layer.update_param_tp_status()
+        run_processing(layer)
         copy_back(layer, info)
         info.reset()
         done.append(prefix)

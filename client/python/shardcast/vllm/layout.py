@@ -5,7 +5,7 @@ they are not) and the group's layout (every rank's pieces, gathered)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -61,6 +61,55 @@ def derives_kernel_state(layer: torch.nn.Module) -> bool:
         getattr(layer, "process_weights_after_loading", None))
 
 
+_KEEPS: Dict[Tuple[type, str, Tuple[int, ...], torch.dtype], bool] = {}
+
+
+def processing_keeps(layer: torch.nn.Module, local: str) -> bool:
+    """Whether vLLM's processing of `layer` leaves its parameter `local` holding what it holds: then
+    a parameter of the loader's shape and dtype is in the loader's layout live, and bytes may land
+    in it. A layer whose processing rearranges a parameter in place, keeping its shape (the CPU
+    backend prepacks FusedMoE's `w13_weight` and `w2_weight` that way), must not take bytes
+    directly. Found by processing a copy of the layer from its live values, once per layer class
+    and parameter shape: a rearrangement applied twice is not the one applied once. A layer that
+    cannot be copied or processed again counts as rearranging (its parameters are processed from
+    staging, which is never wrong)."""
+    live = getattr(layer, local)
+    key = (type(layer), local, tuple(live.shape), live.dtype)
+    if key not in _KEEPS:
+        _KEEPS[key] = _processed_copy_keeps(layer, local)
+    return _KEEPS[key]
+
+
+def _processed_copy_keeps(layer: torch.nn.Module, local: str) -> bool:
+    import copy
+
+    from shardcast.vllm.apply import run_processing
+
+    try:
+        clone = copy.deepcopy(layer)
+        before = getattr(clone, local).detach().clone()
+        run_processing(clone)
+        after = getattr(clone, local)
+    except Exception:  # vLLM's own code on a copy: any failure means "cannot tell"
+        return False
+    return (tuple(after.shape) == tuple(before.shape) and after.dtype == before.dtype
+            and bool(torch.equal(after.detach(), before)))
+
+
+def _kept_by_every_layer(param: torch.Tensor, live: Mapping[str, torch.Tensor],
+                         modules: Optional[Mapping[str, torch.nn.Module]]) -> bool:
+    """No layer holding `param` (under any of its names: a tied lm_head is the embedding's)
+    rearranges it when processing."""
+    for alias, other in live.items():
+        if other is not param:
+            continue
+        prefix, _, local = alias.rpartition(".")
+        layer = (modules or {}).get(prefix)
+        if layer is not None and derives_kernel_state(layer) and not processing_keeps(layer, local):
+            return False
+    return True
+
+
 def rank_memory(maps: Mapping[str, ParamMap], live: Mapping[str, torch.Tensor],
                 modules: Mapping[str, torch.nn.Module] = None, double_buffer: bool = False) -> RankMemory:
     """The tensors this worker registers for `maps` (probe's result), `live` its named parameters
@@ -74,7 +123,7 @@ def rank_memory(maps: Mapping[str, ParamMap], live: Mapping[str, torch.Tensor],
     where: Dict[str, str] = {}
     for name, pm in maps.items():
         param = live[name]
-        if is_direct(param, pm):
+        if is_direct(param, pm) and _kept_by_every_layer(param, live, modules):
             if double_buffer:
                 # From the live values: elements no checkpoint element lands in (a vocab shard's
                 # padding rows) keep theirs through the flip.

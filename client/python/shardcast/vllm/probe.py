@@ -179,8 +179,10 @@ def _landings(param: str, flat: torch.Tensor, order, starts: torch.Tensor,
     return landings
 
 
-def _as_box(param: str, name: str, shape: List[int], local: torch.Tensor, at: int) -> Landing:
-    """The box of `name` whose row-major elements are exactly `local` (flat indices), or an error."""
+def box_of(local: torch.Tensor, shape: Sequence[int]) -> Optional[Tuple[List[int], List[int]]]:
+    """(offsets, sizes) of the box of a tensor of `shape` whose row-major elements are exactly
+    `local` (flat indices, in order), or None when they are not one box in order (a transposed or
+    permuted copy)."""
     coords = []
     rem = local.clone()
     for dim in reversed(shape):
@@ -198,6 +200,14 @@ def _as_box(param: str, name: str, shape: List[int], local: torch.Tensor, at: in
         axis = (torch.arange(l, l + s, dtype=torch.int64) * stride)
         expected = (expected.unsqueeze(-1) + axis).reshape(-1)
     if expected.numel() != local.numel() or not torch.equal(expected, local):
+        return None
+    return lo, sizes
+
+
+def _as_box(param: str, name: str, shape: List[int], local: torch.Tensor, at: int) -> Landing:
+    """The landing of `name` whose row-major elements are exactly `local` (flat indices), or an error."""
+    box = box_of(local, shape)
+    if box is None:
         raise ProbeError(f"parameter {param!r}: the loader does not copy {name!r} as one row-major box "
-                         f"(its elements there span {lo}..{hi} but are not that box in order)")
-    return Landing(name, tuple(lo), tuple(sizes), at)
+                         "(its elements there are not one box of it in order)")
+    return Landing(name, tuple(box[0]), tuple(box[1]), at)

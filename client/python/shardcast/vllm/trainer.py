@@ -11,19 +11,22 @@ that version into the inference group and drives vLLM's update (`start_weight_up
 Parameters are registered under the checkpoint's names (what the model's `load_weights` takes,
 mapped by vLLM itself onto its fused parameters): a Hugging Face model's own names, without the
 components training wrappers add (torch.compile, FSDP1, activation checkpointing, DDP), and
-renamed by `name_map` where the trainer's names are not the checkpoint's (shardcast.vllm.names)."""
+renamed by `name_map` where the trainer's names are not the checkpoint's (shardcast.vllm.names).
+A parameter the model's own save conversion cuts into several checkpoint tensors (transformers 5's
+fused MoE experts) is registered as one view per checkpoint tensor (shardcast.vllm.fused)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from shardcast.vllm import plugin
-from shardcast.vllm.names import checkpoint_names, is_data_parallel, refuse_fsdp1
+from shardcast.vllm.fused import Part, box_view, checkpoint_boxes, hf_conversion
+from shardcast.vllm.names import checkpoint_names, is_data_parallel, refuse_fsdp1, strip_wrappers
 
 plugin.register()  # the trainer registry too, for a process that defines these first
 
@@ -48,6 +51,103 @@ class ShardcastTrainerInitInfo(TrainerInitInfo):
     double_buffer: bool = False
     wait_for_ranks: bool = False
     name_map: Any = None
+
+
+@dataclass
+class _Entry:
+    """One checkpoint tensor the trainer registers: parameter `param` whole, or its box `part`."""
+
+    name: str
+    param: torch.Tensor
+    part: Optional[Part] = None
+
+    @property
+    def shape(self) -> List[int]:
+        return list(self.part.shape) if self.part is not None else [int(s) for s in self.param.shape]
+
+
+def _checkpoint_entries(module: torch.nn.Module, name_map: Any) -> List[_Entry]:
+    """The checkpoint tensors `module`'s parameters hold: each parameter under its checkpoint name,
+    or, where the model's own save conversion cuts it into several (shardcast.vllm.fused), each
+    part; `name_map` then renames (or, with None, leaves out) what comes out."""
+    named = dict(module.named_parameters())
+    data_parallel = is_data_parallel(module)
+    clean = {n: strip_wrappers(n, data_parallel) for n in named}
+    parts = checkpoint_boxes({clean[n]: t.shape for n, t in named.items()}, hf_conversion(_unwrapped(module)))
+    raw: List[_Entry] = []
+    for n, t in named.items():
+        if clean[n] in parts:
+            raw.extend(_Entry(p.name, t, p) for p in parts[clean[n]])
+        else:
+            raw.append(_Entry(clean[n], t))
+    targets = checkpoint_names([e.name for e in raw], name_map)
+    return [_Entry(targets[e.name], e.param, e.part) for e in raw if e.name in targets]
+
+
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside torch.compile and DDP wrappers."""
+    while True:
+        inner = getattr(module, "_orig_mod", None)
+        if inner is None and is_data_parallel(module):
+            inner = module.module
+        if not isinstance(inner, torch.nn.Module):
+            return module
+        module = inner
+
+
+def _register(client: Any, group: str, entries: List[_Entry]) -> Any:
+    """Registers this trainer rank's checkpoint tensors in place as a source group: DTensors with
+    the layout of their mesh and placements, parts of them with the pieces each rank holds
+    (gathered), plain tensors as one rank holding them whole."""
+    whole = {e.name: e.param for e in entries if e.part is None}
+    if not any(type(e.param).__name__ == "DTensor" for e in entries):
+        tensors = dict(whole)
+        for e in entries:
+            if e.part is not None:
+                view = box_view(e.param.detach(), [0] * e.param.dim(), e.part, f"parameter of {e.name!r}")
+                tensors[e.name] = view[0]
+        node = client.status().node
+        layout = {"group": group, "mesh": {"shape": [1]}, "nodes": [node],
+                  "tensors": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+                              for n, t in tensors.items()]}
+        return client.register(group, 0, 1, tensors, layout, role="source")
+    import torch.distributed as dist
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from shardcast.layout import layout_from_dtensors, root_mesh
+
+    mesh = root_mesh({e.name: e.param for e in entries if hasattr(e.param, "device_mesh")})
+    world = int(mesh.size())
+    rank = 0
+    for c, n in zip(mesh.get_coordinate(), mesh.mesh.shape):
+        rank = rank * int(n) + int(c)
+    tensors: Dict[str, torch.Tensor] = dict(whole)
+    mine: Dict[str, Any] = {}
+    for e in entries:
+        if e.part is None:
+            continue
+        if hasattr(e.param, "device_mesh"):
+            _, offsets = compute_local_shape_and_global_offset(e.param.shape, e.param.device_mesh,
+                                                               e.param.placements)
+            local = e.param.to_local().detach()
+        else:
+            offsets, local = [0] * e.param.dim(), e.param.detach()
+        piece = box_view(local, offsets, e.part, f"trainer rank {rank}, the parameter holding {e.name!r}")
+        if piece is not None:
+            tensors[e.name] = piece[0]
+            mine[e.name] = (piece[1], piece[2])
+    everyone: List[Any] = [None] * world
+    dist.all_gather_object(everyone, (client.status().node, mine))
+    nodes = [r[0] for r in everyone]
+    layout = layout_from_dtensors(group, whole, nodes=nodes) if whole else {
+        "group": group, "mesh": {"shape": [world]}, "nodes": nodes, "tensors": []}
+    for e in entries:
+        if e.part is not None:
+            layout["tensors"].append({
+                "name": e.name, "shape": list(e.shape), "dtype": str(e.param.dtype).replace("torch.", ""),
+                "pieces": [{"rank": r, "offsets": list(p[1][e.name][0]), "sizes": list(p[1][e.name][1])}
+                           for r, p in enumerate(everyone) if e.name in p[1]]})
+    return client.register(group, rank, world, tensors, layout, role="source")
 
 
 def _module_of(source: Any) -> torch.nn.Module:
@@ -76,22 +176,12 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         engine.info = init_info
         module = _module_of(source)
         refuse_fsdp1(module)
-        named = dict(module.named_parameters())
-        names = checkpoint_names(named, init_info.name_map, is_data_parallel(module))
-        params: Dict[str, torch.Tensor] = {names[n]: t for n, t in named.items() if n in names}
+        entries = _checkpoint_entries(module, init_info.name_map)
         engine.shardcast = shardcast.Client(init_info.daemon or None)
-        is_dtensor = any(type(t).__name__ == "DTensor" for t in params.values())
-        if is_dtensor:
-            engine.registration = engine.shardcast.register_dtensors(init_info.group, params)
-        else:
-            node = engine.shardcast.status().node
-            layout = {"group": init_info.group, "mesh": {"shape": [1]}, "nodes": [node],
-                      "tensors": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
-                                  for n, t in params.items()]}
-            engine.registration = engine.shardcast.register(init_info.group, 0, 1, params, layout, role="source")
+        engine.registration = _register(engine.shardcast, init_info.group, entries)
         if engine.is_sender:
             # Global shapes (a DTensor's shape is its global one), under the names registered.
-            checkpoint = {n: [list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in params.items()}
+            checkpoint = {e.name: [list(e.shape), str(e.param.dtype).replace("torch.", "")] for e in entries}
             client.init_weight_transfer_engine({"checkpoint": checkpoint, "group": init_info.destination,
                                                 "daemon": "", "double_buffer": init_info.double_buffer})
         return engine

@@ -1,0 +1,124 @@
+"""Trainer parameters that hold several checkpoint tensors, found through the model's own save
+conversion: no table per architecture.
+
+A Hugging Face model may keep tensors fused that its checkpoint (what vLLM's `load_weights`
+takes) holds apart: transformers 5 keeps a MoE layer's experts as one `experts.gate_up_proj`
+[E, 2I, H] and one `experts.down_proj` [E, H, I], and writes `experts.{e}.gate_proj.weight`,
+`experts.{e}.up_proj.weight` and `experts.{e}.down_proj.weight` when it saves. The trainer engine
+registers each such checkpoint tensor as a view of the fused parameter, so every byte still moves
+from the trainer's memory in place, as the checkpoint names it.
+
+`checkpoint_boxes` runs the model's conversion (transformers' `revert_weight_conversion`, what
+`save_pretrained` runs) on each parameter holding its own element indices, and reads back which
+box of the parameter each checkpoint tensor is. A conversion whose result is not a set of boxes in
+order (a transposed copy) is an error naming the parameter. Costs, once at `trainer_init`, an
+int64 index tensor of one parameter's global shape at a time, and only for the parameters the
+conversion renames or splits. No vLLM import: testable without it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from shardcast.vllm.probe import box_of
+
+Convert = Callable[[Dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Part:
+    """Checkpoint tensor `name` is the box [offsets, offsets + sizes) of a trainer parameter, less
+    its first `squeezed` dims (each of size 1 in the box: one expert of a stacked tensor)."""
+
+    name: str
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    squeezed: int = 0
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return self.sizes[self.squeezed:]
+
+
+def hf_conversion(model: Any) -> Optional[Convert]:
+    """The conversion `save_pretrained` applies to `model`'s state dict (transformers >= 5), or None
+    when `model` is not a transformers model or this transformers has none."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    return lambda state: revert_weight_conversion(model, state)
+
+
+def checkpoint_boxes(shapes: Mapping[str, Sequence[int]], convert: Optional[Convert]) -> Dict[str, List[Part]]:
+    """For each parameter (name -> global shape) that `convert` renames or splits, the checkpoint
+    tensors it holds, as boxes of it; parameters it leaves as they are are absent. Raises
+    ValueError naming the parameter when the conversion does not cut it into boxes in order that
+    cover every element once, or fails on it alone (a conversion that needs several parameters)."""
+    out: Dict[str, List[Part]] = {}
+    if convert is None:
+        return out
+    for name, shape in shapes.items():
+        shape = [int(s) for s in shape]
+        numel = 1
+        for s in shape:
+            numel *= s
+        index = torch.arange(numel, dtype=torch.int64).reshape(shape)
+        try:
+            converted = convert({name: index})
+        except Exception as e:  # the model's own code: say which parameter it failed on
+            raise ValueError(f"shardcast: the model's checkpoint conversion fails on parameter {name!r} alone "
+                             f"({type(e).__name__}: {e}); give its checkpoint names with name_map") from e
+        if list(converted) == [name] and converted[name] is index:
+            continue  # left as it is
+        parts: List[Part] = []
+        covered = torch.zeros(numel, dtype=torch.bool)
+        for ckpt, tensor in converted.items():
+            flat = tensor.reshape(-1).to(torch.int64)
+            box = box_of(flat, shape) if flat.numel() else None
+            squeezed = len(shape) - tensor.dim()
+            if box is None or squeezed < 0 or box[1] != [1] * squeezed + [int(s) for s in tensor.shape]:
+                raise ValueError(f"shardcast: the model's checkpoint conversion makes {ckpt!r} of parameter "
+                                 f"{name!r} by other than cutting a box of it (a transposed or reordered copy); "
+                                 "give its checkpoint names with name_map")
+            if bool(covered[flat].any()):
+                raise ValueError(f"shardcast: the model's checkpoint conversion puts elements of parameter "
+                                 f"{name!r} in {ckpt!r} and in another checkpoint tensor")
+            covered[flat] = True
+            parts.append(Part(ckpt, tuple(box[0]), tuple(box[1]), squeezed))
+        if not bool(covered.all()):
+            raise ValueError(f"shardcast: the model's checkpoint conversion leaves "
+                             f"{int((~covered).sum())} elements of parameter {name!r} in no checkpoint tensor")
+        out[name] = parts
+    return out
+
+
+def box_view(local: torch.Tensor, local_offsets: Sequence[int], part: Part,
+             where: str) -> Optional[Tuple[torch.Tensor, List[int], List[int]]]:
+    """The piece of checkpoint tensor `part` that a rank's local tensor holds (`local` is the box of
+    the parameter starting at `local_offsets`): a view of `local`, and the piece's offsets and sizes
+    in the checkpoint tensor; None when the rank holds none of it. A piece that is not contiguous in
+    `local` cannot be registered in place: ValueError naming it (`where`)."""
+    lo, hi = [], []
+    for o, s, lo_local, n in zip(part.offsets, part.sizes, local_offsets, local.shape):
+        a, b = max(o, lo_local), min(o + s, lo_local + int(n))
+        if b <= a:
+            return None
+        lo.append(a)
+        hi.append(b)
+    view = local[tuple(slice(a - l, b - l) for a, b, l in zip(lo, hi, local_offsets))]
+    if not view.is_contiguous():
+        raise ValueError(f"shardcast: {where}: checkpoint tensor {part.name!r} is not contiguous in this rank's "
+                         "shard of the parameter, so it cannot be registered in place")
+    k = part.squeezed
+    offsets = [a - o for a, o in zip(lo, part.offsets)][k:]
+    sizes = [b - a for a, b in zip(lo, hi)][k:]
+    return view.reshape(sizes), offsets, sizes
+
+
+__all__ = ["Part", "box_view", "checkpoint_boxes", "hf_conversion"]
