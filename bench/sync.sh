@@ -17,7 +17,7 @@ transport_pairs() {
 # one: syncs at ~40-65% of the transport figure with it, ~85-115% without); say when it runs.
 for state in /sys/kernel/mm/damon/admin/kdamonds/*/state; do
   if [ -r "$state" ] && [ "$(cat "$state")" = on ]; then
-    echo "note: DAMON (kdamond) is monitoring memory on this machine; figures vary more and run lower (docs/daemon-figures.md)"
+    echo "note: DAMON (kdamond) is monitoring memory on this machine; figures vary more and run lower (docs/performance.md, \"One machine, loopback\")"
     break
   fi
 done

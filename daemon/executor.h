@@ -1,8 +1,10 @@
-// One pool of threads for the calls a coordinator makes to every daemon at once (prepare, execute
-// waves, progress polls, finish): threads are reused from sync to sync and wave to wave, started
-// only when none is idle (up to a cap), and the caller of forEach works too, so a forEach from
-// inside another one (an execute that fails gives the sync up, which finishes it everywhere) always
-// completes.
+// One pool of threads for the blocking calls a coordinator makes to every daemon at once: the lease
+// keeper's Progress polls, and the Progress probes that look for a node that does not answer once
+// a wave failed. (Prepare, Execute and Finish do not use it: they go out through gRPC's callback
+// API, fanOut in daemon/cluster.h.) Threads are reused from poll to poll and sync to sync, started
+// only when the tasks waiting outnumber the threads free to take them (up to max_threads), and the
+// caller of forEach works too, so a forEach from inside another one completes, even on a pool of
+// one thread.
 #pragma once
 
 #include <atomic>
@@ -26,7 +28,7 @@ class Executor {
 
   // fn(0) ... fn(n-1), in parallel, on the pool and on the calling thread; returns when all ran.
   void forEach(size_t n, const std::function<void(size_t)>& fn);
-  // Threads started so far (for tests and metrics).
+  // Threads started so far (for tests).
   size_t threads() const;
 
  private:

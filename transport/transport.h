@@ -3,10 +3,13 @@
 // (transport/ucx/) and an in-process loopback (transport/loopback/) for tests.
 //
 // Threading (docs/thread_model.md): every Context owns one progress thread. All methods are
-// thread-safe and never block on the network (registration and connect may block briefly);
-// completion callbacks and the notification handler run on the progress thread, never under a
-// lock the caller holds, and must not block. Ownership: the caller keeps source regions and
-// their memory alive until the completion callback has run.
+// thread-safe and never block on the network (registration and connect may block briefly,
+// closeFence up to its timeout); completion callbacks and the notification handler run on the
+// progress thread, never under a lock the caller holds, and must not block. Exceptions: once the
+// context is shutting down, a write or notify completes at once on the calling thread with
+// FAILED_PRECONDITION, and what is still pending completes on the thread that destroys the context.
+// Ownership: the caller keeps source regions and their memory alive until the completion callback
+// has run.
 #pragma once
 
 #include <array>
@@ -28,7 +31,8 @@ enum class MemoryKind { kHost, kCuda };
 const char* memoryKindName(MemoryKind kind);
 
 // What a peer needs to write into a region: its address in the owner's address space, its size,
-// and the backend's remote key (UCX: the packed rkey). Serialisable, to travel over gRPC.
+// and the backend's remote key (UCX: the packed rkey when writes are puts; empty with active
+// messages and on the loopback). Serialisable, to travel over gRPC.
 struct RemoteRegion {
   uint64_t base = 0;
   uint64_t size = 0;
@@ -59,9 +63,11 @@ class MemoryRegion {
 using Completion = std::function<void(Status)>;
 
 // The secret that lets one sync attempt's writes and notifications in (docs/security.md): 128
-// random bits, handed to the attempt's daemons only over mutually authenticated gRPC. A target
-// lets a write land only while it holds the write's key open (Context::openFence) and only inside
-// the ranges opened with it; there is no keyless write.
+// random bits, handed to the attempt's daemons only in its Prepare, over gRPC with mutual TLS
+// (plaintext when the daemons run --insecure). Where the target takes part in a write (UCX active
+// messages, the loopback), it lets the write land only while it holds the write's key open
+// (Context::openFence) and only inside the ranges opened with it; a UCX put lands by remote key
+// instead (WriteOp::key). There is no keyless write.
 struct WriteKey {
   static constexpr size_t kBytes = 16;
   std::array<unsigned char, kBytes> bytes{};
@@ -92,17 +98,19 @@ struct WriteOp {
   size_t length = 0;
   // The sync attempt's key: the peer lets the write land only while it holds this key open
   // (Context::openFence) and only inside the ranges opened with it; anything else is refused with
-  // one answer (PERMISSION_DENIED, whatever the reason: no oracle). A sync opens its key on every
-  // node at prepare and closes it when it ends there, so a write of an ended sync (a peer frozen
-  // and resumed) can never land in a rank a later sync wrote. Backends that write without the
-  // target's help (UCX put: RMA over hardware that bounds it) land it by remote key instead:
-  // docs/transport.md.
+  // one answer (ABORTED, "write refused by the peer", whatever the reason: no oracle). A sync opens
+  // its key on every node at prepare and closes it when it ends there, so a write of an ended sync
+  // (a peer frozen and resumed) can never land in a rank a later sync wrote. Backends that write
+  // without the target's help (UCX put: RMA, over hardware that bounds it unless the daemon runs
+  // --insecure) land it by remote key instead: docs/transport.md.
   WriteKey key{};
   // Non-empty: a notification (<= kMaxNotifyBytes) for the peer's handler, delivered
   // once this write is visible there, with no ordering against other writes. Over UCX active
-  // messages it travels in the write's own header, so a relay hears of a chunk as it lands instead
-  // of a round trip later behind the chunks sent after it; otherwise it follows the write as
-  // notify() would. The write completes once both are done.
+  // messages (when it fits in the write's header beside the data header, and the write is not
+  // empty) it travels in that header, and on the loopback it is handed over as the write lands, so
+  // a relay hears of a chunk as it lands instead of a round trip later behind the chunks sent after
+  // it; otherwise (UCX put, a notice too long for the header, an empty write) it follows the write
+  // as notify() would, once the write succeeded. The write completes once both are done.
   std::string notice{};
 };
 
@@ -119,10 +127,12 @@ class Endpoint {
   // Delivered only while the peer holds `key` open (as a write under it would be); dropped there
   // otherwise.
   virtual void notify(std::string payload, const WriteKey& key, Completion done) = 0;
-  // Flushes and closes; later operations fail with FAILED_PRECONDITION. Idempotent.
+  // Closes: operations not completed yet fail with FAILED_PRECONDITION, and so do later ones (UCX
+  // then closes the connection, flushing it unless it had failed). Idempotent.
   virtual void close() = 0;
-  // False once closed, or once the peer failed (went away, or stopped completing operations
-  // within the op timeout): then Context::connect makes a new endpoint to that address.
+  // False once closed, or (UCX) once the peer failed (went away, or stopped completing operations
+  // within the op timeout): then Context::connect makes a new endpoint to that address. A loopback
+  // endpoint stays open; its operations to a peer that is gone fail with UNAVAILABLE.
   virtual bool open() const = 0;
   virtual const std::string& peerName() const = 0;
 };
@@ -137,7 +147,8 @@ StatusOr<Protocol> parseProtocol(std::string_view name);
 
 // The UCX backend's options.
 struct UcxOptions {
-  // Transports to use (UCX_TLS syntax, e.g. "tcp", "posix,sysv,self"); empty = UCX's default.
+  // Transports to use (UCX_TLS syntax, e.g. "tcp", "posix,sysv,self"); empty = UCX_TLS from the
+  // environment, else UCX's default.
   std::string tls;
   // auto: am when the transports are TCP only (UCX 1.13's TCP put is ~4x slower), else put.
   Protocol protocol = Protocol::kAuto;
@@ -155,22 +166,26 @@ struct UcxOptions {
 
 struct TransportOptions {
   std::string backend = "ucx";     // a name of backends(): "ucx" or "loopback"
-  std::string name = "shardcast";  // used in error messages ("context 'x': peer 'y': ...")
+  std::string name = "shardcast";  // in log lines ("transport 'x': ...") and as UCX's context name
   // An operation not completed after this long fails with DEADLINE_EXCEEDED (a vanished peer).
   std::chrono::milliseconds op_timeout{30000};
   UcxOptions ucx;
 };
 
-// The largest notification (Endpoint::notify, WriteOp::notice) any backend takes.
+// The largest notification a caller may send (Endpoint::notify, WriteOp::notice): a larger notice
+// fails checkWriteRanges, a larger UCX notify INVALID_ARGUMENT (the loopback's notify does not check).
 constexpr size_t kMaxNotifyBytes = size_t{64} << 10;
 
-// What a context can do, for callers that choose a path by it (the sync engine, Status).
+// What a context can do, for callers that choose a path by it (the daemon's registry: whether peers
+// send from and land in clients' shm segments directly, Registry::hostSafe).
 struct Capabilities {
   bool cuda_memory = false;                    // registers device memory itself (GPUDirect)
   bool ordered_notify = true;                  // a notification lands after the writes before it
   size_t max_notify_bytes = size_t{64} << 10;  // the largest notification payload
   bool detects_peer_failure = false;           // in-flight operations fail when the peer goes (else: op_timeout)
-  bool bounded_writes = true;                  // the target checks every write against its keys and their ranges
+  // A write lands only where the target let it: the target checks it against its keys and their ranges
+  // (active messages, loopback), or the hardware bounds a put to the region its remote key names.
+  bool bounded_writes = true;
   // Host memory it sends from or lands in cannot fault inside it when its owner truncates a shm
   // segment under a write: the hardware holds the pages (verbs, CUDA), or every access is a plain
   // load or store of this process (which the segment guard absorbs, transport/shm.h). False where
@@ -182,15 +197,16 @@ struct Capabilities {
 class Context {
  public:
   virtual ~Context() = default;
-  // Describes backend, transports and protocol, e.g. "ucx(tls=tcp, protocol=am)".
+  // Describes backend, transports and protocol, e.g. "ucx(tls=tcp, protocol=am, tcp_segment=1M, cuda=no)".
   virtual std::string describe() const = 0;
   // The bytes a peer passes to connect() (exchanged out of band).
   virtual std::string address() const = 0;
   virtual bool canAccess(MemoryKind kind) const = 0;
   virtual Capabilities capabilities() const = 0;
   virtual StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) = 0;
-  // Host memory allocated and registered by the backend (staging and landing buffers). With UCX
-  // this memory is shareable, so peers on the same host can put into it by plain stores.
+  // Host memory allocated and registered by the backend (staging and landing buffers). With UCX,
+  // UCX allocates it as shareable memory: a same-host peer writing by put over shared memory lands
+  // in it by plain stores (daemons put over shared memory only when run --insecure).
   virtual StatusOr<std::shared_ptr<MemoryRegion>> allocateMemory(size_t size) = 0;
   // Write fences (WriteOp::key): from openFence, writes under `key` may land inside `ranges` (and
   // only there) and notifications under it are delivered. closeFence refuses later writes under

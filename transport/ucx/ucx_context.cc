@@ -11,6 +11,7 @@
 #include <deque>
 #include <future>
 #include <map>
+#include <memory>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -133,6 +134,26 @@ struct RequestCtx {
   RegionTable::Landing landing{};  // receiver side: the write's fence and target region, held until it is in
 };
 
+// A request's context belongs to the code that made it until UCX holds the request: a pointer that
+// is neither NULL (done at once, no callback) nor an error. From then on the request's callback
+// owns it and frees it (Callbacks below). Every other way out frees it with its owner.
+using RequestCtxPtr = std::unique_ptr<RequestCtx>;
+
+// Hands `ctx` over to the callback of `req` when `req` is in flight; true then.
+bool handOver(ucs_status_ptr_t req, RequestCtxPtr& ctx) {
+  if (req == nullptr || UCS_PTR_IS_ERR(req)) return false;
+  static_cast<void>(ctx.release());  // the callback's now
+  return true;
+}
+
+// Frees a UCX request (when there is one) as its callback returns.
+struct RequestRelease {
+  void* request;
+  ~RequestRelease() {
+    if (request) ucp_request_free(request);
+  }
+};
+
 class UcxEndpoint;
 
 class UcxEngine {
@@ -214,7 +235,8 @@ class UcxEngine {
 // C callbacks: UCX calls them on the progress thread, from inside ucp_worker_progress.
 struct Callbacks {
   static void onSend(void* request, ucs_status_t st, void* user) {
-    auto* ctx = static_cast<RequestCtx*>(user);
+    const RequestRelease release{request};
+    const RequestCtxPtr ctx(static_cast<RequestCtx*>(user));
     if (ctx->op_id) {
       // A put, a flush, or an AM send whose ack will report the outcome: only errors count here,
       // except for puts and flushes which are complete once sent.
@@ -223,15 +245,12 @@ struct Callbacks {
     } else if (ctx->done) {
       ctx->done(st == UCS_OK ? Status() : statusFromUcs("notification", st));
     }
-    delete ctx;
-    if (request) ucp_request_free(request);
   }
   static void onRecvData(void* request, ucs_status_t st, size_t, void* user) {
-    auto* ctx = static_cast<RequestCtx*>(user);
+    const RequestRelease release{request};
+    const RequestCtxPtr ctx(static_cast<RequestCtx*>(user));
     if (st == UCS_OK && !ctx->payload.empty()) ctx->engine->deliver(std::move(ctx->payload), ctx->key);
     ctx->engine->sendAck(ctx->reply_ep, ctx->op_id, st == UCS_OK ? Status() : statusFromUcs("receive", st), ctx->key);
-    delete ctx;
-    if (request) ucp_request_free(request);
   }
   static ucs_status_t onAmData(void* arg, const void* header, size_t hlen, void* data, size_t len,
                                const ucp_am_recv_param_t* param) {
@@ -440,18 +459,17 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
     if (!hold()) return;
     auto* region = static_cast<UcxRegion*>(w.src.get());
     void* src = static_cast<std::byte*>(w.src->data()) + w.src_offset;
-    auto* ctx = new RequestCtx{.engine = this, .op_id = id};
+    auto ctx = std::make_unique<RequestCtx>(RequestCtx{.engine = this, .op_id = id});
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH |
                       UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     rp.cb.send = &Callbacks::onSend;
-    rp.user_data = ctx;
+    rp.user_data = ctx.get();
     rp.memh = region->memh();
     ucs_status_ptr_t req;
     if (protocol_ == Protocol::kPut) {
       auto rkey = rkeyFor(*ep, w.dst.rkey);
       if (!rkey.ok()) {
-        delete ctx;
         partDone(id, rkey.status());
         continue;
       }
@@ -463,28 +481,22 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
       rp.flags = UCP_AM_SEND_FLAG_REPLY;
       req = ucp_am_send_nbx(ep->ep, kAmData, ctx->header.data(), ctx->header.size(), src, w.length, &rp);
     }
-    if (UCS_PTR_IS_ERR(req)) {
-      delete ctx;
+    if (!handOver(req, ctx) && UCS_PTR_IS_ERR(req))
       partDone(id,
                statusFromUcs(strCat("write of ", w.length, " bytes to peer '", ep->name, "'"), UCS_PTR_STATUS(req)));
-    }
   }
   if (protocol_ == Protocol::kPut) {
     // Remote visibility: a flush completes after every earlier put reached the peer's memory.
     if (!hold()) return;
-    auto* ctx = new RequestCtx{.engine = this, .op_id = id};
+    auto ctx = std::make_unique<RequestCtx>(RequestCtx{.engine = this, .op_id = id});
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.send = &Callbacks::onSend;
-    rp.user_data = ctx;
+    rp.user_data = ctx.get();
     ucs_status_ptr_t req = ucp_ep_flush_nbx(ep->ep, &rp);
-    if (req == nullptr) {
-      delete ctx;
-      partDone(id, Status());
-    } else if (UCS_PTR_IS_ERR(req)) {
-      delete ctx;
-      partDone(id, statusFromUcs(strCat("flush to peer '", ep->name, "'"), UCS_PTR_STATUS(req)));
-    }
+    if (!handOver(req, ctx))
+      partDone(id, req == nullptr ? Status()
+                                  : statusFromUcs(strCat("flush to peer '", ep->name, "'"), UCS_PTR_STATUS(req)));
   }
   partDone(id, Status());  // release the hold taken above
 }
@@ -532,19 +544,19 @@ void UcxEngine::flushNotifies(EpState& ep) {
 
 void UcxEngine::sendNotify(EpState& ep, std::string payload, const WriteKey& key, Completion done) {
   if (!ep.error.ok()) return done(ep.error);
-  auto* ctx = new RequestCtx{
-      .engine = this, .header = ucx_wire::encodeNotify(key), .payload = std::move(payload), .done = std::move(done)};
+  auto ctx = std::make_unique<RequestCtx>(RequestCtx{
+      .engine = this, .header = ucx_wire::encodeNotify(key), .payload = std::move(payload), .done = std::move(done)});
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   rp.cb.send = &Callbacks::onSend;
-  rp.user_data = ctx;
+  rp.user_data = ctx.get();
   rp.flags = UCP_AM_SEND_FLAG_EAGER;
   ucs_status_ptr_t req = ucp_am_send_nbx(ep.ep, kAmNotify, ctx->header.data(), ctx->header.size(), ctx->payload.data(),
                                          ctx->payload.size(), &rp);
-  if (req == nullptr || UCS_PTR_IS_ERR(req)) {
+  if (!handOver(req, ctx)) {
     const ucs_status_t st = req == nullptr ? UCS_OK : UCS_PTR_STATUS(req);
     Completion cb = std::move(ctx->done);
-    delete ctx;
+    ctx.reset();
     cb(st == UCS_OK ? Status() : statusFromUcs(strCat("notify peer '", ep.name, "'"), st));
   }
 }
@@ -619,21 +631,19 @@ void UcxEngine::checkDeadlines() {
 
 void UcxEngine::sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st, const WriteKey& key) {
   if (!reply_ep) return;
-  auto* ctx = new RequestCtx{.engine = this,
-                             .header = ucx_wire::encodeAck(op_id, static_cast<int32_t>(st.code()), key),
-                             .payload = std::string(st.message())};
+  auto ctx = std::make_unique<RequestCtx>(
+      RequestCtx{.engine = this,
+                 .header = ucx_wire::encodeAck(op_id, static_cast<int32_t>(st.code()), key),
+                 .payload = std::string(st.message())});
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   rp.cb.send = &Callbacks::onSend;
-  rp.user_data = ctx;
+  rp.user_data = ctx.get();
   rp.flags = UCP_AM_SEND_FLAG_EAGER;
   ucs_status_ptr_t req = ucp_am_send_nbx(reply_ep, kAmAck, ctx->header.data(), ctx->header.size(), ctx->payload.data(),
                                          ctx->payload.size(), &rp);
-  if (req == nullptr || UCS_PTR_IS_ERR(req)) {
-    if (UCS_PTR_IS_ERR(req))
-      spdlog::warn("transport '{}': ack of op {}: {}", options_.name, op_id, ucs_status_string(UCS_PTR_STATUS(req)));
-    delete ctx;
-  }
+  if (!handOver(req, ctx) && UCS_PTR_IS_ERR(req))
+    spdlog::warn("transport '{}': ack of op {}: {}", options_.name, op_id, ucs_status_string(UCS_PTR_STATUS(req)));
 }
 
 ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size_t len,
@@ -661,21 +671,20 @@ ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size
   }
   std::string notice(h->notice);
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-    auto* ctx = new RequestCtx{.engine = this,
-                               .op_id = h->op_id,
-                               .payload = std::move(notice),
-                               .reply_ep = reply,
-                               .key = h->key,
-                               .landing = std::move(landing)};
+    auto ctx = std::make_unique<RequestCtx>(RequestCtx{.engine = this,
+                                                       .op_id = h->op_id,
+                                                       .payload = std::move(notice),
+                                                       .reply_ep = reply,
+                                                       .key = h->key,
+                                                       .landing = std::move(landing)});
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.recv_am = &Callbacks::onRecvData;
-    rp.user_data = ctx;
+    rp.user_data = ctx.get();
     ucs_status_ptr_t req = ucp_am_recv_data_nbx(worker_, data, reinterpret_cast<void*>(h->addr), len, &rp);
-    if (req == nullptr || UCS_PTR_IS_ERR(req)) {
+    if (!handOver(req, ctx)) {
       if (req == nullptr && !ctx->payload.empty()) deliver(std::move(ctx->payload), h->key);  // landed at once
       sendAck(reply, h->op_id, req == nullptr ? Status() : statusFromUcs("receive", UCS_PTR_STATUS(req)), h->key);
-      delete ctx;
     }
     return UCS_OK;
   }

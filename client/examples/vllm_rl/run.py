@@ -3,7 +3,8 @@
 
 A policy (a tiny Llama made here from a transformers config, or --model DIR) is trained by two
 trainer ranks (FSDP2 over gloo on the CPU, AdamW). Every step vLLM samples completions from the
-current policy, each is rewarded for how often it says "t7", the trainer takes a policy-gradient
+current policy, each is rewarded for how many of its tokens are among the 64 lowest ids ("t0" to
+"t63", an eighth of the vocabulary), the trainer takes a policy-gradient
 step on them (REINFORCE with a mean baseline), and `send_weights()` of the shardcast trainer
 engine puts the new weights into vLLM. vLLM takes them through its weight-transfer API:
 `LLM(..., weight_transfer_config={"backend": "shardcast"})`; nothing else in it changes.
@@ -27,7 +28,7 @@ import time
 
 import torch.multiprocessing as mp
 
-TARGET = "t7"  # the token the reward counts
+REWARDED = 64  # token ids below this earn the reward
 PROMPTS = ["t5 t6", "t9 t3", "t100 t200", "t11 t12 t13"]
 SAMPLES = 4  # completions per prompt
 TOLERANCE = 1e-3  # |vLLM's logprob - the trainer's| for the same token
@@ -59,14 +60,14 @@ def rollouts(llm, step: int):
     each completion token, reward)."""
     from vllm import SamplingParams
 
-    target = llm.get_tokenizer().convert_tokens_to_ids(TARGET)
     params = SamplingParams(n=SAMPLES, max_tokens=8, temperature=1.0, logprobs=0, seed=step)
     out = []
     for request in llm.generate(PROMPTS, params, use_tqdm=False):
         for c in request.outputs:
             tokens = list(c.token_ids)
             logprobs = [c.logprobs[i][t].logprob for i, t in enumerate(tokens)]
-            out.append((list(request.prompt_token_ids), tokens, logprobs, tokens.count(target) / len(tokens)))
+            reward = sum(t < REWARDED for t in tokens) / len(tokens)
+            out.append((list(request.prompt_token_ids), tokens, logprobs, reward))
     return out
 
 
@@ -164,9 +165,13 @@ def main() -> int:
                                                    results)) for r in range(2)]
         for p in ranks:
             p.start()
-        for p in ranks:
-            p.join()
+        while any(p.is_alive() for p in ranks):
+            if any(p.exitcode not in (None, 0) for p in ranks):
+                break  # a rank failed: the other would wait for it in a collective
+            time.sleep(0.5)
         if any(p.exitcode != 0 for p in ranks):
+            for p in ranks:
+                p.kill()  # (rank 0's vLLM processes notice their parent is gone and exit)
             print("a trainer rank failed (its error is above)", file=sys.stderr)
             return 1
         worst = results.get(timeout=10)

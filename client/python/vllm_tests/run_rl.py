@@ -7,7 +7,10 @@ HTTPVLLMWeightSyncClient). After each step rank 0 saves the full weights to OUT/
 vLLM to serve, run_generate.py), records what vLLM serves, and asks every worker whether its
 registered bytes are that checkpoint's. Offline, an update to a version that never comes must
 raise and leave vLLM serving the last step. Prints one JSON result.
-Usage: python run_rl.py MODEL TP TARGET OUT STEPS offline|serve   (TP: "2ep" for expert parallelism)"""
+Usage: python run_rl.py MODEL TP TARGET OUT STEPS offline|serve|offline-unserved
+  TP: "2ep" for expert parallelism. offline-unserved: offline, but vLLM generates nothing (vLLM
+  0.32's CPU MoE kernel crashes generating under expert parallelism, with or without Shardcast);
+  only the workers' registered bytes are checked."""
 
 from __future__ import annotations
 
@@ -135,7 +138,7 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
         join_process_group(port, rank, world)
         served = None
         if rank == 0:  # the sender: its vLLM, offline in this process or the server's HTTP routes
-            if mode == "offline":
+            if mode.startswith("offline"):
                 from vllm import LLM
 
                 from engines import OfflineClient, engine_args
@@ -172,7 +175,8 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
                 step_dir = os.path.join(out, f"step-{step}")
                 save_step(state, model, model_dir, step_dir)
                 record["steps"].append({"dir": step_dir, "loss": float(loss.detach()), "send_s": seconds,
-                                        "served": served.generate(), "checks": served.check(step_dir)})
+                                        "served": served.generate() if mode != "offline-unserved" else [],
+                                        "checks": served.check(step_dir)})
             dist.barrier()
         if rank == 0 and mode == "offline":
             # An update whose version never arrives raises (naming the rank and what it holds); vLLM
@@ -186,7 +190,7 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
             record["served_after"] = served.generate()
             record["weight_version"] = llm.get_weight_version()
         engine.shutdown()
-        if rank == 0 and mode == "offline":
+        if rank == 0 and mode.startswith("offline"):
             llm.llm_engine.engine_core.shutdown()  # its engine and worker processes, before this one exits
         dist.destroy_process_group()
         if rank == 0:

@@ -150,6 +150,18 @@ def _register(client: Any, group: str, entries: List[_Entry]) -> Any:
     return client.register(group, rank, world, tensors, layout, role="source")
 
 
+def _sender_rank(is_sender: bool) -> int:
+    """The global rank of the one trainer rank that is the sender (gathered; 0 in one process)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    flags: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(is_sender))
+    if flags.count(True) != 1:
+        raise ValueError(f"shardcast: {flags.count(True)} trainer ranks are senders (is_sender); exactly one must be")
+    return flags.index(True)
+
+
 def _module_of(source: Any) -> torch.nn.Module:
     module = getattr(source, "_module", None) if source is not None else None
     if not isinstance(module, torch.nn.Module):
@@ -167,6 +179,7 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         self.shardcast = None
         self.registration = None
         self.version = 0
+        self.sender = 0  # the sending trainer rank's global rank (torch.distributed)
 
     @classmethod
     def trainer_init(cls, init_info: ShardcastTrainerInitInfo, *, client, source=None) -> "ShardcastTrainerEngine":
@@ -179,6 +192,7 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         entries = _checkpoint_entries(module, init_info.name_map)
         engine.shardcast = shardcast.Client(init_info.daemon or None)
         engine.registration = _register(engine.shardcast, init_info.group, entries)
+        engine.sender = _sender_rank(engine.is_sender)
         if engine.is_sender:
             # Global shapes (a DTensor's shape is its global one), under the names registered.
             checkpoint = {e.name: [list(e.shape), str(e.param.dtype).replace("torch.", "")] for e in entries}
@@ -187,15 +201,34 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         return engine
 
     def send_weights(self) -> None:
+        """Publishes the next version on every rank; the sender syncs it and drives vLLM's update.
+        Returns on every rank once the update is done (or failed: then it raises on every rank),
+        so no rank changes or unregisters its parameters while the sync still reads them."""
         self.version += 1
         version = self.version
         # Every rank: its parameters hold this version (acquire waits for syncs still reading them).
         self.registration.acquire()
         self.registration.publish(version)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed:
             torch.distributed.barrier()  # every rank published before the sender syncs
-        if not self.is_sender:
-            return
+        error: Optional[BaseException] = None
+        if self.is_sender:
+            try:
+                self._update(version)
+            except Exception as e:  # every rank hears of it below
+                error = e
+        if distributed:
+            word: List[Optional[str]] = [None if error is None else f"{type(error).__name__}: {error}"]
+            torch.distributed.broadcast_object_list(word, src=self.sender)
+            if error is None and word[0] is not None:
+                raise RuntimeError(f"shardcast: the update to version {version} failed on the sending trainer rank: "
+                                   f"{word[0]}")
+        if error is not None:
+            raise error
+
+    def _update(self, version: int) -> None:
+        """The sender: sync `version` into the inference group and drive vLLM's update."""
         self.client.start_weight_update()
         try:
             self.shardcast.sync(self.info.group, self.info.destination, version, delta=self.info.delta,
