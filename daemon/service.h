@@ -60,7 +60,7 @@ class ShardcastService final : public v1::Shardcast::Service {
   std::mutex fence_mu_;
   std::mt19937_64 fence_rng_{std::random_device{}()};
   LogLimiter failure_log_;  // Sync: one line per failed sync kind per caller and 10 s
-  Executor executor_;       // the calls of every sync coordinated here
+  Executor executor_;       // the Progress polls (lease keeping, probes) of every sync coordinated here
   std::mutex sessions_mu_;
   std::condition_variable sessions_cv_;
   bool stopping_ = false;
