@@ -495,8 +495,8 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
     rp.user_data = ctx.get();
     ucs_status_ptr_t req = ucp_ep_flush_nbx(ep->ep, &rp);
     if (!handOver(req, ctx))
-      partDone(id, req == nullptr ? Status()
-                                  : statusFromUcs(strCat("flush to peer '", ep->name, "'"), UCS_PTR_STATUS(req)));
+      partDone(
+          id, req == nullptr ? Status() : statusFromUcs(strCat("flush to peer '", ep->name, "'"), UCS_PTR_STATUS(req)));
   }
   partDone(id, Status());  // release the hold taken above
 }
