@@ -155,12 +155,13 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   out_.set_bytes_needed(static_cast<uint64_t>(stats.bytes_needed));
   out_.set_seconds(since(start_));
   out_.set_plan_cached(plan_cached_);
-  out_.set_bytes_landed_direct(landed_direct_);
-  out_.set_device_fanout_bytes(device_fanout_);
+  const SyncCounters moved = moved_.load();
+  out_.set_bytes_landed_direct(moved.bytes_landed_direct);
+  out_.set_device_fanout_bytes(moved.device_fanout_bytes);
   out_.set_waves(static_cast<uint32_t>(plan_->waves));
   out_.set_wire_bytes(wire_bytes_);
-  out_.set_delta_chunks(delta_chunks_);
-  out_.set_dense_chunks(dense_chunks_);
+  out_.set_delta_chunks(moved.delta_chunks);
+  out_.set_dense_chunks(moved.dense_chunks);
   out_.set_delta(delta_);
   out_.set_strategy(req_.options().strategy());
   out_.set_plan_summary_json(planner::renderJson(plan_->plan, plan_->nodes, planner::CostModel{}));
@@ -372,10 +373,7 @@ Status SyncCoordinator::execute() {
           if (st.ok()) {
             done_received[i] += part.bytes_received();
             done_sent[i] += part.bytes_sent();
-            landed_direct_ += part.bytes_landed_direct();
-            device_fanout_ += part.device_fanout_bytes();
-            delta_chunks_ += part.delta_chunks();
-            dense_chunks_ += part.dense_chunks();
+            moved_.add(SyncCounters::of(part));
             record(i, done_received[i], done_sent[i]);
             if (wave + 1 == plan_->waves) nodeState(i, "done");
           } else {

@@ -26,6 +26,7 @@
 #include "daemon/executor.h"
 #include "daemon/progress.h"
 #include "daemon/registry.h"
+#include "daemon/sync_counters.h"
 #include "daemon/sync_engine.h"
 #include "shardcast/v1/service.grpc.pb.h"
 
@@ -124,9 +125,7 @@ class SyncCoordinator {
   std::vector<v1::ExecuteRequest> exec_;
   std::atomic<bool> executed_{false};
   std::atomic<bool> given_up_{false};
-  std::atomic<uint64_t> landed_direct_{0};
-  std::atomic<uint64_t> device_fanout_{0};
-  std::atomic<uint64_t> delta_chunks_{0}, dense_chunks_{0};
+  AtomicSyncCounters moved_;             // every daemon's waves, as their Execute responses report them
   uint64_t wire_bytes_ = 0;              // every node's bytes sent, once every wave is done
   v1::DeltaMode delta_ = v1::DELTA_OFF;  // the mode it runs in (a periodic refresh: DELTA_DENSE)
   v1::SyncResponse out_;

@@ -120,7 +120,7 @@ Status Execution::send(const std::shared_ptr<transport::MemoryRegion>& src, uint
   }
   SC_ASSIGN_OR_RETURN(auto ep, env_.transport.connect(peer->second.address, cp_.nodes.name(node)));
   SC_RETURN_IF_ERROR(queueWrite(a_, node, std::move(ep), {std::move(op), word}));
-  a_->bytes_sent += word.bytes;
+  a_->moved.bytes_sent += word.bytes;
   return absl::OkStatus();
 }
 
@@ -188,7 +188,7 @@ Status Execution::copyColocated() {
       SC_RETURN_IF_ERROR(env_.stage.copyLocal(typed(db, dr.offset, dr.strides, dt, Direction::kIncoming),
                                               typed(sb, sr.offset, sr.strides, st, Direction::kOutgoing), dr.extent,
                                               {dt.name, sub, &dt}));
-      a_->local_bytes += static_cast<uint64_t>(sub.volume() * dt.elemBytes());
+      a_->moved.local_bytes += static_cast<uint64_t>(sub.volume() * dt.elemBytes());
     }
   }
   return absl::OkStatus();
@@ -369,7 +369,7 @@ Status Execution::processLanded(const LandedChunk& l) {
     next.hop = hop;
     SC_RETURN_IF_ERROR(send(region, region_offset, next, plan_.chain_nodes[ch.nodes_begin + hop]));
   }
-  if (landing->direct()) a_->bytes_landed_direct += chunk.bytes;
+  if (landing->direct()) a_->moved.bytes_landed_direct += chunk.bytes;
   SC_ASSIGN_OR_RETURN(auto pieces, localPieces(l.transfer, l.chunk));
   // The dense chunk: where it landed, or rebuilt from the delta.
   std::byte* wire = landed.data + chunk.offset;
@@ -388,20 +388,20 @@ Status Execution::processLanded(const LandedChunk& l) {
       if (const Piece* first = deviceCopyOf(pieces, i)) {
         SC_RETURN_IF_ERROR(
             env_.stage.unpack(p.memory, first->memory, p.part.sizes(), {p.tensor->name, p.part, p.tensor}));
-        a_->local_bytes += bytes;
-        a_->device_fanout_bytes += bytes;
+        a_->moved.local_bytes += bytes;
+        a_->moved.device_fanout_bytes += bytes;
         continue;
       }
     const TypedView from{{wire + (p.at - chunk.offset), kind, 0, p.dense}, p.tensor->dtype, copies};
     SC_RETURN_IF_ERROR(env_.stage.unpack(p.memory, from, p.part.sizes(), {p.tensor->name, p.part, p.tensor}));
-    a_->local_bytes += bytes;
+    a_->moved.local_bytes += bytes;
   }
   if (req_.verify()) SC_RETURN_IF_ERROR(checkPieces(l, wire, kind, copies, pieces));
   // A rebuilt chunk is unpacked from decoded_, which the next delta overwrites: its device
   // copies have to be done first (a landed chunk's bytes stay in the arena until the wave ends).
   if (delta) SC_RETURN_IF_ERROR(device_.settle());
-  (delta ? a_->delta_chunks : a_->dense_chunks) += 1;
-  a_->bytes_received += l.bytes;
+  (delta ? a_->moved.delta_chunks : a_->moved.dense_chunks) += 1;
+  a_->moved.bytes_received += l.bytes;
   return absl::OkStatus();
 }
 

@@ -22,20 +22,20 @@ std::string Metrics::render() const {
   o << "shardcast_sync_duration_seconds_sum " << static_cast<double>(sync_micros_sum) / 1e6 << "\n";
   o << "shardcast_sync_duration_seconds_count " << syncs_ok << "\n";
   metric("shardcast_bytes_sent_total", "counter", "Bytes this daemon sent over the network (sources and relays).");
-  o << "shardcast_bytes_sent_total " << bytes_sent << "\n";
+  o << "shardcast_bytes_sent_total " << moved.bytes_sent << "\n";
   metric("shardcast_bytes_received_total", "counter", "Bytes that landed on this daemon over the network.");
-  o << "shardcast_bytes_received_total " << bytes_received << "\n";
+  o << "shardcast_bytes_received_total " << moved.bytes_received << "\n";
   metric("shardcast_bytes_landed_direct_total", "counter",
          "Of the bytes received: written by peers straight into destination rank buffers (no unpack copy).");
-  o << "shardcast_bytes_landed_direct_total " << bytes_landed_direct << "\n";
+  o << "shardcast_bytes_landed_direct_total " << moved.bytes_landed_direct << "\n";
   metric("shardcast_local_bytes_total", "counter", "Bytes copied node-locally into destination ranks.");
-  o << "shardcast_local_bytes_total " << local_bytes << "\n";
+  o << "shardcast_local_bytes_total " << moved.local_bytes << "\n";
   metric("shardcast_device_fanout_bytes_total", "counter",
          "Of the local bytes: copied GPU to GPU from a local rank that received the same box first.");
-  o << "shardcast_device_fanout_bytes_total " << device_fanout_bytes << "\n";
+  o << "shardcast_device_fanout_bytes_total " << moved.device_fanout_bytes << "\n";
   metric("shardcast_chunks_landed_total", "counter", "Chunks that landed on this daemon, by encoding (docs/delta.md).");
-  o << "shardcast_chunks_landed_total{encoding=\"dense\"} " << dense_chunks << "\n";
-  o << "shardcast_chunks_landed_total{encoding=\"delta\"} " << delta_chunks << "\n";
+  o << "shardcast_chunks_landed_total{encoding=\"dense\"} " << moved.dense_chunks << "\n";
+  o << "shardcast_chunks_landed_total{encoding=\"delta\"} " << moved.delta_chunks << "\n";
   metric("shardcast_delta_base_bytes", "gauge",
          "Host memory holding the bytes this daemon last sent, as bases of delta syncs (at most --delta-cache-mib).");
   o << "shardcast_delta_base_bytes " << (delta_base_bytes ? delta_base_bytes() : 0) << "\n";

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "common/status.h"
+#include "daemon/sync_counters.h"
 
 namespace httplib {
 class Server;
@@ -21,13 +22,11 @@ namespace shardcast::daemon {
 
 struct Metrics {
   std::atomic<uint64_t> syncs_ok{0}, syncs_failed{0};
-  std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, local_bytes{0}, bytes_landed_direct{0};
-  std::atomic<uint64_t> device_fanout_bytes{0};
-  std::atomic<uint64_t> sync_micros_sum{0};                // of committed syncs coordinated here
-  std::atomic<uint64_t> syncs_expired{0};                  // aborted here because their coordinator's lease ran out
-  std::atomic<uint64_t> sessions_ended{0};                 // client sessions that ended (ranks unregistered)
-  std::atomic<uint64_t> delta_chunks{0}, dense_chunks{0};  // chunks landed here, by encoding
-  std::atomic<bool> serving{false};                        // /healthz: 200 once the gRPC server runs, 503 when stopping
+  AtomicSyncCounters moved;                  // every wave of every sync that ran here
+  std::atomic<uint64_t> sync_micros_sum{0};  // of committed syncs coordinated here
+  std::atomic<uint64_t> syncs_expired{0};    // aborted here because their coordinator's lease ran out
+  std::atomic<uint64_t> sessions_ended{0};   // client sessions that ended (ranks unregistered)
+  std::atomic<bool> serving{false};          // /healthz: 200 once the gRPC server runs, 503 when stopping
   // Read at scrape time.
   std::function<uint64_t()> registered_bytes, registered_ranks, plan_cache_hits;
   std::function<uint64_t()> delta_base_bytes, delta_base_capacity;  // host memory of delta bases

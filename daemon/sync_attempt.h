@@ -22,6 +22,7 @@
 #include "daemon/notification.h"
 #include "daemon/plan_cache.h"
 #include "daemon/registry.h"
+#include "daemon/sync_counters.h"
 #include "shardcast/v1/service.pb.h"
 #include "transport/transport.h"
 
@@ -60,10 +61,8 @@ struct SyncAttempt {
   // of the same plan on commit), after every completion has run.
   std::shared_ptr<transport::MemoryRegion> staging;
 
-  // Progress over all waves, read by progress() while execute() runs.
-  std::atomic<uint64_t> bytes_received{0}, bytes_sent{0}, local_bytes{0}, bytes_landed_direct{0};
-  std::atomic<uint64_t> device_fanout_bytes{0};  // of local_bytes: copied GPU to GPU (Execution::deviceCopyOf)
-  std::atomic<uint64_t> delta_chunks{0}, dense_chunks{0};  // chunks landed here, by encoding
+  // What it moved here over all waves, read by progress() while execute() runs.
+  AtomicSyncCounters moved;
 
   std::mutex mu;
   std::condition_variable cv;

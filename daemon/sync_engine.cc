@@ -405,10 +405,11 @@ StatusOr<v1::ProgressResponse> SyncEngine::progress(const std::string& sync_id, 
   if (!a) return absl::NotFoundError(strCat("sync ", sync_id, " is not active on node \"", node_, "\""));
   a->renew();
   v1::ProgressResponse out;
-  out.set_bytes_received(a->bytes_received);
-  out.set_bytes_sent(a->bytes_sent);
-  out.set_local_bytes(a->local_bytes);
-  out.set_bytes_landed_direct(a->bytes_landed_direct);
+  const SyncCounters moved = a->moved.load();
+  out.set_bytes_received(moved.bytes_received);
+  out.set_bytes_sent(moved.bytes_sent);
+  out.set_local_bytes(moved.local_bytes);
+  out.set_bytes_landed_direct(moved.bytes_landed_direct);
   return out;
 }
 
@@ -441,9 +442,7 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   if (a->self < 0) return resp;
   SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dst_group));
   // This wave's figures are what the sync's counters (read by progress()) gain during it.
-  const uint64_t sent = a->bytes_sent, received = a->bytes_received, local = a->local_bytes,
-                 direct = a->bytes_landed_direct, deltas = a->delta_chunks, dense = a->dense_chunks,
-                 fanout = a->device_fanout_bytes;
+  const SyncCounters before = a->moved.load();
   SC_RETURN_IF_ERROR(Execution({node_, registry_, transport_, *stage_, *copies_, spares_}, a, req).run());
   // A client that truncated its segment while this wave read or wrote it: the daemon survived the
   // fault (transport/shm.h), the bytes it moved are not the rank's.
@@ -455,20 +454,9 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
     std::lock_guard<std::mutex> lock(a->mu);
     a->waves_done.insert(static_cast<int32_t>(req.wave()));
   }
-  resp.set_bytes_sent(a->bytes_sent - sent);
-  resp.set_bytes_received(a->bytes_received - received);
-  resp.set_local_bytes(a->local_bytes - local);
-  resp.set_bytes_landed_direct(a->bytes_landed_direct - direct);
-  resp.set_delta_chunks(a->delta_chunks - deltas);
-  resp.set_dense_chunks(a->dense_chunks - dense);
-  resp.set_device_fanout_bytes(a->device_fanout_bytes - fanout);
-  metrics_.bytes_sent += resp.bytes_sent();
-  metrics_.bytes_received += resp.bytes_received();
-  metrics_.local_bytes += resp.local_bytes();
-  metrics_.bytes_landed_direct += resp.bytes_landed_direct();
-  metrics_.delta_chunks += resp.delta_chunks();
-  metrics_.dense_chunks += resp.dense_chunks();
-  metrics_.device_fanout_bytes += resp.device_fanout_bytes();
+  const SyncCounters wave = a->moved.load() - before;
+  wave.writeTo(resp);
+  metrics_.moved.add(wave);
   return resp;
 }
 

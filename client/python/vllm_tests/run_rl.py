@@ -103,10 +103,10 @@ def start_server(model_dir: str, tp: int, target: str, log_path: str):
     raise RuntimeError(f"vllm serve did not come up in 300 s: see {log_path}")
 
 
-def save_step(state: dict, model, model_dir: str, out_dir: str) -> None:
+def save_step(state: dict, model_dir: str, out_dir: str, model=None) -> None:
     """The trainer's full weights as a model directory a fresh vLLM loads (config and tokenizer
-    from MODEL), in the checkpoint's format (the model's own save conversion: transformers saves
-    fused MoE experts one tensor per expert)."""
+    from MODEL), in the checkpoint's format (with `model`, a transformers model, its own save
+    conversion: transformers saves fused MoE experts one tensor per expert)."""
     from safetensors.torch import save_file
 
     from shardcast.vllm.fused import hf_conversion
@@ -173,7 +173,7 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if rank == 0:
                 step_dir = os.path.join(out, f"step-{step}")
-                save_step(state, model, model_dir, step_dir)
+                save_step(state, model_dir, step_dir, model)
                 record["steps"].append({"dir": step_dir, "loss": float(loss.detach()), "send_s": seconds,
                                         "served": served.generate() if mode != "offline-unserved" else [],
                                         "checks": served.check(step_dir)})
