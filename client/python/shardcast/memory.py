@@ -205,6 +205,12 @@ class Registration:
         FSDP2 re-padding a shard in its lazy init). The daemon would sync the old memory."""
         return [name for name, t, ptr in self._in_place if local_tensor(t).untyped_storage().data_ptr() != ptr]
 
+    def watch(self, name: str, tensor: Any) -> None:
+        """Also reports `name` as moved (moved(), check()) once `tensor`'s storage is no longer its
+        storage now: for a registered view of a larger tensor (a checkpoint tensor inside a fused
+        parameter), whose own storage pointer cannot tell that the parameter was replaced."""
+        self._in_place.append((name, tensor, local_tensor(tensor).untyped_storage().data_ptr()))
+
     def check(self) -> None:
         """Raises RuntimeError naming every tensor that moved (see moved()); call it before a sync
         is triggered (the trainer example does, every step)."""

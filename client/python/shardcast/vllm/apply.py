@@ -44,12 +44,24 @@ def run_processing(layer: torch.nn.Module) -> None:
     quant_method = getattr(layer, "quant_method", None)
     if not isinstance(quant_method, QuantizeMethodBase):
         return
+    # Only where vLLM skips it: the unquantized method on an update (a kernel set up already).
+    # Quantized methods run the experts' setup themselves every time; a second run would
+    # transform their weights twice.
+    skipped = _is_unquantized_moe(quant_method) and getattr(quant_method, "moe_kernel", None) is not None
     quant_method.process_weights_after_loading(layer)
     experts = getattr(getattr(quant_method, "moe_kernel", None), "fused_experts", None)
-    if experts is not None and _sets_up_from_layer(experts):
+    if skipped and experts is not None and _sets_up_from_layer(experts):
         experts.process_weights_after_loading(layer)
     if hasattr(layer, "update_param_tp_status"):
         layer.update_param_tp_status()
+
+
+def _is_unquantized_moe(quant_method) -> bool:
+    try:
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:
+        return False
+    return isinstance(quant_method, UnquantizedFusedMoEMethod)
 
 
 def _sets_up_from_layer(experts) -> bool:

@@ -12,8 +12,8 @@ from the trainer's memory in place, as the checkpoint names it.
 `save_pretrained` runs) on each parameter holding its own element indices, and reads back which
 box of the parameter each checkpoint tensor is. A conversion whose result is not a set of boxes in
 order (a transposed copy) is an error naming the parameter. Costs, once at `trainer_init`, an
-int64 index tensor of one parameter's global shape at a time, and only for the parameters the
-conversion renames or splits. No vLLM import: testable without it."""
+index tensor (int32 below 2^31 elements) of one parameter's global shape at a time, and only for
+the parameters the conversion renames or splits (asked first with a meta tensor). No vLLM import: testable without it."""
 
 from __future__ import annotations
 
@@ -68,7 +68,9 @@ def checkpoint_boxes(shapes: Mapping[str, Sequence[int]], convert: Optional[Conv
         numel = 1
         for s in shape:
             numel *= s
-        index = torch.arange(numel, dtype=torch.int64).reshape(shape)
+        if _left_alone(name, shape, convert):
+            continue
+        index = torch.arange(numel, dtype=torch.int32 if numel < 2 ** 31 else torch.int64).reshape(shape)
         try:
             converted = convert({name: index})
         except Exception as e:  # the model's own code: say which parameter it failed on
@@ -96,6 +98,17 @@ def checkpoint_boxes(shapes: Mapping[str, Sequence[int]], convert: Optional[Conv
                              f"{int((~covered).sum())} elements of parameter {name!r} in no checkpoint tensor")
         out[name] = parts
     return out
+
+
+def _left_alone(name: str, shape: Sequence[int], convert: Convert) -> bool:
+    """Whether the conversion hands `name` back as it is, asked with a tensor of no memory (so
+    only parameters it renames or cuts cost an index tensor)."""
+    meta = torch.empty(tuple(shape), dtype=torch.int32, device="meta")
+    try:
+        converted = convert({name: meta})
+    except Exception:  # the real probe below reports it
+        return False
+    return list(converted) == [name] and converted[name] is meta
 
 
 def box_view(local: torch.Tensor, local_offsets: Sequence[int], part: Part,

@@ -61,7 +61,7 @@ def derives_kernel_state(layer: torch.nn.Module) -> bool:
         getattr(layer, "process_weights_after_loading", None))
 
 
-_KEEPS: Dict[Tuple[type, str, Tuple[int, ...], torch.dtype], bool] = {}
+_KEEPS: Dict[Tuple[Any, ...], bool] = {}
 
 
 def processing_keeps(layer: torch.nn.Module, local: str) -> bool:
@@ -69,12 +69,15 @@ def processing_keeps(layer: torch.nn.Module, local: str) -> bool:
     a parameter of the loader's shape and dtype is in the loader's layout live, and bytes may land
     in it. A layer whose processing rearranges a parameter in place, keeping its shape (the CPU
     backend prepacks FusedMoE's `w13_weight` and `w2_weight` that way), must not take bytes
-    directly. Found by processing a copy of the layer from its live values, once per layer class
-    and parameter shape: a rearrangement applied twice is not the one applied once. A layer that
+    directly. Found by processing a copy of the layer from its live values, once per layer class,
+    processing method, parameter shape, dtype and device: a rearrangement applied twice is not the
+    one applied once. The copy costs one such layer's memory for a moment. A layer that
     cannot be copied or processed again counts as rearranging (its parameters are processed from
     staging, which is never wrong)."""
     live = getattr(layer, local)
-    key = (type(layer), local, tuple(live.shape), live.dtype)
+    quant_method = getattr(layer, "quant_method", None)
+    experts = getattr(getattr(quant_method, "moe_kernel", None), "fused_experts", None)
+    key = (type(layer), type(quant_method), type(experts), local, tuple(live.shape), live.dtype, live.device.type)
     if key not in _KEEPS:
         _KEEPS[key] = _processed_copy_keeps(layer, local)
     return _KEEPS[key]

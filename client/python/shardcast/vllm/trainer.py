@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
@@ -69,11 +69,14 @@ class _Entry:
 def _checkpoint_entries(module: torch.nn.Module, name_map: Any) -> List[_Entry]:
     """The checkpoint tensors `module`'s parameters hold: each parameter under its checkpoint name,
     or, where the model's own save conversion cuts it into several (shardcast.vllm.fused), each
-    part; `name_map` then renames (or, with None, leaves out) what comes out."""
+    part; `name_map` renames (or, with None, leaves out) parameters, and what the conversion makes.
+    A parameter `name_map` names is not converted."""
     named = dict(module.named_parameters())
     data_parallel = is_data_parallel(module)
     clean = {n: strip_wrappers(n, data_parallel) for n in named}
-    parts = checkpoint_boxes({clean[n]: t.shape for n, t in named.items()}, hf_conversion(_unwrapped(module)))
+    # A parameter name_map names is the user's word: the model's conversion is not asked about it.
+    converted = {n: t for n, t in named.items() if not _mapped(clean[n], name_map)}
+    parts = checkpoint_boxes({clean[n]: t.shape for n, t in converted.items()}, hf_conversion(_unwrapped(module)))
     raw: List[_Entry] = []
     for n, t in named.items():
         if clean[n] in parts:
@@ -82,6 +85,15 @@ def _checkpoint_entries(module: torch.nn.Module, name_map: Any) -> List[_Entry]:
             raw.append(_Entry(clean[n], t))
     targets = checkpoint_names([e.name for e in raw], name_map)
     return [_Entry(targets[e.name], e.param, e.part) for e in raw if e.name in targets]
+
+
+def _mapped(name: str, name_map: Any) -> bool:
+    """Whether `name_map` renames (or leaves out) parameter `name`."""
+    if name_map is None:
+        return False
+    if callable(name_map):
+        return name_map(name) != name
+    return name in name_map
 
 
 def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
@@ -95,10 +107,11 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
         module = inner
 
 
-def _register(client: Any, group: str, entries: List[_Entry]) -> Any:
+def _register(client: Any, group: str, entries: List[_Entry], collective: "_Collective") -> Any:
     """Registers this trainer rank's checkpoint tensors in place as a source group: DTensors with
     the layout of their mesh and placements, parts of them with the pieces each rank holds
-    (gathered), plain tensors as one rank holding them whole."""
+    (gathered), plain tensors as one rank holding them whole. Every rank registers, or none does
+    and every rank raises."""
     whole = {e.name: e.param for e in entries if e.part is None}
     if not any(type(e.param).__name__ == "DTensor" for e in entries):
         tensors = dict(whole)
@@ -110,56 +123,111 @@ def _register(client: Any, group: str, entries: List[_Entry]) -> Any:
         layout = {"group": group, "mesh": {"shape": [1]}, "nodes": [node],
                   "tensors": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
                               for n, t in tensors.items()]}
-        return client.register(group, 0, 1, tensors, layout, role="source")
-    import torch.distributed as dist
+        registration = client.register(group, 0, 1, tensors, layout, role="source")
+        for e in entries:  # a replaced fused parameter shows in Registration.check() too
+            if e.part is not None:
+                registration.watch(e.name, e.param)
+        return registration
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from shardcast.layout import layout_from_dtensors, root_mesh
 
     mesh = root_mesh({e.name: e.param for e in entries if hasattr(e.param, "device_mesh")})
     world = int(mesh.size())
-    rank = 0
-    for c, n in zip(mesh.get_coordinate(), mesh.mesh.shape):
-        rank = rank * int(n) + int(c)
     tensors: Dict[str, torch.Tensor] = dict(whole)
-    mine: Dict[str, Any] = {}
-    for e in entries:
-        if e.part is None:
-            continue
-        if hasattr(e.param, "device_mesh"):
-            _, offsets = compute_local_shape_and_global_offset(e.param.shape, e.param.device_mesh,
-                                                               e.param.placements)
-            local = e.param.to_local().detach()
-        else:
-            offsets, local = [0] * e.param.dim(), e.param.detach()
-        piece = box_view(local, offsets, e.part, f"trainer rank {rank}, the parameter holding {e.name!r}")
-        if piece is not None:
-            tensors[e.name] = piece[0]
-            mine[e.name] = (piece[1], piece[2])
-    everyone: List[Any] = [None] * world
-    dist.all_gather_object(everyone, (client.status().node, mine))
-    nodes = [r[0] for r in everyone]
+    me: List[int] = []  # this process's mesh rank
+
+    def my_pieces() -> Tuple[int, str, Dict[str, Any]]:
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError("this process is not in the DTensors' device mesh")
+        rank = 0
+        for c, n in zip(coordinate, mesh.mesh.shape):
+            rank = rank * int(n) + int(c)
+        me.append(rank)
+        mine: Dict[str, Any] = {}
+        for e in entries:
+            if e.part is None:
+                continue
+            if hasattr(e.param, "device_mesh"):
+                if any(type(p).__name__ == "Partial" for p in e.param.placements):
+                    raise ValueError(f"the parameter holding {e.name!r} is Partial (pending a reduction): its bytes "
+                                     "are not the checkpoint's")
+                _, offsets = compute_local_shape_and_global_offset(e.param.shape, e.param.device_mesh,
+                                                                   e.param.placements)
+                local = e.param.to_local().detach()
+            else:
+                offsets, local = [0] * e.param.dim(), e.param.detach()
+            piece = box_view(local, offsets, e.part, f"trainer rank {rank}, the parameter holding {e.name!r}")
+            if piece is not None:
+                tensors[e.name] = piece[0]
+                mine[e.name] = (piece[1], piece[2])
+        return rank, client.status().node, mine
+
+    everyone = sorted(collective.gather(f'registering group "{group}": each rank\'s pieces', my_pieces),
+                      key=lambda r: r[0])
+    if [r for r, _, _ in everyone] != list(range(world)):
+        raise ValueError(f'registering group "{group}": the mesh ranks of the trainer processes are '
+                         f"{[r for r, _, _ in everyone]}, not 0..{world - 1}")
+    rank = me[0]
+    nodes = [node for _, node, _ in everyone]
     layout = layout_from_dtensors(group, whole, nodes=nodes) if whole else {
         "group": group, "mesh": {"shape": [world]}, "nodes": nodes, "tensors": []}
     for e in entries:
         if e.part is not None:
             layout["tensors"].append({
                 "name": e.name, "shape": list(e.shape), "dtype": str(e.param.dtype).replace("torch.", ""),
-                "pieces": [{"rank": r, "offsets": list(p[1][e.name][0]), "sizes": list(p[1][e.name][1])}
-                           for r, p in enumerate(everyone) if e.name in p[1]]})
-    return client.register(group, rank, world, tensors, layout, role="source")
+                "pieces": [{"rank": r, "offsets": list(mine[e.name][0]), "sizes": list(mine[e.name][1])}
+                           for r, _, mine in everyone if e.name in mine]})
+    registration = []
+
+    def register() -> None:
+        registration.append(client.register(group, rank, world, tensors, layout, role="source"))
+        for e in entries:  # a replaced fused parameter shows in Registration.check() too
+            if e.part is not None and e.name in tensors:
+                registration[0].watch(e.name, e.param)
+
+    try:
+        collective.gather(f'registering group "{group}" rank {rank}', register)
+    except BaseException:
+        if registration:  # registered here, not everywhere: nothing is left half-registered
+            registration[0].close()
+        raise
+    return registration[0]
 
 
-def _sender_rank(is_sender: bool) -> int:
-    """The global rank of the one trainer rank that is the sender (gathered; 0 in one process)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    flags: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, bool(is_sender))
-    if flags.count(True) != 1:
-        raise ValueError(f"shardcast: {flags.count(True)} trainer ranks are senders (is_sender); exactly one must be")
-    return flags.index(True)
+class _Collective:
+    """The trainer ranks' own exchanges, each all ranks or none: `gather` runs a step on this rank
+    and gathers every rank's result, and when the step raised anywhere it raises on every rank,
+    naming the ranks and their errors (a rank that raised alone would leave the others waiting in
+    the next collective for good). On a gloo group of its own: the sender's update can take as
+    long as vLLM's (`timeout_s`), longer than an NCCL default group's watchdog allows others to
+    wait."""
+
+    def __init__(self) -> None:
+        import datetime
+
+        dist = torch.distributed
+        self.on = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size() if self.on else 1
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=2)) if self.on else None
+
+    def gather(self, what: str, step) -> List[Any]:
+        if not self.on:
+            return [step()]
+        try:
+            value, error = step(), None
+        except Exception as e:  # every rank hears of it
+            value, error, raised = None, f"{type(e).__name__}: {e}", e
+        out: List[Any] = [None] * self.world
+        torch.distributed.all_gather_object(out, (error, value), group=self.group)
+        failed = [(r, err) for r, (err, _) in enumerate(out) if err is not None]
+        if failed:
+            message = f"shardcast: {what} failed on trainer rank(s) " + "; ".join(f"{r}: {e}" for r, e in failed)
+            if error is not None:
+                raise RuntimeError(message) from raised
+            raise RuntimeError(message)
+        return [v for _, v in out]
 
 
 def _module_of(source: Any) -> torch.nn.Module:
@@ -179,7 +247,7 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         self.shardcast = None
         self.registration = None
         self.version = 0
-        self.sender = 0  # the sending trainer rank's global rank (torch.distributed)
+        self.collective: Optional[_Collective] = None
 
     @classmethod
     def trainer_init(cls, init_info: ShardcastTrainerInitInfo, *, client, source=None) -> "ShardcastTrainerEngine":
@@ -189,10 +257,16 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         engine.info = init_info
         module = _module_of(source)
         refuse_fsdp1(module)
-        entries = _checkpoint_entries(module, init_info.name_map)
+        engine.collective = _Collective()
+        entries: List[_Entry] = []
+        engine.collective.gather("finding the checkpoint's tensors",
+                                 lambda: entries.extend(_checkpoint_entries(module, init_info.name_map)))
         engine.shardcast = shardcast.Client(init_info.daemon or None)
-        engine.registration = _register(engine.shardcast, init_info.group, entries)
-        engine.sender = _sender_rank(engine.is_sender)
+        engine.registration = _register(engine.shardcast, init_info.group, entries, engine.collective)
+        senders = engine.collective.gather("finding the sender", lambda: bool(engine.is_sender))
+        if senders.count(True) != 1:
+            raise ValueError(f"shardcast: {senders.count(True)} trainer ranks are senders (is_sender); exactly one "
+                             "must be")
         if engine.is_sender:
             # Global shapes (a DTensor's shape is its global one), under the names registered.
             checkpoint = {e.name: [list(e.shape), str(e.param.dtype).replace("torch.", "")] for e in entries}
@@ -202,30 +276,19 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
 
     def send_weights(self) -> None:
         """Publishes the next version on every rank; the sender syncs it and drives vLLM's update.
-        Returns on every rank once the update is done (or failed: then it raises on every rank),
-        so no rank changes or unregisters its parameters while the sync still reads them."""
+        Returns on every rank once the update is done, and raises on every rank when it failed on
+        any, so no rank changes or unregisters its parameters while the sync still reads them."""
         self.version += 1
         version = self.version
-        # Every rank: its parameters hold this version (acquire waits for syncs still reading them).
-        self.registration.acquire()
-        self.registration.publish(version)
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if distributed:
-            torch.distributed.barrier()  # every rank published before the sender syncs
-        error: Optional[BaseException] = None
-        if self.is_sender:
-            try:
-                self._update(version)
-            except Exception as e:  # every rank hears of it below
-                error = e
-        if distributed:
-            word: List[Optional[str]] = [None if error is None else f"{type(error).__name__}: {error}"]
-            torch.distributed.broadcast_object_list(word, src=self.sender)
-            if error is None and word[0] is not None:
-                raise RuntimeError(f"shardcast: the update to version {version} failed on the sending trainer rank: "
-                                   f"{word[0]}")
-        if error is not None:
-            raise error
+
+        def publish() -> None:
+            # Its parameters hold this version (acquire waits for syncs still reading them).
+            self.registration.acquire()
+            self.registration.publish(version)
+
+        self.collective.gather(f"publishing version {version}", publish)  # every rank, before the sync
+        self.collective.gather(f"updating {self.info.destination!r} to version {version}",
+                               lambda: self._update(version) if self.is_sender else None)
 
     def _update(self, version: int) -> None:
         """The sender: sync `version` into the inference group and drive vLLM's update."""
