@@ -39,8 +39,8 @@ SyncCounters SyncCounters::of(const v1::ExecuteResponse& r) {
 }
 
 SyncCounters AtomicSyncCounters::load() const {
-  return {bytes_sent, bytes_received, local_bytes, bytes_landed_direct, device_fanout_bytes, delta_chunks,
-          dense_chunks};
+  return {bytes_sent,          bytes_received, local_bytes, bytes_landed_direct,
+          device_fanout_bytes, delta_chunks,   dense_chunks};
 }
 
 void AtomicSyncCounters::add(const SyncCounters& c) {
