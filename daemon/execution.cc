@@ -74,10 +74,7 @@ Status Execution::readDirectory() {
   return absl::OkStatus();
 }
 
-Status Execution::alive() const {
-  std::lock_guard<std::mutex> lock(a_->mu);
-  return a_->usable();
-}
+Status Execution::alive() const { return a_->usable(); }
 
 StatusOr<Registry::LocalBuffer> Execution::buffer(const planner::ResolvedLayout& l, int32_t rank, int32_t b) const {
   return env_.registry.localBuffer(l.group, rank, l.buffer_names[static_cast<size_t>(b)]);
@@ -119,7 +116,7 @@ Status Execution::send(const std::shared_ptr<transport::MemoryRegion>& src, uint
     op.dst_offset = target->second.second + landing->buffer_offset + chunk.offset;
   }
   SC_ASSIGN_OR_RETURN(auto ep, env_.transport.connect(peer->second.address, cp_.nodes.name(node)));
-  SC_RETURN_IF_ERROR(queueWrite(a_, node, std::move(ep), {std::move(op), word}));
+  SC_RETURN_IF_ERROR(a_->send(node, std::move(ep), {std::move(op), word}));
   a_->moved.bytes_sent += word.bytes;
   return absl::OkStatus();
 }
@@ -215,10 +212,7 @@ Status Execution::sendHeaded(int32_t t) {
     SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
     if (!sb.region)
       return absl::InternalError(strCat("sync ", a_->id, ": a source buffer of transfer ", t, " is not registered"));
-    {
-      std::lock_guard<std::mutex> lock(a_->mu);
-      a_->pinned.push_back(sb.keep_alive);
-    }
+    a_->pin(sb.keep_alive);
     const uint64_t start = static_cast<uint64_t>(sr.offset * elem);
     for (size_t k = 0; k < ts.chunks.size(); ++k) {
       const auto& chunk = ts.chunks[k];
@@ -235,7 +229,8 @@ Status Execution::sendHeaded(int32_t t) {
   if (at == UINT64_MAX) return absl::InternalError(strCat("sync ", a_->id, ": no staging planned for transfer ", t));
   SC_RETURN_IF_ERROR(ensureStaging());
   const auto& packer = plan_.chains[staged.front()];  // whose source ranks the bytes are read from
-  auto* out = static_cast<std::byte*>(a_->staging->data()) + at;
+  const auto staging = a_->staging();
+  auto* out = static_cast<std::byte*>(staging->data()) + at;
   const uint64_t target = deltaTarget(t);
   for (size_t k = 0; k < ts.chunks.size(); ++k) {
     const auto& chunk = ts.chunks[k];
@@ -256,14 +251,15 @@ Status Execution::sendHeaded(int32_t t) {
                                          {dt.name, part, &dt}));
     }
     // Encoded, checksummed and sent once packed (device packs: a chunk behind the next one's).
-    auto then = [this, t, k, packed = out + chunk.offset, bytes = chunk.bytes, target, at, staged]() -> Status {
+    auto then = [this, t, k, packed = out + chunk.offset, bytes = chunk.bytes, target, at, staged,
+                 staging]() -> Status {
       LandedChunk word{t, 0, 0, static_cast<int32_t>(k)};
       word.bytes = bytes;
       SC_RETURN_IF_ERROR(encodeChunk(t, static_cast<int32_t>(k), packed, target, &word));
       if (req_.verify()) word.checksum = XXH64(packed, static_cast<size_t>(word.bytes), 0);
       for (const int32_t c : staged) {
         word.chain = c;
-        SC_RETURN_IF_ERROR(send(a_->staging, at, word, plan_.chain_nodes[plan_.chains[c].nodes_begin]));
+        SC_RETURN_IF_ERROR(send(staging, at, word, plan_.chain_nodes[plan_.chains[c].nodes_begin]));
       }
       return absl::OkStatus();
     };
@@ -274,14 +270,13 @@ Status Execution::sendHeaded(int32_t t) {
 
 // The staging region of this sync: a spare one of the same plan, or a new one.
 Status Execution::ensureStaging() {
-  if (a_->staging) return absl::OkStatus();
+  if (a_->staging()) return absl::OkStatus();
   auto staging = env_.spares.take(cp_.key, SpareMemory::Use::kStaging);
   if (!staging) {
     SC_ASSIGN_OR_RETURN(staging, transport::allocateHostStaging(env_.transport, cp_.node(self_).staging_bytes,
                                                                 env_.registry.deviceRuntime(), "a staging buffer"));
   }
-  std::lock_guard<std::mutex> lock(a_->mu);
-  a_->staging = staging;
+  a_->setStaging(std::move(staging));
   return absl::OkStatus();
 }
 
@@ -290,22 +285,12 @@ Status Execution::receive() {
   int64_t processed = 0;
   const int64_t expected = cp_.node(self_).incoming[static_cast<size_t>(wave_)];
   while (true) {
-    LandedChunk l{};
-    {
-      std::unique_lock<std::mutex> lock(a_->mu);
-      const bool woke = a_->cv.wait_until(lock, deadline_, [&] {
-        return !a_->failure.ok() || !a_->landed.empty() || (processed == expected && a_->writes_pending == 0);
-      });
-      if (!a_->failure.ok()) return a_->failure;
-      if (!woke) {
-        return absl::DeadlineExceededError(strCat("sync ", a_->id, " on node \"", env_.node, "\": ", processed, " of ",
-                                                  expected, " chunks landed before the timeout"));
-      }
-      if (a_->landed.empty()) return absl::OkStatus();  // all landed, processed and forwarded
-      l = a_->landed.front();
-      a_->landed.pop_front();
-    }
-    SC_RETURN_IF_ERROR(processLanded(l));
+    SC_ASSIGN_OR_RETURN(const auto next, a_->nextLanded(deadline_, processed == expected));
+    if (next.kind == SyncAttempt::Next::kTimedOut)
+      return absl::DeadlineExceededError(strCat("sync ", a_->id, " on node \"", env_.node, "\": ", processed, " of ",
+                                                expected, " chunks landed before the timeout"));
+    if (next.kind == SyncAttempt::Next::kDone) return absl::OkStatus();  // all landed, processed and forwarded
+    SC_RETURN_IF_ERROR(processLanded(next.chunk));
     ++processed;
   }
 }
@@ -334,10 +319,7 @@ Status Execution::processLanded(const LandedChunk& l) {
   if (delta && l.bytes > chunk.bytes) return bad(strCat("a delta of ", l.bytes, " bytes for a chunk of ", chunk.bytes));
   if (delta && landing->direct()) return bad("a delta for a chunk that lands in a rank directly");
   if (delta && a_->base.fence == 0) return bad("a delta for a node whose ranks hold no base");
-  {
-    std::lock_guard<std::mutex> lock(a_->mu);
-    if (!a_->seen.insert({l.transfer, l.chunk}).second) return bad("a chunk that already landed");
-  }
+  if (!a_->landOnce(l.transfer, l.chunk)) return bad("a chunk that already landed");
   // Where the transfer's bytes are here: the landing rank's buffer, or the arena.
   std::shared_ptr<transport::MemoryRegion> region = a_->arena;
   uint64_t region_offset = landing->arena_offset;

@@ -72,16 +72,13 @@ class SyncEngine {
 
  private:
   void onNotification(const std::string& payload, const transport::WriteKey& key);
-  // Why this node cannot commit attempt `a` ("" when it can): the waves it did not execute, the
-  // chunks planned to land here that did not. Under a->mu.
-  std::string missing(const SyncAttempt& a) const;
   StatusOr<v1::PrepareResponse> prepareTargets(const std::shared_ptr<SyncAttempt>& a, bool hit);
-  // Ends a sync here (removed from active_ already): waits for its writes, then tells the registry.
+  // Ends a sync here (taken out of the table already): closing, waits for its writes, then tells
+  // the registry; draining when peers' writes into this node are still landing.
   StatusOr<v1::FinishResponse> close(const std::shared_ptr<SyncAttempt>& a, Registry::SyncEnd end,
                                      const std::string& reason);
-  // The reaper thread: aborts syncs whose coordinator's lease ran out.
+  // The reaper thread: aborts syncs whose coordinator's lease ran out, ends drained ones.
   void reap();
-  std::shared_ptr<SyncAttempt> find(const std::string& id, uint64_t fence = 0);
 
   std::string node_;
   Registry& registry_;
@@ -94,14 +91,7 @@ class SyncEngine {
   DeltaBases bases_;
   std::unique_ptr<Stage> stage_;
   std::unique_ptr<transport::CopyEngine> copies_;
-  std::mutex mu_;
-  std::map<std::string, std::shared_ptr<SyncAttempt>> active_;
-  std::set<std::string> preparing_;  // ids between the start of prepare and active_
-  // Attempts (id, fence) finished (given up) before they were prepared here: refused if they come.
-  std::set<std::pair<std::string, uint64_t>> finished_;
-  std::deque<std::pair<std::string, uint64_t>> finished_order_;
-  // Closed syncs whose incoming writes were still landing: their fences are polled by the reaper.
-  std::vector<std::shared_ptr<SyncAttempt>> draining_;
+  AttemptTable attempts_;
   std::mutex reaper_mu_;
   std::condition_variable reaper_cv_;
   bool stopping_ = false;

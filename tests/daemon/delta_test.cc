@@ -194,14 +194,15 @@ TEST_CASE("delta: empty deltas queued behind a full window are all announced onc
   a->window_bytes = 1;  // one write in flight at a time
   auto ep = std::make_shared<HeldEndpoint>();
   const auto chunk = [&](int32_t k, size_t bytes) {
-    SyncAttempt::Outgoing out;
+    Outbox::Write out;
     out.op.length = bytes;
     out.landed = LandedChunk{0, 0, 0, k, bytes ? LandedChunk::kDense : LandedChunk::kDelta};
     return out;
   };
-  REQUIRE(queueWrite(a, 1, ep, chunk(0, 8)).ok());                                      // in flight: the window is full
-  for (int32_t k = 1; k <= 3000; ++k) REQUIRE(queueWrite(a, 1, ep, chunk(k, 0)).ok());  // > one batch
-  REQUIRE(queueWrite(a, 1, ep, chunk(3001, 8)).ok());
+  a->publish();
+  REQUIRE(a->send(1, ep, chunk(0, 8)).ok());                                      // in flight: the window is full
+  for (int32_t k = 1; k <= 3000; ++k) REQUIRE(a->send(1, ep, chunk(k, 0)).ok());  // > one batch
+  REQUIRE(a->send(1, ep, chunk(3001, 8)).ok());
   CHECK(ep->announced == 1);
   REQUIRE(ep->writes.size() == 1);
   ep->writes[0](absl::OkStatus());  // the first write completes: everything behind it starts
@@ -209,6 +210,5 @@ TEST_CASE("delta: empty deltas queued behind a full window are all announced onc
   REQUIRE(ep->writes.size() == 2);
   ep->writes[1](absl::OkStatus());
   ep->writes.clear();  // as a transport does once it ran them (they hold the attempt)
-  std::lock_guard<std::mutex> lock(a->mu);
-  CHECK(a->writes_pending == 0);
+  CHECK(a->writesPending() == 0);
 }
