@@ -86,15 +86,6 @@ TypedView Execution::typed(const Registry::LocalBuffer& b, int64_t offset, std::
   return {{b.data, b.kind, offset, std::move(strides)}, t.dtype, engine(b, direction)};
 }
 
-StatusOr<uint64_t> Execution::checksum(const Registry::LocalBuffer& b, uint64_t offset, uint64_t n) {
-  if (b.kind == transport::MemoryKind::kHost) return XXH64(b.data + offset, static_cast<size_t>(n), 0);
-  std::vector<std::byte> host(n);
-  const std::vector<int64_t> unit{1};
-  SC_RETURN_IF_ERROR(copyBox(env_.host_copies, b.outgoing, {host.data(), transport::MemoryKind::kHost, 0, unit},
-                             {b.data + offset, b.kind, 0, unit}, {static_cast<int64_t>(n)}, 1));
-  return XXH64(host.data(), static_cast<size_t>(n), 0);
-}
-
 Status Execution::send(const std::shared_ptr<transport::MemoryRegion>& src, uint64_t off, const LandedChunk& word,
                        int32_t node) {
   auto peer = peers_.find(node);
@@ -219,7 +210,8 @@ Status Execution::sendHeaded(int32_t t) {
       LandedChunk word{t, c, 0, static_cast<int32_t>(k)};
       word.bytes = chunk.bytes;
       if (req_.verify()) {
-        SC_ASSIGN_OR_RETURN(word.checksum, checksum(sb, start + chunk.offset, chunk.bytes));
+        SC_ASSIGN_OR_RETURN(word.checksum, checksumOf(env_.host_copies, sb.outgoing, sb.data + start + chunk.offset,
+                                                      sb.kind, chunk.bytes));
       }
       SC_RETURN_IF_ERROR(send(sb.region, sb.region_offset + start, word, plan_.chain_nodes[ch.nodes_begin]));
     }
@@ -295,12 +287,31 @@ Status Execution::receive() {
   }
 }
 
-// A landed chunk: verify it (optional), forward it along its relay chain, unpack it into the
-// local ranks that need part of it (a delta: rebuilt from their bytes first).
+// A landed chunk, in steps: checked against the plan, located where it landed (and its checksum
+// verified), forwarded along its relay chain, unpacked into the local ranks that need part of it
+// (a delta: rebuilt from their bytes first), and what they hold verified.
 Status Execution::processLanded(const LandedChunk& l) {
   SC_RETURN_IF_ERROR(alive());
-  // Every index a peer sent, against the plan: the transfer and chunk exist and belong to this
-  // wave, the chain is one of the transfer's, and its hop is this node; each chunk lands once.
+  SC_RETURN_IF_ERROR(check(l));
+  SC_ASSIGN_OR_RETURN(const Arrival at, land(l));
+  SC_RETURN_IF_ERROR(relay(l, at));
+  SC_ASSIGN_OR_RETURN(const Unpacked u, unpack(l, at));
+  if (req_.verify()) {
+    SC_RETURN_IF_ERROR(device_.settle());
+    SC_RETURN_IF_ERROR(checkHeld(env_.host_copies, heldPieces(l, u), site(l)));
+  }
+  // A rebuilt chunk is unpacked from decoded_, which the next delta overwrites: its device
+  // copies have to be done first (a landed chunk's bytes stay in the arena until the wave ends).
+  if (at.delta) SC_RETURN_IF_ERROR(device_.settle());
+  (at.delta ? a_->moved.delta_chunks : a_->moved.dense_chunks) += 1;
+  a_->moved.bytes_received += l.bytes;
+  return absl::OkStatus();
+}
+
+// Every index a peer sent, against the plan: the transfer and chunk exist and belong to this
+// wave, the chain is one of the transfer's, and its hop is this node; the encoding is one this
+// node can take there; each chunk lands once.
+Status Execution::check(const LandedChunk& l) {
   auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(strCat("sync ", a_->id, " on node \"", env_.node, "\": a peer announced ", what,
                                              " (transfer ", l.transfer, ", chain ", l.chain, ", hop ", l.hop,
@@ -320,95 +331,98 @@ Status Execution::processLanded(const LandedChunk& l) {
   if (delta && landing->direct()) return bad("a delta for a chunk that lands in a rank directly");
   if (delta && a_->base.fence == 0) return bad("a delta for a node whose ranks hold no base");
   if (!a_->landOnce(l.transfer, l.chunk)) return bad("a chunk that already landed");
-  // Where the transfer's bytes are here: the landing rank's buffer, or the arena.
-  std::shared_ptr<transport::MemoryRegion> region = a_->arena;
-  uint64_t region_offset = landing->arena_offset;
-  Registry::LocalBuffer landed;
-  if (a_->arena) landed.data = static_cast<std::byte*>(a_->arena->data()) + landing->arena_offset;
-  uint64_t sum = 0;
-  if (landing->direct()) {
-    SC_ASSIGN_OR_RETURN(auto lb, buffer(cp_.dst, landing->rank, landing->buffer));
-    if (req_.verify()) {
-      SC_ASSIGN_OR_RETURN(sum, checksum(lb, landing->buffer_offset + chunk.offset, chunk.bytes));
-    }
-    region = lb.region;
-    region_offset = lb.region_offset + landing->buffer_offset;
-    landed = lb;
-    landed.data += landing->buffer_offset;
-  } else if (req_.verify()) {
-    sum = XXH64(landed.data + chunk.offset, static_cast<size_t>(l.bytes), 0);
+  return absl::OkStatus();
+}
+
+// Where the transfer's bytes are here: the landing rank's buffer, or the arena.
+StatusOr<Execution::Arrival> Execution::land(const LandedChunk& l) {
+  const auto& ts = cp_.transfer(l.transfer);
+  Arrival at;
+  at.chunk = &ts.chunks[static_cast<size_t>(l.chunk)];
+  at.landing = ts.landingOn(self_);
+  at.delta = l.encoding == LandedChunk::kDelta;
+  at.region = a_->arena;
+  at.region_offset = at.landing->arena_offset;
+  if (a_->arena) at.memory.data = static_cast<std::byte*>(a_->arena->data()) + at.landing->arena_offset;
+  if (at.landing->direct()) {
+    SC_ASSIGN_OR_RETURN(at.memory, buffer(cp_.dst, at.landing->rank, at.landing->buffer));
+    at.region = at.memory.region;
+    at.region_offset = at.memory.region_offset + at.landing->buffer_offset;
+    at.memory.data += at.landing->buffer_offset;
+    a_->moved.bytes_landed_direct += at.chunk->bytes;
   }
-  if (req_.verify() && sum != l.checksum)
-    return absl::DataLossError(strCat("sync ", a_->id, ": chunk ", l.chunk, " of transfer ", l.transfer,
-                                      " arrived at node \"", env_.node, "\" with a wrong checksum"));
-  // Forward the chunk along its relay chain first (a star's first node: to every other node of
-  // it): the next nodes' transfers then overlap the local fan-out below (the bytes stay where
-  // they landed until the sync ends).
+  if (req_.verify()) {
+    std::byte* bytes = at.memory.data + at.chunk->offset;
+    SC_ASSIGN_OR_RETURN(const uint64_t sum,
+                        checksumOf(env_.host_copies, at.memory.outgoing, bytes, at.memory.kind, l.bytes));
+    SC_RETURN_IF_ERROR(checkChecksum(l.checksum, sum, site(l)));
+  }
+  return at;
+}
+
+// Forwards the chunk along its relay chain first (a star's first node: to every other node of
+// it): the next nodes' transfers then overlap the local fan-out (the bytes stay where they
+// landed until the sync ends).
+Status Execution::relay(const LandedChunk& l, const Arrival& at) {
   const auto& ch = plan_.chains[l.chain];
   const int32_t last = ch.star ? (l.hop == 0 ? ch.nodes_count - 1 : l.hop) : std::min(l.hop + 1, ch.nodes_count - 1);
   for (int32_t hop = l.hop + 1; hop <= last; ++hop) {
     LandedChunk next = l;
     next.hop = hop;
-    SC_RETURN_IF_ERROR(send(region, region_offset, next, plan_.chain_nodes[ch.nodes_begin + hop]));
+    SC_RETURN_IF_ERROR(send(at.region, at.region_offset, next, plan_.chain_nodes[ch.nodes_begin + hop]));
   }
-  if (landing->direct()) a_->moved.bytes_landed_direct += chunk.bytes;
-  SC_ASSIGN_OR_RETURN(auto pieces, localPieces(l.transfer, l.chunk));
-  // The dense chunk: where it landed, or rebuilt from the delta.
-  std::byte* wire = landed.data + chunk.offset;
-  transport::MemoryKind kind = landed.kind;
-  transport::CopyEngine* copies = engine(landed, Direction::kIncoming);
-  if (delta) {
-    SC_RETURN_IF_ERROR(decode(l, wire, pieces));
-    wire = decoded_.data();
-    kind = transport::MemoryKind::kHost;
-    copies = nullptr;
+  return absl::OkStatus();
+}
+
+// The dense chunk (where it landed, or rebuilt from the delta) into every local piece; a piece
+// that another GPU here already took from host memory is copied from that GPU (deviceCopyOf).
+StatusOr<Execution::Unpacked> Execution::unpack(const LandedChunk& l, const Arrival& at) {
+  Unpacked u;
+  SC_ASSIGN_OR_RETURN(u.pieces, localPieces(l.transfer, l.chunk));
+  u.wire = at.memory.data + at.chunk->offset;
+  u.kind = at.memory.kind;
+  u.copies = engine(at.memory, Direction::kIncoming);
+  if (at.delta) {
+    SC_RETURN_IF_ERROR(decode(l, u.wire, u.pieces));
+    u.wire = decoded_.data();
+    u.kind = transport::MemoryKind::kHost;
+    u.copies = nullptr;
   }
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    const Piece& p = pieces[i];
+  for (size_t i = 0; i < u.pieces.size(); ++i) {
+    const Piece& p = u.pieces[i];
     const uint64_t bytes = static_cast<uint64_t>(p.part.volume() * p.tensor->elemBytes());
-    if (kind == transport::MemoryKind::kHost)
-      if (const Piece* first = deviceCopyOf(pieces, i)) {
+    if (u.kind == transport::MemoryKind::kHost)
+      if (const Piece* first = deviceCopyOf(u.pieces, i)) {
         SC_RETURN_IF_ERROR(
             env_.stage.unpack(p.memory, first->memory, p.part.sizes(), {p.tensor->name, p.part, p.tensor}));
         a_->moved.local_bytes += bytes;
         a_->moved.device_fanout_bytes += bytes;
         continue;
       }
-    const TypedView from{{wire + (p.at - chunk.offset), kind, 0, p.dense}, p.tensor->dtype, copies};
+    const TypedView from{{u.wire + (p.at - at.chunk->offset), u.kind, 0, p.dense}, p.tensor->dtype, u.copies};
     SC_RETURN_IF_ERROR(env_.stage.unpack(p.memory, from, p.part.sizes(), {p.tensor->name, p.part, p.tensor}));
     a_->moved.local_bytes += bytes;
   }
-  if (req_.verify()) SC_RETURN_IF_ERROR(checkPieces(l, wire, kind, copies, pieces));
-  // A rebuilt chunk is unpacked from decoded_, which the next delta overwrites: its device
-  // copies have to be done first (a landed chunk's bytes stay in the arena until the wave ends).
-  if (delta) SC_RETURN_IF_ERROR(device_.settle());
-  (delta ? a_->moved.delta_chunks : a_->moved.dense_chunks) += 1;
-  a_->moved.bytes_received += l.bytes;
-  return absl::OkStatus();
+  return u;
 }
 
-Status Execution::checkPieces(const LandedChunk& l, std::byte* wire, transport::MemoryKind kind,
-                              transport::CopyEngine* copies, const std::vector<Piece>& pieces) {
-  SC_RETURN_IF_ERROR(device_.settle());
+std::vector<HeldPiece> Execution::heldPieces(const LandedChunk& l, const Unpacked& u) const {
   const auto& chunk = cp_.transfer(l.transfer).chunks[static_cast<size_t>(l.chunk)];
-  std::vector<std::byte> held, landed;
-  for (const auto& p : pieces) {
-    const int64_t elem = p.tensor->elemBytes();
-    const auto sizes = p.part.sizes();
-    const auto dense = transport::denseStrides(sizes);
-    held.resize(static_cast<size_t>(p.part.volume() * elem));
-    landed.resize(held.size());
-    SC_RETURN_IF_ERROR(copyBox(env_.host_copies, p.memory.device, {held.data(), transport::MemoryKind::kHost, 0, dense},
-                               p.memory.view, sizes, elem));
-    SC_RETURN_IF_ERROR(copyBox(env_.host_copies, copies, {landed.data(), transport::MemoryKind::kHost, 0, dense},
-                               {wire + (p.at - chunk.offset), kind, 0, p.dense}, sizes, elem));
-    if (held != landed)
-      return absl::DataLossError(strCat("sync ", a_->id, ": group \"", a_->dst_group, "\" rank ", p.rank, " on node \"",
-                                        env_.node, "\" does not hold the bytes of tensor \"", p.tensor->name, "\" ",
-                                        p.part.str(), " that landed (chunk ", l.chunk, " of transfer ", l.transfer,
-                                        ") after they were copied into it"));
-  }
-  return absl::OkStatus();
+  std::vector<HeldPiece> out;
+  for (const auto& p : u.pieces)
+    out.push_back({p.memory,
+                   {u.wire + (p.at - chunk.offset), u.kind, 0, p.dense},
+                   u.copies,
+                   p.part.sizes(),
+                   p.tensor->elemBytes(),
+                   p.rank,
+                   p.tensor->name,
+                   p.part});
+  return out;
+}
+
+VerifySite Execution::site(const LandedChunk& l) const {
+  return {a_->id, a_->dst_group, env_.node, l.transfer, l.chunk};
 }
 
 const Execution::Piece* Execution::deviceCopyOf(const std::vector<Piece>& pieces, size_t i) {

@@ -19,6 +19,7 @@
 #include "daemon/registry.h"
 #include "daemon/stage.h"
 #include "daemon/sync_attempt.h"
+#include "daemon/verify.h"
 #include "shardcast/v1/service.pb.h"
 #include "transport/copy_engine.h"
 #include "transport/transport.h"
@@ -74,8 +75,6 @@ class Execution {
   TypedView typed(const Registry::LocalBuffer& b, int64_t offset, std::vector<int64_t> strides,
                   const planner::TensorLayout& t, Direction direction);
   transport::CopyEngine* engine(const Registry::LocalBuffer& b, Direction direction);
-  // XXH64 of bytes [offset, offset + n) of a buffer (device memory: of a host copy, waited for).
-  StatusOr<uint64_t> checksum(const Registry::LocalBuffer& b, uint64_t offset, uint64_t n);
   // Sends chunk word.chunk of transfer word.transfer (word.bytes of it, from `off` in `src` on:
   // the chunk's offset is added) to where it lands on `node`, then the word that announces it.
   Status send(const std::shared_ptr<transport::MemoryRegion>& src, uint64_t off, const LandedChunk& word, int32_t node);
@@ -93,10 +92,6 @@ class Execution {
   // box that came from host memory, returned here; null: piece i comes from the wire. Its copy
   // runs on that rank's engine (the source's), so after the copy into it.
   static const Piece* deviceCopyOf(const std::vector<Piece>& pieces, size_t i);
-  // verify: once the copies into them are done, every piece as its rank holds it against the
-  // landed (or rebuilt) bytes at `wire`; a copy that went astray fails the sync naming the rank.
-  Status checkPieces(const LandedChunk& l, std::byte* wire, transport::MemoryKind kind, transport::CopyEngine* copies,
-                     const std::vector<Piece>& pieces);
   // The pieces of chunk `k` of transfer `t` this node's destination ranks hold (but the rank it
   // landed in directly, if it did).
   StatusOr<std::vector<Piece>> localPieces(int32_t t, int32_t k);
@@ -106,7 +101,38 @@ class Execution {
   Status sendHeaded(int32_t t);
   Status ensureStaging();
   Status receive();
+
+  // ---- A landed chunk, in steps (processLanded): check, land, relay, unpack, verify ----
+  // Where a checked chunk is on this node.
+  struct Arrival {
+    const planner::Schedule::Chunk* chunk = nullptr;
+    const planner::Schedule::Landing* landing = nullptr;
+    bool delta = false;
+    // The transfer's bytes here: the region and offset relays send from, and its memory.
+    std::shared_ptr<transport::MemoryRegion> region;
+    uint64_t region_offset = 0;
+    Registry::LocalBuffer memory;
+  };
+  // A chunk unpacked: its dense bytes (where it landed, or rebuilt from a delta), how to read
+  // them, and the pieces the local ranks took.
+  struct Unpacked {
+    std::byte* wire = nullptr;
+    transport::MemoryKind kind = transport::MemoryKind::kHost;
+    transport::CopyEngine* copies = nullptr;
+    std::vector<Piece> pieces;
+  };
   Status processLanded(const LandedChunk& l);
+  // The peer's word against the plan (INVALID_ARGUMENT naming what is wrong); each chunk once.
+  Status check(const LandedChunk& l);
+  // Where it landed; verify: its checksum against the announced one.
+  StatusOr<Arrival> land(const LandedChunk& l);
+  // To the next nodes of its relay chain.
+  Status relay(const LandedChunk& l, const Arrival& at);
+  // Into the local destination ranks (a delta rebuilt first: decode).
+  StatusOr<Unpacked> unpack(const LandedChunk& l, const Arrival& at);
+  // verify (daemon/verify.h): what the ranks hold against what landed, and where, in errors.
+  std::vector<HeldPiece> heldPieces(const LandedChunk& l, const Unpacked& u) const;
+  VerifySite site(const LandedChunk& l) const;
 
   ExecutionEnv env_;
   std::shared_ptr<SyncAttempt> a_;

@@ -55,12 +55,18 @@ void Outbox::dropQueued() {
 
 std::string_view SyncAttempt::name(Phase p) {
   switch (p) {
-    case Phase::kPreparing: return "preparing";
-    case Phase::kPrepared: return "prepared";
-    case Phase::kExecuting: return "executing";
-    case Phase::kClosing: return "closing";
-    case Phase::kDraining: return "draining";
-    case Phase::kClosed: return "closed";
+    case Phase::kPreparing:
+      return "preparing";
+    case Phase::kPrepared:
+      return "prepared";
+    case Phase::kExecuting:
+      return "executing";
+    case Phase::kClosing:
+      return "closing";
+    case Phase::kDraining:
+      return "draining";
+    case Phase::kClosed:
+      return "closed";
   }
   return "?";
 }
@@ -71,14 +77,23 @@ void SyncAttempt::moveTo(Phase to) {
   const Phase from = phase_.load();
   bool allowed = false;
   switch (to) {
-    case Phase::kPrepared: allowed = from == Phase::kPreparing || from == Phase::kExecuting; break;
-    case Phase::kExecuting: allowed = from == Phase::kPrepared; break;
-    case Phase::kClosing: allowed = from == Phase::kPrepared || from == Phase::kExecuting; break;
-    case Phase::kDraining: allowed = from == Phase::kClosing; break;
+    case Phase::kPrepared:
+      allowed = from == Phase::kPreparing || from == Phase::kExecuting;
+      break;
+    case Phase::kExecuting:
+      allowed = from == Phase::kPrepared;
+      break;
+    case Phase::kClosing:
+      allowed = from == Phase::kPrepared || from == Phase::kExecuting;
+      break;
+    case Phase::kDraining:
+      allowed = from == Phase::kClosing;
+      break;
     case Phase::kClosed:
       allowed = from == Phase::kPreparing || from == Phase::kClosing || from == Phase::kDraining;
       break;
-    case Phase::kPreparing: break;
+    case Phase::kPreparing:
+      break;
   }
   if (!allowed) {
     spdlog::critical("sync {}: an attempt moved from {} to {}, which is not a transition (a bug)", id, name(from),
@@ -181,7 +196,8 @@ std::string SyncAttempt::missing() const {
 Status SyncAttempt::usable() const {
   std::lock_guard<std::mutex> lock(mu_);
   if (!failure_.ok()) return failure_;
-  if (phase_ != Phase::kPrepared && phase_ != Phase::kExecuting) return absl::AbortedError(strCat("sync ", id, " ended"));
+  if (phase_ != Phase::kPrepared && phase_ != Phase::kExecuting)
+    return absl::AbortedError(strCat("sync ", id, " ended"));
   return absl::OkStatus();
 }
 
@@ -208,9 +224,8 @@ void SyncAttempt::announce(const std::vector<LandedChunk>& chunks) {
 
 StatusOr<SyncAttempt::Next> SyncAttempt::nextLanded(Clock::time_point deadline, bool all_processed) {
   std::unique_lock<std::mutex> lock(mu_);
-  const bool woke = cv_.wait_until(lock, deadline, [&] {
-    return !failure_.ok() || !landed_.empty() || (all_processed && outbox_.pending() == 0);
-  });
+  const bool woke = cv_.wait_until(
+      lock, deadline, [&] { return !failure_.ok() || !landed_.empty() || (all_processed && outbox_.pending() == 0); });
   if (!failure_.ok()) return failure_;
   if (!woke) return Next{Next::kTimedOut};
   if (landed_.empty()) return Next{Next::kDone};  // all landed, processed and forwarded
@@ -262,7 +277,8 @@ Status SyncAttempt::send(int32_t node, std::shared_ptr<transport::Endpoint> endp
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_.ok()) return failure_;
-    if (phase_ != Phase::kPrepared && phase_ != Phase::kExecuting) return absl::AbortedError(strCat("sync ", id, " ended"));
+    if (phase_ != Phase::kPrepared && phase_ != Phase::kExecuting)
+      return absl::AbortedError(strCat("sync ", id, " ended"));
     outbox_.queue(node, std::move(endpoint), std::move(w));
   }
   startWrites(node);
@@ -356,8 +372,7 @@ Status AttemptTable::begin(const std::shared_ptr<SyncAttempt>& a) {
   if (open_.count(a->id))
     return absl::AlreadyExistsError(strCat("sync ", a->id, " is already prepared on node \"", node_, "\""));
   if (given_up_.count({a->id, a->fence}))
-    return absl::AbortedError(
-        strCat("sync ", a->id, " was given up by its coordinator before it was prepared here"));
+    return absl::AbortedError(strCat("sync ", a->id, " was given up by its coordinator before it was prepared here"));
   open_.emplace(a->id, a);
   return absl::OkStatus();
 }

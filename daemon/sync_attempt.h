@@ -188,9 +188,9 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::atomic<Phase> phase_{Phase::kPreparing};  // written under mu_, read without it
-  int executes_ = 0;                // execute() calls running (at most one, but one may outlive a close)
-  Status failure_;                  // set by a failure or by the close
-  std::deque<LandedChunk> landed_;  // announced by peers, not processed yet
+  int executes_ = 0;                             // execute() calls running (at most one, but one may outlive a close)
+  Status failure_;                               // set by a failure or by the close
+  std::deque<LandedChunk> landed_;               // announced by peers, not processed yet
   // Chunks processed here (transfer, chunk): each lands on a node once; a repeat is refused.
   std::set<std::pair<int32_t, int32_t>> seen_;
   // Waves whose execute finished here without error. A commit here needs every wave and every
