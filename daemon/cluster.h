@@ -19,9 +19,10 @@
 
 namespace shardcast::daemon {
 
-// One call per context, all at once through gRPC's callback API (no thread and no completion
-// queue per call): start(i, contexts[i], done) issues call i with `done` as its completion, after
-// the context's deadline is set. `each(i, status)` (optional) runs on the calling thread as each
+// The one way a daemon calls other daemons (Describe, Prepare, Execute, Progress, Finish): one
+// call per context, all at once through gRPC's callback API (no thread and no completion queue per
+// call; PeerClient adds cancelling a sync's calls at once): start(i, contexts[i], done) issues call i with `done` as
+// its completion, after the context's deadline is set. `each(i, status)` (optional) runs on the calling thread as each
 // call completes, never on gRPC's threads, so it may block (give a sync up, cancel the other
 // contexts). Returns every call's status once all have completed; a call ends by its deadline, so
 // this does too. The contexts are the caller's, for cancelling calls in flight.

@@ -9,6 +9,7 @@
 
 #include "common/grpc_status.h"
 #include "common/strings.h"
+#include "daemon/sync_preconditions.h"
 #include "planner/report.h"
 
 namespace shardcast::daemon {
@@ -84,15 +85,16 @@ class SyncCoordinator::LeaseKeeper {
       // calls cancelled), until the coordinator is done with it.
       const auto& addresses = c_.cluster_->addresses;
       std::vector<v1::ProgressResponse> got(addresses.size());
-      std::vector<grpc::Status> st(addresses.size());
-      c_.ctx_.executor.forEach(addresses.size(), [&](size_t i) {
-        grpc::ClientContext ctx;
-        ctx.set_deadline(std::chrono::system_clock::now() + std::max(period, lease / 2));
-        v1::ProgressRequest pr;
-        pr.set_sync_id(c_.id_);
-        pr.set_fence(c_.fence_);
-        st[i] = v1::Peer::NewStub(c_.ctx_.peers.channel(addresses[i]))->Progress(&ctx, pr, &got[i]);
-      });
+      std::vector<grpc::ClientContext> contexts(addresses.size());
+      v1::ProgressRequest pr;
+      pr.set_sync_id(c_.id_);
+      pr.set_fence(c_.fence_);
+      const auto st = fanOut(contexts, std::chrono::system_clock::now() + std::max(period, lease / 2),
+                             [&](size_t i, grpc::ClientContext& ctx, CallDone done) {
+                               v1::Peer::NewStub(c_.ctx_.peers.channel(addresses[i]))
+                                   ->async()
+                                   ->Progress(&ctx, &pr, &got[i], std::move(done));
+                             });
       std::string silent;
       for (size_t i = 0; i < st.size(); ++i) {
         // NOT_FOUND: the daemon answers (the sync is not prepared there yet, or over).
@@ -212,26 +214,21 @@ Status SyncCoordinator::checkVersions() const {
   const auto& src = req_.src_group();
   const auto& dst = req_.dst_group();
   const uint64_t version = req_.version();
-  // Destinations first: a replayed old sync is told so, whatever its sources hold now.
+  auto who = [](const v1::DescribeResponse& d, const v1::RemoteRank& r) {
+    return strCat("group \"", r.group(), "\" rank ", r.rank(), " on node \"", d.node(), "\"");
+  };
+  // Destinations first: a replayed old sync is told so, whatever its sources hold now. The rules
+  // are the daemons' own (daemon/sync_preconditions.h), which apply them again in Prepare.
   for (const auto& d : cluster_->view.daemons())
     for (const auto& r : d.ranks())
-      if (r.group() == dst && (r.state() == v1::RANK_READY || r.state() == v1::RANK_DIRTY) && r.version() >= version)
-        return absl::FailedPreconditionError(strCat("sync: group \"", dst, "\" rank ", r.rank(), " on node \"",
-                                                    d.node(), "\" is at version ", r.version(), ": version ", version,
-                                                    " is not newer"));
+      if (r.group() == dst)
+        if (const std::string why = destinationRefusal(factsOf(r), version); !why.empty())
+          return absl::FailedPreconditionError(strCat("sync: ", who(d, r), why));
   for (const auto& d : cluster_->view.daemons())
-    for (const auto& r : d.ranks()) {
-      const std::string who = strCat("group \"", r.group(), "\" rank ", r.rank(), " on node \"", d.node(), "\"");
-      if (r.group() == src && r.state() == v1::RANK_UPDATING)
-        return absl::FailedPreconditionError(
-            strCat("sync: ", who, " is being written by its owner (acquired, not published)"));
-      if (r.group() == src && (r.state() != v1::RANK_READY || r.version() != version))
-        return absl::FailedPreconditionError(strCat("sync: ", who,
-                                                    r.state() == v1::RANK_READY
-                                                        ? strCat(" published version ", r.version())
-                                                        : std::string(" has published no version"),
-                                                    ", not ", version));
-    }
+    for (const auto& r : d.ranks())
+      if (r.group() == src)
+        if (const std::string why = sourceRefusal(factsOf(r), version); !why.empty())
+          return absl::FailedPreconditionError(strCat("sync: ", who(d, r), why));
   return absl::OkStatus();
 }
 
@@ -480,15 +477,17 @@ void SyncCoordinator::giveUp(const std::string& reason) {
 
 std::string SyncCoordinator::firstSilent() {
   const auto& daemons = cluster_->view.daemons();
-  std::vector<grpc::Status> st(daemons.size());
-  ctx_.executor.forEach(daemons.size(), [&](size_t i) {
-    grpc::ClientContext c;
-    c.set_deadline(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(std::min(ctx_.config.peer_timeout_ms, 1000)));
-    v1::ProgressRequest pr;  // the cheapest call: answers NOT_FOUND once the sync is gone
-    v1::ProgressResponse r;
-    st[i] = v1::Peer::NewStub(ctx_.peers.channel(cluster_->addresses[i]))->Progress(&c, pr, &r);
-  });
+  std::vector<grpc::ClientContext> contexts(daemons.size());
+  std::vector<v1::ProgressResponse> r(daemons.size());
+  const v1::ProgressRequest pr;  // the cheapest call: answers NOT_FOUND once the sync is gone
+  const auto st =
+      fanOut(contexts,
+             std::chrono::system_clock::now() + std::chrono::milliseconds(std::min(ctx_.config.peer_timeout_ms, 1000)),
+             [&](size_t i, grpc::ClientContext& c, CallDone done) {
+               v1::Peer::NewStub(ctx_.peers.channel(cluster_->addresses[i]))
+                   ->async()
+                   ->Progress(&c, &pr, &r[i], std::move(done));
+             });
   for (size_t i = 0; i < daemons.size(); ++i)
     if (st[i].error_code() == grpc::StatusCode::UNAVAILABLE ||
         st[i].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)

@@ -23,7 +23,6 @@
 #include "common/status.h"
 #include "daemon/cluster.h"
 #include "daemon/config.h"
-#include "daemon/executor.h"
 #include "daemon/progress.h"
 #include "daemon/registry.h"
 #include "daemon/sync_counters.h"
@@ -64,7 +63,6 @@ class SyncCoordinator {
     const PeerSet& peers;
     SyncEngine& engine;
     ProgressBoard& progress;
-    Executor& executor;
     std::string self_address;  // this daemon, as the others and the coordinator reach it
     // A local caller other than root (the kernel's uid): may sync only what ClusterView::maySync
     // allows. Unset for root, remote callers of the job (certificate or token) and --insecure.

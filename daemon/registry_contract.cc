@@ -7,6 +7,7 @@
 
 #include "common/strings.h"
 #include "daemon/registry.h"
+#include "daemon/sync_preconditions.h"
 
 namespace shardcast::daemon {
 
@@ -36,16 +37,8 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
       if (r->role != v1::ROLE_SOURCE)
         return absl::FailedPreconditionError(
             strCat("sync ", id, ": ", who, " is a destination; a sync reads only source groups"));
-      if (r->held || r->state == v1::RANK_UPDATING)
-        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who,
-                                                    " is being written by its owner (acquired, version ", r->committed,
-                                                    " was published before)"));
-      if (r->state != v1::RANK_READY || r->committed != version)
-        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who,
-                                                    r->state == v1::RANK_READY
-                                                        ? strCat(" published version ", r->committed)
-                                                        : std::string(" has published no version"),
-                                                    ", not ", version));
+      if (const std::string why = sourceRefusal({r->state, r->held, r->committed}, version); !why.empty())
+        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, why));
       SC_RETURN_IF_ERROR(checkSegments(*r));
       readers.push_back(r.get());
     } else if (key.first == dst) {
@@ -59,10 +52,9 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
       if (!r->writer.empty())
         return absl::FailedPreconditionError(strCat("sync ", id, ": a sync into group \"", dst, "\" (", r->writer,
                                                     ") is in progress on node \"", node_, "\""));
-      if (r->committed >= version)
-        return absl::FailedPreconditionError(strCat("group \"", dst, "\" is at version ", r->committed, " on node \"",
-                                                    node_, "\" (rank ", r->rank, "): version ", version,
-                                                    " is not newer"));
+      // (a rank no sync writes is EMPTY with nothing committed, READY or DIRTY)
+      if (const std::string why = destinationRefusal({r->state, r->held, r->committed}, version); !why.empty())
+        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, why));
       SC_RETURN_IF_ERROR(checkSegments(*r));
       writers.push_back(r.get());
     }

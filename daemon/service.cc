@@ -97,9 +97,8 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
   if (!progress_.start(id))
     return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
                         strCat("sync: a sync with id \"", id, "\" is still running on node \"", config_.node, "\""));
-  SyncCoordinator coordinator(
-      {config_, registry_, peers_, engine_, progress_, executor_, config_.selfAddress(), caller_uid}, req, id,
-      newFence());
+  SyncCoordinator coordinator({config_, registry_, peers_, engine_, progress_, config_.selfAddress(), caller_uid}, req,
+                              id, newFence());
   auto done = coordinator.run();
   if (!done.ok()) return toGrpc(done.status());
   *out = std::move(*done);

@@ -13,7 +13,6 @@
 #include "daemon/cluster.h"
 #include "daemon/config.h"
 #include "daemon/coordinator.h"
-#include "daemon/executor.h"
 #include "daemon/progress.h"
 #include "daemon/registry.h"
 #include "daemon/sync_engine.h"
@@ -60,7 +59,6 @@ class ShardcastService final : public v1::Shardcast::Service {
   std::mutex fence_mu_;
   std::mt19937_64 fence_rng_{std::random_device{}()};
   LogLimiter failure_log_;  // Sync: one line per failed sync kind per caller and 10 s
-  Executor executor_;       // the Progress polls (lease keeping, probes) of every sync coordinated here
   std::mutex sessions_mu_;
   std::condition_variable sessions_cv_;
   bool stopping_ = false;
