@@ -241,10 +241,10 @@ Status SyncCoordinator::plan() {
     for (const auto& r : d.ranks())
       if (r.group() == req_.src_group() || r.group() == req_.dst_group())
         for (const auto& b : r.buffers()) packed_ = packed_ || b.staged();
-  const bool zero_copy = req_.options().delta() == v1::DELTA_OFF && !packed_;
   auto strategy = strategyOf(req_.options().strategy(), req_.options().delta());
   if (!strategy.ok()) return failed(strategy.status());
-  auto plan = ctx_.engine.plans().get(src_, dst_, budget, chunk_bytes, &plan_cached_, zero_copy, *strategy);
+  const auto key = PlanKey::forSync(budget, chunk_bytes, req_.options().delta(), packed_, *strategy);
+  auto plan = ctx_.engine.plans().get(src_, dst_, key, &plan_cached_);
   if (!plan.ok()) return failed(plan.status());
   plan_ = std::move(*plan);
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {

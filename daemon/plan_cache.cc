@@ -45,19 +45,27 @@ std::shared_ptr<const CachedPlan> PlanCache::insert(const std::string& key, plan
   return c;
 }
 
-StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src, const v1::Layout& dst,
-                                                           uint64_t staging_budget, uint64_t chunk_bytes, bool* hit,
-                                                           bool zero_copy, planner::Strategy strategy) {
-  if (staging_budget == 0 || chunk_bytes == 0)
-    return absl::InvalidArgumentError("staging budget and chunk size must be positive");
+PlanKey PlanKey::forSync(uint64_t staging_bytes, uint64_t chunk_bytes, v1::DeltaMode delta, bool packed,
+                         planner::Strategy strategy) {
+  return {staging_bytes, chunk_bytes, delta == v1::DELTA_OFF && !packed, strategy};
+}
+
+std::string PlanKey::str(const std::string& src_digest, const std::string& dst_digest) const {
   const char* routing = strategy == planner::Strategy::kRankPull          ? "/rank-pull"
                         : strategy == planner::Strategy::kGatherBroadcast ? "/gather-broadcast"
                                                                           : "";
-  const std::string key = strCat(planner::layoutDigest(src), "/", planner::layoutDigest(dst), "/", staging_budget, "/",
-                                 chunk_bytes, zero_copy ? "" : "/packed", routing);
-  if (auto cached = lookup(key, hit)) return cached;
-  SC_ASSIGN_OR_RETURN(auto schedule, planner::makeSchedule(src, dst, staging_budget, chunk_bytes, zero_copy, strategy));
-  return insert(key, std::move(schedule));
+  return strCat(src_digest, "/", dst_digest, "/", staging_bytes, "/", chunk_bytes, zero_copy ? "" : "/packed", routing);
+}
+
+StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src, const v1::Layout& dst,
+                                                           const PlanKey& key, bool* hit) {
+  if (key.staging_bytes == 0 || key.chunk_bytes == 0)
+    return absl::InvalidArgumentError("staging budget and chunk size must be positive");
+  const std::string name = key.str(planner::layoutDigest(src), planner::layoutDigest(dst));
+  if (auto cached = lookup(name, hit)) return cached;
+  SC_ASSIGN_OR_RETURN(auto schedule,
+                      planner::makeSchedule(src, dst, key.staging_bytes, key.chunk_bytes, key.zero_copy, key.strategy));
+  return insert(name, std::move(schedule));
 }
 
 StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::Layout& src,

@@ -31,6 +31,26 @@ struct CachedPlan : planner::Schedule {
   }
 };
 
+// What a sync's plan depends on besides its two layouts: what it is cached under (with the
+// layouts' digests, CachedPlan::key) and what every daemon of the sync must agree on (each
+// derives it from the same PrepareRequest; the coordinator compares their keys with its own).
+struct PlanKey {
+  uint64_t staging_bytes = 0;
+  uint64_t chunk_bytes = 0;
+  // planner::Schedule::zero_copy: transfers sent from and landed in rank buffers directly.
+  bool zero_copy = true;
+  planner::Strategy strategy = planner::Strategy::kPlanned;
+
+  // The key of a sync's plan. The zero-copy rule lives here and nowhere else: zero copy only for
+  // a dense sync (a delta is packed and encoded: a plan of its own) through no buffer that travels
+  // only packed (`packed`: device memory some daemon's transport cannot reach, staged through host
+  // memory; Describe's RemoteBuffer.staged).
+  static PlanKey forSync(uint64_t staging_bytes, uint64_t chunk_bytes, v1::DeltaMode delta, bool packed,
+                         planner::Strategy strategy = planner::Strategy::kPlanned);
+  // "<src digest>/<dst digest>/<staging>/<chunk>[/packed][/rank-pull|/gather-broadcast]"
+  std::string str(const std::string& src_digest, const std::string& dst_digest) const;
+};
+
 // The planner's routing for a sync's strategy: INVALID_ARGUMENT for an unknown one, or for a
 // baseline asked to run with deltas (baselines are measured dense).
 StatusOr<planner::Strategy> strategyOf(int strategy, v1::DeltaMode delta);
@@ -40,12 +60,9 @@ StatusOr<planner::Strategy> strategyOf(int strategy, v1::DeltaMode delta);
 class PlanCache {
  public:
   explicit PlanCache(size_t capacity = 16) : capacity_(capacity == 0 ? 1 : capacity) {}
-  // The plan for these layouts and staging budget; *hit says whether it was cached.
-  // `zero_copy`: planner::Schedule::zero_copy (off for delta syncs: a plan of its own); `strategy`:
-  // the routing (a baseline's plan is cached apart from the planned one).
-  StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst, uint64_t staging_budget,
-                                                  uint64_t chunk_bytes, bool* hit, bool zero_copy = true,
-                                                  planner::Strategy strategy = planner::Strategy::kPlanned);
+  // The plan of these layouts under `key`; *hit says whether it was cached.
+  StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst, const PlanKey& key,
+                                                  bool* hit);
   // The plan of a sync from `src` into the replica set `replicas` (planner/replicas.h), whose
   // destination is stackReplicas(replicas) (CachedPlan::dst). Plans are cached per membership;
   // the set's position plan apart from them, so a replica that joins or leaves costs a

@@ -101,16 +101,16 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
       if (a->phase() == SyncAttempt::Phase::kPreparing) table.abandon(a);
     }
   } abandon{attempts_, a};
+  SC_ASSIGN_OR_RETURN(const auto strategy, strategyOf(req.strategy(), req.delta()));
+  const auto plan_key = PlanKey::forSync(req.staging_bytes(), req.chunk_bytes(), req.delta(), req.packed(), strategy);
   // A zero-copy plan would hand this node's transport memory it must not touch directly: a
   // coordinator that planned without this node's Describe (or ignored it) is refused here.
-  if (req.delta() == v1::DELTA_OFF && !req.packed())
+  if (plan_key.zero_copy)
     if (const std::string which = registry_.packedOnly(a->src_group, a->dst_group); !which.empty())
       return absl::FailedPreconditionError(strCat("sync ", a->id, ": planned zero-copy, but ", which,
                                                   " travels only packed: its coordinator must plan it packed"));
   bool hit = false;
-  SC_ASSIGN_OR_RETURN(const auto strategy, strategyOf(req.strategy(), req.delta()));
-  SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), req.staging_bytes(), req.chunk_bytes(), &hit,
-                                          a->delta == v1::DELTA_OFF && !req.packed(), strategy));
+  SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), plan_key, &hit));
   for (const auto& key : plans_.takeEvicted()) {  // spare memory and delta bases go with their plan
     spares_.drop(key);
     bases_.drop(key);

@@ -21,7 +21,7 @@ inline std::shared_ptr<const daemon::CachedPlan> examplePlan() {
   if (!src.ok() || !dst.ok()) std::abort();
   daemon::PlanCache cache;
   bool hit = false;
-  auto plan = cache.get(*src, *dst, /*staging_budget=*/uint64_t{64} << 20, /*chunk_bytes=*/uint64_t{1} << 20, &hit);
+  auto plan = cache.get(*src, *dst, shardcast::daemon::PlanKey{uint64_t{64} << 20, uint64_t{1} << 20}, &hit);
   if (!plan.ok()) std::abort();
   return *plan;
 }

@@ -25,7 +25,7 @@ TEST_CASE("plan cache: least recently used plans are evicted, and reported once"
   PlanCache cache(2);
   bool hit = false;
   const auto get = [&](int rows) {
-    auto p = cache.get(layout("s", "a", rows), layout("d", "b", rows), 1 << 20, 1 << 20, &hit);
+    auto p = cache.get(layout("s", "a", rows), layout("d", "b", rows), PlanKey{1 << 20, 1 << 20}, &hit);
     REQUIRE(p.ok());
     return *p;
   };
@@ -133,4 +133,18 @@ TEST_CASE("plan cache: a replica set's position plan is planned once and reused 
   REQUIRE_FALSE(odd.ok());
   CHECK(odd.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(std::string(odd.status().message()), Catch::Contains("rollout.r1"));
+}
+
+TEST_CASE("plan key: zero copy only for a dense sync through no packed-only buffer", "[daemon][plan]") {
+  using shardcast::v1::DELTA_AUTO;
+  using shardcast::v1::DELTA_OFF;
+  CHECK(PlanKey::forSync(1 << 20, 1 << 20, DELTA_OFF, false).zero_copy);
+  CHECK_FALSE(PlanKey::forSync(1 << 20, 1 << 20, DELTA_AUTO, false).zero_copy);  // deltas travel packed
+  CHECK_FALSE(PlanKey::forSync(1 << 20, 1 << 20, DELTA_OFF, true).zero_copy);    // a staged buffer somewhere
+  // Each is a plan of its own: the keys differ where the plans do.
+  const auto dense = PlanKey::forSync(1 << 20, 1 << 20, DELTA_OFF, false);
+  CHECK(dense.str("a", "b") == "a/b/1048576/1048576");
+  CHECK(PlanKey::forSync(1 << 20, 1 << 20, DELTA_OFF, true).str("a", "b") == "a/b/1048576/1048576/packed");
+  CHECK(PlanKey::forSync(1 << 20, 1 << 20, DELTA_OFF, false, shardcast::planner::Strategy::kRankPull).str("a", "b") ==
+        "a/b/1048576/1048576/rank-pull");
 }
