@@ -1,4 +1,4 @@
-// Delta chunks (daemon/delta.h): a peer's delta applied to a base must never read or write outside
+// Delta chunks (daemon/engine/delta.h): a peer's delta applied to a base must never read or write outside
 // either, whatever its bytes; and any pair of chunks must encode to a delta that rebuilds the new
 // chunk exactly from the old one (and leaves the old one updated to the new).
 //   byte 0: bits 0-1 the unit (1, 2, 4, 8 bytes), bit 2 which property; then the input.
@@ -8,7 +8,7 @@
 #include <cstring>
 #include <vector>
 
-#include "daemon/delta.h"
+#include "daemon/engine/delta.h"
 
 using namespace shardcast::daemon;
 

@@ -6,8 +6,8 @@
 #include <cstdlib>
 #include <string_view>
 
-#include "daemon/notification.h"
-#include "daemon/sync_engine.h"
+#include "daemon/engine/notification.h"
+#include "daemon/engine/sync_engine.h"
 #include "fuzz/fuzz_plan.h"
 
 using namespace shardcast;

@@ -11,9 +11,9 @@
 #include <cstdint>
 #include <memory>
 
-#include "daemon/metrics.h"
-#include "daemon/registry.h"
-#include "daemon/sync_engine.h"
+#include "daemon/engine/sync_engine.h"
+#include "daemon/registry/registry.h"
+#include "daemon/server/metrics.h"
 #include "planner/limits.h"
 #include "transport/transport.h"
 

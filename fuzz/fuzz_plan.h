@@ -5,7 +5,7 @@
 
 #include <memory>
 
-#include "daemon/sync_engine.h"
+#include "daemon/engine/sync_engine.h"
 #include "planner/layout.h"
 
 #ifndef SHARDCAST_SOURCE_DIR

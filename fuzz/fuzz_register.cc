@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "daemon/registry.h"
+#include "daemon/registry/registry.h"
 #include "planner/limits.h"
 #include "transport/shm.h"
 #include "transport/transport.h"

@@ -5,8 +5,8 @@
 #include <fstream>
 #include <iostream>
 
-#include "daemon/delta.h"
-#include "daemon/notification.h"
+#include "daemon/engine/delta.h"
+#include "daemon/engine/notification.h"
 #include "fuzz/fuzz_plan.h"
 #include "planner/layout.h"
 #include "transport/ucx/wire.h"

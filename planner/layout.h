@@ -37,7 +37,7 @@ int64_t dtypeBytes(DType t);
 // same dtype, or a conversion the sync makes at the source (fewer bytes on the wire):
 // float32 -> bfloat16 (round to nearest even, as torch's .to(torch.bfloat16)); bfloat16 or
 // float32 -> float8_e4m3fn when the destination declares block scales (v1::BlockScale; checked
-// by the planner). The daemon's pack stage (daemon/stage.h) converts exactly these.
+// by the planner). The daemon's pack stage (daemon/stage/stage.h) converts exactly these.
 bool convertible(DType from, DType to);
 
 // Node names are shared by the source and destination layouts of one plan (colocation).

@@ -12,7 +12,7 @@ uint64_t alignUp(uint64_t v) { return (v + 63) & ~uint64_t{63}; }
 
 // Whether a fragment's source memory holds its wire bytes (the wire carries the destination's
 // dtype): only then may a chain be sent straight from a source rank's buffer, bypassing the pack
-// stage (which converts, daemon/stage.h). Landing straight in a destination rank is always the
+// stage (which converts, daemon/stage/stage.h). Landing straight in a destination rank is always the
 // wire's dtype.
 bool sameDType(const Schedule& c, const Fragment& frag) {
   const auto& pair = c.plan.tensors[frag.tensor];

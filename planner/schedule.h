@@ -80,7 +80,7 @@ struct Schedule {
   uint64_t staging_budget = 0;
   // Sends straight from source rank buffers and landings straight into destination rank buffers
   // where the layouts allow (above). Off for delta syncs: every chunk is packed where it can be
-  // encoded, and lands where it can be decoded before it reaches a rank (daemon/delta.h).
+  // encoded, and lands where it can be decoded before it reaches a rank (daemon/engine/delta.h).
   bool zero_copy = true;
   NodeTable nodes;
   ResolvedLayout src, dst;

@@ -130,7 +130,7 @@ def rdma_daemon(local_tls):
 
 def test_rdma_writes_by_put_over_transports_that_bound_it(kubectl, local_tls):
     """The daemon itself judges the list: with --protocol put it refuses, at start, any transport
-    whose hardware does not bound a remote write to the registered region (daemon/config.cc)."""
+    whose hardware does not bound a remote write to the registered region (daemon/server/config.cc)."""
     args, env = rdma_daemon(local_tls)
     assert env["SHARDCAST_PROTOCOL"] == "put"
     r = print_config(args, env)

@@ -1,5 +1,5 @@
 // The daemon's configuration: a link rate sizes chunks and the write window unless they are given.
-#include "daemon/config.h"
+#include "daemon/server/config.h"
 
 #include <catch2/catch.hpp>
 #include <string>

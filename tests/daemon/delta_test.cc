@@ -1,15 +1,15 @@
-// Delta chunks (daemon/delta.h): the encoding rebuilds the new bytes exactly from the old ones, is
+// Delta chunks (daemon/engine/delta.h): the encoding rebuilds the new bytes exactly from the old ones, is
 // as small as its format says, refuses what does not fit; a peer's malformed delta is refused; the
 // bases a source keeps are bounded, belong to one attempt at a time, and count only once it
 // committed.
-#include "daemon/delta.h"
+#include "daemon/engine/delta.h"
 
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <random>
 #include <vector>
 
-#include "daemon/sync_attempt.h"
+#include "daemon/engine/sync_attempt.h"
 
 using namespace shardcast::daemon;
 
@@ -21,7 +21,7 @@ std::vector<std::byte> randomBytes(size_t n, std::mt19937_64& rng) {
   return v;
 }
 
-// The size the format gives for these changed units (see daemon/delta.h).
+// The size the format gives for these changed units (see daemon/engine/delta.h).
 size_t expectedSize(const std::vector<size_t>& changed, size_t unit) {
   size_t size = 0, next = 0;
   for (const size_t u : changed) {

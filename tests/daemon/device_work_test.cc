@@ -1,13 +1,13 @@
 // What a sync does around device copies that run on after they are issued
-// (daemon/device_work.h), and the stage's device moves, on an emulated GPU stream
+// (daemon/engine/device_work.h), and the stage's device moves, on an emulated GPU stream
 // (transport/emulated_gpus.h: copies run only once waited for).
-#include "daemon/device_work.h"
+#include "daemon/engine/device_work.h"
 
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <vector>
 
-#include "daemon/stage.h"
+#include "daemon/stage/stage.h"
 #include "transport/device_copy.h"
 #include "transport/emulated_gpus.h"
 

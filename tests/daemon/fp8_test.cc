@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "daemon/convert.h"
+#include "daemon/stage/convert.h"
 #include "planner/layout.h"
 
 using namespace shardcast;

@@ -1,6 +1,6 @@
 // The data plane's one peer message: its parser refuses everything malformed, and a daemon that
 // receives malformed or lying notifications fails the sync, naming the problem, and stays up.
-#include "daemon/notification.h"
+#include "daemon/engine/notification.h"
 
 #include <catch2/catch.hpp>
 #include <future>

@@ -4,7 +4,7 @@
 #include <map>
 #include <set>
 
-#include "daemon/sync_engine.h"
+#include "daemon/engine/sync_engine.h"
 #include "planner/layout.h"
 
 using namespace shardcast;

@@ -20,7 +20,7 @@
 #include <thread>
 
 #include "client/lib/client.h"
-#include "daemon/registry.h"
+#include "daemon/registry/registry.h"
 #include "planner/layout.h"
 #include "tests/daemon/daemon_harness.h"
 #include "tests/daemon/rank_memory.h"

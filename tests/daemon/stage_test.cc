@@ -1,10 +1,10 @@
-// The pack/unpack stage (daemon/stage.h): the standard stage moves same-dtype bytes unchanged,
+// The pack/unpack stage (daemon/stage/stage.h): the standard stage moves same-dtype bytes unchanged,
 // converts float32 -> bfloat16 bit-exactly (against an independent reference) and refuses other
 // pairs by name; a sync between two in-process engines runs every packed and every unpacked byte
 // through the stage it was given (a stage that scrambles the wire bytes on pack and restores them
 // on unpack still delivers every byte; one that only scrambles does not), and a declared
 // float32 -> bfloat16 destination receives exactly the rounded values, half the bytes on the wire.
-#include "daemon/stage.h"
+#include "daemon/stage/stage.h"
 
 #include <atomic>
 #include <catch2/catch.hpp>
@@ -16,10 +16,10 @@
 #include <numeric>
 #include <random>
 
-#include "daemon/convert.h"
-#include "daemon/metrics.h"
-#include "daemon/registry.h"
-#include "daemon/sync_engine.h"
+#include "daemon/engine/sync_engine.h"
+#include "daemon/registry/registry.h"
+#include "daemon/server/metrics.h"
+#include "daemon/stage/convert.h"
 #include "planner/layout.h"
 #include "tests/daemon/rank_memory.h"
 #include "transport/transport.h"

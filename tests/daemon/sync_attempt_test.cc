@@ -1,7 +1,7 @@
 // The sync attempt's state machine and the table of attempts, without a daemon: each transition,
 // what each phase refuses, what a close may commit, and what the table lets a peer or coordinator
 // reach. The syncs that drive them end to end are in sync_test.cc and contract_test.cc.
-#include "daemon/sync_attempt.h"
+#include "daemon/engine/sync_attempt.h"
 
 #include <catch2/catch.hpp>
 #include <thread>

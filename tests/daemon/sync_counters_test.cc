@@ -1,7 +1,7 @@
 // SyncCounters: a wave's difference of the live counters, carried in an Execute response and summed
 // by the coordinator, comes back field for field (a field dropped on one of those routes would
 // show as a zero in SyncResponse or /metrics, not as an error).
-#include "daemon/sync_counters.h"
+#include "daemon/engine/sync_counters.h"
 
 #include <catch2/catch.hpp>
 

@@ -1,7 +1,7 @@
-// The rank-state preconditions both sides of a sync apply (daemon/sync_preconditions.h): which
+// The rank-state preconditions both sides of a sync apply (daemon/registry/sync_preconditions.h): which
 // source and destination ranks refuse a version, and why. The refusals end to end, from the
 // coordinator and from a daemon's Prepare, are in contract_test.cc and sync_test.cc.
-#include "daemon/sync_preconditions.h"
+#include "daemon/registry/sync_preconditions.h"
 
 #include <catch2/catch.hpp>
 

@@ -1,7 +1,7 @@
-// The verifier on its own (daemon/verify.h): a checksum that differs, and a rank that does not
+// The verifier on its own (daemon/engine/verify.h): a checksum that differs, and a rank that does not
 // hold what landed, each fail as DATA_LOSS naming the chunk or the rank and tensor; strided rank
 // memory that holds the landed bytes passes. The syncs that use it are in sync_test.cc.
-#include "daemon/verify.h"
+#include "daemon/engine/verify.h"
 
 #include <xxhash.h>
 

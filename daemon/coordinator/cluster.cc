@@ -1,0 +1,298 @@
+#include "daemon/coordinator/cluster.h"
+
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <limits>
+
+#include "common/strings.h"
+#include "common/tls.h"
+#include "daemon/registry/registry.h"
+
+namespace shardcast::daemon {
+
+PeerSet::PeerSet(const DaemonConfig& config, std::string instance) : config_(config), instance_(std::move(instance)) {}
+
+StatusOr<std::vector<std::string>> PeerSet::addresses() const {
+  std::vector<std::string> out = config_.peers;
+  if (!config_.peer_dns.empty()) {
+    const auto colon = config_.peer_dns.rfind(':');
+    const std::string host = config_.peer_dns.substr(0, colon), port = config_.peer_dns.substr(colon + 1);
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
+    if (rc != 0)
+      return absl::UnavailableError(strCat("resolving peers \"", config_.peer_dns, "\": ", gai_strerror(rc)));
+    for (addrinfo* a = res; a; a = a->ai_next) {
+      char ip[NI_MAXHOST];
+      if (::getnameinfo(a->ai_addr, a->ai_addrlen, ip, sizeof(ip), nullptr, 0, NI_NUMERICHOST) != 0) continue;
+      const std::string s = a->ai_family == AF_INET6 ? strCat("[", ip, "]:", port) : strCat(ip, ":", port);
+      out.push_back(s);
+    }
+    ::freeaddrinfo(res);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+std::shared_ptr<grpc::Channel> PeerSet::channel(const std::string& address) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& ch = channels_[address];
+  if (!ch) {
+    // A restarted peer must be reached at once, not after gRPC's reconnect backoff (1 s doubling
+    // to 120 s by default): a sync retried after a restart would fail "unavailable" meanwhile.
+    // gRPC's "min reconnect backoff" is the least time a connection attempt (TCP, TLS handshake,
+    // HTTP/2 settings) is given: at 100 ms, 64 daemons starting on 2 cores failed their first
+    // handshakes ("timed out before receiving SETTINGS frame"), so attempts get the call deadline.
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::clamp(config_.peer_timeout_ms, 1000, 20000));
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    args.SetMaxReceiveMessageSize(std::numeric_limits<int>::max());  // a Describe of the largest legal layouts
+    // Not gRPC's process-wide subchannel pool: a channel made anew after a peer restarted must not
+    // inherit a connection to the old process.
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    ch = grpc::CreateCustomChannel(address, channelCredentials(config_.tls, &args), args);
+  }
+  return ch;
+}
+
+std::map<std::string, std::string> PeerSet::knownNodes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return nodes_;
+}
+
+std::vector<grpc::Status> fanOut(std::vector<grpc::ClientContext>& contexts,
+                                 std::chrono::system_clock::time_point deadline,
+                                 const std::function<void(size_t, grpc::ClientContext&, CallDone)>& start,
+                                 const std::function<void(size_t, const grpc::Status&)>& each) {
+  const size_t n = contexts.size();
+  std::vector<grpc::Status> results(n);
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<size_t> completed;  // not yet handed to `each`
+  size_t pending = n;
+  for (auto& c : contexts) c.set_deadline(deadline);
+  for (size_t i = 0; i < n; ++i)
+    start(i, contexts[i], [&, i](grpc::Status st) {
+      std::lock_guard<std::mutex> lock(mu);
+      results[i] = std::move(st);
+      completed.push_back(i);
+      --pending;
+      cv.notify_all();
+    });
+  std::unique_lock<std::mutex> lock(mu);
+  while (true) {
+    cv.wait(lock, [&] { return pending == 0 || (each && !completed.empty()); });
+    if (!each) break;
+    std::vector<size_t> now;
+    now.swap(completed);
+    const bool last = pending == 0;
+    lock.unlock();
+    for (const size_t i : now) each(i, results[i]);  // a completed call's status no longer changes
+    lock.lock();
+    if (last && completed.empty()) break;
+  }
+  return results;
+}
+
+Status PeerSet::checkTransportAddress(const std::string& node, const std::string& address) const {
+  std::vector<std::string> at;  // the gRPC addresses node was last reached at
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = transports_.find(node);
+    if (it != transports_.end() && it->second == address) return absl::OkStatus();
+    for (const auto& [a, n] : nodes_)
+      if (n == node) at.push_back(a);
+  }
+  // Not known, or changed (a restarted peer): ask the node itself where it was reached before,
+  // every peer otherwise (at most once a second: a peer cannot make this daemon ask the whole
+  // cluster on every call).
+  if (at.empty()) {
+    bool refresh = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const auto now = std::chrono::steady_clock::now();
+      refresh = now - last_refresh_ >= std::chrono::seconds(1);
+      if (refresh) last_refresh_ = now;
+    }
+    if (refresh) {
+      SC_ASSIGN_OR_RETURN(at, addresses());
+    }
+  }
+  if (!at.empty()) {
+    std::vector<v1::DescribeResponse> responses;
+    describe(at, &responses);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = transports_.find(node);
+  if (it != transports_.end() && it->second == address) return absl::OkStatus();
+  return absl::InvalidArgumentError(strCat("the transport address given for node ", quote(node),
+                                           " is not the one that node describes to this daemon"));
+}
+
+std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addrs,
+                                            std::vector<v1::DescribeResponse>* responses) const {
+  // Every Describe at once: a gather costs about one round trip however many peers there are.
+  const size_t n = addrs.size();
+  responses->assign(n, {});
+  const v1::DescribeRequest request;
+  std::vector<grpc::ClientContext> contexts(n);
+  const auto statuses =
+      fanOut(contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms),
+             [&](size_t i, grpc::ClientContext& c, CallDone done) {
+               v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &request, &(*responses)[i], std::move(done));
+             });
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < n; ++i) {
+    const grpc::StatusCode code = statuses[i].error_code();
+    // A fresh channel next time: a restarted peer is then reached without reconnect backoff.
+    if (code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED) channels_.erase(addrs[i]);
+  }
+  // What each peer says of itself, then what the others know of peers this daemon never reached.
+  for (size_t i = 0; i < n; ++i)
+    if (statuses[i].ok()) {
+      nodes_[addrs[i]] = (*responses)[i].node();
+      transports_[(*responses)[i].node()] = (*responses)[i].transport_address();
+    }
+  for (size_t i = 0; i < n; ++i)
+    if (statuses[i].ok())
+      for (const auto& [address, node] : (*responses)[i].peer_nodes()) nodes_.emplace(address, node);
+  return statuses;
+}
+
+StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
+  SC_ASSIGN_OR_RETURN(auto addrs, addresses());
+  const size_t n = addrs.size();
+  std::vector<v1::DescribeResponse> responses;
+  const auto statuses = describe(addrs, &responses);
+  std::vector<PeerView> out;
+  std::set<std::string> seen{instance_};
+  for (size_t i = 0; i < n; ++i) {
+    const std::string& address = addrs[i];
+    const grpc::Status& st = statuses[i];
+    // Ourselves listed among the peers, or one daemon under two addresses (IPv4 and IPv6): the
+    // same instance. Another daemon with our node name is a different instance: ClusterView
+    // refuses the pair.
+    if (st.ok() && !seen.insert(responses[i].instance()).second) continue;
+    std::string known;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto it = nodes_.find(address); it != nodes_.end()) known = strCat(" (node \"", it->second, "\")");
+    }
+    out.push_back({address, st.ok() ? StatusOr<v1::DescribeResponse>(std::move(responses[i]))
+                                    : StatusOr<v1::DescribeResponse>(fromGrpc(st, strCat("peer ", address, known)))});
+  }
+  return out;
+}
+
+StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::DescribeResponse& self,
+                                          const std::string& self_address) {
+  SC_ASSIGN_OR_RETURN(auto described, peers.describeAll());
+  SC_ASSIGN_OR_RETURN(auto view, ClusterView::build(self, described));
+  ClusterSnapshot out{std::move(view), {self_address}};
+  for (const auto& p : described) out.addresses.push_back(p.address);
+  return out;
+}
+
+std::string rankRanges(const std::vector<int32_t>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (!out.empty()) out += ", ";
+    out += j == i ? std::to_string(ranks[i]) : strCat(ranks[i], "-", ranks[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self,
+                                         const std::vector<PeerSet::PeerView>& peers) {
+  ClusterView v;
+  v.daemons_.push_back(self);
+  for (const auto& p : peers) {
+    if (!p.described.ok())
+      return absl::UnavailableError(
+          strCat("peer daemon ", p.address, " is unreachable: ", p.described.status().message()));
+    v.daemons_.push_back(*p.described);
+  }
+  std::set<std::string> nodes;
+  for (const auto& d : v.daemons_) {
+    if (!nodes.insert(d.node()).second)
+      return absl::FailedPreconditionError(strCat("two daemons claim node \"", d.node(), "\" (instances ", d.instance(),
+                                                  " and another): give every daemon its own --node"));
+    for (const auto& layout : d.layouts()) {
+      const std::string digest = planner::layoutDigest(layout);
+      auto [it, inserted] = v.groups_.try_emplace(layout.group(), GroupInfo{layout, digest, {}});
+      if (!inserted && it->second.digest != digest)
+        return absl::FailedPreconditionError(strCat("group \"", layout.group(), "\" is registered with two layouts (",
+                                                    it->second.digest, " and ", digest, " on node \"", d.node(),
+                                                    "\")"));
+    }
+    for (const auto& a : d.access()) v.access_[a.group()].emplace_back(d.node(), a);
+    for (const auto& r : d.ranks()) {
+      auto& g = v.groups_[r.group()];
+      const v1::Role role = r.role() == v1::ROLE_SOURCE ? v1::ROLE_SOURCE : v1::ROLE_DESTINATION;
+      if (g.role != v1::ROLE_UNSPECIFIED && g.role != role)
+        return absl::FailedPreconditionError(strCat("group \"", r.group(), "\" rank ", r.rank(), " on node \"",
+                                                    d.node(), "\" is registered as ", v1::roleName(role),
+                                                    " but other ranks as ", v1::roleName(g.role)));
+      g.role = role;
+      if (!g.ranks.insert(r.rank()).second)
+        return absl::FailedPreconditionError(strCat("group \"", r.group(), "\" rank ", r.rank(),
+                                                    " is registered twice (again on node \"", d.node(), "\")"));
+    }
+  }
+  return v;
+}
+
+Status ClusterView::maySync(uint32_t uid, const std::string& src, const std::string& dst) const {
+  auto owners = [&](const std::string& group) {
+    auto it = access_.find(group);
+    return it == access_.end() ? std::vector<std::pair<std::string, v1::GroupAccess>>{} : it->second;
+  };
+  for (const auto& [node, a] : owners(dst))
+    if (a.owner_uid() != uid)
+      return absl::PermissionDeniedError(strCat("sync: uid ", uid, " may not write group ", quote(dst), ": it is uid ",
+                                                a.owner_uid(), "'s on node ", quote(node),
+                                                " (only a destination's owner syncs into it)"));
+  for (const auto& [node, a] : owners(src)) {
+    const bool granted = std::find(a.readers().begin(), a.readers().end(), uid) != a.readers().end();
+    if (a.owner_uid() != uid && !granted)
+      return absl::PermissionDeniedError(strCat("sync: uid ", uid, " may not read group ", quote(src), ": it is uid ",
+                                                a.owner_uid(), "'s on node ", quote(node),
+                                                ", who has not granted it (RegisterRequest.readers)"));
+  }
+  return absl::OkStatus();
+}
+
+v1::Role ClusterView::role(const std::string& group) const {
+  auto it = groups_.find(group);
+  return it == groups_.end() ? v1::ROLE_UNSPECIFIED : it->second.role;
+}
+
+StatusOr<v1::Layout> ClusterView::completeGroup(const std::string& group) const {
+  auto it = groups_.find(group);
+  if (it == groups_.end()) {
+    std::vector<std::string> known;
+    for (const auto& [name, g] : groups_) known.push_back("\"" + name + "\"");
+    return absl::FailedPreconditionError(strCat("group \"", group, "\" has no registered ranks (registered groups: ",
+                                                known.empty() ? "none" : strJoin(known, ", "), ")"));
+  }
+  int64_t world = 1;
+  for (int64_t s : it->second.layout.mesh().shape()) world *= s;
+  std::vector<int32_t> missing;
+  for (int32_t r = 0; r < world; ++r)
+    if (!it->second.ranks.count(r)) missing.push_back(r);
+  if (!missing.empty())
+    return absl::FailedPreconditionError(strCat("group \"", group, "\" is incomplete: ranks ", rankRanges(missing),
+                                                " of ", world, " are not registered"));
+  return it->second.layout;
+}
+
+}  // namespace shardcast::daemon

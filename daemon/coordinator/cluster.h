@@ -1,0 +1,116 @@
+// The other daemons: found from a static list or a DNS name (a Kubernetes headless Service), asked
+// over the Peer service what they hold; and the cluster-wide view of groups built from that.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/grpc_status.h"
+#include "common/status.h"
+#include "daemon/server/config.h"
+#include "shardcast/v1/service.grpc.pb.h"
+
+namespace shardcast::daemon {
+
+// The one way a daemon calls other daemons (Describe, Prepare, Execute, Progress, Finish): one
+// call per context, all at once through gRPC's callback API (no thread and no completion queue per
+// call; PeerClient adds cancelling a sync's calls at once): start(i, contexts[i], done) issues call i with `done` as
+// its completion, after the context's deadline is set. `each(i, status)` (optional) runs on the calling thread as each
+// call completes, never on gRPC's threads, so it may block (give a sync up, cancel the other
+// contexts). Returns every call's status once all have completed; a call ends by its deadline, so
+// this does too. The contexts are the caller's, for cancelling calls in flight.
+using CallDone = std::function<void(grpc::Status)>;
+std::vector<grpc::Status> fanOut(std::vector<grpc::ClientContext>& contexts,
+                                 std::chrono::system_clock::time_point deadline,
+                                 const std::function<void(size_t, grpc::ClientContext&, CallDone)>& start,
+                                 const std::function<void(size_t, const grpc::Status&)>& each = nullptr);
+
+class PeerSet {
+ public:
+  // `instance`: this daemon's (DescribeResponse.instance), to tell itself from a daemon that
+  // claims the same node name.
+  PeerSet(const DaemonConfig& config, std::string instance);
+
+  // Peer addresses (host:port), sorted; for --peer-dns resolved anew on each call.
+  StatusOr<std::vector<std::string>> addresses() const;
+
+  struct PeerView {
+    std::string address;
+    StatusOr<v1::DescribeResponse> described;
+  };
+  // Describe of every peer other than this node, each within the peer timeout.
+  StatusOr<std::vector<PeerView>> describeAll() const;
+  // The peers reached so far: address -> the node each described itself as.
+  std::map<std::string, std::string> knownNodes() const;
+  // OK when `address` is the transport address `node` gave in its own Describe to this daemon
+  // (over mutual TLS); asks that node again when it is not known yet or differs (a restarted
+  // peer). INVALID_ARGUMENT otherwise: this daemon connects to no transport address a third party
+  // hands it (docs/security.md).
+  Status checkTransportAddress(const std::string& node, const std::string& address) const;
+  // A cached channel to a daemon (a peer, or this daemon itself).
+  std::shared_ptr<grpc::Channel> channel(const std::string& address) const;
+
+ private:
+  // Describe of each of `addrs` at once; remembers which node and transport address each gave.
+  std::vector<grpc::Status> describe(const std::vector<std::string>& addrs,
+                                     std::vector<v1::DescribeResponse>* responses) const;
+
+  DaemonConfig config_;
+  std::string instance_;
+  mutable std::mutex mu_;
+  mutable std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
+  mutable std::map<std::string, std::string> nodes_;              // address -> node it last described itself as
+  mutable std::map<std::string, std::string> transports_;         // node -> the transport address it described
+  mutable std::chrono::steady_clock::time_point last_refresh_{};  // of transports_ by checkTransportAddress
+};
+
+// Groups as registered across the cluster.
+class ClusterView {
+ public:
+  // From this daemon's own description and its peers'. Unreachable peers make the view fail.
+  static StatusOr<ClusterView> build(const v1::DescribeResponse& self, const std::vector<PeerSet::PeerView>& peers);
+
+  // The layout of `group` when every rank of it is registered somewhere; FAILED_PRECONDITION
+  // naming the missing ranks (or an unknown group) otherwise.
+  StatusOr<v1::Layout> completeGroup(const std::string& group) const;
+  const std::vector<v1::DescribeResponse>& daemons() const { return daemons_; }
+  // The role `group` registered with (ROLE_UNSPECIFIED for an unknown group).
+  v1::Role role(const std::string& group) const;
+  // May a local caller of `uid` (not root) sync `src` into `dst`? Only the owner of `dst` on every
+  // node that holds part of it, reading a `src` that is its own on every node or whose owner there
+  // granted it (RegisterRequest.readers). PERMISSION_DENIED naming the group, node and owner.
+  Status maySync(uint32_t uid, const std::string& src, const std::string& dst) const;
+
+ private:
+  struct GroupInfo {
+    v1::Layout layout;
+    std::string digest;
+    std::set<int32_t> ranks;
+    v1::Role role = v1::ROLE_UNSPECIFIED;
+  };
+  std::vector<v1::DescribeResponse> daemons_;
+  std::map<std::string, GroupInfo> groups_;
+  // Per group: each node's owner and read grants (DescribeResponse.access).
+  std::map<std::string, std::vector<std::pair<std::string, v1::GroupAccess>>> access_;
+};
+
+// The cluster as one gather saw it: the view, and each daemon's address (addresses[i] reaches
+// view.daemons()[i]; this daemon first, at `self_address`).
+struct ClusterSnapshot {
+  ClusterView view;
+  std::vector<std::string> addresses;
+};
+StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::DescribeResponse& self,
+                                          const std::string& self_address);
+
+// "0-2, 5, 7-9"
+std::string rankRanges(const std::vector<int32_t>& ranks);
+
+}  // namespace shardcast::daemon

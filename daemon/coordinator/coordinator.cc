@@ -1,0 +1,536 @@
+#include "daemon/coordinator/coordinator.h"
+
+#include <spdlog/spdlog.h>
+
+#include <condition_variable>
+#include <map>
+#include <optional>
+#include <thread>
+
+#include "common/grpc_status.h"
+#include "common/strings.h"
+#include "daemon/registry/sync_preconditions.h"
+#include "planner/report.h"
+
+namespace shardcast::daemon {
+
+// ---- PeerClient ----
+
+PeerClient::PeerClient(const PeerSet& peers, std::vector<std::string> addresses)
+    : peers_(peers), addresses_(std::move(addresses)) {}
+
+std::vector<grpc::Status> PeerClient::forEach(std::chrono::system_clock::time_point deadline, const Start& start,
+                                              const std::function<void(size_t, const grpc::Status&)>& then) {
+  const size_t n = addresses_.size();
+  std::vector<grpc::ClientContext> contexts(n);
+  std::vector<std::unique_ptr<v1::Peer::Stub>> stubs(n);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& c : contexts) {
+      if (cancelled_) c.TryCancel();
+      calls_.insert(&c);
+    }
+  }
+  for (size_t i = 0; i < n; ++i) stubs[i] = v1::Peer::NewStub(peers_.channel(addresses_[i]));
+  auto results = fanOut(
+      contexts, deadline,
+      [&](size_t i, grpc::ClientContext& c, CallDone done) { start(i, *stubs[i], c, std::move(done)); }, then);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& c : contexts) calls_.erase(&c);
+  return results;
+}
+
+bool PeerClient::cancelAll() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (cancelled_) return false;
+  cancelled_ = true;
+  for (auto* c : calls_) c->TryCancel();
+  return true;
+}
+
+// ---- LeaseKeeper ----
+
+// From prepare on, the daemons hold the sync under a lease: this renews it with a Progress call to
+// every daemon each quarter lease (recording their bytes for Watch), and gives the sync up, naming
+// the node, when one has not answered for a whole lease.
+class SyncCoordinator::LeaseKeeper {
+ public:
+  explicit LeaseKeeper(SyncCoordinator& c) : c_(c), answered_(c.cluster_->addresses.size(), Clock::now()) {
+    thread_ = std::thread([this] { run(); });
+  }
+  ~LeaseKeeper() { stop(); }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      running_ = false;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  // The node that stopped answering ("" while all answer).
+  std::string stalled() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stalled_;
+  }
+
+ private:
+  void run() {
+    const auto lease = c_.lease_;
+    const auto period = std::min(std::chrono::milliseconds(250), lease / 4);
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_for(lock, period, [&] { return !running_; })) {
+      lock.unlock();
+      // Not through the sync's PeerClient: these calls go on after the sync is given up (its
+      // calls cancelled), until the coordinator is done with it.
+      const auto& addresses = c_.cluster_->addresses;
+      std::vector<v1::ProgressResponse> got(addresses.size());
+      std::vector<grpc::ClientContext> contexts(addresses.size());
+      v1::ProgressRequest pr;
+      pr.set_sync_id(c_.id_);
+      pr.set_fence(c_.fence_);
+      const auto st = fanOut(contexts, std::chrono::system_clock::now() + std::max(period, lease / 2),
+                             [&](size_t i, grpc::ClientContext& ctx, CallDone done) {
+                               v1::Peer::NewStub(c_.ctx_.peers.channel(addresses[i]))
+                                   ->async()
+                                   ->Progress(&ctx, &pr, &got[i], std::move(done));
+                             });
+      std::string silent;
+      for (size_t i = 0; i < st.size(); ++i) {
+        // NOT_FOUND: the daemon answers (the sync is not prepared there yet, or over).
+        if (st[i].ok() || st[i].error_code() == grpc::StatusCode::NOT_FOUND) answered_[i] = Clock::now();
+        if (st[i].ok()) c_.record(i, got[i].bytes_received(), got[i].bytes_sent());
+        if (Clock::now() - answered_[i] > lease && silent.empty()) silent = c_.cluster_->view.daemons()[i].node();
+      }
+      lock.lock();
+      if (!silent.empty() && stalled_.empty() && running_) {
+        stalled_ = silent;
+        lock.unlock();
+        spdlog::warn("sync {}: node \"{}\" has not answered for {} ms: giving the sync up", c_.id_, silent,
+                     lease.count());
+        c_.giveUp(strCat("node \"", silent, "\" stopped answering"));
+        lock.lock();
+      }
+    }
+  }
+
+  SyncCoordinator& c_;
+  std::vector<Clock::time_point> answered_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool running_ = true;
+  std::string stalled_;
+  std::thread thread_;
+};
+
+// ---- SyncCoordinator ----
+
+SyncCoordinator::SyncCoordinator(Context ctx, const v1::SyncRequest& request, std::string id, uint64_t fence)
+    : ctx_(std::move(ctx)), req_(request), id_(std::move(id)), fence_(fence), lease_(ctx_.config.sync_lease_ms) {
+  timeout_ms_ = req_.options().timeout_ms() ? req_.options().timeout_ms() : 300000;
+  deadline_ = start_ + std::chrono::milliseconds(timeout_ms_);
+}
+
+SyncCoordinator::~SyncCoordinator() {
+  if (lease_keeper_) lease_keeper_->stop();
+}
+
+StatusOr<v1::SyncResponse> SyncCoordinator::run() {
+  SC_RETURN_IF_ERROR(gather());
+  SC_RETURN_IF_ERROR(plan());
+  out_.set_gather_seconds(since(start_));
+  const auto prepare_start = Clock::now();
+  SC_RETURN_IF_ERROR(prepare());
+  out_.set_prepare_seconds(since(prepare_start));
+  const auto execute_start = Clock::now();
+  SC_RETURN_IF_ERROR(execute());
+  out_.set_execute_seconds(since(execute_start));
+  const auto finish_start = Clock::now();
+  SC_RETURN_IF_ERROR(commit());
+  out_.set_finish_seconds(since(finish_start));
+
+  const auto& stats = plan_->plan.stats;
+  out_.set_sync_id(id_);
+  out_.set_version(req_.version());
+  out_.set_network_bytes(static_cast<uint64_t>(stats.network_bytes));
+  out_.set_local_bytes(static_cast<uint64_t>(stats.local_bytes));
+  out_.set_bytes_needed(static_cast<uint64_t>(stats.bytes_needed));
+  out_.set_seconds(since(start_));
+  out_.set_plan_cached(plan_cached_);
+  const SyncCounters moved = moved_.load();
+  out_.set_bytes_landed_direct(moved.bytes_landed_direct);
+  out_.set_device_fanout_bytes(moved.device_fanout_bytes);
+  out_.set_waves(static_cast<uint32_t>(plan_->waves));
+  out_.set_wire_bytes(wire_bytes_);
+  out_.set_delta_chunks(moved.delta_chunks);
+  out_.set_dense_chunks(moved.dense_chunks);
+  out_.set_delta(delta_);
+  out_.set_strategy(req_.options().strategy());
+  out_.set_plan_summary_json(planner::renderJson(plan_->plan, plan_->nodes, planner::CostModel{}));
+  spdlog::info("sync {}: {} -> {} version {} committed in {:.3f} s", id_, req_.src_group(), req_.dst_group(),
+               req_.version(), out_.seconds());
+  return out_;
+}
+
+// Both groups complete across the cluster (or wait for them, if asked), roles right, and the
+// version contract as described.
+Status SyncCoordinator::gather() {
+  while (true) {
+    auto snapshot = snapshotCluster(ctx_.peers, ctx_.registry.describe(), ctx_.self_address);
+    StatusOr<v1::Layout> src = absl::UnknownError(""), dst = absl::UnknownError("");
+    if (snapshot.ok()) {
+      src = snapshot->view.completeGroup(req_.src_group());
+      dst = snapshot->view.completeGroup(req_.dst_group());
+      // Roles are not worth waiting for: a wrong one is the caller's mistake.
+      if (src.ok() && snapshot->view.role(req_.src_group()) != v1::ROLE_SOURCE)
+        return failed(absl::FailedPreconditionError(strCat(
+            "sync: group \"", req_.src_group(), "\" is registered as a destination; a sync reads only source groups")));
+      if (dst.ok() && snapshot->view.role(req_.dst_group()) != v1::ROLE_DESTINATION)
+        return failed(absl::FailedPreconditionError(
+            strCat("sync: group \"", req_.dst_group(),
+                   "\" is registered as a source; a sync writes only destination groups (refusing to "
+                   "overwrite it)")));
+    }
+    const Status st = !snapshot.ok() ? snapshot.status() : !src.ok() ? src.status() : dst.status();
+    if (st.ok() && ctx_.caller_uid)  // not worth waiting for either
+      if (Status allowed = snapshot->view.maySync(*ctx_.caller_uid, req_.src_group(), req_.dst_group()); !allowed.ok())
+        return failed(allowed);
+    if (st.ok()) {
+      cluster_ = std::make_unique<ClusterSnapshot>(std::move(*snapshot));
+      src_ = std::move(*src);
+      dst_ = std::move(*dst);
+      // Fail before preparing anything, naming the rank (each daemon checks again when it prepares).
+      if (auto contract = checkVersions(); !contract.ok()) return failed(contract);
+      peers_ = std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses);
+      return absl::OkStatus();
+    }
+    if (!req_.options().wait_for_ranks() || Clock::now() + std::chrono::milliseconds(100) > deadline_)
+      return failed(st);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+Status SyncCoordinator::checkVersions() const {
+  const auto& src = req_.src_group();
+  const auto& dst = req_.dst_group();
+  const uint64_t version = req_.version();
+  auto who = [](const v1::DescribeResponse& d, const v1::RemoteRank& r) {
+    return strCat("group \"", r.group(), "\" rank ", r.rank(), " on node \"", d.node(), "\"");
+  };
+  // Destinations first: a replayed old sync is told so, whatever its sources hold now. The rules
+  // are the daemons' own (daemon/registry/sync_preconditions.h), which apply them again in Prepare.
+  for (const auto& d : cluster_->view.daemons())
+    for (const auto& r : d.ranks())
+      if (r.group() == dst)
+        if (const std::string why = destinationRefusal(factsOf(r), version); !why.empty())
+          return absl::FailedPreconditionError(strCat("sync: ", who(d, r), why));
+  for (const auto& d : cluster_->view.daemons())
+    for (const auto& r : d.ranks())
+      if (r.group() == src)
+        if (const std::string why = sourceRefusal(factsOf(r), version); !why.empty())
+          return absl::FailedPreconditionError(strCat("sync: ", who(d, r), why));
+  return absl::OkStatus();
+}
+
+Status SyncCoordinator::plan() {
+  const uint64_t budget = static_cast<uint64_t>(ctx_.config.staging_mib) << 20;
+  const auto chunk_bytes = static_cast<uint64_t>(ctx_.config.chunk_bytes);
+  // Device memory some daemon's transport cannot reach travels through host staging: no
+  // zero-copy sends or landings anywhere (every daemon plans what the coordinator tells it).
+  for (const auto& d : cluster_->view.daemons())
+    for (const auto& r : d.ranks())
+      if (r.group() == req_.src_group() || r.group() == req_.dst_group())
+        for (const auto& b : r.buffers()) packed_ = packed_ || b.staged();
+  auto strategy = strategyOf(req_.options().strategy(), req_.options().delta());
+  if (!strategy.ok()) return failed(strategy.status());
+  const auto key = PlanKey::forSync(budget, chunk_bytes, req_.options().delta(), packed_, *strategy);
+  auto plan = ctx_.engine.plans().get(src_, dst_, key, &plan_cached_);
+  if (!plan.ok()) return failed(plan.status());
+  plan_ = std::move(*plan);
+  ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
+    ProgressBoard::setPhase(p, v1::SYNC_PREPARING);
+    p.set_bytes_total(static_cast<uint64_t>(plan_->plan.stats.network_bytes));
+    p.set_waves(static_cast<uint32_t>(plan_->waves));
+    for (const auto& d : cluster_->view.daemons()) {
+      auto* n = p.add_nodes();
+      n->set_node(d.node());
+      n->set_state("pending");
+    }
+  });
+  return absl::OkStatus();
+}
+
+// Every daemon plans (cached) and allocates where transfers land on it, all at once; the first
+// failure gives the sync up everywhere (a Prepare still on its way is refused where the Finish
+// came first). The lease starts here.
+Status SyncCoordinator::prepare() {
+  delta_ = req_.options().delta();
+  if (delta_ == v1::DELTA_AUTO && ctx_.config.delta_dense_every > 0 &&
+      req_.version() % static_cast<uint64_t>(ctx_.config.delta_dense_every) == 0)
+    delta_ = v1::DELTA_DENSE;  // the periodic refresh
+  lease_keeper_ = std::make_unique<LeaseKeeper>(*this);
+  const auto& daemons = cluster_->view.daemons();
+  v1::PrepareRequest p;
+  p.set_lease_ms(static_cast<uint32_t>(lease_.count()));
+  p.set_fence(fence_);
+  p.set_write_key(std::string(key_.view()));
+  p.set_sync_id(id_);
+  *p.mutable_src() = src_;
+  *p.mutable_dst() = dst_;
+  p.set_version(req_.version());
+  p.set_staging_bytes(static_cast<uint64_t>(ctx_.config.staging_mib) << 20);
+  p.set_chunk_bytes(static_cast<uint64_t>(ctx_.config.chunk_bytes));
+  p.set_delta(delta_);
+  p.set_strategy(req_.options().strategy());
+  p.set_packed(packed_);
+  std::vector<v1::PrepareResponse> prepared(daemons.size());
+  // The first daemon whose own failure gave the sync up: the others' calls are then cancelled,
+  // or refused as given up, because of it.
+  std::optional<size_t> at_fault;
+  const std::vector<grpc::Status> results = peers_->forEach(
+      callDeadline(),
+      [&](size_t i, v1::Peer::Stub& stub, grpc::ClientContext& c, CallDone done) {
+        stub.async()->Prepare(&c, &p, &prepared[i], std::move(done));
+      },
+      [&](size_t i, const grpc::Status& st) {
+        if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED) {
+          if (!at_fault) at_fault = i;
+          giveUp(strCat("prepare failed on node \"", daemons[i].node(), "\": ", st.error_message()));  // once
+        }
+      });
+  for (size_t i = 0; i < results.size() && !at_fault; ++i)
+    if (!results[i].ok()) at_fault = i;  // the lease keeper gave it up: every call cancelled
+  if (at_fault) {
+    const std::string stalled = lease_keeper_->stalled();
+    const Status failure = fromGrpc(
+        results[*at_fault],
+        strCat("sync ", id_, ": prepare on node \"", stalled.empty() ? daemons[*at_fault].node() : stalled, "\""));
+    giveUp(std::string(failure.message()));
+    return failed(failure);
+  }
+  // Every daemon must execute the coordinator's plan: one that planned another (a daemon of
+  // another version, say) would write where the others do not read.
+  for (size_t i = 0; i < daemons.size(); ++i)
+    if (prepared[i].plan_key() != plan_->key) {
+      const Status failure = absl::FailedPreconditionError(
+          strCat("sync ", id_, ": node \"", daemons[i].node(), "\" planned this sync differently (plan \"",
+                 prepared[i].plan_key(), "\", not \"", plan_->key, "\"): are the daemons of one version?"));
+      giveUp(std::string(failure.message()));
+      return failed(failure);
+    }
+  // Each daemon learns where the nodes it writes to land, not every node's directory: the
+  // requests' total size grows with the plan's edges, not with the square of the nodes.
+  std::map<std::string, size_t> daemon_of;
+  for (size_t i = 0; i < daemons.size(); ++i) daemon_of[daemons[i].node()] = i;
+  exec_.assign(daemons.size(), {});
+  for (size_t i = 0; i < daemons.size(); ++i) {
+    auto& e = exec_[i];
+    e.set_sync_id(id_);
+    e.set_timeout_ms(timeout_ms_);
+    e.set_verify(req_.options().verify());
+    e.set_fence(fence_);
+    const auto& nodes = plan_->nodes;
+    for (int32_t self = 0; self < nodes.size(); ++self) {
+      if (nodes.name(self) != daemons[i].node()) continue;
+      for (const int32_t peer : plan_->node(self).peers) {
+        const auto it = daemon_of.find(nodes.name(peer));
+        if (it == daemon_of.end()) continue;  // the planned node has no daemon: its sends fail naming it
+        const size_t j = it->second;
+        auto* n = e.add_nodes();
+        n->set_node(daemons[j].node());
+        n->set_transport_address(daemons[j].transport_address());
+        *n->mutable_targets() = prepared[j].targets();
+        n->set_base_version(prepared[j].base_version());
+        n->set_base_fence(prepared[j].base_fence());
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Every wave everywhere at once, waves in order; the first failure gives the sync up.
+Status SyncCoordinator::execute() {
+  setPhase(v1::SYNC_EXECUTING);
+  const auto& daemons = cluster_->view.daemons();
+  std::vector<grpc::Status> results(daemons.size());
+  // Bytes of the waves each node has finished: the floor under what the lease keeper reports.
+  std::vector<uint64_t> done_received(daemons.size(), 0), done_sent(daemons.size(), 0);
+  for (int32_t wave = 0; wave < plan_->waves; ++wave) {
+    for (auto& e : exec_) e.set_wave(static_cast<uint32_t>(wave));
+    executed_ = true;
+    std::vector<v1::ExecuteResponse> parts(daemons.size());
+    results = peers_->forEach(
+        callDeadline() + std::chrono::seconds(5),
+        [&](size_t i, v1::Peer::Stub& stub, grpc::ClientContext& c, CallDone done) {
+          nodeState(i, "executing");
+          stub.async()->Execute(&c, &exec_[i], &parts[i], std::move(done));
+        },
+        [&](size_t i, const grpc::Status& st) {
+          const v1::ExecuteResponse& part = parts[i];
+          if (st.ok()) {
+            done_received[i] += part.bytes_received();
+            done_sent[i] += part.bytes_sent();
+            moved_.add(SyncCounters::of(part));
+            record(i, done_received[i], done_sent[i]);
+            if (wave + 1 == plan_->waves) nodeState(i, "done");
+          } else {
+            nodeState(i, st.error_code() == grpc::StatusCode::ABORTED ? "aborted" : "failed", st.error_message());
+            giveUp(strCat("node \"", daemons[i].node(), "\" failed: ", st.error_message()));  // once
+          }
+        });
+    bool all_ok = true;
+    for (const auto& r : results) all_ok = all_ok && r.ok();
+    if (!all_ok) break;
+    ctx_.progress.update(id_, [&](v1::SyncProgress& p) { p.set_waves_done(static_cast<uint32_t>(wave + 1)); });
+  }
+  if (const std::string node = lease_keeper_->stalled(); !node.empty())
+    return failed(absl::UnavailableError(strCat("sync ", id_, " failed: node \"", node, "\" stopped answering (for ",
+                                                lease_.count(), " ms, the sync's lease)")));
+  bool any_failed = false;
+  for (const auto& r : results) any_failed = any_failed || !r.ok();
+  if (!any_failed) {
+    for (const uint64_t sent : done_sent) wire_bytes_ += sent;
+    return absl::OkStatus();
+  }
+  // A node that failed because a peer vanished reports the peer; the peer itself may not answer
+  // at all. Name the daemon that is gone when there is one.
+  const auto cancelled = [](const grpc::Status& r) {
+    return r.error_code() == grpc::StatusCode::ABORTED || r.error_code() == grpc::StatusCode::CANCELLED;
+  };
+  if (const std::string gone = firstSilent(); !gone.empty()) {
+    std::string first;
+    for (size_t i = 0; i < results.size() && first.empty(); ++i)
+      if (!results[i].ok() && !cancelled(results[i]))
+        first = strCat(" (node \"", daemons[i].node(), "\": ", results[i].error_message(), ")");
+    spdlog::warn("sync {} failed: node \"{}\" does not answer{}", id_, gone, first);
+    return failed(absl::UnavailableError(strCat("sync ", id_, " failed: node \"", gone, "\" does not answer", first)));
+  }
+  // The node whose own failure started it, rather than the ones aborted because of it.
+  for (size_t i = 0; i < results.size(); ++i)
+    if (!results[i].ok() && !cancelled(results[i])) {
+      spdlog::warn("sync {} failed on node \"{}\": {}", id_, daemons[i].node(), results[i].error_message());
+      return failed(fromGrpc(results[i], strCat("sync ", id_, " failed on node \"", daemons[i].node(), "\"")));
+    }
+  for (size_t i = 0; i < results.size(); ++i)
+    if (!results[i].ok())
+      return failed(fromGrpc(results[i], strCat("sync ", id_, " failed on node \"", daemons[i].node(), "\"")));
+  return absl::OkStatus();
+}
+
+// Every daemon commits; one that cannot (it restarted, or its lease ran out) left its ranks
+// DIRTY: the sync failed there, whatever the others committed.
+Status SyncCoordinator::commit() {
+  // From here on the sync is the commit's: a lease that runs out meanwhile no longer gives it up
+  // (its aborts would race the commits, leaving some nodes at the new version and some not). If
+  // it was given up since execute() checked, nothing is committed.
+  if (given_up_.exchange(true)) {
+    const std::string node = lease_keeper_->stalled();
+    return failed(absl::UnavailableError(strCat(
+        "sync ", id_,
+        " failed: ", node.empty() ? std::string("it was given up") : strCat("node \"", node, "\" stopped answering"),
+        " before it was committed")));
+  }
+  setPhase(v1::SYNC_COMMITTING);
+  const auto committed = finishAll(true, "");
+  lease_keeper_->stop();
+  const auto& daemons = cluster_->view.daemons();
+  for (size_t i = 0; i < committed.size(); ++i)
+    if (!committed[i].ok()) {
+      spdlog::warn("sync {}: commit on node \"{}\" failed: {}", id_, daemons[i].node(), committed[i].error_message());
+      return failed(fromGrpc(committed[i], strCat("sync ", id_, ": commit on node \"", daemons[i].node(), "\"")));
+    }
+  ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
+    ProgressBoard::setPhase(p, v1::SYNC_COMMITTED);
+    p.set_seconds(since(start_));
+  });
+  return absl::OkStatus();
+}
+
+std::vector<grpc::Status> SyncCoordinator::finishAll(bool commit, const std::string& reason) {
+  // Its own deadline (not the sync's): a sync given up for its timeout must still be ended.
+  v1::FinishRequest f;
+  f.set_sync_id(id_);
+  f.set_fence(fence_);
+  f.set_commit(commit);
+  f.set_executed(executed_);
+  f.set_reason(reason);
+  std::vector<v1::FinishResponse> r(peers_->size());
+  std::vector<grpc::ClientContext> contexts(peers_->size());
+  auto results = fanOut(
+      contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(ctx_.config.peer_timeout_ms),
+      [&](size_t i, grpc::ClientContext& c, CallDone done) {
+        v1::Peer::NewStub(ctx_.peers.channel(cluster_->addresses[i]))->async()->Finish(&c, &f, &r[i], std::move(done));
+      });
+  ctx_.progress.update(id_, [&](v1::SyncProgress& p) {  // what the sync left each node's ranks at, for Watch
+    for (size_t i = 0; i < results.size(); ++i)
+      if (results[i].ok() && r[i].ranks_size() > 0 && static_cast<int>(i) < p.nodes_size())
+        *p.mutable_nodes(static_cast<int>(i))->mutable_ranks() = r[i].ranks();
+  });
+  return results;
+}
+
+void SyncCoordinator::giveUp(const std::string& reason) {
+  if (given_up_.exchange(true)) return;
+  peers_->cancelAll();
+  finishAll(false, reason);
+}
+
+std::string SyncCoordinator::firstSilent() {
+  const auto& daemons = cluster_->view.daemons();
+  std::vector<grpc::ClientContext> contexts(daemons.size());
+  std::vector<v1::ProgressResponse> r(daemons.size());
+  const v1::ProgressRequest pr;  // the cheapest call: answers NOT_FOUND once the sync is gone
+  const auto st =
+      fanOut(contexts,
+             std::chrono::system_clock::now() + std::chrono::milliseconds(std::min(ctx_.config.peer_timeout_ms, 1000)),
+             [&](size_t i, grpc::ClientContext& c, CallDone done) {
+               v1::Peer::NewStub(ctx_.peers.channel(cluster_->addresses[i]))
+                   ->async()
+                   ->Progress(&c, &pr, &r[i], std::move(done));
+             });
+  for (size_t i = 0; i < daemons.size(); ++i)
+    if (st[i].error_code() == grpc::StatusCode::UNAVAILABLE ||
+        st[i].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
+      return daemons[i].node();
+  return "";
+}
+
+void SyncCoordinator::setPhase(v1::SyncPhase phase) {
+  ctx_.progress.update(id_, [&](v1::SyncProgress& p) { ProgressBoard::setPhase(p, phase); });
+}
+
+void SyncCoordinator::nodeState(size_t i, const std::string& state, const std::string& error) {
+  ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
+    p.mutable_nodes(static_cast<int>(i))->set_state(state);
+    if (!error.empty()) p.mutable_nodes(static_cast<int>(i))->set_error(error);
+    p.set_seconds(since(start_));
+  });
+}
+
+void SyncCoordinator::record(size_t i, uint64_t received, uint64_t sent) {
+  ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
+    auto* n = p.mutable_nodes(static_cast<int>(i));
+    n->set_bytes_received(std::max(n->bytes_received(), received));
+    n->set_bytes_sent(std::max(n->bytes_sent(), sent));
+    uint64_t total = 0;
+    for (const auto& node : p.nodes()) total += node.bytes_received();
+    p.set_bytes_done(total);
+    p.set_seconds(since(start_));
+  });
+}
+
+Status SyncCoordinator::failed(const Status& st) {
+  if (lease_keeper_) lease_keeper_->stop();
+  ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
+    ProgressBoard::setPhase(p, v1::SYNC_FAILED);
+    p.set_error(std::string(st.message()));
+    p.set_seconds(since(start_));
+  });
+  return st;
+}
+
+std::chrono::system_clock::time_point SyncCoordinator::callDeadline() const {
+  return std::chrono::system_clock::now() + (deadline_ - Clock::now());
+}
+
+}  // namespace shardcast::daemon

@@ -1,0 +1,132 @@
+// The coordinator of one sync: the daemon a client asked runs it against every daemon of the
+// cluster over the Peer service, one phase after another (v1::SyncPhase):
+//   gathering   describe every daemon; both groups complete, roles right, the version contract
+//               holds as described (each daemon checks again, atomically, when it prepares)
+//   preparing   every daemon plans (cached) and allocates where transfers land on it; from here
+//               the daemons hold the sync under a lease this coordinator renews (LeaseKeeper)
+//   executing   the plan's waves in order, every daemon at once; the first failure aborts all
+//   committing  every daemon commits its destination ranks
+//   committed / failed
+// A failure at any point gives the sync up on every daemon (they revert or mark ranks dirty) and
+// names the node at fault. The gRPC handler only validates and translates (service.cc).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "daemon/coordinator/cluster.h"
+#include "daemon/coordinator/progress.h"
+#include "daemon/engine/sync_counters.h"
+#include "daemon/engine/sync_engine.h"
+#include "daemon/registry/registry.h"
+#include "daemon/server/config.h"
+#include "shardcast/v1/service.grpc.pb.h"
+
+namespace shardcast::daemon {
+
+// The Peer service of every daemon of one sync, with deadlines, and with every call in flight
+// cancellable at once (when the sync is given up).
+class PeerClient {
+ public:
+  PeerClient(const PeerSet& peers, std::vector<std::string> addresses);
+
+  size_t size() const { return addresses_.size(); }
+  // Issues start(i, stub, context, done) for every daemon i at once (a callback-API call, see
+  // fanOut) and runs then(i, status) on this thread as each completes; returns every status once
+  // all have. The contexts have `deadline` and are cancelled by cancelAll().
+  using Start = std::function<void(size_t, v1::Peer::Stub&, grpc::ClientContext&, CallDone)>;
+  std::vector<grpc::Status> forEach(std::chrono::system_clock::time_point deadline, const Start& start,
+                                    const std::function<void(size_t, const grpc::Status&)>& then);
+  // Cancels every call in flight and every later one; false when already cancelled.
+  bool cancelAll();
+
+ private:
+  const PeerSet& peers_;
+  const std::vector<std::string> addresses_;
+  std::mutex mu_;
+  std::set<grpc::ClientContext*> calls_;
+  bool cancelled_ = false;
+};
+
+class SyncCoordinator {
+ public:
+  struct Context {
+    const DaemonConfig& config;
+    Registry& registry;
+    const PeerSet& peers;
+    SyncEngine& engine;
+    ProgressBoard& progress;
+    std::string self_address;  // this daemon, as the others and the coordinator reach it
+    // A local caller other than root (the kernel's uid): may sync only what ClusterView::maySync
+    // allows. Unset for root, remote callers of the job (certificate or token) and --insecure.
+    std::optional<uint32_t> caller_uid{};
+  };
+  // `id` is started on the progress board already; `fence` names this attempt (never 0).
+  SyncCoordinator(Context ctx, const v1::SyncRequest& request, std::string id, uint64_t fence);
+  ~SyncCoordinator();
+
+  // Runs every phase; the response of a committed sync, or the failure naming the node at fault.
+  StatusOr<v1::SyncResponse> run();
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  class LeaseKeeper;
+
+  Status gather();
+  Status plan();
+  Status prepare();
+  Status execute();
+  Status commit();
+  // Finishes the sync on every daemon (commit or abort) at once; the per-daemon results.
+  std::vector<grpc::Status> finishAll(bool commit, const std::string& reason);
+  // Gives the sync up everywhere (once): calls in flight are cancelled, every daemon aborts.
+  void giveUp(const std::string& reason);
+  // The node of the first daemon that does not answer a quick call ("" when all answer).
+  std::string firstSilent();
+  // The version contract as the daemons described it.
+  Status checkVersions() const;
+
+  void setPhase(v1::SyncPhase phase);
+  void nodeState(size_t i, const std::string& state, const std::string& error = "");
+  void record(size_t i, uint64_t received, uint64_t sent);
+  Status failed(const Status& st);
+  std::chrono::system_clock::time_point callDeadline() const;
+  double since(Clock::time_point t) const { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+  Context ctx_;
+  const v1::SyncRequest& req_;
+  const std::string id_;
+  const uint64_t fence_;
+  // The attempt's write key (PrepareRequest.write_key): handed to its daemons only in Prepare.
+  const transport::WriteKey key_ = transport::WriteKey::random();
+  const Clock::time_point start_ = Clock::now();
+  Clock::time_point deadline_;
+  uint32_t timeout_ms_ = 0;
+  std::chrono::milliseconds lease_;
+
+  std::unique_ptr<ClusterSnapshot> cluster_;
+  v1::Layout src_, dst_;
+  std::shared_ptr<const CachedPlan> plan_;
+  bool plan_cached_ = false;
+  bool packed_ = false;  // planned without zero-copy: some daemon stages device memory
+  std::unique_ptr<PeerClient> peers_;
+  std::unique_ptr<LeaseKeeper> lease_keeper_;
+  // Per daemon (same index as the cluster's): its Execute request, with the landing directory
+  // of the nodes it writes to or encodes for only (planner::Schedule::NodeSchedule::peers).
+  std::vector<v1::ExecuteRequest> exec_;
+  std::atomic<bool> executed_{false};
+  std::atomic<bool> given_up_{false};
+  AtomicSyncCounters moved_;             // every daemon's waves, as their Execute responses report them
+  uint64_t wire_bytes_ = 0;              // every node's bytes sent, once every wave is done
+  v1::DeltaMode delta_ = v1::DELTA_OFF;  // the mode it runs in (a periodic refresh: DELTA_DENSE)
+  v1::SyncResponse out_;
+};
+
+}  // namespace shardcast::daemon

@@ -1,0 +1,143 @@
+#include "daemon/engine/delta.h"
+
+#include <cstring>
+
+#include "common/strings.h"
+
+namespace shardcast::daemon {
+
+std::optional<size_t> encodeDelta(const std::byte* now, std::byte* before, size_t bytes, size_t unit, std::byte* out,
+                                  size_t cap) {
+  if (unit == 0 || unit > 8 || (unit & (unit - 1)) != 0 || bytes % unit != 0) return std::nullopt;
+  size_t o = 0;
+  size_t next = 0;  // the unit after the last one recorded
+  auto record = [&](size_t u) {
+    size_t gap = u - next;
+    if (o + gap / kDeltaSkip + 1 + unit > cap) return false;
+    for (; gap >= kDeltaSkip; gap -= kDeltaSkip) out[o++] = std::byte{kDeltaSkip};
+    out[o++] = static_cast<std::byte>(gap);
+    std::memcpy(out + o, now + u * unit, unit);
+    std::memcpy(before + u * unit, now + u * unit, unit);
+    o += unit;
+    next = u + 1;
+    return true;
+  };
+  // Most words are equal: compare 8 bytes at a time, units only inside a word that differs.
+  size_t b = 0;
+  for (; b + 8 <= bytes; b += 8) {
+    uint64_t x, y;
+    std::memcpy(&x, now + b, 8);
+    std::memcpy(&y, before + b, 8);
+    if (x == y) continue;
+    for (size_t u = b / unit; u < (b + 8) / unit; ++u)
+      if (std::memcmp(now + u * unit, before + u * unit, unit) != 0 && !record(u)) return std::nullopt;
+  }
+  for (size_t u = b / unit; u < bytes / unit; ++u)
+    if (std::memcmp(now + u * unit, before + u * unit, unit) != 0 && !record(u)) return std::nullopt;
+  return o;
+}
+
+Status applyDelta(std::byte* base, size_t bytes, size_t unit, const std::byte* delta, size_t delta_bytes) {
+  if (unit == 0 || bytes % unit != 0)
+    return absl::InvalidArgumentError(strCat("delta: ", bytes, " bytes are not units of ", unit));
+  const size_t units = bytes / unit;
+  size_t u = 0, p = 0;
+  while (p < delta_bytes) {
+    const auto g = static_cast<uint8_t>(delta[p++]);
+    u += g;
+    if (u > units) return absl::InvalidArgumentError(strCat("delta: skips past unit ", units, " of the chunk"));
+    if (g == kDeltaSkip) continue;
+    if (u == units) return absl::InvalidArgumentError(strCat("delta: a value past unit ", units, " of the chunk"));
+    if (delta_bytes - p < unit)
+      return absl::InvalidArgumentError(strCat("delta: cut short at byte ", p, " of ", delta_bytes));
+    std::memcpy(base + u * unit, delta + p, unit);
+    p += unit;
+    ++u;
+  }
+  return absl::OkStatus();
+}
+
+// ---- DeltaBases ----
+
+DeltaBases::Base* DeltaBases::Plan::find(int32_t transfer, int32_t chunk) {
+  std::lock_guard<std::mutex> lock(owner_->mu_);
+  auto it = bases_.find({transfer, chunk});
+  return it == bases_.end() ? nullptr : &it->second;
+}
+
+DeltaBases::Base* DeltaBases::Plan::make(int32_t transfer, int32_t chunk, size_t bytes) {
+  std::lock_guard<std::mutex> lock(owner_->mu_);
+  // Dropped while in use (its plan was evicted): nothing more is kept for it.
+  if (auto it = owner_->plans_.find(key_); it == owner_->plans_.end() || it->second.get() != this) return nullptr;
+  auto it = bases_.find({transfer, chunk});
+  const size_t had = it == bases_.end() ? 0 : it->second.bytes.size();
+  if (bytes > had && !owner_->makeRoom(bytes - had, this)) return nullptr;
+  Base& b = bases_[{transfer, chunk}];
+  owner_->bytes_ = owner_->bytes_ + bytes - had;
+  b.bytes.resize(bytes);
+  b.fence = 0;
+  b.committed = false;
+  return &b;
+}
+
+std::shared_ptr<DeltaBases::Plan> DeltaBases::claim(const std::string& key, uint64_t fence) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& p = plans_[key];
+  if (!p) {
+    p = std::make_shared<Plan>();
+    p->owner_ = this;
+    p->key_ = key;
+    lru_.push_front(key);
+  } else {
+    lru_.remove(key);
+    lru_.push_front(key);
+  }
+  if (p->claimed_by_ != 0 && p->claimed_by_ != fence) return nullptr;
+  p->claimed_by_ = fence;
+  return p;
+}
+
+void DeltaBases::finish(const std::string& key, uint64_t fence, bool committed) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = plans_.find(key);
+  if (it == plans_.end() || it->second->claimed_by_ != fence) return;
+  for (auto& [at, b] : it->second->bases_)
+    if (b.fence == fence) {
+      b.committed = committed;
+      if (!committed) b.fence = 0;
+    }
+  it->second->claimed_by_ = 0;
+}
+
+void DeltaBases::drop(const std::string& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = plans_.find(key);
+  if (it == plans_.end()) return;
+  // Not cleared: an attempt using them keeps them (and pointers into them) until it lets go.
+  for (const auto& [at, b] : it->second->bases_) bytes_ -= b.bytes.size();
+  plans_.erase(it);
+  lru_.remove(key);
+}
+
+uint64_t DeltaBases::bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return bytes_;
+}
+
+bool DeltaBases::makeRoom(uint64_t bytes, const Plan* keep) {
+  if (bytes > capacity_) return false;
+  for (auto it = lru_.rbegin(); it != lru_.rend() && bytes_ + bytes > capacity_;) {
+    auto& p = plans_[*it];
+    if (p.get() == keep || p->claimed_by_ != 0) {
+      ++it;
+      continue;
+    }
+    // Not cleared: a plan unclaimed here may still be held by an attempt that let go of it.
+    for (const auto& [at, b] : p->bases_) bytes_ -= b.bytes.size();
+    plans_.erase(*it);
+    it = std::make_reverse_iterator(lru_.erase(std::next(it).base()));
+  }
+  return bytes_ + bytes <= capacity_;
+}
+
+}  // namespace shardcast::daemon

@@ -1,0 +1,501 @@
+#include "daemon/engine/execution.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+#include <utility>
+
+#include "common/strings.h"
+#include "transport/resident.h"
+
+namespace shardcast::daemon {
+
+namespace {
+
+std::vector<int64_t> denseFor(const planner::Box& b) { return transport::denseStrides(b.sizes()); }
+
+}  // namespace
+
+Execution::Execution(ExecutionEnv env, std::shared_ptr<SyncAttempt> attempt, const v1::ExecuteRequest& req)
+    : env_(env),
+      a_(std::move(attempt)),
+      req_(req),
+      cp_(*a_->plan),
+      plan_(cp_.plan),
+      self_(a_->self),
+      wave_(static_cast<int32_t>(req.wave())),
+      deadline_(Clock::now() + std::chrono::milliseconds(req.timeout_ms() ? req.timeout_ms() : 300000)) {}
+
+Status Execution::run() {
+  if (wave_ < 0 || wave_ >= cp_.waves)
+    return absl::InvalidArgumentError(strCat("sync ", a_->id, ": wave ", wave_, " of ", cp_.waves));
+  SC_RETURN_IF_ERROR(readDirectory());
+  if (wave_ == 0) SC_RETURN_IF_ERROR(copyColocated());
+  for (int32_t t = 0; t < static_cast<int32_t>(plan_.transfers.size()); ++t)
+    if (cp_.transfer(t).wave == wave_) SC_RETURN_IF_ERROR(sendHeaded(t));
+  SC_RETURN_IF_ERROR(device_.flush());
+  SC_RETURN_IF_ERROR(receive());
+  // The local ranks hold every byte only once the device copies into them are done.
+  if (Status st = device_.settle(); !st.ok())
+    return Status(st.code(), strCat("sync ", a_->id, ": device copies on node \"", env_.node, "\": ", st.message()));
+  return absl::OkStatus();
+}
+
+transport::CopyEngine* Execution::engine(const Registry::LocalBuffer& b, Direction direction) {
+  return device_.use(direction == Direction::kOutgoing ? b.outgoing : b.incoming);
+}
+
+Status Execution::readDirectory() {
+  for (const auto& n : req_.nodes()) {
+    int32_t id = -1;
+    for (int32_t i = 0; i < cp_.nodes.size(); ++i)
+      if (cp_.nodes.name(i) == n.node()) id = i;
+    if (id < 0) continue;
+    Peer& p = peers_[id];
+    p.address = n.transport_address();
+    p.base = {n.base_version(), n.base_fence()};
+    const auto& targets = n.targets();
+    if (!targets.arena_region().empty()) {
+      SC_ASSIGN_OR_RETURN(p.arena, transport::RemoteRegion::parse(targets.arena_region()));
+    }
+    for (const auto& r : targets.regions()) {
+      SC_ASSIGN_OR_RETURN(auto region, transport::RemoteRegion::parse(r));
+      p.regions.push_back(std::move(region));
+    }
+    for (const auto& b : targets.buffers()) {
+      if (b.region() >= p.regions.size())
+        return absl::InvalidArgumentError(strCat("sync ", a_->id, ": node \"", n.node(), "\" names landing region ",
+                                                 b.region(), " of ", p.regions.size()));
+      p.buffers[{b.rank(), b.buffer()}] = {b.region(), b.offset()};
+    }
+  }
+  return absl::OkStatus();
+}
+
+Status Execution::alive() const { return a_->usable(); }
+
+StatusOr<Registry::LocalBuffer> Execution::buffer(const planner::ResolvedLayout& l, int32_t rank, int32_t b) const {
+  return env_.registry.localBuffer(l.group, rank, l.buffer_names[static_cast<size_t>(b)]);
+}
+
+TypedView Execution::typed(const Registry::LocalBuffer& b, int64_t offset, std::vector<int64_t> strides,
+                           const planner::TensorLayout& t, Direction direction) {
+  if (b.keep_alive) mapped_.emplace(b.keep_alive.get(), b.keep_alive);
+  return {{b.data, b.kind, offset, std::move(strides)}, t.dtype, engine(b, direction)};
+}
+
+Status Execution::send(const std::shared_ptr<transport::MemoryRegion>& src, uint64_t off, const LandedChunk& word,
+                       int32_t node) {
+  auto peer = peers_.find(node);
+  if (peer == peers_.end())
+    return absl::FailedPreconditionError(strCat("no daemon for node \"", cp_.nodes.name(node), "\""));
+  const auto* landing = cp_.transfer(word.transfer).landingOn(node);
+  if (landing == nullptr)
+    return absl::InternalError(strCat("sync ", a_->id, ": transfer ", word.transfer, " does not land on node ", node));
+  const auto& chunk = cp_.transfer(word.transfer).chunks[static_cast<size_t>(word.chunk)];
+  transport::WriteOp op{
+      src, off + chunk.offset, peer->second.arena, landing->arena_offset + chunk.offset, word.bytes, a_->key};
+  if (landing->direct()) {
+    const std::string& name = cp_.dst.buffer_names[static_cast<size_t>(landing->buffer)];
+    auto target = peer->second.buffers.find({landing->rank, name});
+    if (target == peer->second.buffers.end())
+      return absl::FailedPreconditionError(strCat("sync ", a_->id, ": node \"", cp_.nodes.name(node),
+                                                  "\" did not offer buffer \"", name, "\" of rank ", landing->rank));
+    op.dst = peer->second.regions[target->second.first];
+    op.dst_offset = target->second.second + landing->buffer_offset + chunk.offset;
+  }
+  SC_ASSIGN_OR_RETURN(auto ep, env_.transport.connect(peer->second.address, cp_.nodes.name(node)));
+  SC_RETURN_IF_ERROR(a_->send(node, std::move(ep), {std::move(op), word}));
+  a_->moved.bytes_sent += word.bytes;
+  return absl::OkStatus();
+}
+
+uint64_t Execution::deltaTarget(int32_t t) const {
+  if (a_->delta != v1::DELTA_AUTO || !a_->bases) return 0;
+  uint64_t fence = 0;
+  for (const auto& l : cp_.transfer(t).landings) {
+    auto p = peers_.find(l.node);
+    if (p == peers_.end() || p->second.base.fence == 0) return 0;
+    if (fence != 0 && p->second.base.fence != fence) return 0;
+    fence = p->second.base.fence;
+  }
+  return fence;
+}
+
+size_t Execution::deltaUnit(int32_t t) const {
+  const auto& tr = plan_.transfers[t];
+  int64_t unit = 8;
+  for (int32_t i = 0; i < tr.fragments_count; ++i) {
+    const auto& frag = plan_.fragments[plan_.transfer_fragments[tr.fragments_begin + i]];
+    unit = std::min(unit, cp_.dst.tensors[plan_.tensors[frag.tensor].dst].elemBytes());
+  }
+  return static_cast<size_t>(unit);
+}
+
+Status Execution::encodeChunk(int32_t t, int32_t k, std::byte* packed, uint64_t target, LandedChunk* word) {
+  if (!a_->bases) return absl::OkStatus();
+  const uint64_t n = word->bytes;
+  DeltaBases::Base* base = a_->bases->find(t, k);
+  if (target != 0 && base != nullptr && base->committed && base->fence == target && base->bytes.size() == n) {
+    const uint64_t result = XXH64(packed, static_cast<size_t>(n), 0);
+    encoded_.resize(static_cast<size_t>(static_cast<double>(n) * kDeltaWorthFraction));
+    base->fence = a_->fence;
+    base->committed = false;
+    if (auto size = encodeDelta(packed, base->bytes.data(), n, deltaUnit(t), encoded_.data(), encoded_.size())) {
+      std::memcpy(packed, encoded_.data(), *size);
+      word->encoding = LandedChunk::kDelta;
+      word->bytes = *size;
+      word->result = result;
+      return absl::OkStatus();
+    }
+    std::memcpy(base->bytes.data(), packed, n);  // too much changed: dense, and these bytes the base
+    return absl::OkStatus();
+  }
+  base = a_->bases->make(t, k, n);
+  if (base == nullptr) return absl::OkStatus();  // no room: dense next time too
+  std::memcpy(base->bytes.data(), packed, n);
+  base->fence = a_->fence;
+  return absl::OkStatus();
+}
+
+// Colocated fragments (first wave): straight from local source ranks into local destination ranks.
+Status Execution::copyColocated() {
+  for (const auto& ls : plan_.local_sources) {
+    if (ls.node != self_) continue;
+    const auto& frag = plan_.fragments[ls.fragment];
+    const auto& pair = plan_.tensors[frag.tensor];
+    const auto& st = cp_.src.tensors[pair.src];
+    const auto& dt = cp_.dst.tensors[pair.dst];
+    for (const auto& [sub, dr] : planner::destinationRegions(plan_, cp_.dst, ls.fragment, self_)) {
+      SC_RETURN_IF_ERROR(alive());
+      const auto sr = planner::sourceRegion(plan_, cp_.src, ls.fragment, ls.src_rank, sub);
+      SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
+      SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
+      SC_RETURN_IF_ERROR(env_.stage.copyLocal(typed(db, dr.offset, dr.strides, dt, Direction::kIncoming),
+                                              typed(sb, sr.offset, sr.strides, st, Direction::kOutgoing), dr.extent,
+                                              {dt.name, sub, &dt}));
+      a_->moved.local_bytes += static_cast<uint64_t>(sub.volume() * dt.elemBytes());
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Transfer t's chains that this node's source ranks head. Chains the schedule marks direct are sent
+// straight from the source rank's registered buffer; the others are packed into the staging
+// region (at the transfer's fixed offset) chunk by chunk, each chunk sent as soon as it is
+// packed so the network starts before the packing ends.
+Status Execution::sendHeaded(int32_t t) {
+  const auto& tr = plan_.transfers[t];
+  const auto& ts = cp_.transfer(t);
+  std::vector<int32_t> staged;
+  for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
+    const auto& ch = plan_.chains[c];
+    if (ch.src_node != self_) continue;
+    if (!ts.direct[static_cast<size_t>(c - tr.chains_begin)]) {
+      staged.push_back(c);
+      continue;
+    }
+    const int32_t f = plan_.transfer_fragments[tr.fragments_begin];
+    const int64_t elem = cp_.src.tensors[plan_.tensors[plan_.fragments[f].tensor].src].elemBytes();
+    const auto sr = planner::sourceRegion(plan_, cp_.src, f, planner::sourceRank(plan_, cp_.src, f, ch));
+    SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
+    if (!sb.region)
+      return absl::InternalError(strCat("sync ", a_->id, ": a source buffer of transfer ", t, " is not registered"));
+    a_->pin(sb.keep_alive);
+    const uint64_t start = static_cast<uint64_t>(sr.offset * elem);
+    for (size_t k = 0; k < ts.chunks.size(); ++k) {
+      const auto& chunk = ts.chunks[k];
+      LandedChunk word{t, c, 0, static_cast<int32_t>(k)};
+      word.bytes = chunk.bytes;
+      if (req_.verify()) {
+        SC_ASSIGN_OR_RETURN(word.checksum, checksumOf(env_.host_copies, sb.outgoing, sb.data + start + chunk.offset,
+                                                      sb.kind, chunk.bytes));
+      }
+      SC_RETURN_IF_ERROR(send(sb.region, sb.region_offset + start, word, plan_.chain_nodes[ch.nodes_begin]));
+    }
+  }
+  if (staged.empty()) return absl::OkStatus();
+  const uint64_t at = ts.stagingOffset(self_);
+  if (at == UINT64_MAX) return absl::InternalError(strCat("sync ", a_->id, ": no staging planned for transfer ", t));
+  SC_RETURN_IF_ERROR(ensureStaging());
+  const auto& packer = plan_.chains[staged.front()];  // whose source ranks the bytes are read from
+  const auto staging = a_->staging();
+  auto* out = static_cast<std::byte*>(staging->data()) + at;
+  const uint64_t target = deltaTarget(t);
+  for (size_t k = 0; k < ts.chunks.size(); ++k) {
+    const auto& chunk = ts.chunks[k];
+    for (int32_t i = 0; i < tr.fragments_count; ++i) {
+      const int32_t f = plan_.transfer_fragments[tr.fragments_begin + i];
+      const auto& frag = plan_.fragments[f];
+      const auto& st = cp_.src.tensors[plan_.tensors[frag.tensor].src];
+      const auto& dt = cp_.dst.tensors[plan_.tensors[frag.tensor].dst];
+      const int32_t rank = planner::sourceRank(plan_, cp_.src, f, packer);
+      // A chunk is a row-major slab of its (single) fragment: dense at chunk.offset.
+      const planner::Box& part = chunk.box.ndim == 0 ? frag.box : chunk.box;
+      const auto sr = chunk.box.ndim == 0 ? planner::sourceRegion(plan_, cp_.src, f, rank)
+                                          : planner::sourceRegion(plan_, cp_.src, f, rank, chunk.box);
+      SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
+      const TypedView wire{
+          {out + cp_.fragment_offset[f] + chunk.offset, transport::MemoryKind::kHost, 0, denseFor(part)}, dt.dtype};
+      SC_RETURN_IF_ERROR(env_.stage.pack(wire, typed(sb, sr.offset, sr.strides, st, Direction::kOutgoing), sr.extent,
+                                         {dt.name, part, &dt}));
+    }
+    // Encoded, checksummed and sent once packed (device packs: a chunk behind the next one's).
+    auto then = [this, t, k, packed = out + chunk.offset, bytes = chunk.bytes, target, at, staged,
+                 staging]() -> Status {
+      LandedChunk word{t, 0, 0, static_cast<int32_t>(k)};
+      word.bytes = bytes;
+      SC_RETURN_IF_ERROR(encodeChunk(t, static_cast<int32_t>(k), packed, target, &word));
+      if (req_.verify()) word.checksum = XXH64(packed, static_cast<size_t>(word.bytes), 0);
+      for (const int32_t c : staged) {
+        word.chain = c;
+        SC_RETURN_IF_ERROR(send(staging, at, word, plan_.chain_nodes[plan_.chains[c].nodes_begin]));
+      }
+      return absl::OkStatus();
+    };
+    SC_RETURN_IF_ERROR(device_.whenCopied(std::move(then)));
+  }
+  return absl::OkStatus();
+}
+
+// The staging region of this sync: a spare one of the same plan, or a new one.
+Status Execution::ensureStaging() {
+  if (a_->staging()) return absl::OkStatus();
+  auto staging = env_.spares.take(cp_.key, SpareMemory::Use::kStaging);
+  if (!staging) {
+    SC_ASSIGN_OR_RETURN(staging, transport::allocateHostStaging(env_.transport, cp_.node(self_).staging_bytes,
+                                                                env_.registry.deviceRuntime(), "a staging buffer"));
+  }
+  a_->setStaging(std::move(staging));
+  return absl::OkStatus();
+}
+
+// Everything that lands here in this wave, one chunk at a time as notifications arrive.
+Status Execution::receive() {
+  int64_t processed = 0;
+  const int64_t expected = cp_.node(self_).incoming[static_cast<size_t>(wave_)];
+  while (true) {
+    SC_ASSIGN_OR_RETURN(const auto next, a_->nextLanded(deadline_, processed == expected));
+    if (next.kind == SyncAttempt::Next::kTimedOut)
+      return absl::DeadlineExceededError(strCat("sync ", a_->id, " on node \"", env_.node, "\": ", processed, " of ",
+                                                expected, " chunks landed before the timeout"));
+    if (next.kind == SyncAttempt::Next::kDone) return absl::OkStatus();  // all landed, processed and forwarded
+    SC_RETURN_IF_ERROR(processLanded(next.chunk));
+    ++processed;
+  }
+}
+
+// A landed chunk, in steps: checked against the plan, located where it landed (and its checksum
+// verified), forwarded along its relay chain, unpacked into the local ranks that need part of it
+// (a delta: rebuilt from their bytes first), and what they hold verified.
+Status Execution::processLanded(const LandedChunk& l) {
+  SC_RETURN_IF_ERROR(alive());
+  SC_RETURN_IF_ERROR(check(l));
+  SC_ASSIGN_OR_RETURN(const Arrival at, land(l));
+  SC_RETURN_IF_ERROR(relay(l, at));
+  SC_ASSIGN_OR_RETURN(const Unpacked u, unpack(l, at));
+  if (req_.verify()) {
+    SC_RETURN_IF_ERROR(device_.settle());
+    SC_RETURN_IF_ERROR(checkHeld(env_.host_copies, heldPieces(l, u), site(l)));
+  }
+  // A rebuilt chunk is unpacked from decoded_, which the next delta overwrites: its device
+  // copies have to be done first (a landed chunk's bytes stay in the arena until the wave ends).
+  if (at.delta) SC_RETURN_IF_ERROR(device_.settle());
+  (at.delta ? a_->moved.delta_chunks : a_->moved.dense_chunks) += 1;
+  a_->moved.bytes_received += l.bytes;
+  return absl::OkStatus();
+}
+
+// Every index a peer sent, against the plan: the transfer and chunk exist and belong to this
+// wave, the chain is one of the transfer's, and its hop is this node; the encoding is one this
+// node can take there; each chunk lands once.
+Status Execution::check(const LandedChunk& l) {
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(strCat("sync ", a_->id, " on node \"", env_.node, "\": a peer announced ", what,
+                                             " (transfer ", l.transfer, ", chain ", l.chain, ", hop ", l.hop,
+                                             ", chunk ", l.chunk, ")"));
+  };
+  if (const std::string problem = cp_.landedProblem(l, wave_, self_); !problem.empty()) return bad(problem);
+  const auto& ts = cp_.transfer(l.transfer);
+  const auto& chunk = ts.chunks[static_cast<size_t>(l.chunk)];
+  const auto* landing = ts.landingOn(self_);
+  if (landing == nullptr)
+    return absl::InternalError(
+        strCat("sync ", a_->id, ": transfer ", l.transfer, " landed on node \"", env_.node, "\" unplanned"));
+  const bool delta = l.encoding == LandedChunk::kDelta;
+  if (l.encoding != LandedChunk::kDense && !delta) return bad(strCat("an unknown encoding ", l.encoding));
+  if (!delta && l.bytes != chunk.bytes) return bad(strCat("a dense chunk of ", l.bytes, " bytes, not ", chunk.bytes));
+  if (delta && l.bytes > chunk.bytes) return bad(strCat("a delta of ", l.bytes, " bytes for a chunk of ", chunk.bytes));
+  if (delta && landing->direct()) return bad("a delta for a chunk that lands in a rank directly");
+  if (delta && a_->base.fence == 0) return bad("a delta for a node whose ranks hold no base");
+  if (!a_->landOnce(l.transfer, l.chunk)) return bad("a chunk that already landed");
+  return absl::OkStatus();
+}
+
+// Where the transfer's bytes are here: the landing rank's buffer, or the arena.
+StatusOr<Execution::Arrival> Execution::land(const LandedChunk& l) {
+  const auto& ts = cp_.transfer(l.transfer);
+  Arrival at;
+  at.chunk = &ts.chunks[static_cast<size_t>(l.chunk)];
+  at.landing = ts.landingOn(self_);
+  at.delta = l.encoding == LandedChunk::kDelta;
+  at.region = a_->arena;
+  at.region_offset = at.landing->arena_offset;
+  if (a_->arena) at.memory.data = static_cast<std::byte*>(a_->arena->data()) + at.landing->arena_offset;
+  if (at.landing->direct()) {
+    SC_ASSIGN_OR_RETURN(at.memory, buffer(cp_.dst, at.landing->rank, at.landing->buffer));
+    at.region = at.memory.region;
+    at.region_offset = at.memory.region_offset + at.landing->buffer_offset;
+    at.memory.data += at.landing->buffer_offset;
+    a_->moved.bytes_landed_direct += at.chunk->bytes;
+  }
+  if (req_.verify()) {
+    std::byte* bytes = at.memory.data + at.chunk->offset;
+    SC_ASSIGN_OR_RETURN(const uint64_t sum,
+                        checksumOf(env_.host_copies, at.memory.outgoing, bytes, at.memory.kind, l.bytes));
+    SC_RETURN_IF_ERROR(checkChecksum(l.checksum, sum, site(l)));
+  }
+  return at;
+}
+
+// Forwards the chunk along its relay chain first (a star's first node: to every other node of
+// it): the next nodes' transfers then overlap the local fan-out (the bytes stay where they
+// landed until the sync ends).
+Status Execution::relay(const LandedChunk& l, const Arrival& at) {
+  const auto& ch = plan_.chains[l.chain];
+  const int32_t last = ch.star ? (l.hop == 0 ? ch.nodes_count - 1 : l.hop) : std::min(l.hop + 1, ch.nodes_count - 1);
+  for (int32_t hop = l.hop + 1; hop <= last; ++hop) {
+    LandedChunk next = l;
+    next.hop = hop;
+    SC_RETURN_IF_ERROR(send(at.region, at.region_offset, next, plan_.chain_nodes[ch.nodes_begin + hop]));
+  }
+  return absl::OkStatus();
+}
+
+// The dense chunk (where it landed, or rebuilt from the delta) into every local piece; a piece
+// that another GPU here already took from host memory is copied from that GPU (deviceCopyOf).
+StatusOr<Execution::Unpacked> Execution::unpack(const LandedChunk& l, const Arrival& at) {
+  Unpacked u;
+  SC_ASSIGN_OR_RETURN(u.pieces, localPieces(l.transfer, l.chunk));
+  u.wire = at.memory.data + at.chunk->offset;
+  u.kind = at.memory.kind;
+  u.copies = engine(at.memory, Direction::kIncoming);
+  if (at.delta) {
+    SC_RETURN_IF_ERROR(decode(l, u.wire, u.pieces));
+    u.wire = decoded_.data();
+    u.kind = transport::MemoryKind::kHost;
+    u.copies = nullptr;
+  }
+  for (size_t i = 0; i < u.pieces.size(); ++i) {
+    const Piece& p = u.pieces[i];
+    const uint64_t bytes = static_cast<uint64_t>(p.part.volume() * p.tensor->elemBytes());
+    if (u.kind == transport::MemoryKind::kHost)
+      if (const Piece* first = deviceCopyOf(u.pieces, i)) {
+        SC_RETURN_IF_ERROR(
+            env_.stage.unpack(p.memory, first->memory, p.part.sizes(), {p.tensor->name, p.part, p.tensor}));
+        a_->moved.local_bytes += bytes;
+        a_->moved.device_fanout_bytes += bytes;
+        continue;
+      }
+    const TypedView from{{u.wire + (p.at - at.chunk->offset), u.kind, 0, p.dense}, p.tensor->dtype, u.copies};
+    SC_RETURN_IF_ERROR(env_.stage.unpack(p.memory, from, p.part.sizes(), {p.tensor->name, p.part, p.tensor}));
+    a_->moved.local_bytes += bytes;
+  }
+  return u;
+}
+
+std::vector<HeldPiece> Execution::heldPieces(const LandedChunk& l, const Unpacked& u) const {
+  const auto& chunk = cp_.transfer(l.transfer).chunks[static_cast<size_t>(l.chunk)];
+  std::vector<HeldPiece> out;
+  for (const auto& p : u.pieces)
+    out.push_back({p.memory,
+                   {u.wire + (p.at - chunk.offset), u.kind, 0, p.dense},
+                   u.copies,
+                   p.part.sizes(),
+                   p.tensor->elemBytes(),
+                   p.rank,
+                   p.tensor->name,
+                   p.part});
+  return out;
+}
+
+VerifySite Execution::site(const LandedChunk& l) const {
+  return {a_->id, a_->dst_group, env_.node, l.transfer, l.chunk};
+}
+
+const Execution::Piece* Execution::deviceCopyOf(const std::vector<Piece>& pieces, size_t i) {
+  auto contiguous = [](const Piece& p) {
+    int64_t runs = 0;
+    transport::forEachRun(p.memory.view, p.memory.view, p.part.sizes(), p.tensor->elemBytes(),
+                          [&](int64_t, int64_t, int64_t) { ++runs; });
+    return runs == 1;
+  };
+  const Piece& p = pieces[i];
+  if (p.memory.view.kind != transport::MemoryKind::kCuda || !contiguous(p)) return nullptr;
+  for (size_t j = 0; j < i; ++j) {
+    const Piece& q = pieces[j];
+    if (q.tensor == p.tensor && q.part == p.part && q.memory.view.kind == transport::MemoryKind::kCuda &&
+        contiguous(q) && deviceCopyOf(pieces, j) == nullptr)
+      return &q;
+  }
+  return nullptr;
+}
+
+StatusOr<std::vector<Execution::Piece>> Execution::localPieces(int32_t t, int32_t k) {
+  const auto& tr = plan_.transfers[t];
+  const auto& chunk = cp_.transfer(t).chunks[static_cast<size_t>(k)];
+  const auto* landing = cp_.transfer(t).landingOn(self_);
+  std::vector<Piece> out;
+  for (int32_t i = 0; i < tr.fragments_count; ++i) {
+    const int32_t f = plan_.transfer_fragments[tr.fragments_begin + i];
+    const auto& frag = plan_.fragments[f];
+    const auto& dt = cp_.dst.tensors[plan_.tensors[frag.tensor].dst];
+    const int64_t elem = dt.elemBytes();
+    const auto dense = denseFor(frag.box);
+    for (const auto& [sub, dr] : planner::destinationRegions(plan_, cp_.dst, f, self_)) {
+      if (landing->direct() && dr.rank == landing->rank && dr.buffer == landing->buffer &&
+          static_cast<uint64_t>(dr.offset * elem) == landing->buffer_offset)
+        continue;
+      const planner::Box part = chunk.box.ndim == 0 ? sub : planner::intersect(sub, chunk.box);
+      if (part.empty()) continue;
+      int64_t src_off = 0, dst_off = dr.offset;
+      for (int d = 0; d < part.ndim; ++d) {
+        src_off += (part.lo[d] - frag.box.lo[d]) * dense[d];
+        dst_off += (part.lo[d] - sub.lo[d]) * dr.strides[d];
+      }
+      SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
+      out.push_back({cp_.fragment_offset[f] + static_cast<uint64_t>(src_off * elem), part,
+                     typed(db, dst_off, dr.strides, dt, Direction::kIncoming), dense, &dt, dr.rank});
+    }
+  }
+  return out;
+}
+
+// The base is what the local ranks hold of the chunk (they all hold the version the delta is
+// against: Registry::Base); the delta is applied to it, and the result must hash as the source's
+// dense bytes did, or a rank here did not hold its base: the sync fails naming them.
+Status Execution::decode(const LandedChunk& l, const std::byte* delta, const std::vector<Piece>& pieces) {
+  const auto& chunk = cp_.transfer(l.transfer).chunks[static_cast<size_t>(l.chunk)];
+  decoded_.resize(static_cast<size_t>(chunk.bytes));
+  for (const auto& p : pieces)  // the ranks' bytes as they are: no stage (nothing converts)
+    SC_RETURN_IF_ERROR(copyBox(env_.host_copies, p.memory.device,
+                               {decoded_.data() + (p.at - chunk.offset), transport::MemoryKind::kHost, 0, p.dense},
+                               p.memory.view, p.part.sizes(), p.tensor->elemBytes()));
+  if (auto st = applyDelta(decoded_.data(), chunk.bytes, deltaUnit(l.transfer), delta, l.bytes); !st.ok())
+    return absl::InvalidArgumentError(strCat("sync ", a_->id, " on node \"", env_.node, "\": chunk ", l.chunk,
+                                             " of transfer ", l.transfer, ": ", st.message()));
+  if (XXH64(decoded_.data(), decoded_.size(), 0) == l.result) return absl::OkStatus();
+  std::set<int32_t> ranks;
+  for (const auto& p : pieces) ranks.insert(p.rank);
+  std::string names;
+  for (const int32_t r : ranks) names += strCat(names.empty() ? "" : ", ", r);
+  return absl::DataLossError(strCat(
+      "sync ", a_->id, ": a delta of tensor \"", pieces.empty() ? std::string("?") : pieces.front().tensor->name,
+      "\" (transfer ", l.transfer, ", chunk ", l.chunk, ") does not rebuild the source's bytes on node \"", env_.node,
+      "\": group \"", a_->dst_group, "\" rank(s) ", names, " there do not hold version ", a_->base.version,
+      " as committed (written outside a sync?); sync without deltas (delta: DELTA_DENSE) to repair them"));
+}
+
+}  // namespace shardcast::daemon

@@ -1,0 +1,162 @@
+#include "daemon/engine/plan_cache.h"
+
+#include <utility>
+
+#include "common/strings.h"
+#include "planner/layout.h"
+
+namespace shardcast::daemon {
+
+StatusOr<planner::Strategy> strategyOf(int strategy, v1::DeltaMode delta) {
+  if (!v1::SyncStrategy_IsValid(strategy))
+    return absl::InvalidArgumentError(strCat("sync strategy ", strategy,
+                                             " is not one of STRATEGY_PLANNED, "
+                                             "STRATEGY_RANK_PULL, STRATEGY_GATHER_BROADCAST"));
+  if (strategy == v1::STRATEGY_PLANNED) return planner::Strategy::kPlanned;
+  if (delta != v1::DELTA_OFF)
+    return absl::InvalidArgumentError(strCat("sync strategy ", v1::SyncStrategy_Name(strategy),
+                                             " is a baseline, measured dense: it takes no deltas (delta: DELTA_OFF)"));
+  return strategy == v1::STRATEGY_RANK_PULL ? planner::Strategy::kRankPull : planner::Strategy::kGatherBroadcast;
+}
+
+std::shared_ptr<const CachedPlan> PlanCache::lookup(const std::string& key, bool* hit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = plans_.find(key);
+  *hit = it != plans_.end();
+  if (!*hit) return nullptr;
+  ++hits_;
+  lru_.splice(lru_.begin(), lru_, it->second.age);
+  return it->second.plan;
+}
+
+std::shared_ptr<const CachedPlan> PlanCache::insert(const std::string& key, planner::Schedule schedule) {
+  auto c = std::make_shared<CachedPlan>();
+  static_cast<planner::Schedule&>(*c) = std::move(schedule);
+  c->key = key;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto raced = plans_.find(key); raced != plans_.end()) return raced->second.plan;  // planned twice at once
+  lru_.push_front(key);
+  plans_[key] = Entry{c, lru_.begin()};
+  while (plans_.size() > capacity_) {
+    evicted_.push_back(lru_.back());
+    plans_.erase(lru_.back());
+    lru_.pop_back();
+  }
+  return c;
+}
+
+PlanKey PlanKey::forSync(uint64_t staging_bytes, uint64_t chunk_bytes, v1::DeltaMode delta, bool packed,
+                         planner::Strategy strategy) {
+  return {staging_bytes, chunk_bytes, delta == v1::DELTA_OFF && !packed, strategy};
+}
+
+std::string PlanKey::str(const std::string& src_digest, const std::string& dst_digest) const {
+  const char* routing = strategy == planner::Strategy::kRankPull          ? "/rank-pull"
+                        : strategy == planner::Strategy::kGatherBroadcast ? "/gather-broadcast"
+                                                                          : "";
+  return strCat(src_digest, "/", dst_digest, "/", staging_bytes, "/", chunk_bytes, zero_copy ? "" : "/packed", routing);
+}
+
+StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src, const v1::Layout& dst,
+                                                           const PlanKey& key, bool* hit) {
+  if (key.staging_bytes == 0 || key.chunk_bytes == 0)
+    return absl::InvalidArgumentError("staging budget and chunk size must be positive");
+  const std::string name = key.str(planner::layoutDigest(src), planner::layoutDigest(dst));
+  if (auto cached = lookup(name, hit)) return cached;
+  SC_ASSIGN_OR_RETURN(auto schedule,
+                      planner::makeSchedule(src, dst, key.staging_bytes, key.chunk_bytes, key.zero_copy, key.strategy));
+  return insert(name, std::move(schedule));
+}
+
+StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::Layout& src,
+                                                                     const std::vector<planner::Replica>& replicas,
+                                                                     uint64_t staging_budget, uint64_t chunk_bytes,
+                                                                     bool* hit) {
+  if (staging_budget == 0 || chunk_bytes == 0)
+    return absl::InvalidArgumentError("staging budget and chunk size must be positive");
+  if (replicas.empty()) return absl::InvalidArgumentError("a replica set needs at least one replica");
+  const std::string src_digest = planner::layoutDigest(src);
+  std::string members;
+  for (const auto& r : replicas) members += strCat(r.id, ":", planner::layoutDigest(r.layout), ",");
+  const std::string key = strCat(src_digest, "/set:", replicas.front().layout.replica_set(), "[", members, "]/",
+                                 staging_budget, "/", chunk_bytes);
+  if (auto cached = lookup(key, hit)) return cached;
+  const std::string replica_digest =
+      replicas.front().digest.empty() ? planner::replicaDigest(replicas.front().layout) : replicas.front().digest;
+  const std::string positions_key = strCat(src_digest, "/", replica_digest, "/", chunk_bytes);
+  std::shared_ptr<const planner::PositionPlan> reuse;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = positions_.find(positions_key); it != positions_.end()) reuse = it->second;
+  }
+  planner::PlanOptions options;
+  options.chunk_bytes = static_cast<int64_t>(chunk_bytes);
+  // planReplicaSet takes `reuse` only where it was planned for this very source, replica layout,
+  // rank -> position pattern and options; else it plans the positions again.
+  SC_ASSIGN_OR_RETURN(auto set, planner::planReplicaSet(src, replicas, options, reuse));
+  if (!set.reused_positions) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++positions_made_;
+    if (positions_.insert_or_assign(positions_key, set.positions).second) positions_age_.push_back(positions_key);
+    while (positions_.size() > capacity_) {
+      positions_.erase(positions_age_.front());
+      positions_age_.pop_front();
+    }
+  }
+  SC_ASSIGN_OR_RETURN(auto schedule, planner::scheduleOf(std::move(set.nodes), std::move(set.src), std::move(set.dst),
+                                                         std::move(set.plan), staging_budget));
+  return insert(key, std::move(schedule));
+}
+
+uint64_t PlanCache::positionPlansMade() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return positions_made_;
+}
+
+uint64_t PlanCache::hits() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return hits_;
+}
+
+bool PlanCache::contains(const std::string& key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return plans_.count(key) > 0;
+}
+
+size_t PlanCache::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return plans_.size();
+}
+
+std::vector<std::string> PlanCache::takeEvicted() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(evicted_, {});
+}
+
+std::shared_ptr<transport::MemoryRegion> SpareMemory::take(const std::string& key, Use use) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = spare_.find({key, use});
+  if (it == spare_.end()) return nullptr;
+  auto region = std::move(it->second);
+  spare_.erase(it);
+  return region;
+}
+
+void SpareMemory::keep(const std::string& key, Use use, std::shared_ptr<transport::MemoryRegion> region) {
+  if (!region) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  spare_[{key, use}] = std::move(region);
+}
+
+void SpareMemory::drop(const std::string& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  spare_.erase({key, Use::kArena});
+  spare_.erase({key, Use::kStaging});
+}
+
+size_t SpareMemory::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return spare_.size();
+}
+
+}  // namespace shardcast::daemon

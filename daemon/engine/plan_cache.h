@@ -1,0 +1,122 @@
+// The daemon's memory of the layout pairs it synced lately: their schedules (a bounded LRU of
+// immutable plans, shared by the syncs that repeat them) and the landing arenas and staging
+// buffers those syncs leave behind for the next sync of the same plan.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "daemon/engine/notification.h"
+#include "planner/replicas.h"
+#include "planner/schedule.h"
+#include "shardcast/v1/layout.pb.h"
+#include "shardcast/v1/service.pb.h"
+#include "transport/transport.h"
+
+namespace shardcast::daemon {
+
+// A schedule as the daemon caches it, under the key of its layouts and budgets.
+struct CachedPlan : planner::Schedule {
+  // The two layout digests, the staging budget, the chunk size (and "/packed": no zero copy;
+  // "/rank-pull", "/gather-broadcast": a baseline's routing).
+  std::string key;
+  std::string landedProblem(const LandedChunk& l, int32_t in_wave, int32_t self) const {
+    return Schedule::landedProblem(l.transfer, l.chain, l.hop, l.chunk, in_wave, self);
+  }
+};
+
+// What a sync's plan depends on besides its two layouts: what it is cached under (with the
+// layouts' digests, CachedPlan::key) and what every daemon of the sync must agree on (each
+// derives it from the same PrepareRequest; the coordinator compares their keys with its own).
+struct PlanKey {
+  uint64_t staging_bytes = 0;
+  uint64_t chunk_bytes = 0;
+  // planner::Schedule::zero_copy: transfers sent from and landed in rank buffers directly.
+  bool zero_copy = true;
+  planner::Strategy strategy = planner::Strategy::kPlanned;
+
+  // The key of a sync's plan. The zero-copy rule lives here and nowhere else: zero copy only for
+  // a dense sync (a delta is packed and encoded: a plan of its own) through no buffer that travels
+  // only packed (`packed`: device memory some daemon's transport cannot reach, staged through host
+  // memory; Describe's RemoteBuffer.staged).
+  static PlanKey forSync(uint64_t staging_bytes, uint64_t chunk_bytes, v1::DeltaMode delta, bool packed,
+                         planner::Strategy strategy = planner::Strategy::kPlanned);
+  // "<src digest>/<dst digest>/<staging>/<chunk>[/packed][/rank-pull|/gather-broadcast]"
+  std::string str(const std::string& src_digest, const std::string& dst_digest) const;
+};
+
+// The planner's routing for a sync's strategy: INVALID_ARGUMENT for an unknown one, or for a
+// baseline asked to run with deltas (baselines are measured dense).
+StatusOr<planner::Strategy> strategyOf(int strategy, v1::DeltaMode delta);
+
+// Syncs in flight keep their plan alive by reference, so an eviction never pulls a plan from
+// under one. Thread-safe.
+class PlanCache {
+ public:
+  explicit PlanCache(size_t capacity = 16) : capacity_(capacity == 0 ? 1 : capacity) {}
+  // The plan of these layouts under `key`; *hit says whether it was cached.
+  StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst, const PlanKey& key,
+                                                  bool* hit);
+  // The plan of a sync from `src` into the replica set `replicas` (planner/replicas.h), whose
+  // destination is stackReplicas(replicas) (CachedPlan::dst). Plans are cached per membership;
+  // the set's position plan apart from them, so a replica that joins or leaves costs a
+  // composition, not a planning, and leaves the other replicas' routes as they were.
+  StatusOr<std::shared_ptr<const CachedPlan>> getReplicaSet(const v1::Layout& src,
+                                                            const std::vector<planner::Replica>& replicas,
+                                                            uint64_t staging_budget, uint64_t chunk_bytes, bool* hit);
+  // Position plans made so far (each replica set's once per source layout and chunk size).
+  uint64_t positionPlansMade() const;
+  uint64_t hits() const;
+  size_t size() const;
+  bool contains(const std::string& key) const;
+  // The keys evicted since the last call (their spare memory should go too: SpareMemory::drop).
+  std::vector<std::string> takeEvicted();
+
+ private:
+  struct Entry {
+    std::shared_ptr<const CachedPlan> plan;
+    std::list<std::string>::iterator age;
+  };
+  // The cached plan under `key`, counted as a hit; null when there is none.
+  std::shared_ptr<const CachedPlan> lookup(const std::string& key, bool* hit);
+  // Caches a plan just made (or returns the one another caller made meanwhile), evicting the
+  // least recently used beyond capacity.
+  std::shared_ptr<const CachedPlan> insert(const std::string& key, planner::Schedule schedule);
+
+  const size_t capacity_;
+  mutable std::mutex mu_;
+  std::map<std::string, Entry> plans_;
+  // Position plans by (source digest, replica digest, chunk size), at most `capacity_`, the
+  // oldest made first out.
+  std::map<std::string, std::shared_ptr<const planner::PositionPlan>> positions_;
+  std::list<std::string> positions_age_;
+  uint64_t positions_made_ = 0;
+  std::list<std::string> lru_;  // most recently used first
+  std::vector<std::string> evicted_;
+  uint64_t hits_ = 0;
+};
+
+// Arenas and staging buffers of committed syncs, by plan key: allocating and first touching large
+// registered buffers costs more than the copies, so the next sync of the same plan reuses them.
+// At most one of each per plan; dropped with the plan. Thread-safe.
+class SpareMemory {
+ public:
+  enum class Use { kArena, kStaging };
+  // A spare region of `use` for the plan `key`, taken out of the pool; null when there is none.
+  std::shared_ptr<transport::MemoryRegion> take(const std::string& key, Use use);
+  void keep(const std::string& key, Use use, std::shared_ptr<transport::MemoryRegion> region);
+  void drop(const std::string& key);
+  size_t size() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, Use>, std::shared_ptr<transport::MemoryRegion>> spare_;
+};
+
+}  // namespace shardcast::daemon

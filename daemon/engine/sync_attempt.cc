@@ -1,0 +1,474 @@
+#include "daemon/engine/sync_attempt.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "common/strings.h"
+
+namespace shardcast::daemon {
+
+using Phase = SyncAttempt::Phase;
+
+// ---- Outbox ----
+
+void Outbox::queue(int32_t node, std::shared_ptr<transport::Endpoint> endpoint, Write w) {
+  pending_ += 2;  // the write and its notification
+  auto& n = nodes_[node];
+  n.endpoint = std::move(endpoint);
+  n.queued.push_back(std::move(w));
+}
+
+std::vector<Outbox::Write> Outbox::take(int32_t node, const Limits& limits,
+                                        std::shared_ptr<transport::Endpoint>* endpoint) {
+  std::vector<Write> start;
+  auto& n = nodes_[node];
+  *endpoint = n.endpoint;
+  if (n.bytes_in_flight > 0 && n.bytes_in_flight + limits.batch_bytes > limits.window_bytes) return start;
+  uint64_t batched = 0;
+  while (!n.queued.empty() &&
+         (n.bytes_in_flight == 0 || n.bytes_in_flight + n.queued.front().op.length <= limits.window_bytes) &&
+         (batched == 0 || batched + n.queued.front().op.length <= limits.batch_bytes) &&
+         start.size() < limits.max_batch) {
+    batched += n.queued.front().op.length;
+    n.bytes_in_flight += n.queued.front().op.length;
+    start.push_back(std::move(n.queued.front()));
+    n.queued.pop_front();
+  }
+  return start;
+}
+
+void Outbox::completed(int32_t node, uint64_t bytes, int64_t ops) {
+  pending_ -= ops;
+  nodes_[node].bytes_in_flight -= bytes;
+}
+
+void Outbox::dropQueued() {
+  for (auto& [node, n] : nodes_) {
+    pending_ -= 2 * static_cast<int64_t>(n.queued.size());
+    n.queued.clear();
+  }
+}
+
+// ---- SyncAttempt: phases ----
+
+std::string_view SyncAttempt::name(Phase p) {
+  switch (p) {
+    case Phase::kPreparing:
+      return "preparing";
+    case Phase::kPrepared:
+      return "prepared";
+    case Phase::kExecuting:
+      return "executing";
+    case Phase::kClosing:
+      return "closing";
+    case Phase::kDraining:
+      return "draining";
+    case Phase::kClosed:
+      return "closed";
+  }
+  return "?";
+}
+
+Phase SyncAttempt::phase() const { return phase_.load(); }
+
+void SyncAttempt::moveTo(Phase to) {
+  const Phase from = phase_.load();
+  bool allowed = false;
+  switch (to) {
+    case Phase::kPrepared:
+      allowed = from == Phase::kPreparing || from == Phase::kExecuting;
+      break;
+    case Phase::kExecuting:
+      allowed = from == Phase::kPrepared;
+      break;
+    case Phase::kClosing:
+      allowed = from == Phase::kPrepared || from == Phase::kExecuting;
+      break;
+    case Phase::kDraining:
+      allowed = from == Phase::kClosing;
+      break;
+    case Phase::kClosed:
+      allowed = from == Phase::kPreparing || from == Phase::kClosing || from == Phase::kDraining;
+      break;
+    case Phase::kPreparing:
+      break;
+  }
+  if (!allowed) {
+    spdlog::critical("sync {}: an attempt moved from {} to {}, which is not a transition (a bug)", id, name(from),
+                     name(to));
+    std::abort();
+  }
+  phase_ = to;
+}
+
+void SyncAttempt::publish() {
+  std::lock_guard<std::mutex> lock(mu_);
+  moveTo(Phase::kPrepared);
+  renew();  // the lease runs from here: planning and allocating do not count against it
+}
+
+void SyncAttempt::abandon() {
+  std::lock_guard<std::mutex> lock(mu_);
+  moveTo(Phase::kClosed);
+}
+
+Status SyncAttempt::beginExecute(const std::string& node) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!failure_.ok()) return failure_;
+  if (phase_ == Phase::kExecuting)
+    // One wave at a time: a second Execute of this attempt (a retried call) would share its
+    // staging and landed-chunk queue with the one running.
+    return absl::FailedPreconditionError(
+        strCat("sync ", id, ": an execute of this attempt is already running on node \"", node, "\""));
+  if (phase_ != Phase::kPrepared) return absl::AbortedError(strCat("sync ", id, " ended"));
+  moveTo(Phase::kExecuting);
+  ++executes_;
+  return absl::OkStatus();
+}
+
+void SyncAttempt::endExecute(int32_t wave, bool ok) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --executes_;
+    if (phase_ == Phase::kExecuting) {
+      moveTo(Phase::kPrepared);
+      if (ok) waves_done_.insert(wave);
+    }
+  }
+  cv_.notify_all();
+}
+
+Registry::SyncEnd SyncAttempt::beginClose(Registry::SyncEnd end, const std::string& node, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const bool commit = end == Registry::SyncEnd::kCommit;
+  // A write of this node failed after its execute returned: the bytes are not all there.
+  if (commit && !failure_.ok()) end = Registry::SyncEnd::kDirty;
+  // A destination commits only what it saw land: the coordinator's word alone is not enough.
+  if (const std::string gap = commit && failure_.ok() ? missing() : ""; !gap.empty()) {
+    failure_ = absl::FailedPreconditionError(strCat("commit refused on node \"", node, "\": ", gap));
+    spdlog::warn("sync {}: {}", id, std::string(failure_.message()));
+    end = Registry::SyncEnd::kDirty;
+  }
+  moveTo(Phase::kClosing);
+  if (failure_.ok() && !commit) failure_ = absl::AbortedError(strCat("sync ", id, " aborted: ", reason));
+  outbox_.dropQueued();
+  cv_.notify_all();
+  return end;
+}
+
+bool SyncAttempt::quiesce(std::chrono::seconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (cv_.wait_for(lock, timeout, [&] { return outbox_.pending() == 0 && executes_ == 0; })) return true;
+  spdlog::error("sync {}: {} writes and {} executes still pending {} s after it ended", id, outbox_.pending(),
+                executes_, timeout.count());
+  return false;
+}
+
+void SyncAttempt::drain() {
+  std::lock_guard<std::mutex> lock(mu_);
+  moveTo(Phase::kDraining);
+}
+
+void SyncAttempt::endClose() {
+  std::lock_guard<std::mutex> lock(mu_);
+  moveTo(Phase::kClosed);
+}
+
+std::string SyncAttempt::missing() const {
+  if (self < 0) return "";  // nothing of the sync lands or is read here
+  std::string waves;
+  for (int32_t w = 0; w < plan->waves; ++w)
+    if (!waves_done_.count(w)) waves += strCat(waves.empty() ? "" : ", ", w);
+  int64_t expected = 0;
+  for (const int64_t n : plan->node(self).incoming) expected += n;
+  const auto landed = static_cast<int64_t>(seen_.size());
+  if (waves.empty() && landed == expected) return "";
+  std::string out;
+  if (!waves.empty()) out = strCat("wave(s) ", waves, " of ", plan->waves, " not executed here; ");
+  return strCat(out, landed, " of the ", expected, " chunks planned to land here arrived and were checked (group \"",
+                dst_group, "\" goes dirty here)");
+}
+
+// ---- SyncAttempt: while prepared or executing ----
+
+Status SyncAttempt::usable() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!failure_.ok()) return failure_;
+  if (phase_ != Phase::kPrepared && phase_ != Phase::kExecuting)
+    return absl::AbortedError(strCat("sync ", id, " ended"));
+  return absl::OkStatus();
+}
+
+void SyncAttempt::fail(Status st) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failure_.ok()) failure_ = std::move(st);
+  }
+  cv_.notify_all();
+}
+
+Status SyncAttempt::failure() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_;
+}
+
+void SyncAttempt::announce(const std::vector<LandedChunk>& chunks) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    landed_.insert(landed_.end(), chunks.begin(), chunks.end());
+  }
+  cv_.notify_all();
+}
+
+StatusOr<SyncAttempt::Next> SyncAttempt::nextLanded(Clock::time_point deadline, bool all_processed) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const bool woke = cv_.wait_until(
+      lock, deadline, [&] { return !failure_.ok() || !landed_.empty() || (all_processed && outbox_.pending() == 0); });
+  if (!failure_.ok()) return failure_;
+  if (!woke) return Next{Next::kTimedOut};
+  if (landed_.empty()) return Next{Next::kDone};  // all landed, processed and forwarded
+  Next next{Next::kChunk, landed_.front()};
+  landed_.pop_front();
+  return next;
+}
+
+bool SyncAttempt::landOnce(int32_t transfer, int32_t chunk) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return seen_.insert({transfer, chunk}).second;
+}
+
+void SyncAttempt::pin(std::shared_ptr<void> keep_alive) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pinned_.push_back(std::move(keep_alive));
+}
+
+std::shared_ptr<transport::MemoryRegion> SyncAttempt::staging() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return staging_;
+}
+
+void SyncAttempt::setStaging(std::shared_ptr<transport::MemoryRegion> staging) {
+  std::lock_guard<std::mutex> lock(mu_);
+  staging_ = std::move(staging);
+}
+
+bool SyncAttempt::executing() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return executes_ > 0;
+}
+
+std::pair<std::shared_ptr<transport::MemoryRegion>, std::shared_ptr<transport::MemoryRegion>>
+SyncAttempt::takeMemory() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (outbox_.pending() != 0 || executes_ != 0) return {};
+  return {std::move(arena), std::move(staging_)};
+}
+
+int64_t SyncAttempt::writesPending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return outbox_.pending();
+}
+
+// ---- SyncAttempt: writes ----
+
+Status SyncAttempt::send(int32_t node, std::shared_ptr<transport::Endpoint> endpoint, Outbox::Write w) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.ok()) return failure_;
+    if (phase_ != Phase::kPrepared && phase_ != Phase::kExecuting)
+      return absl::AbortedError(strCat("sync ", id, " ended"));
+    outbox_.queue(node, std::move(endpoint), std::move(w));
+  }
+  startWrites(node);
+  return absl::OkStatus();
+}
+
+// At least one write is always in flight while any is queued. Without the window every chunk
+// would be on the wire at once; the transport then completes them all near the end, and relays
+// and fan-out could not start before the last byte arrived. Writes start in batches of up to
+// kBatchBytes (or half the window, if smaller) once a batch fits in the window. A relay forwards
+// nothing it has not heard of, so a chunk of kOwnNoticeBytes or more carries its own announcement
+// (WriteOp::notice: over TCP in the write's header, heard of as it lands, not after a round trip
+// and behind the chunks sent after it); the smaller ones of a batch share one notification
+// (delivered once every write before it is visible): a message and a wake-up of the receiving
+// thread per batch, not per small chunk. The window keeps the link busy across the round trip of
+// an acknowledged write. A write's completion starts more.
+void SyncAttempt::startWrites(int32_t node) {
+  constexpr size_t kMaxNotification = 32 << 10;  // bytes per batch's notification (the transport takes 64 KiB)
+  constexpr uint64_t kBatchBytes = uint64_t{8} << 20;
+  constexpr uint64_t kOwnNoticeBytes = uint64_t{64} << 10;
+  // A batch of at most two chunks: each write's completion frees room for the next soon.
+  const uint64_t chunk_bytes = plan ? static_cast<uint64_t>(plan->plan.options.chunk_bytes) : 0;
+  const Outbox::Limits limits{
+      window_bytes,
+      std::max<uint64_t>(1, std::min({kBatchBytes, window_bytes / 2, chunk_bytes > 0 ? 2 * chunk_bytes : kBatchBytes})),
+      std::min(kMaxLanded, (kMaxNotification - notificationBytes(id.size(), 0)) / kLandedBytes)};
+  std::vector<Outbox::Write> start;
+  std::shared_ptr<transport::Endpoint> ep;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.ok() || (phase_ != Phase::kPrepared && phase_ != Phase::kExecuting)) {
+      outbox_.dropQueued();
+      cv_.notify_all();
+      return;
+    }
+    start = outbox_.take(node, limits, &ep);
+  }
+  if (start.empty()) return;
+  // A write's or notification's completion; a write also frees its bytes of the window. Waiters
+  // care only about the last one or a failure (waking them per completion costs a context switch
+  // per chunk).
+  auto self_ref = shared_from_this();
+  auto finished = [self_ref, node](Status st, uint64_t window, int64_t ops) {
+    SyncAttempt& a = *self_ref;
+    bool wake;
+    {
+      std::lock_guard<std::mutex> lock(a.mu_);
+      if (!st.ok() && a.failure_.ok()) a.failure_ = st;
+      a.outbox_.completed(node, window, ops);
+      wake = a.outbox_.pending() == 0 || !st.ok();
+    }
+    if (wake) a.cv_.notify_all();
+  };
+  Notification notification;  // the batch's small chunks
+  notification.sync_id = id;
+  notification.fence = fence;
+  bool wrote = false;
+  for (auto& out : start) {
+    const uint64_t bytes = out.op.length;
+    const bool own = bytes >= kOwnNoticeBytes;
+    if (own)
+      out.op.notice = encodeNotification({id, fence, {out.landed}});
+    else
+      notification.chunks.push_back(out.landed);
+    if (bytes == 0) {  // an empty delta: only the word that it landed
+      finished(absl::OkStatus(), 0, 1);
+      continue;
+    }
+    wrote = true;
+    ep->write(std::move(out.op), [self_ref, node, bytes, own, finished](Status st) {
+      finished(st, bytes, own ? 2 : 1);  // the write, and its notice with it
+      self_ref->startWrites(node);
+    });
+  }
+  const auto announced = static_cast<int64_t>(notification.chunks.size());
+  if (announced > 0)
+    ep->notify(encodeNotification(notification), key, [finished, announced](Status st) { finished(st, 0, announced); });
+  // A batch of empty deltas only: no completion of it will start what is queued behind it.
+  if (!wrote) startWrites(node);
+}
+
+// ---- AttemptTable ----
+
+bool AttemptTable::isOpen(const SyncAttempt& a) {
+  const Phase p = a.phase();
+  return p == Phase::kPrepared || p == Phase::kExecuting;
+}
+
+Status AttemptTable::begin(const std::shared_ptr<SyncAttempt>& a) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (open_.count(a->id))
+    return absl::AlreadyExistsError(strCat("sync ", a->id, " is already prepared on node \"", node_, "\""));
+  if (given_up_.count({a->id, a->fence}))
+    return absl::AbortedError(strCat("sync ", a->id, " was given up by its coordinator before it was prepared here"));
+  open_.emplace(a->id, a);
+  return absl::OkStatus();
+}
+
+Status AttemptTable::publish(const std::shared_ptr<SyncAttempt>& a) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Its coordinator may have given it up while this Prepare was on its way (prepares go to every
+  // daemon at once): a Finish that found nothing prepared left its word here.
+  if (given_up_.count({a->id, a->fence}))
+    return absl::AbortedError(
+        strCat("sync ", a->id, " was given up by its coordinator while it was being prepared on node \"", node_, "\""));
+  a->publish();
+  return absl::OkStatus();
+}
+
+void AttemptTable::abandon(const std::shared_ptr<SyncAttempt>& a) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = open_.find(a->id);
+    if (it != open_.end() && it->second == a) open_.erase(it);
+  }
+  a->abandon();
+}
+
+std::shared_ptr<SyncAttempt> AttemptTable::find(const std::string& id, uint64_t fence) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = open_.find(id);
+  if (it == open_.end() || !isOpen(*it->second) || (fence != 0 && it->second->fence != fence)) return nullptr;
+  return it->second;
+}
+
+std::shared_ptr<SyncAttempt> AttemptTable::takeForClose(const std::string& id, uint64_t fence) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = open_.find(id);
+  if (it == open_.end() || !isOpen(*it->second) || (fence != 0 && it->second->fence != fence)) {
+    if (fence != 0) {
+      given_up_.insert({id, fence});
+      given_up_order_.push_back({id, fence});
+      if (given_up_order_.size() > kGivenUpKept) {
+        given_up_.erase(given_up_order_.front());
+        given_up_order_.pop_front();
+      }
+    }
+    return nullptr;
+  }
+  auto a = std::move(it->second);
+  open_.erase(it);
+  return a;
+}
+
+std::vector<std::shared_ptr<SyncAttempt>> AttemptTable::takeExpired(SyncAttempt::Clock::time_point now) {
+  std::vector<std::shared_ptr<SyncAttempt>> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = open_.begin(); it != open_.end();) {
+    if (isOpen(*it->second) && it->second->expired(now)) {
+      out.push_back(std::move(it->second));
+      it = open_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return out;
+}
+
+std::vector<std::shared_ptr<SyncAttempt>> AttemptTable::takeAll() {
+  std::vector<std::shared_ptr<SyncAttempt>> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = open_.begin(); it != open_.end();) {
+    if (isOpen(*it->second)) {
+      out.push_back(std::move(it->second));
+      it = open_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return out;
+}
+
+void AttemptTable::addDraining(std::shared_ptr<SyncAttempt> a) {
+  std::lock_guard<std::mutex> lock(mu_);
+  draining_.push_back(std::move(a));
+}
+
+std::vector<std::shared_ptr<SyncAttempt>> AttemptTable::takeDrained(
+    const std::function<bool(const SyncAttempt&)>& drained) {
+  std::vector<std::shared_ptr<SyncAttempt>> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = draining_.begin(); it != draining_.end();) {
+    if (drained(**it)) {
+      out.push_back(std::move(*it));
+      it = draining_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return out;
+}
+
+}  // namespace shardcast::daemon

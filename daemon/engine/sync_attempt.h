@@ -1,0 +1,246 @@
+// One attempt of a sync as this daemon holds it, from its Prepare to its end, and the table of the
+// attempts a daemon holds. An attempt is a state machine of six phases; every transition is a
+// method here, checked against one table (SyncAttempt::moveTo), and docs/thread_model.md says
+// which thread calls which:
+//
+//   preparing --publish--> prepared --beginExecute--> executing
+//       |                   |    ^                        |
+//       |                   |    +-----endExecute---------+
+//       |                   +------beginClose-------------+--> closing --> draining --> closed
+//       +--abandon-----------------------------------------------^  |  ------endClose------^
+//                                                                   +--------endClose------^
+//
+// A close may begin while an execute still runs (an abort, an expired lease): the attempt is then
+// closing, its writes stop, and closing waits (quiesce) until that execute has returned.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+#include "daemon/engine/delta.h"
+#include "daemon/engine/notification.h"
+#include "daemon/engine/plan_cache.h"
+#include "daemon/engine/sync_counters.h"
+#include "daemon/registry/registry.h"
+#include "shardcast/v1/service.pb.h"
+#include "transport/transport.h"
+
+namespace shardcast::daemon {
+
+// The writes of one attempt to its peers, by destination node: those waiting for room in the
+// node's window, the bytes in flight, and how many writes and notifications are started or queued
+// and not completed. No lock of its own: its attempt's mutex guards it.
+class Outbox {
+ public:
+  // A chunk's write, and the word announcing it to the target once the write is visible there.
+  struct Write {
+    transport::WriteOp op;
+    LandedChunk landed;
+  };
+  // How much may start at once toward one node.
+  struct Limits {
+    uint64_t window_bytes = 0;  // bytes in flight (at least one write, whatever its size)
+    uint64_t batch_bytes = 0;   // bytes started together (at least one write)
+    size_t max_batch = 0;       // writes started together
+  };
+
+  // Queues `w` toward `node` over `endpoint` (the write and its notification pending from here).
+  void queue(int32_t node, std::shared_ptr<transport::Endpoint> endpoint, Write w);
+  // The writes queued toward `node` that may start now (moved out, their bytes in flight), and the
+  // endpoint to start them on. Nothing while a batch would overflow the window.
+  std::vector<Write> take(int32_t node, const Limits& limits, std::shared_ptr<transport::Endpoint>* endpoint);
+  // `ops` writes or notifications toward `node` completed, freeing `bytes` of its window.
+  void completed(int32_t node, uint64_t bytes, int64_t ops);
+  // Drops every write not started yet (they will never complete).
+  void dropQueued();
+  int64_t pending() const { return pending_; }
+
+ private:
+  struct Node {
+    std::shared_ptr<transport::Endpoint> endpoint;
+    std::deque<Write> queued;
+    uint64_t bytes_in_flight = 0;
+  };
+  std::map<int32_t, Node> nodes_;
+  int64_t pending_ = 0;
+};
+
+class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
+ public:
+  using Clock = std::chrono::steady_clock;
+  enum class Phase { kPreparing, kPrepared, kExecuting, kClosing, kDraining, kClosed };
+  static std::string_view name(Phase p);
+
+  // What the attempt is. Set by the preparing thread before publish(), read-only afterwards: read
+  // by every thread without a lock.
+  std::string id;
+  std::string src_group;
+  std::string dst_group;
+  uint64_t version = 0;
+  uint64_t generation = 0;  // the registry's when prepared: registrations may not change under a sync
+  uint64_t fence = 0;       // names the attempt (PrepareRequest.fence); not a secret
+  transport::WriteKey key;  // WriteOp::key of this sync's writes, open here from prepare to close
+  bool key_open = false;    // this attempt opened it (and so closes it)
+  std::shared_ptr<const CachedPlan> plan;
+  int32_t self = -1;  // this node's id in the plan, -1 when it takes no part
+  uint64_t window_bytes = 0;
+  // Delta syncs (daemon/engine/delta.h): the mode; what this node's destination ranks held when the sync
+  // took them (a delta may land here only on that base); the bases of the chunks this node packs
+  // (null: none kept, every chunk it packs dense).
+  v1::DeltaMode delta = v1::DELTA_OFF;
+  Registry::Base base;
+  std::shared_ptr<DeltaBases::Plan> bases;
+  // Where transfers land here (not directly); moved out only by takeMemory().
+  std::shared_ptr<transport::MemoryRegion> arena;
+  // The coordinator's lease: renewed by every call about this sync; when it runs out the reaper
+  // aborts the sync here.
+  std::chrono::milliseconds lease{10000};
+
+  // What it moved here over all waves, read by progress() while an execute runs.
+  AtomicSyncCounters moved;
+
+  void renew() { lease_until_ = (Clock::now() + lease).time_since_epoch().count(); }
+  bool expired(Clock::time_point now) const { return now.time_since_epoch().count() > lease_until_; }
+  Phase phase() const;
+
+  // ---- Transitions (docs/thread_model.md: who calls which) ----
+  // preparing -> prepared (AttemptTable::publish, under the table's lock).
+  void publish();
+  // preparing -> closed: a Prepare that failed after the attempt entered the table.
+  void abandon();
+  // prepared -> executing: one execute at a time; refused once the attempt failed or closes.
+  Status beginExecute(const std::string& node);
+  // executing -> prepared; wave `wave` counts as done here when `ok`. While closing, the execute
+  // is only counted out (closing waits for it).
+  void endExecute(int32_t wave, bool ok);
+  // prepared|executing -> closing: no write starts any more (queued ones are dropped) and no
+  // chunk is processed. Returns the end this node can honour: a commit becomes kDirty when a write
+  // failed or a wave or chunk planned here is missing (the coordinator's word alone commits
+  // nothing); the reason is kept as the failure.
+  Registry::SyncEnd beginClose(Registry::SyncEnd end, const std::string& node, const std::string& reason);
+  // closing: waits until every write this node started completed or failed and every execute
+  // returned; false (logged) if that takes longer than `timeout`.
+  bool quiesce(std::chrono::seconds timeout);
+  // closing -> draining: peers' writes into this node were still landing when it ended.
+  void drain();
+  // closing|draining -> closed.
+  void endClose();
+
+  // ---- While prepared or executing ----
+  // OK while the sync may still touch its ranks' memory (not failed, not closing).
+  Status usable() const;
+  // Records the first failure (later ones are dropped) and wakes every waiter.
+  void fail(Status st);
+  Status failure() const;
+  // Chunks a peer's notification announced (the transport's progress thread; never blocks).
+  void announce(const std::vector<LandedChunk>& chunks);
+  // The next announced chunk, waiting until `deadline`: kDone once `all_processed` and every
+  // write of this node completed, kTimedOut at the deadline; the failure if the attempt failed.
+  struct Next {
+    enum Kind { kChunk, kDone, kTimedOut } kind = kDone;
+    LandedChunk chunk{};
+  };
+  StatusOr<Next> nextLanded(Clock::time_point deadline, bool all_processed);
+  // Chunk `chunk` of transfer `transfer` lands here for the first time: false for a repeat.
+  bool landOnce(int32_t transfer, int32_t chunk);
+  // Keeps rank memory this attempt sends from or lands in directly mapped until it is gone.
+  void pin(std::shared_ptr<void> keep_alive);
+  // Where this node packs the transfers it heads (null until its first execute needs it).
+  std::shared_ptr<transport::MemoryRegion> staging() const;
+  void setStaging(std::shared_ptr<transport::MemoryRegion> staging);
+  // Queues chunk write `w` to `node` over `endpoint` and starts what fits in that node's window.
+  Status send(int32_t node, std::shared_ptr<transport::Endpoint> endpoint, Outbox::Write w);
+
+  // ---- While closing ----
+  // An execute still running (one that outlived quiesce's wait).
+  bool executing() const;
+  // The arena and the staging region, once nothing of this attempt can touch them any more
+  // (no write pending, no execute running); nulls otherwise.
+  std::pair<std::shared_ptr<transport::MemoryRegion>, std::shared_ptr<transport::MemoryRegion>> takeMemory();
+
+  // Writes and notifications started or queued and not completed (tests, logs).
+  int64_t writesPending() const;
+
+ private:
+  // The one place a phase changes: a transition the diagram above does not have is a bug, and
+  // aborts the daemon naming it. Under mu_.
+  void moveTo(Phase to);
+  // Why this node cannot commit ("" when it can): the waves it did not execute, the chunks
+  // planned to land here that did not. Under mu_.
+  std::string missing() const;
+  // Starts the writes queued for `node` that fit in its window (see sync_attempt.cc).
+  void startWrites(int32_t node);
+
+  std::atomic<int64_t> lease_until_{0};  // steady-clock nanoseconds
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<Phase> phase_{Phase::kPreparing};  // written under mu_, read without it
+  int executes_ = 0;                             // execute() calls running (at most one, but one may outlive a close)
+  Status failure_;                               // set by a failure or by the close
+  std::deque<LandedChunk> landed_;               // announced by peers, not processed yet
+  // Chunks processed here (transfer, chunk): each lands on a node once; a repeat is refused.
+  std::set<std::pair<int32_t, int32_t>> seen_;
+  // Waves whose execute finished here without error. A commit here needs every wave and every
+  // chunk the schedule lands on this node (missing()).
+  std::set<int32_t> waves_done_;
+  // Rank buffers sent from directly or landed in directly: kept mapped until the sync is gone.
+  std::vector<std::shared_ptr<void>> pinned_;
+  std::shared_ptr<transport::MemoryRegion> staging_;
+  Outbox outbox_;
+};
+
+// The attempts one daemon holds: open ones (preparing, prepared, executing) by sync id, draining
+// ones until their fences close, and the attempts their coordinators gave up before they were
+// prepared here. Lock order: the table's lock before an attempt's (publish), never the reverse.
+class AttemptTable {
+ public:
+  explicit AttemptTable(std::string node) : node_(std::move(node)) {}
+
+  // `a` (preparing) enters the table. Refused while an attempt of its id is open here
+  // (ALREADY_EXISTS), or when its coordinator already gave this attempt up (ABORTED).
+  Status begin(const std::shared_ptr<SyncAttempt>& a);
+  // preparing -> prepared: from here peers' notifications and the coordinator's calls find it,
+  // and its lease runs. Refused (ABORTED) when its coordinator gave it up meanwhile (a Finish
+  // that found nothing prepared): under this lock, so one of the two always sees the other.
+  Status publish(const std::shared_ptr<SyncAttempt>& a);
+  // A preparing attempt whose Prepare failed leaves the table (closed).
+  void abandon(const std::shared_ptr<SyncAttempt>& a);
+  // The prepared or executing attempt of `id` (of `fence`, unless 0); null if none.
+  std::shared_ptr<SyncAttempt> find(const std::string& id, uint64_t fence = 0) const;
+  // Takes the prepared or executing attempt of `id` out to be closed by the caller. None there:
+  // null, and (id, fence) is remembered as given up, so a Prepare of it still on its way is refused.
+  std::shared_ptr<SyncAttempt> takeForClose(const std::string& id, uint64_t fence);
+  // Takes every prepared or executing attempt whose lease ran out (the reaper closes them).
+  std::vector<std::shared_ptr<SyncAttempt>> takeExpired(SyncAttempt::Clock::time_point now);
+  // Takes every prepared or executing attempt (shutdown closes them).
+  std::vector<std::shared_ptr<SyncAttempt>> takeAll();
+  // `a` (draining) is held until `drained(a)` says its writes are done.
+  void addDraining(std::shared_ptr<SyncAttempt> a);
+  std::vector<std::shared_ptr<SyncAttempt>> takeDrained(const std::function<bool(const SyncAttempt&)>& drained);
+
+ private:
+  static constexpr size_t kGivenUpKept = 4096;
+  static bool isOpen(const SyncAttempt& a);  // prepared or executing
+
+  const std::string node_;
+  mutable std::mutex mu_;
+  std::map<std::string, std::shared_ptr<SyncAttempt>> open_;  // preparing, prepared, executing
+  std::vector<std::shared_ptr<SyncAttempt>> draining_;
+  std::set<std::pair<std::string, uint64_t>> given_up_;  // (id, fence), the last kGivenUpKept
+  std::deque<std::pair<std::string, uint64_t>> given_up_order_;
+};
+
+}  // namespace shardcast::daemon

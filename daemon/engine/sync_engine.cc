@@ -1,0 +1,343 @@
+#include "daemon/engine/sync_engine.h"
+
+#include <spdlog/spdlog.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "common/strings.h"
+#include "daemon/engine/execution.h"
+#include "transport/resident.h"
+
+namespace shardcast::daemon {
+
+using Clock = std::chrono::steady_clock;
+
+SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics,
+                       uint64_t window_bytes, std::unique_ptr<Stage> stage, uint64_t delta_cache_bytes,
+                       PeerLimits limits)
+    : node_(std::move(node)),
+      registry_(registry),
+      transport_(transport),
+      metrics_(metrics),
+      window_bytes_(window_bytes),
+      limits_(limits),
+      bases_(delta_cache_bytes),
+      stage_(stage ? std::move(stage) : makeStandardStage()),
+      copies_(transport::makeHostCopyEngine()),
+      attempts_(node_) {
+  transport_.setNotificationHandler(
+      [this](std::string payload, const transport::WriteKey& key) { onNotification(payload, key); });
+  reaper_ = std::thread([this] { reap(); });
+}
+
+SyncEngine::~SyncEngine() {
+  {
+    std::lock_guard<std::mutex> lock(reaper_mu_);
+    stopping_ = true;
+  }
+  reaper_cv_.notify_all();
+  reaper_.join();
+  for (auto& f : closers_) f.wait();
+  transport_.setNotificationHandler(nullptr);
+}
+
+void SyncEngine::abortAll(const std::string& reason) {
+  for (const auto& a : attempts_.takeAll()) close(a, Registry::SyncEnd::kDirty, reason).status().IgnoreError();
+}
+
+// Runs on the transport's progress thread: queue the chunks a notification announces for the
+// executing thread (which checks each against the plan), never block. Peers are untrusted here:
+// what does not parse, or names no attempt open here, is dropped with a warning.
+void SyncEngine::onNotification(const std::string& payload, const transport::WriteKey& key) {
+  auto n = parseNotification(payload);
+  if (!n.ok()) {
+    spdlog::warn("sync: dropped a notification: {}", std::string(n.status().message()));
+    return;
+  }
+  auto a = attempts_.find(n->sync_id, n->fence);
+  // The transport delivers only notifications under a key open here; it must be this attempt's
+  // (a daemon of another attempt cannot speak for this one).
+  if (!a || a->key != key) {
+    spdlog::warn("sync {}: notification for an attempt not open here (ended, or another attempt)", n->sync_id);
+    return;
+  }
+  a->announce(n->chunks);
+}
+
+StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req) {
+  if (req.sync_id().empty()) return absl::InvalidArgumentError("prepare: sync_id is empty");
+  // Every field a peer controls is bounded before it is used.
+  auto write_key = transport::WriteKey::fromBytes(req.write_key());
+  if (!write_key.ok())
+    return absl::InvalidArgumentError(strCat("prepare of sync ", req.sync_id(), ": ", write_key.status().message()));
+  if (req.lease_ms() != 0 && (req.lease_ms() < limits_.min_lease.count() || req.lease_ms() > limits_.max_lease.count()))
+    return absl::InvalidArgumentError(strCat("prepare of sync ", req.sync_id(), ": a lease of ", req.lease_ms(),
+                                             " ms is outside [", limits_.min_lease.count(), ", ",
+                                             limits_.max_lease.count(), "] ms on node \"", node_,
+                                             "\" (--max-sync-lease-ms)"));
+  if (req.chunk_bytes() < limits_.min_chunk_bytes)
+    return absl::InvalidArgumentError(strCat("prepare of sync ", req.sync_id(), ": chunks of ", req.chunk_bytes(),
+                                             " bytes (at least ", limits_.min_chunk_bytes, ")"));
+  auto a = std::make_shared<SyncAttempt>();
+  a->id = req.sync_id();
+  a->src_group = req.src().group();
+  a->dst_group = req.dst().group();
+  a->version = req.version();
+  a->generation = registry_.generation();
+  a->window_bytes = window_bytes_;
+  if (req.lease_ms() > 0) a->lease = std::chrono::milliseconds(req.lease_ms());
+  a->fence = req.fence() ? req.fence() : (XXH64(a->id.data(), a->id.size(), 0) | 1);
+  a->key = *write_key;
+  a->delta = req.delta();
+  // One attempt per id at a time here, and never one its coordinator already gave up (a Prepare
+  // that arrives after the Finish that gave it up).
+  SC_RETURN_IF_ERROR(attempts_.begin(a));
+  struct Abandon {  // every way out before publish takes it out of the table again
+    AttemptTable& table;
+    const std::shared_ptr<SyncAttempt>& a;
+    ~Abandon() {
+      if (a->phase() == SyncAttempt::Phase::kPreparing) table.abandon(a);
+    }
+  } abandon{attempts_, a};
+  SC_ASSIGN_OR_RETURN(const auto strategy, strategyOf(req.strategy(), req.delta()));
+  const auto plan_key = PlanKey::forSync(req.staging_bytes(), req.chunk_bytes(), req.delta(), req.packed(), strategy);
+  // A zero-copy plan would hand this node's transport memory it must not touch directly: a
+  // coordinator that planned without this node's Describe (or ignored it) is refused here.
+  if (plan_key.zero_copy)
+    if (const std::string which = registry_.packedOnly(a->src_group, a->dst_group); !which.empty())
+      return absl::FailedPreconditionError(strCat("sync ", a->id, ": planned zero-copy, but ", which,
+                                                  " travels only packed: its coordinator must plan it packed"));
+  bool hit = false;
+  SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), plan_key, &hit));
+  for (const auto& key : plans_.takeEvicted()) {  // spare memory and delta bases go with their plan
+    spares_.drop(key);
+    bases_.drop(key);
+  }
+  // The fences: source ranks here published exactly this version, destination ranks here accept
+  // it. From here on, every way out ends the sync in the registry.
+  SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, a->dst_group, a->version,
+                                         planner::layoutDigest(req.src()), planner::layoutDigest(req.dst()), a->fence,
+                                         &a->base));
+  // Another attempt of the same plan using them (it cannot commit: the destination refuses a
+  // second writer): this one keeps none, and packs dense.
+  if (a->delta != v1::DELTA_OFF) a->bases = bases_.claim(a->plan->key, a->fence);
+  if (a->delta == v1::DELTA_OFF) a->base = {};  // no delta may land here
+  auto prepared = prepareTargets(a, hit);
+  if (!prepared.ok()) {
+    if (a->bases) bases_.finish(a->plan->key, a->fence, false);
+    if (a->key_open) transport_.closeFence(a->key, std::chrono::seconds(0));
+    registry_.endSync(a->id, a->src_group, a->dst_group, Registry::SyncEnd::kRevert);
+    return prepared.status();
+  }
+  return prepared;
+}
+
+StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<SyncAttempt>& a, bool hit) {
+  for (int32_t n = 0; n < a->plan->nodes.size(); ++n)
+    if (a->plan->nodes.name(n) == node_) a->self = n;
+  v1::PrepareResponse resp;
+  const uint64_t arena_bytes = a->self >= 0 ? a->plan->node(a->self).arena_bytes : 0;
+  if (arena_bytes > 0) {
+    a->arena = spares_.take(a->plan->key, SpareMemory::Use::kArena);
+    if (!a->arena) {
+      SC_ASSIGN_OR_RETURN(a->arena, transport::allocateHostStaging(transport_, arena_bytes, registry_.deviceRuntime(),
+                                                                   "a landing arena"));
+    }
+    resp.mutable_targets()->set_arena_region(a->arena->remote().serialize());
+    resp.set_arena_bytes(arena_bytes);
+  }
+  resp.set_plan_key(a->plan->key);
+  if (a->delta != v1::DELTA_OFF) {
+    resp.set_base_version(a->base.version);
+    resp.set_base_fence(a->base.fence);
+  }
+  // The rank buffers peers write into directly, each registration's descriptor once, and exactly
+  // the byte ranges of this node's landings: the only places a write under this attempt's key
+  // may land here.
+  std::vector<transport::LandingRange> ranges;
+  if (a->self >= 0) {
+    auto* targets = resp.mutable_targets();
+    std::map<const transport::MemoryRegion*, uint32_t> index;
+    std::map<std::pair<int32_t, int32_t>, uint64_t> direct;  // (rank, buffer) -> its base here
+    for (const auto& [rank, b] : a->plan->node(a->self).direct_targets) {
+      const std::string& name = a->plan->dst.buffer_names[static_cast<size_t>(b)];
+      SC_ASSIGN_OR_RETURN(auto lb, registry_.localBuffer(a->dst_group, rank, name));
+      if (!lb.region)
+        return absl::FailedPreconditionError(strCat("group \"", a->dst_group, "\" rank ", rank, " buffer \"", name,
+                                                    "\" is not registered with the transport on node \"", node_, "\""));
+      const auto [it, added] = index.emplace(lb.region.get(), static_cast<uint32_t>(targets->regions_size()));
+      if (added) targets->add_regions(lb.region->remote().serialize());
+      auto* out = targets->add_buffers();
+      out->set_rank(rank);
+      out->set_buffer(name);
+      out->set_region(it->second);
+      out->set_offset(lb.region_offset);
+      a->pin(lb.keep_alive);
+      direct[{rank, b}] = lb.region->remote().base + lb.region_offset;
+    }
+    for (const auto& ts : a->plan->transfers) {
+      const auto* landing = ts.landingOn(a->self);
+      if (landing == nullptr || ts.chunks.empty()) continue;
+      const uint64_t bytes = ts.chunks.back().offset + ts.chunks.back().bytes;
+      if (!landing->direct()) {
+        if (a->arena) ranges.push_back({a->arena->remote().base + landing->arena_offset, bytes});
+        continue;
+      }
+      auto it = direct.find({landing->rank, landing->buffer});
+      if (it != direct.end()) ranges.push_back({it->second + landing->buffer_offset, bytes});
+    }
+  }
+  // Open before any peer learns where to write (the response below).
+  if (!transport_.openFence(a->key, std::move(ranges)))
+    return absl::InvalidArgumentError(
+        strCat("prepare of sync ", a->id, ": its write key is another attempt's, open on node \"", node_, "\""));
+  a->key_open = true;
+  SC_RETURN_IF_ERROR(attempts_.publish(a));
+  spdlog::debug("sync {}: prepared ({} arena bytes, {} buffers landed in directly, plan {})", a->id, resp.arena_bytes(),
+                resp.targets().buffers_size(), hit ? "cached" : "new");
+  return resp;
+}
+
+StatusOr<v1::FinishResponse> SyncEngine::finish(const v1::FinishRequest& req) {
+  auto a = attempts_.takeForClose(req.sync_id(), req.fence());
+  if (!a) return absl::NotFoundError(strCat("sync ", req.sync_id(), " is not active on node \"", node_, "\""));
+  Registry::SyncEnd end = Registry::SyncEnd::kCommit;
+  if (!req.commit()) end = req.executed() ? Registry::SyncEnd::kDirty : Registry::SyncEnd::kRevert;
+  return close(a, end, req.reason().empty() ? "aborted by its coordinator" : req.reason());
+}
+
+StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt>& a, Registry::SyncEnd end,
+                                               const std::string& reason) {
+  const bool commit = end == Registry::SyncEnd::kCommit;
+  end = a->beginClose(end, node_, reason);
+  // Peers write into rank buffers directly: before the group may take another sync, every write
+  // this node started has to complete or fail (the transport bounds each by its op timeout), and
+  // this node's own execute calls (local copies into its ranks) have to return.
+  a->quiesce(std::chrono::seconds(120));
+  // Peers' writes into the rank buffers are all done: a segment truncated under them fails the
+  // commit here, naming the rank, rather than committing the zero pages that replaced it.
+  if (end == Registry::SyncEnd::kCommit)
+    if (Status st = registry_.checkSync("", a->dst_group); !st.ok()) {
+      a->fail(absl::FailedPreconditionError(strCat("commit refused on node \"", node_, "\": ", st.message())));
+      spdlog::warn("sync {}: {}", a->id, std::string(a->failure().message()));
+      end = Registry::SyncEnd::kDirty;
+    }
+  // What this node sent is a base for the next delta only if the sync committed here. An execute
+  // still running (stuck past the wait above) may still write into the bases: they stay claimed
+  // by this attempt for good (later syncs of the plan pack dense) rather than shared with it.
+  if (a->bases && !a->executing()) bases_.finish(a->plan->key, a->fence, end == Registry::SyncEnd::kCommit);
+  // No write of this sync lands here any more: later ones are refused, those landing now are waited
+  // for (bounded by the transport's op timeout on the sender's side).
+  if (!transport_.closeFence(a->key, std::chrono::seconds(10))) {
+    // A peer frozen mid-write: its ranks stay held (dirty) until those writes are done or failed;
+    // the reaper polls the fence.
+    spdlog::error(
+        "sync {}: writes into node \"{}\" still landing 10 s after it ended: its ranks stay held until "
+        "they are done",
+        a->id, node_);
+    registry_.endSync(a->id, a->src_group, a->dst_group, Registry::SyncEnd::kDraining, reason);
+    a->drain();
+    attempts_.addDraining(a);
+    return Status(absl::StatusCode::kUnavailable,
+                  strCat("sync ", a->id, " on node \"", node_, "\": writes still landing"));
+  }
+  if (end == Registry::SyncEnd::kDirty && commit) {
+    const Status failure = a->failure();
+    registry_.endSync(a->id, a->src_group, a->dst_group, end, std::string(failure.message()));
+    a->endClose();
+    return Status(failure.code(), strCat("sync ", a->id, " on node \"", node_, "\": ", failure.message()));
+  }
+  v1::FinishResponse out;
+  for (auto& st : registry_.endSync(a->id, a->src_group, a->dst_group, end, reason)) *out.add_ranks() = std::move(st);
+  if (commit) {  // kept for the next sync of the plan, once nothing can still touch them
+    auto [arena, staging] = a->takeMemory();
+    spares_.keep(a->plan->key, SpareMemory::Use::kArena, std::move(arena));
+    spares_.keep(a->plan->key, SpareMemory::Use::kStaging, std::move(staging));
+  }
+  // Spares of a plan evicted meanwhile go with it: checked after keeping them, so an eviction
+  // (whose drop may have run before the keep) never leaves them behind.
+  if (!plans_.contains(a->plan->key)) spares_.drop(a->plan->key);
+  a->endClose();
+  return out;
+}
+
+void SyncEngine::reap() {
+  std::unique_lock<std::mutex> lock(reaper_mu_);
+  while (!reaper_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_; })) {
+    const auto expired = attempts_.takeExpired(Clock::now());
+    const auto drained = attempts_.takeDrained(
+        [&](const SyncAttempt& a) { return transport_.closeFence(a.key, std::chrono::milliseconds(0)); });
+    lock.unlock();
+    for (const auto& a : drained) {
+      registry_.drained(a->id, a->dst_group);
+      a->endClose();
+    }
+    for (const auto& a : expired) {
+      const std::string why =
+          strCat("its coordinator went silent (no word for ", a->lease.count(), " ms, the sync's lease)");
+      spdlog::warn("sync {} aborted on node \"{}\": {}", a->id, node_, why);
+      ++metrics_.syncs_expired;
+      // Each on its own thread: a close waits for the sync's writes, and one sync's slow peer
+      // must not keep the others' ranks held.
+      closers_.push_back(std::async(
+          std::launch::async, [this, a, why] { close(a, Registry::SyncEnd::kDirty, why).status().IgnoreError(); }));
+    }
+    closers_.erase(std::remove_if(closers_.begin(), closers_.end(),
+                                  [](const std::future<void>& f) {
+                                    return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+                                  }),
+                   closers_.end());
+    lock.lock();
+  }
+}
+
+StatusOr<v1::ProgressResponse> SyncEngine::progress(const std::string& sync_id, uint64_t fence) {
+  auto a = attempts_.find(sync_id, fence);
+  if (!a) return absl::NotFoundError(strCat("sync ", sync_id, " is not active on node \"", node_, "\""));
+  a->renew();
+  v1::ProgressResponse out;
+  const SyncCounters moved = a->moved.load();
+  out.set_bytes_received(moved.bytes_received);
+  out.set_bytes_sent(moved.bytes_sent);
+  out.set_local_bytes(moved.local_bytes);
+  out.set_bytes_landed_direct(moved.bytes_landed_direct);
+  return out;
+}
+
+StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req) {
+  auto a = attempts_.find(req.sync_id(), req.fence());
+  if (!a) return absl::NotFoundError(strCat("sync ", req.sync_id(), " was not prepared on node \"", node_, "\""));
+  SC_RETURN_IF_ERROR(a->beginExecute(node_));
+  bool ok = false;
+  struct Leave {  // executing -> prepared on every way out
+    SyncAttempt& a;
+    int32_t wave;
+    const bool& ok;
+    ~Leave() { a.endExecute(wave, ok); }
+  } leave{*a, static_cast<int32_t>(req.wave()), ok};
+  a->renew();
+  v1::ExecuteResponse resp;
+  if (a->self < 0) {
+    ok = true;
+    return resp;
+  }
+  SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dst_group));
+  // This wave's figures are what the sync's counters (read by progress()) gain during it.
+  const SyncCounters before = a->moved.load();
+  SC_RETURN_IF_ERROR(Execution({node_, registry_, transport_, *stage_, *copies_, spares_}, a, req).run());
+  // A client that truncated its segment while this wave read or wrote it: the daemon survived the
+  // fault (transport/shm.h), the bytes it moved are not the rank's.
+  SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dst_group));
+  if (registry_.generation() != a->generation)
+    return absl::AbortedError(
+        strCat("sync ", a->id, ": registrations on node \"", node_, "\" changed during the sync"));
+  ok = true;  // the wave counts as done here
+  const SyncCounters wave = a->moved.load() - before;
+  wave.writeTo(resp);
+  metrics_.moved.add(wave);
+  return resp;
+}
+
+}  // namespace shardcast::daemon

@@ -1,0 +1,623 @@
+// The registry: registration (checked against the layout, the node and the caller), listing and
+// Describe, the buffers syncs use, sessions. Memory mapping is in registry_memory.cc, the version
+// contract in registry_contract.cc.
+#include "daemon/registry/registry.h"
+
+#include <fcntl.h>
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <sstream>
+
+#include "common/strings.h"
+#include "planner/layout.h"
+#include "planner/limits.h"
+#include "transport/copy_engine.h"
+
+namespace shardcast::daemon {
+
+namespace {
+
+std::string randomInstance() {
+  std::random_device rd;
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%08x%08x", rd(), rd());
+  return hex;
+}
+
+}  // namespace
+
+Registry::Registry(std::string node, transport::Context& transport, transport::DeviceRuntime& gpus)
+    : node_(std::move(node)), instance_(randomInstance()), transport_(transport), gpus_(gpus) {}
+
+StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest& req, const MemoryCaller& caller) {
+  const std::string who = strCat("group \"", req.group(), "\" rank ", req.rank());
+  if (req.group().empty()) return absl::InvalidArgumentError("register: group is empty");
+  if (req.layout().group() != req.group())
+    return absl::InvalidArgumentError(strCat(who, ": the layout is for group \"", req.layout().group(), "\""));
+  const std::string digest = planner::layoutDigest(req.layout());
+  const v1::Role role = req.role() == v1::ROLE_SOURCE ? v1::ROLE_SOURCE : v1::ROLE_DESTINATION;
+  if (req.role() != v1::ROLE_UNSPECIFIED && !v1::Role_IsValid(req.role()))
+    return absl::InvalidArgumentError(strCat(who, ": unknown role ", static_cast<int>(req.role())));
+  if (req.version() != 0 && role != v1::ROLE_SOURCE)
+    return absl::InvalidArgumentError(strCat(who,
+                                             ": only a source rank may register with a version (its own bytes); a "
+                                             "destination rank starts EMPTY until a sync commits"));
+  if (req.version() >= kMaxVersion)
+    return absl::InvalidArgumentError(strCat(who, ": version ", req.version(), " is not below 2^63"));
+  if (req.readers_size() > 64)
+    return absl::InvalidArgumentError(strCat(who, ": ", req.readers_size(), " read grants (at most 64)"));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!req.session_id().empty() && !sessions_.count(req.session_id()))
+      return absl::FailedPreconditionError(strCat(who, ": session \"", req.session_id(), "\" is not open on node \"",
+                                                  node_,
+                                                  "\" (the daemon restarted or the session ended): open a new one"));
+    SC_RETURN_IF_ERROR(mayJoin(req, digest, role, caller));
+  }
+  SC_ASSIGN_OR_RETURN(auto rank, build(req, digest, caller));
+  v1::RegisterResponse resp;
+  resp.set_layout_digest(digest);
+  resp.set_registered_bytes(rank->bytes);
+  resp.set_node(node_);
+  rank->role = role;
+  rank->session = req.session_id();
+  if (caller.local) rank->owner = caller.uid;
+  rank->holder = caller.local ? strCat("uid ", caller.uid, " (pid ", caller.pid, ")") : std::string("a remote client");
+  if (req.version() > 0) {
+    rank->state = v1::RANK_READY;
+    rank->committed = req.version();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!req.session_id().empty() && !sessions_.count(req.session_id()))
+    return absl::FailedPreconditionError(
+        strCat(who, ": session \"", req.session_id(), "\" ended during the registration"));
+  // Again under the lock that commits: another rank of the group may have registered meanwhile.
+  SC_RETURN_IF_ERROR(mayJoin(req, digest, role, caller));
+  const size_t layout_bytes = req.layout().ByteSizeLong();
+  if (const size_t described = describeBytesWith(*rank, layout_bytes); described > planner::limits().max_describe_bytes)
+    return absl::ResourceExhaustedError(strCat(who, ": this daemon's registrations would describe themselves in ",
+                                               described, " bytes (at most ", planner::limits().max_describe_bytes,
+                                               ", what peers can receive)"));
+  if (auto in_use = ranks_.find({req.group(), req.rank()});
+      in_use != ranks_.end() && (!in_use->second->readers.empty() || !in_use->second->writer.empty()))
+    return absl::FailedPreconditionError(
+        strCat(who, " is in use by sync ",
+               in_use->second->writer.empty() ? *in_use->second->readers.begin() : in_use->second->writer,
+               ": register it again once that sync ended"));
+  if (!groups_.count(req.group()) && static_cast<int>(groups_.size()) >= planner::limits().max_groups_per_daemon)
+    return absl::ResourceExhaustedError(strCat(who, ": this daemon already holds ", groups_.size(), " groups (at most ",
+                                               planner::limits().max_groups_per_daemon, ")"));
+  auto [group, added] = groups_.try_emplace(req.group());
+  const std::optional<uid_t> group_owner =
+      added ? (caller.local ? std::optional<uid_t>(caller.uid) : std::nullopt) : group->second.owner;
+  std::set<uint32_t> readers = added ? std::set<uint32_t>{} : group->second.readers;
+  readers.insert(req.readers().begin(), req.readers().end());  // mayJoin: the caller may join it
+  group->second = Group{req.layout(), digest, role, group_owner, layout_bytes, std::move(readers)};
+  if (added) {
+    reserved_.erase(req.group());  // live again (its owner, or past the grace)
+    if (group_owner) persistOwners();
+  }
+  ++generation_;
+  // A re-registration is a new rank: it starts over. The one it replaces is told (its session) and
+  // its segments no other rank maps are unlinked.
+  rank->registration = next_registration_++;
+  resp.set_registration(rank->registration);
+  std::unique_ptr<Rank> superseded;
+  if (auto old = ranks_.find({req.group(), req.rank()}); old != ranks_.end()) superseded = std::move(old->second);
+  const bool replaced = superseded != nullptr;
+  ranks_[{req.group(), req.rank()}] = std::move(rank);
+  if (superseded) {
+    if (!superseded->session.empty() && superseded->session != req.session_id() &&
+        sessions_.count(superseded->session)) {
+      v1::SupersededRank told;
+      told.set_group(req.group());
+      told.set_rank(req.rank());
+      told.set_registration(superseded->registration);
+      told.set_message(strCat(who, " on node \"", node_, "\" was taken over by ",
+                              ranks_[{req.group(), req.rank()}]->holder, " (registration ", superseded->registration,
+                              " superseded): this process no longer holds it"));
+      superseded_[superseded->session].push_back(std::move(told));
+    }
+    unlinkSegments(*superseded);
+  }
+  state_cv_.notify_all();
+  const Rank& r = *ranks_[{req.group(), req.rank()}];
+  spdlog::info("{} {}registered as {}: {} buffers, {} bytes, layout {}, {}{}", who, replaced ? "re-" : "",
+               v1::roleName(role), r.buffers.size(), resp.registered_bytes(), digest, v1::rankStateName(r.state),
+               r.state == v1::RANK_READY ? strCat("(", r.committed, ")") : "");
+  return resp;
+}
+
+StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequest& req, std::string digest,
+                                                          const MemoryCaller& caller) {
+  const std::string who = strCat("group \"", req.group(), "\" rank ", req.rank());
+  planner::NodeTable nodes;
+  auto layout = planner::resolveLayout(req.layout(), nodes, req.rank());  // this rank's pieces only
+  if (!layout.ok()) return absl::InvalidArgumentError(strCat(who, ": ", layout.status().message()));
+  if (req.world_size() != layout->world())
+    return absl::InvalidArgumentError(
+        strCat(who, ": world_size ", req.world_size(), " but the layout's mesh has ", layout->world(), " ranks"));
+  if (req.rank() < 0 || req.rank() >= layout->world())
+    return absl::InvalidArgumentError(strCat(who, ": rank out of range [0, ", layout->world(), ")"));
+  const std::string& rank_node = nodes.name(layout->rank_node[req.rank()]);
+  if (rank_node != node_)
+    return absl::FailedPreconditionError(
+        strCat(who, ": the layout places it on node \"", rank_node, "\" but this daemon is node \"", node_, "\""));
+  // The buffers this rank needs and their sizes, against the handles given.
+  std::map<std::string, int64_t> needed;
+  for (const auto& [buffer, bytes] : layout->rankBuffers(req.rank())) needed[layout->buffer_names[buffer]] = bytes;
+  // What the client says it holds there, when it says so: the layout's dtype and element count.
+  // A buffer holds one tensor's shard or several fused tensors' (one dtype: their first's).
+  std::map<std::string, const planner::TensorLayout*> held_by;
+  // A buffer that is exactly one box of one tensor, dense and row-major from its start, has that
+  // box's shape: a client's shape must be it, not merely as many elements (a [6, 4] tensor where
+  // the layout says [4, 6] would take the bytes scrambled).
+  std::map<std::string, std::vector<int64_t>> shapes;
+  std::map<std::string, int> pieces_in;
+  for (const auto& t : layout->tensors)
+    for (const auto& p : t.pieces)
+      if (p.rank == req.rank()) {
+        const std::string& name = layout->buffer_names[static_cast<size_t>(p.buffer)];
+        held_by.emplace(name, &t);
+        if (++pieces_in[name] > 1) {
+          shapes.erase(name);
+          continue;
+        }
+        const auto sizes = t.boxes[static_cast<size_t>(p.box)].sizes();
+        if (p.offset == 0 && layout->strides[static_cast<size_t>(p.strides)] == transport::denseStrides(sizes))
+          shapes[name] = sizes;
+      }
+
+  auto rank = std::make_unique<Rank>();
+  rank->group = req.group();
+  rank->rank = req.rank();
+  rank->world = req.world_size();
+  rank->digest = std::move(digest);
+  SC_ASSIGN_OR_RETURN(rank->buffers, mapBuffers(who, req.buffers(), needed, held_by, shapes, caller));
+  if (req.shadow_buffers_size() > 0) {
+    // Double-buffered: a second set of the same buffers; syncs write the set not in use.
+    if (req.role() == v1::ROLE_SOURCE)
+      return absl::InvalidArgumentError(strCat(who, ": only a destination rank is double-buffered (shadow_buffers)"));
+    SC_ASSIGN_OR_RETURN(rank->shadow,
+                        mapBuffers(strCat(who, " (shadow)"), req.shadow_buffers(), needed, held_by, shapes, caller));
+  }
+  for (const auto& set : {&rank->buffers, &rank->shadow})
+    for (const auto& b : *set) rank->bytes += b.size;
+  for (const auto& b : rank->buffers)  // RemoteBuffer: name, region descriptor, offset, size
+    rank->describe_bytes += b.name.size() + (b.region ? b.region->remote().serialize().size() : 0) + 32;
+  return rank;
+}
+
+Status Registry::mayJoin(const v1::RegisterRequest& req, const std::string& digest, v1::Role role,
+                         const MemoryCaller& caller) const {
+  const std::string who = strCat("group ", quote(req.group()), " rank ", req.rank());
+  auto g = groups_.find(req.group());
+  if (g == groups_.end()) {
+    auto r = reserved_.find(req.group());
+    if (r == reserved_.end() || std::chrono::steady_clock::now() >= r->second.second || caller.any_owner ||
+        (caller.local && caller.uid == r->second.first))
+      return absl::OkStatus();
+    const auto left =
+        std::chrono::duration_cast<std::chrono::seconds>(r->second.second - std::chrono::steady_clock::now());
+    return absl::PermissionDeniedError(
+        strCat(who, ": the group is reserved for uid ", r->second.first, ", which held it on node \"", node_,
+               "\" before the daemon restarted (for ", left.count() + 1, " s more, --owner-grace-s); ",
+               caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"), " may not take it"));
+  }
+  // A group is its first registering uid's: no other uid adds ranks to it or replaces them.
+  if (!caller.any_owner && g->second.owner && !(caller.local && *g->second.owner == caller.uid))
+    return absl::PermissionDeniedError(strCat(
+        who, ": the group is registered by uid ", *g->second.owner, " on node \"", node_, "\"; ",
+        caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"), " may not register its ranks"));
+  // A rank is its registering uid's: only it replaces it (the group's owner included: root may
+  // have registered a rank of it).
+  if (auto r = ranks_.find({req.group(), req.rank()}); r != ranks_.end()) {
+    SC_RETURN_IF_ERROR(mayChange(*r->second, caller, "replace"));
+    // A second registration never takes a rank over silently: its holder would go on believing
+    // it holds the rank (and its version) while another process's memory receives the syncs.
+    if (!req.replace())
+      return absl::AlreadyExistsError(strCat(who, " is registered already on node \"", node_, "\", by ",
+                                             r->second->holder, " (registration ", r->second->registration,
+                                             "): register with replace to take it over (its holder is told)"));
+  }
+  // Every rank of a group must register the same layout (the planner needs one per group) and role.
+  bool others = false;
+  for (const auto& [key, r] : ranks_) others |= key.first == req.group() && key.second != req.rank();
+  if (others && g->second.digest != digest)
+    return absl::FailedPreconditionError(strCat(who, ": layout digest ", digest, " differs from ", g->second.digest,
+                                                " registered by other ranks of the group"));
+  if (others && g->second.role != role)
+    return absl::FailedPreconditionError(strCat(who, ": registers as ", v1::roleName(role),
+                                                " but the group's other ranks are ", v1::roleName(g->second.role)));
+  return absl::OkStatus();
+}
+
+size_t Registry::describeBytesWith(const Rank& rank, size_t layout_bytes) const {
+  size_t total = rank.describe_bytes + layout_bytes;
+  for (const auto& [key, r] : ranks_)
+    if (key != std::make_pair(rank.group, rank.rank)) total += r->describe_bytes;
+  for (const auto& [name, g] : groups_)
+    if (name != rank.group) total += g.layout_bytes;
+  return total;
+}
+
+Status Registry::mayChange(const Rank& r, const MemoryCaller& caller, const char* what, uint64_t registration) const {
+  if (!(caller.any_owner || !r.owner || (caller.local && *r.owner == caller.uid)))
+    return absl::PermissionDeniedError(
+        strCat("group ", quote(r.group), " rank ", r.rank, " is registered by uid ", *r.owner, ": ",
+               caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"), " may not ", what, " it"));
+  // A registration that was replaced never acts on its successor.
+  if (registration != 0 && registration != r.registration)
+    return absl::FailedPreconditionError(strCat("group ", quote(r.group), " rank ", r.rank, ": registration ",
+                                                registration, " was taken over by ", r.holder, " (registration ",
+                                                r.registration, "): this one may not ", what, " it any more"));
+  return absl::OkStatus();
+}
+
+Status Registry::unregisterRank(const std::string& group, int32_t rank, const MemoryCaller& caller,
+                                uint64_t registration) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = ranks_.find({group, rank});
+  if (it == ranks_.end())
+    return absl::NotFoundError(
+        strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
+  SC_RETURN_IF_ERROR(mayChange(*it->second, caller, "unregister", registration));
+  if (!it->second->readers.empty() || !it->second->writer.empty())
+    return absl::FailedPreconditionError(
+        strCat("group \"", group, "\" rank ", rank, " is in use by sync ",
+               it->second->writer.empty() ? *it->second->readers.begin() : it->second->writer,
+               ": unregister it once that sync ended"));
+  removeRank(it, false);
+  spdlog::info("group \"{}\" rank {} unregistered", group, rank);
+  return absl::OkStatus();
+}
+
+void Registry::removeRank(std::map<std::pair<std::string, int32_t>, std::unique_ptr<Rank>>::iterator it, bool unlink) {
+  const std::string group = it->first.first;
+  std::unique_ptr<Rank> gone = std::move(it->second);
+  ranks_.erase(it);
+  ++generation_;
+  bool any = false;
+  for (const auto& [key, r] : ranks_) any |= key.first == group;
+  if (!any) {
+    const bool owned = groups_[group].owner.has_value();
+    groups_.erase(group);
+    if (owned) persistOwners();
+  }
+  state_cv_.notify_all();
+  if (unlink) unlinkSegments(*gone);
+}
+
+void Registry::unlinkSegments(const Rank& gone) {
+  std::set<std::string> mapped_elsewhere;
+  for (const auto& [key, r] : ranks_)
+    for (const auto* set : {&r->buffers, &r->shadow})
+      for (const auto& b : *set)
+        if (b.segment) mapped_elsewhere.insert(b.segment->name());
+  std::set<std::string> done;
+  for (const auto* set : {&gone.buffers, &gone.shadow})
+    for (const auto& b : *set)
+      if (b.segment && !mapped_elsewhere.count(b.segment->name()) && done.insert(b.segment->name()).second)
+        b.segment->unlinkName();
+}
+
+std::vector<v1::RankRegistration> Registry::list() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<v1::RankRegistration> out;
+  for (const auto& [key, r] : ranks_) {
+    v1::RankRegistration reg;
+    reg.set_group(r->group);
+    reg.set_rank(r->rank);
+    reg.set_world_size(r->world);
+    reg.set_node(node_);
+    reg.set_layout_digest(r->digest);
+    reg.set_registered_bytes(r->bytes);
+    for (const auto& b : r->buffers) reg.add_buffers(b.name);
+    const v1::RankStatus st = statusOf(*r);
+    reg.set_version(st.version());
+    reg.set_state(st.state());
+    reg.set_role(r->role);
+    reg.set_held(r->held);
+    reg.set_detail(st.detail());
+    out.push_back(std::move(reg));
+  }
+  return out;
+}
+
+std::vector<v1::GroupStatus> Registry::groups() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<std::string, v1::GroupStatus> by_name;
+  for (const auto& [key, r] : ranks_) {
+    auto& g = by_name[r->group];
+    g.set_group(r->group);
+    g.set_world_size(r->world);
+    g.add_ranks(r->rank);
+    g.set_layout_digest(r->digest);
+    g.set_registered_bytes(g.registered_bytes() + r->bytes);
+    g.set_role(r->role);
+    *g.add_rank_states() = statusOf(*r);
+  }
+  std::vector<v1::GroupStatus> out;
+  for (auto& [name, g] : by_name) {
+    uint64_t version = UINT64_MAX;
+    for (const auto& st : g.rank_states()) version = std::min(version, st.state() == v1::RANK_READY ? st.version() : 0);
+    g.set_version(version == UINT64_MAX ? 0 : version);
+    out.push_back(std::move(g));
+  }
+  return out;
+}
+
+Status Registry::keepOwners(const std::string& path, std::chrono::seconds grace) {
+  std::lock_guard<std::mutex> lock(mu_);
+  owners_path_ = path;
+  // Non-blocking: a FIFO planted there cannot hang the start. Anything but this daemon's own
+  // regular file is ignored, loudly (the reservations are then lost; the daemon still serves).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    if (errno != ENOENT) spdlog::warn("owners file {}: {}; no group names reserved", quote(path), std::strerror(errno));
+    return absl::OkStatus();
+  }
+  struct stat st {};
+  std::string text;
+  if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() && st.st_size <= (4 << 20)) {
+    text.resize(static_cast<size_t>(st.st_size));
+    text.resize(static_cast<size_t>(std::max<ssize_t>(0, ::read(fd, text.data(), text.size()))));
+  } else {
+    spdlog::warn("owners file {} is not a regular file of this daemon's uid (at most 4 MiB): no group names reserved",
+                 quote(path));
+  }
+  ::close(fd);
+  // "uid hex(group)" per line: written by persistOwners, read back as such; anything else skipped.
+  const auto until = std::chrono::steady_clock::now() + grace;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto space = line.find(' ');
+    if (space == std::string::npos || space == 0) continue;
+    const std::string hex = line.substr(space + 1);
+    if (hex.empty() || hex.size() % 2 != 0 || hex.size() > 2 * 512) continue;
+    std::string group;
+    bool ok = true;
+    auto nibble = [&](char c) -> int {
+      if (c >= '0' && c <= '9') return c - '0';
+      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+      ok = false;
+      return 0;
+    };
+    for (size_t i = 0; i < hex.size() && ok; i += 2)
+      group.push_back(static_cast<char>(nibble(hex[i]) * 16 + nibble(hex[i + 1])));
+    char* end = nullptr;
+    const unsigned long uid = std::strtoul(line.c_str(), &end, 10);
+    if (!ok || end != line.c_str() + space || uid > UINT32_MAX) continue;
+    reserved_[group] = {static_cast<uid_t>(uid), until};
+  }
+  if (!reserved_.empty())
+    spdlog::info("{} group name(s) reserved for their owners for {} s (held before this daemon restarted)",
+                 reserved_.size(), grace.count());
+  return absl::OkStatus();
+}
+
+void Registry::persistOwners() const {
+  if (owners_path_.empty()) return;
+  std::string text;
+  for (const auto& [name, g] : groups_) {
+    if (!g.owner) continue;
+    text += strCat(*g.owner, " ");
+    for (const unsigned char c : name) text += fmt::format("{:02x}", c);
+    text += "\n";
+  }
+  // Reservations not yet taken up stay reserved across a second restart within the grace.
+  const auto now = std::chrono::steady_clock::now();
+  for (const auto& [name, r] : reserved_) {
+    if (groups_.count(name) || now >= r.second) continue;
+    text += strCat(r.first, " ");
+    for (const unsigned char c : name) text += fmt::format("{:02x}", c);
+    text += "\n";
+  }
+  // A fresh file (whatever was planted at the name goes first: a FIFO there would block this open
+  // under the registry's lock), then renamed over the old one.
+  const std::string tmp = owners_path_ + ".tmp";
+  ::unlink(tmp.c_str());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, 0600);
+  if (fd < 0) {
+    spdlog::warn("owners file {}: {}", tmp, std::strerror(errno));
+    return;
+  }
+  const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  if (!written || ::rename(tmp.c_str(), owners_path_.c_str()) != 0)
+    spdlog::warn("owners file {}: could not be written: {}", owners_path_, std::strerror(errno));
+}
+
+bool Registry::hostSafe() const { return host_zero_copy_.value_or(transport_.capabilities().host_faults_contained); }
+
+bool Registry::mustPack(const Buffer& b, bool host_safe) { return !b.region || (b.segment && !host_safe); }
+
+std::string Registry::packedOnly(const std::string& src, const std::string& dst) const {
+  const bool host_safe = hostSafe();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [key, r] : ranks_)
+    if (key.first == src || key.first == dst)
+      for (const auto& b : r->buffers)
+        if (mustPack(b, host_safe))
+          return strCat("group \"", r->group, "\" rank ", r->rank, " buffer \"", b.name, "\" on node \"", node_, "\" (",
+                        b.segment ? "a client's shared memory, which this transport would touch in the kernel"
+                                  : "device memory this transport cannot reach",
+                        ")");
+  return "";
+}
+
+v1::DescribeResponse Registry::describe() const {
+  v1::DescribeResponse d;
+  d.set_node(node_);
+  d.set_transport_address(transport_.address());
+  d.set_instance(instance_);
+  const bool host_safe = hostSafe();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [group, g] : groups_) {
+    *d.add_layouts() = g.layout;
+    if (!g.owner) continue;  // registered by a --insecure daemon's remote caller: nobody's
+    auto* a = d.add_access();
+    a->set_group(group);
+    a->set_owner_uid(*g.owner);
+    for (const uint32_t uid : g.readers) a->add_readers(uid);
+  }
+  for (const auto& [key, r] : ranks_) {
+    auto* rr = d.add_ranks();
+    rr->set_group(r->group);
+    rr->set_rank(r->rank);
+    rr->set_layout_digest(r->digest);
+    const v1::RankStatus st = statusOf(*r);
+    rr->set_version(st.version());
+    rr->set_state(st.state());
+    rr->set_role(r->role);
+    rr->set_held(r->held);
+    for (const auto& b : r->buffers) {
+      auto* rb = rr->add_buffers();
+      rb->set_buffer(b.name);
+      if (b.region) rb->set_region(b.region->remote().serialize());
+      // Device memory the transport cannot reach (no region to offer peers), or a client's segment
+      // that a transport faulting in the kernel must not touch: synced packed, through this
+      // daemon's own staging and arena.
+      if (mustPack(b, host_safe)) rb->set_staged(true);
+      rb->set_offset(b.offset);
+      rb->set_size(b.size);
+    }
+  }
+  return d;
+}
+
+uint64_t Registry::registeredBytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t n = 0;
+  for (const auto& [key, r] : ranks_) n += r->bytes;
+  return n;
+}
+
+StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, int32_t rank,
+                                                      const std::string& buffer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = ranks_.find({group, rank});
+  if (it == ranks_.end())
+    return absl::FailedPreconditionError(
+        strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
+  for (const Buffer& b : it->second->writeSet()) {  // sources and single-buffered ranks: their only set
+    if (b.name != buffer) continue;
+    if (b.segment)
+      return LocalBuffer{static_cast<std::byte*>(b.segment->data()) + b.offset,
+                         b.size,
+                         transport::MemoryKind::kHost,
+                         b.segment,
+                         b.region,
+                         b.offset,
+                         nullptr,
+                         nullptr};
+    // Device memory: keep the IPC mapping and its transfer registration alive together.
+    auto keep = std::make_shared<
+        std::pair<std::shared_ptr<transport::CudaIpcMapping>, std::shared_ptr<transport::TransferMemory>>>(
+        b.cuda, b.cuda_memory);
+    return LocalBuffer{b.device, b.size, transport::MemoryKind::kCuda, keep,
+                       b.region, 0,      b.engines->outgoing.get(),    b.engines->incoming.get()};
+  }
+  return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " has no buffer \"", buffer, "\""));
+}
+
+transport::DeviceRuntime* Registry::deviceRuntime() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cuda_engines_.empty() ? nullptr : &gpus_;
+}
+
+uint64_t Registry::generation() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return generation_;
+}
+
+Registry::Rank* Registry::findRank(const std::string& group, int32_t rank) const {
+  auto it = ranks_.find({group, rank});
+  return it == ranks_.end() ? nullptr : it->second.get();
+}
+
+v1::RankStatus Registry::statusOf(const Rank& r) const {
+  v1::RankStatus st;
+  st.set_rank(r.rank);
+  st.set_state(r.state);
+  st.set_held(r.held);
+  st.set_node(node_);
+  if (r.doubled()) {
+    st.set_double_buffered(true);
+    st.set_active_set(static_cast<uint32_t>(r.active));
+    if (!r.writer.empty()) st.set_writing(r.writing);
+  }
+  switch (r.state) {
+    case v1::RANK_READY:
+      st.set_version(r.committed);
+      break;
+    case v1::RANK_UPDATING:
+      st.set_version(r.role == v1::ROLE_SOURCE ? r.committed : r.writing);
+      break;
+    case v1::RANK_DIRTY:
+      st.set_version(r.committed);
+      st.set_detail(r.detail);
+      break;
+    default:
+      break;
+  }
+  return st;
+}
+
+std::string Registry::openSession(const std::string& client) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string id = strCat(instance_, "-", next_session_++);
+  sessions_.insert(id);
+  spdlog::debug("session {} opened ({})", id, client);
+  return id;
+}
+
+std::vector<v1::SupersededRank> Registry::takeSuperseded(const std::string& session) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = superseded_.find(session);
+  if (it == superseded_.end()) return {};
+  std::vector<v1::SupersededRank> out = std::move(it->second);
+  superseded_.erase(it);
+  return out;
+}
+
+void Registry::closeSession(const std::string& session) {
+  std::vector<std::string> gone;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sessions_.erase(session);
+    superseded_.erase(session);
+    for (auto it = ranks_.begin(); it != ranks_.end();) {
+      auto next = std::next(it);
+      if (it->second->session == session) {
+        gone.push_back(strCat("group \"", it->first.first, "\" rank ", it->first.second));
+        removeRank(it, true);
+      }
+      it = next;
+    }
+  }
+  if (!gone.empty())
+    spdlog::info("session {} ended (its client exited or closed): unregistered {}", session, strJoin(gone, ", "));
+}
+
+std::map<v1::RankState, uint64_t> Registry::stateCounts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<v1::RankState, uint64_t> out;
+  for (const auto& [key, r] : ranks_) ++out[r->state];
+  return out;
+}
+
+int32_t Registry::registeredRanks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int32_t>(ranks_.size());
+}
+
+}  // namespace shardcast::daemon

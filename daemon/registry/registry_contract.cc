@@ -1,0 +1,280 @@
+// The registry's side of the version contract (docs/daemon.md, "Rank states"): syncs begin and
+// end on ranks atomically, owners acquire and publish around their writes, clients wait for
+// versions (daemon/registry/registry.h).
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+#include "common/strings.h"
+#include "daemon/registry/registry.h"
+#include "daemon/registry/sync_preconditions.h"
+
+namespace shardcast::daemon {
+
+namespace {
+
+std::string rankList(const std::vector<int32_t>& ranks) {
+  std::vector<std::string> s;
+  for (int32_t r : ranks) s.push_back(std::to_string(r));
+  return strJoin(s, ",");
+}
+
+}  // namespace
+
+Status Registry::beginSync(const std::string& id, const std::string& src, const std::string& dst, uint64_t version,
+                           const std::string& src_digest, const std::string& dst_digest, uint64_t fence, Base* base) {
+  if (version == 0 || version >= kMaxVersion)
+    return absl::InvalidArgumentError(strCat("sync ", id, ": version ", version, " is not in [1, 2^63)"));
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Rank*> readers, writers;
+  for (const auto& [key, r] : ranks_) {
+    const std::string who = strCat("group \"", r->group, "\" rank ", r->rank, " on node \"", node_, "\"");
+    if ((key.first == src && r->digest != src_digest) || (key.first == dst && r->digest != dst_digest))
+      return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " registered layout ", r->digest,
+                                                  " since the sync was planned (for ",
+                                                  key.first == src ? src_digest : dst_digest, "): retry the sync"));
+    if (key.first == src) {
+      if (r->role != v1::ROLE_SOURCE)
+        return absl::FailedPreconditionError(
+            strCat("sync ", id, ": ", who, " is a destination; a sync reads only source groups"));
+      if (const std::string why = sourceRefusal({r->state, r->held, r->committed}, version); !why.empty())
+        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, why));
+      SC_RETURN_IF_ERROR(checkSegments(*r));
+      readers.push_back(r.get());
+    } else if (key.first == dst) {
+      if (r->role != v1::ROLE_DESTINATION)
+        return absl::FailedPreconditionError(strCat(
+            "sync ", id, ": ", who, " is a source; a sync writes only destination groups (refusing to overwrite it)"));
+      if (r->held && (!r->doubled() || r->pinned != r->active))
+        return absl::FailedPreconditionError(
+            strCat("sync ", id, ": ", who, " does not accept updates (acquired by its client",
+                   r->doubled() ? ", which still reads the set this sync would write)" : ")"));
+      if (!r->writer.empty())
+        return absl::FailedPreconditionError(strCat("sync ", id, ": a sync into group \"", dst, "\" (", r->writer,
+                                                    ") is in progress on node \"", node_, "\""));
+      // (a rank no sync writes is EMPTY with nothing committed, READY or DIRTY)
+      if (const std::string why = destinationRefusal({r->state, r->held, r->committed}, version); !why.empty())
+        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, why));
+      SC_RETURN_IF_ERROR(checkSegments(*r));
+      writers.push_back(r.get());
+    }
+  }
+  if (base != nullptr) {
+    *base = {};
+    bool common = !writers.empty();
+    for (const Rank* r : writers)
+      common = common && r->state == v1::RANK_READY && !r->doubled() && r->committed_by != 0 &&
+               r->committed == writers.front()->committed && r->committed_by == writers.front()->committed_by;
+    if (common) *base = {writers.front()->committed, writers.front()->committed_by};
+  }
+  for (Rank* r : readers) r->readers.insert(id);
+  for (Rank* r : writers) {
+    r->writer = id;
+    r->writer_fence = fence;
+    r->before = r->state;
+    r->before_detail = r->detail;
+    r->writing = version;
+    if (!r->doubled()) r->state = v1::RANK_UPDATING;  // double-buffered: the set in use does not change
+  }
+  if (!writers.empty() || !readers.empty()) state_cv_.notify_all();
+  return absl::OkStatus();
+}
+
+Status Registry::checkSync(const std::string& src, const std::string& dst) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [key, r] : ranks_)
+    if (key.first == src || key.first == dst) SC_RETURN_IF_ERROR(checkSegments(*r));
+  return absl::OkStatus();
+}
+
+std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::string& src, const std::string& dst,
+                                              SyncEnd end, const std::string& reason) {
+  std::vector<int32_t> touched;
+  std::vector<v1::RankStatus> after;
+  uint64_t version = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, r] : ranks_) {
+      if (key.first == src) r->readers.erase(id);
+      if (key.first != dst || r->writer != id) continue;
+      r->writer.clear();
+      touched.push_back(r->rank);
+      version = r->writing;
+      if (r->doubled()) {
+        // Commit flips to the set just written; otherwise the set in use is untouched: the rank
+        // stays where it was (the other set is rewritten whole by the next sync).
+        if (end == SyncEnd::kCommit) {
+          r->active = 1 - r->active;
+          r->state = v1::RANK_READY;
+          r->committed = r->writing;
+          r->committed_by = 0;  // the other set held the base: never one for a delta
+          r->detail.clear();
+        }
+        if (end == SyncEnd::kDraining) r->writer = id;  // its other set is still being written
+        after.push_back(statusOf(*r));
+        continue;
+      }
+      switch (end) {
+        case SyncEnd::kCommit:
+          r->state = v1::RANK_READY;
+          r->committed = r->writing;
+          r->committed_by = r->writer_fence;
+          r->detail.clear();
+          break;
+        case SyncEnd::kRevert:
+          r->state = r->before;
+          r->detail = r->before_detail;
+          break;
+        case SyncEnd::kDirty:
+        case SyncEnd::kDraining:
+          r->state = v1::RANK_DIRTY;
+          r->committed_by = 0;
+          r->detail = strCat("sync ", id, " wrote part of version ", r->writing, " and did not commit: ", reason);
+          if (end == SyncEnd::kDraining) {
+            r->writer = id;  // still held: writes of it are still landing
+            r->detail += " (writes still landing: no sync until they are done)";
+          }
+          break;
+      }
+      after.push_back(statusOf(*r));
+    }
+  }
+  state_cv_.notify_all();
+  if (touched.empty()) return after;
+  if (end == SyncEnd::kCommit)
+    spdlog::info("group \"{}\" ranks {} on node \"{}\" are READY at version {} (sync {})", dst, rankList(touched),
+                 node_, version, id);
+  else if (end == SyncEnd::kDirty)
+    spdlog::warn("group \"{}\" ranks {} are DIRTY: sync {} failed after writing: {}", dst, rankList(touched), id,
+                 reason);
+  return after;
+}
+
+StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t rank, const MemoryCaller& caller,
+                                           std::chrono::milliseconds timeout, const std::function<bool()>& gone,
+                                           uint64_t registration) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const std::string who = strCat("group \"", group, "\" rank ", rank);
+  Rank* r = findRank(group, rank);
+  if (r == nullptr) return absl::NotFoundError(strCat(who, " is not registered on node \"", node_, "\""));
+  SC_RETURN_IF_ERROR(mayChange(*r, caller, "acquire", registration));
+  if (r->held) return absl::FailedPreconditionError(strCat(who, " is already acquired"));
+  // The rank object may be replaced while waiting (after a restart of its client): look it up
+  // again each time; and another acquire may win the wait.
+  auto free = [&] {
+    r = findRank(group, rank);
+    // A double-buffered destination's writer writes the other set: not waited for.
+    return stopping_ || r == nullptr || (r->readers.empty() && (r->writer.empty() || r->doubled()));
+  };
+  // In steps, to notice a caller that went away.
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  bool ok = free();
+  while (!ok && std::chrono::steady_clock::now() < until) {
+    if (gone && gone()) return absl::CancelledError(strCat(who, ": the caller went away while waiting to acquire it"));
+    const auto step = std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(100),
+                                                                    until - std::chrono::steady_clock::now());
+    ok = state_cv_.wait_for(lock, step, free);
+  }
+  if (stopping_) return absl::UnavailableError(strCat("shardcastd on node \"", node_, "\" is stopping"));
+  if (r == nullptr) return absl::NotFoundError(strCat(who, " was unregistered while waiting to acquire it"));
+  if (!ok)
+    return absl::DeadlineExceededError(strCat(who, " on node \"", node_, "\": sync ",
+                                              r->writer.empty() ? *r->readers.begin() : r->writer,
+                                              " still uses it after ", timeout.count(), " ms"));
+  if (r->held) return absl::FailedPreconditionError(strCat(who, " was acquired by another caller meanwhile"));
+  SC_RETURN_IF_ERROR(mayChange(*r, caller, "acquire", registration));  // re-registered while waiting: by whom?
+  r->held = true;
+  if (r->role == v1::ROLE_SOURCE) r->state = v1::RANK_UPDATING;
+  if (r->doubled()) r->pinned = r->active;
+  state_cv_.notify_all();
+  return statusOf(*r);
+}
+
+StatusOr<v1::RankStatus> Registry::release(const std::string& group, int32_t rank, uint64_t version,
+                                           const MemoryCaller& caller, uint64_t registration) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string who = strCat("group \"", group, "\" rank ", rank);
+  Rank* r = findRank(group, rank);
+  if (r == nullptr) return absl::NotFoundError(strCat(who, " is not registered on node \"", node_, "\""));
+  SC_RETURN_IF_ERROR(mayChange(*r, caller, version ? "publish" : "release", registration));
+  if (r->role == v1::ROLE_SOURCE) {
+    if (version == 0 || version >= kMaxVersion)
+      return absl::InvalidArgumentError(strCat(who, ": a source rank publishes a version in [1, 2^63), not ", version));
+    if (version < r->committed || (r->held && version == r->committed))
+      return absl::InvalidArgumentError(strCat(
+          who, ": version ", version, r->held ? " is not newer than" : " is older than", " version ", r->committed,
+          " it published before", r->held ? " (acquired and written: publish a new version)" : ""));
+    if (!r->held && r->state == v1::RANK_READY && version != r->committed)
+      return absl::FailedPreconditionError(strCat(who, " publishes version ", version,
+                                                  " without acquiring it after version ", r->committed,
+                                                  ": acquire first (a sync may be reading it)"));
+    r->state = v1::RANK_READY;
+    r->committed = version;
+  } else {
+    if (version != 0)
+      return absl::InvalidArgumentError(
+          strCat(who, " is a destination: only syncs give it versions (release with version 0)"));
+    if (!r->held) return absl::FailedPreconditionError(strCat(who, " is not acquired"));
+  }
+  r->held = false;
+  r->pinned = -1;
+  state_cv_.notify_all();
+  return statusOf(*r);
+}
+
+StatusOr<v1::WaitVersionResponse> Registry::waitVersion(const std::string& group, uint64_t version,
+                                                        std::chrono::milliseconds timeout) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  v1::WaitVersionResponse out;
+  Status failed = absl::OkStatus();
+  auto check = [&] {
+    out.Clear();
+    if (stopping_) {
+      failed = absl::UnavailableError(strCat("shardcastd on node \"", node_, "\" is stopping"));
+      return true;
+    }
+    uint64_t min = UINT64_MAX;
+    bool any = false;
+    for (const auto& [key, r] : ranks_) {
+      if (key.first != group) continue;
+      any = true;
+      const v1::RankStatus st = statusOf(*r);
+      if (st.state() == v1::RANK_DIRTY) {
+        failed = absl::FailedPreconditionError(
+            strCat("group \"", group, "\" rank ", r->rank, " on node \"", node_, "\" is DIRTY: ", st.detail()));
+        return true;
+      }
+      min = std::min(min, st.state() == v1::RANK_READY ? st.version() : 0);
+      *out.add_ranks() = st;
+    }
+    if (!any) {
+      failed = absl::NotFoundError(strCat("group \"", group, "\" has no ranks registered on node \"", node_, "\""));
+      return true;
+    }
+    out.set_version(min);
+    return min >= version;
+  };
+  state_cv_.wait_for(lock, timeout, check);
+  if (!failed.ok()) return failed;
+  return out;
+}
+
+void Registry::drained(const std::string& id, const std::string& dst) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, r] : ranks_)
+      if (key.first == dst && r->writer == id) r->writer.clear();
+  }
+  state_cv_.notify_all();
+  spdlog::info("sync {}: its last writes into group \"{}\" on node \"{}\" are done", id, dst, node_);
+}
+
+void Registry::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  state_cv_.notify_all();
+}
+
+}  // namespace shardcast::daemon

@@ -1,0 +1,168 @@
+// The registry's memory: the shm segments and CUDA IPC allocations a rank's handles name, checked
+// against what the layout gives the rank and against who calls, mapped and registered with the
+// transport once (daemon/registry/registry.h).
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+#include "common/strings.h"
+#include "daemon/registry/registry.h"
+#include "planner/layout.h"
+#include "transport/cuda/cuda_support.h"
+#include "transport/resident.h"
+
+namespace shardcast::daemon {
+
+StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
+    const std::string& who, const google::protobuf::RepeatedPtrField<v1::MemoryHandle>& handles,
+    std::map<std::string, int64_t> needed, const std::map<std::string, const planner::TensorLayout*>& held_by,
+    const std::map<std::string, std::vector<int64_t>>& shapes, const MemoryCaller& caller) {
+  std::vector<Buffer> out;
+  std::map<std::string, const v1::MemoryHandle*> given;
+  for (const auto& h : handles) {
+    if (!needed.count(h.buffer()))
+      return absl::InvalidArgumentError(
+          strCat(who, ": buffer \"", h.buffer(), "\" is not a buffer this rank holds in the layout"));
+    if (!given.emplace(h.buffer(), &h).second)
+      return absl::InvalidArgumentError(strCat(who, ": buffer \"", h.buffer(), "\" is given twice"));
+  }
+  for (const auto& [name, bytes] : needed)
+    if (!given.count(name))
+      return absl::InvalidArgumentError(
+          strCat(who, ": no memory handle for buffer \"", name, "\" (", bytes, " bytes)"));
+  for (const auto& [name, h] : given) {
+    const auto holder = held_by.find(name);
+    const planner::TensorLayout* t = holder == held_by.end() ? nullptr : holder->second;
+    if (!h->dtype().empty() && t != nullptr && h->dtype() != planner::dtypeName(t->dtype))
+      return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" is ", h->dtype(), " here but ",
+                                               planner::dtypeName(t->dtype), " in the layout (tensor \"", t->name,
+                                               "\")"));
+    if (h->shape_size() > 0) {
+      int64_t elems = 1;
+      for (int64_t d : h->shape()) {
+        if (d < 0 || (d > 0 && elems > INT64_MAX / d))
+          return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": bad shape"));
+        elems *= d;
+      }
+      const int64_t elem = t != nullptr ? t->elemBytes() : 1;
+      if (elems > INT64_MAX / elem || elems * elem != needed[name])
+        return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" has shape [", strJoin(h->shape(), ", "),
+                                                 "] (", elems, " elements) but the layout gives this rank ",
+                                                 needed[name] / elem, " elements of it"));
+      const auto expected = shapes.find(name);
+      if (expected != shapes.end() &&
+          !std::equal(h->shape().begin(), h->shape().end(), expected->second.begin(), expected->second.end()))
+        return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" has shape [", strJoin(h->shape(), ", "),
+                                                 "] but the layout gives this rank [", strJoin(expected->second, ", "),
+                                                 "] of it (as many elements, in another order: the bytes would land "
+                                                 "scrambled)"));
+    }
+  }
+
+  // Map each shared-memory segment once, covering every buffer in it, and register it once.
+  std::map<std::string, uint64_t> segment_end;
+  for (const auto& [name, h] : given) {
+    if (!h->has_shm()) continue;
+    const auto& s = h->shm();
+    if (s.size() < static_cast<uint64_t>(needed[name]))
+      return absl::InvalidArgumentError(
+          strCat(who, ": buffer \"", name, "\" is given ", s.size(), " bytes but needs ", needed[name]));
+    if (s.offset() > UINT64_MAX - s.size())
+      return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": offset overflows"));
+    segment_end[s.name()] = std::max(segment_end[s.name()], s.offset() + s.size());
+  }
+  std::map<std::string, std::pair<std::shared_ptr<transport::ShmSegment>, std::shared_ptr<transport::MemoryRegion>>>
+      segments;
+  for (const auto& [name, end] : segment_end) {
+    const std::string& segment = name;  // (a structured binding is not captured before C++20's clang 16)
+    if (std::none_of(std::begin(kShmPrefixes), std::end(kShmPrefixes),
+                     [&](const char* p) { return segment.rfind(p, 0) == 0; }))
+      return absl::PermissionDeniedError(strCat(who, ": shm segment ", quote(name), " is not named under ",
+                                                strJoin(kShmPrefixes, " or "),
+                                                " (the names Shardcast's clients and torch use)"));
+    auto seg =
+        transport::ShmSegment::open(name, end, caller.any_owner ? std::nullopt : std::optional<uid_t>(caller.uid));
+    if (!seg.ok()) return Status(seg.status().code(), strCat(who, ": ", seg.status().message()));
+    auto shared = std::make_shared<transport::ShmSegment>(std::move(*seg));
+    transport::makeResident(shared->data(), end, strCat("shm segment \"", name, "\""));
+    auto region = transport_.registerMemory(shared->data(), end, transport::MemoryKind::kHost);
+    if (!region.ok())
+      return Status(region.status().code(), strCat(who, ": segment \"", name, "\": ", region.status().message()));
+    segments[name] = {shared, *region};
+  }
+  for (const auto& [name, h] : given) {
+    Buffer b;
+    b.name = name;
+    if (h->has_shm()) {
+      b.size = h->shm().size();
+      b.segment = segments[h->shm().name()].first;
+      b.region = segments[h->shm().name()].second;
+      b.offset = h->shm().offset();
+    } else if (h->has_cuda()) {
+      const auto& c = h->cuda();
+      if (c.size() < static_cast<uint64_t>(needed[name]))
+        return absl::InvalidArgumentError(
+            strCat(who, ": buffer \"", name, "\" is given ", c.size(), " bytes but needs ", needed[name]));
+      if (gpus_.deviceCount() == 0)
+        return absl::FailedPreconditionError(strCat(who, ": buffer \"", name,
+                                                    "\" is CUDA memory but this daemon has no GPU (",
+                                                    gpus_.unavailableReason(), ")"));
+      if (c.offset() > UINT64_MAX - c.size())
+        return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": offset overflows"));
+      auto mapping = gpus_.importHandle(c.handle(), c.offset() + c.size(), c.device(),
+                                        caller.any_owner ? std::nullopt : std::optional<uid_t>(caller.uid));
+      if (!mapping.ok())
+        return Status(mapping.status().code(), strCat(who, ": buffer \"", name, "\": ", mapping.status().message()));
+      auto engines = deviceEngines(c.device());
+      if (!engines.ok())
+        return Status(engines.status().code(), strCat(who, ": buffer \"", name, "\": ", engines.status().message()));
+      auto* device = static_cast<std::byte*>((*mapping)->data()) + c.offset();
+      auto mem = transport::TransferMemory::prepare(transport_, device, c.size(), transport::MemoryKind::kCuda,
+                                                    (*engines)->outgoing.get());
+      if (!mem.ok())
+        return Status(mem.status().code(), strCat(who, ": buffer \"", name, "\": ", mem.status().message()));
+      // Which path this buffer's bytes take, said once per registration: straight from and into
+      // device memory (a CUDA-aware UCX: GPUDirect where the NIC has it), or packed on the GPU
+      // into pinned host staging and unpacked on it from the landing arena (syncs planned packed).
+      spdlog::info("{}: buffer \"{}\" ({} bytes on GPU {}): {}", who, name, c.size(), c.device(),
+                   (*mem)->staged() ? "staged: packed and unpacked on the GPU through pinned host memory (this "
+                                      "transport cannot reach device memory)"
+                                    : "registered with the transport directly (device memory, no staging)");
+      b.size = c.size();
+      b.device = device;
+      b.engines = *engines;
+      b.cuda = std::move(*mapping);
+      b.region = (*mem)->region();
+      b.cuda_memory = std::move(*mem);
+    } else {
+      return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" has neither a shm nor a cuda handle"));
+    }
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+StatusOr<const Registry::DeviceEngines*> Registry::deviceEngines(int gpu) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = cuda_engines_.find(gpu); it != cuda_engines_.end()) return &it->second;
+  }
+  // Made without the lock (a GPU's first streams may take the driver a while); a registration
+  // racing this one for the same GPU keeps whichever was inserted first.
+  DeviceEngines e;
+  SC_ASSIGN_OR_RETURN(e.outgoing, gpus_.makeEngine(gpu));
+  SC_ASSIGN_OR_RETURN(e.incoming, gpus_.makeEngine(gpu));
+  std::lock_guard<std::mutex> lock(mu_);
+  return &cuda_engines_.emplace(gpu, std::move(e)).first->second;
+}
+
+Status Registry::checkSegments(const Rank& r) const {
+  for (const auto* set : {&r.buffers, &r.shadow})
+    for (const auto& b : *set)
+      if (auto st = b.segment ? b.segment->checkSize() : b.cuda ? b.cuda->check() : absl::OkStatus(); !st.ok())
+        return absl::FailedPreconditionError(strCat("group \"", r.group, "\" rank ", r.rank, " on node \"", node_,
+                                                    "\" buffer \"", b.name, "\": ", st.message()));
+  return absl::OkStatus();
+}
+
+}  // namespace shardcast::daemon

@@ -1,0 +1,27 @@
+#include "daemon/registry/sync_preconditions.h"
+
+#include "common/strings.h"
+
+namespace shardcast::daemon {
+
+RankFacts factsOf(const v1::RemoteRank& r) { return {r.state(), r.held(), r.version()}; }
+
+std::string sourceRefusal(const RankFacts& r, uint64_t version) {
+  if (r.held || r.state == v1::RANK_UPDATING)
+    return strCat(" is being written by its owner (acquired, ",
+                  r.version > 0 ? strCat("version ", r.version, " was published before)")
+                                : std::string("no version was published before)"));
+  if (r.state != v1::RANK_READY || r.version != version)
+    return strCat(
+        r.state == v1::RANK_READY ? strCat(" published version ", r.version) : std::string(" has published no version"),
+        ", not ", version);
+  return "";
+}
+
+std::string destinationRefusal(const RankFacts& r, uint64_t version) {
+  if ((r.state == v1::RANK_READY || r.state == v1::RANK_DIRTY) && r.version >= version)
+    return strCat(" is at version ", r.version, ": version ", version, " is not newer");
+  return "";
+}
+
+}  // namespace shardcast::daemon

@@ -1,0 +1,291 @@
+// shardcastd: the per-node daemon. Serves the Shardcast service to local clients on a Unix socket
+// (mode 0660; each connection's uid read with SO_PEERCRED) and both services on TCP with mutual TLS
+// (or plaintext with --insecure), with grpc.health.v1 and server reflection; stops on SIGTERM/SIGINT.
+#include <fcntl.h>
+#include <grpc/support/log.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <sys/file.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <thread>
+
+#include "common/logging.h"
+#include "common/strings.h"
+#include "common/tls.h"
+#include "daemon/registry/registry.h"
+#include "daemon/server/access.h"
+#include "daemon/server/config.h"
+#include "daemon/server/metrics.h"
+#include "daemon/server/service.h"
+#include "planner/limits.h"
+#include "transport/emulated_gpus.h"
+#include "transport/transport.h"
+
+using namespace shardcast;
+using namespace shardcast::daemon;
+
+namespace {
+
+// gRPC core's own log lines (TLS handshake failures, for one) through spdlog, each kind of line
+// (its source location) at most once per 10 s with a count of those held back: a plaintext caller
+// on the TLS port no longer fills the log.
+void grpcLog(gpr_log_func_args* args) {
+  static LogLimiter limiter;
+  uint64_t held = 0;
+  if (!limiter.allow(strCat(args->file, ":", args->line), &held)) return;
+  const std::string more = held ? strCat(" (", held, " more like it in the last 10 s)") : std::string();
+  if (args->severity == GPR_LOG_SEVERITY_ERROR)
+    spdlog::warn("grpc: {}{}", args->message, more);
+  else if (args->severity == GPR_LOG_SEVERITY_INFO)
+    spdlog::info("grpc: {}{}", args->message, more);
+  else
+    spdlog::debug("grpc: {}{}", args->message, more);
+}
+
+int fail(const std::string& what) {
+  spdlog::critical("{}", what);
+  return 1;
+}
+
+// Blocks SIGTERM/SIGINT in every thread and returns once one arrives.
+int waitForSignal(const sigset_t& set) {
+  int sig = 0;
+  sigwait(&set, &sig);
+  return sig;
+}
+
+// Every registered shm segment keeps a descriptor open (to catch truncation before it is a
+// SIGBUS): take the hard limit of open files.
+void raiseFileLimit() {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur < lim.rlim_max) {
+    lim.rlim_cur = lim.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &lim);
+  }
+}
+
+// The Unix socket belongs to the daemon holding `<socket>.lock` (flock, released when the process
+// ends however it ends): a second daemon never deletes a live daemon's socket. Returns the held
+// descriptor, or -1 with `error` set.
+int lockSocket(const std::string& socket, std::string* error) {
+  const std::string path = socket + ".lock";
+  // O_NOFOLLOW: a symlink planted there by someone who can write the directory is not followed.
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0) {
+    *error = "cannot open " + path + ": " + std::strerror(errno);
+    return -1;
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    char pid[32] = {0};
+    const ssize_t n = ::pread(fd, pid, sizeof(pid) - 1, 0);
+    *error = "another shardcastd (pid " + std::string(n > 0 ? pid : "?") + ") serves " + socket +
+             ": refusing to take its socket (stop it, or give this one another --socket)";
+    ::close(fd);
+    return -1;
+  }
+  const std::string me = std::to_string(::getpid());
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) {
+    // The pid is for the message above only.
+  }
+  return fd;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // before any thread starts
+
+  int exit_code = 0;
+  std::string output;
+  auto config = parseConfig(argc, argv, &exit_code, &output);
+  if (!config.ok()) {
+    if (!output.empty())
+      (exit_code == 0 ? std::cout : std::cerr) << output;
+    else
+      std::cerr << "shardcastd: " << config.status().message() << "\n";
+    return output.empty() ? 2 : exit_code;
+  }
+  if (auto st = setupLogging(config->log_level); !st.ok()) return fail(std::string(st.message()));
+  gpr_set_log_function(grpcLog);
+  spdlog::info("shardcastd {} starting: {}", kShardcastVersion, config->describe());
+  raiseFileLimit();
+  planner::Limits limits;
+  limits.max_ranks = config->max_layout_ranks;
+  limits.max_tensors = config->max_layout_tensors;
+  planner::setLimits(limits);
+  int socket_lock = -1;
+  if (!config->socket.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(std::filesystem::path(config->socket).parent_path(), ec);
+    std::string error;
+    socket_lock = lockSocket(config->socket, &error);
+    if (socket_lock < 0) return fail(error);
+  }
+
+  transport::TransportOptions topts;
+  topts.backend = config->transport;
+  topts.name = config->node;
+  topts.ucx.tls = config->ucx_tls;
+  topts.ucx.protocol = *transport::parseProtocol(config->protocol);  // CLI11 checked the name
+  topts.ucx.tcp_segment_bytes = static_cast<size_t>(config->ucx_tcp_segment_kib) << 10;
+  topts.ucx.bounded_writes_only = !config->insecure;
+  auto transport = transport::createContext(topts);
+  if (!transport.ok()) return fail("transport: " + std::string(transport.status().message()));
+  spdlog::info("data plane: {}", (*transport)->describe());
+
+  std::unique_ptr<transport::EmulatedGpus> emulated;
+  if (config->emulate_gpus > 0) {
+    emulated = std::make_unique<transport::EmulatedGpus>(config->emulate_gpus, /*abort_on_hazard=*/true);
+    spdlog::warn("GPUs: {} emulated in host memory (--emulate-gpus, for tests); this node's own are not used",
+                 config->emulate_gpus);
+  }
+  Registry registry(config->node, **transport, emulated ? *emulated : transport::cudaRuntime());
+  if (!config->socket.empty())  // only local callers own groups; the socket's lock is held
+    if (Status kept = registry.keepOwners(config->socket + ".owners", std::chrono::seconds(config->owner_grace_s));
+        !kept.ok())
+      return fail(std::string(kept.message()));
+  if (config->host_zero_copy != "auto") registry.setHostZeroCopy(config->host_zero_copy == "on");
+  if (config->host_zero_copy == "on" && !(*transport)->capabilities().host_faults_contained)
+    spdlog::warn(
+        "--host-zero-copy on over {}: a client that truncates its shared-memory segment mid-sync aborts "
+        "this daemon (docs/security.md)",
+        (*transport)->describe());
+  PeerSet peers(*config, registry.instance());
+  // Another daemon already serving this node name: refuse loudly rather than split the node.
+  if (auto views = peers.describeAll(); views.ok())
+    for (const auto& v : *views)
+      if (v.described.ok() && v.described->node() == config->node)
+        return fail("another shardcastd (at " + v.address + ") already serves node \"" + config->node +
+                    "\": give every daemon its own --node");
+  Metrics metrics;
+  PeerLimits peer_limits;
+  peer_limits.max_lease = std::chrono::milliseconds(config->max_sync_lease_ms);
+  SyncEngine engine(config->node, registry, **transport, metrics, static_cast<uint64_t>(config->window_bytes), nullptr,
+                    static_cast<uint64_t>(config->delta_cache_mib) << 20, peer_limits);
+  metrics.registered_bytes = [&] { return registry.registeredBytes(); };
+  metrics.registered_ranks = [&] { return static_cast<uint64_t>(registry.registeredRanks()); };
+  metrics.plan_cache_hits = [&] { return engine.plans().hits(); };
+  metrics.delta_base_bytes = [&] { return engine.deltaBases().bytes(); };
+  metrics.delta_base_capacity = [&] { return engine.deltaBases().capacity(); };
+  metrics.rank_states = [&] {
+    std::map<std::string, uint64_t> out;
+    for (const auto& [state, n] : registry.stateCounts()) out[std::string(v1::rankStateName(state))] = n;
+    return out;
+  };
+  std::unique_ptr<MetricsServer> metrics_server;
+  if (!config->metrics.empty()) {
+    const auto colon = config->metrics.rfind(':');
+    auto m =
+        MetricsServer::start(config->metrics.substr(0, colon), std::stoi(config->metrics.substr(colon + 1)), metrics);
+    if (!m.ok()) return fail(std::string(m.status().message()));
+    metrics_server = std::move(*m);
+  }
+  std::unique_ptr<LocalListener> local;
+  if (!config->socket.empty()) {
+    auto l = LocalListener::bind(config->socket, config->max_local_connections_per_uid);
+    if (!l.ok()) return fail(std::string(l.status().message()));
+    local = std::move(*l);
+  }
+  std::string token;
+  if (!config->client_token_file.empty()) {
+    auto t = readToken(config->client_token_file);
+    if (!t.ok()) return fail(std::string(t.status().message()));
+    token = std::move(*t);
+  }
+  const AccessPolicy access(config->insecure, token, local.get());
+  ShardcastService shardcast(*config, access, registry, peers, engine, metrics, (*transport)->describe());
+  PeerService peer(access, registry, peers, engine);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  // Requests: the largest legal one is a Prepare with two layouts (a Register has one, plus its
+  // handles), read before any handler checks who sent it: no more than that. Replies: a Describe
+  // of every group's layout and every rank's buffers (planner::Limits::max_describe_bytes).
+  const auto& lim = planner::limits();
+  builder.SetMaxReceiveMessageSize(static_cast<int>(2 * lim.max_layout_message_bytes + (size_t{64} << 20)));
+  builder.SetMaxSendMessageSize(std::numeric_limits<int>::max());
+  // A TCP connection that has not finished its TLS handshake within 5 s is closed (gRPC's default
+  // is 120 s: 2,000 silent connections took a daemon off its peers), and one idle for 10 minutes
+  // too (clients and peers reconnect by themselves). Every connection's buffers come out of one
+  // memory quota, so that concurrent huge requests cannot take the daemon's memory
+  // (docs/security.md, "Limits").
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, 5000);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 600000);
+  grpc::ResourceQuota quota("shardcastd");
+  quota.Resize(static_cast<size_t>(config->grpc_memory_mib) << 20);
+  builder.SetResourceQuota(quota);
+  std::unique_ptr<TcpListener> tcp;
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> tcp_acceptor;
+  if (!config->listen.empty()) {
+    if (config->insecure)
+      spdlog::warn(
+          "--insecure: {} is PLAINTEXT and unauthenticated: anyone who reaches it can register memory, read "
+          "and write weights and commit versions; use only on one trusted host",
+          config->listen);
+    auto l = TcpListener::bind(config->listen, config->max_connections_per_address);
+    if (!l.ok()) return fail(std::string(l.status().message()));
+    tcp = std::move(*l);
+    tcp_acceptor = builder.experimental().AddExternalConnectionAcceptor(
+        grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
+        config->insecure ? grpc::InsecureServerCredentials()
+                         : serverCredentials(config->tls, /*require_client_cert=*/token.empty()));
+  }
+  const int tcp_port = tcp ? tcp->port() : 0;
+  builder.RegisterService(&shardcast);
+  builder.RegisterService(&peer);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) return fail("cannot serve on " + config->listen);
+  if (tcp) tcp->serve(std::move(tcp_acceptor));
+  if (local) local->serve(server.get());
+  metrics.serving = true;
+  if (config->tls.enabled())
+    spdlog::info("mutual TLS: certificate {}, CA {} (re-read every {} s); TCP clients need a certificate of the CA{}",
+                 config->tls.cert, config->tls.ca, config->tls.reload_s, token.empty() ? "" : " or the bearer token");
+  spdlog::info("serving node \"{}\" on {}{}", config->node, config->listen.empty() ? "" : config->listen + " ",
+               config->socket.empty() ? "" : "unix:" + config->socket);
+  // Stdout line for supervisors and tests: the daemon is ready.
+  std::cout << "shardcastd ready node=" << config->node << " port=" << tcp_port
+            << " metrics_port=" << (metrics_server ? metrics_server->port() : 0) << std::endl;
+
+  const int sig = waitForSignal(signals);
+  const auto grace = std::chrono::milliseconds(config->shutdown_grace_ms);
+  spdlog::info("signal {} received: shutting down (grace {} ms)", sig, grace.count());
+  // Bounded: whatever still runs after the grace period (a call to a stopped peer, a transport
+  // close that cannot flush) is abandoned and the process exits.
+  std::thread([grace, socket = config->socket] {
+    std::this_thread::sleep_for(grace + std::chrono::seconds(2));
+    spdlog::error("shutdown took longer than the grace period: exiting now");
+    spdlog::default_logger()->flush();
+    if (!socket.empty()) ::unlink(socket.c_str());
+    ::_exit(1);
+  }).detach();
+  metrics.serving = false;
+  shardcast.stop();     // session streams end (their clients re-register with the next daemon)
+  registry.shutdown();  // waiting acquires and version waits return
+  engine.abortAll("the daemon is shutting down");
+  if (local) local->stop();
+  if (tcp) tcp->stop();
+  server->Shutdown(std::chrono::system_clock::now() + grace);
+  if (!config->socket.empty()) ::unlink(config->socket.c_str());
+  server.reset();
+  spdlog::info("stopped");
+  if (socket_lock >= 0) ::close(socket_lock);
+  return 0;
+}

@@ -1,0 +1,368 @@
+#include "daemon/server/service.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cctype>
+#include <mutex>
+
+#include "common/strings.h"
+#include "daemon/engine/notification.h"
+#include "planner/plan.h"
+#include "planner/report.h"
+
+namespace shardcast::daemon {
+
+namespace {
+
+// A handler's result: the value into the response, or the error as gRPC's.
+template <typename T>
+grpc::Status reply(StatusOr<T> result, T* out) {
+  if (!result.ok()) return toGrpc(result.status());
+  *out = std::move(*result);
+  return grpc::Status::OK;
+}
+
+}  // namespace
+
+ShardcastService::ShardcastService(const DaemonConfig& config, const AccessPolicy& access, Registry& registry,
+                                   PeerSet& peers, SyncEngine& engine, Metrics& metrics, std::string transport)
+    : config_(config),
+      access_(access),
+      registry_(registry),
+      peers_(peers),
+      engine_(engine),
+      metrics_(metrics),
+      transport_(std::move(transport)) {}
+
+StatusOr<ClusterView> ShardcastService::cluster() {
+  SC_ASSIGN_OR_RETURN(auto c, snapshotCluster(peers_, registry_.describe(), config_.selfAddress()));
+  return std::move(c.view);
+}
+
+uint64_t ShardcastService::newFence() {
+  std::lock_guard<std::mutex> lock(fence_mu_);
+  uint64_t f = 0;
+  while (f == 0) f = fence_rng_();
+  return f;
+}
+
+grpc::Status ShardcastService::Sync(grpc::ServerContext* ctx, const v1::SyncRequest* req, v1::SyncResponse* out) {
+  const auto caller = access_.client(*ctx, *req);
+  if (!caller.ok()) return toGrpc(caller.status());
+  // A local caller acts for its uid (root for everyone); a remote caller of the job (certificate
+  // or token) for the job (docs/security.md, "Who may sync").
+  std::optional<uint32_t> uid;
+  if (caller->local && caller->local->uid != 0 && !access_.insecure()) uid = caller->local->uid;
+  const grpc::Status st = coordinate(*req, out, uid);
+  if (st.ok()) {
+    ++metrics_.syncs_ok;
+    metrics_.sync_micros_sum += static_cast<uint64_t>(out->seconds() * 1e6);
+  } else {
+    ++metrics_.syncs_failed;
+    // Every refused or failed sync leaves one line: which, for whom, why (a caller retrying in a
+    // loop gets one line per 10 s, with the count of those held back).
+    uint64_t held = 0;
+    // Keyed by caller and kind only: group names are the caller's to choose, and varying them must
+    // not buy a line each.
+    if (failure_log_.allow(strCat(caller->who, "|", st.error_code()), &held))
+      spdlog::warn(
+          "sync {} -> {} version {} for {} failed: {}{}", quote(req->src_group()), quote(req->dst_group()),
+          req->version(), caller->who, st.error_message(),
+          held ? strCat(" (and ", held, " more failed syncs of this caller since the last line)") : std::string());
+  }
+  return st;
+}
+
+grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncResponse* out,
+                                          std::optional<uint32_t> caller_uid) {
+  if (req.src_group().empty() || req.dst_group().empty() || req.src_group() == req.dst_group())
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "sync: give two different groups (src_group, dst_group)");
+  if (req.version() == 0 || req.version() >= kMaxVersion)
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        strCat("sync: version ", req.version(), " is not in [1, 2^63)"));
+  // A client's sync id travels in the daemons' notifications, logs and metrics.
+  const bool id_ok =
+      req.sync_id().size() <= kMaxSyncId && std::all_of(req.sync_id().begin(), req.sync_id().end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' || c == ':';
+      });
+  if (!id_ok)
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, strCat("sync: sync_id must be at most ", kMaxSyncId,
+                                                                   " characters of letters, digits and - _ . :"));
+  const std::string id = req.sync_id().empty() ? strCat(config_.node, "-", registry_.instance().substr(0, 8), "-",
+                                                        next_sync_++, "-v", req.version())
+                                               : req.sync_id();
+  // Daemons tell the attempts of one id apart by their fence; a client that reuses the id of a
+  // sync still running here is refused outright.
+  if (!progress_.start(id))
+    return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                        strCat("sync: a sync with id \"", id, "\" is still running on node \"", config_.node, "\""));
+  SyncCoordinator coordinator({config_, registry_, peers_, engine_, progress_, config_.selfAddress(), caller_uid}, req,
+                              id, newFence());
+  auto done = coordinator.run();
+  if (!done.ok()) return toGrpc(done.status());
+  *out = std::move(*done);
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardcastService::Watch(grpc::ServerContext* context, const v1::WatchRequest* req,
+                                     grpc::ServerWriter<v1::SyncProgress>* writer) {
+  const auto caller = access_.client(*context, *req);
+  if (!caller.ok()) return toGrpc(caller.status());
+  const bool known = progress_.watch(req->sync_id(), std::chrono::seconds(5), [&](const v1::SyncProgress& p) {
+    return !context->IsCancelled() && writer->Write(p);
+  });
+  if (!known)
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        strCat("sync \"", req->sync_id(), "\" is not coordinated by node \"", config_.node, "\""));
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardcastService::WaitVersion(grpc::ServerContext* ctx, const v1::WaitVersionRequest* req,
+                                           v1::WaitVersionResponse* out) {
+  const auto caller = access_.client(*ctx, *req);
+  if (!caller.ok()) return toGrpc(caller.status());
+  return reply(registry_.waitVersion(req->group(), req->version(), std::chrono::milliseconds(req->timeout_ms())), out);
+}
+
+grpc::Status ShardcastService::Acquire(grpc::ServerContext* context, const v1::AcquireRequest* req,
+                                       v1::AcquireResponse* out) {
+  const auto caller = access_.client(*context, *req);
+  if (!caller.ok()) return toGrpc(caller.status());
+  auto r = registry_.acquire(
+      req->group(), req->rank(), caller->memory(access_.insecure()),
+      std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 30000),
+      [context] { return context->IsCancelled(); }, req->registration());
+  if (!r.ok()) return toGrpc(r.status());
+  *out->mutable_status() = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardcastService::Release(grpc::ServerContext* ctx, const v1::ReleaseRequest* req,
+                                       v1::ReleaseResponse* out) {
+  const auto caller = access_.client(*ctx, *req);
+  if (!caller.ok()) return toGrpc(caller.status());
+  auto r = registry_.release(req->group(), req->rank(), req->version(), caller->memory(access_.insecure()),
+                             req->registration());
+  if (!r.ok()) return toGrpc(r.status());
+  *out->mutable_status() = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardcastService::Session(grpc::ServerContext* context, const v1::SessionRequest* req,
+                                       grpc::ServerWriter<v1::SessionEvent>* writer) {
+  const auto caller = access_.client(*context, *req);
+  if (!caller.ok()) return toGrpc(caller.status());
+  const std::string session = registry_.openSession(req->client());
+  v1::SessionEvent ev;
+  ev.set_session_id(session);
+  ev.set_node(config_.node);
+  if (writer->Write(ev)) {
+    // Until the client goes (its process ends: the connection closes) or the daemon stops.
+    // IsCancelled has no wake-up of its own in the synchronous API: look every 100 ms, and tell
+    // the client of its ranks another process took over meanwhile.
+    std::unique_lock<std::mutex> lock(sessions_mu_);
+    while (!sessions_cv_.wait_for(lock, std::chrono::milliseconds(100),
+                                  [&] { return stopping_ || context->IsCancelled(); })) {
+      auto superseded = registry_.takeSuperseded(session);
+      if (superseded.empty()) continue;
+      v1::SessionEvent told;
+      told.set_session_id(session);
+      told.set_node(config_.node);
+      for (auto& s : superseded) *told.add_superseded() = std::move(s);
+      lock.unlock();
+      const bool written = writer->Write(told);
+      lock.lock();
+      if (!written) break;
+    }
+  }
+  bool stopping;
+  {
+    std::lock_guard<std::mutex> lock(sessions_mu_);
+    stopping = stopping_;
+  }
+  if (stopping)
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, strCat("shardcastd on node \"", config_.node, "\" is stopping"));
+  registry_.closeSession(session);
+  ++metrics_.sessions_ended;
+  return grpc::Status::OK;
+}
+
+void ShardcastService::stop() {
+  {
+    std::lock_guard<std::mutex> lock(sessions_mu_);
+    stopping_ = true;
+  }
+  sessions_cv_.notify_all();
+}
+
+grpc::Status PeerService::Describe(grpc::ServerContext* ctx, const v1::DescribeRequest* req,
+                                   v1::DescribeResponse* out) {
+  if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
+  *out = registry_.describe();
+  for (auto& [address, node] : peers_.knownNodes()) (*out->mutable_peer_nodes())[address] = node;
+  return grpc::Status::OK;
+}
+
+grpc::Status PeerService::Prepare(grpc::ServerContext* ctx, const v1::PrepareRequest* req, v1::PrepareResponse* out) {
+  if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
+  return reply(engine_.prepare(*req), out);
+}
+
+grpc::Status PeerService::Execute(grpc::ServerContext* ctx, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) {
+  if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
+  // The transport addresses a coordinator hands out reach UCX's own (unchecking) parser when this
+  // daemon connects: only addresses the named nodes gave this daemon themselves are used.
+  for (const auto& n : req->nodes()) {
+    if (n.node() == registry_.node() && n.transport_address() == registry_.transportAddress()) continue;
+    if (Status st = peers_.checkTransportAddress(n.node(), n.transport_address()); !st.ok())
+      return toGrpc(Status(st.code(), strCat("execute of sync ", req->sync_id(), ": ", st.message())));
+  }
+  return reply(engine_.execute(*req), out);
+}
+
+grpc::Status PeerService::Progress(grpc::ServerContext* ctx, const v1::ProgressRequest* req,
+                                   v1::ProgressResponse* out) {
+  if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
+  return reply(engine_.progress(req->sync_id(), req->fence()), out);
+}
+
+grpc::Status PeerService::Finish(grpc::ServerContext* ctx, const v1::FinishRequest* req, v1::FinishResponse* out) {
+  if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
+  return reply(engine_.finish(*req), out);
+}
+
+grpc::Status ShardcastService::Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
+                                        v1::RegisterResponse* out) {
+  const auto caller = access_.client(*ctx, *req);
+  if (!caller.ok()) return toGrpc(caller.status());
+  if (!caller->local && !access_.insecure())
+    return toGrpc(absl::PermissionDeniedError(strCat(
+        caller->who, ": ranks register over the Unix socket (the daemon checks that the memory is the caller's own)")));
+  auto r = registry_.registerRank(*req, caller->memory(access_.insecure()));
+  if (!r.ok()) {
+    spdlog::warn("register refused: {}", std::string(r.status().message()));
+    return toGrpc(r.status());
+  }
+  *out = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardcastService::Unregister(grpc::ServerContext* ctx, const v1::UnregisterRequest* req,
+                                          v1::UnregisterResponse*) {
+  const auto caller = access_.client(*ctx, *req);
+  if (!caller.ok()) return toGrpc(caller.status());
+  return toGrpc(
+      registry_.unregisterRank(req->group(), req->rank(), caller->memory(access_.insecure()), req->registration()));
+}
+
+grpc::Status ShardcastService::List(grpc::ServerContext* ctx, const v1::ListRequest* req, v1::ListResponse* out) {
+  const auto caller = access_.client(*ctx, *req);
+  if (!caller.ok()) return toGrpc(caller.status());
+  for (auto& r : registry_.list()) *out->add_ranks() = std::move(r);
+  if (!req->all_nodes()) return grpc::Status::OK;
+  auto peers = peers_.describeAll();
+  if (!peers.ok()) return toGrpc(peers.status());
+  for (const auto& p : *peers) {
+    if (!p.described.ok()) return toGrpc(p.described.status());
+    for (const auto& r : p.described->ranks()) {
+      auto* reg = out->add_ranks();
+      reg->set_group(r.group());
+      reg->set_rank(r.rank());
+      reg->set_node(p.described->node());
+      reg->set_layout_digest(r.layout_digest());
+      reg->set_version(r.version());
+      reg->set_state(r.state());
+      reg->set_role(r.role());
+      reg->set_held(r.held());
+      uint64_t bytes = 0;
+      for (const auto& b : r.buffers()) {
+        bytes += b.size();
+        reg->add_buffers(b.buffer());
+      }
+      reg->set_registered_bytes(bytes);
+      for (const auto& l : p.described->layouts())
+        if (l.group() == r.group()) {
+          int64_t world = 1;
+          for (int64_t s : l.mesh().shape()) world *= s;
+          reg->set_world_size(static_cast<int32_t>(world));
+        }
+    }
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardcastService::Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req, v1::PlanResponse* out) {
+  const auto caller = access_.client(*ctx, *req);
+  if (!caller.ok()) return toGrpc(caller.status());
+  auto view = cluster();
+  if (!view.ok()) return toGrpc(view.status());
+  auto src = view->completeGroup(req->src_group());
+  if (!src.ok()) return toGrpc(src.status());
+  auto dst = view->completeGroup(req->dst_group());
+  if (!dst.ok()) return toGrpc(dst.status());
+  planner::NodeTable nodes;
+  auto rs = planner::resolveLayout(*src, nodes);
+  if (!rs.ok()) return toGrpc(rs.status());
+  auto rd = planner::resolveLayout(*dst, nodes);
+  if (!rd.ok()) return toGrpc(rd.status());
+  if (auto st = planner::addScaleSources(*rs, *rd); !st.ok()) return toGrpc(st);
+  auto strategy = strategyOf(req->strategy(), v1::DELTA_OFF);
+  if (!strategy.ok()) return toGrpc(strategy.status());
+  planner::PlanOptions options;  // as a sync plans it (SyncEngine)
+  options.chunk_bytes = config_.chunk_bytes;
+  options.strategy = *strategy;
+  auto plan = planner::makePlan(*rs, *rd, nodes, options);
+  if (!plan.ok()) return toGrpc(plan.status());
+  planner::CostModel model;
+  if (config_.nic_gbps > 0) model.nic_gbps = config_.nic_gbps;
+  if (req->nic_gbps() < 0 || req->local_gbps() < 0)
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "nic_gbps and local_gbps must not be negative");
+  if (req->nic_gbps() > 0) model.nic_gbps = req->nic_gbps();
+  if (req->local_gbps() > 0) model.local_gbps = req->local_gbps();
+  out->set_summary_json(planner::renderJson(*plan, nodes, model));
+  out->set_summary_text(planner::renderText(*plan, nodes, model, rs->group, rd->group));
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardcastService::Status(grpc::ServerContext* ctx, const v1::StatusRequest* req, v1::StatusResponse* out) {
+  const auto caller = access_.client(*ctx, *req);
+  if (!caller.ok()) return toGrpc(caller.status());
+  out->set_node(config_.node);
+  out->set_version(kShardcastVersion);
+  out->set_transport(transport_);
+  out->set_registered_bytes(registry_.registeredBytes());
+  out->set_registered_ranks(registry_.registeredRanks());
+  out->set_uptime_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
+  for (auto& g : registry_.groups()) *out->add_groups() = std::move(g);
+  auto addrs = peers_.addresses();
+  if (!addrs.ok()) {
+    auto* p = out->add_peers();
+    p->set_address(config_.peer_dns);
+    p->set_error(std::string(addrs.status().message()));
+    return grpc::Status::OK;
+  }
+  auto views = peers_.describeAll();
+  for (const auto& a : *addrs) {
+    auto* p = out->add_peers();
+    p->set_address(a);
+    bool found = false;
+    if (views.ok())
+      for (const auto& v : *views)
+        if (v.address == a) {
+          found = true;
+          p->set_reachable(v.described.ok());
+          if (v.described.ok())
+            p->set_node(v.described->node());
+          else
+            p->set_error(std::string(v.described.status().message()));
+        }
+    if (!found) {  // the address is this daemon itself
+      p->set_reachable(true);
+      p->set_node(config_.node);
+    }
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace shardcast::daemon

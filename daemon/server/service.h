@@ -1,0 +1,84 @@
+// gRPC services of shardcastd: the client-facing Shardcast service and the daemon-to-daemon Peer
+// service. Handlers validate, call the registry / cluster, and convert Status at this edge only.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <random>
+
+#include "common/logging.h"
+#include "daemon/coordinator/cluster.h"
+#include "daemon/coordinator/coordinator.h"
+#include "daemon/coordinator/progress.h"
+#include "daemon/engine/sync_engine.h"
+#include "daemon/registry/registry.h"
+#include "daemon/server/access.h"
+#include "daemon/server/config.h"
+#include "shardcast/v1/service.grpc.pb.h"
+
+namespace shardcast::daemon {
+
+class ShardcastService final : public v1::Shardcast::Service {
+ public:
+  ShardcastService(const DaemonConfig& config, const AccessPolicy& access, Registry& registry, PeerSet& peers,
+                   SyncEngine& engine, Metrics& metrics, std::string transport);
+
+  grpc::Status Sync(grpc::ServerContext*, const v1::SyncRequest*, v1::SyncResponse*) override;
+  // `caller_uid`: SyncCoordinator::Context::caller_uid.
+  grpc::Status coordinate(const v1::SyncRequest& req, v1::SyncResponse* out, std::optional<uint32_t> caller_uid);
+  grpc::Status WaitVersion(grpc::ServerContext*, const v1::WaitVersionRequest*, v1::WaitVersionResponse*) override;
+  grpc::Status Watch(grpc::ServerContext*, const v1::WatchRequest*, grpc::ServerWriter<v1::SyncProgress>*) override;
+  grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest*, v1::RegisterResponse*) override;
+  grpc::Status Acquire(grpc::ServerContext*, const v1::AcquireRequest*, v1::AcquireResponse*) override;
+  grpc::Status Release(grpc::ServerContext*, const v1::ReleaseRequest*, v1::ReleaseResponse*) override;
+  grpc::Status Session(grpc::ServerContext*, const v1::SessionRequest*, grpc::ServerWriter<v1::SessionEvent>*) override;
+  // Shutdown: ends every open session stream (their registrations end with them).
+  void stop();
+  grpc::Status Unregister(grpc::ServerContext*, const v1::UnregisterRequest*, v1::UnregisterResponse*) override;
+  grpc::Status List(grpc::ServerContext*, const v1::ListRequest*, v1::ListResponse*) override;
+  grpc::Status Plan(grpc::ServerContext*, const v1::PlanRequest*, v1::PlanResponse*) override;
+  grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse*) override;
+
+ private:
+  StatusOr<ClusterView> cluster();
+  // A random write fence for one sync attempt (never 0).
+  uint64_t newFence();
+
+  const DaemonConfig& config_;
+  const AccessPolicy& access_;
+  Registry& registry_;
+  PeerSet& peers_;
+  SyncEngine& engine_;
+  Metrics& metrics_;
+  std::atomic<uint64_t> next_sync_{1};
+  ProgressBoard progress_;
+  std::string transport_;
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  std::mutex fence_mu_;
+  std::mt19937_64 fence_rng_{std::random_device{}()};
+  LogLimiter failure_log_;  // Sync: one line per failed sync kind per caller and 10 s
+  std::mutex sessions_mu_;
+  std::condition_variable sessions_cv_;
+  bool stopping_ = false;
+};
+
+class PeerService final : public v1::Peer::Service {
+ public:
+  PeerService(const AccessPolicy& access, Registry& registry, const PeerSet& peers, SyncEngine& engine)
+      : access_(access), registry_(registry), peers_(peers), engine_(engine) {}
+  grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse* out) override;
+  grpc::Status Prepare(grpc::ServerContext*, const v1::PrepareRequest* req, v1::PrepareResponse* out) override;
+  grpc::Status Execute(grpc::ServerContext*, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) override;
+  grpc::Status Finish(grpc::ServerContext*, const v1::FinishRequest* req, v1::FinishResponse*) override;
+  grpc::Status Progress(grpc::ServerContext*, const v1::ProgressRequest* req, v1::ProgressResponse* out) override;
+
+ private:
+  const AccessPolicy& access_;
+  Registry& registry_;
+  const PeerSet& peers_;
+  SyncEngine& engine_;
+};
+
+}  // namespace shardcast::daemon
