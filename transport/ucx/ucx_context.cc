@@ -590,27 +590,46 @@ void UcxEngine::failEndpoint(EpState& ep, const Status& st, bool quiet) {
 
 void UcxEngine::closeEndpoint(const std::shared_ptr<EpState>& ep, bool force) {
   if (!ep->ep) return;
+  ep->usable = false;
+  auto inFlight = [&] {
+    if (!ep->notifies.empty()) return true;
+    for (const auto& [id, op] : ops_)
+      if (op.ep == ep) return true;
+    return false;
+  };
   force = force || !ep->error.ok();  // a failed connection cannot be flushed
-  failEndpoint(*ep, absl::FailedPreconditionError(strCat("endpoint to peer '", ep->name, "' is closed")),
-               /*quiet=*/true);
-  for (auto& [packed, rkey] : ep->rkeys) ucp_rkey_destroy(rkey);
-  ep->rkeys.clear();
+  if (!force) {
+    // A graceful close lets what was started finish first (bounded: the peer may be gone), each
+    // completion running as its operation completes.
+    // (At shutdown stop() bounds all closes together: no wait here.)
+    const auto give_up = Clock::now() + (stopping_ ? std::chrono::seconds(0) : std::chrono::seconds(2));
+    while (inFlight() && Clock::now() < give_up) ucp_worker_progress(worker_);
+    force = inFlight() && !stopping_;
+  }
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   rp.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t req = ucp_ep_close_nbx(ep->ep, &rp);
   ep->ep = nullptr;
-  if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
-  // Keep progressing until the close completes (the peer must keep progressing too: it does, on
-  // its own progress thread), bounded so that a vanished peer cannot hang shutdown.
-  const auto give_up = Clock::now() + std::chrono::seconds(2);
-  while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < give_up) ucp_worker_progress(worker_);
-  if (ucp_request_check_status(req) == UCS_INPROGRESS) {
-    spdlog::warn("transport '{}': closing endpoint to '{}' did not finish in 2 s", options_.name, ep->name);
-    ucp_request_cancel(worker_, req);
-    while (ucp_request_check_status(req) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+  if (req != nullptr && !UCS_PTR_IS_ERR(req)) {
+    // Keep progressing until the close completes (the peer must keep progressing too: it does,
+    // on its own progress thread), bounded so that a vanished peer cannot hang shutdown.
+    const auto give_up = Clock::now() + std::chrono::seconds(2);
+    while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < give_up) ucp_worker_progress(worker_);
+    if (ucp_request_check_status(req) == UCS_INPROGRESS) {
+      spdlog::warn("transport '{}': closing endpoint to '{}' did not finish in 2 s", options_.name, ep->name);
+      ucp_request_cancel(worker_, req);
+      while (ucp_request_check_status(req) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+    }
+    ucp_request_free(req);
   }
-  ucp_request_free(req);
+  // Only now, with no request of the endpoint left in UCX, does what is still pending fail: a
+  // completion tells its caller the source may be reused, and a flush during the close could
+  // still have read it.
+  failEndpoint(*ep, absl::FailedPreconditionError(strCat("endpoint to peer '", ep->name, "' is closed")),
+               /*quiet=*/true);
+  for (auto& [packed, rkey] : ep->rkeys) ucp_rkey_destroy(rkey);
+  ep->rkeys.clear();
 }
 
 void UcxEngine::checkDeadlines() {
