@@ -3,18 +3,21 @@
 # from its seed corpus: layout JSON -> resolve -> plan, registration, peer notifications, deltas,
 # UCX message headers, peer requests (Prepare, Execute, Finish).
 #   scripts/fuzz.sh [--seconds N] [--jobs J] [target...]      (default: 20 s each, all targets)
+#   scripts/fuzz.sh --build-only [target...]                  (builds them, runs nothing)
 # Prints one line per target (executions, corpus size, crashes) and exits 1 if any input crashed
 # or tripped a sanitizer; the input is kept in build-fuzz/crashes/. bench/fuzz.sh runs it longer.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 seconds=20
 jobs=1
+build_only=0
 targets=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --seconds) seconds="$2"; shift 2 ;;
     --jobs) jobs="$2"; shift 2 ;;
-    -h|--help) sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --build-only) build_only=1; shift ;;
+    -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) targets+=("$1"); shift ;;
   esac
 done
@@ -42,6 +45,7 @@ else
   cmake "$build" >/dev/null  # a target added since it was configured (make cannot name it before)
 fi
 cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)" --target fuzz_seeds $(printf 'fuzz_%s ' "${targets[@]}") >/dev/null
+[ "$build_only" -eq 1 ] && exit 0
 
 corpus="$build/corpus"
 rm -rf "$build/crashes"  # this run's crashes only (an earlier run's stay in its log)

@@ -62,9 +62,18 @@ markers=()
 phase "pytest client" "$py" -m pytest -q -rs -p no:cacheprovider "${markers[@]}" "$root/client/python/tests"
 phase "pytest deploy" "$py" -m pytest -q -rs -p no:cacheprovider "${markers[@]}" "$root/deploy/tests"
 if [ "$tier" = full ]; then
+  # The fuzzers' clang build (build-fuzz/) runs in the background at the lowest priority while the
+  # vLLM tests run: they leave about a third of two cores idle (processes and engines starting).
+  fuzz_log="$build/fuzz-build.log"
+  nice -n 19 setsid bash "$root/scripts/fuzz.sh" --build-only >"$fuzz_log" 2>&1 &
+  fuzz_build=$!  # its own process group: a failing phase stops the build with it
+  trap 'kill -- "-$fuzz_build" 2>/dev/null || true' EXIT
   # shardcast.vllm inside a real vLLM (the vLLM venv of scripts/deps.sh vllm).
   phase "pytest vllm" bash "$root/scripts/test-vllm.sh" -p no:cacheprovider
-  # Every libFuzzer target for a short fixed time on its ASan + UBSan build (build-fuzz/, clang).
+  fuzz_built() { wait "$fuzz_build" || { cat "$fuzz_log" >&2; echo "test.sh: the fuzz build failed" >&2; return 1; }; }
+  phase "fuzz build (its rest)" fuzz_built
+  trap - EXIT
+  # Every libFuzzer target for a short fixed time on its ASan + UBSan build.
   phase "fuzz" bash "$root/scripts/fuzz.sh" --seconds "${SHARDCAST_FUZZ_SECONDS:-10}"
 fi
 

@@ -12,6 +12,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <type_traits>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -98,7 +99,11 @@ struct EpState {
   std::string name;
   Status error;                    // non-OK once the peer failed or the endpoint closed (progress thread only)
   std::atomic<bool> usable{true};  // error.ok(), for other threads (Endpoint::open)
-  std::map<std::string, ucp_rkey_h> rkeys;
+  // Unpacked remote keys by their packed bytes, destroyed with the endpoint's close.
+  struct RkeyDestroy {
+    void operator()(ucp_rkey_h k) const { ucp_rkey_destroy(k); }
+  };
+  std::map<std::string, std::unique_ptr<std::remove_pointer_t<ucp_rkey_h>, RkeyDestroy>> rkeys;
   uint64_t next_seq = 1;
   std::set<uint64_t> incomplete;  // seqs of writes not yet visible at the peer
   struct PendingNotify {
@@ -390,11 +395,11 @@ StatusOr<std::shared_ptr<EpState>> UcxEngine::openEndpoint(const std::string& ad
 
 StatusOr<ucp_rkey_h> UcxEngine::rkeyFor(EpState& ep, const std::string& packed) {
   auto it = ep.rkeys.find(packed);
-  if (it != ep.rkeys.end()) return it->second;
+  if (it != ep.rkeys.end()) return it->second.get();
   ucp_rkey_h rkey = nullptr;
   const ucs_status_t st = ucp_ep_rkey_unpack(ep.ep, packed.data(), &rkey);
   if (st != UCS_OK) return statusFromUcs(strCat("peer '", ep.name, "': unpack remote key"), st);
-  ep.rkeys.emplace(packed, rkey);
+  ep.rkeys.emplace(packed, rkey);  // owned from here
   return rkey;
 }
 
@@ -628,7 +633,6 @@ void UcxEngine::closeEndpoint(const std::shared_ptr<EpState>& ep, bool force) {
   // still have read it.
   failEndpoint(*ep, absl::FailedPreconditionError(strCat("endpoint to peer '", ep->name, "' is closed")),
                /*quiet=*/true);
-  for (auto& [packed, rkey] : ep->rkeys) ucp_rkey_destroy(rkey);
   ep->rkeys.clear();
 }
 
