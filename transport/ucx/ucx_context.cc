@@ -12,10 +12,10 @@
 #include <future>
 #include <map>
 #include <memory>
-#include <type_traits>
 #include <set>
 #include <sstream>
 #include <thread>
+#include <type_traits>
 #include <unordered_map>
 
 #include "common/strings.h"
