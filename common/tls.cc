@@ -2,9 +2,14 @@
 
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 
+#include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <fstream>
+#include <memory>
 
 #include "common/strings.h"
 
@@ -94,6 +99,17 @@ StatusOr<std::string> readToken(const std::string& path) {
   token = first == std::string::npos ? "" : token.substr(first, token.find_last_not_of(" \t\r\v\f") - first + 1);
   if (token.empty()) return absl::InvalidArgumentError(strCat("the token file ", quote(path), " is empty"));
   return token;
+}
+
+StatusOr<int64_t> certificateExpiry(const std::string& path) {
+  std::unique_ptr<FILE, int (*)(FILE*)> file(std::fopen(path.c_str(), "r"), &std::fclose);
+  if (!file) return absl::NotFoundError(strCat("certificate ", path, ": cannot open it"));
+  std::unique_ptr<X509, void (*)(X509*)> cert(PEM_read_X509(file.get(), nullptr, nullptr, nullptr), &X509_free);
+  if (!cert) return absl::InvalidArgumentError(strCat("certificate ", path, ": no PEM certificate in it"));
+  std::tm tm{};
+  if (ASN1_TIME_to_tm(X509_get0_notAfter(cert.get()), &tm) != 1)
+    return absl::InvalidArgumentError(strCat("certificate ", path, ": its notAfter does not parse"));
+  return static_cast<int64_t>(timegm(&tm));
 }
 
 }  // namespace shardcast

@@ -46,4 +46,8 @@ std::shared_ptr<grpc::ServerCredentials> serverCredentials(const TlsFiles& files
 // error naming the file (missing, unreadable, empty).
 StatusOr<std::string> readToken(const std::string& path);
 
+// When the first certificate of PEM file `path` expires (its notAfter, Unix seconds): for the
+// daemon's metrics, read again at every scrape since gRPC reloads the file.
+StatusOr<int64_t> certificateExpiry(const std::string& path);
+
 }  // namespace shardcast

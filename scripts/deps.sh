@@ -20,7 +20,8 @@ packages=(
   build-essential cmake pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libucx-dev ucx-utils libspdlog-dev libfmt-dev catch2 libcli11-dev libxxhash-dev
-  libcpp-httplib-dev
+  libcpp-httplib-dev libssl-dev
+  prometheus-cpp-dev  # the daemon's metrics (prometheus-cpp's core: registry, metric types, text format)
 )
 if [ "$mode" != "build" ]; then
   packages+=(

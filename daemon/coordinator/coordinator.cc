@@ -167,8 +167,13 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   out_.set_delta(delta_);
   out_.set_strategy(req_.options().strategy());
   out_.set_plan_summary_json(planner::renderJson(plan_->plan, plan_->nodes, planner::CostModel{}));
-  spdlog::info("sync {}: {} -> {} version {} committed in {:.3f} s", id_, req_.src_group(), req_.dst_group(),
-               req_.version(), out_.seconds());
+  // The one line a committed sync leaves, with its figures (a failed one: the service's warning).
+  spdlog::info(
+      "sync {}: {} -> {} version {} committed in {:.3f} s (gather {:.3f} s, prepare {:.3f} s, execute {:.3f} s, "
+      "finish {:.3f} s): {} bytes over the network, {} landed direct, {} copied locally",
+      id_, req_.src_group(), req_.dst_group(), req_.version(), out_.seconds(), out_.gather_seconds(),
+      out_.prepare_seconds(), out_.execute_seconds(), out_.finish_seconds(), out_.network_bytes(),
+      out_.bytes_landed_direct(), moved.local_bytes);
   return out_;
 }
 
@@ -302,9 +307,9 @@ Status SyncCoordinator::prepare() {
     if (!results[i].ok()) at_fault = i;  // the lease keeper gave it up: every call cancelled
   if (at_fault) {
     const std::string stalled = lease_keeper_->stalled();
-    const Status failure = fromGrpc(
-        results[*at_fault],
-        strCat("sync ", id_, ": prepare on node \"", stalled.empty() ? daemons[*at_fault].node() : stalled, "\""));
+    faulty_node_ = stalled.empty() ? daemons[*at_fault].node() : stalled;
+    const Status failure =
+        fromGrpc(results[*at_fault], strCat("sync ", id_, ": prepare on node \"", faulty_node_, "\""));
     giveUp(std::string(failure.message()));
     return failed(failure);
   }
@@ -312,6 +317,7 @@ Status SyncCoordinator::prepare() {
   // another version, say) would write where the others do not read.
   for (size_t i = 0; i < daemons.size(); ++i)
     if (prepared[i].plan_key() != plan_->key) {
+      faulty_node_ = daemons[i].node();
       const Status failure = absl::FailedPreconditionError(
           strCat("sync ", id_, ": node \"", daemons[i].node(), "\" planned this sync differently (plan \"",
                  prepared[i].plan_key(), "\", not \"", plan_->key, "\"): are the daemons of one version?"));
@@ -383,9 +389,11 @@ Status SyncCoordinator::execute() {
     if (!all_ok) break;
     ctx_.progress.update(id_, [&](v1::SyncProgress& p) { p.set_waves_done(static_cast<uint32_t>(wave + 1)); });
   }
-  if (const std::string node = lease_keeper_->stalled(); !node.empty())
+  if (const std::string node = lease_keeper_->stalled(); !node.empty()) {
+    faulty_node_ = node;
     return failed(absl::UnavailableError(strCat("sync ", id_, " failed: node \"", node, "\" stopped answering (for ",
                                                 lease_.count(), " ms, the sync's lease)")));
+  }
   bool any_failed = false;
   for (const auto& r : results) any_failed = any_failed || !r.ok();
   if (!any_failed) {
@@ -403,17 +411,21 @@ Status SyncCoordinator::execute() {
       if (!results[i].ok() && !cancelled(results[i]))
         first = strCat(" (node \"", daemons[i].node(), "\": ", results[i].error_message(), ")");
     spdlog::warn("sync {} failed: node \"{}\" does not answer{}", id_, gone, first);
+    faulty_node_ = gone;
     return failed(absl::UnavailableError(strCat("sync ", id_, " failed: node \"", gone, "\" does not answer", first)));
   }
   // The node whose own failure started it, rather than the ones aborted because of it.
   for (size_t i = 0; i < results.size(); ++i)
     if (!results[i].ok() && !cancelled(results[i])) {
       spdlog::warn("sync {} failed on node \"{}\": {}", id_, daemons[i].node(), results[i].error_message());
+      faulty_node_ = daemons[i].node();
       return failed(fromGrpc(results[i], strCat("sync ", id_, " failed on node \"", daemons[i].node(), "\"")));
     }
   for (size_t i = 0; i < results.size(); ++i)
-    if (!results[i].ok())
+    if (!results[i].ok()) {
+      faulty_node_ = daemons[i].node();
       return failed(fromGrpc(results[i], strCat("sync ", id_, " failed on node \"", daemons[i].node(), "\"")));
+    }
   return absl::OkStatus();
 }
 
@@ -437,6 +449,7 @@ Status SyncCoordinator::commit() {
   for (size_t i = 0; i < committed.size(); ++i)
     if (!committed[i].ok()) {
       spdlog::warn("sync {}: commit on node \"{}\" failed: {}", id_, daemons[i].node(), committed[i].error_message());
+      faulty_node_ = daemons[i].node();
       return failed(fromGrpc(committed[i], strCat("sync ", id_, ": commit on node \"", daemons[i].node(), "\"")));
     }
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {

@@ -74,6 +74,8 @@ class SyncCoordinator {
 
   // Runs every phase; the response of a committed sync, or the failure naming the node at fault.
   StatusOr<v1::SyncResponse> run();
+  // After a failed run: the node the failure names ("" when it names none: a refused request).
+  const std::string& faultyNode() const { return faulty_node_; }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -103,6 +105,7 @@ class SyncCoordinator {
   Context ctx_;
   const v1::SyncRequest& req_;
   const std::string id_;
+  std::string faulty_node_;
   const uint64_t fence_;
   // The attempt's write key (PrepareRequest.write_key): handed to its daemons only in Prepare.
   const transport::WriteKey key_ = transport::WriteKey::random();

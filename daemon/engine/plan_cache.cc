@@ -23,7 +23,10 @@ std::shared_ptr<const CachedPlan> PlanCache::lookup(const std::string& key, bool
   std::lock_guard<std::mutex> lock(mu_);
   auto it = plans_.find(key);
   *hit = it != plans_.end();
-  if (!*hit) return nullptr;
+  if (!*hit) {
+    ++misses_;
+    return nullptr;
+  }
   ++hits_;
   lru_.splice(lru_.begin(), lru_, it->second.age);
   return it->second.plan;
@@ -116,6 +119,11 @@ uint64_t PlanCache::positionPlansMade() const {
 uint64_t PlanCache::hits() const {
   std::lock_guard<std::mutex> lock(mu_);
   return hits_;
+}
+
+uint64_t PlanCache::misses() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return misses_;
 }
 
 bool PlanCache::contains(const std::string& key) const {

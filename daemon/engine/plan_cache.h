@@ -73,6 +73,7 @@ class PlanCache {
   // Position plans made so far (each replica set's once per source layout and chunk size).
   uint64_t positionPlansMade() const;
   uint64_t hits() const;
+  uint64_t misses() const;  // lookups that planned
   size_t size() const;
   bool contains(const std::string& key) const;
   // The keys evicted since the last call (their spare memory should go too: SpareMemory::drop).
@@ -100,6 +101,7 @@ class PlanCache {
   std::list<std::string> lru_;  // most recently used first
   std::vector<std::string> evicted_;
   uint64_t hits_ = 0;
+  uint64_t misses_ = 0;
 };
 
 // Arenas and staging buffers of committed syncs, by plan key: allocating and first touching large

@@ -19,9 +19,9 @@ std::string DaemonConfig::describe() const {
      << " peer_dns=" << (peer_dns.empty() ? "(none)" : peer_dns) << " transport=" << transport
      << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol
      << " host_zero_copy=" << host_zero_copy << " ucx_tcp_segment_kib=" << ucx_tcp_segment_kib
-     << " log_level=" << log_level << " peer_timeout_ms=" << peer_timeout_ms << " chunk_kib=" << (chunk_bytes >> 10)
-     << " staging_mib=" << staging_mib << " window_kib=" << (window_bytes >> 10) << " nic_gbps=" << nic_gbps
-     << " delta_cache_mib=" << delta_cache_mib << " delta_dense_every=" << delta_dense_every
+     << " log_level=" << log_level << " log_format=" << log_format << " peer_timeout_ms=" << peer_timeout_ms
+     << " chunk_kib=" << (chunk_bytes >> 10) << " staging_mib=" << staging_mib << " window_kib=" << (window_bytes >> 10)
+     << " nic_gbps=" << nic_gbps << " delta_cache_mib=" << delta_cache_mib << " delta_dense_every=" << delta_dense_every
      << " metrics=" << (metrics.empty() ? "(off)" : metrics) << " sync_lease_ms=" << sync_lease_ms
      << " max_sync_lease_ms=" << max_sync_lease_ms << " owner_grace_s=" << owner_grace_s
      << " max_local_connections_per_uid=" << max_local_connections_per_uid
@@ -122,6 +122,12 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   app.add_option("--log-level", c.log_level, "trace, debug, info, warn, error, critical, off")
       ->envname("SHARDCAST_LOG_LEVEL")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
+      ->capture_default_str();
+  app.add_option("--log-format", c.log_format,
+                 "text (lines for people) or json (one object per line: time, level, node, and the sync, group "
+                 "and rank a line is about)")
+      ->envname("SHARDCAST_LOG_FORMAT")
+      ->check(CLI::IsMember({"text", "json"}))
       ->capture_default_str();
   app.add_option("--peer-timeout-ms", c.peer_timeout_ms, "Deadline of calls between daemons")
       ->envname("SHARDCAST_PEER_TIMEOUT_MS")

@@ -121,7 +121,8 @@ int main(int argc, char** argv) {
       std::cerr << "shardcastd: " << config.status().message() << "\n";
     return output.empty() ? 2 : exit_code;
   }
-  if (auto st = setupLogging(config->log_level); !st.ok()) return fail(std::string(st.message()));
+  if (auto st = setupLogging(config->log_level, config->log_format, config->node); !st.ok())
+    return fail(std::string(st.message()));
   gpr_set_log_function(grpcLog);
   spdlog::info("shardcastd {} starting: {}", kShardcastVersion, config->describe());
   raiseFileLimit();
@@ -181,6 +182,17 @@ int main(int argc, char** argv) {
   metrics.registered_bytes = [&] { return registry.registeredBytes(); };
   metrics.registered_ranks = [&] { return static_cast<uint64_t>(registry.registeredRanks()); };
   metrics.plan_cache_hits = [&] { return engine.plans().hits(); };
+  metrics.plan_cache_misses = [&] { return engine.plans().misses(); };
+  if (config->tls.enabled()) metrics.certificate_expiry = [&] { return certificateExpiry(config->tls.cert); };
+  metrics.groups = [&] {
+    std::map<std::string, Metrics::GroupFigures> out;
+    for (const auto& g : registry.groups()) {
+      auto& figures = out[g.group()];
+      figures.version = g.version();
+      for (const auto& r : g.rank_states()) ++figures.ranks[std::string(v1::rankStateName(r.state()))];
+    }
+    return out;
+  };
   metrics.delta_base_bytes = [&] { return engine.deltaBases().bytes(); };
   metrics.delta_base_capacity = [&] { return engine.deltaBases().capacity(); };
   metrics.rank_states = [&] {

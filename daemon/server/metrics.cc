@@ -1,63 +1,162 @@
 #include "daemon/server/metrics.h"
 
 #include <httplib.h>
+#include <prometheus/text_serializer.h>
 
 #include <cerrno>
 #include <cstring>
-#include <sstream>
 
+#include "common/defaults.h"
 #include "common/strings.h"
 
 namespace shardcast::daemon {
 
+namespace {
+
+// Syncs take from milliseconds (a cached plan of a small model) to minutes (a 1T model's first).
+const prometheus::Histogram::BucketBoundaries& durationBuckets() {
+  static const prometheus::Histogram::BucketBoundaries b{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                                                         2.5,   5,    10,    30,   60,  120,  300, 600};
+  return b;
+}
+
+// A family of values read at scrape time: one metric per label value (or one without labels).
+prometheus::MetricFamily family(std::string name, std::string help, prometheus::MetricType type) {
+  return {std::move(name), std::move(help), type, {}};
+}
+void add(prometheus::MetricFamily& f, double value, std::vector<prometheus::ClientMetric::Label> labels = {}) {
+  prometheus::ClientMetric m;
+  m.label = std::move(labels);
+  if (f.type == prometheus::MetricType::Counter)
+    m.counter.value = value;
+  else
+    m.gauge.value = value;
+  f.metric.push_back(std::move(m));
+}
+
+}  // namespace
+
+Metrics::Metrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      syncs_(&prometheus::BuildCounter()
+                  .Name("shardcast_syncs_total")
+                  .Help("Syncs coordinated by this daemon, by result (committed, failed).")
+                  .Register(*registry_)),
+      duration_(&prometheus::BuildHistogram()
+                     .Name("shardcast_sync_duration_seconds")
+                     .Help("Duration of syncs coordinated by this daemon, by result.")
+                     .Register(*registry_)),
+      phase_duration_(&prometheus::BuildHistogram()
+                           .Name("shardcast_sync_phase_duration_seconds")
+                           .Help("Duration of each phase of the syncs committed by this daemon (gather: describe "
+                                 "and plan; prepare; execute: every wave; finish: the commit).")
+                           .Register(*registry_)),
+      peer_failures_(&prometheus::BuildCounter()
+                          .Name("shardcast_peer_failures_total")
+                          .Help("Syncs coordinated by this daemon that failed at a node, by the node the failure "
+                                "names (a peer, or this daemon's own).")
+                          .Register(*registry_)),
+      in_flight_(prometheus::BuildGauge()
+                     .Name("shardcast_syncs_in_flight")
+                     .Help("Syncs this daemon is coordinating now.")
+                     .Register(*registry_)
+                     .Add({})) {
+  prometheus::BuildGauge()
+      .Name("shardcast_build_info")
+      .Help("The daemon's release (1 per daemon).")
+      .Register(*registry_)
+      .Add({{"version", kShardcastVersion}})
+      .Set(1);
+  for (const char* result : {"committed", "failed"}) {  // present from the first scrape, at zero
+    syncs_->Add({{"result", result}});
+    duration_->Add({{"result", result}}, durationBuckets());
+  }
+}
+
+void Metrics::syncCommitted(const v1::SyncResponse& figures) {
+  syncs_->Add({{"result", "committed"}}).Increment();
+  duration_->Add({{"result", "committed"}}, durationBuckets()).Observe(figures.seconds());
+  const std::pair<const char*, double> phases[] = {{"gather", figures.gather_seconds()},
+                                                   {"prepare", figures.prepare_seconds()},
+                                                   {"execute", figures.execute_seconds()},
+                                                   {"finish", figures.finish_seconds()}};
+  for (const auto& [phase, seconds] : phases)
+    phase_duration_->Add({{"phase", phase}}, durationBuckets()).Observe(seconds);
+}
+
+void Metrics::peerFailed(const std::string& node) { peer_failures_->Add({{"peer", node}}).Increment(); }
+
+void Metrics::syncFailed(double seconds) {
+  syncs_->Add({{"result", "failed"}}).Increment();
+  duration_->Add({{"result", "failed"}}, durationBuckets()).Observe(seconds);
+}
+
 std::string Metrics::render() const {
-  std::ostringstream o;
-  auto metric = [&](const char* name, const char* type, const char* help) {
-    o << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n";
+  using prometheus::MetricType;
+  auto families = registry_->Collect();
+  auto read = [](const std::function<uint64_t()>& f) { return f ? static_cast<double>(f()) : 0.0; };
+  const SyncCounters m = moved.load();
+  auto counter = [&](const char* name, const char* help, double value) {
+    families.push_back(family(name, help, MetricType::Counter));
+    add(families.back(), value);
   };
-  metric("shardcast_syncs_total", "counter", "Syncs coordinated by this daemon, by outcome.");
-  o << "shardcast_syncs_total{outcome=\"committed\"} " << syncs_ok << "\n";
-  o << "shardcast_syncs_total{outcome=\"failed\"} " << syncs_failed << "\n";
-  metric("shardcast_sync_duration_seconds", "summary", "Duration of committed syncs coordinated by this daemon.");
-  o << "shardcast_sync_duration_seconds_sum " << static_cast<double>(sync_micros_sum) / 1e6 << "\n";
-  o << "shardcast_sync_duration_seconds_count " << syncs_ok << "\n";
-  metric("shardcast_bytes_sent_total", "counter", "Bytes this daemon sent over the network (sources and relays).");
-  o << "shardcast_bytes_sent_total " << moved.bytes_sent << "\n";
-  metric("shardcast_bytes_received_total", "counter", "Bytes that landed on this daemon over the network.");
-  o << "shardcast_bytes_received_total " << moved.bytes_received << "\n";
-  metric("shardcast_bytes_landed_direct_total", "counter",
-         "Of the bytes received: written by peers straight into destination rank buffers (no unpack copy).");
-  o << "shardcast_bytes_landed_direct_total " << moved.bytes_landed_direct << "\n";
-  metric("shardcast_local_bytes_total", "counter", "Bytes copied node-locally into destination ranks.");
-  o << "shardcast_local_bytes_total " << moved.local_bytes << "\n";
-  metric("shardcast_device_fanout_bytes_total", "counter",
-         "Of the local bytes: copied GPU to GPU from a local rank that received the same box first.");
-  o << "shardcast_device_fanout_bytes_total " << moved.device_fanout_bytes << "\n";
-  metric("shardcast_chunks_landed_total", "counter", "Chunks that landed on this daemon, by encoding (docs/delta.md).");
-  o << "shardcast_chunks_landed_total{encoding=\"dense\"} " << moved.dense_chunks << "\n";
-  o << "shardcast_chunks_landed_total{encoding=\"delta\"} " << moved.delta_chunks << "\n";
-  metric("shardcast_delta_base_bytes", "gauge",
-         "Host memory holding the bytes this daemon last sent, as bases of delta syncs (at most --delta-cache-mib).");
-  o << "shardcast_delta_base_bytes " << (delta_base_bytes ? delta_base_bytes() : 0) << "\n";
-  metric("shardcast_delta_base_capacity_bytes", "gauge", "--delta-cache-mib, in bytes.");
-  o << "shardcast_delta_base_capacity_bytes " << (delta_base_capacity ? delta_base_capacity() : 0) << "\n";
-  metric("shardcast_plan_cache_hits_total", "counter", "Syncs whose plan came from the cache.");
-  o << "shardcast_plan_cache_hits_total " << (plan_cache_hits ? plan_cache_hits() : 0) << "\n";
-  metric("shardcast_registered_bytes", "gauge", "Bytes of rank memory registered with this daemon.");
-  o << "shardcast_registered_bytes " << (registered_bytes ? registered_bytes() : 0) << "\n";
-  metric("shardcast_registered_ranks", "gauge", "Ranks registered with this daemon.");
-  o << "shardcast_registered_ranks " << (registered_ranks ? registered_ranks() : 0) << "\n";
-  metric("shardcast_ranks", "gauge", "Ranks registered with this daemon, by state (see docs/daemon.md).");
+  auto gauge = [&](const char* name, const char* help, double value) {
+    families.push_back(family(name, help, MetricType::Gauge));
+    add(families.back(), value);
+  };
+  counter("shardcast_bytes_sent_total", "Bytes this daemon sent over the network (sources and relays).",
+          static_cast<double>(m.bytes_sent));
+  counter("shardcast_bytes_received_total", "Bytes that landed on this daemon over the network.",
+          static_cast<double>(m.bytes_received));
+  counter("shardcast_bytes_landed_direct_total",
+          "Of the bytes received: written by peers straight into destination rank buffers (no unpack copy).",
+          static_cast<double>(m.bytes_landed_direct));
+  counter("shardcast_local_bytes_total", "Bytes copied node-locally into destination ranks.",
+          static_cast<double>(m.local_bytes));
+  counter("shardcast_device_fanout_bytes_total",
+          "Of the local bytes: copied GPU to GPU from a local rank that received the same box first.",
+          static_cast<double>(m.device_fanout_bytes));
+  families.push_back(family("shardcast_chunks_landed_total",
+                            "Chunks that landed on this daemon, by encoding (docs/delta.md).", MetricType::Counter));
+  add(families.back(), static_cast<double>(m.dense_chunks), {{"encoding", "dense"}});
+  add(families.back(), static_cast<double>(m.delta_chunks), {{"encoding", "delta"}});
+  gauge("shardcast_delta_base_bytes",
+        "Host memory holding the bytes this daemon last sent, as bases of delta syncs (at most --delta-cache-mib).",
+        read(delta_base_bytes));
+  gauge("shardcast_delta_base_capacity_bytes", "--delta-cache-mib, in bytes.", read(delta_base_capacity));
+  counter("shardcast_plan_cache_hits_total", "Syncs whose plan came from the cache.", read(plan_cache_hits));
+  counter("shardcast_plan_cache_misses_total", "Syncs that planned (no cached plan of their layouts and key).",
+          read(plan_cache_misses));
+  gauge("shardcast_registered_bytes", "Bytes of rank memory registered with this daemon.", read(registered_bytes));
+  gauge("shardcast_registered_ranks", "Ranks registered with this daemon.", read(registered_ranks));
+  families.push_back(
+      family("shardcast_ranks", "Ranks registered with this daemon, by state (docs/daemon.md).", MetricType::Gauge));
   std::map<std::string, uint64_t> states{{"empty", 0}, {"updating", 0}, {"ready", 0}, {"dirty", 0}};
   if (rank_states)
     for (const auto& [state, n] : rank_states()) states[state] = n;
-  for (const auto& [state, n] : states) o << "shardcast_ranks{state=\"" << state << "\"} " << n << "\n";
-  metric("shardcast_syncs_expired_total", "counter",
-         "Syncs aborted here because their coordinator went silent (lease).");
-  o << "shardcast_syncs_expired_total " << syncs_expired << "\n";
-  metric("shardcast_sessions_ended_total", "counter", "Client sessions that ended, their ranks unregistered.");
-  o << "shardcast_sessions_ended_total " << sessions_ended << "\n";
-  return o.str();
+  for (const auto& [state, n] : states) add(families.back(), static_cast<double>(n), {{"state", state}});
+  const auto by_group = groups ? groups() : std::map<std::string, GroupFigures>{};
+  families.push_back(family("shardcast_group_version",
+                            "Per group registered here: the version its ranks here hold (the lowest; 0: none yet).",
+                            MetricType::Gauge));
+  for (const auto& [group, g] : by_group) add(families.back(), static_cast<double>(g.version), {{"group", group}});
+  families.push_back(
+      family("shardcast_group_ranks", "Per group registered here: its ranks here by state.", MetricType::Gauge));
+  for (const auto& [group, g] : by_group)
+    for (const char* state : {"empty", "updating", "ready", "dirty"}) {
+      const auto it = g.ranks.find(state);
+      add(families.back(), static_cast<double>(it == g.ranks.end() ? 0 : it->second),
+          {{"group", group}, {"state", state}});
+    }
+  if (certificate_expiry)
+    if (const auto expiry = certificate_expiry(); expiry.ok())
+      gauge("shardcast_tls_certificate_expiry_timestamp_seconds",
+            "When this daemon's TLS certificate (--tls-cert) expires, in Unix seconds.", static_cast<double>(*expiry));
+  counter("shardcast_syncs_expired_total", "Syncs aborted here because their coordinator went silent (lease).",
+          static_cast<double>(syncs_expired.load()));
+  counter("shardcast_sessions_ended_total", "Client sessions that ended, their ranks unregistered.",
+          static_cast<double>(sessions_ended.load()));
+  return prometheus::TextSerializer().Serialize(families);
 }
 
 StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string& host, int port,

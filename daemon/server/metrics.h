@@ -1,8 +1,17 @@
-// Prometheus metrics of one daemon, served as text on GET /metrics (cpp-httplib, Debian's
-// libcpp-httplib-dev), and GET /healthz for probes that cannot speak TLS (kubelet's gRPC probes
-// are plaintext; the gRPC port is mutual TLS). Counters are atomics updated by the sync paths;
-// gauges are read on scrape.
+// Prometheus metrics of one daemon, on prometheus-cpp (Debian's prometheus-cpp-dev: its registry,
+// metric types and text serializer), served on GET /metrics by cpp-httplib beside GET /healthz for
+// probes that cannot speak TLS (kubelet's gRPC probes are plaintext; the gRPC port is mutual TLS).
+// Syncs coordinated here feed histograms as they end; the sync paths' own atomics (bytes, chunks,
+// expiries) and the registry's state are read at scrape time into the same families. Names follow
+// Prometheus' conventions: a `shardcast_` prefix, base units, `_total` on counters; labels are
+// bounded (result, phase, state, encoding, group): never a sync id or a tensor name.
 #pragma once
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
 
 #include <atomic>
 #include <functional>
@@ -13,6 +22,7 @@
 
 #include "common/status.h"
 #include "daemon/engine/sync_counters.h"
+#include "shardcast/v1/service.pb.h"
 
 namespace httplib {
 class Server;
@@ -20,20 +30,52 @@ class Server;
 
 namespace shardcast::daemon {
 
-struct Metrics {
-  std::atomic<uint64_t> syncs_ok{0}, syncs_failed{0};
-  AtomicSyncCounters moved;                  // every wave of every sync that ran here
-  std::atomic<uint64_t> sync_micros_sum{0};  // of committed syncs coordinated here
-  std::atomic<uint64_t> syncs_expired{0};    // aborted here because their coordinator's lease ran out
-  std::atomic<uint64_t> sessions_ended{0};   // client sessions that ended (ranks unregistered)
-  std::atomic<bool> serving{false};          // /healthz: 200 once the gRPC server runs, 503 when stopping
+class Metrics {
+ public:
+  Metrics();
+
+  // A sync coordinated here ended: committed (its figures: phase times) or failed after
+  // `seconds`.
+  void syncCommitted(const v1::SyncResponse& figures);
+  void syncFailed(double seconds);
+  // A sync coordinated here failed at `node` (the node its failure names: a peer, or this one).
+  void peerFailed(const std::string& node);
+  // Syncs coordinated here that are running (the gauge follows a guard's life).
+  struct InFlight {
+    explicit InFlight(Metrics& m) : gauge(m.in_flight_) { gauge.Increment(); }
+    ~InFlight() { gauge.Decrement(); }
+    prometheus::Gauge& gauge;
+  };
+
+  AtomicSyncCounters moved;                 // every wave of every sync that ran here
+  std::atomic<uint64_t> syncs_expired{0};   // aborted here because their coordinator's lease ran out
+  std::atomic<uint64_t> sessions_ended{0};  // client sessions that ended (ranks unregistered)
+  std::atomic<bool> serving{false};         // /healthz: 200 once the gRPC server runs, 503 when stopping
   // Read at scrape time.
-  std::function<uint64_t()> registered_bytes, registered_ranks, plan_cache_hits;
+  std::function<uint64_t()> registered_bytes, registered_ranks, plan_cache_hits, plan_cache_misses;
   std::function<uint64_t()> delta_base_bytes, delta_base_capacity;  // host memory of delta bases
   // Registered ranks per state: empty, updating, ready, dirty.
   std::function<std::map<std::string, uint64_t>()> rank_states;
+  // Per group registered here: the version its ranks here hold (the lowest of them; 0: none yet)
+  // and how many of them are in each state.
+  struct GroupFigures {
+    uint64_t version = 0;
+    std::map<std::string, uint64_t> ranks;  // by state name
+  };
+  std::function<std::map<std::string, GroupFigures>()> groups;
+  // With TLS: when this daemon's certificate expires (Unix seconds); unset without TLS.
+  std::function<StatusOr<int64_t>()> certificate_expiry;
 
+  // The text exposition format of every family (prometheus::TextSerializer).
   std::string render() const;
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>* syncs_;
+  prometheus::Family<prometheus::Histogram>* duration_;
+  prometheus::Family<prometheus::Histogram>* phase_duration_;
+  prometheus::Family<prometheus::Counter>* peer_failures_;
+  prometheus::Gauge& in_flight_;
 };
 
 // Serves `metrics` on host:port until destroyed.

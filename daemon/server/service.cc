@@ -6,6 +6,7 @@
 #include <cctype>
 #include <mutex>
 
+#include "common/logging.h"
 #include "common/strings.h"
 #include "daemon/engine/notification.h"
 #include "planner/plan.h"
@@ -54,12 +55,16 @@ grpc::Status ShardcastService::Sync(grpc::ServerContext* ctx, const v1::SyncRequ
   // or token) for the job (docs/security.md, "Who may sync").
   std::optional<uint32_t> uid;
   if (caller->local && caller->local->uid != 0 && !access_.insecure()) uid = caller->local->uid;
-  const grpc::Status st = coordinate(*req, out, uid);
+  const auto started = std::chrono::steady_clock::now();
+  grpc::Status st;
+  {
+    Metrics::InFlight in_flight(metrics_);
+    st = coordinate(*req, out, uid);
+  }
   if (st.ok()) {
-    ++metrics_.syncs_ok;
-    metrics_.sync_micros_sum += static_cast<uint64_t>(out->seconds() * 1e6);
+    metrics_.syncCommitted(*out);
   } else {
-    ++metrics_.syncs_failed;
+    metrics_.syncFailed(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
     // Every refused or failed sync leaves one line: which, for whom, why (a caller retrying in a
     // loop gets one line per 10 s, with the count of those held back).
     uint64_t held = 0;
@@ -97,10 +102,14 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
   if (!progress_.start(id))
     return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
                         strCat("sync: a sync with id \"", id, "\" is still running on node \"", config_.node, "\""));
+  const LogScope scope(id, req.dst_group());
   SyncCoordinator coordinator({config_, registry_, peers_, engine_, progress_, config_.selfAddress(), caller_uid}, req,
                               id, newFence());
   auto done = coordinator.run();
-  if (!done.ok()) return toGrpc(done.status());
+  if (!done.ok()) {
+    if (!coordinator.faultyNode().empty()) metrics_.peerFailed(coordinator.faultyNode());
+    return toGrpc(done.status());
+  }
   *out = std::move(*done);
   return grpc::Status::OK;
 }
@@ -206,11 +215,13 @@ grpc::Status PeerService::Describe(grpc::ServerContext* ctx, const v1::DescribeR
 
 grpc::Status PeerService::Prepare(grpc::ServerContext* ctx, const v1::PrepareRequest* req, v1::PrepareResponse* out) {
   if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
+  const LogScope scope(req->sync_id(), req->dst().group());
   return reply(engine_.prepare(*req), out);
 }
 
 grpc::Status PeerService::Execute(grpc::ServerContext* ctx, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) {
   if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
+  const LogScope scope(req->sync_id());
   // The transport addresses a coordinator hands out reach UCX's own (unchecking) parser when this
   // daemon connects: only addresses the named nodes gave this daemon themselves are used.
   for (const auto& n : req->nodes()) {
@@ -229,6 +240,7 @@ grpc::Status PeerService::Progress(grpc::ServerContext* ctx, const v1::ProgressR
 
 grpc::Status PeerService::Finish(grpc::ServerContext* ctx, const v1::FinishRequest* req, v1::FinishResponse* out) {
   if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
+  const LogScope scope(req->sync_id());
   return reply(engine_.finish(*req), out);
 }
 
@@ -239,6 +251,7 @@ grpc::Status ShardcastService::Register(grpc::ServerContext* ctx, const v1::Regi
   if (!caller->local && !access_.insecure())
     return toGrpc(absl::PermissionDeniedError(strCat(
         caller->who, ": ranks register over the Unix socket (the daemon checks that the memory is the caller's own)")));
+  const LogScope scope("", req->group(), req->rank());
   auto r = registry_.registerRank(*req, caller->memory(access_.insecure()));
   if (!r.ok()) {
     spdlog::warn("register refused: {}", std::string(r.status().message()));

@@ -199,9 +199,13 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
   auto scrape = http.Get("/metrics");
   REQUIRE(scrape);
   CHECK(scrape->status == 200);
-  CHECK_THAT(scrape->body, Catch::Contains("shardcast_syncs_total{outcome=\"committed\"} 1"));
+  CHECK_THAT(scrape->body, Catch::Contains("shardcast_syncs_total{result=\"committed\"} 1"));
   CHECK_THAT(scrape->body, Catch::Contains("shardcast_registered_ranks 2"));
   CHECK_THAT(scrape->body, Catch::Contains("shardcast_bytes_sent_total"));
+  CHECK_THAT(scrape->body, Catch::Contains("shardcast_sync_duration_seconds_count{result=\"committed\"} 1"));
+  CHECK_THAT(scrape->body, Catch::Contains("shardcast_sync_phase_duration_seconds_count{phase=\"execute\"} 1"));
+  CHECK_THAT(scrape->body, Catch::Contains("shardcast_group_ranks{group=\"trainer\",state=\"ready\"} 2"));
+  CHECK_THAT(scrape->body, Catch::Contains("shardcast_syncs_in_flight 0"));
   sync.clear_sync_id();
   // Inference ranks see the committed version on their nodes.
   v1::WaitVersionRequest wv;

@@ -144,6 +144,42 @@ def test_a_clean_stop_is_quiet_on_both_sides(tmp_path):
         assert "stopped" in text
 
 
+def test_json_logs_are_one_object_per_line_naming_node_and_sync(tmp_path):
+    """--log-format json: every line of both daemons is a JSON object with time, level and node;
+    the coordinator's line for the committed sync names the sync and the group and carries its
+    figures (phases, bytes)."""
+    import json
+    ports = {"n0": free_port(), "n1": free_port()}
+    peers = [f"127.0.0.1:{p}" for p in ports.values()]
+    logs = {n: open(tmp_path / f"{n}.log", "w") for n in ports}
+    tls, _ = mint_certificates(str(tmp_path / "certs"), str(shardcastd_path()))
+    daemons = {n: LocalDaemon(n, ports[n], peers, str(tmp_path), str(shardcastd_path()),
+                              ["--log-level", "info", "--log-format", "json"], stderr=logs[n], tls=tls)
+               for n in ports}
+    try:
+        src, dst = shardcast.Client(daemons["n0"].target), shardcast.Client(daemons["n1"].target)
+        _sync_once(src, dst)
+        dst.close()
+        src.close()
+    finally:
+        for d in daemons.values():
+            d.stop()
+        for f in logs.values():
+            f.close()
+    for n in ports:
+        lines = (tmp_path / f"{n}.log").read_text().splitlines()
+        assert lines, f"{n} logged nothing"
+        parsed = [json.loads(line) for line in lines]
+        for p in parsed:
+            assert p["node"] == n and p["level"] in ("info", "warning") and p["time"].endswith("Z"), p
+    committed = [p for p in (json.loads(line) for line in (tmp_path / "n0.log").read_text().splitlines())
+                 if "committed in" in p["msg"]]
+    assert len(committed) == 1, committed
+    line = committed[0]
+    assert line["group"] == "infer" and line["sync"], line  # the id the client chose
+    assert "execute" in line["msg"] and "bytes over the network" in line["msg"], line
+
+
 def test_shutdown_is_bounded_while_a_peer_is_frozen():
     with LocalCluster(["n0", "n1"], extra=["--shutdown-grace-ms", "1000"]) as c:
         src, dst = shardcast.Client(c.target("n0")), shardcast.Client(c.target("n1"))

@@ -1,0 +1,80 @@
+// The daemon's metrics on prometheus-cpp: what a committed and a failed sync leave in the
+// histograms and counters, the values read at scrape time, and names as Prometheus wants them.
+// A scrape of a real daemon after real syncs is in sync_test.cc ("metrics").
+#include "daemon/server/metrics.h"
+
+#include <catch2/catch.hpp>
+
+#include "common/defaults.h"
+
+using namespace shardcast;
+using namespace shardcast::daemon;
+using Catch::Matchers::Contains;
+
+TEST_CASE("metrics: syncs feed histograms by result and phase, scrape-time values by label", "[daemon][metrics]") {
+  Metrics m;
+  const std::string empty = m.render();
+  // Every family is there from the first scrape, at zero, and the release is named.
+  CHECK_THAT(empty, Contains("shardcast_syncs_total{result=\"committed\"} 0"));
+  CHECK_THAT(empty, Contains("shardcast_syncs_total{result=\"failed\"} 0"));
+  CHECK_THAT(empty, Contains(std::string("shardcast_build_info{version=\"") + kShardcastVersion + "\"} 1"));
+  CHECK_THAT(empty, Contains("shardcast_syncs_in_flight 0"));
+  CHECK_THAT(empty, Contains("# TYPE shardcast_sync_duration_seconds histogram"));
+
+  v1::SyncResponse figures;
+  figures.set_seconds(1.5);
+  figures.set_gather_seconds(0.02);
+  figures.set_prepare_seconds(0.3);
+  figures.set_execute_seconds(1.1);
+  figures.set_finish_seconds(0.004);
+  {
+    Metrics::InFlight running(m);
+    CHECK_THAT(m.render(), Contains("shardcast_syncs_in_flight 1"));
+  }
+  m.syncCommitted(figures);
+  m.syncFailed(40);
+  m.peerFailed("n3");
+  m.moved.bytes_sent += 1000;
+  m.moved.dense_chunks += 3;
+  m.syncs_expired += 2;
+  m.plan_cache_hits = [] { return uint64_t{5}; };
+  m.plan_cache_misses = [] { return uint64_t{1}; };
+  m.rank_states = [] { return std::map<std::string, uint64_t>{{"ready", 4}, {"dirty", 1}}; };
+  m.groups = [] {
+    return std::map<std::string, Metrics::GroupFigures>{{"infer", {7, {{"ready", 3}, {"dirty", 1}}}},
+                                                        {"trainer", {8, {{"ready", 1}}}}};
+  };
+  const std::string out = m.render();
+  CHECK_THAT(out, Contains("shardcast_syncs_in_flight 0"));
+  CHECK_THAT(out, Contains("shardcast_syncs_total{result=\"committed\"} 1"));
+  CHECK_THAT(out, Contains("shardcast_syncs_total{result=\"failed\"} 1"));
+  // 1.5 s: above the 1 s bucket, within 2.5 s; the failed one's 40 s only in 60 s and above.
+  CHECK_THAT(out, Contains("shardcast_sync_duration_seconds_bucket{result=\"committed\",le=\"1\"} 0"));
+  CHECK_THAT(out, Contains("shardcast_sync_duration_seconds_bucket{result=\"committed\",le=\"2.5\"} 1"));
+  CHECK_THAT(out, Contains("shardcast_sync_duration_seconds_bucket{result=\"failed\",le=\"30\"} 0"));
+  CHECK_THAT(out, Contains("shardcast_sync_duration_seconds_bucket{result=\"failed\",le=\"60\"} 1"));
+  CHECK_THAT(out, Contains("shardcast_sync_duration_seconds_sum{result=\"failed\"} 40"));
+  for (const char* phase : {"gather", "prepare", "execute", "finish"})
+    CHECK_THAT(out, Contains(std::string("shardcast_sync_phase_duration_seconds_count{phase=\"") + phase + "\"} 1"));
+  CHECK_THAT(out, Contains("shardcast_sync_phase_duration_seconds_bucket{phase=\"execute\",le=\"1\"} 0"));
+  CHECK_THAT(out, Contains("shardcast_sync_phase_duration_seconds_bucket{phase=\"prepare\",le=\"0.5\"} 1"));
+  CHECK_THAT(out, Contains("shardcast_peer_failures_total{peer=\"n3\"} 1"));
+  CHECK_THAT(out, Contains("shardcast_bytes_sent_total 1000"));
+  CHECK_THAT(out, Contains("shardcast_chunks_landed_total{encoding=\"dense\"} 3"));
+  CHECK_THAT(out, Contains("shardcast_chunks_landed_total{encoding=\"delta\"} 0"));
+  CHECK_THAT(out, Contains("shardcast_syncs_expired_total 2"));
+  CHECK_THAT(out, Contains("shardcast_plan_cache_hits_total 5"));
+  CHECK_THAT(out, Contains("shardcast_plan_cache_misses_total 1"));
+  CHECK_THAT(out, Contains("shardcast_ranks{state=\"ready\"} 4"));
+  CHECK_THAT(out, Contains("shardcast_ranks{state=\"updating\"} 0"));  // every state, even at zero
+  CHECK_THAT(out, Contains("shardcast_group_version{group=\"infer\"} 7"));
+  CHECK_THAT(out, Contains("shardcast_group_version{group=\"trainer\"} 8"));
+  CHECK_THAT(out, Contains("shardcast_group_ranks{group=\"infer\",state=\"dirty\"} 1"));
+  CHECK_THAT(out, Contains("shardcast_group_ranks{group=\"infer\",state=\"ready\"} 3"));
+  CHECK_THAT(out, Contains("shardcast_group_ranks{group=\"trainer\",state=\"updating\"} 0"));
+  // Counters end in _total, and no family is rendered twice.
+  CHECK_THAT(out, Contains("# TYPE shardcast_bytes_sent_total counter"));
+  size_t at = 0, helps = 0;
+  while ((at = out.find("# TYPE shardcast_ranks ", at)) != std::string::npos) ++helps, ++at;
+  CHECK(helps == 1);
+}
