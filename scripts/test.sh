@@ -58,23 +58,41 @@ markers=()
 [ "$tier" = quick ] && markers=(-m "not slow")
 # pytest: the Python client and the examples, then the deployment checks (manifests validated
 # against Kubernetes' schemas, consistency with the daemon's flags, the daemon run as the
-# DaemonSet says). Separate runs: each directory has its own conftest.
+# DaemonSet says). Separate runs: each directory has its own conftest. The deployment checks run
+# beside the client's (they mostly wait on kubectl); their output follows.
+deploy_log="$build/pytest-deploy.log"
+"$py" -m pytest -q -rs -p no:cacheprovider "${markers[@]}" "$root/deploy/tests" >"$deploy_log" 2>&1 &
+deploy_tests=$!
+trap 'kill "$deploy_tests" 2>/dev/null || true' EXIT
 phase "pytest client" "$py" -m pytest -q -rs -p no:cacheprovider "${markers[@]}" "$root/client/python/tests"
-phase "pytest deploy" "$py" -m pytest -q -rs -p no:cacheprovider "${markers[@]}" "$root/deploy/tests"
+deploy_done() {
+  local rc=0
+  wait "$deploy_tests" || rc=$?
+  cat "$deploy_log"
+  return $rc
+}
+phase "pytest deploy (the rest)" deploy_done
+trap - EXIT
 if [ "$tier" = full ]; then
-  # The fuzzers' clang build (build-fuzz/) runs in the background at the lowest priority while the
-  # vLLM tests run: they leave about a third of two cores idle (processes and engines starting).
-  fuzz_log="$build/fuzz-build.log"
-  nice -n 19 setsid bash "$root/scripts/fuzz.sh" --build-only >"$fuzz_log" 2>&1 &
-  fuzz_build=$!  # its own process group: a failing phase stops the build with it
-  trap 'kill -- "-$fuzz_build" 2>/dev/null || true' EXIT
+  # The fuzzers (every libFuzzer target for a short fixed time on its ASan + UBSan clang build in
+  # build-fuzz/) build and run in the background at the lowest priority while the vLLM tests run:
+  # those leave about a third of two cores idle (processes and engines starting). Their report
+  # follows the vLLM tests'.
+  fuzz_log="$build/fuzz.log"
+  nice -n 19 setsid bash "$root/scripts/fuzz.sh" --seconds "${SHARDCAST_FUZZ_SECONDS:-10}" >"$fuzz_log" 2>&1 &
+  fuzz=$!  # its own process group: a failing phase stops it with it
+  trap 'kill -- "-$fuzz" 2>/dev/null || true' EXIT
   # shardcast.vllm inside a real vLLM (the vLLM venv of scripts/deps.sh vllm).
   phase "pytest vllm" bash "$root/scripts/test-vllm.sh" -p no:cacheprovider
-  fuzz_built() { wait "$fuzz_build" || { cat "$fuzz_log" >&2; echo "test.sh: the fuzz build failed" >&2; return 1; }; }
-  phase "fuzz build (its rest)" fuzz_built
+  fuzz_done() {
+    local rc=0
+    wait "$fuzz" || rc=$?
+    cat "$fuzz_log"
+    [ $rc -eq 0 ] || echo "test.sh: the fuzzers failed (build-fuzz/crashes/)" >&2
+    return $rc
+  }
+  phase "fuzz (the rest)" fuzz_done
   trap - EXIT
-  # Every libFuzzer target for a short fixed time on its ASan + UBSan build.
-  phase "fuzz" bash "$root/scripts/fuzz.sh" --seconds "${SHARDCAST_FUZZ_SECONDS:-10}"
 fi
 
 echo "test.sh ($tier): time per phase" >&2
