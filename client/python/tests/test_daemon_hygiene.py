@@ -117,13 +117,19 @@ def _sync_once(c_src: shardcast.Client, c_dst: shardcast.Client):
     return regs
 
 
-def test_a_clean_stop_is_quiet_on_both_sides(tmp_path):
+def _two_daemons(tmp_path, flags):
+    """Daemons n0 and n1 with mutual TLS, each logging to tmp_path/<node>.log; and those files."""
     ports = {"n0": free_port(), "n1": free_port()}
     peers = [f"127.0.0.1:{p}" for p in ports.values()]
     logs = {n: open(tmp_path / f"{n}.log", "w") for n in ports}
     tls, _ = mint_certificates(str(tmp_path / "certs"), str(shardcastd_path()))
-    daemons = {n: LocalDaemon(n, ports[n], peers, str(tmp_path), str(shardcastd_path()), ["--log-level", "info"],
-                              stderr=logs[n], tls=tls) for n in ports}
+    daemons = {n: LocalDaemon(n, ports[n], peers, str(tmp_path), str(shardcastd_path()), flags, stderr=logs[n],
+                              tls=tls) for n in ports}
+    return daemons, logs
+
+
+def test_a_clean_stop_is_quiet_on_both_sides(tmp_path):
+    daemons, logs = _two_daemons(tmp_path, ["--log-level", "info"])
     try:
         src, dst = shardcast.Client(daemons["n0"].target), shardcast.Client(daemons["n1"].target)
         _sync_once(src, dst)
@@ -138,7 +144,7 @@ def test_a_clean_stop_is_quiet_on_both_sides(tmp_path):
             d.stop()
         for f in logs.values():
             f.close()
-    for n in ports:
+    for n in daemons:
         text = (tmp_path / f"{n}.log").read_text()
         assert " warning " not in text and " error " not in text and " critical " not in text, f"{n}:\n{text}"
         assert "stopped" in text
@@ -149,13 +155,7 @@ def test_json_logs_are_one_object_per_line_naming_node_and_sync(tmp_path):
     the coordinator's line for the committed sync names the sync and the group and carries its
     figures (phases, bytes)."""
     import json
-    ports = {"n0": free_port(), "n1": free_port()}
-    peers = [f"127.0.0.1:{p}" for p in ports.values()]
-    logs = {n: open(tmp_path / f"{n}.log", "w") for n in ports}
-    tls, _ = mint_certificates(str(tmp_path / "certs"), str(shardcastd_path()))
-    daemons = {n: LocalDaemon(n, ports[n], peers, str(tmp_path), str(shardcastd_path()),
-                              ["--log-level", "info", "--log-format", "json"], stderr=logs[n], tls=tls)
-               for n in ports}
+    daemons, logs = _two_daemons(tmp_path, ["--log-level", "info", "--log-format", "json"])
     try:
         src, dst = shardcast.Client(daemons["n0"].target), shardcast.Client(daemons["n1"].target)
         _sync_once(src, dst)
@@ -166,7 +166,7 @@ def test_json_logs_are_one_object_per_line_naming_node_and_sync(tmp_path):
             d.stop()
         for f in logs.values():
             f.close()
-    for n in ports:
+    for n in daemons:
         lines = (tmp_path / f"{n}.log").read_text().splitlines()
         assert lines, f"{n} logged nothing"
         parsed = [json.loads(line) for line in lines]
