@@ -3,8 +3,10 @@
 #include <fmt/format.h>
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/ioctl.h>
 #include <unistd.h>
 
+#include <ctime>
 #include <iostream>
 #include <memory>
 #include <random>
@@ -12,6 +14,7 @@
 
 #include "client/cli/exit_codes.h"
 #include "client/cli/progress_view.h"
+#include "client/cli/top_view.h"
 #include "client/lib/client.h"
 #include "common/grpc_status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -204,6 +207,69 @@ int runStatus(const CommonArgs& a) {
   return kOk;
 }
 
+// ---- top ----
+
+struct TopArgs : CommonArgs {
+  double interval_s = 2;
+  bool once = false;
+};
+
+int terminalWidth() {
+  winsize w{};
+  if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &w) == 0 && w.ws_col >= 40) return w.ws_col;
+  return 80;
+}
+
+std::string wallClock() {
+  const std::time_t now = std::time(nullptr);
+  std::tm local{};
+  ::localtime_r(&now, &local);
+  char text[16];
+  std::strftime(text, sizeof(text), "%H:%M:%S", &local);
+  return text;
+}
+
+// Redraws the cluster's screen every interval until interrupted (--once: one screen, then exit).
+// A daemon that stops answering is shown as such, and the view recovers when it answers again.
+int runTop(const TopArgs& a) {
+  int rc = kOk;
+  auto client = connectOrReport("top", a, &rc);
+  if (!client) return rc;
+  const bool tty = ::isatty(STDOUT_FILENO) != 0;
+  while (true) {
+    auto status = client->status(/*all_nodes=*/true);
+    auto ranks = status.ok() ? client->list(/*all_nodes=*/true) : StatusOr<v1::ListResponse>(status.status());
+    const Status st = status.ok() ? ranks.status() : status.status();
+    if (!st.ok() && a.once) return failed("top", st);
+    std::string screen;
+    if (!st.ok()) {
+      screen = fmt::format("shardcast top - {}\n\n  the daemon does not answer: {}: {}\n  (retrying every {} s)\n",
+                           wallClock(), absl::StatusCodeToString(st.code()), std::string(st.message()), a.interval_s);
+    } else if (a.json) {
+      screen = fmt::format(R"({{"status":{},"ranks":{}}})", toJson(*status), toJson(*ranks)) + "\n";
+    } else {
+      TopScreen view;
+      view.width = tty ? terminalWidth() : 80;
+      view.clock = wallClock();
+      screen = renderTop(*status, *ranks, view);
+    }
+    if (tty && !a.once && !a.json) {
+      // Home, then each line over the last screen's, clearing what is left of it.
+      std::string frame = "\033[H";
+      for (size_t at = 0; at < screen.size();) {
+        const size_t end = screen.find('\n', at);
+        frame += screen.substr(at, end - at) + "\033[K\n";
+        at = end == std::string::npos ? screen.size() : end + 1;
+      }
+      std::cout << frame << "\033[J" << std::flush;
+    } else {
+      std::cout << screen << (a.json ? "" : "\n") << std::flush;
+    }
+    if (a.once) return kOk;
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(a.interval_s * 1000)));
+  }
+}
+
 // ---- layouts ----
 
 struct LayoutsArgs : CommonArgs {
@@ -367,6 +433,17 @@ void addDaemonCommands(CLI::App& app, int* exit_code) {
     auto* cmd = app.add_subcommand("status", "The daemon, its peers, its groups and their versions");
     addCommon(cmd, a.get());
     cmd->callback([a, exit_code] { *exit_code = runStatus(*a); });
+  }
+  {
+    auto a = std::make_shared<TopArgs>();
+    auto* cmd = app.add_subcommand(
+        "top", "A live view of the cluster: groups, versions, rank states, syncs in flight, recent failures");
+    cmd->add_option("--interval-s", a->interval_s, "Seconds between refreshes")
+        ->capture_default_str()
+        ->check(CLI::Range(0.1, 3600.0));
+    cmd->add_flag("--once", a->once, "Print one screen and exit");
+    addCommon(cmd, a.get());
+    cmd->callback([a, exit_code] { *exit_code = runTop(*a); });
   }
   {
     auto a = std::make_shared<LayoutsArgs>();

@@ -482,9 +482,11 @@ StatusOr<v1::WaitVersionResponse> Client::waitReady(const std::string& group, ui
   return out;
 }
 
-StatusOr<v1::StatusResponse> Client::status() const {
+StatusOr<v1::StatusResponse> Client::status(bool all_nodes) const {
+  v1::StatusRequest req;
+  req.set_all_nodes(all_nodes);
   v1::StatusResponse out;
-  const auto st = stub_->Status(context(call_timeout_).get(), v1::StatusRequest(), &out);
+  const auto st = stub_->Status(context(call_timeout_).get(), req, &out);
   if (!st.ok()) return fromGrpc(st, "status");
   return out;
 }

@@ -165,7 +165,8 @@ class Client {
   StatusOr<v1::WaitVersionResponse> waitReady(const std::string& group, uint64_t version,
                                               std::chrono::milliseconds timeout) const;
 
-  StatusOr<v1::StatusResponse> status() const;
+  // `all_nodes`: with every reachable daemon's syncs (StatusResponse.syncs), not only this one's.
+  StatusOr<v1::StatusResponse> status(bool all_nodes = false) const;
   StatusOr<v1::ListResponse> list(bool all_nodes) const;
   // `nic_gbps`: the NIC rate the predicted time is for (0: the daemon's default).
   StatusOr<v1::PlanResponse> plan(const std::string& src, const std::string& dst, double nic_gbps = 0,

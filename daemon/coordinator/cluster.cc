@@ -136,11 +136,12 @@ Status PeerSet::checkTransportAddress(const std::string& node, const std::string
 }
 
 std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addrs,
-                                            std::vector<v1::DescribeResponse>* responses) const {
+                                            std::vector<v1::DescribeResponse>* responses, bool syncs) const {
   // Every Describe at once: a gather costs about one round trip however many peers there are.
   const size_t n = addrs.size();
   responses->assign(n, {});
-  const v1::DescribeRequest request;
+  v1::DescribeRequest request;
+  request.set_syncs(syncs);
   std::vector<grpc::ClientContext> contexts(n);
   const auto statuses =
       fanOut(contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms),
@@ -149,6 +150,7 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
              });
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < n; ++i) {
+    answered_[addrs[i]] = statuses[i].ok();
     const grpc::StatusCode code = statuses[i].error_code();
     // A fresh channel next time: a restarted peer is then reached without reconnect backoff.
     if (code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED) channels_.erase(addrs[i]);
@@ -165,11 +167,11 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
   return statuses;
 }
 
-StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
+StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll(bool syncs) const {
   SC_ASSIGN_OR_RETURN(auto addrs, addresses());
   const size_t n = addrs.size();
   std::vector<v1::DescribeResponse> responses;
-  const auto statuses = describe(addrs, &responses);
+  const auto statuses = describe(addrs, &responses, syncs);
   std::vector<PeerView> out;
   std::set<std::string> seen{instance_};
   for (size_t i = 0; i < n; ++i) {
@@ -186,6 +188,27 @@ StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll() const {
     }
     out.push_back({address, st.ok() ? StatusOr<v1::DescribeResponse>(std::move(responses[i]))
                                     : StatusOr<v1::DescribeResponse>(fromGrpc(st, strCat("peer ", address, known)))});
+  }
+  return out;
+}
+
+std::map<std::string, bool> PeerSet::reachability() const {
+  std::map<std::string, std::string> nodes;
+  std::map<std::string, bool> answered;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    nodes = nodes_;
+    answered = answered_;
+  }
+  std::map<std::string, bool> out;
+  for (const auto& [address, node] : nodes) {
+    if (node == config_.node) continue;  // this daemon, listed among its own peers
+    const grpc_connectivity_state state = channel(address)->GetState(/*try_to_connect=*/true);
+    const auto last = answered.find(address);
+    const bool up = state == GRPC_CHANNEL_READY || ((state == GRPC_CHANNEL_IDLE || state == GRPC_CHANNEL_CONNECTING) &&
+                                                    last != answered.end() && last->second);
+    // One daemon under two addresses (IPv4 and IPv6) is up when either reaches it.
+    out[node] = out[node] || up;
   }
   return out;
 }

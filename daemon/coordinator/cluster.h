@@ -45,8 +45,13 @@ class PeerSet {
     std::string address;
     StatusOr<v1::DescribeResponse> described;
   };
-  // Describe of every peer other than this node, each within the peer timeout.
-  StatusOr<std::vector<PeerView>> describeAll() const;
+  // Describe of every peer other than this node, each within the peer timeout; `syncs`: with the
+  // syncs each coordinates (DescribeRequest.syncs).
+  StatusOr<std::vector<PeerView>> describeAll(bool syncs = false) const;
+  // The peers reached so far, by node: reachable when their channel is connected, or connecting
+  // or idle and the last Describe of them answered. Asks no peer (a scrape must stay cheap): a
+  // channel not connected is only nudged to connect, and counts by its state at the next call.
+  std::map<std::string, bool> reachability() const;
   // The peers reached so far: address -> the node each described itself as.
   std::map<std::string, std::string> knownNodes() const;
   // OK when `address` is the transport address `node` gave in its own Describe to this daemon
@@ -60,13 +65,14 @@ class PeerSet {
  private:
   // Describe of each of `addrs` at once; remembers which node and transport address each gave.
   std::vector<grpc::Status> describe(const std::vector<std::string>& addrs,
-                                     std::vector<v1::DescribeResponse>* responses) const;
+                                     std::vector<v1::DescribeResponse>* responses, bool syncs = false) const;
 
   DaemonConfig config_;
   std::string instance_;
   mutable std::mutex mu_;
   mutable std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
   mutable std::map<std::string, std::string> nodes_;              // address -> node it last described itself as
+  mutable std::map<std::string, bool> answered_;                  // address -> its last Describe succeeded
   mutable std::map<std::string, std::string> transports_;         // node -> the transport address it described
   mutable std::chrono::steady_clock::time_point last_refresh_{};  // of transports_ by checkTransportAddress
 };

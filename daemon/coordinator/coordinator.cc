@@ -135,19 +135,20 @@ SyncCoordinator::~SyncCoordinator() {
   if (lease_keeper_) lease_keeper_->stop();
 }
 
+Status SyncCoordinator::timed(Status (SyncCoordinator::*phase)(), void (v1::SyncResponse::*seconds)(double)) {
+  const auto started = Clock::now();
+  Status st = (this->*phase)();
+  (out_.*seconds)(since(started));
+  return st;
+}
+
 StatusOr<v1::SyncResponse> SyncCoordinator::run() {
-  SC_RETURN_IF_ERROR(gather());
-  SC_RETURN_IF_ERROR(plan());
-  out_.set_gather_seconds(since(start_));
-  const auto prepare_start = Clock::now();
-  SC_RETURN_IF_ERROR(prepare());
-  out_.set_prepare_seconds(since(prepare_start));
-  const auto execute_start = Clock::now();
-  SC_RETURN_IF_ERROR(execute());
-  out_.set_execute_seconds(since(execute_start));
-  const auto finish_start = Clock::now();
-  SC_RETURN_IF_ERROR(commit());
-  out_.set_finish_seconds(since(finish_start));
+  using R = v1::SyncResponse;
+  SC_RETURN_IF_ERROR(timed(&SyncCoordinator::gather, &R::set_gather_seconds));
+  SC_RETURN_IF_ERROR(timed(&SyncCoordinator::plan, &R::set_plan_seconds));
+  SC_RETURN_IF_ERROR(timed(&SyncCoordinator::prepare, &R::set_prepare_seconds));
+  SC_RETURN_IF_ERROR(timed(&SyncCoordinator::execute, &R::set_execute_seconds));
+  SC_RETURN_IF_ERROR(timed(&SyncCoordinator::commit, &R::set_finish_seconds));
 
   const auto& stats = plan_->plan.stats;
   out_.set_sync_id(id_);
@@ -169,10 +170,10 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   out_.set_plan_summary_json(planner::renderJson(plan_->plan, plan_->nodes, planner::CostModel{}));
   // The one line a committed sync leaves, with its figures (a failed one: the service's warning).
   spdlog::info(
-      "sync {}: {} -> {} version {} committed in {:.3f} s (gather {:.3f} s, prepare {:.3f} s, execute {:.3f} s, "
-      "finish {:.3f} s): {} bytes over the network, {} landed direct, {} copied locally",
+      "sync {}: {} -> {} version {} committed in {:.3f} s (gather {:.3f} s, plan {:.3f} s, prepare {:.3f} s, "
+      "execute {:.3f} s, finish {:.3f} s): {} bytes over the network, {} landed direct, {} copied locally",
       id_, req_.src_group(), req_.dst_group(), req_.version(), out_.seconds(), out_.gather_seconds(),
-      out_.prepare_seconds(), out_.execute_seconds(), out_.finish_seconds(), out_.network_bytes(),
+      out_.plan_seconds(), out_.prepare_seconds(), out_.execute_seconds(), out_.finish_seconds(), out_.network_bytes(),
       out_.bytes_landed_direct(), moved.local_bytes);
   return out_;
 }

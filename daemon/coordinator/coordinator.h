@@ -76,6 +76,8 @@ class SyncCoordinator {
   StatusOr<v1::SyncResponse> run();
   // After a failed run: the node the failure names ("" when it names none: a refused request).
   const std::string& faultyNode() const { return faulty_node_; }
+  // After a failed run: the seconds of each phase it finished and of the one it failed in.
+  const v1::SyncResponse& figures() const { return out_; }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -86,6 +88,8 @@ class SyncCoordinator {
   Status prepare();
   Status execute();
   Status commit();
+  // Runs one phase and records its seconds in out_ (the setter `seconds`), whether it succeeds.
+  Status timed(Status (SyncCoordinator::*phase)(), void (v1::SyncResponse::*seconds)(double));
   // Finishes the sync on every daemon (commit or abort) at once; the per-daemon results.
   std::vector<grpc::Status> finishAll(bool commit, const std::string& reason);
   // Gives the sync up everywhere (once): calls in flight are cancelled, every daemon aborts.

@@ -2,12 +2,14 @@
 // every phase and node completion; watchers wait for changes. Keeps the last 64 finished syncs.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "proto/shardcast/v1/names.h"
 #include "shardcast/v1/service.pb.h"
@@ -42,7 +44,9 @@ class ProgressBoard {
       std::lock_guard<std::mutex> lock(mu_);
       auto [it, inserted] = syncs_.try_emplace(id);
       if (!inserted && !isDone(it->second)) return false;
-      if (inserted) order_.push_back(id);
+      // Newest last: a retry under the same id moves to the end.
+      if (!inserted) order_.erase(std::find(order_.begin(), order_.end(), id));
+      order_.push_back(id);
       it->second = v1::SyncProgress();
       it->second.set_sync_id(id);
       setPhase(it->second, v1::SYNC_GATHERING);
@@ -70,6 +74,22 @@ class ProgressBoard {
     }
   }
 
+  // The syncs running, then the last `ended` that ended, newest first (Status, `shardcast top`).
+  std::vector<v1::SyncProgress> recent(size_t ended) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<v1::SyncProgress> running, done;
+    for (auto id = order_.rbegin(); id != order_.rend(); ++id) {
+      const auto it = syncs_.find(*id);
+      if (it == syncs_.end()) continue;
+      if (!isDone(it->second))
+        running.push_back(it->second);
+      else if (done.size() < ended)
+        done.push_back(it->second);
+    }
+    running.insert(running.end(), done.begin(), done.end());
+    return running;
+  }
+
   static bool isDone(const v1::SyncProgress& p) {
     return p.phase() == v1::SYNC_COMMITTED || p.phase() == v1::SYNC_FAILED;
   }
@@ -80,7 +100,7 @@ class ProgressBoard {
   }
 
  private:
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::string, v1::SyncProgress> syncs_;
   std::deque<std::string> order_;

@@ -120,6 +120,9 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, a->dst_group, a->version,
                                          planner::layoutDigest(req.src()), planner::layoutDigest(req.dst()), a->fence,
                                          &a->base));
+  // The coordinator checked that every source rank published this version: the newest this
+  // daemon knows of the destination's source (its lag gauge).
+  metrics_.sourceVersionSeen(a->dst_group, a->src_group, a->version);
   // Another attempt of the same plan using them (it cannot commit: the destination refuses a
   // second writer): this one keeps none, and packs dense.
   if (a->delta != v1::DELTA_OFF) a->bases = bases_.claim(a->plan->key, a->fence);

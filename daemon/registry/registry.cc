@@ -344,11 +344,17 @@ std::vector<v1::GroupStatus> Registry::groups() const {
     g.set_role(r->role);
     *g.add_rank_states() = statusOf(*r);
   }
+  std::map<std::string, uint64_t> committed;  // the lowest of each group's ranks here
+  for (const auto& [key, r] : ranks_) {
+    auto [it, first] = committed.try_emplace(r->group, r->committed);
+    if (!first) it->second = std::min(it->second, r->committed);
+  }
   std::vector<v1::GroupStatus> out;
   for (auto& [name, g] : by_name) {
     uint64_t version = UINT64_MAX;
     for (const auto& st : g.rank_states()) version = std::min(version, st.state() == v1::RANK_READY ? st.version() : 0);
     g.set_version(version == UINT64_MAX ? 0 : version);
+    g.set_committed_version(committed[name]);
     out.push_back(std::move(g));
   }
   return out;
@@ -578,6 +584,11 @@ std::string Registry::openSession(const std::string& client) {
   sessions_.insert(id);
   spdlog::debug("session {} opened ({})", id, client);
   return id;
+}
+
+size_t Registry::sessionCount() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sessions_.size();
 }
 
 std::vector<v1::SupersededRank> Registry::takeSuperseded(const std::string& session) {

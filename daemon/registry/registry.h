@@ -142,6 +142,8 @@ class Registry {
   std::string openSession(const std::string& client);
   // Unregisters the session's ranks and unlinks their shm segments (those no other rank maps).
   void closeSession(const std::string& session);
+  // Sessions open now.
+  size_t sessionCount() const;
   // What happened to the session's ranks since the last call: each one another process took over
   // (RegisterRequest.replace), as SessionEvent.superseded says it.
   std::vector<v1::SupersededRank> takeSuperseded(const std::string& session);

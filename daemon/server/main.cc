@@ -188,13 +188,16 @@ int main(int argc, char** argv) {
     std::map<std::string, Metrics::GroupFigures> out;
     for (const auto& g : registry.groups()) {
       auto& figures = out[g.group()];
-      figures.version = g.version();
+      figures.role = g.role() == v1::ROLE_SOURCE ? "source" : "destination";
+      figures.version = g.committed_version();
       for (const auto& r : g.rank_states()) ++figures.ranks[std::string(v1::rankStateName(r.state()))];
     }
     return out;
   };
   metrics.delta_base_bytes = [&] { return engine.deltaBases().bytes(); };
   metrics.delta_base_capacity = [&] { return engine.deltaBases().capacity(); };
+  metrics.sessions_active = [&] { return static_cast<uint64_t>(registry.sessionCount()); };
+  metrics.peers_up = [&] { return peers.reachability(); };
   metrics.rank_states = [&] {
     std::map<std::string, uint64_t> out;
     for (const auto& [state, n] : registry.stateCounts()) out[std::string(v1::rankStateName(state))] = n;
@@ -221,8 +224,9 @@ int main(int argc, char** argv) {
     token = std::move(*t);
   }
   const AccessPolicy access(config->insecure, token, local.get());
-  ShardcastService shardcast(*config, access, registry, peers, engine, metrics, (*transport)->describe());
-  PeerService peer(access, registry, peers, engine);
+  ProgressBoard progress;
+  ShardcastService shardcast(*config, access, registry, peers, engine, metrics, progress, (*transport)->describe());
+  PeerService peer(access, registry, peers, engine, progress);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

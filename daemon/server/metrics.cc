@@ -3,6 +3,7 @@
 #include <httplib.h>
 #include <prometheus/text_serializer.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -48,14 +49,21 @@ Metrics::Metrics()
                      .Register(*registry_)),
       phase_duration_(&prometheus::BuildHistogram()
                            .Name("shardcast_sync_phase_duration_seconds")
-                           .Help("Duration of each phase of the syncs committed by this daemon (gather: describe "
-                                 "and plan; prepare; execute: every wave; finish: the commit).")
+                           .Help("Duration of each phase of the syncs coordinated by this daemon, by phase (gather: "
+                                 "describe the cluster; plan; prepare; execute: every wave; finish: the commit) and "
+                                 "result (a failed sync: the phases it finished and the one it failed in).")
                            .Register(*registry_)),
       peer_failures_(&prometheus::BuildCounter()
                           .Name("shardcast_peer_failures_total")
                           .Help("Syncs coordinated by this daemon that failed at a node, by the node the failure "
                                 "names (a peer, or this daemon's own).")
                           .Register(*registry_)),
+      delta_saved_(prometheus::BuildCounter()
+                       .Name("shardcast_delta_saved_bytes_total")
+                       .Help("Network bytes the delta syncs coordinated by this daemon did not send: the dense "
+                             "bytes of their plans less what crossed the wire (docs/delta.md).")
+                       .Register(*registry_)
+                       .Add({})),
       in_flight_(prometheus::BuildGauge()
                      .Name("shardcast_syncs_in_flight")
                      .Help("Syncs this daemon is coordinating now.")
@@ -73,22 +81,37 @@ Metrics::Metrics()
   }
 }
 
-void Metrics::syncCommitted(const v1::SyncResponse& figures) {
-  syncs_->Add({{"result", "committed"}}).Increment();
-  duration_->Add({{"result", "committed"}}, durationBuckets()).Observe(figures.seconds());
+void Metrics::observePhases(const v1::SyncResponse& figures, const std::string& result, bool every) {
   const std::pair<const char*, double> phases[] = {{"gather", figures.gather_seconds()},
+                                                   {"plan", figures.plan_seconds()},
                                                    {"prepare", figures.prepare_seconds()},
                                                    {"execute", figures.execute_seconds()},
                                                    {"finish", figures.finish_seconds()}};
   for (const auto& [phase, seconds] : phases)
-    phase_duration_->Add({{"phase", phase}}, durationBuckets()).Observe(seconds);
+    if (every || seconds > 0)
+      phase_duration_->Add({{"phase", phase}, {"result", result}}, durationBuckets()).Observe(seconds);
+}
+
+void Metrics::syncCommitted(const v1::SyncResponse& figures) {
+  syncs_->Add({{"result", "committed"}}).Increment();
+  duration_->Add({{"result", "committed"}}, durationBuckets()).Observe(figures.seconds());
+  observePhases(figures, "committed", true);
+  if (figures.delta() != v1::DELTA_OFF && figures.network_bytes() > figures.wire_bytes())
+    delta_saved_.Increment(static_cast<double>(figures.network_bytes() - figures.wire_bytes()));
 }
 
 void Metrics::peerFailed(const std::string& node) { peer_failures_->Add({{"peer", node}}).Increment(); }
 
-void Metrics::syncFailed(double seconds) {
+void Metrics::syncFailed(double seconds, const v1::SyncResponse& figures) {
   syncs_->Add({{"result", "failed"}}).Increment();
   duration_->Add({{"result", "failed"}}, durationBuckets()).Observe(seconds);
+  observePhases(figures, "failed", false);
+}
+
+void Metrics::sourceVersionSeen(const std::string& group, const std::string& source, uint64_t version) {
+  std::lock_guard<std::mutex> lock(sources_mu_);
+  auto& seen = sources_[group];
+  if (version >= seen.version) seen = {source, version};
 }
 
 std::string Metrics::render() const {
@@ -137,17 +160,44 @@ std::string Metrics::render() const {
   for (const auto& [state, n] : states) add(families.back(), static_cast<double>(n), {{"state", state}});
   const auto by_group = groups ? groups() : std::map<std::string, GroupFigures>{};
   families.push_back(family("shardcast_group_version",
-                            "Per group registered here: the version its ranks here hold (the lowest; 0: none yet).",
+                            "Per group registered here: the version its ranks here last committed (destination) or "
+                            "published (source); the lowest of them, 0 when one has none yet.",
                             MetricType::Gauge));
-  for (const auto& [group, g] : by_group) add(families.back(), static_cast<double>(g.version), {{"group", group}});
+  for (const auto& [group, g] : by_group)
+    add(families.back(), static_cast<double>(g.version), {{"group", group}, {"role", g.role}});
   families.push_back(
       family("shardcast_group_ranks", "Per group registered here: its ranks here by state.", MetricType::Gauge));
   for (const auto& [group, g] : by_group)
     for (const char* state : {"empty", "updating", "ready", "dirty"}) {
       const auto it = g.ranks.find(state);
       add(families.back(), static_cast<double>(it == g.ranks.end() ? 0 : it->second),
-          {{"group", group}, {"state", state}});
+          {{"group", group}, {"role", g.role}, {"state", state}});
     }
+  families.push_back(family("shardcast_group_version_lag",
+                            "Per destination group registered here that a sync has reached: how many versions its "
+                            "committed version here is behind the newest version of its source this daemon knows "
+                            "(from syncs prepared here, and from the source's ranks when they are registered here).",
+                            MetricType::Gauge));
+  {
+    std::lock_guard<std::mutex> lock(sources_mu_);
+    for (const auto& [group, seen] : sources_) {
+      const auto dst = by_group.find(group);
+      if (dst == by_group.end() || dst->second.role != "destination") continue;  // unregistered since
+      uint64_t newest = seen.version;
+      if (const auto src = by_group.find(seen.source); src != by_group.end() && src->second.role == "source")
+        newest = std::max(newest, src->second.version);
+      add(families.back(), static_cast<double>(newest > dst->second.version ? newest - dst->second.version : 0),
+          {{"group", group}, {"source", seen.source}});
+    }
+  }
+  families.push_back(family("shardcast_peer_up",
+                            "Per peer node this daemon has reached: 1 while it is reachable (its connection up or "
+                            "connectable, its last answer a success), 0 otherwise.",
+                            MetricType::Gauge));
+  if (peers_up)
+    for (const auto& [peer, up] : peers_up()) add(families.back(), up ? 1 : 0, {{"peer", peer}});
+  gauge("shardcast_sessions_active", "Client sessions open on this daemon (their ranks live as long as they do).",
+        read(sessions_active));
   if (certificate_expiry)
     if (const auto expiry = certificate_expiry(); expiry.ok())
       gauge("shardcast_tls_certificate_expiry_timestamp_seconds",

@@ -4,7 +4,8 @@
 // Syncs coordinated here feed histograms as they end; the sync paths' own atomics (bytes, chunks,
 // expiries) and the registry's state are read at scrape time into the same families. Names follow
 // Prometheus' conventions: a `shardcast_` prefix, base units, `_total` on counters; labels are
-// bounded (result, phase, state, encoding, group): never a sync id or a tensor name.
+// bounded (result, phase, state, encoding, group, role, source, peer node): never a sync id or a
+// tensor name.
 #pragma once
 
 #include <prometheus/counter.h>
@@ -17,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -34,10 +36,15 @@ class Metrics {
  public:
   Metrics();
 
-  // A sync coordinated here ended: committed (its figures: phase times) or failed after
-  // `seconds`.
+  // A sync coordinated here ended: committed or failed after `seconds`. `figures` holds the time
+  // of each phase it ran (a failed sync: those it finished and the one it failed in, the others
+  // zero and not observed) and, committed, its bytes.
   void syncCommitted(const v1::SyncResponse& figures);
-  void syncFailed(double seconds);
+  void syncFailed(double seconds, const v1::SyncResponse& figures = {});
+  // A sync from `source` at `version` reached this daemon for destination group `group` (it was
+  // prepared here: the coordinator had checked that every source rank published it). The lag
+  // gauge measures the group's committed version here against the newest of these.
+  void sourceVersionSeen(const std::string& group, const std::string& source, uint64_t version);
   // A sync coordinated here failed at `node` (the node its failure names: a peer, or this one).
   void peerFailed(const std::string& node);
   // Syncs coordinated here that are running (the gauge follows a guard's life).
@@ -54,11 +61,16 @@ class Metrics {
   // Read at scrape time.
   std::function<uint64_t()> registered_bytes, registered_ranks, plan_cache_hits, plan_cache_misses;
   std::function<uint64_t()> delta_base_bytes, delta_base_capacity;  // host memory of delta bases
+  std::function<uint64_t()> sessions_active;                        // client sessions open now
+  // Peer node -> reachable (its gRPC channel connected or connectable, the last call to it
+  // answered): the peers this daemon has reached since it started.
+  std::function<std::map<std::string, bool>()> peers_up;
   // Registered ranks per state: empty, updating, ready, dirty.
   std::function<std::map<std::string, uint64_t>()> rank_states;
-  // Per group registered here: the version its ranks here hold (the lowest of them; 0: none yet)
-  // and how many of them are in each state.
+  // Per group registered here: its role, the version its ranks here last committed or published
+  // (the lowest of them; 0: none yet) and how many of them are in each state.
   struct GroupFigures {
+    std::string role;  // "source" or "destination"
     uint64_t version = 0;
     std::map<std::string, uint64_t> ranks;  // by state name
   };
@@ -75,7 +87,16 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>* duration_;
   prometheus::Family<prometheus::Histogram>* phase_duration_;
   prometheus::Family<prometheus::Counter>* peer_failures_;
+  prometheus::Counter& delta_saved_;
   prometheus::Gauge& in_flight_;
+  void observePhases(const v1::SyncResponse& figures, const std::string& result, bool every);
+  // Destination group -> the newest source version a sync brought here, and that source's name.
+  struct SourceSeen {
+    std::string source;
+    uint64_t version = 0;
+  };
+  mutable std::mutex sources_mu_;
+  std::map<std::string, SourceSeen> sources_;
 };
 
 // Serves `metrics` on host:port until destroyed.

@@ -27,13 +27,15 @@ grpc::Status reply(StatusOr<T> result, T* out) {
 }  // namespace
 
 ShardcastService::ShardcastService(const DaemonConfig& config, const AccessPolicy& access, Registry& registry,
-                                   PeerSet& peers, SyncEngine& engine, Metrics& metrics, std::string transport)
+                                   PeerSet& peers, SyncEngine& engine, Metrics& metrics, ProgressBoard& progress,
+                                   std::string transport)
     : config_(config),
       access_(access),
       registry_(registry),
       peers_(peers),
       engine_(engine),
       metrics_(metrics),
+      progress_(progress),
       transport_(std::move(transport)) {}
 
 StatusOr<ClusterView> ShardcastService::cluster() {
@@ -64,7 +66,7 @@ grpc::Status ShardcastService::Sync(grpc::ServerContext* ctx, const v1::SyncRequ
   if (st.ok()) {
     metrics_.syncCommitted(*out);
   } else {
-    metrics_.syncFailed(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+    metrics_.syncFailed(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(), *out);
     // Every refused or failed sync leaves one line: which, for whom, why (a caller retrying in a
     // loop gets one line per 10 s, with the count of those held back).
     uint64_t held = 0;
@@ -102,12 +104,21 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
   if (!progress_.start(id))
     return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
                         strCat("sync: a sync with id \"", id, "\" is still running on node \"", config_.node, "\""));
+  progress_.update(id, [&](v1::SyncProgress& p) {
+    p.set_src_group(req.src_group());
+    p.set_dst_group(req.dst_group());
+    p.set_version(req.version());
+    p.set_coordinator(config_.node);
+    p.set_started_unix_seconds(
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+  });
   const LogScope scope(id, req.dst_group());
   SyncCoordinator coordinator({config_, registry_, peers_, engine_, progress_, config_.selfAddress(), caller_uid}, req,
                               id, newFence());
   auto done = coordinator.run();
   if (!done.ok()) {
     if (!coordinator.faultyNode().empty()) metrics_.peerFailed(coordinator.faultyNode());
+    *out = coordinator.figures();  // its phases' seconds, for the metrics (a failed call sends no response)
     return toGrpc(done.status());
   }
   *out = std::move(*done);
@@ -210,6 +221,8 @@ grpc::Status PeerService::Describe(grpc::ServerContext* ctx, const v1::DescribeR
   if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
   *out = registry_.describe();
   for (auto& [address, node] : peers_.knownNodes()) (*out->mutable_peer_nodes())[address] = node;
+  if (req->syncs())
+    for (auto& p : progress_.recent(kRecentSyncs)) *out->add_syncs() = std::move(p);
   return grpc::Status::OK;
 }
 
@@ -348,6 +361,7 @@ grpc::Status ShardcastService::Status(grpc::ServerContext* ctx, const v1::Status
   out->set_registered_ranks(registry_.registeredRanks());
   out->set_uptime_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
   for (auto& g : registry_.groups()) *out->add_groups() = std::move(g);
+  for (auto& p : progress_.recent(kRecentSyncs)) *out->add_syncs() = std::move(p);
   auto addrs = peers_.addresses();
   if (!addrs.ok()) {
     auto* p = out->add_peers();
@@ -355,7 +369,11 @@ grpc::Status ShardcastService::Status(grpc::ServerContext* ctx, const v1::Status
     p->set_error(std::string(addrs.status().message()));
     return grpc::Status::OK;
   }
-  auto views = peers_.describeAll();
+  auto views = peers_.describeAll(req->all_nodes());
+  if (views.ok() && req->all_nodes())
+    for (const auto& v : *views)
+      if (v.described.ok())
+        for (const auto& p : v.described->syncs()) *out->add_syncs() = p;
   for (const auto& a : *addrs) {
     auto* p = out->add_peers();
     p->set_address(a);

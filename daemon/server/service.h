@@ -20,10 +20,14 @@
 
 namespace shardcast::daemon {
 
+// Status and Describe (DescribeRequest.syncs) list the syncs running and this many that ended.
+inline constexpr size_t kRecentSyncs = 16;
+
 class ShardcastService final : public v1::Shardcast::Service {
  public:
+  // `progress`: of the syncs coordinated here (Watch, Status; PeerService's Describe reads it).
   ShardcastService(const DaemonConfig& config, const AccessPolicy& access, Registry& registry, PeerSet& peers,
-                   SyncEngine& engine, Metrics& metrics, std::string transport);
+                   SyncEngine& engine, Metrics& metrics, ProgressBoard& progress, std::string transport);
 
   grpc::Status Sync(grpc::ServerContext*, const v1::SyncRequest*, v1::SyncResponse*) override;
   // `caller_uid`: SyncCoordinator::Context::caller_uid.
@@ -53,7 +57,7 @@ class ShardcastService final : public v1::Shardcast::Service {
   SyncEngine& engine_;
   Metrics& metrics_;
   std::atomic<uint64_t> next_sync_{1};
-  ProgressBoard progress_;
+  ProgressBoard& progress_;
   std::string transport_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   std::mutex fence_mu_;
@@ -66,8 +70,9 @@ class ShardcastService final : public v1::Shardcast::Service {
 
 class PeerService final : public v1::Peer::Service {
  public:
-  PeerService(const AccessPolicy& access, Registry& registry, const PeerSet& peers, SyncEngine& engine)
-      : access_(access), registry_(registry), peers_(peers), engine_(engine) {}
+  PeerService(const AccessPolicy& access, Registry& registry, const PeerSet& peers, SyncEngine& engine,
+              const ProgressBoard& progress)
+      : access_(access), registry_(registry), peers_(peers), engine_(engine), progress_(progress) {}
   grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse* out) override;
   grpc::Status Prepare(grpc::ServerContext*, const v1::PrepareRequest* req, v1::PrepareResponse* out) override;
   grpc::Status Execute(grpc::ServerContext*, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) override;
@@ -79,6 +84,7 @@ class PeerService final : public v1::Peer::Service {
   Registry& registry_;
   const PeerSet& peers_;
   SyncEngine& engine_;
+  const ProgressBoard& progress_;
 };
 
 }  // namespace shardcast::daemon

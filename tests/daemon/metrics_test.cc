@@ -24,6 +24,7 @@ TEST_CASE("metrics: syncs feed histograms by result and phase, scrape-time value
   v1::SyncResponse figures;
   figures.set_seconds(1.5);
   figures.set_gather_seconds(0.02);
+  figures.set_plan_seconds(0.001);
   figures.set_prepare_seconds(0.3);
   figures.set_execute_seconds(1.1);
   figures.set_finish_seconds(0.004);
@@ -32,7 +33,18 @@ TEST_CASE("metrics: syncs feed histograms by result and phase, scrape-time value
     CHECK_THAT(m.render(), Contains("shardcast_syncs_in_flight 1"));
   }
   m.syncCommitted(figures);
-  m.syncFailed(40);
+  // A failed sync: gathered and planned, then failed in prepare after 39 s.
+  v1::SyncResponse failed;
+  failed.set_gather_seconds(0.5);
+  failed.set_plan_seconds(0.2);
+  failed.set_prepare_seconds(39);
+  m.syncFailed(40, failed);
+  // A delta sync: 1000 bytes of plan, 300 on the wire.
+  v1::SyncResponse delta = figures;
+  delta.set_delta(v1::DELTA_AUTO);
+  delta.set_network_bytes(1000);
+  delta.set_wire_bytes(300);
+  m.syncCommitted(delta);
   m.peerFailed("n3");
   m.moved.bytes_sent += 1000;
   m.moved.dense_chunks += 3;
@@ -41,23 +53,42 @@ TEST_CASE("metrics: syncs feed histograms by result and phase, scrape-time value
   m.plan_cache_misses = [] { return uint64_t{1}; };
   m.rank_states = [] { return std::map<std::string, uint64_t>{{"ready", 4}, {"dirty", 1}}; };
   m.groups = [] {
-    return std::map<std::string, Metrics::GroupFigures>{{"infer", {7, {{"ready", 3}, {"dirty", 1}}}},
-                                                        {"trainer", {8, {{"ready", 1}}}}};
+    return std::map<std::string, Metrics::GroupFigures>{{"infer", {"destination", 7, {{"ready", 3}, {"dirty", 1}}}},
+                                                        {"trainer", {"source", 8, {{"ready", 1}}}},
+                                                        {"rollout", {"destination", 0, {{"empty", 2}}}}};
   };
+  // Syncs reached "infer" (from "trainer", at 7 then 9: 9 failed) and "rollout" (at 3); "gone"
+  // is no longer registered here.
+  m.sourceVersionSeen("infer", "trainer", 7);
+  m.sourceVersionSeen("infer", "trainer", 9);
+  m.sourceVersionSeen("infer", "trainer", 8);  // older than what is known: ignored
+  m.sourceVersionSeen("rollout", "other", 3);
+  m.sourceVersionSeen("gone", "trainer", 9);
+  m.sessions_active = [] { return uint64_t{2}; };
+  m.peers_up = [] { return std::map<std::string, bool>{{"n1", true}, {"n2", false}}; };
   const std::string out = m.render();
   CHECK_THAT(out, Contains("shardcast_syncs_in_flight 0"));
-  CHECK_THAT(out, Contains("shardcast_syncs_total{result=\"committed\"} 1"));
+  CHECK_THAT(out, Contains("shardcast_syncs_total{result=\"committed\"} 2"));
   CHECK_THAT(out, Contains("shardcast_syncs_total{result=\"failed\"} 1"));
   // 1.5 s: above the 1 s bucket, within 2.5 s; the failed one's 40 s only in 60 s and above.
   CHECK_THAT(out, Contains("shardcast_sync_duration_seconds_bucket{result=\"committed\",le=\"1\"} 0"));
-  CHECK_THAT(out, Contains("shardcast_sync_duration_seconds_bucket{result=\"committed\",le=\"2.5\"} 1"));
+  CHECK_THAT(out, Contains("shardcast_sync_duration_seconds_bucket{result=\"committed\",le=\"2.5\"} 2"));
   CHECK_THAT(out, Contains("shardcast_sync_duration_seconds_bucket{result=\"failed\",le=\"30\"} 0"));
   CHECK_THAT(out, Contains("shardcast_sync_duration_seconds_bucket{result=\"failed\",le=\"60\"} 1"));
   CHECK_THAT(out, Contains("shardcast_sync_duration_seconds_sum{result=\"failed\"} 40"));
-  for (const char* phase : {"gather", "prepare", "execute", "finish"})
-    CHECK_THAT(out, Contains(std::string("shardcast_sync_phase_duration_seconds_count{phase=\"") + phase + "\"} 1"));
-  CHECK_THAT(out, Contains("shardcast_sync_phase_duration_seconds_bucket{phase=\"execute\",le=\"1\"} 0"));
-  CHECK_THAT(out, Contains("shardcast_sync_phase_duration_seconds_bucket{phase=\"prepare\",le=\"0.5\"} 1"));
+  for (const char* phase : {"gather", "plan", "prepare", "execute", "finish"})
+    CHECK_THAT(out, Contains(std::string("shardcast_sync_phase_duration_seconds_count{phase=\"") + phase +
+                             "\",result=\"committed\"} 2"));
+  CHECK_THAT(
+      out, Contains("shardcast_sync_phase_duration_seconds_bucket{phase=\"execute\",result=\"committed\",le=\"1\"} 0"));
+  CHECK_THAT(
+      out,
+      Contains("shardcast_sync_phase_duration_seconds_bucket{phase=\"prepare\",result=\"committed\",le=\"0.5\"} 2"));
+  // The failed sync: the phases it ran, the one it failed in (prepare) last; none after it.
+  CHECK_THAT(out, Contains("shardcast_sync_phase_duration_seconds_count{phase=\"plan\",result=\"failed\"} 1"));
+  CHECK_THAT(out, Contains("shardcast_sync_phase_duration_seconds_sum{phase=\"prepare\",result=\"failed\"} 39"));
+  CHECK_THAT(out, !Contains("phase=\"execute\",result=\"failed\""));
+  CHECK_THAT(out, Contains("shardcast_delta_saved_bytes_total 700"));
   CHECK_THAT(out, Contains("shardcast_peer_failures_total{peer=\"n3\"} 1"));
   CHECK_THAT(out, Contains("shardcast_bytes_sent_total 1000"));
   CHECK_THAT(out, Contains("shardcast_chunks_landed_total{encoding=\"dense\"} 3"));
@@ -67,14 +98,33 @@ TEST_CASE("metrics: syncs feed histograms by result and phase, scrape-time value
   CHECK_THAT(out, Contains("shardcast_plan_cache_misses_total 1"));
   CHECK_THAT(out, Contains("shardcast_ranks{state=\"ready\"} 4"));
   CHECK_THAT(out, Contains("shardcast_ranks{state=\"updating\"} 0"));  // every state, even at zero
-  CHECK_THAT(out, Contains("shardcast_group_version{group=\"infer\"} 7"));
-  CHECK_THAT(out, Contains("shardcast_group_version{group=\"trainer\"} 8"));
-  CHECK_THAT(out, Contains("shardcast_group_ranks{group=\"infer\",state=\"dirty\"} 1"));
-  CHECK_THAT(out, Contains("shardcast_group_ranks{group=\"infer\",state=\"ready\"} 3"));
-  CHECK_THAT(out, Contains("shardcast_group_ranks{group=\"trainer\",state=\"updating\"} 0"));
+  CHECK_THAT(out, Contains("shardcast_group_version{group=\"infer\",role=\"destination\"} 7"));
+  CHECK_THAT(out, Contains("shardcast_group_version{group=\"trainer\",role=\"source\"} 8"));
+  CHECK_THAT(out, Contains("shardcast_group_ranks{group=\"infer\",role=\"destination\",state=\"dirty\"} 1"));
+  CHECK_THAT(out, Contains("shardcast_group_ranks{group=\"infer\",role=\"destination\",state=\"ready\"} 3"));
+  CHECK_THAT(out, Contains("shardcast_group_ranks{group=\"trainer\",role=\"source\",state=\"updating\"} 0"));
+  // Lag: "infer" holds 7, its source is known at 9 (a sync seen here); "rollout" holds nothing
+  // of the 3 a sync brought; no series for a source, a group never synced into, or one gone.
+  CHECK_THAT(out, Contains("shardcast_group_version_lag{group=\"infer\",source=\"trainer\"} 2"));
+  CHECK_THAT(out, Contains("shardcast_group_version_lag{group=\"rollout\",source=\"other\"} 3"));
+  CHECK_THAT(out, !Contains("shardcast_group_version_lag{group=\"trainer\""));
+  CHECK_THAT(out, !Contains("shardcast_group_version_lag{group=\"gone\""));
+  CHECK_THAT(out, Contains("shardcast_peer_up{peer=\"n1\"} 1"));
+  CHECK_THAT(out, Contains("shardcast_peer_up{peer=\"n2\"} 0"));
+  CHECK_THAT(out, Contains("shardcast_sessions_active 2"));
   // Counters end in _total, and no family is rendered twice.
   CHECK_THAT(out, Contains("# TYPE shardcast_bytes_sent_total counter"));
   size_t at = 0, helps = 0;
   while ((at = out.find("# TYPE shardcast_ranks ", at)) != std::string::npos) ++helps, ++at;
   CHECK(helps == 1);
+}
+
+TEST_CASE("metrics: a source registered here at a newer version sets the lag without a sync", "[daemon][metrics]") {
+  Metrics m;
+  m.groups = [] {
+    return std::map<std::string, Metrics::GroupFigures>{{"infer", {"destination", 4, {{"ready", 1}}}},
+                                                        {"trainer", {"source", 6, {{"ready", 1}}}}};
+  };
+  m.sourceVersionSeen("infer", "trainer", 4);  // the last sync, committed
+  CHECK_THAT(m.render(), Contains("shardcast_group_version_lag{group=\"infer\",source=\"trainer\"} 2"));
 }

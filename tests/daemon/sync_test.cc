@@ -203,9 +203,36 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
   CHECK_THAT(scrape->body, Catch::Contains("shardcast_registered_ranks 2"));
   CHECK_THAT(scrape->body, Catch::Contains("shardcast_bytes_sent_total"));
   CHECK_THAT(scrape->body, Catch::Contains("shardcast_sync_duration_seconds_count{result=\"committed\"} 1"));
-  CHECK_THAT(scrape->body, Catch::Contains("shardcast_sync_phase_duration_seconds_count{phase=\"execute\"} 1"));
-  CHECK_THAT(scrape->body, Catch::Contains("shardcast_group_ranks{group=\"trainer\",state=\"ready\"} 2"));
+  for (const char* phase : {"gather", "plan", "prepare", "execute", "finish"})
+    CHECK_THAT(scrape->body, Catch::Contains(std::string("shardcast_sync_phase_duration_seconds_count{phase=\"") +
+                                             phase + "\",result=\"committed\"} 1"));
+  CHECK_THAT(scrape->body,
+             Catch::Contains("shardcast_group_ranks{group=\"trainer\",role=\"source\",state=\"ready\"} 2"));
+  CHECK_THAT(scrape->body, Catch::Contains("shardcast_group_version{group=\"trainer\",role=\"source\"} 3"));
+  CHECK_THAT(scrape->body, Catch::Contains("shardcast_peer_up{peer=\"n0\"} 1"));
+  CHECK_THAT(scrape->body, Catch::Contains("shardcast_peer_up{peer=\"n2\"} 1"));
   CHECK_THAT(scrape->body, Catch::Contains("shardcast_syncs_in_flight 0"));
+  // Status names every node's syncs: the three committed ones and the refused first one, each
+  // with its groups, version and coordinator.
+  v1::StatusRequest everywhere;
+  everywhere.set_all_nodes(true);
+  v1::StatusResponse status;
+  REQUIRE(cluster.daemons[1]->client()->Status(ctx().get(), everywhere, &status).ok());
+  std::map<std::string, v1::SyncProgress> by_id;
+  for (const auto& p : status.syncs()) by_id[p.sync_id()] = p;
+  for (int version = 1; version <= 3; ++version) {
+    const auto it = by_id.find("watched-" + std::to_string(version));
+    REQUIRE(it != by_id.end());
+    CHECK(it->second.state() == "committed");
+    CHECK(it->second.version() == static_cast<uint64_t>(version));
+    CHECK((it->second.src_group() == "trainer" && it->second.dst_group() == "infer"));
+    CHECK(it->second.coordinator() == cluster.daemons[version % 3]->node());
+    CHECK(it->second.started_unix_seconds() > 0);
+  }
+  CHECK(std::count_if(status.syncs().begin(), status.syncs().end(), [](const v1::SyncProgress& p) {
+          return p.state() == "failed" && p.coordinator() == "n2" &&
+                 p.error().find("has no registered ranks") != std::string::npos;
+        }) == 1);
   sync.clear_sync_id();
   // Inference ranks see the committed version on their nodes.
   v1::WaitVersionRequest wv;

@@ -1,0 +1,138 @@
+#include "client/cli/top_view.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <vector>
+
+#include "planner/report.h"
+
+namespace shardcast::cli {
+
+namespace {
+
+// What `shardcast top` shows of one group, across every node that holds ranks of it.
+struct GroupRow {
+  v1::Role role = v1::ROLE_UNSPECIFIED;
+  int32_t world = 0;
+  int ranks = 0;
+  std::map<v1::RankState, int> states;
+  uint64_t lowest = UINT64_MAX, highest = 0;  // of the versions its READY ranks hold
+  std::vector<std::string> nodes;
+  std::vector<std::string> dirty;  // "rank R on N: detail"
+};
+
+std::string cut(std::string line, int width) {
+  if (width > 0 && line.size() > static_cast<size_t>(width)) line.resize(static_cast<size_t>(width));
+  return line;
+}
+
+std::string versions(const GroupRow& g) {
+  if (g.highest == 0) return "-";
+  if (g.lowest == g.highest) return fmt::format("{}", g.highest);
+  return fmt::format("{}-{}", g.lowest, g.highest);
+}
+
+bool ended(const v1::SyncProgress& p) { return p.phase() == v1::SYNC_COMMITTED || p.phase() == v1::SYNC_FAILED; }
+
+std::string progressOf(const v1::SyncProgress& p) {
+  if (p.phase() == v1::SYNC_COMMITTED) return "done";
+  if (p.phase() == v1::SYNC_FAILED) return "-";
+  if (p.bytes_total() == 0) return "0%";
+  const double pct = 100.0 * static_cast<double>(p.bytes_done()) / static_cast<double>(p.bytes_total());
+  return fmt::format("{:.0f}% w{}/{}", pct, p.waves_done(), p.waves());
+}
+
+}  // namespace
+
+std::string renderTop(const v1::StatusResponse& status, const v1::ListResponse& ranks, const TopScreen& screen) {
+  std::vector<std::string> lines;
+  auto line = [&](std::string l) { lines.push_back(cut(std::move(l), screen.width)); };
+
+  int reachable = 0, peers = 0;
+  std::vector<std::string> down;
+  for (const auto& p : status.peers()) {
+    if (p.node() == status.node()) continue;  // this daemon, listed among its peers
+    ++peers;
+    if (p.reachable())
+      ++reachable;
+    else
+      down.push_back(fmt::format("{} ({})", p.node().empty() ? p.address() : p.node(), p.error()));
+  }
+  const std::string title = fmt::format("shardcast top - node {} - shardcastd {} - peers {}/{} reachable",
+                                        status.node(), status.version(), reachable, peers);
+  const int pad = screen.width - static_cast<int>(title.size()) - static_cast<int>(screen.clock.size());
+  line(title + std::string(static_cast<size_t>(std::max(1, pad)), ' ') + screen.clock);
+  for (const auto& d : down) line("  unreachable: " + d);
+
+  std::map<std::string, GroupRow> groups;
+  for (const auto& r : ranks.ranks()) {
+    auto& g = groups[r.group()];
+    g.role = r.role();
+    g.world = std::max(g.world, r.world_size());
+    ++g.ranks;
+    ++g.states[r.state()];
+    if (r.state() == v1::RANK_READY) {
+      g.lowest = std::min(g.lowest, r.version());
+      g.highest = std::max(g.highest, r.version());
+    }
+    if (std::find(g.nodes.begin(), g.nodes.end(), r.node()) == g.nodes.end()) g.nodes.push_back(r.node());
+    if (r.state() == v1::RANK_DIRTY)
+      g.dirty.push_back(fmt::format("rank {} on {}: {}", r.rank(), r.node(), r.detail()));
+  }
+  line("");
+  line(fmt::format("{:<18} {:<4} {:>9} {:>9} {:>5} {:>8} {:>5} {:>5} {:>5}", "GROUP", "ROLE", "VERSION", "RANKS",
+                   "READY", "UPDATING", "DIRTY", "EMPTY", "NODES"));
+  if (groups.empty()) line("(nothing registered)");
+  for (const auto& [name, g] : groups) {
+    auto count = [&](v1::RankState s) {
+      const auto it = g.states.find(s);
+      return it == g.states.end() ? 0 : it->second;
+    };
+    line(fmt::format("{:<18} {:<4} {:>9} {:>9} {:>5} {:>8} {:>5} {:>5} {:>5}", cut(name, 18),
+                     g.role == v1::ROLE_SOURCE ? "src" : "dst", versions(g), fmt::format("{}/{}", g.ranks, g.world),
+                     count(v1::RANK_READY), count(v1::RANK_UPDATING), count(v1::RANK_DIRTY), count(v1::RANK_EMPTY),
+                     g.nodes.size()));
+    for (size_t i = 0; i < g.dirty.size() && i < 3; ++i) line("  ! dirty " + g.dirty[i]);
+    if (g.dirty.size() > 3) line(fmt::format("  ! and {} more dirty ranks", g.dirty.size() - 3));
+  }
+
+  // Running syncs first, then the newest ended ones (every node's, by when they started).
+  std::vector<const v1::SyncProgress*> syncs;
+  for (const auto& s : status.syncs()) syncs.push_back(&s);
+  std::stable_sort(syncs.begin(), syncs.end(), [](const v1::SyncProgress* a, const v1::SyncProgress* b) {
+    const bool ra = !ended(*a), rb = !ended(*b);
+    if (ra != rb) return ra;
+    return a->started_unix_seconds() > b->started_unix_seconds();
+  });
+  line("");
+  line(fmt::format("{:<22} {:<24} {:>5} {:<10} {:>9} {:>6}", "SYNC", "FROM -> TO", "VER", "STATE", "PROGRESS", "TIME"));
+  if (syncs.empty()) line("(no syncs yet)");
+  for (size_t i = 0; i < syncs.size() && i < screen.max_syncs; ++i) {
+    const auto& p = *syncs[i];
+    line(fmt::format("{:<22} {:<24} {:>5} {:<10} {:>9} {:>5.1f}s", cut(p.sync_id(), 22),
+                     cut(p.src_group() + " -> " + p.dst_group(), 24), p.version(), p.state(), progressOf(p),
+                     p.seconds()));
+  }
+  std::vector<const v1::SyncProgress*> failures;
+  for (const auto* p : syncs)
+    if (p->phase() == v1::SYNC_FAILED) failures.push_back(p);
+  if (!failures.empty()) {
+    line("");
+    line("RECENT FAILURES");
+    for (size_t i = 0; i < failures.size() && i < 4; ++i) {
+      const auto& p = *failures[i];
+      line(fmt::format("  {} v{} ({} -> {}, on {}):", p.sync_id(), p.version(), p.src_group(), p.dst_group(),
+                       p.coordinator()));
+      // The error on at most two lines: the start names the node and what failed.
+      const size_t room = static_cast<size_t>(std::max(20, screen.width - 4));
+      for (size_t at = 0; at < p.error().size() && at < 2 * room; at += room) line("    " + p.error().substr(at, room));
+    }
+  }
+  std::string out;
+  for (const auto& l : lines) out += l + "\n";
+  return out;
+}
+
+}  // namespace shardcast::cli

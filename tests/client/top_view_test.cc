@@ -1,0 +1,113 @@
+// `shardcast top`'s screen from Status and List answers: groups with their versions and rank
+// states, dirty ranks named, syncs running before ended ones, failures with their errors, and no
+// line wider than the terminal. The live view in a terminal is tested in client/python
+// (test_cli_top.py, in tmux).
+#include "client/cli/top_view.h"
+
+#include <catch2/catch.hpp>
+#include <sstream>
+
+using namespace shardcast;
+using Catch::Matchers::Contains;
+
+namespace {
+
+v1::RankRegistration rank(const std::string& group, int32_t r, int32_t world, const std::string& node, v1::Role role,
+                          v1::RankState state, uint64_t version, const std::string& detail = "") {
+  v1::RankRegistration out;
+  out.set_group(group);
+  out.set_rank(r);
+  out.set_world_size(world);
+  out.set_node(node);
+  out.set_role(role);
+  out.set_state(state);
+  out.set_version(version);
+  out.set_detail(detail);
+  return out;
+}
+
+v1::SyncProgress sync(const std::string& id, v1::SyncPhase phase, const std::string& state, uint64_t version,
+                      double started) {
+  v1::SyncProgress p;
+  p.set_sync_id(id);
+  p.set_phase(phase);
+  p.set_state(state);
+  p.set_src_group("trainer");
+  p.set_dst_group("rollout");
+  p.set_version(version);
+  p.set_coordinator("n0");
+  p.set_started_unix_seconds(started);
+  return p;
+}
+
+std::vector<std::string> linesOf(const std::string& screen) {
+  std::vector<std::string> out;
+  std::istringstream in(screen);
+  for (std::string l; std::getline(in, l);) out.push_back(l);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("top: groups, dirty ranks, syncs running first, failures, within the width", "[client][top]") {
+  v1::StatusResponse status;
+  status.set_node("n0");
+  status.set_version("0.9.0");
+  auto* self = status.add_peers();
+  self->set_node("n0");
+  self->set_reachable(true);
+  auto* down = status.add_peers();
+  down->set_address("10.0.0.2:7070");
+  down->set_node("n2");
+  down->set_error("connection refused");
+  *status.add_syncs() = sync("s-old", v1::SYNC_COMMITTED, "committed", 6, 100);
+  auto failed = sync("s-failed", v1::SYNC_FAILED, "failed", 7, 200);
+  failed.set_error(std::string("node \"n1\" did not answer within 10 s: ") + std::string(200, 'x'));
+  *status.add_syncs() = failed;
+  auto running = sync("s-running", v1::SYNC_EXECUTING, "executing", 8, 300);
+  running.set_bytes_total(1000);
+  running.set_bytes_done(450);
+  running.set_waves(2);
+  running.set_waves_done(1);
+  *status.add_syncs() = running;
+
+  v1::ListResponse list;
+  *list.add_ranks() = rank("trainer", 0, 2, "n0", v1::ROLE_SOURCE, v1::RANK_READY, 8);
+  *list.add_ranks() = rank("trainer", 1, 2, "n0", v1::ROLE_SOURCE, v1::RANK_READY, 8);
+  *list.add_ranks() = rank("rollout", 0, 3, "n0", v1::ROLE_DESTINATION, v1::RANK_READY, 6);
+  *list.add_ranks() = rank("rollout", 1, 3, "n1", v1::ROLE_DESTINATION, v1::RANK_DIRTY, 6, "sync s-failed: aborted");
+  *list.add_ranks() = rank("rollout", 2, 3, "n1", v1::ROLE_DESTINATION, v1::RANK_UPDATING, 8);
+
+  cli::TopScreen screen;
+  screen.clock = "12:34:56";
+  const std::string out = cli::renderTop(status, list, screen);
+  const auto lines = linesOf(out);
+  for (const auto& l : lines) CHECK(l.size() <= 80);
+  CHECK_THAT(lines.at(0), Contains("node n0") && Contains("peers 0/1 reachable") && Contains("12:34:56"));
+  CHECK_THAT(out, Contains("unreachable: n2 (connection refused)"));
+  // Group rows: role, versions held by READY ranks, ranks registered of the world, states, nodes.
+  CHECK_THAT(out, Contains("trainer            src          8       2/2     2        0     0     0     1"));
+  CHECK_THAT(out, Contains("rollout            dst          6       3/3     1        1     1     0     2"));
+  CHECK_THAT(out, Contains("! dirty rank 1 on n1: sync s-failed: aborted"));
+  // Syncs: the running one first with its progress, then the newest ended.
+  const size_t table = out.find("FROM -> TO");
+  const auto at = [&](const std::string& text) { return out.find(text, table); };
+  REQUIRE(at("s-running") != std::string::npos);
+  CHECK(at("s-running") < at("s-failed"));
+  CHECK(at("s-failed") < at("s-old"));
+  CHECK_THAT(out, Contains("45% w1/2"));
+  CHECK_THAT(out, Contains("trainer -> rollout"));
+  // The failure, with the start of its error on two lines at most.
+  CHECK_THAT(out, Contains("RECENT FAILURES"));
+  CHECK_THAT(out, Contains("s-failed v7 (trainer -> rollout, on n0):"));
+  CHECK_THAT(out, Contains("    node \"n1\" did not answer within 10 s"));
+  CHECK(std::count(lines.begin(), lines.end(), "    " + std::string(76, 'x')) == 1);
+
+  SECTION("a narrow terminal cuts lines, an empty cluster says so") {
+    screen.width = 50;
+    for (const auto& l : linesOf(cli::renderTop(status, list, screen))) CHECK(l.size() <= 50);
+    const std::string empty = cli::renderTop(v1::StatusResponse(), v1::ListResponse(), cli::TopScreen());
+    CHECK_THAT(empty, Contains("(nothing registered)") && Contains("(no syncs yet)"));
+    CHECK_THAT(empty, !Contains("RECENT FAILURES"));
+  }
+}
