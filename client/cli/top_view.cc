@@ -107,12 +107,12 @@ std::string renderTop(const v1::StatusResponse& status, const v1::ListResponse& 
     return a->started_unix_seconds() > b->started_unix_seconds();
   });
   line("");
-  line(fmt::format("{:<22} {:<24} {:>5} {:<10} {:>9} {:>6}", "SYNC", "FROM -> TO", "VER", "STATE", "PROGRESS", "TIME"));
+  line(fmt::format("{:<20} {:<22} {:>5} {:<10} {:>9} {:>7}", "SYNC", "FROM -> TO", "VER", "STATE", "PROGRESS", "TIME"));
   if (syncs.empty()) line("(no syncs yet)");
   for (size_t i = 0; i < syncs.size() && i < screen.max_syncs; ++i) {
     const auto& p = *syncs[i];
-    line(fmt::format("{:<22} {:<24} {:>5} {:<10} {:>9} {:>5.1f}s", cut(p.sync_id(), 22),
-                     cut(p.src_group() + " -> " + p.dst_group(), 24), p.version(), p.state(), progressOf(p),
+    line(fmt::format("{:<20} {:<22} {:>5} {:<10} {:>9} {:>6.1f}s", cut(p.sync_id(), 20),
+                     cut(p.src_group() + " -> " + p.dst_group(), 22), p.version(), p.state(), progressOf(p),
                      p.seconds()));
   }
   std::vector<const v1::SyncProgress*> failures;
@@ -125,9 +125,18 @@ std::string renderTop(const v1::StatusResponse& status, const v1::ListResponse& 
       const auto& p = *failures[i];
       line(fmt::format("  {} v{} ({} -> {}, on {}):", p.sync_id(), p.version(), p.src_group(), p.dst_group(),
                        p.coordinator()));
-      // The error on at most two lines: the start names the node and what failed.
+      // The error on at most two lines, broken between words: its start names the node and what failed.
       const size_t room = static_cast<size_t>(std::max(20, screen.width - 4));
-      for (size_t at = 0; at < p.error().size() && at < 2 * room; at += room) line("    " + p.error().substr(at, room));
+      const std::string& error = p.error();
+      size_t at = 0;
+      for (int row = 0; row < 2 && at < error.size(); ++row) {
+        size_t end = std::min(error.size(), at + room);
+        if (end < error.size())
+          if (const size_t space = error.rfind(' ', end); space != std::string::npos && space > at) end = space;
+        line("    " + error.substr(at, end - at));
+        at = error.find_first_not_of(' ', end);
+        if (at == std::string::npos) break;
+      }
     }
   }
   std::string out;

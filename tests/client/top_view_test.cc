@@ -101,6 +101,8 @@ TEST_CASE("top: groups, dirty ranks, syncs running first, failures, within the w
   CHECK_THAT(out, Contains("RECENT FAILURES"));
   CHECK_THAT(out, Contains("s-failed v7 (trainer -> rollout, on n0):"));
   CHECK_THAT(out, Contains("    node \"n1\" did not answer within 10 s"));
+  // Broken between words: the second line is the x's, cut at the width.
+  CHECK(std::count(lines.begin(), lines.end(), "    node \"n1\" did not answer within 10 s:") == 1);
   CHECK(std::count(lines.begin(), lines.end(), "    " + std::string(76, 'x')) == 1);
 
   SECTION("a narrow terminal cuts lines, an empty cluster says so") {

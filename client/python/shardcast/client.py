@@ -703,10 +703,12 @@ class Client:
 
     # ---- inspection ----
 
-    def status(self) -> service_pb2.StatusResponse:
+    def status(self, all_nodes: bool = False) -> service_pb2.StatusResponse:
+        """The daemon, its peers, its groups and its syncs (running, then the last ended);
+        `all_nodes`: every reachable daemon's syncs."""
         self._check_open("status")
         try:
-            return self._stub.Status(service_pb2.StatusRequest(), timeout=self.timeout)
+            return self._stub.Status(service_pb2.StatusRequest(all_nodes=all_nodes), timeout=self.timeout)
         except grpc.RpcError as e:
             raise self._fail(e, "status") from None
 
