@@ -28,6 +28,8 @@ if [ "$mode" != "build" ]; then
     python3 python3-venv  # the test venv's interpreter (Debian's 3.11)
     clang libclang-rt-dev clang-format  # the fuzzers (libFuzzer, sanitizers) and the format check
     iproute2              # network-namespace tests
+    prometheus            # the monitoring component's end-to-end test (prometheus, promtool)
+    tmux                  # `shardcast top` read off a real terminal (test_cli_top.py)
     # The Go example client, built in GOPATH mode from Debian's Go packages (no module downloads).
     golang-go golang-google-grpc-dev golang-google-protobuf-dev protoc-gen-go protoc-gen-go-grpc
     golang-github-golang-protobuf-1-5-dev  # grpc-go's codec must know protoc-gen-go's (APIv2) messages

@@ -36,6 +36,8 @@ StatusOr<std::vector<std::string>> PeerSet::addresses() const {
   }
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
+  std::lock_guard<std::mutex> lock(mu_);
+  current_ = out;
   return out;
 }
 
@@ -197,7 +199,8 @@ std::map<std::string, bool> PeerSet::reachability() const {
   std::map<std::string, bool> answered;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    nodes = nodes_;
+    for (const auto& address : current_)  // a peer gone from --peer-dns is no longer reported
+      if (const auto it = nodes_.find(address); it != nodes_.end()) nodes.insert(*it);
     answered = answered_;
   }
   std::map<std::string, bool> out;

@@ -48,9 +48,10 @@ class PeerSet {
   // Describe of every peer other than this node, each within the peer timeout; `syncs`: with the
   // syncs each coordinates (DescribeRequest.syncs).
   StatusOr<std::vector<PeerView>> describeAll(bool syncs = false) const;
-  // The peers reached so far, by node: reachable when their channel is connected, or connecting
-  // or idle and the last Describe of them answered. Asks no peer (a scrape must stay cheap): a
-  // channel not connected is only nudged to connect, and counts by its state at the next call.
+  // The peers of the last addresses() that have described themselves, by node: reachable when
+  // their channel is connected, or connecting or idle and the last Describe of them answered.
+  // Sends no call (a scrape must stay cheap): a channel not connected is only nudged to connect,
+  // and counts by its state at the next call. A peer gone from --peer-dns drops out.
   std::map<std::string, bool> reachability() const;
   // The peers reached so far: address -> the node each described itself as.
   std::map<std::string, std::string> knownNodes() const;
@@ -73,6 +74,7 @@ class PeerSet {
   mutable std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
   mutable std::map<std::string, std::string> nodes_;              // address -> node it last described itself as
   mutable std::map<std::string, bool> answered_;                  // address -> its last Describe succeeded
+  mutable std::vector<std::string> current_;                      // the last addresses() found
   mutable std::map<std::string, std::string> transports_;         // node -> the transport address it described
   mutable std::chrono::steady_clock::time_point last_refresh_{};  // of transports_ by checkTransportAddress
 };

@@ -67,12 +67,13 @@ grpc::Status ShardcastService::Sync(grpc::ServerContext* ctx, const v1::SyncRequ
     metrics_.syncCommitted(*out);
   } else {
     metrics_.syncFailed(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(), *out);
-    // Every refused or failed sync leaves one line: which, for whom, why (a caller retrying in a
-    // loop gets one line per 10 s, with the count of those held back).
+    // A sync that reached its daemons (prepared) left its line in coordinate(). Every refused one
+    // leaves one line too: which, for whom, why (a caller retrying in a loop gets one line per
+    // 10 s, with the count of those held back).
     uint64_t held = 0;
     // Keyed by caller and kind only: group names are the caller's to choose, and varying them must
     // not buy a line each.
-    if (failure_log_.allow(strCat(caller->who, "|", st.error_code()), &held))
+    if (out->prepare_seconds() == 0 && failure_log_.allow(strCat(caller->who, "|", st.error_code()), &held))
       spdlog::warn(
           "sync {} -> {} version {} for {} failed: {}{}", quote(req->src_group()), quote(req->dst_group()),
           req->version(), caller->who, st.error_message(),
@@ -117,8 +118,18 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
                               id, newFence());
   auto done = coordinator.run();
   if (!done.ok()) {
-    if (!coordinator.faultyNode().empty()) metrics_.peerFailed(coordinator.faultyNode());
+    const std::string& faulty = coordinator.faultyNode();
+    if (!faulty.empty()) metrics_.peerFailed(faulty);
     *out = coordinator.figures();  // its phases' seconds, for the metrics (a failed call sends no response)
+    if (out->prepare_seconds() > 0)  // it reached the daemons: its one line, with its figures
+      spdlog::warn(
+          "sync {}: {} -> {} version {} failed after {:.3f} s (gather {:.3f} s, plan {:.3f} s, prepare {:.3f} s, "
+          "execute {:.3f} s, finish {:.3f} s){}: {}",
+          id, req.src_group(), req.dst_group(), req.version(),
+          out->gather_seconds() + out->plan_seconds() + out->prepare_seconds() + out->execute_seconds() +
+              out->finish_seconds(),
+          out->gather_seconds(), out->plan_seconds(), out->prepare_seconds(), out->execute_seconds(),
+          out->finish_seconds(), faulty.empty() ? "" : strCat(" at node ", quote(faulty)), std::string(done.status().message()));
     return toGrpc(done.status());
   }
   *out = std::move(*done);

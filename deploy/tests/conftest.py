@@ -67,11 +67,15 @@ def render(directory: Path) -> List[dict]:
 
 
 #: The kustomize Components under deploy/k8s/components; docs/deploy.md offers any combination of
-#: them over the base.
-COMPONENTS: Tuple[str, ...] = ("gpu", "rdma", "cert-manager")
-#: Each component alone, each pair, all three.
+#: them over the base, with at most one of each set of ALTERNATIVES.
+COMPONENTS: Tuple[str, ...] = ("gpu", "rdma", "cert-manager", "monitoring", "monitoring-service")
+#: Components that stand for each other: monitoring-service is monitoring with a ServiceMonitor
+#: instead of the PodMonitor, and kustomize refuses the two together (test_components).
+ALTERNATIVES: Tuple[Set[str], ...] = ({"monitoring", "monitoring-service"},)
+#: Each component alone, each pair, ..., all that may be listed together.
 COMBINATIONS: List[Tuple[str, ...]] = [c for n in range(1, len(COMPONENTS) + 1)
-                                       for c in itertools.combinations(COMPONENTS, n)]
+                                       for c in itertools.combinations(COMPONENTS, n)
+                                       if all(len(a & set(c)) <= 1 for a in ALTERNATIVES)]
 #: The kustomization directories we ship: the base and every overlay.
 SHIPPED_DIRS: Dict[str, Path] = {"base": K8S / "base",
                                  **{p.name: p for p in sorted((K8S / "overlays").iterdir()) if p.is_dir()}}

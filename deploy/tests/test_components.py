@@ -1,10 +1,13 @@
-"""The gpu, rdma and cert-manager components compose over the base in every combination
-docs/deploy.md offers: each renders with the real `kubectl kustomize`, validates against Kubernetes'
-schemas, has each of its components' effects and no other's, and does not depend on the order the
-components are listed in. The rdma component writes by RMA put over transports that bound it."""
+"""The gpu, rdma, cert-manager and monitoring (or monitoring-service) components compose over the
+base in every combination docs/deploy.md offers: each renders with the real `kubectl kustomize`,
+validates against Kubernetes' schemas (and the CRDs' fields we use), has each of its components'
+effects and no other's, and does not depend on the order the components are listed in; the two
+monitoring components refuse to be listed together. The rdma component writes by RMA put over
+transports that bound it."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import List, Set
@@ -12,8 +15,9 @@ from typing import List, Set
 import pytest
 import yaml
 
-from conftest import (COMBINATIONS, COMPONENTS, DEPLOYMENTS, K8S, ROOT, by_kind, components_of, daemonset_pod,
-                      deployment_dir, localize, render, render_deployment)
+import validate
+from conftest import (ALTERNATIVES, COMBINATIONS, COMPONENTS, DEPLOYMENTS, K8S, ROOT, by_kind, components_of,
+                      daemonset_pod, deployment_dir, localize, render, render_deployment)
 from test_consistency import env_of, expand, print_config
 from test_manifests import run_validate
 
@@ -22,11 +26,26 @@ RDMA_RESOURCE = "rdma/rdma_shared_device_a"
 
 def test_every_combination_is_a_deployment_we_check():
     names = {"+".join(c) for c in COMBINATIONS}
-    assert len(names) == 2 ** len(COMPONENTS) - 1
+    # Each independent component in or out, one of each set of alternatives or none; not nothing.
+    independent = len(COMPONENTS) - sum(len(a) for a in ALTERNATIVES)
+    assert len(names) == 2 ** independent * math.prod(len(a) + 1 for a in ALTERNATIVES) - 1
     for c in COMPONENTS:  # each component alone is shipped as an overlay of its own
         assert components_of(c) == {c}
-    assert components_of("gpu-rdma-cert-manager") == set(COMPONENTS)
+    assert components_of("gpu-rdma-cert-manager") == {"gpu", "rdma", "cert-manager"}
     assert names <= set(DEPLOYMENTS)
+
+
+@pytest.mark.parametrize("alternatives", ALTERNATIVES, ids=lambda a: "+".join(sorted(a)))
+def test_alternative_components_refuse_to_be_listed_together(kubectl, tmp_path, alternatives):
+    """monitoring-service includes monitoring and replaces its PodMonitor: listing both would
+    bring a second copy of the alerts and the dashboard, which kustomize refuses."""
+    up = os.path.relpath(K8S, tmp_path)
+    listed = "".join(f"  - {up}/components/{c}\n" for c in sorted(alternatives))
+    (tmp_path / "kustomization.yaml").write_text(
+        f"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {up}/base\n"
+        f"components:\n{listed}")
+    with pytest.raises(validate.RenderError, match="already registered id"):
+        validate.render(tmp_path)
 
 
 def test_components_are_kustomize_components():
@@ -84,6 +103,17 @@ def effects(objects: List[dict]) -> Set[str]:
             assert cert["spec"]["issuerRef"]["name"] in issuers
             assert cert["metadata"]["namespace"] == "shardcast"
         found.add("cert-manager")
+
+    # Both monitoring components bring the alerts and the dashboard; they differ in the monitor.
+    rules, dashboards = by_kind(objects, "PrometheusRule"), by_kind(objects, "ConfigMap")
+    pod_monitors, service_monitors = by_kind(objects, "PodMonitor"), by_kind(objects, "ServiceMonitor")
+    if rules or pod_monitors or service_monitors:
+        assert set(rules) == {"shardcastd"}
+        assert dashboards["shardcast-dashboard"]["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert len(pod_monitors) + len(service_monitors) == 1, "one way to scrape, never both"
+        found.add("monitoring" if pod_monitors else "monitoring-service")
+    else:
+        assert "shardcast-dashboard" not in dashboards
     return found
 
 
@@ -109,9 +139,9 @@ def test_the_order_of_the_components_does_not_matter(kubectl, tmp_path):
                 env.sort(key=lambda e: e["name"])
         return sorted(objects, key=lambda o: (o["kind"], o["metadata"]["name"]))
 
-    reference = key(render_deployment("gpu+rdma+cert-manager"))
+    reference = key(render_deployment("gpu+rdma+cert-manager+monitoring"))
     up = os.path.relpath(K8S, tmp_path)
-    for order in (("cert-manager", "rdma", "gpu"), ("rdma", "gpu", "cert-manager")):
+    for order in (("monitoring", "cert-manager", "rdma", "gpu"), ("rdma", "gpu", "monitoring", "cert-manager")):
         listed = "".join(f"  - {up}/components/{c}\n" for c in order)
         (tmp_path / "kustomization.yaml").write_text(
             f"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {up}/base\n"

@@ -6,8 +6,10 @@ or a missing required field is an error. Kustomization directories are rendered 
 
     validate.py [--kubernetes-version 1.30] FILE_OR_KUSTOMIZATION_DIR...
 
-cert-manager's Issuer and Certificate (a CRD, not in Kubernetes' schemas) are checked against the
-subset of cert-manager.io/v1 the manifests use: known fields only, required ones present.
+Custom resources (CRDs, not in Kubernetes' schemas) are checked against the subset of their API
+the manifests use: cert-manager's Issuer and Certificate (cert-manager.io/v1), the Prometheus
+Operator's PodMonitor, ServiceMonitor and PrometheusRule (monitoring.coreos.com/v1). Known fields
+only, required ones present, durations, label maps and enumerations well formed.
 
 Prints one line per problem on stderr and a summary on stdout; exit status 1 when anything is
 invalid, 2 on bad usage."""
@@ -15,10 +17,11 @@ invalid, 2 on bad usage."""
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, List, Tuple
+from typing import Callable, Iterator, List, Tuple
 
 import kubernetes_validate
 import yaml
@@ -32,8 +35,51 @@ class RenderError(Exception):
     pass
 
 
-#: cert-manager.io/v1 fields the manifests may use, per kind: {field: nested spec or None}; "!"
-#: marks a required field. Anything else is an error, as with Kubernetes' strict schemas.
+#: Custom resources' fields the manifests may use, per kind: {field: what its value must be}; "!"
+#: marks a required field. Anything else is an error, as with Kubernetes' strict schemas. A value
+#: is None (anything), a {field: ...} mapping, [x] (a list of x), or a check(value, where) that
+#: returns the problem or "".
+Check = Callable[[object, str], str]
+
+
+def _string(value, where: str) -> str:
+    return "" if isinstance(value, str) else f"{where}: {value!r} is not a string"
+
+
+def _boolean(value, where: str) -> str:
+    return "" if isinstance(value, bool) else f"{where}: {value!r} is not a boolean"
+
+
+def _integer(value, where: str) -> str:
+    return "" if isinstance(value, int) and not isinstance(value, bool) else f"{where}: {value!r} is not an integer"
+
+
+def _strings(value, where: str) -> str:
+    ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return "" if ok else f"{where}: {value!r} is not a list of strings"
+
+
+def _string_map(value, where: str) -> str:
+    ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+    return "" if ok else f"{where}: {value!r} is not a mapping of strings to strings"
+
+
+#: A Prometheus duration, as the Prometheus Operator's CRDs accept it: 30s, 5m, 1h30m, 0.
+_DURATION = re.compile(r"0|(?=\d)(\d+y)?(\d+w)?(\d+d)?(\d+h)?(\d+m)?(\d+s)?(\d+ms)?")
+
+
+def _duration(value, where: str) -> str:
+    ok = isinstance(value, str) and _DURATION.fullmatch(value) is not None
+    return "" if ok else f"{where}: {value!r} is not a duration (30s, 5m, 1h)"
+
+
+def _one_of(*allowed: str) -> Check:
+    def check(value, where: str) -> str:
+        return "" if value in allowed else f"{where}: {value!r} is not one of {list(allowed)}"
+    return check
+
+
+#: cert-manager.io/v1 fields the manifests may use.
 _KEY_USAGES = {"digital signature", "key encipherment", "server auth", "client auth", "cert sign", "crl sign"}
 _ISSUER_REF = {"!name": None, "kind": None, "group": None}
 CERT_MANAGER = {
@@ -46,6 +92,62 @@ CERT_MANAGER = {
 }
 
 
+#: monitoring.coreos.com/v1 (Prometheus Operator) fields the manifests may use.
+_LABEL_SELECTOR = {
+    "matchLabels": _string_map,
+    "matchExpressions": [{"!key": _string, "!operator": _one_of("In", "NotIn", "Exists", "DoesNotExist"),
+                          "values": _strings}],
+}
+_RELABEL_ACTIONS = ("replace", "keep", "drop", "hashmod", "labelmap", "labeldrop", "labelkeep", "lowercase",
+                    "uppercase", "keepequal", "dropequal")
+_RELABELING = {
+    "sourceLabels": _strings, "separator": _string, "targetLabel": _string, "regex": _string,
+    "modulus": _integer, "replacement": _string,
+    "action": _one_of(*_RELABEL_ACTIONS, *(a.capitalize() for a in _RELABEL_ACTIONS)),
+}
+_ENDPOINT = {
+    "port": _string, "path": _string, "scheme": _one_of("http", "https"), "interval": _duration,
+    "scrapeTimeout": _duration, "honorLabels": _boolean, "relabelings": [_RELABELING],
+    "metricRelabelings": [_RELABELING],
+}
+_NAMESPACE_SELECTOR = {"any": _boolean, "matchNames": _strings}
+_RULE = {
+    "alert": _string, "record": _string, "!expr": _string, "for": _duration, "keep_firing_for": _duration,
+    "labels": _string_map, "annotations": _string_map,
+}
+MONITORING = {
+    "PodMonitor": {
+        "!selector": _LABEL_SELECTOR, "!podMetricsEndpoints": [_ENDPOINT], "namespaceSelector": _NAMESPACE_SELECTOR,
+        "jobLabel": _string, "podTargetLabels": _strings, "sampleLimit": _integer,
+    },
+    "ServiceMonitor": {
+        "!selector": _LABEL_SELECTOR, "!endpoints": [_ENDPOINT], "namespaceSelector": _NAMESPACE_SELECTOR,
+        "jobLabel": _string, "targetLabels": _strings, "podTargetLabels": _strings, "sampleLimit": _integer,
+    },
+    "PrometheusRule": {
+        "groups": [{"!name": _string, "interval": _duration, "limit": _integer, "rules": [_RULE]}],
+    },
+}
+#: The custom resources checked here, by apiVersion.
+CUSTOM = {"cert-manager.io/v1": CERT_MANAGER, "monitoring.coreos.com/v1": MONITORING}
+
+
+def _value_problem(value, allowed, where: str) -> str:
+    if allowed is None:
+        return ""
+    if isinstance(allowed, dict):
+        return _spec_problem(value, allowed, where)
+    if isinstance(allowed, list):
+        if not isinstance(value, list):
+            return f"{where}: expected a list"
+        for i, item in enumerate(value):
+            found = _value_problem(item, allowed[0], f"{where}[{i}]")
+            if found:
+                return found
+        return ""
+    return allowed(value, where)
+
+
 def _spec_problem(spec, allowed: dict, where: str) -> str:
     if not isinstance(spec, dict):
         return f"{where}: expected a mapping"
@@ -56,11 +158,38 @@ def _spec_problem(spec, allowed: dict, where: str) -> str:
     for key, (required, nested) in names.items():
         if required and key not in spec:
             return f"{where}: '{key}' is a required property"
-        if key in spec and nested:
-            found = _spec_problem(spec[key], nested, f"{where}.{key}")
+        if key in spec:
+            found = _value_problem(spec[key], nested, f"{where}.{key}")
             if found:
                 return found
     return ""
+
+
+def monitoring_problem(doc: dict) -> str:
+    spec = doc.get("spec") or {}
+    found = _spec_problem(spec, MONITORING[doc["kind"]], ".spec")
+    if found:
+        return found
+    for g, group in enumerate(spec.get("groups", [])):
+        for r, rule in enumerate(group.get("rules", [])):
+            where = f".spec.groups[{g}].rules[{r}]"
+            if ("alert" in rule) == ("record" in rule):
+                return f"{where}: a rule has exactly one of alert or record"
+            if "record" in rule and ("for" in rule or "annotations" in rule):
+                return f"{where}: a recording rule has no for or annotations"
+    return ""
+
+
+def custom_problem(doc: dict) -> str:
+    """Why a custom resource of CUSTOM is not valid, or "" when it is."""
+    extra = set(doc) - {"apiVersion", "kind", "metadata", "spec"}
+    if extra:
+        return f"(top): unknown fields {sorted(extra)}"
+    if not isinstance(doc.get("metadata"), dict) or not doc["metadata"].get("name"):
+        return ".metadata: 'name' is a required property"
+    if doc["apiVersion"] == "cert-manager.io/v1":
+        return cert_manager_problem(doc)
+    return monitoring_problem(doc)
 
 
 def cert_manager_problem(doc: dict) -> str:
@@ -104,8 +233,8 @@ def problem(doc: dict, version: str = KUBERNETES_VERSION) -> str:
     """Why `doc` is not a valid object of Kubernetes `version`, or "" when it is."""
     if doc.get("kind") == "Kustomization":
         return ""  # kubectl kustomize checks these when it renders them
-    if doc.get("apiVersion") == "cert-manager.io/v1" and doc.get("kind") in CERT_MANAGER:
-        return cert_manager_problem(doc)
+    if doc.get("kind") in CUSTOM.get(doc.get("apiVersion"), {}):
+        return custom_problem(doc)
     try:
         kubernetes_validate.validate(doc, version, strict=True)
     except kubernetes_validate.SchemaNotFoundError:

@@ -8,6 +8,7 @@ named node on loopback, each knowing all the others (what a DaemonSet gives on a
 from __future__ import annotations
 
 import os
+import re
 import random
 import select
 import shutil
@@ -104,6 +105,9 @@ class LocalDaemon:
         if not line.startswith("shardcastd ready"):
             self.stop()
             raise RuntimeError(f"shardcastd for node {node} did not start: {line.strip()!r}")
+        # The port its /metrics and /healthz were given (0: none, --metrics "").
+        found = re.search(r"\bmetrics_port=(\d+)", line)
+        self.metrics_port = int(found.group(1)) if found else 0
 
     @property
     def target(self) -> str:

@@ -152,13 +152,31 @@ def test_a_clean_stop_is_quiet_on_both_sides(tmp_path):
 
 def test_json_logs_are_one_object_per_line_naming_node_and_sync(tmp_path):
     """--log-format json: every line of both daemons is a JSON object with time, level and node;
-    the coordinator's line for the committed sync names the sync and the group and carries its
-    figures (phases, bytes)."""
+    the coordinator's line for each sync names the sync and the group and carries its figures:
+    phases and bytes for the committed one, phases, the node at fault and the error for one that
+    failed on its daemons."""
     import json
     daemons, logs = _two_daemons(tmp_path, ["--log-level", "info", "--log-format", "json"])
     try:
         src, dst = shardcast.Client(daemons["n0"].target), shardcast.Client(daemons["n1"].target)
-        _sync_once(src, dst)
+        regs = _sync_once(src, dst)
+        trainers, infers = regs[:2], regs[2:]
+
+        def step(version):
+            for t in trainers:
+                with t.writing(version):
+                    for name, x in t.tensors.items():
+                        x[...] = rank_worker.shard("trainer", name, t.rank, version)
+
+        step(2)
+        src.sync("trainer", "infer", 2, delta="auto", sync_id="keeps-bases")
+        for t in trainers:  # version 3 changes one element of each trainer shard: it travels as a delta
+            with t.writing(3):
+                t.tensors["w"].flat[0] += 1
+        infers[0].tensors["w"][...] += 1  # written outside a sync: the delta cannot rebuild version 3 there
+        with pytest.raises(shardcast.ShardcastError) as failed:
+            src.sync("trainer", "infer", 3, delta="auto", sync_id="fails-on-n1")
+        assert failed.value.code.name == "DATA_LOSS", failed.value
         dst.close()
         src.close()
     finally:
@@ -174,10 +192,17 @@ def test_json_logs_are_one_object_per_line_naming_node_and_sync(tmp_path):
             assert p["node"] == n and p["level"] in ("info", "warning") and p["time"].endswith("Z"), p
     committed = [p for p in (json.loads(line) for line in (tmp_path / "n0.log").read_text().splitlines())
                  if "committed in" in p["msg"]]
-    assert len(committed) == 1, committed
+    assert len(committed) == 2, committed
     line = committed[0]
     assert line["group"] == "infer" and line["sync"], line  # the id the client chose
     assert "execute" in line["msg"] and "bytes over the network" in line["msg"], line
+    failed = [p for p in (json.loads(line) for line in (tmp_path / "n0.log").read_text().splitlines())
+              if "failed after" in p["msg"]]
+    assert len(failed) == 1, failed
+    line = failed[0]
+    assert line["level"] == "warning" and line["sync"] == "fails-on-n1" and line["group"] == "infer", line
+    for figure in ("gather", "plan", "prepare", "execute", 'at node "n1"', "version 3"):
+        assert figure in line["msg"], line
 
 
 def test_shutdown_is_bounded_while_a_peer_is_frozen():
