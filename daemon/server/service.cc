@@ -120,7 +120,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
   if (!done.ok()) {
     const std::string& faulty = coordinator.faultyNode();
     if (!faulty.empty()) metrics_.peerFailed(faulty);
-    *out = coordinator.figures();  // its phases' seconds, for the metrics (a failed call sends no response)
+    *out = coordinator.figures();    // its phases' seconds, for the metrics (a failed call sends no response)
     if (out->prepare_seconds() > 0)  // it reached the daemons: its one line, with its figures
       spdlog::warn(
           "sync {}: {} -> {} version {} failed after {:.3f} s (gather {:.3f} s, plan {:.3f} s, prepare {:.3f} s, "
@@ -129,7 +129,8 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
           out->gather_seconds() + out->plan_seconds() + out->prepare_seconds() + out->execute_seconds() +
               out->finish_seconds(),
           out->gather_seconds(), out->plan_seconds(), out->prepare_seconds(), out->execute_seconds(),
-          out->finish_seconds(), faulty.empty() ? "" : strCat(" at node ", quote(faulty)), std::string(done.status().message()));
+          out->finish_seconds(), faulty.empty() ? "" : strCat(" at node ", quote(faulty)),
+          std::string(done.status().message()));
     return toGrpc(done.status());
   }
   *out = std::move(*done);
