@@ -217,11 +217,12 @@ std::map<std::string, bool> PeerSet::reachability() const {
 }
 
 StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::DescribeResponse& self,
-                                          const std::string& self_address) {
+                                          const std::string& self_address, std::vector<std::string>* unreachable) {
   SC_ASSIGN_OR_RETURN(auto described, peers.describeAll());
-  SC_ASSIGN_OR_RETURN(auto view, ClusterView::build(self, described));
+  SC_ASSIGN_OR_RETURN(auto view, ClusterView::build(self, described, unreachable));
   ClusterSnapshot out{std::move(view), {self_address}};
-  for (const auto& p : described) out.addresses.push_back(p.address);
+  for (const auto& p : described)
+    if (p.described.ok()) out.addresses.push_back(p.address);  // the view's daemons, in its order
   return out;
 }
 
@@ -238,13 +239,17 @@ std::string rankRanges(const std::vector<int32_t>& ranks) {
 }
 
 StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self,
-                                         const std::vector<PeerSet::PeerView>& peers) {
+                                         const std::vector<PeerSet::PeerView>& peers,
+                                         std::vector<std::string>* unreachable) {
   ClusterView v;
   v.daemons_.push_back(self);
   for (const auto& p : peers) {
-    if (!p.described.ok())
-      return absl::UnavailableError(
-          strCat("peer daemon ", p.address, " is unreachable: ", p.described.status().message()));
+    if (!p.described.ok()) {
+      std::string why = strCat("peer daemon ", p.address, " is unreachable: ", p.described.status().message());
+      if (unreachable == nullptr) return absl::UnavailableError(why);
+      unreachable->push_back(std::move(why));
+      continue;
+    }
     v.daemons_.push_back(*p.described);
   }
   std::set<std::string> nodes;
@@ -300,6 +305,22 @@ Status ClusterView::maySync(uint32_t uid, const std::string& src, const std::str
 v1::Role ClusterView::role(const std::string& group) const {
   auto it = groups_.find(group);
   return it == groups_.end() ? v1::ROLE_UNSPECIFIED : it->second.role;
+}
+
+std::vector<std::string> ClusterView::replicasOf(const std::string& set) const {
+  std::vector<std::pair<int32_t, std::string>> found;
+  if (set.empty() || groups_.count(set)) return {};
+  for (const auto& [name, g] : groups_)
+    if (g.layout.replica_set() == set) found.emplace_back(g.layout.replica(), name);
+  std::sort(found.begin(), found.end());
+  std::vector<std::string> out;
+  for (auto& [id, name] : found) out.push_back(std::move(name));
+  return out;
+}
+
+const v1::Layout* ClusterView::layoutOf(const std::string& group) const {
+  const auto it = groups_.find(group);
+  return it == groups_.end() ? nullptr : &it->second.layout;
 }
 
 StatusOr<v1::Layout> ClusterView::completeGroup(const std::string& group) const {

@@ -82,8 +82,11 @@ class PeerSet {
 // Groups as registered across the cluster.
 class ClusterView {
  public:
-  // From this daemon's own description and its peers'. Unreachable peers make the view fail.
-  static StatusOr<ClusterView> build(const v1::DescribeResponse& self, const std::vector<PeerSet::PeerView>& peers);
+  // From this daemon's own description and its peers'. Unreachable peers make the view fail; or,
+  // given `unreachable`, are left out of it and each described there ("peer daemon A (node "N")
+  // is unreachable: why").
+  static StatusOr<ClusterView> build(const v1::DescribeResponse& self, const std::vector<PeerSet::PeerView>& peers,
+                                     std::vector<std::string>* unreachable = nullptr);
 
   // The layout of `group` when every rank of it is registered somewhere; FAILED_PRECONDITION
   // naming the missing ranks (or an unknown group) otherwise.
@@ -91,6 +94,11 @@ class ClusterView {
   const std::vector<v1::DescribeResponse>& daemons() const { return daemons_; }
   // The role `group` registered with (ROLE_UNSPECIFIED for an unknown group).
   v1::Role role(const std::string& group) const;
+  // The groups registered as replicas of set `set` (Layout.replica_set), by replica id; empty
+  // when `set` is no replica set's name or a group of that name is registered.
+  std::vector<std::string> replicasOf(const std::string& set) const;
+  // The layout `group` registered with, complete or not (null for an unknown group).
+  const v1::Layout* layoutOf(const std::string& group) const;
   // May a local caller of `uid` (not root) sync `src` into `dst`? Only the owner of `dst` on every
   // node that holds part of it, reading a `src` that is its own on every node or whose owner there
   // granted it (RegisterRequest.readers). PERMISSION_DENIED naming the group, node and owner.
@@ -115,8 +123,10 @@ struct ClusterSnapshot {
   ClusterView view;
   std::vector<std::string> addresses;
 };
+// `unreachable`: as in ClusterView::build.
 StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::DescribeResponse& self,
-                                          const std::string& self_address);
+                                          const std::string& self_address,
+                                          std::vector<std::string>* unreachable = nullptr);
 
 // "0-2, 5, 7-9"
 std::string rankRanges(const std::vector<int32_t>& ranks);

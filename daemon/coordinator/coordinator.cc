@@ -167,6 +167,10 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   out_.set_dense_chunks(moved.dense_chunks);
   out_.set_delta(delta_);
   out_.set_strategy(req_.options().strategy());
+  for (auto& o : outcomes_) {
+    o.set_committed(o.cut().empty());
+    *out_.add_replicas() = o;
+  }
   out_.set_plan_summary_json(planner::renderJson(plan_->plan, plan_->nodes, planner::CostModel{}));
   // The one line a committed sync leaves, with its figures (a failed one: the service's warning).
   spdlog::info(
@@ -182,25 +186,48 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
 // version contract as described.
 Status SyncCoordinator::gather() {
   while (true) {
-    auto snapshot = snapshotCluster(ctx_.peers, ctx_.registry.describe(), ctx_.self_address);
+    // Daemons that do not answer: a replica set syncs without the replicas on them; any other
+    // sync fails, naming the first.
+    std::vector<std::string> unreachable;
+    auto snapshot = snapshotCluster(ctx_.peers, ctx_.registry.describe(), ctx_.self_address, &unreachable);
     StatusOr<v1::Layout> src = absl::UnknownError(""), dst = absl::UnknownError("");
+    const bool replica_set = snapshot.ok() && !snapshot->view.replicasOf(req_.dst_group()).empty();
+    if (snapshot.ok() && !unreachable.empty() && !replica_set)
+      snapshot = absl::UnavailableError(unreachable.front());
     if (snapshot.ok()) {
       src = snapshot->view.completeGroup(req_.src_group());
-      dst = snapshot->view.completeGroup(req_.dst_group());
+      if (!src.ok() && !unreachable.empty())  // its missing ranks may be on them
+        src = absl::UnavailableError(strCat(src.status().message(), "; ", strJoin(unreachable, "; ")));
+      if (!replica_set) {
+        dst = snapshot->view.completeGroup(req_.dst_group());
+      } else if (Status members = gatherReplicas(snapshot->view, unreachable); members.ok()) {
+        v1::Layout named;
+        named.set_group(req_.dst_group());
+        dst = named;
+      } else {
+        dst = members;
+      }
       // Roles are not worth waiting for: a wrong one is the caller's mistake.
       if (src.ok() && snapshot->view.role(req_.src_group()) != v1::ROLE_SOURCE)
         return failed(absl::FailedPreconditionError(strCat(
             "sync: group \"", req_.src_group(), "\" is registered as a destination; a sync reads only source groups")));
-      if (dst.ok() && snapshot->view.role(req_.dst_group()) != v1::ROLE_DESTINATION)
+      if (dst.ok() && !replica_set && snapshot->view.role(req_.dst_group()) != v1::ROLE_DESTINATION)
         return failed(absl::FailedPreconditionError(
             strCat("sync: group \"", req_.dst_group(),
                    "\" is registered as a source; a sync writes only destination groups (refusing to "
                    "overwrite it)")));
     }
     const Status st = !snapshot.ok() ? snapshot.status() : !src.ok() ? src.status() : dst.status();
-    if (st.ok() && ctx_.caller_uid)  // not worth waiting for either
-      if (Status allowed = snapshot->view.maySync(*ctx_.caller_uid, req_.src_group(), req_.dst_group()); !allowed.ok())
-        return failed(allowed);
+    if (st.ok() && ctx_.caller_uid) {  // not worth waiting for either
+      std::vector<std::string> written{req_.dst_group()};
+      if (replica_set) {
+        written.clear();
+        for (const auto& r : replicas_) written.push_back(r.layout.group());
+      }
+      for (const auto& group : written)
+        if (Status allowed = snapshot->view.maySync(*ctx_.caller_uid, req_.src_group(), group); !allowed.ok())
+          return failed(allowed);
+    }
     if (st.ok()) {
       cluster_ = std::make_unique<ClusterSnapshot>(std::move(*snapshot));
       src_ = std::move(*src);
@@ -214,6 +241,98 @@ Status SyncCoordinator::gather() {
       return failed(st);
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
+}
+
+Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vector<std::string>& unreachable) {
+  replicas_.clear();
+  outcomes_.clear();
+  const uint64_t version = req_.version();
+  std::vector<std::string> cut;
+  auto cutOut = [&](v1::ReplicaOutcome outcome, const std::string& why) {
+    outcome.set_cut(why);
+    cut.push_back(strCat(outcome.group(), ": ", why));
+    outcomes_.push_back(std::move(outcome));
+  };
+  // Where each replica's ranks are now, and where they were at the last sync into the set.
+  ReplicaMemory::Members now;
+  for (const auto& d : view.daemons())
+    for (const auto& r : d.ranks())
+      if (const v1::Layout* l = view.layoutOf(r.group()); l && l->replica_set() == req_.dst_group())
+        now[r.group()] = {l->replica(), {}};
+  for (const auto& d : view.daemons())
+    for (const auto& r : d.ranks())
+      if (auto it = now.find(r.group()); it != now.end()) it->second.nodes.insert(d.node());
+  std::set<std::string> silent;  // nodes of daemons that do not answer
+  for (const auto& [address, node] : ctx_.peers.knownNodes())
+    for (const auto& why : unreachable)
+      if (why.rfind(strCat("peer daemon ", address, " "), 0) == 0) silent.insert(node);
+  auto remembered = ctx_.replica_sets.recall(req_.dst_group());
+  for (const auto& [group, was] : remembered) {
+    if (now.count(group)) continue;
+    std::vector<std::string> gone;
+    for (const auto& node : was.nodes)
+      if (silent.count(node)) gone.push_back(quote(node));
+    if (gone.empty()) continue;  // its nodes answer without it: it left
+    v1::ReplicaOutcome outcome;
+    outcome.set_group(group);
+    outcome.set_replica(was.replica);
+    cutOut(outcome, strCat("node(s) ", strJoin(gone, ", "), " holding its ranks do not answer (",
+                           strJoin(unreachable, "; "), ")"));
+    now[group] = was;  // still a member: named again while its nodes stay silent
+  }
+  ctx_.replica_sets.remember(req_.dst_group(), now);
+
+  for (const auto& group : view.replicasOf(req_.dst_group())) {
+    const v1::Layout& registered = *view.layoutOf(group);
+    v1::ReplicaOutcome outcome;
+    outcome.set_group(group);
+    outcome.set_replica(registered.replica());
+    auto layout = view.completeGroup(group);
+    if (!layout.ok()) {
+      cutOut(outcome, strCat(layout.status().message(),
+                             unreachable.empty() ? "" : strCat(" (", strJoin(unreachable, "; "), ")")));
+      continue;
+    }
+    if (view.role(group) != v1::ROLE_DESTINATION) {
+      cutOut(outcome, "it is registered as a source; a sync writes only destinations");
+      continue;
+    }
+    std::string refused;
+    for (const auto& d : view.daemons())
+      for (const auto& r : d.ranks())
+        if (refused.empty() && r.group() == group) {
+          std::string why = destinationRefusal(factsOf(r), version);
+          if (why.empty() && r.refuses_writes()) why = " does not accept updates (acquired by its client)";
+          if (!why.empty()) refused = strCat("rank ", r.rank(), " on node \"", d.node(), "\"", why);
+        }
+    if (refused.empty() && !replicas_.empty())
+      if (Status same = planner::checkReplicaSet({replicas_.front(), {registered.replica(), *layout, {}}}); !same.ok())
+        refused = std::string(same.message());
+    if (!refused.empty()) {
+      cutOut(outcome, refused);
+      continue;
+    }
+    replicas_.push_back({registered.replica(), *layout, {}});
+    outcomes_.push_back(std::move(outcome));
+  }
+  std::sort(outcomes_.begin(), outcomes_.end(),
+            [](const v1::ReplicaOutcome& a, const v1::ReplicaOutcome& b) { return a.replica() < b.replica(); });
+  const size_t needed = std::max<uint32_t>(1, req_.options().min_replicas());
+  if (replicas_.size() < needed)
+    return absl::FailedPreconditionError(strCat("sync: replica set \"", req_.dst_group(), "\": ", replicas_.size(),
+                                                " of ", outcomes_.size(), " replicas can take part, at least ", needed,
+                                                " needed (", strJoin(cut, "; "), ")"));
+  if (!cut.empty())
+    spdlog::warn("sync {}: replica set \"{}\" syncs {} of {} replicas; cut: {}", id_, req_.dst_group(),
+                 replicas_.size(), outcomes_.size(), strJoin(cut, "; "));
+  return absl::OkStatus();
+}
+
+bool SyncCoordinator::writes(const std::string& group) const {
+  if (group == req_.dst_group()) return true;
+  for (const auto& r : replicas_)
+    if (r.layout.group() == group) return true;
+  return false;
 }
 
 Status SyncCoordinator::checkVersions() const {
@@ -245,12 +364,13 @@ Status SyncCoordinator::plan() {
   // zero-copy sends or landings anywhere (every daemon plans what the coordinator tells it).
   for (const auto& d : cluster_->view.daemons())
     for (const auto& r : d.ranks())
-      if (r.group() == req_.src_group() || r.group() == req_.dst_group())
+      if (r.group() == req_.src_group() || writes(r.group()))
         for (const auto& b : r.buffers()) packed_ = packed_ || b.staged();
   auto strategy = strategyOf(req_.options().strategy(), req_.options().delta());
   if (!strategy.ok()) return failed(strategy.status());
   const auto key = PlanKey::forSync(budget, chunk_bytes, req_.options().delta(), packed_, *strategy);
-  auto plan = ctx_.engine.plans().get(src_, dst_, key, &plan_cached_);
+  auto plan = replicas_.empty() ? ctx_.engine.plans().get(src_, dst_, key, &plan_cached_)
+                                : ctx_.engine.plans().getReplicaSet(src_, replicas_, key, &plan_cached_);
   if (!plan.ok()) return failed(plan.status());
   plan_ = std::move(*plan);
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
@@ -283,6 +403,7 @@ Status SyncCoordinator::prepare() {
   p.set_sync_id(id_);
   *p.mutable_src() = src_;
   *p.mutable_dst() = dst_;
+  for (const auto& r : replicas_) *p.add_replicas() = r.layout;
   p.set_version(req_.version());
   p.set_staging_bytes(static_cast<uint64_t>(ctx_.config.staging_mib) << 20);
   p.set_chunk_bytes(static_cast<uint64_t>(ctx_.config.chunk_bytes));

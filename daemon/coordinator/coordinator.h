@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -30,6 +31,31 @@
 #include "shardcast/v1/service.grpc.pb.h"
 
 namespace shardcast::daemon {
+
+// The replicas each replica set had when this daemon last coordinated a sync into it, and the
+// nodes their ranks were on: a replica whose node stops answering is then missing from the next
+// gather, and is still named in that sync's response as cut (not taken for one that left).
+class ReplicaMemory {
+ public:
+  struct Member {
+    int32_t replica = 0;
+    std::set<std::string> nodes;  // holding its ranks
+  };
+  using Members = std::map<std::string, Member>;  // by replica group
+  Members recall(const std::string& set) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto it = sets_.find(set);
+    return it == sets_.end() ? Members{} : it->second;
+  }
+  void remember(const std::string& set, Members members) {
+    std::lock_guard<std::mutex> lock(mu_);
+    sets_[set] = std::move(members);
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::string, Members> sets_;
+};
 
 // The Peer service of every daemon of one sync, with deadlines, and with every call in flight
 // cancellable at once (when the sync is given up).
@@ -63,6 +89,7 @@ class SyncCoordinator {
     const PeerSet& peers;
     SyncEngine& engine;
     ProgressBoard& progress;
+    ReplicaMemory& replica_sets;
     std::string self_address;  // this daemon, as the others and the coordinator reach it
     // A local caller other than root (the kernel's uid): may sync only what ClusterView::maySync
     // allows. Unset for root, remote callers of the job (certificate or token) and --insecure.
@@ -98,6 +125,12 @@ class SyncCoordinator {
   std::string firstSilent();
   // The version contract as the daemons described it.
   Status checkVersions() const;
+  // dst_group names a replica set: every replica registered now either takes part (replicas_) or
+  // is cut (outcomes_ says why: incomplete, on a node that does not answer, refusing the version,
+  // or not a replica like the others). Fails when fewer than SyncOptions.min_replicas take part.
+  Status gatherReplicas(const ClusterView& view, const std::vector<std::string>& unreachable);
+  // `group` is written by this sync: the destination group, or a replica taking part.
+  bool writes(const std::string& group) const;
 
   void setPhase(v1::SyncPhase phase);
   void nodeState(size_t i, const std::string& state, const std::string& error = "");
@@ -119,7 +152,9 @@ class SyncCoordinator {
   std::chrono::milliseconds lease_;
 
   std::unique_ptr<ClusterSnapshot> cluster_;
-  v1::Layout src_, dst_;
+  v1::Layout src_, dst_;  // a replica set: dst_ names it (group) and replicas_ are its members
+  std::vector<planner::Replica> replicas_;
+  std::vector<v1::ReplicaOutcome> outcomes_;  // every replica of the set: taking part, or cut
   std::shared_ptr<const CachedPlan> plan_;
   bool plan_cached_ = false;
   bool packed_ = false;  // planned without zero-copy: some daemon stages device memory

@@ -77,7 +77,12 @@ Status Execution::readDirectory() {
 Status Execution::alive() const { return a_->usable(); }
 
 StatusOr<Registry::LocalBuffer> Execution::buffer(const planner::ResolvedLayout& l, int32_t rank, int32_t b) const {
-  return env_.registry.localBuffer(l.group, rank, l.buffer_names[static_cast<size_t>(b)]);
+  const std::string& name = l.buffer_names[static_cast<size_t>(b)];
+  if (&l == &a_->plan->dst) {  // a replica set's rank is a rank of one of its replicas' groups
+    const auto [group, member_rank] = a_->dstRank(rank);
+    return env_.registry.localBuffer(group, member_rank, name);
+  }
+  return env_.registry.localBuffer(l.group, rank, name);
 }
 
 TypedView Execution::typed(const Registry::LocalBuffer& b, int64_t offset, std::vector<int64_t> strides,

@@ -73,16 +73,20 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
 
 StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::Layout& src,
                                                                      const std::vector<planner::Replica>& replicas,
-                                                                     uint64_t staging_budget, uint64_t chunk_bytes,
-                                                                     bool* hit) {
+                                                                     const PlanKey& plan_key, bool* hit) {
+  const uint64_t staging_budget = plan_key.staging_bytes, chunk_bytes = plan_key.chunk_bytes;
   if (staging_budget == 0 || chunk_bytes == 0)
     return absl::InvalidArgumentError("staging budget and chunk size must be positive");
   if (replicas.empty()) return absl::InvalidArgumentError("a replica set needs at least one replica");
+  if (plan_key.strategy != planner::Strategy::kPlanned)
+    return absl::InvalidArgumentError(strCat("replica set \"", replicas.front().layout.replica_set(),
+                                             "\": only the planned strategy syncs replica sets (the baselines are "
+                                             "measured on single groups)"));
   const std::string src_digest = planner::layoutDigest(src);
   std::string members;
   for (const auto& r : replicas) members += strCat(r.id, ":", planner::layoutDigest(r.layout), ",");
-  const std::string key = strCat(src_digest, "/set:", replicas.front().layout.replica_set(), "[", members, "]/",
-                                 staging_budget, "/", chunk_bytes);
+  // PlanKey::str with the set's membership in place of one destination digest.
+  const std::string key = plan_key.str(src_digest, strCat("set:", replicas.front().layout.replica_set(), "[", members, "]"));
   if (auto cached = lookup(key, hit)) return cached;
   const std::string replica_digest =
       replicas.front().digest.empty() ? planner::replicaDigest(replicas.front().layout) : replicas.front().digest;
@@ -107,7 +111,7 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
     }
   }
   SC_ASSIGN_OR_RETURN(auto schedule, planner::scheduleOf(std::move(set.nodes), std::move(set.src), std::move(set.dst),
-                                                         std::move(set.plan), staging_budget));
+                                                         std::move(set.plan), staging_budget, plan_key.zero_copy));
   return insert(key, std::move(schedule));
 }
 

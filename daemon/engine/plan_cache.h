@@ -67,9 +67,10 @@ class PlanCache {
   // destination is stackReplicas(replicas) (CachedPlan::dst). Plans are cached per membership;
   // the set's position plan apart from them, so a replica that joins or leaves costs a
   // composition, not a planning, and leaves the other replicas' routes as they were.
+  // Only the planned strategy routes a set (INVALID_ARGUMENT for a baseline).
   StatusOr<std::shared_ptr<const CachedPlan>> getReplicaSet(const v1::Layout& src,
                                                             const std::vector<planner::Replica>& replicas,
-                                                            uint64_t staging_budget, uint64_t chunk_bytes, bool* hit);
+                                                            const PlanKey& key, bool* hit);
   // Position plans made so far (each replica set's once per source layout and chunk size).
   uint64_t positionPlansMade() const;
   uint64_t hits() const;

@@ -88,7 +88,11 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   // by every thread without a lock.
   std::string id;
   std::string src_group;
-  std::string dst_group;
+  std::string dst_group;  // a group, or a replica set's name (then dst_members are its groups)
+  // dst_group a replica set (PrepareRequest.replicas): the replicas' groups in the order they are
+  // stacked, each of member_world ranks: rank k x W + r of the set is rank r of dst_members[k].
+  std::vector<std::string> dst_members;
+  int32_t member_world = 0;
   uint64_t version = 0;
   uint64_t generation = 0;  // the registry's when prepared: registrations may not change under a sync
   uint64_t fence = 0;       // names the attempt (PrepareRequest.fence); not a secret
@@ -111,6 +115,16 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
 
   // What it moved here over all waves, read by progress() while an execute runs.
   AtomicSyncCounters moved;
+
+  // The group and rank registered for rank `rank` of the destination the plan executes.
+  std::pair<std::string, int32_t> dstRank(int32_t rank) const {
+    if (dst_members.empty()) return {dst_group, rank};
+    return {dst_members[static_cast<size_t>(rank / member_world)], rank % member_world};
+  }
+  // The groups the sync writes: the replicas of a set, or dst_group.
+  std::vector<std::string> dstGroups() const {
+    return dst_members.empty() ? std::vector<std::string>{dst_group} : dst_members;
+  }
 
   void renew() { lease_until_ = (Clock::now() + lease).time_since_epoch().count(); }
   bool expired(Clock::time_point now) const { return now.time_since_epoch().count() > lease_until_; }

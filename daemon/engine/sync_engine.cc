@@ -103,26 +103,42 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   } abandon{attempts_, a};
   SC_ASSIGN_OR_RETURN(const auto strategy, strategyOf(req.strategy(), req.delta()));
   const auto plan_key = PlanKey::forSync(req.staging_bytes(), req.chunk_bytes(), req.delta(), req.packed(), strategy);
+  // A replica set: its replicas' groups, each written under its own layout's digest.
+  Registry::Destination destination;
+  std::vector<planner::Replica> replicas;
+  for (const auto& r : req.replicas()) {
+    if (r.replica_set() != a->dst_group)
+      return absl::InvalidArgumentError(strCat("prepare of sync ", a->id, ": group \"", r.group(),
+                                               "\" is not a replica of set \"", a->dst_group, "\""));
+    replicas.push_back({r.replica(), r, {}});
+    a->dst_members.push_back(r.group());
+    destination.emplace_back(r.group(), planner::layoutDigest(r));
+  }
+  if (destination.empty()) destination.emplace_back(a->dst_group, planner::layoutDigest(req.dst()));
   // A zero-copy plan would hand this node's transport memory it must not touch directly: a
   // coordinator that planned without this node's Describe (or ignored it) is refused here.
   if (plan_key.zero_copy)
-    if (const std::string which = registry_.packedOnly(a->src_group, a->dst_group); !which.empty())
+    if (const std::string which = registry_.packedOnly(a->src_group, a->dstGroups()); !which.empty())
       return absl::FailedPreconditionError(strCat("sync ", a->id, ": planned zero-copy, but ", which,
                                                   " travels only packed: its coordinator must plan it packed"));
   bool hit = false;
-  SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), plan_key, &hit));
+  if (replicas.empty()) {
+    SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), plan_key, &hit));
+  } else {
+    SC_ASSIGN_OR_RETURN(a->plan, plans_.getReplicaSet(req.src(), replicas, plan_key, &hit));
+    a->member_world = a->plan->dst.world() / static_cast<int32_t>(replicas.size());
+  }
   for (const auto& key : plans_.takeEvicted()) {  // spare memory and delta bases go with their plan
     spares_.drop(key);
     bases_.drop(key);
   }
   // The fences: source ranks here published exactly this version, destination ranks here accept
   // it. From here on, every way out ends the sync in the registry.
-  SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, a->dst_group, a->version,
-                                         planner::layoutDigest(req.src()), planner::layoutDigest(req.dst()), a->fence,
-                                         &a->base));
+  SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, destination, a->version, planner::layoutDigest(req.src()),
+                                         a->fence, &a->base));
   // The coordinator checked that every source rank published this version: the newest this
   // daemon knows of the destination's source (its lag gauge).
-  metrics_.sourceVersionSeen(a->dst_group, a->src_group, a->version);
+  for (const auto& [group, digest] : destination) metrics_.sourceVersionSeen(group, a->src_group, a->version);
   // Another attempt of the same plan using them (it cannot commit: the destination refuses a
   // second writer): this one keeps none, and packs dense.
   if (a->delta != v1::DELTA_OFF) a->bases = bases_.claim(a->plan->key, a->fence);
@@ -131,7 +147,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   if (!prepared.ok()) {
     if (a->bases) bases_.finish(a->plan->key, a->fence, false);
     if (a->key_open) transport_.closeFence(a->key, std::chrono::seconds(0));
-    registry_.endSync(a->id, a->src_group, a->dst_group, Registry::SyncEnd::kRevert);
+    registry_.endSync(a->id, a->src_group, a->dstGroups(), Registry::SyncEnd::kRevert);
     return prepared.status();
   }
   return prepared;
@@ -166,9 +182,10 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
     std::map<std::pair<int32_t, int32_t>, uint64_t> direct;  // (rank, buffer) -> its base here
     for (const auto& [rank, b] : a->plan->node(a->self).direct_targets) {
       const std::string& name = a->plan->dst.buffer_names[static_cast<size_t>(b)];
-      SC_ASSIGN_OR_RETURN(auto lb, registry_.localBuffer(a->dst_group, rank, name));
+      const auto [group, member_rank] = a->dstRank(rank);
+      SC_ASSIGN_OR_RETURN(auto lb, registry_.localBuffer(group, member_rank, name));
       if (!lb.region)
-        return absl::FailedPreconditionError(strCat("group \"", a->dst_group, "\" rank ", rank, " buffer \"", name,
+        return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", member_rank, " buffer \"", name,
                                                     "\" is not registered with the transport on node \"", node_, "\""));
       const auto [it, added] = index.emplace(lb.region.get(), static_cast<uint32_t>(targets->regions_size()));
       if (added) targets->add_regions(lb.region->remote().serialize());
@@ -222,7 +239,7 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
   // Peers' writes into the rank buffers are all done: a segment truncated under them fails the
   // commit here, naming the rank, rather than committing the zero pages that replaced it.
   if (end == Registry::SyncEnd::kCommit)
-    if (Status st = registry_.checkSync("", a->dst_group); !st.ok()) {
+    if (Status st = registry_.checkSync("", a->dstGroups()); !st.ok()) {
       a->fail(absl::FailedPreconditionError(strCat("commit refused on node \"", node_, "\": ", st.message())));
       spdlog::warn("sync {}: {}", a->id, std::string(a->failure().message()));
       end = Registry::SyncEnd::kDirty;
@@ -240,7 +257,7 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
         "sync {}: writes into node \"{}\" still landing 10 s after it ended: its ranks stay held until "
         "they are done",
         a->id, node_);
-    registry_.endSync(a->id, a->src_group, a->dst_group, Registry::SyncEnd::kDraining, reason);
+    registry_.endSync(a->id, a->src_group, a->dstGroups(), Registry::SyncEnd::kDraining, reason);
     a->drain();
     attempts_.addDraining(a);
     return Status(absl::StatusCode::kUnavailable,
@@ -248,12 +265,12 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
   }
   if (end == Registry::SyncEnd::kDirty && commit) {
     const Status failure = a->failure();
-    registry_.endSync(a->id, a->src_group, a->dst_group, end, std::string(failure.message()));
+    registry_.endSync(a->id, a->src_group, a->dstGroups(), end, std::string(failure.message()));
     a->endClose();
     return Status(failure.code(), strCat("sync ", a->id, " on node \"", node_, "\": ", failure.message()));
   }
   v1::FinishResponse out;
-  for (auto& st : registry_.endSync(a->id, a->src_group, a->dst_group, end, reason)) *out.add_ranks() = std::move(st);
+  for (auto& st : registry_.endSync(a->id, a->src_group, a->dstGroups(), end, reason)) *out.add_ranks() = std::move(st);
   if (commit) {  // kept for the next sync of the plan, once nothing can still touch them
     auto [arena, staging] = a->takeMemory();
     spares_.keep(a->plan->key, SpareMemory::Use::kArena, std::move(arena));
@@ -274,7 +291,7 @@ void SyncEngine::reap() {
         [&](const SyncAttempt& a) { return transport_.closeFence(a.key, std::chrono::milliseconds(0)); });
     lock.unlock();
     for (const auto& a : drained) {
-      registry_.drained(a->id, a->dst_group);
+      registry_.drained(a->id, a->dstGroups());
       a->endClose();
     }
     for (const auto& a : expired) {
@@ -326,13 +343,13 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
     ok = true;
     return resp;
   }
-  SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dst_group));
+  SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dstGroups()));
   // This wave's figures are what the sync's counters (read by progress()) gain during it.
   const SyncCounters before = a->moved.load();
   SC_RETURN_IF_ERROR(Execution({node_, registry_, transport_, *stage_, *copies_, spares_}, a, req).run());
   // A client that truncated its segment while this wave read or wrote it: the daemon survived the
   // fault (transport/shm.h), the bytes it moved are not the rank's.
-  SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dst_group));
+  SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dstGroups()));
   if (registry_.generation() != a->generation)
     return absl::AbortedError(
         strCat("sync ", a->id, ": registrations on node \"", node_, "\" changed during the sync"));

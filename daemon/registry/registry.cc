@@ -446,11 +446,11 @@ bool Registry::hostSafe() const { return host_zero_copy_.value_or(transport_.cap
 
 bool Registry::mustPack(const Buffer& b, bool host_safe) { return !b.region || (b.segment && !host_safe); }
 
-std::string Registry::packedOnly(const std::string& src, const std::string& dst) const {
+std::string Registry::packedOnly(const std::string& src, const std::vector<std::string>& dst) const {
   const bool host_safe = hostSafe();
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [key, r] : ranks_)
-    if (key.first == src || key.first == dst)
+    if (key.first == src || std::find(dst.begin(), dst.end(), key.first) != dst.end())
       for (const auto& b : r->buffers)
         if (mustPack(b, host_safe))
           return strCat("group \"", r->group, "\" rank ", r->rank, " buffer \"", b.name, "\" on node \"", node_, "\" (",
@@ -485,6 +485,7 @@ v1::DescribeResponse Registry::describe() const {
     rr->set_state(st.state());
     rr->set_role(r->role);
     rr->set_held(r->held);
+    rr->set_refuses_writes(r->role == v1::ROLE_DESTINATION && r->held && (!r->doubled() || r->pinned != r->active));
     for (const auto& b : r->buffers) {
       auto* rb = rr->add_buffers();
       rb->set_buffer(b.name);

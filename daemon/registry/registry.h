@@ -107,12 +107,19 @@ class Registry {
   Status beginSync(const std::string& id, const std::string& src, const std::string& dst, uint64_t version,
                    const std::string& src_digest, const std::string& dst_digest, uint64_t fence = 0,
                    Base* base = nullptr);
+  // The destination of a sync as the registry sees it: (group, layout digest) of each group it
+  // writes here. One group, or every replica of a replica set taking part (each its own group).
+  using Destination = std::vector<std::pair<std::string, std::string>>;
+  // As above, into every group of `dst`.
+  Status beginSync(const std::string& id, const std::string& src, const Destination& dst, uint64_t version,
+                   const std::string& src_digest, uint64_t fence = 0, Base* base = nullptr);
   // Before every use of the involved ranks' memory (every execute): segments still whole.
   Status checkSync(const std::string& src, const std::string& dst) const;
+  Status checkSync(const std::string& src, const std::vector<std::string>& dst) const;
   // A buffer of `src` or `dst` here that syncs must move packed (Describe's RemoteBuffer.staged:
   // device memory the transport cannot reach, or a client's segment the transport would touch in
   // the kernel), described for errors; "" when there is none.
-  std::string packedOnly(const std::string& src, const std::string& dst) const;
+  std::string packedOnly(const std::string& src, const std::vector<std::string>& dst) const;
   enum class SyncEnd {
     kCommit,    // every byte landed everywhere: destination ranks READY(V)
     kRevert,    // nothing was written anywhere: destination ranks back to where they were
@@ -120,10 +127,12 @@ class Registry {
     kDraining,  // as kDirty, but writes are still landing: the ranks stay held until drained()
   };
   // A kDraining sync's writes are done: its destination ranks take syncs again.
-  void drained(const std::string& id, const std::string& dst);
+  void drained(const std::string& id, const std::vector<std::string>& dst);
   // Returns the states of the destination ranks the sync was writing here, after the change.
   std::vector<v1::RankStatus> endSync(const std::string& id, const std::string& src, const std::string& dst,
                                       SyncEnd end, const std::string& reason = "");
+  std::vector<v1::RankStatus> endSync(const std::string& id, const std::string& src,
+                                      const std::vector<std::string>& dst, SyncEnd end, const std::string& reason = "");
 
   // The owner takes a rank (see AcquireRequest) / gives it back (ReleaseRequest).
   // `gone`: polled while waiting; true when the caller went away (its call was cancelled): then

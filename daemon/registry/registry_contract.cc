@@ -21,18 +21,39 @@ std::string rankList(const std::vector<int32_t>& ranks) {
 
 }  // namespace
 
+namespace {
+
+// The digest `group` was planned with when it is one of `dst`'s groups; null otherwise.
+const std::string* digestIn(const Registry::Destination& dst, const std::string& group) {
+  for (const auto& [g, digest] : dst)
+    if (g == group) return &digest;
+  return nullptr;
+}
+
+bool isIn(const std::vector<std::string>& groups, const std::string& group) {
+  return std::find(groups.begin(), groups.end(), group) != groups.end();
+}
+
+}  // namespace
+
 Status Registry::beginSync(const std::string& id, const std::string& src, const std::string& dst, uint64_t version,
                            const std::string& src_digest, const std::string& dst_digest, uint64_t fence, Base* base) {
+  return beginSync(id, src, Destination{{dst, dst_digest}}, version, src_digest, fence, base);
+}
+
+Status Registry::beginSync(const std::string& id, const std::string& src, const Destination& dst, uint64_t version,
+                           const std::string& src_digest, uint64_t fence, Base* base) {
   if (version == 0 || version >= kMaxVersion)
     return absl::InvalidArgumentError(strCat("sync ", id, ": version ", version, " is not in [1, 2^63)"));
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<Rank*> readers, writers;
   for (const auto& [key, r] : ranks_) {
     const std::string who = strCat("group \"", r->group, "\" rank ", r->rank, " on node \"", node_, "\"");
-    if ((key.first == src && r->digest != src_digest) || (key.first == dst && r->digest != dst_digest))
+    const std::string* dst_digest = digestIn(dst, key.first);
+    if ((key.first == src && r->digest != src_digest) || (dst_digest && r->digest != *dst_digest))
       return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " registered layout ", r->digest,
                                                   " since the sync was planned (for ",
-                                                  key.first == src ? src_digest : dst_digest, "): retry the sync"));
+                                                  key.first == src ? src_digest : *dst_digest, "): retry the sync"));
     if (key.first == src) {
       if (r->role != v1::ROLE_SOURCE)
         return absl::FailedPreconditionError(
@@ -41,7 +62,7 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
         return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, why));
       SC_RETURN_IF_ERROR(checkSegments(*r));
       readers.push_back(r.get());
-    } else if (key.first == dst) {
+    } else if (dst_digest) {
       if (r->role != v1::ROLE_DESTINATION)
         return absl::FailedPreconditionError(strCat(
             "sync ", id, ": ", who, " is a source; a sync writes only destination groups (refusing to overwrite it)"));
@@ -50,7 +71,7 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
             strCat("sync ", id, ": ", who, " does not accept updates (acquired by its client",
                    r->doubled() ? ", which still reads the set this sync would write)" : ")"));
       if (!r->writer.empty())
-        return absl::FailedPreconditionError(strCat("sync ", id, ": a sync into group \"", dst, "\" (", r->writer,
+        return absl::FailedPreconditionError(strCat("sync ", id, ": a sync into group \"", key.first, "\" (", r->writer,
                                                     ") is in progress on node \"", node_, "\""));
       // (a rank no sync writes is EMPTY with nothing committed, READY or DIRTY)
       if (const std::string why = destinationRefusal({r->state, r->held, r->committed}, version); !why.empty())
@@ -81,24 +102,34 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
 }
 
 Status Registry::checkSync(const std::string& src, const std::string& dst) const {
+  return checkSync(src, std::vector<std::string>{dst});
+}
+
+Status Registry::checkSync(const std::string& src, const std::vector<std::string>& dst) const {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [key, r] : ranks_)
-    if (key.first == src || key.first == dst) SC_RETURN_IF_ERROR(checkSegments(*r));
+    if (key.first == src || isIn(dst, key.first)) SC_RETURN_IF_ERROR(checkSegments(*r));
   return absl::OkStatus();
 }
 
 std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::string& src, const std::string& dst,
                                               SyncEnd end, const std::string& reason) {
-  std::vector<int32_t> touched;
+  return endSync(id, src, std::vector<std::string>{dst}, end, reason);
+}
+
+std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::string& src,
+                                              const std::vector<std::string>& dst, SyncEnd end,
+                                              const std::string& reason) {
+  std::map<std::string, std::vector<int32_t>> touched;  // by group
   std::vector<v1::RankStatus> after;
   uint64_t version = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [key, r] : ranks_) {
       if (key.first == src) r->readers.erase(id);
-      if (key.first != dst || r->writer != id) continue;
+      if (!isIn(dst, key.first) || r->writer != id) continue;
       r->writer.clear();
-      touched.push_back(r->rank);
+      touched[key.first].push_back(r->rank);
       version = r->writing;
       if (r->doubled()) {
         // Commit flips to the set just written; otherwise the set in use is untouched: the rank
@@ -140,13 +171,14 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::
     }
   }
   state_cv_.notify_all();
-  if (touched.empty()) return after;
-  if (end == SyncEnd::kCommit)
-    spdlog::info("group \"{}\" ranks {} on node \"{}\" are READY at version {} (sync {})", dst, rankList(touched),
-                 node_, version, id);
-  else if (end == SyncEnd::kDirty)
-    spdlog::warn("group \"{}\" ranks {} are DIRTY: sync {} failed after writing: {}", dst, rankList(touched), id,
-                 reason);
+  for (const auto& [group, ranks] : touched) {
+    if (end == SyncEnd::kCommit)
+      spdlog::info("group \"{}\" ranks {} on node \"{}\" are READY at version {} (sync {})", group, rankList(ranks),
+                   node_, version, id);
+    else if (end == SyncEnd::kDirty)
+      spdlog::warn("group \"{}\" ranks {} are DIRTY: sync {} failed after writing: {}", group, rankList(ranks), id,
+                   reason);
+  }
   return after;
 }
 
@@ -259,14 +291,14 @@ StatusOr<v1::WaitVersionResponse> Registry::waitVersion(const std::string& group
   return out;
 }
 
-void Registry::drained(const std::string& id, const std::string& dst) {
+void Registry::drained(const std::string& id, const std::vector<std::string>& dst) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [key, r] : ranks_)
-      if (key.first == dst && r->writer == id) r->writer.clear();
+      if (isIn(dst, key.first) && r->writer == id) r->writer.clear();
   }
   state_cv_.notify_all();
-  spdlog::info("sync {}: its last writes into group \"{}\" on node \"{}\" are done", id, dst, node_);
+  spdlog::info("sync {}: its last writes into group(s) {} on node \"{}\" are done", id, fmt::join(dst, ", "), node_);
 }
 
 void Registry::shutdown() {

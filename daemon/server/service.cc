@@ -114,7 +114,8 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
         std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
   });
   const LogScope scope(id, req.dst_group());
-  SyncCoordinator coordinator({config_, registry_, peers_, engine_, progress_, config_.selfAddress(), caller_uid}, req,
+  SyncCoordinator coordinator(
+      {config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(), caller_uid}, req,
                               id, newFence());
   auto done = coordinator.run();
   if (!done.ok()) {

@@ -88,6 +88,9 @@ std::map<std::string, std::set<std::pair<int32_t, std::string>>> upstreams(const
 
 }  // namespace
 
+// A dense sync's key: 1 MiB of staging, `chunk` bytes per chunk.
+PlanKey key(uint64_t chunk) { return PlanKey::forSync(1 << 20, chunk, v1::DELTA_OFF, false); }
+
 TEST_CASE("plan cache: a replica set's position plan is planned once and reused as replicas join and leave",
           "[daemon][plan-cache][replicas]") {
   PlanCache cache(4);
@@ -95,20 +98,20 @@ TEST_CASE("plan cache: a replica set's position plan is planned once and reused 
       R"({"group":"train","mesh":{"shape":[1]},"nodes":["t0"],"tensors":[{"name":"w","shape":[64,32],"dtype":"float32"}]})",
       "train");
   bool hit = false;
-  auto two = cache.getReplicaSet(src, {replica(0), replica(1)}, 1 << 20, 1 << 20, &hit);
+  auto two = cache.getReplicaSet(src, {replica(0), replica(1)}, key(1 << 20), &hit);
   INFO((two.ok() ? "" : std::string(two.status().message())));
   REQUIRE(two.ok());
   CHECK_FALSE(hit);
   CHECK(cache.positionPlansMade() == 1);
   CHECK((*two)->dst.world() == 4);  // the stacked destination the engines execute against
-  auto again = cache.getReplicaSet(src, {replica(0), replica(1)}, 1 << 20, 1 << 20, &hit);
+  auto again = cache.getReplicaSet(src, {replica(0), replica(1)}, key(1 << 20), &hit);
   REQUIRE(again.ok());
   CHECK(hit);
   CHECK(again->get() == two->get());
 
   // A replica joins: composed anew from the same position plan; every node of the new replica
   // receives, and the earlier replicas' nodes receive the same transfers from the same nodes.
-  auto three = cache.getReplicaSet(src, {replica(0), replica(1), replica(2)}, 1 << 20, 1 << 20, &hit);
+  auto three = cache.getReplicaSet(src, {replica(0), replica(1), replica(2)}, key(1 << 20), &hit);
   REQUIRE(three.ok());
   CHECK_FALSE(hit);
   CHECK(cache.positionPlansMade() == 1);
@@ -121,18 +124,28 @@ TEST_CASE("plan cache: a replica set's position plan is planned once and reused 
     if ((*three)->nodes.name(n)[0] == 'r') CHECK((*three)->node(n).incoming[0] > 0);
 
   // A replica leaves: still no planning.
-  auto without_one = cache.getReplicaSet(src, {replica(0), replica(2)}, 1 << 20, 1 << 20, &hit);
+  auto without_one = cache.getReplicaSet(src, {replica(0), replica(2)}, key(1 << 20), &hit);
   REQUIRE(without_one.ok());
   CHECK(cache.positionPlansMade() == 1);
   CHECK((*without_one)->dst.world() == 4);
 
   // Another chunk size is another position plan; a replica of another shape is refused by name.
-  REQUIRE(cache.getReplicaSet(src, {replica(0)}, 1 << 20, 1 << 10, &hit).ok());
+  REQUIRE(cache.getReplicaSet(src, {replica(0)}, key(1 << 10), &hit).ok());
   CHECK(cache.positionPlansMade() == 2);
-  auto odd = cache.getReplicaSet(src, {replica(0), replica(1, 32)}, 1 << 20, 1 << 20, &hit);
+  auto odd = cache.getReplicaSet(src, {replica(0), replica(1, 32)}, key(1 << 20), &hit);
   REQUIRE_FALSE(odd.ok());
   CHECK(odd.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(std::string(odd.status().message()), Catch::Contains("rollout.r1"));
+  // Packed (no zero copy) is a plan of its own; a baseline strategy is refused for a set.
+  auto packed = cache.getReplicaSet(src, {replica(0), replica(1)},
+                                    PlanKey::forSync(1 << 20, 1 << 20, v1::DELTA_OFF, true), &hit);
+  REQUIRE(packed.ok());
+  CHECK_FALSE(hit);
+  CHECK(packed->get() != two->get());
+  CHECK_FALSE((*packed)->zero_copy);
+  auto baseline = cache.getReplicaSet(
+      src, {replica(0)}, PlanKey::forSync(1 << 20, 1 << 20, v1::DELTA_OFF, false, planner::Strategy::kRankPull), &hit);
+  CHECK(baseline.status().code() == absl::StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("plan key: zero copy only for a dense sync through no packed-only buffer", "[daemon][plan]") {

@@ -595,7 +595,7 @@ class Client:
 
     def sync(self, src: str, dst: str, version: int, *, verify: bool = False, timeout: Optional[float] = None,
              wait_for_ranks: bool = False, sync_id: Optional[str] = None, delta: str = "off",
-             strategy: str = "planned",
+             strategy: str = "planned", min_replicas: int = 0,
              progress: Optional[Callable[[service_pb2.SyncProgress], None]] = None) -> service_pb2.SyncResponse:
         """Syncs version `version` of `src` into `dst` and returns once every destination rank has it
         (or raises ShardcastError, and no rank has it). `progress` is called with each update.
@@ -608,7 +608,13 @@ class Client:
         `strategy`: "planned" (Shardcast's plan) or a baseline it is measured against, run by the same
         daemons, dense: "rank-pull" (every destination rank gets its own slices straight from source
         ranks) or "gather-broadcast" (everything through source rank 0's node, which sends each node
-        what it needs)."""
+        what it needs).
+
+        `dst` may name a replica set (layouts registered with replica_set=dst, one group per
+        replica): every replica registered when the sync starts takes part, unless it cannot (its
+        node does not answer, it is incomplete or refuses the version): it is then cut, and the
+        response's `replicas` says which committed and why the others were cut. The sync fails
+        when fewer than `min_replicas` (at least 1) take part."""
         what = f'sync "{src}" -> "{dst}" version {version}'
         self._check_open(what)
         self._check_session(src, dst)
@@ -623,6 +629,9 @@ class Client:
         req.options.delta = modes[delta]
         req.options.strategy = strategy_value
         req.options.timeout_ms = int((timeout or 0) * 1000)
+        if min_replicas < 0:
+            raise ValueError(f"min_replicas must not be negative, not {min_replicas}")
+        req.options.min_replicas = min_replicas
         watcher = None
         if progress is not None:
             watcher = threading.Thread(target=self._follow, args=(sync_id, progress), daemon=True)

@@ -1,0 +1,130 @@
+"""Syncs into a replica set (docs/daemon.md, "Replica sets"): data-parallel inference replicas, each
+a group of its own (`rollout.r<k>`, replica_set "rollout") on a node of its own, synced by one
+call `sync("trainer", "rollout", V)`. Real daemons: every replica registered when a sync starts
+gets every byte of V, the trainer sends each byte once (replicas relay it to each other),
+replicas join and leave between syncs, and a replica that cannot take part (its daemon killed, its
+ranks held by its engine, a layout unlike the others) is cut and named while the others commit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import grpc
+import numpy as np
+import pytest
+import rank_worker
+import shardcast
+from shardcast.local import LocalCluster
+from shardcast.v1 import service_pb2
+
+from conftest import shardcastd_path
+
+# Bytes one replica needs: the whole of w [16, 8] float32 and b [9] int64 on its one node.
+REPLICA_BYTES = 16 * 8 * 4 + 9 * 8
+
+
+def replica_layout(k: int, node: str, columns: int = 8) -> dict:
+    layout = json.loads(json.dumps(rank_worker.INFERENCE))
+    layout.update(group=f"rollout.r{k}", replica_set="rollout", replica=k, nodes=[node, node])
+    layout["tensors"][0]["shape"] = [16, columns]
+    return layout
+
+
+def register_replica(client: shardcast.Client, k: int, node: str):
+    """Replica k: two TP ranks on `node`, zero-filled."""
+    return [client.register(f"rollout.r{k}", r, 2, rank_worker.zeros(r), replica_layout(k, node)) for r in range(2)]
+
+
+def step(trainers, version: int) -> None:
+    """A training step: both trainer ranks write and publish `version`."""
+    for t in trainers:
+        with t.writing(version):
+            for name, x in t.tensors.items():
+                x[...] = rank_worker.shard("trainer", name, t.rank, version)
+
+
+def holds(replica, version: int) -> bool:
+    return all(np.array_equal(reg.tensors[name], rank_worker.shard("infer", name, reg.rank, version))
+               for reg in replica for name in rank_worker.SHAPES)
+
+
+def outcomes(resp: service_pb2.SyncResponse):
+    return {o.group: (o.committed, o.cut) for o in resp.replicas}
+
+
+def test_a_replica_set_syncs_as_one_while_replicas_join_leave_and_die():
+    shardcastd_path()
+    with LocalCluster(["n0", "n1", "n2", "n3"]) as c:
+        clients = {n: shardcast.Client(c.target(n)) for n in c.nodes}
+        src = clients["n0"]
+        trainers = rank_worker.register_trainers(src)
+        r0 = register_replica(clients["n1"], 0, "n1")
+        r1 = register_replica(clients["n2"], 1, "n2")
+
+        resp = src.sync("trainer", "rollout", 1)
+        assert outcomes(resp) == {"rollout.r0": (True, ""), "rollout.r1": (True, "")}
+        assert holds(r0, 1) and holds(r1, 1)
+        assert clients["n2"].wait_version("rollout.r1", 1, timeout=5) == 1
+        # The trainer sends each byte once; the second replica gets it from the first.
+        summary = json.loads(resp.plan_summary_json)
+        assert summary["node_egress_bytes"]["n0"] == REPLICA_BYTES, summary
+        assert resp.network_bytes == 2 * REPLICA_BYTES
+
+        # A replica joins between syncs: the next sync reaches it.
+        r2 = register_replica(clients["n3"], 2, "n3")
+        step(trainers, 2)
+        resp = src.sync("trainer", "rollout", 2)
+        assert outcomes(resp) == {f"rollout.r{k}": (True, "") for k in range(3)}
+        assert holds(r0, 2) and holds(r1, 2) and holds(r2, 2)
+        assert json.loads(resp.plan_summary_json)["node_egress_bytes"]["n0"] == REPLICA_BYTES
+
+        # A replica leaves (its ranks unregister): the next sync plans without it.
+        for reg in r1:
+            reg.close()
+        step(trainers, 3)
+        resp = src.sync("trainer", "rollout", 3)
+        assert outcomes(resp) == {"rollout.r0": (True, ""), "rollout.r2": (True, "")}
+        assert holds(r0, 3) and holds(r2, 3)
+
+        # A replica's daemon dies: the others commit, and the response names it and why.
+        os.kill(c.daemons["n3"].proc.pid, signal.SIGKILL)
+        c.daemons["n3"].proc.wait()
+        step(trainers, 4)
+        resp = src.sync("trainer", "rollout", 4)
+        got = outcomes(resp)
+        assert got["rollout.r0"] == (True, "")
+        committed, why = got["rollout.r2"]
+        assert not committed and 'node(s) "n3"' in why and "do not answer" in why, why
+        assert holds(r0, 4)
+        assert clients["n1"].wait_version("rollout.r0", 4, timeout=5) == 4
+
+        # Too few replicas for the caller's minimum: nothing is written anywhere.
+        step(trainers, 5)
+        with pytest.raises(shardcast.ShardcastError) as few:
+            src.sync("trainer", "rollout", 5, min_replicas=2)
+        assert few.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert 'replica set "rollout": 1 of 2 replicas can take part, at least 2 needed' in few.value.details
+        assert holds(r0, 4)
+        assert shardcast.describe_rank(r0[0].state()) == "ready(4)"
+
+        # A replica whose engine holds its ranks, and one unlike the others, are cut; the rest commit.
+        r1 = register_replica(clients["n2"], 1, "n2")
+        odd = [clients["n0"].register("rollout.r9", r, 2, {"w": np.zeros((16, 2), np.float32),
+                                                            "b": np.zeros(9, np.int64)},
+                                      replica_layout(9, "n0", columns=4)) for r in range(2)]
+        with r1[1].reading():
+            resp = src.sync("trainer", "rollout", 5)
+        got = outcomes(resp)
+        assert got["rollout.r0"] == (True, "")
+        assert not got["rollout.r1"][0] and "does not accept updates" in got["rollout.r1"][1], got
+        assert not got["rollout.r9"][0] and "rollout.r9" in got["rollout.r9"][1], got
+        assert holds(r0, 5) and all(not reg.tensors[n].any() for reg in r1 for n in rank_worker.SHAPES)
+        # The next sync repairs the held one (now released).
+        step(trainers, 6)
+        resp = src.sync("trainer", "rollout", 6)
+        assert outcomes(resp)["rollout.r1"] == (True, "")
+        assert holds(r0, 6) and holds(r1, 6)
+        for reg in trainers + r0 + r1 + odd:
+            reg.close()
