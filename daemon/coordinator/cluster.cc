@@ -238,8 +238,7 @@ std::string rankRanges(const std::vector<int32_t>& ranks) {
   return out;
 }
 
-StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self,
-                                         const std::vector<PeerSet::PeerView>& peers,
+StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self, const std::vector<PeerSet::PeerView>& peers,
                                          std::vector<std::string>* unreachable) {
   ClusterView v;
   v.daemons_.push_back(self);

@@ -52,10 +52,16 @@ bool PeerClient::cancelAll() {
 
 // From prepare on, the daemons hold the sync under a lease: this renews it with a Progress call to
 // every daemon each quarter lease (recording their bytes for Watch), and gives the sync up, naming
-// the node, when one has not answered for a whole lease.
+// the node, when one has not answered for a whole lease (a node holding only replicas of a set:
+// for the sync's replica deadline, when shorter).
 class SyncCoordinator::LeaseKeeper {
  public:
   explicit LeaseKeeper(SyncCoordinator& c) : c_(c), answered_(c.cluster_->addresses.size(), Clock::now()) {
+    // A node holding only replicas of a set may be silent for the sync's replica deadline at most.
+    const auto deadline = std::chrono::milliseconds(c.req_.options().replica_deadline_ms());
+    for (const auto& d : c.cluster_->view.daemons())
+      silence_.push_back(deadline.count() > 0 && !c.replicasOnlyOn(d.node()).empty() ? std::min(deadline, c.lease_)
+                                                                                     : c.lease_);
     thread_ = std::thread([this] { run(); });
   }
   ~LeaseKeeper() { stop(); }
@@ -76,8 +82,8 @@ class SyncCoordinator::LeaseKeeper {
 
  private:
   void run() {
-    const auto lease = c_.lease_;
-    const auto period = std::min(std::chrono::milliseconds(250), lease / 4);
+    const auto shortest = *std::min_element(silence_.begin(), silence_.end());  // of the silences allowed
+    const auto period = std::min(std::chrono::milliseconds(250), shortest / 4);
     std::unique_lock<std::mutex> lock(mu_);
     while (!cv_.wait_for(lock, period, [&] { return !running_; })) {
       lock.unlock();
@@ -89,7 +95,7 @@ class SyncCoordinator::LeaseKeeper {
       v1::ProgressRequest pr;
       pr.set_sync_id(c_.id_);
       pr.set_fence(c_.fence_);
-      const auto st = fanOut(contexts, std::chrono::system_clock::now() + std::max(period, lease / 2),
+      const auto st = fanOut(contexts, std::chrono::system_clock::now() + std::max(period, shortest / 2),
                              [&](size_t i, grpc::ClientContext& ctx, CallDone done) {
                                v1::Peer::NewStub(c_.ctx_.peers.channel(addresses[i]))
                                    ->async()
@@ -100,14 +106,13 @@ class SyncCoordinator::LeaseKeeper {
         // NOT_FOUND: the daemon answers (the sync is not prepared there yet, or over).
         if (st[i].ok() || st[i].error_code() == grpc::StatusCode::NOT_FOUND) answered_[i] = Clock::now();
         if (st[i].ok()) c_.record(i, got[i].bytes_received(), got[i].bytes_sent());
-        if (Clock::now() - answered_[i] > lease && silent.empty()) silent = c_.cluster_->view.daemons()[i].node();
+        if (Clock::now() - answered_[i] > silence_[i] && silent.empty()) silent = c_.cluster_->view.daemons()[i].node();
       }
       lock.lock();
       if (!silent.empty() && stalled_.empty() && running_) {
         stalled_ = silent;
         lock.unlock();
-        spdlog::warn("sync {}: node \"{}\" has not answered for {} ms: giving the sync up", c_.id_, silent,
-                     lease.count());
+        spdlog::warn("sync {}: node \"{}\" has not answered in time: giving the sync up", c_.id_, silent);
         c_.giveUp(strCat("node \"", silent, "\" stopped answering"));
         lock.lock();
       }
@@ -116,6 +121,7 @@ class SyncCoordinator::LeaseKeeper {
 
   SyncCoordinator& c_;
   std::vector<Clock::time_point> answered_;
+  std::vector<std::chrono::milliseconds> silence_;  // per daemon: how long it may stay silent
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool running_ = true;
@@ -192,8 +198,7 @@ Status SyncCoordinator::gather() {
     auto snapshot = snapshotCluster(ctx_.peers, ctx_.registry.describe(), ctx_.self_address, &unreachable);
     StatusOr<v1::Layout> src = absl::UnknownError(""), dst = absl::UnknownError("");
     const bool replica_set = snapshot.ok() && !snapshot->view.replicasOf(req_.dst_group()).empty();
-    if (snapshot.ok() && !unreachable.empty() && !replica_set)
-      snapshot = absl::UnavailableError(unreachable.front());
+    if (snapshot.ok() && !unreachable.empty() && !replica_set) snapshot = absl::UnavailableError(unreachable.front());
     if (snapshot.ok()) {
       src = snapshot->view.completeGroup(req_.src_group());
       if (!src.ok() && !unreachable.empty())  // its missing ranks may be on them
@@ -287,6 +292,10 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
     v1::ReplicaOutcome outcome;
     outcome.set_group(group);
     outcome.set_replica(registered.replica());
+    if (const auto earlier = ctx_.cut.find(group); earlier != ctx_.cut.end()) {
+      cutOut(outcome, earlier->second);
+      continue;
+    }
     auto layout = view.completeGroup(group);
     if (!layout.ok()) {
       cutOut(outcome, strCat(layout.status().message(),
@@ -326,6 +335,19 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
     spdlog::warn("sync {}: replica set \"{}\" syncs {} of {} replicas; cut: {}", id_, req_.dst_group(),
                  replicas_.size(), outcomes_.size(), strJoin(cut, "; "));
   return absl::OkStatus();
+}
+
+std::vector<std::string> SyncCoordinator::replicasOnlyOn(const std::string& node) const {
+  if (!cluster_ || replicas_.empty() || node.empty()) return {};
+  std::set<std::string> on;
+  for (const auto& d : cluster_->view.daemons()) {
+    if (d.node() != node) continue;
+    for (const auto& r : d.ranks()) {
+      if (r.group() == req_.src_group()) return {};
+      if (writes(r.group()) && r.group() != req_.dst_group()) on.insert(r.group());
+    }
+  }
+  return {on.begin(), on.end()};
 }
 
 bool SyncCoordinator::writes(const std::string& group) const {

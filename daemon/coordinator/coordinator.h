@@ -94,6 +94,8 @@ class SyncCoordinator {
     // A local caller other than root (the kernel's uid): may sync only what ClusterView::maySync
     // allows. Unset for root, remote callers of the job (certificate or token) and --insecure.
     std::optional<uint32_t> caller_uid{};
+    // Replicas an earlier attempt of this sync cut (group -> why): left out of this one.
+    std::map<std::string, std::string> cut{};
   };
   // `id` is started on the progress board already; `fence` names this attempt (never 0).
   SyncCoordinator(Context ctx, const v1::SyncRequest& request, std::string id, uint64_t fence);
@@ -103,6 +105,9 @@ class SyncCoordinator {
   StatusOr<v1::SyncResponse> run();
   // After a failed run: the node the failure names ("" when it names none: a refused request).
   const std::string& faultyNode() const { return faulty_node_; }
+  // After a failed run: the replicas taking part whose ranks are on `node`, when no other group
+  // of the sync has ranks there (a node holding source ranks or a plain destination: none).
+  std::vector<std::string> replicasOnlyOn(const std::string& node) const;
   // After a failed run: the seconds of each phase it finished and of the one it failed in.
   const v1::SyncResponse& figures() const { return out_; }
 

@@ -86,7 +86,8 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
   std::string members;
   for (const auto& r : replicas) members += strCat(r.id, ":", planner::layoutDigest(r.layout), ",");
   // PlanKey::str with the set's membership in place of one destination digest.
-  const std::string key = plan_key.str(src_digest, strCat("set:", replicas.front().layout.replica_set(), "[", members, "]"));
+  const std::string key =
+      plan_key.str(src_digest, strCat("set:", replicas.front().layout.replica_set(), "[", members, "]"));
   if (auto cached = lookup(key, hit)) return cached;
   const std::string replica_digest =
       replicas.front().digest.empty() ? planner::replicaDigest(replicas.front().layout) : replicas.front().digest;

@@ -114,13 +114,42 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
         std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
   });
   const LogScope scope(id, req.dst_group());
-  SyncCoordinator coordinator(
-      {config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(), caller_uid}, req,
-                              id, newFence());
-  auto done = coordinator.run();
-  if (!done.ok()) {
+  // A replica set's sync that fails at a node holding only replicas is run again without them,
+  // as a new attempt under the same id, within what is left of its timeout (docs/daemon.md,
+  // "Replica sets"): the others still commit.
+  const auto began = std::chrono::steady_clock::now();
+  const auto timeout = std::chrono::milliseconds(req.options().timeout_ms() ? req.options().timeout_ms() : 300000);
+  std::map<std::string, std::string> cut;  // by earlier attempts: replica group -> why
+  v1::SyncRequest attempt = req;
+  while (true) {
+    SyncCoordinator coordinator(
+        {config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(), caller_uid, cut},
+        attempt, id, newFence());
+    auto done = coordinator.run();
+    if (done.ok()) {
+      *out = std::move(*done);
+      out->set_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count());
+      return grpc::Status::OK;
+    }
     const std::string& faulty = coordinator.faultyNode();
     if (!faulty.empty()) metrics_.peerFailed(faulty);
+    const auto left =
+        timeout - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - began);
+    const auto replicas = coordinator.replicasOnlyOn(faulty);
+    if (!replicas.empty() && left > std::chrono::milliseconds(0)) {
+      for (const auto& group : replicas)
+        cut[group] = strCat("node ", quote(faulty), " failed during the sync (", done.status().message(), ")");
+      spdlog::warn("sync {}: node {} failed: syncing replica set {} again without {}", id, quote(faulty),
+                   quote(req.dst_group()), strJoin(replicas, ", "));
+      attempt.mutable_options()->set_timeout_ms(static_cast<uint32_t>(left.count()));
+      progress_.update(id, [](v1::SyncProgress& p) {  // the new attempt's progress, from the start
+        p.clear_nodes();
+        p.set_bytes_done(0);
+        p.set_waves_done(0);
+        ProgressBoard::setPhase(p, v1::SYNC_GATHERING);
+      });
+      continue;
+    }
     *out = coordinator.figures();    // its phases' seconds, for the metrics (a failed call sends no response)
     if (out->prepare_seconds() > 0)  // it reached the daemons: its one line, with its figures
       spdlog::warn(
@@ -134,8 +163,6 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
           std::string(done.status().message()));
     return toGrpc(done.status());
   }
-  *out = std::move(*done);
-  return grpc::Status::OK;
 }
 
 grpc::Status ShardcastService::Watch(grpc::ServerContext* context, const v1::WatchRequest* req,

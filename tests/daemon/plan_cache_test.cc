@@ -137,8 +137,8 @@ TEST_CASE("plan cache: a replica set's position plan is planned once and reused 
   CHECK(odd.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(std::string(odd.status().message()), Catch::Contains("rollout.r1"));
   // Packed (no zero copy) is a plan of its own; a baseline strategy is refused for a set.
-  auto packed = cache.getReplicaSet(src, {replica(0), replica(1)},
-                                    PlanKey::forSync(1 << 20, 1 << 20, v1::DELTA_OFF, true), &hit);
+  auto packed =
+      cache.getReplicaSet(src, {replica(0), replica(1)}, PlanKey::forSync(1 << 20, 1 << 20, v1::DELTA_OFF, true), &hit);
   REQUIRE(packed.ok());
   CHECK_FALSE(hit);
   CHECK(packed->get() != two->get());

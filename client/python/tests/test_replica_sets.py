@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import rank_worker
 import shardcast
+from google.protobuf import json_format
 from shardcast.local import LocalCluster
-from shardcast.v1 import service_pb2
+from shardcast.v1 import layout_pb2, service_pb2, service_pb2_grpc
 
 from conftest import shardcastd_path
 
@@ -127,4 +128,53 @@ def test_a_replica_set_syncs_as_one_while_replicas_join_leave_and_die():
         assert outcomes(resp)["rollout.r1"] == (True, "")
         assert holds(r0, 6) and holds(r1, 6)
         for reg in trainers + r0 + r1 + odd:
+            reg.close()
+
+
+def _as_peer(cluster: LocalCluster, node: str) -> service_pb2_grpc.PeerStub:
+    """The Peer service of `node`'s daemon, called with the daemons' own identity (as a coordinator)."""
+    channel = grpc.secure_channel(cluster.daemons[node].address, cluster.daemon_tls.channel_credentials(),
+                                  options=[("grpc.ssl_target_name_override", "shardcast-daemon")])
+    return service_pb2_grpc.PeerStub(channel)
+
+
+def test_a_replica_that_fails_during_the_sync_is_cut_and_the_others_commit_in_the_same_call():
+    """Replica r1 looks fine when the sync gathers (ready, not held), but its daemon refuses the
+    sync's prepare: another coordinator's attempt holds r1's ranks. The sync gives that attempt up
+    everywhere and runs again without r1, within the same call and timeout: r0 and r2 commit, r1
+    is named with its node and reason, and its ranks never report the version."""
+    shardcastd_path()
+    with LocalCluster(["n0", "n1", "n2", "n3"]) as c:
+        clients = {n: shardcast.Client(c.target(n)) for n in c.nodes}
+        src = clients["n0"]
+        trainers = rank_worker.register_trainers(src)
+        replicas = [register_replica(clients[f"n{k + 1}"], k, f"n{k + 1}") for k in range(3)]
+        assert {g: ok for g, (ok, _) in outcomes(src.sync("trainer", "rollout", 1)).items()} == {
+            "rollout.r0": True, "rollout.r1": True, "rollout.r2": True}
+
+        # Another attempt, prepared by hand on n2 only, holds rollout.r1's ranks there.
+        layouts = {g.group: g for g in clients["n2"].status().groups}
+        assert "rollout.r1" in layouts
+        held = service_pb2.PrepareRequest(sync_id="elsewhere", version=7, staging_bytes=1 << 30,
+                                          chunk_bytes=64 << 20, write_key=os.urandom(16), packed=True)
+        held.src.CopyFrom(json_format.ParseDict(rank_worker.TRAINER, layout_pb2.Layout()))
+        held.dst.CopyFrom(json_format.ParseDict(replica_layout(1, "n2"), layout_pb2.Layout()))
+        _as_peer(c, "n2").Prepare(held, timeout=30)
+
+        step(trainers, 2)
+        resp = src.sync("trainer", "rollout", 2)
+        got = outcomes(resp)
+        assert got["rollout.r0"] == (True, "") and got["rollout.r2"] == (True, ""), got
+        committed, why = got["rollout.r1"]
+        assert not committed and 'node "n2" failed during the sync' in why and "(elsewhere) is in progress" in why, why
+        assert holds(replicas[0], 2) and holds(replicas[2], 2)
+        assert all(shardcast.describe_rank(reg.state()) != "ready(2)" for reg in replicas[1])
+
+        # Once the other attempt is over, the next sync repairs r1 with the rest.
+        _as_peer(c, "n2").Finish(service_pb2.FinishRequest(sync_id="elsewhere"), timeout=30)
+        step(trainers, 3)
+        resp = src.sync("trainer", "rollout", 3)
+        assert all(ok for ok, _ in outcomes(resp).values()), outcomes(resp)
+        assert all(holds(r, 3) for r in replicas)
+        for reg in trainers + [reg for r in replicas for reg in r]:
             reg.close()
