@@ -1,6 +1,7 @@
 #include "client/cli/daemon_commands.h"
 
 #include <fmt/format.h>
+#include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/ioctl.h>
@@ -11,6 +12,8 @@
 #include <memory>
 #include <random>
 #include <thread>
+#include <tuple>
+#include <utility>
 
 #include "client/cli/exit_codes.h"
 #include "client/cli/progress_view.h"
@@ -34,6 +37,15 @@ void addCommon(CLI::App* cmd, CommonArgs* a) {
                   "shardcastd to talk to: host:port, unix:PATH or a socket path (default: $SHARDCAST_ADDRESS, "
                   "$SHARDCAST_SOCKET, else /run/shardcast/shardcastd.sock)");
   cmd->add_flag("--json", a->json, "Print JSON for scripts instead of text");
+}
+
+// `text` as a JSON string literal.
+std::string toJsonString(const std::string& text) {
+  google::protobuf::Value v;
+  v.set_string_value(text);
+  std::string out;
+  if (!google::protobuf::util::MessageToJsonString(v, &out).ok()) return "\"\"";
+  return out;
 }
 
 std::string toJson(const google::protobuf::Message& m) {
@@ -214,10 +226,11 @@ struct TopArgs : CommonArgs {
   bool once = false;
 };
 
-int terminalWidth() {
+// The terminal's columns and rows (80 x 0, no limit on rows, when stdout is not a terminal).
+std::pair<int, int> terminalSize() {
   winsize w{};
-  if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &w) == 0 && w.ws_col >= 40) return w.ws_col;
-  return 80;
+  if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &w) == 0 && w.ws_col > 0) return {w.ws_col, w.ws_row};
+  return {80, 0};
 }
 
 std::string wallClock() {
@@ -238,19 +251,31 @@ int runTop(const TopArgs& a) {
   const bool tty = ::isatty(STDOUT_FILENO) != 0;
   while (true) {
     auto status = client->status(/*all_nodes=*/true);
+    // The cluster's ranks; while a peer does not answer, this daemon's own (and the screen says so).
+    std::string note;
     auto ranks = status.ok() ? client->list(/*all_nodes=*/true) : StatusOr<v1::ListResponse>(status.status());
+    if (status.ok() && !ranks.ok()) {
+      note = fmt::format("ranks of this node only: {}", std::string(ranks.status().message()));
+      ranks = client->list(/*all_nodes=*/false);
+    }
     const Status st = status.ok() ? ranks.status() : status.status();
     if (!st.ok() && a.once) return failed("top", st);
     std::string screen;
-    if (!st.ok()) {
+    if (!st.ok() && a.json) {
+      screen = fmt::format(R"({{"error":{{"code":"{}","message":{}}}}})", absl::StatusCodeToString(st.code()),
+                           toJsonString(std::string(st.message()))) +
+               "\n";
+    } else if (!st.ok()) {
       screen = fmt::format("shardcast top - {}\n\n  the daemon does not answer: {}: {}\n  (retrying every {} s)\n",
                            wallClock(), absl::StatusCodeToString(st.code()), std::string(st.message()), a.interval_s);
     } else if (a.json) {
       screen = fmt::format(R"({{"status":{},"ranks":{}}})", toJson(*status), toJson(*ranks)) + "\n";
     } else {
       TopScreen view;
-      view.width = tty ? terminalWidth() : 80;
+      if (tty) std::tie(view.width, view.height) = terminalSize();
+      if (a.once) view.height = 0;  // one screen for reading or a script: all of it
       view.clock = wallClock();
+      view.note = note;
       screen = renderTop(*status, *ranks, view);
     }
     if (tty && !a.once && !a.json) {
@@ -438,9 +463,10 @@ void addDaemonCommands(CLI::App& app, int* exit_code) {
     auto a = std::make_shared<TopArgs>();
     auto* cmd = app.add_subcommand(
         "top", "A live view of the cluster: groups, versions, rank states, syncs in flight, recent failures");
-    cmd->add_option("--interval-s", a->interval_s, "Seconds between refreshes")
+    cmd->add_option("--interval-s", a->interval_s,
+                    "Seconds between refreshes (each asks every daemon for its ranks and syncs)")
         ->capture_default_str()
-        ->check(CLI::Range(0.1, 3600.0));
+        ->check(CLI::Range(0.5, 3600.0));
     cmd->add_flag("--once", a->once, "Print one screen and exit");
     addCommon(cmd, a.get());
     cmd->callback([a, exit_code] { *exit_code = runTop(*a); });

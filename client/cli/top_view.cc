@@ -65,6 +65,7 @@ std::string renderTop(const v1::StatusResponse& status, const v1::ListResponse& 
   const int pad = screen.width - static_cast<int>(title.size()) - static_cast<int>(screen.clock.size());
   line(title + std::string(static_cast<size_t>(std::max(1, pad)), ' ') + screen.clock);
   for (const auto& d : down) line("  unreachable: " + d);
+  if (!screen.note.empty()) line("  " + screen.note);
 
   std::map<std::string, GroupRow> groups;
   for (const auto& r : ranks.ranks()) {
@@ -138,6 +139,12 @@ std::string renderTop(const v1::StatusResponse& status, const v1::ListResponse& 
         if (at == std::string::npos) break;
       }
     }
+  }
+  if (screen.height > 1 && lines.size() > static_cast<size_t>(screen.height)) {
+    const size_t cut_from = static_cast<size_t>(screen.height) - 1;
+    const size_t hidden = lines.size() - cut_from;
+    lines.resize(cut_from);
+    line(fmt::format("({} more lines: a taller terminal shows them, or `shardcast top --once`)", hidden));
   }
   std::string out;
   for (const auto& l : lines) out += l + "\n";

@@ -38,6 +38,7 @@ StatusOr<std::vector<std::string>> PeerSet::addresses() const {
   out.erase(std::unique(out.begin(), out.end()), out.end());
   std::lock_guard<std::mutex> lock(mu_);
   current_ = out;
+  current_at_ = std::chrono::steady_clock::now();
   return out;
 }
 
@@ -195,6 +196,13 @@ StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll(bool syncs) const 
 }
 
 std::map<std::string, bool> PeerSet::reachability() const {
+  bool stale = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stale = std::chrono::steady_clock::now() - current_at_ > std::chrono::seconds(30);
+  }
+  // A daemon that coordinates nothing still follows --peer-dns (pods restarted with new addresses).
+  if (stale) static_cast<void>(addresses());  // a failed lookup leaves the last peers
   std::map<std::string, std::string> nodes;
   std::map<std::string, bool> answered;
   {

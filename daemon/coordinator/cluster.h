@@ -51,7 +51,8 @@ class PeerSet {
   // The peers of the last addresses() that have described themselves, by node: reachable when
   // their channel is connected, or connecting or idle and the last Describe of them answered.
   // Sends no call (a scrape must stay cheap): a channel not connected is only nudged to connect,
-  // and counts by its state at the next call. A peer gone from --peer-dns drops out.
+  // and counts by its state at the next call. The addresses are looked up again when the last
+  // lookup is older than 30 s: a peer gone from --peer-dns drops out.
   std::map<std::string, bool> reachability() const;
   // The peers reached so far: address -> the node each described itself as.
   std::map<std::string, std::string> knownNodes() const;
@@ -75,6 +76,7 @@ class PeerSet {
   mutable std::map<std::string, std::string> nodes_;              // address -> node it last described itself as
   mutable std::map<std::string, bool> answered_;                  // address -> its last Describe succeeded
   mutable std::vector<std::string> current_;                      // the last addresses() found
+  mutable std::chrono::steady_clock::time_point current_at_{};    // and when
   mutable std::map<std::string, std::string> transports_;         // node -> the transport address it described
   mutable std::chrono::steady_clock::time_point last_refresh_{};  // of transports_ by checkTransportAddress
 };

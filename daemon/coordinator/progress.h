@@ -27,12 +27,9 @@ class ProgressBoard {
       if (inserted) {
         it->second.set_sync_id(id);
         order_.push_back(id);
-        while (order_.size() > 64 && isDone(syncs_[order_.front()])) {
-          syncs_.erase(order_.front());
-          order_.pop_front();
-        }
       }
       fn(it->second);
+      trim();
       ++generation_;
     }
     cv_.notify_all();
@@ -50,6 +47,7 @@ class ProgressBoard {
       it->second = v1::SyncProgress();
       it->second.set_sync_id(id);
       setPhase(it->second, v1::SYNC_GATHERING);
+      trim();
       ++generation_;
     }
     cv_.notify_all();
@@ -100,6 +98,14 @@ class ProgressBoard {
   }
 
  private:
+  // Under mu_: forgets the oldest ended syncs beyond the 64 kept (running ones are never dropped).
+  void trim() {
+    while (order_.size() > 64 && isDone(syncs_[order_.front()])) {
+      syncs_.erase(order_.front());
+      order_.pop_front();
+    }
+  }
+
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::string, v1::SyncProgress> syncs_;

@@ -109,9 +109,9 @@ void Metrics::syncFailed(double seconds, const v1::SyncResponse& figures) {
 }
 
 void Metrics::sourceVersionSeen(const std::string& group, const std::string& source, uint64_t version) {
+  // The latest, not the highest: a job restarted from an older checkpoint syncs lower versions.
   std::lock_guard<std::mutex> lock(sources_mu_);
-  auto& seen = sources_[group];
-  if (version >= seen.version) seen = {source, version};
+  sources_[group] = {source, version};
 }
 
 std::string Metrics::render() const {
@@ -175,14 +175,21 @@ std::string Metrics::render() const {
     }
   families.push_back(family("shardcast_group_version_lag",
                             "Per destination group registered here that a sync has reached: how many versions its "
-                            "committed version here is behind the newest version of its source this daemon knows "
-                            "(from syncs prepared here, and from the source's ranks when they are registered here).",
+                            "committed version here is behind its source: the version of the latest sync prepared "
+                            "here into it (failed ones too), or the source's published version when its ranks are "
+                            "registered here and newer.",
                             MetricType::Gauge));
   {
     std::lock_guard<std::mutex> lock(sources_mu_);
+    for (auto it = sources_.begin(); it != sources_.end();) {  // groups gone from here are forgotten
+      if (by_group.count(it->first))
+        ++it;
+      else
+        it = sources_.erase(it);
+    }
     for (const auto& [group, seen] : sources_) {
       const auto dst = by_group.find(group);
-      if (dst == by_group.end() || dst->second.role != "destination") continue;  // unregistered since
+      if (dst->second.role != "destination") continue;
       uint64_t newest = seen.version;
       if (const auto src = by_group.find(seen.source); src != by_group.end() && src->second.role == "source")
         newest = std::max(newest, src->second.version);
@@ -195,7 +202,10 @@ std::string Metrics::render() const {
                             "connectable, its last answer a success), 0 otherwise.",
                             MetricType::Gauge));
   if (peers_up)
-    for (const auto& [peer, up] : peers_up()) add(families.back(), up ? 1 : 0, {{"peer", peer}});
+    for (const auto& [peer, up] : peers_up()) {
+      add(families.back(), up ? 1 : 0, {{"peer", peer}});
+      peer_failures_->Add({{"peer", peer}});  // at 0 from the start: increase() sees its first failure
+    }
   gauge("shardcast_sessions_active", "Client sessions open on this daemon (their ranks live as long as they do).",
         read(sessions_active));
   if (certificate_expiry)

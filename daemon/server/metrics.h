@@ -43,7 +43,7 @@ class Metrics {
   void syncFailed(double seconds, const v1::SyncResponse& figures = {});
   // A sync from `source` at `version` reached this daemon for destination group `group` (it was
   // prepared here: the coordinator had checked that every source rank published it). The lag
-  // gauge measures the group's committed version here against the newest of these.
+  // gauge measures the group's committed version here against the latest of these.
   void sourceVersionSeen(const std::string& group, const std::string& source, uint64_t version);
   // A sync coordinated here failed at `node` (the node its failure names: a peer, or this one).
   void peerFailed(const std::string& node);
@@ -90,13 +90,13 @@ class Metrics {
   prometheus::Counter& delta_saved_;
   prometheus::Gauge& in_flight_;
   void observePhases(const v1::SyncResponse& figures, const std::string& result, bool every);
-  // Destination group -> the newest source version a sync brought here, and that source's name.
+  // Destination group -> the version the latest sync into it prepared here, and its source.
   struct SourceSeen {
     std::string source;
     uint64_t version = 0;
   };
   mutable std::mutex sources_mu_;
-  std::map<std::string, SourceSeen> sources_;
+  mutable std::map<std::string, SourceSeen> sources_;  // render() forgets groups gone from here
 };
 
 // Serves `metrics` on host:port until destroyed.

@@ -66,18 +66,27 @@ grpc::Status ShardcastService::Sync(grpc::ServerContext* ctx, const v1::SyncRequ
   if (st.ok()) {
     metrics_.syncCommitted(*out);
   } else {
-    metrics_.syncFailed(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(), *out);
-    // A sync that reached its daemons (prepared) left its line in coordinate(). Every refused one
-    // leaves one line too: which, for whom, why (a caller retrying in a loop gets one line per
-    // 10 s, with the count of those held back).
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    metrics_.syncFailed(seconds, *out);
+    // Every refused or failed sync leaves one line: which, for whom, why, and, when it reached its
+    // daemons, its phases' figures. A caller retrying in a loop gets one line per 10 s, with the
+    // count of those held back. Keyed by caller and kind only: group names are the caller's to
+    // choose, and varying them must not buy a line each.
     uint64_t held = 0;
-    // Keyed by caller and kind only: group names are the caller's to choose, and varying them must
-    // not buy a line each.
-    if (out->prepare_seconds() == 0 && failure_log_.allow(strCat(caller->who, "|", st.error_code()), &held))
+    if (failure_log_.allow(strCat(caller->who, "|", st.error_code()), &held)) {
+      const LogScope scope(out->sync_id(), req->dst_group());
+      std::string figures;
+      if (out->prepare_seconds() > 0)  // it reached the daemons
+        figures = fmt::format(
+            " after {:.3f} s (gather {:.3f} s, plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, "
+            "finish {:.3f} s)",
+            seconds, out->gather_seconds(), out->plan_seconds(), out->prepare_seconds(), out->execute_seconds(),
+            out->finish_seconds());
       spdlog::warn(
-          "sync {} -> {} version {} for {} failed: {}{}", quote(req->src_group()), quote(req->dst_group()),
-          req->version(), caller->who, st.error_message(),
+          "sync {}{} -> {} version {} for {} failed{}: {}{}", out->sync_id().empty() ? "" : out->sync_id() + ": ",
+          quote(req->src_group()), quote(req->dst_group()), req->version(), caller->who, figures, st.error_message(),
           held ? strCat(" (and ", held, " more failed syncs of this caller since the last line)") : std::string());
+    }
   }
   return st;
 }
@@ -150,17 +159,9 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
       });
       continue;
     }
-    *out = coordinator.figures();    // its phases' seconds, for the metrics (a failed call sends no response)
-    if (out->prepare_seconds() > 0)  // it reached the daemons: its one line, with its figures
-      spdlog::warn(
-          "sync {}: {} -> {} version {} failed after {:.3f} s (gather {:.3f} s, plan {:.3f} s, prepare {:.3f} s, "
-          "execute {:.3f} s, finish {:.3f} s){}: {}",
-          id, req.src_group(), req.dst_group(), req.version(),
-          out->gather_seconds() + out->plan_seconds() + out->prepare_seconds() + out->execute_seconds() +
-              out->finish_seconds(),
-          out->gather_seconds(), out->plan_seconds(), out->prepare_seconds(), out->execute_seconds(),
-          out->finish_seconds(), faulty.empty() ? "" : strCat(" at node ", quote(faulty)),
-          std::string(done.status().message()));
+    // Its id and phases' seconds, for the metrics and Sync's line (a failed call sends no response).
+    *out = coordinator.figures();
+    out->set_sync_id(id);
     return toGrpc(done.status());
   }
 }
@@ -410,6 +411,7 @@ grpc::Status ShardcastService::Status(grpc::ServerContext* ctx, const v1::Status
     return grpc::Status::OK;
   }
   auto views = peers_.describeAll(req->all_nodes());
+  const auto known = peers_.knownNodes();
   if (views.ok() && req->all_nodes())
     for (const auto& v : *views)
       if (v.described.ok())
@@ -423,10 +425,12 @@ grpc::Status ShardcastService::Status(grpc::ServerContext* ctx, const v1::Status
         if (v.address == a) {
           found = true;
           p->set_reachable(v.described.ok());
-          if (v.described.ok())
+          if (v.described.ok()) {
             p->set_node(v.described->node());
-          else
+          } else {
             p->set_error(std::string(v.described.status().message()));
+            if (const auto it = known.find(a); it != known.end()) p->set_node(it->second);  // as last described
+          }
         }
     if (!found) {  // the address is this daemon itself
       p->set_reachable(true);

@@ -1,7 +1,8 @@
 """The monitoring components: the PodMonitor (or ServiceMonitor) scrapes the daemon pods on their
-real metrics port, the alerts are the six docs/deploy.md gives a runbook entry, and every alert and
-dashboard expression names only metric families, labels and label values the daemon exports (as
-daemon/server/metrics.cc and docs/daemon.md list them).
+real metrics port under the job the alerts select, the alerts are the seven docs/deploy.md gives a
+runbook entry, every alert and dashboard expression names only metric families, labels and label
+values the daemon exports (as daemon/server/metrics.cc and docs/daemon.md list them), and none
+mixes the series of two deployments (namespaces).
 Whether the expressions parse and the alerts fire is client/python/tests/test_prometheus.py's
 business (a real Prometheus); the validator's checks of the Prometheus Operator's CRDs are here."""
 
@@ -55,11 +56,18 @@ DAEMON_METRICS: Dict[str, Tuple[str, Dict[str, Optional[Set[str]]]]] = {
     "shardcast_sessions_active": ("gauge", {}),
     "shardcast_tls_certificate_expiry_timestamp_seconds": ("gauge", {}),
 }
-#: Labels Prometheus gives every series of a target (node: the monitors' relabeling), and `le`,
-#: the bucket label of histograms.
-TARGET_LABELS = {"instance", "job", "node"}
+#: Labels Prometheus gives every series of a target (node: the monitors' relabeling; namespace:
+#: the Operator's, which tells deployments apart), and `le`, the bucket label of histograms.
+TARGET_LABELS = {"instance", "job", "namespace", "node"}
+#: What Prometheus records itself for every target it scrapes, whatever the target exports: only
+#: target labels, and only meaningful for the daemons' targets, selected by SCRAPE_JOB.
+SCRAPE_SERIES = {"up"}
+#: The job of the daemons' targets: both monitors take it from the label app.kubernetes.io/name
+#: (jobLabel), and the end-to-end test's Prometheus names its job so.
+SCRAPE_JOB = "shardcastd"
 #: The alerts: names and `for` are a contract (docs/deploy.md's runbook, the end-to-end test).
 ALERTS = {
+    "ShardcastDaemonDown": "5m",
     "ShardcastRanksDirty": "5m",
     "ShardcastVersionLag": "10m",
     "ShardcastSyncFailureRatio": "15m",
@@ -127,6 +135,13 @@ def expression_problem(expr: str) -> str:
     selectors, grouping = vocabulary(expr)
     known_labels = set(TARGET_LABELS)
     for name, matched in selectors.items():
+        if name in SCRAPE_SERIES:
+            if matched.get("job") != SCRAPE_JOB:
+                return f'{name} without job="{SCRAPE_JOB}" selects every target Prometheus scrapes'
+            unknown = set(matched) - TARGET_LABELS
+            if unknown:
+                return f"{name} has only target labels, not {sorted(unknown)}"
+            continue
         if name not in names:
             return f"{name} is not a metric the daemon exports"
         labels = DAEMON_METRICS[names[name]][1]
@@ -139,6 +154,26 @@ def expression_problem(expr: str) -> str:
                 return f'{name}{{{label}="{value}"}}: the daemon exports {sorted(allowed)}'
     unknown = grouping - known_labels
     return f"groups by labels no series here has: {sorted(unknown)}" if unknown else ""
+
+
+_AGGREGATION = re.compile(r"\b(sum|min|max|avg|group|count|count_values|stddev|stdvar|topk|bottomk|quantile)"
+                          r"\s*(?:(by|without)\s*\(([^)]*)\))?\s*\(")
+_VECTOR_MATCHING = re.compile(r"\b(on|ignoring)\s*\(([^)]*)\)")
+
+
+def mixing_problem(expr: str) -> str:
+    """Why an expression would mix the series of two Shardcast deployments scraped by one
+    Prometheus, or "": every aggregation must keep `namespace` (by, written before its argument,
+    naming it; without, not naming it), and every vector matching must match on it."""
+    for m in _AGGREGATION.finditer(expr):
+        clause, labels = m.group(2), {label.strip() for label in (m.group(3) or "").split(",")}
+        if clause is None or (clause == "by") != ("namespace" in labels):
+            return f'"{m.group(0)}" aggregates across namespaces'
+    for m in _VECTOR_MATCHING.finditer(expr):
+        labels = {label.strip() for label in m.group(2).split(",")}
+        if (m.group(1) == "on") != ("namespace" in labels):
+            return f'"{m.group(0)}" matches series of different namespaces'
+    return ""
 
 
 # ---- the families themselves ----
@@ -169,10 +204,32 @@ def test_the_metric_list_is_the_one_docs_daemon_md_gives():
     ('shardcast_group_version{rol="source"}', 'has no label "rol"'),
     ("max by (group) (shardcast_peer_up)", "groups by labels no series here has: ['group']"),
     ("sum by (le) (rate(shardcast_syncs_total[5m]))", "['le']"),
-    ("up", "up is not a metric the daemon exports"),
+    ('up{job="shardcastd"} == 0', ""),
+    ("up == 0", 'up without job="shardcastd" selects every target'),
+    ('up{job=~"shardcast.*"}', 'up without job="shardcastd"'),
+    ('up{job="shardcastd", group="a"}', "up has only target labels, not ['group']"),
 ])
 def test_the_expression_reader_catches_names_labels_and_values_the_daemon_lacks(expr, problem):
     found = expression_problem(expr)
+    assert (problem in found) if problem else found == "", found
+
+
+@pytest.mark.parametrize("expr, problem", [
+    ("sum by (namespace, group) (shardcast_group_ranks) > 0", ""),
+    ("sum without (node, instance) (shardcast_group_ranks)", ""),
+    ("(sum by (namespace, group) (shardcast_group_version) > 0) unless on (namespace) (sum by (namespace) (x) > 0)",
+     ""),
+    ('up{job="shardcastd"} == 0', ""),
+    ("count_values by (namespace) (\"v\", shardcast_build_info)", ""),
+    ("sum(rate(shardcast_syncs_total[5m]))", '"sum(" aggregates across namespaces'),
+    ("max by (group) (shardcast_group_version_lag) > 2", '"max by (group) (" aggregates'),
+    ("sum without (namespace) (shardcast_ranks)", "aggregates across namespaces"),
+    ("sum(shardcast_ranks) by (namespace)", '"sum(" aggregates'),  # `by` after the argument: not read
+    ("a unless on () b", '"on ()" matches series of different namespaces'),
+    ("a / ignoring (namespace) b", "matches series of different namespaces"),
+])
+def test_the_mixing_reader_catches_aggregations_and_matchings_across_namespaces(expr, problem):
+    found = mixing_problem(expr)
     assert (problem in found) if problem else found == "", found
 
 
@@ -185,6 +242,7 @@ def test_the_alerts_are_the_contract():
         assert set(rule["annotations"]) == {"summary", "description"}, f"{name}: runbooks live in docs/deploy.md"
         assert rule["labels"]["severity"] in ("warning", "critical"), name
         assert expression_problem(rule["expr"]) == "", f"{name}: {expression_problem(rule['expr'])}"
+        assert mixing_problem(rule["expr"]) == "", f"{name}: {mixing_problem(rule['expr'])}"
 
 
 def runbook() -> Dict[str, str]:
@@ -208,6 +266,8 @@ def test_every_alert_has_a_runbook_entry_with_a_command_to_run():
 def test_every_panel_expression_names_only_what_the_daemon_exports():
     problems = {where: expression_problem(expr) for where, expr in panel_expressions() if expression_problem(expr)}
     assert not problems, problems
+    mixing = {where: mixing_problem(expr) for where, expr in panel_expressions() if mixing_problem(expr)}
+    assert not mixing, mixing
     # Grafana's variables ($__rate_interval, ...) would have to be substituted before Prometheus
     # could parse the expressions (test_prometheus.py queries them as they are).
     assert not any("$" in expr for _, expr in panel_expressions())
@@ -250,8 +310,9 @@ def test_the_monitor_scrapes_the_daemon_pods_on_their_metrics_port(kubectl, wher
     """The PodMonitor selects the DaemonSet's pods and names the container port the daemon's
     --metrics listens on; the ServiceMonitor selects the metrics Service alone (not the peers
     Service, which has the same name label) and names its port that leads there. Both live in the
-    daemons' namespace (a monitor looks in its own unless told otherwise), and the NetworkPolicy
-    lets the scraper reach that port (test_daemonset_daemon asks /metrics on it)."""
+    daemons' namespace (a monitor looks in its own unless told otherwise), give their targets the
+    job the alerts select `up` by, and the NetworkPolicy lets the scraper reach that port
+    (test_daemonset_daemon asks /metrics on it)."""
     objects = render_deployment(where)
     ds = by_kind(objects, "DaemonSet")["shardcastd"]
     pod_labels = ds["spec"]["template"]["metadata"]["labels"]
@@ -282,6 +343,14 @@ def test_the_monitor_scrapes_the_daemon_pods_on_their_metrics_port(kubectl, wher
         assert [container_ports.get(t, t) for t in targets] == [metrics_port]
     for e in endpoints:
         assert e["path"] == "/metrics" and e.get("scheme", "http") == "http"  # plain HTTP (docs/daemon.md)
+        # job and namespace are the Operator's (jobLabel below; the target's namespace).
+        assert not {r.get("targetLabel") for r in e.get("relabelings", [])} & {"job", "namespace"}
+
+    # The Operator sets job to the value of the label jobLabel names, on the pod (PodMonitor) or
+    # on the Service (ServiceMonitor); without one it would be "<namespace>/<PodMonitor name>" or
+    # the Service's name, which differ.
+    labelled = pod_labels if monitor["kind"] == "PodMonitor" else services[0]["metadata"]["labels"]
+    assert labelled.get(monitor["spec"].get("jobLabel")) == SCRAPE_JOB
 
     policy = by_kind(objects, "NetworkPolicy")["shardcastd"]
     scraper_ports = {p["port"] for rule in policy["spec"]["ingress"]

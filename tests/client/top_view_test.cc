@@ -105,6 +105,22 @@ TEST_CASE("top: groups, dirty ranks, syncs running first, failures, within the w
   CHECK(std::count(lines.begin(), lines.end(), "    node \"n1\" did not answer within 10 s:") == 1);
   CHECK(std::count(lines.begin(), lines.end(), "    " + std::string(76, 'x')) == 1);
 
+  SECTION("a short terminal keeps the top of the screen and says how many lines it left out") {
+    screen.height = 12;
+    const auto cut = linesOf(cli::renderTop(status, list, screen));
+    REQUIRE(cut.size() == 12);
+    CHECK(cut.front() == lines.front());
+    CHECK_THAT(cut.back(), Contains(std::to_string(lines.size() - 11) + " more lines"));
+    screen.height = 0;  // --once, or not a terminal: all of it
+    CHECK(linesOf(cli::renderTop(status, list, screen)).size() == lines.size());
+  }
+
+  SECTION("ranks of this node only, said under the title") {
+    screen.note = "ranks of this node only: peer 10.0.0.2:7070 is unreachable";
+    CHECK(linesOf(cli::renderTop(status, list, screen)).at(2) ==
+          "  ranks of this node only: peer 10.0.0.2:7070 is unreachable");
+  }
+
   SECTION("a narrow terminal cuts lines, an empty cluster says so") {
     screen.width = 50;
     for (const auto& l : linesOf(cli::renderTop(status, list, screen))) CHECK(l.size() <= 50);

@@ -61,7 +61,6 @@ TEST_CASE("metrics: syncs feed histograms by result and phase, scrape-time value
   // is no longer registered here.
   m.sourceVersionSeen("infer", "trainer", 7);
   m.sourceVersionSeen("infer", "trainer", 9);
-  m.sourceVersionSeen("infer", "trainer", 8);  // older than what is known: ignored
   m.sourceVersionSeen("rollout", "other", 3);
   m.sourceVersionSeen("gone", "trainer", 9);
   m.sessions_active = [] { return uint64_t{2}; };
@@ -127,4 +126,18 @@ TEST_CASE("metrics: a source registered here at a newer version sets the lag wit
   };
   m.sourceVersionSeen("infer", "trainer", 4);  // the last sync, committed
   CHECK_THAT(m.render(), Contains("shardcast_group_version_lag{group=\"infer\",source=\"trainer\"} 2"));
+}
+
+TEST_CASE("metrics: the lag follows the latest sync, and forgets a group that left", "[daemon][metrics]") {
+  Metrics m;
+  std::map<std::string, Metrics::GroupFigures> groups{{"infer", {"destination", 500, {{"ready", 1}}}}};
+  m.groups = [&] { return groups; };
+  m.sourceVersionSeen("infer", "trainer", 502);  // failed
+  CHECK_THAT(m.render(), Contains("shardcast_group_version_lag{group=\"infer\",source=\"trainer\"} 2"));
+  // The job restarts from an older checkpoint: its engines register again and sync from v401.
+  groups.clear();
+  CHECK_THAT(m.render(), !Contains("shardcast_group_version_lag{"));
+  groups = {{"infer", {"destination", 401, {{"ready", 1}}}}};
+  m.sourceVersionSeen("infer", "trainer", 401);
+  CHECK_THAT(m.render(), Contains("shardcast_group_version_lag{group=\"infer\",source=\"trainer\"} 0"));
 }

@@ -25,7 +25,8 @@ class Terminal:
         if shutil.which("tmux") is None:
             pytest.fail("tmux is needed to read `shardcast top` off a terminal: run scripts/deps.sh")
         self.socket = f"shardcast-top-{uuid.uuid4().hex[:8]}"
-        self._tmux("new-session", "-d", "-x", "80", "-y", "24", command)
+        # If the command exits, its last screen stays readable, with its exit status.
+        self._tmux("new-session", "-d", "-x", "80", "-y", "24", f"{command}; echo EXITED $?; sleep 600")
 
     def _tmux(self, *args: str) -> str:
         return subprocess.run(["tmux", "-L", self.socket, "-f", "/dev/null", *args], capture_output=True, text=True,
@@ -60,7 +61,7 @@ def test_top_shows_the_cluster_its_syncs_and_failures_in_80_columns(cluster):
 
     cli = shardcastd_path().parent / "shardcast"
     # Asked of n1, which coordinated nothing: the syncs are n0's.
-    term = Terminal(f"{cli} top --daemon {n1.target} --interval-s 0.3")
+    term = Terminal(f"{cli} top --daemon {n1.target} --interval-s 0.5")
     try:
         screen = term.wait_for("the failed sync", r"^RECENT FAILURES")
         lines = screen.splitlines()
@@ -90,6 +91,39 @@ def test_top_shows_the_cluster_its_syncs_and_failures_in_80_columns(cluster):
         term.close()
         for r in trainers + infers:
             r.close()
+
+
+def test_top_goes_on_while_a_peer_is_down_and_says_so(cluster):
+    """n1's daemon dies: top on n0 still draws, names n1 unreachable and shows n0's own ranks; and
+    n0's metrics report the peer down."""
+    import urllib.request
+
+    n0, n1 = cluster
+    src = shardcast.Client(n0.target)
+    trainers = rank_worker.register_trainers(src)
+    assert src.list()  # n0 has described n1 once: it names it when it stops answering
+    n1.stop()
+    cli = shardcastd_path().parent / "shardcast"
+    term = Terminal(f"{cli} top --daemon {n0.target} --interval-s 0.5")
+    try:
+        screen = term.wait_for("n1 unreachable", r"^  unreachable: n1 ")
+        assert "peers 0/1 reachable" in screen.splitlines()[0], screen
+        assert re.search(r"^  ranks of this node only: ", screen, re.M), screen
+        assert re.search(r"^trainer\s+src\s+1\s+2/2\s+2\s+0\s+0\s+0\s+1$", screen, re.M), screen
+        assert all(len(line) <= 80 for line in screen.splitlines()), screen
+    finally:
+        term.close()
+
+    def peer_up() -> str:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{n0.metrics_port}/metrics", timeout=10).read().decode()
+        return "".join(line for line in text.splitlines() if line.startswith('shardcast_peer_up{peer="n1"}'))
+
+    deadline = time.monotonic() + 60
+    while peer_up() != 'shardcast_peer_up{peer="n1"} 0' and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert peer_up() == 'shardcast_peer_up{peer="n1"} 0'
+    for t in trainers:
+        t.close()
 
 
 def test_top_once_prints_one_screen_and_fails_for_an_unreachable_daemon(cluster, tmp_path):

@@ -1,10 +1,12 @@
 """The monitoring component against the real Prometheus (Debian's `prometheus` package, which
-scripts/deps.sh installs): promtool accepts its rules, Prometheus parses every dashboard
-expression, and Prometheus scraping two local daemons sees their syncs (committed and failed, the
-phase histogram, the destination group's version) while the alert ShardcastRanksDirty, loaded from
-the shipped PrometheusRule with a test-sized `for`, fires on the rank a failed sync left dirty
-and clears once a sync repairs it. deploy/tests/test_monitoring.py checks the manifests
-themselves; docs/deploy.md, "Monitoring", says how they are used."""
+scripts/deps.sh installs): promtool accepts its rules, and its rule tests on synthetic series show
+the alerts that need no daemons (a daemon down, syncs in one namespace while another publishes)
+fire for the deployment they concern and no other; Prometheus parses every dashboard expression,
+and Prometheus scraping two local daemons sees their syncs (committed and failed, the phase
+histogram, the destination group's version and its lag behind the failed sync) while the alert
+ShardcastRanksDirty, loaded from the shipped PrometheusRule with a test-sized `for`, fires on the
+rank a failed sync left dirty and clears once a sync repairs it. deploy/tests/test_monitoring.py
+checks the manifests themselves; docs/deploy.md, "Monitoring", says how they are used."""
 
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ MONITORING = ROOT / "deploy" / "k8s" / "components" / "monitoring"
 #: one alert the test drives: the test's pace, not the shipped one.
 INTERVAL = "1s"
 TEST_FOR = {"ShardcastRanksDirty": "2s"}
+#: The labels the Operator and the monitors give every target: its job (jobLabel) and namespace.
+JOB, NAMESPACE = "shardcastd", "shardcast"
 #: How long to wait for anything Prometheus should see after the next scrape or two: generous, as
 #: a loaded machine may be slow, and never slept through: every wait polls.
 SEE_TIMEOUT = 60.0
@@ -85,16 +89,18 @@ def wait_for(what: str, probe: Callable[[], Any], ok: Callable[[Any], bool] = bo
 # ---- the processes ----
 
 class Prometheus:
-    """A real Prometheus scraping `targets` (node -> host:port, each given the label node=<node>, as
-    the monitors' relabeling does) and evaluating `rules`, every INTERVAL, on a free port."""
+    """A real Prometheus scraping `targets` (node -> host:port) as job JOB, each target given the
+    labels node=<node> (the monitors' relabeling) and namespace=NAMESPACE (the Operator's), and
+    evaluating `rules`, every INTERVAL, on a free port."""
 
     def __init__(self, directory: Path, targets: Dict[str, str], rules: dict) -> None:
         (directory / "rules.yaml").write_text(yaml.safe_dump(rules))
         config = {
             "global": {"scrape_interval": INTERVAL, "scrape_timeout": INTERVAL, "evaluation_interval": INTERVAL},
             "rule_files": [str(directory / "rules.yaml")],
-            "scrape_configs": [{"job_name": "shardcastd", "static_configs": [
-                {"targets": [address], "labels": {"node": node}} for node, address in targets.items()]}],
+            "scrape_configs": [{"job_name": JOB, "static_configs": [
+                {"targets": [address], "labels": {"node": node, "namespace": NAMESPACE}}
+                for node, address in targets.items()]}],
         }
         (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log_path = directory / "prometheus.log"
@@ -277,6 +283,72 @@ def test_promtool_accepts_the_rules(tmp_path):
     assert f"SUCCESS: {count} rules found" in out.stdout
 
 
+def series(name: str, values: str, **labels: str) -> dict:
+    """An input series of a promtool rule test: `name` with the target labels of a daemon of
+    namespace `namespace` (default "a") and `labels`, sampled every minute."""
+    labels = {"job": JOB, "namespace": "a", "instance": "10.0.0.1:9464", "node": "n0", **labels}
+    return {"series": name + "{" + ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}",
+            "values": values}
+
+
+def promtool_test_rules(directory: Path, tests: List[dict]) -> None:
+    """Runs `promtool test rules` on the shipped rules. promtool compares annotations too, and
+    they are not what these tests are about: the rules are tested without them."""
+    spec = rule_groups()
+    for group in spec["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    (directory / "rules.yaml").write_text(yaml.safe_dump(spec))
+    (directory / "tests.yaml").write_text(yaml.safe_dump(
+        {"rule_files": [str(directory / "rules.yaml")], "evaluation_interval": "1m", "tests": tests}))
+    out = subprocess.run([tool("promtool"), "test", "rules", str(directory / "tests.yaml")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_daemon_down_fires_for_the_daemons_job_only(tmp_path):
+    """up{job="shardcastd"} at 0 for 5 minutes fires, naming the node; another job's target down
+    (here node-exporter's on the same node) does not."""
+    promtool_test_rules(tmp_path, [{
+        "interval": "1m",
+        "input_series": [
+            series("up", "1 1 0x10"),  # down from minute 2
+            series("up", "1x12", node="n1", instance="10.0.0.2:9464"),
+            series("up", "0x12", job="node-exporter", instance="10.0.0.1:9100"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "6m", "alertname": "ShardcastDaemonDown", "exp_alerts": []},  # pending
+            {"eval_time": "8m", "alertname": "ShardcastDaemonDown", "exp_alerts": [{"exp_labels": {
+                "severity": "critical", "job": JOB, "namespace": "a", "node": "n0", "instance": "10.0.0.1:9464"}}]},
+        ],
+    }])
+
+
+def test_another_namespaces_syncs_neither_silence_nor_dilute_a_deployments_alerts(tmp_path):
+    """Two deployments in one Prometheus, namespaces a and b. Both sources publish every minute;
+    only b's syncs commit: ShardcastNoSyncWhileSourcesPublish fires for a. Every sync of a fails
+    while b commits ten a minute: a's failure ratio is 1, though 1 in 11 overall, and
+    ShardcastSyncFailureRatio fires for a alone."""
+    publishing = [series("shardcast_group_version", "1+1x120", group="trainer", role="source", namespace=ns)
+                  for ns in ("a", "b")]
+    promtool_test_rules(tmp_path, [
+        {"interval": "1m",
+         "input_series": [*publishing,
+                          series("shardcast_syncs_total", "0x120", result="committed", namespace="a"),
+                          series("shardcast_syncs_total", "0+1x120", result="committed", namespace="b")],
+         "alert_rule_test": [{"eval_time": "100m", "alertname": "ShardcastNoSyncWhileSourcesPublish",
+                              "exp_alerts": [{"exp_labels": {"severity": "critical", "namespace": "a",
+                                                             "group": "trainer"}}]}]},
+        {"interval": "1m",
+         "input_series": [series("shardcast_syncs_total", "0+1x60", result="failed", namespace="a"),
+                          series("shardcast_syncs_total", "0x60", result="committed", namespace="a"),
+                          series("shardcast_syncs_total", "0x60", result="failed", namespace="b"),
+                          series("shardcast_syncs_total", "0+10x60", result="committed", namespace="b")],
+         "alert_rule_test": [{"eval_time": "40m", "alertname": "ShardcastSyncFailureRatio",
+                              "exp_alerts": [{"exp_labels": {"severity": "warning", "namespace": "a"}}]}]},
+    ])
+
+
 def test_prometheus_parses_every_dashboard_expression(stack):
     """An expression Prometheus cannot parse answers status "error", errorType "bad_data"; the
     first query shows this test would see it."""
@@ -292,8 +364,10 @@ def test_prometheus_parses_every_dashboard_expression(stack):
 
 def test_syncs_are_scraped_and_a_dirty_rank_fires_the_alert_until_a_sync_repairs_it(stack):
     """Two committed syncs (dense, then delta), a delta sync that fails on the destination and
-    leaves its rank dirty, then the repairing sync: the alert fires in between and only then.
-    Reads only families and labels daemons had before the role, plan-phase and lag metrics."""
+    leaves its rank dirty, then the repairing sync: the alert fires in between and only then. The
+    destination's version lag follows: 0 while the latest sync prepared into it committed, 1 after
+    the failed sync of version 3 (prepared on n1 while the group there holds 2), 0 again once
+    version 3 commits."""
     prom = stack.prometheus
     groups = Groups(stack, "trainer", "infer")
     try:
@@ -303,6 +377,9 @@ def test_syncs_are_scraped_and_a_dirty_rank_fires_the_alert_until_a_sync_repairs
         groups.publish(2)
         assert groups.sync(2).delta_chunks > 0  # the destination holds the base now
         assert not prom.alerts("ShardcastRanksDirty", group="infer")
+        lag = 'shardcast_group_version_lag{group="infer"}'
+        wait_for("group infer not behind the sync of version 2", lambda: prom.values(lag, "source"),
+                 lambda v: v == {"trainer": 0.0})
 
         groups.publish(3)
         fail_sync(groups, 3)
@@ -314,12 +391,17 @@ def test_syncs_are_scraped_and_a_dirty_rank_fires_the_alert_until_a_sync_repairs
                                    if a["state"] == "firing"])
         assert firing[0]["annotations"]["summary"] == "Group infer has 1 dirty rank(s)"
         assert firing[0]["labels"]["severity"] == "critical"
+        assert firing[0]["labels"]["namespace"] == NAMESPACE
+        wait_for("group infer one version behind the failed sync of version 3", lambda: prom.values(lag, "source"),
+                 lambda v: v == {"trainer": 1.0})
 
         repaired = groups.sync(3)  # the same version again: dense for the dirty rank
         assert repaired.delta_chunks == 0 and not groups.dirty()
         assert np.array_equal(groups.dst.tensors["w"], groups.src.tensors["w"])
         wait_for("ShardcastRanksDirty gone for group infer",
                  lambda: prom.alerts("ShardcastRanksDirty", group="infer"), lambda active: not active)
+        wait_for("group infer not behind once version 3 committed", lambda: prom.values(lag, "source"),
+                 lambda v: v == {"trainer": 0.0})
 
         # Coordinated on n0: three committed syncs and the failed one, each phase of each committed
         # sync observed, and the destination at the repaired version.
