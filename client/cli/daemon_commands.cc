@@ -87,6 +87,8 @@ struct SyncArgs : CommonArgs {
   bool verify = false, wait_for_ranks = false, no_progress = false;
   std::string delta = "off";
   std::string strategy = "planned";
+  uint32_t min_replicas = 0;
+  double replica_deadline_s = 0;
 };
 
 int runSync(const SyncArgs& a) {
@@ -106,6 +108,8 @@ int runSync(const SyncArgs& a) {
                : a.strategy == "gather-broadcast" ? v1::STRATEGY_GATHER_BROADCAST
                                                   : v1::STRATEGY_PLANNED;
   o.sync_id = a.sync_id.empty() ? newSyncId() : a.sync_id;
+  o.min_replicas = a.min_replicas;
+  o.replica_deadline = std::chrono::milliseconds(static_cast<int64_t>(a.replica_deadline_s * 1000));
 
   // The sync runs in its own thread; this one watches it and draws the progress.
   const bool tty = ::isatty(STDERR_FILENO) != 0;
@@ -140,11 +144,17 @@ int runSync(const SyncArgs& a) {
   std::cout << fmt::format(
       "sync {} committed: \"{}\" -> \"{}\" version {}\n"
       "  {} needed, {} over the network, {} node-local, {} wave(s)\n"
-      "  {:.3f} s ({:.2f} GB/s network): gather {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s{}\n",
+      "  {:.3f} s ({:.2f} GB/s network): gather {:.3f} s, plan {:.3f} s{}, prepare {:.3f} s, execute {:.3f} s, "
+      "finish {:.3f} s\n",
       r.sync_id(), a.src, a.dst, r.version(), planner::humanBytes(static_cast<double>(r.bytes_needed())),
       planner::humanBytes(static_cast<double>(r.network_bytes())),
       planner::humanBytes(static_cast<double>(r.local_bytes())), r.waves(), r.seconds(), gbps, r.gather_seconds(),
-      r.prepare_seconds(), r.execute_seconds(), r.finish_seconds(), r.plan_cached() ? " (plan cached)" : "");
+      r.plan_seconds(), r.plan_cached() ? " (cached)" : "", r.prepare_seconds(), r.execute_seconds(),
+      r.finish_seconds());
+  for (const auto& replica : r.replicas())  // a replica set: each replica, committed or cut and why
+    std::cout << (replica.committed()
+                      ? fmt::format("  replica {} ({}): committed\n", replica.replica(), replica.group())
+                      : fmt::format("  replica {} ({}): cut: {}\n", replica.replica(), replica.group(), replica.cut()));
   if (r.delta() != v1::DELTA_OFF)
     std::cout << fmt::format(
         "  {} on the wire ({:.1f}% of dense): {} chunk landing(s) as deltas, {} dense\n",
@@ -441,6 +451,12 @@ void addDaemonCommands(CLI::App& app, int* exit_code) {
                     "executed by the same daemons, dense")
         ->check(CLI::IsMember({"planned", "rank-pull", "gather-broadcast"}))
         ->capture_default_str();
+    cmd->add_option("--min-replicas", a->min_replicas,
+                    "--dst a replica set: fail unless at least this many replicas take part (default 1)");
+    cmd->add_option("--replica-deadline-s", a->replica_deadline_s,
+                    "--dst a replica set: cut a replica whose node is silent this long during the sync (default: "
+                    "the daemons' sync lease)")
+        ->check(CLI::NonNegativeNumber);
     cmd->add_option("--sync-id", a->sync_id, "Id of the sync (default: a random one), for `shardcast watch`");
     cmd->add_flag("--no-progress", a->no_progress, "Print only the result");
     addCommon(cmd, a.get());

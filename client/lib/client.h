@@ -34,6 +34,10 @@ struct SyncOptions {
   // The routing: Shardcast's plan, or a baseline it is measured against (v1::SyncStrategy)
   v1::SyncStrategy strategy = v1::STRATEGY_PLANNED;
   std::string sync_id;  // "" = one chosen by the daemon; set it to Watch meanwhile
+  // The destination a replica set (v1::SyncOptions): fail unless this many replicas take part
+  // (0: 1); cut a replica whose node is silent this long during the sync (0: the sync lease).
+  uint32_t min_replicas = 0;
+  std::chrono::milliseconds replica_deadline{0};
 };
 
 // How a rank registers: a source (a trainer: it fills its buffers and publishes versions; syncs

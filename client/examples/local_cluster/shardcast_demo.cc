@@ -279,14 +279,14 @@ int run(const Options& o, const std::string& daemon_path) {
           bad == 0 ? "every byte correct" : fmt::format("{} WRONG elements", bad));
       if (o.report)
         fmt::print(
-            "RESULT sync strategy={} v={} seconds={:.6f} gather={:.6f} prepare={:.6f} execute={:.6f} finish={:.6f} "
-            "network_bytes={} bytes_needed={} wrong={}\n",
-            name, v, out.seconds(), out.gather_seconds(), out.prepare_seconds(), out.execute_seconds(),
-            out.finish_seconds(), out.network_bytes(), out.bytes_needed(), bad);
+            "RESULT sync strategy={} v={} seconds={:.6f} gather={:.6f} plan={:.6f} prepare={:.6f} execute={:.6f} "
+            "finish={:.6f} network_bytes={} bytes_needed={} wrong={}\n",
+            name, v, out.seconds(), out.gather_seconds(), out.plan_seconds(), out.prepare_seconds(),
+            out.execute_seconds(), out.finish_seconds(), out.network_bytes(), out.bytes_needed(), bad);
       fmt::print(
-          "         gather+plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s; {} landed straight in "
-          "rank buffers\n",
-          out.gather_seconds(), out.prepare_seconds(), out.execute_seconds(), out.finish_seconds(),
+          "         gather {:.3f} s, plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s; {} landed "
+          "straight in rank buffers\n",
+          out.gather_seconds(), out.plan_seconds(), out.prepare_seconds(), out.execute_seconds(), out.finish_seconds(),
           planner::humanBytes(static_cast<double>(out.bytes_landed_direct())));
     }
   }

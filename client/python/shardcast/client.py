@@ -595,7 +595,7 @@ class Client:
 
     def sync(self, src: str, dst: str, version: int, *, verify: bool = False, timeout: Optional[float] = None,
              wait_for_ranks: bool = False, sync_id: Optional[str] = None, delta: str = "off",
-             strategy: str = "planned", min_replicas: int = 0,
+             strategy: str = "planned", min_replicas: int = 0, replica_deadline: Optional[float] = None,
              progress: Optional[Callable[[service_pb2.SyncProgress], None]] = None) -> service_pb2.SyncResponse:
         """Syncs version `version` of `src` into `dst` and returns once every destination rank has it
         (or raises ShardcastError, and no rank has it). `progress` is called with each update.
@@ -614,7 +614,10 @@ class Client:
         replica): every replica registered when the sync starts takes part, unless it cannot (its
         node does not answer, it is incomplete or refuses the version): it is then cut, and the
         response's `replicas` says which committed and why the others were cut. The sync fails
-        when fewer than `min_replicas` (at least 1) take part."""
+        when fewer than `min_replicas` (at least 1) take part. A replica whose node fails during the
+        sync is cut and the sync runs again without it, within the same call; `replica_deadline`
+        (seconds; default: the daemons' sync lease) bounds how long a replica's node may stay
+        silent before it is cut."""
         what = f'sync "{src}" -> "{dst}" version {version}'
         self._check_open(what)
         self._check_session(src, dst)
@@ -632,6 +635,10 @@ class Client:
         if min_replicas < 0:
             raise ValueError(f"min_replicas must not be negative, not {min_replicas}")
         req.options.min_replicas = min_replicas
+        if replica_deadline is not None:
+            if replica_deadline < 0:
+                raise ValueError(f"replica_deadline must not be negative, not {replica_deadline}")
+            req.options.replica_deadline_ms = int(replica_deadline * 1000)
         watcher = None
         if progress is not None:
             watcher = threading.Thread(target=self._follow, args=(sync_id, progress), daemon=True)
