@@ -21,6 +21,7 @@ struct GroupRow {
   uint64_t lowest = UINT64_MAX, highest = 0;  // of the versions its READY ranks hold
   std::vector<std::string> nodes;
   std::vector<std::string> dirty;  // "rank R on N: detail"
+  std::string replica_set;         // "" unless the group is a replica of a set
 };
 
 std::string cut(std::string line, int width) {
@@ -79,6 +80,7 @@ std::string renderTop(const v1::StatusResponse& status, const v1::ListResponse& 
       g.highest = std::max(g.highest, r.version());
     }
     if (std::find(g.nodes.begin(), g.nodes.end(), r.node()) == g.nodes.end()) g.nodes.push_back(r.node());
+    g.replica_set = r.replica_set();
     if (r.state() == v1::RANK_DIRTY)
       g.dirty.push_back(fmt::format("rank {} on {}: {}", r.rank(), r.node(), r.detail()));
   }
@@ -97,6 +99,20 @@ std::string renderTop(const v1::StatusResponse& status, const v1::ListResponse& 
                      g.nodes.size()));
     for (size_t i = 0; i < g.dirty.size() && i < 3; ++i) line("  ! dirty " + g.dirty[i]);
     if (g.dirty.size() > 3) line(fmt::format("  ! and {} more dirty ranks", g.dirty.size() - 3));
+  }
+  // Replica sets: how many replicas each has and the versions they hold.
+  std::map<std::string, std::vector<const GroupRow*>> sets;
+  for (const auto& [name, g] : groups)
+    if (!g.replica_set.empty()) sets[g.replica_set].push_back(&g);
+  for (const auto& [set, members] : sets) {
+    GroupRow all;
+    int complete = 0;
+    for (const GroupRow* m : members) {
+      all.lowest = std::min(all.lowest, m->lowest);
+      all.highest = std::max(all.highest, m->highest);
+      complete += m->ranks == m->world;
+    }
+    line(fmt::format("set {}: {} replicas ({} complete), versions {}", set, members.size(), complete, versions(all)));
   }
 
   // Running syncs first, then the newest ended ones (every node's, by when they started).

@@ -326,6 +326,10 @@ std::vector<v1::RankRegistration> Registry::list() const {
     reg.set_role(r->role);
     reg.set_held(r->held);
     reg.set_detail(st.detail());
+    if (const auto g = groups_.find(r->group); g != groups_.end()) {
+      reg.set_replica_set(g->second.layout.replica_set());
+      reg.set_replica(g->second.layout.replica());
+    }
     out.push_back(std::move(reg));
   }
   return out;
@@ -342,6 +346,10 @@ std::vector<v1::GroupStatus> Registry::groups() const {
     g.set_layout_digest(r->digest);
     g.set_registered_bytes(g.registered_bytes() + r->bytes);
     g.set_role(r->role);
+    if (const auto known = groups_.find(r->group); known != groups_.end()) {
+      g.set_replica_set(known->second.layout.replica_set());
+      g.set_replica(known->second.layout.replica());
+    }
     *g.add_rank_states() = statusOf(*r);
   }
   std::map<std::string, uint64_t> committed;  // the lowest of each group's ranks here

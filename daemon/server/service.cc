@@ -353,6 +353,8 @@ grpc::Status ShardcastService::List(grpc::ServerContext* ctx, const v1::ListRequ
           int64_t world = 1;
           for (int64_t s : l.mesh().shape()) world *= s;
           reg->set_world_size(static_cast<int32_t>(world));
+          reg->set_replica_set(l.replica_set());
+          reg->set_replica(l.replica());
         }
     }
   }

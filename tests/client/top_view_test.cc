@@ -77,6 +77,16 @@ TEST_CASE("top: groups, dirty ranks, syncs running first, failures, within the w
   *list.add_ranks() = rank("rollout", 0, 3, "n0", v1::ROLE_DESTINATION, v1::RANK_READY, 6);
   *list.add_ranks() = rank("rollout", 1, 3, "n1", v1::ROLE_DESTINATION, v1::RANK_DIRTY, 6, "sync s-failed: aborted");
   *list.add_ranks() = rank("rollout", 2, 3, "n1", v1::ROLE_DESTINATION, v1::RANK_UPDATING, 8);
+  // Replica set "fleet": replica 0 at 8, replica 1 at 7 and missing a rank.
+  for (int32_t r = 0; r < 2; ++r) {
+    auto a = rank("fleet.r0", r, 2, "n2", v1::ROLE_DESTINATION, v1::RANK_READY, 8);
+    a.set_replica_set("fleet");
+    *list.add_ranks() = a;
+  }
+  auto b = rank("fleet.r1", 0, 2, "n3", v1::ROLE_DESTINATION, v1::RANK_READY, 7);
+  b.set_replica_set("fleet");
+  b.set_replica(1);
+  *list.add_ranks() = b;
 
   cli::TopScreen screen;
   screen.clock = "12:34:56";
@@ -89,6 +99,8 @@ TEST_CASE("top: groups, dirty ranks, syncs running first, failures, within the w
   CHECK_THAT(out, Contains("trainer            src          8       2/2     2        0     0     0     1"));
   CHECK_THAT(out, Contains("rollout            dst          6       3/3     1        1     1     0     2"));
   CHECK_THAT(out, Contains("! dirty rank 1 on n1: sync s-failed: aborted"));
+  CHECK_THAT(out, Contains("fleet.r1           dst          7       1/2     1        0     0     0     1"));
+  CHECK_THAT(out, Contains("set fleet: 2 replicas (1 complete), versions 7-8"));
   // Syncs: the running one first with its progress, then the newest ended.
   const size_t table = out.find("FROM -> TO");
   const auto at = [&](const std::string& text) { return out.find(text, table); };

@@ -68,6 +68,12 @@ def test_a_replica_set_syncs_as_one_while_replicas_join_leave_and_die():
         assert outcomes(resp) == {"rollout.r0": (True, ""), "rollout.r1": (True, "")}
         assert holds(r0, 1) and holds(r1, 1)
         assert clients["n2"].wait_version("rollout.r1", 1, timeout=5) == 1
+        # Status and List show each replica's group with its set and id.
+        listed = {(r.group, r.rank): r for r in src.list(all_nodes=True).ranks if r.group.startswith("rollout")}
+        assert {(g, r.replica_set, r.replica) for (g, _), r in listed.items()} == {
+            ("rollout.r0", "rollout", 0), ("rollout.r1", "rollout", 1)}
+        assert [(g.group, g.replica_set, g.replica, g.committed_version) for g in clients["n2"].status().groups] == [
+            ("rollout.r1", "rollout", 1, 1)]
         # The trainer sends each byte once; the second replica gets it from the first.
         summary = json.loads(resp.plan_summary_json)
         assert summary["node_egress_bytes"]["n0"] == REPLICA_BYTES, summary
