@@ -188,3 +188,30 @@ def test_a_replica_that_fails_during_the_sync_is_cut_and_the_others_commit_in_th
         assert all(holds(r, 3) for r in replicas)
         for reg in trainers + [reg for r in replicas for reg in r]:
             reg.close()
+
+
+def test_a_trainer_restarted_with_another_world_size_syncs_without_daemon_restarts():
+    """The trainer's DP degree changes (2 FSDP ranks, then 4): it registers a new source layout, and
+    the next sync into the set plans for it, with the same daemons and replicas."""
+    shardcastd_path()
+    with LocalCluster(["n0", "n1", "n2"]) as c:
+        clients = {n: shardcast.Client(c.target(n)) for n in c.nodes}
+        src = clients["n0"]
+        trainers = rank_worker.register_trainers(src)
+        replicas = [register_replica(clients[f"n{k + 1}"], k, f"n{k + 1}") for k in range(2)]
+        src.sync("trainer", "rollout", 1)
+        assert all(holds(r, 1) for r in replicas)
+        for t in trainers:
+            t.close()
+
+        wide = json.loads(json.dumps(rank_worker.TRAINER))
+        wide.update(mesh={"shape": [4]}, nodes=["n0"] * 4)
+        trainers = [src.register("trainer", r, 4, {n: rank_worker.chunk(rank_worker.full(n, 2), 0, 4, r).copy()
+                                                   for n in rank_worker.SHAPES}, wide, role="source", version=2)
+                    for r in range(4)]
+        resp = src.sync("trainer", "rollout", 2)
+        assert all(ok for ok, _ in outcomes(resp).values()), outcomes(resp)
+        assert not resp.plan_cached  # a new source layout: planned anew
+        assert all(holds(r, 2) for r in replicas)
+        for reg in trainers + [reg for r in replicas for reg in r]:
+            reg.close()
