@@ -101,7 +101,16 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
   options.chunk_bytes = static_cast<int64_t>(chunk_bytes);
   // planReplicaSet takes `reuse` only where it was planned for this very source, replica layout,
   // rank -> position pattern and options; else it plans the positions again.
-  SC_ASSIGN_OR_RETURN(auto set, planner::planReplicaSet(src, replicas, options, reuse));
+  auto planned = planner::planReplicaSet(src, replicas, options, reuse);
+  if (!planned.ok() && planned.status().code() == absl::StatusCode::kFailedPrecondition) {
+    // A replica on a source rank's node (colocation) has no position plan: the whole set is
+    // planned as its stacked layout, anew for each membership (docs/planner.md, "Colocation").
+    SC_RETURN_IF_ERROR(planner::checkReplicaSet(replicas));
+    SC_ASSIGN_OR_RETURN(auto schedule, planner::makeSchedule(src, planner::stackReplicas(replicas), staging_budget,
+                                                             chunk_bytes, plan_key.zero_copy));
+    return insert(key, std::move(schedule));
+  }
+  SC_ASSIGN_OR_RETURN(auto set, std::move(planned));
   if (!set.reused_positions) {
     std::lock_guard<std::mutex> lock(mu_);
     ++positions_made_;

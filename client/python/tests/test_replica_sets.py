@@ -192,13 +192,14 @@ def test_a_replica_that_fails_during_the_sync_is_cut_and_the_others_commit_in_th
 
 def test_a_trainer_restarted_with_another_world_size_syncs_without_daemon_restarts():
     """The trainer's DP degree changes (2 FSDP ranks, then 4): it registers a new source layout, and
-    the next sync into the set plans for it, with the same daemons and replicas."""
+    the next sync into the set plans for it, with the same daemons and replicas. Replica 0 shares
+    the trainer's node (colocation: the set is planned whole, not by position)."""
     shardcastd_path()
-    with LocalCluster(["n0", "n1", "n2"]) as c:
+    with LocalCluster(["n0", "n1"]) as c:
         clients = {n: shardcast.Client(c.target(n)) for n in c.nodes}
         src = clients["n0"]
         trainers = rank_worker.register_trainers(src)
-        replicas = [register_replica(clients[f"n{k + 1}"], k, f"n{k + 1}") for k in range(2)]
+        replicas = [register_replica(clients[f"n{k}"], k, f"n{k}") for k in range(2)]
         src.sync("trainer", "rollout", 1)
         assert all(holds(r, 1) for r in replicas)
         for t in trainers:
