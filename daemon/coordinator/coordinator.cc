@@ -286,6 +286,7 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
     now[group] = was;  // still a member: named again while its nodes stay silent
   }
   ctx_.replica_sets.remember(req_.dst_group(), now);
+  std::map<std::string, std::string> taken;  // node -> the replica taking part that holds ranks there
 
   for (const auto& group : view.replicasOf(req_.dst_group())) {
     const v1::Layout& registered = *view.layoutOf(group);
@@ -317,11 +318,17 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
     if (refused.empty() && !replicas_.empty())
       if (Status same = planner::checkReplicaSet({replicas_.front(), {registered.replica(), *layout, {}}}); !same.ok())
         refused = std::string(same.message());
+    // No node in two replicas: the first to take it keeps it.
+    for (const auto& node : now[group].nodes)
+      if (const auto it = taken.find(node); refused.empty() && it != taken.end())
+        refused = strCat("node \"", node, "\" already holds ranks of replica ", it->second,
+                         " (no node may hold two replicas of a set)");
     if (!refused.empty()) {
       cutOut(outcome, refused);
       continue;
     }
     replicas_.push_back({registered.replica(), *layout, {}});
+    for (const auto& node : now[group].nodes) taken.emplace(node, group);
     outcomes_.push_back(std::move(outcome));
   }
   std::sort(outcomes_.begin(), outcomes_.end(),

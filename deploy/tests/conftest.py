@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -129,6 +130,17 @@ def daemonset_pod(objects: List[dict]) -> dict:
 
 def by_kind(objects: List[dict], kind: str) -> Dict[str, dict]:
     return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+#: The workload examples that use the DaemonSet (its socket, /dev/shm, hostIPC, group 10001).
+DAEMONSET_EXAMPLES: Tuple[str, ...] = ("trainer-job.yaml", "inference-deployment.yaml", "rollout-replicas.yaml")
+
+
+def example_pods(name: str) -> Dict[str, dict]:
+    """{object name: pod spec} of the workloads (objects with a pod template) in an example file;
+    the Services beside them are left out."""
+    objects = yaml.safe_load_all((K8S / "examples" / name).read_text())
+    return {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in objects if "template" in o.get("spec", {})}
 
 
 #: Where the manifests and the systemd unit mount the daemon's TLS identity (cert-manager's names).

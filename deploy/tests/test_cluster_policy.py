@@ -11,7 +11,8 @@ from typing import Set
 import pytest
 import yaml
 
-from conftest import DEPLOYMENTS, K8S, ROOT, by_kind, components_of, daemonset_pod, render_deployment
+from conftest import (DAEMONSET_EXAMPLES, DEPLOYMENTS, K8S, ROOT, by_kind, components_of, daemonset_pod,
+                      example_pods, render_deployment)
 
 #: Capabilities the baseline Pod Security Standard lets a container add; anything else is beyond it.
 BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
@@ -71,9 +72,9 @@ def test_the_daemonset_goes_beyond_baseline_only_where_documented(kubectl, where
 def test_workload_pods_go_beyond_baseline_only_where_documented():
     """Pods using the DaemonSet need hostIPC and the two host directories (so their namespace needs
     the label too); the native sidecar pattern needs neither, only IPC_LOCK for its daemon."""
-    for name in ("trainer-job.yaml", "inference-deployment.yaml"):
-        for obj in yaml.safe_load_all((K8S / "examples" / name).read_text()):
-            assert beyond_baseline(obj["spec"]["template"]["spec"]) == DAEMONSET_NEEDS - {"capability IPC_LOCK"}, name
+    for name in DAEMONSET_EXAMPLES:
+        for pod in example_pods(name).values():
+            assert beyond_baseline(pod) == DAEMONSET_NEEDS - {"capability IPC_LOCK"}, name
     sidecar = by_kind(list(yaml.safe_load_all((K8S / "examples" / "native-sidecar.yaml").read_text())), "Job")
     assert beyond_baseline(sidecar["rl-trainer-sidecar"]["spec"]["template"]["spec"]) == {"capability IPC_LOCK"}
     assert "native sidecar" in pod_security_section()

@@ -13,8 +13,8 @@ from typing import Dict, List
 import pytest
 
 import shardcast
-from conftest import (DEPLOY, DEPLOYMENTS, K8S, ROOT, TLS_DIR, binary, by_kind, components_of, daemonset_pod, localize,
-                      render_deployment)
+from conftest import (DAEMONSET_EXAMPLES, DEPLOY, DEPLOYMENTS, K8S, ROOT, TLS_DIR, binary, by_kind, components_of,
+                      daemonset_pod, example_pods, localize, render_deployment)
 
 import yaml
 
@@ -163,9 +163,8 @@ def test_the_daemon_accepts_each_deployments_configuration(kubectl, where, local
 def test_workload_examples_use_the_daemons_socket_and_group():
     daemonset = yaml.safe_load((K8S / "base" / "daemonset.yaml").read_text())
     group = daemonset["spec"]["template"]["spec"]["securityContext"]["runAsGroup"]
-    for name in ("trainer-job.yaml", "inference-deployment.yaml"):
-        for obj in yaml.safe_load_all((K8S / "examples" / name).read_text()):
-            pod = obj["spec"]["template"]["spec"]
+    for name in DAEMONSET_EXAMPLES:
+        for pod in example_pods(name).values():
             assert group in pod["securityContext"]["supplementalGroups"], name
             assert pod["hostIPC"] is True, name
             container = pod["containers"][0]

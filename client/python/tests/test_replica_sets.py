@@ -125,19 +125,23 @@ def test_a_replica_set_syncs_as_one_while_replicas_join_leave_and_die():
         odd = [clients["n0"].register("rollout.r9", r, 2, {"w": np.zeros((16, 2), np.float32),
                                                             "b": np.zeros(9, np.int64)},
                                       replica_layout(9, "n0", columns=4)) for r in range(2)]
+        shared = register_replica(clients["n1"], 7, "n1")  # on replica 0's node
         with r1[1].reading():
             resp = src.sync("trainer", "rollout", 5)
         got = outcomes(resp)
+        committed, why = got["rollout.r7"]
+        assert not committed and 'node "n1"' in why and "rollout.r0" in why, why
         assert got["rollout.r0"] == (True, "")
         assert not got["rollout.r1"][0] and "does not accept updates" in got["rollout.r1"][1], got
         assert not got["rollout.r9"][0] and "rollout.r9" in got["rollout.r9"][1], got
+        assert not any(reg.tensors[n].any() for reg in shared for n in rank_worker.SHAPES)
         assert holds(r0, 5) and all(not reg.tensors[n].any() for reg in r1 for n in rank_worker.SHAPES)
         # The next sync repairs the held one (now released).
         step(trainers, 6)
         resp = src.sync("trainer", "rollout", 6)
         assert outcomes(resp)["rollout.r1"] == (True, "")
         assert holds(r0, 6) and holds(r1, 6)
-        for reg in trainers + r0 + r1 + odd:
+        for reg in trainers + r0 + r1 + odd + shared:
             reg.close()
 
 
@@ -215,4 +219,24 @@ def test_a_trainer_restarted_with_another_world_size_syncs_without_daemon_restar
         assert not resp.plan_cached  # a new source layout: planned anew
         assert all(holds(r, 2) for r in replicas)
         for reg in trainers + [reg for r in replicas for reg in r]:
+            reg.close()
+
+
+def test_two_replicas_sharing_a_node_other_than_the_first_replicas_cut_one_not_the_sync():
+    """Replicas 1 and 2 on one node (neither shares with replica 0): the first of them is taken, the
+    other cut and named; the sync commits."""
+    shardcastd_path()
+    with LocalCluster(["n0", "n1", "n2"]) as c:
+        clients = {n: shardcast.Client(c.target(n)) for n in c.nodes}
+        src = clients["n0"]
+        trainers = rank_worker.register_trainers(src)
+        r0 = register_replica(clients["n1"], 0, "n1")
+        r1 = register_replica(clients["n2"], 1, "n2")
+        r2 = register_replica(clients["n2"], 2, "n2")
+        got = outcomes(src.sync("trainer", "rollout", 1))
+        assert got["rollout.r0"] == (True, "") and got["rollout.r1"] == (True, ""), got
+        committed, why = got["rollout.r2"]
+        assert not committed and 'node "n2" already holds ranks of replica rollout.r1' in why, why
+        assert holds(r0, 1) and holds(r1, 1)
+        for reg in trainers + r0 + r1 + r2:
             reg.close()
