@@ -64,6 +64,16 @@ Metrics::Metrics()
                              "bytes of their plans less what crossed the wire (docs/delta.md).")
                        .Register(*registry_)
                        .Add({})),
+      set_replicas_(&prometheus::BuildGauge()
+                         .Name("shardcast_replica_set_replicas")
+                         .Help("Per replica set this daemon synced into: the replicas its last committed sync "
+                               "wrote.")
+                         .Register(*registry_)),
+      replicas_cut_(&prometheus::BuildCounter()
+                         .Name("shardcast_replicas_cut_total")
+                         .Help("Per replica set: replicas the syncs coordinated here left out (dead, silent, held, "
+                               "incomplete or unlike the others; docs/daemon.md, \"Replica sets\").")
+                         .Register(*registry_)),
       in_flight_(prometheus::BuildGauge()
                      .Name("shardcast_syncs_in_flight")
                      .Help("Syncs this daemon is coordinating now.")
@@ -101,6 +111,11 @@ void Metrics::syncCommitted(const v1::SyncResponse& figures) {
 }
 
 void Metrics::peerFailed(const std::string& node) { peer_failures_->Add({{"peer", node}}).Increment(); }
+
+void Metrics::replicaSetSynced(const std::string& set, size_t committed, size_t cut) {
+  set_replicas_->Add({{"set", set}}).Set(static_cast<double>(committed));
+  replicas_cut_->Add({{"set", set}}).Increment(static_cast<double>(cut));
+}
 
 void Metrics::syncFailed(double seconds, const v1::SyncResponse& figures) {
   syncs_->Add({{"result", "failed"}}).Increment();

@@ -47,6 +47,8 @@ class Metrics {
   void sourceVersionSeen(const std::string& group, const std::string& source, uint64_t version);
   // A sync coordinated here failed at `node` (the node its failure names: a peer, or this one).
   void peerFailed(const std::string& node);
+  // A sync coordinated here into replica set `set` committed `committed` replicas and cut `cut`.
+  void replicaSetSynced(const std::string& set, size_t committed, size_t cut);
   // Syncs coordinated here that are running (the gauge follows a guard's life).
   struct InFlight {
     explicit InFlight(Metrics& m) : gauge(m.in_flight_) { gauge.Increment(); }
@@ -88,6 +90,8 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>* phase_duration_;
   prometheus::Family<prometheus::Counter>* peer_failures_;
   prometheus::Counter& delta_saved_;
+  prometheus::Family<prometheus::Gauge>* set_replicas_;
+  prometheus::Family<prometheus::Counter>* replicas_cut_;
   prometheus::Gauge& in_flight_;
   void observePhases(const v1::SyncResponse& figures, const std::string& result, bool every);
   // Destination group -> the version the latest sync into it prepared here, and its source.

@@ -55,6 +55,8 @@ DAEMON_METRICS: Dict[str, Tuple[str, Dict[str, Optional[Set[str]]]]] = {
     "shardcast_peer_up": ("gauge", {"peer": None}),
     "shardcast_sessions_active": ("gauge", {}),
     "shardcast_tls_certificate_expiry_timestamp_seconds": ("gauge", {}),
+    "shardcast_replica_set_replicas": ("gauge", {"set": None}),
+    "shardcast_replicas_cut_total": ("counter", {"set": None}),
 }
 #: Labels Prometheus gives every series of a target (node: the monitors' relabeling; namespace:
 #: the Operator's, which tells deployments apart), and `le`, the bucket label of histograms.

@@ -111,6 +111,11 @@ TEST_CASE("metrics: syncs feed histograms by result and phase, scrape-time value
   CHECK_THAT(out, Contains("shardcast_peer_up{peer=\"n1\"} 1"));
   CHECK_THAT(out, Contains("shardcast_peer_up{peer=\"n2\"} 0"));
   CHECK_THAT(out, Contains("shardcast_sessions_active 2"));
+  m.replicaSetSynced("rollout", 3, 1);
+  m.replicaSetSynced("rollout", 2, 2);
+  const std::string sets = m.render();
+  CHECK_THAT(sets, Contains("shardcast_replica_set_replicas{set=\"rollout\"} 2"));
+  CHECK_THAT(sets, Contains("shardcast_replicas_cut_total{set=\"rollout\"} 3"));
   // Counters end in _total, and no family is rendered twice.
   CHECK_THAT(out, Contains("# TYPE shardcast_bytes_sent_total counter"));
   size_t at = 0, helps = 0;

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import urllib.request
 
 import grpc
 import numpy as np
@@ -110,6 +111,11 @@ def test_a_replica_set_syncs_as_one_while_replicas_join_leave_and_die():
         assert not committed and 'node(s) "n3"' in why and "do not answer" in why, why
         assert holds(r0, 4)
         assert clients["n1"].wait_version("rollout.r0", 4, timeout=5) == 4
+        # The coordinator's metrics count the cut replica and the ones written.
+        scrape = urllib.request.urlopen(f"http://127.0.0.1:{c.daemons['n0'].metrics_port}/metrics",
+                                        timeout=10).read().decode()
+        assert 'shardcast_replica_set_replicas{set="rollout"} 1' in scrape
+        assert 'shardcast_replicas_cut_total{set="rollout"} 1' in scrape
 
         # Too few replicas for the caller's minimum: nothing is written anywhere.
         step(trainers, 5)
