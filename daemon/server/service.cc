@@ -88,8 +88,9 @@ grpc::Status ShardcastService::Sync(grpc::ServerContext* ctx, const v1::SyncRequ
             seconds, out->gather_seconds(), out->plan_seconds(), out->prepare_seconds(), out->execute_seconds(),
             out->finish_seconds());
       spdlog::warn(
-          "sync {}{} -> {} version {} for {} failed{}: {}{}", out->sync_id().empty() ? "" : out->sync_id() + ": ",
-          quote(req->src_group()), quote(req->dst_group()), req->version(), caller->who, figures, st.error_message(),
+          "sync {} -> {} version {} for {} failed{}: {}{}{}", quote(req->src_group()), quote(req->dst_group()),
+          req->version(), caller->who, figures, st.error_message(),
+          out->sync_id().empty() ? "" : strCat(" (sync ", out->sync_id(), ")"),
           held ? strCat(" (and ", held, " more failed syncs of this caller since the last line)") : std::string());
     }
   }
