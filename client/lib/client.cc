@@ -401,6 +401,7 @@ StatusOr<v1::SyncResponse> Client::sync(const std::string& src, const std::strin
   req.mutable_options()->set_delta(options.delta);
   req.mutable_options()->set_strategy(options.strategy);
   req.mutable_options()->set_min_replicas(options.min_replicas);
+  req.mutable_options()->set_catch_up(options.catch_up);
   req.mutable_options()->set_replica_deadline_ms(static_cast<uint32_t>(options.replica_deadline.count()));
   // The daemon enforces the sync's own timeout; the call's deadline leaves it room to report.
   const auto limit =

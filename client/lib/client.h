@@ -38,6 +38,9 @@ struct SyncOptions {
   // (0: 1); cut a replica whose node is silent this long during the sync (0: the sync lease).
   uint32_t min_replicas = 0;
   std::chrono::milliseconds replica_deadline{0};
+  // The destination one replica of a set, brought up from a replica holding the version (0: the
+  // newest one held), else from the source (v1::SyncOptions.catch_up).
+  bool catch_up = false;
 };
 
 // How a rank registers: a source (a trainer: it fills its buffers and publishes versions; syncs

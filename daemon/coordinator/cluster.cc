@@ -314,6 +314,13 @@ v1::Role ClusterView::role(const std::string& group) const {
   return it == groups_.end() ? v1::ROLE_UNSPECIFIED : it->second.role;
 }
 
+void ClusterView::keepDaemons(const std::vector<bool>& keep) {
+  std::vector<v1::DescribeResponse> kept;
+  for (size_t i = 0; i < daemons_.size(); ++i)
+    if (keep[i]) kept.push_back(std::move(daemons_[i]));
+  daemons_ = std::move(kept);
+}
+
 std::vector<std::string> ClusterView::replicasOf(const std::string& set) const {
   std::vector<std::pair<int32_t, std::string>> found;
   if (set.empty() || groups_.count(set)) return {};

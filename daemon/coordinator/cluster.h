@@ -94,6 +94,8 @@ class ClusterView {
   // naming the missing ranks (or an unknown group) otherwise.
   StatusOr<v1::Layout> completeGroup(const std::string& group) const;
   const std::vector<v1::DescribeResponse>& daemons() const { return daemons_; }
+  // Leaves daemons()[i] out where !keep[i] (groups and their layouts stay as they were built).
+  void keepDaemons(const std::vector<bool>& keep);
   // The role `group` registered with (ROLE_UNSPECIFIED for an unknown group).
   v1::Role role(const std::string& group) const;
   // The groups registered as replicas of set `set` (Layout.replica_set), by replica id; empty
@@ -124,6 +126,18 @@ class ClusterView {
 struct ClusterSnapshot {
   ClusterView view;
   std::vector<std::string> addresses;
+  // Only the daemons for which `keep(daemon)` holds, and this one (the first), take part.
+  template <typename Keep>
+  void keepOnly(Keep&& keep) {
+    std::vector<bool> kept;
+    std::vector<std::string> addrs;
+    for (size_t i = 0; i < view.daemons().size(); ++i) {
+      kept.push_back(i == 0 || keep(view.daemons()[i]));
+      if (kept.back()) addrs.push_back(addresses[i]);
+    }
+    view.keepDaemons(kept);
+    addresses = std::move(addrs);
+  }
 };
 // `unreachable`: as in ClusterView::build.
 StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::DescribeResponse& self,

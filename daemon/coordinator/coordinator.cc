@@ -132,7 +132,13 @@ class SyncCoordinator::LeaseKeeper {
 // ---- SyncCoordinator ----
 
 SyncCoordinator::SyncCoordinator(Context ctx, const v1::SyncRequest& request, std::string id, uint64_t fence)
-    : ctx_(std::move(ctx)), req_(request), id_(std::move(id)), fence_(fence), lease_(ctx_.config.sync_lease_ms) {
+    : ctx_(std::move(ctx)),
+      req_(request),
+      src_group_(request.src_group()),
+      version_(request.version()),
+      id_(std::move(id)),
+      fence_(fence),
+      lease_(ctx_.config.sync_lease_ms) {
   timeout_ms_ = req_.options().timeout_ms() ? req_.options().timeout_ms() : 300000;
   deadline_ = start_ + std::chrono::milliseconds(timeout_ms_);
 }
@@ -151,6 +157,16 @@ Status SyncCoordinator::timed(Status (SyncCoordinator::*phase)(), void (v1::Sync
 StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   using R = v1::SyncResponse;
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::gather, &R::set_gather_seconds));
+  if (current_) {  // a catch-up with nothing to move
+    out_.set_sync_id(id_);
+    out_.set_version(version_);
+    out_.set_seconds(since(start_));
+    ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
+      p.set_version(version_);
+      ProgressBoard::setPhase(p, v1::SYNC_COMMITTED);
+    });
+    return out_;
+  }
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::plan, &R::set_plan_seconds));
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::prepare, &R::set_prepare_seconds));
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::execute, &R::set_execute_seconds));
@@ -158,7 +174,7 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
 
   const auto& stats = plan_->plan.stats;
   out_.set_sync_id(id_);
-  out_.set_version(req_.version());
+  out_.set_version(version_);
   out_.set_network_bytes(static_cast<uint64_t>(stats.network_bytes));
   out_.set_local_bytes(static_cast<uint64_t>(stats.local_bytes));
   out_.set_bytes_needed(static_cast<uint64_t>(stats.bytes_needed));
@@ -173,6 +189,7 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   out_.set_dense_chunks(moved.dense_chunks);
   out_.set_delta(delta_);
   out_.set_strategy(req_.options().strategy());
+  if (req_.options().catch_up()) out_.set_seeded_from(src_group_);
   for (auto& o : outcomes_) {
     o.set_committed(o.cut().empty());
     *out_.add_replicas() = o;
@@ -182,8 +199,8 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   spdlog::info(
       "sync {}: {} -> {} version {} committed in {:.3f} s (gather {:.3f} s, plan {:.3f} s, prepare {:.3f} s, "
       "execute {:.3f} s, finish {:.3f} s): {} bytes over the network, {} landed direct, {} copied locally",
-      id_, req_.src_group(), req_.dst_group(), req_.version(), out_.seconds(), out_.gather_seconds(),
-      out_.plan_seconds(), out_.prepare_seconds(), out_.execute_seconds(), out_.finish_seconds(), out_.network_bytes(),
+      id_, src_group_, req_.dst_group(), version_, out_.seconds(), out_.gather_seconds(), out_.plan_seconds(),
+      out_.prepare_seconds(), out_.execute_seconds(), out_.finish_seconds(), out_.network_bytes(),
       out_.bytes_landed_direct(), moved.local_bytes);
   return out_;
 }
@@ -199,8 +216,12 @@ Status SyncCoordinator::gather() {
     StatusOr<v1::Layout> src = absl::UnknownError(""), dst = absl::UnknownError("");
     const bool replica_set = snapshot.ok() && !snapshot->view.replicasOf(req_.dst_group()).empty();
     if (snapshot.ok() && !unreachable.empty() && !replica_set) snapshot = absl::UnavailableError(unreachable.front());
+    if (snapshot.ok() && req_.options().catch_up()) {
+      if (Status resolved = resolveCatchUp(snapshot->view); !resolved.ok()) return failed(resolved);
+      if (current_) return absl::OkStatus();
+    }
     if (snapshot.ok()) {
-      src = snapshot->view.completeGroup(req_.src_group());
+      src = snapshot->view.completeGroup(src_group_);
       if (!src.ok() && !unreachable.empty())  // its missing ranks may be on them
         src = absl::UnavailableError(strCat(src.status().message(), "; ", strJoin(unreachable, "; ")));
       if (!replica_set) {
@@ -213,9 +234,9 @@ Status SyncCoordinator::gather() {
         dst = members;
       }
       // Roles are not worth waiting for: a wrong one is the caller's mistake.
-      if (src.ok() && snapshot->view.role(req_.src_group()) != v1::ROLE_SOURCE)
+      if (src.ok() && !seed_ && snapshot->view.role(src_group_) != v1::ROLE_SOURCE)
         return failed(absl::FailedPreconditionError(strCat(
-            "sync: group \"", req_.src_group(), "\" is registered as a destination; a sync reads only source groups")));
+            "sync: group \"", src_group_, "\" is registered as a destination; a sync reads only source groups")));
       if (dst.ok() && !replica_set && snapshot->view.role(req_.dst_group()) != v1::ROLE_DESTINATION)
         return failed(absl::FailedPreconditionError(
             strCat("sync: group \"", req_.dst_group(),
@@ -230,13 +251,21 @@ Status SyncCoordinator::gather() {
         for (const auto& r : replicas_) written.push_back(r.layout.group());
       }
       for (const auto& group : written)
-        if (Status allowed = snapshot->view.maySync(*ctx_.caller_uid, req_.src_group(), group); !allowed.ok())
+        if (Status allowed = snapshot->view.maySync(*ctx_.caller_uid, src_group_, group); !allowed.ok())
           return failed(allowed);
     }
     if (st.ok()) {
       cluster_ = std::make_unique<ClusterSnapshot>(std::move(*snapshot));
       src_ = std::move(*src);
       dst_ = std::move(*dst);
+      // A replica set's sync asks only the daemons it reads or writes: a node left with only cut
+      // replicas (silent, or failing this sync's prepare) is not waited on again.
+      if (replica_set)
+        cluster_->keepOnly([&](const v1::DescribeResponse& d) {
+          return std::any_of(d.ranks().begin(), d.ranks().end(), [&](const v1::RemoteRank& r) {
+            return r.group() == src_group_ || (writes(r.group()) && r.group() != req_.dst_group());
+          });
+        });
       // Fail before preparing anything, naming the rank (each daemon checks again when it prepares).
       if (auto contract = checkVersions(); !contract.ok()) return failed(contract);
       peers_ = std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses);
@@ -251,7 +280,7 @@ Status SyncCoordinator::gather() {
 Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vector<std::string>& unreachable) {
   replicas_.clear();
   outcomes_.clear();
-  const uint64_t version = req_.version();
+  const uint64_t version = version_;
   std::vector<std::string> cut;
   auto cutOut = [&](v1::ReplicaOutcome outcome, const std::string& why) {
     outcome.set_cut(why);
@@ -312,7 +341,10 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
       for (const auto& r : d.ranks())
         if (refused.empty() && r.group() == group) {
           std::string why = destinationRefusal(factsOf(r), version);
-          if (why.empty() && r.refuses_writes()) why = " does not accept updates (acquired by its client)";
+          if (why.empty() && r.refuses_writes())
+            why = r.held()                         ? " does not accept updates (acquired by its client)"
+                  : r.state() == v1::RANK_UPDATING ? " does not accept updates (another sync is writing it)"
+                                                   : " does not accept updates (a catch-up is reading it)";
           if (!why.empty()) refused = strCat("rank ", r.rank(), " on node \"", d.node(), "\"", why);
         }
     if (refused.empty() && !replicas_.empty())
@@ -344,13 +376,67 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
   return absl::OkStatus();
 }
 
+Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
+  const std::string& dst = req_.dst_group();
+  const v1::Layout* layout = view.layoutOf(dst);
+  if (layout == nullptr || layout->replica_set().empty())
+    return absl::FailedPreconditionError(strCat("catch-up: group \"", dst,
+                                                "\" is not a registered replica of a set (its layout names no "
+                                                "replica_set)"));
+  // Per group of the set: the version all its ranks are READY at (0: not all are), whether a
+  // sync could read it now, and the lowest version its ranks committed.
+  struct Held {
+    uint64_t ready = UINT64_MAX;
+    bool readable = true;
+    uint64_t committed = UINT64_MAX;
+  };
+  std::map<std::string, Held> held;
+  for (const auto& d : view.daemons())
+    for (const auto& r : d.ranks()) {
+      const v1::Layout* l = view.layoutOf(r.group());
+      if (!l || l->replica_set() != layout->replica_set()) continue;
+      auto& h = held[r.group()];
+      h.ready = std::min(h.ready, r.state() == v1::RANK_READY ? r.version() : 0);
+      h.committed = std::min(h.committed, r.version());
+      h.readable = h.readable && r.state() == v1::RANK_READY && !(r.refuses_writes() && !r.held());
+    }
+  uint64_t newest = req_.version();
+  std::string seed;
+  for (const auto& group : view.replicasOf(layout->replica_set())) {
+    if (group == dst || !view.completeGroup(group).ok()) continue;
+    const Held& h = held[group];
+    if (h.ready == 0 || h.ready == UINT64_MAX || !h.readable) continue;
+    if (req_.version() == 0 ? h.ready > newest : h.ready == req_.version()) {
+      newest = h.ready;
+      seed = group;
+    } else if (seed.empty() && h.ready == newest) {
+      seed = group;
+    }
+  }
+  if (newest == 0)
+    return absl::FailedPreconditionError(
+        strCat("catch-up of \"", dst, "\": no replica of set \"", layout->replica_set(), "\" holds a version yet"));
+  version_ = newest;
+  const auto mine = held.find(dst);
+  if (mine != held.end() && mine->second.ready != UINT64_MAX && mine->second.ready >= newest) {
+    current_ = true;  // caught up already (by a sync into the set, say)
+    return absl::OkStatus();
+  }
+  if (!seed.empty()) {
+    src_group_ = seed;
+    seed_ = true;
+  }  // else the source: the request's src_group, which must have published the version
+  spdlog::info("sync {}: catching \"{}\" up to version {} from \"{}\"", id_, dst, version_, src_group_);
+  return absl::OkStatus();
+}
+
 std::vector<std::string> SyncCoordinator::replicasOnlyOn(const std::string& node) const {
   if (!cluster_ || replicas_.empty() || node.empty()) return {};
   std::set<std::string> on;
   for (const auto& d : cluster_->view.daemons()) {
     if (d.node() != node) continue;
     for (const auto& r : d.ranks()) {
-      if (r.group() == req_.src_group()) return {};
+      if (r.group() == src_group_) return {};
       if (writes(r.group()) && r.group() != req_.dst_group()) on.insert(r.group());
     }
   }
@@ -365,9 +451,9 @@ bool SyncCoordinator::writes(const std::string& group) const {
 }
 
 Status SyncCoordinator::checkVersions() const {
-  const auto& src = req_.src_group();
+  const auto& src = src_group_;
   const auto& dst = req_.dst_group();
-  const uint64_t version = req_.version();
+  const uint64_t version = version_;
   auto who = [](const v1::DescribeResponse& d, const v1::RemoteRank& r) {
     return strCat("group \"", r.group(), "\" rank ", r.rank(), " on node \"", d.node(), "\"");
   };
@@ -380,9 +466,14 @@ Status SyncCoordinator::checkVersions() const {
           return absl::FailedPreconditionError(strCat("sync: ", who(d, r), why));
   for (const auto& d : cluster_->view.daemons())
     for (const auto& r : d.ranks())
-      if (r.group() == src)
-        if (const std::string why = sourceRefusal(factsOf(r), version); !why.empty())
-          return absl::FailedPreconditionError(strCat("sync: ", who(d, r), why));
+      if (r.group() == src) {
+        // A catch-up's seed replica: READY at exactly the version (its daemon checks the rest).
+        const std::string why = !seed_ ? sourceRefusal(factsOf(r), version)
+                                : r.state() != v1::RANK_READY || r.version() != version
+                                    ? strCat(" is not ready at version ", version, " (a catch-up's seed)")
+                                    : std::string();
+        if (!why.empty()) return absl::FailedPreconditionError(strCat("sync: ", who(d, r), why));
+      }
   return absl::OkStatus();
 }
 
@@ -393,7 +484,7 @@ Status SyncCoordinator::plan() {
   // zero-copy sends or landings anywhere (every daemon plans what the coordinator tells it).
   for (const auto& d : cluster_->view.daemons())
     for (const auto& r : d.ranks())
-      if (r.group() == req_.src_group() || writes(r.group()))
+      if (r.group() == src_group_ || writes(r.group()))
         for (const auto& b : r.buffers()) packed_ = packed_ || b.staged();
   auto strategy = strategyOf(req_.options().strategy(), req_.options().delta());
   if (!strategy.ok()) return failed(strategy.status());
@@ -424,7 +515,7 @@ Status SyncCoordinator::plan() {
 Status SyncCoordinator::prepare() {
   delta_ = req_.options().delta();
   if (delta_ == v1::DELTA_AUTO && ctx_.config.delta_dense_every > 0 &&
-      req_.version() % static_cast<uint64_t>(ctx_.config.delta_dense_every) == 0)
+      version_ % static_cast<uint64_t>(ctx_.config.delta_dense_every) == 0)
     delta_ = v1::DELTA_DENSE;  // the periodic refresh
   lease_keeper_ = std::make_unique<LeaseKeeper>(*this);
   const auto& daemons = cluster_->view.daemons();
@@ -436,7 +527,8 @@ Status SyncCoordinator::prepare() {
   *p.mutable_src() = src_;
   *p.mutable_dst() = dst_;
   for (const auto& r : replicas_) *p.add_replicas() = r.layout;
-  p.set_version(req_.version());
+  p.set_version(version_);
+  p.set_seed(seed_);
   p.set_staging_bytes(static_cast<uint64_t>(ctx_.config.staging_mib) << 20);
   p.set_chunk_bytes(static_cast<uint64_t>(ctx_.config.chunk_bytes));
   p.set_delta(delta_);

@@ -136,6 +136,10 @@ class SyncCoordinator {
   Status gatherReplicas(const ClusterView& view, const std::vector<std::string>& unreachable);
   // `group` is written by this sync: the destination group, or a replica taking part.
   bool writes(const std::string& group) const;
+  // A catch-up (SyncOptions.catch_up): resolves the version (the newest a complete replica of
+  // dst_group's set holds, or the one asked for) and the seed: such a replica that nothing
+  // writes, else the source; sets current_ when dst_group holds that version or newer already.
+  Status resolveCatchUp(const ClusterView& view);
 
   void setPhase(v1::SyncPhase phase);
   void nodeState(size_t i, const std::string& state, const std::string& error = "");
@@ -146,6 +150,12 @@ class SyncCoordinator {
 
   Context ctx_;
   const v1::SyncRequest& req_;
+  // The group read and the version synced: the request's, or a catch-up's seed and the version
+  // it resolved (SyncOptions.catch_up).
+  std::string src_group_;
+  uint64_t version_ = 0;
+  bool seed_ = false;     // src_group_ is a replica read as a catch-up's seed (PrepareRequest.seed)
+  bool current_ = false;  // a catch-up found its replica at the version already: nothing to move
   const std::string id_;
   std::string faulty_node_;
   const uint64_t fence_;

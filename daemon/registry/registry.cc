@@ -493,7 +493,10 @@ v1::DescribeResponse Registry::describe() const {
     rr->set_state(st.state());
     rr->set_role(r->role);
     rr->set_held(r->held);
-    rr->set_refuses_writes(r->role == v1::ROLE_DESTINATION && r->held && (!r->doubled() || r->pinned != r->active));
+    // Held by its engine on the set a sync would write, written by another sync, or read as a
+    // catch-up's seed: a sync cannot write it now.
+    rr->set_refuses_writes(r->role == v1::ROLE_DESTINATION && ((r->held && (!r->doubled() || r->pinned != r->active)) ||
+                                                               !r->writer.empty() || !r->readers.empty()));
     for (const auto& b : r->buffers) {
       auto* rb = rr->add_buffers();
       rb->set_buffer(b.name);

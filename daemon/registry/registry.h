@@ -111,8 +111,11 @@ class Registry {
   // writes here. One group, or every replica of a replica set taking part (each its own group).
   using Destination = std::vector<std::pair<std::string, std::string>>;
   // As above, into every group of `dst`.
+  // `seed`: `src` is a destination group read at `version` (a catch-up's seed replica): each of
+  // its ranks here must be READY at exactly `version`, single-buffered and not being written; it
+  // gains a reader, and no sync writes it until the reading sync ends.
   Status beginSync(const std::string& id, const std::string& src, const Destination& dst, uint64_t version,
-                   const std::string& src_digest, uint64_t fence = 0, Base* base = nullptr);
+                   const std::string& src_digest, uint64_t fence = 0, Base* base = nullptr, bool seed = false);
   // Before every use of the involved ranks' memory (every execute): segments still whole.
   Status checkSync(const std::string& src, const std::string& dst) const;
   Status checkSync(const std::string& src, const std::vector<std::string>& dst) const;
@@ -226,6 +229,8 @@ class Registry {
     v1::RankState before = v1::RANK_EMPTY;
     std::string before_detail;
   };
+  // Why a destination rank cannot be read as a catch-up's seed at `version` ("" when it can).
+  static std::string seedRefusal(const Rank& r, uint64_t version);
   struct Group {
     v1::Layout layout;
     std::string digest;

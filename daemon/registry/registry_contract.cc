@@ -30,6 +30,18 @@ const std::string* digestIn(const Registry::Destination& dst, const std::string&
   return nullptr;
 }
 
+}  // namespace
+
+std::string Registry::seedRefusal(const Rank& r, uint64_t version) {
+  if (r.role != v1::ROLE_DESTINATION) return "it is a source (a catch-up reads a replica)";
+  if (r.state != v1::RANK_READY || r.committed != version) return strCat("it is not ready at version ", version);
+  if (r.doubled()) return "it is double-buffered (the set it holds is the one its engine reads)";
+  if (!r.writer.empty()) return strCat("sync ", r.writer, " is writing it");
+  return "";
+}
+
+namespace {
+
 bool isIn(const std::vector<std::string>& groups, const std::string& group) {
   return std::find(groups.begin(), groups.end(), group) != groups.end();
 }
@@ -42,7 +54,7 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
 }
 
 Status Registry::beginSync(const std::string& id, const std::string& src, const Destination& dst, uint64_t version,
-                           const std::string& src_digest, uint64_t fence, Base* base) {
+                           const std::string& src_digest, uint64_t fence, Base* base, bool seed) {
   if (version == 0 || version >= kMaxVersion)
     return absl::InvalidArgumentError(strCat("sync ", id, ": version ", version, " is not in [1, 2^63)"));
   std::lock_guard<std::mutex> lock(mu_);
@@ -54,7 +66,12 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
       return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " registered layout ", r->digest,
                                                   " since the sync was planned (for ",
                                                   key.first == src ? src_digest : *dst_digest, "): retry the sync"));
-    if (key.first == src) {
+    if (key.first == src && seed) {
+      if (const std::string why = seedRefusal(*r, version); !why.empty())
+        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " cannot seed a catch-up: ", why));
+      SC_RETURN_IF_ERROR(checkSegments(*r));
+      readers.push_back(r.get());
+    } else if (key.first == src) {
       if (r->role != v1::ROLE_SOURCE)
         return absl::FailedPreconditionError(
             strCat("sync ", id, ": ", who, " is a destination; a sync reads only source groups"));
@@ -73,6 +90,9 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
       if (!r->writer.empty())
         return absl::FailedPreconditionError(strCat("sync ", id, ": a sync into group \"", key.first, "\" (", r->writer,
                                                     ") is in progress on node \"", node_, "\""));
+      if (!r->readers.empty())  // a catch-up reads it as its seed
+        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " is being read by sync ",
+                                                    *r->readers.begin(), " (a catch-up seeded from it)"));
       // (a rank no sync writes is EMPTY with nothing committed, READY or DIRTY)
       if (const std::string why = destinationRefusal({r->state, r->held, r->committed}, version); !why.empty())
         return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, why));

@@ -101,7 +101,8 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
                                           std::optional<uint32_t> caller_uid) {
   if (req.src_group().empty() || req.dst_group().empty() || req.src_group() == req.dst_group())
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "sync: give two different groups (src_group, dst_group)");
-  if (req.version() == 0 || req.version() >= kMaxVersion)
+  // (A catch-up may leave the version to the daemons: 0, the newest a replica of the set holds.)
+  if ((req.version() == 0 && !req.options().catch_up()) || req.version() >= kMaxVersion)
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         strCat("sync: version ", req.version(), " is not in [1, 2^63)"));
   // A client's sync id travels in the daemons' notifications, logs and metrics.

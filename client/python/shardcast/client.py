@@ -596,6 +596,7 @@ class Client:
     def sync(self, src: str, dst: str, version: int, *, verify: bool = False, timeout: Optional[float] = None,
              wait_for_ranks: bool = False, sync_id: Optional[str] = None, delta: str = "off",
              strategy: str = "planned", min_replicas: int = 0, replica_deadline: Optional[float] = None,
+             catch_up: bool = False,
              progress: Optional[Callable[[service_pb2.SyncProgress], None]] = None) -> service_pb2.SyncResponse:
         """Syncs version `version` of `src` into `dst` and returns once every destination rank has it
         (or raises ShardcastError, and no rank has it). `progress` is called with each update.
@@ -617,7 +618,11 @@ class Client:
         when fewer than `min_replicas` (at least 1) take part. A replica whose node fails during the
         sync is cut and the sync runs again without it, within the same call; `replica_deadline`
         (seconds; default: the daemons' sync lease) bounds how long a replica's node may stay
-        silent before it is cut."""
+        silent before it is cut.
+
+        `catch_up`: `dst` is one replica of a set, brought to `version` (0: the newest version a
+        replica of its set holds) from a replica that holds it, or from `src` when none can be
+        read; see catch_up()."""
         what = f'sync "{src}" -> "{dst}" version {version}'
         self._check_open(what)
         self._check_session(src, dst)
@@ -635,6 +640,7 @@ class Client:
         if min_replicas < 0:
             raise ValueError(f"min_replicas must not be negative, not {min_replicas}")
         req.options.min_replicas = min_replicas
+        req.options.catch_up = catch_up
         if replica_deadline is not None:
             if replica_deadline < 0:
                 raise ValueError(f"replica_deadline must not be negative, not {replica_deadline}")
@@ -718,6 +724,17 @@ class Client:
         return []
 
     # ---- inspection ----
+
+    def catch_up(self, replica: str, source: str, version: int = 0, *, timeout: Optional[float] = None,
+                 sync_id: Optional[str] = None) -> service_pb2.SyncResponse:
+        """Brings replica group `replica` (one replica of a set, registered after the set's last
+        sync, or cut from it) up to `version`, 0 meaning the newest version a complete replica of
+        its set holds. The bytes come from such a replica (peer-seeded: the trainer's network
+        stays free for the next step), or from `source` (the set's source group) when none can be
+        read; the response's `seeded_from` names which, and its `version` what the replica holds
+        now. A replica at that version or newer already (a sync into the set reached it first)
+        is left as it is: nothing moves. See docs/daemon.md, "Replica sets"."""
+        return self.sync(source, replica, version, timeout=timeout, sync_id=sync_id, catch_up=True)
 
     def status(self, all_nodes: bool = False) -> service_pb2.StatusResponse:
         """The daemon, its peers, its groups and its syncs (running, then the last ended);

@@ -172,14 +172,16 @@ class LocalCluster:
             raise
         return self
 
-    def restart(self, node: str) -> LocalDaemon:
-        """(Re)starts the daemon of `node` on its port (the old process must be gone)."""
+    def restart(self, node: str, extra: Optional[Sequence[str]] = None) -> LocalDaemon:
+        """(Re)starts the daemon of `node` on its port (the old process must be gone), with the
+        cluster's flags, or `extra` instead."""
         assert self._tmp is not None, "start the cluster first"
         hosts = {n: f"10.77.0.{k + 2}" if self.netns else "127.0.0.1" for k, n in enumerate(self.nodes)}
         peers = [f"{hosts[n]}:{p}" for n, p in self.ports.items()]
         launcher = ["ip", "netns", "exec", f"sc-{node}"] if self.netns else []
-        self.daemons[node] = LocalDaemon(node, self.ports[node], peers, self._tmp.name, self.binary, self.extra,
-                                         tls=self.daemon_tls, host=hosts[node], launcher=launcher)
+        self.daemons[node] = LocalDaemon(node, self.ports[node], peers, self._tmp.name, self.binary,
+                                         self.extra if extra is None else extra, tls=self.daemon_tls,
+                                         host=hosts[node], launcher=launcher)
         return self.daemons[node]
 
     def target(self, node: str) -> str:
