@@ -58,7 +58,11 @@ class SyncCoordinator::LeaseKeeper {
  public:
   explicit LeaseKeeper(SyncCoordinator& c) : c_(c), answered_(c.cluster_->addresses.size(), Clock::now()) {
     // A node holding only replicas of a set may be silent for the sync's replica deadline at most.
-    const auto deadline = std::chrono::milliseconds(c.req_.options().replica_deadline_ms());
+    // (At least 200 ms: below it every replica node would look silent between two polls.)
+    const auto deadline = c.req_.options().replica_deadline_ms() == 0
+                              ? std::chrono::milliseconds(0)
+                              : std::max(std::chrono::milliseconds(c.req_.options().replica_deadline_ms()),
+                                         std::chrono::milliseconds(200));
     for (const auto& d : c.cluster_->view.daemons())
       silence_.push_back(deadline.count() > 0 && !c.replicasOnlyOn(d.node()).empty() ? std::min(deadline, c.lease_)
                                                                                      : c.lease_);
@@ -218,7 +222,13 @@ Status SyncCoordinator::gather() {
     if (snapshot.ok() && !unreachable.empty() && !replica_set) snapshot = absl::UnavailableError(unreachable.front());
     if (snapshot.ok() && req_.options().catch_up()) {
       if (Status resolved = resolveCatchUp(snapshot->view); !resolved.ok()) return failed(resolved);
-      if (current_) return absl::OkStatus();
+      if (current_) {  // nothing to move, once the replica is whole and the caller may write it
+        if (auto whole = snapshot->view.completeGroup(req_.dst_group()); !whole.ok()) return failed(whole.status());
+        if (ctx_.caller_uid)
+          if (Status allowed = snapshot->view.maySync(*ctx_.caller_uid, src_group_, req_.dst_group()); !allowed.ok())
+            return failed(allowed);
+        return absl::OkStatus();
+      }
     }
     if (snapshot.ok()) {
       src = snapshot->view.completeGroup(src_group_);
@@ -342,14 +352,19 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
         if (refused.empty() && r.group() == group) {
           std::string why = destinationRefusal(factsOf(r), version);
           if (why.empty() && r.refuses_writes())
-            why = r.held()                         ? " does not accept updates (acquired by its client)"
-                  : r.state() == v1::RANK_UPDATING ? " does not accept updates (another sync is writing it)"
-                                                   : " does not accept updates (a catch-up is reading it)";
+            why = r.held() ? " does not accept updates (acquired by its client)"
+                  : r.state() == v1::RANK_UPDATING || r.double_buffered()
+                      ? " does not accept updates (another sync is writing it)"
+                      : " does not accept updates (a catch-up is reading it)";
           if (!why.empty()) refused = strCat("rank ", r.rank(), " on node \"", d.node(), "\"", why);
         }
     if (refused.empty() && !replicas_.empty())
       if (Status same = planner::checkReplicaSet({replicas_.front(), {registered.replica(), *layout, {}}}); !same.ok())
         refused = std::string(same.message());
+    if (refused.empty())
+      for (const auto& taking : replicas_)
+        if (taking.id == registered.replica())
+          refused = strCat("replica id ", registered.replica(), " is taken by group \"", taking.layout.group(), "\"");
     // No node in two replicas: the first to take it keeps it.
     for (const auto& node : now[group].nodes)
       if (const auto it = taken.find(node); refused.empty() && it != taken.end())
@@ -383,22 +398,25 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
     return absl::FailedPreconditionError(strCat("catch-up: group \"", dst,
                                                 "\" is not a registered replica of a set (its layout names no "
                                                 "replica_set)"));
-  // Per group of the set: the version all its ranks are READY at (0: not all are), whether a
-  // sync could read it now, and the lowest version its ranks committed.
+  // Per group of the set (and the source): the version all its ranks are READY at (0: not all
+  // are), and whether a catch-up could read it as its seed now.
   struct Held {
     uint64_t ready = UINT64_MAX;
     bool readable = true;
-    uint64_t committed = UINT64_MAX;
   };
+  src_group_ = req_.src_group();  // a wait_for_ranks round starts afresh
+  seed_ = current_ = false;
   std::map<std::string, Held> held;
   for (const auto& d : view.daemons())
     for (const auto& r : d.ranks()) {
       const v1::Layout* l = view.layoutOf(r.group());
-      if (!l || l->replica_set() != layout->replica_set()) continue;
+      if (!l || (l->replica_set() != layout->replica_set() && r.group() != src_group_)) continue;
       auto& h = held[r.group()];
       h.ready = std::min(h.ready, r.state() == v1::RANK_READY ? r.version() : 0);
-      h.committed = std::min(h.committed, r.version());
-      h.readable = h.readable && r.state() == v1::RANK_READY && !(r.refuses_writes() && !r.held());
+      // Held by its engine is fine (both only read); written by a sync, or double-buffered (the
+      // set a sync would read is not the one holding the version), is not.
+      h.readable =
+          h.readable && r.state() == v1::RANK_READY && !r.double_buffered() && !(r.refuses_writes() && !r.held());
     }
   uint64_t newest = req_.version();
   std::string seed;
@@ -413,13 +431,20 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
       seed = group;
     }
   }
+  if (newest == 0) {  // no replica readable at a version: the source's published one, if any
+    const auto source = held.find(src_group_);
+    if (source != held.end() && source->second.ready != 0 && source->second.ready != UINT64_MAX)
+      newest = source->second.ready;
+  }
   if (newest == 0)
-    return absl::FailedPreconditionError(
-        strCat("catch-up of \"", dst, "\": no replica of set \"", layout->replica_set(), "\" holds a version yet"));
+    return absl::FailedPreconditionError(strCat("catch-up of \"", dst, "\": no replica of set \"",
+                                                layout->replica_set(), "\" holds a version, and \"", src_group_,
+                                                "\" has published none"));
   version_ = newest;
   const auto mine = held.find(dst);
   if (mine != held.end() && mine->second.ready != UINT64_MAX && mine->second.ready >= newest) {
-    current_ = true;  // caught up already (by a sync into the set, say)
+    current_ = true;  // caught up already (by a sync into the set, say): at its own version
+    version_ = mine->second.ready;
     return absl::OkStatus();
   }
   if (!seed.empty()) {
@@ -431,7 +456,9 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
 }
 
 std::vector<std::string> SyncCoordinator::replicasOnlyOn(const std::string& node) const {
-  if (!cluster_ || replicas_.empty() || node.empty()) return {};
+  // Once the commit began some replicas may hold the version: running the sync again would
+  // misreport them (cut, "not newer"). The failure stands; the next sync repairs the rest.
+  if (!cluster_ || replicas_.empty() || node.empty() || commit_started_) return {};
   std::set<std::string> on;
   for (const auto& d : cluster_->view.daemons()) {
     if (d.node() != node) continue;
@@ -678,6 +705,7 @@ Status SyncCoordinator::execute() {
 // Every daemon commits; one that cannot (it restarted, or its lease ran out) left its ranks
 // DIRTY: the sync failed there, whatever the others committed.
 Status SyncCoordinator::commit() {
+  commit_started_ = true;
   // From here on the sync is the commit's: a lease that runs out meanwhile no longer gives it up
   // (its aborts would race the commits, leaving some nodes at the new version and some not). If
   // it was given up since execute() checked, nothing is committed.

@@ -154,8 +154,9 @@ class SyncCoordinator {
   // it resolved (SyncOptions.catch_up).
   std::string src_group_;
   uint64_t version_ = 0;
-  bool seed_ = false;     // src_group_ is a replica read as a catch-up's seed (PrepareRequest.seed)
-  bool current_ = false;  // a catch-up found its replica at the version already: nothing to move
+  bool seed_ = false;                        // src_group_ is a replica read as a catch-up's seed (PrepareRequest.seed)
+  bool current_ = false;                     // a catch-up found its replica at the version already: nothing to move
+  std::atomic<bool> commit_started_{false};  // commit() began: no retry without replicas
   const std::string id_;
   std::string faulty_node_;
   const uint64_t fence_;

@@ -495,6 +495,7 @@ v1::DescribeResponse Registry::describe() const {
     rr->set_held(r->held);
     // Held by its engine on the set a sync would write, written by another sync, or read as a
     // catch-up's seed: a sync cannot write it now.
+    rr->set_double_buffered(r->doubled());
     rr->set_refuses_writes(r->role == v1::ROLE_DESTINATION && ((r->held && (!r->doubled() || r->pinned != r->active)) ||
                                                                !r->writer.empty() || !r->readers.empty()));
     for (const auto& b : r->buffers) {

@@ -219,12 +219,14 @@ class Registry {
     bool held = false;          // acquired by its owner
     std::string detail;         // DIRTY: which sync, why
     std::string session;
-    std::optional<uid_t> owner;     // the uid that registered it over the Unix socket
-    uint64_t registration = 0;      // RegisterResponse.registration
-    std::string holder;             // "uid U (pid P)", for the process that replaces it
-    size_t describe_bytes = 0;      // what it adds to Describe (its buffers' entries)
-    std::set<std::string> readers;  // source: syncs reading it
-    std::string writer;             // destination: the sync writing it
+    std::optional<uid_t> owner;  // the uid that registered it over the Unix socket
+    uint64_t registration = 0;   // RegisterResponse.registration
+    std::string holder;          // "uid U (pid P)", for the process that replaces it
+    size_t describe_bytes = 0;   // what it adds to Describe (its buffers' entries)
+    // Syncs reading it (a source, or a catch-up's seed), once per attempt: two attempts of one
+    // sync id (a retry) each hold their own entry, so the first one's end leaves the second's.
+    std::multiset<std::string> readers;
+    std::string writer;  // destination: the sync writing it
     // Destination, UPDATING: where it was before, for kRevert.
     v1::RankState before = v1::RANK_EMPTY;
     std::string before_detail;

@@ -146,7 +146,8 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [key, r] : ranks_) {
-      if (key.first == src) r->readers.erase(id);
+      if (key.first == src)
+        if (const auto reading = r->readers.find(id); reading != r->readers.end()) r->readers.erase(reading);
       if (!isIn(dst, key.first) || r->writer != id) continue;
       r->writer.clear();
       touched[key.first].push_back(r->rank);
