@@ -81,6 +81,17 @@ def join_process_group(port: int, rank: int, world: int, backend: str = "gloo") 
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGTERM, then SIGKILL if `proc` has not exited within `timeout` seconds; reaps it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class LocalDaemon:
     """One shardcastd process standing for node `node`; stopped with SIGTERM by stop()."""
 
@@ -115,13 +126,7 @@ class LocalDaemon:
         return "unix:" + self.socket
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         if self.proc.stdout:
             self.proc.stdout.close()
 

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 import shardcast
-from shardcast.local import LocalDaemon, find_shardcastd, free_port, mint_certificates
+from shardcast.local import LocalDaemon, find_shardcastd, free_port, mint_certificates, stop_process
 from shardcast.v1 import service_pb2
 
 pytestmark = pytest.mark.slow
@@ -155,13 +155,7 @@ class Prometheus:
                 if a["labels"].get("alertname") == name and labels.items() <= a["labels"].items()]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 class Stack:

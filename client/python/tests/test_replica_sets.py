@@ -53,6 +53,15 @@ def holds(replica, version: int) -> bool:
                for reg in replica for name in rank_worker.SHAPES)
 
 
+def trainer_and_replicas(cluster: LocalCluster, replicas: int):
+    """Clients of every node, n0's, the trainer's two ranks on n0 (at version 1), and replicas
+    0..replicas-1 of set "rollout", replica k on node n<k+1>."""
+    clients = {n: shardcast.Client(cluster.target(n)) for n in cluster.nodes}
+    trainers = rank_worker.register_trainers(clients["n0"])
+    return clients, clients["n0"], trainers, [register_replica(clients[f"n{k + 1}"], k, f"n{k + 1}")
+                                              for k in range(replicas)]
+
+
 def outcomes(resp: service_pb2.SyncResponse):
     return {o.group: (o.committed, o.cut) for o in resp.replicas}
 
@@ -258,11 +267,7 @@ def test_a_replica_that_joins_catches_up_from_its_peers_not_the_trainer():
     reaches it first makes the catch-up a no-op; with no replica readable the trainer seeds it."""
     shardcastd_path()
     with LocalCluster(["n0", "n1", "n2", "n3"]) as c:
-        clients = {n: shardcast.Client(c.target(n)) for n in c.nodes}
-        src = clients["n0"]
-        trainers = rank_worker.register_trainers(src)
-        r0 = register_replica(clients["n1"], 0, "n1")
-        r1 = register_replica(clients["n2"], 1, "n2")
+        clients, src, trainers, (r0, r1) = trainer_and_replicas(c, 2)
         src.sync("trainer", "rollout", 1)
         step(trainers, 2)
         src.sync("trainer", "rollout", 2)
@@ -300,11 +305,7 @@ def test_a_catch_up_and_a_sync_into_the_set_never_write_the_seed_under_each_othe
     (The catch-up's read is held open by preparing its seed side by hand, as its coordinator would.)"""
     shardcastd_path()
     with LocalCluster(["n0", "n1", "n2", "n3"]) as c:
-        clients = {n: shardcast.Client(c.target(n)) for n in c.nodes}
-        src = clients["n0"]
-        trainers = rank_worker.register_trainers(src)
-        r0 = register_replica(clients["n1"], 0, "n1")
-        r1 = register_replica(clients["n2"], 1, "n2")
+        clients, src, trainers, (r0, r1) = trainer_and_replicas(c, 2)
         src.sync("trainer", "rollout", 1)
         r2 = register_replica(clients["n3"], 2, "n3")
 
