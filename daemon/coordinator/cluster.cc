@@ -1,6 +1,7 @@
 #include "daemon/coordinator/cluster.h"
 
 #include <netdb.h>
+#include <spdlog/spdlog.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -138,6 +139,12 @@ Status PeerSet::checkTransportAddress(const std::string& node, const std::string
                                            " is not the one that node describes to this daemon"));
 }
 
+bool PeerSet::forgottenLocked(const std::string& address, std::chrono::steady_clock::time_point now) const {
+  const auto since = silent_since_.find(address);
+  return config_.peer_lease_ms > 0 && since != silent_since_.end() &&
+         now - since->second >= std::chrono::milliseconds(config_.peer_lease_ms);
+}
+
 std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addrs,
                                             std::vector<v1::DescribeResponse>* responses, bool syncs) const {
   // Every Describe at once: a gather costs about one round trip however many peers there are.
@@ -146,14 +153,34 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
   v1::DescribeRequest request;
   request.set_syncs(syncs);
   std::vector<grpc::ClientContext> contexts(n);
+  std::vector<bool> forgotten(n, false);                // asked briefly: one that is back answers at once
+  const auto asked = std::chrono::steady_clock::now();  // a peer that fails was silent from here
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < n; ++i) forgotten[i] = forgottenLocked(addrs[i], asked);
+  }
   const auto statuses =
       fanOut(contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms),
              [&](size_t i, grpc::ClientContext& c, CallDone done) {
+               if (forgotten[i]) c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
                v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &request, &(*responses)[i], std::move(done));
              });
   std::lock_guard<std::mutex> lock(mu_);
+  const auto now = std::chrono::steady_clock::now();
   for (size_t i = 0; i < n; ++i) {
     answered_[addrs[i]] = statuses[i].ok();
+    if (statuses[i].ok()) {
+      if (silent_since_.erase(addrs[i]) && forgotten[i])
+        spdlog::info("peer {} answers again: it takes part in syncs", addrs[i]);
+    } else {
+      silent_since_.emplace(addrs[i], asked);
+      if (!forgotten[i] && forgottenLocked(addrs[i], now)) {
+        const auto node = nodes_.find(addrs[i]);
+        spdlog::warn("peer {}{} silent for {} ms, past its lease (--peer-lease-ms): forgotten until it answers again",
+                     addrs[i], node == nodes_.end() ? "" : strCat(" (node \"", node->second, "\")"),
+                     config_.peer_lease_ms);
+      }
+    }
     const grpc::StatusCode code = statuses[i].error_code();
     // A fresh channel next time: a restarted peer is then reached without reconnect backoff.
     if (code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED) channels_.erase(addrs[i]);
@@ -170,11 +197,33 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
   return statuses;
 }
 
-StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll(bool syncs) const {
+StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll(bool syncs,
+                                                              const std::map<std::string, std::string>& skip) const {
   SC_ASSIGN_OR_RETURN(auto addrs, addresses());
   const size_t n = addrs.size();
-  std::vector<v1::DescribeResponse> responses;
-  const auto statuses = describe(addrs, &responses, syncs);
+  std::vector<std::string> asked;  // the addresses not skipped, and where each is in addrs
+  std::vector<size_t> at;
+  std::vector<grpc::Status> statuses(n);
+  for (size_t i = 0; i < n; ++i) {
+    std::string left_out;
+    if (!skip.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto node = nodes_.find(addrs[i]); node != nodes_.end())
+        if (auto why = skip.find(node->second); why != skip.end()) left_out = why->second;
+    }
+    if (left_out.empty()) {
+      asked.push_back(addrs[i]);
+      at.push_back(i);
+    } else {
+      statuses[i] = grpc::Status(grpc::StatusCode::UNAVAILABLE, strCat("not asked: ", left_out));
+    }
+  }
+  std::vector<v1::DescribeResponse> answers, responses(n);
+  const auto answered = describe(asked, &answers, syncs);
+  for (size_t j = 0; j < at.size(); ++j) {
+    statuses[at[j]] = answered[j];
+    responses[at[j]] = std::move(answers[j]);
+  }
   std::vector<PeerView> out;
   std::set<std::string> seen{instance_};
   for (size_t i = 0; i < n; ++i) {
@@ -189,8 +238,15 @@ StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll(bool syncs) const 
       std::lock_guard<std::mutex> lock(mu_);
       if (auto it = nodes_.find(address); it != nodes_.end()) known = strCat(" (node \"", it->second, "\")");
     }
-    out.push_back({address, st.ok() ? StatusOr<v1::DescribeResponse>(std::move(responses[i]))
-                                    : StatusOr<v1::DescribeResponse>(fromGrpc(st, strCat("peer ", address, known)))});
+    bool forgotten = false;
+    if (!st.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      forgotten = forgottenLocked(address, std::chrono::steady_clock::now());
+    }
+    out.push_back({address,
+                   st.ok() ? StatusOr<v1::DescribeResponse>(std::move(responses[i]))
+                           : StatusOr<v1::DescribeResponse>(fromGrpc(st, strCat("peer ", address, known))),
+                   forgotten});
   }
   return out;
 }
@@ -225,8 +281,12 @@ std::map<std::string, bool> PeerSet::reachability() const {
 }
 
 StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::DescribeResponse& self,
-                                          const std::string& self_address, std::vector<std::string>* unreachable) {
-  SC_ASSIGN_OR_RETURN(auto described, peers.describeAll());
+                                          const std::string& self_address, std::vector<std::string>* unreachable,
+                                          const std::map<std::string, std::string>& skip) {
+  SC_ASSIGN_OR_RETURN(auto described, peers.describeAll(false, skip));
+  // Peers silent past their lease are not waited for, and fail nothing: the cluster is the others.
+  described.erase(std::remove_if(described.begin(), described.end(), [](const auto& p) { return p.forgotten; }),
+                  described.end());
   SC_ASSIGN_OR_RETURN(auto view, ClusterView::build(self, described, unreachable));
   ClusterSnapshot out{std::move(view), {self_address}};
   for (const auto& p : described)

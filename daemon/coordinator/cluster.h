@@ -44,10 +44,14 @@ class PeerSet {
   struct PeerView {
     std::string address;
     StatusOr<v1::DescribeResponse> described;
+    // Silent past its lease (DaemonConfig::peer_lease_ms): a gather goes on without it.
+    bool forgotten = false;
   };
   // Describe of every peer other than this node, each within the peer timeout; `syncs`: with the
-  // syncs each coordinates (DescribeRequest.syncs).
-  StatusOr<std::vector<PeerView>> describeAll(bool syncs = false) const;
+  // syncs each coordinates (DescribeRequest.syncs). Peers known to be one of the nodes in `skip`
+  // are not asked: they are unreachable, saying why (`skip`'s value).
+  StatusOr<std::vector<PeerView>> describeAll(bool syncs = false,
+                                              const std::map<std::string, std::string>& skip = {}) const;
   // The peers of the last addresses() that have described themselves, by node: reachable when
   // their channel is connected, or connecting or idle and the last Describe of them answered.
   // Sends no call (a scrape must stay cheap): a channel not connected is only nudged to connect,
@@ -65,6 +69,8 @@ class PeerSet {
   std::shared_ptr<grpc::Channel> channel(const std::string& address) const;
 
  private:
+  // Silent past its lease (mu_ held).
+  bool forgottenLocked(const std::string& address, std::chrono::steady_clock::time_point now) const;
   // Describe of each of `addrs` at once; remembers which node and transport address each gave.
   std::vector<grpc::Status> describe(const std::vector<std::string>& addrs,
                                      std::vector<v1::DescribeResponse>* responses, bool syncs = false) const;
@@ -73,10 +79,11 @@ class PeerSet {
   std::string instance_;
   mutable std::mutex mu_;
   mutable std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
-  mutable std::map<std::string, std::string> nodes_;              // address -> node it last described itself as
-  mutable std::map<std::string, bool> answered_;                  // address -> its last Describe succeeded
-  mutable std::vector<std::string> current_;                      // the last addresses() found
-  mutable std::chrono::steady_clock::time_point current_at_{};    // and when
+  mutable std::map<std::string, std::string> nodes_;  // address -> node it last described itself as
+  mutable std::map<std::string, bool> answered_;      // address -> its last Describe succeeded
+  mutable std::map<std::string, std::chrono::steady_clock::time_point> silent_since_;  // address -> first failure
+  mutable std::vector<std::string> current_;                                           // the last addresses() found
+  mutable std::chrono::steady_clock::time_point current_at_{};                         // and when
   mutable std::map<std::string, std::string> transports_;         // node -> the transport address it described
   mutable std::chrono::steady_clock::time_point last_refresh_{};  // of transports_ by checkTransportAddress
 };
@@ -139,10 +146,11 @@ struct ClusterSnapshot {
     addresses = std::move(addrs);
   }
 };
-// `unreachable`: as in ClusterView::build.
+// `unreachable`: as in ClusterView::build; `skip`: as in PeerSet::describeAll.
 StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::DescribeResponse& self,
                                           const std::string& self_address,
-                                          std::vector<std::string>* unreachable = nullptr);
+                                          std::vector<std::string>* unreachable = nullptr,
+                                          const std::map<std::string, std::string>& skip = {});
 
 // "0-2, 5, 7-9"
 std::string rankRanges(const std::vector<int32_t>& ranks);

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <map>
 #include <optional>
@@ -74,6 +75,8 @@ class SyncCoordinator::LeaseKeeper {
     {
       std::lock_guard<std::mutex> lock(mu_);
       running_ = false;
+      if (polling_ != nullptr)
+        for (auto& context : *polling_) context.TryCancel();
     }
     cv_.notify_all();
     if (thread_.joinable()) thread_.join();
@@ -83,14 +86,28 @@ class SyncCoordinator::LeaseKeeper {
     std::lock_guard<std::mutex> lock(mu_);
     return stalled_;
   }
+  // How long it was allowed to be silent: "250 ms, the sync's replica deadline".
+  std::string allowed() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return allowed_;
+  }
 
  private:
   void run() {
+    using std::chrono::milliseconds;
     const auto shortest = *std::min_element(silence_.begin(), silence_.end());  // of the silences allowed
-    const auto period = std::min(std::chrono::milliseconds(250), shortest / 4);
+    const auto period = std::min(milliseconds(250), shortest / 4);
+    auto pause = period;
     std::unique_lock<std::mutex> lock(mu_);
-    while (!cv_.wait_for(lock, period, [&] { return !running_; })) {
+    while (!cv_.wait_for(lock, pause, [&] { return !running_; })) {
       lock.unlock();
+      // A poll waits for answers until the first node's allowed silence runs out (a period at
+      // least, half the shortest silence at most), and one that had to wait for a silent node
+      // polls again at once: a node is found silent when its silence runs out, not a poll later.
+      auto first_end = answered_[0] + silence_[0];
+      for (size_t i = 1; i < answered_.size(); ++i) first_end = std::min(first_end, answered_[i] + silence_[i]);
+      const auto wait = std::clamp(std::chrono::duration_cast<milliseconds>(first_end - Clock::now()), period,
+                                   std::max(period, shortest / 2));
       // Not through the sync's PeerClient: these calls go on after the sync is given up (its
       // calls cancelled), until the coordinator is done with it.
       const auto& addresses = c_.cluster_->addresses;
@@ -99,14 +116,25 @@ class SyncCoordinator::LeaseKeeper {
       v1::ProgressRequest pr;
       pr.set_sync_id(c_.id_);
       pr.set_fence(c_.fence_);
-      const auto st = fanOut(contexts, std::chrono::system_clock::now() + std::max(period, shortest / 2),
+      {
+        std::lock_guard<std::mutex> guard(mu_);
+        if (!running_) return;
+        polling_ = &contexts;  // stop() cancels them: it never waits for a silent node
+      }
+      const auto st = fanOut(contexts, std::chrono::system_clock::now() + wait,
                              [&](size_t i, grpc::ClientContext& ctx, CallDone done) {
                                v1::Peer::NewStub(c_.ctx_.peers.channel(addresses[i]))
                                    ->async()
                                    ->Progress(&ctx, &pr, &got[i], std::move(done));
                              });
+      {
+        std::lock_guard<std::mutex> guard(mu_);
+        polling_ = nullptr;
+      }
       std::string silent;
+      pause = period;
       for (size_t i = 0; i < st.size(); ++i) {
+        if (st[i].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) pause = milliseconds(0);
         // NOT_FOUND: the daemon answers (the sync is not prepared there yet, or over).
         if (st[i].ok() || st[i].error_code() == grpc::StatusCode::NOT_FOUND) answered_[i] = Clock::now();
         if (st[i].ok()) c_.record(i, got[i].bytes_received(), got[i].bytes_sent());
@@ -115,9 +143,13 @@ class SyncCoordinator::LeaseKeeper {
       lock.lock();
       if (!silent.empty() && stalled_.empty() && running_) {
         stalled_ = silent;
+        for (size_t i = 0; i < silence_.size(); ++i)
+          if (c_.cluster_->view.daemons()[i].node() == silent)
+            allowed_ = strCat(silence_[i].count(), " ms, ",
+                              silence_[i] < c_.lease_ ? "the sync's replica deadline" : "the sync's lease");
         lock.unlock();
         spdlog::warn("sync {}: node \"{}\" has not answered in time: giving the sync up", c_.id_, silent);
-        c_.giveUp(strCat("node \"", silent, "\" stopped answering"));
+        c_.giveUp(strCat("node \"", silent, "\" stopped answering"), silent);
         lock.lock();
       }
     }
@@ -129,7 +161,9 @@ class SyncCoordinator::LeaseKeeper {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool running_ = true;
+  std::vector<grpc::ClientContext>* polling_ = nullptr;  // the poll in flight
   std::string stalled_;
+  std::string allowed_;
   std::thread thread_;
 };
 
@@ -216,7 +250,8 @@ Status SyncCoordinator::gather() {
     // Daemons that do not answer: a replica set syncs without the replicas on them; any other
     // sync fails, naming the first.
     std::vector<std::string> unreachable;
-    auto snapshot = snapshotCluster(ctx_.peers, ctx_.registry.describe(), ctx_.self_address, &unreachable);
+    auto snapshot =
+        snapshotCluster(ctx_.peers, ctx_.registry.describe(), ctx_.self_address, &unreachable, ctx_.failed_nodes);
     StatusOr<v1::Layout> src = absl::UnknownError(""), dst = absl::UnknownError("");
     const bool replica_set = snapshot.ok() && !snapshot->view.replicasOf(req_.dst_group()).empty();
     if (snapshot.ok() && !unreachable.empty() && !replica_set) snapshot = absl::UnavailableError(unreachable.front());
@@ -320,8 +355,11 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
     v1::ReplicaOutcome outcome;
     outcome.set_group(group);
     outcome.set_replica(was.replica);
-    cutOut(outcome, strCat("node(s) ", strJoin(gone, ", "), " holding its ranks do not answer (",
-                           strJoin(unreachable, "; "), ")"));
+    if (const auto earlier = ctx_.cut.find(group); earlier != ctx_.cut.end())
+      cutOut(outcome, earlier->second);  // its node failed an earlier attempt: not asked again
+    else
+      cutOut(outcome, strCat("node(s) ", strJoin(gone, ", "), " holding its ranks do not answer (",
+                             strJoin(unreachable, "; "), ")"));
     now[group] = was;  // still a member: named again while its nodes stay silent
   }
   ctx_.replica_sets.remember(req_.dst_group(), now);
@@ -355,6 +393,8 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
             why = r.held() ? " does not accept updates (acquired by its client)"
                   : r.state() == v1::RANK_UPDATING || r.double_buffered()
                       ? " does not accept updates (another sync is writing it)"
+                  : r.state() == v1::RANK_DIRTY
+                      ? " does not accept updates (writes of a sync that ended are still landing in it)"
                       : " does not accept updates (a catch-up is reading it)";
           if (!why.empty()) refused = strCat("rank ", r.rank(), " on node \"", d.node(), "\"", why);
         }
@@ -457,8 +497,13 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
 
 std::vector<std::string> SyncCoordinator::replicasOnlyOn(const std::string& node) const {
   // Once the commit began some replicas may hold the version: running the sync again would
-  // misreport them (cut, "not newer"). The failure stands; the next sync repairs the rest.
-  if (!cluster_ || replicas_.empty() || node.empty() || commit_started_) return {};
+  // misreport them (cut, "not newer"). commit() itself cuts the replicas of a node that fails it.
+  if (commit_started_) return {};
+  return replicasOn(node);
+}
+
+std::vector<std::string> SyncCoordinator::replicasOn(const std::string& node) const {
+  if (!cluster_ || replicas_.empty() || node.empty()) return {};
   std::set<std::string> on;
   for (const auto& d : cluster_->view.daemons()) {
     if (d.node() != node) continue;
@@ -664,8 +709,8 @@ Status SyncCoordinator::execute() {
   }
   if (const std::string node = lease_keeper_->stalled(); !node.empty()) {
     faulty_node_ = node;
-    return failed(absl::UnavailableError(strCat("sync ", id_, " failed: node \"", node, "\" stopped answering (for ",
-                                                lease_.count(), " ms, the sync's lease)")));
+    return failed(absl::UnavailableError(
+        strCat("sync ", id_, " failed: node \"", node, "\" stopped answering (for ", lease_keeper_->allowed(), ")")));
   }
   bool any_failed = false;
   for (const auto& r : results) any_failed = any_failed || !r.ok();
@@ -720,12 +765,40 @@ Status SyncCoordinator::commit() {
   const auto committed = finishAll(true, "");
   lease_keeper_->stop();
   const auto& daemons = cluster_->view.daemons();
-  for (size_t i = 0; i < committed.size(); ++i)
-    if (!committed[i].ok()) {
-      spdlog::warn("sync {}: commit on node \"{}\" failed: {}", id_, daemons[i].node(), committed[i].error_message());
-      faulty_node_ = daemons[i].node();
-      return failed(fromGrpc(committed[i], strCat("sync ", id_, ": commit on node \"", daemons[i].node(), "\"")));
+  // Every byte has landed by now. A node that fails its commit holding only replicas of a set
+  // costs those replicas, which are cut: their ranks are dirty, or at V with V's bytes if its
+  // commit lands late. Any other node's failure fails the sync (the others may have committed).
+  std::map<std::string, std::string> lost;  // replica group -> why
+  std::vector<std::string> named;           // "group: why", for the line and the error
+  for (size_t i = 0; i < committed.size(); ++i) {
+    if (committed[i].ok()) continue;
+    const std::string& node = daemons[i].node();
+    spdlog::warn("sync {}: commit on node \"{}\" failed: {}", id_, node, committed[i].error_message());
+    const auto replicas = replicasOn(node);
+    if (replicas.empty()) {
+      faulty_node_ = node;
+      return failed(fromGrpc(committed[i], strCat("sync ", id_, ": commit on node \"", node, "\"")));
     }
+    for (const auto& group : replicas)
+      named.push_back(
+          group + ": " +
+          (lost[group] = strCat("node ", quote(node), " failed during the commit (", committed[i].error_message(),
+                                "): its ranks are dirty, or hold this version's bytes if its commit landed late")));
+  }
+  if (!lost.empty()) {
+    size_t kept = 0;
+    for (auto& o : outcomes_) {
+      if (const auto it = lost.find(o.group()); it != lost.end()) o.set_cut(it->second);
+      kept += o.cut().empty();
+    }
+    spdlog::warn("sync {}: replica set {} committed {} replicas; cut during the commit: {}", id_,
+                 quote(req_.dst_group()), kept, strJoin(named, "; "));
+    const size_t needed = std::max<uint32_t>(1, req_.options().min_replicas());
+    if (kept < needed)
+      return failed(absl::UnavailableError(strCat("sync ", id_, ": replica set \"", req_.dst_group(), "\": ", kept,
+                                                  " replicas committed, at least ", needed, " needed (",
+                                                  strJoin(named, "; "), ")")));
+  }
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
     ProgressBoard::setPhase(p, v1::SYNC_COMMITTED);
     p.set_seconds(since(start_));
@@ -733,19 +806,24 @@ Status SyncCoordinator::commit() {
   return absl::OkStatus();
 }
 
-std::vector<grpc::Status> SyncCoordinator::finishAll(bool commit, const std::string& reason) {
-  // Its own deadline (not the sync's): a sync given up for its timeout must still be ended.
+std::vector<grpc::Status> SyncCoordinator::finishAll(bool commit, const std::string& reason,
+                                                     const std::string& silent) {
+  // Its own deadline (not the sync's): a sync given up for its timeout must still be ended. A node
+  // found silent gets 100 ms: its own lease ends its part if the abort does not reach it.
   v1::FinishRequest f;
   f.set_sync_id(id_);
   f.set_fence(fence_);
   f.set_commit(commit);
   f.set_executed(executed_);
   f.set_reason(reason);
+  f.set_silent_node(silent);
   std::vector<v1::FinishResponse> r(peers_->size());
   std::vector<grpc::ClientContext> contexts(peers_->size());
   auto results = fanOut(
       contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(ctx_.config.peer_timeout_ms),
       [&](size_t i, grpc::ClientContext& c, CallDone done) {
+        if (!silent.empty() && cluster_->view.daemons()[i].node() == silent)
+          c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
         v1::Peer::NewStub(ctx_.peers.channel(cluster_->addresses[i]))->async()->Finish(&c, &f, &r[i], std::move(done));
       });
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {  // what the sync left each node's ranks at, for Watch
@@ -756,10 +834,10 @@ std::vector<grpc::Status> SyncCoordinator::finishAll(bool commit, const std::str
   return results;
 }
 
-void SyncCoordinator::giveUp(const std::string& reason) {
+void SyncCoordinator::giveUp(const std::string& reason, const std::string& silent) {
   if (given_up_.exchange(true)) return;
   peers_->cancelAll();
-  finishAll(false, reason);
+  finishAll(false, reason, silent);
 }
 
 std::string SyncCoordinator::firstSilent() {

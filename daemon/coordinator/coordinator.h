@@ -96,6 +96,8 @@ class SyncCoordinator {
     std::optional<uint32_t> caller_uid{};
     // Replicas an earlier attempt of this sync cut (group -> why): left out of this one.
     std::map<std::string, std::string> cut{};
+    // Nodes whose failure cut those replicas (node -> why): not asked again by this attempt.
+    std::map<std::string, std::string> failed_nodes{};
   };
   // `id` is started on the progress board already; `fence` names this attempt (never 0).
   SyncCoordinator(Context ctx, const v1::SyncRequest& request, std::string id, uint64_t fence);
@@ -107,12 +109,15 @@ class SyncCoordinator {
   const std::string& faultyNode() const { return faulty_node_; }
   // After a failed run: the replicas taking part whose ranks are on `node`, when no other group
   // of the sync has ranks there (a node holding source ranks or a plain destination: none).
+  // Once the commit began, none (a retry would misreport the replicas that committed).
   std::vector<std::string> replicasOnlyOn(const std::string& node) const;
   // After a failed run: the seconds of each phase it finished and of the one it failed in.
   const v1::SyncResponse& figures() const { return out_; }
 
  private:
   using Clock = std::chrono::steady_clock;
+  // The replicas taking part with ranks on `node`, when no other group of the sync has ranks there.
+  std::vector<std::string> replicasOn(const std::string& node) const;
   class LeaseKeeper;
 
   Status gather();
@@ -123,9 +128,10 @@ class SyncCoordinator {
   // Runs one phase and records its seconds in out_ (the setter `seconds`), whether it succeeds.
   Status timed(Status (SyncCoordinator::*phase)(), void (v1::SyncResponse::*seconds)(double));
   // Finishes the sync on every daemon (commit or abort) at once; the per-daemon results.
-  std::vector<grpc::Status> finishAll(bool commit, const std::string& reason);
+  // (`silent`: the node of a daemon found silent, not waited for.)
+  std::vector<grpc::Status> finishAll(bool commit, const std::string& reason, const std::string& silent = "");
   // Gives the sync up everywhere (once): calls in flight are cancelled, every daemon aborts.
-  void giveUp(const std::string& reason);
+  void giveUp(const std::string& reason, const std::string& silent = "");
   // The node of the first daemon that does not answer a quick call ("" when all answer).
   std::string firstSilent();
   // The version contract as the daemons described it.

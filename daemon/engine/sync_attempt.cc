@@ -44,6 +44,13 @@ void Outbox::completed(int32_t node, uint64_t bytes, int64_t ops) {
   nodes_[node].bytes_in_flight -= bytes;
 }
 
+std::vector<std::shared_ptr<transport::Endpoint>> Outbox::inFlight() const {
+  std::vector<std::shared_ptr<transport::Endpoint>> out;
+  for (const auto& [node, n] : nodes_)
+    if (n.bytes_in_flight > 0 && n.endpoint) out.push_back(n.endpoint);
+  return out;
+}
+
 void Outbox::dropQueued() {
   for (auto& [node, n] : nodes_) {
     pending_ -= 2 * static_cast<int64_t>(n.queued.size());
@@ -158,12 +165,23 @@ Registry::SyncEnd SyncAttempt::beginClose(Registry::SyncEnd end, const std::stri
   return end;
 }
 
-bool SyncAttempt::quiesce(std::chrono::seconds timeout) {
+bool SyncAttempt::quiesce(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (cv_.wait_for(lock, timeout, [&] { return outbox_.pending() == 0 && executes_ == 0; })) return true;
-  spdlog::error("sync {}: {} writes and {} executes still pending {} s after it ended", id, outbox_.pending(),
-                executes_, timeout.count());
-  return false;
+  return cv_.wait_for(lock, timeout, [&] { return outbox_.pending() == 0 && executes_ == 0; });
+}
+
+size_t SyncAttempt::cancelWrites(const std::string& node) {
+  std::vector<std::shared_ptr<transport::Endpoint>> stuck;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& endpoint : outbox_.inFlight())
+      if (endpoint->peerName() == node) stuck.push_back(std::move(endpoint));
+  }
+  for (const auto& endpoint : stuck) {  // outside the lock: their completions take it
+    spdlog::warn("sync {}: writes to '{}' still in flight as it ends: cancelled", id, endpoint->peerName());
+    endpoint->cancel();
+  }
+  return stuck.size();
 }
 
 void SyncAttempt::drain() {
@@ -385,6 +403,7 @@ Status AttemptTable::publish(const std::shared_ptr<SyncAttempt>& a) {
     return absl::AbortedError(
         strCat("sync ", a->id, " was given up by its coordinator while it was being prepared on node \"", node_, "\""));
   a->publish();
+  left_.notify_all();
   return absl::OkStatus();
 }
 
@@ -395,6 +414,15 @@ void AttemptTable::abandon(const std::shared_ptr<SyncAttempt>& a) {
     if (it != open_.end() && it->second == a) open_.erase(it);
   }
   a->abandon();
+  left_.notify_all();
+}
+
+bool AttemptTable::awaitPrepare(const std::string& id, uint64_t fence, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return left_.wait_for(lock, timeout, [&] {
+    auto it = open_.find(id);
+    return it == open_.end() || it->second->fence != fence || it->second->phase() != SyncAttempt::Phase::kPreparing;
+  });
 }
 
 std::shared_ptr<SyncAttempt> AttemptTable::find(const std::string& id, uint64_t fence) const {

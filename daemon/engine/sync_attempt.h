@@ -66,6 +66,8 @@ class Outbox {
   void completed(int32_t node, uint64_t bytes, int64_t ops);
   // Drops every write not started yet (they will never complete).
   void dropQueued();
+  // The endpoints of the nodes with writes started and not completed.
+  std::vector<std::shared_ptr<transport::Endpoint>> inFlight() const;
   int64_t pending() const { return pending_; }
 
  private:
@@ -146,8 +148,11 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   // nothing); the reason is kept as the failure.
   Registry::SyncEnd beginClose(Registry::SyncEnd end, const std::string& node, const std::string& reason);
   // closing: waits until every write this node started completed or failed and every execute
-  // returned; false (logged) if that takes longer than `timeout`.
-  bool quiesce(std::chrono::seconds timeout);
+  // returned; false if that takes longer than `timeout`.
+  bool quiesce(std::chrono::milliseconds timeout);
+  // Fails the writes to `node` in flight at once: its endpoint is cancelled (for an attempt that
+  // ends with that peer silent). Returns how many endpoints.
+  size_t cancelWrites(const std::string& node);
   // closing -> draining: peers' writes into this node were still landing when it ended.
   void drain();
   // closing|draining -> closed.
@@ -237,6 +242,9 @@ class AttemptTable {
   // Takes the prepared or executing attempt of `id` out to be closed by the caller. None there:
   // null, and (id, fence) is remembered as given up, so a Prepare of it still on its way is refused.
   std::shared_ptr<SyncAttempt> takeForClose(const std::string& id, uint64_t fence);
+  // Waits until no Prepare of attempt (id, fence) is running here (it ends refused once given
+  // up, its ranks released), at most `timeout`; false if one still runs.
+  bool awaitPrepare(const std::string& id, uint64_t fence, std::chrono::milliseconds timeout);
   // Takes every prepared or executing attempt whose lease ran out (the reaper closes them).
   std::vector<std::shared_ptr<SyncAttempt>> takeExpired(SyncAttempt::Clock::time_point now);
   // Takes every prepared or executing attempt (shutdown closes them).
@@ -251,6 +259,7 @@ class AttemptTable {
 
   const std::string node_;
   mutable std::mutex mu_;
+  std::condition_variable left_;                              // a preparing attempt left the table, or was published
   std::map<std::string, std::shared_ptr<SyncAttempt>> open_;  // preparing, prepared, executing
   std::vector<std::shared_ptr<SyncAttempt>> draining_;
   std::set<std::pair<std::string, uint64_t>> given_up_;  // (id, fence), the last kGivenUpKept

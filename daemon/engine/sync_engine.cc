@@ -222,20 +222,33 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
 
 StatusOr<v1::FinishResponse> SyncEngine::finish(const v1::FinishRequest& req) {
   auto a = attempts_.takeForClose(req.sync_id(), req.fence());
-  if (!a) return absl::NotFoundError(strCat("sync ", req.sync_id(), " is not active on node \"", node_, "\""));
+  if (!a) {
+    // Its Prepare may still be running here: answer once it has ended (refused, its ranks
+    // released), so that the coordinator's next attempt does not find them being written.
+    if (req.fence() != 0 && !attempts_.awaitPrepare(req.sync_id(), req.fence(), std::chrono::seconds(10)))
+      spdlog::warn("sync {}: given up, but its Prepare still runs here 10 s later", req.sync_id());
+    return absl::NotFoundError(strCat("sync ", req.sync_id(), " is not active on node \"", node_, "\""));
+  }
   Registry::SyncEnd end = Registry::SyncEnd::kCommit;
   if (!req.commit()) end = req.executed() ? Registry::SyncEnd::kDirty : Registry::SyncEnd::kRevert;
-  return close(a, end, req.reason().empty() ? "aborted by its coordinator" : req.reason());
+  return close(a, end, req.reason().empty() ? "aborted by its coordinator" : req.reason(), req.silent_node());
 }
 
 StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt>& a, Registry::SyncEnd end,
-                                               const std::string& reason) {
+                                               const std::string& reason, const std::string& silent) {
   const bool commit = end == Registry::SyncEnd::kCommit;
   end = a->beginClose(end, node_, reason);
   // Peers write into rank buffers directly: before the group may take another sync, every write
   // this node started has to complete or fail (the transport bounds each by its op timeout), and
   // this node's own execute calls (local copies into its ranks) have to return.
-  a->quiesce(std::chrono::seconds(120));
+  // An attempt given up for a silent peer (frozen, partitioned) does not wait on it: after a short
+  // grace, the writes to it still in flight fail at once (the endpoint cancelled; the peer refuses
+  // whatever of them reaches it later, the attempt's fence closed there). Writes to the others
+  // complete as usual: cancelling them would leave their receivers waiting on broken transfers.
+  if (end != Registry::SyncEnd::kCommit && !silent.empty() && !a->quiesce(std::chrono::milliseconds(250)))
+    a->cancelWrites(silent);
+  if (!a->quiesce(std::chrono::seconds(120)))
+    spdlog::error("sync {}: writes or executes still pending 120 s after it ended", a->id);
   // Peers' writes into the rank buffers are all done: a segment truncated under them fails the
   // commit here, naming the rank, rather than committing the zero pages that replaced it.
   if (end == Registry::SyncEnd::kCommit)

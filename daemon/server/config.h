@@ -28,9 +28,12 @@ struct DaemonConfig {
   std::string log_level = "info";
   std::string log_format = "text";  // text (for people) or json (one object per line)
   int peer_timeout_ms = 5000;       // deadline of daemon-to-daemon calls
-  int64_t chunk_mib = 64;           // --chunk-mib: chunk size of large transfers
-  int64_t staging_mib = 1024;       // per-node landing and staging budget of a sync
-  int64_t window_mib = 128;         // --window-mib: bytes in flight to each peer node
+  // A peer silent this long is forgotten until it answers again: gathers give it 100 ms, and it
+  // fails no sync (0: never forgotten).
+  int peer_lease_ms = 30000;
+  int64_t chunk_mib = 64;      // --chunk-mib: chunk size of large transfers
+  int64_t staging_mib = 1024;  // per-node landing and staging budget of a sync
+  int64_t window_mib = 128;    // --window-mib: bytes in flight to each peer node
   // This node's link rate, Gbit/s (0: not given). Sizes what travels for it where --chunk-mib and
   // --window-mib are not given (sizeForLink), and is the Plan RPC's default cost model.
   double nic_gbps = 0;

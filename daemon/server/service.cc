@@ -135,11 +135,12 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
   // "Replica sets"): the others still commit.
   const auto began = std::chrono::steady_clock::now();
   const auto timeout = std::chrono::milliseconds(req.options().timeout_ms() ? req.options().timeout_ms() : 300000);
-  std::map<std::string, std::string> cut;  // by earlier attempts: replica group -> why
+  std::map<std::string, std::string> cut;     // by earlier attempts: replica group -> why
+  std::map<std::string, std::string> failed;  // the nodes that failed them -> why
   v1::SyncRequest attempt = req;
   while (true) {
     SyncCoordinator coordinator(
-        {config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(), caller_uid, cut},
+        {config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(), caller_uid, cut, failed},
         attempt, id, newFence());
     auto done = coordinator.run();
     if (done.ok()) {
@@ -155,6 +156,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
     if (!replicas.empty() && left > std::chrono::milliseconds(0)) {
       for (const auto& group : replicas)
         cut[group] = strCat("node ", quote(faulty), " failed during the sync (", done.status().message(), ")");
+      failed[faulty] = strCat("it failed an earlier attempt of sync ", id);
       spdlog::warn("sync {}: node {} failed: syncing replica set {} again without {}", id, quote(faulty),
                    quote(req.dst_group()), strJoin(replicas, ", "));
       attempt.mutable_options()->set_timeout_ms(static_cast<uint32_t>(left.count()));

@@ -238,6 +238,11 @@ class _Session:
                 resp = self._client._stub.Register(r, timeout=self._client.timeout)
                 with self._lock:
                     self.failures.pop((r.group, r.rank), None)
+                    gone = (r.group, r.rank) not in self.ranks  # unregistered meanwhile: undo
+                if gone:
+                    self._client._stub.Unregister(service_pb2.UnregisterRequest(
+                        group=r.group, rank=r.rank, registration=resp.registration), timeout=self._client.timeout)
+                    continue
                 with self._client._registrations_lock:
                     self._client._registrations[(r.group, r.rank)] = resp.registration
             except grpc.RpcError as e:
@@ -525,20 +530,34 @@ class Client:
     def unregister(self, group: str, rank: int, registration: Optional[int] = None) -> None:
         """Unregisters `rank` of `group` as this client registered it (or `registration`, a
         RegisterResponse.registration): a later registration of the rank, by another process, is
-        left alone (FAILED_PRECONDITION naming its holder)."""
+        left alone (FAILED_PRECONDITION naming its holder). Refused while a sync still uses the
+        rank (FAILED_PRECONDITION): it stays this client's, and unregistering again later works."""
         what = f'unregister group "{group}" rank {rank}'
         self._check_open(what)
-        if self._session is not None:
+        entry, failure = None, None
+        if self._session is not None:  # out first: the session must not register it again meanwhile
             with self._session._lock:
-                self._session.ranks.pop((group, rank), None)
-                self._session.failures.pop((group, rank), None)
+                entry = self._session.ranks.pop((group, rank), None)
+                failure = self._session.failures.pop((group, rank), None)
         with self._registrations_lock:
             known = self._registrations.pop((group, rank), 0)
-        registration = known if registration is None else registration
+        # A rank this client's session registered again after its daemon restarted holds a new
+        # registration: that one is this client's now, whatever the caller kept.
+        registration = known if registration is None or (entry is not None and known) else registration
         try:
             self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank, registration=registration),
                                   timeout=self.timeout)
         except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND and "taken over" not in (e.details() or ""):
+                # Still registered here (a sync uses it, or the daemon did not answer): still ours.
+                if entry is not None:
+                    with self._session._lock:
+                        self._session.ranks[(group, rank)] = entry
+                        if failure is not None:
+                            self._session.failures[(group, rank)] = failure
+                if known:
+                    with self._registrations_lock:
+                        self._registrations[(group, rank)] = known
             raise self._fail(e, what) from None
 
     # ---- fences ----

@@ -145,6 +145,59 @@ def mint_certificates(directory: str, binary: str) -> Tuple[TlsFiles, TlsFiles]:
             TlsFiles(ca=str(d / "ca.pem"), cert=str(d / "client.pem"), key=str(d / "client.key")))
 
 
+class Namespaces:
+    """Network namespaces for LocalCluster(netns=True), as bench/cluster.sh makes them without
+    shaping: one per node ("sc-<node>", node k at 10.77.0.<k+2>/24) and a switch ("sc-switch")
+    bridging them. Made on entry, removed on exit whatever happens (root only: ip netns). A node
+    can be cut off the network (partition) and joined again (heal) while its daemon runs."""
+
+    def __init__(self, nodes: Sequence[str]) -> None:
+        self.nodes: List[str] = list(nodes)
+        self._made: List[str] = []
+
+    @staticmethod
+    def _ip(*args: str, ns: Optional[str] = None) -> None:
+        argv = (["ip", "netns", "exec", ns, "ip"] if ns else ["ip"]) + list(args)
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
+
+    def __enter__(self) -> "Namespaces":
+        try:
+            self._ip("netns", "add", "sc-switch")
+            self._made.append("sc-switch")
+            self._ip("link", "add", "br0", "type", "bridge", ns="sc-switch")
+            self._ip("link", "set", "br0", "up", ns="sc-switch")
+            for k, node in enumerate(self.nodes):
+                ns = f"sc-{node}"
+                self._ip("netns", "add", ns)
+                self._made.append(ns)
+                self._ip("link", "add", f"scv{k}", "netns", ns, "type", "veth", "peer", "name", f"p{k}", "netns",
+                         "sc-switch")
+                self._ip("link", "set", f"scv{k}", "name", "eth0", ns=ns)
+                self._ip("addr", "add", f"10.77.0.{k + 2}/24", "dev", "eth0", ns=ns)
+                self._ip("link", "set", "eth0", "up", ns=ns)
+                self._ip("link", "set", "lo", "up", ns=ns)
+                self._ip("link", "set", f"p{k}", "master", "br0", ns="sc-switch")
+                self._ip("link", "set", f"p{k}", "up", ns="sc-switch")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def partition(self, node: str) -> None:
+        """Cuts `node` off: its switch port goes down (packets to and from it are lost)."""
+        self._ip("link", "set", f"p{self.nodes.index(node)}", "down", ns="sc-switch")
+
+    def heal(self, node: str) -> None:
+        self._ip("link", "set", f"p{self.nodes.index(node)}", "up", ns="sc-switch")
+
+    def __exit__(self, *exc) -> None:
+        for ns in reversed(self._made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._made = []
+
+
 class LocalCluster:
     """Daemons for `nodes`, started on entry (or start()) and stopped on exit (or stop()), with
     mutual TLS between them (certificates minted into the cluster's temporary directory; pass

@@ -20,6 +20,7 @@ import secrets
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import _posixshmem  # the C module behind multiprocessing.shared_memory
+import grpc
 
 from shardcast.v1 import service_pb2
 
@@ -285,18 +286,28 @@ class Registration:
         return None if self._shared is None else self._shared.name
 
     def close(self) -> None:
+        """Unregisters the rank and releases its memory. Refused while a sync still uses the rank
+        (FAILED_PRECONDITION): then nothing is released, and closing again later works."""
         if self._client is not None:
             try:
                 self._client.unregister(self.group, self.rank, registration=self.registration)
-            except Exception as e:  # taken over: the rank is another process's now, nothing to undo here
-                if "was taken over by" not in str(e):
+            except Exception as e:
+                taken = "was taken over by" in str(e)  # another process's now: nothing to undo here
+                gone = getattr(e, "code", None) == grpc.StatusCode.NOT_FOUND
+                if not (taken or gone):
+                    raise  # still registered: still ours, memory and all
+                self._release()
+                if not taken:
                     raise
-            finally:
-                self._client = None
-                if self._shared is not None:
-                    self._shared.release()
-                if self._shadow is not None:
-                    self._shadow.release()
+                return
+            self._release()
+
+    def _release(self) -> None:
+        self._client = None
+        if self._shared is not None:
+            self._shared.release()
+        if self._shadow is not None:
+            self._shadow.release()
 
     def __enter__(self) -> "Registration":
         return self

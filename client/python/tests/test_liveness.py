@@ -78,6 +78,11 @@ def test_clients_re_register_by_themselves_after_their_daemon_restarts(tmp_path)
     with LocalCluster(["n0", "n1"]) as c:
         src, dst = shardcast.Client(c.target("n0")), shardcast.Client(c.target("n1"))
         trainers = rank_worker.register_trainers(src)
+        # (A rank registered and gone first: the restarted daemon numbers registrations anew, so
+        # the inference ranks' registrations differ from the first ones.)
+        dst.register("scratch", 0, 1, {"b": np.zeros(9, np.int64)},
+                     {"group": "scratch", "mesh": {"shape": [1]}, "nodes": ["n1"],
+                      "tensors": [{"name": "b", "shape": [9], "dtype": "int64", "placements": [{"replicate": {}}]}]}).close()
         infers = rank_worker.register_inference(dst)
         src.sync("trainer", "infer", 1)
         for node in ("n0", "n1"):
@@ -100,8 +105,10 @@ def test_clients_re_register_by_themselves_after_their_daemon_restarts(tmp_path)
         for r, reg in enumerate(infers):
             for n in rank_worker.SHAPES:
                 assert np.array_equal(reg.tensors[n], rank_worker.shard("infer", n, r, 2)), n
+        # Closed, ranks registered again by the session go (under their new registrations).
         for reg in trainers + infers:
             reg.close()
+        assert [(r.group, r.rank) for r in src.list(all_nodes=True).ranks] == []
 
 
 def test_a_failed_re_registration_raises_where_the_application_sees_it():

@@ -321,10 +321,63 @@ def test_a_catch_up_and_a_sync_into_the_set_never_write_the_seed_under_each_othe
         committed, why = got["rollout.r0"]
         assert not committed and "a catch-up is reading it" in why, why
         assert holds(r0, 1) and holds(r1, 2) and holds(r2, 2)
+        # Its client cannot unregister a rank being read: refused, and nothing is lost (it stays
+        # registered, its memory too), so closing again once the read ended works.
+        with pytest.raises(shardcast.ShardcastError) as busy:
+            r0[0].close()
+        assert busy.value.code == grpc.StatusCode.FAILED_PRECONDITION and "catch-up-r2" in busy.value.details
+        assert holds(r0, 1) and len([r for r in clients["n1"].list(all_nodes=False).ranks
+                                     if r.group == "rollout.r0"]) == 2
 
         _as_peer(c, "n1").Finish(service_pb2.FinishRequest(sync_id="catch-up-r2"), timeout=30)
         step(trainers, 3)
         assert all(ok for ok, _ in outcomes(src.sync("trainer", "rollout", 3)).values())
         assert all(holds(r, 3) for r in (r0, r1, r2))
         for reg in trainers + r0 + r1 + r2:
+            reg.close()
+
+
+def test_a_node_that_is_gone_is_forgotten_after_its_lease_and_nothing_waits_on_it():
+    """Static peers n0..n3, replica r2 on n3. n3's daemon freezes (SIGSTOP: its port still takes
+    connections, nothing answers). Within its lease a plain sync fails naming it and the set's sync
+    cuts r2 after the peer timeout (1.5 s here); past the lease (4 s) both go on without asking it
+    for longer than 100 ms and r2 is no longer named. Once n3 answers
+    again it takes part: the next sync repairs r2."""
+    shardcastd_path()
+    with LocalCluster(["n0", "n1", "n2", "n3"], extra=["--peer-lease-ms", "4000", "--peer-timeout-ms", "1500"]) as c:
+        clients, src, trainers, (r0, r1, r2) = trainer_and_replicas(c, 3)
+        infer = rank_worker.register_inference(clients["n1"])  # a plain group, on n1
+        src.sync("trainer", "rollout", 1)
+        src.sync("trainer", "infer", 1)
+        os.kill(c.daemons["n3"].proc.pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        try:
+            step(trainers, 2)
+            with pytest.raises(shardcast.ShardcastError) as within:
+                src.sync("trainer", "infer", 2)
+            assert 'node "n3"' in within.value.details, within.value.details
+            resp = src.sync("trainer", "rollout", 2)
+            assert resp.gather_seconds >= 1.5  # waited for n3, as the peer timeout says
+            assert outcomes(resp)["rollout.r2"][0] is False
+
+            time.sleep(max(0.0, frozen + 4.2 - time.monotonic()))  # past the lease
+            step(trainers, 3)
+            resp = src.sync("trainer", "infer", 3)
+            assert resp.gather_seconds < 1.5  # n3 was not waited for
+            assert holds(infer, 3)
+            resp = src.sync("trainer", "rollout", 3)
+            assert resp.gather_seconds < 1.5
+            assert outcomes(resp) == {"rollout.r0": (True, ""), "rollout.r1": (True, "")}
+            assert holds(r0, 3) and holds(r1, 3) and holds(r2, 1)
+            # Its metrics say so: the forgotten peer is down.
+            scrape = urllib.request.urlopen(f"http://127.0.0.1:{c.daemons['n0'].metrics_port}/metrics",
+                                            timeout=10).read().decode()
+            assert 'shardcast_peer_up{peer="n3"} 0' in scrape
+        finally:
+            os.kill(c.daemons["n3"].proc.pid, signal.SIGCONT)
+        step(trainers, 4)
+        resp = src.sync("trainer", "rollout", 4)
+        assert all(ok for ok, _ in outcomes(resp).values()) and len(resp.replicas) == 3, outcomes(resp)
+        assert all(holds(r, 4) for r in (r0, r1, r2))
+        for reg in trainers + r0 + r1 + r2 + infer:
             reg.close()

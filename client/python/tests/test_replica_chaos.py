@@ -1,0 +1,40 @@
+"""The replica-set chaos soak, CI-sized (bench/chaos.sh --replicas runs it for minutes): a trainer
+syncs every step into a replica set whose replicas join, leave, and are killed, frozen or (in
+network namespaces, as root) partitioned at random moments of the syncs; every rank's bytes are
+checked against its reported version after every sync (see replica_chaos.py)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+import pytest
+
+import replica_chaos
+
+
+def soak(netns: bool, seed: int, syncs: int) -> replica_chaos.Figures:
+    lines = []
+    with replica_chaos.ReplicaSoak(seed, netns=netns, log=lines.append) as s:
+        fig = s.run(syncs)
+    print({k: v for k, v in asdict(fig).items() if k != "problems"})
+    # Figures that depend on the machine's speed (late) are the bench's; the rest must hold.
+    problems = [p for p in fig.problems if "frozen took" not in p]
+    assert problems == [], "\n".join(problems + lines)
+    assert (fig.torn, fig.mislabeled, fig.healthy_cut, fig.failed, fig.wedged, fig.crashed) == (0, 0, 0, 0, 0, 0)
+    assert fig.committed == fig.syncs == syncs
+    return fig
+
+
+@pytest.mark.slow
+def test_replicas_join_leave_die_and_freeze_while_the_trainer_syncs_every_step():
+    fig = soak(netns=False, seed=11, syncs=30)
+    assert fig.joins > 0 and fig.leaves > 0 and fig.kills > 0 and fig.freezes > 0, fig
+    assert fig.replica_commits > 0 and fig.replicas_cut > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_replicas_partitioned_from_the_network_are_cut_and_repaired():
+    fig = soak(netns=True, seed=12, syncs=20)
+    assert fig.partitions > 0, fig
