@@ -146,23 +146,31 @@ bool PeerSet::forgottenLocked(const std::string& address, std::chrono::steady_cl
 }
 
 std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addrs,
-                                            std::vector<v1::DescribeResponse>* responses, bool syncs) const {
+                                            std::vector<v1::DescribeResponse>* responses, bool syncs,
+                                            const std::map<std::string, std::chrono::milliseconds>& briefly) const {
   // Every Describe at once: a gather costs about one round trip however many peers there are.
   const size_t n = addrs.size();
   responses->assign(n, {});
   v1::DescribeRequest request;
   request.set_syncs(syncs);
   std::vector<grpc::ClientContext> contexts(n);
-  std::vector<bool> forgotten(n, false);                // asked briefly: one that is back answers at once
+  std::vector<bool> forgotten(n, false);  // asked briefly: one that is back answers at once
+  std::vector<std::chrono::milliseconds> deadline(n, std::chrono::milliseconds(config_.peer_timeout_ms));
   const auto asked = std::chrono::steady_clock::now();  // a peer that fails was silent from here
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = 0; i < n; ++i) forgotten[i] = forgottenLocked(addrs[i], asked);
+    for (size_t i = 0; i < n; ++i) {
+      forgotten[i] = forgottenLocked(addrs[i], asked);
+      if (forgotten[i]) deadline[i] = std::min(deadline[i], std::chrono::milliseconds(100));
+      if (const auto node = nodes_.find(addrs[i]); node != nodes_.end())
+        if (const auto brief = briefly.find(node->second); brief != briefly.end())
+          deadline[i] = std::min(deadline[i], brief->second);
+    }
   }
   const auto statuses =
       fanOut(contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms),
              [&](size_t i, grpc::ClientContext& c, CallDone done) {
-               if (forgotten[i]) c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+               c.set_deadline(std::chrono::system_clock::now() + deadline[i]);
                v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &request, &(*responses)[i], std::move(done));
              });
   std::lock_guard<std::mutex> lock(mu_);
@@ -197,8 +205,8 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
   return statuses;
 }
 
-StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll(bool syncs,
-                                                              const std::map<std::string, std::string>& skip) const {
+StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll(bool syncs, const Ask& ask) const {
+  const auto& skip = ask.skip;
   SC_ASSIGN_OR_RETURN(auto addrs, addresses());
   const size_t n = addrs.size();
   std::vector<std::string> asked;  // the addresses not skipped, and where each is in addrs
@@ -219,7 +227,7 @@ StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll(bool syncs,
     }
   }
   std::vector<v1::DescribeResponse> answers, responses(n);
-  const auto answered = describe(asked, &answers, syncs);
+  const auto answered = describe(asked, &answers, syncs, ask.briefly);
   for (size_t j = 0; j < at.size(); ++j) {
     statuses[at[j]] = answered[j];
     responses[at[j]] = std::move(answers[j]);
@@ -282,8 +290,8 @@ std::map<std::string, bool> PeerSet::reachability() const {
 
 StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::DescribeResponse& self,
                                           const std::string& self_address, std::vector<std::string>* unreachable,
-                                          const std::map<std::string, std::string>& skip) {
-  SC_ASSIGN_OR_RETURN(auto described, peers.describeAll(false, skip));
+                                          const PeerSet::Ask& ask) {
+  SC_ASSIGN_OR_RETURN(auto described, peers.describeAll(false, ask));
   // Peers silent past their lease are not waited for, and fail nothing: the cluster is the others.
   described.erase(std::remove_if(described.begin(), described.end(), [](const auto& p) { return p.forgotten; }),
                   described.end());

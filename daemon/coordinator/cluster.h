@@ -47,11 +47,14 @@ class PeerSet {
     // Silent past its lease (DaemonConfig::peer_lease_ms): a gather goes on without it.
     bool forgotten = false;
   };
-  // Describe of every peer other than this node, each within the peer timeout; `syncs`: with the
-  // syncs each coordinates (DescribeRequest.syncs). Peers known to be one of the nodes in `skip`
-  // are not asked: they are unreachable, saying why (`skip`'s value).
-  StatusOr<std::vector<PeerView>> describeAll(bool syncs = false,
-                                              const std::map<std::string, std::string>& skip = {}) const;
+  // How a gather asks the peers known to be certain nodes (by node name).
+  struct Ask {
+    std::map<std::string, std::string> skip;                   // not asked: unreachable, saying why
+    std::map<std::string, std::chrono::milliseconds> briefly;  // asked with this deadline instead
+  };
+  // Describe of every peer other than this node, each within the peer timeout (or as `ask` says);
+  // `syncs`: with the syncs each coordinates (DescribeRequest.syncs).
+  StatusOr<std::vector<PeerView>> describeAll(bool syncs = false, const Ask& ask = {}) const;
   // The peers of the last addresses() that have described themselves, by node: reachable when
   // their channel is connected, or connecting or idle and the last Describe of them answered.
   // Sends no call (a scrape must stay cheap): a channel not connected is only nudged to connect,
@@ -73,7 +76,8 @@ class PeerSet {
   bool forgottenLocked(const std::string& address, std::chrono::steady_clock::time_point now) const;
   // Describe of each of `addrs` at once; remembers which node and transport address each gave.
   std::vector<grpc::Status> describe(const std::vector<std::string>& addrs,
-                                     std::vector<v1::DescribeResponse>* responses, bool syncs = false) const;
+                                     std::vector<v1::DescribeResponse>* responses, bool syncs = false,
+                                     const std::map<std::string, std::chrono::milliseconds>& briefly = {}) const;
 
   DaemonConfig config_;
   std::string instance_;
@@ -146,11 +150,11 @@ struct ClusterSnapshot {
     addresses = std::move(addrs);
   }
 };
-// `unreachable`: as in ClusterView::build; `skip`: as in PeerSet::describeAll.
+// `unreachable`: as in ClusterView::build; `ask`: as in PeerSet::describeAll.
 StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::DescribeResponse& self,
                                           const std::string& self_address,
                                           std::vector<std::string>* unreachable = nullptr,
-                                          const std::map<std::string, std::string>& skip = {});
+                                          const PeerSet::Ask& ask = {});
 
 // "0-2, 5, 7-9"
 std::string rankRanges(const std::vector<int32_t>& ranks);

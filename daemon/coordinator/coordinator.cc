@@ -250,8 +250,15 @@ Status SyncCoordinator::gather() {
     // Daemons that do not answer: a replica set syncs without the replicas on them; any other
     // sync fails, naming the first.
     std::vector<std::string> unreachable;
-    auto snapshot =
-        snapshotCluster(ctx_.peers, ctx_.registry.describe(), ctx_.self_address, &unreachable, ctx_.failed_nodes);
+    // Nodes that failed an earlier attempt are not asked again; with a replica deadline, nodes
+    // that held only this set's replicas at its last sync get no longer than that deadline to
+    // answer (a frozen replica costs the deadline here too, not the peer timeout).
+    PeerSet::Ask ask{ctx_.failed_nodes, {}};
+    if (const auto deadline = std::chrono::milliseconds(req_.options().replica_deadline_ms()); deadline.count() > 0)
+      for (const auto& [group, member] : ctx_.replica_sets.recall(req_.dst_group()))
+        for (const auto& node : member.nodes)
+          if (node != ctx_.config.node) ask.briefly[node] = std::max(deadline, std::chrono::milliseconds(200));
+    auto snapshot = snapshotCluster(ctx_.peers, ctx_.registry.describe(), ctx_.self_address, &unreachable, ask);
     StatusOr<v1::Layout> src = absl::UnknownError(""), dst = absl::UnknownError("");
     const bool replica_set = snapshot.ok() && !snapshot->view.replicasOf(req_.dst_group()).empty();
     if (snapshot.ok() && !unreachable.empty() && !replica_set) snapshot = absl::UnavailableError(unreachable.front());

@@ -44,10 +44,10 @@ void Outbox::completed(int32_t node, uint64_t bytes, int64_t ops) {
   nodes_[node].bytes_in_flight -= bytes;
 }
 
-std::vector<std::shared_ptr<transport::Endpoint>> Outbox::inFlight() const {
+std::vector<std::shared_ptr<transport::Endpoint>> Outbox::endpoints() const {
   std::vector<std::shared_ptr<transport::Endpoint>> out;
   for (const auto& [node, n] : nodes_)
-    if (n.bytes_in_flight > 0 && n.endpoint) out.push_back(n.endpoint);
+    if (n.endpoint) out.push_back(n.endpoint);
   return out;
 }
 
@@ -174,7 +174,7 @@ size_t SyncAttempt::cancelWrites(const std::string& node) {
   std::vector<std::shared_ptr<transport::Endpoint>> stuck;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& endpoint : outbox_.inFlight())
+    for (auto& endpoint : outbox_.endpoints())
       if (endpoint->peerName() == node) stuck.push_back(std::move(endpoint));
   }
   for (const auto& endpoint : stuck) {  // outside the lock: their completions take it

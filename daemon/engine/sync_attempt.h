@@ -66,8 +66,8 @@ class Outbox {
   void completed(int32_t node, uint64_t bytes, int64_t ops);
   // Drops every write not started yet (they will never complete).
   void dropQueued();
-  // The endpoints of the nodes with writes started and not completed.
-  std::vector<std::shared_ptr<transport::Endpoint>> inFlight() const;
+  // The endpoints this attempt writes over (one per node it wrote to).
+  std::vector<std::shared_ptr<transport::Endpoint>> endpoints() const;
   int64_t pending() const { return pending_; }
 
  private:

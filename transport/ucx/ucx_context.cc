@@ -255,7 +255,25 @@ struct Callbacks {
     const RequestRelease release{request};
     const RequestCtxPtr ctx(static_cast<RequestCtx*>(user));
     if (st == UCS_OK && !ctx->payload.empty()) ctx->engine->deliver(std::move(ctx->payload), ctx->key);
+    // A receive that failed with its connection (the peer timed out, reset or cancelled it) is not
+    // acked: the reply endpoint is failed, UCX may already have released it, and a send on it
+    // crashed the daemon under partitions; the sender's write fails with the same connection.
+    if (connectionLost(st)) return;
     ctx->engine->sendAck(ctx->reply_ep, ctx->op_id, st == UCS_OK ? Status() : statusFromUcs("receive", st), ctx->key);
+  }
+  static bool connectionLost(ucs_status_t st) {
+    switch (st) {
+      case UCS_ERR_ENDPOINT_TIMEOUT:
+      case UCS_ERR_CONNECTION_RESET:
+      case UCS_ERR_CANCELED:
+      case UCS_ERR_UNREACHABLE:
+      case UCS_ERR_NOT_CONNECTED:
+      case UCS_ERR_IO_ERROR:
+      case UCS_ERR_REJECTED:
+        return true;
+      default:
+        return false;
+    }
   }
   static ucs_status_t onAmData(void* arg, const void* header, size_t hlen, void* data, size_t len,
                                const ucp_am_recv_param_t* param) {

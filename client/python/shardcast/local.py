@@ -146,13 +146,14 @@ def mint_certificates(directory: str, binary: str) -> Tuple[TlsFiles, TlsFiles]:
 
 
 class Namespaces:
-    """Network namespaces for LocalCluster(netns=True), as bench/cluster.sh makes them without
-    shaping: one per node ("sc-<node>", node k at 10.77.0.<k+2>/24) and a switch ("sc-switch")
+    """Network namespaces for LocalCluster(netns=True), as bench/cluster.sh makes them: one per node ("sc-<node>", node k at 10.77.0.<k+2>/24) and a switch ("sc-switch")
     bridging them. Made on entry, removed on exit whatever happens (root only: ip netns). A node
-    can be cut off the network (partition) and joined again (heal) while its daemon runs."""
+    can be cut off the network (partition) and joined again (heal) while its daemon runs.
+    `rate_mbit`: each node's link limited to that rate both ways (tc tbf), as on a real fabric."""
 
-    def __init__(self, nodes: Sequence[str]) -> None:
+    def __init__(self, nodes: Sequence[str], rate_mbit: int = 0) -> None:
         self.nodes: List[str] = list(nodes)
+        self.rate_mbit = rate_mbit
         self._made: List[str] = []
 
     @staticmethod
@@ -180,6 +181,14 @@ class Namespaces:
                 self._ip("link", "set", "lo", "up", ns=ns)
                 self._ip("link", "set", f"p{k}", "master", "br0", ns="sc-switch")
                 self._ip("link", "set", f"p{k}", "up", ns="sc-switch")
+                if rate_mbit := self.rate_mbit:
+                    burst = str(max(65536, rate_mbit * 1_000_000 // 8 // 100))  # 10 ms at the rate
+                    for ns_, dev in ((ns, "eth0"), ("sc-switch", f"p{k}")):  # its egress, then its ingress
+                        tc = ["ip", "netns", "exec", ns_, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                              f"{rate_mbit}mbit", "burst", burst, "latency", "200ms"]
+                        done = subprocess.run(tc, capture_output=True, text=True)
+                        if done.returncode != 0:
+                            raise RuntimeError(f"{' '.join(tc)} failed: {done.stderr.strip()}")
         except BaseException:
             self.__exit__()
             raise
