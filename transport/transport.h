@@ -130,9 +130,6 @@ class Endpoint {
   // Closes: operations not completed yet fail with FAILED_PRECONDITION, and so do later ones (UCX
   // then closes the connection, flushing it unless it had failed). Idempotent.
   virtual void close() = 0;
-  // Closes without waiting for the peer: what is not completed fails at once (UCX: the connection
-  // is closed by force, unflushed), for a peer that stopped taking writes. Idempotent.
-  virtual void cancel() { close(); }
   // False once closed, or (UCX) once the peer failed (went away, or stopped completing operations
   // within the op timeout): then Context::connect makes a new endpoint to that address. A loopback
   // endpoint stays open; its operations to a peer that is gone fail with UNAVAILABLE.

@@ -815,22 +815,26 @@ Status SyncCoordinator::commit() {
 
 std::vector<grpc::Status> SyncCoordinator::finishAll(bool commit, const std::string& reason,
                                                      const std::string& silent) {
-  // Its own deadline (not the sync's): a sync given up for its timeout must still be ended. A node
-  // found silent gets 100 ms: its own lease ends its part if the abort does not reach it.
+  // Its own deadline (not the sync's): a sync given up for its timeout must still be ended. Given
+  // up for a silent node, the abort waits 100 ms for that node and 250 ms for the others: each
+  // daemon ends its part by itself (its own lease, if the abort does not reach it), and one still
+  // exchanging bytes with the silent node would hold the coordinator until that transfer fails.
   v1::FinishRequest f;
   f.set_sync_id(id_);
   f.set_fence(fence_);
   f.set_commit(commit);
   f.set_executed(executed_);
   f.set_reason(reason);
-  f.set_silent_node(silent);
   std::vector<v1::FinishResponse> r(peers_->size());
   std::vector<grpc::ClientContext> contexts(peers_->size());
   auto results = fanOut(
       contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(ctx_.config.peer_timeout_ms),
       [&](size_t i, grpc::ClientContext& c, CallDone done) {
-        if (!silent.empty() && cluster_->view.daemons()[i].node() == silent)
-          c.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+        if (!silent.empty())
+          c.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::milliseconds(cluster_->view.daemons()[i].node() == silent
+                                                       ? 100
+                                                       : std::min(250, ctx_.config.peer_timeout_ms)));
         v1::Peer::NewStub(ctx_.peers.channel(cluster_->addresses[i]))->async()->Finish(&c, &f, &r[i], std::move(done));
       });
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {  // what the sync left each node's ranks at, for Watch

@@ -44,13 +44,6 @@ void Outbox::completed(int32_t node, uint64_t bytes, int64_t ops) {
   nodes_[node].bytes_in_flight -= bytes;
 }
 
-std::vector<std::shared_ptr<transport::Endpoint>> Outbox::endpoints() const {
-  std::vector<std::shared_ptr<transport::Endpoint>> out;
-  for (const auto& [node, n] : nodes_)
-    if (n.endpoint) out.push_back(n.endpoint);
-  return out;
-}
-
 void Outbox::dropQueued() {
   for (auto& [node, n] : nodes_) {
     pending_ -= 2 * static_cast<int64_t>(n.queued.size());
@@ -168,20 +161,6 @@ Registry::SyncEnd SyncAttempt::beginClose(Registry::SyncEnd end, const std::stri
 bool SyncAttempt::quiesce(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   return cv_.wait_for(lock, timeout, [&] { return outbox_.pending() == 0 && executes_ == 0; });
-}
-
-size_t SyncAttempt::cancelWrites(const std::string& node) {
-  std::vector<std::shared_ptr<transport::Endpoint>> stuck;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& endpoint : outbox_.endpoints())
-      if (endpoint->peerName() == node) stuck.push_back(std::move(endpoint));
-  }
-  for (const auto& endpoint : stuck) {  // outside the lock: their completions take it
-    spdlog::warn("sync {}: writes to '{}' still in flight as it ends: cancelled", id, endpoint->peerName());
-    endpoint->cancel();
-  }
-  return stuck.size();
 }
 
 void SyncAttempt::drain() {

@@ -66,8 +66,6 @@ class Outbox {
   void completed(int32_t node, uint64_t bytes, int64_t ops);
   // Drops every write not started yet (they will never complete).
   void dropQueued();
-  // The endpoints this attempt writes over (one per node it wrote to).
-  std::vector<std::shared_ptr<transport::Endpoint>> endpoints() const;
   int64_t pending() const { return pending_; }
 
  private:
@@ -150,9 +148,6 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   // closing: waits until every write this node started completed or failed and every execute
   // returned; false if that takes longer than `timeout`.
   bool quiesce(std::chrono::milliseconds timeout);
-  // Fails the writes to `node` in flight at once: its endpoint is cancelled (for an attempt that
-  // ends with that peer silent). Returns how many endpoints.
-  size_t cancelWrites(const std::string& node);
   // closing -> draining: peers' writes into this node were still landing when it ended.
   void drain();
   // closing|draining -> closed.

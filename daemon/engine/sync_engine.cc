@@ -231,22 +231,16 @@ StatusOr<v1::FinishResponse> SyncEngine::finish(const v1::FinishRequest& req) {
   }
   Registry::SyncEnd end = Registry::SyncEnd::kCommit;
   if (!req.commit()) end = req.executed() ? Registry::SyncEnd::kDirty : Registry::SyncEnd::kRevert;
-  return close(a, end, req.reason().empty() ? "aborted by its coordinator" : req.reason(), req.silent_node());
+  return close(a, end, req.reason().empty() ? "aborted by its coordinator" : req.reason());
 }
 
 StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt>& a, Registry::SyncEnd end,
-                                               const std::string& reason, const std::string& silent) {
+                                               const std::string& reason) {
   const bool commit = end == Registry::SyncEnd::kCommit;
   end = a->beginClose(end, node_, reason);
   // Peers write into rank buffers directly: before the group may take another sync, every write
   // this node started has to complete or fail (the transport bounds each by its op timeout), and
   // this node's own execute calls (local copies into its ranks) have to return.
-  // An attempt given up for a silent peer (frozen, partitioned) does not wait on it: after a short
-  // grace, the writes to it still in flight fail at once (the endpoint cancelled; the peer refuses
-  // whatever of them reaches it later, the attempt's fence closed there). Writes to the others
-  // complete as usual: cancelling them would leave their receivers waiting on broken transfers.
-  if (end != Registry::SyncEnd::kCommit && !silent.empty() && !a->quiesce(std::chrono::milliseconds(250)))
-    a->cancelWrites(silent);
   if (!a->quiesce(std::chrono::seconds(120)))
     spdlog::error("sync {}: writes or executes still pending 120 s after it ended", a->id);
   // Peers' writes into the rank buffers are all done: a segment truncated under them fails the

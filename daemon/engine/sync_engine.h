@@ -74,10 +74,9 @@ class SyncEngine {
   void onNotification(const std::string& payload, const transport::WriteKey& key);
   StatusOr<v1::PrepareResponse> prepareTargets(const std::shared_ptr<SyncAttempt>& a, bool hit);
   // Ends a sync here (taken out of the table already): closing, waits for its writes, then tells
-  // the registry; draining when peers' writes into this node are still landing. `silent`: a peer
-  // its coordinator found silent (its writes to it are not waited for).
+  // the registry; draining when peers' writes into this node are still landing.
   StatusOr<v1::FinishResponse> close(const std::shared_ptr<SyncAttempt>& a, Registry::SyncEnd end,
-                                     const std::string& reason, const std::string& silent = "");
+                                     const std::string& reason);
   // The reaper thread: aborts syncs whose coordinator's lease ran out, ends drained ones.
   void reap();
 

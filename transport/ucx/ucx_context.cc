@@ -823,10 +823,6 @@ class UcxEndpoint final : public Endpoint {
     state_->usable = false;
     engine_->mailbox().post([e = engine_.get(), s = state_] { e->closeEndpoint(s, false); });
   }
-  void cancel() override {
-    state_->usable = false;
-    engine_->mailbox().post([e = engine_.get(), s = state_] { e->closeEndpoint(s, true); });
-  }
   bool open() const override { return state_->usable; }
   const std::string& peerName() const override { return state_->name; }
 

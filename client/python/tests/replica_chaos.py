@@ -15,8 +15,9 @@ After every sync it checks:
   racing catch-up (as seed or as the one caught up), committed (one hit by an earlier sync's fault
   may stay cut for RECOVERY_S while its daemon fails the writes cancelled under it: counted as
   recovering_cut, and the longest a replica took to commit again after a fault is recovery_max_s;
-  one still receiving the first attempt's bytes from the replica this sync froze or cut off, when
-  the sync runs again without it, is held until that transfer fails or completes: downstream_cut);
+  one still exchanging the first attempt's bytes with the replica this sync froze or cut off, when
+  the sync runs again without it, is held until that transfer fails or completes: downstream_cut,
+  and held_cut when that hold outlasts the sync, within RECOVERY_S of the fault);
 - failed: the sync failed as a whole (the trainer is never hit: it must not);
 - wedged: after recovery, a sync that still fails 3 times;
 - late: a sync with a frozen replica that took longer than its replica deadline plus a clean
@@ -92,7 +93,8 @@ class Figures:
     replica_commits: int = 0
     replicas_cut: int = 0
     healthy_cut: int = 0
-    downstream_cut: int = 0  # held by a transfer from the replica this sync froze or partitioned
+    downstream_cut: int = 0  # held by a transfer with the replica this sync froze or partitioned
+    held_cut: int = 0  # the same, for a fault of an earlier sync (within RECOVERY_S)
     recovering_cut: int = 0  # cut while still recovering from the fault of an earlier sync
     recovery_max_s: float = 0.0  # the longest from a fault's end to the replica's next commit
     torn: int = 0
@@ -121,7 +123,8 @@ class Replica:
 
 class ReplicaSoak:
     def __init__(self, seed: int, *, netns: bool = False, deadline: float = 1.0, lease_ms: int = 1000,
-                 log=print, verbose: bool = False) -> None:
+                 min_live: int = MIN_LIVE, log=print, verbose: bool = False) -> None:
+        self.min_live = min_live
         self.rng = random.Random(seed)
         self.log = log
         self.verbose = verbose
@@ -138,6 +141,7 @@ class ReplicaSoak:
         self.clients: Dict[str, shardcast.Client] = {}
         self.trainer: List[shardcast.Registration] = []
         self.replicas: Dict[str, Replica] = {}  # node -> the replica on it
+        self.last_fault = -1e9  # when the last fault ended
         self.frozen_over: List[float] = []  # each frozen sync's seconds past its replica deadline
         self.recovering: Dict[str, float] = {}  # replica group -> when the fault that hit it ended
 
@@ -154,7 +158,7 @@ class ReplicaSoak:
             self.trainer = [self.clients[TRAINER].register(
                 "trainer", r, TRAINER_WORLD, {n: piece(n, 0, TENSORS[n][1], r, TRAINER_WORLD) for n in TENSORS}, tl,
                 role="source") for r in range(TRAINER_WORLD)]
-            for node in SLOTS[:MIN_LIVE + 1]:
+            for node in SLOTS[:self.min_live + 1]:
                 self.join(node, count=False)
         except BaseException:
             self.__exit__()
@@ -248,7 +252,7 @@ class ReplicaSoak:
         free = [n for n in SLOTS if n not in self.replicas]
         if roll < 0.2 and free and len(self.replicas) < MAX_LIVE:
             return self.join(self.rng.choice(free))
-        if roll < 0.35 and len(self.replicas) > MIN_LIVE:
+        if roll < 0.35 and len(self.replicas) > self.min_live:
             self.leave(self.rng.choice(sorted(self.replicas)))
         return None
 
@@ -292,7 +296,7 @@ class ReplicaSoak:
         took = time.monotonic() - began
         if injector:
             injector.join()
-            self.recovering[members[target].group] = time.monotonic()
+            self.recovering[members[target].group] = self.last_fault = time.monotonic()
         if racer:
             racer.join()
         if resp is None:
@@ -346,11 +350,15 @@ class ReplicaSoak:
                 self.fig.recovering_cut += 1
                 excused = True
             why = o.cut if o else ""
-            if not excused and kind in ("freeze", "partition") and (
-                    "another sync is writing it" in why or "still landing" in why):
-                # Still taking the first attempt's bytes from the replica that froze or was cut off
-                # (its relay chain ran through it) when the sync ran again without that one.
+            busy = "another sync is writing it" in why or "still landing" in why
+            if not excused and busy and kind in ("freeze", "partition"):
+                # Still exchanging the first attempt's bytes with the replica that froze or was cut
+                # off (its relay chain ran through it) when the sync ran again without that one.
                 self.fig.downstream_cut += 1
+                excused = True
+            elif not excused and busy and now - self.last_fault < RECOVERY_S:
+                # The same, past the sync of that fault: held until the transfer fails or completes.
+                self.fig.held_cut += 1
                 excused = True
             if not excused:
                 self.fig.healthy_cut += 1
