@@ -342,8 +342,9 @@ class ReplicaSoak:
                     del self.recovering[replica.group]
                 continue
             self.fig.replicas_cut += 1
-            excused = node == target or (racing and replica is joined) or (
-                racing and ("a catch-up is reading it" in (o.cut if o else "") or replica.group == seed))
+            cut = o.cut if o else ""
+            excused = node == target or (racing and replica is joined) or (racing and (
+                "a catch-up is reading it" in cut or "(a catch-up seeded from it)" in cut or replica.group == seed))
             if not excused and hit_before is not None and now - hit_before < RECOVERY_S:
                 # Frozen or cut off mid-write by an earlier sync: held until the writes cancelled
                 # under it have failed on its side (docs/reliability.md, "Replica sets under chaos").
