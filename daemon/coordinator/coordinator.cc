@@ -329,6 +329,23 @@ Status SyncCoordinator::gather() {
   }
 }
 
+namespace {
+
+// Every replica of `set` registered in `view`, and the nodes holding its ranks.
+ReplicaMemory::Members membersOf(const ClusterView& view, const std::string& set) {
+  ReplicaMemory::Members members;
+  for (const auto& d : view.daemons())
+    for (const auto& r : d.ranks())
+      if (const v1::Layout* l = view.layoutOf(r.group()); l && l->replica_set() == set) {
+        auto& member = members[r.group()];
+        member.replica = l->replica();
+        member.nodes.insert(d.node());
+      }
+  return members;
+}
+
+}  // namespace
+
 Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vector<std::string>& unreachable) {
   replicas_.clear();
   outcomes_.clear();
@@ -340,14 +357,7 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
     outcomes_.push_back(std::move(outcome));
   };
   // Where each replica's ranks are now, and where they were at the last sync into the set.
-  ReplicaMemory::Members now;
-  for (const auto& d : view.daemons())
-    for (const auto& r : d.ranks())
-      if (const v1::Layout* l = view.layoutOf(r.group()); l && l->replica_set() == req_.dst_group())
-        now[r.group()] = {l->replica(), {}};
-  for (const auto& d : view.daemons())
-    for (const auto& r : d.ranks())
-      if (auto it = now.find(r.group()); it != now.end()) it->second.nodes.insert(d.node());
+  ReplicaMemory::Members now = membersOf(view, req_.dst_group());
   std::set<std::string> silent;  // nodes of daemons that do not answer
   for (const auto& [address, node] : ctx_.peers.knownNodes())
     for (const auto& why : unreachable)
@@ -499,6 +509,7 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
     seed_ = true;
   }  // else the source: the request's src_group, which must have published the version
   spdlog::info("sync {}: catching \"{}\" up to version {} from \"{}\"", id_, dst, version_, src_group_);
+  ctx_.replica_sets.learn(layout->replica_set(), membersOf(view, layout->replica_set()));
   return absl::OkStatus();
 }
 

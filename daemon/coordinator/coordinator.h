@@ -51,6 +51,13 @@ class ReplicaMemory {
     std::lock_guard<std::mutex> lock(mu_);
     sets_[set] = std::move(members);
   }
+  // Adds (or moves) the replicas `seen` without forgetting the others: what a catch-up this
+  // daemon coordinates learns of the set (a replica that joined through it is then named when
+  // its node goes silent before the set's next sync).
+  void learn(const std::string& set, const Members& seen) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [group, member] : seen) sets_[set][group] = member;
+  }
 
  private:
   mutable std::mutex mu_;

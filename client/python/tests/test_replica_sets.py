@@ -381,3 +381,30 @@ def test_a_node_that_is_gone_is_forgotten_after_its_lease_and_nothing_waits_on_i
         assert all(holds(r, 4) for r in (r0, r1, r2))
         for reg in trainers + r0 + r1 + r2 + infer:
             reg.close()
+
+
+def test_a_replica_that_joined_by_a_catch_up_is_named_when_its_node_goes_silent_before_the_next_sync():
+    """Replica r1 joins after version 1 and catches up through the trainer's daemon (the one that
+    coordinates the set's syncs); its daemon then freezes before the next sync. That sync names r1
+    as cut (its node does not answer) after the replica deadline, and r0 commits."""
+    shardcastd_path()
+    with LocalCluster(["n0", "n1", "n2"]) as c:
+        clients, src, trainers, (r0,) = trainer_and_replicas(c, 1)
+        src.sync("trainer", "rollout", 1)
+        r1 = register_replica(clients["n2"], 1, "n2")
+        assert src.catch_up("rollout.r1", "trainer").seeded_from == "rollout.r0"
+        assert holds(r1, 1)
+        os.kill(c.daemons["n2"].proc.pid, signal.SIGSTOP)
+        try:
+            step(trainers, 2)
+            resp = src.sync("trainer", "rollout", 2, replica_deadline=0.5)
+            got = outcomes(resp)
+            assert got["rollout.r0"] == (True, ""), got
+            committed, why = got["rollout.r1"]
+            assert not committed and 'node(s) "n2"' in why and "do not answer" in why, why
+            assert holds(r0, 2)
+        finally:
+            os.kill(c.daemons["n2"].proc.pid, signal.SIGCONT)
+        assert holds(r1, 1)
+        for reg in trainers + r0 + r1:
+            reg.close()

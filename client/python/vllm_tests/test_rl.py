@@ -83,6 +83,45 @@ def test_a_daemon_killed_mid_update_raises_naming_the_rank_and_vllm_serves_on(mo
     assert out["weight_version"] == "3"
 
 
+def test_vllm_servers_as_replicas_one_joins_by_catch_up_one_dies_and_the_other_takes_the_step(models, tmp_path):
+    # Two offline vLLMs (TP=1, double-buffered) on daemons n1 and n2 driven through ReplicaClients:
+    # replicas 0 and 1 of the set "vllm"; the trainer (plain tensors) on n0.
+    out = run_script("run_replicas.py", models["llama"], str(tmp_path), env_extra=IN_PROCESS, timeout=600)
+    fresh = run_script("run_generate.py", "1", *[out[f"dir_{n}"] for n in range(1, 5)],
+                       env_extra=IN_PROCESS)["served"]
+    assert out["replicas_1"] == {"vllm.r0": ""}
+    # Replica 1 joined after step 1 and caught up from replica 0: the trainer sent nothing for it.
+    assert out["joined_as"] == 1
+    assert out["caught_up"] == {"vllm.r1": "vllm.r0"}
+    assert out["trainer_sent_for_catch_up"] == 0
+    assert [c["group"] for checks in out["checks_1"] for c in checks] == ["vllm.r0", "vllm.r1"]
+    assert out["served_1"] == [fresh[0], fresh[0]]
+    assert all(c["wrong"] == [] for checks in out["checks_1"] for c in checks)
+    # Step 2: replica 1's node frozen past the deadline: cut from the sync and named, then caught up
+    # from replica 0 inside the update; both serve step 2.
+    assert out["failure_2"] == "" and out["failed_2"] == {} and out["updated_2"] == [0, 1]
+    assert out["replicas_2"]["vllm.r0"] == ""
+    assert 'node(s) "n2"' in out["replicas_2"]["vllm.r1"], out["replicas_2"]
+    assert any("'vllm.r1' was cut" in w for w in out["warnings_2"]), out["warnings_2"]
+    assert out["checks_2"][1][0]["seeded_from"] == "vllm.r0"
+    assert out["served_2"] == [fresh[1], fresh[1]]
+    assert all(c["wrong"] == [] for checks in out["checks_2"] for c in checks)
+    # Step 3: replica 1's node frozen, then killed: cut and named, its update fails naming its rank,
+    # replica 0 takes the step and send_weights does not raise; replica 1 serves step 2 as before.
+    assert out["failure_3"] == ""
+    assert out["replicas_3"]["vllm.r0"] == "" and out["replicas_3"]["vllm.r1"] != "", out["replicas_3"]
+    assert list(out["failed_3"]) == ["1"] and out["updated_3"] == [0]
+    assert 'rank 0 of group "vllm.r1" on node "n2"' in out["failed_3"]["1"], out["failed_3"]
+    assert any("replica 1 of 'vllm'" in w for w in out["warnings_3"]), out["warnings_3"]
+    assert out["served_3"] == [fresh[2], fresh[1]]
+    assert all(c["wrong"] == [] for c in out["checks_3"][0])
+    # Step 4, after n2's restart: both replicas take it.
+    assert out["replicas_4"] == {"vllm.r0": "", "vllm.r1": ""}
+    assert out["served_4"] == [fresh[3], fresh[3]]
+    assert all(c["wrong"] == [] for checks in out["checks_4"] for c in checks)
+    assert out["weight_versions"] == ["4", "4"]
+
+
 MOE_EXPERTS = [f"model.layers.{layer}.mlp.experts.routed_experts.{w}" for layer in (0, 1) for w in ("w13_weight",
                                                                                                    "w2_weight")]
 

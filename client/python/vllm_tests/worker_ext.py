@@ -10,7 +10,8 @@ class ShardcastCheck:
     def shardcast_check(self, checkpoint_dir: str) -> dict:
         """Every tensor this worker's rank registered (a view into the live parameter for direct
         ones, the staging tensor for processed ones) against its box of the checkpoint in
-        `checkpoint_dir`: the names that differ, and which parameters took which path."""
+        `checkpoint_dir`: the names that differ, and which parameters took which path; the group
+        the rank registered, and the group its last catch-up read ("" for none)."""
         import torch
         from safetensors import safe_open
 
@@ -22,5 +23,6 @@ class ShardcastCheck:
                 want = f.get_tensor(name)[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
                 if not torch.equal(view, want.to(view.dtype)):
                     wrong.append(name)
+        engine = self.weight_transfer_engine
         return {"wrong": wrong, "checked": len(memory.tensors), "direct": memory.direct,
-                "processed": memory.processed}
+                "processed": memory.processed, "group": engine.group, "seeded_from": engine.seeded_from}

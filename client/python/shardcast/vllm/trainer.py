@@ -25,8 +25,11 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from shardcast.vllm import plugin
+from shardcast.vllm.clients import replica_group
 from shardcast.vllm.fused import Part, box_view, checkpoint_boxes, hf_conversion
 from shardcast.vllm.names import checkpoint_names, is_data_parallel, refuse_fsdp1, strip_wrappers
+
+_log = logging.getLogger("shardcast")
 
 plugin.register()  # the trainer registry too, for a process that defines these first
 
@@ -40,7 +43,12 @@ class ShardcastTrainerInitInfo(TrainerInitInfo):
     the transfer, and a failed update leaves it serving the previous version); `wait_for_ranks`:
     a sync that finds a rank or a daemon missing waits for it (up to the daemon's sync timeout)
     instead of failing at once, naming it; `name_map`: a dict or a function from the trainer's
-    parameter names (without wrapper components) to the checkpoint's (shardcast.vllm.names)."""
+    parameter names (without wrapper components) to the checkpoint's (shardcast.vllm.names).
+
+    When `destination` is a replica set (vLLM's data-parallel engines, or servers driven through
+    shardcast.vllm.clients.ReplicaClients): `min_replicas`, the fewest replicas that must take
+    the version (0: 1), else `send_weights` raises; `replica_deadline_s`, how long a replica's
+    node may stay silent during a sync before it is cut (None: the daemons' sync lease)."""
 
     backend: ClassVar[str] = "shardcast"
     group: str = "trainer"
@@ -51,6 +59,8 @@ class ShardcastTrainerInitInfo(TrainerInitInfo):
     double_buffer: bool = False
     wait_for_ranks: bool = False
     name_map: Any = None
+    min_replicas: int = 0
+    replica_deadline_s: Optional[float] = None
 
 
 @dataclass
@@ -248,6 +258,10 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         self.registration = None
         self.version = 0
         self.collective: Optional[_Collective] = None
+        # A replica set's last sync (sender): each replica's group -> "" (committed) or why it was cut.
+        self.replicas: Dict[str, str] = {}
+        # Replicas added by add_replica: group -> the group their catch-up read.
+        self.caught_up: Dict[str, str] = {}
 
     @classmethod
     def trainer_init(cls, init_info: ShardcastTrainerInitInfo, *, client, source=None) -> "ShardcastTrainerEngine":
@@ -292,10 +306,12 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
 
     def _update(self, version: int) -> None:
         """The sender: sync `version` into the inference group and drive vLLM's update."""
+        info = self.info
         self.client.start_weight_update()
         try:
-            self.shardcast.sync(self.info.group, self.info.destination, version, delta=self.info.delta,
-                                wait_for_ranks=self.info.wait_for_ranks)
+            resp = self.shardcast.sync(info.group, info.destination, version, delta=info.delta,
+                                       wait_for_ranks=info.wait_for_ranks, min_replicas=info.min_replicas,
+                                       replica_deadline=info.replica_deadline_s)
         except Exception as sync_error:
             # vLLM's update session must end: update_weights on a version that did not arrive
             # raises on the workers (naming the rank and what it holds) and closes the session,
@@ -304,15 +320,66 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
             try:
                 self.client.update_weights({"version": version, "timeout_s": 1.0})
             except Exception as update_error:
-                raise RuntimeError(f"shardcast: version {version} did not reach {self.info.destination!r}: "
+                raise RuntimeError(f"shardcast: version {version} did not reach {info.destination!r}: "
                                    f"sync: {sync_error}; vLLM: {update_error}") from sync_error
-            logging.getLogger("shardcast").warning(
-                "shardcast: the sync of version %d into %r reported %s, yet every worker holds the version: "
-                "finishing the update", version, self.info.destination, sync_error)
+            _log.warning("shardcast: the sync of version %d into %r reported %s, yet every worker holds the "
+                         "version: finishing the update", version, info.destination, sync_error)
             self.client.finish_weight_update(str(version))
             return
-        self.client.update_weights({"version": version, "timeout_s": self.info.timeout_s})
+        self.replicas = {r.group: "" if r.committed else r.cut for r in resp.replicas}
+        for group, why in sorted(self.replicas.items()):
+            if why:
+                _log.warning("shardcast: replica %r was cut from the sync of version %d (%s); its workers catch "
+                             "up to it in this update", group, version, why)
+        # `source`: the sync has ended, so a replica that does not hold the version catches up.
+        self.client.update_weights({"version": version, "timeout_s": info.timeout_s, "source": info.group})
         self.client.finish_weight_update(str(version))
+        self._count_updated(version)
+
+    def _count_updated(self, version: int) -> None:
+        """ReplicaClients: names the servers whose update failed (the others finished it) and
+        raises when fewer than `min_replicas` took the version."""
+        failed = getattr(self.client, "failed", None)
+        if not isinstance(failed, dict) or not failed:
+            return
+        for replica, why in sorted(failed.items()):
+            _log.warning("shardcast: version %d did not reach replica %d of %r, which serves its previous "
+                         "version: %s", version, replica, self.info.destination, why)
+        updated = len(getattr(self.client, "updated", []))
+        if updated < max(1, self.info.min_replicas):
+            raise RuntimeError(f"shardcast: version {version} reached {updated} replica(s) of "
+                               f"{self.info.destination!r}, fewer than min_replicas={self.info.min_replicas}: "
+                               + "; ".join(f"replica {k}: {why}" for k, why in sorted(failed.items())))
+
+    def add_replica(self, client: Any) -> int:
+        """Sender only, with `client` a shardcast.vllm.clients.ReplicaClients: adds an inference
+        server (a client of the protocol) as the set's next replica, initialises it, and brings it
+        to the version last sent. The catch-up runs through the trainer's daemon (the one that
+        coordinates the set's syncs, which then knows the replica and names it if its node goes
+        silent); its bytes come from the replicas that hold the version (the trainer's network
+        stays free), or from the trainer when none does (`caught_up` records which). Returns its
+        replica id; raises, naming the replica, when the catch-up failed (the server stays in the
+        set, and the next `send_weights` reaches it)."""
+        if not self.is_sender:
+            raise RuntimeError("shardcast: add_replica runs on the sender rank")
+        add = getattr(self.client, "add", None)
+        if add is None:
+            raise TypeError("shardcast: add_replica needs the trainer engine's client to be a "
+                            "shardcast.vllm.clients.ReplicaClients")
+        replica = add(client)
+        if self.version > 0:
+            group = replica_group(self.info.destination, replica)
+            try:
+                resp = self.shardcast.catch_up(group, self.info.group, self.version, timeout=self.info.timeout_s)
+                self.caught_up[group] = resp.seeded_from
+                client.start_weight_update()
+                client.update_weights({"version": self.version, "timeout_s": self.info.timeout_s,
+                                       "source": self.info.group})
+                client.finish_weight_update(str(self.version))
+            except Exception as e:
+                raise RuntimeError(f"shardcast: replica {replica} of {self.info.destination!r} joined but did not "
+                                   f"catch up to version {self.version}: {e}") from e
+        return replica
 
     def shutdown(self) -> None:
         if self.registration is not None:
