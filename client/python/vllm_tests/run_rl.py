@@ -7,8 +7,9 @@ HTTPVLLMWeightSyncClient). After each step rank 0 saves the full weights to OUT/
 vLLM to serve, run_generate.py), records what vLLM serves, and asks every worker whether its
 registered bytes are that checkpoint's. Offline, an update to a version that never comes must
 raise and leave vLLM serving the last step. Prints one JSON result.
-Usage: python run_rl.py MODEL TP TARGET OUT STEPS offline|serve|offline-unserved
-  TP: "2ep" for expert parallelism. offline-unserved: offline, but vLLM generates nothing (vLLM
+Usage: python run_rl.py MODEL TP TARGET OUT STEPS offline|serve|serve-dp2|offline-unserved
+  TP: "2ep" for expert parallelism. serve-dp2: `vllm serve` with two data-parallel engines, each
+  a replica of the set "vllm" (`data_parallel`); HTTP requests go to either. offline-unserved: offline, but vLLM generates nothing (vLLM
   0.32's CPU MoE kernel crashes generating under expert parallelism, with or without Shardcast);
   only the workers' registered bytes are checked."""
 
@@ -64,12 +65,12 @@ class Served:
         import requests
 
         r = requests.post(f"{self.url}/collective_rpc", timeout=120,
-                          json={"method": "shardcast_check", "args": [checkpoint_dir]})
+                          json={"method": "shardcast_check", "args": [checkpoint_dir, True]})
         r.raise_for_status()
         return r.json()["results"]
 
 
-def start_server(model_dir: str, tp: int, target: str, log_path: str):
+def start_server(model_dir: str, tp: int, target: str, log_path: str, dp: int = 1):
     from engines import engine_args
 
     port = free_port()
@@ -82,7 +83,8 @@ def start_server(model_dir: str, tp: int, target: str, log_path: str):
            "--enforce-eager", "--seed", "0", "--gpu-memory-utilization", str(args["gpu_memory_utilization"]),
            "--tensor-parallel-size", str(args["tensor_parallel_size"]),
            "--weight-transfer-config", '{"backend": "shardcast"}', "--worker-extension-cls", "worker_ext.ShardcastCheck",
-           *(["--enable-expert-parallel"] if args.get("enable_expert_parallel") else [])]
+           *(["--enable-expert-parallel"] if args.get("enable_expert_parallel") else []),
+           *(["--data-parallel-size", str(dp)] if dp > 1 else [])]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", SHARDCAST_ADDRESS=target)
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -158,7 +160,7 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         engine = WeightTransferTrainerFactory.trainer_init(
-            ShardcastTrainerInitInfo(rank=rank, daemon=target, timeout_s=120),
+            ShardcastTrainerInitInfo(rank=rank, daemon=target, timeout_s=120, data_parallel=mode == "serve-dp2"),
             client=client if rank == 0 else None, source=ModuleSource(model))
         record = {"steps": [], "engine": type(engine).__name__}
         for step in range(1, steps + 1):
@@ -178,6 +180,11 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
                                         "served": served.generate() if mode != "offline-unserved" else [],
                                         "checks": served.check(step_dir)})
             dist.barrier()
+        if rank == 0:  # the groups the workers registered, with their versions
+            import shardcast
+
+            with shardcast.Client(target) as probe:
+                record["groups"] = {g.group: [r.version for r in g.rank_states] for g in probe.status().groups}
         if rank == 0 and mode == "offline":
             # An update whose version never arrives raises (naming the rank and what it holds); vLLM
             # serves on what it had.
@@ -211,8 +218,9 @@ def main() -> None:
 
     os.environ["SHARDCAST_ADDRESS"] = target  # where vLLM's workers find their node's daemon
     server, url = None, ""
-    if mode == "serve":
-        server, url = start_server(model_dir, tp, target, os.path.join(out, "vllm-serve.log"))
+    if mode.startswith("serve"):
+        server, url = start_server(model_dir, tp, target, os.path.join(out, "vllm-serve.log"),
+                                   dp=2 if mode == "serve-dp2" else 1)
     try:
         ctx = mp.get_context("spawn")
         results = ctx.Queue()

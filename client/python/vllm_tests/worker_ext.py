@@ -7,11 +7,13 @@ import os
 
 
 class ShardcastCheck:
-    def shardcast_check(self, checkpoint_dir: str) -> dict:
+    def shardcast_check(self, checkpoint_dir: str, strict: bool = False) -> dict:
         """Every tensor this worker's rank registered (a view into the live parameter for direct
         ones, the staging tensor for processed ones) against its box of the checkpoint in
         `checkpoint_dir`: the names that differ, and which parameters took which path; the group
-        the rank registered, and the group its last catch-up read ("" for none)."""
+        the rank registered, and the group its last catch-up read ("" for none). `strict`: raise
+        when a tensor differs (vLLM returns one data-parallel engine's result over HTTP, but any
+        engine's error)."""
         import torch
         from safetensors import safe_open
 
@@ -24,5 +26,7 @@ class ShardcastCheck:
                 if not torch.equal(view, want.to(view.dtype)):
                     wrong.append(name)
         engine = self.weight_transfer_engine
+        if strict and wrong:
+            raise AssertionError(f"{engine.group}: registered tensors differ from {checkpoint_dir}: {wrong}")
         return {"wrong": wrong, "checked": len(memory.tensors), "direct": memory.direct,
                 "processed": memory.processed, "group": engine.group, "seeded_from": engine.seeded_from}

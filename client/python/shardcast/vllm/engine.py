@@ -9,8 +9,8 @@ bytes arrive through the node's shardcastd instead of a collective.
 - `receive_weights({"version": V})`: waits until this worker's rank is ready at V (the trainer's
   sync commits it); a dirty rank raises at once, naming it, and a version that does not arrive in
   time raises naming the version the rank is at. Never returns with stale weights.
-- Data-parallel engines (vLLM's own, or servers of their own given `replica`) are the replicas of
-  one replica set: each registers group `<group>.r<replica>` (docs/daemon.md, "Replica sets"), and
+- Data-parallel engines (vLLM's own with `data_parallel`, or servers of their own given `replica`)
+  are the replicas of one replica set: each registers group `<group>.r<replica>` (docs/daemon.md, "Replica sets"), and
   the trainer's sync into `group` reaches every replica registered when it starts; one that is
   dead or silent is cut, the others commit. With the update's `source` (the trainer's group), a
   replica that does not hold V once the sync has ended (cut from it, or started after it) catches
@@ -52,15 +52,17 @@ class ShardcastInitInfo(WeightTransferInitInfo):
     name], the names the model's `load_weights` takes), the destination group to register, and the
     daemon (default: the node's socket, SHARDCAST_ADDRESS / SHARDCAST_SOCKET).
 
-    `replica`: this engine's id in the replica set `group` (it registers group `<group>.r<replica>`,
-    on nodes no other replica of the set uses). -1: vLLM's data-parallel index when vLLM runs
-    data-parallel engines (`data_parallel_size` > 1), else no set (the engine registers `group`)."""
+    `replica`: this engine's id in the replica set `group` (it registers group `<group>.r<replica>`).
+    `data_parallel`: vLLM runs data-parallel engines (`--data-parallel-size`), each one replica of
+    the set `group`, its id vLLM's data-parallel index (unless `replica` names one). Neither: the
+    engine registers `group` itself."""
 
     checkpoint: Dict[str, List[Any]] = field(default_factory=dict)
     group: str = "vllm"
     daemon: str = ""
     double_buffer: bool = False
     replica: int = -1
+    data_parallel: bool = False
 
 
 @dataclass
@@ -115,9 +117,13 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         checkpoint = {name: (shapes[name], getattr(torch, dtypes.get(name, str(spec[1])))) for name, spec in
                       init_info.checkpoint.items()}
         replica = init_info.replica
-        parallel = self.parallel_config
-        if replica < 0 and parallel.data_parallel_size > 1:
-            replica = parallel.data_parallel_index
+        if replica < 0 and init_info.data_parallel:
+            if self.parallel_config.enable_expert_parallel:
+                # Experts spread over the data-parallel engines: together they are one model.
+                raise ValueError("shardcast: data_parallel replicas, but vLLM runs expert parallelism across its "
+                                 "data-parallel engines: they hold different experts, so they are one model, "
+                                 "not replicas")
+            replica = self.parallel_config.data_parallel_index
         group = init_info.group if replica < 0 else replica_group(init_info.group, replica)
         layout = destination_layout(group, [r["node"] for r in everyone], [r["pieces"] for r in everyone], checkpoint)
         if replica >= 0:

@@ -45,8 +45,9 @@ class ShardcastTrainerInitInfo(TrainerInitInfo):
     instead of failing at once, naming it; `name_map`: a dict or a function from the trainer's
     parameter names (without wrapper components) to the checkpoint's (shardcast.vllm.names).
 
-    When `destination` is a replica set (vLLM's data-parallel engines, or servers driven through
-    shardcast.vllm.clients.ReplicaClients): `min_replicas`, the fewest replicas that must take
+    `data_parallel`: vLLM runs data-parallel engines (`--data-parallel-size`), each one replica of the
+    set `destination` (docs/vllm.md, "Data-parallel replicas"). When `destination` is a replica set
+    (so, or servers driven through shardcast.vllm.clients.ReplicaClients): `min_replicas`, the fewest replicas that must take
     the version (0: 1), else `send_weights` raises; `replica_deadline_s`, how long a replica's
     node may stay silent during a sync before it is cut (None: the daemons' sync lease)."""
 
@@ -59,6 +60,7 @@ class ShardcastTrainerInitInfo(TrainerInitInfo):
     double_buffer: bool = False
     wait_for_ranks: bool = False
     name_map: Any = None
+    data_parallel: bool = False
     min_replicas: int = 0
     replica_deadline_s: Optional[float] = None
 
@@ -285,7 +287,8 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
             # Global shapes (a DTensor's shape is its global one), under the names registered.
             checkpoint = {e.name: [list(e.shape), str(e.param.dtype).replace("torch.", "")] for e in entries}
             client.init_weight_transfer_engine({"checkpoint": checkpoint, "group": init_info.destination,
-                                                "daemon": "", "double_buffer": init_info.double_buffer})
+                                                "daemon": "", "double_buffer": init_info.double_buffer,
+                                                "data_parallel": init_info.data_parallel})
         return engine
 
     def send_weights(self) -> None:
@@ -328,9 +331,9 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
             return
         self.replicas = {r.group: "" if r.committed else r.cut for r in resp.replicas}
         for group, why in sorted(self.replicas.items()):
-            if why:
-                _log.warning("shardcast: replica %r was cut from the sync of version %d (%s); its workers catch "
-                             "up to it in this update", group, version, why)
+            if why:  # not yet a failure: the update catches it up (a failed catch-up is loud)
+                _log.info("shardcast: replica %r was cut from the sync of version %d (%s); its workers catch up "
+                          "to it in this update", group, version, why)
         # `source`: the sync has ended, so a replica that does not hold the version catches up.
         self.client.update_weights({"version": version, "timeout_s": info.timeout_s, "source": info.group})
         self.client.finish_weight_update(str(version))
