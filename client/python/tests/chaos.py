@@ -85,6 +85,55 @@ def inference_piece(name: str, rank: int, version: int) -> np.ndarray:
     return piece(name, version, TENSORS[name][2], rank % TP, TP)
 
 
+def wait_registered(clients: Dict[str, "shardcast.Client"], want: set, timeout: float = 30) -> None:
+    """Until every (group, rank) in `want` is registered with one of `clients`' daemons again
+    (clients re-register by themselves after their daemon restarts)."""
+    deadline = time.monotonic() + timeout
+    got: set = set()
+    error = ""
+    while True:
+        try:
+            got = set()
+            for client in clients.values():
+                got |= {(r.group, r.rank) for r in client.list(all_nodes=False).ranks}
+            if want <= got:
+                return
+        except shardcast.ShardcastError as e:
+            error = str(e)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"ranks not registered again within {timeout} s: missing {sorted(want - got)} {error}")
+        time.sleep(0.05)
+
+
+def restart_dead(cluster: LocalCluster, killed: Optional[str], version: int, problems: List[str]) -> int:
+    """Restarts every daemon that died; one that died without being `killed` is a crash, named in
+    `problems`. Returns how many crashed."""
+    crashed = 0
+    for node, d in cluster.daemons.items():
+        if d.proc.poll() is not None:
+            if node != killed:
+                crashed += 1
+                problems.append(f"v{version}: daemon {node} died untargeted (exit {d.proc.returncode})")
+            d.stop()
+            cluster.restart(node)
+    return crashed
+
+
+def wrong_elements(tensors: Dict[str, np.ndarray], expected, version: int, newest: int) -> Tuple[int, bool]:
+    """How many elements of a rank reporting ready(`version`) differ from `expected(name,
+    version)`, and whether some of the wrong ones are a newer version's (up to `newest`): torn,
+    and mislabeled."""
+    wrong, newer = 0, False
+    for n, got in tensors.items():
+        bad = got != expected(n, version)
+        count = int(np.count_nonzero(bad))
+        wrong += count
+        if count and version < newest:
+            newer = newer or any(np.count_nonzero(got[bad] == expected(n, w)[bad]) > 0
+                                 for w in range(version + 1, newest + 1))
+    return wrong, newer
+
+
 @dataclass
 class Figures:
     syncs: int = 0
@@ -157,23 +206,8 @@ class Soak:
             reg.publish(version)
 
     def wait_registered(self, timeout: float = 30) -> None:
-        """Until every rank is registered again (clients re-register after a daemon restart)."""
         want = {("trainer", r) for r in range(TRAINER_WORLD)} | {("infer", r) for r in range(DP * TP)}
-        deadline = time.monotonic() + timeout
-        got: set = set()
-        error = ""
-        while True:
-            try:
-                got = set()
-                for node in NODES:
-                    got |= {(r.group, r.rank) for r in self.clients[node].list(all_nodes=False).ranks}
-                if want <= got:
-                    return
-            except shardcast.ShardcastError as e:
-                error = str(e)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"ranks not registered again within {timeout} s: missing {sorted(want - got)} {error}")
-            time.sleep(0.05)
+        wait_registered(self.clients, want, timeout)
 
     def inject(self, node: str, kind: str, delay: float, hold: float, done: threading.Event) -> None:
         time.sleep(delay)
@@ -234,14 +268,7 @@ class Soak:
     # ---- checks ----
 
     def recover(self, killed: Optional[str]) -> None:
-        for node in NODES:
-            d = self.cluster.daemons[node]
-            if d.proc.poll() is not None:
-                if node != killed:
-                    self.fig.crashed += 1
-                    self.fig.problems.append(f"v{self.version}: daemon {node} died untargeted (exit {d.proc.returncode})")
-                d.stop()
-                self.cluster.restart(node)
+        self.fig.crashed += restart_dead(self.cluster, killed, self.version, self.fig.problems)
         self.wait_registered()
 
     def check(self) -> None:
@@ -257,15 +284,8 @@ class Soak:
                 self.fig.dirty_seen += 1
             if st.state != shardcast.client.service_pb2.RANK_READY:
                 continue
-            wrong = 0
-            newer = False
-            for n in TENSORS:
-                got = reg.tensors[n]
-                bad = got != inference_piece(n, r, st.version)
-                wrong += int(np.count_nonzero(bad))
-                if wrong and st.version < self.version:
-                    newer = newer or any(np.count_nonzero(got[bad] == inference_piece(n, r, w)[bad]) > 0
-                                         for w in range(st.version + 1, self.version + 1))
+            wrong, newer = wrong_elements({n: reg.tensors[n] for n in TENSORS},
+                                          lambda n, v: inference_piece(n, r, v), st.version, self.version)
             if wrong:
                 self.fig.torn += 1
                 self.fig.mislabeled += newer

@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import numpy as np
 
 import shardcast
-from chaos import TENSORS, piece
+from chaos import TENSORS, piece, restart_dead, wait_registered, wrong_elements
 from shardcast.local import LocalCluster, Namespaces
 
 TRAINER = "t0"
@@ -369,14 +369,7 @@ class ReplicaSoak:
     # ---- recovery and checks ----
 
     def recover(self, killed: Optional[str]) -> None:
-        for node in NODES:
-            d = self.cluster.daemons[node]
-            if d.proc.poll() is not None:
-                if node != killed:
-                    self.fig.crashed += 1
-                    self.fig.problems.append(f"v{self.version}: daemon {node} died untargeted (exit {d.proc.returncode})")
-                d.stop()
-                self.cluster.restart(node)
+        self.fig.crashed += restart_dead(self.cluster, killed, self.version, self.fig.problems)
         self.wait_registered()
         if killed is not None and killed in self.replicas:
             # Its client registered the ranks again (not ready: their daemon lost what they held);
@@ -395,21 +388,7 @@ class ReplicaSoak:
     def wait_registered(self, timeout: float = 30) -> None:
         want = {("trainer", r) for r in range(TRAINER_WORLD)} | {
             (rep.group, r) for rep in self.replicas.values() for r in range(TP)}
-        deadline = time.monotonic() + timeout
-        got: Set[Tuple[str, int]] = set()
-        error = ""
-        while True:
-            try:
-                got = set()
-                for node in NODES:
-                    got |= {(r.group, r.rank) for r in self.clients[node].list(all_nodes=False).ranks}
-                if want <= got:
-                    return
-            except shardcast.ShardcastError as e:
-                error = str(e)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"ranks not registered again within {timeout} s: missing {sorted(want - got)} {error}")
-            time.sleep(0.05)
+        wait_registered(self.clients, want, timeout)
 
     def check(self) -> None:
         """Every rank that reports ready(V) holds exactly V's bytes."""
@@ -423,14 +402,8 @@ class ReplicaSoak:
                     continue
                 if st.state != ready:
                     continue
-                wrong, newer = 0, False
-                for n in TENSORS:
-                    bad = reg.tensors[n] != replica_piece(n, reg.rank, st.version)
-                    count = int(np.count_nonzero(bad))
-                    wrong += count
-                    if count and st.version < self.version:
-                        newer = newer or any(np.count_nonzero(reg.tensors[n][bad] == replica_piece(n, reg.rank, w)[bad])
-                                             for w in range(st.version + 1, self.version + 1))
+                wrong, newer = wrong_elements({n: reg.tensors[n] for n in TENSORS},
+                                              lambda n, v: replica_piece(n, reg.rank, v), st.version, self.version)
                 if wrong:
                     self.fig.torn += 1
                     self.fig.mislabeled += newer
