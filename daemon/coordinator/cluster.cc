@@ -377,6 +377,27 @@ Status ClusterView::maySync(uint32_t uid, const std::string& src, const std::str
   return absl::OkStatus();
 }
 
+std::optional<uint32_t> ClusterView::ownerOf(const std::string& group) const {
+  const auto it = access_.find(group);
+  if (it == access_.end() || it->second.empty()) return std::nullopt;
+  return it->second.front().second.owner_uid();
+}
+
+Status ClusterView::mayReceive(const std::string& src, const std::string& group) const {
+  const auto owner = ownerOf(group);
+  if (!owner) return absl::OkStatus();  // described by no daemon: completeGroup refuses it
+  if (Status allowed = maySync(*owner, src, group); !allowed.ok())
+    return absl::PermissionDeniedError(strCat("group ", quote(group), " is uid ", *owner,
+                                              "'s, who may not receive group ", quote(src), "'s bytes (",
+                                              allowed.message(), ")"));
+  return absl::OkStatus();
+}
+
+bool ClusterView::namedAsSet(const std::string& set) const {
+  return !set.empty() && std::any_of(groups_.begin(), groups_.end(),
+                                     [&](const auto& g) { return g.second.layout.replica_set() == set; });
+}
+
 v1::Role ClusterView::role(const std::string& group) const {
   auto it = groups_.find(group);
   return it == groups_.end() ? v1::ROLE_UNSPECIFIED : it->second.role;

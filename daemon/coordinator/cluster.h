@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -118,6 +119,17 @@ class ClusterView {
   // node that holds part of it, reading a `src` that is its own on every node or whose owner there
   // granted it (RegisterRequest.readers). PERMISSION_DENIED naming the group, node and owner.
   Status maySync(uint32_t uid, const std::string& src, const std::string& dst) const;
+  // The uid owning `group` (on the first node that described it; nullopt when none did).
+  std::optional<uint32_t> ownerOf(const std::string& group) const;
+  // May `group`'s owner receive `src`'s bytes, whoever asks for the sync? Its owner is one uid on
+  // every node holding it, and owns `src` or was granted it there (what maySync checks for a
+  // caller). A replica of a set or a catch-up's seed that fails this does not take part: the bytes
+  // of a trainer reach only the uids it granted, and a replica's bytes came from a source its
+  // owner may read.
+  Status mayReceive(const std::string& src, const std::string& group) const;
+  // Groups whose layout names `set` as their replica set, whether or not a group named `set`
+  // also exists (replicasOf then returns none).
+  bool namedAsSet(const std::string& set) const;
 
  private:
   struct GroupInfo {

@@ -260,6 +260,13 @@ Status SyncCoordinator::gather() {
           if (node != ctx_.config.node) ask.briefly[node] = std::max(deadline, std::chrono::milliseconds(200));
     auto snapshot = snapshotCluster(ctx_.peers, ctx_.registry.describe(), ctx_.self_address, &unreachable, ask);
     StatusOr<v1::Layout> src = absl::UnknownError(""), dst = absl::UnknownError("");
+    // A group named like a replica set: the caller may mean either, so neither is written.
+    if (snapshot.ok() && !req_.options().catch_up() && snapshot->view.layoutOf(req_.dst_group()) &&
+        snapshot->view.namedAsSet(req_.dst_group()))
+      return failed(absl::FailedPreconditionError(
+          strCat("sync: \"", req_.dst_group(),
+                 "\" is both a registered group and the replica set that groups' "
+                 "layouts name: refusing to guess which to write (unregister the group, or rename the set)")));
     const bool replica_set = snapshot.ok() && !snapshot->view.replicasOf(req_.dst_group()).empty();
     if (snapshot.ok() && !unreachable.empty() && !replica_set) snapshot = absl::UnavailableError(unreachable.front());
     if (snapshot.ok() && req_.options().catch_up()) {
@@ -269,6 +276,7 @@ Status SyncCoordinator::gather() {
         if (ctx_.caller_uid)
           if (Status allowed = snapshot->view.maySync(*ctx_.caller_uid, src_group_, req_.dst_group()); !allowed.ok())
             return failed(allowed);
+        learnSet(snapshot->view);
         return absl::OkStatus();
       }
     }
@@ -307,6 +315,7 @@ Status SyncCoordinator::gather() {
           return failed(allowed);
     }
     if (st.ok()) {
+      if (req_.options().catch_up()) learnSet(snapshot->view);
       cluster_ = std::make_unique<ClusterSnapshot>(std::move(*snapshot));
       src_ = std::move(*src);
       dst_ = std::move(*dst);
@@ -331,12 +340,14 @@ Status SyncCoordinator::gather() {
 
 namespace {
 
-// Every replica of `set` registered in `view`, and the nodes holding its ranks.
-ReplicaMemory::Members membersOf(const ClusterView& view, const std::string& set) {
+// Every replica of `set` registered in `view` whose owner may receive `src`'s bytes, and the
+// nodes holding its ranks.
+ReplicaMemory::Members membersOf(const ClusterView& view, const std::string& set, const std::string& src) {
   ReplicaMemory::Members members;
   for (const auto& d : view.daemons())
     for (const auto& r : d.ranks())
-      if (const v1::Layout* l = view.layoutOf(r.group()); l && l->replica_set() == set) {
+      if (const v1::Layout* l = view.layoutOf(r.group());
+          l && l->replica_set() == set && view.mayReceive(src, r.group()).ok()) {
         auto& member = members[r.group()];
         member.replica = l->replica();
         member.nodes.insert(d.node());
@@ -357,7 +368,7 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
     outcomes_.push_back(std::move(outcome));
   };
   // Where each replica's ranks are now, and where they were at the last sync into the set.
-  ReplicaMemory::Members now = membersOf(view, req_.dst_group());
+  ReplicaMemory::Members now = membersOf(view, req_.dst_group(), src_group_);
   std::set<std::string> silent;  // nodes of daemons that do not answer
   for (const auto& [address, node] : ctx_.peers.knownNodes())
     for (const auto& why : unreachable)
@@ -401,6 +412,17 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
       cutOut(outcome, "it is registered as a source; a sync writes only destinations");
       continue;
     }
+    // Before ids and layouts are compared: a replica whose owner may not receive the source (or,
+    // for a local caller, that the caller may not write) neither takes part nor displaces one.
+    if (Status eligible = view.mayReceive(src_group_, group); !eligible.ok()) {
+      cutOut(outcome, std::string(eligible.message()));
+      continue;
+    }
+    if (ctx_.caller_uid)
+      if (Status allowed = view.maySync(*ctx_.caller_uid, src_group_, group); !allowed.ok()) {
+        cutOut(outcome, std::string(allowed.message()));
+        continue;
+      }
     std::string refused;
     for (const auto& d : view.daemons())
       for (const auto& r : d.ranks())
@@ -448,6 +470,12 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
   return absl::OkStatus();
 }
 
+void SyncCoordinator::learnSet(const ClusterView& view) {
+  const v1::Layout* layout = view.layoutOf(req_.dst_group());
+  if (layout && !layout->replica_set().empty())
+    ctx_.replica_sets.learn(layout->replica_set(), membersOf(view, layout->replica_set(), req_.src_group()));
+}
+
 Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
   const std::string& dst = req_.dst_group();
   const v1::Layout* layout = view.layoutOf(dst);
@@ -475,10 +503,17 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
       h.readable =
           h.readable && r.state() == v1::RANK_READY && !r.double_buffered() && !(r.refuses_writes() && !r.held());
     }
+  // The replica's owner must be one the source's bytes may reach, and a seed must be the same
+  // owner's replica, holding a version its owner may have synced from the source: another uid's
+  // replica is never read (its bytes are whatever that uid put there).
+  if (Status eligible = view.mayReceive(src_group_, dst); !eligible.ok())
+    return Status(eligible.code(), strCat("catch-up: ", eligible.message()));
+  const auto owner = view.ownerOf(dst);
   uint64_t newest = req_.version();
   std::string seed;
   for (const auto& group : view.replicasOf(layout->replica_set())) {
     if (group == dst || !view.completeGroup(group).ok()) continue;
+    if (view.ownerOf(group) != owner || !view.mayReceive(src_group_, group).ok()) continue;
     const Held& h = held[group];
     if (h.ready == 0 || h.ready == UINT64_MAX || !h.readable) continue;
     if (req_.version() == 0 ? h.ready > newest : h.ready == req_.version()) {
@@ -509,7 +544,6 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
     seed_ = true;
   }  // else the source: the request's src_group, which must have published the version
   spdlog::info("sync {}: catching \"{}\" up to version {} from \"{}\"", id_, dst, version_, src_group_);
-  ctx_.replica_sets.learn(layout->replica_set(), membersOf(view, layout->replica_set()));
   return absl::OkStatus();
 }
 

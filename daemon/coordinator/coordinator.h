@@ -153,6 +153,9 @@ class SyncCoordinator {
   // dst_group's set holds, or the one asked for) and the seed: such a replica that nothing
   // writes, else the source; sets current_ when dst_group holds that version or newer already.
   Status resolveCatchUp(const ClusterView& view);
+  // A catch-up that may run: the coordinator remembers the replicas of its set it sees (those
+  // whose owner may receive the source), so one that joined this way is named when it goes silent.
+  void learnSet(const ClusterView& view);
 
   void setPhase(v1::SyncPhase phase);
   void nodeState(size_t i, const std::string& state, const std::string& error = "");

@@ -115,6 +115,10 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
     destination.emplace_back(r.group(), planner::layoutDigest(r));
   }
   if (destination.empty()) destination.emplace_back(a->dst_group, planner::layoutDigest(req.dst()));
+  for (const auto& [group, digest] : destination)  // a catch-up's seed is read, never written
+    if (group == a->src_group)
+      return absl::InvalidArgumentError(
+          strCat("prepare of sync ", a->id, ": group \"", group, "\" is both its source and a destination"));
   // A zero-copy plan would hand this node's transport memory it must not touch directly: a
   // coordinator that planned without this node's Describe (or ignored it) is refused here.
   if (plan_key.zero_copy)

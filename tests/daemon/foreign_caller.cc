@@ -6,6 +6,11 @@
 //       registers a source "mine-src" (version 1) and a destination "mine-dst" of its own with the
 //       layout, then syncs the victim's source into its destination ("read") and its source into
 //       the victim's destination as version 100 ("write")
+//   foreign_caller replica SOCKET LAYOUT_JSON GROUP SET ID VERSION
+//       registers a source "GROUP-src" of its own at VERSION (every byte 0x07) and a destination
+//       GROUP; with SET non-empty GROUP is replica ID of set SET, and GROUP-src is synced into it
+//       (its own: allowed), so it reports ready(VERSION) with 0x07 bytes. Prints "ready <code>",
+//       then holds its ranks until EOF on stdin
 //   foreign_caller flood SOCKET N
 //       opens N connections to the socket and keeps them; prints "held K" (those the daemon did not
 //       close), then waits for EOF on stdin
@@ -52,6 +57,37 @@ int syncs(const std::string& socket, const char* json, const std::string& victim
   return 0;
 }
 
+// A replica (or a plain group) of its own in someone else's replica set, holding its own bytes.
+int replica(const std::string& socket, const char* json, const std::string& group, const std::string& set, int id,
+            uint64_t version) {
+  auto client = Client::connect("unix:" + socket);
+  if (!client.ok()) return 1;
+  auto layout = planner::parseLayoutJson(json, "mine");
+  if (!layout.ok()) return 1;
+  auto src_memory = HostTensors::forRank(*layout, 0), dst_memory = HostTensors::forRank(*layout, 0);
+  if (!src_memory.ok() || !dst_memory.ok()) return 1;
+  for (const auto& [name, slot] : src_memory->buffers()) {
+    const auto bytes = src_memory->bytes(name);
+    std::memset(bytes.data(), 0x07, bytes.size());
+  }
+  const std::string own_source = group + "-src";
+  layout->set_group(own_source);
+  RegisterOptions source = RegisterOptions::source(version);
+  Status st = client->registerRank(*layout, 0, *src_memory, source).status();
+  layout->set_group(group);
+  if (!set.empty()) {
+    layout->set_replica_set(set);
+    layout->set_replica(id);
+  }
+  if (st.ok()) st = client->registerRank(*layout, 0, *dst_memory).status();
+  if (st.ok() && !set.empty()) st = client->sync(own_source, group, version).status();
+  report("ready", st);
+  std::fflush(stdout);
+  for (std::string line; std::getline(std::cin, line);) {
+  }
+  return 0;
+}
+
 // Idle connections, as many as it can hold.
 int flood(const std::string& socket, int n) {
   std::vector<int> fds;
@@ -83,6 +119,8 @@ int flood(const std::string& socket, int n) {
 int main(int argc, char** argv) {
   if (argc == 4 && std::string(argv[1]) == "flood") return flood(argv[2], std::stoi(argv[3]));
   if (argc == 6 && std::string(argv[1]) == "sync") return syncs(argv[2], argv[3], argv[4], argv[5]);
+  if (argc == 8 && std::string(argv[1]) == "replica")
+    return replica(argv[2], argv[3], argv[4], argv[5], std::stoi(argv[6]), std::stoull(argv[7]));
   if (argc != 5) {
     std::fprintf(stderr, "usage: foreign_caller SOCKET LAYOUT_JSON VICTIM_SEGMENT VICTIM_GROUP\n");
     return 2;

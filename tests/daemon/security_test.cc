@@ -683,3 +683,77 @@ TEST_CASE("oversize requests are refused, and what they cost the daemon is bound
   v1::StatusResponse status;
   CHECK(d.client()->Status(ctx(10).get(), v1::StatusRequest(), &status).ok());
 }
+
+TEST_CASE("a replica set takes only replicas whose owner may receive its source: another uid's is cut, never a seed",
+          "[daemon][security]") {
+  if (::geteuid() != 0) {
+    SHARDCAST_SKIP("needs root to run a caller as another uid (setpriv)");
+  }
+  Daemon d("n0", freePort(), {});
+  REQUIRE(d.ready());
+  const char* one = R"({"group":"g","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
+    {"name":"w","shape":[16,16],"dtype":"float32","placements":[{"replicate":{}}]}]})";
+  // Root's trainer (bytes 0x42, version 1) and root's replica 0 of set "rollout".
+  v1::Layout src = *planner::parseLayoutJson(one, "trainer");
+  src.set_group("trainer");
+  v1::Layout r0 = src, r1 = src;
+  r0.set_group("rollout.r0");
+  r0.set_replica_set("rollout");
+  r0.set_replica(0);
+  r1.set_group("rollout.r1");
+  r1.set_replica_set("rollout");
+  r1.set_replica(1);
+  planner::NodeTable nodes;
+  const auto resolved = *planner::resolveLayout(src, nodes);
+  RankMemory smem = allocateRank(resolved, 0, "trainer"), m0 = allocateRank(resolved, 0, "r0"),
+             m1 = allocateRank(resolved, 0, "r1");
+  std::memset(smem.seg->data(), 0x42, smem.seg->size());
+  v1::RegisterResponse registered;
+  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(src, 0, 1, smem, v1::ROLE_SOURCE, 1), &registered).ok());
+  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(r0, 0, 1, m0), &registered).ok());
+  // nobody joins the set with a replica of its own, id 0 too (its group sorts first), holding its
+  // own bytes (0x07) at version 1000; later it squats the set's name with a plain group.
+  auto intruder = [&](const std::string& group, const std::string& set) {
+    Child c = Child::spawn({"setpriv", "--reuid=65534", "--regid=0", "--clear-groups", testBinary(FOREIGN_CALLER_PATH),
+                            "replica", d.socketPath(), one, group, set, "0", "1000"});
+    REQUIRE(c.readLine(std::chrono::seconds(60)) == "ready OK");
+    return c;
+  };
+  Child joined = intruder("rollout.a", "rollout");
+  auto sync = [&](const std::string& dst, uint64_t version, bool catch_up) {
+    v1::SyncRequest s;
+    s.set_src_group("trainer");
+    s.set_dst_group(dst);
+    s.set_version(version);
+    s.mutable_options()->set_catch_up(catch_up);
+    v1::SyncResponse out;
+    const grpc::Status st = d.client()->Sync(ctx(30).get(), s, &out);
+    INFO(st.error_message());
+    return std::make_pair(st, out);
+  };
+  // Root syncs the set: its replica 0 takes part (not displaced by the intruder's id), and the
+  // intruder's replica is cut and named: the trainer's bytes never reach uid 65534.
+  auto [st, out] = sync("rollout", 1, false);
+  REQUIRE(st.ok());
+  std::map<std::string, std::string> outcomes;
+  for (const auto& o : out.replicas()) outcomes[o.group()] = o.committed() ? "committed" : o.cut();
+  CHECK(outcomes["rollout.r0"] == "committed");
+  CHECK_THAT(outcomes["rollout.a"], Catch::Contains("uid 65534") && Catch::Contains("may not receive group"));
+  CHECK(std::to_integer<int>(static_cast<const std::byte*>(m0.seg->data())[0]) == 0x42);
+  // A replica that joins catches up from root's replica 0 (version 1), not from the intruder's at 1000.
+  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(r1, 0, 1, m1), &registered).ok());
+  auto [cst, caught] = sync("rollout.r1", 0, true);
+  REQUIRE(cst.ok());
+  CHECK(caught.seeded_from() == "rollout.r0");
+  CHECK(caught.version() == 1);
+  CHECK(std::memcmp(m1.seg->data(), smem.seg->data(), smem.seg->size()) == 0);
+  // A plain group named like the set: the sync refuses to guess which the caller meant.
+  Child squat = intruder("rollout", "");
+  auto [ast, ambiguous] = sync("rollout", 2, false);
+  CHECK(ast.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(ast.error_message(), Catch::Contains("both a registered group and the replica set"));
+  for (Child* c : {&joined, &squat}) {
+    c->closeStdin();
+    CHECK(c->wait() == 0);
+  }
+}
