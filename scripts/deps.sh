@@ -19,7 +19,7 @@ mode="${1:-all}"
 packages=(
   build-essential cmake pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
-  libucx-dev ucx-utils libspdlog-dev libfmt-dev catch2 libcli11-dev libxxhash-dev
+  libucx-dev ucx-utils libspdlog-dev libfmt-dev catch2 libcli11-dev libxxhash-dev libhwy-dev
   libcpp-httplib-dev libssl-dev
   prometheus-cpp-dev  # the daemon's metrics (prometheus-cpp's core: registry, metric types, text format)
 )

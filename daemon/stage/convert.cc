@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "common/strings.h"
+#include "daemon/stage/convert_simd.h"
 
 namespace shardcast::daemon {
 
@@ -109,6 +110,15 @@ float scaleAt(const std::byte* src, int64_t origin, const std::vector<int64_t>& 
   float amax = 0.0f;
   bool nan = false;
   forEachRow(origin, inner, sizes, [&](int64_t row) {
+    if (step == 1) {  // a contiguous row: vectorised
+      bool row_nan = false;
+      const float m = From == planner::DType::kBFloat16
+                          ? simd::amaxRowBf16(reinterpret_cast<const uint16_t*>(src) + row, n, &row_nan)
+                          : simd::amaxRow(reinterpret_cast<const float*>(src) + row, n, &row_nan);
+      nan = nan || row_nan;
+      amax = std::max(amax, m);
+      return;
+    }
     for (int64_t i = 0; i < n; ++i) {
       const float v = std::fabs(load<From>(src, row + i * step));
       nan = nan || std::isnan(v);
@@ -144,6 +154,13 @@ void quantizeBlocks(const transport::StridedView& dst, const transport::StridedV
     const float scale = scaleAt<From>(src.base, block_origin, src.strides, bsize, t.pow2);
     const int64_t n = psize[nd - 1], ss = src.strides[nd - 1], ds = dst.strides[nd - 1];
     forEachRowPair(part_src, src.strides, part_dst, dst.strides, psize, [&](int64_t row, int64_t o) {
+      if (ss == 1 && ds == 1) {  // contiguous rows: vectorised
+        if constexpr (From == planner::DType::kBFloat16)
+          simd::quantizeRowBf16(reinterpret_cast<const uint16_t*>(src.base) + row, out + o, n, scale);
+        else
+          simd::quantizeRow(reinterpret_cast<const float*>(src.base) + row, out + o, n, scale);
+        return;
+      }
       for (int64_t i = 0; i < n; ++i) {
         const float x = load<From>(src.base, row + i * ss) / scale;
         out[o + i * ds] = e4m3FromFloat(std::isnan(x) ? x : std::clamp(x, -448.0f, 448.0f));
@@ -240,6 +257,10 @@ Status convertBox(const transport::StridedView& dst, planner::DType to, const tr
   // Row by row along the innermost dim.
   const int64_t inner = extent[nd - 1], si = src.strides[nd - 1], di = dst.strides[nd - 1];
   forEachRowPair(src.offset, src.strides, dst.offset, dst.strides, extent, [&](int64_t s, int64_t d) {
+    if (si == 1 && di == 1) {  // contiguous rows: vectorised
+      simd::bfloat16FromFloatRow(in + s, out + d, static_cast<size_t>(inner));
+      return;
+    }
     for (int64_t i = 0; i < inner; ++i) out[d + i * di] = bfloat16FromFloat(in[s + i * si]);
   });
   return absl::OkStatus();
