@@ -115,6 +115,9 @@ def run_lr(lr: float, args, c_train: shardcast.Client, c_inf: shardcast.Client, 
             n: torch.zeros_like(local_shard(p.data, r, shard[n]), dtype=torch.bfloat16) for n, p in params.items()},
             lay) for r in range(2)]
     dests["fp8"] = [c_inf.register(fp8_l["group"], r, 2, fp8_tensors(params, shard, r), fp8_l) for r in range(2)]
+    fp8_dense_l = dict(fp8_l, group=f"fp8dense-{tag}")  # every step dense: the quantiser's whole cost
+    dests["fp8_dense"] = [c_inf.register(fp8_dense_l["group"], r, 2, fp8_tensors(params, shard, r), fp8_dense_l)
+                          for r in range(2)]
     g = torch.Generator().manual_seed(1)
     rows = []
     before = {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
@@ -135,7 +138,9 @@ def run_lr(lr: float, args, c_train: shardcast.Client, c_inf: shardcast.Client, 
         dense = c_train.sync(src_l["group"], dense_l["group"], version)
         delta = c_train.sync(src_l["group"], delta_l["group"], version, delta="auto")
         fp8 = c_train.sync(src_l["group"], fp8_l["group"], version, delta="auto")
+        fp8_dense = c_train.sync(src_l["group"], fp8_dense_l["group"], version)
         err = check_fp8(params, shard, dests["fp8"], lr, version)
+        check_fp8(params, shard, dests["fp8_dense"], lr, version)
         for kind in ("dense", "delta"):
             for r, reg in enumerate(dests[kind]):
                 for n in params:
@@ -146,14 +151,15 @@ def run_lr(lr: float, args, c_train: shardcast.Client, c_inf: shardcast.Client, 
                      "dense_bytes": dense.network_bytes, "wire_bytes": delta.wire_bytes,
                      "dense_s": dense.seconds, "delta_s": delta.seconds, "delta_chunks": delta.delta_chunks,
                      "dense_chunks": delta.dense_chunks, "fp8_network": fp8.network_bytes,
-                     "fp8_wire": fp8.wire_bytes, "fp8_s": fp8.seconds, **err})
+                     "fp8_wire": fp8.wire_bytes, "fp8_s": fp8.seconds, "fp8_dense_s": fp8_dense.seconds, **err})
         r = rows[-1]
         print(f"lr {lr:g} v{version}: {100 * r['changed']:5.2f}% of bf16 elements changed, "
               f"wire {r['wire_bytes'] / 1e6:7.2f} MB of {r['dense_bytes'] / 1e6:.2f} "
               f"({100 * r['wire_bytes'] / r['dense_bytes']:5.1f}%), delta {r['delta_s'] * 1e3:7.1f} ms, "
               f"dense {r['dense_s'] * 1e3:7.1f} ms ({r['dense_s'] / r['delta_s']:.1f}x), "
               f"chunks {r['delta_chunks']} delta / {r['dense_chunks']} dense; fp8 {r['fp8_network'] / 1e6:.2f} MB dense, "
-              f"wire {r['fp8_wire'] / 1e6:.2f} MB, {r['fp8_s'] * 1e3:.1f} ms, error vs fp32 rms "
+              f"wire {r['fp8_wire'] / 1e6:.2f} MB, {r['fp8_s'] * 1e3:.1f} ms (dense every step: "
+              f"{r['fp8_dense_s'] * 1e3:.1f} ms, {r['fp8_dense_s'] / r['dense_s']:.2f}x bf16 dense), error vs fp32 rms "
               f"{r['fp8_rms']:.4f} max {r['fp8_max']:.4f}", flush=True)
     for kind in dests:
         for reg in dests[kind]:
@@ -185,8 +191,9 @@ def main() -> int:
               f"model d_model {args.d_model}, {args.layers} layers, vocab {args.vocab}", flush=True)
         rows = [r for lr in args.lrs.split(",") for r in run_lr(float(lr), args, c_train, c_inf, trainer, inference)]
     print("\n| lr | steps | changed (median) | wire / dense (median) | delta sync | dense sync | dense / delta |"
-          " fp8 wire / bf16 dense | fp8 delta wire / bf16 dense | fp8 error rms / max |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          " fp8 wire / bf16 dense | fp8 dense sync | fp8 dense / bf16 dense | fp8 delta wire / bf16 dense |"
+          " fp8 delta sync | fp8 error rms / max |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for lr in sorted({r["lr"] for r in rows}):
         steps = [r for r in rows if r["lr"] == lr and r["version"] > 1]
         med = lambda k: statistics.median(r[k] for r in steps)
@@ -195,7 +202,10 @@ def main() -> int:
               f"{med('delta_s') * 1e3:.1f} ms | {med('dense_s') * 1e3:.1f} ms | "
               f"{statistics.median(r['dense_s'] / r['delta_s'] for r in steps):.1f}x | "
               f"{100 * steps[0]['fp8_network'] / steps[0]['dense_bytes']:.1f}% | "
+              f"{med('fp8_dense_s') * 1e3:.1f} ms | "
+              f"{statistics.median(r['fp8_dense_s'] / r['dense_s'] for r in steps):.2f}x | "
               f"{100 * statistics.median(r['fp8_wire'] / r['dense_bytes'] for r in steps):.1f}% | "
+              f"{med('fp8_s') * 1e3:.1f} ms | "
               f"{max(r['fp8_rms'] for r in steps):.4f} / {max(r['fp8_max'] for r in steps):.4f} |")
     print(f"\n{len(rows)} syncs of each kind, every destination byte checked, {time.time() - t0:.0f} s")
     return 0
