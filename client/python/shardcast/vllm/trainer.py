@@ -325,9 +325,10 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
             except Exception as update_error:
                 raise RuntimeError(f"shardcast: version {version} did not reach {info.destination!r}: "
                                    f"sync: {sync_error}; vLLM: {update_error}") from sync_error
-            _log.warning("shardcast: the sync of version %d into %r reported %s, yet every worker holds the "
+            _log.warning("shardcast: the sync of version %d into %r reported %s, yet the workers hold the "
                          "version: finishing the update", version, info.destination, sync_error)
             self.client.finish_weight_update(str(version))
+            self._count_updated(version)  # ReplicaClients: the servers that did not are named
             return
         self.replicas = {r.group: "" if r.committed else r.cut for r in resp.replicas}
         for group, why in sorted(self.replicas.items()):
