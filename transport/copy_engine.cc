@@ -3,8 +3,13 @@
 #include <cstring>
 
 #include "common/strings.h"
+#include "transport/cuda/fp8_quantize.h"
 
 namespace shardcast::transport {
+
+Status CopyEngine::quantizeFp8(const StridedView&, const StridedView&, const Fp8QuantizeBox&) {
+  return absl::UnimplementedError(strCat("the ", name(), " copy engine does not quantise fp8"));
+}
 
 std::vector<int64_t> denseStrides(const std::vector<int64_t>& extent) {
   std::vector<int64_t> s(extent.size());

@@ -35,6 +35,8 @@ class CopyMark {
   virtual Status wait() = 0;
 };
 
+struct Fp8QuantizeBox;  // transport/cuda/fp8_quantize.h
+
 class CopyEngine {
  public:
   virtual ~CopyEngine() = default;
@@ -48,6 +50,10 @@ class CopyEngine {
   virtual Status synchronize() = 0;
   // A mark after every copy issued so far; null when they are all done already (host copies).
   virtual StatusOr<std::shared_ptr<CopyMark>> mark() { return std::shared_ptr<CopyMark>(); }
+  // Quantises `box` (transport/cuda/fp8_quantize.h) from `src`, device memory of this engine's
+  // GPU, into `dst` (its offset and strides: the box's output; any memory), in stream order.
+  // UNIMPLEMENTED for engines without the kernel.
+  virtual Status quantizeFp8(const StridedView& dst, const StridedView& src, const Fp8QuantizeBox& box);
 };
 
 // memcpy between host regions.

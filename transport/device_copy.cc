@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "common/strings.h"
+#include "transport/cuda/fp8_quantize.h"
 #include "transport/cuda/strided_copy.h"
 
 namespace shardcast::transport {
@@ -53,6 +54,33 @@ class StreamCopyEngine final : public CopyEngine {
     return stream_->synchronize();
   }
 
+  // The kernel reads the source on this GPU and writes the output there, or into dense scratch
+  // that is then copied out run by run.
+  Status quantizeFp8(const StridedView& dst, const StridedView& src, const Fp8QuantizeBox& box) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!onStream(src))
+      return absl::UnimplementedError(strCat(stream_->name(), ": fp8 quantisation reads device memory of this GPU"));
+    Fp8QuantizeBox here = box;
+    here.src_offset = src.offset;
+    here.dst_offset = dst.offset;
+    here.dst_strides = dst.strides;
+    std::vector<int64_t> extent(box.lo.size());
+    int64_t count = 1;
+    for (size_t d = 0; d < extent.size(); ++d) count *= (extent[d] = box.hi[d] - box.lo[d]);
+    const int64_t out_bytes = box.scales ? 4 : 1;
+    if (count == 0) return absl::OkStatus();
+    if (onStream(dst)) {
+      SC_ASSIGN_OR_RETURN(const auto plan, planFp8Quantize(here));
+      return quantize(plan, dst.base, src.base);
+    }
+    SC_ASSIGN_OR_RETURN(std::byte * scratch, stream_->scratch(static_cast<size_t>(count * out_bytes)));
+    here.dst_offset = 0;
+    here.dst_strides = denseStrides(extent);
+    SC_ASSIGN_OR_RETURN(const auto plan, planFp8Quantize(here));
+    SC_RETURN_IF_ERROR(quantize(plan, scratch, src.base));
+    return copyRuns(dst, {scratch, MemoryKind::kCuda, 0, here.dst_strides}, extent, out_bytes);
+  }
+
   StatusOr<std::shared_ptr<CopyMark>> mark() override {
     std::lock_guard<std::mutex> lock(mu_);
     return stream_->record();
@@ -65,6 +93,13 @@ class StreamCopyEngine final : public CopyEngine {
     if (Status st = stream_->launch(plan, dst, src); !st.ok())
       return Status(st.code(), strCat(stream_->name(), ": strided copy kernel (", plan.runs, " runs of ",
                                       plan.run_bytes, " bytes, ", plan.word, "-byte words): ", st.message()));
+    return absl::OkStatus();
+  }
+
+  Status quantize(const Fp8QuantizePlan& plan, std::byte* dst, const std::byte* src) {
+    if (Status st = stream_->quantize(plan, dst, src); !st.ok())
+      return Status(st.code(), strCat(stream_->name(), ": fp8 quantisation kernel (", plan.blocks, " blocks",
+                                      plan.scales ? ", scales" : "", "): ", st.message()));
     return absl::OkStatus();
   }
 

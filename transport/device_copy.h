@@ -21,6 +21,7 @@
 
 #include "common/status.h"
 #include "transport/copy_engine.h"
+#include "transport/cuda/fp8_quantize_plan.h"
 #include "transport/cuda/strided_copy_plan.h"
 
 namespace shardcast::transport {
@@ -36,6 +37,12 @@ class DeviceStream {
   // Whether the strided-copy kernel was built (launch() takes plans).
   virtual bool kernels() const = 0;
   virtual Status launch(const StridedCopyPlan& plan, std::byte* dst, const std::byte* src) = 0;
+  // The fp8 quantisation kernel (cuda/fp8_quantize.h), both bases on this stream's GPU;
+  // UNIMPLEMENTED where it was not built.
+  virtual Status quantize(const Fp8QuantizePlan& plan, std::byte* dst, const std::byte* src) {
+    (void)plan, (void)dst, (void)src;
+    return absl::UnimplementedError(name() + ": the fp8 quantisation kernel was not built");
+  }
   virtual Status copy(void* dst, const void* src, size_t n) = 0;
   // Device memory of at least n bytes for work issued from now on; valid until the next call
   // (memory it replaces is released in stream order, after the work already issued on it).

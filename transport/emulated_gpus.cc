@@ -9,6 +9,7 @@
 #include <functional>
 
 #include "common/strings.h"
+#include "transport/cuda/fp8_quantize.h"
 #include "transport/cuda/strided_copy.h"
 #include "transport/shm.h"
 
@@ -38,6 +39,18 @@ class EmulatedGpus::Stream final : public DeviceStream {
     }
     issue([plan, dst, src] { emulateStridedCopy(plan, dst, src); }, &Counts::launches, std::move(f),
           strCat("a kernel (", plan.runs, " runs of ", plan.run_bytes, " bytes)"));
+    return absl::OkStatus();
+  }
+  Status quantize(const Fp8QuantizePlan& plan, std::byte* dst, const std::byte* src) override {
+    if (!kernels_) return DeviceStream::quantize(plan, dst, src);
+    if (plan.blocks == 0) return absl::OkStatus();
+    Footprint f;
+    int64_t s0 = 0, s1 = 0, d0 = 0, d1 = 0;
+    fp8QuantizeFootprint(plan, &s0, &s1, &d0, &d1);
+    f.writes.emplace_back(address(dst + d0), address(dst + d1));
+    f.reads.emplace_back(address(src + s0), address(src + s1));
+    issue([plan, dst, src] { emulateFp8Quantize(plan, dst, src); }, &Counts::launches, std::move(f),
+          strCat("an fp8 quantisation kernel (", plan.blocks, " blocks)"));
     return absl::OkStatus();
   }
   Status copy(void* dst, const void* src, size_t n) override {

@@ -2,6 +2,7 @@
 
 #include "common/strings.h"
 #include "daemon/stage/convert.h"
+#include "transport/cuda/fp8_quantize.h"
 
 namespace shardcast::daemon {
 
@@ -48,16 +49,62 @@ class StandardStage final : public Stage {
   static bool computed(const StageSite& site) {
     return site.layout != nullptr && (site.layout->blockScaled() || site.layout->scale_of >= 0);
   }
-  // A block-scaled weight's fp8 values, or its blocks' scales, from a source rank's memory.
+  // A block-scaled weight's fp8 values, or its blocks' scales, from a source rank's memory: on
+  // the host (vectorised) from host memory, by the GPU's quantisation kernel from device memory
+  // (into the output directly, or through its scratch), waited for either way.
   Status quantize(const TypedView& dst, const TypedView& src, const StageSite& site) {
-    if (dst.view.kind != transport::MemoryKind::kHost || src.view.kind != transport::MemoryKind::kHost)
-      return absl::UnimplementedError(strCat("tensor ", quote(site.tensor),
-                                             ": block-scaled fp8 is quantised from and into host memory only "
-                                             "(not yet from or into a GPU)"));
-    const Status st = site.layout->scale_of >= 0 ? scaleBox(dst.view, src.view, src.dtype, site.box, *site.layout)
-                                                 : quantizeBox(dst.view, src.view, src.dtype, site.box, *site.layout);
+    Status st;
+    if (src.view.kind != transport::MemoryKind::kHost) {
+      st = quantizeOnDevice(dst, src, site);
+    } else if (dst.view.kind != transport::MemoryKind::kHost) {  // host source, device output: via the host
+      const auto extent = site.box.sizes();
+      const auto dense = transport::denseStrides(extent);
+      int64_t count = 1;
+      for (int64_t e : extent) count *= e;
+      const int64_t out_bytes = site.layout->scale_of >= 0 ? 4 : 1;
+      std::vector<std::byte> staged(static_cast<size_t>(count * out_bytes));
+      const transport::StridedView host{staged.data(), transport::MemoryKind::kHost, 0, dense};
+      st = quantizeOnHost(host, src, site);
+      if (st.ok()) st = copyBox(*host_, dst.device, dst.view, host, extent, out_bytes);
+    } else {
+      st = quantizeOnHost(dst.view, src, site);
+    }
     if (!st.ok()) return Status(st.code(), strCat("tensor ", quote(site.tensor), ": ", st.message()));
     return absl::OkStatus();
+  }
+  Status quantizeOnHost(const transport::StridedView& dst, const TypedView& src, const StageSite& site) {
+    return site.layout->scale_of >= 0 ? scaleBox(dst, src.view, src.dtype, site.box, *site.layout)
+                                      : quantizeBox(dst, src.view, src.dtype, site.box, *site.layout);
+  }
+  Status quantizeOnDevice(const TypedView& dst, const TypedView& src, const StageSite& site) {
+    if (src.device == nullptr) return absl::FailedPreconditionError("device memory to quantise but no CUDA engine");
+    if (src.dtype != planner::DType::kBFloat16 && src.dtype != planner::DType::kFloat32)
+      return absl::InvalidArgumentError(
+          strCat("block-scaled fp8 from ", planner::dtypeName(src.dtype), ": only float32 and bfloat16 are quantised"));
+    const planner::TensorLayout& t = *site.layout;
+    const size_t nd = static_cast<size_t>(site.box.ndim);
+    transport::Fp8QuantizeBox box;
+    box.lo.assign(site.box.lo.begin(), site.box.lo.begin() + nd);
+    box.hi.assign(site.box.hi.begin(), site.box.hi.begin() + nd);
+    box.block = t.block;
+    box.pow2 = t.pow2;
+    box.bf16 = src.dtype == planner::DType::kBFloat16;
+    box.dst_strides = dst.view.strides;
+    if (t.scale_of >= 0) {  // the source view's element i is block i's first: the weight's strides are / block
+      box.scales = true;
+      box.shape = t.scaled_shape;
+      for (size_t d = 0; d < nd; ++d) {
+        if (d >= t.block.size() || src.view.strides[d] % t.block[d] != 0)
+          return absl::InternalError("block scales: the source view's strides are not the weight's times the block");
+        box.src_strides.push_back(src.view.strides[d] / t.block[d]);
+      }
+    } else {
+      box.shape = t.shape;
+      box.src_strides = src.view.strides;
+    }
+    SC_RETURN_IF_ERROR(src.device->quantizeFp8(dst.view, src.view, box));
+    SC_ASSIGN_OR_RETURN(auto mark, src.device->mark());
+    return mark ? mark->wait() : absl::OkStatus();
   }
   Status move(const TypedView& dst, const TypedView& src, const std::vector<int64_t>& extent, const StageSite& site) {
     transport::CopyEngine* device = src.device ? src.device : dst.device;

@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 #include <cstring>
 
+#include "daemon/stage/convert.h"
 #include "planner/layout.h"
 #include "tests/daemon/daemon_harness.h"
 #include "tests/daemon/rank_memory.h"
@@ -301,4 +302,97 @@ TEST_CASE("emulated GPUs: replicas on one node: a box crosses into the GPUs once
   CHECK(host_out.bytes_landed_direct() > 0);
   CHECK(host_out.device_fanout_bytes() == 0);
   CHECK(host.wrong() == 0);
+}
+
+TEST_CASE("emulated GPUs: block-scaled fp8 from device-resident bf16 is quantised by the GPU kernel, bit for bit",
+          "[daemon][sync][emulated-gpu][fp8]") {
+  // Trainer: w [256, 320] bf16 in two row shards on n0's two (emulated) GPUs. Inference: fp8 e4m3
+  // in 128 x 128 blocks, two column shards of 160 on n1's host memory (a block cut between the
+  // ranks: quantised once, both get its scale). The bytes and scales must be the host quantiser's
+  // over the whole tensor.
+  const std::vector<int> ports{freePort(), freePort()};
+  const std::vector<std::string> peers{"127.0.0.1:" + std::to_string(ports[0]),
+                                       "127.0.0.1:" + std::to_string(ports[1])};
+  Daemon n0("n0", ports[0], peers, {"--emulate-gpus", "2"});
+  Daemon n1("n1", ports[1], peers, {});
+  REQUIRE(n0.ready());
+  REQUIRE(n1.ready());
+  const auto src_proto = *planner::parseLayoutJson(R"({"group":"trainer","mesh":{"shape":[2]},"nodes":["n0","n0"],
+    "tensors":[{"name":"w","shape":[256,320],"dtype":"bfloat16","placements":[{"shard":{"dim":0}}]}]})",
+                                                   "trainer");
+  const auto dst_proto = *planner::parseLayoutJson(R"({"group":"infer","mesh":{"shape":[2]},"nodes":["n1","n1"],
+    "tensors":[{"name":"w","shape":[256,320],"dtype":"float8_e4m3fn","placements":[{"shard":{"dim":1}}],
+                "block_scale":{"scale":"w_scale_inv"}}]})",
+                                                   "infer");
+  planner::NodeTable nodes;
+  const auto src = *planner::resolveLayout(src_proto, nodes);
+  const auto dst = *planner::resolveLayout(dst_proto, nodes);
+  // The whole tensor, and the host quantiser's bytes and scales for it.
+  std::vector<uint16_t> whole(256 * 320);
+  for (size_t i = 0; i < whole.size(); ++i)
+    whole[i] = bf16Bits(static_cast<float>(static_cast<int64_t>(i * 2654435761u % 2001) - 1000) / 64.0f);
+  whole[5] = 0x7fc1;  // a NaN: its block quantises to NaN
+  planner::TensorLayout w;
+  w.shape = {256, 320};
+  w.dtype = planner::DType::kFloat8E4M3;
+  w.block = {128, 128};
+  planner::Box all;
+  all.ndim = 2;
+  all.hi = {256, 320};
+  std::vector<uint8_t> want(whole.size());
+  const std::vector<int64_t> strides{320, 1};
+  REQUIRE(daemon::quantizeBox({reinterpret_cast<std::byte*>(want.data()), transport::MemoryKind::kHost, 0, strides},
+                              {reinterpret_cast<std::byte*>(whole.data()), transport::MemoryKind::kHost, 0, strides},
+                              planner::DType::kBFloat16, all, w)
+              .ok());
+  planner::TensorLayout s;
+  s.dtype = planner::DType::kFloat32;
+  s.block = w.block;
+  s.scale_of = 0;
+  s.scaled_shape = w.shape;
+  planner::Box blocks;
+  blocks.ndim = 2;
+  blocks.hi = {2, 3};
+  std::vector<float> want_scales(6);
+  REQUIRE(
+      daemon::scaleBox({reinterpret_cast<std::byte*>(want_scales.data()), transport::MemoryKind::kHost, 0, {3, 1}},
+                       {reinterpret_cast<std::byte*>(whole.data()), transport::MemoryKind::kHost, 0, {320 * 128, 128}},
+                       planner::DType::kBFloat16, blocks, s)
+          .ok());
+  std::vector<RankMemory> smem, dmem;
+  for (int32_t r = 0; r < 2; ++r) {
+    smem.push_back(allocateRank(src, r, "efp8-t" + std::to_string(r)));
+    forEachElement(src, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      *smem[r].at<uint16_t>(p, off) = whole[static_cast<size_t>(flat)];
+    });
+    v1::RegisterResponse resp;
+    REQUIRE(n0.client()
+                ->Register(ctx().get(),
+                           onGpu(registerRequest(src_proto, r, 2, smem[r], v1::ROLE_SOURCE, 1), smem[r], r), &resp)
+                .ok());
+    dmem.push_back(allocateRank(dst, r, "efp8-i" + std::to_string(r)));
+    REQUIRE(n1.client()->Register(ctx().get(), registerRequest(dst_proto, r, 2, dmem[r]), &resp).ok());
+  }
+  v1::SyncRequest req;
+  req.set_src_group("trainer");
+  req.set_dst_group("infer");
+  req.set_version(1);
+  v1::SyncResponse out;
+  const auto st = n0.client()->Sync(ctx(120).get(), req, &out);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  int64_t wrong = 0, checked = 0, scales = 0;
+  for (int32_t r = 0; r < 2; ++r)
+    forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      ++checked;
+      if (dst.tensors[t].name == "w") {
+        wrong += *dmem[r].at<uint8_t>(p, off) != want[static_cast<size_t>(flat)];
+      } else {
+        ++scales;
+        wrong += std::memcmp(dmem[r].at<float>(p, off), &want_scales[static_cast<size_t>(flat)], 4) != 0;
+      }
+    });
+  CHECK(checked == 256 * 320 + 8);  // every weight, and each rank's 2 x 2 block scales
+  CHECK(scales == 8);
+  CHECK(wrong == 0);
 }

@@ -7,6 +7,7 @@
 
 #include "common/strings.h"
 #include "transport/copy_engine.h"
+#include "transport/cuda/fp8_quantize.h"
 #include "transport/cuda/strided_copy.h"
 #include "transport/device_copy.h"
 
@@ -68,6 +69,13 @@ class CudaStream final : public DeviceStream {
   Status launch(const StridedCopyPlan& plan, std::byte* dst, const std::byte* src) override {
     SC_RETURN_IF_ERROR(here());
     return cudaStatus("launch", static_cast<cudaError_t>(launchStridedCopyKernel(plan, dst, src, stream_)));
+  }
+  Status quantize(const Fp8QuantizePlan& plan, std::byte* dst, const std::byte* src) override {
+    SC_RETURN_IF_ERROR(here());
+    const int launched = launchFp8QuantizeKernel(plan, dst, src, stream_);
+    if (launched == kStridedCopyNotBuilt)
+      return absl::UnimplementedError("the fp8 quantisation kernel was not built (no nvcc at build time)");
+    return cudaStatus("launch", static_cast<cudaError_t>(launched));
   }
   Status copy(void* dst, const void* src, size_t n) override {
     SC_RETURN_IF_ERROR(here());

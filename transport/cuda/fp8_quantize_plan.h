@@ -1,0 +1,133 @@
+// Block-scaled fp8 e4m3 quantisation of device memory as one CUDA kernel launch (see
+// fp8_quantize.h): plain data and the math, shared by the kernel (fp8_quantize.cu, compiled by
+// nvcc without the rest of the project's headers), its host emulation and the tests. Bit for bit
+// the host references (daemon/stage/convert.h): per block, amax over the whole block (cut at the
+// tensor's edge), scale = amax / 448 (1 for an all-zero block, rounded up to a power of two with
+// pow2, NaN when the block holds NaN), then each element of the box x / scale, clamped to +-448
+// and rounded to nearest even e4m3; NaN stays NaN with the sign the host's division gives.
+#pragma once
+
+#include <math.h>  // frexpf, ldexpf, fminf, fmaxf: the same names on the host and in device code
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "transport/cuda/strided_copy_plan.h"  // SC_HOST_DEVICE, kMaxCopyDims
+
+namespace shardcast::transport {
+
+struct Fp8QuantizePlan {
+  int dims = 0;
+  int64_t shape[kMaxCopyDims]{};  // the weight's shape, elements
+  int64_t block[kMaxCopyDims]{};  // its block
+  // The box written: weight elements [lo, hi) or, with `scales`, block indices [lo, hi).
+  int64_t lo[kMaxCopyDims]{}, hi[kMaxCopyDims]{};
+  // The weight in the source memory: element g at src_offset + sum((g - origin) * src_stride),
+  // origin = lo (weights) or lo * block (scales); elements of the source dtype.
+  int64_t src_stride[kMaxCopyDims]{};
+  int64_t src_offset = 0;
+  // The output: element (or block) i of the box at dst_offset + sum((i - lo) * dst_stride), in
+  // e4m3 bytes (weights) or float32 scales.
+  int64_t dst_stride[kMaxCopyDims]{};
+  int64_t dst_offset = 0;
+  bool bf16 = false;    // source dtype: bfloat16, else float32
+  bool pow2 = false;    // scales rounded up to powers of two
+  bool scales = false;  // write the blocks' scales instead of the fp8 values
+  // The blocks the box touches: first_block .. first_block + nblocks (row-major), `blocks` of them.
+  int64_t first_block[kMaxCopyDims]{}, nblocks[kMaxCopyDims]{};
+  int64_t blocks = 0;
+  uint32_t threads = 256;  // per CUDA block: one CUDA block per fp8 block, grid-stride beyond
+  uint32_t grid = 0;
+};
+
+SC_HOST_DEVICE inline uint32_t fp8FloatBits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  return u;
+}
+SC_HOST_DEVICE inline float fp8BitsFloat(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+SC_HOST_DEVICE inline bool fp8IsNan(float f) { return (fp8FloatBits(f) & 0x7fffffffu) > 0x7f800000u; }
+SC_HOST_DEVICE inline bool fp8IsInf(float f) { return (fp8FloatBits(f) & 0x7fffffffu) == 0x7f800000u; }
+
+// Element `element` of the source (bfloat16 bit patterns or float32), as float.
+SC_HOST_DEVICE inline float fp8Load(const std::byte* src, int64_t element, bool bf16) {
+  if (bf16) {
+    uint16_t b;
+    memcpy(&b, src + element * 2, 2);
+    return fp8BitsFloat(static_cast<uint32_t>(b) << 16);
+  }
+  float f;
+  memcpy(&f, src + element * 4, 4);
+  return f;
+}
+
+// The scale of a block whose largest magnitude is `amax` (`nan`: the block holds NaN).
+SC_HOST_DEVICE inline float fp8Scale(float amax, bool nan, bool pow2) {
+  if (nan) return fp8BitsFloat(0x7fc00000u);
+  if (amax == 0.0f) return 1.0f;
+  const float s = amax / 448.0f;
+  if (!pow2 || fp8IsInf(s)) return s;
+  int e = 0;
+  const float m = frexpf(s, &e);  // s = m * 2^e, m in [0.5, 1)
+  return ldexpf(1.0f, m == 0.5f ? e - 1 : e);
+}
+
+// The e4m3 code of x / scale clamped to +-448. NaN in x keeps its sign, a NaN scale gives a
+// positive NaN and inf / inf a negative one, as the host's (x86) division does; a GPU's division
+// would give its canonical NaN.
+SC_HOST_DEVICE inline uint8_t fp8Quantize(float x, float scale) {
+  const uint32_t xb = fp8FloatBits(x);
+  if (fp8IsNan(x)) return static_cast<uint8_t>(((xb >> 24) & 0x80u) | 0x7fu);
+  if (fp8IsNan(scale)) return 0x7f;
+  float q = x / scale;
+  if (fp8IsNan(q)) return 0xff;  // inf / inf: the host's default NaN is negative
+  const uint32_t sign = (fp8FloatBits(q) >> 24) & 0x80u;
+  q = fminf(fmaxf(q, -448.0f), 448.0f);
+  const uint32_t a = fp8FloatBits(q) & 0x7fffffffu;
+  if (a < 0x3c800000u) {  // below 2^-6: a subnormal, |q| * 2^9 rounded to nearest even (exact)
+    const float scaled = fp8BitsFloat(a) * 512.0f;
+    uint32_t m = static_cast<uint32_t>(scaled);
+    const float frac = scaled - static_cast<float>(m);
+    if (frac > 0.5f || (frac == 0.5f && (m & 1u))) ++m;
+    return static_cast<uint8_t>(sign | m);
+  }
+  // Normal: exponent rebased from 127 to 7, mantissa from 23 bits to 3, ties to even.
+  uint32_t code = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+  if (code > 0x7eu) code = 0x7eu;
+  return static_cast<uint8_t>(sign | code);
+}
+
+// Block b (0 <= b < plan.blocks, row-major over nblocks): its first element and its size (cut
+// at the tensor's edge).
+SC_HOST_DEVICE inline void fp8BlockAt(const Fp8QuantizePlan& p, int64_t b, int64_t* lo, int64_t* size) {
+  for (int d = p.dims - 1; d >= 0; --d) {
+    const int64_t k = p.first_block[d] + b % p.nblocks[d];
+    b /= p.nblocks[d];
+    lo[d] = k * p.block[d];
+    const int64_t end = lo[d] + p.block[d] < p.shape[d] ? lo[d] + p.block[d] : p.shape[d];
+    size[d] = end - lo[d];
+  }
+}
+
+// The source element offset of weight element g.
+SC_HOST_DEVICE inline int64_t fp8SourceOffset(const Fp8QuantizePlan& p, const int64_t* g) {
+  int64_t off = p.src_offset;
+  for (int d = 0; d < p.dims; ++d) off += (g[d] - (p.scales ? p.lo[d] * p.block[d] : p.lo[d])) * p.src_stride[d];
+  return off;
+}
+
+// Element i (row-major) of a box of `size` starting at `lo`, into g.
+SC_HOST_DEVICE inline void fp8Unflatten(int dims, int64_t i, const int64_t* lo, const int64_t* size, int64_t* g) {
+  for (int d = dims - 1; d >= 0; --d) {
+    g[d] = lo[d] + i % size[d];
+    i /= size[d];
+  }
+}
+
+}  // namespace shardcast::transport
