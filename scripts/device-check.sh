@@ -4,7 +4,8 @@
 # `run` with carry [".device-bundle"] and command `bash scripts/device-check.sh`). About 3-5 min.
 # Prints, and writes to $OUT/device-check.log when OUT is set:
 #   the GPU; the [gpu] tests (CUDA copies, the strided-copy kernel, staging through pinned memory,
-#   a sync between daemons with device buffers on both sides, every byte checked); pack/unpack
+#   a sync between daemons with device buffers on both sides, every byte checked, the fp8
+#   quantisation kernel against the host quantiser bit for bit); pack/unpack
 #   GB/s of the kernel beside a device-to-device copy of the same bytes; sync GB/s with device
 #   tensors (bench/device_bench.cc); a real torch DTensor on a CUDA mesh registered by CUDA IPC
 #   and synced into CUDA destination tensors (client/python/tests/test_gpu.py); the vLLM backend's
@@ -50,7 +51,7 @@ check() {
   cd "$(mktemp -d)"  # the tests' scratch files
   # Limits add up to under 9 minutes (the device tool's command limit is 10).
   step "transport [gpu] and kernel geometry" 60 "$bundle/bin/transport_tests" "[gpu],[strided-copy]" --reporter compact
-  step "daemon [gpu]: device buffers on both sides of a sync" 120 "$bundle/bin/daemon_tests" "[gpu]" --reporter compact
+  step "daemon [gpu]: device buffers on both sides of a sync, the fp8 kernel" 120 "$bundle/bin/daemon_tests" "[gpu]" --reporter compact
   step "client [gpu]: CUDA pointers become IPC handles" 40 "$bundle/bin/client_tests" "[gpu]" --reporter compact
   step "device bench: kernel pack/unpack vs device copy, sync GB/s" 150 "$bundle/bin/device_bench" --mib "${DEVICE_MIB:-1024}" --syncs 5
   step "python: a CUDA DTensor registered by IPC and synced; vLLM's direct path into live CUDA parameters" 150 \

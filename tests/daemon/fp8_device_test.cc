@@ -7,11 +7,14 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <vector>
 
 #include "daemon/stage/convert.h"
+#include "tests/support/device_buffer.h"
+#include "tests/support/gpu.h"
 #include "transport/cuda/fp8_quantize.h"
 #include "transport/device_copy.h"
 #include "transport/emulated_gpus.h"
@@ -37,18 +40,30 @@ struct Case {
   bool bf16 = false, pow2 = false;
 };
 
-// Quantises `box` of a row-major tensor on the emulated GPU (output on the GPU or in host
-// memory) and on the host; both outputs dense over the box.
-void compare(const Case& c, const std::vector<float>& values, const planner::Box& box, bool out_on_gpu) {
+// A GPU to run the quantiser on: an emulated one or a real one, its engine, its memory.
+struct Gpu {
+  CopyEngine* engine = nullptr;
+  std::function<std::byte*(size_t)> allocate;
+  std::function<void(std::byte*, const void*, size_t)> upload;
+  std::function<void(void*, const std::byte*, size_t)> download;
+};
+
+Gpu emulated(EmulatedGpus& gpus, CopyEngine& engine) {
+  return {&engine, [&gpus](size_t n) { return gpus.allocate(0, n); },
+          [](std::byte* d, const void* s, size_t n) { std::memcpy(d, s, n); },
+          [](void* d, const std::byte* s, size_t n) { std::memcpy(d, s, n); }};
+}
+
+// Quantises `box` of a row-major tensor on `gpu` (output on the GPU or in host memory) and on
+// the host; both outputs dense over the box, compared byte for byte, and the blocks' scales too.
+void compare(Gpu& gpu, const Case& c, const std::vector<float>& values, const planner::Box& box, bool out_on_gpu) {
   const size_t nd = c.shape.size();
   int64_t n = 1;
   for (int64_t s : c.shape) n *= s;
   std::vector<int64_t> strides(nd, 1);
   for (size_t d = nd - 1; d > 0; --d) strides[d - 1] = strides[d] * c.shape[d];
   const int64_t elem = c.bf16 ? 2 : 4;
-  EmulatedGpus gpus(1);
-  auto engine = makeStreamCopyEngine(gpus.stream(0));
-  std::byte* src = gpus.allocate(0, static_cast<size_t>(n * elem));
+  std::byte* src = gpu.allocate(static_cast<size_t>(n * elem));
   std::vector<std::byte> host_src(static_cast<size_t>(n * elem));
   for (int64_t i = 0; i < n; ++i) {
     if (c.bf16) {
@@ -58,7 +73,7 @@ void compare(const Case& c, const std::vector<float>& values, const planner::Box
       std::memcpy(host_src.data() + i * 4, &values[i], 4);
     }
   }
-  std::memcpy(src, host_src.data(), host_src.size());
+  gpu.upload(src, host_src.data(), host_src.size());
   planner::TensorLayout w;
   w.name = "w";
   w.shape = c.shape;
@@ -85,13 +100,15 @@ void compare(const Case& c, const std::vector<float>& values, const planner::Box
   q.bf16 = c.bf16;
   q.pow2 = c.pow2;
   std::vector<uint8_t> got(static_cast<size_t>(count), 0x55);
-  std::byte* on_gpu = gpus.allocate(0, static_cast<size_t>(count));
+  std::byte* on_gpu = gpu.allocate(static_cast<size_t>(count));
   const StridedView out = out_on_gpu
                               ? StridedView{on_gpu, MemoryKind::kCuda, 0, dense}
                               : StridedView{reinterpret_cast<std::byte*>(got.data()), MemoryKind::kHost, 0, dense};
-  REQUIRE(engine->quantizeFp8(out, {src, MemoryKind::kCuda, origin, strides}, q).ok());
-  REQUIRE(engine->synchronize().ok());
-  if (out_on_gpu) std::memcpy(got.data(), on_gpu, got.size());
+  const Status launched = gpu.engine->quantizeFp8(out, {src, MemoryKind::kCuda, origin, strides}, q);
+  INFO(launched.message());
+  REQUIRE(launched.ok());
+  REQUIRE(gpu.engine->synchronize().ok());
+  if (out_on_gpu) gpu.download(got.data(), on_gpu, got.size());
   REQUIRE(got == want);
   // The scales of every block the box touches, through a view whose element i is block i's first.
   planner::TensorLayout s;
@@ -120,24 +137,21 @@ void compare(const Case& c, const std::vector<float>& values, const planner::Box
   qs.scales = true;
   qs.lo = blo;
   qs.hi = bhi;
-  REQUIRE(engine
+  REQUIRE(gpu.engine
               ->quantizeFp8({reinterpret_cast<std::byte*>(got_scales.data()), MemoryKind::kHost, 0, sdense},
                             {src, MemoryKind::kCuda, block_origin, strides}, qs)
               .ok());
-  REQUIRE(engine->synchronize().ok());
+  REQUIRE(gpu.engine->synchronize().ok());
   REQUIRE(std::memcmp(got_scales.data(), want_scales.data(), want_scales.size() * 4) == 0);
-  CHECK(gpus.counts().hazards == 0);
 }
 
-}  // namespace
-
-TEST_CASE("fp8 on the GPU: the kernel's plan and math give the host quantiser's bytes and scales, bit for bit",
-          "[daemon][fp8][emulated]") {
+// Every case of the quantiser on `gpu`.
+void everyCase(Gpu& gpu) {
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (const Case& c : {Case{{40, 52}, {16, 16}, false, false}, Case{{40, 52}, {16, 16}, true, false},
                         Case{{40, 52}, {16, 16}, true, true}, Case{{6, 30, 20}, {1, 8, 8}, false, true},
-                        Case{{300}, {128}, true, false}}) {
+                        Case{{300}, {128}, true, false}, Case{{384, 640}, {128, 128}, true, false}}) {
     int64_t n = 1;
     for (int64_t s : c.shape) n *= s;
     std::vector<float> v(static_cast<size_t>(n));
@@ -153,16 +167,46 @@ TEST_CASE("fp8 on the GPU: the kernel's plan and math give the host quantiser's 
     }
     for (bool on_gpu : {true, false}) {
       INFO("shape dims " << nd << ", bf16 " << c.bf16 << ", pow2 " << c.pow2 << ", output on the GPU " << on_gpu);
-      compare(c, v, boxOf(zero, c.shape), on_gpu);  // the whole tensor
-      compare(c, v, boxOf(zero, mid), on_gpu);      // a box that cuts blocks
-      compare(c, v, boxOf(lo, hi), on_gpu);         // edge blocks
+      compare(gpu, c, v, boxOf(zero, c.shape), on_gpu);  // the whole tensor
+      compare(gpu, c, v, boxOf(zero, mid), on_gpu);      // a box that cuts blocks
+      compare(gpu, c, v, boxOf(lo, hi), on_gpu);         // edge blocks
     }
   }
   // Every bfloat16 value, as one row of 65536 in blocks of 256, scales from 1 to tiny.
   std::vector<float> all(0x10000);
   for (uint32_t b = 0; b < 0x10000; ++b) all[b] = floatFromBfloat16(static_cast<uint16_t>(b));
-  compare(Case{{0x10000}, {256}, true, false}, all, boxOf({0}, {0x10000}), false);
-  compare(Case{{0x10000}, {256}, true, true}, all, boxOf({100}, {0x10000 - 100}), true);
+  compare(gpu, Case{{0x10000}, {256}, true, false}, all, boxOf({0}, {0x10000}), false);
+  compare(gpu, Case{{0x10000}, {256}, true, true}, all, boxOf({100}, {0x10000 - 100}), true);
+}
+
+}  // namespace
+
+TEST_CASE("fp8 on the GPU: the kernel's plan and math give the host quantiser's bytes and scales, bit for bit",
+          "[daemon][fp8][emulated]") {
+  EmulatedGpus gpus(1);
+  auto engine = makeStreamCopyEngine(gpus.stream(0));
+  Gpu gpu = emulated(gpus, *engine);
+  everyCase(gpu);
+  CHECK(gpus.counts().hazards == 0);
+  CHECK(gpus.counts().launches > 0);
+}
+
+TEST_CASE("fp8 on the GPU: the CUDA kernel gives the host quantiser's bytes and scales, bit for bit",
+          "[daemon][fp8][gpu]") {
+  SHARDCAST_SKIP_WITHOUT_GPU();
+  auto engine = makeCudaCopyEngine(0);
+  REQUIRE(engine.ok());
+  std::vector<std::unique_ptr<testing::DeviceBuffer>> buffers;
+  Gpu gpu{engine->get(),
+          [&](size_t n) {
+            auto b = testing::allocateDevice(n, 0);
+            REQUIRE(b.ok());
+            buffers.push_back(std::move(*b));
+            return static_cast<std::byte*>(buffers.back()->data());
+          },
+          [](std::byte* d, const void* s, size_t n) { REQUIRE(testing::copyToDevice(d, s, n).ok()); },
+          [](void* d, const std::byte* s, size_t n) { REQUIRE(testing::copyFromDevice(d, s, n).ok()); }};
+  everyCase(gpu);
 }
 
 TEST_CASE("fp8 on the GPU: a GPU without the kernel, or a source on another GPU, is refused by name",
