@@ -410,9 +410,9 @@ void ClusterView::keepDaemons(const std::vector<bool>& keep) {
   daemons_ = std::move(kept);
 }
 
-std::vector<std::string> ClusterView::replicasOf(const std::string& set) const {
+std::vector<std::string> ClusterView::replicasOf(const std::string& set, bool despite_group) const {
   std::vector<std::pair<int32_t, std::string>> found;
-  if (set.empty() || groups_.count(set)) return {};
+  if (set.empty() || (groups_.count(set) && !despite_group)) return {};
   for (const auto& [name, g] : groups_)
     if (g.layout.replica_set() == set) found.emplace_back(g.layout.replica(), name);
   std::sort(found.begin(), found.end());

@@ -111,8 +111,9 @@ class ClusterView {
   // The role `group` registered with (ROLE_UNSPECIFIED for an unknown group).
   v1::Role role(const std::string& group) const;
   // The groups registered as replicas of set `set` (Layout.replica_set), by replica id; empty
-  // when `set` is no replica set's name or a group of that name is registered.
-  std::vector<std::string> replicasOf(const std::string& set) const;
+  // when `set` is no replica set's name, or a group of that name is registered (unless
+  // `despite_group`: the sync found that group is not one the source's bytes may reach).
+  std::vector<std::string> replicasOf(const std::string& set, bool despite_group = false) const;
   // The layout `group` registered with, complete or not (null for an unknown group).
   const v1::Layout* layoutOf(const std::string& group) const;
   // May a local caller of `uid` (not root) sync `src` into `dst`? Only the owner of `dst` on every
@@ -127,8 +128,7 @@ class ClusterView {
   // of a trainer reach only the uids it granted, and a replica's bytes came from a source its
   // owner may read.
   Status mayReceive(const std::string& src, const std::string& group) const;
-  // Groups whose layout names `set` as their replica set, whether or not a group named `set`
-  // also exists (replicasOf then returns none).
+  // Whether a group's layout names `set` as its replica set.
   bool namedAsSet(const std::string& set) const;
 
  private:

@@ -260,19 +260,38 @@ Status SyncCoordinator::gather() {
           if (node != ctx_.config.node) ask.briefly[node] = std::max(deadline, std::chrono::milliseconds(200));
     auto snapshot = snapshotCluster(ctx_.peers, ctx_.registry.describe(), ctx_.self_address, &unreachable, ask);
     StatusOr<v1::Layout> src = absl::UnknownError(""), dst = absl::UnknownError("");
-    // A group named like a replica set: the caller may mean either, so neither is written.
+    // A group named like a replica set: the reading the source's bytes may reach is written (a
+    // group, or replicas, another uid registered under the name decide nothing); when both may,
+    // the caller could mean either, so neither is written.
+    set_despite_group_ = false;
     if (snapshot.ok() && !req_.options().catch_up() && snapshot->view.layoutOf(req_.dst_group()) &&
-        snapshot->view.namedAsSet(req_.dst_group()))
-      return failed(absl::FailedPreconditionError(
-          strCat("sync: \"", req_.dst_group(),
-                 "\" is both a registered group and the replica set that groups' "
-                 "layouts name: refusing to guess which to write (unregister the group, or rename the set)")));
-    const bool replica_set = snapshot.ok() && !snapshot->view.replicasOf(req_.dst_group()).empty();
-    if (snapshot.ok() && !unreachable.empty() && !replica_set) snapshot = absl::UnavailableError(unreachable.front());
+        snapshot->view.namedAsSet(req_.dst_group())) {
+      const ClusterView& view = snapshot->view;
+      const auto reaches = [&](const std::string& group) {
+        return view.mayReceive(src_group_, group).ok() &&
+               (!ctx_.caller_uid || view.maySync(*ctx_.caller_uid, src_group_, group).ok());
+      };
+      const auto members = view.replicasOf(req_.dst_group(), /*despite_group=*/true);
+      const bool as_set = std::any_of(members.begin(), members.end(), reaches);
+      if (as_set && reaches(req_.dst_group()))
+        return failed(absl::FailedPreconditionError(
+            strCat("sync: \"", req_.dst_group(),
+                   "\" is both a registered group and the replica set that groups' "
+                   "layouts name: refusing to guess which to write (unregister the group, or rename the set)")));
+      set_despite_group_ = as_set;
+    }
+    const bool replica_set = snapshot.ok() && !snapshot->view.replicasOf(req_.dst_group(), set_despite_group_).empty();
+    // Daemons that do not answer fail a plain sync; a set's sync and a catch-up go on without
+    // them, and fail only when a group they read or write has ranks there (incomplete, below).
+    if (snapshot.ok() && !unreachable.empty() && !replica_set && !req_.options().catch_up())
+      snapshot = absl::UnavailableError(unreachable.front());
     if (snapshot.ok() && req_.options().catch_up()) {
       if (Status resolved = resolveCatchUp(snapshot->view); !resolved.ok()) return failed(resolved);
       if (current_) {  // nothing to move, once the replica is whole and the caller may write it
-        if (auto whole = snapshot->view.completeGroup(req_.dst_group()); !whole.ok()) return failed(whole.status());
+        if (auto whole = snapshot->view.completeGroup(req_.dst_group()); !whole.ok())
+          return failed(unreachable.empty() ? whole.status()
+                                            : absl::UnavailableError(
+                                                  strCat(whole.status().message(), "; ", strJoin(unreachable, "; "))));
         if (ctx_.caller_uid)
           if (Status allowed = snapshot->view.maySync(*ctx_.caller_uid, src_group_, req_.dst_group()); !allowed.ok())
             return failed(allowed);
@@ -286,6 +305,8 @@ Status SyncCoordinator::gather() {
         src = absl::UnavailableError(strCat(src.status().message(), "; ", strJoin(unreachable, "; ")));
       if (!replica_set) {
         dst = snapshot->view.completeGroup(req_.dst_group());
+        if (!dst.ok() && !unreachable.empty())  // a catch-up's replica: its missing ranks may be on them
+          dst = absl::UnavailableError(strCat(dst.status().message(), "; ", strJoin(unreachable, "; ")));
       } else if (Status members = gatherReplicas(snapshot->view, unreachable); members.ok()) {
         v1::Layout named;
         named.set_group(req_.dst_group());
@@ -316,6 +337,7 @@ Status SyncCoordinator::gather() {
     }
     if (st.ok()) {
       if (req_.options().catch_up()) learnSet(snapshot->view);
+      if (replica_set) ctx_.replica_sets.update(req_.dst_group(), members_seen_, members_left_);
       cluster_ = std::make_unique<ClusterSnapshot>(std::move(*snapshot));
       src_ = std::move(*src);
       dst_ = std::move(*dst);
@@ -340,14 +362,14 @@ Status SyncCoordinator::gather() {
 
 namespace {
 
-// Every replica of `set` registered in `view` whose owner may receive `src`'s bytes, and the
-// nodes holding its ranks.
+// Every replica of `set` registered in `view` whose owner may receive `src`'s bytes ("": every
+// replica), and the nodes holding its ranks.
 ReplicaMemory::Members membersOf(const ClusterView& view, const std::string& set, const std::string& src) {
   ReplicaMemory::Members members;
   for (const auto& d : view.daemons())
     for (const auto& r : d.ranks())
       if (const v1::Layout* l = view.layoutOf(r.group());
-          l && l->replica_set() == set && view.mayReceive(src, r.group()).ok()) {
+          l && l->replica_set() == set && (src.empty() || view.mayReceive(src, r.group()).ok())) {
         auto& member = members[r.group()];
         member.replica = l->replica();
         member.nodes.insert(d.node());
@@ -390,10 +412,17 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
                              strJoin(unreachable, "; "), ")"));
     now[group] = was;  // still a member: named again while its nodes stay silent
   }
-  ctx_.replica_sets.remember(req_.dst_group(), now);
+  // Remembered once the caller's checks pass (gather): members seen now that the source's bytes
+  // may reach are added, and members are forgotten only when they are registered nowhere and
+  // their nodes answer (they left), whatever source this caller named.
+  members_seen_ = now;
+  members_left_.clear();
+  const auto anyone = membersOf(view, req_.dst_group(), "");
+  for (const auto& [group, was] : remembered)
+    if (!anyone.count(group) && !now.count(group)) members_left_.push_back(group);
   std::map<std::string, std::string> taken;  // node -> the replica taking part that holds ranks there
 
-  for (const auto& group : view.replicasOf(req_.dst_group())) {
+  for (const auto& group : view.replicasOf(req_.dst_group(), set_despite_group_)) {
     const v1::Layout& registered = *view.layoutOf(group);
     v1::ReplicaOutcome outcome;
     outcome.set_group(group);

@@ -47,16 +47,16 @@ class ReplicaMemory {
     const auto it = sets_.find(set);
     return it == sets_.end() ? Members{} : it->second;
   }
-  void remember(const std::string& set, Members members) {
-    std::lock_guard<std::mutex> lock(mu_);
-    sets_[set] = std::move(members);
-  }
   // Adds (or moves) the replicas `seen` without forgetting the others: what a catch-up this
   // daemon coordinates learns of the set (a replica that joined through it is then named when
   // its node goes silent before the set's next sync).
-  void learn(const std::string& set, const Members& seen) {
+  void learn(const std::string& set, const Members& seen) { update(set, seen, {}); }
+  // learn(), and forgets the replicas that `left`.
+  void update(const std::string& set, const Members& seen, const std::vector<std::string>& left) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [group, member] : seen) sets_[set][group] = member;
+    auto& members = sets_[set];
+    for (const auto& group : left) members.erase(group);
+    for (const auto& [group, member] : seen) members[group] = member;
   }
 
  private:
@@ -169,6 +169,13 @@ class SyncCoordinator {
   // The group read and the version synced: the request's, or a catch-up's seed and the version
   // it resolved (SyncOptions.catch_up).
   std::string src_group_;
+  // The sync writes the set although a group of its name is registered (one the source's bytes
+  // may not reach: another uid's squatting the name).
+  bool set_despite_group_ = false;
+  // gatherReplicas: the set's members it saw (that the source's bytes may reach) and the
+  // remembered ones that left, for the coordinator's memory once the caller's checks pass.
+  ReplicaMemory::Members members_seen_;
+  std::vector<std::string> members_left_;
   uint64_t version_ = 0;
   bool seed_ = false;                        // src_group_ is a replica read as a catch-up's seed (PrepareRequest.seed)
   bool current_ = false;                     // a catch-up found its replica at the version already: nothing to move

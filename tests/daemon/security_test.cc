@@ -712,7 +712,8 @@ TEST_CASE("a replica set takes only replicas whose owner may receive its source:
   REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(src, 0, 1, smem, v1::ROLE_SOURCE, 1), &registered).ok());
   REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(r0, 0, 1, m0), &registered).ok());
   // nobody joins the set with a replica of its own, id 0 too (its group sorts first), holding its
-  // own bytes (0x07) at version 1000; later it squats the set's name with a plain group.
+  // own bytes (0x07) at version 1000; later it squats the set's name with a plain group, and names
+  // root's plain group as the set of a replica of its own.
   auto intruder = [&](const std::string& group, const std::string& set) {
     Child c = Child::spawn({"setpriv", "--reuid=65534", "--regid=0", "--clear-groups", testBinary(FOREIGN_CALLER_PATH),
                             "replica", d.socketPath(), one, group, set, "0", "1000"});
@@ -747,12 +748,48 @@ TEST_CASE("a replica set takes only replicas whose owner may receive its source:
   CHECK(caught.seeded_from() == "rollout.r0");
   CHECK(caught.version() == 1);
   CHECK(std::memcmp(m1.seg->data(), smem.seg->data(), smem.seg->size()) == 0);
-  // A plain group named like the set: the sync refuses to guess which the caller meant.
+  // Root's trainer publishes version 2.
+  v1::AcquireRequest acquire;
+  acquire.set_group("trainer");
+  v1::AcquireResponse acquired;
+  REQUIRE(d.client()->Acquire(ctx(10).get(), acquire, &acquired).ok());
+  std::memset(smem.seg->data(), 0x43, smem.seg->size());
+  v1::ReleaseRequest publish;
+  publish.set_group("trainer");
+  publish.set_version(2);
+  v1::ReleaseResponse published;
+  REQUIRE(d.client()->Release(ctx(10).get(), publish, &published).ok());
+  // A plain group of nobody's named like the set decides nothing: root's replicas take version 2.
   Child squat = intruder("rollout", "");
-  auto [ast, ambiguous] = sync("rollout", 2, false);
+  auto [sst, second] = sync("rollout", 2, false);
+  REQUIRE(sst.ok());
+  outcomes.clear();
+  for (const auto& o : second.replicas()) outcomes[o.group()] = o.committed() ? "committed" : o.cut();
+  CHECK(outcomes["rollout.r0"] == "committed");  // (r1 shares r0's node: cut for that, not for ownership)
+  CHECK_THAT(outcomes["rollout.a"], Catch::Contains("uid 65534"));
+  CHECK(std::to_integer<int>(static_cast<const std::byte*>(m0.seg->data())[0]) == 0x43);
+  // Nor does a replica of nobody's naming root's plain group as its set: root's plain sync goes on.
+  v1::Layout solo = src;
+  solo.set_group("solo");
+  RankMemory msolo = allocateRank(resolved, 0, "solo");
+  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(solo, 0, 1, msolo), &registered).ok());
+  Child shadow = intruder("squat", "solo");
+  auto [pst, plain] = sync("solo", 2, false);
+  CHECK(pst.ok());
+  CHECK(plain.replicas_size() == 0);
+  CHECK(std::to_integer<int>(static_cast<const std::byte*>(msolo.seg->data())[0]) == 0x43);
+  // Both readings reachable (root's own plain group named like root's set): refused, not guessed.
+  v1::Layout both = src, both_r0 = r0;
+  both.set_group("both");
+  both_r0.set_group("both.r0");
+  both_r0.set_replica_set("both");
+  RankMemory mboth = allocateRank(resolved, 0, "both"), mboth0 = allocateRank(resolved, 0, "both0");
+  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(both, 0, 1, mboth), &registered).ok());
+  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(both_r0, 0, 1, mboth0), &registered).ok());
+  auto [ast, ambiguous] = sync("both", 2, false);
   CHECK(ast.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
   CHECK_THAT(ast.error_message(), Catch::Contains("both a registered group and the replica set"));
-  for (Child* c : {&joined, &squat}) {
+  for (Child* c : {&joined, &squat, &shadow}) {
     c->closeStdin();
     CHECK(c->wait() == 0);
   }

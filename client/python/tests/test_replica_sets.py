@@ -408,3 +408,64 @@ def test_a_replica_that_joined_by_a_catch_up_is_named_when_its_node_goes_silent_
         assert holds(r1, 1)
         for reg in trainers + r0 + r1:
             reg.close()
+
+
+def test_a_catch_up_goes_on_while_a_node_it_neither_reads_nor_writes_is_silent():
+    """r2's daemon (n3) freezes; a catch-up of r1 from r0 neither reads nor writes n3, so it goes
+    on without it (before, any silent peer failed it, and with it every vLLM update that catches a
+    replica up)."""
+    shardcastd_path()
+    with LocalCluster(["n0", "n1", "n2", "n3"], extra=["--peer-timeout-ms", "1500"]) as c:
+        clients, src, trainers, (r0,) = trainer_and_replicas(c, 1)
+        r2 = register_replica(clients["n3"], 2, "n3")
+        src.sync("trainer", "rollout", 1)
+        step(trainers, 2)
+        src.sync("trainer", "rollout", 2)
+        r1 = register_replica(clients["n2"], 1, "n2")
+        os.kill(c.daemons["n3"].proc.pid, signal.SIGSTOP)
+        try:
+            resp = src.catch_up("rollout.r1", "trainer", 2)
+            assert resp.version == 2 and resp.seeded_from == "rollout.r0", resp
+            assert holds(r1, 2)
+        finally:
+            os.kill(c.daemons["n3"].proc.pid, signal.SIGCONT)
+        for reg in trainers + r0 + r1 + r2:
+            reg.close()
+
+
+def test_another_uid_syncing_its_own_source_into_the_set_does_not_wipe_what_the_coordinator_remembers():
+    """nobody asks the trainer's daemon for a sync of its own source into root's set (its replicas
+    are not nobody's to write: refused). The daemon still remembers root's replicas: when r1's node
+    then freezes, root's next sync names r1 as cut and waits only the replica deadline for it."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root (setpriv) to run a caller as another uid")
+    foreign = os.path.join(os.environ.get("SHARDCAST_BUILD", "build"), "bin", "foreign_caller")
+    if not os.access(foreign, os.X_OK):
+        pytest.skip(f"{foreign} is not built")
+    shardcastd_path()
+    one = ('{"group":"g","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[{"name":"w","shape":[4],'
+           '"dtype":"float32","placements":[{"replicate":{}}]}]}')
+    with LocalCluster(["n0", "n1", "n2"], extra=["--peer-timeout-ms", "3000"]) as c:
+        clients, src, trainers, (r0, r1) = trainer_and_replicas(c, 2)
+        src.sync("trainer", "rollout", 1)
+        sock = c.target("n0").split(":", 1)[1]
+        os.chmod(os.path.dirname(sock), 0o750)  # reachable by gid 0, as the daemon tests run it
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=0", "--clear-groups", foreign, "sync", sock, one,
+                              "trainer", "rollout"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "own-source OK" in out.stdout, out.stdout + out.stderr
+        assert "write OK" not in out.stdout, out.stdout  # root's replicas were not nobody's to write
+        os.kill(c.daemons["n2"].proc.pid, signal.SIGSTOP)
+        try:
+            step(trainers, 2)
+            resp = src.sync("trainer", "rollout", 2, replica_deadline=0.5)
+            got = outcomes(resp)
+            assert got["rollout.r0"] == (True, ""), got
+            assert got["rollout.r1"][0] is False and "do not answer" in got["rollout.r1"][1], got
+            assert resp.gather_seconds < 2.5  # the replica deadline, not the 3 s peer timeout
+        finally:
+            os.kill(c.daemons["n2"].proc.pid, signal.SIGCONT)
+        for reg in trainers + r0 + r1:
+            reg.close()

@@ -12,15 +12,21 @@ from shardcast.vllm.clients import ReplicaClients, replica_group
 
 
 class Server:
+    """vLLM's session rules: start opens one, an update that fails on the server ends it, finish
+    needs one open. `fail`: the call that fails on the server; "lost-update": the update goes
+    through on the server but its reply is lost (the call raises here)."""
+
     def __init__(self, fail: str = "") -> None:
         self.calls: list = []
         self.fail = fail
+        self.session = False
         self.lock = threading.Lock()
 
     def _record(self, what: str, arg=None) -> None:
         with self.lock:
             self.calls.append((what, arg))
         if what == self.fail:
+            self.session = False
             raise RuntimeError(f"{what} failed here")
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
@@ -28,12 +34,18 @@ class Server:
 
     def start_weight_update(self) -> None:
         self._record("start")
+        self.session = True
 
     def update_weights(self, update_info: dict) -> None:
         self._record("update", update_info)
+        if self.fail == "lost-update":
+            raise TimeoutError("the reply was lost")
 
     def finish_weight_update(self, weight_version=None) -> None:
+        if not self.session:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update")
         self._record("finish", weight_version)
+        self.session = False
 
 
 def update(clients: ReplicaClients, version: int) -> None:
@@ -65,7 +77,7 @@ def test_a_server_whose_update_fails_is_named_and_the_others_finish():
     update(clients, 3)
     assert clients.updated == [0, 2]
     assert list(clients.failed) == [1] and "update failed here" in clients.failed[1]
-    assert ("finish", "3") not in servers[1].calls
+    assert ("finish", "3") not in servers[1].calls  # its session ended with its update: nothing applied
     assert ("finish", "3") in servers[0].calls and ("finish", "3") in servers[2].calls
     # The next update starts afresh: every server is asked again.
     servers[1].fail = ""
@@ -91,3 +103,15 @@ def test_an_init_that_fails_anywhere_raises_naming_the_replica():
     with pytest.raises(RuntimeError) as failed:
         clients.init_weight_transfer_engine({"group": "vllm"})
     assert "replica 1" in str(failed.value) and "init failed here" in str(failed.value)
+
+
+def test_a_server_whose_update_reply_was_lost_is_finished_and_counted():
+    servers = [Server(), Server(fail="lost-update")]
+    clients = ReplicaClients(servers)
+    clients.init_weight_transfer_engine({"group": "vllm"})
+    update(clients, 2)
+    assert clients.updated == [0, 1] and clients.failed == {}
+    assert ("finish", "2") in servers[1].calls and not servers[1].session
+    servers[1].fail = ""
+    update(clients, 3)  # its session ended: the next update starts as usual
+    assert clients.updated == [0, 1]

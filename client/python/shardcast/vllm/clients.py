@@ -80,8 +80,21 @@ class ReplicaClients:
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
         live = self._live()
-        self._each("finish", lambda k, c: c.finish_weight_update(weight_version), live)
-        self.updated = [k for k in live if k not in self.failed]
+        # A server whose update call failed here (a timeout, a dropped connection) may still have
+        # taken the update: its workers hold the version and its session is open. Finishing it
+        # ends the session (vLLM refuses where the update failed on the server: nothing is applied
+        # there); one that finishes took the version.
+        recovered = []
+        for k in [k for k, why in self.failed.items() if why.startswith("update: ")]:
+            try:
+                self.clients[k].finish_weight_update(weight_version)
+            except Exception:
+                continue
+            del self.failed[k]
+            recovered.append(k)
+        if live or not recovered:
+            self._each("finish", lambda k, c: c.finish_weight_update(weight_version), live)
+        self.updated = sorted(k for k in live + recovered if k not in self.failed)
 
     def _live(self) -> List[int]:
         return [k for k in range(len(self.clients)) if k not in self.failed]

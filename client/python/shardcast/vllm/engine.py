@@ -117,6 +117,9 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         checkpoint = {name: (shapes[name], getattr(torch, dtypes.get(name, str(spec[1])))) for name, spec in
                       init_info.checkpoint.items()}
         replica = init_info.replica
+        if replica >= 0 and init_info.data_parallel:
+            raise ValueError(f"shardcast: init_info names replica {replica} and data_parallel: each of this "
+                             "server's data-parallel engines would register that one replica; use one of them")
         if replica < 0 and init_info.data_parallel:
             if self.parallel_config.enable_expert_parallel:
                 # Experts spread over the data-parallel engines: together they are one model.

@@ -262,6 +262,7 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         self.collective: Optional[_Collective] = None
         # A replica set's last sync (sender): each replica's group -> "" (committed) or why it was cut.
         self.replicas: Dict[str, str] = {}
+        self._held = False  # the parameters acquired between steps (see _hold)
         # Replicas added by add_replica: group -> the group their catch-up read.
         self.caught_up: Dict[str, str] = {}
 
@@ -273,6 +274,9 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         engine.info = init_info
         module = _module_of(source)
         refuse_fsdp1(module)
+        if init_info.data_parallel and hasattr(client, "add"):
+            raise ValueError("shardcast: data_parallel (vLLM's own data-parallel engines, one server) and "
+                             "ReplicaClients (one server per replica) each number the replicas: use one of them")
         engine.collective = _Collective()
         entries: List[_Entry] = []
         engine.collective.gather("finding the checkpoint's tensors",
@@ -300,12 +304,28 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
 
         def publish() -> None:
             # Its parameters hold this version (acquire waits for syncs still reading them).
-            self.registration.acquire()
+            # Held since the last update (see _hold), unless its daemon restarted meanwhile.
+            if not (self._held and self.registration.state().held):
+                self.registration.acquire()
             self.registration.publish(version)
+            self._held = False
 
         self.collective.gather(f"publishing version {version}", publish)  # every rank, before the sync
-        self.collective.gather(f"updating {self.info.destination!r} to version {version}",
-                               lambda: self._update(version) if self.is_sender else None)
+        try:
+            self.collective.gather(f"updating {self.info.destination!r} to version {version}",
+                                   lambda: self._update(version) if self.is_sender else None)
+        finally:
+            self._hold()
+
+    def _hold(self) -> None:
+        """Takes this rank's parameters back once the update is over: the optimizer changes them in
+        place until the next send_weights publishes them, so nothing (a catch-up falling back to the
+        trainer, a sync of someone else's) may read them meanwhile under the version published."""
+        try:
+            self.registration.acquire()
+            self._held = True
+        except Exception as e:  # the daemon gone: the next publish acquires again, or says why
+            _log.warning("shardcast: could not hold the parameters of %r between steps: %s", self.info.group, e)
 
     def _update(self, version: int) -> None:
         """The sender: sync `version` into the inference group and drive vLLM's update."""
@@ -336,7 +356,16 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
                 _log.info("shardcast: replica %r was cut from the sync of version %d (%s); its workers catch up "
                           "to it in this update", group, version, why)
         # `source`: the sync has ended, so a replica that does not hold the version catches up.
-        self.client.update_weights({"version": version, "timeout_s": info.timeout_s, "source": info.group})
+        try:
+            self.client.update_weights({"version": version, "timeout_s": info.timeout_s, "source": info.group})
+        except Exception:
+            # vLLM's data-parallel engines: those whose update went through hold the version and
+            # keep their session open; finishing ends it there (the others refuse: theirs ended).
+            try:
+                self.client.finish_weight_update(str(version))
+            except Exception:
+                pass
+            raise
         self.client.finish_weight_update(str(version))
         self._count_updated(version)
 
@@ -360,8 +389,10 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         server (a client of the protocol) as the set's next replica, initialises it, and brings it
         to the version last sent. The catch-up runs through the trainer's daemon (the one that
         coordinates the set's syncs, which then knows the replica and names it if its node goes
-        silent); its bytes come from the replicas that hold the version (the trainer's network
-        stays free), or from the trainer when none does (`caught_up` records which). Returns its
+        silent); its bytes come from the replicas that hold the version (`caught_up` records
+        which): the trainer's parameters are held between steps (the optimizer is changing them),
+        so with no replica holding it the catch-up fails, naming why, and the next send_weights
+        brings the replica the following version. Returns its
         replica id; raises, naming the replica, when the catch-up failed (the server stays in the
         set, and the next `send_weights` reaches it)."""
         if not self.is_sender:
@@ -374,9 +405,10 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         if self.version > 0:
             group = replica_group(self.info.destination, replica)
             try:
+                # Inside vLLM's update session: no byte lands in a live parameter outside one.
+                client.start_weight_update()
                 resp = self.shardcast.catch_up(group, self.info.group, self.version, timeout=self.info.timeout_s)
                 self.caught_up[group] = resp.seeded_from
-                client.start_weight_update()
                 client.update_weights({"version": self.version, "timeout_s": self.info.timeout_s,
                                        "source": self.info.group})
                 client.finish_weight_update(str(self.version))
