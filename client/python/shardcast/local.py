@@ -81,6 +81,28 @@ def join_process_group(port: int, rank: int, world: int, backend: str = "gloo") 
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
+def freeze_process(pid: int, timeout: float = 10) -> None:
+    """SIGSTOP, then waits until every thread of `pid` is stopped: a stop is delivered to each
+    thread as it next runs, so for a moment after kill() the process can still answer a call."""
+    import signal
+    import time
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append(task.joinpath("stat").read_text().rsplit(") ", 1)[1][:1])
+            except (OSError, IndexError):
+                pass  # a thread that just exited
+        if states and all(s in "tT" for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} did not stop within {timeout} s (thread states {states})")
+        time.sleep(0.005)
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
     """SIGTERM, then SIGKILL if `proc` has not exited within `timeout` seconds; reaps it."""
     if proc.poll() is None:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import shardcast
-from shardcast.local import LocalCluster, LocalDaemon, free_port, mint_certificates
+from shardcast.local import LocalCluster, LocalDaemon, free_port, freeze_process, mint_certificates
 
 import rank_worker
 from conftest import ROOT, shardcastd_path
@@ -210,7 +210,7 @@ def test_shutdown_is_bounded_while_a_peer_is_frozen():
         src, dst = shardcast.Client(c.target("n0")), shardcast.Client(c.target("n1"))
         _sync_once(src, dst)  # n0 holds a transport endpoint to n1 now
         n1 = c.daemons["n1"]
-        os.kill(n1.proc.pid, signal.SIGSTOP)
+        freeze_process(n1.proc.pid)
         try:
             began = time.monotonic()
             c.daemons["n0"].proc.send_signal(signal.SIGTERM)

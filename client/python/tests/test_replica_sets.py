@@ -19,7 +19,7 @@ import pytest
 import rank_worker
 import shardcast
 from google.protobuf import json_format
-from shardcast.local import LocalCluster
+from shardcast.local import LocalCluster, freeze_process
 from shardcast.v1 import layout_pb2, service_pb2, service_pb2_grpc
 
 from conftest import shardcastd_path
@@ -349,7 +349,7 @@ def test_a_node_that_is_gone_is_forgotten_after_its_lease_and_nothing_waits_on_i
         infer = rank_worker.register_inference(clients["n1"])  # a plain group, on n1
         src.sync("trainer", "rollout", 1)
         src.sync("trainer", "infer", 1)
-        os.kill(c.daemons["n3"].proc.pid, signal.SIGSTOP)
+        freeze_process(c.daemons["n3"].proc.pid)
         frozen = time.monotonic()
         try:
             step(trainers, 2)
@@ -394,7 +394,7 @@ def test_a_replica_that_joined_by_a_catch_up_is_named_when_its_node_goes_silent_
         r1 = register_replica(clients["n2"], 1, "n2")
         assert src.catch_up("rollout.r1", "trainer").seeded_from == "rollout.r0"
         assert holds(r1, 1)
-        os.kill(c.daemons["n2"].proc.pid, signal.SIGSTOP)
+        freeze_process(c.daemons["n2"].proc.pid)
         try:
             step(trainers, 2)
             resp = src.sync("trainer", "rollout", 2, replica_deadline=0.5)
@@ -422,7 +422,7 @@ def test_a_catch_up_goes_on_while_a_node_it_neither_reads_nor_writes_is_silent()
         step(trainers, 2)
         src.sync("trainer", "rollout", 2)
         r1 = register_replica(clients["n2"], 1, "n2")
-        os.kill(c.daemons["n3"].proc.pid, signal.SIGSTOP)
+        freeze_process(c.daemons["n3"].proc.pid)
         try:
             resp = src.catch_up("rollout.r1", "trainer", 2)
             assert resp.version == 2 and resp.seeded_from == "rollout.r0", resp
@@ -457,7 +457,7 @@ def test_another_uid_syncing_its_own_source_into_the_set_does_not_wipe_what_the_
                               "trainer", "rollout"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "own-source OK" in out.stdout, out.stdout + out.stderr
         assert "write OK" not in out.stdout, out.stdout  # root's replicas were not nobody's to write
-        os.kill(c.daemons["n2"].proc.pid, signal.SIGSTOP)
+        freeze_process(c.daemons["n2"].proc.pid)
         try:
             step(trainers, 2)
             resp = src.sync("trainer", "rollout", 2, replica_deadline=0.5)
