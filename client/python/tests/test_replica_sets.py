@@ -234,6 +234,18 @@ def test_a_trainer_restarted_with_another_world_size_syncs_without_daemon_restar
             reg.close()
 
 
+def sync_with_a_node_frozen(c: LocalCluster, src, trainers, node: str, version: int):
+    """The trainer writes `version`, `node`'s daemon freezes, and the set's sync runs with a replica
+    deadline of 0.5 s (the daemon thaws afterwards). Returns the response and its outcomes."""
+    freeze_process(c.daemons[node].proc.pid)
+    try:
+        step(trainers, version)
+        resp = src.sync("trainer", "rollout", version, replica_deadline=0.5)
+    finally:
+        os.kill(c.daemons[node].proc.pid, signal.SIGCONT)
+    return resp, outcomes(resp)
+
+
 def test_two_replicas_sharing_a_node_other_than_the_first_replicas_cut_one_not_the_sync():
     """Replicas 1 and 2 on one node (neither shares with replica 0): the first of them is taken, the
     other cut and named; the sync commits."""
@@ -394,17 +406,11 @@ def test_a_replica_that_joined_by_a_catch_up_is_named_when_its_node_goes_silent_
         r1 = register_replica(clients["n2"], 1, "n2")
         assert src.catch_up("rollout.r1", "trainer").seeded_from == "rollout.r0"
         assert holds(r1, 1)
-        freeze_process(c.daemons["n2"].proc.pid)
-        try:
-            step(trainers, 2)
-            resp = src.sync("trainer", "rollout", 2, replica_deadline=0.5)
-            got = outcomes(resp)
-            assert got["rollout.r0"] == (True, ""), got
-            committed, why = got["rollout.r1"]
-            assert not committed and 'node(s) "n2"' in why and "do not answer" in why, why
-            assert holds(r0, 2)
-        finally:
-            os.kill(c.daemons["n2"].proc.pid, signal.SIGCONT)
+        _, got = sync_with_a_node_frozen(c, src, trainers, "n2", 2)
+        assert got["rollout.r0"] == (True, ""), got
+        committed, why = got["rollout.r1"]
+        assert not committed and 'node(s) "n2"' in why and "do not answer" in why, why
+        assert holds(r0, 2)
         assert holds(r1, 1)
         for reg in trainers + r0 + r1:
             reg.close()
@@ -457,15 +463,9 @@ def test_another_uid_syncing_its_own_source_into_the_set_does_not_wipe_what_the_
                               "trainer", "rollout"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "own-source OK" in out.stdout, out.stdout + out.stderr
         assert "write OK" not in out.stdout, out.stdout  # root's replicas were not nobody's to write
-        freeze_process(c.daemons["n2"].proc.pid)
-        try:
-            step(trainers, 2)
-            resp = src.sync("trainer", "rollout", 2, replica_deadline=0.5)
-            got = outcomes(resp)
-            assert got["rollout.r0"] == (True, ""), got
-            assert got["rollout.r1"][0] is False and "do not answer" in got["rollout.r1"][1], got
-            assert resp.gather_seconds < 2.5  # the replica deadline, not the 3 s peer timeout
-        finally:
-            os.kill(c.daemons["n2"].proc.pid, signal.SIGCONT)
+        resp, got = sync_with_a_node_frozen(c, src, trainers, "n2", 2)
+        assert got["rollout.r0"] == (True, ""), got
+        assert got["rollout.r1"][0] is False and "do not answer" in got["rollout.r1"][1], got
+        assert resp.gather_seconds < 2.5  # the replica deadline, not the 3 s peer timeout
         for reg in trainers + r0 + r1:
             reg.close()

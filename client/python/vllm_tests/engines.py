@@ -48,3 +48,34 @@ class OfflineClient(LLMWeightSyncClient):
         t = time.perf_counter()
         fn()
         self.seconds[what] = time.perf_counter() - t
+
+
+class PlainTrainer:
+    """A trainer of plain tensors in this process: a Hugging Face causal LM and AdamW. `train(step)`
+    takes one optimizer step on tokens seeded by `step`; `save(step)` writes the full weights to
+    OUT/step-N as a model directory a fresh vLLM loads, and returns it."""
+
+    def __init__(self, model_dir: str, out: str) -> None:
+        import torch
+        from transformers import LlamaForCausalLM
+
+        self.model_dir, self.out = model_dir, out
+        self.model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+    def train(self, step: int) -> None:
+        import torch
+
+        tokens = torch.randint(3, self.model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
+        self.model(input_ids=tokens, labels=tokens).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def save(self, step: int) -> str:
+        import os
+
+        from run_rl import save_step
+
+        path = os.path.join(self.out, f"step-{step}")
+        save_step({k: v.detach() for k, v in self.model.state_dict().items()}, self.model_dir, path)
+        return path

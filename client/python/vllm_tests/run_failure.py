@@ -20,16 +20,12 @@ import time
 
 def main() -> None:
     model_dir, out = sys.argv[1], sys.argv[2]
-    import torch
-    from safetensors.torch import save_file
-    from transformers import LlamaForCausalLM
     from vllm import LLM
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     import shardcast
-    from engines import OfflineClient, engine_args, generate
-    from run_rl import save_step
+    from engines import OfflineClient, PlainTrainer, engine_args, generate
     from shardcast.local import LocalCluster
     from shardcast.vllm.trainer import ShardcastTrainerInitInfo
 
@@ -44,22 +40,12 @@ def main() -> None:
         llm = LLM(model=model_dir, worker_extension_cls="worker_ext.ShardcastCheck",
                   weight_transfer_config={"backend": "shardcast"}, **engine_args(1))
         client = OfflineClient(llm)
-        model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        trainer = PlainTrainer(model_dir, out)
+        train, save = trainer.train, trainer.save
         engine = WeightTransferTrainerFactory.trainer_init(
             ShardcastTrainerInitInfo(rank=0, daemon=cluster.target("n0"), timeout_s=60, double_buffer=True),
-            client=client, source=ModuleSource(model))
+            client=client, source=ModuleSource(trainer.model))
 
-        def train(step: int) -> None:
-            tokens = torch.randint(3, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
-            model(input_ids=tokens, labels=tokens).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-        def save(step: int) -> str:
-            path = os.path.join(out, f"step-{step}")
-            save_step({k: v.detach() for k, v in model.state_dict().items()}, model_dir, path)
-            return path
 
         mark("vLLM up")
         result["served_0"] = generate(llm)

@@ -47,15 +47,12 @@ class Warnings(logging.Handler):
 
 def main() -> None:
     model_dir, out = sys.argv[1], sys.argv[2]
-    import torch
-    from transformers import LlamaForCausalLM
     from vllm import LLM
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     import shardcast
-    from engines import OfflineClient, engine_args, generate
-    from run_rl import save_step
+    from engines import OfflineClient, PlainTrainer, engine_args, generate
     from shardcast.local import LocalCluster
     from shardcast.vllm.clients import ReplicaClients
     from shardcast.vllm.trainer import ShardcastTrainerInitInfo
@@ -80,23 +77,13 @@ def main() -> None:
     with LocalCluster(["n0", "n1", "n2"]) as cluster:
         llms = [start_llm("n1")]
         servers = ReplicaClients([OfflineClient(llms[0])])
-        model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        trainer = PlainTrainer(model_dir, out)
+        train, save = trainer.train, trainer.save
         engine = WeightTransferTrainerFactory.trainer_init(
             ShardcastTrainerInitInfo(rank=0, daemon=cluster.target("n0"), timeout_s=60, double_buffer=True,
                                      replica_deadline_s=1.0),
-            client=servers, source=ModuleSource(model))
+            client=servers, source=ModuleSource(trainer.model))
 
-        def train(step: int) -> None:
-            tokens = torch.randint(3, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
-            model(input_ids=tokens, labels=tokens).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-        def save(step: int) -> str:
-            path = os.path.join(out, f"step-{step}")
-            save_step({k: v.detach() for k, v in model.state_dict().items()}, model_dir, path)
-            return path
 
         def served(step: int) -> None:
             result[f"served_{step}"] = [generate(llm) for llm in llms]
