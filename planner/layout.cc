@@ -825,32 +825,93 @@ Status addScaleSources(ResolvedLayout& src, const ResolvedLayout& dst) {
     v.pow2 = dw.pow2;
     v.scale_of = src.tensor_index.at(w->name);
     v.scaled_shape = w->shape;
+    // Each block's scale is read at the piece holding the block's first element (one per distinct
+    // box): blocks [ceil(lo / b), ceil(hi / b)) of a piece, its first element's offset moved there.
     std::unordered_map<Box, int32_t, BoxHash> box_ids;
     for (const PieceRef& p : w->pieces) {
       const Box& wb = w->boxes[p.box];
+      const std::vector<int64_t>& weight_strides = src.strides[static_cast<size_t>(p.strides)];
       Box vb;
       vb.ndim = wb.ndim;
+      int64_t offset = p.offset;
       for (int d = 0; d < wb.ndim; ++d) {
         const int64_t b = v.block[d];
-        if (wb.lo[d] % b != 0 || (wb.hi[d] % b != 0 && wb.hi[d] != w->shape[d]))
-          return absl::FailedPreconditionError(strCat(
-              "tensor \"", dw.name, "\": layout \"", src.group, "\" rank ", p.rank, " holds ", wb.str(),
-              ", which cuts blocks of ", shapeStr(v.block), " along dim ", d, ": layout \"", dst.group,
-              "\" quantises it per block (block_scale), and a block's scale needs the whole block on one source rank"));
-        vb.lo[d] = wb.lo[d] / b;
+        vb.lo[d] = (wb.lo[d] + b - 1) / b;
         vb.hi[d] = (wb.hi[d] + b - 1) / b;
+        offset += (vb.lo[d] * b - wb.lo[d]) * weight_strides[static_cast<size_t>(d)];
       }
+      if (vb.empty()) continue;  // the piece holds no block's first element
       auto [it, added] = box_ids.try_emplace(vb, static_cast<int32_t>(v.boxes.size()));
       if (added) v.boxes.push_back(vb);
-      std::vector<int64_t> strides = src.strides[static_cast<size_t>(p.strides)];
+      std::vector<int64_t> strides = weight_strides;
       for (size_t d = 0; d < strides.size(); ++d) strides[d] *= v.block[d];
       src.strides.push_back(std::move(strides));
-      v.pieces.push_back({p.rank, it->second, p.buffer, static_cast<int32_t>(src.strides.size() - 1), p.offset});
+      v.pieces.push_back({p.rank, it->second, p.buffer, static_cast<int32_t>(src.strides.size() - 1), offset});
     }
+    // A block some box holds only part of is split: its amax is combined across the pieces.
+    // Only the blocks on a box's unaligned faces can be: the shell of what it touches.
+    std::vector<int64_t> split;
+    for (const Box& wb : w->boxes) {
+      const Box touched = blocksTouched(wb, v.block);
+      for (int d = 0; d < wb.ndim; ++d) {
+        const int64_t b = v.block[d];
+        const bool cut_lo = wb.lo[d] % b != 0, cut_hi = wb.hi[d] % b != 0 && wb.hi[d] != w->shape[d];
+        for (const int64_t k : {touched.lo[d], touched.hi[d] - 1}) {
+          if (!(k == touched.lo[d] && cut_lo) && !(k == touched.hi[d] - 1 && cut_hi)) continue;
+          Box face = touched;
+          face.lo[d] = k;
+          face.hi[d] = k + 1;
+          forEachIndex(face, [&](const int64_t* idx) { split.push_back(blockIndex(idx, v.shape)); });
+        }
+      }
+    }
+    std::sort(split.begin(), split.end());
+    split.erase(std::unique(split.begin(), split.end()), split.end());
+    v.split_blocks = std::move(split);
     src.tensor_index.emplace(v.name, static_cast<int32_t>(src.tensors.size()));
     src.tensors.push_back(std::move(v));
   }
   return absl::OkStatus();
+}
+
+Box blocksTouched(const Box& elements, const std::vector<int64_t>& block) {
+  Box out;
+  out.ndim = elements.ndim;
+  for (int d = 0; d < elements.ndim; ++d) {
+    out.lo[d] = elements.lo[d] / block[static_cast<size_t>(d)];
+    out.hi[d] = (elements.hi[d] + block[static_cast<size_t>(d)] - 1) / block[static_cast<size_t>(d)];
+  }
+  return out;
+}
+
+Box blockElements(const Box& blocks, const std::vector<int64_t>& block, const std::vector<int64_t>& shape) {
+  Box out;
+  out.ndim = blocks.ndim;
+  for (int d = 0; d < blocks.ndim; ++d) {
+    out.lo[d] = blocks.lo[d] * block[static_cast<size_t>(d)];
+    out.hi[d] = std::min(blocks.hi[d] * block[static_cast<size_t>(d)], shape[static_cast<size_t>(d)]);
+  }
+  return out;
+}
+
+int64_t blockIndex(const int64_t* k, const std::vector<int64_t>& grid) {
+  int64_t index = 0;
+  for (size_t d = 0; d < grid.size(); ++d) index = index * grid[d] + k[d];
+  return index;
+}
+
+void forEachIndex(const Box& box, const std::function<void(const int64_t*)>& fn) {
+  if (box.empty()) return;
+  std::array<int64_t, kMaxDims> idx = box.lo;
+  while (true) {
+    fn(idx.data());
+    int d = box.ndim;
+    while (d > 0 && ++idx[d - 1] == box.hi[d - 1]) {
+      idx[d - 1] = box.lo[d - 1];
+      --d;
+    }
+    if (d == 0) return;
+  }
 }
 
 }  // namespace shardcast::planner

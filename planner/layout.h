@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -81,6 +82,11 @@ struct TensorLayout {
   int32_t scale = -1;
   int32_t scale_of = -1;
   std::vector<int64_t> scaled_shape;
+  // A source's virtual scale tensor only: the blocks (row-major indices into `shape`) that some
+  // source piece holds only part of, sorted. Their amax is combined across the daemons holding
+  // their pieces before any rank quantises (daemon/engine/split_amax.h); the piece holding a
+  // block's first element sends its scale.
+  std::vector<int64_t> split_blocks;
   bool blockScaled() const { return !block.empty() && scale_of < 0; }
 };
 
@@ -127,9 +133,18 @@ StatusOr<ResolvedLayout> resolveLayout(const v1::Layout& layout, NodeTable& node
                                        std::optional<int32_t> only_rank = std::nullopt);
 
 // Before planning `src` into `dst`: for every scale tensor of `dst`, the virtual source tensor the
-// scales are computed from (TensorLayout::scale_of). FAILED_PRECONDITION, naming the rank and its
-// piece, when a block of the weight is split between source pieces (its amax is nowhere whole).
+// scales are computed from (TensorLayout::scale_of), with the blocks source pieces cut
+// (TensorLayout::split_blocks: FSDP shards that are not multiples of the block).
 Status addScaleSources(ResolvedLayout& src, const ResolvedLayout& dst);
+
+// Block-scaled weights. The blocks (block indices) a box of weight elements touches; the weight
+// elements of the blocks in a box of block indices, cut at the tensor's edge `shape`; the
+// row-major index of block `k` among a scale tensor's `grid`; each block index of a box, in
+// row-major order.
+Box blocksTouched(const Box& elements, const std::vector<int64_t>& block);
+Box blockElements(const Box& blocks, const std::vector<int64_t>& block, const std::vector<int64_t>& shape);
+int64_t blockIndex(const int64_t* k, const std::vector<int64_t>& grid);
+void forEachIndex(const Box& box, const std::function<void(const int64_t*)>& fn);
 
 // Per-dim global index intervals a rank holds under DTensor placements (exposed for tests):
 // the rank's local tensor along dim d is the concatenation of intervals[d] in order.

@@ -723,6 +723,13 @@ Status SyncCoordinator::prepare() {
       giveUp(std::string(failure.message()));
       return failed(failure);
     }
+  // Block-scaled fp8 from source shards that cut blocks: each node's parts of the split blocks'
+  // amaxes, combined; each node quantises its parts with the whole blocks' (split_amax.h).
+  auto amaxes = combinedAmaxes(prepared);
+  if (!amaxes.ok()) {
+    giveUp(std::string(amaxes.status().message()));
+    return failed(amaxes.status());
+  }
   // Each daemon learns where the nodes it writes to land, not every node's directory: the
   // requests' total size grows with the plan's edges, not with the square of the nodes.
   std::map<std::string, size_t> daemon_of;
@@ -734,6 +741,7 @@ Status SyncCoordinator::prepare() {
     e.set_timeout_ms(timeout_ms_);
     e.set_verify(req_.options().verify());
     e.set_fence(fence_);
+    writeAmaxes((*amaxes)[i], e.mutable_split_amax());
     const auto& nodes = plan_->nodes;
     for (int32_t self = 0; self < nodes.size(); ++self) {
       if (nodes.name(self) != daemons[i].node()) continue;
@@ -751,6 +759,28 @@ Status SyncCoordinator::prepare() {
     }
   }
   return absl::OkStatus();
+}
+
+StatusOr<std::vector<SplitAmaxes>> SyncCoordinator::combinedAmaxes(const std::vector<v1::PrepareResponse>& prepared) {
+  const auto& daemons = cluster_->view.daemons();
+  std::vector<SplitAmaxes> reports(daemons.size());
+  std::vector<int32_t> ids(daemons.size(), -1);
+  std::vector<std::string> names(daemons.size());
+  for (size_t i = 0; i < daemons.size(); ++i) {
+    names[i] = daemons[i].node();
+    for (int32_t n = 0; n < plan_->nodes.size(); ++n)
+      if (plan_->nodes.name(n) == names[i]) ids[i] = n;
+    auto report = readAmaxes(prepared[i].split_amax());
+    if (!report.ok()) {
+      faulty_node_ = names[i];
+      return Status(report.status().code(),
+                    strCat("sync ", id_, ": node ", quote(names[i]), ": ", report.status().message()));
+    }
+    reports[i] = std::move(*report);
+  }
+  auto combined = combineAmaxes(plan_->src, ids, names, reports);
+  if (!combined.ok()) return Status(combined.status().code(), strCat("sync ", id_, ": ", combined.status().message()));
+  return combined;
 }
 
 // Every wave everywhere at once, waves in order; the first failure gives the sync up.

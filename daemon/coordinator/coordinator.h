@@ -24,6 +24,7 @@
 #include "common/status.h"
 #include "daemon/coordinator/cluster.h"
 #include "daemon/coordinator/progress.h"
+#include "daemon/engine/split_amax.h"
 #include "daemon/engine/sync_counters.h"
 #include "daemon/engine/sync_engine.h"
 #include "daemon/registry/registry.h"
@@ -130,6 +131,8 @@ class SyncCoordinator {
   Status gather();
   Status plan();
   Status prepare();
+  // The Prepare responses' amaxes of split blocks, checked and combined: per daemon, its blocks'.
+  StatusOr<std::vector<SplitAmaxes>> combinedAmaxes(const std::vector<v1::PrepareResponse>& prepared);
   Status execute();
   Status commit();
   // Runs one phase and records its seconds in out_ (the setter `seconds`), whether it succeeds.

@@ -32,6 +32,7 @@ Status Execution::run() {
   if (wave_ < 0 || wave_ >= cp_.waves)
     return absl::InvalidArgumentError(strCat("sync ", a_->id, ": wave ", wave_, " of ", cp_.waves));
   SC_RETURN_IF_ERROR(readDirectory());
+  SC_RETURN_IF_ERROR(readAmaxes());
   if (wave_ == 0) SC_RETURN_IF_ERROR(copyColocated());
   for (int32_t t = 0; t < static_cast<int32_t>(plan_.transfers.size()); ++t)
     if (cp_.transfer(t).wave == wave_) SC_RETURN_IF_ERROR(sendHeaded(t));
@@ -72,6 +73,27 @@ Status Execution::readDirectory() {
     }
   }
   return absl::OkStatus();
+}
+
+// The combined amaxes of the blocks this node's source ranks hold part of, checked against the
+// parts it computed when prepared.
+Status Execution::readAmaxes() {
+  auto given = daemon::readAmaxes(req_.split_amax());
+  if (given.ok()) {
+    if (Status st = checkCombined(a_->own_amax, *given); !st.ok()) given = st;
+  }
+  if (!given.ok())
+    return Status(given.status().code(),
+                  strCat("sync ", a_->id, " on node ", quote(env_.node),
+                         ": amaxes of blocks split between source ranks: ", given.status().message()));
+  split_ = std::move(*given);
+  return absl::OkStatus();
+}
+
+const SplitAmax* Execution::splitOf(const planner::TensorLayout& dt) const {
+  const std::string& weight = dt.scale_of >= 0 ? cp_.dst.tensors[static_cast<size_t>(dt.scale_of)].name : dt.name;
+  const auto it = split_.find(weight);
+  return it == split_.end() ? nullptr : &it->second;
 }
 
 Status Execution::alive() const { return a_->usable(); }
@@ -180,7 +202,7 @@ Status Execution::copyColocated() {
       SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
       SC_RETURN_IF_ERROR(env_.stage.copyLocal(typed(db, dr.offset, dr.strides, dt, Direction::kIncoming),
                                               typed(sb, sr.offset, sr.strides, st, Direction::kOutgoing), dr.extent,
-                                              {dt.name, sub, &dt}));
+                                              {dt.name, sub, &dt, splitOf(dt)}));
       a_->moved.local_bytes += static_cast<uint64_t>(sub.volume() * dt.elemBytes());
     }
   }
@@ -245,7 +267,7 @@ Status Execution::sendHeaded(int32_t t) {
       const TypedView wire{
           {out + cp_.fragment_offset[f] + chunk.offset, transport::MemoryKind::kHost, 0, denseFor(part)}, dt.dtype};
       SC_RETURN_IF_ERROR(env_.stage.pack(wire, typed(sb, sr.offset, sr.strides, st, Direction::kOutgoing), sr.extent,
-                                         {dt.name, part, &dt}));
+                                         {dt.name, part, &dt, splitOf(dt)}));
     }
     // Encoded, checksummed and sent once packed (device packs: a chunk behind the next one's).
     auto then = [this, t, k, packed = out + chunk.offset, bytes = chunk.bytes, target, at, staged,

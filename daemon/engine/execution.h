@@ -64,6 +64,10 @@ class Execution {
   };
 
   Status readDirectory();
+  Status readAmaxes();
+  // The combined amaxes of the split blocks of destination tensor `dt` (a block-scaled weight or
+  // its scales; null: none split).
+  const SplitAmax* splitOf(const planner::TensorLayout& dt) const;
   // Before every local copy into or out of rank memory: the sync may have been ended meanwhile
   // (aborted, or its lease ran out); then its ranks are no longer its to touch.
   Status alive() const;
@@ -143,6 +147,7 @@ class Execution {
   const int32_t wave_;
   const Clock::time_point deadline_;
   std::map<int32_t, Peer> peers_;
+  SplitAmaxes split_;                         // readAmaxes()
   std::vector<std::byte> encoded_, decoded_;  // delta syncs: one chunk's delta, one rebuilt chunk
   // The mappings of every rank buffer this execution issued copies on: a client that ends its
   // session mid-sync unregisters its ranks, but their memory stays mapped until the copies into

@@ -33,6 +33,7 @@
 #include "daemon/engine/delta.h"
 #include "daemon/engine/notification.h"
 #include "daemon/engine/plan_cache.h"
+#include "daemon/engine/split_amax.h"
 #include "daemon/engine/sync_counters.h"
 #include "daemon/registry/registry.h"
 #include "shardcast/v1/service.pb.h"
@@ -100,6 +101,9 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   bool key_open = false;    // this attempt opened it (and so closes it)
   std::shared_ptr<const CachedPlan> plan;
   int32_t self = -1;  // this node's id in the plan, -1 when it takes no part
+  // Block-scaled fp8: this node's source ranks' parts of the blocks source shards split
+  // (daemon/engine/split_amax.h), what the coordinator's combined amaxes are checked against.
+  SplitAmaxes own_amax;
   uint64_t window_bytes = 0;
   // Delta syncs (daemon/engine/delta.h): the mode; what this node's destination ranks held when the sync
   // took them (a delta may land here only on that base); the bases of the chunks this node packs

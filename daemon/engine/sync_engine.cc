@@ -161,6 +161,13 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
   for (int32_t n = 0; n < a->plan->nodes.size(); ++n)
     if (a->plan->nodes.name(n) == node_) a->self = n;
   v1::PrepareResponse resp;
+  if (a->self >= 0) {  // before any peer can write: nothing here changes the fenced source ranks
+    SC_ASSIGN_OR_RETURN(a->own_amax, partialAmaxes(a->plan->src, a->self,
+                                                   [&](const planner::TensorLayout& w, const planner::Region& part) {
+                                                     return amaxOf(a->plan->src, a->src_group, w, part);
+                                                   }));
+    writeAmaxes(a->own_amax, resp.mutable_split_amax());
+  }
   const uint64_t arena_bytes = a->self >= 0 ? a->plan->node(a->self).arena_bytes : 0;
   if (arena_bytes > 0) {
     a->arena = spares_.take(a->plan->key, SpareMemory::Use::kArena);
@@ -222,6 +229,22 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
   spdlog::debug("sync {}: prepared ({} arena bytes, {} buffers landed in directly, plan {})", a->id, resp.arena_bytes(),
                 resp.targets().buffers_size(), hit ? "cached" : "new");
   return resp;
+}
+
+// A source rank's part of a split block: read in place from host memory, through a host copy
+// from a GPU's.
+StatusOr<float> SyncEngine::amaxOf(const planner::ResolvedLayout& src, const std::string& group,
+                                   const planner::TensorLayout& weight, const planner::Region& part) {
+  SC_ASSIGN_OR_RETURN(const auto b,
+                      registry_.localBuffer(group, part.rank, src.buffer_names[static_cast<size_t>(part.buffer)]));
+  const transport::StridedView view{b.data, b.kind, part.offset, part.strides};
+  if (b.kind == transport::MemoryKind::kHost) return amaxBox(view, weight.dtype, part.extent);
+  int64_t count = 1;
+  for (int64_t e : part.extent) count *= e;
+  std::vector<std::byte> host(static_cast<size_t>(count * weight.elemBytes()));
+  const transport::StridedView copy{host.data(), transport::MemoryKind::kHost, 0, transport::denseStrides(part.extent)};
+  SC_RETURN_IF_ERROR(copyBox(*copies_, b.outgoing, copy, view, part.extent, weight.elemBytes()));
+  return amaxBox(copy, weight.dtype, part.extent);
 }
 
 StatusOr<v1::FinishResponse> SyncEngine::finish(const v1::FinishRequest& req) {

@@ -73,6 +73,8 @@ class SyncEngine {
  private:
   void onNotification(const std::string& payload, const transport::WriteKey& key);
   StatusOr<v1::PrepareResponse> prepareTargets(const std::shared_ptr<SyncAttempt>& a, bool hit);
+  StatusOr<float> amaxOf(const planner::ResolvedLayout& src, const std::string& group,
+                         const planner::TensorLayout& weight, const planner::Region& part);
   // Ends a sync here (taken out of the table already): closing, waits for its writes, then tells
   // the registry; draining when peers' writes into this node are still landing.
   StatusOr<v1::FinishResponse> close(const std::shared_ptr<SyncAttempt>& a, Registry::SyncEnd end,

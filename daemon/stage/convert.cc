@@ -104,8 +104,8 @@ void forEachRow(int64_t origin, const std::vector<int64_t>& strides, const std::
 // The scale of the block whose first element is at `origin` in `src` (the weight's strides
 // `inner`), `sizes` elements (cut at the tensor's edge).
 template <planner::DType From>
-float scaleAt(const std::byte* src, int64_t origin, const std::vector<int64_t>& inner,
-              const std::vector<int64_t>& sizes, bool pow2) {
+float amaxAt(const std::byte* src, int64_t origin, const std::vector<int64_t>& inner,
+             const std::vector<int64_t>& sizes) {
   const int64_t n = sizes.empty() ? 1 : sizes.back(), step = inner.empty() ? 1 : inner.back();
   float amax = 0.0f;
   bool nan = false;
@@ -125,12 +125,26 @@ float scaleAt(const std::byte* src, int64_t origin, const std::vector<int64_t>& 
       amax = std::max(amax, v);
     }
   });
-  return blockScale(nan ? std::numeric_limits<float>::quiet_NaN() : amax, pow2);
+  return nan ? std::numeric_limits<float>::quiet_NaN() : amax;
+}
+
+template <planner::DType From>
+float scaleAt(const std::byte* src, int64_t origin, const std::vector<int64_t>& inner,
+              const std::vector<int64_t>& sizes, bool pow2) {
+  return blockScale(amaxAt<From>(src, origin, inner, sizes), pow2);
+}
+
+// The scale grid of a block-scaled weight: its blocks per dim.
+std::vector<int64_t> gridOf(const std::vector<int64_t>& shape, const std::vector<int64_t>& block) {
+  std::vector<int64_t> grid(shape.size());
+  for (size_t d = 0; d < shape.size(); ++d) grid[d] = (shape[d] + block[d] - 1) / block[d];
+  return grid;
 }
 
 template <planner::DType From>
 void quantizeBlocks(const transport::StridedView& dst, const transport::StridedView& src, const planner::Box& box,
-                    const planner::TensorLayout& t) {
+                    const planner::TensorLayout& t, const SplitAmax* split) {
+  const std::vector<int64_t> grid = gridOf(t.shape, t.block);
   const size_t nd = static_cast<size_t>(box.ndim);
   auto* out = reinterpret_cast<uint8_t*>(dst.base);
   // Block by block: its scale from the whole block, then its elements inside the box.
@@ -139,7 +153,7 @@ void quantizeBlocks(const transport::StridedView& dst, const transport::StridedV
     first[d] = box.lo[d] / t.block[d];
     count[d] = (box.hi[d] + t.block[d] - 1) / t.block[d] - first[d];
   }
-  std::vector<int64_t> k(nd, 0), blo(nd), bsize(nd), psize(nd);
+  std::vector<int64_t> k(nd, 0), blo(nd), bsize(nd), psize(nd), index(nd);
   while (true) {
     int64_t block_origin = src.offset, part_src = src.offset, part_dst = dst.offset;
     for (size_t d = 0; d < nd; ++d) {
@@ -150,8 +164,12 @@ void quantizeBlocks(const transport::StridedView& dst, const transport::StridedV
       block_origin += (blo[d] - box.lo[d]) * src.strides[d];
       part_src += (plo - box.lo[d]) * src.strides[d];
       part_dst += (plo - box.lo[d]) * dst.strides[d];
+      index[d] = first[d] + k[d];
     }
-    const float scale = scaleAt<From>(src.base, block_origin, src.strides, bsize, t.pow2);
+    // A split block's amax is given; only its part inside this rank's piece may be read.
+    const float* given = split ? split->find(planner::blockIndex(index.data(), grid)) : nullptr;
+    const float scale =
+        given ? blockScale(*given, t.pow2) : scaleAt<From>(src.base, block_origin, src.strides, bsize, t.pow2);
     const int64_t n = psize[nd - 1], ss = src.strides[nd - 1], ds = dst.strides[nd - 1];
     forEachRowPair(part_src, src.strides, part_dst, dst.strides, psize, [&](int64_t row, int64_t o) {
       if (ss == 1 && ds == 1) {  // contiguous rows: vectorised
@@ -174,10 +192,10 @@ void quantizeBlocks(const transport::StridedView& dst, const transport::StridedV
 
 template <planner::DType From>
 void scaleBlocks(const transport::StridedView& dst, const transport::StridedView& src, const planner::Box& box,
-                 const planner::TensorLayout& scale, const std::vector<int64_t>& inner) {
+                 const planner::TensorLayout& scale, const std::vector<int64_t>& inner, const SplitAmax* split) {
   const size_t nd = static_cast<size_t>(box.ndim);
   auto* out = reinterpret_cast<float*>(dst.base);
-  std::vector<int64_t> i(nd, 0), bsize(nd);
+  std::vector<int64_t> i(nd, 0), bsize(nd), index(nd);
   const auto sizes = box.sizes();
   while (true) {
     int64_t s = src.offset, o = dst.offset;
@@ -186,8 +204,10 @@ void scaleBlocks(const transport::StridedView& dst, const transport::StridedView
       bsize[d] = std::min(lo + scale.block[d], scale.scaled_shape[d]) - lo;
       s += i[d] * src.strides[d];
       o += i[d] * dst.strides[d];
+      index[d] = box.lo[d] + i[d];
     }
-    out[o] = scaleAt<From>(src.base, s, inner, bsize, scale.pow2);
+    const float* given = split ? split->find(planner::blockIndex(index.data(), scale.shape)) : nullptr;
+    out[o] = given ? blockScale(*given, scale.pow2) : scaleAt<From>(src.base, s, inner, bsize, scale.pow2);
     size_t d = nd;
     while (d > 0 && ++i[d - 1] == sizes[d - 1]) i[--d] = 0;
     if (d == 0) return;
@@ -208,19 +228,34 @@ Status checkScaled(planner::DType from, size_t nd, const transport::StridedView&
 
 }  // namespace
 
+const float* SplitAmax::find(int64_t block) const {
+  const auto it = std::lower_bound(blocks.begin(), blocks.end(), block);
+  if (it == blocks.end() || *it != block) return nullptr;
+  return &amax[static_cast<size_t>(it - blocks.begin())];
+}
+
 Status quantizeBox(const transport::StridedView& dst, const transport::StridedView& src, planner::DType from,
-                   const planner::Box& box, const planner::TensorLayout& t) {
+                   const planner::Box& box, const planner::TensorLayout& t, const SplitAmax* split) {
   SC_RETURN_IF_ERROR(checkScaled(from, static_cast<size_t>(box.ndim), dst, src, t.block));
   if (box.empty()) return absl::OkStatus();
   if (from == planner::DType::kBFloat16)
-    quantizeBlocks<planner::DType::kBFloat16>(dst, src, box, t);
+    quantizeBlocks<planner::DType::kBFloat16>(dst, src, box, t, split);
   else
-    quantizeBlocks<planner::DType::kFloat32>(dst, src, box, t);
+    quantizeBlocks<planner::DType::kFloat32>(dst, src, box, t, split);
   return absl::OkStatus();
 }
 
+StatusOr<float> amaxBox(const transport::StridedView& src, planner::DType from, const std::vector<int64_t>& extent) {
+  SC_RETURN_IF_ERROR(checkScaled(from, extent.size(), src, src, extent));
+  for (int64_t e : extent)
+    if (e <= 0) return 0.0f;
+  return from == planner::DType::kBFloat16
+             ? amaxAt<planner::DType::kBFloat16>(src.base, src.offset, src.strides, extent)
+             : amaxAt<planner::DType::kFloat32>(src.base, src.offset, src.strides, extent);
+}
+
 Status scaleBox(const transport::StridedView& dst, const transport::StridedView& src, planner::DType from,
-                const planner::Box& box, const planner::TensorLayout& scale) {
+                const planner::Box& box, const planner::TensorLayout& scale, const SplitAmax* split) {
   const size_t nd = static_cast<size_t>(box.ndim);
   SC_RETURN_IF_ERROR(checkScaled(from, nd, dst, src, scale.block));
   if (box.empty()) return absl::OkStatus();
@@ -231,9 +266,9 @@ Status scaleBox(const transport::StridedView& dst, const transport::StridedView&
     inner[d] = src.strides[d] / scale.block[d];
   }
   if (from == planner::DType::kBFloat16)
-    scaleBlocks<planner::DType::kBFloat16>(dst, src, box, scale, inner);
+    scaleBlocks<planner::DType::kBFloat16>(dst, src, box, scale, inner, split);
   else
-    scaleBlocks<planner::DType::kFloat32>(dst, src, box, scale, inner);
+    scaleBlocks<planner::DType::kFloat32>(dst, src, box, scale, inner, split);
   return absl::OkStatus();
 }
 

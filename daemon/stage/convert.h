@@ -38,16 +38,29 @@ float floatFromE4m3(uint8_t q);
 // rounded up to a power of two with `pow2`. NaN in, NaN out.
 float blockScale(float amax, bool pow2);
 
+// The amaxes of a weight's split blocks (planner::TensorLayout::split_blocks), combined across
+// the source ranks that hold their pieces: `amax[i]` is block `blocks[i]`'s (row-major index in
+// the scale tensor's grid; NaN: the block holds NaN). Sorted by block.
+struct SplitAmax {
+  std::vector<int64_t> blocks;
+  std::vector<float> amax;
+  const float* find(int64_t block) const;  // null: the block is not split
+};
+
 // Block-scaled fp8 (v1::BlockScale), host memory. quantizeBox: box `box` (global indices) of the
 // block-scaled tensor `t` from `src` (dtype `from`: float32 or bfloat16, its view's origin at
-// box.lo) into `dst` (e4m3); each element divided by the scale of its whole block, read from
-// `src` around the box (the whole block lies in the source's memory: planner::addScaleSources).
-// scaleBox: the scales of the blocks `box` (block indices) of scale tensor `scale`, from `src`,
-// a view whose element i is the first element of block i (strides: the weight's times the block).
+// box.lo) into `dst` (e4m3); each element divided by the scale of its whole block: from the
+// block's amax in `split` when it is split between source ranks, else read from `src` around the
+// box (the whole block lies in the source's memory). scaleBox: the scales of the blocks `box`
+// (block indices) of scale tensor `scale`, from `split` or from `src`, a view whose element i is
+// the first element of block i (strides: the weight's times the block).
 Status quantizeBox(const transport::StridedView& dst, const transport::StridedView& src, planner::DType from,
-                   const planner::Box& box, const planner::TensorLayout& t);
+                   const planner::Box& box, const planner::TensorLayout& t, const SplitAmax* split = nullptr);
 Status scaleBox(const transport::StridedView& dst, const transport::StridedView& src, planner::DType from,
-                const planner::Box& box, const planner::TensorLayout& scale);
+                const planner::Box& box, const planner::TensorLayout& scale, const SplitAmax* split = nullptr);
+// The largest magnitude of the box of `extent` elements of `src` (host memory, float32 or
+// bfloat16): one source rank's part of a split block. NaN when one is NaN.
+StatusOr<float> amaxBox(const transport::StridedView& src, planner::DType from, const std::vector<int64_t>& extent);
 
 // Converts the box of `extent` elements from `src` (dtype `from`) into `dst` (dtype `to`), both
 // host memory, strides in elements of their own dtype. INVALID_ARGUMENT for a pair that is not

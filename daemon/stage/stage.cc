@@ -73,8 +73,25 @@ class StandardStage final : public Stage {
     return absl::OkStatus();
   }
   Status quantizeOnHost(const transport::StridedView& dst, const TypedView& src, const StageSite& site) {
-    return site.layout->scale_of >= 0 ? scaleBox(dst, src.view, src.dtype, site.box, *site.layout)
-                                      : quantizeBox(dst, src.view, src.dtype, site.box, *site.layout);
+    return site.layout->scale_of >= 0 ? scaleBox(dst, src.view, src.dtype, site.box, *site.layout, site.split)
+                                      : quantizeBox(dst, src.view, src.dtype, site.box, *site.layout, site.split);
+  }
+  // Whether the box touches a block whose amax is given (split between source ranks).
+  static bool touchesSplit(const StageSite& site) {
+    if (site.split == nullptr || site.split->blocks.empty()) return false;
+    const planner::TensorLayout& t = *site.layout;
+    const planner::Box blocks = t.scale_of >= 0 ? site.box : planner::blocksTouched(site.box, t.block);
+    const std::vector<int64_t>& grid = t.scale_of >= 0 ? t.shape : gridOf(t);
+    bool touches = false;
+    planner::forEachIndex(blocks, [&](const int64_t* k) {
+      touches = touches || site.split->find(planner::blockIndex(k, grid)) != nullptr;
+    });
+    return touches;
+  }
+  static std::vector<int64_t> gridOf(const planner::TensorLayout& t) {
+    std::vector<int64_t> grid(t.shape.size());
+    for (size_t d = 0; d < grid.size(); ++d) grid[d] = (t.shape[d] + t.block[d] - 1) / t.block[d];
+    return grid;
   }
   Status quantizeOnDevice(const TypedView& dst, const TypedView& src, const StageSite& site) {
     if (src.device == nullptr) return absl::FailedPreconditionError("device memory to quantise but no CUDA engine");
@@ -102,9 +119,48 @@ class StandardStage final : public Stage {
       box.shape = t.shape;
       box.src_strides = src.view.strides;
     }
-    SC_RETURN_IF_ERROR(src.device->quantizeFp8(dst.view, src.view, box));
+    if (touchesSplit(site)) {
+      SC_RETURN_IF_ERROR(quantizeBlockByBlock(dst, src, site, box));
+    } else {
+      SC_RETURN_IF_ERROR(src.device->quantizeFp8(dst.view, src.view, box));
+    }
     SC_ASSIGN_OR_RETURN(auto mark, src.device->mark());
     return mark ? mark->wait() : absl::OkStatus();
+  }
+  // A box touching split blocks: one launch per block it touches, the split ones with their
+  // combined amax (nothing of theirs outside the box is read: it is on other ranks).
+  Status quantizeBlockByBlock(const TypedView& dst, const TypedView& src, const StageSite& site,
+                              const transport::Fp8QuantizeBox& whole) {
+    const planner::TensorLayout& t = *site.layout;
+    const bool scales = t.scale_of >= 0;
+    const planner::Box blocks = scales ? site.box : planner::blocksTouched(site.box, t.block);
+    const std::vector<int64_t>& grid = scales ? t.shape : gridOf(t);
+    Status st;
+    planner::forEachIndex(blocks, [&](const int64_t* k) {
+      if (!st.ok()) return;
+      planner::Box one;  // block k as a box of block indices
+      one.ndim = blocks.ndim;
+      for (int d = 0; d < one.ndim; ++d) {
+        one.lo[d] = k[d];
+        one.hi[d] = k[d] + 1;
+      }
+      const planner::Box part =
+          scales ? one : planner::intersect(site.box, planner::blockElements(one, t.block, t.shape));
+      transport::Fp8QuantizeBox box = whole;
+      transport::StridedView to = dst.view, from = src.view;
+      for (size_t d = 0; d < box.lo.size(); ++d) {
+        box.lo[d] = part.lo[static_cast<int>(d)];
+        box.hi[d] = part.hi[static_cast<int>(d)];
+        to.offset += (box.lo[d] - whole.lo[d]) * dst.view.strides[d];
+        from.offset += (box.lo[d] - whole.lo[d]) * src.view.strides[d];
+      }
+      if (const float* amax = site.split->find(planner::blockIndex(k, grid))) {
+        box.given = true;
+        box.amax = *amax;
+      }
+      st = src.device->quantizeFp8(to, from, box);
+    });
+    return st;
   }
   Status move(const TypedView& dst, const TypedView& src, const std::vector<int64_t>& extent, const StageSite& site) {
     transport::CopyEngine* device = src.device ? src.device : dst.device;

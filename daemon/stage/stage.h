@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "daemon/stage/convert.h"
 #include "planner/box.h"
 #include "planner/layout.h"
 #include "transport/copy_engine.h"
@@ -43,6 +44,8 @@ struct StageSite {
   // The destination's tensor: a block-scaled weight or a block scale (planner/layout.h) is
   // computed from the source's memory around the box, not copied or converted element by element.
   const planner::TensorLayout* layout = nullptr;
+  // The combined amaxes of the block-scaled weight's blocks that source ranks split (null: none).
+  const SplitAmax* split = nullptr;
 };
 
 class Stage {
@@ -65,7 +68,8 @@ class Stage {
 // float32 -> bfloat16, rounded to nearest even as torch does; float32 / bfloat16 -> block-scaled
 // fp8 e4m3 and its scales, daemon/stage/convert.h) converted, at the source's packer (the wire carries
 // the destination's dtype); any other pair INVALID_ARGUMENT naming the tensor. Block-scaled
-// tensors are quantised from host memory only (UNIMPLEMENTED naming the tensor from a device).
+// tensors are quantised on the host (vectorised) from host memory, by the GPU's kernel from device
+// memory.
 std::unique_ptr<Stage> makeStandardStage();
 
 // Copies the box of `extent` elements of `elem_bytes` between two views with the engine that

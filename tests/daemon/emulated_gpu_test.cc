@@ -306,20 +306,27 @@ TEST_CASE("emulated GPUs: replicas on one node: a box crosses into the GPUs once
 
 TEST_CASE("emulated GPUs: block-scaled fp8 from device-resident bf16 is quantised by the GPU kernel, bit for bit",
           "[daemon][sync][emulated-gpu][fp8]") {
-  // Trainer: w [256, 320] bf16 in two row shards on n0's two (emulated) GPUs. Inference: fp8 e4m3
-  // in 128 x 128 blocks, two column shards of 160 on n1's host memory (a block cut between the
-  // ranks: quantised once, both get its scale). The bytes and scales must be the host quantiser's
-  // over the whole tensor.
+  // Trainer: w [256, 320] bf16 in row shards on n0's (emulated) GPUs: two of 128 rows, or three
+  // of 86, 86 and 84 rows that cut blocks (their amaxes combined across the GPUs; the kernel
+  // quantises a split block's part with the whole block's scale). Inference: fp8 e4m3 in 128 x 128
+  // blocks, two column shards of 160 on n1's host memory (a block cut between the ranks:
+  // quantised once, both get its scale). The bytes and scales must be the host quantiser's over
+  // the whole tensor.
+  const int world = GENERATE(2, 3);
+  INFO("source world " << world);
   const std::vector<int> ports{freePort(), freePort()};
   const std::vector<std::string> peers{"127.0.0.1:" + std::to_string(ports[0]),
                                        "127.0.0.1:" + std::to_string(ports[1])};
-  Daemon n0("n0", ports[0], peers, {"--emulate-gpus", "2"});
+  Daemon n0("n0", ports[0], peers, {"--emulate-gpus", std::to_string(world)});
   Daemon n1("n1", ports[1], peers, {});
   REQUIRE(n0.ready());
   REQUIRE(n1.ready());
-  const auto src_proto = *planner::parseLayoutJson(R"({"group":"trainer","mesh":{"shape":[2]},"nodes":["n0","n0"],
+  std::string src_nodes = R"("n0")";
+  for (int r = 1; r < world; ++r) src_nodes += R"(,"n0")";
+  const auto src_proto = *planner::parseLayoutJson(
+      R"({"group":"trainer","mesh":{"shape":[)" + std::to_string(world) + R"(]},"nodes":[)" + src_nodes + R"(],
     "tensors":[{"name":"w","shape":[256,320],"dtype":"bfloat16","placements":[{"shard":{"dim":0}}]}]})",
-                                                   "trainer");
+      "trainer");
   const auto dst_proto = *planner::parseLayoutJson(R"({"group":"infer","mesh":{"shape":[2]},"nodes":["n1","n1"],
     "tensors":[{"name":"w","shape":[256,320],"dtype":"float8_e4m3fn","placements":[{"shard":{"dim":1}}],
                 "block_scale":{"scale":"w_scale_inv"}}]})",
@@ -331,7 +338,8 @@ TEST_CASE("emulated GPUs: block-scaled fp8 from device-resident bf16 is quantise
   std::vector<uint16_t> whole(256 * 320);
   for (size_t i = 0; i < whole.size(); ++i)
     whole[i] = bf16Bits(static_cast<float>(static_cast<int64_t>(i * 2654435761u % 2001) - 1000) / 64.0f);
-  whole[5] = 0x7fc1;  // a NaN: its block quantises to NaN
+  whole[5] = 0x7fc1;                        // a NaN: its block quantises to NaN (world 3: on the first of its two GPUs)
+  whole[100 * 320 + 7] = bf16Bits(900.0f);  // world 3: block (0, 0)'s largest, on its second GPU
   planner::TensorLayout w;
   w.shape = {256, 320};
   w.dtype = planner::DType::kFloat8E4M3;
@@ -360,7 +368,7 @@ TEST_CASE("emulated GPUs: block-scaled fp8 from device-resident bf16 is quantise
                        planner::DType::kBFloat16, blocks, s)
           .ok());
   std::vector<RankMemory> smem, dmem;
-  for (int32_t r = 0; r < 2; ++r) {
+  for (int32_t r = 0; r < world; ++r) {
     smem.push_back(allocateRank(src, r, "efp8-t" + std::to_string(r)));
     forEachElement(src, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
       *smem[r].at<uint16_t>(p, off) = whole[static_cast<size_t>(flat)];
@@ -368,8 +376,11 @@ TEST_CASE("emulated GPUs: block-scaled fp8 from device-resident bf16 is quantise
     v1::RegisterResponse resp;
     REQUIRE(n0.client()
                 ->Register(ctx().get(),
-                           onGpu(registerRequest(src_proto, r, 2, smem[r], v1::ROLE_SOURCE, 1), smem[r], r), &resp)
+                           onGpu(registerRequest(src_proto, r, world, smem[r], v1::ROLE_SOURCE, 1), smem[r], r), &resp)
                 .ok());
+  }
+  for (int32_t r = 0; r < 2; ++r) {
+    v1::RegisterResponse resp;
     dmem.push_back(allocateRank(dst, r, "efp8-i" + std::to_string(r)));
     REQUIRE(n1.client()->Register(ctx().get(), registerRequest(dst_proto, r, 2, dmem[r]), &resp).ok());
   }

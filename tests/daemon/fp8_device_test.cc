@@ -3,7 +3,7 @@
 // must be the host quantiser's (daemon/stage/convert.h), bit for bit: bfloat16 and float32
 // sources, every bfloat16 value, boxes that cut blocks (a TP slice, chunk rows), edge blocks,
 // power-of-two scales, blocks holding NaN or infinity, the scale tensor, output on the GPU or in
-// host memory (through the GPU's scratch).
+// host memory (through the GPU's scratch), blocks whose amax is given (split between source ranks).
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
@@ -56,8 +56,20 @@ Gpu emulated(EmulatedGpus& gpus, CopyEngine& engine) {
 
 // Quantises `box` of a row-major tensor on `gpu` (output on the GPU or in host memory) and on
 // the host; both outputs dense over the box, compared byte for byte, and the blocks' scales too.
-void compare(Gpu& gpu, const Case& c, const std::vector<float>& values, const planner::Box& box, bool out_on_gpu) {
+// With `given`: every block's amax is *given (blocks split between source ranks), on both sides.
+void compare(Gpu& gpu, const Case& c, const std::vector<float>& values, const planner::Box& box, bool out_on_gpu,
+             const float* given = nullptr) {
   const size_t nd = c.shape.size();
+  SplitAmax split;
+  if (given) {
+    int64_t blocks = 1;
+    for (size_t d = 0; d < nd; ++d) blocks *= (c.shape[d] + c.block[d] - 1) / c.block[d];
+    for (int64_t b = 0; b < blocks; ++b) {
+      split.blocks.push_back(b);
+      split.amax.push_back(*given);
+    }
+  }
+  const SplitAmax* amaxes = given ? &split : nullptr;
   int64_t n = 1;
   for (int64_t s : c.shape) n *= s;
   std::vector<int64_t> strides(nd, 1);
@@ -89,7 +101,7 @@ void compare(Gpu& gpu, const Case& c, const std::vector<float>& values, const pl
   const auto from = c.bf16 ? planner::DType::kBFloat16 : planner::DType::kFloat32;
   std::vector<uint8_t> want(static_cast<size_t>(count), 0xaa);
   REQUIRE(quantizeBox({reinterpret_cast<std::byte*>(want.data()), MemoryKind::kHost, 0, dense},
-                      {host_src.data(), MemoryKind::kHost, origin, strides}, from, box, w)
+                      {host_src.data(), MemoryKind::kHost, origin, strides}, from, box, w, amaxes)
               .ok());
   Fp8QuantizeBox q;
   q.shape = c.shape;
@@ -99,6 +111,8 @@ void compare(Gpu& gpu, const Case& c, const std::vector<float>& values, const pl
   q.src_strides = strides;
   q.bf16 = c.bf16;
   q.pow2 = c.pow2;
+  q.given = given != nullptr;
+  q.amax = given ? *given : 0.0f;
   std::vector<uint8_t> got(static_cast<size_t>(count), 0x55);
   std::byte* on_gpu = gpu.allocate(static_cast<size_t>(count));
   const StridedView out = out_on_gpu
@@ -131,7 +145,7 @@ void compare(Gpu& gpu, const Case& c, const std::vector<float>& values, const pl
   const auto sdense = denseStrides(sbox.sizes());
   std::vector<float> want_scales(static_cast<size_t>(blocks)), got_scales(static_cast<size_t>(blocks), -1.0f);
   REQUIRE(scaleBox({reinterpret_cast<std::byte*>(want_scales.data()), MemoryKind::kHost, 0, sdense},
-                   {host_src.data(), MemoryKind::kHost, block_origin, block_strides}, from, sbox, s)
+                   {host_src.data(), MemoryKind::kHost, block_origin, block_strides}, from, sbox, s, amaxes)
               .ok());
   Fp8QuantizeBox qs = q;
   qs.scales = true;
@@ -170,6 +184,12 @@ void everyCase(Gpu& gpu) {
       compare(gpu, c, v, boxOf(zero, c.shape), on_gpu);  // the whole tensor
       compare(gpu, c, v, boxOf(zero, mid), on_gpu);      // a box that cuts blocks
       compare(gpu, c, v, boxOf(lo, hi), on_gpu);         // edge blocks
+      // Amaxes given (blocks split between source ranks): a value, zero, NaN, infinity.
+      for (const float amax :
+           {3.5f, 0.0f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+        INFO("given amax " << amax);
+        compare(gpu, c, v, boxOf(lo, mid), on_gpu, &amax);
+      }
     }
   }
   // Every bfloat16 value, as one row of 65536 in blocks of 256, scales from 1 to tiny.

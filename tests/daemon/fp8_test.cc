@@ -1,7 +1,8 @@
 // Block-scaled fp8 (v1::BlockScale): e4m3 rounding against a brute-force nearest-value reference
 // for every bfloat16 and many float32 values; block scales; quantising boxes that cut blocks
 // (a TP slice, a chunk) gives the bytes of quantising the whole tensor; the layouts derive the
-// scale tensors and refuse sources that cut blocks.
+// scale tensors and the blocks sources cut; a shard quantises with the given amaxes of its split blocks.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
@@ -143,7 +144,7 @@ TEST_CASE("fp8: quantising boxes that cut blocks gives the bytes of the whole te
                   .ok());
 }
 
-TEST_CASE("fp8 layouts: the scale tensor of each rank's blocks, and sources that cut blocks refused", "[daemon][fp8]") {
+TEST_CASE("fp8 layouts: the scale tensor of each rank's blocks, and the blocks sources cut", "[daemon][fp8]") {
   auto dst = planner::parseLayoutJson(R"({"group":"d","mesh":{"shape":[2]},"nodes":["a","a"],"tensors":[
     {"name":"w","shape":[256,320],"dtype":"float8_e4m3fn","placements":[{"shard":{"dim":1}}],
      "block_scale":{"scale":"w_scale_inv"}}]})",
@@ -177,13 +178,22 @@ TEST_CASE("fp8 layouts: the scale tensor of each rank's blocks, and sources that
   REQUIRE(v != nullptr);
   CHECK(v->dtype == planner::DType::kBFloat16);  // read from the weight's memory
   CHECK(s2->strides[v->pieces[0].strides] == std::vector<int64_t>{320 * 128, 128});
-  auto four = source(4);  // 64 rows each: blocks of 128 rows cut
+  CHECK(v->split_blocks.empty());
+  auto four = source(4);  // 64 rows each: every block of 128 rows cut in two
   REQUIRE(four.ok());
   auto s4 = planner::resolveLayout(*four, nodes);
   REQUIRE(s4.ok());
-  const Status cut = planner::addScaleSources(*s4, *d);
-  CHECK(cut.code() == absl::StatusCode::kFailedPrecondition);
-  CHECK_THAT(std::string(cut.message()), Catch::Contains("rank 0 holds [0:64, 0:320], which cuts blocks"));
+  REQUIRE(planner::addScaleSources(*s4, *d).ok());
+  const auto* v4 = s4->find("w_scale_inv");
+  REQUIRE(v4 != nullptr);
+  CHECK(v4->split_blocks == std::vector<int64_t>{0, 1, 2, 3, 4, 5});
+  // A block's scale is sent by the rank holding its first element: ranks 0 and 2, rows 0 and 128.
+  REQUIRE(v4->pieces.size() == 2);
+  CHECK(v4->pieces[0].rank == 0);
+  CHECK(v4->boxes[v4->pieces[0].box].str() == "[0:1, 0:3]");
+  CHECK(v4->pieces[1].rank == 2);
+  CHECK(v4->boxes[v4->pieces[1].box].str() == "[1:2, 0:3]");
+  CHECK(v4->pieces[1].offset == 0);
 
   // A source with its own tensor of the scale's name: refused (scales are computed, never taken).
   auto own = *two;
@@ -201,4 +211,122 @@ TEST_CASE("fp8 layouts: the scale tensor of each rank's blocks, and sources that
   auto bad = *dst;
   bad.mutable_tensors(0)->mutable_block_scale()->add_block(128);  // one size for two dims
   CHECK_FALSE(planner::resolveLayout(bad, nodes).ok());
+}
+
+TEST_CASE("fp8 layouts: FSDP world 3 and 6 on 1000 rows split exactly the blocks their shard boundaries cross",
+          "[daemon][fp8]") {
+  auto dst = planner::parseLayoutJson(R"({"group":"d","mesh":{"shape":[1]},"nodes":["i"],"tensors":[
+    {"name":"w","shape":[1000,320],"dtype":"float8_e4m3fn","block_scale":{"scale":"w_scale_inv"}}]})",
+                                      "d");
+  REQUIRE(dst.ok());
+  planner::NodeTable nodes;
+  auto d = planner::resolveLayout(*dst, nodes);
+  REQUIRE(d.ok());
+  const auto split_rows = [&](int world) {
+    std::string json = R"({"group":"s","mesh":{"shape":[)" + std::to_string(world) + R"(]},"nodes":[)";
+    for (int r = 0; r < world; ++r) json += std::string(r ? "," : "") + "\"t\"";
+    json += R"(],"tensors":[{"name":"w","shape":[1000,320],"dtype":"bfloat16","placements":[{"shard":{"dim":0}}]}]})";
+    auto src = planner::parseLayoutJson(json, "s");
+    REQUIRE(src.ok());
+    auto s = planner::resolveLayout(*src, nodes);
+    REQUIRE(s.ok());
+    REQUIRE(planner::addScaleSources(*s, *d).ok());
+    const auto* v = s->find("w_scale_inv");
+    REQUIRE(v != nullptr);
+    std::vector<int64_t> rows;
+    for (const int64_t b : v->split_blocks) {
+      if (rows.empty() || rows.back() != b / 3) rows.push_back(b / 3);
+      CHECK(std::count(v->split_blocks.begin(), v->split_blocks.end(), b / 3 * 3 + 2) == 1);  // every column
+    }
+    return std::make_pair(rows, *s);
+  };
+  // torch.chunk: 334 rows each (boundaries 334, 668: block rows 2 and 5), or 167 (167, 334, 501,
+  // 668, 835: block rows 1, 2, 3, 5, 6).
+  const auto [three, s3] = split_rows(3);
+  CHECK(three == std::vector<int64_t>{2, 5});
+  CHECK(split_rows(6).first == std::vector<int64_t>{1, 2, 3, 5, 6});
+  // World 3: rank 1 (rows 334-667) sends the scales of block rows 3-5, from row 384 of its shard.
+  const auto* v = s3.find("w_scale_inv");
+  REQUIRE(v->pieces.size() == 3);
+  CHECK(v->boxes[v->pieces[1].box].str() == "[3:6, 0:3]");
+  CHECK(v->pieces[1].offset == (384 - 334) * 320);
+}
+
+TEST_CASE("fp8: a shard that cuts blocks quantises with the given amaxes of its split blocks, reading only itself",
+          "[daemon][fp8]") {
+  // Rows 334-667 of a 1000 x 320 bfloat16 tensor (FSDP world 3's rank 1), in memory of their own;
+  // blocks of 128 x 128. Its fp8 bytes and the scales of the blocks it sends (block rows 3-5) must
+  // be the whole tensor's when the amaxes of block rows 2 and 5 (split) are given.
+  const int64_t rows = 1000, cols = 320, lo = 334, hi = 668;
+  std::vector<uint16_t> whole(static_cast<size_t>(rows * cols));
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  for (auto& x : whole) x = bfloat16FromFloat(normal(rng));
+  whole[300 * cols + 10] = bfloat16FromFloat(40.0f);   // block (2, 0)'s amax: on rank 0
+  whole[700 * cols + 300] = bfloat16FromFloat(-9.0f);  // block (5, 2)'s: on rank 2
+  const std::vector<int64_t> strides{cols, 1}, grid{8, 3};
+  planner::TensorLayout w;
+  w.name = "w";
+  w.shape = {rows, cols};
+  w.dtype = planner::DType::kFloat8E4M3;
+  w.block = {128, 128};
+  planner::Box all, mine;
+  all.ndim = mine.ndim = 2;
+  all.hi = {rows, cols};
+  mine.lo = {lo, 0};
+  mine.hi = {hi, cols};
+  std::vector<uint8_t> want(whole.size());
+  REQUIRE(quantizeBox({reinterpret_cast<std::byte*>(want.data()), transport::MemoryKind::kHost, 0, strides},
+                      {reinterpret_cast<std::byte*>(whole.data()), transport::MemoryKind::kHost, 0, strides},
+                      planner::DType::kBFloat16, all, w)
+              .ok());
+  // The split blocks' amaxes over the whole tensor.
+  SplitAmax split;
+  for (const int64_t row : {2, 5})
+    for (int64_t col = 0; col < 3; ++col) {
+      float amax = 0;
+      for (int64_t i = row * 128; i < std::min<int64_t>(row * 128 + 128, rows); ++i)
+        for (int64_t j = col * 128; j < std::min<int64_t>(col * 128 + 128, cols); ++j)
+          amax = std::max(amax, std::fabs(floatFromBfloat16(whole[static_cast<size_t>(i * cols + j)])));
+      split.blocks.push_back(row * 3 + col);
+      split.amax.push_back(amax);
+    }
+  // The shard alone: a read outside it would be outside this vector (ASan) and give other bytes.
+  std::vector<uint16_t> shard(whole.begin() + lo * cols, whole.begin() + hi * cols);
+  std::vector<uint8_t> got(shard.size(), 0xaa);
+  REQUIRE(quantizeBox({reinterpret_cast<std::byte*>(got.data()), transport::MemoryKind::kHost, 0, strides},
+                      {reinterpret_cast<std::byte*>(shard.data()), transport::MemoryKind::kHost, 0, strides},
+                      planner::DType::kBFloat16, mine, w, &split)
+              .ok());
+  CHECK(std::equal(got.begin(), got.end(), want.begin() + lo * cols));
+  // Without the amaxes, the shard's own parts of blocks 2 and 5 would give other scales.
+  planner::TensorLayout s;
+  s.name = "w_scale_inv";
+  s.shape = grid;
+  s.dtype = planner::DType::kFloat32;
+  s.block = w.block;
+  s.scale_of = 0;
+  s.scaled_shape = w.shape;
+  planner::Box blocks, sent;
+  blocks.ndim = sent.ndim = 2;
+  blocks.hi = {8, 3};
+  sent.lo = {3, 0};
+  sent.hi = {6, 3};
+  std::vector<float> want_scales(24), got_scales(9, -1.0f);
+  REQUIRE(scaleBox({reinterpret_cast<std::byte*>(want_scales.data()), transport::MemoryKind::kHost, 0, {3, 1}},
+                   {reinterpret_cast<std::byte*>(whole.data()), transport::MemoryKind::kHost, 0, {cols * 128, 128}},
+                   planner::DType::kBFloat16, blocks, s)
+              .ok());
+  REQUIRE(scaleBox({reinterpret_cast<std::byte*>(got_scales.data()), transport::MemoryKind::kHost, 0, {3, 1}},
+                   {reinterpret_cast<std::byte*>(shard.data()),
+                    transport::MemoryKind::kHost,
+                    (384 - lo) * cols,
+                    {cols * 128, 128}},
+                   planner::DType::kBFloat16, sent, s, &split)
+              .ok());
+  CHECK(std::memcmp(got_scales.data(), want_scales.data() + 9, 9 * 4) == 0);
+  CHECK(want_scales[15 + 2] == 9.0f / 448.0f);  // block (5, 2): the amax on rank 2
+  CHECK(split.find(4) == nullptr);
+  REQUIRE(split.find(17) != nullptr);
+  CHECK(*split.find(17) == 9.0f);
 }

@@ -23,6 +23,8 @@ StatusOr<Fp8QuantizePlan> planFp8Quantize(const Fp8QuantizeBox& box, uint32_t ma
   p.bf16 = box.bf16;
   p.pow2 = box.pow2;
   p.scales = box.scales;
+  p.given = box.given;
+  p.given_amax = box.amax;
   p.blocks = 1;
   for (size_t d = 0; d < nd; ++d) {
     if (box.block[d] <= 0 || box.shape[d] <= 0)
@@ -94,7 +96,7 @@ void emulateFp8Quantize(const Fp8QuantizePlan& p, std::byte* dst, const std::byt
   int64_t blo[kMaxCopyDims], bsize[kMaxCopyDims];
   for (int64_t b = 0; b < p.blocks; ++b) {
     fp8BlockAt(p, b, blo, bsize);
-    const float scale = blockScaleAt(p, blo, bsize, src);
+    const float scale = p.given ? fp8GivenScale(p) : blockScaleAt(p, blo, bsize, src);
     if (p.scales) {
       int64_t out = p.dst_offset;
       for (int d = 0; d < p.dims; ++d) out += (blo[d] / p.block[d] - p.lo[d]) * p.dst_stride[d];
@@ -111,11 +113,14 @@ void fp8QuantizeFootprint(const Fp8QuantizePlan& p, int64_t* src_first, int64_t*
                           int64_t* dst_last) {
   // Extremes of an affine map over a box: per dim, the stride times the end that minimises or
   // maximises it.
+  // Blocks read whole, or (their amax given) only the box of weights, or nothing (given scales).
   int64_t s_lo = p.src_offset, s_hi = p.src_offset, d_lo = p.dst_offset, d_hi = p.dst_offset;
+  const bool reads = !(p.given && p.scales);
   for (int d = 0; d < p.dims; ++d) {
     const int64_t origin = p.scales ? p.lo[d] * p.block[d] : p.lo[d];
-    const int64_t first = p.first_block[d] * p.block[d];
-    const int64_t last = std::min((p.first_block[d] + p.nblocks[d]) * p.block[d], p.shape[d]) - 1;
+    const int64_t first = p.given ? origin : p.first_block[d] * p.block[d];
+    const int64_t last = p.given ? (p.scales ? origin : p.hi[d] - 1)
+                                 : std::min((p.first_block[d] + p.nblocks[d]) * p.block[d], p.shape[d]) - 1;
     const int64_t a = (first - origin) * p.src_stride[d], b = (last - origin) * p.src_stride[d];
     s_lo += std::min(a, b);
     s_hi += std::max(a, b);
@@ -125,7 +130,7 @@ void fp8QuantizeFootprint(const Fp8QuantizePlan& p, int64_t* src_first, int64_t*
   }
   const int64_t in = p.bf16 ? 2 : 4, out = p.scales ? 4 : 1;
   *src_first = s_lo * in;
-  *src_last = (s_hi + 1) * in;
+  *src_last = reads ? (s_hi + 1) * in : s_lo * in;
   *dst_first = d_lo * out;
   *dst_last = (d_hi + 1) * out;
 }

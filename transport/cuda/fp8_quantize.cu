@@ -22,7 +22,7 @@ __global__ void fp8QuantizeKernel(Fp8QuantizePlan p, std::byte* dst, const std::
     for (int d = 0; d < p.dims; ++d) n *= bsize[d];
     float m = 0.0f;
     int has_nan = 0;
-    for (int64_t i = t; i < n; i += blockDim.x) {
+    for (int64_t i = t; i < n && !p.given; i += blockDim.x) {
       fp8Unflatten(p.dims, i, blo, bsize, g);
       const float v = fp8Load(src, fp8SourceOffset(p, g), p.bf16);
       has_nan |= fp8IsNan(v) ? 1 : 0;
@@ -38,7 +38,7 @@ __global__ void fp8QuantizeKernel(Fp8QuantizePlan p, std::byte* dst, const std::
       }
       __syncthreads();
     }
-    const float scale = fp8Scale(amax[0], nan[0] != 0, p.pow2);
+    const float scale = p.given ? fp8GivenScale(p) : fp8Scale(amax[0], nan[0] != 0, p.pow2);
     if (p.scales) {
       if (t == 0) {
         int64_t out = p.dst_offset;

@@ -25,6 +25,10 @@ struct Fp8QuantizeBox {
   std::vector<int64_t> dst_strides;
   int64_t dst_offset = 0;
   bool bf16 = false, pow2 = false, scales = false;
+  // The amax of every block the box touches is `amax` (a block split between source ranks:
+  // daemon/engine/split_amax.h): nothing around the box is read.
+  bool given = false;
+  float amax = 0.0f;
 };
 
 // INVALID_ARGUMENT when the dims disagree, exceed kMaxCopyDims, or the box leaves the tensor.

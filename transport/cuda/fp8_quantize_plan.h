@@ -34,6 +34,8 @@ struct Fp8QuantizePlan {
   bool bf16 = false;    // source dtype: bfloat16, else float32
   bool pow2 = false;    // scales rounded up to powers of two
   bool scales = false;  // write the blocks' scales instead of the fp8 values
+  bool given = false;   // every block's amax is given_amax (nothing outside the box is read)
+  float given_amax = 0.0f;
   // The blocks the box touches: first_block .. first_block + nblocks (row-major), `blocks` of them.
   int64_t first_block[kMaxCopyDims]{}, nblocks[kMaxCopyDims]{};
   int64_t blocks = 0;
@@ -101,6 +103,11 @@ SC_HOST_DEVICE inline uint8_t fp8Quantize(float x, float scale) {
   uint32_t code = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
   if (code > 0x7eu) code = 0x7eu;
   return static_cast<uint8_t>(sign | code);
+}
+
+// The scale of every block when the plan gives their amax.
+SC_HOST_DEVICE inline float fp8GivenScale(const Fp8QuantizePlan& p) {
+  return fp8Scale(p.given_amax, fp8IsNan(p.given_amax), p.pow2);
 }
 
 // Block b (0 <= b < plan.blocks, row-major over nblocks): its first element and its size (cut

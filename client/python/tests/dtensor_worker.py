@@ -33,6 +33,40 @@ def build_moe(mesh):
     return module
 
 
+# The fp8 scenario: one bfloat16 weight of FP8_ROWS x FP8_COLS under FSDP2; at world sizes 3 and
+# 6 its row shards (torch.chunk) cut blocks of 128 rows.
+FP8_ROWS, FP8_COLS = 1000, 320
+
+
+def build_fp8(world: int):
+    import torch
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.4, 2.5
+        from torch.distributed._composable.fsdp import fully_shard
+
+    class Weight(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            g = torch.Generator().manual_seed(11)
+            w = torch.randn(FP8_ROWS, FP8_COLS, generator=g) * 0.02
+            w[130:140] *= 300  # blocks whose amax sits on one of their ranks only (world 6: block 1,
+            w[300:310] *= 300  # block 2; world 3: block 2)
+            self.w = nn.Parameter(w.to(torch.bfloat16))
+
+        def forward(self):  # FSDP2 gathers the weight for its forward and reduce-scatters its grad
+            return self.w
+
+    return fully_shard(Weight(), mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+
+
+def fp8_loss(module, step):
+    return ((module().float() - 0.01 * step) ** 2).sum()
+
+
 def moe_loss(module, step):
     # Sums over sharded DTensors are Partial; full_tensor() reduces them (differentiably).
     loss = sum(((p - 0.1 * step) ** 2).sum() for p in module.parameters())
@@ -55,6 +89,9 @@ def main(kind: str, rank: int, world: int, port: int, target: str, group: str, c
 
             net = build_moe(init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
             loss_of = moe_loss
+        elif kind == "fp8":
+            net = build_fp8(world)
+            loss_of = fp8_loss
         else:
             net = lm.shard_for_training(lm.TinyLM(), kind)
             loss_of = lm.loss_fn
@@ -66,9 +103,9 @@ def main(kind: str, rank: int, world: int, port: int, target: str, group: str, c
             opt.step()
 
         def full_weights():
-            # A collective: every rank takes part, rank 0 sends.
-            out = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().numpy().copy()
-                   for n, p in net.named_parameters()}
+            # A collective: every rank takes part, rank 0 sends (bfloat16 as float32: numpy has none).
+            full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in net.named_parameters()}
+            out = {n: (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy() for n, t in full.items()}
             return out if rank == 0 else None
 
         train_step(0)  # the first forward runs FSDP2's lazy init: register after it

@@ -220,6 +220,59 @@ def test_expert_parallel_moe_into_expert_stacked_tp_and_into_ep(cluster):
     run_scenario(cluster, "ep", 4, moe_destinations, moe_expected, placements)
 
 
+# ---- FSDP2 shards that cut fp8 blocks -> block-scaled fp8 ranks ----
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 6])
+def test_fsdp2_shards_that_cut_fp8_blocks_sync_into_block_scaled_fp8(cluster, world):
+    """A 1000-row bfloat16 weight under FSDP2 at world 3 (334-row shards) or 6 (167): blocks of
+    128 rows lie on two ranks, across the two trainer nodes too, and the large weights of some
+    blocks sit on one of their ranks only. Every fp8 byte and scale of both TP=2 ranks is torch's
+    reference on the full tensor, for two versions (the second after an AdamW step)."""
+    from shardcast.fp8 import block_quantize
+
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no float8_e4m3fn")
+    rows, cols = dtensor_worker.FP8_ROWS, dtensor_worker.FP8_COLS
+    src, dst = f"fp8-{world}-trainer", f"fp8-{world}-vllm"
+    layout = {"group": dst, "mesh": {"shape": [2]}, "nodes": ["i0", "i1"], "tensors": [
+        {"name": "w", "shape": [rows, cols], "dtype": "float8_e4m3fn", "placements": [{"shard": {"dim": 1}}],
+         "block_scale": {"scale": "w_scale_inv"}}]}
+    half = cols // 2  # 160 columns: rank 0 holds blocks 0-1 of each row, rank 1 blocks 1-2
+    trainers = Trainers(cluster, "fp8", world, src)
+    ranks = []
+    try:
+        full, placements = trainers.registered()
+        assert placements["w"] == "(Shard(dim=0),)"
+        shard = -(-rows // world)
+        assert shard % 128 != 0  # torch.chunk's shards cut blocks
+        for r, node in enumerate(["i0", "i1"]):
+            client = shardcast.Client(cluster.target(node))
+            tensors = {"w": torch.zeros(rows, half, dtype=torch.float8_e4m3fn), "w_scale_inv": torch.zeros(8, 2)}
+            ranks.append((client.register(dst, r, 2, tensors, layout), client))
+        caller = shardcast.Client(cluster.target("t0"))
+        for version in (1, 2):
+            if version == 2:
+                full = trainers.step()
+            q, scales = block_quantize(torch.from_numpy(full["w"]).to(torch.bfloat16), (128, 128))
+            caller.sync(src, dst, version, verify=True, wait_for_ranks=True, timeout=120)
+            for r, (reg, client) in enumerate(ranks):
+                assert client.wait_version(dst, version, timeout=30) >= version
+                want = q[:, r * half:(r + 1) * half].view(torch.uint8)
+                got = reg.tensors["w"].view(torch.uint8)
+                assert torch.equal(got, want), f"version {version} rank {r}: {int((got != want).sum())} fp8 bytes differ"
+                first, last = (r * half) // 128, -(-((r + 1) * half) // 128)
+                assert torch.equal(reg.tensors["w_scale_inv"].view(torch.int32),
+                                   scales[:, first:last].contiguous().view(torch.int32)), \
+                    f"version {version} rank {r}: scales differ"
+        caller.close()
+    finally:
+        for reg, client in ranks:
+            reg.close()
+            client.close()
+        trainers.close()
+
+
 # ---- the named-tensor API refuses what does not fit, naming it ----
 
 def test_inference_registration_checks_local_tensors_against_the_plan():

@@ -3,12 +3,11 @@ float8_e4m3fn inference weights with one float32 scale per block (v1::BlockScale
 the source, matching torch's reference recipe (shardcast.fp8) bit for bit: scale = amax / 448 of
 the whole block, optionally a power of two; q = (x / scale).clamp(+-448).to(float8_e4m3fn). This
 includes a block split between two destination ranks (quantised once, both hold its scale) and
-edge blocks, with half the bytes of bfloat16 on the wire and deltas on top; a source layout that
-cuts blocks is refused naming the rank."""
+edge blocks, with half the bytes of bfloat16 on the wire and deltas on top, and source shards that
+cut blocks (each block's amax combined across the ranks and nodes holding its pieces)."""
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
 import shardcast
@@ -104,18 +103,35 @@ def test_block_scaled_fp8_matches_torch_bit_for_bit_with_split_and_edge_blocks(c
             reg.close()
 
 
-def test_a_source_that_cuts_blocks_is_refused_naming_the_rank(cluster):
+def test_source_shards_that_cut_blocks_combine_each_blocks_amax_across_nodes(cluster):
+    """384 rows over two source ranks, one per node: block row 1 (rows 128-255) lies on both, its
+    large weights on rank 0 (node n0) only. Rank 1 shares node n1 with the destination ranks (a
+    local copy) and quantises its part with the amax of the whole block all the same."""
     n0, n1 = cluster
-    shape = (384, C)  # 192 rows per source rank: blocks of 128 rows are cut
+    rows = 384
+    shape = (rows, C)
+    g = torch.Generator().manual_seed(17)
+    w = (torch.randn(rows, C, generator=g) * 0.02).to(torch.bfloat16)
+    w[150:160, :128] *= 500  # block (1, 0)'s amax: on rank 0 only
+    w[250, 300] = 9.0  # edge block (1, 2)'s amax: on rank 1 only
+    m = torch.randn(M_R, M_C, generator=g)
+    layout = {**src_layout(shape=shape), "nodes": ["n0", "n1"]}
     with shardcast.Client(n0.target) as c0, shardcast.Client(n1.target) as c1:
-        src = [c0.register("trainer", r, 2, {"w": torch.zeros(192, C, dtype=torch.bfloat16), "m": torch.zeros(M_R, M_C)},
-                           src_layout(shape=shape), role="source", version=1) for r in range(2)]
-        dst = [c1.register("vllm-fp8", r, 2, {**destination(r), "w": torch.zeros(384, C // 2, dtype=torch.float8_e4m3fn),
+        src = [c.register("trainer", r, 2, {"w": w[r * 192:(r + 1) * 192].clone(), "m": m.clone()}, layout,
+                          role="source", version=1) for r, c in ((0, c0), (1, c1))]
+        dst = [c1.register("vllm-fp8", r, 2, {**destination(r), "w": torch.zeros(rows, C // 2, dtype=torch.float8_e4m3fn),
                                               "w_scale_inv": torch.zeros(3, 2)}, dst_layout(shape=shape))
                for r in range(2)]
-        with pytest.raises(shardcast.ShardcastError, match=r'rank 0 holds \[0:192, 0:320\], which cuts blocks') as e:
-            c0.sync("trainer", "vllm-fp8", 1)
-        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        c0.sync("trainer", "vllm-fp8", 1, verify=True)
+        qw, sw = block_quantize(w, (128, 128))
+        assert float(sw[1, 0]) > 0.01 and abs(float(sw[1, 2]) - 9.0 / 448) < 1e-7
+        cols = C // 2
+        for r, reg in enumerate(dst):
+            assert torch.equal(reg.tensors["w"].view(torch.uint8), qw[:, r * cols:(r + 1) * cols].view(torch.uint8)), \
+                f"rank {r}: w's fp8 bits differ"
+            first, last = (r * cols) // 128, -(-((r + 1) * cols) // 128)
+            assert torch.equal(reg.tensors["w_scale_inv"].view(torch.int32),
+                               sw[:, first:last].contiguous().view(torch.int32)), f"rank {r}: w's scales differ"
         for reg in dst + src:
             reg.close()
 
