@@ -63,37 +63,38 @@ markers=()
 deploy_log="$build/pytest-deploy.log"
 "$py" -m pytest -q -rs -p no:cacheprovider "${markers[@]}" "$root/deploy/tests" >"$deploy_log" 2>&1 &
 deploy_tests=$!
-trap 'kill "$deploy_tests" 2>/dev/null || true' EXIT
-phase "pytest client" "$py" -m pytest -q -rs -p no:cacheprovider "${markers[@]}" "$root/client/python/tests"
-deploy_done() {
-  local rc=0
-  wait "$deploy_tests" || rc=$?
-  cat "$deploy_log"
-  return $rc
-}
-phase "pytest deploy (the rest)" deploy_done
-trap - EXIT
+background=("$deploy_tests")
+trap 'for p in "${background[@]}"; do kill -- "-$p" 2>/dev/null || kill "$p" 2>/dev/null || true; done' EXIT
 if [ "$tier" = full ]; then
-  # The fuzzers (every libFuzzer target for a short fixed time on its ASan + UBSan clang build in
-  # build-fuzz/) build and run in the background at the lowest priority while the vLLM tests run:
-  # those leave about a third of two cores idle (processes and engines starting). Their report
-  # follows the vLLM tests'.
+  # The vLLM tests (shardcast.vllm inside a real vLLM, in the vLLM venv of scripts/deps.sh vllm)
+  # run beside the client's: each uses about one core on average (engines and processes
+  # starting), so together they fill the two. The fuzzers (every libFuzzer target for a short
+  # fixed time on its ASan + UBSan clang build in build-fuzz/) build and run meanwhile at the
+  # lowest priority, in what is left. Each in its own process group (a failing phase stops them);
+  # their output follows the client's, in this order.
+  vllm_log="$build/pytest-vllm.log"
+  setsid bash "$root/scripts/test-vllm.sh" -p no:cacheprovider >"$vllm_log" 2>&1 &
+  vllm_tests=$!
   fuzz_log="$build/fuzz.log"
   nice -n 19 setsid bash "$root/scripts/fuzz.sh" --seconds "${SHARDCAST_FUZZ_SECONDS:-10}" >"$fuzz_log" 2>&1 &
-  fuzz=$!  # its own process group: a failing phase stops it with it
-  trap 'kill -- "-$fuzz" 2>/dev/null || true' EXIT
-  # shardcast.vllm inside a real vLLM (the vLLM venv of scripts/deps.sh vllm).
-  phase "pytest vllm" bash "$root/scripts/test-vllm.sh" -p no:cacheprovider
-  fuzz_done() {
-    local rc=0
-    wait "$fuzz" || rc=$?
-    cat "$fuzz_log"
-    [ $rc -eq 0 ] || echo "test.sh: the fuzzers failed (build-fuzz/crashes/)" >&2
-    return $rc
-  }
-  phase "fuzz (the rest)" fuzz_done
-  trap - EXIT
+  fuzz=$!
+  background+=("$vllm_tests" "$fuzz")
 fi
+phase "pytest client" "$py" -m pytest -q -rs -p no:cacheprovider "${markers[@]}" "$root/client/python/tests"
+# waits for background job $1 and prints its log $2; $3: what to say when it failed
+finished() {
+  local rc=0
+  wait "$1" || rc=$?
+  cat "$2"
+  [ $rc -eq 0 ] || [ -z "${3:-}" ] || echo "test.sh: $3" >&2
+  return $rc
+}
+phase "pytest deploy (the rest)" finished "$deploy_tests" "$deploy_log"
+if [ "$tier" = full ]; then
+  phase "pytest vllm (the rest)" finished "$vllm_tests" "$vllm_log"
+  phase "fuzz (the rest)" finished "$fuzz" "$fuzz_log" "the fuzzers failed (build-fuzz/crashes/)"
+fi
+trap - EXIT
 
 echo "test.sh ($tier): time per phase" >&2
 printf '  %s\n' "${times[@]}" >&2
