@@ -194,7 +194,19 @@ Status SyncCoordinator::timed(Status (SyncCoordinator::*phase)(), void (v1::Sync
 
 StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   using R = v1::SyncResponse;
-  SC_RETURN_IF_ERROR(timed(&SyncCoordinator::gather, &R::set_gather_seconds));
+  const std::string repeat_key = RepeatCache::keyOf(req_, ctx_.caller_uid);
+  std::shared_ptr<const RepeatView> repeat;
+  if (ctx_.repeats && !ctx_.full_gather && !req_.options().catch_up()) repeat = ctx_.repeats->find(repeat_key);
+  if (repeat) {  // each daemon's Prepare checks what the gather would have (repeat_cache.h)
+    repeated_ = true;
+    cluster_ = repeat->cluster;
+    src_ = repeat->src;
+    dst_ = repeat->dst;
+    peers_ = std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses);
+    out_.set_repeated(true);
+  } else {
+    SC_RETURN_IF_ERROR(timed(&SyncCoordinator::gather, &R::set_gather_seconds));
+  }
   if (current_) {  // a catch-up with nothing to move
     out_.set_sync_id(id_);
     out_.set_version(version_);
@@ -209,6 +221,8 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::prepare, &R::set_prepare_seconds));
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::execute, &R::set_execute_seconds));
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::commit, &R::set_finish_seconds));
+  if (ctx_.repeats && !repeated_ && !req_.options().catch_up() && replicas_.empty() && !seed_)
+    ctx_.repeats->keep(repeat_key, std::make_shared<const RepeatView>(RepeatView{cluster_, src_, dst_}));
 
   const auto& stats = plan_->plan.stats;
   out_.set_sync_id(id_);
@@ -338,17 +352,18 @@ Status SyncCoordinator::gather() {
     if (st.ok()) {
       if (req_.options().catch_up()) learnSet(snapshot->view);
       if (replica_set) ctx_.replica_sets.update(req_.dst_group(), members_seen_, members_left_);
-      cluster_ = std::make_unique<ClusterSnapshot>(std::move(*snapshot));
+      auto cluster = std::make_shared<ClusterSnapshot>(std::move(*snapshot));
       src_ = std::move(*src);
       dst_ = std::move(*dst);
       // A replica set's sync asks only the daemons it reads or writes: a node left with only cut
       // replicas (silent, or failing this sync's prepare) is not waited on again.
       if (replica_set)
-        cluster_->keepOnly([&](const v1::DescribeResponse& d) {
+        cluster->keepOnly([&](const v1::DescribeResponse& d) {
           return std::any_of(d.ranks().begin(), d.ranks().end(), [&](const v1::RemoteRank& r) {
             return r.group() == src_group_ || (writes(r.group()) && r.group() != req_.dst_group());
           });
         });
+      cluster_ = std::move(cluster);
       // Fail before preparing anything, naming the rank (each daemon checks again when it prepares).
       if (auto contract = checkVersions(); !contract.ok()) return failed(contract);
       peers_ = std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses);
@@ -687,6 +702,13 @@ Status SyncCoordinator::prepare() {
   p.set_delta(delta_);
   p.set_strategy(req_.options().strategy());
   p.set_packed(packed_);
+  if (repeated_)  // every daemon checks that its registrations are still those of the kept view
+    for (const auto& d : daemons) {
+      auto* stamp = p.add_expect();
+      stamp->set_node(d.node());
+      stamp->set_instance(d.instance());
+      stamp->set_generation(d.generation());
+    }
   std::vector<v1::PrepareResponse> prepared(daemons.size());
   // The first daemon whose own failure gave the sync up: the others' calls are then cancelled,
   // or refused as given up, because of it.

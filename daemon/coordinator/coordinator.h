@@ -24,6 +24,7 @@
 #include "common/status.h"
 #include "daemon/coordinator/cluster.h"
 #include "daemon/coordinator/progress.h"
+#include "daemon/coordinator/repeat_cache.h"
 #include "daemon/engine/split_amax.h"
 #include "daemon/engine/sync_counters.h"
 #include "daemon/engine/sync_engine.h"
@@ -106,6 +107,10 @@ class SyncCoordinator {
     std::map<std::string, std::string> cut{};
     // Nodes whose failure cut those replicas (node -> why): not asked again by this attempt.
     std::map<std::string, std::string> failed_nodes{};
+    // Views of the last syncs (repeat_cache.h): a plain sync that repeats one skips the gather,
+    // unless `full_gather` (an attempt that skipped it was refused).
+    RepeatCache* repeats = nullptr;
+    bool full_gather = false;
   };
   // `id` is started on the progress board already; `fence` names this attempt (never 0).
   SyncCoordinator(Context ctx, const v1::SyncRequest& request, std::string id, uint64_t fence);
@@ -119,6 +124,10 @@ class SyncCoordinator {
   // of the sync has ranks there (a node holding source ranks or a plain destination: none).
   // Once the commit began, none (a retry would misreport the replicas that committed).
   std::vector<std::string> replicasOnlyOn(const std::string& node) const;
+  // After a failed run: it skipped the gather and failed before anything was executed (a daemon's
+  // registrations changed, its ranks are not at the version...): run it again with a full gather,
+  // which names the fault as it always does.
+  bool retryInFull() const { return repeated_ && !executed_; }
   // After a failed run: the seconds of each phase it finished and of the one it failed in.
   const v1::SyncResponse& figures() const { return out_; }
 
@@ -193,7 +202,8 @@ class SyncCoordinator {
   uint32_t timeout_ms_ = 0;
   std::chrono::milliseconds lease_;
 
-  std::unique_ptr<ClusterSnapshot> cluster_;
+  std::shared_ptr<const ClusterSnapshot> cluster_;  // shared with the repeat cache
+  bool repeated_ = false;                           // the gather was skipped (cluster_ is a kept view)
   v1::Layout src_, dst_;  // a replica set: dst_ names it (group) and replicas_ are its members
   std::vector<planner::Replica> replicas_;
   std::vector<v1::ReplicaOutcome> outcomes_;  // every replica of the set: taking part, or cut

@@ -82,10 +82,20 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
                                              " bytes (at least ", limits_.min_chunk_bytes, ")"));
   auto a = std::make_shared<SyncAttempt>();
   a->id = req.sync_id();
+  a->generation = registry_.generation();
+  // A sync that skipped the gather: this node's registrations must be those its coordinator saw
+  // (execute() refuses any change after this point, as for every sync).
+  if (req.expect_size() > 0) {
+    const auto mine = std::find_if(req.expect().begin(), req.expect().end(),
+                                   [&](const v1::NodeStamp& s) { return s.node() == node_; });
+    if (mine == req.expect().end() || mine->instance() != registry_.instance() || mine->generation() != a->generation)
+      return absl::FailedPreconditionError(strCat("prepare of sync ", req.sync_id(), ": registrations on node ",
+                                                  quote(node_), " changed since its coordinator last gathered them (",
+                                                  kStaleView, ")"));
+  }
   a->src_group = req.src().group();
   a->dst_group = req.dst().group();
   a->version = req.version();
-  a->generation = registry_.generation();
   a->window_bytes = window_bytes_;
   if (req.lease_ms() > 0) a->lease = std::chrono::milliseconds(req.lease_ms());
   a->fence = req.fence() ? req.fence() : (XXH64(a->id.data(), a->id.size(), 0) | 1);

@@ -475,6 +475,7 @@ v1::DescribeResponse Registry::describe() const {
   d.set_instance(instance_);
   const bool host_safe = hostSafe();
   std::lock_guard<std::mutex> lock(mu_);
+  d.set_generation(generation_);  // of exactly what follows
   for (const auto& [group, g] : groups_) {
     *d.add_layouts() = g.layout;
     if (!g.owner) continue;  // registered by a --insecure daemon's remote caller: nobody's

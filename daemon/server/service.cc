@@ -138,20 +138,31 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
   std::map<std::string, std::string> cut;     // by earlier attempts: replica group -> why
   std::map<std::string, std::string> failed;  // the nodes that failed them -> why
   v1::SyncRequest attempt = req;
+  bool full_gather = false;
   while (true) {
-    SyncCoordinator coordinator(
-        {config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(), caller_uid, cut, failed},
-        attempt, id, newFence());
+    SyncCoordinator coordinator({config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(),
+                                 caller_uid, cut, failed, &repeats_, full_gather},
+                                attempt, id, newFence());
     auto done = coordinator.run();
     if (done.ok()) {
       *out = std::move(*done);
       out->set_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count());
       return grpc::Status::OK;
     }
-    const std::string& faulty = coordinator.faultyNode();
-    if (!faulty.empty()) metrics_.peerFailed(faulty);
+    // The view a failed sync ran on is not reused; one that skipped the gather and was refused
+    // before executing runs again at once with a full gather (repeat_cache.h).
+    repeats_.forget(RepeatCache::keyOf(req, caller_uid));
     const auto left =
         timeout - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - began);
+    if (coordinator.retryInFull() && !full_gather && left > std::chrono::milliseconds(0)) {
+      spdlog::debug("sync {}: skipped the gather and was refused ({}): running it again with one", id,
+                    std::string(done.status().message()));
+      full_gather = true;
+      attempt.mutable_options()->set_timeout_ms(static_cast<uint32_t>(left.count()));
+      continue;
+    }
+    const std::string& faulty = coordinator.faultyNode();
+    if (!faulty.empty()) metrics_.peerFailed(faulty);
     const auto replicas = coordinator.replicasOnlyOn(faulty);
     if (!replicas.empty() && left > std::chrono::milliseconds(0)) {
       for (const auto& group : replicas)

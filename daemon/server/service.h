@@ -59,6 +59,7 @@ class ShardcastService final : public v1::Shardcast::Service {
   std::atomic<uint64_t> next_sync_{1};
   ProgressBoard& progress_;
   ReplicaMemory replica_sets_;  // of the replica sets this daemon coordinated syncs into
+  RepeatCache repeats_;         // the views of the last plain syncs it coordinated
   std::string transport_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   std::mutex fence_mu_;

@@ -289,6 +289,109 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
   CHECK(wrong(4) == 0);
 }
 
+TEST_CASE("a sync that repeats the last one skips the gather - changed registrations and refusals bring it back",
+          "[daemon][sync]") {
+  Cluster cluster;
+  const auto src_proto = *planner::parseLayoutJson(kTrainer, "trainer");
+  const auto dst_proto = *planner::parseLayoutJson(kInference, "infer");
+  planner::NodeTable nodes;
+  const auto src = *planner::resolveLayout(src_proto, nodes);
+  const auto dst = *planner::resolveLayout(dst_proto, nodes);
+  std::vector<RankMemory> smem, dmem;
+  for (int32_t r = 0; r < 4; ++r) smem.push_back(allocate(src, r, "rt" + std::to_string(r)));
+  for (int32_t r = 0; r < 4; ++r) dmem.push_back(allocate(dst, r, "ri" + std::to_string(r)));
+  const auto fill = [&](int version) {
+    for (int32_t r = 0; r < 4; ++r)
+      forEachElement(src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        *smem[r].at<int32_t>(p, off) = valueOf(t, flat, version);
+      });
+  };
+  const auto wrong = [&](int version) {
+    int64_t bad = 0;
+    for (int32_t r = 0; r < 4; ++r)
+      forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        bad += *dmem[r].at<int32_t>(p, off) != valueOf(t, flat, version);
+      });
+    return bad;
+  };
+  std::vector<uint64_t> registration(4);
+  for (int32_t r = 0; r < 4; ++r) {
+    v1::RegisterResponse resp;
+    REQUIRE(cluster.node(nodes.name(src.rank_node[r]))
+                .client()
+                ->Register(ctx().get(), source(src_proto, r, 4, smem[r]), &resp)
+                .ok());
+    REQUIRE(cluster.node(nodes.name(dst.rank_node[r]))
+                .client()
+                ->Register(ctx().get(), request(dst_proto, r, 4, dmem[r]), &resp)
+                .ok());
+    registration[static_cast<size_t>(r)] = resp.registration();
+  }
+  // Syncs coordinated by n1 (holding no destination rank), each checked byte for byte.
+  const auto sync = [&](int version) {
+    v1::SyncRequest req;
+    req.set_src_group("trainer");
+    req.set_dst_group("infer");
+    req.set_version(static_cast<uint64_t>(version));
+    v1::SyncResponse out;
+    const auto st = cluster.node("n1").client()->Sync(ctx().get(), req, &out);
+    INFO("version " << version << ": " << st.error_message());
+    REQUIRE(st.ok());
+    CHECK(wrong(version) == 0);
+    return out.repeated();
+  };
+  cluster.step(src, nodes, 1, [&] { fill(1); });
+  CHECK_FALSE(sync(1));  // nothing seen yet: a full gather
+  for (int version = 2; version <= 3; ++version) {
+    cluster.step(src, nodes, static_cast<uint64_t>(version), [&] { fill(version); });
+    CHECK(sync(version));  // the same cluster and layouts: no gather
+  }
+  // Version 4 is not published: the repeated attempt's Prepare is refused, and the full gather
+  // that follows names the rank as a sync always did.
+  v1::SyncRequest ahead;
+  ahead.set_src_group("trainer");
+  ahead.set_dst_group("infer");
+  ahead.set_version(4);
+  v1::SyncResponse out;
+  const auto refused = cluster.node("n1").client()->Sync(ctx().get(), ahead, &out);
+  CHECK(refused.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(refused.error_message(), Catch::Contains("sync: group \"trainer\" rank "));
+  CHECK_THAT(refused.error_message(), Catch::Contains("published version 3, not 4"));
+  CHECK(wrong(3) == 0);  // nothing was written
+  cluster.step(src, nodes, 4, [&] { fill(4); });
+  CHECK_FALSE(sync(4));  // a failed sync's view is not reused
+  cluster.step(src, nodes, 5, [&] { fill(5); });
+  CHECK(sync(5));
+  // A destination rank registered again (new memory): n2's registrations changed, its Prepare
+  // refuses the kept view, and the sync runs with a full gather into the new memory.
+  {
+    v1::UnregisterRequest un;
+    un.set_group("infer");
+    un.set_rank(1);
+    un.set_registration(registration[1]);
+    v1::UnregisterResponse ur;
+    REQUIRE(cluster.node("n2").client()->Unregister(ctx().get(), un, &ur).ok());
+    dmem[1] = allocate(dst, 1, "ri1-again");
+    v1::RegisterResponse resp;
+    REQUIRE(cluster.node("n2").client()->Register(ctx().get(), request(dst_proto, 1, 4, dmem[1]), &resp).ok());
+  }
+  cluster.step(src, nodes, 6, [&] { fill(6); });
+  CHECK_FALSE(sync(6));
+  cluster.step(src, nodes, 7, [&] { fill(7); });
+  CHECK(sync(7));
+  // A registration of another group on the coordinator's own node changes its generation too.
+  RankMemory other = allocate(src, 0, "rt-other");
+  auto other_layout = src_proto;
+  other_layout.set_group("other");
+  for (auto& n : *other_layout.mutable_nodes()) n = "n1";
+  v1::RegisterResponse resp;
+  REQUIRE(cluster.node("n1").client()->Register(ctx().get(), source(other_layout, 0, 4, other), &resp).ok());
+  cluster.step(src, nodes, 8, [&] { fill(8); });
+  CHECK_FALSE(sync(8));
+  cluster.step(src, nodes, 9, [&] { fill(9); });
+  CHECK(sync(9));
+}
+
 TEST_CASE("concurrent syncs: same group refused, different groups together - a stuck then killed daemon fails the sync",
           "[daemon][sync]") {
   Cluster cluster;

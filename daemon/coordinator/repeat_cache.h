@@ -1,0 +1,48 @@
+// The cluster as the last committed sync between two groups saw it, per caller: a sync that
+// repeats it (RL's next step: same groups, same layouts, the next version) skips the gather, the
+// round of Describe calls that asks every daemon what it holds (docs/performance.md, "Control
+// plane"). Nothing is taken on trust: each daemon's Prepare checks that its registrations are
+// still those the view holds (PrepareRequest.expect: its instance and registry generation) and
+// checks the version contract on its ranks as every Prepare does; any refusal of such an attempt
+// makes the coordinator run the sync again with a full gather (so errors read as they always
+// did). Plain syncs only: a replica set's membership and a catch-up's seed are decided anew at
+// every gather.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "daemon/coordinator/cluster.h"
+#include "shardcast/v1/layout.pb.h"
+#include "shardcast/v1/service.pb.h"
+
+namespace shardcast::daemon {
+
+struct RepeatView {
+  std::shared_ptr<const ClusterSnapshot> cluster;
+  v1::Layout src, dst;  // complete layouts of both groups
+};
+
+class RepeatCache {
+ public:
+  // The views kept at most (one per pair of groups and caller): the oldest goes first.
+  static constexpr size_t kMaxViews = 256;
+
+  // Who asks for which sync: a view is reused only by the same caller for the same groups.
+  static std::string keyOf(const v1::SyncRequest& req, std::optional<uint32_t> caller_uid);
+
+  std::shared_ptr<const RepeatView> find(const std::string& key) const;
+  void keep(const std::string& key, std::shared_ptr<const RepeatView> view);
+  void forget(const std::string& key);
+
+ private:
+  mutable std::mutex mu_;
+  uint64_t next_ = 0;
+  std::map<std::string, std::pair<uint64_t, std::shared_ptr<const RepeatView>>> views_;  // key -> (age, view)
+};
+
+}  // namespace shardcast::daemon
