@@ -18,10 +18,10 @@
 #   bench/cluster.sh --scenario delta [--delta-arg ARG]...  (bench/delta_bench.py on 2 nodes: AdamW steps,
 #                    dense and delta syncs side by side; not part of "all")
 #                    [--demo-arg ARG]...   (passed to shardcast-demo, e.g. --demo-arg=--chunk-mib=4)
-#   bench/cluster.sh --control-plane [--nodes "8 16 32 64"]
+#   bench/cluster.sh --control-plane [--nodes "8 16 32 64"] [--cp-syncs 21]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-rate="" delay=0 queue_ms=200 mtu=9000 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64" demo_args=() delta_args=()
+rate="" delay=0 queue_ms=200 mtu=9000 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64" cp_syncs=21 demo_args=() delta_args=()
 strategies=planned,rank-pull,gather-broadcast
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -34,6 +34,7 @@ while [ $# -gt 0 ]; do
     --strategies) strategies="$2"; shift 2 ;;
     --control-plane) control=1; shift ;;
     --nodes) cp_nodes="$2"; shift 2 ;;
+    --cp-syncs) cp_syncs="$2"; shift 2 ;;
     --demo-arg) demo_args+=("$2"); shift 2 ;;
     --demo-arg=*) demo_args+=("${1#--demo-arg=}"); shift ;;
     --delta-arg) delta_args+=("$2"); shift 2 ;;
@@ -149,21 +150,28 @@ print(f"| {name} | {nodes} | {rate_mbit:g} Mbit/s | {gb:.3f} GB | {measured:.2f}
 
 if [ "$control" = 1 ]; then
   echo "== control plane: a tiny model (1 layer, hidden 64, vocab 256: 0.2 MB) from 1 trainer node into N-1 inference nodes, loopback"
-  echo "| daemons | gather+plan | prepare | execute | finish | whole sync (best cached) |"
-  echo "| --- | --- | --- | --- | --- | --- |"
+  echo "   ($cp_syncs syncs each: the first gathers and plans, the rest repeat it; time: best and median of the rest;"
+  echo "   CPU: mean per sync over the rest, from /proc, of the coordinator and of every daemon together)"
+  echo "| daemons | gather+plan | prepare | execute | finish | whole sync, best | median | repeated | coordinator CPU | all daemons' CPU | per daemon |"
+  echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
   for n in $cp_nodes; do
-    out=$("$demo" --report --layers 1 --hidden 64 --vocab 256 --trainer-nodes 1 --inference-nodes $((n - 1)) --syncs 4 2>&1) || {
+    out=$("$demo" --report --layers 1 --hidden 64 --vocab 256 --trainer-nodes 1 --inference-nodes $((n - 1)) --syncs "$cp_syncs" 2>&1) || {
       echo "$out" | tail -5 >&2
       echo "| $n | failed |"
       continue
     }
     echo "$out" | $py -c '
-import sys
-n = sys.argv[1]
+import statistics, sys
+n = int(sys.argv[1])
 rows = [dict(kv.split("=") for kv in l.split()[2:]) for l in sys.stdin if l.startswith("RESULT sync ")]
-best = min(rows[1:], key=lambda r: float(r["seconds"]))
+rest = rows[1:]
+best = min(rest, key=lambda r: float(r["seconds"]))
 cells = " | ".join("%.1f ms" % (float(best[k]) * 1000) for k in ("gather", "prepare", "execute", "finish", "seconds"))
-print("| %s | %s |" % (n, cells))
+median = statistics.median(float(r["seconds"]) for r in rest) * 1000
+repeated = sum(int(r.get("repeated", 0)) for r in rest)
+coord = statistics.mean(float(r["coordinator_cpu"]) for r in rest) * 1000
+every = statistics.mean(float(r["daemons_cpu"]) for r in rest) * 1000
+print("| %d | %s | %.1f ms | %d of %d | %.1f ms | %.1f ms | %.2f ms |" % (n, cells, median, repeated, len(rest), coord, every, every / n))
 ' "$n"
   done
   exit 0

@@ -145,6 +145,12 @@ bool PeerSet::forgottenLocked(const std::string& address, std::chrono::steady_cl
          now - since->second >= std::chrono::milliseconds(config_.peer_lease_ms);
 }
 
+void PeerSet::noteSilent(const std::string& address, std::chrono::steady_clock::time_point asked) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  answered_[address] = false;
+  silent_since_.emplace(address, asked);
+}
+
 std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addrs,
                                             std::vector<v1::DescribeResponse>* responses, bool syncs,
                                             const std::map<std::string, std::chrono::milliseconds>& briefly) const {

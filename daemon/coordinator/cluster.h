@@ -71,6 +71,9 @@ class PeerSet {
   Status checkTransportAddress(const std::string& node, const std::string& address) const;
   // A cached channel to a daemon (a peer, or this daemon itself).
   std::shared_ptr<grpc::Channel> channel(const std::string& address) const;
+  // A call other than Describe to `address`, made at `asked`, got no answer (a sync that skipped
+  // the gather): its lease runs from then, as after a Describe that got none.
+  void noteSilent(const std::string& address, std::chrono::steady_clock::time_point asked) const;
 
  private:
   // Silent past its lease (mu_ held).

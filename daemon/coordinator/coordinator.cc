@@ -685,6 +685,7 @@ Status SyncCoordinator::prepare() {
   if (delta_ == v1::DELTA_AUTO && ctx_.config.delta_dense_every > 0 &&
       version_ % static_cast<uint64_t>(ctx_.config.delta_dense_every) == 0)
     delta_ = v1::DELTA_DENSE;  // the periodic refresh
+  const auto prepare_started = Clock::now();
   lease_keeper_ = std::make_unique<LeaseKeeper>(*this);
   const auto& daemons = cluster_->view.daemons();
   v1::PrepareRequest p;
@@ -713,21 +714,41 @@ Status SyncCoordinator::prepare() {
   // The first daemon whose own failure gave the sync up: the others' calls are then cancelled,
   // or refused as given up, because of it.
   std::optional<size_t> at_fault;
+  // Skipping the gather skipped its peer timeout: a daemon silent to this Prepare is found as
+  // soon as the gather would have found it (then the full protocol runs, and decides).
+  auto deadline = callDeadline();
+  if (repeated_)
+    deadline = std::min(deadline, std::chrono::system_clock::now() +
+                                      std::chrono::milliseconds(std::max(ctx_.config.peer_timeout_ms, 1000)));
   const std::vector<grpc::Status> results = peers_->forEach(
-      callDeadline(),
+      deadline,
       [&](size_t i, v1::Peer::Stub& stub, grpc::ClientContext& c, CallDone done) {
         stub.async()->Prepare(&c, &p, &prepared[i], std::move(done));
       },
       [&](size_t i, const grpc::Status& st) {
         if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED) {
           if (!at_fault) at_fault = i;
-          giveUp(strCat("prepare failed on node \"", daemons[i].node(), "\": ", st.error_message()));  // once
+          // A daemon that did not answer in time gets no more than a moment to take the abort.
+          const bool silent = st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+          giveUp(strCat("prepare failed on node \"", daemons[i].node(), "\": ", st.error_message()),
+                 silent ? daemons[i].node() : std::string());  // once
         }
       });
   for (size_t i = 0; i < results.size() && !at_fault; ++i)
     if (!results[i].ok()) at_fault = i;  // the lease keeper gave it up: every call cancelled
   if (at_fault) {
     const std::string stalled = lease_keeper_->stalled();
+    // Skipping the gather skipped its Describe calls: a daemon silent here is silent to the
+    // peer set too (its lease runs from this call, as it would have from the gather's). One that
+    // did not answer in time fails the sync as the gather would have (no second wait for it).
+    if (repeated_)
+      for (size_t i = 0; i < daemons.size(); ++i) {
+        const grpc::StatusCode code = results[i].error_code();
+        const bool silent = code == grpc::StatusCode::DEADLINE_EXCEEDED || daemons[i].node() == stalled;
+        if (silent || code == grpc::StatusCode::UNAVAILABLE)
+          ctx_.peers.noteSilent(cluster_->addresses[i], prepare_started);
+        silent_daemon_ = silent_daemon_ || silent;
+      }
     faulty_node_ = stalled.empty() ? daemons[*at_fault].node() : stalled;
     const Status failure =
         fromGrpc(results[*at_fault], strCat("sync ", id_, ": prepare on node \"", faulty_node_, "\""));

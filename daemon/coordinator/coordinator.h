@@ -125,9 +125,10 @@ class SyncCoordinator {
   // Once the commit began, none (a retry would misreport the replicas that committed).
   std::vector<std::string> replicasOnlyOn(const std::string& node) const;
   // After a failed run: it skipped the gather and failed before anything was executed (a daemon's
-  // registrations changed, its ranks are not at the version...): run it again with a full gather,
-  // which names the fault as it always does.
-  bool retryInFull() const { return repeated_ && !executed_; }
+  // registrations changed, its ranks are not at the version, its address is gone...): run it
+  // again with a full gather, which names the fault as it always does. Not when a daemon did not
+  // answer in time: the gather would wait for it again, and fail the same way.
+  bool retryInFull() const { return repeated_ && !executed_ && !silent_daemon_; }
   // After a failed run: the seconds of each phase it finished and of the one it failed in.
   const v1::SyncResponse& figures() const { return out_; }
 
@@ -204,6 +205,7 @@ class SyncCoordinator {
 
   std::shared_ptr<const ClusterSnapshot> cluster_;  // shared with the repeat cache
   bool repeated_ = false;                           // the gather was skipped (cluster_ is a kept view)
+  bool silent_daemon_ = false;                      // a repeated sync's Prepare found a daemon silent
   v1::Layout src_, dst_;  // a replica set: dst_ names it (group) and replicas_ are its members
   std::vector<planner::Replica> replicas_;
   std::vector<v1::ReplicaOutcome> outcomes_;  // every replica of the set: taking part, or cut

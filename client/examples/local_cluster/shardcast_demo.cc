@@ -20,7 +20,10 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
+#include <sstream>
 
 #include "client/lib/client.h"
 #include "planner/layout.h"
@@ -152,6 +155,20 @@ int64_t visit(const planner::ResolvedLayout& l, int32_t rank, const HostTensors&
 
 StatusOr<Client> connectTo(const Daemon& d) { return Client::connect("unix:" + d.socketPath()); }
 
+// CPU seconds (user + system) process `pid` has used, from /proc (0 when it cannot be read).
+double cpuSeconds(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto close = stat.rfind(')');  // after the command name, which may hold spaces
+  if (close == std::string::npos) return 0;
+  std::istringstream fields(stat.substr(close + 2));
+  std::string field;
+  double ticks = 0;
+  for (int i = 3; i <= 15 && fields >> field; ++i)  // fields 14 and 15: utime, stime
+    if (i >= 14) ticks += std::stod(field);
+  return ticks / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
 int run(const Options& o, const std::string& daemon_path) {
   const auto src_proto = planner::parseLayoutJson(layoutJson(o, true), "trainer");
   const auto dst_proto = planner::parseLayoutJson(layoutJson(o, false), "vllm");
@@ -260,7 +277,15 @@ int run(const Options& o, const std::string& daemon_path) {
       so.verify = o.verify;
       so.timeout = std::chrono::minutes(10);
       so.strategy = strategy;
+      std::vector<double> cpu_before;
+      for (const auto& node : names) cpu_before.push_back(cpuSeconds(daemons[node]->pid()));
       auto synced = coordinator->sync("trainer", "vllm", static_cast<uint64_t>(v), so);
+      double coordinator_cpu = 0, daemons_cpu = 0;  // this sync's CPU seconds (clock ticks of 10 ms)
+      for (size_t i = 0; i < names.size(); ++i) {
+        const double used = cpuSeconds(daemons[names[i]]->pid()) - cpu_before[i];
+        daemons_cpu += used;
+        if (i == 0) coordinator_cpu = used;
+      }
       if (!synced.ok()) {
         fmt::print(stderr, "sync {} ({}) failed: {}\n", v, name, std::string(synced.status().message()));
         return 1;
@@ -280,9 +305,11 @@ int run(const Options& o, const std::string& daemon_path) {
       if (o.report)
         fmt::print(
             "RESULT sync strategy={} v={} seconds={:.6f} gather={:.6f} plan={:.6f} prepare={:.6f} execute={:.6f} "
-            "finish={:.6f} network_bytes={} bytes_needed={} wrong={}\n",
+            "finish={:.6f} network_bytes={} bytes_needed={} wrong={} repeated={} coordinator_cpu={:.3f} "
+            "daemons_cpu={:.3f}\n",
             name, v, out.seconds(), out.gather_seconds(), out.plan_seconds(), out.prepare_seconds(),
-            out.execute_seconds(), out.finish_seconds(), out.network_bytes(), out.bytes_needed(), bad);
+            out.execute_seconds(), out.finish_seconds(), out.network_bytes(), out.bytes_needed(), bad,
+            out.repeated() ? 1 : 0, coordinator_cpu, daemons_cpu);
       fmt::print(
           "         gather {:.3f} s, plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s; {} landed "
           "straight in rank buffers\n",
