@@ -105,36 +105,42 @@ std::vector<grpc::Status> fanOut(std::vector<grpc::ClientContext>& contexts,
 }
 
 Status PeerSet::checkTransportAddress(const std::string& node, const std::string& address) const {
-  std::vector<std::string> at;  // the gRPC addresses node was last reached at
-  {
+  const auto known = [&] {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = transports_.find(node);
-    if (it != transports_.end() && it->second == address) return absl::OkStatus();
+    return it != transports_.end() && it->second == address;
+  };
+  if (known()) return absl::OkStatus();
+  // One lookup at a time: a caller that waited finds what the one before it learned (at a first
+  // sync every relay of a large cluster asks about peers it never reached, all at once).
+  std::lock_guard<std::mutex> looking(lookup_mu_);
+  if (known()) return absl::OkStatus();
+  // Not known, or changed (a restarted peer): ask the node itself where it was reached before,
+  // else the peers that have not described themselves yet, each at most once a second (a peer
+  // cannot make this daemon ask the cluster again and again).
+  std::vector<std::string> at;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [a, n] : nodes_)
       if (n == node) at.push_back(a);
   }
-  // Not known, or changed (a restarted peer): ask the node itself where it was reached before,
-  // every peer otherwise (at most once a second: a peer cannot make this daemon ask the whole
-  // cluster on every call).
   if (at.empty()) {
-    bool refresh = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      const auto now = std::chrono::steady_clock::now();
-      refresh = now - last_refresh_ >= std::chrono::seconds(1);
-      if (refresh) last_refresh_ = now;
-    }
-    if (refresh) {
-      SC_ASSIGN_OR_RETURN(at, addresses());
+    SC_ASSIGN_OR_RETURN(const auto all, addresses());
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto now = std::chrono::steady_clock::now();
+    for (const auto& a : all) {
+      if (nodes_.count(a)) continue;
+      auto [asked, added] = looked_up_.try_emplace(a, now);
+      if (!added && now - asked->second < std::chrono::seconds(1)) continue;
+      asked->second = now;
+      at.push_back(a);
     }
   }
   if (!at.empty()) {
     std::vector<v1::DescribeResponse> responses;
     describe(at, &responses);
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = transports_.find(node);
-  if (it != transports_.end() && it->second == address) return absl::OkStatus();
+  if (known()) return absl::OkStatus();
   return absl::InvalidArgumentError(strCat("the transport address given for node ", quote(node),
                                            " is not the one that node describes to this daemon"));
 }

@@ -92,8 +92,9 @@ class PeerSet {
   mutable std::map<std::string, std::chrono::steady_clock::time_point> silent_since_;  // address -> first failure
   mutable std::vector<std::string> current_;                                           // the last addresses() found
   mutable std::chrono::steady_clock::time_point current_at_{};                         // and when
-  mutable std::map<std::string, std::string> transports_;         // node -> the transport address it described
-  mutable std::chrono::steady_clock::time_point last_refresh_{};  // of transports_ by checkTransportAddress
+  mutable std::map<std::string, std::string> transports_;  // node -> the transport address it described
+  mutable std::mutex lookup_mu_;                           // checkTransportAddress: one lookup at a time (before mu_)
+  mutable std::map<std::string, std::chrono::steady_clock::time_point> looked_up_;  // address -> asked then
 };
 
 // Groups as registered across the cluster.
