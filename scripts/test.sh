@@ -90,15 +90,29 @@ finished() {
   return $rc
 }
 phase "pytest deploy (the rest)" finished "$deploy_tests" "$deploy_log"
-if [ "$tier" = full ]; then
-  phase "pytest vllm (the rest)" finished "$vllm_tests" "$vllm_log"
-  phase "fuzz (the rest)" finished "$fuzz" "$fuzz_log" "the fuzzers failed (build-fuzz/crashes/)"
-fi
-trap - EXIT
-
-echo "test.sh ($tier): time per phase" >&2
-printf '  %s\n' "${times[@]}" >&2
 labels=()
 [ "$tier" = quick ] && labels=(-LE slow)
-cd "$build"
-ctest --output-on-failure -j "$(nproc 2>/dev/null || echo 2)" "${labels[@]}"
+run_ctest() { cd "$build" && ctest --output-on-failure -j "$(nproc 2>/dev/null || echo 2)" "${labels[@]}"; }
+if [ "$tier" = full ]; then
+  # ctest runs beside what is left of the vLLM tests (in its own process group); its output comes
+  # last all the same, and its status is the script's.
+  ctest_log="$build/ctest.log"
+  setsid bash -c 'cd "$1" && exec ctest --output-on-failure -j "$2"' _ "$build" "$(nproc 2>/dev/null || echo 2)" \
+    >"$ctest_log" 2>&1 &
+  ctest_job=$!
+  background+=("$ctest_job")
+  phase "pytest vllm (the rest)" finished "$vllm_tests" "$vllm_log"
+  phase "fuzz (the rest)" finished "$fuzz" "$fuzz_log" "the fuzzers failed (build-fuzz/crashes/)"
+  started=$SECONDS ctest_rc=0
+  wait "$ctest_job" || ctest_rc=$?
+  times+=("$(printf '%-28s %4d s' "ctest (the rest)" $((SECONDS - started)))")
+  trap - EXIT
+  echo "test.sh ($tier): time per phase" >&2
+  printf '  %s\n' "${times[@]}" >&2
+  cat "$ctest_log"
+  exit $ctest_rc
+fi
+trap - EXIT
+echo "test.sh ($tier): time per phase" >&2
+printf '  %s\n' "${times[@]}" >&2
+run_ctest

@@ -38,14 +38,13 @@ class TaskQueue {
 
   // Runs every queued task outside the lock; returns how many ran.
   size_t drain() {
-    std::deque<std::function<void()>> batch;  // allocates: only when there is work (a progress
-    {                                         // loop drains an empty queue at every wake-up)
-      std::lock_guard<std::mutex> lock(mu_);
-      if (tasks_.empty()) return 0;
-      uint64_t ignored;
-      [[maybe_unused]] auto n = ::read(fd_, &ignored, sizeof(ignored));
-      batch.swap(tasks_);
-    }
+    std::unique_lock<std::mutex> lock(mu_);
+    if (tasks_.empty()) return 0;  // a progress loop drains at every wake-up: no allocation then
+    uint64_t ignored;
+    [[maybe_unused]] auto n = ::read(fd_, &ignored, sizeof(ignored));
+    std::deque<std::function<void()>> batch;  // (constructing one allocates)
+    batch.swap(tasks_);
+    lock.unlock();
     for (auto& t : batch) t();
     return batch.size();
   }

@@ -116,24 +116,38 @@ Status PeerSet::checkTransportAddress(const std::string& node, const std::string
   std::lock_guard<std::mutex> looking(lookup_mu_);
   if (known()) return absl::OkStatus();
   // Not known, or changed (a restarted peer): ask the node itself where it was reached before,
-  // else the peers that have not described themselves yet, each at most once a second (a peer
-  // cannot make this daemon ask the cluster again and again).
-  std::vector<std::string> at;
+  // else the peers that have not described themselves yet, else every peer (a node may come back
+  // at another's old address), each address at most once a second, with the peer list (a DNS
+  // lookup with --peer-dns) looked up at most once a second: a peer naming nodes cannot make this
+  // daemon ask the cluster, or DNS, again and again (nor, at a first sync across many daemons,
+  // ask those that answered again with every node it checks).
+  std::vector<std::string> at, all;
+  bool look_up = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [a, n] : nodes_)
       if (n == node) at.push_back(a);
+    if (at.empty()) {
+      look_up = current_at_ == std::chrono::steady_clock::time_point{} ||
+                std::chrono::steady_clock::now() - current_at_ >= std::chrono::seconds(1);
+      all = current_;
+    }
   }
-  if (at.empty()) {
-    SC_ASSIGN_OR_RETURN(const auto all, addresses());
+  if (look_up) {
+    SC_ASSIGN_OR_RETURN(all, addresses());
+  }
+  if (at.empty()) {  // the peers not described yet; when none is left, every peer (a renamed node)
     std::lock_guard<std::mutex> lock(mu_);
     const auto now = std::chrono::steady_clock::now();
-    for (const auto& a : all) {
-      if (nodes_.count(a)) continue;
-      auto [asked, added] = looked_up_.try_emplace(a, now);
-      if (!added && now - asked->second < std::chrono::seconds(1)) continue;
-      asked->second = now;
-      at.push_back(a);
+    for (const bool described : {false, true}) {
+      for (const auto& a : all) {
+        if (nodes_.count(a) != static_cast<size_t>(described)) continue;
+        auto [asked, added] = looked_up_.try_emplace(a, now);
+        if (!added && now - asked->second < std::chrono::seconds(1)) continue;
+        asked->second = now;
+        at.push_back(a);
+      }
+      if (!at.empty()) break;
     }
   }
   if (!at.empty()) {

@@ -197,6 +197,7 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   const std::string repeat_key = RepeatCache::keyOf(req_, ctx_.caller_uid);
   std::shared_ptr<const RepeatView> repeat;
   if (ctx_.repeats && !ctx_.full_gather && !req_.options().catch_up()) repeat = ctx_.repeats->find(repeat_key);
+  if (repeat && repeat->prepare_seconds * 2000 > std::max(ctx_.config.peer_timeout_ms, 1000)) repeat = nullptr;
   if (repeat) {  // each daemon's Prepare checks what the gather would have (repeat_cache.h)
     repeated_ = true;
     cluster_ = repeat->cluster;
@@ -221,8 +222,9 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::prepare, &R::set_prepare_seconds));
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::execute, &R::set_execute_seconds));
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::commit, &R::set_finish_seconds));
-  if (ctx_.repeats && !repeated_ && !req_.options().catch_up() && replicas_.empty() && !seed_)
-    ctx_.repeats->keep(repeat_key, std::make_shared<const RepeatView>(RepeatView{cluster_, src_, dst_}));
+  if (ctx_.repeats && !req_.options().catch_up() && replicas_.empty() && !seed_)  // (again: its Prepare's time)
+    ctx_.repeats->keep(repeat_key,
+                       std::make_shared<const RepeatView>(RepeatView{cluster_, src_, dst_, out_.prepare_seconds()}));
 
   const auto& stats = plan_->plan.stats;
   out_.set_sync_id(id_);
@@ -755,6 +757,18 @@ Status SyncCoordinator::prepare() {
     giveUp(std::string(failure.message()));
     return failed(failure);
   }
+  // A sync that skipped the gather relies on every daemon having checked its registrations
+  // against the kept view: one that did not (an older daemon ignores PrepareRequest.expect) sends
+  // the sync back to a full gather.
+  if (repeated_)
+    for (size_t i = 0; i < daemons.size(); ++i)
+      if (!prepared[i].expect_checked()) {
+        const Status stale = absl::FailedPreconditionError(strCat("sync ", id_, ": node ", quote(daemons[i].node()),
+                                                                  " did not check the kept view (", kStaleView,
+                                                                  ": a daemon of an older version?)"));
+        giveUp(std::string(stale.message()));
+        return failed(stale);
+      }
   // Every daemon must execute the coordinator's plan: one that planned another (a daemon of
   // another version, say) would write where the others do not read.
   for (size_t i = 0; i < daemons.size(); ++i)

@@ -5,8 +5,10 @@
 // still those the view holds (PrepareRequest.expect: its instance and registry generation) and
 // checks the version contract on its ranks as every Prepare does; any refusal of such an attempt
 // makes the coordinator run the sync again with a full gather (so errors read as they always
-// did). Plain syncs only: a replica set's membership and a catch-up's seed are decided anew at
-// every gather.
+// did). Daemons outside the kept view are not asked: nothing is written there, and what they
+// registered since (a group of the same name, another uid's) is seen by the next full gather.
+// Plain syncs only: a replica set's membership and a catch-up's seed are decided anew at every
+// gather.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +27,10 @@ namespace shardcast::daemon {
 struct RepeatView {
   std::shared_ptr<const ClusterSnapshot> cluster;
   v1::Layout src, dst;  // complete layouts of both groups
+  // How long the kept sync's Prepare took: a repeated sync's Prepare gets the peer timeout (a
+  // daemon silent to it is found as soon as the gather would have), so a sync whose Prepare takes
+  // longer than half of that (many split fp8 blocks read from GPUs, say) always gathers.
+  double prepare_seconds = 0;
 };
 
 class RepeatCache {

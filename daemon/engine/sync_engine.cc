@@ -158,6 +158,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   if (a->delta != v1::DELTA_OFF) a->bases = bases_.claim(a->plan->key, a->fence);
   if (a->delta == v1::DELTA_OFF) a->base = {};  // no delta may land here
   auto prepared = prepareTargets(a, hit);
+  if (prepared.ok()) prepared->set_expect_checked(req.expect_size() > 0);
   if (!prepared.ok()) {
     if (a->bases) bases_.finish(a->plan->key, a->fence, false);
     if (a->key_open) transport_.closeFence(a->key, std::chrono::seconds(0));
