@@ -50,6 +50,35 @@ v1::RegisterRequest source(const v1::Layout& layout, int32_t rank, int32_t world
   return registerRequest(layout, rank, world, m, v1::ROLE_SOURCE, version);
 }
 
+// kTrainer and kInference resolved, every rank's memory allocated (names tagged with `tag`), and
+// the trainer's values of a version written and the inference ranks' checked.
+struct TrainerAndInference {
+  v1::Layout src_proto = *planner::parseLayoutJson(kTrainer, "trainer");
+  v1::Layout dst_proto = *planner::parseLayoutJson(kInference, "infer");
+  planner::NodeTable nodes;
+  planner::ResolvedLayout src = *planner::resolveLayout(src_proto, nodes);
+  planner::ResolvedLayout dst = *planner::resolveLayout(dst_proto, nodes);
+  std::vector<RankMemory> smem, dmem;
+  explicit TrainerAndInference(const std::string& tag) {
+    for (int32_t r = 0; r < 4; ++r) smem.push_back(allocate(src, r, tag + "t" + std::to_string(r)));
+    for (int32_t r = 0; r < 4; ++r) dmem.push_back(allocate(dst, r, tag + "i" + std::to_string(r)));
+  }
+  void fill(int version) {
+    for (int32_t r = 0; r < 4; ++r)
+      forEachElement(src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        *smem[r].at<int32_t>(p, off) = valueOf(t, flat, version);
+      });
+  }
+  int64_t wrong(int version) {
+    int64_t bad = 0;
+    for (int32_t r = 0; r < 4; ++r)
+      forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        bad += *dmem[r].at<int32_t>(p, off) != valueOf(t, flat, version);
+      });
+    return bad;
+  }
+};
+
 struct Cluster {
   std::vector<int> ports;
   std::vector<std::unique_ptr<Daemon>> daemons;
@@ -99,28 +128,16 @@ struct Cluster {
 
 TEST_CASE("syncs move every byte into the destination layout, version after version", "[daemon][sync]") {
   Cluster cluster;
-  const auto src_proto = *planner::parseLayoutJson(kTrainer, "trainer");
-  const auto dst_proto = *planner::parseLayoutJson(kInference, "infer");
-  planner::NodeTable nodes;
-  const auto src = *planner::resolveLayout(src_proto, nodes);
-  const auto dst = *planner::resolveLayout(dst_proto, nodes);
-  std::vector<RankMemory> smem, dmem;
-  for (int32_t r = 0; r < 4; ++r) smem.push_back(allocate(src, r, "t" + std::to_string(r)));
-  for (int32_t r = 0; r < 4; ++r) dmem.push_back(allocate(dst, r, "i" + std::to_string(r)));
-  auto fill = [&](int version) {
-    for (int32_t r = 0; r < 4; ++r)
-      forEachElement(src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-        *smem[r].at<int32_t>(p, off) = valueOf(t, flat, version);
-      });
-  };
-  auto wrong = [&](int version) {
-    int64_t bad = 0;
-    for (int32_t r = 0; r < 4; ++r)
-      forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-        bad += *dmem[r].at<int32_t>(p, off) != valueOf(t, flat, version);
-      });
-    return bad;
-  };
+  TrainerAndInference g("");
+  const auto& src_proto = g.src_proto;
+  const auto& dst_proto = g.dst_proto;
+  const auto& nodes = g.nodes;
+  const auto& src = g.src;
+  const auto& dst = g.dst;
+  auto& smem = g.smem;
+  auto& dmem = g.dmem;
+  const auto fill = [&](int version) { g.fill(version); };
+  const auto wrong = [&](int version) { return g.wrong(version); };
   for (int32_t r = 0; r < 4; ++r) {
     v1::RegisterResponse resp;
     REQUIRE(cluster.node(nodes.name(src.rank_node[r]))
@@ -292,28 +309,16 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
 TEST_CASE("a sync that repeats the last one skips the gather - changed registrations and refusals bring it back",
           "[daemon][sync]") {
   Cluster cluster;
-  const auto src_proto = *planner::parseLayoutJson(kTrainer, "trainer");
-  const auto dst_proto = *planner::parseLayoutJson(kInference, "infer");
-  planner::NodeTable nodes;
-  const auto src = *planner::resolveLayout(src_proto, nodes);
-  const auto dst = *planner::resolveLayout(dst_proto, nodes);
-  std::vector<RankMemory> smem, dmem;
-  for (int32_t r = 0; r < 4; ++r) smem.push_back(allocate(src, r, "rt" + std::to_string(r)));
-  for (int32_t r = 0; r < 4; ++r) dmem.push_back(allocate(dst, r, "ri" + std::to_string(r)));
-  const auto fill = [&](int version) {
-    for (int32_t r = 0; r < 4; ++r)
-      forEachElement(src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-        *smem[r].at<int32_t>(p, off) = valueOf(t, flat, version);
-      });
-  };
-  const auto wrong = [&](int version) {
-    int64_t bad = 0;
-    for (int32_t r = 0; r < 4; ++r)
-      forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-        bad += *dmem[r].at<int32_t>(p, off) != valueOf(t, flat, version);
-      });
-    return bad;
-  };
+  TrainerAndInference g("r");
+  const auto& src_proto = g.src_proto;
+  const auto& dst_proto = g.dst_proto;
+  const auto& nodes = g.nodes;
+  const auto& src = g.src;
+  const auto& dst = g.dst;
+  auto& smem = g.smem;
+  auto& dmem = g.dmem;
+  const auto fill = [&](int version) { g.fill(version); };
+  const auto wrong = [&](int version) { return g.wrong(version); };
   std::vector<uint64_t> registration(4);
   for (int32_t r = 0; r < 4; ++r) {
     v1::RegisterResponse resp;
