@@ -193,12 +193,34 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
           deadline[i] = std::min(deadline[i], brief->second);
     }
   }
-  const auto statuses =
+  auto statuses =
       fanOut(contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms),
              [&](size_t i, grpc::ClientContext& c, CallDone done) {
                c.set_deadline(std::chrono::system_clock::now() + deadline[i]);
                v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &request, &(*responses)[i], std::move(done));
              });
+  // A channel to a peer that restarted within the last second may still be backing off from the
+  // calls that failed while it was down: gRPC then fails a call at once, UNAVAILABLE, without
+  // trying. Ask those once more on a fresh channel (a peer that is really down refuses again, as
+  // fast). A relay checking a restarted node's new transport address failed a sync this way.
+  std::vector<size_t> again;
+  for (size_t i = 0; i < n; ++i)
+    if (statuses[i].error_code() == grpc::StatusCode::UNAVAILABLE) again.push_back(i);
+  if (!again.empty()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t i : again) channels_.erase(addrs[i]);
+    }
+    std::vector<grpc::ClientContext> retry_contexts(again.size());
+    const auto retried = fanOut(
+        retry_contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms),
+        [&](size_t k, grpc::ClientContext& c, CallDone done) {
+          const size_t i = again[k];
+          c.set_deadline(std::chrono::system_clock::now() + deadline[i]);
+          v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &request, &(*responses)[i], std::move(done));
+        });
+    for (size_t k = 0; k < again.size(); ++k) statuses[again[k]] = retried[k];
+  }
   std::lock_guard<std::mutex> lock(mu_);
   const auto now = std::chrono::steady_clock::now();
   for (size_t i = 0; i < n; ++i) {

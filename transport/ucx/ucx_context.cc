@@ -198,6 +198,7 @@ class UcxEngine {
  private:
   friend struct Callbacks;
   void run();
+  bool progressUntilQuiet();
   void partDone(uint64_t op_id, const Status& st);
   void finishOp(uint64_t op_id);
   // quiet: an intentional close (logged at debug), not a failure.
@@ -328,8 +329,14 @@ void UcxEngine::run() {
   int idle = 0;
   auto last_deadline_check = Clock::now();
   while (!stopped_) {
-    bool busy = mailbox_.queue().drain() > 0;
-    while (ucp_worker_progress(worker_) != 0) busy = true;
+    // Progress before running tasks as well as after: a task touches the worker (creates, closes
+    // and sends on endpoints), and must never run between a progress call and the work UCX
+    // deferred from it to the next one (see progressUntilQuiet).
+    bool busy = progressUntilQuiet();
+    if (mailbox_.queue().drain() > 0) {
+      busy = true;
+      progressUntilQuiet();
+    }
     const auto now = Clock::now();
     if (now - last_deadline_check > std::chrono::milliseconds(10)) {
       checkDeadlines();
@@ -353,6 +360,27 @@ void UcxEngine::run() {
     pollfd fds[2] = {{efd_, POLLIN, 0}, {mailbox_.queue().fd(), POLLIN, 0}};
     ::poll(fds, 2, ops_.empty() && !stopping_ ? 200 : 10);
   }
+}
+
+// UCX defers some work to the next progress call through one-shot callbacks, and the call that
+// registers one may report no progress: UCX 1.13's TCP transport marks a receive-only endpoint
+// whose peer vanished as failed and destroys it from the next call, asserting that it has not
+// gained a send side meanwhile. The chaos soak once aborted a daemon on that assertion
+// (tcp_ep.c:478, `!(ep->flags & UCT_TCP_EP_FLAG_CTX_TYPE_TX)`, on a receiver whose sender was
+// killed) after the idle sleep grew to 200 ms, with tasks running before the deferred destroy.
+// So progress until two calls in a row report nothing (the first quiet call runs whatever the
+// last busy one deferred), and again before any task runs.
+bool UcxEngine::progressUntilQuiet() {
+  bool busy = false;
+  for (int quiet = 0; quiet < 2;) {
+    if (ucp_worker_progress(worker_) != 0) {
+      busy = true;
+      quiet = 0;
+    } else {
+      ++quiet;
+    }
+  }
+  return busy;
 }
 
 void UcxEngine::stop() {
