@@ -43,6 +43,18 @@ StatusOr<std::vector<std::string>> PeerSet::addresses() const {
   return out;
 }
 
+bool PeerSet::isPeer(const std::string& address) const {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (std::find(current_.begin(), current_.end(), address) != current_.end()) return true;
+    if (current_at_ != std::chrono::steady_clock::time_point{} &&
+        std::chrono::steady_clock::now() - current_at_ < std::chrono::seconds(1))
+      return false;
+  }
+  const auto all = addresses();
+  return all.ok() && std::find(all->begin(), all->end(), address) != all->end();
+}
+
 std::shared_ptr<grpc::Channel> PeerSet::channel(const std::string& address) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto& ch = channels_[address];

@@ -41,6 +41,9 @@ class PeerSet {
 
   // Peer addresses (host:port), sorted; for --peer-dns resolved anew on each call.
   StatusOr<std::vector<std::string>> addresses() const;
+  // `address` is one of the cluster's daemons (as the last addresses() found them; looked up again
+  // at most once a second when it is not).
+  bool isPeer(const std::string& address) const;
 
   struct PeerView {
     std::string address;

@@ -17,28 +17,29 @@ namespace shardcast::daemon {
 
 // ---- PeerClient ----
 
-PeerClient::PeerClient(const PeerSet& peers, std::vector<std::string> addresses)
-    : peers_(peers), addresses_(std::move(addresses)) {}
+PeerClient::PeerClient(const PeerSet& peers, std::vector<std::string> addresses, uint32_t fanout)
+    : peers_(peers), addresses_(std::move(addresses)), fanout_(fanout) {}
 
-std::vector<grpc::Status> PeerClient::forEach(std::chrono::system_clock::time_point deadline, const Start& start,
-                                              const std::function<void(size_t, const grpc::Status&)>& then) {
-  const size_t n = addresses_.size();
-  std::vector<grpc::ClientContext> contexts(n);
-  std::vector<std::unique_ptr<v1::Peer::Stub>> stubs(n);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& c : contexts) {
+std::vector<grpc::Status> PeerClient::callRaw(const std::string& method, std::vector<RawCall> calls,
+                                              bool stop_at_failure, bool cancellable,
+                                              const std::function<grpc::Status(size_t, const RawResult&)>& each) {
+  std::vector<grpc::Status> statuses(calls.size());
+  TreeOptions options;
+  options.method = method;
+  options.fanout = fanout_;
+  options.stop_at_failure = stop_at_failure;
+  if (cancellable)
+    options.track = [this](grpc::ClientContext& c, bool add) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!add) {
+        calls_.erase(&c);
+        return;
+      }
       if (cancelled_) c.TryCancel();
       calls_.insert(&c);
-    }
-  }
-  for (size_t i = 0; i < n; ++i) stubs[i] = v1::Peer::NewStub(peers_.channel(addresses_[i]));
-  auto results = fanOut(
-      contexts, deadline,
-      [&](size_t i, grpc::ClientContext& c, CallDone done) { start(i, *stubs[i], c, std::move(done)); }, then);
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& c : contexts) calls_.erase(&c);
-  return results;
+    };
+  callTree(peers_, calls, options, [&](size_t i, const RawResult& r) { statuses[i] = each(i, r); });
+  return statuses;
 }
 
 bool PeerClient::cancelAll() {
@@ -203,11 +204,13 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
     cluster_ = repeat->cluster;
     src_ = repeat->src;
     dst_ = repeat->dst;
-    peers_ = std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses);
+    peers_ =
+        std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses, static_cast<uint32_t>(ctx_.config.relay_fanout));
     out_.set_repeated(true);
   } else {
     SC_RETURN_IF_ERROR(timed(&SyncCoordinator::gather, &R::set_gather_seconds));
   }
+  if (peers_) out_.set_coordinator_calls(static_cast<uint32_t>(peers_->directCalls()));
   if (current_) {  // a catch-up with nothing to move
     out_.set_sync_id(id_);
     out_.set_version(version_);
@@ -368,7 +371,11 @@ Status SyncCoordinator::gather() {
       cluster_ = std::move(cluster);
       // Fail before preparing anything, naming the rank (each daemon checks again when it prepares).
       if (auto contract = checkVersions(); !contract.ok()) return failed(contract);
-      peers_ = std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses);
+      // Replica sets call every daemon directly: a replica's node that is silent is cut from the
+      // sync, and a silent relay would have the healthy nodes below it cut too.
+      const bool direct = replica_set || req_.options().catch_up();
+      peers_ = std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses,
+                                            direct ? 0 : static_cast<uint32_t>(ctx_.config.relay_fanout));
       return absl::OkStatus();
     }
     if (!req_.options().wait_for_ranks() || Clock::now() + std::chrono::milliseconds(100) > deadline_)
@@ -722,11 +729,8 @@ Status SyncCoordinator::prepare() {
   if (repeated_)
     deadline = std::min(deadline, std::chrono::system_clock::now() +
                                       std::chrono::milliseconds(std::max(ctx_.config.peer_timeout_ms, 1000)));
-  const std::vector<grpc::Status> results = peers_->forEach(
-      deadline,
-      [&](size_t i, v1::Peer::Stub& stub, grpc::ClientContext& c, CallDone done) {
-        stub.async()->Prepare(&c, &p, &prepared[i], std::move(done));
-      },
+  const std::vector<grpc::Status> results = peers_->call<v1::PrepareRequest, v1::PrepareResponse>(
+      "Prepare", deadline, [&](size_t) -> const v1::PrepareRequest& { return p; }, &prepared,
       [&](size_t i, const grpc::Status& st) {
         if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED) {
           if (!at_fault) at_fault = i;
@@ -735,7 +739,8 @@ Status SyncCoordinator::prepare() {
           giveUp(strCat("prepare failed on node \"", daemons[i].node(), "\": ", st.error_message()),
                  silent ? daemons[i].node() : std::string());  // once
         }
-      });
+      },
+      /*stop_at_failure=*/true);
   for (size_t i = 0; i < results.size() && !at_fault; ++i)
     if (!results[i].ok()) at_fault = i;  // the lease keeper gave it up: every call cancelled
   if (at_fault) {
@@ -850,13 +855,11 @@ Status SyncCoordinator::execute() {
   for (int32_t wave = 0; wave < plan_->waves; ++wave) {
     for (auto& e : exec_) e.set_wave(static_cast<uint32_t>(wave));
     executed_ = true;
-    std::vector<v1::ExecuteResponse> parts(daemons.size());
-    results = peers_->forEach(
-        callDeadline() + std::chrono::seconds(5),
-        [&](size_t i, v1::Peer::Stub& stub, grpc::ClientContext& c, CallDone done) {
-          nodeState(i, "executing");
-          stub.async()->Execute(&c, &exec_[i], &parts[i], std::move(done));
-        },
+    std::vector<v1::ExecuteResponse> parts;
+    for (size_t i = 0; i < daemons.size(); ++i) nodeState(i, "executing");
+    results = peers_->call<v1::ExecuteRequest, v1::ExecuteResponse>(
+        "Execute", callDeadline() + std::chrono::seconds(5),
+        [&](size_t i) -> const v1::ExecuteRequest& { return exec_[i]; }, &parts,
         [&](size_t i, const grpc::Status& st) {
           const v1::ExecuteResponse& part = parts[i];
           if (st.ok()) {
@@ -869,7 +872,8 @@ Status SyncCoordinator::execute() {
             nodeState(i, st.error_code() == grpc::StatusCode::ABORTED ? "aborted" : "failed", st.error_message());
             giveUp(strCat("node \"", daemons[i].node(), "\" failed: ", st.error_message()));  // once
           }
-        });
+        },
+        /*stop_at_failure=*/true);
     bool all_ok = true;
     for (const auto& r : results) all_ok = all_ok && r.ok();
     if (!all_ok) break;
@@ -988,16 +992,25 @@ std::vector<grpc::Status> SyncCoordinator::finishAll(bool commit, const std::str
   f.set_reason(reason);
   std::vector<v1::FinishResponse> r(peers_->size());
   std::vector<grpc::ClientContext> contexts(peers_->size());
-  auto results = fanOut(
-      contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(ctx_.config.peer_timeout_ms),
-      [&](size_t i, grpc::ClientContext& c, CallDone done) {
-        if (!silent.empty())
-          c.set_deadline(std::chrono::system_clock::now() +
-                         std::chrono::milliseconds(cluster_->view.daemons()[i].node() == silent
-                                                       ? 100
-                                                       : std::min(250, ctx_.config.peer_timeout_ms)));
-        v1::Peer::NewStub(ctx_.peers.channel(cluster_->addresses[i]))->async()->Finish(&c, &f, &r[i], std::move(done));
-      });
+  // A commit goes through the relay tree (when the sync uses one); an abort straight to every
+  // daemon: a silent relay must not keep it from the daemons below it.
+  auto results =
+      commit
+          ? peers_->call<v1::FinishRequest, v1::FinishResponse>(
+                "Finish", std::chrono::system_clock::now() + std::chrono::milliseconds(ctx_.config.peer_timeout_ms),
+                [&](size_t) -> const v1::FinishRequest& { return f; }, &r, nullptr, /*stop_at_failure=*/false,
+                /*cancellable=*/false)
+          : fanOut(contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(ctx_.config.peer_timeout_ms),
+                   [&](size_t i, grpc::ClientContext& c, CallDone done) {
+                     if (!silent.empty())
+                       c.set_deadline(std::chrono::system_clock::now() +
+                                      std::chrono::milliseconds(cluster_->view.daemons()[i].node() == silent
+                                                                    ? 100
+                                                                    : std::min(250, ctx_.config.peer_timeout_ms)));
+                     v1::Peer::NewStub(ctx_.peers.channel(cluster_->addresses[i]))
+                         ->async()
+                         ->Finish(&c, &f, &r[i], std::move(done));
+                   });
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {  // what the sync left each node's ranks at, for Watch
     for (size_t i = 0; i < results.size(); ++i)
       if (results[i].ok() && r[i].ranks_size() > 0 && static_cast<int>(i) < p.nodes_size())

@@ -24,6 +24,7 @@
 #include "common/status.h"
 #include "daemon/coordinator/cluster.h"
 #include "daemon/coordinator/progress.h"
+#include "daemon/coordinator/relay.h"
 #include "daemon/coordinator/repeat_cache.h"
 #include "daemon/engine/split_amax.h"
 #include "daemon/engine/sync_counters.h"
@@ -70,21 +71,52 @@ class ReplicaMemory {
 // cancellable at once (when the sync is given up).
 class PeerClient {
  public:
-  PeerClient(const PeerSet& peers, std::vector<std::string> addresses);
+  // `fanout`: more daemons than this are called through a tree of Relays (relay.h; 0: never).
+  PeerClient(const PeerSet& peers, std::vector<std::string> addresses, uint32_t fanout);
 
   size_t size() const { return addresses_.size(); }
-  // Issues start(i, stub, context, done) for every daemon i at once (a callback-API call, see
-  // fanOut) and runs then(i, status) on this thread as each completes; returns every status once
-  // all have. The contexts have `deadline` and are cancelled by cancelAll().
-  using Start = std::function<void(size_t, v1::Peer::Stub&, grpc::ClientContext&, CallDone)>;
-  std::vector<grpc::Status> forEach(std::chrono::system_clock::time_point deadline, const Start& start,
-                                    const std::function<void(size_t, const grpc::Status&)>& then);
+  // The calls this client makes itself per phase: one per daemon, or one per subtree.
+  size_t directCalls() const { return relayGroups(addresses_.size(), fanout_).size(); }
+  // Calls Peer `method` ("Prepare", "Execute", "Finish") on every daemon at once, request(i) to
+  // daemon i, its response into (*responses)[i], and runs then(i, status) on this thread as each
+  // completes; returns every status once all have. Every call has `deadline` and is cancelled by
+  // cancelAll(). `stop_at_failure`: in a tree, a relay whose subtree has a failure answers at
+  // once (the sync is given up anyway). Not `cancellable`: cancelAll() leaves these calls be (a
+  // commit runs to its end).
+  template <class Request, class Response>
+  std::vector<grpc::Status> call(const std::string& method, std::chrono::system_clock::time_point deadline,
+                                 const std::function<const Request&(size_t)>& request, std::vector<Response>* responses,
+                                 const std::function<void(size_t, const grpc::Status&)>& then, bool stop_at_failure,
+                                 bool cancellable = true) {
+    std::vector<RawCall> calls(addresses_.size());
+    const auto timeout =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::system_clock::now());
+    for (size_t i = 0; i < calls.size(); ++i) {
+      calls[i].address = addresses_[i];
+      calls[i].timeout = timeout;
+      request(i).SerializeToString(&calls[i].request);
+    }
+    responses->assign(calls.size(), Response{});
+    return callRaw(method, std::move(calls), stop_at_failure, cancellable, [&](size_t i, const RawResult& r) {
+      grpc::Status st = r.status;
+      if (st.ok() && !(*responses)[i].ParseFromString(r.response))
+        st = grpc::Status(grpc::StatusCode::INTERNAL, "a daemon answered with a malformed response");
+      if (then) then(i, st);
+      return st;
+    });
+  }
   // Cancels every call in flight and every later one; false when already cancelled.
   bool cancelAll();
 
  private:
+  // callTree with this client's fanout and cancellation; `each` turns a result into its status.
+  std::vector<grpc::Status> callRaw(const std::string& method, std::vector<RawCall> calls, bool stop_at_failure,
+                                    bool cancellable,
+                                    const std::function<grpc::Status(size_t, const RawResult&)>& each);
+
   const PeerSet& peers_;
   const std::vector<std::string> addresses_;
+  const uint32_t fanout_;
   std::mutex mu_;
   std::set<grpc::ClientContext*> calls_;
   bool cancelled_ = false;

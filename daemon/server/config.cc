@@ -20,11 +20,12 @@ std::string DaemonConfig::describe() const {
      << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol
      << " host_zero_copy=" << host_zero_copy << " ucx_tcp_segment_kib=" << ucx_tcp_segment_kib
      << " log_level=" << log_level << " log_format=" << log_format << " peer_timeout_ms=" << peer_timeout_ms
-     << " peer_lease_ms=" << peer_lease_ms << " chunk_kib=" << (chunk_bytes >> 10) << " staging_mib=" << staging_mib
-     << " window_kib=" << (window_bytes >> 10) << " nic_gbps=" << nic_gbps << " delta_cache_mib=" << delta_cache_mib
-     << " delta_dense_every=" << delta_dense_every << " metrics=" << (metrics.empty() ? "(off)" : metrics)
-     << " sync_lease_ms=" << sync_lease_ms << " max_sync_lease_ms=" << max_sync_lease_ms
-     << " owner_grace_s=" << owner_grace_s << " max_local_connections_per_uid=" << max_local_connections_per_uid
+     << " peer_lease_ms=" << peer_lease_ms << " relay_fanout=" << relay_fanout << " chunk_kib=" << (chunk_bytes >> 10)
+     << " staging_mib=" << staging_mib << " window_kib=" << (window_bytes >> 10) << " nic_gbps=" << nic_gbps
+     << " delta_cache_mib=" << delta_cache_mib << " delta_dense_every=" << delta_dense_every
+     << " metrics=" << (metrics.empty() ? "(off)" : metrics) << " sync_lease_ms=" << sync_lease_ms
+     << " max_sync_lease_ms=" << max_sync_lease_ms << " owner_grace_s=" << owner_grace_s
+     << " max_local_connections_per_uid=" << max_local_connections_per_uid
      << " max_connections_per_address=" << max_connections_per_address << " grpc_memory_mib=" << grpc_memory_mib
      << " shutdown_grace_ms=" << shutdown_grace_ms << " tls="
      << (tls.enabled() ? strCat("cert:", tls.cert, ",key:", tls.key, ",ca:", tls.ca, ",reload_s:", tls.reload_s)
@@ -132,6 +133,15 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   app.add_option("--peer-timeout-ms", c.peer_timeout_ms, "Deadline of calls between daemons")
       ->envname("SHARDCAST_PEER_TIMEOUT_MS")
       ->check(CLI::Range(1, 600000))
+      ->capture_default_str();
+  app.add_option("--relay-fanout", c.relay_fanout,
+                 "A coordinator calls at most this many daemons directly per phase; more go through a tree of "
+                 "Relays (0: always directly)")
+      ->envname("SHARDCAST_RELAY_FANOUT")
+      ->check(CLI::Range(0, 65536))
+      ->check(
+          [](const std::string& v) { return v == "1" ? std::string("a relay fanout is 0 (off) or at least 2") : ""; },
+          "0 or at least 2")
       ->capture_default_str();
   app.add_option("--peer-lease-ms", c.peer_lease_ms,
                  "A peer silent this long is forgotten until it answers again: not waited for (100 ms), and "

@@ -8,6 +8,7 @@
 
 #include "common/logging.h"
 #include "common/strings.h"
+#include "daemon/coordinator/relay.h"
 #include "daemon/engine/notification.h"
 #include "planner/plan.h"
 #include "planner/report.h"
@@ -310,6 +311,11 @@ grpc::Status PeerService::Progress(grpc::ServerContext* ctx, const v1::ProgressR
                                    v1::ProgressResponse* out) {
   if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
   return reply(engine_.progress(req->sync_id(), req->fence()), out);
+}
+
+grpc::Status PeerService::Relay(grpc::ServerContext* ctx, const v1::RelayRequest* req, v1::RelayResponse* out) {
+  if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
+  return reply(relay(peers_, *req, [ctx] { return ctx->IsCancelled(); }), out);
 }
 
 grpc::Status PeerService::Finish(grpc::ServerContext* ctx, const v1::FinishRequest* req, v1::FinishResponse* out) {

@@ -80,6 +80,7 @@ class PeerService final : public v1::Peer::Service {
   grpc::Status Execute(grpc::ServerContext*, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) override;
   grpc::Status Finish(grpc::ServerContext*, const v1::FinishRequest* req, v1::FinishResponse*) override;
   grpc::Status Progress(grpc::ServerContext*, const v1::ProgressRequest* req, v1::ProgressResponse* out) override;
+  grpc::Status Relay(grpc::ServerContext*, const v1::RelayRequest* req, v1::RelayResponse* out) override;
 
  private:
   const AccessPolicy& access_;

@@ -9,6 +9,7 @@
 #include <map>
 #include <thread>
 
+#include "daemon/coordinator/relay.h"
 #include "planner/layout.h"
 #include "tests/daemon/daemon_harness.h"
 #include "tests/daemon/rank_memory.h"
@@ -308,8 +309,12 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
 
 TEST_CASE("a sync that repeats the last one skips the gather - changed registrations and refusals bring it back",
           "[daemon][sync]") {
-  Cluster cluster;
-  TrainerAndInference g("r");
+  // Directly, and through a relay tree: with --relay-fanout 2 the coordinator's calls to its 3
+  // daemons go out as 2 (a Relay to n0 for n0 and n1, and n2's own), refusals included.
+  const int fanout = GENERATE(16, 2);
+  CAPTURE(fanout);
+  Cluster cluster({"--relay-fanout", std::to_string(fanout)});
+  TrainerAndInference g(fanout == 2 ? "rr" : "r");
   const auto& src_proto = g.src_proto;
   const auto& dst_proto = g.dst_proto;
   const auto& nodes = g.nodes;
@@ -343,6 +348,7 @@ TEST_CASE("a sync that repeats the last one skips the gather - changed registrat
     INFO("version " << version << ": " << st.error_message());
     REQUIRE(st.ok());
     CHECK(wrong(version) == 0);
+    CHECK(out.coordinator_calls() == (fanout == 2 ? 2u : 3u));
     return out.repeated();
   };
   cluster.step(src, nodes, 1, [&] { fill(1); });
@@ -395,6 +401,135 @@ TEST_CASE("a sync that repeats the last one skips the gather - changed registrat
   CHECK_FALSE(sync(8));
   cluster.step(src, nodes, 9, [&] { fill(9); });
   CHECK(sync(9));
+}
+
+TEST_CASE("through a relay tree, a daemon silent below its relay is named (not the relay) and the next sync repairs",
+          "[daemon][sync]") {
+  // --relay-fanout 2 over 3 daemons: n2 coordinates, n0 relays to itself and n1.
+  Cluster cluster({"--relay-fanout", "2", "--peer-timeout-ms", "1500"});
+  TrainerAndInference g("rs");
+  for (int32_t r = 0; r < 4; ++r) {
+    v1::RegisterResponse resp;
+    REQUIRE(cluster.node(g.nodes.name(g.src.rank_node[r]))
+                .client()
+                ->Register(ctx().get(), source(g.src_proto, r, 4, g.smem[r]), &resp)
+                .ok());
+    REQUIRE(cluster.node(g.nodes.name(g.dst.rank_node[r]))
+                .client()
+                ->Register(ctx().get(), request(g.dst_proto, r, 4, g.dmem[r]), &resp)
+                .ok());
+  }
+  v1::SyncRequest req;
+  req.set_src_group("trainer");
+  req.set_dst_group("infer");
+  const auto sync = [&](int version, v1::SyncResponse* out) {
+    req.set_version(static_cast<uint64_t>(version));
+    return cluster.node("n2").client()->Sync(ctx(60).get(), req, out);
+  };
+  v1::SyncResponse out;
+  cluster.step(g.src, g.nodes, 1, [&] { g.fill(1); });
+  REQUIRE(sync(1, &out).ok());
+  CHECK(out.coordinator_calls() == 2);
+  CHECK(g.wrong(1) == 0);
+
+  cluster.step(g.src, g.nodes, 2, [&] { g.fill(2); });
+  const pid_t n1 = cluster.daemons[1]->pid();
+  ::kill(n1, SIGSTOP);
+  const grpc::Status st = sync(2, &out);
+  ::kill(n1, SIGCONT);
+  CHECK_FALSE(st.ok());
+  INFO(st.error_message());
+  CHECK_THAT(st.error_message(), Catch::Contains("node \"n1\""));
+  CHECK_THAT(st.error_message(), !Catch::Contains("node \"n0\""));
+  v1::WaitVersionRequest wv;
+  wv.set_group("infer");
+  v1::WaitVersionResponse wvr;
+  REQUIRE(cluster.node("n0").client()->WaitVersion(ctx().get(), wv, &wvr).ok());
+  CHECK(wvr.version() == 1);  // no rank reports the version the sync did not finish
+
+  // Awake again: the sync goes through the tree and every byte lands.
+  grpc::Status again;
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    again = sync(2, &out);
+    if (again.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  INFO(again.error_message());
+  REQUIRE(again.ok());
+  CHECK(g.wrong(2) == 0);
+}
+
+TEST_CASE("Peer.Relay refuses methods it does not relay, a fanout below 2 and addresses outside the cluster",
+          "[daemon][sync][security]") {
+  Cluster cluster({"--relay-fanout", "2"});
+  auto peer = cluster.daemons[0]->peer();
+  const auto relay = [&](const std::string& method, uint32_t fanout, const std::string& address) {
+    v1::RelayRequest r;
+    r.set_method(method);
+    r.set_fanout(fanout);
+    auto* c = r.add_calls();
+    c->set_address(address);
+    c->set_timeout_ms(1000);
+    v1::RelayResponse out;
+    return std::make_pair(peer->Relay(ctx().get(), r, &out), out);
+  };
+  const std::string n1 = "127.0.0.1:" + std::to_string(cluster.ports[1]);
+  auto [describe, _d] = relay("Describe", 2, n1);
+  CHECK(describe.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(describe.error_message(), Catch::Contains("no Peer method \"Describe\" is relayed"));
+  auto [chain, _c] = relay("Finish", 1, n1);
+  CHECK(chain.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  // Not a proxy: an address that is not one of the cluster's daemons is refused, nothing called.
+  auto [outside, _o] = relay("Finish", 2, "127.0.0.1:" + std::to_string(freePort()));
+  CHECK(outside.error_code() == grpc::StatusCode::PERMISSION_DENIED);
+  CHECK_THAT(outside.error_message(), Catch::Contains("is not a peer of this daemon"));
+  // A peer's call through it: Finish of a sync n1 does not know answers NOT_FOUND, as directly.
+  v1::FinishRequest f;
+  f.set_sync_id("nothing-here");
+  v1::RelayRequest r;
+  r.set_method("Finish");
+  r.set_fanout(2);
+  auto* c = r.add_calls();
+  c->set_address(n1);
+  c->set_timeout_ms(2000);
+  f.SerializeToString(c->mutable_request());
+  v1::RelayResponse out;
+  REQUIRE(peer->Relay(ctx().get(), r, &out).ok());
+  REQUIRE(out.results_size() == 1);
+  v1::FinishResponse direct;
+  const auto st = cluster.daemons[1]->peer()->Finish(ctx().get(), f, &direct);
+  CHECK(out.results(0).code() == static_cast<int32_t>(st.error_code()));
+  CHECK(out.results(0).message() == st.error_message());
+}
+
+TEST_CASE("relay groups: contiguous subtrees of near-equal size, and their depth", "[daemon][sync]") {
+  using Groups = std::vector<std::pair<size_t, size_t>>;
+  using daemon::relayDepth;
+  using daemon::relayGroups;
+  CHECK(relayGroups(3, 16) == Groups{{0, 1}, {1, 2}, {2, 3}});
+  CHECK(relayGroups(3, 0) == Groups{{0, 1}, {1, 2}, {2, 3}});
+  CHECK(relayGroups(3, 2) == Groups{{0, 2}, {2, 3}});
+  CHECK(relayGroups(10, 4) == Groups{{0, 3}, {3, 6}, {6, 8}, {8, 10}});
+  CHECK(relayGroups(0, 4).empty());
+  CHECK(relayDepth(1, 2) == 0);
+  CHECK(relayDepth(3, 2) == 0);  // a relay's own call and two direct ones
+  CHECK(relayDepth(4, 2) == 1);  // 3 left: a Relay for 2 of them
+  CHECK(relayDepth(17, 16) == 0);
+  CHECK(relayDepth(64, 16) == 1);
+  CHECK(relayDepth(1024, 32) == 1);
+  CHECK(relayDepth(1024, 4) == 4);
+  // Every call is in exactly one group, for any count and fanout.
+  for (size_t n = 1; n < 200; ++n)
+    for (uint32_t f : {2u, 3u, 16u}) {
+      size_t next = 0;
+      for (const auto& [b, e] : relayGroups(n, f)) {
+        CHECK(b == next);
+        CHECK(e > b);
+        next = e;
+      }
+      CHECK(next == n);
+      CHECK(relayGroups(n, f).size() == std::min<size_t>(n, f));
+    }
 }
 
 TEST_CASE("concurrent syncs: same group refused, different groups together - a stuck then killed daemon fails the sync",

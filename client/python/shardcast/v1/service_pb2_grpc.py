@@ -415,6 +415,11 @@ class PeerStub(object):
                 request_serializer=shardcast_dot_v1_dot_service__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=shardcast_dot_v1_dot_service__pb2.DescribeResponse.FromString,
                 )
+        self.Relay = channel.unary_unary(
+                '/shardcast.v1.Peer/Relay',
+                request_serializer=shardcast_dot_v1_dot_service__pb2.RelayRequest.SerializeToString,
+                response_deserializer=shardcast_dot_v1_dot_service__pb2.RelayResponse.FromString,
+                )
         self.Prepare = channel.unary_unary(
                 '/shardcast.v1.Peer/Prepare',
                 request_serializer=shardcast_dot_v1_dot_service__pb2.PrepareRequest.SerializeToString,
@@ -441,6 +446,12 @@ class PeerServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Describe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Relay(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -477,6 +488,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=shardcast_dot_v1_dot_service__pb2.DescribeRequest.FromString,
                     response_serializer=shardcast_dot_v1_dot_service__pb2.DescribeResponse.SerializeToString,
+            ),
+            'Relay': grpc.unary_unary_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=shardcast_dot_v1_dot_service__pb2.RelayRequest.FromString,
+                    response_serializer=shardcast_dot_v1_dot_service__pb2.RelayResponse.SerializeToString,
             ),
             'Prepare': grpc.unary_unary_rpc_method_handler(
                     servicer.Prepare,
@@ -522,6 +538,23 @@ class Peer(object):
         return grpc.experimental.unary_unary(request, target, '/shardcast.v1.Peer/Describe',
             shardcast_dot_v1_dot_service__pb2.DescribeRequest.SerializeToString,
             shardcast_dot_v1_dot_service__pb2.DescribeResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Relay(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/shardcast.v1.Peer/Relay',
+            shardcast_dot_v1_dot_service__pb2.RelayRequest.SerializeToString,
+            shardcast_dot_v1_dot_service__pb2.RelayResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

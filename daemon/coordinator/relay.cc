@@ -1,0 +1,226 @@
+#include "daemon/coordinator/relay.h"
+
+#include <grpcpp/generic/generic_stub.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+
+#include "common/strings.h"
+#include "daemon/coordinator/cluster.h"
+
+namespace shardcast::daemon {
+namespace {
+
+// Time a relay is given per hop below it to answer after its calls' own deadlines: a relay must
+// report a silent daemon's DEADLINE_EXCEEDED before its own caller gives up on the relay.
+constexpr std::chrono::milliseconds kHopMargin{250};
+constexpr size_t kMaxRelayCalls = 1 << 16;
+
+bool knownMethod(const std::string& m) { return m == "Prepare" || m == "Execute" || m == "Finish"; }
+
+std::string path(const std::string& method) { return strCat("/shardcast.v1.Peer/", method); }
+
+grpc::ByteBuffer bufferOf(const std::string& bytes) {
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+std::string stringOf(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  std::string out;
+  if (!buffer.Dump(&slices).ok()) return out;
+  for (const auto& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return out;
+}
+
+bool isFailure(const grpc::Status& st) { return !st.ok() && st.error_code() != grpc::StatusCode::CANCELLED; }
+
+// One outgoing call: a call to one daemon, or a Relay for the calls [begin, end).
+struct Outgoing {
+  size_t begin = 0, end = 0;
+  bool relayed = false;
+  grpc::ClientContext context;
+  grpc::ByteBuffer request, response;
+  v1::RelayResponse relay_response;
+  grpc::Status status;
+};
+
+}  // namespace
+
+std::vector<std::pair<size_t, size_t>> relayGroups(size_t n, uint32_t fanout) {
+  std::vector<std::pair<size_t, size_t>> out;
+  if (n == 0) return out;
+  const size_t groups = fanout == 0 || n <= fanout ? n : fanout;
+  for (size_t g = 0, begin = 0; g < groups; ++g) {
+    const size_t size = n / groups + (g < n % groups ? 1 : 0);
+    out.emplace_back(begin, begin + size);
+    begin += size;
+  }
+  return out;
+}
+
+int relayDepth(size_t m, uint32_t fanout) {
+  if (m <= 1 || fanout == 0 || m - 1 <= fanout) return 0;
+  size_t largest = 0;
+  for (const auto& [b, e] : relayGroups(m - 1, fanout)) largest = std::max(largest, e - b);
+  return 1 + relayDepth(largest, fanout);
+}
+
+std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>& calls, const TreeOptions& options,
+                                const std::function<void(size_t, const RawResult&)>& each, bool first_here) {
+  const size_t n = calls.size();
+  std::vector<RawResult> results(n);
+  if (n == 0) return results;
+  // What goes out: calls[0] alone (first_here), then one entry per subtree of the rest.
+  std::deque<Outgoing> out;
+  const size_t skip = first_here ? 1 : 0;
+  if (first_here) {
+    out.emplace_back();
+    out.back().begin = 0;
+    out.back().end = 1;
+  }
+  for (const auto& [b, e] : relayGroups(n - skip, options.fanout)) {
+    out.emplace_back();
+    out.back().begin = b + skip;
+    out.back().end = e + skip;
+    out.back().relayed = e - b > 1;
+  }
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<size_t> completed;
+  size_t pending = out.size();
+  const auto now = std::chrono::system_clock::now();
+  for (size_t k = 0; k < out.size(); ++k) {
+    Outgoing& o = out[k];
+    if (options.track) options.track(o.context, true);
+    auto done = [&, k](grpc::Status st) {
+      std::lock_guard<std::mutex> lock(mu);
+      out[k].status = std::move(st);
+      completed.push_back(k);
+      --pending;
+      cv.notify_all();
+    };
+    const RawCall& head = calls[o.begin];
+    auto channel = peers.channel(head.address);
+    if (!o.relayed) {
+      o.context.set_deadline(now + head.timeout);
+      o.request = bufferOf(head.request);
+      grpc::GenericStub(channel).UnaryCall(&o.context, path(options.method), grpc::StubOptions(), &o.request,
+                                           &o.response, std::move(done));
+      continue;
+    }
+    v1::RelayRequest r;
+    r.set_method(options.method);
+    r.set_fanout(options.fanout);
+    r.set_stop_at_failure(options.stop_at_failure);
+    std::chrono::milliseconds longest{0};
+    for (size_t i = o.begin; i < o.end; ++i) {
+      auto* c = r.add_calls();
+      c->set_address(calls[i].address);
+      c->set_request(calls[i].request);
+      c->set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(0, calls[i].timeout.count())));
+      longest = std::max(longest, calls[i].timeout);
+    }
+    o.context.set_deadline(now + longest + kHopMargin * (1 + relayDepth(o.end - o.begin, options.fanout)));
+    std::string bytes;
+    r.SerializeToString(&bytes);
+    o.request = bufferOf(bytes);
+    grpc::GenericStub(channel).UnaryCall(&o.context, "/shardcast.v1.Peer/Relay", grpc::StubOptions(), &o.request,
+                                         &o.response, std::move(done));
+  }
+
+  // Unpacks one finished outgoing call into results[begin, end); true when one of them failed.
+  const auto unpack = [&](Outgoing& o) {
+    bool failed = false;
+    if (!o.relayed) {
+      results[o.begin].status = o.status;
+      if (o.status.ok()) results[o.begin].response = stringOf(o.response);
+      return isFailure(o.status);
+    }
+    v1::RelayResponse rr;
+    if (o.status.ok() &&
+        (!rr.ParseFromString(stringOf(o.response)) || static_cast<size_t>(rr.results_size()) != o.end - o.begin))
+      o.status = grpc::Status(grpc::StatusCode::INTERNAL, "a relay answered with a malformed response");
+    if (!o.status.ok()) {
+      // The relay itself failed: it is named for its own call; the rest were not reached through it.
+      results[o.begin].status = o.status;
+      for (size_t i = o.begin + 1; i < o.end; ++i)
+        results[i].status =
+            grpc::Status(grpc::StatusCode::CANCELLED, strCat("not reached: relayed through ", calls[o.begin].address,
+                                                             ", which failed: ", o.status.error_message()));
+      return isFailure(o.status);
+    }
+    for (size_t i = o.begin; i < o.end; ++i) {
+      auto& got = *rr.mutable_results(static_cast<int>(i - o.begin));
+      results[i].status = grpc::Status(static_cast<grpc::StatusCode>(got.code()), got.message());
+      if (results[i].status.ok()) results[i].response = std::move(*got.mutable_response());
+      failed = failed || isFailure(results[i].status);
+    }
+    return failed;
+  };
+
+  bool stopped = false;
+  const auto stopAll = [&] {
+    if (stopped) return;
+    stopped = true;
+    for (auto& o : out) o.context.TryCancel();
+  };
+  std::unique_lock<std::mutex> lock(mu);
+  while (true) {
+    cv.wait_for(lock, std::chrono::milliseconds(20), [&] { return pending == 0 || !completed.empty(); });
+    std::vector<size_t> now_done;
+    now_done.swap(completed);
+    const bool last = pending == 0;
+    lock.unlock();
+    for (const size_t k : now_done) {
+      const bool failed = unpack(out[k]);
+      if (each)
+        for (size_t i = out[k].begin; i < out[k].end; ++i) each(i, results[i]);
+      if (failed && options.stop_at_failure) stopAll();
+    }
+    if (!stopped && options.cancelled && options.cancelled()) stopAll();
+    lock.lock();
+    if (last && completed.empty()) break;
+  }
+  lock.unlock();
+  if (options.track)
+    for (auto& o : out) options.track(o.context, false);
+  return results;
+}
+
+StatusOr<v1::RelayResponse> relay(const PeerSet& peers, const v1::RelayRequest& request,
+                                  const std::function<bool()>& cancelled) {
+  if (!knownMethod(request.method()))
+    return absl::InvalidArgumentError(strCat("relay: no Peer method ", quote(request.method()), " is relayed"));
+  if (request.fanout() < 2) return absl::InvalidArgumentError("relay: fanout must be at least 2");
+  if (request.calls_size() == 0 || static_cast<size_t>(request.calls_size()) > kMaxRelayCalls)
+    return absl::InvalidArgumentError(
+        strCat("relay: between 1 and ", kMaxRelayCalls, " calls, not ", request.calls_size()));
+  std::vector<RawCall> calls;
+  calls.reserve(static_cast<size_t>(request.calls_size()));
+  for (const auto& c : request.calls()) {
+    // Only to the cluster's daemons: a relay is no proxy to anywhere else.
+    if (!peers.isPeer(c.address()))
+      return absl::PermissionDeniedError(strCat("relay: ", quote(c.address()), " is not a peer of this daemon"));
+    calls.push_back({c.address(), c.request(), std::chrono::milliseconds(c.timeout_ms())});
+  }
+  TreeOptions options;
+  options.method = request.method();
+  options.fanout = request.fanout();
+  options.stop_at_failure = request.stop_at_failure();
+  options.cancelled = cancelled;
+  auto results = callTree(peers, calls, options, nullptr, /*first_here=*/true);
+  v1::RelayResponse out;
+  for (auto& r : results) {
+    auto* got = out.add_results();
+    got->set_code(static_cast<int32_t>(r.status.error_code()));
+    got->set_message(r.status.error_message());
+    got->set_response(std::move(r.response));
+  }
+  return out;
+}
+
+}  // namespace shardcast::daemon

@@ -1,0 +1,64 @@
+// Peer calls through a tree of daemons (v1::RelayRequest), so that a coordinator of many daemons
+// handles a bounded number of replies per phase: with fanout f, n > f calls go out as f Relays,
+// each to the first daemon of a contiguous subtree, which makes its own call and relays the rest
+// the same way. Every call keeps its own deadline and its own outcome: a failure deep in the tree
+// comes back as that daemon's status, and a relay that fails as a whole is named for its subtree.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "shardcast/v1/service.pb.h"
+
+namespace shardcast::daemon {
+
+class PeerSet;
+
+struct RawCall {
+  std::string address;
+  std::string request;  // serialized
+  std::chrono::milliseconds timeout;
+};
+
+struct RawResult {
+  grpc::Status status;
+  std::string response;  // serialized, when status is OK
+};
+
+struct TreeOptions {
+  std::string method;            // "Prepare", "Execute" or "Finish"
+  uint32_t fanout = 0;           // more calls than this go through Relays (0: never)
+  bool stop_at_failure = false;  // see RelayRequest.stop_at_failure
+  // Called with every context before its call starts and after it ended (add = false): the
+  // caller's way of cancelling calls in flight at once (PeerClient::cancelAll).
+  std::function<void(grpc::ClientContext&, bool add)> track;
+  // Polled while waiting (every 20 ms): true cancels every call still in flight (a relay whose
+  // own caller went away).
+  std::function<bool()> cancelled;
+};
+
+// Makes every call (directly, or through Relays when there are more than options.fanout), and
+// runs each(i, result) on this thread as results arrive (a subtree's when its relay answers).
+// Returns every result once all are in. `first_here`: calls[0] is made directly whatever the
+// count (a relay's own call: it must not relay to itself).
+std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>& calls, const TreeOptions& options,
+                                const std::function<void(size_t, const RawResult&)>& each = nullptr,
+                                bool first_here = false);
+
+// The Relay handler's work: checks the request (known method, fanout of at least 2, every
+// address a peer of this daemon's cluster) and makes its calls. `cancelled`: the caller went away.
+StatusOr<v1::RelayResponse> relay(const PeerSet& peers, const v1::RelayRequest& request,
+                                  const std::function<bool()>& cancelled);
+
+// The subtrees callTree sends n calls out in with fanout f: [begin, end) index ranges.
+std::vector<std::pair<size_t, size_t>> relayGroups(size_t n, uint32_t fanout);
+
+// The most Relay hops below a relay given m calls (its own included) with fanout f.
+int relayDepth(size_t m, uint32_t fanout);
+
+}  // namespace shardcast::daemon
