@@ -152,8 +152,9 @@ if [ "$control" = 1 ]; then
   echo "== control plane: a tiny model (1 layer, hidden 64, vocab 256: 0.2 MB) from 1 trainer node into N-1 inference nodes, loopback"
   echo "   ($cp_syncs syncs each: the first gathers and plans, the rest repeat it; time: best and median of the rest;"
   echo "   CPU: mean per sync over the rest, from /proc, of the coordinator and of every daemon together)"
-  echo "| daemons | gather+plan | prepare | execute | finish | whole sync, best | median | repeated | coordinator CPU | all daemons' CPU | per daemon |"
-  echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+  echo "   (relay fanout: ${SHARDCAST_RELAY_FANOUT:-64}, the daemons' --relay-fanout; calls: the coordinator's own per phase)"
+  echo "| daemons | gather+plan | prepare | execute | finish | whole sync, best | median | repeated | calls | coordinator CPU | all daemons' CPU | per daemon |"
+  echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
   for n in $cp_nodes; do
     out=$("$demo" --report --layers 1 --hidden 64 --vocab 256 --trainer-nodes 1 --inference-nodes $((n - 1)) --syncs "$cp_syncs" 2>&1) || {
       echo "$out" | tail -5 >&2
@@ -171,7 +172,8 @@ median = statistics.median(float(r["seconds"]) for r in rest) * 1000
 repeated = sum(int(r.get("repeated", 0)) for r in rest)
 coord = statistics.mean(float(r["coordinator_cpu"]) for r in rest) * 1000
 every = statistics.mean(float(r["daemons_cpu"]) for r in rest) * 1000
-print("| %d | %s | %.1f ms | %d of %d | %.1f ms | %.1f ms | %.2f ms |" % (n, cells, median, repeated, len(rest), coord, every, every / n))
+calls = max(int(r.get("coordinator_calls", 0)) for r in rest)
+print("| %d | %s | %.1f ms | %d of %d | %d | %.1f ms | %.1f ms | %.2f ms |" % (n, cells, median, repeated, len(rest), calls, coord, every, every / n))
 ' "$n"
   done
   exit 0

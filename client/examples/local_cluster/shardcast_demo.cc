@@ -305,11 +305,11 @@ int run(const Options& o, const std::string& daemon_path) {
       if (o.report)
         fmt::print(
             "RESULT sync strategy={} v={} seconds={:.6f} gather={:.6f} plan={:.6f} prepare={:.6f} execute={:.6f} "
-            "finish={:.6f} network_bytes={} bytes_needed={} wrong={} repeated={} coordinator_cpu={:.3f} "
-            "daemons_cpu={:.3f}\n",
+            "finish={:.6f} network_bytes={} bytes_needed={} wrong={} repeated={} coordinator_calls={} "
+            "coordinator_cpu={:.3f} daemons_cpu={:.3f}\n",
             name, v, out.seconds(), out.gather_seconds(), out.plan_seconds(), out.prepare_seconds(),
             out.execute_seconds(), out.finish_seconds(), out.network_bytes(), out.bytes_needed(), bad,
-            out.repeated() ? 1 : 0, coordinator_cpu, daemons_cpu);
+            out.repeated() ? 1 : 0, out.coordinator_calls(), coordinator_cpu, daemons_cpu);
       fmt::print(
           "         gather {:.3f} s, plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s; {} landed "
           "straight in rank buffers\n",
