@@ -43,7 +43,7 @@ class SimulatedPeer final : public v1::Peer::Service {
     return grpc::Status::OK;
   }
   grpc::Status Relay(grpc::ServerContext* ctx, const v1::RelayRequest* req, v1::RelayResponse* out) override {
-    auto r = relay(*peers_, *req, [ctx] { return ctx->IsCancelled(); });
+    auto r = relay(*peers_, *req, ctx->deadline(), [ctx] { return ctx->IsCancelled(); });
     if (!r.ok()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(r.status().message()));
     *out = std::move(*r);
     return grpc::Status::OK;
@@ -130,7 +130,8 @@ int main(int argc, char** argv) {
   ::getrlimit(RLIMIT_NOFILE, &files);
   files.rlim_cur = files.rlim_max;
   ::setrlimit(RLIMIT_NOFILE, &files);
-  fmt::print("| daemons | fanout | coordinator calls | round, best | median | coordinator CPU per round | per daemon |\n");
+  fmt::print(
+      "| daemons | fanout | coordinator calls | round, best | median | coordinator CPU per round | per daemon |\n");
   fmt::print("| --- | --- | --- | --- | --- | --- | --- |\n");
   for (const int n : numbers(daemons)) {
     int pipefd[2];
@@ -189,8 +190,9 @@ int main(int argc, char** argv) {
       double cpu_mean = 0;
       for (double c : cpu) cpu_mean += c / static_cast<double>(cpu.size());
       fmt::print("| {} | {} | {} | {:.1f} ms | {:.1f} ms | {:.1f} ms | {:.1f} us |\n", n,
-                 fanout == 0 ? std::string("direct") : std::to_string(fanout), relayGroups(calls.size(), options.fanout).size(),
-                 seconds.front() * 1e3, seconds[seconds.size() / 2] * 1e3, cpu_mean * 1e3, cpu_mean * 1e6 / n);
+                 fanout == 0 ? std::string("direct") : std::to_string(fanout),
+                 relayGroups(calls.size(), options.fanout).size(), seconds.front() * 1e3,
+                 seconds[seconds.size() / 2] * 1e3, cpu_mean * 1e3, cpu_mean * 1e6 / n);
       std::fflush(stdout);
     }
     ::kill(child, SIGKILL);

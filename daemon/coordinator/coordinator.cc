@@ -21,13 +21,14 @@ PeerClient::PeerClient(const PeerSet& peers, std::vector<std::string> addresses,
     : peers_(peers), addresses_(std::move(addresses)), fanout_(fanout) {}
 
 std::vector<grpc::Status> PeerClient::callRaw(const std::string& method, std::vector<RawCall> calls,
-                                              bool stop_at_failure, bool cancellable,
+                                              std::string common_request, bool stop_at_failure, bool cancellable,
                                               const std::function<grpc::Status(size_t, const RawResult&)>& each) {
   std::vector<grpc::Status> statuses(calls.size());
   TreeOptions options;
   options.method = method;
   options.fanout = fanout_;
   options.stop_at_failure = stop_at_failure;
+  options.common_request = std::move(common_request);
   if (cancellable)
     options.track = [this](grpc::ClientContext& c, bool add) {
       std::lock_guard<std::mutex> lock(mu_);

@@ -91,27 +91,35 @@ class PeerClient {
     std::vector<RawCall> calls(addresses_.size());
     const auto timeout =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::system_clock::now());
+    // One request object for every daemon (a Prepare: the same layouts for all) is serialized
+    // once, and travels once per Relay.
+    const Request* common = calls.empty() ? nullptr : &request(0);
+    for (size_t i = 1; i < calls.size() && common; ++i)
+      if (&request(i) != common) common = nullptr;
+    std::string common_request;
+    if (common) common->SerializeToString(&common_request);
     for (size_t i = 0; i < calls.size(); ++i) {
       calls[i].address = addresses_[i];
       calls[i].timeout = timeout;
-      request(i).SerializeToString(&calls[i].request);
+      if (!common) request(i).SerializeToString(&calls[i].request);
     }
     responses->assign(calls.size(), Response{});
-    return callRaw(method, std::move(calls), stop_at_failure, cancellable, [&](size_t i, const RawResult& r) {
-      grpc::Status st = r.status;
-      if (st.ok() && !(*responses)[i].ParseFromString(r.response))
-        st = grpc::Status(grpc::StatusCode::INTERNAL, "a daemon answered with a malformed response");
-      if (then) then(i, st);
-      return st;
-    });
+    return callRaw(method, std::move(calls), std::move(common_request), stop_at_failure, cancellable,
+                   [&](size_t i, const RawResult& r) {
+                     grpc::Status st = r.status;
+                     if (st.ok() && !(*responses)[i].ParseFromString(r.response))
+                       st = grpc::Status(grpc::StatusCode::INTERNAL, "a daemon answered with a malformed response");
+                     if (then) then(i, st);
+                     return st;
+                   });
   }
   // Cancels every call in flight and every later one; false when already cancelled.
   bool cancelAll();
 
  private:
   // callTree with this client's fanout and cancellation; `each` turns a result into its status.
-  std::vector<grpc::Status> callRaw(const std::string& method, std::vector<RawCall> calls, bool stop_at_failure,
-                                    bool cancellable,
+  std::vector<grpc::Status> callRaw(const std::string& method, std::vector<RawCall> calls, std::string common_request,
+                                    bool stop_at_failure, bool cancellable,
                                     const std::function<grpc::Status(size_t, const RawResult&)>& each);
 
   const PeerSet& peers_;

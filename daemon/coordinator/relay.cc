@@ -107,7 +107,7 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
     auto channel = peers.channel(head.address);
     if (!o.relayed) {
       o.context.set_deadline(now + head.timeout);
-      o.request = bufferOf(head.request);
+      o.request = bufferOf(head.request.empty() ? options.common_request : head.request);
       grpc::GenericStub(channel).UnaryCall(&o.context, path(options.method), grpc::StubOptions(), &o.request,
                                            &o.response, std::move(done));
       continue;
@@ -116,14 +116,17 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
     r.set_method(options.method);
     r.set_fanout(options.fanout);
     r.set_stop_at_failure(options.stop_at_failure);
+    bool common = false;
     std::chrono::milliseconds longest{0};
     for (size_t i = o.begin; i < o.end; ++i) {
       auto* c = r.add_calls();
       c->set_address(calls[i].address);
       c->set_request(calls[i].request);
+      common = common || calls[i].request.empty();
       c->set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(0, calls[i].timeout.count())));
       longest = std::max(longest, calls[i].timeout);
     }
+    if (common) r.set_common_request(options.common_request);
     o.context.set_deadline(now + longest + kHopMargin * (1 + relayDepth(o.end - o.begin, options.fanout)));
     std::string bytes;
     r.SerializeToString(&bytes);
@@ -192,6 +195,7 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
 }
 
 StatusOr<v1::RelayResponse> relay(const PeerSet& peers, const v1::RelayRequest& request,
+                                  std::chrono::system_clock::time_point deadline,
                                   const std::function<bool()>& cancelled) {
   if (!knownMethod(request.method()))
     return absl::InvalidArgumentError(strCat("relay: no Peer method ", quote(request.method()), " is relayed"));
@@ -199,18 +203,22 @@ StatusOr<v1::RelayResponse> relay(const PeerSet& peers, const v1::RelayRequest& 
   if (request.calls_size() == 0 || static_cast<size_t>(request.calls_size()) > kMaxRelayCalls)
     return absl::InvalidArgumentError(
         strCat("relay: between 1 and ", kMaxRelayCalls, " calls, not ", request.calls_size()));
+  const auto left =
+      std::max(std::chrono::milliseconds(0),
+               std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::system_clock::now()));
   std::vector<RawCall> calls;
   calls.reserve(static_cast<size_t>(request.calls_size()));
   for (const auto& c : request.calls()) {
     // Only to the cluster's daemons: a relay is no proxy to anywhere else.
     if (!peers.isPeer(c.address()))
       return absl::PermissionDeniedError(strCat("relay: ", quote(c.address()), " is not a peer of this daemon"));
-    calls.push_back({c.address(), c.request(), std::chrono::milliseconds(c.timeout_ms())});
+    calls.push_back({c.address(), c.request(), std::min(left, std::chrono::milliseconds(c.timeout_ms()))});
   }
   TreeOptions options;
   options.method = request.method();
   options.fanout = request.fanout();
   options.stop_at_failure = request.stop_at_failure();
+  options.common_request = request.common_request();
   options.cancelled = cancelled;
   auto results = callTree(peers, calls, options, nullptr, /*first_here=*/true);
   v1::RelayResponse out;

@@ -21,7 +21,7 @@ class PeerSet;
 
 struct RawCall {
   std::string address;
-  std::string request;  // serialized
+  std::string request;  // serialized; empty: TreeOptions.common_request
   std::chrono::milliseconds timeout;
 };
 
@@ -34,6 +34,7 @@ struct TreeOptions {
   std::string method;            // "Prepare", "Execute" or "Finish"
   uint32_t fanout = 0;           // more calls than this go through Relays (0: never)
   bool stop_at_failure = false;  // see RelayRequest.stop_at_failure
+  std::string common_request;    // the request of the calls without one (sent once per Relay)
   // Called with every context before its call starts and after it ended (add = false): the
   // caller's way of cancelling calls in flight at once (PeerClient::cancelAll).
   std::function<void(grpc::ClientContext&, bool add)> track;
@@ -51,8 +52,10 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
                                 bool first_here = false);
 
 // The Relay handler's work: checks the request (known method, fanout of at least 2, every
-// address a peer of this daemon's cluster) and makes its calls. `cancelled`: the caller went away.
+// address a peer of this daemon's cluster) and makes its calls, none past `deadline` (the
+// Relay's own). `cancelled`: the caller went away.
 StatusOr<v1::RelayResponse> relay(const PeerSet& peers, const v1::RelayRequest& request,
+                                  std::chrono::system_clock::time_point deadline,
                                   const std::function<bool()>& cancelled);
 
 // The subtrees callTree sends n calls out in with fanout f: [begin, end) index ranges.

@@ -315,7 +315,7 @@ grpc::Status PeerService::Progress(grpc::ServerContext* ctx, const v1::ProgressR
 
 grpc::Status PeerService::Relay(grpc::ServerContext* ctx, const v1::RelayRequest* req, v1::RelayResponse* out) {
   if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
-  return reply(relay(peers_, *req, [ctx] { return ctx->IsCancelled(); }), out);
+  return reply(relay(peers_, *req, ctx->deadline(), [ctx] { return ctx->IsCancelled(); }), out);
 }
 
 grpc::Status PeerService::Finish(grpc::ServerContext* ctx, const v1::FinishRequest* req, v1::FinishResponse* out) {
