@@ -444,7 +444,9 @@ TEST_CASE("through a relay tree, a daemon silent below its relay is named (not t
   v1::WaitVersionRequest wv;
   wv.set_group("infer");
   v1::WaitVersionResponse wvr;
-  REQUIRE(cluster.node("n0").client()->WaitVersion(ctx().get(), wv, &wvr).ok());
+  const grpc::Status waited = cluster.node("n0").client()->WaitVersion(ctx().get(), wv, &wvr);
+  INFO("WaitVersion: " << waited.error_message());
+  REQUIRE(waited.ok());
   CHECK(wvr.version() == 1);  // no rank reports the version the sync did not finish
 
   // Awake again: the sync goes through the tree and every byte lands.
