@@ -310,7 +310,8 @@ TEST_CASE("syncs move every byte into the destination layout, version after vers
 TEST_CASE("a sync that repeats the last one skips the gather - changed registrations and refusals bring it back",
           "[daemon][sync]") {
   // Directly, and through a relay tree: with --relay-fanout 2 the coordinator's calls to its 3
-  // daemons go out as 2 (a Relay to n0 for n0 and n1, and n2's own), refusals included.
+  // daemons go out as 2 (a Relay to the first two in address order, and the third's own),
+  // refusals included.
   const int fanout = GENERATE(16, 2);
   CAPTURE(fanout);
   Cluster cluster({"--relay-fanout", std::to_string(fanout)});
@@ -405,8 +406,16 @@ TEST_CASE("a sync that repeats the last one skips the gather - changed registrat
 
 TEST_CASE("through a relay tree, a daemon silent below its relay is named (not the relay) and the next sync repairs",
           "[daemon][sync]") {
-  // --relay-fanout 2 over 3 daemons: n2 coordinates, n0 relays to itself and n1.
+  // --relay-fanout 2 over 3 daemons: the coordinator's calls go as a Relay to the first daemon in
+  // address order (for itself and the second) and a call to the third. The third coordinates;
+  // the second, below the relay, is frozen.
   Cluster cluster({"--relay-fanout", "2", "--peer-timeout-ms", "1500"});
+  std::vector<int> order = {0, 1, 2};
+  const auto address = [&](int i) { return "127.0.0.1:" + std::to_string(cluster.ports[static_cast<size_t>(i)]); };
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return address(a) < address(b); });
+  const std::string relay_node = "n" + std::to_string(order[0]), frozen = "n" + std::to_string(order[1]),
+                    coordinator = "n" + std::to_string(order[2]);
+  CAPTURE(relay_node, frozen, coordinator);
   TrainerAndInference g("rs");
   for (int32_t r = 0; r < 4; ++r) {
     v1::RegisterResponse resp;
@@ -424,7 +433,7 @@ TEST_CASE("through a relay tree, a daemon silent below its relay is named (not t
   req.set_dst_group("infer");
   const auto sync = [&](int version, v1::SyncResponse* out) {
     req.set_version(static_cast<uint64_t>(version));
-    return cluster.node("n2").client()->Sync(ctx(60).get(), req, out);
+    return cluster.node(coordinator).client()->Sync(ctx(60).get(), req, out);
   };
   v1::SyncResponse out;
   cluster.step(g.src, g.nodes, 1, [&] { g.fill(1); });
@@ -433,14 +442,14 @@ TEST_CASE("through a relay tree, a daemon silent below its relay is named (not t
   CHECK(g.wrong(1) == 0);
 
   cluster.step(g.src, g.nodes, 2, [&] { g.fill(2); });
-  const pid_t n1 = cluster.daemons[1]->pid();
-  ::kill(n1, SIGSTOP);
+  const pid_t stopped = cluster.node(frozen).pid();
+  ::kill(stopped, SIGSTOP);
   const grpc::Status st = sync(2, &out);
-  ::kill(n1, SIGCONT);
+  ::kill(stopped, SIGCONT);
   CHECK_FALSE(st.ok());
   INFO(st.error_message());
-  CHECK_THAT(st.error_message(), Catch::Contains("node \"n1\""));
-  CHECK_THAT(st.error_message(), !Catch::Contains("node \"n0\""));
+  CHECK_THAT(st.error_message(), Catch::Contains("node \"" + frozen + "\""));
+  CHECK_THAT(st.error_message(), !Catch::Contains("node \"" + relay_node + "\""));
   v1::WaitVersionRequest wv;
   wv.set_group("infer");
   v1::WaitVersionResponse wvr;
