@@ -77,8 +77,7 @@ class SyncCoordinator::LeaseKeeper {
     {
       std::lock_guard<std::mutex> lock(mu_);
       running_ = false;
-      if (polling_ != nullptr)
-        for (auto& context : *polling_) context.TryCancel();
+      for (auto* context : polling_) context->TryCancel();
     }
     cv_.notify_all();
     if (thread_.joinable()) thread_.join();
@@ -111,27 +110,40 @@ class SyncCoordinator::LeaseKeeper {
       const auto wait = std::clamp(std::chrono::duration_cast<milliseconds>(first_end - Clock::now()), period,
                                    std::max(period, shortest / 2));
       // Not through the sync's PeerClient: these calls go on after the sync is given up (its
-      // calls cancelled), until the coordinator is done with it.
+      // calls cancelled), until the coordinator is done with it. Through the sync's relay tree:
+      // a daemon silent below a relay comes back DEADLINE_EXCEEDED from the relay (in time: a
+      // relay gets a margin per hop), and a relay that is silent itself is named before the
+      // daemons it did not reach, which follow it in the daemons' order.
       const auto& addresses = c_.cluster_->addresses;
-      std::vector<v1::ProgressResponse> got(addresses.size());
-      std::vector<grpc::ClientContext> contexts(addresses.size());
       v1::ProgressRequest pr;
       pr.set_sync_id(c_.id_);
       pr.set_fence(c_.fence_);
+      TreeOptions options;
+      options.method = "Progress";
+      options.fanout = c_.peers_ ? c_.peers_->fanout() : 0;
+      pr.SerializeToString(&options.common_request);
+      options.track = [this](grpc::ClientContext& context, bool add) {  // stop() never waits for a silent node
+        std::lock_guard<std::mutex> guard(mu_);
+        if (!add) {
+          polling_.erase(&context);
+          return;
+        }
+        if (!running_) context.TryCancel();
+        polling_.insert(&context);
+      };
+      std::vector<RawCall> calls;
+      for (const auto& a : addresses) calls.push_back({a, {}, wait});
       {
         std::lock_guard<std::mutex> guard(mu_);
         if (!running_) return;
-        polling_ = &contexts;  // stop() cancels them: it never waits for a silent node
       }
-      const auto st = fanOut(contexts, std::chrono::system_clock::now() + wait,
-                             [&](size_t i, grpc::ClientContext& ctx, CallDone done) {
-                               v1::Peer::NewStub(c_.ctx_.peers.channel(addresses[i]))
-                                   ->async()
-                                   ->Progress(&ctx, &pr, &got[i], std::move(done));
-                             });
-      {
-        std::lock_guard<std::mutex> guard(mu_);
-        polling_ = nullptr;
+      const auto results = callTree(c_.ctx_.peers, calls, options);
+      std::vector<grpc::Status> st(results.size());
+      std::vector<v1::ProgressResponse> got(results.size());
+      for (size_t i = 0; i < results.size(); ++i) {
+        st[i] = results[i].status;
+        if (st[i].ok() && !got[i].ParseFromString(results[i].response))
+          st[i] = grpc::Status(grpc::StatusCode::INTERNAL, "a daemon answered with a malformed response");
       }
       std::string silent;
       pause = period;
@@ -163,7 +175,7 @@ class SyncCoordinator::LeaseKeeper {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool running_ = true;
-  std::vector<grpc::ClientContext>* polling_ = nullptr;  // the poll in flight
+  std::set<grpc::ClientContext*> polling_;  // the calls of the poll in flight
   std::string stalled_;
   std::string allowed_;
   std::thread thread_;

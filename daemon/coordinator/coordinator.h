@@ -75,6 +75,7 @@ class PeerClient {
   PeerClient(const PeerSet& peers, std::vector<std::string> addresses, uint32_t fanout);
 
   size_t size() const { return addresses_.size(); }
+  uint32_t fanout() const { return fanout_; }
   // The calls this client makes itself per phase: one per daemon, or one per subtree.
   size_t directCalls() const { return relayGroups(addresses_.size(), fanout_).size(); }
   // Calls Peer `method` ("Prepare", "Execute", "Finish") on every daemon at once, request(i) to

@@ -18,7 +18,7 @@ namespace {
 constexpr std::chrono::milliseconds kHopMargin{250};
 constexpr size_t kMaxRelayCalls = 1 << 16;
 
-bool knownMethod(const std::string& m) { return m == "Prepare" || m == "Execute" || m == "Finish"; }
+bool knownMethod(const std::string& m) { return m == "Prepare" || m == "Execute" || m == "Finish" || m == "Progress"; }
 
 std::string path(const std::string& method) { return strCat("/shardcast.v1.Peer/", method); }
 

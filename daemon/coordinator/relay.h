@@ -31,7 +31,7 @@ struct RawResult {
 };
 
 struct TreeOptions {
-  std::string method;            // "Prepare", "Execute" or "Finish"
+  std::string method;            // "Prepare", "Execute", "Finish" or "Progress"
   uint32_t fanout = 0;           // more calls than this go through Relays (0: never)
   bool stop_at_failure = false;  // see RelayRequest.stop_at_failure
   std::string common_request;    // the request of the calls without one (sent once per Relay)

@@ -470,8 +470,10 @@ TEST_CASE("through a relay tree, a daemon silent below its relay is named (not t
   CHECK(g.wrong(2) == 0);
 }
 
-TEST_CASE("Peer.Relay refuses methods it does not relay, a fanout below 2 and addresses outside the cluster",
-          "[daemon][sync][security]") {
+TEST_CASE(
+    "Peer.Relay refuses methods it does not relay, a fanout below 2 and addresses outside the cluster - a frozen "
+    "daemon comes back in time",
+    "[daemon][sync][security]") {
   Cluster cluster({"--relay-fanout", "2"});
   auto peer = cluster.daemons[0]->peer();
   const auto relay = [&](const std::string& method, uint32_t fanout, const std::string& address) {
@@ -511,6 +513,37 @@ TEST_CASE("Peer.Relay refuses methods it does not relay, a fanout below 2 and ad
   const auto st = cluster.daemons[1]->peer()->Finish(ctx().get(), f, &direct);
   CHECK(out.results(0).code() == static_cast<int32_t>(st.error_code()));
   CHECK(out.results(0).message() == st.error_message());
+
+  // A lease renewal through the relay, one daemon frozen: the relay answers within its own
+  // deadline, the frozen daemon DEADLINE_EXCEEDED, the others as they would directly (NOT_FOUND:
+  // no such sync), and the request common to all travels once.
+  v1::ProgressRequest progress;
+  progress.set_sync_id("nothing-here");
+  v1::RelayRequest poll;
+  poll.set_method("Progress");
+  poll.set_fanout(2);
+  progress.SerializeToString(poll.mutable_common_request());
+  for (int i : {0, 1, 2}) {
+    auto* call = poll.add_calls();
+    call->set_address("127.0.0.1:" + std::to_string(cluster.ports[static_cast<size_t>(i)]));
+    call->set_timeout_ms(400);
+  }
+  const pid_t frozen = cluster.daemons[2]->pid();
+  ::kill(frozen, SIGSTOP);
+  v1::RelayResponse polled;
+  auto c2 = ctx();
+  c2->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(1500));
+  const auto started = std::chrono::steady_clock::now();
+  const grpc::Status relayed = peer->Relay(c2.get(), poll, &polled);
+  const auto took = std::chrono::steady_clock::now() - started;
+  ::kill(frozen, SIGCONT);
+  INFO(relayed.error_message());
+  REQUIRE(relayed.ok());
+  CHECK(took < std::chrono::milliseconds(1500));
+  REQUIRE(polled.results_size() == 3);
+  CHECK(polled.results(0).code() == static_cast<int32_t>(grpc::StatusCode::NOT_FOUND));
+  CHECK(polled.results(1).code() == static_cast<int32_t>(grpc::StatusCode::NOT_FOUND));
+  CHECK(polled.results(2).code() == static_cast<int32_t>(grpc::StatusCode::DEADLINE_EXCEEDED));
 }
 
 TEST_CASE("relay groups: contiguous subtrees of near-equal size, and their depth", "[daemon][sync]") {

@@ -156,15 +156,18 @@ class Figures:
 
 
 class Soak:
-    def __init__(self, seed: int, lease_ms: int = 1000, log=print, verbose: bool = False) -> None:
+    def __init__(self, seed: int, lease_ms: int = 1000, log=print, verbose: bool = False,
+                 relay_fanout: Optional[int] = None) -> None:
         self.rng = random.Random(seed)
         self.log = log
         self.verbose = verbose
         self.fig = Figures()
         self.version = 0
         self.clean_seconds = 0.05  # a clean sync's duration (moving average)
+        # relay_fanout: the daemons' --relay-fanout (2: the 5 daemons' calls go through relays).
+        relay = [] if relay_fanout is None else ["--relay-fanout", str(relay_fanout)]
         self.cluster = LocalCluster(NODES, extra=["--sync-lease-ms", str(lease_ms), "--peer-timeout-ms", "1000",
-                                                  "--shutdown-grace-ms", "2000"])
+                                                  "--shutdown-grace-ms", "2000"] + relay)
         self.clients: Dict[str, shardcast.Client] = {}
         self.trainer: Dict[int, shardcast.Registration] = {}
         self.inference: Dict[int, shardcast.Registration] = {}
@@ -326,10 +329,13 @@ def main() -> int:
     ap.add_argument("--syncs", type=int, default=300, help="syncs with a fault every third (recovery syncs come on top)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--lease-ms", type=int, default=1000)
+    ap.add_argument("--relay-fanout", type=int, default=None,
+                    help="the daemons' --relay-fanout (2: calls through relays; default: the daemons' own)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="a line per sync and fault")
     a = ap.parse_args()
-    with Soak(a.seed, a.lease_ms, log=lambda s: print(s, file=sys.stderr, flush=True), verbose=a.verbose) as soak:
+    with Soak(a.seed, a.lease_ms, log=lambda s: print(s, file=sys.stderr, flush=True), verbose=a.verbose,
+              relay_fanout=a.relay_fanout) as soak:
         fig = soak.run(a.syncs)
     if a.json:
         print(json.dumps(asdict(fig)))

@@ -1,6 +1,7 @@
 """The chaos soak, CI-sized (bench/chaos.sh runs it for minutes): 5 real daemons, a SIGKILL or a
 SIGSTOP of a random daemon (the coordinator included) at a random moment of every third sync, the
-version contract checked against the bytes after every sync (see chaos.py)."""
+version contract checked against the bytes after every sync (see chaos.py); once with the
+coordinator calling every daemon directly, once through relays."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import chaos
 
 
 @pytest.mark.slow
-def test_chaos_soak_no_torn_no_wedged_no_unnamed_failures():
+@pytest.mark.parametrize("relay_fanout", [None, 2], ids=["direct", "through-relays"])
+def test_chaos_soak_no_torn_no_wedged_no_unnamed_failures(relay_fanout):
+    # through-relays: --relay-fanout 2, so the coordinator's calls to the 5 daemons go through
+    # relays, which are killed and frozen like any daemon.
     lines = []
-    with chaos.Soak(seed=7, log=lines.append) as soak:
+    with chaos.Soak(seed=7, log=lines.append, relay_fanout=relay_fanout) as soak:
         fig = soak.run(syncs=24)
     print({k: v for k, v in asdict(fig).items() if k != "problems"})
     assert fig.faults == 8
