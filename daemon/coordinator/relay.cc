@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <limits>
 #include <mutex>
 
 #include "common/strings.h"
@@ -123,7 +124,8 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
       c->set_address(calls[i].address);
       c->set_request(calls[i].request);
       common = common || calls[i].request.empty();
-      c->set_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(0, calls[i].timeout.count())));
+      c->set_timeout_ms(static_cast<uint32_t>(
+          std::clamp<int64_t>(calls[i].timeout.count(), 0, std::numeric_limits<uint32_t>::max())));
       longest = std::max(longest, calls[i].timeout);
     }
     if (common) r.set_common_request(options.common_request);
