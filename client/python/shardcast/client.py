@@ -175,6 +175,9 @@ class _Session:
         self._closed = False
         self._call: Any = None
         self.reconnects = 0
+        # The session is back after a daemon restart and its ranks are being registered again:
+        # calls about ranks wait for it (Client._check_session), so they see the outcome.
+        self.reregistering = False
         # (group, rank) -> [request, published version, held]
         self.ranks: Dict[Tuple[str, int], List[Any]] = {}
         # (group, rank) -> why re-registering it after a daemon restart failed: the client's next
@@ -203,6 +206,7 @@ class _Session:
                 with self._ready:
                     self.id = first.session_id
                     lost, self._lost = self._lost, False
+                    self.reregistering = lost
                     self._ready.notify_all()
                 if lost:
                     self._reregister(first.session_id)
@@ -224,8 +228,16 @@ class _Session:
             time.sleep(0.2)
 
     def _reregister(self, session_id: str) -> None:
+        try:
+            self._register_again(session_id)
+        finally:
+            with self._ready:  # counted once every rank was tried, its failure recorded
+                self.reconnects += 1
+                self.reregistering = False
+                self._ready.notify_all()
+
+    def _register_again(self, session_id: str) -> None:
         with self._lock:
-            self.reconnects += 1
             again = []
             for (group, rank), (req, published, held) in self.ranks.items():
                 r = service_pb2.RegisterRequest()
@@ -384,7 +396,9 @@ class Client:
         session = self._session
         if session is None:
             return
-        with session._lock:
+        with session._ready:
+            # Its ranks being registered again after a daemon restart: wait for the outcome.
+            session._ready.wait_for(lambda: not session.reregistering or session._closed, timeout=self.timeout)
             failures = [why for (group, _), why in sorted(session.failures.items()) if group in groups]
         if failures:
             raise ShardcastError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -402,7 +416,8 @@ class Client:
 
     @property
     def reconnects(self) -> int:
-        """How many times this client re-registered its ranks after its daemon restarted."""
+        """How many times this client re-registered its ranks after its daemon restarted (counted once
+        every rank was tried: a failure is recorded by then)."""
         return 0 if self._session is None else self._session.reconnects
 
     def _session_id(self) -> str:
