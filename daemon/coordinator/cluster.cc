@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <limits>
+#include <thread>
 
 #include "common/strings.h"
 #include "common/tls.h"
@@ -148,25 +149,37 @@ Status PeerSet::checkTransportAddress(const std::string& node, const std::string
   if (look_up) {
     SC_ASSIGN_OR_RETURN(all, addresses());
   }
-  if (at.empty()) {  // the peers not described yet; when none is left, every peer (a renamed node)
-    std::lock_guard<std::mutex> lock(mu_);
-    const auto now = std::chrono::steady_clock::now();
-    for (const bool described : {false, true}) {
-      for (const auto& a : all) {
-        if (nodes_.count(a) != static_cast<size_t>(described)) continue;
-        auto [asked, added] = looked_up_.try_emplace(a, now);
-        if (!added && now - asked->second < std::chrono::seconds(1)) continue;
-        asked->second = now;
-        at.push_back(a);
+  // Twice at most: an address asked within the last second (before its daemon was up, at a first
+  // sync) is held back by the limit; then wait for it, once (lookups run one at a time: a hostile
+  // peer gains nothing by it). A relay refused a first sync's node this way.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    std::vector<std::string> ask = at;
+    auto held_until = std::chrono::steady_clock::time_point::max();
+    if (ask.empty()) {  // the peers not described yet; when none is left, every peer (a renamed node)
+      std::lock_guard<std::mutex> lock(mu_);
+      const auto now = std::chrono::steady_clock::now();
+      for (const bool described : {false, true}) {
+        for (const auto& a : all) {
+          if (nodes_.count(a) != static_cast<size_t>(described)) continue;
+          auto [asked, added] = looked_up_.try_emplace(a, now);
+          if (!added && now - asked->second < std::chrono::seconds(1)) {
+            held_until = std::min(held_until, asked->second + std::chrono::seconds(1));
+            continue;
+          }
+          asked->second = now;
+          ask.push_back(a);
+        }
+        if (!ask.empty()) break;
       }
-      if (!at.empty()) break;
     }
+    if (!ask.empty()) {
+      std::vector<v1::DescribeResponse> responses;
+      describe(ask, &responses);
+    }
+    if (known()) return absl::OkStatus();
+    if (!at.empty() || held_until == std::chrono::steady_clock::time_point::max()) break;
+    std::this_thread::sleep_until(held_until);
   }
-  if (!at.empty()) {
-    std::vector<v1::DescribeResponse> responses;
-    describe(at, &responses);
-  }
-  if (known()) return absl::OkStatus();
   return absl::InvalidArgumentError(strCat("the transport address given for node ", quote(node),
                                            " is not the one that node describes to this daemon"));
 }

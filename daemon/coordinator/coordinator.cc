@@ -21,7 +21,7 @@ PeerClient::PeerClient(const PeerSet& peers, std::vector<std::string> addresses,
     : peers_(peers), addresses_(std::move(addresses)), fanout_(fanout) {}
 
 std::vector<grpc::Status> PeerClient::callRaw(const std::string& method, std::vector<RawCall> calls,
-                                              std::string common_request, bool stop_at_failure, bool cancellable,
+                                              std::string common_request, bool stop_at_failure,
                                               const std::function<grpc::Status(size_t, const RawResult&)>& each) {
   std::vector<grpc::Status> statuses(calls.size());
   TreeOptions options;
@@ -29,16 +29,15 @@ std::vector<grpc::Status> PeerClient::callRaw(const std::string& method, std::ve
   options.fanout = fanout_;
   options.stop_at_failure = stop_at_failure;
   options.common_request = std::move(common_request);
-  if (cancellable)
-    options.track = [this](grpc::ClientContext& c, bool add) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!add) {
-        calls_.erase(&c);
-        return;
-      }
-      if (cancelled_) c.TryCancel();
-      calls_.insert(&c);
-    };
+  options.track = [this](grpc::ClientContext& c, bool add) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!add) {
+      calls_.erase(&c);
+      return;
+    }
+    if (cancelled_) c.TryCancel();
+    calls_.insert(&c);
+  };
   callTree(peers_, calls, options, [&](size_t i, const RawResult& r) { statuses[i] = each(i, r); });
   return statuses;
 }
@@ -1005,25 +1004,19 @@ std::vector<grpc::Status> SyncCoordinator::finishAll(bool commit, const std::str
   f.set_reason(reason);
   std::vector<v1::FinishResponse> r(peers_->size());
   std::vector<grpc::ClientContext> contexts(peers_->size());
-  // A commit goes through the relay tree (when the sync uses one); an abort straight to every
-  // daemon: a silent relay must not keep it from the daemons below it.
-  auto results =
-      commit
-          ? peers_->call<v1::FinishRequest, v1::FinishResponse>(
-                "Finish", std::chrono::system_clock::now() + std::chrono::milliseconds(ctx_.config.peer_timeout_ms),
-                [&](size_t) -> const v1::FinishRequest& { return f; }, &r, nullptr, /*stop_at_failure=*/false,
-                /*cancellable=*/false)
-          : fanOut(contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(ctx_.config.peer_timeout_ms),
-                   [&](size_t i, grpc::ClientContext& c, CallDone done) {
-                     if (!silent.empty())
-                       c.set_deadline(std::chrono::system_clock::now() +
-                                      std::chrono::milliseconds(cluster_->view.daemons()[i].node() == silent
-                                                                    ? 100
-                                                                    : std::min(250, ctx_.config.peer_timeout_ms)));
-                     v1::Peer::NewStub(ctx_.peers.channel(cluster_->addresses[i]))
-                         ->async()
-                         ->Finish(&c, &f, &r[i], std::move(done));
-                   });
+  // Straight to every daemon, commit or abort, also when the sync's other calls go through a
+  // relay tree: a relay that went silent must not keep the commit (or the abort) from the healthy
+  // daemons below it (a commit reaching only part of the cluster tears the version).
+  auto results = fanOut(
+      contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(ctx_.config.peer_timeout_ms),
+      [&](size_t i, grpc::ClientContext& c, CallDone done) {
+        if (!silent.empty())
+          c.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::milliseconds(cluster_->view.daemons()[i].node() == silent
+                                                       ? 100
+                                                       : std::min(250, ctx_.config.peer_timeout_ms)));
+        v1::Peer::NewStub(ctx_.peers.channel(cluster_->addresses[i]))->async()->Finish(&c, &f, &r[i], std::move(done));
+      });
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {  // what the sync left each node's ranks at, for Watch
     for (size_t i = 0; i < results.size(); ++i)
       if (results[i].ok() && r[i].ranks_size() > 0 && static_cast<int>(i) < p.nodes_size())

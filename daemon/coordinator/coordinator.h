@@ -82,13 +82,11 @@ class PeerClient {
   // daemon i, its response into (*responses)[i], and runs then(i, status) on this thread as each
   // completes; returns every status once all have. Every call has `deadline` and is cancelled by
   // cancelAll(). `stop_at_failure`: in a tree, a relay whose subtree has a failure answers at
-  // once (the sync is given up anyway). Not `cancellable`: cancelAll() leaves these calls be (a
-  // commit runs to its end).
+  // once (the sync is given up anyway).
   template <class Request, class Response>
   std::vector<grpc::Status> call(const std::string& method, std::chrono::system_clock::time_point deadline,
                                  const std::function<const Request&(size_t)>& request, std::vector<Response>* responses,
-                                 const std::function<void(size_t, const grpc::Status&)>& then, bool stop_at_failure,
-                                 bool cancellable = true) {
+                                 const std::function<void(size_t, const grpc::Status&)>& then, bool stop_at_failure) {
     std::vector<RawCall> calls(addresses_.size());
     const auto timeout =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::system_clock::now());
@@ -105,7 +103,7 @@ class PeerClient {
       if (!common) request(i).SerializeToString(&calls[i].request);
     }
     responses->assign(calls.size(), Response{});
-    return callRaw(method, std::move(calls), std::move(common_request), stop_at_failure, cancellable,
+    return callRaw(method, std::move(calls), std::move(common_request), stop_at_failure,
                    [&](size_t i, const RawResult& r) {
                      grpc::Status st = r.status;
                      if (st.ok() && !(*responses)[i].ParseFromString(r.response))
@@ -120,7 +118,7 @@ class PeerClient {
  private:
   // callTree with this client's fanout and cancellation; `each` turns a result into its status.
   std::vector<grpc::Status> callRaw(const std::string& method, std::vector<RawCall> calls, std::string common_request,
-                                    bool stop_at_failure, bool cancellable,
+                                    bool stop_at_failure,
                                     const std::function<grpc::Status(size_t, const RawResult&)>& each);
 
   const PeerSet& peers_;

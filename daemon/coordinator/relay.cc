@@ -205,9 +205,13 @@ StatusOr<v1::RelayResponse> relay(const PeerSet& peers, const v1::RelayRequest& 
   if (request.calls_size() == 0 || static_cast<size_t>(request.calls_size()) > kMaxRelayCalls)
     return absl::InvalidArgumentError(
         strCat("relay: between 1 and ", kMaxRelayCalls, " calls, not ", request.calls_size()));
-  const auto left =
-      std::max(std::chrono::milliseconds(0),
-               std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::system_clock::now()));
+  // The calls end in time for this relay to answer before its own deadline: a margin per hop
+  // below it (the sub-relays' own margins) and one for its answer. Else, delivered late, it would
+  // time out at its caller with its calls, and be named for a daemon silent below it.
+  const auto reserve = kHopMargin * (1 + relayDepth(static_cast<size_t>(request.calls_size()), request.fanout()));
+  const auto left = std::max(
+      std::chrono::milliseconds(0),
+      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::system_clock::now()) - reserve);
   std::vector<RawCall> calls;
   calls.reserve(static_cast<size_t>(request.calls_size()));
   for (const auto& c : request.calls()) {
