@@ -443,7 +443,7 @@ TEST_CASE("through a relay tree, a daemon silent below its relay is named (not t
 
   cluster.step(g.src, g.nodes, 2, [&] { g.fill(2); });
   const pid_t stopped = cluster.node(frozen).pid();
-  ::kill(stopped, SIGSTOP);
+  freezeProcess(stopped);
   const grpc::Status st = sync(2, &out);
   ::kill(stopped, SIGCONT);
   CHECK_FALSE(st.ok());
@@ -529,7 +529,7 @@ TEST_CASE(
     call->set_timeout_ms(400);
   }
   const pid_t frozen = cluster.daemons[2]->pid();
-  ::kill(frozen, SIGSTOP);
+  freezeProcess(frozen);
   v1::RelayResponse polled;
   auto c2 = ctx();
   c2->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(1500));
@@ -664,7 +664,7 @@ TEST_CASE("concurrent syncs: same group refused, different groups together - a s
   // daemon named, no rank moves to the new version, and after a restart the next sync succeeds.
   cluster.step(src, nodes, 2, [] {});
   const pid_t n2 = cluster.daemons[2]->pid();
-  ::kill(n2, SIGSTOP);
+  freezeProcess(n2);
   std::promise<grpc::Status> pending;
   std::thread t([&] {
     v1::SyncRequest s = sync;

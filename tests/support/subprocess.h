@@ -13,10 +13,38 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace shardcast {
+
+// SIGSTOP, then waits until every thread of `pid` is stopped. kill() returns before the stop has
+// reached each thread (a thread stops as it next returns to user space), so for a moment after it
+// the process can still answer a call: a test that freezes a daemon and calls at once would see
+// it answer. Throws when the threads have not all stopped within `timeout`.
+inline void freezeProcess(pid_t pid, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+  ::kill(pid, SIGSTOP);
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  const std::filesystem::path tasks = "/proc/" + std::to_string(pid) + "/task";
+  while (true) {
+    std::string states;
+    std::error_code ec;
+    for (const auto& task : std::filesystem::directory_iterator(tasks, ec)) {
+      std::ifstream stat(task.path() / "stat");
+      std::string line;
+      std::getline(stat, line);
+      const auto at = line.rfind(") ");  // the state follows the command name, which may hold ") "
+      if (at != std::string::npos && at + 2 < line.size()) states += line[at + 2];
+    }
+    if (!states.empty() && states.find_first_not_of("tT") == std::string::npos) return;
+    if (std::chrono::steady_clock::now() > end)
+      throw std::runtime_error("process " + std::to_string(pid) + " did not stop (thread states \"" + states + "\")");
+    ::usleep(5000);
+  }
+}
 
 class Child {
  public:
