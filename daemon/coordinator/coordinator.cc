@@ -1003,20 +1003,46 @@ std::vector<grpc::Status> SyncCoordinator::finishAll(bool commit, const std::str
   f.set_executed(executed_);
   f.set_reason(reason);
   std::vector<v1::FinishResponse> r(peers_->size());
-  std::vector<grpc::ClientContext> contexts(peers_->size());
-  // Straight to every daemon, commit or abort, also when the sync's other calls go through a
-  // relay tree: a relay that went silent must not keep the commit (or the abort) from the healthy
-  // daemons below it (a commit reaching only part of the cluster tears the version).
-  auto results = fanOut(
-      contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(ctx_.config.peer_timeout_ms),
-      [&](size_t i, grpc::ClientContext& c, CallDone done) {
-        if (!silent.empty())
-          c.set_deadline(std::chrono::system_clock::now() +
-                         std::chrono::milliseconds(cluster_->view.daemons()[i].node() == silent
-                                                       ? 100
-                                                       : std::min(250, ctx_.config.peer_timeout_ms)));
-        v1::Peer::NewStub(ctx_.peers.channel(cluster_->addresses[i]))->async()->Finish(&c, &f, &r[i], std::move(done));
-      });
+  std::vector<grpc::Status> results;
+  if (commit) {
+    // Through the relay tree when the sync uses one; the daemons a relay that went silent left
+    // unreached get the commit again directly (a commit reaching only part of the cluster would
+    // leave healthy daemons dirty). A daemon the relay did reach answers the repeat with its
+    // first answer.
+    TreeOptions options;
+    options.method = "Finish";
+    options.fanout = peers_->fanout();
+    f.SerializeToString(&options.common_request);
+    std::vector<RawCall> calls;
+    for (const auto& a : cluster_->addresses)
+      calls.push_back({a, {}, std::chrono::milliseconds(ctx_.config.peer_timeout_ms)});
+    size_t again = 0;
+    const auto raw = callTreeReachingAll(ctx_.peers, calls, options, &again);
+    if (again > 0)
+      spdlog::warn("sync {}: a relay did not carry the commit to {} daemon(s): sent to them directly", id_, again);
+    for (size_t i = 0; i < raw.size(); ++i) {
+      grpc::Status st = raw[i].status;
+      if (st.ok() && !r[i].ParseFromString(raw[i].response))
+        st = grpc::Status(grpc::StatusCode::INTERNAL, "a daemon answered with a malformed response");
+      results.push_back(std::move(st));
+    }
+  } else {
+    // An abort goes straight to every daemon: a relay gone silent (the likely reason the sync is
+    // given up) must not keep it from the daemons below it.
+    std::vector<grpc::ClientContext> contexts(peers_->size());
+    results =
+        fanOut(contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(ctx_.config.peer_timeout_ms),
+               [&](size_t i, grpc::ClientContext& c, CallDone done) {
+                 if (!silent.empty())
+                   c.set_deadline(std::chrono::system_clock::now() +
+                                  std::chrono::milliseconds(cluster_->view.daemons()[i].node() == silent
+                                                                ? 100
+                                                                : std::min(250, ctx_.config.peer_timeout_ms)));
+                 v1::Peer::NewStub(ctx_.peers.channel(cluster_->addresses[i]))
+                     ->async()
+                     ->Finish(&c, &f, &r[i], std::move(done));
+               });
+  }
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {  // what the sync left each node's ranks at, for Watch
     for (size_t i = 0; i < results.size(); ++i)
       if (results[i].ok() && r[i].ranks_size() > 0 && static_cast<int>(i) < p.nodes_size())

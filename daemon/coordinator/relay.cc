@@ -196,6 +196,27 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
   return results;
 }
 
+std::vector<RawResult> callTreeReachingAll(const PeerSet& peers, const std::vector<RawCall>& calls, TreeOptions options,
+                                           size_t* again) {
+  options.stop_at_failure = false;
+  options.cancelled = nullptr;
+  options.track = nullptr;
+  auto results = callTree(peers, calls, options);
+  std::vector<RawCall> unreached;
+  std::vector<size_t> at;
+  for (size_t i = 0; i < results.size(); ++i)
+    if (results[i].status.error_code() == grpc::StatusCode::CANCELLED) {
+      unreached.push_back(calls[i]);
+      at.push_back(i);
+    }
+  if (again) *again = unreached.size();
+  if (unreached.empty()) return results;
+  options.fanout = 0;  // directly
+  auto retried = callTree(peers, unreached, options);
+  for (size_t k = 0; k < at.size(); ++k) results[at[k]] = std::move(retried[k]);
+  return results;
+}
+
 StatusOr<v1::RelayResponse> relay(const PeerSet& peers, const v1::RelayRequest& request,
                                   std::chrono::system_clock::time_point deadline,
                                   const std::function<bool()>& cancelled) {

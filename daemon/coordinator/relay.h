@@ -51,6 +51,14 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
                                 const std::function<void(size_t, const RawResult&)>& each = nullptr,
                                 bool first_here = false);
 
+// callTree for a call every daemon must get (the commit's Finish): never stopped at a failure nor
+// cancelled, so a CANCELLED result means "not reached" (relayed through a relay that failed as a
+// whole, anywhere in the tree); those calls are then made again directly, each with its own
+// timeout from then on. A silent relay costs the daemons below it one timeout, not the call.
+// `again`: how many were made again.
+std::vector<RawResult> callTreeReachingAll(const PeerSet& peers, const std::vector<RawCall>& calls, TreeOptions options,
+                                           size_t* again = nullptr);
+
 // The Relay handler's work: checks the request (known method, fanout of at least 2, every
 // address a peer of this daemon's cluster) and makes its calls, none past `deadline` (the
 // Relay's own). `cancelled`: the caller went away.

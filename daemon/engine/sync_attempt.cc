@@ -411,7 +411,8 @@ std::shared_ptr<SyncAttempt> AttemptTable::find(const std::string& id, uint64_t 
   return it->second;
 }
 
-std::shared_ptr<SyncAttempt> AttemptTable::takeForClose(const std::string& id, uint64_t fence) {
+std::shared_ptr<SyncAttempt> AttemptTable::takeForClose(const std::string& id, uint64_t fence,
+                                                        std::optional<bool> commit) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = open_.find(id);
   if (it == open_.end() || !isOpen(*it->second) || (fence != 0 && it->second->fence != fence)) {
@@ -427,7 +428,48 @@ std::shared_ptr<SyncAttempt> AttemptTable::takeForClose(const std::string& id, u
   }
   auto a = std::move(it->second);
   open_.erase(it);
+  if (commit && fence != 0) {  // under the same lock: a repeated Finish finds the one or the other
+    const auto key = std::make_pair(id, fence);
+    Closed entry;
+    entry.commit = *commit;
+    if (closed_.insert_or_assign(key, std::move(entry)).second) closed_order_.push_back(key);
+    if (closed_order_.size() > kClosedKept) {
+      closed_.erase(closed_order_.front());
+      closed_order_.pop_front();
+    }
+  }
   return a;
+}
+
+void AttemptTable::closed(const std::string& id, uint64_t fence, const StatusOr<v1::FinishResponse>& outcome) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = closed_.find({id, fence});
+    if (it == closed_.end()) return;  // pushed out by later ones meanwhile
+    it->second.done = true;
+    it->second.outcome = outcome;
+  }
+  closed_cv_.notify_all();
+}
+
+std::optional<StatusOr<v1::FinishResponse>> AttemptTable::closedBefore(const std::string& id, uint64_t fence,
+                                                                       bool commit, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto key = std::make_pair(id, fence);
+  if (!closed_.count(key)) return std::nullopt;
+  const bool ended = closed_cv_.wait_for(lock, timeout, [&] {
+    auto it = closed_.find(key);
+    return it == closed_.end() || it->second.done;
+  });
+  auto it = closed_.find(key);
+  if (it == closed_.end()) return std::nullopt;
+  if (it->second.commit != commit)
+    return absl::FailedPreconditionError(
+        strCat("sync ", id, " was ", it->second.commit ? "committed" : "aborted", " on node \"", node_, "\" already"));
+  if (!ended)
+    return absl::UnavailableError(
+        strCat("sync ", id, " on node \"", node_, "\": an earlier Finish is still ending it"));
+  return it->second.outcome;
 }
 
 std::vector<std::shared_ptr<SyncAttempt>> AttemptTable::takeExpired(SyncAttempt::Clock::time_point now) {

@@ -23,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -240,7 +241,17 @@ class AttemptTable {
   std::shared_ptr<SyncAttempt> find(const std::string& id, uint64_t fence = 0) const;
   // Takes the prepared or executing attempt of `id` out to be closed by the caller. None there:
   // null, and (id, fence) is remembered as given up, so a Prepare of it still on its way is refused.
-  std::shared_ptr<SyncAttempt> takeForClose(const std::string& id, uint64_t fence);
+  // With a `commit` (and a fence), the caller reports how the close ended (closed()).
+  std::shared_ptr<SyncAttempt> takeForClose(const std::string& id, uint64_t fence, std::optional<bool> commit = {});
+  // How the close of attempt (id, fence) taken with a `commit` ended (its Finish's answer).
+  void closed(const std::string& id, uint64_t fence, const StatusOr<v1::FinishResponse>& outcome);
+  // A Finish repeated for an attempt a Finish already took here (a commit the coordinator sent
+  // again directly, after the relay that carried it went silent): the first one's answer, once
+  // its close has ended (UNAVAILABLE after `timeout`); FAILED_PRECONDITION when the first one
+  // ended it the other way (a commit after an abort). nullopt: no Finish took it (among the
+  // last kClosedKept).
+  std::optional<StatusOr<v1::FinishResponse>> closedBefore(const std::string& id, uint64_t fence, bool commit,
+                                                           std::chrono::milliseconds timeout);
   // Waits until no Prepare of attempt (id, fence) is running here (it ends refused once given
   // up, its ranks released), at most `timeout`; false if one still runs.
   bool awaitPrepare(const std::string& id, uint64_t fence, std::chrono::milliseconds timeout);
@@ -263,6 +274,17 @@ class AttemptTable {
   std::vector<std::shared_ptr<SyncAttempt>> draining_;
   std::set<std::pair<std::string, uint64_t>> given_up_;  // (id, fence), the last kGivenUpKept
   std::deque<std::pair<std::string, uint64_t>> given_up_order_;
+  // The attempts Finish took (by (id, fence), the last kClosedKept): committed or aborted, and
+  // the answer once the close has ended.
+  struct Closed {
+    bool commit = false;
+    bool done = false;
+    StatusOr<v1::FinishResponse> outcome;
+  };
+  static constexpr size_t kClosedKept = 1024;
+  std::map<std::pair<std::string, uint64_t>, Closed> closed_;
+  std::deque<std::pair<std::string, uint64_t>> closed_order_;
+  std::condition_variable closed_cv_;  // a close ended
 };
 
 }  // namespace shardcast::daemon

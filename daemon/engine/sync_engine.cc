@@ -259,8 +259,12 @@ StatusOr<float> SyncEngine::amaxOf(const planner::ResolvedLayout& src, const std
 }
 
 StatusOr<v1::FinishResponse> SyncEngine::finish(const v1::FinishRequest& req) {
-  auto a = attempts_.takeForClose(req.sync_id(), req.fence());
+  auto a = attempts_.takeForClose(req.sync_id(), req.fence(), req.commit());
   if (!a) {
+    // A Finish repeated for an attempt one already took here gets that one's answer.
+    if (req.fence() != 0)
+      if (auto before = attempts_.closedBefore(req.sync_id(), req.fence(), req.commit(), std::chrono::seconds(10)))
+        return *std::move(before);
     // Its Prepare may still be running here: answer once it has ended (refused, its ranks
     // released), so that the coordinator's next attempt does not find them being written.
     if (req.fence() != 0 && !attempts_.awaitPrepare(req.sync_id(), req.fence(), std::chrono::seconds(10)))
@@ -269,7 +273,9 @@ StatusOr<v1::FinishResponse> SyncEngine::finish(const v1::FinishRequest& req) {
   }
   Registry::SyncEnd end = Registry::SyncEnd::kCommit;
   if (!req.commit()) end = req.executed() ? Registry::SyncEnd::kDirty : Registry::SyncEnd::kRevert;
-  return close(a, end, req.reason().empty() ? "aborted by its coordinator" : req.reason());
+  auto outcome = close(a, end, req.reason().empty() ? "aborted by its coordinator" : req.reason());
+  attempts_.closed(req.sync_id(), req.fence(), outcome);
+  return outcome;
 }
 
 StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt>& a, Registry::SyncEnd end,

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <thread>
 
 #include "common/defaults.h"
 #include "common/strings.h"
@@ -256,6 +257,16 @@ StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string&
   if (s->port_ <= 0)  // errno: of the bind or listen that failed (httplib closes the socket after it)
     return absl::UnavailableError(strCat("metrics: cannot listen on ", host, ":", port, ": ", std::strerror(errno)));
   s->thread_ = std::thread([srv = s->server_.get()] { srv->listen_after_bind(); });
+  // httplib's stop() does nothing until the listening thread has marked the server running: a
+  // daemon that stopped right after starting (its gRPC port taken) hung in the destructor's join.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!s->server_->is_running() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (!s->server_->is_running()) {  // unstoppable: left to the process's exit
+    s->thread_.detach();
+    (void)s->server_.release();
+    return absl::UnavailableError(strCat("metrics: the server on port ", s->port_, " did not start"));
+  }
   return s;
 }
 

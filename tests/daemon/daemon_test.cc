@@ -116,6 +116,15 @@ TEST_CASE("shardcastd flags: environment variables, validation, exit codes", "[d
     said = second.readLine(std::chrono::seconds(10));
   CHECK_THAT(said, Catch::Contains("cannot listen on " + first.address() + ": Address already in use"));
   CHECK(WEXITSTATUS(second.wait()) == 1);
+  // With its metrics server started first: it exits too (it hung stopping a metrics server whose
+  // thread had not started listening yet).
+  Child serving = withStderr(
+      {"--node", "n1", "--insecure", "--listen", first.address(), "--socket", "", "--metrics", "127.0.0.1:0"});
+  said.clear();
+  for (int i = 0; i < 40 && said.find("cannot listen") == std::string::npos; ++i)
+    said = serving.readLine(std::chrono::seconds(10));
+  CHECK_THAT(said, Catch::Contains("cannot listen on " + first.address()));
+  CHECK(WEXITSTATUS(serving.wait()) == 1);
   // Its metrics port too.
   const std::string metrics = "127.0.0.1:" + std::to_string(first.metricsPort());
   Child third = withStderr({"--node", "n2", "--insecure", "--listen", "127.0.0.1:" + std::to_string(freePort()),

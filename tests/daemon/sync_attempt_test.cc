@@ -177,6 +177,59 @@ TEST_CASE("attempt table: an attempt given up before it was prepared is refused"
   }
 }
 
+TEST_CASE("attempt table: a Finish repeated for an attempt a Finish took gets the first one's answer",
+          "[daemon][attempt]") {
+  using std::chrono::milliseconds;
+  AttemptTable table("n0");
+  auto a = attempt("s", 7);
+  REQUIRE(table.begin(a).ok());
+  REQUIRE(table.publish(a).ok());
+  CHECK_FALSE(table.closedBefore("s", 7, true, milliseconds(0)).has_value());  // not taken yet
+  REQUIRE(table.takeForClose("s", 7, /*commit=*/true) == a);
+  CHECK(table.takeForClose("s", 7, true) == nullptr);
+  // Its close still runs: the repeat waits for it, then says so.
+  auto pending = table.closedBefore("s", 7, true, milliseconds(20));
+  REQUIRE(pending.has_value());
+  CHECK(pending->status().code() == absl::StatusCode::kUnavailable);
+  // Another attempt of the sync, or another sync: nothing was taken for it.
+  CHECK_FALSE(table.closedBefore("s", 8, true, milliseconds(0)).has_value());
+  CHECK_FALSE(table.closedBefore("t", 7, true, milliseconds(0)).has_value());
+
+  shardcast::v1::FinishResponse committed;
+  committed.add_ranks()->set_rank(3);
+  std::thread closer([&] {
+    std::this_thread::sleep_for(milliseconds(50));
+    table.closed("s", 7, committed);
+  });
+  auto repeat = table.closedBefore("s", 7, true, std::chrono::seconds(30));  // waits for the close
+  closer.join();
+  REQUIRE(repeat.has_value());
+  REQUIRE(repeat->ok());
+  REQUIRE((*repeat)->ranks_size() == 1);
+  CHECK((*repeat)->ranks(0).rank() == 3);
+  // An abort after the commit is not taken for it.
+  auto abort = table.closedBefore("s", 7, false, milliseconds(0));
+  REQUIRE(abort.has_value());
+  CHECK(abort->status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(abort->status().message()), Catch::Contains("was committed on node \"n0\" already"));
+
+  // A close that failed answers its repeat with the same failure.
+  auto b = attempt("u", 9);
+  REQUIRE(table.begin(b).ok());
+  REQUIRE(table.publish(b).ok());
+  REQUIRE(table.takeForClose("u", 9, true) == b);
+  table.closed("u", 9, absl::FailedPreconditionError("commit refused on node \"n0\": rank 1 was replaced"));
+  auto failed = table.closedBefore("u", 9, true, milliseconds(0));
+  REQUIRE(failed.has_value());
+  CHECK(failed->status().message() == "commit refused on node \"n0\": rank 1 was replaced");
+  // Taken without a Finish's word (the reaper's, shutdown's): not remembered.
+  auto c = attempt("v", 11);
+  REQUIRE(table.begin(c).ok());
+  REQUIRE(table.publish(c).ok());
+  REQUIRE(table.takeForClose("v", 11) == c);
+  CHECK_FALSE(table.closedBefore("v", 11, true, milliseconds(0)).has_value());
+}
+
 TEST_CASE("attempt table: expired leases and shutdown take only prepared attempts, drained ones leave",
           "[daemon][attempt]") {
   AttemptTable table("n0");

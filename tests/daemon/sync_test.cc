@@ -9,7 +9,9 @@
 #include <map>
 #include <thread>
 
+#include "daemon/coordinator/cluster.h"
 #include "daemon/coordinator/relay.h"
+#include "daemon/server/config.h"
 #include "planner/layout.h"
 #include "tests/daemon/daemon_harness.h"
 #include "tests/daemon/rank_memory.h"
@@ -544,6 +546,47 @@ TEST_CASE(
   CHECK(polled.results(0).code() == static_cast<int32_t>(grpc::StatusCode::NOT_FOUND));
   CHECK(polled.results(1).code() == static_cast<int32_t>(grpc::StatusCode::NOT_FOUND));
   CHECK(polled.results(2).code() == static_cast<int32_t>(grpc::StatusCode::DEADLINE_EXCEEDED));
+}
+
+TEST_CASE("a call every daemon must get (the commit) reaches the daemons below a silent relay directly",
+          "[daemon][sync]") {
+  Cluster cluster({"--insecure"});
+  std::vector<std::string> addresses;
+  for (int p : cluster.ports) addresses.push_back("127.0.0.1:" + std::to_string(p));
+  std::sort(addresses.begin(), addresses.end());
+  daemon::DaemonConfig config;
+  config.peers = addresses;
+  config.insecure = true;
+  const daemon::PeerSet peers(config, "coordinator");
+  // Finish of an attempt no daemon knows: each answers NOT_FOUND when reached.
+  v1::FinishRequest f;
+  f.set_sync_id("nothing-here");
+  f.set_fence(7);
+  f.set_commit(true);
+  daemon::TreeOptions options;
+  options.method = "Finish";
+  options.fanout = 2;  // addresses[0] relays for itself and addresses[1]
+  f.SerializeToString(&options.common_request);
+  std::vector<daemon::RawCall> calls;
+  for (const auto& a : addresses) calls.push_back({a, {}, std::chrono::milliseconds(500)});
+  size_t again = 0;
+  auto results = daemon::callTreeReachingAll(peers, calls, options, &again);
+  CHECK(again == 0);
+  for (const auto& r : results) CHECK(r.status.error_code() == grpc::StatusCode::NOT_FOUND);
+
+  // The relay frozen: it is named for its own call, and the daemon below it is called directly.
+  Daemon* relay = nullptr;
+  for (auto& d : cluster.daemons)
+    if (d->address() == addresses[0]) relay = d.get();
+  REQUIRE(relay != nullptr);
+  freezeProcess(relay->pid());
+  results = daemon::callTreeReachingAll(peers, calls, options, &again);
+  ::kill(relay->pid(), SIGCONT);
+  CHECK(again == 1);
+  CHECK(results[0].status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED);
+  INFO(results[1].status.error_message());
+  CHECK(results[1].status.error_code() == grpc::StatusCode::NOT_FOUND);
+  CHECK(results[2].status.error_code() == grpc::StatusCode::NOT_FOUND);
 }
 
 TEST_CASE("relay groups: contiguous subtrees of near-equal size, and their depth", "[daemon][sync]") {
