@@ -7,6 +7,8 @@
 #include <deque>
 #include <limits>
 #include <mutex>
+#include <set>
+#include <string_view>
 
 #include "common/strings.h"
 #include "daemon/coordinator/cluster.h"
@@ -226,6 +228,10 @@ StatusOr<v1::RelayResponse> relay(const PeerSet& peers, const v1::RelayRequest& 
   if (request.calls_size() == 0 || static_cast<size_t>(request.calls_size()) > kMaxRelayCalls)
     return absl::InvalidArgumentError(
         strCat("relay: between 1 and ", kMaxRelayCalls, " calls, not ", request.calls_size()));
+  // A caller that set no deadline would have this daemon hold its calls (and a thread) for as long
+  // as the calls' own timeouts say: up to 49 days each.
+  if (deadline == std::chrono::system_clock::time_point::max())
+    return absl::InvalidArgumentError("relay: a Relay needs a deadline");
   // The calls end in time for this relay to answer before its own deadline: a margin per hop
   // below it (the sub-relays' own margins) and one for its answer. Else, delivered late, it would
   // time out at its caller with its calls, and be named for a daemon silent below it.
@@ -235,10 +241,15 @@ StatusOr<v1::RelayResponse> relay(const PeerSet& peers, const v1::RelayRequest& 
       std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::system_clock::now()) - reserve);
   std::vector<RawCall> calls;
   calls.reserve(static_cast<size_t>(request.calls_size()));
+  std::set<std::string_view> seen;
   for (const auto& c : request.calls()) {
     // Only to the cluster's daemons: a relay is no proxy to anywhere else.
     if (!peers.isPeer(c.address()))
       return absl::PermissionDeniedError(strCat("relay: ", quote(c.address()), " is not a peer of this daemon"));
+    // Each daemon once: a coordinator calls each daemon once per phase, and a request naming one
+    // daemon thousands of times would make this relay a flood towards it.
+    if (!seen.insert(c.address()).second)
+      return absl::InvalidArgumentError(strCat("relay: ", quote(c.address()), " is called more than once"));
     calls.push_back({c.address(), c.request(), std::min(left, std::chrono::milliseconds(c.timeout_ms()))});
   }
   TreeOptions options;

@@ -498,6 +498,26 @@ TEST_CASE(
   auto [outside, _o] = relay("Finish", 2, "127.0.0.1:" + std::to_string(freePort()));
   CHECK(outside.error_code() == grpc::StatusCode::PERMISSION_DENIED);
   CHECK_THAT(outside.error_message(), Catch::Contains("is not a peer of this daemon"));
+  // A daemon named twice, or a Relay without a deadline: refused, nothing called.
+  {
+    v1::RelayRequest twice;
+    twice.set_method("Finish");
+    twice.set_fanout(2);
+    for (int k = 0; k < 2; ++k) {
+      auto* c = twice.add_calls();
+      c->set_address(n1);
+      c->set_timeout_ms(1000);
+    }
+    v1::RelayResponse out;
+    const auto st = peer->Relay(ctx().get(), twice, &out);
+    CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(st.error_message(), Catch::Contains("is called more than once"));
+    twice.mutable_calls()->RemoveLast();
+    grpc::ClientContext endless;  // no deadline
+    const auto no_deadline = peer->Relay(&endless, twice, &out);
+    CHECK(no_deadline.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(no_deadline.error_message(), Catch::Contains("a Relay needs a deadline"));
+  }
   // A peer's call through it: Finish of a sync n1 does not know answers NOT_FOUND, as directly.
   v1::FinishRequest f;
   f.set_sync_id("nothing-here");
