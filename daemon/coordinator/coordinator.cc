@@ -1016,8 +1016,12 @@ std::vector<grpc::Status> SyncCoordinator::finishAll(bool commit, const std::str
     std::vector<RawCall> calls;
     for (const auto& a : cluster_->addresses)
       calls.push_back({a, {}, std::chrono::milliseconds(ctx_.config.peer_timeout_ms)});
+    // The first round's calls end well within the daemons' lease: those below a relay that went
+    // silent get no lease renewal either (renewals go through the same relays), and the direct
+    // round must reach them before their lease runs out and they abort.
+    const auto first = std::max(std::chrono::milliseconds(250), lease_ / 4);
     size_t again = 0;
-    const auto raw = callTreeReachingAll(ctx_.peers, calls, options, &again);
+    const auto raw = callTreeReachingAll(ctx_.peers, calls, options, first, &again);
     if (again > 0)
       spdlog::warn("sync {}: a relay did not carry the commit to {} daemon(s): sent to them directly", id_, again);
     for (size_t i = 0; i < raw.size(); ++i) {

@@ -154,6 +154,7 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
     if (!o.status.ok()) {
       // The relay itself failed: it is named for its own call; the rest were not reached through it.
       results[o.begin].status = o.status;
+      for (size_t i = o.begin; i < o.end; ++i) results[i].unconfirmed = true;
       for (size_t i = o.begin + 1; i < o.end; ++i)
         results[i].status =
             grpc::Status(grpc::StatusCode::CANCELLED, strCat("not reached: relayed through ", calls[o.begin].address,
@@ -163,6 +164,9 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
     for (size_t i = o.begin; i < o.end; ++i) {
       auto& got = *rr.mutable_results(static_cast<int>(i - o.begin));
       results[i].status = grpc::Status(static_cast<grpc::StatusCode>(got.code()), got.message());
+      const auto code = results[i].status.error_code();
+      results[i].unconfirmed = code == grpc::StatusCode::DEADLINE_EXCEEDED || code == grpc::StatusCode::UNAVAILABLE ||
+                               code == grpc::StatusCode::CANCELLED;
       if (results[i].status.ok()) results[i].response = std::move(*got.mutable_response());
       failed = failed || isFailure(results[i].status);
     }
@@ -199,15 +203,17 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
 }
 
 std::vector<RawResult> callTreeReachingAll(const PeerSet& peers, const std::vector<RawCall>& calls, TreeOptions options,
-                                           size_t* again) {
+                                           std::chrono::milliseconds first_timeout, size_t* again) {
   options.stop_at_failure = false;
   options.cancelled = nullptr;
   options.track = nullptr;
-  auto results = callTree(peers, calls, options);
+  std::vector<RawCall> first = calls;
+  for (auto& c : first) c.timeout = std::min(c.timeout, first_timeout);
+  auto results = callTree(peers, first, options);
   std::vector<RawCall> unreached;
   std::vector<size_t> at;
   for (size_t i = 0; i < results.size(); ++i)
-    if (results[i].status.error_code() == grpc::StatusCode::CANCELLED) {
+    if (results[i].unconfirmed) {
       unreached.push_back(calls[i]);
       at.push_back(i);
     }

@@ -28,6 +28,10 @@ struct RawCall {
 struct RawResult {
   grpc::Status status;
   std::string response;  // serialized, when status is OK
+  // Through a Relay that could not bring back the daemon's own answer: the relay failed as a whole
+  // (its own call included), or the call ran out or was cut there (DEADLINE_EXCEEDED,
+  // UNAVAILABLE, CANCELLED: a relay reached too late to make its calls in time, say).
+  bool unconfirmed = false;
 };
 
 struct TreeOptions {
@@ -51,13 +55,13 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
                                 const std::function<void(size_t, const RawResult&)>& each = nullptr,
                                 bool first_here = false);
 
-// callTree for a call every daemon must get (the commit's Finish): never stopped at a failure nor
-// cancelled, so a CANCELLED result means "not reached" (relayed through a relay that failed as a
-// whole, anywhere in the tree); those calls are then made again directly, each with its own
-// timeout from then on. A silent relay costs the daemons below it one timeout, not the call.
-// `again`: how many were made again.
+// callTree for a call every daemon must get, and may get twice (the commit's Finish: a daemon
+// answers a repeat with its first answer): never stopped at a failure nor cancelled, with
+// `first_timeout` per call at most; then every call a relay could not confirm (RawResult::
+// unconfirmed) is made again directly with its own timeout. A silent relay costs the
+// daemons below it `first_timeout`, not the call. `again`: how many were made again.
 std::vector<RawResult> callTreeReachingAll(const PeerSet& peers, const std::vector<RawCall>& calls, TreeOptions options,
-                                           size_t* again = nullptr);
+                                           std::chrono::milliseconds first_timeout, size_t* again = nullptr);
 
 // The Relay handler's work: checks the request (known method, fanout of at least 2, every
 // address a peer of this daemon's cluster) and makes its calls, none past `deadline` (the

@@ -96,6 +96,15 @@ const SplitAmax* Execution::splitOf(const planner::TensorLayout& dt) const {
   return it == split_.end() ? nullptr : &it->second;
 }
 
+BlockAmaxes* Execution::amaxesOf(const planner::TensorLayout& dt) const {
+  if (dt.scale_of < 0 && !dt.blockScaled()) return nullptr;
+  const planner::TensorLayout& weight = dt.scale_of >= 0 ? cp_.dst.tensors[static_cast<size_t>(dt.scale_of)] : dt;
+  size_t blocks = 1;
+  for (size_t d = 0; d < weight.shape.size(); ++d)
+    blocks *= static_cast<size_t>((weight.shape[d] + weight.block[d] - 1) / weight.block[d]);
+  return a_->blockAmaxes(weight.name, blocks);
+}
+
 Status Execution::alive() const { return a_->usable(); }
 
 StatusOr<Registry::LocalBuffer> Execution::buffer(const planner::ResolvedLayout& l, int32_t rank, int32_t b) const {
@@ -202,7 +211,7 @@ Status Execution::copyColocated() {
       SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
       SC_RETURN_IF_ERROR(env_.stage.copyLocal(typed(db, dr.offset, dr.strides, dt, Direction::kIncoming),
                                               typed(sb, sr.offset, sr.strides, st, Direction::kOutgoing), dr.extent,
-                                              {dt.name, sub, &dt, splitOf(dt)}));
+                                              {dt.name, sub, &dt, splitOf(dt), amaxesOf(dt)}));
       a_->moved.local_bytes += static_cast<uint64_t>(sub.volume() * dt.elemBytes());
     }
   }
@@ -267,7 +276,7 @@ Status Execution::sendHeaded(int32_t t) {
       const TypedView wire{
           {out + cp_.fragment_offset[f] + chunk.offset, transport::MemoryKind::kHost, 0, denseFor(part)}, dt.dtype};
       SC_RETURN_IF_ERROR(env_.stage.pack(wire, typed(sb, sr.offset, sr.strides, st, Direction::kOutgoing), sr.extent,
-                                         {dt.name, part, &dt, splitOf(dt)}));
+                                         {dt.name, part, &dt, splitOf(dt), amaxesOf(dt)}));
     }
     // Encoded, checksummed and sent once packed (device packs: a chunk behind the next one's).
     auto then = [this, t, k, packed = out + chunk.offset, bytes = chunk.bytes, target, at, staged,

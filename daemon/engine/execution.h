@@ -68,6 +68,9 @@ class Execution {
   // The combined amaxes of the split blocks of destination tensor `dt` (a block-scaled weight or
   // its scales; null: none split).
   const SplitAmax* splitOf(const planner::TensorLayout& dt) const;
+  // The block amaxes this attempt shares between a block-scaled weight's values and its scale
+  // tensor (null for any other tensor).
+  BlockAmaxes* amaxesOf(const planner::TensorLayout& dt) const;
   // Before every local copy into or out of rank memory: the sync may have been ended meanwhile
   // (aborted, or its lease ran out); then its ranks are no longer its to touch.
   Status alive() const;

@@ -370,6 +370,9 @@ Status AttemptTable::begin(const std::shared_ptr<SyncAttempt>& a) {
     return absl::AlreadyExistsError(strCat("sync ", a->id, " is already prepared on node \"", node_, "\""));
   if (given_up_.count({a->id, a->fence}))
     return absl::AbortedError(strCat("sync ", a->id, " was given up by its coordinator before it was prepared here"));
+  // An attempt a Finish ended is not prepared again (a repeated commit would take the new one).
+  if (closed_.count({a->id, a->fence}))
+    return absl::AbortedError(strCat("sync ", a->id, " already ended on node \"", node_, "\" (this attempt)"));
   open_.emplace(a->id, a);
   return absl::OkStatus();
 }
@@ -409,6 +412,13 @@ std::shared_ptr<SyncAttempt> AttemptTable::find(const std::string& id, uint64_t 
   auto it = open_.find(id);
   if (it == open_.end() || !isOpen(*it->second) || (fence != 0 && it->second->fence != fence)) return nullptr;
   return it->second;
+}
+
+BlockAmaxes* SyncAttempt::blockAmaxes(const std::string& weight, size_t blocks) {
+  std::lock_guard<std::mutex> lock(amaxes_mu_);
+  auto& kept = amaxes_[weight];
+  if (!kept || kept->blocks() != blocks) kept = std::make_unique<BlockAmaxes>(blocks);
+  return kept.get();
 }
 
 std::shared_ptr<SyncAttempt> AttemptTable::takeForClose(const std::string& id, uint64_t fence,

@@ -37,6 +37,7 @@
 #include "daemon/engine/split_amax.h"
 #include "daemon/engine/sync_counters.h"
 #include "daemon/registry/registry.h"
+#include "daemon/stage/convert.h"
 #include "shardcast/v1/service.pb.h"
 #include "transport/transport.h"
 
@@ -182,6 +183,9 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   void setStaging(std::shared_ptr<transport::MemoryRegion> staging);
   // Queues chunk write `w` to `node` over `endpoint` and starts what fits in that node's window.
   Status send(int32_t node, std::shared_ptr<transport::Endpoint> endpoint, Outbox::Write w);
+  // Block-scaled fp8: the block amaxes of `weight` (`blocks` of them) read on this node during
+  // this attempt, shared by the packs of its values and of its scale tensor (each block read once).
+  BlockAmaxes* blockAmaxes(const std::string& weight, size_t blocks);
 
   // ---- While closing ----
   // An execute still running (one that outlived quiesce's wait).
@@ -219,6 +223,8 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   std::vector<std::shared_ptr<void>> pinned_;
   std::shared_ptr<transport::MemoryRegion> staging_;
   Outbox outbox_;
+  std::mutex amaxes_mu_;
+  std::map<std::string, std::unique_ptr<BlockAmaxes>> amaxes_;  // by weight
 };
 
 // The attempts one daemon holds: open ones (preparing, prepared, executing) by sync id, draining

@@ -258,12 +258,18 @@ StatusOr<float> SyncEngine::amaxOf(const planner::ResolvedLayout& src, const std
   return amaxBox(copy, weight.dtype, part.extent);
 }
 
-StatusOr<v1::FinishResponse> SyncEngine::finish(const v1::FinishRequest& req) {
+StatusOr<v1::FinishResponse> SyncEngine::finish(const v1::FinishRequest& req,
+                                                std::chrono::system_clock::time_point deadline) {
   auto a = attempts_.takeForClose(req.sync_id(), req.fence(), req.commit());
   if (!a) {
     // A Finish repeated for an attempt one already took here gets that one's answer.
     if (req.fence() != 0)
-      if (auto before = attempts_.closedBefore(req.sync_id(), req.fence(), req.commit(), std::chrono::seconds(10)))
+      if (auto before = attempts_.closedBefore(
+              req.sync_id(), req.fence(), req.commit(),
+              std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(
+                             std::min(deadline, std::chrono::system_clock::now() + std::chrono::seconds(10)) -
+                             std::chrono::system_clock::now()),
+                         std::chrono::milliseconds(0), std::chrono::milliseconds(10000))))
         return *std::move(before);
     // Its Prepare may still be running here: answer once it has ended (refused, its ranks
     // released), so that the coordinator's next attempt does not find them being written.

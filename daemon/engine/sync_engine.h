@@ -65,7 +65,10 @@ class SyncEngine {
   StatusOr<v1::PrepareResponse> prepare(const v1::PrepareRequest& req);
   StatusOr<v1::ExecuteResponse> execute(const v1::ExecuteRequest& req);
   // The states of this node's destination ranks after the sync ended here.
-  StatusOr<v1::FinishResponse> finish(const v1::FinishRequest& req);
+  // `deadline`: the caller's; a Finish repeated while the first one's close still runs waits for
+  // it until then (10 s at most).
+  StatusOr<v1::FinishResponse> finish(const v1::FinishRequest& req, std::chrono::system_clock::time_point deadline =
+                                                                        std::chrono::system_clock::time_point::max());
   // What a sync prepared here has moved so far; NOT_FOUND once it finished.
   // `fence` 0: whichever attempt of `sync_id`; else only that attempt.
   StatusOr<v1::ProgressResponse> progress(const std::string& sync_id, uint64_t fence = 0);

@@ -256,22 +256,20 @@ StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string&
   s->port_ = port == 0 ? s->server_->bind_to_any_port(host) : (s->server_->bind_to_port(host, port) ? port : -1);
   if (s->port_ <= 0)  // errno: of the bind or listen that failed (httplib closes the socket after it)
     return absl::UnavailableError(strCat("metrics: cannot listen on ", host, ":", port, ": ", std::strerror(errno)));
-  s->thread_ = std::thread([srv = s->server_.get()] { srv->listen_after_bind(); });
-  // httplib's stop() does nothing until the listening thread has marked the server running: a
-  // daemon that stopped right after starting (its gRPC port taken) hung in the destructor's join.
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!s->server_->is_running() && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  if (!s->server_->is_running()) {  // unstoppable: left to the process's exit
-    s->thread_.detach();
-    (void)s->server_.release();
-    return absl::UnavailableError(strCat("metrics: the server on port ", s->port_, " did not start"));
-  }
+  s->thread_ = std::thread([srv = s->server_.get(), done = &s->listened_] {
+    srv->listen_after_bind();
+    *done = true;
+  });
   return s;
 }
 
 MetricsServer::~MetricsServer() {
-  if (server_) server_->stop();
+  if (server_ && thread_.joinable()) {
+    // httplib's stop() does nothing until the listening thread has marked the server running: a
+    // daemon that stopped right after starting (its gRPC port taken) hung in the join below.
+    while (!listened_ && !server_->is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    server_->stop();
+  }
   if (thread_.joinable()) thread_.join();
 }
 

@@ -114,6 +114,7 @@ class MetricsServer {
   MetricsServer() = default;
   std::unique_ptr<httplib::Server> server_;
   std::thread thread_;
+  std::atomic<bool> listened_{false};  // listen_after_bind returned (it failed, or was stopped)
   int port_ = 0;
 };
 

@@ -321,7 +321,7 @@ grpc::Status PeerService::Relay(grpc::ServerContext* ctx, const v1::RelayRequest
 grpc::Status PeerService::Finish(grpc::ServerContext* ctx, const v1::FinishRequest* req, v1::FinishResponse* out) {
   if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
   const LogScope scope(req->sync_id());
-  return reply(engine_.finish(*req), out);
+  return reply(engine_.finish(*req, ctx->deadline()), out);
 }
 
 grpc::Status ShardcastService::Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,

@@ -128,12 +128,6 @@ float amaxAt(const std::byte* src, int64_t origin, const std::vector<int64_t>& i
   return nan ? std::numeric_limits<float>::quiet_NaN() : amax;
 }
 
-template <planner::DType From>
-float scaleAt(const std::byte* src, int64_t origin, const std::vector<int64_t>& inner,
-              const std::vector<int64_t>& sizes, bool pow2) {
-  return blockScale(amaxAt<From>(src, origin, inner, sizes), pow2);
-}
-
 // The scale grid of a block-scaled weight: its blocks per dim.
 std::vector<int64_t> gridOf(const std::vector<int64_t>& shape, const std::vector<int64_t>& block) {
   std::vector<int64_t> grid(shape.size());
@@ -143,7 +137,7 @@ std::vector<int64_t> gridOf(const std::vector<int64_t>& shape, const std::vector
 
 template <planner::DType From>
 void quantizeBlocks(const transport::StridedView& dst, const transport::StridedView& src, const planner::Box& box,
-                    const planner::TensorLayout& t, const SplitAmax* split) {
+                    const planner::TensorLayout& t, const SplitAmax* split, BlockAmaxes* amaxes) {
   const std::vector<int64_t> grid = gridOf(t.shape, t.block);
   const size_t nd = static_cast<size_t>(box.ndim);
   auto* out = reinterpret_cast<uint8_t*>(dst.base);
@@ -167,9 +161,10 @@ void quantizeBlocks(const transport::StridedView& dst, const transport::StridedV
       index[d] = first[d] + k[d];
     }
     // A split block's amax is given; only its part inside this rank's piece may be read.
-    const float* given = split ? split->find(planner::blockIndex(index.data(), grid)) : nullptr;
-    const float scale =
-        given ? blockScale(*given, t.pow2) : scaleAt<From>(src.base, block_origin, src.strides, bsize, t.pow2);
+    const int64_t at = planner::blockIndex(index.data(), grid);
+    const float* given = split ? split->find(at) : nullptr;
+    const auto read = [&] { return amaxAt<From>(src.base, block_origin, src.strides, bsize); };
+    const float scale = blockScale(given ? *given : amaxes ? amaxes->get(at, read) : read(), t.pow2);
     const int64_t n = psize[nd - 1], ss = src.strides[nd - 1], ds = dst.strides[nd - 1];
     forEachRowPair(part_src, src.strides, part_dst, dst.strides, psize, [&](int64_t row, int64_t o) {
       if (ss == 1 && ds == 1) {  // contiguous rows: vectorised
@@ -192,7 +187,8 @@ void quantizeBlocks(const transport::StridedView& dst, const transport::StridedV
 
 template <planner::DType From>
 void scaleBlocks(const transport::StridedView& dst, const transport::StridedView& src, const planner::Box& box,
-                 const planner::TensorLayout& scale, const std::vector<int64_t>& inner, const SplitAmax* split) {
+                 const planner::TensorLayout& scale, const std::vector<int64_t>& inner, const SplitAmax* split,
+                 BlockAmaxes* amaxes) {
   const size_t nd = static_cast<size_t>(box.ndim);
   auto* out = reinterpret_cast<float*>(dst.base);
   std::vector<int64_t> i(nd, 0), bsize(nd), index(nd);
@@ -206,8 +202,10 @@ void scaleBlocks(const transport::StridedView& dst, const transport::StridedView
       o += i[d] * dst.strides[d];
       index[d] = box.lo[d] + i[d];
     }
-    const float* given = split ? split->find(planner::blockIndex(index.data(), scale.shape)) : nullptr;
-    out[o] = given ? blockScale(*given, scale.pow2) : scaleAt<From>(src.base, s, inner, bsize, scale.pow2);
+    const int64_t at = planner::blockIndex(index.data(), scale.shape);
+    const float* given = split ? split->find(at) : nullptr;
+    const auto read = [&] { return amaxAt<From>(src.base, s, inner, bsize); };
+    out[o] = blockScale(given ? *given : amaxes ? amaxes->get(at, read) : read(), scale.pow2);
     size_t d = nd;
     while (d > 0 && ++i[d - 1] == sizes[d - 1]) i[--d] = 0;
     if (d == 0) return;
@@ -235,13 +233,14 @@ const float* SplitAmax::find(int64_t block) const {
 }
 
 Status quantizeBox(const transport::StridedView& dst, const transport::StridedView& src, planner::DType from,
-                   const planner::Box& box, const planner::TensorLayout& t, const SplitAmax* split) {
+                   const planner::Box& box, const planner::TensorLayout& t, const SplitAmax* split,
+                   BlockAmaxes* amaxes) {
   SC_RETURN_IF_ERROR(checkScaled(from, static_cast<size_t>(box.ndim), dst, src, t.block));
   if (box.empty()) return absl::OkStatus();
   if (from == planner::DType::kBFloat16)
-    quantizeBlocks<planner::DType::kBFloat16>(dst, src, box, t, split);
+    quantizeBlocks<planner::DType::kBFloat16>(dst, src, box, t, split, amaxes);
   else
-    quantizeBlocks<planner::DType::kFloat32>(dst, src, box, t, split);
+    quantizeBlocks<planner::DType::kFloat32>(dst, src, box, t, split, amaxes);
   return absl::OkStatus();
 }
 
@@ -255,7 +254,8 @@ StatusOr<float> amaxBox(const transport::StridedView& src, planner::DType from, 
 }
 
 Status scaleBox(const transport::StridedView& dst, const transport::StridedView& src, planner::DType from,
-                const planner::Box& box, const planner::TensorLayout& scale, const SplitAmax* split) {
+                const planner::Box& box, const planner::TensorLayout& scale, const SplitAmax* split,
+                BlockAmaxes* amaxes) {
   const size_t nd = static_cast<size_t>(box.ndim);
   SC_RETURN_IF_ERROR(checkScaled(from, nd, dst, src, scale.block));
   if (box.empty()) return absl::OkStatus();
@@ -266,9 +266,9 @@ Status scaleBox(const transport::StridedView& dst, const transport::StridedView&
     inner[d] = src.strides[d] / scale.block[d];
   }
   if (from == planner::DType::kBFloat16)
-    scaleBlocks<planner::DType::kBFloat16>(dst, src, box, scale, inner, split);
+    scaleBlocks<planner::DType::kBFloat16>(dst, src, box, scale, inner, split, amaxes);
   else
-    scaleBlocks<planner::DType::kFloat32>(dst, src, box, scale, inner, split);
+    scaleBlocks<planner::DType::kFloat32>(dst, src, box, scale, inner, split, amaxes);
   return absl::OkStatus();
 }
 

@@ -4,6 +4,7 @@
 // 0x7fff: both NaN).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -47,17 +48,56 @@ struct SplitAmax {
   const float* find(int64_t block) const;  // null: the block is not split
 };
 
+// The amaxes of one block-scaled weight's blocks, read once per sync on a node: its fp8 values
+// and its scale tensor are packed by separate calls (separate transfers, on any packer thread, in
+// any order), and whichever comes second takes a block's amax from the first rather than reading
+// the block again. Thread-safe; one per weight and sync attempt (the source ranks are held for
+// the sync, so a block's values do not change under it).
+class BlockAmaxes {
+ public:
+  explicit BlockAmaxes(size_t blocks) : slots_(blocks) {}
+  // Block `block`'s amax (row-major index in the scale tensor's grid), from `read()` the first
+  // time (two threads may both read it once: the same value).
+  template <class Read>
+  float get(int64_t block, Read&& read) {
+    auto& slot = slots_[static_cast<size_t>(block)];
+    uint64_t v = slot.load(std::memory_order_acquire);
+    if (v == 0) {
+      const float amax = read();
+      uint32_t bits;
+      std::memcpy(&bits, &amax, sizeof(bits));
+      v = (uint64_t{1} << 32) | bits;
+      slot.store(v, std::memory_order_release);
+      reads_.fetch_add(1, std::memory_order_relaxed);
+    }
+    const auto bits = static_cast<uint32_t>(v);
+    float amax;
+    std::memcpy(&amax, &bits, sizeof(amax));
+    return amax;
+  }
+  size_t blocks() const { return slots_.size(); }
+  // How many times a block was read (a block read by two threads at once counts twice).
+  uint64_t reads() const { return reads_.load(std::memory_order_relaxed); }
+
+ private:
+  std::vector<std::atomic<uint64_t>> slots_;  // 0: not read yet; else 1 << 32 | the amax's bits
+  std::atomic<uint64_t> reads_{0};
+};
+
 // Block-scaled fp8 (v1::BlockScale), host memory. quantizeBox: box `box` (global indices) of the
 // block-scaled tensor `t` from `src` (dtype `from`: float32 or bfloat16, its view's origin at
 // box.lo) into `dst` (e4m3); each element divided by the scale of its whole block: from the
 // block's amax in `split` when it is split between source ranks, else read from `src` around the
 // box (the whole block lies in the source's memory). scaleBox: the scales of the blocks `box`
 // (block indices) of scale tensor `scale`, from `split` or from `src`, a view whose element i is
-// the first element of block i (strides: the weight's times the block).
+// the first element of block i (strides: the weight's times the block). `amaxes` (the weight's,
+// its blocks' count; optional): a block's amax read by the other of the two is not read again.
 Status quantizeBox(const transport::StridedView& dst, const transport::StridedView& src, planner::DType from,
-                   const planner::Box& box, const planner::TensorLayout& t, const SplitAmax* split = nullptr);
+                   const planner::Box& box, const planner::TensorLayout& t, const SplitAmax* split = nullptr,
+                   BlockAmaxes* amaxes = nullptr);
 Status scaleBox(const transport::StridedView& dst, const transport::StridedView& src, planner::DType from,
-                const planner::Box& box, const planner::TensorLayout& scale, const SplitAmax* split = nullptr);
+                const planner::Box& box, const planner::TensorLayout& scale, const SplitAmax* split = nullptr,
+                BlockAmaxes* amaxes = nullptr);
 // The largest magnitude of the box of `extent` elements of `src` (host memory, float32 or
 // bfloat16): one source rank's part of a split block. NaN when one is NaN.
 StatusOr<float> amaxBox(const transport::StridedView& src, planner::DType from, const std::vector<int64_t>& extent);

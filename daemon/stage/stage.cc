@@ -73,8 +73,9 @@ class StandardStage final : public Stage {
     return absl::OkStatus();
   }
   Status quantizeOnHost(const transport::StridedView& dst, const TypedView& src, const StageSite& site) {
-    return site.layout->scale_of >= 0 ? scaleBox(dst, src.view, src.dtype, site.box, *site.layout, site.split)
-                                      : quantizeBox(dst, src.view, src.dtype, site.box, *site.layout, site.split);
+    return site.layout->scale_of >= 0
+               ? scaleBox(dst, src.view, src.dtype, site.box, *site.layout, site.split, site.amaxes)
+               : quantizeBox(dst, src.view, src.dtype, site.box, *site.layout, site.split, site.amaxes);
   }
   // Whether the box touches a block whose amax is given (split between source ranks).
   static bool touchesSplit(const StageSite& site) {

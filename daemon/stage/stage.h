@@ -46,6 +46,8 @@ struct StageSite {
   const planner::TensorLayout* layout = nullptr;
   // The combined amaxes of the block-scaled weight's blocks that source ranks split (null: none).
   const SplitAmax* split = nullptr;
+  // The weight's block amaxes already read on this node in this sync (null: read every time).
+  BlockAmaxes* amaxes = nullptr;
 };
 
 class Stage {

@@ -144,6 +144,67 @@ TEST_CASE("fp8: quantising boxes that cut blocks gives the bytes of the whole te
                   .ok());
 }
 
+TEST_CASE("fp8: a weight's values and its scale tensor read each block once, with the same bytes", "[daemon][fp8]") {
+  // 10 x 13 bf16 in blocks of 4 x 5: a 3 x 3 grid. The values are quantised in two boxes that cut
+  // blocks, then the scale tensor of all nine blocks, sharing one BlockAmaxes.
+  const std::vector<int64_t> shape{10, 13}, strides{13, 1};
+  std::vector<uint16_t> x(130);
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (auto& v : x) v = bfloat16FromFloat(normal(rng));
+  planner::TensorLayout w;
+  w.name = "w";
+  w.shape = shape;
+  w.dtype = planner::DType::kFloat8E4M3;
+  w.block = {4, 5};
+  planner::TensorLayout s;
+  s.name = "w_scale";
+  s.shape = {3, 3};
+  s.dtype = planner::DType::kFloat32;
+  s.block = w.block;
+  s.scale_of = 0;
+  s.scaled_shape = shape;
+  const auto box = [](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+    planner::Box b;
+    b.ndim = 2;
+    b.lo = {r0, c0};
+    b.hi = {r1, c1};
+    return b;
+  };
+  const auto run = [&](BlockAmaxes* amaxes, std::vector<uint8_t>& values, std::vector<float>& scales) {
+    for (const auto& b : {box(0, 10, 0, 7), box(0, 10, 7, 13)}) {
+      const int64_t origin = b.lo[0] * 13 + b.lo[1];
+      REQUIRE(quantizeBox({reinterpret_cast<std::byte*>(values.data()), transport::MemoryKind::kHost, origin, strides},
+                          {reinterpret_cast<std::byte*>(x.data()), transport::MemoryKind::kHost, origin, strides},
+                          planner::DType::kBFloat16, b, w, nullptr, amaxes)
+                  .ok());
+    }
+    REQUIRE(scaleBox({reinterpret_cast<std::byte*>(scales.data()), transport::MemoryKind::kHost, 0, {3, 1}},
+                     {reinterpret_cast<std::byte*>(x.data()), transport::MemoryKind::kHost, 0, {13 * 4, 5}},
+                     planner::DType::kBFloat16, box(0, 3, 0, 3), s, nullptr, amaxes)
+                .ok());
+  };
+  std::vector<uint8_t> want(130), got(130);
+  std::vector<float> want_scales(9), got_scales(9);
+  run(nullptr, want, want_scales);
+  BlockAmaxes amaxes(9);
+  run(&amaxes, got, got_scales);
+  CHECK(got == want);
+  CHECK(got_scales == want_scales);
+  // Nine blocks, each read once: the two boxes share the blocks they cut, the scales read none.
+  CHECK(amaxes.reads() == 9);
+  // The scales come from what the values were quantised with, not from a second read: changed
+  // memory under a later scale pack leaves them as they were.
+  std::fill(x.begin(), x.end(), bfloat16FromFloat(1000.0f));
+  std::vector<float> again(9);
+  REQUIRE(scaleBox({reinterpret_cast<std::byte*>(again.data()), transport::MemoryKind::kHost, 0, {3, 1}},
+                   {reinterpret_cast<std::byte*>(x.data()), transport::MemoryKind::kHost, 0, {13 * 4, 5}},
+                   planner::DType::kBFloat16, box(0, 3, 0, 3), s, nullptr, &amaxes)
+              .ok());
+  CHECK(again == want_scales);
+  CHECK(amaxes.reads() == 9);
+}
+
 TEST_CASE("fp8 layouts: the scale tensor of each rank's blocks, and the blocks sources cut", "[daemon][fp8]") {
   auto dst = planner::parseLayoutJson(R"({"group":"d","mesh":{"shape":[2]},"nodes":["a","a"],"tensors":[
     {"name":"w","shape":[256,320],"dtype":"float8_e4m3fn","placements":[{"shard":{"dim":1}}],

@@ -207,6 +207,9 @@ TEST_CASE("attempt table: a Finish repeated for an attempt a Finish took gets th
   REQUIRE(repeat->ok());
   REQUIRE((*repeat)->ranks_size() == 1);
   CHECK((*repeat)->ranks(0).rank() == 3);
+  // The attempt is not prepared again (a repeated commit would take it), another one of the sync is.
+  CHECK(table.begin(attempt("s", 7)).code() == absl::StatusCode::kAborted);
+  CHECK(table.begin(attempt("s", 8)).ok());
   // An abort after the commit is not taken for it.
   auto abort = table.closedBefore("s", 7, false, milliseconds(0));
   REQUIRE(abort.has_value());
