@@ -121,6 +121,43 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "convert_bench: the vectorised fp8 bytes differ from the scalar loop's\n");
     return 1;
   }
+  // A weight and its scale tensor, as a sync packs them (two calls): the scales reading every
+  // block again, or taking the amaxes the values' pass read (BlockAmaxes, one per sync).
+  planner::TensorLayout scale;
+  scale.name = "w_scale_inv";
+  scale.shape = {(rows + block - 1) / block, (cols + block - 1) / block};
+  scale.dtype = planner::DType::kFloat32;
+  scale.block = w.block;
+  scale.scale_of = 0;
+  scale.scaled_shape = w.shape;
+  std::vector<float> scales(static_cast<size_t>(scale.shape[0] * scale.shape[1])), shared_scales(scales.size());
+  planner::Box blocks;
+  blocks.ndim = 2;
+  blocks.lo = {0, 0};
+  blocks.hi = {scale.shape[0], scale.shape[1]};
+  const transport::StridedView scale_out{
+      reinterpret_cast<std::byte*>(scales.data()), transport::MemoryKind::kHost, 0, {scale.shape[1], 1}};
+  const transport::StridedView block_view{
+      reinterpret_cast<std::byte*>(bf16.data()), transport::MemoryKind::kHost, 0, {cols * block, block}};
+  const double both = best(repeat, [&] {
+    if (!quantizeBox(view(fp8.data()), view(bf16.data()), planner::DType::kBFloat16, box, w).ok() ||
+        !scaleBox(scale_out, block_view, planner::DType::kBFloat16, blocks, scale).ok())
+      std::abort();
+  });
+  report("fp8 from bf16 + scales, two reads", n * 2.0, both, memcpy_bf16);
+  transport::StridedView shared_out = scale_out;
+  shared_out.base = reinterpret_cast<std::byte*>(shared_scales.data());
+  const double both_shared = best(repeat, [&] {
+    BlockAmaxes amaxes(scales.size());
+    if (!quantizeBox(view(fp8.data()), view(bf16.data()), planner::DType::kBFloat16, box, w, nullptr, &amaxes).ok() ||
+        !scaleBox(shared_out, block_view, planner::DType::kBFloat16, blocks, scale, nullptr, &amaxes).ok())
+      std::abort();
+  });
+  report("fp8 from bf16 + scales, amax shared", n * 2.0, both_shared, memcpy_bf16);
+  if (shared_scales != scales) {
+    fmt::print(stderr, "convert_bench: the scales from shared amaxes differ from those read again\n");
+    return 1;
+  }
   const double q_f32 = best(repeat, [&] {
     if (!quantizeBox(view(fp8.data()), view(f32.data()), planner::DType::kFloat32, box, w).ok()) std::abort();
   });

@@ -109,6 +109,22 @@ float amaxAt(const std::byte* src, int64_t origin, const std::vector<int64_t>& i
   const int64_t n = sizes.empty() ? 1 : sizes.back(), step = inner.empty() ? 1 : inner.back();
   float amax = 0.0f;
   bool nan = false;
+  if (step == 1 && sizes.size() >= 2) {  // contiguous rows: vectorised, a plane of rows per call
+    const size_t r = sizes.size() - 2;
+    std::vector<int64_t> planes = sizes;
+    planes[r] = 1;
+    const auto rows = static_cast<size_t>(sizes[r]);
+    forEachRow(origin, inner, planes, [&](int64_t first) {
+      bool plane_nan = false;
+      const float m =
+          From == planner::DType::kBFloat16
+              ? simd::amaxRowsBf16(reinterpret_cast<const uint16_t*>(src) + first, n, rows, inner[r], &plane_nan)
+              : simd::amaxRows(reinterpret_cast<const float*>(src) + first, n, rows, inner[r], &plane_nan);
+      nan = nan || plane_nan;
+      amax = std::max(amax, m);
+    });
+    return nan ? std::numeric_limits<float>::quiet_NaN() : amax;
+  }
   forEachRow(origin, inner, sizes, [&](int64_t row) {
     if (step == 1) {  // a contiguous row: vectorised
       bool row_nan = false;
@@ -166,19 +182,32 @@ void quantizeBlocks(const transport::StridedView& dst, const transport::StridedV
     const auto read = [&] { return amaxAt<From>(src.base, block_origin, src.strides, bsize); };
     const float scale = blockScale(given ? *given : amaxes ? amaxes->get(at, read) : read(), t.pow2);
     const int64_t n = psize[nd - 1], ss = src.strides[nd - 1], ds = dst.strides[nd - 1];
-    forEachRowPair(part_src, src.strides, part_dst, dst.strides, psize, [&](int64_t row, int64_t o) {
-      if (ss == 1 && ds == 1) {  // contiguous rows: vectorised
+    if (ss == 1 && ds == 1 && nd >= 2) {  // contiguous rows: vectorised, a plane of rows per call
+      std::vector<int64_t> planes = psize;
+      planes[nd - 2] = 1;
+      const auto rows = static_cast<size_t>(psize[nd - 2]);
+      const int64_t rs = src.strides[nd - 2], rd = dst.strides[nd - 2];
+      forEachRowPair(part_src, src.strides, part_dst, dst.strides, planes, [&](int64_t row, int64_t o) {
         if constexpr (From == planner::DType::kBFloat16)
-          simd::quantizeRowBf16(reinterpret_cast<const uint16_t*>(src.base) + row, out + o, n, scale);
+          simd::quantizeRowsBf16(reinterpret_cast<const uint16_t*>(src.base) + row, rs, out + o, rd, n, rows, scale);
         else
-          simd::quantizeRow(reinterpret_cast<const float*>(src.base) + row, out + o, n, scale);
-        return;
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        const float x = load<From>(src.base, row + i * ss) / scale;
-        out[o + i * ds] = e4m3FromFloat(std::isnan(x) ? x : std::clamp(x, -448.0f, 448.0f));
-      }
-    });
+          simd::quantizeRows(reinterpret_cast<const float*>(src.base) + row, rs, out + o, rd, n, rows, scale);
+      });
+    } else {
+      forEachRowPair(part_src, src.strides, part_dst, dst.strides, psize, [&](int64_t row, int64_t o) {
+        if (ss == 1 && ds == 1) {  // contiguous rows: vectorised
+          if constexpr (From == planner::DType::kBFloat16)
+            simd::quantizeRowBf16(reinterpret_cast<const uint16_t*>(src.base) + row, out + o, n, scale);
+          else
+            simd::quantizeRow(reinterpret_cast<const float*>(src.base) + row, out + o, n, scale);
+          return;
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          const float x = load<From>(src.base, row + i * ss) / scale;
+          out[o + i * ds] = e4m3FromFloat(std::isnan(x) ? x : std::clamp(x, -448.0f, 448.0f));
+        }
+      });
+    }
     size_t d = nd;
     while (d > 0 && ++k[d - 1] == count[d - 1]) k[--d] = 0;
     if (d == 0) return;

@@ -51,38 +51,49 @@ void BFloat16FromFloatRow(const float* HWY_RESTRICT in, uint16_t* HWY_RESTRICT o
   for (; i < n; ++i) out[i] = bfloat16FromFloat(in[i]);
 }
 
+// `rows` rows of n elements, row r at in + r * stride: one call per block, the accumulators kept
+// across its rows.
 template <typename T>
-float AmaxRowT(const T* HWY_RESTRICT in, size_t n, bool* nan) {
+float AmaxRowsT(const T* HWY_RESTRICT in, size_t n, size_t rows, ptrdiff_t stride, bool* nan) {
   const DF df;
   const size_t lanes = hn::Lanes(df);
   auto amax = hn::Zero(df);
   auto nans = hn::FirstN(df, 0);
-  size_t i = 0;
-  for (; i + lanes <= n; i += lanes) {
-    const auto x = loadFloats(df, in + i);
-    nans = hn::Or(nans, hn::IsNaN(x));
-    amax = hn::Max(amax, hn::Abs(x));
+  float out = 0.0f;
+  bool any_nan = false;
+  for (size_t r = 0; r < rows; ++r) {
+    const T* row = in + static_cast<ptrdiff_t>(r) * stride;
+    size_t i = 0;
+    for (; i + lanes <= n; i += lanes) {
+      const auto x = loadFloats(df, row + i);
+      nans = hn::Or(nans, hn::IsNaN(x));
+      amax = hn::Max(amax, hn::Abs(x));
+    }
+    for (; i < n; ++i) {
+      const float v = std::fabs(scalarFloat(row[i]));
+      any_nan = any_nan || std::isnan(v);
+      out = std::max(out, v);
+    }
   }
-  bool any_nan = !hn::AllFalse(df, nans);
-  float out = hn::GetLane(hn::MaxOfLanes(df, amax));
-  for (; i < n; ++i) {
-    const float v = std::fabs(scalarFloat(in[i]));
-    any_nan = any_nan || std::isnan(v);
-    out = std::max(out, v);
-  }
+  any_nan = any_nan || !hn::AllFalse(df, nans);
   *nan = any_nan;
-  return out;
+  return std::max(out, hn::GetLane(hn::MaxOfLanes(df, amax)));
 }
 
-float AmaxRow(const float* HWY_RESTRICT in, size_t n, bool* nan) { return AmaxRowT(in, n, nan); }
-float AmaxRowBf16(const uint16_t* HWY_RESTRICT in, size_t n, bool* nan) { return AmaxRowT(in, n, nan); }
+float AmaxRows(const float* HWY_RESTRICT in, size_t n, size_t rows, ptrdiff_t stride, bool* nan) {
+  return AmaxRowsT(in, n, rows, stride, nan);
+}
+float AmaxRowsBf16(const uint16_t* HWY_RESTRICT in, size_t n, size_t rows, ptrdiff_t stride, bool* nan) {
+  return AmaxRowsT(in, n, rows, stride, nan);
+}
 
 // e4m3FromFloat of x / scale clamped to +-448, lane by lane, without branches: the normal
 // encoding (exponent rebased from 127 to 7, mantissa rounded from 23 bits to 3, ties to even,
 // a carry moving the exponent up) or, below 2^-6, the subnormal one (|x| * 2^9 rounded to
 // nearest even, exact), the sign on top; NaN gives 0x7f with its sign.
 template <typename T>
-void QuantizeRowT(const T* HWY_RESTRICT in, uint8_t* HWY_RESTRICT out, size_t n, float scale) {
+void QuantizeRowsT(const T* HWY_RESTRICT in, ptrdiff_t in_stride, uint8_t* HWY_RESTRICT out, ptrdiff_t out_stride,
+                   size_t n, size_t rows, float scale) {
   const DF df;
   const DU du;
   const DI di;
@@ -93,33 +104,37 @@ void QuantizeRowT(const T* HWY_RESTRICT in, uint8_t* HWY_RESTRICT out, size_t n,
   const auto round_half = hn::Set(du, 0x7ffffu), one = hn::Set(du, 1u), sign_mask = hn::Set(du, 0x80u);
   const auto smallest_normal = hn::Set(di, 0x3c800000), rebias = hn::Set(di, 120 << 3);
   const auto max_finite = hn::Set(di, 0x7e), nan_bits = hn::Set(di, 0x7f);
-  size_t i = 0;
-  for (; i + lanes <= n; i += lanes) {
-    const auto x = hn::Div(loadFloats(df, in + i), vscale);
-    const auto sign = hn::BitCast(di, hn::And(hn::ShiftRight<24>(hn::BitCast(du, x)), sign_mask));
-    const auto a = hn::Abs(hn::Min(hn::Max(x, lo), hi));  // NaN lanes are replaced below
-    const auto ua = hn::BitCast(du, a);
-    const auto normal = hn::Min(
-        hn::Sub(
-            hn::BitCast(di, hn::ShiftRight<20>(hn::Add(hn::Add(ua, round_half), hn::And(hn::ShiftRight<20>(ua), one)))),
-            rebias),
-        max_finite);
-    const auto subnormal = hn::ConvertTo(di, hn::Round(hn::Mul(a, sub_scale)));
-    auto q = hn::IfThenElse(hn::Lt(hn::BitCast(di, ua), smallest_normal), subnormal, normal);
-    q = hn::Or(hn::IfThenElse(hn::RebindMask(di, hn::IsNaN(x)), nan_bits, q), sign);
-    hn::StoreU(hn::DemoteTo(du8, q), du8, out + i);
-  }
-  for (; i < n; ++i) {
-    const float x = scalarFloat(in[i]) / scale;
-    out[i] = e4m3FromFloat(std::isnan(x) ? x : std::clamp(x, -448.0f, 448.0f));
+  for (size_t r = 0; r < rows; ++r, in += in_stride, out += out_stride) {
+    size_t i = 0;
+    for (; i + lanes <= n; i += lanes) {
+      const auto x = hn::Div(loadFloats(df, in + i), vscale);
+      const auto sign = hn::BitCast(di, hn::And(hn::ShiftRight<24>(hn::BitCast(du, x)), sign_mask));
+      const auto a = hn::Abs(hn::Min(hn::Max(x, lo), hi));  // NaN lanes are replaced below
+      const auto ua = hn::BitCast(du, a);
+      const auto normal = hn::Min(
+          hn::Sub(hn::BitCast(
+                      di, hn::ShiftRight<20>(hn::Add(hn::Add(ua, round_half), hn::And(hn::ShiftRight<20>(ua), one)))),
+                  rebias),
+          max_finite);
+      const auto subnormal = hn::ConvertTo(di, hn::Round(hn::Mul(a, sub_scale)));
+      auto q = hn::IfThenElse(hn::Lt(hn::BitCast(di, ua), smallest_normal), subnormal, normal);
+      q = hn::Or(hn::IfThenElse(hn::RebindMask(di, hn::IsNaN(x)), nan_bits, q), sign);
+      hn::StoreU(hn::DemoteTo(du8, q), du8, out + i);
+    }
+    for (; i < n; ++i) {
+      const float x = scalarFloat(in[i]) / scale;
+      out[i] = e4m3FromFloat(std::isnan(x) ? x : std::clamp(x, -448.0f, 448.0f));
+    }
   }
 }
 
-void QuantizeRow(const float* HWY_RESTRICT in, uint8_t* HWY_RESTRICT out, size_t n, float scale) {
-  QuantizeRowT(in, out, n, scale);
+void QuantizeRows(const float* HWY_RESTRICT in, ptrdiff_t in_stride, uint8_t* HWY_RESTRICT out, ptrdiff_t out_stride,
+                  size_t n, size_t rows, float scale) {
+  QuantizeRowsT(in, in_stride, out, out_stride, n, rows, scale);
 }
-void QuantizeRowBf16(const uint16_t* HWY_RESTRICT in, uint8_t* HWY_RESTRICT out, size_t n, float scale) {
-  QuantizeRowT(in, out, n, scale);
+void QuantizeRowsBf16(const uint16_t* HWY_RESTRICT in, ptrdiff_t in_stride, uint8_t* HWY_RESTRICT out,
+                      ptrdiff_t out_stride, size_t n, size_t rows, float scale) {
+  QuantizeRowsT(in, in_stride, out, out_stride, n, rows, scale);
 }
 
 }  // namespace HWY_NAMESPACE
@@ -130,21 +145,27 @@ HWY_AFTER_NAMESPACE();
 namespace shardcast::daemon::simd {
 
 HWY_EXPORT(BFloat16FromFloatRow);
-HWY_EXPORT(AmaxRow);
-HWY_EXPORT(AmaxRowBf16);
-HWY_EXPORT(QuantizeRow);
-HWY_EXPORT(QuantizeRowBf16);
+HWY_EXPORT(AmaxRows);
+HWY_EXPORT(AmaxRowsBf16);
+HWY_EXPORT(QuantizeRows);
+HWY_EXPORT(QuantizeRowsBf16);
 
 void bfloat16FromFloatRow(const float* in, uint16_t* out, size_t n) {
   HWY_DYNAMIC_DISPATCH(BFloat16FromFloatRow)(in, out, n);
 }
-float amaxRow(const float* in, size_t n, bool* nan) { return HWY_DYNAMIC_DISPATCH(AmaxRow)(in, n, nan); }
-float amaxRowBf16(const uint16_t* in, size_t n, bool* nan) { return HWY_DYNAMIC_DISPATCH(AmaxRowBf16)(in, n, nan); }
-void quantizeRow(const float* in, uint8_t* out, size_t n, float scale) {
-  HWY_DYNAMIC_DISPATCH(QuantizeRow)(in, out, n, scale);
+float amaxRows(const float* in, size_t n, size_t rows, ptrdiff_t stride, bool* nan) {
+  return HWY_DYNAMIC_DISPATCH(AmaxRows)(in, n, rows, stride, nan);
 }
-void quantizeRowBf16(const uint16_t* in, uint8_t* out, size_t n, float scale) {
-  HWY_DYNAMIC_DISPATCH(QuantizeRowBf16)(in, out, n, scale);
+float amaxRowsBf16(const uint16_t* in, size_t n, size_t rows, ptrdiff_t stride, bool* nan) {
+  return HWY_DYNAMIC_DISPATCH(AmaxRowsBf16)(in, n, rows, stride, nan);
+}
+void quantizeRows(const float* in, ptrdiff_t in_stride, uint8_t* out, ptrdiff_t out_stride, size_t n, size_t rows,
+                  float scale) {
+  HWY_DYNAMIC_DISPATCH(QuantizeRows)(in, in_stride, out, out_stride, n, rows, scale);
+}
+void quantizeRowsBf16(const uint16_t* in, ptrdiff_t in_stride, uint8_t* out, ptrdiff_t out_stride, size_t n,
+                      size_t rows, float scale) {
+  HWY_DYNAMIC_DISPATCH(QuantizeRowsBf16)(in, in_stride, out, out_stride, n, rows, scale);
 }
 
 const char* target() {

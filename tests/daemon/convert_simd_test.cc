@@ -171,3 +171,49 @@ TEST_CASE("simd conversions: a row's amax is the largest magnitude, and a NaN an
     }
   });
 }
+
+TEST_CASE("simd conversions: a block's rows in one call are its rows one by one", "[daemon][fp8][simd]") {
+  // Rows of n elements, `stride` apart, in and out: amaxRows is the largest of the rows' amaxes
+  // (a NaN in any row reported), quantizeRows writes what quantizeRow writes row by row, and
+  // nothing between the rows.
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  onEveryTarget([&] {
+    for (size_t n : {1, 7, 16, 33, 128}) {
+      for (size_t rows : {1, 2, 5, 128}) {
+        const ptrdiff_t stride = static_cast<ptrdiff_t>(n + 3);
+        std::vector<float> x(rows * static_cast<size_t>(stride));
+        for (auto& v : x) v = normal(rng);
+        std::vector<uint16_t> b(x.size());
+        for (size_t i = 0; i < x.size(); ++i) b[i] = bfloat16FromFloat(x[i]);
+        float want = 0.0f, want_b = 0.0f;
+        bool nan = true;
+        for (size_t r = 0; r < rows; ++r) {
+          want = std::max(want, simd::amaxRow(x.data() + r * stride, n, &nan));
+          want_b = std::max(want_b, simd::amaxRowBf16(b.data() + r * stride, n, &nan));
+        }
+        INFO("n " << n << ", rows " << rows);
+        CHECK(simd::amaxRows(x.data(), n, rows, stride, &nan) == want);
+        CHECK_FALSE(nan);
+        CHECK(simd::amaxRowsBf16(b.data(), n, rows, stride, &nan) == want_b);
+        CHECK_FALSE(nan);
+        auto y = x;
+        y[(rows - 1) * static_cast<size_t>(stride) + n - 1] = std::numeric_limits<float>::quiet_NaN();
+        simd::amaxRows(y.data(), n, rows, stride, &nan);
+        CHECK(nan);
+
+        const float scale = want_b / 448.0f;
+        std::vector<uint8_t> one(x.size(), 0xee), all(x.size(), 0xee);
+        for (size_t r = 0; r < rows; ++r)
+          simd::quantizeRowBf16(b.data() + r * stride, one.data() + r * stride, n, scale);
+        simd::quantizeRowsBf16(b.data(), stride, all.data(), stride, n, rows, scale);
+        CHECK(all == one);
+        std::fill(one.begin(), one.end(), 0xee);
+        std::fill(all.begin(), all.end(), 0xee);
+        for (size_t r = 0; r < rows; ++r) simd::quantizeRow(x.data() + r * stride, one.data() + r * stride, n, scale);
+        simd::quantizeRows(x.data(), stride, all.data(), stride, n, rows, scale);
+        CHECK(all == one);
+      }
+    }
+  });
+}
