@@ -553,6 +553,7 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
   struct Held {
     uint64_t ready = UINT64_MAX;
     bool readable = true;
+    bool read = false;  // another sync reads it now (a second catch-up may too)
   };
   src_group_ = req_.src_group();  // a wait_for_ranks round starts afresh
   seed_ = current_ = false;
@@ -563,10 +564,11 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
       if (!l || (l->replica_set() != layout->replica_set() && r.group() != src_group_)) continue;
       auto& h = held[r.group()];
       h.ready = std::min(h.ready, r.state() == v1::RANK_READY ? r.version() : 0);
-      // Held by its engine is fine (both only read); written by a sync, or double-buffered (the
-      // set a sync would read is not the one holding the version), is not.
-      h.readable =
-          h.readable && r.state() == v1::RANK_READY && !r.double_buffered() && !(r.refuses_writes() && !r.held());
+      // Held by its engine is fine, and so is another catch-up reading it (all only read); written
+      // by a sync, or double-buffered (the set a sync would read is not the one holding the
+      // version), is not.
+      h.readable = h.readable && r.state() == v1::RANK_READY && !r.double_buffered() && !r.written();
+      h.read = h.read || r.readers() > 0;
     }
   // The replica's owner must be one the source's bytes may reach, and a seed must be the same
   // owner's replica, holding a version its owner may have synced from the source: another uid's
@@ -574,18 +576,22 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
   if (Status eligible = view.mayReceive(src_group_, dst); !eligible.ok())
     return Status(eligible.code(), strCat("catch-up: ", eligible.message()));
   const auto owner = view.ownerOf(dst);
+  // The seed: a replica at the newest version (or the one asked for); among those, one no other
+  // sync reads now (several catch-ups at once spread over the replicas, and share one when
+  // there are more of them than replicas rather than falling back to the trainer).
   uint64_t newest = req_.version();
   std::string seed;
+  bool seed_read = false;
   for (const auto& group : view.replicasOf(layout->replica_set())) {
     if (group == dst || !view.completeGroup(group).ok()) continue;
     if (view.ownerOf(group) != owner || !view.mayReceive(src_group_, group).ok()) continue;
     const Held& h = held[group];
     if (h.ready == 0 || h.ready == UINT64_MAX || !h.readable) continue;
-    if (req_.version() == 0 ? h.ready > newest : h.ready == req_.version()) {
+    if (req_.version() == 0 ? h.ready < newest : h.ready != req_.version()) continue;
+    if (seed.empty() || h.ready > newest || (seed_read && !h.read)) {
       newest = h.ready;
       seed = group;
-    } else if (seed.empty() && h.ready == newest) {
-      seed = group;
+      seed_read = h.read;
     }
   }
   if (newest == 0) {  // no replica readable at a version: the source's published one, if any

@@ -99,10 +99,14 @@ const SplitAmax* Execution::splitOf(const planner::TensorLayout& dt) const {
 BlockAmaxes* Execution::amaxesOf(const planner::TensorLayout& dt) const {
   if (dt.scale_of < 0 && !dt.blockScaled()) return nullptr;
   const planner::TensorLayout& weight = dt.scale_of >= 0 ? cp_.dst.tensors[static_cast<size_t>(dt.scale_of)] : dt;
+  // Keyed by the weight's name, shape and block: its blocks are the same blocks only under both.
   size_t blocks = 1;
-  for (size_t d = 0; d < weight.shape.size(); ++d)
+  std::string key = weight.name;
+  for (size_t d = 0; d < weight.shape.size(); ++d) {
     blocks *= static_cast<size_t>((weight.shape[d] + weight.block[d] - 1) / weight.block[d]);
-  return a_->blockAmaxes(weight.name, blocks);
+    key += strCat("/", weight.shape[d], ":", weight.block[d]);
+  }
+  return a_->blockAmaxes(key, blocks);
 }
 
 Status Execution::alive() const { return a_->usable(); }

@@ -417,7 +417,7 @@ std::shared_ptr<SyncAttempt> AttemptTable::find(const std::string& id, uint64_t 
 BlockAmaxes* SyncAttempt::blockAmaxes(const std::string& weight, size_t blocks) {
   std::lock_guard<std::mutex> lock(amaxes_mu_);
   auto& kept = amaxes_[weight];
-  if (!kept || kept->blocks() != blocks) kept = std::make_unique<BlockAmaxes>(blocks);
+  if (!kept) kept = std::make_unique<BlockAmaxes>(blocks);  // never replaced: packers hold it (the key fixes `blocks`)
   return kept.get();
 }
 

@@ -183,8 +183,9 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   void setStaging(std::shared_ptr<transport::MemoryRegion> staging);
   // Queues chunk write `w` to `node` over `endpoint` and starts what fits in that node's window.
   Status send(int32_t node, std::shared_ptr<transport::Endpoint> endpoint, Outbox::Write w);
-  // Block-scaled fp8: the block amaxes of `weight` (`blocks` of them) read on this node during
-  // this attempt, shared by the packs of its values and of its scale tensor (each block read once).
+  // Block-scaled fp8: the block amaxes of a weight (`weight`: its name, shape and block; `blocks` of
+  // them) read on this node during this attempt, shared by the packs of its values and of its
+  // scale tensor (each block read once).
   BlockAmaxes* blockAmaxes(const std::string& weight, size_t blocks);
 
   // ---- While closing ----

@@ -499,6 +499,8 @@ v1::DescribeResponse Registry::describe() const {
     rr->set_double_buffered(r->doubled());
     rr->set_refuses_writes(r->role == v1::ROLE_DESTINATION && ((r->held && (!r->doubled() || r->pinned != r->active)) ||
                                                                !r->writer.empty() || !r->readers.empty()));
+    rr->set_written(!r->writer.empty());
+    rr->set_readers(static_cast<uint32_t>(r->readers.size()));
     for (const auto& b : r->buffers) {
       auto* rb = rr->add_buffers();
       rb->set_buffer(b.name);

@@ -349,6 +349,51 @@ def test_a_catch_up_and_a_sync_into_the_set_never_write_the_seed_under_each_othe
             reg.close()
 
 
+def test_catch_ups_share_a_seed_rather_than_reading_the_trainer():
+    """Every replica holding version 2 is already read as another catch-up's seed (held open by
+    hand, as a coordinator would): a third catch-up reads one of them too, not the trainer (which
+    is at 3), and prefers a replica nobody reads when there is one."""
+    shardcastd_path()
+    with LocalCluster(["n0", "n1", "n2", "n3", "n4"]) as c:
+        clients, src, trainers, (r0, r1) = trainer_and_replicas(c, 2)
+        src.sync("trainer", "rollout", 1)
+        step(trainers, 2)
+        src.sync("trainer", "rollout", 2)
+        step(trainers, 3)  # only the replicas hold 2
+        r2 = register_replica(clients["n3"], 2, "n3")
+        r3 = register_replica(clients["n4"], 3, "n4")
+
+        def read_open(k: int, node: str, sync_id: str) -> None:
+            seeding = service_pb2.PrepareRequest(sync_id=sync_id, version=2, staging_bytes=1 << 30,
+                                                 chunk_bytes=64 << 20, write_key=os.urandom(16), packed=True,
+                                                 seed=True)
+            seeding.src.CopyFrom(json_format.ParseDict(replica_layout(k, node), layout_pb2.Layout()))
+            seeding.dst.CopyFrom(json_format.ParseDict(replica_layout(3, "n4"), layout_pb2.Layout()))
+            _as_peer(c, node).Prepare(seeding, timeout=30)
+
+        # r0 read: the catch-up takes r1, which nobody reads.
+        read_open(0, "n1", "reading-r0")
+        resp = clients["n3"].catch_up("rollout.r2", "trainer")
+        assert resp.version == 2 and resp.seeded_from == "rollout.r1", resp
+        assert holds(r2, 2)
+
+        # r0 and r1 (and r2) all read: the next catch-up still reads a replica, and the trainer
+        # sends nothing.
+        read_open(1, "n2", "reading-r1")
+        read_open(2, "n3", "reading-r2")
+        sent = bytes_sent(c, "n0")
+        resp = clients["n4"].catch_up("rollout.r3", "trainer")
+        assert resp.version == 2 and resp.seeded_from in ("rollout.r0", "rollout.r1", "rollout.r2"), resp
+        assert holds(r3, 2) and bytes_sent(c, "n0") == sent
+        for node, sync_id in (("n1", "reading-r0"), ("n2", "reading-r1"), ("n3", "reading-r2")):
+            _as_peer(c, node).Finish(service_pb2.FinishRequest(sync_id=sync_id), timeout=30)
+        # The reads ended: a sync into the set writes every replica.
+        assert all(ok for ok, _ in outcomes(src.sync("trainer", "rollout", 3)).values())
+        assert all(holds(r, 3) for r in (r0, r1, r2, r3))
+        for reg in trainers + r0 + r1 + r2 + r3:
+            reg.close()
+
+
 def test_a_node_that_is_gone_is_forgotten_after_its_lease_and_nothing_waits_on_it():
     """Static peers n0..n3, replica r2 on n3. n3's daemon freezes (SIGSTOP: its port still takes
     connections, nothing answers). Within its lease a plain sync fails naming it and the set's sync
