@@ -553,7 +553,7 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
   struct Held {
     uint64_t ready = UINT64_MAX;
     bool readable = true;
-    bool read = false;  // another sync reads it now (a second catch-up may too)
+    uint32_t readers = 0;  // syncs reading it now, on its most-read rank (a catch-up may read it too)
   };
   src_group_ = req_.src_group();  // a wait_for_ranks round starts afresh
   seed_ = current_ = false;
@@ -568,7 +568,7 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
       // by a sync, or double-buffered (the set a sync would read is not the one holding the
       // version), is not.
       h.readable = h.readable && r.state() == v1::RANK_READY && !r.double_buffered() && !r.written();
-      h.read = h.read || r.readers() > 0;
+      h.readers = std::max(h.readers, r.readers());
     }
   // The replica's owner must be one the source's bytes may reach, and a seed must be the same
   // owner's replica, holding a version its owner may have synced from the source: another uid's
@@ -576,22 +576,24 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
   if (Status eligible = view.mayReceive(src_group_, dst); !eligible.ok())
     return Status(eligible.code(), strCat("catch-up: ", eligible.message()));
   const auto owner = view.ownerOf(dst);
-  // The seed: a replica at the newest version (or the one asked for); among those, one no other
-  // sync reads now (several catch-ups at once spread over the replicas, and share one when
-  // there are more of them than replicas rather than falling back to the trainer).
+  // The seed: a replica at the newest version (or the one asked for); among those, the one the
+  // fewest other syncs read now, ties broken by a hash of this replica's and the seed's names:
+  // catch-ups that start together (each sees no reader yet) spread over the replicas, and with
+  // more catch-ups than replicas they share them rather than falling back to the source.
   uint64_t newest = req_.version();
   std::string seed;
-  bool seed_read = false;
+  std::pair<uint32_t, size_t> seed_rank{0, 0};  // (readers, tie-break hash)
   for (const auto& group : view.replicasOf(layout->replica_set())) {
     if (group == dst || !view.completeGroup(group).ok()) continue;
     if (view.ownerOf(group) != owner || !view.mayReceive(src_group_, group).ok()) continue;
     const Held& h = held[group];
     if (h.ready == 0 || h.ready == UINT64_MAX || !h.readable) continue;
     if (req_.version() == 0 ? h.ready < newest : h.ready != req_.version()) continue;
-    if (seed.empty() || h.ready > newest || (seed_read && !h.read)) {
+    const std::pair<uint32_t, size_t> rank{h.readers, std::hash<std::string>()(strCat(dst, "\n", group))};
+    if (seed.empty() || h.ready > newest || rank < seed_rank) {
       newest = h.ready;
       seed = group;
-      seed_read = h.read;
+      seed_rank = rank;
     }
   }
   if (newest == 0) {  // no replica readable at a version: the source's published one, if any

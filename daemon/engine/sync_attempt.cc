@@ -416,9 +416,13 @@ std::shared_ptr<SyncAttempt> AttemptTable::find(const std::string& id, uint64_t 
 
 BlockAmaxes* SyncAttempt::blockAmaxes(const std::string& weight, size_t blocks) {
   std::lock_guard<std::mutex> lock(amaxes_mu_);
-  auto& kept = amaxes_[weight];
-  if (!kept) kept = std::make_unique<BlockAmaxes>(blocks);  // never replaced: packers hold it (the key fixes `blocks`)
-  return kept.get();
+  auto it = amaxes_.find(weight);
+  if (it != amaxes_.end()) return it->second.get();  // never replaced: packers hold it (the key fixes `blocks`)
+  // 8 bytes per block of the whole weight: within a budget per attempt (tiny blocks, 1 x 128 say,
+  // would cost more than they save); past it the blocks are read again.
+  if (blocks > kAmaxSlotsKept - amax_slots_) return nullptr;
+  amax_slots_ += blocks;
+  return amaxes_.emplace(weight, std::make_unique<BlockAmaxes>(blocks)).first->second.get();
 }
 
 std::shared_ptr<SyncAttempt> AttemptTable::takeForClose(const std::string& id, uint64_t fence,

@@ -185,7 +185,7 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   Status send(int32_t node, std::shared_ptr<transport::Endpoint> endpoint, Outbox::Write w);
   // Block-scaled fp8: the block amaxes of a weight (`weight`: its name, shape and block; `blocks` of
   // them) read on this node during this attempt, shared by the packs of its values and of its
-  // scale tensor (each block read once).
+  // scale tensor (each block read once). Null past a budget (kAmaxSlotsKept): read again then.
   BlockAmaxes* blockAmaxes(const std::string& weight, size_t blocks);
 
   // ---- While closing ----
@@ -224,8 +224,10 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   std::vector<std::shared_ptr<void>> pinned_;
   std::shared_ptr<transport::MemoryRegion> staging_;
   Outbox outbox_;
+  static constexpr size_t kAmaxSlotsKept = size_t{8} << 20;  // 64 MiB of block amaxes per attempt
   std::mutex amaxes_mu_;
   std::map<std::string, std::unique_ptr<BlockAmaxes>> amaxes_;  // by weight
+  size_t amax_slots_ = 0;                                       // blocks of amaxes_ together
 };
 
 // The attempts one daemon holds: open ones (preparing, prepared, executing) by sync id, draining
