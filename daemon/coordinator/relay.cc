@@ -207,8 +207,12 @@ std::vector<RawResult> callTreeReachingAll(const PeerSet& peers, const std::vect
   options.stop_at_failure = false;
   options.cancelled = nullptr;
   options.track = nullptr;
+  // Only calls that go through a relay get the shorter first timeout (they are sent again);
+  // a direct call has its own timeout once.
   std::vector<RawCall> first = calls;
-  for (auto& c : first) c.timeout = std::min(c.timeout, first_timeout);
+  for (const auto& [b, e] : relayGroups(first.size(), options.fanout))
+    if (e - b > 1)
+      for (size_t i = b; i < e; ++i) first[i].timeout = std::min(first[i].timeout, first_timeout);
   auto results = callTree(peers, first, options);
   std::vector<RawCall> unreached;
   std::vector<size_t> at;

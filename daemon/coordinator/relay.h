@@ -56,9 +56,9 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
                                 bool first_here = false);
 
 // callTree for a call every daemon must get, and may get twice (the commit's Finish: a daemon
-// answers a repeat with its first answer): never stopped at a failure nor cancelled, with
-// `first_timeout` per call at most; then every call a relay could not confirm (RawResult::
-// unconfirmed) is made again directly with its own timeout. A silent relay costs the
+// answers a repeat with its first answer): never stopped at a failure nor cancelled, the calls
+// through relays with `first_timeout` at most (direct ones keep theirs); then every call a relay
+// could not confirm (RawResult::unconfirmed) is made again directly with its own timeout. A silent relay costs the
 // daemons below it `first_timeout`, not the call. `again`: how many were made again.
 std::vector<RawResult> callTreeReachingAll(const PeerSet& peers, const std::vector<RawCall>& calls, TreeOptions options,
                                            std::chrono::milliseconds first_timeout, size_t* again = nullptr);

@@ -127,6 +127,24 @@ struct Cluster {
   }
 };
 
+// Registers g's trainer and inference ranks on their nodes; the inference ranks' registration ids.
+std::vector<uint64_t> registerBoth(Cluster& cluster, const TrainerAndInference& g) {
+  std::vector<uint64_t> registration(4);
+  for (int32_t r = 0; r < 4; ++r) {
+    v1::RegisterResponse resp;
+    REQUIRE(cluster.node(g.nodes.name(g.src.rank_node[r]))
+                .client()
+                ->Register(ctx().get(), source(g.src_proto, r, 4, g.smem[r]), &resp)
+                .ok());
+    REQUIRE(cluster.node(g.nodes.name(g.dst.rank_node[r]))
+                .client()
+                ->Register(ctx().get(), request(g.dst_proto, r, 4, g.dmem[r]), &resp)
+                .ok());
+    registration[static_cast<size_t>(r)] = resp.registration();
+  }
+  return registration;
+}
+
 }  // namespace
 
 TEST_CASE("syncs move every byte into the destination layout, version after version", "[daemon][sync]") {
@@ -323,23 +341,10 @@ TEST_CASE("a sync that repeats the last one skips the gather - changed registrat
   const auto& nodes = g.nodes;
   const auto& src = g.src;
   const auto& dst = g.dst;
-  auto& smem = g.smem;
   auto& dmem = g.dmem;
   const auto fill = [&](int version) { g.fill(version); };
   const auto wrong = [&](int version) { return g.wrong(version); };
-  std::vector<uint64_t> registration(4);
-  for (int32_t r = 0; r < 4; ++r) {
-    v1::RegisterResponse resp;
-    REQUIRE(cluster.node(nodes.name(src.rank_node[r]))
-                .client()
-                ->Register(ctx().get(), source(src_proto, r, 4, smem[r]), &resp)
-                .ok());
-    REQUIRE(cluster.node(nodes.name(dst.rank_node[r]))
-                .client()
-                ->Register(ctx().get(), request(dst_proto, r, 4, dmem[r]), &resp)
-                .ok());
-    registration[static_cast<size_t>(r)] = resp.registration();
-  }
+  const std::vector<uint64_t> registration = registerBoth(cluster, g);
   // Syncs coordinated by n1 (holding no destination rank), each checked byte for byte.
   const auto sync = [&](int version) {
     v1::SyncRequest req;
@@ -419,17 +424,7 @@ TEST_CASE("through a relay tree, a daemon silent below its relay is named (not t
                     coordinator = "n" + std::to_string(order[2]);
   CAPTURE(relay_node, frozen, coordinator);
   TrainerAndInference g("rs");
-  for (int32_t r = 0; r < 4; ++r) {
-    v1::RegisterResponse resp;
-    REQUIRE(cluster.node(g.nodes.name(g.src.rank_node[r]))
-                .client()
-                ->Register(ctx().get(), source(g.src_proto, r, 4, g.smem[r]), &resp)
-                .ok());
-    REQUIRE(cluster.node(g.nodes.name(g.dst.rank_node[r]))
-                .client()
-                ->Register(ctx().get(), request(g.dst_proto, r, 4, g.dmem[r]), &resp)
-                .ok());
-  }
+  registerBoth(cluster, g);
   v1::SyncRequest req;
   req.set_src_group("trainer");
   req.set_dst_group("infer");
