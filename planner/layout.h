@@ -46,6 +46,11 @@ class NodeTable {
  public:
   int32_t intern(const std::string& name);
   const std::string& name(int32_t id) const { return names_[id]; }
+  // The id of `name`, -1 when it is not in the table.
+  int32_t find(const std::string& name) const {
+    const auto it = ids_.find(name);
+    return it == ids_.end() ? -1 : it->second;
+  }
   int32_t size() const { return static_cast<int32_t>(names_.size()); }
 
  private:
