@@ -30,6 +30,15 @@ uint8_t nearestE4m3(float x) {
   return static_cast<uint8_t>(best | (std::signbit(x) ? 0x80 : 0));
 }
 
+// The 2-D box [r0, r1) x [c0, c1).
+planner::Box box(int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  planner::Box b;
+  b.ndim = 2;
+  b.lo = {r0, c0};
+  b.hi = {r1, c1};
+  return b;
+}
+
 }  // namespace
 
 TEST_CASE("fp8: e4m3 rounds to nearest even like the brute-force reference, saturating at 448", "[daemon][fp8]") {
@@ -89,13 +98,6 @@ TEST_CASE("fp8: quantising boxes that cut blocks gives the bytes of the whole te
   w.block = {4, 5};
   const std::vector<int64_t> strides{13, 1};
   std::vector<uint8_t> whole(130), parts(130, 0xaa);
-  const auto box = [](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-    planner::Box b;
-    b.ndim = 2;
-    b.lo = {r0, c0};
-    b.hi = {r1, c1};
-    return b;
-  };
   const auto quantize = [&](std::vector<uint8_t>& out, const planner::Box& b) {
     const int64_t origin = b.lo[0] * 13 + b.lo[1];
     return quantizeBox({reinterpret_cast<std::byte*>(out.data()), transport::MemoryKind::kHost, origin, strides},
@@ -164,13 +166,6 @@ TEST_CASE("fp8: a weight's values and its scale tensor read each block once, wit
   s.block = w.block;
   s.scale_of = 0;
   s.scaled_shape = shape;
-  const auto box = [](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-    planner::Box b;
-    b.ndim = 2;
-    b.lo = {r0, c0};
-    b.hi = {r1, c1};
-    return b;
-  };
   const auto run = [&](BlockAmaxes* amaxes, std::vector<uint8_t>& values, std::vector<float>& scales) {
     for (const auto& b : {box(0, 10, 0, 7), box(0, 10, 7, 13)}) {
       const int64_t origin = b.lo[0] * 13 + b.lo[1];
