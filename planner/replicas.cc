@@ -128,7 +128,7 @@ StatusOr<SetShape> examine(const std::vector<Replica>& replicas) {
   SetShape shape;
   std::string first_digest;
   std::unordered_map<int32_t, size_t> ids;
-  std::unordered_map<std::string, size_t> groups, node_owner;
+  std::unordered_map<std::string, size_t> groups;
   for (size_t i = 0; i < replicas.size(); ++i) {
     const Replica& rep = replicas[i];
     const v1::Layout& l = rep.layout;
@@ -168,14 +168,12 @@ StatusOr<SetShape> examine(const std::vector<Replica>& replicas) {
                                                    " at position ", shape.rank_position[r],
                                                    ": every replica must spread its ranks over its nodes alike"));
     }
-    for (const std::string& n : names) {
+    // Replicas may share nodes (data-parallel engines on one machine): composeReplicas lands
+    // each byte once on a shared node and fans it out to every replica's ranks there.
+    for (const std::string& n : names)
       if (reservedNodeName(n))
         return absl::InvalidArgumentError(
             strCat(who(rep), ": node ", quote(n), " has a name reserved for replica positions"));
-      if (auto [it, inserted] = node_owner.try_emplace(n, i); !inserted)
-        return absl::InvalidArgumentError(strCat("node ", quote(n), " is in ", who(replicas[it->second]), " and in ",
-                                                 who(rep), ": every replica has nodes of its own"));
-    }
     shape.nodes.push_back(std::move(names));
   }
   const auto world =
@@ -359,19 +357,34 @@ StatusOr<Plan> composeReplicas(const PositionPlan& pp, const ResolvedLayout& src
                                                   quote(nodes.name(b)), " but the position plan has it on ",
                                                   quote(pp.nodes.name(a))));
   }
-  // Replica k's node of position p, and the replica owning each node.
-  std::vector<int32_t> owner(nodes.size(), -1), replica_node(static_cast<size_t>(R) * P, -1);
+  // Replica k's node of position p; the first replica on each node, and the position it holds
+  // there. Replicas may share a node at the same position (it then lands each byte once and fans
+  // it out to all of their ranks); a node at two positions would need the union of both
+  // positions' boxes, which the position plan does not have (the caller plans the stacked layout).
+  std::vector<int32_t> owner(nodes.size(), -1), node_position(nodes.size(), -1),
+      replica_node(static_cast<size_t>(R) * P, -1);
+  std::vector<int32_t> sharing(nodes.size(), 0);  // replicas on each node
   for (int32_t k = 0; k < R; ++k) {
     for (int32_t r = 0; r < W; ++r) {
       const int32_t n = dst.rank_node[k * W + r], p = pp.rank_position[r];
       int32_t& slot = replica_node[static_cast<size_t>(k) * P + p];
       if (slot == n) continue;
-      if (slot >= 0 || owner[n] >= 0)
+      if (slot >= 0 || (owner[n] == k && node_position[n] != p))
         return absl::FailedPreconditionError(
             strCat("layout ", quote(dst.group), ": rank ", k * W + r, " (replica ", k, ", rank ", r, ") on node ",
-                   quote(nodes.name(n)), " breaks the position pattern of the replica set (nodes of their own, ranks ",
-                   "spread over them alike): not a stacking of this position plan's replicas"));
-      owner[n] = k;
+                   quote(nodes.name(n)), " breaks the position pattern of the replica set (ranks spread over ",
+                   "each replica's nodes alike): not a stacking of this position plan's replicas"));
+      if (owner[n] >= 0 && node_position[n] != p)
+        return absl::FailedPreconditionError(
+            strCat("layout ", quote(dst.group), ": node ", quote(nodes.name(n)), " holds position ", node_position[n],
+                   " of replica ", owner[n], " and position ", p, " of replica ", k,
+                   ": replicas are composed from one replica's plan only where they share nodes at the same "
+                   "positions (plan the stacked layout with makePlan instead)"));
+      if (owner[n] < 0) {
+        owner[n] = k;
+        node_position[n] = p;
+      }
+      ++sharing[n];
       slot = n;
     }
   }
@@ -430,6 +443,7 @@ StatusOr<Plan> composeReplicas(const PositionPlan& pp, const ResolvedLayout& src
       for (int32_t i = g.nodes_begin; i < g.nodes_begin + g.nodes_count; ++i)
         out.group_nodes.push_back(nodeOf(k, tp.group_nodes[i]));
     std::sort(out.group_nodes.begin() + begin, out.group_nodes.end());
+    out.group_nodes.erase(std::unique(out.group_nodes.begin() + begin, out.group_nodes.end()), out.group_nodes.end());
     g.nodes_begin = begin;
     g.nodes_count = static_cast<int32_t>(out.group_nodes.size()) - begin;
   }
@@ -442,14 +456,20 @@ StatusOr<Plan> composeReplicas(const PositionPlan& pp, const ResolvedLayout& src
   const int32_t M = tp.options.max_chain;
   out.chain_nodes.reserve(tp.chain_nodes.size() * R);
   std::vector<int32_t> sequence;
+  std::vector<int32_t> reached(nodes.size(), -1);  // the last transfer each node is on a chain of
   for (Transfer& tr : out.transfers) {
     const int32_t begin = static_cast<int32_t>(out.chains.size());
+    const int32_t t = static_cast<int32_t>(&tr - out.transfers.data());
     for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
       const Chain& tc = tp.chains[c];
       sequence.clear();
+      // A node shared by replicas is on the chain once: its landing serves all of them.
       for (int32_t k = 0; k < R; ++k)
         for (int32_t i = tc.nodes_begin; i < tc.nodes_begin + tc.nodes_count; ++i)
-          sequence.push_back(nodeOf(k, tp.chain_nodes[i]));
+          if (const int32_t n = nodeOf(k, tp.chain_nodes[i]); reached[n] != t) {
+            reached[n] = t;
+            sequence.push_back(n);
+          }
       for (size_t lo = 0; lo < sequence.size(); lo += M) {
         const size_t hi = std::min(sequence.size(), lo + M);
         Chain ch{src_map[tc.src_node], tc.src_rank, static_cast<int32_t>(out.chain_nodes.size()),
@@ -470,20 +490,25 @@ StatusOr<Plan> composeReplicas(const PositionPlan& pp, const ResolvedLayout& src
     tr.chains_count = static_cast<int32_t>(out.chains.size()) - begin;
   }
 
-  // Per-node figures: a replica node does what its position does in the position plan. No node
-  // hosts a source rank (checked above), so every node's lower bound is its need, as for its
-  // position: the bound is the position plan's, once per replica.
+  // Per-node figures: a replica node does what its position does in the position plan, and a
+  // node shared by m replicas copies its position's needs locally to m - 1 more replicas (about:
+  // what it receives). No node hosts a source rank (checked above), so every node's lower bound
+  // is its need: each fragment once per node of its group.
   const PlanStats& ts = tp.stats;
-  for (int32_t k = 0; k < R; ++k)
-    for (int32_t p = 0; p < P; ++p)
-      s.node_local[replica_node[static_cast<size_t>(k) * P + p]] = ts.node_local[pp.position_node[p]];
+  for (int32_t n = 0; n < static_cast<int32_t>(nodes.size()); ++n)
+    if (sharing[n] > 0) {
+      const int32_t at = pp.position_node[node_position[n]];
+      s.node_local[n] = ts.node_local[at] + (sharing[n] - 1) * ts.node_ingress[at];
+    }
   for (int64_t v : s.node_local) s.local_bytes += v;
+  int64_t dst_nodes = 0;
+  for (int32_t m : sharing) dst_nodes += m > 0 ? 1 : 0;
   for (const TensorPair& t : out.tensors) {
     const TensorLayout& dt = dst.tensors[t.dst];
     for (const PieceRef& piece : dt.pieces) s.bytes_needed += dt.boxes[piece.box].volume() * dt.elemBytes();
   }
   s.tensors = ts.tensors;
-  s.network_lower_bound = ts.network_lower_bound * R;
+  for (const Fragment& f : out.fragments) s.network_lower_bound += f.bytes * out.groups[f.group].nodes_count;
   s.local_ops = ts.local_ops * R;
   s.transfers = static_cast<int64_t>(out.transfers.size());
   s.buckets = ts.buckets;
@@ -495,7 +520,7 @@ StatusOr<Plan> composeReplicas(const PositionPlan& pp, const ResolvedLayout& src
   s.pull_max_egress = ts.pull_max_egress * R;  // per source node: once per replica
   s.gather_bytes = ts.gather_bytes;
   s.model_bytes = ts.model_bytes;
-  s.broadcast_bytes = ts.model_bytes * static_cast<int64_t>(R) * P;
+  s.broadcast_bytes = ts.model_bytes * dst_nodes;
   s.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   return out;
 }

@@ -1,6 +1,6 @@
-// Replica sets: data-parallel inference replicas that share one per-replica layout, each on nodes
-// of its own. One replica is planned once, with its nodes abstracted to positions, and that plan is
-// reused by position for every replica (docs/planner.md, "Replica sets").
+// Replica sets: data-parallel inference replicas that share one per-replica layout, on nodes of
+// their own or sharing nodes (several engines on one machine). One replica is planned once, with its nodes abstracted
+// to positions, and that plan is reused by position for every replica (docs/planner.md, "Replica sets").
 //
 // The pieces, in the order a caller uses them:
 //   checkReplicaSet    the replicas really are one set (same layout, same rank -> node pattern)
@@ -43,7 +43,8 @@ struct Replica {
 // ids (>= 0, each equal to its layout's `replica`) and distinct groups; the same replicaDigest;
 // the same rank -> position pattern (a replica's positions are its distinct nodes numbered in
 // order of first appearance over ranks 0..W-1, and every replica maps its ranks to positions
-// identically); no node in two replicas, none with a reserved name; R x W within the rank limit.
+// identically); no node with a reserved name; R x W within the rank limit. Replicas may share
+// nodes.
 // INVALID_ARGUMENT naming the replica (id and group) and what differs otherwise.
 Status checkReplicaSet(const std::vector<Replica>& replicas);
 
@@ -95,11 +96,14 @@ StatusOr<PositionPlan> planPositions(const ResolvedLayout& src, const NodeTable&
 // [p_a, p_b, ...] becomes the sequence [replica 0's p_a, replica 0's p_b, ..., replica 1's p_a,
 // ...] cut greedily into chains of at most max_chain nodes with the template's source, so the
 // source sends a fragment once per max_chain nodes, not once per replica, and a join only extends
-// the tails of chains (no node of an earlier replica gets another upstream). Statistics are those
-// of the composed plan (plan_ms: the composition's own time).
+// the tails of chains (no node of an earlier replica gets another upstream). A node that several
+// replicas share at the same position is in each group and chain once: it receives each byte
+// once and fans it out to all of their ranks. Statistics are those of the composed plan (plan_ms:
+// the composition's own time).
 // FAILED_PRECONDITION when a node of a replica also hosts a source rank (colocation changes the
-// per-replica plan: plan the stacked layout with makePlan instead), or when src / stacked_dst do
-// not match the position plan (ranks, nodes, tensors).
+// per-replica plan), when replicas share a node at different positions (it needs the union of
+// two positions' boxes): plan the stacked layout with makePlan instead; or when src /
+// stacked_dst do not match the position plan (ranks, nodes, tensors).
 StatusOr<Plan> composeReplicas(const PositionPlan& positions, const ResolvedLayout& src,
                                const ResolvedLayout& stacked_dst, const NodeTable& nodes);
 
@@ -116,7 +120,8 @@ struct ReplicaSetPlan {
 
 // checkReplicaSet, resolve, plan the position layout once (or take `reuse` when it was planned
 // from the same source layout, replica digest, rank -> position pattern and options), compose.
-// FAILED_PRECONDITION, naming the node, when a replica node hosts a source rank.
+// FAILED_PRECONDITION, naming the node, when a replica node hosts a source rank or replicas share
+// a node at different positions (composeReplicas).
 StatusOr<ReplicaSetPlan> planReplicaSet(const v1::Layout& src, const std::vector<Replica>& replicas,
                                         const PlanOptions& options = {},
                                         std::shared_ptr<const PositionPlan> reuse = nullptr);

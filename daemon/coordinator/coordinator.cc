@@ -456,7 +456,6 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
   const auto anyone = membersOf(view, req_.dst_group(), "");
   for (const auto& [group, was] : remembered)
     if (!anyone.count(group) && !now.count(group)) members_left_.push_back(group);
-  std::map<std::string, std::string> taken;  // node -> the replica taking part that holds ranks there
 
   for (const auto& group : view.replicasOf(req_.dst_group(), set_despite_group_)) {
     const v1::Layout& registered = *view.layoutOf(group);
@@ -509,17 +508,13 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
       for (const auto& taking : replicas_)
         if (taking.id == registered.replica())
           refused = strCat("replica id ", registered.replica(), " is taken by group \"", taking.layout.group(), "\"");
-    // No node in two replicas: the first to take it keeps it.
-    for (const auto& node : now[group].nodes)
-      if (const auto it = taken.find(node); refused.empty() && it != taken.end())
-        refused = strCat("node \"", node, "\" already holds ranks of replica ", it->second,
-                         " (no node may hold two replicas of a set)");
     if (!refused.empty()) {
       cutOut(outcome, refused);
       continue;
     }
+    // Replicas may share nodes (engines on one machine): the node receives each byte once and
+    // writes every replica there (planner::composeReplicas).
     replicas_.push_back({registered.replica(), *layout, {}});
-    for (const auto& node : now[group].nodes) taken.emplace(node, group);
     outcomes_.push_back(std::move(outcome));
   }
   std::sort(outcomes_.begin(), outcomes_.end(),
@@ -777,8 +772,12 @@ Status SyncCoordinator::prepare() {
         silent_daemon_ = silent_daemon_ || silent;
       }
     faulty_node_ = stalled.empty() ? daemons[*at_fault].node() : stalled;
+    // A node the lease keeper found silent is named with how long it had (its own call and the
+    // others' were cancelled, which says nothing).
     const Status failure =
-        fromGrpc(results[*at_fault], strCat("sync ", id_, ": prepare on node \"", faulty_node_, "\""));
+        stalled.empty() ? fromGrpc(results[*at_fault], strCat("sync ", id_, ": prepare on node \"", faulty_node_, "\""))
+                        : absl::UnavailableError(strCat("sync ", id_, ": prepare failed: node \"", stalled,
+                                                        "\" stopped answering (for ", lease_keeper_->allowed(), ")"));
     giveUp(std::string(failure.message()));
     return failed(failure);
   }

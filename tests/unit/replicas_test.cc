@@ -202,16 +202,31 @@ void checkComposed(const v1::Layout& src_proto, const ReplicaSetPlan& set, int32
   CHECK(in == plan.stats.network_bytes);
   CHECK(out == plan.stats.network_bytes);
 
-  // The source sends each template chain once per max_chain nodes of its R copies.
+  // The source sends each template chain once per max_chain distinct nodes of its R copies (a
+  // node that replicas share at a position is on it once).
+  const int32_t W = pp.replicaWorld();
+  std::map<std::pair<int32_t, int32_t>, int32_t> node_of;  // (replica, position) -> node
+  for (int32_t k = 0; k < replicas; ++k)
+    for (int32_t rank = 0; rank < W; ++rank) node_of[{k, pp.rank_position[rank]}] = set.dst.rank_node[k * W + rank];
+  std::map<int32_t, int32_t> position_of;  // the position plan's node -> position
+  for (int32_t p = 0; p < pp.positions(); ++p) position_of[pp.position_node[p]] = p;
+  const bool shared =
+      static_cast<int32_t>(std::set<int32_t>(set.dst.rank_node.begin(), set.dst.rank_node.end()).size()) <
+      replicas * pp.positions();
   int64_t expected_source = 0;
   for (const Transfer& tr : pp.plan.transfers)
     for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
-      const int64_t len = int64_t{replicas} * pp.plan.chains[c].nodes_count;
+      const Chain& tc = pp.plan.chains[c];
+      std::set<int32_t> distinct;
+      for (int32_t k = 0; k < replicas; ++k)
+        for (int32_t i = tc.nodes_begin; i < tc.nodes_begin + tc.nodes_count; ++i)
+          distinct.insert(node_of[{k, position_of[pp.plan.chain_nodes[i]]}]);
+      const int64_t len = static_cast<int64_t>(distinct.size());
       expected_source += (len + plan.options.max_chain - 1) / plan.options.max_chain * tr.bytes;
     }
   CHECK(sourceEgress(plan, set.src) == expected_source);
   CHECK(plan.stats.max_chain <= plan.options.max_chain);
-  if (plan.options.max_chain >= replicas * pp.positions()) {
+  if (!shared && plan.options.max_chain >= replicas * pp.positions()) {
     // Every template chain fits one composed chain: the source sends what it sends for one replica.
     for (int32_t n : src_nodes) {
       const int32_t pn = nodeId(pp.nodes, set.nodes.name(n));
@@ -223,13 +238,18 @@ void checkComposed(const v1::Layout& src_proto, const ReplicaSetPlan& set, int32
   CHECK(plan.chains.size() >= pp.plan.chains.size());
   checkSorted(plan, set.src);
 
-  // A flat plan of the stacked layout: the same figures wherever they do not depend on routing.
+  // A flat plan of the stacked layout: the same figures wherever they do not depend on routing
+  // (where replicas share nodes, a flat plan cuts fragments by all of a node's ranks, so only the
+  // network's and the model's figures compare).
   auto flat = makePlan(set.src, set.dst, set.nodes, plan.options);
   REQUIRE(flat.ok());
   const PlanStats &a = plan.stats, &b = flat->stats;
   CHECK(a.network_bytes == b.network_bytes);
   CHECK(a.network_lower_bound == b.network_lower_bound);
   CHECK(a.bytes_needed == b.bytes_needed);
+  CHECK(a.model_bytes == b.model_bytes);
+  CHECK(a.broadcast_bytes == b.broadcast_bytes);
+  if (shared) return;
   CHECK(a.local_bytes == b.local_bytes);
   CHECK(a.local_ops == b.local_ops);
   CHECK(a.node_local == b.node_local);
@@ -321,6 +341,55 @@ TEST_CASE("replica sets with fused buffers: composed plans are exact", "[planner
     const auto [src, base] = randomFusedLayoutPair(rng);
     checkMemberships(src, base, randomOptions(rng), rng);
   }
+}
+
+TEST_CASE("replica sets sharing nodes at the same positions: composed plans are exact", "[planner][replicas]") {
+  // Data-parallel engines on one machine: replica k takes, position by position, the node of an
+  // earlier replica or a node of its own. Each shared node must receive every byte once and write
+  // it to every replica's ranks there.
+  std::mt19937 rng(20261203);
+  int sharing_sets = 0;
+  for (int it = 0; it < 200; ++it) {
+    const auto [src, base] = randomLayoutPair(rng);
+    const PlanOptions opts = randomOptions(rng);
+    INFO("src: " << src.ShortDebugString());
+    INFO("replica: " << base.ShortDebugString());
+    auto positions_of = rankPositions(base);
+    REQUIRE(positions_of.ok());
+    const int32_t positions = *std::max_element(positions_of->begin(), positions_of->end()) + 1;
+    std::vector<std::vector<std::string>> node_names;  // per replica, per position
+    std::vector<Replica> replicas;
+    for (int32_t k = 0; k < 4; ++k) {
+      std::vector<std::string> names;
+      for (int32_t p = 0; p < positions; ++p)
+        names.push_back(k > 0 && rng() % 3 ? node_names[rng() % k][p] : strCat("r", k, "-p", p));
+      Replica rep = makeReplica(base, k, rng);
+      rep.layout.clear_nodes();
+      rep.layout.clear_ranks_per_node();
+      rep.layout.clear_node_prefix();
+      for (int32_t p : *positions_of) rep.layout.add_nodes(names[p]);
+      node_names.push_back(std::move(names));
+      replicas.push_back(std::move(rep));
+    }
+    std::shared_ptr<const PositionPlan> reuse;
+    for (int32_t count = 1; count <= 4; ++count) {
+      auto set = planReplicaSet(src, std::vector<Replica>(replicas.begin(), replicas.begin() + count), opts, reuse);
+      INFO((set.ok() ? "" : std::string(set.status().message())));
+      REQUIRE(set.ok());
+      reuse = set->positions;
+      checkComposed(src, *set, count);
+      std::set<int32_t> distinct(set->dst.rank_node.begin(), set->dst.rank_node.end());
+      if (static_cast<int32_t>(distinct.size()) < count * positions) ++sharing_sets;
+      // Each node at most once per transfer.
+      for (const Transfer& tr : set->plan.transfers) {
+        std::set<int32_t> reached;
+        for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c)
+          for (int32_t i = 0; i < set->plan.chains[c].nodes_count; ++i)
+            CHECK(reached.insert(set->plan.chain_nodes[set->plan.chains[c].nodes_begin + i]).second);
+      }
+    }
+  }
+  CHECK(sharing_sets > 200);  // most sets shared a node
 }
 
 TEST_CASE("replica sets: with long enough chains source egress does not grow with the replicas",
@@ -588,9 +657,9 @@ TEST_CASE("replica sets: ids, groups, set names and nodes are checked", "[planne
                Catch::Contains("replica 1 (group \"rollout.r1\"): its layout has no replica_set"));
   }
   {
+    // Replicas may share nodes (engines on one machine).
     Replica shared = fromJson(1, smallReplica(1, R"("nodes":["a-0","a-0"])"));
-    CHECK_THAT(setError({r0, shared}), Catch::Contains("node \"a-0\" is in replica 0 (group \"rollout.r0\") and in "
-                                                       "replica 1 (group \"rollout.r1\")"));
+    CHECK(checkReplicaSet({r0, shared}).ok());
   }
   {
     // Replica 0 has both ranks on one node, this one spreads them over two: not the same pattern.
@@ -656,11 +725,34 @@ TEST_CASE("replica sets: composing against layouts the position plan was not mad
   auto plan = composeReplicas(*positions, *s, *odd, nodes);
   REQUIRE_FALSE(plan.ok());
   CHECK_THAT(std::string(plan.status().message()), Catch::Contains("not a whole number of replicas of 2 ranks"));
-  // Two replicas on one node.
-  const Replica r1 = fromJson(1, smallReplica(1, R"("nodes":["a-0","a-0"])"));
-  auto merged = resolveLayout(stackReplicas({r0, r1}), nodes);
-  REQUIRE(merged.ok());
-  plan = composeReplicas(*positions, *s, *merged, nodes);
+  // Two replicas sharing a node at different positions: not composed (the caller plans the
+  // stacked layout), named.
+  NodeTable two_nodes;
+  auto s2 = resolveLayout(src, two_nodes);
+  REQUIRE(s2.ok());
+  const Replica spread = fromJson(0, smallReplica(0, R"("nodes":["a","b"])"));
+  auto spread_positions = planPositions(*s2, two_nodes, spread.layout);
+  REQUIRE(spread_positions.ok());
+  auto crossed =
+      resolveLayout(stackReplicas({spread, fromJson(1, smallReplica(1, R"("nodes":["b","c"])"))}), two_nodes);
+  REQUIRE(crossed.ok());
+  plan = composeReplicas(*spread_positions, *s2, *crossed, two_nodes);
+  REQUIRE_FALSE(plan.ok());
+  CHECK(plan.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(plan.status().message()),
+             Catch::Contains("node \"b\" holds position 1 of replica 0 and position 0 of replica 1"));
+  // ... which planReplicaSet reports too, and which a flat plan of the stacked layout handles.
+  auto set = planReplicaSet(src, {spread, fromJson(1, smallReplica(1, R"("nodes":["b","c"])"))});
+  REQUIRE_FALSE(set.ok());
+  CHECK(set.status().code() == absl::StatusCode::kFailedPrecondition);
+  auto flat = makePlan(*s2, *crossed, two_nodes);
+  CHECK(flat.ok());
+  // A replica breaking the position pattern within itself (both ranks on one node where the
+  // position plan has them on two).
+  auto self_broken =
+      resolveLayout(stackReplicas({spread, fromJson(1, smallReplica(1, R"("nodes":["c","c"])"))}), two_nodes);
+  REQUIRE(self_broken.ok());
+  plan = composeReplicas(*spread_positions, *s2, *self_broken, two_nodes);
   REQUIRE_FALSE(plan.ok());
   CHECK_THAT(std::string(plan.status().message()), Catch::Contains("breaks the position pattern"));
   // A source with a node named like a position.

@@ -136,7 +136,8 @@ def test_a_replica_set_syncs_as_one_while_replicas_join_leave_and_die():
         assert holds(r0, 4)
         assert shardcast.describe_rank(r0[0].state()) == "ready(4)"
 
-        # A replica whose engine holds its ranks, and one unlike the others, are cut; the rest commit.
+        # A replica whose engine holds its ranks, and one unlike the others, are cut; the rest commit
+        # (a replica on replica 0's node among them).
         r1 = register_replica(clients["n2"], 1, "n2")
         odd = [clients["n0"].register("rollout.r9", r, 2, {"w": np.zeros((16, 2), np.float32),
                                                             "b": np.zeros(9, np.int64)},
@@ -145,12 +146,10 @@ def test_a_replica_set_syncs_as_one_while_replicas_join_leave_and_die():
         with r1[1].reading():
             resp = src.sync("trainer", "rollout", 5)
         got = outcomes(resp)
-        committed, why = got["rollout.r7"]
-        assert not committed and 'node "n1"' in why and "rollout.r0" in why, why
-        assert got["rollout.r0"] == (True, "")
+        assert got["rollout.r7"] == (True, "") and got["rollout.r0"] == (True, ""), got
         assert not got["rollout.r1"][0] and "does not accept updates" in got["rollout.r1"][1], got
         assert not got["rollout.r9"][0] and "rollout.r9" in got["rollout.r9"][1], got
-        assert not any(reg.tensors[n].any() for reg in shared for n in rank_worker.SHAPES)
+        assert holds(shared, 5)
         assert holds(r0, 5) and all(not reg.tensors[n].any() for reg in r1 for n in rank_worker.SHAPES)
         # The next sync repairs the held one (now released).
         step(trainers, 6)
@@ -246,9 +245,10 @@ def sync_with_a_node_frozen(c: LocalCluster, src, trainers, node: str, version: 
     return resp, outcomes(resp)
 
 
-def test_two_replicas_sharing_a_node_other_than_the_first_replicas_cut_one_not_the_sync():
-    """Replicas 1 and 2 on one node (neither shares with replica 0): the first of them is taken, the
-    other cut and named; the sync commits."""
+def test_replicas_sharing_a_node_take_part_and_the_node_receives_each_byte_once():
+    """Replicas 1 and 2 on one node (data-parallel engines on one machine), replica 0 on its own:
+    all three commit, and the shared node receives the set's bytes once for both. Frozen, the
+    shared node costs both of its replicas, named, and not the sync; the next sync repairs them."""
     shardcastd_path()
     with LocalCluster(["n0", "n1", "n2"]) as c:
         clients = {n: shardcast.Client(c.target(n)) for n in c.nodes}
@@ -257,20 +257,42 @@ def test_two_replicas_sharing_a_node_other_than_the_first_replicas_cut_one_not_t
         r0 = register_replica(clients["n1"], 0, "n1")
         r1 = register_replica(clients["n2"], 1, "n2")
         r2 = register_replica(clients["n2"], 2, "n2")
-        got = outcomes(src.sync("trainer", "rollout", 1))
-        assert got["rollout.r0"] == (True, "") and got["rollout.r1"] == (True, ""), got
-        committed, why = got["rollout.r2"]
-        assert not committed and 'node "n2" already holds ranks of replica rollout.r1' in why, why
-        assert holds(r0, 1) and holds(r1, 1)
+        resp = src.sync("trainer", "rollout", 1)
+        assert outcomes(resp) == {f"rollout.r{k}": (True, "") for k in range(3)}, outcomes(resp)
+        assert holds(r0, 1) and holds(r1, 1) and holds(r2, 1)
+        # Two nodes receive: each replica's bytes once per node, whatever the replicas there.
+        assert resp.network_bytes == 2 * REPLICA_BYTES
+        assert bytes_received(c, "n2") == REPLICA_BYTES
+        # The shared node frozen past the replica deadline: both of its replicas are cut, named.
+        resp, got = sync_with_a_node_frozen(c, src, trainers, "n2", 2)
+        assert got["rollout.r0"] == (True, ""), got
+        for k in (1, 2):
+            committed, why = got[f"rollout.r{k}"]
+            assert not committed and '"n2"' in why, got
+        assert holds(r0, 2) and holds(r1, 1) and holds(r2, 1)
+        # Thawed: the next sync repairs both.
+        step(trainers, 3)
+        resp = src.sync("trainer", "rollout", 3, timeout=60)
+        assert outcomes(resp) == {f"rollout.r{k}": (True, "") for k in range(3)}, outcomes(resp)
+        assert holds(r0, 3) and holds(r1, 3) and holds(r2, 3)
         for reg in trainers + r0 + r1 + r2:
             reg.close()
 
 
-def bytes_sent(cluster: LocalCluster, node: str) -> float:
-    """The node's shardcast_bytes_sent_total."""
+def bytes_received(cluster: LocalCluster, node: str) -> float:
+    """The node's shardcast_bytes_received_total."""
+    return metric(cluster, node, "shardcast_bytes_received_total")
+
+
+def metric(cluster: LocalCluster, node: str, name: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.daemons[node].metrics_port}/metrics",
                                   timeout=10).read().decode()
-    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("shardcast_bytes_sent_total ")))
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def bytes_sent(cluster: LocalCluster, node: str) -> float:
+    """The node's shardcast_bytes_sent_total."""
+    return metric(cluster, node, "shardcast_bytes_sent_total")
 
 
 def test_a_replica_that_joins_catches_up_from_its_peers_not_the_trainer():

@@ -178,7 +178,9 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
                 save_step(state, model_dir, step_dir, model)
                 record["steps"].append({"dir": step_dir, "loss": float(loss.detach()), "send_s": seconds,
                                         "served": served.generate() if mode != "offline-unserved" else [],
-                                        "checks": served.check(step_dir)})
+                                        "checks": served.check(step_dir),
+                                        # a replica set's sync: each replica -> "" (committed) or why cut
+                                        "replicas": dict(getattr(engine, "replicas", {}))})
             dist.barrier()
         if rank == 0:  # the groups the workers registered, with their versions
             import shardcast
