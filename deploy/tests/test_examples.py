@@ -127,9 +127,9 @@ def rollout() -> Tuple[dict, dict, dict]:
 
 
 def test_rollout_replicas_never_share_a_node():
-    """The planner refuses two replicas of a set on one node, so the StatefulSet's pods repel each
-    other per node, as a requirement (a preference lets the scheduler stack them when it likes),
-    selecting exactly the StatefulSet's own pods."""
+    """Each pod takes every GPU of its node (the daemon reads a client's CUDA device numbers as its
+    own), so the StatefulSet's pods repel each other per node, as a requirement (a preference lets
+    the scheduler stack them when it likes), selecting exactly the StatefulSet's own pods."""
     statefulset, pod, _ = rollout()
     spec = statefulset["spec"]
     assert spec["podManagementPolicy"] == "Parallel"
