@@ -1,45 +1,162 @@
-// The coordinator's fan-out at hundreds to a thousand daemons, over real gRPC: a child process
-// serves N simulated daemons' Peer services (one gRPC server per daemon, each on its own port;
-// Finish answers at once, Relay is the daemon's own relay code), and this process calls Finish on
-// all N the way a coordinator does (daemon/coordinator/relay.h): directly, or through a tree of
-// Relays. Per fanout it prints the best and median time of a round and this process's CPU per
-// round: the coordinator's cost, apart from the daemons'. (The rest of a sync's coordinator work,
-// planning and building each daemon's requests, is not in it: bench/cluster.sh --control-plane
-// measures whole syncs of real daemons.)
+// The coordinator at hundreds to a thousand daemons, over real gRPC. A child process serves N
+// simulated daemons' Peer services (one gRPC server each, on its own port), and this process
+// measures two things against them:
+//
+// - the fan-out (the default): it calls Finish on all N the way a coordinator does
+//   (daemon/coordinator/relay.h), directly or through a tree of Relays (the daemons' own relay
+//   code), and prints the best and median round and this process's CPU per round;
+// - whole syncs (--whole-syncs): a real coordinating daemon (ShardcastService, SyncEngine and
+//   Registry on the loopback transport, holding no ranks) runs Sync("trainer", "infer", V) over the
+//   simulated daemons: the trainer's one rank on the first, one inference rank on each of the
+//   others. The simulated daemons answer Describe with their ranks and layouts, Prepare with the
+//   plan their own plan cache makes (every daemon plans the same plan; one cache in the child
+//   plans it once), Execute, Progress and Finish at once: no bytes move. What is measured is the
+//   coordinator's part of a sync: the gather, planning, each daemon's requests, every call round
+//   and the lease renewals, its wall time and this process's CPU per sync.
+//
+// The simulated daemons share this machine's cores in one process: round times include their
+// work, queued behind each other; the CPU figure is the coordinator's alone.
 //
 //   build/bin/relay_bench [--daemons "64 256 1024"] [--fanouts "0 16 32 64"] [--rounds 30]
+//                         [--whole-syncs]
+#include <arpa/inet.h>
 #include <fmt/format.h>
 #include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <spdlog/spdlog.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "common/status.h"
 #include "daemon/coordinator/cluster.h"
+#include "daemon/coordinator/progress.h"
 #include "daemon/coordinator/relay.h"
+#include "daemon/engine/plan_cache.h"
+#include "daemon/engine/sync_engine.h"
+#include "daemon/registry/registry.h"
+#include "daemon/server/access.h"
 #include "daemon/server/config.h"
+#include "daemon/server/metrics.h"
+#include "daemon/server/service.h"
+#include "planner/layout.h"
 #include "shardcast/v1/service.grpc.pb.h"
+#include "transport/transport.h"
 
 using namespace shardcast;
 using namespace shardcast::daemon;
 
 namespace {
 
-// One simulated daemon: Finish answers at once; Relay relays, as a daemon does. The cluster's
-// PeerSet exists once every server has its port.
+// What the simulated daemons of the child share: the two groups (the trainer's one rank on daemon
+// 0, inference rank i - 1 on daemon i), the version the inference ranks hold, and one plan cache.
+struct SimulatedCluster {
+  v1::Layout trainer, infer;
+  std::string trainer_digest, infer_digest;
+  std::atomic<uint64_t> committed{0};  // the version the inference ranks hold (0: none yet)
+  std::mutex mu;
+  std::map<uint64_t, uint64_t> version_of;  // attempt fence -> the version it syncs
+  PlanCache plans;
+
+  explicit SimulatedCluster(int n) {
+    // A small model of a few tensors, every inference rank holding all of it (data parallel):
+    // the plan is one source into n - 1 nodes, chains and all.
+    trainer.set_group("trainer");
+    trainer.mutable_mesh()->add_shape(1);
+    trainer.add_nodes("sim-0");
+    for (int t = 0; t < 8; ++t) {
+      auto* tensor = trainer.add_tensors();
+      tensor->set_name(fmt::format("layers.{}.weight", t));
+      tensor->add_shape(256);
+      tensor->add_shape(64);
+      tensor->set_dtype("float32");
+    }
+    infer = trainer;
+    infer.set_group("infer");
+    infer.mutable_mesh()->set_shape(0, n - 1);
+    infer.clear_nodes();
+    for (int i = 1; i < n; ++i) infer.add_nodes(fmt::format("sim-{}", i));
+    trainer_digest = planner::layoutDigest(trainer);
+    infer_digest = planner::layoutDigest(infer);
+  }
+};
+
+// One simulated daemon: answers as a daemon holding its rank would, moving nothing; Relay relays,
+// as a daemon does. The cluster's PeerSet exists once every server has its port.
 class SimulatedPeer final : public v1::Peer::Service {
  public:
-  explicit SimulatedPeer(const std::unique_ptr<PeerSet>& peers) : peers_(peers) {}
-  grpc::Status Finish(grpc::ServerContext*, const v1::FinishRequest*, v1::FinishResponse*) override {
+  SimulatedPeer(const std::unique_ptr<PeerSet>& peers, SimulatedCluster& cluster, int index)
+      : peers_(peers), cluster_(cluster), index_(index), node_(fmt::format("sim-{}", index)) {}
+
+  grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse* out) override {
+    out->set_node(node_);
+    out->set_transport_address("simulated");
+    out->set_instance(node_);
+    out->set_generation(1);
+    const bool source = index_ == 0;
+    const v1::Layout& layout = source ? cluster_.trainer : cluster_.infer;
+    *out->add_layouts() = layout;
+    auto* r = out->add_ranks();
+    r->set_group(layout.group());
+    r->set_rank(source ? 0 : index_ - 1);
+    r->set_layout_digest(source ? cluster_.trainer_digest : cluster_.infer_digest);
+    for (const auto& t : layout.tensors()) {
+      auto* b = r->add_buffers();
+      b->set_buffer(t.name());
+      b->set_size(256 * 64 * 4);
+    }
+    const uint64_t held = cluster_.committed.load();
+    r->set_role(source ? v1::ROLE_SOURCE : v1::ROLE_DESTINATION);
+    r->set_state(source || held > 0 ? v1::RANK_READY : v1::RANK_EMPTY);
+    r->set_version(source ? held + 1 : held);  // the trainer has published the next version
+    return grpc::Status::OK;
+  }
+  grpc::Status Prepare(grpc::ServerContext*, const v1::PrepareRequest* req, v1::PrepareResponse* out) override {
+    for (const auto& stamp : req->expect())  // a sync that skipped the gather: registrations unchanged
+      if (stamp.node() == node_ && (stamp.instance() != node_ || stamp.generation() != 1))
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "registrations changed");
+    out->set_expect_checked(req->expect_size() > 0);
+    const auto strategy = strategyOf(req->strategy(), req->delta());
+    if (!strategy.ok())
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(strategy.status().message()));
+    const auto key = PlanKey::forSync(req->staging_bytes(), req->chunk_bytes(), req->delta(), req->packed(), *strategy);
+    bool hit = false;
+    const auto plan = cluster_.plans.get(req->src(), req->dst(), key, &hit);
+    if (!plan.ok()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(plan.status().message()));
+    out->set_plan_key((*plan)->key);
+    std::lock_guard<std::mutex> lock(cluster_.mu);
+    cluster_.version_of[req->fence()] = req->version();
+    return grpc::Status::OK;
+  }
+  grpc::Status Execute(grpc::ServerContext*, const v1::ExecuteRequest*, v1::ExecuteResponse*) override {
+    return grpc::Status::OK;
+  }
+  grpc::Status Progress(grpc::ServerContext*, const v1::ProgressRequest*, v1::ProgressResponse*) override {
+    return grpc::Status::OK;
+  }
+  grpc::Status Finish(grpc::ServerContext*, const v1::FinishRequest* req, v1::FinishResponse*) override {
+    if (req->commit() && index_ > 0) {  // the inference ranks hold the version now
+      std::lock_guard<std::mutex> lock(cluster_.mu);
+      if (const auto it = cluster_.version_of.find(req->fence()); it != cluster_.version_of.end()) {
+        uint64_t held = cluster_.committed.load();
+        while (held < it->second && !cluster_.committed.compare_exchange_weak(held, it->second)) {
+        }
+      }
+    }
     return grpc::Status::OK;
   }
   grpc::Status Relay(grpc::ServerContext* ctx, const v1::RelayRequest* req, v1::RelayResponse* out) override {
@@ -51,6 +168,9 @@ class SimulatedPeer final : public v1::Peer::Service {
 
  private:
   const std::unique_ptr<PeerSet>& peers_;
+  SimulatedCluster& cluster_;
+  const int index_;
+  const std::string node_;
 };
 
 std::vector<int> numbers(const std::string& s) {
@@ -67,6 +187,22 @@ double cpuSeconds() {
          static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
 }
 
+// A TCP port on 127.0.0.1 that nothing listens on now.
+int freePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    fmt::print(stderr, "relay_bench: no free port on 127.0.0.1\n");
+    std::exit(1);
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
 DaemonConfig clusterConfig(const std::vector<std::string>& addresses) {
   DaemonConfig config;
   config.peers = addresses;
@@ -76,14 +212,17 @@ DaemonConfig clusterConfig(const std::vector<std::string>& addresses) {
 }
 
 // Serves n simulated daemons; writes their ports to `fd` (one line), then serves until killed.
-[[noreturn]] void serve(int n, int fd) {
+// `coordinator`: the address the coordinating daemon of --whole-syncs listens on ("" for none):
+// one of the cluster's daemons, so a relay may call it.
+[[noreturn]] void serve(int n, int fd, const std::string& coordinator) {
   std::unique_ptr<PeerSet> peers;
+  SimulatedCluster cluster(n);
   std::vector<std::unique_ptr<SimulatedPeer>> services;
   std::vector<std::unique_ptr<grpc::Server>> servers;
   std::vector<std::string> addresses;
   for (int i = 0; i < n; ++i) {
     int port = 0;
-    services.push_back(std::make_unique<SimulatedPeer>(peers));
+    services.push_back(std::make_unique<SimulatedPeer>(peers, cluster, i));
     grpc::ServerBuilder b;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     b.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::NUM_CQS, 1);
@@ -97,7 +236,9 @@ DaemonConfig clusterConfig(const std::vector<std::string>& addresses) {
     }
     addresses.push_back(fmt::format("127.0.0.1:{}", port));
   }
-  peers = std::make_unique<PeerSet>(clusterConfig(addresses), "simulated");
+  std::vector<std::string> cluster_addresses = addresses;
+  if (!coordinator.empty()) cluster_addresses.push_back(coordinator);
+  peers = std::make_unique<PeerSet>(clusterConfig(cluster_addresses), "simulated");
   std::string line;
   for (const auto& a : addresses) line += a + " ";
   line += "\n";
@@ -106,41 +247,215 @@ DaemonConfig clusterConfig(const std::vector<std::string>& addresses) {
   while (true) ::pause();
 }
 
+// Calls Finish on every daemon, directly or through a tree, per fanout: one table row each.
+void fanOutRows(int n, const std::vector<std::string>& addresses, const std::vector<int>& fanouts, int rounds) {
+  const PeerSet peers(clusterConfig(addresses), "coordinator");
+  v1::FinishRequest finish;
+  finish.set_sync_id("bench");
+  finish.set_commit(true);
+  std::vector<RawCall> calls;
+  for (const auto& a : addresses) {
+    calls.push_back({a, {}, std::chrono::milliseconds(10000)});
+    finish.SerializeToString(&calls.back().request);
+  }
+  for (const int fanout : fanouts) {
+    TreeOptions options;
+    options.method = "Finish";
+    options.fanout = static_cast<uint32_t>(fanout);
+    std::vector<double> seconds, cpu;
+    bool all_ok = true;
+    for (int round = 0; round <= rounds; ++round) {  // round 0 connects: not counted
+      const double c0 = cpuSeconds();
+      const auto t0 = std::chrono::steady_clock::now();
+      const auto results = callTree(peers, calls, options);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double c = cpuSeconds() - c0;
+      for (const auto& r : results) all_ok = all_ok && r.status.ok();
+      if (round == 0) continue;
+      seconds.push_back(s);
+      cpu.push_back(c);
+    }
+    if (!all_ok) {
+      fmt::print("| {} | {} | failed: a call did not succeed |\n", n, fanout);
+      continue;
+    }
+    std::sort(seconds.begin(), seconds.end());
+    double cpu_mean = 0;
+    for (double c : cpu) cpu_mean += c / static_cast<double>(cpu.size());
+    fmt::print("| {} | {} | {} | {:.1f} ms | {:.1f} ms | {:.1f} ms | {:.1f} us |\n", n,
+               fanout == 0 ? std::string("direct") : std::to_string(fanout),
+               relayGroups(calls.size(), options.fanout).size(), seconds.front() * 1e3,
+               seconds[seconds.size() / 2] * 1e3, cpu_mean * 1e3, cpu_mean * 1e6 / n);
+    std::fflush(stdout);
+  }
+}
+
+// A coordinating daemon holding no ranks, as shardcastd wires one (daemon/server/main.cc), on the
+// loopback transport, serving on 127.0.0.1.
+class Coordinator {
+ public:
+  Coordinator(const std::vector<std::string>& peers, const std::string& listen, int fanout) {
+    config_.node = "coordinator";
+    config_.listen = listen;
+    config_.peers = peers;  // every daemon of the cluster, itself too (as --peer-dns finds them)
+    config_.peers.push_back(listen);
+    config_.insecure = true;
+    config_.peer_timeout_ms = 10000;
+    config_.relay_fanout = fanout;
+    transport::TransportOptions topts;
+    topts.backend = "loopback";
+    topts.name = "coordinator";
+    transport_ = std::move(*transport::createContext(topts));
+    registry_ = std::make_unique<Registry>(config_.node, *transport_);
+    engine_ = std::make_unique<SyncEngine>(config_.node, *registry_, *transport_, metrics_);
+    peer_set_ = std::make_unique<PeerSet>(config_, registry_->instance());
+    service_ = std::make_unique<ShardcastService>(config_, access_, *registry_, *peer_set_, *engine_, metrics_,
+                                                  progress_, transport_->describe());
+    peer_ = std::make_unique<PeerService>(access_, *registry_, *peer_set_, *engine_, progress_);
+    grpc::ServerBuilder b;
+    b.AddListeningPort(listen, grpc::InsecureServerCredentials());
+    b.RegisterService(service_.get());
+    b.RegisterService(peer_.get());
+    server_ = b.BuildAndStart();
+    if (!server_) {
+      fmt::print(stderr, "relay_bench: the coordinator cannot listen on {}\n", listen);
+      std::exit(1);
+    }
+    stub_ = v1::Shardcast::NewStub(grpc::CreateChannel(config_.listen, grpc::InsecureChannelCredentials()));
+  }
+  ~Coordinator() {
+    service_->stop();
+    engine_->abortAll("the bench is over");
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  }
+  grpc::Status sync(uint64_t version, v1::SyncResponse* out) {
+    v1::SyncRequest req;
+    req.set_src_group("trainer");
+    req.set_dst_group("infer");
+    req.set_version(version);
+    req.mutable_options()->set_timeout_ms(120000);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(150));
+    return stub_->Sync(&context, req, out);
+  }
+
+ private:
+  DaemonConfig config_;
+  const AccessPolicy access_{true, "", nullptr};
+  Metrics metrics_;
+  ProgressBoard progress_;
+  std::unique_ptr<transport::Context> transport_;
+  std::unique_ptr<Registry> registry_;
+  std::unique_ptr<SyncEngine> engine_;
+  std::unique_ptr<PeerSet> peer_set_;
+  std::unique_ptr<ShardcastService> service_;
+  std::unique_ptr<PeerService> peer_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::Shardcast::Stub> stub_;
+};
+
+// Whole syncs through a real coordinator, per fanout: the first (it gathers and plans), then
+// `rounds` that repeat it (the next version each).
+void wholeSyncRows(int n, const std::vector<std::string>& addresses, const std::string& listen,
+                   const std::vector<int>& fanouts, int rounds, uint64_t& version) {
+  for (const int fanout : fanouts) {
+    Coordinator coordinator(addresses, listen, fanout);
+    std::vector<double> seconds, cpu;
+    double first = 0;
+    int repeated = 0;
+    std::string failure;
+    for (int round = 0; round <= rounds && failure.empty(); ++round) {
+      v1::SyncResponse resp;
+      const double c0 = cpuSeconds();
+      const auto t0 = std::chrono::steady_clock::now();
+      const grpc::Status st = coordinator.sync(++version, &resp);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double c = cpuSeconds() - c0;
+      if (!st.ok()) {
+        failure = st.error_message();
+        break;
+      }
+      if (round == 0) {
+        first = s;
+        continue;
+      }
+      repeated += resp.repeated() ? 1 : 0;
+      seconds.push_back(s);
+      cpu.push_back(c);
+    }
+    if (!failure.empty()) {
+      fmt::print("| {} | {} | failed: {} |\n", n, fanout, failure);
+      std::fflush(stdout);
+      continue;
+    }
+    std::sort(seconds.begin(), seconds.end());
+    double cpu_mean = 0;
+    for (double c : cpu) cpu_mean += c / static_cast<double>(cpu.size());
+    fmt::print("| {} | {} | {:.1f} ms | {:.1f} ms | {:.1f} ms | {} of {} | {:.1f} ms | {:.1f} us |\n", n,
+               fanout == 0 ? std::string("direct") : std::to_string(fanout), first * 1e3, seconds.front() * 1e3,
+               seconds[seconds.size() / 2] * 1e3, repeated, seconds.size(), cpu_mean * 1e3, cpu_mean * 1e6 / n);
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string daemons = "64 256 1024", fanouts = "0 16 32 64";
   int rounds = 30;
+  bool whole_syncs = false;
   // The simulated daemons run in a process of their own, started anew (exec: no gRPC state
   // across a fork): relay_bench --serve N FD.
-  if (argc == 4 && !std::strcmp(argv[1], "--serve")) serve(std::atoi(argv[2]), std::atoi(argv[3]));
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--daemons"))
-      daemons = argv[i + 1];
-    else if (!std::strcmp(argv[i], "--fanouts"))
-      fanouts = argv[i + 1];
-    else if (!std::strcmp(argv[i], "--rounds"))
-      rounds = std::max(2, std::atoi(argv[i + 1]));
-    else {
-      fmt::print(stderr, "usage: relay_bench [--daemons \"64 256 1024\"] [--fanouts \"0 16 32 64\"] [--rounds 30]\n");
+  if (argc == 5 && !std::strcmp(argv[1], "--serve")) serve(std::atoi(argv[2]), std::atoi(argv[3]), argv[4]);
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--whole-syncs")) {
+      whole_syncs = true;
+    } else if (i + 1 < argc && !std::strcmp(argv[i], "--daemons")) {
+      daemons = argv[++i];
+    } else if (i + 1 < argc && !std::strcmp(argv[i], "--fanouts")) {
+      fanouts = argv[++i];
+    } else if (i + 1 < argc && !std::strcmp(argv[i], "--rounds")) {
+      rounds = std::max(2, std::atoi(argv[++i]));
+    } else {
+      fmt::print(stderr,
+                 "usage: relay_bench [--daemons \"64 256 1024\"] [--fanouts \"0 16 32 64\"] [--rounds 30] "
+                 "[--whole-syncs]\n");
       return 2;
     }
   }
-  rlimit files{};  // a thousand daemons' listeners and connections
+  const std::vector<int> counts = numbers(daemons);
+  if (counts.empty() || *std::min_element(counts.begin(), counts.end()) < 2) {
+    fmt::print(stderr, "relay_bench: --daemons takes counts of at least 2\n");
+    return 2;
+  }
+  spdlog::set_level(spdlog::level::warn);  // not a line per sync
+  rlimit files{};                          // a thousand daemons' listeners and connections
   ::getrlimit(RLIMIT_NOFILE, &files);
   files.rlim_cur = files.rlim_max;
   ::setrlimit(RLIMIT_NOFILE, &files);
-  fmt::print(
-      "| daemons | fanout | coordinator calls | round, best | median | coordinator CPU per round | per daemon |\n");
-  fmt::print("| --- | --- | --- | --- | --- | --- | --- |\n");
-  for (const int n : numbers(daemons)) {
+  if (whole_syncs) {
+    fmt::print(
+        "| daemons | fanout | first sync (gather, plan) | repeated sync, best | median | skipped the gather "
+        "| coordinator CPU per sync | per daemon |\n");
+    fmt::print("| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  } else {
+    fmt::print(
+        "| daemons | fanout | coordinator calls | round, best | median | coordinator CPU per round | per daemon |\n");
+    fmt::print("| --- | --- | --- | --- | --- | --- | --- |\n");
+  }
+  uint64_t version = 0;  // the simulated inference ranks keep their version across fanouts
+  // The coordinating daemon's address, known to the simulated daemons before it starts (each
+  // fanout's coordinator listens on it in turn).
+  const std::string coordinator = whole_syncs ? fmt::format("127.0.0.1:{}", freePort()) : std::string();
+  for (const int n : counts) {
     int pipefd[2];
     if (::pipe(pipefd) != 0) return 1;
     const pid_t child = ::fork();
     if (child == 0) {
       ::close(pipefd[0]);
       const std::string count = std::to_string(n), fd = std::to_string(pipefd[1]);
-      ::execl("/proc/self/exe", argv[0], "--serve", count.c_str(), fd.c_str(), static_cast<char*>(nullptr));
+      ::execl("/proc/self/exe", argv[0], "--serve", count.c_str(), fd.c_str(), coordinator.c_str(),
+              static_cast<char*>(nullptr));
       std::_Exit(127);
     }
     ::close(pipefd[1]);
@@ -156,45 +471,11 @@ int main(int argc, char** argv) {
       ::kill(child, SIGKILL);
       return 1;
     }
-    const PeerSet peers(clusterConfig(addresses), "coordinator");
-    v1::FinishRequest finish;
-    finish.set_sync_id("bench");
-    finish.set_commit(true);
-    std::vector<RawCall> calls;
-    for (const auto& a : addresses) {
-      calls.push_back({a, {}, std::chrono::milliseconds(10000)});
-      finish.SerializeToString(&calls.back().request);
-    }
-    for (const int fanout : numbers(fanouts)) {
-      TreeOptions options;
-      options.method = "Finish";
-      options.fanout = static_cast<uint32_t>(fanout);
-      std::vector<double> seconds, cpu;
-      bool all_ok = true;
-      for (int round = 0; round <= rounds; ++round) {  // round 0 connects: not counted
-        const double c0 = cpuSeconds();
-        const auto t0 = std::chrono::steady_clock::now();
-        const auto results = callTree(peers, calls, options);
-        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        const double c = cpuSeconds() - c0;
-        for (const auto& r : results) all_ok = all_ok && r.status.ok();
-        if (round == 0) continue;
-        seconds.push_back(s);
-        cpu.push_back(c);
-      }
-      if (!all_ok) {
-        fmt::print("| {} | {} | failed: a call did not succeed |\n", n, fanout);
-        continue;
-      }
-      std::sort(seconds.begin(), seconds.end());
-      double cpu_mean = 0;
-      for (double c : cpu) cpu_mean += c / static_cast<double>(cpu.size());
-      fmt::print("| {} | {} | {} | {:.1f} ms | {:.1f} ms | {:.1f} ms | {:.1f} us |\n", n,
-                 fanout == 0 ? std::string("direct") : std::to_string(fanout),
-                 relayGroups(calls.size(), options.fanout).size(), seconds.front() * 1e3,
-                 seconds[seconds.size() / 2] * 1e3, cpu_mean * 1e3, cpu_mean * 1e6 / n);
-      std::fflush(stdout);
-    }
+    version = 0;  // a new child: its inference ranks hold nothing yet
+    if (whole_syncs)
+      wholeSyncRows(n, addresses, coordinator, numbers(fanouts), rounds, version);
+    else
+      fanOutRows(n, addresses, numbers(fanouts), rounds);
     ::kill(child, SIGKILL);
     ::waitpid(child, nullptr, 0);
   }
