@@ -7,7 +7,9 @@
 # (best of the cached syncs), the plan's predicted time for the link rate, the network lower bound
 # (the busiest node's ingress over the link rate), each baseline's measured time (every rank
 # pulling its own slices; everything through one node) and their ratios. With --control-plane: syncs of a
-# tiny model across 8..64 daemons on loopback, the time per phase against the node count.
+# tiny model across 8..64 daemons on loopback, the time per phase against the node count; then whole
+# syncs of a real coordinating daemon over 256 and 1024 simulated daemons (build/bin/relay_bench
+# --whole-syncs: the coordinator's time and CPU per sync, directly and through relay trees).
 # Traffic stays inside the namespaces this script makes; they are removed on exit, whatever happens.
 # Needs root (ip netns, tc). Usage:
 #   bench/cluster.sh [--rate-mbit R] [--delay-ms 0] [--queue-ms 200] [--mtu 9000] [--scenario relay|fsdp-tp|moe|16-node|all]
@@ -18,10 +20,11 @@
 #   bench/cluster.sh --scenario delta [--delta-arg ARG]...  (bench/delta_bench.py on 2 nodes: AdamW steps,
 #                    dense and delta syncs side by side; not part of "all")
 #                    [--demo-arg ARG]...   (passed to shardcast-demo, e.g. --demo-arg=--chunk-mib=4)
-#   bench/cluster.sh --control-plane [--nodes "8 16 32 64"] [--cp-syncs 21]
+#   bench/cluster.sh --control-plane [--nodes "8 16 32 64"] [--cp-syncs 21] [--simulated "256 1024"]
+#                    [--simulated-fanouts "0 32 64"]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-rate="" delay=0 queue_ms=200 mtu=9000 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64" cp_syncs=21 demo_args=() delta_args=()
+rate="" delay=0 queue_ms=200 mtu=9000 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64" cp_syncs=21 cp_simulated="256 1024" cp_fanouts="0 32 64" demo_args=() delta_args=()
 strategies=planned,rank-pull,gather-broadcast
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -35,15 +38,17 @@ while [ $# -gt 0 ]; do
     --control-plane) control=1; shift ;;
     --nodes) cp_nodes="$2"; shift 2 ;;
     --cp-syncs) cp_syncs="$2"; shift 2 ;;
+    --simulated) cp_simulated="$2"; shift 2 ;;
+    --simulated-fanouts) cp_fanouts="$2"; shift 2 ;;
     --demo-arg) demo_args+=("$2"); shift 2 ;;
     --demo-arg=*) demo_args+=("${1#--demo-arg=}"); shift ;;
     --delta-arg) delta_args+=("$2"); shift 2 ;;
     --delta-arg=*) delta_args+=("${1#--delta-arg=}"); shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "bench/cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
-bash "$root/scripts/build.sh" shardcast-demo shardcastd >/dev/null
+bash "$root/scripts/build.sh" shardcast-demo shardcastd relay_bench >/dev/null
 demo="$root/build/bin/shardcast-demo"
 py=/usr/bin/python3
 
@@ -176,6 +181,12 @@ calls = max(int(r.get("coordinator_calls", 0)) for r in rest)
 print("| %d | %s | %.1f ms | %d of %d | %d | %.1f ms | %.1f ms | %.2f ms |" % (n, cells, median, repeated, len(rest), calls, coord, every, every / n))
 ' "$n"
   done
+  if [ -n "$cp_simulated" ]; then
+    echo "== whole syncs of a real coordinating daemon over simulated daemons (relay_bench --whole-syncs, $((cp_syncs - 1)) repeated syncs)"
+    echo "   (the trainer's rank on one, an inference rank on each other; they answer at once and move no bytes;"
+    echo "   fanout: the coordinator's --relay-fanout, 0 direct; CPU: the coordinator's process alone)"
+    "$root/build/bin/relay_bench" --whole-syncs --daemons "$cp_simulated" --fanouts "$cp_fanouts" --rounds "$((cp_syncs - 1))"
+  fi
   exit 0
 fi
 
