@@ -19,8 +19,8 @@
 //
 //   build/bin/relay_bench [--daemons "64 256 1024"] [--fanouts "0 16 32 64"] [--rounds 30]
 //                         [--whole-syncs]
-#include <arpa/inet.h>
 #include <absl/synchronization/mutex.h>
+#include <arpa/inet.h>
 #include <fmt/format.h>
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>

@@ -491,14 +491,21 @@ StatusOr<Plan> composeReplicas(const PositionPlan& pp, const ResolvedLayout& src
   }
 
   // Per-node figures: a replica node does what its position does in the position plan, and a
-  // node shared by m replicas copies its position's needs locally to m - 1 more replicas (about:
-  // what it receives). No node hosts a source rank (checked above), so every node's lower bound
-  // is its need: each fragment once per node of its group.
+  // node shared by m replicas writes everything its position's ranks hold into m - 1 more
+  // replicas by local copies. No node hosts a source rank (checked above), so every node's lower
+  // bound is its need: each fragment once per node of its group.
   const PlanStats& ts = tp.stats;
+  std::vector<int64_t> position_writes(static_cast<size_t>(P), 0);  // bytes one replica's ranks there hold
+  for (const TensorPair& t : out.tensors) {
+    const TensorLayout& dt = dst.tensors[t.dst];
+    for (const PieceRef& piece : dt.pieces)
+      if (piece.rank < W)
+        position_writes[pp.rank_position[piece.rank]] += dt.boxes[piece.box].volume() * dt.elemBytes();
+  }
   for (int32_t n = 0; n < static_cast<int32_t>(nodes.size()); ++n)
     if (sharing[n] > 0) {
-      const int32_t at = pp.position_node[node_position[n]];
-      s.node_local[n] = ts.node_local[at] + (sharing[n] - 1) * ts.node_ingress[at];
+      const int32_t p = node_position[n];
+      s.node_local[n] = ts.node_local[pp.position_node[p]] + (sharing[n] - 1) * position_writes[p];
     }
   for (int64_t v : s.node_local) s.local_bytes += v;
   int64_t dst_nodes = 0;

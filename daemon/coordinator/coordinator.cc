@@ -457,6 +457,8 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
   for (const auto& [group, was] : remembered)
     if (!anyone.count(group) && !now.count(group)) members_left_.push_back(group);
 
+  // node -> the first replica taking part with ranks there, and its owner
+  std::map<std::string, std::pair<std::string, std::optional<uint32_t>>> sharing;
   for (const auto& group : view.replicasOf(req_.dst_group(), set_despite_group_)) {
     const v1::Layout& registered = *view.layoutOf(group);
     v1::ReplicaOutcome outcome;
@@ -508,13 +510,20 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
       for (const auto& taking : replicas_)
         if (taking.id == registered.replica())
           refused = strCat("replica id ", registered.replica(), " is taken by group \"", taking.layout.group(), "\"");
+    // Replicas may share nodes (engines on one machine), if they have one owner: a shared node
+    // lands each byte once in one replica's memory and copies it from there into the others',
+    // and no uid's replica is written from memory another uid can change.
+    const auto owner = view.ownerOf(group);
+    for (const auto& node : now[group].nodes)
+      if (const auto it = sharing.find(node); refused.empty() && it != sharing.end() && it->second.second != owner)
+        refused = strCat("node \"", node, "\" holds replica ", quote(it->second.first), " of another owner (",
+                         "replicas share a node only with replicas of their own owner)");
     if (!refused.empty()) {
       cutOut(outcome, refused);
       continue;
     }
-    // Replicas may share nodes (engines on one machine): the node receives each byte once and
-    // writes every replica there (planner::composeReplicas).
     replicas_.push_back({registered.replica(), *layout, {}});
+    for (const auto& node : now[group].nodes) sharing.emplace(node, std::make_pair(group, owner));
     outcomes_.push_back(std::move(outcome));
   }
   std::sort(outcomes_.begin(), outcomes_.end(),
