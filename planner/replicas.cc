@@ -498,9 +498,11 @@ StatusOr<Plan> composeReplicas(const PositionPlan& pp, const ResolvedLayout& src
   std::vector<int64_t> position_writes(static_cast<size_t>(P), 0);  // bytes one replica's ranks there hold
   for (const TensorPair& t : out.tensors) {
     const TensorLayout& dt = dst.tensors[t.dst];
-    for (const PieceRef& piece : dt.pieces)
-      if (piece.rank < W)
-        position_writes[pp.rank_position[piece.rank]] += dt.boxes[piece.box].volume() * dt.elemBytes();
+    for (const PieceRef& piece : dt.pieces) {
+      const int64_t bytes = dt.boxes[piece.box].volume() * dt.elemBytes();
+      s.bytes_needed += bytes;
+      if (piece.rank < W) position_writes[pp.rank_position[piece.rank]] += bytes;
+    }
   }
   for (int32_t n = 0; n < static_cast<int32_t>(nodes.size()); ++n)
     if (sharing[n] > 0) {
@@ -510,10 +512,6 @@ StatusOr<Plan> composeReplicas(const PositionPlan& pp, const ResolvedLayout& src
   for (int64_t v : s.node_local) s.local_bytes += v;
   int64_t dst_nodes = 0;
   for (int32_t m : sharing) dst_nodes += m > 0 ? 1 : 0;
-  for (const TensorPair& t : out.tensors) {
-    const TensorLayout& dt = dst.tensors[t.dst];
-    for (const PieceRef& piece : dt.pieces) s.bytes_needed += dt.boxes[piece.box].volume() * dt.elemBytes();
-  }
   s.tensors = ts.tensors;
   for (const Fragment& f : out.fragments) s.network_lower_bound += f.bytes * out.groups[f.group].nodes_count;
   s.local_ops = ts.local_ops * R;

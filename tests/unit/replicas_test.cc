@@ -733,28 +733,28 @@ TEST_CASE("replica sets: composing against layouts the position plan was not mad
   const Replica spread = fromJson(0, smallReplica(0, R"("nodes":["a","b"])"));
   auto spread_positions = planPositions(*s2, two_nodes, spread.layout);
   REQUIRE(spread_positions.ok());
-  auto crossed =
-      resolveLayout(stackReplicas({spread, fromJson(1, smallReplica(1, R"("nodes":["b","c"])"))}), two_nodes);
-  REQUIRE(crossed.ok());
-  plan = composeReplicas(*spread_positions, *s2, *crossed, two_nodes);
-  REQUIRE_FALSE(plan.ok());
-  CHECK(plan.status().code() == absl::StatusCode::kFailedPrecondition);
-  CHECK_THAT(std::string(plan.status().message()),
+  // `spread` and a second replica on `nodes`, stacked and composed from spread's position plan.
+  const auto composeWith = [&](const std::string& nodes_json) {
+    auto stacked = resolveLayout(stackReplicas({spread, fromJson(1, smallReplica(1, nodes_json))}), two_nodes);
+    REQUIRE(stacked.ok());
+    return std::make_pair(*stacked, composeReplicas(*spread_positions, *s2, *stacked, two_nodes));
+  };
+  auto [crossed, crossed_plan] = composeWith(R"("nodes":["b","c"])");
+  REQUIRE_FALSE(crossed_plan.ok());
+  CHECK(crossed_plan.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(crossed_plan.status().message()),
              Catch::Contains("node \"b\" holds position 1 of replica 0 and position 0 of replica 1"));
   // ... which planReplicaSet reports too, and which a flat plan of the stacked layout handles.
   auto set = planReplicaSet(src, {spread, fromJson(1, smallReplica(1, R"("nodes":["b","c"])"))});
   REQUIRE_FALSE(set.ok());
   CHECK(set.status().code() == absl::StatusCode::kFailedPrecondition);
-  auto flat = makePlan(*s2, *crossed, two_nodes);
+  auto flat = makePlan(*s2, crossed, two_nodes);
   CHECK(flat.ok());
   // A replica breaking the position pattern within itself (both ranks on one node where the
   // position plan has them on two).
-  auto self_broken =
-      resolveLayout(stackReplicas({spread, fromJson(1, smallReplica(1, R"("nodes":["c","c"])"))}), two_nodes);
-  REQUIRE(self_broken.ok());
-  plan = composeReplicas(*spread_positions, *s2, *self_broken, two_nodes);
-  REQUIRE_FALSE(plan.ok());
-  CHECK_THAT(std::string(plan.status().message()), Catch::Contains("breaks the position pattern"));
+  const auto self_broken = composeWith(R"("nodes":["c","c"])").second;
+  REQUIRE_FALSE(self_broken.ok());
+  CHECK_THAT(std::string(self_broken.status().message()), Catch::Contains("breaks the position pattern"));
   // A source with a node named like a position.
   NodeTable other;
   auto reserved = resolveLayout(
