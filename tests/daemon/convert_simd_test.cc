@@ -131,6 +131,46 @@ TEST_CASE("simd conversions: e4m3 quantisation equals the scalar reference for e
   });
 }
 
+// Inputs whose quotient x / scale lies on, or a few ulp either side of, every rounding boundary
+// of e4m3 (each midpoint of the normal range, each of the subnormal grid, 2^-10, 448), for scales
+// that are not powers of two: where a kernel computing the quotient any other way than the
+// reference's one division (a reciprocal, a fused multiply) would round to another value.
+TEST_CASE("simd conversions: e4m3 quantisation equals the reference next to every rounding boundary",
+          "[daemon][fp8][simd]") {
+  std::vector<float> boundaries;
+  for (int e = -6; e <= 8; ++e)  // normal range: midpoints between m/8 and (m+1)/8 of each binade
+    for (int m = 0; m < 8; ++m) boundaries.push_back(std::ldexp(1.0f + (2.0f * m + 1.0f) / 16.0f, e));
+  for (int k = 1; k < 16; k += 2) boundaries.push_back(std::ldexp(static_cast<float>(k), -10));  // subnormal grid
+  boundaries.push_back(448.0f);
+  std::mt19937 rng(34);
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+  std::vector<float> scales{3.0f / 448.0f, 0.3f, 7.5f, 1e-3f, 1e-30f, 1e30f};
+  for (int i = 0; i < 24; ++i) scales.push_back(std::ldexp(mantissa(rng), static_cast<int>(rng() % 40) - 20));
+  for (const float scale : scales) {
+    std::vector<float> in;  // x whose x / scale is each boundary, then x a few ulp either side
+    for (const float b : boundaries)
+      for (const float sign : {1.0f, -1.0f}) {
+        float x = sign * b * scale, below = x, above = x;
+        in.push_back(x);
+        for (int k = 0; k < 12; ++k) {
+          below = std::nextafter(below, 0.0f);
+          above = std::nextafter(above, sign * std::numeric_limits<float>::infinity());
+          in.push_back(below);
+          in.push_back(above);
+        }
+      }
+    onEveryTarget([&] {
+      INFO("scale " << scale);
+      std::vector<uint8_t> out(in.size());
+      simd::quantizeRow(in.data(), out.data(), in.size(), scale);
+      for (size_t i = 0; i < in.size(); ++i) {
+        INFO("x " << in[i] << " x / scale " << in[i] / scale);
+        REQUIRE(out[i] == referenceQuantize(in[i], scale));
+      }
+    });
+  }
+}
+
 TEST_CASE("simd conversions: a row's amax is the largest magnitude, and a NaN anywhere is reported",
           "[daemon][fp8][simd]") {
   std::mt19937 rng(3);
