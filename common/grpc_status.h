@@ -6,21 +6,33 @@
 
 #include <string>
 
+#include "common/refusal.h"
 #include "common/status.h"
 #include "common/strings.h"
 
 namespace shardcast {
 
+// The group a refusal names (refusedBy, common/refusal.h) after it crossed gRPC: in the binary
+// details, under kRefusingGroup.
+inline std::string refusingGroup(const grpc::Status& st) {
+  const std::string& details = st.error_details();
+  const std::string prefix = strCat(kRefusingGroup, "=");
+  return details.compare(0, prefix.size(), prefix) == 0 ? details.substr(prefix.size()) : std::string();
+}
+
 inline grpc::Status toGrpc(const Status& st) {
   if (st.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
+  const std::string group = refusingGroup(st);
+  return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()),
+                      group.empty() ? std::string() : strCat(kRefusingGroup, "=", group));
 }
 
 // The gRPC status as an absl::Status; `context` (what was being done) prefixes the message when given.
 inline Status fromGrpc(const grpc::Status& st, const std::string& context = "") {
   if (st.ok()) return absl::OkStatus();
-  return Status(static_cast<absl::StatusCode>(st.error_code()),
-                context.empty() ? st.error_message() : strCat(context, ": ", st.error_message()));
+  return refusedBy(Status(static_cast<absl::StatusCode>(st.error_code()),
+                          context.empty() ? st.error_message() : strCat(context, ": ", st.error_message())),
+                   refusingGroup(st));
 }
 
 }  // namespace shardcast

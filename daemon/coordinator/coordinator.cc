@@ -631,6 +631,18 @@ std::vector<std::string> SyncCoordinator::replicasOnlyOn(const std::string& node
   return replicasOn(node);
 }
 
+std::vector<std::string> SyncCoordinator::replicasToCut(bool* node_failed) const {
+  *node_failed = refusing_replica_.empty();
+  if (!refusing_replica_.empty()) return {refusing_replica_};
+  return replicasOnlyOn(faulty_node_);
+}
+
+bool SyncCoordinator::isReplica(const std::string& group) const {
+  for (const auto& r : replicas_)
+    if (r.layout.group() == group) return true;
+  return false;
+}
+
 std::vector<std::string> SyncCoordinator::replicasOn(const std::string& node) const {
   if (!cluster_ || replicas_.empty() || node.empty()) return {};
   std::set<std::string> on;
@@ -644,12 +656,7 @@ std::vector<std::string> SyncCoordinator::replicasOn(const std::string& node) co
   return {on.begin(), on.end()};
 }
 
-bool SyncCoordinator::writes(const std::string& group) const {
-  if (group == req_.dst_group()) return true;
-  for (const auto& r : replicas_)
-    if (r.layout.group() == group) return true;
-  return false;
-}
+bool SyncCoordinator::writes(const std::string& group) const { return group == req_.dst_group() || isReplica(group); }
 
 Status SyncCoordinator::checkVersions() const {
   const auto& src = src_group_;
@@ -781,6 +788,9 @@ Status SyncCoordinator::prepare() {
         silent_daemon_ = silent_daemon_ || silent;
       }
     faulty_node_ = stalled.empty() ? daemons[*at_fault].node() : stalled;
+    if (stalled.empty())  // a replica's own ranks refused: its node answered, and is healthy
+      if (const std::string group = refusingGroup(results[*at_fault]); !group.empty() && isReplica(group))
+        refusing_replica_ = group;
     // A node the lease keeper found silent is named with how long it had (its own call and the
     // others' were cancelled, which says nothing).
     const Status failure =

@@ -163,6 +163,12 @@ class SyncCoordinator {
   // of the sync has ranks there (a node holding source ranks or a plain destination: none).
   // Once the commit began, none (a retry would misreport the replicas that committed).
   std::vector<std::string> replicasOnlyOn(const std::string& node) const;
+  // After a failed run: the replicas to sync again without. A replica whose own ranks refused the
+  // Prepare (acquired, being written or read by another sync since the gather: common/refusal.h)
+  // is that replica alone, its node being healthy (other replicas sharing it still take part);
+  // else the replicas only on the faulty node. `node_failed`: the node failed (it is asked no
+  // more in this sync), rather than one replica refusing.
+  std::vector<std::string> replicasToCut(bool* node_failed) const;
   // After a failed run: it skipped the gather and failed before anything was executed (a daemon's
   // registrations changed, its ranks are not at the version, its address is gone...): run it
   // again with a full gather, which names the fault as it always does. Not when a daemon did not
@@ -201,6 +207,7 @@ class SyncCoordinator {
   Status gatherReplicas(const ClusterView& view, const std::vector<std::string>& unreachable);
   // `group` is written by this sync: the destination group, or a replica taking part.
   bool writes(const std::string& group) const;
+  bool isReplica(const std::string& group) const;  // a replica of the set taking part
   // A catch-up (SyncOptions.catch_up): resolves the version (the newest a complete replica of
   // dst_group's set holds, or the one asked for) and the seed: such a replica that nothing
   // writes, else the source; sets current_ when dst_group holds that version or newer already.
@@ -234,6 +241,7 @@ class SyncCoordinator {
   std::atomic<bool> commit_started_{false};  // commit() began: no retry without replicas
   const std::string id_;
   std::string faulty_node_;
+  std::string refusing_replica_;  // a replica whose own ranks refused the Prepare on faulty_node_
   const uint64_t fence_;
   // The attempt's write key (PrepareRequest.write_key): handed to its daemons only in Prepare.
   const transport::WriteKey key_ = transport::WriteKey::random();

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "common/refusal.h"
 #include "common/strings.h"
 #include "daemon/registry/registry.h"
 #include "daemon/registry/sync_preconditions.h"
@@ -63,9 +64,11 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
     const std::string who = strCat("group \"", r->group, "\" rank ", r->rank, " on node \"", node_, "\"");
     const std::string* dst_digest = digestIn(dst, key.first);
     if ((key.first == src && r->digest != src_digest) || (dst_digest && r->digest != *dst_digest))
-      return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " registered layout ", r->digest,
-                                                  " since the sync was planned (for ",
-                                                  key.first == src ? src_digest : *dst_digest, "): retry the sync"));
+      return refusedBy(
+          absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " registered layout ", r->digest,
+                                               " since the sync was planned (for ",
+                                               key.first == src ? src_digest : *dst_digest, "): retry the sync")),
+          key.first == src ? std::string() : key.first);
     if (key.first == src && seed) {
       if (const std::string why = seedRefusal(*r, version); !why.empty())
         return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " cannot seed a catch-up: ", why));
@@ -80,23 +83,30 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
       SC_RETURN_IF_ERROR(checkSegments(*r));
       readers.push_back(r.get());
     } else if (dst_digest) {
-      if (r->role != v1::ROLE_DESTINATION)
-        return absl::FailedPreconditionError(strCat(
-            "sync ", id, ": ", who, " is a source; a sync writes only destination groups (refusing to overwrite it)"));
-      if (r->held && (!r->doubled() || r->pinned != r->active))
-        return absl::FailedPreconditionError(
-            strCat("sync ", id, ": ", who, " does not accept updates (acquired by its client",
-                   r->doubled() ? ", which still reads the set this sync would write)" : ")"));
-      if (!r->writer.empty())
-        return absl::FailedPreconditionError(strCat("sync ", id, ": a sync into group \"", key.first, "\" (", r->writer,
-                                                    ") is in progress on node \"", node_, "\""));
-      if (!r->readers.empty())  // a catch-up reads it as its seed
-        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " is being read by sync ",
-                                                    *r->readers.begin(), " (a catch-up seeded from it)"));
-      // (a rank no sync writes is EMPTY with nothing committed, READY or DIRTY)
-      if (const std::string why = destinationRefusal({r->state, r->held, r->committed}, version); !why.empty())
-        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, why));
-      SC_RETURN_IF_ERROR(checkSegments(*r));
+      // A refusal here is this group's own (its ranks' state): it names the group, so that a
+      // replica set's coordinator cuts that replica only (common/grpc_status.h).
+      const auto writable = [&]() -> Status {
+        if (r->role != v1::ROLE_DESTINATION)
+          return absl::FailedPreconditionError(
+              strCat("sync ", id, ": ", who,
+                     " is a source; a sync writes only destination groups (refusing to overwrite it)"));
+        if (r->held && (!r->doubled() || r->pinned != r->active))
+          return absl::FailedPreconditionError(
+              strCat("sync ", id, ": ", who, " does not accept updates (acquired by its client",
+                     r->doubled() ? ", which still reads the set this sync would write)" : ")"));
+        if (!r->writer.empty())
+          return absl::FailedPreconditionError(strCat("sync ", id, ": a sync into group \"", key.first, "\" (",
+                                                      r->writer, ") is in progress on node \"", node_, "\""));
+        if (!r->readers.empty())  // a catch-up reads it as its seed
+          return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " is being read by sync ",
+                                                      *r->readers.begin(), " (a catch-up seeded from it)"));
+        // (a rank no sync writes is EMPTY with nothing committed, READY or DIRTY)
+        if (const std::string why = destinationRefusal({r->state, r->held, r->committed}, version); !why.empty())
+          return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, why));
+        SC_RETURN_IF_ERROR(checkSegments(*r));
+        return absl::OkStatus();
+      };
+      SC_RETURN_IF_ERROR(refusedBy(writable(), key.first));
       writers.push_back(r.get());
     }
   }

@@ -163,13 +163,17 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
       continue;
     }
     const std::string& faulty = coordinator.faultyNode();
-    if (!faulty.empty()) metrics_.peerFailed(faulty);
-    const auto replicas = coordinator.replicasOnlyOn(faulty);
+    bool node_failed = true;
+    const auto replicas = coordinator.replicasToCut(&node_failed);
+    if (!faulty.empty() && node_failed) metrics_.peerFailed(faulty);
     if (!replicas.empty() && left > std::chrono::milliseconds(0)) {
       for (const auto& group : replicas)
-        cut[group] = strCat("node ", quote(faulty), " failed during the sync (", done.status().message(), ")");
-      failed[faulty] = strCat("it failed an earlier attempt of sync ", id);
-      spdlog::warn("sync {}: node {} failed: syncing replica set {} again without {}", id, quote(faulty),
+        cut[group] = node_failed
+                         ? strCat("node ", quote(faulty), " failed during the sync (", done.status().message(), ")")
+                         : strCat("its ranks refused the sync (", done.status().message(), ")");
+      if (node_failed) failed[faulty] = strCat("it failed an earlier attempt of sync ", id);
+      spdlog::warn("sync {}: {}: syncing replica set {} again without {}", id,
+                   node_failed ? strCat("node ", quote(faulty), " failed") : std::string(done.status().message()),
                    quote(req.dst_group()), strJoin(replicas, ", "));
       attempt.mutable_options()->set_timeout_ms(static_cast<uint32_t>(left.count()));
       progress_.update(id, [](v1::SyncProgress& p) {  // the new attempt's progress, from the start

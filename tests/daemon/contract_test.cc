@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "client/lib/client.h"
+#include "common/grpc_status.h"
 #include "planner/layout.h"
 #include "tests/daemon/daemon_harness.h"
 #include "tests/daemon/rank_memory.h"
@@ -672,6 +673,17 @@ TEST_CASE("sync attempts are told apart: a duplicate id, a late Prepare, another
   v1::ProgressResponse prr;
   CHECK(c.peers()[1]->Progress(ctx().get(), pr, &prr).ok());  // still there
   for (const auto& [r, s2] : c.states(c.n1(), "dst")) CHECK(s2.state() == v1::RANK_UPDATING);
+  // A second sync into the ranks "dup" writes is refused where they are, naming the group whose
+  // ranks refused (a replica set's coordinator cuts that replica only: common/refusal.h).
+  {
+    v1::PrepareResponse presp;
+    const grpc::Status busy =
+        c.peers()[1]->Prepare(ctx().get(), prepareRequest("second", c.src_proto, c.dst_proto, 1, 78), &presp);
+    CHECK(busy.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+    CHECK_THAT(busy.error_message(), Catch::Contains("(dup) is in progress"));
+    CHECK(refusingGroup(busy) == "dst");
+    CHECK(refusingGroup(fromGrpc(busy)) == "dst");
+  }
   // Ranks a sync uses can be neither registered again nor unregistered meanwhile.
   v1::RegisterResponse resp;
   auto again = registerRequest(c.dst_proto, 0, 2, c.dmem[0]);
@@ -698,6 +710,7 @@ TEST_CASE("sync attempts are told apart: a duplicate id, a late Prepare, another
   v1::PrepareResponse presp;
   st = c.peers()[1]->Prepare(ctx().get(), prep, &presp);
   CHECK(st.error_code() == grpc::StatusCode::ABORTED);
+  CHECK(refusingGroup(st).empty());  // the attempt's, not a group's
   for (const auto& [r, s2] : c.states(c.n1(), "dst")) CHECK(s2.state() == v1::RANK_EMPTY);
 
   // Planned for another layout than the ranks registered: refused where the ranks are.
@@ -707,6 +720,7 @@ TEST_CASE("sync attempts are told apart: a duplicate id, a late Prepare, another
   st = c.peers()[1]->Prepare(ctx().get(), prep, &presp);
   CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
   CHECK_THAT(st.error_message(), Catch::Contains("since the sync was planned"));
+  CHECK(refusingGroup(st) == "dst");
 
   // The same id again once the first attempt ended: a fresh attempt that commits.
   st = c.n0().client()->Sync(ctx().get(), s, &out);

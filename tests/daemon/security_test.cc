@@ -684,6 +684,59 @@ TEST_CASE("oversize requests are refused, and what they cost the daemon is bound
   CHECK(d.client()->Status(ctx(10).get(), v1::StatusRequest(), &status).ok());
 }
 
+TEST_CASE("replicas share a node only with replicas of their own owner: a granted uid's replica there is cut",
+          "[daemon][security]") {
+  if (::geteuid() != 0) {
+    SHARDCAST_SKIP("needs root to run a caller as another uid (setpriv)");
+  }
+  Daemon d("n0", freePort(), {});
+  REQUIRE(d.ready());
+  const char* one = R"({"group":"g","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
+    {"name":"w","shape":[16,16],"dtype":"float32","placements":[{"replicate":{}}]}]})";
+  // Root's trainer (0x42, version 5), which uid 65534 may read (a granted reader: its replicas
+  // are eligible), and root's replica 0 of set "rollout".
+  v1::Layout src = *planner::parseLayoutJson(one, "trainer");
+  src.set_group("trainer");
+  v1::Layout r0 = src;
+  r0.set_group("rollout.r0");
+  r0.set_replica_set("rollout");
+  r0.set_replica(0);
+  planner::NodeTable nodes;
+  const auto resolved = *planner::resolveLayout(src, nodes);
+  RankMemory smem = allocateRank(resolved, 0, "trainer"), m0 = allocateRank(resolved, 0, "r0");
+  std::memset(smem.seg->data(), 0x42, smem.seg->size());
+  v1::RegisterResponse registered;
+  auto granted = registerRequest(src, 0, 1, smem, v1::ROLE_SOURCE, 5);
+  granted.add_readers(65534);
+  REQUIRE(d.client()->Register(ctx(10).get(), granted, &registered).ok());
+  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(r0, 0, 1, m0), &registered).ok());
+  // uid 65534 registers replica 5 of the set on the same node (its group sorts after root's),
+  // holding its own bytes (0x07) at version 1.
+  Child other =
+      Child::spawn({"setpriv", "--reuid=65534", "--regid=0", "--clear-groups", testBinary(FOREIGN_CALLER_PATH),
+                    "replica", d.socketPath(), one, "rollout.z", "rollout", "5", "1"});
+  REQUIRE(other.readLine(std::chrono::seconds(60)) == "ready OK");
+  // A node lands each byte once and copies it between the replicas there: never between two
+  // owners' memory. Root's replica takes part; uid 65534's is cut, named, though it may read the
+  // trainer (it would have been written from root's memory, or written root's from its own).
+  v1::SyncRequest s;
+  s.set_src_group("trainer");
+  s.set_dst_group("rollout");
+  s.set_version(5);
+  v1::SyncResponse out;
+  const grpc::Status st = d.client()->Sync(ctx(30).get(), s, &out);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  std::map<std::string, std::string> outcomes;
+  for (const auto& o : out.replicas()) outcomes[o.group()] = o.committed() ? "committed" : o.cut();
+  CHECK(outcomes["rollout.r0"] == "committed");
+  CHECK_THAT(outcomes["rollout.z"], Catch::Contains("node \"n0\" holds replica \"rollout.r0\" of another owner") &&
+                                        Catch::Contains("replicas share a node only with replicas of their own owner"));
+  CHECK(std::memcmp(m0.seg->data(), smem.seg->data(), smem.seg->size()) == 0);
+  other.closeStdin();
+  CHECK(other.wait() == 0);
+}
+
 TEST_CASE("a replica set takes only replicas whose owner may receive its source: another uid's is cut, never a seed",
           "[daemon][security]") {
   if (::geteuid() != 0) {

@@ -7,6 +7,7 @@ ranks held by its engine, a layout unlike the others) is cut and named while the
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -276,6 +277,56 @@ def test_replicas_sharing_a_node_take_part_and_the_node_receives_each_byte_once(
         assert outcomes(resp) == {f"rollout.r{k}": (True, "") for k in range(3)}, outcomes(resp)
         assert holds(r0, 3) and holds(r1, 3) and holds(r2, 3)
         for reg in trainers + r0 + r1 + r2:
+            reg.close()
+
+
+def test_a_replica_refusing_the_prepare_on_a_shared_node_is_cut_alone():
+    """Replicas 1 and 2 share n2. Replica 1's engine acquires its rank after the sync's gather
+    found it writable, so n2 refuses the Prepare for replica 1's ranks. The refusal names replica
+    1's group: replica 1 alone is cut, and replica 2 on the same (healthy) node commits in the same
+    call. The window: n3 (replica 3) is frozen, so the gather waits out the replica deadline for it
+    while the rank is acquired; a gather that saw the rank acquired already cuts replica 1 there,
+    which is tried again (the refusal at the Prepare must be reached at least once)."""
+    shardcastd_path()
+    with LocalCluster(["n0", "n1", "n2", "n3"]) as c:
+        clients = {n: shardcast.Client(c.target(n)) for n in c.nodes}
+        src = clients["n0"]
+        trainers = rank_worker.register_trainers(src)
+        r0 = register_replica(clients["n1"], 0, "n1")
+        r1 = register_replica(clients["n2"], 1, "n2")
+        r2 = register_replica(clients["n2"], 2, "n2")
+        r3 = register_replica(clients["n3"], 3, "n3")
+        resp = src.sync("trainer", "rollout", 1)
+        assert all(committed for committed, _ in outcomes(resp).values()), outcomes(resp)
+        at_prepare = False
+        for version in range(2, 7):
+            step(trainers, version)
+            freeze_process(c.daemons["n3"].proc.pid)
+            try:
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    sync = pool.submit(src.sync, "trainer", "rollout", version, replica_deadline=3.0, timeout=60)
+                    time.sleep(1.0)  # the gather has n2's answer, and waits for n3
+                    r1[0].acquire()
+                    resp = sync.result()
+            finally:
+                os.kill(c.daemons["n3"].proc.pid, signal.SIGCONT)
+            got = outcomes(resp)
+            assert got["rollout.r0"] == (True, "") and got["rollout.r2"] == (True, ""), got
+            assert not got["rollout.r3"][0] and '"n3"' in got["rollout.r3"][1], got
+            committed, why = got["rollout.r1"]
+            assert not committed and 'rank 0 on node "n2" does not accept updates (acquired by its client)' in why, got
+            assert holds(r0, version) and holds(r2, version) and not holds(r1, version)
+            r1[0].release()
+            if "its ranks refused the sync" in why:
+                at_prepare = True
+                break
+        assert at_prepare, "the gather saw the acquired rank every time: the Prepare's refusal was not reached"
+        # Released: the next sync repairs replicas 1 and 3.
+        step(trainers, version + 1)
+        resp = src.sync("trainer", "rollout", version + 1, timeout=60)
+        assert all(committed for committed, _ in outcomes(resp).values()), outcomes(resp)
+        assert holds(r1, version + 1) and holds(r3, version + 1)
+        for reg in trainers + r0 + r1 + r2 + r3:
             reg.close()
 
 
