@@ -788,9 +788,12 @@ Status SyncCoordinator::prepare() {
         silent_daemon_ = silent_daemon_ || silent;
       }
     faulty_node_ = stalled.empty() ? daemons[*at_fault].node() : stalled;
-    if (stalled.empty())  // a replica's own ranks refused: its node answered, and is healthy
+    // A replica's own ranks refused: its node answered, and is healthy. Taken only for a replica
+    // of this sync with ranks on the refusing node (a daemon cannot have another node's cut).
+    if (stalled.empty())
       if (const std::string group = refusingGroup(results[*at_fault]); !group.empty() && isReplica(group))
-        refusing_replica_ = group;
+        for (const auto& r : daemons[*at_fault].ranks())
+          if (r.group() == group) refusing_replica_ = group;
     // A node the lease keeper found silent is named with how long it had (its own call and the
     // others' were cancelled, which says nothing).
     const Status failure =
