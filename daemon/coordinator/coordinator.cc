@@ -494,13 +494,17 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
       for (const auto& r : d.ranks())
         if (refused.empty() && r.group() == group) {
           std::string why = destinationRefusal(factsOf(r), version);
-          if (why.empty() && r.refuses_writes())
+          // Retried without replicas an earlier attempt cut: a single-buffered replica still written
+          // by that attempt (a peer it was exchanging bytes with froze mid-write) may be taken
+          // over by this one, whose bytes are the same. Its daemon decides at Prepare (the rank
+          // is this sync's at this version: taken; else refused, naming the replica, cut alone).
+          const bool retaken = !ctx_.cut.empty() && r.written() && !r.held() && !r.double_buffered();
+          if (why.empty() && r.refuses_writes() && !retaken)
             why = r.held() ? " does not accept updates (acquired by its client)"
-                  : r.state() == v1::RANK_UPDATING || r.double_buffered()
+                  : r.state() == v1::RANK_UPDATING || (r.double_buffered() && r.written())
                       ? " does not accept updates (another sync is writing it)"
-                  : r.state() == v1::RANK_DIRTY
-                      ? " does not accept updates (writes of a sync that ended are still landing in it)"
-                      : " does not accept updates (a catch-up is reading it)";
+                  : r.written() ? " does not accept updates (writes of a sync that ended are still landing in it)"
+                                : " does not accept updates (a catch-up is reading it)";
           if (!why.empty()) refused = strCat("rank ", r.rank(), " on node \"", d.node(), "\"", why);
         }
     if (refused.empty() && !replicas_.empty())

@@ -162,7 +162,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   if (!prepared.ok()) {
     if (a->bases) bases_.finish(a->plan->key, a->fence, false);
     if (a->key_open) transport_.closeFence(a->key, std::chrono::seconds(0));
-    registry_.endSync(a->id, a->src_group, a->dstGroups(), Registry::SyncEnd::kRevert);
+    registry_.endSync(a->id, a->fence, a->src_group, a->dstGroups(), Registry::SyncEnd::kRevert);
     return prepared.status();
   }
   return prepared;
@@ -314,7 +314,7 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
         "sync {}: writes into node \"{}\" still landing 10 s after it ended: its ranks stay held until "
         "they are done",
         a->id, node_);
-    registry_.endSync(a->id, a->src_group, a->dstGroups(), Registry::SyncEnd::kDraining, reason);
+    registry_.endSync(a->id, a->fence, a->src_group, a->dstGroups(), Registry::SyncEnd::kDraining, reason);
     a->drain();
     attempts_.addDraining(a);
     return Status(absl::StatusCode::kUnavailable,
@@ -322,12 +322,13 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
   }
   if (end == Registry::SyncEnd::kDirty && commit) {
     const Status failure = a->failure();
-    registry_.endSync(a->id, a->src_group, a->dstGroups(), end, std::string(failure.message()));
+    registry_.endSync(a->id, a->fence, a->src_group, a->dstGroups(), end, std::string(failure.message()));
     a->endClose();
     return Status(failure.code(), strCat("sync ", a->id, " on node \"", node_, "\": ", failure.message()));
   }
   v1::FinishResponse out;
-  for (auto& st : registry_.endSync(a->id, a->src_group, a->dstGroups(), end, reason)) *out.add_ranks() = std::move(st);
+  for (auto& st : registry_.endSync(a->id, a->fence, a->src_group, a->dstGroups(), end, reason))
+    *out.add_ranks() = std::move(st);
   if (commit) {  // kept for the next sync of the plan, once nothing can still touch them
     auto [arena, staging] = a->takeMemory();
     spares_.keep(a->plan->key, SpareMemory::Use::kArena, std::move(arena));
@@ -348,7 +349,7 @@ void SyncEngine::reap() {
         [&](const SyncAttempt& a) { return transport_.closeFence(a.key, std::chrono::milliseconds(0)); });
     lock.unlock();
     for (const auto& a : drained) {
-      registry_.drained(a->id, a->dstGroups());
+      registry_.drained(a->id, a->fence, a->dstGroups());
       a->endClose();
     }
     for (const auto& a : expired) {

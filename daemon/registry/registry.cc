@@ -85,12 +85,9 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
     return absl::ResourceExhaustedError(strCat(who, ": this daemon's registrations would describe themselves in ",
                                                described, " bytes (at most ", planner::limits().max_describe_bytes,
                                                ", what peers can receive)"));
-  if (auto in_use = ranks_.find({req.group(), req.rank()});
-      in_use != ranks_.end() && (!in_use->second->readers.empty() || !in_use->second->writer.empty()))
+  if (auto in_use = ranks_.find({req.group(), req.rank()}); in_use != ranks_.end() && !in_use->second->user().empty())
     return absl::FailedPreconditionError(
-        strCat(who, " is in use by sync ",
-               in_use->second->writer.empty() ? *in_use->second->readers.begin() : in_use->second->writer,
-               ": register it again once that sync ended"));
+        strCat(who, " is in use by sync ", in_use->second->user(), ": register it again once that sync ended"));
   if (!groups_.count(req.group()) && static_cast<int>(groups_.size()) >= planner::limits().max_groups_per_daemon)
     return absl::ResourceExhaustedError(strCat(who, ": this daemon already holds ", groups_.size(), " groups (at most ",
                                                planner::limits().max_groups_per_daemon, ")"));
@@ -269,11 +266,9 @@ Status Registry::unregisterRank(const std::string& group, int32_t rank, const Me
     return absl::NotFoundError(
         strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
   SC_RETURN_IF_ERROR(mayChange(*it->second, caller, "unregister", registration));
-  if (!it->second->readers.empty() || !it->second->writer.empty())
-    return absl::FailedPreconditionError(
-        strCat("group \"", group, "\" rank ", rank, " is in use by sync ",
-               it->second->writer.empty() ? *it->second->readers.begin() : it->second->writer,
-               ": unregister it once that sync ended"));
+  if (!it->second->user().empty())
+    return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " is in use by sync ",
+                                                it->second->user(), ": unregister it once that sync ended"));
   removeRank(it, false);
   spdlog::info("group \"{}\" rank {} unregistered", group, rank);
   return absl::OkStatus();
@@ -497,9 +492,9 @@ v1::DescribeResponse Registry::describe() const {
     // Held by its engine on the set a sync would write, written by another sync, or read as a
     // catch-up's seed: a sync cannot write it now.
     rr->set_double_buffered(r->doubled());
-    rr->set_refuses_writes(r->role == v1::ROLE_DESTINATION && ((r->held && (!r->doubled() || r->pinned != r->active)) ||
-                                                               !r->writer.empty() || !r->readers.empty()));
-    rr->set_written(!r->writer.empty());
+    rr->set_refuses_writes(r->role == v1::ROLE_DESTINATION &&
+                           ((r->held && (!r->doubled() || r->pinned != r->active)) || !r->user().empty()));
+    rr->set_written(!r->writer.empty() || !r->lingering.empty());
     rr->set_readers(static_cast<uint32_t>(r->readers.size()));
     for (const auto& b : r->buffers) {
       auto* rb = rr->add_buffers();

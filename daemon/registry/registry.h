@@ -129,12 +129,13 @@ class Registry {
     kDirty,     // bytes may have landed: destination ranks DIRTY (with `reason`)
     kDraining,  // as kDirty, but writes are still landing: the ranks stay held until drained()
   };
-  // A kDraining sync's writes are done: its destination ranks take syncs again.
-  void drained(const std::string& id, const std::vector<std::string>& dst);
-  // Returns the states of the destination ranks the sync was writing here, after the change.
-  std::vector<v1::RankStatus> endSync(const std::string& id, const std::string& src, const std::string& dst,
-                                      SyncEnd end, const std::string& reason = "");
-  std::vector<v1::RankStatus> endSync(const std::string& id, const std::string& src,
+  // A kDraining attempt's (id, fence) writes are done: its destination ranks take syncs again.
+  void drained(const std::string& id, uint64_t fence, const std::vector<std::string>& dst);
+  // Ends attempt (id, fence) on its ranks. Returns the states of the destination ranks it was
+  // writing here, after the change (none for ranks a later attempt of the id took over).
+  std::vector<v1::RankStatus> endSync(const std::string& id, uint64_t fence, const std::string& src,
+                                      const std::string& dst, SyncEnd end, const std::string& reason = "");
+  std::vector<v1::RankStatus> endSync(const std::string& id, uint64_t fence, const std::string& src,
                                       const std::vector<std::string>& dst, SyncEnd end, const std::string& reason = "");
 
   // The owner takes a rank (see AcquireRequest) / gives it back (ReleaseRequest).
@@ -227,6 +228,22 @@ class Registry {
     // sync id (a retry) each hold their own entry, so the first one's end leaves the second's.
     std::multiset<std::string> readers;
     std::string writer;  // destination: the sync writing it
+    // Destination, single-buffered: earlier attempts of the sync writing it (or that last wrote
+    // it), by fence, whose writes may still land (a peer frozen mid-write). A retried attempt of
+    // one sync id and version writes the same bytes where they land, so it may take the rank
+    // over (beginSync); nothing else may (another sync, an acquire, a re-registration) until
+    // each has ended (endSync) or drained (drained).
+    struct Lingering {
+      std::string id;
+      uint64_t version = 0;
+    };
+    std::map<uint64_t, Lingering> lingering;
+    // The sync using it, for errors: its writer, an attempt still landing, or a reader ("": none).
+    std::string user() const {
+      if (!writer.empty()) return writer;
+      if (!lingering.empty()) return lingering.begin()->second.id;
+      return readers.empty() ? std::string() : *readers.begin();
+    }
     // Destination, UPDATING: where it was before, for kRevert.
     v1::RankState before = v1::RANK_EMPTY;
     std::string before_detail;

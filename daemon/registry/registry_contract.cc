@@ -38,6 +38,7 @@ std::string Registry::seedRefusal(const Rank& r, uint64_t version) {
   if (r.state != v1::RANK_READY || r.committed != version) return strCat("it is not ready at version ", version);
   if (r.doubled()) return "it is double-buffered (the set it holds is the one its engine reads)";
   if (!r.writer.empty()) return strCat("sync ", r.writer, " is writing it");
+  if (!r.lingering.empty()) return strCat("writes of sync ", r.user(), " are still landing in it");
   return "";
 }
 
@@ -85,6 +86,16 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
     } else if (dst_digest) {
       // A refusal here is this group's own (its ranks' state): it names the group, so that a
       // replica set's coordinator cuts that replica only (common/grpc_status.h).
+      // A retried attempt of this sync (same id and version, another fence) over ranks an earlier
+      // attempt still writes or last wrote, with writes of it maybe still landing (a peer frozen
+      // mid-write): they carry this version's bytes to where this attempt writes them too, so
+      // this attempt may write and commit the rank; the earlier attempts linger (Rank::lingering)
+      // and hold it against anything else until they have ended. Not double-buffered ranks: their
+      // engine reads the set a commit flips to without waiting for writes.
+      const bool earlier_writes = !r->writer.empty() || !r->lingering.empty();
+      bool retried =
+          earlier_writes && !r->doubled() && (r->writer.empty() || (r->writer == id && r->writing == version));
+      for (const auto& [earlier, what] : r->lingering) retried = retried && what.id == id && what.version == version;
       const auto writable = [&]() -> Status {
         if (r->role != v1::ROLE_DESTINATION)
           return absl::FailedPreconditionError(
@@ -94,9 +105,13 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
           return absl::FailedPreconditionError(
               strCat("sync ", id, ": ", who, " does not accept updates (acquired by its client",
                      r->doubled() ? ", which still reads the set this sync would write)" : ")"));
-        if (!r->writer.empty())
+        if (!r->writer.empty() && !retried)
           return absl::FailedPreconditionError(strCat("sync ", id, ": a sync into group \"", key.first, "\" (",
                                                       r->writer, ") is in progress on node \"", node_, "\""));
+        if (!r->lingering.empty() && !retried)
+          return absl::FailedPreconditionError(strCat("sync ", id, ": ", who,
+                                                      " does not accept updates (writes of sync ", r->user(),
+                                                      " are still landing in it)"));
         if (!r->readers.empty())  // a catch-up reads it as its seed
           return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " is being read by sync ",
                                                       *r->readers.begin(), " (a catch-up seeded from it)"));
@@ -120,6 +135,17 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
   }
   for (Rank* r : readers) r->readers.insert(id);
   for (Rank* r : writers) {
+    if (!r->writer.empty()) {  // a retry taking over from an earlier attempt of this sync (above)
+      r->lingering[r->writer_fence] = {r->writer, r->writing};
+      if (r->state == v1::RANK_UPDATING) {  // that attempt has not ended yet: it may have written
+        r->state = v1::RANK_DIRTY;
+        r->detail = strCat("sync ", id, " wrote part of version ", version, " in an earlier attempt");
+      }
+      spdlog::info(
+          "sync {}: group \"{}\" rank {} taken over from its earlier attempt (fence {}), whose writes may "
+          "still land",
+          id, r->group, r->rank, r->writer_fence);
+    }
     r->writer = id;
     r->writer_fence = fence;
     r->before = r->state;
@@ -142,12 +168,12 @@ Status Registry::checkSync(const std::string& src, const std::vector<std::string
   return absl::OkStatus();
 }
 
-std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::string& src, const std::string& dst,
-                                              SyncEnd end, const std::string& reason) {
-  return endSync(id, src, std::vector<std::string>{dst}, end, reason);
+std::vector<v1::RankStatus> Registry::endSync(const std::string& id, uint64_t fence, const std::string& src,
+                                              const std::string& dst, SyncEnd end, const std::string& reason) {
+  return endSync(id, fence, src, std::vector<std::string>{dst}, end, reason);
 }
 
-std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::string& src,
+std::vector<v1::RankStatus> Registry::endSync(const std::string& id, uint64_t fence, const std::string& src,
                                               const std::vector<std::string>& dst, SyncEnd end,
                                               const std::string& reason) {
   std::map<std::string, std::vector<int32_t>> touched;  // by group
@@ -158,7 +184,14 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, const std::
     for (auto& [key, r] : ranks_) {
       if (key.first == src)
         if (const auto reading = r->readers.find(id); reading != r->readers.end()) r->readers.erase(reading);
-      if (!isIn(dst, key.first) || r->writer != id) continue;
+      if (!isIn(dst, key.first)) continue;
+      if (const auto earlier = r->lingering.find(fence); earlier != r->lingering.end()) {
+        // A later attempt of the id took the rank over: this one only stops lingering, once
+        // nothing of it can land any more.
+        if (end != SyncEnd::kDraining) r->lingering.erase(earlier);
+        continue;
+      }
+      if (r->writer != id || r->writer_fence != fence) continue;
       r->writer.clear();
       touched[key.first].push_back(r->rank);
       version = r->writing;
@@ -227,7 +260,8 @@ StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t ran
   auto free = [&] {
     r = findRank(group, rank);
     // A double-buffered destination's writer writes the other set: not waited for.
-    return stopping_ || r == nullptr || (r->readers.empty() && (r->writer.empty() || r->doubled()));
+    return stopping_ || r == nullptr ||
+           (r->readers.empty() && r->lingering.empty() && (r->writer.empty() || r->doubled()));
   };
   // In steps, to notice a caller that went away.
   const auto until = std::chrono::steady_clock::now() + timeout;
@@ -241,9 +275,8 @@ StatusOr<v1::RankStatus> Registry::acquire(const std::string& group, int32_t ran
   if (stopping_) return absl::UnavailableError(strCat("shardcastd on node \"", node_, "\" is stopping"));
   if (r == nullptr) return absl::NotFoundError(strCat(who, " was unregistered while waiting to acquire it"));
   if (!ok)
-    return absl::DeadlineExceededError(strCat(who, " on node \"", node_, "\": sync ",
-                                              r->writer.empty() ? *r->readers.begin() : r->writer,
-                                              " still uses it after ", timeout.count(), " ms"));
+    return absl::DeadlineExceededError(
+        strCat(who, " on node \"", node_, "\": sync ", r->user(), " still uses it after ", timeout.count(), " ms"));
   if (r->held) return absl::FailedPreconditionError(strCat(who, " was acquired by another caller meanwhile"));
   SC_RETURN_IF_ERROR(mayChange(*r, caller, "acquire", registration));  // re-registered while waiting: by whom?
   r->held = true;
@@ -322,11 +355,14 @@ StatusOr<v1::WaitVersionResponse> Registry::waitVersion(const std::string& group
   return out;
 }
 
-void Registry::drained(const std::string& id, const std::vector<std::string>& dst) {
+void Registry::drained(const std::string& id, uint64_t fence, const std::vector<std::string>& dst) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [key, r] : ranks_)
-      if (isIn(dst, key.first) && r->writer == id) r->writer.clear();
+    for (auto& [key, r] : ranks_) {
+      if (!isIn(dst, key.first)) continue;
+      r->lingering.erase(fence);
+      if (r->writer == id && r->writer_fence == fence) r->writer.clear();
+    }
   }
   state_cv_.notify_all();
   spdlog::info("sync {}: its last writes into group(s) {} on node \"{}\" are done", id, fmt::join(dst, ", "), node_);

@@ -351,7 +351,7 @@ class ReplicaSoak:
                 self.fig.recovering_cut += 1
                 excused = True
             why = o.cut if o else ""
-            busy = "another sync is writing it" in why or "still landing" in why
+            busy = "another sync is writing it" in why or "still landing" in why or "is in progress on node" in why
             if not excused and busy and kind in ("freeze", "partition"):
                 # Still exchanging the first attempt's bytes with the replica that froze or was cut
                 # off (its relay chain ran through it) when the sync ran again without that one.
