@@ -22,9 +22,17 @@ inline std::string refusingGroup(const grpc::Status& st) {
 
 inline grpc::Status toGrpc(const Status& st) {
   if (st.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
+}
+
+// toGrpc, with the group a refusal names (refusedBy) in the binary details: only on Peer.Prepare,
+// whose caller is a daemon's coordinator (the details are not a google.rpc.Status, which clients'
+// tools would expect there).
+inline grpc::Status toGrpcNamingGroup(const Status& st) {
   const std::string group = refusingGroup(st);
+  if (st.ok() || group.empty()) return toGrpc(st);
   return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()),
-                      group.empty() ? std::string() : strCat(kRefusingGroup, "=", group));
+                      strCat(kRefusingGroup, "=", group));
 }
 
 // The gRPC status as an absl::Status; `context` (what was being done) prefixes the message when given.

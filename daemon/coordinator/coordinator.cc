@@ -742,6 +742,7 @@ Status SyncCoordinator::prepare() {
   for (const auto& r : replicas_) *p.add_replicas() = r.layout;
   p.set_version(version_);
   p.set_seed(seed_);
+  for (const uint64_t earlier : ctx_.earlier_fences) p.add_supersedes(earlier);
   p.set_staging_bytes(static_cast<uint64_t>(ctx_.config.staging_mib) << 20);
   p.set_chunk_bytes(static_cast<uint64_t>(ctx_.config.chunk_bytes));
   p.set_delta(delta_);

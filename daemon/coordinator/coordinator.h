@@ -150,6 +150,8 @@ class SyncCoordinator {
     // unless `full_gather` (an attempt that skipped it was refused).
     RepeatCache* repeats = nullptr;
     bool full_gather = false;
+    // The fences of the earlier attempts of this Sync call (PrepareRequest.supersedes).
+    std::vector<uint64_t> earlier_fences{};
   };
   // `id` is started on the progress board already; `fence` names this attempt (never 0).
   SyncCoordinator(Context ctx, const v1::SyncRequest& request, std::string id, uint64_t fence);

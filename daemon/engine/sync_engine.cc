@@ -149,7 +149,8 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   // The fences: source ranks here published exactly this version, destination ranks here accept
   // it. From here on, every way out ends the sync in the registry.
   SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, destination, a->version, planner::layoutDigest(req.src()),
-                                         a->fence, &a->base, req.seed()));
+                                         a->fence, &a->base, req.seed(),
+                                         {req.supersedes().begin(), req.supersedes().end()}));
   // The coordinator checked that every source rank published this version: the newest this
   // daemon knows of the destination's source (its lag gauge).
   for (const auto& [group, digest] : destination) metrics_.sourceVersionSeen(group, a->src_group, a->version);

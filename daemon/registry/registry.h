@@ -114,8 +114,11 @@ class Registry {
   // `seed`: `src` is a destination group read at `version` (a catch-up's seed replica): each of
   // its ranks here must be READY at exactly `version`, single-buffered and not being written; it
   // gains a reader, and no sync writes it until the reading sync ends.
+  // `supersedes`: the fences of this sync's earlier attempts in the same Sync call
+  // (PrepareRequest.supersedes): only those may be taken over on ranks they still write (Rank::lingering).
   Status beginSync(const std::string& id, const std::string& src, const Destination& dst, uint64_t version,
-                   const std::string& src_digest, uint64_t fence = 0, Base* base = nullptr, bool seed = false);
+                   const std::string& src_digest, uint64_t fence = 0, Base* base = nullptr, bool seed = false,
+                   const std::vector<uint64_t>& supersedes = {});
   // Before every use of the involved ranks' memory (every execute): segments still whole.
   Status checkSync(const std::string& src, const std::string& dst) const;
   Status checkSync(const std::string& src, const std::vector<std::string>& dst) const;

@@ -56,7 +56,8 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
 }
 
 Status Registry::beginSync(const std::string& id, const std::string& src, const Destination& dst, uint64_t version,
-                           const std::string& src_digest, uint64_t fence, Base* base, bool seed) {
+                           const std::string& src_digest, uint64_t fence, Base* base, bool seed,
+                           const std::vector<uint64_t>& supersedes) {
   if (version == 0 || version >= kMaxVersion)
     return absl::InvalidArgumentError(strCat("sync ", id, ": version ", version, " is not in [1, 2^63)"));
   std::lock_guard<std::mutex> lock(mu_);
@@ -86,16 +87,21 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
     } else if (dst_digest) {
       // A refusal here is this group's own (its ranks' state): it names the group, so that a
       // replica set's coordinator cuts that replica only (common/grpc_status.h).
-      // A retried attempt of this sync (same id and version, another fence) over ranks an earlier
-      // attempt still writes or last wrote, with writes of it maybe still landing (a peer frozen
+      // A retried attempt of this sync (same id and version, another fence, the earlier one's
+      // fence among those it supersedes: the same Sync call) over ranks an earlier attempt still
+      // writes or last wrote, with writes of it maybe still landing (a peer frozen
       // mid-write): they carry this version's bytes to where this attempt writes them too, so
       // this attempt may write and commit the rank; the earlier attempts linger (Rank::lingering)
       // and hold it against anything else until they have ended. Not double-buffered ranks: their
       // engine reads the set a commit flips to without waiting for writes.
       const bool earlier_writes = !r->writer.empty() || !r->lingering.empty();
-      bool retried =
-          earlier_writes && !r->doubled() && (r->writer.empty() || (r->writer == id && r->writing == version));
-      for (const auto& [earlier, what] : r->lingering) retried = retried && what.id == id && what.version == version;
+      const auto superseded = [&](uint64_t f) {
+        return std::find(supersedes.begin(), supersedes.end(), f) != supersedes.end();
+      };
+      bool retried = earlier_writes && !r->doubled() &&
+                     (r->writer.empty() || (r->writer == id && r->writing == version && superseded(r->writer_fence)));
+      for (const auto& [earlier, what] : r->lingering)
+        retried = retried && what.id == id && what.version == version && superseded(earlier);
       const auto writable = [&]() -> Status {
         if (r->role != v1::ROLE_DESTINATION)
           return absl::FailedPreconditionError(
@@ -185,7 +191,7 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, uint64_t fe
       if (key.first == src)
         if (const auto reading = r->readers.find(id); reading != r->readers.end()) r->readers.erase(reading);
       if (!isIn(dst, key.first)) continue;
-      if (const auto earlier = r->lingering.find(fence); earlier != r->lingering.end()) {
+      if (const auto earlier = r->lingering.find(fence); earlier != r->lingering.end() && earlier->second.id == id) {
         // A later attempt of the id took the rank over: this one only stops lingering, once
         // nothing of it can land any more.
         if (end != SyncEnd::kDraining) r->lingering.erase(earlier);
@@ -360,7 +366,8 @@ void Registry::drained(const std::string& id, uint64_t fence, const std::vector<
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [key, r] : ranks_) {
       if (!isIn(dst, key.first)) continue;
-      r->lingering.erase(fence);
+      if (const auto earlier = r->lingering.find(fence); earlier != r->lingering.end() && earlier->second.id == id)
+        r->lingering.erase(earlier);
       if (r->writer == id && r->writer_fence == fence) r->writer.clear();
     }
   }

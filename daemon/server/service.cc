@@ -140,10 +140,13 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
   std::map<std::string, std::string> failed;  // the nodes that failed them -> why
   v1::SyncRequest attempt = req;
   bool full_gather = false;
+  std::vector<uint64_t> fences;  // of this call's attempts so far
   while (true) {
+    const uint64_t fence = newFence();
     SyncCoordinator coordinator({config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(),
-                                 caller_uid, cut, failed, &repeats_, full_gather},
-                                attempt, id, newFence());
+                                 caller_uid, cut, failed, &repeats_, full_gather, fences},
+                                attempt, id, fence);
+    fences.push_back(fence);
     auto done = coordinator.run();
     if (done.ok()) {
       *out = std::move(*done);
@@ -295,7 +298,9 @@ grpc::Status PeerService::Describe(grpc::ServerContext* ctx, const v1::DescribeR
 grpc::Status PeerService::Prepare(grpc::ServerContext* ctx, const v1::PrepareRequest* req, v1::PrepareResponse* out) {
   if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
   const LogScope scope(req->sync_id(), req->dst().group());
-  return reply(engine_.prepare(*req), out);
+  auto prepared = engine_.prepare(*req);
+  if (!prepared.ok()) return toGrpcNamingGroup(prepared.status());  // the group whose ranks refused
+  return reply(std::move(prepared), out);
 }
 
 grpc::Status PeerService::Execute(grpc::ServerContext* ctx, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) {

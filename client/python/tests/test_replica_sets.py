@@ -417,6 +417,35 @@ def test_replicas_downstream_of_a_relay_frozen_mid_write_commit_in_the_same_call
             reg.close()
 
 
+def test_replicas_sharing_nodes_at_crossed_positions_are_planned_flat_and_all_commit():
+    """Replica 0's ranks on n1 and n2, replica 1's on n2 and n1: each node holds the two replicas
+    at different positions, which the position plan cannot express (one landing per byte per
+    node needs the union of two positions' pieces there). The daemons plan the stacked layout
+    flat instead: both replicas commit with every byte, version after version."""
+    shardcastd_path()
+    with LocalCluster(["n0", "n1", "n2"]) as c:
+        clients = {n: shardcast.Client(c.target(n)) for n in c.nodes}
+        src = clients["n0"]
+        trainers = rank_worker.register_trainers(src)
+
+        def crossed(k: int, nodes: list):
+            layout = replica_layout(k, nodes[0])
+            layout["nodes"] = nodes
+            return [clients[nodes[r]].register(f"rollout.r{k}", r, 2, rank_worker.zeros(r), layout) for r in range(2)]
+
+        r0, r1 = crossed(0, ["n1", "n2"]), crossed(1, ["n2", "n1"])
+        for version in (1, 2, 3):
+            if version > 1:
+                step(trainers, version)
+            resp = src.sync("trainer", "rollout", version)
+            assert outcomes(resp) == {"rollout.r0": (True, ""), "rollout.r1": (True, "")}, outcomes(resp)
+            assert holds(r0, version) and holds(r1, version)
+            # Flat: the trainer's node sends each byte once per receiving node, as for one group.
+            assert resp.network_bytes == 2 * REPLICA_BYTES, resp.network_bytes
+        for reg in trainers + r0 + r1:
+            reg.close()
+
+
 def bytes_received(cluster: LocalCluster, node: str) -> float:
     """The node's shardcast_bytes_received_total."""
     return metric(cluster, node, "shardcast_bytes_received_total")
