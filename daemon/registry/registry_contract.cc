@@ -102,32 +102,33 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
                      (r->writer.empty() || (r->writer == id && r->writing == version && superseded(r->writer_fence)));
       for (const auto& [earlier, what] : r->lingering)
         retried = retried && what.id == id && what.version == version && superseded(earlier);
-      const auto writable = [&]() -> Status {
-        if (r->role != v1::ROLE_DESTINATION)
+      // (parameters, not captures: a lambda may not capture structured bindings before C++20's clang 16)
+      const auto writable = [&](const Rank& rank, const std::string& group) -> Status {
+        if (rank.role != v1::ROLE_DESTINATION)
           return absl::FailedPreconditionError(
               strCat("sync ", id, ": ", who,
                      " is a source; a sync writes only destination groups (refusing to overwrite it)"));
-        if (r->held && (!r->doubled() || r->pinned != r->active))
+        if (rank.held && (!rank.doubled() || rank.pinned != rank.active))
           return absl::FailedPreconditionError(
               strCat("sync ", id, ": ", who, " does not accept updates (acquired by its client",
-                     r->doubled() ? ", which still reads the set this sync would write)" : ")"));
-        if (!r->writer.empty() && !retried)
-          return absl::FailedPreconditionError(strCat("sync ", id, ": a sync into group \"", key.first, "\" (",
-                                                      r->writer, ") is in progress on node \"", node_, "\""));
-        if (!r->lingering.empty() && !retried)
+                     rank.doubled() ? ", which still reads the set this sync would write)" : ")"));
+        if (!rank.writer.empty() && !retried)
+          return absl::FailedPreconditionError(strCat("sync ", id, ": a sync into group \"", group, "\" (", rank.writer,
+                                                      ") is in progress on node \"", node_, "\""));
+        if (!rank.lingering.empty() && !retried)
           return absl::FailedPreconditionError(strCat("sync ", id, ": ", who,
-                                                      " does not accept updates (writes of sync ", r->user(),
+                                                      " does not accept updates (writes of sync ", rank.user(),
                                                       " are still landing in it)"));
-        if (!r->readers.empty())  // a catch-up reads it as its seed
+        if (!rank.readers.empty())  // a catch-up reads it as its seed
           return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " is being read by sync ",
-                                                      *r->readers.begin(), " (a catch-up seeded from it)"));
+                                                      *rank.readers.begin(), " (a catch-up seeded from it)"));
         // (a rank no sync writes is EMPTY with nothing committed, READY or DIRTY)
-        if (const std::string why = destinationRefusal({r->state, r->held, r->committed}, version); !why.empty())
+        if (const std::string why = destinationRefusal({rank.state, rank.held, rank.committed}, version); !why.empty())
           return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, why));
-        SC_RETURN_IF_ERROR(checkSegments(*r));
+        SC_RETURN_IF_ERROR(checkSegments(rank));
         return absl::OkStatus();
       };
-      SC_RETURN_IF_ERROR(refusedBy(writable(), key.first));
+      SC_RETURN_IF_ERROR(refusedBy(writable(*r, key.first), key.first));
       writers.push_back(r.get());
     }
   }
