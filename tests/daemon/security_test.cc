@@ -684,6 +684,26 @@ TEST_CASE("oversize requests are refused, and what they cost the daemon is bound
   CHECK(d.client()->Status(ctx(10).get(), v1::StatusRequest(), &status).ok());
 }
 
+namespace {
+
+// The foreign caller's layout and the trainer's in the replica-set tests below.
+const char* const kOneRank = R"({"group":"g","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
+    {"name":"w","shape":[16,16],"dtype":"float32","placements":[{"replicate":{}}]}]})";
+// One rank on n0 holding w [16, 16] float32: group `group`, or replica `id` of set `set`.
+v1::Layout oneRank(const std::string& group) {
+  v1::Layout l = *planner::parseLayoutJson(kOneRank, group);
+  l.set_group(group);
+  return l;
+}
+v1::Layout replicaOf(const std::string& set, int id) {
+  v1::Layout l = oneRank(set + ".r" + std::to_string(id));
+  l.set_replica_set(set);
+  l.set_replica(id);
+  return l;
+}
+
+}  // namespace
+
 TEST_CASE("replicas share a node only with replicas of their own owner: a granted uid's replica there is cut",
           "[daemon][security]") {
   if (::geteuid() != 0) {
@@ -691,16 +711,10 @@ TEST_CASE("replicas share a node only with replicas of their own owner: a grante
   }
   Daemon d("n0", freePort(), {});
   REQUIRE(d.ready());
-  const char* one = R"({"group":"g","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
-    {"name":"w","shape":[16,16],"dtype":"float32","placements":[{"replicate":{}}]}]})";
+  const char* one = kOneRank;
   // Root's trainer (0x42, version 5), which uid 65534 may read (a granted reader: its replicas
   // are eligible), and root's replica 0 of set "rollout".
-  v1::Layout src = *planner::parseLayoutJson(one, "trainer");
-  src.set_group("trainer");
-  v1::Layout r0 = src;
-  r0.set_group("rollout.r0");
-  r0.set_replica_set("rollout");
-  r0.set_replica(0);
+  const v1::Layout src = oneRank("trainer"), r0 = replicaOf("rollout", 0);
   planner::NodeTable nodes;
   const auto resolved = *planner::resolveLayout(src, nodes);
   RankMemory smem = allocateRank(resolved, 0, "trainer"), m0 = allocateRank(resolved, 0, "r0");
@@ -744,18 +758,9 @@ TEST_CASE("a replica set takes only replicas whose owner may receive its source:
   }
   Daemon d("n0", freePort(), {});
   REQUIRE(d.ready());
-  const char* one = R"({"group":"g","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
-    {"name":"w","shape":[16,16],"dtype":"float32","placements":[{"replicate":{}}]}]})";
+  const char* one = kOneRank;
   // Root's trainer (bytes 0x42, version 1) and root's replica 0 of set "rollout".
-  v1::Layout src = *planner::parseLayoutJson(one, "trainer");
-  src.set_group("trainer");
-  v1::Layout r0 = src, r1 = src;
-  r0.set_group("rollout.r0");
-  r0.set_replica_set("rollout");
-  r0.set_replica(0);
-  r1.set_group("rollout.r1");
-  r1.set_replica_set("rollout");
-  r1.set_replica(1);
+  const v1::Layout src = oneRank("trainer"), r0 = replicaOf("rollout", 0), r1 = replicaOf("rollout", 1);
   planner::NodeTable nodes;
   const auto resolved = *planner::resolveLayout(src, nodes);
   RankMemory smem = allocateRank(resolved, 0, "trainer"), m0 = allocateRank(resolved, 0, "r0"),
