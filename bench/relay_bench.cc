@@ -138,8 +138,9 @@ class SimulatedPeer final : public v1::Peer::Service {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(strategy.status().message()));
     const auto key = PlanKey::forSync(req->staging_bytes(), req->chunk_bytes(), req->delta(), req->packed(), *strategy);
     bool hit = false;
-    const auto plan = cluster_.plans.get(req->src(), req->dst(), key, &hit);
-    if (!plan.ok()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(plan.status().message()));
+    LayoutDigests digests;
+    const auto plan = cluster_.plans.forPrepare(*req, key, node_, &hit, &digests);
+    if (!plan.ok()) return toGrpc(plan.status());
     out->set_plan_key((*plan)->key);
     std::lock_guard<std::mutex> lock(cluster_.mu);
     cluster_.version_of[req->fence()] = req->version();

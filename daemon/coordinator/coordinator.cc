@@ -216,6 +216,7 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
     cluster_ = repeat->cluster;
     src_ = repeat->src;
     dst_ = repeat->dst;
+    digests_ = repeat->digests;
     peers_ =
         std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses, static_cast<uint32_t>(ctx_.config.relay_fanout));
     out_.set_repeated(true);
@@ -237,9 +238,11 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::prepare, &R::set_prepare_seconds));
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::execute, &R::set_execute_seconds));
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::commit, &R::set_finish_seconds));
-  if (ctx_.repeats && !req_.options().catch_up() && replicas_.empty() && !seed_)  // (again: its Prepare's time)
-    ctx_.repeats->keep(repeat_key,
-                       std::make_shared<const RepeatView>(RepeatView{cluster_, src_, dst_, out_.prepare_seconds()}));
+  if (ctx_.repeats && !req_.options().catch_up() && replicas_.empty() && !seed_) {  // (again: its Prepare's time)
+    if (digests_.src.empty()) digests_ = {planner::layoutDigest(src_), planner::layoutDigest(dst_)};
+    ctx_.repeats->keep(repeat_key, std::make_shared<const RepeatView>(
+                                       RepeatView{cluster_, src_, dst_, digests_, out_.prepare_seconds()}));
+  }
 
   const auto& stats = plan_->plan.stats;
   out_.set_sync_id(id_);
@@ -704,8 +707,10 @@ Status SyncCoordinator::plan() {
     return failed(absl::InvalidArgumentError(strCat(
         "sync: replica set \"", req_.dst_group(), "\" syncs dense: delta syncs into replica sets are not built yet")));
   const auto key = PlanKey::forSync(budget, chunk_bytes, req_.options().delta(), packed_, *strategy);
-  auto plan = replicas_.empty() ? ctx_.engine.plans().get(src_, dst_, key, &plan_cached_)
-                                : ctx_.engine.plans().getReplicaSet(src_, replicas_, key, &plan_cached_);
+  // A repeated sync finds its plan by the kept digests (planned again only if evicted meanwhile).
+  auto plan = !replicas_.empty()     ? ctx_.engine.plans().getReplicaSet(src_, replicas_, key, &plan_cached_)
+              : digests_.src.empty() ? ctx_.engine.plans().get(src_, dst_, key, &plan_cached_)
+                                     : ctx_.engine.plans().get(src_, dst_, digests_, key, &plan_cached_);
   if (!plan.ok()) return failed(plan.status());
   plan_ = std::move(*plan);
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
@@ -737,8 +742,15 @@ Status SyncCoordinator::prepare() {
   p.set_fence(fence_);
   p.set_write_key(std::string(key_.view()));
   p.set_sync_id(id_);
-  *p.mutable_src() = src_;
-  *p.mutable_dst() = dst_;
+  if (repeated_ && !digests_.src.empty()) {  // the layouts by the digests each daemon planned them under
+    p.mutable_src()->set_group(src_.group());
+    p.mutable_dst()->set_group(dst_.group());
+    p.set_src_digest(digests_.src);
+    p.set_dst_digest(digests_.dst);
+  } else {
+    *p.mutable_src() = src_;
+    *p.mutable_dst() = dst_;
+  }
   for (const auto& r : replicas_) *p.add_replicas() = r.layout;
   p.set_version(version_);
   p.set_seed(seed_);

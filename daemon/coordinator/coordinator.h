@@ -255,7 +255,8 @@ class SyncCoordinator {
   std::shared_ptr<const ClusterSnapshot> cluster_;  // shared with the repeat cache
   bool repeated_ = false;                           // the gather was skipped (cluster_ is a kept view)
   bool silent_daemon_ = false;                      // a repeated sync's Prepare found a daemon silent
-  v1::Layout src_, dst_;  // a replica set: dst_ names it (group) and replicas_ are its members
+  v1::Layout src_, dst_;   // a replica set: dst_ names it (group) and replicas_ are its members
+  LayoutDigests digests_;  // of src_ and dst_, kept with a repeated sync's view ("" until computed)
   std::vector<planner::Replica> replicas_;
   std::vector<v1::ReplicaOutcome> outcomes_;  // every replica of the set: taking part, or cut
   std::shared_ptr<const CachedPlan> plan_;

@@ -19,6 +19,7 @@
 #include <string>
 
 #include "daemon/coordinator/cluster.h"
+#include "daemon/engine/plan_cache.h"
 #include "shardcast/v1/layout.pb.h"
 #include "shardcast/v1/service.pb.h"
 
@@ -27,6 +28,9 @@ namespace shardcast::daemon {
 struct RepeatView {
   std::shared_ptr<const ClusterSnapshot> cluster;
   v1::Layout src, dst;  // complete layouts of both groups
+  // Their digests: a repeated sync's Prepare names them by these (PrepareRequest.src_digest), and
+  // the coordinator finds its own plan by them, so neither digests a layout again.
+  LayoutDigests digests;
   // How long the kept sync's Prepare took: a repeated sync's Prepare gets the peer timeout (a
   // daemon silent to it is found as soon as the gather would have), so a sync whose Prepare takes
   // longer than half of that (many split fp8 blocks read from GPUs, say) always gathers.

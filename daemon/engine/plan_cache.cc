@@ -62,13 +62,51 @@ std::string PlanKey::str(const std::string& src_digest, const std::string& dst_d
 
 StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src, const v1::Layout& dst,
                                                            const PlanKey& key, bool* hit) {
+  return get(src, dst, {planner::layoutDigest(src), planner::layoutDigest(dst)}, key, hit);
+}
+
+StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src, const v1::Layout& dst,
+                                                           const LayoutDigests& digests, const PlanKey& key,
+                                                           bool* hit) {
   if (key.staging_bytes == 0 || key.chunk_bytes == 0)
     return absl::InvalidArgumentError("staging budget and chunk size must be positive");
-  const std::string name = key.str(planner::layoutDigest(src), planner::layoutDigest(dst));
+  const std::string name = key.str(digests.src, digests.dst);
   if (auto cached = lookup(name, hit)) return cached;
   SC_ASSIGN_OR_RETURN(auto schedule,
                       planner::makeSchedule(src, dst, key.staging_bytes, key.chunk_bytes, key.zero_copy, key.strategy));
   return insert(name, std::move(schedule));
+}
+
+StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::cached(const LayoutDigests& digests, const PlanKey& key,
+                                                              bool* hit) {
+  if (auto cached = lookup(key.str(digests.src, digests.dst), hit)) return cached;
+  return absl::NotFoundError(strCat("no plan of layouts ", digests.src, " -> ", digests.dst, " is cached"));
+}
+
+StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::forPrepare(const v1::PrepareRequest& req, const PlanKey& key,
+                                                                  const std::string& node, bool* hit,
+                                                                  LayoutDigests* digests) {
+  const bool by_digest = !req.src_digest().empty() || !req.dst_digest().empty();
+  if (!by_digest) {
+    *digests = {planner::layoutDigest(req.src()), planner::layoutDigest(req.dst())};
+    return get(req.src(), req.dst(), *digests, key, hit);
+  }
+  const auto digest_like = [](const std::string& d) {
+    return d.size() == 16 && d.find_first_not_of("0123456789abcdef") == std::string::npos;
+  };
+  if (!digest_like(req.src_digest()) || !digest_like(req.dst_digest()) || req.replicas_size() > 0 || req.seed() ||
+      req.expect_size() == 0)
+    return absl::InvalidArgumentError(
+        strCat("prepare of sync ", req.sync_id(),
+               ": layouts named by digest need both digests (16 hex digits each) and a repeated plain sync "
+               "(expect set; no replicas, no seed)"));
+  *digests = {req.src_digest(), req.dst_digest()};
+  auto plan = cached(*digests, key, hit);
+  if (plan.status().code() == absl::StatusCode::kNotFound)
+    return absl::FailedPreconditionError(strCat("prepare of sync ", req.sync_id(), ": node ", quote(node),
+                                                " no longer caches the plan of layouts ", digests->src, " -> ",
+                                                digests->dst, " (", kStaleView, ")"));
+  return plan;
 }
 
 StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::Layout& src,

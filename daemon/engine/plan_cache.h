@@ -21,6 +21,16 @@
 
 namespace shardcast::daemon {
 
+// In the refusal of a Prepare whose view of this daemon no longer holds (PrepareRequest.expect,
+// a plan named by digest that is not cached here): the coordinator then runs the sync again with
+// a full gather.
+inline constexpr const char* kStaleView = "a stale view";
+
+// The digests (planner::layoutDigest) of a sync's two layouts.
+struct LayoutDigests {
+  std::string src, dst;
+};
+
 // A schedule as the daemon caches it, under the key of its layouts and budgets.
 struct CachedPlan : planner::Schedule {
   // The two layout digests, the staging budget, the chunk size (and "/packed": no zero copy;
@@ -63,6 +73,17 @@ class PlanCache {
   // The plan of these layouts under `key`; *hit says whether it was cached.
   StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst, const PlanKey& key,
                                                   bool* hit);
+  // The same, given the layouts' digests (planner::layoutDigest) already computed.
+  StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst,
+                                                  const LayoutDigests& digests, const PlanKey& key, bool* hit);
+  // The plan cached under these digests and `key`, without the layouts; NOT_FOUND when none is
+  // (never planned here, or evicted).
+  StatusOr<std::shared_ptr<const CachedPlan>> cached(const LayoutDigests& digests, const PlanKey& key, bool* hit);
+  // The plan a plain sync's Prepare names: by its layouts, or by their digests alone
+  // (PrepareRequest.src_digest, dst_digest: a repeated sync), which only a plan cached here
+  // answers (else FAILED_PRECONDITION, kStaleView, naming `node`). *digests: the two digests.
+  StatusOr<std::shared_ptr<const CachedPlan>> forPrepare(const v1::PrepareRequest& req, const PlanKey& key,
+                                                         const std::string& node, bool* hit, LayoutDigests* digests);
   // The plan of a sync from `src` into the replica set `replicas` (planner/replicas.h), whose
   // destination is stackReplicas(replicas) (CachedPlan::dst). Plans are cached per membership;
   // the set's position plan apart from them, so a replica that joins or leaves costs a

@@ -124,8 +124,9 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
     a->dst_members.push_back(r.group());
     destination.emplace_back(r.group(), planner::layoutDigest(r));
   }
-  if (destination.empty()) destination.emplace_back(a->dst_group, planner::layoutDigest(req.dst()));
-  for (const auto& [group, digest] : destination)  // a catch-up's seed is read, never written
+  const bool plain = destination.empty();
+  if (plain) destination.emplace_back(a->dst_group, std::string());  // its digest: its plan's, below
+  for (const auto& [group, digest] : destination)                    // a catch-up's seed is read, never written
     if (group == a->src_group)
       return absl::InvalidArgumentError(
           strCat("prepare of sync ", a->id, ": group \"", group, "\" is both its source and a destination"));
@@ -135,10 +136,15 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
     if (const std::string which = registry_.packedOnly(a->src_group, a->dstGroups()); !which.empty())
       return absl::FailedPreconditionError(strCat("sync ", a->id, ": planned zero-copy, but ", which,
                                                   " travels only packed: its coordinator must plan it packed"));
+  // A plain sync's plan by its layouts, or a repeated sync's by their digests alone (each layout
+  // digested once per Prepare, or not at all).
   bool hit = false;
-  if (replicas.empty()) {
-    SC_ASSIGN_OR_RETURN(a->plan, plans_.get(req.src(), req.dst(), plan_key, &hit));
+  LayoutDigests digests;
+  if (plain) {
+    SC_ASSIGN_OR_RETURN(a->plan, plans_.forPrepare(req, plan_key, node_, &hit, &digests));
+    destination.front().second = digests.dst;
   } else {
+    digests.src = planner::layoutDigest(req.src());
     SC_ASSIGN_OR_RETURN(a->plan, plans_.getReplicaSet(req.src(), replicas, plan_key, &hit));
     a->member_world = a->plan->dst.world() / static_cast<int32_t>(replicas.size());
   }
@@ -148,9 +154,8 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   }
   // The fences: source ranks here published exactly this version, destination ranks here accept
   // it. From here on, every way out ends the sync in the registry.
-  SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, destination, a->version, planner::layoutDigest(req.src()),
-                                         a->fence, &a->base, req.seed(),
-                                         {req.supersedes().begin(), req.supersedes().end()}));
+  SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, destination, a->version, digests.src, a->fence, &a->base,
+                                         req.seed(), {req.supersedes().begin(), req.supersedes().end()}));
   // The coordinator checked that every source rank published this version: the newest this
   // daemon knows of the destination's source (its lag gauge).
   for (const auto& [group, digest] : destination) metrics_.sourceVersionSeen(group, a->src_group, a->version);

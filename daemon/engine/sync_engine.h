@@ -37,10 +37,6 @@
 
 namespace shardcast::daemon {
 
-// In the refusal of a Prepare whose PrepareRequest.expect no longer holds: the coordinator
-// then runs the sync again with a full gather.
-inline constexpr const char* kStaleView = "a stale view";
-
 // Bounds on what a coordinating peer may ask of this daemon in a Prepare (docs/security.md,
 // "Limits"): outside them the Prepare is refused with INVALID_ARGUMENT, never clamped.
 struct PeerLimits {

@@ -876,3 +876,81 @@ TEST_CASE("taking over a registered rank needs replace - its holder is told, its
   }
   CHECK(second->unregisterRank("solo", 0).ok());
 }
+
+TEST_CASE("a repeated sync's Prepare names its layouts by digest - the cached plan answers and the registry checks it",
+          "[daemon][contract]") {
+  Pair c;
+  c.registerAll(1);
+  auto n1 = c.n1().peer();
+  v1::DescribeResponse described;
+  REQUIRE(n1->Describe(ctx().get(), v1::DescribeRequest(), &described).ok());
+  const auto abort = [&](const std::string& id) {  // n1 only: n0 took no part
+    v1::FinishRequest f;
+    f.set_sync_id(id);
+    v1::FinishResponse fr;
+    REQUIRE(n1->Finish(ctx().get(), f, &fr).ok());
+  };
+  // A full Prepare plans and caches the pair; another of a variant of "dst" (rows, not columns)
+  // is refused by the registry, but its plan is cached too.
+  v1::PrepareResponse full;
+  {
+    const grpc::Status st = n1->Prepare(ctx().get(), prepareRequest("full", c.src_proto, c.dst_proto, 1), &full);
+    INFO(st.error_message());
+    REQUIRE(st.ok());
+  }
+  abort("full");
+  auto variant = c.dst_proto;
+  variant.mutable_tensors(0)->mutable_placements(0)->mutable_shard()->set_dim(0);
+  v1::PrepareResponse ignored;
+  CHECK_FALSE(n1->Prepare(ctx().get(), prepareRequest("variant", c.src_proto, variant, 1), &ignored).ok());
+  const std::string src_digest = planner::layoutDigest(c.src_proto), dst_digest = planner::layoutDigest(c.dst_proto);
+  // By digest: the groups alone, the digests, and the stamps a kept view carries.
+  const auto byDigest = [&](const std::string& id, const std::string& sd, const std::string& dd) {
+    v1::PrepareRequest p = prepareRequest(id, c.src_proto, c.dst_proto, 1);
+    p.mutable_src()->Clear();
+    p.mutable_src()->set_group("src");
+    p.mutable_dst()->Clear();
+    p.mutable_dst()->set_group("dst");
+    p.set_src_digest(sd);
+    p.set_dst_digest(dd);
+    auto* stamp = p.add_expect();
+    stamp->set_node("n1");
+    stamp->set_instance(described.instance());
+    stamp->set_generation(described.generation());
+    return p;
+  };
+
+  // The cached plan answers: the same plan key and landing targets as the full Prepare's.
+  v1::PrepareResponse named;
+  grpc::Status st = n1->Prepare(ctx().get(), byDigest("named", src_digest, dst_digest), &named);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  CHECK(named.plan_key() == full.plan_key());
+  CHECK(named.targets().SerializeAsString() == full.targets().SerializeAsString());
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) CHECK(s.state() == v1::RANK_UPDATING);
+  abort("named");
+
+  // A plan never made here: refused as a stale view (its coordinator then runs the sync in full).
+  st = n1->Prepare(ctx().get(), byDigest("unknown", src_digest, "0123456789abcdef"), &ignored);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("node \"n1\" no longer caches the plan of layouts " + src_digest +
+                                                 " -> 0123456789abcdef (a stale view)"));
+  // A plan cached here, of a layout that is not the one "dst" registered: the registry refuses
+  // it, as it refuses that layout sent whole.
+  st = n1->Prepare(ctx().get(), byDigest("variant-named", src_digest, planner::layoutDigest(variant)), &ignored);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("registered layout " + dst_digest + " since the sync was planned"));
+  // Malformed: one digest, not hex, or without the kept view's stamps.
+  for (const auto& [sd, dd] : std::vector<std::pair<std::string, std::string>>{
+           {src_digest, ""}, {"", dst_digest}, {src_digest, "0123456789ABCDEF"}, {src_digest, dst_digest + "0"}}) {
+    st = n1->Prepare(ctx().get(), byDigest("malformed", sd, dd), &ignored);
+    CAPTURE(sd, dd);
+    CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  v1::PrepareRequest unstamped = byDigest("unstamped", src_digest, dst_digest);
+  unstamped.clear_expect();
+  st = n1->Prepare(ctx().get(), unstamped, &ignored);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("a repeated plain sync"));
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) CHECK(s.state() == v1::RANK_EMPTY);  // nothing was taken
+}
