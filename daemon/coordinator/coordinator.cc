@@ -217,6 +217,7 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
     src_ = repeat->src;
     dst_ = repeat->dst;
     digests_ = repeat->digests;
+    repeat_ = repeat;
     peers_ =
         std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses, static_cast<uint32_t>(ctx_.config.relay_fanout));
     out_.set_repeated(true);
@@ -240,8 +241,11 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::commit, &R::set_finish_seconds));
   if (ctx_.repeats && !req_.options().catch_up() && replicas_.empty() && !seed_) {  // (again: its Prepare's time)
     if (digests_.src.empty()) digests_ = {planner::layoutDigest(src_), planner::layoutDigest(dst_)};
-    ctx_.repeats->keep(repeat_key, std::make_shared<const RepeatView>(
-                                       RepeatView{cluster_, src_, dst_, digests_, out_.prepare_seconds()}));
+    // A folded sync's Prepare took no round: the kept view keeps its earlier Prepare's time.
+    const double prepare_seconds = folded_ ? repeat_->prepare_seconds : out_.prepare_seconds();
+    if (folded_) prepared_ = repeat_->prepared;  // each daemon found them still its own
+    ctx_.repeats->keep(repeat_key, std::make_shared<const RepeatView>(RepeatView{
+                                       cluster_, src_, dst_, digests_, std::move(prepared_), prepare_seconds}));
   }
 
   const auto& stats = plan_->plan.stats;
@@ -726,17 +730,7 @@ Status SyncCoordinator::plan() {
   return absl::OkStatus();
 }
 
-// Every daemon plans (cached) and allocates where transfers land on it, all at once; the first
-// failure gives the sync up everywhere (a Prepare still on its way is refused where the Finish
-// came first). The lease starts here.
-Status SyncCoordinator::prepare() {
-  delta_ = req_.options().delta();
-  if (delta_ == v1::DELTA_AUTO && ctx_.config.delta_dense_every > 0 &&
-      version_ % static_cast<uint64_t>(ctx_.config.delta_dense_every) == 0)
-    delta_ = v1::DELTA_DENSE;  // the periodic refresh
-  const auto prepare_started = Clock::now();
-  lease_keeper_ = std::make_unique<LeaseKeeper>(*this);
-  const auto& daemons = cluster_->view.daemons();
+v1::PrepareRequest SyncCoordinator::prepareRequest() const {
   v1::PrepareRequest p;
   p.set_lease_ms(static_cast<uint32_t>(lease_.count()));
   p.set_fence(fence_);
@@ -761,12 +755,80 @@ Status SyncCoordinator::prepare() {
   p.set_strategy(req_.options().strategy());
   p.set_packed(packed_);
   if (repeated_)  // every daemon checks that its registrations are still those of the kept view
-    for (const auto& d : daemons) {
+    for (const auto& d : cluster_->view.daemons()) {
       auto* stamp = p.add_expect();
       stamp->set_node(d.node());
       stamp->set_instance(d.instance());
       stamp->set_generation(d.generation());
     }
+  return p;
+}
+
+bool SyncCoordinator::foldable() const {
+  if (!ctx_.config.fold_prepare || !repeat_ || delta_ != v1::DELTA_OFF || !ctx_.earlier_fences.empty() ||
+      repeat_->prepared.size() != cluster_->view.daemons().size())
+    return false;
+  // Split fp8 blocks' amaxes are combined between the Prepare and the Execute: a round of their own.
+  for (const auto& answer : repeat_->prepared)
+    if (answer.split_amax_size() > 0 || answer.plan_key() != plan_->key) return false;
+  return true;
+}
+
+// Each daemon's wave 0 carries its Prepare (with its own stamp only: it checks no other), the plan
+// it must have made, and where the kept view says it lands its peers' writes; its directory also
+// names the nodes that write to it, which it tells it has the attempt open (a readiness word).
+void SyncCoordinator::fold(const v1::PrepareRequest& p) {
+  folded_ = true;
+  out_.set_folded(true);
+  const auto& daemons = cluster_->view.daemons();
+  const auto& kept = repeat_->prepared;
+  directories(kept, std::vector<SplitAmaxes>(daemons.size()));
+  std::map<std::string, size_t> daemon_of;
+  for (size_t i = 0; i < daemons.size(); ++i) daemon_of[daemons[i].node()] = i;
+  std::vector<std::set<size_t>> writers(daemons.size());  // per daemon: the daemons writing to it
+  for (size_t i = 0; i < daemons.size(); ++i)
+    for (const auto& n : exec_[i].nodes())
+      if (const auto it = daemon_of.find(n.node()); it != daemon_of.end()) writers[it->second].insert(i);
+  v1::PrepareRequest own = p;
+  own.clear_expect();
+  for (size_t i = 0; i < daemons.size(); ++i) {
+    auto& e = exec_[i];
+    std::set<std::string> listed;
+    for (const auto& n : e.nodes()) listed.insert(n.node());
+    for (const size_t w : writers[i])
+      if (listed.insert(daemons[w].node()).second) {
+        auto* n = e.add_nodes();
+        n->set_node(daemons[w].node());
+        n->set_transport_address(daemons[w].transport_address());
+      }
+    *e.mutable_prepare() = own;
+    for (const auto& stamp : p.expect())
+      if (stamp.node() == daemons[i].node()) *e.mutable_prepare()->add_expect() = stamp;
+    e.set_plan_key(plan_->key);
+    auto* self = e.mutable_self();
+    self->set_node(daemons[i].node());
+    *self->mutable_targets() = kept[i].targets();
+    self->set_base_version(kept[i].base_version());
+    self->set_base_fence(kept[i].base_fence());
+  }
+}
+
+// Every daemon plans (cached) and allocates where transfers land on it, all at once; the first
+// failure gives the sync up everywhere (a Prepare still on its way is refused where the Finish
+// came first). The lease starts here.
+Status SyncCoordinator::prepare() {
+  delta_ = req_.options().delta();
+  if (delta_ == v1::DELTA_AUTO && ctx_.config.delta_dense_every > 0 &&
+      version_ % static_cast<uint64_t>(ctx_.config.delta_dense_every) == 0)
+    delta_ = v1::DELTA_DENSE;  // the periodic refresh
+  const auto prepare_started = Clock::now();
+  lease_keeper_ = std::make_unique<LeaseKeeper>(*this);
+  const auto& daemons = cluster_->view.daemons();
+  const v1::PrepareRequest p = prepareRequest();
+  if (foldable()) {
+    fold(p);
+    return absl::OkStatus();
+  }
   std::vector<v1::PrepareResponse> prepared(daemons.size());
   // The first daemon whose own failure gave the sync up: the others' calls are then cancelled,
   // or refused as given up, because of it.
@@ -850,6 +912,14 @@ Status SyncCoordinator::prepare() {
     giveUp(std::string(amaxes.status().message()));
     return failed(amaxes.status());
   }
+  directories(prepared, *amaxes);
+  prepared_ = std::move(prepared);
+  return absl::OkStatus();
+}
+
+void SyncCoordinator::directories(const std::vector<v1::PrepareResponse>& prepared,
+                                  const std::vector<SplitAmaxes>& amaxes) {
+  const auto& daemons = cluster_->view.daemons();
   // Each daemon learns where the nodes it writes to land, not every node's directory: the
   // requests' total size grows with the plan's edges, not with the square of the nodes.
   std::map<std::string, size_t> daemon_of;
@@ -861,7 +931,7 @@ Status SyncCoordinator::prepare() {
     e.set_timeout_ms(timeout_ms_);
     e.set_verify(req_.options().verify());
     e.set_fence(fence_);
-    writeAmaxes((*amaxes)[i], e.mutable_split_amax());
+    writeAmaxes(amaxes[i], e.mutable_split_amax());
     const auto& nodes = plan_->nodes;
     // (A lookup, not a scan of every node per daemon: at 1024 daemons that was a million string
     // compares per sync on the coordinator.)
@@ -879,7 +949,6 @@ Status SyncCoordinator::prepare() {
       }
     }
   }
-  return absl::OkStatus();
 }
 
 StatusOr<std::vector<SplitAmaxes>> SyncCoordinator::combinedAmaxes(const std::vector<v1::PrepareResponse>& prepared) {
@@ -910,6 +979,7 @@ Status SyncCoordinator::execute() {
   std::vector<grpc::Status> results(daemons.size());
   // Bytes of the waves each node has finished: the floor under what the lease keeper reports.
   std::vector<uint64_t> done_received(daemons.size(), 0), done_sent(daemons.size(), 0);
+  int32_t failed_wave = -1;
   for (int32_t wave = 0; wave < plan_->waves; ++wave) {
     for (auto& e : exec_) e.set_wave(static_cast<uint32_t>(wave));
     executed_ = true;
@@ -934,7 +1004,16 @@ Status SyncCoordinator::execute() {
         /*stop_at_failure=*/true);
     bool all_ok = true;
     for (const auto& r : results) all_ok = all_ok && r.ok();
-    if (!all_ok) break;
+    if (!all_ok) {
+      failed_wave = wave;
+      break;
+    }
+    if (wave == 0 && folded_)  // the Prepare rode on this wave only
+      for (auto& e : exec_) {
+        e.clear_prepare();
+        e.clear_plan_key();
+        e.clear_self();
+      }
     ctx_.progress.update(id_, [&](v1::SyncProgress& p) { p.set_waves_done(static_cast<uint32_t>(wave + 1)); });
   }
   if (const std::string node = lease_keeper_->stalled(); !node.empty()) {
@@ -962,6 +1041,9 @@ Status SyncCoordinator::execute() {
     faulty_node_ = gone;
     return failed(absl::UnavailableError(strCat("sync ", id_, " failed: node \"", gone, "\" does not answer", first)));
   }
+  // A folded attempt that failed in wave 0 (a daemon's Prepare refused there, say) runs again in
+  // full, which decides as a Prepare round would have and names the fault as it always does.
+  fold_failed_ = folded_ && failed_wave == 0;
   // The node whose own failure started it, rather than the ones aborted because of it.
   for (size_t i = 0; i < results.size(); ++i)
     if (!results[i].ok() && !cancelled(results[i])) {

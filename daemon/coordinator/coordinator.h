@@ -175,7 +175,9 @@ class SyncCoordinator {
   // registrations changed, its ranks are not at the version, its address is gone...): run it
   // again with a full gather, which names the fault as it always does. Not when a daemon did not
   // answer in time: the gather would wait for it again, and fail the same way.
-  bool retryInFull() const { return repeated_ && !executed_ && !silent_daemon_; }
+  // A folded attempt (its Prepare riding on wave 0) that failed in that wave without a silent
+  // daemon is run again in full too: its daemons' Prepare refusals come back from that wave.
+  bool retryInFull() const { return repeated_ && (!executed_ || fold_failed_) && !silent_daemon_; }
   // After a failed run: the seconds of each phase it finished and of the one it failed in.
   const v1::SyncResponse& figures() const { return out_; }
 
@@ -188,6 +190,15 @@ class SyncCoordinator {
   Status gather();
   Status plan();
   Status prepare();
+  // The attempt's Prepare, as every daemon gets it (a folded one: with only its own stamp).
+  v1::PrepareRequest prepareRequest() const;
+  // A repeated dense sync whose kept view holds its daemons' landing targets: each daemon's
+  // Prepare rides on its wave 0 Execute (ExecuteRequest.prepare), no Prepare round.
+  bool foldable() const;
+  void fold(const v1::PrepareRequest& p);
+  // Every daemon's Execute request: the landing directory of the nodes it writes to, from the
+  // daemons' Prepare answers (by the cluster's index), and the split blocks' combined amaxes.
+  void directories(const std::vector<v1::PrepareResponse>& prepared, const std::vector<SplitAmaxes>& amaxes);
   // The Prepare responses' amaxes of split blocks, checked and combined: per daemon, its blocks'.
   StatusOr<std::vector<SplitAmaxes>> combinedAmaxes(const std::vector<v1::PrepareResponse>& prepared);
   Status execute();
@@ -255,6 +266,10 @@ class SyncCoordinator {
   std::shared_ptr<const ClusterSnapshot> cluster_;  // shared with the repeat cache
   bool repeated_ = false;                           // the gather was skipped (cluster_ is a kept view)
   bool silent_daemon_ = false;                      // a repeated sync's Prepare found a daemon silent
+  std::shared_ptr<const RepeatView> repeat_;        // the kept view a repeated sync runs on
+  bool folded_ = false;                             // the Prepare rode on wave 0 (fold())
+  bool fold_failed_ = false;                        // ... and that wave failed, no daemon silent
+  std::vector<v1::PrepareResponse> prepared_;       // the daemons' Prepare answers (for the kept view)
   v1::Layout src_, dst_;   // a replica set: dst_ names it (group) and replicas_ are its members
   LayoutDigests digests_;  // of src_ and dst_, kept with a repeated sync's view ("" until computed)
   std::vector<planner::Replica> replicas_;

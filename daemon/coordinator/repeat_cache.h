@@ -31,6 +31,10 @@ struct RepeatView {
   // Their digests: a repeated sync's Prepare names them by these (PrepareRequest.src_digest), and
   // the coordinator finds its own plan by them, so neither digests a layout again.
   LayoutDigests digests;
+  // The kept sync's Prepare answers, by daemon (the cluster's order): where each lands its peers'
+  // writes. A repeated dense sync tells every daemon these in its first Execute, with the Prepare
+  // riding on it (each daemon checks they are still its own), so no Prepare round runs.
+  std::vector<v1::PrepareResponse> prepared;
   // How long the kept sync's Prepare took: a repeated sync's Prepare gets the peer timeout (a
   // daemon silent to it is found as soon as the gather would have), so a sync whose Prepare takes
   // longer than half of that (many split fp8 blocks read from GPUs, say) always gathers.

@@ -33,6 +33,7 @@ Status Execution::run() {
     return absl::InvalidArgumentError(strCat("sync ", a_->id, ": wave ", wave_, " of ", cp_.waves));
   SC_RETURN_IF_ERROR(readDirectory());
   SC_RETURN_IF_ERROR(readAmaxes());
+  if (req_.has_prepare()) SC_RETURN_IF_ERROR(gateWrites());
   if (wave_ == 0) SC_RETURN_IF_ERROR(copyColocated());
   for (int32_t t = 0; t < static_cast<int32_t>(plan_.transfers.size()); ++t)
     if (cp_.transfer(t).wave == wave_) SC_RETURN_IF_ERROR(sendHeaded(t));
@@ -46,6 +47,17 @@ Status Execution::run() {
 
 transport::CopyEngine* Execution::engine(const Registry::LocalBuffer& b, Direction direction) {
   return device_.use(direction == Direction::kOutgoing ? b.outgoing : b.incoming);
+}
+
+// A folded attempt: writes to each peer wait for its readiness word (SyncAttempt::gateWrites),
+// and this node tells every node it exchanges chunks with that it has the attempt open.
+Status Execution::gateWrites() {
+  std::map<int32_t, std::shared_ptr<transport::Endpoint>> endpoints;
+  for (const auto& [node, peer] : peers_) {
+    SC_ASSIGN_OR_RETURN(endpoints[node], env_.transport.connect(peer.address, cp_.nodes.name(node)));
+  }
+  a_->gateWrites(std::move(endpoints));
+  return absl::OkStatus();
 }
 
 Status Execution::readDirectory() {
@@ -318,9 +330,14 @@ Status Execution::receive() {
   const int64_t expected = cp_.node(self_).incoming[static_cast<size_t>(wave_)];
   while (true) {
     SC_ASSIGN_OR_RETURN(const auto next, a_->nextLanded(deadline_, processed == expected));
-    if (next.kind == SyncAttempt::Next::kTimedOut)
-      return absl::DeadlineExceededError(strCat("sync ", a_->id, " on node \"", env_.node, "\": ", processed, " of ",
-                                                expected, " chunks landed before the timeout"));
+    if (next.kind == SyncAttempt::Next::kTimedOut) {
+      std::string unready;  // a folded attempt: the nodes that never said they had it open
+      for (const int32_t n : a_->unready()) unready += strCat(unready.empty() ? "" : ", ", quote(cp_.nodes.name(n)));
+      return absl::DeadlineExceededError(
+          strCat("sync ", a_->id, " on node \"", env_.node, "\": ", processed, " of ", expected,
+                 " chunks landed before the timeout",
+                 unready.empty() ? std::string() : strCat(" (never opened the attempt: ", unready, ")")));
+    }
     if (next.kind == SyncAttempt::Next::kDone) return absl::OkStatus();  // all landed, processed and forwarded
     SC_RETURN_IF_ERROR(processLanded(next.chunk));
     ++processed;

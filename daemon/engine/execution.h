@@ -64,6 +64,7 @@ class Execution {
   };
 
   Status readDirectory();
+  Status gateWrites();
   Status readAmaxes();
   // The combined amaxes of the split blocks of destination tensor `dt` (a block-scaled weight or
   // its scales; null: none split).

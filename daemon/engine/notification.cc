@@ -52,6 +52,10 @@ std::string encodeNotification(const Notification& n) {
   put<uint64_t>(out, n.fence);
   out += n.sync_id;
   put<uint32_t>(out, static_cast<uint32_t>(n.chunks.size()));
+  if (n.chunks.empty()) {
+    put<int32_t>(out, n.ready_node);
+    put<uint32_t>(out, n.answer ? 1u : 0u);
+  }
   for (const auto& c : n.chunks) {
     put<int32_t>(out, c.transfer);
     put<int32_t>(out, c.chain);
@@ -80,7 +84,15 @@ StatusOr<Notification> parseNotification(std::string_view bytes) {
   uint32_t count = 0;
   if (!r.get(&n.fence) || !r.bytes(id_len, &n.sync_id) || !r.get(&count))
     return absl::InvalidArgumentError("notification: truncated header");
-  if (count == 0 || count > kMaxLanded)
+  if (count == 0) {  // the readiness word
+    uint32_t flags = 0;
+    if (r.left() != 8 || !r.get(&n.ready_node) || !r.get(&flags) || n.ready_node < 0 || flags > 1)
+      return absl::InvalidArgumentError(
+          strCat("notification: a readiness word of ", r.left(), " bytes (8: a node index, flags 0 or 1)"));
+    n.answer = flags == 1;
+    return n;
+  }
+  if (count > kMaxLanded)
     return absl::InvalidArgumentError(strCat("notification: ", count, " chunks (1 to ", kMaxLanded, ")"));
   if (r.left() != static_cast<size_t>(count) * kLandedBytes)
     return absl::InvalidArgumentError(

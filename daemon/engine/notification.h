@@ -1,11 +1,14 @@
-// The one message daemons send each other over the data plane: "these chunks of sync S have
-// landed on you" (after the writes they announce, so the receiver may read them). A versioned
+// The messages daemons send each other over the data plane: "these chunks of sync S have landed
+// on you" (after the writes they announce, so the receiver may read them), and the readiness word
+// of a folded attempt ("node N has attempt S open": ExecuteRequest.prepare). A versioned
 // little-endian binary format with one parser; everything a peer sends is untrusted, so parse()
 // checks every length and the receiver checks every index against its plan (SyncEngine).
 //
 //   u32 magic "SCN1" | u16 format version (2) | u16 sync id length (1..kMaxSyncId) | u64 fence
-//   | id bytes | u32 count (1..kMaxLanded) | count x { i32 transfer, i32 chain, i32 hop, i32 chunk,
+//   | id bytes | u32 count (0..kMaxLanded) | count x { i32 transfer, i32 chain, i32 hop, i32 chunk,
 //   i32 encoding, u64 checksum, u64 bytes, u64 result }
+//   count 0 (the readiness word): then | i32 node (the sender's index in the plan) | u32 flags
+//   (bit 0: an answer to the receiver's own word, which is not answered again)
 // The fence names the sync attempt (PrepareRequest.fence): a notification of another attempt of
 // the same id is not this attempt's.
 #pragma once
@@ -35,7 +38,9 @@ struct LandedChunk {
 struct Notification {
   std::string sync_id;
   uint64_t fence = 0;
-  std::vector<LandedChunk> chunks;
+  std::vector<LandedChunk> chunks;  // none: the readiness word
+  int32_t ready_node = -1;          // the readiness word's sender (its index in the plan)
+  bool answer = false;              // the readiness word answers the receiver's own
 };
 
 inline constexpr uint32_t kNotificationMagic = 0x314e4353;  // "SCN1" little-endian

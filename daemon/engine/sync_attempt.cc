@@ -270,6 +270,51 @@ int64_t SyncAttempt::writesPending() const {
 
 // ---- SyncAttempt: writes ----
 
+// A folded attempt's daemons prepared without waiting for each other, so a write could reach a
+// node that has not opened the attempt yet (refused there, or over RMA landing in ranks it has
+// not taken). Each node says when it has it open, to the nodes it writes to and those writing to
+// it; a word that reaches a node not open yet is dropped there, but that node then says so itself
+// once open, and is answered: of any two, the one opening second always hears and is heard.
+void SyncAttempt::gateWrites(std::map<int32_t, std::shared_ptr<transport::Endpoint>> peers) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    gated_ = true;
+    handshake_ = peers;
+  }
+  for (const auto& [node, endpoint] : peers) sayReady(endpoint, false);
+}
+
+void SyncAttempt::peerReady(int32_t node, bool answer) {
+  std::shared_ptr<transport::Endpoint> to_answer;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready_.insert(node);
+    // Not told yet (its word came before gateWrites): gateWrites' own word reaches it, and counts.
+    if (const auto it = handshake_.find(node); !answer && it != handshake_.end() && answered_.insert(node).second)
+      to_answer = it->second;
+  }
+  if (to_answer) sayReady(to_answer, true);
+  startWrites(node);
+}
+
+std::vector<int32_t> SyncAttempt::unready() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int32_t> out;
+  for (const auto& [node, endpoint] : handshake_)
+    if (ready_.count(node) == 0) out.push_back(node);
+  return out;
+}
+
+void SyncAttempt::sayReady(const std::shared_ptr<transport::Endpoint>& endpoint, bool answer) const {
+  Notification word;
+  word.sync_id = id;
+  word.fence = fence;
+  word.ready_node = self;
+  word.answer = answer;
+  // A word lost with its peer: the writes waiting for it time out, naming the node (unready()).
+  endpoint->notify(encodeNotification(word), key, [](const Status&) {});
+}
+
 Status SyncAttempt::send(int32_t node, std::shared_ptr<transport::Endpoint> endpoint, Outbox::Write w) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -311,6 +356,7 @@ void SyncAttempt::startWrites(int32_t node) {
       cv_.notify_all();
       return;
     }
+    if (gated_ && ready_.count(node) == 0) return;  // it has not said it has the attempt open yet
     start = outbox_.take(node, limits, &ep);
   }
   if (start.empty()) return;

@@ -183,6 +183,16 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   void setStaging(std::shared_ptr<transport::MemoryRegion> staging);
   // Queues chunk write `w` to `node` over `endpoint` and starts what fits in that node's window.
   Status send(int32_t node, std::shared_ptr<transport::Endpoint> endpoint, Outbox::Write w);
+  // ---- A folded attempt (ExecuteRequest.prepare): no daemon waited for the others' Prepare ----
+  // From here on a write to a node starts only once that node said it has this attempt open (its
+  // readiness word); this node says so now to every node of `peers` (those it writes to and those
+  // writing to it, by plan index) and answers their words. The executing thread.
+  void gateWrites(std::map<int32_t, std::shared_ptr<transport::Endpoint>> peers);
+  // Node `node` has this attempt open (its readiness word, the progress thread): its queued writes
+  // start, and a word that is not itself an answer is answered once.
+  void peerReady(int32_t node, bool answer);
+  // The nodes of gateWrites' `peers` that have not said they have the attempt open (errors).
+  std::vector<int32_t> unready() const;
   // Block-scaled fp8: the block amaxes of a weight (`weight`: its name, shape and block; `blocks` of
   // them) read on this node during this attempt, shared by the packs of its values and of its
   // scale tensor (each block read once). Null past a budget (kAmaxSlotsKept): read again then.
@@ -207,6 +217,8 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   std::string missing() const;
   // Starts the writes queued for `node` that fit in its window (see sync_attempt.cc).
   void startWrites(int32_t node);
+  // This node's readiness word (or its answer) to a peer, over `endpoint`.
+  void sayReady(const std::shared_ptr<transport::Endpoint>& endpoint, bool answer) const;
 
   std::atomic<int64_t> lease_until_{0};  // steady-clock nanoseconds
   mutable std::mutex mu_;
@@ -224,7 +236,12 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   std::vector<std::shared_ptr<void>> pinned_;
   std::shared_ptr<transport::MemoryRegion> staging_;
   Outbox outbox_;
-  static constexpr size_t kAmaxSlotsKept = size_t{8} << 20;  // 64 MiB of block amaxes per attempt
+  // A folded attempt: writes wait for their node's readiness word (gateWrites, peerReady).
+  bool gated_ = false;
+  std::map<int32_t, std::shared_ptr<transport::Endpoint>> handshake_;  // the nodes told, by plan index
+  std::set<int32_t> ready_;                                            // the nodes that said so
+  std::set<int32_t> answered_;                                         // the words answered
+  static constexpr size_t kAmaxSlotsKept = size_t{8} << 20;            // 64 MiB of block amaxes per attempt
   std::mutex amaxes_mu_;
   std::map<std::string, std::unique_ptr<BlockAmaxes>> amaxes_;  // by weight
   size_t amax_slots_ = 0;                                       // blocks of amaxes_ together

@@ -63,6 +63,13 @@ void SyncEngine::onNotification(const std::string& payload, const transport::Wri
     spdlog::warn("sync {}: notification for an attempt not open here (ended, or another attempt)", n->sync_id);
     return;
   }
+  if (n->chunks.empty()) {  // a folded attempt's readiness word: from a node of its plan, not this one
+    if (a->plan && n->ready_node < a->plan->nodes.size() && n->ready_node != a->self)
+      a->peerReady(n->ready_node, n->answer);
+    else
+      spdlog::warn("sync {}: a readiness word naming node {}, not another node of its plan", n->sync_id, n->ready_node);
+    return;
+  }
   a->announce(n->chunks);
 }
 
@@ -390,7 +397,36 @@ StatusOr<v1::ProgressResponse> SyncEngine::progress(const std::string& sync_id, 
   return out;
 }
 
+Status SyncEngine::prepareFolded(const v1::ExecuteRequest& req) {
+  const v1::PrepareRequest& p = req.prepare();
+  if (p.sync_id() != req.sync_id() || p.fence() != req.fence() || p.fence() == 0 || req.wave() != 0 ||
+      p.expect_size() == 0 || p.delta() != v1::DELTA_OFF || p.replicas_size() > 0 || p.seed())
+    return absl::InvalidArgumentError(strCat("execute of sync ", req.sync_id(), " on node ", quote(node_),
+                                             ": a Prepare rides only on wave 0 of its own attempt (same id and "
+                                             "fence), of a repeated dense plain sync"));
+  SC_ASSIGN_OR_RETURN(const v1::PrepareResponse prepared, prepare(p));
+  // Its peers were told to write where the coordinator's kept view says: the attempt may open
+  // only if that is where this node lands them now, with the plan they all execute.
+  std::string why;
+  if (prepared.plan_key() != req.plan_key())
+    why = strCat("it planned \"", prepared.plan_key(), "\", not \"", req.plan_key(), "\"");
+  else if (prepared.targets().SerializeAsString() != req.self().targets().SerializeAsString())
+    why = "its landing targets are not those of the kept view";
+  else if (prepared.base_version() != req.self().base_version() || prepared.base_fence() != req.self().base_fence())
+    why = "its destination ranks' base is not that of the kept view";
+  else if (prepared.split_amax_size() > 0)
+    why = "its source ranks hold parts of split fp8 blocks (their amaxes are combined between Prepare and Execute)";
+  if (why.empty()) return absl::OkStatus();
+  // No peer wrote here yet: they write only after this node's readiness word, which it never sent.
+  if (auto a = attempts_.takeForClose(p.sync_id(), p.fence()))
+    close(a, Registry::SyncEnd::kRevert, why).status().IgnoreError();
+  return absl::FailedPreconditionError(strCat("sync ", req.sync_id(), ": node ", quote(node_),
+                                              " cannot take the Prepare folded into its first wave: ", why, " (",
+                                              kStaleView, ")"));
+}
+
 StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req) {
+  if (req.has_prepare()) SC_RETURN_IF_ERROR(prepareFolded(req));
   auto a = attempts_.find(req.sync_id(), req.fence());
   if (!a) return absl::NotFoundError(strCat("sync ", req.sync_id(), " was not prepared on node \"", node_, "\""));
   SC_RETURN_IF_ERROR(a->beginExecute(node_));

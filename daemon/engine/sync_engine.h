@@ -75,6 +75,9 @@ class SyncEngine {
 
  private:
   void onNotification(const std::string& payload, const transport::WriteKey& key);
+  // ExecuteRequest.prepare: prepares, and keeps the attempt only where the coordinator's kept
+  // view says its peers land their writes here (else ends it, refused as a stale view).
+  Status prepareFolded(const v1::ExecuteRequest& req);
   StatusOr<v1::PrepareResponse> prepareTargets(const std::shared_ptr<SyncAttempt>& a, bool hit);
   StatusOr<float> amaxOf(const planner::ResolvedLayout& src, const std::string& group,
                          const planner::TensorLayout& weight, const planner::Region& part);

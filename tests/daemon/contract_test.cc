@@ -954,3 +954,130 @@ TEST_CASE("a repeated sync's Prepare names its layouts by digest - the cached pl
   CHECK_THAT(st.error_message(), Catch::Contains("a repeated plain sync"));
   for (const auto& [r, s] : c.states(c.n1(), "dst")) CHECK(s.state() == v1::RANK_EMPTY);  // nothing was taken
 }
+
+TEST_CASE(
+    "a Prepare riding on the first wave - writes wait for the peer's readiness word and a stale view is refused "
+    "untouched",
+    "[daemon][contract]") {
+  Pair c;
+  c.registerAll(1);
+  auto p = c.peers();
+  std::vector<v1::DescribeResponse> described(2);
+  for (int i = 0; i < 2; ++i) REQUIRE(p[i]->Describe(ctx().get(), v1::DescribeRequest(), &described[i]).ok());
+  const auto finish = [&](const std::string& id, uint64_t fence) {
+    for (int i = 0; i < 2; ++i) {
+      v1::FinishRequest f;
+      f.set_sync_id(id);
+      f.set_fence(fence);
+      f.set_commit(true);
+      f.set_executed(true);
+      v1::FinishResponse fr;
+      const grpc::Status st = p[i]->Finish(ctx().get(), f, &fr);
+      INFO(st.error_message());
+      REQUIRE(st.ok());
+    }
+  };
+  const auto execute = [&](int i, const v1::ExecuteRequest& e) {
+    return std::async(std::launch::async, [&p, i, e] {
+      v1::ExecuteResponse out;
+      return p[i]->Execute(ctx(60).get(), e, &out);
+    });
+  };
+  // Version 1 in full, phase by phase: each daemon's Prepare answer is what a kept view holds.
+  std::vector<v1::PrepareResponse> kept(2);
+  v1::ExecuteRequest full;
+  full.set_sync_id("v1");
+  full.set_fence(11);
+  full.set_timeout_ms(20000);
+  {
+    v1::PrepareRequest prep = prepareRequest("v1", c.src_proto, c.dst_proto, 1, 11);
+    for (int i = 0; i < 2; ++i) {
+      const grpc::Status st = p[i]->Prepare(ctx().get(), prep, &kept[i]);
+      INFO(st.error_message());
+      REQUIRE(st.ok());
+      auto* n = full.add_nodes();
+      n->set_node(described[i].node());
+      n->set_transport_address(described[i].transport_address());
+      *n->mutable_targets() = kept[i].targets();
+    }
+    auto sent = execute(0, full), received = execute(1, full);
+    REQUIRE(sent.get().ok());
+    REQUIRE(received.get().ok());
+    finish("v1", 11);
+    REQUIRE(c.wrong(1) == 0);
+  }
+  // Daemon i's wave 0 with its Prepare riding on it, as a coordinator folds it.
+  const auto folded = [&](int i, const std::string& id, uint64_t version, uint64_t fence, const std::string& key) {
+    v1::ExecuteRequest e;
+    e.set_sync_id(id);
+    e.set_fence(fence);
+    e.set_timeout_ms(20000);
+    const int other = 1 - i;
+    auto* n = e.add_nodes();  // n0 writes to n1; n1 hears from n0
+    n->set_node(described[other].node());
+    n->set_transport_address(described[other].transport_address());
+    if (i == 0) *n->mutable_targets() = kept[other].targets();
+    v1::PrepareRequest prep = prepareRequest(id, c.src_proto, c.dst_proto, version, fence);
+    prep.set_write_key(key);
+    auto* stamp = prep.add_expect();
+    stamp->set_node(described[i].node());
+    stamp->set_instance(described[i].instance());
+    stamp->set_generation(described[i].generation());
+    *e.mutable_prepare() = prep;
+    e.set_plan_key(kept[i].plan_key());
+    e.mutable_self()->set_node(described[i].node());
+    *e.mutable_self()->mutable_targets() = kept[i].targets();
+    return e;
+  };
+
+  // Version 2: n0 prepares and starts sending while n1 has not prepared. Its readiness word is
+  // dropped at n1; its writes wait (without the word they would be refused there, failing it).
+  c.step(2);
+  const std::string key(transport::WriteKey::random().view());
+  auto sender = execute(0, folded(0, "v2", 2, 22, key));
+  CHECK(sender.wait_for(std::chrono::milliseconds(300)) == std::future_status::timeout);
+  auto receiver = execute(1, folded(1, "v2", 2, 22, key));
+  const grpc::Status sent = sender.get(), received = receiver.get();
+  INFO(sent.error_message() << " / " << received.error_message());
+  REQUIRE(sent.ok());
+  REQUIRE(received.ok());
+  finish("v2", 22);
+  CHECK(c.wrong(2) == 0);
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) {
+    CHECK(s.state() == v1::RANK_READY);
+    CHECK(s.version() == 2);
+  }
+
+  // Version 3: n1's landing targets are not those its peers were told: it refuses before telling
+  // anyone it is open, and its ranks stay as they were.
+  c.step(3);
+  auto moved = folded(1, "v3", 3, 33, std::string(transport::WriteKey::random().view()));
+  moved.mutable_self()->mutable_targets()->add_regions("elsewhere");
+  v1::ExecuteResponse ignored;
+  grpc::Status st = p[1]->Execute(ctx().get(), moved, &ignored);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("node \"n1\" cannot take the Prepare folded into its first wave: its "
+                                                 "landing targets are not those of the kept view (a stale view)"));
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) {
+    CHECK(s.state() == v1::RANK_READY);
+    CHECK(s.version() == 2);
+  }
+  v1::ProgressRequest pr;
+  pr.set_sync_id("v3");
+  v1::ProgressResponse prr;
+  CHECK(p[1]->Progress(ctx().get(), pr, &prr).error_code() == grpc::StatusCode::NOT_FOUND);
+  // A plan other than the coordinator's is refused the same way.
+  auto replanned = folded(1, "v3b", 3, 34, std::string(transport::WriteKey::random().view()));
+  replanned.set_plan_key("another plan");
+  st = p[1]->Execute(ctx().get(), replanned, &ignored);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("not \"another plan\""));
+  // A Prepare rides only on wave 0 of its own attempt.
+  auto later = folded(1, "v3c", 3, 35, std::string(transport::WriteKey::random().view()));
+  later.set_wave(1);
+  CHECK(p[1]->Execute(ctx().get(), later, &ignored).error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  auto other_fence = folded(1, "v3d", 3, 36, std::string(transport::WriteKey::random().view()));
+  other_fence.set_fence(37);
+  CHECK(p[1]->Execute(ctx().get(), other_fence, &ignored).error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) CHECK(s.state() == v1::RANK_READY);
+}

@@ -47,9 +47,31 @@ TEST_CASE("notifications: round trip, and every malformed form refused", "[daemo
   CHECK_THAT(std::string(mutate(4, 9).status().message()), Catch::Contains("format version 9"));
   CHECK_FALSE(mutate(6, 0).ok());                     // id length 0
   CHECK_FALSE(mutate(7, static_cast<char>(1)).ok());  // id length 262: more than allowed
-  Notification empty = n;
-  empty.chunks.clear();
-  CHECK_THAT(std::string(parseNotification(encodeNotification(empty)).status().message()), Catch::Contains("0 chunks"));
+  // No chunks: the readiness word, a node index and an answer flag, nothing else.
+  Notification ready = n;
+  ready.chunks.clear();
+  ready.ready_node = 7;
+  ready.answer = true;
+  const std::string word = encodeNotification(ready);
+  CHECK(word.size() == notificationBytes(6, 0) + 8);
+  back = parseNotification(word);
+  REQUIRE(back.ok());
+  CHECK(back->chunks.empty());
+  CHECK(back->ready_node == 7);
+  CHECK(back->answer);
+  ready.answer = false;
+  back = parseNotification(encodeNotification(ready));
+  REQUIRE(back.ok());
+  CHECK_FALSE(back->answer);
+  for (size_t len = notificationBytes(6, 0); len < word.size(); ++len)
+    CHECK_FALSE(parseNotification(word.substr(0, len)).ok());
+  CHECK_FALSE(parseNotification(word + "x").ok());
+  ready.ready_node = -1;  // no node
+  CHECK_THAT(std::string(parseNotification(encodeNotification(ready)).status().message()),
+             Catch::Contains("a readiness word"));
+  std::string flags = word;
+  flags[flags.size() - 4] = 2;  // an unknown flag
+  CHECK_FALSE(parseNotification(flags).ok());
   Notification many = n;
   many.chunks.resize(kMaxLanded + 1);
   CHECK_FALSE(parseNotification(encodeNotification(many)).ok());

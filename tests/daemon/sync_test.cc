@@ -357,6 +357,9 @@ TEST_CASE("a sync that repeats the last one skips the gather - changed registrat
     REQUIRE(st.ok());
     CHECK(wrong(version) == 0);
     CHECK(out.coordinator_calls() == (fanout == 2 ? 2u : 3u));
+    // A repeated dense sync folds each daemon's Prepare into its first wave: no Prepare round.
+    CHECK(out.folded() == out.repeated());
+    if (out.folded()) CHECK(out.prepare_seconds() < 0.001);
     return out.repeated();
   };
   cluster.step(src, nodes, 1, [&] { fill(1); });

@@ -799,7 +799,9 @@ ucs_status_t UcxEngine::onNotify(const void* header, size_t hlen, void* data, si
     return UCS_OK;
   }
   if (!regions_->fenceOpen(h->key)) {
-    warnRefused("dropped a notification under a key not open here");
+    // Routine, and harmless (nothing lands): a folded attempt's readiness word reaches peers that
+    // have not opened the attempt yet, and they say so themselves once open (sync_attempt.cc).
+    spdlog::debug("transport '{}': dropped a notification under a key not open here", options_.name);
     return UCS_OK;
   }
   deliver(std::string(static_cast<char*>(data), len), h->key);
