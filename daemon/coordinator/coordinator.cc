@@ -68,6 +68,11 @@ class SyncCoordinator::LeaseKeeper {
     for (const auto& d : c.cluster_->view.daemons())
       silence_.push_back(deadline.count() > 0 && !c.replicasOnlyOn(d.node()).empty() ? std::min(deadline, c.lease_)
                                                                                      : c.lease_);
+    // A folded sync has no Prepare round, whose deadline found a silent daemon as soon as the
+    // gather would have: until a daemon shows it holds the attempt, it may be silent that long.
+    if (c.folded_)
+      unprepared_ = std::min(c.lease_, std::chrono::milliseconds(std::max(c.ctx_.config.peer_timeout_ms, 1000)));
+    prepared_.assign(silence_.size(), !c.folded_);
     thread_ = std::thread([this] { run(); });
   }
   ~LeaseKeeper() { stop(); }
@@ -95,7 +100,8 @@ class SyncCoordinator::LeaseKeeper {
  private:
   void run() {
     using std::chrono::milliseconds;
-    const auto shortest = *std::min_element(silence_.begin(), silence_.end());  // of the silences allowed
+    auto shortest = *std::min_element(silence_.begin(), silence_.end());  // of the silences allowed
+    if (unprepared_.count() > 0) shortest = std::min(shortest, unprepared_);
     const auto period = std::min(milliseconds(250), shortest / 4);
     auto pause = period;
     std::unique_lock<std::mutex> lock(mu_);
@@ -104,8 +110,8 @@ class SyncCoordinator::LeaseKeeper {
       // A poll waits for answers until the first node's allowed silence runs out (a period at
       // least, half the shortest silence at most), and one that had to wait for a silent node
       // polls again at once: a node is found silent when its silence runs out, not a poll later.
-      auto first_end = answered_[0] + silence_[0];
-      for (size_t i = 1; i < answered_.size(); ++i) first_end = std::min(first_end, answered_[i] + silence_[i]);
+      auto first_end = answered_[0] + allowance(0);
+      for (size_t i = 1; i < answered_.size(); ++i) first_end = std::min(first_end, answered_[i] + allowance(i));
       const auto wait = std::clamp(std::chrono::duration_cast<milliseconds>(first_end - Clock::now()), period,
                                    std::max(period, shortest / 2));
       // Not through the sync's PeerClient: these calls go on after the sync is given up (its
@@ -151,15 +157,19 @@ class SyncCoordinator::LeaseKeeper {
         // NOT_FOUND: the daemon answers (the sync is not prepared there yet, or over).
         if (st[i].ok() || st[i].error_code() == grpc::StatusCode::NOT_FOUND) answered_[i] = Clock::now();
         if (st[i].ok()) c_.record(i, got[i].bytes_received(), got[i].bytes_sent());
-        if (Clock::now() - answered_[i] > silence_[i] && silent.empty()) silent = c_.cluster_->view.daemons()[i].node();
+        prepared_[i] = prepared_[i] || st[i].ok();  // the attempt is open there
+        if (Clock::now() - answered_[i] > allowance(i) && silent.empty())
+          silent = c_.cluster_->view.daemons()[i].node();
       }
       lock.lock();
       if (!silent.empty() && stalled_.empty() && running_) {
         stalled_ = silent;
         for (size_t i = 0; i < silence_.size(); ++i)
           if (c_.cluster_->view.daemons()[i].node() == silent)
-            allowed_ = strCat(silence_[i].count(), " ms, ",
-                              silence_[i] < c_.lease_ ? "the sync's replica deadline" : "the sync's lease");
+            allowed_ = strCat(allowance(i).count(), " ms, ",
+                              !prepared_[i]             ? "the peer timeout of a Prepare"
+                              : silence_[i] < c_.lease_ ? "the sync's replica deadline"
+                                                        : "the sync's lease");
         lock.unlock();
         spdlog::warn("sync {}: node \"{}\" has not answered in time: giving the sync up", c_.id_, silent);
         c_.giveUp(strCat("node \"", silent, "\" stopped answering"), silent);
@@ -168,9 +178,16 @@ class SyncCoordinator::LeaseKeeper {
     }
   }
 
+  // How long daemon i may stay silent now.
+  std::chrono::milliseconds allowance(size_t i) const {
+    return prepared_[i] ? silence_[i] : std::min(silence_[i], unprepared_);
+  }
+
   SyncCoordinator& c_;
   std::vector<Clock::time_point> answered_;
   std::vector<std::chrono::milliseconds> silence_;  // per daemon: how long it may stay silent
+  std::chrono::milliseconds unprepared_{0};         // a folded sync: before its attempt is open there
+  std::vector<bool> prepared_;                      // per daemon: it answered for the open attempt
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool running_ = true;
@@ -244,8 +261,12 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
     // A folded sync's Prepare took no round: the kept view keeps its earlier Prepare's time.
     const double prepare_seconds = folded_ ? repeat_->prepare_seconds : out_.prepare_seconds();
     if (folded_) prepared_ = repeat_->prepared;  // each daemon found them still its own
-    ctx_.repeats->keep(repeat_key, std::make_shared<const RepeatView>(RepeatView{
-                                       cluster_, src_, dst_, digests_, std::move(prepared_), prepare_seconds}));
+    for (auto& answer : prepared_)  // the next sync's landings: double-buffered ranks flipped at this commit
+      if (answer.has_next_targets()) answer.mutable_targets()->Swap(answer.mutable_next_targets());
+    const int fold_refusals = folded_ ? 0 : repeat_ ? repeat_->fold_refusals : ctx_.fold_refusals;
+    ctx_.repeats->keep(
+        repeat_key, std::make_shared<const RepeatView>(RepeatView{cluster_, src_, dst_, digests_, std::move(prepared_),
+                                                                  fold_refusals, prepare_seconds}));
   }
 
   const auto& stats = plan_->plan.stats;
@@ -765,9 +786,18 @@ v1::PrepareRequest SyncCoordinator::prepareRequest() const {
 }
 
 bool SyncCoordinator::foldable() const {
-  if (!ctx_.config.fold_prepare || !repeat_ || delta_ != v1::DELTA_OFF || !ctx_.earlier_fences.empty() ||
-      repeat_->prepared.size() != cluster_->view.daemons().size())
+  if (ctx_.config.fold_prepare == "never" || !repeat_ || delta_ != v1::DELTA_OFF || !ctx_.earlier_fences.empty() ||
+      repeat_->prepared.size() != cluster_->view.daemons().size() ||
+      repeat_->fold_refusals >= RepeatView::kMaxFoldRefusals)
     return false;
+  // Without a Prepare round no daemon waits for the others': one that fails its Prepare (silent,
+  // or refusing) fails the sync after others may have written part of it. "auto" folds only
+  // where that costs no rank its version: every destination rank double-buffered (the part lands
+  // in the set the engine is not reading).
+  if (ctx_.config.fold_prepare == "auto")
+    for (const auto& d : cluster_->view.daemons())
+      for (const auto& r : d.ranks())
+        if (r.group() == dst_.group() && !r.double_buffered()) return false;
   // Split fp8 blocks' amaxes are combined between the Prepare and the Execute: a round of their own.
   for (const auto& answer : repeat_->prepared)
     if (answer.split_amax_size() > 0 || answer.plan_key() != plan_->key) return false;
@@ -778,7 +808,6 @@ bool SyncCoordinator::foldable() const {
 // it must have made, and where the kept view says it lands its peers' writes; its directory also
 // names the nodes that write to it, which it tells it has the attempt open (a readiness word).
 void SyncCoordinator::fold(const v1::PrepareRequest& p) {
-  folded_ = true;
   out_.set_folded(true);
   const auto& daemons = cluster_->view.daemons();
   const auto& kept = repeat_->prepared;
@@ -822,10 +851,11 @@ Status SyncCoordinator::prepare() {
       version_ % static_cast<uint64_t>(ctx_.config.delta_dense_every) == 0)
     delta_ = v1::DELTA_DENSE;  // the periodic refresh
   const auto prepare_started = Clock::now();
+  folded_ = foldable();
   lease_keeper_ = std::make_unique<LeaseKeeper>(*this);
   const auto& daemons = cluster_->view.daemons();
   const v1::PrepareRequest p = prepareRequest();
-  if (foldable()) {
+  if (folded_) {
     fold(p);
     return absl::OkStatus();
   }
@@ -1018,6 +1048,9 @@ Status SyncCoordinator::execute() {
   }
   if (const std::string node = lease_keeper_->stalled(); !node.empty()) {
     faulty_node_ = node;
+    if (folded_)  // as a repeated sync's Prepare round would have found it (prepare())
+      for (size_t i = 0; i < daemons.size(); ++i)
+        if (daemons[i].node() == node) ctx_.peers.noteSilent(cluster_->addresses[i], start_);
     return failed(absl::UnavailableError(
         strCat("sync ", id_, " failed: node \"", node, "\" stopped answering (for ", lease_keeper_->allowed(), ")")));
   }

@@ -152,6 +152,8 @@ class SyncCoordinator {
     bool full_gather = false;
     // The fences of the earlier attempts of this Sync call (PrepareRequest.supersedes).
     std::vector<uint64_t> earlier_fences{};
+    // Folds refused in a row before this attempt (RepeatView::fold_refusals), kept with its view.
+    int fold_refusals = 0;
   };
   // `id` is started on the progress board already; `fence` names this attempt (never 0).
   SyncCoordinator(Context ctx, const v1::SyncRequest& request, std::string id, uint64_t fence);
@@ -178,6 +180,8 @@ class SyncCoordinator {
   // A folded attempt (its Prepare riding on wave 0) that failed in that wave without a silent
   // daemon is run again in full too: its daemons' Prepare refusals come back from that wave.
   bool retryInFull() const { return repeated_ && (!executed_ || fold_failed_) && !silent_daemon_; }
+  // Folds refused in a row, this attempt's included (for the attempt that runs it again in full).
+  int foldRefusals() const { return fold_failed_ ? repeat_->fold_refusals + 1 : 0; }
   // After a failed run: the seconds of each phase it finished and of the one it failed in.
   const v1::SyncResponse& figures() const { return out_; }
 

@@ -31,10 +31,16 @@ struct RepeatView {
   // Their digests: a repeated sync's Prepare names them by these (PrepareRequest.src_digest), and
   // the coordinator finds its own plan by them, so neither digests a layout again.
   LayoutDigests digests;
-  // The kept sync's Prepare answers, by daemon (the cluster's order): where each lands its peers'
-  // writes. A repeated dense sync tells every daemon these in its first Execute, with the Prepare
-  // riding on it (each daemon checks they are still its own), so no Prepare round runs.
+  // The daemons' Prepare answers, by daemon (the cluster's order), as the next sync will find
+  // them: `targets` where each lands that sync's writes, `next_targets` (double-buffered
+  // destinations: they flip at every commit) the one after. A repeated dense sync tells every
+  // daemon these in its first Execute, with the Prepare riding on it (each daemon checks they are
+  // still its own), so no Prepare round runs.
   std::vector<v1::PrepareResponse> prepared;
+  // Folds refused in a row (a daemon's landing targets not those kept, say): at kMaxFoldRefusals
+  // these groups' syncs stop folding (a refused fold costs a second attempt).
+  int fold_refusals = 0;
+  static constexpr int kMaxFoldRefusals = 3;
   // How long the kept sync's Prepare took: a repeated sync's Prepare gets the peer timeout (a
   // daemon silent to it is found as soon as the gather would have), so a sync whose Prepare takes
   // longer than half of that (many split fp8 blocks read from GPUs, say) always gathers.

@@ -213,7 +213,8 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
   std::vector<transport::LandingRange> ranges;
   if (a->self >= 0) {
     auto* targets = resp.mutable_targets();
-    std::map<const transport::MemoryRegion*, uint32_t> index;
+    v1::LandingTargets next = *targets;  // the same, with each buffer's next landing (nextLanding)
+    std::map<const transport::MemoryRegion*, uint32_t> index, next_index;
     std::map<std::pair<int32_t, int32_t>, uint64_t> direct;  // (rank, buffer) -> its base here
     for (const auto& [rank, b] : a->plan->node(a->self).direct_targets) {
       const std::string& name = a->plan->dst.buffer_names[static_cast<size_t>(b)];
@@ -231,7 +232,20 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
       out->set_offset(lb.region_offset);
       a->pin(lb.keep_alive);
       direct[{rank, b}] = lb.region->remote().base + lb.region_offset;
+      SC_ASSIGN_OR_RETURN(const auto later, registry_.nextLanding(group, member_rank, name));
+      if (!later.first)
+        return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", member_rank, " buffer \"", name,
+                                                    "\" is not registered with the transport on node \"", node_,
+                                                    "\" (its other set)"));
+      const auto [at, fresh] = next_index.emplace(later.first.get(), static_cast<uint32_t>(next.regions_size()));
+      if (fresh) next.add_regions(later.first->remote().serialize());
+      auto* nb = next.add_buffers();
+      nb->set_rank(rank);
+      nb->set_buffer(name);
+      nb->set_region(at->second);
+      nb->set_offset(later.second);
     }
+    if (next.SerializeAsString() != targets->SerializeAsString()) *resp.mutable_next_targets() = std::move(next);
     for (const auto& ts : a->plan->transfers) {
       const auto* landing = ts.landingOn(a->self);
       if (landing == nullptr || ts.chunks.empty()) continue;

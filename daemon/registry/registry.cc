@@ -518,6 +518,20 @@ uint64_t Registry::registeredBytes() const {
   return n;
 }
 
+StatusOr<std::pair<std::shared_ptr<transport::MemoryRegion>, uint64_t>> Registry::nextLanding(
+    const std::string& group, int32_t rank, const std::string& buffer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = ranks_.find({group, rank});
+  if (it == ranks_.end())
+    return absl::FailedPreconditionError(
+        strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
+  const Rank& r = *it->second;
+  const std::vector<Buffer>& next = r.doubled() && r.active == 1 ? r.shadow : r.buffers;  // the set not written now
+  for (const Buffer& b : r.doubled() ? next : r.writeSet())
+    if (b.name == buffer) return std::make_pair(b.region, b.segment ? b.offset : 0);  // as localBuffer
+  return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " has no buffer \"", buffer, "\""));
+}
+
 StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, int32_t rank,
                                                       const std::string& buffer) const {
   std::lock_guard<std::mutex> lock(mu_);

@@ -82,6 +82,12 @@ class Registry {
     transport::CopyEngine* incoming = nullptr;        // device memory: landings, unpacks
   };
   StatusOr<LocalBuffer> localBuffer(const std::string& group, int32_t rank, const std::string& buffer) const;
+  // Where the sync after the one writing the rank now would land `buffer` if this one commits:
+  // a double-buffered rank flips at commit, so the next writes the set in use now; any other
+  // rank, the same buffer. The registration and the buffer's offset in it.
+  StatusOr<std::pair<std::shared_ptr<transport::MemoryRegion>, uint64_t>> nextLanding(const std::string& group,
+                                                                                      int32_t rank,
+                                                                                      const std::string& buffer) const;
   // Changes with every registration and unregistration (a sync fails if it changes under it).
   uint64_t generation() const;
   const std::string& instance() const { return instance_; }

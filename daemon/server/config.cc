@@ -20,10 +20,9 @@ std::string DaemonConfig::describe() const {
      << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol
      << " host_zero_copy=" << host_zero_copy << " ucx_tcp_segment_kib=" << ucx_tcp_segment_kib
      << " log_level=" << log_level << " log_format=" << log_format << " peer_timeout_ms=" << peer_timeout_ms
-     << " peer_lease_ms=" << peer_lease_ms << " relay_fanout=" << relay_fanout
-     << " fold_prepare=" << (fold_prepare ? "true" : "false") << " chunk_kib=" << (chunk_bytes >> 10)
-     << " staging_mib=" << staging_mib << " window_kib=" << (window_bytes >> 10) << " nic_gbps=" << nic_gbps
-     << " delta_cache_mib=" << delta_cache_mib << " delta_dense_every=" << delta_dense_every
+     << " peer_lease_ms=" << peer_lease_ms << " relay_fanout=" << relay_fanout << " fold_prepare=" << fold_prepare
+     << " chunk_kib=" << (chunk_bytes >> 10) << " staging_mib=" << staging_mib << " window_kib=" << (window_bytes >> 10)
+     << " nic_gbps=" << nic_gbps << " delta_cache_mib=" << delta_cache_mib << " delta_dense_every=" << delta_dense_every
      << " metrics=" << (metrics.empty() ? "(off)" : metrics) << " sync_lease_ms=" << sync_lease_ms
      << " max_sync_lease_ms=" << max_sync_lease_ms << " owner_grace_s=" << owner_grace_s
      << " max_local_connections_per_uid=" << max_local_connections_per_uid
@@ -136,9 +135,11 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
       ->check(CLI::Range(1, 600000))
       ->capture_default_str();
   app.add_option("--fold-prepare", c.fold_prepare,
-                 "A sync that repeats the last one sends each daemon's Prepare with its first Execute: one call "
-                 "round fewer (false: a Prepare round always)")
+                 "When a sync that repeats the last one sends each daemon's Prepare with its first Execute (one "
+                 "call round fewer): auto (every destination rank double-buffered), always (a daemon failing its "
+                 "Prepare may leave single-buffered destinations elsewhere DIRTY), never")
       ->envname("SHARDCAST_FOLD_PREPARE")
+      ->check(CLI::IsMember({"auto", "always", "never"}))
       ->capture_default_str();
   app.add_option("--relay-fanout", c.relay_fanout,
                  "A coordinator calls at most this many daemons directly per phase; more go through a tree of "

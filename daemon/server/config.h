@@ -34,9 +34,12 @@ struct DaemonConfig {
   // A coordinator calls at most this many daemons directly per phase (Prepare, Execute, the
   // commit's Finish); a larger cluster's calls go through a tree of Relays (0: always directly).
   int relay_fanout = 64;
-  // A repeated dense sync sends each daemon's Prepare with its first Execute (no Prepare round;
-  // ExecuteRequest.prepare). --fold-prepare false: a Prepare round always (measurements).
-  bool fold_prepare = true;
+  // When a repeated dense sync sends each daemon's Prepare with its first Execute (no Prepare
+  // round; ExecuteRequest.prepare, docs/daemon.md "A sync"): "auto" when every destination rank
+  // is double-buffered (a daemon failing its Prepare then costs no rank its version), "always"
+  // (single-buffered destinations elsewhere may then be left DIRTY by it, holding part of the
+  // bytes, until a later sync), "never".
+  std::string fold_prepare = "auto";
   int64_t chunk_mib = 64;      // --chunk-mib: chunk size of large transfers
   int64_t staging_mib = 1024;  // per-node landing and staging budget of a sync
   int64_t window_mib = 128;    // --window-mib: bytes in flight to each peer node

@@ -140,11 +140,12 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
   std::map<std::string, std::string> failed;  // the nodes that failed them -> why
   v1::SyncRequest attempt = req;
   bool full_gather = false;
+  int fold_refusals = 0;         // a folded attempt refused: the one that runs it in full keeps the count
   std::vector<uint64_t> fences;  // of this call's attempts so far
   while (true) {
     const uint64_t fence = newFence();
     SyncCoordinator coordinator({config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(),
-                                 caller_uid, cut, failed, &repeats_, full_gather, fences},
+                                 caller_uid, cut, failed, &repeats_, full_gather, fences, fold_refusals},
                                 attempt, id, fence);
     fences.push_back(fence);
     auto done = coordinator.run();
@@ -162,6 +163,12 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
       spdlog::debug("sync {}: skipped the gather and was refused ({}): running it again with one", id,
                     std::string(done.status().message()));
       full_gather = true;
+      fold_refusals = coordinator.foldRefusals();
+      if (fold_refusals >= RepeatView::kMaxFoldRefusals)
+        spdlog::warn(
+            "sync {}: its Prepare folded into the first wave was refused {} times in a row: syncs of {} -> {} "
+            "run a Prepare round from now on",
+            id, fold_refusals, req.src_group(), req.dst_group());
       attempt.mutable_options()->set_timeout_ms(static_cast<uint32_t>(left.count()));
       continue;
     }

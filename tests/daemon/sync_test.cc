@@ -56,25 +56,28 @@ v1::RegisterRequest source(const v1::Layout& layout, int32_t rank, int32_t world
 // kTrainer and kInference resolved, every rank's memory allocated (names tagged with `tag`), and
 // the trainer's values of a version written and the inference ranks' checked.
 struct TrainerAndInference {
-  v1::Layout src_proto = *planner::parseLayoutJson(kTrainer, "trainer");
-  v1::Layout dst_proto = *planner::parseLayoutJson(kInference, "infer");
+  v1::Layout src_proto, dst_proto;
   planner::NodeTable nodes;
-  planner::ResolvedLayout src = *planner::resolveLayout(src_proto, nodes);
-  planner::ResolvedLayout dst = *planner::resolveLayout(dst_proto, nodes);
+  planner::ResolvedLayout src, dst;
   std::vector<RankMemory> smem, dmem;
-  explicit TrainerAndInference(const std::string& tag) {
-    for (int32_t r = 0; r < 4; ++r) smem.push_back(allocate(src, r, tag + "t" + std::to_string(r)));
-    for (int32_t r = 0; r < 4; ++r) dmem.push_back(allocate(dst, r, tag + "i" + std::to_string(r)));
+  explicit TrainerAndInference(const std::string& tag, const char* trainer = kTrainer,
+                               const char* inference = kInference)
+      : src_proto(*planner::parseLayoutJson(trainer, "trainer")),
+        dst_proto(*planner::parseLayoutJson(inference, "infer")),
+        src(*planner::resolveLayout(src_proto, nodes)),
+        dst(*planner::resolveLayout(dst_proto, nodes)) {
+    for (int32_t r = 0; r < src.world(); ++r) smem.push_back(allocate(src, r, tag + "t" + std::to_string(r)));
+    for (int32_t r = 0; r < dst.world(); ++r) dmem.push_back(allocate(dst, r, tag + "i" + std::to_string(r)));
   }
   void fill(int version) {
-    for (int32_t r = 0; r < 4; ++r)
+    for (int32_t r = 0; r < src.world(); ++r)
       forEachElement(src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
         *smem[r].at<int32_t>(p, off) = valueOf(t, flat, version);
       });
   }
   int64_t wrong(int version) {
     int64_t bad = 0;
-    for (int32_t r = 0; r < 4; ++r)
+    for (int32_t r = 0; r < dst.world(); ++r)
       forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
         bad += *dmem[r].at<int32_t>(p, off) != valueOf(t, flat, version);
       });
@@ -357,9 +360,6 @@ TEST_CASE("a sync that repeats the last one skips the gather - changed registrat
     REQUIRE(st.ok());
     CHECK(wrong(version) == 0);
     CHECK(out.coordinator_calls() == (fanout == 2 ? 2u : 3u));
-    // A repeated dense sync folds each daemon's Prepare into its first wave: no Prepare round.
-    CHECK(out.folded() == out.repeated());
-    if (out.folded()) CHECK(out.prepare_seconds() < 0.001);
     return out.repeated();
   };
   cluster.step(src, nodes, 1, [&] { fill(1); });
@@ -412,6 +412,141 @@ TEST_CASE("a sync that repeats the last one skips the gather - changed registrat
   CHECK_FALSE(sync(8));
   cluster.step(src, nodes, 9, [&] { fill(9); });
   CHECK(sync(9));
+}
+
+TEST_CASE(
+    "a repeated sync into double-buffered ranks folds its Prepare into its first wave - refusals and a silent "
+    "daemon leave every rank its version",
+    "[daemon][sync]") {
+  // on: peers land in the ranks' buffers directly, in the set not in use, so where they land
+  // alternates with every commit (PrepareResponse.next_targets); off: in each node's arena.
+  const std::string zero_copy = GENERATE("off", "on");
+  CAPTURE(zero_copy);
+  Cluster cluster({"--host-zero-copy", zero_copy, "--peer-timeout-ms", "1500"});
+  // One tensor in rows, one fragment per transfer: it can land in place (not bucketed in an arena).
+  const char* trainer = R"({"group":"trainer","mesh":{"shape":[2]},"nodes":["n0","n1"],"tensors":[
+    {"name":"w","shape":[64,32],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})";
+  const char* inference = R"({"group":"infer","mesh":{"shape":[2]},"nodes":["n2","n0"],"tensors":[
+    {"name":"w","shape":[64,32],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})";
+  TrainerAndInference g("fold-" + zero_copy, trainer, inference);
+  std::vector<RankMemory> shadow;
+  for (int32_t r = 0; r < g.dst.world(); ++r)
+    shadow.push_back(allocate(g.dst, r, "fold-" + zero_copy + "-s" + std::to_string(r)));
+  const auto node_of = [&](int32_t r) { return g.nodes.name(g.dst.rank_node[r]); };
+  const auto register_destination = [&](int32_t r) {
+    v1::RegisterRequest doubled = request(g.dst_proto, r, g.dst.world(), g.dmem[r]);
+    const v1::RegisterRequest other = request(g.dst_proto, r, g.dst.world(), shadow[r]);
+    *doubled.mutable_shadow_buffers() = other.buffers();
+    v1::RegisterResponse resp;
+    const grpc::Status st = cluster.node(node_of(r)).client()->Register(ctx().get(), doubled, &resp);
+    INFO(st.error_message());
+    REQUIRE(st.ok());
+    return resp.registration();
+  };
+  std::vector<uint64_t> registration(2);
+  for (int32_t r = 0; r < 2; ++r) {
+    v1::RegisterResponse resp;
+    REQUIRE(cluster.node(g.nodes.name(g.src.rank_node[r]))
+                .client()
+                ->Register(ctx().get(), source(g.src_proto, r, 2, g.smem[r]), &resp)
+                .ok());
+    registration[static_cast<size_t>(r)] = register_destination(r);
+  }
+  // Each destination rank's state and the set it reads (the one the last commit wrote).
+  const auto rank_status = [&](int32_t r) {
+    v1::StatusResponse st;
+    REQUIRE(cluster.node(node_of(r)).client()->Status(ctx().get(), v1::StatusRequest(), &st).ok());
+    for (const auto& group : st.groups())
+      if (group.group() == "infer")
+        for (const auto& rs : group.rank_states())
+          if (rs.rank() == r) return rs;
+    FAIL("rank " << r << " of infer is not on node " << node_of(r));
+    return v1::RankStatus();
+  };
+  // Every rank READY at `version`, the set it reads holding exactly that version.
+  const auto holds = [&](int version) {
+    int64_t bad = 0;
+    for (int32_t r = 0; r < 2; ++r) {
+      const v1::RankStatus st = rank_status(r);
+      CHECK(st.state() == v1::RANK_READY);
+      CHECK(st.version() == static_cast<uint64_t>(version));
+      RankMemory& set = st.active_set() == 0 ? g.dmem[r] : shadow[r];
+      forEachElement(g.dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        bad += *set.at<int32_t>(p, off) != valueOf(t, flat, version);
+      });
+    }
+    return bad;
+  };
+  v1::SyncRequest req;
+  req.set_src_group("trainer");
+  req.set_dst_group("infer");
+  const auto sync = [&](int version, v1::SyncResponse* out) {
+    req.set_version(static_cast<uint64_t>(version));
+    return cluster.node("n1").client()->Sync(ctx(60).get(), req, out);
+  };
+  const auto synced = [&](int version) {
+    cluster.step(g.src, g.nodes, static_cast<uint64_t>(version), [&] { g.fill(version); });
+    v1::SyncResponse out;
+    const grpc::Status st = sync(version, &out);
+    INFO("version " << version << ": " << st.error_message());
+    REQUIRE(st.ok());
+    CHECK(holds(version) == 0);
+    CHECK(out.folded() == out.repeated());  // every repeated sync folds (the ranks are double-buffered)
+    CHECK((out.bytes_landed_direct() > 0) == (zero_copy == "on"));
+    if (out.folded()) CHECK(out.prepare_seconds() < 0.01);
+    return out.folded();
+  };
+  CHECK_FALSE(synced(1));  // a full gather
+  for (int version = 2; version <= 5; ++version) CHECK(synced(version));
+
+  // A destination rank registered again: its daemon refuses the folded Prepare (a stale view), and
+  // the sync runs again in full within the same call.
+  {
+    v1::UnregisterRequest un;
+    un.set_group("infer");
+    un.set_rank(1);
+    un.set_registration(registration[1]);
+    v1::UnregisterResponse ur;
+    REQUIRE(cluster.node(node_of(1)).client()->Unregister(ctx().get(), un, &ur).ok());
+    registration[1] = register_destination(1);
+  }
+  CHECK_FALSE(synced(6));
+  CHECK(synced(7));
+
+  // Version 8 is not published: the trainer's daemons refuse it in the first wave; the sync runs
+  // again in full, which names the rank; every destination rank still reads version 7.
+  v1::SyncResponse out;
+  grpc::Status st = sync(8, &out);
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains("published version 7, not 8"));
+  CHECK(holds(7) == 0);
+  CHECK(synced(8) == false);  // the failed sync's view was not kept
+  CHECK(synced(9));
+
+  // A daemon silent at the folded wave (frozen): found within the peer timeout, as a Prepare
+  // round would have found it, named; the others' ranks still read version 9.
+  cluster.step(g.src, g.nodes, 10, [&] { g.fill(10); });
+  const pid_t stopped = cluster.node("n2").pid();
+  freezeProcess(stopped);
+  const auto began = std::chrono::steady_clock::now();
+  st = sync(10, &out);
+  const auto took = std::chrono::steady_clock::now() - began;
+  ::kill(stopped, SIGCONT);
+  CHECK_FALSE(st.ok());
+  CHECK_THAT(st.error_message(), Catch::Contains("node \"n2\""));
+  CHECK(took < std::chrono::seconds(8));  // the peer timeout (1.5 s), not the sync's lease (10 s)
+  const v1::RankStatus on_n0 = rank_status(1);
+  CHECK(on_n0.state() == v1::RANK_READY);
+  CHECK(on_n0.version() == 9);
+  grpc::Status again;
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    again = sync(10, &out);
+    if (again.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  INFO(again.error_message());
+  REQUIRE(again.ok());
+  CHECK(holds(10) == 0);
 }
 
 TEST_CASE("through a relay tree, a daemon silent below its relay is named (not the relay) and the next sync repairs",
