@@ -21,7 +21,7 @@
 #                    dense and delta syncs side by side; not part of "all")
 #                    [--demo-arg ARG]...   (passed to shardcast-demo, e.g. --demo-arg=--chunk-mib=4)
 #   bench/cluster.sh --control-plane [--nodes "8 16 32 64"] [--cp-syncs 21] [--simulated "256 1024"]
-#                    [--simulated-fanouts "0 32 64"]
+#                    [--simulated-fanouts "0 32 64"] [--demo-arg=--double-buffered] (folded Prepares)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 rate="" delay=0 queue_ms=200 mtu=9000 scenario=all syncs=3 control=0 cp_nodes="8 16 32 64" cp_syncs=21 cp_simulated="256 1024" cp_fanouts="0 32 64" demo_args=() delta_args=()
@@ -158,10 +158,11 @@ if [ "$control" = 1 ]; then
   echo "   ($cp_syncs syncs each: the first gathers and plans, the rest repeat it; time: best and median of the rest;"
   echo "   CPU: mean per sync over the rest, from /proc, of the coordinator and of every daemon together)"
   echo "   (relay fanout: ${SHARDCAST_RELAY_FANOUT:-64}, the daemons' --relay-fanout; calls: the coordinator's own per phase)"
-  echo "| daemons | gather+plan | prepare | execute | finish | whole sync, best | median | repeated | calls | coordinator CPU | all daemons' CPU | per daemon |"
-  echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+  echo "   (--demo-arg=--double-buffered: inference ranks double-buffered, so repeated syncs fold their Prepare into the first wave)"
+  echo "| daemons | gather+plan | prepare | execute | finish | whole sync, best | median | repeated | folded | calls | coordinator CPU | all daemons' CPU | per daemon |"
+  echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
   for n in $cp_nodes; do
-    out=$("$demo" --report --layers 1 --hidden 64 --vocab 256 --trainer-nodes 1 --inference-nodes $((n - 1)) --syncs "$cp_syncs" 2>&1) || {
+    out=$("$demo" --report --layers 1 --hidden 64 --vocab 256 --trainer-nodes 1 --inference-nodes $((n - 1)) --syncs "$cp_syncs" ${demo_args[@]+"${demo_args[@]}"} 2>&1) || {
       echo "$out" | tail -5 >&2
       echo "| $n | failed |"
       continue
@@ -175,17 +176,20 @@ best = min(rest, key=lambda r: float(r["seconds"]))
 cells = " | ".join("%.1f ms" % (float(best[k]) * 1000) for k in ("gather", "prepare", "execute", "finish", "seconds"))
 median = statistics.median(float(r["seconds"]) for r in rest) * 1000
 repeated = sum(int(r.get("repeated", 0)) for r in rest)
+folded = sum(int(r.get("folded", 0)) for r in rest)
 coord = statistics.mean(float(r["coordinator_cpu"]) for r in rest) * 1000
 every = statistics.mean(float(r["daemons_cpu"]) for r in rest) * 1000
 calls = max(int(r.get("coordinator_calls", 0)) for r in rest)
-print("| %d | %s | %.1f ms | %d of %d | %d | %.1f ms | %.1f ms | %.2f ms |" % (n, cells, median, repeated, len(rest), calls, coord, every, every / n))
+print("| %d | %s | %.1f ms | %d of %d | %d of %d | %d | %.1f ms | %.1f ms | %.2f ms |" % (n, cells, median, repeated, len(rest), folded, len(rest), calls, coord, every, every / n))
 ' "$n"
   done
   if [ -n "$cp_simulated" ]; then
     echo "== whole syncs of a real coordinating daemon over simulated daemons (relay_bench --whole-syncs, $((cp_syncs - 1)) repeated syncs)"
     echo "   (the trainer's rank on one, an inference rank on each other; they answer at once and move no bytes;"
-    echo "   fanout: the coordinator's --relay-fanout, 0 direct; CPU: the coordinator's process alone)"
-    "$root/build/bin/relay_bench" --whole-syncs --daemons "$cp_simulated" --fanouts "$cp_fanouts" --rounds "$((cp_syncs - 1))"
+    echo "   fanout: the coordinator's --relay-fanout, 0 direct; fold: its --fold-prepare (the inference ranks are"
+    echo "   double-buffered: auto folds each repeated Prepare into the first wave); CPU: the coordinator's process alone)"
+    "$root/build/bin/relay_bench" --whole-syncs --daemons "$cp_simulated" --fanouts "$cp_fanouts" --fold "never auto" \
+      --rounds "$((cp_syncs - 1))"
   fi
   exit 0
 fi

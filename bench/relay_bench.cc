@@ -18,7 +18,9 @@
 // work, queued behind each other; the CPU figure is the coordinator's alone.
 //
 //   build/bin/relay_bench [--daemons "64 256 1024"] [--fanouts "0 16 32 64"] [--rounds 30]
-//                         [--whole-syncs]
+//                         [--whole-syncs [--fold "auto never"]]
+// (--fold: the coordinator's --fold-prepare per row; the simulated inference ranks are double-
+// buffered, so "auto" folds each repeated sync's Prepare into its first wave)
 #include <absl/synchronization/mutex.h>
 #include <arpa/inet.h>
 #include <fmt/format.h>
@@ -124,11 +126,16 @@ class SimulatedPeer final : public v1::Peer::Service {
     }
     const uint64_t held = cluster_.committed.load();
     r->set_role(source ? v1::ROLE_SOURCE : v1::ROLE_DESTINATION);
+    r->set_double_buffered(!source);  // a repeated sync may fold its Prepare into its first wave (--fold)
     r->set_state(source || held > 0 ? v1::RANK_READY : v1::RANK_EMPTY);
     r->set_version(source ? held + 1 : held);  // the trainer has published the next version
     return grpc::Status::OK;
   }
   grpc::Status Prepare(grpc::ServerContext*, const v1::PrepareRequest* req, v1::PrepareResponse* out) override {
+    return prepare(req, out);
+  }
+  // As a daemon prepares (and a folded Execute first): the plan its own cache makes.
+  grpc::Status prepare(const v1::PrepareRequest* req, v1::PrepareResponse* out) {
     for (const auto& stamp : req->expect())  // a sync that skipped the gather: registrations unchanged
       if (stamp.node() == node_ && (stamp.instance() != node_ || stamp.generation() != 1))
         return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "registrations changed");
@@ -146,7 +153,12 @@ class SimulatedPeer final : public v1::Peer::Service {
     cluster_.version_of[req->fence()] = req->version();
     return grpc::Status::OK;
   }
-  grpc::Status Execute(grpc::ServerContext*, const v1::ExecuteRequest*, v1::ExecuteResponse*) override {
+  grpc::Status Execute(grpc::ServerContext*, const v1::ExecuteRequest* req, v1::ExecuteResponse*) override {
+    if (!req->has_prepare()) return grpc::Status::OK;
+    v1::PrepareResponse prepared;  // its Prepare rode on this wave: as a daemon checks it
+    if (grpc::Status st = prepare(&req->prepare(), &prepared); !st.ok()) return st;
+    if (prepared.plan_key() != req->plan_key())
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "planned another plan (a stale view)");
     return grpc::Status::OK;
   }
   grpc::Status Progress(grpc::ServerContext*, const v1::ProgressRequest*, v1::ProgressResponse*) override {
@@ -181,6 +193,13 @@ std::vector<int> numbers(const std::string& s) {
   std::vector<int> out;
   std::istringstream in(s);
   for (int v; in >> v;) out.push_back(v);
+  return out;
+}
+
+std::vector<std::string> words(const std::string& s) {
+  std::vector<std::string> out;
+  std::istringstream in(s);
+  for (std::string w; in >> w;) out.push_back(w);
   return out;
 }
 
@@ -310,7 +329,7 @@ void fanOutRows(int n, const std::vector<std::string>& addresses, const std::vec
 // loopback transport, serving on 127.0.0.1.
 class Coordinator {
  public:
-  Coordinator(const std::vector<std::string>& peers, const std::string& listen, int fanout) {
+  Coordinator(const std::vector<std::string>& peers, const std::string& listen, int fanout, const std::string& fold) {
     config_.node = "coordinator";
     config_.listen = listen;
     config_.peers = peers;  // every daemon of the cluster, itself too (as --peer-dns finds them)
@@ -318,6 +337,7 @@ class Coordinator {
     config_.insecure = true;
     config_.peer_timeout_ms = 10000;
     config_.relay_fanout = fanout;
+    config_.fold_prepare = fold;
     transport::TransportOptions topts;
     topts.backend = "loopback";
     topts.name = "coordinator";
@@ -373,48 +393,53 @@ class Coordinator {
 // Whole syncs through a real coordinator, per fanout: the first (it gathers and plans), then
 // `rounds` that repeat it (the next version each).
 void wholeSyncRows(int n, pid_t simulated, const std::vector<std::string>& addresses, const std::string& listen,
-                   const std::vector<int>& fanouts, int rounds, uint64_t& version) {
-  for (const int fanout : fanouts) {
-    Coordinator coordinator(addresses, listen, fanout);
-    std::vector<double> seconds, cpu, daemons_cpu;
-    double first = 0;
-    int repeated = 0;
-    std::string failure;
-    for (int round = 0; round <= rounds && failure.empty(); ++round) {
-      v1::SyncResponse resp;
-      const double c0 = cpuSeconds(), d0 = cpuSecondsOf(simulated);
-      const auto t0 = std::chrono::steady_clock::now();
-      const grpc::Status st = coordinator.sync(++version, &resp);
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const double c = cpuSeconds() - c0, d = cpuSecondsOf(simulated) - d0;
-      if (!st.ok()) {
-        failure = st.error_message();
-        break;
+                   const std::vector<int>& fanouts, const std::vector<std::string>& folds, int rounds,
+                   uint64_t& version) {
+  for (const int fanout : fanouts)
+    for (const std::string& fold : folds) {
+      Coordinator coordinator(addresses, listen, fanout, fold);
+      std::vector<double> seconds, cpu, daemons_cpu;
+      double first = 0;
+      int repeated = 0, folded = 0;
+      std::string failure;
+      for (int round = 0; round <= rounds && failure.empty(); ++round) {
+        v1::SyncResponse resp;
+        const double c0 = cpuSeconds(), d0 = cpuSecondsOf(simulated);
+        const auto t0 = std::chrono::steady_clock::now();
+        const grpc::Status st = coordinator.sync(++version, &resp);
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const double c = cpuSeconds() - c0, d = cpuSecondsOf(simulated) - d0;
+        if (!st.ok()) {
+          failure = st.error_message();
+          break;
+        }
+        if (round == 0) {
+          first = s;
+          continue;
+        }
+        repeated += resp.repeated() ? 1 : 0;
+        folded += resp.folded() ? 1 : 0;
+        seconds.push_back(s);
+        cpu.push_back(c);
+        daemons_cpu.push_back(d);
       }
-      if (round == 0) {
-        first = s;
+      if (!failure.empty()) {
+        fmt::print("| {} | {} | {} | failed: {} |\n", n, fanout, fold, failure);
+        std::fflush(stdout);
         continue;
       }
-      repeated += resp.repeated() ? 1 : 0;
-      seconds.push_back(s);
-      cpu.push_back(c);
-      daemons_cpu.push_back(d);
-    }
-    if (!failure.empty()) {
-      fmt::print("| {} | {} | failed: {} |\n", n, fanout, failure);
+      std::sort(seconds.begin(), seconds.end());
+      double cpu_mean = 0, daemons_mean = 0;
+      for (double c : cpu) cpu_mean += c / static_cast<double>(cpu.size());
+      for (double d : daemons_cpu) daemons_mean += d / static_cast<double>(daemons_cpu.size());
+      fmt::print(
+          "| {} | {} | {} | {:.1f} ms | {:.1f} ms | {:.1f} ms | {} of {} | {} of {} | {:.1f} ms | {:.1f} us | {:.0f} "
+          "ms |\n",
+          n, fanout == 0 ? std::string("direct") : std::to_string(fanout), fold, first * 1e3, seconds.front() * 1e3,
+          seconds[seconds.size() / 2] * 1e3, repeated, seconds.size(), folded, seconds.size(), cpu_mean * 1e3,
+          cpu_mean * 1e6 / n, daemons_mean * 1e3);
       std::fflush(stdout);
-      continue;
     }
-    std::sort(seconds.begin(), seconds.end());
-    double cpu_mean = 0, daemons_mean = 0;
-    for (double c : cpu) cpu_mean += c / static_cast<double>(cpu.size());
-    for (double d : daemons_cpu) daemons_mean += d / static_cast<double>(daemons_cpu.size());
-    fmt::print("| {} | {} | {:.1f} ms | {:.1f} ms | {:.1f} ms | {} of {} | {:.1f} ms | {:.1f} us | {:.0f} ms |\n", n,
-               fanout == 0 ? std::string("direct") : std::to_string(fanout), first * 1e3, seconds.front() * 1e3,
-               seconds[seconds.size() / 2] * 1e3, repeated, seconds.size(), cpu_mean * 1e3, cpu_mean * 1e6 / n,
-               daemons_mean * 1e3);
-    std::fflush(stdout);
-  }
 }
 
 }  // namespace
@@ -422,7 +447,7 @@ void wholeSyncRows(int n, pid_t simulated, const std::vector<std::string>& addre
 int main(int argc, char** argv) {
   // As shardcastd does (daemon/server/main.cc): no lock-order graph on gRPC's abseil mutexes.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-  std::string daemons = "64 256 1024", fanouts = "0 16 32 64";
+  std::string daemons = "64 256 1024", fanouts = "0 16 32 64", folds = "auto";
   int rounds = 30;
   bool whole_syncs = false;
   // The simulated daemons run in a process of their own, started anew (exec: no gRPC state
@@ -435,12 +460,14 @@ int main(int argc, char** argv) {
       daemons = argv[++i];
     } else if (i + 1 < argc && !std::strcmp(argv[i], "--fanouts")) {
       fanouts = argv[++i];
+    } else if (i + 1 < argc && !std::strcmp(argv[i], "--fold")) {
+      folds = argv[++i];
     } else if (i + 1 < argc && !std::strcmp(argv[i], "--rounds")) {
       rounds = std::max(2, std::atoi(argv[++i]));
     } else {
       fmt::print(stderr,
                  "usage: relay_bench [--daemons \"64 256 1024\"] [--fanouts \"0 16 32 64\"] [--rounds 30] "
-                 "[--whole-syncs]\n");
+                 "[--whole-syncs [--fold \"auto never\"]]\n");
       return 2;
     }
   }
@@ -456,9 +483,9 @@ int main(int argc, char** argv) {
   ::setrlimit(RLIMIT_NOFILE, &files);
   if (whole_syncs) {
     fmt::print(
-        "| daemons | fanout | first sync (gather, plan) | repeated sync, best | median | skipped the gather "
-        "| coordinator CPU per sync | per daemon | simulated daemons' CPU per sync |\n");
-    fmt::print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+        "| daemons | fanout | fold | first sync (gather, plan) | repeated sync, best | median | skipped the gather "
+        "| folded | coordinator CPU per sync | per daemon | simulated daemons' CPU per sync |\n");
+    fmt::print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   } else {
     fmt::print(
         "| daemons | fanout | coordinator calls | round, best | median | coordinator CPU per round | per daemon |\n");
@@ -494,7 +521,7 @@ int main(int argc, char** argv) {
     }
     version = 0;  // a new child: its inference ranks hold nothing yet
     if (whole_syncs)
-      wholeSyncRows(n, child, addresses, coordinator, numbers(fanouts), rounds, version);
+      wholeSyncRows(n, child, addresses, coordinator, numbers(fanouts), words(folds), rounds, version);
     else
       fanOutRows(n, addresses, numbers(fanouts), rounds);
     ::kill(child, SIGKILL);

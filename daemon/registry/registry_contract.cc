@@ -200,8 +200,10 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, uint64_t fe
       }
       if (r->writer != id || r->writer_fence != fence) continue;
       r->writer.clear();
-      touched[key.first].push_back(r->rank);
       version = r->writing;
+      // (Logged below when committed or made DIRTY: a double-buffered rank that did not commit
+      // keeps its state.)
+      if (!r->doubled() || end == SyncEnd::kCommit) touched[key.first].push_back(r->rank);
       if (r->doubled()) {
         // Commit flips to the set just written; otherwise the set in use is untouched: the rank
         // stays where it was (the other set is rewritten whole by the next sync).

@@ -47,6 +47,7 @@ struct Options {
   bool netns = false;                    // daemons in bench/cluster.sh's namespaces
   double nic_gbps = 0;                   // the link rate the plan's prediction is for (0: default)
   bool report = false;                   // RESULT lines for scripts
+  bool double_buffered = false;          // inference ranks with a second set of their buffers
   int64_t experts = 0;                   // 0: dense MLPs
   std::vector<std::string> strategies{"planned"};
 };
@@ -59,6 +60,7 @@ constexpr const char* kUsage =
     "usage: shardcast-demo [--layers 4] [--hidden 1024] [--syncs 3] [--trainer-nodes 2] [--inference-nodes 3]\n"
     "                      [--ucx-tls TLS] [--staging-mib N] [--chunk-mib N] [--window-mib N] [--verify]\n"
     "                      [--daemon-arg ARG]... [--netns] [--nic-gbps G] [--report] [--vocab 32000]\n"
+    "                      [--double-buffered]\n"
     "                      [--experts E] [--strategies planned,rank-pull,gather-broadcast]\n"
     "Starts one shardcastd per node on loopback, registers a Llama-like model's ranks in a trainer layout\n"
     "(FSDP) and an inference layout (TP per node, fused qkv/gate_up), syncs --syncs versions, checks every\n"
@@ -68,7 +70,9 @@ constexpr const char* kUsage =
     "rate; --report prints RESULT lines (plan figures, each sync's seconds) for scripts. --experts E makes every\n"
     "MLP a mixture of E experts (whole experts per trainer rank; EP across inference nodes, TP within).\n"
     "--strategies runs the syncs once per routing in the same cluster: Shardcast's plan and the baselines\n"
-    "(rank-pull: every destination rank pulls its own slices; gather-broadcast: all through one node).\n";
+    "(rank-pull: every destination rank pulls its own slices; gather-broadcast: all through one node).\n"
+    "--double-buffered registers every inference rank with a second set of its buffers (syncs write the set\n"
+    "not in use and flip at commit; a repeated sync then folds its Prepare into its first wave).\n";
 
 std::string layoutJson(const Options& o, bool trainer) {
   const int64_t h = o.hidden, inter = h * 11 / 4, kv = h / 4;
@@ -224,7 +228,7 @@ int run(const Options& o, const std::string& daemon_path) {
 
   // Each rank's weights live in a shared-memory segment the rank (here: this process) writes into
   // and its node's daemon reads and writes directly.
-  std::vector<HostTensors> smem, dmem;
+  std::vector<HostTensors> smem, dmem, shadow;  // shadow: the inference ranks' second sets
   auto register_all = [&](const v1::Layout& proto, const planner::ResolvedLayout& l, std::vector<HostTensors>& mem,
                           v1::Role role) {
     for (int32_t r = 0; r < l.world(); ++r) {
@@ -236,7 +240,14 @@ int run(const Options& o, const std::string& daemon_path) {
       mem.push_back(std::move(*tensors));
       auto client = connectTo(*daemons[nodes.name(l.rank_node[r])]);
       if (!client.ok()) throw std::runtime_error(std::string(client.status().message()));
-      const auto options = role == v1::ROLE_SOURCE ? RegisterOptions::source() : RegisterOptions{};
+      auto options = role == v1::ROLE_SOURCE ? RegisterOptions::source() : RegisterOptions{};
+      if (role == v1::ROLE_DESTINATION && o.double_buffered) {
+        auto other = HostTensors::forRank(proto, r);
+        if (!other.ok()) throw std::runtime_error(std::string(other.status().message()));
+        for (const auto& [name, slot] : other->buffers()) std::memset(other->bytes(name).data(), 0, slot.bytes);
+        options = RegisterOptions::doubleBuffered(other->handles());
+        shadow.push_back(std::move(*other));
+      }
       if (auto st = client->registerRank(proto, r, mem.back(), options); !st.ok())
         throw std::runtime_error(std::string(st.status().message()));
     }
@@ -292,7 +303,9 @@ int run(const Options& o, const std::string& daemon_path) {
       }
       const v1::SyncResponse& out = *synced;
       int64_t bad = 0;
-      for (int32_t r = 0; r < dst.world(); ++r) bad += visit(dst, r, dmem[r], v, true);
+      // Double-buffered: the first sync writes the second set, and every commit flips.
+      auto& landed = o.double_buffered && v % 2 == 1 ? shadow : dmem;
+      for (int32_t r = 0; r < dst.world(); ++r) bad += visit(dst, r, landed[r], v, true);
       failures += bad != 0;
       fmt::print(
           "sync v{}: {} to destination ranks ({} over the network, {} wave{}) in {:.3f} s = {:.2f} GB/s delivered{}; "
@@ -305,11 +318,11 @@ int run(const Options& o, const std::string& daemon_path) {
       if (o.report)
         fmt::print(
             "RESULT sync strategy={} v={} seconds={:.6f} gather={:.6f} plan={:.6f} prepare={:.6f} execute={:.6f} "
-            "finish={:.6f} network_bytes={} bytes_needed={} wrong={} repeated={} coordinator_calls={} "
+            "finish={:.6f} network_bytes={} bytes_needed={} wrong={} repeated={} folded={} coordinator_calls={} "
             "coordinator_cpu={:.3f} daemons_cpu={:.3f}\n",
             name, v, out.seconds(), out.gather_seconds(), out.plan_seconds(), out.prepare_seconds(),
             out.execute_seconds(), out.finish_seconds(), out.network_bytes(), out.bytes_needed(), bad,
-            out.repeated() ? 1 : 0, out.coordinator_calls(), coordinator_cpu, daemons_cpu);
+            out.repeated() ? 1 : 0, out.folded() ? 1 : 0, out.coordinator_calls(), coordinator_cpu, daemons_cpu);
       fmt::print(
           "         gather {:.3f} s, plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s; {} landed "
           "straight in rank buffers\n",
@@ -362,6 +375,8 @@ int main(int argc, char** argv) {
         o.window_mib = std::stoll(next());
       else if (a == "--verify")
         o.verify = true;
+      else if (a == "--double-buffered")
+        o.double_buffered = true;
       else if (a == "--daemon-arg")
         o.daemon_args.push_back(next());
       else if (a == "--netns")
