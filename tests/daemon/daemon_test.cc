@@ -81,6 +81,12 @@ TEST_CASE("shardcastd serves health, status and a 0660 Unix socket", "[daemon]")
 TEST_CASE("shardcastd flags: environment variables, validation, exit codes", "[daemon]") {
   Child bad = Child::spawn({testBinary(SHARDCASTD_PATH), "--protocol", "bogus"});
   CHECK(WEXITSTATUS(bad.wait()) == 2);
+  Child bad_fold = Child::spawn({testBinary(SHARDCASTD_PATH), "--fold-prepare", "sometimes"});
+  CHECK(WEXITSTATUS(bad_fold.wait()) == 2);
+  Child fold = Child::spawn({"env", "SHARDCAST_FOLD_PREPARE=never", "SHARDCAST_INSECURE=true",
+                             testBinary(SHARDCASTD_PATH), "--print-config"});
+  CHECK_THAT(fold.readLine(std::chrono::seconds(10)), Catch::Contains("fold_prepare=never"));
+  CHECK(WEXITSTATUS(fold.wait()) == 0);
   Child print = Child::spawn({"env", "SHARDCAST_NODE=from-env", "SHARDCAST_PEERS=a:1,b:2", "SHARDCAST_INSECURE=true",
                               testBinary(SHARDCASTD_PATH), "--print-config"});
   const std::string line = print.readLine(std::chrono::seconds(10));
