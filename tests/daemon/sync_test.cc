@@ -552,7 +552,7 @@ TEST_CASE(
   CHECK(holds(10) == 0);
 }
 
-TEST_CASE("--fold-prepare always folds single-buffered destinations too - never folds none", "[daemon][sync]") {
+TEST_CASE("fold policy: always folds single-buffered destinations too - never folds none", "[daemon][sync]") {
   const std::string policy = GENERATE("always", "never");
   CAPTURE(policy);
   Cluster cluster({"--fold-prepare", policy, "--peer-timeout-ms", "1500"});
