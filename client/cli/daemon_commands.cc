@@ -144,13 +144,13 @@ int runSync(const SyncArgs& a) {
   std::cout << fmt::format(
       "sync {} committed: \"{}\" -> \"{}\" version {}\n"
       "  {} needed, {} over the network, {} node-local, {} wave(s)\n"
-      "  {:.3f} s ({:.2f} GB/s network): gather {:.3f} s, plan {:.3f} s{}, prepare {:.3f} s, execute {:.3f} s, "
+      "  {:.3f} s ({:.2f} GB/s network): gather {:.3f} s{}, plan {:.3f} s{}, prepare {:.3f} s{}, execute {:.3f} s, "
       "finish {:.3f} s\n",
       r.sync_id(), a.src, a.dst, r.version(), planner::humanBytes(static_cast<double>(r.bytes_needed())),
       planner::humanBytes(static_cast<double>(r.network_bytes())),
       planner::humanBytes(static_cast<double>(r.local_bytes())), r.waves(), r.seconds(), gbps, r.gather_seconds(),
-      r.plan_seconds(), r.plan_cached() ? " (cached)" : "", r.prepare_seconds(), r.execute_seconds(),
-      r.finish_seconds());
+      r.repeated() ? " (skipped: it repeats the last sync)" : "", r.plan_seconds(), r.plan_cached() ? " (cached)" : "",
+      r.prepare_seconds(), r.folded() ? " (folded into the first wave)" : "", r.execute_seconds(), r.finish_seconds());
   for (const auto& replica : r.replicas())  // a replica set: each replica, committed or cut and why
     std::cout << (replica.committed()
                       ? fmt::format("  replica {} ({}): committed\n", replica.replica(), replica.group())
