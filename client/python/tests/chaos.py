@@ -138,6 +138,8 @@ def wrong_elements(tensors: Dict[str, np.ndarray], expected, version: int, newes
 class Figures:
     syncs: int = 0
     committed: int = 0
+    repeated: int = 0   # of those committed: skipped the gather (the coordinator's last sync repeated)
+    folded: int = 0     # ... and their Prepare rode on the first wave (--fold-prepare)
     failed: int = 0
     faults: int = 0
     kills: int = 0
@@ -252,7 +254,9 @@ class Soak:
         ok, error = True, ""
         began = time.monotonic()
         try:
-            self.clients[coordinator].sync("trainer", "infer", v, timeout=5, verify=self.rng.random() < 0.3)
+            out = self.clients[coordinator].sync("trainer", "infer", v, timeout=5, verify=self.rng.random() < 0.3)
+            self.fig.repeated += out.repeated
+            self.fig.folded += out.folded
         except shardcast.ShardcastError as e:
             ok, error = False, e.details
         if ok and not fault:
