@@ -326,10 +326,21 @@ Status Execution::ensureStaging() {
 
 // Everything that lands here in this wave, one chunk at a time as notifications arrive.
 Status Execution::receive() {
+  // A folded attempt: nodes that have not said they have it open are told again this often.
+  constexpr auto kReadyAgain = std::chrono::milliseconds(100);
   int64_t processed = 0;
   const int64_t expected = cp_.node(self_).incoming[static_cast<size_t>(wave_)];
   while (true) {
-    SC_ASSIGN_OR_RETURN(const auto next, a_->nextLanded(deadline_, processed == expected));
+    const bool waiting = !a_->unready().empty();
+    const auto until = waiting ? std::min(deadline_, Clock::now() + kReadyAgain) : deadline_;
+    SC_ASSIGN_OR_RETURN(const auto next, a_->nextLanded(until, processed == expected));
+    if (next.kind == SyncAttempt::Next::kTimedOut && Clock::now() < deadline_) {
+      for (const int32_t n : a_->unready())  // over a new connection if the old one broke
+        if (const auto peer = peers_.find(n); peer != peers_.end())
+          if (auto ep = env_.transport.connect(peer->second.address, cp_.nodes.name(n)); ep.ok())
+            a_->sayReadyAgain(n, std::move(*ep));
+      continue;
+    }
     if (next.kind == SyncAttempt::Next::kTimedOut) {
       std::string unready;  // a folded attempt: the nodes that never said they had it open
       for (const int32_t n : a_->unready()) unready += strCat(unready.empty() ? "" : ", ", quote(cp_.nodes.name(n)));

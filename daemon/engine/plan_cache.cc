@@ -106,6 +106,13 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::forPrepare(const v1::Prep
     return absl::FailedPreconditionError(strCat("prepare of sync ", req.sync_id(), ": node ", quote(node),
                                                 " no longer caches the plan of layouts ", digests->src, " -> ",
                                                 digests->dst, " (", kStaleView, ")"));
+  // The groups the sync fences are the request's; the bytes it moves are the plan's layouts'
+  // groups: they must be the same (else a Prepare could fence one group and read another).
+  if (plan.ok() && ((*plan)->src.group != req.src().group() || (*plan)->dst.group != req.dst().group()))
+    return absl::InvalidArgumentError(strCat("prepare of sync ", req.sync_id(), ": layouts ", digests->src, " -> ",
+                                             digests->dst, " are of groups ", quote((*plan)->src.group), " -> ",
+                                             quote((*plan)->dst.group), ", not ", quote(req.src().group()), " -> ",
+                                             quote(req.dst().group())));
   return plan;
 }
 

@@ -274,7 +274,10 @@ int64_t SyncAttempt::writesPending() const {
 // node that has not opened the attempt yet (refused there, or over RMA landing in ranks it has
 // not taken). Each node says when it has it open, to the nodes it writes to and those writing to
 // it; a word that reaches a node not open yet is dropped there, but that node then says so itself
-// once open, and is answered: of any two, the one opening second always hears and is heard.
+// once open, and is answered: of any two, the one opening second always hears and is heard. A
+// node still waiting for a word says its own again every 100 ms (Execution::receive), and every
+// word that is not an answer is answered: a word lost with a broken connection is not waited for
+// until the sync's timeout.
 void SyncAttempt::gateWrites(std::map<int32_t, std::shared_ptr<transport::Endpoint>> peers) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -290,11 +293,18 @@ void SyncAttempt::peerReady(int32_t node, bool answer) {
     std::lock_guard<std::mutex> lock(mu_);
     ready_.insert(node);
     // Not told yet (its word came before gateWrites): gateWrites' own word reaches it, and counts.
-    if (const auto it = handshake_.find(node); !answer && it != handshake_.end() && answered_.insert(node).second)
-      to_answer = it->second;
+    if (const auto it = handshake_.find(node); !answer && it != handshake_.end()) to_answer = it->second;
   }
   if (to_answer) sayReady(to_answer, true);
   startWrites(node);
+}
+
+void SyncAttempt::sayReadyAgain(int32_t node, std::shared_ptr<transport::Endpoint> endpoint) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    handshake_[node] = endpoint;  // its answers go there too
+  }
+  sayReady(endpoint, false);
 }
 
 std::vector<int32_t> SyncAttempt::unready() const {

@@ -189,8 +189,11 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   // writing to it, by plan index) and answers their words. The executing thread.
   void gateWrites(std::map<int32_t, std::shared_ptr<transport::Endpoint>> peers);
   // Node `node` has this attempt open (its readiness word, the progress thread): its queued writes
-  // start, and a word that is not itself an answer is answered once.
+  // start, and a word that is not itself an answer is answered.
   void peerReady(int32_t node, bool answer);
+  // Tells `node` again, over `endpoint` (a word lost with a connection that broke; the executing
+  // thread, while unready() names it).
+  void sayReadyAgain(int32_t node, std::shared_ptr<transport::Endpoint> endpoint);
   // The nodes of gateWrites' `peers` that have not said they have the attempt open (errors).
   std::vector<int32_t> unready() const;
   // Block-scaled fp8: the block amaxes of a weight (`weight`: its name, shape and block; `blocks` of
@@ -240,7 +243,6 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   bool gated_ = false;
   std::map<int32_t, std::shared_ptr<transport::Endpoint>> handshake_;  // the nodes told, by plan index
   std::set<int32_t> ready_;                                            // the nodes that said so
-  std::set<int32_t> answered_;                                         // the words answered
   static constexpr size_t kAmaxSlotsKept = size_t{8} << 20;            // 64 MiB of block amaxes per attempt
   std::mutex amaxes_mu_;
   std::map<std::string, std::unique_ptr<BlockAmaxes>> amaxes_;  // by weight

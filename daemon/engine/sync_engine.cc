@@ -60,7 +60,12 @@ void SyncEngine::onNotification(const std::string& payload, const transport::Wri
   // The transport delivers only notifications under a key open here; it must be this attempt's
   // (a daemon of another attempt cannot speak for this one).
   if (!a || a->key != key) {
-    spdlog::warn("sync {}: notification for an attempt not open here (ended, or another attempt)", n->sync_id);
+    // A folded attempt's readiness word routinely comes before this node published the attempt,
+    // or after it ended (its sender says so again, or needs it no more): no warning for those.
+    if (n->chunks.empty())
+      spdlog::debug("sync {}: a readiness word for an attempt not open here", n->sync_id);
+    else
+      spdlog::warn("sync {}: notification for an attempt not open here (ended, or another attempt)", n->sync_id);
     return;
   }
   if (n->chunks.empty()) {  // a folded attempt's readiness word: from a node of its plan, not this one

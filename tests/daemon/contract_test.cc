@@ -940,6 +940,15 @@ TEST_CASE("a repeated sync's Prepare names its layouts by digest - the cached pl
   st = n1->Prepare(ctx().get(), byDigest("variant-named", src_digest, planner::layoutDigest(variant)), &ignored);
   CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
   CHECK_THAT(st.error_message(), Catch::Contains("registered layout " + dst_digest + " since the sync was planned"));
+  // The digests of a cached plan under other group names: refused (the sync would fence the
+  // groups it names and read or write the plan's).
+  {
+    v1::PrepareRequest renamed = byDigest("renamed", src_digest, dst_digest);
+    renamed.mutable_src()->set_group("elsewhere");
+    st = n1->Prepare(ctx().get(), renamed, &ignored);
+    CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(st.error_message(), Catch::Contains("are of groups \"src\" -> \"dst\", not \"elsewhere\" -> \"dst\""));
+  }
   // Malformed: one digest, not hex, or without the kept view's stamps.
   for (const auto& [sd, dd] : std::vector<std::pair<std::string, std::string>>{
            {src_digest, ""}, {"", dst_digest}, {src_digest, "0123456789ABCDEF"}, {src_digest, dst_digest + "0"}}) {
