@@ -255,11 +255,20 @@ TEST_CASE("a sync whose coordinator goes silent is aborted on every daemon withi
           "[daemon][contract]") {
   Pair c;
   c.registerAll(1);
-  auto exec = c.prepare("orphan", 1, /*lease_ms=*/400);
+  // A lease long enough for both Prepares and n0's Execute on a loaded machine (at 400 ms a busy
+  // CI run saw n0's attempt expire before its Execute began).
+  auto exec = c.prepare("orphan", 1, /*lease_ms=*/2000);
   v1::ExecuteResponse part;
+  const auto executed = Clock::now();
   REQUIRE(c.peers()[0]->Execute(ctx().get(), exec, &part).ok());
-  // Nobody finishes it, nobody asks for progress: the lease runs out.
-  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  // Nobody finishes it, nobody asks for progress: the lease runs out, well within 10 s.
+  const auto dirty = [&] {
+    for (const auto& [r, st] : c.states(c.n1(), "dst"))
+      if (st.state() != v1::RANK_DIRTY) return false;
+    return true;
+  };
+  while (!dirty() && Clock::now() - executed < std::chrono::seconds(10))
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
   for (const auto& [r, st] : c.states(c.n1(), "dst")) {
     CHECK(st.state() == v1::RANK_DIRTY);
     CHECK_THAT(st.detail(), Catch::Contains("its coordinator went silent"));
