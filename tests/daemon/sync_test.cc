@@ -148,6 +148,19 @@ std::vector<uint64_t> registerBoth(Cluster& cluster, const TrainerAndInference& 
   return registration;
 }
 
+// A sync after a frozen daemon was thawed: tried again every 250 ms (5 s at most) while that
+// daemon finishes what it was doing; the last status.
+template <typename Sync>
+grpc::Status untilCommitted(Sync&& sync) {
+  grpc::Status st;
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    st = sync();
+    if (st.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  return st;
+}
+
 }  // namespace
 
 TEST_CASE("syncs move every byte into the destination layout, version after version", "[daemon][sync]") {
@@ -541,12 +554,7 @@ TEST_CASE(
   const v1::RankStatus on_n0 = rank_status(1);
   CHECK(on_n0.state() == v1::RANK_READY);
   CHECK(on_n0.version() == 9);
-  grpc::Status again;
-  for (int attempt = 0; attempt < 20; ++attempt) {
-    again = sync(10, &out);
-    if (again.ok()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(250));
-  }
+  const grpc::Status again = untilCommitted([&] { return sync(10, &out); });
   INFO(again.error_message());
   REQUIRE(again.ok());
   CHECK(holds(10) == 0);
@@ -593,12 +601,8 @@ TEST_CASE("fold policy: always folds single-buffered destinations too - never fo
   } else {
     CHECK_THAT(waited.error_message(), Catch::Contains("is DIRTY"));
   }
-  grpc::Status again;
-  for (int attempt = 0; attempt < 20; ++attempt) {
-    again = cluster.node("n1").client()->Sync(ctx(60).get(), req, &out);
-    if (again.ok()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(250));
-  }
+  const grpc::Status again =
+      untilCommitted([&] { return cluster.node("n1").client()->Sync(ctx(60).get(), req, &out); });
   INFO(again.error_message());
   REQUIRE(again.ok());
   CHECK(g.wrong(4) == 0);
@@ -649,12 +653,7 @@ TEST_CASE("through a relay tree, a daemon silent below its relay is named (not t
   CHECK(wvr.version() == 1);  // no rank reports the version the sync did not finish
 
   // Awake again: the sync goes through the tree and every byte lands.
-  grpc::Status again;
-  for (int attempt = 0; attempt < 20; ++attempt) {
-    again = sync(2, &out);
-    if (again.ok()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(250));
-  }
+  const grpc::Status again = untilCommitted([&] { return sync(2, &out); });
   INFO(again.error_message());
   REQUIRE(again.ok());
   CHECK(g.wrong(2) == 0);
