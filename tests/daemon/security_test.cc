@@ -677,7 +677,10 @@ TEST_CASE("oversize requests are refused, and what they cost the daemon is bound
       "ASan build: the daemon's memory (redzones, a quarantine of freed blocks) is not what it costs: bound not "
       "checked");
 #else
-  CHECK(after - before < 256 + 160);  // the quota and one message's slack; without it, 1.6 GB and more
+  // The quota, plus at most one 400 MiB message past it: the quota is not a hard cap, reads already
+  // under way when it runs out still land (a loaded CI run saw 419 MiB over the start, 163 past it).
+  // Without the quota the four messages take 1.6 GB and more.
+  CHECK(after - before < 256 + 400);
 #endif
   // And it serves on.
   v1::StatusResponse status;
