@@ -775,14 +775,16 @@ v1::PrepareRequest SyncCoordinator::prepareRequest() const {
   p.set_delta(delta_);
   p.set_strategy(req_.options().strategy());
   p.set_packed(packed_);
-  if (repeated_)  // every daemon checks that its registrations are still those of the kept view
-    for (const auto& d : cluster_->view.daemons()) {
-      auto* stamp = p.add_expect();
-      stamp->set_node(d.node());
-      stamp->set_instance(d.instance());
-      stamp->set_generation(d.generation());
-    }
   return p;
+}
+
+void SyncCoordinator::addStamp(size_t i, v1::PrepareRequest* p) const {
+  if (!repeated_) return;
+  const auto& d = cluster_->view.daemons()[i];
+  auto* stamp = p->add_expect();
+  stamp->set_node(d.node());
+  stamp->set_instance(d.instance());
+  stamp->set_generation(d.generation());
 }
 
 bool SyncCoordinator::foldable() const {
@@ -804,7 +806,7 @@ bool SyncCoordinator::foldable() const {
   return true;
 }
 
-// Each daemon's wave 0 carries its Prepare (with its own stamp only: it checks no other), the plan
+// Each daemon's wave 0 carries its Prepare (with its own stamp), the plan
 // it must have made, and where the kept view says it lands its peers' writes; its directory also
 // names the nodes that write to it, which it tells it has the attempt open (a readiness word).
 void SyncCoordinator::fold(const v1::PrepareRequest& p) {
@@ -818,8 +820,6 @@ void SyncCoordinator::fold(const v1::PrepareRequest& p) {
   for (size_t i = 0; i < daemons.size(); ++i)
     for (const auto& n : exec_[i].nodes())
       if (const auto it = daemon_of.find(n.node()); it != daemon_of.end()) writers[it->second].insert(i);
-  v1::PrepareRequest own = p;
-  own.clear_expect();
   for (size_t i = 0; i < daemons.size(); ++i) {
     auto& e = exec_[i];
     std::set<std::string> listed;
@@ -830,9 +830,8 @@ void SyncCoordinator::fold(const v1::PrepareRequest& p) {
         n->set_node(daemons[w].node());
         n->set_transport_address(daemons[w].transport_address());
       }
-    *e.mutable_prepare() = own;
-    for (const auto& stamp : p.expect())
-      if (stamp.node() == daemons[i].node()) *e.mutable_prepare()->add_expect() = stamp;
+    *e.mutable_prepare() = p;
+    addStamp(i, e.mutable_prepare());
     e.set_plan_key(plan_->key);
     auto* self = e.mutable_self();
     self->set_node(daemons[i].node());
@@ -870,7 +869,8 @@ Status SyncCoordinator::prepare() {
     deadline = std::min(deadline, std::chrono::system_clock::now() +
                                       std::chrono::milliseconds(std::max(ctx_.config.peer_timeout_ms, 1000)));
   const std::vector<grpc::Status> results = peers_->call<v1::PrepareRequest, v1::PrepareResponse>(
-      "Prepare", deadline, [&](size_t) -> const v1::PrepareRequest& { return p; }, &prepared,
+      "Prepare", deadline, [&](size_t) -> const v1::PrepareRequest& { return p; },
+      [&](size_t i, v1::PrepareRequest* own) { addStamp(i, own); }, &prepared,
       [&](size_t i, const grpc::Status& st) {
         if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED) {
           if (!at_fault) at_fault = i;

@@ -87,11 +87,20 @@ class PeerClient {
   std::vector<grpc::Status> call(const std::string& method, std::chrono::system_clock::time_point deadline,
                                  const std::function<const Request&(size_t)>& request, std::vector<Response>* responses,
                                  const std::function<void(size_t, const grpc::Status&)>& then, bool stop_at_failure) {
+    return call<Request, Response>(method, deadline, request, nullptr, responses, then, stop_at_failure);
+  }
+  // The same, where daemon i's request is request(i) with the fields own(i, r) sets in an empty
+  // one merged in (a Prepare: the same layouts for all, each daemon's own stamp).
+  template <class Request, class Response>
+  std::vector<grpc::Status> call(const std::string& method, std::chrono::system_clock::time_point deadline,
+                                 const std::function<const Request&(size_t)>& request,
+                                 const std::function<void(size_t, Request*)>& own, std::vector<Response>* responses,
+                                 const std::function<void(size_t, const grpc::Status&)>& then, bool stop_at_failure) {
     std::vector<RawCall> calls(addresses_.size());
     const auto timeout =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::system_clock::now());
-    // One request object for every daemon (a Prepare: the same layouts for all) is serialized
-    // once, and travels once per Relay.
+    // One request object for every daemon is serialized once, and travels once per Relay; each
+    // daemon's own part travels after it (RawCall.request).
     const Request* common = calls.empty() ? nullptr : &request(0);
     for (size_t i = 1; i < calls.size() && common; ++i)
       if (&request(i) != common) common = nullptr;
@@ -101,6 +110,11 @@ class PeerClient {
       calls[i].address = addresses_[i];
       calls[i].timeout = timeout;
       if (!common) request(i).SerializeToString(&calls[i].request);
+      if (own) {
+        Request part;
+        own(i, &part);
+        calls[i].request += part.SerializeAsString();  // (serialized messages merge when concatenated)
+      }
     }
     responses->assign(calls.size(), Response{});
     return callRaw(method, std::move(calls), std::move(common_request), stop_at_failure,
@@ -195,7 +209,11 @@ class SyncCoordinator {
   Status plan();
   Status prepare();
   // The attempt's Prepare, as every daemon gets it (a folded one: with only its own stamp).
+  // Every daemon's Prepare, but for its stamp (addStamp).
   v1::PrepareRequest prepareRequest() const;
+  // A repeated sync's Prepare tells daemon i the registrations the kept view holds of it (it
+  // checks they are still its own): its stamp alone, O(1) per daemon and not O(daemons).
+  void addStamp(size_t i, v1::PrepareRequest* p) const;
   // A repeated dense sync whose kept view holds its daemons' landing targets: each daemon's
   // Prepare rides on its wave 0 Execute (ExecuteRequest.prepare), no Prepare round.
   bool foldable() const;

@@ -30,6 +30,13 @@ grpc::ByteBuffer bufferOf(const std::string& bytes) {
   return grpc::ByteBuffer(&slice, 1);
 }
 
+// A call's request: the common one with its own part after it (RawCall.request).
+grpc::ByteBuffer requestOf(const std::string& common, const std::string& own) {
+  if (common.empty() || own.empty()) return bufferOf(common.empty() ? own : common);
+  grpc::Slice slices[] = {grpc::Slice(common), grpc::Slice(own)};
+  return grpc::ByteBuffer(slices, 2);
+}
+
 std::string stringOf(const grpc::ByteBuffer& buffer) {
   std::vector<grpc::Slice> slices;
   std::string out;
@@ -110,7 +117,7 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
     auto channel = peers.channel(head.address);
     if (!o.relayed) {
       o.context.set_deadline(now + head.timeout);
-      o.request = bufferOf(head.request.empty() ? options.common_request : head.request);
+      o.request = requestOf(options.common_request, head.request);
       grpc::GenericStub(channel).UnaryCall(&o.context, path(options.method), grpc::StubOptions(), &o.request,
                                            &o.response, std::move(done));
       continue;
@@ -119,18 +126,16 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
     r.set_method(options.method);
     r.set_fanout(options.fanout);
     r.set_stop_at_failure(options.stop_at_failure);
-    bool common = false;
     std::chrono::milliseconds longest{0};
     for (size_t i = o.begin; i < o.end; ++i) {
       auto* c = r.add_calls();
       c->set_address(calls[i].address);
       c->set_request(calls[i].request);
-      common = common || calls[i].request.empty();
       c->set_timeout_ms(static_cast<uint32_t>(
           std::clamp<int64_t>(calls[i].timeout.count(), 0, std::numeric_limits<uint32_t>::max())));
       longest = std::max(longest, calls[i].timeout);
     }
-    if (common) r.set_common_request(options.common_request);
+    r.set_common_request(options.common_request);
     o.context.set_deadline(now + longest + kHopMargin * (1 + relayDepth(o.end - o.begin, options.fanout)));
     std::string bytes;
     r.SerializeToString(&bytes);

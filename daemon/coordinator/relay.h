@@ -21,7 +21,9 @@ class PeerSet;
 
 struct RawCall {
   std::string address;
-  std::string request;  // serialized; empty: TreeOptions.common_request
+  // Serialized, sent after TreeOptions.common_request: protobuf merges the two (a field set in
+  // both takes this one's value, repeated fields are appended). Empty: the common request alone.
+  std::string request;
   std::chrono::milliseconds timeout;
 };
 
@@ -38,7 +40,7 @@ struct TreeOptions {
   std::string method;            // "Prepare", "Execute", "Finish" or "Progress"
   uint32_t fanout = 0;           // more calls than this go through Relays (0: never)
   bool stop_at_failure = false;  // see RelayRequest.stop_at_failure
-  std::string common_request;    // the request of the calls without one (sent once per Relay)
+  std::string common_request;    // what every call's request starts with (sent once per Relay)
   // Called with every context before its call starts and after it ended (add = false): the
   // caller's way of cancelling calls in flight at once (PeerClient::cancelAll).
   std::function<void(grpc::ClientContext&, bool add)> track;
