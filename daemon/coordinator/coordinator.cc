@@ -742,6 +742,11 @@ Status SyncCoordinator::plan() {
     ProgressBoard::setPhase(p, v1::SYNC_PREPARING);
     p.set_bytes_total(static_cast<uint64_t>(plan_->plan.stats.network_bytes));
     p.set_waves(static_cast<uint32_t>(plan_->waves));
+    // This attempt's nodes, from nothing moved (an earlier attempt of the same call, run again in
+    // full or without a replica, left its own).
+    p.clear_nodes();
+    p.set_bytes_done(0);
+    p.set_waves_done(0);
     for (const auto& d : cluster_->view.daemons()) {
       auto* n = p.add_nodes();
       n->set_node(d.node());
@@ -1257,11 +1262,10 @@ void SyncCoordinator::nodeState(size_t i, const std::string& state, const std::s
 void SyncCoordinator::record(size_t i, uint64_t received, uint64_t sent) {
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
     auto* n = p.mutable_nodes(static_cast<int>(i));
-    n->set_bytes_received(std::max(n->bytes_received(), received));
+    const uint64_t before = n->bytes_received();  // (the total moves by what this node adds: O(1), not O(nodes))
+    n->set_bytes_received(std::max(before, received));
     n->set_bytes_sent(std::max(n->bytes_sent(), sent));
-    uint64_t total = 0;
-    for (const auto& node : p.nodes()) total += node.bytes_received();
-    p.set_bytes_done(total);
+    p.set_bytes_done(p.bytes_done() + (n->bytes_received() - before));
     p.set_seconds(since(start_));
   });
 }

@@ -361,18 +361,32 @@ TEST_CASE("a sync that repeats the last one skips the gather - changed registrat
   const auto fill = [&](int version) { g.fill(version); };
   const auto wrong = [&](int version) { return g.wrong(version); };
   const std::vector<uint64_t> registration = registerBoth(cluster, g);
-  // Syncs coordinated by n1 (holding no destination rank), each checked byte for byte.
+  // Syncs coordinated by n1 (holding no destination rank), each checked byte for byte, and its
+  // progress as Watch ends it: every node once (an attempt run again in full has its own), done,
+  // and the bytes its attempt moved.
   const auto sync = [&](int version) {
     v1::SyncRequest req;
     req.set_src_group("trainer");
     req.set_dst_group("infer");
     req.set_version(static_cast<uint64_t>(version));
+    req.set_sync_id("repeats-" + std::to_string(version));
     v1::SyncResponse out;
     const auto st = cluster.node("n1").client()->Sync(ctx().get(), req, &out);
     INFO("version " << version << ": " << st.error_message());
     REQUIRE(st.ok());
     CHECK(wrong(version) == 0);
     CHECK(out.coordinator_calls() == (fanout == 2 ? 2u : 3u));
+    v1::WatchRequest w;
+    w.set_sync_id(req.sync_id());
+    auto c = ctx();
+    auto reader = cluster.node("n1").client()->Watch(c.get(), w);
+    v1::SyncProgress p, last;
+    while (reader->Read(&p)) last = p;
+    CHECK(reader->Finish().ok());
+    CHECK(last.state() == "committed");
+    CHECK(last.nodes_size() == 3);
+    for (const auto& n : last.nodes()) CHECK(n.state() == "done");
+    CHECK(last.bytes_done() == out.network_bytes());
     return out.repeated();
   };
   cluster.step(src, nodes, 1, [&] { fill(1); });
