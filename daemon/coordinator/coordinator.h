@@ -208,8 +208,7 @@ class SyncCoordinator {
   Status gather();
   Status plan();
   Status prepare();
-  // The attempt's Prepare, as every daemon gets it (a folded one: with only its own stamp).
-  // Every daemon's Prepare, but for its stamp (addStamp).
+  // The attempt's Prepare as every daemon gets it, but for its stamp (addStamp).
   v1::PrepareRequest prepareRequest() const;
   // A repeated sync's Prepare tells daemon i the registrations the kept view holds of it (it
   // checks they are still its own): its stamp alone, O(1) per daemon and not O(daemons).
