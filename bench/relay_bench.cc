@@ -112,6 +112,7 @@ class SimulatedPeer final : public v1::Peer::Service {
     out->set_transport_address("simulated");
     out->set_instance(node_);
     out->set_generation(1);
+    out->set_relays_call_parts(true);  // its Relay is the daemons' own code (relay.h)
     const bool source = index_ == 0;
     const v1::Layout& layout = source ? cluster_.trainer : cluster_.infer;
     *out->add_layouts() = layout;

@@ -858,11 +858,19 @@ Status SyncCoordinator::prepare() {
   folded_ = foldable();
   lease_keeper_ = std::make_unique<LeaseKeeper>(*this);
   const auto& daemons = cluster_->view.daemons();
-  const v1::PrepareRequest p = prepareRequest();
+  v1::PrepareRequest p = prepareRequest();
   if (folded_) {
     fold(p);
     return absl::OkStatus();
   }
+  // Each daemon's stamp as its call's own part; while a daemon of an older version could relay
+  // (a rolling update), every stamp in the common request instead, each daemon finding its own.
+  const bool parts =
+      std::all_of(daemons.begin(), daemons.end(), [](const v1::DescribeResponse& d) { return d.relays_call_parts(); });
+  if (!parts)
+    for (size_t i = 0; i < daemons.size(); ++i) addStamp(i, &p);
+  std::function<void(size_t, v1::PrepareRequest*)> own;
+  if (parts) own = [&](size_t i, v1::PrepareRequest* part) { addStamp(i, part); };
   std::vector<v1::PrepareResponse> prepared(daemons.size());
   // The first daemon whose own failure gave the sync up: the others' calls are then cancelled,
   // or refused as given up, because of it.
@@ -874,8 +882,7 @@ Status SyncCoordinator::prepare() {
     deadline = std::min(deadline, std::chrono::system_clock::now() +
                                       std::chrono::milliseconds(std::max(ctx_.config.peer_timeout_ms, 1000)));
   const std::vector<grpc::Status> results = peers_->call<v1::PrepareRequest, v1::PrepareResponse>(
-      "Prepare", deadline, [&](size_t) -> const v1::PrepareRequest& { return p; },
-      [&](size_t i, v1::PrepareRequest* own) { addStamp(i, own); }, &prepared,
+      "Prepare", deadline, [&](size_t) -> const v1::PrepareRequest& { return p; }, own, &prepared,
       [&](size_t i, const grpc::Status& st) {
         if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED) {
           if (!at_fault) at_fault = i;

@@ -468,6 +468,7 @@ v1::DescribeResponse Registry::describe() const {
   d.set_node(node_);
   d.set_transport_address(transport_.address());
   d.set_instance(instance_);
+  d.set_relays_call_parts(true);  // (relay.cc: this build's relays do)
   const bool host_safe = hostSafe();
   std::lock_guard<std::mutex> lock(mu_);
   d.set_generation(generation_);  // of exactly what follows

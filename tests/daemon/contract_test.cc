@@ -893,6 +893,8 @@ TEST_CASE("a repeated sync's Prepare names its layouts by digest - the cached pl
   auto n1 = c.n1().peer();
   v1::DescribeResponse described;
   REQUIRE(n1->Describe(ctx().get(), v1::DescribeRequest(), &described).ok());
+  // It relays call parts: a coordinator may give it (and those below it) their own stamps only.
+  CHECK(described.relays_call_parts());
   const auto abort = [&](const std::string& id) {  // n1 only: n0 took no part
     v1::FinishRequest f;
     f.set_sync_id(id);
