@@ -811,9 +811,9 @@ bool SyncCoordinator::foldable() const {
   return true;
 }
 
-// Each daemon's wave 0 carries its Prepare (with its own stamp), the plan
-// it must have made, and where the kept view says it lands its peers' writes; its directory also
-// names the nodes that write to it, which it tells it has the attempt open (a readiness word).
+// Each daemon's wave 0 carries its Prepare (with its own stamp), the plan it must have made, and
+// where the kept view says it lands its peers' writes; its directory also names the nodes that
+// write to it, which it tells it has the attempt open (a readiness word).
 void SyncCoordinator::fold(const v1::PrepareRequest& p) {
   out_.set_folded(true);
   const auto& daemons = cluster_->view.daemons();

@@ -211,7 +211,8 @@ class SyncCoordinator {
   // The attempt's Prepare as every daemon gets it, but for its stamp (addStamp).
   v1::PrepareRequest prepareRequest() const;
   // A repeated sync's Prepare tells daemon i the registrations the kept view holds of it (it
-  // checks they are still its own): its stamp alone, O(1) per daemon and not O(daemons).
+  // checks they are still its own). Added to daemon i's own part of the call where every daemon
+  // relays call parts (O(1) per daemon), else to the request common to all (prepare()).
   void addStamp(size_t i, v1::PrepareRequest* p) const;
   // A repeated dense sync whose kept view holds its daemons' landing targets: each daemon's
   // Prepare rides on its wave 0 Execute (ExecuteRequest.prepare), no Prepare round.
