@@ -4,7 +4,8 @@
   storage is moved into POSIX shared memory in place with torch's own machinery (the
   `file_system` sharing strategy), so every view of it (the parameter, FSDP2's padded shard, the
   optimizer's reference) keeps working and every later update lands in memory the daemon reads;
-- CUDA tensors are shared through CUDA IPC handles, no copy;
+- CUDA tensors are shared through CUDA IPC handles, no copy (torch's shareable handle decoded by
+  cuda_ipc: cudaMalloc memory only, expandable segments refused by name);
 - numpy arrays are copied once into one segment; write into `Registration.tensors`, which are
   arrays backed by that segment;
 - a tensor a rank holds no element of (an uneven shard) registers no memory.
@@ -22,6 +23,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 import _posixshmem  # the C module behind multiprocessing.shared_memory
 import grpc
 
+from shardcast import cuda_ipc
 from shardcast.v1 import service_pb2
 
 _ALIGN = 64
@@ -53,15 +55,37 @@ def _cuda_handle(name: str, t: Any) -> service_pb2.MemoryHandle:
     if not t.is_contiguous():
         raise ValueError(f'tensor "{name}": a CUDA tensor must be contiguous to be shared')
     storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()._untyped()
-    # (device, handle, storage bytes, storage offset in the allocation, ...): torch's own IPC export.
-    shared = storage._share_cuda_()
+    # (device, handle, storage bytes, storage offset in the allocation, ...): torch's own IPC export
+    # (torch/multiprocessing/reductions.py unpacks it in this order). The handle is torch's
+    # shareable handle, decoded by cuda_ipc into the bare cudaIpcMemHandle_t the daemon imports.
+    try:
+        shared = storage._share_cuda_()
+    except RuntimeError as e:
+        raise ValueError(cuda_ipc.share_failed(name, e, *_torch_context())) from None
     device, handle, offset_bytes = shared[0], shared[1], shared[3]
+    try:
+        block = cuda_ipc.decode(handle, int(offset_bytes))
+    except cuda_ipc.UnknownHandleFormat as e:
+        raise ValueError(cuda_ipc.unknown_format(name, handle, e, *_torch_context())) from None
+    if isinstance(block, cuda_ipc.ExpandableSegment):
+        raise ValueError(cuda_ipc.expandable_refused(name, block, *_torch_context()))
     h = service_pb2.MemoryHandle(buffer=name)
-    h.cuda.handle = handle
+    h.cuda.handle = block.ipc_handle
     h.cuda.device = int(device)
-    h.cuda.offset = int(offset_bytes) + t.storage_offset() * t.element_size()
+    h.cuda.offset = block.offset + t.storage_offset() * t.element_size()
     h.cuda.size = t.numel() * t.element_size()
     return h
+
+
+def _torch_context() -> Tuple[str, str]:
+    """torch's version and allocator configuration, for messages about what torch shared."""
+    import torch
+
+    try:
+        backend: Optional[str] = torch.cuda.memory.get_allocator_backend()
+    except (AttributeError, RuntimeError):
+        backend = None
+    return str(torch.__version__), cuda_ipc.allocator_setting(backend)
 
 
 def _segment_bytes(name: str, offset: int, n: int) -> bytes:
