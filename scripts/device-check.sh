@@ -7,10 +7,15 @@
 #   a sync between daemons with device buffers on both sides, every byte checked, the fp8
 #   quantisation kernel against the host quantiser bit for bit); pack/unpack
 #   GB/s of the kernel beside a device-to-device copy of the same bytes; sync GB/s with device
-#   tensors (bench/device_bench.cc); a real torch DTensor on a CUDA mesh registered by CUDA IPC
-#   and synced into CUDA destination tensors (client/python/tests/test_gpu.py); the vLLM backend's
-#   direct path: views into live CUDA parameters registered by IPC, bytes landing in place
-#   (client/python/tests/test_vllm_direct.py).
+#   tensors (bench/device_bench.cc); torch's CUDA shareable handles decoded as the client reads
+#   them (client/python/tests/test_cuda_handle.py against this machine's torch, and test_gpu.py
+#   on its GPU); a real torch DTensor on a CUDA mesh registered by CUDA IPC and synced into CUDA
+#   destination tensors; FSDP2-style shards of $SHARDCAST_GPU_SHARD_GIB GiB (default 2), views at
+#   offsets inside one allocation per rank, synced into CUDA views inside one allocation on a
+#   second daemon, every byte and guard byte checked; under
+#   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the refusal naming the setting
+#   (client/python/tests/test_gpu.py); the vLLM backend's direct path: views into live CUDA
+#   parameters registered by IPC, bytes landing in place (client/python/tests/test_vllm_direct.py).
 # docs/gpu.md says where the figures go. Exit status: the number of steps that failed.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -20,6 +25,7 @@ log="${OUT:-/tmp}/device-check.log"
 export SHARDCAST_BIN_DIR="$bundle/bin" SHARDCAST_BUILD="$bundle" PYTHONUNBUFFERED=1
 # On a GPU machine a GPU test that skips is a failure (tests/support/gpu.h, test_gpu.py, device_bench).
 export SHARDCAST_REQUIRE_GPU="${SHARDCAST_REQUIRE_GPU:-1}"
+export SHARDCAST_GPU_SHARD_GIB="${SHARDCAST_GPU_SHARD_GIB:-2}"
 export PYTHONPATH="$root/client/python:$root/client/python/tests${PYTHONPATH:+:$PYTHONPATH}"
 failed=0
 step() {
@@ -53,10 +59,11 @@ check() {
   step "transport [gpu] and kernel geometry" 60 "$bundle/bin/transport_tests" "[gpu],[strided-copy]" --reporter compact
   step "daemon [gpu]: device buffers on both sides of a sync, the fp8 kernel" 120 "$bundle/bin/daemon_tests" "[gpu]" --reporter compact
   step "client [gpu]: CUDA pointers become IPC handles" 40 "$bundle/bin/client_tests" "[gpu]" --reporter compact
-  step "device bench: kernel pack/unpack vs device copy, sync GB/s" 150 "$bundle/bin/device_bench" --mib "${DEVICE_MIB:-1024}" --syncs 5
-  step "python: a CUDA DTensor registered by IPC and synced; vLLM's direct path into live CUDA parameters" 150 \
-    "${PYTHON:-python3}" -m pytest -q -rs "$root/client/python/tests/test_gpu.py" \
-    "$root/client/python/tests/test_vllm_direct.py"
+  step "device bench: kernel pack/unpack vs device copy, sync GB/s" 120 "$bundle/bin/device_bench" --mib "${DEVICE_MIB:-1024}" --syncs 5
+  # -s: the tests print torch's handle version and the GB/s of the FSDP2-style sync.
+  step "python: torch's CUDA handles; a CUDA DTensor and ${SHARDCAST_GPU_SHARD_GIB} GiB of FSDP2-style shards synced into CUDA views; expandable segments refused; vLLM's direct path" 195 \
+    "${PYTHON:-python3}" -m pytest -q -s -rs "$root/client/python/tests/test_cuda_handle.py" \
+    "$root/client/python/tests/test_gpu.py" "$root/client/python/tests/test_vllm_direct.py"
   echo
   echo "device check: $failed step(s) failed; log in $log"
   return "$failed"

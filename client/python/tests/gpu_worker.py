@@ -47,3 +47,161 @@ def main(rank: int, world: int, port: int, target: str, group: str, conn) -> Non
         import traceback
 
         conn.send(("error", f"trainer rank {rank}: {e!r}\n{traceback.format_exc()}"))
+
+
+# ---- FSDP2-style shards of a few GiB, as views at offsets inside one allocation per rank ----
+
+# (name, rows, cols, dtype, salt): the trainer's tensors. Rows are odd, so the shards are uneven
+# (torch.chunk: rank 0 holds one row more) and rank 1's shard is a view of a padded slot, as FSDP2's is.
+def big_tensors(gib: float):
+    cols = 8192
+    embed_rows = int(gib * 0.75 * (1 << 30)) // (cols * 2) | 1
+    proj_rows = int(gib * 0.25 * (1 << 30)) // (cols * 2) | 1
+    return [("embed", embed_rows, cols, "bfloat16", 1), ("proj", proj_rows, cols, "bfloat16", 2)]
+
+
+NORM = ("norm", 8192, "float32", 3)  # replicated, allocated on its own (a small block: a nonzero torch offset)
+PATTERN_CHUNK = 64 << 20  # bytes generated at a time
+
+
+def pattern(salt: int, start: int, n: int):
+    """The bytes [start, start + n) of tensor `salt`'s row-major bytes: a hash of the byte index, so
+    any slice can be made where it is needed, on the GPU, without the whole tensor."""
+    import torch
+
+    i = torch.arange(start, start + n, dtype=torch.int64, device="cuda")
+    return ((i * 2654435761 + salt * 40503) >> 13).bitwise_and_(0xFF).to(torch.uint8)
+
+
+def fill(dst, salt: int, start: int) -> None:
+    """Writes pattern(salt, start + k) into byte k of the uint8 tensor `dst`."""
+    for off in range(0, dst.numel(), PATTERN_CHUNK):
+        n = min(PATTERN_CHUNK, dst.numel() - off)
+        dst[off:off + n].copy_(pattern(salt, start + off, n))
+
+
+def shard_rows(rows: int, world: int, rank: int):
+    """torch.chunk's split of `rows`: (first row, row count) of `rank`."""
+    per = -(-rows // world)
+    first = min(rows, per * rank)
+    return first, max(0, min(rows, first + per) - first)
+
+
+def fsdp_main(rank: int, world: int, port: int, target: str, group: str, gib: float, conn) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    import shardcast
+    from shardcast.local import join_process_group
+
+    try:
+        join_process_group(port, rank, world)
+        torch.cuda.set_device(0)
+        mesh = init_device_mesh("cuda", (world,))
+        specs = big_tensors(gib)
+        # One allocation for every shard of this rank, each in a slot of ceil(rows / world) rows
+        # (FSDP2's padded shard), slots 4 KiB + 36 bytes apart (not 16-byte aligned), the gaps and
+        # the padding filled with 0x5A: a sync that read them would land wrong bytes.
+        gap = 4096 + 36
+        slots, end = [], gap
+        for name, rows, cols, dtype, salt in specs:
+            slots.append(end)
+            end += -(-rows // world) * cols * 2 + gap
+        flat = torch.full((end,), 0x5A, dtype=torch.uint8, device="cuda")
+        params = {}
+        for (name, rows, cols, dtype, salt), at in zip(specs, slots):
+            first, count = shard_rows(rows, world, rank)
+            row_bytes = cols * 2
+            mine = flat[at:at + count * row_bytes]
+            fill(mine, salt, first * row_bytes)
+            local = mine.view(getattr(torch, dtype)).view(count, cols)
+            params[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                              shape=torch.Size([rows, cols]), stride=(cols, 1))
+        name, n, dtype, salt = NORM
+        ahead = torch.empty(1000, device="cuda")  # so the norm is not at its block's start
+        norm = torch.empty(n, dtype=getattr(torch, dtype), device="cuda")
+        fill(norm.view(torch.uint8), salt, 0)
+        params[name] = DTensor.from_local(norm, mesh, [Replicate()], run_check=False)
+        torch.cuda.synchronize()
+        client = shardcast.Client(target)
+        reg = client.register_dtensors(group, params, version=1)
+        conn.send(("registered", {"flat_bytes": end}))
+        while conn.recv() != "exit":
+            pass
+        reg.close()
+        client.close()
+        del ahead
+        dist.destroy_process_group()
+        conn.send(("closed", None))
+    except Exception as e:  # reported to the test, which fails with it
+        import traceback
+
+        conn.send(("error", f"trainer rank {rank}: {e!r}\n{traceback.format_exc()}"))
+
+
+# ---- expandable segments: torch's 'e' handle, and the refusal a registration gets ----
+
+def expandable_main(target: str, conn) -> None:
+    """Run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the environment (the test sets
+    it before spawning this process, so torch reads it at its first allocation). Reports what
+    torch shares for a view inside a large expandable allocation, what registering it gives, and
+    whether a tensor allocated with expandable segments turned off registers."""
+    import os
+
+    import torch
+
+    import shardcast
+    from shardcast import cuda_ipc
+
+    try:
+        out = {"torch": torch.__version__, "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+        big = torch.empty(256 << 20, dtype=torch.bfloat16, device="cuda")  # 512 MiB: many 20 MiB segments
+        view = big[12345:]
+        shared = view.untyped_storage()._share_cuda_()
+        seg = cuda_ipc.decode(shared[1], int(shared[3]))
+        out["decoded"] = type(seg).__name__
+        if isinstance(seg, cuda_ipc.ExpandableSegment):
+            nbytes = view.untyped_storage().nbytes()
+            out.update(version=seg.version, handle_type=seg.handle_type, pid_is_ours=seg.pid == os.getpid(),
+                       segments=len(seg.handles), covers=seg.offset + nbytes <= seg.bytes_spanned,
+                       fds_open=seg.handle_type != "posix_fd" or all(_is_open(fd) for fd in seg.handles))
+        layout = {"group": "gpu-expandable", "mesh": {"shape": [1]}, "nodes": ["t0"],
+                  "tensors": [{"name": "w", "shape": [view.numel()], "dtype": "bfloat16",
+                               "placements": [{"replicate": {}}]}]}
+        client = shardcast.Client(target)
+        try:
+            client.register("gpu-expandable", 0, 1, {"w": view}, layout)
+            out["refusal"] = None
+        except ValueError as e:
+            out["refusal"] = str(e)
+        out["registered_after_refusal"] = len(client.ranks("gpu-expandable"))
+        # What the refusal tells the user to do: allocate the registered tensors with it off.
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        plain = torch.zeros(view.numel(), dtype=torch.bfloat16, device="cuda")
+        out["plain_decoded"] = type(cuda_ipc.decode(*_handle_and_offset(plain))).__name__
+        reg = client.register("gpu-expandable", 0, 1, {"w": plain}, layout)
+        out["plain_registered"] = len(client.ranks("gpu-expandable"))
+        reg.close()
+        client.close()
+        conn.send(("done", out))
+    except Exception as e:
+        import traceback
+
+        conn.send(("error", f"expandable worker: {e!r}\n{traceback.format_exc()}"))
+
+
+def _handle_and_offset(t):
+    shared = t.untyped_storage()._share_cuda_()
+    return shared[1], int(shared[3])
+
+
+def _is_open(fd: int) -> bool:
+    import os
+
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
