@@ -88,13 +88,18 @@ std::vector<v1::MemoryHandle> HostTensors::handles() const {
 }
 
 StatusOr<v1::MemoryHandle> deviceHandle(const DeviceTensor& tensor) {
-  SC_ASSIGN_OR_RETURN(const auto exported, transport::exportCudaIpcHandle(tensor.data));
+  // The handle is the bare cudaIpcMemHandle_t of the allocation (64 bytes), made here from the
+  // pointer: never a PyTorch shareable handle, whose prefixed format the Python client decodes.
+  auto exported = transport::exportCudaIpcHandle(tensor.data);
+  if (!exported.ok())
+    return Status(exported.status().code(),
+                  strCat("device tensor \"", tensor.name, "\": ", exported.status().message()));
   v1::MemoryHandle h;
   h.set_buffer(tensor.name);
-  h.mutable_cuda()->set_handle(exported.handle);
-  h.mutable_cuda()->set_offset(exported.offset);
+  h.mutable_cuda()->set_handle(exported->handle);
+  h.mutable_cuda()->set_offset(exported->offset);
   h.mutable_cuda()->set_size(tensor.bytes);
-  h.mutable_cuda()->set_device(exported.device);
+  h.mutable_cuda()->set_device(exported->device);
   return h;
 }
 

@@ -7,6 +7,12 @@
 //
 // Exit codes follow the `shardcast` CLI: 0 ok, 2 usage, 4 daemon unreachable, 5 the daemon
 // answered and the operation failed (a failed sync, a version not newer, a wait that timed out).
+//
+// It registers no memory. A Go program that registers CUDA memory (RegisterRequest.buffers with a
+// CudaIpcHandle) sends the bare 64-byte cudaIpcMemHandle_t of a cudaMalloc allocation and the
+// buffer's offset in it: not a PyTorch shareable handle (a version and type byte before it), and
+// not memory from cuMemCreate (PyTorch's expandable segments), which the daemon cannot import yet
+// (docs/gpu.md).
 package main
 
 import (
