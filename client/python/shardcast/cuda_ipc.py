@@ -182,5 +182,5 @@ def share_failed(name: str, error: BaseException, torch_version: str, setting: s
     """torch itself refused to share the tensor's memory (the cudaMallocAsync backend does, so does
     an allocation cudaIpcGetMemHandle cannot export)."""
     return (f'tensor "{name}": torch {torch_version} cannot share its CUDA memory with another process ({setting}): '
-            f"{error}. Register tensors allocated by torch's default caching allocator with expandable segments "
+            f"{str(error).rstrip('. ')}. Register tensors allocated by torch's default caching allocator with expandable segments "
             f"off ({_DOCS})")
