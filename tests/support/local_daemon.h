@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -27,37 +28,44 @@
 
 namespace shardcast::examples {
 
-// A TCP port free right now on 127.0.0.1 (the kernel picks it).
-inline int freePort() {
+// Whether `port` on 127.0.0.1 can be bound right now.
+inline bool portFree(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
   ::close(fd);
-  return ntohs(a.sin_port);
+  return ok;
+}
+
+// The ports tests hand to daemons: [20000, 32768), below the kernel's ephemeral range.
+inline constexpr int kTestPortsBegin = 20000, kTestPortsEnd = 32768;
+
+// A TCP port free right now on 127.0.0.1, for a daemon started next. Not the kernel's pick: that
+// is an ephemeral port, and between this call and the daemon's bind any process's outgoing
+// connection or UCX listener could take it (a loaded CI run saw "Address already in use"). Below
+// the ephemeral range only daemons bind, and each process walks the range from a start of its
+// own, so tests running side by side do not pick the same port.
+inline int freePort() {
+  static std::atomic<int> next{static_cast<int>((static_cast<unsigned>(::getpid()) * 2654435761u) %
+                                                static_cast<unsigned>(kTestPortsEnd - kTestPortsBegin))};
+  for (int tries = 0; tries < kTestPortsEnd - kTestPortsBegin; ++tries) {
+    const int port = kTestPortsBegin + next.fetch_add(1) % (kTestPortsEnd - kTestPortsBegin);
+    if (portFree(port)) return port;
+  }
+  return 0;  // every one taken: the daemon given it fails to start, and says so
 }
 
 // `count` TCP ports free on 127.0.0.1 right now, consecutive from a pseudo-random start below the
 // kernel's ephemeral range (32768+): many daemons started one after another cannot then take
 // each other's ports with the ephemeral ports they bind themselves (metrics, UCX).
 inline std::vector<int> freePortsBelowEphemeral(int count) {
-  auto free = [](int port) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(static_cast<uint16_t>(port));
-    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-    ::close(fd);
-    return ok;
-  };
   std::vector<int> out;
-  for (int port = 20000 + static_cast<int>(::getpid() % 500) * 20; port < 32768 && static_cast<int>(out.size()) < count;
-       ++port)
-    if (free(port)) out.push_back(port);
+  for (int port = kTestPortsBegin + static_cast<int>(::getpid() % 500) * 20;
+       port < kTestPortsEnd && static_cast<int>(out.size()) < count; ++port)
+    if (portFree(port)) out.push_back(port);
   return out;
 }
 
