@@ -117,71 +117,113 @@ std::vector<grpc::Status> fanOut(std::vector<grpc::ClientContext>& contexts,
   return results;
 }
 
-Status PeerSet::checkTransportAddress(const std::string& node, const std::string& address) const {
-  const auto known = [&] {
+Status PeerSet::checkTransportAddresses(const std::vector<NodeAddress>& nodes,
+                                        std::chrono::steady_clock::time_point deadline) const {
+  const auto unconfirmed = [&] {  // the nodes not known to have the transport address given
+    std::vector<const NodeAddress*> out;
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = transports_.find(node);
-    return it != transports_.end() && it->second == address;
+    for (const auto& n : nodes)
+      if (const auto it = transports_.find(n.node); it == transports_.end() || it->second != n.transport)
+        out.push_back(&n);
+    return out;
   };
-  if (known()) return absl::OkStatus();
-  // One lookup at a time: a caller that waited finds what the one before it learned (at a first
-  // sync every relay of a large cluster asks about peers it never reached, all at once).
-  std::lock_guard<std::mutex> looking(lookup_mu_);
-  if (known()) return absl::OkStatus();
-  // Not known, or changed (a restarted peer): ask the node itself where it was reached before,
-  // else the peers that have not described themselves yet, else every peer (a node may come back
-  // at another's old address), each address at most once a second, with the peer list (a DNS
-  // lookup with --peer-dns) looked up at most once a second: a peer naming nodes cannot make this
-  // daemon ask the cluster, or DNS, again and again (nor, at a first sync across many daemons,
-  // ask those that answered again with every node it checks).
-  std::vector<std::string> at, all;
-  bool look_up = false;
+  auto pending = unconfirmed();
+  std::string last_error;  // of the last Describe that got no answer
+  auto pause = std::chrono::milliseconds(20);
+  while (!pending.empty()) {
+    {
+      // One round of lookups at a time: a caller that waited finds what the round before it
+      // learned (at a first sync every daemon asks about its peers at once).
+      std::lock_guard<std::mutex> looking(lookup_mu_);
+      pending = unconfirmed();
+      if (pending.empty()) break;
+      const std::vector<std::string> ask = whereToAsk(pending);
+      if (!ask.empty()) {
+        std::vector<v1::DescribeResponse> responses;
+        const auto statuses = describe(ask, &responses, /*syncs=*/false, {}, deadline);
+        for (size_t i = 0; i < ask.size(); ++i) {
+          if (!statuses[i].ok()) {
+            last_error = strCat("peer ", ask[i], ": ", statuses[i].error_message());
+            continue;
+          }
+          // The node's own answer (over mutual TLS) with another address: refused at once.
+          for (const NodeAddress* p : pending)
+            if (responses[i].node() == p->node && responses[i].transport_address() != p->transport)
+              return absl::InvalidArgumentError(strCat("the transport address given for node ", quote(p->node),
+                                                       " is not the one that node describes to this daemon"));
+        }
+      }
+    }
+    pending = unconfirmed();
+    if (pending.empty()) break;
+    // Not answered yet (slow, starting, or asked moments ago by another round): asked again.
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      std::vector<std::string> names;
+      for (const NodeAddress* p : pending) names.push_back(quote(p->node));
+      const bool one = names.size() == 1;
+      return absl::UnavailableError(strCat(one ? "node " : "nodes ", strJoin(names, ", "),
+                                           one ? " has not described itself" : " have not described themselves",
+                                           " to this daemon in time: ", one ? "its transport address" : "their transport addresses",
+                                           " cannot be checked", last_error.empty() ? std::string() : strCat(" (", last_error, ")")));
+    }
+    std::this_thread::sleep_until(std::min(now + pause, deadline));
+    pause = std::min(pause * 2, kAskEvery);
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::string> PeerSet::whereToAsk(const std::vector<const NodeAddress*>& pending) const {
+  // A node is asked at its daemon's address as given (when that is one of the cluster's peers: no
+  // other address is dialled) and wherever it was reached before or a peer said it is.
+  std::vector<bool> given(pending.size());
+  for (size_t k = 0; k < pending.size(); ++k)
+    given[k] = !pending[k]->address.empty() && isPeer(pending[k]->address);
+  std::set<std::string> where;
+  bool nowhere = false;  // a node no address is known for
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [a, n] : nodes_)
-      if (n == node) at.push_back(a);
-    if (at.empty()) {
+    for (size_t k = 0; k < pending.size(); ++k) {
+      bool placed = given[k];
+      if (given[k]) where.insert(pending[k]->address);
+      for (const auto& [a, n] : nodes_)
+        if (n == pending[k]->node) {
+          where.insert(a);
+          placed = true;
+        }
+      nowhere = nowhere || !placed;
+    }
+  }
+  // Else the peers not described yet; when none is left, every peer (a node renamed, or back at
+  // another's address). The peer list (a DNS lookup with --peer-dns) looked up at most once a second.
+  std::vector<std::string> all;
+  if (nowhere) {
+    bool look_up = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
       look_up = current_at_ == std::chrono::steady_clock::time_point{} ||
                 std::chrono::steady_clock::now() - current_at_ >= std::chrono::seconds(1);
       all = current_;
     }
+    if (look_up)
+      if (auto found = addresses(); found.ok()) all = std::move(*found);
   }
-  if (look_up) {
-    SC_ASSIGN_OR_RETURN(all, addresses());
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto now = std::chrono::steady_clock::now();
+  std::vector<std::string> ask;
+  const auto take = [&](const std::string& a) {  // at most once per kAskEvery, whoever asks
+    auto [asked, added] = looked_up_.try_emplace(a, now);
+    if (!added && now - asked->second < kAskEvery) return;
+    asked->second = now;
+    ask.push_back(a);
+  };
+  for (const auto& a : where) take(a);
+  if (nowhere) {
+    const bool undescribed = std::any_of(all.begin(), all.end(), [&](const std::string& a) { return !nodes_.count(a); });
+    for (const auto& a : all)
+      if (!undescribed || !nodes_.count(a)) take(a);
   }
-  // Twice at most: an address asked within the last second (before its daemon was up, at a first
-  // sync) is held back by the limit; then wait for it, once (lookups run one at a time: a hostile
-  // peer gains nothing by it). A relay refused a first sync's node this way.
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    std::vector<std::string> ask = at;
-    auto held_until = std::chrono::steady_clock::time_point::max();
-    if (ask.empty()) {  // the peers not described yet; when none is left, every peer (a renamed node)
-      std::lock_guard<std::mutex> lock(mu_);
-      const auto now = std::chrono::steady_clock::now();
-      for (const bool described : {false, true}) {
-        for (const auto& a : all) {
-          if (nodes_.count(a) != static_cast<size_t>(described)) continue;
-          auto [asked, added] = looked_up_.try_emplace(a, now);
-          if (!added && now - asked->second < std::chrono::seconds(1)) {
-            held_until = std::min(held_until, asked->second + std::chrono::seconds(1));
-            continue;
-          }
-          asked->second = now;
-          ask.push_back(a);
-        }
-        if (!ask.empty()) break;
-      }
-    }
-    if (!ask.empty()) {
-      std::vector<v1::DescribeResponse> responses;
-      describe(ask, &responses);
-    }
-    if (known()) return absl::OkStatus();
-    if (!at.empty() || held_until == std::chrono::steady_clock::time_point::max()) break;
-    std::this_thread::sleep_until(held_until);
-  }
-  return absl::InvalidArgumentError(strCat("the transport address given for node ", quote(node),
-                                           " is not the one that node describes to this daemon"));
+  return ask;
 }
 
 bool PeerSet::forgottenLocked(const std::string& address, std::chrono::steady_clock::time_point now) const {
@@ -198,7 +240,8 @@ void PeerSet::noteSilent(const std::string& address, std::chrono::steady_clock::
 
 std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addrs,
                                             std::vector<v1::DescribeResponse>* responses, bool syncs,
-                                            const std::map<std::string, std::chrono::milliseconds>& briefly) const {
+                                            const std::map<std::string, std::chrono::milliseconds>& briefly,
+                                            std::chrono::steady_clock::time_point until) const {
   // Every Describe at once: a gather costs about one round trip however many peers there are.
   const size_t n = addrs.size();
   responses->assign(n, {});
@@ -216,6 +259,9 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
       if (const auto node = nodes_.find(addrs[i]); node != nodes_.end())
         if (const auto brief = briefly.find(node->second); brief != briefly.end())
           deadline[i] = std::min(deadline[i], brief->second);
+      if (until != std::chrono::steady_clock::time_point::max())
+        deadline[i] = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(until - asked),
+                                 std::chrono::milliseconds(1), deadline[i]);
     }
   }
   auto statuses =

@@ -67,11 +67,24 @@ class PeerSet {
   std::map<std::string, bool> reachability() const;
   // The peers reached so far: address -> the node each described itself as.
   std::map<std::string, std::string> knownNodes() const;
-  // OK when `address` is the transport address `node` gave in its own Describe to this daemon
-  // (over mutual TLS); asks that node again when it is not known yet or differs (a restarted
-  // peer). INVALID_ARGUMENT otherwise: this daemon connects to no transport address a third party
-  // hands it (docs/security.md).
-  Status checkTransportAddress(const std::string& node, const std::string& address) const;
+  // A node's transport address as a coordinator hands it out (v1::NodeDirectory): `transport`,
+  // said to be `node`'s, and `address`, that node's daemon as the coordinator reached it (where to
+  // ask it; "" when not given).
+  struct NodeAddress {
+    std::string node, transport, address;
+  };
+  // OK when each `transport` is the transport address its node gave in its own Describe to this
+  // daemon (over mutual TLS): this daemon connects to no transport address a third party hands it
+  // (docs/security.md). Nodes not known yet, or known with another address (a restarted peer),
+  // are asked all at once, at `address` when that is one of the cluster's peers, else where they
+  // were reached before, else the peers not described yet; and asked again, until `deadline`,
+  // while one has not answered: a peer that is merely slow is waited for, never taken for one
+  // describing another address. INVALID_ARGUMENT as soon as a node answers with another address;
+  // UNAVAILABLE naming the nodes still silent at `deadline`. Each address is asked at most once per
+  // kAskEvery, whoever asks (a coordinator naming nodes cannot make this daemon flood the cluster).
+  Status checkTransportAddresses(const std::vector<NodeAddress>& nodes,
+                                 std::chrono::steady_clock::time_point deadline) const;
+  static constexpr std::chrono::milliseconds kAskEvery{250};
   // A cached channel to a daemon (a peer, or this daemon itself).
   std::shared_ptr<grpc::Channel> channel(const std::string& address) const;
   // A call other than Describe to `address`, made at `asked`, got no answer (a sync that skipped
@@ -82,9 +95,13 @@ class PeerSet {
   // Silent past its lease (mu_ held).
   bool forgottenLocked(const std::string& address, std::chrono::steady_clock::time_point now) const;
   // Describe of each of `addrs` at once; remembers which node and transport address each gave.
-  std::vector<grpc::Status> describe(const std::vector<std::string>& addrs,
-                                     std::vector<v1::DescribeResponse>* responses, bool syncs = false,
-                                     const std::map<std::string, std::chrono::milliseconds>& briefly = {}) const;
+  // `until`: no call's deadline after it.
+  std::vector<grpc::Status> describe(
+      const std::vector<std::string>& addrs, std::vector<v1::DescribeResponse>* responses, bool syncs = false,
+      const std::map<std::string, std::chrono::milliseconds>& briefly = {},
+      std::chrono::steady_clock::time_point until = std::chrono::steady_clock::time_point::max()) const;
+  // checkTransportAddresses: where to ask next for the nodes of `pending` (lookup_mu_ held, not mu_).
+  std::vector<std::string> whereToAsk(const std::vector<const NodeAddress*>& pending) const;
 
   DaemonConfig config_;
   std::string instance_;
@@ -96,7 +113,7 @@ class PeerSet {
   mutable std::vector<std::string> current_;                                           // the last addresses() found
   mutable std::chrono::steady_clock::time_point current_at_{};                         // and when
   mutable std::map<std::string, std::string> transports_;  // node -> the transport address it described
-  mutable std::mutex lookup_mu_;                           // checkTransportAddress: one lookup at a time (before mu_)
+  mutable std::mutex lookup_mu_;  // checkTransportAddresses: one round of lookups at a time (before mu_)
   mutable std::map<std::string, std::chrono::steady_clock::time_point> looked_up_;  // address -> asked then
 };
 

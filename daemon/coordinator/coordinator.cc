@@ -830,11 +830,7 @@ void SyncCoordinator::fold(const v1::PrepareRequest& p) {
     std::set<std::string> listed;
     for (const auto& n : e.nodes()) listed.insert(n.node());
     for (const size_t w : writers[i])
-      if (listed.insert(daemons[w].node()).second) {
-        auto* n = e.add_nodes();
-        n->set_node(daemons[w].node());
-        n->set_transport_address(daemons[w].transport_address());
-      }
+      if (listed.insert(daemons[w].node()).second) nodeAddress(w, e.add_nodes());
     *e.mutable_prepare() = p;
     addStamp(i, e.mutable_prepare());
     e.set_plan_key(plan_->key);
@@ -869,8 +865,14 @@ Status SyncCoordinator::prepare() {
       std::all_of(daemons.begin(), daemons.end(), [](const v1::DescribeResponse& d) { return d.relays_call_parts(); });
   if (!parts)
     for (size_t i = 0; i < daemons.size(); ++i) addStamp(i, &p);
+  // And the nodes each writes to, which it checks before taking any rank (a part of its own: in
+  // the common request every daemon would check every node).
   std::function<void(size_t, v1::PrepareRequest*)> own;
-  if (parts) own = [&](size_t i, v1::PrepareRequest* part) { addStamp(i, part); };
+  if (parts)
+    own = [&](size_t i, v1::PrepareRequest* part) {
+      addStamp(i, part);
+      for (const size_t j : writesTo(i)) nodeAddress(j, part->add_peers());
+    };
   std::vector<v1::PrepareResponse> prepared(daemons.size());
   // The first daemon whose own failure gave the sync up: the others' calls are then cancelled,
   // or refused as given up, because of it.
@@ -964,8 +966,6 @@ void SyncCoordinator::directories(const std::vector<v1::PrepareResponse>& prepar
   const auto& daemons = cluster_->view.daemons();
   // Each daemon learns where the nodes it writes to land, not every node's directory: the
   // requests' total size grows with the plan's edges, not with the square of the nodes.
-  std::map<std::string, size_t> daemon_of;
-  for (size_t i = 0; i < daemons.size(); ++i) daemon_of[daemons[i].node()] = i;
   exec_.assign(daemons.size(), {});
   for (size_t i = 0; i < daemons.size(); ++i) {
     auto& e = exec_[i];
@@ -974,23 +974,37 @@ void SyncCoordinator::directories(const std::vector<v1::PrepareResponse>& prepar
     e.set_verify(req_.options().verify());
     e.set_fence(fence_);
     writeAmaxes(amaxes[i], e.mutable_split_amax());
-    const auto& nodes = plan_->nodes;
-    // (A lookup, not a scan of every node per daemon: at 1024 daemons that was a million string
-    // compares per sync on the coordinator.)
-    if (const int32_t self = nodes.find(daemons[i].node()); self >= 0) {
-      for (const int32_t peer : plan_->node(self).peers) {
-        const auto it = daemon_of.find(nodes.name(peer));
-        if (it == daemon_of.end()) continue;  // the planned node has no daemon: its sends fail naming it
-        const size_t j = it->second;
-        auto* n = e.add_nodes();
-        n->set_node(daemons[j].node());
-        n->set_transport_address(daemons[j].transport_address());
-        *n->mutable_targets() = prepared[j].targets();
-        n->set_base_version(prepared[j].base_version());
-        n->set_base_fence(prepared[j].base_fence());
-      }
+    for (const size_t j : writesTo(i)) {
+      auto* n = e.add_nodes();
+      nodeAddress(j, n);
+      *n->mutable_targets() = prepared[j].targets();
+      n->set_base_version(prepared[j].base_version());
+      n->set_base_fence(prepared[j].base_fence());
     }
   }
+}
+
+std::vector<size_t> SyncCoordinator::writesTo(size_t i) const {
+  const auto& daemons = cluster_->view.daemons();
+  const auto& nodes = plan_->nodes;
+  // Lookups, not a scan of every node per daemon: at 1024 daemons that was a million string
+  // compares per sync on the coordinator.
+  if (daemon_at_.empty()) {
+    daemon_at_.assign(static_cast<size_t>(nodes.size()), -1);
+    for (size_t d = 0; d < daemons.size(); ++d)
+      if (const int32_t at = nodes.find(daemons[d].node()); at >= 0) daemon_at_[static_cast<size_t>(at)] = static_cast<int64_t>(d);
+  }
+  std::vector<size_t> out;
+  if (const int32_t self = nodes.find(daemons[i].node()); self >= 0)
+    for (const int32_t peer : plan_->node(self).peers)
+      if (const int64_t d = daemon_at_[static_cast<size_t>(peer)]; d >= 0) out.push_back(static_cast<size_t>(d));
+  return out;
+}
+
+void SyncCoordinator::nodeAddress(size_t j, v1::NodeDirectory* n) const {
+  n->set_node(cluster_->view.daemons()[j].node());
+  n->set_transport_address(cluster_->view.daemons()[j].transport_address());
+  n->set_address(cluster_->addresses[j]);
 }
 
 StatusOr<std::vector<SplitAmaxes>> SyncCoordinator::combinedAmaxes(const std::vector<v1::PrepareResponse>& prepared) {

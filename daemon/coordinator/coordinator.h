@@ -214,6 +214,12 @@ class SyncCoordinator {
   // checks they are still its own). Added to daemon i's own part of the call where every daemon
   // relays call parts (O(1) per daemon), else to the request common to all (prepare()).
   void addStamp(size_t i, v1::PrepareRequest* p) const;
+  // The daemons daemon i writes to in the plan (by the cluster's index; a planned node without a
+  // daemon left out: its sends fail naming it).
+  std::vector<size_t> writesTo(size_t i) const;
+  // Node `j`'s name, transport address and daemon address into `n` (what a daemon checks before
+  // connecting: PrepareRequest.peers, ExecuteRequest.nodes).
+  void nodeAddress(size_t j, v1::NodeDirectory* n) const;
   // A repeated dense sync whose kept view holds its daemons' landing targets: each daemon's
   // Prepare rides on its wave 0 Execute (ExecuteRequest.prepare), no Prepare round.
   bool foldable() const;
@@ -287,6 +293,7 @@ class SyncCoordinator {
 
   std::shared_ptr<const ClusterSnapshot> cluster_;  // shared with the repeat cache
   bool repeated_ = false;                           // the gather was skipped (cluster_ is a kept view)
+  mutable std::vector<int64_t> daemon_at_;          // writesTo: plan node -> daemon of cluster_ (-1: none)
   bool silent_daemon_ = false;                      // a repeated sync's Prepare found a daemon silent
   std::shared_ptr<const RepeatView> repeat_;        // the kept view a repeated sync runs on
   bool folded_ = false;                             // the Prepare rode on wave 0 (fold())

@@ -25,6 +25,22 @@ grpc::Status reply(StatusOr<T> result, T* out) {
   return grpc::Status::OK;
 }
 
+// The transport addresses a coordinator hands this daemon (`nodes`, this daemon's own left out),
+// checked against what each node describes to this daemon before it connects to any: they reach
+// UCX's own (unchecking) parser. A node slow to answer is waited for until a little before the
+// call's deadline, so that it is refused by name rather than by the call running out.
+Status checkNodes(const PeerSet& peers, const Registry& registry,
+                  const google::protobuf::RepeatedPtrField<v1::NodeDirectory>& nodes, const grpc::ServerContext& ctx) {
+  std::vector<PeerSet::NodeAddress> given;
+  for (const auto& n : nodes)
+    if (n.node() != registry.node() || n.transport_address() != registry.transportAddress())
+      given.push_back({n.node(), n.transport_address(), n.address()});
+  if (given.empty()) return absl::OkStatus();
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(ctx.deadline() - std::chrono::system_clock::now());
+  const auto margin = std::clamp(left / 10, std::chrono::milliseconds(10), std::chrono::milliseconds(1000));
+  return peers.checkTransportAddresses(given, std::chrono::steady_clock::now() + (left - margin));
+}
+
 }  // namespace
 
 ShardcastService::ShardcastService(const DaemonConfig& config, const AccessPolicy& access, Registry& registry,
@@ -305,6 +321,11 @@ grpc::Status PeerService::Describe(grpc::ServerContext* ctx, const v1::DescribeR
 grpc::Status PeerService::Prepare(grpc::ServerContext* ctx, const v1::PrepareRequest* req, v1::PrepareResponse* out) {
   if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
   const LogScope scope(req->sync_id(), req->dst().group());
+  // The peers this daemon's part of the plan reaches, checked before any rank is taken: a sync
+  // that cannot connect fails here, not in its first wave with ranks left DIRTY.
+  if (Status st = checkNodes(peers_, registry_, req->peers(), *ctx); !st.ok())
+    return toGrpc(Status(st.code(), strCat("prepare of sync ", req->sync_id(), " on node ", quote(registry_.node()),
+                                           ": ", st.message())));
   auto prepared = engine_.prepare(*req);
   if (!prepared.ok()) return toGrpcNamingGroup(prepared.status());  // the group whose ranks refused
   return reply(std::move(prepared), out);
@@ -313,13 +334,10 @@ grpc::Status PeerService::Prepare(grpc::ServerContext* ctx, const v1::PrepareReq
 grpc::Status PeerService::Execute(grpc::ServerContext* ctx, const v1::ExecuteRequest* req, v1::ExecuteResponse* out) {
   if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
   const LogScope scope(req->sync_id());
-  // The transport addresses a coordinator hands out reach UCX's own (unchecking) parser when this
-  // daemon connects: only addresses the named nodes gave this daemon themselves are used.
-  for (const auto& n : req->nodes()) {
-    if (n.node() == registry_.node() && n.transport_address() == registry_.transportAddress()) continue;
-    if (Status st = peers_.checkTransportAddress(n.node(), n.transport_address()); !st.ok())
-      return toGrpc(Status(st.code(), strCat("execute of sync ", req->sync_id(), ": ", st.message())));
-  }
+  // Known since the Prepare (PrepareRequest.peers), but for a folded Prepare, a coordinator of an
+  // older version, or a node that restarted since.
+  if (Status st = checkNodes(peers_, registry_, req->nodes(), *ctx); !st.ok())
+    return toGrpc(Status(st.code(), strCat("execute of sync ", req->sync_id(), ": ", st.message())));
   return reply(engine_.execute(*req), out);
 }
 

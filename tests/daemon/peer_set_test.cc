@@ -1,0 +1,140 @@
+// PeerSet::checkTransportAddresses against a peer daemon that answers its Describe late, with
+// another address, or not at all (docs/security.md: a daemon connects to no transport address a
+// third party hands it; docs/daemon.md, "A sync": a slow peer is waited for, not refused).
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "daemon/coordinator/cluster.h"
+
+using namespace shardcast;
+using namespace std::chrono_literals;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A peer daemon's Describe and nothing else: node "n1" at the transport address `transport()`.
+// Its first `late` calls answer only after `delay` (past the asker's peer timeout).
+class LatePeer final : public v1::Peer::Service {
+ public:
+  grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse* out) override {
+    if (++calls_ <= late) std::this_thread::sleep_for(delay);
+    out->set_node("n1");
+    out->set_instance("late-peer");
+    out->set_transport_address(transport());
+    return grpc::Status::OK;
+  }
+  int calls() const { return calls_; }
+  std::string transport() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return transport_;
+  }
+  void setTransport(std::string t) {
+    std::lock_guard<std::mutex> lock(mu_);
+    transport_ = std::move(t);
+  }
+
+  int late = 0;
+  std::chrono::milliseconds delay{0};
+
+ private:
+  std::atomic<int> calls_{0};
+  mutable std::mutex mu_;
+  std::string transport_ = "transport-1";
+};
+
+// The peer served on 127.0.0.1, and a PeerSet of daemon "n0" whose only peer it is.
+struct Cluster {
+  explicit Cluster(int late, std::chrono::milliseconds delay) {
+    peer.late = late;
+    peer.delay = delay;
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&peer);
+    server = builder.BuildAndStart();
+    address = "127.0.0.1:" + std::to_string(port);
+    config.node = "n0";
+    config.peers = {address};
+    config.peer_timeout_ms = 200;
+    peers = std::make_unique<daemon::PeerSet>(config, "n0-instance");
+  }
+  ~Cluster() { server->Shutdown(std::chrono::system_clock::now() + 100ms); }
+
+  Status check(const std::string& transport, std::chrono::milliseconds within, std::string at = "") const {
+    return peers->checkTransportAddresses({{"n1", transport, at.empty() ? address : at}}, Clock::now() + within);
+  }
+
+  LatePeer peer;
+  std::unique_ptr<grpc::Server> server;
+  std::string address;
+  daemon::DaemonConfig config;
+  std::unique_ptr<daemon::PeerSet> peers;
+};
+
+}  // namespace
+
+TEST_CASE("transport addresses: a peer whose Describe answers late is waited for, within the deadline",
+          "[daemon][peers]") {
+  // Its first three Describes answer after the 200 ms peer timeout (a peer busy with 63 others at
+  // a first sync): the check asks again until the deadline rather than taking the silence for
+  // another address (64 daemons failed a sync 14 s into its execute that way).
+  Cluster c(/*late=*/3, /*delay=*/400ms);
+  const Status st = c.check("transport-1", 10s);
+  CHECK(st.ok());
+  CHECK(c.peer.calls() >= 4);
+  // Known from then on: no further Describe.
+  const int calls = c.peer.calls();
+  CHECK(c.check("transport-1", 1s).ok());
+  CHECK(c.peer.calls() == calls);
+}
+
+TEST_CASE("transport addresses: a node that answers with another address is refused at once", "[daemon][peers]") {
+  Cluster c(0, 0ms);
+  const Status st = c.check("\xff", 10s);  // what UCX's parser would abort on
+  CHECK(st.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(st.message()),
+             Catch::Contains("the transport address given for node \"n1\" is not the one that node describes"));
+  CHECK(c.peer.calls() == 1);  // its answer decided: not asked again until the deadline
+}
+
+TEST_CASE("transport addresses: a node that never answers is refused by name at the deadline, asked a bounded number "
+          "of times",
+          "[daemon][peers]") {
+  Cluster c(/*late=*/1000, /*delay=*/300ms);
+  const Status st = c.check("transport-1", 1500ms);
+  CHECK(st.code() == absl::StatusCode::kUnavailable);
+  CHECK_THAT(std::string(st.message()), Catch::Contains("node \"n1\" has not described itself to this daemon in time") &&
+                                            Catch::Contains("its transport address cannot be checked") &&
+                                            Catch::Contains(c.address));
+  // Each address at most once per PeerSet::kAskEvery, whoever asks.
+  CHECK(c.peer.calls() >= 2);
+  CHECK(c.peer.calls() <= 1500ms / daemon::PeerSet::kAskEvery + 1);
+}
+
+TEST_CASE("transport addresses: a restarted node's new address is learnt, its old one then refused",
+          "[daemon][peers]") {
+  Cluster c(0, 0ms);
+  REQUIRE(c.check("transport-1", 5s).ok());
+  c.peer.setTransport("transport-2");  // restarted: a new UCX worker
+  CHECK(c.check("transport-2", 5s).ok());
+  const Status old = c.check("transport-1", 5s);
+  CHECK(old.code() == absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("transport addresses: a daemon address that is not one of the cluster's peers is not dialled",
+          "[daemon][peers]") {
+  // The coordinator names where node n1 runs; an address outside the peer list is ignored and
+  // the node is found among the peers instead (its answer still decides).
+  Cluster c(0, 0ms);
+  CHECK(c.check("transport-1", 5s, "127.0.0.1:1").ok());
+  CHECK(c.peer.calls() == 1);
+  Cluster d(0, 0ms);
+  CHECK(d.check("transport-9", 5s, "127.0.0.1:1").code() == absl::StatusCode::kInvalidArgument);
+}
