@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <limits>
 #include <thread>
+#include <tuple>
 
 #include "common/strings.h"
 #include "common/tls.h"
@@ -451,29 +452,85 @@ StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self, const
     if (!nodes.insert(d.node()).second)
       return absl::FailedPreconditionError(strCat("two daemons claim node \"", d.node(), "\" (instances ", d.instance(),
                                                   " and another): give every daemon its own --node"));
+    // What is wrong with one group fails the syncs that use it, never the view: every other group
+    // stays usable (one uid's inconsistent group stopped every sync of the cluster).
     for (const auto& layout : d.layouts()) {
       const std::string digest = planner::layoutDigest(layout);
-      auto [it, inserted] = v.groups_.try_emplace(layout.group(), GroupInfo{layout, digest, {}});
+      GroupInfo first;
+      first.layout = layout;
+      first.digest = digest;
+      auto [it, inserted] = v.groups_.try_emplace(layout.group(), std::move(first));
       if (!inserted && it->second.digest != digest)
-        return absl::FailedPreconditionError(strCat("group \"", layout.group(), "\" is registered with two layouts (",
-                                                    it->second.digest, " and ", digest, " on node \"", d.node(),
-                                                    "\")"));
+        it->second.fail(strCat("group ", quote(layout.group()), " is registered with two layouts (", it->second.digest,
+                               " and ", digest, " on node ", quote(d.node()), ")"));
     }
     for (const auto& a : d.access()) v.access_[a.group()].emplace_back(d.node(), a);
     for (const auto& r : d.ranks()) {
       auto& g = v.groups_[r.group()];
       const v1::Role role = r.role() == v1::ROLE_SOURCE ? v1::ROLE_SOURCE : v1::ROLE_DESTINATION;
       if (g.role != v1::ROLE_UNSPECIFIED && g.role != role)
-        return absl::FailedPreconditionError(strCat("group \"", r.group(), "\" rank ", r.rank(), " on node \"",
-                                                    d.node(), "\" is registered as ", v1::roleName(role),
-                                                    " but other ranks as ", v1::roleName(g.role)));
-      g.role = role;
+        g.fail(strCat("group ", quote(r.group()), " rank ", r.rank(), " on node ", quote(d.node()),
+                      " is registered as ", v1::roleName(role), " but other ranks as ", v1::roleName(g.role)));
+      if (g.role == v1::ROLE_UNSPECIFIED) g.role = role;
       if (!g.ranks.insert(r.rank()).second)
-        return absl::FailedPreconditionError(strCat("group \"", r.group(), "\" rank ", r.rank(),
-                                                    " is registered twice (again on node \"", d.node(), "\")"));
+        g.fail(strCat("group ", quote(r.group()), " rank ", r.rank(), " is registered twice (again on node ",
+                      quote(d.node()), ")"));
     }
   }
+  v.findOwners();
   return v;
+}
+
+void ClusterView::findOwners() {
+  for (const auto& [group, claims] : access_) {
+    // The group's owner: the claim registered first (a time unknown, from an older daemon, after
+    // every known one; ties by node name, for one answer on every coordinator).
+    const auto earlier = [](const Claim& a, const Claim& b) {
+      const uint64_t ta = a.second.since_unix_ms() ? a.second.since_unix_ms() : UINT64_MAX;
+      const uint64_t tb = b.second.since_unix_ms() ? b.second.since_unix_ms() : UINT64_MAX;
+      return std::tie(ta, a.first) < std::tie(tb, b.first);
+    };
+    const Claim& first = *std::min_element(claims.begin(), claims.end(), earlier);
+    owners_[group] = Owner{first.second.owner_uid(), first.second.since_unix_ms()};
+    const auto g = groups_.find(group);
+    if (g == groups_.end()) continue;  // reserved only: no sync can use it
+    // Every other claim must be the same uid's: a rank another uid registered on another node
+    // (where its daemon could not know the group) is named, and no sync reads or writes the group.
+    for (const Claim& other : claims) {
+      if (other.second.owner_uid() == first.second.owner_uid()) continue;
+      const std::string owner =
+          strCat("the group is uid ", first.second.owner_uid(), "'s (registered first, on node ", quote(first.first),
+                 first.second.reserved() ? ", which holds its name since its daemon restarted" : "",
+                 "): every rank of a group, on every node, is its owner's");
+      if (other.second.reserved()) {
+        g->second.conflict = strCat("group ", quote(group), ": node ", quote(other.first), " holds its name for uid ",
+                                    other.second.owner_uid(), " since its daemon restarted, but ", owner);
+        break;
+      }
+      std::vector<int32_t> ranks;
+      for (const auto& d : daemons_)
+        if (d.node() == other.first)
+          for (const auto& r : d.ranks())
+            if (r.group() == group) ranks.push_back(r.rank());
+      std::sort(ranks.begin(), ranks.end());
+      g->second.conflict =
+          strCat("group ", quote(group), ": ", ranks.size() == 1 ? "rank " : "ranks ", rankRanges(ranks), " on node ",
+                 quote(other.first), " ", ranks.size() == 1 ? "is" : "are", " registered by uid ",
+                 other.second.owner_uid(), ", but ", owner);
+      break;
+    }
+  }
+}
+
+std::string ClusterView::problem(const std::string& group) const {
+  const auto it = groups_.find(group);
+  if (it == groups_.end()) return "";
+  return it->second.conflict.empty() ? it->second.problem : it->second.conflict;
+}
+
+uint64_t ClusterView::registeredSince(const std::string& group) const {
+  const auto it = owners_.find(group);
+  return it == owners_.end() ? 0 : it->second.since_unix_ms;
 }
 
 Status ClusterView::maySync(uint32_t uid, const std::string& src, const std::string& dst) const {
@@ -481,14 +538,16 @@ Status ClusterView::maySync(uint32_t uid, const std::string& src, const std::str
     auto it = access_.find(group);
     return it == access_.end() ? std::vector<std::pair<std::string, v1::GroupAccess>>{} : it->second;
   };
+  // (A name reserved after a restart holds no part of the group: its owner's claim is checked
+  // where the view is built.)
   for (const auto& [node, a] : owners(dst))
-    if (a.owner_uid() != uid)
+    if (!a.reserved() && a.owner_uid() != uid)
       return absl::PermissionDeniedError(strCat("sync: uid ", uid, " may not write group ", quote(dst), ": it is uid ",
                                                 a.owner_uid(), "'s on node ", quote(node),
                                                 " (only a destination's owner syncs into it)"));
   for (const auto& [node, a] : owners(src)) {
     const bool granted = std::find(a.readers().begin(), a.readers().end(), uid) != a.readers().end();
-    if (a.owner_uid() != uid && !granted)
+    if (!a.reserved() && a.owner_uid() != uid && !granted)
       return absl::PermissionDeniedError(strCat("sync: uid ", uid, " may not read group ", quote(src), ": it is uid ",
                                                 a.owner_uid(), "'s on node ", quote(node),
                                                 ", who has not granted it (RegisterRequest.readers)"));
@@ -497,9 +556,9 @@ Status ClusterView::maySync(uint32_t uid, const std::string& src, const std::str
 }
 
 std::optional<uint32_t> ClusterView::ownerOf(const std::string& group) const {
-  const auto it = access_.find(group);
-  if (it == access_.end() || it->second.empty()) return std::nullopt;
-  return it->second.front().second.owner_uid();
+  const auto it = owners_.find(group);
+  if (it == owners_.end()) return std::nullopt;
+  return it->second.uid;
 }
 
 Status ClusterView::mayReceive(const std::string& src, const std::string& group) const {
@@ -547,6 +606,7 @@ const v1::Layout* ClusterView::layoutOf(const std::string& group) const {
 
 StatusOr<v1::Layout> ClusterView::completeGroup(const std::string& group) const {
   auto it = groups_.find(group);
+  if (const std::string why = problem(group); !why.empty()) return absl::FailedPreconditionError(why);
   if (it == groups_.end()) {
     std::vector<std::string> known;
     for (const auto& [name, g] : groups_) known.push_back("\"" + name + "\"");

@@ -126,9 +126,15 @@ class ClusterView {
   static StatusOr<ClusterView> build(const v1::DescribeResponse& self, const std::vector<PeerSet::PeerView>& peers,
                                      std::vector<std::string>* unreachable = nullptr);
 
-  // The layout of `group` when every rank of it is registered somewhere; FAILED_PRECONDITION
-  // naming the missing ranks (or an unknown group) otherwise.
+  // The layout of `group` when every rank of it is registered somewhere, consistently (problem()
+  // is ""); FAILED_PRECONDITION naming the missing ranks, an unknown group, or its problem otherwise.
   StatusOr<v1::Layout> completeGroup(const std::string& group) const;
+  // What makes `group` unusable, "" when nothing does: ranks of another uid than its owner (its
+  // first registration cluster-wide), two layouts, two roles, a rank registered on two nodes. It
+  // fails the syncs that read or write `group`; the rest of the view is unaffected.
+  std::string problem(const std::string& group) const;
+  // When `group` got its owner (the owner's earliest GroupAccess.since_unix_ms; 0: not known).
+  uint64_t registeredSince(const std::string& group) const;
   const std::vector<v1::DescribeResponse>& daemons() const { return daemons_; }
   // Leaves daemons()[i] out where !keep[i] (groups and their layouts stay as they were built).
   void keepDaemons(const std::vector<bool>& keep);
@@ -144,7 +150,9 @@ class ClusterView {
   // node that holds part of it, reading a `src` that is its own on every node or whose owner there
   // granted it (RegisterRequest.readers). PERMISSION_DENIED naming the group, node and owner.
   Status maySync(uint32_t uid, const std::string& src, const std::string& dst) const;
-  // The uid owning `group` (on the first node that described it; nullopt when none did).
+  // The uid owning `group` cluster-wide: whose registration of it came first, on any node (a name
+  // reserved after a restart included); nullopt when no node names an owner. problem() names any
+  // other uid's ranks of it.
   std::optional<uint32_t> ownerOf(const std::string& group) const;
   // May `group`'s owner receive `src`'s bytes, whoever asks for the sync? Its owner is one uid on
   // every node holding it, and owns `src` or was granted it there (what maySync checks for a
@@ -157,15 +165,28 @@ class ClusterView {
 
  private:
   struct GroupInfo {
-    v1::Layout layout;
+    v1::Layout layout;  // the first node's, when two differ
     std::string digest;
     std::set<int32_t> ranks;
     v1::Role role = v1::ROLE_UNSPECIFIED;
+    std::string problem;   // the first inconsistency found (problem())
+    std::string conflict;  // another uid's ranks (named before any other problem)
+    void fail(std::string why) {
+      if (problem.empty()) problem = std::move(why);
+    }
   };
+  // With groups_ and access_ built: each group's owner, and the conflicts of other uids' ranks.
+  void findOwners();
   std::vector<v1::DescribeResponse> daemons_;
   std::map<std::string, GroupInfo> groups_;
   // Per group: each node's owner and read grants (DescribeResponse.access).
-  std::map<std::string, std::vector<std::pair<std::string, v1::GroupAccess>>> access_;
+  using Claim = std::pair<std::string, v1::GroupAccess>;
+  std::map<std::string, std::vector<Claim>> access_;
+  struct Owner {
+    uint32_t uid = 0;
+    uint64_t since_unix_ms = 0;
+  };
+  std::map<std::string, Owner> owners_;  // per group: its owner cluster-wide (ownerOf)
 };
 
 // The cluster as one gather saw it: the view, and each daemon's address (addresses[i] reaches

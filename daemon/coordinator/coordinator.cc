@@ -487,7 +487,19 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
 
   // node -> the first replica taking part with ranks there, and its owner
   std::map<std::string, std::pair<std::string, std::optional<uint32_t>>> sharing;
-  for (const auto& group : view.replicasOf(req_.dst_group(), set_despite_group_)) {
+  // Replicas are weighed in the order of their claims, the source owner's first (the bytes are its
+  // own to place), then each by when its group was registered, cluster-wide (by id within that):
+  // another uid's replica neither takes an id or a node from one that was there first nor becomes
+  // the layout the others must match. They are stacked by id all the same (below).
+  std::vector<std::string> members = view.replicasOf(req_.dst_group(), set_despite_group_);
+  const auto source_owner = view.ownerOf(src_group_);
+  const auto claim = [&](const std::string& group) {
+    const uint64_t since = view.registeredSince(group);
+    return std::make_pair(!source_owner || view.ownerOf(group) != source_owner, since ? since : UINT64_MAX);
+  };
+  std::stable_sort(members.begin(), members.end(),
+                   [&](const std::string& a, const std::string& b) { return claim(a) < claim(b); });
+  for (const auto& group : members) {
     const v1::Layout& registered = *view.layoutOf(group);
     v1::ReplicaOutcome outcome;
     outcome.set_group(group);
@@ -535,17 +547,20 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
                                 : " does not accept updates (a catch-up is reading it)";
           if (!why.empty()) refused = strCat("rank ", r.rank(), " on node \"", d.node(), "\"", why);
         }
-    if (refused.empty() && !replicas_.empty())
-      if (Status same = planner::checkReplicaSet({replicas_.front(), {registered.replica(), *layout, {}}}); !same.ok())
-        refused = std::string(same.message());
+    const auto owner = view.ownerOf(group);
     if (refused.empty())
       for (const auto& taking : replicas_)
         if (taking.id == registered.replica())
-          refused = strCat("replica id ", registered.replica(), " is taken by group \"", taking.layout.group(), "\"");
+          refused = strCat("replica id ", registered.replica(), " is taken by group ", quote(taking.layout.group()),
+                           view.ownerOf(taking.layout.group()) == owner
+                               ? " (registered first)"
+                               : " of another owner, weighed first (it owns the source, or was registered first)");
+    if (refused.empty() && !replicas_.empty())
+      if (Status same = planner::checkReplicaSet({replicas_.front(), {registered.replica(), *layout, {}}}); !same.ok())
+        refused = std::string(same.message());
     // Replicas may share nodes (engines on one machine), if they have one owner: a shared node
     // lands each byte once in one replica's memory and copies it from there into the others',
     // and no uid's replica is written from memory another uid can change.
-    const auto owner = view.ownerOf(group);
     for (const auto& node : now[group].nodes)
       if (const auto it = sharing.find(node); refused.empty() && it != sharing.end() && it->second.second != owner)
         refused = strCat("node \"", node, "\" holds replica ", quote(it->second.first), " of another owner (",
@@ -558,8 +573,11 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
     for (const auto& node : now[group].nodes) sharing.emplace(node, std::make_pair(group, owner));
     outcomes_.push_back(std::move(outcome));
   }
-  std::sort(outcomes_.begin(), outcomes_.end(),
-            [](const v1::ReplicaOutcome& a, const v1::ReplicaOutcome& b) { return a.replica() < b.replica(); });
+  std::sort(replicas_.begin(), replicas_.end(),
+            [](const planner::Replica& a, const planner::Replica& b) { return a.id < b.id; });
+  std::sort(outcomes_.begin(), outcomes_.end(), [](const v1::ReplicaOutcome& a, const v1::ReplicaOutcome& b) {
+    return std::make_pair(a.replica(), a.group()) < std::make_pair(b.replica(), b.group());
+  });
   const size_t needed = std::max<uint32_t>(1, req_.options().min_replicas());
   if (replicas_.size() < needed)
     return absl::FailedPreconditionError(strCat("sync: replica set \"", req_.dst_group(), "\": ", replicas_.size(),
@@ -772,6 +790,17 @@ v1::PrepareRequest SyncCoordinator::prepareRequest() const {
     *p.mutable_dst() = dst_;
   }
   for (const auto& r : replicas_) *p.add_replicas() = r.layout;
+  // Whose groups the gather found these to be: each daemon checks its own registrations (a rank
+  // that changed hands since is neither read nor written).
+  std::vector<std::string> groups{src_group_};
+  if (replicas_.empty()) groups.push_back(req_.dst_group());
+  for (const auto& r : replicas_) groups.push_back(r.layout.group());
+  for (const auto& group : groups)
+    if (const auto owner = cluster_->view.ownerOf(group)) {
+      auto* o = p.add_owners();
+      o->set_group(group);
+      o->set_owner_uid(*owner);
+    }
   p.set_version(version_);
   p.set_seed(seed_);
   for (const uint64_t earlier : ctx_.earlier_fences) p.add_supersedes(earlier);

@@ -96,7 +96,19 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
       added ? (caller.local ? std::optional<uid_t>(caller.uid) : std::nullopt) : group->second.owner;
   std::set<uint32_t> readers = added ? std::set<uint32_t>{} : group->second.readers;
   readers.insert(req.readers().begin(), req.readers().end());  // mayJoin: the caller may join it
-  group->second = Group{req.layout(), digest, role, group_owner, layout_bytes, std::move(readers)};
+  uint64_t since = added ? 0 : group->second.since_unix_ms;
+  if (added && group_owner) {
+    // Its owner's claim dates from its first registration; one that takes its reserved name back
+    // keeps the time it had before the restart (the group's first registration cluster-wide).
+    const auto r = reserved_.find(req.group());
+    since = r != reserved_.end() && r->second.owner == *group_owner &&
+                    std::chrono::steady_clock::now() < r->second.until && r->second.since_unix_ms != 0
+                ? r->second.since_unix_ms
+                : static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                            std::chrono::system_clock::now().time_since_epoch())
+                                            .count());
+  }
+  group->second = Group{req.layout(), digest, role, group_owner, layout_bytes, std::move(readers), since};
   if (added) {
     reserved_.erase(req.group());  // live again (its owner, or past the grace)
     if (group_owner) persistOwners();
@@ -198,13 +210,13 @@ Status Registry::mayJoin(const v1::RegisterRequest& req, const std::string& dige
   auto g = groups_.find(req.group());
   if (g == groups_.end()) {
     auto r = reserved_.find(req.group());
-    if (r == reserved_.end() || std::chrono::steady_clock::now() >= r->second.second || caller.any_owner ||
-        (caller.local && caller.uid == r->second.first))
+    if (r == reserved_.end() || std::chrono::steady_clock::now() >= r->second.until || caller.any_owner ||
+        (caller.local && caller.uid == r->second.owner))
       return absl::OkStatus();
     const auto left =
-        std::chrono::duration_cast<std::chrono::seconds>(r->second.second - std::chrono::steady_clock::now());
+        std::chrono::duration_cast<std::chrono::seconds>(r->second.until - std::chrono::steady_clock::now());
     return absl::PermissionDeniedError(
-        strCat(who, ": the group is reserved for uid ", r->second.first, ", which held it on node \"", node_,
+        strCat(who, ": the group is reserved for uid ", r->second.owner, ", which held it on node \"", node_,
                "\" before the daemon restarted (for ", left.count() + 1, " s more, --owner-grace-s); ",
                caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"), " may not take it"));
   }
@@ -383,14 +395,24 @@ Status Registry::keepOwners(const std::string& path, std::chrono::seconds grace)
                  quote(path));
   }
   ::close(fd);
-  // "uid hex(group)" per line: written by persistOwners, read back as such; anything else skipped.
+  // "uid hex(group) since_unix_ms" per line (an older daemon's: without the time): written by
+  // persistOwners, read back as such; anything else skipped.
   const auto until = std::chrono::steady_clock::now() + grace;
   std::istringstream in(text);
   std::string line;
   while (std::getline(in, line)) {
     const auto space = line.find(' ');
     if (space == std::string::npos || space == 0) continue;
-    const std::string hex = line.substr(space + 1);
+    const auto second = line.find(' ', space + 1);
+    uint64_t since = 0;
+    if (second != std::string::npos) {
+      const std::string digits = line.substr(second + 1);
+      char* since_end = nullptr;
+      since = std::strtoull(digits.c_str(), &since_end, 10);
+      if (digits.empty() || digits.size() > 20 || since_end != digits.c_str() + digits.size()) continue;
+    }
+    const std::string hex =
+        line.substr(space + 1, second == std::string::npos ? std::string::npos : second - space - 1);
     if (hex.empty() || hex.size() % 2 != 0 || hex.size() > 2 * 512) continue;
     std::string group;
     bool ok = true;
@@ -405,7 +427,7 @@ Status Registry::keepOwners(const std::string& path, std::chrono::seconds grace)
     char* end = nullptr;
     const unsigned long uid = std::strtoul(line.c_str(), &end, 10);
     if (!ok || end != line.c_str() + space || uid > UINT32_MAX) continue;
-    reserved_[group] = {static_cast<uid_t>(uid), until};
+    reserved_[group] = {static_cast<uid_t>(uid), until, since};
   }
   if (!reserved_.empty())
     spdlog::info("{} group name(s) reserved for their owners for {} s (held before this daemon restarted)",
@@ -416,20 +438,17 @@ Status Registry::keepOwners(const std::string& path, std::chrono::seconds grace)
 void Registry::persistOwners() const {
   if (owners_path_.empty()) return;
   std::string text;
-  for (const auto& [name, g] : groups_) {
-    if (!g.owner) continue;
-    text += strCat(*g.owner, " ");
+  const auto line = [&](uid_t owner, const std::string& name, uint64_t since) {
+    text += strCat(owner, " ");
     for (const unsigned char c : name) text += fmt::format("{:02x}", c);
-    text += "\n";
-  }
+    text += strCat(" ", since, "\n");
+  };
+  for (const auto& [name, g] : groups_)
+    if (g.owner) line(*g.owner, name, g.since_unix_ms);
   // Reservations not yet taken up stay reserved across a second restart within the grace.
   const auto now = std::chrono::steady_clock::now();
-  for (const auto& [name, r] : reserved_) {
-    if (groups_.count(name) || now >= r.second) continue;
-    text += strCat(r.first, " ");
-    for (const unsigned char c : name) text += fmt::format("{:02x}", c);
-    text += "\n";
-  }
+  for (const auto& [name, r] : reserved_)
+    if (!groups_.count(name) && now < r.until) line(r.owner, name, r.since_unix_ms);
   // A fresh file (whatever was planted at the name goes first: a FIFO there would block this open
   // under the registry's lock), then renamed over the old one.
   const std::string tmp = owners_path_ + ".tmp";
@@ -478,7 +497,18 @@ v1::DescribeResponse Registry::describe() const {
     auto* a = d.add_access();
     a->set_group(group);
     a->set_owner_uid(*g.owner);
+    a->set_since_unix_ms(g.since_unix_ms);
     for (const uint32_t uid : g.readers) a->add_readers(uid);
+  }
+  // Names reserved for their owners after a restart: their claim on the group, cluster-wide.
+  const auto now = std::chrono::steady_clock::now();
+  for (const auto& [group, r] : reserved_) {
+    if (groups_.count(group) || now >= r.until) continue;
+    auto* a = d.add_access();
+    a->set_group(group);
+    a->set_owner_uid(r.owner);
+    a->set_since_unix_ms(r.since_unix_ms);
+    a->set_reserved(true);
   }
   for (const auto& [key, r] : ranks_) {
     auto* rr = d.add_ranks();

@@ -122,9 +122,11 @@ class Registry {
   // gains a reader, and no sync writes it until the reading sync ends.
   // `supersedes`: the fences of this sync's earlier attempts in the same Sync call
   // (PrepareRequest.supersedes): only those may be taken over on ranks they still write (Rank::lingering).
+  // `owners`: each group's owner as the coordinator found it cluster-wide (PrepareRequest.owners):
+  // a group of `src` or `dst` held here under another owner (or none) is refused, naming both.
   Status beginSync(const std::string& id, const std::string& src, const Destination& dst, uint64_t version,
                    const std::string& src_digest, uint64_t fence = 0, Base* base = nullptr, bool seed = false,
-                   const std::vector<uint64_t>& supersedes = {});
+                   const std::vector<uint64_t>& supersedes = {}, const std::map<std::string, uint32_t>& owners = {});
   // Before every use of the involved ranks' memory (every execute): segments still whole.
   Status checkSync(const std::string& src, const std::string& dst) const;
   Status checkSync(const std::string& src, const std::vector<std::string>& dst) const;
@@ -178,7 +180,9 @@ class Registry {
   // (beside the socket, the daemon's own) holds the owned groups, rewritten whenever a group gains
   // or loses its owner. What it held at start stays reserved for its owner uid for `grace`: no
   // other uid registers those names meanwhile, so a restart cannot be raced to squat a running
-  // job's group. A file that is missing, or is not the daemon's own regular file, reserves nothing.
+  // job's group. Describe names the reservations (GroupAccess.reserved), with the time the owner
+  // first held the group: the coordinators' gathers count them as the owner's claim on every node.
+  // A file that is missing, or is not the daemon's own regular file, reserves nothing.
   Status keepOwners(const std::string& path, std::chrono::seconds grace);
   // Whether peers may send from and land in clients' shm segments directly (Describe's
   // RemoteBuffer.staged): by default where the transport cannot fault on a truncated segment
@@ -266,6 +270,9 @@ class Registry {
     std::optional<uid_t> owner;  // the uid of its first rank registered over the Unix socket
     size_t layout_bytes = 0;     // the layout's serialised size (in Describe once)
     std::set<uint32_t> readers;  // RegisterRequest.readers: uids the owner lets sync it out of here
+    // When it got its owner here (GroupAccess.since_unix_ms): the owner's claim on the group across
+    // the cluster, the earliest of which is the group's. Kept through a restart by the owners file.
+    uint64_t since_unix_ms = 0;
   };
   // With mu_ held: Describe's size if `rank` joined (replacing its predecessor, if any) with a
   // layout of `layout_bytes`.
@@ -307,7 +314,14 @@ class Registry {
   std::optional<bool> host_zero_copy_;  // setHostZeroCopy; unset: the transport's capability
   bool hostSafe() const;                // clients' segments may be handed to the transport
   static bool mustPack(const Buffer& b, bool host_safe);
-  std::map<std::string, std::pair<uid_t, std::chrono::steady_clock::time_point>> reserved_;
+  // A group name held before a restart: its owner, until when it is kept for it, and since when
+  // the owner held it (GroupAccess.since_unix_ms, which its re-registration keeps).
+  struct Reservation {
+    uid_t owner = 0;
+    std::chrono::steady_clock::time_point until;
+    uint64_t since_unix_ms = 0;
+  };
+  std::map<std::string, Reservation> reserved_;
   std::set<std::string> sessions_;
   std::map<std::string, std::vector<v1::SupersededRank>> superseded_;  // by session: takeSuperseded
   uint64_t next_registration_ = 1;

@@ -57,10 +57,25 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
 
 Status Registry::beginSync(const std::string& id, const std::string& src, const Destination& dst, uint64_t version,
                            const std::string& src_digest, uint64_t fence, Base* base, bool seed,
-                           const std::vector<uint64_t>& supersedes) {
+                           const std::vector<uint64_t>& supersedes, const std::map<std::string, uint32_t>& owners) {
   if (version == 0 || version >= kMaxVersion)
     return absl::InvalidArgumentError(strCat("sync ", id, ": version ", version, " is not in [1, 2^63)"));
   std::lock_guard<std::mutex> lock(mu_);
+  // The groups are the owners' the coordinator found (under this lock: a rank that changed hands
+  // since its gather is neither read nor written). A destination group's refusal names it, so a
+  // replica set's coordinator cuts that replica alone.
+  for (const auto& [group, owner] : owners) {
+    const bool read = group == src;
+    if (!read && !digestIn(dst, group)) continue;
+    const auto g = groups_.find(group);
+    if (g == groups_.end() || (g->second.owner && *g->second.owner == owner)) continue;
+    return refusedBy(absl::FailedPreconditionError(strCat(
+                         "sync ", id, ": group ", quote(group), " on node ", quote(node_), " is ",
+                         g->second.owner ? strCat("uid ", *g->second.owner, "'s") : std::string("no uid's"),
+                         ", but its coordinator found it uid ", owner, "'s: its ranks changed hands since the gather, ",
+                         read ? "not read" : "not written", " (retry the sync)")),
+                     read ? std::string() : group);
+  }
   std::vector<Rank*> readers, writers;
   for (const auto& [key, r] : ranks_) {
     const std::string who = strCat("group \"", r->group, "\" rank ", r->rank, " on node \"", node_, "\"");

@@ -11,6 +11,11 @@
 //       GROUP; with SET non-empty GROUP is replica ID of set SET, and GROUP-src is synced into it
 //       (its own: allowed), so it reports ready(VERSION) with 0x07 bytes. Prints "ready <code>",
 //       then holds its ranks until EOF on stdin
+//   foreign_caller rank SOCKET LAYOUT_JSON GROUP RANK VERSION
+//       registers rank RANK of GROUP (the layout's group renamed) in memory of its own, every byte
+//       0x07: a source at VERSION when VERSION > 0, else a destination. Prints "registered <code>",
+//       holds the rank until EOF on stdin, then prints "untouched 1" when its memory still holds
+//       only 0x07 (no sync wrote it), "untouched 0" otherwise
 //   foreign_caller flood SOCKET N
 //       opens N connections to the socket and keeps them; prints "held K" (those the daemon did not
 //       close), then waits for EOF on stdin
@@ -88,6 +93,31 @@ int replica(const std::string& socket, const char* json, const std::string& grou
   return 0;
 }
 
+// One rank of a group, in memory of its own: another node's missing rank of someone's group, say.
+int rank(const std::string& socket, const char* json, const std::string& group, int32_t r, uint64_t version) {
+  auto client = Client::connect("unix:" + socket);
+  if (!client.ok()) return 1;
+  auto layout = planner::parseLayoutJson(json, group);
+  if (!layout.ok()) return 1;
+  layout->set_group(group);
+  auto memory = HostTensors::forRank(*layout, r);
+  if (!memory.ok()) return 1;
+  for (const auto& [name, slot] : memory->buffers()) {
+    const auto bytes = memory->bytes(name);
+    std::memset(bytes.data(), 0x07, bytes.size());
+  }
+  const RegisterOptions options = version > 0 ? RegisterOptions::source(version) : RegisterOptions{};
+  report("registered", client->registerRank(*layout, r, *memory, options).status());
+  std::fflush(stdout);
+  for (std::string line; std::getline(std::cin, line);) {
+  }
+  bool untouched = true;
+  for (const auto& [name, slot] : memory->buffers())
+    for (const std::byte b : memory->bytes(name)) untouched = untouched && b == std::byte{0x07};
+  std::printf("untouched %d\n", untouched ? 1 : 0);
+  return 0;
+}
+
 // Idle connections, as many as it can hold.
 int flood(const std::string& socket, int n) {
   std::vector<int> fds;
@@ -119,6 +149,8 @@ int flood(const std::string& socket, int n) {
 int main(int argc, char** argv) {
   if (argc == 4 && std::string(argv[1]) == "flood") return flood(argv[2], std::stoi(argv[3]));
   if (argc == 6 && std::string(argv[1]) == "sync") return syncs(argv[2], argv[3], argv[4], argv[5]);
+  if (argc == 7 && std::string(argv[1]) == "rank")
+    return rank(argv[2], argv[3], argv[4], std::stoi(argv[5]), std::stoull(argv[6]));
   if (argc == 8 && std::string(argv[1]) == "replica")
     return replica(argv[2], argv[3], argv[4], argv[5], std::stoi(argv[6]), std::stoull(argv[7]));
   if (argc != 5) {

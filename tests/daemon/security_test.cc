@@ -12,12 +12,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <tuple>
 
 #include "client/lib/client.h"
 #include "daemon/registry/registry.h"
@@ -851,6 +853,335 @@ TEST_CASE("a replica set takes only replicas whose owner may receive its source:
   CHECK(ast.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
   CHECK_THAT(ast.error_message(), Catch::Contains("both a registered group and the replica set"));
   for (Child* c : {&joined, &squat, &shadow}) {
+    c->closeStdin();
+    CHECK(c->wait() == 0);
+  }
+}
+
+// ---- A group's owner across the cluster (docs/security.md, "A group's owner is cluster-wide") ----
+
+namespace {
+
+// foreign_caller with `args`, as uid 65534 in the socket's group (root's, mode 0660).
+Child asNobody(const std::vector<std::string>& args) {
+  std::vector<std::string> argv{"setpriv", "--reuid=65534", "--regid=0", "--clear-groups",
+                                testBinary(FOREIGN_CALLER_PATH)};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return Child::spawn(argv);
+}
+
+// Group `group`: w [16, 16] float32 over ranks on `nodes`, sharded by rows (one rank: whole).
+std::string rowsOver(const std::string& group, const std::vector<std::string>& nodes) {
+  std::string list;
+  for (const auto& n : nodes) list += (list.empty() ? "\"" : ",\"") + n + "\"";
+  return R"({"group":")" + group + R"(","mesh":{"shape":[)" + std::to_string(nodes.size()) + R"(]},"nodes":[)" + list +
+         R"(],"tensors":[{"name":"w","shape":[16,16],"dtype":"float32","placements":[{"shard":{"dim":0}}]}]})";
+}
+
+v1::Layout layoutOf(const std::string& json, const std::string& group) {
+  v1::Layout l = *planner::parseLayoutJson(json, group);
+  l.set_group(group);
+  return l;
+}
+
+grpc::Status syncOn(const Daemon& coordinator, const std::string& src, const std::string& dst, uint64_t version,
+                    v1::SyncResponse* out = nullptr) {
+  v1::SyncRequest s;
+  s.set_src_group(src);
+  s.set_dst_group(dst);
+  s.set_version(version);
+  v1::SyncResponse ignored;
+  return coordinator.client()->Sync(ctx(60).get(), s, out ? out : &ignored);
+}
+
+// The states of `group`'s ranks on `d`.
+std::vector<v1::RankStatus> ranksOf(const Daemon& d, const std::string& group) {
+  v1::WaitVersionRequest w;
+  w.set_group(group);
+  v1::WaitVersionResponse out;
+  const grpc::Status st = d.client()->WaitVersion(ctx(10).get(), w, &out);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  return {out.ranks().begin(), out.ranks().end()};
+}
+
+bool holds(const RankMemory& m, std::byte value) {
+  const auto* p = static_cast<const std::byte*>(m.seg->data());
+  return std::find(p, p + m.seg->size(), value) != p + m.seg->size();
+}
+
+struct TwoNodes {
+  int p0 = freePort(), p1 = freePort();
+  std::vector<std::string> peers{"127.0.0.1:" + std::to_string(p0), "127.0.0.1:" + std::to_string(p1)};
+};
+
+}  // namespace
+
+TEST_CASE(
+    "a group's owner is cluster-wide: another uid's rank of it on another node fails its syncs, unread and "
+    "unwritten",
+    "[daemon][security]") {
+  if (::geteuid() != 0) {
+    SHARDCAST_SKIP("needs root to run a caller as another uid (setpriv)");
+  }
+  TwoNodes net;
+  Daemon n0("n0", net.p0, net.peers), n1("n1", net.p1, net.peers);
+  REQUIRE(n0.ready());
+  REQUIRE(n1.ready());
+  planner::NodeTable nodes;
+  v1::RegisterResponse registered;
+  auto reg = [&](const Daemon& d, const v1::RegisterRequest& r) {
+    const grpc::Status st = d.client()->Register(ctx(10).get(), r, &registered);
+    INFO(st.error_message());
+    REQUIRE(st.ok());
+  };
+  // Root's trainer (one rank on n1, bytes 0x42 at version 1) and root's model (one rank on n0).
+  const v1::Layout trainer = layoutOf(rowsOver("trainer", {"n1"}), "trainer");
+  const v1::Layout model = layoutOf(rowsOver("model", {"n0"}), "model");
+  RankMemory tmem = allocateRank(*planner::resolveLayout(trainer, nodes), 0, "cw-trainer");
+  RankMemory mmem = allocateRank(*planner::resolveLayout(model, nodes), 0, "cw-model");
+  std::memset(tmem.seg->data(), 0x42, tmem.seg->size());
+  reg(n1, registerRequest(trainer, 0, 1, tmem, v1::ROLE_SOURCE, 1));
+  reg(n0, registerRequest(model, 0, 1, mmem));
+
+  // A destination: root registers rank 1 of "wide" on n1; its rank 0 belongs on n0, not
+  // registered yet. uid 65534 registers it there with root's layout: n0 holds nothing of "wide",
+  // so it cannot know the group is root's.
+  const std::string wide_json = rowsOver("wide", {"n0", "n1"});
+  const v1::Layout wide = layoutOf(wide_json, "wide");
+  RankMemory wmem = allocateRank(*planner::resolveLayout(wide, nodes), 1, "cw-wide1");
+  reg(n1, registerRequest(wide, 1, 2, wmem));
+  Child squat = asNobody({"rank", n0.socketPath(), wide_json, "wide", "0", "0"});
+  REQUIRE(squat.readLine(std::chrono::seconds(60)) == "registered OK");
+  // Root's sync into "wide", whichever daemon coordinates it, fails at the gather naming the rank,
+  // its node and both owners: root's weights never reach uid 65534's memory.
+  for (const Daemon* coordinator : {&n0, &n1}) {
+    const grpc::Status st = syncOn(*coordinator, "trainer", "wide", 1);
+    INFO("coordinated by " << coordinator->node() << ": " << st.error_message());
+    CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+    CHECK_THAT(st.error_message(), Catch::Contains("group \"wide\": rank 0 on node \"n0\" is registered by uid "
+                                                   "65534, but the group is uid 0's (registered first, on node "
+                                                   "\"n1\")"));
+  }
+  CHECK(ranksOf(n1, "wide").at(0).state() == v1::RANK_EMPTY);
+  squat.closeStdin();
+  CHECK(squat.readLine(std::chrono::seconds(30)) == "untouched 1");
+  CHECK(squat.wait() == 0);
+
+  // A source: root registers rank 0 of "shards" on n0 (0x42 at version 1); uid 65534 registers its
+  // rank 1 on n1 with its own bytes (0x07) at the same version. Root's model must not commit a
+  // version half of whose rows are uid 65534's.
+  const std::string shards_json = rowsOver("shards", {"n0", "n1"});
+  const v1::Layout shards = layoutOf(shards_json, "shards");
+  RankMemory smem = allocateRank(*planner::resolveLayout(shards, nodes), 0, "cw-shards0");
+  std::memset(smem.seg->data(), 0x42, smem.seg->size());
+  reg(n0, registerRequest(shards, 0, 2, smem, v1::ROLE_SOURCE, 1));
+  Child feeder = asNobody({"rank", n1.socketPath(), shards_json, "shards", "1", "1"});
+  REQUIRE(feeder.readLine(std::chrono::seconds(60)) == "registered OK");
+  const grpc::Status fed = syncOn(n0, "shards", "model", 1);
+  INFO(fed.error_message());
+  CHECK(fed.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(fed.error_message(), Catch::Contains("group \"shards\": rank 1 on node \"n1\" is registered by uid "
+                                                  "65534, but the group is uid 0's (registered first, on node "
+                                                  "\"n0\")"));
+  CHECK(ranksOf(n0, "model").at(0).state() == v1::RANK_EMPTY);
+  CHECK_FALSE(holds(mmem, std::byte{0x07}));
+  feeder.closeStdin();
+  CHECK(feeder.readLine(std::chrono::seconds(30)) == "untouched 1");
+  CHECK(feeder.wait() == 0);
+  // Root's own groups sync as before.
+  const grpc::Status own = syncOn(n0, "trainer", "model", 1);
+  INFO(own.error_message());
+  CHECK(own.ok());
+  CHECK(std::memcmp(mmem.seg->data(), tmem.seg->data(), tmem.seg->size()) == 0);
+}
+
+TEST_CASE("one uid's inconsistent group fails only the syncs that use it", "[daemon][security]") {
+  if (::geteuid() != 0) {
+    SHARDCAST_SKIP("needs root to run a caller as another uid (setpriv)");
+  }
+  TwoNodes net;
+  Daemon n0("n0", net.p0, net.peers), n1("n1", net.p1, net.peers);
+  REQUIRE(n0.ready());
+  REQUIRE(n1.ready());
+  planner::NodeTable nodes;
+  v1::RegisterResponse registered;
+  const v1::Layout trainer = layoutOf(rowsOver("trainer", {"n1"}), "trainer");
+  const v1::Layout model = layoutOf(rowsOver("model", {"n0"}), "model");
+  RankMemory tmem = allocateRank(*planner::resolveLayout(trainer, nodes), 0, "dup-trainer");
+  RankMemory mmem = allocateRank(*planner::resolveLayout(model, nodes), 0, "dup-model");
+  std::memset(tmem.seg->data(), 0x42, tmem.seg->size());
+  REQUIRE(
+      n1.client()->Register(ctx(10).get(), registerRequest(trainer, 0, 1, tmem, v1::ROLE_SOURCE, 1), &registered).ok());
+  REQUIRE(n0.client()->Register(ctx(10).get(), registerRequest(model, 0, 1, mmem), &registered).ok());
+  // uid 65534 registers its own group "dup" on both nodes, with a different layout on each.
+  std::string narrow = rowsOver("dup", {"n0", "n1"});
+  narrow.replace(narrow.find("[16,16]"), 7, "[16,8]");
+  Child a = asNobody({"rank", n0.socketPath(), rowsOver("dup", {"n0", "n1"}), "dup", "0", "0"});
+  Child b = asNobody({"rank", n1.socketPath(), narrow, "dup", "1", "0"});
+  REQUIRE(a.readLine(std::chrono::seconds(60)) == "registered OK");
+  REQUIRE(b.readLine(std::chrono::seconds(60)) == "registered OK");
+  // Root's sync of its own groups goes on, from either coordinator.
+  for (const Daemon* coordinator : {&n0, &n1}) {
+    std::memset(mmem.seg->data(), 0, mmem.seg->size());
+    const uint64_t version = coordinator == &n0 ? 1 : 2;
+    if (version == 2) {
+      v1::RegisterRequest again = registerRequest(trainer, 0, 1, tmem, v1::ROLE_SOURCE, 2);
+      again.set_replace(true);
+      REQUIRE(n1.client()->Register(ctx(10).get(), again, &registered).ok());
+    }
+    const grpc::Status st = syncOn(*coordinator, "trainer", "model", version);
+    INFO("coordinated by " << coordinator->node() << ": " << st.error_message());
+    CHECK(st.ok());
+    CHECK(std::memcmp(mmem.seg->data(), tmem.seg->data(), tmem.seg->size()) == 0);
+  }
+  // A sync into the bad group fails, naming it.
+  const grpc::Status bad = syncOn(n0, "trainer", "dup", 2);
+  INFO(bad.error_message());
+  CHECK(bad.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(bad.error_message(), Catch::Contains("group \"dup\" is registered with two layouts"));
+  for (Child* c : {&a, &b}) {
+    c->closeStdin();
+    CHECK(c->readLine(std::chrono::seconds(30)) == "untouched 1");
+    CHECK(c->wait() == 0);
+  }
+}
+
+TEST_CASE("a name reserved after a restart is its owner's claim on every node", "[daemon][security]") {
+  if (::geteuid() != 0) {
+    SHARDCAST_SKIP("needs root to run a caller as another uid (setpriv)");
+  }
+  TwoNodes net;
+  auto n0 = std::make_unique<Daemon>("n0", net.p0, net.peers);
+  Daemon n1("n1", net.p1, net.peers);
+  REQUIRE(n0->ready());
+  REQUIRE(n1.ready());
+  planner::NodeTable nodes;
+  v1::RegisterResponse registered;
+  const v1::Layout trainer = layoutOf(rowsOver("trainer", {"n1"}), "trainer");
+  RankMemory tmem = allocateRank(*planner::resolveLayout(trainer, nodes), 0, "held-trainer");
+  std::memset(tmem.seg->data(), 0x42, tmem.seg->size());
+  REQUIRE(
+      n1.client()->Register(ctx(10).get(), registerRequest(trainer, 0, 1, tmem, v1::ROLE_SOURCE, 1), &registered).ok());
+  // Root's "held": rank 0 on n0 registered, rank 1 (on n1) not yet. n0's daemon restarts: the
+  // name stays root's there for the grace period.
+  const std::string held_json = rowsOver("held", {"n0", "n1"});
+  const v1::Layout held = layoutOf(held_json, "held");
+  RankMemory hmem = allocateRank(*planner::resolveLayout(held, nodes), 0, "held0");
+  REQUIRE(n0->client()->Register(ctx(10).get(), registerRequest(held, 0, 2, hmem), &registered).ok());
+  n0->kill();
+  n0 = std::make_unique<Daemon>("n0", net.p0, net.peers, std::vector<std::string>{"--owner-grace-s", "120"});
+  REQUIRE(n0->ready());
+  // uid 65534 registers rank 1 on n1, which never held the group.
+  Child squat = asNobody({"rank", n1.socketPath(), held_json, "held", "1", "0"});
+  REQUIRE(squat.readLine(std::chrono::seconds(60)) == "registered OK");
+  // The gather counts n0's reservation as root's claim, from before the restart: uid 65534's rank
+  // is named, with or without root's rank 0 back.
+  const std::string named =
+      "group \"held\": rank 1 on node \"n1\" is registered by uid 65534, but the group is uid "
+      "0's (registered first, on node \"n0\"";
+  grpc::Status st = syncOn(n1, "trainer", "held", 1);
+  INFO(st.error_message());
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains(named + ", which holds its name since its daemon restarted)"));
+  REQUIRE(n0->client()->Register(ctx(10).get(), registerRequest(held, 0, 2, hmem), &registered).ok());
+  st = syncOn(n1, "trainer", "held", 1);
+  INFO(st.error_message());
+  CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(st.error_message(), Catch::Contains(named + ")"));
+  CHECK(ranksOf(*n0, "held").at(0).state() == v1::RANK_EMPTY);
+  squat.closeStdin();
+  CHECK(squat.readLine(std::chrono::seconds(30)) == "untouched 1");
+  CHECK(squat.wait() == 0);
+}
+
+TEST_CASE("a daemon prepares a sync only of groups whose owners are those its coordinator found",
+          "[daemon][security]") {
+  Daemon d("n0", freePort(), {});
+  REQUIRE(d.ready());
+  planner::NodeTable nodes;
+  const v1::Layout src = layoutOf(rowsOver("src", {"n0"}), "src"), dst = layoutOf(rowsOver("dst", {"n0"}), "dst");
+  RankMemory smem = allocateRank(*planner::resolveLayout(src, nodes), 0, "owned-src");
+  RankMemory dmem = allocateRank(*planner::resolveLayout(dst, nodes), 0, "owned-dst");
+  v1::RegisterResponse registered;
+  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(src, 0, 1, smem, v1::ROLE_SOURCE, 1), &registered).ok());
+  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(dst, 0, 1, dmem), &registered).ok());
+  const uint32_t me = ::geteuid(), other = me + 1;
+  auto prepare = [&](const std::string& id, uint32_t src_owner, uint32_t dst_owner) {
+    v1::PrepareRequest p = prepareRequest(id, src, dst, 1);
+    for (const auto& [group, owner] : {std::make_pair("src", src_owner), std::make_pair("dst", dst_owner)}) {
+      auto* o = p.add_owners();
+      o->set_group(group);
+      o->set_owner_uid(owner);
+    }
+    v1::PrepareResponse out;
+    return d.peer()->Prepare(ctx(10).get(), p, &out);
+  };
+  // The gather found another owner than the one holding the group here: changed hands since.
+  for (const auto& [id, src_owner, dst_owner, group] :
+       {std::make_tuple("read", other, me, "src"), std::make_tuple("written", me, other, "dst")}) {
+    const grpc::Status st = prepare(id, src_owner, dst_owner);
+    INFO(st.error_message());
+    CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+    CHECK_THAT(st.error_message(),
+               Catch::Contains(std::string("group \"") + group + "\" on node \"n0\" is uid " + std::to_string(me) +
+                               "'s, but its coordinator found it uid " + std::to_string(other) + "'s"));
+    CHECK_THAT(st.error_message(), Catch::Contains(std::string("not ") + id));
+  }
+  CHECK(ranksOf(d, "dst").at(0).state() == v1::RANK_EMPTY);
+  // The owners it holds: prepared (then given up).
+  const grpc::Status ok = prepare("owned", me, me);
+  INFO(ok.error_message());
+  CHECK(ok.ok());
+  v1::FinishRequest abort;
+  abort.set_sync_id("owned");
+  v1::FinishResponse finished;
+  CHECK(d.peer()->Finish(ctx(10).get(), abort, &finished).ok());
+}
+
+TEST_CASE("another uid's replica neither displaces nor cuts the set's replicas: an id taken, a layout of its own",
+          "[daemon][security]") {
+  if (::geteuid() != 0) {
+    SHARDCAST_SKIP("needs root to run a caller as another uid (setpriv)");
+  }
+  Daemon d("n0", freePort(), {});
+  REQUIRE(d.ready());
+  // Root's trainer (0x42, version 5), which uid 65534 may read, and root's replicas 0 and 1 of
+  // set "rollout" (one node: one owner's replicas share it).
+  const v1::Layout src = oneRank("trainer"), r0 = replicaOf("rollout", 0), r1 = replicaOf("rollout", 1);
+  planner::NodeTable nodes;
+  const auto resolved = *planner::resolveLayout(src, nodes);
+  RankMemory smem = allocateRank(resolved, 0, "ids-trainer"), m0 = allocateRank(resolved, 0, "ids-r0"),
+             m1 = allocateRank(resolved, 0, "ids-r1");
+  std::memset(smem.seg->data(), 0x42, smem.seg->size());
+  v1::RegisterResponse registered;
+  auto granted = registerRequest(src, 0, 1, smem, v1::ROLE_SOURCE, 5);
+  granted.add_readers(65534);
+  REQUIRE(d.client()->Register(ctx(10).get(), granted, &registered).ok());
+  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(r0, 0, 1, m0), &registered).ok());
+  REQUIRE(d.client()->Register(ctx(10).get(), registerRequest(r1, 0, 1, m1), &registered).ok());
+  // uid 65534 joins the set with two replicas of its own, both with root's id 0 (their groups
+  // sort before root's): one with the set's layout, one with a layout of its own (w [16, 8]).
+  std::string narrow = kOneRank;
+  narrow.replace(narrow.find("[16,16]"), 7, "[16,8]");
+  Child same = asNobody({"replica", d.socketPath(), kOneRank, "rollout.a", "rollout", "0", "1"});
+  Child other = asNobody({"replica", d.socketPath(), narrow, "rollout.b", "rollout", "0", "1"});
+  REQUIRE(same.readLine(std::chrono::seconds(60)) == "ready OK");
+  REQUIRE(other.readLine(std::chrono::seconds(60)) == "ready OK");
+  // Root's sync writes both of root's replicas; uid 65534's are the ones cut, named.
+  v1::SyncResponse out;
+  const grpc::Status st = syncOn(d, "trainer", "rollout", 5, &out);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  std::map<std::string, std::string> outcomes;
+  for (const auto& o : out.replicas()) outcomes[o.group()] = o.committed() ? "committed" : o.cut();
+  CHECK(outcomes["rollout.r0"] == "committed");
+  CHECK(outcomes["rollout.r1"] == "committed");
+  for (const char* intruder : {"rollout.a", "rollout.b"})
+    CHECK_THAT(outcomes[intruder], Catch::Contains("replica id 0 is taken by group \"rollout.r0\" of another owner"));
+  CHECK(std::memcmp(m0.seg->data(), smem.seg->data(), smem.seg->size()) == 0);
+  CHECK(std::memcmp(m1.seg->data(), smem.seg->data(), smem.seg->size()) == 0);
+  for (Child* c : {&same, &other}) {
     c->closeStdin();
     CHECK(c->wait() == 0);
   }
