@@ -286,6 +286,12 @@ class Resolver {
   Status resolveMesh() {
     out_.group = in_.group();
     if (in_.group().empty()) return absl::InvalidArgumentError("layout: \"group\" is empty");
+    // Group and set names reach logs, metrics and operators' terminals (shardcast top, status).
+    for (const auto& [field, name] : {std::pair<const char*, const std::string&>{"group", in_.group()},
+                                      std::pair<const char*, const std::string&>{"replica_set", in_.replica_set()}})
+      if (hasControlOrInvalidUtf8(name))
+        return absl::InvalidArgumentError(
+            strCat("layout: \"", field, "\" ", quote(name), " holds a control character or is not UTF-8 text"));
     if (in_.mesh().shape_size() == 0) return absl::InvalidArgumentError(where() + ": mesh.shape is empty");
     // The replica_set name is bounded with every other string, by checkSizes.
     if (in_.replica() < 0)

@@ -163,10 +163,11 @@ Status PeerSet::checkTransportAddresses(const std::vector<NodeAddress>& nodes,
       std::vector<std::string> names;
       for (const NodeAddress* p : pending) names.push_back(quote(p->node));
       const bool one = names.size() == 1;
-      return absl::UnavailableError(strCat(one ? "node " : "nodes ", strJoin(names, ", "),
-                                           one ? " has not described itself" : " have not described themselves",
-                                           " to this daemon in time: ", one ? "its transport address" : "their transport addresses",
-                                           " cannot be checked", last_error.empty() ? std::string() : strCat(" (", last_error, ")")));
+      return absl::UnavailableError(
+          strCat(one ? "node " : "nodes ", strJoin(names, ", "),
+                 one ? " has not described itself" : " have not described themselves",
+                 " to this daemon in time: ", one ? "its transport address" : "their transport addresses",
+                 " cannot be checked", last_error.empty() ? std::string() : strCat(" (", last_error, ")")));
     }
     std::this_thread::sleep_until(std::min(now + pause, deadline));
     pause = std::min(pause * 2, kAskEvery);
@@ -178,8 +179,7 @@ std::vector<std::string> PeerSet::whereToAsk(const std::vector<const NodeAddress
   // A node is asked at its daemon's address as given (when that is one of the cluster's peers: no
   // other address is dialled) and wherever it was reached before or a peer said it is.
   std::vector<bool> given(pending.size());
-  for (size_t k = 0; k < pending.size(); ++k)
-    given[k] = !pending[k]->address.empty() && isPeer(pending[k]->address);
+  for (size_t k = 0; k < pending.size(); ++k) given[k] = !pending[k]->address.empty() && isPeer(pending[k]->address);
   std::set<std::string> where;
   bool nowhere = false;  // a node no address is known for
   {
@@ -220,7 +220,8 @@ std::vector<std::string> PeerSet::whereToAsk(const std::vector<const NodeAddress
   };
   for (const auto& a : where) take(a);
   if (nowhere) {
-    const bool undescribed = std::any_of(all.begin(), all.end(), [&](const std::string& a) { return !nodes_.count(a); });
+    const bool undescribed =
+        std::any_of(all.begin(), all.end(), [&](const std::string& a) { return !nodes_.count(a); });
     for (const auto& a : all)
       if (!undescribed || !nodes_.count(a)) take(a);
   }

@@ -1021,7 +1021,8 @@ std::vector<size_t> SyncCoordinator::writesTo(size_t i) const {
   if (daemon_at_.empty()) {
     daemon_at_.assign(static_cast<size_t>(nodes.size()), -1);
     for (size_t d = 0; d < daemons.size(); ++d)
-      if (const int32_t at = nodes.find(daemons[d].node()); at >= 0) daemon_at_[static_cast<size_t>(at)] = static_cast<int64_t>(d);
+      if (const int32_t at = nodes.find(daemons[d].node()); at >= 0)
+        daemon_at_[static_cast<size_t>(at)] = static_cast<int64_t>(d);
   }
   std::vector<size_t> out;
   if (const int32_t self = nodes.find(daemons[i].node()); self >= 0)

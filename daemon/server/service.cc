@@ -36,7 +36,8 @@ Status checkNodes(const PeerSet& peers, const Registry& registry,
     if (n.node() != registry.node() || n.transport_address() != registry.transportAddress())
       given.push_back({n.node(), n.transport_address(), n.address()});
   if (given.empty()) return absl::OkStatus();
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(ctx.deadline() - std::chrono::system_clock::now());
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(ctx.deadline() - std::chrono::system_clock::now());
   const auto margin = std::clamp(left / 10, std::chrono::milliseconds(10), std::chrono::milliseconds(1000));
   return peers.checkTransportAddresses(given, std::chrono::steady_clock::now() + (left - margin));
 }

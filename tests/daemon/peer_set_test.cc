@@ -104,15 +104,16 @@ TEST_CASE("transport addresses: a node that answers with another address is refu
   CHECK(c.peer.calls() == 1);  // its answer decided: not asked again until the deadline
 }
 
-TEST_CASE("transport addresses: a node that never answers is refused by name at the deadline, asked a bounded number "
-          "of times",
-          "[daemon][peers]") {
+TEST_CASE(
+    "transport addresses: a node that never answers is refused by name at the deadline, asked a bounded number "
+    "of times",
+    "[daemon][peers]") {
   Cluster c(/*late=*/1000, /*delay=*/300ms);
   const Status st = c.check("transport-1", 1500ms);
   CHECK(st.code() == absl::StatusCode::kUnavailable);
-  CHECK_THAT(std::string(st.message()), Catch::Contains("node \"n1\" has not described itself to this daemon in time") &&
-                                            Catch::Contains("its transport address cannot be checked") &&
-                                            Catch::Contains(c.address));
+  CHECK_THAT(std::string(st.message()),
+             Catch::Contains("node \"n1\" has not described itself to this daemon in time") &&
+                 Catch::Contains("its transport address cannot be checked") && Catch::Contains(c.address));
   // Each address at most once per PeerSet::kAskEvery, whoever asks.
   CHECK(c.peer.calls() >= 2);
   CHECK(c.peer.calls() <= 1500ms / daemon::PeerSet::kAskEvery + 1);
