@@ -1,5 +1,6 @@
 #include "common/logging.h"
 
+#include <spdlog/pattern_formatter.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -92,7 +93,33 @@ class JsonFormatter : public spdlog::formatter {
   const std::string node_;
 };
 
+// The text format's message (%*): control characters written as \xNN, so that a name holding a
+// line break cannot forge a log line, nor an escape sequence reach the terminal reading the log.
+// (UTF-8 text passes: it is not a control.)
+class EscapedMessage final : public spdlog::custom_flag_formatter {
+ public:
+  void format(const spdlog::details::log_msg& msg, const std::tm&, spdlog::memory_buf_t& dest) override {
+    for (const char ch : std::string_view(msg.payload.data(), msg.payload.size())) {
+      const auto c = static_cast<unsigned char>(ch);
+      if (c >= 0x20 && c != 0x7f) {
+        dest.push_back(ch);
+        continue;
+      }
+      char hex[8];
+      std::snprintf(hex, sizeof(hex), "\\x%02x", c);
+      put(dest, hex);
+    }
+  }
+  std::unique_ptr<custom_flag_formatter> clone() const override { return std::make_unique<EscapedMessage>(); }
+};
+
 }  // namespace
+
+std::unique_ptr<spdlog::formatter> makeTextFormatter() {
+  auto f = std::make_unique<spdlog::pattern_formatter>();
+  f->add_flag<EscapedMessage>('*').set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ [%n] %*");
+  return f;
+}
 
 LogScope::LogScope(std::string sync, std::string group, int32_t rank) : saved_(scope_fields) {
   if (!sync.empty()) scope_fields.sync = std::move(sync);
@@ -122,7 +149,7 @@ Status setupLogging(std::string_view level, std::string_view format, const std::
   if (format == "json")
     logger->set_formatter(makeJsonFormatter(node));
   else
-    logger->set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ [%n] %v");
+    logger->set_formatter(makeTextFormatter());
   spdlog::set_default_logger(logger);
   spdlog::set_level(parsed);
   return absl::OkStatus();

@@ -24,6 +24,9 @@ Status setupLogging(std::string_view level, std::string_view format = "text", co
 // "group":"infer","rank":3,"msg":"..."}; sync, group and rank only where a LogScope on the
 // logging thread names them.
 std::unique_ptr<spdlog::formatter> makeJsonFormatter(const std::string& node);
+// Text lines: "2026-12-02T17:29:16.123 info [shardcast] msg", the message's control characters
+// written as \xNN (a name with a line break cannot forge a line).
+std::unique_ptr<spdlog::formatter> makeTextFormatter();
 
 // What the log lines of this thread are about while the scope lives (a handler's sync, a rank's
 // registration); scopes nest, the inner one's fields win where it sets them.

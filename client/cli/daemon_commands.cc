@@ -20,6 +20,7 @@
 #include "client/cli/top_view.h"
 #include "client/lib/client.h"
 #include "common/grpc_status.h"
+#include "common/strings.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "planner/report.h"
 
@@ -146,15 +147,17 @@ int runSync(const SyncArgs& a) {
       "  {} needed, {} over the network, {} node-local, {} wave(s)\n"
       "  {:.3f} s ({:.2f} GB/s network): gather {:.3f} s{}, plan {:.3f} s{}, prepare {:.3f} s{}, execute {:.3f} s, "
       "finish {:.3f} s\n",
-      r.sync_id(), a.src, a.dst, r.version(), planner::humanBytes(static_cast<double>(r.bytes_needed())),
+      shown(r.sync_id()), shown(a.src), shown(a.dst), r.version(),
+      planner::humanBytes(static_cast<double>(r.bytes_needed())),
       planner::humanBytes(static_cast<double>(r.network_bytes())),
       planner::humanBytes(static_cast<double>(r.local_bytes())), r.waves(), r.seconds(), gbps, r.gather_seconds(),
       r.repeated() ? " (skipped: it repeats the last sync)" : "", r.plan_seconds(), r.plan_cached() ? " (cached)" : "",
       r.prepare_seconds(), r.folded() ? " (folded into the first wave)" : "", r.execute_seconds(), r.finish_seconds());
   for (const auto& replica : r.replicas())  // a replica set: each replica, committed or cut and why
     std::cout << (replica.committed()
-                      ? fmt::format("  replica {} ({}): committed\n", replica.replica(), replica.group())
-                      : fmt::format("  replica {} ({}): cut: {}\n", replica.replica(), replica.group(), replica.cut()));
+                      ? fmt::format("  replica {} ({}): committed\n", replica.replica(), shown(replica.group()))
+                      : fmt::format("  replica {} ({}): cut: {}\n", replica.replica(), shown(replica.group()),
+                                    shown(replica.cut())));
   if (r.delta() != v1::DELTA_OFF)
     std::cout << fmt::format(
         "  {} on the wire ({:.1f}% of dense): {} chunk landing(s) as deltas, {} dense\n",
@@ -187,7 +190,7 @@ int runWatch(const WatchArgs& a) {
   });
   view.finish();
   if (!st.ok()) return failed("watch", st);
-  if (!a.json) std::cout << "sync " << a.sync_id << ": " << ProgressView::describe(last) << "\n";
+  if (!a.json) std::cout << "sync " << shown(a.sync_id) << ": " << ProgressView::describe(last) << "\n";
   return last.phase() == v1::SYNC_COMMITTED ? kOk : kSyncFailed;
 }
 
@@ -205,14 +208,14 @@ int runStatus(const CommonArgs& a) {
   }
   int reachable = 0;
   for (const auto& p : s->peers()) reachable += p.reachable();
-  std::cout << fmt::format("node        {} (shardcastd {}, transport {}, up {:.0f} s)\n", s->node(), s->version(),
-                           s->transport(), s->uptime_seconds());
+  std::cout << fmt::format("node        {} (shardcastd {}, transport {}, up {:.0f} s)\n", shown(s->node()),
+                           s->version(), shown(s->transport()), s->uptime_seconds());
   std::cout << fmt::format("registered  {} rank(s), {}\n", s->registered_ranks(),
                            planner::humanBytes(static_cast<double>(s->registered_bytes())));
   std::cout << fmt::format("peers       {} ({} reachable)\n", s->peers_size(), reachable);
   for (const auto& p : s->peers())
-    std::cout << fmt::format("  {:<24} {:<16} {}\n", p.address(), p.node().empty() ? "-" : p.node(),
-                             p.reachable() ? "ok" : "unreachable: " + p.error());
+    std::cout << fmt::format("  {:<24} {:<16} {}\n", shown(p.address()), p.node().empty() ? "-" : shown(p.node()),
+                             p.reachable() ? "ok" : "unreachable: " + shown(p.error()));
   std::cout << fmt::format("groups      {}\n", s->groups_size());
   if (s->groups_size() > 0)
     std::cout << fmt::format("  {:<20} {:<11} {:>8} {:>6} {:>12}  {}\n", "GROUP", "ROLE", "VERSION", "WORLD", "BYTES",
@@ -220,11 +223,12 @@ int runStatus(const CommonArgs& a) {
   for (const auto& g : s->groups()) {
     std::vector<std::string> ranks;
     for (const auto& r : g.rank_states()) ranks.push_back(fmt::format("{}:{}", r.rank(), describeRank(r)));
-    std::cout << fmt::format("  {:<20} {:<11} {:>8} {:>6} {:>12}  {}\n", g.group(), v1::roleName(g.role()), g.version(),
-                             g.world_size(), planner::humanBytes(static_cast<double>(g.registered_bytes())),
-                             fmt::join(ranks, " "));
+    std::cout << fmt::format("  {:<20} {:<11} {:>8} {:>6} {:>12}  {}\n", shown(g.group()), v1::roleName(g.role()),
+                             g.version(), g.world_size(),
+                             planner::humanBytes(static_cast<double>(g.registered_bytes())), fmt::join(ranks, " "));
     for (const auto& r : g.rank_states())
-      if (r.state() == v1::RANK_DIRTY) std::cout << fmt::format("    rank {} is dirty: {}\n", r.rank(), r.detail());
+      if (r.state() == v1::RANK_DIRTY)
+        std::cout << fmt::format("    rank {} is dirty: {}\n", r.rank(), shown(r.detail()));
   }
   return kOk;
 }
@@ -328,10 +332,10 @@ int runLayouts(const LayoutsArgs& a) {
     st.set_state(r.state());
     st.set_version(r.version());
     st.set_held(r.held());
-    std::cout << fmt::format("{:<20} {:>5} {:>6} {:<16} {:<11} {:<16} {:>12} {:>8}  {}\n", r.group(), r.rank(),
-                             r.world_size(), r.node(), v1::roleName(r.role()), describeRank(st),
+    std::cout << fmt::format("{:<20} {:>5} {:>6} {:<16} {:<11} {:<16} {:>12} {:>8}  {}\n", shown(r.group()), r.rank(),
+                             r.world_size(), shown(r.node()), v1::roleName(r.role()), describeRank(st),
                              planner::humanBytes(static_cast<double>(r.registered_bytes())), r.buffers_size(),
-                             r.layout_digest());
+                             shown(r.layout_digest()));
   }
   if (l->ranks_size() == 0) std::cout << "(nothing registered)\n";
   return kOk;
@@ -357,7 +361,7 @@ int runWait(const WaitArgs& a) {
   if (a.json)
     std::cout << fmt::format(R"({{"group":"{}","version":{},"reached":{}}})", a.group, v, reached) << "\n";
   else
-    std::cout << fmt::format("group \"{}\" is at version {}{}\n", a.group, v,
+    std::cout << fmt::format("group \"{}\" is at version {}{}\n", shown(a.group), v,
                              reached ? "" : fmt::format(" (waited {:.0f} s for {})", a.timeout_s, a.version));
   return reached ? kOk : kSyncFailed;
 }
@@ -386,7 +390,7 @@ int runFence(const std::string& cmd, const FenceArgs& a) {
   if (a.json)
     std::cout << toJson(*st) << "\n";
   else
-    std::cout << fmt::format("group \"{}\" rank {}: {}\n", a.group, a.rank, describeRank(*st));
+    std::cout << fmt::format("group \"{}\" rank {}: {}\n", shown(a.group), a.rank, describeRank(*st));
   return kOk;
 }
 

@@ -4,6 +4,7 @@
 
 #include <map>
 
+#include "common/strings.h"
 #include "planner/report.h"
 
 namespace shardcast::cli {
@@ -21,7 +22,7 @@ std::string ProgressView::describe(const v1::SyncProgress& p) {
                                  planner::humanBytes(static_cast<double>(p.bytes_done())), planner::humanBytes(total),
                                  gbps, p.waves_done(), p.waves(), p.seconds());
   if (!nodes.empty()) line += "  nodes: " + nodes;
-  if (!p.error().empty()) line += "  error: " + p.error();
+  if (!p.error().empty()) line += "  error: " + shown(p.error());
   return line;
 }
 

@@ -6,6 +6,7 @@
 #include <map>
 #include <vector>
 
+#include "common/strings.h"
 #include "planner/report.h"
 
 namespace shardcast::cli {
@@ -49,7 +50,9 @@ std::string progressOf(const v1::SyncProgress& p) {
 
 std::string renderTop(const v1::StatusResponse& status, const v1::ListResponse& ranks, const TopScreen& screen) {
   std::vector<std::string> lines;
-  auto line = [&](std::string l) { lines.push_back(cut(std::move(l), screen.width)); };
+  // Every line escaped whole: a group, set, node or error text cannot move the cursor, clear the
+  // screen, set the title or write the clipboard of the operator's terminal (shown()).
+  auto line = [&](const std::string& l) { lines.push_back(cut(shown(l), screen.width)); };
 
   int reachable = 0, peers = 0;
   std::vector<std::string> down;

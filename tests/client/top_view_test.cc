@@ -141,3 +141,29 @@ TEST_CASE("top: groups, dirty ranks, syncs running first, failures, within the w
     CHECK_THAT(empty, !Contains("RECENT FAILURES"));
   }
 }
+
+TEST_CASE("top: names cannot act on the operator's terminal nor forge a line", "[client][top][security]") {
+  // A group and a set named to clear the screen, set the window title, write the clipboard (OSC 52)
+  // and add a fake "set vllm: 8 replicas" line; a peer's error with an escape sequence.
+  const std::string evil = "g\x1b[2J\x1b]0;pwned\x07\x1b]52;c;ZXZpbA==\x07\nset vllm: 8 replicas";
+  v1::StatusResponse status;
+  status.set_node("n0");
+  auto* down = status.add_peers();
+  down->set_node("n1");
+  down->set_error("refused\x1b[31m");
+  *status.add_syncs() = sync("s-1", v1::SYNC_FAILED, "failed", 2, 100);
+  status.mutable_syncs(0)->set_dst_group(evil);
+  status.mutable_syncs(0)->set_error("group " + evil + " is broken");
+  v1::ListResponse list;
+  auto r = rank(evil, 0, 1, "n0", v1::ROLE_DESTINATION, v1::RANK_DIRTY, 1, "aborted\r\x1b[K");
+  r.set_replica_set(evil);
+  *list.add_ranks() = r;
+  cli::TopScreen screen;
+  screen.width = 400;
+  const std::string out = cli::renderTop(status, list, screen);
+  CHECK(out.find('\x1b') == std::string::npos);
+  CHECK(out.find('\x07') == std::string::npos);
+  CHECK(out.find('\r') == std::string::npos);
+  for (const auto& l : linesOf(out)) CHECK(l.rfind("set vllm", 0) == std::string::npos);
+  CHECK_THAT(out, Contains("g\\x1b[2J\\x1b]0;pwned\\x07"));
+}

@@ -8,9 +8,12 @@
 #include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <sstream>
 #include <thread>
+
+#include "common/strings.h"
 
 using namespace shardcast;
 
@@ -79,4 +82,40 @@ TEST_CASE("logs: an unknown format or level is refused, naming the choices", "[d
   CHECK(std::string(setupLogging("info", "xml").message()).find("text, json") != std::string::npos);
   CHECK(setupLogging("loud", "text").code() == absl::StatusCode::kInvalidArgument);
   CHECK(setupLogging("info", "text").ok());
+}
+
+TEST_CASE("logs: a name with a line break or an escape sequence cannot forge a text line or reach the terminal",
+          "[daemon][logging][security]") {
+  std::ostringstream text;
+  spdlog::logger logger("text-test", std::make_shared<spdlog::sinks::ostream_sink_mt>(text));
+  logger.set_formatter(makeTextFormatter());
+  // What a group named to forge a line, clear the screen and write the clipboard (OSC 52) would log.
+  logger.warn("register refused: group {}",
+              "g\n2026-12-04T00:00:00.000 info [shardcast] sync ok\x1b[2J\x1b]52;c;eA==\x07");
+  logger.info("caf\xc3\xa9 -> ok");  // UTF-8 text passes
+  const std::string out = text.str();
+  CHECK(std::count(out.begin(), out.end(), '\n') == 2);  // one line each
+  CHECK(out.find('\x1b') == std::string::npos);
+  CHECK(out.find('\x07') == std::string::npos);
+  CHECK_THAT(
+      out, Catch::Contains("group g\\x0a2026-12-04T00:00:00.000 info [shardcast] sync ok\\x1b[2J\\x1b]52;c;eA==\\x07"));
+  CHECK_THAT(out, Catch::Contains("caf\xc3\xa9 -> ok"));
+}
+
+TEST_CASE("names: shown() escapes what a terminal would act on, control characters and bad UTF-8 are found",
+          "[daemon][logging][security]") {
+  CHECK(shown("vllm") == "vllm");
+  CHECK(shown("a\nb\x1b]0;title\x07") == "a\\x0ab\\x1b]0;title\\x07");
+  CHECK(shown("\xc2\x9b"
+              "2J") == "\\xc2\\x9b2J");  // C1 CSI, as UTF-8
+  CHECK(shown("abcdef", 3) == "abc... (6 bytes)");
+  CHECK_FALSE(hasControlOrInvalidUtf8("vllm-0.tp_2"));
+  CHECK_FALSE(hasControlOrInvalidUtf8("模型-\xc2\xa0x"));  // UTF-8 text, a no-break space
+  CHECK(hasControlOrInvalidUtf8("a\nb"));
+  CHECK(hasControlOrInvalidUtf8("a\x1b[2J"));
+  CHECK(hasControlOrInvalidUtf8("a\x7f"));
+  CHECK(hasControlOrInvalidUtf8("a\xc2\x9b"));  // C1
+  CHECK(hasControlOrInvalidUtf8("a\x9b"));      // a lone continuation byte
+  CHECK(hasControlOrInvalidUtf8("a\xe6\xa8"));  // cut short
+  CHECK(hasControlOrInvalidUtf8("a\xc0\xaf"));  // overlong
 }

@@ -109,6 +109,16 @@ TEST_CASE("mesh and naming mistakes", "[validation]") {
   CHECK_THAT(layoutError(R"({"group":"g","mesh":{"shape":[2],"dim_names":["a","b"]},"ranks_per_node":1})"),
              Catch::Contains("dim_names has 2 names but mesh.shape has 1 dims"));
   CHECK_THAT(layoutError(R"({"mesh":{"shape":[2]},"ranks_per_node":1})"), Catch::Contains("\"group\" is empty"));
+  // Group and set names reach logs, metrics and terminals: no control characters, UTF-8 only.
+  CHECK_THAT(layoutError(R"({"group":"g\nset vllm: 8 replicas","mesh":{"shape":[2]},"ranks_per_node":1})"),
+             Catch::Contains("layout: \"group\" \"g\\x0aset vllm: 8 replicas\" holds a control character"));
+  CHECK_THAT(
+      layoutError(R"({"group":"g","replica_set":"s\u001b]52;c;eA==\u0007","mesh":{"shape":[2]},"ranks_per_node":1})"),
+      Catch::Contains("layout: \"replica_set\" \"s\\x1b]52;c;eA==\\x07\" holds a control character"));
+  CHECK_THAT(layoutError(R"({"group":"g\u009b2J","mesh":{"shape":[2]},"ranks_per_node":1})"),
+             Catch::Contains("holds a control character or is not UTF-8 text"));
+  CHECK(layoutError(R"({"group":"模型-rollout","mesh":{"shape":[1]},"ranks_per_node":1})").find("group") ==
+        std::string::npos);
   CHECK_THAT(layoutError(
                  oneTensor(R"({"name":"w","shape":[4],"dtype":"float32"},{"name":"w","shape":[4],"dtype":"float32"})")),
              Catch::Contains("tensor \"w\": listed twice"));
