@@ -7,16 +7,23 @@ import time
 
 from shardcast.vllm.clients import LLMWeightSyncClient
 
-PROMPTS = ["t5 t6 t7", "t9 t3", "t100 t200 t300 t400"]
+# A shared "system prompt" of 130 tokens, longer than one KV block (128 tokens on vLLM's CPU
+# backend), so the prefix cache holds its first block once it has been served: the two long
+# prompts (133 and 170 tokens) read it back on every later request. (The word-level tokenizer
+# makes "t<i>" token i; words starting "t1" or "t2" split at its special tokens, so the prefix
+# avoids them.)
+SYSTEM = " ".join(f"t{30 + (i * 7) % 70}" for i in range(130))
+PROMPTS = ["t5 t6 t7", "t9 t3", "t100 t200 t300 t400", SYSTEM + " t5 t6 t7",
+           SYSTEM + " " + " ".join(f"t{300 + i}" for i in range(40))]
 
 
 def engine_args(tp, **extra) -> dict:
-    """float32 (bf16 dies with SIGILL on this CPU), eager, a small KV cache. `tp`: the tensor-
+    """float32 (bf16 dies with SIGILL on this CPU), eager, a small KV cache, room for PROMPTS. `tp`: the tensor-
     parallel size, or a string of it: "2ep" is TP=2 with expert parallelism (a MoE layer's experts
     split over the ranks, whole, instead of each expert's matrices)."""
     spec = str(tp)
     ep = spec.endswith("ep")
-    return dict(dtype="float32", max_model_len=128, enforce_eager=True, seed=0, gpu_memory_utilization=0.1,
+    return dict(dtype="float32", max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.1,
                 tensor_parallel_size=int(spec[:-2] if ep else spec), **({"enable_expert_parallel": True} if ep else {}),
                 **extra)
 

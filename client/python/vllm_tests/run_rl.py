@@ -6,7 +6,8 @@ size TP with `weight_transfer_config={"backend": "shardcast"}`: offline (an `LLM
 HTTPVLLMWeightSyncClient). After each step rank 0 saves the full weights to OUT/step-N (for a fresh
 vLLM to serve, run_generate.py), records what vLLM serves, and asks every worker whether its
 registered bytes are that checkpoint's. Offline, an update to a version that never comes must
-raise and leave vLLM serving the last step. Prints one JSON result.
+raise and leave vLLM serving the last step, and one more step must then update it. Prints one JSON
+result.
 Usage: python run_rl.py MODEL TP TARGET OUT STEPS offline|serve|serve-dp2|offline-unserved
   TP: "2ep" for expert parallelism. serve-dp2: `vllm serve` with two data-parallel engines, each
   a replica of the set "vllm" (`data_parallel`); HTTP requests go to either. offline-unserved: offline, but vLLM generates nothing (vLLM
@@ -43,21 +44,25 @@ class Served:
             from engines import generate
 
             return generate(self.llm)
+        from engines import PROMPTS
+
+        # One at a time, as LLM.generate's results are compared per prompt.
+        return [self.generate_one(i) for i in range(len(PROMPTS))]
+
+    def generate_one(self, index: int) -> dict:
+        """PROMPTS[index] alone, over HTTP."""
         import requests
 
         from engines import PROMPTS
 
-        out = []
-        for prompt in PROMPTS:  # one at a time, as LLM.generate's results are compared per prompt
-            r = requests.post(f"{self.url}/v1/completions", timeout=120, json={
-                "model": self.model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2,
-                "return_tokens_as_token_ids": True})
-            r.raise_for_status()
-            lp = r.json()["choices"][0]["logprobs"]
-            ids = lambda s: s.split(":", 1)[1]  # noqa: E731  "token_id:291"
-            out.append({"tokens": [int(ids(t)) for t in lp["tokens"]],
-                        "logprobs": [{ids(t): v for t, v in top.items()} for top in lp["top_logprobs"]]})
-        return out
+        r = requests.post(f"{self.url}/v1/completions", timeout=120, json={
+            "model": self.model, "prompt": PROMPTS[index], "max_tokens": 8, "temperature": 0, "logprobs": 2,
+            "return_tokens_as_token_ids": True})
+        r.raise_for_status()
+        lp = r.json()["choices"][0]["logprobs"]
+        ids = lambda s: s.split(":", 1)[1]  # noqa: E731  "token_id:291"
+        return {"tokens": [int(ids(t)) for t in lp["tokens"]],
+                "logprobs": [{ids(t): v for t, v in top.items()} for top in lp["top_logprobs"]]}
 
     def check(self, checkpoint_dir: str) -> list:
         if self.llm is not None:
@@ -163,7 +168,10 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
             ShardcastTrainerInitInfo(rank=rank, daemon=target, timeout_s=120, data_parallel=mode == "serve-dp2"),
             client=client if rank == 0 else None, source=ModuleSource(model))
         record = {"steps": [], "engine": type(engine).__name__}
-        for step in range(1, steps + 1):
+
+        def train_and_send(step: int) -> tuple:
+            """One optimizer step and the update; on rank 0 the step's weights saved (and their
+            directory), with the loss and how long send_weights took."""
             tokens = torch.randint(3, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
             loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
@@ -173,10 +181,15 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
             engine.send_weights()
             seconds = time.monotonic() - t0
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            step_dir = os.path.join(out, f"step-{step}")
             if rank == 0:
-                step_dir = os.path.join(out, f"step-{step}")
                 save_step(state, model_dir, step_dir, model)
-                record["steps"].append({"dir": step_dir, "loss": float(loss.detach()), "send_s": seconds,
+            return step_dir, float(loss.detach()), seconds
+
+        for step in range(1, steps + 1):
+            step_dir, loss, seconds = train_and_send(step)
+            if rank == 0:
+                record["steps"].append({"dir": step_dir, "loss": loss, "send_s": seconds,
                                         "served": served.generate() if mode != "offline-unserved" else [],
                                         "checks": served.check(step_dir),
                                         # a replica set's sync: each replica -> "" (committed) or why cut
@@ -197,7 +210,17 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
             except Exception as e:  # vLLM wraps the worker's error
                 record["missing_version_error"] = str(e)
             record["served_after"] = served.generate()
-            record["weight_version"] = llm.get_weight_version()
+        if mode == "offline":
+            # ... and the next update goes through (every worker's reply to the failed call was
+            # read, none is left for the next call to take as its own). What it serves equals what
+            # it serves once its prefix cache is emptied by hand: no KV of the old weights is read.
+            step_dir, _, _ = train_and_send(steps + 1)
+            if rank == 0:
+                record["recovered"] = {"served": served.generate(), "checks": served.check(step_dir)}
+                llm.reset_prefix_cache()
+                record["recovered"]["served_recomputed"] = served.generate()
+                record["weight_version"] = llm.get_weight_version()
+            dist.barrier()
         engine.shutdown()
         if rank == 0 and mode.startswith("offline"):
             llm.llm_engine.engine_core.shutdown()  # its engine and worker processes, before this one exits

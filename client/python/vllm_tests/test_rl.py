@@ -27,6 +27,20 @@ def check_steps(out: dict, tp: int, parallel: str = "") -> dict:
     return steps[-1]["checks"][0]
 
 
+def check_recovered(out: dict, tp: int) -> None:
+    """Offline runs: an update to a version that never comes failed on every worker, each named, and
+    vLLM served on; the step after it updated vLLM, which then serves exactly what it serves with
+    its prefix cache emptied by hand."""
+    error = out["missing_version_error"]
+    assert f"({tp} of {tp} worker(s))" in error and "DEADLINE_EXCEEDED" in error, error
+    assert out["served_after"] == out["steps"][-1]["served"]
+    recovered = out["recovered"]
+    assert all(check["wrong"] == [] for check in recovered["checks"]) and len(recovered["checks"]) == tp
+    assert recovered["served"] == recovered["served_recomputed"]
+    assert recovered["served"] != out["steps"][-1]["served"]
+    assert out["weight_version"] == str(len(out["steps"]) + 1)
+
+
 def test_fsdp2_trainer_into_offline_vllm_tp1_every_step(models, tmp_path):
     with LocalCluster(["n0"]) as c:
         out = run_script("run_rl.py", models["llama"], "1", c.target("n0"), str(tmp_path), "3", "offline",
@@ -39,12 +53,10 @@ def test_fsdp2_trainer_into_offline_vllm_tp1_every_step(models, tmp_path):
     assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(paths["direct"])
     assert "model.layers.0.self_attn.qkv_proj.weight" in paths["processed"]
     assert "model.layers.1.mlp.down_proj.weight" in paths["processed"]
-    assert out["weight_version"] == "3"
-    # A version that never arrives raises, naming what the rank holds, and vLLM serves on step 3.
-    # (vLLM shortens the worker's message in the middle.)
-    error = out["missing_version_error"]
-    assert "DEADLINE_EXCEEDED" in error and "its weights are stale (ranks: 0 ready(3))" in error
-    assert out["served_after"] == out["steps"][-1]["served"]
+    # A version that never arrives raises, naming what the rank holds, and vLLM serves on step 3;
+    # step 4 then updates it.
+    assert "its weights are stale (ranks: 0 ready(3))" in out["missing_version_error"]
+    check_recovered(out, 1)
 
 
 def test_fsdp2_trainer_into_vllm_serve_with_two_data_parallel_engines_as_replicas_over_http(models, tmp_path):
@@ -156,6 +168,8 @@ def test_fsdp2_moe_trainer_into_vllm_tp2_each_expert_split(models, tmp_path):
     assert out.get("error") is None, out.get("error")
     moe_paths(check_steps(out, 2))
     assert all(check["checked"] == 45 for check in out["steps"][-1]["checks"])
+    # At TP=2: the failed update named both workers, and the next one went through.
+    check_recovered(out, 2)
 
 
 def test_fsdp2_moe_trainer_into_vllm_tp2_expert_parallel_lands_each_ranks_experts(models, tmp_path):

@@ -1,6 +1,7 @@
 """The trainer engine's exchanges between trainer ranks are all ranks or none: a step that raises on
 one rank raises on every rank, naming it (a rank that raised alone would leave the others waiting in
-the next collective for good), and a step that works everywhere gathers every rank's result."""
+the next collective for good), and a step that works everywhere gathers every rank's result. So is
+trainer_init: vLLM refusing the checkpoint raises on every rank and leaves nothing registered."""
 
 from __future__ import annotations
 
@@ -47,3 +48,76 @@ def test_a_step_failing_on_one_rank_raises_on_every_rank():
         assert got[rank]["error"] == ("shardcast: registering failed on trainer rank(s) 1: ValueError: its daemon "
                                       "refused the registration")
         assert got[rank]["after"] == [0, 1]
+
+
+class Refusing:
+    """Stands in for vLLM's weight-sync client on the sender: refuses the first init, as vLLM's
+    workers refuse a checkpoint that does not fit their loaders, and takes the second."""
+
+    def __init__(self) -> None:
+        self.inits = 0
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.inits += 1
+        if self.inits == 1:
+            raise RuntimeError("vLLM refuses checkpoint tensor 'w'")
+
+
+def _trainer_init_rank(rank: int, port: int, target: str, results) -> None:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import shardcast
+    from shardcast.local import join_process_group
+    from shardcast.vllm.trainer import ShardcastTrainerInitInfo
+
+    join_process_group(port, rank, 2)
+    model = torch.nn.Linear(8, 8)
+    fully_shard(model, mesh=torch.distributed.device_mesh.init_device_mesh("cpu", (2,)))
+    client = Refusing() if rank == 0 else None
+    out = {}
+
+    def init():
+        return WeightTransferTrainerFactory.trainer_init(ShardcastTrainerInitInfo(rank=rank, daemon=target),
+                                                         client=client, source=ModuleSource(model))
+
+    def groups():
+        with shardcast.Client(target) as c:
+            return {g.group: len(g.rank_states) for g in c.status().groups}
+
+    try:
+        init()
+        out["refused"] = None
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    torch.distributed.barrier()
+    out["after_refusal"] = groups()
+    torch.distributed.barrier()
+    engine = init()  # nothing was left registered: the same ranks register again
+    torch.distributed.barrier()
+    out["after_init"] = groups()
+    engine.shutdown()
+    results.put((rank, out))
+
+
+def test_a_trainer_init_vllm_refuses_raises_on_every_rank_and_leaves_nothing_registered():
+    from shardcast.local import LocalCluster, TorchRendezvous
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    rendezvous = TorchRendezvous()
+    with LocalCluster(["n0"]) as cluster:
+        procs = [ctx.Process(target=_trainer_init_rank, args=(r, rendezvous.port, cluster.target("n0"), results))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        got = dict(results.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+    for rank in (0, 1):
+        assert got[rank]["refused"] == ("shardcast: initialising the weight transfer of 'vllm' failed on trainer "
+                                        "rank(s) 0: RuntimeError: vLLM refuses checkpoint tensor 'w'"), got[rank]
+        assert got[rank]["after_refusal"] == {}
+        assert got[rank]["after_init"] == {"trainer": 2}

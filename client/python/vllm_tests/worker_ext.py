@@ -11,7 +11,8 @@ class ShardcastCheck:
         """Every tensor this worker's rank registered (a view into the live parameter for direct
         ones, the staging tensor for processed ones) against its box of the checkpoint in
         `checkpoint_dir`: the names that differ, and which parameters took which path; the group
-        the rank registered, and the group its last catch-up read ("" for none). `strict`: raise
+        the rank registered, and the group its last catch-up read ("" for none); what the boxes say a
+        sync writes into each parameter, and the bytes it writes into the rank. `strict`: raise
         when a tensor differs (vLLM returns one data-parallel engine's result over HTTP, but any
         engine's error)."""
         import torch
@@ -29,4 +30,8 @@ class ShardcastCheck:
         if strict and wrong:
             raise AssertionError(f"{engine.group}: registered tensors differ from {checkpoint_dir}: {wrong}")
         return {"wrong": wrong, "checked": len(memory.tensors), "direct": memory.direct,
-                "processed": memory.processed, "group": engine.group, "seeded_from": engine.seeded_from}
+                "processed": memory.processed, "group": engine.group, "seeded_from": engine.seeded_from,
+                # From the boxes: per parameter (elements, written by one tensor's box, zero padding),
+                # and the bytes a sync writes into this rank.
+                "coverage": memory.coverage,
+                "registered_bytes": sum(t.numel() * t.element_size() for t in memory.tensors.values())}

@@ -10,6 +10,26 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 
+def error_text(e: BaseException) -> str:
+    """`Type: message`; for an HTTP error, with the server's reply: vLLM's HTTP client raises
+    requests' HTTPError, whose message is the status line alone, while vLLM's reply says why (the
+    workers that failed, and their errors)."""
+    text = f"{type(e).__name__}: {e}"
+    body = getattr(getattr(e, "response", None), "text", None)
+    return f"{text}: {body[:4000]}" if isinstance(body, str) and body else text
+
+
+def with_reply(call: Callable[..., Any], *args: Any) -> Any:
+    """Runs one call of the protocol; an HTTP error is raised again with the server's reply
+    (error_text)."""
+    try:
+        return call(*args)
+    except Exception as e:
+        if getattr(getattr(e, "response", None), "text", None):
+            raise RuntimeError(error_text(e)) from e
+        raise
+
+
 def replica_group(replica_set: str, replica: int) -> str:
     """The group replica `replica` of set `replica_set` registers ("vllm.r3")."""
     return f"{replica_set}.r{replica}"
@@ -111,9 +131,9 @@ class ReplicaClients:
         errors = {k: f.exception() for k, f in futures.items() if f.exception() is not None}
         if errors and not tolerate:
             raise RuntimeError(f"shardcast: {what} failed on " + "; ".join(
-                f"replica {k}: {type(e).__name__}: {e}" for k, e in sorted(errors.items())))
+                f"replica {k}: {error_text(e)}" for k, e in sorted(errors.items())))
         for k, e in errors.items():
-            self.failed[k] = f"{what}: {type(e).__name__}: {e}"
+            self.failed[k] = f"{what}: {error_text(e)}"
         if not self._live():
             raise RuntimeError(f"shardcast: {what} failed on every replica: {self._failures()}")
 
@@ -121,4 +141,4 @@ class ReplicaClients:
         return "; ".join(f"replica {k}: {e}" for k, e in sorted(self.failed.items()))
 
 
-__all__ = ["LLMWeightSyncClient", "ReplicaClients", "replica_group"]
+__all__ = ["LLMWeightSyncClient", "ReplicaClients", "error_text", "replica_group", "with_reply"]

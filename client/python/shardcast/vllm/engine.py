@@ -5,7 +5,9 @@ bytes arrive through the node's shardcastd instead of a collective.
   destination rank (shardcast.vllm.layout), gathers every rank's pieces and node over vLLM's
   tensor-parallel group, and registers the rank with its node's daemon as part of one destination
   group (every rank registers the same layout). Direct parameters are registered in place, or,
-  double-buffered (`double_buffer`), a staging copy of them is.
+  double-buffered (`double_buffer`), a staging copy of them is. The announced checkpoint must fit
+  vLLM's loaders exactly (every announced element lands, every parameter element is written by one
+  tensor); a refusal raises on every worker and leaves nothing registered.
 - `receive_weights({"version": V})`: waits until this worker's rank is ready at V (the trainer's
   sync commits it); a dirty rank raises at once, naming it, and a version that does not arrive in
   time raises naming the version the rank is at. Never returns with stale weights.
@@ -17,7 +19,11 @@ bytes arrive through the node's shardcastd instead of a collective.
   up inside `receive_weights`, from a replica that holds V, else from the trainer.
 - `finish_weight_update`: double-buffered, copies the landed direct parameters into the live ones
   (the only pause the update needs); then re-runs vLLM's processing for the layers that need it
-  (shardcast.vllm.apply), putting the landed bytes into service.
+  (shardcast.vllm.apply), putting the landed bytes into service. vLLM's engine core then resets its
+  prefix cache in the same call (shardcast.vllm.session), before it schedules another step.
+
+Every call reaches this engine through shardcast.vllm.session, which runs it on every worker and
+reports each worker's status, so one worker's error never leaves vLLM's RPC replies out of step.
 
 Double buffering keeps vLLM serving its current weights while a sync lands (no byte lands in a
 live parameter before `finish_weight_update`), and a failed update leaves them untouched. Without
@@ -29,6 +35,7 @@ Imports vLLM: load it only inside vLLM processes (the plugin does, shardcast.vll
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -42,8 +49,11 @@ from vllm.distributed.weight_transfer.base import (
 from shardcast.v1 import service_pb2
 from shardcast.vllm.apply import process_staged
 from shardcast.vllm.clients import replica_group
-from shardcast.vllm.layout import destination_layout, rank_memory
-from shardcast.vllm.probe import ProbeError, probe
+from shardcast.vllm.collective import gather_step
+from shardcast.vllm.layout import DTYPE_NAMES, check_coverage, check_dtypes, destination_layout, rank_memory
+from shardcast.vllm.probe import ProbeError, probe, unreached
+
+_log = logging.getLogger("shardcast")
 
 
 @dataclass
@@ -92,30 +102,82 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         self.rank = 0
         self.replica: Optional[int] = None  # this engine's id in the replica set, None: no set
         self.seeded_from = ""  # the group the last catch-up read (a peer replica, or the trainer)
+        self.where = "this worker"
+        # The last finish_weight_update: None (not run since shardcast.vllm.session asked), "" (put
+        # into service), or why it failed.
+        self.finished: Optional[str] = None
 
     def init_transfer_engine(self, init_info: ShardcastInitInfo) -> None:
-        import shardcast
+        """All workers of the engine or none: each matches the announced checkpoint against vLLM's
+        loaders (ProbeError naming the tensor and the parameter), the group checks that every
+        announced element lands somewhere, and the ranks register only when all of that held on
+        every rank; a refusal raises on every worker, naming the rank it came from, and leaves
+        nothing registered, so the trainer may initialise again."""
         from vllm.distributed.parallel_state import get_tp_group
 
         if not init_info.checkpoint:
             raise ValueError("shardcast: init_info.checkpoint is empty (name -> [shape, dtype] of every tensor)")
         if self.registration is not None:
             raise RuntimeError(f'shardcast: this worker already registered group "{self.group}"')
-        shapes = {name: tuple(int(s) for s in spec[0]) for name, spec in init_info.checkpoint.items()}
-        maps = probe(self.model, shapes)
-        self.memory = rank_memory(maps, dict(self.model.named_parameters(remove_duplicate=False)),
-                                  dict(self.model.named_modules()), double_buffer=init_info.double_buffer)
-        self.client = shardcast.Client(init_info.daemon or None)
+        replica = self._replica(init_info)
         tp = get_tp_group()
-        mine = {"node": self.client.status().node, "pieces": self.memory.pieces,
-                "dtypes": {l.tensor: str(pm.dtype).replace("torch.", "") for pm in maps.values() for l in pm.landings}}
-        everyone: List[Optional[dict]] = [None] * tp.world_size
-        torch.distributed.all_gather_object(everyone, mine, group=tp.cpu_group)
-        dtypes: Dict[str, str] = {}
-        for r in everyone:
-            dtypes.update(r["dtypes"])
-        checkpoint = {name: (shapes[name], getattr(torch, dtypes.get(name, str(spec[1])))) for name, spec in
-                      init_info.checkpoint.items()}
+        shapes = {name: tuple(int(s) for s in spec[0]) for name, spec in init_info.checkpoint.items()}
+        announced = {name: str(spec[1]).replace("torch.", "") for name, spec in init_info.checkpoint.items()}
+        mine: Dict[str, Any] = {}
+        try:
+            everyone = gather_step(tp.cpu_group, tp.world_size, "matching the checkpoint against vLLM's loaders",
+                                   lambda: self._prepare(init_info, shapes, announced, mine), "worker")
+            dtypes: Dict[str, str] = {}
+            for r in everyone:
+                dtypes.update(r["dtypes"])
+            # Deterministic from what every rank gathered: it holds (or raises) on every rank alike.
+            check_coverage(shapes, [r["held"] for r in everyone])
+            checkpoint = {name: (shapes[name], getattr(torch, dtypes.get(name, announced[name])))
+                          for name in init_info.checkpoint}
+            group = init_info.group if replica < 0 else replica_group(init_info.group, replica)
+            layout = destination_layout(group, [r["node"] for r in everyone], [r["pieces"] for r in everyone],
+                                        checkpoint)
+            if replica >= 0:
+                layout.update(replica_set=init_info.group, replica=replica)
+            where = f'rank {tp.rank_in_group} of group "{group}" on node "{mine["node"]}"'
+
+            def register() -> None:
+                mine["registration"] = mine["client"].register(group, tp.rank_in_group, tp.world_size,
+                                                               mine["memory"].tensors, layout)
+
+            gather_step(tp.cpu_group, tp.world_size, f'registering group "{group}"', register, "worker")
+        except BaseException:
+            _release(mine)  # registered here but not everywhere, or not at all: nothing is left behind
+            raise
+        self.client, self.memory, self.registration = mine["client"], mine["memory"], mine["registration"]
+        self.group, self.rank, self.where = group, tp.rank_in_group, where
+        self.replica = replica if replica >= 0 else None
+
+    def _prepare(self, init_info: ShardcastInitInfo, shapes, announced, mine: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's part of init: what vLLM's loaders do with the announced checkpoint, refused
+        where they do not take it whole and exactly (shardcast.vllm.layout), and this rank's
+        memory and node. Fills `mine` (memory, client, node) as it goes, for the caller to release."""
+        import shardcast
+
+        maps = probe(self.model, shapes)
+        left = unreached(self.model, maps)
+        if left:
+            raise ProbeError(f"vLLM's parameter(s) {', '.join(map(repr, left[:8]))}"
+                             f"{f' and {len(left) - 8} more' if len(left) > 8 else ''}: no announced checkpoint "
+                             "tensor lands in them, so they would keep their weights through every update")
+        check_dtypes(maps, announced)
+        mine["memory"] = rank_memory(maps, dict(self.model.named_parameters(remove_duplicate=False)),
+                                     dict(self.model.named_modules()), double_buffer=init_info.double_buffer)
+        mine["client"] = shardcast.Client(init_info.daemon or None)
+        mine["node"] = mine["client"].status().node
+        return {"node": mine["node"], "pieces": mine["memory"].pieces,
+                "held": {l.tensor: (list(l.offsets), list(l.sizes), pm.name) for pm in maps.values()
+                         for l in pm.landings},
+                "dtypes": {l.tensor: DTYPE_NAMES.get(pm.dtype, str(pm.dtype).replace("torch.", ""))
+                           for pm in maps.values() for l in pm.landings}}
+
+    def _replica(self, init_info: ShardcastInitInfo) -> int:
+        """This engine's replica id in the set `init_info.group`, or -1 (no set)."""
         replica = init_info.replica
         if replica >= 0 and init_info.data_parallel:
             raise ValueError(f"shardcast: init_info names replica {replica} and data_parallel: each of this "
@@ -127,15 +189,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
                                  "data-parallel engines: they hold different experts, so they are one model, "
                                  "not replicas")
             replica = self.parallel_config.data_parallel_index
-        group = init_info.group if replica < 0 else replica_group(init_info.group, replica)
-        layout = destination_layout(group, [r["node"] for r in everyone], [r["pieces"] for r in everyone], checkpoint)
-        if replica >= 0:
-            layout.update(replica_set=init_info.group, replica=replica)
-            self.replica = replica
-        self.group, self.rank = group, tp.rank_in_group
-        self.where = f'rank {tp.rank_in_group} of group "{self.group}" on node "{mine["node"]}"'
-        self.registration = self.client.register(self.group, tp.rank_in_group, tp.world_size, self.memory.tensors,
-                                                 layout)
+        return replica
 
     def start_weight_update(self) -> None:
         if self.registration is None:
@@ -194,18 +248,37 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         return error
 
     def finish_weight_update(self) -> None:
+        """Puts the landed bytes into service. Does not raise once it starts: vLLM's worker closes
+        its update session only when this returns, and a session left open refuses every later
+        update. A failure is kept in `finished` (error text; "" when it went through) for
+        shardcast.vllm.session, which reports it as this worker's status."""
         if self.memory is None:
             raise RuntimeError("shardcast: finish_weight_update before init_transfer_engine")
-        self.memory.flip()
-        process_staged(self.model, self.memory.reprocess)
+        try:
+            self.memory.flip()
+            process_staged(self.model, self.memory.reprocess)
+            self.finished = ""
+        except Exception as e:  # the live weights may be part new, part old: said, not hidden
+            self.finished = (f"shardcast: {self.where}: putting the update into service failed, its weights may be "
+                             f"part old, part new until the next update: {type(e).__name__}: {e}")
 
     def shutdown(self) -> None:
-        if self.registration is not None:
-            self.registration.close()
-            self.registration = None
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        _release({"registration": self.registration, "client": self.client})
+        self.registration = self.client = None
+
+
+def _release(held: Dict[str, Any]) -> None:
+    """Unregisters and closes what `held` has of a registration and a client; an error doing so is
+    logged (the daemon may be gone), not raised over the one that got here."""
+    registration, client = held.get("registration"), held.get("client")
+    try:
+        if registration is not None:
+            registration.close()
+    except Exception as e:
+        _log.warning("shardcast: unregistering %s failed: %s", registration.group, e)
+    finally:
+        if client is not None:
+            client.close()
 
 
 def _any_rank(tp, flag: bool) -> bool:

@@ -1,10 +1,16 @@
 """A vLLM worker's destination rank, from what `probe` found: the tensors it registers (views of
 its live parameters where they are in the loader's layout, of a staging set in that layout where
-they are not) and the group's layout (every rank's pieces, gathered)."""
+they are not) and the group's layout (every rank's pieces, gathered). Before anything registers,
+the checkpoint the trainer announces is matched against what vLLM's loaders did with it: every
+element of every announced tensor lands somewhere in the group (`check_coverage`), every element
+of every parameter it reaches is one checkpoint element or the loader's zero padding, each written
+by exactly one tensor's box (`check_landings`), and the trainer's dtype reaches the parameter's
+(`check_dtypes`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import product
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -35,6 +41,9 @@ class RankMemory:
     # Double-buffered: direct parameters land in a staging tensor of their own too, copied into the
     # live parameter when the update finishes (parameter name -> (staging, live)).
     flips: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # What a sync writes into each parameter, from the boxes (check_landings): parameter name ->
+    # (elements, written by exactly one checkpoint tensor's box, zero padding no tensor writes).
+    coverage: Dict[str, Tuple[int, int, int]] = field(default_factory=dict)
 
     def flip(self) -> None:
         """Puts double-buffered direct parameters' landed bytes into the live parameters (in place:
@@ -122,7 +131,7 @@ def rank_memory(maps: Mapping[str, ParamMap], live: Mapping[str, torch.Tensor],
     (RankMemory.flips), so the engine serves its current weights until the update finishes, and a
     failed update leaves them as they were. A checkpoint tensor landing in two parameters of one
     worker is an error naming both (one rank holds one buffer per tensor)."""
-    out = RankMemory()
+    out = RankMemory(coverage=check_landings(maps))
     where: Dict[str, str] = {}
     for name, pm in maps.items():
         param = live[name]
@@ -178,3 +187,92 @@ def destination_layout(group: str, nodes: Sequence[str], pieces: Sequence[Mappin
         tensors.append({"name": name, "shape": [int(s) for s in shape], "dtype": DTYPE_NAMES[dtype],
                         "pieces": held})
     return {"group": group, "mesh": {"shape": [len(nodes)]}, "nodes": list(nodes), "tensors": tensors}
+
+
+# Source -> destination dtypes a sync takes (planner::convertible, the daemon's rule): the same
+# dtype, or float32 into bfloat16 (rounded at the source). The daemon's float8 conversion needs a
+# block-scale tensor that vLLM's loader layout does not declare.
+_SYNC_CONVERTS = {("float32", "bfloat16")}
+
+
+def check_dtypes(maps: Mapping[str, ParamMap], announced: Mapping[str, str]) -> None:
+    """Every checkpoint tensor's dtype as the trainer announces it (name -> torch dtype name)
+    reaches the dtype of the parameter it lands in, or a ProbeError names both."""
+    for name, pm in maps.items():
+        held = DTYPE_NAMES.get(pm.dtype, str(pm.dtype))
+        for l in pm.landings:
+            sent = announced.get(l.tensor, held)
+            if sent != held and (sent, held) not in _SYNC_CONVERTS:
+                raise ProbeError(f"checkpoint tensor {l.tensor!r} is {sent} in the trainer, vLLM's parameter {name!r} "
+                                 f"holds {held}: a sync writes a tensor in its own dtype, or float32 into bfloat16")
+
+
+def check_landings(maps: Mapping[str, ParamMap]) -> Dict[str, Tuple[int, int, int]]:
+    """Every element of every parameter `maps` names is written by exactly one checkpoint tensor's
+    box, or is padding the loader zero-fills: the boxes do not overlap, and none is left that no
+    announced tensor writes (a tensor the trainer does not announce, or announces too small).
+    Returns, per parameter, (elements, written, padding); raises a ProbeError naming the parameter
+    and the elements otherwise."""
+    out: Dict[str, Tuple[int, int, int]] = {}
+    for name, pm in maps.items():
+        spans = sorted((l.at, l.at + l.numel, l.tensor) for l in pm.landings)
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            if start < end:
+                raise ProbeError(f"vLLM's parameter {name!r}: {first!r} and {second!r} both land in elements "
+                                 f"[{start}:{end}] of it")
+        if pm.untouched:
+            a, b = pm.untouched[0]
+            near = sorted({t for s0, e0, t in spans if e0 == a or s0 == b})
+            raise ProbeError(f"vLLM's parameter {name!r} (shape {list(pm.shape)} on this rank): elements [{a}:{b}] "
+                             f"(of {sum(e - s for s, e in pm.untouched)} in all) are written by no announced "
+                             f"checkpoint tensor" + (f" (next to {', '.join(map(repr, near))}: announced smaller than "
+                                                     "vLLM's loader takes it?)" if near else ""))
+        written = sum(e - s for s, e, _ in spans)
+        if written + pm.padding != pm.numel:
+            raise ProbeError(f"vLLM's parameter {name!r}: {written} elements written and {pm.padding} zero padding "
+                             f"of {pm.numel}")
+        out[name] = (pm.numel, written, pm.padding)
+    return out
+
+
+def check_coverage(shapes: Mapping[str, Sequence[int]], ranks: Sequence[Mapping[str, Tuple[Any, Any, str]]]) -> None:
+    """Every element of every announced checkpoint tensor (name -> shape) lands on some rank of
+    the group: `ranks[r]` maps each tensor rank r holds to (offsets, sizes, the vLLM parameter it
+    lands in). Replicated boxes (a KV head on several ranks) are fine; an element no rank takes
+    (a tensor announced larger than vLLM's, a name no parameter takes) is a ProbeError naming the
+    tensor, the elements and where the rest of it lands. Exact, from the boxes alone."""
+    for name, shape in shapes.items():
+        shape = [int(s) for s in shape]
+        boxes = [(list(p[0]), list(p[1]), p[2], r) for r, held in enumerate(ranks) for n, p in held.items()
+                 if n == name]
+        gap = _uncovered(shape, [(o, s) for o, s, _, _ in boxes])
+        if gap is None:
+            continue
+        if not boxes:
+            raise ProbeError(f"checkpoint tensor {name!r} (shape {shape}) lands in no parameter of vLLM's model (a "
+                             f"name it does not load, or one its loader skips); a trainer-only tensor is left out "
+                             f"with name_map={{{name!r}: None}}")
+        takes = "; ".join(sorted({f"{param!r} takes {_box(o, s)} (rank {r})" for o, s, param, r in boxes}))
+        raise ProbeError(f"checkpoint tensor {name!r} (shape {shape}): its elements {_box(*gap)} land in no "
+                         f"parameter of vLLM's model, which takes less of it: {takes}")
+
+
+def _box(offsets: Sequence[int], sizes: Sequence[int]) -> str:
+    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
+
+
+def _uncovered(shape: Sequence[int], boxes: Sequence[Tuple[Sequence[int], Sequence[int]]]):
+    """(offsets, sizes) of a part of a tensor of `shape` that none of `boxes` covers, or None. Cuts
+    each dimension at every box's edges: every cell of that grid is inside a box or outside all."""
+    cuts = []
+    for d, n in enumerate(shape):
+        edges = {0, n}
+        for o, s in boxes:
+            edges.update((min(max(o[d], 0), n), min(max(o[d] + s[d], 0), n)))
+        cuts.append(sorted(edges))
+    spans = [list(zip(c, c[1:])) for c in cuts]
+    for cell in product(*spans):
+        if any(all(o[d] <= a and b <= o[d] + s[d] for d, (a, b) in enumerate(cell)) for o, s in boxes):
+            continue
+        return [a for a, _ in cell], [b - a for a, b in cell]
+    return None

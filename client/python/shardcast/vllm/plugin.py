@@ -1,7 +1,9 @@
 """vLLM's general-plugin entry point (`vllm.general_plugins`: shardcast): registers the `shardcast`
 weight-transfer backend, in both registries (workers, trainers), in every vLLM process (engine
-core, each worker), so that `LLM(..., weight_transfer_config={"backend": "shardcast"})` finds it. Registering twice is
-harmless (vLLM may load plugins more than once per process)."""
+core, each worker), so that `LLM(..., weight_transfer_config={"backend": "shardcast"})` finds it,
+and has the engine core run its update calls through shardcast.vllm.session (a status from every
+worker, the prefix cache reset when an update finishes). Registering twice is harmless (vLLM may
+load plugins more than once per process)."""
 
 
 def register() -> None:
@@ -13,3 +15,6 @@ def register() -> None:
             factory.register_engine("shardcast", module, name)
         except ValueError:  # registered already in this process
             pass
+    from shardcast.vllm import session
+
+    session.install()

@@ -9,8 +9,11 @@ probe then holds says, element by element, which checkpoint element the loader p
 parameters are swapped out for the probes during the call and put back after it.
 
 The result, per parameter, is a list of `Landing`s: a box of one checkpoint tensor, and where its
-row-major elements start in the parameter (they must be contiguous there). A loader whose result is
-not of that form (a transposed or permuted copy) is reported naming the parameter.
+row-major elements start in the parameter (they must be contiguous there), and the elements no
+loader wrote. A loader whose result is not of that form (a transposed or permuted copy) is reported
+naming the parameter; a loader that refuses a checkpoint tensor (a wrong shape, a name the model
+does not have) is reported naming the tensor and the parameter it was loading into, not in vLLM's
+words alone.
 """
 
 from __future__ import annotations
@@ -55,6 +58,11 @@ class ParamMap:
     shape: Tuple[int, ...]
     dtype: torch.dtype
     landings: List[Landing]
+    # Element ranges [start, end) of the flattened parameter that no loader wrote (MISSING), and
+    # how many elements a loader zero-filled (a vocab shard's padding rows): neither holds any
+    # checkpoint element.
+    untouched: Tuple[Tuple[int, int], ...] = ()
+    padding: int = 0
 
     @property
     def numel(self) -> int:
@@ -105,7 +113,8 @@ def probe(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]],
           names: Optional[Iterable[str]] = None) -> Dict[str, ParamMap]:
     """Runs `model.load_weights` on index tensors for `checkpoint` (name -> full shape) and maps
     every parameter it writes (all of them, or those in `names`). Parameters no checkpoint element
-    lands in are left out."""
+    lands in are left out (`unreached` names them). A loader that refuses a tensor is a ProbeError
+    naming the tensor, its shape and the parameter it was loading into."""
     layout = _loader_layout(model)
     wanted = set(layout) if names is None else set(names)
     bases: Dict[str, int] = {}
@@ -120,6 +129,7 @@ def probe(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]],
         raise ProbeError(f"{total} checkpoint elements: probe in parts (at most 2^53 at once)")
     probes: Dict[str, torch.nn.Parameter] = {}
     saved: List[Tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    loading = _Loading()
     try:
         for full, (module, local, template) in layout.items():
             if full not in wanted:
@@ -133,10 +143,14 @@ def probe(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]],
                 n = 1
                 for s in shape:
                     n *= int(s)
+                loading.tensor, loading.param = name, None
                 yield name, torch.arange(bases[name], bases[name] + n, dtype=torch.float64).reshape(tuple(shape))
+            loading.tensor = None
 
-        with torch.no_grad():
+        with torch.no_grad(), _Watch(probes, loading):
             model.load_weights(indices())
+    except Exception as e:
+        raise ProbeError(loading.refusal(model, checkpoint, layout, e)) from e
     finally:
         for module, local, live in saved:
             module._parameters[local] = live
@@ -145,10 +159,86 @@ def probe(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]],
     out: Dict[str, ParamMap] = {}
     for full, p in probes.items():
         template = layout[full][2]
-        landings = _landings(full, p.detach().reshape(-1), order, starts, checkpoint)
+        flat = p.detach().reshape(-1)
+        landings = _landings(full, flat, order, starts, checkpoint)
         if landings:
-            out[full] = ParamMap(full, tuple(template.shape), template.dtype, landings)
+            out[full] = ParamMap(full, tuple(template.shape), template.dtype, landings,
+                                 untouched=tuple(_runs(flat == MISSING)), padding=int((flat == 0).sum()))
     return out
+
+
+def unreached(model: torch.nn.Module, maps: Mapping[str, ParamMap]) -> List[str]:
+    """The parameters of `model` that `load_weights` fills (in the loader's layout) but that no
+    checkpoint element of a probe reached, under any of their names (a tied lm_head is the
+    embedding's parameter: reached through it)."""
+    reached = set()
+    by_param: Dict[int, List[str]] = {}
+    for full, (module, local, _) in _loader_layout(model).items():
+        key = id(module._parameters[local])
+        by_param.setdefault(key, []).append(full)
+        if full in maps:
+            reached.add(key)
+    return sorted(names[0] for key, names in by_param.items() if key not in reached)
+
+
+class _Loading:
+    """What `load_weights` is doing during a probe: the checkpoint tensor it was handed last and
+    the probe parameter it touched last while loading it."""
+
+    def __init__(self) -> None:
+        self.tensor: Optional[str] = None
+        self.param: Optional[str] = None
+
+    def refusal(self, model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]], layout, error) -> str:
+        """Why the probe failed, in the checkpoint's and the parameters' names: vLLM's own message
+        (an assertion about sizes) names neither."""
+        said = " ".join(f"{type(error).__name__}: {error}".split())
+        said = said if len(said) <= 300 else said[:300] + "..."
+        if self.tensor is None:
+            return f"vLLM's {type(model).__name__}.load_weights failed after the last checkpoint tensor ({said})"
+        shape = [int(s) for s in checkpoint[self.tensor]]
+        if self.param is None:
+            return (f"checkpoint tensor {self.tensor!r} (shape {shape}): no parameter of vLLM's "
+                    f"{type(model).__name__} takes it (vLLM: {said}); a trainer-only tensor is left out with "
+                    f"name_map={{{self.tensor!r}: None}}")
+        held = [int(s) for s in layout[self.param][2].shape]
+        return (f"checkpoint tensor {self.tensor!r} (shape {shape}) does not fit vLLM's parameter {self.param!r} "
+                f"(shape {held} on this rank): its loader refuses it (vLLM: {said})")
+
+
+class _Watch(torch.overrides.TorchFunctionMode):
+    """Records, while `load_weights` runs, the last probe parameter any torch function touched
+    (itself or a view of its storage): the parameter whose loader was at work when a refusal comes.
+    It only observes."""
+
+    def __init__(self, probes: Mapping[str, torch.Tensor], loading: _Loading) -> None:
+        super().__init__()
+        self.storages = {p.untyped_storage().data_ptr(): name for name, p in probes.items()}
+        self.loading = loading
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for value in list(args) + list(kwargs.values()):
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    try:
+                        name = self.storages.get(t.untyped_storage().data_ptr())
+                    except (RuntimeError, NotImplementedError):  # a tensor without storage
+                        continue
+                    if name is not None:
+                        self.loading.param = name
+        return func(*args, **kwargs)
+
+
+def _runs(mask: torch.Tensor) -> List[Tuple[int, int]]:
+    """The ranges [start, end) where the flat boolean `mask` holds."""
+    idx = torch.nonzero(mask).flatten()
+    if idx.numel() == 0:
+        return []
+    breaks = torch.nonzero(idx[1:] != idx[:-1] + 1).flatten()
+    starts = [int(idx[0])] + (idx[breaks + 1]).tolist()
+    ends = (idx[breaks] + 1).tolist() + [int(idx[-1]) + 1]
+    return list(zip(starts, ends))
 
 
 def _landings(param: str, flat: torch.Tensor, order, starts: torch.Tensor,

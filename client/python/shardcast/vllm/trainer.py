@@ -25,7 +25,8 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from shardcast.vllm import plugin
-from shardcast.vllm.clients import replica_group
+from shardcast.vllm.clients import replica_group, with_reply
+from shardcast.vllm.collective import gather_step
 from shardcast.vllm.fused import Part, box_view, checkpoint_boxes, hf_conversion
 from shardcast.vllm.names import checkpoint_names, is_data_parallel, refuse_fsdp1, strip_wrappers
 
@@ -225,21 +226,7 @@ class _Collective:
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=2)) if self.on else None
 
     def gather(self, what: str, step) -> List[Any]:
-        if not self.on:
-            return [step()]
-        try:
-            value, error = step(), None
-        except Exception as e:  # every rank hears of it
-            value, error, raised = None, f"{type(e).__name__}: {e}", e
-        out: List[Any] = [None] * self.world
-        torch.distributed.all_gather_object(out, (error, value), group=self.group)
-        failed = [(r, err) for r, (err, _) in enumerate(out) if err is not None]
-        if failed:
-            message = f"shardcast: {what} failed on trainer rank(s) " + "; ".join(f"{r}: {e}" for r, e in failed)
-            if error is not None:
-                raise RuntimeError(message) from raised
-            raise RuntimeError(message)
-        return [v for _, v in out]
+        return gather_step(self.group, self.world, what, step, "trainer rank")
 
 
 def _module_of(source: Any) -> torch.nn.Module:
@@ -281,18 +268,29 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         entries: List[_Entry] = []
         engine.collective.gather("finding the checkpoint's tensors",
                                  lambda: entries.extend(_checkpoint_entries(module, init_info.name_map)))
-        engine.shardcast = shardcast.Client(init_info.daemon or None)
-        engine.registration = _register(engine.shardcast, init_info.group, entries, engine.collective)
-        senders = engine.collective.gather("finding the sender", lambda: bool(engine.is_sender))
-        if senders.count(True) != 1:
-            raise ValueError(f"shardcast: {senders.count(True)} trainer ranks are senders (is_sender); exactly one "
-                             "must be")
-        if engine.is_sender:
-            # Global shapes (a DTensor's shape is its global one), under the names registered.
+        # All ranks or none from here: a step that fails anywhere (the daemon refusing a rank, vLLM's
+        # workers refusing the checkpoint) raises on every rank, and every rank unregisters.
+        try:
+            engine.shardcast = shardcast.Client(init_info.daemon or None)
+            engine.registration = _register(engine.shardcast, init_info.group, entries, engine.collective)
+            senders = engine.collective.gather("finding the sender", lambda: bool(engine.is_sender))
+            if senders.count(True) != 1:
+                raise ValueError(f"shardcast: {senders.count(True)} trainer ranks are senders (is_sender); exactly "
+                                 "one must be")
+            # Global shapes (a DTensor's shape is its global one), under the names registered. vLLM's
+            # workers match each against their loaders before anything moves.
             checkpoint = {e.name: [list(e.shape), str(e.param.dtype).replace("torch.", "")] for e in entries}
-            client.init_weight_transfer_engine({"checkpoint": checkpoint, "group": init_info.destination,
-                                                "daemon": "", "double_buffer": init_info.double_buffer,
-                                                "data_parallel": init_info.data_parallel})
+            engine.collective.gather(f"initialising the weight transfer of {init_info.destination!r}", lambda: (
+                with_reply(client.init_weight_transfer_engine, {
+                    "checkpoint": checkpoint, "group": init_info.destination, "daemon": "",
+                    "double_buffer": init_info.double_buffer, "data_parallel": init_info.data_parallel})
+                if engine.is_sender else None))
+        except BaseException:
+            try:
+                engine.shutdown()
+            except Exception as e:  # its daemon gone too: the error to raise is the first one
+                _log.warning("shardcast: trainer_init failed, and unregistering %r failed too: %s", init_info.group, e)
+            raise
         return engine
 
     def send_weights(self) -> None:
@@ -330,7 +328,7 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
     def _update(self, version: int) -> None:
         """The sender: sync `version` into the inference group and drive vLLM's update."""
         info = self.info
-        self.client.start_weight_update()
+        with_reply(self.client.start_weight_update)
         try:
             resp = self.shardcast.sync(info.group, info.destination, version, delta=info.delta,
                                        wait_for_ranks=info.wait_for_ranks, min_replicas=info.min_replicas,
@@ -341,13 +339,13 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
             # so the next send_weights can start one. Both errors are reported. (Workers that do
             # hold the version, ready at it, got every byte: the sync failed after its commit.)
             try:
-                self.client.update_weights({"version": version, "timeout_s": 1.0})
+                with_reply(self.client.update_weights, {"version": version, "timeout_s": 1.0})
             except Exception as update_error:
                 raise RuntimeError(f"shardcast: version {version} did not reach {info.destination!r}: "
                                    f"sync: {sync_error}; vLLM: {update_error}") from sync_error
             _log.warning("shardcast: the sync of version %d into %r reported %s, yet the workers hold the "
                          "version: finishing the update", version, info.destination, sync_error)
-            self.client.finish_weight_update(str(version))
+            with_reply(self.client.finish_weight_update, str(version))
             self._count_updated(version)  # ReplicaClients: the servers that did not are named
             return
         self.replicas = {r.group: "" if r.committed else r.cut for r in resp.replicas}
@@ -357,16 +355,17 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
                           "to it in this update", group, version, why)
         # `source`: the sync has ended, so a replica that does not hold the version catches up.
         try:
-            self.client.update_weights({"version": version, "timeout_s": info.timeout_s, "source": info.group})
+            with_reply(self.client.update_weights, {"version": version, "timeout_s": info.timeout_s,
+                                                    "source": info.group})
         except Exception:
             # vLLM's data-parallel engines: those whose update went through hold the version and
             # keep their session open; finishing ends it there (the others refuse: theirs ended).
             try:
-                self.client.finish_weight_update(str(version))
+                with_reply(self.client.finish_weight_update, str(version))
             except Exception:
                 pass
             raise
-        self.client.finish_weight_update(str(version))
+        with_reply(self.client.finish_weight_update, str(version))
         self._count_updated(version)
 
     def _count_updated(self, version: int) -> None:
@@ -406,21 +405,23 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
             group = replica_group(self.info.destination, replica)
             try:
                 # Inside vLLM's update session: no byte lands in a live parameter outside one.
-                client.start_weight_update()
+                with_reply(client.start_weight_update)
                 resp = self.shardcast.catch_up(group, self.info.group, self.version, timeout=self.info.timeout_s)
                 self.caught_up[group] = resp.seeded_from
-                client.update_weights({"version": self.version, "timeout_s": self.info.timeout_s,
-                                       "source": self.info.group})
-                client.finish_weight_update(str(self.version))
+                with_reply(client.update_weights, {"version": self.version, "timeout_s": self.info.timeout_s,
+                                                   "source": self.info.group})
+                with_reply(client.finish_weight_update, str(self.version))
             except Exception as e:
                 raise RuntimeError(f"shardcast: replica {replica} of {self.info.destination!r} joined but did not "
                                    f"catch up to version {self.version}: {e}") from e
         return replica
 
     def shutdown(self) -> None:
-        if self.registration is not None:
-            self.registration.close()
-            self.registration = None
-        if self.shardcast is not None:
-            self.shardcast.close()
-            self.shardcast = None
+        try:
+            if self.registration is not None:
+                self.registration.close()
+                self.registration = None
+        finally:
+            if self.shardcast is not None:
+                self.shardcast.close()
+                self.shardcast = None

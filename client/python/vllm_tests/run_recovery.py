@@ -1,0 +1,197 @@
+"""One `vllm serve` at tensor-parallel size TP (HTTP, VLLM_SERVER_DEV_MODE=1) under everything that
+goes wrong in an RL loop, each time followed by an update that goes through. Two daemons: n0 serves
+the trainer (this process: a Hugging Face model of plain tensors, AdamW, the shardcast trainer
+engine from vLLM's trainer factory, driving the server through vLLM's HTTPVLLMWeightSyncClient),
+n1 serves vLLM (double-buffered).
+
+- Refused trainer_inits: checkpoints that do not fit vLLM's loaders (a tensor larger than vLLM's,
+  one smaller, one of the wrong shape, one of a dtype no sync converts to vLLM's, a name vLLM does
+  not have, a parameter no tensor reaches). Each raises naming the tensor and vLLM's parameter, and
+  leaves nothing registered on either daemon. Then a trainer_init that fits.
+- Before every update the prompts (engines.PROMPTS, two of them longer than a KV block and
+  sharing it) are served, so the prefix cache holds KV of the weights being replaced. After each
+  update what vLLM serves must equal what it serves once its prefix cache is emptied by hand
+  (/reset_prefix_cache): no KV of the old weights is read.
+- Step 1 goes through. Then an update to a version that never comes (the user's own calls): it
+  fails on every worker, each named. Step 2 goes through.
+- Step 3: n1 frozen as the update starts and killed while the sync waits on it: send_weights
+  raises naming the ranks, vLLM serves step 2. n1 restarted, the workers re-register by themselves,
+  and step 4 goes through.
+After every step each worker's registered bytes are that step's (strict), and what the boxes say
+a sync writes (every parameter element by exactly one tensor, or padding) is recorded with the
+daemon's plan. Each step's weights are saved to OUT/step-N. Prints one JSON result.
+Usage: python run_recovery.py MODEL TP OUT"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+
+
+def main() -> None:
+    model_dir, tp, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    import requests
+    import torch
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import shardcast
+    from engines import PlainTrainer
+    from run_rl import Served, start_server
+    from shardcast.local import LocalCluster
+    from shardcast.vllm.trainer import ShardcastTrainerInitInfo
+
+    class Client(HTTPVLLMWeightSyncClient):
+        """vLLM's HTTP client; `before[path]`, if set, runs before that route is called."""
+
+        before: dict = {}
+
+        def _post(self, path, json=None):
+            if self.before.get(path):
+                self.before[path]()
+            super()._post(path, json)
+
+    result: dict = {"seconds": {}, "refused": {}}
+    t0 = time.monotonic()
+
+    def mark(what: str) -> None:  # how long each part took, for the log (not checked)
+        result["seconds"][what] = round(time.monotonic() - t0, 1)
+        print(f"run_recovery: {what} at {result['seconds'][what]} s", file=sys.stderr, flush=True)
+
+    with LocalCluster(["n0", "n1"]) as cluster:
+        log_path = os.path.join(out, "vllm-serve.log")
+        server, url = start_server(model_dir, tp, cluster.target("n1"), log_path)
+        try:
+            served, client = Served(url=url, model=model_dir), Client(url)
+            trainer = PlainTrainer(model_dir, out)
+
+            def groups(node: str) -> dict:
+                with shardcast.Client(cluster.target(node)) as c:
+                    return {g.group: len(g.rank_states) for g in c.status().groups}
+
+            def init(model, name_map=None):
+                return WeightTransferTrainerFactory.trainer_init(
+                    ShardcastTrainerInitInfo(rank=0, daemon=cluster.target("n0"), timeout_s=60, double_buffer=True,
+                                             name_map=name_map), client=client, source=ModuleSource(model))
+
+            def changed(edit):
+                model = copy.deepcopy(trainer.model)
+                edit(model.model)
+                return model
+
+            def param(module, name: str, value: torch.Tensor) -> None:
+                setattr(module, name, torch.nn.Parameter(value))
+
+            attn, mlp = (lambda m: m.layers[0].self_attn), (lambda m: m.layers[0].mlp)
+            refusals = {
+                # vLLM holds 4 query heads of 64 (256 rows): 300 rows would be cut silently.
+                "longer": (changed(lambda m: param(attn(m).q_proj, "weight", torch.randn(300, 256))), None),
+                # 2 KV heads of 64 (128 rows), one per rank at TP=2: rank 1's rows are not there.
+                "shorter": (changed(lambda m: param(attn(m).k_proj, "weight", torch.randn(64, 256))), None),
+                "transposed": (changed(lambda m: param(mlp(m).gate_proj, "weight", torch.randn(256, 512))), None),
+                "float16": (changed(lambda m: setattr(m, "norm", m.norm.to(torch.float16))), None),
+                "unknown name": (trainer.model, {"model.norm.weight": "model.final_norm.weight"}),
+                "left out": (trainer.model, {"model.norm.weight": None}),
+            }
+            for what, (model, name_map) in refusals.items():
+                try:
+                    init(model, name_map).shutdown()
+                    error = ""
+                except Exception as e:
+                    error = str(e)
+                result["refused"][what] = {"error": error, "n0": groups("n0"), "n1": groups("n1")}
+            mark("refusals")
+            engine = init(trainer.model)
+            result["registered"] = {"n0": groups("n0"), "n1": groups("n1")}
+            mark("initialised")
+
+            def reset_by_hand() -> None:
+                requests.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
+
+            def after(step: int) -> None:
+                result[f"dir_{step}"] = trainer.save(step)
+                result[f"served_{step}"] = served.generate()
+                reset_by_hand()
+                result[f"recomputed_{step}"] = served.generate()
+                result[f"checks_{step}"] = served.check(result[f"dir_{step}"])
+                mark(f"step {step}")
+
+            result["served_0"] = served.generate()  # the prefix cache now holds the system prompt's block
+            trainer.train(1)
+            engine.send_weights()
+            after(1)
+            with shardcast.Client(cluster.target("n0")) as c:
+                result["plan_bytes_needed"] = c.plan("trainer", "vllm")["bytes_needed"]
+
+            # The user's own calls: an update to a version that never comes.
+            requests.post(f"{url}/start_weight_update", timeout=60).raise_for_status()
+            reply = requests.post(f"{url}/update_weights", timeout=60,
+                                  json={"update_info": {"version": 99, "timeout_s": 1}})
+            result["missing_version"] = {"status": reply.status_code, "reply": reply.text}
+            result["served_after_missing"] = served.generate()
+            trainer.train(2)
+            engine.send_weights()
+            after(2)
+
+            # n1 frozen as the update starts, killed while the sync waits on it.
+            n1 = cluster.daemons["n1"].proc.pid
+
+            def freeze_then_kill():
+                os.kill(n1, signal.SIGSTOP)
+                threading.Timer(1.5, lambda: os.kill(n1, signal.SIGKILL)).start()
+
+            trainer.train(3)
+            client.before["start_weight_update"] = freeze_then_kill
+            try:
+                engine.send_weights()
+                result["killed"] = ""
+            except Exception as e:
+                result["killed"] = str(e)
+            client.before["start_weight_update"] = None
+            result["served_after_kill"] = served.generate()
+            cluster.restart("n1")
+            deadline = time.monotonic() + 60
+            while groups("n1").get("vllm", 0) < tp:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the vLLM workers did not re-register with the restarted daemon in 60 s")
+                time.sleep(0.2)
+            mark("re-registered")
+            trainer.train(4)
+            engine.send_weights()
+            after(4)
+            result["weight_version"] = requests.get(f"{url}/weight_info", timeout=60).json()["weight_version"]
+
+            # What the reset costs: the engine's own time for it, from its log, and the first
+            # request of a long prompt after an update (its prefix computed again) against the
+            # same request once the prefix is cached.
+            engine.send_weights()
+            result["first_after_update_s"] = timed(lambda: served.generate_one(-1))
+            result["cached_s"] = timed(lambda: served.generate_one(-1))
+            engine.shutdown()
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except Exception:
+                server.kill()
+        with open(log_path) as f:
+            result["reset_ms"] = [float(m) for m in re.findall(r"prefix cache reset after the update in ([0-9.]+) ms",
+                                                               f.read())]
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    main()
