@@ -102,11 +102,13 @@ def main() -> None:
             }
             for what, (model, name_map) in refusals.items():
                 try:
-                    init(model, name_map).shutdown()
-                    error = ""
+                    accepted = init(model, name_map)
                 except Exception as e:
-                    error = str(e)
-                result["refused"][what] = {"error": error, "n0": groups("n0"), "n1": groups("n1")}
+                    result["refused"][what] = {"error": str(e), "n0": groups("n0"), "n1": groups("n1")}
+                    continue
+                result["refused"][what] = {"error": "", "n0": groups("n0"), "n1": groups("n1")}
+                accepted.shutdown()  # taken after all: undone on both sides, for the next case
+                requests.post(f"{url}/shutdown_weight_transfer_engine", timeout=60).raise_for_status()
             mark("refusals")
             engine = init(trainer.model)
             result["registered"] = {"n0": groups("n0"), "n1": groups("n1")}

@@ -6,6 +6,7 @@ they only call what they are given."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -16,7 +17,13 @@ def error_text(e: BaseException) -> str:
     workers that failed, and their errors)."""
     text = f"{type(e).__name__}: {e}"
     body = getattr(getattr(e, "response", None), "text", None)
-    return f"{text}: {body[:4000]}" if isinstance(body, str) and body else text
+    if not isinstance(body, str) or not body:
+        return text
+    try:  # vLLM's error reply: {"error": {"message": ...}}
+        body = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        pass
+    return f"{text}: {str(body)[:4000]}"
 
 
 def with_reply(call: Callable[..., Any], *args: Any) -> Any:
