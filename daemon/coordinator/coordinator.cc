@@ -421,6 +421,12 @@ Status SyncCoordinator::gather() {
     if (!req_.options().wait_for_ranks() || Clock::now() + std::chrono::milliseconds(100) > deadline_)
       return failed(st);
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    // A caller that left, or a daemon stopping, ends the wait: nobody is there to take the result.
+    if (ctx_.gone && ctx_.gone())
+      return failed(absl::CancelledError(strCat("sync ", id_,
+                                                ": the caller went away (or the daemon is stopping) "
+                                                "while it waited for ranks: ",
+                                                st.message())));
   }
 }
 

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -168,6 +169,9 @@ class SyncCoordinator {
     std::vector<uint64_t> earlier_fences{};
     // Folds refused in a row before this attempt (RepeatView::fold_refusals), kept with its view.
     int fold_refusals = 0;
+    // The Sync call is over (its client went, or the daemon is stopping): polled where the sync
+    // waits (for ranks to register), which then ends CANCELLED. Unset: never.
+    std::function<bool()> gone{};
   };
   // `id` is started on the progress board already; `fence` names this attempt (never 0).
   SyncCoordinator(Context ctx, const v1::SyncRequest& request, std::string id, uint64_t fence);

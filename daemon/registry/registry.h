@@ -159,8 +159,10 @@ class Registry {
                                    uint64_t registration = 0);
   // Waits until every rank of `group` here is READY at >= `version` or the timeout passes;
   // FAILED_PRECONDITION naming the rank when one is DIRTY, NOT_FOUND when none is registered.
+  // `gone`: polled while waiting; true when the caller went away: then CANCELLED.
   StatusOr<v1::WaitVersionResponse> waitVersion(const std::string& group, uint64_t version,
-                                                std::chrono::milliseconds timeout) const;
+                                                std::chrono::milliseconds timeout,
+                                                const std::function<bool()>& gone = nullptr) const;
 
   // Sessions (client liveness): registrations made under a session end with it.
   std::string openSession(const std::string& client);

@@ -343,7 +343,8 @@ StatusOr<v1::RankStatus> Registry::release(const std::string& group, int32_t ran
 }
 
 StatusOr<v1::WaitVersionResponse> Registry::waitVersion(const std::string& group, uint64_t version,
-                                                        std::chrono::milliseconds timeout) const {
+                                                        std::chrono::milliseconds timeout,
+                                                        const std::function<bool()>& gone) const {
   std::unique_lock<std::mutex> lock(mu_);
   v1::WaitVersionResponse out;
   Status failed = absl::OkStatus();
@@ -374,7 +375,17 @@ StatusOr<v1::WaitVersionResponse> Registry::waitVersion(const std::string& group
     out.set_version(min);
     return min >= version;
   };
-  state_cv_.wait_for(lock, timeout, check);
+  // In steps, to notice a caller that went away (as acquire does).
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  bool done = check();
+  while (!done && std::chrono::steady_clock::now() < until) {
+    if (gone && gone())
+      return absl::CancelledError(
+          strCat("wait for group \"", group, "\" version ", version, " on node \"", node_, "\": the caller went away"));
+    const auto step = std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(100),
+                                                                    until - std::chrono::steady_clock::now());
+    done = state_cv_.wait_for(lock, step, check);
+  }
   if (!failed.ok()) return failed;
   return out;
 }

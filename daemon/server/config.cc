@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdlib>
+#include <limits>
 #include <sstream>
 
 #include "common/strings.h"
@@ -27,7 +28,8 @@ std::string DaemonConfig::describe() const {
      << " max_sync_lease_ms=" << max_sync_lease_ms << " owner_grace_s=" << owner_grace_s
      << " max_local_connections_per_uid=" << max_local_connections_per_uid
      << " max_connections_per_address=" << max_connections_per_address << " grpc_memory_mib=" << grpc_memory_mib
-     << " shutdown_grace_ms=" << shutdown_grace_ms << " tls="
+     << " shutdown_grace_ms=" << shutdown_grace_ms << " max_wait_ms=" << max_wait_ms
+     << " metrics_names=" << (metrics_names ? "true" : "false") << " tls="
      << (tls.enabled() ? strCat("cert:", tls.cert, ",key:", tls.key, ",ca:", tls.ca, ",reload_s:", tls.reload_s)
                        : "(none)")
      << " insecure=" << (insecure ? "true" : "false")
@@ -234,6 +236,16 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
       ->envname("SHARDCAST_SHUTDOWN_GRACE_MS")
       ->check(CLI::Range(0, 600000))
       ->capture_default_str();
+  app.add_option("--max-wait-ms", c.max_wait_ms,
+                 "The longest wait a client may ask for: a Sync's, WaitVersion's or Acquire's timeout_ms above it "
+                 "is refused (INVALID_ARGUMENT)")
+      ->envname("SHARDCAST_MAX_WAIT_MS")
+      ->check(CLI::Range(int64_t{1000}, int64_t{std::numeric_limits<uint32_t>::max()}))
+      ->capture_default_str();
+  app.add_flag("--metrics-names", c.metrics_names,
+               "/metrics labels name groups, sources, replica sets and peer nodes (otherwise each is a hash of the "
+               "name): the metrics port is plaintext and unauthenticated")
+      ->envname("SHARDCAST_METRICS_NAMES");
   app.add_option("--tls-cert", c.tls.cert,
                  "This daemon's certificate chain (PEM; its DNS names include shardcast-daemon)")
       ->envname("SHARDCAST_TLS_CERT");

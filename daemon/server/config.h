@@ -49,16 +49,22 @@ struct DaemonConfig {
   // In effect: the options', or sized for the link (below 1 MiB on slow links).
   int64_t chunk_bytes = int64_t{64} << 20;
   int64_t window_bytes = int64_t{128} << 20;
-  int64_t delta_cache_mib = 8192;                 // host memory for delta bases (all plans)
-  int64_t delta_dense_every = 0;                  // DELTA_AUTO syncs of versions divisible by this go dense
-  std::string metrics = kDefaultMetrics;          // Prometheus /metrics host:port ("" = off)
-  int sync_lease_ms = 10000;                      // a sync whose coordinator is silent this long is aborted
-  int max_sync_lease_ms = 60000;                  // the longest lease a coordinating peer may ask for
-  int owner_grace_s = 300;                        // after a restart, groups stay reserved for their owner uid this long
-  int max_local_connections_per_uid = 256;        // open Unix-socket connections per uid (root: any)
-  int max_connections_per_address = 256;          // open TCP connections per remote address
-  int64_t grpc_memory_mib = 1024;                 // gRPC's memory quota: every connection's buffers together
-  int shutdown_grace_ms = 10000;                  // SIGTERM: then abort whatever is left and exit
+  int64_t delta_cache_mib = 8192;           // host memory for delta bases (all plans)
+  int64_t delta_dense_every = 0;            // DELTA_AUTO syncs of versions divisible by this go dense
+  std::string metrics = kDefaultMetrics;    // Prometheus /metrics host:port ("" = off)
+  int sync_lease_ms = 10000;                // a sync whose coordinator is silent this long is aborted
+  int max_sync_lease_ms = 60000;            // the longest lease a coordinating peer may ask for
+  int owner_grace_s = 300;                  // after a restart, groups stay reserved for their owner uid this long
+  int max_local_connections_per_uid = 256;  // open Unix-socket connections per uid (root: any)
+  int max_connections_per_address = 256;    // open TCP connections per remote address
+  int64_t grpc_memory_mib = 1024;           // gRPC's memory quota: every connection's buffers together
+  int shutdown_grace_ms = 10000;            // SIGTERM: then abort whatever is left and exit
+  // The longest wait a client may ask for (a Sync's, a WaitVersion's, an Acquire's timeout_ms): a
+  // longer one is refused, so no call holds a thread and its CPU past it.
+  int64_t max_wait_ms = 3600000;
+  // /metrics labels name groups, sources, replica sets and peer nodes (else hashes of the names):
+  // the port is plaintext and unauthenticated.
+  bool metrics_names = false;
   TlsFiles tls;                                   // mutual TLS on the TCP listener and to peers
   bool insecure = false;                          // plaintext TCP, nobody authenticated (tests on one host)
   std::string client_token_file;                  // TCP clients may also authenticate with this bearer token

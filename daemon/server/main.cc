@@ -179,7 +179,7 @@ int main(int argc, char** argv) {
       if (v.described.ok() && v.described->node() == config->node)
         return fail("another shardcastd (at " + v.address + ") already serves node \"" + config->node +
                     "\": give every daemon its own --node");
-  Metrics metrics;
+  Metrics metrics(config->metrics_names);
   PeerLimits peer_limits;
   peer_limits.max_lease = std::chrono::milliseconds(config->max_sync_lease_ms);
   SyncEngine engine(config->node, registry, **transport, metrics, static_cast<uint64_t>(config->window_bytes), nullptr,

@@ -1,11 +1,20 @@
 #include "daemon/server/metrics.h"
 
-#include <httplib.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <prometheus/text_serializer.h>
+#include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <string_view>
 #include <thread>
 
 #include "common/defaults.h"
@@ -38,7 +47,7 @@ void add(prometheus::MetricFamily& f, double value, std::vector<prometheus::Clie
 
 }  // namespace
 
-Metrics::Metrics()
+Metrics::Metrics(bool names)
     : registry_(std::make_shared<prometheus::Registry>()),
       syncs_(&prometheus::BuildCounter()
                   .Name("shardcast_syncs_total")
@@ -79,7 +88,14 @@ Metrics::Metrics()
                      .Name("shardcast_syncs_in_flight")
                      .Help("Syncs this daemon is coordinating now.")
                      .Register(*registry_)
-                     .Add({})) {
+                     .Add({})),
+      waiting_(prometheus::BuildGauge()
+                   .Name("shardcast_waits_in_flight")
+                   .Help("Client calls waiting on this daemon now (WaitVersion, Acquire; syncs are "
+                         "shardcast_syncs_in_flight).")
+                   .Register(*registry_)
+                   .Add({})),
+      names_(names) {
   prometheus::BuildGauge()
       .Name("shardcast_build_info")
       .Help("The daemon's release (1 per daemon).")
@@ -90,6 +106,11 @@ Metrics::Metrics()
     syncs_->Add({{"result", result}});
     duration_->Add({{"result", result}}, durationBuckets());
   }
+}
+
+std::string Metrics::label(const std::string& name) const {
+  if (names_) return name;
+  return fmt::format("h{:016x}", XXH64(name.data(), name.size(), 0));
 }
 
 void Metrics::observePhases(const v1::SyncResponse& figures, const std::string& result, bool every) {
@@ -111,11 +132,11 @@ void Metrics::syncCommitted(const v1::SyncResponse& figures) {
     delta_saved_.Increment(static_cast<double>(figures.network_bytes() - figures.wire_bytes()));
 }
 
-void Metrics::peerFailed(const std::string& node) { peer_failures_->Add({{"peer", node}}).Increment(); }
+void Metrics::peerFailed(const std::string& node) { peer_failures_->Add({{"peer", label(node)}}).Increment(); }
 
 void Metrics::replicaSetSynced(const std::string& set, size_t committed, size_t cut) {
-  set_replicas_->Add({{"set", set}}).Set(static_cast<double>(committed));
-  replicas_cut_->Add({{"set", set}}).Increment(static_cast<double>(cut));
+  set_replicas_->Add({{"set", label(set)}}).Set(static_cast<double>(committed));
+  replicas_cut_->Add({{"set", label(set)}}).Increment(static_cast<double>(cut));
 }
 
 void Metrics::syncFailed(double seconds, const v1::SyncResponse& figures) {
@@ -180,14 +201,14 @@ std::string Metrics::render() const {
                             "published (source); the lowest of them, 0 when one has none yet.",
                             MetricType::Gauge));
   for (const auto& [group, g] : by_group)
-    add(families.back(), static_cast<double>(g.version), {{"group", group}, {"role", g.role}});
+    add(families.back(), static_cast<double>(g.version), {{"group", label(group)}, {"role", g.role}});
   families.push_back(
       family("shardcast_group_ranks", "Per group registered here: its ranks here by state.", MetricType::Gauge));
   for (const auto& [group, g] : by_group)
     for (const char* state : {"empty", "updating", "ready", "dirty"}) {
       const auto it = g.ranks.find(state);
       add(families.back(), static_cast<double>(it == g.ranks.end() ? 0 : it->second),
-          {{"group", group}, {"role", g.role}, {"state", state}});
+          {{"group", label(group)}, {"role", g.role}, {"state", state}});
     }
   families.push_back(family("shardcast_group_version_lag",
                             "Per destination group registered here that a sync has reached: how many versions its "
@@ -210,7 +231,7 @@ std::string Metrics::render() const {
       if (const auto src = by_group.find(seen.source); src != by_group.end() && src->second.role == "source")
         newest = std::max(newest, src->second.version);
       add(families.back(), static_cast<double>(newest > dst->second.version ? newest - dst->second.version : 0),
-          {{"group", group}, {"source", seen.source}});
+          {{"group", label(group)}, {"source", label(seen.source)}});
     }
   }
   families.push_back(family("shardcast_peer_up",
@@ -219,8 +240,8 @@ std::string Metrics::render() const {
                             MetricType::Gauge));
   if (peers_up)
     for (const auto& [peer, up] : peers_up()) {
-      add(families.back(), up ? 1 : 0, {{"peer", peer}});
-      peer_failures_->Add({{"peer", peer}});  // at 0 from the start: increase() sees its first failure
+      add(families.back(), up ? 1 : 0, {{"peer", label(peer)}});
+      peer_failures_->Add({{"peer", label(peer)}});  // at 0 from the start: increase() sees its first failure
     }
   gauge("shardcast_sessions_active", "Client sessions open on this daemon (their ranks live as long as they do).",
         read(sessions_active));
@@ -235,42 +256,254 @@ std::string Metrics::render() const {
   return prometheus::TextSerializer().Serialize(families);
 }
 
+// ---- MetricsServer ----
+
+struct MetricsServer::Connection {
+  int fd = -1;
+  std::string request;  // the bytes read so far (request line and headers)
+  std::string answer;   // to send; empty while reading or waiting for a render
+  size_t sent = 0;
+  bool head = false;       // a HEAD request: the answer's headers only
+  bool rendering = false;  // waiting for the render thread
+  std::chrono::steady_clock::time_point deadline;
+};
+
+namespace {
+
+std::string httpAnswer(int code, const char* reason, const std::string& type, const std::string& body, bool head) {
+  std::string out = strCat("HTTP/1.1 ", code, " ", reason, "\r\nContent-Type: ", type,
+                           "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n");
+  if (!head) out += body;
+  return out;
+}
+
+std::string plain(int code, const char* reason, const std::string& body) {
+  return httpAnswer(code, reason, "text/plain", body, false);
+}
+
+// Case-insensitive: does header line `line` name header `name` (lower case)?
+bool isHeader(std::string_view line, std::string_view name) {
+  if (line.size() <= name.size() || line[name.size()] != ':') return false;
+  for (size_t i = 0; i < name.size(); ++i)
+    if (std::tolower(static_cast<unsigned char>(line[i])) != name[i]) return false;
+  return true;
+}
+
+}  // namespace
+
 StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string& host, int port,
                                                               const Metrics& metrics) {
-  std::unique_ptr<MetricsServer> s(new MetricsServer());
-  s->server_ = std::make_unique<httplib::Server>();
-  // SO_REUSEADDR only: httplib's default adds SO_REUSEPORT, with which a second daemon on a taken
-  // port bound it too and scrapes went to either at random.
-  s->server_->set_socket_options([](socket_t sock) {
-    const int yes = 1;
-    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-  });
-  s->server_->Get("/metrics", [&metrics](const httplib::Request&, httplib::Response& res) {
-    res.set_content(metrics.render(), "text/plain; version=0.0.4");
-  });
-  s->server_->Get("/healthz", [&metrics](const httplib::Request&, httplib::Response& res) {
-    const bool up = metrics.serving.load();
-    res.status = up ? 200 : 503;
-    res.set_content(up ? "SERVING\n" : "NOT_SERVING\n", "text/plain");
-  });
-  s->port_ = port == 0 ? s->server_->bind_to_any_port(host) : (s->server_->bind_to_port(host, port) ? port : -1);
-  if (s->port_ <= 0)  // errno: of the bind or listen that failed (httplib closes the socket after it)
-    return absl::UnavailableError(strCat("metrics: cannot listen on ", host, ":", port, ": ", std::strerror(errno)));
-  s->thread_ = std::thread([srv = s->server_.get(), done = &s->listened_] {
-    srv->listen_after_bind();
-    *done = true;
-  });
+  return start(host, port, metrics, Limits{});
+}
+
+StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::start(const std::string& host, int port, const Metrics& metrics,
+                                                              Limits limits) {
+  std::unique_ptr<MetricsServer> s(new MetricsServer(metrics, limits));
+  const std::string where = strCat("metrics: cannot listen on ", host, ":", port, ": ");
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), std::to_string(port).c_str(), &hints, &found);
+      rc != 0)
+    return absl::UnavailableError(strCat(where, ::gai_strerror(rc)));
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> addresses(found, &::freeaddrinfo);
+  // SO_REUSEADDR only, never SO_REUSEPORT: a second daemon on a taken port fails here instead of
+  // sharing it (scrapes would go to either at random).
+  s->listener_ = ::socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (s->listener_ < 0) return absl::UnavailableError(strCat(where, std::strerror(errno)));
+  const int yes = 1;
+  ::setsockopt(s->listener_, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  if (::bind(s->listener_, found->ai_addr, found->ai_addrlen) != 0 || ::listen(s->listener_, 128) != 0)
+    return absl::UnavailableError(strCat(where, std::strerror(errno)));
+  sockaddr_storage bound{};
+  socklen_t len = sizeof(bound);
+  ::getsockname(s->listener_, reinterpret_cast<sockaddr*>(&bound), &len);
+  s->port_ = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                               : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  s->wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (s->wake_fd_ < 0) return absl::UnavailableError(strCat("metrics: eventfd: ", std::strerror(errno)));
+  s->serve_thread_ = std::thread([m = s.get()] { m->serve(); });
+  s->render_thread_ = std::thread([m = s.get()] { m->render(); });
   return s;
 }
 
 MetricsServer::~MetricsServer() {
-  if (server_ && thread_.joinable()) {
-    // httplib's stop() does nothing until the listening thread has marked the server running: a
-    // daemon that stopped right after starting (its gRPC port taken) hung in the join below.
-    while (!listened_ && !server_->is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    server_->stop();
+  stopping_ = true;
+  { std::lock_guard<std::mutex> lock(render_mu_); }
+  render_cv_.notify_all();
+  if (wake_fd_ >= 0) wake();
+  if (serve_thread_.joinable()) serve_thread_.join();
+  if (render_thread_.joinable()) render_thread_.join();
+  if (listener_ >= 0) ::close(listener_);
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+void MetricsServer::wake() const {
+  const uint64_t one = 1;
+  if (::write(wake_fd_, &one, sizeof(one)) < 0) {
+    // The counter is full (EAGAIN): the poll thread is woken already.
   }
-  if (thread_.joinable()) thread_.join();
+}
+
+void MetricsServer::render() {
+  std::unique_lock<std::mutex> lock(render_mu_);
+  while (true) {
+    render_cv_.wait(lock, [&] { return stopping_ || !to_render_.empty(); });
+    if (stopping_) return;
+    // Every scrape waiting now gets this one render: concurrent scrapes cost one.
+    std::vector<uint64_t> ids;
+    ids.swap(to_render_);
+    lock.unlock();
+    const std::string text = metrics_.render();
+    lock.lock();
+    for (uint64_t id : ids) rendered_[id] = text;
+    wake();
+  }
+}
+
+void MetricsServer::serve() {
+  using Clock = std::chrono::steady_clock;
+  std::map<uint64_t, Connection> connections;  // by id, in the order accepted
+  uint64_t next_id = 1;
+  auto close = [&](std::map<uint64_t, Connection>::iterator it) {
+    ::close(it->second.fd);
+    return connections.erase(it);
+  };
+  // The request is whole (its headers ended): the answer, or a render asked for.
+  auto answer = [&](uint64_t id, Connection& c) {
+    const std::string_view req(c.request);
+    const size_t line_end = req.find("\r\n");
+    const std::string_view line = req.substr(0, line_end);
+    const size_t sp1 = line.find(' '), sp2 = line.rfind(' ');
+    if (sp1 == std::string_view::npos || sp2 == sp1 || line.substr(sp2 + 1).rfind("HTTP/1.", 0) != 0) {
+      c.answer = plain(400, "Bad Request", "bad request line\n");
+      return;
+    }
+    const std::string_view method = line.substr(0, sp1);
+    std::string_view path = line.substr(sp1 + 1, sp2 - sp1 - 1);
+    path = path.substr(0, path.find('?'));
+    // No request has a body here: one announced is refused before a byte of it is read.
+    for (size_t at = line_end + 2; at < req.size();) {
+      const size_t end = req.find("\r\n", at);
+      const std::string_view header = req.substr(at, end - at);
+      if (header.empty()) break;
+      if ((isHeader(header, "content-length") && header.find_first_not_of("0 \t", 15) != std::string_view::npos) ||
+          isHeader(header, "transfer-encoding")) {
+        c.answer = plain(413, "Payload Too Large", "requests here carry no body\n");
+        return;
+      }
+      at = end + 2;
+    }
+    c.head = method == "HEAD";
+    if (method != "GET" && !c.head) {
+      c.answer = plain(405, "Method Not Allowed", "GET /metrics or /healthz\n");
+    } else if (path == "/healthz") {
+      const bool up = metrics_.serving.load();
+      c.answer = httpAnswer(up ? 200 : 503, up ? "OK" : "Service Unavailable", "text/plain",
+                            up ? "SERVING\n" : "NOT_SERVING\n", c.head);
+    } else if (path == "/metrics") {
+      c.rendering = true;
+      {
+        std::lock_guard<std::mutex> lock(render_mu_);
+        to_render_.push_back(id);
+      }
+      render_cv_.notify_one();
+    } else {
+      c.answer = plain(404, "Not Found", "GET /metrics or /healthz\n");
+    }
+  };
+  std::vector<pollfd> fds;
+  std::vector<uint64_t> ids;  // fds[i + 2]'s connection
+  while (!stopping_) {
+    // Renders done: their answers.
+    {
+      std::lock_guard<std::mutex> lock(render_mu_);
+      for (auto& [id, text] : rendered_)
+        if (const auto it = connections.find(id); it != connections.end() && it->second.rendering) {
+          it->second.rendering = false;
+          it->second.answer = httpAnswer(200, "OK", "text/plain; version=0.0.4", text, it->second.head);
+        }
+      rendered_.clear();
+    }
+    // Connections past their time are closed: a slow or silent client costs a slot for that long.
+    const auto now = Clock::now();
+    for (auto it = connections.begin(); it != connections.end();) it = now >= it->second.deadline ? close(it) : ++it;
+    fds.clear();
+    ids.clear();
+    fds.push_back({listener_, POLLIN, 0});
+    fds.push_back({wake_fd_, POLLIN, 0});
+    auto next = now + std::chrono::seconds(1);
+    for (const auto& [id, c] : connections) {
+      const short events = c.rendering ? 0 : c.answer.empty() ? POLLIN : POLLOUT;
+      fds.push_back({c.fd, events, 0});
+      ids.push_back(id);
+      next = std::min(next, c.deadline);
+    }
+    const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(next - now).count() + 1;
+    if (::poll(fds.data(), fds.size(), static_cast<int>(wait)) < 0) {
+      if (errno == EINTR) continue;
+      spdlog::error("metrics: poll: {}", std::strerror(errno));
+      break;
+    }
+    if (fds[1].revents) {
+      uint64_t count = 0;
+      if (::read(wake_fd_, &count, sizeof(count)) < 0) {
+        // EAGAIN: woken already.
+      }
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const short got = fds[i + 2].revents;
+      if (got == 0) continue;
+      const auto it = connections.find(ids[i]);
+      Connection& c = it->second;
+      if (!c.answer.empty()) {  // sending
+        const ssize_t n = ::send(c.fd, c.answer.data() + c.sent, c.answer.size() - c.sent, MSG_NOSIGNAL);
+        if (n > 0) c.sent += static_cast<size_t>(n);
+        if ((n < 0 && errno != EAGAIN && errno != EINTR) || c.sent == c.answer.size()) close(it);
+        continue;
+      }
+      // Reading the request line and headers, never more than the limit.
+      char buf[4096];
+      const size_t room = limits_.max_request_bytes + 1 - c.request.size();
+      const ssize_t n = ::recv(c.fd, buf, std::min(sizeof(buf), room), 0);
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+        close(it);
+        continue;
+      }
+      if (n < 0) continue;
+      const size_t before = c.request.size();
+      c.request.append(buf, static_cast<size_t>(n));
+      const size_t from = before >= 3 ? before - 3 : 0;
+      if (const size_t end = c.request.find("\r\n\r\n", from); end != std::string::npos) {
+        c.request.resize(end + 4);
+        c.deadline = Clock::now() + limits_.answer_time;
+        answer(it->first, c);
+      } else if (c.request.size() > limits_.max_request_bytes) {
+        c.answer = plain(431, "Request Header Fields Too Large",
+                         strCat("request line and headers are limited to ", limits_.max_request_bytes, " bytes\n"));
+        c.deadline = Clock::now() + limits_.answer_time;
+      }
+    }
+    if (fds[0].revents & POLLIN) {
+      while (true) {
+        const int fd = ::accept4(listener_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+          if (errno == EMFILE || errno == ENFILE)
+            spdlog::warn("metrics: cannot accept a connection: {}", std::strerror(errno));
+          break;  // EAGAIN: all accepted
+        }
+        // At the limit the oldest connection makes room: silent ones cannot keep a probe out.
+        if (connections.size() >= limits_.max_connections) close(connections.begin());
+        Connection c;
+        c.fd = fd;
+        c.deadline = Clock::now() + limits_.request_time;
+        connections.emplace(next_id++, std::move(c));
+      }
+    }
+  }
+  for (auto it = connections.begin(); it != connections.end();) it = close(it);
 }
 
 }  // namespace shardcast::daemon

@@ -1,5 +1,5 @@
 // Prometheus metrics of one daemon, on prometheus-cpp (Debian's prometheus-cpp-dev: its registry,
-// metric types and text serializer), served on GET /metrics by cpp-httplib beside GET /healthz for
+// metric types and text serializer), served on GET /metrics beside GET /healthz (MetricsServer) for
 // probes that cannot speak TLS (kubelet's gRPC probes are plaintext; the gRPC port is mutual TLS).
 // Syncs coordinated here feed histograms as they end; the sync paths' own atomics (bytes, chunks,
 // expiries) and the registry's state are read at scrape time into the same families. Names follow
@@ -15,26 +15,27 @@
 #include <prometheus/registry.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "common/status.h"
 #include "daemon/engine/sync_counters.h"
 #include "shardcast/v1/service.pb.h"
 
-namespace httplib {
-class Server;
-}
-
 namespace shardcast::daemon {
 
 class Metrics {
  public:
-  Metrics();
+  // `names`: labels carry group, source, replica set and peer node names as they are; otherwise
+  // each is "h" and the 16 hex digits of the name's XXH64 (the port is unauthenticated: --metrics-names).
+  explicit Metrics(bool names = true);
 
   // A sync coordinated here ended: committed or failed after `seconds`. `figures` holds the time
   // of each phase it ran (a failed sync: those it finished and the one it failed in, the others
@@ -55,6 +56,14 @@ class Metrics {
     ~InFlight() { gauge.Decrement(); }
     prometheus::Gauge& gauge;
   };
+  // Client calls waiting here (WaitVersion, Acquire; syncs: InFlight), for a guard's life.
+  struct Waiting {
+    explicit Waiting(Metrics& m) : gauge(m.waiting_) { gauge.Increment(); }
+    ~Waiting() { gauge.Decrement(); }
+    prometheus::Gauge& gauge;
+  };
+  // A name as labels carry it (see the constructor).
+  std::string label(const std::string& name) const;
 
   AtomicSyncCounters moved;                 // every wave of every sync that ran here
   std::atomic<uint64_t> syncs_expired{0};   // aborted here because their coordinator's lease ran out
@@ -93,6 +102,8 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* set_replicas_;
   prometheus::Family<prometheus::Counter>* replicas_cut_;
   prometheus::Gauge& in_flight_;
+  prometheus::Gauge& waiting_;
+  const bool names_;
   void observePhases(const v1::SyncResponse& figures, const std::string& result, bool every);
   // Destination group -> the version the latest sync into it prepared here, and its source.
   struct SourceSeen {
@@ -103,19 +114,46 @@ class Metrics {
   mutable std::map<std::string, SourceSeen> sources_;  // render() forgets groups gone from here
 };
 
-// Serves `metrics` on host:port until destroyed.
+// Serves `metrics` on host:port until destroyed: GET (or HEAD) /metrics and /healthz over plain
+// HTTP/1.1, one request per connection. The port is unauthenticated, so what a connection may
+// cost is bounded (docs/security.md, "The metrics port"): one thread polls every connection
+// (a slow one holds no thread), /healthz is answered on it at once, /metrics is rendered on a
+// thread of its own (a slow render delays only scrapes), and each connection gets `Limits`.
 class MetricsServer {
  public:
+  struct Limits {
+    size_t max_connections = 64;                   // open at once; past it the oldest one is closed
+    size_t max_request_bytes = 8192;               // request line and headers; past it 431, closed
+    std::chrono::milliseconds request_time{5000};  // from accept to the request's last header
+    std::chrono::milliseconds answer_time{10000};  // to render and send the answer
+  };
+  static StatusOr<std::unique_ptr<MetricsServer>> start(const std::string& host, int port, const Metrics& metrics,
+                                                        Limits limits);
+  // With the default limits.
   static StatusOr<std::unique_ptr<MetricsServer>> start(const std::string& host, int port, const Metrics& metrics);
   ~MetricsServer();
   int port() const { return port_; }
 
  private:
-  MetricsServer() = default;
-  std::unique_ptr<httplib::Server> server_;
-  std::thread thread_;
-  std::atomic<bool> listened_{false};  // listen_after_bind returned (it failed, or was stopped)
+  struct Connection;
+  explicit MetricsServer(const Metrics& metrics, Limits limits) : metrics_(metrics), limits_(limits) {}
+  void serve();   // the poll thread: accepts, reads requests, answers, closes
+  void render();  // the render thread: /metrics for every connection waiting for it, one render each round
+  void wake() const;
+
+  const Metrics& metrics_;
+  const Limits limits_;
+  int listener_ = -1;
+  int wake_fd_ = -1;  // eventfd: stop, or a render is done
   int port_ = 0;
+  std::atomic<bool> stopping_{false};
+  // Connection ids waiting for a render, and the rendered answers by id (render -> serve).
+  std::mutex render_mu_;
+  std::condition_variable render_cv_;
+  std::vector<uint64_t> to_render_;
+  std::map<uint64_t, std::string> rendered_;
+  std::thread serve_thread_;
+  std::thread render_thread_;
 };
 
 }  // namespace shardcast::daemon

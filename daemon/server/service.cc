@@ -42,6 +42,15 @@ Status checkNodes(const PeerSet& peers, const Registry& registry,
   return peers.checkTransportAddresses(given, std::chrono::steady_clock::now() + (left - margin));
 }
 
+// A wait a client asks for (`timeout_ms` of `call`), refused above the daemon's --max-wait-ms:
+// a call may hold a thread here that long at most (docs/security.md, "Every wait ends").
+Status checkWait(const char* call, uint32_t timeout_ms, int64_t max_wait_ms) {
+  if (timeout_ms <= max_wait_ms) return absl::OkStatus();
+  return absl::InvalidArgumentError(strCat(call, ": timeout_ms ", timeout_ms,
+                                           " is longer than this daemon's longest wait, ", max_wait_ms,
+                                           " ms (--max-wait-ms)"));
+}
+
 }  // namespace
 
 ShardcastService::ShardcastService(const DaemonConfig& config, const AccessPolicy& access, Registry& registry,
@@ -77,9 +86,11 @@ grpc::Status ShardcastService::Sync(grpc::ServerContext* ctx, const v1::SyncRequ
   if (caller->local && caller->local->uid != 0 && !access_.insecure()) uid = caller->local->uid;
   const auto started = std::chrono::steady_clock::now();
   grpc::Status st;
-  {
+  if (auto wait = checkWait("sync", req->options().timeout_ms(), config_.max_wait_ms); !wait.ok()) {
+    st = toGrpc(wait);
+  } else {
     Metrics::InFlight in_flight(metrics_);
-    st = coordinate(*req, out, uid);
+    st = coordinate(*req, out, uid, [this, ctx] { return ended(*ctx); });
   }
   if (st.ok()) {
     metrics_.syncCommitted(*out);
@@ -116,7 +127,7 @@ grpc::Status ShardcastService::Sync(grpc::ServerContext* ctx, const v1::SyncRequ
 }
 
 grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncResponse* out,
-                                          std::optional<uint32_t> caller_uid) {
+                                          std::optional<uint32_t> caller_uid, const std::function<bool()>& gone) {
   if (req.src_group().empty() || req.dst_group().empty() || req.src_group() == req.dst_group())
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "sync: give two different groups (src_group, dst_group)");
   // (A catch-up may leave the version to the daemons: 0, the newest a replica of the set holds.)
@@ -152,7 +163,8 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
   // as a new attempt under the same id, within what is left of its timeout (docs/daemon.md,
   // "Replica sets"): the others still commit.
   const auto began = std::chrono::steady_clock::now();
-  const auto timeout = std::chrono::milliseconds(req.options().timeout_ms() ? req.options().timeout_ms() : 300000);
+  const auto timeout = std::chrono::milliseconds(
+      req.options().timeout_ms() ? req.options().timeout_ms() : std::min<int64_t>(300000, config_.max_wait_ms));
   std::map<std::string, std::string> cut;     // by earlier attempts: replica group -> why
   std::map<std::string, std::string> failed;  // the nodes that failed them -> why
   v1::SyncRequest attempt = req;
@@ -162,7 +174,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
   while (true) {
     const uint64_t fence = newFence();
     SyncCoordinator coordinator({config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(),
-                                 caller_uid, cut, failed, &repeats_, full_gather, fences, fold_refusals},
+                                 caller_uid, cut, failed, &repeats_, full_gather, fences, fold_refusals, gone},
                                 attempt, id, fence);
     fences.push_back(fence);
     auto done = coordinator.run();
@@ -235,17 +247,23 @@ grpc::Status ShardcastService::WaitVersion(grpc::ServerContext* ctx, const v1::W
                                            v1::WaitVersionResponse* out) {
   const auto caller = access_.client(*ctx, *req);
   if (!caller.ok()) return toGrpc(caller.status());
-  return reply(registry_.waitVersion(req->group(), req->version(), std::chrono::milliseconds(req->timeout_ms())), out);
+  if (auto wait = checkWait("wait", req->timeout_ms(), config_.max_wait_ms); !wait.ok()) return toGrpc(wait);
+  const Metrics::Waiting waiting(metrics_);
+  return reply(registry_.waitVersion(req->group(), req->version(), std::chrono::milliseconds(req->timeout_ms()),
+                                     [this, ctx] { return ended(*ctx); }),
+               out);
 }
 
 grpc::Status ShardcastService::Acquire(grpc::ServerContext* context, const v1::AcquireRequest* req,
                                        v1::AcquireResponse* out) {
   const auto caller = access_.client(*context, *req);
   if (!caller.ok()) return toGrpc(caller.status());
+  if (auto wait = checkWait("acquire", req->timeout_ms(), config_.max_wait_ms); !wait.ok()) return toGrpc(wait);
+  const Metrics::Waiting waiting(metrics_);
   auto r = registry_.acquire(
       req->group(), req->rank(), caller->memory(access_.insecure()),
-      std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : 30000),
-      [context] { return context->IsCancelled(); }, req->registration());
+      std::chrono::milliseconds(req->timeout_ms() ? req->timeout_ms() : std::min<int64_t>(30000, config_.max_wait_ms)),
+      [this, context] { return ended(*context); }, req->registration());
   if (!r.ok()) return toGrpc(r.status());
   *out->mutable_status() = std::move(*r);
   return grpc::Status::OK;
@@ -299,6 +317,12 @@ grpc::Status ShardcastService::Session(grpc::ServerContext* context, const v1::S
   registry_.closeSession(session);
   ++metrics_.sessions_ended;
   return grpc::Status::OK;
+}
+
+bool ShardcastService::ended(const grpc::ServerContext& ctx) {
+  if (ctx.IsCancelled()) return true;
+  std::lock_guard<std::mutex> lock(sessions_mu_);
+  return stopping_;
 }
 
 void ShardcastService::stop() {

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <random>
 
@@ -30,15 +31,17 @@ class ShardcastService final : public v1::Shardcast::Service {
                    SyncEngine& engine, Metrics& metrics, ProgressBoard& progress, std::string transport);
 
   grpc::Status Sync(grpc::ServerContext*, const v1::SyncRequest*, v1::SyncResponse*) override;
-  // `caller_uid`: SyncCoordinator::Context::caller_uid.
-  grpc::Status coordinate(const v1::SyncRequest& req, v1::SyncResponse* out, std::optional<uint32_t> caller_uid);
+  // `caller_uid`: SyncCoordinator::Context::caller_uid; `gone`: SyncCoordinator::Context::gone.
+  grpc::Status coordinate(const v1::SyncRequest& req, v1::SyncResponse* out, std::optional<uint32_t> caller_uid,
+                          const std::function<bool()>& gone);
   grpc::Status WaitVersion(grpc::ServerContext*, const v1::WaitVersionRequest*, v1::WaitVersionResponse*) override;
   grpc::Status Watch(grpc::ServerContext*, const v1::WatchRequest*, grpc::ServerWriter<v1::SyncProgress>*) override;
   grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest*, v1::RegisterResponse*) override;
   grpc::Status Acquire(grpc::ServerContext*, const v1::AcquireRequest*, v1::AcquireResponse*) override;
   grpc::Status Release(grpc::ServerContext*, const v1::ReleaseRequest*, v1::ReleaseResponse*) override;
   grpc::Status Session(grpc::ServerContext*, const v1::SessionRequest*, grpc::ServerWriter<v1::SessionEvent>*) override;
-  // Shutdown: ends every open session stream (their registrations end with them).
+  // Shutdown: ends every open session stream (their registrations end with them), and every
+  // call waiting here (a Sync waiting for ranks, WaitVersion, Acquire) at its next look.
   void stop();
   grpc::Status Unregister(grpc::ServerContext*, const v1::UnregisterRequest*, v1::UnregisterResponse*) override;
   grpc::Status List(grpc::ServerContext*, const v1::ListRequest*, v1::ListResponse*) override;
@@ -47,6 +50,9 @@ class ShardcastService final : public v1::Shardcast::Service {
 
  private:
   StatusOr<ClusterView> cluster();
+  // A call's wait ends: its client went (cancelled the call, or its deadline passed) or the daemon
+  // is stopping. Polled by every wait of a handler (gRPC's synchronous API has no wake-up for it).
+  bool ended(const grpc::ServerContext& ctx);
   // A random write fence for one sync attempt (never 0).
   uint64_t newFence();
 

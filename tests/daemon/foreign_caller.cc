@@ -19,6 +19,11 @@
 //   foreign_caller flood SOCKET N
 //       opens N connections to the socket and keeps them; prints "held K" (those the daemon did not
 //       close), then waits for EOF on stdin
+//   foreign_caller hang SOCKET GROUP N TIMEOUT_MS
+//       starts N Syncs of a source nobody registers into GROUP (waiting for its ranks) and N
+//       WaitVersions of GROUP at a version it never reaches, each with TIMEOUT_MS; prints
+//       "calling N" and waits for the kill that ends it (its calls end with it, unanswered)
+#include <grpcpp/grpcpp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -146,7 +151,43 @@ int flood(const std::string& socket, int n) {
   return 0;
 }
 
+// Calls that wait for what never comes, until this process is killed.
+int hang(const std::string& socket, const std::string& group, int n, uint32_t timeout_ms) {
+  auto stub = v1::Shardcast::NewStub(grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
+  std::vector<std::thread> calls;
+  for (int i = 0; i < n; ++i) {
+    calls.emplace_back([&] {
+      v1::SyncRequest s;
+      s.set_src_group("never-registered");
+      s.set_dst_group(group);
+      s.set_version(1);
+      s.mutable_options()->set_wait_for_ranks(true);
+      s.mutable_options()->set_timeout_ms(timeout_ms);
+      grpc::ClientContext ctx;
+      v1::SyncResponse out;
+      const grpc::Status st = stub->Sync(&ctx, s, &out);
+      std::fprintf(stderr, "sync ended: %s\n", st.error_message().c_str());
+    });
+    calls.emplace_back([&] {
+      v1::WaitVersionRequest w;
+      w.set_group(group);
+      w.set_version(1000);
+      w.set_timeout_ms(timeout_ms);
+      grpc::ClientContext ctx;
+      v1::WaitVersionResponse out;
+      const grpc::Status st = stub->WaitVersion(&ctx, w, &out);
+      std::fprintf(stderr, "wait ended: %s\n", st.error_message().c_str());
+    });
+  }
+  std::printf("calling %d\n", n);
+  std::fflush(stdout);
+  for (auto& t : calls) t.join();
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc == 6 && std::string(argv[1]) == "hang")
+    return hang(argv[2], argv[3], std::stoi(argv[4]), static_cast<uint32_t>(std::stoul(argv[5])));
   if (argc == 4 && std::string(argv[1]) == "flood") return flood(argv[2], std::stoi(argv[3]));
   if (argc == 6 && std::string(argv[1]) == "sync") return syncs(argv[2], argv[3], argv[4], argv[5]);
   if (argc == 7 && std::string(argv[1]) == "rank")

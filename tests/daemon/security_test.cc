@@ -6,18 +6,22 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <grpcpp/generic/generic_stub.h>
+#include <httplib.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <thread>
 #include <tuple>
 
@@ -1184,5 +1188,236 @@ TEST_CASE("another uid's replica neither displaces nor cuts the set's replicas: 
   for (Child* c : {&same, &other}) {
     c->closeStdin();
     CHECK(c->wait() == 0);
+  }
+}
+
+// ---- Every wait ends (docs/security.md, "Every wait ends") ----
+
+namespace {
+
+// The value of `name` (a series without labels) in `d`'s /metrics; -1 when it cannot be read.
+double gauge(const Daemon& d, const std::string& name) {
+  httplib::Client http("127.0.0.1", d.metricsPort());
+  http.set_read_timeout(10, 0);
+  const auto scrape = http.Get("/metrics");
+  if (!scrape || scrape->status != 200) return -1;
+  const auto at = scrape->body.find("\n" + name + " ");
+  return at == std::string::npos ? -1 : std::stod(scrape->body.substr(at + name.size() + 2));
+}
+
+// Waits until `name` is `value` on `d` (60 s at most: a bound on a wait that must end, not a speed).
+bool gaugeReaches(const Daemon& d, const std::string& name, double value) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (gauge(d, name) != value) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "every wait ends: a wait past --max-wait-ms is refused, a caller's calls end when it leaves, shutdown "
+    "ends the rest",
+    "[daemon][security]") {
+  if (::geteuid() != 0) {
+    SHARDCAST_SKIP("needs root to run a caller as another uid (setpriv)");
+  }
+  Daemon d("n0", freePort(), {}, {"--shutdown-grace-ms", "3000"});
+  REQUIRE(d.ready());
+  // The longest wait a client can name, 2^32-1 ms (49.7 days), is refused at once, naming the cap.
+  const uint32_t forever = std::numeric_limits<uint32_t>::max();
+  v1::SyncRequest s;
+  s.set_src_group("never-registered");
+  s.set_dst_group("idle");
+  s.set_version(1);
+  s.mutable_options()->set_wait_for_ranks(true);
+  s.mutable_options()->set_timeout_ms(forever);
+  v1::SyncResponse synced;
+  grpc::Status st = d.client()->Sync(ctx(20).get(), s, &synced);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("--max-wait-ms"));
+  v1::WaitVersionRequest w;
+  w.set_group("idle");
+  w.set_version(1);
+  w.set_timeout_ms(forever);
+  v1::WaitVersionResponse waited;
+  st = d.client()->WaitVersion(ctx(20).get(), w, &waited);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("--max-wait-ms"));
+  v1::AcquireRequest a;
+  a.set_group("idle");
+  a.set_timeout_ms(forever);
+  v1::AcquireResponse acquired;
+  st = d.client()->Acquire(ctx(20).get(), a, &acquired);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+
+  // uid 65534 holds a destination "idle", then starts 20 Syncs waiting for a source that never
+  // registers and 20 WaitVersions of a version "idle" never reaches, each allowed 50 minutes (under
+  // the cap), and is killed: its connection closes, and every one of its calls ends here.
+  Child rank = asNobody({"rank", d.socketPath(), rowsOver("idle", {"n0"}), "idle", "0", "0"});
+  REQUIRE(rank.readLine(std::chrono::seconds(60)) == "registered OK");
+  Child hang = asNobody({"hang", d.socketPath(), "idle", "20", "3000000"});
+  REQUIRE(hang.readLine(std::chrono::seconds(60)) == "calling 20");
+  REQUIRE(gaugeReaches(d, "shardcast_syncs_in_flight", 20));
+  REQUIRE(gaugeReaches(d, "shardcast_waits_in_flight", 20));
+  hang.kill();
+  hang.wait();
+  CHECK(gaugeReaches(d, "shardcast_syncs_in_flight", 0));
+  CHECK(gaugeReaches(d, "shardcast_waits_in_flight", 0));
+
+  // A caller that stays: root's Sync and WaitVersion, 50 minutes each, end at SIGTERM within the
+  // grace period (3 s): the daemon exits 0, not 1 ("shutdown took longer than the grace period").
+  s.mutable_options()->set_timeout_ms(3000000);
+  w.set_timeout_ms(3000000);
+  grpc::Status sync_st, wait_st;
+  std::thread sync_call([&] { sync_st = d.client()->Sync(ctx(600).get(), s, &synced); });
+  std::thread wait_call([&] { wait_st = d.client()->WaitVersion(ctx(600).get(), w, &waited); });
+  REQUIRE(gaugeReaches(d, "shardcast_syncs_in_flight", 1));
+  REQUIRE(gaugeReaches(d, "shardcast_waits_in_flight", 1));
+  CHECK(d.stop() == 0);
+  sync_call.join();
+  wait_call.join();
+  CHECK_FALSE(sync_st.ok());
+  CHECK_FALSE(wait_st.ok());
+  rank.closeStdin();
+  rank.wait();
+}
+
+// ---- The metrics port (docs/security.md, "The metrics port") ----
+
+namespace {
+
+int connectTo(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// The peer closed `fd` (EOF or reset) before `until`: a bound on a wait that must end.
+bool closedByPeer(int fd, std::chrono::steady_clock::time_point until) {
+  pollfd p{fd, POLLIN, 0};
+  while (std::chrono::steady_clock::now() < until) {
+    if (::poll(&p, 1, 100) > 0) {
+      char buf[4096];
+      const ssize_t n = ::recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+      if (n <= 0 && !(n < 0 && errno == EAGAIN)) return true;
+    }
+  }
+  return false;
+}
+
+// Sends `head`, then `body_bytes` of 'x' (until the daemon refuses them); what the daemon answered
+// ("" when it only closed the connection).
+std::string sendRequest(int port, const std::string& head, uint64_t body_bytes) {
+  const int fd = connectTo(port);
+  if (fd < 0) return "";
+  bool open = ::send(fd, head.data(), head.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(head.size());
+  const std::string chunk(1 << 20, 'x');
+  for (uint64_t sent = 0; open && sent < body_bytes; sent += chunk.size())
+    open = ::send(fd, chunk.data(), chunk.size(), MSG_NOSIGNAL) > 0;
+  std::string answer;
+  char buf[4096];
+  for (ssize_t n; (n = ::recv(fd, buf, sizeof(buf), 0)) > 0;) answer.append(buf, static_cast<size_t>(n));
+  ::close(fd);
+  return answer.substr(0, answer.find("\r\n"));
+}
+
+}  // namespace
+
+TEST_CASE("the metrics port: slow connections are closed in time and never keep /healthz from answering",
+          "[daemon][security]") {
+  Daemon d("n0", freePort(), {});
+  REQUIRE(d.ready());
+  // 16 connections each send a byte of a request line every 500 ms, for as long as they are open.
+  std::vector<int> slow;
+  for (int i = 0; i < 16; ++i) slow.push_back(connectTo(d.metricsPort()));
+  std::atomic<bool> done{false};
+  std::thread drip([&] {
+    while (!done) {
+      for (const int fd : slow) ::send(fd, "G", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+  });
+  httplib::Client http("127.0.0.1", d.metricsPort());
+  http.set_read_timeout(20, 0);
+  const auto health = http.Get("/healthz");
+  REQUIRE(health);
+  CHECK(health->status == 200);
+  CHECK(health->body == "SERVING\n");
+  // Each slow connection is closed once its request is late, however it trickles in.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  for (const int fd : slow) CHECK(closedByPeer(fd, until));
+  done = true;
+  drip.join();
+  for (const int fd : slow) ::close(fd);
+  // Scrapes go on.
+  const auto scrape = http.Get("/metrics");
+  REQUIRE(scrape);
+  CHECK(scrape->status == 200);
+}
+
+TEST_CASE("the metrics port: request bodies and huge headers are refused before they are read", "[daemon][security]") {
+  Daemon d("n0", freePort(), {});
+  REQUIRE(d.ready());
+  const int64_t before = peakRssMib(d.pid());
+  // Two 1 GiB bodies at once: refused on their headers (413), not read into memory.
+  std::string answers[2];
+  {
+    std::vector<std::thread> bodies;
+    for (auto& answer : answers)
+      bodies.emplace_back([&] {
+        answer = sendRequest(d.metricsPort(), "GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n\r\n",
+                             uint64_t{1} << 30);
+      });
+    for (auto& t : bodies) t.join();
+  }
+  for (const auto& answer : answers) CHECK((answer.empty() || answer == "HTTP/1.1 413 Payload Too Large"));
+  // 20,000 headers of 8,000 bytes (160 MB): refused past 8 KiB (431).
+  std::string head = "GET /metrics HTTP/1.1\r\n";
+  const std::string pad(8000, 'a');
+  for (int i = 0; i < 20000; ++i) head += "X-Pad-" + std::to_string(i) + ": " + pad + "\r\n";
+  head += "\r\n";
+  const std::string answer = sendRequest(d.metricsPort(), head, 0);
+  CHECK((answer.empty() || answer == "HTTP/1.1 431 Request Header Fields Too Large"));
+  // What they cost: little (bodies read whole cost 2 GiB, those headers 230 MiB).
+  const int64_t grown = peakRssMib(d.pid()) - before;
+  INFO("peak RSS grew by " << grown << " MiB");
+  CHECK(grown < 64);
+  httplib::Client http("127.0.0.1", d.metricsPort());
+  const auto health = http.Get("/healthz");
+  REQUIRE(health);
+  CHECK(health->status == 200);
+}
+
+TEST_CASE("the metrics port names no group or source unless --metrics-names", "[daemon][security]") {
+  if (::geteuid() != 0) {
+    SHARDCAST_SKIP("needs root to run a caller as another uid (setpriv)");
+  }
+  for (const bool names : {false, true}) {
+    Daemon d("n0", freePort(), {}, names ? std::vector<std::string>{"--metrics-names"} : std::vector<std::string>{});
+    REQUIRE(d.ready());
+    Child rank = asNobody({"rank", d.socketPath(), rowsOver("secret-trainer", {"n0"}), "secret-trainer", "0", "3"});
+    REQUIRE(rank.readLine(std::chrono::seconds(60)) == "registered OK");
+    httplib::Client http("127.0.0.1", d.metricsPort());
+    const auto scrape = http.Get("/metrics");
+    REQUIRE(scrape);
+    if (names) {
+      CHECK_THAT(scrape->body, Catch::Contains("shardcast_group_version{group=\"secret-trainer\",role=\"source\"} 3"));
+    } else {
+      CHECK_THAT(scrape->body, !Catch::Contains("secret-trainer"));
+      // The group's series are there, under the hash of its name.
+      CHECK_THAT(scrape->body, Catch::Contains("shardcast_group_version{group=\"h"));
+    }
+    rank.closeStdin();
+    rank.wait();
   }
 }

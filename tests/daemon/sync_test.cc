@@ -164,7 +164,7 @@ grpc::Status untilCommitted(Sync&& sync) {
 }  // namespace
 
 TEST_CASE("syncs move every byte into the destination layout, version after version", "[daemon][sync]") {
-  Cluster cluster;
+  Cluster cluster({"--metrics-names"});  // the scrape below reads groups and peers by name
   TrainerAndInference g("");
   const auto& src_proto = g.src_proto;
   const auto& dst_proto = g.dst_proto;

@@ -26,7 +26,8 @@ def shardcastd_path() -> Path:
 def cluster():
     """Two daemons, nodes n0 and n1, that know each other."""
     shardcastd_path()
-    with LocalCluster(["n0", "n1"]) as c:
+    # --metrics-names: tests read /metrics series by group and peer name.
+    with LocalCluster(["n0", "n1"], extra=["--metrics-names"]) as c:
         yield [c.daemons["n0"], c.daemons["n1"]]
 
 

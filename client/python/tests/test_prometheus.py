@@ -171,7 +171,9 @@ class Stack:
         ports = {node: free_port() for node in ("n0", "n1")}
         peers = [f"127.0.0.1:{p}" for p in ports.values()]
         for node, port in ports.items():
-            self.daemons[node] = LocalDaemon(node, port, peers, str(directory), find_shardcastd(), tls=daemon_tls)
+            # --metrics-names: the rules' alerts are checked by group and peer name.
+            self.daemons[node] = LocalDaemon(node, port, peers, str(directory), find_shardcastd(), tls=daemon_tls,
+                                             extra=["--metrics-names"])
             assert self.daemons[node].metrics_port > 0
         targets = {node: f"127.0.0.1:{d.metrics_port}" for node, d in self.daemons.items()}
         self.prometheus = Prometheus(directory, targets, rule_groups(TEST_FOR))

@@ -70,7 +70,7 @@ def outcomes(resp: service_pb2.SyncResponse):
 
 def test_a_replica_set_syncs_as_one_while_replicas_join_leave_and_die():
     shardcastd_path()
-    with LocalCluster(["n0", "n1", "n2", "n3"]) as c:
+    with LocalCluster(["n0", "n1", "n2", "n3"], extra=["--metrics-names"]) as c:  # scraped by name below
         clients = {n: shardcast.Client(c.target(n)) for n in c.nodes}
         src = clients["n0"]
         trainers = rank_worker.register_trainers(src)
@@ -590,7 +590,8 @@ def test_a_node_that_is_gone_is_forgotten_after_its_lease_and_nothing_waits_on_i
     for longer than 100 ms and r2 is no longer named. Once n3 answers
     again it takes part: the next sync repairs r2."""
     shardcastd_path()
-    with LocalCluster(["n0", "n1", "n2", "n3"], extra=["--peer-lease-ms", "4000", "--peer-timeout-ms", "1500"]) as c:
+    with LocalCluster(["n0", "n1", "n2", "n3"], extra=["--peer-lease-ms", "4000", "--peer-timeout-ms", "1500",
+                                                             "--metrics-names"]) as c:
         clients, src, trainers, (r0, r1, r2) = trainer_and_replicas(c, 3)
         infer = rank_worker.register_inference(clients["n1"])  # a plain group, on n1
         src.sync("trainer", "rollout", 1)
