@@ -49,19 +49,23 @@ StatusOr<RemoteRegion> RemoteRegion::parse(const std::string& bytes) {
   return r;
 }
 
+void randomBytes(void* out, size_t n) {
+  auto* p = static_cast<unsigned char*>(out);
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = ::getrandom(p + got, n - got, 0);
+    if (r < 0 && errno == EINTR) continue;
+    // getrandom cannot fail once the kernel's pool is initialised (since boot on any system
+    // that runs this); a secret from anything weaker would be guessable, so there is no fallback.
+    if (r < 0) std::abort();
+    got += static_cast<size_t>(r);
+  }
+}
+
 WriteKey WriteKey::random() {
   WriteKey k;
-  do {
-    size_t got = 0;
-    while (got < kBytes) {
-      const ssize_t n = ::getrandom(k.bytes.data() + got, kBytes - got, 0);
-      if (n < 0 && errno == EINTR) continue;
-      // getrandom cannot fail once the kernel's pool is initialised (since boot on any system
-      // that runs this); a key from anything weaker would be guessable, so there is no fallback.
-      if (n < 0) std::abort();
-      got += static_cast<size_t>(n);
-    }
-  } while (k.empty());
+  do randomBytes(k.bytes.data(), kBytes);
+  while (k.empty());
   return k;
 }
 

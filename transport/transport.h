@@ -62,6 +62,10 @@ class MemoryRegion {
 
 using Completion = std::function<void(Status)>;
 
+// Fills `out` with `n` bytes from the kernel's CSPRNG (getrandom(2)): write keys, and the ids that
+// name a write on the wire, which a peer must not guess.
+void randomBytes(void* out, size_t n);
+
 // The secret that lets one sync attempt's writes and notifications in (docs/security.md): 128
 // random bits, handed to the attempt's daemons only in its Prepare, over gRPC with mutual TLS
 // (plaintext when the daemons run --insecure). Where the target takes part in a write (UCX active

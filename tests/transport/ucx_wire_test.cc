@@ -1,11 +1,14 @@
 // The UCX backend's message headers (transport/ucx/wire.h) and the receiver's admission of a write
 // (RegionTable::admit): what a peer or anyone on the network can send the data plane.
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <future>
 #include <vector>
 
@@ -32,7 +35,6 @@ TEST_CASE("UCX headers: each type round-trips through the one parser", "[transpo
   CHECK(ack->op_id == 9);
   CHECK(ack->code == 7);
   CHECK(ack->key == key);
-  CHECK(wire::parseHeader(wire::encodeAck(9, 7, WriteKey{}), wire::MessageType::kAck).ok());  // a refusal
   auto note = wire::parseHeader(wire::encodeNotify(key), wire::MessageType::kNotify);
   REQUIRE(note.ok());
   CHECK(note->key == key);
@@ -56,15 +58,18 @@ TEST_CASE("UCX headers: anything else is refused, never read past its end", "[tr
   std::string v2 = data;
   v2[4] = 2;
   refused(v2, wire::MessageType::kData, "version 2");
-  CHECK(wire::foreignOpId(v2) == 7);  // answerable at once
+  CHECK(wire::foreignOpId(v2) == 7);  // answerable at once, under its key
+  CHECK(wire::foreignKey(v2) == key);
   CHECK(wire::foreignOpId(old) == 0);
+  CHECK(wire::foreignKey(old).empty());
   refused(data, wire::MessageType::kAck, "type 1");
   refused(data.substr(0, wire::kDataHeaderBytes - 1), wire::MessageType::kData, "truncated");
   refused(data + "x", wire::MessageType::kData, "6-byte notice, 7 follow");
   refused(data.substr(0, data.size() - 1), wire::MessageType::kData, "6-byte notice, 5 follow");
   refused(wire::encodeAck(1, 99, key), wire::MessageType::kAck, "status code 99");
   refused(wire::encodeAck(1, 0, key) + "x", wire::MessageType::kAck, "not an ack's size");
-  refused(wire::encodeAck(1, 0, WriteKey{}), wire::MessageType::kAck, "an OK without the write's key");
+  refused(wire::encodeAck(1, 0, WriteKey{}), wire::MessageType::kAck, "an ack without the write's key");
+  refused(wire::encodeAck(1, 10, WriteKey{}), wire::MessageType::kAck, "an ack without the write's key");
   refused(wire::encodeNotify(key).substr(1), wire::MessageType::kNotify, "magic");
   // Every prefix of a valid header is refused (no read past the end: ASan builds check).
   for (size_t n = 0; n < data.size(); ++n)
@@ -227,4 +232,224 @@ TEST_CASE("a context writing by active messages answers no raw UCX put or get: n
   REQUIRE(f.wait_for(std::chrono::seconds(30)) == std::future_status::ready);
   CHECK(f.get().ok());
   CHECK(weights[0] == 0x22);
+}
+
+namespace {
+
+// Sends an active message `id` (eager) on `ep` of `worker`, in order after earlier ones, and
+// returns once UCX is done with the buffers.
+void sendAm(ucp_worker_h worker, ucp_ep_h ep, unsigned id, const std::string& header, const std::string& payload) {
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = UCP_AM_SEND_FLAG_EAGER;
+  ucs_status_ptr_t req = ucp_am_send_nbx(ep, id, header.data(), header.size(), payload.data(), payload.size(), &rp);
+  if (req != nullptr && !UCS_PTR_IS_ERR(req)) {
+    while (ucp_request_check_status(req) == UCS_INPROGRESS) ucp_worker_progress(worker);
+    ucp_request_free(req);
+  }
+}
+
+// A raw UCX worker that plays the peer a victim writes to: it records every data message's header
+// (and the endpoint to answer on) and answers only what the test tells it to. Over tcp.
+struct RawAmPeer {
+  struct Received {
+    wire::Header header;
+    ucp_ep_h reply = nullptr;
+  };
+  ucp_context_h ctx = nullptr;
+  ucp_worker_h worker = nullptr;
+  std::string address;
+  std::vector<Received> received;
+
+  RawAmPeer() {
+    ucp_config_t* cfg = nullptr;
+    REQUIRE(ucp_config_read(nullptr, nullptr, &cfg) == UCS_OK);
+    REQUIRE(ucp_config_modify(cfg, "TLS", "tcp") == UCS_OK);
+    ucp_params_t p{};
+    p.field_mask = UCP_PARAM_FIELD_FEATURES;
+    p.features = UCP_FEATURE_AM;
+    REQUIRE(ucp_init(&p, cfg, &ctx) == UCS_OK);
+    ucp_config_release(cfg);
+    ucp_worker_params_t wp{};
+    REQUIRE(ucp_worker_create(ctx, &wp, &worker) == UCS_OK);
+    ucp_am_handler_param_t h{};
+    h.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    h.id = 1;  // data
+    h.arg = this;
+    h.cb = [](void* arg, const void* header, size_t hlen, void*, size_t, const ucp_am_recv_param_t* param) {
+      auto* self = static_cast<RawAmPeer*>(arg);
+      auto parsed = wire::parseHeader({static_cast<const char*>(header), hlen}, wire::MessageType::kData);
+      if (parsed.ok() && (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
+        self->received.push_back({*parsed, param->reply_ep});
+      return UCS_OK;  // the bytes are dropped (eager: nothing to release)
+    };
+    REQUIRE(ucp_worker_set_am_recv_handler(worker, &h) == UCS_OK);
+    ucp_worker_attr_t attr{};
+    attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+    REQUIRE(ucp_worker_query(worker, &attr) == UCS_OK);
+    address.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
+    ucp_worker_release_address(worker, attr.address);
+  }
+  ~RawAmPeer() {
+    if (worker) ucp_worker_destroy(worker);
+    if (ctx) ucp_cleanup(ctx);
+  }
+  // Progresses until `n` data messages arrived (a hang guard of 60 s, not a timing assertion).
+  bool awaitData(size_t n) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (received.size() < n && std::chrono::steady_clock::now() < until) ucp_worker_progress(worker);
+    return received.size() >= n;
+  }
+  void send(ucp_ep_h ep, unsigned id, const std::string& header, const std::string& payload = "") {
+    sendAm(worker, ep, id, header, payload);
+  }
+  void ack(const Received& r, int32_t code, const WriteKey& key, const std::string& message, uint64_t op_id = 0) {
+    send(r.reply, 2, wire::encodeAck(op_id ? op_id : r.header.op_id, code, key), message);
+  }
+};
+
+// Sends this process's stdout and stderr to a new file named from `path_template` while it lives.
+class OutputCapture {
+ public:
+  explicit OutputCapture(char* path_template)
+      : file_(::mkstemp(path_template)), saved_out_(::dup(1)), saved_err_(::dup(2)) {
+    REQUIRE(file_ >= 0);
+    std::fflush(stdout);
+    std::fflush(stderr);
+    ::dup2(file_, 1);
+    ::dup2(file_, 2);
+  }
+  ~OutputCapture() {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    ::dup2(saved_out_, 1);
+    ::dup2(saved_err_, 2);
+    ::close(saved_out_);
+    ::close(saved_err_);
+    ::close(file_);
+  }
+  OutputCapture(const OutputCapture&) = delete;
+  OutputCapture& operator=(const OutputCapture&) = delete;
+
+ private:
+  int file_, saved_out_, saved_err_;
+};
+
+// Completes when `f` is ready, progressing `peer` meanwhile (a hang guard of 60 s).
+template <typename F>
+bool settle(RawAmPeer& peer, F& f) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (f.wait_for(std::chrono::seconds(0)) != std::future_status::ready && std::chrono::steady_clock::now() < until)
+    ucp_worker_progress(peer.worker);
+  return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+}
+
+}  // namespace
+
+TEST_CASE("acks without the write's key, guessed operations and replayed acks neither fail nor finish a write",
+          "[transport][security]") {
+  TransportOptions o;
+  o.ucx.tls = "tcp";
+  o.name = "sender";
+  auto sender = createContext(o);
+  REQUIRE(sender.ok());
+  RawAmPeer peer;
+  std::vector<unsigned char> src(128, 0x22);
+  auto region = (*sender)->registerMemory(src.data(), src.size(), MemoryKind::kHost);
+  REQUIRE(region.ok());
+  auto ep = (*sender)->connect(peer.address, "peer");
+  REQUIRE(ep.ok());
+  RemoteRegion dst;
+  dst.base = 0x10000;
+  dst.size = 4096;
+  const WriteKey key = WriteKey::random();
+  std::vector<WriteOp> batch;
+  batch.push_back({*region, 0, dst, 0, 64, key});
+  batch.push_back({*region, 64, dst, 64, 64, key});
+  std::promise<Status> done;
+  auto finished = done.get_future();
+  (*ep)->writeBatch(std::move(batch), [&](Status st) { done.set_value(st); });
+  REQUIRE(peer.awaitData(2));
+  const auto first = peer.received[0];
+  const auto second = peer.received[1];
+  // Operation ids are not guessable: each write has its own, and they do not count from 1.
+  CHECK(first.header.op_id != second.header.op_id);
+  CHECK(first.header.op_id > uint64_t{1} << 32);
+  CHECK(second.header.op_id > uint64_t{1} << 32);
+  // The forged acks: refusals without a key for the ids an attacker would guess and for the real
+  // ones, and refusals under a key that is not the write's.
+  const auto aborted = static_cast<int32_t>(absl::StatusCode::kAborted);
+  for (uint64_t id = 1; id <= 64; ++id) peer.ack(first, aborted, WriteKey{}, "forged", id);
+  for (const auto& r : {first, second}) {
+    peer.ack(r, aborted, WriteKey{}, "forged");
+    peer.ack(r, aborted, WriteKey::random(), "forged");
+  }
+  // The first write's ack, replayed: it completes that write once, never the batch.
+  peer.ack(first, 0, key, "");
+  peer.ack(first, 0, key, "");
+  peer.ack(first, 0, key, "");
+  // The second write is refused by its target, under its key: that is the batch's outcome.
+  peer.ack(second, aborted, key, "refused by the target");
+  REQUIRE(settle(peer, finished));
+  const Status st = finished.get();
+  INFO(st);
+  CHECK(st.code() == absl::StatusCode::kAborted);
+  CHECK_THAT(std::string(st.message()), Catch::Contains("refused by the target"));
+  // Acks of a finished write change nothing; the endpoint still carries writes.
+  peer.ack(second, 0, key, "");
+  peer.ack(first, aborted, key, "late");
+  std::promise<Status> again;
+  auto next = again.get_future();
+  (*ep)->write({*region, 0, dst, 0, 64, key}, [&](Status s) { again.set_value(s); });
+  REQUIRE(peer.awaitData(3));
+  peer.ack(peer.received[2], 0, key, "");
+  REQUIRE(settle(peer, next));
+  CHECK(next.get().ok());
+}
+
+TEST_CASE("a flood of active messages nothing handles costs a bounded number of log lines", "[transport][security]") {
+  TransportOptions o;
+  o.ucx.tls = "tcp";
+  o.name = "victim";
+  auto victim = createContext(o);
+  REQUIRE(victim.ok());
+  std::vector<unsigned char> landing(64);
+  auto region = (*victim)->registerMemory(landing.data(), landing.size(), MemoryKind::kHost);
+  REQUIRE(region.ok());
+  const WriteKey key = WriteKey::random();
+  REQUIRE((*victim)->openFence(key, {{(*region)->remote().base, 64}}));
+  const std::string after_flood = "after the flood";
+  std::promise<void> marker;
+  auto marked = marker.get_future();
+  (*victim)->setNotificationHandler([&](std::string payload, const WriteKey&) {
+    if (payload == after_flood) marker.set_value();
+  });
+  constexpr int kFlood = 20000;
+  bool delivered = false;
+  char path[] = "/tmp/ucx_log_flood_XXXXXX";
+  {
+    // Everything this process writes to stdout and stderr during the flood goes to a file.
+    const OutputCapture capture(path);
+    RawUcxPeer attacker((*victim)->address());
+    for (int i = 0; i < kFlood; ++i) sendAm(attacker.worker, attacker.ep, 9, "", "x");
+    // In order after the flood on the same endpoint: once it is delivered, every message was handled.
+    sendAm(attacker.worker, attacker.ep, 3, wire::encodeNotify(key), after_flood);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (marked.wait_for(std::chrono::seconds(0)) != std::future_status::ready &&
+           std::chrono::steady_clock::now() < until)
+      ucp_worker_progress(attacker.worker);
+    delivered = marked.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  }
+  std::ifstream in(path);
+  size_t lines = 0, ucx_lines = 0;
+  std::string first;
+  for (std::string line; std::getline(in, line); ++lines) {
+    if (line.find("no registered callback") != std::string::npos && ucx_lines++ == 0) first = line;
+  }
+  ::unlink(path);
+  REQUIRE(delivered);
+  INFO("first UCX line: " << first);
+  CHECK(ucx_lines >= 1);  // the first is logged, through spdlog
+  CHECK(ucx_lines <= 10);
+  CHECK(lines <= 40);
 }

@@ -3,9 +3,13 @@
 #include <poll.h>
 #include <spdlog/spdlog.h>
 #include <ucp/api/ucp.h>
+#include <ucs/debug/log_def.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <cstdarg>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -18,6 +22,7 @@
 #include <type_traits>
 #include <unordered_map>
 
+#include "common/logging.h"
 #include "common/strings.h"
 #include "transport/region_table.h"
 #include "transport/task_queue.h"
@@ -59,6 +64,30 @@ Status statusFromUcs(const std::string& what, ucs_status_t st) {
     default:
       return absl::InternalError(msg);
   }
+}
+
+// UCX's own log (ucs_warn and the like: one line per active message of an id nothing handles,
+// which any peer can send) goes through spdlog, each line's source location at most once per 10 s
+// with a count of those held back, so a flood costs bounded output. UCX's level (UCX_LOG_LEVEL,
+// warn by default) still decides what reaches it; its fatal errors bypass handlers (stderr).
+ucs_log_func_rc_t ucxLogLine(const char* file, unsigned line, const char*, ucs_log_level_t level,
+                             const ucs_log_component_config_t*, const char* format, va_list ap) {
+  static LogLimiter limiter;
+  uint64_t held = 0;
+  if (!limiter.allow(strCat(file, ":", line), &held)) return UCS_LOG_FUNC_RC_STOP;
+  std::array<char, 512> text{};
+  va_list copy;
+  va_copy(copy, ap);
+  std::vsnprintf(text.data(), text.size(), format, copy);
+  va_end(copy);
+  const char* base = std::strrchr(file, '/');
+  const std::string more = held ? strCat(" (", held, " more like it in the last 10 s)") : std::string();
+  const spdlog::level::level_enum to = level <= UCS_LOG_LEVEL_ERROR  ? spdlog::level::err
+                                       : level == UCS_LOG_LEVEL_WARN ? spdlog::level::warn
+                                       : level <= UCS_LOG_LEVEL_INFO ? spdlog::level::info
+                                                                     : spdlog::level::debug;
+  spdlog::log(to, "ucx: {} ({}:{}){}", text.data(), base ? base + 1 : file, line, more);
+  return UCS_LOG_FUNC_RC_STOP;  // not UCX's own printer as well
 }
 
 // ---- RAII owners of UCX handles (member order in users encodes teardown order) -----------------
@@ -123,14 +152,45 @@ struct PendingOp {
   std::shared_ptr<EpState> ep;
   uint64_t seq = 0;
   size_t bytes = 0;
-  std::vector<WriteKey> keys;  // of its active-message writes: an ack must echo one of them
+  std::vector<uint64_t> am_writes;  // wire ids of its active-message writes (UcxEngine::am_writes_)
+};
+
+// One active-message write, by the id it carries on the wire: random, so that nobody outside the
+// sync can name it in an ack. It is done when UCX reports it sent (its source may be reused) and
+// its target acked it under the write's own key, whichever comes last, or when the send failed (no
+// ack follows). Anything else that claims to ack it (no key, another key, a second ack) is counted
+// and dropped: an operation completes once, never early.
+struct AmWrite {
+  uint64_t op_id = 0;
+  WriteKey key;
+  bool sent = false;
+  bool acked = false;
+  Status status;
+};
+
+// Wire ids of active-message writes: 64 random bits each from the kernel's CSPRNG, drawn 512 at a
+// time (one getrandom per 512 writes).
+class WireIds {
+ public:
+  uint64_t next() {
+    if (used_ == ids_.size()) {
+      randomBytes(ids_.data(), sizeof(ids_));
+      used_ = 0;
+    }
+    return ids_[used_++];
+  }
+
+ private:
+  std::array<uint64_t, 512> ids_{};
+  size_t used_ = ids_.size();
 };
 
 // The per-request callback context: which engine and operation a UCX request belongs to.
 struct RequestCtx {
   UcxEngine* engine = nullptr;
   uint64_t op_id = 0;              // 0: no operation to account (acks, notifications)
-  bool data = false;               // an AM write, whose ack reports its outcome
+  bool data = false;               // an AM write (wire_id), done once sent and acked
+  uint64_t wire_id = 0;            // sender side: the AM write's id on the wire (am_writes_)
   std::string header{};            // the AM header (wire.h), kept alive until sent
   std::string payload{};           // notification / ack message bytes kept alive until sent; receiver: a write's notice
   Completion done{};               // notifications
@@ -201,6 +261,8 @@ class UcxEngine {
   bool progressUntilQuiet();
   void partDone(uint64_t op_id, const Status& st);
   void finishOp(uint64_t op_id);
+  void amWriteSent(uint64_t wire_id, const Status& st);
+  void amWriteDone(std::unordered_map<uint64_t, AmWrite>::iterator it);
   // quiet: an intentional close (logged at debug), not a failure.
   void failEndpoint(EpState& ep, const Status& st, bool quiet = false);
   void flushNotifies(EpState& ep);
@@ -231,7 +293,10 @@ class UcxEngine {
   uint64_t refused_ = 0;  // messages refused or dropped (progress thread only)
   // Progress thread state.
   std::unordered_map<uint64_t, PendingOp> ops_;
-  uint64_t next_op_ = 1;
+  uint64_t next_op_ = 1;  // local only: the wire names an AM write by its own random id
+  std::unordered_map<uint64_t, AmWrite> am_writes_;
+  WireIds wire_ids_;
+  uint64_t second_acks_ = 0;  // acks of an AM write that was acked already (dropped)
   std::vector<std::shared_ptr<EpState>> endpoints_;
   bool stopping_ = false;  // progress thread only
   std::atomic<bool> stopped_{false};
@@ -243,11 +308,12 @@ struct Callbacks {
   static void onSend(void* request, ucs_status_t st, void* user) {
     const RequestRelease release{request};
     const RequestCtxPtr ctx(static_cast<RequestCtx*>(user));
-    if (ctx->op_id) {
-      // A put, a flush, or an AM send whose ack will report the outcome: only errors count here,
-      // except for puts and flushes which are complete once sent.
-      if (st != UCS_OK || !ctx->data)
-        ctx->engine->partDone(ctx->op_id, st == UCS_OK ? Status() : statusFromUcs("send", st));
+    if (ctx->data) {
+      // An AM write: done once its ack came too (or now, if the send failed).
+      ctx->engine->amWriteSent(ctx->wire_id, st == UCS_OK ? Status() : statusFromUcs("send", st));
+    } else if (ctx->op_id) {
+      // A put or a flush: complete once sent.
+      ctx->engine->partDone(ctx->op_id, st == UCS_OK ? Status() : statusFromUcs("send", st));
     } else if (ctx->done) {
       ctx->done(st == UCS_OK ? Status() : statusFromUcs("notification", st));
     }
@@ -464,11 +530,7 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
   op.seq = ep->next_seq++;
   ep->incomplete.insert(op.seq);
   op.remaining = 1;  // held until every part is issued, so that an early completion cannot finish it
-  for (const WriteOp& w : ops) {
-    op.bytes += w.length;
-    if (protocol_ == Protocol::kAm && std::find(op.keys.begin(), op.keys.end(), w.key) == op.keys.end())
-      op.keys.push_back(w.key);
-  }
+  for (const WriteOp& w : ops) op.bytes += w.length;
   // Notices that cannot ride in their write's header (put, or too long for it) follow as
   // notifications once this operation succeeded (never for a failed write); the caller's
   // completion then waits for them too.
@@ -529,15 +591,30 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
       }
       req = ucp_put_nbx(ep->ep, src, w.length, w.dst.base + w.dst_offset, *rkey, &rp);
     } else {
+      uint64_t wire_id = wire_ids_.next();
+      while (wire_id == 0 || am_writes_.count(wire_id)) wire_id = wire_ids_.next();
+      am_writes_.emplace(wire_id, AmWrite{.op_id = id, .key = w.key, .sent = false, .acked = false, .status = {}});
+      ops_.find(id)->second.am_writes.push_back(wire_id);  // there: hold() found it
       ctx->data = true;
-      ctx->header = ucx_wire::encodeData(id, w.dst.base + w.dst_offset, w.length, w.key, w.notice);
+      ctx->wire_id = wire_id;
+      ctx->header = ucx_wire::encodeData(wire_id, w.dst.base + w.dst_offset, w.length, w.key, w.notice);
       rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
       rp.flags = UCP_AM_SEND_FLAG_REPLY;
       req = ucp_am_send_nbx(ep->ep, kAmData, ctx->header.data(), ctx->header.size(), src, w.length, &rp);
     }
-    if (!handOver(req, ctx) && UCS_PTR_IS_ERR(req))
-      partDone(id,
-               statusFromUcs(strCat("write of ", w.length, " bytes to peer '", ep->name, "'"), UCS_PTR_STATUS(req)));
+    const bool am = ctx && ctx->data;
+    const uint64_t wire_id = ctx ? ctx->wire_id : 0;
+    if (handOver(req, ctx)) continue;
+    if (req == nullptr && am) {
+      amWriteSent(wire_id, Status());  // sent at once (NO_IMM_CMPL asks UCX not to)
+    } else if (UCS_PTR_IS_ERR(req)) {
+      const Status failed =
+          statusFromUcs(strCat("write of ", w.length, " bytes to peer '", ep->name, "'"), UCS_PTR_STATUS(req));
+      if (am)
+        amWriteSent(wire_id, failed);
+      else
+        partDone(id, failed);
+    }
   }
   if (protocol_ == Protocol::kPut) {
     // Remote visibility: a flush completes after every earlier put reached the peer's memory.
@@ -563,11 +640,33 @@ void UcxEngine::partDone(uint64_t op_id, const Status& st) {
   if (--op.remaining == 0) finishOp(op_id);
 }
 
+void UcxEngine::amWriteSent(uint64_t wire_id, const Status& st) {
+  auto it = am_writes_.find(wire_id);
+  if (it == am_writes_.end()) return;
+  AmWrite& w = it->second;
+  w.sent = true;
+  if (!st.ok() && w.status.ok()) w.status = st;
+  // A failed send gets no ack; an operation that already finished (failed, timed out) waits for
+  // no ack either, only for UCX to be done with the source.
+  if (!st.ok() || w.acked || !ops_.contains(w.op_id)) amWriteDone(it);
+}
+
+void UcxEngine::amWriteDone(std::unordered_map<uint64_t, AmWrite>::iterator it) {
+  const uint64_t op_id = it->second.op_id;
+  const Status st = std::move(it->second.status);
+  am_writes_.erase(it);
+  partDone(op_id, st);
+}
+
 void UcxEngine::finishOp(uint64_t op_id) {
   auto it = ops_.find(op_id);
   if (it == ops_.end()) return;
   PendingOp op = std::move(it->second);
   ops_.erase(it);
+  // Its AM writes that UCX is done with are forgotten (a later ack of one is dropped); the others
+  // go when their send completes (amWriteSent).
+  for (const uint64_t wire_id : op.am_writes)
+    if (auto w = am_writes_.find(wire_id); w != am_writes_.end() && w->second.sent) am_writes_.erase(w);
   op.ep->incomplete.erase(op.seq);
   if (op.done) op.done(op.status);
   flushNotifies(*op.ep);
@@ -726,11 +825,13 @@ ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size
   if (!h.ok()) {
     warnRefused(strCat("dropped a data message: ", h.status().message()));
     // Refused at once, not left to time out, where the header still names the operation (a
-    // shardcastd of another version).
-    if (const uint64_t op_id = ucx_wire::foreignOpId(bytes); op_id != 0)
+    // shardcastd of another version), under the key its header carries where it has one (a sender
+    // believes no ack without its write's key).
+    const uint64_t op_id = ucx_wire::foreignOpId(bytes);
+    const WriteKey key = ucx_wire::foreignKey(bytes);
+    if (op_id != 0 && !key.empty())
       sendAck(reply, op_id,
-              absl::FailedPreconditionError(strCat("the peer refused a data message: ", h.status().message())),
-              WriteKey{});
+              absl::FailedPreconditionError(strCat("the peer refused a data message: ", h.status().message())), key);
     return UCS_OK;
   }
   // The key first, then the range inside the key's landing ranges, then registered memory: one
@@ -772,18 +873,28 @@ ucs_status_t UcxEngine::onAck(const void* header, size_t hlen, void* data, size_
     warnRefused(strCat("dropped an ack: ", h.status().message()));
     return UCS_OK;
   }
-  // Believed only from whoever holds the acked write's key (a refusal of a header the receiver
-  // could not read carries none, and can only fail the write).
-  auto op = ops_.find(h->op_id);
-  if (op == ops_.end()) return UCS_OK;
-  const auto& keys = op->second.keys;
-  if (!h->key.empty() ? std::find(keys.begin(), keys.end(), h->key) == keys.end() : h->code == 0) {
-    warnRefused(strCat("dropped an ack of operation ", h->op_id, " under a key not its own"));
+  // Believed only for a write in flight (its id is random), from whoever holds that write's key,
+  // and once: an ack anyone could forge or replay neither fails nor finishes a write.
+  auto it = am_writes_.find(h->op_id);
+  if (it == am_writes_.end()) {
+    warnRefused("dropped an ack of no write in flight here");
     return UCS_OK;
   }
+  AmWrite& w = it->second;
+  if (h->key != w.key) {
+    warnRefused("dropped an ack of a write under a key not its own");
+    return UCS_OK;
+  }
+  if (w.acked) {
+    ++second_acks_;
+    warnRefused(strCat("dropped a second ack of one write (", second_acks_, " so far)"));
+    return UCS_OK;
+  }
+  w.acked = true;
   const auto code = static_cast<absl::StatusCode>(h->code);
-  partDone(h->op_id,
-           code == absl::StatusCode::kOk ? Status() : Status(code, std::string(static_cast<char*>(data), len)));
+  if (code != absl::StatusCode::kOk && w.status.ok())
+    w.status = Status(code, std::string(static_cast<char*>(data), len));
+  if (w.sent) amWriteDone(it);
   return UCS_OK;
 }
 
@@ -1046,6 +1157,8 @@ Protocol autoProtocolFor(const std::string& tls) {
 }
 
 StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& options) {
+  static std::once_flag log_routed;
+  std::call_once(log_routed, [] { ucs_log_push_handler(&ucxLogLine); });
   std::string tls = options.ucx.tls;
   if (tls.empty()) {
     const char* env = std::getenv("UCX_TLS");

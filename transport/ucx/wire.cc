@@ -105,7 +105,7 @@ StatusOr<Header> parseHeader(std::string_view bytes, MessageType expected) {
       if (h.code < 0 || h.code > static_cast<int32_t>(absl::StatusCode::kUnauthenticated))
         return bad(strCat("status code ", h.code));
       std::memcpy(h.key.bytes.data(), bytes.data() + 24, WriteKey::kBytes);
-      if (h.code == 0 && h.key.empty()) return bad("an OK without the write's key");
+      if (h.key.empty()) return bad("an ack without the write's key");
       return h;
     }
     case MessageType::kNotify: {
@@ -120,6 +120,13 @@ StatusOr<Header> parseHeader(std::string_view bytes, MessageType expected) {
 uint64_t foreignOpId(std::string_view bytes) {
   if (bytes.size() < kPrefixBytes + 8 || get<uint32_t>(bytes, 0) != kMagic) return 0;
   return get<uint64_t>(bytes, 8);
+}
+
+WriteKey foreignKey(std::string_view bytes) {
+  WriteKey key;
+  if (bytes.size() >= 32 + WriteKey::kBytes && get<uint32_t>(bytes, 0) == kMagic)
+    std::memcpy(key.bytes.data(), bytes.data() + 32, WriteKey::kBytes);
+  return key;
 }
 
 }  // namespace shardcast::transport::ucx_wire

@@ -31,24 +31,27 @@ struct Header {
   uint64_t op_id = 0;       // data, ack: the sender's operation
   uint64_t addr = 0;        // data: where in the target's address space
   uint64_t length = 0;      // data: bytes of payload
-  WriteKey key{};           // data, notify: the sync attempt's key; ack: the acked write's (none: a refusal)
+  WriteKey key{};           // data, notify: the sync attempt's key; ack: the acked write's (never empty)
   int32_t code = 0;         // ack: an absl::StatusCode (the message text is the payload)
   std::string_view notice;  // data: WriteOp::notice, inside the parsed bytes
 };
 
 std::string encodeData(uint64_t op_id, uint64_t addr, uint64_t length, const WriteKey& key, std::string_view notice);
-// An ack echoes the key of the write it answers: a sender believes an ack only from whoever holds
-// that key (an empty key: a refusal of a header the receiver could not read, never an "OK").
+// An ack names the write it answers by the write's id on the wire (random per write) and echoes
+// its key: a sender believes an ack only of a write in flight, under that write's key, once.
 std::string encodeAck(uint64_t op_id, int32_t code, const WriteKey& key);
 std::string encodeNotify(const WriteKey& key);
 
 // The header of one received message of type `expected`. INVALID_ARGUMENT for anything that is
 // not a complete header of this version and type: wrong magic, version, type, length, a notice
-// length that disagrees with the bytes, an ack code outside absl's. Never reads past `bytes`.
+// length that disagrees with the bytes, an ack code outside absl's, an ack without a key. Never
+// reads past `bytes`.
 StatusOr<Header> parseHeader(std::string_view bytes, MessageType expected);
 
-// The operation a header of another version names, where it has our magic and names one (so the
-// sender can be answered at once instead of timing out); 0 otherwise.
+// The operation a data header of another version names, and the key where it carries one where
+// this version does, where it has our magic (so the sender can be answered at once, under its
+// key, instead of timing out); 0 and an empty key otherwise.
 uint64_t foreignOpId(std::string_view bytes);
+WriteKey foreignKey(std::string_view bytes);
 
 }  // namespace shardcast::transport::ucx_wire
