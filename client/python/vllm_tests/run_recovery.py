@@ -12,8 +12,9 @@ n1 serves vLLM (double-buffered).
   sharing it) are served, so the prefix cache holds KV of the weights being replaced. After each
   update what vLLM serves must equal what it serves once its prefix cache is emptied by hand
   (/reset_prefix_cache): no KV of the old weights is read.
-- Step 1 goes through. Then an update to a version that never comes (the user's own calls): it
-  fails on every worker, each named. Step 2 goes through.
+- Step 1 goes through; while its bytes have landed and the update has not finished, vLLM serves
+  its old weights. Then an update to a version that never comes (the user's own calls): it fails
+  on every worker, each named. Step 2 goes through.
 - Step 3: n1 frozen as the update starts and killed while the sync waits on it: send_weights
   raises naming the ranks, vLLM serves step 2. n1 restarted, the workers re-register by themselves,
   and step 4 goes through.
@@ -127,7 +128,11 @@ def main() -> None:
 
             result["served_0"] = served.generate()  # the prefix cache now holds the system prompt's block
             trainer.train(1)
+            # Double-buffered: while step 1's bytes have landed (the sync returned) and the update
+            # has not finished, vLLM serves what it served before.
+            client.before["update_weights"] = lambda: result.setdefault("served_landed", served.generate())
             engine.send_weights()
+            client.before["update_weights"] = None
             after(1)
             with shardcast.Client(cluster.target("n0")) as c:
                 result["plan_bytes_needed"] = c.plan("trainer", "vllm")["bytes_needed"]

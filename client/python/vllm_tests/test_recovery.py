@@ -89,6 +89,11 @@ def test_every_element_a_sync_writes_is_written_by_exactly_one_tensor(run):
     assert run["plan_bytes_needed"] == sum(check["registered_bytes"] for check in checks)
 
 
+def test_double_buffered_vllm_serves_its_old_weights_until_the_update_finishes(run):
+    assert run["served_landed"] == run["served_0"]
+    assert run["served_1"] != run["served_0"]
+
+
 def test_a_failed_update_names_every_worker_and_the_next_goes_through(run):
     missing = run["missing_version"]
     assert missing["status"] >= 400 and "(2 of 2 worker(s))" in missing["reply"], missing

@@ -17,4 +17,9 @@ def register() -> None:
             pass
     from shardcast.vllm import session
 
-    session.install()
+    if not session.install():
+        import logging
+
+        logging.getLogger("vllm.shardcast").warning(
+            "shardcast: this vLLM has no EngineCore.collective_rpc (vLLM 0.32's) to run updates through: a failed "
+            "update can leave later ones out of step at TP >= 2, and updates do not reset the prefix cache")
