@@ -16,6 +16,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const auto type = static_cast<wire::MessageType>(1 + data[0] % 3);
   const std::string_view bytes(reinterpret_cast<const char*>(data) + 1, size - 1);
   (void)wire::foreignOpId(bytes);
+  (void)wire::foreignKey(bytes);
   auto h = wire::parseHeader(bytes, type);
   if (!h.ok()) return 0;
   std::string again;
