@@ -50,14 +50,18 @@ def main() -> None:
     from shardcast.vllm.trainer import ShardcastTrainerInitInfo
 
     class Client(HTTPVLLMWeightSyncClient):
-        """vLLM's HTTP client; `before[path]`, if set, runs before that route is called."""
+        """vLLM's HTTP client; `before[path]`, if set, runs before that route is called;
+        `seconds[path]` lists how long each call of it took."""
 
         before: dict = {}
+        seconds: dict = {}
 
         def _post(self, path, json=None):
             if self.before.get(path):
                 self.before[path]()
+            start = time.perf_counter()
             super()._post(path, json)
+            self.seconds.setdefault(path, []).append(round(time.perf_counter() - start, 4))
 
     result: dict = {"seconds": {}, "refused": {}}
     t0 = time.monotonic()
@@ -181,6 +185,7 @@ def main() -> None:
             engine.send_weights()
             result["first_after_update_s"] = timed(lambda: served.generate_one(-1))
             result["cached_s"] = timed(lambda: served.generate_one(-1))
+            result["finish_s"] = client.seconds.get("finish_weight_update", [])
             engine.shutdown()
         finally:
             server.terminate()
