@@ -319,10 +319,9 @@ grpc::Status ShardcastService::Session(grpc::ServerContext* context, const v1::S
   return grpc::Status::OK;
 }
 
-bool ShardcastService::ended(const grpc::ServerContext& ctx) {
-  if (ctx.IsCancelled()) return true;
-  std::lock_guard<std::mutex> lock(sessions_mu_);
-  return stopping_;
+bool ShardcastService::ended(const grpc::ServerContext& ctx) const {
+  // Lock-free: the registry polls it under its own lock, which Session takes under sessions_mu_.
+  return stopped_.load() || ctx.IsCancelled();
 }
 
 void ShardcastService::stop() {
@@ -330,6 +329,7 @@ void ShardcastService::stop() {
     std::lock_guard<std::mutex> lock(sessions_mu_);
     stopping_ = true;
   }
+  stopped_ = true;
   sessions_cv_.notify_all();
 }
 

@@ -52,7 +52,7 @@ class ShardcastService final : public v1::Shardcast::Service {
   StatusOr<ClusterView> cluster();
   // A call's wait ends: its client went (cancelled the call, or its deadline passed) or the daemon
   // is stopping. Polled by every wait of a handler (gRPC's synchronous API has no wake-up for it).
-  bool ended(const grpc::ServerContext& ctx);
+  bool ended(const grpc::ServerContext& ctx) const;
   // A random write fence for one sync attempt (never 0).
   uint64_t newFence();
 
@@ -74,6 +74,7 @@ class ShardcastService final : public v1::Shardcast::Service {
   std::mutex sessions_mu_;
   std::condition_variable sessions_cv_;
   bool stopping_ = false;
+  std::atomic<bool> stopped_{false};  // stopping_, for ended(): read without sessions_mu_
 };
 
 class PeerService final : public v1::Peer::Service {

@@ -146,3 +146,27 @@ TEST_CASE("metrics: the lag follows the latest sync, and forgets a group that le
   m.sourceVersionSeen("infer", "trainer", 401);
   CHECK_THAT(m.render(), Contains("shardcast_group_version_lag{group=\"infer\",source=\"trainer\"} 0"));
 }
+
+TEST_CASE("metrics: without --metrics-names every group, source, set and peer label is the hash of its name",
+          "[daemon][metrics]") {
+  Metrics m(/*names=*/false);
+  m.groups = [] {
+    return std::map<std::string, Metrics::GroupFigures>{{"infer", {"destination", 4, {{"ready", 1}}}},
+                                                        {"trainer", {"source", 6, {{"ready", 1}}}}};
+  };
+  m.peers_up = [] { return std::map<std::string, bool>{{"node-a", true}}; };
+  m.sourceVersionSeen("infer", "trainer", 4);
+  m.peerFailed("node-b");
+  m.replicaSetSynced("rollout", 2, 1);
+  const std::string out = m.render();
+  for (const char* name : {"infer", "trainer", "node-a", "node-b", "rollout"}) CHECK_THAT(out, !Contains(name));
+  // "h" and XXH64 (seed 0) in hex, as docs/daemon.md says to compute it.
+  CHECK(m.label("infer") == "h6f4da01c6929962b");
+  CHECK(m.label("infer") != m.label("trainer"));
+  CHECK_THAT(out, Contains("shardcast_group_version{group=\"" + m.label("trainer") + "\",role=\"source\"} 6"));
+  CHECK_THAT(out, Contains("shardcast_group_version_lag{group=\"" + m.label("infer") + "\",source=\"" +
+                           m.label("trainer") + "\"} 2"));
+  CHECK_THAT(out, Contains("shardcast_peer_up{peer=\"" + m.label("node-a") + "\"} 1"));
+  CHECK_THAT(out, Contains("shardcast_replica_set_replicas{set=\"" + m.label("rollout") + "\"} 2"));
+  CHECK(Metrics(/*names=*/true).label("infer") == "infer");
+}
