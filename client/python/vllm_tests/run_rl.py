@@ -6,8 +6,8 @@ size TP with `weight_transfer_config={"backend": "shardcast"}`: offline (an `LLM
 HTTPVLLMWeightSyncClient). After each step rank 0 saves the full weights to OUT/step-N (for a fresh
 vLLM to serve, run_generate.py), records what vLLM serves, and asks every worker whether its
 registered bytes are that checkpoint's. Offline, an update to a version that never comes must
-raise and leave vLLM serving the last step, and one more step must then update it. Prints one JSON
-result.
+raise and leave vLLM serving the last step, and at TP >= 2 one more step must then update it.
+Prints one JSON result.
 Usage: python run_rl.py MODEL TP TARGET OUT STEPS offline|serve|serve-dp2|offline-unserved
   TP: "2ep" for expert parallelism. serve-dp2: `vllm serve` with two data-parallel engines, each
   a replica of the set "vllm" (`data_parallel`); HTTP requests go to either. offline-unserved: offline, but vLLM generates nothing (vLLM
@@ -210,10 +210,12 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
             except Exception as e:  # vLLM wraps the worker's error
                 record["missing_version_error"] = str(e)
             record["served_after"] = served.generate()
-        if mode == "offline":
-            # ... and the next update goes through (every worker's reply to the failed call was
-            # read, none is left for the next call to take as its own). What it serves equals what
-            # it serves once its prefix cache is emptied by hand: no KV of the old weights is read.
+            record["weight_version"] = llm.get_weight_version()
+        if mode == "offline" and tp != "1":
+            # ... and, at TP >= 2, the next update goes through (every worker's reply to the failed
+            # call was read, none is left for the next call to take as its own; at TP=1 there is
+            # one). What it serves equals what it serves once its prefix cache is emptied by hand:
+            # no KV of the old weights is read.
             step_dir, _, _ = train_and_send(steps + 1)
             if rank == 0:
                 record["recovered"] = {"served": served.generate(), "checks": served.check(step_dir)}
