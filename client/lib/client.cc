@@ -227,9 +227,13 @@ StatusOr<Client> Client::connect(const std::string& target, const ConnectOptions
   // A restarted daemon is reached at once (not after gRPC's reconnect backoff of up to 120 s);
   // each connection attempt (TLS handshake included) still gets 5 s: gRPC's "min reconnect
   // backoff" is that attempt's timeout, and 100 ms fails handshakes on a loaded host.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  // Over the Unix socket an attempt fails at once while the daemon's accept queue is full (another
+  // local process connecting in a loop): it is tried again every 20-50 ms, not every second, and
+  // takes the first slot the daemon's accept loop frees (docs/security.md, "Limits").
+  const bool local = t.rfind("unix:", 0) == 0;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, local ? 20 : 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 5000);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, local ? 50 : 1000);
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // not a connection another channel left to an old daemon
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
   if (t.rfind("unix:", 0) != 0 && (options.tls.enabled() || !options.token_file.empty())) {

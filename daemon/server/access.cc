@@ -55,7 +55,9 @@ StatusOr<std::unique_ptr<LocalListener>> LocalListener::bind(const std::string& 
   const int rc = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   const int err = errno;
   ::umask(old);
-  if (rc != 0 || ::listen(fd, 256) != 0) {
+  // The longest queue the kernel allows (net.core.somaxconn): a burst of connections waits there
+  // while the accept loop drains it.
+  if (rc != 0 || ::listen(fd, SOMAXCONN) != 0) {
     ::close(fd);
     return absl::UnavailableError(strCat("cannot listen on unix:", path, ": ", std::strerror(rc != 0 ? err : errno)));
   }
@@ -82,6 +84,21 @@ int LocalListener::liveConnections(uid_t uid) {
     ++it;
   }
   return n;
+}
+
+bool LocalListener::connectAllowed(uid_t uid) {
+  const auto now = std::chrono::steady_clock::now();
+  if (rates_.size() > 4096) rates_.clear();  // uids are few: a flood of them starts over, never grows
+  auto [it, added] = rates_.try_emplace(uid, Rate{kConnectBurst, now});
+  Rate& r = it->second;
+  if (!added) {
+    const double seconds = std::chrono::duration<double>(now - r.at).count();
+    r.tokens = std::min<double>(kConnectBurst, r.tokens + seconds * kConnectsPerSecond);
+    r.at = now;
+  }
+  if (r.tokens < 1) return false;
+  r.tokens -= 1;
+  return true;
 }
 
 LocalListener::~LocalListener() {
@@ -128,6 +145,16 @@ void LocalListener::run(grpc::Server* server) {
     }
     struct stat st {};
     ::fstat(c, &st);
+    // A uid connecting faster than kConnectsPerSecond (after a burst of kConnectBurst) has the
+    // excess closed here, before gRPC sets up a transport for it: one uid reconnecting in a loop
+    // costs this loop an accept and a close each, and the queue keeps draining for the others.
+    if (cred.uid != 0 && !connectAllowed(cred.uid)) {
+      if (++refused_ <= 8 || refused_ % 1000 == 0)
+        spdlog::warn("unix:{}: uid {} (pid {}) connects more than {} times a second: one more refused ({} so far)",
+                     path_, cred.uid, cred.pid, kConnectsPerSecond, refused_);
+      ::close(c);
+      continue;
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (cred.uid != 0 && liveConnections(cred.uid) >= max_per_uid_) {

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -57,6 +58,15 @@ class LocalListener {
   std::map<int, Connection> connections_;  // by descriptor (a reused descriptor is overwritten at accept)
   const int max_per_uid_;
   uint64_t refused_ = 0;  // accept thread only
+  // New connections per uid other than root: kConnectBurst at once, then kConnectsPerSecond
+  // (a token bucket; accept thread only).
+  static constexpr double kConnectsPerSecond = 50, kConnectBurst = 200;
+  struct Rate {
+    double tokens;
+    std::chrono::steady_clock::time_point at;
+  };
+  std::map<uid_t, Rate> rates_;
+  bool connectAllowed(uid_t uid);
 };
 
 // The TCP listener, accepted here rather than by gRPC (which hands the connections to gRPC's TLS

@@ -19,6 +19,10 @@
 //   foreign_caller flood SOCKET N
 //       opens N connections to the socket and keeps them; prints "held K" (those the daemon did not
 //       close), then waits for EOF on stdin
+//   foreign_caller churn SOCKET THREADS
+//       connects and closes again in a loop on THREADS threads, non-blocking (a refused or would-block
+//       connect is tried again at once), to keep the socket's listen queue full; prints "churning",
+//       then stops at EOF on stdin and prints "connects K" (those the socket took)
 //   foreign_caller hang SOCKET GROUP N TIMEOUT_MS
 //       starts N Syncs of a source nobody registers into GROUP (waiting for its ranks) and N
 //       WaitVersions of GROUP at a version it never reaches, each with TIMEOUT_MS; prints
@@ -29,6 +33,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -151,6 +156,33 @@ int flood(const std::string& socket, int n) {
   return 0;
 }
 
+// Connections made and dropped as fast as the socket takes them, until EOF on stdin.
+int churn(const std::string& socket, int threads) {
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> connects{0};
+  std::vector<std::thread> loops;
+  for (int t = 0; t < threads; ++t)
+    loops.emplace_back([&] {
+      sockaddr_un addr{};
+      addr.sun_family = AF_UNIX;
+      std::strncpy(addr.sun_path, socket.c_str(), sizeof(addr.sun_path) - 1);
+      while (!stop) {
+        const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (fd < 0) continue;
+        if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) ++connects;
+        ::close(fd);
+      }
+    });
+  std::printf("churning\n");
+  std::fflush(stdout);
+  for (std::string line; std::getline(std::cin, line);) {
+  }
+  stop = true;
+  for (auto& l : loops) l.join();
+  std::printf("connects %llu\n", static_cast<unsigned long long>(connects.load()));
+  return 0;
+}
+
 // Calls that wait for what never comes, until this process is killed.
 int hang(const std::string& socket, const std::string& group, int n, uint32_t timeout_ms) {
   auto stub = v1::Shardcast::NewStub(grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
@@ -189,6 +221,7 @@ int main(int argc, char** argv) {
   if (argc == 6 && std::string(argv[1]) == "hang")
     return hang(argv[2], argv[3], std::stoi(argv[4]), static_cast<uint32_t>(std::stoul(argv[5])));
   if (argc == 4 && std::string(argv[1]) == "flood") return flood(argv[2], std::stoi(argv[3]));
+  if (argc == 4 && std::string(argv[1]) == "churn") return churn(argv[2], std::stoi(argv[3]));
   if (argc == 6 && std::string(argv[1]) == "sync") return syncs(argv[2], argv[3], argv[4], argv[5]);
   if (argc == 7 && std::string(argv[1]) == "rank")
     return rank(argv[2], argv[3], argv[4], std::stoi(argv[5]), std::stoull(argv[6]));

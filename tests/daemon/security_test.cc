@@ -331,6 +331,42 @@ TEST_CASE("idle Unix-socket connections of one uid are capped, the daemon serves
   CHECK(flood.wait() == 0);
 }
 
+TEST_CASE("one uid reconnecting in a loop does not keep the Unix socket's queue full: other callers connect",
+          "[daemon][security]") {
+  if (::geteuid() != 0) {
+    SHARDCAST_SKIP("needs root to run a caller as another uid (setpriv)");
+  }
+  Daemon d("n0", freePort(), {});
+  REQUIRE(d.ready());
+  Child churn = Child::spawn({"setpriv", "--reuid=65534", "--regid=0", "--clear-groups",
+                              testBinary(FOREIGN_CALLER_PATH), "churn", d.socketPath(), "8"});
+  REQUIRE(churn.readLine(std::chrono::seconds(30)) == "churning");
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the queue under pressure
+  // Root's calls, each on a connection of its own (a new client), while nobody churns: every one
+  // is served (it was 3 of 21 before the listener accepted in batches and limited a uid's rate).
+  int served = 0;
+  std::string last_error;
+  for (int i = 0; i < 21; ++i) {
+    auto client = Client::connect("unix:" + d.socketPath());
+    if (!client.ok()) {
+      last_error = std::string(client.status().message());
+      continue;
+    }
+    auto status = client->status();
+    if (status.ok())
+      ++served;
+    else
+      last_error = std::string(status.status().message());
+  }
+  INFO(last_error);
+  CHECK(served == 21);
+  churn.closeStdin();
+  const std::string connects = churn.readLine(std::chrono::seconds(30));
+  INFO(connects);
+  CHECK(churn.wait() == 0);
+  CHECK(connects.rfind("connects ", 0) == 0);
+}
+
 TEST_CASE("silent TCP connections are capped per address and closed before they authenticate, peers are served",
           "[daemon][security]") {
   Daemon d("n0", freePort(), {}, {"--max-connections-per-address", "64"});

@@ -335,9 +335,12 @@ class Client:
             # A restarted daemon is reached at once, not after gRPC's reconnect backoff (up to 120 s);
             # each connection attempt (TLS handshake included) gets 5 s: gRPC's "min reconnect
             # backoff" is that attempt's timeout, and 100 ms fails handshakes on a loaded host.
-            ("grpc.initial_reconnect_backoff_ms", 100),
+            # Over the Unix socket an attempt fails at once while the daemon's accept queue is full
+            # (another local process connecting in a loop): tried again every 20-50 ms, it takes
+            # the first slot the daemon frees (docs/security.md, "Limits").
+            ("grpc.initial_reconnect_backoff_ms", 20 if self.target.startswith("unix:") else 100),
             ("grpc.min_reconnect_backoff_ms", 5000),
-            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.max_reconnect_backoff_ms", 50 if self.target.startswith("unix:") else 1000),
             ("grpc.use_local_subchannel_pool", 1),  # not a connection another channel left to an old daemon
         ]
         tls = tls if tls is not None else TlsFiles.from_env()
