@@ -20,9 +20,10 @@
 //       opens N connections to the socket and keeps them; prints "held K" (those the daemon did not
 //       close), then waits for EOF on stdin
 //   foreign_caller churn SOCKET THREADS
-//       connects and closes again in a loop on THREADS threads, non-blocking (a refused or would-block
-//       connect is tried again at once), to keep the socket's listen queue full; prints "churning",
-//       then stops at EOF on stdin and prints "connects K" (those the socket took)
+//       connects and closes again in a loop on THREADS threads, as fast as the socket takes them;
+//       prints "churning", then stops at EOF on stdin and prints "connects K refused R served S":
+//       of the K connections the socket took, R the daemon closed at once and S it served (gRPC's
+//       server preface arrived)
 //   foreign_caller hang SOCKET GROUP N TIMEOUT_MS
 //       starts N Syncs of a source nobody registers into GROUP (waiting for its ranks) and N
 //       WaitVersions of GROUP at a version it never reaches, each with TIMEOUT_MS; prints
@@ -156,10 +157,11 @@ int flood(const std::string& socket, int n) {
   return 0;
 }
 
-// Connections made and dropped as fast as the socket takes them, until EOF on stdin.
+// Connections made and dropped as fast as the socket takes them, until EOF on stdin; each one
+// the socket took is read first: EOF (the daemon closed it at accept) or gRPC's preface (served).
 int churn(const std::string& socket, int threads) {
   std::atomic<bool> stop{false};
-  std::atomic<uint64_t> connects{0};
+  std::atomic<uint64_t> connects{0}, refused{0}, served{0};
   std::vector<std::thread> loops;
   for (int t = 0; t < threads; ++t)
     loops.emplace_back([&] {
@@ -169,7 +171,16 @@ int churn(const std::string& socket, int threads) {
       while (!stop) {
         const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
         if (fd < 0) continue;
-        if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) ++connects;
+        if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+          ++connects;
+          pollfd p{fd, POLLIN, 0};
+          char c;
+          if (::poll(&p, 1, 2000) > 0) {
+            const ssize_t n = ::recv(fd, &c, 1, MSG_DONTWAIT);
+            if (n == 0) ++refused;
+            if (n > 0) ++served;
+          }
+        }
         ::close(fd);
       }
     });
@@ -179,7 +190,8 @@ int churn(const std::string& socket, int threads) {
   }
   stop = true;
   for (auto& l : loops) l.join();
-  std::printf("connects %llu\n", static_cast<unsigned long long>(connects.load()));
+  std::printf("connects %llu refused %llu served %llu\n", static_cast<unsigned long long>(connects.load()),
+              static_cast<unsigned long long>(refused.load()), static_cast<unsigned long long>(served.load()));
   return 0;
 }
 
