@@ -44,6 +44,7 @@ DAEMON_METRICS: Dict[str, Tuple[str, Dict[str, Optional[Set[str]]]]] = {
         "histogram", {"phase": {"gather", "plan", "prepare", "execute", "finish"}, "result": RESULTS}),
     "shardcast_build_info": ("gauge", {"version": None}),
     "shardcast_syncs_in_flight": ("gauge", {}),
+    "shardcast_waits_in_flight": ("gauge", {}),
     "shardcast_delta_base_bytes": ("gauge", {}),
     "shardcast_delta_base_capacity_bytes": ("gauge", {}),
     "shardcast_registered_bytes": ("gauge", {}),
