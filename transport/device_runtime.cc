@@ -13,6 +13,11 @@ class Cuda final : public DeviceRuntime {
                                                          std::optional<uid_t>) override {
     return importCudaIpcHandle(handle, size, device);
   }
+  StatusOr<std::unique_ptr<CudaIpcMapping>> importAllocations(std::vector<OwnedFd> fds,
+                                                              const std::vector<uint64_t>& allocation_bytes,
+                                                              int device) override {
+    return importCudaAllocations(std::move(fds), allocation_bytes, device);
+  }
   StatusOr<std::unique_ptr<CopyEngine>> makeEngine(int device) override { return makeCudaCopyEngine(device); }
   StatusOr<std::unique_ptr<HostPin>> pinHost(void* data, size_t size) override { return pinHostMemory(data, size); }
 };

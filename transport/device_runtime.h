@@ -1,8 +1,8 @@
 // What the daemon needs of its node's GPUs: how many there are, a client's device allocation
-// mapped from its IPC handle, copy engines (one stream each), host memory page-locked for them.
-// cudaRuntime() is the CUDA runtime's (transport/cuda/cuda_support.cc; without the toolkit every
-// call answers UNAVAILABLE); EmulatedGpus (transport/emulated_gpus.h) stands host memory in for
-// GPUs, so the whole device path of a daemon runs where there is no GPU (shardcastd
+// mapped from its IPC handle or its cuMem allocations from their descriptors, copy engines (one stream each), host
+// memory page-locked for them. cudaRuntime() is the CUDA runtime's (transport/cuda/cuda_support.cc; without the toolkit
+// every call answers UNAVAILABLE); EmulatedGpus (transport/emulated_gpus.h) stands host memory in for GPUs, so the
+// whole device path of a daemon runs where there is no GPU (shardcastd
 // --emulate-gpus, for tests).
 #pragma once
 
@@ -12,7 +12,9 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
+#include "common/fd_passing.h"
 #include "common/status.h"
 #include "transport/copy_engine.h"
 #include "transport/cuda/cuda_support.h"
@@ -30,6 +32,14 @@ class DeviceRuntime {
   // GPUs: a segment of another user is refused); CUDA's driver checks its own handles.
   virtual StatusOr<std::unique_ptr<CudaIpcMapping>> importHandle(const std::string& handle, size_t size, int device,
                                                                  std::optional<uid_t> owner) = 0;
+  // cuMem allocations a client handed over as POSIX file descriptors (torch's expandable segments,
+  // any cuMemCreate-based allocator), mapped one after another into one range: allocation i at
+  // the sum of the sizes before it, `allocation_bytes[i]` of it mapped. Refused (INVALID_ARGUMENT)
+  // when an allocation is smaller than its size, is not on GPU `device`, or a size is not a
+  // multiple of the allocation granularity. The descriptors are the runtime's to close.
+  virtual StatusOr<std::unique_ptr<CudaIpcMapping>> importAllocations(std::vector<OwnedFd> fds,
+                                                                      const std::vector<uint64_t>& allocation_bytes,
+                                                                      int device) = 0;
   // A copy engine over a new stream of GPU `device` (transport/device_copy.h).
   virtual StatusOr<std::unique_ptr<CopyEngine>> makeEngine(int device) = 0;
   // Host memory page-locked for the GPUs' copies while the returned object lives.

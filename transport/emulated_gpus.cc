@@ -1,8 +1,12 @@
 #include "transport/emulated_gpus.h"
 
 #include <spdlog/spdlog.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -181,6 +185,82 @@ StatusOr<std::unique_ptr<CudaIpcMapping>> EmulatedGpus::importHandle(const std::
   };
   addRange(static_cast<std::byte*>(segment.data()), segment.size(), device);
   return std::unique_ptr<CudaIpcMapping>(std::make_unique<Mapping>(this, std::move(segment), size));
+}
+
+StatusOr<std::unique_ptr<CudaIpcMapping>> EmulatedGpus::importAllocations(std::vector<OwnedFd> fds,
+                                                                          const std::vector<uint64_t>& allocation_bytes,
+                                                                          int device) {
+  if (device < 0 || device >= count_)
+    return absl::InvalidArgumentError(strCat("emulated GPU ", device, " of ", count_));
+  if (fds.empty() || fds.size() != allocation_bytes.size())
+    return absl::InvalidArgumentError(
+        strCat(fds.size(), " descriptors handed over for ", allocation_bytes.size(), " allocation sizes"));
+  const uint64_t granularity = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  uint64_t total = 0;
+  for (size_t i = 0; i < fds.size(); ++i) {
+    const uint64_t n = allocation_bytes[i];
+    if (n == 0 || n % granularity != 0)
+      return absl::InvalidArgumentError(strCat("allocation ", i, ": ", n,
+                                               " bytes is not a multiple of the allocation granularity (", granularity,
+                                               " bytes)"));
+    struct stat st {};
+    if (::fstat(fds[i].get(), &st) != 0)
+      return absl::InvalidArgumentError(strCat("allocation ", i, ": fstat: ", std::strerror(errno)));
+    if (static_cast<uint64_t>(st.st_size) < n)
+      return absl::InvalidArgumentError(
+          strCat("allocation ", i, " has ", st.st_size, " bytes, fewer than the ", n, " it is registered with"));
+    if (n > UINT64_MAX - total) return absl::InvalidArgumentError("the allocations' sizes overflow");
+    total += n;
+  }
+  // One reserved range, then each allocation mapped over its part of it (cuMemAddressReserve and
+  // cuMemMap): consecutive allocations are consecutive bytes, as in the client's process.
+  void* base = ::mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base == MAP_FAILED)
+    return absl::ResourceExhaustedError(strCat("reserving ", total, " bytes: ", std::strerror(errno)));
+  class Mapping final : public CudaIpcMapping {
+   public:
+    Mapping(EmulatedGpus* gpus, void* base, size_t size, std::vector<OwnedFd> fds, std::vector<uint64_t> bytes)
+        : gpus_(gpus), base_(base), size_(size), fds_(std::move(fds)), bytes_(std::move(bytes)) {}
+    ~Mapping() override {
+      if (registered_) gpus_->removeRange(static_cast<std::byte*>(base_));
+      ::munmap(base_, size_);
+    }
+    void* data() const override { return base_; }
+    size_t size() const override { return size_; }
+    // A memfd can be truncated by its owner, as a segment can (a cuMem allocation cannot shrink).
+    Status check() const override {
+      for (size_t i = 0; i < fds_.size(); ++i) {
+        struct stat st {};
+        if (::fstat(fds_[i].get(), &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes_[i])
+          return absl::FailedPreconditionError(strCat("emulated cuMem allocation ", i, " was truncated to ", st.st_size,
+                                                      " bytes (", bytes_[i], " are mapped)"));
+      }
+      return absl::OkStatus();
+    }
+    Status map() {
+      uint64_t at = 0;
+      for (size_t i = 0; i < fds_.size(); ++i) {
+        if (::mmap(static_cast<std::byte*>(base_) + at, bytes_[i], PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                   fds_[i].get(), 0) == MAP_FAILED)
+          return absl::InvalidArgumentError(strCat("allocation ", i, ": mmap: ", std::strerror(errno)));
+        at += bytes_[i];
+      }
+      return absl::OkStatus();
+    }
+    bool registered_ = false;
+
+   private:
+    EmulatedGpus* gpus_;
+    void* base_;
+    size_t size_;
+    std::vector<OwnedFd> fds_;
+    std::vector<uint64_t> bytes_;
+  };
+  auto mapping = std::make_unique<Mapping>(this, base, total, std::move(fds), allocation_bytes);
+  SC_RETURN_IF_ERROR(mapping->map());
+  addRange(static_cast<std::byte*>(base), total, device);
+  mapping->registered_ = true;
+  return std::unique_ptr<CudaIpcMapping>(std::move(mapping));
 }
 
 StatusOr<std::unique_ptr<CopyEngine>> EmulatedGpus::makeEngine(int device) {

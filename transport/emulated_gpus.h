@@ -1,7 +1,8 @@
 // GPUs emulated in host memory, so that the device path of the copy engine and of a whole
 // daemon runs where there is no GPU (tests; shardcastd --emulate-gpus). "Device memory" is host
-// memory this object knows as some GPU's: buffers it allocates (in-process tests) or shared-memory
-// segments a client names in an emulated IPC handle (handleOf). Kernels are emulated word by word
+// memory this object knows as some GPU's: buffers it allocates (in-process tests), shared-memory
+// segments a client names in an emulated IPC handle (handleOf), or memfds a client hands over
+// standing in for cuMem allocations (importAllocations). Kernels are emulated word by word
 // as the kernel's threads copy (emulateStridedCopy). Nothing runs when issued: a stream's work
 // queues up and runs, in order, only when one of its marks is waited for or it is synchronised,
 // as a real stream may run it at any time later; so a caller that reads bytes before waiting for
@@ -48,6 +49,12 @@ class EmulatedGpus final : public DeviceRuntime {
   std::string unavailableReason() const override;
   StatusOr<std::unique_ptr<CudaIpcMapping>> importHandle(const std::string& handle, size_t size, int device,
                                                          std::optional<uid_t> owner) override;
+  // Emulated cuMem allocations are memfds (any file the daemon can map): mapped one after another
+  // into one reserved range of host memory, as cuMemAddressReserve and cuMemMap do; the
+  // granularity is the page size. A descriptor truncated later is caught by check().
+  StatusOr<std::unique_ptr<CudaIpcMapping>> importAllocations(std::vector<OwnedFd> fds,
+                                                              const std::vector<uint64_t>& allocation_bytes,
+                                                              int device) override;
   StatusOr<std::unique_ptr<CopyEngine>> makeEngine(int device) override;
   StatusOr<std::unique_ptr<HostPin>> pinHost(void* data, size_t size) override;
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "daemon/registry/handed_fds.h"
 #include "planner/layout.h"
 #include "proto/shardcast/v1/names.h"
 #include "shardcast/v1/service.pb.h"
@@ -66,6 +67,9 @@ class Registry {
   // pinned for their copies); null while none is.
   transport::DeviceRuntime* deviceRuntime() const;
   int32_t registeredRanks() const;
+  // Descriptors of cuMem allocations handed over on the socket's side channel (daemon/server/
+  // fd_channel.h), until a registration's CudaAllocationsHandle names their token.
+  HandedFds& handedFds() { return handed_fds_; }
 
   // A registered buffer as the sync engine uses it, kept mapped while the returned object lives:
   // host shared memory, or device memory (then `outgoing` and `incoming` are the copy engines of
@@ -204,7 +208,7 @@ class Registry {
     std::string name;
     uint64_t size = 0;
     std::shared_ptr<transport::ShmSegment> segment;          // shm: the mapping (shared by buffers)
-    std::shared_ptr<transport::CudaIpcMapping> cuda;         // cuda: the imported allocation
+    std::shared_ptr<transport::CudaIpcMapping> cuda;         // cuda: the imported allocation(s)
     std::shared_ptr<transport::TransferMemory> cuda_memory;  // cuda: registered or staged
     std::byte* device = nullptr;                             // cuda: the buffer (offset applied)
     const DeviceEngines* engines = nullptr;                  // cuda: its GPU's
@@ -308,6 +312,7 @@ class Registry {
   std::string instance_;  // random per daemon start (DescribeResponse.instance)
   transport::Context& transport_;
   transport::DeviceRuntime& gpus_;
+  HandedFds handed_fds_;
   mutable std::mutex mu_;
   std::map<std::pair<std::string, int32_t>, std::unique_ptr<Rank>> ranks_;
   std::map<std::string, Group> groups_;

@@ -1,6 +1,6 @@
-// The registry's memory: the shm segments and CUDA IPC allocations a rank's handles name, checked
-// against what the layout gives the rank and against who calls, mapped and registered with the
-// transport once (daemon/registry/registry.h).
+// The registry's memory: the shm segments, CUDA IPC allocations and handed-over cuMem allocations a
+// rank's handles name, checked against what the layout gives the rank and against who calls,
+// mapped and registered with the transport once (daemon/registry/registry.h).
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -98,44 +98,75 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
       b.segment = segments[h->shm().name()].first;
       b.region = segments[h->shm().name()].second;
       b.offset = h->shm().offset();
-    } else if (h->has_cuda()) {
-      const auto& c = h->cuda();
-      if (c.size() < static_cast<uint64_t>(needed[name]))
+    } else if (h->has_cuda() || h->has_cuda_allocations()) {
+      const bool handed = h->has_cuda_allocations();
+      const uint64_t offset = handed ? h->cuda_allocations().offset() : h->cuda().offset();
+      const uint64_t size = handed ? h->cuda_allocations().size() : h->cuda().size();
+      const int device = handed ? h->cuda_allocations().device() : h->cuda().device();
+      if (size < static_cast<uint64_t>(needed[name]))
         return absl::InvalidArgumentError(
-            strCat(who, ": buffer \"", name, "\" is given ", c.size(), " bytes but needs ", needed[name]));
+            strCat(who, ": buffer \"", name, "\" is given ", size, " bytes but needs ", needed[name]));
+      if (handed && !caller.local)  // descriptors travel only on the Unix socket's side channel
+        return absl::InvalidArgumentError(
+            strCat(who, ": buffer \"", name,
+                   "\" is cuMem allocations handed over by file descriptor (torch's expandable segments), which "
+                   "register only over the daemon's Unix socket, not over TCP"));
       if (gpus_.deviceCount() == 0)
         return absl::FailedPreconditionError(strCat(who, ": buffer \"", name,
                                                     "\" is CUDA memory but this daemon has no GPU (",
                                                     gpus_.unavailableReason(), ")"));
-      if (c.offset() > UINT64_MAX - c.size())
+      if (offset > UINT64_MAX - size)
         return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": offset overflows"));
-      auto mapping = gpus_.importHandle(c.handle(), c.offset() + c.size(), c.device(),
-                                        caller.any_owner ? std::nullopt : std::optional<uid_t>(caller.uid));
+      StatusOr<std::unique_ptr<transport::CudaIpcMapping>> mapping = absl::UnknownError("");
+      if (handed) {
+        const auto& a = h->cuda_allocations();
+        // The token is spent here whatever follows: its descriptors are closed with the mapping,
+        // or at once when the registration fails.
+        auto fds = handed_fds_.take(a.token(), caller.uid, caller.any_owner);
+        if (!fds.ok())
+          return Status(fds.status().code(), strCat(who, ": buffer \"", name, "\": ", fds.status().message()));
+        if (fds->size() != static_cast<size_t>(a.allocation_bytes_size()))
+          return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": ", fds->size(),
+                                                   " descriptors were handed over for ", a.allocation_bytes_size(),
+                                                   " allocation sizes"));
+        mapping = gpus_.importAllocations(std::move(*fds), {a.allocation_bytes().begin(), a.allocation_bytes().end()},
+                                          device);
+        // The buffer must lie inside what was mapped: the allocations' bytes, granularity-checked.
+        if (mapping.ok() && offset + size > (*mapping)->size())
+          return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": bytes [", offset, ", ", offset + size,
+                                                   ") lie outside its ", a.allocation_bytes_size(),
+                                                   " allocation(s) of ", (*mapping)->size(), " bytes in all"));
+      } else {
+        mapping = gpus_.importHandle(h->cuda().handle(), offset + size, device,
+                                     caller.any_owner ? std::nullopt : std::optional<uid_t>(caller.uid));
+      }
       if (!mapping.ok())
         return Status(mapping.status().code(), strCat(who, ": buffer \"", name, "\": ", mapping.status().message()));
-      auto engines = deviceEngines(c.device());
+      auto engines = deviceEngines(device);
       if (!engines.ok())
         return Status(engines.status().code(), strCat(who, ": buffer \"", name, "\": ", engines.status().message()));
-      auto* device = static_cast<std::byte*>((*mapping)->data()) + c.offset();
-      auto mem = transport::TransferMemory::prepare(transport_, device, c.size(), transport::MemoryKind::kCuda,
+      auto* bytes = static_cast<std::byte*>((*mapping)->data()) + offset;
+      auto mem = transport::TransferMemory::prepare(transport_, bytes, size, transport::MemoryKind::kCuda,
                                                     (*engines)->outgoing.get());
       if (!mem.ok())
         return Status(mem.status().code(), strCat(who, ": buffer \"", name, "\": ", mem.status().message()));
       // Which path this buffer's bytes take, said once per registration: straight from and into
       // device memory (a CUDA-aware UCX: GPUDirect where the NIC has it), or packed on the GPU
       // into pinned host staging and unpacked on it from the landing arena (syncs planned packed).
-      spdlog::info("{}: buffer \"{}\" ({} bytes on GPU {}): {}", who, name, c.size(), c.device(),
+      spdlog::info("{}: buffer \"{}\" ({} bytes on GPU {}{}): {}", who, name, size, device,
+                   handed ? strCat(", ", h->cuda_allocations().allocation_bytes_size(), " cuMem allocation(s)") : "",
                    (*mem)->staged() ? "staged: packed and unpacked on the GPU through pinned host memory (this "
                                       "transport cannot reach device memory)"
                                     : "registered with the transport directly (device memory, no staging)");
-      b.size = c.size();
-      b.device = device;
+      b.size = size;
+      b.device = bytes;
       b.engines = *engines;
       b.cuda = std::move(*mapping);
       b.region = (*mem)->region();
       b.cuda_memory = std::move(*mem);
     } else {
-      return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" has neither a shm nor a cuda handle"));
+      return absl::InvalidArgumentError(
+          strCat(who, ": buffer \"", name, "\" has neither a shm, a cuda nor a cuda_allocations handle"));
     }
     out.push_back(std::move(b));
   }

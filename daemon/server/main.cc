@@ -22,12 +22,14 @@
 #include <limits>
 #include <thread>
 
+#include "common/fd_passing.h"
 #include "common/logging.h"
 #include "common/strings.h"
 #include "common/tls.h"
 #include "daemon/registry/registry.h"
 #include "daemon/server/access.h"
 #include "daemon/server/config.h"
+#include "daemon/server/fd_channel.h"
 #include "daemon/server/metrics.h"
 #include "daemon/server/service.h"
 #include "planner/limits.h"
@@ -217,10 +219,14 @@ int main(int argc, char** argv) {
     metrics_server = std::move(*m);
   }
   std::unique_ptr<LocalListener> local;
+  std::unique_ptr<FdChannel> fd_channel;  // descriptors of cuMem allocations, beside the socket
   if (!config->socket.empty()) {
     auto l = LocalListener::bind(config->socket, config->max_local_connections_per_uid);
     if (!l.ok()) return fail(std::string(l.status().message()));
     local = std::move(*l);
+    auto f = FdChannel::bind(fdChannelPath(config->socket), registry.handedFds());
+    if (!f.ok()) return fail(std::string(f.status().message()));
+    fd_channel = std::move(*f);
   }
   std::string token;
   if (!config->client_token_file.empty()) {
@@ -275,6 +281,7 @@ int main(int argc, char** argv) {
   if (!server) return fail("cannot serve on " + config->listen);
   if (tcp) tcp->serve(std::move(tcp_acceptor));
   if (local) local->serve(server.get());
+  if (fd_channel) fd_channel->serve();
   metrics.serving = true;
   if (config->tls.enabled())
     spdlog::info("mutual TLS: certificate {}, CA {} (re-read every {} s); TCP clients need a certificate of the CA{}",
@@ -302,6 +309,7 @@ int main(int argc, char** argv) {
   registry.shutdown();  // waiting acquires and version waits return
   engine.abortAll("the daemon is shutting down");
   if (local) local->stop();
+  fd_channel.reset();  // stops, and removes its socket file
   if (tcp) tcp->stop();
   server->Shutdown(std::chrono::system_clock::now() + grace);
   if (!config->socket.empty()) ::unlink(config->socket.c_str());

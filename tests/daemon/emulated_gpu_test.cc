@@ -3,11 +3,14 @@
 // behind emulated IPC handles), and every device copy the daemons issue runs only once they wait
 // for it. A send, unpack or commit that does not wait for its copies moves stale bytes, and the
 // byte checks below fail.
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <utility>
 
+#include "common/fd_passing.h"
 #include "daemon/stage/convert.h"
 #include "planner/layout.h"
 #include "tests/daemon/daemon_harness.h"
@@ -406,4 +409,232 @@ TEST_CASE("emulated GPUs: block-scaled fp8 from device-resident bf16 is quantise
   CHECK(checked == 256 * 320 + 8);  // every weight, and each rank's 2 x 2 block scales
   CHECK(scales == 8);
   CHECK(wrong == 0);
+}
+
+namespace {
+
+// A rank's memory as cuMem allocations of an emulated GPU: `count` memfds of `kAllocation` bytes
+// each standing in for the physical allocations, mapped one after another here (as an allocator
+// maps them into one reserved range), the rank's buffers laid out in them as allocateRank does.
+// A buffer is handed over as the allocations it touches, like torch's expandable segments.
+constexpr uint64_t kAllocation = 16384;
+
+struct AllocationRank {
+  std::vector<OwnedFd> fds;
+  std::byte* base = nullptr;
+  uint64_t bytes = 0;
+  std::map<int32_t, uint64_t> offset;
+  std::map<std::string, std::pair<uint64_t, uint64_t>> named;
+
+  AllocationRank(const planner::ResolvedLayout& l, int32_t rank) {
+    uint64_t off = 0;
+    for (const auto& [buffer, n] : l.rankBuffers(rank)) {
+      offset[buffer] = off;
+      named[l.buffer_names[buffer]] = {off, static_cast<uint64_t>(n)};
+      off += (static_cast<uint64_t>(n) + 63) / 64 * 64;
+    }
+    const uint64_t count = std::max<uint64_t>(1, (off + kAllocation - 1) / kAllocation);
+    bytes = count * kAllocation;
+    void* p = ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(p != MAP_FAILED);
+    base = static_cast<std::byte*>(p);
+    for (uint64_t i = 0; i < count; ++i) {
+      fds.emplace_back(::memfd_create("shardcast-test-allocation", MFD_CLOEXEC));
+      REQUIRE(fds.back().get() >= 0);
+      REQUIRE(::ftruncate(fds.back().get(), kAllocation) == 0);
+      REQUIRE(::mmap(base + i * kAllocation, kAllocation, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                     fds.back().get(), 0) != MAP_FAILED);
+    }
+  }
+  ~AllocationRank() { ::munmap(base, bytes); }
+  AllocationRank(AllocationRank&& o) noexcept
+      : fds(std::move(o.fds)),
+        base(std::exchange(o.base, nullptr)),
+        bytes(std::exchange(o.bytes, 0)),
+        offset(std::move(o.offset)),
+        named(std::move(o.named)) {}
+
+  template <typename T>
+  T* at(const planner::PieceRef& p, int64_t element) {
+    return reinterpret_cast<T*>(base + offset.at(p.buffer)) + element;
+  }
+  // Whether some buffer spans more than one allocation.
+  bool spans() const {
+    for (const auto& [name, where] : named)
+      if (where.first / kAllocation != (where.first + where.second - 1) / kAllocation) return true;
+    return false;
+  }
+  // The rank's Register request with each buffer's allocations handed to `d`'s descriptor channel.
+  v1::RegisterRequest request(const Daemon& d, const v1::Layout& layout, int32_t rank, int32_t world, v1::Role role,
+                              uint64_t version, int gpu) const {
+    v1::RegisterRequest r;
+    r.set_role(role);
+    r.set_version(version);
+    r.set_group(layout.group());
+    r.set_rank(rank);
+    r.set_world_size(world);
+    *r.mutable_layout() = layout;
+    for (const auto& [name, where] : named) {
+      const uint64_t first = where.first / kAllocation, last = (where.first + where.second - 1) / kAllocation;
+      std::vector<int> handed;
+      for (uint64_t i = first; i <= last; ++i) handed.push_back(fds[i].get());
+      auto token = handOverFds(fdChannelPath(d.socketPath()), handed);
+      REQUIRE(token.ok());
+      auto* a = r.add_buffers();
+      a->set_buffer(name);
+      auto* c = a->mutable_cuda_allocations();
+      c->set_token(*token);
+      for (uint64_t i = first; i <= last; ++i) c->add_allocation_bytes(kAllocation);
+      c->set_offset(where.first - first * kAllocation);
+      c->set_size(where.second);
+      c->set_device(gpu);
+    }
+    return r;
+  }
+};
+
+// Trainer: 2 ranks on n0, row shards; inference: 2 ranks on n1, o in column shards (strided on the
+// GPU). Each rank's buffers span several 16 KiB allocations, some buffers two or more.
+const char* kAllocTrainer = R"({"group":"trainer","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
+  {"name":"w","shape":[96,100],"dtype":"int32","placements":[{"shard":{"dim":0}}]},
+  {"name":"o","shape":[64,96],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})";
+const char* kAllocInference = R"({"group":"infer","mesh":{"shape":[2]},"nodes":["n1","n1"],"tensors":[
+  {"name":"w","shape":[96,100],"dtype":"int32","placements":[{"shard":{"dim":0}}]},
+  {"name":"o","shape":[64,96],"dtype":"int32","placements":[{"shard":{"dim":1}}]}]})";
+
+}  // namespace
+
+TEST_CASE("emulated GPUs: cuMem allocations handed over by descriptor sync byte-exact, again after a restart",
+          "[daemon][sync][emulated-gpu]") {
+  const std::vector<int> ports = {freePort(), freePort()};
+  const std::vector<std::string> peers = {"127.0.0.1:" + std::to_string(ports[0]),
+                                          "127.0.0.1:" + std::to_string(ports[1])};
+  const std::vector<std::string> flags = {"--emulate-gpus", "2"};
+  auto n0 = std::make_unique<Daemon>("n0", ports[0], peers, flags);
+  auto n1 = std::make_unique<Daemon>("n1", ports[1], peers, flags);
+  REQUIRE(n0->ready());
+  REQUIRE(n1->ready());
+  const auto src_proto = *planner::parseLayoutJson(kAllocTrainer, "trainer");
+  const auto dst_proto = *planner::parseLayoutJson(kAllocInference, "infer");
+  planner::NodeTable nodes;
+  const auto src = *planner::resolveLayout(src_proto, nodes);
+  const auto dst = *planner::resolveLayout(dst_proto, nodes);
+  std::vector<AllocationRank> smem, dmem;
+  for (int32_t r = 0; r < 2; ++r) smem.emplace_back(src, r);
+  for (int32_t r = 0; r < 2; ++r) dmem.emplace_back(dst, r);
+  CHECK(smem[0].spans());
+  CHECK(dmem[0].spans());
+  for (int32_t r = 0; r < 2; ++r)
+    forEachElement(src, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      *smem[r].at<int32_t>(p, off) = intValue(t, flat, 1);
+    });
+  auto put = [](Daemon& d, const v1::RegisterRequest& req) {
+    v1::RegisterResponse resp;
+    const auto st = d.client()->Register(ctx().get(), req, &resp);
+    INFO(st.error_message());
+    REQUIRE(st.ok());
+  };
+  for (int32_t r = 0; r < 2; ++r) put(*n0, smem[r].request(*n0, src_proto, r, 2, v1::ROLE_SOURCE, 1, r));
+  auto registerDestinations = [&] {
+    for (int32_t r = 0; r < 2; ++r) put(*n1, dmem[r].request(*n1, dst_proto, r, 2, v1::ROLE_DESTINATION, 0, r));
+  };
+  registerDestinations();
+  auto wrong = [&] {
+    int64_t bad = 0;
+    for (int32_t r = 0; r < 2; ++r)
+      forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        bad += *dmem[r].at<int32_t>(p, off) != intValue(t, flat, 1);
+      });
+    return bad;
+  };
+  auto sync = [&] {
+    v1::SyncRequest req;
+    req.set_src_group("trainer");
+    req.set_dst_group("infer");
+    req.set_version(1);
+    req.mutable_options()->set_verify(true);
+    v1::SyncResponse out;
+    const auto st = n0->client()->Sync(ctx(120).get(), req, &out);
+    INFO(st.error_message());
+    REQUIRE(st.ok());
+  };
+  sync();
+  CHECK(wrong() == 0);
+
+  // The destination's daemon restarts: its mappings are gone, and the ranks register again with
+  // their allocations handed over anew (a token is good for one registration of one daemon).
+  n1.reset();
+  for (auto& m : dmem) std::memset(m.base, 0, m.bytes);
+  n1 = std::make_unique<Daemon>("n1", ports[1], peers, flags);
+  REQUIRE(n1->ready());
+  registerDestinations();
+  sync();
+  CHECK(wrong() == 0);
+}
+
+TEST_CASE("emulated GPUs: handed-over cuMem allocations are refused when they do not hold the registered bytes",
+          "[daemon][emulated-gpu]") {
+  const char* layout = R"({"group":"g","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
+    {"name":"w","shape":[2048],"dtype":"int32"}]})";
+  const auto proto = *planner::parseLayoutJson(layout, "g");
+  planner::NodeTable nodes;
+  const auto l = *planner::resolveLayout(proto, nodes);
+  AllocationRank mem(l, 0);  // w: 8192 bytes at 0 of one 16 KiB allocation
+  auto refused = [](Daemon& d, const v1::RegisterRequest& req, grpc::StatusCode code, const std::string& why,
+                    bool tcp = false) {
+    v1::RegisterResponse resp;
+    const auto st = (tcp ? d.tcpClient() : d.client())->Register(ctx().get(), req, &resp);
+    INFO(st.error_message());
+    CHECK(st.error_code() == code);
+    CHECK_THAT(st.error_message(), Catch::Contains("buffer \"w\"") && Catch::Contains(why));
+  };
+  SECTION("on the socket") {
+    Daemon d("n0", freePort(), {}, {"--emulate-gpus", "1"});
+    REQUIRE(d.ready());
+    auto req = mem.request(d, proto, 0, 1, v1::ROLE_DESTINATION, 0, 0);
+    auto* a = req.mutable_buffers(0)->mutable_cuda_allocations();
+    SECTION("an allocation smaller than its registered size") {
+      OwnedFd small(::memfd_create("shardcast-test-small", MFD_CLOEXEC));
+      REQUIRE(::ftruncate(small.get(), kAllocation / 2) == 0);
+      a->set_token(*handOverFds(fdChannelPath(d.socketPath()), {small.get()}));
+      refused(d, req, grpc::StatusCode::INVALID_ARGUMENT, "fewer than the 16384 it is registered with");
+    }
+    SECTION("bytes outside the allocations") {
+      a->set_offset(kAllocation - 4096);  // 8192 bytes from 12 KiB: past the 16 KiB allocation
+      refused(d, req, grpc::StatusCode::INVALID_ARGUMENT, "lie outside its 1 allocation(s) of 16384 bytes");
+    }
+    SECTION("a size that is not a multiple of the granularity") {
+      a->set_allocation_bytes(0, kAllocation - 100);
+      refused(d, req, grpc::StatusCode::INVALID_ARGUMENT, "not a multiple of the allocation granularity");
+    }
+    SECTION("more sizes than descriptors") {
+      a->add_allocation_bytes(kAllocation);
+      refused(d, req, grpc::StatusCode::INVALID_ARGUMENT, "1 descriptors were handed over for 2 allocation sizes");
+    }
+    SECTION("a token used already") {
+      v1::RegisterResponse resp;
+      REQUIRE(d.client()->Register(ctx().get(), req, &resp).ok());
+      v1::UnregisterRequest u;
+      u.set_group("g");
+      u.set_rank(0);
+      v1::UnregisterResponse ur;
+      REQUIRE(d.client()->Unregister(ctx().get(), u, &ur).ok());
+      refused(d, req, grpc::StatusCode::NOT_FOUND, "was used already");
+    }
+    SECTION("a token no channel gave") {
+      a->set_token("00112233445566778899aabbccddeeff");
+      refused(d, req, grpc::StatusCode::NOT_FOUND, "is not one this daemon's descriptor channel gave out");
+    }
+    SECTION("a GPU the node does not have") {
+      a->set_device(3);
+      refused(d, req, grpc::StatusCode::INVALID_ARGUMENT, "emulated GPU 3 of 1");
+    }
+  }
+  SECTION("over TCP, by name") {
+    Daemon d("n0", freePort(), {}, {"--emulate-gpus", "1", "--insecure"});
+    REQUIRE(d.ready());
+    auto req = mem.request(d, proto, 0, 1, v1::ROLE_DESTINATION, 0, 0);
+    refused(d, req, grpc::StatusCode::INVALID_ARGUMENT, "register only over the daemon's Unix socket, not over TCP",
+            /*tcp=*/true);
+  }
 }

@@ -1,9 +1,13 @@
 // CUDA support through the CUDA runtime API: streams for the copy engine, IPC, pinned memory.
 #include "transport/cuda/cuda_support.h"
 
+#include <cuda.h>  // driver API types only: its functions are reached through the runtime (driverEntry)
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "common/strings.h"
 #include "transport/copy_engine.h"
@@ -196,6 +200,149 @@ StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaIpcHandle(const std::string&
         strCat("CUDA IPC handle: the allocation has ", range->second, " bytes but ", size, " are registered in it"));
   }
   return std::unique_ptr<CudaIpcMapping>(std::make_unique<IpcMapping>(p, size));
+}
+
+namespace {
+
+// A driver API function, reached through the runtime (the daemon never links libcuda directly).
+template <typename Fn>
+StatusOr<Fn> driverEntry(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaGetDriverEntryPointByVersion(", name, ")"),
+                                cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found)));
+  if (fn == nullptr || found != cudaDriverEntryPointSuccess)
+    return absl::InternalError(strCat(name, " is not available in this driver"));
+  return reinterpret_cast<Fn>(fn);
+}
+
+Status cuStatus(const std::string& what, CUresult rc, absl::StatusCode code = absl::StatusCode::kInternal) {
+  if (rc == CUDA_SUCCESS) return absl::OkStatus();
+  return Status(code, strCat(what, ": CUresult ", static_cast<int>(rc)));
+}
+
+// The cuMem calls an import needs.
+struct VmmDriver {
+  decltype(&cuMemImportFromShareableHandle) import_handle = nullptr;
+  decltype(&cuMemGetAllocationPropertiesFromHandle) properties = nullptr;
+  decltype(&cuMemGetAllocationGranularity) granularity = nullptr;
+  decltype(&cuMemAddressReserve) reserve = nullptr;
+  decltype(&cuMemAddressFree) free_range = nullptr;
+  decltype(&cuMemMap) map = nullptr;
+  decltype(&cuMemUnmap) unmap = nullptr;
+  decltype(&cuMemSetAccess) set_access = nullptr;
+  decltype(&cuMemRelease) release = nullptr;
+
+  static StatusOr<VmmDriver> load() {
+    VmmDriver d;
+    SC_ASSIGN_OR_RETURN(d.import_handle,
+                        driverEntry<decltype(&cuMemImportFromShareableHandle)>("cuMemImportFromShareableHandle"));
+    SC_ASSIGN_OR_RETURN(d.properties, driverEntry<decltype(&cuMemGetAllocationPropertiesFromHandle)>(
+                                          "cuMemGetAllocationPropertiesFromHandle"));
+    SC_ASSIGN_OR_RETURN(d.granularity,
+                        driverEntry<decltype(&cuMemGetAllocationGranularity)>("cuMemGetAllocationGranularity"));
+    SC_ASSIGN_OR_RETURN(d.reserve, driverEntry<decltype(&cuMemAddressReserve)>("cuMemAddressReserve"));
+    SC_ASSIGN_OR_RETURN(d.free_range, driverEntry<decltype(&cuMemAddressFree)>("cuMemAddressFree"));
+    SC_ASSIGN_OR_RETURN(d.map, driverEntry<decltype(&cuMemMap)>("cuMemMap"));
+    SC_ASSIGN_OR_RETURN(d.unmap, driverEntry<decltype(&cuMemUnmap)>("cuMemUnmap"));
+    SC_ASSIGN_OR_RETURN(d.set_access, driverEntry<decltype(&cuMemSetAccess)>("cuMemSetAccess"));
+    SC_ASSIGN_OR_RETURN(d.release, driverEntry<decltype(&cuMemRelease)>("cuMemRelease"));
+    return d;
+  }
+};
+
+// Imported allocations mapped into one reserved range; torn down in reverse: unmapped, released,
+// the range freed.
+class AllocationsMapping final : public CudaIpcMapping {
+ public:
+  explicit AllocationsMapping(const VmmDriver& d) : d_(d) {}
+  ~AllocationsMapping() override {
+    for (const auto& [at, n] : mapped_) d_.unmap(base_ + at, n);
+    for (const auto h : handles_) d_.release(h);
+    if (base_ != 0) d_.free_range(base_, size_);
+  }
+  void* data() const override { return reinterpret_cast<void*>(static_cast<uintptr_t>(base_)); }
+  size_t size() const override { return size_; }
+
+  const VmmDriver& d_;
+  std::vector<CUmemGenericAllocationHandle> handles_;
+  CUdeviceptr base_ = 0;
+  size_t size_ = 0;
+  std::vector<std::pair<size_t, size_t>> mapped_;  // (offset, bytes)
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaAllocations(std::vector<OwnedFd> fds,
+                                                                const std::vector<uint64_t>& allocation_bytes,
+                                                                int device) {
+  if (fds.empty() || fds.size() != allocation_bytes.size())
+    return absl::InvalidArgumentError(
+        strCat(fds.size(), " descriptors handed over for ", allocation_bytes.size(), " allocation sizes"));
+  if (device < 0 || device >= cudaDeviceCount())
+    return absl::InvalidArgumentError(strCat("GPU ", device, " of ", cudaDeviceCount()));
+  SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaSetDevice(", device, ")"), cudaSetDevice(device)));
+  static const StatusOr<VmmDriver> driver = VmmDriver::load();
+  if (!driver.ok()) return driver.status();
+  const VmmDriver& d = *driver;
+  auto out = std::make_unique<AllocationsMapping>(d);
+  size_t total = 0, alignment = 0;
+  for (size_t i = 0; i < fds.size(); ++i) {
+    CUmemGenericAllocationHandle h{};
+    SC_RETURN_IF_ERROR(cuStatus(strCat("allocation ", i, ": cuMemImportFromShareableHandle (posix fd)"),
+                                d.import_handle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fds[i].get())),
+                                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                                absl::StatusCode::kInvalidArgument));
+    out->handles_.push_back(h);
+    CUmemAllocationProp prop{};
+    SC_RETURN_IF_ERROR(
+        cuStatus(strCat("allocation ", i, ": cuMemGetAllocationPropertiesFromHandle"), d.properties(&prop, h)));
+    if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop.location.id != device)
+      return absl::InvalidArgumentError(strCat("allocation ", i, " is not memory of GPU ", device, " (location type ",
+                                               static_cast<int>(prop.location.type), ", id ", prop.location.id, ")"));
+    size_t granularity = 0;
+    SC_RETURN_IF_ERROR(cuStatus(strCat("allocation ", i, ": cuMemGetAllocationGranularity"),
+                                d.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)));
+    const uint64_t n = allocation_bytes[i];
+    if (n == 0 || granularity == 0 || n % granularity != 0)
+      return absl::InvalidArgumentError(strCat("allocation ", i, ": ", n,
+                                               " bytes is not a multiple of the allocation granularity (", granularity,
+                                               " bytes)"));
+    if (n > SIZE_MAX - total) return absl::InvalidArgumentError("the allocations' sizes overflow");
+    total += n;
+    alignment = std::max(alignment, granularity);
+  }
+  fds.clear();  // the imported handles hold the allocations now
+  SC_RETURN_IF_ERROR(cuStatus(strCat("cuMemAddressReserve(", total, " bytes)"),
+                              d.reserve(&out->base_, total, alignment, 0, 0), absl::StatusCode::kResourceExhausted));
+  out->size_ = total;
+  size_t at = 0;
+  for (size_t i = 0; i < out->handles_.size(); ++i) {
+    // cuMemMap fails when the allocation is smaller than the bytes mapped from it: that is where
+    // the size the client gave is checked (the driver reports no imported allocation's size).
+    SC_RETURN_IF_ERROR(cuStatus(
+        strCat("allocation ", i, ": cuMemMap of ", allocation_bytes[i], " bytes (is the allocation that large?)"),
+        d.map(out->base_ + at, allocation_bytes[i], 0, out->handles_[i], 0), absl::StatusCode::kInvalidArgument));
+    out->mapped_.emplace_back(at, allocation_bytes[i]);
+    at += allocation_bytes[i];
+  }
+  // Readable and writable by the GPU and by the GPUs that can reach it (fan-out copies between a
+  // node's GPUs read such memory from another GPU's stream).
+  std::vector<CUmemAccessDesc> access;
+  for (int g = 0; g < cudaDeviceCount(); ++g) {
+    int peer = 0;
+    if (g != device && (cudaDeviceCanAccessPeer(&peer, g, device) != cudaSuccess || peer == 0)) {
+      cudaGetLastError();
+      continue;
+    }
+    CUmemAccessDesc a{};
+    a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    a.location.id = g;
+    a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    access.push_back(a);
+  }
+  SC_RETURN_IF_ERROR(cuStatus("cuMemSetAccess", d.set_access(out->base_, total, access.data(), access.size())));
+  return std::unique_ptr<CudaIpcMapping>(std::move(out));
 }
 
 StatusOr<ExportedCudaIpc> exportCudaIpcHandle(const void* device_ptr) {

@@ -1,13 +1,15 @@
 // CUDA support for the data plane, decided at run time: how many GPUs there are, importing a CUDA
-// IPC handle from a client process, pinned host staging buffers. Built from cuda_support.cc when
-// the CUDA toolkit is found, else from no_cuda.cc whose functions all answer UNAVAILABLE.
+// IPC handle or cuMem allocations' descriptors from a client process, pinned host staging buffers. Built from
+// cuda_support.cc when the CUDA toolkit is found, else from no_cuda.cc whose functions all answer UNAVAILABLE.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "common/fd_passing.h"
 #include "common/status.h"
 
 namespace shardcast::transport {
@@ -28,6 +30,12 @@ class CudaIpcMapping {
   virtual Status check() const { return absl::OkStatus(); }
 };
 StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaIpcHandle(const std::string& handle, size_t size, int device);
+// cuMem allocations of another process from their POSIX file descriptors (DeviceRuntime::
+// importAllocations): imported, mapped one after another into one reserved range, made readable
+// and writable by GPU `device`; unmapped and released on destruction.
+StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaAllocations(std::vector<OwnedFd> fds,
+                                                                const std::vector<uint64_t>& allocation_bytes,
+                                                                int device);
 
 // The IPC handle of the device allocation holding `device_ptr`, and where the pointer lies in it.
 struct ExportedCudaIpc {

@@ -11,6 +11,10 @@ Status unavailable() { return absl::UnavailableError("shardcast was built withou
 int cudaDeviceCount() { return 0; }
 std::string cudaUnavailableReason() { return "built without the CUDA toolkit"; }
 StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaIpcHandle(const std::string&, size_t, int) { return unavailable(); }
+StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaAllocations(std::vector<OwnedFd>, const std::vector<uint64_t>&,
+                                                                int) {
+  return unavailable();
+}
 StatusOr<ExportedCudaIpc> exportCudaIpcHandle(const void*) { return unavailable(); }
 StatusOr<std::unique_ptr<PinnedBuffer>> allocatePinned(size_t) { return unavailable(); }
 StatusOr<std::unique_ptr<HostPin>> pinHostMemory(void*, size_t) { return unavailable(); }

@@ -1,0 +1,105 @@
+// The descriptor side channel's two ends (common/fd_passing.h) and the one-time tokens the daemon
+// keeps the descriptors under (daemon/registry/handed_fds.h).
+#include "daemon/registry/handed_fds.h"
+
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <cstring>
+
+#include "common/fd_passing.h"
+
+using namespace shardcast;
+
+namespace {
+// Whether `fd` is still an open descriptor of this process.
+bool open(int fd) {
+  struct stat st {};
+  return ::fstat(fd, &st) == 0;
+}
+}  // namespace
+
+TEST_CASE("handed descriptors: a token is its sender's, good once", "[daemon][fd-channel]") {
+  daemon::HandedFds handed;
+  OwnedFd memfd(::memfd_create("shardcast-test-handed", MFD_CLOEXEC));
+  REQUIRE(memfd.get() >= 0);
+  std::vector<OwnedFd> fds;
+  fds.emplace_back(::dup(memfd.get()));
+  const int kept = fds.back().get();
+  const auto token = handed.put(1000, std::move(fds));
+  REQUIRE(token.ok());
+  CHECK(token->size() == 32);
+  CHECK(handed.pending() == 1);
+  SECTION("another uid is refused, and the token stays its sender's") {
+    const auto other = handed.take(*token, 1001, false);
+    CHECK(other.status().code() == absl::StatusCode::kPermissionDenied);
+    CHECK_THAT(std::string(other.status().message()), Catch::Contains("handed over by uid 1000, not by uid 1001"));
+    CHECK(handed.take(*token, 1000, false).ok());
+  }
+  SECTION("its sender takes the descriptors once") {
+    auto taken = handed.take(*token, 1000, false);
+    REQUIRE(taken.ok());
+    REQUIRE(taken->size() == 1);
+    CHECK((*taken)[0].get() == kept);
+    CHECK(handed.take(*token, 1000, false).status().code() == absl::StatusCode::kNotFound);
+  }
+  SECTION("root takes any uid's") { CHECK(handed.take(*token, 0, true).ok()); }
+  CHECK(handed.pending() == 0);
+}
+
+TEST_CASE("handed descriptors: a uid's oldest unclaimed token is closed past the cap", "[daemon][fd-channel]") {
+  daemon::HandedFds handed;
+  std::vector<std::string> tokens;
+  int first = -1;
+  for (size_t i = 0; i <= daemon::HandedFds::kPerUid; ++i) {
+    std::vector<OwnedFd> fds;
+    fds.emplace_back(::memfd_create("shardcast-test-cap", MFD_CLOEXEC));
+    if (i == 0) first = fds.back().get();
+    tokens.push_back(*handed.put(1000, std::move(fds)));
+  }
+  CHECK(handed.pending() == daemon::HandedFds::kPerUid);
+  CHECK_FALSE(open(first));
+  CHECK(handed.take(tokens.front(), 1000, false).status().code() == absl::StatusCode::kNotFound);
+  CHECK(handed.take(tokens.back(), 1000, false).ok());
+  std::vector<OwnedFd> other;
+  other.emplace_back(::memfd_create("shardcast-test-cap", MFD_CLOEXEC));
+  CHECK(handed.put(1001, std::move(other)).ok());  // another uid's cap is its own
+  CHECK(handed.pending() == daemon::HandedFds::kPerUid);
+}
+
+TEST_CASE("handed descriptors: a message whose count disagrees with its descriptors is refused, none kept open",
+          "[daemon][fd-channel]") {
+  int pair[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0);
+  OwnedFd client(pair[0]), daemon_end(pair[1]);
+  OwnedFd memfd(::memfd_create("shardcast-test-count", MFD_CLOEXEC));
+  // The header says 2, one descriptor travels.
+  char header[8] = {'S', 'C', 'F', 'D', 1, 2, 0, 0};
+  iovec iov{header, sizeof(header)};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  const int fd = memfd.get();
+  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  REQUIRE(::sendmsg(client.get(), &msg, 0) == sizeof(header));
+  const int next = ::dup(0);  // the lowest free descriptor number now: the received one must be closed again
+  ::close(next);
+  const auto got = receiveHandedFds(daemon_end.get());
+  CHECK(got.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(got.status().message()), Catch::Contains("counts 2 descriptors but carries 1"));
+  CHECK_FALSE(open(next));
+  answerHandedFds(daemon_end.get(), got.status());
+  char line[256] = {};
+  CHECK(::read(client.get(), line, sizeof(line) - 1) > 0);
+  CHECK_THAT(std::string(line), Catch::StartsWith("error the message counts 2"));
+}
