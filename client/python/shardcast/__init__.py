@@ -25,7 +25,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 from shardcast import fp8  # light: its functions import torch when called
 from shardcast.client import Client, ShardcastError, TlsFiles, default_target, describe_rank, DEFAULT_SOCKET
 from shardcast.layout import load_layout, layout_from_dtensors, dtensor_available
-from shardcast.memory import Registration
+from shardcast.memory import CuMemBuffer, Registration
 from shardcast.parallel import ParallelPlan, inference_layout, local_shapes
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "ShardcastError",
     "TlsFiles",
     "Registration",
+    "CuMemBuffer",
     "default_target",
     "describe_rank",
     "DEFAULT_SOCKET",

@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import grpc
 
 from shardcast.layout import LayoutLike, layout_from_dtensors, load_layout, root_mesh
-from shardcast.memory import Registration, SharedTensors, _cuda_handle, _is_torch, in_place_handle, local_tensor
+from shardcast.memory import (CuMemBuffer, HandedAllocations, Registration, SharedTensors, _cuda_handle, _is_torch,
+                              hand_over, in_place_handle, local_tensor)
 from shardcast.parallel import ParallelPlan, check_local_tensors, gather_nodes, inference_layout
 from shardcast.v1 import service_pb2, service_pb2_grpc
 
@@ -117,19 +118,32 @@ def _dtype_name(t: Any) -> str:
 
 
 class _Handles:
-    """One set of a rank's tensors as memory handles: torch tensors shared in place (CPU) or by
-    CUDA IPC, numpy arrays copied once into one segment."""
+    """One set of a rank's tensors as memory handles: torch tensors shared in place (CPU), by CUDA
+    IPC (cudaMalloc memory) or by their cuMem allocations' descriptors (expandable segments, and
+    CuMemBuffers), numpy arrays copied once into one segment. `hand`(name, fds) hands descriptors
+    to the daemon and returns their token (None: no Unix socket to the daemon)."""
 
-    def __init__(self, tensors: Mapping[str, Any]) -> None:
+    def __init__(self, tensors: Mapping[str, Any], hand: Any = None) -> None:
         self.tensors = tensors
+        self.hand = hand
         self.handles: List[service_pb2.MemoryHandle] = []
         self.in_place: List[Tuple[str, Any, int]] = []
         self.shared: Optional[SharedTensors] = None
+        self.handed = HandedAllocations()
         self.views: Dict[str, Any] = {}
 
     def share(self) -> None:
         copied: Dict[str, Any] = {}
         for name, t in self.tensors.items():
+            if isinstance(t, CuMemBuffer):
+                if self.hand is None:
+                    raise ValueError(f'tensor "{name}": cuMem allocations register only over the daemon\'s Unix '
+                                     "socket (their file descriptors travel on its side channel), not over TCP")
+                h = self.handed.handle(name, t.fds, t.allocation_bytes, t.offset, t.nbytes, t.device, self.hand)
+                h.dtype = t.dtype
+                h.shape.extend(int(d) for d in t.shape)
+                self.handles.append(h)
+                continue
             if not _is_torch(t):
                 if int(getattr(t, "nbytes", 1)) > 0:
                     copied[name] = t
@@ -138,7 +152,7 @@ class _Handles:
             if local.numel() == 0:
                 continue  # a rank that holds none of a tensor (an uneven shard) registers no memory for it
             if local.is_cuda:
-                h = _cuda_handle(name, local)
+                h = _cuda_handle(name, local, self.handed, self.hand)
             else:
                 h = in_place_handle(name, local)
                 self.in_place.append((name, t, local.untyped_storage().data_ptr()))
@@ -158,6 +172,7 @@ class _Handles:
     def release(self) -> None:
         if self.shared is not None:
             self.shared.release()
+        self.handed.close()
 
 
 class _Session:
@@ -178,7 +193,7 @@ class _Session:
         # The session is back after a daemon restart and its ranks are being registered again:
         # calls about ranks wait for it (Client._check_session), so they see the outcome.
         self.reregistering = False
-        # (group, rank) -> [request, published version, held]
+        # (group, rank) -> [request, published version, held, the sets' handed allocations]
         self.ranks: Dict[Tuple[str, int], List[Any]] = {}
         # (group, rank) -> why re-registering it after a daemon restart failed: the client's next
         # call about its ranks raises it (Client._check_session) until it is registered again.
@@ -239,14 +254,17 @@ class _Session:
     def _register_again(self, session_id: str) -> None:
         with self._lock:
             again = []
-            for (group, rank), (req, published, held) in self.ranks.items():
+            for (group, rank), (req, published, held, handed) in self.ranks.items():
                 r = service_pb2.RegisterRequest()
                 r.CopyFrom(req)
                 r.session_id = session_id
                 r.version = published if r.role == service_pb2.ROLE_SOURCE and not held else 0
-                again.append(r)
-        for r in again:
+                again.append((r, handed))
+        for r, handed in again:
             try:
+                # cuMem allocations are handed over again: a token names one registration on one daemon.
+                for allocations, handles in zip(handed, (r.buffers, r.shadow_buffers)):
+                    allocations.refresh(handles, self._client._hand_over)
                 resp = self._client._stub.Register(r, timeout=self._client.timeout)
                 with self._lock:
                     self.failures.pop((r.group, r.rank), None)
@@ -257,9 +275,9 @@ class _Session:
                     continue
                 with self._client._registrations_lock:
                     self._client._registrations[(r.group, r.rank)] = resp.registration
-            except grpc.RpcError as e:
-                why = (f're-registering group "{r.group}" rank {r.rank} after its daemon restarted failed: '
-                       f"{e.code().name}: {e.details()}")
+            except (grpc.RpcError, OSError, ValueError) as e:
+                detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+                why = f're-registering group "{r.group}" rank {r.rank} after its daemon restarted failed: {detail}'
                 print(f"shardcast: {why}", file=sys.stderr)
                 with self._lock:
                     self.failures[(r.group, r.rank)] = why
@@ -437,6 +455,13 @@ class Client:
 
     # ---- registration ----
 
+    def _hand_over(self, name: str, fds: List[int]) -> str:
+        """Hands the descriptors of tensor `name`'s cuMem allocations to this client's daemon."""
+        try:
+            return hand_over(self.target[len("unix:"):], fds)
+        except (OSError, ValueError) as e:
+            raise ValueError(f'tensor "{name}": {e}') from None
+
     def register(self, group: str, rank: int, world_size: int, tensors: Mapping[str, Any],
                  layout: LayoutLike, *, role: str = "destination", version: int = 0,
                  session: bool = True, shadow: Optional[Mapping[str, Any]] = None,
@@ -472,7 +497,8 @@ class Client:
         req.layout.CopyFrom(msg)
         if shadow is not None and role != "destination":
             raise ValueError(f"{what}: only a destination rank is double-buffered")
-        sets = [_Handles(tensors)] + ([_Handles(shadow)] if shadow is not None else [])
+        hand = self._hand_over if self.target.startswith("unix:") else None
+        sets = [_Handles(tensors, hand)] + ([_Handles(shadow, hand)] if shadow is not None else [])
         try:
             for handles in sets:
                 handles.share()
@@ -496,9 +522,10 @@ class Client:
         if session and self._session is not None:
             with self._session._lock:
                 req.replace = False  # re-made after a restart: a rank the new daemon does not hold
-                self._session.ranks[(group, rank)] = [req, version, False]
+                self._session.ranks[(group, rank)] = [req, version, False, [h.handed for h in sets]]
                 self._session.failures.pop((group, rank), None)
         reg = Registration(self, group, rank, world_size, resp, sets[0].views, sets[0].shared, sets[0].in_place, role=role)
+        reg._handed = sets[0].handed
         if shadow is not None:
             reg._shadow = sets[1]
         return reg

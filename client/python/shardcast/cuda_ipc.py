@@ -1,5 +1,7 @@
 """torch's CUDA shareable handles, decoded: what `UntypedStorage._share_cuda_()` returns becomes the
-bare cudaIpcMemHandle_t and offset that shardcastd imports, or a refusal that says why and what to do.
+bare cudaIpcMemHandle_t and offset that shardcastd imports, the file descriptors of the cuMem
+allocations of an expandable segment (handed to shardcastd by memory.hand_over), or a refusal
+that says why and what to do.
 
 The layouts are torch's own (c10/cuda/CUDACachingAllocator.cpp: `shareIpcHandle`,
 `ExpandableSegment::share`, and the reader `MemHandleCacheEntry`); docs/gpu.md says which torch
@@ -60,7 +62,8 @@ class CudaMallocBlock:
 @dataclass(frozen=True)
 class ExpandableSegment:
     """Memory of torch's expandable segments: physical allocations exported as file descriptors of
-    the sharing process (or fabric handles), which the daemon cannot import yet."""
+    the sharing process, which the client hands to the daemon on its socket's side channel (or as
+    fabric handles, which the daemon does not import)."""
 
     version: int
     pid: int
@@ -166,16 +169,21 @@ def unknown_format(name: str, handle: bytes, error: UnknownHandleFormat, torch_v
             f"with expandable segments off, or a Shardcast client that reads this format ({_DOCS})")
 
 
-def expandable_refused(name: str, segment: ExpandableSegment, torch_version: str, setting: str) -> str:
-    """Why the tensor `name` cannot be registered: its memory is an expandable segment."""
-    return (f'tensor "{name}": its memory comes from torch\'s expandable segments ({setting}; torch {torch_version} '
+def expandable_refused(name: str, segment: ExpandableSegment, torch_version: str, setting: str,
+                       over_tcp: bool = False) -> str:
+    """Why the tensor `name`, whose memory is an expandable segment, cannot be registered: over TCP
+    (its descriptors travel only on the Unix socket's side channel), or shared by fabric handle."""
+    what = (f'tensor "{name}": its memory comes from torch\'s expandable segments ({setting}; torch {torch_version} '
             f"shares it as {len(segment.handles)} cuMem allocation(s) of {segment.segment_size} bytes by "
-            f"{segment.handle_type.replace('_', ' ')}, shareable-handle version {segment.version}), which shardcastd "
-            "cannot import yet: it imports cudaMalloc memory by CUDA IPC handle. Allocate the tensors you register "
-            "with expandable segments off: start the process without expandable_segments:True in "
-            "PYTORCH_CUDA_ALLOC_CONF, or turn it off while they are allocated "
-            "(torch.cuda.memory._set_allocator_settings(\"expandable_segments:False\") before, "
-            f"\"expandable_segments:True\" after) ({_DOCS})")
+            f"{segment.handle_type.replace('_', ' ')}, shareable-handle version {segment.version})")
+    if over_tcp:
+        return (what + ", whose file descriptors reach shardcastd only on the side channel beside its Unix socket: "
+                "register through the node's socket (not over TCP), or allocate the tensors with expandable "
+                f"segments off ({_DOCS})")
+    return (what + ": shardcastd imports cuMem allocations by POSIX file descriptor, not by fabric handle. "
+            "Allocate the tensors you register with expandable segments off: "
+            "torch.cuda.memory._set_allocator_settings(\"expandable_segments:False\") before, "
+            f"\"expandable_segments:True\" after ({_DOCS})")
 
 
 def share_failed(name: str, error: BaseException, torch_version: str, setting: str) -> str:

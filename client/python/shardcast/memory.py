@@ -4,8 +4,11 @@
   storage is moved into POSIX shared memory in place with torch's own machinery (the
   `file_system` sharing strategy), so every view of it (the parameter, FSDP2's padded shard, the
   optimizer's reference) keeps working and every later update lands in memory the daemon reads;
-- CUDA tensors are shared through CUDA IPC handles, no copy (torch's shareable handle decoded by
-  cuda_ipc: cudaMalloc memory only, expandable segments refused by name);
+- CUDA tensors are shared without a copy: cudaMalloc memory by its CUDA IPC handle, memory of
+  torch's expandable segments (cuMem allocations) by the allocations' file descriptors, handed to
+  the daemon on the side channel beside its socket (hand_over; torch's shareable handle decoded
+  by cuda_ipc);
+- memory of any other cuMem-based allocator registers as a CuMemBuffer (its descriptors);
 - numpy arrays are copied once into one segment; write into `Registration.tensors`, which are
   arrays backed by that segment;
 - a tensor a rank holds no element of (an uneven shard) registers no memory.
@@ -18,7 +21,9 @@ import ctypes
 import mmap
 import os
 import secrets
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import _posixshmem  # the C module behind multiprocessing.shared_memory
 import grpc
@@ -51,7 +56,99 @@ def _nbytes(value: Any) -> int:
     return int(value.nbytes)
 
 
-def _cuda_handle(name: str, t: Any) -> service_pb2.MemoryHandle:
+# The daemon's descriptor side channel (common/fd_passing.h, docs/security.md): one message of
+# "SCFD", version 1, the count, two zero bytes, the descriptors attached (SCM_RIGHTS); one line back.
+_FD_CHANNEL_VERSION = 1
+MAX_HANDED_FDS = 64
+
+
+def fd_channel_path(socket_path: str) -> str:
+    """The side channel beside the daemon's Unix socket `socket_path`."""
+    return socket_path + ".fds"
+
+
+def hand_over(socket_path: str, fds: Sequence[int]) -> str:
+    """Hands `fds` (duplicated by the kernel; this process keeps its own) to the daemon serving
+    `socket_path`; returns the one-time token a registration names them by (this uid's only)."""
+    if not 0 < len(fds) <= MAX_HANDED_FDS:
+        raise ValueError(f"{len(fds)} descriptors to hand over (1 to {MAX_HANDED_FDS})")
+    path = fd_channel_path(socket_path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+        except OSError as e:
+            raise ConnectionError(f"the daemon's descriptor channel {path!r}: {e.strerror}") from None
+        socket.send_fds(s, [b"SCFD" + bytes([_FD_CHANNEL_VERSION, len(fds), 0, 0])], list(fds))
+        answer = b""
+        while b"\n" not in answer and len(answer) < 4096:
+            chunk = s.recv(512)
+            if not chunk:
+                break
+            answer += chunk
+    line = answer.split(b"\n", 1)[0].decode(errors="replace")
+    if "\n" not in answer.decode(errors="replace"):
+        raise ConnectionError(f"the daemon's descriptor channel {path!r} closed without an answer")
+    if line.startswith("ok "):
+        return line[3:]
+    raise ValueError(f"the daemon's descriptor channel refused the descriptors: {line.removeprefix('error ')}")
+
+
+@dataclass
+class CuMemBuffer:
+    """Device memory of cuMem (VMM) allocations, registered by their POSIX file descriptors: for an
+    allocator built on cuMemCreate other than torch's (torch's expandable segments are found by
+    themselves). `fds[i]` is allocation i (cuMemExportToShareableHandle with
+    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), `allocation_bytes[i]` its size (a multiple of its
+    granularity); the allocations lie one after another, the first at 0, and the buffer is
+    `nbytes` at `offset` there, on GPU `device`. Registered over the Unix socket only."""
+
+    fds: Sequence[int]
+    allocation_bytes: Sequence[int]
+    offset: int
+    nbytes: int
+    device: int = 0
+    dtype: str = ""
+    shape: Tuple[int, ...] = field(default_factory=tuple)
+
+
+class HandedAllocations:
+    """The descriptors of a rank's cuMem buffers, duplicated while registered (so that they name
+    the same allocations when handed over again after a daemon restart); closed by close()."""
+
+    def __init__(self) -> None:
+        self.fds: Dict[str, List[int]] = {}
+
+    def handle(self, name: str, fds: Sequence[int], allocation_bytes: Sequence[int], offset: int, nbytes: int,
+               device: int, hand: Any) -> service_pb2.MemoryHandle:
+        if len(fds) != len(allocation_bytes):
+            raise ValueError(f'tensor "{name}": {len(fds)} descriptors for {len(allocation_bytes)} allocation sizes')
+        if name in self.fds:
+            raise ValueError(f'tensor "{name}" is given twice')
+        self.fds[name] = [os.dup(fd) for fd in fds]
+        h = service_pb2.MemoryHandle(buffer=name)
+        a = h.cuda_allocations
+        a.token = hand(name, self.fds[name])
+        a.allocation_bytes.extend(int(n) for n in allocation_bytes)
+        a.offset = int(offset)
+        a.size = int(nbytes)
+        a.device = int(device)
+        return h
+
+    def refresh(self, handles: Iterable[service_pb2.MemoryHandle], hand: Any) -> None:
+        """New tokens for `handles` (a registration made again: each token is spent once)."""
+        for h in handles:
+            if h.HasField("cuda_allocations"):
+                h.cuda_allocations.token = hand(h.buffer, self.fds[h.buffer])
+
+    def close(self) -> None:
+        for fds in self.fds.values():
+            for fd in fds:
+                os.close(fd)
+        self.fds = {}
+
+
+def _cuda_handle(name: str, t: Any, handed: Optional[HandedAllocations] = None,
+                 hand: Any = None) -> service_pb2.MemoryHandle:
     if not t.is_contiguous():
         raise ValueError(f'tensor "{name}": a CUDA tensor must be contiguous to be shared')
     storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()._untyped()
@@ -68,7 +165,13 @@ def _cuda_handle(name: str, t: Any) -> service_pb2.MemoryHandle:
     except cuda_ipc.UnknownHandleFormat as e:
         raise ValueError(cuda_ipc.unknown_format(name, handle, e, *_torch_context())) from None
     if isinstance(block, cuda_ipc.ExpandableSegment):
-        raise ValueError(cuda_ipc.expandable_refused(name, block, *_torch_context()))
+        if block.handle_type != "posix_fd" or handed is None or hand is None:
+            raise ValueError(cuda_ipc.expandable_refused(name, block, *_torch_context(),
+                                                         over_tcp=block.handle_type == "posix_fd"))
+        # torch's offset is the storage's, from the start of the first allocation it touches.
+        return handed.handle(name, [int(fd) for fd in block.handles], [block.segment_size] * len(block.handles),
+                             block.offset + t.storage_offset() * t.element_size(), t.numel() * t.element_size(),
+                             int(device), hand)
     h = service_pb2.MemoryHandle(buffer=name)
     h.cuda.handle = block.ipc_handle
     h.cuda.device = int(device)
@@ -223,6 +326,7 @@ class Registration:
         self._shared = shared
         self._in_place = in_place or []
         self._shadow: Any = None  # double-buffered: the second set (client._Handles)
+        self._handed: Optional[HandedAllocations] = None  # descriptors of cuMem buffers, kept while registered
 
     def moved(self) -> List[str]:
         """The registered torch tensors whose memory is no longer the memory registered: something
@@ -332,6 +436,8 @@ class Registration:
             self._shared.release()
         if self._shadow is not None:
             self._shadow.release()
+        if self._handed is not None:
+            self._handed.close()
 
     def __enter__(self) -> "Registration":
         return self

@@ -137,16 +137,86 @@ def test_malformed_and_unknown_handles_are_refused(raw, why):
         decode(raw, 0)
 
 
-def test_the_expandable_refusal_names_torch_the_setting_and_the_way_out(monkeypatch):
+def test_the_expandable_refusals_name_torch_the_setting_and_the_way_out(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     seg = decode(versioned(2, "e", header_v2(1, 20 << 20, 1) + le(3, 4)), 0)
     assert isinstance(seg, ExpandableSegment)
-    msg = cuda_ipc.expandable_refused("layers.0.w", seg, "2.11.0+cu130", cuda_ipc.allocator_setting("native"))
+    # Over TCP: the descriptors cannot reach the daemon.
+    msg = cuda_ipc.expandable_refused("layers.0.w", seg, "2.11.0+cu130", cuda_ipc.allocator_setting("native"),
+                                      over_tcp=True)
     for part in ('tensor "layers.0.w"', "torch 2.11.0+cu130", 'PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"',
                  "allocator backend native", "1 cuMem allocation(s) of 20971520 bytes by posix fd",
-                 "shareable-handle version 2", "cannot import yet", "expandable_segments:False", "docs/gpu.md"):
+                 "shareable-handle version 2", "side channel beside its Unix socket", "not over TCP", "docs/gpu.md"):
         assert part in msg, part
+    # Fabric handles: not imported.
+    fabric = decode(versioned(3, "e", header_v3(1, 20 << 20, 1, 2) + bytes(64)), 0)
+    msg = cuda_ipc.expandable_refused("layers.0.w", fabric, "2.15.0", cuda_ipc.allocator_setting("native"))
+    for part in ('tensor "layers.0.w"', "by fabric, shareable-handle version 3", "not by fabric handle",
+                 "expandable_segments:False", "docs/gpu.md"):
+        assert part in msg, part
+
+
+class _FakeStorage:
+    def __init__(self, shared):
+        self.shared = shared
+
+    def _share_cuda_(self):
+        return self.shared
+
+
+class _FakeCudaTensor:
+    """What _cuda_handle reads of a CUDA tensor, with torch's `_share_cuda_()` tuple given."""
+
+    def __init__(self, shared, storage_offset: int, numel: int, element_size: int) -> None:
+        self.storage = _FakeStorage(shared)
+        self._offset, self._numel, self._element = storage_offset, numel, element_size
+
+    def is_contiguous(self):
+        return True
+
+    def untyped_storage(self):
+        return self.storage
+
+    def storage_offset(self):
+        return self._offset
+
+    def numel(self):
+        return self._numel
+
+    def element_size(self):
+        return self._element
+
+
+def test_an_expandable_segment_is_handed_over_as_its_descriptors_at_torchs_offset():
+    """torch's 'e' handle names descriptors of this process: each allocation the storage touches
+    is handed over (duplicated), and the buffer lies at torch's offset plus the view's."""
+    import os
+
+    fds = [os.memfd_create("shardcast-test-e") for _ in range(2)]
+    try:
+        raw = versioned(3, "e", header_v3(os.getpid(), 2 << 20, 2, 1) + le(fds[0], 4, True) + le(fds[1], 4, True))
+        # (device, handle, storage bytes, offset of the storage from the first allocation, ...)
+        t = _FakeCudaTensor((1, raw, 3 << 20, 1536), storage_offset=10, numel=(3 << 20) // 4 - 10, element_size=4)
+        handed, seen = memory.HandedAllocations(), []
+
+        def hand(name, given):
+            seen.append((name, [os.fstat(fd).st_ino for fd in given]))
+            return "token-1"
+
+        h = memory._cuda_handle("w", t, handed, hand)
+        a = h.cuda_allocations
+        assert (h.buffer, a.token, list(a.allocation_bytes), a.offset, a.size, a.device) == (
+            "w", "token-1", [2 << 20, 2 << 20], 1536 + 40, (3 << 20) - 40, 1)
+        assert seen == [("w", [os.fstat(fd).st_ino for fd in fds])]  # the same files, duplicated
+        assert all(d not in fds for d in handed.fds["w"])
+        handed.close()
+        # Without a Unix socket to the daemon (hand is None): refused by name.
+        with pytest.raises(ValueError, match=r'tensor "w": .*not over TCP'):
+            memory._cuda_handle("w", t, memory.HandedAllocations(), None)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def test_the_unknown_format_refusal_names_the_bytes_torch_and_the_setting(monkeypatch):
