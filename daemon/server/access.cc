@@ -171,7 +171,8 @@ void LocalListener::run(grpc::Server* server) {
   }
 }
 
-StatusOr<std::unique_ptr<TcpListener>> TcpListener::bind(const std::string& listen, int max_per_address) {
+StatusOr<std::unique_ptr<TcpListener>> TcpListener::bind(const std::string& listen, int max_per_address,
+                                                         int max_handshaking) {
   const auto colon = listen.rfind(':');
   if (colon == std::string::npos || colon + 1 == listen.size())
     return absl::InvalidArgumentError(strCat("--listen ", quote(listen), ": not host:port"));
@@ -214,13 +215,19 @@ StatusOr<std::unique_ptr<TcpListener>> TcpListener::bind(const std::string& list
       ::close(fd);
       return absl::InternalError(strCat("eventfd: ", std::strerror(errno)));
     }
-    return std::unique_ptr<TcpListener>(new TcpListener(listen, fd, wake, bound_port, max_per_address));
+    return std::unique_ptr<TcpListener>(
+        new TcpListener(listen, fd, wake, bound_port, max_per_address, max_handshaking));
   }
   return absl::UnavailableError(strCat("cannot listen on ", listen, ": ", why));
 }
 
-TcpListener::TcpListener(std::string listen, int fd, int wake, int port, int max_per_address)
-    : listen_(std::move(listen)), fd_(fd), wake_(wake), port_(port), max_per_address_(max_per_address) {}
+TcpListener::TcpListener(std::string listen, int fd, int wake, int port, int max_per_address, int max_handshaking)
+    : listen_(std::move(listen)),
+      fd_(fd),
+      wake_(wake),
+      port_(port),
+      max_per_address_(max_per_address),
+      max_handshaking_(max_handshaking) {}
 
 TcpListener::~TcpListener() {
   stop();
@@ -253,6 +260,26 @@ int TcpListener::liveConnections(const std::string& address) {
     ++it;
   }
   return n;
+}
+
+void TcpListener::makeRoomForHandshake() {
+  const auto young = std::chrono::steady_clock::now() - kHandshakeTimeout;
+  int count = 0;
+  auto oldest = connections_.end();
+  for (auto it = connections_.begin(); it != connections_.end(); ++it) {
+    if (it->second.accepted < young) continue;
+    ++count;
+    if (oldest == connections_.end() || it->second.accepted < oldest->second.accepted) oldest = it;
+  }
+  if (count < max_handshaking_ || oldest == connections_.end()) return;
+  // Still the socket accepted here (liveConnections just checked; checked again, as gRPC may have
+  // closed it since): shut down, not closed, as the descriptor is gRPC's.
+  struct stat st {};
+  if (::fstat(oldest->first, &st) == 0 && st.st_ino == oldest->second.inode) ::shutdown(oldest->first, SHUT_RDWR);
+  if (++evicted_ <= 8 || evicted_ % 1000 == 0)
+    spdlog::warn("{}: {} connections accepted within {} ms: the oldest, from {}, shut down to make room ({} so far)",
+                 listen_, count, kHandshakeTimeout.count(), oldest->second.address, evicted_);
+  connections_.erase(oldest);
 }
 
 void TcpListener::run() {
@@ -288,9 +315,10 @@ void TcpListener::run() {
       ::close(c);
       continue;
     }
+    makeRoomForHandshake();
     struct stat st {};
     ::fstat(c, &st);
-    connections_[c] = {address, st.st_ino};
+    connections_[c] = {address, st.st_ino, std::chrono::steady_clock::now()};
     grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters params;
     params.listener_fd = fd_;
     params.fd = c;

@@ -74,10 +74,17 @@ class LocalListener {
 // remote address at once, more closed at accept (docs/security.md, "Limits"), and the port bound
 // without SO_REUSEPORT, so a port another process holds is an error at start ("address in use"),
 // never a port two daemons silently share.
+// gRPC's handshake timeout for TCP connections (GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS).
+inline constexpr std::chrono::milliseconds kHandshakeTimeout{5000};
+
 class TcpListener {
  public:
   // Binds `listen` (host:port, [v6]:port; port 0 picks one) now, before the server starts.
-  static StatusOr<std::unique_ptr<TcpListener>> bind(const std::string& listen, int max_per_address = 256);
+  // `max_handshaking`: connections accepted within the last kHandshakeTimeout, from every address
+  // together (those a silent or slow client may still hold in its handshake); a new one past it
+  // shuts down the oldest of them (docs/security.md, "Limits").
+  static StatusOr<std::unique_ptr<TcpListener>> bind(const std::string& listen, int max_per_address = 256,
+                                                     int max_handshaking = 1024);
   ~TcpListener();
   int port() const { return port_; }
 
@@ -87,24 +94,30 @@ class TcpListener {
   void stop();
 
  private:
-  TcpListener(std::string listen, int fd, int wake, int port, int max_per_address);
+  TcpListener(std::string listen, int fd, int wake, int port, int max_per_address, int max_handshaking);
   void run();
   // Forgets connections gRPC has closed, then counts those from `address`.
   int liveConnections(const std::string& address);
+  // Past max_handshaking_ connections younger than kHandshakeTimeout: the oldest of them shut down
+  // (gRPC sees its end and closes it; the descriptor stays gRPC's). After liveConnections.
+  void makeRoomForHandshake();
 
   std::string listen_;
   int fd_ = -1;
   int wake_ = -1;
   int port_ = 0;
   const int max_per_address_;
+  const int max_handshaking_;
   std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor_;
   std::thread thread_;
   struct Connection {
     std::string address;
     ino_t inode;
+    std::chrono::steady_clock::time_point accepted;
   };
   std::map<int, Connection> connections_;  // accept thread only
   uint64_t refused_ = 0;
+  uint64_t evicted_ = 0;
 };
 
 // One caller of the client service, as far as the daemon can tell.

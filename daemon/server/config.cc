@@ -27,7 +27,8 @@ std::string DaemonConfig::describe() const {
      << " metrics=" << (metrics.empty() ? "(off)" : metrics) << " sync_lease_ms=" << sync_lease_ms
      << " max_sync_lease_ms=" << max_sync_lease_ms << " owner_grace_s=" << owner_grace_s
      << " max_local_connections_per_uid=" << max_local_connections_per_uid
-     << " max_connections_per_address=" << max_connections_per_address << " grpc_memory_mib=" << grpc_memory_mib
+     << " max_connections_per_address=" << max_connections_per_address
+     << " max_handshaking_connections=" << max_handshaking_connections << " grpc_memory_mib=" << grpc_memory_mib
      << " shutdown_grace_ms=" << shutdown_grace_ms << " max_wait_ms=" << max_wait_ms
      << " metrics_names=" << (metrics_names ? "true" : "false") << " tls="
      << (tls.enabled() ? strCat("cert:", tls.cert, ",key:", tls.key, ",ca:", tls.ca, ",reload_s:", tls.reload_s)
@@ -223,6 +224,13 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
                  "TCP connections one remote address may hold open at once (more are closed at accept; peers "
                  "and clients need a few each)")
       ->envname("SHARDCAST_MAX_CONNECTIONS_PER_ADDRESS")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  app.add_option("--max-handshaking-connections", c.max_handshaking_connections,
+                 "TCP connections accepted within the last handshake timeout (5 s), from all addresses together: "
+                 "past it the oldest of them is closed to make room (silent connections spread over many "
+                 "addresses cannot hold up peers' handshakes)")
+      ->envname("SHARDCAST_MAX_HANDSHAKING_CONNECTIONS")
       ->check(CLI::Range(1, 65536))
       ->capture_default_str();
   app.add_option("--grpc-memory-mib", c.grpc_memory_mib,

@@ -57,6 +57,7 @@ struct DaemonConfig {
   int owner_grace_s = 300;                  // after a restart, groups stay reserved for their owner uid this long
   int max_local_connections_per_uid = 256;  // open Unix-socket connections per uid (root: any)
   int max_connections_per_address = 256;    // open TCP connections per remote address
+  int max_handshaking_connections = 1024;   // TCP connections younger than the handshake timeout, all addresses
   int64_t grpc_memory_mib = 1024;           // gRPC's memory quota: every connection's buffers together
   int shutdown_grace_ms = 10000;            // SIGTERM: then abort whatever is left and exit
   // The longest wait a client may ask for (a Sync's, a WaitVersion's, an Acquire's timeout_ms): a

@@ -253,7 +253,7 @@ int main(int argc, char** argv) {
   // too (clients and peers reconnect by themselves). Every connection's buffers come out of one
   // memory quota, so that concurrent huge requests cannot take the daemon's memory
   // (docs/security.md, "Limits").
-  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, 5000);
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, static_cast<int>(kHandshakeTimeout.count()));
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 600000);
   grpc::ResourceQuota quota("shardcastd");
   quota.Resize(static_cast<size_t>(config->grpc_memory_mib) << 20);
@@ -266,7 +266,8 @@ int main(int argc, char** argv) {
           "--insecure: {} is PLAINTEXT and unauthenticated: anyone who reaches it can register memory, read "
           "and write weights and commit versions; use only on one trusted host",
           config->listen);
-    auto l = TcpListener::bind(config->listen, config->max_connections_per_address);
+    auto l =
+        TcpListener::bind(config->listen, config->max_connections_per_address, config->max_handshaking_connections);
     if (!l.ok()) return fail(std::string(l.status().message()));
     tcp = std::move(*l);
     tcp_acceptor = builder.experimental().AddExternalConnectionAcceptor(

@@ -433,6 +433,55 @@ TEST_CASE("silent TCP connections are capped per address and closed before they 
   CHECK(open == 0);
 }
 
+TEST_CASE("silent TCP connections spread over many addresses are capped together, peers' handshakes go through",
+          "[daemon][security]") {
+  // 40 addresses (127.0.0.2-41) of 50 silent connections each: under the per-address cap (64), so
+  // only the cap on connections still within their handshake window, all addresses together, holds
+  // them (128 here; 1,024 by default).
+  Daemon d("n0", freePort(), {}, {"--max-connections-per-address", "64", "--max-handshaking-connections", "128"});
+  REQUIRE(d.ready());
+  const int port = std::stoi(d.address().substr(d.address().rfind(':') + 1));
+  std::vector<int> silent;
+  struct Close {
+    std::vector<int>& fds;
+    ~Close() {
+      for (const int fd : fds) ::close(fd);
+    }
+  } close_all{silent};
+  for (int i = 0; i < 2000; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    REQUIRE(fd >= 0);
+    silent.push_back(fd);
+    sockaddr_in from{};
+    from.sin_family = AF_INET;
+    from.sin_addr.s_addr = htonl(INADDR_LOOPBACK + 2 + i % 40);
+    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof(from)) == 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  }
+  // Once the daemon has accepted them all, at most 128 are open: each beyond shut the oldest down.
+  int held = 0;
+  for (int waited = 0; waited < 40; ++waited) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    held = 0;
+    for (const int fd : silent) {
+      char c;
+      held += ::recv(fd, &c, 1, MSG_DONTWAIT | MSG_PEEK) != 0;  // 0: shut down by the daemon
+    }
+    if (held <= 128) break;
+  }
+  CHECK(held <= 128);
+  // A peer and a TCP client with certificates connect anew and are answered while they wait (each
+  // handshake takes milliseconds, far less than the silent ones' 5 s).
+  v1::DescribeResponse described;
+  CHECK(d.peer()->Describe(ctx(10).get(), v1::DescribeRequest(), &described).ok());
+  v1::StatusResponse status;
+  CHECK(d.tcpClient()->Status(ctx(10).get(), v1::StatusRequest(), &status).ok());
+}
+
 TEST_CASE("bounded inputs: huge names are refused briefly, huge legal layouts cost little and do not break syncs",
           "[daemon][security]") {
   std::vector<int> ports{freePort(), freePort()};
