@@ -13,8 +13,10 @@
 #   destination tensors; FSDP2-style shards of $SHARDCAST_GPU_SHARD_GIB GiB (default 2), views at
 #   offsets inside one allocation per rank, synced into CUDA views inside one allocation on a
 #   second daemon, every byte and guard byte checked; under
-#   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the refusal naming the setting
-#   (client/python/tests/test_gpu.py); the vLLM backend's direct path: views into live CUDA
+#   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True tensors registered by their cuMem allocations'
+#   file descriptors and synced between two daemons, every byte checked
+#   (client/python/tests/test_gpu.py; the daemons' own import of cuMem allocations in the [gpu]
+#   daemon tests); the vLLM backend's direct path: views into live CUDA
 #   parameters registered by IPC, bytes landing in place (client/python/tests/test_vllm_direct.py).
 # docs/gpu.md says where the figures go. Exit status: the number of steps that failed.
 set -uo pipefail
@@ -57,11 +59,11 @@ check() {
   cd "$(mktemp -d)"  # the tests' scratch files
   # Limits add up to under 9 minutes (the device tool's command limit is 10).
   step "transport [gpu] and kernel geometry" 60 "$bundle/bin/transport_tests" "[gpu],[strided-copy]" --reporter compact
-  step "daemon [gpu]: device buffers on both sides of a sync, the fp8 kernel" 120 "$bundle/bin/daemon_tests" "[gpu]" --reporter compact
+  step "daemon [gpu]: device buffers on both sides of a sync, cuMem allocations by descriptor, the fp8 kernel" 120 "$bundle/bin/daemon_tests" "[gpu]" --reporter compact
   step "client [gpu]: CUDA pointers become IPC handles" 40 "$bundle/bin/client_tests" "[gpu]" --reporter compact
   step "device bench: kernel pack/unpack vs device copy, sync GB/s" 120 "$bundle/bin/device_bench" --mib "${DEVICE_MIB:-1024}" --syncs 5
   # -s: the tests print torch's handle version and the GB/s of the FSDP2-style sync.
-  step "python: torch's CUDA handles; a CUDA DTensor and ${SHARDCAST_GPU_SHARD_GIB} GiB of FSDP2-style shards synced into CUDA views; expandable segments refused; vLLM's direct path" 195 \
+  step "python: torch's CUDA handles; a CUDA DTensor and ${SHARDCAST_GPU_SHARD_GIB} GiB of FSDP2-style shards synced into CUDA views; expandable segments synced; vLLM's direct path" 195 \
     "${PYTHON:-python3}" -m pytest -q -s -rs "$root/client/python/tests/test_cuda_handle.py" \
     "$root/client/python/tests/test_gpu.py" "$root/client/python/tests/test_vllm_direct.py"
   echo

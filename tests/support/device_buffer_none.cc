@@ -8,6 +8,7 @@ Status unavailable() { return absl::UnavailableError("shardcast was built withou
 }  // namespace
 
 StatusOr<std::unique_ptr<DeviceBuffer>> allocateDevice(size_t, int) { return unavailable(); }
+StatusOr<std::unique_ptr<CuMemBuffer>> allocateCuMem(size_t, int) { return unavailable(); }
 Status copyToDevice(void*, const void*, size_t) { return unavailable(); }
 Status copyFromDevice(void*, const void*, size_t) { return unavailable(); }
 

@@ -141,13 +141,19 @@ def fsdp_main(rank: int, world: int, port: int, target: str, group: str, gib: fl
         conn.send(("error", f"trainer rank {rank}: {e!r}\n{traceback.format_exc()}"))
 
 
-# ---- expandable segments: torch's 'e' handle, and the refusal a registration gets ----
+# ---- expandable segments: torch's 'e' handle, its allocations handed over, a sync ----
 
-def expandable_main(target: str, conn) -> None:
+EXPANDABLE_ELEMENTS = 96 << 20  # bf16: 192 MiB, about ten 20 MiB segments
+
+
+def expandable_main(src_target: str, dst_target: str, conn) -> None:
     """Run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the environment (the test sets
-    it before spawning this process, so torch reads it at its first allocation). Reports what
-    torch shares for a view inside a large expandable allocation, what registering it gives, and
-    whether a tensor allocated with expandable segments turned off registers."""
+    it before spawning this process, so torch reads it at its first allocation). A source view at
+    an odd offset inside a large expandable allocation is registered on `src_target`, a destination
+    view inside another on `dst_target` (guard bytes 0xA5 around it), both by their cuMem
+    allocations' descriptors; a sync between the daemons; every byte and every guard checked.
+    Reports torch's 'e' handle as cuda_ipc reads it, and a tensor of a cudaMalloc block (expandable
+    segments turned off) registering beside them."""
     import os
 
     import torch
@@ -157,34 +163,54 @@ def expandable_main(target: str, conn) -> None:
 
     try:
         out = {"torch": torch.__version__, "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
-        big = torch.empty(256 << 20, dtype=torch.bfloat16, device="cuda")  # 512 MiB: many 20 MiB segments
-        view = big[12345:]
-        shared = view.untyped_storage()._share_cuda_()
+        n = EXPANDABLE_ELEMENTS
+        big = torch.empty(n + 2 * 12345, dtype=torch.bfloat16, device="cuda")
+        src = big[12345:12345 + n]
+        fill(src.view(torch.uint8), 5, 0)
+        shared = src.untyped_storage()._share_cuda_()
         seg = cuda_ipc.decode(shared[1], int(shared[3]))
         out["decoded"] = type(seg).__name__
         if isinstance(seg, cuda_ipc.ExpandableSegment):
-            nbytes = view.untyped_storage().nbytes()
+            nbytes = src.untyped_storage().nbytes()
             out.update(version=seg.version, handle_type=seg.handle_type, pid_is_ours=seg.pid == os.getpid(),
                        segments=len(seg.handles), covers=seg.offset + nbytes <= seg.bytes_spanned,
                        fds_open=seg.handle_type != "posix_fd" or all(_is_open(fd) for fd in seg.handles))
-        layout = {"group": "gpu-expandable", "mesh": {"shape": [1]}, "nodes": ["t0"],
-                  "tensors": [{"name": "w", "shape": [view.numel()], "dtype": "bfloat16",
-                               "placements": [{"replicate": {}}]}]}
-        client = shardcast.Client(target)
-        try:
-            client.register("gpu-expandable", 0, 1, {"w": view}, layout)
-            out["refusal"] = None
-        except ValueError as e:
-            out["refusal"] = str(e)
-        out["registered_after_refusal"] = len(client.ranks("gpu-expandable"))
-        # What the refusal tells the user to do: allocate the registered tensors with it off.
+        guard = 4096 + 36
+        dst_flat = torch.full((n * 2 + 2 * guard,), 0xA5, dtype=torch.uint8, device="cuda")
+        dst = dst_flat[guard:guard + n * 2].view(torch.bfloat16)
+        dst_shared = dst.untyped_storage()._share_cuda_()
+        out["dst_decoded"] = type(cuda_ipc.decode(dst_shared[1], int(dst_shared[3]))).__name__
+        torch.cuda.synchronize()
+
+        def layout(group: str, node: str):
+            return {"group": group, "mesh": {"shape": [1]}, "nodes": [node],
+                    "tensors": [{"name": "w", "shape": [n], "dtype": "bfloat16", "placements": [{"replicate": {}}]}]}
+        src_client, dst_client = shardcast.Client(src_target), shardcast.Client(dst_target)
+        src_reg = src_client.register("gpu-expandable", 0, 1, {"w": src}, layout("gpu-expandable", "t0"),
+                                      role="source", version=1)
+        dst_reg = dst_client.register("gpu-expandable-dst", 0, 1, {"w": dst}, layout("gpu-expandable-dst", "i0"))
+        result = src_client.sync("gpu-expandable", "gpu-expandable-dst", 1, verify=True, timeout=240)
+        out["synced_version"] = result.version
+        torch.cuda.synchronize()
+        wrong = 0
+        for off in range(0, n * 2, PATTERN_CHUNK):
+            k = min(PATTERN_CHUNK, n * 2 - off)
+            wrong += int((dst.view(torch.uint8)[off:off + k] != pattern(5, off, k)).sum())
+        out["wrong_bytes"] = wrong
+        out["guards_intact"] = bool((dst_flat[:guard] == 0xA5).all()) and bool((dst_flat[guard + n * 2:] == 0xA5).all())
+        # A cudaMalloc tensor (expandable segments turned off) registers beside them, by IPC handle.
         torch.cuda.memory._set_allocator_settings("expandable_segments:False")
-        plain = torch.zeros(view.numel(), dtype=torch.bfloat16, device="cuda")
+        plain = torch.zeros(1024, dtype=torch.bfloat16, device="cuda")
         out["plain_decoded"] = type(cuda_ipc.decode(*_handle_and_offset(plain))).__name__
-        reg = client.register("gpu-expandable", 0, 1, {"w": plain}, layout)
-        out["plain_registered"] = len(client.ranks("gpu-expandable"))
-        reg.close()
-        client.close()
+        plain_layout = {"group": "gpu-plain", "mesh": {"shape": [1]}, "nodes": ["t0"],
+                        "tensors": [{"name": "w", "shape": [1024], "dtype": "bfloat16",
+                                     "placements": [{"replicate": {}}]}]}
+        plain_reg = src_client.register("gpu-plain", 0, 1, {"w": plain}, plain_layout)
+        out["plain_registered"] = len(src_client.ranks("gpu-plain"))
+        for reg in (plain_reg, dst_reg, src_reg):
+            reg.close()
+        src_client.close()
+        dst_client.close()
         conn.send(("done", out))
     except Exception as e:
         import traceback

@@ -5,8 +5,9 @@ tensors too (TP over columns: strided slices of the source rows), every element 
 own shareable handles decoded (shardcast/cuda_ipc.py) for views inside cudaMalloc blocks; FSDP2-style
 shards of a few GiB (views at offsets inside one allocation per rank, uneven, padded) synced into
 CUDA destination views inside one allocation on another daemon, every byte and every guard byte
-between them checked; and under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the refusal that
-names the setting, with torch's 'e' handle checked against the layout the client reads."""
+between them checked; and under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True tensors registered
+by their cuMem allocations' descriptors and synced between two daemons, every byte checked, with
+torch's 'e' handle checked against the layout the client reads."""
 
 from __future__ import annotations
 
@@ -223,18 +224,20 @@ def test_fsdp2_shards_of_gibs_sync_into_cuda_views_on_another_daemon_every_byte_
                     p.kill()
 
 
-def test_expandable_segments_are_refused_by_name_and_the_way_out_works():
-    # The daemon cannot import cuMem allocations yet (issue 49): a tensor of torch's expandable
-    # segments is refused before anything is registered, naming the setting; one allocated with
-    # the setting turned off, as the refusal says, registers. torch's 'e' handle is checked
-    # against the layout cuda_ipc reads: this process's pid, its open fds, segments covering it.
-    with LocalCluster(["t0"]) as cluster:
+def test_expandable_segments_register_by_descriptor_and_sync_every_byte_checked():
+    # torch's expandable segments: the client hands the tensors' cuMem allocations to each daemon
+    # on its socket's side channel; the daemons map them (cuMemImportFromShareableHandle, cuMemMap)
+    # and a sync between them lands every byte, the guards around the destination untouched.
+    # torch's 'e' handle is checked against the layout cuda_ipc reads: this process's pid, its
+    # open fds, segments covering the storage.
+    with LocalCluster(["t0", "i0"]) as cluster:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         before = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # the child's, read by its torch
         try:
-            p = ctx.Process(target=gpu_worker.expandable_main, args=(cluster.target("t0"), child))
+            p = ctx.Process(target=gpu_worker.expandable_main,
+                            args=(cluster.target("t0"), cluster.target("i0"), child))
             p.start()
         finally:
             if before is None:
@@ -242,21 +245,18 @@ def test_expandable_segments_are_refused_by_name_and_the_way_out_works():
             else:
                 os.environ["PYTORCH_CUDA_ALLOC_CONF"] = before
         try:
-            out = recv(parent, "done", timeout=180)
+            out = recv(parent, "done", timeout=240)
         finally:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
     print(out)
     assert out["conf"] == "expandable_segments:True"
-    assert out["decoded"] == "ExpandableSegment", out
-    assert out["pid_is_ours"] and out["fds_open"] and out["covers"] and out["segments"] >= 1, out
+    assert out["decoded"] == "ExpandableSegment" and out["dst_decoded"] == "ExpandableSegment", out
+    assert out["handle_type"] == "posix_fd", out
+    assert out["pid_is_ours"] and out["fds_open"] and out["covers"] and out["segments"] >= 2, out
     version = tuple(int(x) for x in out["torch"].split("+")[0].split(".")[:2])
     assert out["version"] == (3 if version >= (2, 13) else 2), out
-    refusal = out["refusal"]
-    assert refusal is not None, "an expandable-segment tensor was registered"
-    for part in ('tensor "w"', "expandable segments", 'PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"',
-                 f"torch {out['torch']}", "cannot import yet", "expandable_segments:False"):
-        assert part in refusal, (part, refusal)
-    assert out["registered_after_refusal"] == 0
+    assert out["synced_version"] == 1, out
+    assert out["wrong_bytes"] == 0 and out["guards_intact"], out
     assert out["plain_decoded"] == "CudaMallocBlock" and out["plain_registered"] == 1, out
