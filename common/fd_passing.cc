@@ -5,6 +5,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -35,7 +36,8 @@ OwnedFd::~OwnedFd() {
 
 std::string fdChannelPath(const std::string& socket) { return socket + ".fds"; }
 
-StatusOr<std::string> handOverFds(const std::string& channel_path, const std::vector<int>& fds) {
+StatusOr<std::string> handOverFds(const std::string& channel_path, const std::vector<int>& fds,
+                                  const std::vector<uint32_t>& daemon_uids) {
   if (fds.empty() || fds.size() > static_cast<size_t>(kMaxHandedFds))
     return absl::InvalidArgumentError(strCat(fds.size(), " descriptors to hand over (1 to ", kMaxHandedFds, ")"));
   sockaddr_un addr{};
@@ -47,6 +49,15 @@ StatusOr<std::string> handOverFds(const std::string& channel_path, const std::ve
   if (s.get() < 0) return errnoStatus("socket", errno);
   if (::connect(s.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0)
     return errnoStatus(strCat("connect to the daemon's descriptor channel ", quote(channel_path)), errno);
+  ucred peer{};
+  socklen_t len = sizeof(peer);
+  if (::getsockopt(s.get(), SOL_SOCKET, SO_PEERCRED, &peer, &len) != 0) return errnoStatus("SO_PEERCRED", errno);
+  if (peer.uid != 0 && peer.uid != ::getuid() &&
+      std::find(daemon_uids.begin(), daemon_uids.end(), peer.uid) == daemon_uids.end())
+    return absl::PermissionDeniedError(strCat("the descriptor channel ", quote(channel_path), " is served by uid ",
+                                              peer.uid, " (pid ", peer.pid,
+                                              "), not by root, this process's uid or a daemon uid allowed: not "
+                                              "handing it descriptors"));
   char header[kHeaderBytes] = {
       kMagic[0], kMagic[1], kMagic[2], kMagic[3], static_cast<char>(kFdChannelVersion), static_cast<char>(fds.size()),
       0,         0};

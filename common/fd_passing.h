@@ -41,8 +41,12 @@ inline constexpr int kMaxHandedFds = 64;
 std::string fdChannelPath(const std::string& socket);
 
 // Client side: hands `fds` (duplicated by the kernel; the caller keeps its own) to the daemon
-// whose side channel is `channel_path`; returns the token a registration names them by.
-StatusOr<std::string> handOverFds(const std::string& channel_path, const std::vector<int>& fds);
+// whose side channel is `channel_path`; returns the token a registration names them by. The
+// process serving the channel must run as root, as this process's uid or as one of
+// `daemon_uids` (SO_PEERCRED, checked before anything is sent): a process that took the
+// daemon's place on the path never receives the descriptors (PERMISSION_DENIED).
+StatusOr<std::string> handOverFds(const std::string& channel_path, const std::vector<int>& fds,
+                                  const std::vector<uint32_t>& daemon_uids = {});
 
 // Daemon side, on an accepted connection: the descriptors of one message (every descriptor that
 // arrived is closed unless returned), then the answer.

@@ -344,9 +344,9 @@ class Client:
         Over the Unix socket the daemon must run as root, as this process's uid or as one of
         `daemon_uids` (default: $SHARDCAST_DAEMON_UID); else PERMISSION_DENIED (check_daemon_uid)."""
         self.target = _normalize(target) if target else default_target()
+        self._daemon_uids = list(daemon_uids) if daemon_uids is not None else daemon_uids_from_env()
         if self.target.startswith("unix:"):
-            check_daemon_uid(self.target[len("unix:"):],
-                             daemon_uids if daemon_uids is not None else daemon_uids_from_env(), connect_timeout)
+            check_daemon_uid(self.target[len("unix:"):], self._daemon_uids, connect_timeout)
         self.timeout = timeout
         options = [
             ("grpc.max_receive_message_length", 256 << 20),
@@ -458,7 +458,7 @@ class Client:
     def _hand_over(self, name: str, fds: List[int]) -> str:
         """Hands the descriptors of tensor `name`'s cuMem allocations to this client's daemon."""
         try:
-            return hand_over(self.target[len("unix:"):], fds)
+            return hand_over(self.target[len("unix:"):], fds, self._daemon_uids)
         except (OSError, ValueError) as e:
             raise ValueError(f'tensor "{name}": {e}') from None
 

@@ -22,6 +22,7 @@ import mmap
 import os
 import secrets
 import socket
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -67,9 +68,11 @@ def fd_channel_path(socket_path: str) -> str:
     return socket_path + ".fds"
 
 
-def hand_over(socket_path: str, fds: Sequence[int]) -> str:
+def hand_over(socket_path: str, fds: Sequence[int], daemon_uids: Sequence[int] = ()) -> str:
     """Hands `fds` (duplicated by the kernel; this process keeps its own) to the daemon serving
-    `socket_path`; returns the one-time token a registration names them by (this uid's only)."""
+    `socket_path`; returns the one-time token a registration names them by (this uid's only). The
+    channel must be served by root, this process's uid or one of `daemon_uids` (SO_PEERCRED,
+    checked before anything is sent): a process in the daemon's place never gets the descriptors."""
     if not 0 < len(fds) <= MAX_HANDED_FDS:
         raise ValueError(f"{len(fds)} descriptors to hand over (1 to {MAX_HANDED_FDS})")
     path = fd_channel_path(socket_path)
@@ -78,6 +81,10 @@ def hand_over(socket_path: str, fds: Sequence[int]) -> str:
             s.connect(path)
         except OSError as e:
             raise ConnectionError(f"the daemon's descriptor channel {path!r}: {e.strerror}") from None
+        pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        if uid not in (0, os.getuid(), *daemon_uids):
+            raise PermissionError(f"the daemon's descriptor channel {path!r} is served by uid {uid} (pid {pid}), not "
+                                  "by root, this process's uid or a daemon uid allowed: not handing it descriptors")
         socket.send_fds(s, [b"SCFD" + bytes([_FD_CHANNEL_VERSION, len(fds), 0, 0])], list(fds))
         answer = b""
         while b"\n" not in answer and len(answer) < 4096:

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -120,3 +124,34 @@ def test_cumem_allocations_refused_with_the_daemons_reason_and_over_tcp_by_name(
         assert 'tensor "w": cuMem allocations register only over the daemon\'s Unix socket' in str(over_tcp.value)
     finally:
         mem.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_descriptors_go_only_to_a_channel_served_by_the_daemons_uid():
+    """A process of another uid in the daemon's place on `<socket>.fds` never gets the descriptors:
+    the client reads the channel's uid (SO_PEERCRED) before it sends anything."""
+    directory = tempfile.mkdtemp(prefix="shardcast-squat-")  # under /tmp: reachable by uid 65534
+    os.chmod(directory, 0o777)
+    sock = os.path.join(directory, "d.sock")
+    squatter = subprocess.Popen(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+         "import socket, sys\n"
+         "s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); print('up', flush=True)\n"
+         "c, _ = s.accept(); c.recv(64); c.close()\n", memory.fd_channel_path(sock)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline().strip() == "up"
+        fd = os.memfd_create("shardcast-test-squat")
+        try:
+            with pytest.raises(PermissionError) as refused:
+                memory.hand_over(sock, [fd])
+            assert "is served by uid 65534" in str(refused.value)
+            # Named as a daemon uid (a DaemonSet's non-root daemon), it is believed.
+            with pytest.raises(ConnectionError):  # it read the message and closed without an answer
+                memory.hand_over(sock, [fd], daemon_uids=[65534])
+        finally:
+            os.close(fd)
+    finally:
+        squatter.kill()
+        squatter.wait()
+        shutil.rmtree(directory, ignore_errors=True)
