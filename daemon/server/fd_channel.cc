@@ -25,7 +25,8 @@ StatusOr<std::unique_ptr<FdChannel>> FdChannel::bind(const std::string& path, Ha
         strCat("descriptor channel ", quote(path), " is longer than ", sizeof(addr.sun_path) - 1, " bytes"));
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  OwnedFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  // Non-blocking: a connection that went away between poll and accept never blocks the loop.
+  OwnedFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (fd.get() < 0) return absl::InternalError(strCat("socket(AF_UNIX): ", std::strerror(errno)));
   ::unlink(path.c_str());            // a stale one of an earlier run (the caller holds the socket's lock)
   const mode_t old = ::umask(0117);  // 0660 from the start, as the socket
@@ -70,7 +71,7 @@ void FdChannel::run() {
       return;
     }
     if (fds[1].revents) return;
-    OwnedFd c(::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC));
+    OwnedFd c(::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC));  // blocking: answered under SO_RCVTIMEO
     if (c.get() < 0) {
       if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
         spdlog::warn("unix:{}: accept: {}", path_, std::strerror(errno));
