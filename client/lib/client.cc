@@ -1,5 +1,6 @@
 #include "client/lib/client.h"
 
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -54,6 +55,10 @@ struct Client::SessionState {
   // ranks returns it (Client::checkSession) until the rank is registered again or unregistered.
   std::map<std::pair<std::string, int32_t>, std::string> failed;
   std::shared_ptr<Client::Registrations> registrations;  // the client's, updated on re-registration
+  // cuMem allocations' descriptors (Client::cuMemHandle), handed over again on re-registration.
+  std::shared_ptr<Client::HandedAllocations> handed;
+  std::string fd_channel;
+  std::vector<uint32_t> daemon_uids;
   uint64_t reconnects = 0;
   std::thread thread;
 
@@ -91,12 +96,42 @@ struct Client::SessionState {
     }
   }
 
+  // New tokens for the cuMem allocations `req` names: a token names one registration on one daemon.
+  Status handOverAgain(v1::RegisterRequest* req) {
+    for (auto* set : {req->mutable_buffers(), req->mutable_shadow_buffers()})
+      for (auto& b : *set) {
+        if (!b.has_cuda_allocations()) continue;
+        if (!handed) return absl::InternalError("no descriptors kept for a cuMem buffer");
+        std::lock_guard<std::mutex> lock(handed->mu);
+        auto it = handed->by_token.find(b.cuda_allocations().token());
+        if (it == handed->by_token.end())
+          return absl::NotFoundError(strCat("buffer \"", b.buffer(), "\": its descriptors are no longer kept"));
+        std::vector<int> raw;
+        for (const auto& fd : it->second) raw.push_back(fd.get());
+        auto token = handOverFds(fd_channel, raw, daemon_uids);
+        if (!token.ok())
+          return Status(token.status().code(), strCat("buffer \"", b.buffer(), "\": ", token.status().message()));
+        auto fds = std::move(it->second);
+        handed->by_token.erase(it);
+        handed->by_token[*token] = std::move(fds);
+        b.mutable_cuda_allocations()->set_token(*token);
+      }
+    return absl::OkStatus();
+  }
+
   // With mu held (released around the calls).
   void reregister(std::unique_lock<std::mutex>& lock) {
     lost = false;
     ++reconnects;
     std::vector<v1::RegisterRequest> again;
     for (auto& [key, r] : ranks) {
+      if (Status handed_over = handOverAgain(&r.request); !handed_over.ok()) {
+        const std::string why = strCat("re-registering group \"", key.first, "\" rank ", key.second,
+                                       " after its daemon restarted failed: ", handed_over.message());
+        std::fprintf(stderr, "shardcast: %s\n", why.c_str());
+        failed[key] = why;
+        continue;
+      }
       v1::RegisterRequest req = r.request;
       req.set_session_id(id);
       req.set_version(req.role() == v1::ROLE_SOURCE && !r.held ? r.published : 0);
@@ -257,7 +292,9 @@ StatusOr<Client> Client::connect(const std::string& target, const ConnectOptions
                                          "\" is not reachable (is the daemon running? set --daemon or ",
                                          "SHARDCAST_ADDRESS; over TCP a daemon needs SHARDCAST_TLS_CA and a client ",
                                          "certificate or token, see docs/security.md)"));
-  return Client(t, std::shared_ptr<v1::Shardcast::Stub>(v1::Shardcast::NewStub(channel)));
+  Client client(t, std::shared_ptr<v1::Shardcast::Stub>(v1::Shardcast::NewStub(channel)));
+  client.daemon_uids_ = options.daemon_uids;
+  return client;
 }
 
 std::unique_ptr<grpc::ClientContext> Client::context(std::chrono::milliseconds timeout) const {
@@ -295,6 +332,7 @@ StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, in
   };
   if (!session_) {
     const auto st = stub_->Register(context(call_timeout_).get(), req, &out);
+    handed_->forget(req);  // no session registers it again: the descriptors are the daemon's now
     if (!st.ok()) return fromGrpc(st, strCat("register group \"", layout.group(), "\" rank ", rank));
     remember();
     return out;
@@ -310,10 +348,15 @@ StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, in
   session_->ranks[{layout.group(), rank}] = {recorded, options.version, false};
   session_->failed.erase({layout.group(), rank});
   session_->registrations = registrations_;
+  session_->handed = handed_;
+  if (target_.rfind("unix:", 0) == 0) session_->fd_channel = fdChannelPath(target_.substr(5));
+  session_->daemon_uids = daemon_uids_;
   lock.unlock();
   const auto st = stub_->Register(context(call_timeout_).get(), req, &out);
   if (!st.ok()) {
     std::lock_guard<std::mutex> relock(session_->mu);
+    if (auto it = session_->ranks.find({layout.group(), rank}); it != session_->ranks.end())
+      handed_->forget(it->second.request);
     session_->ranks.erase({layout.group(), rank});
     return fromGrpc(st, strCat("register group \"", layout.group(), "\" rank ", rank));
   }
@@ -321,9 +364,49 @@ StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, in
   return out;
 }
 
+void Client::HandedAllocations::forget(const v1::RegisterRequest& req) {
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto* set : {&req.buffers(), &req.shadow_buffers()})
+    for (const auto& b : *set)
+      if (b.has_cuda_allocations()) by_token.erase(b.cuda_allocations().token());
+}
+
+StatusOr<v1::MemoryHandle> Client::cuMemHandle(const CuMemTensor& tensor) const {
+  const std::string what = strCat("device tensor \"", tensor.name, "\"");
+  if (target_.rfind("unix:", 0) != 0)
+    return absl::InvalidArgumentError(strCat(what,
+                                             ": cuMem allocations register only over the daemon's Unix socket (their "
+                                             "file descriptors travel on its side channel), not over TCP"));
+  if (tensor.fds.empty() || tensor.fds.size() != tensor.allocation_bytes.size())
+    return absl::InvalidArgumentError(strCat(what, ": ", tensor.fds.size(), " descriptors for ",
+                                             tensor.allocation_bytes.size(), " allocation sizes"));
+  std::vector<OwnedFd> dups;
+  std::vector<int> raw;
+  for (const int fd : tensor.fds) {
+    dups.emplace_back(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+    if (dups.back().get() < 0)
+      return absl::InvalidArgumentError(strCat(what, ": descriptor ", fd, ": ", std::strerror(errno)));
+    raw.push_back(dups.back().get());
+  }
+  auto token = handOverFds(fdChannelPath(target_.substr(5)), raw, daemon_uids_);
+  if (!token.ok()) return Status(token.status().code(), strCat(what, ": ", token.status().message()));
+  v1::MemoryHandle h;
+  h.set_buffer(tensor.name);
+  auto* a = h.mutable_cuda_allocations();
+  a->set_token(*token);
+  for (const uint64_t n : tensor.allocation_bytes) a->add_allocation_bytes(n);
+  a->set_offset(tensor.offset);
+  a->set_size(tensor.bytes);
+  a->set_device(tensor.device);
+  std::lock_guard<std::mutex> lock(handed_->mu);
+  handed_->by_token[*token] = std::move(dups);
+  return h;
+}
+
 Status Client::unregisterRank(const std::string& group, int32_t rank) const {
   if (session_) {
     std::lock_guard<std::mutex> lock(session_->mu);
+    if (auto it = session_->ranks.find({group, rank}); it != session_->ranks.end()) handed_->forget(it->second.request);
     session_->ranks.erase({group, rank});
     session_->failed.erase({group, rank});
   }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "client/lib/host_tensors.h"
+#include "common/fd_passing.h"
 #include "common/status.h"
 #include "common/tls.h"
 #include "proto/shardcast/v1/names.h"
@@ -145,6 +146,11 @@ class Client {
                                               const std::vector<v1::MemoryHandle>& buffers,
                                               const RegisterOptions& options = {}) const;
   Status unregisterRank(const std::string& group, int32_t rank) const;
+  // The handle of a buffer in cuMem allocations: their descriptors handed to this client's daemon
+  // on the side channel beside its Unix socket (refused over TCP), named by a one-time token. The
+  // client keeps duplicates of the descriptors while a registration naming them is recorded in its
+  // session, and hands them over again when the session registers the rank after a restart.
+  StatusOr<v1::MemoryHandle> cuMemHandle(const CuMemTensor& tensor) const;
 
   // The fences (see docs/daemon.md). A source rank's owner acquires it before writing (waits
   // until every sync reading it ended) and publishes the version it then holds; a destination
@@ -200,9 +206,18 @@ class Client {
   std::unique_ptr<grpc::ClientContext> context(std::chrono::milliseconds timeout) const;
   StatusOr<v1::RankStatus> releaseRank(const std::string& group, int32_t rank, uint64_t version) const;
 
+  // Duplicates of handed-over descriptors, by the token that names them (cuMemHandle).
+  struct HandedAllocations {
+    std::mutex mu;
+    std::map<std::string, std::vector<OwnedFd>> by_token;
+    // Forgets the descriptors of the tokens `req` names.
+    void forget(const v1::RegisterRequest& req);
+  };
   std::string target_;
+  std::vector<uint32_t> daemon_uids_;
   std::shared_ptr<v1::Shardcast::Stub> stub_;
   std::shared_ptr<SessionState> session_;
+  std::shared_ptr<HandedAllocations> handed_ = std::make_shared<HandedAllocations>();
   std::shared_ptr<Registrations> registrations_ = std::make_shared<Registrations>();
   std::chrono::milliseconds call_timeout_{std::chrono::seconds(30)};
 };

@@ -72,4 +72,18 @@ struct DeviceTensor {
 };
 StatusOr<v1::MemoryHandle> deviceHandle(const DeviceTensor& tensor);
 
+// A device buffer in cuMem (VMM) allocations (cuMemCreate: torch's expandable segments, any
+// allocator built on it), registered by the allocations' POSIX file descriptors
+// (cuMemExportToShareableHandle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR): `fds[i]` is allocation
+// i, `allocation_bytes[i]` its size; the allocations lie one after another, the first at 0, and the
+// buffer is `bytes` at `offset` there. Client::cuMemHandle hands them to the daemon (docs/gpu.md).
+struct CuMemTensor {
+  std::string name;
+  std::vector<int> fds;
+  std::vector<uint64_t> allocation_bytes;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  int device = 0;
+};
+
 }  // namespace shardcast

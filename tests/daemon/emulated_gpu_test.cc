@@ -8,8 +8,10 @@
 
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <thread>
 #include <utility>
 
+#include "client/lib/client.h"
 #include "common/fd_passing.h"
 #include "daemon/stage/convert.h"
 #include "planner/layout.h"
@@ -637,4 +639,51 @@ TEST_CASE("emulated GPUs: handed-over cuMem allocations are refused when they do
     refused(d, req, grpc::StatusCode::INVALID_ARGUMENT, "register only over the daemon's Unix socket, not over TCP",
             /*tcp=*/true);
   }
+}
+
+TEST_CASE(
+    "emulated GPUs: the C++ client registers cuMem allocations and its session hands them over again after a "
+    "restart",
+    "[daemon][emulated-gpu]") {
+  const int port = freePort();
+  auto d =
+      std::make_unique<Daemon>("n0", port, std::vector<std::string>{}, std::vector<std::string>{"--emulate-gpus", "1"});
+  REQUIRE(d->ready());
+  const char* layout = R"({"group":"cg","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
+    {"name":"w","shape":[6000],"dtype":"int32"}]})";
+  const auto proto = *planner::parseLayoutJson(layout, "cg");
+  planner::NodeTable nodes;
+  AllocationRank mem(*planner::resolveLayout(proto, nodes), 0);  // w: 24000 bytes across two allocations
+  REQUIRE(mem.spans());
+  auto client = Client::connect("unix:" + d->socketPath());
+  REQUIRE(client.ok());
+  REQUIRE(client->startSession().ok());
+  CuMemTensor t;
+  t.name = "w";
+  for (const auto& fd : mem.fds) t.fds.push_back(fd.get());
+  t.allocation_bytes.assign(mem.fds.size(), kAllocation);
+  t.bytes = 6000 * 4;
+  auto h = client->cuMemHandle(t);
+  INFO(h.status().message());
+  REQUIRE(h.ok());
+  REQUIRE(client->registerRank(proto, 0, std::vector<v1::MemoryHandle>{*h}, RegisterOptions::source(3)).ok());
+  auto readyAt = [&](uint64_t version) {
+    v1::ListResponse l;
+    if (!d->client()->List(ctx().get(), v1::ListRequest(), &l).ok()) return false;
+    for (const auto& r : l.ranks())
+      if (r.group() == "cg" && r.state() == v1::RANK_READY && r.version() == version) return true;
+    return false;
+  };
+  CHECK(readyAt(3));
+  d->kill();
+  d = std::make_unique<Daemon>("n0", port, std::vector<std::string>{}, std::vector<std::string>{"--emulate-gpus", "1"});
+  REQUIRE(d->ready());
+  bool back = false;
+  for (int i = 0; i < 100 && !back; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    back = client->reconnects() == 1 && readyAt(3);
+  }
+  CHECK(back);
+  CHECK(client->checkSession().ok());
+  CHECK(client->unregisterRank("cg", 0).ok());
 }
