@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <grpcpp/server_posix.h>
+#include <linux/tcp.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -11,7 +12,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 
 #include "common/strings.h"
@@ -262,24 +265,40 @@ int TcpListener::liveConnections(const std::string& address) {
   return n;
 }
 
-void TcpListener::makeRoomForHandshake() {
+// Whether the connection on `fd` has received no byte yet: one that sent a TLS ClientHello, let
+// alone finished its handshake, is never taken for a silent one.
+bool silentSoFar(int fd) {
+  tcp_info info{};
+  socklen_t len = sizeof(info);
+  if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0 ||
+      len < offsetof(tcp_info, tcpi_bytes_received) + sizeof(info.tcpi_bytes_received))
+    return false;
+  return info.tcpi_bytes_received == 0;
+}
+
+bool TcpListener::makeRoomForHandshake() {
   const auto young = std::chrono::steady_clock::now() - kHandshakeTimeout;
-  int count = 0;
-  auto oldest = connections_.end();
-  for (auto it = connections_.begin(); it != connections_.end(); ++it) {
-    if (it->second.accepted < young) continue;
-    ++count;
-    if (oldest == connections_.end() || it->second.accepted < oldest->second.accepted) oldest = it;
+  std::vector<std::map<int, Connection>::iterator> within;  // accepted within the window, oldest first
+  for (auto it = connections_.begin(); it != connections_.end(); ++it)
+    if (it->second.accepted >= young) within.push_back(it);
+  if (static_cast<int>(within.size()) < max_handshaking_) return true;
+  std::sort(within.begin(), within.end(), [](auto a, auto b) { return a->second.accepted < b->second.accepted; });
+  // The oldest that has sent nothing at all (a silent connection, no handshake begun) is shut down,
+  // not closed: its descriptor is gRPC's. Still the socket accepted here and from its address (gRPC
+  // may have closed it since, and the number been reused).
+  for (const auto& it : within) {
+    struct stat st {};
+    if (::fstat(it->first, &st) != 0 || st.st_ino != it->second.inode || !silentSoFar(it->first)) continue;
+    ::shutdown(it->first, SHUT_RDWR);
+    if (++evicted_ <= 8 || evicted_ % 1000 == 0)
+      spdlog::warn(
+          "{}: {} connections accepted within {} ms: the oldest silent one, from {}, shut down to make "
+          "room ({} so far)",
+          listen_, within.size(), kHandshakeTimeout.count(), it->second.address, evicted_);
+    connections_.erase(it);
+    return true;
   }
-  if (count < max_handshaking_ || oldest == connections_.end()) return;
-  // Still the socket accepted here (liveConnections just checked; checked again, as gRPC may have
-  // closed it since): shut down, not closed, as the descriptor is gRPC's.
-  struct stat st {};
-  if (::fstat(oldest->first, &st) == 0 && st.st_ino == oldest->second.inode) ::shutdown(oldest->first, SHUT_RDWR);
-  if (++evicted_ <= 8 || evicted_ % 1000 == 0)
-    spdlog::warn("{}: {} connections accepted within {} ms: the oldest, from {}, shut down to make room ({} so far)",
-                 listen_, count, kHandshakeTimeout.count(), oldest->second.address, evicted_);
-  connections_.erase(oldest);
+  return false;  // every one of them has begun its handshake: the new connection waits its turn
 }
 
 void TcpListener::run() {
@@ -315,7 +334,13 @@ void TcpListener::run() {
       ::close(c);
       continue;
     }
-    makeRoomForHandshake();
+    if (!makeRoomForHandshake()) {
+      if (++refused_ <= 8 || refused_ % 1000 == 0)
+        spdlog::warn("{}: {} connections are in their handshake: one more, from {}, refused ({} so far)", listen_,
+                     max_handshaking_, address, refused_);
+      ::close(c);
+      continue;
+    }
     struct stat st {};
     ::fstat(c, &st);
     connections_[c] = {address, st.st_ino, std::chrono::steady_clock::now()};

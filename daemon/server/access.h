@@ -82,7 +82,8 @@ class TcpListener {
   // Binds `listen` (host:port, [v6]:port; port 0 picks one) now, before the server starts.
   // `max_handshaking`: connections accepted within the last kHandshakeTimeout, from every address
   // together (those a silent or slow client may still hold in its handshake); a new one past it
-  // shuts down the oldest of them (docs/security.md, "Limits").
+  // shuts down the oldest of them that has sent nothing yet, or is refused when every one has
+  // (docs/security.md, "Limits").
   static StatusOr<std::unique_ptr<TcpListener>> bind(const std::string& listen, int max_per_address = 256,
                                                      int max_handshaking = 1024);
   ~TcpListener();
@@ -98,9 +99,11 @@ class TcpListener {
   void run();
   // Forgets connections gRPC has closed, then counts those from `address`.
   int liveConnections(const std::string& address);
-  // Past max_handshaking_ connections younger than kHandshakeTimeout: the oldest of them shut down
-  // (gRPC sees its end and closes it; the descriptor stays gRPC's). After liveConnections.
-  void makeRoomForHandshake();
+  // Past max_handshaking_ connections younger than kHandshakeTimeout: the oldest of them that has
+  // received no byte (silent: no TLS handshake begun) shut down (gRPC sees its end and closes it;
+  // the descriptor stays gRPC's). False when every one of them has begun its handshake: the new
+  // connection is then refused, no connection that has spoken is cut. After liveConnections.
+  bool makeRoomForHandshake();
 
   std::string listen_;
   int fd_ = -1;

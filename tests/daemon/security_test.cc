@@ -441,6 +441,12 @@ TEST_CASE("silent TCP connections spread over many addresses are capped together
   Daemon d("n0", freePort(), {}, {"--max-connections-per-address", "64", "--max-handshaking-connections", "128"});
   REQUIRE(d.ready());
   const int port = std::stoi(d.address().substr(d.address().rfind(':') + 1));
+  // A peer connected just before the flood, its handshake done: within the window, but it has
+  // spoken, so it is never the one shut down to make room.
+  const auto early_channel = examples::Daemon::channel(d.address(), d.tls(LocalCerts::get().daemon()));
+  auto early = v1::Peer::NewStub(early_channel);
+  v1::DescribeResponse described;
+  REQUIRE(early->Describe(ctx(10).get(), v1::DescribeRequest(), &described).ok());
   std::vector<int> silent;
   struct Close {
     std::vector<int>& fds;
@@ -474,9 +480,12 @@ TEST_CASE("silent TCP connections spread over many addresses are capped together
     if (held <= 128) break;
   }
   CHECK(held <= 128);
+  // The early peer's connection is still the one it had (never shut down: its channel did not
+  // leave READY), and it is answered on it.
+  CHECK(early_channel->GetState(false) == GRPC_CHANNEL_READY);
+  CHECK(early->Describe(ctx(10).get(), v1::DescribeRequest(), &described).ok());
   // A peer and a TCP client with certificates connect anew and are answered while they wait (each
   // handshake takes milliseconds, far less than the silent ones' 5 s).
-  v1::DescribeResponse described;
   CHECK(d.peer()->Describe(ctx(10).get(), v1::DescribeRequest(), &described).ok());
   v1::StatusResponse status;
   CHECK(d.tcpClient()->Status(ctx(10).get(), v1::StatusRequest(), &status).ok());
