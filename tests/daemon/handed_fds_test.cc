@@ -5,12 +5,16 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <csignal>
 #include <cstring>
 
 #include "common/fd_passing.h"
+#include "tests/support/skip.h"
 
 using namespace shardcast;
 
@@ -102,4 +106,49 @@ TEST_CASE("handed descriptors: a message whose count disagrees with its descript
   char line[256] = {};
   CHECK(::read(client.get(), line, sizeof(line) - 1) > 0);
   CHECK_THAT(std::string(line), Catch::StartsWith("error the message counts 2"));
+}
+
+TEST_CASE("handed descriptors: a channel served by another uid gets none (the client reads SO_PEERCRED first)",
+          "[daemon][fd-channel][security]") {
+  if (::geteuid() != 0) SHARDCAST_SKIP("needs root (to run the squatter as uid 65534)");
+  char dir_template[] = "/tmp/shardcast-squat-XXXXXX";
+  REQUIRE(::mkdtemp(dir_template) != nullptr);
+  REQUIRE(::chmod(dir_template, 0777) == 0);
+  const std::string path = fdChannelPath(std::string(dir_template) + "/d.sock");
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
+  // uid 65534 in the daemon's place: it binds the channel's path and takes whatever comes.
+  const pid_t squatter = ::fork();
+  REQUIRE(squatter >= 0);
+  if (squatter == 0) {  // only system calls until _exit
+    ::close(ready[0]);
+    if (::setresgid(65534, 65534, 65534) != 0 || ::setresuid(65534, 65534, 65534) != 0) ::_exit(2);
+    const int s = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    if (::bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(s, 4) != 0) ::_exit(3);
+    const char up = 1;
+    if (::write(ready[1], &up, 1) != 1) ::_exit(4);
+    for (;;) {
+      const int c = ::accept(s, nullptr, nullptr);
+      char buf[64];
+      if (c >= 0 && ::read(c, buf, sizeof(buf)) >= 0) ::close(c);  // the message read, no answer
+    }
+  }
+  ::close(ready[1]);
+  char up = 0;
+  CHECK(::read(ready[0], &up, 1) == 1);
+  ::close(ready[0]);
+  OwnedFd memfd(::memfd_create("shardcast-test-squat", MFD_CLOEXEC));
+  const auto refused = handOverFds(path, {memfd.get()});
+  CHECK(refused.status().code() == absl::StatusCode::kPermissionDenied);
+  CHECK_THAT(std::string(refused.status().message()), Catch::Contains("is served by uid 65534"));
+  // Named as a daemon uid (a DaemonSet's non-root daemon), it is believed: the descriptors go, and
+  // it answers nothing.
+  CHECK(handOverFds(path, {memfd.get()}, {65534}).status().code() == absl::StatusCode::kUnavailable);
+  ::kill(squatter, SIGKILL);
+  ::waitpid(squatter, nullptr, 0);
+  ::unlink(path.c_str());
+  ::rmdir(dir_template);
 }
