@@ -115,6 +115,11 @@ StatusOr<std::vector<OwnedFd>> receiveHandedFds(int connection) {
     for (size_t i = 0; i < count; ++i) {
       int fd;
       std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      // A socket handed over with a long SO_LINGER and unsent data would block the close() that
+      // ends it here (on the channel's thread): closed at once instead, whatever its sender set.
+      // (Not a socket: ENOTSOCK, nothing changes.)
+      const linger now{1, 0};
+      ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &now, sizeof(now));
       fds.emplace_back(fd);
     }
   }

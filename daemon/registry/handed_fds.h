@@ -22,6 +22,11 @@ class HandedFds {
   // is kept unclaimed: descriptors handed over and never registered do not pile up in the daemon.
   static constexpr size_t kPerUid = 256;
   static constexpr std::chrono::minutes kUnclaimedFor{5};
+  // Descriptors held unclaimed: per uid (a hand-over past it closes that uid's oldest tokens) and
+  // in all (a hand-over past it is refused, RESOURCE_EXHAUSTED): handed-over descriptors cannot
+  // exhaust the daemon's, whatever the number of uids.
+  static constexpr size_t kFdsPerUid = 1024;
+  static constexpr size_t kFdsTotal = 4096;
 
   // Keeps `fds`, sent by `uid` (SO_PEERCRED), for one registration; returns its token.
   StatusOr<std::string> put(uid_t uid, std::vector<OwnedFd> fds);
@@ -35,7 +40,9 @@ class HandedFds {
     std::vector<OwnedFd> fds;
     std::chrono::steady_clock::time_point at;
   };
-  void expire(std::chrono::steady_clock::time_point now);  // with mu_ held
+  // With mu_ held: entries unclaimed for too long move to `dropped` (closed by the caller after it
+  // unlocks: a close must never run under mu_).
+  void expire(std::chrono::steady_clock::time_point now, std::vector<Entry>* dropped);
 
   mutable std::mutex mu_;
   std::map<std::string, Entry> by_token_;

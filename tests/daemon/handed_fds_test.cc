@@ -108,6 +108,68 @@ TEST_CASE("handed descriptors: a message whose count disagrees with its descript
   CHECK_THAT(std::string(line), Catch::StartsWith("error the message counts 2"));
 }
 
+TEST_CASE("handed descriptors: counted by descriptor, per uid and in all", "[daemon][fd-channel][security]") {
+  daemon::HandedFds handed;
+  const auto many = [](size_t n) {
+    std::vector<OwnedFd> fds;
+    for (size_t i = 0; i < n; ++i) fds.emplace_back(::memfd_create("shardcast-test-fds", MFD_CLOEXEC));
+    return fds;
+  };
+  // One uid: 64 descriptors a token. Its descriptors stay at most kFdsPerUid, its oldest closed.
+  // (Closed: their numbers are reused by the descriptors made after them.)
+  std::vector<std::string> tokens;
+  for (size_t i = 0; i < daemon::HandedFds::kFdsPerUid / 64 + 4; ++i) tokens.push_back(*handed.put(1000, many(64)));
+  CHECK(handed.pending() == daemon::HandedFds::kFdsPerUid / 64);
+  CHECK(handed.take(tokens.front(), 1000, false).status().code() == absl::StatusCode::kNotFound);
+  // Every uid together: at most kFdsTotal; past it a hand-over is refused (no other uid's closed).
+  uid_t uid = 2000;
+  size_t held = daemon::HandedFds::kFdsPerUid;
+  while (held + daemon::HandedFds::kFdsPerUid <= daemon::HandedFds::kFdsTotal) {
+    for (size_t i = 0; i < daemon::HandedFds::kFdsPerUid / 64; ++i) REQUIRE(handed.put(uid, many(64)).ok());
+    held += daemon::HandedFds::kFdsPerUid;
+    ++uid;
+  }
+  const size_t pending = handed.pending();
+  const auto refused = handed.put(uid, many(64));
+  CHECK(refused.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(refused.status().message()), Catch::Contains("handed-over descriptors not yet registered"));
+  CHECK(handed.pending() == pending);
+  CHECK(handed.take(tokens.back(), 1000, false).ok());  // the first uid's newest is still there
+}
+
+TEST_CASE("handed descriptors: a socket handed over with a long linger is closed at once",
+          "[daemon][fd-channel][security]") {
+  int pair[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) == 0);
+  OwnedFd client(pair[0]), daemon_end(pair[1]);
+  OwnedFd lingering(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  const linger forever{1, 100000};
+  REQUIRE(::setsockopt(lingering.get(), SOL_SOCKET, SO_LINGER, &forever, sizeof(forever)) == 0);
+  char header[8] = {'S', 'C', 'F', 'D', 1, 1, 0, 0};
+  iovec iov{header, sizeof(header)};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  const int fd = lingering.get();
+  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  REQUIRE(::sendmsg(client.get(), &msg, 0) == sizeof(header));
+  auto got = receiveHandedFds(daemon_end.get());
+  REQUIRE(got.ok());
+  REQUIRE(got->size() == 1);
+  linger now{};
+  socklen_t len = sizeof(now);
+  REQUIRE(::getsockopt((*got)[0].get(), SOL_SOCKET, SO_LINGER, &now, &len) == 0);
+  CHECK(now.l_onoff == 1);
+  CHECK(now.l_linger == 0);  // the received descriptor's close never waits
+}
+
 TEST_CASE("handed descriptors: a channel served by another uid gets none (the client reads SO_PEERCRED first)",
           "[daemon][fd-channel][security]") {
   if (::geteuid() != 0) SHARDCAST_SKIP("needs root (to run the squatter as uid 65534)");
