@@ -119,7 +119,8 @@ std::vector<grpc::Status> fanOut(std::vector<grpc::ClientContext>& contexts,
 }
 
 Status PeerSet::checkTransportAddresses(const std::vector<NodeAddress>& nodes,
-                                        std::chrono::steady_clock::time_point deadline) const {
+                                        std::chrono::steady_clock::time_point deadline,
+                                        const std::function<bool()>& cancelled) const {
   const auto unconfirmed = [&] {  // the nodes not known to have the transport address given
     std::vector<const NodeAddress*> out;
     std::lock_guard<std::mutex> lock(mu_);
@@ -131,14 +132,20 @@ Status PeerSet::checkTransportAddresses(const std::vector<NodeAddress>& nodes,
   auto pending = unconfirmed();
   std::string last_error;  // of the last Describe that got no answer
   auto pause = std::chrono::milliseconds(20);
+  bool everywhere = true;  // a node known nowhere: every peer asked, once
+  // Never longer than a few peer timeouts, whatever the call's deadline (a first sync's Prepare has
+  // the sync's whole timeout): a node silent that long is refused by name.
+  deadline = std::min(deadline, std::chrono::steady_clock::now() +
+                                    4 * std::chrono::milliseconds(std::max(config_.peer_timeout_ms, 1000)));
   while (!pending.empty()) {
+    if (cancelled && cancelled()) return absl::CancelledError("the call checking transport addresses ended");
     {
       // One round of lookups at a time: a caller that waited finds what the round before it
       // learned (at a first sync every daemon asks about its peers at once).
       std::lock_guard<std::mutex> looking(lookup_mu_);
       pending = unconfirmed();
       if (pending.empty()) break;
-      const std::vector<std::string> ask = whereToAsk(pending);
+      const std::vector<std::string> ask = whereToAsk(pending, &everywhere);
       if (!ask.empty()) {
         std::vector<v1::DescribeResponse> responses;
         const auto statuses = describe(ask, &responses, /*syncs=*/false, {}, deadline);
@@ -175,7 +182,7 @@ Status PeerSet::checkTransportAddresses(const std::vector<NodeAddress>& nodes,
   return absl::OkStatus();
 }
 
-std::vector<std::string> PeerSet::whereToAsk(const std::vector<const NodeAddress*>& pending) const {
+std::vector<std::string> PeerSet::whereToAsk(const std::vector<const NodeAddress*>& pending, bool* everywhere) const {
   // A node is asked at its daemon's address as given (when that is one of the cluster's peers: no
   // other address is dialled) and wherever it was reached before or a peer said it is.
   std::vector<bool> given(pending.size());
@@ -195,6 +202,8 @@ std::vector<std::string> PeerSet::whereToAsk(const std::vector<const NodeAddress
       nowhere = nowhere || !placed;
     }
   }
+  nowhere = nowhere && *everywhere;
+  if (nowhere) *everywhere = false;
   // Else the peers not described yet; when none is left, every peer (a node renamed, or back at
   // another's address). The peer list (a DNS lookup with --peer-dns) looked up at most once a second.
   std::vector<std::string> all;

@@ -5,6 +5,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -82,8 +83,10 @@ class PeerSet {
   // describing another address. INVALID_ARGUMENT as soon as a node answers with another address;
   // UNAVAILABLE naming the nodes still silent at `deadline`. Each address is asked at most once per
   // kAskEvery, whoever asks (a coordinator naming nodes cannot make this daemon flood the cluster).
-  Status checkTransportAddresses(const std::vector<NodeAddress>& nodes,
-                                 std::chrono::steady_clock::time_point deadline) const;
+  // `cancelled` (optional): the call asking has ended; checked between rounds (CANCELLED).
+  // The wait ends at `deadline` or after 4 peer timeouts (--peer-timeout-ms), whichever is first.
+  Status checkTransportAddresses(const std::vector<NodeAddress>& nodes, std::chrono::steady_clock::time_point deadline,
+                                 const std::function<bool()>& cancelled = nullptr) const;
   static constexpr std::chrono::milliseconds kAskEvery{250};
   // A cached channel to a daemon (a peer, or this daemon itself).
   std::shared_ptr<grpc::Channel> channel(const std::string& address) const;
@@ -101,7 +104,9 @@ class PeerSet {
       const std::map<std::string, std::chrono::milliseconds>& briefly = {},
       std::chrono::steady_clock::time_point until = std::chrono::steady_clock::time_point::max()) const;
   // checkTransportAddresses: where to ask next for the nodes of `pending` (lookup_mu_ held, not mu_).
-  std::vector<std::string> whereToAsk(const std::vector<const NodeAddress*>& pending) const;
+  // A node known nowhere is looked for among every peer only while `*everywhere` is true, which
+  // this then clears: once per check, not every round.
+  std::vector<std::string> whereToAsk(const std::vector<const NodeAddress*>& pending, bool* everywhere) const;
 
   DaemonConfig config_;
   std::string instance_;

@@ -30,7 +30,7 @@ grpc::Status reply(StatusOr<T> result, T* out) {
 // UCX's own (unchecking) parser. A node slow to answer is waited for until a little before the
 // call's deadline, so that it is refused by name rather than by the call running out.
 Status checkNodes(const PeerSet& peers, const Registry& registry,
-                  const google::protobuf::RepeatedPtrField<v1::NodeDirectory>& nodes, const grpc::ServerContext& ctx) {
+                  const google::protobuf::RepeatedPtrField<v1::NodeDirectory>& nodes, grpc::ServerContext& ctx) {
   std::vector<PeerSet::NodeAddress> given;
   for (const auto& n : nodes)
     if (n.node() != registry.node() || n.transport_address() != registry.transportAddress())
@@ -39,7 +39,8 @@ Status checkNodes(const PeerSet& peers, const Registry& registry,
   const auto left =
       std::chrono::duration_cast<std::chrono::milliseconds>(ctx.deadline() - std::chrono::system_clock::now());
   const auto margin = std::clamp(left / 10, std::chrono::milliseconds(10), std::chrono::milliseconds(1000));
-  return peers.checkTransportAddresses(given, std::chrono::steady_clock::now() + (left - margin));
+  return peers.checkTransportAddresses(given, std::chrono::steady_clock::now() + (left - margin),
+                                       [&ctx] { return ctx.IsCancelled(); });
 }
 
 // A wait a client asks for (`timeout_ms` of `call`), refused above the daemon's --max-wait-ms:

@@ -139,3 +139,19 @@ TEST_CASE("transport addresses: a daemon address that is not one of the cluster'
   Cluster d(0, 0ms);
   CHECK(d.check("transport-9", 5s, "127.0.0.1:1").code() == absl::StatusCode::kInvalidArgument);
 }
+
+TEST_CASE(
+    "transport addresses: the wait ends after a few peer timeouts whatever the call's deadline, and with its caller",
+    "[daemon][peers]") {
+  // A node that never answers, asked under a deadline an hour away: refused by name once four peer
+  // timeouts (at least 1 s each) have passed, not an hour later.
+  Cluster c(/*late=*/1000000, /*delay=*/300ms);
+  const Status st = c.check("transport-1", std::chrono::hours(1));
+  CHECK(st.code() == absl::StatusCode::kUnavailable);
+  CHECK_THAT(std::string(st.message()), Catch::Contains("node \"n1\" has not described itself"));
+  // A caller that has gone ends the wait at the next round.
+  Cluster d(/*late=*/1000000, /*delay=*/300ms);
+  const Status gone = d.peers->checkTransportAddresses({{"n1", "transport-1", d.address}},
+                                                       Clock::now() + std::chrono::hours(1), [] { return true; });
+  CHECK(gone.code() == absl::StatusCode::kCancelled);
+}
