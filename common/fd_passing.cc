@@ -58,6 +58,9 @@ StatusOr<std::string> handOverFds(const std::string& channel_path, const std::ve
                                               peer.uid, " (pid ", peer.pid,
                                               "), not by root, this process's uid or a daemon uid allowed: not "
                                               "handing it descriptors"));
+  // The answer comes at once unless the channel is busy with other connections: a bounded wait.
+  const timeval wait{kAnswerWaitSeconds, 0};
+  ::setsockopt(s.get(), SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof(wait));
   char header[kHeaderBytes] = {
       kMagic[0], kMagic[1], kMagic[2], kMagic[3], static_cast<char>(kFdChannelVersion), static_cast<char>(fds.size()),
       0,         0};
@@ -82,6 +85,9 @@ StatusOr<std::string> handOverFds(const std::string& channel_path, const std::ve
   while (answer.find('\n') == std::string::npos && answer.size() < 4096) {
     const ssize_t n = ::read(s.get(), buf, sizeof(buf));
     if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+      return absl::DeadlineExceededError(strCat("the daemon's descriptor channel ", quote(channel_path),
+                                                " did not answer within ", kAnswerWaitSeconds, " s"));
     if (n <= 0) break;
     answer.append(buf, static_cast<size_t>(n));
   }

@@ -38,6 +38,8 @@ class OwnedFd {
 // random, for one registration of the sender's uid) or "error <why>\n", and closes.
 inline constexpr uint8_t kFdChannelVersion = 1;
 inline constexpr int kMaxHandedFds = 64;
+// How long a client waits for the daemon's answer (it may wait behind other connections).
+inline constexpr int kAnswerWaitSeconds = 10;
 std::string fdChannelPath(const std::string& socket);
 
 // Client side: hands `fds` (duplicated by the kernel; the caller keeps its own) to the daemon

@@ -223,6 +223,7 @@ StatusOr<std::unique_ptr<CudaIpcMapping>> EmulatedGpus::importAllocations(std::v
         : gpus_(gpus), base_(base), size_(size), fds_(std::move(fds)), bytes_(std::move(bytes)) {}
     ~Mapping() override {
       if (registered_) gpus_->removeRange(static_cast<std::byte*>(base_));
+      guards_.clear();  // before the unmap: the range may be reused at once
       ::munmap(base_, size_);
     }
     void* data() const override { return base_; }
@@ -230,6 +231,10 @@ StatusOr<std::unique_ptr<CudaIpcMapping>> EmulatedGpus::importAllocations(std::v
     // A memfd can be truncated by its owner, as a segment can (a cuMem allocation cannot shrink).
     Status check() const override {
       for (size_t i = 0; i < fds_.size(); ++i) {
+        if (i < guards_.size() && guards_[i]->faulted())
+          return absl::FailedPreconditionError(strCat("emulated cuMem allocation ", i,
+                                                      " was truncated by its owner while the daemon read or wrote it: "
+                                                      "register the rank again"));
         struct stat st {};
         if (::fstat(fds_[i].get(), &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes_[i])
           return absl::FailedPreconditionError(strCat("emulated cuMem allocation ", i, " was truncated to ", st.st_size,
@@ -243,6 +248,8 @@ StatusOr<std::unique_ptr<CudaIpcMapping>> EmulatedGpus::importAllocations(std::v
         if (::mmap(static_cast<std::byte*>(base_) + at, bytes_[i], PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
                    fds_[i].get(), 0) == MAP_FAILED)
           return absl::InvalidArgumentError(strCat("allocation ", i, ": mmap: ", std::strerror(errno)));
+        // Its owner can shrink the memfd (a cuMem allocation cannot shrink): guarded as segments are.
+        guards_.push_back(std::make_unique<TruncationGuard>(static_cast<std::byte*>(base_) + at, bytes_[i]));
         at += bytes_[i];
       }
       return absl::OkStatus();
@@ -255,6 +262,7 @@ StatusOr<std::unique_ptr<CudaIpcMapping>> EmulatedGpus::importAllocations(std::v
     size_t size_;
     std::vector<OwnedFd> fds_;
     std::vector<uint64_t> bytes_;
+    std::vector<std::unique_ptr<TruncationGuard>> guards_;  // one per allocation, removed before the unmap
   };
   auto mapping = std::make_unique<Mapping>(this, base, total, std::move(fds), allocation_bytes);
   SC_RETURN_IF_ERROR(mapping->map());

@@ -165,6 +165,10 @@ bool faulted(int slot) { return slot >= 0 && slots[slot].faulted.load(std::memor
 
 }  // namespace
 
+TruncationGuard::TruncationGuard(void* data, size_t size) : slot_(guard::add(data, size)) {}
+TruncationGuard::~TruncationGuard() { guard::remove(slot_); }
+bool TruncationGuard::faulted() const { return guard::faulted(slot_); }
+
 StatusOr<ShmSegment> ShmSegment::create(const std::string& name, size_t size, bool unlink_on_close) {
   SC_RETURN_IF_ERROR(checkName(name));
   if (size == 0) return absl::InvalidArgumentError(strCat("shm segment \"", name, "\": size 0"));

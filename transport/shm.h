@@ -55,4 +55,20 @@ class ShmSegment {
   int guard_ = -1;  // opened segments: the truncation guard's slot (shm.cc)
 };
 
+// A shared mapping of a file its owner can shrink under it (an emulated GPU's memfd, standing in
+// for a cuMem allocation): registered with the truncation guard that opened segments use, so a
+// SIGBUS from touching it past the file's new end turns the range into private zero pages and is
+// reported by faulted() instead of ending the process. Remove (destroy) it before unmapping.
+class TruncationGuard {
+ public:
+  TruncationGuard(void* data, size_t size);
+  ~TruncationGuard();
+  TruncationGuard(const TruncationGuard&) = delete;
+  TruncationGuard& operator=(const TruncationGuard&) = delete;
+  bool faulted() const;
+
+ private:
+  int slot_ = -1;
+};
+
 }  // namespace shardcast::transport

@@ -687,3 +687,34 @@ TEST_CASE(
   CHECK(client->checkSession().ok());
   CHECK(client->unregisterRank("cg", 0).ok());
 }
+
+TEST_CASE(
+    "emulated GPUs: a handed-over allocation its owner shrinks fails the sync naming the rank, the daemon stays up",
+    "[daemon][emulated-gpu]") {
+  const int port = freePort();
+  Daemon d("n0", port, {}, {"--emulate-gpus", "1"});
+  REQUIRE(d.ready());
+  const char* src_json = R"({"group":"ts","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
+    {"name":"w","shape":[6000],"dtype":"int32"}]})";
+  const char* dst_json = R"({"group":"td","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
+    {"name":"w","shape":[6000],"dtype":"int32"}]})";
+  const auto src_proto = *planner::parseLayoutJson(src_json, "ts");
+  const auto dst_proto = *planner::parseLayoutJson(dst_json, "td");
+  planner::NodeTable nodes;
+  AllocationRank src(*planner::resolveLayout(src_proto, nodes), 0), dst(*planner::resolveLayout(dst_proto, nodes), 0);
+  v1::RegisterResponse resp;
+  REQUIRE(d.client()->Register(ctx().get(), src.request(d, src_proto, 0, 1, v1::ROLE_SOURCE, 1, 0), &resp).ok());
+  REQUIRE(d.client()->Register(ctx().get(), dst.request(d, dst_proto, 0, 1, v1::ROLE_DESTINATION, 0, 0), &resp).ok());
+  REQUIRE(::ftruncate(dst.fds[1].get(), 0) == 0);  // the owner frees the second allocation
+  v1::SyncRequest sync;
+  sync.set_src_group("ts");
+  sync.set_dst_group("td");
+  sync.set_version(1);
+  v1::SyncResponse out;
+  const auto st = d.client()->Sync(ctx(60).get(), sync, &out);
+  CHECK_FALSE(st.ok());
+  CHECK_THAT(st.error_message(), Catch::Contains("rank 0") && Catch::Contains("emulated cuMem allocation 1 was "
+                                                                              "truncated to 0 bytes"));
+  v1::StatusResponse s;
+  CHECK(d.client()->Status(ctx().get(), v1::StatusRequest(), &s).ok());  // still serving
+}

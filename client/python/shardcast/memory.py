@@ -61,6 +61,7 @@ def _nbytes(value: Any) -> int:
 # "SCFD", version 1, the count, two zero bytes, the descriptors attached (SCM_RIGHTS); one line back.
 _FD_CHANNEL_VERSION = 1
 MAX_HANDED_FDS = 64
+_ANSWER_WAIT_S = 10
 
 
 def fd_channel_path(socket_path: str) -> str:
@@ -86,9 +87,14 @@ def hand_over(socket_path: str, fds: Sequence[int], daemon_uids: Sequence[int] =
             raise PermissionError(f"the daemon's descriptor channel {path!r} is served by uid {uid} (pid {pid}), not "
                                   "by root, this process's uid or a daemon uid allowed: not handing it descriptors")
         socket.send_fds(s, [b"SCFD" + bytes([_FD_CHANNEL_VERSION, len(fds), 0, 0])], list(fds))
+        s.settimeout(_ANSWER_WAIT_S)  # the answer comes at once unless the channel is busy with others
         answer = b""
         while b"\n" not in answer and len(answer) < 4096:
-            chunk = s.recv(512)
+            try:
+                chunk = s.recv(512)
+            except socket.timeout:
+                raise TimeoutError(f"the daemon's descriptor channel {path!r} did not answer within "
+                                   f"{_ANSWER_WAIT_S} s") from None
             if not chunk:
                 break
             answer += chunk
