@@ -74,6 +74,12 @@ StatusOr<std::vector<OwnedFd>> HandedFds::take(const std::string& token, uid_t u
   return fds;
 }
 
+void HandedFds::sweep(std::chrono::steady_clock::time_point now) {
+  std::vector<Entry> dropped;  // closed after mu_ is released (declared before the lock)
+  std::lock_guard<std::mutex> lock(mu_);
+  expire(now, &dropped);
+}
+
 size_t HandedFds::pending() const {
   std::lock_guard<std::mutex> lock(mu_);
   return by_token_.size();

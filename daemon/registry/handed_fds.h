@@ -33,6 +33,9 @@ class HandedFds {
   // The descriptors behind `token`, once: only `uid`'s own token (any uid's with `any_owner`, root).
   StatusOr<std::vector<OwnedFd>> take(const std::string& token, uid_t uid, bool any_owner);
   size_t pending() const;
+  // Closes the tokens unclaimed for longer than kUnclaimedFor at `now` (the side channel calls it
+  // while idle, so expiry does not wait for the next hand-over or registration).
+  void sweep(std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
 
  private:
   struct Entry {

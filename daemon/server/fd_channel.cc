@@ -65,10 +65,15 @@ void FdChannel::stop() {
 void FdChannel::run() {
   pollfd fds[2] = {{fd_, POLLIN, 0}, {wake_, POLLIN, 0}};
   while (true) {
-    if (::poll(fds, 2, -1) < 0) {
+    const int ready = ::poll(fds, 2, kSweepEveryMs);
+    if (ready < 0) {
       if (errno == EINTR) continue;
       spdlog::error("unix:{}: poll: {}", path_, std::strerror(errno));
       return;
+    }
+    if (ready == 0) {  // idle: tokens unclaimed too long are closed now, not at the next hand-over
+      handed_.sweep();
+      continue;
     }
     if (fds[1].revents) return;
     OwnedFd c(::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC));  // blocking: answered under SO_RCVTIMEO

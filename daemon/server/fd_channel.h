@@ -28,6 +28,7 @@ class FdChannel {
   const std::string& path() const { return path_; }
 
   static constexpr int kMessageWaitMs = 1000;
+  static constexpr int kSweepEveryMs = 30000;  // idle: expired tokens closed (HandedFds::sweep)
 
  private:
   FdChannel(std::string path, int fd, int wake, HandedFds& handed);

@@ -74,6 +74,23 @@ TEST_CASE("handed descriptors: a uid's oldest unclaimed token is closed past the
   CHECK(handed.pending() == daemon::HandedFds::kPerUid);
 }
 
+TEST_CASE("handed descriptors: a sweep closes tokens unclaimed for too long, and only those", "[daemon][fd-channel]") {
+  daemon::HandedFds handed;
+  std::vector<OwnedFd> fds;
+  fds.emplace_back(::memfd_create("shardcast-test-sweep", MFD_CLOEXEC));
+  const int fd = fds.back().get();
+  const auto token = handed.put(1000, std::move(fds));
+  REQUIRE(token.ok());
+  const auto now = std::chrono::steady_clock::now();
+  handed.sweep(now);  // not yet expired
+  CHECK(handed.pending() == 1);
+  CHECK(open(fd));
+  handed.sweep(now + daemon::HandedFds::kUnclaimedFor + std::chrono::seconds(1));
+  CHECK(handed.pending() == 0);
+  CHECK_FALSE(open(fd));
+  CHECK(handed.take(*token, 1000, false).status().code() == absl::StatusCode::kNotFound);
+}
+
 TEST_CASE("handed descriptors: a message whose count disagrees with its descriptors is refused, none kept open",
           "[daemon][fd-channel]") {
   int pair[2];
