@@ -243,6 +243,11 @@ bool PeerSet::forgottenLocked(const std::string& address, std::chrono::steady_cl
          now - since->second >= std::chrono::milliseconds(config_.peer_lease_ms);
 }
 
+void PeerSet::forgetSilence() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  silent_since_.clear();
+}
+
 void PeerSet::noteSilent(const std::string& address, std::chrono::steady_clock::time_point asked) const {
   std::lock_guard<std::mutex> lock(mu_);
   answered_[address] = false;

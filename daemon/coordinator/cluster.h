@@ -93,6 +93,11 @@ class PeerSet {
   // A call other than Describe to `address`, made at `asked`, got no answer (a sync that skipped
   // the gather): its lease runs from then, as after a Describe that got none.
   void noteSilent(const std::string& address, std::chrono::steady_clock::time_point asked) const;
+  // Forgets every peer's silence so far: the Describes a starting daemon sends (to find another
+  // daemon serving its node) reach peers that are starting too, and their silence then must not
+  // run toward their lease (a peer forgotten gets 100 ms at a gather: 64 daemons starting on a
+  // loaded machine took over --peer-lease-ms, and a first gather left out peers that answered).
+  void forgetSilence() const;
 
  private:
   // Silent past its lease (mu_ held).

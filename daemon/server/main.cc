@@ -181,6 +181,7 @@ int main(int argc, char** argv) {
       if (v.described.ok() && v.described->node() == config->node)
         return fail("another shardcastd (at " + v.address + ") already serves node \"" + config->node +
                     "\": give every daemon its own --node");
+  peers.forgetSilence();  // peers starting with this one were not silent, only not up yet
   Metrics metrics(config->metrics_names);
   PeerLimits peer_limits;
   peer_limits.max_lease = std::chrono::milliseconds(config->max_sync_lease_ms);
