@@ -58,7 +58,10 @@ bool PeerClient::cancelAll() {
 // for the sync's replica deadline, when shorter).
 class SyncCoordinator::LeaseKeeper {
  public:
-  explicit LeaseKeeper(SyncCoordinator& c) : c_(c), answered_(c.cluster_->addresses.size(), Clock::now()) {
+  explicit LeaseKeeper(SyncCoordinator& c)
+      : c_(c),
+        answered_(c.cluster_->addresses.size(), Clock::now()),
+        unanswered_since_(answered_.size(), Clock::time_point::max()) {
     // A node holding only replicas of a set may be silent for the sync's replica deadline at most.
     // (At least 200 ms: below it every replica node would look silent between two polls.)
     const auto deadline = c.req_.options().replica_deadline_ms() == 0
@@ -110,9 +113,14 @@ class SyncCoordinator::LeaseKeeper {
       // A poll waits for answers until the first node's allowed silence runs out (a period at
       // least, half the shortest silence at most), and one that had to wait for a silent node
       // polls again at once: a node is found silent when its silence runs out, not a poll later.
-      auto first_end = answered_[0] + allowance(0);
-      for (size_t i = 1; i < answered_.size(); ++i) first_end = std::min(first_end, answered_[i] + allowance(i));
-      const auto wait = std::clamp(std::chrono::duration_cast<milliseconds>(first_end - Clock::now()), period,
+      const auto sent = Clock::now();
+      const auto silentSince = [&](size_t i) {  // if it leaves this poll unanswered
+        return unanswered_since_[i] != Clock::time_point::max() ? unanswered_since_[i]
+                                                                : std::max(answered_[i], sent - period);
+      };
+      auto first_end = silentSince(0) + allowance(0);
+      for (size_t i = 1; i < answered_.size(); ++i) first_end = std::min(first_end, silentSince(i) + allowance(i));
+      const auto wait = std::clamp(std::chrono::duration_cast<milliseconds>(first_end - sent), period,
                                    std::max(period, shortest / 2));
       // Not through the sync's PeerClient: these calls go on after the sync is given up (its
       // calls cancelled), until the coordinator is done with it. Through the sync's relay tree:
@@ -152,13 +160,22 @@ class SyncCoordinator::LeaseKeeper {
       }
       std::string silent;
       pause = period;
+      // A node's silence counts from its last answer, but a poll the coordinator sent later than
+      // a period after it (not scheduled meanwhile: a loaded machine) counts it from the poll less
+      // a period: a healthy node is not found silent for the coordinator's own delay.
       for (size_t i = 0; i < st.size(); ++i) {
         if (st[i].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) pause = milliseconds(0);
         // NOT_FOUND: the daemon answers (the sync is not prepared there yet, or over).
-        if (st[i].ok() || st[i].error_code() == grpc::StatusCode::NOT_FOUND) answered_[i] = Clock::now();
+        if (st[i].ok() || st[i].error_code() == grpc::StatusCode::NOT_FOUND) {
+          answered_[i] = Clock::now();
+          unanswered_since_[i] = Clock::time_point::max();
+        } else {
+          unanswered_since_[i] = silentSince(i);
+        }
         if (st[i].ok()) c_.record(i, got[i].bytes_received(), got[i].bytes_sent());
         prepared_[i] = prepared_[i] || st[i].ok();  // the attempt is open there
-        if (Clock::now() - answered_[i] > allowance(i) && silent.empty())
+        if (unanswered_since_[i] != Clock::time_point::max() && Clock::now() - unanswered_since_[i] > allowance(i) &&
+            silent.empty())
           silent = c_.cluster_->view.daemons()[i].node();
       }
       lock.lock();
@@ -184,10 +201,11 @@ class SyncCoordinator::LeaseKeeper {
   }
 
   SyncCoordinator& c_;
-  std::vector<Clock::time_point> answered_;
-  std::vector<std::chrono::milliseconds> silence_;  // per daemon: how long it may stay silent
-  std::chrono::milliseconds unprepared_{0};         // a folded sync: before its attempt is open there
-  std::vector<bool> prepared_;                      // per daemon: it answered for the open attempt
+  std::vector<Clock::time_point> answered_;          // per daemon: its last answer (the sync's start before one)
+  std::vector<Clock::time_point> unanswered_since_;  // per daemon: since when it is silent (max: it answered)
+  std::vector<std::chrono::milliseconds> silence_;   // per daemon: how long it may stay silent
+  std::chrono::milliseconds unprepared_{0};          // a folded sync: before its attempt is open there
+  std::vector<bool> prepared_;                       // per daemon: it answered for the open attempt
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool running_ = true;
