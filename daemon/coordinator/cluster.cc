@@ -139,27 +139,27 @@ Status PeerSet::checkTransportAddresses(const std::vector<NodeAddress>& nodes,
                                     4 * std::chrono::milliseconds(std::max(config_.peer_timeout_ms, 1000)));
   while (!pending.empty()) {
     if (cancelled && cancelled()) return absl::CancelledError("the call checking transport addresses ended");
-    {
-      // One round of lookups at a time: a caller that waited finds what the round before it
-      // learned (at a first sync every daemon asks about its peers at once).
-      std::lock_guard<std::mutex> looking(lookup_mu_);
-      pending = unconfirmed();
-      if (pending.empty()) break;
-      const std::vector<std::string> ask = whereToAsk(pending, &everywhere);
-      if (!ask.empty()) {
-        std::vector<v1::DescribeResponse> responses;
-        const auto statuses = describe(ask, &responses, /*syncs=*/false, {}, deadline);
-        for (size_t i = 0; i < ask.size(); ++i) {
-          if (!statuses[i].ok()) {
-            last_error = strCat("peer ", ask[i], ": ", statuses[i].error_message());
-            continue;
-          }
-          // The node's own answer (over mutual TLS) with another address: refused at once.
-          for (const NodeAddress* p : pending)
-            if (responses[i].node() == p->node && responses[i].transport_address() != p->transport)
-              return absl::InvalidArgumentError(strCat("the transport address given for node ", quote(p->node),
-                                                       " is not the one that node describes to this daemon"));
+    // Addresses another check is asking now are not asked again: what that round learns is
+    // recorded as each answer comes (at a first sync every daemon asks about its peers at once),
+    // and a silent one holds up only the check that asked it.
+    const std::vector<std::string> ask = whereToAsk(pending, &everywhere);
+    if (!ask.empty()) {
+      std::vector<v1::DescribeResponse> responses;
+      const auto statuses = describe(ask, &responses, /*syncs=*/false, {}, deadline);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (const auto& a : ask) asking_.erase(a);
+      }
+      for (size_t i = 0; i < ask.size(); ++i) {
+        if (!statuses[i].ok()) {
+          last_error = strCat("peer ", ask[i], ": ", statuses[i].error_message());
+          continue;
         }
+        // The node's own answer (over mutual TLS) with another address: refused at once.
+        for (const NodeAddress* p : pending)
+          if (responses[i].node() == p->node && responses[i].transport_address() != p->transport)
+            return absl::InvalidArgumentError(strCat("the transport address given for node ", quote(p->node),
+                                                     " is not the one that node describes to this daemon"));
       }
     }
     pending = unconfirmed();
@@ -221,10 +221,12 @@ std::vector<std::string> PeerSet::whereToAsk(const std::vector<const NodeAddress
   std::lock_guard<std::mutex> lock(mu_);
   const auto now = std::chrono::steady_clock::now();
   std::vector<std::string> ask;
-  const auto take = [&](const std::string& a) {  // at most once per kAskEvery, whoever asks
+  const auto take = [&](const std::string& a) {  // at most once per kAskEvery, whoever asks; not while asked
+    if (asking_.count(a)) return;
     auto [asked, added] = looked_up_.try_emplace(a, now);
     if (!added && now - asked->second < kAskEvery) return;
     asked->second = now;
+    asking_.insert(a);
     ask.push_back(a);
   };
   for (const auto& a : where) take(a);
@@ -280,12 +282,21 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
                                  std::chrono::milliseconds(1), deadline[i]);
     }
   }
-  auto statuses =
-      fanOut(contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms),
-             [&](size_t i, grpc::ClientContext& c, CallDone done) {
-               c.set_deadline(std::chrono::system_clock::now() + deadline[i]);
-               v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &request, &(*responses)[i], std::move(done));
-             });
+  // What each peer says of itself is known as soon as it answers: a check waiting on another
+  // caller's round (checkTransportAddresses) does not wait for that round's slowest peer.
+  const auto learn = [&](size_t i, const grpc::Status& st) {
+    if (!st.ok()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    nodes_[addrs[i]] = (*responses)[i].node();
+    transports_[(*responses)[i].node()] = (*responses)[i].transport_address();
+  };
+  auto statuses = fanOut(
+      contexts, std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms),
+      [&](size_t i, grpc::ClientContext& c, CallDone done) {
+        c.set_deadline(std::chrono::system_clock::now() + deadline[i]);
+        v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &request, &(*responses)[i], std::move(done));
+      },
+      learn);
   // A channel to a peer that restarted within the last second may still be backing off from the
   // calls that failed while it was down: gRPC then fails a call at once, UNAVAILABLE, without
   // trying. Ask those once more on a fresh channel (a peer that is really down refuses again, as
@@ -305,7 +316,8 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
           const size_t i = again[k];
           c.set_deadline(std::chrono::system_clock::now() + deadline[i]);
           v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &request, &(*responses)[i], std::move(done));
-        });
+        },
+        [&](size_t k, const grpc::Status& st) { learn(again[k], st); });
     for (size_t k = 0; k < again.size(); ++k) statuses[again[k]] = retried[k];
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -328,12 +340,7 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
     // A fresh channel next time: a restarted peer is then reached without reconnect backoff.
     if (code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED) channels_.erase(addrs[i]);
   }
-  // What each peer says of itself, then what the others know of peers this daemon never reached.
-  for (size_t i = 0; i < n; ++i)
-    if (statuses[i].ok()) {
-      nodes_[addrs[i]] = (*responses)[i].node();
-      transports_[(*responses)[i].node()] = (*responses)[i].transport_address();
-    }
+  // What the others know of peers this daemon never reached.
   for (size_t i = 0; i < n; ++i)
     if (statuses[i].ok())
       for (const auto& [address, node] : (*responses)[i].peer_nodes()) nodes_.emplace(address, node);

@@ -108,9 +108,10 @@ class PeerSet {
       const std::vector<std::string>& addrs, std::vector<v1::DescribeResponse>* responses, bool syncs = false,
       const std::map<std::string, std::chrono::milliseconds>& briefly = {},
       std::chrono::steady_clock::time_point until = std::chrono::steady_clock::time_point::max()) const;
-  // checkTransportAddresses: where to ask next for the nodes of `pending` (lookup_mu_ held, not mu_).
-  // A node known nowhere is looked for among every peer only while `*everywhere` is true, which
-  // this then clears: once per check, not every round.
+  // checkTransportAddresses: where to ask next for the nodes of `pending` (mu_ not held), marked as
+  // being asked (asking_) until the caller's round is over. A node known nowhere is looked for
+  // among every peer only while `*everywhere` is true, which this then clears: once per check,
+  // not every round.
   std::vector<std::string> whereToAsk(const std::vector<const NodeAddress*>& pending, bool* everywhere) const;
 
   DaemonConfig config_;
@@ -123,8 +124,8 @@ class PeerSet {
   mutable std::vector<std::string> current_;                                           // the last addresses() found
   mutable std::chrono::steady_clock::time_point current_at_{};                         // and when
   mutable std::map<std::string, std::string> transports_;  // node -> the transport address it described
-  mutable std::mutex lookup_mu_;  // checkTransportAddresses: one round of lookups at a time (before mu_)
   mutable std::map<std::string, std::chrono::steady_clock::time_point> looked_up_;  // address -> asked then
+  mutable std::set<std::string> asking_;  // addresses a checkTransportAddresses round is asking now
 };
 
 // Groups as registered across the cluster.

@@ -6,6 +6,8 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <condition_variable>
+#include <future>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -24,8 +26,11 @@ using Clock = std::chrono::steady_clock;
 class LatePeer final : public v1::Peer::Service {
  public:
   grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse* out) override {
-    if (++calls_ <= late) std::this_thread::sleep_for(delay);
-    out->set_node("n1");
+    if (++calls_ <= late) {
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_.wait_for(lock, delay, [&] { return released_; });
+    }
+    out->set_node(node);
     out->set_instance("late-peer");
     out->set_transport_address(transport());
     return grpc::Status::OK;
@@ -40,39 +45,71 @@ class LatePeer final : public v1::Peer::Service {
     transport_ = std::move(t);
   }
 
+  // Late calls answer at once from now on.
+  void release() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      released_ = true;
+    }
+    wake_.notify_all();
+  }
+
+  std::string node = "n1";
   int late = 0;
   std::chrono::milliseconds delay{0};
 
  private:
   std::atomic<int> calls_{0};
   mutable std::mutex mu_;
+  std::condition_variable wake_;
+  bool released_ = false;
   std::string transport_ = "transport-1";
 };
 
-// The peer served on 127.0.0.1, and a PeerSet of daemon "n0" whose only peer it is.
-struct Cluster {
-  explicit Cluster(int late, std::chrono::milliseconds delay) {
-    peer.late = late;
-    peer.delay = delay;
+// A Describe-only peer served on 127.0.0.1.
+struct Served {
+  explicit Served(LatePeer& peer) {
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     builder.RegisterService(&peer);
     server = builder.BuildAndStart();
     address = "127.0.0.1:" + std::to_string(port);
+  }
+  ~Served() { server->Shutdown(std::chrono::system_clock::now() + 100ms); }
+  std::unique_ptr<grpc::Server> server;
+  std::string address;
+};
+
+// The peer served on 127.0.0.1, and a PeerSet of daemon "n0" whose only peer it is (with
+// `silent_too`, node "n2" as well, which answers no Describe within a peer timeout of 4 s).
+struct Cluster {
+  explicit Cluster(int late, std::chrono::milliseconds delay, bool silent_too = false) {
+    peer.late = late;
+    peer.delay = delay;
+    served = std::make_unique<Served>(peer);
+    address = served->address;
     config.node = "n0";
     config.peers = {address};
     config.peer_timeout_ms = 200;
+    if (silent_too) {
+      silent.node = "n2";
+      silent.late = 1000000;
+      silent.delay = 60s;
+      silent_served = std::make_unique<Served>(silent);
+      config.peers.push_back(silent_served->address);
+      config.peer_timeout_ms = 4000;
+    }
     peers = std::make_unique<daemon::PeerSet>(config, "n0-instance");
   }
-  ~Cluster() { server->Shutdown(std::chrono::system_clock::now() + 100ms); }
+  ~Cluster() { silent.release(); }
 
   Status check(const std::string& transport, std::chrono::milliseconds within, std::string at = "") const {
     return peers->checkTransportAddresses({{"n1", transport, at.empty() ? address : at}}, Clock::now() + within);
   }
 
-  LatePeer peer;
-  std::unique_ptr<grpc::Server> server;
+  LatePeer peer, silent;
+  std::unique_ptr<Served> served, silent_served;  // served before `peers`, shut down after
   std::string address;
   daemon::DaemonConfig config;
   std::unique_ptr<daemon::PeerSet> peers;
@@ -154,4 +191,26 @@ TEST_CASE(
   const Status gone = d.peers->checkTransportAddresses({{"n1", "transport-1", d.address}},
                                                        Clock::now() + std::chrono::hours(1), [] { return true; });
   CHECK(gone.code() == absl::StatusCode::kCancelled);
+}
+
+TEST_CASE("transport addresses: a node that never answers holds up only the checks that need it", "[daemon][peers]") {
+  // A Prepare whose peers include a frozen node waits for it (up to the deadline); a Prepare of
+  // another sync, needing only nodes that answer, must not wait behind it: the frozen node's
+  // neighbours were cut as silent from a replica set that way. Both checks need n1, which answers
+  // at once; the first needs n2 as well, which does not answer within the peer timeout (4 s).
+  Cluster c(0, 0ms, /*silent_too=*/true);
+  std::atomic<bool> first_done{false};
+  auto first = std::async(std::launch::async, [&] {
+    const Status st = c.peers->checkTransportAddresses(
+        {{"n1", "transport-1", c.address}, {"n2", "transport-1", c.silent_served->address}}, Clock::now() + 4s);
+    first_done = true;
+    return st;
+  });
+  while (c.silent.calls() == 0) std::this_thread::sleep_for(5ms);  // the first check's round has begun
+  CHECK(c.peers->checkTransportAddresses({{"n1", "transport-1", c.address}}, Clock::now() + 30s).ok());
+  CHECK_FALSE(first_done);     // answered while the first still waits for n2
+  CHECK(c.peer.calls() == 1);  // n1 was asked once, by the first check's round
+  const Status st = first.get();
+  CHECK(st.code() == absl::StatusCode::kUnavailable);
+  CHECK_THAT(std::string(st.message()), Catch::Contains("node \"n2\" has not described itself"));
 }
