@@ -21,7 +21,10 @@ n1 serves vLLM (double-buffered).
 After every step each worker's registered bytes are that step's (strict), and what the boxes say
 a sync writes (every parameter element by exactly one tensor, or padding) is recorded with the
 daemon's plan. Each step's weights are saved to OUT/step-N. Prints one JSON result.
-Usage: python run_recovery.py MODEL TP OUT"""
+
+With DP > 1 the server runs that many data-parallel engines (--data-parallel-size), each one
+replica of the set "vllm" (`data_parallel`): the same cases, two of the refusals, and no figures.
+Usage: python run_recovery.py MODEL TP OUT [DP]"""
 
 from __future__ import annotations
 
@@ -37,6 +40,9 @@ import time
 
 def main() -> None:
     model_dir, tp, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    dp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    # The groups vLLM's workers register on n1: one of TP ranks, or one per data-parallel engine.
+    vllm_groups = {"vllm": tp} if dp == 1 else {f"vllm.r{r}": tp for r in range(dp)}
     import requests
     import torch
     from vllm.distributed.weight_transfer.base import ModuleSource
@@ -72,7 +78,7 @@ def main() -> None:
 
     with LocalCluster(["n0", "n1"]) as cluster:
         log_path = os.path.join(out, "vllm-serve.log")
-        server, url = start_server(model_dir, tp, cluster.target("n1"), log_path)
+        server, url = start_server(model_dir, tp, cluster.target("n1"), log_path, dp=dp)
         try:
             served, client = Served(url=url, model=model_dir), Client(url)
             trainer = PlainTrainer(model_dir, out)
@@ -84,7 +90,8 @@ def main() -> None:
             def init(model, name_map=None):
                 return WeightTransferTrainerFactory.trainer_init(
                     ShardcastTrainerInitInfo(rank=0, daemon=cluster.target("n0"), timeout_s=60, double_buffer=True,
-                                             name_map=name_map), client=client, source=ModuleSource(model))
+                                             name_map=name_map, data_parallel=dp > 1),
+                    client=client, source=ModuleSource(model))
 
             def changed(edit):
                 model = copy.deepcopy(trainer.model)
@@ -105,6 +112,8 @@ def main() -> None:
                 "unknown name": (trainer.model, {"model.norm.weight": "model.final_norm.weight"}),
                 "left out": (trainer.model, {"model.norm.weight": None}),
             }
+            if dp > 1:  # the refusal paths are the same per engine: one by shape, one by name
+                refusals = {k: refusals[k] for k in ("longer", "unknown name")}
             for what, (model, name_map) in refusals.items():
                 try:
                     accepted = init(model, name_map)
@@ -137,9 +146,10 @@ def main() -> None:
             client.before["update_weights"] = lambda: result.setdefault("served_landed", served.generate())
             engine.send_weights()
             client.before["update_weights"] = None
+            result["replicas_1"] = dict(getattr(engine, "replicas", {}))
             after(1)
-            with shardcast.Client(cluster.target("n0")) as c:
-                result["plan_bytes_needed"] = c.plan("trainer", "vllm")["bytes_needed"]
+            with shardcast.Client(cluster.target("n0")) as c:  # what the plan of one replica writes
+                result["plan_bytes_needed"] = c.plan("trainer", "vllm" if dp == 1 else "vllm.r0")["bytes_needed"]
 
             # The user's own calls: an update to a version that never comes.
             requests.post(f"{url}/start_weight_update", timeout=60).raise_for_status()
@@ -149,6 +159,7 @@ def main() -> None:
             result["served_after_missing"] = served.generate()
             trainer.train(2)
             engine.send_weights()
+            result["replicas_2"] = dict(getattr(engine, "replicas", {}))
             after(2)
 
             # n1 frozen as the update starts, killed while the sync waits on it.
@@ -169,23 +180,26 @@ def main() -> None:
             result["served_after_kill"] = served.generate()
             cluster.restart("n1")
             deadline = time.monotonic() + 60
-            while groups("n1").get("vllm", 0) < tp:
+            while groups("n1") != vllm_groups:
                 if time.monotonic() > deadline:
-                    raise RuntimeError("the vLLM workers did not re-register with the restarted daemon in 60 s")
+                    raise RuntimeError(f"the vLLM workers did not re-register with the restarted daemon in 60 s: "
+                                       f"{groups('n1')}, expected {vllm_groups}")
                 time.sleep(0.2)
             mark("re-registered")
             trainer.train(4)
             engine.send_weights()
+            result["replicas_4"] = dict(getattr(engine, "replicas", {}))
             after(4)
             result["weight_version"] = requests.get(f"{url}/weight_info", timeout=60).json()["weight_version"]
 
-            # What the reset costs: the engine's own time for it, from its log, and the first
-            # request of a long prompt after an update (its prefix computed again) against the
-            # same request once the prefix is cached.
-            engine.send_weights()
-            result["first_after_update_s"] = timed(lambda: served.generate_one(-1))
-            result["cached_s"] = timed(lambda: served.generate_one(-1))
-            result["finish_s"] = client.seconds.get("finish_weight_update", [])
+            if dp == 1:
+                # What the reset costs: the engine's own time for it, from its log, and the first
+                # request of a long prompt after an update (its prefix computed again) against the
+                # same request once the prefix is cached.
+                engine.send_weights()
+                result["first_after_update_s"] = timed(lambda: served.generate_one(-1))
+                result["cached_s"] = timed(lambda: served.generate_one(-1))
+                result["finish_s"] = client.seconds.get("finish_weight_update", [])
             engine.shutdown()
         finally:
             server.terminate()

@@ -211,29 +211,6 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
                 record["missing_version_error"] = str(e)
             record["served_after"] = served.generate()
             record["weight_version"] = llm.get_weight_version()
-        if mode == "serve-dp2":
-            # With data-parallel replicas too: an update of a version no replica can reach (the
-            # trainer has not synced it; each engine's catch-up finds no source holding it) fails
-            # on both engines through vLLM's HTTP routes, and the next step's update goes through,
-            # both replicas committed.
-            if rank == 0:
-                client.start_weight_update()
-                try:
-                    client.update_weights({"version": steps + 1, "timeout_s": 2})
-                    record["missing_version_error"] = ""
-                except Exception as e:  # requests' HTTPError, vLLM's reply in its response
-                    from shardcast.vllm.clients import error_text
-
-                    record["missing_version_error"] = error_text(e)
-            dist.barrier()
-            step_dir, _, _ = train_and_send(steps + 1)
-            if rank == 0:
-                record["recovered"] = {"served": served.generate(), "checks": served.check(step_dir),
-                                       "replicas": dict(getattr(engine, "replicas", {}))}
-                with shardcast.Client(target) as probe:
-                    record["recovered"]["groups"] = {g.group: [r.version for r in g.rank_states]
-                                                     for g in probe.status().groups}
-            dist.barrier()
         if mode == "offline" and tp != "1":
             # ... and, at TP >= 2, the next update goes through (every worker's reply to the failed
             # call was read, none is left for the next call to take as its own; at TP=1 there is

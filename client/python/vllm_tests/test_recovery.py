@@ -2,7 +2,8 @@
 that do not fit vLLM's loaders are refused by name, leaving nothing registered; no KV computed with
 old weights is served after an update; a failed update, a refused trainer_init and a daemon killed
 mid-update are each followed by an update that goes through. One server serves every case (it
-takes a minute to start at TP=2); each test checks one of them."""
+takes a minute to start at TP=2); each test checks one of them. The same again, fewer refusals,
+with two data-parallel engines as replicas (`run_dp`)."""
 
 from __future__ import annotations
 
@@ -110,3 +111,45 @@ def test_a_daemon_killed_mid_update_names_the_ranks_and_the_update_after_its_res
     assert run["served_after_kill"] == run["served_2"]
     assert run["served_4"] != run["served_2"]
     assert run["weight_version"] == "4"
+
+
+# ---- the same with data-parallel engines: `vllm serve --data-parallel-size 2` (TP=1 each), each
+# engine one replica of the set "vllm" ----
+
+DP = 2
+DP_GROUPS = {f"vllm.r{r}": 1 for r in range(DP)}
+BOTH_COMMITTED = {group: "" for group in DP_GROUPS}
+
+
+@pytest.fixture(scope="module")
+def run_dp(models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("recovery-dp")
+    return run_script("run_recovery.py", models["llama"], "1", str(out), str(DP), timeout=900)
+
+
+def test_data_parallel_a_refused_trainer_init_leaves_nothing_registered_and_the_next_registers_every_engine(run_dp):
+    error = refused(run_dp, "longer")
+    assert "checkpoint tensor 'model.layers.0.self_attn.q_proj.weight' (shape [300, 256])" in error, error
+    error = refused(run_dp, "unknown name")
+    assert "checkpoint tensor 'model.final_norm.weight' (shape [256]): no parameter" in error, error
+    assert run_dp["registered"] == {"n0": {"trainer": 1}, "n1": DP_GROUPS}
+
+
+@pytest.mark.parametrize("step", [1, 2, 4])
+def test_data_parallel_every_engine_takes_every_update_and_serves_no_kv_of_the_old_weights(run_dp, step):
+    assert run_dp[f"replicas_{step}"] == BOTH_COMMITTED, run_dp[f"replicas_{step}"]
+    assert run_dp[f"served_{step}"] == run_dp[f"recomputed_{step}"]
+    checks = run_dp[f"checks_{step}"]
+    assert checks and all(check["wrong"] == [] for check in checks), checks
+
+
+def test_data_parallel_a_failed_update_and_a_daemon_killed_mid_update_are_each_followed_by_one_that_goes_through(
+        run_dp):
+    missing = run_dp["missing_version"]
+    assert missing["status"] >= 400 and "version 99" in missing["reply"], missing
+    assert run_dp["served_after_missing"] == run_dp["served_1"]
+    assert run_dp["served_2"] != run_dp["served_1"]
+    assert run_dp["killed"], "send_weights returned while the daemon of both replicas was frozen, then killed"
+    assert run_dp["served_after_kill"] == run_dp["served_2"]
+    assert run_dp["served_4"] != run_dp["served_2"]
+    assert run_dp["weight_version"] == "4"

@@ -78,14 +78,8 @@ def test_fsdp2_trainer_into_vllm_serve_with_two_data_parallel_engines_as_replica
     assert "model.layers.0.self_attn.qkv_proj.weight" in paths["processed"]
     assert out["groups"]["vllm.r0"] == [2] and out["groups"]["vllm.r1"] == [2], out["groups"]
     assert [s["replicas"] for s in out["steps"]] == [{"vllm.r0": "", "vllm.r1": ""}] * 2, out["steps"]
-    # A failed update (a version no replica can reach) raises, naming it, and the next step's update
-    # goes through on both replicas.
-    assert "version 3" in out["missing_version_error"], out["missing_version_error"]
-    recovered = out["recovered"]
-    assert recovered["replicas"] == {"vllm.r0": "", "vllm.r1": ""}, recovered
-    assert recovered["groups"]["vllm.r0"] == [3] and recovered["groups"]["vllm.r1"] == [3], recovered["groups"]
-    assert recovered["checks"] and all(check["wrong"] == [] for check in recovered["checks"]), recovered["checks"]
-    assert recovered["served"] != out["steps"][-1]["served"]
+    # A failed update, a refused trainer_init and a daemon killed mid-update, each followed by an
+    # update that goes through on both engines: test_recovery.py's data-parallel run.
 
 
 def test_vllm_servers_as_replicas_one_joins_by_catch_up_one_dies_and_the_other_takes_the_step(models, tmp_path):
