@@ -121,3 +121,64 @@ def test_a_trainer_init_vllm_refuses_raises_on_every_rank_and_leaves_nothing_reg
                                         "rank(s) 0: RuntimeError: vLLM refuses checkpoint tensor 'w'"), got[rank]
         assert got[rank]["after_refusal"] == {}
         assert got[rank]["after_init"] == {"trainer": 2}
+
+
+class Server:
+    """Stands in for one inference server, with vLLM's session rules: a start while an update is
+    active is refused, an update of a version the workers do not hold raises and ends the session,
+    and a finish needs one open."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.session = False
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.calls.append("init")
+
+    def start_weight_update(self) -> None:
+        if self.session:
+            raise RuntimeError("start_weight_update called while a weight update is already active")
+        self.calls.append("start")
+        self.session = True
+
+    def update_weights(self, update_info: dict) -> None:
+        self.calls.append(f"update {update_info['version']}")
+        self.session = False  # this server's workers hold no version
+        raise RuntimeError(f"rank 0 did not receive version {update_info['version']}")
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        if not self.session:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update")
+        self.session = False
+
+
+def test_a_replica_whose_catch_up_fails_is_named_and_its_update_session_ends():
+    # add_replica opens the new server's update session before the catch-up: a catch-up that fails
+    # must end it (an update of the version, which raises on the workers), or the server refuses
+    # every later update ("already active").
+    import torch
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from shardcast.local import LocalCluster
+    from shardcast.vllm.clients import ReplicaClients
+    from shardcast.vllm.trainer import ShardcastTrainerInitInfo
+
+    with LocalCluster(["n0"]) as cluster:
+        engine = WeightTransferTrainerFactory.trainer_init(
+            ShardcastTrainerInitInfo(rank=0, daemon=cluster.target("n0"), timeout_s=5),
+            client=ReplicaClients([Server()]), source=ModuleSource(torch.nn.Linear(8, 8)))
+        try:
+            engine.version = 1  # as after a send_weights: no replica holds it, so no catch-up can
+            joining = Server()
+            try:
+                engine.add_replica(joining)
+                error = ""
+            except RuntimeError as e:
+                error = str(e)
+            assert error.startswith("shardcast: replica 1 of 'vllm' joined but did not catch up to version 1: "), error
+            assert "vLLM: rank 0 did not receive version 1" in error, error
+            assert joining.calls == ["init", "start", "update 1"] and not joining.session
+            joining.start_weight_update()  # the next update can start
+        finally:
+            engine.shutdown()

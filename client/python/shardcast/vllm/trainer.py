@@ -66,6 +66,19 @@ class ShardcastTrainerInitInfo(TrainerInitInfo):
     replica_deadline_s: Optional[float] = None
 
 
+def _end_session(client: Any, version: int) -> Optional[Exception]:
+    """Ends vLLM's update session after the bytes' move failed: update_weights on a version that did
+    not arrive raises on the workers (naming the rank and what it holds) and closes the session, so
+    the next update can start one. Returns that error; None when the workers do hold the version
+    (every byte arrived: the move failed after its commit), the update then finished."""
+    try:
+        with_reply(client.update_weights, {"version": version, "timeout_s": 1.0})
+    except Exception as e:
+        return e
+    with_reply(client.finish_weight_update, str(version))
+    return None
+
+
 @dataclass
 class _Entry:
     """One checkpoint tensor the trainer registers: parameter `param` whole, or its box `part`."""
@@ -334,18 +347,12 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
                                        wait_for_ranks=info.wait_for_ranks, min_replicas=info.min_replicas,
                                        replica_deadline=info.replica_deadline_s)
         except Exception as sync_error:
-            # vLLM's update session must end: update_weights on a version that did not arrive
-            # raises on the workers (naming the rank and what it holds) and closes the session,
-            # so the next send_weights can start one. Both errors are reported. (Workers that do
-            # hold the version, ready at it, got every byte: the sync failed after its commit.)
-            try:
-                with_reply(self.client.update_weights, {"version": version, "timeout_s": 1.0})
-            except Exception as update_error:
+            update_error = _end_session(self.client, version)  # both errors are reported
+            if update_error is not None:
                 raise RuntimeError(f"shardcast: version {version} did not reach {info.destination!r}: "
                                    f"sync: {sync_error}; vLLM: {update_error}") from sync_error
             _log.warning("shardcast: the sync of version %d into %r reported %s, yet the workers hold the "
-                         "version: finishing the update", version, info.destination, sync_error)
-            with_reply(self.client.finish_weight_update, str(version))
+                         "version: the update finished", version, info.destination, sync_error)
             self._count_updated(version)  # ReplicaClients: the servers that did not are named
             return
         self.replicas = {r.group: "" if r.committed else r.cut for r in resp.replicas}
@@ -403,17 +410,30 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         replica = add(client)
         if self.version > 0:
             group = replica_group(self.info.destination, replica)
+            failed = f"shardcast: replica {replica} of {self.info.destination!r} joined but did not catch up to " \
+                     f"version {self.version}"
             try:
                 # Inside vLLM's update session: no byte lands in a live parameter outside one.
                 with_reply(client.start_weight_update)
+            except Exception as e:
+                raise RuntimeError(f"{failed}: {e}") from e
+            try:
                 resp = self.shardcast.catch_up(group, self.info.group, self.version, timeout=self.info.timeout_s)
-                self.caught_up[group] = resp.seeded_from
+            except Exception as catch_up_error:
+                # The session must end, or the server refuses every later update.
+                update_error = _end_session(client, self.version)
+                if update_error is not None:
+                    raise RuntimeError(f"{failed}: {catch_up_error}; vLLM: {update_error}") from catch_up_error
+                _log.warning("%s reported %s, yet its workers hold the version: the update finished", failed,
+                             catch_up_error)
+                return replica
+            self.caught_up[group] = resp.seeded_from
+            try:  # an update that fails ends the session on the server; a finish always does
                 with_reply(client.update_weights, {"version": self.version, "timeout_s": self.info.timeout_s,
                                                    "source": self.info.group})
                 with_reply(client.finish_weight_update, str(self.version))
             except Exception as e:
-                raise RuntimeError(f"shardcast: replica {replica} of {self.info.destination!r} joined but did not "
-                                   f"catch up to version {self.version}: {e}") from e
+                raise RuntimeError(f"{failed}: {e}") from e
         return replica
 
     def shutdown(self) -> None:
