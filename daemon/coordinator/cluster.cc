@@ -13,6 +13,7 @@
 #include "common/strings.h"
 #include "common/tls.h"
 #include "daemon/registry/registry.h"
+#include "daemon/server/ucx_admission.h"
 
 namespace shardcast::daemon {
 
@@ -284,8 +285,10 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
   }
   // What each peer says of itself is known as soon as it answers: a check waiting on another
   // caller's round (checkTransportAddresses) does not wait for that round's slowest peer.
-  const auto learn = [&](size_t i, const grpc::Status& st) {
+  const auto learn = [&](size_t i, grpc::ClientContext& context, const grpc::Status& st) {
     if (!st.ok()) return;
+    // It answered over the authenticated control plane: its UCX connections come from there.
+    UcxAdmission::instance().notePeer(context.peer());
     std::lock_guard<std::mutex> lock(mu_);
     nodes_[addrs[i]] = (*responses)[i].node();
     transports_[(*responses)[i].node()] = (*responses)[i].transport_address();
@@ -296,7 +299,7 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
         c.set_deadline(std::chrono::system_clock::now() + deadline[i]);
         v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &request, &(*responses)[i], std::move(done));
       },
-      learn);
+      [&](size_t i, const grpc::Status& st) { learn(i, contexts[i], st); });
   // A channel to a peer that restarted within the last second may still be backing off from the
   // calls that failed while it was down: gRPC then fails a call at once, UNAVAILABLE, without
   // trying. Ask those once more on a fresh channel (a peer that is really down refuses again, as
@@ -317,7 +320,7 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
           c.set_deadline(std::chrono::system_clock::now() + deadline[i]);
           v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &request, &(*responses)[i], std::move(done));
         },
-        [&](size_t k, const grpc::Status& st) { learn(again[k], st); });
+        [&](size_t k, const grpc::Status& st) { learn(again[k], retry_contexts[k], st); });
     for (size_t k = 0; k < again.size(); ++k) statuses[again[k]] = retried[k];
   }
   std::lock_guard<std::mutex> lock(mu_);

@@ -19,6 +19,7 @@
 
 #include "common/strings.h"
 #include "common/tls.h"
+#include "daemon/server/ucx_admission.h"
 #include "planner/limits.h"
 
 namespace shardcast::daemon {
@@ -417,14 +418,21 @@ StatusOr<Caller> AccessPolicy::identify(const grpc::ServerContext& ctx) const {
 }
 
 Status AccessPolicy::isDaemon(const grpc::ServerContext& ctx) const {
-  if (insecure_) return absl::OkStatus();
   const std::string peer = ctx.peer();
+  // A daemon's UCX connections come from where it calls from: UCX's listeners take them.
+  if (insecure_) {
+    UcxAdmission::instance().notePeer(peer);
+    return absl::OkStatus();
+  }
   if (local_ && local_->credentials(peer))
     return absl::PermissionDeniedError("the Peer service is for daemons over TCP, not for local clients");
   const auto auth = ctx.auth_context();
   if (auth && auth->IsPeerAuthenticated())
     for (const auto& dns : property(*auth, GRPC_PEER_DNS_PROPERTY_NAME))  // DNS names only, not URI or IP SANs
-      if (dns == kDaemonIdentity) return absl::OkStatus();
+      if (dns == kDaemonIdentity) {
+        UcxAdmission::instance().notePeer(peer);
+        return absl::OkStatus();
+      }
   return absl::PermissionDeniedError(strCat("caller ", peer,
                                             " is not a daemon of this cluster (its certificate does not "
                                             "name ",

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "common/strings.h"
+#include "daemon/server/ucx_admission.h"
 #include "transport/ucx/ucx_context.h"
 
 namespace shardcast::daemon {
@@ -19,14 +20,15 @@ std::string DaemonConfig::describe() const {
      << " peers=" << (peers.empty() ? "(none)" : strJoin(peers, ","))
      << " peer_dns=" << (peer_dns.empty() ? "(none)" : peer_dns) << " transport=" << transport
      << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol
-     << " host_zero_copy=" << host_zero_copy << " ucx_tcp_segment_kib=" << ucx_tcp_segment_kib
-     << " log_level=" << log_level << " log_format=" << log_format << " peer_timeout_ms=" << peer_timeout_ms
-     << " peer_lease_ms=" << peer_lease_ms << " relay_fanout=" << relay_fanout << " fold_prepare=" << fold_prepare
-     << " chunk_kib=" << (chunk_bytes >> 10) << " staging_mib=" << staging_mib << " window_kib=" << (window_bytes >> 10)
-     << " nic_gbps=" << nic_gbps << " delta_cache_mib=" << delta_cache_mib << " delta_dense_every=" << delta_dense_every
-     << " metrics=" << (metrics.empty() ? "(off)" : metrics) << " sync_lease_ms=" << sync_lease_ms
-     << " max_sync_lease_ms=" << max_sync_lease_ms << " owner_grace_s=" << owner_grace_s
-     << " max_local_connections_per_uid=" << max_local_connections_per_uid
+     << " host_zero_copy=" << host_zero_copy << " ucx_accept=" << ucx_accept
+     << " ucx_allow_from=" << (ucx_allow_from.empty() ? "(none)" : strJoin(ucx_allow_from, ","))
+     << " ucx_tcp_segment_kib=" << ucx_tcp_segment_kib << " log_level=" << log_level << " log_format=" << log_format
+     << " peer_timeout_ms=" << peer_timeout_ms << " peer_lease_ms=" << peer_lease_ms << " relay_fanout=" << relay_fanout
+     << " fold_prepare=" << fold_prepare << " chunk_kib=" << (chunk_bytes >> 10) << " staging_mib=" << staging_mib
+     << " window_kib=" << (window_bytes >> 10) << " nic_gbps=" << nic_gbps << " delta_cache_mib=" << delta_cache_mib
+     << " delta_dense_every=" << delta_dense_every << " metrics=" << (metrics.empty() ? "(off)" : metrics)
+     << " sync_lease_ms=" << sync_lease_ms << " max_sync_lease_ms=" << max_sync_lease_ms
+     << " owner_grace_s=" << owner_grace_s << " max_local_connections_per_uid=" << max_local_connections_per_uid
      << " max_connections_per_address=" << max_connections_per_address
      << " max_handshaking_connections=" << max_handshaking_connections << " grpc_memory_mib=" << grpc_memory_mib
      << " shutdown_grace_ms=" << shutdown_grace_ms << " max_wait_ms=" << max_wait_ms
@@ -117,6 +119,19 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
       ->envname("SHARDCAST_HOST_ZERO_COPY")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
+  app.add_option("--ucx-accept", c.ucx_accept,
+                 "Who may connect to UCX's own listeners, which parse a connecting peer's handshake before any "
+                 "check of this daemon (a malformed one aborts the process): peers (sockets of this daemon's uid "
+                 "on this host, addresses the cluster's daemons talked from over the authenticated control plane, "
+                 "and --ucx-allow-from) or any")
+      ->envname("SHARDCAST_UCX_ACCEPT")
+      ->check(CLI::IsMember({"peers", "any"}))
+      ->capture_default_str();
+  app.add_option("--ucx-allow-from", c.ucx_allow_from,
+                 "With --ucx-accept peers: address ranges (CIDR, comma-separated) whose connections UCX also takes "
+                 "(a NIC the daemons' UCX traffic comes from that their gRPC calls do not)")
+      ->envname("SHARDCAST_UCX_ALLOW_FROM")
+      ->delimiter(',');
   app.add_option("--ucx-tcp-segment-kib", c.ucx_tcp_segment_kib,
                  "UCX over TCP: segment size, the fragment large writes travel in (0: UCX's default, 64 KiB; "
                  "UCX_TCP_RX_SEG_SIZE in the environment wins)")
@@ -301,6 +316,7 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
   if (!c.listen.empty()) SC_RETURN_IF_ERROR(checkHostPort("--listen", c.listen));
   for (const auto& p : c.peers) SC_RETURN_IF_ERROR(checkHostPort("--peers entry", p));
   if (!c.peer_dns.empty()) SC_RETURN_IF_ERROR(checkHostPort("--peer-dns", c.peer_dns));
+  for (const auto& range : c.ucx_allow_from) SC_RETURN_IF_ERROR(parseIpRange(range).status());
   if (!c.metrics.empty()) SC_RETURN_IF_ERROR(checkHostPort("--metrics", c.metrics));
   if (!c.peers.empty() && !c.peer_dns.empty())
     return absl::InvalidArgumentError("give --peers or --peer-dns, not both");

@@ -25,6 +25,11 @@ struct DaemonConfig {
   // Clients' host segments handed to the transport itself (zero-copy sends and landings): auto
   // where it cannot fault on them (transport::Capabilities::host_faults_contained), on, or off.
   std::string host_zero_copy = "auto";
+  // Who may open a connection to UCX's own listeners (docs/security.md, "UCX's connection
+  // handshake"): peers (this uid's sockets on this host, addresses the cluster's daemons spoke
+  // from, and ucx_allow_from) or any.
+  std::string ucx_accept = "peers";
+  std::vector<std::string> ucx_allow_from;  // address ranges (CIDR) admitted besides, with peers
   std::string log_level = "info";
   std::string log_format = "text";  // text (for people) or json (one object per line)
   int peer_timeout_ms = 5000;       // deadline of daemon-to-daemon calls

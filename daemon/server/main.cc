@@ -32,6 +32,7 @@
 #include "daemon/server/fd_channel.h"
 #include "daemon/server/metrics.h"
 #include "daemon/server/service.h"
+#include "daemon/server/ucx_admission.h"
 #include "planner/limits.h"
 #include "transport/emulated_gpus.h"
 #include "transport/transport.h"
@@ -146,6 +147,12 @@ int main(int argc, char** argv) {
     if (socket_lock < 0) return fail(error);
   }
 
+  // Before UCX's listeners exist: every connection they accept is checked (ucx_accept.cc).
+  {
+    std::vector<IpRange> allow_from;
+    for (const auto& text : config->ucx_allow_from) allow_from.push_back(*parseIpRange(text));  // checked
+    UcxAdmission::instance().configure(config->ucx_accept == "peers", std::move(allow_from));
+  }
   transport::TransportOptions topts;
   topts.backend = config->transport;
   topts.name = config->node;
