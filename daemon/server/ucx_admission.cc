@@ -3,15 +3,17 @@
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
+#include <linux/inet_diag.h>
+#include <linux/netlink.h>
+#include <linux/sock_diag.h>
 #include <netinet/in.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
+#include "common/fd_passing.h"
 #include "common/strings.h"
 
 namespace shardcast::daemon {
@@ -40,69 +42,11 @@ uint16_t portOf(const sockaddr_storage& a) {
   return 0;
 }
 
-// One "address:port" column of /proc/net/tcp{,6}: the address as the kernel holds it in memory,
-// printed a 32-bit word at a time in this host's byte order, then the port in hex.
-std::optional<std::pair<IpAddress, uint16_t>> parseEnd(const std::string& column) {
-  const size_t colon = column.find(':');
-  if (colon == std::string::npos || (colon != 8 && colon != 32)) return std::nullopt;
-  std::vector<uint8_t> bytes;
-  for (size_t w = 0; w < colon; w += 8) {
-    uint32_t word = 0;
-    try {
-      word = static_cast<uint32_t>(std::stoul(column.substr(w, 8), nullptr, 16));
-    } catch (const std::exception&) {
-      return std::nullopt;
-    }
-    uint8_t in_memory[4];
-    std::memcpy(in_memory, &word, 4);
-    bytes.insert(bytes.end(), in_memory, in_memory + 4);
-  }
-  IpAddress ip{};
-  if (bytes.size() == 4) {
-    in_addr v4;
-    std::memcpy(&v4, bytes.data(), 4);
-    ip = mapped(v4);
-  } else {
-    std::memcpy(ip.data(), bytes.data(), 16);
-  }
-  unsigned long port = 0;
-  try {
-    port = std::stoul(column.substr(colon + 1), nullptr, 16);
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
-  if (port > 0xffff) return std::nullopt;
-  return std::make_pair(ip, static_cast<uint16_t>(port));
-}
-
-// Whether `ip` is one of this host's (this network namespace's) own addresses.
-bool isOwnAddress(const IpAddress& ip) {
-  if (isMappedV4(ip) && ip[12] == 127) return true;  // 127.0.0.0/8
-  static const IpAddress kV6Loopback = [] {
-    IpAddress a{};
-    a[15] = 1;
-    return a;
-  }();
-  if (ip == kV6Loopback) return true;
-  ifaddrs* list = nullptr;
-  if (::getifaddrs(&list) != 0) return true;  // unknown: treated as local, decided by the socket's owner
-  bool own = false;
-  for (const ifaddrs* i = list; i && !own; i = i->ifa_next) {
-    if (!i->ifa_addr) continue;
-    if (i->ifa_addr->sa_family == AF_INET)
-      own = mapped(reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr) == ip;
-    else if (i->ifa_addr->sa_family == AF_INET6)
-      own = fromV6(reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr) == ip;
-  }
-  ::freeifaddrs(list);
-  return own;
-}
-
-std::string readFile(const char* path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
+// The IPv4 address of a mapped one.
+in_addr unmapped(const IpAddress& ip) {
+  in_addr v4;
+  std::memcpy(&v4, ip.data() + 12, 4);
+  return v4;
 }
 
 }  // namespace
@@ -175,29 +119,50 @@ std::string toString(const IpAddress& ip) {
   return text;
 }
 
-std::optional<uid_t> localSocketOwner(const std::string& table, const sockaddr_storage& from,
-                                      const sockaddr_storage& to) {
+std::optional<LocalSocket> findLocalSocket(const sockaddr_storage& from, const sockaddr_storage& to) {
   const auto from_ip = ipOf(from), to_ip = ipOf(to);
   if (!from_ip || !to_ip) return std::nullopt;
-  std::istringstream lines(table);
-  std::string line;
-  std::getline(lines, line);  // the header
-  while (std::getline(lines, line)) {
-    // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode ...
-    std::istringstream f(line);
-    std::string sl, local, remote, state, queues, timer, retransmits, uid;
-    if (!(f >> sl >> local >> remote >> state >> queues >> timer >> retransmits >> uid)) continue;
-    const auto l = parseEnd(local), r = parseEnd(remote);
-    if (!l || !r || l->first != *from_ip || l->second != portOf(from) || r->first != *to_ip || r->second != portOf(to))
-      continue;
-    if (state == "06") return std::nullopt;  // TIME_WAIT: the kernel names no owner (uid 0)
-    try {
-      return static_cast<uid_t>(std::stoul(uid));
-    } catch (const std::exception&) {
-      return std::nullopt;
-    }
+  struct {
+    nlmsghdr header;
+    inet_diag_req_v2 request;
+  } ask{};
+  ask.header.nlmsg_len = sizeof(ask);
+  ask.header.nlmsg_type = SOCK_DIAG_BY_FAMILY;
+  ask.header.nlmsg_flags = NLM_F_REQUEST;  // one socket, looked up by its four-tuple (no dump)
+  inet_diag_req_v2& r = ask.request;
+  r.sdiag_protocol = IPPROTO_TCP;
+  r.idiag_states = ~0u;
+  r.id.idiag_sport = htons(portOf(from));
+  r.id.idiag_dport = htons(portOf(to));
+  r.id.idiag_cookie[0] = r.id.idiag_cookie[1] = INET_DIAG_NOCOOKIE;
+  // An IPv4 peer of an IPv6 listener (::ffff:a.b.c.d) connected from an IPv4 socket.
+  if (isMappedV4(*from_ip) && isMappedV4(*to_ip)) {
+    r.sdiag_family = AF_INET;
+    const in_addr src = unmapped(*from_ip), dst = unmapped(*to_ip);
+    std::memcpy(r.id.idiag_src, &src, 4);
+    std::memcpy(r.id.idiag_dst, &dst, 4);
+  } else {
+    r.sdiag_family = AF_INET6;
+    std::memcpy(r.id.idiag_src, from_ip->data(), 16);
+    std::memcpy(r.id.idiag_dst, to_ip->data(), 16);
   }
-  return std::nullopt;
+  const OwnedFd diag(::socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG));
+  if (diag.get() < 0) return std::nullopt;
+  timeval timeout{1, 0};  // the kernel answers at once; never a reason to hold UCX's thread
+  ::setsockopt(diag.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  sockaddr_nl kernel{};
+  kernel.nl_family = AF_NETLINK;
+  if (::sendto(diag.get(), &ask, sizeof(ask), 0, reinterpret_cast<sockaddr*>(&kernel), sizeof(kernel)) < 0)
+    return std::nullopt;
+  alignas(nlmsghdr) char reply[8192];
+  const ssize_t n = ::recv(diag.get(), reply, sizeof(reply), 0);
+  if (n < static_cast<ssize_t>(sizeof(nlmsghdr))) return std::nullopt;
+  const auto* header = reinterpret_cast<const nlmsghdr*>(reply);
+  if (!NLMSG_OK(header, static_cast<size_t>(n)) || header->nlmsg_type != SOCK_DIAG_BY_FAMILY ||
+      header->nlmsg_len < NLMSG_LENGTH(sizeof(inet_diag_msg)))
+    return std::nullopt;  // NLMSG_ERROR (ENOENT): no such socket here
+  const auto* msg = reinterpret_cast<const inet_diag_msg*>(NLMSG_DATA(header));
+  return LocalSocket{msg->idiag_state, static_cast<uid_t>(msg->idiag_uid), msg->idiag_inode};
 }
 
 UcxAdmission& UcxAdmission::instance() {
@@ -225,27 +190,55 @@ void UcxAdmission::notePeer(const std::string& grpc_peer) {
   if (const auto ip = ipOfGrpcPeer(grpc_peer)) notePeer(*ip);
 }
 
+bool UcxAdmission::isOwnAddress(const IpAddress& ip) const {
+  if (isMappedV4(ip) && ip[12] == 127) return true;  // 127.0.0.0/8
+  IpAddress v6_loopback{};
+  v6_loopback[15] = 1;
+  if (ip == v6_loopback) return true;
+  const auto now = std::chrono::steady_clock::now();
+  if (own_at_ == std::chrono::steady_clock::time_point{} || now - own_at_ >= std::chrono::seconds(1)) {
+    ifaddrs* list = nullptr;
+    if (::getifaddrs(&list) != 0) return true;  // unknown: decided by the socket's owner, the stricter rule
+    own_.clear();
+    for (const ifaddrs* i = list; i; i = i->ifa_next) {
+      if (!i->ifa_addr) continue;
+      if (i->ifa_addr->sa_family == AF_INET)
+        own_.push_back(mapped(reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr));
+      else if (i->ifa_addr->sa_family == AF_INET6)
+        own_.push_back(fromV6(reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr));
+    }
+    ::freeifaddrs(list);
+    own_at_ = now;
+  }
+  return std::find(own_.begin(), own_.end(), ip) != own_.end();
+}
+
 bool UcxAdmission::admit(const sockaddr_storage& peer, const sockaddr_storage& local, std::string* why) const {
+  const auto ip = ipOf(peer);
+  if (!ip) return true;  // not TCP/IP (a Unix socket): not UCX's network listener
+  bool own = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!enabled_) return true;
+    own = isOwnAddress(*ip);
+    if (!own && peers_.count(*ip)) return true;
+    if (!own)
+      for (const auto& range : allow_from_)
+        if (range.contains(*ip)) return true;
   }
-  const auto ip = ipOf(peer);
-  if (!ip) return true;  // not TCP/IP (a Unix socket): not UCX's network listener
   const std::string who = strCat(toString(*ip), ":", portOf(peer));
-  if (isOwnAddress(*ip)) {
-    const std::string table = readFile(peer.ss_family == AF_INET ? "/proc/net/tcp" : "/proc/net/tcp6");
-    const auto owner = localSocketOwner(table, peer, local);
-    if (owner && (*owner == ::geteuid() || *owner == 0)) return true;
-    *why = owner ? strCat(who, " is a socket of uid ", *owner, ", not this daemon's (uid ", ::geteuid(), ")")
-                 : strCat(who, " is an address of this host, and no live socket there names its owner");
+  if (!own) {
+    *why = strCat(who, " is not an address a daemon of the cluster spoke from (nor in --ucx-allow-from)");
     return false;
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  if (peers_.count(*ip)) return true;
-  for (const auto& range : allow_from_)
-    if (range.contains(*ip)) return true;
-  *why = strCat(who, " is not an address a daemon of the cluster spoke from (nor in --ucx-allow-from)");
+  const auto socket = findLocalSocket(peer, local);
+  if (socket && socket->state == kTcpEstablished && socket->inode != 0 && socket->uid == ::geteuid()) return true;
+  *why = !socket || socket->inode == 0
+             ? strCat(who, " is an address of this host, and no open socket there names its owner")
+         : socket->uid != ::geteuid()
+             ? strCat(who, " is a socket of uid ", socket->uid, ", not this daemon's (uid ", ::geteuid(), ")")
+             : strCat(who, " is a socket of this daemon's uid that is not established (state ",
+                      static_cast<int>(socket->state), ")");
   return false;
 }
 

