@@ -133,7 +133,7 @@ Status PeerSet::checkTransportAddresses(const std::vector<NodeAddress>& nodes,
   auto pending = unconfirmed();
   std::string last_error;  // of the last Describe that got no answer
   auto pause = std::chrono::milliseconds(20);
-  bool everywhere = true;  // a node known nowhere: every peer asked, once
+  Everywhere everywhere;  // a node known nowhere: every peer asked, once
   // Never longer than a few peer timeouts, whatever the call's deadline (a first sync's Prepare has
   // the sync's whole timeout): a node silent that long is refused by name.
   deadline = std::min(deadline, std::chrono::steady_clock::now() +
@@ -183,7 +183,8 @@ Status PeerSet::checkTransportAddresses(const std::vector<NodeAddress>& nodes,
   return absl::OkStatus();
 }
 
-std::vector<std::string> PeerSet::whereToAsk(const std::vector<const NodeAddress*>& pending, bool* everywhere) const {
+std::vector<std::string> PeerSet::whereToAsk(const std::vector<const NodeAddress*>& pending,
+                                             Everywhere* everywhere) const {
   // A node is asked at its daemon's address as given (when that is one of the cluster's peers: no
   // other address is dialled) and wherever it was reached before or a peer said it is.
   std::vector<bool> given(pending.size());
@@ -203,12 +204,12 @@ std::vector<std::string> PeerSet::whereToAsk(const std::vector<const NodeAddress
       nowhere = nowhere || !placed;
     }
   }
-  nowhere = nowhere && *everywhere;
-  if (nowhere) *everywhere = false;
+  const bool first_look = nowhere && everywhere->first;
+  if (first_look) everywhere->first = false;
   // Else the peers not described yet; when none is left, every peer (a node renamed, or back at
   // another's address). The peer list (a DNS lookup with --peer-dns) looked up at most once a second.
   std::vector<std::string> all;
-  if (nowhere) {
+  if (first_look) {
     bool look_up = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -222,20 +223,28 @@ std::vector<std::string> PeerSet::whereToAsk(const std::vector<const NodeAddress
   std::lock_guard<std::mutex> lock(mu_);
   const auto now = std::chrono::steady_clock::now();
   std::vector<std::string> ask;
-  const auto take = [&](const std::string& a) {  // at most once per kAskEvery, whoever asks; not while asked
-    if (asking_.count(a)) return;
+  // At most once per kAskEvery, whoever asks, and not while another check's round asks it; true
+  // when taken.
+  const auto take = [&](const std::string& a) {
+    if (asking_.count(a)) return false;
     auto [asked, added] = looked_up_.try_emplace(a, now);
-    if (!added && now - asked->second < kAskEvery) return;
+    if (!added && now - asked->second < kAskEvery) return false;
     asked->second = now;
     asking_.insert(a);
     ask.push_back(a);
+    return true;
   };
   for (const auto& a : where) take(a);
-  if (nowhere) {
+  if (first_look) {
     const bool undescribed =
         std::any_of(all.begin(), all.end(), [&](const std::string& a) { return !nodes_.count(a); });
     for (const auto& a : all)
-      if (!undescribed || !nodes_.count(a)) take(a);
+      if ((!undescribed || !nodes_.count(a)) && !take(a)) everywhere->left.insert(a);
+  } else if (nowhere) {
+    // The addresses of that one look that another round was asking then (or had just asked):
+    // asked by this check once they are free.
+    for (auto it = everywhere->left.begin(); it != everywhere->left.end();)
+      it = take(*it) ? everywhere->left.erase(it) : std::next(it);
   }
   return ask;
 }

@@ -110,9 +110,13 @@ class PeerSet {
       std::chrono::steady_clock::time_point until = std::chrono::steady_clock::time_point::max()) const;
   // checkTransportAddresses: where to ask next for the nodes of `pending` (mu_ not held), marked as
   // being asked (asking_) until the caller's round is over. A node known nowhere is looked for
-  // among every peer only while `*everywhere` is true, which this then clears: once per check,
-  // not every round.
-  std::vector<std::string> whereToAsk(const std::vector<const NodeAddress*>& pending, bool* everywhere) const;
+  // among every peer once per check, not every round: the first time (`first`), and then only at
+  // the addresses that look left out (`left`: another check's round was asking them).
+  struct Everywhere {
+    bool first = true;
+    std::set<std::string> left;
+  };
+  std::vector<std::string> whereToAsk(const std::vector<const NodeAddress*>& pending, Everywhere* everywhere) const;
 
   DaemonConfig config_;
   std::string instance_;

@@ -160,6 +160,9 @@ class SyncCoordinator::LeaseKeeper {
       }
       std::string silent;
       pause = period;
+      // How long a node that left this poll unanswered is known silent: up to the poll's deadline,
+      // not until now when this thread got to it late (a coordinator descheduled during the poll).
+      const auto observed = std::min(Clock::now(), sent + wait);
       // A node's silence counts from its last answer, but a poll the coordinator sent later than
       // a period after it (not scheduled meanwhile: a loaded machine) counts it from the poll less
       // a period: a healthy node is not found silent for the coordinator's own delay.
@@ -174,7 +177,7 @@ class SyncCoordinator::LeaseKeeper {
         }
         if (st[i].ok()) c_.record(i, got[i].bytes_received(), got[i].bytes_sent());
         prepared_[i] = prepared_[i] || st[i].ok();  // the attempt is open there
-        if (unanswered_since_[i] != Clock::time_point::max() && Clock::now() - unanswered_since_[i] > allowance(i) &&
+        if (unanswered_since_[i] != Clock::time_point::max() && observed - unanswered_since_[i] >= allowance(i) &&
             silent.empty())
           silent = c_.cluster_->view.daemons()[i].node();
       }
