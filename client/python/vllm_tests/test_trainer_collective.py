@@ -182,3 +182,31 @@ def test_a_replica_whose_catch_up_fails_is_named_and_its_update_session_ends():
             joining.start_weight_update()  # the next update can start
         finally:
             engine.shutdown()
+
+
+class LostReply(Server):
+    """The update goes through on the server (the workers hold the version, the session stays
+    open), but its reply is lost: the call raises here."""
+
+    def update_weights(self, update_info: dict) -> None:
+        self.calls.append(f"update {update_info['version']}")
+        raise TimeoutError("the reply was lost")
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        super().finish_weight_update(weight_version)
+        self.calls.append(f"finish {weight_version}")
+
+
+def test_an_update_whose_reply_is_lost_is_finished_and_one_refused_ends_the_session():
+    from shardcast.vllm.trainer import _update_and_finish
+
+    lost = LostReply()
+    lost.start_weight_update()
+    assert _update_and_finish(lost, {"version": 3}, 3) is None  # it went through: finished
+    assert lost.calls == ["start", "update 3", "finish 3"] and not lost.session
+    refused = Server()
+    refused.start_weight_update()
+    error = _update_and_finish(refused, {"version": 3}, 3)
+    assert "rank 0 did not receive version 3" in str(error)  # the update's error, not the finish's
+    assert not refused.session
+    refused.start_weight_update()  # the next update can start

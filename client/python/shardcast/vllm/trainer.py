@@ -66,17 +66,35 @@ class ShardcastTrainerInitInfo(TrainerInitInfo):
     replica_deadline_s: Optional[float] = None
 
 
+def _update_and_finish(client: Any, update_info: dict, version: int) -> Optional[Exception]:
+    """update_weights(update_info), then finish_weight_update: the end of vLLM's update session,
+    whatever happens. An update that fails on the server ends the session there; one whose reply
+    was lost (a timeout, a dropped connection) may have gone through, its session still open: a
+    finish then ends it, and succeeds only where the workers took the version. Returns the
+    update's error when the session ended without it, None when the update finished."""
+    try:
+        with_reply(client.update_weights, update_info)
+    except Exception as update_error:
+        try:
+            with_reply(client.finish_weight_update, str(version))
+        except Exception:
+            return update_error
+        _log.warning("shardcast: update_weights of version %d reported %s, yet the update finished", version,
+                     update_error)
+        return None
+    try:
+        with_reply(client.finish_weight_update, str(version))
+    except Exception as finish_error:
+        return finish_error
+    return None
+
+
 def _end_session(client: Any, version: int) -> Optional[Exception]:
     """Ends vLLM's update session after the bytes' move failed: update_weights on a version that did
     not arrive raises on the workers (naming the rank and what it holds) and closes the session, so
     the next update can start one. Returns that error; None when the workers do hold the version
     (every byte arrived: the move failed after its commit), the update then finished."""
-    try:
-        with_reply(client.update_weights, {"version": version, "timeout_s": 1.0})
-    except Exception as e:
-        return e
-    with_reply(client.finish_weight_update, str(version))
-    return None
+    return _update_and_finish(client, {"version": version, "timeout_s": 1.0}, version)
 
 
 @dataclass
@@ -428,12 +446,10 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
                              catch_up_error)
                 return replica
             self.caught_up[group] = resp.seeded_from
-            try:  # an update that fails ends the session on the server; a finish always does
-                with_reply(client.update_weights, {"version": self.version, "timeout_s": self.info.timeout_s,
-                                                   "source": self.info.group})
-                with_reply(client.finish_weight_update, str(self.version))
-            except Exception as e:
-                raise RuntimeError(f"{failed}: {e}") from e
+            error = _update_and_finish(client, {"version": self.version, "timeout_s": self.info.timeout_s,
+                                                "source": self.info.group}, self.version)
+            if error is not None:
+                raise RuntimeError(f"{failed}: {error}") from error
         return replica
 
     def shutdown(self) -> None:
