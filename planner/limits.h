@@ -15,6 +15,14 @@ namespace shardcast::planner {
 
 // Dims of a device mesh (DTensor meshes have up to 5: PP x DP x FSDP x CP x TP).
 inline constexpr int kMaxMeshDims = 16;
+// A sync id: shorter than other names (max_string_bytes), for it travels in every notification of
+// the data plane (daemon/engine/notification.h), whose wire format fixes it.
+inline constexpr size_t kMaxSyncIdBytes = 128;
+// Versions: 1 to 2^63 - 1, so that every client language holds them in a signed 64-bit integer
+// (0 is none: a rank that holds no version yet, a catch-up to the newest a replica holds).
+inline constexpr uint64_t kLastVersion = (uint64_t{1} << 63) - 1;
+inline constexpr bool isVersion(uint64_t v) { return v >= 1 && v <= kLastVersion; }
+inline constexpr const char* kVersionRange = "[1, 2^63)";
 
 struct Limits {
   int64_t max_ranks = int64_t{1} << 16;            // ranks of one layout's mesh (8,192 nodes x 8 GPUs)
@@ -24,7 +32,7 @@ struct Limits {
   int64_t max_grid_cells = int64_t{1} << 24;  // cells the distinct boxes of one tensor cut it into, where they overlap
   int64_t max_split_factor = 4096;            // strided_shard split factor (FSDP2 uses the TP degree)
   int64_t max_layout_bytes = int64_t{1} << 46;          // sum of one layout's tensors (64 TiB: 2^62 with every rank)
-  size_t max_string_bytes = 512;                        // any name: group, tensor, buffer, node, sync id
+  size_t max_string_bytes = 512;                        // any name: group, tensor, buffer, node (a sync id: above)
   size_t max_layout_message_bytes = size_t{128} << 20;  // a layout's serialised size
   int max_groups_per_daemon = 12;                       // groups with ranks registered on one daemon
   size_t max_describe_bytes = size_t{1536}

@@ -22,6 +22,7 @@
 #include "common/grpc_status.h"
 #include "common/strings.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "planner/limits.h"
 #include "planner/report.h"
 
 namespace shardcast::cli {
@@ -429,7 +430,7 @@ int runHealth(const HealthArgs& a) {
 }  // namespace
 
 // Versions are below 2^63 in every client language (and "-1" must not wrap to 2^64 - 1).
-const CLI::Range kVersionRange(uint64_t{1}, (uint64_t{1} << 63) - 1, "a version in [1, 2^63)");
+const CLI::Range kVersionRange(uint64_t{1}, planner::kLastVersion, strCat("a version in ", planner::kVersionRange));
 
 void addDaemonCommands(CLI::App& app, int* exit_code) {
   {

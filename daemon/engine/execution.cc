@@ -1,7 +1,5 @@
 #include "daemon/engine/execution.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <cstring>
 #include <set>
@@ -191,7 +189,7 @@ Status Execution::encodeChunk(int32_t t, int32_t k, std::byte* packed, uint64_t 
   const uint64_t n = word->bytes;
   DeltaBases::Base* base = a_->bases->find(t, k);
   if (target != 0 && base != nullptr && base->committed && base->fence == target && base->bytes.size() == n) {
-    const uint64_t result = XXH64(packed, static_cast<size_t>(n), 0);
+    const uint64_t result = checksum(packed, n);
     encoded_.resize(static_cast<size_t>(static_cast<double>(n) * kDeltaWorthFraction));
     base->fence = a_->fence;
     base->committed = false;
@@ -300,7 +298,7 @@ Status Execution::sendHeaded(int32_t t) {
       LandedChunk word{t, 0, 0, static_cast<int32_t>(k)};
       word.bytes = bytes;
       SC_RETURN_IF_ERROR(encodeChunk(t, static_cast<int32_t>(k), packed, target, &word));
-      if (req_.verify()) word.checksum = XXH64(packed, static_cast<size_t>(word.bytes), 0);
+      if (req_.verify()) word.checksum = checksum(packed, word.bytes);
       for (const int32_t c : staged) {
         word.chain = c;
         SC_RETURN_IF_ERROR(send(staging, at, word, plan_.chain_nodes[plan_.chains[c].nodes_begin]));
@@ -554,7 +552,7 @@ Status Execution::decode(const LandedChunk& l, const std::byte* delta, const std
   if (auto st = applyDelta(decoded_.data(), chunk.bytes, deltaUnit(l.transfer), delta, l.bytes); !st.ok())
     return absl::InvalidArgumentError(strCat("sync ", a_->id, " on node \"", env_.node, "\": chunk ", l.chunk,
                                              " of transfer ", l.transfer, ": ", st.message()));
-  if (XXH64(decoded_.data(), decoded_.size(), 0) == l.result) return absl::OkStatus();
+  if (checksum(decoded_.data(), decoded_.size()) == l.result) return absl::OkStatus();
   std::set<int32_t> ranks;
   for (const auto& p : pieces) ranks.insert(p.rank);
   std::string names;

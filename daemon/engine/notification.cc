@@ -78,8 +78,9 @@ StatusOr<Notification> parseNotification(std::string_view bytes) {
   if (!r.get(&version) || version != kNotificationVersion)
     return absl::InvalidArgumentError(
         strCat("notification: format version ", version, ", this daemon reads ", kNotificationVersion));
-  if (!r.get(&id_len) || id_len == 0 || id_len > kMaxSyncId)
-    return absl::InvalidArgumentError(strCat("notification: sync id of ", id_len, " bytes (1 to ", kMaxSyncId, ")"));
+  if (!r.get(&id_len) || id_len == 0 || id_len > planner::kMaxSyncIdBytes)
+    return absl::InvalidArgumentError(
+        strCat("notification: sync id of ", id_len, " bytes (1 to ", planner::kMaxSyncIdBytes, ")"));
   Notification n;
   uint32_t count = 0;
   if (!r.get(&n.fence) || !r.bytes(id_len, &n.sync_id) || !r.get(&count))

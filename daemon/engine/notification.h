@@ -4,7 +4,7 @@
 // little-endian binary format with one parser; everything a peer sends is untrusted, so parse()
 // checks every length and the receiver checks every index against its plan (SyncEngine).
 //
-//   u32 magic "SCN1" | u16 format version (2) | u16 sync id length (1..kMaxSyncId) | u64 fence
+//   u32 magic "SCN1" | u16 format version (2) | u16 sync id length (1..planner::kMaxSyncIdBytes) | u64 fence
 //   | id bytes | u32 count (0..kMaxLanded) | count x { i32 transfer, i32 chain, i32 hop, i32 chunk,
 //   i32 encoding, u64 checksum, u64 bytes, u64 result }
 //   count 0 (the readiness word): then | i32 node (the sender's index in the plan) | u32 flags
@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "planner/limits.h"
 
 namespace shardcast::daemon {
 
@@ -45,7 +46,6 @@ struct Notification {
 
 inline constexpr uint32_t kNotificationMagic = 0x314e4353;  // "SCN1" little-endian
 inline constexpr uint16_t kNotificationVersion = 2;
-inline constexpr size_t kMaxSyncId = 128;
 inline constexpr size_t kMaxLanded = 4096;
 inline constexpr size_t kLandedBytes = 5 * 4 + 3 * 8;
 

@@ -6,14 +6,16 @@
 
 namespace shardcast::daemon {
 
+uint64_t checksum(const std::byte* data, uint64_t n) { return XXH64(data, static_cast<size_t>(n), 0); }
+
 StatusOr<uint64_t> checksumOf(transport::CopyEngine& host, transport::CopyEngine* device, const std::byte* data,
                               transport::MemoryKind kind, uint64_t n) {
-  if (kind == transport::MemoryKind::kHost) return XXH64(data, static_cast<size_t>(n), 0);
+  if (kind == transport::MemoryKind::kHost) return checksum(data, n);
   std::vector<std::byte> copy(n);
   const std::vector<int64_t> unit{1};
   SC_RETURN_IF_ERROR(copyBox(host, device, {copy.data(), transport::MemoryKind::kHost, 0, unit},
                              {const_cast<std::byte*>(data), kind, 0, unit}, {static_cast<int64_t>(n)}, 1));
-  return XXH64(copy.data(), static_cast<size_t>(n), 0);
+  return checksum(copy.data(), n);
 }
 
 Status checkChecksum(uint64_t announced, uint64_t landed, const VerifySite& site) {

@@ -15,7 +15,10 @@
 
 namespace shardcast::daemon {
 
-// XXH64 of `n` bytes at `data` (device memory: of a host copy made with `device`, waited for).
+// A chunk's checksum: XXH64 of `n` bytes of host memory at `data` (what a verified sync
+// announces per chunk, and what a delta chunk's decoding must give back).
+uint64_t checksum(const std::byte* data, uint64_t n);
+// The same of memory of any kind (device memory: of a host copy made with `device`, waited for).
 StatusOr<uint64_t> checksumOf(transport::CopyEngine& host, transport::CopyEngine* device, const std::byte* data,
                               transport::MemoryKind kind, uint64_t n);
 

@@ -49,8 +49,8 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
     return absl::InvalidArgumentError(strCat(who,
                                              ": only a source rank may register with a version (its own bytes); a "
                                              "destination rank starts EMPTY until a sync commits"));
-  if (req.version() >= kMaxVersion)
-    return absl::InvalidArgumentError(strCat(who, ": version ", req.version(), " is not below 2^63"));
+  if (req.version() != 0 && !planner::isVersion(req.version()))  // 0: none
+    return absl::InvalidArgumentError(strCat(who, ": version ", req.version(), " is not in ", planner::kVersionRange));
   if (req.readers_size() > 64)
     return absl::InvalidArgumentError(strCat(who, ": ", req.readers_size(), " read grants (at most 64)"));
   {

@@ -28,9 +28,6 @@
 
 namespace shardcast::daemon {
 
-// Versions are below 2^63 (so that every client language holds them in a signed 64-bit integer).
-inline constexpr uint64_t kMaxVersion = uint64_t{1} << 63;
-
 // Who registers memory, as the daemon knows it: a caller on the Unix socket has the uid the kernel
 // reports for its connection (SO_PEERCRED) and may register only shm segments it owns, named
 // under kShmPrefixes. The rank is then that uid's: only it (or root) may re-register, unregister,

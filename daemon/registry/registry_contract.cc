@@ -58,8 +58,9 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
 Status Registry::beginSync(const std::string& id, const std::string& src, const Destination& dst, uint64_t version,
                            const std::string& src_digest, uint64_t fence, Base* base, bool seed,
                            const std::vector<uint64_t>& supersedes, const std::map<std::string, uint32_t>& owners) {
-  if (version == 0 || version >= kMaxVersion)
-    return absl::InvalidArgumentError(strCat("sync ", id, ": version ", version, " is not in [1, 2^63)"));
+  if (!planner::isVersion(version))
+    return absl::InvalidArgumentError(
+        strCat("sync ", id, ": version ", version, " is not in ", planner::kVersionRange));
   std::lock_guard<std::mutex> lock(mu_);
   // The groups are the owners' the coordinator found (under this lock: a rank that changed hands
   // since its gather is neither read nor written). A destination group's refusal names it, so a
@@ -318,8 +319,9 @@ StatusOr<v1::RankStatus> Registry::release(const std::string& group, int32_t ran
   if (r == nullptr) return absl::NotFoundError(strCat(who, " is not registered on node \"", node_, "\""));
   SC_RETURN_IF_ERROR(mayChange(*r, caller, version ? "publish" : "release", registration));
   if (r->role == v1::ROLE_SOURCE) {
-    if (version == 0 || version >= kMaxVersion)
-      return absl::InvalidArgumentError(strCat(who, ": a source rank publishes a version in [1, 2^63), not ", version));
+    if (!planner::isVersion(version))
+      return absl::InvalidArgumentError(
+          strCat(who, ": a source rank publishes a version in ", planner::kVersionRange, ", not ", version));
     if (version < r->committed || (r->held && version == r->committed))
       return absl::InvalidArgumentError(strCat(
           who, ": version ", version, r->held ? " is not newer than" : " is older than", " version ", r->committed,

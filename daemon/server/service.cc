@@ -132,17 +132,19 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
   if (req.src_group().empty() || req.dst_group().empty() || req.src_group() == req.dst_group())
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "sync: give two different groups (src_group, dst_group)");
   // (A catch-up may leave the version to the daemons: 0, the newest a replica of the set holds.)
-  if ((req.version() == 0 && !req.options().catch_up()) || req.version() >= kMaxVersion)
+  if (!planner::isVersion(req.version()) && !(req.version() == 0 && req.options().catch_up()))
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        strCat("sync: version ", req.version(), " is not in [1, 2^63)"));
+                        strCat("sync: version ", req.version(), " is not in ", planner::kVersionRange));
   // A client's sync id travels in the daemons' notifications, logs and metrics.
   const bool id_ok =
-      req.sync_id().size() <= kMaxSyncId && std::all_of(req.sync_id().begin(), req.sync_id().end(), [](char c) {
+      req.sync_id().size() <= planner::kMaxSyncIdBytes &&
+      std::all_of(req.sync_id().begin(), req.sync_id().end(), [](char c) {
         return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' || c == ':';
       });
   if (!id_ok)
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, strCat("sync: sync_id must be at most ", kMaxSyncId,
-                                                                   " characters of letters, digits and - _ . :"));
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        strCat("sync: sync_id must be at most ", planner::kMaxSyncIdBytes,
+                               " characters of letters, digits and - _ . :"));
   const std::string id = req.sync_id().empty() ? strCat(config_.node, "-", registry_.instance().substr(0, 8), "-",
                                                         next_sync_++, "-v", req.version())
                                                : req.sync_id();
