@@ -348,7 +348,8 @@ def test_the_rollout_program_registers_its_replica_and_follows_kubectl_scale(tmp
             abandon_a_sync_into(cluster, "node-b", f"{replica_set}.r1", layout, version=4)
             wait_until(lambda: replicas_listed(client)[f"{replica_set}.r1"][3] == ("dirty",) * tp,
                        lambda: f"rollout-1's ranks are not dirty: {replicas_listed(client)}")
-            time.sleep(1.5)  # the program's wait_version fails on the dirty ranks meanwhile
+            # The program's wait_version fails on the dirty ranks: it says so, and stays up.
+            pods["rollout-1"].wait_for(f"{replica_set}.r1: ranks dirty, serving nothing until a sync repairs them")
             assert pods["rollout-1"].proc.poll() is None, pods["rollout-1"].output()
             assert f"{replica_set}.r1: serving version 4" not in pods["rollout-1"].output()
             assert publish_and_sync(4) == {f"{replica_set}.r0": (True, ""), f"{replica_set}.r1": (True, "")}
