@@ -88,7 +88,8 @@ std::map<std::string, std::string> PeerSet::knownNodes() const {
 std::vector<grpc::Status> fanOut(std::vector<grpc::ClientContext>& contexts,
                                  std::chrono::system_clock::time_point deadline,
                                  const std::function<void(size_t, grpc::ClientContext&, CallDone)>& start,
-                                 const std::function<void(size_t, const grpc::Status&)>& each) {
+                                 const std::function<void(size_t, const grpc::Status&)>& each,
+                                 const std::function<bool()>& cancel_when) {
   const size_t n = contexts.size();
   std::vector<grpc::Status> results(n);
   std::mutex mu;
@@ -104,19 +105,46 @@ std::vector<grpc::Status> fanOut(std::vector<grpc::ClientContext>& contexts,
       --pending;
       cv.notify_all();
     });
+  bool cancelled = false;
   std::unique_lock<std::mutex> lock(mu);
   while (true) {
-    cv.wait(lock, [&] { return pending == 0 || (each && !completed.empty()); });
-    if (!each) break;
+    const auto ready = [&] { return pending == 0 || (each && !completed.empty()); };
+    if (cancel_when && !cancelled)
+      cv.wait_for(lock, std::chrono::milliseconds(20), ready);
+    else
+      cv.wait(lock, ready);
     std::vector<size_t> now;
     now.swap(completed);
     const bool last = pending == 0;
     lock.unlock();
-    for (const size_t i : now) each(i, results[i]);  // a completed call's status no longer changes
+    if (each)
+      for (const size_t i : now) each(i, results[i]);  // a completed call's status no longer changes
+    if (cancel_when && !cancelled && !last && cancel_when()) {
+      cancelled = true;
+      for (auto& c : contexts) c.TryCancel();
+    }
     lock.lock();
     if (last && completed.empty()) break;
   }
   return results;
+}
+
+void CallSet::track(grpc::ClientContext& context, bool add) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!add) {
+    calls_.erase(&context);
+    return;
+  }
+  if (cancelled_) context.TryCancel();
+  calls_.insert(&context);
+}
+
+bool CallSet::cancel() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (cancelled_) return false;
+  cancelled_ = true;
+  for (auto* c : calls_) c->TryCancel();
+  return true;
 }
 
 Status PeerSet::checkTransportAddresses(const std::vector<NodeAddress>& nodes,

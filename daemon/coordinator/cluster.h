@@ -27,12 +27,31 @@ namespace shardcast::daemon {
 // its completion, after the context's deadline is set. `each(i, status)` (optional) runs on the calling thread as each
 // call completes, never on gRPC's threads, so it may block (give a sync up, cancel the other
 // contexts). Returns every call's status once all have completed; a call ends by its deadline, so
-// this does too. The contexts are the caller's, for cancelling calls in flight.
+// this does too. The contexts are the caller's, for cancelling calls in flight. `cancel_when`
+// (optional) is asked on the calling thread after each completion and every 20 ms: once it says
+// true, every call still in flight is cancelled (a relay whose caller went away, a failure that
+// gives the rest up).
 using CallDone = std::function<void(grpc::Status)>;
 std::vector<grpc::Status> fanOut(std::vector<grpc::ClientContext>& contexts,
                                  std::chrono::system_clock::time_point deadline,
                                  const std::function<void(size_t, grpc::ClientContext&, CallDone)>& start,
-                                 const std::function<void(size_t, const grpc::Status&)>& each = nullptr);
+                                 const std::function<void(size_t, const grpc::Status&)>& each = nullptr,
+                                 const std::function<bool()>& cancel_when = nullptr);
+
+// Calls in flight that one cancel() ends at once: a sync's calls when it is given up
+// (PeerClient), the lease keeper's polls when it stops. track() is TreeOptions::track: a call
+// added after cancel() is cancelled as it starts. Thread-safe.
+class CallSet {
+ public:
+  void track(grpc::ClientContext& context, bool add);
+  // False when cancelled before (nothing more to do).
+  bool cancel();
+
+ private:
+  std::mutex mu_;
+  bool cancelled_ = false;
+  std::set<grpc::ClientContext*> calls_;
+};
 
 class PeerSet {
  public:

@@ -29,25 +29,9 @@ std::vector<grpc::Status> PeerClient::callRaw(const std::string& method, std::ve
   options.fanout = fanout_;
   options.stop_at_failure = stop_at_failure;
   options.common_request = std::move(common_request);
-  options.track = [this](grpc::ClientContext& c, bool add) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!add) {
-      calls_.erase(&c);
-      return;
-    }
-    if (cancelled_) c.TryCancel();
-    calls_.insert(&c);
-  };
+  options.track = [this](grpc::ClientContext& c, bool add) { calls_.track(c, add); };
   callTree(peers_, calls, options, [&](size_t i, const RawResult& r) { statuses[i] = each(i, r); });
   return statuses;
-}
-
-bool PeerClient::cancelAll() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (cancelled_) return false;
-  cancelled_ = true;
-  for (auto* c : calls_) c->TryCancel();
-  return true;
 }
 
 // ---- LeaseKeeper ----
@@ -84,8 +68,8 @@ class SyncCoordinator::LeaseKeeper {
     {
       std::lock_guard<std::mutex> lock(mu_);
       running_ = false;
-      for (auto* context : polling_) context->TryCancel();
     }
+    polling_.cancel();
     cv_.notify_all();
     if (thread_.joinable()) thread_.join();
   }
@@ -135,15 +119,8 @@ class SyncCoordinator::LeaseKeeper {
       options.method = "Progress";
       options.fanout = c_.peers_ ? c_.peers_->fanout() : 0;
       pr.SerializeToString(&options.common_request);
-      options.track = [this](grpc::ClientContext& context, bool add) {  // stop() never waits for a silent node
-        std::lock_guard<std::mutex> guard(mu_);
-        if (!add) {
-          polling_.erase(&context);
-          return;
-        }
-        if (!running_) context.TryCancel();
-        polling_.insert(&context);
-      };
+      // stop() never waits for a silent node.
+      options.track = [this](grpc::ClientContext& context, bool add) { polling_.track(context, add); };
       std::vector<RawCall> calls;
       for (const auto& a : addresses) calls.push_back({a, {}, wait});
       {
@@ -153,11 +130,7 @@ class SyncCoordinator::LeaseKeeper {
       const auto results = callTree(c_.ctx_.peers, calls, options);
       std::vector<grpc::Status> st(results.size());
       std::vector<v1::ProgressResponse> got(results.size());
-      for (size_t i = 0; i < results.size(); ++i) {
-        st[i] = results[i].status;
-        if (st[i].ok() && !got[i].ParseFromString(results[i].response))
-          st[i] = grpc::Status(grpc::StatusCode::INTERNAL, "a daemon answered with a malformed response");
-      }
+      for (size_t i = 0; i < results.size(); ++i) st[i] = parseResult(results[i], &got[i]);
       std::string silent;
       pause = period;
       // How long a node that left this poll unanswered is known silent: up to the poll's deadline,
@@ -212,7 +185,7 @@ class SyncCoordinator::LeaseKeeper {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool running_ = true;
-  std::set<grpc::ClientContext*> polling_;  // the calls of the poll in flight
+  CallSet polling_;  // the calls of the poll in flight
   std::string stalled_;
   std::string allowed_;
   std::thread thread_;
@@ -1268,12 +1241,7 @@ std::vector<grpc::Status> SyncCoordinator::finishAll(bool commit, const std::str
     const auto raw = callTreeReachingAll(ctx_.peers, calls, options, first, &again);
     if (again > 0)
       spdlog::warn("sync {}: a relay did not carry the commit to {} daemon(s): sent to them directly", id_, again);
-    for (size_t i = 0; i < raw.size(); ++i) {
-      grpc::Status st = raw[i].status;
-      if (st.ok() && !r[i].ParseFromString(raw[i].response))
-        st = grpc::Status(grpc::StatusCode::INTERNAL, "a daemon answered with a malformed response");
-      results.push_back(std::move(st));
-    }
+    for (size_t i = 0; i < raw.size(); ++i) results.push_back(parseResult(raw[i], &r[i]));
   } else {
     // An abort goes straight to every daemon: a relay gone silent (the likely reason the sync is
     // given up) must not keep it from the daemons below it.

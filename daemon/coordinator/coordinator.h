@@ -120,15 +120,13 @@ class PeerClient {
     responses->assign(calls.size(), Response{});
     return callRaw(method, std::move(calls), std::move(common_request), stop_at_failure,
                    [&](size_t i, const RawResult& r) {
-                     grpc::Status st = r.status;
-                     if (st.ok() && !(*responses)[i].ParseFromString(r.response))
-                       st = grpc::Status(grpc::StatusCode::INTERNAL, "a daemon answered with a malformed response");
+                     grpc::Status st = parseResult(r, &(*responses)[i]);
                      if (then) then(i, st);
                      return st;
                    });
   }
   // Cancels every call in flight and every later one; false when already cancelled.
-  bool cancelAll();
+  bool cancelAll() { return calls_.cancel(); }
 
  private:
   // callTree with this client's fanout and cancellation; `each` turns a result into its status.
@@ -139,9 +137,7 @@ class PeerClient {
   const PeerSet& peers_;
   const std::vector<std::string> addresses_;
   const uint32_t fanout_;
-  std::mutex mu_;
-  std::set<grpc::ClientContext*> calls_;
-  bool cancelled_ = false;
+  CallSet calls_;
 };
 
 class SyncCoordinator {

@@ -3,10 +3,8 @@
 #include <grpcpp/generic/generic_stub.h>
 
 #include <algorithm>
-#include <condition_variable>
 #include <deque>
 #include <limits>
-#include <mutex>
 #include <set>
 #include <string_view>
 
@@ -51,13 +49,16 @@ bool isFailure(const grpc::Status& st) { return !st.ok() && st.error_code() != g
 struct Outgoing {
   size_t begin = 0, end = 0;
   bool relayed = false;
-  grpc::ClientContext context;
   grpc::ByteBuffer request, response;
-  v1::RelayResponse relay_response;
-  grpc::Status status;
 };
 
 }  // namespace
+
+grpc::Status parseResult(const RawResult& result, google::protobuf::Message* out) {
+  if (result.status.ok() && !out->ParseFromString(result.response))
+    return grpc::Status(grpc::StatusCode::INTERNAL, "a daemon answered with a malformed response");
+  return result.status;
+}
 
 std::vector<std::pair<size_t, size_t>> relayGroups(size_t n, uint32_t fanout) {
   std::vector<std::pair<size_t, size_t>> out;
@@ -98,29 +99,22 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
     out.back().relayed = e - b > 1;
   }
 
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<size_t> completed;
-  size_t pending = out.size();
+  // Each outgoing call through fanOut, the one way daemons call each other: its context tracked for
+  // the caller's cancelling, its deadline its own (a relay's: its calls' longest, plus a margin per
+  // hop below it).
+  std::vector<grpc::ClientContext> contexts(out.size());
   const auto now = std::chrono::system_clock::now();
-  for (size_t k = 0; k < out.size(); ++k) {
+  const auto start = [&](size_t k, grpc::ClientContext& context, CallDone done) {
     Outgoing& o = out[k];
-    if (options.track) options.track(o.context, true);
-    auto done = [&, k](grpc::Status st) {
-      std::lock_guard<std::mutex> lock(mu);
-      out[k].status = std::move(st);
-      completed.push_back(k);
-      --pending;
-      cv.notify_all();
-    };
+    if (options.track) options.track(context, true);
     const RawCall& head = calls[o.begin];
     auto channel = peers.channel(head.address);
     if (!o.relayed) {
-      o.context.set_deadline(now + head.timeout);
+      context.set_deadline(now + head.timeout);
       o.request = requestOf(options.common_request, head.request);
-      grpc::GenericStub(channel).UnaryCall(&o.context, path(options.method), grpc::StubOptions(), &o.request,
-                                           &o.response, std::move(done));
-      continue;
+      grpc::GenericStub(channel).UnaryCall(&context, path(options.method), grpc::StubOptions(), &o.request, &o.response,
+                                           std::move(done));
+      return;
     }
     v1::RelayRequest r;
     r.set_method(options.method);
@@ -136,35 +130,35 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
       longest = std::max(longest, calls[i].timeout);
     }
     r.set_common_request(options.common_request);
-    o.context.set_deadline(now + longest + kHopMargin * (1 + relayDepth(o.end - o.begin, options.fanout)));
+    context.set_deadline(now + longest + kHopMargin * (1 + relayDepth(o.end - o.begin, options.fanout)));
     std::string bytes;
     r.SerializeToString(&bytes);
     o.request = bufferOf(bytes);
-    grpc::GenericStub(channel).UnaryCall(&o.context, "/shardcast.v1.Peer/Relay", grpc::StubOptions(), &o.request,
+    grpc::GenericStub(channel).UnaryCall(&context, "/shardcast.v1.Peer/Relay", grpc::StubOptions(), &o.request,
                                          &o.response, std::move(done));
-  }
+  };
 
   // Unpacks one finished outgoing call into results[begin, end); true when one of them failed.
-  const auto unpack = [&](Outgoing& o) {
+  const auto unpack = [&](Outgoing& o, grpc::Status status) {
     bool failed = false;
     if (!o.relayed) {
-      results[o.begin].status = o.status;
-      if (o.status.ok()) results[o.begin].response = stringOf(o.response);
-      return isFailure(o.status);
+      results[o.begin].status = status;
+      if (status.ok()) results[o.begin].response = stringOf(o.response);
+      return isFailure(status);
     }
     v1::RelayResponse rr;
-    if (o.status.ok() &&
+    if (status.ok() &&
         (!rr.ParseFromString(stringOf(o.response)) || static_cast<size_t>(rr.results_size()) != o.end - o.begin))
-      o.status = grpc::Status(grpc::StatusCode::INTERNAL, "a relay answered with a malformed response");
-    if (!o.status.ok()) {
+      status = grpc::Status(grpc::StatusCode::INTERNAL, "a relay answered with a malformed response");
+    if (!status.ok()) {
       // The relay itself failed: it is named for its own call; the rest were not reached through it.
-      results[o.begin].status = o.status;
+      results[o.begin].status = status;
       for (size_t i = o.begin; i < o.end; ++i) results[i].unconfirmed = true;
       for (size_t i = o.begin + 1; i < o.end; ++i)
         results[i].status =
             grpc::Status(grpc::StatusCode::CANCELLED, strCat("not reached: relayed through ", calls[o.begin].address,
-                                                             ", which failed: ", o.status.error_message()));
-      return isFailure(o.status);
+                                                             ", which failed: ", status.error_message()));
+      return isFailure(status);
     }
     for (size_t i = o.begin; i < o.end; ++i) {
       auto& got = *rr.mutable_results(static_cast<int>(i - o.begin));
@@ -178,32 +172,18 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
     return failed;
   };
 
-  bool stopped = false;
-  const auto stopAll = [&] {
-    if (stopped) return;
-    stopped = true;
-    for (auto& o : out) o.context.TryCancel();
-  };
-  std::unique_lock<std::mutex> lock(mu);
-  while (true) {
-    cv.wait_for(lock, std::chrono::milliseconds(20), [&] { return pending == 0 || !completed.empty(); });
-    std::vector<size_t> now_done;
-    now_done.swap(completed);
-    const bool last = pending == 0;
-    lock.unlock();
-    for (const size_t k : now_done) {
-      const bool failed = unpack(out[k]);
-      if (each)
-        for (size_t i = out[k].begin; i < out[k].end; ++i) each(i, results[i]);
-      if (failed && options.stop_at_failure) stopAll();
-    }
-    if (!stopped && options.cancelled && options.cancelled()) stopAll();
-    lock.lock();
-    if (last && completed.empty()) break;
-  }
-  lock.unlock();
+  bool stop = false;  // a failure with stop_at_failure: the calls still in flight are cancelled
+  fanOut(
+      contexts, now + std::chrono::hours(24 * 365), start,
+      [&](size_t k, const grpc::Status& status) {
+        const bool failed = unpack(out[k], status);
+        if (each)
+          for (size_t i = out[k].begin; i < out[k].end; ++i) each(i, results[i]);
+        stop = stop || (failed && options.stop_at_failure);
+      },
+      [&] { return stop || (options.cancelled && options.cancelled()); });
   if (options.track)
-    for (auto& o : out) options.track(o.context, false);
+    for (auto& c : contexts) options.track(c, false);
   return results;
 }
 

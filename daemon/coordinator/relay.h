@@ -36,6 +36,10 @@ struct RawResult {
   bool unconfirmed = false;
 };
 
+// A result's status, its response parsed into `out` when it is OK: INTERNAL when the daemon's
+// bytes are no such message (the one place a peer's reply is parsed).
+grpc::Status parseResult(const RawResult& result, google::protobuf::Message* out);
+
 struct TreeOptions {
   std::string method;            // "Prepare", "Execute", "Finish" or "Progress"
   uint32_t fanout = 0;           // more calls than this go through Relays (0: never)
