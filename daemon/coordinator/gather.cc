@@ -1,0 +1,423 @@
+// A sync's gather (docs/architecture.md, "A sync, step by step"): both groups complete across the
+// cluster, a replica set's members and a catch-up's seed resolved, and the version contract checked.
+#include "daemon/coordinator/coordinator.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "common/strings.h"
+#include "daemon/registry/sync_preconditions.h"
+
+namespace shardcast::daemon {
+
+// Both groups complete across the cluster (or wait for them, if asked), roles right, and the
+// version contract as described.
+Status SyncCoordinator::gather() {
+  while (true) {
+    // Daemons that do not answer: a replica set syncs without the replicas on them; any other
+    // sync fails, naming the first.
+    std::vector<std::string> unreachable;
+    // Nodes that failed an earlier attempt are not asked again; with a replica deadline, nodes
+    // that held only this set's replicas at its last sync get no longer than that deadline to
+    // answer (a frozen replica costs the deadline here too, not the peer timeout).
+    PeerSet::Ask ask{ctx_.failed_nodes, {}};
+    if (const auto deadline = std::chrono::milliseconds(req_.options().replica_deadline_ms()); deadline.count() > 0)
+      for (const auto& [group, member] : ctx_.replica_sets.recall(req_.dst_group()))
+        for (const auto& node : member.nodes)
+          if (node != ctx_.config.node) ask.briefly[node] = std::max(deadline, std::chrono::milliseconds(200));
+    auto snapshot = snapshotCluster(ctx_.peers, ctx_.registry.describe(), ctx_.self_address, &unreachable, ask);
+    StatusOr<v1::Layout> src = absl::UnknownError(""), dst = absl::UnknownError("");
+    // A group named like a replica set: the reading the source's bytes may reach is written (a
+    // group, or replicas, another uid registered under the name decide nothing); when both may,
+    // the caller could mean either, so neither is written.
+    set_despite_group_ = false;
+    if (snapshot.ok() && !req_.options().catch_up() && snapshot->view.layoutOf(req_.dst_group()) &&
+        snapshot->view.namedAsSet(req_.dst_group())) {
+      const ClusterView& view = snapshot->view;
+      const auto reaches = [&](const std::string& group) {
+        return view.mayReceive(src_group_, group).ok() &&
+               (!ctx_.caller_uid || view.maySync(*ctx_.caller_uid, src_group_, group).ok());
+      };
+      const auto members = view.replicasOf(req_.dst_group(), /*despite_group=*/true);
+      const bool as_set = std::any_of(members.begin(), members.end(), reaches);
+      if (as_set && reaches(req_.dst_group()))
+        return failed(absl::FailedPreconditionError(
+            strCat("sync: \"", req_.dst_group(),
+                   "\" is both a registered group and the replica set that groups' "
+                   "layouts name: refusing to guess which to write (unregister the group, or rename the set)")));
+      set_despite_group_ = as_set;
+    }
+    const bool replica_set = snapshot.ok() && !snapshot->view.replicasOf(req_.dst_group(), set_despite_group_).empty();
+    // Daemons that do not answer fail a plain sync; a set's sync and a catch-up go on without
+    // them, and fail only when a group they read or write has ranks there (incomplete, below).
+    if (snapshot.ok() && !unreachable.empty() && !replica_set && !req_.options().catch_up())
+      snapshot = absl::UnavailableError(unreachable.front());
+    if (snapshot.ok() && req_.options().catch_up()) {
+      if (Status resolved = resolveCatchUp(snapshot->view); !resolved.ok()) return failed(resolved);
+      if (current_) {  // nothing to move, once the replica is whole and the caller may write it
+        if (auto whole = snapshot->view.completeGroup(req_.dst_group()); !whole.ok())
+          return failed(unreachable.empty() ? whole.status()
+                                            : absl::UnavailableError(
+                                                  strCat(whole.status().message(), "; ", strJoin(unreachable, "; "))));
+        if (ctx_.caller_uid)
+          if (Status allowed = snapshot->view.maySync(*ctx_.caller_uid, src_group_, req_.dst_group()); !allowed.ok())
+            return failed(allowed);
+        learnSet(snapshot->view);
+        return absl::OkStatus();
+      }
+    }
+    if (snapshot.ok()) {
+      src = snapshot->view.completeGroup(src_group_);
+      if (!src.ok() && !unreachable.empty())  // its missing ranks may be on them
+        src = absl::UnavailableError(strCat(src.status().message(), "; ", strJoin(unreachable, "; ")));
+      if (!replica_set) {
+        dst = snapshot->view.completeGroup(req_.dst_group());
+        if (!dst.ok() && !unreachable.empty())  // a catch-up's replica: its missing ranks may be on them
+          dst = absl::UnavailableError(strCat(dst.status().message(), "; ", strJoin(unreachable, "; ")));
+      } else if (Status members = gatherReplicas(snapshot->view, unreachable); members.ok()) {
+        v1::Layout named;
+        named.set_group(req_.dst_group());
+        dst = named;
+      } else {
+        dst = members;
+      }
+      // Roles are not worth waiting for: a wrong one is the caller's mistake.
+      if (src.ok() && !seed_ && snapshot->view.role(src_group_) != v1::ROLE_SOURCE)
+        return failed(absl::FailedPreconditionError(strCat(
+            "sync: group \"", src_group_, "\" is registered as a destination; a sync reads only source groups")));
+      if (dst.ok() && !replica_set && snapshot->view.role(req_.dst_group()) != v1::ROLE_DESTINATION)
+        return failed(absl::FailedPreconditionError(
+            strCat("sync: group \"", req_.dst_group(),
+                   "\" is registered as a source; a sync writes only destination groups (refusing to "
+                   "overwrite it)")));
+    }
+    const Status st = !snapshot.ok() ? snapshot.status() : !src.ok() ? src.status() : dst.status();
+    if (st.ok() && ctx_.caller_uid) {  // not worth waiting for either
+      std::vector<std::string> written{req_.dst_group()};
+      if (replica_set) {
+        written.clear();
+        for (const auto& r : replicas_) written.push_back(r.layout.group());
+      }
+      for (const auto& group : written)
+        if (Status allowed = snapshot->view.maySync(*ctx_.caller_uid, src_group_, group); !allowed.ok())
+          return failed(allowed);
+    }
+    if (st.ok()) {
+      if (req_.options().catch_up()) learnSet(snapshot->view);
+      if (replica_set) ctx_.replica_sets.update(req_.dst_group(), members_seen_, members_left_);
+      auto cluster = std::make_shared<ClusterSnapshot>(std::move(*snapshot));
+      src_ = std::move(*src);
+      dst_ = std::move(*dst);
+      // A replica set's sync asks only the daemons it reads or writes: a node left with only cut
+      // replicas (silent, or failing this sync's prepare) is not waited on again.
+      if (replica_set)
+        cluster->keepOnly([&](const v1::DescribeResponse& d) {
+          return std::any_of(d.ranks().begin(), d.ranks().end(), [&](const v1::RemoteRank& r) {
+            return r.group() == src_group_ || (writes(r.group()) && r.group() != req_.dst_group());
+          });
+        });
+      cluster_ = std::move(cluster);
+      // Fail before preparing anything, naming the rank (each daemon checks again when it prepares).
+      if (auto contract = checkVersions(); !contract.ok()) return failed(contract);
+      // Replica sets call every daemon directly: a replica's node that is silent is cut from the
+      // sync, and a silent relay would have the healthy nodes below it cut too.
+      const bool direct = replica_set || req_.options().catch_up();
+      peers_ = std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses,
+                                            direct ? 0 : static_cast<uint32_t>(ctx_.config.relay_fanout));
+      return absl::OkStatus();
+    }
+    if (!req_.options().wait_for_ranks() || Clock::now() + std::chrono::milliseconds(100) > deadline_)
+      return failed(st);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    // A caller that left, or a daemon stopping, ends the wait: nobody is there to take the result.
+    if (ctx_.gone && ctx_.gone())
+      return failed(absl::CancelledError(strCat("sync ", id_,
+                                                ": the caller went away (or the daemon is stopping) "
+                                                "while it waited for ranks: ",
+                                                st.message())));
+  }
+}
+
+namespace {
+
+// Every replica of `set` registered in `view` whose owner may receive `src`'s bytes ("": every
+// replica), and the nodes holding its ranks.
+ReplicaMemory::Members membersOf(const ClusterView& view, const std::string& set, const std::string& src) {
+  ReplicaMemory::Members members;
+  for (const auto& d : view.daemons())
+    for (const auto& r : d.ranks())
+      if (const v1::Layout* l = view.layoutOf(r.group());
+          l && l->replica_set() == set && (src.empty() || view.mayReceive(src, r.group()).ok())) {
+        auto& member = members[r.group()];
+        member.replica = l->replica();
+        member.nodes.insert(d.node());
+      }
+  return members;
+}
+
+}  // namespace
+
+Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vector<std::string>& unreachable) {
+  replicas_.clear();
+  outcomes_.clear();
+  const uint64_t version = version_;
+  std::vector<std::string> cut;
+  auto cutOut = [&](v1::ReplicaOutcome outcome, const std::string& why) {
+    outcome.set_cut(why);
+    cut.push_back(strCat(outcome.group(), ": ", why));
+    outcomes_.push_back(std::move(outcome));
+  };
+  // Where each replica's ranks are now, and where they were at the last sync into the set.
+  ReplicaMemory::Members now = membersOf(view, req_.dst_group(), src_group_);
+  std::set<std::string> silent;  // nodes of daemons that do not answer
+  for (const auto& [address, node] : ctx_.peers.knownNodes())
+    for (const auto& why : unreachable)
+      if (why.rfind(strCat("peer daemon ", address, " "), 0) == 0) silent.insert(node);
+  auto remembered = ctx_.replica_sets.recall(req_.dst_group());
+  for (const auto& [group, was] : remembered) {
+    if (now.count(group)) continue;
+    std::vector<std::string> gone;
+    for (const auto& node : was.nodes)
+      if (silent.count(node)) gone.push_back(quote(node));
+    if (gone.empty()) continue;  // its nodes answer without it: it left
+    v1::ReplicaOutcome outcome;
+    outcome.set_group(group);
+    outcome.set_replica(was.replica);
+    if (const auto earlier = ctx_.cut.find(group); earlier != ctx_.cut.end())
+      cutOut(outcome, earlier->second);  // its node failed an earlier attempt: not asked again
+    else
+      cutOut(outcome, strCat("node(s) ", strJoin(gone, ", "), " holding its ranks do not answer (",
+                             strJoin(unreachable, "; "), ")"));
+    now[group] = was;  // still a member: named again while its nodes stay silent
+  }
+  // Remembered once the caller's checks pass (gather): members seen now that the source's bytes
+  // may reach are added, and members are forgotten only when they are registered nowhere and
+  // their nodes answer (they left), whatever source this caller named.
+  members_seen_ = now;
+  members_left_.clear();
+  const auto anyone = membersOf(view, req_.dst_group(), "");
+  for (const auto& [group, was] : remembered)
+    if (!anyone.count(group) && !now.count(group)) members_left_.push_back(group);
+
+  // node -> the first replica taking part with ranks there, and its owner
+  std::map<std::string, std::pair<std::string, std::optional<uint32_t>>> sharing;
+  // Replicas are weighed in the order of their claims, the source owner's first (the bytes are its
+  // own to place), then each by when its group was registered, cluster-wide (by id within that):
+  // another uid's replica neither takes an id or a node from one that was there first nor becomes
+  // the layout the others must match. They are stacked by id all the same (below).
+  std::vector<std::string> members = view.replicasOf(req_.dst_group(), set_despite_group_);
+  const auto source_owner = view.ownerOf(src_group_);
+  const auto claim = [&](const std::string& group) {
+    const uint64_t since = view.registeredSince(group);
+    return std::make_pair(!source_owner || view.ownerOf(group) != source_owner, since ? since : UINT64_MAX);
+  };
+  std::stable_sort(members.begin(), members.end(),
+                   [&](const std::string& a, const std::string& b) { return claim(a) < claim(b); });
+  for (const auto& group : members) {
+    const v1::Layout& registered = *view.layoutOf(group);
+    v1::ReplicaOutcome outcome;
+    outcome.set_group(group);
+    outcome.set_replica(registered.replica());
+    if (const auto earlier = ctx_.cut.find(group); earlier != ctx_.cut.end()) {
+      cutOut(outcome, earlier->second);
+      continue;
+    }
+    auto layout = view.completeGroup(group);
+    if (!layout.ok()) {
+      cutOut(outcome, strCat(layout.status().message(),
+                             unreachable.empty() ? "" : strCat(" (", strJoin(unreachable, "; "), ")")));
+      continue;
+    }
+    if (view.role(group) != v1::ROLE_DESTINATION) {
+      cutOut(outcome, "it is registered as a source; a sync writes only destinations");
+      continue;
+    }
+    // Before ids and layouts are compared: a replica whose owner may not receive the source (or,
+    // for a local caller, that the caller may not write) neither takes part nor displaces one.
+    if (Status eligible = view.mayReceive(src_group_, group); !eligible.ok()) {
+      cutOut(outcome, std::string(eligible.message()));
+      continue;
+    }
+    if (ctx_.caller_uid)
+      if (Status allowed = view.maySync(*ctx_.caller_uid, src_group_, group); !allowed.ok()) {
+        cutOut(outcome, std::string(allowed.message()));
+        continue;
+      }
+    std::string refused;
+    for (const auto& d : view.daemons())
+      for (const auto& r : d.ranks())
+        if (refused.empty() && r.group() == group) {
+          std::string why = destinationRefusal(factsOf(r), version);
+          // Retried without replicas an earlier attempt cut: a single-buffered replica still written
+          // by that attempt (a peer it was exchanging bytes with froze mid-write) may be taken
+          // over by this one, whose bytes are the same. Its daemon decides at Prepare (the rank
+          // is this sync's at this version: taken; else refused, naming the replica, cut alone).
+          const bool retaken = !ctx_.cut.empty() && r.written() && !r.held() && !r.double_buffered();
+          if (why.empty() && r.refuses_writes() && !retaken)
+            why = r.held() ? " does not accept updates (acquired by its client)"
+                  : r.state() == v1::RANK_UPDATING || (r.double_buffered() && r.written())
+                      ? " does not accept updates (another sync is writing it)"
+                  : r.written() ? " does not accept updates (writes of a sync that ended are still landing in it)"
+                                : " does not accept updates (a catch-up is reading it)";
+          if (!why.empty()) refused = strCat("rank ", r.rank(), " on node \"", d.node(), "\"", why);
+        }
+    const auto owner = view.ownerOf(group);
+    if (refused.empty())
+      for (const auto& taking : replicas_)
+        if (taking.id == registered.replica())
+          refused = strCat("replica id ", registered.replica(), " is taken by group ", quote(taking.layout.group()),
+                           view.ownerOf(taking.layout.group()) == owner
+                               ? " (registered first)"
+                               : " of another owner, weighed first (it owns the source, or was registered first)");
+    if (refused.empty() && !replicas_.empty())
+      if (Status same = planner::checkReplicaSet({replicas_.front(), {registered.replica(), *layout, {}}}); !same.ok())
+        refused = std::string(same.message());
+    // Replicas may share nodes (engines on one machine), if they have one owner: a shared node
+    // lands each byte once in one replica's memory and copies it from there into the others',
+    // and no uid's replica is written from memory another uid can change.
+    for (const auto& node : now[group].nodes)
+      if (const auto it = sharing.find(node); refused.empty() && it != sharing.end() && it->second.second != owner)
+        refused = strCat("node \"", node, "\" holds replica ", quote(it->second.first), " of another owner (",
+                         "replicas share a node only with replicas of their own owner)");
+    if (!refused.empty()) {
+      cutOut(outcome, refused);
+      continue;
+    }
+    replicas_.push_back({registered.replica(), *layout, {}});
+    for (const auto& node : now[group].nodes) sharing.emplace(node, std::make_pair(group, owner));
+    outcomes_.push_back(std::move(outcome));
+  }
+  std::sort(replicas_.begin(), replicas_.end(),
+            [](const planner::Replica& a, const planner::Replica& b) { return a.id < b.id; });
+  std::sort(outcomes_.begin(), outcomes_.end(), [](const v1::ReplicaOutcome& a, const v1::ReplicaOutcome& b) {
+    return std::make_pair(a.replica(), a.group()) < std::make_pair(b.replica(), b.group());
+  });
+  const size_t needed = std::max<uint32_t>(1, req_.options().min_replicas());
+  if (replicas_.size() < needed)
+    return absl::FailedPreconditionError(strCat("sync: replica set \"", req_.dst_group(), "\": ", replicas_.size(),
+                                                " of ", outcomes_.size(), " replicas can take part, at least ", needed,
+                                                " needed (", strJoin(cut, "; "), ")"));
+  if (!cut.empty())
+    spdlog::warn("sync {}: replica set \"{}\" syncs {} of {} replicas; cut: {}", id_, req_.dst_group(),
+                 replicas_.size(), outcomes_.size(), strJoin(cut, "; "));
+  return absl::OkStatus();
+}
+
+void SyncCoordinator::learnSet(const ClusterView& view) {
+  const v1::Layout* layout = view.layoutOf(req_.dst_group());
+  if (layout && !layout->replica_set().empty())
+    ctx_.replica_sets.learn(layout->replica_set(), membersOf(view, layout->replica_set(), req_.src_group()));
+}
+
+Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
+  const std::string& dst = req_.dst_group();
+  const v1::Layout* layout = view.layoutOf(dst);
+  if (layout == nullptr || layout->replica_set().empty())
+    return absl::FailedPreconditionError(strCat("catch-up: group \"", dst,
+                                                "\" is not a registered replica of a set (its layout names no "
+                                                "replica_set)"));
+  // Per group of the set (and the source): the version all its ranks are READY at (0: not all
+  // are), and whether a catch-up could read it as its seed now.
+  struct Held {
+    uint64_t ready = UINT64_MAX;
+    bool readable = true;
+    uint32_t readers = 0;  // syncs reading it now, on its most-read rank (a catch-up may read it too)
+  };
+  src_group_ = req_.src_group();  // a wait_for_ranks round starts afresh
+  seed_ = current_ = false;
+  std::map<std::string, Held> held;
+  for (const auto& d : view.daemons())
+    for (const auto& r : d.ranks()) {
+      const v1::Layout* l = view.layoutOf(r.group());
+      if (!l || (l->replica_set() != layout->replica_set() && r.group() != src_group_)) continue;
+      auto& h = held[r.group()];
+      h.ready = std::min(h.ready, r.state() == v1::RANK_READY ? r.version() : 0);
+      // Held by its engine is fine, and so is another catch-up reading it (all only read); written
+      // by a sync, or double-buffered (the set a sync would read is not the one holding the
+      // version), is not.
+      h.readable = h.readable && r.state() == v1::RANK_READY && !r.double_buffered() && !r.written();
+      h.readers = std::max(h.readers, r.readers());
+    }
+  // The replica's owner must be one the source's bytes may reach, and a seed must be the same
+  // owner's replica, holding a version its owner may have synced from the source: another uid's
+  // replica is never read (its bytes are whatever that uid put there).
+  if (Status eligible = view.mayReceive(src_group_, dst); !eligible.ok())
+    return Status(eligible.code(), strCat("catch-up: ", eligible.message()));
+  const auto owner = view.ownerOf(dst);
+  // The seed: a replica at the newest version (or the one asked for); among those, the one the
+  // fewest other syncs read now, ties broken by a hash of this replica's and the seed's names:
+  // catch-ups that start together (each sees no reader yet) spread over the replicas, and with
+  // more catch-ups than replicas they share them rather than falling back to the source.
+  uint64_t newest = req_.version();
+  std::string seed;
+  std::pair<uint32_t, size_t> seed_rank{0, 0};  // (readers, tie-break hash)
+  for (const auto& group : view.replicasOf(layout->replica_set())) {
+    if (group == dst || !view.completeGroup(group).ok()) continue;
+    if (view.ownerOf(group) != owner || !view.mayReceive(src_group_, group).ok()) continue;
+    const Held& h = held[group];
+    if (h.ready == 0 || h.ready == UINT64_MAX || !h.readable) continue;
+    if (req_.version() == 0 ? h.ready < newest : h.ready != req_.version()) continue;
+    const std::pair<uint32_t, size_t> rank{h.readers, std::hash<std::string>()(strCat(dst, "\n", group))};
+    if (seed.empty() || h.ready > newest || rank < seed_rank) {
+      newest = h.ready;
+      seed = group;
+      seed_rank = rank;
+    }
+  }
+  if (newest == 0) {  // no replica readable at a version: the source's published one, if any
+    const auto source = held.find(src_group_);
+    if (source != held.end() && source->second.ready != 0 && source->second.ready != UINT64_MAX)
+      newest = source->second.ready;
+  }
+  if (newest == 0)
+    return absl::FailedPreconditionError(strCat("catch-up of \"", dst, "\": no replica of set \"",
+                                                layout->replica_set(), "\" holds a version, and \"", src_group_,
+                                                "\" has published none"));
+  version_ = newest;
+  const auto mine = held.find(dst);
+  if (mine != held.end() && mine->second.ready != UINT64_MAX && mine->second.ready >= newest) {
+    current_ = true;  // caught up already (by a sync into the set, say): at its own version
+    version_ = mine->second.ready;
+    return absl::OkStatus();
+  }
+  if (!seed.empty()) {
+    src_group_ = seed;
+    seed_ = true;
+  }  // else the source: the request's src_group, which must have published the version
+  spdlog::info("sync {}: catching \"{}\" up to version {} from \"{}\"", id_, dst, version_, src_group_);
+  return absl::OkStatus();
+}
+
+Status SyncCoordinator::checkVersions() const {
+  const auto& src = src_group_;
+  const auto& dst = req_.dst_group();
+  const uint64_t version = version_;
+  auto who = [](const v1::DescribeResponse& d, const v1::RemoteRank& r) {
+    return strCat("group \"", r.group(), "\" rank ", r.rank(), " on node \"", d.node(), "\"");
+  };
+  // Destinations first: a replayed old sync is told so, whatever its sources hold now. The rules
+  // are the daemons' own (daemon/registry/sync_preconditions.h), which apply them again in Prepare.
+  for (const auto& d : cluster_->view.daemons())
+    for (const auto& r : d.ranks())
+      if (r.group() == dst)
+        if (const std::string why = destinationRefusal(factsOf(r), version); !why.empty())
+          return absl::FailedPreconditionError(strCat("sync: ", who(d, r), why));
+  for (const auto& d : cluster_->view.daemons())
+    for (const auto& r : d.ranks())
+      if (r.group() == src) {
+        // A catch-up's seed replica: READY at exactly the version (its daemon checks the rest).
+        const std::string why = !seed_ ? sourceRefusal(factsOf(r), version)
+                                : r.state() != v1::RANK_READY || r.version() != version
+                                    ? strCat(" is not ready at version ", version, " (a catch-up's seed)")
+                                    : std::string();
+        if (!why.empty()) return absl::FailedPreconditionError(strCat("sync: ", who(d, r), why));
+      }
+  return absl::OkStatus();
+}
+
+}  // namespace shardcast::daemon
