@@ -1,9 +1,5 @@
 // A sync's commit: the Finish that makes its version every destination rank's, on every daemon or
 // none, and the abort of a sync given up.
-#include "daemon/coordinator/coordinator.h"
-
-#include "daemon/coordinator/lease_keeper.h"
-
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -11,6 +7,8 @@
 
 #include "common/grpc_status.h"
 #include "common/strings.h"
+#include "daemon/coordinator/coordinator.h"
+#include "daemon/coordinator/lease_keeper.h"
 
 namespace shardcast::daemon {
 

@@ -1,12 +1,10 @@
 // A sync's execute: every daemon's waves, the lease keeper watching for a silent one.
-#include "daemon/coordinator/coordinator.h"
-
-#include "daemon/coordinator/lease_keeper.h"
-
 #include <spdlog/spdlog.h>
 
 #include "common/grpc_status.h"
 #include "common/strings.h"
+#include "daemon/coordinator/coordinator.h"
+#include "daemon/coordinator/lease_keeper.h"
 
 namespace shardcast::daemon {
 

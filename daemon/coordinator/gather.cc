@@ -1,7 +1,5 @@
 // A sync's gather (docs/architecture.md, "A sync, step by step"): both groups complete across the
 // cluster, a replica set's members and a catch-up's seed resolved, and the version contract checked.
-#include "daemon/coordinator/coordinator.h"
-
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -11,6 +9,7 @@
 #include <thread>
 
 #include "common/strings.h"
+#include "daemon/coordinator/coordinator.h"
 #include "daemon/registry/sync_preconditions.h"
 
 namespace shardcast::daemon {

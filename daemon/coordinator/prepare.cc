@@ -1,9 +1,5 @@
 // A sync's plan and prepare: the plan from the gathered layouts, each daemon's Prepare (folded into
 // the first Execute of a repeated sync), the node directories and the split amaxes they return.
-#include "daemon/coordinator/coordinator.h"
-
-#include "daemon/coordinator/lease_keeper.h"
-
 #include <algorithm>
 #include <map>
 #include <optional>
@@ -11,6 +7,8 @@
 
 #include "common/grpc_status.h"
 #include "common/strings.h"
+#include "daemon/coordinator/coordinator.h"
+#include "daemon/coordinator/lease_keeper.h"
 
 namespace shardcast::daemon {
 

@@ -64,18 +64,13 @@ ShardcastService::ShardcastService(const DaemonConfig& config, const AccessPolic
       engine_(engine),
       metrics_(metrics),
       progress_(progress),
+      runner_(config, registry, peers, engine, progress,
+              [&metrics](const std::string& node) { metrics.peerFailed(node); }),
       transport_(std::move(transport)) {}
 
 StatusOr<ClusterView> ShardcastService::cluster() {
   SC_ASSIGN_OR_RETURN(auto c, snapshotCluster(peers_, registry_.describe(), config_.selfAddress()));
   return std::move(c.view);
-}
-
-uint64_t ShardcastService::newFence() {
-  std::lock_guard<std::mutex> lock(fence_mu_);
-  uint64_t f = 0;
-  while (f == 0) f = fence_rng_();
-  return f;
 }
 
 grpc::Status ShardcastService::Sync(grpc::ServerContext* ctx, const v1::SyncRequest* req, v1::SyncResponse* out) {
@@ -162,75 +157,7 @@ grpc::Status ShardcastService::coordinate(const v1::SyncRequest& req, v1::SyncRe
         std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
   });
   const LogScope scope(id, req.dst_group());
-  // A replica set's sync that fails at a node holding only replicas is run again without them,
-  // as a new attempt under the same id, within what is left of its timeout (docs/daemon.md,
-  // "Replica sets"): the others still commit.
-  const auto began = std::chrono::steady_clock::now();
-  const auto timeout = std::chrono::milliseconds(
-      req.options().timeout_ms() ? req.options().timeout_ms() : std::min<int64_t>(300000, config_.max_wait_ms));
-  std::map<std::string, std::string> cut;     // by earlier attempts: replica group -> why
-  std::map<std::string, std::string> failed;  // the nodes that failed them -> why
-  v1::SyncRequest attempt = req;
-  bool full_gather = false;
-  int fold_refusals = 0;         // a folded attempt refused: the one that runs it in full keeps the count
-  std::vector<uint64_t> fences;  // of this call's attempts so far
-  while (true) {
-    const uint64_t fence = newFence();
-    SyncCoordinator coordinator({config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(),
-                                 caller_uid, cut, failed, &repeats_, full_gather, fences, fold_refusals, gone},
-                                attempt, id, fence);
-    fences.push_back(fence);
-    auto done = coordinator.run();
-    if (done.ok()) {
-      *out = std::move(*done);
-      out->set_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count());
-      return grpc::Status::OK;
-    }
-    // The view a failed sync ran on is not reused; one that skipped the gather and was refused
-    // before executing runs again at once with a full gather (repeat_cache.h).
-    repeats_.forget(RepeatCache::keyOf(req, caller_uid));
-    const auto left =
-        timeout - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - began);
-    if (coordinator.retryInFull() && !full_gather && left > std::chrono::milliseconds(0)) {
-      spdlog::debug("sync {}: skipped the gather and was refused ({}): running it again with one", id,
-                    std::string(done.status().message()));
-      full_gather = true;
-      fold_refusals = coordinator.foldRefusals();
-      if (fold_refusals >= RepeatView::kMaxFoldRefusals)
-        spdlog::warn(
-            "sync {}: its Prepare folded into the first wave was refused {} times in a row: syncs of {} -> {} "
-            "run a Prepare round from now on",
-            id, fold_refusals, req.src_group(), req.dst_group());
-      attempt.mutable_options()->set_timeout_ms(static_cast<uint32_t>(left.count()));
-      continue;
-    }
-    const std::string& faulty = coordinator.faultyNode();
-    bool node_failed = true;
-    const auto replicas = coordinator.replicasToCut(&node_failed);
-    if (!faulty.empty() && node_failed) metrics_.peerFailed(faulty);
-    if (!replicas.empty() && left > std::chrono::milliseconds(0)) {
-      for (const auto& group : replicas)
-        cut[group] = node_failed
-                         ? strCat("node ", quote(faulty), " failed during the sync (", done.status().message(), ")")
-                         : strCat("its ranks refused the sync (", done.status().message(), ")");
-      if (node_failed) failed[faulty] = strCat("it failed an earlier attempt of sync ", id);
-      spdlog::warn("sync {}: {}: syncing replica set {} again without {}", id,
-                   node_failed ? strCat("node ", quote(faulty), " failed") : std::string(done.status().message()),
-                   quote(req.dst_group()), strJoin(replicas, ", "));
-      attempt.mutable_options()->set_timeout_ms(static_cast<uint32_t>(left.count()));
-      progress_.update(id, [](v1::SyncProgress& p) {  // the new attempt's progress, from the start
-        p.clear_nodes();
-        p.set_bytes_done(0);
-        p.set_waves_done(0);
-        ProgressBoard::setPhase(p, v1::SYNC_GATHERING);
-      });
-      continue;
-    }
-    // Its id and phases' seconds, for the metrics and Sync's line (a failed call sends no response).
-    *out = coordinator.figures();
-    out->set_sync_id(id);
-    return toGrpc(done.status());
-  }
+  return toGrpc(runner_.run(req, id, caller_uid, gone, out));
 }
 
 grpc::Status ShardcastService::Watch(grpc::ServerContext* context, const v1::WatchRequest* req,

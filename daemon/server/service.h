@@ -7,12 +7,12 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
-#include <random>
 
 #include "common/logging.h"
 #include "daemon/coordinator/cluster.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/progress.h"
+#include "daemon/coordinator/sync_runner.h"
 #include "daemon/engine/sync_engine.h"
 #include "daemon/registry/registry.h"
 #include "daemon/server/access.h"
@@ -53,8 +53,6 @@ class ShardcastService final : public v1::Shardcast::Service {
   // A call's wait ends: its client went (cancelled the call, or its deadline passed) or the daemon
   // is stopping. Polled by every wait of a handler (gRPC's synchronous API has no wake-up for it).
   bool ended(const grpc::ServerContext& ctx) const;
-  // A random write fence for one sync attempt (never 0).
-  uint64_t newFence();
 
   const DaemonConfig& config_;
   const AccessPolicy& access_;
@@ -64,12 +62,9 @@ class ShardcastService final : public v1::Shardcast::Service {
   Metrics& metrics_;
   std::atomic<uint64_t> next_sync_{1};
   ProgressBoard& progress_;
-  ReplicaMemory replica_sets_;  // of the replica sets this daemon coordinated syncs into
-  RepeatCache repeats_;         // the views of the last plain syncs it coordinated
+  SyncRunner runner_;  // the attempts of each Sync call
   std::string transport_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
-  std::mutex fence_mu_;
-  std::mt19937_64 fence_rng_{std::random_device{}()};
   LogLimiter failure_log_;  // Sync: one line per failed sync kind per caller and 10 s
   std::mutex sessions_mu_;
   std::condition_variable sessions_cv_;
