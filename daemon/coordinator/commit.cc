@@ -15,11 +15,10 @@ namespace shardcast::daemon {
 // Every daemon commits; one that cannot (it restarted, or its lease ran out) left its ranks
 // DIRTY: the sync failed there, whatever the others committed.
 Status SyncCoordinator::commit() {
-  commit_started_ = true;
   // From here on the sync is the commit's: a lease that runs out meanwhile no longer gives it up
   // (its aborts would race the commits, leaving some nodes at the new version and some not). If
   // it was given up since execute() checked, nothing is committed.
-  if (given_up_.exchange(true)) {
+  if (!advance(Step::kExecuting, Step::kCommitting)) {
     const std::string node = lease_keeper_->stalled();
     return failed(absl::UnavailableError(strCat(
         "sync ", id_,

@@ -76,6 +76,7 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   }
   if (peers_) out_.set_coordinator_calls(static_cast<uint32_t>(peers_->directCalls()));
   if (current_) {  // a catch-up with nothing to move
+    advance(Step::kGathering, Step::kCommitted);
     out_.set_sync_id(id_);
     out_.set_version(version_);
     out_.set_seconds(since(start_));
@@ -85,10 +86,15 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
     });
     return out_;
   }
+  advance(Step::kGathering, Step::kPlanning);
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::plan, &R::set_plan_seconds));
+  advance(Step::kPlanning, Step::kPreparing);
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::prepare, &R::set_prepare_seconds));
+  // Given up during its prepare (the lease keeper), it executes nothing: its calls are cancelled.
+  advance(Step::kPreparing, Step::kExecuting);
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::execute, &R::set_execute_seconds));
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::commit, &R::set_finish_seconds));
+  advance(Step::kCommitting, Step::kCommitted);
   if (ctx_.repeats && !req_.options().catch_up() && replicas_.empty() && !seed_) {  // (again: its Prepare's time)
     if (digests_.src.empty()) digests_ = {planner::layoutDigest(src_), planner::layoutDigest(dst_)};
     // A folded sync's Prepare took no round: the kept view keeps its earlier Prepare's time.
@@ -138,7 +144,7 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
 std::vector<std::string> SyncCoordinator::replicasOnlyOn(const std::string& node) const {
   // Once the commit began some replicas may hold the version: running the sync again would
   // misreport them (cut, "not newer"). commit() itself cuts the replicas of a node that fails it.
-  if (commit_started_) return {};
+  if (const Step step = step_.load(); step == Step::kCommitting || step == Step::kCommitted) return {};
   return replicasOn(node);
 }
 
@@ -169,10 +175,43 @@ std::vector<std::string> SyncCoordinator::replicasOn(const std::string& node) co
 
 bool SyncCoordinator::writes(const std::string& group) const { return group == req_.dst_group() || isReplica(group); }
 
+const char* SyncCoordinator::stepName(Step step) {
+  switch (step) {
+    case Step::kGathering:
+      return "gathering";
+    case Step::kPlanning:
+      return "planning";
+    case Step::kPreparing:
+      return "preparing";
+    case Step::kExecuting:
+      return "executing";
+    case Step::kCommitting:
+      return "committing";
+    case Step::kCommitted:
+      return "committed";
+    case Step::kGivenUp:
+      return "given up";
+  }
+  return "?";
+}
+
+bool SyncCoordinator::advance(Step from, Step to) {
+  Step at = from;
+  if (step_.compare_exchange_strong(at, to)) return true;
+  if (at == Step::kGivenUp) return false;
+  spdlog::critical("sync {}: the coordinator's attempt moved from {} to {} while {}: a bug", id_, stepName(from),
+                   stepName(to), stepName(at));
+  std::abort();
+}
+
 void SyncCoordinator::giveUp(const std::string& reason, const std::string& silent) {
-  if (given_up_.exchange(true)) return;
-  peers_->cancelAll();
-  finishAll(false, reason, silent);
+  // From any step before the commit, once; a commit under way is not given up.
+  for (Step at = step_.load(); at != Step::kGivenUp && at != Step::kCommitting && at != Step::kCommitted;)
+    if (step_.compare_exchange_weak(at, Step::kGivenUp)) {
+      peers_->cancelAll();
+      finishAll(false, reason, silent);
+      return;
+    }
 }
 
 std::string SyncCoordinator::firstSilent() {

@@ -238,6 +238,17 @@ class SyncCoordinator {
   std::vector<grpc::Status> finishAll(bool commit, const std::string& reason, const std::string& silent = "");
   // Gives the sync up everywhere (once): calls in flight are cancelled, every daemon aborts.
   void giveUp(const std::string& reason, const std::string& silent = "");
+
+  // The attempt's lifecycle (docs/thread_model.md, "A coordinator's attempt"). The run thread
+  // moves it forward, phase by phase (a catch-up with nothing to move: from kGathering to
+  // kCommitted); giveUp() (the run thread's or the lease keeper's) ends it from any step before
+  // kCommitting; commit() takes it to kCommitting only if it was not given up, and from there
+  // nothing gives it up (its aborts would race the commits).
+  enum class Step : uint8_t { kGathering, kPlanning, kPreparing, kExecuting, kCommitting, kCommitted, kGivenUp };
+  static const char* stepName(Step step);
+  // The run thread's move from `from` to `to`: true when made; false when the attempt was given up
+  // meanwhile (the one step another thread sets). Any other step is a bug: logged, and aborts.
+  bool advance(Step from, Step to);
   // The node of the first daemon that does not answer a quick call ("" when all answer).
   std::string firstSilent();
   // The version contract as the daemons described it.
@@ -277,9 +288,9 @@ class SyncCoordinator {
   ReplicaMemory::Members members_seen_;
   std::vector<std::string> members_left_;
   uint64_t version_ = 0;
-  bool seed_ = false;                        // src_group_ is a replica read as a catch-up's seed (PrepareRequest.seed)
-  bool current_ = false;                     // a catch-up found its replica at the version already: nothing to move
-  std::atomic<bool> commit_started_{false};  // commit() began: no retry without replicas
+  bool seed_ = false;     // src_group_ is a replica read as a catch-up's seed (PrepareRequest.seed)
+  bool current_ = false;  // a catch-up found its replica at the version already: nothing to move
+  std::atomic<Step> step_{Step::kGathering};
   const std::string id_;
   std::string faulty_node_;
   std::string refusing_replica_;  // a replica whose own ranks refused the Prepare on faulty_node_
@@ -311,8 +322,7 @@ class SyncCoordinator {
   // Per daemon (same index as the cluster's): its Execute request, with the landing directory
   // of the nodes it writes to or encodes for only (planner::Schedule::NodeSchedule::peers).
   std::vector<v1::ExecuteRequest> exec_;
-  std::atomic<bool> executed_{false};
-  std::atomic<bool> given_up_{false};
+  std::atomic<bool> executed_{false};    // an Execute went out (retryInFull)
   AtomicSyncCounters moved_;             // every daemon's waves, as their Execute responses report them
   uint64_t wire_bytes_ = 0;              // every node's bytes sent, once every wave is done
   v1::DeltaMode delta_ = v1::DELTA_OFF;  // the mode it runs in (a periodic refresh: DELTA_DENSE)
