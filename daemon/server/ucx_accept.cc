@@ -3,6 +3,8 @@
 // and exported from it (daemon/CMakeLists.txt), so that libucs's calls resolve here before libc.
 // The daemon's own listeners call accept4(), which this leaves alone.
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -32,8 +34,17 @@ extern "C" int accept(int fd, sockaddr* address, socklen_t* length) {
     sockaddr_storage local{};
     socklen_t local_length = sizeof(local);
     std::string why;
+    // Still established after the lookup: a sender that reset its connection meanwhile may have
+    // left its four-tuple to another socket, which the lookup would have named instead.
+    const auto established = [c] {
+      tcp_info info{};
+      socklen_t info_length = sizeof(info);
+      return ::getsockopt(c, IPPROTO_TCP, TCP_INFO, &info, &info_length) == 0 &&
+             info.tcpi_state == shardcast::daemon::kTcpEstablished;
+    };
     if (::getsockname(c, reinterpret_cast<sockaddr*>(&local), &local_length) == 0 &&
-        shardcast::daemon::UcxAdmission::instance().admit(peer, local, &why)) {
+        shardcast::daemon::UcxAdmission::instance().admit(peer, local, &why) &&
+        (established() || (why = "the connection closed while it was looked up", false))) {
       if (address && length) {
         std::memcpy(address, &peer, std::min<socklen_t>(*length, peer_length));
         *length = peer_length;

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 
 #include "common/fd_passing.h"
@@ -152,10 +153,16 @@ std::optional<LocalSocket> findLocalSocket(const sockaddr_storage& from, const s
   ::setsockopt(diag.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
   sockaddr_nl kernel{};
   kernel.nl_family = AF_NETLINK;
-  if (::sendto(diag.get(), &ask, sizeof(ask), 0, reinterpret_cast<sockaddr*>(&kernel), sizeof(kernel)) < 0)
-    return std::nullopt;
+  ssize_t sent = 0;
+  do {
+    sent = ::sendto(diag.get(), &ask, sizeof(ask), 0, reinterpret_cast<sockaddr*>(&kernel), sizeof(kernel));
+  } while (sent < 0 && errno == EINTR);
+  if (sent < 0) return std::nullopt;
   alignas(nlmsghdr) char reply[8192];
-  const ssize_t n = ::recv(diag.get(), reply, sizeof(reply), 0);
+  ssize_t n = 0;
+  do {
+    n = ::recv(diag.get(), reply, sizeof(reply), 0);
+  } while (n < 0 && errno == EINTR);
   if (n < static_cast<ssize_t>(sizeof(nlmsghdr))) return std::nullopt;
   const auto* header = reinterpret_cast<const nlmsghdr*>(reply);
   if (!NLMSG_OK(header, static_cast<size_t>(n)) || header->nlmsg_type != SOCK_DIAG_BY_FAMILY ||
@@ -232,8 +239,14 @@ bool UcxAdmission::admit(const sockaddr_storage& peer, const sockaddr_storage& l
     return false;
   }
   const auto socket = findLocalSocket(peer, local);
-  if (socket && socket->state == kTcpEstablished && socket->inode != 0 && socket->uid == ::geteuid()) return true;
-  *why = !socket || socket->inode == 0
+  // The kernel names an owner it cannot map in this user namespace with the overflow uid: a daemon
+  // running as that uid cannot tell its own sockets from anyone's.
+  const bool overflow = ::geteuid() == kOverflowUid;
+  if (socket && socket->state == kTcpEstablished && socket->inode != 0 && socket->uid == ::geteuid() && !overflow)
+    return true;
+  *why = overflow ? strCat(who, ": this daemon runs as the overflow uid (", kOverflowUid,
+                           "), which cannot tell its own sockets from another user's")
+         : !socket || socket->inode == 0
              ? strCat(who, " is an address of this host, and no open socket there names its owner")
          : socket->uid != ::geteuid()
              ? strCat(who, " is a socket of uid ", socket->uid, ", not this daemon's (uid ", ::geteuid(), ")")

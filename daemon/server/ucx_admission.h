@@ -44,6 +44,7 @@ std::string toString(const IpAddress& ip);
 // and inode (0 for a socket already closed: a TIME_WAIT or FIN_WAIT2 remnant, which reports uid 0
 // and owns nothing). nullopt when there is none.
 inline constexpr uint8_t kTcpEstablished = 1;  // the kernel's TCP_ESTABLISHED (net/tcp_states.h)
+inline constexpr uid_t kOverflowUid = 65534;   // the kernel's default overflowuid: an owner it cannot map
 struct LocalSocket {
   uint8_t state = 0;
   uid_t uid = 0;
