@@ -16,6 +16,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -197,6 +198,7 @@ struct RequestCtx {
   ucp_ep_h reply_ep = nullptr;     // receiver side: where to ack a rendezvous receive
   WriteKey key{};                  // receiver side: the key a write's notice is delivered under
   RegionTable::Landing landing{};  // receiver side: the write's fence and target region, held until it is in
+  bool* ran_inline = nullptr;      // set while issue() waits for UCX's call: its callback ran inside it
 };
 
 // A request's context belongs to the code that made it until UCX holds the request: a pointer that
@@ -209,6 +211,22 @@ bool handOver(ucs_status_ptr_t req, RequestCtxPtr& ctx) {
   if (req == nullptr || UCS_PTR_IS_ERR(req)) return false;
   static_cast<void>(ctx.release());  // the callback's now
   return true;
+}
+
+// Makes UCX's call (a ucp_*_nbx whose user data is ctx). UCX may complete the request inside the
+// call, its callback run before the call returns (a send on an endpoint that failed, even with
+// UCP_OP_ATTR_FLAG_NO_IMM_CMPL): the callback then did everything and freed ctx and the request,
+// and this returns nothing. Else UCX's status pointer, ctx still the caller's (handOver).
+template <class Call>
+std::optional<ucs_status_ptr_t> issue(RequestCtxPtr& ctx, Call&& call) {
+  bool ran_inline = false;
+  ctx->ran_inline = &ran_inline;
+  RequestCtx* raw = ctx.release();  // the callback's while UCX holds the call
+  const ucs_status_ptr_t req = call();
+  if (ran_inline) return std::nullopt;
+  raw->ran_inline = nullptr;
+  ctx.reset(raw);
+  return req;
 }
 
 // Frees a UCX request (when there is one) as its callback returns.
@@ -308,6 +326,7 @@ struct Callbacks {
   static void onSend(void* request, ucs_status_t st, void* user) {
     const RequestRelease release{request};
     const RequestCtxPtr ctx(static_cast<RequestCtx*>(user));
+    if (ctx->ran_inline) *ctx->ran_inline = true;
     if (ctx->data) {
       // An AM write: done once its ack came too (or now, if the send failed).
       ctx->engine->amWriteSent(ctx->wire_id, st == UCS_OK ? Status() : statusFromUcs("send", st));
@@ -321,6 +340,7 @@ struct Callbacks {
   static void onRecvData(void* request, ucs_status_t st, size_t, void* user) {
     const RequestRelease release{request};
     const RequestCtxPtr ctx(static_cast<RequestCtx*>(user));
+    if (ctx->ran_inline) *ctx->ran_inline = true;
     if (st == UCS_OK && !ctx->payload.empty()) ctx->engine->deliver(std::move(ctx->payload), ctx->key);
     // A receive that failed with its connection (the peer timed out, reset or cancelled it) is not
     // acked: the reply endpoint is failed, UCX may already have released it, and a send on it
@@ -582,14 +602,14 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
     rp.cb.send = &Callbacks::onSend;
     rp.user_data = ctx.get();
     rp.memh = region->memh();
-    ucs_status_ptr_t req;
+    std::optional<ucs_status_ptr_t> issued;
     if (protocol_ == Protocol::kPut) {
       auto rkey = rkeyFor(*ep, w.dst.rkey);
       if (!rkey.ok()) {
         partDone(id, rkey.status());
         continue;
       }
-      req = ucp_put_nbx(ep->ep, src, w.length, w.dst.base + w.dst_offset, *rkey, &rp);
+      issued = issue(ctx, [&] { return ucp_put_nbx(ep->ep, src, w.length, w.dst.base + w.dst_offset, *rkey, &rp); });
     } else {
       uint64_t wire_id = wire_ids_.next();
       while (wire_id == 0 || am_writes_.count(wire_id)) wire_id = wire_ids_.next();
@@ -600,10 +620,14 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
       ctx->header = ucx_wire::encodeData(wire_id, w.dst.base + w.dst_offset, w.length, w.key, w.notice);
       rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
       rp.flags = UCP_AM_SEND_FLAG_REPLY;
-      req = ucp_am_send_nbx(ep->ep, kAmData, ctx->header.data(), ctx->header.size(), src, w.length, &rp);
+      const std::string& header = ctx->header;
+      issued = issue(
+          ctx, [&] { return ucp_am_send_nbx(ep->ep, kAmData, header.data(), header.size(), src, w.length, &rp); });
     }
-    const bool am = ctx && ctx->data;
-    const uint64_t wire_id = ctx ? ctx->wire_id : 0;
+    if (!issued) continue;  // completed inside the call: its callback accounted for it
+    const ucs_status_ptr_t req = *issued;
+    const bool am = ctx->data;
+    const uint64_t wire_id = ctx->wire_id;
     if (handOver(req, ctx)) continue;
     if (req == nullptr && am) {
       amWriteSent(wire_id, Status());  // sent at once (NO_IMM_CMPL asks UCX not to)
@@ -624,10 +648,11 @@ void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<Wri
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.send = &Callbacks::onSend;
     rp.user_data = ctx.get();
-    ucs_status_ptr_t req = ucp_ep_flush_nbx(ep->ep, &rp);
-    if (!handOver(req, ctx))
-      partDone(
-          id, req == nullptr ? Status() : statusFromUcs(strCat("flush to peer '", ep->name, "'"), UCS_PTR_STATUS(req)));
+    const auto issued = issue(ctx, [&] { return ucp_ep_flush_nbx(ep->ep, &rp); });
+    if (issued && !handOver(*issued, ctx))
+      partDone(id, *issued == nullptr
+                       ? Status()
+                       : statusFromUcs(strCat("flush to peer '", ep->name, "'"), UCS_PTR_STATUS(*issued)));
   }
   partDone(id, Status());  // release the hold taken above
 }
@@ -704,8 +729,12 @@ void UcxEngine::sendNotify(EpState& ep, std::string payload, const WriteKey& key
   rp.cb.send = &Callbacks::onSend;
   rp.user_data = ctx.get();
   rp.flags = UCP_AM_SEND_FLAG_EAGER;
-  ucs_status_ptr_t req = ucp_am_send_nbx(ep.ep, kAmNotify, ctx->header.data(), ctx->header.size(), ctx->payload.data(),
-                                         ctx->payload.size(), &rp);
+  const RequestCtx& c = *ctx;
+  const auto issued = issue(ctx, [&] {
+    return ucp_am_send_nbx(ep.ep, kAmNotify, c.header.data(), c.header.size(), c.payload.data(), c.payload.size(), &rp);
+  });
+  if (!issued) return;  // its callback told `done`
+  const ucs_status_ptr_t req = *issued;
   if (!handOver(req, ctx)) {
     const ucs_status_t st = req == nullptr ? UCS_OK : UCS_PTR_STATUS(req);
     Completion cb = std::move(ctx->done);
@@ -811,8 +840,12 @@ void UcxEngine::sendAck(ucp_ep_h reply_ep, uint64_t op_id, const Status& st, con
   rp.cb.send = &Callbacks::onSend;
   rp.user_data = ctx.get();
   rp.flags = UCP_AM_SEND_FLAG_EAGER;
-  ucs_status_ptr_t req = ucp_am_send_nbx(reply_ep, kAmAck, ctx->header.data(), ctx->header.size(), ctx->payload.data(),
-                                         ctx->payload.size(), &rp);
+  const RequestCtx& c = *ctx;
+  const auto issued = issue(ctx, [&] {
+    return ucp_am_send_nbx(reply_ep, kAmAck, c.header.data(), c.header.size(), c.payload.data(), c.payload.size(), &rp);
+  });
+  if (!issued) return;
+  const ucs_status_ptr_t req = *issued;
   if (!handOver(req, ctx) && UCS_PTR_IS_ERR(req))
     spdlog::warn("transport '{}': ack of op {}: {}", options_.name, op_id, ucs_status_string(UCS_PTR_STATUS(req)));
 }
@@ -854,7 +887,10 @@ ucs_status_t UcxEngine::onData(const void* header, size_t hlen, void* data, size
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.recv_am = &Callbacks::onRecvData;
     rp.user_data = ctx.get();
-    ucs_status_ptr_t req = ucp_am_recv_data_nbx(worker_, data, reinterpret_cast<void*>(h->addr), len, &rp);
+    const auto issued =
+        issue(ctx, [&] { return ucp_am_recv_data_nbx(worker_, data, reinterpret_cast<void*>(h->addr), len, &rp); });
+    if (!issued) return UCS_OK;  // landed inside the call: its callback delivered and acked it
+    const ucs_status_ptr_t req = *issued;
     if (!handOver(req, ctx)) {
       if (req == nullptr && !ctx->payload.empty()) deliver(std::move(ctx->payload), h->key);  // landed at once
       sendAck(reply, h->op_id, req == nullptr ? Status() : statusFromUcs("receive", UCS_PTR_STATUS(req)), h->key);
