@@ -328,15 +328,27 @@ StatusOr<PositionPlan> planPositions(const ResolvedLayout& src, const NodeTable&
   return out;
 }
 
-StatusOr<Plan> composeReplicas(const PositionPlan& pp, const ResolvedLayout& src, const ResolvedLayout& dst,
-                               const NodeTable& nodes) {
-  const auto start = std::chrono::steady_clock::now();
-  const Plan& tp = pp.plan;
-  const int32_t W = pp.replicaWorld(), P = pp.positions();
+namespace {
+
+// Where the replicas of a stacked layout sit, by position (composeReplicas).
+struct Placement {
+  int32_t W = 0, P = 0, R = 0;  // ranks per replica, positions, replicas
+  // Replica k's node of position p ([k * P + p]); the first replica on each node, and the position
+  // it holds there; how many replicas each node holds.
+  std::vector<int32_t> replica_node, owner, node_position, sharing;
+  // The position of each of the position plan's destination nodes (-1: none).
+  std::vector<int32_t> position_of;
+  int32_t nodeOf(int32_t k, int32_t template_node) const {
+    return replica_node[static_cast<size_t>(k) * P + position_of[template_node]];
+  }
+};
+
+// The layouts are those the position plan was made for.
+Status checkComposable(const PositionPlan& pp, const ResolvedLayout& src, const ResolvedLayout& dst) {
+  const int32_t W = pp.replicaWorld();
   if (W == 0 || dst.world() == 0 || dst.world() % W != 0)
     return absl::FailedPreconditionError(strCat("layout ", quote(dst.group), " has ", dst.world(),
                                                 " ranks: not a whole number of replicas of ", W, " ranks"));
-  const int32_t R = dst.world() / W;
   if (src.world() != static_cast<int32_t>(pp.src_rank_node.size()) ||
       static_cast<int32_t>(src.tensors.size()) != pp.src_tensors ||
       static_cast<int32_t>(dst.tensors.size()) != pp.dst_tensors)
@@ -344,10 +356,13 @@ StatusOr<Plan> composeReplicas(const PositionPlan& pp, const ResolvedLayout& src
         strCat("layouts ", quote(src.group), " (", src.world(), " ranks, ", src.tensors.size(), " tensors) and ",
                quote(dst.group), " (", dst.tensors.size(), " tensors) are not those of the position plan (",
                pp.src_rank_node.size(), " source ranks, ", pp.src_tensors, " and ", pp.dst_tensors, " tensors)"));
-  if (!tp.local_sources.empty())
+  if (!pp.plan.local_sources.empty())
     return absl::FailedPreconditionError("the position plan has local sources: it was not made by planPositions");
+  return absl::OkStatus();
+}
 
-  // Source nodes: the position plan's id -> the id in `nodes`, read through the ranks.
+// Source nodes: the position plan's id -> the id in `nodes`, read through the ranks.
+StatusOr<std::vector<int32_t>> sourceNodes(const PositionPlan& pp, const ResolvedLayout& src, const NodeTable& nodes) {
   std::vector<int32_t> src_map(pp.nodes.size(), -1);
   for (int32_t r = 0; r < src.world(); ++r) {
     const int32_t a = pp.src_rank_node[r], b = src.rank_node[r];
@@ -357,45 +372,60 @@ StatusOr<Plan> composeReplicas(const PositionPlan& pp, const ResolvedLayout& src
                                                   quote(nodes.name(b)), " but the position plan has it on ",
                                                   quote(pp.nodes.name(a))));
   }
-  // Replica k's node of position p; the first replica on each node, and the position it holds
-  // there. Replicas may share a node at the same position (it then lands each byte once and fans
-  // it out to all of their ranks); a node at two positions would need the union of both
-  // positions' boxes, which the position plan does not have (the caller plans the stacked layout).
-  std::vector<int32_t> owner(nodes.size(), -1), node_position(nodes.size(), -1),
-      replica_node(static_cast<size_t>(R) * P, -1);
-  std::vector<int32_t> sharing(nodes.size(), 0);  // replicas on each node
-  for (int32_t k = 0; k < R; ++k) {
+  return src_map;
+}
+
+// Each replica's node of each position. Replicas may share a node at the same position (it then
+// lands each byte once and fans it out to all of their ranks); a node at two positions would need
+// the union of both positions' boxes, which the position plan does not have (the caller plans
+// the stacked layout). No replica shares a node with a source rank.
+StatusOr<Placement> placeReplicas(const PositionPlan& pp, const ResolvedLayout& src, const ResolvedLayout& dst,
+                                  const NodeTable& nodes) {
+  Placement at;
+  at.W = pp.replicaWorld();
+  at.P = pp.positions();
+  at.R = dst.world() / at.W;
+  const int32_t W = at.W, P = at.P, R = at.R;
+  at.owner.assign(nodes.size(), -1);
+  at.node_position.assign(nodes.size(), -1);
+  at.replica_node.assign(static_cast<size_t>(R) * P, -1);
+  at.sharing.assign(nodes.size(), 0);
+  for (int32_t k = 0; k < R; ++k)
     for (int32_t r = 0; r < W; ++r) {
       const int32_t n = dst.rank_node[k * W + r], p = pp.rank_position[r];
-      int32_t& slot = replica_node[static_cast<size_t>(k) * P + p];
+      int32_t& slot = at.replica_node[static_cast<size_t>(k) * P + p];
       if (slot == n) continue;
-      if (slot >= 0 || (owner[n] == k && node_position[n] != p))
+      if (slot >= 0 || (at.owner[n] == k && at.node_position[n] != p))
         return absl::FailedPreconditionError(
             strCat("layout ", quote(dst.group), ": rank ", k * W + r, " (replica ", k, ", rank ", r, ") on node ",
                    quote(nodes.name(n)), " breaks the position pattern of the replica set (ranks spread over ",
                    "each replica's nodes alike): not a stacking of this position plan's replicas"));
-      if (owner[n] >= 0 && node_position[n] != p)
+      if (at.owner[n] >= 0 && at.node_position[n] != p)
         return absl::FailedPreconditionError(
-            strCat("layout ", quote(dst.group), ": node ", quote(nodes.name(n)), " holds position ", node_position[n],
-                   " of replica ", owner[n], " and position ", p, " of replica ", k,
+            strCat("layout ", quote(dst.group), ": node ", quote(nodes.name(n)), " holds position ",
+                   at.node_position[n], " of replica ", at.owner[n], " and position ", p, " of replica ", k,
                    ": replicas are composed from one replica's plan only where they share nodes at the same "
                    "positions (plan the stacked layout with makePlan instead)"));
-      if (owner[n] < 0) {
-        owner[n] = k;
-        node_position[n] = p;
+      if (at.owner[n] < 0) {
+        at.owner[n] = k;
+        at.node_position[n] = p;
       }
-      ++sharing[n];
+      ++at.sharing[n];
       slot = n;
     }
-  }
   for (int32_t r = 0; r < src.world(); ++r)
-    if (const int32_t k = owner[src.rank_node[r]]; k >= 0)
+    if (const int32_t k = at.owner[src.rank_node[r]]; k >= 0)
       return colocated(
           nodes.name(src.rank_node[r]), r, src.group,
           strCat("replica ", k, " of layout ", quote(dst.group), " (its ranks ", k * W, "..", (k + 1) * W - 1, ")"));
-  // Every destination node of the position plan is a position.
+  return at;
+}
+
+// Every destination node of the position plan is a position, and every chain starts at a source node.
+StatusOr<std::vector<int32_t>> positionsOf(const PositionPlan& pp, const std::vector<int32_t>& src_map) {
+  const Plan& tp = pp.plan;
   std::vector<int32_t> position_of(pp.nodes.size(), -1);
-  for (int32_t p = 0; p < P; ++p) position_of[pp.position_node[p]] = p;
+  for (int32_t p = 0; p < pp.positions(); ++p) position_of[pp.position_node[p]] = p;
   for (const auto* list : {&tp.group_nodes, &tp.chain_nodes})
     for (int32_t n : *list)
       if (position_of[n] < 0)
@@ -405,10 +435,140 @@ StatusOr<Plan> composeReplicas(const PositionPlan& pp, const ResolvedLayout& src
     if (src_map[c.src_node] < 0)
       return absl::FailedPreconditionError(strCat("the position plan sends from node ",
                                                   quote(pp.nodes.name(c.src_node)), ", which holds no source rank"));
-  auto nodeOf = [&](int32_t k, int32_t template_node) {
-    return replica_node[static_cast<size_t>(k) * P + position_of[template_node]];
-  };
+  return position_of;
+}
 
+// Cells keep their holders; their nodes get this table's ids (re-sorted where the order differs).
+void composeCells(const Plan& tp, const ResolvedLayout& src, const std::vector<int32_t>& src_map, Plan* out) {
+  out->cell_nodes.reserve(tp.cell_nodes.size());
+  for (int32_t n : tp.cell_nodes) out->cell_nodes.push_back(src_map[n]);
+  for (const SourceCell& c : out->cells) {
+    auto nb = out->cell_nodes.begin() + c.nodes_begin, ne = nb + c.nodes_count;
+    if (std::is_sorted(nb, ne)) continue;
+    std::sort(nb, ne);
+    const TensorLayout& st = src.tensors[out->tensors[c.tensor].src];
+    auto hb = out->cell_holders.begin() + c.holders_begin;
+    std::sort(hb, hb + c.holders_count, [&](int32_t a, int32_t b) {
+      const int32_t ra = st.pieces[a].rank, rb = st.pieces[b].rank;
+      const int32_t na = src.rank_node[ra], nb2 = src.rank_node[rb];
+      return na != nb2 ? na < nb2 : ra < rb;
+    });
+  }
+}
+
+// Groups: every replica's node of each of the group's positions.
+void composeGroups(const Plan& tp, const Placement& at, Plan* out) {
+  out->groups = tp.groups;
+  out->group_nodes.reserve(tp.group_nodes.size() * at.R);
+  for (NodeGroup& g : out->groups) {
+    const int32_t begin = static_cast<int32_t>(out->group_nodes.size());
+    for (int32_t k = 0; k < at.R; ++k)
+      for (int32_t i = g.nodes_begin; i < g.nodes_begin + g.nodes_count; ++i)
+        out->group_nodes.push_back(at.nodeOf(k, tp.group_nodes[i]));
+    std::sort(out->group_nodes.begin() + begin, out->group_nodes.end());
+    out->group_nodes.erase(std::unique(out->group_nodes.begin() + begin, out->group_nodes.end()),
+                           out->group_nodes.end());
+    g.nodes_begin = begin;
+    g.nodes_count = static_cast<int32_t>(out->group_nodes.size()) - begin;
+  }
+}
+
+// Chains: each template chain over replica after replica, cut greedily at max_chain nodes; the
+// nodes' ingress and egress, and the network's bytes and operations, counted as they are made.
+void composeChains(const Plan& tp, const Placement& at, const std::vector<int32_t>& src_map, size_t node_count,
+                   Plan* out) {
+  PlanStats& s = out->stats;
+  s.node_ingress.assign(node_count, 0);
+  s.node_egress.assign(node_count, 0);
+  s.node_local.assign(node_count, 0);
+  const int32_t M = tp.options.max_chain;
+  out->chain_nodes.reserve(tp.chain_nodes.size() * at.R);
+  std::vector<int32_t> sequence;
+  std::vector<int32_t> reached(node_count, -1);  // the last transfer each node is on a chain of
+  for (Transfer& tr : out->transfers) {
+    const int32_t begin = static_cast<int32_t>(out->chains.size());
+    const int32_t t = static_cast<int32_t>(&tr - out->transfers.data());
+    for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
+      const Chain& tc = tp.chains[c];
+      sequence.clear();
+      // A node shared by replicas is on the chain once: its landing serves all of them.
+      for (int32_t k = 0; k < at.R; ++k)
+        for (int32_t i = tc.nodes_begin; i < tc.nodes_begin + tc.nodes_count; ++i)
+          if (const int32_t n = at.nodeOf(k, tp.chain_nodes[i]); reached[n] != t) {
+            reached[n] = t;
+            sequence.push_back(n);
+          }
+      for (size_t lo = 0; lo < sequence.size(); lo += M) {
+        const size_t hi = std::min(sequence.size(), lo + M);
+        Chain ch{src_map[tc.src_node], tc.src_rank, static_cast<int32_t>(out->chain_nodes.size()),
+                 static_cast<int32_t>(hi - lo)};
+        s.node_egress[ch.src_node] += tr.bytes;
+        for (size_t i = lo; i < hi; ++i) {
+          out->chain_nodes.push_back(sequence[i]);
+          s.node_ingress[sequence[i]] += tr.bytes;
+          if (i + 1 < hi) s.node_egress[sequence[i]] += tr.bytes;  // relays to the next node
+        }
+        s.max_chain = std::max(s.max_chain, ch.nodes_count);
+        s.network_bytes += tr.bytes * ch.nodes_count;
+        s.network_ops += tr.chunks * ch.nodes_count;
+        out->chains.push_back(ch);
+      }
+    }
+    tr.chains_begin = begin;
+    tr.chains_count = static_cast<int32_t>(out->chains.size()) - begin;
+  }
+}
+
+// Per-node figures: a replica node does what its position does in the position plan, and a node
+// shared by m replicas writes everything its position's ranks hold into m - 1 more replicas by
+// local copies. No node hosts a source rank (placeReplicas), so every node's lower bound is its
+// need: each fragment once per node of its group.
+void composeFigures(const PositionPlan& pp, const ResolvedLayout& dst, const Placement& at, Plan* out) {
+  const PlanStats& ts = pp.plan.stats;
+  PlanStats& s = out->stats;
+  std::vector<int64_t> position_writes(static_cast<size_t>(at.P), 0);  // bytes one replica's ranks there hold
+  for (const TensorPair& t : out->tensors) {
+    const TensorLayout& dt = dst.tensors[t.dst];
+    for (const PieceRef& piece : dt.pieces) {
+      const int64_t bytes = dt.boxes[piece.box].volume() * dt.elemBytes();
+      s.bytes_needed += bytes;
+      if (piece.rank < at.W) position_writes[pp.rank_position[piece.rank]] += bytes;
+    }
+  }
+  for (int32_t n = 0; n < static_cast<int32_t>(at.sharing.size()); ++n)
+    if (at.sharing[n] > 0) {
+      const int32_t p = at.node_position[n];
+      s.node_local[n] = ts.node_local[pp.position_node[p]] + (at.sharing[n] - 1) * position_writes[p];
+    }
+  for (int64_t v : s.node_local) s.local_bytes += v;
+  int64_t dst_nodes = 0;
+  for (int32_t m : at.sharing) dst_nodes += m > 0 ? 1 : 0;
+  s.tensors = ts.tensors;
+  for (const Fragment& f : out->fragments) s.network_lower_bound += f.bytes * out->groups[f.group].nodes_count;
+  s.local_ops = ts.local_ops * at.R;
+  s.transfers = static_cast<int64_t>(out->transfers.size());
+  s.buckets = ts.buckets;
+  s.fragments = static_cast<int64_t>(out->fragments.size());
+  s.largest_chunk = ts.largest_chunk;
+  s.max_unique_held = ts.max_unique_held;  // source-side: per source node, bytes only it holds
+  s.pull_network_bytes = ts.pull_network_bytes * at.R;
+  s.pull_max_ingress = ts.pull_max_ingress;       // per destination node: as its position's
+  s.pull_max_egress = ts.pull_max_egress * at.R;  // per source node: once per replica
+  s.gather_bytes = ts.gather_bytes;
+  s.model_bytes = ts.model_bytes;
+  s.broadcast_bytes = ts.model_bytes * dst_nodes;
+}
+
+}  // namespace
+
+StatusOr<Plan> composeReplicas(const PositionPlan& pp, const ResolvedLayout& src, const ResolvedLayout& dst,
+                               const NodeTable& nodes) {
+  const auto start = std::chrono::steady_clock::now();
+  SC_RETURN_IF_ERROR(checkComposable(pp, src, dst));
+  SC_ASSIGN_OR_RETURN(const std::vector<int32_t> src_map, sourceNodes(pp, src, nodes));
+  SC_ASSIGN_OR_RETURN(Placement at, placeReplicas(pp, src, dst, nodes));
+  SC_ASSIGN_OR_RETURN(at.position_of, positionsOf(pp, src_map));
+  const Plan& tp = pp.plan;
   Plan out;
   out.options = tp.options;
   out.tensors = tp.tensors;
@@ -417,116 +577,11 @@ StatusOr<Plan> composeReplicas(const PositionPlan& pp, const ResolvedLayout& src
   out.fragments = tp.fragments;
   out.transfers = tp.transfers;
   out.transfer_fragments = tp.transfer_fragments;
-
-  // Cells keep their holders; their nodes get this table's ids (re-sorted where the order differs).
-  out.cell_nodes.reserve(tp.cell_nodes.size());
-  for (int32_t n : tp.cell_nodes) out.cell_nodes.push_back(src_map[n]);
-  for (const SourceCell& c : out.cells) {
-    auto nb = out.cell_nodes.begin() + c.nodes_begin, ne = nb + c.nodes_count;
-    if (std::is_sorted(nb, ne)) continue;
-    std::sort(nb, ne);
-    const TensorLayout& st = src.tensors[out.tensors[c.tensor].src];
-    auto hb = out.cell_holders.begin() + c.holders_begin;
-    std::sort(hb, hb + c.holders_count, [&](int32_t a, int32_t b) {
-      const int32_t ra = st.pieces[a].rank, rb = st.pieces[b].rank;
-      const int32_t na = src.rank_node[ra], nb2 = src.rank_node[rb];
-      return na != nb2 ? na < nb2 : ra < rb;
-    });
-  }
-
-  // Groups: every replica's node of each of the group's positions.
-  out.groups = tp.groups;
-  out.group_nodes.reserve(tp.group_nodes.size() * R);
-  for (NodeGroup& g : out.groups) {
-    const int32_t begin = static_cast<int32_t>(out.group_nodes.size());
-    for (int32_t k = 0; k < R; ++k)
-      for (int32_t i = g.nodes_begin; i < g.nodes_begin + g.nodes_count; ++i)
-        out.group_nodes.push_back(nodeOf(k, tp.group_nodes[i]));
-    std::sort(out.group_nodes.begin() + begin, out.group_nodes.end());
-    out.group_nodes.erase(std::unique(out.group_nodes.begin() + begin, out.group_nodes.end()), out.group_nodes.end());
-    g.nodes_begin = begin;
-    g.nodes_count = static_cast<int32_t>(out.group_nodes.size()) - begin;
-  }
-
-  // Chains: each template chain over replica after replica, cut greedily at max_chain nodes.
-  PlanStats& s = out.stats;
-  s.node_ingress.assign(nodes.size(), 0);
-  s.node_egress.assign(nodes.size(), 0);
-  s.node_local.assign(nodes.size(), 0);
-  const int32_t M = tp.options.max_chain;
-  out.chain_nodes.reserve(tp.chain_nodes.size() * R);
-  std::vector<int32_t> sequence;
-  std::vector<int32_t> reached(nodes.size(), -1);  // the last transfer each node is on a chain of
-  for (Transfer& tr : out.transfers) {
-    const int32_t begin = static_cast<int32_t>(out.chains.size());
-    const int32_t t = static_cast<int32_t>(&tr - out.transfers.data());
-    for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
-      const Chain& tc = tp.chains[c];
-      sequence.clear();
-      // A node shared by replicas is on the chain once: its landing serves all of them.
-      for (int32_t k = 0; k < R; ++k)
-        for (int32_t i = tc.nodes_begin; i < tc.nodes_begin + tc.nodes_count; ++i)
-          if (const int32_t n = nodeOf(k, tp.chain_nodes[i]); reached[n] != t) {
-            reached[n] = t;
-            sequence.push_back(n);
-          }
-      for (size_t lo = 0; lo < sequence.size(); lo += M) {
-        const size_t hi = std::min(sequence.size(), lo + M);
-        Chain ch{src_map[tc.src_node], tc.src_rank, static_cast<int32_t>(out.chain_nodes.size()),
-                 static_cast<int32_t>(hi - lo)};
-        s.node_egress[ch.src_node] += tr.bytes;
-        for (size_t i = lo; i < hi; ++i) {
-          out.chain_nodes.push_back(sequence[i]);
-          s.node_ingress[sequence[i]] += tr.bytes;
-          if (i + 1 < hi) s.node_egress[sequence[i]] += tr.bytes;  // relays to the next node
-        }
-        s.max_chain = std::max(s.max_chain, ch.nodes_count);
-        s.network_bytes += tr.bytes * ch.nodes_count;
-        s.network_ops += tr.chunks * ch.nodes_count;
-        out.chains.push_back(ch);
-      }
-    }
-    tr.chains_begin = begin;
-    tr.chains_count = static_cast<int32_t>(out.chains.size()) - begin;
-  }
-
-  // Per-node figures: a replica node does what its position does in the position plan, and a
-  // node shared by m replicas writes everything its position's ranks hold into m - 1 more
-  // replicas by local copies. No node hosts a source rank (checked above), so every node's lower
-  // bound is its need: each fragment once per node of its group.
-  const PlanStats& ts = tp.stats;
-  std::vector<int64_t> position_writes(static_cast<size_t>(P), 0);  // bytes one replica's ranks there hold
-  for (const TensorPair& t : out.tensors) {
-    const TensorLayout& dt = dst.tensors[t.dst];
-    for (const PieceRef& piece : dt.pieces) {
-      const int64_t bytes = dt.boxes[piece.box].volume() * dt.elemBytes();
-      s.bytes_needed += bytes;
-      if (piece.rank < W) position_writes[pp.rank_position[piece.rank]] += bytes;
-    }
-  }
-  for (int32_t n = 0; n < static_cast<int32_t>(nodes.size()); ++n)
-    if (sharing[n] > 0) {
-      const int32_t p = node_position[n];
-      s.node_local[n] = ts.node_local[pp.position_node[p]] + (sharing[n] - 1) * position_writes[p];
-    }
-  for (int64_t v : s.node_local) s.local_bytes += v;
-  int64_t dst_nodes = 0;
-  for (int32_t m : sharing) dst_nodes += m > 0 ? 1 : 0;
-  s.tensors = ts.tensors;
-  for (const Fragment& f : out.fragments) s.network_lower_bound += f.bytes * out.groups[f.group].nodes_count;
-  s.local_ops = ts.local_ops * R;
-  s.transfers = static_cast<int64_t>(out.transfers.size());
-  s.buckets = ts.buckets;
-  s.fragments = static_cast<int64_t>(out.fragments.size());
-  s.largest_chunk = ts.largest_chunk;
-  s.max_unique_held = ts.max_unique_held;  // source-side: per source node, bytes only it holds
-  s.pull_network_bytes = ts.pull_network_bytes * R;
-  s.pull_max_ingress = ts.pull_max_ingress;    // per destination node: as its position's
-  s.pull_max_egress = ts.pull_max_egress * R;  // per source node: once per replica
-  s.gather_bytes = ts.gather_bytes;
-  s.model_bytes = ts.model_bytes;
-  s.broadcast_bytes = ts.model_bytes * dst_nodes;
-  s.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  composeCells(tp, src, src_map, &out);
+  composeGroups(tp, at, &out);
+  composeChains(tp, at, src_map, nodes.size(), &out);
+  composeFigures(pp, dst, at, &out);
+  out.stats.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   return out;
 }
 

@@ -304,22 +304,9 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
   v1::DescribeRequest request;
   request.set_syncs(syncs);
   std::vector<grpc::ClientContext> contexts(n);
-  std::vector<bool> forgotten(n, false);  // asked briefly: one that is back answers at once
-  std::vector<std::chrono::milliseconds> deadline(n, std::chrono::milliseconds(config_.peer_timeout_ms));
+  std::vector<bool> forgotten(n, false);                // asked briefly: one that is back answers at once
   const auto asked = std::chrono::steady_clock::now();  // a peer that fails was silent from here
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = 0; i < n; ++i) {
-      forgotten[i] = forgottenLocked(addrs[i], asked);
-      if (forgotten[i]) deadline[i] = std::min(deadline[i], std::chrono::milliseconds(100));
-      if (const auto node = nodes_.find(addrs[i]); node != nodes_.end())
-        if (const auto brief = briefly.find(node->second); brief != briefly.end())
-          deadline[i] = std::min(deadline[i], brief->second);
-      if (until != std::chrono::steady_clock::time_point::max())
-        deadline[i] = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(until - asked),
-                                 std::chrono::milliseconds(1), deadline[i]);
-    }
-  }
+  const auto deadline = describeDeadlines(addrs, briefly, until, asked, &forgotten);
   // What each peer says of itself is known as soon as it answers: a check waiting on another
   // caller's round (checkTransportAddresses) does not wait for that round's slowest peer.
   const auto learn = [&](size_t i, grpc::ClientContext& context, const grpc::Status& st) {
@@ -360,6 +347,33 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
         [&](size_t k, const grpc::Status& st) { learn(again[k], retry_contexts[k], st); });
     for (size_t k = 0; k < again.size(); ++k) statuses[again[k]] = retried[k];
   }
+  noteAnswers(addrs, *responses, statuses, forgotten, asked);
+  return statuses;
+}
+
+std::vector<std::chrono::milliseconds> PeerSet::describeDeadlines(
+    const std::vector<std::string>& addrs, const std::map<std::string, std::chrono::milliseconds>& briefly,
+    std::chrono::steady_clock::time_point until, std::chrono::steady_clock::time_point asked,
+    std::vector<bool>* forgotten) const {
+  std::vector<std::chrono::milliseconds> deadline(addrs.size(), std::chrono::milliseconds(config_.peer_timeout_ms));
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < addrs.size(); ++i) {
+    (*forgotten)[i] = forgottenLocked(addrs[i], asked);
+    if ((*forgotten)[i]) deadline[i] = std::min(deadline[i], std::chrono::milliseconds(100));
+    if (const auto node = nodes_.find(addrs[i]); node != nodes_.end())
+      if (const auto brief = briefly.find(node->second); brief != briefly.end())
+        deadline[i] = std::min(deadline[i], brief->second);
+    if (until != std::chrono::steady_clock::time_point::max())
+      deadline[i] = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(until - asked),
+                               std::chrono::milliseconds(1), deadline[i]);
+  }
+  return deadline;
+}
+
+void PeerSet::noteAnswers(const std::vector<std::string>& addrs, const std::vector<v1::DescribeResponse>& responses,
+                          const std::vector<grpc::Status>& statuses, const std::vector<bool>& forgotten,
+                          std::chrono::steady_clock::time_point asked) const {
+  const size_t n = addrs.size();
   std::lock_guard<std::mutex> lock(mu_);
   const auto now = std::chrono::steady_clock::now();
   for (size_t i = 0; i < n; ++i) {
@@ -383,8 +397,7 @@ std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addr
   // What the others know of peers this daemon never reached.
   for (size_t i = 0; i < n; ++i)
     if (statuses[i].ok())
-      for (const auto& [address, node] : (*responses)[i].peer_nodes()) nodes_.emplace(address, node);
-  return statuses;
+      for (const auto& [address, node] : responses[i].peer_nodes()) nodes_.emplace(address, node);
 }
 
 StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll(bool syncs, const Ask& ask) const {

@@ -127,6 +127,17 @@ class PeerSet {
       const std::vector<std::string>& addrs, std::vector<v1::DescribeResponse>* responses, bool syncs = false,
       const std::map<std::string, std::chrono::milliseconds>& briefly = {},
       std::chrono::steady_clock::time_point until = std::chrono::steady_clock::time_point::max()) const;
+  // describe(): each call's deadline (100 ms for a peer silent past its lease, `briefly` for its
+  // node, none after `until`), and which peers were forgotten when `asked` (mu_ not held).
+  std::vector<std::chrono::milliseconds> describeDeadlines(
+      const std::vector<std::string>& addrs, const std::map<std::string, std::chrono::milliseconds>& briefly,
+      std::chrono::steady_clock::time_point until, std::chrono::steady_clock::time_point asked,
+      std::vector<bool>* forgotten) const;
+  // describe(): who answered (and who is silent since `asked`, or forgotten past its lease), and
+  // the peers the answers name (mu_ not held).
+  void noteAnswers(const std::vector<std::string>& addrs, const std::vector<v1::DescribeResponse>& responses,
+                   const std::vector<grpc::Status>& statuses, const std::vector<bool>& forgotten,
+                   std::chrono::steady_clock::time_point asked) const;
   // checkTransportAddresses: where to ask next for the nodes of `pending` (mu_ not held), marked as
   // being asked (asking_) until the caller's round is over. A node known nowhere is looked for
   // among every peer once per check, not every round: the first time (`first`), and then only at

@@ -80,7 +80,7 @@ std::vector<grpc::Status> SyncCoordinator::finishAll(bool commit, const std::str
   f.set_sync_id(id_);
   f.set_fence(fence_);
   f.set_commit(commit);
-  f.set_executed(executed_);
+  f.set_executed(executed());
   f.set_reason(reason);
   std::vector<v1::FinishResponse> r(peers_->size());
   std::vector<grpc::Status> results;

@@ -62,7 +62,7 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   if (ctx_.repeats && !ctx_.full_gather && !req_.options().catch_up()) repeat = ctx_.repeats->find(repeat_key);
   if (repeat && repeat->prepare_seconds * 2000 > std::max(ctx_.config.peer_timeout_ms, 1000)) repeat = nullptr;
   if (repeat) {  // each daemon's Prepare checks what the gather would have (repeat_cache.h)
-    repeated_ = true;
+    route_ = Route::kRepeated;
     cluster_ = repeat->cluster;
     src_ = repeat->src;
     dst_ = repeat->dst;
@@ -75,7 +75,7 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
     SC_RETURN_IF_ERROR(timed(&SyncCoordinator::gather, &R::set_gather_seconds));
   }
   if (peers_) out_.set_coordinator_calls(static_cast<uint32_t>(peers_->directCalls()));
-  if (current_) {  // a catch-up with nothing to move
+  if (reads_ == Reads::kNothing) {  // a catch-up with nothing to move
     advance(Step::kGathering, Step::kCommitted);
     out_.set_sync_id(id_);
     out_.set_version(version_);
@@ -90,24 +90,12 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::plan, &R::set_plan_seconds));
   advance(Step::kPlanning, Step::kPreparing);
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::prepare, &R::set_prepare_seconds));
-  // Given up during its prepare (the lease keeper), it executes nothing: its calls are cancelled.
-  advance(Step::kPreparing, Step::kExecuting);
+  // Given up since its prepare (the lease keeper found a node silent), it executes nothing.
+  if (!advance(Step::kPreparing, Step::kExecuting)) return stoppedAnswering(lease_keeper_->stalled());
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::execute, &R::set_execute_seconds));
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::commit, &R::set_finish_seconds));
   advance(Step::kCommitting, Step::kCommitted);
-  if (ctx_.repeats && !req_.options().catch_up() && replicas_.empty() && !seed_) {  // (again: its Prepare's time)
-    if (digests_.src.empty()) digests_ = {planner::layoutDigest(src_), planner::layoutDigest(dst_)};
-    // A folded sync's Prepare took no round: the kept view keeps its earlier Prepare's time.
-    const double prepare_seconds = folded_ ? repeat_->prepare_seconds : out_.prepare_seconds();
-    if (folded_) prepared_ = repeat_->prepared;  // each daemon found them still its own
-    for (auto& answer : prepared_)  // the next sync's landings: double-buffered ranks flipped at this commit
-      if (answer.has_next_targets()) answer.mutable_targets()->Swap(answer.mutable_next_targets());
-    const int fold_refusals = folded_ ? 0 : repeat_ ? repeat_->fold_refusals : ctx_.fold_refusals;
-    ctx_.repeats->keep(
-        repeat_key, std::make_shared<const RepeatView>(RepeatView{cluster_, src_, dst_, digests_, std::move(prepared_),
-                                                                  fold_refusals, prepare_seconds}));
-  }
-
+  if (ctx_.repeats && !req_.options().catch_up() && replicas_.empty() && reads_ == Reads::kSource) keepView(repeat_key);
   const auto& stats = plan_->plan.stats;
   out_.set_sync_id(id_);
   out_.set_version(version_);
@@ -139,6 +127,20 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
       out_.prepare_seconds(), out_.execute_seconds(), out_.finish_seconds(), out_.network_bytes(),
       out_.bytes_landed_direct(), moved.local_bytes);
   return out_;
+}
+
+void SyncCoordinator::keepView(const std::string& repeat_key) {
+  if (digests_.src.empty()) digests_ = {planner::layoutDigest(src_), planner::layoutDigest(dst_)};
+  // A folded sync's Prepare took no round: the kept view keeps its earlier Prepare's time.
+  const bool folded = route_ == Route::kFolded;
+  const double prepare_seconds = folded ? repeat_->prepare_seconds : out_.prepare_seconds();
+  if (folded) prepared_ = repeat_->prepared;  // each daemon found them still its own
+  for (auto& answer : prepared_)              // the next sync's landings: double-buffered ranks flipped at this commit
+    if (answer.has_next_targets()) answer.mutable_targets()->Swap(answer.mutable_next_targets());
+  const int fold_refusals = folded ? 0 : repeat_ ? repeat_->fold_refusals : ctx_.fold_refusals;
+  ctx_.repeats->keep(repeat_key,
+                     std::make_shared<const RepeatView>(RepeatView{cluster_, src_, dst_, digests_, std::move(prepared_),
+                                                                   fold_refusals, prepare_seconds}));
 }
 
 std::vector<std::string> SyncCoordinator::replicasOnlyOn(const std::string& node) const {
@@ -204,14 +206,26 @@ bool SyncCoordinator::advance(Step from, Step to) {
   std::abort();
 }
 
+bool SyncCoordinator::executed() const {
+  Step at = step_.load();
+  if (at == Step::kGivenUp) at = given_up_in_.load();
+  return at == Step::kExecuting || at == Step::kCommitting || at == Step::kCommitted;
+}
+
 void SyncCoordinator::giveUp(const std::string& reason, const std::string& silent) {
   // From any step before the commit, once; a commit under way is not given up.
   for (Step at = step_.load(); at != Step::kGivenUp && at != Step::kCommitting && at != Step::kCommitted;)
     if (step_.compare_exchange_weak(at, Step::kGivenUp)) {
+      given_up_in_ = at;
       peers_->cancelAll();
       finishAll(false, reason, silent);
       return;
     }
+}
+
+Status SyncCoordinator::giveUpWith(const Status& failure) {
+  giveUp(std::string(failure.message()));
+  return failed(failure);
 }
 
 std::string SyncCoordinator::firstSilent() {

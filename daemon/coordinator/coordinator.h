@@ -193,9 +193,12 @@ class SyncCoordinator {
   // answer in time: the gather would wait for it again, and fail the same way.
   // A folded attempt (its Prepare riding on wave 0) that failed in that wave without a silent
   // daemon is run again in full too: its daemons' Prepare refusals come back from that wave.
-  bool retryInFull() const { return repeated_ && (!executed_ || fold_failed_) && !silent_daemon_; }
+  bool retryInFull() const {
+    return route_ != Route::kGathered && fault_ != Fault::kSilentDaemon &&
+           (!executed() || fault_ == Fault::kFoldedWave);
+  }
   // Folds refused in a row, this attempt's included (for the attempt that runs it again in full).
-  int foldRefusals() const { return fold_failed_ ? repeat_->fold_refusals + 1 : 0; }
+  int foldRefusals() const { return fault_ == Fault::kFoldedWave ? repeat_->fold_refusals + 1 : 0; }
   // After a failed run: the seconds of each phase it finished and of the one it failed in.
   const v1::SyncResponse& figures() const { return out_; }
 
@@ -206,8 +209,36 @@ class SyncCoordinator {
   class LeaseKeeper;
 
   Status gather();
+  // One look at the cluster: OK with the cluster and both layouts adopted (or a catch-up that has
+  // nothing to move); else why not, `*incomplete` set when ranks still to register could cure it
+  // (SyncOptions.wait_for_ranks waits then).
+  Status gatherOnce(bool* incomplete);
+  // What the gather asks the peer set for: the nodes to leave out and those to give less time.
+  PeerSet::Ask gatherAsk() const;
+  // dst_group names both a registered group and a replica set: decides which the sync writes
+  // (set_despite_group_), or refuses to guess.
+  Status chooseSetOrGroup(const ClusterView& view);
+  // A catch-up that found its replica at the version already: OK once the replica is whole and
+  // the caller may write it.
+  Status caughtUp(const ClusterView& view, const std::vector<std::string>& unreachable);
+  // A sync reads only source groups (or a catch-up's seed replica) and writes only destinations.
+  Status checkRoles(const ClusterView& view, bool src_found, bool dst_found) const;
+  // A local caller other than root may write every group the sync writes (ClusterView::maySync).
+  Status mayWrite(const ClusterView& view, bool replica_set) const;
+  // The gathered cluster becomes the attempt's (a replica set's: only the daemons it reads or
+  // writes), with the peer client its phases call through.
+  void adopt(ClusterSnapshot snapshot, bool replica_set);
   Status plan();
   Status prepare();
+  // The Prepare round: every daemon's answer into `prepared` (by the cluster's index), the first
+  // daemon whose own failure gave the sync up into `at_fault`.
+  std::vector<grpc::Status> prepareRound(v1::PrepareRequest p, std::vector<v1::PrepareResponse>* prepared,
+                                         std::optional<size_t>* at_fault);
+  // A Prepare round that failed: the node at fault (a repeated sync's silent ones noted silent to
+  // the peer set), and the sync given up naming it.
+  Status prepareFailed(const std::vector<grpc::Status>& results, size_t at_fault, Clock::time_point started);
+  // Every daemon checked the kept view (a repeated sync) and planned the coordinator's plan.
+  Status checkPrepared(const std::vector<v1::PrepareResponse>& prepared);
   // The attempt's Prepare as every daemon gets it, but for its stamp (addStamp).
   v1::PrepareRequest prepareRequest() const;
   // A repeated sync's Prepare tells daemon i the registrations the kept view holds of it (it
@@ -231,6 +262,9 @@ class SyncCoordinator {
   StatusOr<std::vector<SplitAmaxes>> combinedAmaxes(const std::vector<v1::PrepareResponse>& prepared);
   Status execute();
   Status commit();
+  // A plain sync that committed: its view kept under `repeat_key` (repeat_cache.h), with the
+  // daemons' Prepare answers (their next landings) and what its Prepare cost.
+  void keepView(const std::string& repeat_key);
   // Runs one phase and records its seconds in out_ (the setter `seconds`), whether it succeeds.
   Status timed(Status (SyncCoordinator::*phase)(), void (v1::SyncResponse::*seconds)(double));
   // Finishes the sync on every daemon (commit or abort) at once; the per-daemon results.
@@ -238,6 +272,8 @@ class SyncCoordinator {
   std::vector<grpc::Status> finishAll(bool commit, const std::string& reason, const std::string& silent = "");
   // Gives the sync up everywhere (once): calls in flight are cancelled, every daemon aborts.
   void giveUp(const std::string& reason, const std::string& silent = "");
+  // Gives the sync up for `failure`, and fails the attempt with it.
+  Status giveUpWith(const Status& failure);
 
   // The attempt's lifecycle (docs/thread_model.md, "A coordinator's attempt"). The run thread
   // moves it forward, phase by phase (a catch-up with nothing to move: from kGathering to
@@ -249,6 +285,29 @@ class SyncCoordinator {
   // The run thread's move from `from` to `to`: true when made; false when the attempt was given up
   // meanwhile (the one step another thread sets). Any other step is a bug: logged, and aborts.
   bool advance(Step from, Step to);
+  // Execute calls went out: the attempt reached kExecuting (given up: it was given up there or
+  // later). Its daemons' ranks then end DIRTY, not reverted (FinishRequest.executed).
+  bool executed() const;
+  // How the attempt learns the cluster and prepares its daemons (docs/architecture.md).
+  enum class Route : uint8_t {
+    kGathered,  // a gather describes every daemon; then a Prepare round
+    kRepeated,  // a kept view (repeat_cache.h) instead of the gather; each daemon's Prepare checks it
+    kFolded,    // a kept view, and each daemon's Prepare rides on its first Execute wave (fold())
+  };
+  // What the attempt reads (a catch-up decides it in resolveCatchUp).
+  enum class Reads : uint8_t {
+    kSource,   // the source group: the request's (or a catch-up with no replica to seed it)
+    kSeed,     // a catch-up's seed: a replica of the set at the version (PrepareRequest.seed)
+    kNothing,  // a catch-up whose replica holds the version already: nothing to move
+  };
+  // What a failed attempt of a kept view met, as far as running it again in full goes (retryInFull).
+  enum class Fault : uint8_t {
+    kOther,
+    kSilentDaemon,  // a daemon did not answer its Prepare in time: a gather would wait for it too
+    kFoldedWave,    // its Prepares rode on wave 0 and that wave failed, every daemon answering
+  };
+  // The lease keeper found `node` silent: the node at fault, named with how long it had.
+  Status stoppedAnswering(const std::string& node);
   // The node of the first daemon that does not answer a quick call ("" when all answer).
   std::string firstSilent();
   // The version contract as the daemons described it.
@@ -257,12 +316,26 @@ class SyncCoordinator {
   // is cut (outcomes_ says why: incomplete, on a node that does not answer, refusing the version,
   // or not a replica like the others). Fails when fewer than SyncOptions.min_replicas take part.
   Status gatherReplicas(const ClusterView& view, const std::vector<std::string>& unreachable);
+  // The set's members: those registered now that the source's bytes may reach, and remembered ones
+  // whose nodes do not answer (cut, into `cut`); notes them for the replica-set memory.
+  ReplicaMemory::Members membersNow(const ClusterView& view, const std::vector<std::string>& unreachable,
+                                    std::vector<std::string>* cut);
+  // A replica that does not take part: its outcome says why, and `cut` lists it.
+  void cutOut(v1::ReplicaOutcome outcome, const std::string& why, std::vector<std::string>* cut);
+  // node -> the first replica taking part with ranks there, and its owner.
+  using Sharing = std::map<std::string, std::pair<std::string, std::optional<uint32_t>>>;
+  // Why `group` (its complete layout, or why it is not, and its nodes) cannot take part: cut by an
+  // earlier attempt, incomplete, a source, not the source's owner's to receive, refusing the
+  // version, its id taken, unlike the replicas taking part, or on another owner's node ("": it can).
+  std::string replicaRefusal(const ClusterView& view, const std::string& group, const StatusOr<v1::Layout>& layout,
+                             const std::set<std::string>& nodes, const Sharing& sharing,
+                             const std::vector<std::string>& unreachable) const;
   // `group` is written by this sync: the destination group, or a replica taking part.
   bool writes(const std::string& group) const;
   bool isReplica(const std::string& group) const;  // a replica of the set taking part
   // A catch-up (SyncOptions.catch_up): resolves the version (the newest a complete replica of
   // dst_group's set holds, or the one asked for) and the seed: such a replica that nothing
-  // writes, else the source; sets current_ when dst_group holds that version or newer already.
+  // writes, else the source; reads nothing when dst_group holds that version or newer already.
   Status resolveCatchUp(const ClusterView& view);
   // A catch-up that may run: the coordinator remembers the replicas of its set it sees (those
   // whose owner may receive the source), so one that joined this way is named when it goes silent.
@@ -288,9 +361,9 @@ class SyncCoordinator {
   ReplicaMemory::Members members_seen_;
   std::vector<std::string> members_left_;
   uint64_t version_ = 0;
-  bool seed_ = false;     // src_group_ is a replica read as a catch-up's seed (PrepareRequest.seed)
-  bool current_ = false;  // a catch-up found its replica at the version already: nothing to move
+  Reads reads_ = Reads::kSource;
   std::atomic<Step> step_{Step::kGathering};
+  std::atomic<Step> given_up_in_{Step::kGivenUp};  // the step giveUp() ended the attempt in (set once, by it)
   const std::string id_;
   std::string faulty_node_;
   std::string refusing_replica_;  // a replica whose own ranks refused the Prepare on faulty_node_
@@ -303,15 +376,13 @@ class SyncCoordinator {
   std::chrono::milliseconds lease_;
 
   std::shared_ptr<const ClusterSnapshot> cluster_;  // shared with the repeat cache
-  bool repeated_ = false;                           // the gather was skipped (cluster_ is a kept view)
-  mutable std::vector<int64_t> daemon_at_;          // writesTo: plan node -> daemon of cluster_ (-1: none)
-  bool silent_daemon_ = false;                      // a repeated sync's Prepare found a daemon silent
-  std::shared_ptr<const RepeatView> repeat_;        // the kept view a repeated sync runs on
-  bool folded_ = false;                             // the Prepare rode on wave 0 (fold())
-  bool fold_failed_ = false;                        // ... and that wave failed, no daemon silent
-  std::vector<v1::PrepareResponse> prepared_;       // the daemons' Prepare answers (for the kept view)
-  v1::Layout src_, dst_;   // a replica set: dst_ names it (group) and replicas_ are its members
-  LayoutDigests digests_;  // of src_ and dst_, kept with a repeated sync's view ("" until computed)
+  Route route_ = Route::kGathered;
+  mutable std::vector<int64_t> daemon_at_;  // writesTo: plan node -> daemon of cluster_ (-1: none)
+  Fault fault_ = Fault::kOther;
+  std::shared_ptr<const RepeatView> repeat_;   // the kept view a repeated sync runs on
+  std::vector<v1::PrepareResponse> prepared_;  // the daemons' Prepare answers (for the kept view)
+  v1::Layout src_, dst_;                       // a replica set: dst_ names it (group) and replicas_ are its members
+  LayoutDigests digests_;                      // of src_ and dst_, kept with a repeated sync's view ("" until computed)
   std::vector<planner::Replica> replicas_;
   std::vector<v1::ReplicaOutcome> outcomes_;  // every replica of the set: taking part, or cut
   std::shared_ptr<const CachedPlan> plan_;
@@ -322,7 +393,6 @@ class SyncCoordinator {
   // Per daemon (same index as the cluster's): its Execute request, with the landing directory
   // of the nodes it writes to or encodes for only (planner::Schedule::NodeSchedule::peers).
   std::vector<v1::ExecuteRequest> exec_;
-  std::atomic<bool> executed_{false};    // an Execute went out (retryInFull)
   AtomicSyncCounters moved_;             // every daemon's waves, as their Execute responses report them
   uint64_t wire_bytes_ = 0;              // every node's bytes sent, once every wave is done
   v1::DeltaMode delta_ = v1::DELTA_OFF;  // the mode it runs in (a periodic refresh: DELTA_DENSE)

@@ -18,7 +18,6 @@ Status SyncCoordinator::execute() {
   int32_t failed_wave = -1;
   for (int32_t wave = 0; wave < plan_->waves; ++wave) {
     for (auto& e : exec_) e.set_wave(static_cast<uint32_t>(wave));
-    executed_ = true;
     std::vector<v1::ExecuteResponse> parts;
     for (size_t i = 0; i < daemons.size(); ++i) nodeState(i, "executing");
     results = peers_->call<v1::ExecuteRequest, v1::ExecuteResponse>(
@@ -44,7 +43,7 @@ Status SyncCoordinator::execute() {
       failed_wave = wave;
       break;
     }
-    if (wave == 0 && folded_)  // the Prepare rode on this wave only
+    if (wave == 0 && route_ == Route::kFolded)  // the Prepare rode on this wave only
       for (auto& e : exec_) {
         e.clear_prepare();
         e.clear_plan_key();
@@ -52,14 +51,7 @@ Status SyncCoordinator::execute() {
       }
     ctx_.progress.update(id_, [&](v1::SyncProgress& p) { p.set_waves_done(static_cast<uint32_t>(wave + 1)); });
   }
-  if (const std::string node = lease_keeper_->stalled(); !node.empty()) {
-    faulty_node_ = node;
-    if (folded_)  // as a repeated sync's Prepare round would have found it (prepare())
-      for (size_t i = 0; i < daemons.size(); ++i)
-        if (daemons[i].node() == node) ctx_.peers.noteSilent(cluster_->addresses[i], start_);
-    return failed(absl::UnavailableError(
-        strCat("sync ", id_, " failed: node \"", node, "\" stopped answering (for ", lease_keeper_->allowed(), ")")));
-  }
+  if (const std::string node = lease_keeper_->stalled(); !node.empty()) return stoppedAnswering(node);
   bool any_failed = false;
   for (const auto& r : results) any_failed = any_failed || !r.ok();
   if (!any_failed) {
@@ -82,7 +74,7 @@ Status SyncCoordinator::execute() {
   }
   // A folded attempt that failed in wave 0 (a daemon's Prepare refused there, say) runs again in
   // full, which decides as a Prepare round would have and names the fault as it always does.
-  fold_failed_ = folded_ && failed_wave == 0;
+  if (route_ == Route::kFolded && failed_wave == 0) fault_ = Fault::kFoldedWave;
   // The node whose own failure started it, rather than the ones aborted because of it.
   for (size_t i = 0; i < results.size(); ++i)
     if (!results[i].ok() && !cancelled(results[i])) {
@@ -96,6 +88,18 @@ Status SyncCoordinator::execute() {
       return failed(fromGrpc(results[i], strCat("sync ", id_, " failed on node \"", daemons[i].node(), "\"")));
     }
   return absl::OkStatus();
+}
+
+Status SyncCoordinator::stoppedAnswering(const std::string& node) {
+  if (node.empty())  // (only the lease keeper gives an attempt up between its phases)
+    return failed(absl::UnavailableError(strCat("sync ", id_, " failed: it was given up")));
+  faulty_node_ = node;
+  fault_ = Fault::kSilentDaemon;
+  if (route_ == Route::kFolded)  // as a repeated sync's Prepare round would have found it (prepare())
+    for (size_t i = 0; i < cluster_->view.daemons().size(); ++i)
+      if (cluster_->view.daemons()[i].node() == node) ctx_.peers.noteSilent(cluster_->addresses[i], start_);
+  return failed(absl::UnavailableError(
+      strCat("sync ", id_, " failed: node \"", node, "\" stopped answering (for ", lease_keeper_->allowed(), ")")));
 }
 
 }  // namespace shardcast::daemon

@@ -18,119 +18,10 @@ namespace shardcast::daemon {
 // version contract as described.
 Status SyncCoordinator::gather() {
   while (true) {
-    // Daemons that do not answer: a replica set syncs without the replicas on them; any other
-    // sync fails, naming the first.
-    std::vector<std::string> unreachable;
-    // Nodes that failed an earlier attempt are not asked again; with a replica deadline, nodes
-    // that held only this set's replicas at its last sync get no longer than that deadline to
-    // answer (a frozen replica costs the deadline here too, not the peer timeout).
-    PeerSet::Ask ask{ctx_.failed_nodes, {}};
-    if (const auto deadline = std::chrono::milliseconds(req_.options().replica_deadline_ms()); deadline.count() > 0)
-      for (const auto& [group, member] : ctx_.replica_sets.recall(req_.dst_group()))
-        for (const auto& node : member.nodes)
-          if (node != ctx_.config.node) ask.briefly[node] = std::max(deadline, std::chrono::milliseconds(200));
-    auto snapshot = snapshotCluster(ctx_.peers, ctx_.registry.describe(), ctx_.self_address, &unreachable, ask);
-    StatusOr<v1::Layout> src = absl::UnknownError(""), dst = absl::UnknownError("");
-    // A group named like a replica set: the reading the source's bytes may reach is written (a
-    // group, or replicas, another uid registered under the name decide nothing); when both may,
-    // the caller could mean either, so neither is written.
-    set_despite_group_ = false;
-    if (snapshot.ok() && !req_.options().catch_up() && snapshot->view.layoutOf(req_.dst_group()) &&
-        snapshot->view.namedAsSet(req_.dst_group())) {
-      const ClusterView& view = snapshot->view;
-      const auto reaches = [&](const std::string& group) {
-        return view.mayReceive(src_group_, group).ok() &&
-               (!ctx_.caller_uid || view.maySync(*ctx_.caller_uid, src_group_, group).ok());
-      };
-      const auto members = view.replicasOf(req_.dst_group(), /*despite_group=*/true);
-      const bool as_set = std::any_of(members.begin(), members.end(), reaches);
-      if (as_set && reaches(req_.dst_group()))
-        return failed(absl::FailedPreconditionError(
-            strCat("sync: \"", req_.dst_group(),
-                   "\" is both a registered group and the replica set that groups' "
-                   "layouts name: refusing to guess which to write (unregister the group, or rename the set)")));
-      set_despite_group_ = as_set;
-    }
-    const bool replica_set = snapshot.ok() && !snapshot->view.replicasOf(req_.dst_group(), set_despite_group_).empty();
-    // Daemons that do not answer fail a plain sync; a set's sync and a catch-up go on without
-    // them, and fail only when a group they read or write has ranks there (incomplete, below).
-    if (snapshot.ok() && !unreachable.empty() && !replica_set && !req_.options().catch_up())
-      snapshot = absl::UnavailableError(unreachable.front());
-    if (snapshot.ok() && req_.options().catch_up()) {
-      if (Status resolved = resolveCatchUp(snapshot->view); !resolved.ok()) return failed(resolved);
-      if (current_) {  // nothing to move, once the replica is whole and the caller may write it
-        if (auto whole = snapshot->view.completeGroup(req_.dst_group()); !whole.ok())
-          return failed(unreachable.empty() ? whole.status()
-                                            : absl::UnavailableError(
-                                                  strCat(whole.status().message(), "; ", strJoin(unreachable, "; "))));
-        if (ctx_.caller_uid)
-          if (Status allowed = snapshot->view.maySync(*ctx_.caller_uid, src_group_, req_.dst_group()); !allowed.ok())
-            return failed(allowed);
-        learnSet(snapshot->view);
-        return absl::OkStatus();
-      }
-    }
-    if (snapshot.ok()) {
-      src = snapshot->view.completeGroup(src_group_);
-      if (!src.ok() && !unreachable.empty())  // its missing ranks may be on them
-        src = absl::UnavailableError(strCat(src.status().message(), "; ", strJoin(unreachable, "; ")));
-      if (!replica_set) {
-        dst = snapshot->view.completeGroup(req_.dst_group());
-        if (!dst.ok() && !unreachable.empty())  // a catch-up's replica: its missing ranks may be on them
-          dst = absl::UnavailableError(strCat(dst.status().message(), "; ", strJoin(unreachable, "; ")));
-      } else if (Status members = gatherReplicas(snapshot->view, unreachable); members.ok()) {
-        v1::Layout named;
-        named.set_group(req_.dst_group());
-        dst = named;
-      } else {
-        dst = members;
-      }
-      // Roles are not worth waiting for: a wrong one is the caller's mistake.
-      if (src.ok() && !seed_ && snapshot->view.role(src_group_) != v1::ROLE_SOURCE)
-        return failed(absl::FailedPreconditionError(strCat(
-            "sync: group \"", src_group_, "\" is registered as a destination; a sync reads only source groups")));
-      if (dst.ok() && !replica_set && snapshot->view.role(req_.dst_group()) != v1::ROLE_DESTINATION)
-        return failed(absl::FailedPreconditionError(
-            strCat("sync: group \"", req_.dst_group(),
-                   "\" is registered as a source; a sync writes only destination groups (refusing to "
-                   "overwrite it)")));
-    }
-    const Status st = !snapshot.ok() ? snapshot.status() : !src.ok() ? src.status() : dst.status();
-    if (st.ok() && ctx_.caller_uid) {  // not worth waiting for either
-      std::vector<std::string> written{req_.dst_group()};
-      if (replica_set) {
-        written.clear();
-        for (const auto& r : replicas_) written.push_back(r.layout.group());
-      }
-      for (const auto& group : written)
-        if (Status allowed = snapshot->view.maySync(*ctx_.caller_uid, src_group_, group); !allowed.ok())
-          return failed(allowed);
-    }
-    if (st.ok()) {
-      if (req_.options().catch_up()) learnSet(snapshot->view);
-      if (replica_set) ctx_.replica_sets.update(req_.dst_group(), members_seen_, members_left_);
-      auto cluster = std::make_shared<ClusterSnapshot>(std::move(*snapshot));
-      src_ = std::move(*src);
-      dst_ = std::move(*dst);
-      // A replica set's sync asks only the daemons it reads or writes: a node left with only cut
-      // replicas (silent, or failing this sync's prepare) is not waited on again.
-      if (replica_set)
-        cluster->keepOnly([&](const v1::DescribeResponse& d) {
-          return std::any_of(d.ranks().begin(), d.ranks().end(), [&](const v1::RemoteRank& r) {
-            return r.group() == src_group_ || (writes(r.group()) && r.group() != req_.dst_group());
-          });
-        });
-      cluster_ = std::move(cluster);
-      // Fail before preparing anything, naming the rank (each daemon checks again when it prepares).
-      if (auto contract = checkVersions(); !contract.ok()) return failed(contract);
-      // Replica sets call every daemon directly: a replica's node that is silent is cut from the
-      // sync, and a silent relay would have the healthy nodes below it cut too.
-      const bool direct = replica_set || req_.options().catch_up();
-      peers_ = std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses,
-                                            direct ? 0 : static_cast<uint32_t>(ctx_.config.relay_fanout));
-      return absl::OkStatus();
-    }
-    if (!req_.options().wait_for_ranks() || Clock::now() + std::chrono::milliseconds(100) > deadline_)
+    bool incomplete = false;
+    const Status st = gatherOnce(&incomplete);
+    if (st.ok()) return st;
+    if (!incomplete || !req_.options().wait_for_ranks() || Clock::now() + std::chrono::milliseconds(100) > deadline_)
       return failed(st);
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     // A caller that left, or a daemon stopping, ends the wait: nobody is there to take the result.
@@ -140,6 +31,143 @@ Status SyncCoordinator::gather() {
                                                 "while it waited for ranks: ",
                                                 st.message())));
   }
+}
+
+Status SyncCoordinator::gatherOnce(bool* incomplete) {
+  // Daemons that do not answer: a replica set syncs without the replicas on them; any other
+  // sync fails, naming the first.
+  std::vector<std::string> unreachable;
+  auto snapshot = snapshotCluster(ctx_.peers, ctx_.registry.describe(), ctx_.self_address, &unreachable, gatherAsk());
+  if (snapshot.ok())
+    if (Status chosen = chooseSetOrGroup(snapshot->view); !chosen.ok()) return chosen;
+  const bool replica_set = snapshot.ok() && !snapshot->view.replicasOf(req_.dst_group(), set_despite_group_).empty();
+  // Daemons that do not answer fail a plain sync; a set's sync and a catch-up go on without
+  // them, and fail only when a group they read or write has ranks there (incomplete, below).
+  if (snapshot.ok() && !unreachable.empty() && !replica_set && !req_.options().catch_up())
+    snapshot = absl::UnavailableError(unreachable.front());
+  if (snapshot.ok() && req_.options().catch_up()) {
+    SC_RETURN_IF_ERROR(resolveCatchUp(snapshot->view));
+    if (reads_ == Reads::kNothing) return caughtUp(snapshot->view, unreachable);
+  }
+  // With the daemons that did not answer named: the missing ranks may be on them.
+  const auto orUnreachable = [&](StatusOr<v1::Layout> layout) -> StatusOr<v1::Layout> {
+    if (layout.ok() || unreachable.empty()) return layout;
+    return absl::UnavailableError(strCat(layout.status().message(), "; ", strJoin(unreachable, "; ")));
+  };
+  StatusOr<v1::Layout> src = absl::UnknownError(""), dst = absl::UnknownError("");
+  if (snapshot.ok()) {
+    src = orUnreachable(snapshot->view.completeGroup(src_group_));
+    if (!replica_set) {
+      dst = orUnreachable(snapshot->view.completeGroup(req_.dst_group()));
+    } else if (Status members = gatherReplicas(snapshot->view, unreachable); members.ok()) {
+      v1::Layout named;
+      named.set_group(req_.dst_group());
+      dst = named;
+    } else {
+      dst = members;
+    }
+    // Roles are not worth waiting for: a wrong one is the caller's mistake.
+    SC_RETURN_IF_ERROR(checkRoles(snapshot->view, src.ok(), dst.ok() && !replica_set));
+  }
+  const Status st = !snapshot.ok() ? snapshot.status() : !src.ok() ? src.status() : dst.status();
+  if (!st.ok()) {
+    *incomplete = true;
+    return st;
+  }
+  SC_RETURN_IF_ERROR(mayWrite(snapshot->view, replica_set));  // not worth waiting for either
+  if (req_.options().catch_up()) learnSet(snapshot->view);
+  if (replica_set) ctx_.replica_sets.update(req_.dst_group(), members_seen_, members_left_);
+  src_ = std::move(*src);
+  dst_ = std::move(*dst);
+  adopt(std::move(*snapshot), replica_set);
+  // Fail before preparing anything, naming the rank (each daemon checks again when it prepares).
+  return checkVersions();
+}
+
+PeerSet::Ask SyncCoordinator::gatherAsk() const {
+  // Nodes that failed an earlier attempt are not asked again; with a replica deadline, nodes
+  // that held only this set's replicas at its last sync get no longer than that deadline to
+  // answer (a frozen replica costs the deadline here too, not the peer timeout).
+  PeerSet::Ask ask{ctx_.failed_nodes, {}};
+  if (const auto deadline = std::chrono::milliseconds(req_.options().replica_deadline_ms()); deadline.count() > 0)
+    for (const auto& [group, member] : ctx_.replica_sets.recall(req_.dst_group()))
+      for (const auto& node : member.nodes)
+        if (node != ctx_.config.node) ask.briefly[node] = std::max(deadline, std::chrono::milliseconds(200));
+  return ask;
+}
+
+Status SyncCoordinator::chooseSetOrGroup(const ClusterView& view) {
+  // A group named like a replica set: the reading the source's bytes may reach is written (a
+  // group, or replicas, another uid registered under the name decide nothing); when both may,
+  // the caller could mean either, so neither is written.
+  set_despite_group_ = false;
+  if (req_.options().catch_up() || !view.layoutOf(req_.dst_group()) || !view.namedAsSet(req_.dst_group()))
+    return absl::OkStatus();
+  const auto reaches = [&](const std::string& group) {
+    return view.mayReceive(src_group_, group).ok() &&
+           (!ctx_.caller_uid || view.maySync(*ctx_.caller_uid, src_group_, group).ok());
+  };
+  const auto members = view.replicasOf(req_.dst_group(), /*despite_group=*/true);
+  const bool as_set = std::any_of(members.begin(), members.end(), reaches);
+  if (as_set && reaches(req_.dst_group()))
+    return absl::FailedPreconditionError(
+        strCat("sync: \"", req_.dst_group(),
+               "\" is both a registered group and the replica set that groups' "
+               "layouts name: refusing to guess which to write (unregister the group, or rename the set)"));
+  set_despite_group_ = as_set;
+  return absl::OkStatus();
+}
+
+Status SyncCoordinator::caughtUp(const ClusterView& view, const std::vector<std::string>& unreachable) {
+  // Nothing to move, once the replica is whole and the caller may write it.
+  if (auto whole = view.completeGroup(req_.dst_group()); !whole.ok())
+    return unreachable.empty()
+               ? whole.status()
+               : absl::UnavailableError(strCat(whole.status().message(), "; ", strJoin(unreachable, "; ")));
+  if (ctx_.caller_uid) SC_RETURN_IF_ERROR(view.maySync(*ctx_.caller_uid, src_group_, req_.dst_group()));
+  learnSet(view);
+  return absl::OkStatus();
+}
+
+Status SyncCoordinator::checkRoles(const ClusterView& view, bool src_found, bool dst_found) const {
+  if (src_found && reads_ != Reads::kSeed && view.role(src_group_) != v1::ROLE_SOURCE)
+    return absl::FailedPreconditionError(
+        strCat("sync: group \"", src_group_, "\" is registered as a destination; a sync reads only source groups"));
+  if (dst_found && view.role(req_.dst_group()) != v1::ROLE_DESTINATION)
+    return absl::FailedPreconditionError(
+        strCat("sync: group \"", req_.dst_group(),
+               "\" is registered as a source; a sync writes only destination groups (refusing to "
+               "overwrite it)"));
+  return absl::OkStatus();
+}
+
+Status SyncCoordinator::mayWrite(const ClusterView& view, bool replica_set) const {
+  if (!ctx_.caller_uid) return absl::OkStatus();
+  std::vector<std::string> written{req_.dst_group()};
+  if (replica_set) {
+    written.clear();
+    for (const auto& r : replicas_) written.push_back(r.layout.group());
+  }
+  for (const auto& group : written) SC_RETURN_IF_ERROR(view.maySync(*ctx_.caller_uid, src_group_, group));
+  return absl::OkStatus();
+}
+
+void SyncCoordinator::adopt(ClusterSnapshot snapshot, bool replica_set) {
+  auto cluster = std::make_shared<ClusterSnapshot>(std::move(snapshot));
+  // A replica set's sync asks only the daemons it reads or writes: a node left with only cut
+  // replicas (silent, or failing this sync's prepare) is not waited on again.
+  if (replica_set)
+    cluster->keepOnly([&](const v1::DescribeResponse& d) {
+      return std::any_of(d.ranks().begin(), d.ranks().end(), [&](const v1::RemoteRank& r) {
+        return r.group() == src_group_ || (writes(r.group()) && r.group() != req_.dst_group());
+      });
+    });
+  cluster_ = std::move(cluster);
+  // Replica sets call every daemon directly: a replica's node that is silent is cut from the
+  // sync, and a silent relay would have the healthy nodes below it cut too.
+  const bool direct = replica_set || req_.options().catch_up();
+  peers_ = std::make_unique<PeerClient>(ctx_.peers, cluster_->addresses,
+                                        direct ? 0 : static_cast<uint32_t>(ctx_.config.relay_fanout));
 }
 
 namespace {
@@ -159,52 +187,36 @@ ReplicaMemory::Members membersOf(const ClusterView& view, const std::string& set
   return members;
 }
 
+// Why a replica's ranks refuse this sync's version ("" when none does). `retaking`: retried
+// without replicas an earlier attempt cut, so a single-buffered replica still written by that
+// attempt (a peer it was exchanging bytes with froze mid-write) may be taken over by this one,
+// whose bytes are the same. Its daemon decides at Prepare (the rank is this sync's at this
+// version: taken; else refused, naming the replica, cut alone).
+std::string ranksRefusal(const ClusterView& view, const std::string& group, uint64_t version, bool retaking) {
+  for (const auto& d : view.daemons())
+    for (const auto& r : d.ranks()) {
+      if (r.group() != group) continue;
+      std::string why = destinationRefusal(factsOf(r), version);
+      const bool retaken = retaking && r.written() && !r.held() && !r.double_buffered();
+      if (why.empty() && r.refuses_writes() && !retaken)
+        why = r.held() ? " does not accept updates (acquired by its client)"
+              : r.state() == v1::RANK_UPDATING || (r.double_buffered() && r.written())
+                  ? " does not accept updates (another sync is writing it)"
+              : r.written() ? " does not accept updates (writes of a sync that ended are still landing in it)"
+                            : " does not accept updates (a catch-up is reading it)";
+      if (!why.empty()) return strCat("rank ", r.rank(), " on node \"", d.node(), "\"", why);
+    }
+  return "";
+}
+
 }  // namespace
 
 Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vector<std::string>& unreachable) {
   replicas_.clear();
   outcomes_.clear();
-  const uint64_t version = version_;
   std::vector<std::string> cut;
-  auto cutOut = [&](v1::ReplicaOutcome outcome, const std::string& why) {
-    outcome.set_cut(why);
-    cut.push_back(strCat(outcome.group(), ": ", why));
-    outcomes_.push_back(std::move(outcome));
-  };
-  // Where each replica's ranks are now, and where they were at the last sync into the set.
-  ReplicaMemory::Members now = membersOf(view, req_.dst_group(), src_group_);
-  std::set<std::string> silent;  // nodes of daemons that do not answer
-  for (const auto& [address, node] : ctx_.peers.knownNodes())
-    for (const auto& why : unreachable)
-      if (why.rfind(strCat("peer daemon ", address, " "), 0) == 0) silent.insert(node);
-  auto remembered = ctx_.replica_sets.recall(req_.dst_group());
-  for (const auto& [group, was] : remembered) {
-    if (now.count(group)) continue;
-    std::vector<std::string> gone;
-    for (const auto& node : was.nodes)
-      if (silent.count(node)) gone.push_back(quote(node));
-    if (gone.empty()) continue;  // its nodes answer without it: it left
-    v1::ReplicaOutcome outcome;
-    outcome.set_group(group);
-    outcome.set_replica(was.replica);
-    if (const auto earlier = ctx_.cut.find(group); earlier != ctx_.cut.end())
-      cutOut(outcome, earlier->second);  // its node failed an earlier attempt: not asked again
-    else
-      cutOut(outcome, strCat("node(s) ", strJoin(gone, ", "), " holding its ranks do not answer (",
-                             strJoin(unreachable, "; "), ")"));
-    now[group] = was;  // still a member: named again while its nodes stay silent
-  }
-  // Remembered once the caller's checks pass (gather): members seen now that the source's bytes
-  // may reach are added, and members are forgotten only when they are registered nowhere and
-  // their nodes answer (they left), whatever source this caller named.
-  members_seen_ = now;
-  members_left_.clear();
-  const auto anyone = membersOf(view, req_.dst_group(), "");
-  for (const auto& [group, was] : remembered)
-    if (!anyone.count(group) && !now.count(group)) members_left_.push_back(group);
-
-  // node -> the first replica taking part with ranks there, and its owner
-  std::map<std::string, std::pair<std::string, std::optional<uint32_t>>> sharing;
+  const ReplicaMemory::Members now = membersNow(view, unreachable, &cut);
+  Sharing sharing;
   // Replicas are weighed in the order of their claims, the source owner's first (the bytes are its
   // own to place), then each by when its group was registered, cluster-wide (by id within that):
   // another uid's replica neither takes an id or a node from one that was there first nor becomes
@@ -222,73 +234,16 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
     v1::ReplicaOutcome outcome;
     outcome.set_group(group);
     outcome.set_replica(registered.replica());
-    if (const auto earlier = ctx_.cut.find(group); earlier != ctx_.cut.end()) {
-      cutOut(outcome, earlier->second);
-      continue;
-    }
     auto layout = view.completeGroup(group);
-    if (!layout.ok()) {
-      cutOut(outcome, strCat(layout.status().message(),
-                             unreachable.empty() ? "" : strCat(" (", strJoin(unreachable, "; "), ")")));
-      continue;
-    }
-    if (view.role(group) != v1::ROLE_DESTINATION) {
-      cutOut(outcome, "it is registered as a source; a sync writes only destinations");
-      continue;
-    }
-    // Before ids and layouts are compared: a replica whose owner may not receive the source (or,
-    // for a local caller, that the caller may not write) neither takes part nor displaces one.
-    if (Status eligible = view.mayReceive(src_group_, group); !eligible.ok()) {
-      cutOut(outcome, std::string(eligible.message()));
-      continue;
-    }
-    if (ctx_.caller_uid)
-      if (Status allowed = view.maySync(*ctx_.caller_uid, src_group_, group); !allowed.ok()) {
-        cutOut(outcome, std::string(allowed.message()));
-        continue;
-      }
-    std::string refused;
-    for (const auto& d : view.daemons())
-      for (const auto& r : d.ranks())
-        if (refused.empty() && r.group() == group) {
-          std::string why = destinationRefusal(factsOf(r), version);
-          // Retried without replicas an earlier attempt cut: a single-buffered replica still written
-          // by that attempt (a peer it was exchanging bytes with froze mid-write) may be taken
-          // over by this one, whose bytes are the same. Its daemon decides at Prepare (the rank
-          // is this sync's at this version: taken; else refused, naming the replica, cut alone).
-          const bool retaken = !ctx_.cut.empty() && r.written() && !r.held() && !r.double_buffered();
-          if (why.empty() && r.refuses_writes() && !retaken)
-            why = r.held() ? " does not accept updates (acquired by its client)"
-                  : r.state() == v1::RANK_UPDATING || (r.double_buffered() && r.written())
-                      ? " does not accept updates (another sync is writing it)"
-                  : r.written() ? " does not accept updates (writes of a sync that ended are still landing in it)"
-                                : " does not accept updates (a catch-up is reading it)";
-          if (!why.empty()) refused = strCat("rank ", r.rank(), " on node \"", d.node(), "\"", why);
-        }
-    const auto owner = view.ownerOf(group);
-    if (refused.empty())
-      for (const auto& taking : replicas_)
-        if (taking.id == registered.replica())
-          refused = strCat("replica id ", registered.replica(), " is taken by group ", quote(taking.layout.group()),
-                           view.ownerOf(taking.layout.group()) == owner
-                               ? " (registered first)"
-                               : " of another owner, weighed first (it owns the source, or was registered first)");
-    if (refused.empty() && !replicas_.empty())
-      if (Status same = planner::checkReplicaSet({replicas_.front(), {registered.replica(), *layout, {}}}); !same.ok())
-        refused = std::string(same.message());
-    // Replicas may share nodes (engines on one machine), if they have one owner: a shared node
-    // lands each byte once in one replica's memory and copies it from there into the others',
-    // and no uid's replica is written from memory another uid can change.
-    for (const auto& node : now[group].nodes)
-      if (const auto it = sharing.find(node); refused.empty() && it != sharing.end() && it->second.second != owner)
-        refused = strCat("node \"", node, "\" holds replica ", quote(it->second.first), " of another owner (",
-                         "replicas share a node only with replicas of their own owner)");
+    const auto member = now.find(group);  // (a replica the source's bytes may not reach is not one)
+    const std::set<std::string> nodes = member == now.end() ? std::set<std::string>() : member->second.nodes;
+    const std::string refused = replicaRefusal(view, group, layout, nodes, sharing, unreachable);
     if (!refused.empty()) {
-      cutOut(outcome, refused);
+      cutOut(std::move(outcome), refused, &cut);
       continue;
     }
     replicas_.push_back({registered.replica(), *layout, {}});
-    for (const auto& node : now[group].nodes) sharing.emplace(node, std::make_pair(group, owner));
+    for (const auto& node : nodes) sharing.emplace(node, std::make_pair(group, view.ownerOf(group)));
     outcomes_.push_back(std::move(outcome));
   }
   std::sort(replicas_.begin(), replicas_.end(),
@@ -305,6 +260,85 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
     spdlog::warn("sync {}: replica set \"{}\" syncs {} of {} replicas; cut: {}", id_, req_.dst_group(),
                  replicas_.size(), outcomes_.size(), strJoin(cut, "; "));
   return absl::OkStatus();
+}
+
+void SyncCoordinator::cutOut(v1::ReplicaOutcome outcome, const std::string& why, std::vector<std::string>* cut) {
+  outcome.set_cut(why);
+  cut->push_back(strCat(outcome.group(), ": ", why));
+  outcomes_.push_back(std::move(outcome));
+}
+
+ReplicaMemory::Members SyncCoordinator::membersNow(const ClusterView& view, const std::vector<std::string>& unreachable,
+                                                   std::vector<std::string>* cut) {
+  // Where each replica's ranks are now, and where they were at the last sync into the set.
+  ReplicaMemory::Members now = membersOf(view, req_.dst_group(), src_group_);
+  std::set<std::string> silent;  // nodes of daemons that do not answer
+  for (const auto& [address, node] : ctx_.peers.knownNodes())
+    for (const auto& why : unreachable)
+      if (why.rfind(strCat("peer daemon ", address, " "), 0) == 0) silent.insert(node);
+  auto remembered = ctx_.replica_sets.recall(req_.dst_group());
+  for (const auto& [group, was] : remembered) {
+    if (now.count(group)) continue;
+    std::vector<std::string> gone;
+    for (const auto& node : was.nodes)
+      if (silent.count(node)) gone.push_back(quote(node));
+    if (gone.empty()) continue;  // its nodes answer without it: it left
+    v1::ReplicaOutcome outcome;
+    outcome.set_group(group);
+    outcome.set_replica(was.replica);
+    if (const auto earlier = ctx_.cut.find(group); earlier != ctx_.cut.end())
+      cutOut(outcome, earlier->second, cut);  // its node failed an earlier attempt: not asked again
+    else
+      cutOut(outcome,
+             strCat("node(s) ", strJoin(gone, ", "), " holding its ranks do not answer (", strJoin(unreachable, "; "),
+                    ")"),
+             cut);
+    now[group] = was;  // still a member: named again while its nodes stay silent
+  }
+  // Remembered once the caller's checks pass (gather): members seen now that the source's bytes
+  // may reach are added, and members are forgotten only when they are registered nowhere and
+  // their nodes answer (they left), whatever source this caller named.
+  members_seen_ = now;
+  members_left_.clear();
+  const auto anyone = membersOf(view, req_.dst_group(), "");
+  for (const auto& [group, was] : remembered)
+    if (!anyone.count(group) && !now.count(group)) members_left_.push_back(group);
+  return now;
+}
+
+std::string SyncCoordinator::replicaRefusal(const ClusterView& view, const std::string& group,
+                                            const StatusOr<v1::Layout>& layout, const std::set<std::string>& nodes,
+                                            const Sharing& sharing, const std::vector<std::string>& unreachable) const {
+  if (const auto earlier = ctx_.cut.find(group); earlier != ctx_.cut.end()) return earlier->second;
+  if (!layout.ok())
+    return strCat(layout.status().message(), unreachable.empty() ? "" : strCat(" (", strJoin(unreachable, "; "), ")"));
+  if (view.role(group) != v1::ROLE_DESTINATION) return "it is registered as a source; a sync writes only destinations";
+  // Before ids and layouts are compared: a replica whose owner may not receive the source (or,
+  // for a local caller, that the caller may not write) neither takes part nor displaces one.
+  if (Status eligible = view.mayReceive(src_group_, group); !eligible.ok()) return std::string(eligible.message());
+  if (ctx_.caller_uid)
+    if (Status allowed = view.maySync(*ctx_.caller_uid, src_group_, group); !allowed.ok())
+      return std::string(allowed.message());
+  if (std::string why = ranksRefusal(view, group, version_, !ctx_.cut.empty()); !why.empty()) return why;
+  const int32_t id = view.layoutOf(group)->replica();
+  const auto owner = view.ownerOf(group);
+  for (const auto& taking : replicas_)
+    if (taking.id == id)
+      return strCat("replica id ", id, " is taken by group ", quote(taking.layout.group()),
+                    view.ownerOf(taking.layout.group()) == owner
+                        ? " (registered first)"
+                        : " of another owner, weighed first (it owns the source, or was registered first)");
+  if (!replicas_.empty())
+    if (Status same = planner::checkReplicaSet({replicas_.front(), {id, *layout, {}}}); !same.ok())
+      return std::string(same.message());
+  // Replicas may share nodes (engines on one machine), if they have one owner: a shared node
+  // lands each byte once in one replica's memory and copies it from there into the others',
+  // and no uid's replica is written from memory another uid can change.
+  for (const auto& node : nodes)
+    if (const auto it = sharing.find(node); it != sharing.end() && it->second.second != owner)
+      return strCat("node \"", node, "\" holds replica ", quote(it->second.first), " of another owner (",
+                    "replicas share a node only with replicas of their own owner)");
+  return "";
 }
 
 void SyncCoordinator::learnSet(const ClusterView& view) {
@@ -328,7 +362,7 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
     uint32_t readers = 0;  // syncs reading it now, on its most-read rank (a catch-up may read it too)
   };
   src_group_ = req_.src_group();  // a wait_for_ranks round starts afresh
-  seed_ = current_ = false;
+  reads_ = Reads::kSource;
   std::map<std::string, Held> held;
   for (const auto& d : view.daemons())
     for (const auto& r : d.ranks()) {
@@ -336,10 +370,9 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
       if (!l || (l->replica_set() != layout->replica_set() && r.group() != src_group_)) continue;
       auto& h = held[r.group()];
       h.ready = std::min(h.ready, r.state() == v1::RANK_READY ? r.version() : 0);
-      // Held by its engine is fine, and so is another catch-up reading it (all only read); written
-      // by a sync, or double-buffered (the set a sync would read is not the one holding the
-      // version), is not.
-      h.readable = h.readable && r.state() == v1::RANK_READY && !r.double_buffered() && !r.written();
+      // Held by its engine is fine, and so is another catch-up reading it (all only read). The
+      // seed's version is checked on the whole group below (h.ready).
+      h.readable = h.readable && seedRefusal(factsOf(r), r.version()).empty();
       h.readers = std::max(h.readers, r.readers());
     }
   // The replica's owner must be one the source's bytes may reach, and a seed must be the same
@@ -380,13 +413,13 @@ Status SyncCoordinator::resolveCatchUp(const ClusterView& view) {
   version_ = newest;
   const auto mine = held.find(dst);
   if (mine != held.end() && mine->second.ready != UINT64_MAX && mine->second.ready >= newest) {
-    current_ = true;  // caught up already (by a sync into the set, say): at its own version
+    reads_ = Reads::kNothing;  // caught up already (by a sync into the set, say): at its own version
     version_ = mine->second.ready;
     return absl::OkStatus();
   }
   if (!seed.empty()) {
     src_group_ = seed;
-    seed_ = true;
+    reads_ = Reads::kSeed;
   }  // else the source: the request's src_group, which must have published the version
   spdlog::info("sync {}: catching \"{}\" up to version {} from \"{}\"", id_, dst, version_, src_group_);
   return absl::OkStatus();
@@ -409,11 +442,8 @@ Status SyncCoordinator::checkVersions() const {
   for (const auto& d : cluster_->view.daemons())
     for (const auto& r : d.ranks())
       if (r.group() == src) {
-        // A catch-up's seed replica: READY at exactly the version (its daemon checks the rest).
-        const std::string why = !seed_ ? sourceRefusal(factsOf(r), version)
-                                : r.state() != v1::RANK_READY || r.version() != version
-                                    ? strCat(" is not ready at version ", version, " (a catch-up's seed)")
-                                    : std::string();
+        const std::string why =
+            reads_ == Reads::kSeed ? seedRefusal(factsOf(r), version) : sourceRefusal(factsOf(r), version);
         if (!why.empty()) return absl::FailedPreconditionError(strCat("sync: ", who(d, r), why));
       }
   return absl::OkStatus();

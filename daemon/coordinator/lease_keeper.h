@@ -37,9 +37,9 @@ class SyncCoordinator::LeaseKeeper {
                                                                                      : c.lease_);
     // A folded sync has no Prepare round, whose deadline found a silent daemon as soon as the
     // gather would have: until a daemon shows it holds the attempt, it may be silent that long.
-    if (c.folded_)
+    if (c.route_ == Route::kFolded)
       unprepared_ = std::min(c.lease_, std::chrono::milliseconds(std::max(c.ctx_.config.peer_timeout_ms, 1000)));
-    prepared_.assign(silence_.size(), !c.folded_);
+    prepared_.assign(silence_.size(), c.route_ != Route::kFolded);
     thread_ = std::thread([this] { run(); });
   }
   ~LeaseKeeper() { stop(); }

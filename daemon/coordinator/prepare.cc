@@ -57,7 +57,8 @@ v1::PrepareRequest SyncCoordinator::prepareRequest() const {
   p.set_fence(fence_);
   p.set_write_key(std::string(key_.view()));
   p.set_sync_id(id_);
-  if (repeated_ && !digests_.src.empty()) {  // the layouts by the digests each daemon planned them under
+  if (route_ != Route::kGathered &&
+      !digests_.src.empty()) {  // the layouts by the digests each daemon planned them under
     p.mutable_src()->set_group(src_.group());
     p.mutable_dst()->set_group(dst_.group());
     p.set_src_digest(digests_.src);
@@ -79,7 +80,7 @@ v1::PrepareRequest SyncCoordinator::prepareRequest() const {
       o->set_owner_uid(*owner);
     }
   p.set_version(version_);
-  p.set_seed(seed_);
+  p.set_seed(reads_ == Reads::kSeed);
   for (const uint64_t earlier : ctx_.earlier_fences) p.add_supersedes(earlier);
   p.set_staging_bytes(static_cast<uint64_t>(ctx_.config.staging_mib) << 20);
   p.set_chunk_bytes(static_cast<uint64_t>(ctx_.config.chunk_bytes));
@@ -90,7 +91,7 @@ v1::PrepareRequest SyncCoordinator::prepareRequest() const {
 }
 
 void SyncCoordinator::addStamp(size_t i, v1::PrepareRequest* p) const {
-  if (!repeated_) return;
+  if (route_ == Route::kGathered) return;
   const auto& d = cluster_->view.daemons()[i];
   auto* stamp = p->add_expect();
   stamp->set_node(d.node());
@@ -157,14 +158,35 @@ Status SyncCoordinator::prepare() {
       version_ % static_cast<uint64_t>(ctx_.config.delta_dense_every) == 0)
     delta_ = v1::DELTA_DENSE;  // the periodic refresh
   const auto prepare_started = Clock::now();
-  folded_ = foldable();
+  if (foldable()) route_ = Route::kFolded;
   lease_keeper_ = std::make_unique<LeaseKeeper>(*this);
-  const auto& daemons = cluster_->view.daemons();
   v1::PrepareRequest p = prepareRequest();
-  if (folded_) {
+  if (route_ == Route::kFolded) {
     fold(p);
     return absl::OkStatus();
   }
+  std::vector<v1::PrepareResponse> prepared(cluster_->view.daemons().size());
+  // The first daemon whose own failure gave the sync up: the others' calls are then cancelled,
+  // or refused as given up, because of it.
+  std::optional<size_t> at_fault;
+  const std::vector<grpc::Status> results = prepareRound(std::move(p), &prepared, &at_fault);
+  for (size_t i = 0; i < results.size() && !at_fault; ++i)
+    if (!results[i].ok()) at_fault = i;  // the lease keeper gave it up: every call cancelled
+  if (at_fault) return prepareFailed(results, *at_fault, prepare_started);
+  SC_RETURN_IF_ERROR(checkPrepared(prepared));
+  // Block-scaled fp8 from source shards that cut blocks: each node's parts of the split blocks'
+  // amaxes, combined; each node quantises its parts with the whole blocks' (split_amax.h).
+  auto amaxes = combinedAmaxes(prepared);
+  if (!amaxes.ok()) return giveUpWith(amaxes.status());
+  directories(prepared, *amaxes);
+  prepared_ = std::move(prepared);
+  return absl::OkStatus();
+}
+
+std::vector<grpc::Status> SyncCoordinator::prepareRound(v1::PrepareRequest p,
+                                                        std::vector<v1::PrepareResponse>* prepared,
+                                                        std::optional<size_t>* at_fault) {
+  const auto& daemons = cluster_->view.daemons();
   // Each daemon's stamp as its call's own part; while a daemon of an older version could relay
   // (a rolling update), every stamp in the common request instead, each daemon finding its own.
   const bool parts =
@@ -179,21 +201,17 @@ Status SyncCoordinator::prepare() {
       addStamp(i, part);
       for (const size_t j : writesTo(i)) nodeAddress(j, part->add_peers());
     };
-  std::vector<v1::PrepareResponse> prepared(daemons.size());
-  // The first daemon whose own failure gave the sync up: the others' calls are then cancelled,
-  // or refused as given up, because of it.
-  std::optional<size_t> at_fault;
   // Skipping the gather skipped its peer timeout: a daemon silent to this Prepare is found as
   // soon as the gather would have found it (then the full protocol runs, and decides).
   auto deadline = callDeadline();
-  if (repeated_)
+  if (route_ != Route::kGathered)
     deadline = std::min(deadline, std::chrono::system_clock::now() +
                                       std::chrono::milliseconds(std::max(ctx_.config.peer_timeout_ms, 1000)));
-  const std::vector<grpc::Status> results = peers_->call<v1::PrepareRequest, v1::PrepareResponse>(
-      "Prepare", deadline, [&](size_t) -> const v1::PrepareRequest& { return p; }, own, &prepared,
+  return peers_->call<v1::PrepareRequest, v1::PrepareResponse>(
+      "Prepare", deadline, [&](size_t) -> const v1::PrepareRequest& { return p; }, own, prepared,
       [&](size_t i, const grpc::Status& st) {
         if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED) {
-          if (!at_fault) at_fault = i;
+          if (!*at_fault) *at_fault = i;
           // A daemon that did not answer in time gets no more than a moment to take the abort.
           const bool silent = st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
           giveUp(strCat("prepare failed on node \"", daemons[i].node(), "\": ", st.error_message()),
@@ -201,69 +219,57 @@ Status SyncCoordinator::prepare() {
         }
       },
       /*stop_at_failure=*/true);
-  for (size_t i = 0; i < results.size() && !at_fault; ++i)
-    if (!results[i].ok()) at_fault = i;  // the lease keeper gave it up: every call cancelled
-  if (at_fault) {
-    const std::string stalled = lease_keeper_->stalled();
-    // Skipping the gather skipped its Describe calls: a daemon silent here is silent to the
-    // peer set too (its lease runs from this call, as it would have from the gather's). One that
-    // did not answer in time fails the sync as the gather would have (no second wait for it).
-    if (repeated_)
-      for (size_t i = 0; i < daemons.size(); ++i) {
-        const grpc::StatusCode code = results[i].error_code();
-        const bool silent = code == grpc::StatusCode::DEADLINE_EXCEEDED || daemons[i].node() == stalled;
-        if (silent || code == grpc::StatusCode::UNAVAILABLE)
-          ctx_.peers.noteSilent(cluster_->addresses[i], prepare_started);
-        silent_daemon_ = silent_daemon_ || silent;
-      }
-    faulty_node_ = stalled.empty() ? daemons[*at_fault].node() : stalled;
-    // A replica's own ranks refused: its node answered, and is healthy. Taken only for a replica
-    // of this sync with ranks on the refusing node (a daemon cannot have another node's cut).
-    if (stalled.empty())
-      if (const std::string group = refusingGroup(results[*at_fault]); !group.empty() && isReplica(group))
-        for (const auto& r : daemons[*at_fault].ranks())
-          if (r.group() == group) refusing_replica_ = group;
-    // A node the lease keeper found silent is named with how long it had (its own call and the
-    // others' were cancelled, which says nothing).
-    const Status failure =
-        stalled.empty() ? fromGrpc(results[*at_fault], strCat("sync ", id_, ": prepare on node \"", faulty_node_, "\""))
+}
+
+Status SyncCoordinator::prepareFailed(const std::vector<grpc::Status>& results, size_t at_fault,
+                                      Clock::time_point started) {
+  const auto& daemons = cluster_->view.daemons();
+  const std::string stalled = lease_keeper_->stalled();
+  // Skipping the gather skipped its Describe calls: a daemon silent here is silent to the
+  // peer set too (its lease runs from this call, as it would have from the gather's). One that
+  // did not answer in time fails the sync as the gather would have (no second wait for it).
+  if (route_ != Route::kGathered)
+    for (size_t i = 0; i < daemons.size(); ++i) {
+      const grpc::StatusCode code = results[i].error_code();
+      const bool silent = code == grpc::StatusCode::DEADLINE_EXCEEDED || daemons[i].node() == stalled;
+      if (silent || code == grpc::StatusCode::UNAVAILABLE) ctx_.peers.noteSilent(cluster_->addresses[i], started);
+      if (silent) fault_ = Fault::kSilentDaemon;
+    }
+  faulty_node_ = stalled.empty() ? daemons[at_fault].node() : stalled;
+  // A replica's own ranks refused: its node answered, and is healthy. Taken only for a replica
+  // of this sync with ranks on the refusing node (a daemon cannot have another node's cut).
+  if (stalled.empty())
+    if (const std::string group = refusingGroup(results[at_fault]); !group.empty() && isReplica(group))
+      for (const auto& r : daemons[at_fault].ranks())
+        if (r.group() == group) refusing_replica_ = group;
+  // A node the lease keeper found silent is named with how long it had (its own call and the
+  // others' were cancelled, which says nothing).
+  return giveUpWith(stalled.empty()
+                        ? fromGrpc(results[at_fault], strCat("sync ", id_, ": prepare on node \"", faulty_node_, "\""))
                         : absl::UnavailableError(strCat("sync ", id_, ": prepare failed: node \"", stalled,
-                                                        "\" stopped answering (for ", lease_keeper_->allowed(), ")"));
-    giveUp(std::string(failure.message()));
-    return failed(failure);
-  }
+                                                        "\" stopped answering (for ", lease_keeper_->allowed(), ")")));
+}
+
+Status SyncCoordinator::checkPrepared(const std::vector<v1::PrepareResponse>& prepared) {
+  const auto& daemons = cluster_->view.daemons();
   // A sync that skipped the gather relies on every daemon having checked its registrations
   // against the kept view: one that did not (an older daemon ignores PrepareRequest.expect) sends
   // the sync back to a full gather.
-  if (repeated_)
+  if (route_ != Route::kGathered)
     for (size_t i = 0; i < daemons.size(); ++i)
-      if (!prepared[i].expect_checked()) {
-        const Status stale = absl::FailedPreconditionError(strCat("sync ", id_, ": node ", quote(daemons[i].node()),
-                                                                  " did not check the kept view (", kStaleView,
-                                                                  ": a daemon of an older version?)"));
-        giveUp(std::string(stale.message()));
-        return failed(stale);
-      }
+      if (!prepared[i].expect_checked())
+        return giveUpWith(absl::FailedPreconditionError(strCat("sync ", id_, ": node ", quote(daemons[i].node()),
+                                                               " did not check the kept view (", kStaleView,
+                                                               ": a daemon of an older version?)")));
   // Every daemon must execute the coordinator's plan: one that planned another (a daemon of
   // another version, say) would write where the others do not read.
   for (size_t i = 0; i < daemons.size(); ++i)
     if (prepared[i].plan_key() != plan_->key) {
       faulty_node_ = daemons[i].node();
-      const Status failure = absl::FailedPreconditionError(
+      return giveUpWith(absl::FailedPreconditionError(
           strCat("sync ", id_, ": node \"", daemons[i].node(), "\" planned this sync differently (plan \"",
-                 prepared[i].plan_key(), "\", not \"", plan_->key, "\"): are the daemons of one version?"));
-      giveUp(std::string(failure.message()));
-      return failed(failure);
+                 prepared[i].plan_key(), "\", not \"", plan_->key, "\"): are the daemons of one version?")));
     }
-  // Block-scaled fp8 from source shards that cut blocks: each node's parts of the split blocks'
-  // amaxes, combined; each node quantises its parts with the whole blocks' (split_amax.h).
-  auto amaxes = combinedAmaxes(prepared);
-  if (!amaxes.ok()) {
-    giveUp(std::string(amaxes.status().message()));
-    return failed(amaxes.status());
-  }
-  directories(prepared, *amaxes);
-  prepared_ = std::move(prepared);
   return absl::OkStatus();
 }
 

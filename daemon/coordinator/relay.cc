@@ -79,12 +79,10 @@ int relayDepth(size_t m, uint32_t fanout) {
   return 1 + relayDepth(largest, fanout);
 }
 
-std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>& calls, const TreeOptions& options,
-                                const std::function<void(size_t, const RawResult&)>& each, bool first_here) {
-  const size_t n = calls.size();
-  std::vector<RawResult> results(n);
-  if (n == 0) return results;
-  // What goes out: calls[0] alone (first_here), then one entry per subtree of the rest.
+namespace {
+
+// What goes out for `n` calls: calls[0] alone (first_here), then one entry per subtree of the rest.
+std::deque<Outgoing> outgoingOf(size_t n, uint32_t fanout, bool first_here) {
   std::deque<Outgoing> out;
   const size_t skip = first_here ? 1 : 0;
   if (first_here) {
@@ -92,91 +90,106 @@ std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>
     out.back().begin = 0;
     out.back().end = 1;
   }
-  for (const auto& [b, e] : relayGroups(n - skip, options.fanout)) {
+  for (const auto& [b, e] : relayGroups(n - skip, fanout)) {
     out.emplace_back();
     out.back().begin = b + skip;
     out.back().end = e + skip;
     out.back().relayed = e - b > 1;
   }
+  return out;
+}
 
+// Starts one outgoing call: to its daemon, or a Relay of its calls to the first of them. Its
+// deadline is its own (a relay's: its calls' longest, plus a margin per hop below it).
+void startOutgoing(const PeerSet& peers, const std::vector<RawCall>& calls, const TreeOptions& options, Outgoing& o,
+                   grpc::ClientContext& context, CallDone done, std::chrono::system_clock::time_point now) {
+  const RawCall& head = calls[o.begin];
+  auto channel = peers.channel(head.address);
+  if (!o.relayed) {
+    context.set_deadline(now + head.timeout);
+    o.request = requestOf(options.common_request, head.request);
+    grpc::GenericStub(channel).UnaryCall(&context, path(options.method), grpc::StubOptions(), &o.request, &o.response,
+                                         std::move(done));
+    return;
+  }
+  v1::RelayRequest r;
+  r.set_method(options.method);
+  r.set_fanout(options.fanout);
+  r.set_stop_at_failure(options.stop_at_failure);
+  std::chrono::milliseconds longest{0};
+  for (size_t i = o.begin; i < o.end; ++i) {
+    auto* c = r.add_calls();
+    c->set_address(calls[i].address);
+    c->set_request(calls[i].request);
+    c->set_timeout_ms(
+        static_cast<uint32_t>(std::clamp<int64_t>(calls[i].timeout.count(), 0, std::numeric_limits<uint32_t>::max())));
+    longest = std::max(longest, calls[i].timeout);
+  }
+  r.set_common_request(options.common_request);
+  context.set_deadline(now + longest + kHopMargin * (1 + relayDepth(o.end - o.begin, options.fanout)));
+  std::string bytes;
+  r.SerializeToString(&bytes);
+  o.request = bufferOf(bytes);
+  grpc::GenericStub(channel).UnaryCall(&context, "/shardcast.v1.Peer/Relay", grpc::StubOptions(), &o.request,
+                                       &o.response, std::move(done));
+}
+
+// Unpacks one finished outgoing call into results[begin, end); true when one of them failed.
+bool unpackOutgoing(Outgoing& o, grpc::Status status, const std::vector<RawCall>& calls,
+                    std::vector<RawResult>& results) {
+  if (!o.relayed) {
+    results[o.begin].status = status;
+    if (status.ok()) results[o.begin].response = stringOf(o.response);
+    return isFailure(status);
+  }
+  v1::RelayResponse rr;
+  if (status.ok() &&
+      (!rr.ParseFromString(stringOf(o.response)) || static_cast<size_t>(rr.results_size()) != o.end - o.begin))
+    status = grpc::Status(grpc::StatusCode::INTERNAL, "a relay answered with a malformed response");
+  if (!status.ok()) {
+    // The relay itself failed: it is named for its own call; the rest were not reached through it.
+    results[o.begin].status = status;
+    for (size_t i = o.begin; i < o.end; ++i) results[i].unconfirmed = true;
+    for (size_t i = o.begin + 1; i < o.end; ++i)
+      results[i].status = grpc::Status(
+          grpc::StatusCode::CANCELLED,
+          strCat("not reached: relayed through ", calls[o.begin].address, ", which failed: ", status.error_message()));
+    return isFailure(status);
+  }
+  bool failed = false;
+  for (size_t i = o.begin; i < o.end; ++i) {
+    auto& got = *rr.mutable_results(static_cast<int>(i - o.begin));
+    results[i].status = grpc::Status(static_cast<grpc::StatusCode>(got.code()), got.message());
+    const auto code = results[i].status.error_code();
+    results[i].unconfirmed = code == grpc::StatusCode::DEADLINE_EXCEEDED || code == grpc::StatusCode::UNAVAILABLE ||
+                             code == grpc::StatusCode::CANCELLED;
+    if (results[i].status.ok()) results[i].response = std::move(*got.mutable_response());
+    failed = failed || isFailure(results[i].status);
+  }
+  return failed;
+}
+
+}  // namespace
+
+std::vector<RawResult> callTree(const PeerSet& peers, const std::vector<RawCall>& calls, const TreeOptions& options,
+                                const std::function<void(size_t, const RawResult&)>& each, bool first_here) {
+  const size_t n = calls.size();
+  std::vector<RawResult> results(n);
+  if (n == 0) return results;
+  std::deque<Outgoing> out = outgoingOf(n, options.fanout, first_here);
   // Each outgoing call through fanOut, the one way daemons call each other: its context tracked for
-  // the caller's cancelling, its deadline its own (a relay's: its calls' longest, plus a margin per
-  // hop below it).
+  // the caller's cancelling.
   std::vector<grpc::ClientContext> contexts(out.size());
   const auto now = std::chrono::system_clock::now();
-  const auto start = [&](size_t k, grpc::ClientContext& context, CallDone done) {
-    Outgoing& o = out[k];
-    if (options.track) options.track(context, true);
-    const RawCall& head = calls[o.begin];
-    auto channel = peers.channel(head.address);
-    if (!o.relayed) {
-      context.set_deadline(now + head.timeout);
-      o.request = requestOf(options.common_request, head.request);
-      grpc::GenericStub(channel).UnaryCall(&context, path(options.method), grpc::StubOptions(), &o.request, &o.response,
-                                           std::move(done));
-      return;
-    }
-    v1::RelayRequest r;
-    r.set_method(options.method);
-    r.set_fanout(options.fanout);
-    r.set_stop_at_failure(options.stop_at_failure);
-    std::chrono::milliseconds longest{0};
-    for (size_t i = o.begin; i < o.end; ++i) {
-      auto* c = r.add_calls();
-      c->set_address(calls[i].address);
-      c->set_request(calls[i].request);
-      c->set_timeout_ms(static_cast<uint32_t>(
-          std::clamp<int64_t>(calls[i].timeout.count(), 0, std::numeric_limits<uint32_t>::max())));
-      longest = std::max(longest, calls[i].timeout);
-    }
-    r.set_common_request(options.common_request);
-    context.set_deadline(now + longest + kHopMargin * (1 + relayDepth(o.end - o.begin, options.fanout)));
-    std::string bytes;
-    r.SerializeToString(&bytes);
-    o.request = bufferOf(bytes);
-    grpc::GenericStub(channel).UnaryCall(&context, "/shardcast.v1.Peer/Relay", grpc::StubOptions(), &o.request,
-                                         &o.response, std::move(done));
-  };
-
-  // Unpacks one finished outgoing call into results[begin, end); true when one of them failed.
-  const auto unpack = [&](Outgoing& o, grpc::Status status) {
-    bool failed = false;
-    if (!o.relayed) {
-      results[o.begin].status = status;
-      if (status.ok()) results[o.begin].response = stringOf(o.response);
-      return isFailure(status);
-    }
-    v1::RelayResponse rr;
-    if (status.ok() &&
-        (!rr.ParseFromString(stringOf(o.response)) || static_cast<size_t>(rr.results_size()) != o.end - o.begin))
-      status = grpc::Status(grpc::StatusCode::INTERNAL, "a relay answered with a malformed response");
-    if (!status.ok()) {
-      // The relay itself failed: it is named for its own call; the rest were not reached through it.
-      results[o.begin].status = status;
-      for (size_t i = o.begin; i < o.end; ++i) results[i].unconfirmed = true;
-      for (size_t i = o.begin + 1; i < o.end; ++i)
-        results[i].status =
-            grpc::Status(grpc::StatusCode::CANCELLED, strCat("not reached: relayed through ", calls[o.begin].address,
-                                                             ", which failed: ", status.error_message()));
-      return isFailure(status);
-    }
-    for (size_t i = o.begin; i < o.end; ++i) {
-      auto& got = *rr.mutable_results(static_cast<int>(i - o.begin));
-      results[i].status = grpc::Status(static_cast<grpc::StatusCode>(got.code()), got.message());
-      const auto code = results[i].status.error_code();
-      results[i].unconfirmed = code == grpc::StatusCode::DEADLINE_EXCEEDED || code == grpc::StatusCode::UNAVAILABLE ||
-                               code == grpc::StatusCode::CANCELLED;
-      if (results[i].status.ok()) results[i].response = std::move(*got.mutable_response());
-      failed = failed || isFailure(results[i].status);
-    }
-    return failed;
-  };
-
   bool stop = false;  // a failure with stop_at_failure: the calls still in flight are cancelled
   fanOut(
-      contexts, now + std::chrono::hours(24 * 365), start,
+      contexts, now + std::chrono::hours(24 * 365),
+      [&](size_t k, grpc::ClientContext& context, CallDone done) {
+        if (options.track) options.track(context, true);
+        startOutgoing(peers, calls, options, out[k], context, std::move(done), now);
+      },
       [&](size_t k, const grpc::Status& status) {
-        const bool failed = unpack(out[k], status);
+        const bool failed = unpackOutgoing(out[k], status, calls, results);
         if (each)
           for (size_t i = out[k].begin; i < out[k].end; ++i) each(i, results[i]);
         stop = stop || (failed && options.stop_at_failure);

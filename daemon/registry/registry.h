@@ -17,6 +17,7 @@
 
 #include "common/status.h"
 #include "daemon/registry/handed_fds.h"
+#include "daemon/registry/sync_preconditions.h"
 #include "planner/layout.h"
 #include "proto/shardcast/v1/names.h"
 #include "shardcast/v1/service.pb.h"
@@ -264,8 +265,8 @@ class Registry {
     v1::RankState before = v1::RANK_EMPTY;
     std::string before_detail;
   };
-  // Why a destination rank cannot be read as a catch-up's seed at `version` ("" when it can).
-  static std::string seedRefusal(const Rank& r, uint64_t version);
+  // What the sync preconditions (sync_preconditions.h) look at of a rank.
+  static RankFacts factsOf(const Rank& r);
   struct Group {
     v1::Layout layout;
     std::string digest;

@@ -33,13 +33,13 @@ const std::string* digestIn(const Registry::Destination& dst, const std::string&
 
 }  // namespace
 
-std::string Registry::seedRefusal(const Rank& r, uint64_t version) {
-  if (r.role != v1::ROLE_DESTINATION) return "it is a source (a catch-up reads a replica)";
-  if (r.state != v1::RANK_READY || r.committed != version) return strCat("it is not ready at version ", version);
-  if (r.doubled()) return "it is double-buffered (the set it holds is the one its engine reads)";
-  if (!r.writer.empty()) return strCat("sync ", r.writer, " is writing it");
-  if (!r.lingering.empty()) return strCat("writes of sync ", r.user(), " are still landing in it");
-  return "";
+RankFacts Registry::factsOf(const Rank& r) {
+  RankFacts facts{r.state, r.held, r.committed, r.role, r.doubled(), ""};
+  if (!r.writer.empty())
+    facts.written = strCat("sync ", r.writer, " is writing it");
+  else if (!r.lingering.empty())
+    facts.written = strCat("writes of sync ", r.user(), " are still landing in it");
+  return facts;
 }
 
 namespace {
@@ -88,15 +88,15 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
                                                key.first == src ? src_digest : *dst_digest, "): retry the sync")),
           key.first == src ? std::string() : key.first);
     if (key.first == src && seed) {
-      if (const std::string why = seedRefusal(*r, version); !why.empty())
-        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " cannot seed a catch-up: ", why));
+      if (const std::string why = seedRefusal(factsOf(*r), version); !why.empty())
+        return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, why));
       SC_RETURN_IF_ERROR(checkSegments(*r));
       readers.push_back(r.get());
     } else if (key.first == src) {
       if (r->role != v1::ROLE_SOURCE)
         return absl::FailedPreconditionError(
             strCat("sync ", id, ": ", who, " is a destination; a sync reads only source groups"));
-      if (const std::string why = sourceRefusal({r->state, r->held, r->committed}, version); !why.empty())
+      if (const std::string why = sourceRefusal(factsOf(*r), version); !why.empty())
         return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, why));
       SC_RETURN_IF_ERROR(checkSegments(*r));
       readers.push_back(r.get());
@@ -139,7 +139,7 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
           return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " is being read by sync ",
                                                       *rank.readers.begin(), " (a catch-up seeded from it)"));
         // (a rank no sync writes is EMPTY with nothing committed, READY or DIRTY)
-        if (const std::string why = destinationRefusal({rank.state, rank.held, rank.committed}, version); !why.empty())
+        if (const std::string why = destinationRefusal(factsOf(rank), version); !why.empty())
           return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, why));
         SC_RETURN_IF_ERROR(checkSegments(rank));
         return absl::OkStatus();
