@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds here what scripts/device-check.sh runs on a machine with a GPU, and packs it with its
-# shared-library closure into .device-bundle/ (git-ignored; the device tool carries it: `carry`
-# [".device-bundle"]). That machine has the CUDA driver, torch, grpcio and protobuf but no gRPC,
+# shared-library closure into .device-bundle/ (git-ignored; copy it to the GPU machine beside the
+# checkout, docs/gpu.md, "The device check"). That machine has the CUDA driver, torch, grpcio and protobuf but no gRPC,
 # UCX or spdlog libraries and no downloads, so the bundle holds:
 #   bin/   one wrapper per program (sets LD_LIBRARY_PATH and UCX_MODULE_DIR to the bundle, then
 #          runs the real program from bin/.real/), and shardcast-certs

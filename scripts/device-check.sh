@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The GPU check, run on a machine with a GPU from the repository root, with the bundle that
-# scripts/device-bundle.sh built here carried along as .device-bundle/ (the device tool:
-# `run` with carry [".device-bundle"] and command `bash scripts/device-check.sh`). About 3-5 min.
+# The GPU check, run from the repository root on a machine with an NVIDIA GPU (driver >= 580,
+# glibc >= 2.34): first `bash scripts/device-bundle.sh` on the build machine, which packs
+# .device-bundle/; copy the checkout with it to the GPU machine (or set SHARDCAST_BUNDLE to the
+# bundle's path), then `bash scripts/device-check.sh` there. About 3-5 min.
 # Prints, and writes to $OUT/device-check.log when OUT is set:
 #   the GPU; the [gpu] tests (CUDA copies, the strided-copy kernel, staging through pinned memory,
 #   a sync between daemons with device buffers on both sides, every byte checked, the fp8
 #   quantisation kernel against the host quantiser bit for bit); pack/unpack
 #   GB/s of the kernel beside a device-to-device copy of the same bytes; sync GB/s with device
 #   tensors (bench/device_bench.cc); torch's CUDA shareable handles decoded as the client reads
-#   them (client/python/tests/test_cuda_handle.py against this machine's torch, and test_gpu.py
+#   them (client/python/tests/test_cuda_handle.py against the GPU machine's torch, and test_gpu.py
 #   on its GPU); a real torch DTensor on a CUDA mesh registered by CUDA IPC and synced into CUDA
 #   destination tensors; FSDP2-style shards of $SHARDCAST_GPU_SHARD_GIB GiB (default 2), views at
 #   offsets inside one allocation per rank, synced into CUDA views inside one allocation on a
@@ -18,7 +19,8 @@
 #   (client/python/tests/test_gpu.py; the daemons' own import of cuMem allocations in the [gpu]
 #   daemon tests); the vLLM backend's direct path: views into live CUDA
 #   parameters registered by IPC, bytes landing in place (client/python/tests/test_vllm_direct.py).
-# docs/gpu.md says where the figures go. Exit status: the number of steps that failed.
+# docs/gpu.md, "Figures", records the figures with their provenance. Exit status: the number of
+# steps that failed.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 bundle="${SHARDCAST_BUNDLE:-$root/.device-bundle}"
