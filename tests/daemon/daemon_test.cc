@@ -300,13 +300,14 @@ TEST_CASE("peers found through a DNS name - a sync waits for ranks that register
   REQUIRE(registerRank(*client, source(request("trainer", 0, trainer, t0))).ok());
   REQUIRE(registerRank(*client, source(request("trainer", 1, trainer, t1))).ok());
   REQUIRE(registerRank(*client, request("infer", 0, infer, i0)).ok());
-  // Inference rank 1 registers 300 ms after the sync starts; the sync waits for it.
+  // Inference rank 1 registers once the sync is under way (waiting for it).
   std::thread late([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    CHECK(d.waitForSync("late-rank"));
     auto c = d.client();
     CHECK(registerRank(*c, request("infer", 1, infer, i1)).ok());
   });
   v1::SyncRequest sync;
+  sync.set_sync_id("late-rank");
   sync.set_src_group("trainer");
   sync.set_dst_group("infer");
   sync.set_version(1);

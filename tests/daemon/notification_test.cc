@@ -133,8 +133,9 @@ TEST_CASE("a daemon fed lying notifications fails the sync and stays up", "[daem
     REQUIRE(send(encodeNotification({id, 99, {{0, 0, 0, 0, LandedChunk::kDense, 0, 8192}}}),
                  transport::WriteKey::random())
                 .ok());  // a true word, but without the key: dropped (else the lie below would be a repeat)
+    // (Sent before the Execute; whether it lands before the Execute starts or while it waits for
+    // the chunk, the attempt fails on it.)
     REQUIRE(send(encodeNotification({id, 99, {lie}}), key).ok());
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
     v1::ExecuteRequest exec;
     exec.set_sync_id(id);
     exec.set_fence(99);

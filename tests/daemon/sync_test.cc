@@ -961,10 +961,11 @@ TEST_CASE("concurrent syncs: same group refused, different groups together - a s
   std::thread t([&] {
     v1::SyncRequest s = sync;
     s.set_version(2);
+    s.set_sync_id("waits-on-n2");
     v1::SyncResponse o;
     pending.set_value(cluster.node("n0").client()->Sync(ctx(60).get(), s, &o));
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  CHECK(cluster.node("n0").waitForSync("waits-on-n2", v1::SYNC_PREPARING));  // (n2's Prepare is out)
   ::kill(n2, SIGKILL);
   auto f = pending.get_future();
   REQUIRE(f.wait_for(std::chrono::seconds(60)) == std::future_status::ready);

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -174,6 +175,34 @@ class Daemon {
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     return grpc::CreateCustomChannel(target, channelCredentials(tls, &args), args);
+  }
+  // Waits until sync `id`, coordinated here, is under way, in phase `at_least` or a later one
+  // before it ends (its Watch reports); false when it ended first, or after `timeout`. An event a
+  // test starts on a running sync waits for this. (Watch, not Status: Status asks every peer,
+  // and waits on a frozen one.)
+  bool waitForSync(const std::string& id, v1::SyncPhase at_least = v1::SYNC_PHASE_UNSPECIFIED,
+                   std::chrono::milliseconds timeout = std::chrono::seconds(10)) const {
+    const auto stub = client();
+    v1::WatchRequest request;
+    request.set_sync_id(id);
+    for (const auto until = std::chrono::steady_clock::now() + timeout; std::chrono::steady_clock::now() < until;) {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(6));
+      auto reader = stub->Watch(&context, request);
+      v1::SyncProgress p;
+      bool read = false;
+      while (reader->Read(&p)) {
+        read = true;
+        if (p.phase() == v1::SYNC_COMMITTED || p.phase() == v1::SYNC_FAILED || p.phase() >= at_least) break;
+      }
+      if (read) {
+        context.TryCancel();
+        reader->Finish();
+        return p.phase() != v1::SYNC_COMMITTED && p.phase() != v1::SYNC_FAILED && p.phase() >= at_least;
+      }
+      reader->Finish();  // NOT_FOUND: not started within the daemon's 5 s; ask again
+    }
+    return false;
   }
   std::unique_ptr<grpc::health::v1::Health::Stub> health() const {
     return grpc::health::v1::Health::NewStub(channel(address(), tls(LocalCerts::get().client())));
