@@ -255,7 +255,7 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
   if (replicas_.size() < needed)
     return absl::FailedPreconditionError(strCat("sync: replica set \"", req_.dst_group(), "\": ", replicas_.size(),
                                                 " of ", outcomes_.size(), " replicas can take part, at least ", needed,
-                                                " needed (", strJoin(cut, "; "), ")"));
+                                                " needed", cut.empty() ? "" : strCat(" (", strJoin(cut, "; "), ")")));
   if (!cut.empty())
     spdlog::warn("sync {}: replica set \"{}\" syncs {} of {} replicas; cut: {}", id_, req_.dst_group(),
                  replicas_.size(), outcomes_.size(), strJoin(cut, "; "));

@@ -99,6 +99,12 @@ def test_a_replica_set_syncs_as_one_while_replicas_join_leave_and_die():
         with pytest.raises(shardcast.ShardcastError, match="delta syncs into replica sets are not built yet"):
             src.sync("trainer", "rollout", 2, delta="auto")
         assert holds(r0, 1)
+        # A minimum above the set's size, nothing cut: the error says so, without an empty list.
+        with pytest.raises(shardcast.ShardcastError) as few:
+            src.sync("trainer", "rollout", 2, min_replicas=4)
+        assert few.value.details.endswith('replica set "rollout": 3 of 3 replicas can take part, at least 4 needed'), \
+            few.value.details
+        assert holds(r0, 1)
         resp = src.sync("trainer", "rollout", 2)
         assert outcomes(resp) == {f"rollout.r{k}": (True, "") for k in range(3)}
         assert holds(r0, 2) and holds(r1, 2) and holds(r2, 2)
