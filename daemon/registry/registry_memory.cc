@@ -45,11 +45,13 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
         elems *= d;
       }
       const int64_t elem = t != nullptr ? t->elemBytes() : 1;
-      if (elems > INT64_MAX / elem || elems * elem != needed[name])
-        return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" has shape [", strJoin(h->shape(), ", "),
-                                                 "] (", elems, " elements) but the layout gives this rank ",
-                                                 needed[name] / elem, " elements of it"));
       const auto expected = shapes.find(name);
+      if (elems > INT64_MAX / elem || elems * elem != needed[name])
+        return absl::InvalidArgumentError(
+            strCat(who, ": buffer \"", name, "\" has shape [", strJoin(h->shape(), ", "), "] (", elems,
+                   " elements) but the layout gives this rank ",
+                   expected != shapes.end() ? strCat("[", strJoin(expected->second, ", "), "] (") : std::string(),
+                   needed[name] / elem, " elements", expected != shapes.end() ? ")" : "", " of it"));
       if (expected != shapes.end() &&
           !std::equal(h->shape().begin(), h->shape().end(), expected->second.begin(), expected->second.end()))
         return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" has shape [", strJoin(h->shape(), ", "),

@@ -96,7 +96,12 @@ def default_target() -> str:
 
 
 def _error(e: grpc.RpcError, what: str) -> ShardcastError:
-    return ShardcastError(e.code(), f"{what}: {e.details()}")
+    details = e.details() or ""
+    # The daemon's message names the rank already ('group "g" rank 0: ...'): named once.
+    verb, _, subject = what.partition(" ")
+    if subject and details.startswith(subject + ":"):
+        return ShardcastError(e.code(), f"{verb} {details}")
+    return ShardcastError(e.code(), f"{what}: {details}")
 
 
 _ROLES = {"source": service_pb2.ROLE_SOURCE, "destination": service_pb2.ROLE_DESTINATION}

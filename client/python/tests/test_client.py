@@ -68,7 +68,10 @@ def test_errors_carry_the_status_code_and_the_daemons_message(cluster):
     with pytest.raises(shardcast.ShardcastError) as e:
         client.register("trainer", 0, 2, small, rank_worker.TRAINER)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert 'buffer "w" has shape [2, 8] (16 elements) but the layout gives this rank 64 elements' in e.value.details
+    assert 'buffer "w" has shape [2, 8] (16 elements) but the layout gives this rank [8, 8] (64 elements) of it' \
+        in e.value.details
+    # The rank is named once, not by the client and again by the daemon.
+    assert e.value.details.startswith('register group "trainer" rank 0: buffer "w"'), e.value.details
     # As many elements in another shape (transposed): refused too, or the bytes would land scrambled.
     transposed = {"w": np.zeros((8, 8), np.float32).reshape(4, 16), "b": np.zeros(5, np.int64)}
     with pytest.raises(shardcast.ShardcastError) as e:
