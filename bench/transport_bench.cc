@@ -156,14 +156,13 @@ int concurrentPairs(int pairs, const std::vector<std::string>& args, const std::
 
 int main(int argc, char** argv) {
   TransportOptions o;
-  o.ucx.tls = arg(argc, argv, "--tls", "");
+  const std::string tls = arg(argc, argv, "--tls", "");
   const std::string protocol = arg(argc, argv, "--protocol", "auto");
-  auto parsed = parseProtocol(protocol);
-  if (!parsed.ok()) {
-    fmt::print(stderr, "{}\n", std::string(parsed.status().message()));
+  o.settings = {{"ucx.tls", tls}, {"ucx.protocol", protocol}};
+  if (const Status checked = checkOptions(o); !checked.ok()) {
+    fmt::print(stderr, "{}\n", std::string(checked.message()));
     return 2;
   }
-  o.ucx.protocol = *parsed;
   o.name = "bench";
   std::vector<size_t> sizes;
   std::stringstream ss(arg(argc, argv, "--sizes", "64,256,1024"));
@@ -183,14 +182,13 @@ int main(int argc, char** argv) {
   if (role == "recv") return receiver(o, max_size, memory == "shm");
   const int pairs = std::max(1, std::stoi(arg(argc, argv, "--pairs", "1")));
   if (role == "send" && pairs > 1) {
-    return concurrentPairs(
-        pairs,
-        {"--tls", o.ucx.tls, "--protocol", protocol, "--sizes", arg(argc, argv, "--sizes", "64,256,1024"), "--iters",
-         std::to_string(iters), "--window", std::to_string(window), "--memory", memory},
-        sizes, iters, window);
+    return concurrentPairs(pairs,
+                           {"--tls", tls, "--protocol", protocol, "--sizes", arg(argc, argv, "--sizes", "64,256,1024"),
+                            "--iters", std::to_string(iters), "--window", std::to_string(window), "--memory", memory},
+                           sizes, iters, window);
   }
 
-  Child child = Child::spawn({"/proc/self/exe", "--role", "recv", "--tls", o.ucx.tls, "--protocol", protocol, "--sizes",
+  Child child = Child::spawn({"/proc/self/exe", "--role", "recv", "--tls", tls, "--protocol", protocol, "--sizes",
                               std::to_string(max_size >> 10) + "k", "--memory", memory});
   const std::string a = child.readLine(std::chrono::seconds(60)), g = child.readLine(std::chrono::seconds(60)),
                     k = child.readLine(std::chrono::seconds(60));
@@ -231,7 +229,7 @@ int main(int argc, char** argv) {
     child.wait();
     return 0;
   }
-  fmt::print("transport {} (UCX_TLS={})\n", (*ctx)->describe(), o.ucx.tls.empty() ? "default" : o.ucx.tls);
+  fmt::print("transport {} (UCX_TLS={})\n", (*ctx)->describe(), tls.empty() ? "default" : tls);
   for (size_t size : sizes) {
     const double gbs =
         measure(**ep, *region, *remote, *key, size, iters, window).gbs(size * static_cast<size_t>(iters));

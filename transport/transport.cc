@@ -84,21 +84,12 @@ bool WriteKey::empty() const {
   return true;
 }
 
-std::string_view protocolName(Protocol protocol) {
-  switch (protocol) {
-    case Protocol::kPut:
-      return "put";
-    case Protocol::kAm:
-      return "am";
-    default:
-      return "auto";
-  }
-}
-
-StatusOr<Protocol> parseProtocol(std::string_view name) {
-  for (const Protocol p : {Protocol::kAuto, Protocol::kPut, Protocol::kAm})
-    if (name == protocolName(p)) return p;
-  return absl::InvalidArgumentError(strCat("transport protocol \"", name, "\" (expected auto, put or am)"));
+std::map<std::string, std::string> settingsOf(const TransportOptions& options, std::string_view backend) {
+  std::map<std::string, std::string> own;
+  for (const auto& [name, value] : options.settings)
+    if (name.size() > backend.size() && name.compare(0, backend.size(), backend) == 0 && name[backend.size()] == '.')
+      own.emplace(name.substr(backend.size() + 1), value);
+  return own;
 }
 
 Status checkWriteRanges(const WriteOp& op, const std::string& peer_name) {

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -127,7 +128,8 @@ class Endpoint {
   virtual void write(WriteOp op, Completion done) = 0;
   // Many writes, one completion (the first error, if any).
   virtual void writeBatch(std::vector<WriteOp> ops, Completion done) = 0;
-  // A small message (<= 64 KiB) for the peer's notification handler, ordered after earlier writes.
+  // A small message (<= kMaxNotifyBytes) for the peer's notification handler, ordered after
+  // earlier writes.
   // Delivered only while the peer holds `key` open (as a write under it would be); dropped there
   // otherwise.
   virtual void notify(std::string payload, const WriteKey& key, Completion done) = 0;
@@ -141,60 +143,45 @@ class Endpoint {
   virtual const std::string& peerName() const = 0;
 };
 
-// How UCX writes travel: RMA put + flush, or active messages into registered memory, acked (the
-// target's handler checks every range and the sync's fence); auto picks per transport
-// (UcxOptions::bounded_writes_only, docs/transport.md).
-enum class Protocol { kAuto, kPut, kAm };
-std::string_view protocolName(Protocol protocol);
-// "auto", "put" or "am"; INVALID_ARGUMENT naming the others.
-StatusOr<Protocol> parseProtocol(std::string_view name);
-
-// The UCX backend's options.
-struct UcxOptions {
-  // Transports to use (UCX_TLS syntax, e.g. "tcp", "posix,sysv,self"); empty = UCX_TLS from the
-  // environment, else UCX's default.
-  std::string tls;
-  // auto: am when the transports are TCP only (UCX 1.13's TCP put is ~4x slower), else put.
-  Protocol protocol = Protocol::kAuto;
-  // Only writes the target can bound to the region it registered: put only over transports whose
-  // hardware checks the remote key (InfiniBand/RoCE rc/dc, CUDA IPC), never over tcp, cma or
-  // shared memory, where UCX's emulated RMA writes wherever an address and key point. "auto" then
-  // picks am elsewhere and an explicit put is an error. Daemons set it unless run --insecure.
-  bool bounded_writes_only = false;
-  // Over TCP: the segment size (UCX_TCP_RX_SEG_SIZE), which bounds each fragment a large write
-  // travels in, one sendmsg(2) per fragment. UCX's default of 64 KiB makes 16x the system calls of
-  // 1 MiB, and each one traps under virtualisation. 0 keeps UCX's own; an explicit
-  // UCX_TCP_RX_SEG_SIZE in the environment wins over this.
-  size_t tcp_segment_bytes = size_t{1} << 20;
-};
-
 struct TransportOptions {
   std::string backend = "ucx";     // a name of backends(): "ucx" or "loopback"
   std::string name = "shardcast";  // in log lines ("transport 'x': ...") and as UCX's context name
   // An operation not completed after this long fails with DEADLINE_EXCEEDED (a vanished peer).
   std::chrono::milliseconds op_timeout{30000};
-  UcxOptions ucx;
+  // Only writes the target can bound to the memory it registered: a backend whose settings would
+  // let a peer write elsewhere picks another way where it has one (UCX: active messages instead of
+  // put over transports that emulate RMA) and refuses the settings otherwise (INVALID_ARGUMENT).
+  // Daemons set it unless run --insecure.
+  bool bounded_writes_only = false;
+  // Backends' own settings, named "<backend>.<setting>" (UCX's: transport/ucx/ucx_options.h), so
+  // one set of options serves every backend. The backend named there parses and checks its own
+  // when a context is made and ignores the others'; a name of no backend's, or one its backend
+  // does not know or cannot parse, is INVALID_ARGUMENT naming the setting.
+  std::map<std::string, std::string> settings;
 };
+
+// The settings of `backend` in `options`, by their names without the "<backend>." prefix.
+std::map<std::string, std::string> settingsOf(const TransportOptions& options, std::string_view backend);
 
 // The largest notification a caller may send (Endpoint::notify, WriteOp::notice): a larger notice
 // fails checkWriteRanges, a larger UCX notify INVALID_ARGUMENT (the loopback's notify does not check).
 constexpr size_t kMaxNotifyBytes = size_t{64} << 10;
 
-// What a context can do, for callers that choose a path by it (the daemon's registry: whether peers
-// send from and land in clients' shm segments directly, Registry::hostSafe).
+// What a context does differently from another backend's or settings', for callers that choose a
+// path by it. Whether it reaches device memory is Context::canAccess.
 struct Capabilities {
-  bool cuda_memory = false;                    // registers device memory itself (GPUDirect)
-  bool ordered_notify = true;                  // a notification lands after the writes before it
-  size_t max_notify_bytes = size_t{64} << 10;  // the largest notification payload
-  bool detects_peer_failure = false;           // in-flight operations fail when the peer goes (else: op_timeout)
-  // A write lands only where the target let it: the target checks it against its keys and their ranges
-  // (active messages, loopback), or the hardware bounds a put to the region its remote key names.
-  bool bounded_writes = true;
+  // The target checks every write against its open keys and their ranges before it lands
+  // (WriteOp::key: active messages, the loopback). False where a write lands by remote key without
+  // the target's help (UCX put), bounded by the hardware to the region the key names (with
+  // bounded_writes_only) but not per sync (docs/security.md). The shared transport suite runs its
+  // fence cases only where it holds.
+  bool target_checks_writes = true;
   // Host memory it sends from or lands in cannot fault inside it when its owner truncates a shm
   // segment under a write: the hardware holds the pages (verbs, CUDA), or every access is a plain
   // load or store of this process (which the segment guard absorbs, transport/shm.h). False where
   // the kernel touches it (tcp's sendmsg and recv, cma): UCX meets EFAULT there and aborts, so a
-  // daemon hands such a transport only its own memory (clients' segments are synced packed).
+  // daemon hands such a transport only its own memory (clients' segments are synced packed:
+  // Registry::hostSafe).
   bool host_faults_contained = true;
 };
 
@@ -232,12 +219,18 @@ class Context {
 // target and one row there.
 struct Backend {
   const char* name;
+  // Checks the options as create would, without making anything (its own settings, and what
+  // bounded_writes_only asks of them).
+  Status (*check)(const TransportOptions& options);
   StatusOr<std::unique_ptr<Context>> (*create)(const TransportOptions& options);
   const char* description;
 };
 const std::vector<Backend>& backends();
 
-// Creates a context of options.backend. INVALID_ARGUMENT for an unknown backend or option.
+// INVALID_ARGUMENT, naming the option or setting, where createContext would refuse `options`
+// before reaching the backend's library: for checking a configuration at start-up.
+Status checkOptions(const TransportOptions& options);
+// Creates a context of options.backend, once checkOptions passes.
 StatusOr<std::unique_ptr<Context>> createContext(const TransportOptions& options);
 
 // The checks every backend makes of a write before it travels: the source range inside its

@@ -9,7 +9,6 @@
 
 #include "common/strings.h"
 #include "daemon/server/ucx_admission.h"
-#include "transport/ucx/ucx_context.h"
 
 namespace shardcast::daemon {
 
@@ -61,33 +60,8 @@ Status checkHostPort(const std::string& what, const std::string& v) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-void sizeForLink(DaemonConfig* c, bool chunk_given, bool window_given) {
-  c->chunk_bytes = c->chunk_mib << 20;
-  c->window_bytes = c->window_mib << 20;
-  if (c->nic_gbps <= 0) return;
-  // A relay forwards a chunk once it has landed whole: each hop of a chain adds one chunk's time
-  // on the link to the sync. About 8 ms of it (the nearest power of two: 512 KiB at 0.5 Gbit/s,
-  // 1 MiB at 1, 8 MiB at 10, 64 MiB from 100 Gbit/s on; at least 64 KiB) keeps that small against
-  // a sync while the per-chunk costs stay negligible; a window of two chunks per peer keeps the
-  // link busy and lets each chunk land (and move on) in order.
-  const double bytes = c->nic_gbps * 1e9 / 8 * 0.008;
-  int64_t chunk = int64_t{64} << 10;
-  while (chunk < (int64_t{64} << 20) && static_cast<double>(chunk) * 1.4142 < bytes) chunk *= 2;
-  if (!chunk_given) c->chunk_bytes = chunk;
-  if (!window_given) c->window_bytes = 2 * c->chunk_bytes;
-}
-
-StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::string* output) {
-  DaemonConfig c;
-  char host[256] = {0};
-  if (::gethostname(host, sizeof(host) - 1) == 0) c.node = host;
-  CLI::App app{"shardcastd: the Shardcast per-node daemon (gRPC control plane, UCX data plane)"};
-  app.set_config("--config", "",
-                 "Read settings from an INI or TOML file (flag names as keys; unknown keys are an error)");
-  app.allow_config_extras(CLI::config_extras_mode::error);
-  app.set_version_flag("--version", std::string("shardcastd ") + kShardcastVersion);
+// Where this daemon serves and how it finds its peers.
+void addAddressFlags(CLI::App& app, DaemonConfig& c) {
   app.add_option("--node", c.node, "Node name of this daemon (layouts name nodes)")
       ->envname("SHARDCAST_NODE")
       ->capture_default_str();
@@ -102,6 +76,10 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
       ->delimiter(',');
   app.add_option("--peer-dns", c.peer_dns, "DNS name:port whose addresses are every daemon (a headless Service)")
       ->envname("SHARDCAST_PEER_DNS");
+}
+
+// The data plane: backend, UCX's settings, and what UCX and the transport may touch.
+void addTransportFlags(CLI::App& app, DaemonConfig& c) {
   app.add_option("--transport", c.transport, "Data plane backend")
       ->envname("SHARDCAST_TRANSPORT")
       ->check(CLI::IsMember({"ucx", "loopback"}))
@@ -138,6 +116,9 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
       ->envname("SHARDCAST_UCX_TCP_SEGMENT_KIB")
       ->check(CLI::Range(int64_t{0}, int64_t{64} << 10))
       ->capture_default_str();
+}
+
+void addLogFlags(CLI::App& app, DaemonConfig& c) {
   app.add_option("--log-level", c.log_level, "trace, debug, info, warn, error, critical, off")
       ->envname("SHARDCAST_LOG_LEVEL")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
@@ -148,6 +129,10 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
       ->envname("SHARDCAST_LOG_FORMAT")
       ->check(CLI::IsMember({"text", "json"}))
       ->capture_default_str();
+}
+
+// Calls between daemons: their deadline, folded Prepares, relays, silent peers.
+void addPeerFlags(CLI::App& app, DaemonConfig& c) {
   app.add_option("--peer-timeout-ms", c.peer_timeout_ms, "Deadline of calls between daemons")
       ->envname("SHARDCAST_PEER_TIMEOUT_MS")
       ->check(CLI::Range(1, 600000))
@@ -174,17 +159,28 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
       ->envname("SHARDCAST_PEER_LEASE_MS")
       ->check(CLI::Range(0, 86400000))
       ->capture_default_str();
-  auto* chunk_opt = app.add_option("--chunk-mib", c.chunk_mib,
-                                   "Large transfers travel in chunks of this size (pipelined along relays)")
-                        ->envname("SHARDCAST_CHUNK_MIB")
-                        ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
-                        ->capture_default_str();
+}
+
+// --chunk-mib and --window-mib, to tell given values from defaults (sizeForLink).
+struct SizeFlags {
+  CLI::Option* chunk = nullptr;
+  CLI::Option* window = nullptr;
+};
+
+// How large transfers travel, and the memory syncs and delta bases get.
+SizeFlags addTransferFlags(CLI::App& app, DaemonConfig& c) {
+  SizeFlags given;
+  given.chunk = app.add_option("--chunk-mib", c.chunk_mib,
+                               "Large transfers travel in chunks of this size (pipelined along relays)")
+                    ->envname("SHARDCAST_CHUNK_MIB")
+                    ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+                    ->capture_default_str();
   app.add_option("--staging-mib", c.staging_mib,
                  "Per-node memory for landing and staging a sync's transfers (bigger syncs run in waves)")
       ->envname("SHARDCAST_STAGING_MIB")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
       ->capture_default_str();
-  auto* window_opt =
+  given.window =
       app.add_option(
              "--window-mib", c.window_mib,
              "Bytes of writes in flight to each peer node (more chunks wait, so each lands early and relays start)")
@@ -209,6 +205,12 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
       ->envname("SHARDCAST_DELTA_DENSE_EVERY")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
       ->capture_default_str();
+  return given;
+}
+
+// The metrics endpoint, how long syncs and owners' groups are held, and the limits that keep the
+// service up under load.
+void addServiceFlags(CLI::App& app, DaemonConfig& c) {
   app.add_option("--metrics", c.metrics, "host:port of the Prometheus /metrics endpoint (empty: off)")
       ->envname("SHARDCAST_METRICS")
       ->capture_default_str();
@@ -265,6 +267,10 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
       ->envname("SHARDCAST_MAX_WAIT_MS")
       ->check(CLI::Range(int64_t{1000}, int64_t{std::numeric_limits<uint32_t>::max()}))
       ->capture_default_str();
+}
+
+// Who is authenticated, and what /metrics names.
+void addSecurityFlags(CLI::App& app, DaemonConfig& c) {
   app.add_flag("--metrics-names", c.metrics_names,
                "/metrics labels name groups, sources, replica sets and peer nodes (otherwise each is a hash of the "
                "name): the metrics port is plaintext and unauthenticated")
@@ -287,6 +293,10 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
                  "TCP clients may authenticate with this bearer token (first line of the file) instead of a client "
                  "certificate")
       ->envname("SHARDCAST_CLIENT_TOKEN_FILE");
+}
+
+// The largest layouts taken, and the GPUs tests emulate.
+void addLayoutAndTestFlags(CLI::App& app, DaemonConfig& c) {
   app.add_option("--max-layout-ranks", c.max_layout_ranks,
                  "Largest mesh a layout may have (ranks); bigger layouts are refused at registration")
       ->envname("SHARDCAST_MAX_LAYOUT_RANKS")
@@ -301,18 +311,11 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
                  "shared-memory segments named by emulated IPC handles; device copies run only when waited for)")
       ->check(CLI::Range(0, 64))
       ->capture_default_str();
-  bool print_config = false;
-  app.add_flag("--print-config", print_config, "Print the effective configuration and exit");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    std::ostringstream out, err;
-    *exit_code = app.exit(e, out, err) == 0 ? 0 : 2;
-    *output = out.str() + err.str();
-    return absl::InvalidArgumentError(*output);
-  }
+}
+
+// What the flags cannot check one by one: addresses, ranges, combinations, files.
+Status checkDaemonConfig(const DaemonConfig& c) {
   if (c.node.empty()) return absl::InvalidArgumentError("--node is empty and the hostname is unknown");
-  sizeForLink(&c, chunk_opt->count() > 0, window_opt->count() > 0);
   if (!c.listen.empty()) SC_RETURN_IF_ERROR(checkHostPort("--listen", c.listen));
   for (const auto& p : c.peers) SC_RETURN_IF_ERROR(checkHostPort("--peers entry", p));
   if (!c.peer_dns.empty()) SC_RETURN_IF_ERROR(checkHostPort("--peer-dns", c.peer_dns));
@@ -333,22 +336,79 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
         "(scripts/certs.sh mints them), or --insecure for plaintext on a trusted host, or --listen \"\" for one node");
   if (c.tls.enabled()) SC_RETURN_IF_ERROR(c.tls.check());
   if (!c.client_token_file.empty()) SC_RETURN_IF_ERROR(readToken(c.client_token_file).status());
-  if (c.transport == "ucx" && c.protocol == "put" && !c.insecure) {
-    const char* env = std::getenv("UCX_TLS");
-    const std::string tls = !c.ucx_tls.empty() ? c.ucx_tls : env ? env : "";
-    if (!transport::putIsBounded(tls))
-      return absl::InvalidArgumentError(
-          strCat("--protocol put over UCX_TLS=", tls.empty() ? "(UCX's default)" : tls,
-                 ": those transports cannot bound a peer's writes to the registered region (tcp, cma and shared memory "
-                 "emulate "
-                 "RMA): use --protocol auto (active messages there), name only rc/dc/cuda transports, or --insecure"));
+  // The backend judges its own settings: UCX refuses put over transports that cannot bound it
+  // unless --insecure (tcp, cma and shared memory emulate RMA).
+  if (Status st = transport::checkOptions(transportOptions(c)); !st.ok())
+    return Status(st.code(), strCat("--transport ", c.transport,
+                                    " with --ucx-tls, --protocol and --ucx-tcp-segment-kib: ", st.message()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void sizeForLink(DaemonConfig* c, bool chunk_given, bool window_given) {
+  c->chunk_bytes = c->chunk_mib << 20;
+  c->window_bytes = c->window_mib << 20;
+  if (c->nic_gbps <= 0) return;
+  // A relay forwards a chunk once it has landed whole: each hop of a chain adds one chunk's time
+  // on the link to the sync. About 8 ms of it (the nearest power of two: 512 KiB at 0.5 Gbit/s,
+  // 1 MiB at 1, 8 MiB at 10, 64 MiB from 100 Gbit/s on; at least 64 KiB) keeps that small against
+  // a sync while the per-chunk costs stay negligible; a window of two chunks per peer keeps the
+  // link busy and lets each chunk land (and move on) in order.
+  const double bytes = c->nic_gbps * 1e9 / 8 * 0.008;
+  int64_t chunk = int64_t{64} << 10;
+  while (chunk < (int64_t{64} << 20) && static_cast<double>(chunk) * 1.4142 < bytes) chunk *= 2;
+  if (!chunk_given) c->chunk_bytes = chunk;
+  if (!window_given) c->window_bytes = 2 * c->chunk_bytes;
+}
+
+StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::string* output) {
+  DaemonConfig c;
+  char host[256] = {0};
+  if (::gethostname(host, sizeof(host) - 1) == 0) c.node = host;
+  CLI::App app{"shardcastd: the Shardcast per-node daemon (gRPC control plane, UCX data plane)"};
+  app.set_config("--config", "",
+                 "Read settings from an INI or TOML file (flag names as keys; unknown keys are an error)");
+  app.allow_config_extras(CLI::config_extras_mode::error);
+  app.set_version_flag("--version", std::string("shardcastd ") + kShardcastVersion);
+  // In this order in --help.
+  addAddressFlags(app, c);
+  addTransportFlags(app, c);
+  addLogFlags(app, c);
+  addPeerFlags(app, c);
+  const SizeFlags sizes = addTransferFlags(app, c);
+  addServiceFlags(app, c);
+  addSecurityFlags(app, c);
+  addLayoutAndTestFlags(app, c);
+  bool print_config = false;
+  app.add_flag("--print-config", print_config, "Print the effective configuration and exit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::ostringstream out, err;
+    *exit_code = app.exit(e, out, err) == 0 ? 0 : 2;
+    *output = out.str() + err.str();
+    return absl::InvalidArgumentError(*output);
   }
+  SC_RETURN_IF_ERROR(checkDaemonConfig(c));
+  sizeForLink(&c, sizes.chunk->count() > 0, sizes.window->count() > 0);
   if (print_config) {
     *exit_code = 0;
     *output = c.describe() + "\n";
     return absl::CancelledError("printed the configuration");
   }
   return c;
+}
+
+transport::TransportOptions transportOptions(const DaemonConfig& c) {
+  transport::TransportOptions o;
+  o.backend = c.transport;
+  o.name = c.node;
+  o.bounded_writes_only = !c.insecure;
+  o.settings = {{"ucx.tls", c.ucx_tls},
+                {"ucx.protocol", c.protocol},
+                {"ucx.tcp_segment_bytes", std::to_string(c.ucx_tcp_segment_kib << 10)}};
+  return o;
 }
 
 }  // namespace shardcast::daemon

@@ -9,6 +9,7 @@
 #include "common/defaults.h"
 #include "common/status.h"
 #include "common/tls.h"
+#include "transport/transport.h"
 
 namespace shardcast::daemon {
 
@@ -92,5 +93,8 @@ struct DaemonConfig {
 // rate (nic_gbps > 0) sized for it, else the defaults.
 void sizeForLink(DaemonConfig* c, bool chunk_given, bool window_given);
 StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::string* output);
+// The data plane's options: the backend and its settings from the flags, and writes bounded to
+// what each target registered unless --insecure (checked by parseConfig: transport::checkOptions).
+transport::TransportOptions transportOptions(const DaemonConfig& c);
 
 }  // namespace shardcast::daemon

@@ -84,6 +84,8 @@ void raiseFileLimit() {
 // ends however it ends): a second daemon never deletes a live daemon's socket. Returns the held
 // descriptor, or -1 with `error` set.
 int lockSocket(const std::string& socket, std::string* error) {
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(socket).parent_path(), ec);
   const std::string path = socket + ".lock";
   // O_NOFOLLOW: a symlink planted there by someone who can write the directory is not followed.
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
@@ -106,99 +108,86 @@ int lockSocket(const std::string& socket, std::string* error) {
   return fd;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  // gRPC locks abseil mutexes on every call, and Debian's abseil keeps a lock-order graph for
-  // deadlock detection on each (GraphCycles: about 3% of 32 daemons' CPU in a control-plane
-  // profile). The daemon's own locks are std::mutex; nothing here relies on that check.
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+// SIGTERM and SIGINT, blocked in the calling thread before any other starts (so in every thread),
+// for waitForSignal.
+sigset_t blockStopSignals() {
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // before any thread starts
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  return signals;
+}
 
-  int exit_code = 0;
-  std::string output;
-  auto config = parseConfig(argc, argv, &exit_code, &output);
-  if (!config.ok()) {
-    if (!output.empty())
-      (exit_code == 0 ? std::cout : std::cerr) << output;
-    else
-      std::cerr << "shardcastd: " << config.status().message() << "\n";
-    return output.empty() ? 2 : exit_code;
-  }
-  if (auto st = setupLogging(config->log_level, config->log_format, config->node); !st.ok())
-    return fail(std::string(st.message()));
+// Where parseConfig ended the program: its output (help, version, the configuration) or usage
+// error, and the exit code.
+int endParse(const Status& status, int exit_code, const std::string& output) {
+  if (!output.empty())
+    (exit_code == 0 ? std::cout : std::cerr) << output;
+  else
+    std::cerr << "shardcastd: " << status.message() << "\n";
+  return output.empty() ? 2 : exit_code;
+}
+
+// Logging (gRPC's lines too), the open-file limit and the layout limits, from the configuration.
+Status applyProcessSettings(const DaemonConfig& config) {
+  SC_RETURN_IF_ERROR(setupLogging(config.log_level, config.log_format, config.node));
   gpr_set_log_function(grpcLog);
-  spdlog::info("shardcastd {} starting: {}", kShardcastVersion, config->describe());
+  spdlog::info("shardcastd {} starting: {}", kShardcastVersion, config.describe());
   raiseFileLimit();
   planner::Limits limits;
-  limits.max_ranks = config->max_layout_ranks;
-  limits.max_tensors = config->max_layout_tensors;
+  limits.max_ranks = config.max_layout_ranks;
+  limits.max_tensors = config.max_layout_tensors;
   planner::setLimits(limits);
-  int socket_lock = -1;
-  if (!config->socket.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(std::filesystem::path(config->socket).parent_path(), ec);
-    std::string error;
-    socket_lock = lockSocket(config->socket, &error);
-    if (socket_lock < 0) return fail(error);
-  }
+  return absl::OkStatus();
+}
 
-  // Before UCX's listeners exist: every connection they accept is checked (ucx_accept.cc).
-  {
-    std::vector<IpRange> allow_from;
-    for (const auto& text : config->ucx_allow_from) allow_from.push_back(*parseIpRange(text));  // checked
-    UcxAdmission::instance().configure(config->ucx_accept == "peers", std::move(allow_from));
-  }
-  transport::TransportOptions topts;
-  topts.backend = config->transport;
-  topts.name = config->node;
-  topts.ucx.tls = config->ucx_tls;
-  topts.ucx.protocol = *transport::parseProtocol(config->protocol);  // CLI11 checked the name
-  topts.ucx.tcp_segment_bytes = static_cast<size_t>(config->ucx_tcp_segment_kib) << 10;
-  topts.ucx.bounded_writes_only = !config->insecure;
-  auto transport = transport::createContext(topts);
-  if (!transport.ok()) return fail("transport: " + std::string(transport.status().message()));
+// The data plane, once UCX's admission check is configured: every connection its listeners
+// accept is checked (ucx_accept.cc).
+StatusOr<std::unique_ptr<transport::Context>> startTransport(const DaemonConfig& config) {
+  std::vector<IpRange> allow_from;
+  for (const auto& text : config.ucx_allow_from) allow_from.push_back(*parseIpRange(text));  // checked
+  UcxAdmission::instance().configure(config.ucx_accept == "peers", std::move(allow_from));
+  auto transport = transport::createContext(transportOptions(config));
+  if (!transport.ok())
+    return absl::Status(transport.status().code(), "transport: " + std::string(transport.status().message()));
   spdlog::info("data plane: {}", (*transport)->describe());
+  return transport;
+}
 
-  std::unique_ptr<transport::EmulatedGpus> emulated;
-  if (config->emulate_gpus > 0) {
-    emulated = std::make_unique<transport::EmulatedGpus>(config->emulate_gpus, /*abort_on_hazard=*/true);
-    spdlog::warn("GPUs: {} emulated in host memory (--emulate-gpus, for tests); this node's own are not used",
-                 config->emulate_gpus);
-  }
-  Registry registry(config->node, **transport, emulated ? *emulated : transport::cudaRuntime());
-  if (!config->socket.empty())  // only local callers own groups; the socket's lock is held
-    if (Status kept = registry.keepOwners(config->socket + ".owners", std::chrono::seconds(config->owner_grace_s));
-        !kept.ok())
-      return fail(std::string(kept.message()));
-  if (config->host_zero_copy != "auto") registry.setHostZeroCopy(config->host_zero_copy == "on");
-  if (config->host_zero_copy == "on" && !(*transport)->capabilities().host_faults_contained)
+// The groups local callers owned before a restart, and whether clients' segments go to the
+// transport itself (--host-zero-copy; on over a transport that cannot contain their faults warns).
+Status configureRegistry(Registry& registry, const DaemonConfig& config, const transport::Context& transport) {
+  if (!config.socket.empty())  // only local callers own groups; the socket's lock is held
+    SC_RETURN_IF_ERROR(registry.keepOwners(config.socket + ".owners", std::chrono::seconds(config.owner_grace_s)));
+  if (config.host_zero_copy != "auto") registry.setHostZeroCopy(config.host_zero_copy == "on");
+  if (config.host_zero_copy == "on" && !transport.capabilities().host_faults_contained)
     spdlog::warn(
         "--host-zero-copy on over {}: a client that truncates its shared-memory segment mid-sync aborts "
         "this daemon (docs/security.md)",
-        (*transport)->describe());
-  PeerSet peers(*config, registry.instance());
-  // Another daemon already serving this node name: refuse loudly rather than split the node.
+        transport.describe());
+  return absl::OkStatus();
+}
+
+// Another daemon already serving this node name: refuse loudly rather than split the node.
+Status checkNodeIsOurs(PeerSet& peers, const DaemonConfig& config) {
   if (auto views = peers.describeAll(); views.ok())
     for (const auto& v : *views)
-      if (v.described.ok() && v.described->node() == config->node)
-        return fail("another shardcastd (at " + v.address + ") already serves node \"" + config->node +
-                    "\": give every daemon its own --node");
+      if (v.described.ok() && v.described->node() == config.node)
+        return absl::AlreadyExistsError("another shardcastd (at " + v.address + ") already serves node \"" +
+                                        config.node + "\": give every daemon its own --node");
   peers.forgetSilence();  // peers starting with this one were not silent, only not up yet
-  Metrics metrics(config->metrics_names);
-  PeerLimits peer_limits;
-  peer_limits.max_lease = std::chrono::milliseconds(config->max_sync_lease_ms);
-  SyncEngine engine(config->node, registry, **transport, metrics, static_cast<uint64_t>(config->window_bytes), nullptr,
-                    static_cast<uint64_t>(config->delta_cache_mib) << 20, peer_limits);
+  return absl::OkStatus();
+}
+
+// What /metrics reads at each scrape.
+void connectMetrics(Metrics& metrics, const DaemonConfig& config, Registry& registry, SyncEngine& engine,
+                    PeerSet& peers) {
   metrics.registered_bytes = [&] { return registry.registeredBytes(); };
   metrics.registered_ranks = [&] { return static_cast<uint64_t>(registry.registeredRanks()); };
   metrics.plan_cache_hits = [&] { return engine.plans().hits(); };
   metrics.plan_cache_misses = [&] { return engine.plans().misses(); };
-  if (config->tls.enabled()) metrics.certificate_expiry = [&] { return certificateExpiry(config->tls.cert); };
+  if (config.tls.enabled()) metrics.certificate_expiry = [&] { return certificateExpiry(config.tls.cert); };
   metrics.groups = [&] {
     std::map<std::string, Metrics::GroupFigures> out;
     for (const auto& g : registry.groups()) {
@@ -218,38 +207,38 @@ int main(int argc, char** argv) {
     for (const auto& [state, n] : registry.stateCounts()) out[std::string(v1::rankStateName(state))] = n;
     return out;
   };
-  std::unique_ptr<MetricsServer> metrics_server;
-  if (!config->metrics.empty()) {
-    const auto colon = config->metrics.rfind(':');
-    auto m =
-        MetricsServer::start(config->metrics.substr(0, colon), std::stoi(config->metrics.substr(colon + 1)), metrics);
-    if (!m.ok()) return fail(std::string(m.status().message()));
-    metrics_server = std::move(*m);
-  }
-  std::unique_ptr<LocalListener> local;
-  std::unique_ptr<FdChannel> fd_channel;  // descriptors of cuMem allocations, beside the socket
-  if (!config->socket.empty()) {
-    auto l = LocalListener::bind(config->socket, config->max_local_connections_per_uid);
-    if (!l.ok()) return fail(std::string(l.status().message()));
-    local = std::move(*l);
-    auto f = FdChannel::bind(fdChannelPath(config->socket), registry.handedFds());
-    if (!f.ok()) return fail(std::string(f.status().message()));
-    fd_channel = std::move(*f);
-  }
-  std::string token;
-  if (!config->client_token_file.empty()) {
-    auto t = readToken(config->client_token_file);
-    if (!t.ok()) return fail(std::string(t.status().message()));
-    token = std::move(*t);
-  }
-  const AccessPolicy access(config->insecure, token, local.get());
-  ProgressBoard progress;
-  ShardcastService shardcast(*config, access, registry, peers, engine, metrics, progress, (*transport)->describe());
-  PeerService peer(access, registry, peers, engine, progress);
+}
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
+// The /metrics endpoint; null with --metrics "".
+StatusOr<std::unique_ptr<MetricsServer>> startMetricsServer(const DaemonConfig& config, const Metrics& metrics) {
+  if (config.metrics.empty()) return std::unique_ptr<MetricsServer>();
+  const auto colon = config.metrics.rfind(':');
+  return MetricsServer::start(config.metrics.substr(0, colon), std::stoi(config.metrics.substr(colon + 1)), metrics);
+}
+
+// The Unix socket for local clients and, beside it, the channel for descriptors of cuMem
+// allocations; both null with --socket "".
+struct LocalEndpoints {
+  std::unique_ptr<LocalListener> listener;
+  std::unique_ptr<FdChannel> fd_channel;
+};
+
+StatusOr<LocalEndpoints> bindLocal(const DaemonConfig& config, Registry& registry) {
+  LocalEndpoints local;
+  if (config.socket.empty()) return local;
+  SC_ASSIGN_OR_RETURN(local.listener, LocalListener::bind(config.socket, config.max_local_connections_per_uid));
+  SC_ASSIGN_OR_RETURN(local.fd_channel, FdChannel::bind(fdChannelPath(config.socket), registry.handedFds()));
+  return local;
+}
+
+// The bearer token TCP clients may authenticate with ("" without --client-token-file).
+StatusOr<std::string> clientToken(const DaemonConfig& config) {
+  if (config.client_token_file.empty()) return std::string();
+  return readToken(config.client_token_file);
+}
+
+// Message sizes, connection timeouts and the memory quota of every gRPC connection.
+void limitServer(grpc::ServerBuilder& builder, const DaemonConfig& config) {
   // Requests: the largest legal one is a Prepare with two layouts (a Register has one, plus its
   // handles), read before any handler checks who sent it: no more than that. Replies: a Describe
   // of every group's layout and every rank's buffers (planner::Limits::max_describe_bytes).
@@ -260,66 +249,135 @@ int main(int argc, char** argv) {
   // is 120 s: 2,000 silent connections took a daemon off its peers), and one idle for 10 minutes
   // too (clients and peers reconnect by themselves). Every connection's buffers come out of one
   // memory quota, so that concurrent huge requests cannot take the daemon's memory
-  // (docs/security.md, "Limits").
+  // (docs/security.md, "Limits"). The builder holds its own reference to the quota.
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, static_cast<int>(kHandshakeTimeout.count()));
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 600000);
   grpc::ResourceQuota quota("shardcastd");
-  quota.Resize(static_cast<size_t>(config->grpc_memory_mib) << 20);
+  quota.Resize(static_cast<size_t>(config.grpc_memory_mib) << 20);
   builder.SetResourceQuota(quota);
-  std::unique_ptr<TcpListener> tcp;
-  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> tcp_acceptor;
-  if (!config->listen.empty()) {
-    if (config->insecure)
-      spdlog::warn(
-          "--insecure: {} is PLAINTEXT and unauthenticated: anyone who reaches it can register memory, read "
-          "and write weights and commit versions; use only on one trusted host",
-          config->listen);
-    auto l =
-        TcpListener::bind(config->listen, config->max_connections_per_address, config->max_handshaking_connections);
-    if (!l.ok()) return fail(std::string(l.status().message()));
-    tcp = std::move(*l);
-    tcp_acceptor = builder.experimental().AddExternalConnectionAcceptor(
-        grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
-        config->insecure ? grpc::InsecureServerCredentials()
-                         : serverCredentials(config->tls, /*require_client_cert=*/token.empty()));
-  }
-  const int tcp_port = tcp ? tcp->port() : 0;
-  builder.RegisterService(&shardcast);
-  builder.RegisterService(&peer);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server) return fail("cannot serve on " + config->listen);
-  if (tcp) tcp->serve(std::move(tcp_acceptor));
-  if (local) local->serve(server.get());
-  if (fd_channel) fd_channel->serve();
-  metrics.serving = true;
-  if (config->tls.enabled())
-    spdlog::info("mutual TLS: certificate {}, CA {} (re-read every {} s); TCP clients need a certificate of the CA{}",
-                 config->tls.cert, config->tls.ca, config->tls.reload_s, token.empty() ? "" : " or the bearer token");
-  spdlog::info("serving node \"{}\" on {}{}", config->node, config->listen.empty() ? "" : config->listen + " ",
-               config->socket.empty() ? "" : "unix:" + config->socket);
-  // Stdout line for supervisors and tests: the daemon is ready.
-  std::cout << "shardcastd ready node=" << config->node << " port=" << tcp_port
-            << " metrics_port=" << (metrics_server ? metrics_server->port() : 0) << std::endl;
+}
 
-  const int sig = waitForSignal(signals);
-  const auto grace = std::chrono::milliseconds(config->shutdown_grace_ms);
-  spdlog::info("signal {} received: shutting down (grace {} ms)", sig, grace.count());
-  // Bounded: whatever still runs after the grace period (a call to a stopped peer, a transport
-  // close that cannot flush) is abandoned and the process exits.
-  std::thread([grace, socket = config->socket] {
+// The TCP listener (--listen) and the acceptor it hands connections to, with mutual TLS (or a
+// bearer token instead of a client certificate) or, --insecure, plaintext; both null without it.
+struct TcpEndpoint {
+  std::unique_ptr<TcpListener> listener;
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor;
+};
+
+StatusOr<TcpEndpoint> bindTcp(grpc::ServerBuilder& builder, const DaemonConfig& config, bool has_token) {
+  TcpEndpoint tcp;
+  if (config.listen.empty()) return tcp;
+  if (config.insecure)
+    spdlog::warn(
+        "--insecure: {} is PLAINTEXT and unauthenticated: anyone who reaches it can register memory, read "
+        "and write weights and commit versions; use only on one trusted host",
+        config.listen);
+  SC_ASSIGN_OR_RETURN(tcp.listener, TcpListener::bind(config.listen, config.max_connections_per_address,
+                                                      config.max_handshaking_connections));
+  tcp.acceptor = builder.experimental().AddExternalConnectionAcceptor(
+      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
+      config.insecure ? grpc::InsecureServerCredentials()
+                      : serverCredentials(config.tls, /*require_client_cert=*/!has_token));
+  return tcp;
+}
+
+// The start-up log lines, and the stdout line supervisors and tests wait for: the daemon is ready.
+void announceReady(const DaemonConfig& config, bool has_token, int tcp_port, int metrics_port) {
+  if (config.tls.enabled())
+    spdlog::info("mutual TLS: certificate {}, CA {} (re-read every {} s); TCP clients need a certificate of the CA{}",
+                 config.tls.cert, config.tls.ca, config.tls.reload_s, has_token ? " or the bearer token" : "");
+  spdlog::info("serving node \"{}\" on {}{}", config.node, config.listen.empty() ? "" : config.listen + " ",
+               config.socket.empty() ? "" : "unix:" + config.socket);
+  std::cout << "shardcastd ready node=" << config.node << " port=" << tcp_port << " metrics_port=" << metrics_port
+            << std::endl;
+}
+
+// Bounds the shutdown: whatever still runs after the grace period (a call to a stopped peer, a
+// transport close that cannot flush) is abandoned and the process exits.
+void exitAfterGrace(std::chrono::milliseconds grace, const std::string& socket) {
+  std::thread([grace, socket] {
     std::this_thread::sleep_for(grace + std::chrono::seconds(2));
     spdlog::error("shutdown took longer than the grace period: exiting now");
     spdlog::default_logger()->flush();
     if (!socket.empty()) ::unlink(socket.c_str());
     ::_exit(1);
   }).detach();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // gRPC locks abseil mutexes on every call, and Debian's abseil keeps a lock-order graph for
+  // deadlock detection on each (GraphCycles: about 3% of 32 daemons' CPU in a control-plane
+  // profile). The daemon's own locks are std::mutex; nothing here relies on that check.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  const sigset_t signals = blockStopSignals();
+  int exit_code = 0;
+  std::string output;
+  auto config = parseConfig(argc, argv, &exit_code, &output);
+  if (!config.ok()) return endParse(config.status(), exit_code, output);
+  if (Status st = applyProcessSettings(*config); !st.ok()) return fail(std::string(st.message()));
+  std::string error;
+  const int socket_lock = config->socket.empty() ? -1 : lockSocket(config->socket, &error);
+  if (!error.empty()) return fail(error);
+  auto transport = startTransport(*config);
+  if (!transport.ok()) return fail(std::string(transport.status().message()));
+
+  std::unique_ptr<transport::EmulatedGpus> emulated;
+  if (config->emulate_gpus > 0) {
+    emulated = std::make_unique<transport::EmulatedGpus>(config->emulate_gpus, /*abort_on_hazard=*/true);
+    spdlog::warn("GPUs: {} emulated in host memory (--emulate-gpus, for tests); this node's own are not used",
+                 config->emulate_gpus);
+  }
+  Registry registry(config->node, **transport, emulated ? *emulated : transport::cudaRuntime());
+  if (Status st = configureRegistry(registry, *config, **transport); !st.ok()) return fail(std::string(st.message()));
+  PeerSet peers(*config, registry.instance());
+  if (Status st = checkNodeIsOurs(peers, *config); !st.ok()) return fail(std::string(st.message()));
+  Metrics metrics(config->metrics_names);
+  PeerLimits peer_limits;
+  peer_limits.max_lease = std::chrono::milliseconds(config->max_sync_lease_ms);
+  SyncEngine engine(config->node, registry, **transport, metrics, static_cast<uint64_t>(config->window_bytes), nullptr,
+                    static_cast<uint64_t>(config->delta_cache_mib) << 20, peer_limits);
+  connectMetrics(metrics, *config, registry, engine, peers);
+  auto metrics_server = startMetricsServer(*config, metrics);
+  if (!metrics_server.ok()) return fail(std::string(metrics_server.status().message()));
+  auto local = bindLocal(*config, registry);
+  if (!local.ok()) return fail(std::string(local.status().message()));
+  auto token = clientToken(*config);
+  if (!token.ok()) return fail(std::string(token.status().message()));
+  const AccessPolicy access(config->insecure, *token, local->listener.get());
+  ProgressBoard progress;
+  ShardcastService shardcast(*config, access, registry, peers, engine, metrics, progress, (*transport)->describe());
+  PeerService peer(access, registry, peers, engine, progress);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  limitServer(builder, *config);
+  auto tcp = bindTcp(builder, *config, !token->empty());
+  if (!tcp.ok()) return fail(std::string(tcp.status().message()));
+  builder.RegisterService(&shardcast);
+  builder.RegisterService(&peer);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) return fail("cannot serve on " + config->listen);
+  if (tcp->listener) tcp->listener->serve(std::move(tcp->acceptor));
+  if (local->listener) local->listener->serve(server.get());
+  if (local->fd_channel) local->fd_channel->serve();
+  metrics.serving = true;
+  announceReady(*config, !token->empty(), tcp->listener ? tcp->listener->port() : 0,
+                *metrics_server ? (*metrics_server)->port() : 0);
+
+  const int sig = waitForSignal(signals);
+  const auto grace = std::chrono::milliseconds(config->shutdown_grace_ms);
+  spdlog::info("signal {} received: shutting down (grace {} ms)", sig, grace.count());
+  exitAfterGrace(grace, config->socket);
   metrics.serving = false;
   shardcast.stop();     // session streams end (their clients re-register with the next daemon)
   registry.shutdown();  // waiting acquires and version waits return
   engine.abortAll("the daemon is shutting down");
-  if (local) local->stop();
-  fd_channel.reset();  // stops, and removes its socket file
-  if (tcp) tcp->stop();
+  if (local->listener) local->listener->stop();
+  local->fd_channel.reset();  // stops, and removes its socket file
+  if (tcp->listener) tcp->listener->stop();
   server->Shutdown(std::chrono::system_clock::now() + grace);
   if (!config->socket.empty()) ::unlink(config->socket.c_str());
   server.reset();

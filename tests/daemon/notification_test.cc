@@ -109,7 +109,7 @@ TEST_CASE("a daemon fed lying notifications fails the sync and stays up", "[daem
   // An impostor on the data plane: garbage, another attempt's notification, then one that lies.
   transport::TransportOptions opts;
   opts.name = "impostor";
-  opts.ucx.tls = "tcp";
+  opts.settings["ucx.tls"] = "tcp";
   auto ctx_or = transport::createContext(opts);
   REQUIRE(ctx_or.ok());
   auto ep = (*ctx_or)->connect(described.transport_address(), "n1");

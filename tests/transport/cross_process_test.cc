@@ -88,7 +88,7 @@ TEST_CASE("a peer killed mid-transfer fails in-flight writes with a clear error,
     std::promise<Status> later;
     TransportOptions o;
     o.name = "killer";
-    o.ucx.tls = tls;
+    o.settings["ucx.tls"] = tls;
     o.op_timeout = std::chrono::milliseconds(3000);
     auto ctx = createContext(o);
     REQUIRE(ctx.ok());

@@ -44,13 +44,11 @@ int main(int argc, char** argv) {
   const std::string role = argv[1];
   TransportOptions opts;
   opts.name = role == "recv" ? "peer-recv" : "peer-send";
-  opts.ucx.tls = arg(argc, argv, "--tls");
-  auto protocol = transport::parseProtocol(arg(argc, argv, "--protocol", "auto"));
-  if (!protocol.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(protocol.status().message()).c_str());
+  opts.settings = {{"ucx.tls", arg(argc, argv, "--tls")}, {"ucx.protocol", arg(argc, argv, "--protocol", "auto")}};
+  if (const Status checked = checkOptions(opts); !checked.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(checked.message()).c_str());
     return 2;
   }
-  opts.ucx.protocol = *protocol;
   const size_t size = std::stoull(arg(argc, argv, "--size", "1048576"));
   auto ctx = createContext(opts);
   if (!ctx.ok()) return fail(ctx.status());

@@ -195,7 +195,7 @@ struct RawUcxPeer {
 TEST_CASE("a context writing by active messages answers no raw UCX put or get: nothing lands, nothing leaks",
           "[transport][security]") {
   TransportOptions o;
-  o.ucx.tls = "tcp";  // auto: active messages (the daemon's choice over TCP)
+  o.settings["ucx.tls"] = "tcp";  // auto: active messages (the daemon's choice over TCP)
   o.name = "victim";
   auto victim = createContext(o);
   REQUIRE(victim.ok());
@@ -349,7 +349,7 @@ bool settle(RawAmPeer& peer, F& f) {
 TEST_CASE("acks without the write's key, guessed operations and replayed acks neither fail nor finish a write",
           "[transport][security]") {
   TransportOptions o;
-  o.ucx.tls = "tcp";
+  o.settings["ucx.tls"] = "tcp";
   o.name = "sender";
   auto sender = createContext(o);
   REQUIRE(sender.ok());
@@ -409,7 +409,7 @@ TEST_CASE("acks without the write's key, guessed operations and replayed acks ne
 
 TEST_CASE("a flood of active messages nothing handles costs a bounded number of log lines", "[transport][security]") {
   TransportOptions o;
-  o.ucx.tls = "tcp";
+  o.settings["ucx.tls"] = "tcp";
   o.name = "victim";
   auto victim = createContext(o);
   REQUIRE(victim.ok());

@@ -166,11 +166,8 @@ class LoopbackContext final : public Context {
   }
   std::string address() const override { return address_; }
   bool canAccess(MemoryKind kind) const override { return kind == MemoryKind::kHost; }
-  Capabilities capabilities() const override {
-    Capabilities c;
-    c.detects_peer_failure = true;  // a context that is gone is not found: writes to it fail at once
-    return c;
-  }
+  // The target checks every write, and every access is a memcpy of this process.
+  Capabilities capabilities() const override { return Capabilities{}; }
 
   StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) override {
     if (kind != MemoryKind::kHost)
@@ -226,6 +223,14 @@ class LoopbackContext final : public Context {
 };
 
 }  // namespace
+
+Status checkLoopbackOptions(const TransportOptions& options) {
+  const auto own = settingsOf(options, "loopback");
+  if (!own.empty())
+    return absl::InvalidArgumentError(
+        strCat("unknown transport setting ", quote("loopback." + own.begin()->first), " (the loopback has none)"));
+  return absl::OkStatus();
+}
 
 StatusOr<std::unique_ptr<Context>> createLoopbackContext(const TransportOptions& options) {
   return std::unique_ptr<Context>(std::make_unique<LoopbackContext>(options));

@@ -9,6 +9,9 @@
 
 namespace shardcast::transport {
 
+// The loopback has no settings of its own: any "loopback." one is INVALID_ARGUMENT. Its writes are
+// always bounded (bounded_writes_only holds whatever the options).
+Status checkLoopbackOptions(const TransportOptions& options);
 StatusOr<std::unique_ptr<Context>> createLoopbackContext(const TransportOptions& options);
 
 }  // namespace shardcast::transport

@@ -27,6 +27,7 @@
 #include "common/strings.h"
 #include "transport/region_table.h"
 #include "transport/task_queue.h"
+#include "transport/ucx/ucx_options.h"
 #include "transport/ucx/wire.h"
 
 namespace shardcast::transport {
@@ -256,7 +257,6 @@ class UcxEngine {
 
   const TransportOptions& options() const { return options_; }
   Protocol protocol() const { return protocol_; }
-  bool peerFailure() const { return peer_failure_; }
   const std::string& address() const { return address_; }
   std::shared_ptr<UcxCore> core() const { return core_; }
   std::shared_ptr<RegionTable> regions() const { return regions_; }
@@ -1032,11 +1032,8 @@ class UcxContext final : public Context {
   bool canAccess(MemoryKind kind) const override { return kind == MemoryKind::kHost || cuda_; }
   Capabilities capabilities() const override {
     Capabilities c;
-    c.cuda_memory = cuda_;
-    c.max_notify_bytes = kMaxNotifyBytes;
-    c.detects_peer_failure = engine_->peerFailure();
-    c.bounded_writes = engine_->protocol() == Protocol::kAm || putIsBounded(tls_);
-    c.host_faults_contained = putIsBounded(tls_);  // only hardware transports (and self) in the set
+    c.target_checks_writes = engine_->protocol() == Protocol::kAm;  // a put lands by remote key
+    c.host_faults_contained = putIsBounded(tls_);                   // only hardware transports (and self) in the set
     return c;
   }
 
@@ -1130,116 +1127,41 @@ class UcxContext final : public Context {
 
 }  // namespace
 
-namespace {
-
-// A UCX_TLS value: its transport names, and whether it lists the ones to leave out ("^a,b").
-struct TlsList {
-  std::vector<std::string> items;
-  bool exclude = false;
-  bool empty() const { return items.empty(); }  // UCX's default: every transport
-  bool names(const std::string& t) const { return std::find(items.begin(), items.end(), t) != items.end(); }
-};
-
-TlsList parseTls(const std::string& tls) {
-  TlsList l;
-  l.exclude = !tls.empty() && tls[0] == '^';
-  std::stringstream ss(l.exclude ? tls.substr(1) : tls);
-  std::string item;
-  while (std::getline(ss, item, ','))
-    if (!item.empty()) l.items.push_back(item);
-  return l;
-}
-
-// True when the UCX_TLS list can reach another host (then peer-failure handling is available);
-// UCX 1.13's shared-memory transports have none and refuse PEER error handling.
-bool hasNetworkTransport(const std::string& tls) {
-  const TlsList l = parseTls(tls);
-  if (l.empty() || l.exclude) return true;
-  for (const auto& item : l.items)
-    if (item != "self" && item != "posix" && item != "sysv" && item != "cma" && item != "sm" && item != "shm" &&
-        item != "mm" && item != "knem" && item != "xpmem")
-      return true;
-  return false;
-}
-
-// True when the UCX_TLS list lets UCX use TCP (an exclusion list unless it names tcp).
-bool mayUseTcp(const std::string& tls) {
-  const TlsList l = parseTls(tls);
-  const bool named = l.names("tcp") || l.names("all");
-  return l.empty() || (l.exclude ? !named : named);
-}
-
-}  // namespace
-
-bool putIsBounded(const std::string& tls) {
-  const TlsList l = parseTls(tls);
-  if (l.empty() || l.exclude) return false;  // UCX's default set includes tcp and cma
-  for (const auto& item : l.items) {
-    // Reliable-connected and dynamically-connected verbs do RDMA in the NIC, bounded by the remote
-    // key; UD has no RDMA (UCX emulates put over it), and "ib" would let UCX pick UD.
-    const bool hardware = item.rfind("rc", 0) == 0 || item.rfind("dc", 0) == 0 || item.rfind("cuda", 0) == 0 ||
-                          item == "gdr_copy" || item == "self";
-    if (!hardware) return false;
-  }
-  return true;
-}
-
-Protocol autoProtocolFor(const std::string& tls) {
-  const TlsList l = parseTls(tls);
-  if (l.empty() || l.exclude || !l.names("tcp")) return Protocol::kPut;
-  for (const auto& item : l.items)
-    if (item != "tcp" && item != "self") return Protocol::kPut;
-  return Protocol::kAm;
-}
-
 StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& options) {
   static std::once_flag log_routed;
   std::call_once(log_routed, [] { ucs_log_push_handler(&ucxLogLine); });
-  std::string tls = options.ucx.tls;
-  if (tls.empty()) {
-    const char* env = std::getenv("UCX_TLS");
-    if (env) tls = env;
-  }
-  ucp_config_t* config = nullptr;
-  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
-  if (st != UCS_OK) return statusFromUcs("ucp_config_read", st);
-  if (!options.ucx.tls.empty()) {
-    st = ucp_config_modify(config, "TLS", options.ucx.tls.c_str());
-    if (st != UCS_OK) {
-      ucp_config_release(config);
-      return absl::InvalidArgumentError(ucxError(strCat("UCX transports \"", options.ucx.tls, "\""), st));
-    }
-  }
-  std::string tcp_segment = mayUseTcp(tls) ? "64K" : "";  // UCX 1.13's default; none without tcp
-  if (const char* env = std::getenv("UCX_TCP_RX_SEG_SIZE")) {
-    tcp_segment = env;
-  } else if (options.ucx.tcp_segment_bytes > 0 && mayUseTcp(tls)) {
-    // A transport-level key (the tcp interface's RX_SEG_SIZE), which UCX applies to the interfaces
-    // that have it; only set where tcp may be used, or UCX warns that no interface took it.
-    const size_t b = options.ucx.tcp_segment_bytes;  // in UCX's size syntax, e.g. "1M"
-    tcp_segment = b % (1 << 20) == 0 ? strCat(b >> 20, "M") : b % 1024 == 0 ? strCat(b >> 10, "K") : std::to_string(b);
-    st = ucp_config_modify(config, "RX_SEG_SIZE", tcp_segment.c_str());
-    if (st != UCS_OK) {
-      ucp_config_release(config);
-      return absl::InvalidArgumentError(ucxError(strCat("UCX TCP segment size ", options.ucx.tcp_segment_bytes), st));
-    }
-  }
   // The protocol first: it decides whether this context serves RMA at all. UCX answers the RMA
   // requests of any peer (a put lands, a get is answered, at whatever address the request names)
   // whenever the feature is on, emulated in software over tcp, cma and shared memory: so the
   // feature is requested only for put, which runs only over hardware that bounds it (or
   // --insecure). Active-message writes land through onData, which checks every key and range.
-  Protocol protocol = options.ucx.protocol;
-  if (protocol == Protocol::kAuto) protocol = autoProtocolFor(tls);
-  if (options.ucx.bounded_writes_only && protocol == Protocol::kPut && !putIsBounded(tls)) {
-    if (options.ucx.protocol == Protocol::kPut) {
+  SC_ASSIGN_OR_RETURN(const ResolvedUcxOptions resolved, resolveUcxOptions(options));
+  const UcxOptions& ucx = resolved.options;
+  const std::string& tls = resolved.tls;
+  const Protocol protocol = resolved.protocol;
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) return statusFromUcs("ucp_config_read", st);
+  if (!ucx.tls.empty()) {
+    st = ucp_config_modify(config, "TLS", ucx.tls.c_str());
+    if (st != UCS_OK) {
       ucp_config_release(config);
-      return absl::InvalidArgumentError(
-          strCat("protocol put over UCX_TLS=", tls.empty() ? "(default)" : tls,
-                 ": these transports cannot bound a peer's writes to the registered region (tcp, cma and shared memory "
-                 "emulate RMA); use am, or rc/dc verbs, or accept it explicitly (shardcastd --insecure)"));
+      return absl::InvalidArgumentError(ucxError(strCat("UCX transports \"", ucx.tls, "\""), st));
     }
-    protocol = Protocol::kAm;
+  }
+  std::string tcp_segment = mayUseTcp(tls) ? "64K" : "";  // UCX 1.13's default; none without tcp
+  if (const char* env = std::getenv("UCX_TCP_RX_SEG_SIZE")) {
+    tcp_segment = env;
+  } else if (ucx.tcp_segment_bytes > 0 && mayUseTcp(tls)) {
+    // A transport-level key (the tcp interface's RX_SEG_SIZE), which UCX applies to the interfaces
+    // that have it; only set where tcp may be used, or UCX warns that no interface took it.
+    const size_t b = ucx.tcp_segment_bytes;  // in UCX's size syntax, e.g. "1M"
+    tcp_segment = b % (1 << 20) == 0 ? strCat(b >> 20, "M") : b % 1024 == 0 ? strCat(b >> 10, "K") : std::to_string(b);
+    st = ucp_config_modify(config, "RX_SEG_SIZE", tcp_segment.c_str());
+    if (st != UCS_OK) {
+      ucp_config_release(config);
+      return absl::InvalidArgumentError(ucxError(strCat("UCX TCP segment size ", ucx.tcp_segment_bytes), st));
+    }
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
