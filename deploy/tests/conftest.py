@@ -136,6 +136,41 @@ def by_kind(objects: List[dict], kind: str) -> Dict[str, dict]:
 DAEMONSET_EXAMPLES: Tuple[str, ...] = ("trainer-job.yaml", "inference-deployment.yaml", "rollout-replicas.yaml")
 
 
+#: The example that creates the workloads' namespace; every other example's objects live in it.
+EXAMPLES_NAMESPACE = "00-namespace.yaml"
+
+
+def example_files() -> List[str]:
+    return sorted(p.name for p in (K8S / "examples").glob("*.yaml"))
+
+
+@functools.lru_cache(maxsize=None)
+def _rendered_with_examples(name: str) -> List[dict]:
+    directory = deployment_dir(name)
+    scratch = Path(tempfile.mkdtemp(prefix="shardcast-examples-"))
+    atexit.register(shutil.rmtree, scratch, True)
+    for f in example_files():  # kustomize reads files only from inside the kustomization's directory
+        shutil.copy(K8S / "examples" / f, scratch / f)
+    listed = "".join(f"  - {f}\n" for f in example_files())
+    (scratch / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {os.path.relpath(directory, scratch)}\n{listed}")
+    return render(scratch)
+
+
+def render_with_examples(name: str) -> List[dict]:
+    """A deployment of DEPLOYMENTS and every workload example in one kustomization, as one cluster
+    holds them: what `kubectl kustomize` renders (a copy: callers may edit it)."""
+    return copy.deepcopy(_rendered_with_examples(name))
+
+
+def workload_pods(objects: List[dict]) -> Dict[str, Tuple[dict, dict]]:
+    """{"Kind/name": (object, pod spec)} of the objects with a pod template, the daemons' DaemonSet
+    left out: the workloads."""
+    return {f"{o['kind']}/{o['metadata']['name']}": (o, o["spec"]["template"]["spec"]) for o in objects
+            if "template" in o.get("spec", {}) and not (o["kind"] == "DaemonSet" and o["metadata"]["name"] == "shardcastd")}
+
+
 def example_pods(name: str) -> Dict[str, dict]:
     """{object name: pod spec} of the workloads (objects with a pod template) in an example file;
     the Services beside them are left out."""

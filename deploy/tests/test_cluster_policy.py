@@ -1,5 +1,6 @@
 """What the cluster is asked to allow, and what it gives back: the Pod Security level of the
-daemons' namespace and exactly which baseline controls each pod we ship goes beyond, the
+daemons' namespace and of the workloads' (examples/00-namespace.yaml), exactly which baseline
+controls each pod we ship goes beyond, the
 PriorityClass and PodDisruptionBudget of the daemons, and the host firewall that replaces the
 NetworkPolicy under hostNetwork."""
 
@@ -11,8 +12,8 @@ from typing import Set
 import pytest
 import yaml
 
-from conftest import (DAEMONSET_EXAMPLES, DEPLOYMENTS, K8S, ROOT, by_kind, components_of, daemonset_pod,
-                      example_pods, render_deployment)
+from conftest import (DAEMONSET_EXAMPLES, DEPLOYMENTS, EXAMPLES_NAMESPACE, K8S, ROOT, by_kind, components_of,
+                      daemonset_pod, example_pods, render_deployment, render_with_examples, workload_pods)
 
 #: Capabilities the baseline Pod Security Standard lets a container add; anything else is beyond it.
 BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
@@ -78,6 +79,28 @@ def test_workload_pods_go_beyond_baseline_only_where_documented():
     sidecar = by_kind(list(yaml.safe_load_all((K8S / "examples" / "native-sidecar.yaml").read_text())), "Job")
     assert beyond_baseline(sidecar["rl-trainer-sidecar"]["spec"]["template"]["spec"]) == {"capability IPC_LOCK"}
     assert "native sidecar" in pod_security_section()
+
+
+@pytest.mark.parametrize("where", DEPLOYMENTS)
+def test_the_workloads_namespace_admits_them(kubectl, where):
+    """Every workload example goes beyond baseline (hostIPC and host directories, or a sidecar's
+    IPC_LOCK), so the namespace the examples run in, created by examples/00-namespace.yaml, enforces
+    privileged; audit and warn stay at baseline, as for the daemons' namespace."""
+    objects = render_with_examples(where)
+    [workloads] = yaml.safe_load_all((K8S / "examples" / EXAMPLES_NAMESPACE).read_text())
+    name = workloads["metadata"]["name"]
+    namespaces = by_kind(objects, "Namespace")
+    assert set(namespaces) == {"shardcast", name}
+    labels = namespaces[name]["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert labels["pod-security.kubernetes.io/audit"] == "baseline"
+    assert labels["pod-security.kubernetes.io/warn"] == "baseline"
+    pods = workload_pods(objects)
+    assert len(pods) >= 5 and all(beyond_baseline(pod) for _, pod in pods.values())
+    for path in sorted((K8S / "examples").glob("*.yaml")):
+        for o in yaml.safe_load_all(path.read_text()):
+            if o["kind"] != "Namespace":
+                assert o["metadata"]["namespace"] == name, f"{path.name}: {o['kind']} {o['metadata']['name']}"
 
 
 @pytest.mark.parametrize("where", DEPLOYMENTS)

@@ -3,13 +3,16 @@ base in every combination docs/deploy.md offers: each renders with the real `kub
 validates against Kubernetes' schemas (and the CRDs' fields we use), has each of its components'
 effects and no other's, and does not depend on the order the components are listed in; the two
 monitoring components refuse to be listed together. The rdma component writes by RMA put over
-transports that bound it."""
+transports that bound it, the CUDA ones too with the gpu component; the kustomizations
+docs/deploy.md shows render as shown."""
 
 from __future__ import annotations
 
 import math
 import os
 import re
+import textwrap
+from pathlib import Path
 from typing import List, Set
 
 import pytest
@@ -86,8 +89,12 @@ def effects(objects: List[dict]) -> Set[str]:
         assert env["UCX_NET_DEVICES"] and env["UCX_IB_GID_INDEX"]
         assert env["SHARDCAST_PROTOCOL"] == "put"
         # No tcp, shared memory or ud (the daemon's own check: test_rdma_writes_by_put_...).
-        assert all(t.startswith(("rc", "dc", "cuda")) or t in ("gdr_copy", "self")
-                   for t in env["SHARDCAST_UCX_TLS"].split(","))
+        transports = env["SHARDCAST_UCX_TLS"].split(",")
+        assert all(t.startswith(("rc", "dc", "cuda")) or t in ("gdr_copy", "self") for t in transports)
+        # GPUDirect RDMA with the gpu component, whichever of the two is listed first; no CUDA
+        # transport in the plain image's daemon.
+        cuda = {"cuda_copy", "cuda_ipc", "gdr_copy"}
+        assert cuda & set(transports) == (cuda if "gpu" in found else set()), transports
         found.add("rdma")
     else:
         assert RDMA_RESOURCE not in daemon["resources"].get("limits", {})
@@ -151,8 +158,8 @@ def test_the_order_of_the_components_does_not_matter(kubectl, tmp_path):
 
 # ---- the rdma component's transports and protocol ----
 
-def rdma_daemon(local_tls):
-    objects = render_deployment("rdma")
+def rdma_daemon(local_tls, where="rdma"):
+    objects = render_deployment(where)
     container = daemonset_pod(objects)["containers"][0]
     env = env_of(container, objects)
     return [localize(expand(a, env), local_tls) for a in container["args"]], env
@@ -180,27 +187,74 @@ def test_rdma_refuses_transports_that_cannot_bound_a_put(kubectl, local_tls, tls
 
 def test_the_docs_name_the_transports_the_manifests_set(kubectl):
     """Every SHARDCAST_UCX_TLS=... and SHARDCAST_PROTOCOL=... docs/deploy.md quotes is a value
-    some deployment sets (or the documented GPUDirect extension of the rdma list)."""
+    some deployment sets."""
     text = (ROOT / "docs" / "deploy.md").read_text()
     set_tls, set_protocols = set(), set()
     for name in DEPLOYMENTS:
         data = by_kind(render_deployment(name), "ConfigMap")["shardcastd-config"]["data"]
         set_tls.add(data["SHARDCAST_UCX_TLS"])
         set_protocols.add(data["SHARDCAST_PROTOCOL"])
-    rdma_tls = by_kind(render_deployment("rdma"), "ConfigMap")["shardcastd-config"]["data"]["SHARDCAST_UCX_TLS"]
-    gpudirect = rdma_tls.replace(",self", ",cuda_copy,cuda_ipc,gdr_copy,self")
+    tls_of = lambda where: by_kind(render_deployment(where), "ConfigMap")["shardcastd-config"]["data"]["SHARDCAST_UCX_TLS"]  # noqa: E731
     quoted_tls = set(re.findall(r"SHARDCAST_UCX_TLS=([a-z0-9_,]+)", text))
     quoted_protocols = set(re.findall(r"SHARDCAST_PROTOCOL=([a-z]+)", text))
-    assert rdma_tls in quoted_tls and "put" in quoted_protocols
-    assert quoted_tls <= set_tls | {gpudirect}, quoted_tls - set_tls
+    assert {tls_of("rdma"), tls_of("gpu+rdma")} <= quoted_tls and "put" in quoted_protocols
+    assert quoted_tls <= set_tls, quoted_tls - set_tls
     assert quoted_protocols <= set_protocols
 
 
 def test_gpudirect_transports_still_bound_puts(kubectl, local_tls):
-    """The list docs/deploy.md gives for GPUDirect RDMA (rdma with gpu) is one the daemon accepts
-    with put."""
-    args, env = rdma_daemon(local_tls)
-    tls = env["SHARDCAST_UCX_TLS"].replace(",self", ",cuda_copy,cuda_ipc,gdr_copy,self")
-    assert f"SHARDCAST_UCX_TLS={tls}" in (ROOT / "docs" / "deploy.md").read_text()
-    r = print_config(args, {**env, "SHARDCAST_UCX_TLS": tls})
+    """gpu with rdma (GPUDirect RDMA: the CUDA transports beside rc verbs) is a list the daemon
+    accepts with put."""
+    args, env = rdma_daemon(local_tls, "gpu+rdma")
+    assert {"rc_x", "cuda_copy", "cuda_ipc", "gdr_copy"} <= set(env["SHARDCAST_UCX_TLS"].split(","))
+    r = print_config(args, env)
     assert r.returncode == 0, r.stderr
+    assert "protocol=put" in r.stdout.split()
+
+
+# ---- the kustomizations docs/deploy.md shows: a user's own, beside a checkout ----
+
+def documented_kustomizations() -> List[str]:
+    """Every whole kustomization docs/deploy.md shows (its indented blocks of kind Kustomization)."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    blocks = re.findall(r"(?m)^    apiVersion: kustomize\.config\.k8s\.io/v1beta1\n(?:^    .*\n|^\n(?=    ))*", text)
+    return [textwrap.dedent(b) for b in blocks]
+
+
+def render_documented(kustomization: str, tmp_path: Path) -> List[dict]:
+    """`kustomization` rendered where docs/deploy.md puts it: in a directory `cluster/` beside the
+    checkout `shardcast/`."""
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "shardcast").symlink_to(ROOT)
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "kustomization.yaml").write_text(kustomization)
+    return render(tmp_path / "cluster")
+
+
+def test_the_documented_kustomizations_render(kubectl, tmp_path):
+    blocks = documented_kustomizations()
+    assert len(blocks) >= 2, "docs/deploy.md shows a kustomization of components and the NIC patch"
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    assert "<checkout>" not in text, "a placeholder invites an absolute path, which kustomize refuses"
+    for i, block in enumerate(blocks):
+        objects = render_documented(block, tmp_path / str(i))
+        assert effects(objects) == {c for c in COMPONENTS if f"components/{c}\n" in block}, block
+
+
+def test_kustomize_refuses_an_absolute_path(kubectl, tmp_path):
+    """Why docs/deploy.md's paths are relative: kustomize takes no absolute one."""
+    (tmp_path / "kustomization.yaml").write_text(f"resources:\n  - {K8S / 'base'}\n")
+    with pytest.raises(validate.RenderError, match="cannot be absolute"):
+        validate.render(tmp_path)
+    assert "cannot be absolute" in (ROOT / "docs" / "deploy.md").read_text()
+
+
+def test_the_documented_nic_patch_sets_the_rdma_ports(kubectl, tmp_path):
+    """The patch docs/deploy.md gives for UCX_NET_DEVICES replaces the rdma component's value:
+    one entry, the documented ports (a kustomization's own patches run after its components)."""
+    [block] = [b for b in documented_kustomizations() if "UCX_NET_DEVICES" in b]
+    wanted = re.search(r"name: UCX_NET_DEVICES\n\s+value: (\S+)", block).group(1)
+    default = env_of(daemonset_pod(render_deployment("rdma"))["containers"][0], render_deployment("rdma"))
+    assert wanted != default["UCX_NET_DEVICES"]
+    env = daemonset_pod(render_documented(block, tmp_path))["containers"][0]["env"]
+    assert [e["value"] for e in env if e["name"] == "UCX_NET_DEVICES"] == [wanted]

@@ -1,4 +1,6 @@
-"""The workload examples promise only what exists: a GPU sidecar that can see the GPUs whose CUDA
+"""The workload examples promise only what exists, rendered beside every deployment: clients that
+trust the uid of the daemon serving their socket, GPU pods that hold whole nodes one per node, a
+headless Service that finds every vLLM server; a GPU sidecar that can see the GPUs whose CUDA
 IPC handles it imports, vLLM servers that take their weights through the shardcast plugin (the
 flags and the image vLLM and deploy/docker/Dockerfile.vllm have; no made-up flag), and rollout
 replicas as a StatefulSet whose program, run here against real daemons, registers each pod as the
@@ -26,7 +28,8 @@ from google.protobuf import json_format
 from shardcast.local import LocalCluster
 from shardcast.v1 import layout_pb2, service_pb2, service_pb2_grpc
 
-from conftest import K8S, ROOT, binary, by_kind, daemonset_pod, example_pods, render_deployment
+from conftest import (DEPLOYMENTS, K8S, ROOT, binary, by_kind, daemonset_pod, example_pods, render_deployment,
+                      render_with_examples, workload_pods)
 
 
 def sidecar_pod() -> dict:
@@ -111,6 +114,114 @@ def test_the_vllm_sidecar_shares_socket_and_shm_with_vllm():
     assert f"--peer-dns={service['metadata']['name']}.$(POD_NAMESPACE).svc:7070" in sidecar["args"]
     env = {e["name"]: e.get("value") for e in vllm["env"]}
     assert env["SHARDCAST_DAEMON_UID"] == str(sidecar["securityContext"]["runAsUser"])
+
+
+# ---- every example beside every deployment: what a workload needs from the daemon it uses ----
+
+SOCKET_DIR = os.path.dirname(shardcast.DEFAULT_SOCKET)
+
+
+def is_daemon(container: dict) -> bool:
+    return any(a.startswith("--socket=") for a in container.get("args", []))
+
+
+def socket_users(objects: list):
+    """(workload, pod, container, uid of the daemon serving its socket) for every container that
+    mounts the socket's directory: the DaemonSet's daemon where the mount is its host directory,
+    the pod's own sidecar where it is a volume the two share."""
+    daemonset = daemonset_pod(objects)
+    daemonset_dir = next(v["hostPath"]["path"] for v in daemonset["volumes"] for m in daemonset["containers"][0]["volumeMounts"]
+                         if m["mountPath"] == SOCKET_DIR and m["name"] == v["name"])
+    for name, (_, pod) in workload_pods(objects).items():
+        containers = pod.get("initContainers", []) + pod["containers"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for c in containers:
+            mount = next((m for m in c.get("volumeMounts", []) if m["mountPath"] == SOCKET_DIR), None)
+            if mount is None or is_daemon(c):
+                continue
+            if volumes[mount["name"]].get("hostPath", {}).get("path") == daemonset_dir:
+                uid = daemonset["securityContext"]["runAsUser"]
+            else:
+                sidecar = next(d for d in containers if is_daemon(d)
+                               and any(m["name"] == mount["name"] for m in d["volumeMounts"]))
+                uid = sidecar["securityContext"]["runAsUser"]
+            yield name, pod, c, uid
+
+
+@pytest.mark.parametrize("where", DEPLOYMENTS)
+def test_every_container_that_mounts_the_socket_trusts_its_daemons_uid(kubectl, where):
+    """Clients believe only a daemon running as root, as themselves or as a uid of
+    $SHARDCAST_DAEMON_UID; the daemons run as 10001, so without it every call is refused."""
+    checked = set()
+    for name, pod, container, uid in socket_users(render_with_examples(where)):
+        env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
+        assert str(uid) in env.get("SHARDCAST_DAEMON_UID", "").split(","), f"{name}: {container['name']}"
+        own = (container.get("securityContext") or {}).get("runAsUser", pod["securityContext"].get("runAsUser"))
+        assert own not in (None, 0, uid), f"{name}: {container['name']} runs as {own}"
+        checked.add(name)
+    assert len(checked) >= 5, checked  # every workload example
+
+
+def test_the_socket_checklist_names_what_every_workload_sets(kubectl):
+    """docs/deploy.md's list of what a workload needs names each SHARDCAST_* variable that every
+    example's client container sets, and the pod settings the DaemonSet's clients share."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    start = text.index("Then point workloads at the socket")
+    checklist = text[start:text.index("\n\n", start)]
+    users = list(socket_users(render_with_examples("base")))
+    common = set.intersection(*({e["name"] for e in c.get("env", []) if e["name"].startswith("SHARDCAST_")}
+                                for _, _, c, _ in users))
+    assert "SHARDCAST_DAEMON_UID" in common
+    for item in (*sorted(common), "hostIPC: true", "supplementalGroups", "/dev/shm", SOCKET_DIR,
+                 "examples/00-namespace.yaml"):
+        assert item in checklist, f"docs/deploy.md's checklist does not name {item}"
+
+
+def gpus(pod: dict) -> int:
+    return sum(int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
+               for c in pod.get("initContainers", []) + pod["containers"])
+
+
+@pytest.mark.parametrize("where", DEPLOYMENTS)
+def test_gpu_workloads_hold_whole_nodes_one_pod_per_node(kubectl, where):
+    """A client names its GPUs by its own CUDA device numbers and the daemon reads them as its
+    own (the gpu component's known gap), so a GPU pod takes every GPU of its node, and the pods of
+    one workload repel each other per node as a requirement."""
+    for name, (workload, pod) in workload_pods(render_with_examples(where)).items():
+        if not gpus(pod):
+            continue
+        assert pod.get("nodeSelector", {}).get("nvidia.com/gpu.count") == str(gpus(pod)), name
+        spec = workload["spec"]
+        if max(spec.get("replicas", 1), spec.get("parallelism", 1)) == 1:
+            continue
+        labels = spec["template"]["metadata"]["labels"]
+        terms = pod.get("affinity", {}).get("podAntiAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", [])
+        assert any(t["topologyKey"] == "kubernetes.io/hostname" and t["labelSelector"]["matchLabels"]
+                   and t["labelSelector"]["matchLabels"].items() <= labels.items() for t in terms), name
+
+
+def test_the_trainer_finds_every_vllm_server_through_a_headless_service(kubectl):
+    """A headless Service over the vLLM pods resolves to every ready server's address; it selects
+    those pods alone and names the port the trainer's HTTP client calls."""
+    objects = render_with_examples("base")
+    deployment = by_kind(objects, "Deployment")["rl-inference"]
+    service = by_kind(objects, "Service")["rl-inference"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert not service["spec"].get("publishNotReadyAddresses"), "only servers that are ready"
+    assert service["spec"]["selector"] and service["spec"]["selector"].items() <= labels.items()
+    others = [n for n, (o, _) in workload_pods(objects).items() if o is not deployment
+              and service["spec"]["selector"].items() <= o["spec"]["template"]["metadata"]["labels"].items()]
+    assert not others, f"the Service also selects {others}"
+    vllm = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm")
+    ports = {p["name"]: p["containerPort"] for p in vllm["ports"]}
+    [port] = service["spec"]["ports"]
+    assert port["targetPort"] in ports and port["port"] == ports[port["targetPort"]]
+    assert vllm["readinessProbe"]["httpGet"]["port"] == port["targetPort"]
+    assert vllm["command"][vllm["command"].index("--port") + 1] == str(port["port"])
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    assert f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc" in text
 
 
 # ---- rollout-replicas.yaml: a replica set as a StatefulSet (docs/deploy.md, "Rollout replicas") ----
