@@ -43,20 +43,8 @@ v1::RegisterRequest request(const char* json, v1::Role role, uint64_t version, b
   return r;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::cerr << "usage: fuzz_seeds DIR\n";
-    return 2;
-  }
-  const std::filesystem::path dir = argv[1];
-  std::filesystem::create_directories(dir / "register");
-  std::filesystem::create_directories(dir / "notification");
-  std::filesystem::create_directories(dir / "delta");
-  std::filesystem::create_directories(dir / "ucx_header");
-  std::filesystem::create_directories(dir / "peer");
-
+// Register requests: plain, fused, strided, in pieces, double-buffered.
+void writeRegisterSeeds(const std::filesystem::path& dir) {
   const char* plain = R"({"group":"g","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
     {"name":"w","shape":[16,16],"dtype":"float32","placements":[{"replicate":{}}]}]})";
   const char* fused = R"({"group":"f","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
@@ -78,9 +66,11 @@ int main(int argc, char** argv) {
     *doubled.add_shadow_buffers() = h;
   }
   write(dir / "register" / "double-buffered", doubled.SerializeAsString());
+}
 
-  // Notifications: one true chunk per wave (its transfer's first chain, the hop after the head),
-  // a batch of them, and one with every index out of range.
+// Notifications: one true chunk per wave (its transfer's first chain, the hop after the head),
+// a batch of them, one with every index out of range, and a delta word.
+void writeNotificationSeeds(const std::filesystem::path& dir) {
   const auto plan = fuzzing::examplePlan();
   daemon::Notification all;
   all.sync_id = "seed-sync";
@@ -97,10 +87,13 @@ int main(int argc, char** argv) {
   write(dir / "notification" / "batch", daemon::encodeNotification(all));
   write(dir / "notification" / "out-of-range",
         daemon::encodeNotification({"seed-sync", 7, {{1 << 30, -1, 1 << 20, -5, 99}}}));
-  // A delta word, and deltas (unit 2): a real encoding applied to a base, and a pair of chunks.
   daemon::LandedChunk d{0, plan->plan.transfers[0].chains_begin, 0, 0, daemon::LandedChunk::kDelta};
   d.bytes = 6;
   write(dir / "notification" / "delta", daemon::encodeNotification({"seed-sync", 42, {d}}));
+}
+
+// Deltas (unit 2): a real encoding applied to a base, and a pair of chunks.
+void writeDeltaSeeds(const std::filesystem::path& dir) {
   std::string before(64, '\0'), now = before;
   now[2] = '\x3f';
   now[40] = '\x01';
@@ -110,13 +103,18 @@ int main(int argc, char** argv) {
                           now.size(), 2, reinterpret_cast<std::byte*>(delta.data()), delta.size());
   write(dir / "delta" / "apply", std::string("\x01\x20", 2) + delta.substr(0, size.value_or(0)));
   write(dir / "delta" / "pair", std::string("\x05\x07", 2) + now + std::string(64, '\0'));
-  // UCX headers: one of each type (the first byte picks the type the receiver expects).
+}
+
+// UCX headers: one of each type (the first byte picks the type the receiver expects).
+void writeUcxHeaderSeeds(const std::filesystem::path& dir, const transport::WriteKey& key) {
   namespace wire = transport::ucx_wire;
-  const transport::WriteKey key = transport::WriteKey::random();
   write(dir / "ucx_header" / "data", std::string(1, '\0') + wire::encodeData(1, 4096, 64, key, "notice"));
   write(dir / "ucx_header" / "ack", std::string(1, '\1') + wire::encodeAck(1, 7, key));
   write(dir / "ucx_header" / "notify", std::string(1, '\2') + wire::encodeNotify(key));
-  // Peer requests (first byte: 0 Prepare, 1 Execute, 2 Finish) of the example layouts.
+}
+
+// Peer requests (first byte: 0 Prepare, 1 Execute, 2 Finish) of the example layouts.
+void writePeerSeeds(const std::filesystem::path& dir, const transport::WriteKey& key) {
   const std::string layouts = std::string(SHARDCAST_SOURCE_DIR) + "/client/examples/layouts/";
   v1::PrepareRequest prep;
   prep.set_sync_id("seed-sync");
@@ -142,6 +140,24 @@ int main(int argc, char** argv) {
   fin.set_fence(42);
   fin.set_commit(true);
   write(dir / "peer" / "finish", std::string(1, '\2') + fin.SerializeAsString());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::cerr << "usage: fuzz_seeds DIR\n";
+    return 2;
+  }
+  const std::filesystem::path dir = argv[1];
+  for (const char* corpus : {"register", "notification", "delta", "ucx_header", "peer"})
+    std::filesystem::create_directories(dir / corpus);
+  writeRegisterSeeds(dir);
+  writeNotificationSeeds(dir);
+  writeDeltaSeeds(dir);
+  const transport::WriteKey key = transport::WriteKey::random();  // the UCX headers' and the Prepare's
+  writeUcxHeaderSeeds(dir, key);
+  writePeerSeeds(dir, key);
   std::cout << "seeds in " << dir.string() << "\n";
   return 0;
 }

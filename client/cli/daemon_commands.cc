@@ -432,85 +432,95 @@ int runHealth(const HealthArgs& a) {
 // Versions are below 2^63 in every client language (and "-1" must not wrap to 2^64 - 1).
 const CLI::Range kVersionRange(uint64_t{1}, planner::kLastVersion, strCat("a version in ", planner::kVersionRange));
 
-void addDaemonCommands(CLI::App& app, int* exit_code) {
-  {
-    auto a = std::make_shared<SyncArgs>();
-    auto* cmd = app.add_subcommand("sync", "Sync a version of one registered group into another, with live progress");
-    cmd->add_option("--src", a->src, "Source group")->required();
-    cmd->add_option("--dst", a->dst, "Destination group")->required();
-    cmd->add_option("--version", a->version, "Version to publish (greater than the destination's)")
-        ->required()
-        ->check(kVersionRange);
-    cmd->add_flag("--verify", a->verify, "Check per-chunk xxHash64 checksums at every destination node");
-    cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds (0: the daemon's 300 s)")
-        ->check(CLI::NonNegativeNumber);
-    cmd->add_flag("--wait-for-ranks", a->wait_for_ranks, "Wait (up to the timeout) for ranks not registered yet");
-    cmd->add_option("--delta", a->delta,
-                    "off: dense; auto: only the elements that changed, to nodes holding the bytes this source last "
-                    "sent (docs/delta.md); dense: dense, keeping the bases for later deltas")
-        ->check(CLI::IsMember({"off", "auto", "dense"}))
-        ->capture_default_str();
-    cmd->add_option("--strategy", a->strategy,
-                    "planned: Shardcast's plan; rank-pull, gather-broadcast: the baselines it is measured against "
-                    "(every destination rank pulling its own slices; everything through source rank 0's node), "
-                    "executed by the same daemons, dense")
-        ->check(CLI::IsMember({"planned", "rank-pull", "gather-broadcast"}))
-        ->capture_default_str();
-    cmd->add_option("--min-replicas", a->min_replicas,
-                    "--dst a replica set: fail unless at least this many replicas take part (default 1)");
-    cmd->add_option("--replica-deadline-s", a->replica_deadline_s,
-                    "--dst a replica set: cut a replica whose node is silent this long during the sync (default: "
-                    "the daemons' sync lease)")
-        ->check(CLI::NonNegativeNumber);
-    cmd->add_option("--sync-id", a->sync_id, "Id of the sync (default: a random one), for `shardcast watch`");
-    cmd->add_flag("--no-progress", a->no_progress, "Print only the result");
-    addCommon(cmd, a.get());
-    cmd->callback([a, exit_code] { *exit_code = runSync(*a); });
-  }
-  {
-    auto a = std::make_shared<WatchArgs>();
-    auto* cmd = app.add_subcommand("watch", "Follow a sync coordinated by this daemon until it ends");
-    cmd->add_option("sync_id", a->sync_id, "The sync's id")->required();
-    addCommon(cmd, a.get());
-    cmd->callback([a, exit_code] { *exit_code = runWatch(*a); });
-  }
-  {
-    auto a = std::make_shared<CommonArgs>();
-    auto* cmd = app.add_subcommand("status", "The daemon, its peers, its groups and their versions");
-    addCommon(cmd, a.get());
-    cmd->callback([a, exit_code] { *exit_code = runStatus(*a); });
-  }
-  {
-    auto a = std::make_shared<TopArgs>();
-    auto* cmd = app.add_subcommand(
-        "top", "A live view of the cluster: groups, versions, rank states, syncs in flight, recent failures");
-    cmd->add_option("--interval-s", a->interval_s,
-                    "Seconds between refreshes (each asks every daemon for its ranks and syncs)")
-        ->capture_default_str()
-        ->check(CLI::Range(0.5, 3600.0));
-    cmd->add_flag("--once", a->once, "Print one screen and exit");
-    addCommon(cmd, a.get());
-    cmd->callback([a, exit_code] { *exit_code = runTop(*a); });
-  }
-  {
-    auto a = std::make_shared<LayoutsArgs>();
-    auto* cmd = app.add_subcommand("layouts", "What is registered across the cluster, one row per rank");
-    cmd->add_flag("--local", a->local, "Only this daemon's registrations");
-    addCommon(cmd, a.get());
-    cmd->callback([a, exit_code] { *exit_code = runLayouts(*a); });
-  }
-  {
-    auto a = std::make_shared<WaitArgs>();
-    auto* cmd = app.add_subcommand(
-        "wait", "Wait until every rank of a group on this node is ready at a version (fails on a dirty one)");
-    cmd->add_option("--group", a->group, "Group")->required();
-    cmd->add_option("--version", a->version, "Version to wait for")->required()->check(kVersionRange);
-    cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")
-        ->capture_default_str()
-        ->check(CLI::NonNegativeNumber);
-    addCommon(cmd, a.get());
-    cmd->callback([a, exit_code] { *exit_code = runWait(*a); });
-  }
+namespace {
+
+// Each adds its subcommand (the fences: acquire, publish, release) with its flags; when it runs,
+// its exit code is written to *exit_code.
+void addSyncCommand(CLI::App& app, int* exit_code) {
+  auto a = std::make_shared<SyncArgs>();
+  auto* cmd = app.add_subcommand("sync", "Sync a version of one registered group into another, with live progress");
+  cmd->add_option("--src", a->src, "Source group")->required();
+  cmd->add_option("--dst", a->dst, "Destination group")->required();
+  cmd->add_option("--version", a->version, "Version to publish (greater than the destination's)")
+      ->required()
+      ->check(kVersionRange);
+  cmd->add_flag("--verify", a->verify, "Check per-chunk xxHash64 checksums at every destination node");
+  cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds (0: the daemon's 300 s)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--wait-for-ranks", a->wait_for_ranks, "Wait (up to the timeout) for ranks not registered yet");
+  cmd->add_option("--delta", a->delta,
+                  "off: dense; auto: only the elements that changed, to nodes holding the bytes this source last "
+                  "sent (docs/delta.md); dense: dense, keeping the bases for later deltas")
+      ->check(CLI::IsMember({"off", "auto", "dense"}))
+      ->capture_default_str();
+  cmd->add_option("--strategy", a->strategy,
+                  "planned: Shardcast's plan; rank-pull, gather-broadcast: the baselines it is measured against "
+                  "(every destination rank pulling its own slices; everything through source rank 0's node), "
+                  "executed by the same daemons, dense")
+      ->check(CLI::IsMember({"planned", "rank-pull", "gather-broadcast"}))
+      ->capture_default_str();
+  cmd->add_option("--min-replicas", a->min_replicas,
+                  "--dst a replica set: fail unless at least this many replicas take part (default 1)");
+  cmd->add_option("--replica-deadline-s", a->replica_deadline_s,
+                  "--dst a replica set: cut a replica whose node is silent this long during the sync (default: "
+                  "the daemons' sync lease)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--sync-id", a->sync_id, "Id of the sync (default: a random one), for `shardcast watch`");
+  cmd->add_flag("--no-progress", a->no_progress, "Print only the result");
+  addCommon(cmd, a.get());
+  cmd->callback([a, exit_code] { *exit_code = runSync(*a); });
+}
+
+void addWatchCommand(CLI::App& app, int* exit_code) {
+  auto a = std::make_shared<WatchArgs>();
+  auto* cmd = app.add_subcommand("watch", "Follow a sync coordinated by this daemon until it ends");
+  cmd->add_option("sync_id", a->sync_id, "The sync's id")->required();
+  addCommon(cmd, a.get());
+  cmd->callback([a, exit_code] { *exit_code = runWatch(*a); });
+}
+
+void addStatusCommand(CLI::App& app, int* exit_code) {
+  auto a = std::make_shared<CommonArgs>();
+  auto* cmd = app.add_subcommand("status", "The daemon, its peers, its groups and their versions");
+  addCommon(cmd, a.get());
+  cmd->callback([a, exit_code] { *exit_code = runStatus(*a); });
+}
+
+void addTopCommand(CLI::App& app, int* exit_code) {
+  auto a = std::make_shared<TopArgs>();
+  auto* cmd = app.add_subcommand(
+      "top", "A live view of the cluster: groups, versions, rank states, syncs in flight, recent failures");
+  cmd->add_option("--interval-s", a->interval_s,
+                  "Seconds between refreshes (each asks every daemon for its ranks and syncs)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.5, 3600.0));
+  cmd->add_flag("--once", a->once, "Print one screen and exit");
+  addCommon(cmd, a.get());
+  cmd->callback([a, exit_code] { *exit_code = runTop(*a); });
+}
+
+void addLayoutsCommand(CLI::App& app, int* exit_code) {
+  auto a = std::make_shared<LayoutsArgs>();
+  auto* cmd = app.add_subcommand("layouts", "What is registered across the cluster, one row per rank");
+  cmd->add_flag("--local", a->local, "Only this daemon's registrations");
+  addCommon(cmd, a.get());
+  cmd->callback([a, exit_code] { *exit_code = runLayouts(*a); });
+}
+
+void addWaitCommand(CLI::App& app, int* exit_code) {
+  auto a = std::make_shared<WaitArgs>();
+  auto* cmd = app.add_subcommand(
+      "wait", "Wait until every rank of a group on this node is ready at a version (fails on a dirty one)");
+  cmd->add_option("--group", a->group, "Group")->required();
+  cmd->add_option("--version", a->version, "Version to wait for")->required()->check(kVersionRange);
+  cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  addCommon(cmd, a.get());
+  cmd->callback([a, exit_code] { *exit_code = runWait(*a); });
+}
+
+void addFenceCommands(CLI::App& app, int* exit_code) {
   for (const std::string name : {"acquire", "publish", "release"}) {
     auto a = std::make_shared<FenceArgs>();
     const char* help =
@@ -532,16 +542,30 @@ void addDaemonCommands(CLI::App& app, int* exit_code) {
     addCommon(cmd, a.get());
     cmd->callback([a, exit_code, name] { *exit_code = runFence(name, *a); });
   }
-  {
-    auto a = std::make_shared<HealthArgs>();
-    auto* cmd = app.add_subcommand("health", "Ask the daemon's grpc.health.v1 service (exit 0 when SERVING)");
-    cmd->add_option("--service", a->service, "Service name to check (default: the whole server)");
-    cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")
-        ->capture_default_str()
-        ->check(CLI::PositiveNumber);
-    addCommon(cmd, a.get());
-    cmd->callback([a, exit_code] { *exit_code = runHealth(*a); });
-  }
+}
+
+void addHealthCommand(CLI::App& app, int* exit_code) {
+  auto a = std::make_shared<HealthArgs>();
+  auto* cmd = app.add_subcommand("health", "Ask the daemon's grpc.health.v1 service (exit 0 when SERVING)");
+  cmd->add_option("--service", a->service, "Service name to check (default: the whole server)");
+  cmd->add_option("--timeout-s", a->timeout_s, "Give up after this many seconds")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  addCommon(cmd, a.get());
+  cmd->callback([a, exit_code] { *exit_code = runHealth(*a); });
+}
+
+}  // namespace
+
+void addDaemonCommands(CLI::App& app, int* exit_code) {
+  addSyncCommand(app, exit_code);
+  addWatchCommand(app, exit_code);
+  addStatusCommand(app, exit_code);
+  addTopCommand(app, exit_code);
+  addLayoutsCommand(app, exit_code);
+  addWaitCommand(app, exit_code);
+  addFenceCommands(app, exit_code);
+  addHealthCommand(app, exit_code);
 }
 
 }  // namespace shardcast::cli

@@ -78,40 +78,138 @@ void SyncEngine::onNotification(const std::string& payload, const transport::Wri
   a->announce(n->chunks);
 }
 
-StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req) {
+namespace {
+
+// The request's write key, once every field a peer controls is bounded (before it is used).
+StatusOr<transport::WriteKey> checkedWriteKey(const v1::PrepareRequest& req, const PeerLimits& limits,
+                                              const std::string& node) {
   if (req.sync_id().empty()) return absl::InvalidArgumentError("prepare: sync_id is empty");
-  // Every field a peer controls is bounded before it is used.
   auto write_key = transport::WriteKey::fromBytes(req.write_key());
   if (!write_key.ok())
     return absl::InvalidArgumentError(strCat("prepare of sync ", req.sync_id(), ": ", write_key.status().message()));
-  if (req.lease_ms() != 0 && (req.lease_ms() < limits_.min_lease.count() || req.lease_ms() > limits_.max_lease.count()))
-    return absl::InvalidArgumentError(strCat("prepare of sync ", req.sync_id(), ": a lease of ", req.lease_ms(),
-                                             " ms is outside [", limits_.min_lease.count(), ", ",
-                                             limits_.max_lease.count(), "] ms on node \"", node_,
-                                             "\" (--max-sync-lease-ms)"));
-  if (req.chunk_bytes() < limits_.min_chunk_bytes)
+  if (req.lease_ms() != 0 && (req.lease_ms() < limits.min_lease.count() || req.lease_ms() > limits.max_lease.count()))
+    return absl::InvalidArgumentError(strCat(
+        "prepare of sync ", req.sync_id(), ": a lease of ", req.lease_ms(), " ms is outside [",
+        limits.min_lease.count(), ", ", limits.max_lease.count(), "] ms on node \"", node, "\" (--max-sync-lease-ms)"));
+  if (req.chunk_bytes() < limits.min_chunk_bytes)
     return absl::InvalidArgumentError(strCat("prepare of sync ", req.sync_id(), ": chunks of ", req.chunk_bytes(),
-                                             " bytes (at least ", limits_.min_chunk_bytes, ")"));
+                                             " bytes (at least ", limits.min_chunk_bytes, ")"));
+  return write_key;
+}
+
+// A sync that skipped the gather: this node's registrations (its daemon's `instance`, at
+// `generation`) must be those its coordinator saw (execute() refuses any change after this
+// point, as for every sync).
+Status checkExpected(const v1::PrepareRequest& req, const std::string& node, const std::string& instance,
+                     uint64_t generation) {
+  if (req.expect_size() == 0) return absl::OkStatus();
+  const auto mine =
+      std::find_if(req.expect().begin(), req.expect().end(), [&](const v1::NodeStamp& s) { return s.node() == node; });
+  if (mine == req.expect().end() || mine->instance() != instance || mine->generation() != generation)
+    return absl::FailedPreconditionError(strCat("prepare of sync ", req.sync_id(), ": registrations on node ",
+                                                quote(node), " changed since its coordinator last gathered them (",
+                                                kStaleView, ")"));
+  return absl::OkStatus();
+}
+
+// The groups a sync writes, each with its layout's digest: a replica set's replicas (each a
+// planner::Replica in `replicas`, its group in `a.dst_members`), or the destination group alone,
+// its digest left for its plan to give. None may be the sync's source.
+Status readDestinations(const v1::PrepareRequest& req, SyncAttempt& a, Registry::Destination& destination,
+                        std::vector<planner::Replica>& replicas) {
+  for (const auto& r : req.replicas()) {
+    if (r.replica_set() != a.dst_group)
+      return absl::InvalidArgumentError(strCat("prepare of sync ", a.id, ": group \"", r.group(),
+                                               "\" is not a replica of set \"", a.dst_group, "\""));
+    replicas.push_back({r.replica(), r, {}});
+    a.dst_members.push_back(r.group());
+    destination.emplace_back(r.group(), planner::layoutDigest(r));
+  }
+  if (destination.empty()) destination.emplace_back(a.dst_group, std::string());
+  for (const auto& [group, digest] : destination)  // a catch-up's seed is read, never written
+    if (group == a.src_group)
+      return absl::InvalidArgumentError(
+          strCat("prepare of sync ", a.id, ": group \"", group, "\" is both its source and a destination"));
+  return absl::OkStatus();
+}
+
+// (rank, buffer) of the destination plan -> the address its bytes start at on this node.
+using DirectBases = std::map<std::pair<int32_t, int32_t>, uint64_t>;
+
+// The rank buffers of this node (a.self) that peers write into directly, into `resp`'s targets
+// (each registration's descriptor once) and, where a double-buffered rank's next landing is
+// elsewhere, its next_targets; each buffer's memory is pinned for the attempt.
+StatusOr<DirectBases> directTargets(Registry& registry, const std::string& node, SyncAttempt& a,
+                                    v1::PrepareResponse& resp) {
+  auto* targets = resp.mutable_targets();
+  v1::LandingTargets next = *targets;  // the same, with each buffer's next landing (nextLanding)
+  std::map<const transport::MemoryRegion*, uint32_t> index, next_index;
+  DirectBases direct;
+  for (const auto& [rank, b] : a.plan->node(a.self).direct_targets) {
+    const std::string& name = a.plan->dst.buffer_names[static_cast<size_t>(b)];
+    const auto [group, member_rank] = a.dstRank(rank);
+    SC_ASSIGN_OR_RETURN(auto lb, registry.localBuffer(group, member_rank, name));
+    if (!lb.region)
+      return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", member_rank, " buffer \"", name,
+                                                  "\" is not registered with the transport on node \"", node, "\""));
+    const auto [it, added] = index.emplace(lb.region.get(), static_cast<uint32_t>(targets->regions_size()));
+    if (added) targets->add_regions(lb.region->remote().serialize());
+    auto* out = targets->add_buffers();
+    out->set_rank(rank);
+    out->set_buffer(name);
+    out->set_region(it->second);
+    out->set_offset(lb.region_offset);
+    a.pin(lb.keep_alive);
+    direct[{rank, b}] = lb.region->remote().base + lb.region_offset;
+    SC_ASSIGN_OR_RETURN(const auto later, registry.nextLanding(group, member_rank, name));
+    if (!later.first)
+      return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", member_rank, " buffer \"", name,
+                                                  "\" is not registered with the transport on node \"", node,
+                                                  "\" (its other set)"));
+    const auto [at, fresh] = next_index.emplace(later.first.get(), static_cast<uint32_t>(next.regions_size()));
+    if (fresh) next.add_regions(later.first->remote().serialize());
+    auto* nb = next.add_buffers();
+    nb->set_rank(rank);
+    nb->set_buffer(name);
+    nb->set_region(at->second);
+    nb->set_offset(later.second);
+  }
+  if (next.SerializeAsString() != targets->SerializeAsString()) *resp.mutable_next_targets() = std::move(next);
+  return direct;
+}
+
+// The byte ranges of this node's landings: in its arena, or in the rank buffers of `direct`.
+std::vector<transport::LandingRange> landingRanges(const SyncAttempt& a, const DirectBases& direct) {
+  std::vector<transport::LandingRange> ranges;
+  for (const auto& ts : a.plan->transfers) {
+    const auto* landing = ts.landingOn(a.self);
+    if (landing == nullptr || ts.chunks.empty()) continue;
+    const uint64_t bytes = ts.chunks.back().offset + ts.chunks.back().bytes;
+    if (!landing->direct()) {
+      if (a.arena) ranges.push_back({a.arena->remote().base + landing->arena_offset, bytes});
+      continue;
+    }
+    auto it = direct.find({landing->rank, landing->buffer});
+    if (it != direct.end()) ranges.push_back({it->second + landing->buffer_offset, bytes});
+  }
+  return ranges;
+}
+
+}  // namespace
+
+StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req) {
+  SC_ASSIGN_OR_RETURN(const transport::WriteKey write_key, checkedWriteKey(req, limits_, node_));
   auto a = std::make_shared<SyncAttempt>();
   a->id = req.sync_id();
   a->generation = registry_.generation();
-  // A sync that skipped the gather: this node's registrations must be those its coordinator saw
-  // (execute() refuses any change after this point, as for every sync).
-  if (req.expect_size() > 0) {
-    const auto mine = std::find_if(req.expect().begin(), req.expect().end(),
-                                   [&](const v1::NodeStamp& s) { return s.node() == node_; });
-    if (mine == req.expect().end() || mine->instance() != registry_.instance() || mine->generation() != a->generation)
-      return absl::FailedPreconditionError(strCat("prepare of sync ", req.sync_id(), ": registrations on node ",
-                                                  quote(node_), " changed since its coordinator last gathered them (",
-                                                  kStaleView, ")"));
-  }
+  SC_RETURN_IF_ERROR(checkExpected(req, node_, registry_.instance(), a->generation));
   a->src_group = req.src().group();
   a->dst_group = req.dst().group();
   a->version = req.version();
   a->window_bytes = window_bytes_;
   if (req.lease_ms() > 0) a->lease = std::chrono::milliseconds(req.lease_ms());
   a->fence = req.fence() ? req.fence() : (XXH64(a->id.data(), a->id.size(), 0) | 1);
-  a->key = *write_key;
+  a->key = write_key;
   a->delta = req.delta();
   // One attempt per id at a time here, and never one its coordinator already gave up (a Prepare
   // that arrives after the Finish that gave it up).
@@ -128,20 +226,8 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   // A replica set: its replicas' groups, each written under its own layout's digest.
   Registry::Destination destination;
   std::vector<planner::Replica> replicas;
-  for (const auto& r : req.replicas()) {
-    if (r.replica_set() != a->dst_group)
-      return absl::InvalidArgumentError(strCat("prepare of sync ", a->id, ": group \"", r.group(),
-                                               "\" is not a replica of set \"", a->dst_group, "\""));
-    replicas.push_back({r.replica(), r, {}});
-    a->dst_members.push_back(r.group());
-    destination.emplace_back(r.group(), planner::layoutDigest(r));
-  }
-  const bool plain = destination.empty();
-  if (plain) destination.emplace_back(a->dst_group, std::string());  // its digest: its plan's, below
-  for (const auto& [group, digest] : destination)                    // a catch-up's seed is read, never written
-    if (group == a->src_group)
-      return absl::InvalidArgumentError(
-          strCat("prepare of sync ", a->id, ": group \"", group, "\" is both its source and a destination"));
+  SC_RETURN_IF_ERROR(readDestinations(req, *a, destination, replicas));
+  const bool plain = replicas.empty();  // its digest: its plan's, below
   // A zero-copy plan would hand this node's transport memory it must not touch directly: a
   // coordinator that planned without this node's Describe (or ignored it) is refused here.
   if (plan_key.zero_copy)
@@ -219,51 +305,8 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
   // may land here.
   std::vector<transport::LandingRange> ranges;
   if (a->self >= 0) {
-    auto* targets = resp.mutable_targets();
-    v1::LandingTargets next = *targets;  // the same, with each buffer's next landing (nextLanding)
-    std::map<const transport::MemoryRegion*, uint32_t> index, next_index;
-    std::map<std::pair<int32_t, int32_t>, uint64_t> direct;  // (rank, buffer) -> its base here
-    for (const auto& [rank, b] : a->plan->node(a->self).direct_targets) {
-      const std::string& name = a->plan->dst.buffer_names[static_cast<size_t>(b)];
-      const auto [group, member_rank] = a->dstRank(rank);
-      SC_ASSIGN_OR_RETURN(auto lb, registry_.localBuffer(group, member_rank, name));
-      if (!lb.region)
-        return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", member_rank, " buffer \"", name,
-                                                    "\" is not registered with the transport on node \"", node_, "\""));
-      const auto [it, added] = index.emplace(lb.region.get(), static_cast<uint32_t>(targets->regions_size()));
-      if (added) targets->add_regions(lb.region->remote().serialize());
-      auto* out = targets->add_buffers();
-      out->set_rank(rank);
-      out->set_buffer(name);
-      out->set_region(it->second);
-      out->set_offset(lb.region_offset);
-      a->pin(lb.keep_alive);
-      direct[{rank, b}] = lb.region->remote().base + lb.region_offset;
-      SC_ASSIGN_OR_RETURN(const auto later, registry_.nextLanding(group, member_rank, name));
-      if (!later.first)
-        return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", member_rank, " buffer \"", name,
-                                                    "\" is not registered with the transport on node \"", node_,
-                                                    "\" (its other set)"));
-      const auto [at, fresh] = next_index.emplace(later.first.get(), static_cast<uint32_t>(next.regions_size()));
-      if (fresh) next.add_regions(later.first->remote().serialize());
-      auto* nb = next.add_buffers();
-      nb->set_rank(rank);
-      nb->set_buffer(name);
-      nb->set_region(at->second);
-      nb->set_offset(later.second);
-    }
-    if (next.SerializeAsString() != targets->SerializeAsString()) *resp.mutable_next_targets() = std::move(next);
-    for (const auto& ts : a->plan->transfers) {
-      const auto* landing = ts.landingOn(a->self);
-      if (landing == nullptr || ts.chunks.empty()) continue;
-      const uint64_t bytes = ts.chunks.back().offset + ts.chunks.back().bytes;
-      if (!landing->direct()) {
-        if (a->arena) ranges.push_back({a->arena->remote().base + landing->arena_offset, bytes});
-        continue;
-      }
-      auto it = direct.find({landing->rank, landing->buffer});
-      if (it != direct.end()) ranges.push_back({it->second + landing->buffer_offset, bytes});
-    }
+    SC_ASSIGN_OR_RETURN(const auto direct, directTargets(registry_, node_, *a, resp));
+    ranges = landingRanges(*a, direct);
   }
   // Open before any peer learns where to write (the response below).
   if (!transport_.openFence(a->key, std::move(ranges)))

@@ -31,21 +31,19 @@ std::string randomInstance() {
   return hex;
 }
 
-}  // namespace
+// The role a request registers its rank as: a source, or (unspecified too) a destination.
+v1::Role roleOf(const v1::RegisterRequest& req) {
+  return req.role() == v1::ROLE_SOURCE ? v1::ROLE_SOURCE : v1::ROLE_DESTINATION;
+}
 
-Registry::Registry(std::string node, transport::Context& transport, transport::DeviceRuntime& gpus)
-    : node_(std::move(node)), instance_(randomInstance()), transport_(transport), gpus_(gpus) {}
-
-StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest& req, const MemoryCaller& caller) {
-  const std::string who = strCat("group \"", req.group(), "\" rank ", req.rank());
+// What a request claims on its own, checked before anything is looked up or mapped.
+Status checkRegisterRequest(const v1::RegisterRequest& req, const std::string& who) {
   if (req.group().empty()) return absl::InvalidArgumentError("register: group is empty");
   if (req.layout().group() != req.group())
     return absl::InvalidArgumentError(strCat(who, ": the layout is for group \"", req.layout().group(), "\""));
-  const std::string digest = planner::layoutDigest(req.layout());
-  const v1::Role role = req.role() == v1::ROLE_SOURCE ? v1::ROLE_SOURCE : v1::ROLE_DESTINATION;
   if (req.role() != v1::ROLE_UNSPECIFIED && !v1::Role_IsValid(req.role()))
     return absl::InvalidArgumentError(strCat(who, ": unknown role ", static_cast<int>(req.role())));
-  if (req.version() != 0 && role != v1::ROLE_SOURCE)
+  if (req.version() != 0 && roleOf(req) != v1::ROLE_SOURCE)
     return absl::InvalidArgumentError(strCat(who,
                                              ": only a source rank may register with a version (its own bytes); a "
                                              "destination rank starts EMPTY until a sync commits"));
@@ -53,6 +51,32 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
     return absl::InvalidArgumentError(strCat(who, ": version ", req.version(), " is not in ", planner::kVersionRange));
   if (req.readers_size() > 64)
     return absl::InvalidArgumentError(strCat(who, ": ", req.readers_size(), " read grants (at most 64)"));
+  return absl::OkStatus();
+}
+
+// What the session of the rank's registration `registration` is told when `req` (of `holder`)
+// takes the rank over on `node`.
+v1::SupersededRank supersededNotice(const v1::RegisterRequest& req, const std::string& who, const std::string& node,
+                                    const std::string& holder, uint64_t registration) {
+  v1::SupersededRank told;
+  told.set_group(req.group());
+  told.set_rank(req.rank());
+  told.set_registration(registration);
+  told.set_message(strCat(who, " on node \"", node, "\" was taken over by ", holder, " (registration ", registration,
+                          " superseded): this process no longer holds it"));
+  return told;
+}
+
+}  // namespace
+
+Registry::Registry(std::string node, transport::Context& transport, transport::DeviceRuntime& gpus)
+    : node_(std::move(node)), instance_(randomInstance()), transport_(transport), gpus_(gpus) {}
+
+StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest& req, const MemoryCaller& caller) {
+  const std::string who = strCat("group \"", req.group(), "\" rank ", req.rank());
+  SC_RETURN_IF_ERROR(checkRegisterRequest(req, who));
+  const std::string digest = planner::layoutDigest(req.layout());
+  const v1::Role role = roleOf(req);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!req.session_id().empty() && !sessions_.count(req.session_id()))
@@ -66,14 +90,6 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   resp.set_layout_digest(digest);
   resp.set_registered_bytes(rank->bytes);
   resp.set_node(node_);
-  rank->role = role;
-  rank->session = req.session_id();
-  if (caller.local) rank->owner = caller.uid;
-  rank->holder = caller.local ? strCat("uid ", caller.uid, " (pid ", caller.pid, ")") : std::string("a remote client");
-  if (req.version() > 0) {
-    rank->state = v1::RANK_READY;
-    rank->committed = req.version();
-  }
   std::lock_guard<std::mutex> lock(mu_);
   if (!req.session_id().empty() && !sessions_.count(req.session_id()))
     return absl::FailedPreconditionError(
@@ -123,17 +139,9 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
   const bool replaced = superseded != nullptr;
   ranks_[{req.group(), req.rank()}] = std::move(rank);
   if (superseded) {
-    if (!superseded->session.empty() && superseded->session != req.session_id() &&
-        sessions_.count(superseded->session)) {
-      v1::SupersededRank told;
-      told.set_group(req.group());
-      told.set_rank(req.rank());
-      told.set_registration(superseded->registration);
-      told.set_message(strCat(who, " on node \"", node_, "\" was taken over by ",
-                              ranks_[{req.group(), req.rank()}]->holder, " (registration ", superseded->registration,
-                              " superseded): this process no longer holds it"));
-      superseded_[superseded->session].push_back(std::move(told));
-    }
+    if (!superseded->session.empty() && superseded->session != req.session_id() && sessions_.count(superseded->session))
+      superseded_[superseded->session].push_back(
+          supersededNotice(req, who, node_, ranks_[{req.group(), req.rank()}]->holder, superseded->registration));
     unlinkSegments(*superseded);
   }
   state_cv_.notify_all();
@@ -189,6 +197,14 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
   rank->rank = req.rank();
   rank->world = req.world_size();
   rank->digest = std::move(digest);
+  rank->role = roleOf(req);
+  rank->session = req.session_id();
+  if (caller.local) rank->owner = caller.uid;
+  rank->holder = caller.local ? strCat("uid ", caller.uid, " (pid ", caller.pid, ")") : std::string("a remote client");
+  if (req.version() > 0) {  // a source's own bytes
+    rank->state = v1::RANK_READY;
+    rank->committed = req.version();
+  }
   SC_ASSIGN_OR_RETURN(rank->buffers, mapBuffers(who, req.buffers(), needed, held_by, shapes, caller));
   if (req.shadow_buffers_size() > 0) {
     // Double-buffered: a second set of the same buffers; syncs write the set not in use.

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "common/defaults.h"
+#include "common/fd_passing.h"
 #include "common/strings.h"
 
 namespace shardcast::daemon {
@@ -151,71 +152,112 @@ void Metrics::sourceVersionSeen(const std::string& group, const std::string& sou
   sources_[group] = {source, version};
 }
 
-std::string Metrics::render() const {
-  using prometheus::MetricType;
-  auto families = registry_->Collect();
-  auto read = [](const std::function<uint64_t()>& f) { return f ? static_cast<double>(f()) : 0.0; };
-  const SyncCounters m = moved.load();
-  auto counter = [&](const char* name, const char* help, double value) {
-    families.push_back(family(name, help, MetricType::Counter));
-    add(families.back(), value);
-  };
-  auto gauge = [&](const char* name, const char* help, double value) {
-    families.push_back(family(name, help, MetricType::Gauge));
-    add(families.back(), value);
-  };
-  counter("shardcast_bytes_sent_total", "Bytes this daemon sent over the network (sources and relays).",
-          static_cast<double>(m.bytes_sent));
-  counter("shardcast_bytes_received_total", "Bytes that landed on this daemon over the network.",
-          static_cast<double>(m.bytes_received));
-  counter("shardcast_bytes_landed_direct_total",
-          "Of the bytes received: written by peers straight into destination rank buffers (no unpack copy).",
-          static_cast<double>(m.bytes_landed_direct));
-  counter("shardcast_local_bytes_total", "Bytes copied node-locally into destination ranks.",
-          static_cast<double>(m.local_bytes));
-  counter("shardcast_device_fanout_bytes_total",
-          "Of the local bytes: copied GPU to GPU from a local rank that received the same box first.",
-          static_cast<double>(m.device_fanout_bytes));
+namespace {
+
+// A family of one value, without labels.
+void addCounter(std::vector<prometheus::MetricFamily>& families, const char* name, const char* help, double value) {
+  families.push_back(family(name, help, prometheus::MetricType::Counter));
+  add(families.back(), value);
+}
+void addGauge(std::vector<prometheus::MetricFamily>& families, const char* name, const char* help, double value) {
+  families.push_back(family(name, help, prometheus::MetricType::Gauge));
+  add(families.back(), value);
+}
+
+// A figure read at scrape time (0 while nothing provides it).
+double readNow(const std::function<uint64_t()>& f) { return f ? static_cast<double>(f()) : 0.0; }
+
+// What the syncs that ran here moved, and what they reused: delta bases and cached plans.
+void addTrafficFamilies(std::vector<prometheus::MetricFamily>& families, const Metrics& metrics) {
+  const SyncCounters m = metrics.moved.load();
+  addCounter(families, "shardcast_bytes_sent_total", "Bytes this daemon sent over the network (sources and relays).",
+             static_cast<double>(m.bytes_sent));
+  addCounter(families, "shardcast_bytes_received_total", "Bytes that landed on this daemon over the network.",
+             static_cast<double>(m.bytes_received));
+  addCounter(families, "shardcast_bytes_landed_direct_total",
+             "Of the bytes received: written by peers straight into destination rank buffers (no unpack copy).",
+             static_cast<double>(m.bytes_landed_direct));
+  addCounter(families, "shardcast_local_bytes_total", "Bytes copied node-locally into destination ranks.",
+             static_cast<double>(m.local_bytes));
+  addCounter(families, "shardcast_device_fanout_bytes_total",
+             "Of the local bytes: copied GPU to GPU from a local rank that received the same box first.",
+             static_cast<double>(m.device_fanout_bytes));
   families.push_back(family("shardcast_chunks_landed_total",
-                            "Chunks that landed on this daemon, by encoding (docs/delta.md).", MetricType::Counter));
+                            "Chunks that landed on this daemon, by encoding (docs/delta.md).",
+                            prometheus::MetricType::Counter));
   add(families.back(), static_cast<double>(m.dense_chunks), {{"encoding", "dense"}});
   add(families.back(), static_cast<double>(m.delta_chunks), {{"encoding", "delta"}});
-  gauge("shardcast_delta_base_bytes",
-        "Host memory holding the bytes this daemon last sent, as bases of delta syncs (at most --delta-cache-mib).",
-        read(delta_base_bytes));
-  gauge("shardcast_delta_base_capacity_bytes", "--delta-cache-mib, in bytes.", read(delta_base_capacity));
-  counter("shardcast_plan_cache_hits_total", "Syncs whose plan came from the cache.", read(plan_cache_hits));
-  counter("shardcast_plan_cache_misses_total", "Syncs that planned (no cached plan of their layouts and key).",
-          read(plan_cache_misses));
-  gauge("shardcast_registered_bytes", "Bytes of rank memory registered with this daemon.", read(registered_bytes));
-  gauge("shardcast_registered_ranks", "Ranks registered with this daemon.", read(registered_ranks));
+  addGauge(families, "shardcast_delta_base_bytes",
+           "Host memory holding the bytes this daemon last sent, as bases of delta syncs (at most --delta-cache-mib).",
+           readNow(metrics.delta_base_bytes));
+  addGauge(families, "shardcast_delta_base_capacity_bytes", "--delta-cache-mib, in bytes.",
+           readNow(metrics.delta_base_capacity));
+  addCounter(families, "shardcast_plan_cache_hits_total", "Syncs whose plan came from the cache.",
+             readNow(metrics.plan_cache_hits));
+  addCounter(families, "shardcast_plan_cache_misses_total",
+             "Syncs that planned (no cached plan of their layouts and key).", readNow(metrics.plan_cache_misses));
+}
+
+// What is registered here: bytes, ranks by state, and per group its version and ranks by state.
+void addRegistryFamilies(std::vector<prometheus::MetricFamily>& families, const Metrics& metrics,
+                         const std::map<std::string, Metrics::GroupFigures>& by_group) {
+  using prometheus::MetricType;
+  addGauge(families, "shardcast_registered_bytes", "Bytes of rank memory registered with this daemon.",
+           readNow(metrics.registered_bytes));
+  addGauge(families, "shardcast_registered_ranks", "Ranks registered with this daemon.",
+           readNow(metrics.registered_ranks));
   families.push_back(
       family("shardcast_ranks", "Ranks registered with this daemon, by state (docs/daemon.md).", MetricType::Gauge));
   std::map<std::string, uint64_t> states{{"empty", 0}, {"updating", 0}, {"ready", 0}, {"dirty", 0}};
-  if (rank_states)
-    for (const auto& [state, n] : rank_states()) states[state] = n;
+  if (metrics.rank_states)
+    for (const auto& [state, n] : metrics.rank_states()) states[state] = n;
   for (const auto& [state, n] : states) add(families.back(), static_cast<double>(n), {{"state", state}});
-  const auto by_group = groups ? groups() : std::map<std::string, GroupFigures>{};
   families.push_back(family("shardcast_group_version",
                             "Per group registered here: the version its ranks here last committed (destination) or "
                             "published (source); the lowest of them, 0 when one has none yet.",
                             MetricType::Gauge));
   for (const auto& [group, g] : by_group)
-    add(families.back(), static_cast<double>(g.version), {{"group", label(group)}, {"role", g.role}});
+    add(families.back(), static_cast<double>(g.version), {{"group", metrics.label(group)}, {"role", g.role}});
   families.push_back(
       family("shardcast_group_ranks", "Per group registered here: its ranks here by state.", MetricType::Gauge));
   for (const auto& [group, g] : by_group)
     for (const char* state : {"empty", "updating", "ready", "dirty"}) {
       const auto it = g.ranks.find(state);
       add(families.back(), static_cast<double>(it == g.ranks.end() ? 0 : it->second),
-          {{"group", label(group)}, {"role", g.role}, {"state", state}});
+          {{"group", metrics.label(group)}, {"role", g.role}, {"state", state}});
     }
+}
+
+// Client sessions, the TLS certificate's expiry, and what ended here without a sync's end.
+void addSessionFamilies(std::vector<prometheus::MetricFamily>& families, const Metrics& metrics) {
+  addGauge(families, "shardcast_sessions_active",
+           "Client sessions open on this daemon (their ranks live as long as they do).",
+           readNow(metrics.sessions_active));
+  if (metrics.certificate_expiry)
+    if (const auto expiry = metrics.certificate_expiry(); expiry.ok())
+      addGauge(families, "shardcast_tls_certificate_expiry_timestamp_seconds",
+               "When this daemon's TLS certificate (--tls-cert) expires, in Unix seconds.",
+               static_cast<double>(*expiry));
+  addCounter(families, "shardcast_syncs_expired_total",
+             "Syncs aborted here because their coordinator went silent (lease).",
+             static_cast<double>(metrics.syncs_expired.load()));
+  addCounter(families, "shardcast_sessions_ended_total", "Client sessions that ended, their ranks unregistered.",
+             static_cast<double>(metrics.sessions_ended.load()));
+}
+
+}  // namespace
+
+std::string Metrics::render() const {
+  auto families = registry_->Collect();
+  addTrafficFamilies(families, *this);
+  const auto by_group = groups ? groups() : std::map<std::string, GroupFigures>{};
+  addRegistryFamilies(families, *this, by_group);
   families.push_back(family("shardcast_group_version_lag",
                             "Per destination group registered here that a sync has reached: how many versions its "
                             "committed version here is behind its source: the version of the latest sync prepared "
                             "here into it (failed ones too), or the source's published version when its ranks are "
                             "registered here and newer.",
-                            MetricType::Gauge));
+                            prometheus::MetricType::Gauge));
   {
     std::lock_guard<std::mutex> lock(sources_mu_);
     for (auto it = sources_.begin(); it != sources_.end();) {  // groups gone from here are forgotten
@@ -237,29 +279,20 @@ std::string Metrics::render() const {
   families.push_back(family("shardcast_peer_up",
                             "Per peer node this daemon has reached: 1 while it is reachable (its connection up or "
                             "connectable, its last answer a success), 0 otherwise.",
-                            MetricType::Gauge));
+                            prometheus::MetricType::Gauge));
   if (peers_up)
     for (const auto& [peer, up] : peers_up()) {
       add(families.back(), up ? 1 : 0, {{"peer", label(peer)}});
       peer_failures_->Add({{"peer", label(peer)}});  // at 0 from the start: increase() sees its first failure
     }
-  gauge("shardcast_sessions_active", "Client sessions open on this daemon (their ranks live as long as they do).",
-        read(sessions_active));
-  if (certificate_expiry)
-    if (const auto expiry = certificate_expiry(); expiry.ok())
-      gauge("shardcast_tls_certificate_expiry_timestamp_seconds",
-            "When this daemon's TLS certificate (--tls-cert) expires, in Unix seconds.", static_cast<double>(*expiry));
-  counter("shardcast_syncs_expired_total", "Syncs aborted here because their coordinator went silent (lease).",
-          static_cast<double>(syncs_expired.load()));
-  counter("shardcast_sessions_ended_total", "Client sessions that ended, their ranks unregistered.",
-          static_cast<double>(sessions_ended.load()));
+  addSessionFamilies(families, *this);
   return prometheus::TextSerializer().Serialize(families);
 }
 
 // ---- MetricsServer ----
 
 struct MetricsServer::Connection {
-  int fd = -1;
+  OwnedFd fd;           // closed as the connection is forgotten
   std::string request;  // the bytes read so far (request line and headers)
   std::string answer;   // to send; empty while reading or waiting for a render
   size_t sent = 0;
@@ -287,6 +320,33 @@ bool isHeader(std::string_view line, std::string_view name) {
   for (size_t i = 0; i < name.size(); ++i)
     if (std::tolower(static_cast<unsigned char>(line[i])) != name[i]) return false;
   return true;
+}
+
+// A whole request's method and path (its query cut off), or the answer that refuses it: a
+// malformed request line, or a body announced (no request here has one; it is refused before a
+// byte of it is read).
+struct HttpRequest {
+  std::string_view method, path;
+  std::string refusal;
+};
+HttpRequest parseRequest(std::string_view req) {
+  const size_t line_end = req.find("\r\n");
+  const std::string_view line = req.substr(0, line_end);
+  const size_t sp1 = line.find(' '), sp2 = line.rfind(' ');
+  if (sp1 == std::string_view::npos || sp2 == sp1 || line.substr(sp2 + 1).rfind("HTTP/1.", 0) != 0)
+    return {{}, {}, plain(400, "Bad Request", "bad request line\n")};
+  HttpRequest out{line.substr(0, sp1), line.substr(sp1 + 1, sp2 - sp1 - 1), {}};
+  out.path = out.path.substr(0, out.path.find('?'));
+  for (size_t at = line_end + 2; at < req.size();) {
+    const size_t end = req.find("\r\n", at);
+    const std::string_view header = req.substr(at, end - at);
+    if (header.empty()) break;
+    if ((isHeader(header, "content-length") && header.find_first_not_of("0 \t", 15) != std::string_view::npos) ||
+        isHeader(header, "transfer-encoding"))
+      return {{}, {}, plain(413, "Payload Too Large", "requests here carry no body\n")};
+    at = end + 2;
+  }
+  return out;
 }
 
 }  // namespace
@@ -363,73 +423,97 @@ void MetricsServer::render() {
   }
 }
 
+void MetricsServer::answer(uint64_t id, Connection& c) {
+  const HttpRequest req = parseRequest(c.request);
+  if (!req.refusal.empty()) {
+    c.answer = req.refusal;
+    return;
+  }
+  c.head = req.method == "HEAD";
+  if (req.method != "GET" && !c.head) {
+    c.answer = plain(405, "Method Not Allowed", "GET /metrics or /healthz\n");
+  } else if (req.path == "/healthz") {
+    const bool up = metrics_.serving.load();
+    c.answer = httpAnswer(up ? 200 : 503, up ? "OK" : "Service Unavailable", "text/plain",
+                          up ? "SERVING\n" : "NOT_SERVING\n", c.head);
+  } else if (req.path == "/metrics") {
+    c.rendering = true;
+    {
+      std::lock_guard<std::mutex> lock(render_mu_);
+      to_render_.push_back(id);
+    }
+    render_cv_.notify_one();
+  } else {
+    c.answer = plain(404, "Not Found", "GET /metrics or /healthz\n");
+  }
+}
+
+void MetricsServer::takeRendered(Connections& connections) {
+  std::lock_guard<std::mutex> lock(render_mu_);
+  for (auto& [id, text] : rendered_)
+    if (const auto it = connections.find(id); it != connections.end() && it->second.rendering) {
+      it->second.rendering = false;
+      it->second.answer = httpAnswer(200, "OK", "text/plain; version=0.0.4", text, it->second.head);
+    }
+  rendered_.clear();
+}
+
+bool MetricsServer::exchange(uint64_t id, Connection& c) {
+  if (!c.answer.empty()) {  // sending
+    const ssize_t n = ::send(c.fd.get(), c.answer.data() + c.sent, c.answer.size() - c.sent, MSG_NOSIGNAL);
+    if (n > 0) c.sent += static_cast<size_t>(n);
+    return !((n < 0 && errno != EAGAIN && errno != EINTR) || c.sent == c.answer.size());
+  }
+  // Reading the request line and headers, never more than the limit.
+  char buf[4096];
+  const size_t room = limits_.max_request_bytes + 1 - c.request.size();
+  const ssize_t n = ::recv(c.fd.get(), buf, std::min(sizeof(buf), room), 0);
+  if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return false;
+  if (n < 0) return true;
+  const size_t before = c.request.size();
+  c.request.append(buf, static_cast<size_t>(n));
+  const size_t from = before >= 3 ? before - 3 : 0;
+  if (const size_t end = c.request.find("\r\n\r\n", from); end != std::string::npos) {
+    c.request.resize(end + 4);
+    c.deadline = std::chrono::steady_clock::now() + limits_.answer_time;
+    answer(id, c);
+  } else if (c.request.size() > limits_.max_request_bytes) {
+    c.answer = plain(431, "Request Header Fields Too Large",
+                     strCat("request line and headers are limited to ", limits_.max_request_bytes, " bytes\n"));
+    c.deadline = std::chrono::steady_clock::now() + limits_.answer_time;
+  }
+  return true;
+}
+
+void MetricsServer::acceptConnections(Connections& connections, uint64_t& next_id) {
+  while (true) {
+    const int fd = ::accept4(listener_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE)
+        spdlog::warn("metrics: cannot accept a connection: {}", std::strerror(errno));
+      break;  // EAGAIN: all accepted
+    }
+    // At the limit the oldest connection makes room: silent ones cannot keep a probe out.
+    if (connections.size() >= limits_.max_connections) connections.erase(connections.begin());
+    Connection c;
+    c.fd = OwnedFd(fd);
+    c.deadline = std::chrono::steady_clock::now() + limits_.request_time;
+    connections.emplace(next_id++, std::move(c));
+  }
+}
+
 void MetricsServer::serve() {
   using Clock = std::chrono::steady_clock;
-  std::map<uint64_t, Connection> connections;  // by id, in the order accepted
+  Connections connections;
   uint64_t next_id = 1;
-  auto close = [&](std::map<uint64_t, Connection>::iterator it) {
-    ::close(it->second.fd);
-    return connections.erase(it);
-  };
-  // The request is whole (its headers ended): the answer, or a render asked for.
-  auto answer = [&](uint64_t id, Connection& c) {
-    const std::string_view req(c.request);
-    const size_t line_end = req.find("\r\n");
-    const std::string_view line = req.substr(0, line_end);
-    const size_t sp1 = line.find(' '), sp2 = line.rfind(' ');
-    if (sp1 == std::string_view::npos || sp2 == sp1 || line.substr(sp2 + 1).rfind("HTTP/1.", 0) != 0) {
-      c.answer = plain(400, "Bad Request", "bad request line\n");
-      return;
-    }
-    const std::string_view method = line.substr(0, sp1);
-    std::string_view path = line.substr(sp1 + 1, sp2 - sp1 - 1);
-    path = path.substr(0, path.find('?'));
-    // No request has a body here: one announced is refused before a byte of it is read.
-    for (size_t at = line_end + 2; at < req.size();) {
-      const size_t end = req.find("\r\n", at);
-      const std::string_view header = req.substr(at, end - at);
-      if (header.empty()) break;
-      if ((isHeader(header, "content-length") && header.find_first_not_of("0 \t", 15) != std::string_view::npos) ||
-          isHeader(header, "transfer-encoding")) {
-        c.answer = plain(413, "Payload Too Large", "requests here carry no body\n");
-        return;
-      }
-      at = end + 2;
-    }
-    c.head = method == "HEAD";
-    if (method != "GET" && !c.head) {
-      c.answer = plain(405, "Method Not Allowed", "GET /metrics or /healthz\n");
-    } else if (path == "/healthz") {
-      const bool up = metrics_.serving.load();
-      c.answer = httpAnswer(up ? 200 : 503, up ? "OK" : "Service Unavailable", "text/plain",
-                            up ? "SERVING\n" : "NOT_SERVING\n", c.head);
-    } else if (path == "/metrics") {
-      c.rendering = true;
-      {
-        std::lock_guard<std::mutex> lock(render_mu_);
-        to_render_.push_back(id);
-      }
-      render_cv_.notify_one();
-    } else {
-      c.answer = plain(404, "Not Found", "GET /metrics or /healthz\n");
-    }
-  };
   std::vector<pollfd> fds;
   std::vector<uint64_t> ids;  // fds[i + 2]'s connection
   while (!stopping_) {
-    // Renders done: their answers.
-    {
-      std::lock_guard<std::mutex> lock(render_mu_);
-      for (auto& [id, text] : rendered_)
-        if (const auto it = connections.find(id); it != connections.end() && it->second.rendering) {
-          it->second.rendering = false;
-          it->second.answer = httpAnswer(200, "OK", "text/plain; version=0.0.4", text, it->second.head);
-        }
-      rendered_.clear();
-    }
+    takeRendered(connections);
     // Connections past their time are closed: a slow or silent client costs a slot for that long.
     const auto now = Clock::now();
-    for (auto it = connections.begin(); it != connections.end();) it = now >= it->second.deadline ? close(it) : ++it;
+    for (auto it = connections.begin(); it != connections.end();)
+      it = now >= it->second.deadline ? connections.erase(it) : ++it;
     fds.clear();
     ids.clear();
     fds.push_back({listener_, POLLIN, 0});
@@ -437,7 +521,7 @@ void MetricsServer::serve() {
     auto next = now + std::chrono::seconds(1);
     for (const auto& [id, c] : connections) {
       const short events = c.rendering ? 0 : c.answer.empty() ? POLLIN : POLLOUT;
-      fds.push_back({c.fd, events, 0});
+      fds.push_back({c.fd.get(), events, 0});
       ids.push_back(id);
       next = std::min(next, c.deadline);
     }
@@ -454,56 +538,12 @@ void MetricsServer::serve() {
       }
     }
     for (size_t i = 0; i < ids.size(); ++i) {
-      const short got = fds[i + 2].revents;
-      if (got == 0) continue;
+      if (fds[i + 2].revents == 0) continue;
       const auto it = connections.find(ids[i]);
-      Connection& c = it->second;
-      if (!c.answer.empty()) {  // sending
-        const ssize_t n = ::send(c.fd, c.answer.data() + c.sent, c.answer.size() - c.sent, MSG_NOSIGNAL);
-        if (n > 0) c.sent += static_cast<size_t>(n);
-        if ((n < 0 && errno != EAGAIN && errno != EINTR) || c.sent == c.answer.size()) close(it);
-        continue;
-      }
-      // Reading the request line and headers, never more than the limit.
-      char buf[4096];
-      const size_t room = limits_.max_request_bytes + 1 - c.request.size();
-      const ssize_t n = ::recv(c.fd, buf, std::min(sizeof(buf), room), 0);
-      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-        close(it);
-        continue;
-      }
-      if (n < 0) continue;
-      const size_t before = c.request.size();
-      c.request.append(buf, static_cast<size_t>(n));
-      const size_t from = before >= 3 ? before - 3 : 0;
-      if (const size_t end = c.request.find("\r\n\r\n", from); end != std::string::npos) {
-        c.request.resize(end + 4);
-        c.deadline = Clock::now() + limits_.answer_time;
-        answer(it->first, c);
-      } else if (c.request.size() > limits_.max_request_bytes) {
-        c.answer = plain(431, "Request Header Fields Too Large",
-                         strCat("request line and headers are limited to ", limits_.max_request_bytes, " bytes\n"));
-        c.deadline = Clock::now() + limits_.answer_time;
-      }
+      if (!exchange(it->first, it->second)) connections.erase(it);
     }
-    if (fds[0].revents & POLLIN) {
-      while (true) {
-        const int fd = ::accept4(listener_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) {
-          if (errno == EMFILE || errno == ENFILE)
-            spdlog::warn("metrics: cannot accept a connection: {}", std::strerror(errno));
-          break;  // EAGAIN: all accepted
-        }
-        // At the limit the oldest connection makes room: silent ones cannot keep a probe out.
-        if (connections.size() >= limits_.max_connections) close(connections.begin());
-        Connection c;
-        c.fd = fd;
-        c.deadline = Clock::now() + limits_.request_time;
-        connections.emplace(next_id++, std::move(c));
-      }
-    }
+    if (fds[0].revents & POLLIN) acceptConnections(connections, next_id);
   }
-  for (auto it = connections.begin(); it != connections.end();) it = close(it);
 }
 
 }  // namespace shardcast::daemon

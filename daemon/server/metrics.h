@@ -136,8 +136,14 @@ class MetricsServer {
 
  private:
   struct Connection;
+  using Connections = std::map<uint64_t, Connection>;  // by id, in the order accepted
   explicit MetricsServer(const Metrics& metrics, Limits limits) : metrics_(metrics), limits_(limits) {}
-  void serve();   // the poll thread: accepts, reads requests, answers, closes
+  void serve();  // the poll thread: accepts, reads requests, answers, closes
+  // The poll thread's steps.
+  void answer(uint64_t id, Connection& c);      // the request is whole: its answer, or a render asked for
+  void takeRendered(Connections& connections);  // the answers of the renders done
+  bool exchange(uint64_t id, Connection& c);    // a ready connection's read or send; false: close it
+  void acceptConnections(Connections& connections, uint64_t& next_id);  // every connection waiting
   void render();  // the render thread: /metrics for every connection waiting for it, one render each round
   void wake() const;
 

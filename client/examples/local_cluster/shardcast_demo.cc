@@ -21,8 +21,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <sstream>
 
 #include "client/lib/client.h"
@@ -173,32 +175,15 @@ double cpuSeconds(pid_t pid) {
   return ticks / static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
-int run(const Options& o, const std::string& daemon_path) {
-  const auto src_proto = planner::parseLayoutJson(layoutJson(o, true), "trainer");
-  const auto dst_proto = planner::parseLayoutJson(layoutJson(o, false), "vllm");
-  if (!src_proto.ok() || !dst_proto.ok()) {
-    fmt::print(stderr, "demo layouts: {}\n",
-               std::string((src_proto.ok() ? dst_proto.status() : src_proto.status()).message()));
-    return 1;
-  }
-  planner::NodeTable nodes;
-  const auto src = *planner::resolveLayout(*src_proto, nodes);
-  const auto dst = *planner::resolveLayout(*dst_proto, nodes);
-
-  // One daemon per node, each knowing all the others.
+// One shardcastd per node, by node name; `names` in start order (trainer nodes first).
+struct Cluster {
   std::vector<std::string> names;
-  for (int i = 0; i < o.trainer_nodes; ++i) names.push_back(fmt::format("trainer-{}", i));
-  for (int i = 0; i < o.inference_nodes; ++i) names.push_back(fmt::format("inference-{}", i));
-  std::vector<int> ports;
-  std::vector<std::string> hosts, peers;
-  const std::vector<int> local_ports = examples::freePortsBelowEphemeral(static_cast<int>(names.size()));
-  if (!o.netns && local_ports.size() < names.size()) throw std::runtime_error("not enough free TCP ports on 127.0.0.1");
-  for (size_t i = 0; i < names.size(); ++i) {
-    ports.push_back(o.netns ? 7070 : local_ports[i]);
-    hosts.push_back(o.netns ? fmt::format("10.77.0.{}", i + 2) : "127.0.0.1");
-    peers.push_back(fmt::format("{}:{}", hosts.back(), ports.back()));
-  }
   std::map<std::string, std::unique_ptr<Daemon>> daemons;
+  Daemon& of(const std::string& node) { return *daemons[node]; }
+};
+
+// The flags every daemon gets: the demo's own, then --daemon-arg's as they are.
+std::vector<std::string> daemonFlags(const Options& o) {
   std::vector<std::string> extra;
   if (!o.tls.empty()) extra = {"--ucx-tls", o.tls};
   if (o.chunk_mib > 0) {
@@ -214,129 +199,243 @@ int run(const Options& o, const std::string& daemon_path) {
     extra.push_back(std::to_string(o.staging_mib));
   }
   extra.insert(extra.end(), o.daemon_args.begin(), o.daemon_args.end());
+  return extra;
+}
+
+// One daemon per node, each knowing all the others: false (said on stderr) when one does not start.
+bool startCluster(const Options& o, const std::string& daemon_path, Cluster& c) {
+  for (int i = 0; i < o.trainer_nodes; ++i) c.names.push_back(fmt::format("trainer-{}", i));
+  for (int i = 0; i < o.inference_nodes; ++i) c.names.push_back(fmt::format("inference-{}", i));
+  const auto& names = c.names;
+  std::vector<int> ports;
+  std::vector<std::string> hosts, peers;
+  const std::vector<int> local_ports = examples::freePortsBelowEphemeral(static_cast<int>(names.size()));
+  if (!o.netns && local_ports.size() < names.size()) throw std::runtime_error("not enough free TCP ports on 127.0.0.1");
+  for (size_t i = 0; i < names.size(); ++i) {
+    ports.push_back(o.netns ? 7070 : local_ports[i]);
+    hosts.push_back(o.netns ? fmt::format("10.77.0.{}", i + 2) : "127.0.0.1");
+    peers.push_back(fmt::format("{}:{}", hosts.back(), ports.back()));
+  }
+  const std::vector<std::string> extra = daemonFlags(o);
   for (size_t i = 0; i < names.size(); ++i) {
     std::vector<std::string> launcher;
     if (o.netns) launcher = {"ip", "netns", "exec", "sc-" + names[i]};
-    daemons[names[i]] = std::make_unique<Daemon>(names[i], ports[i], peers, extra, daemon_path, hosts[i], launcher);
-    if (!daemons[names[i]]->ready()) {
-      fmt::print(stderr, "shardcastd for {} did not start: {}\n", names[i], daemons[names[i]]->readyLine());
-      return 1;
+    c.daemons[names[i]] = std::make_unique<Daemon>(names[i], ports[i], peers, extra, daemon_path, hosts[i], launcher);
+    if (!c.daemons[names[i]]->ready()) {
+      fmt::print(stderr, "shardcastd for {} did not start: {}\n", names[i], c.daemons[names[i]]->readyLine());
+      return false;
     }
   }
-  fmt::print("started {} daemons ({} trainer nodes, {} inference nodes) {}\n", names.size(), o.trainer_nodes,
+  return true;
+}
+
+// A rank's buffers in a fresh shared-memory segment, its pages touched: an inference server's
+// weights are loaded before the first sync, so the first sync's figure is not the kernel's page
+// zeroing.
+HostTensors touchedTensors(const v1::Layout& proto, int32_t rank) {
+  auto tensors = HostTensors::forRank(proto, rank);
+  if (!tensors.ok()) throw std::runtime_error(std::string(tensors.status().message()));
+  for (const auto& [name, slot] : tensors->buffers()) std::memset(tensors->bytes(name).data(), 0, slot.bytes);
+  return std::move(*tensors);
+}
+
+// Registers every rank of layout `l` with its node's daemon, its memory appended to `mem` (with
+// --double-buffered, a destination's second set to `shadow`).
+void registerRanks(const Options& o, Cluster& c, const planner::NodeTable& nodes, const v1::Layout& proto,
+                   const planner::ResolvedLayout& l, v1::Role role, std::vector<HostTensors>& mem,
+                   std::vector<HostTensors>& shadow) {
+  for (int32_t r = 0; r < l.world(); ++r) {
+    mem.push_back(touchedTensors(proto, r));
+    auto client = connectTo(c.of(nodes.name(l.rank_node[r])));
+    if (!client.ok()) throw std::runtime_error(std::string(client.status().message()));
+    auto options = role == v1::ROLE_SOURCE ? RegisterOptions::source() : RegisterOptions{};
+    if (role == v1::ROLE_DESTINATION && o.double_buffered) {
+      shadow.push_back(touchedTensors(proto, r));
+      options = RegisterOptions::doubleBuffered(shadow.back().handles());
+    }
+    if (auto st = client->registerRank(proto, r, mem.back(), options); !st.ok())
+      throw std::runtime_error(std::string(st.status().message()));
+  }
+}
+
+// The trainer's side of the fences: acquire its ranks (waits until no sync reads them), write
+// version v, publish the version they now hold.
+void trainerStep(std::vector<Client>& trainer, const planner::ResolvedLayout& src, std::vector<HostTensors>& smem,
+                 int v) {
+  for (int32_t r = 0; r < src.world(); ++r)
+    if (auto st = trainer[r].acquire("trainer", r); !st.ok())
+      throw std::runtime_error(std::string(st.status().message()));
+  for (int32_t r = 0; r < src.world(); ++r) visit(src, r, smem[r], v, false);
+  for (int32_t r = 0; r < src.world(); ++r)
+    if (auto st = trainer[r].publish("trainer", r, static_cast<uint64_t>(v)); !st.ok())
+      throw std::runtime_error(std::string(st.status().message()));
+}
+
+// A sync's CPU seconds (clock ticks of 10 ms): its coordinator's and every daemon's together.
+struct CpuUse {
+  double coordinator = 0, daemons = 0;
+};
+
+// Sync v's lines: its throughput and check, its RESULT line (--report), its phases' times.
+void printSync(const Options& o, const std::string& strategy, int v, const v1::SyncResponse& out, int64_t bad,
+               const CpuUse& cpu) {
+  fmt::print(
+      "sync v{}: {} to destination ranks ({} over the network, {} wave{}) in {:.3f} s = {:.2f} GB/s delivered{}; "
+      "verified: {}\n",
+      v, planner::humanBytes(static_cast<double>(out.bytes_needed())),
+      planner::humanBytes(static_cast<double>(out.network_bytes())), out.waves(), out.waves() == 1 ? "" : "s",
+      out.seconds(), static_cast<double>(out.bytes_needed()) / out.seconds() / 1e9,
+      out.plan_cached() ? " (plan cached)" : "",
+      bad == 0 ? "every byte correct" : fmt::format("{} WRONG elements", bad));
+  if (o.report)
+    fmt::print(
+        "RESULT sync strategy={} v={} seconds={:.6f} gather={:.6f} plan={:.6f} prepare={:.6f} execute={:.6f} "
+        "finish={:.6f} network_bytes={} bytes_needed={} wrong={} repeated={} folded={} coordinator_calls={} "
+        "coordinator_cpu={:.3f} daemons_cpu={:.3f}\n",
+        strategy, v, out.seconds(), out.gather_seconds(), out.plan_seconds(), out.prepare_seconds(),
+        out.execute_seconds(), out.finish_seconds(), out.network_bytes(), out.bytes_needed(), bad,
+        out.repeated() ? 1 : 0, out.folded() ? 1 : 0, out.coordinator_calls(), cpu.coordinator, cpu.daemons);
+  fmt::print(
+      "         gather {:.3f} s, plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s; {} landed "
+      "straight in rank buffers\n",
+      out.gather_seconds(), out.plan_seconds(), out.prepare_seconds(), out.execute_seconds(), out.finish_seconds(),
+      planner::humanBytes(static_cast<double>(out.bytes_landed_direct())));
+}
+
+// Syncs version v by `strategy` from its coordinator (the first node), checks every element of
+// `landed` and prints the figures: how many elements are wrong, or the sync's error.
+StatusOr<int64_t> syncAndVerify(const Options& o, Cluster& c, Client& coordinator, const std::string& strategy, int v,
+                                const planner::ResolvedLayout& dst, std::vector<HostTensors>& landed) {
+  SyncOptions so;
+  so.verify = o.verify;
+  so.timeout = std::chrono::minutes(10);
+  so.strategy = kStrategies.at(strategy);
+  std::vector<double> cpu_before;
+  for (const auto& node : c.names) cpu_before.push_back(cpuSeconds(c.of(node).pid()));
+  auto synced = coordinator.sync("trainer", "vllm", static_cast<uint64_t>(v), so);
+  CpuUse cpu;
+  for (size_t i = 0; i < c.names.size(); ++i) {
+    const double used = cpuSeconds(c.of(c.names[i]).pid()) - cpu_before[i];
+    cpu.daemons += used;
+    if (i == 0) cpu.coordinator = used;
+  }
+  if (!synced.ok()) return synced.status();
+  int64_t bad = 0;
+  for (int32_t r = 0; r < dst.world(); ++r) bad += visit(dst, r, landed[r], v, true);
+  printSync(o, strategy, v, *synced, bad, cpu);
+  return bad;
+}
+
+int run(const Options& o, const std::string& daemon_path) {
+  const auto src_proto = planner::parseLayoutJson(layoutJson(o, true), "trainer");
+  const auto dst_proto = planner::parseLayoutJson(layoutJson(o, false), "vllm");
+  if (!src_proto.ok() || !dst_proto.ok()) {
+    fmt::print(stderr, "demo layouts: {}\n",
+               std::string((src_proto.ok() ? dst_proto.status() : src_proto.status()).message()));
+    return 1;
+  }
+  planner::NodeTable nodes;
+  const auto src = *planner::resolveLayout(*src_proto, nodes);
+  const auto dst = *planner::resolveLayout(*dst_proto, nodes);
+  Cluster cluster;
+  if (!startCluster(o, daemon_path, cluster)) return 1;
+  fmt::print("started {} daemons ({} trainer nodes, {} inference nodes) {}\n", cluster.names.size(), o.trainer_nodes,
              o.inference_nodes, o.netns ? "in network namespaces (bench/cluster.sh)" : "on loopback");
 
   // Each rank's weights live in a shared-memory segment the rank (here: this process) writes into
   // and its node's daemon reads and writes directly.
   std::vector<HostTensors> smem, dmem, shadow;  // shadow: the inference ranks' second sets
-  auto register_all = [&](const v1::Layout& proto, const planner::ResolvedLayout& l, std::vector<HostTensors>& mem,
-                          v1::Role role) {
-    for (int32_t r = 0; r < l.world(); ++r) {
-      auto tensors = HostTensors::forRank(proto, r);
-      if (!tensors.ok()) throw std::runtime_error(std::string(tensors.status().message()));
-      // An inference server's weights are loaded before the first sync: touch the pages now, so
-      // that the first sync's figure is not the kernel's page zeroing.
-      for (const auto& [name, slot] : tensors->buffers()) std::memset(tensors->bytes(name).data(), 0, slot.bytes);
-      mem.push_back(std::move(*tensors));
-      auto client = connectTo(*daemons[nodes.name(l.rank_node[r])]);
-      if (!client.ok()) throw std::runtime_error(std::string(client.status().message()));
-      auto options = role == v1::ROLE_SOURCE ? RegisterOptions::source() : RegisterOptions{};
-      if (role == v1::ROLE_DESTINATION && o.double_buffered) {
-        auto other = HostTensors::forRank(proto, r);
-        if (!other.ok()) throw std::runtime_error(std::string(other.status().message()));
-        for (const auto& [name, slot] : other->buffers()) std::memset(other->bytes(name).data(), 0, slot.bytes);
-        options = RegisterOptions::doubleBuffered(other->handles());
-        shadow.push_back(std::move(*other));
-      }
-      if (auto st = client->registerRank(proto, r, mem.back(), options); !st.ok())
-        throw std::runtime_error(std::string(st.status().message()));
-    }
-  };
-  register_all(*src_proto, src, smem, v1::ROLE_SOURCE);
-  register_all(*dst_proto, dst, dmem, v1::ROLE_DESTINATION);
-  // The trainer's side of the fences: acquire its ranks (waits until no sync reads them), write,
-  // publish the version they now hold.
-  std::vector<Client> trainer_clients;
+  registerRanks(o, cluster, nodes, *src_proto, src, v1::ROLE_SOURCE, smem, shadow);
+  registerRanks(o, cluster, nodes, *dst_proto, dst, v1::ROLE_DESTINATION, dmem, shadow);
+  std::vector<Client> trainer;
   for (int32_t r = 0; r < src.world(); ++r) {
-    auto client = connectTo(*daemons[nodes.name(src.rank_node[r])]);
+    auto client = connectTo(cluster.of(nodes.name(src.rank_node[r])));
     if (!client.ok()) throw std::runtime_error(std::string(client.status().message()));
-    trainer_clients.push_back(std::move(*client));
+    trainer.push_back(std::move(*client));
   }
-  auto step = [&](int v) {
-    for (int32_t r = 0; r < src.world(); ++r)
-      if (auto st = trainer_clients[r].acquire("trainer", r); !st.ok())
-        throw std::runtime_error(std::string(st.status().message()));
-    for (int32_t r = 0; r < src.world(); ++r) visit(src, r, smem[r], v, false);
-    for (int32_t r = 0; r < src.world(); ++r)
-      if (auto st = trainer_clients[r].publish("trainer", r, static_cast<uint64_t>(v)); !st.ok())
-        throw std::runtime_error(std::string(st.status().message()));
-  };
-
-  auto coordinator = connectTo(*daemons[names[0]]);
+  auto coordinator = connectTo(cluster.of(cluster.names[0]));
   if (!coordinator.ok()) throw std::runtime_error(std::string(coordinator.status().message()));
   int failures = 0, v = 0;
   for (const std::string& name : o.strategies) {
-    const v1::SyncStrategy strategy = kStrategies.at(name);
-    auto plan = coordinator->plan("trainer", "vllm", o.nic_gbps, strategy);
+    auto plan = coordinator->plan("trainer", "vllm", o.nic_gbps, kStrategies.at(name));
     if (!plan.ok()) throw std::runtime_error(std::string(plan.status().message()));
     if (o.strategies.size() > 1) fmt::print("== strategy {}\n", name);
     fmt::print("{}\n", plan->summary_text());
     if (o.report) fmt::print("RESULT plan strategy={} {}\n", name, plan->summary_json());
     for (int s = 1; s <= o.syncs; ++s) {
-      step(++v);  // the trainer's step v
-      SyncOptions so;
-      so.verify = o.verify;
-      so.timeout = std::chrono::minutes(10);
-      so.strategy = strategy;
-      std::vector<double> cpu_before;
-      for (const auto& node : names) cpu_before.push_back(cpuSeconds(daemons[node]->pid()));
-      auto synced = coordinator->sync("trainer", "vllm", static_cast<uint64_t>(v), so);
-      double coordinator_cpu = 0, daemons_cpu = 0;  // this sync's CPU seconds (clock ticks of 10 ms)
-      for (size_t i = 0; i < names.size(); ++i) {
-        const double used = cpuSeconds(daemons[names[i]]->pid()) - cpu_before[i];
-        daemons_cpu += used;
-        if (i == 0) coordinator_cpu = used;
-      }
-      if (!synced.ok()) {
-        fmt::print(stderr, "sync {} ({}) failed: {}\n", v, name, std::string(synced.status().message()));
-        return 1;
-      }
-      const v1::SyncResponse& out = *synced;
-      int64_t bad = 0;
+      trainerStep(trainer, src, smem, ++v);  // the trainer's step v
       // Double-buffered: the first sync writes the second set, and every commit flips.
       auto& landed = o.double_buffered && v % 2 == 1 ? shadow : dmem;
-      for (int32_t r = 0; r < dst.world(); ++r) bad += visit(dst, r, landed[r], v, true);
-      failures += bad != 0;
-      fmt::print(
-          "sync v{}: {} to destination ranks ({} over the network, {} wave{}) in {:.3f} s = {:.2f} GB/s delivered{}; "
-          "verified: {}\n",
-          v, planner::humanBytes(static_cast<double>(out.bytes_needed())),
-          planner::humanBytes(static_cast<double>(out.network_bytes())), out.waves(), out.waves() == 1 ? "" : "s",
-          out.seconds(), static_cast<double>(out.bytes_needed()) / out.seconds() / 1e9,
-          out.plan_cached() ? " (plan cached)" : "",
-          bad == 0 ? "every byte correct" : fmt::format("{} WRONG elements", bad));
-      if (o.report)
-        fmt::print(
-            "RESULT sync strategy={} v={} seconds={:.6f} gather={:.6f} plan={:.6f} prepare={:.6f} execute={:.6f} "
-            "finish={:.6f} network_bytes={} bytes_needed={} wrong={} repeated={} folded={} coordinator_calls={} "
-            "coordinator_cpu={:.3f} daemons_cpu={:.3f}\n",
-            name, v, out.seconds(), out.gather_seconds(), out.plan_seconds(), out.prepare_seconds(),
-            out.execute_seconds(), out.finish_seconds(), out.network_bytes(), out.bytes_needed(), bad,
-            out.repeated() ? 1 : 0, out.folded() ? 1 : 0, out.coordinator_calls(), coordinator_cpu, daemons_cpu);
-      fmt::print(
-          "         gather {:.3f} s, plan {:.3f} s, prepare {:.3f} s, execute {:.3f} s, finish {:.3f} s; {} landed "
-          "straight in rank buffers\n",
-          out.gather_seconds(), out.plan_seconds(), out.prepare_seconds(), out.execute_seconds(), out.finish_seconds(),
-          planner::humanBytes(static_cast<double>(out.bytes_landed_direct())));
+      const auto bad = syncAndVerify(o, cluster, *coordinator, name, v, dst, landed);
+      if (!bad.ok()) {
+        fmt::print(stderr, "sync {} ({}) failed: {}\n", v, name, std::string(bad.status().message()));
+        return 1;
+      }
+      failures += *bad != 0;
     }
   }
   return failures == 0 ? 0 : 1;
 }
 
-}  // namespace
+// Reads --strategies' comma-separated list into o.strategies.
+void setStrategies(Options& o, const std::string& list) {
+  o.strategies.clear();
+  for (size_t at = 0; at <= list.size();) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    const std::string name = list.substr(at, comma - at);
+    if (!kStrategies.count(name))
+      throw std::invalid_argument("unknown strategy \"" + name + "\" (planned, rank-pull, gather-broadcast)");
+    o.strategies.push_back(name);
+    at = comma + 1;
+  }
+}
 
-int main(int argc, char** argv) {
-  Options o;
+// Sets the option `flag` names, its value (where it takes one) from `next`; throws for a flag
+// it does not know or a value it cannot read.
+void setOption(Options& o, const std::string& flag, const std::function<std::string()>& next) {
+  if (flag == "--layers")
+    o.layers = std::stoi(next());
+  else if (flag == "--hidden")
+    o.hidden = std::stoll(next());
+  else if (flag == "--syncs")
+    o.syncs = std::stoi(next());
+  else if (flag == "--trainer-nodes")
+    o.trainer_nodes = std::stoi(next());
+  else if (flag == "--inference-nodes")
+    o.inference_nodes = std::stoi(next());
+  else if (flag == "--ucx-tls")
+    o.tls = next();
+  else if (flag == "--staging-mib")
+    o.staging_mib = std::stoll(next());
+  else if (flag == "--chunk-mib")
+    o.chunk_mib = std::stoll(next());
+  else if (flag == "--window-mib")
+    o.window_mib = std::stoll(next());
+  else if (flag == "--verify")
+    o.verify = true;
+  else if (flag == "--double-buffered")
+    o.double_buffered = true;
+  else if (flag == "--daemon-arg")
+    o.daemon_args.push_back(next());
+  else if (flag == "--netns")
+    o.netns = true;
+  else if (flag == "--nic-gbps")
+    o.nic_gbps = std::stod(next());
+  else if (flag == "--report")
+    o.report = true;
+  else if (flag == "--vocab")
+    o.vocab = std::stoll(next());
+  else if (flag == "--experts")
+    o.experts = std::stoll(next());
+  else if (flag == "--strategies")
+    setStrategies(o, next());
+  else
+    throw std::invalid_argument("unknown option " + flag);
+}
+
+// Reads the command line into `o`: the exit code when the demo ends here (0 after --help, 2 for
+// a bad option or value, said on stderr with the usage).
+std::optional<int> parseOptions(int argc, char** argv, Options& o) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     std::string inline_value;  // --flag=value
@@ -355,53 +454,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     try {
-      if (a == "--layers")
-        o.layers = std::stoi(next());
-      else if (a == "--hidden")
-        o.hidden = std::stoll(next());
-      else if (a == "--syncs")
-        o.syncs = std::stoi(next());
-      else if (a == "--trainer-nodes")
-        o.trainer_nodes = std::stoi(next());
-      else if (a == "--inference-nodes")
-        o.inference_nodes = std::stoi(next());
-      else if (a == "--ucx-tls")
-        o.tls = next();
-      else if (a == "--staging-mib")
-        o.staging_mib = std::stoll(next());
-      else if (a == "--chunk-mib")
-        o.chunk_mib = std::stoll(next());
-      else if (a == "--window-mib")
-        o.window_mib = std::stoll(next());
-      else if (a == "--verify")
-        o.verify = true;
-      else if (a == "--double-buffered")
-        o.double_buffered = true;
-      else if (a == "--daemon-arg")
-        o.daemon_args.push_back(next());
-      else if (a == "--netns")
-        o.netns = true;
-      else if (a == "--nic-gbps")
-        o.nic_gbps = std::stod(next());
-      else if (a == "--report")
-        o.report = true;
-      else if (a == "--vocab")
-        o.vocab = std::stoll(next());
-      else if (a == "--experts")
-        o.experts = std::stoll(next());
-      else if (a == "--strategies") {
-        o.strategies.clear();
-        const std::string list = next();
-        for (size_t at = 0; at <= list.size();) {
-          const size_t comma = std::min(list.find(',', at), list.size());
-          const std::string name = list.substr(at, comma - at);
-          if (!kStrategies.count(name))
-            throw std::invalid_argument("unknown strategy \"" + name + "\" (planned, rank-pull, gather-broadcast)");
-          o.strategies.push_back(name);
-          at = comma + 1;
-        }
-      } else
-        throw std::invalid_argument("unknown option " + a);
+      setOption(o, a, next);
     } catch (const std::exception& e) {
       fmt::print(stderr, "shardcast-demo: {}\n{}", e.what(), kUsage);
       return 2;
@@ -416,6 +469,14 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "shardcast-demo: --layers/--syncs/--*-nodes must be >= 1 and --hidden a multiple of 16\n");
     return 2;
   }
+  return std::nullopt;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  if (const auto exit_code = parseOptions(argc, argv, o)) return *exit_code;
   const auto daemon_path = (std::filesystem::canonical("/proc/self/exe").parent_path() / "shardcastd").string();
   try {
     return run(o, daemon_path);
