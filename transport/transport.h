@@ -188,7 +188,8 @@ struct Capabilities {
 class Context {
  public:
   virtual ~Context() = default;
-  // Describes backend, transports and protocol, e.g. "ucx(tls=tcp, protocol=am, tcp_segment=1M, cuda=no)".
+  // Describes backend, its library version, transports and protocol, e.g. "ucx 1.13.1 (tls=tcp,
+  // protocol=am, tcp_segment=1M, cuda=no)".
   virtual std::string describe() const = 0;
   // The bytes a peer passes to connect() (exchanged out of band).
   virtual std::string address() const = 0;

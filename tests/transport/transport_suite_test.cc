@@ -5,6 +5,7 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <filesystem>
 #include <future>
 #include <mutex>
 #include <random>
@@ -558,6 +559,29 @@ TEST_CASE("TCP segment size: 1 MiB by default, UCX's own when 0, the environment
   ::setenv("UCX_TCP_RX_SEG_SIZE", "128k", 1);
   CHECK_THAT(describe("tcp", size_t{1} << 20), Catch::Contains("tcp_segment=128k"));
   ::unsetenv("UCX_TCP_RX_SEG_SIZE");
+}
+
+TEST_CASE("the UCX loaded is the one a run names", "[transport]") {
+  // SHARDCAST_EXPECT_UCX: the version a run put first on the library path (tests/CMakeLists.txt
+  // runs this suite again against NVIDIA's CUDA-aware UCX). The context says which one it runs.
+  // SHARDCAST_EXPECT_UCX_CUDA=1 (the device check, whose bundle carries that UCX to a GPU
+  // machine): its CUDA transports load there, and a context reaches device memory.
+  const char* expected = std::getenv("SHARDCAST_EXPECT_UCX");
+  if (expected == nullptr || *expected == '\0')
+    SHARDCAST_SKIP("no UCX named (SHARDCAST_EXPECT_UCX): the build's own runs");
+  const char* cuda = std::getenv("SHARDCAST_EXPECT_UCX_CUDA");
+  const bool want_cuda = cuda != nullptr && std::string(cuda) == "1";
+  TransportOptions o;
+  o.settings["ucx.tls"] = want_cuda ? "tcp,cuda_copy,cuda_ipc" : "tcp";
+  auto c = createContext(o);
+  INFO((c.ok() ? "" : std::string(c.status().message())));
+  REQUIRE(c.ok());
+  WARN("transport: " << (*c)->describe());
+  CHECK_THAT((*c)->describe(), Catch::StartsWith(std::string("ucx ") + expected + " ("));
+  if (want_cuda)
+    CHECK((*c)->canAccess(MemoryKind::kCuda));
+  else if (!std::filesystem::exists("/dev/nvidiactl"))  // no driver: its CUDA module does not load
+    CHECK_FALSE((*c)->canAccess(MemoryKind::kCuda));
 }
 
 TEMPLATE_TEST_CASE("backend-allocated landing buffers receive writes", "[transport]", BACKENDS) {

@@ -1018,7 +1018,10 @@ class UcxContext final : public Context {
   ~UcxContext() override { engine_->stop(); }
 
   std::string describe() const override {
-    return strCat("ucx(tls=", tls_.empty() ? "default" : tls_, ", protocol=", protocolName(engine_->protocol()),
+    // The library loaded, which may not be the one built against (libucp.so.0 is ABI-compatible
+    // across versions: a cluster's own CUDA- and verbs-aware UCX replaces the build's).
+    return strCat("ucx ", ucp_get_version_string(), " (tls=", tls_.empty() ? "default" : tls_,
+                  ", protocol=", protocolName(engine_->protocol()),
                   tcp_segment_.empty() ? "" : strCat(", tcp_segment=", tcp_segment_), ", cuda=", cuda_ ? "yes" : "no",
                   ")");
   }
@@ -1157,7 +1160,10 @@ StatusOr<std::unique_ptr<Context>> createUcxContext(const TransportOptions& opti
     // that have it; only set where tcp may be used, or UCX warns that no interface took it.
     const size_t b = ucx.tcp_segment_bytes;  // in UCX's size syntax, e.g. "1M"
     tcp_segment = b % (1 << 20) == 0 ? strCat(b >> 20, "M") : b % 1024 == 0 ? strCat(b >> 10, "K") : std::to_string(b);
+    // UCX 1.13 takes the interface's key alone; later versions (1.22: NVIDIA's CUDA-aware build)
+    // only with the transport's prefix.
     st = ucp_config_modify(config, "RX_SEG_SIZE", tcp_segment.c_str());
+    if (st != UCS_OK) st = ucp_config_modify(config, "TCP_RX_SEG_SIZE", tcp_segment.c_str());
     if (st != UCS_OK) {
       ucp_config_release(config);
       return absl::InvalidArgumentError(ucxError(strCat("UCX TCP segment size ", ucx.tcp_segment_bytes), st));
