@@ -11,6 +11,8 @@ between differently sharded groups, watch them and wait for versions.
     # inference rank: its local tensors and its parallel plan (TP, fused qkv / gate_up, experts)
     plan = shardcast.ParallelPlan(tp_size=4, tp_rank=r, column=["*q_proj*"], row=["*o_proj*"], fused={...})
     client.register_inference("vllm", local_tensors, plan, meta_model.state_dict(), nodes=[...])
+    # fp8 serving: ParallelPlan(..., fp8=["*proj.weight"]); shardcast.local_tensors(plan, model)
+    # allocates each rank's fp8 parts and their float32 scale buffers
 """
 
 import os
@@ -26,7 +28,7 @@ from shardcast import fp8  # light: its functions import torch when called
 from shardcast.client import Client, ShardcastError, TlsFiles, default_target, describe_rank, DEFAULT_SOCKET
 from shardcast.layout import load_layout, layout_from_dtensors, dtensor_available
 from shardcast.memory import CuMemBuffer, Registration
-from shardcast.parallel import ParallelPlan, inference_layout, local_shapes
+from shardcast.parallel import ParallelPlan, fp8_scale_name, inference_layout, local_shapes, local_tensors
 
 __all__ = [
     "fp8",
@@ -44,4 +46,6 @@ __all__ = [
     "ParallelPlan",
     "inference_layout",
     "local_shapes",
+    "local_tensors",
+    "fp8_scale_name",
 ]

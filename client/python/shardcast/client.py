@@ -567,8 +567,10 @@ class Client:
         """An inference rank registers its local tensors ({buffer: tensor}, named as the engine
         holds them: fused buffers by their own names) under its parallel `plan`, for `model`'s full
         tensor shapes ({name: tensor or (shape, dtype)}; a meta-device model's state_dict will do).
-        Each local tensor must have exactly the shape and dtype the plan gives this rank. Nodes:
-        `nodes`, `ranks_per_node` (+ `node_prefix`), or gathered through `process_group`."""
+        Each local tensor must have exactly the shape and dtype the plan gives this rank
+        (shardcast.local_tensors allocates them; tensors in `plan.fp8` are float8_e4m3fn, each with
+        its float32 scale buffer). Nodes: `nodes`, `ranks_per_node` (+ `node_prefix`), or gathered
+        through `process_group`."""
         self._check_open(f'register group "{group}" rank {plan.rank}')
         check_local_tensors(plan, model, tensors)
         if nodes is None and ranks_per_node is None:

@@ -50,3 +50,16 @@ def block_dequantize(q: Any, scale: Any, block: Sequence[int] = (128, 128)) -> A
     if len(block) != q.dim():
         block = [1] * (q.dim() - len(block)) + block
     return q.float() * _expand(scale, block, q.shape)
+
+
+def scale_shape(offsets: Sequence[int], sizes: Sequence[int], block: Sequence[int]) -> Tuple[int, ...]:
+    """The shape of the scale buffer a rank holding the part [offsets, offsets + sizes) of a
+    block-scaled tensor registers: per dim, blocks `start // block` to `ceil(end / block) - 1`
+    (the blocks its part touches; a block its part shares with another rank's is in both).
+    `block` is one size per dim, or the last dims' sizes (1 before them)."""
+    block = [int(b) for b in block]
+    if len(block) < len(sizes):
+        block = [1] * (len(sizes) - len(block)) + block
+    if len(block) != len(sizes) or len(offsets) != len(sizes):
+        raise ValueError(f"a part of {len(sizes)} dims, {len(offsets)} offsets and a block of {len(block)} sizes")
+    return tuple(-(-(int(o) + int(s)) // b) - int(o) // b for o, s, b in zip(offsets, sizes, block))

@@ -4,7 +4,9 @@
 - an inference rank has its local tensors and its engine's parallel plan (tensor-parallel rank and
   size, replicas, which weights are column- or row-parallel, fused buffers such as qkv_proj and
   gate_up_proj, expert ranges): `inference_layout` turns a `ParallelPlan` and the model's full
-  tensor shapes into the group's layout, and `check_local_tensors` holds the local tensors to it.
+  tensor shapes into the group's layout, and `check_local_tensors` holds the local tensors to it;
+  tensors the engine serves in block-scaled fp8 (`ParallelPlan.fp8`) add a float32 scale buffer
+  per rank, whose shape `local_shapes` gives and `local_tensors` allocates.
 
 Where the ranks run (their nodes) is gathered through torch.distributed when a process group is
 there (`gather_nodes`), or given.
@@ -15,6 +17,8 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from shardcast.fp8 import scale_shape
 
 TensorSpec = Tuple[Tuple[int, ...], str]  # (global shape, torch dtype name)
 
@@ -55,7 +59,13 @@ class ParallelPlan:
       w13 = [w1; w3] along dim 1);
     - `experts` names expert-stacked tensors (dim 0 = expert); with `expert_ranges` (one
       (start, stop) per TP rank) each rank holds only its experts, whole (expert parallelism);
-      without, they are split like any other tensor.
+      without, they are split like any other tensor;
+    - `fp8` names the tensors the engine serves in block-scaled fp8 (docs/daemon.md, "fp8"): each
+      lands as float8_e4m3fn, quantised by the source from its float32 or bfloat16 weights, with
+      one float32 scale per `fp8_block` block of its last two dims (rounded up to a power of two
+      with `fp8_pow2`) in a buffer of its own named `<name>_scale_inv` (`fp8_scale_name`: vLLM's
+      `weight_scale_inv` for a `.weight`). The rank holds the scales of every block its part
+      touches (`local_shapes` gives the shape, `local_tensors` allocates it).
     """
 
     tp_size: int = 1
@@ -67,6 +77,9 @@ class ParallelPlan:
     fused: Mapping[str, Sequence[str]] = field(default_factory=dict)
     experts: Sequence[str] = ()
     expert_ranges: Optional[Sequence[Tuple[int, int]]] = None
+    fp8: Sequence[str] = ()
+    fp8_block: Tuple[int, int] = (128, 128)
+    fp8_pow2: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
@@ -75,9 +88,12 @@ class ParallelPlan:
             raise ValueError(f"replica {self.replica} is not in [0, replicas={self.replicas})")
         if self.expert_ranges is not None and len(self.expert_ranges) != self.tp_size:
             raise ValueError(f"expert_ranges has {len(self.expert_ranges)} entries for tp_size {self.tp_size}")
-        for p in (self.column, self.row, self.experts):
+        for p in (self.column, self.row, self.experts, self.fp8):
             if isinstance(p, str):
                 raise TypeError(f"patterns must be a sequence of strings, got the string {p!r}")
+        block = tuple(self.fp8_block)
+        if len(block) != 2 or not all(isinstance(b, int) and 1 <= b <= 1 << 20 for b in block):
+            raise ValueError(f"fp8_block {self.fp8_block!r}: give two block sizes in [1, 2^20] (rows, columns)")
 
     @property
     def rank(self) -> int:
@@ -103,6 +119,73 @@ class ParallelPlan:
 
     def expert_parallel(self, name: str) -> bool:
         return self.expert_ranges is not None and self._matches(self.experts, name)
+
+    def is_fp8(self, name: str) -> bool:
+        """Whether `name` lands as block-scaled fp8."""
+        return self._matches(self.fp8, name)
+
+    def part(self, name: str, shape: Sequence[int], tp_rank: Optional[int] = None) -> Tuple[List[int], List[int]]:
+        """(offsets, sizes) of the part of tensor `name` (full shape `shape`) that TP rank `tp_rank`
+        (default: this plan's) holds."""
+        t = self.tp_rank if tp_rank is None else tp_rank
+        offsets, sizes = [0] * len(shape), [int(s) for s in shape]
+        if self.expert_parallel(name):
+            start, stop = (self.expert_ranges or [])[t]
+            offsets[0], sizes[0] = start, stop - start
+        else:
+            split = self.split_dim(name, len(shape))
+            if split is not None:
+                start, stop = _chunk(shape[split], self.tp_size, t)
+                offsets[split], sizes[split] = start, stop - start
+        return offsets, sizes
+
+
+FP8_DTYPE = "float8_e4m3fn"
+_QUANTISABLE = ("float32", "bfloat16", FP8_DTYPE)  # what a source quantises from; fp8 when the model is the engine's
+
+
+def fp8_scale_name(name: str) -> str:
+    """The scale buffer of block-scaled tensor `name`: `<name>_scale_inv` (vLLM's checkpoint name:
+    `x.weight` -> `x.weight_scale_inv`)."""
+    return f"{name}_scale_inv"
+
+
+def fp8_block(plan: ParallelPlan, ndim: int) -> List[int]:
+    """The block of an fp8 tensor of `ndim` dims: `plan.fp8_block` over the last two, 1 before."""
+    return [1] * (ndim - 2) + [int(b) for b in plan.fp8_block]
+
+
+def fp8_tensors(plan: ParallelPlan, model: Mapping[str, Any]) -> List[str]:
+    """The names of `model` that land as block-scaled fp8 under `plan`, checked: every `fp8`
+    pattern matches a tensor, each such tensor has 2 dims or more, a dtype a source quantises
+    (float32 or bfloat16; float8_e4m3fn when the model given is the engine's own) and a part on
+    every rank, and no scale buffer name is already a tensor's or a fused buffer's."""
+    specs = tensor_specs(model)
+    names = [n for n in specs if plan.is_fp8(n)]
+    for pattern in plan.fp8:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in specs):
+            raise ValueError(f'fp8 pattern "{pattern}" matches no tensor of the model')
+    for name in names:
+        shape, dtype = specs[name]
+        if len(shape) < 2:
+            raise ValueError(f'tensor "{name}" {list(shape)}: fp8 blocks span the last two dims, so an fp8 tensor '
+                             "needs 2 dims or more")
+        if dtype not in _QUANTISABLE:
+            raise ValueError(f'tensor "{name}" is {dtype}: a source quantises float32 or bfloat16 weights to fp8')
+        scale = fp8_scale_name(name)
+        if scale in specs or scale in plan.fused:
+            raise ValueError(f'tensor "{name}": its scale buffer name "{scale}" is already a tensor or fused buffer')
+        for t in range(plan.tp_size):
+            offsets, sizes = plan.part(name, shape, t)
+            if 0 in sizes:
+                raise ValueError(f'tensor "{name}" {list(shape)}: tp_rank {t} holds none of it '
+                                 f"(offsets {offsets}, sizes {sizes}); an fp8 tensor needs a part on every rank "
+                                 "(fewer ranks, or leave it out of fp8)")
+    for buffer, members in plan.fused.items():
+        kinds = {plan.is_fp8(m) for m in members if m in specs}
+        if len(kinds) > 1:
+            raise ValueError(f'fused buffer "{buffer}": some members are fp8 and some are not; one buffer has one dtype')
+    return names
 
 
 def _chunk(n: int, k: int, i: int) -> Tuple[int, int]:
@@ -135,9 +218,14 @@ def inference_layout(group: str, plan: ParallelPlan, model: Mapping[str, Any], *
     if not specs:
         raise ValueError("the model has no tensors")
     _fused_members(plan, specs)  # validates the fused groups
+    fp8 = set(fp8_tensors(plan, specs))
     tensors = []
     for name, (shape, dtype) in specs.items():
         entry: Dict[str, Any] = {"name": name, "shape": list(shape), "dtype": dtype}
+        if name in fp8:
+            entry["dtype"] = FP8_DTYPE
+            entry["block_scale"] = {"block": fp8_block(plan, len(shape)), "scale": fp8_scale_name(name),
+                                    "pow2": bool(plan.fp8_pow2)}
         split = plan.split_dim(name, len(shape))
         if plan.expert_parallel(name):
             if split is not None:
@@ -181,22 +269,20 @@ def inference_layout(group: str, plan: ParallelPlan, model: Mapping[str, Any], *
 
 def local_shapes(plan: ParallelPlan, model: Mapping[str, Any]) -> Dict[str, Tuple[Tuple[int, ...], str]]:
     """{buffer: (local shape, dtype)} that rank `plan.rank` holds under `plan`: one entry per fused
-    buffer and per tensor in none."""
+    buffer, per tensor in none, and per fp8 tensor's scale buffer (a fused member's included)."""
     specs = tensor_specs(model)
     member_of = _fused_members(plan, specs)
+    fp8 = set(fp8_tensors(plan, specs))
     local: Dict[str, Tuple[Tuple[int, ...], str]] = {}
+    scales: Dict[str, Tuple[Tuple[int, ...], str]] = {}
     for name, (shape, dtype) in specs.items():
-        dims = list(shape)
-        if plan.expert_parallel(name):
-            start, stop = (plan.expert_ranges or [])[plan.tp_rank]
-            dims[0] = stop - start
-        else:
-            split = plan.split_dim(name, len(shape))
-            if split is not None:
-                start, stop = _chunk(shape[split], plan.tp_size, plan.tp_rank)
-                dims[split] = stop - start
-        local[name] = (tuple(dims), dtype)
+        offsets, sizes = plan.part(name, shape)
+        if name in fp8:
+            dtype = FP8_DTYPE
+            scales[fp8_scale_name(name)] = (scale_shape(offsets, sizes, fp8_block(plan, len(shape))), "float32")
+        local[name] = (tuple(sizes), dtype)
     out: Dict[str, Tuple[Tuple[int, ...], str]] = {n: v for n, v in local.items() if n not in member_of}
+    out.update(scales)
     for buffer, members in plan.fused.items():
         first_shape, dtype = local[members[0]]
         dim = max(len(first_shape) - 2, 0)
@@ -212,6 +298,16 @@ def local_shapes(plan: ParallelPlan, model: Mapping[str, Any]) -> Dict[str, Tupl
                                  f"with {first_shape} along dim {dim}")
         out[buffer] = (tuple(dims), dtype)
     return out
+
+
+def local_tensors(plan: ParallelPlan, model: Mapping[str, Any], device: Any = "cpu") -> Dict[str, Any]:
+    """Zero-filled tensors on `device` for every buffer `local_shapes` gives rank `plan.rank`: its
+    parts, fused buffers, and each fp8 tensor's float32 scale buffer, ready for
+    Client.register_inference."""
+    import torch
+
+    return {name: torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+            for name, (shape, dtype) in local_shapes(plan, model).items()}
 
 
 def check_local_tensors(plan: ParallelPlan, model: Mapping[str, Any], tensors: Mapping[str, Any]) -> None:

@@ -4,7 +4,9 @@ bytes arrive through the node's shardcastd instead of a collective.
 - `init_transfer_engine`: the worker probes its model (shardcast.vllm.probe), derives its
   destination rank (shardcast.vllm.layout), gathers every rank's pieces and node over vLLM's
   tensor-parallel group, and registers the rank with its node's daemon as part of one destination
-  group (every rank registers the same layout). Direct parameters are registered in place, or,
+  group (every rank registers the same layout). A model vLLM serves in block-quantised fp8 takes
+  the trainer's float32 or bfloat16 weights: they land as fp8, quantised at the source, and their
+  scales in vLLM's `weight_scale_inv` (shardcast.vllm.layout, docs/vllm.md "fp8"). Direct parameters are registered in place, or,
   double-buffered (`double_buffer`), a staging copy of them is. The announced checkpoint must fit
   vLLM's loaders exactly (every announced element lands, every parameter element is written by one
   tensor); a refusal raises on every worker and leaves nothing registered.
@@ -50,7 +52,8 @@ from shardcast.v1 import service_pb2
 from shardcast.vllm.apply import process_staged
 from shardcast.vllm.clients import replica_group
 from shardcast.vllm.collective import gather_step
-from shardcast.vllm.layout import DTYPE_NAMES, check_coverage, check_dtypes, destination_layout, rank_memory
+from shardcast.vllm.layout import (DTYPE_NAMES, check_coverage, check_dtypes, destination_layout, fp8_blocks,
+                                   fp8_scales, rank_memory)
 from shardcast.vllm.probe import ProbeError, probe, unreached
 
 _log = logging.getLogger("shardcast")
@@ -128,15 +131,19 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
             everyone = gather_step(tp.cpu_group, tp.world_size, "matching the checkpoint against vLLM's loaders",
                                    lambda: self._prepare(init_info, shapes, announced, mine), "worker")
             dtypes: Dict[str, str] = {}
+            fp8: Dict[str, List[int]] = {}
             for r in everyone:
                 dtypes.update(r["dtypes"])
+                fp8.update(r["fp8"])
             # Deterministic from what every rank gathered: it holds (or raises) on every rank alike.
-            check_coverage(shapes, [r["held"] for r in everyone])
+            scales = fp8_scales(shapes, fp8)
+            check_coverage({**shapes, **scales}, [r["held"] for r in everyone])
             checkpoint = {name: (shapes[name], getattr(torch, dtypes.get(name, announced[name])))
                           for name in init_info.checkpoint}
+            checkpoint.update({name: (shape, torch.float32) for name, shape in scales.items()})
             group = init_info.group if replica < 0 else replica_group(init_info.group, replica)
             layout = destination_layout(group, [r["node"] for r in everyone], [r["pieces"] for r in everyone],
-                                        checkpoint)
+                                        checkpoint, fp8=fp8)
             if replica >= 0:
                 layout.update(replica_set=init_info.group, replica=replica)
             where = f'rank {tp.rank_in_group} of group "{group}" on node "{mine["node"]}"'
@@ -160,21 +167,28 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         import shardcast
 
         maps = probe(self.model, shapes)
+        modules = dict(self.model.named_modules())
+        fp8 = fp8_blocks(maps, modules)
+        if fp8:
+            # vLLM serves these in block-quantised fp8: probe again with their scale tensors, as
+            # vLLM's fp8 checkpoint names them, to find where each rank's scales land.
+            maps = probe(self.model, {**shapes, **fp8_scales(shapes, fp8)})
         left = unreached(self.model, maps)
         if left:
             raise ProbeError(f"vLLM's parameter(s) {', '.join(map(repr, left[:8]))}"
                              f"{f' and {len(left) - 8} more' if len(left) > 8 else ''}: no announced checkpoint "
                              "tensor lands in them, so they would keep their weights through every update")
-        check_dtypes(maps, announced)
+        check_dtypes(maps, announced, fp8)
         mine["memory"] = rank_memory(maps, dict(self.model.named_parameters(remove_duplicate=False)),
-                                     dict(self.model.named_modules()), double_buffer=init_info.double_buffer)
+                                     modules, double_buffer=init_info.double_buffer)
         mine["client"] = shardcast.Client(init_info.daemon or None)
         mine["node"] = mine["client"].status().node
         return {"node": mine["node"], "pieces": mine["memory"].pieces,
                 "held": {l.tensor: (list(l.offsets), list(l.sizes), pm.name) for pm in maps.values()
                          for l in pm.landings},
                 "dtypes": {l.tensor: DTYPE_NAMES.get(pm.dtype, str(pm.dtype).replace("torch.", ""))
-                           for pm in maps.values() for l in pm.landings}}
+                           for pm in maps.values() for l in pm.landings},
+                "fp8": fp8}
 
     def _replica(self, init_info: ShardcastInitInfo) -> int:
         """This engine's replica id in the set `init_info.group`, or -1 (no set)."""

@@ -5,7 +5,15 @@ the checkpoint the trainer announces is matched against what vLLM's loaders did 
 element of every announced tensor lands somewhere in the group (`check_coverage`), every element
 of every parameter it reaches is one checkpoint element or the loader's zero padding, each written
 by exactly one tensor's box (`check_landings`), and the trainer's dtype reaches the parameter's
-(`check_dtypes`)."""
+(`check_dtypes`).
+
+A model vLLM serves in block-quantised fp8 (an fp8 checkpoint with `weight_block_size` in its
+quantization_config) holds each linear layer's `weight` as float8_e4m3fn beside a float32
+`weight_scale_inv`, one scale per block. `fp8_blocks` finds the checkpoint tensors that land in such
+weights, `fp8_scales` names and sizes their scale tensors (vLLM's checkpoint names,
+`<name>.weight_scale_inv`) for the probe, and `destination_layout` declares each such tensor
+block-scaled: the trainer sends float32 or bfloat16, the source quantises, and the scales land in
+vLLM's `weight_scale_inv` as they would from the fp8 checkpoint."""
 
 from __future__ import annotations
 
@@ -15,6 +23,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from shardcast.fp8 import scale_shape
+from shardcast.parallel import fp8_scale_name
 from shardcast.vllm.probe import Landing, ParamMap, ProbeError
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
@@ -169,42 +179,113 @@ def rank_memory(maps: Mapping[str, ParamMap], live: Mapping[str, torch.Tensor],
     return out
 
 
+def fp8_blocks(maps: Mapping[str, ParamMap], modules: Mapping[str, torch.nn.Module]) -> Dict[str, List[int]]:
+    """Checkpoint tensor -> block ([rows, columns], vLLM's `weight_block_size`) for every tensor
+    that lands in a block-quantised fp8 weight: a float8_e4m3fn parameter `weight` of a layer with
+    a `weight_block_size` and a `weight_scale_inv` (vLLM's Fp8LinearMethod with block quantisation)."""
+    out: Dict[str, List[int]] = {}
+    for name, pm in maps.items():
+        prefix, _, local = name.rpartition(".")
+        layer = modules.get(prefix)
+        block = getattr(layer, "weight_block_size", None)
+        if pm.dtype != torch.float8_e4m3fn or local != "weight" or block is None \
+                or not hasattr(layer, "weight_scale_inv"):
+            continue
+        for l in pm.landings:
+            out[l.tensor] = [int(b) for b in block]
+    return out
+
+
+def fp8_scales(shapes: Mapping[str, Sequence[int]], blocks: Mapping[str, Sequence[int]]) -> Dict[str, Tuple[int, ...]]:
+    """The scale tensors of the fp8 tensors `blocks` names, as vLLM's checkpoint has them: name ->
+    full shape (one per block, ceil(shape / block)). A trainer that announces one itself is refused
+    (the source computes the scales, and the daemon refuses a source tensor of that name)."""
+    out: Dict[str, Tuple[int, ...]] = {}
+    for name, block in blocks.items():
+        scale = fp8_scale_name(name)
+        if scale in shapes:
+            raise ProbeError(f"checkpoint tensor {scale!r}: the trainer announces it, but vLLM holds {name!r} in "
+                             "block-quantised fp8 and the sync computes its scales from the trainer's weights; "
+                             "announce the float32 or bfloat16 weight only")
+        shape = [int(s) for s in shapes[name]]
+        full = [1] * (len(shape) - len(block)) + [int(b) for b in block]
+        out[scale] = tuple(-(-s // b) for s, b in zip(shape, full))
+    return out
+
+
 def destination_layout(group: str, nodes: Sequence[str], pieces: Sequence[Mapping[str, Tuple[List[int], List[int]]]],
-                       checkpoint: Mapping[str, Tuple[Sequence[int], torch.dtype]]) -> Dict[str, Any]:
+                       checkpoint: Mapping[str, Tuple[Sequence[int], torch.dtype]],
+                       fp8: Optional[Mapping[str, Sequence[int]]] = None) -> Dict[str, Any]:
     """The group's layout (the JSON form of shardcast.v1.Layout): rank r on nodes[r] holds
     pieces[r] (checkpoint name -> (offsets, sizes)); `checkpoint` gives each tensor's full shape and
-    the dtype the destination holds it in. Tensors no rank holds are left out."""
+    the dtype the destination holds it in. Tensors no rank holds are left out.
+
+    `fp8` (fp8_blocks' result: tensor -> block) declares those tensors block-scaled fp8; their
+    scale tensors (fp8_scales) are derived by the daemon, not declared, and each rank's piece of
+    one must be exactly the blocks its piece of the weight touches (the buffer the daemon fills),
+    or a ProbeError names both."""
     if len(nodes) != len(pieces):
         raise ValueError(f"{len(nodes)} nodes for {len(pieces)} ranks")
+    fp8 = dict(fp8 or {})
+    scales = {fp8_scale_name(name): name for name in fp8}
     tensors = []
     for name, (shape, dtype) in checkpoint.items():
+        if name in scales:
+            continue
         held = [{"rank": r, "offsets": list(p[name][0]), "sizes": list(p[name][1])}
                 for r, p in enumerate(pieces) if name in p]
         if not held:
             continue
+        entry: Dict[str, Any] = {"name": name, "shape": [int(s) for s in shape], "pieces": held}
+        if name in fp8:
+            block = [1] * (len(shape) - len(fp8[name])) + [int(b) for b in fp8[name]]
+            _check_scale_pieces(name, block, pieces)
+            dtype = torch.float8_e4m3fn
+            entry["block_scale"] = {"block": block, "scale": fp8_scale_name(name)}
         if dtype not in DTYPE_NAMES:
             raise ProbeError(f"checkpoint tensor {name!r}: dtype {dtype} has no Shardcast name")
-        tensors.append({"name": name, "shape": [int(s) for s in shape], "dtype": DTYPE_NAMES[dtype],
-                        "pieces": held})
+        entry["dtype"] = DTYPE_NAMES[dtype]
+        tensors.append(entry)
     return {"group": group, "mesh": {"shape": [len(nodes)]}, "nodes": list(nodes), "tensors": tensors}
 
 
+def _check_scale_pieces(name: str, block: Sequence[int], pieces: Sequence[Mapping[str, Tuple[List[int], List[int]]]]):
+    scale = fp8_scale_name(name)
+    for r, p in enumerate(pieces):
+        if name not in p:
+            continue
+        offsets, sizes = p[name]
+        want = ([int(o) // b for o, b in zip(offsets, block)], list(scale_shape(offsets, sizes, block)))
+        got = p.get(scale)
+        if got is None or (list(got[0]), list(got[1])) != want:
+            raise ProbeError(f"rank {r}: {name!r} lands as {_box(offsets, sizes)}, whose scales are blocks "
+                             f"{_box(*want)} of {scale!r}, but vLLM's loader puts "
+                             f"{_box(*got) if got else 'none of them'} on this rank")
+
+
 # Source -> destination dtypes a sync takes (planner::convertible, the daemon's rule): the same
-# dtype, or float32 into bfloat16 (rounded at the source). The daemon's float8 conversion needs a
-# block-scale tensor that vLLM's loader layout does not declare.
+# dtype, float32 into bfloat16 (rounded at the source), and float32 or bfloat16 into a
+# block-scaled float8_e4m3fn (quantised at the source; only where `fp8_blocks` finds vLLM's
+# block-quantised weight, whose scales the sync then writes too).
 _SYNC_CONVERTS = {("float32", "bfloat16")}
+_FP8_FROM = {"float32", "bfloat16"}
 
 
-def check_dtypes(maps: Mapping[str, ParamMap], announced: Mapping[str, str]) -> None:
+def check_dtypes(maps: Mapping[str, ParamMap], announced: Mapping[str, str],
+                 fp8: Optional[Mapping[str, Sequence[int]]] = None) -> None:
     """Every checkpoint tensor's dtype as the trainer announces it (name -> torch dtype name)
-    reaches the dtype of the parameter it lands in, or a ProbeError names both."""
+    reaches the dtype of the parameter it lands in, or a ProbeError names both. `fp8`: the tensors
+    landing in block-quantised fp8 weights (fp8_blocks)."""
     for name, pm in maps.items():
         held = DTYPE_NAMES.get(pm.dtype, str(pm.dtype))
         for l in pm.landings:
             sent = announced.get(l.tensor, held)
+            if l.tensor in (fp8 or {}) and held == "float8_e4m3fn" and sent in _FP8_FROM:
+                continue
             if sent != held and (sent, held) not in _SYNC_CONVERTS:
                 raise ProbeError(f"checkpoint tensor {l.tensor!r} is {sent} in the trainer, vLLM's parameter {name!r} "
-                                 f"holds {held}: a sync writes a tensor in its own dtype, or float32 into bfloat16")
+                                 f"holds {held}: a sync writes a tensor in its own dtype, float32 into bfloat16, or "
+                                 "float32 or bfloat16 into a block-quantised fp8 weight")
 
 
 def check_landings(maps: Mapping[str, ParamMap]) -> Dict[str, Tuple[int, int, int]]:
