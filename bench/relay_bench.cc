@@ -410,8 +410,8 @@ void wholeSyncRows(int n, pid_t simulated, const std::vector<std::string>& addre
         const grpc::Status st = coordinator.sync(++version, &resp);
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         const double c = cpuSeconds() - c0, d = cpuSecondsOf(simulated) - d0;
-        if (!st.ok()) {
-          failure = st.error_message();
+        if (!st.ok()) {  // (named by its code too: a message may be empty)
+          failure = fmt::format("{} (gRPC code {})", st.error_message(), static_cast<int>(st.error_code()));
           break;
         }
         if (round == 0) {
