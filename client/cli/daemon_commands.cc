@@ -207,16 +207,23 @@ int runStatus(const CommonArgs& a) {
     std::cout << toJson(*s) << "\n";
     return kOk;
   }
-  int reachable = 0;
-  for (const auto& p : s->peers()) reachable += p.reachable();
+  // Counted as `top` counts them: the other daemons (this one is listed among its peers too).
+  int reachable = 0, others = 0;
+  for (const auto& p : s->peers())
+    if (p.node() != s->node()) {
+      ++others;
+      reachable += p.reachable();
+    }
   std::cout << fmt::format("node        {} (shardcastd {}, transport {}, up {:.0f} s)\n", shown(s->node()),
                            s->version(), shown(s->transport()), s->uptime_seconds());
   std::cout << fmt::format("registered  {} rank(s), {}\n", s->registered_ranks(),
                            planner::humanBytes(static_cast<double>(s->registered_bytes())));
-  std::cout << fmt::format("peers       {} ({} reachable)\n", s->peers_size(), reachable);
+  std::cout << fmt::format("peers       {}/{} reachable\n", reachable, others);
   for (const auto& p : s->peers())
     std::cout << fmt::format("  {:<24} {:<16} {}\n", shown(p.address()), p.node().empty() ? "-" : shown(p.node()),
-                             p.reachable() ? "ok" : "unreachable: " + shown(p.error()));
+                             p.node() == s->node() ? "this daemon"
+                             : p.reachable()       ? "ok"
+                                                   : "unreachable: " + shown(p.error()));
   std::cout << fmt::format("groups      {}\n", s->groups_size());
   if (s->groups_size() > 0)
     std::cout << fmt::format("  {:<20} {:<11} {:>8} {:>6} {:>12}  {}\n", "GROUP", "ROLE", "VERSION", "WORLD", "BYTES",

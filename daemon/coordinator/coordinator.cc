@@ -273,8 +273,9 @@ void SyncCoordinator::record(size_t i, uint64_t received, uint64_t sent) {
 
 Status SyncCoordinator::failed(const Status& st) {
   if (lease_keeper_) lease_keeper_->stop();
+  // The phase stays where the attempt failed: the sync failed only when its runner does not run
+  // it again (SyncRunner::run marks it), and a watcher stops at a failed phase.
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
-    ProgressBoard::setPhase(p, v1::SYNC_FAILED);
     p.set_error(std::string(st.message()));
     p.set_seconds(since(start_));
   });

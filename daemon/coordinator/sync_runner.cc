@@ -21,6 +21,16 @@ SyncRunner::SyncRunner(const DaemonConfig& config, Registry& registry, const Pee
       progress_(progress),
       peer_failed_(std::move(peer_failed)) {}
 
+void SyncRunner::restartProgress(const std::string& id) {
+  progress_.update(id, [](v1::SyncProgress& p) {  // the new attempt's progress, from the start
+    p.clear_nodes();
+    p.clear_error();
+    p.set_bytes_done(0);
+    p.set_waves_done(0);
+    ProgressBoard::setPhase(p, v1::SYNC_GATHERING);
+  });
+}
+
 uint64_t SyncRunner::newFence() {
   std::lock_guard<std::mutex> lock(fence_mu_);
   uint64_t f = 0;
@@ -70,6 +80,7 @@ Status SyncRunner::run(const v1::SyncRequest& req, const std::string& id, std::o
             "run a Prepare round from now on",
             id, fold_refusals, req.src_group(), req.dst_group());
       attempt.mutable_options()->set_timeout_ms(static_cast<uint32_t>(left.count()));
+      restartProgress(id);
       continue;
     }
     const std::string& faulty = coordinator.faultyNode();
@@ -86,17 +97,17 @@ Status SyncRunner::run(const v1::SyncRequest& req, const std::string& id, std::o
                    node_failed ? strCat("node ", quote(faulty), " failed") : std::string(done.status().message()),
                    quote(req.dst_group()), strJoin(replicas, ", "));
       attempt.mutable_options()->set_timeout_ms(static_cast<uint32_t>(left.count()));
-      progress_.update(id, [](v1::SyncProgress& p) {  // the new attempt's progress, from the start
-        p.clear_nodes();
-        p.set_bytes_done(0);
-        p.set_waves_done(0);
-        ProgressBoard::setPhase(p, v1::SYNC_GATHERING);
-      });
+      restartProgress(id);
       continue;
     }
     // Its id and phases' seconds, for the metrics and Sync's line (a failed call sends no response).
     *out = coordinator.figures();
     out->set_sync_id(id);
+    progress_.update(id, [&](v1::SyncProgress& p) {
+      ProgressBoard::setPhase(p, v1::SYNC_FAILED);
+      p.set_error(std::string(done.status().message()));
+      p.set_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count());
+    });
     return done.status();
   }
 }

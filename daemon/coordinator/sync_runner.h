@@ -33,6 +33,9 @@ class SyncRunner {
  private:
   // A random write fence for one sync attempt (never 0).
   uint64_t newFence();
+  // The sync's progress as a new attempt starts it (Watch shows that attempt from its gather; the
+  // failed attempt's error is not the sync's).
+  void restartProgress(const std::string& id);
 
   const DaemonConfig& config_;
   Registry& registry_;

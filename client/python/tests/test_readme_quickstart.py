@@ -32,5 +32,6 @@ def test_the_readme_quickstart_runs_as_written(tmp_path):
             pass
     assert proc.returncode == 0, out
     assert "[[16. 17. 18. 19.]" in out and "[28. 29. 30. 31.]]" in out, out  # rows 4..7, synced
-    assert "node        n1" in out and "(2 reachable)" in out, out
+    # The other daemon counted as `shardcast top` counts it; this one listed as itself.
+    assert "node        n1" in out and "peers       1/1 reachable" in out and "this daemon" in out, out
     assert "Traceback" not in out, out

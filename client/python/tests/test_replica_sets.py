@@ -400,8 +400,12 @@ def test_replicas_downstream_of_a_relay_frozen_mid_write_commit_in_the_same_call
                 else:
                     assert got[f"rollout.r{k}"] == (True, ""), (frozen, got)
                     assert hold(k, version), (frozen, k)
-            # Thawed, the relay's writes of the first attempt land or fail: the bytes are the same.
-            time.sleep(2.0)
+            # Thawed, the relay's writes of the first attempt land or fail (the bytes are the same):
+            # they have once its own daemon ended that attempt, its rank no longer updating.
+            ended = time.monotonic() + 30
+            while replicas[frozen].state().state == service_pb2.RANK_UPDATING and time.monotonic() < ended:
+                time.sleep(0.05)
+            assert replicas[frozen].state().state != service_pb2.RANK_UPDATING, "the thawed relay's attempt never ended"
             for k in range(3):
                 if k != frozen:
                     assert hold(k, version), (frozen, k)
