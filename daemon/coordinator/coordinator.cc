@@ -209,7 +209,9 @@ bool SyncCoordinator::advance(Step from, Step to) {
 bool SyncCoordinator::executed() const {
   Step at = step_.load();
   if (at == Step::kGivenUp) at = given_up_in_.load();
-  return at == Step::kExecuting || at == Step::kCommitting || at == Step::kCommitted;
+  // (Given up, its step not recorded yet: giveUp stores it just after its compare-and-swap. Taken
+  // as executed, the safe answer: ranks end DIRTY rather than reverted over bytes that may land.)
+  return at == Step::kExecuting || at == Step::kCommitting || at == Step::kCommitted || at == Step::kGivenUp;
 }
 
 void SyncCoordinator::giveUp(const std::string& reason, const std::string& silent) {
