@@ -117,6 +117,35 @@ StatusOr<Schedule> makeSchedule(const v1::Layout& src, const v1::Layout& dst, ui
   return scheduleOf(std::move(nodes), std::move(s), std::move(d), std::move(plan), staging_budget, zero_copy);
 }
 
+namespace {
+
+// Each node's peers (the nodes it writes to: a chain's head to every landing, a forwarder to the
+// next) and direct targets, sorted and once each.
+void collectPeers(Schedule& out) {
+  const Plan& p = out.plan;
+  for (int32_t t = 0; t < static_cast<int32_t>(p.transfers.size()); ++t) {
+    const auto& tr = p.transfers[t];
+    for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
+      const auto& ch = p.chains[c];
+      auto& head = out.per_node[static_cast<size_t>(ch.src_node)].peers;
+      for (const auto& l : out.transfers[static_cast<size_t>(t)].landings) head.push_back(l.node);
+      // Forwarders: a star's first node writes to all the others, a chain's every node to the next.
+      for (int32_t k = 1; k < ch.nodes_count; ++k) {
+        const int32_t from = p.chain_nodes[ch.nodes_begin + (ch.star ? 0 : k - 1)];
+        out.per_node[static_cast<size_t>(from)].peers.push_back(p.chain_nodes[ch.nodes_begin + k]);
+      }
+    }
+  }
+  for (auto& n : out.per_node) {
+    std::sort(n.peers.begin(), n.peers.end());
+    n.peers.erase(std::unique(n.peers.begin(), n.peers.end()), n.peers.end());
+    std::sort(n.direct_targets.begin(), n.direct_targets.end());
+    n.direct_targets.erase(std::unique(n.direct_targets.begin(), n.direct_targets.end()), n.direct_targets.end());
+  }
+}
+
+}  // namespace
+
 StatusOr<Schedule> scheduleOf(NodeTable nodes, ResolvedLayout src, ResolvedLayout dst, Plan plan,
                               uint64_t staging_budget, bool zero_copy) {
   if (staging_budget == 0) return absl::InvalidArgumentError("staging budget must be positive");
@@ -196,25 +225,7 @@ StatusOr<Schedule> scheduleOf(NodeTable nodes, ResolvedLayout src, ResolvedLayou
       ts.landings.push_back(l);
     }
   }
-  for (int32_t t = 0; t < static_cast<int32_t>(p.transfers.size()); ++t) {
-    const auto& tr = p.transfers[t];
-    for (int32_t c = tr.chains_begin; c < tr.chains_begin + tr.chains_count; ++c) {
-      const auto& ch = p.chains[c];
-      auto& head = out.per_node[static_cast<size_t>(ch.src_node)].peers;
-      for (const auto& l : out.transfers[static_cast<size_t>(t)].landings) head.push_back(l.node);
-      // Forwarders: a star's first node writes to all the others, a chain's every node to the next.
-      for (int32_t k = 1; k < ch.nodes_count; ++k) {
-        const int32_t from = p.chain_nodes[ch.nodes_begin + (ch.star ? 0 : k - 1)];
-        out.per_node[static_cast<size_t>(from)].peers.push_back(p.chain_nodes[ch.nodes_begin + k]);
-      }
-    }
-  }
-  for (auto& n : out.per_node) {
-    std::sort(n.peers.begin(), n.peers.end());
-    n.peers.erase(std::unique(n.peers.begin(), n.peers.end()), n.peers.end());
-    std::sort(n.direct_targets.begin(), n.direct_targets.end());
-    n.direct_targets.erase(std::unique(n.direct_targets.begin(), n.direct_targets.end()), n.direct_targets.end());
-  }
+  collectPeers(out);
   return out;
 }
 

@@ -294,6 +294,11 @@ class Registry {
   StatusOr<std::unique_ptr<Rank>> build(const v1::RegisterRequest& request, std::string digest,
                                         const MemoryCaller& caller);
   // One set of a rank's buffers from its handles, checked against what the layout gives it.
+  // A CUDA buffer of a registration (an IPC handle, or cuMem allocations handed over by
+  // descriptor): imported, on a GPU of this daemon, ready for the transport (registered directly
+  // or staged: said once in the log) into `b`.
+  Status mapDeviceBuffer(const std::string& who, const std::string& name, const v1::MemoryHandle& h, int64_t needed,
+                         const MemoryCaller& caller, Buffer* b);
   StatusOr<std::vector<Buffer>> mapBuffers(const std::string& who,
                                            const google::protobuf::RepeatedPtrField<v1::MemoryHandle>& handles,
                                            std::map<std::string, int64_t> needed,

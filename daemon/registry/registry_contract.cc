@@ -55,6 +55,9 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
   return beginSync(id, src, Destination{{dst, dst_digest}}, version, src_digest, fence, base);
 }
 
+// One function, over 80 lines, by design: it runs under the registry's lock from the first check
+// to the last change, every check before any change, so a sync that any rank refuses changes no
+// rank (split, each part would need the lock's state and the checks' results handed on).
 Status Registry::beginSync(const std::string& id, const std::string& src, const Destination& dst, uint64_t version,
                            const std::string& src_digest, uint64_t fence, Base* base, bool seed,
                            const std::vector<uint64_t>& supersedes, const std::map<std::string, uint32_t>& owners) {

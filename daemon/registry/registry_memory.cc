@@ -13,11 +13,15 @@
 
 namespace shardcast::daemon {
 
-StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
+namespace {
+
+// The handles a registration gives against what the layout says the rank holds: one per buffer it
+// holds and no other, each of the layout's dtype and, where given, of the rank's shape (as many
+// elements in the same order); by buffer name.
+StatusOr<std::map<std::string, const v1::MemoryHandle*>> checkHandles(
     const std::string& who, const google::protobuf::RepeatedPtrField<v1::MemoryHandle>& handles,
-    std::map<std::string, int64_t> needed, const std::map<std::string, const planner::TensorLayout*>& held_by,
-    const std::map<std::string, std::vector<int64_t>>& shapes, const MemoryCaller& caller) {
-  std::vector<Buffer> out;
+    const std::map<std::string, int64_t>& needed, const std::map<std::string, const planner::TensorLayout*>& held_by,
+    const std::map<std::string, std::vector<int64_t>>& shapes) {
   std::map<std::string, const v1::MemoryHandle*> given;
   for (const auto& h : handles) {
     if (!needed.count(h.buffer()))
@@ -46,12 +50,12 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
       }
       const int64_t elem = t != nullptr ? t->elemBytes() : 1;
       const auto expected = shapes.find(name);
-      if (elems > INT64_MAX / elem || elems * elem != needed[name])
+      if (elems > INT64_MAX / elem || elems * elem != needed.at(name))
         return absl::InvalidArgumentError(
             strCat(who, ": buffer \"", name, "\" has shape [", strJoin(h->shape(), ", "), "] (", elems,
                    " elements) but the layout gives this rank ",
                    expected != shapes.end() ? strCat("[", strJoin(expected->second, ", "), "] (") : std::string(),
-                   needed[name] / elem, " elements", expected != shapes.end() ? ")" : "", " of it"));
+                   needed.at(name) / elem, " elements", expected != shapes.end() ? ")" : "", " of it"));
       if (expected != shapes.end() &&
           !std::equal(h->shape().begin(), h->shape().end(), expected->second.begin(), expected->second.end()))
         return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\" has shape [", strJoin(h->shape(), ", "),
@@ -61,6 +65,17 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
     }
   }
 
+  return given;
+}
+
+}  // namespace
+
+StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
+    const std::string& who, const google::protobuf::RepeatedPtrField<v1::MemoryHandle>& handles,
+    std::map<std::string, int64_t> needed, const std::map<std::string, const planner::TensorLayout*>& held_by,
+    const std::map<std::string, std::vector<int64_t>>& shapes, const MemoryCaller& caller) {
+  std::vector<Buffer> out;
+  SC_ASSIGN_OR_RETURN(const auto given, checkHandles(who, handles, needed, held_by, shapes));
   // Map each shared-memory segment once, covering every buffer in it, and register it once.
   std::map<std::string, uint64_t> segment_end;
   for (const auto& [name, h] : given) {
@@ -101,71 +116,7 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
       b.region = segments[h->shm().name()].second;
       b.offset = h->shm().offset();
     } else if (h->has_cuda() || h->has_cuda_allocations()) {
-      const bool handed = h->has_cuda_allocations();
-      const uint64_t offset = handed ? h->cuda_allocations().offset() : h->cuda().offset();
-      const uint64_t size = handed ? h->cuda_allocations().size() : h->cuda().size();
-      const int device = handed ? h->cuda_allocations().device() : h->cuda().device();
-      if (size < static_cast<uint64_t>(needed[name]))
-        return absl::InvalidArgumentError(
-            strCat(who, ": buffer \"", name, "\" is given ", size, " bytes but needs ", needed[name]));
-      if (handed && !caller.local)  // descriptors travel only on the Unix socket's side channel
-        return absl::InvalidArgumentError(
-            strCat(who, ": buffer \"", name,
-                   "\" is cuMem allocations handed over by file descriptor (torch's expandable segments), which "
-                   "register only over the daemon's Unix socket, not over TCP"));
-      if (gpus_.deviceCount() == 0)
-        return absl::FailedPreconditionError(strCat(who, ": buffer \"", name,
-                                                    "\" is CUDA memory but this daemon has no GPU (",
-                                                    gpus_.unavailableReason(), ")"));
-      if (offset > UINT64_MAX - size)
-        return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": offset overflows"));
-      StatusOr<std::unique_ptr<transport::CudaIpcMapping>> mapping = absl::UnknownError("");
-      if (handed) {
-        const auto& a = h->cuda_allocations();
-        // The token is spent here whatever follows: its descriptors are closed with the mapping,
-        // or at once when the registration fails.
-        auto fds = handed_fds_.take(a.token(), caller.uid, caller.any_owner);
-        if (!fds.ok())
-          return Status(fds.status().code(), strCat(who, ": buffer \"", name, "\": ", fds.status().message()));
-        if (fds->size() != static_cast<size_t>(a.allocation_bytes_size()))
-          return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": ", fds->size(),
-                                                   " descriptors were handed over for ", a.allocation_bytes_size(),
-                                                   " allocation sizes"));
-        mapping = gpus_.importAllocations(std::move(*fds), {a.allocation_bytes().begin(), a.allocation_bytes().end()},
-                                          device);
-        // The buffer must lie inside what was mapped: the allocations' bytes, granularity-checked.
-        if (mapping.ok() && offset + size > (*mapping)->size())
-          return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": bytes [", offset, ", ", offset + size,
-                                                   ") lie outside its ", a.allocation_bytes_size(),
-                                                   " allocation(s) of ", (*mapping)->size(), " bytes in all"));
-      } else {
-        mapping = gpus_.importHandle(h->cuda().handle(), offset + size, device,
-                                     caller.any_owner ? std::nullopt : std::optional<uid_t>(caller.uid));
-      }
-      if (!mapping.ok())
-        return Status(mapping.status().code(), strCat(who, ": buffer \"", name, "\": ", mapping.status().message()));
-      auto engines = deviceEngines(device);
-      if (!engines.ok())
-        return Status(engines.status().code(), strCat(who, ": buffer \"", name, "\": ", engines.status().message()));
-      auto* bytes = static_cast<std::byte*>((*mapping)->data()) + offset;
-      auto mem = transport::TransferMemory::prepare(transport_, bytes, size, transport::MemoryKind::kCuda,
-                                                    (*engines)->outgoing.get());
-      if (!mem.ok())
-        return Status(mem.status().code(), strCat(who, ": buffer \"", name, "\": ", mem.status().message()));
-      // Which path this buffer's bytes take, said once per registration: straight from and into
-      // device memory (a CUDA-aware UCX: GPUDirect where the NIC has it), or packed on the GPU
-      // into pinned host staging and unpacked on it from the landing arena (syncs planned packed).
-      spdlog::info("{}: buffer \"{}\" ({} bytes on GPU {}{}): {}", who, name, size, device,
-                   handed ? strCat(", ", h->cuda_allocations().allocation_bytes_size(), " cuMem allocation(s)") : "",
-                   (*mem)->staged() ? "staged: packed and unpacked on the GPU through pinned host memory (this "
-                                      "transport cannot reach device memory)"
-                                    : "registered with the transport directly (device memory, no staging)");
-      b.size = size;
-      b.device = bytes;
-      b.engines = *engines;
-      b.cuda = std::move(*mapping);
-      b.region = (*mem)->region();
-      b.cuda_memory = std::move(*mem);
+      SC_RETURN_IF_ERROR(mapDeviceBuffer(who, name, *h, needed[name], caller, &b));
     } else {
       return absl::InvalidArgumentError(
           strCat(who, ": buffer \"", name, "\" has neither a shm, a cuda nor a cuda_allocations handle"));
@@ -173,6 +124,73 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
     out.push_back(std::move(b));
   }
   return out;
+}
+
+Status Registry::mapDeviceBuffer(const std::string& who, const std::string& name, const v1::MemoryHandle& h,
+                                 int64_t needed, const MemoryCaller& caller, Buffer* b) {
+  const bool handed = h.has_cuda_allocations();
+  const uint64_t offset = handed ? h.cuda_allocations().offset() : h.cuda().offset();
+  const uint64_t size = handed ? h.cuda_allocations().size() : h.cuda().size();
+  const int device = handed ? h.cuda_allocations().device() : h.cuda().device();
+  if (size < static_cast<uint64_t>(needed))
+    return absl::InvalidArgumentError(
+        strCat(who, ": buffer \"", name, "\" is given ", size, " bytes but needs ", needed));
+  if (handed && !caller.local)  // descriptors travel only on the Unix socket's side channel
+    return absl::InvalidArgumentError(
+        strCat(who, ": buffer \"", name,
+               "\" is cuMem allocations handed over by file descriptor (torch's expandable segments), which "
+               "register only over the daemon's Unix socket, not over TCP"));
+  if (gpus_.deviceCount() == 0)
+    return absl::FailedPreconditionError(strCat(
+        who, ": buffer \"", name, "\" is CUDA memory but this daemon has no GPU (", gpus_.unavailableReason(), ")"));
+  if (offset > UINT64_MAX - size)
+    return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": offset overflows"));
+  StatusOr<std::unique_ptr<transport::CudaIpcMapping>> mapping = absl::UnknownError("");
+  if (handed) {
+    const auto& a = h.cuda_allocations();
+    // The token is spent here whatever follows: its descriptors are closed with the mapping,
+    // or at once when the registration fails.
+    auto fds = handed_fds_.take(a.token(), caller.uid, caller.any_owner);
+    if (!fds.ok()) return Status(fds.status().code(), strCat(who, ": buffer \"", name, "\": ", fds.status().message()));
+    if (fds->size() != static_cast<size_t>(a.allocation_bytes_size()))
+      return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": ", fds->size(),
+                                               " descriptors were handed over for ", a.allocation_bytes_size(),
+                                               " allocation sizes"));
+    mapping =
+        gpus_.importAllocations(std::move(*fds), {a.allocation_bytes().begin(), a.allocation_bytes().end()}, device);
+    // The buffer must lie inside what was mapped: the allocations' bytes, granularity-checked.
+    if (mapping.ok() && offset + size > (*mapping)->size())
+      return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": bytes [", offset, ", ", offset + size,
+                                               ") lie outside its ", a.allocation_bytes_size(), " allocation(s) of ",
+                                               (*mapping)->size(), " bytes in all"));
+  } else {
+    mapping = gpus_.importHandle(h.cuda().handle(), offset + size, device,
+                                 caller.any_owner ? std::nullopt : std::optional<uid_t>(caller.uid));
+  }
+  if (!mapping.ok())
+    return Status(mapping.status().code(), strCat(who, ": buffer \"", name, "\": ", mapping.status().message()));
+  auto engines = deviceEngines(device);
+  if (!engines.ok())
+    return Status(engines.status().code(), strCat(who, ": buffer \"", name, "\": ", engines.status().message()));
+  auto* bytes = static_cast<std::byte*>((*mapping)->data()) + offset;
+  auto mem = transport::TransferMemory::prepare(transport_, bytes, size, transport::MemoryKind::kCuda,
+                                                (*engines)->outgoing.get());
+  if (!mem.ok()) return Status(mem.status().code(), strCat(who, ": buffer \"", name, "\": ", mem.status().message()));
+  // Which path this buffer's bytes take, said once per registration: straight from and into
+  // device memory (a CUDA-aware UCX: GPUDirect where the NIC has it), or packed on the GPU
+  // into pinned host staging and unpacked on it from the landing arena (syncs planned packed).
+  spdlog::info("{}: buffer \"{}\" ({} bytes on GPU {}{}): {}", who, name, size, device,
+               handed ? strCat(", ", h.cuda_allocations().allocation_bytes_size(), " cuMem allocation(s)") : "",
+               (*mem)->staged() ? "staged: packed and unpacked on the GPU through pinned host memory (this "
+                                  "transport cannot reach device memory)"
+                                : "registered with the transport directly (device memory, no staging)");
+  b->size = size;
+  b->device = bytes;
+  b->engines = *engines;
+  b->cuda = std::move(*mapping);
+  b->region = (*mem)->region();
+  b->cuda_memory = std::move(*mem);
+  return absl::OkStatus();
 }
 
 StatusOr<const Registry::DeviceEngines*> Registry::deviceEngines(int gpu) {

@@ -538,6 +538,9 @@ StatusOr<ucp_rkey_h> UcxEngine::rkeyFor(EpState& ep, const std::string& packed) 
   return rkey;
 }
 
+// One function, over 80 lines, by design: UCX may finish the operation from inside any of its
+// calls here (an endpoint failing), so the operation is looked up again before each UCX call, and
+// every part is issued in one place that sees that rule.
 void UcxEngine::submitWrites(const std::shared_ptr<EpState>& ep, std::vector<WriteOp> ops, Completion done) {
   if (!ep->error.ok()) return done(ep->error);
   for (const WriteOp& w : ops)
