@@ -6,7 +6,7 @@
 # soak (replica_chaos.py): replicas join, leave, and are killed, frozen or (with --netns, as root)
 # partitioned while the trainer syncs every step; exits 1 on any problem it counts. Prints the figures.
 #   bash bench/chaos.sh [--syncs 300] [--seed 1] [--lease-ms 1000] [--json] [--verbose]
-#   bash bench/chaos.sh --replicas [--syncs 300] [--seed 1] [--netns] [--deadline-s 1] [--json] [--verbose]
+#   bash bench/chaos.sh --replicas [--syncs 300] [--seed 1] [--netns] [--deadline-s 1] [--delta auto] [--json] [--verbose]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 soak=chaos.py

@@ -88,7 +88,7 @@ class Planner {
           strCat("tensor \"", dt.name, "\": layout \"", dst_.group, "\" needs it but layout \"", src_.group,
                  "\" has no such tensor",
                  dt.scale_of >= 0 ? strCat(" (the block scales of \"", dst_.tensors[dt.scale_of].name,
-                                           "\": planner::addScaleSources derives them; replica sets do not yet)")
+                                           "\": planner::addScaleSources derives them)")
                                   : std::string()));
     const TensorLayout& st = src_.tensors[it->second];
     // A destination may declare a dtype its source converts to (planner::convertible): the bytes

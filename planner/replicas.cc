@@ -599,6 +599,14 @@ StatusOr<ReplicaSetPlan> planReplicaSet(const v1::Layout& src, const std::vector
         return colocated(n, it->second, out.src.group,
                          strCat(who(replicas[k]), " of replica set ", quote(replicas[k].layout.replica_set())));
 
+  // Block-scaled fp8: the source's virtual scale tensors, derived from a replica's declarations
+  // (every replica's are the same), before the positions are planned: the position plan and the
+  // composed one read the same source.
+  {
+    NodeTable scratch = out.nodes;
+    SC_ASSIGN_OR_RETURN(const ResolvedLayout declared, resolveLayout(replicas[0].layout, scratch));
+    SC_RETURN_IF_ERROR(addScaleSources(out.src, declared));
+  }
   const std::string src_digest = layoutDigest(src);
   const std::string& first = replicas[0].digest;
   if (reuse && reuse->src_digest == src_digest &&

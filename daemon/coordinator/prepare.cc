@@ -23,9 +23,6 @@ Status SyncCoordinator::plan() {
         for (const auto& b : r.buffers()) packed_ = packed_ || b.staged();
   auto strategy = strategyOf(req_.options().strategy(), req_.options().delta());
   if (!strategy.ok()) return failed(strategy.status());
-  if (!replicas_.empty() && req_.options().delta() != v1::DELTA_OFF)
-    return failed(absl::InvalidArgumentError(strCat(
-        "sync: replica set \"", req_.dst_group(), "\" syncs dense: delta syncs into replica sets are not built yet")));
   const auto key = PlanKey::forSync(budget, chunk_bytes, req_.options().delta(), packed_, *strategy);
   // A repeated sync finds its plan by the kept digests (planned again only if evicted meanwhile).
   auto plan = !replicas_.empty()     ? ctx_.engine.plans().getReplicaSet(src_, replicas_, key, &plan_cached_)

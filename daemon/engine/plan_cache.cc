@@ -1,5 +1,6 @@
 #include "daemon/engine/plan_cache.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "common/strings.h"
@@ -32,18 +33,26 @@ std::shared_ptr<const CachedPlan> PlanCache::lookup(const std::string& key, bool
   return it->second.plan;
 }
 
-std::shared_ptr<const CachedPlan> PlanCache::insert(const std::string& key, planner::Schedule schedule) {
+std::shared_ptr<const CachedPlan> PlanCache::insert(const std::string& key, planner::Schedule schedule,
+                                                    std::string bases_key) {
   auto c = std::make_shared<CachedPlan>();
   static_cast<planner::Schedule&>(*c) = std::move(schedule);
   c->key = key;
+  c->bases_key = bases_key.empty() ? key : std::move(bases_key);
   std::lock_guard<std::mutex> lock(mu_);
   if (auto raced = plans_.find(key); raced != plans_.end()) return raced->second.plan;  // planned twice at once
   lru_.push_front(key);
   plans_[key] = Entry{c, lru_.begin()};
   while (plans_.size() > capacity_) {
-    evicted_.push_back(lru_.back());
-    plans_.erase(lru_.back());
+    const std::string gone = lru_.back(), gone_bases = plans_[gone].plan->bases_key;
+    evicted_.push_back(gone);
+    plans_.erase(gone);
     lru_.pop_back();
+    // A set's bases outlive one membership's plan while another membership's is cached.
+    const bool shared = gone_bases != gone && std::any_of(plans_.begin(), plans_.end(), [&](const auto& e) {
+                          return e.second.plan->bases_key == gone_bases;
+                        });
+    if (gone_bases != gone && !shared) evicted_.push_back(gone_bases);
   }
   return c;
 }
@@ -130,9 +139,9 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
   const std::string src_digest = planner::layoutDigest(src);
   std::string members;
   for (const auto& r : replicas) members += strCat(r.id, ":", planner::layoutDigest(r.layout), ",");
+  const std::string& set_name = replicas.front().layout.replica_set();
   // PlanKey::str with the set's membership in place of one destination digest.
-  const std::string key =
-      plan_key.str(src_digest, strCat("set:", replicas.front().layout.replica_set(), "[", members, "]"));
+  const std::string key = plan_key.str(src_digest, strCat("set:", set_name, "[", members, "]"));
   if (auto cached = lookup(key, hit)) return cached;
   const std::string replica_digest =
       replicas.front().digest.empty() ? planner::replicaDigest(replicas.front().layout) : replicas.front().digest;
@@ -165,9 +174,15 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
       positions_age_.pop_front();
     }
   }
+  // Composed: its transfers are the position plan's (planner::composeReplicas copies them), so
+  // chunk k of transfer t is the same source bytes in every membership of the set. The position
+  // plan's inputs name them: source, replica layout, rank -> position pattern, chunk size.
+  std::string pattern;
+  for (const int32_t p : set.positions->rank_position) pattern += strCat(p, ",");
+  std::string bases_key = plan_key.str(src_digest, strCat("set:", set_name, "/", replica_digest, "/", pattern));
   SC_ASSIGN_OR_RETURN(auto schedule, planner::scheduleOf(std::move(set.nodes), std::move(set.src), std::move(set.dst),
                                                          std::move(set.plan), staging_budget, plan_key.zero_copy));
-  return insert(key, std::move(schedule));
+  return insert(key, std::move(schedule), std::move(bases_key));
 }
 
 uint64_t PlanCache::positionPlansMade() const {

@@ -36,6 +36,11 @@ struct CachedPlan : planner::Schedule {
   // The two layout digests, the staging budget, the chunk size (and "/packed": no zero copy;
   // "/rank-pull", "/gather-broadcast": a baseline's routing).
   std::string key;
+  // What the source's delta bases of this plan are kept under (DeltaBases, by transfer and chunk):
+  // the key, except for a replica set's composed plan, whose transfers are its position plan's
+  // whatever the membership: one bases key for every membership, so a replica that joins, leaves
+  // or is cut does not make the others' next sync dense (each node's own base decides for it).
+  std::string bases_key;
   std::string landedProblem(const LandedChunk& l, int32_t in_wave, int32_t self) const {
     return Schedule::landedProblem(l.transfer, l.chain, l.hop, l.chunk, in_wave, self);
   }
@@ -98,7 +103,8 @@ class PlanCache {
   uint64_t misses() const;  // lookups that planned
   size_t size() const;
   bool contains(const std::string& key) const;
-  // The keys evicted since the last call (their spare memory should go too: SpareMemory::drop).
+  // The keys evicted since the last call (their spare memory should go too: SpareMemory::drop),
+  // and the bases keys no cached plan uses any more (their delta bases should go: DeltaBases::drop).
   std::vector<std::string> takeEvicted();
 
  private:
@@ -110,7 +116,9 @@ class PlanCache {
   std::shared_ptr<const CachedPlan> lookup(const std::string& key, bool* hit);
   // Caches a plan just made (or returns the one another caller made meanwhile), evicting the
   // least recently used beyond capacity.
-  std::shared_ptr<const CachedPlan> insert(const std::string& key, planner::Schedule schedule);
+  // `bases_key` empty: the key.
+  std::shared_ptr<const CachedPlan> insert(const std::string& key, planner::Schedule schedule,
+                                           std::string bases_key = {});
 
   const size_t capacity_;
   mutable std::mutex mu_;

@@ -261,12 +261,12 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   for (const auto& [group, digest] : destination) metrics_.sourceVersionSeen(group, a->src_group, a->version);
   // Another attempt of the same plan using them (it cannot commit: the destination refuses a
   // second writer): this one keeps none, and packs dense.
-  if (a->delta != v1::DELTA_OFF) a->bases = bases_.claim(a->plan->key, a->fence);
+  if (a->delta != v1::DELTA_OFF) a->bases = bases_.claim(a->plan->bases_key, a->fence);
   if (a->delta == v1::DELTA_OFF) a->base = {};  // no delta may land here
   auto prepared = prepareTargets(a, hit);
   if (prepared.ok()) prepared->set_expect_checked(req.expect_size() > 0);
   if (!prepared.ok()) {
-    if (a->bases) bases_.finish(a->plan->key, a->fence, false);
+    if (a->bases) bases_.finish(a->plan->bases_key, a->fence, false);
     if (a->key_open) transport_.closeFence(a->key, std::chrono::seconds(0));
     registry_.endSync(a->id, a->fence, a->src_group, a->dstGroups(), Registry::SyncEnd::kRevert);
     return prepared.status();
@@ -381,7 +381,7 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
   // What this node sent is a base for the next delta only if the sync committed here. An execute
   // still running (stuck past the wait above) may still write into the bases: they stay claimed
   // by this attempt for good (later syncs of the plan pack dense) rather than shared with it.
-  if (a->bases && !a->executing()) bases_.finish(a->plan->key, a->fence, end == Registry::SyncEnd::kCommit);
+  if (a->bases && !a->executing()) bases_.finish(a->plan->bases_key, a->fence, end == Registry::SyncEnd::kCommit);
   // No write of this sync lands here any more: later ones are refused, those landing now are waited
   // for (bounded by the transport's op timeout on the sender's side).
   if (!transport_.closeFence(a->key, std::chrono::seconds(10))) {

@@ -148,6 +148,47 @@ TEST_CASE("plan cache: a replica set's position plan is planned once and reused 
   CHECK(baseline.status().code() == absl::StatusCode::kInvalidArgument);
 }
 
+TEST_CASE("plan cache: a replica set's delta bases are kept under one key for every membership",
+          "[daemon][plan-cache][replicas][delta]") {
+  PlanCache cache(2);
+  const v1::Layout src = *planner::parseLayoutJson(
+      R"({"group":"train","mesh":{"shape":[1]},"nodes":["t0"],"tensors":[{"name":"w","shape":[64,32],"dtype":"float32"}]})",
+      "train");
+  const PlanKey delta = PlanKey::forSync(1 << 20, 1 << 10, v1::DELTA_AUTO, false);
+  bool hit = false;
+  const auto get = [&](std::vector<planner::Replica> members) {
+    auto p = cache.getReplicaSet(src, members, delta, &hit);
+    INFO((p.ok() ? "" : std::string(p.status().message())));
+    REQUIRE(p.ok());
+    return *p;
+  };
+  const auto two = get({replica(0), replica(1)}), three = get({replica(0), replica(1), replica(2)});
+  // Plans per membership, with the same transfers (the position plan's), so the same bases.
+  CHECK(two->key != three->key);
+  CHECK(two->bases_key == three->bases_key);
+  CHECK(two->bases_key != two->key);
+  REQUIRE(two->plan.transfers.size() == three->plan.transfers.size());
+  for (size_t t = 0; t < two->plan.transfers.size(); ++t) {
+    CHECK(two->plan.transfers[t].bytes == three->plan.transfers[t].bytes);
+    CHECK(two->plan.transfers[t].chunks == three->plan.transfers[t].chunks);
+  }
+  // One membership's plan evicted while another's is cached: its bases stay.
+  const auto one = get({replica(0)});
+  CHECK(one->bases_key == two->bases_key);
+  CHECK(cache.takeEvicted() == std::vector<std::string>{two->key});
+  // Every membership gone: the bases go too (reported once, after the last plan's key).
+  const auto plain = [&](int rows) {
+    auto p = cache.get(layout("s", "a", rows), layout("d", "b", rows), PlanKey{1 << 20, 1 << 20}, &hit);
+    REQUIRE(p.ok());
+    return *p;
+  };
+  plain(4);
+  CHECK(cache.takeEvicted() == std::vector<std::string>{three->key});
+  const auto last = plain(8);
+  CHECK(cache.takeEvicted() == std::vector<std::string>{one->key, two->bases_key});
+  CHECK(last->bases_key == last->key);  // a plain group's bases are its plan's
+}
+
 TEST_CASE("plan key: zero copy only for a dense sync through no packed-only buffer", "[daemon][plan]") {
   using shardcast::v1::DELTA_AUTO;
   using shardcast::v1::DELTA_OFF;

@@ -15,6 +15,7 @@
 
 #include "common/strings.h"
 #include "planner/plan.h"
+#include "planner/schedule.h"
 #include "tests/unit/plan_simulator.h"
 #include "tests/unit/reference.h"
 #include "tests/unit/test_util.h"
@@ -475,6 +476,41 @@ TEST_CASE("replica sets: a leave, then a join, compose from the cached position 
   auto replanned = planReplicaSet(src, all, other, first->positions);
   REQUIRE(replanned.ok());
   CHECK_FALSE(replanned->reused_positions);
+}
+
+TEST_CASE("replica sets of block-scaled fp8 replicas compose from one position plan, scales derived",
+          "[planner][replicas][fp8]") {
+  // A bf16 trainer (rows over two nodes, cutting blocks) into fp8 replicas (TP=2 by columns, the
+  // 128-column blocks cut between the ranks): the source gets its virtual scale tensor, the
+  // positions are planned once, and every membership moves what the flat plan of the same
+  // stacked layout moves.
+  const v1::Layout src = layoutFromJson(R"({"group":"trainer","mesh":{"shape":[2]},"nodes":["t0","t1"],"tensors":[
+    {"name":"w","shape":[300,320],"dtype":"bfloat16","placements":[{"shard":{"dim":0}}]}]})");
+  const auto replica = [](int32_t k) {
+    return fromJson(k, strCat(R"({"group":"rollout.r)", k, R"(","replica_set":"rollout","replica":)", k,
+                              R"(,"mesh":{"shape":[2]},"nodes":["r)", k, R"(","r)", k, R"("],"tensors":[
+      {"name":"w","shape":[300,320],"dtype":"float8_e4m3fn","placements":[{"shard":{"dim":1}}],
+       "block_scale":{"scale":"w_scale_inv"}}]})"));
+  };
+  auto three = planReplicaSet(src, {replica(0), replica(1), replica(2)});
+  INFO((three.ok() ? "" : std::string(three.status().message())));
+  REQUIRE(three.ok());
+  const TensorLayout* scales = three->src.find("w_scale_inv");
+  REQUIRE(scales != nullptr);
+  CHECK(scales->scale_of == three->src.tensor_index.at("w"));
+  CHECK_FALSE(scales->split_blocks.empty());  // 150-row shards cut the second row of blocks
+  for (const std::vector<int32_t>& ids : {std::vector<int32_t>{0, 2}, std::vector<int32_t>{1}}) {
+    std::vector<Replica> members;
+    for (const int32_t id : ids) members.push_back(replica(id));
+    auto set = planReplicaSet(src, members, {}, three->positions);
+    REQUIRE(set.ok());
+    CHECK(set->reused_positions);
+    CHECK(set->plan.transfers.size() == three->plan.transfers.size());
+    auto flat = makeSchedule(src, stackReplicas(members), 1 << 20, 1 << 20, true);
+    REQUIRE(flat.ok());
+    CHECK(set->plan.stats.network_bytes == flat->plan.stats.network_bytes);
+    CHECK(set->plan.stats.bytes_needed == flat->plan.stats.bytes_needed);
+  }
 }
 
 TEST_CASE("replica sets: stackReplicas equals the hand-written flat layout", "[planner][replicas]") {

@@ -24,7 +24,11 @@ After every sync it checks:
   sync's time (a moving average) plus 0.5 s;
 - crashed: a daemon that died without being killed.
 
-    python replica_chaos.py --syncs 300 [--netns]   # bench/chaos.sh --replicas runs this
+With --delta auto every sync is a delta sync, and a version changes 1 element in 64 (the rest
+keep the bytes of an earlier version): counted are the syncs that sent some chunk as a delta
+(delta_syncs) and the chunks sent each way, with every byte still checked as above.
+
+    python replica_chaos.py --syncs 300 [--netns] [--delta auto]   # bench/chaos.sh --replicas runs this
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from typing import Dict, List, Optional, Set, Tuple
 import numpy as np
 
 import shardcast
-from chaos import TENSORS, piece, restart_dead, wait_registered, wrong_elements
+import chaos
+from chaos import TENSORS, restart_dead, wait_registered, wrong_elements
 from shardcast.local import LocalCluster, Namespaces
 
 TRAINER = "t0"
@@ -70,8 +75,28 @@ def replica_layout(replica: int, node: str) -> dict:
             "nodes": [node] * TP, "tensors": tensors}
 
 
-def replica_piece(name: str, rank: int, version: int) -> np.ndarray:
-    return piece(name, version, TENSORS[name][2], rank, TP)
+SPARSE_PERIOD = 64  # with deltas: version V changes the elements i with i = V (mod 64)
+
+
+def sparse_full(name: str, version: int) -> np.ndarray:
+    """Version `version` of a tensor of which each version changes 1 element in 64: element i holds
+    chaos.full's value of the last version u <= `version` with u = i (mod 64), or of version 0."""
+    shape = TENSORS[name][0]
+    i = np.arange(int(np.prod(shape)), dtype=np.int64)
+    last = version - (version - i) % SPARSE_PERIOD
+    last = np.where(last < 1, 0, last)
+    return ((i * 7 + last * 1_000_003) % (2 ** 31 - 1)).astype(np.int32).reshape(shape)
+
+
+def piece(name: str, version: int, dim: Optional[int], index: int, parts: int, sparse: bool) -> np.ndarray:
+    if not sparse:
+        return chaos.piece(name, version, dim, index, parts)
+    a = sparse_full(name, version)
+    return a if dim is None else np.array_split(a, parts, axis=dim)[index].copy()
+
+
+def replica_piece(name: str, rank: int, version: int, sparse: bool = False) -> np.ndarray:
+    return piece(name, version, TENSORS[name][2], rank, TP, sparse)
 
 
 @dataclass
@@ -90,6 +115,9 @@ class Figures:
     catch_ups: int = 0
     catch_ups_raced: int = 0
     catch_ups_failed: int = 0
+    delta_syncs: int = 0  # with --delta auto: syncs that sent some chunk as a delta
+    delta_chunks: int = 0
+    dense_chunks: int = 0
     replica_commits: int = 0
     replicas_cut: int = 0
     healthy_cut: int = 0
@@ -123,8 +151,10 @@ class Replica:
 
 class ReplicaSoak:
     def __init__(self, seed: int, *, netns: bool = False, deadline: float = 1.0, lease_ms: int = 1000,
-                 min_live: int = MIN_LIVE, log=print, verbose: bool = False) -> None:
+                 min_live: int = MIN_LIVE, delta: str = "off", log=print, verbose: bool = False) -> None:
         self.min_live = min_live
+        self.delta = delta
+        self.sparse = delta != "off"  # versions that change a few elements: deltas worth sending
         self.rng = random.Random(seed)
         self.log = log
         self.verbose = verbose
@@ -156,7 +186,8 @@ class ReplicaSoak:
                 self.clients[node] = shardcast.Client(self.cluster.target(node), timeout=10)
             tl = trainer_layout()
             self.trainer = [self.clients[TRAINER].register(
-                "trainer", r, TRAINER_WORLD, {n: piece(n, 0, TENSORS[n][1], r, TRAINER_WORLD) for n in TENSORS}, tl,
+                "trainer", r, TRAINER_WORLD,
+                {n: piece(n, 0, TENSORS[n][1], r, TRAINER_WORLD, self.sparse) for n in TENSORS}, tl,
                 role="source") for r in range(TRAINER_WORLD)]
             for node in SLOTS[:self.min_live + 1]:
                 self.join(node, count=False)
@@ -228,7 +259,7 @@ class ReplicaSoak:
         for r, reg in enumerate(self.trainer):
             reg.acquire(timeout=30)
             for n in TENSORS:
-                reg.tensors[n][...] = piece(n, version, TENSORS[n][1], r, TRAINER_WORLD)
+                reg.tensors[n][...] = piece(n, version, TENSORS[n][1], r, TRAINER_WORLD, self.sparse)
             reg.publish(version)
 
     def inject(self, node: str, kind: str, delay: float, hold: float) -> None:
@@ -290,7 +321,7 @@ class ReplicaSoak:
         resp, error = None, ""
         try:
             resp = self.clients[TRAINER].sync("trainer", "rollout", v, timeout=30, replica_deadline=self.deadline,
-                                              verify=self.rng.random() < 0.2)
+                                              verify=self.rng.random() < 0.2, delta=self.delta)
         except shardcast.ShardcastError as e:
             error = e.details
         took = time.monotonic() - began
@@ -304,6 +335,9 @@ class ReplicaSoak:
             self.fig.problems.append(f"v{v}: the sync failed as a whole: {error}")
         else:
             self.fig.committed += 1
+            self.fig.delta_syncs += resp.delta_chunks > 0
+            self.fig.delta_chunks += resp.delta_chunks
+            self.fig.dense_chunks += resp.dense_chunks
             self.judge(v, resp, members, target, kind, joined, racing)
             if target is None and racer is None:
                 self.clean_seconds = 0.8 * self.clean_seconds + 0.2 * took
@@ -403,7 +437,8 @@ class ReplicaSoak:
                 if st.state != ready:
                     continue
                 wrong, newer = wrong_elements({n: reg.tensors[n] for n in TENSORS},
-                                              lambda n, v: replica_piece(n, reg.rank, v), st.version, self.version)
+                                              lambda n, v: replica_piece(n, reg.rank, v, self.sparse), st.version,
+                                              self.version)
                 if wrong:
                     self.fig.torn += 1
                     self.fig.mislabeled += newer
@@ -438,10 +473,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--netns", action="store_true", help="daemons in network namespaces; partitions too (root)")
     ap.add_argument("--deadline-s", type=float, default=1.0, help="the syncs' replica deadline")
+    ap.add_argument("--delta", choices=["off", "auto", "dense"], default="off", help="the syncs' delta mode")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="a line per sync and fault")
     a = ap.parse_args()
-    with ReplicaSoak(a.seed, netns=a.netns, deadline=a.deadline_s, verbose=a.verbose,
+    with ReplicaSoak(a.seed, netns=a.netns, deadline=a.deadline_s, delta=a.delta, verbose=a.verbose,
                      log=lambda s: print(s, file=sys.stderr, flush=True)) as soak:
         fig = soak.run(a.syncs)
     if a.json:

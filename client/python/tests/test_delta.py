@@ -203,3 +203,91 @@ def test_delta_dense_every_refreshes_the_bases():
             for reg in dst:
                 reg.close()
             src.close()
+
+
+def replica_layout(k, node):
+    """Replica k of set "vllm": dst_layout's two ranks, both on `node`."""
+    layout = dst_layout([node, node])
+    layout.update(group=f"vllm.r{k}", replica_set="vllm", replica=k)
+    return layout
+
+
+def test_deltas_into_a_replica_set_follow_each_replica_through_cuts_joins_and_outside_writes():
+    """Delta syncs into a replica set (one call, every replica): each replica's node reports its own
+    base, the trainer's bases are kept for the set whatever its membership, and a replica that
+    missed a version, joined or was written outside a sync gets dense bytes, while every byte of
+    every replica is checked after every sync."""
+    shardcast.local.find_shardcastd()
+    with LocalCluster(["n0", "n1", "n2", "n3"], extra=["--chunk-mib", "1"]) as c:
+        clients = {n: shardcast.Client(c.target(n)) for n in c.nodes}
+        c0 = clients["n0"]
+        src = c0.register("trainer", 0, 1, source_tensors(5), src_layout("n0"), role="source", version=1)
+
+        def join(k):
+            node = f"n{k + 1}"
+            return [clients[node].register(f"vllm.r{k}", r, 2, destination_tensors(2), replica_layout(k, node))
+                    for r in range(2)]
+
+        def synced(version, members, **kwargs):
+            resp = c0.sync("trainer", "vllm", version, delta="auto", **kwargs)
+            got = {o.group: (o.committed, o.cut) for o in resp.replicas}
+            for k, reg in members.items():
+                assert got[f"vllm.r{k}"] == (True, ""), got
+                check_all(src, reg, 2)
+            return resp, got
+
+        replicas = {0: join(0), 1: join(1)}
+        first, _ = synced(1, replicas)
+        assert first.delta == service_pb2.DELTA_AUTO and first.delta_chunks == 0 and first.dense_chunks > 0
+
+        step(src, 2, 0.02, seed=52)
+        second, _ = synced(2, replicas, verify=True)
+        # The trainer sends each chunk once as a delta; replica 0 relays it to replica 1 as it is.
+        assert second.dense_chunks == 0 and second.delta_chunks > 0
+        assert second.wire_bytes <= 0.10 * second.network_bytes, (second.wire_bytes, second.network_bytes)
+
+        # Replica 1 misses version 3 (its engine holds a rank): cut, and replica 0 still gets a
+        # delta, though the set synced without replica 1 (another membership, the same bases).
+        step(src, 3, 0.02, seed=53)
+        with replicas[1][1].reading():
+            third = c0.sync("trainer", "vllm", 3, delta="auto")
+        got = {o.group: (o.committed, o.cut) for o in third.replicas}
+        assert got["vllm.r0"] == (True, "") and not got["vllm.r1"][0], got
+        assert third.dense_chunks == 0 and third.delta_chunks > 0
+        check_all(src, replicas[0], 2)
+        assert all(reg.state().version == 2 for reg in replicas[1])
+
+        # Version 4: replica 1 holds 2, not 3: what lands on it travels dense (a relay chain carries
+        # one encoding); every byte right on both.
+        step(src, 4, 0.02, seed=54)
+        fourth, _ = synced(4, replicas)
+        assert fourth.dense_chunks > 0
+        step(src, 5, 0.02, seed=55)
+        fifth, _ = synced(5, replicas)
+        assert fifth.dense_chunks == 0 and fifth.delta_chunks > 0
+
+        # A replica joins: it holds nothing, so its chunks are dense; the sync after, deltas again.
+        replicas[2] = join(2)
+        step(src, 6, 0.02, seed=56)
+        sixth, _ = synced(6, replicas)
+        assert sixth.dense_chunks > 0
+        step(src, 7, 0.02, seed=57)
+        seventh, _ = synced(7, replicas)
+        assert seventh.dense_chunks == 0 and seventh.delta_chunks > 0
+
+        # Replica 2's engine writes its weights: its rebuilt chunks fail their hash, so it is cut,
+        # named, and left DIRTY; the others commit the delta, and the next sync repairs it.
+        replicas[2][0].tensors["w"][3, 5] += 1
+        step(src, 8, 0.02, seed=58)
+        eighth = c0.sync("trainer", "vllm", 8, delta="auto")
+        got = {o.group: (o.committed, o.cut) for o in eighth.replicas}
+        assert got["vllm.r0"] == (True, "") and got["vllm.r1"] == (True, ""), got
+        assert not got["vllm.r2"][0] and "do not hold version 7" in got["vllm.r2"][1], got
+        check_all(src, replicas[0], 2)
+        check_all(src, replicas[1], 2)
+        step(src, 9, 0.02, seed=59)
+        synced(9, replicas)
+        for reg in [src] + [reg for regs in replicas.values() for reg in regs]:
+            reg.close()
+        for client in clients.values():
+            client.close()

@@ -12,6 +12,7 @@ import pytest
 
 import shardcast
 from shardcast.fp8 import block_dequantize, block_quantize
+from shardcast.local import LocalCluster
 
 torch = pytest.importorskip("torch", reason="the test venv (scripts/deps.sh) has torch")
 if not hasattr(torch, "float8_e4m3fn"):
@@ -101,6 +102,67 @@ def test_block_scaled_fp8_matches_torch_bit_for_bit_with_split_and_edge_blocks(c
         assert delta.delta_chunks > 0 and delta.wire_bytes < delta.network_bytes // 10
         for reg in dst + src:
             reg.close()
+
+
+def test_fp8_with_deltas_into_a_replica_set_matches_torch_on_every_replica():
+    """The combination an RL fleet runs: a bf16 trainer into a replica set of fp8 engines, with
+    delta syncs. Every replica's fp8 bits and scales equal torch's quantisation after each sync;
+    the trainer sends each byte once (replica 0 relays to replica 1), and the second step's
+    deltas carry its fp8 bytes and scales that changed; a replica cut from one sync (its engine
+    holds a rank) is repaired by the next, dense, with the other still getting deltas after."""
+    shardcast.local.find_shardcastd()
+    with LocalCluster(["n0", "n1", "n2"]) as c:
+        c0, c1, c2 = (shardcast.Client(c.target(n)) for n in ("n0", "n1", "n2"))
+        g = torch.Generator().manual_seed(7)
+        w = (torch.randn(R, C, generator=g) * 0.02).to(torch.bfloat16)
+        m = torch.randn(M_R, M_C, generator=g) * 3
+        src = [c0.register("trainer", r, 2, {"w": w[r * 256:(r + 1) * 256].clone(), "m": m.clone()}, src_layout(),
+                           role="source", version=1) for r in range(2)]
+        replicas = []
+        for k, (client, node) in enumerate(((c1, "n1"), (c2, "n2"))):
+            layout = {**dst_layout(), "group": f"vllm.r{k}", "replica_set": "vllm", "replica": k,
+                      "nodes": [node, node]}
+            replicas.append([client.register(f"vllm.r{k}", r, 2, destination(r), layout) for r in range(2)])
+
+        def trainer_step(version, row):
+            """A few weights of one row change, no block's amax: few fp8 bytes change."""
+            for s in src:
+                with s.writing(version):
+                    s.tensors["w"][row, :5] = 0.001 * version
+            return torch.cat([s.tensors["w"] for s in src])
+
+        first = c0.sync("trainer", "vllm", 1, delta="auto", verify=True)
+        assert [(o.group, o.committed) for o in first.replicas] == [("vllm.r0", True), ("vllm.r1", True)]
+        assert first.network_bytes == 2 * (R * C + M_R * M_C + 4 * 3 * 4 + 4 * 4 * 4)
+        for dst in replicas:
+            check(w, m, dst)
+        w = trainer_step(2, 3)
+        second = c0.sync("trainer", "vllm", 2, delta="auto")
+        assert second.delta_chunks > 0 and second.dense_chunks == 0
+        assert second.wire_bytes < second.network_bytes // 10, (second.wire_bytes, second.network_bytes)
+        for dst in replicas:
+            check(w, m, dst)
+
+        w = trainer_step(3, 40)
+        with replicas[1][0].reading():
+            third = c0.sync("trainer", "vllm", 3, delta="auto")
+        assert [(o.group, o.committed) for o in third.replicas] == [("vllm.r0", True), ("vllm.r1", False)]
+        assert third.delta_chunks > 0
+        check(w, m, replicas[0])
+        w = trainer_step(4, 90)
+        fourth = c0.sync("trainer", "vllm", 4, delta="auto")  # replica 1 holds 2: dense
+        assert fourth.dense_chunks > 0 and all(o.committed for o in fourth.replicas)
+        for dst in replicas:
+            check(w, m, dst)
+        w = trainer_step(5, 200)
+        fifth = c0.sync("trainer", "vllm", 5, delta="auto")
+        assert fifth.delta_chunks > 0 and fifth.dense_chunks == 0
+        for dst in replicas:
+            check(w, m, dst)
+        for reg in src + replicas[0] + replicas[1]:
+            reg.close()
+        for client in (c0, c1, c2):
+            client.close()
 
 
 def test_source_shards_that_cut_blocks_combine_each_blocks_amax_across_nodes(cluster):

@@ -1,7 +1,8 @@
 """The replica-set chaos soak, CI-sized (bench/chaos.sh --replicas runs it for minutes): a trainer
 syncs every step into a replica set whose replicas join, leave, and are killed, frozen or (in
 network namespaces, as root) partitioned at random moments of the syncs; every rank's bytes are
-checked against its reported version after every sync (see replica_chaos.py)."""
+checked against its reported version after every sync (see replica_chaos.py); once more with delta
+syncs, whose versions change 1 element in 64."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import replica_chaos
 
 
-def soak(netns: bool, seed: int, syncs: int) -> replica_chaos.Figures:
+def soak(netns: bool, seed: int, syncs: int, delta: str = "off") -> replica_chaos.Figures:
     # At least 4 replicas: with 3, a frozen middle replica of the relay chain can leave none able
     # to take part (both neighbours still exchanging its bytes), a failure the bench soak counts
     # (docs/reliability.md) and this test would only meet by chance.
@@ -21,7 +22,8 @@ def soak(netns: bool, seed: int, syncs: int) -> replica_chaos.Figures:
     # A 2 s sync lease (the bench's soak: 1 s): CI runs this beside the vLLM tests on 2 cores, and
     # once a healthy daemon there went unanswered by the lease keeper for a whole 1 s lease.
     # Frozen and partitioned replicas are still cut at the 1 s replica deadline.
-    with replica_chaos.ReplicaSoak(seed, netns=netns, min_live=4, lease_ms=2000, log=lines.append) as s:
+    with replica_chaos.ReplicaSoak(seed, netns=netns, min_live=4, lease_ms=2000, delta=delta,
+                                   log=lines.append) as s:
         fig = s.run(syncs)
     print({k: v for k, v in asdict(fig).items() if k != "problems"})
     # Figures that depend on the machine's speed (late) are the bench's; the rest must hold.
@@ -44,3 +46,11 @@ def test_replicas_join_leave_die_and_freeze_while_the_trainer_syncs_every_step()
 def test_replicas_partitioned_from_the_network_are_cut_and_repaired():
     fig = soak(netns=True, seed=12, syncs=20)
     assert fig.partitions > 0, fig
+
+
+@pytest.mark.slow
+def test_delta_syncs_into_a_replica_set_under_the_same_chaos():
+    fig = soak(netns=False, seed=13, syncs=30, delta="auto")
+    assert fig.kills > 0 and fig.freezes > 0 and fig.replicas_cut > 0, fig
+    # Deltas went out between the faults (the syncs beside a miss or a join are dense).
+    assert fig.delta_syncs > 0 and fig.delta_chunks > 0 and fig.dense_chunks > 0, fig

@@ -95,10 +95,6 @@ def test_a_replica_set_syncs_as_one_while_replicas_join_leave_and_die():
         # A replica joins between syncs: the next sync reaches it.
         r2 = register_replica(clients["n3"], 2, "n3")
         step(trainers, 2)
-        # (Deltas into a set are refused by name, not built yet, with nothing written.)
-        with pytest.raises(shardcast.ShardcastError, match="delta syncs into replica sets are not built yet"):
-            src.sync("trainer", "rollout", 2, delta="auto")
-        assert holds(r0, 1)
         # A minimum above the set's size, nothing cut: the error says so, without an empty list.
         with pytest.raises(shardcast.ShardcastError) as few:
             src.sync("trainer", "rollout", 2, min_replicas=4)
