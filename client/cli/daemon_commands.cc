@@ -59,12 +59,13 @@ std::string toJson(const google::protobuf::Message& m) {
   return out;
 }
 
-// Connects, or prints why not and sets the exit code to kUnreachable.
+// Connects, or prints why not and sets the exit code: kUntrusted for a daemon that answers as a
+// uid this client does not trust (checkDaemonUid), kUnreachable otherwise.
 std::unique_ptr<Client> connectOrReport(const std::string& cmd, const CommonArgs& a, int* exit_code) {
   auto c = Client::connect(a.daemon.empty() ? defaultDaemonTarget() : a.daemon);
   if (!c.ok()) {
     std::cerr << "shardcast " << cmd << ": " << c.status().message() << "\n";
-    *exit_code = kUnreachable;
+    *exit_code = absl::IsPermissionDenied(c.status()) ? kUntrusted : kUnreachable;
     return nullptr;
   }
   return std::make_unique<Client>(std::move(*c));

@@ -10,6 +10,7 @@ enum ExitCode : int {
   kInvalidInput = 3,  // a layout file or option that fails validation
   kUnreachable = 4,   // the daemon cannot be reached
   kSyncFailed = 5,    // the daemon answered, and the operation failed
+  kUntrusted = 6,     // something answers on the socket as a uid this client does not trust
 };
 
 }  // namespace shardcast::cli

@@ -244,7 +244,8 @@ StatusOr<uint32_t> checkDaemonUid(const std::string& path, const std::vector<uin
     return static_cast<uint32_t>(cred.uid);
   return absl::PermissionDeniedError(strCat("the process serving \"unix:", path, "\" (pid ", cred.pid, ") runs as uid ",
                                             cred.uid, ", not as root, this process's uid or one of ",
-                                            "SHARDCAST_DAEMON_UID: not a daemon this client trusts"));
+                                            "SHARDCAST_DAEMON_UID: not a daemon this client trusts (if it is your ",
+                                            "deployment's shardcastd, set SHARDCAST_DAEMON_UID=", cred.uid, ")"));
 }
 
 StatusOr<Client> Client::connect(const std::string& target, std::chrono::milliseconds connect_timeout) {

@@ -317,9 +317,10 @@ class SyncCoordinator {
   // or not a replica like the others). Fails when fewer than SyncOptions.min_replicas take part.
   Status gatherReplicas(const ClusterView& view, const std::vector<std::string>& unreachable);
   // The set's members: those registered now that the source's bytes may reach, and remembered ones
-  // whose nodes do not answer (cut, into `cut`); notes them for the replica-set memory.
+  // whose nodes do not answer (cut, into `cut`); notes them for the replica-set memory. Remembered
+  // ones registered nowhere any more, whose nodes answer, left: named once in `left` (not cut).
   ReplicaMemory::Members membersNow(const ClusterView& view, const std::vector<std::string>& unreachable,
-                                    std::vector<std::string>* cut);
+                                    std::vector<std::string>* cut, std::vector<v1::ReplicaOutcome>* left);
   // A replica that does not take part: its outcome says why, and `cut` lists it.
   void cutOut(v1::ReplicaOutcome outcome, const std::string& why, std::vector<std::string>* cut);
   // node -> the first replica taking part with ranks there, and its owner.

@@ -215,7 +215,8 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
   replicas_.clear();
   outcomes_.clear();
   std::vector<std::string> cut;
-  const ReplicaMemory::Members now = membersNow(view, unreachable, &cut);
+  std::vector<v1::ReplicaOutcome> left;
+  const ReplicaMemory::Members now = membersNow(view, unreachable, &cut, &left);
   Sharing sharing;
   // Replicas are weighed in the order of their claims, the source owner's first (the bytes are its
   // own to place), then each by when its group was registered, cluster-wide (by id within that):
@@ -246,6 +247,8 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
     for (const auto& node : nodes) sharing.emplace(node, std::make_pair(group, view.ownerOf(group)));
     outcomes_.push_back(std::move(outcome));
   }
+  const size_t weighed = outcomes_.size();  // those registered now, and the silent ones
+  outcomes_.insert(outcomes_.end(), left.begin(), left.end());
   std::sort(replicas_.begin(), replicas_.end(),
             [](const planner::Replica& a, const planner::Replica& b) { return a.id < b.id; });
   std::sort(outcomes_.begin(), outcomes_.end(), [](const v1::ReplicaOutcome& a, const v1::ReplicaOutcome& b) {
@@ -254,11 +257,11 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
   const size_t needed = std::max<uint32_t>(1, req_.options().min_replicas());
   if (replicas_.size() < needed)
     return absl::FailedPreconditionError(strCat("sync: replica set \"", req_.dst_group(), "\": ", replicas_.size(),
-                                                " of ", outcomes_.size(), " replicas can take part, at least ", needed,
+                                                " of ", weighed, " replicas can take part, at least ", needed,
                                                 " needed", cut.empty() ? "" : strCat(" (", strJoin(cut, "; "), ")")));
   if (!cut.empty())
     spdlog::warn("sync {}: replica set \"{}\" syncs {} of {} replicas; cut: {}", id_, req_.dst_group(),
-                 replicas_.size(), outcomes_.size(), strJoin(cut, "; "));
+                 replicas_.size(), weighed, strJoin(cut, "; "));
   return absl::OkStatus();
 }
 
@@ -269,9 +272,11 @@ void SyncCoordinator::cutOut(v1::ReplicaOutcome outcome, const std::string& why,
 }
 
 ReplicaMemory::Members SyncCoordinator::membersNow(const ClusterView& view, const std::vector<std::string>& unreachable,
-                                                   std::vector<std::string>* cut) {
+                                                   std::vector<std::string>* cut,
+                                                   std::vector<v1::ReplicaOutcome>* left) {
   // Where each replica's ranks are now, and where they were at the last sync into the set.
   ReplicaMemory::Members now = membersOf(view, req_.dst_group(), src_group_);
+  const auto anyone = membersOf(view, req_.dst_group(), "");
   std::set<std::string> silent;  // nodes of daemons that do not answer
   for (const auto& [address, node] : ctx_.peers.knownNodes())
     for (const auto& why : unreachable)
@@ -282,10 +287,24 @@ ReplicaMemory::Members SyncCoordinator::membersNow(const ClusterView& view, cons
     std::vector<std::string> gone;
     for (const auto& node : was.nodes)
       if (silent.count(node)) gone.push_back(quote(node));
-    if (gone.empty()) continue;  // its nodes answer without it: it left
     v1::ReplicaOutcome outcome;
     outcome.set_group(group);
     outcome.set_replica(was.replica);
+    if (gone.empty()) {  // its nodes answer without it: it left (its client unregistered or exited)
+      // (Nodes forgotten past their lease neither answer nor are silent: not named.)
+      const bool answering = std::all_of(was.nodes.begin(), was.nodes.end(), [&](const std::string& n) {
+        return std::any_of(view.daemons().begin(), view.daemons().end(),
+                           [&](const v1::DescribeResponse& d) { return d.node() == n; });
+      });
+      if (answering && !anyone.count(group)) {
+        outcome.set_left(true);
+        outcome.set_cut(strCat("left the set since the last sync into it: its ranks are registered nowhere (",
+                               "unregistered, or the process that registered them exited; the daemons' logs say ",
+                               "which: \"session ... ended\")"));
+        left->push_back(std::move(outcome));
+      }
+      continue;
+    }
     if (const auto earlier = ctx_.cut.find(group); earlier != ctx_.cut.end())
       cutOut(outcome, earlier->second, cut);  // its node failed an earlier attempt: not asked again
     else
@@ -300,7 +319,6 @@ ReplicaMemory::Members SyncCoordinator::membersNow(const ClusterView& view, cons
   // their nodes answer (they left), whatever source this caller named.
   members_seen_ = now;
   members_left_.clear();
-  const auto anyone = membersOf(view, req_.dst_group(), "");
   for (const auto& [group, was] : remembered)
     if (!anyone.count(group) && !now.count(group)) members_left_.push_back(group);
   return now;

@@ -91,9 +91,11 @@ grpc::Status ShardcastService::Sync(grpc::ServerContext* ctx, const v1::SyncRequ
   if (st.ok()) {
     metrics_.syncCommitted(*out);
     if (out->replicas_size() > 0) {
-      const auto committed = static_cast<size_t>(std::count_if(
-          out->replicas().begin(), out->replicas().end(), [](const v1::ReplicaOutcome& r) { return r.committed(); }));
-      metrics_.replicaSetSynced(req->dst_group(), committed, static_cast<size_t>(out->replicas_size()) - committed);
+      const auto count = [&](auto pred) {
+        return static_cast<size_t>(std::count_if(out->replicas().begin(), out->replicas().end(), pred));
+      };
+      metrics_.replicaSetSynced(req->dst_group(), count([](const v1::ReplicaOutcome& r) { return r.committed(); }),
+                                count([](const v1::ReplicaOutcome& r) { return !r.committed() && !r.left(); }));
     }
   } else {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
