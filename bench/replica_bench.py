@@ -187,7 +187,7 @@ def main() -> int:
                 pid = c.daemons["i2"].proc.pid
                 os.kill(pid, signal.SIGSTOP)
                 t = time.monotonic()
-                resp = b.sync(replica_deadline=deadline)
+                resp = b.sync(replica_deadline_s=deadline)
                 times.append(time.monotonic() - t)
                 os.kill(pid, signal.SIGCONT)
                 cut = {o.group for o in resp.replicas if not o.committed}

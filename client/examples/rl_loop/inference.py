@@ -1,7 +1,8 @@
 """One inference rank of the RL loop: a vLLM-like rank (TP=2 within its replica, q/k/v fused into
 qkv_proj and gate/up into gate_up_proj) that registers its local weights with its node's daemon
-through its parallel plan, then for every step waits for that version, checks every weight
-against the trainer's full state dict of that step, and hands back its "rollouts"."""
+through its parallel plan (its replica is one of the replica set "inference": group
+`inference.r<replica>`), then for every step waits for that version, checks every weight against
+the trainer's full state dict of that step, and hands back its "rollouts"."""
 
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ def serve(rank: int, daemon: str, nodes, steps: int, inbox, rollouts) -> int:
     weights = {n: torch.zeros(shape, dtype=getattr(torch, dtype))  # what the engine allocated
                for n, (shape, dtype) in shardcast.local_shapes(plan, meta).items()}
     client = shardcast.Client(daemon)
+    # Replica `plan.replica` of the set "inference": its own group, reg.group ("inference.r0", ...).
     reg = client.register_inference("inference", weights, plan, meta, nodes=nodes)
     wrong = 0
     for _ in range(steps):
         step, full = inbox.get(timeout=300)
         # An engine pauses generation here; a version that does not arrive in time raises
         # (DEADLINE_EXCEEDED): stale weights are never served.
-        client.wait_version("inference", step, timeout=120)
+        client.wait_version(reg.group, step, timeout=120)
         expected = model.expected_local({n: torch.from_numpy(a) for n, a in full.items()}, plan.tp_rank, tp_size)
         bad = sum(int((weights[n] != expected[n]).sum()) for n in expected)
         wrong += bad

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The RL loop, end to end on this machine: 4 daemons (2 trainer nodes, 2 inference nodes), a
 small transformer trained with real FSDP2 over 4 trainer ranks (gloo on the CPU, AdamW), and 4
-vLLM-like inference ranks (TP=2 per node, fused qkv / gate_up), each its own process. Every step
-the trainer trains and syncs the new weights; every inference rank waits for the new version and
-checks every weight against the trainer's full state dict of that step.
+vLLM-like inference ranks (two replicas of TP=2, one per node, fused qkv / gate_up: the replica
+set "inference"), each its own process. Every step the trainer trains and syncs the new weights
+into the set; every inference rank waits for the new version and checks every weight against the
+trainer's full state dict of that step.
 
     .venv/bin/python client/examples/rl_loop/run.py [--steps 3]     (the venv scripts/deps.sh makes)
 

@@ -1,8 +1,9 @@
 """One trainer rank of the RL loop: the example transformer trained with real FSDP2 (gloo on the
 CPU, AdamW), its parameters registered in place with its node's daemon. Every step all ranks
-train; rank 0 then publishes the step to the inference group with a sync, hands the step's full
-state dict to the inference ranks (so they can check every weight), and waits for their rollouts
-before the next step (synchronous on-policy RL). run.py starts four of these as processes."""
+train; rank 0 then publishes the step to the inference replicas with one sync into their replica
+set, hands the step's full state dict to the inference ranks (so they can check every weight),
+and waits for their rollouts before the next step (synchronous on-policy RL). run.py starts four
+of these as processes."""
 
 from __future__ import annotations
 
@@ -47,7 +48,10 @@ def train(rank: int, world: int, port: int, daemon: str, steps: int, to_inferenc
         full = {n: p.full_tensor().detach().numpy().copy() for n, p in net.named_parameters()}  # collective
         dist.barrier()  # every rank has finished step `step`: its weights are final
         if rank == 0:
-            result = client.sync("trainer", "inference", step, verify=verify, wait_for_ranks=True, timeout=120)
+            # Into the replica set "inference": every replica (2 of TP=2) takes part, waited for
+            # until registered; without min_replicas a replica not registered yet would be cut.
+            result = client.sync("trainer", "inference", step, verify=verify, wait_for_ranks=True, timeout=120,
+                                 min_replicas=len(to_inference) // 2)
             print(f"trainer: step {step} (loss {loss:.4f}) published: {result.network_bytes} B over the network in "
                   f"{result.seconds * 1e3:.1f} ms{' (plan cached)' if result.plan_cached else ''}", flush=True)
             for q in to_inference:

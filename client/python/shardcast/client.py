@@ -83,7 +83,8 @@ def check_daemon_uid(path: str, allowed: Sequence[int] = (), timeout: float = 5.
     if uid not in {0, os.geteuid(), *allowed}:
         raise ShardcastError(grpc.StatusCode.PERMISSION_DENIED,
                              f'the process serving "unix:{path}" (pid {pid}) runs as uid {uid}, not as root, this '
-                             f"process's uid or one of $SHARDCAST_DAEMON_UID: not a daemon this client trusts")
+                             f"process's uid or one of $SHARDCAST_DAEMON_UID: not a daemon this client trusts (if it "
+                             f"is your deployment's shardcastd, set SHARDCAST_DAEMON_UID={uid})")
     return uid
 
 
@@ -569,15 +570,28 @@ class Client:
         tensor shapes ({name: tensor or (shape, dtype)}; a meta-device model's state_dict will do).
         Each local tensor must have exactly the shape and dtype the plan gives this rank
         (shardcast.local_tensors allocates them; tensors in `plan.fp8` are float8_e4m3fn, each with
-        its float32 scale buffer). Nodes: `nodes`, `ranks_per_node` (+ `node_prefix`), or gathered
-        through `process_group`."""
-        self._check_open(f'register group "{group}" rank {plan.rank}')
+        its float32 scale buffer).
+
+        With `plan.replicas` > 1 and `plan.replica_set` (the default), `group` names a replica set:
+        this rank registers as rank `plan.tp_rank` of its replica's own group, `<group>.r<replica>`
+        (of `plan.tp_size` ranks), and a sync into `group` writes every replica registered, cutting
+        one that cannot take part while the others commit (docs/daemon.md, "Replica sets"). Wait
+        for versions on the returned Registration's `group`. Otherwise it is rank `plan.rank` of
+        the one group `group`. Nodes (see inference_layout): `nodes`, `ranks_per_node`
+        (+ `node_prefix`), or gathered through `process_group`, which holds exactly the ranks of
+        the group registered in (in a replica set, the replica's own TP group)."""
+        name = plan.group_name(group)
+        what = f'register group "{name}" {plan.describe()}'
+        self._check_open(what)
         check_local_tensors(plan, model, tensors)
         if nodes is None and ranks_per_node is None:
-            nodes = gather_nodes(self.status().node, plan.world_size, process_group)
+            try:
+                nodes = gather_nodes(self.status().node, plan.group_world, process_group)
+            except ValueError as e:
+                raise ValueError(f"{what}: {e}") from None
         layout = inference_layout(group, plan, model, nodes=nodes, ranks_per_node=ranks_per_node,
                                   node_prefix=node_prefix)
-        return self.register(group, plan.rank, plan.world_size, tensors, layout, role="destination")
+        return self.register(name, plan.group_rank, plan.group_world, tensors, layout, role="destination")
 
     def unregister(self, group: str, rank: int, registration: Optional[int] = None) -> None:
         """Unregisters `rank` of `group` as this client registered it (or `registration`, a
@@ -666,7 +680,7 @@ class Client:
 
     def sync(self, src: str, dst: str, version: int, *, verify: bool = False, timeout: Optional[float] = None,
              wait_for_ranks: bool = False, sync_id: Optional[str] = None, delta: str = "off",
-             strategy: str = "planned", min_replicas: int = 0, replica_deadline: Optional[float] = None,
+             strategy: str = "planned", min_replicas: int = 0, replica_deadline_s: Optional[float] = None,
              catch_up: bool = False,
              progress: Optional[Callable[[service_pb2.SyncProgress], None]] = None) -> service_pb2.SyncResponse:
         """Syncs version `version` of `src` into `dst` and returns once every destination rank has it
@@ -683,11 +697,11 @@ class Client:
         what it needs).
 
         `dst` may name a replica set (layouts registered with replica_set=dst, one group per
-        replica): every replica registered when the sync starts takes part, unless it cannot (its
+        replica, as register_inference makes for ParallelPlan(replicas=N)): every replica registered when the sync starts takes part, unless it cannot (its
         node does not answer, it is incomplete or refuses the version): it is then cut, and the
         response's `replicas` says which committed and why the others were cut. The sync fails
         when fewer than `min_replicas` (at least 1) take part. A replica whose node fails during the
-        sync is cut and the sync runs again without it, within the same call; `replica_deadline`
+        sync is cut and the sync runs again without it, within the same call; `replica_deadline_s`
         (seconds; default: the daemons' sync lease) bounds how long a replica's node may stay
         silent before it is cut.
 
@@ -712,10 +726,10 @@ class Client:
             raise ValueError(f"min_replicas must not be negative, not {min_replicas}")
         req.options.min_replicas = min_replicas
         req.options.catch_up = catch_up
-        if replica_deadline is not None:
-            if replica_deadline < 0:
-                raise ValueError(f"replica_deadline must not be negative, not {replica_deadline}")
-            req.options.replica_deadline_ms = int(replica_deadline * 1000)
+        if replica_deadline_s is not None:
+            if replica_deadline_s < 0:
+                raise ValueError(f"replica_deadline_s must not be negative, not {replica_deadline_s}")
+            req.options.replica_deadline_ms = int(replica_deadline_s * 1000)
         watcher = None
         if progress is not None:
             watcher = threading.Thread(target=self._follow, args=(sync_id, progress), daemon=True)

@@ -4,7 +4,8 @@
 - an inference rank has its local tensors and its engine's parallel plan (tensor-parallel rank and
   size, replicas, which weights are column- or row-parallel, fused buffers such as qkv_proj and
   gate_up_proj, expert ranges): `inference_layout` turns a `ParallelPlan` and the model's full
-  tensor shapes into the group's layout, and `check_local_tensors` holds the local tensors to it;
+  tensor shapes into the layout of the group the rank registers in (with replicas, by default its
+  replica's group in a replica set), and `check_local_tensors` holds the local tensors to it;
   tensors the engine serves in block-scaled fp8 (`ParallelPlan.fp8`) add a float32 scale buffer
   per rank, whose shape `local_shapes` gives and `local_tensors` allocates.
 
@@ -48,8 +49,14 @@ def tensor_specs(model: Mapping[str, Any]) -> Dict[str, TensorSpec]:
 class ParallelPlan:
     """How an inference engine holds the model on one rank, in vLLM's terms.
 
-    Ranks are numbered replica-major: rank = replica * tp_size + tp_rank. Names are the model's
-    (logical) tensor names; `column`, `row` and `experts` are fnmatch patterns over them.
+    Ranks are numbered replica-major: rank = replica * tp_size + tp_rank. With `replicas` > 1 and
+    `replica_set` (the default), each replica registers as a replica set (docs/daemon.md, "Replica
+    sets"): replica k of group G is a group of its own, `G.r<k>` with replica_set G, whose ranks
+    are its tp_size TP ranks; one sync into G writes every replica registered and cuts one that is
+    dead, held or frozen while the others commit. With `replica_set=False` the replicas form one
+    plain group of replicas x tp_size ranks (mesh [replicas, tp_size]): every rank commits or none.
+    Names are the model's (logical) tensor names; `column`, `row` and `experts` are fnmatch
+    patterns over them.
     - column-parallel weights (ColumnParallelLinear: q/k/v, gate/up) are split along their output
       dim (dim -2; dim 0 of a 1-D bias) over the TP ranks, torch.chunk-style;
     - row-parallel weights (RowParallelLinear: o_proj, down_proj) along their last dim;
@@ -80,12 +87,16 @@ class ParallelPlan:
     fp8: Sequence[str] = ()
     fp8_block: Tuple[int, int] = (128, 128)
     fp8_pow2: bool = False
+    replica_set: bool = True
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} is not in [0, tp_size={self.tp_size})")
         if self.replicas < 1 or not 0 <= self.replica < self.replicas:
             raise ValueError(f"replica {self.replica} is not in [0, replicas={self.replicas})")
+        if not isinstance(self.replica_set, bool):  # a layout's replica_set is the set's name; here it is a switch
+            raise TypeError(f"replica_set is True or False (the set's name is the group given to register_inference), "
+                            f"not {self.replica_set!r}")
         if self.expert_ranges is not None and len(self.expert_ranges) != self.tp_size:
             raise ValueError(f"expert_ranges has {len(self.expert_ranges)} entries for tp_size {self.tp_size}")
         for p in (self.column, self.row, self.experts, self.fp8):
@@ -102,6 +113,30 @@ class ParallelPlan:
     @property
     def world_size(self) -> int:
         return self.replicas * self.tp_size
+
+    @property
+    def in_replica_set(self) -> bool:
+        """Whether each replica registers as a group of its own in a replica set."""
+        return self.replica_set and self.replicas > 1
+
+    @property
+    def group_rank(self) -> int:
+        """This rank's number in the group it registers in: tp_rank in a replica's group, rank
+        in one plain group."""
+        return self.tp_rank if self.in_replica_set else self.rank
+
+    @property
+    def group_world(self) -> int:
+        """The number of ranks of the group this rank registers in."""
+        return self.tp_size if self.in_replica_set else self.world_size
+
+    def group_name(self, group: str) -> str:
+        """The group this rank registers in: `<group>.r<replica>` in replica set `group`, else `group`."""
+        return f"{group}.r{self.replica}" if self.in_replica_set else group
+
+    def describe(self) -> str:
+        """"rank R (replica K, tp_rank T)", for messages."""
+        return f"rank {self.rank} (replica {self.replica}, tp_rank {self.tp_rank})"
 
     def _matches(self, patterns: Sequence[str], name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in patterns)
@@ -211,14 +246,22 @@ def _fused_members(plan: ParallelPlan, specs: Mapping[str, TensorSpec]) -> Dict[
 def inference_layout(group: str, plan: ParallelPlan, model: Mapping[str, Any], *,
                      nodes: Optional[Sequence[str]] = None, ranks_per_node: Optional[int] = None,
                      node_prefix: str = "node-") -> dict:
-    """The layout (JSON form) of an inference group whose every rank follows `plan` (with its own
-    tp_rank / replica) for `model`'s tensors ({name: tensor or (shape, dtype)}: the full, logical
-    shapes). Say where ranks run with `nodes` (one per rank) or `ranks_per_node` + `node_prefix`."""
+    """The layout (JSON form) of the inference group rank `plan.rank` registers in, every rank of
+    it following `plan` (with its own tp_rank / replica), for `model`'s tensors ({name: tensor or
+    (shape, dtype)}: the full, logical shapes).
+
+    In a replica set (`plan.in_replica_set`) that is replica `plan.replica`'s own group,
+    `<group>.r<replica>` with replica_set `group`: mesh [tp_size], its TP ranks only. Otherwise
+    the one group `group`, mesh [replicas, tp_size]. Say where ranks run with `nodes` (one per
+    rank of the group; in a replica set, this replica's tp_size names or every replica's
+    world_size names, replica-major, of which it takes its own) or `ranks_per_node` +
+    `node_prefix` (rank r of the world on node `<node_prefix><r // ranks_per_node>`)."""
     specs = tensor_specs(model)
     if not specs:
         raise ValueError("the model has no tensors")
     _fused_members(plan, specs)  # validates the fused groups
     fp8 = set(fp8_tensors(plan, specs))
+    in_set = plan.in_replica_set
     tensors = []
     for name, (shape, dtype) in specs.items():
         entry: Dict[str, Any] = {"name": name, "shape": list(shape), "dtype": dtype}
@@ -237,25 +280,42 @@ def inference_layout(group: str, plan: ParallelPlan, model: Mapping[str, Any], *
                 if not 0 <= start <= stop <= shape[0]:
                     raise ValueError(f'tensor "{name}": expert range [{start}, {stop}) of TP rank {t} is outside '
                                      f"[0, {shape[0]})")
-                ranks = [r * plan.tp_size + t for r in range(plan.replicas)]
+                ranks = [t] if in_set else [r * plan.tp_size + t for r in range(plan.replicas)]
                 pieces.append({"ranks": ranks, "offsets": [start] + [0] * (len(shape) - 1),
                                "sizes": [stop - start] + list(shape[1:])})
             entry["pieces"] = pieces
         else:
             tp = {"replicate": {}} if split is None else {"shard": {"dim": split}}
-            entry["placements"] = [{"replicate": {}}, tp]
+            entry["placements"] = [tp] if in_set else [{"replicate": {}}, tp]
         tensors.append(entry)
-    layout: Dict[str, Any] = {"group": group, "mesh": {"shape": [plan.replicas, plan.tp_size],
-                                                      "dim_names": ["dp", "tp"]}, "tensors": tensors}
+    layout: Dict[str, Any] = {"group": plan.group_name(group)}
+    if in_set:
+        layout.update(replica_set=group, replica=plan.replica, mesh={"shape": [plan.tp_size], "dim_names": ["tp"]})
+    else:
+        layout["mesh"] = {"shape": [plan.replicas, plan.tp_size], "dim_names": ["dp", "tp"]}
+    layout["tensors"] = tensors
+    first = plan.replica * plan.tp_size  # the world rank of this replica's tp_rank 0
     if nodes is not None:
-        if len(nodes) != plan.world_size:
-            raise ValueError(f"{len(nodes)} node names for {plan.world_size} ranks")
+        if in_set and len(nodes) == plan.world_size:
+            nodes = list(nodes)[first:first + plan.tp_size]
+        elif len(nodes) != plan.group_world:
+            accepted = (f"{plan.tp_size} (replica {plan.replica}'s ranks) or {plan.world_size} (every replica's, "
+                        "replica-major)") if in_set else f"{plan.world_size} (one per rank)"
+            raise ValueError(f'group "{plan.group_name(group)}", {plan.describe()}: {len(nodes)} node names; '
+                             f"give {accepted}")
         layout["nodes"] = list(nodes)
     elif ranks_per_node is not None:
-        layout["ranks_per_node"] = int(ranks_per_node)
-        layout["node_prefix"] = node_prefix
+        if in_set:  # the replica's ranks stay on the nodes their world ranks are on
+            if int(ranks_per_node) < 1:
+                raise ValueError(f'group "{plan.group_name(group)}", {plan.describe()}: ranks_per_node must be '
+                                 f"positive, not {ranks_per_node}")
+            layout["nodes"] = [f"{node_prefix}{(first + t) // int(ranks_per_node)}" for t in range(plan.tp_size)]
+        else:
+            layout["ranks_per_node"] = int(ranks_per_node)
+            layout["node_prefix"] = node_prefix
     else:
-        raise ValueError("say where the group's ranks run: nodes=[one per rank] or ranks_per_node=")
+        raise ValueError(f'group "{plan.group_name(group)}": say where its ranks run: nodes=[one per rank] or '
+                         "ranks_per_node=")
     fused = []
     for buffer, members in plan.fused.items():
         ndims = {len(specs[m][0]) for m in members}
@@ -327,7 +387,7 @@ def check_local_tensors(plan: ParallelPlan, model: Mapping[str, Any], tensors: M
             problems.append(f'"{name}" is {list(shape)} {dtype}, the plan gives tp_rank {plan.tp_rank} '
                             f"{list(want[name][0])} {want[name][1]}")
     if problems:
-        raise ValueError(f"rank {plan.rank} (replica {plan.replica}, tp_rank {plan.tp_rank}): "
+        raise ValueError(f"{plan.describe()}: "
                          + "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else ""))
 
 

@@ -320,7 +320,7 @@ class ReplicaSoak:
         began = time.monotonic()
         resp, error = None, ""
         try:
-            resp = self.clients[TRAINER].sync("trainer", "rollout", v, timeout=30, replica_deadline=self.deadline,
+            resp = self.clients[TRAINER].sync("trainer", "rollout", v, timeout=30, replica_deadline_s=self.deadline,
                                               verify=self.rng.random() < 0.2, delta=self.delta)
         except shardcast.ShardcastError as e:
             error = e.details

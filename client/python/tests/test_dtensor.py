@@ -10,7 +10,9 @@ memory must follow: registration is in place, never a snapshot):
   (fused w13) and into expert-parallel ranks holding whole experts.
 
 Destinations are registered with the named-tensor API (local tensors + a ParallelPlan) on two
-nodes, two TP=2 replicas, with fused qkv_proj / gate_up_proj."""
+nodes, two TP=2 replicas, with fused qkv_proj / gate_up_proj: the transformer's as a replica set
+(each replica its own group, ParallelPlan's default), the MoE's as one plain group
+(`replica_set=False`: mesh [2, 2], expert pieces naming a rank of each replica)."""
 
 from __future__ import annotations
 
@@ -112,8 +114,9 @@ def sync_and_check(cluster, src: str, destinations, version: int, full, expected
     for dst, ranks in destinations:
         r = client.sync(src, dst, version, verify=True, wait_for_ranks=True, timeout=120)
         assert r.version == version and r.bytes_needed > 0
+        assert all(o.committed for o in r.replicas), r.replicas  # a replica set's: every replica
         for plan, tensors, reg, c in ranks:
-            assert c.wait_version(dst, version, timeout=30) >= version
+            assert c.wait_version(reg.group, version, timeout=30) >= version  # a replica's own group
             bad = wrong_elements(tensors, expected_of(dst, plan, full))
             assert not bad, f"{dst} rank {plan.rank} version {version}: {bad}"
     client.close()
@@ -147,7 +150,10 @@ def run_scenario(cluster, kind: str, world: int, destinations_of, expected_of, c
 def lm_destinations(cluster, kind: str):
     meta = lm.meta_model()
     plans = [lm.inference_plan(t, 2, r, 2) for r in range(2) for t in range(2)]
-    return [(f"{kind}-vllm", register_destination(cluster, f"{kind}-vllm", plans, meta))]
+    ranks = register_destination(cluster, f"{kind}-vllm", plans, meta)
+    assert [(reg.group, reg.rank) for _, _, reg, _ in ranks] == [
+        (f"{kind}-vllm.r{r}", t) for r in range(2) for t in range(2)]  # replica set f"{kind}-vllm"
+    return [(f"{kind}-vllm", ranks)]
 
 
 def lm_expected(dst, plan, full):
@@ -187,11 +193,13 @@ def moe_meta():
 
 
 def moe_plan(t: int, r: int, expert_parallel: bool):
+    # One plain group of both replicas (the transformer's are a replica set): each expert piece
+    # names a rank of each replica, and a sync commits on all four ranks or none.
     if expert_parallel:  # experts [0, 3) on TP rank 0 and [3, 5) on rank 1, whole
         return shardcast.ParallelPlan(tp_size=2, tp_rank=t, replicas=2, replica=r, experts=["w1", "w2", "w3"],
-                                      expert_ranges=[(0, 3), (3, 5)])
+                                      expert_ranges=[(0, 3), (3, 5)], replica_set=False)
     return shardcast.ParallelPlan(tp_size=2, tp_rank=t, replicas=2, replica=r, column=["w1", "w3"], row=["w2"],
-                                  fused={"w13": ["w1", "w3"]})
+                                  fused={"w13": ["w1", "w3"]}, replica_set=False)
 
 
 def moe_destinations(cluster, kind: str):
@@ -200,7 +208,9 @@ def moe_destinations(cluster, kind: str):
     for ep in (False, True):
         dst = f"moe-{'ep' if ep else 'tp'}-vllm"
         plans = [moe_plan(t, r, ep) for r in range(2) for t in range(2)]
-        out.append((dst, register_destination(cluster, dst, plans, meta)))
+        ranks = register_destination(cluster, dst, plans, meta)
+        assert [(reg.group, reg.rank) for _, _, reg, _ in ranks] == [(dst, rank) for rank in range(4)]
+        out.append((dst, ranks))
     return out
 
 

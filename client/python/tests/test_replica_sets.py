@@ -11,6 +11,8 @@ import concurrent.futures
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -111,7 +113,11 @@ def test_a_replica_set_syncs_as_one_while_replicas_join_leave_and_die():
             reg.close()
         step(trainers, 3)
         resp = src.sync("trainer", "rollout", 3)
-        assert outcomes(resp) == {"rollout.r0": (True, ""), "rollout.r2": (True, "")}
+        got = outcomes(resp)
+        assert got["rollout.r0"] == (True, "") and got["rollout.r2"] == (True, ""), got
+        # ... and names it once, as having left (not cut by a fault).
+        assert not got["rollout.r1"][0] and got["rollout.r1"][1].startswith("left the set"), got
+        assert [o.left for o in resp.replicas] == [False, True, False]
         assert holds(r0, 3) and holds(r2, 3)
 
         # A replica's daemon dies: the others commit, and the response names it and why.
@@ -120,7 +126,7 @@ def test_a_replica_set_syncs_as_one_while_replicas_join_leave_and_die():
         step(trainers, 4)
         resp = src.sync("trainer", "rollout", 4)
         got = outcomes(resp)
-        assert got["rollout.r0"] == (True, "")
+        assert got["rollout.r0"] == (True, "") and "rollout.r1" not in got, got
         committed, why = got["rollout.r2"]
         assert not committed and 'node(s) "n3"' in why and "do not answer" in why, why
         assert holds(r0, 4)
@@ -169,6 +175,50 @@ def _as_peer(cluster: LocalCluster, node: str) -> service_pb2_grpc.PeerStub:
     channel = grpc.secure_channel(cluster.daemons[node].address, cluster.daemon_tls.channel_credentials(),
                                   options=[("grpc.ssl_target_name_override", "shardcast-daemon")])
     return service_pb2_grpc.PeerStub(channel)
+
+
+def test_a_replica_whose_process_is_killed_between_syncs_is_named_in_the_next_response():
+    """A replica's engine process is killed (SIGKILL) between two syncs: its daemon unregisters its
+    ranks with the process's session, and the next sync names it as having left, with how to tell
+    why, rather than leaving it out of the response; the sync after names it no more."""
+    shardcastd_path()
+    with LocalCluster(["n0", "n1", "n2"]) as c:
+        clients, src, trainers, (r0,) = trainer_and_replicas(c, 1)
+        engine = subprocess.Popen(
+            [sys.executable, "-c", (
+                "import json, sys, time, numpy as np, shardcast\n"
+                "sys.path.insert(0, sys.argv[3])\n"
+                "import rank_worker\n"
+                "client = shardcast.Client(sys.argv[1])\n"
+                "layout = json.loads(sys.argv[2])\n"
+                "regs = [client.register('rollout.r1', r, 2, rank_worker.zeros(r), layout) for r in range(2)]\n"
+                "print('registered', flush=True)\n"
+                "time.sleep(600)\n"),
+             c.target("n2"), json.dumps(replica_layout(1, "n2")), os.path.dirname(os.path.abspath(__file__))],
+            stdout=subprocess.PIPE, text=True)
+        try:
+            assert engine.stdout.readline().strip() == "registered"
+            resp = src.sync("trainer", "rollout", 1)
+            assert outcomes(resp) == {"rollout.r0": (True, ""), "rollout.r1": (True, "")}
+        finally:
+            engine.kill()
+            engine.wait()
+        deadline = time.monotonic() + 30  # its daemon sees the session end
+        while time.monotonic() < deadline and any(r.group == "rollout.r1" for r in clients["n2"].list().ranks):
+            time.sleep(0.05)
+        step(trainers, 2)
+        resp = src.sync("trainer", "rollout", 2)
+        got = outcomes(resp)
+        assert got["rollout.r0"] == (True, ""), got
+        committed, why = got["rollout.r1"]
+        assert not committed and "left the set since the last sync" in why and "process that registered them exited" \
+            in why, why
+        assert [(o.group, o.left) for o in resp.replicas] == [("rollout.r0", False), ("rollout.r1", True)]
+        assert holds(r0, 2)
+        step(trainers, 3)
+        assert outcomes(src.sync("trainer", "rollout", 3)) == {"rollout.r0": (True, "")}
+        for reg in trainers + r0:
+            reg.close()
 
 
 def test_a_replica_that_fails_during_the_sync_is_cut_and_the_others_commit_in_the_same_call():
@@ -243,7 +293,7 @@ def sync_with_a_node_frozen(c: LocalCluster, src, trainers, node: str, version: 
     freeze_process(c.daemons[node].proc.pid)
     try:
         step(trainers, version)
-        resp = src.sync("trainer", "rollout", version, replica_deadline=0.5)
+        resp = src.sync("trainer", "rollout", version, replica_deadline_s=0.5)
     finally:
         os.kill(c.daemons[node].proc.pid, signal.SIGCONT)
     return resp, outcomes(resp)
@@ -307,7 +357,7 @@ def test_a_replica_refusing_the_prepare_on_a_shared_node_is_cut_alone():
             freeze_process(c.daemons["n3"].proc.pid)
             try:
                 with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                    sync = pool.submit(src.sync, "trainer", "rollout", version, replica_deadline=3.0, timeout=60)
+                    sync = pool.submit(src.sync, "trainer", "rollout", version, replica_deadline_s=3.0, timeout=60)
                     time.sleep(1.0)  # the gather has n2's answer, and waits for n3
                     r1[0].acquire()
                     resp = sync.result()
@@ -384,7 +434,7 @@ def test_replicas_downstream_of_a_relay_frozen_mid_write_commit_in_the_same_call
                     hit.set()
 
             try:
-                resp = src.sync("trainer", "rollout", version, replica_deadline=1.0, progress=freeze_a_third_in)
+                resp = src.sync("trainer", "rollout", version, replica_deadline_s=1.0, progress=freeze_a_third_in)
             finally:
                 if hit.is_set():
                     os.kill(c.daemons[node].proc.pid, signal.SIGCONT)

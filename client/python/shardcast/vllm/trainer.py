@@ -363,7 +363,7 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         try:
             resp = self.shardcast.sync(info.group, info.destination, version, delta=info.delta,
                                        wait_for_ranks=info.wait_for_ranks, min_replicas=info.min_replicas,
-                                       replica_deadline=info.replica_deadline_s)
+                                       replica_deadline_s=info.replica_deadline_s)
         except Exception as sync_error:
             update_error = _end_session(self.client, version)  # both errors are reported
             if update_error is not None:
@@ -373,7 +373,8 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
                          "version: the update finished", version, info.destination, sync_error)
             self._count_updated(version)  # ReplicaClients: the servers that did not are named
             return
-        self.replicas = {r.group: "" if r.committed else r.cut for r in resp.replicas}
+        # (A replica that left the set since the last sync is named once, and is no member now.)
+        self.replicas = {r.group: "" if r.committed else r.cut for r in resp.replicas if not r.left}
         for group, why in sorted(self.replicas.items()):
             if why:  # not yet a failure: the update catches it up (a failed catch-up is loud)
                 _log.info("shardcast: replica %r was cut from the sync of version %d (%s); its workers catch up "
