@@ -13,11 +13,18 @@ namespace shardcast::transport {
 StatusOr<std::unique_ptr<TransferMemory>> TransferMemory::prepare(Context& ctx, void* data, size_t size,
                                                                   MemoryKind kind, CopyEngine* copies) {
   auto m = std::make_unique<TransferMemory>();
+  const bool stageable = kind != MemoryKind::kHost && copies && copies->canCopy(MemoryKind::kHost, kind);
   if (ctx.canAccess(kind)) {
-    SC_ASSIGN_OR_RETURN(m->region_, ctx.registerMemory(data, size, kind));
+    auto region = ctx.registerMemory(data, size, kind);
+    if (region.ok() || !stageable) {
+      SC_ASSIGN_OR_RETURN(m->region_, std::move(region));
+      return m;
+    }
+    m->fallback_ = strCat("the transport reaches ", memoryKindName(kind), " memory but refused this buffer (",
+                          region.status().message(), ")");
     return m;
   }
-  if (!copies || !copies->canCopy(MemoryKind::kHost, kind))
+  if (!stageable)
     return absl::FailedPreconditionError(strCat("transport ", ctx.describe(), " cannot reach ", memoryKindName(kind),
                                                 " memory and no copy engine can stage it"));
   return m;

@@ -3,10 +3,12 @@
 // not registered at all, and its bytes travel through host memory a sync allocates for the wave
 // in flight (the staging region it packs into, the arena transfers land in), which is pinned for
 // the GPU's copies: bounded by the staging budget, never a host mirror of every device buffer.
-// The decision is made at run time from Context::canAccess(), never at build time.
+// The decision is made at run time from Context::canAccess(), never at build time, and per buffer:
+// one the transport refuses to register (device memory its NIC cannot read) is staged alone.
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "transport/copy_engine.h"
 #include "transport/cuda/cuda_support.h"
@@ -26,9 +28,13 @@ class TransferMemory {
   const std::shared_ptr<MemoryRegion>& region() const { return region_; }
   // Not reachable by the transport: moved through host staging by the copies around transfers.
   bool staged() const { return region_ == nullptr; }
+  // Why memory of a kind the transport reaches is staged all the same ("" when it is not): the
+  // transport refused this buffer (a GPU its NIC cannot read), so this buffer alone falls back.
+  const std::string& fallback() const { return fallback_; }
 
  private:
   std::shared_ptr<MemoryRegion> region_;
+  std::string fallback_;
 };
 
 // `bytes` of host memory registered with the transport for a sync's staging or arena, made

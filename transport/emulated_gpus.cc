@@ -290,6 +290,16 @@ bool EmulatedGpus::onDevice(const void* p, int device) const {
   return b < it->first + it->second.size && it->second.device == device;
 }
 
+std::optional<int> EmulatedGpus::deviceOf(const void* p) const {
+  const auto* b = static_cast<const std::byte*>(p);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = ranges_.upper_bound(b);
+  if (it == ranges_.begin()) return std::nullopt;
+  --it;
+  if (b >= it->first + it->second.size) return std::nullopt;
+  return it->second.device;
+}
+
 void EmulatedGpus::addRange(const std::byte* p, size_t n, int device) {
   std::lock_guard<std::mutex> lock(mu_);
   ranges_[p] = {n, device};
@@ -369,6 +379,61 @@ void EmulatedGpus::counted(int Counts::*counter, int queued_delta) {
   std::lock_guard<std::mutex> lock(mu_);
   if (counter != nullptr) ++(counts_.*counter);
   queued_ = static_cast<size_t>(static_cast<int64_t>(queued_) + queued_delta);
+}
+
+namespace {
+
+class EmulatedReach final : public Context {
+ public:
+  EmulatedReach(std::unique_ptr<Context> inner, const EmulatedGpus& gpus, std::set<int> reach)
+      : inner_(std::move(inner)), gpus_(gpus), reach_(std::move(reach)) {}
+
+  std::string describe() const override {
+    std::vector<int> gpus;
+    for (int d = 0; d < gpus_.deviceCount(); ++d)
+      if (reaches(d)) gpus.push_back(d);
+    return strCat(inner_->describe(), ", reaching emulated GPU memory (GPUs ", strJoin(gpus, ","), ")");
+  }
+  std::string address() const override { return inner_->address(); }
+  bool canAccess(MemoryKind) const override { return true; }
+  Capabilities capabilities() const override { return inner_->capabilities(); }
+  StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) override {
+    if (kind == MemoryKind::kHost) return inner_->registerMemory(data, size, kind);
+    const auto device = gpus_.deviceOf(data);
+    if (!device || !gpus_.deviceOf(static_cast<std::byte*>(data) + size - 1))
+      return absl::InvalidArgumentError("registerMemory: device memory that no emulated GPU holds");
+    if (!reaches(*device))
+      return absl::FailedPreconditionError(
+          strCat("the transport does not reach GPU ", *device, "'s memory (--emulate-gpu-reach)"));
+    return inner_->registerMemory(data, size, MemoryKind::kHost);  // what emulated device memory is
+  }
+  StatusOr<std::shared_ptr<MemoryRegion>> allocateMemory(size_t size) override { return inner_->allocateMemory(size); }
+  bool openFence(const WriteKey& key, std::vector<LandingRange> ranges) override {
+    return inner_->openFence(key, std::move(ranges));
+  }
+  bool closeFence(const WriteKey& key, std::chrono::milliseconds timeout) override {
+    return inner_->closeFence(key, timeout);
+  }
+  StatusOr<std::shared_ptr<Endpoint>> connect(const std::string& peer_address, const std::string& peer_name) override {
+    return inner_->connect(peer_address, peer_name);
+  }
+  void setNotificationHandler(NotificationHandler handler) override {
+    inner_->setNotificationHandler(std::move(handler));
+  }
+
+ private:
+  bool reaches(int device) const { return reach_.empty() || reach_.count(device) > 0; }
+
+  std::unique_ptr<Context> inner_;
+  const EmulatedGpus& gpus_;
+  const std::set<int> reach_;
+};
+
+}  // namespace
+
+std::unique_ptr<Context> reachEmulatedGpus(std::unique_ptr<Context> inner, const EmulatedGpus& gpus,
+                                           std::set<int> reach) {
+  return std::make_unique<EmulatedReach>(std::move(inner), gpus, std::move(reach));
 }
 
 }  // namespace shardcast::transport

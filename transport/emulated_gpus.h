@@ -16,11 +16,13 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "transport/device_copy.h"
 #include "transport/device_runtime.h"
+#include "transport/transport.h"
 
 namespace shardcast::transport {
 
@@ -44,6 +46,9 @@ class EmulatedGpus final : public DeviceRuntime {
   std::unique_ptr<DeviceStream> stream(int device, bool kernels = true);
   Counts counts() const;
   size_t queued() const;  // work issued on any stream and not run yet
+
+  // The GPU whose emulated memory holds `p` (nullopt: none of them).
+  std::optional<int> deviceOf(const void* p) const;
 
   int deviceCount() const override { return count_; }
   std::string unavailableReason() const override;
@@ -93,5 +98,15 @@ class EmulatedGpus final : public DeviceRuntime {
   size_t queued_ = 0;
   Counts counts_;
 };
+
+// `inner` reaching the emulated GPUs' memory as a CUDA-aware UCX reaches device memory
+// (shardcastd --emulate-gpu-reach, tests only), so that the direct path's decisions run without a
+// GPU: canAccess(kCuda), and device memory of the GPUs in `reach` (every GPU when empty)
+// registered with `inner` as the host memory it really is (rkeys for "device memory"); memory of
+// the others is refused (FAILED_PRECONDITION), as a NIC that cannot read a GPU's memory refuses
+// it, so those buffers fall back to staging one by one (TransferMemory::prepare). `gpus` must
+// outlive the context.
+std::unique_ptr<Context> reachEmulatedGpus(std::unique_ptr<Context> inner, const EmulatedGpus& gpus,
+                                           std::set<int> reach);
 
 }  // namespace shardcast::transport

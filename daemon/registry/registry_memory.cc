@@ -179,11 +179,18 @@ Status Registry::mapDeviceBuffer(const std::string& who, const std::string& name
   // Which path this buffer's bytes take, said once per registration: straight from and into
   // device memory (a CUDA-aware UCX: GPUDirect where the NIC has it), or packed on the GPU
   // into pinned host staging and unpacked on it from the landing arena (syncs planned packed).
-  spdlog::info("{}: buffer \"{}\" ({} bytes on GPU {}{}): {}", who, name, size, device,
-               handed ? strCat(", ", h.cuda_allocations().allocation_bytes_size(), " cuMem allocation(s)") : "",
-               (*mem)->staged() ? "staged: packed and unpacked on the GPU through pinned host memory (this "
-                                  "transport cannot reach device memory)"
-                                : "registered with the transport directly (device memory, no staging)");
+  const std::string where =
+      strCat(who, ": buffer \"", name, "\" (", size, " bytes on GPU ", device,
+             handed ? strCat(", ", h.cuda_allocations().allocation_bytes_size(), " cuMem allocation(s)") : "", ")");
+  if (!(*mem)->staged())
+    spdlog::info("{}: registered with the transport directly (device memory, no staging)", where);
+  else if ((*mem)->fallback().empty())
+    spdlog::info(
+        "{}: staged: packed and unpacked on the GPU through pinned host memory (this transport cannot "
+        "reach device memory)",
+        where);
+  else  // the other buffers go direct: this one makes the syncs through it packed (Describe: staged)
+    spdlog::warn("{}: staged through pinned host memory, this buffer alone: {}", where, (*mem)->fallback());
   b->size = size;
   b->device = bytes;
   b->engines = *engines;

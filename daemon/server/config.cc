@@ -37,7 +37,8 @@ std::string DaemonConfig::describe() const {
      << " insecure=" << (insecure ? "true" : "false")
      << " client_token_file=" << (client_token_file.empty() ? "(none)" : client_token_file)
      << " max_layout_ranks=" << max_layout_ranks << " max_layout_tensors=" << max_layout_tensors
-     << " emulate_gpus=" << emulate_gpus;
+     << " emulate_gpus=" << emulate_gpus
+     << " emulate_gpu_reach=" << (emulate_gpu_reach.empty() ? "(none)" : emulate_gpu_reach);
   return os.str();
 }
 
@@ -311,6 +312,10 @@ void addLayoutAndTestFlags(CLI::App& app, DaemonConfig& c) {
                  "shared-memory segments named by emulated IPC handles; device copies run only when waited for)")
       ->check(CLI::Range(0, 64))
       ->capture_default_str();
+  app.add_option("--emulate-gpu-reach", c.emulate_gpu_reach,
+                 "Tests only, with --emulate-gpus: the transport reaches the emulated GPUs' memory as a CUDA-aware "
+                 "UCX reaches device memory (registered directly, no staging): all, or a list of GPU indexes "
+                 "(0,2); the other GPUs' buffers fall back to staging, each named in the log");
 }
 
 // What the flags cannot check one by one: addresses, ranges, combinations, files.
@@ -324,6 +329,10 @@ Status checkDaemonConfig(const DaemonConfig& c) {
   if (!c.peers.empty() && !c.peer_dns.empty())
     return absl::InvalidArgumentError("give --peers or --peer-dns, not both");
   if (c.listen.empty() && c.socket.empty()) return absl::InvalidArgumentError("--listen and --socket are both empty");
+  if (!c.emulate_gpu_reach.empty()) {
+    if (c.emulate_gpus == 0) return absl::InvalidArgumentError("--emulate-gpu-reach needs --emulate-gpus");
+    SC_RETURN_IF_ERROR(emulatedGpuReach(c.emulate_gpu_reach, c.emulate_gpus).status());
+  }
   if (c.max_sync_lease_ms < c.sync_lease_ms)
     return absl::InvalidArgumentError(strCat("--max-sync-lease-ms ", c.max_sync_lease_ms, " is below --sync-lease-ms ",
                                              c.sync_lease_ms, ": this daemon's own syncs would be refused"));
@@ -409,6 +418,22 @@ transport::TransportOptions transportOptions(const DaemonConfig& c) {
                 {"ucx.protocol", c.protocol},
                 {"ucx.tcp_segment_bytes", std::to_string(c.ucx_tcp_segment_kib << 10)}};
   return o;
+}
+
+StatusOr<std::set<int>> emulatedGpuReach(const std::string& flag, int gpus) {
+  std::set<int> out;
+  if (flag == "all") return out;
+  for (size_t at = 0; at <= flag.size();) {
+    const size_t comma = std::min(flag.find(',', at), flag.size());
+    const std::string part = flag.substr(at, comma - at);
+    at = comma + 1;
+    char* end = nullptr;
+    const long gpu = std::strtol(part.c_str(), &end, 10);
+    if (part.empty() || end != part.c_str() + part.size() || gpu < 0 || gpu >= gpus || !out.insert(int(gpu)).second)
+      return absl::InvalidArgumentError(strCat("--emulate-gpu-reach \"", flag, "\": give all, or distinct GPU indexes ",
+                                               "below --emulate-gpus ", gpus, " separated by commas"));
+  }
+  return out;
 }
 
 }  // namespace shardcast::daemon

@@ -3,6 +3,7 @@
 // once and logged once at start-up.
 #pragma once
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -80,6 +81,9 @@ struct DaemonConfig {
   // Tests only: this many GPUs emulated in host memory (transport/emulated_gpus.h) instead of the
   // node's (0: the node's own, through CUDA).
   int emulate_gpus = 0;
+  // Tests only, with emulate_gpus: the transport reaches the emulated GPUs' memory as a CUDA-aware
+  // UCX reaches device memory ("all", or the GPUs' indexes "0,2"); "" = it reaches none (staged).
+  std::string emulate_gpu_reach;
 
   // One line per setting, for the start-up log and `--print-config`.
   std::string describe() const;
@@ -96,5 +100,9 @@ StatusOr<DaemonConfig> parseConfig(int argc, char** argv, int* exit_code, std::s
 // The data plane's options: the backend and its settings from the flags, and writes bounded to
 // what each target registered unless --insecure (checked by parseConfig: transport::checkOptions).
 transport::TransportOptions transportOptions(const DaemonConfig& c);
+
+// The GPUs --emulate-gpu-reach names among `gpus` emulated ones: empty = every one. INVALID_ARGUMENT
+// naming the flag for anything but "all" or distinct indexes below `gpus`.
+StatusOr<std::set<int>> emulatedGpuReach(const std::string& flag, int gpus);
 
 }  // namespace shardcast::daemon

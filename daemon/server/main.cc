@@ -328,6 +328,11 @@ int main(int argc, char** argv) {
     emulated = std::make_unique<transport::EmulatedGpus>(config->emulate_gpus, /*abort_on_hazard=*/true);
     spdlog::warn("GPUs: {} emulated in host memory (--emulate-gpus, for tests); this node's own are not used",
                  config->emulate_gpus);
+    if (!config->emulate_gpu_reach.empty()) {  // checked with the flags
+      *transport = transport::reachEmulatedGpus(std::move(*transport), *emulated,
+                                                *emulatedGpuReach(config->emulate_gpu_reach, config->emulate_gpus));
+      spdlog::warn("data plane: {} (--emulate-gpu-reach, for tests)", (*transport)->describe());
+    }
   }
   Registry registry(config->node, **transport, emulated ? *emulated : transport::cudaRuntime());
   if (Status st = configureRegistry(registry, *config, **transport); !st.ok()) return fail(std::string(st.message()));

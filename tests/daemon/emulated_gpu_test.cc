@@ -8,6 +8,7 @@
 
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <map>
 #include <thread>
 #include <utility>
 
@@ -717,4 +718,54 @@ TEST_CASE(
                                                                               "truncated to 0 bytes"));
   v1::StatusResponse s;
   CHECK(d.client()->Status(ctx().get(), v1::StatusRequest(), &s).ok());  // still serving
+}
+
+TEST_CASE(
+    "emulated GPUs the transport reaches: device memory registered directly, written without staging; a GPU "
+    "it cannot reach falls back alone",
+    "[daemon][sync][emulated-gpu][device-reach]") {
+  // The direct path a CUDA-aware UCX takes (issue 50), decided without a GPU: with
+  // --emulate-gpu-reach the transport registers the emulated GPUs' memory itself, so device ranks
+  // are read and written in place (zero copy, no staging) and every byte is verified; where it
+  // reaches only some GPUs, the buffers of the others are staged one by one (named in Describe
+  // and in the log) and the syncs through them are planned packed, byte-exact all the same.
+  const char* trainer = R"({"group":"trainer","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
+    {"name":"w","shape":[2048,256],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})";
+  const char* inference = R"({"group":"infer","mesh":{"shape":[2,2]},"nodes":["n1","n1","n1","n1"],"tensors":[
+    {"name":"w","shape":[2048,256],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":0}}]}]})";
+  const std::string reach_on_n1 = GENERATE(std::string("all"), std::string("0,1"));
+  INFO("n1 reaches GPUs " << reach_on_n1);
+  std::vector<int> ports{freePort(), freePort()};
+  const std::vector<std::string> peers{"127.0.0.1:" + std::to_string(ports[0]),
+                                       "127.0.0.1:" + std::to_string(ports[1])};
+  Daemon n0("n0", ports[0], peers,
+            {"--emulate-gpus", "2", "--emulate-gpu-reach", "all", "--chunk-mib", "1", "--host-zero-copy", "on"});
+  Daemon n1("n1", ports[1], peers,
+            {"--emulate-gpus", "4", "--emulate-gpu-reach", reach_on_n1, "--chunk-mib", "1", "--host-zero-copy", "on"});
+  REQUIRE(n0.ready());
+  REQUIRE(n1.ready());
+  GroupPair device(trainer, inference, n0, n1, /*gpus=*/true, "egpu-reach-" + reach_on_n1.substr(0, 1));
+  v1::DescribeResponse described;
+  REQUIRE(n1.peer()->Describe(ctx().get(), v1::DescribeRequest(), &described).ok());
+  std::map<int32_t, bool> staged;  // destination rank (= its GPU) -> its buffer staged
+  for (const auto& r : described.ranks())
+    for (const auto& b : r.buffers()) staged[r.rank()] = b.staged();
+  const bool all = reach_on_n1 == "all";
+  CHECK(staged == std::map<int32_t, bool>{{0, false}, {1, false}, {2, !all}, {3, !all}});
+
+  v1::SyncRequest req;
+  req.set_src_group("trainer");
+  req.set_dst_group("infer");
+  req.set_version(1);
+  req.mutable_options()->set_verify(true);
+  v1::SyncResponse out;
+  const auto st = n0.client()->Sync(ctx(120).get(), req, &out);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  CHECK(device.wrong() == 0);
+  CHECK(out.network_bytes() == 2048 * 256 * 4);  // each byte to n1 once
+  if (all)
+    CHECK(out.bytes_landed_direct() > 0);  // written into device memory in place: nothing staged
+  else
+    CHECK(out.bytes_landed_direct() == 0);  // a staged buffer in the sync: planned packed
 }
