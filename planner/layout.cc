@@ -811,12 +811,23 @@ StatusOr<ResolvedLayout> resolveLayout(const v1::Layout& layout, NodeTable& node
 Status addScaleSources(ResolvedLayout& src, const ResolvedLayout& dst) {
   for (const TensorLayout& ds : dst.tensors) {
     if (ds.scale_of < 0) continue;
+    const TensorLayout& dw = dst.tensors[static_cast<size_t>(ds.scale_of)];
+    // A source holding the same weight quantised in the same blocks, its scales beside it (a seed
+    // replica): both are copied as they are (the planner checks the rest).
+    if (const TensorLayout* held = src.find(ds.name);
+        held != nullptr && held->scale_of >= 0 && !held->virtual_scale &&
+        src.tensors[static_cast<size_t>(held->scale_of)].name == dw.name) {
+      if (held->block == ds.block) continue;
+      return absl::InvalidArgumentError(strCat("tensor \"", dw.name, "\": layouts \"", src.group, "\" and \"",
+                                               dst.group, "\" both hold it block-scaled, in other blocks ([",
+                                               strJoin(held->block, ", "), "] and [", strJoin(ds.block, ", "),
+                                               "]): quantised bytes are copied as they are, never quantised again"));
+    }
     if (src.find(ds.name) != nullptr)  // scales are computed here, never taken from a source
       return absl::FailedPreconditionError(
           strCat("tensor \"", ds.name, "\": layout \"", dst.group, "\" derives it (the block scales of \"",
                  dst.tensors[static_cast<size_t>(ds.scale_of)].name, "\"), but layout \"", src.group,
                  "\" has a tensor of that name: rename one (the daemons quantise and scale at the source)"));
-    const TensorLayout& dw = dst.tensors[static_cast<size_t>(ds.scale_of)];
     const TensorLayout* w = src.find(dw.name);
     if (w == nullptr) continue;  // the planner names the missing weight
     if (w->shape != dw.shape)
@@ -831,6 +842,7 @@ Status addScaleSources(ResolvedLayout& src, const ResolvedLayout& dst) {
     v.pow2 = dw.pow2;
     v.scale_of = src.tensor_index.at(w->name);
     v.scaled_shape = w->shape;
+    v.virtual_scale = true;
     // Each block's scale is read at the piece holding the block's first element (one per distinct
     // box): blocks [ceil(lo / b), ceil(hi / b)) of a piece, its first element's offset moved there.
     std::unordered_map<Box, int32_t, BoxHash> box_ids;

@@ -92,8 +92,19 @@ struct TensorLayout {
   // their pieces before any rank quantises (daemon/engine/split_amax.h); the piece holding a
   // block's first element sends its scale.
   std::vector<int64_t> split_blocks;
+  // A source's virtual scale tensor (addScaleSources): computed from the weight, never read as it
+  // is. False for a scale tensor some rank holds in memory (a seed replica's, in a catch-up).
+  bool virtual_scale = false;
   bool blockScaled() const { return !block.empty() && scale_of < 0; }
 };
+
+// Whether destination tensor `dt` is computed from source tensor `st` (quantised from the
+// source's float32 or bfloat16 weight, or its blocks' scales), rather than copied or converted
+// element by element. A source that holds them quantised already (a replica seeding a catch-up:
+// its fp8 bytes and its scales, in the same blocks) is copied.
+inline bool computedFrom(const TensorLayout& st, const TensorLayout& dt) {
+  return (dt.blockScaled() && !st.blockScaled()) || (dt.scale_of >= 0 && st.virtual_scale);
+}
 
 // A contiguous-or-strided run of elements in one rank's buffer, for one box.
 struct Region {

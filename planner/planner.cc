@@ -94,12 +94,19 @@ class Planner {
     // A destination may declare a dtype its source converts to (planner::convertible): the bytes
     // travel in the destination's dtype, so every size below is the destination's.
     // A scale tensor is computed from its weight's source (addScaleSources), whatever its dtype.
-    const bool computed = dt.scale_of >= 0 && st.scale_of >= 0;
+    const bool computed = computedFrom(st, dt);
     if (!computed && st.dtype != dt.dtype && dt.dtype == DType::kFloat8E4M3 && !dt.blockScaled())
       return absl::InvalidArgumentError(strCat("tensor \"", dt.name, "\": layout \"", dst_.group,
                                                "\" converts it to float8_e4m3fn without block scales: declare "
                                                "block_scale (the scales it is quantised with)"));
-    if (dt.blockScaled() && st.dtype != DType::kFloat32 && st.dtype != DType::kBFloat16)
+    if (dt.blockScaled() && st.blockScaled() && (st.dtype != dt.dtype || st.block != dt.block || st.pow2 != dt.pow2))
+      return absl::InvalidArgumentError(strCat("tensor \"", dt.name, "\": layouts \"", src_.group, "\" and \"",
+                                               dst_.group, "\" both hold it block-scaled, in other blocks or scales (",
+                                               dtypeName(st.dtype), " [", strJoin(st.block, ", "), "]",
+                                               st.pow2 ? " pow2" : "", " and ", dtypeName(dt.dtype), " [",
+                                               strJoin(dt.block, ", "), "]", dt.pow2 ? " pow2" : "",
+                                               "): quantised bytes are copied as they are, never quantised again"));
+    if (computed && dt.blockScaled() && st.dtype != DType::kFloat32 && st.dtype != DType::kBFloat16)
       return absl::InvalidArgumentError(strCat("tensor \"", dt.name, "\": layout \"", dst_.group,
                                                "\" quantises it per block, from float32 or bfloat16; layout \"",
                                                src_.group, "\" has ", dtypeName(st.dtype)));

@@ -18,8 +18,9 @@ bool sameDType(const Schedule& c, const Fragment& frag) {
   const auto& pair = c.plan.tensors[frag.tensor];
   const auto& st = c.src.tensors[pair.src];
   const auto& dt = c.dst.tensors[pair.dst];
-  // Block scales are computed, quantised weights converted: neither is the source's bytes.
-  return st.dtype == dt.dtype && st.scale_of < 0 && !dt.blockScaled();
+  // Block scales computed and weights quantised here are not the source's bytes; a seed's
+  // quantised bytes and scales are.
+  return st.dtype == dt.dtype && !computedFrom(st, dt);
 }
 
 // Where transfer t lands on `node`: directly when it is one fragment that a rank there needs

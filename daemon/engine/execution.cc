@@ -100,6 +100,12 @@ Status Execution::readAmaxes() {
   return absl::OkStatus();
 }
 
+StageSite Execution::siteOf(const planner::TensorLayout& st, const planner::TensorLayout& dt,
+                            const planner::Box& box) const {
+  if (!planner::computedFrom(st, dt)) return {dt.name, box};  // copied or converted as it is
+  return {dt.name, box, &dt, splitOf(dt), amaxesOf(dt)};
+}
+
 const SplitAmax* Execution::splitOf(const planner::TensorLayout& dt) const {
   const std::string& weight = dt.scale_of >= 0 ? cp_.dst.tensors[static_cast<size_t>(dt.scale_of)].name : dt.name;
   const auto it = split_.find(weight);
@@ -225,7 +231,7 @@ Status Execution::copyColocated() {
       SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
       SC_RETURN_IF_ERROR(env_.stage.copyLocal(typed(db, dr.offset, dr.strides, dt, Direction::kIncoming),
                                               typed(sb, sr.offset, sr.strides, st, Direction::kOutgoing), dr.extent,
-                                              {dt.name, sub, &dt, splitOf(dt), amaxesOf(dt)}));
+                                              siteOf(st, dt, sub)));
       a_->moved.local_bytes += static_cast<uint64_t>(sub.volume() * dt.elemBytes());
     }
   }
@@ -290,7 +296,7 @@ Status Execution::sendHeaded(int32_t t) {
       const TypedView wire{
           {out + cp_.fragment_offset[f] + chunk.offset, transport::MemoryKind::kHost, 0, denseFor(part)}, dt.dtype};
       SC_RETURN_IF_ERROR(env_.stage.pack(wire, typed(sb, sr.offset, sr.strides, st, Direction::kOutgoing), sr.extent,
-                                         {dt.name, part, &dt, splitOf(dt), amaxesOf(dt)}));
+                                         siteOf(st, dt, part)));
     }
     // Encoded, checksummed and sent once packed (device packs: a chunk behind the next one's).
     auto then = [this, t, k, packed = out + chunk.offset, bytes = chunk.bytes, target, at, staged,

@@ -68,6 +68,9 @@ class Execution {
   Status readAmaxes();
   // The combined amaxes of the split blocks of destination tensor `dt` (a block-scaled weight or
   // its scales; null: none split).
+  // What the stage needs to move source tensor `st`'s `box` into destination tensor `dt`: with
+  // the destination's layout when it is computed there (planner::computedFrom), else nothing.
+  StageSite siteOf(const planner::TensorLayout& st, const planner::TensorLayout& dt, const planner::Box& box) const;
   const SplitAmax* splitOf(const planner::TensorLayout& dt) const;
   // The block amaxes this attempt shares between a block-scaled weight's values and its scale
   // tensor (null for any other tensor).

@@ -513,6 +513,39 @@ TEST_CASE("replica sets of block-scaled fp8 replicas compose from one position p
   }
 }
 
+TEST_CASE("a seed replica's fp8 bytes and scales are copied as they are, never quantised again",
+          "[planner][replicas][fp8]") {
+  // A catch-up reads replica 0 (fp8 in 128 x 128 blocks, its scales beside it) into replica 1.
+  const auto replica = [](int32_t k, const std::string& node, const std::string& block) {
+    return layoutFromJson(strCat(R"({"group":"rollout.r)", k, R"(","replica_set":"rollout","replica":)", k,
+                                 R"(,"mesh":{"shape":[2]},"nodes":[")", node, R"(",")", node, R"("],"tensors":[
+      {"name":"w","shape":[300,320],"dtype":"float8_e4m3fn","placements":[{"shard":{"dim":1}}],
+       "block_scale":{"block":)",
+                                 block, R"(,"scale":"w_scale_inv"}}]})"));
+  };
+  auto copy = makeSchedule(replica(0, "a", "[128,128]"), replica(1, "b", "[128,128]"), 1 << 20, 1 << 20, true);
+  INFO((copy.ok() ? "" : std::string(copy.status().message())));
+  REQUIRE(copy.ok());
+  const TensorLayout* scales = copy->src.find("w_scale_inv");
+  REQUIRE(scales != nullptr);
+  CHECK_FALSE(scales->virtual_scale);  // the seed's own buffer, read as it is
+  for (const auto& pair : copy->plan.tensors)
+    CHECK_FALSE(computedFrom(copy->src.tensors[pair.src], copy->dst.tensors[pair.dst]));
+  // The fp8 bytes, and the 3 x 3 scales once to the node (both ranks hold block column 1).
+  CHECK(copy->plan.stats.network_bytes == 300 * 320 + 3 * 3 * 4);
+  // From a bf16 trainer the same destination is computed.
+  const v1::Layout trainer = layoutFromJson(R"({"group":"trainer","mesh":{"shape":[1]},"nodes":["t"],"tensors":[
+    {"name":"w","shape":[300,320],"dtype":"bfloat16"}]})");
+  auto quantised = makeSchedule(trainer, replica(1, "b", "[128,128]"), 1 << 20, 1 << 20, true);
+  REQUIRE(quantised.ok());
+  CHECK(quantised->src.find("w_scale_inv")->virtual_scale);
+  // A seed holding it in other blocks: refused, naming both.
+  auto other = makeSchedule(replica(0, "a", "[64,64]"), replica(1, "b", "[128,128]"), 1 << 20, 1 << 20, true);
+  REQUIRE_FALSE(other.ok());
+  CHECK_THAT(std::string(other.status().message()),
+             Catch::Contains("[64, 64]") && Catch::Contains("[128, 128]") && Catch::Contains("copied as they are"));
+}
+
 TEST_CASE("replica sets: stackReplicas equals the hand-written flat layout", "[planner][replicas]") {
   const std::string tensors = R"(,"tensors":[
     {"name":"w","shape":[4,2],"dtype":"bfloat16","placements":[{"shard":{"dim":0}}]},

@@ -136,10 +136,10 @@ def test_a_replica_caught_up_from_its_peer_gets_a_dense_sync_then_deltas():
             reg.close()
 
 
-@pytest.mark.xfail(strict=True, raises=shardcast.ShardcastError,
-                   reason="a catch-up from an fp8 peer is refused: the seed's scale buffer is a tensor of its layout, "
-                          "which the replica's layout derives (docs/clients.md, features table)")
 def test_an_fp8_replica_catches_up_from_its_peer_and_then_takes_delta_syncs():
+    """A replica that joins an fp8 set catches up from its peer: the peer's fp8 bytes and scales are
+    copied as they are (never quantised again), equal to torch's quantisation of the trainer's
+    weights; the deltas after follow."""
     shardcastd_path()
     with LocalCluster(["n0", "n1", "n2"]) as c:
         c0, c1, c2 = (shardcast.Client(c.target(n)) for n in ("n0", "n1", "n2"))
