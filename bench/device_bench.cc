@@ -4,9 +4,12 @@
 //          device-to-device copy of the same bytes (cudaMemcpyAsync), and host<->device staging
 //          through pinned memory
 //   sync   real daemons syncing device tensors on both sides (CUDA IPC registrations): trainer
-//          ranks FSDP row shards on node n0 -> inference ranks TP column shards on n1, GB/s per
-//          sync, every byte checked after the last
-// Without a GPU it says why and exits 0. Usage: device_bench [--mib N] [--syncs N]
+//          ranks FSDP row shards on node n0 -> inference ranks TP column shards on n1 (with
+//          --daemons 3, a second replica on n2: a relay chain n0 -> n1 -> n2), GB/s per sync,
+//          every byte checked after the last; the daemons' transport is printed (staged or
+//          straight into device memory: scripts/device-check.sh runs it with each UCX)
+// Without a GPU it says why and exits 0.
+// Usage: device_bench [--mib N] [--syncs N] [--daemons 2|3] [--sync-only] [--daemon-flag F]...
 #include <fmt/format.h>
 
 #include <chrono>
@@ -106,7 +109,12 @@ struct DeviceRank {
   std::vector<std::unique_ptr<testing::DeviceBuffer>> buffers;  // by buffer id
 };
 
-void syncFigures(int64_t mib, int syncs) {
+struct SyncBench {
+  int daemons = 2;                        // 3: a second replica on n2, relayed through n1
+  std::vector<std::string> daemon_flags;  // given to every daemon (e.g. --ucx-tls)
+};
+
+void syncFigures(int64_t mib, int syncs, const SyncBench& bench) {
   // float32 [rows, 4096]: FSDP row shards over 2 trainer ranks -> TP column shards over 2.
   const int64_t cols = 4096;
   const int64_t rows = std::max<int64_t>(2, (mib << 20) / (cols * 4)) / 2 * 2;
@@ -117,19 +125,41 @@ void syncFigures(int64_t mib, int syncs) {
                                         R"(,"dtype":"float32","placements":[{"shard":{"dim":0}}]}]})",
                                     "trainer"),
            "layout");
-  const auto dst_proto = must(planner::parseLayoutJson(R"({"group":"dev-infer","mesh":{"shape":[2]},"nodes":["n1","n1"],
-    "tensors":[{"name":"w","shape":)" + shape + R"(,"dtype":"float32","placements":[{"shard":{"dim":1}}]}]})",
-                                                       "infer"),
-                              "layout");
+  const bool relay = bench.daemons == 3;
+  const auto dst_proto = must(
+      planner::parseLayoutJson(
+          relay
+              ? R"({"group":"dev-infer","mesh":{"shape":[2,2]},"nodes":["n1","n1","n2","n2"],"tensors":[{"name":"w","shape":)" +
+                    shape + R"(,"dtype":"float32","placements":[{"replicate":{}},{"shard":{"dim":1}}]}]})"
+              : R"({"group":"dev-infer","mesh":{"shape":[2]},"nodes":["n1","n1"],"tensors":[{"name":"w","shape":)" +
+                    shape + R"(,"dtype":"float32","placements":[{"shard":{"dim":1}}]}]})",
+          "infer"),
+      "layout");
   planner::NodeTable nodes;
   const auto src = must(planner::resolveLayout(src_proto, nodes), "resolve");
   const auto dst = must(planner::resolveLayout(dst_proto, nodes), "resolve");
-  const int p0 = examples::freePort(), p1 = examples::freePort();
-  const std::vector<std::string> peers{"127.0.0.1:" + std::to_string(p0), "127.0.0.1:" + std::to_string(p1)};
-  examples::Daemon n0("n0", p0, peers), n1("n1", p1, peers);
-  if (!n0.ready() || !n1.ready()) fail("daemons did not start: " + n0.readyLine() + " / " + n1.readyLine());
+  std::vector<int> ports;
+  std::vector<std::string> peers;
+  for (int i = 0; i < bench.daemons; ++i) {
+    ports.push_back(examples::freePort());
+    peers.push_back("127.0.0.1:" + std::to_string(ports.back()));
+  }
+  std::vector<std::unique_ptr<examples::Daemon>> daemons;
+  for (int i = 0; i < bench.daemons; ++i) {
+    daemons.push_back(std::make_unique<examples::Daemon>("n" + std::to_string(i), ports[i], peers, bench.daemon_flags));
+    if (!daemons.back()->ready())
+      fail("daemon n" + std::to_string(i) + " did not start: " + daemons.back()->readyLine());
+  }
+  examples::Daemon &n0 = *daemons[0], &n1 = *daemons[1];
+  {
+    grpc::ClientContext c;
+    v1::StatusResponse status;
+    if (auto st = n1.client()->Status(&c, v1::StatusRequest(), &status); !st.ok())
+      fail("status: " + st.error_message());
+    fmt::print("== daemons: {}\n", status.transport());
+  }
   auto value = [](int64_t flat, int version) { return static_cast<float>((flat * 7 + version) % 100003); };
-  std::vector<DeviceRank> s(2), d(2);
+  std::vector<DeviceRank> s(2), d(static_cast<size_t>(dst.world()));
   auto make = [&](const planner::ResolvedLayout& l, const v1::Layout& proto, int32_t r, examples::Daemon& node,
                   DeviceRank& m, int version) {
     v1::RegisterRequest req;
@@ -162,10 +192,11 @@ void syncFigures(int64_t mib, int syncs) {
     if (!st.ok()) fail("register: " + st.error_message());
   };
   for (int32_t r = 0; r < 2; ++r) make(src, src_proto, r, n0, s[r], 1);
-  for (int32_t r = 0; r < 2; ++r) make(dst, dst_proto, r, n1, d[r], 0);
-  const double gb = static_cast<double>(rows * cols * 4) / 1e9;
-  fmt::print("== sync, {:.0f} MiB float32 device tensors: FSDP rows (2 ranks, n0) -> TP columns (2 ranks, n1)\n",
-             gb * 1e9 / (1 << 20));
+  for (int32_t r = 0; r < dst.world(); ++r) make(dst, dst_proto, r, r < 2 ? n1 : *daemons[2], d[r], 0);
+  const double gb = static_cast<double>(rows * cols * 4) / 1e9 * (relay ? 2 : 1);  // delivered
+  fmt::print("== sync, {:.0f} MiB float32 device tensors: FSDP rows (2 ranks, n0) -> TP columns (2 ranks, n1){}\n",
+             static_cast<double>(rows * cols * 4) / (1 << 20),
+             relay ? " and a second replica (2 ranks, n2) relayed through n1: GB/s of both replicas' bytes" : "");
   std::vector<double> figures;
   for (int v = 1; v <= syncs; ++v) {
     if (v > 1) {  // the trainer publishes v (same bytes: the figure is the sync's, not the fill's)
@@ -204,7 +235,7 @@ void syncFigures(int64_t mib, int syncs) {
     fmt::print("sync v{}: {:.3f} s = {:.2f} GB/s{}\n", v, t, gb / t, v == 1 ? " (plans, allocates, connects)" : "");
   }
   int64_t bad = 0;
-  for (int32_t r = 0; r < 2; ++r)
+  for (int32_t r = 0; r < dst.world(); ++r)
     for (size_t b = 0; b < d[r].buffers.size(); ++b) {
       if (!d[r].buffers[b]) continue;
       std::vector<float> host(d[r].buffers[b]->size() / 4);
@@ -224,21 +255,34 @@ void syncFigures(int64_t mib, int syncs) {
 int main(int argc, char** argv) {
   int64_t mib = 512;
   int syncs = 4;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  bool sync_only = false;
+  SyncBench bench;
+  for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
+    if (flag == "--sync-only") {
+      sync_only = true;
+      continue;
+    }
+    if (i + 1 >= argc) fail(flag + " needs a value");
+    const std::string value = argv[++i];
     if (flag == "--mib")
-      mib = std::stoll(argv[i + 1]);
+      mib = std::stoll(value);
     else if (flag == "--syncs")
-      syncs = std::stoi(argv[i + 1]);
+      syncs = std::stoi(value);
+    else if (flag == "--daemons" && (value == "2" || value == "3"))
+      bench.daemons = std::stoi(value);
+    else if (flag == "--daemon-flag")
+      bench.daemon_flags.push_back(value);
     else
-      fail("unknown flag " + flag + " (--mib N, --syncs N)");
+      fail("bad flag " + flag + " " + value +
+           " (--mib N, --syncs N, --daemons 2|3, --sync-only, --daemon-flag F: one daemon argument each)");
   }
   if (transport::cudaDeviceCount() == 0) {
     fmt::print("device_bench: no GPU here ({}): nothing to measure\n", transport::cudaUnavailableReason());
     const char* required = std::getenv("SHARDCAST_REQUIRE_GPU");  // scripts/device-check.sh
     return required != nullptr && *required != '\0' && *required != '0' ? 3 : 0;
   }
-  copyFigures(mib);
-  syncFigures(mib, std::max(2, syncs));
+  if (!sync_only) copyFigures(mib);
+  syncFigures(mib, std::max(2, syncs), bench);
   return 0;
 }
