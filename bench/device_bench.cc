@@ -2,7 +2,7 @@
 //   copy   the CUDA copy engine packing a strided box (a TP column slice of a row-major bf16
 //          matrix) into a dense buffer and unpacking it back, one kernel launch each, beside a
 //          device-to-device copy of the same bytes (cudaMemcpyAsync), and host<->device staging
-//          through pinned memory
+//          through pinned memory; the fp8 kernel quantising bf16 (values, then scales) beside it
 //   sync   real daemons syncing device tensors on both sides (CUDA IPC registrations): trainer
 //          ranks FSDP row shards on node n0 -> inference ranks TP column shards on n1 (with
 //          --daemons 3, a second replica on n2: a relay chain n0 -> n1 -> n2), GB/s per sync,
@@ -22,6 +22,7 @@
 #include "tests/support/local_daemon.h"
 #include "transport/copy_engine.h"
 #include "transport/cuda/cuda_support.h"
+#include "transport/cuda/fp8_quantize.h"
 
 using namespace shardcast;
 using Clock = std::chrono::steady_clock;
@@ -103,6 +104,29 @@ void copyFigures(int64_t mib) {
       "h2d_gbps {:.1f}\n",
       gb / pack, gb / unpack, gb / d2d, 100 * d2d / pack, gb / d2h, gb / h2d);
   fmt::print("   (GB/s of bytes moved, reads and writes counted once; best of {})\n", iters);
+
+  // fp8: the dense slice (rows x 2048 bf16) quantised in 128 x 128 blocks by the kernel, beside
+  // the copy of the same bytes: issue 51's target is 2 GiB of bf16 in at most 3 ms on an H200.
+  transport::Fp8QuantizeBox box;
+  box.shape = {rows, slice};
+  box.block = {128, 128};
+  box.lo = {0, 0};
+  box.hi = {rows, slice};
+  box.src_strides = {slice, 1};
+  box.dst_strides = {slice, 1};
+  box.bf16 = true;
+  auto fp8 = must(testing::allocateDevice(static_cast<size_t>(rows * slice), 0), "device buffer");
+  const transport::StridedView q{static_cast<std::byte*>(fp8->data()), transport::MemoryKind::kCuda, 0, {slice, 1}};
+  const double quantise = bestSeconds(iters, *engine, [&] { must(engine->quantizeFp8(q, packed, box), "fp8"); });
+  box.scales = true;
+  box.hi = {(rows + 127) / 128, slice / 128};
+  auto scales = must(testing::allocateDevice(static_cast<size_t>(box.hi[0] * box.hi[1] * 4), 0), "device buffer");
+  const transport::StridedView sv{
+      static_cast<std::byte*>(scales->data()), transport::MemoryKind::kCuda, 0, {box.hi[1], 1}};
+  const double scaling = bestSeconds(iters, *engine, [&] { must(engine->quantizeFp8(sv, packed, box), "scales"); });
+  fmt::print("RESULT fp8 quantise_gbps {:.1f} scales_gbps {:.1f} d2d_gbps {:.1f} ms_per_2gib {:.2f}\n", gb / quantise,
+             gb / scaling, gb / d2d, quantise / gb * 2.147 * 1e3);
+  fmt::print("   (GB/s of bf16 input; the fp8 values and the scales are two launches, as a sync runs them)\n");
 }
 
 struct DeviceRank {

@@ -165,7 +165,8 @@ void everyCase(Gpu& gpu) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (const Case& c : {Case{{40, 52}, {16, 16}, false, false}, Case{{40, 52}, {16, 16}, true, false},
                         Case{{40, 52}, {16, 16}, true, true}, Case{{6, 30, 20}, {1, 8, 8}, false, true},
-                        Case{{300}, {128}, true, false}, Case{{384, 640}, {128, 128}, true, false}}) {
+                        Case{{300}, {128}, true, false}, Case{{384, 640}, {128, 128}, true, false},
+                        Case{{256, 520}, {128, 128}, false, true}}) {
     int64_t n = 1;
     for (int64_t s : c.shape) n *= s;
     std::vector<float> v(static_cast<size_t>(n));
@@ -209,6 +210,39 @@ TEST_CASE("fp8 on the GPU: the kernel's plan and math give the host quantiser's 
   everyCase(gpu);
   CHECK(gpus.counts().hazards == 0);
   CHECK(gpus.counts().launches > 0);
+}
+
+TEST_CASE("fp8 on the GPU: blocks of whole 16-byte vectors take the vectorised path, the others element by element",
+          "[daemon][fp8][emulated]") {
+  // (everyCase checks the bytes of both paths; this checks which path each block takes.)
+  const auto plan = [](bool bf16, int64_t cols, int64_t row_stride, bool given) {
+    Fp8QuantizeBox b;
+    b.shape = {256, cols};
+    b.block = {128, 128};
+    b.lo = {0, 0};
+    b.hi = {256, cols};
+    b.src_strides = {row_stride, 1};
+    b.dst_strides = {cols, 1};
+    b.bf16 = bf16;
+    b.given = given;
+    return *planFp8Quantize(b);
+  };
+  alignas(16) static std::byte memory[64];
+  const int64_t whole[2] = {0, 0}, full[2] = {128, 128}, edge_lo[2] = {0, 512}, edge[2] = {128, 8};
+  const auto p = fp8ForMemory(plan(true, 520, 520, false), memory);
+  CHECK(p.vectors);
+  CHECK(fp8VectorBlock(p, whole, full));
+  CHECK(fp8VectorBlock(p, edge_lo, edge));  // 8 bf16 columns: one vector per row
+  CHECK(fp8BlockVectors(p, full) == 128 * 16);
+  const int64_t odd[2] = {128, 4};
+  CHECK_FALSE(fp8VectorBlock(fp8ForMemory(plan(true, 516, 516, false), memory), edge_lo, odd));
+  CHECK(fp8VectorBlock(fp8ForMemory(plan(false, 516, 516, false), memory), edge_lo, odd));  // 4 float32
+  CHECK_FALSE(fp8ForMemory(plan(true, 520, 521, false), memory).vectors);  // rows not whole vectors apart
+  CHECK_FALSE(fp8ForMemory(plan(true, 520, 520, true), memory).vectors);   // a given amax reads only the box
+  CHECK_FALSE(fp8ForMemory(plan(true, 520, 520, false), memory + 2).vectors);  // a source base off 16 bytes
+  int64_t g[2];
+  fp8VectorAt(p, whole, full, 17, g);  // row 1, second vector
+  CHECK((g[0] == 1 && g[1] == 8));
 }
 
 TEST_CASE("fp8 on the GPU: the CUDA kernel gives the host quantiser's bytes and scales, bit for bit",

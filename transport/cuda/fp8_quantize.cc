@@ -50,6 +50,8 @@ StatusOr<Fp8QuantizePlan> planFp8Quantize(const Fp8QuantizeBox& box, uint32_t ma
     p.blocks *= p.nblocks[d];
   }
   p.grid = static_cast<uint32_t>(std::min<int64_t>(p.blocks, max_grid));
+  // (Not with a given amax: only the box is read then, and a vector may reach past it.)
+  p.vectors = nd == 2 && !box.given && box.src_strides[1] == 1 && box.src_strides[0] % fp8Vec(p) == 0;
   return p;
 }
 
@@ -92,15 +94,72 @@ void forEachPart(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bs
 
 }  // namespace
 
-void emulateFp8Quantize(const Fp8QuantizePlan& p, std::byte* dst, const std::byte* src) {
+namespace {
+
+// The vectorised kernel's two passes over block (blo, bsize), thread by thread as the CUDA block
+// runs them (fp8_quantize.cu): the block's scale, and (for weights) its fp8 values in the box.
+float vectorScaleAt(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bsize, const std::byte* src) {
+  const int64_t n = fp8BlockVectors(p, bsize);
+  float amax = 0.0f;
+  bool nan = false;
+  int64_t g[kMaxCopyDims];
+  float v[8];
+  for (uint32_t t = 0; t < p.threads; ++t)
+    for (int64_t i = t; i < n; i += p.threads) {
+      fp8VectorAt(p, blo, bsize, i, g);
+      fp8LoadVector(src, fp8SourceOffset(p, g), p.bf16, v);
+      for (int k = 0; k < fp8Vec(p); ++k) {
+        nan = nan || fp8IsNan(v[k]);
+        amax = std::fmax(amax, std::fabs(v[k]));
+      }
+    }
+  return fp8Scale(amax, nan, p.pow2);
+}
+
+void vectorQuantize(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bsize, float scale, std::byte* dst,
+                    const std::byte* src) {
+  const int64_t n = fp8BlockVectors(p, bsize);
+  int64_t g[kMaxCopyDims];
+  float v[8];
+  for (uint32_t t = 0; t < p.threads; ++t)
+    for (int64_t i = t; i < n; i += p.threads) {
+      fp8VectorAt(p, blo, bsize, i, g);
+      int64_t first = 0;
+      const int part = fp8VectorPart(p, g, &first);
+      if (part == 0) continue;
+      fp8LoadVector(src, fp8SourceOffset(p, g), p.bf16, v);
+      const int64_t out = p.dst_offset + (g[0] - p.lo[0]) * p.dst_stride[0] + (first - p.lo[1]) * p.dst_stride[1];
+      const int skip = static_cast<int>(first - g[1]);
+      if (fp8VectorOut(p, g, part, first, out, dst)) {
+        uint8_t q[8];
+        for (int k = 0; k < part; ++k) q[k] = fp8Quantize(v[k], scale);
+        std::memcpy(dst + out, q, static_cast<size_t>(part));  // one store on the GPU
+      } else {
+        for (int k = 0; k < part; ++k)
+          dst[out + k * p.dst_stride[1]] = static_cast<std::byte>(fp8Quantize(v[skip + k], scale));
+      }
+    }
+}
+
+}  // namespace
+
+void emulateFp8Quantize(const Fp8QuantizePlan& plan, std::byte* dst, const std::byte* src) {
+  const Fp8QuantizePlan p = fp8ForMemory(plan, src);
   int64_t blo[kMaxCopyDims], bsize[kMaxCopyDims];
   for (int64_t b = 0; b < p.blocks; ++b) {
     fp8BlockAt(p, b, blo, bsize);
-    const float scale = p.given ? fp8GivenScale(p) : blockScaleAt(p, blo, bsize, src);
+    const bool vectors = fp8VectorBlock(p, blo, bsize);
+    const float scale = p.given     ? fp8GivenScale(p)
+                        : vectors ? vectorScaleAt(p, blo, bsize, src)
+                                  : blockScaleAt(p, blo, bsize, src);
     if (p.scales) {
       int64_t out = p.dst_offset;
       for (int d = 0; d < p.dims; ++d) out += (blo[d] / p.block[d] - p.lo[d]) * p.dst_stride[d];
       std::memcpy(dst + out * 4, &scale, 4);
+      continue;
+    }
+    if (vectors) {
+      vectorQuantize(p, blo, bsize, scale, dst, src);
       continue;
     }
     forEachPart(p, blo, bsize, [&](const int64_t* g, int64_t out) {

@@ -1,6 +1,9 @@
 // The fp8 quantisation kernel (transport/cuda/fp8_quantize.h): one CUDA block per fp8 block of
-// the box (grid-stride beyond the grid), the block's amax reduced in shared memory, then its
-// elements inside the box quantised (or its scale written).
+// the box (grid-stride beyond the grid). A block whose rows are contiguous whole vectors
+// (fp8VectorBlock) is read 16 bytes at a time, each thread taking every 256th vector in both
+// passes, its amax reduced by warp shuffles, its fp8 values stored a vector (8 or 4 bytes) at a
+// time; any other block element by element. The index math is fp8_quantize_plan.h's, which
+// emulateFp8Quantize runs on the host in the same order.
 #include <cuda_runtime.h>
 
 #include "transport/cuda/fp8_quantize.h"
@@ -10,58 +13,138 @@ namespace shardcast::transport {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
 
-__global__ void fp8QuantizeKernel(Fp8QuantizePlan p, std::byte* dst, const std::byte* src) {
-  __shared__ float amax[kThreads];
-  __shared__ int nan[kThreads];
+// The block's amax and NaN flag, each thread's part given: every thread gets the result.
+__device__ void reduceBlock(float* m, int* has_nan, float* warp_amax, int* warp_nan) {
+  for (int o = 16; o > 0; o /= 2) {
+    *m = fmaxf(*m, __shfl_xor_sync(0xffffffffu, *m, o));
+    *has_nan |= __shfl_xor_sync(0xffffffffu, *has_nan, o);
+  }
   const int t = threadIdx.x;
-  for (int64_t b = blockIdx.x; b < p.blocks; b += gridDim.x) {
-    int64_t blo[kMaxCopyDims], bsize[kMaxCopyDims], g[kMaxCopyDims];
-    fp8BlockAt(p, b, blo, bsize);
-    int64_t n = 1;
-    for (int d = 0; d < p.dims; ++d) n *= bsize[d];
-    float m = 0.0f;
-    int has_nan = 0;
-    for (int64_t i = t; i < n && !p.given; i += blockDim.x) {
-      fp8Unflatten(p.dims, i, blo, bsize, g);
-      const float v = fp8Load(src, fp8SourceOffset(p, g), p.bf16);
-      has_nan |= fp8IsNan(v) ? 1 : 0;
-      m = fmaxf(m, fabsf(v));
+  if (t % 32 == 0) {
+    warp_amax[t / 32] = *m;
+    warp_nan[t / 32] = *has_nan;
+  }
+  __syncthreads();
+  *m = warp_amax[0];
+  *has_nan = warp_nan[0];
+  for (int w = 1; w < kWarps; ++w) {
+    *m = fmaxf(*m, warp_amax[w]);
+    *has_nan |= warp_nan[w];
+  }
+  __syncthreads();  // read by all before the next block writes them
+}
+
+__device__ void scalarAmax(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bsize, const std::byte* src,
+                           float* m, int* has_nan) {
+  int64_t n = 1, g[kMaxCopyDims];
+  for (int d = 0; d < p.dims; ++d) n *= bsize[d];
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    fp8Unflatten(p.dims, i, blo, bsize, g);
+    const float v = fp8Load(src, fp8SourceOffset(p, g), p.bf16);
+    *has_nan |= fp8IsNan(v) ? 1 : 0;
+    *m = fmaxf(*m, fabsf(v));
+  }
+}
+
+__device__ void vectorAmax(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bsize, const std::byte* src,
+                           float* m, int* has_nan) {
+  const int64_t n = fp8BlockVectors(p, bsize);
+  int64_t g[kMaxCopyDims];
+  float v[8];
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    fp8VectorAt(p, blo, bsize, i, g);
+    fp8LoadVector(src, fp8SourceOffset(p, g), p.bf16, v);
+    for (int k = 0; k < fp8Vec(p); ++k) {
+      *has_nan |= fp8IsNan(v[k]) ? 1 : 0;
+      *m = fmaxf(*m, fabsf(v[k]));
     }
-    amax[t] = m;
-    nan[t] = has_nan;
-    __syncthreads();
-    for (int half = blockDim.x / 2; half > 0; half /= 2) {
-      if (t < half) {
-        amax[t] = fmaxf(amax[t], amax[t + half]);
-        nan[t] |= nan[t + half];
+  }
+}
+
+__device__ void scalarQuantize(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bsize, float scale,
+                               std::byte* dst, const std::byte* src) {
+  int64_t plo[kMaxCopyDims], psize[kMaxCopyDims], g[kMaxCopyDims];
+  int64_t parts = 1;
+  for (int d = 0; d < p.dims; ++d) {
+    plo[d] = blo[d] > p.lo[d] ? blo[d] : p.lo[d];
+    const int64_t end = blo[d] + bsize[d] < p.hi[d] ? blo[d] + bsize[d] : p.hi[d];
+    psize[d] = end - plo[d];
+    parts *= psize[d];
+  }
+  for (int64_t i = threadIdx.x; i < parts; i += blockDim.x) {
+    fp8Unflatten(p.dims, i, plo, psize, g);
+    int64_t out = p.dst_offset;
+    for (int d = 0; d < p.dims; ++d) out += (g[d] - p.lo[d]) * p.dst_stride[d];
+    dst[out] = static_cast<std::byte>(fp8Quantize(fp8Load(src, fp8SourceOffset(p, g), p.bf16), scale));
+  }
+}
+
+__device__ void vectorQuantize(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bsize, float scale,
+                               std::byte* dst, const std::byte* src) {
+  const int64_t n = fp8BlockVectors(p, bsize);
+  int64_t g[kMaxCopyDims];
+  float v[8];
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    fp8VectorAt(p, blo, bsize, i, g);
+    int64_t first = 0;
+    const int part = fp8VectorPart(p, g, &first);
+    if (part == 0) continue;
+    fp8LoadVector(src, fp8SourceOffset(p, g), p.bf16, v);
+    const int64_t out = p.dst_offset + (g[0] - p.lo[0]) * p.dst_stride[0] + (first - p.lo[1]) * p.dst_stride[1];
+    if (fp8VectorOut(p, g, part, first, out, dst)) {
+      if (p.bf16) {
+        uint2 q;
+        q.x = fp8Quantize(v[0], scale) | fp8Quantize(v[1], scale) << 8 | fp8Quantize(v[2], scale) << 16 |
+              static_cast<uint32_t>(fp8Quantize(v[3], scale)) << 24;
+        q.y = fp8Quantize(v[4], scale) | fp8Quantize(v[5], scale) << 8 | fp8Quantize(v[6], scale) << 16 |
+              static_cast<uint32_t>(fp8Quantize(v[7], scale)) << 24;
+        *reinterpret_cast<uint2*>(dst + out) = q;
+      } else {
+        *reinterpret_cast<uint32_t*>(dst + out) = fp8Quantize(v[0], scale) | fp8Quantize(v[1], scale) << 8 |
+                                                  fp8Quantize(v[2], scale) << 16 |
+                                                  static_cast<uint32_t>(fp8Quantize(v[3], scale)) << 24;
       }
-      __syncthreads();
+    } else {
+      const int skip = static_cast<int>(first - g[1]);
+      for (int k = 0; k < part; ++k)
+        dst[out + k * p.dst_stride[1]] = static_cast<std::byte>(fp8Quantize(v[skip + k], scale));
     }
-    const float scale = p.given ? fp8GivenScale(p) : fp8Scale(amax[0], nan[0] != 0, p.pow2);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) fp8QuantizeKernel(Fp8QuantizePlan p, std::byte* dst, const std::byte* src) {
+  __shared__ float warp_amax[kWarps];
+  __shared__ int warp_nan[kWarps];
+  for (int64_t b = blockIdx.x; b < p.blocks; b += gridDim.x) {
+    int64_t blo[kMaxCopyDims], bsize[kMaxCopyDims];
+    fp8BlockAt(p, b, blo, bsize);
+    const bool vectors = fp8VectorBlock(p, blo, bsize);  // the same for every thread of the block
+    float scale;
+    if (p.given) {
+      scale = fp8GivenScale(p);
+    } else {
+      float m = 0.0f;
+      int has_nan = 0;
+      if (vectors)
+        vectorAmax(p, blo, bsize, src, &m, &has_nan);
+      else
+        scalarAmax(p, blo, bsize, src, &m, &has_nan);
+      reduceBlock(&m, &has_nan, warp_amax, warp_nan);
+      scale = fp8Scale(m, has_nan != 0, p.pow2);
+    }
     if (p.scales) {
-      if (t == 0) {
+      if (threadIdx.x == 0) {
         int64_t out = p.dst_offset;
         for (int d = 0; d < p.dims; ++d) out += (blo[d] / p.block[d] - p.lo[d]) * p.dst_stride[d];
         *reinterpret_cast<float*>(dst + out * 4) = scale;
       }
+    } else if (vectors) {
+      vectorQuantize(p, blo, bsize, scale, dst, src);
     } else {
-      int64_t plo[kMaxCopyDims], psize[kMaxCopyDims];
-      int64_t parts = 1;
-      for (int d = 0; d < p.dims; ++d) {
-        plo[d] = blo[d] > p.lo[d] ? blo[d] : p.lo[d];
-        const int64_t end = blo[d] + bsize[d] < p.hi[d] ? blo[d] + bsize[d] : p.hi[d];
-        psize[d] = end - plo[d];
-        parts *= psize[d];
-      }
-      for (int64_t i = t; i < parts; i += blockDim.x) {
-        fp8Unflatten(p.dims, i, plo, psize, g);
-        int64_t out = p.dst_offset;
-        for (int d = 0; d < p.dims; ++d) out += (g[d] - p.lo[d]) * p.dst_stride[d];
-        dst[out] = static_cast<std::byte>(fp8Quantize(fp8Load(src, fp8SourceOffset(p, g), p.bf16), scale));
-      }
+      scalarQuantize(p, blo, bsize, scale, dst, src);
     }
-    __syncthreads();  // amax[0] and nan[0] are read before the next block overwrites them
   }
 }
 
@@ -70,7 +153,8 @@ __global__ void fp8QuantizeKernel(Fp8QuantizePlan p, std::byte* dst, const std::
 int launchFp8QuantizeKernel(const Fp8QuantizePlan& plan, std::byte* dst_base, const std::byte* src_base, void* stream) {
   if (plan.blocks == 0) return cudaSuccess;
   cudaGetLastError();  // what follows reports this launch, not an earlier call's error
-  fp8QuantizeKernel<<<plan.grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(plan, dst_base, src_base);
+  fp8QuantizeKernel<<<plan.grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(fp8ForMemory(plan, src_base),
+                                                                                     dst_base, src_base);
   return static_cast<int>(cudaGetLastError());
 }
 

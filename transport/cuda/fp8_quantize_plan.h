@@ -41,6 +41,11 @@ struct Fp8QuantizePlan {
   int64_t blocks = 0;
   uint32_t threads = 256;  // per CUDA block: one CUDA block per fp8 block, grid-stride beyond
   uint32_t grid = 0;
+  // Blocks may be read a vector (16 bytes: 8 bfloat16 or 4 float32) at a time: a 2-D weight whose
+  // rows are contiguous in the source, rows a whole number of vectors apart. Set by the plan,
+  // cleared for memory whose base is not 16-byte aligned (fp8ForMemory); per block, also its
+  // columns whole vectors and its first element at a vector's start (fp8VectorBlock).
+  bool vectors = false;
 };
 
 SC_HOST_DEVICE inline uint32_t fp8FloatBits(float f) {
@@ -135,6 +140,80 @@ SC_HOST_DEVICE inline void fp8Unflatten(int dims, int64_t i, const int64_t* lo, 
     g[d] = lo[d] + i % size[d];
     i /= size[d];
   }
+}
+
+// ---- the vectorised path (fp8_quantize.cu; emulateFp8Quantize runs the same index math) ----
+//
+// A block that qualifies is read as vectors of fp8Vec elements: vector i of the block (row-major
+// over its rows and its columns' vectors) is handled by thread i % threads, in both passes (its
+// amax, then its fp8 values); a vector wholly inside the box, at an output offset that is a
+// multiple of its size, is written with one store, else element by element.
+
+// Elements per 16-byte vector of the source dtype.
+SC_HOST_DEVICE inline int fp8Vec(const Fp8QuantizePlan& p) { return p.bf16 ? 8 : 4; }
+
+// The plan for memory at these bases: without vectors where the source base is not 16-byte aligned
+// (the output is stored a vector at a time only where its offset allows, fp8VectorOut).
+SC_HOST_DEVICE inline Fp8QuantizePlan fp8ForMemory(Fp8QuantizePlan p, const std::byte* src_base) {
+  if (reinterpret_cast<uintptr_t>(src_base) % 16 != 0) p.vectors = false;
+  return p;
+}
+
+// Whether block (blo, bsize) is read as vectors.
+SC_HOST_DEVICE inline bool fp8VectorBlock(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bsize) {
+  const int v = fp8Vec(p);
+  return p.vectors && bsize[1] % v == 0 && fp8SourceOffset(p, blo) % v == 0;
+}
+
+// The vectors of a block that qualifies.
+SC_HOST_DEVICE inline int64_t fp8BlockVectors(const Fp8QuantizePlan& p, const int64_t* bsize) {
+  return bsize[0] * (bsize[1] / fp8Vec(p));
+}
+
+// Vector i of block (blo, bsize): the weight element g it starts at.
+SC_HOST_DEVICE inline void fp8VectorAt(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bsize, int64_t i,
+                                       int64_t* g) {
+  const int64_t per_row = bsize[1] / fp8Vec(p);
+  g[0] = blo[0] + i / per_row;
+  g[1] = blo[1] + (i % per_row) * fp8Vec(p);
+}
+
+// The vector of source elements at element offset `element` (a multiple of fp8Vec), as floats.
+SC_HOST_DEVICE inline void fp8LoadVector(const std::byte* src, int64_t element, bool bf16, float* out) {
+#ifdef __CUDA_ARCH__
+  const uint4 w = *reinterpret_cast<const uint4*>(src + element * (bf16 ? 2 : 4));  // one 16-byte load
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#else
+  uint32_t words[4];
+  memcpy(words, src + element * (bf16 ? 2 : 4), 16);
+#endif
+  for (int k = 0; k < 4; ++k) {
+    if (bf16) {
+      out[2 * k] = fp8BitsFloat(words[k] << 16);
+      out[2 * k + 1] = fp8BitsFloat(words[k] & 0xffff0000u);
+    } else {
+      out[k] = fp8BitsFloat(words[k]);
+    }
+  }
+}
+
+// Of the vector starting at weight element g: how many of its elements, from the first, lie in
+// the box's columns (0 when its row is outside the box), and where the first of them is written.
+SC_HOST_DEVICE inline int fp8VectorPart(const Fp8QuantizePlan& p, const int64_t* g, int64_t* first_col) {
+  if (g[0] < p.lo[0] || g[0] >= p.hi[0]) return 0;
+  const int v = fp8Vec(p);
+  const int64_t lo = g[1] > p.lo[1] ? g[1] : p.lo[1];
+  const int64_t hi = g[1] + v < p.hi[1] ? g[1] + v : p.hi[1];
+  *first_col = lo;
+  return hi > lo ? static_cast<int>(hi - lo) : 0;
+}
+
+// Whether the whole vector at g is written with one store of fp8Vec bytes at output offset `out`.
+SC_HOST_DEVICE inline bool fp8VectorOut(const Fp8QuantizePlan& p, const int64_t* g, int part, int64_t first_col,
+                                        int64_t out, const std::byte* dst_base) {
+  const int v = fp8Vec(p);
+  return part == v && first_col == g[1] && p.dst_stride[1] == 1 &&
+         (reinterpret_cast<uintptr_t>(dst_base) + static_cast<uintptr_t>(out)) % static_cast<uintptr_t>(v) == 0;
 }
 
 }  // namespace shardcast::transport
