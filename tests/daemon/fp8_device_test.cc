@@ -237,8 +237,8 @@ TEST_CASE("fp8 on the GPU: blocks of whole 16-byte vectors take the vectorised p
   const int64_t odd[2] = {128, 4};
   CHECK_FALSE(fp8VectorBlock(fp8ForMemory(plan(true, 516, 516, false), memory), edge_lo, odd));
   CHECK(fp8VectorBlock(fp8ForMemory(plan(false, 516, 516, false), memory), edge_lo, odd));  // 4 float32
-  CHECK_FALSE(fp8ForMemory(plan(true, 520, 521, false), memory).vectors);  // rows not whole vectors apart
-  CHECK_FALSE(fp8ForMemory(plan(true, 520, 520, true), memory).vectors);   // a given amax reads only the box
+  CHECK_FALSE(fp8ForMemory(plan(true, 520, 521, false), memory).vectors);      // rows not whole vectors apart
+  CHECK_FALSE(fp8ForMemory(plan(true, 520, 520, true), memory).vectors);       // a given amax reads only the box
   CHECK_FALSE(fp8ForMemory(plan(true, 520, 520, false), memory + 2).vectors);  // a source base off 16 bytes
   int64_t g[2];
   fp8VectorAt(p, whole, full, 17, g);  // row 1, second vector

@@ -149,7 +149,7 @@ void emulateFp8Quantize(const Fp8QuantizePlan& plan, std::byte* dst, const std::
   for (int64_t b = 0; b < p.blocks; ++b) {
     fp8BlockAt(p, b, blo, bsize);
     const bool vectors = fp8VectorBlock(p, blo, bsize);
-    const float scale = p.given     ? fp8GivenScale(p)
+    const float scale = p.given   ? fp8GivenScale(p)
                         : vectors ? vectorScaleAt(p, blo, bsize, src)
                                   : blockScaleAt(p, blo, bsize, src);
     if (p.scales) {
