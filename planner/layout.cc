@@ -830,6 +830,11 @@ Status addScaleSources(ResolvedLayout& src, const ResolvedLayout& dst) {
                  "\" has a tensor of that name: rename one (the daemons quantise and scale at the source)"));
     const TensorLayout* w = src.find(dw.name);
     if (w == nullptr) continue;  // the planner names the missing weight
+    if (w->blockScaled())        // quantised already, its scales under another name: nothing to compute them from
+      return absl::InvalidArgumentError(strCat(
+          "tensor \"", dw.name, "\": layout \"", src.group, "\" holds it block-scaled with its scales in \"",
+          src.tensors[static_cast<size_t>(w->scale)].name, "\", layout \"", dst.group, "\" names them \"", ds.name,
+          "\": give both the same scale name (quantised bytes are copied with their scales, never quantised again)"));
     if (w->shape != dw.shape)
       return absl::InvalidArgumentError(strCat("tensor \"", dw.name, "\": layout \"", src.group, "\" has shape [",
                                                strJoin(w->shape, ", "), "] but layout \"", dst.group, "\" has [",

@@ -399,9 +399,9 @@ class EmulatedReach final : public Context {
   Capabilities capabilities() const override { return inner_->capabilities(); }
   StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) override {
     if (kind == MemoryKind::kHost) return inner_->registerMemory(data, size, kind);
-    const auto device = gpus_.deviceOf(data);
-    if (!device || !gpus_.deviceOf(static_cast<std::byte*>(data) + size - 1))
-      return absl::InvalidArgumentError("registerMemory: device memory that no emulated GPU holds");
+    const auto device = size == 0 ? std::nullopt : gpus_.deviceOf(data);
+    if (!device || gpus_.deviceOf(static_cast<std::byte*>(data) + size - 1) != device)
+      return absl::InvalidArgumentError("registerMemory: device memory that no one emulated GPU holds");
     if (!reaches(*device))
       return absl::FailedPreconditionError(
           strCat("the transport does not reach GPU ", *device, "'s memory (--emulate-gpu-reach)"));

@@ -155,11 +155,11 @@ int runSync(const SyncArgs& a) {
       planner::humanBytes(static_cast<double>(r.local_bytes())), r.waves(), r.seconds(), gbps, r.gather_seconds(),
       r.repeated() ? " (skipped: it repeats the last sync)" : "", r.plan_seconds(), r.plan_cached() ? " (cached)" : "",
       r.prepare_seconds(), r.folded() ? " (folded into the first wave)" : "", r.execute_seconds(), r.finish_seconds());
-  for (const auto& replica : r.replicas())  // a replica set: each replica, committed or cut and why
+  for (const auto& replica : r.replicas())  // a replica set: each replica, committed, cut or left, and why
     std::cout << (replica.committed()
                       ? fmt::format("  replica {} ({}): committed\n", replica.replica(), shown(replica.group()))
-                      : fmt::format("  replica {} ({}): cut: {}\n", replica.replica(), shown(replica.group()),
-                                    shown(replica.cut())));
+                      : fmt::format("  replica {} ({}): {}: {}\n", replica.replica(), shown(replica.group()),
+                                    replica.left() ? "left" : "cut", shown(replica.cut())));
   if (r.delta() != v1::DELTA_OFF)
     std::cout << fmt::format(
         "  {} on the wire ({:.1f}% of dense): {} chunk landing(s) as deltas, {} dense\n",

@@ -95,6 +95,9 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::execute, &R::set_execute_seconds));
   SC_RETURN_IF_ERROR(timed(&SyncCoordinator::commit, &R::set_finish_seconds));
   advance(Step::kCommitting, Step::kCommitted);
+  // Replicas that left were named in this committed sync's response: forgotten now (an attempt
+  // that failed, or a sync that did, leaves them to be named by the next).
+  if (!members_left_.empty()) ctx_.replica_sets.forget(req_.dst_group(), members_left_);
   if (ctx_.repeats && !req_.options().catch_up() && replicas_.empty() && reads_ == Reads::kSource) keepView(repeat_key);
   const auto& stats = plan_->plan.stats;
   out_.set_sync_id(id_);

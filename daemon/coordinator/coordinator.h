@@ -43,7 +43,8 @@ class ReplicaMemory {
  public:
   struct Member {
     int32_t replica = 0;
-    std::set<std::string> nodes;  // holding its ranks
+    std::set<std::string> nodes;                   // holding its ranks
+    std::map<std::string, std::string> instances;  // node -> its daemon's instance then
   };
   using Members = std::map<std::string, Member>;  // by replica group
   Members recall(const std::string& set) const {
@@ -55,13 +56,15 @@ class ReplicaMemory {
   // daemon coordinates learns of the set (a replica that joined through it is then named when
   // its node goes silent before the set's next sync).
   void learn(const std::string& set, const Members& seen) { update(set, seen, {}); }
-  // learn(), and forgets the replicas that `left`.
+  // learn(), and forgets the replicas that `left`: once a sync into the set named them and
+  // committed (until then every attempt, and the next sync, names them again).
   void update(const std::string& set, const Members& seen, const std::vector<std::string>& left) {
     std::lock_guard<std::mutex> lock(mu_);
     auto& members = sets_[set];
     for (const auto& group : left) members.erase(group);
     for (const auto& [group, member] : seen) members[group] = member;
   }
+  void forget(const std::string& set, const std::vector<std::string>& left) { update(set, {}, left); }
 
  private:
   mutable std::mutex mu_;

@@ -76,7 +76,8 @@ Status SyncCoordinator::gatherOnce(bool* incomplete) {
   }
   SC_RETURN_IF_ERROR(mayWrite(snapshot->view, replica_set));  // not worth waiting for either
   if (req_.options().catch_up()) learnSet(snapshot->view);
-  if (replica_set) ctx_.replica_sets.update(req_.dst_group(), members_seen_, members_left_);
+  // (Those that left are forgotten when the sync commits: SyncCoordinator::run.)
+  if (replica_set) ctx_.replica_sets.learn(req_.dst_group(), members_seen_);
   src_ = std::move(*src);
   dst_ = std::move(*dst);
   adopt(std::move(*snapshot), replica_set);
@@ -183,6 +184,7 @@ ReplicaMemory::Members membersOf(const ClusterView& view, const std::string& set
         auto& member = members[r.group()];
         member.replica = l->replica();
         member.nodes.insert(d.node());
+        member.instances[d.node()] = d.instance();
       }
   return members;
 }
@@ -290,19 +292,37 @@ ReplicaMemory::Members SyncCoordinator::membersNow(const ClusterView& view, cons
     v1::ReplicaOutcome outcome;
     outcome.set_group(group);
     outcome.set_replica(was.replica);
-    if (gone.empty()) {  // its nodes answer without it: it left (its client unregistered or exited)
+    if (gone.empty()) {  // its nodes answer without it
       // (Nodes forgotten past their lease neither answer nor are silent: not named.)
-      const bool answering = std::all_of(was.nodes.begin(), was.nodes.end(), [&](const std::string& n) {
-        return std::any_of(view.daemons().begin(), view.daemons().end(),
-                           [&](const v1::DescribeResponse& d) { return d.node() == n; });
-      });
-      if (answering && !anyone.count(group)) {
-        outcome.set_left(true);
-        outcome.set_cut(strCat("left the set since the last sync into it: its ranks are registered nowhere (",
-                               "unregistered, or the process that registered them exited; the daemons' logs say ",
-                               "which: \"session ... ended\")"));
-        left->push_back(std::move(outcome));
+      std::vector<std::string> restarted;
+      bool answering = true;
+      for (const auto& node : was.nodes) {
+        const auto d = std::find_if(view.daemons().begin(), view.daemons().end(),
+                                    [&](const v1::DescribeResponse& r) { return r.node() == node; });
+        answering = answering && d != view.daemons().end();
+        if (const auto then = was.instances.find(node);
+            d != view.daemons().end() && then != was.instances.end() && then->second != d->instance())
+          restarted.push_back(quote(node));
       }
+      if (!answering || anyone.count(group)) continue;
+      if (!restarted.empty()) {  // not left: its client registers it with the new daemon
+        cutOut(outcome,
+               strCat("the daemon of node(s) ", strJoin(restarted, ", "),
+                      " restarted since the last sync into the set and has not had its ranks registered again"),
+               cut);
+        // Still a member, at the instances now: if it is not back by the next sync, it left.
+        ReplicaMemory::Member now_member = was;
+        for (const auto& d : view.daemons())
+          if (now_member.nodes.count(d.node())) now_member.instances[d.node()] = d.instance();
+        now[group] = std::move(now_member);
+        continue;
+      }
+      // It left: its client unregistered its ranks, or the process holding them exited.
+      outcome.set_left(true);
+      outcome.set_cut(strCat("left the set since the last sync into it: its ranks are registered nowhere (",
+                             "unregistered, or the process that registered them exited; the daemons' logs say ",
+                             "which: \"session ... ended\")"));
+      left->push_back(std::move(outcome));
       continue;
     }
     if (const auto earlier = ctx_.cut.find(group); earlier != ctx_.cut.end())

@@ -320,10 +320,11 @@ int main(int argc, char** argv) {
   std::string error;
   const int socket_lock = config->socket.empty() ? -1 : lockSocket(config->socket, &error);
   if (!error.empty()) return fail(error);
+  // Declared before the transport, which may reach them (--emulate-gpu-reach): it goes first.
+  std::unique_ptr<transport::EmulatedGpus> emulated;
   auto transport = startTransport(*config);
   if (!transport.ok()) return fail(std::string(transport.status().message()));
 
-  std::unique_ptr<transport::EmulatedGpus> emulated;
   if (config->emulate_gpus > 0) {
     emulated = std::make_unique<transport::EmulatedGpus>(config->emulate_gpus, /*abort_on_hazard=*/true);
     spdlog::warn("GPUs: {} emulated in host memory (--emulate-gpus, for tests); this node's own are not used",

@@ -539,6 +539,14 @@ TEST_CASE("a seed replica's fp8 bytes and scales are copied as they are, never q
   auto quantised = makeSchedule(trainer, replica(1, "b", "[128,128]"), 1 << 20, 1 << 20, true);
   REQUIRE(quantised.ok());
   CHECK(quantised->src.find("w_scale_inv")->virtual_scale);
+  // Its scales under another name: refused, naming both.
+  auto other_name = replica(0, "a", "[128,128]");
+  other_name.mutable_tensors(0)->mutable_block_scale()->set_scale("w_scale");
+  auto named = makeSchedule(other_name, replica(1, "b", "[128,128]"), 1 << 20, 1 << 20, true);
+  REQUIRE_FALSE(named.ok());
+  CHECK_THAT(std::string(named.status().message()), Catch::Contains("\"w_scale\"") &&
+                                                        Catch::Contains("\"w_scale_inv\"") &&
+                                                        Catch::Contains("give both the same scale name"));
   // A seed holding it in other blocks: refused, naming both.
   auto other = makeSchedule(replica(0, "a", "[64,64]"), replica(1, "b", "[128,128]"), 1 << 20, 1 << 20, true);
   REQUIRE_FALSE(other.ok());

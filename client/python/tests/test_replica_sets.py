@@ -177,36 +177,49 @@ def _as_peer(cluster: LocalCluster, node: str) -> service_pb2_grpc.PeerStub:
     return service_pb2_grpc.PeerStub(channel)
 
 
+def engine_process(target: str, k: int, node: str) -> subprocess.Popen:
+    """Replica k's engine, a process of its own: its two TP ranks registered on `node`'s daemon."""
+    engine = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import json, sys, time, numpy as np, shardcast\n"
+            "sys.path.insert(0, sys.argv[3])\n"
+            "import rank_worker\n"
+            "client = shardcast.Client(sys.argv[1])\n"
+            "layout = json.loads(sys.argv[2])\n"
+            "regs = [client.register(layout['group'], r, 2, rank_worker.zeros(r), layout) for r in range(2)]\n"
+            "print('registered', flush=True)\n"
+            "time.sleep(600)\n"),
+         target, json.dumps(replica_layout(k, node)), os.path.dirname(os.path.abspath(__file__))],
+        stdout=subprocess.PIPE, text=True)
+    assert engine.stdout.readline().strip() == "registered"
+    return engine
+
+
+def kill(engine: subprocess.Popen) -> None:
+    engine.kill()
+    engine.wait()
+
+
 def test_a_replica_whose_process_is_killed_between_syncs_is_named_in_the_next_response():
     """A replica's engine process is killed (SIGKILL) between two syncs: its daemon unregisters its
-    ranks with the process's session, and the next sync names it as having left, with how to tell
-    why, rather than leaving it out of the response; the sync after names it no more."""
+    ranks with the process's session, and the next sync that commits names it as having left
+    (ReplicaOutcome.left, with how to tell why), rather than leaving it out of the response; a
+    sync that failed before it does not use that up. The sync after names it no more."""
     shardcastd_path()
     with LocalCluster(["n0", "n1", "n2"]) as c:
         clients, src, trainers, (r0,) = trainer_and_replicas(c, 1)
-        engine = subprocess.Popen(
-            [sys.executable, "-c", (
-                "import json, sys, time, numpy as np, shardcast\n"
-                "sys.path.insert(0, sys.argv[3])\n"
-                "import rank_worker\n"
-                "client = shardcast.Client(sys.argv[1])\n"
-                "layout = json.loads(sys.argv[2])\n"
-                "regs = [client.register('rollout.r1', r, 2, rank_worker.zeros(r), layout) for r in range(2)]\n"
-                "print('registered', flush=True)\n"
-                "time.sleep(600)\n"),
-             c.target("n2"), json.dumps(replica_layout(1, "n2")), os.path.dirname(os.path.abspath(__file__))],
-            stdout=subprocess.PIPE, text=True)
+        engine = engine_process(c.target("n2"), 1, "n2")
         try:
-            assert engine.stdout.readline().strip() == "registered"
             resp = src.sync("trainer", "rollout", 1)
             assert outcomes(resp) == {"rollout.r0": (True, ""), "rollout.r1": (True, "")}
         finally:
-            engine.kill()
-            engine.wait()
+            kill(engine)
         deadline = time.monotonic() + 30  # its daemon sees the session end
         while time.monotonic() < deadline and any(r.group == "rollout.r1" for r in clients["n2"].list().ranks):
             time.sleep(0.05)
         step(trainers, 2)
+        with pytest.raises(shardcast.ShardcastError, match="at least 3 needed"):
+            src.sync("trainer", "rollout", 2, min_replicas=3)
         resp = src.sync("trainer", "rollout", 2)
         got = outcomes(resp)
         assert got["rollout.r0"] == (True, ""), got
@@ -217,6 +230,34 @@ def test_a_replica_whose_process_is_killed_between_syncs_is_named_in_the_next_re
         assert holds(r0, 2)
         step(trainers, 3)
         assert outcomes(src.sync("trainer", "rollout", 3)) == {"rollout.r0": (True, "")}
+        for reg in trainers + r0:
+            reg.close()
+
+
+def test_a_replica_whose_daemon_restarted_is_cut_not_left_until_it_does_not_come_back():
+    """Replica r1's daemon restarts between syncs (its engine gone too, so nothing registers it
+    again): the next sync cannot tell a replica that left from one whose client has not registered
+    it with the new daemon yet, and cuts it naming the restart; the sync after, still absent, it
+    is named as having left; then no more."""
+    shardcastd_path()
+    with LocalCluster(["n0", "n1", "n2"]) as c:
+        clients, src, trainers, (r0,) = trainer_and_replicas(c, 1)
+        engine = engine_process(c.target("n2"), 1, "n2")
+        try:
+            assert outcomes(src.sync("trainer", "rollout", 1))["rollout.r1"] == (True, "")
+        finally:
+            kill(engine)
+        c.daemons["n2"].stop()
+        c.restart("n2")
+        step(trainers, 2)
+        got = outcomes(src.sync("trainer", "rollout", 2))
+        assert got["rollout.r0"] == (True, "") and not got["rollout.r1"][0], got
+        assert 'the daemon of node(s) "n2" restarted since the last sync' in got["rollout.r1"][1], got
+        step(trainers, 3)
+        resp = src.sync("trainer", "rollout", 3)
+        assert [(o.group, o.left) for o in resp.replicas] == [("rollout.r0", False), ("rollout.r1", True)]
+        step(trainers, 4)
+        assert outcomes(src.sync("trainer", "rollout", 4)) == {"rollout.r0": (True, "")}
         for reg in trainers + r0:
             reg.close()
 
