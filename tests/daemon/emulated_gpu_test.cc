@@ -721,7 +721,7 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "emulated GPUs the transport reaches: device memory registered directly, written without staging; a GPU "
+    "emulated GPUs the transport reaches: device memory registered directly, written without staging, and a GPU "
     "it cannot reach falls back alone",
     "[daemon][sync][emulated-gpu][device-reach]") {
   // The direct path a CUDA-aware UCX takes (issue 50), decided without a GPU: with
