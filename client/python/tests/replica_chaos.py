@@ -24,9 +24,10 @@ After every sync it checks:
   sync's time (a moving average) plus 0.5 s;
 - crashed: a daemon that died without being killed.
 
-With --delta auto every sync is a delta sync, and a version changes 1 element in 64 (the rest
-keep the bytes of an earlier version): counted are the syncs that sent some chunk as a delta
-(delta_syncs) and the chunks sent each way, with every byte still checked as above.
+With --delta auto every sync is a delta sync, with --delta mixed each sync is dense (zero copy)
+or a delta sync at random, and a version changes 1 element in 64 (the rest keep the bytes of an
+earlier version): counted are the syncs that sent some chunk as a delta (delta_syncs) and the
+chunks sent each way, with every byte still checked as above.
 
     python replica_chaos.py --syncs 300 [--netns] [--delta auto]   # bench/chaos.sh --replicas runs this
 """
@@ -155,6 +156,7 @@ class ReplicaSoak:
         self.min_live = min_live
         self.delta = delta
         self.sparse = delta != "off"  # versions that change a few elements: deltas worth sending
+        self.delta_rng = random.Random(seed + 1)  # "mixed": apart, so the faults are the seed's as ever
         self.rng = random.Random(seed)
         self.log = log
         self.verbose = verbose
@@ -262,6 +264,9 @@ class ReplicaSoak:
                 reg.tensors[n][...] = piece(n, version, TENSORS[n][1], r, TRAINER_WORLD, self.sparse)
             reg.publish(version)
 
+    def delta_of_sync(self) -> str:
+        return self.delta_rng.choice(["off", "auto"]) if self.delta == "mixed" else self.delta
+
     def inject(self, node: str, kind: str, delay: float, hold: float) -> None:
         time.sleep(delay)
         proc = self.cluster.daemons[node].proc
@@ -321,7 +326,7 @@ class ReplicaSoak:
         resp, error = None, ""
         try:
             resp = self.clients[TRAINER].sync("trainer", "rollout", v, timeout=30, replica_deadline_s=self.deadline,
-                                              verify=self.rng.random() < 0.2, delta=self.delta)
+                                              verify=self.rng.random() < 0.2, delta=self.delta_of_sync())
         except shardcast.ShardcastError as e:
             error = e.details
         took = time.monotonic() - began
@@ -473,7 +478,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--netns", action="store_true", help="daemons in network namespaces; partitions too (root)")
     ap.add_argument("--deadline-s", type=float, default=1.0, help="the syncs' replica deadline")
-    ap.add_argument("--delta", choices=["off", "auto", "dense"], default="off", help="the syncs' delta mode")
+    ap.add_argument("--delta", choices=["off", "auto", "dense", "mixed"], default="off",
+                    help="the syncs' delta mode (mixed: off or auto at random)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="a line per sync and fault")
     a = ap.parse_args()
