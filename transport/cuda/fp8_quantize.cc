@@ -101,44 +101,17 @@ namespace {
 float vectorScaleAt(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bsize, const std::byte* src) {
   const int64_t n = fp8BlockVectors(p, bsize);
   float amax = 0.0f;
-  bool nan = false;
-  int64_t g[kMaxCopyDims];
-  float v[8];
+  int nan = 0;
   for (uint32_t t = 0; t < p.threads; ++t)
-    for (int64_t i = t; i < n; i += p.threads) {
-      fp8VectorAt(p, blo, bsize, i, g);
-      fp8LoadVector(src, fp8SourceOffset(p, g), p.bf16, v);
-      for (int k = 0; k < fp8Vec(p); ++k) {
-        nan = nan || fp8IsNan(v[k]);
-        amax = std::fmax(amax, std::fabs(v[k]));
-      }
-    }
-  return fp8Scale(amax, nan, p.pow2);
+    for (int64_t i = t; i < n; i += p.threads) fp8VectorAmax(p, blo, bsize, i, src, &amax, &nan);
+  return fp8Scale(amax, nan != 0, p.pow2);
 }
 
 void vectorQuantize(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bsize, float scale, std::byte* dst,
                     const std::byte* src) {
   const int64_t n = fp8BlockVectors(p, bsize);
-  int64_t g[kMaxCopyDims];
-  float v[8];
   for (uint32_t t = 0; t < p.threads; ++t)
-    for (int64_t i = t; i < n; i += p.threads) {
-      fp8VectorAt(p, blo, bsize, i, g);
-      int64_t first = 0;
-      const int part = fp8VectorPart(p, g, &first);
-      if (part == 0) continue;
-      fp8LoadVector(src, fp8SourceOffset(p, g), p.bf16, v);
-      const int64_t out = p.dst_offset + (g[0] - p.lo[0]) * p.dst_stride[0] + (first - p.lo[1]) * p.dst_stride[1];
-      const int skip = static_cast<int>(first - g[1]);
-      if (fp8VectorOut(p, g, part, first, out, dst)) {
-        uint8_t q[8];
-        for (int k = 0; k < part; ++k) q[k] = fp8Quantize(v[k], scale);
-        std::memcpy(dst + out, q, static_cast<size_t>(part));  // one store on the GPU
-      } else {
-        for (int k = 0; k < part; ++k)
-          dst[out + k * p.dst_stride[1]] = static_cast<std::byte>(fp8Quantize(v[skip + k], scale));
-      }
-    }
+    for (int64_t i = t; i < n; i += p.threads) fp8VectorQuantize(p, blo, bsize, i, scale, dst, src);
 }
 
 }  // namespace

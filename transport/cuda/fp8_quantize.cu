@@ -2,8 +2,8 @@
 // the box (grid-stride beyond the grid). A block whose rows are contiguous whole vectors
 // (fp8VectorBlock) is read 16 bytes at a time, each thread taking every 256th vector in both
 // passes, its amax reduced by warp shuffles, its fp8 values stored a vector (8 or 4 bytes) at a
-// time; any other block element by element. The index math is fp8_quantize_plan.h's, which
-// emulateFp8Quantize runs on the host in the same order.
+// time; any other block element by element. The per-vector steps are fp8_quantize_plan.h's
+// (fp8VectorAmax, fp8VectorQuantize), which emulateFp8Quantize runs on the host in the same order.
 #include <cuda_runtime.h>
 
 #include "transport/cuda/fp8_quantize.h"
@@ -48,21 +48,6 @@ __device__ void scalarAmax(const Fp8QuantizePlan& p, const int64_t* blo, const i
   }
 }
 
-__device__ void vectorAmax(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bsize, const std::byte* src,
-                           float* m, int* has_nan) {
-  const int64_t n = fp8BlockVectors(p, bsize);
-  int64_t g[kMaxCopyDims];
-  float v[8];
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    fp8VectorAt(p, blo, bsize, i, g);
-    fp8LoadVector(src, fp8SourceOffset(p, g), p.bf16, v);
-    for (int k = 0; k < fp8Vec(p); ++k) {
-      *has_nan |= fp8IsNan(v[k]) ? 1 : 0;
-      *m = fmaxf(*m, fabsf(v[k]));
-    }
-  }
-}
-
 __device__ void scalarQuantize(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bsize, float scale,
                                std::byte* dst, const std::byte* src) {
   int64_t plo[kMaxCopyDims], psize[kMaxCopyDims], g[kMaxCopyDims];
@@ -81,39 +66,6 @@ __device__ void scalarQuantize(const Fp8QuantizePlan& p, const int64_t* blo, con
   }
 }
 
-__device__ void vectorQuantize(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bsize, float scale,
-                               std::byte* dst, const std::byte* src) {
-  const int64_t n = fp8BlockVectors(p, bsize);
-  int64_t g[kMaxCopyDims];
-  float v[8];
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    fp8VectorAt(p, blo, bsize, i, g);
-    int64_t first = 0;
-    const int part = fp8VectorPart(p, g, &first);
-    if (part == 0) continue;
-    fp8LoadVector(src, fp8SourceOffset(p, g), p.bf16, v);
-    const int64_t out = p.dst_offset + (g[0] - p.lo[0]) * p.dst_stride[0] + (first - p.lo[1]) * p.dst_stride[1];
-    if (fp8VectorOut(p, g, part, first, out, dst)) {
-      if (p.bf16) {
-        uint2 q;
-        q.x = fp8Quantize(v[0], scale) | fp8Quantize(v[1], scale) << 8 | fp8Quantize(v[2], scale) << 16 |
-              static_cast<uint32_t>(fp8Quantize(v[3], scale)) << 24;
-        q.y = fp8Quantize(v[4], scale) | fp8Quantize(v[5], scale) << 8 | fp8Quantize(v[6], scale) << 16 |
-              static_cast<uint32_t>(fp8Quantize(v[7], scale)) << 24;
-        *reinterpret_cast<uint2*>(dst + out) = q;
-      } else {
-        *reinterpret_cast<uint32_t*>(dst + out) = fp8Quantize(v[0], scale) | fp8Quantize(v[1], scale) << 8 |
-                                                  fp8Quantize(v[2], scale) << 16 |
-                                                  static_cast<uint32_t>(fp8Quantize(v[3], scale)) << 24;
-      }
-    } else {
-      const int skip = static_cast<int>(first - g[1]);
-      for (int k = 0; k < part; ++k)
-        dst[out + k * p.dst_stride[1]] = static_cast<std::byte>(fp8Quantize(v[skip + k], scale));
-    }
-  }
-}
-
 __global__ void __launch_bounds__(kThreads) fp8QuantizeKernel(Fp8QuantizePlan p, std::byte* dst, const std::byte* src) {
   __shared__ float warp_amax[kWarps];
   __shared__ int warp_nan[kWarps];
@@ -128,7 +80,8 @@ __global__ void __launch_bounds__(kThreads) fp8QuantizeKernel(Fp8QuantizePlan p,
       float m = 0.0f;
       int has_nan = 0;
       if (vectors)
-        vectorAmax(p, blo, bsize, src, &m, &has_nan);
+        for (int64_t i = threadIdx.x; i < fp8BlockVectors(p, bsize); i += blockDim.x)
+          fp8VectorAmax(p, blo, bsize, i, src, &m, &has_nan);
       else
         scalarAmax(p, blo, bsize, src, &m, &has_nan);
       reduceBlock(&m, &has_nan, warp_amax, warp_nan);
@@ -141,7 +94,8 @@ __global__ void __launch_bounds__(kThreads) fp8QuantizeKernel(Fp8QuantizePlan p,
         *reinterpret_cast<float*>(dst + out * 4) = scale;
       }
     } else if (vectors) {
-      vectorQuantize(p, blo, bsize, scale, dst, src);
+      for (int64_t i = threadIdx.x; i < fp8BlockVectors(p, bsize); i += blockDim.x)
+        fp8VectorQuantize(p, blo, bsize, i, scale, dst, src);
     } else {
       scalarQuantize(p, blo, bsize, scale, dst, src);
     }
@@ -154,7 +108,7 @@ int launchFp8QuantizeKernel(const Fp8QuantizePlan& plan, std::byte* dst_base, co
   if (plan.blocks == 0) return cudaSuccess;
   cudaGetLastError();  // what follows reports this launch, not an earlier call's error
   fp8QuantizeKernel<<<plan.grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(fp8ForMemory(plan, src_base),
-                                                                                     dst_base, src_base);
+                                                                                   dst_base, src_base);
   return static_cast<int>(cudaGetLastError());
 }
 

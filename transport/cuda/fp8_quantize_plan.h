@@ -216,4 +216,47 @@ SC_HOST_DEVICE inline bool fp8VectorOut(const Fp8QuantizePlan& p, const int64_t*
          (reinterpret_cast<uintptr_t>(dst_base) + static_cast<uintptr_t>(out)) % static_cast<uintptr_t>(v) == 0;
 }
 
+// Pass 1 for vector i of block (blo, bsize): its elements into the running amax and NaN flag.
+SC_HOST_DEVICE inline void fp8VectorAmax(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bsize, int64_t i,
+                                         const std::byte* src, float* amax, int* nan) {
+  int64_t g[kMaxCopyDims];
+  float v[8];
+  fp8VectorAt(p, blo, bsize, i, g);
+  fp8LoadVector(src, fp8SourceOffset(p, g), p.bf16, v);
+  for (int k = 0; k < fp8Vec(p); ++k) {
+    *nan |= fp8IsNan(v[k]) ? 1 : 0;
+    *amax = fmaxf(*amax, fabsf(v[k]));
+  }
+}
+
+// Pass 2 for vector i of block (blo, bsize): its elements inside the box quantised with `scale`
+// into the output, with one store where fp8VectorOut allows, else element by element.
+SC_HOST_DEVICE inline void fp8VectorQuantize(const Fp8QuantizePlan& p, const int64_t* blo, const int64_t* bsize,
+                                             int64_t i, float scale, std::byte* dst, const std::byte* src) {
+  int64_t g[kMaxCopyDims];
+  fp8VectorAt(p, blo, bsize, i, g);
+  int64_t first = 0;
+  const int part = fp8VectorPart(p, g, &first);
+  if (part == 0) return;
+  float v[8];
+  fp8LoadVector(src, fp8SourceOffset(p, g), p.bf16, v);
+  const int64_t out = p.dst_offset + (g[0] - p.lo[0]) * p.dst_stride[0] + (first - p.lo[1]) * p.dst_stride[1];
+  if (fp8VectorOut(p, g, part, first, out, dst)) {
+    uint32_t words[2] = {0, 0};
+    for (int k = 0; k < part; ++k) words[k / 4] |= static_cast<uint32_t>(fp8Quantize(v[k], scale)) << (8 * (k % 4));
+#ifdef __CUDA_ARCH__
+    if (part == 8)
+      *reinterpret_cast<uint2*>(dst + out) = make_uint2(words[0], words[1]);  // one 8-byte store
+    else
+      *reinterpret_cast<uint32_t*>(dst + out) = words[0];  // one 4-byte store
+#else
+    memcpy(dst + out, words, static_cast<size_t>(part));
+#endif
+    return;
+  }
+  const int skip = static_cast<int>(first - g[1]);
+  for (int k = 0; k < part; ++k)
+    dst[out + k * p.dst_stride[1]] = static_cast<std::byte>(fp8Quantize(v[skip + k], scale));
+}
+
 }  // namespace shardcast::transport
