@@ -256,7 +256,11 @@ void syncFigures(int64_t mib, int syncs, const SyncBench& bench) {
     const double t = seconds(t0, Clock::now());
     if (!st.ok()) fail("sync: " + st.error_message());
     figures.push_back(gb / t);
-    fmt::print("sync v{}: {:.3f} s = {:.2f} GB/s{}\n", v, t, gb / t, v == 1 ? " (plans, allocates, connects)" : "");
+    // Landed in the ranks' device memory by the transport itself (cuda_ipc, GPUDirect), or staged.
+    const double direct = 100.0 * static_cast<double>(out.bytes_landed_direct()) /
+                          static_cast<double>(std::max<uint64_t>(1, out.network_bytes()));
+    fmt::print("sync v{}: {:.3f} s = {:.2f} GB/s, {:.0f}% landed in device memory directly{}\n", v, t, gb / t, direct,
+               v == 1 ? " (plans, allocates, connects)" : "");
   }
   int64_t bad = 0;
   for (int32_t r = 0; r < dst.world(); ++r)

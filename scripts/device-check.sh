@@ -9,7 +9,8 @@
 #   a sync between daemons with device buffers on both sides, every byte checked, the fp8
 #   quantisation kernel against the host quantiser bit for bit); pack/unpack
 #   GB/s of the kernel beside a device-to-device copy of the same bytes; sync GB/s with device
-#   tensors (bench/device_bench.cc), staged over TCP, then straight between GPUs through cuda_ipc
+#   tensors (bench/device_bench.cc), staged over TCP, staged over shared memory (the staged
+#   pipeline where the wire is not the bottleneck), then straight between GPUs through cuda_ipc
 #   with 2 daemons and with a 3-daemon relay chain; torch's CUDA shareable handles decoded as the client reads
 #   them (client/python/tests/test_cuda_handle.py against the GPU machine's torch, and test_gpu.py
 #   on its GPU); a real torch DTensor on a CUDA mesh registered by CUDA IPC and synced into CUDA
@@ -75,18 +76,24 @@ check() {
   step "transport [gpu] and kernel geometry" 60 "$bundle/bin/transport_tests" "[gpu],[strided-copy]" --reporter compact
   step "daemon [gpu]: device buffers on both sides of a sync, cuMem allocations by descriptor, the fp8 kernel" 105 "$bundle/bin/daemon_tests" "[gpu]" --reporter compact
   step "client [gpu]: CUDA pointers become IPC handles" 40 "$bundle/bin/client_tests" "[gpu]" --reporter compact
-  step "device bench: kernel pack/unpack vs device copy, sync GB/s (staged: UCX over TCP)" 90 "$bundle/bin/device_bench" --mib "${DEVICE_MIB:-1024}" --syncs 5
+  step "device bench: kernel pack/unpack vs device copy, sync GB/s (staged: UCX over TCP)" 80 "$bundle/bin/device_bench" --mib "${DEVICE_MIB:-1024}" --syncs 5
   if [ -n "$ucx_version" ]; then
     # The same sync straight between GPUs: the daemons on one host put into each other's device
     # memory through cuda_ipc (plaintext daemons: put over a list with tcp needs --insecure), then a
     # relay chain of two destination nodes. Every byte checked; beside the rows above (D2D, PCIe).
     local ipc=(--daemon-flag --insecure --daemon-flag --ucx-tls --daemon-flag cuda_ipc,cuda_copy,tcp,self
       --daemon-flag --protocol --daemon-flag put)
+    # The staged pipeline (D2H, send, land, H2D per chunk, one chunk behind) on a transport that is
+    # not the bottleneck: shared memory and cma between the daemons, device memory staged
+    # (--device-memory staged), beside the PCIe rate above.
+    step "device bench: 2 daemons staged through shared memory" 40 "$bundle/bin/device_bench" --sync-only --mib "${DEVICE_MIB:-1024}" --syncs 4 \
+      --daemon-flag --insecure --daemon-flag --ucx-tls --daemon-flag posix,sysv,cma,self --daemon-flag --protocol \
+      --daemon-flag put --daemon-flag --device-memory --daemon-flag staged
     step "device bench: 2 daemons through cuda_ipc" 45 "$bundle/bin/device_bench" --sync-only --mib "${DEVICE_MIB:-1024}" --syncs 4 "${ipc[@]}"
     step "device bench: 3 daemons, a relay chain through cuda_ipc" 45 "$bundle/bin/device_bench" --sync-only --daemons 3 --mib "${DEVICE_MIB:-1024}" --syncs 4 "${ipc[@]}"
   fi
   # -s: the tests print torch's handle version and the GB/s of the FSDP2-style sync.
-  step "python: torch's CUDA handles; a CUDA DTensor and ${SHARDCAST_GPU_SHARD_GIB} GiB of FSDP2-style shards synced into CUDA views; expandable segments synced; vLLM's direct path" 180 \
+  step "python: torch's CUDA handles; a CUDA DTensor and ${SHARDCAST_GPU_SHARD_GIB} GiB of FSDP2-style shards synced into CUDA views; expandable segments synced; vLLM's direct path" 160 \
     "${PYTHON:-python3}" -m pytest -q -s -rs "$root/client/python/tests/test_cuda_handle.py" \
     "$root/client/python/tests/test_gpu.py" "$root/client/python/tests/test_vllm_direct.py"
   echo

@@ -54,4 +54,28 @@ StatusOr<std::shared_ptr<MemoryRegion>> allocateHostStaging(Context& ctx, size_t
   return std::shared_ptr<MemoryRegion>(owner, owner->region.get());
 }
 
+namespace {
+
+class StagedDeviceMemory final : public ForwardingContext {
+ public:
+  using ForwardingContext::ForwardingContext;
+  std::string describe() const override {
+    return strCat(inner().describe(), inner().canAccess(MemoryKind::kCuda) ? ", device memory staged all the same" : "",
+                  " (--device-memory staged)");
+  }
+  bool canAccess(MemoryKind kind) const override { return kind == MemoryKind::kHost; }
+  StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) override {
+    if (kind != MemoryKind::kHost)
+      return absl::FailedPreconditionError(
+          strCat(memoryKindName(kind), " memory is staged through host memory here (--device-memory staged)"));
+    return inner().registerMemory(data, size, kind);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Context> stageDeviceMemory(std::unique_ptr<Context> inner) {
+  return std::make_unique<StagedDeviceMemory>(std::move(inner));
+}
+
 }  // namespace shardcast::transport

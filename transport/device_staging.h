@@ -44,4 +44,9 @@ class TransferMemory {
 StatusOr<std::shared_ptr<MemoryRegion>> allocateHostStaging(Context& ctx, size_t bytes, DeviceRuntime* gpus,
                                                             const char* what);
 
+// `inner` reaching host memory only: every device buffer is staged through pinned host memory,
+// where `inner` would register it directly (shardcastd --device-memory staged: a fabric whose
+// GPUDirect path is broken or slower than staging, and the staged pipeline's measurement).
+std::unique_ptr<Context> stageDeviceMemory(std::unique_ptr<Context> inner);
+
 }  // namespace shardcast::transport

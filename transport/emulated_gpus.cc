@@ -383,48 +383,32 @@ void EmulatedGpus::counted(int Counts::*counter, int queued_delta) {
 
 namespace {
 
-class EmulatedReach final : public Context {
+class EmulatedReach final : public ForwardingContext {
  public:
   EmulatedReach(std::unique_ptr<Context> inner, const EmulatedGpus& gpus, std::set<int> reach)
-      : inner_(std::move(inner)), gpus_(gpus), reach_(std::move(reach)) {}
+      : ForwardingContext(std::move(inner)), gpus_(gpus), reach_(std::move(reach)) {}
 
   std::string describe() const override {
     std::vector<int> gpus;
     for (int d = 0; d < gpus_.deviceCount(); ++d)
       if (reaches(d)) gpus.push_back(d);
-    return strCat(inner_->describe(), ", reaching emulated GPU memory (GPUs ", strJoin(gpus, ","), ")");
+    return strCat(inner().describe(), ", reaching emulated GPU memory (GPUs ", strJoin(gpus, ","), ")");
   }
-  std::string address() const override { return inner_->address(); }
   bool canAccess(MemoryKind) const override { return true; }
-  Capabilities capabilities() const override { return inner_->capabilities(); }
   StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) override {
-    if (kind == MemoryKind::kHost) return inner_->registerMemory(data, size, kind);
+    if (kind == MemoryKind::kHost) return inner().registerMemory(data, size, kind);
     const auto device = size == 0 ? std::nullopt : gpus_.deviceOf(data);
     if (!device || gpus_.deviceOf(static_cast<std::byte*>(data) + size - 1) != device)
       return absl::InvalidArgumentError("registerMemory: device memory that no one emulated GPU holds");
     if (!reaches(*device))
       return absl::FailedPreconditionError(
           strCat("the transport does not reach GPU ", *device, "'s memory (--emulate-gpu-reach)"));
-    return inner_->registerMemory(data, size, MemoryKind::kHost);  // what emulated device memory is
-  }
-  StatusOr<std::shared_ptr<MemoryRegion>> allocateMemory(size_t size) override { return inner_->allocateMemory(size); }
-  bool openFence(const WriteKey& key, std::vector<LandingRange> ranges) override {
-    return inner_->openFence(key, std::move(ranges));
-  }
-  bool closeFence(const WriteKey& key, std::chrono::milliseconds timeout) override {
-    return inner_->closeFence(key, timeout);
-  }
-  StatusOr<std::shared_ptr<Endpoint>> connect(const std::string& peer_address, const std::string& peer_name) override {
-    return inner_->connect(peer_address, peer_name);
-  }
-  void setNotificationHandler(NotificationHandler handler) override {
-    inner_->setNotificationHandler(std::move(handler));
+    return inner().registerMemory(data, size, MemoryKind::kHost);  // what emulated device memory is
   }
 
  private:
   bool reaches(int device) const { return reach_.empty() || reach_.count(device) > 0; }
 
-  std::unique_ptr<Context> inner_;
   const EmulatedGpus& gpus_;
   const std::set<int> reach_;
 };

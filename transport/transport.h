@@ -216,6 +216,39 @@ class Context {
   virtual void setNotificationHandler(NotificationHandler handler) = 0;
 };
 
+// A context that passes every call to another, for wrappers that change a few of them (what
+// memory it reaches: stageDeviceMemory, reachEmulatedGpus).
+class ForwardingContext : public Context {
+ public:
+  explicit ForwardingContext(std::unique_ptr<Context> inner) : inner_(std::move(inner)) {}
+  std::string describe() const override { return inner_->describe(); }
+  std::string address() const override { return inner_->address(); }
+  bool canAccess(MemoryKind kind) const override { return inner_->canAccess(kind); }
+  Capabilities capabilities() const override { return inner_->capabilities(); }
+  StatusOr<std::shared_ptr<MemoryRegion>> registerMemory(void* data, size_t size, MemoryKind kind) override {
+    return inner_->registerMemory(data, size, kind);
+  }
+  StatusOr<std::shared_ptr<MemoryRegion>> allocateMemory(size_t size) override { return inner_->allocateMemory(size); }
+  [[nodiscard]] bool openFence(const WriteKey& key, std::vector<LandingRange> ranges) override {
+    return inner_->openFence(key, std::move(ranges));
+  }
+  bool closeFence(const WriteKey& key, std::chrono::milliseconds timeout) override {
+    return inner_->closeFence(key, timeout);
+  }
+  StatusOr<std::shared_ptr<Endpoint>> connect(const std::string& peer_address, const std::string& peer_name) override {
+    return inner_->connect(peer_address, peer_name);
+  }
+  void setNotificationHandler(NotificationHandler handler) override {
+    inner_->setNotificationHandler(std::move(handler));
+  }
+
+ protected:
+  Context& inner() const { return *inner_; }
+
+ private:
+  std::unique_ptr<Context> inner_;
+};
+
 // The backends, by name (transport/backends.cc): a new one is a directory with its own CMake
 // target and one row there.
 struct Backend {

@@ -19,7 +19,7 @@ std::string DaemonConfig::describe() const {
      << " peers=" << (peers.empty() ? "(none)" : strJoin(peers, ","))
      << " peer_dns=" << (peer_dns.empty() ? "(none)" : peer_dns) << " transport=" << transport
      << " ucx_tls=" << (ucx_tls.empty() ? "(default)" : ucx_tls) << " protocol=" << protocol
-     << " host_zero_copy=" << host_zero_copy << " ucx_accept=" << ucx_accept
+     << " host_zero_copy=" << host_zero_copy << " device_memory=" << device_memory << " ucx_accept=" << ucx_accept
      << " ucx_allow_from=" << (ucx_allow_from.empty() ? "(none)" : strJoin(ucx_allow_from, ","))
      << " ucx_tcp_segment_kib=" << ucx_tcp_segment_kib << " log_level=" << log_level << " log_format=" << log_format
      << " peer_timeout_ms=" << peer_timeout_ms << " peer_lease_ms=" << peer_lease_ms << " relay_fanout=" << relay_fanout
@@ -97,6 +97,13 @@ void addTransportFlags(CLI::App& app, DaemonConfig& c) {
                  "mid-sync aborts this daemon inside UCX; off: always through this daemon's staging and arena)")
       ->envname("SHARDCAST_HOST_ZERO_COPY")
       ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
+  app.add_option("--device-memory", c.device_memory,
+                 "GPU buffers: auto registers them with the transport directly where it reaches device memory "
+                 "(a CUDA-aware UCX: cuda_ipc, GPUDirect RDMA) and stages them through pinned host memory "
+                 "elsewhere; staged always stages them (a fabric whose GPUDirect path is broken or slower)")
+      ->envname("SHARDCAST_DEVICE_MEMORY")
+      ->check(CLI::IsMember({"auto", "staged"}))
       ->capture_default_str();
   app.add_option("--ucx-accept", c.ucx_accept,
                  "Who may connect to UCX's own listeners, which parse a connecting peer's handshake before any "

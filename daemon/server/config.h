@@ -27,6 +27,9 @@ struct DaemonConfig {
   // Clients' host segments handed to the transport itself (zero-copy sends and landings): auto
   // where it cannot fault on them (transport::Capabilities::host_faults_contained), on, or off.
   std::string host_zero_copy = "auto";
+  // Device buffers registered with the transport directly where it reaches device memory (auto:
+  // a CUDA-aware UCX), or always staged through pinned host memory (staged).
+  std::string device_memory = "auto";
   // Who may open a connection to UCX's own listeners (docs/security.md, "UCX's connection
   // handshake"): peers (this uid's sockets on this host, addresses the cluster's daemons spoke
   // from, and ucx_allow_from) or any.

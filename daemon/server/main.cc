@@ -34,6 +34,7 @@
 #include "daemon/server/service.h"
 #include "daemon/server/ucx_admission.h"
 #include "planner/limits.h"
+#include "transport/device_staging.h"
 #include "transport/emulated_gpus.h"
 #include "transport/transport.h"
 
@@ -334,6 +335,10 @@ int main(int argc, char** argv) {
                                                 *emulatedGpuReach(config->emulate_gpu_reach, config->emulate_gpus));
       spdlog::warn("data plane: {} (--emulate-gpu-reach, for tests)", (*transport)->describe());
     }
+  }
+  if (config->device_memory == "staged") {
+    *transport = transport::stageDeviceMemory(std::move(*transport));
+    spdlog::info("data plane: {}", (*transport)->describe());
   }
   Registry registry(config->node, **transport, emulated ? *emulated : transport::cudaRuntime());
   if (Status st = configureRegistry(registry, *config, **transport); !st.ok()) return fail(std::string(st.message()));

@@ -728,30 +728,37 @@ TEST_CASE(
   // --emulate-gpu-reach the transport registers the emulated GPUs' memory itself, so device ranks
   // are read and written in place (zero copy, no staging) and every byte is verified; where it
   // reaches only some GPUs, the buffers of the others are staged one by one (named in Describe
-  // and in the log) and the syncs through them are planned packed, byte-exact all the same.
+  // and in the log) and the syncs through them are planned packed, byte-exact all the same. With
+  // --device-memory staged every buffer is staged though the transport reaches them all.
   const char* trainer = R"({"group":"trainer","mesh":{"shape":[2]},"nodes":["n0","n0"],"tensors":[
     {"name":"w","shape":[2048,256],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})";
   const char* inference = R"({"group":"infer","mesh":{"shape":[2,2]},"nodes":["n1","n1","n1","n1"],"tensors":[
     {"name":"w","shape":[2048,256],"dtype":"int32","placements":[{"replicate":{}},{"shard":{"dim":0}}]}]})";
-  const std::string reach_on_n1 = GENERATE(std::string("all"), std::string("0,1"));
+  const std::string reach_on_n1 = GENERATE(std::string("all"), std::string("0,1"), std::string("all, staged"));
   INFO("n1 reaches GPUs " << reach_on_n1);
+  const bool forced = reach_on_n1 == "all, staged";  // --device-memory staged
   std::vector<int> ports{freePort(), freePort()};
   const std::vector<std::string> peers{"127.0.0.1:" + std::to_string(ports[0]),
                                        "127.0.0.1:" + std::to_string(ports[1])};
   Daemon n0("n0", ports[0], peers,
             {"--emulate-gpus", "2", "--emulate-gpu-reach", "all", "--chunk-mib", "1", "--host-zero-copy", "on"});
   Daemon n1("n1", ports[1], peers,
-            {"--emulate-gpus", "4", "--emulate-gpu-reach", reach_on_n1, "--chunk-mib", "1", "--host-zero-copy", "on"});
+            {"--emulate-gpus", "4", "--emulate-gpu-reach", forced ? "all" : reach_on_n1, "--chunk-mib", "1",
+             "--host-zero-copy", "on", "--device-memory", forced ? "staged" : "auto"});
   REQUIRE(n0.ready());
   REQUIRE(n1.ready());
-  GroupPair device(trainer, inference, n0, n1, /*gpus=*/true, "egpu-reach-" + reach_on_n1.substr(0, 1));
+  GroupPair device(trainer, inference, n0, n1, /*gpus=*/true,
+                   "egpu-reach-" + reach_on_n1.substr(0, 1) + (forced ? "-staged" : ""));
   v1::DescribeResponse described;
   REQUIRE(n1.peer()->Describe(ctx().get(), v1::DescribeRequest(), &described).ok());
   std::map<int32_t, bool> staged;  // destination rank (= its GPU) -> its buffer staged
   for (const auto& r : described.ranks())
     for (const auto& b : r.buffers()) staged[r.rank()] = b.staged();
   const bool all = reach_on_n1 == "all";
-  CHECK(staged == std::map<int32_t, bool>{{0, false}, {1, false}, {2, !all}, {3, !all}});
+  CHECK(staged == std::map<int32_t, bool>{{0, forced}, {1, forced}, {2, !all}, {3, !all}});
+  v1::StatusResponse status;
+  REQUIRE(n1.client()->Status(ctx().get(), v1::StatusRequest(), &status).ok());
+  CHECK((status.transport().find("(--device-memory staged)") != std::string::npos) == forced);
 
   v1::SyncRequest req;
   req.set_src_group("trainer");
