@@ -106,7 +106,10 @@ int runSync(const SyncArgs& a) {
   o.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   o.verify = a.verify;
   o.wait_for_ranks = a.wait_for_ranks;
-  o.delta = a.delta == "auto" ? v1::DELTA_AUTO : a.delta == "dense" ? v1::DELTA_DENSE : v1::DELTA_OFF;
+  o.delta = a.delta == "auto"     ? v1::DELTA_AUTO
+            : a.delta == "dense"  ? v1::DELTA_DENSE
+            : a.delta == "always" ? v1::DELTA_ALWAYS
+                                  : v1::DELTA_OFF;
   o.strategy = a.strategy == "rank-pull"          ? v1::STRATEGY_RANK_PULL
                : a.strategy == "gather-broadcast" ? v1::STRATEGY_GATHER_BROADCAST
                                                   : v1::STRATEGY_PLANNED;
@@ -166,6 +169,7 @@ int runSync(const SyncArgs& a) {
         planner::humanBytes(static_cast<double>(r.wire_bytes())),
         r.network_bytes() ? 100.0 * static_cast<double>(r.wire_bytes()) / static_cast<double>(r.network_bytes()) : 0.0,
         r.delta_chunks(), r.dense_chunks());
+  if (!r.delta_choice().empty()) std::cout << fmt::format("  dense: {}\n", shown(r.delta_choice()));
   return kOk;
 }
 
@@ -458,8 +462,9 @@ void addSyncCommand(CLI::App& app, int* exit_code) {
   cmd->add_flag("--wait-for-ranks", a->wait_for_ranks, "Wait (up to the timeout) for ranks not registered yet");
   cmd->add_option("--delta", a->delta,
                   "off: dense; auto: only the elements that changed, to nodes holding the bytes this source last "
-                  "sent (docs/delta.md); dense: dense, keeping the bases for later deltas")
-      ->check(CLI::IsMember({"off", "auto", "dense"}))
+                  "sent, while that measures faster than dense (docs/delta.md); always: deltas wherever a node "
+                  "holds the base, faster or not; dense: dense, keeping the bases for later deltas")
+      ->check(CLI::IsMember({"off", "auto", "always", "dense"}))
       ->capture_default_str();
   cmd->add_option("--strategy", a->strategy,
                   "planned: Shardcast's plan; rank-pull, gather-broadcast: the baselines it is measured against "

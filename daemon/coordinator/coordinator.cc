@@ -115,6 +115,7 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   out_.set_delta_chunks(moved.delta_chunks);
   out_.set_dense_chunks(moved.dense_chunks);
   out_.set_delta(delta_);
+  out_.set_delta_choice(delta_choice_);
   out_.set_strategy(req_.options().strategy());
   if (req_.options().catch_up()) out_.set_seeded_from(src_group_);
   for (auto& o : outcomes_) {

@@ -24,6 +24,7 @@
 
 #include "common/status.h"
 #include "daemon/coordinator/cluster.h"
+#include "daemon/coordinator/delta_choice.h"
 #include "daemon/coordinator/progress.h"
 #include "daemon/coordinator/relay.h"
 #include "daemon/coordinator/repeat_cache.h"
@@ -164,6 +165,8 @@ class SyncCoordinator {
     // unless `full_gather` (an attempt that skipped it was refused).
     RepeatCache* repeats = nullptr;
     bool full_gather = false;
+    // What DELTA_AUTO runs, from the delta and dense syncs measured so far (delta_choice.h).
+    DeltaChoices* delta_choices = nullptr;
     // The fences of the earlier attempts of this Sync call (PrepareRequest.supersedes).
     std::vector<uint64_t> earlier_fences{};
     // Folds refused in a row before this attempt (RepeatView::fold_refusals), kept with its view.
@@ -400,6 +403,7 @@ class SyncCoordinator {
   AtomicSyncCounters moved_;             // every daemon's waves, as their Execute responses report them
   uint64_t wire_bytes_ = 0;              // every node's bytes sent, once every wave is done
   v1::DeltaMode delta_ = v1::DELTA_OFF;  // the mode it runs in (a periodic refresh: DELTA_DENSE)
+  std::string delta_choice_;             // asked DELTA_AUTO, runs DELTA_DENSE: why
   v1::SyncResponse out_;
 };
 

@@ -1,5 +1,7 @@
 // A sync's plan and prepare: the plan from the gathered layouts, each daemon's Prepare (folded into
 // the first Execute of a repeated sync), the node directories and the split amaxes they return.
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <map>
 #include <optional>
@@ -81,7 +83,7 @@ v1::PrepareRequest SyncCoordinator::prepareRequest() const {
   for (const uint64_t earlier : ctx_.earlier_fences) p.add_supersedes(earlier);
   p.set_staging_bytes(static_cast<uint64_t>(ctx_.config.staging_mib) << 20);
   p.set_chunk_bytes(static_cast<uint64_t>(ctx_.config.chunk_bytes));
-  p.set_delta(delta_);
+  p.set_delta(delta_ == v1::DELTA_ALWAYS ? v1::DELTA_AUTO : delta_);  // what the daemons run
   p.set_strategy(req_.options().strategy());
   p.set_packed(packed_);
   return p;
@@ -152,8 +154,16 @@ void SyncCoordinator::fold(const v1::PrepareRequest& p) {
 Status SyncCoordinator::prepare() {
   delta_ = req_.options().delta();
   if (delta_ == v1::DELTA_AUTO && ctx_.config.delta_dense_every > 0 &&
-      version_ % static_cast<uint64_t>(ctx_.config.delta_dense_every) == 0)
+      version_ % static_cast<uint64_t>(ctx_.config.delta_dense_every) == 0) {
     delta_ = v1::DELTA_DENSE;  // the periodic refresh
+    delta_choice_ = strCat("version ", version_, " is a multiple of --delta-dense-every ",
+                           ctx_.config.delta_dense_every, ": a dense refresh");
+  } else if (delta_ == v1::DELTA_AUTO && ctx_.delta_choices) {  // deltas only where they measure faster
+    auto choice = ctx_.delta_choices->choose(req_.src_group(), req_.dst_group());
+    delta_ = choice.mode;
+    delta_choice_ = std::move(choice.why);
+    if (!delta_choice_.empty()) spdlog::info("sync {}: {}", id_, delta_choice_);
+  }
   const auto prepare_started = Clock::now();
   if (foldable()) route_ = Route::kFolded;
   lease_keeper_ = std::make_unique<LeaseKeeper>(*this);

@@ -55,12 +55,13 @@ Status SyncRunner::run(const v1::SyncRequest& req, const std::string& id, std::o
   while (true) {
     const uint64_t fence = newFence();
     SyncCoordinator coordinator({config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(),
-                                 caller_uid, cut, failed, &repeats_, full_gather, fences, fold_refusals, gone},
+                                 caller_uid, cut, failed, &repeats_, full_gather, &delta_choices_, fences, fold_refusals, gone},
                                 attempt, id, fence);
     fences.push_back(fence);
     auto done = coordinator.run();
     if (done.ok()) {
       *out = std::move(*done);
+      delta_choices_.record(req.src_group(), req.dst_group(), *out);
       out->set_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count());
       return absl::OkStatus();
     }

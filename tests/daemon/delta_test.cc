@@ -1,7 +1,7 @@
 // Delta chunks (daemon/engine/delta.h): the encoding rebuilds the new bytes exactly from the old ones, is
 // as small as its format says, refuses what does not fit; a peer's malformed delta is refused; the
 // bases a source keeps are bounded, belong to one attempt at a time, and count only once it
-// committed.
+// committed. What DELTA_AUTO runs, as delta and dense syncs measure (delta_choice.h).
 #include "daemon/engine/delta.h"
 
 #include <catch2/catch.hpp>
@@ -9,9 +9,11 @@
 #include <random>
 #include <vector>
 
+#include "daemon/coordinator/delta_choice.h"
 #include "daemon/engine/sync_attempt.h"
 
 using namespace shardcast::daemon;
+namespace v1 = shardcast::v1;
 
 namespace {
 
@@ -211,4 +213,76 @@ TEST_CASE("delta: empty deltas queued behind a full window are all announced onc
   ep->writes[1](absl::OkStatus());
   ep->writes.clear();  // as a transport does once it ran them (they hold the attempt)
   CHECK(a->writesPending() == 0);
+}
+
+namespace {
+
+// A committed sync's figures as DeltaChoices reads them: `seconds` executing `bytes` (dense, every
+// hop), some of its chunks as deltas or none.
+v1::SyncResponse measured(v1::DeltaMode mode, double seconds, uint64_t bytes, uint64_t delta_chunks) {
+  v1::SyncResponse r;
+  r.set_delta(mode);
+  r.set_execute_seconds(seconds);
+  r.set_network_bytes(bytes);
+  r.set_delta_chunks(delta_chunks);
+  r.set_dense_chunks(10);
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("delta choice: auto runs dense while delta syncs measure slower, and tries deltas again less often",
+          "[daemon][delta]") {
+  DeltaChoices c;
+  constexpr uint64_t kBytes = uint64_t{1} << 30;
+  // Nothing measured, or only one mode: deltas run (that is how they get measured).
+  CHECK(c.choose("t", "v").mode == v1::DELTA_AUTO);
+  c.record("t", "v", measured(v1::DELTA_AUTO, 1.0, kBytes, 0));  // the first sync: no bases, dense
+  CHECK(c.choose("t", "v").mode == v1::DELTA_AUTO);
+  c.record("t", "v", measured(v1::DELTA_AUTO, 1.6, kBytes, 40));  // deltas: 60% slower
+  // Now dense, with why; another pair of groups is measured on its own.
+  const auto dense = c.choose("t", "v");
+  CHECK(dense.mode == v1::DELTA_DENSE);
+  CHECK_THAT(dense.why, Catch::Contains("delta syncs of \"t\" -> \"v\" measured slower than dense") &&
+                            Catch::Contains("0.67 GB/s against 1.07 GB/s"));
+  CHECK(c.choose("t", "other").mode == v1::DELTA_AUTO);
+  // Deltas are tried again after kProbeEvery dense syncs, then after twice as many, ...
+  int probes = 0, first = -1, second = -1;
+  for (int i = 0; i < 1 + DeltaChoices::kProbeEvery + 2 * DeltaChoices::kProbeEvery + 1; ++i) {
+    const auto choice = c.choose("t", "v");
+    if (choice.mode == v1::DELTA_AUTO) {
+      (probes++ == 0 ? first : second) = i;
+      c.record("t", "v", measured(v1::DELTA_AUTO, 1.6, kBytes, 40));  // still slower
+    } else {
+      c.record("t", "v", measured(v1::DELTA_DENSE, 1.0, kBytes, 0));
+    }
+  }
+  CHECK(first == DeltaChoices::kProbeEvery - 1);  // 1 dense sync was chosen above already
+  CHECK(second == first + 2 * DeltaChoices::kProbeEvery + 1);
+  // ... until they measure faster: then they run, and a loss is tried again after kProbeEvery.
+  for (int i = 0; i < 100 && c.choose("t", "v").mode == v1::DELTA_DENSE; ++i) {
+  }
+  c.record("t", "v", measured(v1::DELTA_AUTO, 0.2, kBytes, 40));
+  c.record("t", "v", measured(v1::DELTA_AUTO, 0.2, kBytes, 40));
+  for (int i = 0; i < 3; ++i) CHECK(c.choose("t", "v").mode == v1::DELTA_AUTO);
+}
+
+TEST_CASE("delta choice: small syncs, noise within the margin, off and always syncs are not decided against",
+          "[daemon][delta]") {
+  DeltaChoices c;
+  // Below kMinMeasuredBytes the fixed costs dominate: not measured, deltas kept.
+  c.record("t", "v", measured(v1::DELTA_AUTO, 0.010, 1 << 20, 0));
+  c.record("t", "v", measured(v1::DELTA_AUTO, 0.050, 1 << 20, 4));
+  CHECK(c.choose("t", "v").mode == v1::DELTA_AUTO);
+  // Within the margin: deltas kept.
+  constexpr uint64_t kBytes = DeltaChoices::kMinMeasuredBytes;
+  c.record("t", "v", measured(v1::DELTA_DENSE, 1.0, kBytes, 0));
+  c.record("t", "v", measured(v1::DELTA_AUTO, 1.0 + DeltaChoices::kMargin / 2, kBytes, 4));
+  CHECK(c.choose("t", "v").mode == v1::DELTA_AUTO);
+  // Syncs without bases (off) or unmeasured ones (always) are no samples.
+  DeltaChoices d;
+  d.record("t", "v", measured(v1::DELTA_OFF, 0.1, kBytes, 0));
+  d.record("t", "v", measured(v1::DELTA_ALWAYS, 9.0, kBytes, 4));
+  d.record("t", "v", measured(v1::DELTA_AUTO, 1.0, kBytes, 0));
+  CHECK(d.choose("t", "v").mode == v1::DELTA_AUTO);
 }

@@ -687,9 +687,10 @@ class Client:
         (or raises ShardcastError, and no rank has it). `progress` is called with each update.
 
         `delta`: "off" (dense), "auto" (only the elements that changed, to nodes that hold the bytes
-        this source last sent them; dense to the others, in the same sync: see docs/delta.md) or
-        "dense" (dense, keeping the bases for later deltas). The response's wire_bytes,
-        delta_chunks and dense_chunks say what happened.
+        this source last sent them; dense to the others, in the same sync; the whole sync dense while
+        delta syncs of these groups measure slower than dense ones: see docs/delta.md), "always"
+        (as "auto", faster or not) or "dense" (dense, keeping the bases for later deltas). The
+        response's wire_bytes, delta_chunks, dense_chunks and delta_choice say what happened.
 
         `strategy`: "planned" (Shardcast's plan) or a baseline it is measured against, run by the same
         daemons, dense: "rank-pull" (every destination rank gets its own slices straight from source
@@ -711,7 +712,8 @@ class Client:
         what = f'sync "{src}" -> "{dst}" version {version}'
         self._check_open(what)
         self._check_session(src, dst)
-        modes = {"off": service_pb2.DELTA_OFF, "auto": service_pb2.DELTA_AUTO, "dense": service_pb2.DELTA_DENSE}
+        modes = {"off": service_pb2.DELTA_OFF, "auto": service_pb2.DELTA_AUTO, "always": service_pb2.DELTA_ALWAYS,
+                 "dense": service_pb2.DELTA_DENSE}
         if delta not in modes:
             raise ValueError(f'delta must be one of {", ".join(modes)}, not {delta!r}')
         strategy_value = _strategy(strategy)

@@ -191,15 +191,18 @@ def test_delta_dense_every_refreshes_the_bases():
             src = c0.register("trainer", 0, 1, source_tensors(4), src_layout("n0"), role="source", version=1)
             dst = [c1.register("vllm", 0, 1, destination_tensors(1), dst_layout(["n1"]))]
             modes = []
-            for v in range(1, 6):
+            for v in range(1, 7):
                 if v > 1:
                     step(src, v, 0.02, seed=30 + v)
-                r = c0.sync("trainer", "vllm", v, delta="auto")
+                # "always": deltas whatever the daemon measured (never a refresh either).
+                r = c0.sync("trainer", "vllm", v, delta="always" if v == 6 else "auto")
                 modes.append((r.delta, r.delta_chunks > 0))
+                # Why an "auto" sync ran dense: the refresh (these syncs are too small to be measured).
+                assert ("version 3 is a multiple of --delta-dense-every 3" in r.delta_choice) == (v == 3), r.delta_choice
                 check_all(src, dst, 1)
             assert modes == [(service_pb2.DELTA_AUTO, False), (service_pb2.DELTA_AUTO, True),
                              (service_pb2.DELTA_DENSE, False), (service_pb2.DELTA_AUTO, True),
-                             (service_pb2.DELTA_AUTO, True)]
+                             (service_pb2.DELTA_AUTO, True), (service_pb2.DELTA_ALWAYS, True)]
             for reg in dst:
                 reg.close()
             src.close()
