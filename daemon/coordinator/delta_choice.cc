@@ -35,10 +35,11 @@ DeltaChoices::Choice DeltaChoices::choose(const std::string& src, const std::str
     return {};
   }
   ++p.dense_runs;
-  return {v1::DELTA_DENSE,
-          strCat("delta syncs of ", quote(src), " -> ", quote(dst), " measured slower than dense (", gbps(*p.delta),
-                 " against ", gbps(*p.dense), " of the weights' bytes, while executing): dense, bases kept; deltas "
-                 "tried again in ", p.probe_every - p.dense_runs + 1, " syncs")};
+  return {v1::DELTA_DENSE, strCat("delta syncs of ", quote(src), " -> ", quote(dst), " measured slower than dense (",
+                                  gbps(*p.delta), " against ", gbps(*p.dense),
+                                  " of the weights' bytes, while executing): dense, bases kept; deltas "
+                                  "tried again in ",
+                                  p.probe_every - p.dense_runs + 1, " syncs")};
 }
 
 void DeltaChoices::record(const std::string& src, const std::string& dst, const v1::SyncResponse& done) {

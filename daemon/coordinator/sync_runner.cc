@@ -54,9 +54,10 @@ Status SyncRunner::run(const v1::SyncRequest& req, const std::string& id, std::o
   std::vector<uint64_t> fences;  // of this call's attempts so far
   while (true) {
     const uint64_t fence = newFence();
-    SyncCoordinator coordinator({config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(),
-                                 caller_uid, cut, failed, &repeats_, full_gather, &delta_choices_, fences, fold_refusals, gone},
-                                attempt, id, fence);
+    SyncCoordinator coordinator(
+        {config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(), caller_uid, cut, failed,
+         &repeats_, full_gather, &delta_choices_, fences, fold_refusals, gone},
+        attempt, id, fence);
     fences.push_back(fence);
     auto done = coordinator.run();
     if (done.ok()) {

@@ -14,8 +14,8 @@ StatusOr<planner::Strategy> strategyOf(int strategy, v1::DeltaMode delta) {
                                              " is not one of STRATEGY_PLANNED, "
                                              "STRATEGY_RANK_PULL, STRATEGY_GATHER_BROADCAST"));
   if (!v1::DeltaMode_IsValid(delta))
-    return absl::InvalidArgumentError(
-        strCat("delta mode ", static_cast<int>(delta), " is not one of DELTA_OFF, DELTA_AUTO, DELTA_DENSE, DELTA_ALWAYS"));
+    return absl::InvalidArgumentError(strCat("delta mode ", static_cast<int>(delta),
+                                             " is not one of DELTA_OFF, DELTA_AUTO, DELTA_DENSE, DELTA_ALWAYS"));
   if (strategy == v1::STRATEGY_PLANNED) return planner::Strategy::kPlanned;
   if (delta != v1::DELTA_OFF)
     return absl::InvalidArgumentError(strCat("sync strategy ", v1::SyncStrategy_Name(strategy),
