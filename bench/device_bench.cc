@@ -61,6 +61,64 @@ double bestSeconds(int iters, transport::CopyEngine& engine, Fn&& fn) {
   return best;
 }
 
+// Deltas on the GPU (transport/cuda/delta_kernels.h), chunk by chunk as a sync runs them: two
+// versions of `bytes` of bf16 at `a` with 1% of the elements apart, each encoded against the other
+// (the base, which becomes it), applied to the other, and tree-hashed. GB/s of the dense chunk;
+// issue 51 asks for a delta sync of device memory at most half a dense one.
+void deltaFigures(transport::CopyEngine& engine, std::byte* a, size_t bytes, double d2d_gbps) {
+  const size_t chunk = std::min<size_t>(bytes, size_t{64} << 20), unit = 2;
+  const size_t chunks = bytes / chunk, span = chunks * chunk;
+  std::vector<std::byte> host(span);
+  must(testing::copyFromDevice(host.data(), a, span), "read back");
+  auto other = must(testing::allocateDevice(span, 0), "device buffer");
+  auto base = must(testing::allocateDevice(span, 0), "device buffer");
+  auto* b = static_cast<std::byte*>(other->data());
+  for (size_t u = 0; u < span / unit; u += 100) host[u * unit] ^= std::byte{1};  // 1% of the elements
+  must(testing::copyToDevice(b, host.data(), span), "fill");
+  must(testing::copyToDevice(base->data(), host.data(), span), "fill");
+  auto* into = static_cast<std::byte*>(base->data());
+  std::vector<std::byte> out(chunk);
+  std::vector<std::vector<std::byte>> deltas[2];  // per chunk: a against b, b against a
+  size_t delta_bytes = 0;
+  int turn = 0;
+  auto encodeAll = [&](bool keep) {
+    const std::byte* now = turn % 2 == 0 ? a : b;  // the base holds the other version
+    for (size_t c = 0; c < chunks; ++c) {
+      uint64_t hash = 0;
+      const auto size =
+          must(engine.encodeDelta(now + c * chunk, into + c * chunk, chunk, unit, out.data(), chunk * 3 / 4, &hash),
+               "delta encode");
+      if (!size) fail("delta encode: 1% of the elements did not fit in 3/4 of the chunk");
+      if (keep) deltas[turn % 2].emplace_back(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(*size));
+      delta_bytes = *size;
+    }
+    ++turn;
+  };
+  encodeAll(true);  // a against b, and b against a: the deltas applied below
+  encodeAll(true);
+  const int iters = 6;
+  const double encode = bestSeconds(iters, engine, [&] { encodeAll(false); });
+  // The base holds a or b after an even or odd number of encodes: apply what turns it into the other.
+  const double apply = bestSeconds(iters, engine, [&] {
+    const auto& d = deltas[turn % 2];
+    for (size_t c = 0; c < chunks; ++c)
+      must(engine.applyDelta(into + c * chunk, chunk, unit, d[c].data(), d[c].size()), "delta apply");
+    ++turn;
+  });
+  const double hash = bestSeconds(iters, engine, [&] {
+    for (size_t c = 0; c < chunks; ++c) must(engine.treeHashOf(a + c * chunk, chunk), "tree hash");
+  });
+  const double gb = static_cast<double>(span) / 1e9;
+  fmt::print("== deltas on the GPU: {} chunk(s) of {} MiB bf16, 1% of the elements changed ({} B delta per chunk)\n",
+             chunks, chunk >> 20, delta_bytes);
+  fmt::print("RESULT delta encode_gbps {:.1f} apply_gbps {:.1f} hash_gbps {:.1f} d2d_gbps {:.1f}\n", gb / encode,
+             gb / apply, gb / hash, d2d_gbps);
+  fmt::print(
+      "   (GB/s of the dense chunks; encode: summaries, leaf hashes, placement on the host, records, the\n"
+      "    delta copied out; apply: parsed on the host, scattered and hashed on the GPU; best of {})\n",
+      iters);
+}
+
 void copyFigures(int64_t mib) {
   auto engine = must(transport::makeCudaCopyEngine(0), "CUDA copy engine");
   // bf16 [rows, 8192]; a TP=4 column slice is rows x 2048 (4 KiB runs).
@@ -127,6 +185,7 @@ void copyFigures(int64_t mib) {
   fmt::print("RESULT fp8 quantise_gbps {:.1f} scales_gbps {:.1f} d2d_gbps {:.1f} ms_per_2gib {:.2f}\n", gb / quantise,
              gb / scaling, gb / d2d, quantise / gb * 2.147 * 1e3);
   fmt::print("   (GB/s of bf16 input; the fp8 values and the scales are two launches, as a sync runs them)\n");
+  deltaFigures(*engine, static_cast<std::byte*>(dense->data()), slice_bytes, gb / d2d);
 }
 
 struct DeviceRank {

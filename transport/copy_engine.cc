@@ -11,6 +11,19 @@ Status CopyEngine::quantizeFp8(const StridedView&, const StridedView&, const Fp8
   return absl::UnimplementedError(strCat("the ", name(), " copy engine does not quantise fp8"));
 }
 
+StatusOr<std::optional<size_t>> CopyEngine::encodeDelta(const std::byte*, std::byte*, size_t, size_t, std::byte*,
+                                                        size_t, uint64_t*) {
+  return absl::UnimplementedError(strCat("the ", name(), " copy engine does not encode deltas"));
+}
+
+StatusOr<uint64_t> CopyEngine::applyDelta(std::byte*, size_t, size_t, const std::byte*, size_t) {
+  return absl::UnimplementedError(strCat("the ", name(), " copy engine does not apply deltas"));
+}
+
+StatusOr<uint64_t> CopyEngine::treeHashOf(const std::byte*, size_t) {
+  return absl::UnimplementedError(strCat("the ", name(), " copy engine does not hash"));
+}
+
 std::vector<int64_t> denseStrides(const std::vector<int64_t>& extent) {
   std::vector<int64_t> s(extent.size());
   int64_t acc = 1;

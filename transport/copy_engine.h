@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "common/status.h"
@@ -54,6 +55,21 @@ class CopyEngine {
   // GPU, into `dst` (its offset and strides: the box's output; any memory), in stream order.
   // UNIMPLEMENTED for engines without the kernel.
   virtual Status quantizeFp8(const StridedView& dst, const StridedView& src, const Fp8QuantizeBox& box);
+
+  // Delta chunks of device memory, on this engine's GPU (transport/cuda/delta_kernels.h); each
+  // waits for its work. UNIMPLEMENTED for engines without the kernels.
+  // Encodes `now` against `base` (`bytes` each, on this GPU; units of `unit` bytes) into `out`
+  // (host memory with room for `cap` bytes) and writes `now` into `base` either way. The delta's
+  // size, or nullopt when it needs more than `cap` (then `out` is undefined: send `now` dense);
+  // `*hash`: the tree hash of `now` (delta_plan.h's treeHash).
+  virtual StatusOr<std::optional<size_t>> encodeDelta(const std::byte* now, std::byte* base, size_t bytes, size_t unit,
+                                                      std::byte* out, size_t cap, uint64_t* hash);
+  // Applies `delta` (host memory, a peer's: parsed and bounded first, INVALID_ARGUMENT when
+  // malformed) to `chunk` (`bytes` on this GPU). Returns the tree hash of the result.
+  virtual StatusOr<uint64_t> applyDelta(std::byte* chunk, size_t bytes, size_t unit, const std::byte* delta,
+                                        size_t delta_bytes);
+  // The tree hash of `bytes` at `data` on this GPU.
+  virtual StatusOr<uint64_t> treeHashOf(const std::byte* data, size_t bytes);
 };
 
 // memcpy between host regions.

@@ -21,6 +21,7 @@
 
 #include "common/status.h"
 #include "transport/copy_engine.h"
+#include "transport/cuda/delta_plan.h"
 #include "transport/cuda/fp8_quantize_plan.h"
 #include "transport/cuda/strided_copy_plan.h"
 
@@ -43,6 +44,15 @@ class DeviceStream {
     (void)plan, (void)dst, (void)src;
     return absl::UnimplementedError(name() + ": the fp8 quantisation kernel was not built");
   }
+  // The delta kernels (cuda/delta_kernels.h), every pointer on this stream's GPU; UNIMPLEMENTED
+  // where they were not built. `out_bytes` and `chunk_bytes`: what the kernel writes (for the
+  // emulated GPUs' hazard checks).
+  virtual Status deltaTiles(const DeltaPlan& plan, const std::byte* now, const std::byte* base, DeltaTile* tiles);
+  virtual Status deltaWrite(const DeltaPlan& plan, const std::byte* now, std::byte* base, const DeltaTilePlace* places,
+                            std::byte* out, int64_t out_bytes);
+  virtual Status deltaScatter(int32_t unit, std::byte* chunk, int64_t chunk_bytes, const int64_t* units,
+                              const std::byte* values, int64_t count);
+  virtual Status hashLeaves(const std::byte* data, int64_t bytes, uint64_t* leaves);
   virtual Status copy(void* dst, const void* src, size_t n) = 0;
   // Device memory of at least n bytes for work issued from now on; valid until the next call
   // (memory it replaces is released in stream order, after the work already issued on it).

@@ -13,6 +13,7 @@
 #include <functional>
 
 #include "common/strings.h"
+#include "transport/cuda/delta_kernels.h"
 #include "transport/cuda/fp8_quantize.h"
 #include "transport/cuda/strided_copy.h"
 #include "transport/shm.h"
@@ -55,6 +56,46 @@ class EmulatedGpus::Stream final : public DeviceStream {
     f.reads.emplace_back(address(src + s0), address(src + s1));
     issue([plan, dst, src] { emulateFp8Quantize(plan, dst, src); }, &Counts::launches, std::move(f),
           strCat("an fp8 quantisation kernel (", plan.blocks, " blocks)"));
+    return absl::OkStatus();
+  }
+  Status deltaTiles(const DeltaPlan& plan, const std::byte* now, const std::byte* base, DeltaTile* tiles) override {
+    if (!kernels_) return DeviceStream::deltaTiles(plan, now, base, tiles);
+    const int64_t bytes = plan.units * plan.unit;
+    Footprint f;
+    f.reads = {{address(now), address(now + bytes)}, {address(base), address(base + bytes)}};
+    f.writes = {{address(tiles), address(tiles + plan.tiles())}};
+    issue([plan, now, base, tiles] { emulateDeltaTiles(plan, now, base, tiles); }, &Counts::launches, std::move(f),
+          strCat("a delta summary kernel (", plan.tiles(), " tiles)"));
+    return absl::OkStatus();
+  }
+  Status deltaWrite(const DeltaPlan& plan, const std::byte* now, std::byte* base, const DeltaTilePlace* places,
+                    std::byte* out, int64_t out_bytes) override {
+    if (!kernels_) return DeviceStream::deltaWrite(plan, now, base, places, out, out_bytes);
+    const int64_t bytes = plan.units * plan.unit;
+    Footprint f;
+    f.reads = {{address(now), address(now + bytes)}, {address(places), address(places + plan.tiles())}};
+    f.writes = {{address(base), address(base + bytes)}, {address(out), address(out + out_bytes)}};
+    issue([plan, now, base, places, out] { emulateDeltaWrite(plan, now, base, places, out); }, &Counts::launches,
+          std::move(f), strCat("a delta records kernel (", plan.tiles(), " tiles)"));
+    return absl::OkStatus();
+  }
+  Status deltaScatter(int32_t unit, std::byte* chunk, int64_t chunk_bytes, const int64_t* units,
+                      const std::byte* values, int64_t count) override {
+    if (!kernels_) return DeviceStream::deltaScatter(unit, chunk, chunk_bytes, units, values, count);
+    Footprint f;
+    f.reads = {{address(units), address(units + count)}, {address(values), address(values + count * unit)}};
+    f.writes = {{address(chunk), address(chunk + chunk_bytes)}};
+    issue([unit, chunk, units, values, count] { emulateDeltaScatter(unit, chunk, units, values, count); },
+          &Counts::launches, std::move(f), strCat("a delta scatter kernel (", count, " units)"));
+    return absl::OkStatus();
+  }
+  Status hashLeaves(const std::byte* data, int64_t bytes, uint64_t* leaves) override {
+    if (!kernels_) return DeviceStream::hashLeaves(data, bytes, leaves);
+    Footprint f;
+    f.reads = {{address(data), address(data + bytes)}};
+    f.writes = {{address(leaves), address(leaves + transport::hashLeaves(bytes))}};
+    issue([data, bytes, leaves] { emulateHashLeaves(data, bytes, leaves); }, &Counts::launches, std::move(f),
+          strCat("a leaf hash kernel (", bytes, " bytes)"));
     return absl::OkStatus();
   }
   Status copy(void* dst, const void* src, size_t n) override {

@@ -11,6 +11,7 @@
 
 #include "common/strings.h"
 #include "transport/copy_engine.h"
+#include "transport/cuda/delta_kernels.h"
 #include "transport/cuda/fp8_quantize.h"
 #include "transport/cuda/strided_copy.h"
 #include "transport/device_copy.h"
@@ -81,6 +82,24 @@ class CudaStream final : public DeviceStream {
       return absl::UnimplementedError("the fp8 quantisation kernel was not built (no nvcc at build time)");
     return cudaStatus("launch", static_cast<cudaError_t>(launched));
   }
+  Status deltaTiles(const DeltaPlan& plan, const std::byte* now, const std::byte* base, DeltaTile* tiles) override {
+    SC_RETURN_IF_ERROR(here());
+    return launched("delta summary", launchDeltaTilesKernel(plan, now, base, tiles, stream_));
+  }
+  Status deltaWrite(const DeltaPlan& plan, const std::byte* now, std::byte* base, const DeltaTilePlace* places,
+                    std::byte* out, int64_t) override {
+    SC_RETURN_IF_ERROR(here());
+    return launched("delta records", launchDeltaWriteKernel(plan, now, base, places, out, stream_));
+  }
+  Status deltaScatter(int32_t unit, std::byte* chunk, int64_t, const int64_t* units, const std::byte* values,
+                      int64_t count) override {
+    SC_RETURN_IF_ERROR(here());
+    return launched("delta scatter", launchDeltaScatterKernel(unit, chunk, units, values, count, stream_));
+  }
+  Status hashLeaves(const std::byte* data, int64_t bytes, uint64_t* leaves) override {
+    SC_RETURN_IF_ERROR(here());
+    return launched("leaf hash", launchHashLeavesKernel(data, bytes, leaves, stream_));
+  }
   Status copy(void* dst, const void* src, size_t n) override {
     SC_RETURN_IF_ERROR(here());
     return cudaStatus("cudaMemcpyAsync", cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, stream_));
@@ -137,6 +156,11 @@ class CudaStream final : public DeviceStream {
    private:
     cudaEvent_t e_;
   };
+  static Status launched(const char* kernel, int result) {
+    if (result == kStridedCopyNotBuilt)
+      return absl::UnimplementedError(strCat("the ", kernel, " kernel was not built (no nvcc at build time)"));
+    return cudaStatus(strCat(kernel, " kernel launch"), static_cast<cudaError_t>(result));
+  }
   Status here() const { return cudaStatus(strCat("cudaSetDevice(", device_, ")"), cudaSetDevice(device_)); }
 
   int device_;
