@@ -84,6 +84,9 @@ v1::PrepareRequest SyncCoordinator::prepareRequest() const {
   p.set_staging_bytes(static_cast<uint64_t>(ctx_.config.staging_mib) << 20);
   p.set_chunk_bytes(static_cast<uint64_t>(ctx_.config.chunk_bytes));
   p.set_delta(delta_ == v1::DELTA_ALWAYS ? v1::DELTA_AUTO : delta_);  // what the daemons run
+  const auto& daemons = cluster_->view.daemons();
+  p.set_delta_tree_hash(delta_ != v1::DELTA_OFF &&
+                        std::all_of(daemons.begin(), daemons.end(), [](const auto& d) { return d.delta_tree_hash(); }));
   p.set_strategy(req_.options().strategy());
   p.set_packed(packed_);
   return p;

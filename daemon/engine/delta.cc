@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "common/strings.h"
+#include "transport/cuda/delta_kernels.h"
 
 namespace shardcast::daemon {
 
@@ -40,21 +41,9 @@ std::optional<size_t> encodeDelta(const std::byte* now, std::byte* before, size_
 Status applyDelta(std::byte* base, size_t bytes, size_t unit, const std::byte* delta, size_t delta_bytes) {
   if (unit == 0 || bytes % unit != 0)
     return absl::InvalidArgumentError(strCat("delta: ", bytes, " bytes are not units of ", unit));
-  const size_t units = bytes / unit;
-  size_t u = 0, p = 0;
-  while (p < delta_bytes) {
-    const auto g = static_cast<uint8_t>(delta[p++]);
-    u += g;
-    if (u > units) return absl::InvalidArgumentError(strCat("delta: skips past unit ", units, " of the chunk"));
-    if (g == kDeltaSkip) continue;
-    if (u == units) return absl::InvalidArgumentError(strCat("delta: a value past unit ", units, " of the chunk"));
-    if (delta_bytes - p < unit)
-      return absl::InvalidArgumentError(strCat("delta: cut short at byte ", p, " of ", delta_bytes));
-    std::memcpy(base + u * unit, delta + p, unit);
-    p += unit;
-    ++u;
-  }
-  return absl::OkStatus();
+  return transport::forEachDeltaRecord(
+      delta, delta_bytes, static_cast<int64_t>(bytes / unit), static_cast<int32_t>(unit),
+      [&](int64_t u, const std::byte* value) { std::memcpy(base + static_cast<size_t>(u) * unit, value, unit); });
 }
 
 // ---- DeltaBases ----

@@ -23,10 +23,11 @@
 #include <vector>
 
 #include "common/status.h"
+#include "transport/cuda/delta_plan.h"
 
 namespace shardcast::daemon {
 
-inline constexpr uint8_t kDeltaSkip = 255;
+inline constexpr uint8_t kDeltaSkip = transport::kDeltaSkipByte;
 // A delta is sent when it is at most this fraction of the dense chunk: below, decoding it costs
 // the receiver more than the bytes it saves the link (it reads its ranks' memory and hashes).
 inline constexpr double kDeltaWorthFraction = 0.75;

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "common/strings.h"
+#include "transport/cuda/delta_plan.h"
 #include "transport/resident.h"
 
 namespace shardcast::daemon {
@@ -195,13 +196,13 @@ Status Execution::encodeChunk(int32_t t, int32_t k, std::byte* packed, uint64_t 
   const uint64_t n = word->bytes;
   DeltaBases::Base* base = a_->bases->find(t, k);
   if (target != 0 && base != nullptr && base->committed && base->fence == target && base->bytes.size() == n) {
-    const uint64_t result = checksum(packed, n);
+    const uint64_t result = a_->tree_hash ? transport::treeHash(packed, static_cast<int64_t>(n)) : checksum(packed, n);
     encoded_.resize(static_cast<size_t>(static_cast<double>(n) * kDeltaWorthFraction));
     base->fence = a_->fence;
     base->committed = false;
     if (auto size = encodeDelta(packed, base->bytes.data(), n, deltaUnit(t), encoded_.data(), encoded_.size())) {
       std::memcpy(packed, encoded_.data(), *size);
-      word->encoding = LandedChunk::kDelta;
+      word->encoding = a_->tree_hash ? LandedChunk::kDeltaTree : LandedChunk::kDelta;
       word->bytes = *size;
       word->result = result;
       return absl::OkStatus();
@@ -396,7 +397,7 @@ Status Execution::check(const LandedChunk& l) {
   if (landing == nullptr)
     return absl::InternalError(
         strCat("sync ", a_->id, ": transfer ", l.transfer, " landed on node \"", env_.node, "\" unplanned"));
-  const bool delta = l.encoding == LandedChunk::kDelta;
+  const bool delta = l.delta();
   if (l.encoding != LandedChunk::kDense && !delta) return bad(strCat("an unknown encoding ", l.encoding));
   if (!delta && l.bytes != chunk.bytes) return bad(strCat("a dense chunk of ", l.bytes, " bytes, not ", chunk.bytes));
   if (delta && l.bytes > chunk.bytes) return bad(strCat("a delta of ", l.bytes, " bytes for a chunk of ", chunk.bytes));
@@ -412,7 +413,7 @@ StatusOr<Execution::Arrival> Execution::land(const LandedChunk& l) {
   Arrival at;
   at.chunk = &ts.chunks[static_cast<size_t>(l.chunk)];
   at.landing = ts.landingOn(self_);
-  at.delta = l.encoding == LandedChunk::kDelta;
+  at.delta = l.delta();
   at.region = a_->arena;
   at.region_offset = at.landing->arena_offset;
   if (a_->arena) at.memory.data = static_cast<std::byte*>(a_->arena->data()) + at.landing->arena_offset;
@@ -558,7 +559,10 @@ Status Execution::decode(const LandedChunk& l, const std::byte* delta, const std
   if (auto st = applyDelta(decoded_.data(), chunk.bytes, deltaUnit(l.transfer), delta, l.bytes); !st.ok())
     return absl::InvalidArgumentError(strCat("sync ", a_->id, " on node \"", env_.node, "\": chunk ", l.chunk,
                                              " of transfer ", l.transfer, ": ", st.message()));
-  if (checksum(decoded_.data(), decoded_.size()) == l.result) return absl::OkStatus();
+  const uint64_t rebuilt = l.encoding == LandedChunk::kDeltaTree
+                               ? transport::treeHash(decoded_.data(), static_cast<int64_t>(decoded_.size()))
+                               : checksum(decoded_.data(), decoded_.size());
+  if (rebuilt == l.result) return absl::OkStatus();
   std::set<int32_t> ranks;
   for (const auto& p : pieces) ranks.insert(p.rank);
   std::string names;

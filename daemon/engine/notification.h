@@ -28,12 +28,16 @@ struct LandedChunk {
   int32_t chain = 0;  // the plan's chain index (not relative to the transfer)
   int32_t hop = 0;    // position of the receiving node in that chain
   int32_t chunk = 0;
-  int32_t encoding = 0;   // kDense, or kDelta (daemon/engine/delta.h)
+  int32_t encoding = 0;   // kDense, kDelta or kDeltaTree (daemon/engine/delta.h)
   uint64_t checksum = 0;  // xxHash64 of the bytes written, or 0 without verify
   uint64_t bytes = 0;     // written: the chunk's size when dense, the delta's when not
-  uint64_t result = 0;    // delta: xxHash64 of the chunk it decodes to (always checked)
+  // A delta: the hash of the chunk it decodes to (always checked): xxHash64 (kDelta) or the tree
+  // hash (kDeltaTree, transport/cuda/delta_plan.h), which a GPU computes of device memory.
+  uint64_t result = 0;
   static constexpr int32_t kDense = 0;
   static constexpr int32_t kDelta = 1;
+  static constexpr int32_t kDeltaTree = 2;
+  bool delta() const { return encoding == kDelta || encoding == kDeltaTree; }
 };
 
 struct Notification {

@@ -111,6 +111,7 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   // took them (a delta may land here only on that base); the bases of the chunks this node packs
   // (null: none kept, every chunk it packs dense).
   v1::DeltaMode delta = v1::DELTA_OFF;
+  bool tree_hash = false;  // delta chunks checked by tree hash (PrepareRequest.delta_tree_hash)
   Registry::Base base;
   std::shared_ptr<DeltaBases::Plan> bases;
   // Where transfers land here (not directly); moved out only by takeMemory().

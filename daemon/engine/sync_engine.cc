@@ -211,6 +211,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   a->fence = req.fence() ? req.fence() : (XXH64(a->id.data(), a->id.size(), 0) | 1);
   a->key = write_key;
   a->delta = req.delta();
+  a->tree_hash = req.delta_tree_hash();
   // One attempt per id at a time here, and never one its coordinator already gave up (a Prepare
   // that arrives after the Finish that gave it up).
   SC_RETURN_IF_ERROR(attempts_.begin(a));

@@ -504,6 +504,7 @@ v1::DescribeResponse Registry::describe() const {
   d.set_transport_address(transport_.address());
   d.set_instance(instance_);
   d.set_relays_call_parts(true);  // (relay.cc: this build's relays do)
+  d.set_delta_tree_hash(true);    // (execution.cc: this build's decode checks both hashes)
   const bool host_safe = hostSafe();
   std::lock_guard<std::mutex> lock(mu_);
   d.set_generation(generation_);  // of exactly what follows

@@ -81,8 +81,8 @@ void compareEncoding(Gpu& gpu, const Pair& p, size_t unit, size_t cap) {
 void everyEncoding(Gpu& gpu) {
   std::mt19937_64 rng(51);
   for (const size_t unit : {1, 2, 4, 8})
-    for (const int64_t units : {int64_t{1}, int64_t{17}, kDeltaTileUnits - 1, kDeltaTileUnits,
-                                3 * kDeltaTileUnits + 17, int64_t{70001}})
+    for (const int64_t units :
+         {int64_t{1}, int64_t{17}, kDeltaTileUnits - 1, kDeltaTileUnits, 3 * kDeltaTileUnits + 17, int64_t{70001}})
       for (const double density : {0.0, 0.0001, 0.003, 0.05, 0.4, 1.0}) {
         INFO("unit " << unit << ", " << units << " units, density " << density);
         const Pair p = versions(units, unit, density, rng);
@@ -100,8 +100,8 @@ void everyEncoding(Gpu& gpu) {
   // Caps: just enough, one byte short, nothing changed into no room.
   Pair p = versions(2 * kDeltaTileUnits, 2, 0.01, rng);
   std::vector<std::byte> scratch_base = p.before, scratch_out(p.now.size());
-  const size_t exact = *encodeDelta(p.now.data(), scratch_base.data(), p.now.size(), 2, scratch_out.data(),
-                                    scratch_out.size());
+  const size_t exact =
+      *encodeDelta(p.now.data(), scratch_base.data(), p.now.size(), 2, scratch_out.data(), scratch_out.size());
   compareEncoding(gpu, p, 2, exact);
   compareEncoding(gpu, p, 2, exact - 1);
   const Pair same = versions(100, 4, 0.0, rng);
@@ -133,7 +133,7 @@ void everyApply(Gpu& gpu) {
   gpu.upload(chunk, p.before.data(), p.before.size());
   const std::vector<std::vector<std::byte>> bad{
       {std::byte{255}, std::byte{255}, std::byte{255}, std::byte{255}},  // skips past the chunk
-      {std::byte{3}, std::byte{1}, std::byte{2}, std::byte{7}},           // cut short
+      {std::byte{3}, std::byte{1}, std::byte{2}, std::byte{7}},          // cut short
   };
   for (const auto& d : bad) {
     auto hash = gpu.engine->applyDelta(chunk, p.before.size(), 2, d.data(), d.size());
@@ -161,9 +161,8 @@ TEST_CASE("tree hash: xxHash64 as the reference computes it, and leaves in chain
     for (size_t n = 0; n < 300; ++n)
       REQUIRE(xxHash64(data.data() + at, static_cast<int64_t>(n), at * 77) == XXH64(data.data() + at, n, at * 77));
   CHECK(xxHash64(data.data(), static_cast<int64_t>(data.size()), 5) == XXH64(data.data(), data.size(), 5));
-  for (const int64_t n : {int64_t{0}, int64_t{1}, kHashLeafBytes, kHashLeafBytes + 1,
-                          kHashChainLeaves * kHashLeafBytes, (kHashChainLeaves + 1) * kHashLeafBytes + 5,
-                          static_cast<int64_t>(data.size())}) {
+  for (const int64_t n : {int64_t{0}, int64_t{1}, kHashLeafBytes, kHashLeafBytes + 1, kHashChainLeaves * kHashLeafBytes,
+                          (kHashChainLeaves + 1) * kHashLeafBytes + 5, static_cast<int64_t>(data.size())}) {
     std::vector<uint64_t> leaves(static_cast<size_t>(hashLeaves(n)));
     emulateHashLeaves(data.data(), n, leaves.data());
     CHECK(treeHash(data.data(), n) == treeHashOfLeaves(leaves.data(), static_cast<int64_t>(leaves.size()), n));

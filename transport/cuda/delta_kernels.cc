@@ -5,8 +5,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include "common/strings.h"
-
 namespace shardcast::transport {
 
 namespace {
@@ -52,7 +50,8 @@ void emulateDeltaWrite(const DeltaPlan& plan, const std::byte* now, std::byte* b
 }
 
 void emulateDeltaScatter(int32_t unit, std::byte* chunk, const int64_t* units, const std::byte* values, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) std::memcpy(chunk + units[i] * unit, values + i * unit, static_cast<size_t>(unit));
+  for (int64_t i = 0; i < count; ++i)
+    std::memcpy(chunk + units[i] * unit, values + i * unit, static_cast<size_t>(unit));
 }
 
 void emulateHashLeaves(const std::byte* data, int64_t bytes, uint64_t* leaves) {
@@ -63,22 +62,10 @@ Status parseDelta(const std::byte* delta, size_t delta_bytes, int64_t units, int
                   std::vector<int64_t>* changed, std::vector<std::byte>* values) {
   changed->clear();
   values->clear();
-  int64_t u = 0;
-  size_t p = 0;
-  while (p < delta_bytes) {
-    const auto g = static_cast<uint8_t>(delta[p++]);
-    u += g;
-    if (u > units) return absl::InvalidArgumentError(strCat("delta: skips past unit ", units, " of the chunk"));
-    if (g == kDeltaSkipByte) continue;
-    if (u == units) return absl::InvalidArgumentError(strCat("delta: a value past unit ", units, " of the chunk"));
-    if (delta_bytes - p < static_cast<size_t>(unit))
-      return absl::InvalidArgumentError(strCat("delta: cut short at byte ", p, " of ", delta_bytes));
+  return forEachDeltaRecord(delta, delta_bytes, units, unit, [&](int64_t u, const std::byte* value) {
     changed->push_back(u);
-    values->insert(values->end(), delta + p, delta + p + unit);
-    p += static_cast<size_t>(unit);
-    ++u;
-  }
-  return absl::OkStatus();
+    values->insert(values->end(), value, value + unit);
+  });
 }
 
 }  // namespace shardcast::transport

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/strings.h"
 #include "transport/cuda/delta_plan.h"
 
 namespace shardcast::transport {
@@ -35,8 +36,29 @@ void emulateDeltaWrite(const DeltaPlan& plan, const std::byte* now, std::byte* b
 void emulateDeltaScatter(int32_t unit, std::byte* chunk, const int64_t* units, const std::byte* values, int64_t count);
 void emulateHashLeaves(const std::byte* data, int64_t bytes, uint64_t* leaves);
 
-// A delta from a peer (untrusted) read into the units it changes and their values, in order:
-// INVALID_ARGUMENT when a record points past the chunk's `units` units or is cut short.
+// Walks a delta from a peer (untrusted): fn(u, value) for every changed unit u (< `units`) and its
+// `unit` bytes, in order. INVALID_ARGUMENT when a record points past the chunk or is cut short
+// (fn has then been called for the records before it).
+template <typename Fn>
+Status forEachDeltaRecord(const std::byte* delta, size_t delta_bytes, int64_t units, int32_t unit, Fn&& fn) {
+  int64_t u = 0;
+  size_t p = 0;
+  while (p < delta_bytes) {
+    const auto g = static_cast<uint8_t>(delta[p++]);
+    u += g;
+    if (u > units) return absl::InvalidArgumentError(strCat("delta: skips past unit ", units, " of the chunk"));
+    if (g == kDeltaSkipByte) continue;
+    if (u == units) return absl::InvalidArgumentError(strCat("delta: a value past unit ", units, " of the chunk"));
+    if (delta_bytes - p < static_cast<size_t>(unit))
+      return absl::InvalidArgumentError(strCat("delta: cut short at byte ", p, " of ", delta_bytes));
+    fn(u, delta + p);
+    p += static_cast<size_t>(unit);
+    ++u;
+  }
+  return absl::OkStatus();
+}
+
+// The units a delta changes and their values, in order (forEachDeltaRecord's checks).
 Status parseDelta(const std::byte* delta, size_t delta_bytes, int64_t units, int32_t unit,
                   std::vector<int64_t>* changed, std::vector<std::byte>* values);
 

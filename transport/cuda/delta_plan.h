@@ -50,9 +50,7 @@ struct DeltaTilePlace {
 };
 
 // The bytes of a record `gap` unchanged units after the previous one.
-SC_HOST_DEVICE inline int64_t deltaRecordBytes(int64_t gap, int32_t unit) {
-  return gap / kDeltaSkipByte + 1 + unit;
-}
+SC_HOST_DEVICE inline int64_t deltaRecordBytes(int64_t gap, int32_t unit) { return gap / kDeltaSkipByte + 1 + unit; }
 
 SC_HOST_DEVICE inline bool deltaUnitChanged(const std::byte* now, const std::byte* base, int64_t u, int32_t unit) {
   for (int32_t b = 0; b < unit; ++b)
@@ -139,7 +137,9 @@ SC_HOST_DEVICE inline uint64_t xxRead64(const std::byte* p) {
 SC_HOST_DEVICE inline uint64_t xxRound(uint64_t acc, uint64_t input) {
   return xxRotl(acc + input * kXxPrime2, 31) * kXxPrime1;
 }
-SC_HOST_DEVICE inline uint64_t xxMerge(uint64_t acc, uint64_t v) { return (acc ^ xxRound(0, v)) * kXxPrime1 + kXxPrime4; }
+SC_HOST_DEVICE inline uint64_t xxMerge(uint64_t acc, uint64_t v) {
+  return (acc ^ xxRound(0, v)) * kXxPrime1 + kXxPrime4;
+}
 
 // xxHash64 of `n` bytes at `p` (byte loads: any alignment), equal to the reference XXH64.
 SC_HOST_DEVICE inline uint64_t xxHash64(const std::byte* p, int64_t n, uint64_t seed) {
