@@ -20,6 +20,9 @@ class Cuda final : public DeviceRuntime {
   }
   StatusOr<std::unique_ptr<CopyEngine>> makeEngine(int device) override { return makeCudaCopyEngine(device); }
   StatusOr<std::unique_ptr<HostPin>> pinHost(void* data, size_t size) override { return pinHostMemory(data, size); }
+  StatusOr<std::unique_ptr<DeviceMemory>> allocateDevice(int device, size_t size) override {
+    return allocateDeviceMemory(device, size);
+  }
 };
 
 }  // namespace

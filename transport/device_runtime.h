@@ -44,6 +44,8 @@ class DeviceRuntime {
   virtual StatusOr<std::unique_ptr<CopyEngine>> makeEngine(int device) = 0;
   // Host memory page-locked for the GPUs' copies while the returned object lives.
   virtual StatusOr<std::unique_ptr<HostPin>> pinHost(void* data, size_t size) = 0;
+  // `size` bytes of GPU `device`'s memory, freed with the returned object.
+  virtual StatusOr<std::unique_ptr<DeviceMemory>> allocateDevice(int device, size_t size) = 0;
 };
 
 DeviceRuntime& cudaRuntime();

@@ -322,6 +322,27 @@ StatusOr<std::unique_ptr<HostPin>> EmulatedGpus::pinHost(void*, size_t) {
   return std::make_unique<HostPin>();
 }
 
+StatusOr<std::unique_ptr<DeviceMemory>> EmulatedGpus::allocateDevice(int device, size_t size) {
+  if (device < 0 || device >= count_)
+    return absl::InvalidArgumentError(strCat("no emulated GPU ", device, " (", count_, " emulated)"));
+  class Allocation final : public DeviceMemory {
+   public:
+    Allocation(EmulatedGpus* gpus, size_t n, int device)
+        : gpus_(gpus), block_(std::make_unique<std::byte[]>(n)), n_(n) {
+      gpus_->addRange(block_.get(), n, device);
+    }
+    ~Allocation() override { gpus_->removeRange(block_.get()); }
+    std::byte* data() const override { return block_.get(); }
+    size_t size() const override { return n_; }
+
+   private:
+    EmulatedGpus* gpus_;
+    std::unique_ptr<std::byte[]> block_;
+    size_t n_;
+  };
+  return std::unique_ptr<DeviceMemory>(std::make_unique<Allocation>(this, std::max<size_t>(size, 1), device));
+}
+
 bool EmulatedGpus::onDevice(const void* p, int device) const {
   const auto* b = static_cast<const std::byte*>(p);
   std::lock_guard<std::mutex> lock(mu_);

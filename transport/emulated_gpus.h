@@ -62,6 +62,8 @@ class EmulatedGpus final : public DeviceRuntime {
                                                               int device) override;
   StatusOr<std::unique_ptr<CopyEngine>> makeEngine(int device) override;
   StatusOr<std::unique_ptr<HostPin>> pinHost(void* data, size_t size) override;
+  // Freed with the returned object (unlike allocate()'s, which live as long as this one).
+  StatusOr<std::unique_ptr<DeviceMemory>> allocateDevice(int device, size_t size) override;
 
  private:
   class Stream;

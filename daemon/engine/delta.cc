@@ -59,11 +59,38 @@ DeltaBases::Base* DeltaBases::Plan::make(int32_t transfer, int32_t chunk, size_t
   // Dropped while in use (its plan was evicted): nothing more is kept for it.
   if (auto it = owner_->plans_.find(key_); it == owner_->plans_.end() || it->second.get() != this) return nullptr;
   auto it = bases_.find({transfer, chunk});
-  const size_t had = it == bases_.end() ? 0 : it->second.bytes.size();
-  if (bytes > had && !owner_->makeRoom(bytes - had, this)) return nullptr;
+  const size_t had = it == bases_.end() || it->second.device ? 0 : it->second.bytes.size();
+  if (bytes > had && !owner_->makeRoom(bytes - had, 0, this)) return nullptr;
   Base& b = bases_[{transfer, chunk}];
-  owner_->bytes_ = owner_->bytes_ + bytes - had;
+  owner_->uncount(b);
+  b.device.reset();
+  b.gpu = -1;
   b.bytes.resize(bytes);
+  owner_->bytes_ += bytes;
+  b.fence = 0;
+  b.committed = false;
+  return &b;
+}
+
+DeltaBases::Base* DeltaBases::Plan::makeOnDevice(int32_t transfer, int32_t chunk, size_t bytes, int gpu,
+                                                 transport::DeviceRuntime& gpus) {
+  std::lock_guard<std::mutex> lock(owner_->mu_);
+  if (auto it = owner_->plans_.find(key_); it == owner_->plans_.end() || it->second.get() != this) return nullptr;
+  auto it = bases_.find({transfer, chunk});
+  if (it != bases_.end() && it->second.device && it->second.gpu == gpu && it->second.device->size() == bytes) {
+    it->second.fence = 0;  // the same memory, about to hold other bytes
+    it->second.committed = false;
+    return &it->second;
+  }
+  if (!owner_->makeRoom(0, bytes, this)) return nullptr;
+  auto memory = gpus.allocateDevice(gpu, bytes);
+  if (!memory.ok()) return nullptr;
+  Base& b = bases_[{transfer, chunk}];
+  owner_->uncount(b);
+  b.bytes = {};
+  b.device = std::move(*memory);
+  b.gpu = gpu;
+  owner_->device_bytes_ += bytes;
   b.fence = 0;
   b.committed = false;
   return &b;
@@ -103,7 +130,7 @@ void DeltaBases::drop(const std::string& key) {
   auto it = plans_.find(key);
   if (it == plans_.end()) return;
   // Not cleared: an attempt using them keeps them (and pointers into them) until it lets go.
-  for (const auto& [at, b] : it->second->bases_) bytes_ -= b.bytes.size();
+  for (const auto& [at, b] : it->second->bases_) uncount(b);
   plans_.erase(it);
   lru_.remove(key);
 }
@@ -113,20 +140,33 @@ uint64_t DeltaBases::bytes() const {
   return bytes_;
 }
 
-bool DeltaBases::makeRoom(uint64_t bytes, const Plan* keep) {
-  if (bytes > capacity_) return false;
-  for (auto it = lru_.rbegin(); it != lru_.rend() && bytes_ + bytes > capacity_;) {
+uint64_t DeltaBases::device_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return device_bytes_;
+}
+
+void DeltaBases::uncount(const Base& b) {
+  if (b.device)
+    device_bytes_ -= b.device->size();
+  else
+    bytes_ -= b.bytes.size();
+}
+
+bool DeltaBases::makeRoom(uint64_t bytes, uint64_t device, const Plan* keep) {
+  if (bytes > capacity_ || device > device_capacity_) return false;
+  const auto full = [&] { return bytes_ + bytes > capacity_ || device_bytes_ + device > device_capacity_; };
+  for (auto it = lru_.rbegin(); it != lru_.rend() && full();) {
     auto& p = plans_[*it];
     if (p.get() == keep || p->claimed_by_ != 0) {
       ++it;
       continue;
     }
     // Not cleared: a plan unclaimed here may still be held by an attempt that let go of it.
-    for (const auto& [at, b] : p->bases_) bytes_ -= b.bytes.size();
+    for (const auto& [at, b] : p->bases_) uncount(b);
     plans_.erase(*it);
     it = std::make_reverse_iterator(lru_.erase(std::next(it).base()));
   }
-  return bytes_ + bytes <= capacity_;
+  return !full();
 }
 
 }  // namespace shardcast::daemon

@@ -24,6 +24,7 @@
 
 #include "common/status.h"
 #include "transport/cuda/delta_plan.h"
+#include "transport/device_runtime.h"
 
 namespace shardcast::daemon {
 
@@ -49,9 +50,12 @@ Status applyDelta(std::byte* base, size_t bytes, size_t unit, const std::byte* d
 class DeltaBases {
  public:
   struct Base {
-    std::vector<std::byte> bytes;
+    std::vector<std::byte> bytes;                     // in host memory, or
+    std::unique_ptr<transport::DeviceMemory> device;  // on GPU `gpu` (a chunk its GPU encodes)
+    int gpu = -1;
     uint64_t fence = 0;      // the sync attempt that sent these bytes (0: none, or it failed)
     bool committed = false;  // that attempt committed here: a destination may hold these bytes
+    size_t size() const { return device ? device->size() : bytes.size(); }
   };
   // One plan's bases. Only the attempt that claimed it (PlanBases::claim) reads or writes them.
   class Plan {
@@ -61,6 +65,9 @@ class DeltaBases {
     // The base of that chunk, made `bytes` long (contents undefined when new); null when the
     // cache has no room for it.
     Base* make(int32_t transfer, int32_t chunk, size_t bytes);
+    // The same on GPU `gpu` (allocated by `gpus`, bounded by the device capacity); null when
+    // there is no room or the allocation fails (the chunk is then encoded on the host).
+    Base* makeOnDevice(int32_t transfer, int32_t chunk, size_t bytes, int gpu, transport::DeviceRuntime& gpus);
 
    private:
     friend class DeltaBases;
@@ -70,24 +77,30 @@ class DeltaBases {
     std::map<std::pair<int32_t, int32_t>, Base> bases_;
   };
 
-  explicit DeltaBases(uint64_t capacity) : capacity_(capacity) {}
+  // `capacity`: bytes of bases in host memory; `device_capacity`: on GPUs, over all of them.
+  explicit DeltaBases(uint64_t capacity, uint64_t device_capacity = 0)
+      : capacity_(capacity), device_capacity_(device_capacity) {}
   // The bases of plan `key` for the attempt `fence`: null when another attempt holds them.
   std::shared_ptr<Plan> claim(const std::string& key, uint64_t fence);
   // Attempt `fence` of plan `key` ended: what it sent is a base if it committed, nothing if not.
   void finish(const std::string& key, uint64_t fence, bool committed);
   // The plan was evicted: its bases go too.
   void drop(const std::string& key);
-  uint64_t bytes() const;
+  uint64_t bytes() const;         // held in host memory
+  uint64_t device_bytes() const;  // held on GPUs
   uint64_t capacity() const { return capacity_; }
+  uint64_t device_capacity() const { return device_capacity_; }
 
  private:
-  // With mu_ held: room for `bytes` more, evicting unclaimed plans but `keep` (least recently used
-  // first); false when there is none.
-  bool makeRoom(uint64_t bytes, const Plan* keep);
+  // With mu_ held: room for `bytes` more in host memory and `device` more on GPUs, evicting
+  // unclaimed plans but `keep` (least recently used first); false when there is none.
+  bool makeRoom(uint64_t bytes, uint64_t device, const Plan* keep);
+  // With mu_ held: `b`'s memory no longer counted (it is about to be replaced or dropped).
+  void uncount(const Base& b);
 
-  const uint64_t capacity_;
+  const uint64_t capacity_, device_capacity_;
   mutable std::mutex mu_;
-  uint64_t bytes_ = 0;
+  uint64_t bytes_ = 0, device_bytes_ = 0;
   std::list<std::string> lru_;  // most recently claimed first
   std::map<std::string, std::shared_ptr<Plan>> plans_;
 };

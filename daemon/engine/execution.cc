@@ -217,6 +217,69 @@ Status Execution::encodeChunk(int32_t t, int32_t k, std::byte* packed, uint64_t 
   return absl::OkStatus();
 }
 
+StatusOr<bool> Execution::sendFromGpu(int32_t t, int32_t k, const GpuChunk& g, uint64_t target,
+                                      const std::vector<int32_t>& staged,
+                                      const std::shared_ptr<transport::MemoryRegion>& staging, uint64_t at) {
+  const auto& chunk = cp_.transfer(t).chunks[static_cast<size_t>(k)];
+  const uint64_t n = chunk.bytes;
+  transport::CopyEngine* engine = g.src.device;
+  transport::DeviceRuntime* gpus = env_.registry.deviceRuntime();
+  const int gpu = g.gpu;
+  if (engine == nullptr || gpus == nullptr || gpu < 0) return false;
+  DeltaBases::Base* base = a_->bases->find(t, k);
+  const bool delta = target != 0 && base != nullptr && base->device && base->gpu == gpu && base->committed &&
+                     base->fence == target && base->size() == n;
+  if (!delta) base = a_->bases->makeOnDevice(t, k, n, gpu, *gpus);
+  if (base == nullptr) return false;  // no room on the GPU: the host packs and keeps this one
+  base->fence = a_->fence;
+  base->committed = false;
+  auto* out = static_cast<std::byte*>(staging->data()) + at + chunk.offset;
+  const TypedView into_base{{base->device->data(), transport::MemoryKind::kCuda, 0, g.wire}, g.tensor->dtype, engine};
+  const StageSite site{g.tensor->name, *g.part};
+  LandedChunk word{t, 0, 0, k};
+  word.bytes = n;
+  auto sendWord = [this, staged, staging, at, out](LandedChunk w) -> Status {
+    if (req_.verify()) w.checksum = checksum(out, w.bytes);
+    for (const int32_t c : staged) {
+      w.chain = c;
+      SC_RETURN_IF_ERROR(send(staging, at, w, plan_.chain_nodes[plan_.chains[c].nodes_begin]));
+    }
+    return absl::OkStatus();
+  };
+  if (!delta) {  // dense: into the staging region for the wire, and into the base on the GPU
+    const TypedView wire{{out, transport::MemoryKind::kHost, 0, g.wire}, g.tensor->dtype};
+    SC_RETURN_IF_ERROR(env_.stage.pack(wire, g.src, g.extent, site));
+    SC_RETURN_IF_ERROR(env_.stage.pack(into_base, g.src, g.extent, site));
+    SC_RETURN_IF_ERROR(device_.whenCopied([sendWord, word] { return sendWord(word); }));
+    return true;
+  }
+  // The new bytes packed dense next to the base on the GPU, compared there; only the delta (or,
+  // when too much changed, the dense chunk) is copied out.
+  if (!gpu_chunk_ || gpu_chunk_->size() < n || gpu_chunk_gpu_ != gpu) {
+    SC_ASSIGN_OR_RETURN(gpu_chunk_, gpus->allocateDevice(gpu, n));
+    gpu_chunk_gpu_ = gpu;
+  }
+  const TypedView now{{gpu_chunk_->data(), transport::MemoryKind::kCuda, 0, g.wire}, g.tensor->dtype, engine};
+  SC_RETURN_IF_ERROR(device_.flush());  // the chunk before: its follow-up done (the same stream waits next)
+  SC_RETURN_IF_ERROR(env_.stage.pack(now, g.src, g.extent, site));
+  uint64_t hash = 0;
+  SC_ASSIGN_OR_RETURN(const auto size, engine->encodeDelta(gpu_chunk_->data(), base->device->data(), n, deltaUnit(t),
+                                                           out, static_cast<size_t>(n * kDeltaWorthFraction), &hash));
+  if (!size) {  // too much changed: dense, and the base holds these bytes already
+    SC_RETURN_IF_ERROR(engine->copy({out, transport::MemoryKind::kHost, 0, {1}},
+                                    {gpu_chunk_->data(), transport::MemoryKind::kCuda, 0, {1}},
+                                    {static_cast<int64_t>(n)}, 1));
+    SC_RETURN_IF_ERROR(device_.whenCopied([sendWord, word] { return sendWord(word); }));
+    return true;
+  }
+  word.encoding = LandedChunk::kDeltaTree;
+  word.bytes = *size;
+  word.result = hash;
+  a_->moved.gpu_delta_chunks += 1;
+  SC_RETURN_IF_ERROR(sendWord(word));
+  return true;
+}
+
 // Colocated fragments (first wave): straight from local source ranks into local destination ranks.
 Status Execution::copyColocated() {
   for (const auto& ls : plan_.local_sources) {
@@ -281,9 +344,13 @@ Status Execution::sendHeaded(int32_t t) {
   const auto staging = a_->staging();
   auto* out = static_cast<std::byte*>(staging->data()) + at;
   const uint64_t target = deltaTarget(t);
+  // Delta syncs whose daemons check tree hashes: a chunk of one fragment packed from device
+  // memory and copied as it is may be encoded on its GPU (sendFromGpu).
+  const bool gpu_deltas = a_->bases && a_->tree_hash && tr.fragments_count == 1;
   for (size_t k = 0; k < ts.chunks.size(); ++k) {
     const auto& chunk = ts.chunks[k];
-    for (int32_t i = 0; i < tr.fragments_count; ++i) {
+    bool sent = false;  // encoded on the GPU and sent (or on its way)
+    for (int32_t i = 0; i < tr.fragments_count && !sent; ++i) {
       const int32_t f = plan_.transfer_fragments[tr.fragments_begin + i];
       const auto& frag = plan_.fragments[f];
       const auto& st = cp_.src.tensors[plan_.tensors[frag.tensor].src];
@@ -294,11 +361,19 @@ Status Execution::sendHeaded(int32_t t) {
       const auto sr = chunk.box.ndim == 0 ? planner::sourceRegion(plan_, cp_.src, f, rank)
                                           : planner::sourceRegion(plan_, cp_.src, f, rank, chunk.box);
       SC_ASSIGN_OR_RETURN(auto sb, buffer(cp_.src, sr.rank, sr.buffer));
+      if (gpu_deltas && sb.kind == transport::MemoryKind::kCuda && sb.outgoing != nullptr && st.dtype == dt.dtype &&
+          !planner::computedFrom(st, dt)) {
+        const GpuChunk g{
+            typed(sb, sr.offset, sr.strides, st, Direction::kOutgoing), sr.extent, denseFor(part), &dt, &part, sb.gpu};
+        SC_ASSIGN_OR_RETURN(sent, sendFromGpu(t, static_cast<int32_t>(k), g, target, staged, staging, at));
+        if (sent) break;  // (the transfer's one fragment)
+      }
       const TypedView wire{
           {out + cp_.fragment_offset[f] + chunk.offset, transport::MemoryKind::kHost, 0, denseFor(part)}, dt.dtype};
       SC_RETURN_IF_ERROR(env_.stage.pack(wire, typed(sb, sr.offset, sr.strides, st, Direction::kOutgoing), sr.extent,
                                          siteOf(st, dt, part)));
     }
+    if (sent) continue;
     // Encoded, checksummed and sent once packed (device packs: a chunk behind the next one's).
     auto then = [this, t, k, packed = out + chunk.offset, bytes = chunk.bytes, target, at, staged,
                  staging]() -> Status {

@@ -97,6 +97,20 @@ class Execution {
   // fence) is the base's and that is worth it (word says how it travels; `packed` then holds the
   // delta); the base becomes these bytes either way (when kept).
   Status encodeChunk(int32_t t, int32_t k, std::byte* packed, uint64_t target, LandedChunk* word);
+  // Delta syncs from device memory (--delta-device-mib): a chunk of transfer t packed from a
+  // GPU is encoded there against a base kept on that GPU, and only the delta crosses to the host.
+  // `src`: the chunk's source box (one fragment, copied as it is); `wire`: its dense strides.
+  // False when it cannot go that way (no room for a base on the GPU): the host path packs it.
+  struct GpuChunk {
+    TypedView src;
+    std::vector<int64_t> extent, wire;
+    const planner::TensorLayout* tensor = nullptr;  // the destination's
+    const planner::Box* part = nullptr;             // the chunk's box
+    int gpu = -1;                                   // the source's
+  };
+  StatusOr<bool> sendFromGpu(int32_t t, int32_t k, const GpuChunk& g, uint64_t target,
+                             const std::vector<int32_t>& staged,
+                             const std::shared_ptr<transport::MemoryRegion>& staging, uint64_t at);
   // Node-local fan-out between GPUs: a box that several local ranks hold (replicas on one node)
   // crosses from host memory into the GPUs once; piece i (device memory, one contiguous run) is
   // copied device to device (NVLink or PCIe peer copies) from the first earlier piece of the same
@@ -109,6 +123,8 @@ class Execution {
   // A delta chunk: rebuilt from the local ranks' bytes (the base) into decoded_, checked.
   Status decode(const LandedChunk& l, const std::byte* delta, const std::vector<Piece>& pieces);
   Status copyColocated();
+  std::unique_ptr<transport::DeviceMemory> gpu_chunk_;  // sendFromGpu's dense chunk, on GPU gpu_chunk_gpu_
+  int gpu_chunk_gpu_ = -1;
   Status sendHeaded(int32_t t);
   Status ensureStaging();
   Status receive();

@@ -10,6 +10,7 @@ SyncCounters& SyncCounters::operator+=(const SyncCounters& o) {
   device_fanout_bytes += o.device_fanout_bytes;
   delta_chunks += o.delta_chunks;
   dense_chunks += o.dense_chunks;
+  gpu_delta_chunks += o.gpu_delta_chunks;
   return *this;
 }
 
@@ -20,7 +21,8 @@ SyncCounters SyncCounters::operator-(const SyncCounters& o) const {
           bytes_landed_direct - o.bytes_landed_direct,
           device_fanout_bytes - o.device_fanout_bytes,
           delta_chunks - o.delta_chunks,
-          dense_chunks - o.dense_chunks};
+          dense_chunks - o.dense_chunks,
+          gpu_delta_chunks - o.gpu_delta_chunks};
 }
 
 void SyncCounters::writeTo(v1::ExecuteResponse& out) const {
@@ -31,16 +33,17 @@ void SyncCounters::writeTo(v1::ExecuteResponse& out) const {
   out.set_device_fanout_bytes(device_fanout_bytes);
   out.set_delta_chunks(delta_chunks);
   out.set_dense_chunks(dense_chunks);
+  out.set_gpu_delta_chunks(gpu_delta_chunks);
 }
 
 SyncCounters SyncCounters::of(const v1::ExecuteResponse& r) {
-  return {r.bytes_sent(),          r.bytes_received(), r.local_bytes(), r.bytes_landed_direct(),
-          r.device_fanout_bytes(), r.delta_chunks(),   r.dense_chunks()};
+  return {r.bytes_sent(),          r.bytes_received(), r.local_bytes(),  r.bytes_landed_direct(),
+          r.device_fanout_bytes(), r.delta_chunks(),   r.dense_chunks(), r.gpu_delta_chunks()};
 }
 
 SyncCounters AtomicSyncCounters::load() const {
-  return {bytes_sent,          bytes_received, local_bytes, bytes_landed_direct,
-          device_fanout_bytes, delta_chunks,   dense_chunks};
+  return {bytes_sent,          bytes_received, local_bytes,  bytes_landed_direct,
+          device_fanout_bytes, delta_chunks,   dense_chunks, gpu_delta_chunks};
 }
 
 void AtomicSyncCounters::add(const SyncCounters& c) {
@@ -51,6 +54,7 @@ void AtomicSyncCounters::add(const SyncCounters& c) {
   device_fanout_bytes += c.device_fanout_bytes;
   delta_chunks += c.delta_chunks;
   dense_chunks += c.dense_chunks;
+  gpu_delta_chunks += c.gpu_delta_chunks;
 }
 
 }  // namespace shardcast::daemon

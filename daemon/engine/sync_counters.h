@@ -19,6 +19,7 @@ struct SyncCounters {
   uint64_t device_fanout_bytes = 0;  // of local_bytes: copied GPU to GPU
   uint64_t delta_chunks = 0;         // chunks landed here as deltas
   uint64_t dense_chunks = 0;         // chunks landed here whole
+  uint64_t gpu_delta_chunks = 0;     // chunks encoded here as deltas on a GPU
 
   SyncCounters& operator+=(const SyncCounters& o);
   SyncCounters operator-(const SyncCounters& o) const;  // fieldwise; `o` counted no later than this
@@ -29,7 +30,7 @@ struct SyncCounters {
 // The live form: counted from several threads, read while counting goes on.
 struct AtomicSyncCounters {
   std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, local_bytes{0}, bytes_landed_direct{0};
-  std::atomic<uint64_t> device_fanout_bytes{0}, delta_chunks{0}, dense_chunks{0};
+  std::atomic<uint64_t> device_fanout_bytes{0}, delta_chunks{0}, dense_chunks{0}, gpu_delta_chunks{0};
 
   SyncCounters load() const;
   void add(const SyncCounters& c);

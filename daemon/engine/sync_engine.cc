@@ -16,14 +16,14 @@ using Clock = std::chrono::steady_clock;
 
 SyncEngine::SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics,
                        uint64_t window_bytes, std::unique_ptr<Stage> stage, uint64_t delta_cache_bytes,
-                       PeerLimits limits)
+                       uint64_t delta_device_bytes, PeerLimits limits)
     : node_(std::move(node)),
       registry_(registry),
       transport_(transport),
       metrics_(metrics),
       window_bytes_(window_bytes),
       limits_(limits),
-      bases_(delta_cache_bytes),
+      bases_(delta_cache_bytes, delta_device_bytes),
       stage_(stage ? std::move(stage) : makeStandardStage()),
       copies_(transport::makeHostCopyEngine()),
       attempts_(node_) {

@@ -52,10 +52,12 @@ class SyncEngine {
  public:
   // `window_bytes`: per destination node, the bytes of writes in flight at once (at least one write).
   // `stage`: how bytes are packed and unpacked (daemon/stage/stage.h); the copy stage when null.
-  // `delta_cache_bytes`: host memory for the bases of delta syncs (daemon/engine/delta.h), all plans.
+  // `delta_cache_bytes`: host memory for the bases of delta syncs (daemon/engine/delta.h), all plans;
+  // `delta_device_bytes`: GPU memory for the bases of chunks packed from device memory, encoded on
+  // their GPU.
   SyncEngine(std::string node, Registry& registry, transport::Context& transport, Metrics& metrics,
              uint64_t window_bytes = uint64_t{128} << 20, std::unique_ptr<Stage> stage = nullptr,
-             uint64_t delta_cache_bytes = uint64_t{8} << 30, PeerLimits limits = {});
+             uint64_t delta_cache_bytes = uint64_t{8} << 30, uint64_t delta_device_bytes = 0, PeerLimits limits = {});
   ~SyncEngine();
 
   StatusOr<v1::PrepareResponse> prepare(const v1::PrepareRequest& req);

@@ -602,8 +602,9 @@ StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, 
     auto keep = std::make_shared<
         std::pair<std::shared_ptr<transport::CudaIpcMapping>, std::shared_ptr<transport::TransferMemory>>>(
         b.cuda, b.cuda_memory);
-    return LocalBuffer{b.device, b.size, transport::MemoryKind::kCuda, keep,
-                       b.region, 0,      b.engines->outgoing.get(),    b.engines->incoming.get()};
+    return LocalBuffer{b.device,      b.size, transport::MemoryKind::kCuda, keep,
+                       b.region,      0,      b.engines->outgoing.get(),    b.engines->incoming.get(),
+                       b.engines->gpu};
   }
   return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " has no buffer \"", buffer, "\""));
 }

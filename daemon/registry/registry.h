@@ -82,6 +82,7 @@ class Registry {
     uint64_t region_offset = 0;                       // of data in that region
     transport::CopyEngine* outgoing = nullptr;        // device memory: packs, sends, local copies out
     transport::CopyEngine* incoming = nullptr;        // device memory: landings, unpacks
+    int gpu = -1;                                     // device memory: its GPU
   };
   StatusOr<LocalBuffer> localBuffer(const std::string& group, int32_t rank, const std::string& buffer) const;
   // Where the sync after the one writing the rank now would land `buffer` if this one commits:
@@ -201,6 +202,7 @@ class Registry {
   // long as the registry (syncs use them).
   struct DeviceEngines {
     std::unique_ptr<transport::CopyEngine> outgoing, incoming;
+    int gpu = -1;
   };
   struct Buffer {
     std::string name;

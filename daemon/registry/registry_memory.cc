@@ -208,6 +208,7 @@ StatusOr<const Registry::DeviceEngines*> Registry::deviceEngines(int gpu) {
   // Made without the lock (a GPU's first streams may take the driver a while); a registration
   // racing this one for the same GPU keeps whichever was inserted first.
   DeviceEngines e;
+  e.gpu = gpu;
   SC_ASSIGN_OR_RETURN(e.outgoing, gpus_.makeEngine(gpu));
   SC_ASSIGN_OR_RETURN(e.incoming, gpus_.makeEngine(gpu));
   std::lock_guard<std::mutex> lock(mu_);

@@ -348,7 +348,8 @@ int main(int argc, char** argv) {
   PeerLimits peer_limits;
   peer_limits.max_lease = std::chrono::milliseconds(config->max_sync_lease_ms);
   SyncEngine engine(config->node, registry, **transport, metrics, static_cast<uint64_t>(config->window_bytes), nullptr,
-                    static_cast<uint64_t>(config->delta_cache_mib) << 20, peer_limits);
+                    static_cast<uint64_t>(config->delta_cache_mib) << 20,
+                    static_cast<uint64_t>(config->delta_device_mib) << 20, peer_limits);
   connectMetrics(metrics, *config, registry, engine, peers);
   auto metrics_server = startMetricsServer(*config, metrics);
   if (!metrics_server.ok()) return fail(std::string(metrics_server.status().message()));

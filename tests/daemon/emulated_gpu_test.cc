@@ -104,6 +104,10 @@ struct GroupPair {
 
 TEST_CASE("emulated GPUs: device ranks on every side sync byte-exact through host staging, deltas too",
           "[daemon][sync][emulated-gpu]") {
+  // Delta bases on the GPUs (their chunks encoded there, issue 51) or none (encoded on the host).
+  const std::string device_mib = GENERATE(std::string("0"), std::string("64"));
+  const bool on_gpus = device_mib != "0";
+  INFO("--delta-device-mib " << device_mib);
   std::vector<int> ports;
   for (int i = 0; i < 3; ++i) ports.push_back(freePort());
   std::vector<std::string> peers;
@@ -112,9 +116,10 @@ TEST_CASE("emulated GPUs: device ranks on every side sync byte-exact through hos
   for (int i = 0; i < 3; ++i) {
     // 1 MiB chunks and 2 MiB of staging: several chunks per transfer (sends one chunk behind
     // the packs) and several waves.
-    daemons.push_back(std::make_unique<Daemon>(
-        "n" + std::to_string(i), ports[i], peers,
-        std::vector<std::string>{"--emulate-gpus", "2", "--chunk-mib", "1", "--staging-mib", "2"}));
+    daemons.push_back(
+        std::make_unique<Daemon>("n" + std::to_string(i), ports[i], peers,
+                                 std::vector<std::string>{"--emulate-gpus", "2", "--chunk-mib", "1", "--staging-mib",
+                                                          "2", "--delta-device-mib", device_mib}));
     REQUIRE(daemons.back()->ready());
   }
   auto node = [&](const std::string& name) -> Daemon& { return *daemons[name[1] - '0']; };
@@ -124,8 +129,8 @@ TEST_CASE("emulated GPUs: device ranks on every side sync byte-exact through hos
   const auto src = *planner::resolveLayout(src_proto, nodes);
   const auto dst = *planner::resolveLayout(dst_proto, nodes);
   std::vector<RankMemory> smem, dmem;
-  for (int32_t r = 0; r < 4; ++r) smem.push_back(allocateRank(src, r, "egpu-t" + std::to_string(r)));
-  for (int32_t r = 0; r < 4; ++r) dmem.push_back(allocateRank(dst, r, "egpu-i" + std::to_string(r)));
+  for (int32_t r = 0; r < 4; ++r) smem.push_back(allocateRank(src, r, "egpu-t" + device_mib + std::to_string(r)));
+  for (int32_t r = 0; r < 4; ++r) dmem.push_back(allocateRank(dst, r, "egpu-i" + device_mib + std::to_string(r)));
   // Version v everywhere; with `some`, only every 16th element of w and o changes from v - 1.
   auto fill = [&](int version, bool some) {
     for (int32_t r = 0; r < 4; ++r)
@@ -215,6 +220,20 @@ TEST_CASE("emulated GPUs: device ranks on every side sync byte-exact through hos
   CHECK(wrong(3, true) == 0);
   CHECK(third.delta_chunks() > 0);  // rebuilt on the destinations from the bytes their GPUs hold
   CHECK(third.wire_bytes() < third.network_bytes());
+  // w and o (int32, copied as they are) encoded on the source's GPU against bases kept there; m
+  // (float32 -> bfloat16) on the host.
+  CHECK((third.gpu_delta_chunks() > 0) == on_gpus);
+  CHECK(third.gpu_delta_chunks() < third.delta_chunks());
+  // Everything changed: too much for a delta, dense (the GPU's bases hold it all the same) ...
+  step(4, false);
+  const auto fourth = sync(4, v1::DELTA_AUTO);
+  CHECK(wrong(4, false) == 0);
+  CHECK(fourth.gpu_delta_chunks() == 0);
+  // ... and the next sparse step is a delta against it.
+  step(5, true);
+  const auto fifth = sync(5, v1::DELTA_AUTO);
+  CHECK(wrong(5, true) == 0);
+  CHECK((fifth.gpu_delta_chunks() > 0) == on_gpus);
 }
 
 TEST_CASE("emulated GPUs: a handle that names no segment of the caller is refused, naming the buffer",

@@ -393,6 +393,28 @@ StatusOr<std::unique_ptr<PinnedBuffer>> allocatePinned(size_t size) {
   return std::unique_ptr<PinnedBuffer>(std::make_unique<Pinned>(p, size));
 }
 
+StatusOr<std::unique_ptr<DeviceMemory>> allocateDeviceMemory(int device, size_t size) {
+  class Allocation final : public DeviceMemory {
+   public:
+    Allocation(int device, void* p, size_t n) : device_(device), p_(p), n_(n) {}
+    ~Allocation() override {
+      cudaSetDevice(device_);
+      cudaFree(p_);
+    }
+    std::byte* data() const override { return static_cast<std::byte*>(p_); }
+    size_t size() const override { return n_; }
+
+   private:
+    int device_;
+    void* p_;
+    size_t n_;
+  };
+  SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaSetDevice(", device, ")"), cudaSetDevice(device)));
+  void* p = nullptr;
+  SC_RETURN_IF_ERROR(cudaStatus(strCat("cudaMalloc(", size, ") on GPU ", device), cudaMalloc(&p, size)));
+  return std::unique_ptr<DeviceMemory>(std::make_unique<Allocation>(device, p, size));
+}
+
 StatusOr<std::unique_ptr<HostPin>> pinHostMemory(void* data, size_t size) {
   class Registered final : public HostPin {
    public:

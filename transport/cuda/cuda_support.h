@@ -45,6 +45,15 @@ struct ExportedCudaIpc {
 };
 StatusOr<ExportedCudaIpc> exportCudaIpcHandle(const void* device_ptr);
 
+// Device memory of one GPU, freed when destroyed (delta bases kept on the GPU).
+class DeviceMemory {
+ public:
+  virtual ~DeviceMemory() = default;
+  virtual std::byte* data() const = 0;
+  virtual size_t size() const = 0;
+};
+StatusOr<std::unique_ptr<DeviceMemory>> allocateDeviceMemory(int device, size_t size);
+
 // Page-locked host memory for staging device data when the transport cannot reach the device.
 class PinnedBuffer {
  public:
