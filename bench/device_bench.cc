@@ -7,9 +7,12 @@
 //          ranks FSDP row shards on node n0 -> inference ranks TP column shards on n1 (with
 //          --daemons 3, a second replica on n2: a relay chain n0 -> n1 -> n2), GB/s per sync,
 //          every byte checked after the last; the daemons' transport is printed (staged or
-//          straight into device memory: scripts/device-check.sh runs it with each UCX)
+//          straight into device memory: scripts/device-check.sh runs it with each UCX); with
+//          --delta, each version changes 1% of the rows and the syncs alternate dense and delta
+//          (encoded and rebuilt on the GPUs with --daemon-flag --delta-device-mib ...)
+//   delta  the delta kernels: encode, apply and tree-hash GB/s of 64 MiB chunks beside the D2D copy
 // Without a GPU it says why and exits 0.
-// Usage: device_bench [--mib N] [--syncs N] [--daemons 2|3] [--sync-only] [--daemon-flag F]...
+// Usage: device_bench [--mib N] [--syncs N] [--daemons 2|3] [--sync-only] [--delta] [--daemon-flag F]...
 #include <fmt/format.h>
 
 #include <chrono>
@@ -195,7 +198,18 @@ struct DeviceRank {
 struct SyncBench {
   int daemons = 2;                        // 3: a second replica on n2, relayed through n1
   std::vector<std::string> daemon_flags;  // given to every daemon (e.g. --ucx-tls)
+  // Each version changes 1% of the rows (row % 100 == version % 100), synced alternately dense
+  // (DELTA_DENSE, bases kept) and as deltas (DELTA_ALWAYS): issue 51's delta sync against dense.
+  bool delta = false;
 };
+
+// The last version up to `version` that changed `row` (versions from 2 change rows
+// row % 100 == version % 100; 1: none did).
+int lastChange(int64_t row, int version) {
+  for (int v = version; v >= 2; --v)
+    if (static_cast<int64_t>(v % 100) == row % 100) return v;
+  return 1;
+}
 
 void syncFigures(int64_t mib, int syncs, const SyncBench& bench) {
   // float32 [rows, 4096]: FSDP row shards over 2 trainer ranks -> TP column shards over 2.
@@ -281,8 +295,25 @@ void syncFigures(int64_t mib, int syncs, const SyncBench& bench) {
              static_cast<double>(rows * cols * 4) / (1 << 20),
              relay ? " and a second replica (2 ranks, n2) relayed through n1: GB/s of both replicas' bytes" : "");
   std::vector<double> figures;
+  double best_dense = 0, best_delta = 0;
+  uint64_t gpu_encoded = 0, gpu_rebuilt = 0;
+  // With --delta: the rows version v changes, written into the source ranks' device memory.
+  auto change = [&](int v) {
+    const int64_t half = rows / 2;
+    std::vector<float> row(static_cast<size_t>(cols));
+    for (int64_t g = v % 100; g < rows; g += 100) {
+      const int32_t r = static_cast<int32_t>(g / half);
+      for (int64_t c = 0; c < cols; ++c) row[static_cast<size_t>(c)] = value(g * cols + c, v);
+      for (auto& b : s[r].buffers)
+        if (b)
+          must(testing::copyToDevice(static_cast<std::byte*>(b->data()) + (g - r * half) * cols * 4, row.data(),
+                                     row.size() * 4),
+               "change a row");
+    }
+  };
   for (int v = 1; v <= syncs; ++v) {
-    if (v > 1) {  // the trainer publishes v (same bytes: the figure is the sync's, not the fill's)
+    if (bench.delta && v > 1) change(v);
+    if (v > 1) {  // the trainer publishes v (without --delta, the same bytes: the figure is the sync's)
       for (int32_t r = 0; r < 2; ++r) {
         for (const char* what : {"acquire", "release"}) {
           grpc::ClientContext c;
@@ -307,6 +338,8 @@ void syncFigures(int64_t mib, int syncs, const SyncBench& bench) {
     req.set_src_group("dev-trainer");
     req.set_dst_group("dev-infer");
     req.set_version(static_cast<uint64_t>(v));
+    const bool as_delta = bench.delta && v > 1 && v % 2 == 1;  // v1: the first copy; then dense, delta, ...
+    if (bench.delta && v > 1) req.mutable_options()->set_delta(as_delta ? v1::DELTA_ALWAYS : v1::DELTA_DENSE);
     v1::SyncResponse out;
     grpc::ClientContext c;
     c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
@@ -320,6 +353,19 @@ void syncFigures(int64_t mib, int syncs, const SyncBench& bench) {
                           static_cast<double>(std::max<uint64_t>(1, out.network_bytes()));
     fmt::print("sync v{}: {:.3f} s = {:.2f} GB/s, {:.0f}% landed in device memory directly{}\n", v, t, gb / t, direct,
                v == 1 ? " (plans, allocates, connects)" : "");
+    if (bench.delta && v > 2) {  // v2 is the first dense sync with bases: planning, allocating
+      double& best = as_delta ? best_delta : best_dense;
+      best = std::max(best, gb / t);
+      if (as_delta) {
+        gpu_encoded += out.gpu_delta_chunks();
+        gpu_rebuilt += out.gpu_rebuilt_chunks();
+        fmt::print(
+            "   delta: {} of {} bytes on the wire, {} chunk landings as deltas ({} encoded, {} rebuilt on "
+            "a GPU), {} dense\n",
+            out.wire_bytes(), out.network_bytes(), out.delta_chunks(), out.gpu_delta_chunks(), out.gpu_rebuilt_chunks(),
+            out.dense_chunks());
+      }
+    }
   }
   int64_t bad = 0;
   for (int32_t r = 0; r < dst.world(); ++r)
@@ -328,12 +374,18 @@ void syncFigures(int64_t mib, int syncs, const SyncBench& bench) {
       std::vector<float> host(d[r].buffers[b]->size() / 4);
       must(testing::copyFromDevice(host.data(), d[r].buffers[b]->data(), d[r].buffers[b]->size()), "read back");
       planner::forEachElement(dst, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-        if (p.buffer == static_cast<int32_t>(b)) bad += host[static_cast<size_t>(off)] != value(flat, 1);
+        if (p.buffer == static_cast<int32_t>(b))
+          bad += host[static_cast<size_t>(off)] != value(flat, bench.delta ? lastChange(flat / cols, syncs) : 1);
       });
     }
   double best = 0;
   for (size_t i = 1; i < figures.size(); ++i) best = std::max(best, figures[i]);
   fmt::print("RESULT sync best_cached_gbps {:.2f} wrong_elements {}\n", best, bad);
+  if (bench.delta)
+    fmt::print(
+        "RESULT delta_sync dense_gbps {:.2f} delta_gbps {:.2f} delta_time_of_dense {:.2f} gpu_encoded {} "
+        "gpu_rebuilt {}\n",
+        best_dense, best_delta, best_delta > 0 ? best_dense / best_delta : 0.0, gpu_encoded, gpu_rebuilt);
   if (bad != 0) std::exit(1);
 }
 
@@ -350,6 +402,10 @@ int main(int argc, char** argv) {
       sync_only = true;
       continue;
     }
+    if (flag == "--delta") {
+      bench.delta = true;
+      continue;
+    }
     if (i + 1 >= argc) fail(flag + " needs a value");
     const std::string value = argv[++i];
     if (flag == "--mib")
@@ -362,7 +418,7 @@ int main(int argc, char** argv) {
       bench.daemon_flags.push_back(value);
     else
       fail("bad flag " + flag + " " + value +
-           " (--mib N, --syncs N, --daemons 2|3, --sync-only, --daemon-flag F: one daemon argument each)");
+           " (--mib N, --syncs N, --daemons 2|3, --sync-only, --delta, --daemon-flag F: one daemon argument each)");
   }
   if (transport::cudaDeviceCount() == 0) {
     fmt::print("device_bench: no GPU here ({}): nothing to measure\n", transport::cudaUnavailableReason());

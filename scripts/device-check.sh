@@ -7,8 +7,11 @@
 #   the GPU; the UCX the bundle carries (NVIDIA's CUDA-aware one) and whether it reaches device
 #   memory; the [gpu] tests (CUDA copies, the strided-copy kernel, staging through pinned memory,
 #   a sync between daemons with device buffers on both sides, every byte checked, the fp8
-#   quantisation kernel against the host quantiser bit for bit); pack/unpack
-#   GB/s of the kernel beside a device-to-device copy of the same bytes; sync GB/s with device
+#   quantisation kernel against the host quantiser bit for bit, the delta kernels against the
+#   daemons' delta encoder byte for byte); pack/unpack
+#   GB/s of the kernel beside a device-to-device copy of the same bytes, and the delta kernels'
+#   encode/apply/hash GB/s; delta syncs against dense ones of device tensors (3 daemons, 1% of the
+#   rows changing, encoded and rebuilt on the GPUs); sync GB/s with device
 #   tensors (bench/device_bench.cc), staged over TCP, staged over shared memory (the staged
 #   pipeline where the wire is not the bottleneck), then straight between GPUs through cuda_ipc
 #   with 2 daemons and with a 3-daemon relay chain; torch's CUDA shareable handles decoded as the client reads
@@ -73,10 +76,14 @@ check() {
       env SHARDCAST_EXPECT_UCX="$ucx_version" SHARDCAST_EXPECT_UCX_CUDA=1 \
       "$bundle/bin/transport_tests" "the UCX loaded is the one a run names" --reporter compact
   fi
-  step "transport [gpu] and kernel geometry" 60 "$bundle/bin/transport_tests" "[gpu],[strided-copy]" --reporter compact
-  step "daemon [gpu]: device buffers on both sides of a sync, cuMem allocations by descriptor, the fp8 kernel" 105 "$bundle/bin/daemon_tests" "[gpu]" --reporter compact
-  step "client [gpu]: CUDA pointers become IPC handles" 40 "$bundle/bin/client_tests" "[gpu]" --reporter compact
+  step "transport [gpu] and kernel geometry" 50 "$bundle/bin/transport_tests" "[gpu],[strided-copy]" --reporter compact
+  step "daemon [gpu]: device buffers on both sides of a sync, cuMem allocations by descriptor, the fp8 kernel, the delta kernels" 100 "$bundle/bin/daemon_tests" "[gpu]" --reporter compact
+  step "client [gpu]: CUDA pointers become IPC handles" 30 "$bundle/bin/client_tests" "[gpu]" --reporter compact
   step "device bench: kernel pack/unpack vs device copy, sync GB/s (staged: UCX over TCP)" 80 "$bundle/bin/device_bench" --mib "${DEVICE_MIB:-1024}" --syncs 5
+  # Issue 51: 3 daemons (a relay chain), 1% of the rows changing per version, delta syncs
+  # encoded and rebuilt on the GPUs against dense ones of the same versions, staged over TCP.
+  step "device bench: delta syncs against dense, 3 daemons, deltas on the GPUs" 45 "$bundle/bin/device_bench" --sync-only --delta --daemons 3 --mib "${DEVICE_MIB:-1024}" --syncs 7 \
+    --daemon-flag --delta-device-mib --daemon-flag 4096
   if [ -n "$ucx_version" ]; then
     # The same sync straight between GPUs: the daemons on one host put into each other's device
     # memory through cuda_ipc (plaintext daemons: put over a list with tcp needs --insecure), then a
@@ -89,11 +96,11 @@ check() {
     step "device bench: 2 daemons staged through shared memory" 40 "$bundle/bin/device_bench" --sync-only --mib "${DEVICE_MIB:-1024}" --syncs 4 \
       --daemon-flag --insecure --daemon-flag --ucx-tls --daemon-flag posix,sysv,cma,self --daemon-flag --protocol \
       --daemon-flag put --daemon-flag --device-memory --daemon-flag staged
-    step "device bench: 2 daemons through cuda_ipc" 45 "$bundle/bin/device_bench" --sync-only --mib "${DEVICE_MIB:-1024}" --syncs 4 "${ipc[@]}"
-    step "device bench: 3 daemons, a relay chain through cuda_ipc" 45 "$bundle/bin/device_bench" --sync-only --daemons 3 --mib "${DEVICE_MIB:-1024}" --syncs 4 "${ipc[@]}"
+    step "device bench: 2 daemons through cuda_ipc" 40 "$bundle/bin/device_bench" --sync-only --mib "${DEVICE_MIB:-1024}" --syncs 4 "${ipc[@]}"
+    step "device bench: 3 daemons, a relay chain through cuda_ipc" 40 "$bundle/bin/device_bench" --sync-only --daemons 3 --mib "${DEVICE_MIB:-1024}" --syncs 4 "${ipc[@]}"
   fi
   # -s: the tests print torch's handle version and the GB/s of the FSDP2-style sync.
-  step "python: torch's CUDA handles; a CUDA DTensor and ${SHARDCAST_GPU_SHARD_GIB} GiB of FSDP2-style shards synced into CUDA views; expandable segments synced; vLLM's direct path" 160 \
+  step "python: torch's CUDA handles; a CUDA DTensor and ${SHARDCAST_GPU_SHARD_GIB} GiB of FSDP2-style shards synced into CUDA views; expandable segments synced; vLLM's direct path" 150 \
     "${PYTHON:-python3}" -m pytest -q -s -rs "$root/client/python/tests/test_cuda_handle.py" \
     "$root/client/python/tests/test_gpu.py" "$root/client/python/tests/test_vllm_direct.py"
   echo

@@ -111,6 +111,7 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   out_.set_bytes_landed_direct(moved.bytes_landed_direct);
   out_.set_device_fanout_bytes(moved.device_fanout_bytes);
   out_.set_gpu_delta_chunks(moved.gpu_delta_chunks);
+  out_.set_gpu_rebuilt_chunks(moved.gpu_rebuilt_chunks);
   out_.set_waves(static_cast<uint32_t>(plan_->waves));
   out_.set_wire_bytes(wire_bytes_);
   out_.set_delta_chunks(moved.delta_chunks);

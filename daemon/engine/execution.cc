@@ -531,10 +531,13 @@ StatusOr<Execution::Unpacked> Execution::unpack(const LandedChunk& l, const Arri
   u.kind = at.memory.kind;
   u.copies = engine(at.memory, Direction::kIncoming);
   if (at.delta) {
-    SC_RETURN_IF_ERROR(decode(l, u.wire, u.pieces));
-    u.wire = decoded_.data();
-    u.kind = transport::MemoryKind::kHost;
-    u.copies = nullptr;
+    SC_ASSIGN_OR_RETURN(const bool on_gpu, decodeOnGpu(l, u.wire, &u));
+    if (!on_gpu) {
+      SC_RETURN_IF_ERROR(decode(l, u.wire, u.pieces));
+      u.wire = decoded_.data();
+      u.kind = transport::MemoryKind::kHost;
+      u.copies = nullptr;
+    }
   }
   for (size_t i = 0; i < u.pieces.size(); ++i) {
     const Piece& p = u.pieces[i];
@@ -615,7 +618,7 @@ StatusOr<std::vector<Execution::Piece>> Execution::localPieces(int32_t t, int32_
       }
       SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
       out.push_back({cp_.fragment_offset[f] + static_cast<uint64_t>(src_off * elem), part,
-                     typed(db, dst_off, dr.strides, dt, Direction::kIncoming), dense, &dt, dr.rank});
+                     typed(db, dst_off, dr.strides, dt, Direction::kIncoming), dense, &dt, dr.rank, db.gpu});
     }
   }
   return out;
@@ -638,6 +641,44 @@ Status Execution::decode(const LandedChunk& l, const std::byte* delta, const std
                                ? transport::treeHash(decoded_.data(), static_cast<int64_t>(decoded_.size()))
                                : checksum(decoded_.data(), decoded_.size());
   if (rebuilt == l.result) return absl::OkStatus();
+  return notRebuilt(l, pieces);
+}
+
+StatusOr<bool> Execution::decodeOnGpu(const LandedChunk& l, const std::byte* delta, Unpacked* u) {
+  const auto& pieces = u->pieces;
+  if (l.encoding != LandedChunk::kDeltaTree || pieces.empty()) return false;
+  const int gpu = pieces.front().gpu;
+  transport::CopyEngine* engine = pieces.front().memory.device;
+  transport::DeviceRuntime* gpus = env_.registry.deviceRuntime();
+  if (gpu < 0 || engine == nullptr || gpus == nullptr) return false;
+  for (const auto& p : pieces)
+    if (p.gpu != gpu || p.memory.device != engine || p.memory.view.kind != transport::MemoryKind::kCuda) return false;
+  const auto& chunk = cp_.transfer(l.transfer).chunks[static_cast<size_t>(l.chunk)];
+  if (!gpu_rebuilt_ || gpu_rebuilt_->size() < chunk.bytes || gpu_rebuilt_gpu_ != gpu) {
+    gpu_rebuilt_.reset();
+    auto memory = gpus->allocateDevice(gpu, chunk.bytes);
+    if (!memory.ok()) return false;  // no room on the GPU: the host rebuilds it
+    gpu_rebuilt_ = std::move(*memory);
+    gpu_rebuilt_gpu_ = gpu;
+  }
+  std::byte* rebuilt = gpu_rebuilt_->data();
+  for (const auto& p : pieces)  // the ranks' bytes as they are, on their stream
+    SC_RETURN_IF_ERROR(engine->copy({rebuilt + (p.at - chunk.offset), transport::MemoryKind::kCuda, 0, p.dense},
+                                    p.memory.view, p.part.sizes(), p.tensor->elemBytes()));
+  auto hash = engine->applyDelta(rebuilt, chunk.bytes, deltaUnit(l.transfer), delta, l.bytes);
+  if (hash.status().code() == absl::StatusCode::kUnimplemented) return false;  // no kernels: on the host
+  if (!hash.ok())
+    return absl::InvalidArgumentError(strCat("sync ", a_->id, " on node \"", env_.node, "\": chunk ", l.chunk,
+                                             " of transfer ", l.transfer, ": ", hash.status().message()));
+  if (*hash != l.result) return notRebuilt(l, pieces);
+  u->wire = rebuilt;
+  u->kind = transport::MemoryKind::kCuda;
+  u->copies = engine;
+  a_->moved.gpu_rebuilt_chunks += 1;
+  return true;
+}
+
+Status Execution::notRebuilt(const LandedChunk& l, const std::vector<Piece>& pieces) const {
   std::set<int32_t> ranks;
   for (const auto& p : pieces) ranks.insert(p.rank);
   std::string names;

@@ -61,6 +61,7 @@ class Execution {
     std::vector<int64_t> dense;                     // the wire's strides (the fragment's row-major box)
     const planner::TensorLayout* tensor = nullptr;  // the destination's
     int32_t rank = -1;
+    int gpu = -1;  // device memory: its GPU
   };
 
   Status readDirectory();
@@ -122,9 +123,18 @@ class Execution {
   StatusOr<std::vector<Piece>> localPieces(int32_t t, int32_t k);
   // A delta chunk: rebuilt from the local ranks' bytes (the base) into decoded_, checked.
   Status decode(const LandedChunk& l, const std::byte* delta, const std::vector<Piece>& pieces);
+  // The same on the GPU every piece is on (a tree-hashed delta): the base gathered into device
+  // memory, the delta applied and the result hashed there; `u` then reads it from there. False
+  // when that is not possible (pieces on several GPUs or in host memory, no kernels): decode().
+  struct Unpacked;
+  StatusOr<bool> decodeOnGpu(const LandedChunk& l, const std::byte* delta, Unpacked* u);
+  // DATA_LOSS: a rebuilt chunk is not the source's (the ranks do not hold the base), naming them.
+  Status notRebuilt(const LandedChunk& l, const std::vector<Piece>& pieces) const;
   Status copyColocated();
   std::unique_ptr<transport::DeviceMemory> gpu_chunk_;  // sendFromGpu's dense chunk, on GPU gpu_chunk_gpu_
   int gpu_chunk_gpu_ = -1;
+  std::unique_ptr<transport::DeviceMemory> gpu_rebuilt_;  // decodeOnGpu's rebuilt chunk, on GPU gpu_rebuilt_gpu_
+  int gpu_rebuilt_gpu_ = -1;
   Status sendHeaded(int32_t t);
   Status ensureStaging();
   Status receive();

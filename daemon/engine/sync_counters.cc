@@ -11,6 +11,7 @@ SyncCounters& SyncCounters::operator+=(const SyncCounters& o) {
   delta_chunks += o.delta_chunks;
   dense_chunks += o.dense_chunks;
   gpu_delta_chunks += o.gpu_delta_chunks;
+  gpu_rebuilt_chunks += o.gpu_rebuilt_chunks;
   return *this;
 }
 
@@ -22,7 +23,8 @@ SyncCounters SyncCounters::operator-(const SyncCounters& o) const {
           device_fanout_bytes - o.device_fanout_bytes,
           delta_chunks - o.delta_chunks,
           dense_chunks - o.dense_chunks,
-          gpu_delta_chunks - o.gpu_delta_chunks};
+          gpu_delta_chunks - o.gpu_delta_chunks,
+          gpu_rebuilt_chunks - o.gpu_rebuilt_chunks};
 }
 
 void SyncCounters::writeTo(v1::ExecuteResponse& out) const {
@@ -34,16 +36,17 @@ void SyncCounters::writeTo(v1::ExecuteResponse& out) const {
   out.set_delta_chunks(delta_chunks);
   out.set_dense_chunks(dense_chunks);
   out.set_gpu_delta_chunks(gpu_delta_chunks);
+  out.set_gpu_rebuilt_chunks(gpu_rebuilt_chunks);
 }
 
 SyncCounters SyncCounters::of(const v1::ExecuteResponse& r) {
-  return {r.bytes_sent(),          r.bytes_received(), r.local_bytes(),  r.bytes_landed_direct(),
-          r.device_fanout_bytes(), r.delta_chunks(),   r.dense_chunks(), r.gpu_delta_chunks()};
+  return {r.bytes_sent(),   r.bytes_received(), r.local_bytes(),      r.bytes_landed_direct(), r.device_fanout_bytes(),
+          r.delta_chunks(), r.dense_chunks(),   r.gpu_delta_chunks(), r.gpu_rebuilt_chunks()};
 }
 
 SyncCounters AtomicSyncCounters::load() const {
-  return {bytes_sent,          bytes_received, local_bytes,  bytes_landed_direct,
-          device_fanout_bytes, delta_chunks,   dense_chunks, gpu_delta_chunks};
+  return {bytes_sent,   bytes_received, local_bytes,      bytes_landed_direct, device_fanout_bytes,
+          delta_chunks, dense_chunks,   gpu_delta_chunks, gpu_rebuilt_chunks};
 }
 
 void AtomicSyncCounters::add(const SyncCounters& c) {
@@ -55,6 +58,7 @@ void AtomicSyncCounters::add(const SyncCounters& c) {
   delta_chunks += c.delta_chunks;
   dense_chunks += c.dense_chunks;
   gpu_delta_chunks += c.gpu_delta_chunks;
+  gpu_rebuilt_chunks += c.gpu_rebuilt_chunks;
 }
 
 }  // namespace shardcast::daemon

@@ -20,6 +20,7 @@ struct SyncCounters {
   uint64_t delta_chunks = 0;         // chunks landed here as deltas
   uint64_t dense_chunks = 0;         // chunks landed here whole
   uint64_t gpu_delta_chunks = 0;     // chunks encoded here as deltas on a GPU
+  uint64_t gpu_rebuilt_chunks = 0;   // delta chunks rebuilt here on a GPU
 
   SyncCounters& operator+=(const SyncCounters& o);
   SyncCounters operator-(const SyncCounters& o) const;  // fieldwise; `o` counted no later than this
@@ -31,6 +32,7 @@ struct SyncCounters {
 struct AtomicSyncCounters {
   std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, local_bytes{0}, bytes_landed_direct{0};
   std::atomic<uint64_t> device_fanout_bytes{0}, delta_chunks{0}, dense_chunks{0}, gpu_delta_chunks{0};
+  std::atomic<uint64_t> gpu_rebuilt_chunks{0};
 
   SyncCounters load() const;
   void add(const SyncCounters& c);
