@@ -5,14 +5,15 @@
 //          through pinned memory; the fp8 kernel quantising bf16 (values, then scales) beside it
 //   sync   real daemons syncing device tensors on both sides (CUDA IPC registrations): trainer
 //          ranks FSDP row shards on node n0 -> inference ranks TP column shards on n1 (with
-//          --daemons 3, a second replica on n2: a relay chain n0 -> n1 -> n2), GB/s per sync,
+//          --daemons 3, a second replica on n2: a relay chain n0 -> n1 -> n2; with --daemons 1,
+//          two replicas beside the trainer on n0: colocated copies), GB/s per sync,
 //          every byte checked after the last; the daemons' transport is printed (staged or
 //          straight into device memory: scripts/device-check.sh runs it with each UCX); with
 //          --delta, each version changes 1% of the rows and the syncs alternate dense and delta
 //          (encoded and rebuilt on the GPUs with --daemon-flag --delta-device-mib ...)
 //   delta  the delta kernels: encode, apply and tree-hash GB/s of 64 MiB chunks beside the D2D copy
 // Without a GPU it says why and exits 0.
-// Usage: device_bench [--mib N] [--syncs N] [--daemons 2|3] [--sync-only] [--delta] [--daemon-flag F]...
+// Usage: device_bench [--mib N] [--syncs N] [--daemons 1|2|3] [--sync-only] [--delta] [--daemon-flag F]...
 #include <fmt/format.h>
 
 #include <chrono>
@@ -196,7 +197,9 @@ struct DeviceRank {
 };
 
 struct SyncBench {
-  int daemons = 2;                        // 3: a second replica on n2, relayed through n1
+  // 3: a second replica on n2, relayed through n1; 1: two replicas on n0 beside the trainer
+  // (colocated: device-to-device copies, no network).
+  int daemons = 2;
   std::vector<std::string> daemon_flags;  // given to every daemon (e.g. --ucx-tls)
   // Each version changes 1% of the rows (row % 100 == version % 100), synced alternately dense
   // (DELTA_DENSE, bases kept) and as deltas (DELTA_ALWAYS): issue 51's delta sync against dense.
@@ -222,12 +225,14 @@ void syncFigures(int64_t mib, int syncs, const SyncBench& bench) {
                                         R"(,"dtype":"float32","placements":[{"shard":{"dim":0}}]}]})",
                                     "trainer"),
            "layout");
-  const bool relay = bench.daemons == 3;
+  const bool relay = bench.daemons == 3, colocated = bench.daemons == 1;
   const auto dst_proto = must(
       planner::parseLayoutJson(
-          relay
-              ? R"({"group":"dev-infer","mesh":{"shape":[2,2]},"nodes":["n1","n1","n2","n2"],"tensors":[{"name":"w","shape":)" +
-                    shape + R"(,"dtype":"float32","placements":[{"replicate":{}},{"shard":{"dim":1}}]}]})"
+          relay || colocated
+              ? R"({"group":"dev-infer","mesh":{"shape":[2,2]},"nodes":)" +
+                    std::string(colocated ? R"(["n0","n0","n0","n0"])" : R"(["n1","n1","n2","n2"])") +
+                    R"(,"tensors":[{"name":"w","shape":)" + shape +
+                    R"(,"dtype":"float32","placements":[{"replicate":{}},{"shard":{"dim":1}}]}]})"
               : R"({"group":"dev-infer","mesh":{"shape":[2]},"nodes":["n1","n1"],"tensors":[{"name":"w","shape":)" +
                     shape + R"(,"dtype":"float32","placements":[{"shard":{"dim":1}}]}]})",
           "infer"),
@@ -247,7 +252,7 @@ void syncFigures(int64_t mib, int syncs, const SyncBench& bench) {
     if (!daemons.back()->ready())
       fail("daemon n" + std::to_string(i) + " did not start: " + daemons.back()->readyLine());
   }
-  examples::Daemon &n0 = *daemons[0], &n1 = *daemons[1];
+  examples::Daemon &n0 = *daemons[0], &n1 = colocated ? n0 : *daemons[1];
   {
     grpc::ClientContext c;
     v1::StatusResponse status;
@@ -289,11 +294,14 @@ void syncFigures(int64_t mib, int syncs, const SyncBench& bench) {
     if (!st.ok()) fail("register: " + st.error_message());
   };
   for (int32_t r = 0; r < 2; ++r) make(src, src_proto, r, n0, s[r], 1);
-  for (int32_t r = 0; r < dst.world(); ++r) make(dst, dst_proto, r, r < 2 ? n1 : *daemons[2], d[r], 0);
-  const double gb = static_cast<double>(rows * cols * 4) / 1e9 * (relay ? 2 : 1);  // delivered
-  fmt::print("== sync, {:.0f} MiB float32 device tensors: FSDP rows (2 ranks, n0) -> TP columns (2 ranks, n1){}\n",
+  for (int32_t r = 0; r < dst.world(); ++r) make(dst, dst_proto, r, r < 2 || colocated ? n1 : *daemons[2], d[r], 0);
+  const double gb = static_cast<double>(rows * cols * 4) / 1e9 * (relay || colocated ? 2 : 1);  // delivered
+  fmt::print("== sync, {:.0f} MiB float32 device tensors: FSDP rows (2 ranks, n0) -> {}\n",
              static_cast<double>(rows * cols * 4) / (1 << 20),
-             relay ? " and a second replica (2 ranks, n2) relayed through n1: GB/s of both replicas' bytes" : "");
+             colocated ? "2 replicas of TP columns (2 ranks each) on n0 too, colocated: GB/s of both replicas' bytes"
+             : relay   ? "TP columns (2 ranks, n1) and a second replica (2 ranks, n2) relayed through n1: GB/s of both "
+                         "replicas' bytes"
+                       : "TP columns (2 ranks, n1)");
   std::vector<double> figures;
   double best_dense = 0, best_delta = 0;
   uint64_t gpu_encoded = 0, gpu_rebuilt = 0;
@@ -353,6 +361,11 @@ void syncFigures(int64_t mib, int syncs, const SyncBench& bench) {
                           static_cast<double>(std::max<uint64_t>(1, out.network_bytes()));
     fmt::print("sync v{}: {:.3f} s = {:.2f} GB/s, {:.0f}% landed in device memory directly{}\n", v, t, gb / t, direct,
                v == 1 ? " (plans, allocates, connects)" : "");
+    // Where the time went: the control plane's phases against the execute phase's copies.
+    fmt::print("   gather {:.2f} ms, plan {:.2f}, prepare {:.2f}{}, execute {:.2f} ({:.2f} GB/s), finish {:.2f}\n",
+               out.gather_seconds() * 1e3, out.plan_seconds() * 1e3, out.prepare_seconds() * 1e3,
+               out.folded() ? " (folded)" : "", out.execute_seconds() * 1e3,
+               out.execute_seconds() > 0 ? gb / out.execute_seconds() : 0.0, out.finish_seconds() * 1e3);
     if (bench.delta && v > 2) {  // v2 is the first dense sync with bases: planning, allocating
       double& best = as_delta ? best_delta : best_dense;
       best = std::max(best, gb / t);
@@ -412,13 +425,13 @@ int main(int argc, char** argv) {
       mib = std::stoll(value);
     else if (flag == "--syncs")
       syncs = std::stoi(value);
-    else if (flag == "--daemons" && (value == "2" || value == "3"))
+    else if (flag == "--daemons" && (value == "1" || value == "2" || value == "3"))
       bench.daemons = std::stoi(value);
     else if (flag == "--daemon-flag")
       bench.daemon_flags.push_back(value);
     else
       fail("bad flag " + flag + " " + value +
-           " (--mib N, --syncs N, --daemons 2|3, --sync-only, --delta, --daemon-flag F: one daemon argument each)");
+           " (--mib N, --syncs N, --daemons 1|2|3, --sync-only, --delta, --daemon-flag F: one daemon argument each)");
   }
   if (transport::cudaDeviceCount() == 0) {
     fmt::print("device_bench: no GPU here ({}): nothing to measure\n", transport::cudaUnavailableReason());

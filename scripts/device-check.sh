@@ -76,14 +76,17 @@ check() {
       env SHARDCAST_EXPECT_UCX="$ucx_version" SHARDCAST_EXPECT_UCX_CUDA=1 \
       "$bundle/bin/transport_tests" "the UCX loaded is the one a run names" --reporter compact
   fi
-  step "transport [gpu] and kernel geometry" 50 "$bundle/bin/transport_tests" "[gpu],[strided-copy]" --reporter compact
-  step "daemon [gpu]: device buffers on both sides of a sync, cuMem allocations by descriptor, the fp8 kernel, the delta kernels" 100 "$bundle/bin/daemon_tests" "[gpu]" --reporter compact
+  step "transport [gpu] and kernel geometry" 40 "$bundle/bin/transport_tests" "[gpu],[strided-copy]" --reporter compact
+  step "daemon [gpu]: device buffers on both sides of a sync, cuMem allocations by descriptor, the fp8 kernel, the delta kernels" 90 "$bundle/bin/daemon_tests" "[gpu]" --reporter compact
   step "client [gpu]: CUDA pointers become IPC handles" 30 "$bundle/bin/client_tests" "[gpu]" --reporter compact
   step "device bench: kernel pack/unpack vs device copy, sync GB/s (staged: UCX over TCP)" 80 "$bundle/bin/device_bench" --mib "${DEVICE_MIB:-1024}" --syncs 5
   # Issue 51: 3 daemons (a relay chain), 1% of the rows changing per version, delta syncs
   # encoded and rebuilt on the GPUs against dense ones of the same versions, staged over TCP.
   step "device bench: delta syncs against dense, 3 daemons, deltas on the GPUs" 45 "$bundle/bin/device_bench" --sync-only --delta --daemons 3 --mib "${DEVICE_MIB:-1024}" --syncs 7 \
     --daemon-flag --delta-device-mib --daemon-flag 4096
+  # Issue 51: trainer and 2 inference replicas on one daemon: device-to-device copies only, beside
+  # the D2D bound of the first bench step.
+  step "device bench: colocated sync, one daemon" 30 "$bundle/bin/device_bench" --sync-only --daemons 1 --mib "${DEVICE_MIB:-1024}" --syncs 5
   if [ -n "$ucx_version" ]; then
     # The same sync straight between GPUs: the daemons on one host put into each other's device
     # memory through cuda_ipc (plaintext daemons: put over a list with tcp needs --insecure), then a
@@ -100,7 +103,7 @@ check() {
     step "device bench: 3 daemons, a relay chain through cuda_ipc" 40 "$bundle/bin/device_bench" --sync-only --daemons 3 --mib "${DEVICE_MIB:-1024}" --syncs 4 "${ipc[@]}"
   fi
   # -s: the tests print torch's handle version and the GB/s of the FSDP2-style sync.
-  step "python: torch's CUDA handles; a CUDA DTensor and ${SHARDCAST_GPU_SHARD_GIB} GiB of FSDP2-style shards synced into CUDA views; expandable segments synced; vLLM's direct path" 150 \
+  step "python: torch's CUDA handles; a CUDA DTensor and ${SHARDCAST_GPU_SHARD_GIB} GiB of FSDP2-style shards synced into CUDA views; expandable segments synced; vLLM's direct path" 140 \
     "${PYTHON:-python3}" -m pytest -q -s -rs "$root/client/python/tests/test_cuda_handle.py" \
     "$root/client/python/tests/test_gpu.py" "$root/client/python/tests/test_vllm_direct.py"
   echo
