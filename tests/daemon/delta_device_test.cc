@@ -70,7 +70,7 @@ void compareEncoding(Gpu& gpu, const Pair& p, size_t unit, size_t cap) {
   REQUIRE(got->has_value() == host.has_value());
   if (host) {
     REQUIRE(**got == *host);
-    CHECK(std::memcmp(out.data(), host_out.data(), *host) == 0);
+    CHECK((*host == 0 || std::memcmp(out.data(), host_out.data(), *host) == 0));
   }
   std::vector<std::byte> base_after(bytes);
   gpu.download(base_after.data(), base, bytes);
