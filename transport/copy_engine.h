@@ -57,7 +57,8 @@ class CopyEngine {
   virtual Status quantizeFp8(const StridedView& dst, const StridedView& src, const Fp8QuantizeBox& box);
 
   // Delta chunks of device memory, on this engine's GPU (transport/cuda/delta_kernels.h); each
-  // waits for its work. UNIMPLEMENTED for engines without the kernels.
+  // waits for its work. UNIMPLEMENTED for engines without the kernels (deltaKernels() false).
+  virtual bool deltaKernels() const { return false; }
   // Encodes `now` against `base` (`bytes` each, on this GPU; units of `unit` bytes) into `out`
   // (host memory with room for `cap` bytes) and writes `now` into `base` either way. The delta's
   // size, or nullopt when it needs more than `cap` (then `out` is undefined: send `now` dense);

@@ -27,6 +27,13 @@ Status DeviceStream::hashLeaves(const std::byte*, int64_t, uint64_t*) {
 
 namespace {
 
+// Waits for a stream's work when it goes out of scope, whatever the way out: host memory its
+// queued copies read or write is not freed under them (an error after issuing them).
+struct Drain {
+  DeviceStream& stream;
+  ~Drain() { stream.synchronize().IgnoreError(); }
+};
+
 // Device scratch cut into consecutive parts, each 256-byte aligned.
 class ScratchParts {
  public:
@@ -119,6 +126,8 @@ class StreamCopyEngine final : public CopyEngine {
     return stream_->record();
   }
 
+  bool deltaKernels() const override { return stream_->kernels(); }
+
   // Summaries and leaf hashes on the GPU, placed on the host, records written on the GPU: only the
   // summaries, the leaves and the delta cross to the host.
   StatusOr<std::optional<size_t>> encodeDelta(const std::byte* now, std::byte* base, size_t bytes, size_t unit,
@@ -140,6 +149,7 @@ class StreamCopyEngine final : public CopyEngine {
     std::byte* dev_out = parts.carve(scratch, cap);
     std::vector<DeltaTile> host_tiles(tiles);
     std::vector<uint64_t> host_leaves(leaves);
+    const Drain drain{*stream_};  // (declared after what its copies write)
     SC_RETURN_IF_ERROR(stream_->hashLeaves(now, static_cast<int64_t>(bytes), dev_leaves));
     SC_RETURN_IF_ERROR(stream_->deltaTiles(plan, now, base, dev_tiles));
     SC_RETURN_IF_ERROR(stream_->copy(host_tiles.data(), dev_tiles, tiles * sizeof(DeltaTile)));
@@ -147,6 +157,7 @@ class StreamCopyEngine final : public CopyEngine {
     SC_RETURN_IF_ERROR(stream_->synchronize());
     *hash = treeHashOfLeaves(host_leaves.data(), static_cast<int64_t>(leaves), static_cast<int64_t>(bytes));
     std::vector<DeltaTilePlace> places(tiles);
+    const Drain drain_places{*stream_};
     const int64_t size =
         deltaPlaceTiles(host_tiles.data(), plan.tiles(), plan.unit, places.data(), static_cast<int64_t>(cap));
     if (size < 0) {  // too much changed: the base becomes `now` as it is
@@ -168,6 +179,7 @@ class StreamCopyEngine final : public CopyEngine {
     SC_RETURN_IF_ERROR(checkDeltaArgs(chunk, chunk, bytes, unit, "apply"));
     std::vector<int64_t> units;
     std::vector<std::byte> values;
+    const Drain drain{*stream_};
     SC_RETURN_IF_ERROR(parseDelta(delta, delta_bytes, static_cast<int64_t>(bytes / unit), static_cast<int32_t>(unit),
                                   &units, &values));
     const auto leaves = static_cast<size_t>(hashLeaves(static_cast<int64_t>(bytes)));
@@ -213,6 +225,7 @@ class StreamCopyEngine final : public CopyEngine {
   // The tree hash of `bytes` at `data`, its leaves hashed into `leaves` (device scratch), waited for.
   StatusOr<uint64_t> hashAndWait(const std::byte* data, size_t bytes, uint64_t* leaves, size_t count) {
     std::vector<uint64_t> host(count);
+    const Drain drain{*stream_};
     SC_RETURN_IF_ERROR(stream_->hashLeaves(data, static_cast<int64_t>(bytes), leaves));
     if (count > 0) SC_RETURN_IF_ERROR(stream_->copy(host.data(), leaves, count * sizeof(uint64_t)));
     SC_RETURN_IF_ERROR(stream_->synchronize());

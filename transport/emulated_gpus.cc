@@ -328,8 +328,8 @@ StatusOr<std::unique_ptr<DeviceMemory>> EmulatedGpus::allocateDevice(int device,
   class Allocation final : public DeviceMemory {
    public:
     Allocation(EmulatedGpus* gpus, size_t n, int device)
-        : gpus_(gpus), block_(std::make_unique<std::byte[]>(n)), n_(n) {
-      gpus_->addRange(block_.get(), n, device);
+        : gpus_(gpus), block_(std::make_unique<std::byte[]>(std::max<size_t>(n, 1))), n_(n) {
+      gpus_->addRange(block_.get(), std::max<size_t>(n, 1), device);
     }
     ~Allocation() override { gpus_->removeRange(block_.get()); }
     std::byte* data() const override { return block_.get(); }
@@ -340,7 +340,7 @@ StatusOr<std::unique_ptr<DeviceMemory>> EmulatedGpus::allocateDevice(int device,
     std::unique_ptr<std::byte[]> block_;
     size_t n_;
   };
-  return std::unique_ptr<DeviceMemory>(std::make_unique<Allocation>(this, std::max<size_t>(size, 1), device));
+  return std::unique_ptr<DeviceMemory>(std::make_unique<Allocation>(this, size, device));
 }
 
 bool EmulatedGpus::onDevice(const void* p, int device) const {

@@ -26,7 +26,16 @@ DeltaChoices::Choice DeltaChoices::choose(const std::string& src, const std::str
   std::lock_guard<std::mutex> lock(mu_);
   Pair& p = pairs_[keyOf(src, dst)];
   if (!p.dense || !p.delta || *p.delta <= *p.dense * (1 + kMargin)) {
+    // Deltas run; now and then a dense sync measures what they are compared with (at all, or
+    // anew: the link or the changed fraction may have moved since).
+    if (p.delta && ((!p.dense && p.delta_runs >= kProbeEvery) || p.delta_runs >= kMaxProbeEvery)) {
+      p.delta_runs = 0;
+      return {v1::DELTA_DENSE,
+              strCat("measuring a dense sync of ", quote(src), " -> ", quote(dst), " against its delta syncs (one in ",
+                     p.dense ? kMaxProbeEvery : kProbeEvery, "), bases kept")};
+    }
     p.dense_runs = 0;
+    if (p.delta) ++p.delta_runs;
     return {};
   }
   if (p.dense_runs >= p.probe_every) {  // try deltas again: this sync measures them anew
@@ -44,7 +53,8 @@ DeltaChoices::Choice DeltaChoices::choose(const std::string& src, const std::str
 
 void DeltaChoices::record(const std::string& src, const std::string& dst, const v1::SyncResponse& done) {
   if (done.delta() != v1::DELTA_AUTO && done.delta() != v1::DELTA_DENSE) return;
-  if (done.network_bytes() < kMinMeasuredBytes || done.execute_seconds() <= 0) return;
+  // A sync that planned (the pair's first, or layouts changed) also allocated and connected.
+  if (!done.plan_cached() || done.network_bytes() < kMinMeasuredBytes || done.execute_seconds() <= 0) return;
   const double sample = done.execute_seconds() / static_cast<double>(done.network_bytes());
   std::lock_guard<std::mutex> lock(mu_);
   Pair& p = pairs_[keyOf(src, dst)];

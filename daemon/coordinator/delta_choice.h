@@ -3,8 +3,9 @@
 // so a sync of deltas can be slower than the dense one over a fast link. The coordinating daemon
 // measures both per pair of groups, from the syncs it coordinated, and runs DELTA_AUTO as
 // DELTA_DENSE (bases kept, so the next delta is possible) while deltas measure slower; it tries
-// deltas again now and then, as the changed fraction or the link may have changed. DELTA_ALWAYS
-// sends deltas wherever a base allows, unmeasured.
+// deltas again now and then, as the changed fraction or the link may have changed, and while
+// deltas run, measures a dense sync now and then. DELTA_ALWAYS sends deltas wherever a base
+// allows, unmeasured. Catch-ups (read from another replica) are neither decided nor measured.
 #pragma once
 
 #include <cstdint>
@@ -36,15 +37,16 @@ class DeltaChoices {
 
   // The mode a DELTA_AUTO sync of `src` -> `dst` runs in.
   Choice choose(const std::string& src, const std::string& dst);
-  // A committed sync of `src` -> `dst` that ran DELTA_AUTO or DELTA_DENSE: its execute phase's
-  // seconds per network byte (the dense bytes every hop stands for) is a sample of deltas when
-  // chunks travelled as deltas, else of dense.
+  // A committed sync of `src` -> `dst` that ran DELTA_AUTO or DELTA_DENSE with a cached plan: its
+  // execute phase's seconds per network byte (the dense bytes every hop stands for) is a sample of
+  // deltas when chunks travelled as deltas, else of dense.
   void record(const std::string& src, const std::string& dst, const v1::SyncResponse& done);
 
  private:
   struct Pair {
     std::optional<double> dense, delta;  // seconds per byte (moving average)
     int dense_runs = 0;                  // DELTA_AUTO syncs run dense in a row by this choice
+    int delta_runs = 0;                  // and with deltas, since deltas were measured
     int probe_every = kProbeEvery;
   };
   static std::string keyOf(const std::string& src, const std::string& dst) { return src + '\n' + dst; }

@@ -161,7 +161,7 @@ Status SyncCoordinator::prepare() {
     delta_ = v1::DELTA_DENSE;  // the periodic refresh
     delta_choice_ = strCat("version ", version_, " is a multiple of --delta-dense-every ",
                            ctx_.config.delta_dense_every, ": a dense refresh");
-  } else if (delta_ == v1::DELTA_AUTO && ctx_.delta_choices) {  // deltas only where they measure faster
+  } else if (delta_ == v1::DELTA_AUTO && ctx_.delta_choices && !req_.options().catch_up()) {  // where faster
     auto choice = ctx_.delta_choices->choose(req_.src_group(), req_.dst_group());
     delta_ = choice.mode;
     delta_choice_ = std::move(choice.why);

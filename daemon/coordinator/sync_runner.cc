@@ -62,7 +62,7 @@ Status SyncRunner::run(const v1::SyncRequest& req, const std::string& id, std::o
     auto done = coordinator.run();
     if (done.ok()) {
       *out = std::move(*done);
-      delta_choices_.record(req.src_group(), req.dst_group(), *out);
+      if (!req.options().catch_up()) delta_choices_.record(req.src_group(), req.dst_group(), *out);
       out->set_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count());
       return absl::OkStatus();
     }

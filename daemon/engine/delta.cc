@@ -74,23 +74,33 @@ DeltaBases::Base* DeltaBases::Plan::make(int32_t transfer, int32_t chunk, size_t
 
 DeltaBases::Base* DeltaBases::Plan::makeOnDevice(int32_t transfer, int32_t chunk, size_t bytes, int gpu,
                                                  transport::DeviceRuntime& gpus) {
-  std::lock_guard<std::mutex> lock(owner_->mu_);
-  if (auto it = owner_->plans_.find(key_); it == owner_->plans_.end() || it->second.get() != this) return nullptr;
-  auto it = bases_.find({transfer, chunk});
-  if (it != bases_.end() && it->second.device && it->second.gpu == gpu && it->second.device->size() == bytes) {
-    it->second.fence = 0;  // the same memory, about to hold other bytes
-    it->second.committed = false;
-    return &it->second;
+  {
+    std::lock_guard<std::mutex> lock(owner_->mu_);
+    if (auto it = owner_->plans_.find(key_); it == owner_->plans_.end() || it->second.get() != this) return nullptr;
+    auto it = bases_.find({transfer, chunk});
+    if (it != bases_.end() && it->second.device && it->second.gpu == gpu && it->second.device->size() == bytes) {
+      it->second.fence = 0;  // the same memory, about to hold other bytes
+      it->second.committed = false;
+      return &it->second;
+    }
+    // Room for it, the device base it replaces credited; reserved while it is allocated (without
+    // the lock: the driver may take a while).
+    const uint64_t replaced = it != bases_.end() && it->second.device ? it->second.device->size() : 0;
+    if (!owner_->makeRoom(0, bytes > replaced ? bytes - replaced : 0, this)) return nullptr;
+    owner_->device_bytes_ += bytes;
   }
-  if (!owner_->makeRoom(0, bytes, this)) return nullptr;
   auto memory = gpus.allocateDevice(gpu, bytes);
-  if (!memory.ok()) return nullptr;
-  Base& b = bases_[{transfer, chunk}];
+  std::lock_guard<std::mutex> lock(owner_->mu_);
+  const auto it = owner_->plans_.find(key_);
+  if (!memory.ok() || it == owner_->plans_.end() || it->second.get() != this) {  // (or dropped meanwhile)
+    owner_->device_bytes_ -= bytes;
+    return nullptr;
+  }
+  Base& b = bases_[{transfer, chunk}];  // (only the attempt holding this plan touches its bases)
   owner_->uncount(b);
   b.bytes = {};
   b.device = std::move(*memory);
   b.gpu = gpu;
-  owner_->device_bytes_ += bytes;
   b.fence = 0;
   b.committed = false;
   return &b;

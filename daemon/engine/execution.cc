@@ -225,10 +225,20 @@ StatusOr<bool> Execution::sendFromGpu(int32_t t, int32_t k, const GpuChunk& g, u
   transport::CopyEngine* engine = g.src.device;
   transport::DeviceRuntime* gpus = env_.registry.deviceRuntime();
   const int gpu = g.gpu;
-  if (engine == nullptr || gpus == nullptr || gpu < 0) return false;
+  if (engine == nullptr || !engine->deltaKernels() || gpus == nullptr || gpu < 0) return false;
   DeltaBases::Base* base = a_->bases->find(t, k);
   const bool delta = target != 0 && base != nullptr && base->device && base->gpu == gpu && base->committed &&
                      base->fence == target && base->size() == n;
+  if (delta && (!gpu_chunk_ || gpu_chunk_->size() < n || gpu_chunk_gpu_ != gpu)) {
+    // The new bytes are packed next to the base: memory for them first, before the base is
+    // touched (none: the host encodes this chunk). The old buffer's copies are done first.
+    SC_RETURN_IF_ERROR(device_.flush());
+    gpu_chunk_.reset();
+    auto memory = gpus->allocateDevice(gpu, n);
+    if (!memory.ok()) return false;
+    gpu_chunk_ = std::move(*memory);
+    gpu_chunk_gpu_ = gpu;
+  }
   if (!delta) base = a_->bases->makeOnDevice(t, k, n, gpu, *gpus);
   if (base == nullptr) return false;  // no room on the GPU: the host packs and keeps this one
   base->fence = a_->fence;
@@ -255,10 +265,6 @@ StatusOr<bool> Execution::sendFromGpu(int32_t t, int32_t k, const GpuChunk& g, u
   }
   // The new bytes packed dense next to the base on the GPU, compared there; only the delta (or,
   // when too much changed, the dense chunk) is copied out.
-  if (!gpu_chunk_ || gpu_chunk_->size() < n || gpu_chunk_gpu_ != gpu) {
-    SC_ASSIGN_OR_RETURN(gpu_chunk_, gpus->allocateDevice(gpu, n));
-    gpu_chunk_gpu_ = gpu;
-  }
   const TypedView now{{gpu_chunk_->data(), transport::MemoryKind::kCuda, 0, g.wire}, g.tensor->dtype, engine};
   SC_RETURN_IF_ERROR(device_.flush());  // the chunk before: its follow-up done (the same stream waits next)
   SC_RETURN_IF_ERROR(env_.stage.pack(now, g.src, g.extent, site));
@@ -346,7 +352,7 @@ Status Execution::sendHeaded(int32_t t) {
   const uint64_t target = deltaTarget(t);
   // Delta syncs whose daemons check tree hashes: a chunk of one fragment packed from device
   // memory and copied as it is may be encoded on its GPU (sendFromGpu).
-  const bool gpu_deltas = a_->bases && a_->tree_hash && tr.fragments_count == 1;
+  const bool gpu_deltas = env_.gpu_deltas && a_->bases && a_->tree_hash && tr.fragments_count == 1;
   for (size_t k = 0; k < ts.chunks.size(); ++k) {
     const auto& chunk = ts.chunks[k];
     bool sent = false;  // encoded on the GPU and sent (or on its way)
@@ -477,6 +483,7 @@ Status Execution::check(const LandedChunk& l) {
   if (!delta && l.bytes != chunk.bytes) return bad(strCat("a dense chunk of ", l.bytes, " bytes, not ", chunk.bytes));
   if (delta && l.bytes > chunk.bytes) return bad(strCat("a delta of ", l.bytes, " bytes for a chunk of ", chunk.bytes));
   if (delta && landing->direct()) return bad("a delta for a chunk that lands in a rank directly");
+  if (l.encoding == LandedChunk::kDeltaTree && !a_->tree_hash) return bad("a tree-hashed delta in a sync without them");
   if (delta && a_->base.fence == 0) return bad("a delta for a node whose ranks hold no base");
   if (!a_->landOnce(l.transfer, l.chunk)) return bad("a chunk that already landed");
   return absl::OkStatus();
@@ -650,7 +657,7 @@ StatusOr<bool> Execution::decodeOnGpu(const LandedChunk& l, const std::byte* del
   const int gpu = pieces.front().gpu;
   transport::CopyEngine* engine = pieces.front().memory.device;
   transport::DeviceRuntime* gpus = env_.registry.deviceRuntime();
-  if (gpu < 0 || engine == nullptr || gpus == nullptr) return false;
+  if (!env_.gpu_deltas || gpu < 0 || engine == nullptr || !engine->deltaKernels() || gpus == nullptr) return false;
   for (const auto& p : pieces)
     if (p.gpu != gpu || p.memory.device != engine || p.memory.view.kind != transport::MemoryKind::kCuda) return false;
   const auto& chunk = cp_.transfer(l.transfer).chunks[static_cast<size_t>(l.chunk)];
@@ -666,7 +673,6 @@ StatusOr<bool> Execution::decodeOnGpu(const LandedChunk& l, const std::byte* del
     SC_RETURN_IF_ERROR(engine->copy({rebuilt + (p.at - chunk.offset), transport::MemoryKind::kCuda, 0, p.dense},
                                     p.memory.view, p.part.sizes(), p.tensor->elemBytes()));
   auto hash = engine->applyDelta(rebuilt, chunk.bytes, deltaUnit(l.transfer), delta, l.bytes);
-  if (hash.status().code() == absl::StatusCode::kUnimplemented) return false;  // no kernels: on the host
   if (!hash.ok())
     return absl::InvalidArgumentError(strCat("sync ", a_->id, " on node \"", env_.node, "\": chunk ", l.chunk,
                                              " of transfer ", l.transfer, ": ", hash.status().message()));

@@ -34,6 +34,9 @@ struct ExecutionEnv {
   Stage& stage;
   transport::CopyEngine& host_copies;  // raw byte copies (checksums of device memory)
   SpareMemory& spares;
+  // --delta-device-mib: delta chunks of device memory encoded (against bases kept there) and
+  // rebuilt (in one chunk of device memory per GPU, while a sync runs) on the GPUs.
+  bool gpu_deltas = false;
 };
 
 class Execution {

@@ -511,7 +511,9 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dstGroups()));
   // This wave's figures are what the sync's counters (read by progress()) gain during it.
   const SyncCounters before = a->moved.load();
-  SC_RETURN_IF_ERROR(Execution({node_, registry_, transport_, *stage_, *copies_, spares_}, a, req).run());
+  SC_RETURN_IF_ERROR(
+      Execution({node_, registry_, transport_, *stage_, *copies_, spares_, bases_.device_capacity() > 0}, a, req)
+          .run());
   // A client that truncated its segment while this wave read or wrote it: the daemon survived the
   // fault (transport/shm.h), the bytes it moved are not the rank's.
   SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dstGroups()));

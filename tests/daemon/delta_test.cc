@@ -226,6 +226,7 @@ v1::SyncResponse measured(v1::DeltaMode mode, double seconds, uint64_t bytes, ui
   r.set_network_bytes(bytes);
   r.set_delta_chunks(delta_chunks);
   r.set_dense_chunks(10);
+  r.set_plan_cached(true);
   return r;
 }
 
@@ -279,10 +280,39 @@ TEST_CASE("delta choice: small syncs, noise within the margin, off and always sy
   c.record("t", "v", measured(v1::DELTA_DENSE, 1.0, kBytes, 0));
   c.record("t", "v", measured(v1::DELTA_AUTO, 1.0 + DeltaChoices::kMargin / 2, kBytes, 4));
   CHECK(c.choose("t", "v").mode == v1::DELTA_AUTO);
-  // Syncs without bases (off) or unmeasured ones (always) are no samples.
+  // Syncs without bases (off), unmeasured ones (always) and ones that planned (allocating and
+  // connecting too) are no samples.
   DeltaChoices d;
   d.record("t", "v", measured(v1::DELTA_OFF, 0.1, kBytes, 0));
   d.record("t", "v", measured(v1::DELTA_ALWAYS, 9.0, kBytes, 4));
-  d.record("t", "v", measured(v1::DELTA_AUTO, 1.0, kBytes, 0));
-  CHECK(d.choose("t", "v").mode == v1::DELTA_AUTO);
+  auto planned = measured(v1::DELTA_AUTO, 0.1, kBytes, 0);
+  planned.set_plan_cached(false);
+  d.record("t", "v", planned);
+  d.record("t", "v", measured(v1::DELTA_AUTO, 1.0, kBytes, 4));
+  CHECK(d.choose("t", "v").mode == v1::DELTA_AUTO);  // (no dense sample: the planned one was not taken)
+}
+
+TEST_CASE("delta choice: while deltas run, a dense sync now and then measures what they are compared with",
+          "[daemon][delta]") {
+  DeltaChoices c;
+  constexpr uint64_t kBytes = uint64_t{1} << 30;
+  c.record("t", "v", measured(v1::DELTA_AUTO, 1.0, kBytes, 40));  // deltas only: never measured dense
+  std::vector<int> dense;
+  for (int i = 0; i < 2 * DeltaChoices::kProbeEvery; ++i) {
+    const auto choice = c.choose("t", "v");
+    if (choice.mode == v1::DELTA_DENSE) {
+      dense.push_back(i);
+      CHECK_THAT(choice.why, Catch::Contains("measuring a dense sync of \"t\" -> \"v\" against its delta syncs"));
+      c.record("t", "v", measured(v1::DELTA_DENSE, 2.0, kBytes, 0));  // slower than the deltas
+    } else {
+      c.record("t", "v", measured(v1::DELTA_AUTO, 1.0, kBytes, 40));
+    }
+  }
+  CHECK(dense == std::vector<int>{DeltaChoices::kProbeEvery});
+  // Measured both ways, deltas faster: a dense sync once in kMaxProbeEvery.
+  dense.clear();
+  for (int i = 0; i < 2 * DeltaChoices::kMaxProbeEvery + 2; ++i)
+    if (c.choose("t", "v").mode == v1::DELTA_DENSE) dense.push_back(i);
+  REQUIRE(dense.size() == 2);
+  CHECK(dense[1] - dense[0] == DeltaChoices::kMaxProbeEvery + 1);
 }

@@ -397,9 +397,12 @@ StatusOr<std::unique_ptr<DeviceMemory>> allocateDeviceMemory(int device, size_t 
   class Allocation final : public DeviceMemory {
    public:
     Allocation(int device, void* p, size_t n) : device_(device), p_(p), n_(n) {}
-    ~Allocation() override {
+    ~Allocation() override {  // on its device, the thread's current one put back
+      int current = 0;
+      const bool had = cudaGetDevice(&current) == cudaSuccess;
       cudaSetDevice(device_);
       cudaFree(p_);
+      if (had) cudaSetDevice(current);
     }
     std::byte* data() const override { return static_cast<std::byte*>(p_); }
     size_t size() const override { return n_; }

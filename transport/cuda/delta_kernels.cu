@@ -18,8 +18,13 @@ __device__ void threadRange(const DeltaPlan& p, int64_t tile, int64_t* begin, in
   *end = *begin + kDeltaThreadUnits < p.units ? *begin + kDeltaThreadUnits : p.units;
 }
 
+// Per-thread summaries in shared memory: raw storage (a __shared__ array takes no initializers).
+#define SC_SHARED_TILES(name)                                                  \
+  __shared__ alignas(DeltaTile) unsigned char name##_raw[sizeof(DeltaTile) * kDeltaThreads]; \
+  DeltaTile* name = reinterpret_cast<DeltaTile*>(name##_raw)
+
 __global__ void deltaTiles(DeltaPlan p, const std::byte* now, const std::byte* base, DeltaTile* tiles) {
-  __shared__ DeltaTile threads[kDeltaThreads];
+  SC_SHARED_TILES(threads);
   for (int64_t tile = blockIdx.x; tile < p.tiles(); tile += gridDim.x) {
     int64_t begin, end;
     threadRange(p, tile, &begin, &end);
@@ -36,7 +41,7 @@ __global__ void deltaTiles(DeltaPlan p, const std::byte* now, const std::byte* b
 
 __global__ void deltaWrite(DeltaPlan p, const std::byte* now, std::byte* base, const DeltaTilePlace* places,
                            std::byte* out) {
-  __shared__ DeltaTile threads[kDeltaThreads];
+  SC_SHARED_TILES(threads);
   __shared__ int64_t at[kDeltaThreads], prev[kDeltaThreads];
   for (int64_t tile = blockIdx.x; tile < p.tiles(); tile += gridDim.x) {
     int64_t begin, end;

@@ -18,6 +18,9 @@
 // xxHash64 of the leaves' hashes (little-endian) seeded with the chunk's size (treeHash).
 #pragma once
 
+#include <xxhash.h>
+
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -193,7 +196,7 @@ inline uint64_t chainLeaves(uint64_t h, const uint64_t* leaves, int64_t k) {
   std::byte buf[kHashChainLeaves * 8];
   for (int64_t i = 0; i < k; ++i)
     for (int b = 0; b < 8; ++b) buf[i * 8 + b] = static_cast<std::byte>(leaves[i] >> (8 * b));
-  return xxHash64(buf, k * 8, h);
+  return XXH64(buf, static_cast<size_t>(k * 8), h);  // the library's, on the host (xxHash64's value)
 }
 
 // The chunk's hash from its `count` leaves' (the GPU's, copied to the host).
@@ -212,7 +215,10 @@ inline uint64_t treeHash(const std::byte* data, int64_t bytes) {
   int64_t at = 0;
   do {
     const int64_t k = count - at < kHashChainLeaves ? count - at : kHashChainLeaves;
-    for (int64_t i = 0; i < k; ++i) leaves[i] = hashLeaf(data, bytes, at + i);
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t from = (at + i) * kHashLeafBytes;
+      leaves[i] = XXH64(data + from, static_cast<size_t>(std::min(kHashLeafBytes, bytes - from)), 0);  // hashLeaf
+    }
     h = chainLeaves(h, leaves, k);
     at += k;
   } while (at < count);
