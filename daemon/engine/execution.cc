@@ -658,8 +658,10 @@ StatusOr<bool> Execution::decodeOnGpu(const LandedChunk& l, const std::byte* del
   transport::CopyEngine* engine = pieces.front().memory.device;
   transport::DeviceRuntime* gpus = env_.registry.deviceRuntime();
   if (!env_.gpu_deltas || gpu < 0 || engine == nullptr || !engine->deltaKernels() || gpus == nullptr) return false;
+  // Pieces on other GPUs of the node (TP ranks) are read and written by this GPU's stream, GPU to
+  // GPU (NVLink or PCIe peer copies); each piece's region is this chunk's alone.
   for (const auto& p : pieces)
-    if (p.gpu != gpu || p.memory.device != engine || p.memory.view.kind != transport::MemoryKind::kCuda) return false;
+    if (p.gpu < 0 || p.memory.view.kind != transport::MemoryKind::kCuda) return false;
   const auto& chunk = cp_.transfer(l.transfer).chunks[static_cast<size_t>(l.chunk)];
   if (!gpu_rebuilt_ || gpu_rebuilt_->size() < chunk.bytes || gpu_rebuilt_gpu_ != gpu) {
     gpu_rebuilt_.reset();
@@ -669,7 +671,7 @@ StatusOr<bool> Execution::decodeOnGpu(const LandedChunk& l, const std::byte* del
     gpu_rebuilt_gpu_ = gpu;
   }
   std::byte* rebuilt = gpu_rebuilt_->data();
-  for (const auto& p : pieces)  // the ranks' bytes as they are, on their stream
+  for (const auto& p : pieces)  // the ranks' bytes as they are, on the rebuilding GPU's stream
     SC_RETURN_IF_ERROR(engine->copy({rebuilt + (p.at - chunk.offset), transport::MemoryKind::kCuda, 0, p.dense},
                                     p.memory.view, p.part.sizes(), p.tensor->elemBytes()));
   auto hash = engine->applyDelta(rebuilt, chunk.bytes, deltaUnit(l.transfer), delta, l.bytes);

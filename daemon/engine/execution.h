@@ -126,9 +126,10 @@ class Execution {
   StatusOr<std::vector<Piece>> localPieces(int32_t t, int32_t k);
   // A delta chunk: rebuilt from the local ranks' bytes (the base) into decoded_, checked.
   Status decode(const LandedChunk& l, const std::byte* delta, const std::vector<Piece>& pieces);
-  // The same on the GPU every piece is on (a tree-hashed delta): the base gathered into device
-  // memory, the delta applied and the result hashed there; `u` then reads it from there. False
-  // when that is not possible (pieces on several GPUs or in host memory, no kernels): decode().
+  // The same on a GPU (a tree-hashed delta whose pieces are all device memory: on the first
+  // piece's GPU, the others read and written GPU to GPU): the base gathered into device memory,
+  // the delta applied and the result hashed there; `u` then reads it from there. False when that
+  // is not possible (a piece in host memory, no kernels, no memory): decode().
   struct Unpacked;
   StatusOr<bool> decodeOnGpu(const LandedChunk& l, const std::byte* delta, Unpacked* u);
   // DATA_LOSS: a rebuilt chunk is not the source's (the ranks do not hold the base), naming them.

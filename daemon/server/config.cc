@@ -210,8 +210,8 @@ SizeFlags addTransferFlags(CLI::App& app, DaemonConfig& c) {
       ->capture_default_str();
   app.add_option("--delta-device-mib", c.delta_device_mib,
                  "GPU memory for delta syncs' bases of chunks packed from device memory, over all GPUs of this node: "
-                 "their deltas are encoded on the GPU, and delta chunks landing here for ranks on one GPU are "
-                 "rebuilt there (one chunk of device memory per GPU while a sync runs); only the changed elements "
+                 "their deltas are encoded on the GPU, and delta chunks landing here for ranks in device memory are "
+                 "rebuilt on a GPU (one more chunk of device memory while a sync runs); only the changed elements "
                  "cross PCIe (0: on the host, after a copy of every chunk)")
       ->envname("SHARDCAST_DELTA_DEVICE_MIB")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30))

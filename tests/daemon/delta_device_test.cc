@@ -16,6 +16,7 @@
 #include "daemon/engine/delta.h"
 #include "tests/support/device_buffer.h"
 #include "tests/support/gpu.h"
+#include "tests/support/kernel_gpu.h"
 #include "transport/cuda/delta_kernels.h"
 #include "transport/device_copy.h"
 #include "transport/emulated_gpus.h"
@@ -26,13 +27,7 @@ using namespace shardcast::transport;
 
 namespace {
 
-// A GPU to run the kernels on (emulated or real): its engine and its memory.
-struct Gpu {
-  CopyEngine* engine = nullptr;
-  std::function<std::byte*(size_t)> allocate;
-  std::function<void(std::byte*, const void*, size_t)> upload;
-  std::function<void(void*, const std::byte*, size_t)> download;
-};
+using Gpu = testing::KernelGpu;
 
 // `units` units of `unit` bytes, and a version of them with about `density` of the units changed
 // (a unit changed in one byte only, where it can be, so partial changes count too).
@@ -144,12 +139,6 @@ void everyApply(Gpu& gpu) {
   CHECK(after == p.before);
 }
 
-Gpu emulated(EmulatedGpus& gpus, CopyEngine& engine) {
-  return {&engine, [&gpus](size_t n) { return gpus.allocate(0, n); },
-          [](std::byte* d, const void* s, size_t n) { std::memcpy(d, s, n); },
-          [](void* d, const std::byte* s, size_t n) { std::memcpy(d, s, n); }};
-}
-
 }  // namespace
 
 TEST_CASE("tree hash: xxHash64 as the reference computes it, and leaves in chained batches",
@@ -178,7 +167,7 @@ TEST_CASE("GPU deltas, emulated: the kernels write the daemons' encoding byte fo
   EmulatedGpus gpus(1);
   auto engine = gpus.makeEngine(0);
   REQUIRE(engine.ok());
-  Gpu gpu = emulated(gpus, **engine);
+  Gpu gpu = testing::emulatedKernelGpu(gpus, **engine);
   everyEncoding(gpu);
   everyApply(gpu);
   CHECK(gpus.counts().hazards == 0);
@@ -199,15 +188,7 @@ TEST_CASE("GPU deltas: the CUDA kernels write the daemons' encoding byte for byt
   auto engine = makeCudaCopyEngine(0);
   REQUIRE(engine.ok());
   std::vector<std::unique_ptr<testing::DeviceBuffer>> buffers;
-  Gpu gpu{engine->get(),
-          [&](size_t n) {
-            auto b = testing::allocateDevice(n, 0);
-            REQUIRE(b.ok());
-            buffers.push_back(std::move(*b));
-            return static_cast<std::byte*>(buffers.back()->data());
-          },
-          [](std::byte* d, const void* s, size_t n) { REQUIRE(testing::copyToDevice(d, s, n).ok()); },
-          [](void* d, const std::byte* s, size_t n) { REQUIRE(testing::copyFromDevice(d, s, n).ok()); }};
+  Gpu gpu = testing::cudaKernelGpu(**engine, buffers);
   everyEncoding(gpu);
   everyApply(gpu);
 }

@@ -15,6 +15,7 @@
 #include "daemon/stage/convert.h"
 #include "tests/support/device_buffer.h"
 #include "tests/support/gpu.h"
+#include "tests/support/kernel_gpu.h"
 #include "transport/cuda/fp8_quantize.h"
 #include "transport/device_copy.h"
 #include "transport/emulated_gpus.h"
@@ -24,6 +25,8 @@ using namespace shardcast::daemon;
 using namespace shardcast::transport;
 
 namespace {
+
+using Gpu = testing::KernelGpu;
 
 planner::Box boxOf(std::vector<int64_t> lo, std::vector<int64_t> hi) {
   planner::Box b;
@@ -39,20 +42,6 @@ struct Case {
   std::vector<int64_t> shape, block;
   bool bf16 = false, pow2 = false;
 };
-
-// A GPU to run the quantiser on: an emulated one or a real one, its engine, its memory.
-struct Gpu {
-  CopyEngine* engine = nullptr;
-  std::function<std::byte*(size_t)> allocate;
-  std::function<void(std::byte*, const void*, size_t)> upload;
-  std::function<void(void*, const std::byte*, size_t)> download;
-};
-
-Gpu emulated(EmulatedGpus& gpus, CopyEngine& engine) {
-  return {&engine, [&gpus](size_t n) { return gpus.allocate(0, n); },
-          [](std::byte* d, const void* s, size_t n) { std::memcpy(d, s, n); },
-          [](void* d, const std::byte* s, size_t n) { std::memcpy(d, s, n); }};
-}
 
 // Quantises `box` of a row-major tensor on `gpu` (output on the GPU or in host memory) and on
 // the host; both outputs dense over the box, compared byte for byte, and the blocks' scales too.
@@ -206,7 +195,7 @@ TEST_CASE("fp8 on the GPU: the kernel's plan and math give the host quantiser's 
           "[daemon][fp8][emulated]") {
   EmulatedGpus gpus(1);
   auto engine = makeStreamCopyEngine(gpus.stream(0));
-  Gpu gpu = emulated(gpus, *engine);
+  Gpu gpu = testing::emulatedKernelGpu(gpus, *engine);
   everyCase(gpu);
   CHECK(gpus.counts().hazards == 0);
   CHECK(gpus.counts().launches > 0);
@@ -251,15 +240,7 @@ TEST_CASE("fp8 on the GPU: the CUDA kernel gives the host quantiser's bytes and 
   auto engine = makeCudaCopyEngine(0);
   REQUIRE(engine.ok());
   std::vector<std::unique_ptr<testing::DeviceBuffer>> buffers;
-  Gpu gpu{engine->get(),
-          [&](size_t n) {
-            auto b = testing::allocateDevice(n, 0);
-            REQUIRE(b.ok());
-            buffers.push_back(std::move(*b));
-            return static_cast<std::byte*>(buffers.back()->data());
-          },
-          [](std::byte* d, const void* s, size_t n) { REQUIRE(testing::copyToDevice(d, s, n).ok()); },
-          [](void* d, const std::byte* s, size_t n) { REQUIRE(testing::copyFromDevice(d, s, n).ok()); }};
+  Gpu gpu = testing::cudaKernelGpu(**engine, buffers);
   everyCase(gpu);
 }
 
