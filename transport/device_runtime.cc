@@ -23,6 +23,7 @@ class Cuda final : public DeviceRuntime {
   StatusOr<std::unique_ptr<DeviceMemory>> allocateDevice(int device, size_t size) override {
     return allocateDeviceMemory(device, size);
   }
+  bool peerAccess(int device, int peer) const override { return cudaPeerAccess(device, peer); }
 };
 
 }  // namespace

@@ -46,6 +46,8 @@ class DeviceRuntime {
   virtual StatusOr<std::unique_ptr<HostPin>> pinHost(void* data, size_t size) = 0;
   // `size` bytes of GPU `device`'s memory, freed with the returned object.
   virtual StatusOr<std::unique_ptr<DeviceMemory>> allocateDevice(int device, size_t size) = 0;
+  // Whether GPU `device`'s stream reads and writes GPU `peer`'s memory directly (peer access).
+  virtual bool peerAccess(int device, int peer) const = 0;
 };
 
 DeviceRuntime& cudaRuntime();

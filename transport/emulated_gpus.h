@@ -64,6 +64,7 @@ class EmulatedGpus final : public DeviceRuntime {
   StatusOr<std::unique_ptr<HostPin>> pinHost(void* data, size_t size) override;
   // Freed with the returned object (unlike allocate()'s, which live as long as this one).
   StatusOr<std::unique_ptr<DeviceMemory>> allocateDevice(int device, size_t size) override;
+  bool peerAccess(int, int) const override { return true; }  // (host memory underneath)
 
  private:
   class Stream;

@@ -31,8 +31,8 @@ DeltaChoices::Choice DeltaChoices::choose(const std::string& src, const std::str
     if (p.delta && ((!p.dense && p.delta_runs >= kProbeEvery) || p.delta_runs >= kMaxProbeEvery)) {
       p.delta_runs = 0;
       return {v1::DELTA_DENSE,
-              strCat("measuring a dense sync of ", quote(src), " -> ", quote(dst), " against its delta syncs (one in ",
-                     p.dense ? kMaxProbeEvery : kProbeEvery, "), bases kept")};
+              strCat("measuring a dense sync of ", quote(src), " -> ", quote(dst), " against its delta syncs (after ",
+                     p.dense ? kMaxProbeEvery : kProbeEvery, " of them), bases kept")};
     }
     p.dense_runs = 0;
     if (p.delta) ++p.delta_runs;
@@ -44,6 +44,7 @@ DeltaChoices::Choice DeltaChoices::choose(const std::string& src, const std::str
     return {};
   }
   ++p.dense_runs;
+  p.delta_runs = 0;
   return {v1::DELTA_DENSE, strCat("delta syncs of ", quote(src), " -> ", quote(dst), " measured slower than dense (",
                                   gbps(*p.delta), " against ", gbps(*p.dense),
                                   " of the weights' bytes, while executing): dense, bases kept; deltas "
@@ -60,6 +61,7 @@ void DeltaChoices::record(const std::string& src, const std::string& dst, const 
   Pair& p = pairs_[keyOf(src, dst)];
   if (done.delta_chunks() == 0) {
     average(p.dense, sample);
+    p.delta_runs = 0;  // measured just now
     return;
   }
   average(p.delta, sample);

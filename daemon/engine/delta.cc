@@ -55,15 +55,16 @@ DeltaBases::Base* DeltaBases::Plan::find(int32_t transfer, int32_t chunk) {
 }
 
 DeltaBases::Base* DeltaBases::Plan::make(int32_t transfer, int32_t chunk, size_t bytes) {
+  Released released;  // freed after the lock is let go (device memory: the driver waits for its GPU)
   std::lock_guard<std::mutex> lock(owner_->mu_);
   // Dropped while in use (its plan was evicted): nothing more is kept for it.
   if (auto it = owner_->plans_.find(key_); it == owner_->plans_.end() || it->second.get() != this) return nullptr;
   auto it = bases_.find({transfer, chunk});
   const size_t had = it == bases_.end() || it->second.device ? 0 : it->second.bytes.size();
-  if (bytes > had && !owner_->makeRoom(bytes - had, 0, this)) return nullptr;
+  if (bytes > had && !owner_->makeRoom(bytes - had, 0, this, &released)) return nullptr;
   Base& b = bases_[{transfer, chunk}];
   owner_->uncount(b);
-  b.device.reset();
+  released.memory.push_back(std::move(b.device));
   b.gpu = -1;
   b.bytes.resize(bytes);
   owner_->bytes_ += bytes;
@@ -74,6 +75,7 @@ DeltaBases::Base* DeltaBases::Plan::make(int32_t transfer, int32_t chunk, size_t
 
 DeltaBases::Base* DeltaBases::Plan::makeOnDevice(int32_t transfer, int32_t chunk, size_t bytes, int gpu,
                                                  transport::DeviceRuntime& gpus) {
+  Released released;  // freed after the lock is let go
   {
     std::lock_guard<std::mutex> lock(owner_->mu_);
     if (auto it = owner_->plans_.find(key_); it == owner_->plans_.end() || it->second.get() != this) return nullptr;
@@ -83,22 +85,28 @@ DeltaBases::Base* DeltaBases::Plan::makeOnDevice(int32_t transfer, int32_t chunk
       it->second.committed = false;
       return &it->second;
     }
-    // Room for it, the device base it replaces credited; reserved while it is allocated (without
-    // the lock: the driver may take a while).
+    // Room for it, the device base it replaces credited. The old base goes now (host or device),
+    // and the new one's bytes are reserved while it is allocated without the lock (the driver may
+    // take a while).
     const uint64_t replaced = it != bases_.end() && it->second.device ? it->second.device->size() : 0;
-    if (!owner_->makeRoom(0, bytes > replaced ? bytes - replaced : 0, this)) return nullptr;
+    if (!owner_->makeRoom(0, bytes > replaced ? bytes - replaced : 0, this, &released)) return nullptr;
+    if (it != bases_.end()) {
+      owner_->uncount(it->second);
+      released.memory.push_back(std::move(it->second.device));
+      bases_.erase(it);
+    }
     owner_->device_bytes_ += bytes;
   }
   auto memory = gpus.allocateDevice(gpu, bytes);
   std::lock_guard<std::mutex> lock(owner_->mu_);
-  const auto it = owner_->plans_.find(key_);
-  if (!memory.ok() || it == owner_->plans_.end() || it->second.get() != this) {  // (or dropped meanwhile)
+  // No memory, or the plan was dropped meanwhile (its bases uncounted, not this reservation).
+  if (const auto it = owner_->plans_.find(key_);
+      !memory.ok() || it == owner_->plans_.end() || it->second.get() != this) {
+    if (memory.ok()) released.memory.push_back(std::move(*memory));
     owner_->device_bytes_ -= bytes;
     return nullptr;
   }
   Base& b = bases_[{transfer, chunk}];  // (only the attempt holding this plan touches its bases)
-  owner_->uncount(b);
-  b.bytes = {};
   b.device = std::move(*memory);
   b.gpu = gpu;
   b.fence = 0;
@@ -136,11 +144,13 @@ void DeltaBases::finish(const std::string& key, uint64_t fence, bool committed) 
 }
 
 void DeltaBases::drop(const std::string& key) {
+  std::shared_ptr<Plan> gone;  // freed after the lock is let go
   std::lock_guard<std::mutex> lock(mu_);
   auto it = plans_.find(key);
   if (it == plans_.end()) return;
   // Not cleared: an attempt using them keeps them (and pointers into them) until it lets go.
   for (const auto& [at, b] : it->second->bases_) uncount(b);
+  gone = std::move(it->second);
   plans_.erase(it);
   lru_.remove(key);
 }
@@ -162,7 +172,7 @@ void DeltaBases::uncount(const Base& b) {
     bytes_ -= b.bytes.size();
 }
 
-bool DeltaBases::makeRoom(uint64_t bytes, uint64_t device, const Plan* keep) {
+bool DeltaBases::makeRoom(uint64_t bytes, uint64_t device, const Plan* keep, Released* released) {
   if (bytes > capacity_ || device > device_capacity_) return false;
   const auto full = [&] { return bytes_ + bytes > capacity_ || device_bytes_ + device > device_capacity_; };
   for (auto it = lru_.rbegin(); it != lru_.rend() && full();) {
@@ -173,6 +183,7 @@ bool DeltaBases::makeRoom(uint64_t bytes, uint64_t device, const Plan* keep) {
     }
     // Not cleared: a plan unclaimed here may still be held by an attempt that let go of it.
     for (const auto& [at, b] : p->bases_) uncount(b);
+    released->plans.push_back(std::move(p));
     plans_.erase(*it);
     it = std::make_reverse_iterator(lru_.erase(std::next(it).base()));
   }

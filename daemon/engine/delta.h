@@ -94,7 +94,13 @@ class DeltaBases {
  private:
   // With mu_ held: room for `bytes` more in host memory and `device` more on GPUs, evicting
   // unclaimed plans but `keep` (least recently used first); false when there is none.
-  bool makeRoom(uint64_t bytes, uint64_t device, const Plan* keep);
+  // What a call lets go of, freed once its lock is let go (device memory: the driver waits for
+  // the GPU's work); declared before the lock.
+  struct Released {
+    std::vector<std::shared_ptr<Plan>> plans;
+    std::vector<std::unique_ptr<transport::DeviceMemory>> memory;
+  };
+  bool makeRoom(uint64_t bytes, uint64_t device, const Plan* keep, Released* released);
   // With mu_ held: `b`'s memory no longer counted (it is about to be replaced or dropped).
   void uncount(const Base& b);
 

@@ -654,14 +654,20 @@ Status Execution::decode(const LandedChunk& l, const std::byte* delta, const std
 StatusOr<bool> Execution::decodeOnGpu(const LandedChunk& l, const std::byte* delta, Unpacked* u) {
   const auto& pieces = u->pieces;
   if (l.encoding != LandedChunk::kDeltaTree || pieces.empty()) return false;
-  const int gpu = pieces.front().gpu;
-  transport::CopyEngine* engine = pieces.front().memory.device;
+  // On the GPU the last chunk was rebuilt on when a piece is there (its buffer kept), else the
+  // first piece's.
+  const Piece* on = &pieces.front();
+  for (const auto& p : pieces)
+    if (p.gpu == gpu_rebuilt_gpu_) on = &p;
+  const int gpu = on->gpu;
+  transport::CopyEngine* engine = on->memory.device;
   transport::DeviceRuntime* gpus = env_.registry.deviceRuntime();
   if (!env_.gpu_deltas || gpu < 0 || engine == nullptr || !engine->deltaKernels() || gpus == nullptr) return false;
   // Pieces on other GPUs of the node (TP ranks) are read and written by this GPU's stream, GPU to
-  // GPU (NVLink or PCIe peer copies); each piece's region is this chunk's alone.
+  // GPU, where it reaches them (peer access: NVLink or PCIe); each piece's region is this chunk's
+  // alone.
   for (const auto& p : pieces)
-    if (p.gpu < 0 || p.memory.view.kind != transport::MemoryKind::kCuda) return false;
+    if (p.gpu < 0 || p.memory.view.kind != transport::MemoryKind::kCuda || !gpus->peerAccess(gpu, p.gpu)) return false;
   const auto& chunk = cp_.transfer(l.transfer).chunks[static_cast<size_t>(l.chunk)];
   if (!gpu_rebuilt_ || gpu_rebuilt_->size() < chunk.bytes || gpu_rebuilt_gpu_ != gpu) {
     gpu_rebuilt_.reset();
@@ -675,9 +681,9 @@ StatusOr<bool> Execution::decodeOnGpu(const LandedChunk& l, const std::byte* del
     SC_RETURN_IF_ERROR(engine->copy({rebuilt + (p.at - chunk.offset), transport::MemoryKind::kCuda, 0, p.dense},
                                     p.memory.view, p.part.sizes(), p.tensor->elemBytes()));
   auto hash = engine->applyDelta(rebuilt, chunk.bytes, deltaUnit(l.transfer), delta, l.bytes);
-  if (!hash.ok())
-    return absl::InvalidArgumentError(strCat("sync ", a_->id, " on node \"", env_.node, "\": chunk ", l.chunk,
-                                             " of transfer ", l.transfer, ": ", hash.status().message()));
+  if (!hash.ok())  // a malformed delta (INVALID_ARGUMENT) or this GPU's failure, as it is
+    return Status(hash.status().code(), strCat("sync ", a_->id, " on node \"", env_.node, "\": chunk ", l.chunk,
+                                               " of transfer ", l.transfer, ": ", hash.status().message()));
   if (*hash != l.result) return notRebuilt(l, pieces);
   u->wire = rebuilt;
   u->kind = transport::MemoryKind::kCuda;

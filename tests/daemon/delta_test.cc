@@ -11,6 +11,7 @@
 
 #include "daemon/coordinator/delta_choice.h"
 #include "daemon/engine/sync_attempt.h"
+#include "transport/emulated_gpus.h"
 
 using namespace shardcast::daemon;
 namespace v1 = shardcast::v1;
@@ -309,10 +310,39 @@ TEST_CASE("delta choice: while deltas run, a dense sync now and then measures wh
     }
   }
   CHECK(dense == std::vector<int>{DeltaChoices::kProbeEvery});
-  // Measured both ways, deltas faster: a dense sync once in kMaxProbeEvery.
+  // Measured both ways, deltas faster: a dense sync after every kMaxProbeEvery delta syncs.
   dense.clear();
   for (int i = 0; i < 2 * DeltaChoices::kMaxProbeEvery + 2; ++i)
     if (c.choose("t", "v").mode == v1::DELTA_DENSE) dense.push_back(i);
   REQUIRE(dense.size() == 2);
   CHECK(dense[1] - dense[0] == DeltaChoices::kMaxProbeEvery + 1);
+}
+
+TEST_CASE("delta bases on GPUs: bounded by their own capacity, a replaced base credited, back to host memory",
+          "[daemon][delta][emulated-gpu]") {
+  shardcast::transport::EmulatedGpus gpus(1);
+  DeltaBases bases(1 << 20, 1000);
+  auto a = bases.claim("a", 1);
+  REQUIRE(a->makeOnDevice(0, 0, 600, 0, gpus) != nullptr);
+  CHECK(bases.device_bytes() == 600);
+  auto* grown = a->makeOnDevice(0, 0, 800, 0, gpus);  // the 600 it replaces are credited
+  REQUIRE(grown != nullptr);
+  CHECK(grown->size() == 800);
+  CHECK(bases.device_bytes() == 800);
+  CHECK(a->makeOnDevice(0, 1, 300, 0, gpus) == nullptr);  // no room: a plan's own bases stay
+  CHECK(a->makeOnDevice(0, 1, 300, 7, gpus) == nullptr);  // no such GPU
+  CHECK(bases.device_bytes() == 800);
+  auto* host = a->make(0, 0, 100);  // the same chunk kept on the host from now on
+  REQUIRE(host != nullptr);
+  CHECK((host->device == nullptr && host->size() == 100));
+  CHECK((bases.device_bytes() == 0 && bases.bytes() == 100));
+  bases.finish("a", 1, true);
+  auto b = bases.claim("b", 2);
+  REQUIRE(b->makeOnDevice(0, 0, 1000, 0, gpus) != nullptr);
+  bases.finish("b", 2, true);
+  auto again = bases.claim("a", 3);
+  REQUIRE(again->makeOnDevice(0, 0, 500, 0, gpus) != nullptr);  // "b" (unclaimed, older) evicted for it
+  CHECK((bases.device_bytes() == 500 && bases.bytes() == 0));
+  bases.drop("a");
+  CHECK((bases.device_bytes() == 0 && bases.bytes() == 0));
 }

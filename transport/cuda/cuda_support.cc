@@ -418,6 +418,16 @@ StatusOr<std::unique_ptr<DeviceMemory>> allocateDeviceMemory(int device, size_t 
   return std::unique_ptr<DeviceMemory>(std::make_unique<Allocation>(device, p, size));
 }
 
+bool cudaPeerAccess(int device, int peer) {
+  if (device == peer) return true;
+  int can = 0;
+  if (cudaDeviceCanAccessPeer(&can, device, peer) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return can != 0;
+}
+
 StatusOr<std::unique_ptr<HostPin>> pinHostMemory(void* data, size_t size) {
   class Registered final : public HostPin {
    public:

@@ -53,6 +53,9 @@ class DeviceMemory {
   virtual size_t size() const = 0;
 };
 StatusOr<std::unique_ptr<DeviceMemory>> allocateDeviceMemory(int device, size_t size);
+// Whether GPU `device`'s kernels and copies reach GPU `peer`'s memory directly (NVLink or PCIe
+// peer access; true for the same GPU).
+bool cudaPeerAccess(int device, int peer);
 
 // Page-locked host memory for staging device data when the transport cannot reach the device.
 class PinnedBuffer {

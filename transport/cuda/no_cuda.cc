@@ -18,6 +18,7 @@ StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaAllocations(std::vector<Owne
 StatusOr<ExportedCudaIpc> exportCudaIpcHandle(const void*) { return unavailable(); }
 StatusOr<std::unique_ptr<PinnedBuffer>> allocatePinned(size_t) { return unavailable(); }
 StatusOr<std::unique_ptr<DeviceMemory>> allocateDeviceMemory(int, size_t) { return unavailable(); }
+bool cudaPeerAccess(int, int) { return false; }
 StatusOr<std::unique_ptr<HostPin>> pinHostMemory(void*, size_t) { return unavailable(); }
 StatusOr<std::unique_ptr<CopyEngine>> makeCudaCopyEngine(int) { return unavailable(); }
 
