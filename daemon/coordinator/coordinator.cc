@@ -281,12 +281,10 @@ void SyncCoordinator::record(size_t i, uint64_t received, uint64_t sent) {
 
 Status SyncCoordinator::failed(const Status& st) {
   if (lease_keeper_) lease_keeper_->stop();
-  // The phase stays where the attempt failed: the sync failed only when its runner does not run
-  // it again (SyncRunner::run marks it), and a watcher stops at a failed phase.
-  ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
-    p.set_error(std::string(st.message()));
-    p.set_seconds(since(start_));
-  });
+  // The phase and the error stay as they were: the sync failed only when its runner does not run
+  // it again (SyncRunner::run then sets both), and a watcher stops at a failed phase. An attempt
+  // run again must show no error meanwhile (a kept view's "stale view" is not the sync's).
+  ctx_.progress.update(id_, [&](v1::SyncProgress& p) { p.set_seconds(since(start_)); });
   return st;
 }
 
