@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -259,6 +260,59 @@ def test_a_replica_whose_daemon_restarted_is_cut_not_left_until_it_does_not_come
         step(trainers, 4)
         assert outcomes(src.sync("trainer", "rollout", 4)) == {"rollout.r0": (True, "")}
         for reg in trainers + r0:
+            reg.close()
+
+
+def cli_sync(cluster: LocalCluster, version: int, *options: str) -> subprocess.CompletedProcess:
+    """`shardcast sync` of the trainer into the set "rollout", through n0's daemon."""
+    return subprocess.run([str(shardcastd_path().parent / "shardcast"), "sync", "--daemon", cluster.target("n0"),
+                           "--src", "trainer", "--dst", "rollout", "--version", str(version), "--no-progress",
+                           *options], capture_output=True, text=True, timeout=60)
+
+
+def test_the_cli_syncs_a_replica_set_with_its_minimum_and_deadline_and_prints_each_replica():
+    """`shardcast sync --min-replicas N --replica-deadline-s S` into a set: the minimum is the
+    daemon's (one above the set's size fails, naming it), the deadline too (a frozen replica's node
+    costs the gather that deadline, not the 5 s peer timeout), and each replica is printed as
+    committed, cut (with why) or left (once, after its ranks unregistered)."""
+    shardcastd_path()
+    with LocalCluster(["n0", "n1", "n2", "n3"]) as c:
+        clients, src, trainers, replicas = trainer_and_replicas(c, 3)
+        out = cli_sync(c, 1, "--min-replicas", "3", "--replica-deadline-s", "5")
+        assert out.returncode == 0, out.stderr
+        assert [line.strip() for line in out.stdout.splitlines() if "replica " in line] == [
+            f"replica {k} (rollout.r{k}): committed" for k in range(3)], out.stdout
+        step(trainers, 2)
+        out = cli_sync(c, 2, "--min-replicas", "4")
+        assert out.returncode != 0
+        assert 'replica set "rollout": 3 of 3 replicas can take part, at least 4 needed' in out.stderr, out.stderr
+        assert holds(replicas[0], 1)
+
+        # Replica 1 leaves, replica 2's node freezes: the others commit within the deadline.
+        for reg in replicas[1]:
+            reg.close()
+        freeze_process(c.daemons["n3"].proc.pid)
+        try:
+            out = cli_sync(c, 2, "--min-replicas", "1", "--replica-deadline-s", "0.5")
+        finally:
+            os.kill(c.daemons["n3"].proc.pid, signal.SIGCONT)
+        assert out.returncode == 0, out.stderr
+        lines = [line.strip() for line in out.stdout.splitlines() if "replica " in line]
+        assert lines[0] == "replica 0 (rollout.r0): committed", out.stdout
+        assert lines[1].startswith("replica 1 (rollout.r1): left: left the set since the last sync"), out.stdout
+        assert lines[2].startswith('replica 2 (rollout.r2): cut: node(s) "n3" holding its ranks do not answer'), \
+            out.stdout
+        assert len(lines) == 3
+        gather = float(re.search(r"gather (\d+\.\d+) s", out.stdout).group(1))
+        assert 0.4 < gather < 3.0, out.stdout
+        assert holds(replicas[0], 2)
+
+        # The sync after names the replica that left no more.
+        step(trainers, 3)
+        out = cli_sync(c, 3)
+        assert out.returncode == 0, out.stderr
+        assert "rollout.r1" not in out.stdout and "replica 2 (rollout.r2): committed" in out.stdout, out.stdout
+        for reg in trainers + replicas[0] + replicas[2]:
             reg.close()
 
 
