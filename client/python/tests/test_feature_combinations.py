@@ -2,11 +2,13 @@
 daemons: double-buffered replicas in a replica set (synced, caught up, deltas), a replica caught
 up from its peer and then synced with deltas (the first dense, the next a delta), block-scaled fp8
 into double-buffered ranks with delta syncs (dense for them, bit for bit torch's), and an fp8
-replica caught up from its peer, then synced with deltas (refused: an expected failure until it is
-built)."""
+replica caught up from its peer (its fp8 bytes and scales copied as they are), then synced with
+deltas (the first dense, the next a delta). And the README's features table says what
+docs/clients.md's does."""
 
 from __future__ import annotations
 
+import re
 import types
 
 import numpy as np
@@ -17,7 +19,7 @@ import shardcast
 import test_delta as delta_case
 import test_fp8 as fp8_case  # its helpers only: importing the module collects none of its tests here
 import test_replica_sets as set_case
-from conftest import shardcastd_path
+from conftest import ROOT, shardcastd_path
 from shardcast.local import LocalCluster
 
 torch = pytest.importorskip("torch", reason="the test venv (scripts/deps.sh) has torch")
@@ -175,3 +177,36 @@ def test_an_fp8_replica_catches_up_from_its_peer_and_then_takes_delta_syncs():
             assert (resp.delta_chunks > 0) == (version == 3), (version, resp.delta_chunks, resp.dense_chunks)
         for reg in src + first + late:
             reg.close()
+
+
+def _verdict_and_link(cell: str) -> tuple:
+    """("yes" or "no", the docs page#anchor it links, relative to docs/) of a table cell."""
+    link = re.search(r"\]\(([^)]+)\)", cell)
+    verdict = re.match(r"\W*(\w+)", cell).group(1)
+    return verdict, link.group(1).removeprefix("docs/") if link else None
+
+
+def test_the_readme_and_clients_md_features_tables_agree():
+    """README's matrix and docs/clients.md's list ("Features that combine") name the same pairs of
+    features, each with the same verdict and the same section for its limits."""
+    readme = (ROOT / "README.md").read_text().split("Which features combine", 1)[1]
+    rows = [line for line in readme.split("\n\n", 1)[1].split("\n\n", 1)[0].splitlines()]
+    columns = [c.strip() for c in rows[0].strip("|").split("|")][1:]
+    in_readme = {}
+    for line in rows[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        row = cells[0].strip("*")
+        for column, cell in zip(columns, cells[1:]):
+            if cell:
+                in_readme[frozenset((row, column))] = _verdict_and_link(cell)
+    clients = (ROOT / "docs" / "clients.md").read_text().split("### Features that combine", 1)[1]
+    in_clients = {}
+    for line in clients.split("\n\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]:
+        pair, works, where = [c.strip() for c in line.strip().strip("|").split("|")]
+        features = frozenset(f.strip() for f in pair.split(" + "))
+        assert len(features) == 2, line
+        in_clients[features] = (_verdict_and_link(works)[0], _verdict_and_link(where)[1])
+    assert len(in_readme) == 10 and set(in_readme) == set(in_clients), (
+        sorted(map(sorted, set(in_readme) ^ set(in_clients))))
+    for pair, said in in_readme.items():
+        assert said == in_clients[pair], (sorted(pair), said, in_clients[pair])
