@@ -111,4 +111,9 @@ if [ "$(cat "$vvenv/.shardcast-stamp" 2>/dev/null)" != "$vstamp" ]; then
   "$vvenv/bin/python" -c 'import vllm, shardcast' || { echo "deps: the vLLM venv does not import vllm" >&2; exit 1; }
   echo "$vstamp" >"$vvenv/.shardcast-stamp"
 fi
+# PEFT, for the LoRA tests' trainer (a test dependency, not vLLM's): outside the stamp, so adding it
+# does not rebuild the venv.
+"$vvenv/bin/python" -c 'import peft' 2>/dev/null ||
+  "$vvenv/bin/python" -m pip install -q peft==0.21.2 "$vtorch" 2>&1 | grep -v "torch==2.13.0+cpu\|dependency resolver does not" || true
+"$vvenv/bin/python" -c 'import peft' || { echo "deps: the vLLM venv does not import peft" >&2; exit 1; }
 ln -sfn "$vvenv" "$root/.venv-vllm"

@@ -35,12 +35,12 @@ def engine_args(tp, **extra) -> dict:
                 **extra)
 
 
-def generate(llm) -> list:
-    """Greedy tokens and the top-2 logprobs of each, for every prompt."""
+def generate(llm, lora_request=None) -> list:
+    """Greedy tokens and the top-2 logprobs of each, for every prompt (with a LoRA adapter, if given)."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora_request)
     return [{"tokens": list(o.outputs[0].token_ids),
              "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]}
             for o in outs]

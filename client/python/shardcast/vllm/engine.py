@@ -23,6 +23,10 @@ bytes arrive through the node's shardcastd instead of a collective.
   (the only pause the update needs); then re-runs vLLM's processing for the layers that need it
   (shardcast.vllm.apply), putting the landed bytes into service. vLLM's engine core then resets its
   prefix cache in the same call (shardcast.vllm.session), before it schedules another step.
+- LoRA adapters (`lora` in the init info, shardcast.vllm.lora): each adapter its own group, landed
+  in buffers of the worker's own and put into service by vLLM's own in-memory adapter API when the
+  update finishes (`after_finish`, once vLLM has removed every adapter as it does after an update).
+  An update names the adapters it carries (`adapters`); the others keep serving what they serve.
 
 Every call reaches this engine through shardcast.vllm.session, which runs it on every worker and
 reports each worker's status, so one worker's error never leaves vLLM's RPC replies out of step.
@@ -39,7 +43,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -54,6 +58,8 @@ from shardcast.vllm.clients import replica_group
 from shardcast.vllm.collective import gather_step
 from shardcast.vllm.layout import (DTYPE_NAMES, check_coverage, check_dtypes, destination_layout, fp8_blocks,
                                    fp8_scales, rank_memory)
+from shardcast.vllm.lora import (AdapterSpec, Installer, WorkerAdapter, adapter_group, replicated_pieces,
+                                 worker_buffers)
 from shardcast.vllm.probe import ProbeError, probe, unreached
 
 _log = logging.getLogger("shardcast")
@@ -68,7 +74,12 @@ class ShardcastInitInfo(WeightTransferInitInfo):
     `replica`: this engine's id in the replica set `group` (it registers group `<group>.r<replica>`).
     `data_parallel`: vLLM runs data-parallel engines (`--data-parallel-size`), each one replica of
     the set `group`, its id vLLM's data-parallel index (unless `replica` names one). Neither: the
-    engine registers `group` itself."""
+    engine registers `group` itself.
+
+    `lora`: LoRA adapters (name -> {"id": vLLM's lora_int_id, "config": the PEFT configuration,
+    "tensors": checkpoint name -> [shape, dtype name]}), each registered as group
+    `<group>.lora.<name>` (shardcast.vllm.lora). `checkpoint` may then be empty: the base weights
+    stay as loaded."""
 
     checkpoint: Dict[str, List[Any]] = field(default_factory=dict)
     group: str = "vllm"
@@ -76,6 +87,7 @@ class ShardcastInitInfo(WeightTransferInitInfo):
     double_buffer: bool = False
     replica: int = -1
     data_parallel: bool = False
+    lora: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -89,6 +101,11 @@ class ShardcastUpdateInfo(WeightTransferUpdateInfo):
     version: int = 0
     timeout_s: float = 600.0
     source: str = ""
+    # The LoRA adapters this update carries, at `version` (a list) or each at its own (a dict of
+    # adapter -> version; a replica added to the set catches up to each adapter's last). None: the
+    # base weights, if registered, and every adapter. The others keep serving their version. Their
+    # source groups derive from `source`.
+    adapters: Any = None
 
 
 class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, ShardcastUpdateInfo]):
@@ -109,6 +126,12 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         # The last finish_weight_update: None (not run since shardcast.vllm.session asked), "" (put
         # into service), or why it failed.
         self.finished: Optional[str] = None
+        # LoRA adapters by name (shardcast.vllm.lora), and what drives vLLM's LoRA manager.
+        self.adapters: Dict[str, WorkerAdapter] = {}
+        self.installer: Optional[Installer] = None
+        # vLLM's model runner of this worker, set by shardcast.vllm.session before every call.
+        self.runner: Any = None
+        self.base_received = False  # this update session received the base weights' version
 
     def init_transfer_engine(self, init_info: ShardcastInitInfo) -> None:
         """All workers of the engine or none: each matches the announced checkpoint against vLLM's
@@ -118,12 +141,24 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         nothing registered, so the trainer may initialise again."""
         from vllm.distributed.parallel_state import get_tp_group
 
-        if not init_info.checkpoint:
-            raise ValueError("shardcast: init_info.checkpoint is empty (name -> [shape, dtype] of every tensor)")
-        if self.registration is not None:
+        if not init_info.checkpoint and not init_info.lora:
+            raise ValueError("shardcast: init_info.checkpoint is empty (name -> [shape, dtype] of every tensor), "
+                             "and it names no LoRA adapter (lora)")
+        if self.registration is not None or self.adapters:
             raise RuntimeError(f'shardcast: this worker already registered group "{self.group}"')
         replica = self._replica(init_info)
         tp = get_tp_group()
+        if init_info.checkpoint:
+            self._init_weights(init_info, replica, tp)
+        if init_info.lora:
+            try:
+                self._init_adapters(init_info, replica, tp)
+            except BaseException:
+                self.shutdown()  # the base weights' registration too: all or nothing
+                raise
+
+    def _init_weights(self, init_info: ShardcastInitInfo, replica: int, tp) -> None:
+        """Registers the base weights' destination rank (see init_transfer_engine)."""
         shapes = {name: tuple(int(s) for s in spec[0]) for name, spec in init_info.checkpoint.items()}
         announced = {name: str(spec[1]).replace("torch.", "") for name, spec in init_info.checkpoint.items()}
         mine: Dict[str, Any] = {}
@@ -159,6 +194,63 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         self.client, self.memory, self.registration = mine["client"], mine["memory"], mine["registration"]
         self.group, self.rank, self.where = group, tp.rank_in_group, where
         self.replica = replica if replica >= 0 else None
+
+    def _init_adapters(self, init_info: ShardcastInitInfo, replica: int, tp) -> None:
+        """Registers one destination group per LoRA adapter, every rank holding each adapter whole
+        (vLLM's LoRA layers cut it per TP rank when it is put into service), after every worker
+        checked that vLLM takes each adapter (shardcast.vllm.lora.Installer.check)."""
+        import shardcast
+
+        specs = [AdapterSpec.from_json(name, value) for name, value in init_info.lora.items()]
+        mine: Dict[str, Any] = {"client": self.client}
+
+        def prepare() -> str:
+            if self.runner is None:
+                raise RuntimeError("LoRA adapters are put into service by shardcast.vllm.session (the plugin "
+                                   "installs it in vLLM's engine core); this call did not come through it")
+            installer = Installer(self.runner)
+            installer.check(specs)
+            mine["installer"] = installer
+            mine["buffers"] = {s.name: worker_buffers(s, self.device) for s in specs}
+            if mine["client"] is None:
+                mine["client"] = mine["own_client"] = shardcast.Client(init_info.daemon or None)
+            return mine["client"].status().node
+
+        adapters: Dict[str, WorkerAdapter] = {}
+        try:
+            nodes = gather_step(tp.cpu_group, tp.world_size, "checking the LoRA adapters against vLLM's LoRA layers",
+                                prepare, "worker")
+
+            def register() -> None:
+                for spec in specs:
+                    replica_set = adapter_group(init_info.group, spec.name)
+                    group = replica_set if replica < 0 else replica_group(replica_set, replica)
+                    checkpoint = {n: (shape, getattr(torch, dtype.replace("torch.", "")))
+                                  for n, (shape, dtype) in spec.tensors.items()}
+                    layout = destination_layout(group, nodes, [replicated_pieces(spec)] * len(nodes), checkpoint)
+                    if replica >= 0:
+                        layout.update(replica_set=replica_set, replica=replica)
+                    adapter = WorkerAdapter(spec, group, mine["buffers"][spec.name])
+                    adapter.registration = mine["client"].register(group, tp.rank_in_group, tp.world_size,
+                                                                   adapter.buffers, layout)
+                    adapters[spec.name] = adapter
+
+            gather_step(tp.cpu_group, tp.world_size, "registering the LoRA adapters' groups", register, "worker")
+        except BaseException:
+            for adapter in adapters.values():
+                _release({"registration": adapter.registration})
+            _release({"client": mine.get("own_client")})
+            raise
+        self.client, self.installer, self.adapters = mine["client"], mine["installer"], adapters
+        self.rank = tp.rank_in_group
+        self.replica = replica if replica >= 0 else None
+        if self.registration is None:
+            self.group = init_info.group
+            self.where = (f'rank {tp.rank_in_group} of the LoRA adapters of "{init_info.group}" on node '
+                          f'"{nodes[tp.rank_in_group]}"')
+        _log.info("shardcast: %s: LoRA adapter(s) %s registered; each is put into service through vLLM's in-memory "
+                  "adapter API (LoRAModel.from_lora_tensors), pinned", self.where,
+                  ", ".join(f"{a.spec.name} (id {a.spec.id})" for a in adapters.values()))
 
     def _prepare(self, init_info: ShardcastInitInfo, shapes, announced, mine: Dict[str, Any]) -> Dict[str, Any]:
         """This rank's part of init: what vLLM's loaders do with the announced checkpoint, refused
@@ -206,58 +298,97 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         return replica
 
     def start_weight_update(self) -> None:
-        if self.registration is None:
+        if self.registration is None and not self.adapters:
             raise RuntimeError("shardcast: start_weight_update before init_transfer_engine")
+        self.base_received = False
+        for adapter in self.adapters.values():
+            adapter.received = 0
+
+    def _targets(self, update_info: ShardcastUpdateInfo) -> List[Tuple[Optional[WorkerAdapter], str, str, int]]:
+        """What this update carries: (adapter or None for the base weights, the group, the source
+        group a replica catches up from, the version)."""
+        out: List[Tuple[Optional[WorkerAdapter], str, str, int]] = []
+        names = update_info.adapters
+        if names is None and self.registration is not None:
+            out.append((None, self.group, update_info.source, update_info.version))
+        if names is None:
+            names = sorted(self.adapters)
+        versions = dict(names) if isinstance(names, dict) else {n: update_info.version for n in names}
+        unknown = [n for n in versions if n not in self.adapters]
+        if unknown:
+            raise ValueError(f"shardcast: the update names LoRA adapter(s) {unknown}; this worker registered "
+                             f"{sorted(self.adapters) or 'none'}")
+        for name, version in versions.items():
+            if not isinstance(version, int) or version <= 0:
+                raise ValueError(f"shardcast: the update's version of LoRA adapter {name!r} is {version!r}, not a "
+                                 "version >= 1")
+            adapter = self.adapters[name]
+            source = adapter_group(update_info.source, name) if update_info.source else ""
+            out.append((adapter, adapter.group, source, version))
+        if not out:
+            raise ValueError("shardcast: the update names no LoRA adapter (adapters=[]) and carries no weights")
+        return out
 
     def receive_weights(self, update_info: ShardcastUpdateInfo) -> None:
-        if self.registration is None:
+        if self.registration is None and not self.adapters:
             raise RuntimeError("shardcast: update_weights before init_transfer_engine")
         if update_info.version <= 0:
             raise ValueError(f"shardcast: update_info.version must be a version >= 1, not {update_info.version}")
         from vllm.distributed.parallel_state import get_tp_group
 
         tp = get_tp_group()
+        targets = self._targets(update_info)
         error: Optional[BaseException] = None
-        if self.replica is not None and update_info.source:
-            error = self._catch_up(tp, update_info)
-        if error is None:
-            try:
-                self.client.wait_version(self.group, update_info.version, timeout=update_info.timeout_s)
-            except Exception as e:  # the daemon's error (a dirty rank, a timeout) or its absence, with the rank
-                error = e
+        failed_group = ""
+        for adapter, group, source, version in targets:
+            if self.replica is not None and source:
+                error = self._catch_up(tp, group, source, version, update_info.timeout_s)
+            if error is None:
+                try:
+                    self.client.wait_version(group, version, timeout=update_info.timeout_s)
+                except Exception as e:  # the daemon's error (a dirty rank, a timeout) or its absence, with the rank
+                    error = e
+            if error is not None:
+                failed_group = group
+                break
         # All ranks or none: vLLM ends the update session only on a worker whose update_weights
         # raises, so a rank that got the version while another did not must raise too, or its
         # session stays open and the next start_weight_update fails there.
         failed = _any_rank(tp, error is not None)
+        what = self.where if failed_group == self.group else f'{self.where}, group "{failed_group}"'
         if error is not None:
-            raise RuntimeError(f"shardcast: {self.where} did not receive version {update_info.version}: "
+            raise RuntimeError(f"shardcast: {what} did not receive version {update_info.version}: "
                                f"{error}") from error
         if failed:
             raise RuntimeError(f"shardcast: {self.where} holds version {update_info.version}, but another rank "
                                "of the group did not receive it (its worker names it); the update is not applied")
+        for adapter, _, _, version in targets:
+            if adapter is None:
+                self.base_received = True
+            else:
+                adapter.received = version
 
-    def _catch_up(self, tp, update_info: ShardcastUpdateInfo) -> Optional[BaseException]:
+    def _catch_up(self, tp, group: str, source: str, version: int, timeout_s: float) -> Optional[BaseException]:
         """A replica whose ranks do not all hold the version once the sync has ended catches up to
         it: rank 0 of the replica asks its daemon (the bytes come from a replica that holds the
-        version, else from `update_info.source`), the other ranks wait for it. Returns this rank's
-        error, if any; every rank takes the same steps, so none is left in a collective."""
-        version = update_info.version
+        version, else from `source`), the other ranks wait for it. Returns this rank's error, if
+        any; every rank takes the same steps, so none is left in a collective."""
         error: Optional[BaseException] = None
         try:
             behind = not any(r.rank == self.rank and r.state == service_pb2.RANK_READY and r.version >= version
-                             for r in self.client.ranks(self.group))
+                             for r in self.client.ranks(group))
         except Exception as e:  # the daemon's absence: wait_version is not tried either
             error, behind = e, True
         if not _any_rank(tp, behind):
             return error
         if self.rank == 0 and error is None:
             try:
-                resp = self.client.catch_up(self.group, update_info.source, version, timeout=update_info.timeout_s)
+                resp = self.client.catch_up(group, source, version, timeout=timeout_s)
                 self.seeded_from = resp.seeded_from
             except Exception as e:
                 error = e
         if _any_rank(tp, error is not None) and error is None:
-            error = RuntimeError(f"the catch-up of replica group \"{self.group}\" to version {version} failed "
+            error = RuntimeError(f"the catch-up of replica group \"{group}\" to version {version} failed "
                                  "(the worker of the rank that failed names why)")
         return error
 
@@ -265,19 +396,48 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         """Puts the landed bytes into service. Does not raise once it starts: vLLM's worker closes
         its update session only when this returns, and a session left open refuses every later
         update. A failure is kept in `finished` (error text; "" when it went through) for
-        shardcast.vllm.session, which reports it as this worker's status."""
-        if self.memory is None:
+        shardcast.vllm.session, which reports it as this worker's status. LoRA adapters received
+        are taken out of their buffers here and put into service by `after_finish`."""
+        if self.memory is None and not self.adapters:
             raise RuntimeError("shardcast: finish_weight_update before init_transfer_engine")
         try:
-            self.memory.flip()
-            process_staged(self.model, self.memory.reprocess)
+            if self.memory is not None and self.base_received:
+                self.memory.flip()
+                process_staged(self.model, self.memory.reprocess)
+            for adapter in self.adapters.values():
+                if adapter.received:
+                    adapter.take()
             self.finished = ""
         except Exception as e:  # the live weights may be part new, part old: said, not hidden
             self.finished = (f"shardcast: {self.where}: putting the update into service failed, its weights may be "
                              f"part old, part new until the next update: {type(e).__name__}: {e}")
+        self.base_received = False
+
+    def after_finish(self) -> Optional[str]:
+        """After vLLM's finish_weight_update, which removes every LoRA adapter (reset_lora_state):
+        puts this worker's adapters back, each at the version it serves (pinned: never evicted,
+        never looked for at its path). Returns why one could not be, else None. Runs between two
+        engine steps (shardcast.vllm.session)."""
+        if self.installer is None:
+            return None
+        errors = []
+        for adapter in self.adapters.values():
+            if not adapter.serving:
+                continue  # no version yet: a request naming it is refused (no such adapter)
+            try:
+                self.installer.install(adapter.spec, adapter.committed)
+            except Exception as e:
+                errors.append(f"LoRA adapter {adapter.spec.name!r} (id {adapter.spec.id}, version {adapter.serving}) "
+                              f"could not be put back into service: {type(e).__name__}: {e}")
+        return "; ".join(errors) or None
 
     def shutdown(self) -> None:
-        _release({"registration": self.registration, "client": self.client})
+        registration = self.registration
+        for adapter in self.adapters.values():
+            _release({"registration": adapter.registration})
+            adapter.registration = None
+        self.adapters = {}
+        _release({"registration": registration, "client": self.client})
         self.registration = self.client = None
 
 

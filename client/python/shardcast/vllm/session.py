@@ -75,12 +75,22 @@ def on_worker(worker: Any, method: str, args: Tuple[Any, ...], kwargs: Dict[str,
     engine = getattr(worker, "weight_transfer_engine", None)
     if engine is not None and hasattr(engine, "finished"):
         engine.finished = None
+    if engine is not None and hasattr(engine, "runner"):
+        engine.runner = getattr(worker, "model_runner", None)  # LoRA adapters are driven through it
     error = None
     try:
         getattr(worker, method)(*args, **kwargs)
     except Exception as e:  # the status says it; raising would leave the other workers' replies queued
         error = f"{type(e).__name__}: {e}"
     finished = getattr(engine, "finished", None) if method == "finish_weight_update" else None
+    if finished is not None and hasattr(engine, "after_finish"):
+        # vLLM's finish removed every LoRA adapter: the engine's own go back before the next step.
+        try:
+            readded = engine.after_finish()
+        except Exception as e:
+            readded = f"putting the LoRA adapters back failed: {type(e).__name__}: {e}"
+        if readded:
+            finished = f"{finished}; {readded}" if finished else readded
     return {"error": error or finished or None, "finished": finished}
 
 

@@ -13,7 +13,12 @@ mapped by vLLM itself onto its fused parameters): a Hugging Face model's own nam
 components training wrappers add (torch.compile, FSDP1, activation checkpointing, DDP), and
 renamed by `name_map` where the trainer's names are not the checkpoint's (shardcast.vllm.names).
 A parameter the model's own save conversion cuts into several checkpoint tensors (transformers 5's
-fused MoE experts) is registered as one view per checkpoint tensor (shardcast.vllm.fused)."""
+fused MoE experts) is registered as one view per checkpoint tensor (shardcast.vllm.fused).
+
+With `lora=` the trainer syncs a PEFT model's LoRA adapters instead, and only them: each adapter's
+parameters, in place, as source group `<group>.lora.<adapter>` under PEFT's checkpoint names, into
+the workers' `<destination>.lora.<adapter>` (shardcast.vllm.lora); the base weights never leave
+the engines."""
 
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ from shardcast.vllm import plugin
 from shardcast.vllm.clients import replica_group, with_reply
 from shardcast.vllm.collective import gather_step
 from shardcast.vllm.fused import Part, box_view, checkpoint_boxes, hf_conversion
+from shardcast.vllm.lora import (AdapterSpec, adapter_group, adapter_path, check_config, checkpoint_name,
+                                 json_config, peft_adapters, resolve_adapters)
 from shardcast.vllm.names import checkpoint_names, is_data_parallel, refuse_fsdp1, strip_wrappers
 
 _log = logging.getLogger("shardcast")
@@ -50,7 +57,12 @@ class ShardcastTrainerInitInfo(TrainerInitInfo):
     set `destination` (docs/vllm.md, "Data-parallel replicas"). When `destination` is a replica set
     (so, or servers driven through shardcast.vllm.clients.ReplicaClients): `min_replicas`, the fewest replicas that must take
     the version (0: 1), else `send_weights` raises; `replica_deadline_s`, how long a replica's
-    node may stay silent during a sync before it is cut (None: the daemons' sync lease)."""
+    node may stay silent during a sync before it is cut (None: the daemons' sync lease).
+
+    `lora`: sync the LoRA adapters of a PEFT model instead of its weights (docs/vllm.md, "LoRA
+    adapters"): True (every adapter, vLLM ids 1, 2, ... in the model's order), an adapter name or a
+    list of them, or a dict of adapter name -> vLLM id. Requests name an adapter with
+    `engine.lora_request(name)`. vLLM must run with enable_lora=True."""
 
     backend: ClassVar[str] = "shardcast"
     group: str = "trainer"
@@ -64,6 +76,7 @@ class ShardcastTrainerInitInfo(TrainerInitInfo):
     data_parallel: bool = False
     min_replicas: int = 0
     replica_deadline_s: Optional[float] = None
+    lora: Any = None
 
 
 def _update_and_finish(client: Any, update_info: dict, version: int) -> Optional[Exception]:
@@ -87,14 +100,6 @@ def _update_and_finish(client: Any, update_info: dict, version: int) -> Optional
     except Exception as finish_error:
         return finish_error
     return None
-
-
-def _end_session(client: Any, version: int) -> Optional[Exception]:
-    """Ends vLLM's update session after the bytes' move failed: update_weights on a version that did
-    not arrive raises on the workers (naming the rank and what it holds) and closes the session, so
-    the next update can start one. Returns that error; None when the workers do hold the version
-    (every byte arrived: the move failed after its commit), the update then finished."""
-    return _update_and_finish(client, {"version": version, "timeout_s": 1.0}, version)
 
 
 @dataclass
@@ -129,6 +134,21 @@ def _checkpoint_entries(module: torch.nn.Module, name_map: Any) -> List[_Entry]:
             raw.append(_Entry(clean[n], t))
     targets = checkpoint_names([e.name for e in raw], name_map)
     return [_Entry(targets[e.name], e.param, e.part) for e in raw if e.name in targets]
+
+
+def _adapter_entries(module: torch.nn.Module, adapter: str) -> List[_Entry]:
+    """The parameters of PEFT adapter `adapter` under their checkpoint names (the adapter's
+    component taken out, as get_peft_model_state_dict saves them); ValueError when it has none."""
+    data_parallel = is_data_parallel(module)
+    entries = []
+    for name, param in module.named_parameters():
+        target = checkpoint_name(strip_wrappers(name, data_parallel), adapter)
+        if target is not None:
+            entries.append(_Entry(target, param))
+    if not entries:
+        raise ValueError(f"shardcast: LoRA adapter {adapter!r} has no parameters in this model (lora_A / lora_B "
+                         f"of adapter {adapter!r})")
+    return entries
 
 
 def _mapped(name: str, name_map: Any) -> bool:
@@ -275,14 +295,40 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.info: Optional[ShardcastTrainerInitInfo] = None
         self.shardcast = None
-        self.registration = None
+        # What this rank registered: adapter name ("" for the weights, without lora=) -> its
+        # registration; each is synced from its source group into its destination group.
+        self.registrations: Dict[str, Any] = {}
+        self.lora_ids: Dict[str, int] = {}  # lora=: adapter name -> vLLM id
         self.version = 0
+        self.sent: Dict[str, int] = {}  # the version last sent of the weights ("") or of each adapter
         self.collective: Optional[_Collective] = None
         # A replica set's last sync (sender): each replica's group -> "" (committed) or why it was cut.
         self.replicas: Dict[str, str] = {}
-        self._held = False  # the parameters acquired between steps (see _hold)
+        self._held: Dict[str, bool] = {}  # the parameters acquired between steps (see _hold)
         # Replicas added by add_replica: group -> the group their catch-up read.
         self.caught_up: Dict[str, str] = {}
+        # The last sync's response (sender) of the weights ("") or of each adapter: its bytes,
+        # seconds, delta and dense chunks.
+        self.syncs: Dict[str, Any] = {}
+
+    @property
+    def registration(self) -> Any:
+        """The weights' registration (without lora=), else None."""
+        return self.registrations.get("")
+
+    def _groups(self, adapter: str) -> Tuple[str, str]:
+        """(source group, destination group) of the weights ("") or of an adapter."""
+        if not adapter:
+            return self.info.group, self.info.destination
+        return adapter_group(self.info.group, adapter), adapter_group(self.info.destination, adapter)
+
+    def lora_request(self, adapter: str):
+        """vLLM's LoRARequest naming adapter `adapter` (lora=), for generate(..., lora_request=)."""
+        from vllm.lora.request import LoRARequest
+
+        if adapter not in self.lora_ids:
+            raise KeyError(f"shardcast: no LoRA adapter {adapter!r} is synced (lora= gave {sorted(self.lora_ids)})")
+        return LoRARequest(adapter, self.lora_ids[adapter], adapter_path(self.info.destination, adapter))
 
     @classmethod
     def trainer_init(cls, init_info: ShardcastTrainerInitInfo, *, client, source=None) -> "ShardcastTrainerEngine":
@@ -296,26 +342,47 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
             raise ValueError("shardcast: data_parallel (vLLM's own data-parallel engines, one server) and "
                              "ReplicaClients (one server per replica) each number the replicas: use one of them")
         engine.collective = _Collective()
-        entries: List[_Entry] = []
-        engine.collective.gather("finding the checkpoint's tensors",
-                                 lambda: entries.extend(_checkpoint_entries(module, init_info.name_map)))
+        # adapter name ("": the weights) -> its checkpoint tensors
+        entries: Dict[str, List[_Entry]] = {}
+        configs: Dict[str, Dict[str, Any]] = {}
+
+        def find() -> None:
+            if init_info.lora is None or init_info.lora is False:
+                entries[""] = _checkpoint_entries(module, init_info.name_map)
+                return
+            if init_info.name_map is not None:
+                raise ValueError("shardcast: lora= registers PEFT's own checkpoint names; name_map does not apply")
+            adapters = peft_adapters(module)
+            engine.lora_ids = resolve_adapters(init_info.lora, list(adapters))
+            for name in engine.lora_ids:
+                configs[name] = json_config(adapters[name].to_dict() if hasattr(adapters[name], "to_dict")
+                                            else vars(adapters[name]))
+                check_config(name, configs[name])
+                entries[name] = _adapter_entries(module, name)
+
+        engine.collective.gather("finding the checkpoint's tensors", find)
         # All ranks or none from here: a step that fails anywhere (the daemon refusing a rank, vLLM's
         # workers refusing the checkpoint) raises on every rank, and every rank unregisters.
         try:
             engine.shardcast = shardcast.Client(init_info.daemon or None)
-            engine.registration = _register(engine.shardcast, init_info.group, entries, engine.collective)
+            for adapter, adapter_entries in entries.items():
+                group, _ = engine._groups(adapter)
+                engine.registrations[adapter] = _register(engine.shardcast, group, adapter_entries, engine.collective)
             senders = engine.collective.gather("finding the sender", lambda: bool(engine.is_sender))
             if senders.count(True) != 1:
                 raise ValueError(f"shardcast: {senders.count(True)} trainer ranks are senders (is_sender); exactly "
                                  "one must be")
             # Global shapes (a DTensor's shape is its global one), under the names registered. vLLM's
             # workers match each against their loaders before anything moves.
-            checkpoint = {e.name: [list(e.shape), str(e.param.dtype).replace("torch.", "")] for e in entries}
+            tensors = {adapter: {e.name: [list(e.shape), str(e.param.dtype).replace("torch.", "")] for e in es}
+                       for adapter, es in entries.items()}
+            announced = {"checkpoint": tensors.get("", {}), "group": init_info.destination, "daemon": "",
+                         "double_buffer": init_info.double_buffer, "data_parallel": init_info.data_parallel}
+            if engine.lora_ids:
+                announced["lora"] = {name: AdapterSpec(name, engine.lora_ids[name], configs[name],
+                                                       tensors[name]).to_json() for name in engine.lora_ids}
             engine.collective.gather(f"initialising the weight transfer of {init_info.destination!r}", lambda: (
-                with_reply(client.init_weight_transfer_engine, {
-                    "checkpoint": checkpoint, "group": init_info.destination, "daemon": "",
-                    "double_buffer": init_info.double_buffer, "data_parallel": init_info.data_parallel})
-                if engine.is_sender else None))
+                with_reply(client.init_weight_transfer_engine, announced) if engine.is_sender else None))
         except BaseException:
             try:
                 engine.shutdown()
@@ -324,48 +391,84 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
             raise
         return engine
 
-    def send_weights(self) -> None:
+    def send_weights(self, adapters: Optional[List[str]] = None) -> None:
         """Publishes the next version on every rank; the sender syncs it and drives vLLM's update.
         Returns on every rank once the update is done, and raises on every rank when it failed on
-        any, so no rank changes or unregisters its parameters while the sync still reads them."""
+        any, so no rank changes or unregisters its parameters while the sync still reads them.
+        `adapters` (lora=): the adapters this update carries (None: every one); the others keep
+        serving their version, and their parameters are not published."""
+        names = self._carried(adapters)
         self.version += 1
         version = self.version
+        for name in names:
+            self.sent[name] = version
 
         def publish() -> None:
             # Its parameters hold this version (acquire waits for syncs still reading them).
             # Held since the last update (see _hold), unless its daemon restarted meanwhile.
-            if not (self._held and self.registration.state().held):
-                self.registration.acquire()
-            self.registration.publish(version)
-            self._held = False
+            for name in names:
+                registration = self.registrations[name]
+                if not (self._held.get(name) and registration.state().held):
+                    registration.acquire()
+                registration.publish(version)
+                self._held[name] = False
 
         self.collective.gather(f"publishing version {version}", publish)  # every rank, before the sync
         try:
             self.collective.gather(f"updating {self.info.destination!r} to version {version}",
-                                   lambda: self._update(version) if self.is_sender else None)
+                                   lambda: self._update(version, names) if self.is_sender else None)
         finally:
-            self._hold()
+            self._hold(names)
 
-    def _hold(self) -> None:
+    def _carried(self, adapters: Optional[List[str]]) -> List[str]:
+        if adapters is None:
+            return list(self.registrations)
+        if not self.lora_ids:
+            raise ValueError("shardcast: send_weights(adapters=...) names LoRA adapters; this engine syncs weights "
+                             "(no lora=)")
+        unknown = [a for a in adapters if a not in self.lora_ids]
+        if unknown or not adapters:
+            raise ValueError(f"shardcast: send_weights(adapters={adapters}): name one or more of "
+                             f"{sorted(self.lora_ids)}")
+        return list(dict.fromkeys(adapters))
+
+    def _hold(self, names: List[str]) -> None:
         """Takes this rank's parameters back once the update is over: the optimizer changes them in
         place until the next send_weights publishes them, so nothing (a catch-up falling back to the
         trainer, a sync of someone else's) may read them meanwhile under the version published."""
-        try:
-            self.registration.acquire()
-            self._held = True
-        except Exception as e:  # the daemon gone: the next publish acquires again, or says why
-            _log.warning("shardcast: could not hold the parameters of %r between steps: %s", self.info.group, e)
+        for name in names:
+            try:
+                self.registrations[name].acquire()
+                self._held[name] = True
+            except Exception as e:  # the daemon gone: the next publish acquires again, or says why
+                _log.warning("shardcast: could not hold the parameters of %r between steps: %s",
+                             self._groups(name)[0], e)
 
-    def _update(self, version: int) -> None:
-        """The sender: sync `version` into the inference group and drive vLLM's update."""
+    def _update_info(self, version: int, names: Any, **extra: Any) -> Dict[str, Any]:
+        """The workers' update info: `names` the adapters carried (a list, at `version`, or a dict
+        of adapter -> its own version)."""
+        info = {"version": version, **extra}
+        if self.lora_ids:
+            info["adapters"] = dict(names) if isinstance(names, dict) else list(names)
+        return info
+
+    def _update(self, version: int, names: List[str]) -> None:
+        """The sender: sync `version` of each of `names` into its inference group and drive vLLM's
+        update."""
         info = self.info
         with_reply(self.client.start_weight_update)
+        replicas: Dict[str, str] = {}
         try:
-            resp = self.shardcast.sync(info.group, info.destination, version, delta=info.delta,
-                                       wait_for_ranks=info.wait_for_ranks, min_replicas=info.min_replicas,
-                                       replica_deadline_s=info.replica_deadline_s)
+            for name in names:
+                source, destination = self._groups(name)
+                resp = self.shardcast.sync(source, destination, version, delta=info.delta,
+                                           wait_for_ranks=info.wait_for_ranks, min_replicas=info.min_replicas,
+                                           replica_deadline_s=info.replica_deadline_s)
+                self.syncs[name] = resp
+                # (A replica that left the set since the last sync is named once, and is no member now.)
+                replicas.update({r.group: "" if r.committed else r.cut for r in resp.replicas if not r.left})
         except Exception as sync_error:
-            update_error = _end_session(self.client, version)  # both errors are reported
+            update_error = self._end_session(self.client, version, names)  # both errors are reported
             if update_error is not None:
                 raise RuntimeError(f"shardcast: version {version} did not reach {info.destination!r}: "
                                    f"sync: {sync_error}; vLLM: {update_error}") from sync_error
@@ -373,16 +476,15 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
                          "version: the update finished", version, info.destination, sync_error)
             self._count_updated(version)  # ReplicaClients: the servers that did not are named
             return
-        # (A replica that left the set since the last sync is named once, and is no member now.)
-        self.replicas = {r.group: "" if r.committed else r.cut for r in resp.replicas if not r.left}
+        self.replicas = replicas
         for group, why in sorted(self.replicas.items()):
             if why:  # not yet a failure: the update catches it up (a failed catch-up is loud)
                 _log.info("shardcast: replica %r was cut from the sync of version %d (%s); its workers catch up "
                           "to it in this update", group, version, why)
         # `source`: the sync has ended, so a replica that does not hold the version catches up.
         try:
-            with_reply(self.client.update_weights, {"version": version, "timeout_s": info.timeout_s,
-                                                    "source": info.group})
+            with_reply(self.client.update_weights, self._update_info(version, names, timeout_s=info.timeout_s,
+                                                                     source=info.group))
         except Exception:
             # vLLM's data-parallel engines: those whose update went through hold the version and
             # keep their session open; finishing ends it there (the others refuse: theirs ended).
@@ -393,6 +495,13 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
             raise
         with_reply(self.client.finish_weight_update, str(version))
         self._count_updated(version)
+
+    def _end_session(self, client: Any, version: int, names: Any) -> Optional[Exception]:
+        """Ends vLLM's update session after the bytes' move failed: update_weights on a version that did
+        not arrive raises on the workers (naming the rank and what it holds) and closes the session, so
+        the next update can start one. Returns that error; None when the workers do hold the version
+        (every byte arrived: the move failed after its commit), the update then finished."""
+        return _update_and_finish(client, self._update_info(version, names, timeout_s=1.0), version)
 
     def _count_updated(self, version: int) -> None:
         """ReplicaClients: names the servers whose update failed (the others finished it) and
@@ -428,7 +537,6 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
                             "shardcast.vllm.clients.ReplicaClients")
         replica = add(client)
         if self.version > 0:
-            group = replica_group(self.info.destination, replica)
             failed = f"shardcast: replica {replica} of {self.info.destination!r} joined but did not catch up to " \
                      f"version {self.version}"
             try:
@@ -436,28 +544,31 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
                 with_reply(client.start_weight_update)
             except Exception as e:
                 raise RuntimeError(f"{failed}: {e}") from e
+            sent = {name: version for name, version in self.sent.items() if version > 0}
             try:
-                resp = self.shardcast.catch_up(group, self.info.group, self.version, timeout=self.info.timeout_s)
+                for name, version in sent.items():
+                    source, destination = self._groups(name)
+                    group = replica_group(destination, replica)
+                    resp = self.shardcast.catch_up(group, source, version, timeout=self.info.timeout_s)
+                    self.caught_up[group] = resp.seeded_from
             except Exception as catch_up_error:
                 # The session must end, or the server refuses every later update.
-                update_error = _end_session(client, self.version)
+                update_error = self._end_session(client, self.version, sent)
                 if update_error is not None:
                     raise RuntimeError(f"{failed}: {catch_up_error}; vLLM: {update_error}") from catch_up_error
                 _log.warning("%s reported %s, yet its workers hold the version: the update finished", failed,
                              catch_up_error)
                 return replica
-            self.caught_up[group] = resp.seeded_from
-            error = _update_and_finish(client, {"version": self.version, "timeout_s": self.info.timeout_s,
-                                                "source": self.info.group}, self.version)
+            error = _update_and_finish(client, self._update_info(self.version, sent, timeout_s=self.info.timeout_s,
+                                                                 source=self.info.group), self.version)
             if error is not None:
                 raise RuntimeError(f"{failed}: {error}") from error
         return replica
 
     def shutdown(self) -> None:
         try:
-            if self.registration is not None:
-                self.registration.close()
-                self.registration = None
+            for name in list(self.registrations):
+                self.registrations.pop(name).close()
         finally:
             if self.shardcast is not None:
                 self.shardcast.close()

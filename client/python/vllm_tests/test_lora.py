@@ -1,0 +1,47 @@
+"""LoRA adapters as versions against a real vLLM (CPU): a two-rank FSDP2 trainer trains two PEFT
+adapters and syncs them with the shardcast trainer engine (`lora=True`) into vLLM started with
+enable_lora, at TP=1 and TP=2 (run_lora.py). After every step, what vLLM serves with each adapter
+must be exactly what a vLLM started fresh serves with that adapter loaded from disk as PEFT saved
+it (greedy tokens and logprobs, bit for bit); an adapter a step does not carry keeps serving its
+version; the base model is never touched; while a step's bytes land, vLLM serves the previous
+version whole; a daemon killed mid-update leaves the previous adapters serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import IN_PROCESS, run_script
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fsdp2_peft_adapters_into_vllm_every_step_as_loaded_from_disk(models, tmp_path, tp):
+    out = run_script("run_lora.py", models["llama"], str(tp), str(tmp_path), timeout=900, tp=tp)
+    assert out.get("error") is None, out.get("error")
+    assert out["ids"] == {"policy": 1, "critic": 2}
+    steps = out["steps"]
+    assert [s["carried"] for s in steps] == [["policy", "critic"], ["policy"], ["critic"]]
+    dirs = [s["dirs"][name] for s in steps for name in s["carried"]]
+    fresh = run_script("run_lora_generate.py", str(tp), models["llama"], *dirs, timeout=600, tp=tp,
+                       env_extra=IN_PROCESS)
+    reference = iter(fresh["served"])
+    previous = None
+    for n, step in enumerate(steps, start=1):
+        for name in ("policy", "critic"):
+            if name in step["carried"]:
+                assert step["served"][name] == next(reference), \
+                    f"step {n}: vLLM serves adapter {name!r} otherwise than a fresh vLLM loading it from disk"
+                if previous is not None:  # training moved it
+                    assert step["served"][name] != previous[name], f"step {n}: adapter {name!r} did not change"
+                    # While the step's bytes landed, vLLM served the previous version, whole.
+                    assert step["during_matches_previous"][name], f"step {n}: adapter {name!r} changed mid-update"
+            else:
+                assert step["served"][name] == previous[name], f"step {n}: adapter {name!r} changed, not carried"
+        # The base model: no update touches it, and it is not an adapter's.
+        assert step["base"] == out["base"] == fresh["base"], f"step {n}: the base model changed"
+        assert step["served"]["policy"] != out["base"] and step["served"]["critic"] != out["base"]
+        assert all(step["wire_bytes"][name] > 0 for name in step["carried"])
+        previous = step["served"]
+    # Step 4: vLLM's daemon killed mid-update; the update fails, naming the adapter's group, and
+    # vLLM serves step 3's adapters.
+    assert "vllm.lora." in out["killed"], out["killed"]
+    assert out["served_after_kill"] == steps[-1]["served"]
