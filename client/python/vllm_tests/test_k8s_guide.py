@@ -1,8 +1,9 @@
 """docs/guide-rl-kubernetes.md's trainer code (step 5), read from the page by its markers and run
 as written against real vLLM engines: two offline vLLMs (TP=1) as the replicas of the set "vllm",
-in place of the `vllm serve` pods the page finds through `rl-inference`, a plain-tensor trainer
-(AdamW) on the same local daemon. Its lookup of the servers runs first against a stubbed resolver
-and builds vLLM's real HTTP clients. deploy/tests/test_guide.py checks that these markers are the
+in place of the `vllm serve` pods the page finds through `rl-inference`, each wired to a daemon of
+its own node as a pod is, and a plain-tensor trainer (AdamW) on a third. Its `delta="auto"` sends
+deltas: the first sync is dense, the next ones send the weights a step left unchanged as deltas. Its lookup of the servers runs
+first against a stubbed resolver and builds vLLM's real HTTP clients. deploy/tests/test_guide.py checks that these markers are the
 page's. Run as a script by the test (vLLM starts its engines in that process)."""
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def test_the_guides_trainer_updates_two_vllm_replicas_every_step(models, tmp_pat
     assert out["printed"] == [f"step {s}: replicas [0, 1] serve it; cut from the sync: none" for s in (1, 2, 3)]
     assert out["replicas"] == {"vllm.r0": "", "vllm.r1": ""}
     assert out["weight_versions"] == ["3", "3"]
+    # delta="auto": the first sync dense (no node holds a base), the next two send the unchanged
+    # weights as deltas (syncs this small are not measured against dense ones: auto keeps them).
+    syncs = out["syncs"]
+    assert [s["delta_chunks"] > 0 for s in syncs] == [False, True, True], syncs
+    assert all(s["delta"] == "DELTA_AUTO" and s["delta_choice"] == "" for s in syncs), syncs
+    assert all(s["wire_bytes"] < s["network_bytes"] for s in syncs[1:]), syncs
     # Each engine's registered bytes are step 3's weights, cut the vLLM way.
     assert [c["group"] for checks in out["checks"] for c in checks] == ["vllm.r0", "vllm.r1"]
     assert all(c["wrong"] == [] and c["checked"] > 0 for checks in out["checks"] for c in checks), out["checks"]
@@ -80,8 +87,24 @@ def main() -> None:
     result["http_clients"] = [f"{type(c).__name__} {c.base_url}" for c in http.clients]
     result["lookups"] = 2 - len(answers)
 
-    with LocalCluster(["n0"]) as cluster:
-        # The node's daemon for the trainer and for both engines' workers, as in a pod.
+    # What each of the trainer's syncs returned (the page's loop does not keep the response).
+    import shardcast
+    from shardcast.v1 import service_pb2
+
+    real_sync, syncs = shardcast.Client.sync, []
+
+    def recorded_sync(self, *args, **kwargs):
+        resp = real_sync(self, *args, **kwargs)
+        syncs.append({"delta": service_pb2.DeltaMode.Name(resp.delta), "delta_choice": resp.delta_choice,
+                      "delta_chunks": resp.delta_chunks, "dense_chunks": resp.dense_chunks,
+                      "wire_bytes": resp.wire_bytes, "network_bytes": resp.network_bytes})
+        return resp
+
+    shardcast.Client.sync = recorded_sync
+    with LocalCluster(["n0", "n1", "n2"]) as cluster:
+        # The node's daemon for the trainer (n0); each engine's workers reach theirs (n1, n2), as in
+        # a pod: the trainer's client is made before it asks the engines to init, and the
+        # engines' workers make theirs in that call.
         os.environ["SHARDCAST_ADDRESS"] = cluster.target("n0")
         # Two engines in one process: the CPU backend counts the process's memory against each
         # engine's share, so the KV cache gets an explicit size (it changes no number served).
@@ -89,11 +112,18 @@ def main() -> None:
         llms = [LLM(model=model_dir, worker_extension_cls="worker_ext.ShardcastCheck",
                     weight_transfer_config={"backend": "shardcast"}, **args) for _ in range(2)]
         trainer = PlainTrainer(model_dir, out_dir)
+        # Steps train the last layer's MLP only: in float32 AdamW changes every weight it steps,
+        # and the frozen ones stand for the most of a bf16 model that a step leaves unchanged.
+        for name, param in trainer.model.named_parameters():
+            param.requires_grad_(name.startswith("model.layers.1.mlp."))
         os.environ["RANK"] = "0"  # torchrun's, which the page's code reads
         steps = itertools.count(1)
+        servers = [OfflineClient(llm) for llm in llms]
+        for server, node in zip(servers, ("n1", "n2")):
+            server.before["init"] = lambda node=node: os.environ.update(SHARDCAST_ADDRESS=cluster.target(node))
         namespace.update(
             EXPECTED=2,  # two engines here, four pods on the page
-            find_servers=lambda expected: ReplicaClients([OfflineClient(llm) for llm in llms][:expected]),
+            find_servers=lambda expected: ReplicaClients(servers[:expected]),
             model=trainer.model, train_step=lambda model: trainer.train(next(steps)), steps=3)
         printed = io.StringIO()
         try:
@@ -107,6 +137,7 @@ def main() -> None:
             step_dir = trainer.save(3)
             result["checks"] = [llm.collective_rpc("shardcast_check", args=(step_dir,)) for llm in llms]
             result["weight_versions"] = [llm.get_weight_version() for llm in llms]
+            result["syncs"] = syncs
         for llm in llms:
             llm.llm_engine.engine_core.shutdown()
     print("RESULT " + json.dumps(result), flush=True)
