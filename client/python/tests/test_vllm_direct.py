@@ -75,3 +75,42 @@ def test_bytes_land_in_live_fused_parameters_in_place(device):
             src.close()
             worker.close()
             trainer.close()
+
+
+def test_double_buffered_parameters_take_delta_syncs():
+    """ShardcastTrainerInitInfo(double_buffer=True): bytes land in a staging tensor per direct
+    parameter, never in the live one (the engine copies them over at finish_weight_update). The
+    staging tensors are what the rank registers, a single set that keeps the last version's
+    bytes, so a delta="auto" sync after the first sends deltas, unlike a rank registered
+    double-buffered with the daemon (docs/delta.md, "Limits")."""
+    checkpoint = {"w": torch.randn(4 * H, H), "norm": torch.randn(H)}
+    maps = {"w.weight": ParamMap("w.weight", (4 * H, H), torch.float32, [Landing("w", (0, 0), (4 * H, H), 0)]),
+            "norm.weight": ParamMap("norm.weight", (H,), torch.float32, [Landing("norm", (0,), (H,), 0)])}
+    live = {"w.weight": torch.zeros(4 * H, H), "norm.weight": torch.zeros(H)}
+    memory = rank_memory(maps, live, double_buffer=True)
+    assert sorted(memory.flips) == ["norm.weight", "w.weight"]
+    with LocalCluster(["t0", "i0"]) as cluster:
+        trainer = shardcast.Client(cluster.target("t0"))
+        worker = shardcast.Client(cluster.target("i0"))
+        layout = {"group": "trainer", "mesh": {"shape": [1]}, "nodes": ["t0"],
+                  "tensors": [{"name": n, "shape": list(t.shape), "dtype": "float32"} for n, t in checkpoint.items()]}
+        src = trainer.register("trainer", 0, 1, {n: t.clone() for n, t in checkpoint.items()}, layout,
+                               role="source", version=1)
+        shapes = {n: (tuple(t.shape), torch.float32) for n, t in checkpoint.items()}
+        dst = worker.register("vllm", 0, 1, memory.tensors, destination_layout("vllm", ["i0"], [memory.pieces], shapes))
+        try:
+            first = trainer.sync("trainer", "vllm", 1, delta="auto", timeout=120)
+            assert first.delta_chunks == 0 and first.dense_chunks > 0
+            for version in (2, 3):
+                with src.writing(version):  # a step changes a few weights
+                    src.tensors["w"][version, :4] += 1.0
+                resp = trainer.sync("trainer", "vllm", version, delta="auto", timeout=120)
+                assert resp.delta_chunks > 0 and resp.wire_bytes < resp.network_bytes, resp
+                staged = {n: memory.tensors[n] for n in checkpoint}
+                assert all(torch.equal(staged[n], src.tensors[n]) for n in checkpoint)
+                assert not live["w.weight"].any()  # nothing lands in a live parameter
+        finally:
+            dst.close()
+            src.close()
+            worker.close()
+            trainer.close()
