@@ -2,9 +2,10 @@
 as written against real vLLM engines: two offline vLLMs (TP=1) as the replicas of the set "vllm",
 in place of the `vllm serve` pods the page finds through `rl-inference`, each wired to a daemon of
 its own node as a pod is, and a plain-tensor trainer (AdamW) on a third. Its `delta="auto"` sends
-deltas: the first sync is dense, the next ones send the weights a step left unchanged as deltas. Its lookup of the servers runs
-first against a stubbed resolver and builds vLLM's real HTTP clients. deploy/tests/test_guide.py checks that these markers are the
-page's. Run as a script by the test (vLLM starts its engines in that process)."""
+deltas: the first sync is dense, the next ones send the weights a step left unchanged as deltas.
+Its lookup of the servers runs first against a stubbed resolver and builds vLLM's real HTTP
+clients. deploy/tests/test_guide.py checks that these markers are the page's. Run as a script by
+the test (vLLM starts its engines in that process)."""
 
 from __future__ import annotations
 
