@@ -3,6 +3,9 @@ trains two PEFT LoRA adapters of MODEL, "policy" (rank 8, every linear layer) an
 q/v/down), and syncs them with the shardcast trainer engine (`lora=True`) into an offline vLLM at
 tensor-parallel size TP started with enable_lora. Two daemons: n0 serves the trainer, n1 vLLM.
 
+- Refused first: adapters vLLM does not take (a rank above its max_lora_rank, DoRA). Each
+  trainer_init raises on both ranks naming the adapter and why, and leaves nothing registered on
+  either daemon.
 - Step 1 sends both adapters, step 2 only "policy", step 3 only "critic" (each adapter its own
   group and version; the other keeps serving its own).
 - While a step's bytes have landed and vLLM's update has not finished (just before
@@ -61,22 +64,48 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, trainer_d
             llm = LLM(model=model_dir, enable_lora=True, max_lora_rank=16, max_loras=2,
                       weight_transfer_config={"backend": "shardcast"}, **engine_args(tp))
             client = OfflineClient(llm)
-        torch.manual_seed(0)
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        names = list(ADAPTERS)
-        model = get_peft_model(base, LoraConfig(lora_dropout=0.0, **ADAPTERS[names[0]]), adapter_name=names[0])
-        for name in names[1:]:
-            model.add_adapter(name, LoraConfig(lora_dropout=0.0, **ADAPTERS[name]))
-        model.base_model.set_adapter(names)  # both trained, each step
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
-        for layer in model.base_model.model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+
+        def peft_model(adapters: dict):
+            torch.manual_seed(0)
+            base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            names = list(adapters)
+            model = get_peft_model(base, LoraConfig(lora_dropout=0.0, **adapters[names[0]]), adapter_name=names[0])
+            for name in names[1:]:
+                model.add_adapter(name, LoraConfig(lora_dropout=0.0, **adapters[name]))
+            model.base_model.set_adapter(names)  # all trained, each step
+            for layer in model.base_model.model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            return base, model
+
+        def init(model):
+            return WeightTransferTrainerFactory.trainer_init(
+                ShardcastTrainerInitInfo(rank=rank, daemon=trainer_daemon, timeout_s=60, lora=True),
+                client=client, source=ModuleSource(model))
+
+        record = {"refused": {}, "steps": []}
+        for what, adapter in {"rank 32": dict(r=32, lora_alpha=32, target_modules=["q_proj"]),
+                              "dora": dict(r=8, lora_alpha=8, target_modules=["q_proj"], use_dora=True)}.items():
+            try:
+                init(peft_model({"policy": adapter})[1])
+                refused = ""
+            except Exception as e:
+                refused = str(e)
+            if rank == 0:
+                import shardcast
+
+                groups = {}
+                for node, target in (("n0", trainer_daemon), ("n1", vllm_daemon)):
+                    with shardcast.Client(target) as c:
+                        groups[node] = sorted(g.group for g in c.status().groups)
+                record["refused"][what] = {"error": refused, "groups": groups}
+            dist.barrier()
+        names = list(ADAPTERS)
+        base, model = peft_model(ADAPTERS)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
-        engine = WeightTransferTrainerFactory.trainer_init(
-            ShardcastTrainerInitInfo(rank=rank, daemon=trainer_daemon, timeout_s=60, lora=True),
-            client=client, source=ModuleSource(model))
-        record = {"ids": dict(engine.lora_ids), "steps": []}
+        engine = init(model)
+        record["ids"] = dict(engine.lora_ids)
         if rank == 0:
             from engines import generate
 

@@ -1,6 +1,7 @@
 """LoRA adapters as versions against a real vLLM (CPU): a two-rank FSDP2 trainer trains two PEFT
 adapters and syncs them with the shardcast trainer engine (`lora=True`) into vLLM started with
-enable_lora, at TP=1 and TP=2 (run_lora.py). After every step, what vLLM serves with each adapter
+enable_lora, at TP=1 and TP=2 (run_lora.py). Adapters vLLM cannot serve are refused at init,
+naming the adapter, with nothing left registered. After every step, what vLLM serves with each adapter
 must be exactly what a vLLM started fresh serves with that adapter loaded from disk as PEFT saved
 it (greedy tokens and logprobs, bit for bit); an adapter a step does not carry keeps serving its
 version; the base model is never touched; while a step's bytes land, vLLM serves the previous
@@ -17,6 +18,14 @@ from conftest import IN_PROCESS, run_script
 def test_fsdp2_peft_adapters_into_vllm_every_step_as_loaded_from_disk(models, tmp_path, tp):
     out = run_script("run_lora.py", models["llama"], str(tp), str(tmp_path), timeout=900, tp=tp)
     assert out.get("error") is None, out.get("error")
+    # Adapters vLLM does not take are refused at trainer_init, on both ranks, each named, and leave
+    # nothing registered.
+    refused = out["refused"]
+    assert "LoRA rank 32 is greater than max_lora_rank 16" in refused["rank 32"]["error"], refused
+    assert "DoRA" in refused["dora"]["error"], refused
+    for what in refused.values():
+        assert "vLLM refuses LoRA adapter 'policy'" in what["error"], what
+        assert what["groups"] == {"n0": [], "n1": []}, what
     assert out["ids"] == {"policy": 1, "critic": 2}
     steps = out["steps"]
     assert [s["carried"] for s in steps] == [["policy", "critic"], ["policy"], ["critic"]]

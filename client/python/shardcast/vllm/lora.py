@@ -267,6 +267,7 @@ class Installer:
             raise ValueError(f"shardcast: LoRA adapter ids {ids}: each adapter needs its own")
         packed = {sub: parent for parent, subs in self.manager.packed_modules_mapping.items() for sub in subs}
         for spec in specs:
+            self.helper(spec)  # its configuration first: what vLLM says of it is the clearest reason
             held = set(self.manager.list_adapters())
             if spec.id in held:
                 raise ValueError(f"shardcast: LoRA adapter {spec.name!r}: vLLM holds an adapter of id {spec.id} "

@@ -544,7 +544,9 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
                 with_reply(client.start_weight_update)
             except Exception as e:
                 raise RuntimeError(f"{failed}: {e}") from e
-            sent = {name: version for name, version in self.sent.items() if version > 0}
+            # The weights' last version, or each adapter's (one not sent yet has none to catch up to).
+            sent = {name: version for name, version in self.sent.items() if version > 0} if self.lora_ids \
+                else {"": self.version}
             try:
                 for name, version in sent.items():
                     source, destination = self._groups(name)
