@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Figures of a Shardcast update of a real vLLM on this machine's CPU, beside vLLM's own reload from
 # a saved checkpoint, without and with double buffering (bench/vllm_bench.py; docs/vllm.md quotes
-# them). Extra arguments go to vllm_bench.py (--hidden, --layers, --updates).
+# them). Extra arguments go to vllm_bench.py (--hidden, --layers, --updates). With --lora first: a
+# LoRA adapter's updates beside vLLM's load of it from disk (bench/vllm_lora_bench.py).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 bash "$root/scripts/deps.sh" vllm
@@ -9,6 +10,14 @@ bash "$root/scripts/build.sh" shardcastd >/dev/null
 py="$root/.venv-vllm/bin/python"
 "$py" -m pip install -q --no-deps --no-build-isolation --force-reinstall "$root/client/python"
 export SHARDCAST_BUILD="${SHARDCAST_BUILD:-$root/build}"
+if [ "${1:-}" = "--lora" ]; then  # a LoRA adapter's updates (bench/vllm_lora_bench.py), ranks 16 and 64
+  shift
+  for rank in 16 64; do
+    "$py" "$root/bench/vllm_lora_bench.py" --rank "$rank" "$@" 2>/dev/null | grep -v '^RESULT\|^(' || true
+    echo
+  done
+  exit 0
+fi
 for mode in "" --double-buffer; do
   "$py" "$root/bench/vllm_bench.py" $mode "$@" 2>/dev/null | grep -v '^RESULT'
   echo
