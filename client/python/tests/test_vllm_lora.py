@@ -34,9 +34,10 @@ def test_an_adapters_parameters_take_the_names_peft_saves_them_under():
 
 def test_lora_picks_adapters_and_ids():
     available = ["policy", "critic"]
-    assert resolve_adapters(True, available) == {"policy": 1, "critic": 2}
-    assert resolve_adapters("critic", available) == {"critic": 1}
-    assert resolve_adapters(["critic", "policy"], available) == {"critic": 1, "policy": 2}
+    # Default ids keep away from the small ones `vllm serve` gives adapters it loads by name.
+    assert resolve_adapters(True, available) == {"policy": 100001, "critic": 100002}
+    assert resolve_adapters("critic", available) == {"critic": 100001}
+    assert resolve_adapters(["critic", "policy"], available) == {"critic": 100001, "policy": 100002}
     assert resolve_adapters({"policy": 7}, available) == {"policy": 7}
 
 
@@ -60,6 +61,8 @@ def test_only_lora_adapters_without_trained_full_modules_are_synced():
         check_config("p", {"peft_type": "PREFIX_TUNING"})
     with pytest.raises(ValueError, match=r"modules_to_save \['score'\]"):
         check_config("policy", {"peft_type": "LORA", "modules_to_save": ["score"]})
+    with pytest.raises(ValueError, match="trainable_token_indices"):
+        check_config("policy", {"peft_type": "LORA", "trainable_token_indices": [5, 7]})
 
 
 def test_a_peft_configuration_travels_as_json():

@@ -159,6 +159,11 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, trainer_d
                     "network_bytes": {n: engine.syncs[n].network_bytes for n in carried},
                     "sync_s": {n: engine.syncs[n].seconds for n in carried},
                     "finish_s": client.seconds.get("finish"), "base": generate(llm)})
+            if rank == 0 and step == 1:
+                # vLLM drops an adapter (its own remove_lora, as its cache evicting it or a data-parallel
+                # engine's idle step does): the next request naming it gets the version in service.
+                llm.llm_engine.remove_lora(engine.lora_ids["policy"])
+                record["after_drop_matches"] = serve() == served
             dist.barrier()
 
         # Step 4: n1 (vLLM's daemon) frozen as the update starts, killed while the sync waits on it.

@@ -26,7 +26,9 @@ def test_fsdp2_peft_adapters_into_vllm_every_step_as_loaded_from_disk(models, tm
     for what in refused.values():
         assert "vLLM refuses LoRA adapter 'policy'" in what["error"], what
         assert what["groups"] == {"n0": [], "n1": []}, what
-    assert out["ids"] == {"policy": 1, "critic": 2}
+    assert out["ids"] == {"policy": 100001, "critic": 100002}
+    # An adapter vLLM dropped is built again from the version in service when a request names it.
+    assert out["after_drop_matches"]
     steps = out["steps"]
     assert [s["carried"] for s in steps] == [["policy", "critic"], ["policy"], ["critic"]]
     dirs = [s["dirs"][name] for s in steps for name in s["carried"]]
@@ -54,3 +56,27 @@ def test_fsdp2_peft_adapters_into_vllm_every_step_as_loaded_from_disk(models, tm
     # vLLM serves step 3's adapters.
     assert "vllm.lora." in out["killed"], out["killed"]
     assert out["served_after_kill"] == steps[-1]["served"]
+
+
+def test_an_adapter_into_vllm_servers_as_a_replica_set_one_joining_one_cut(models, tmp_path):
+    # Two offline vLLMs (TP=1) on daemons n1 and n2 through ReplicaClients: the adapter "policy" is
+    # the set "vllm.lora.policy", replica k its group ".r<k>"; the trainer (plain tensors) on n0.
+    out = run_script("run_lora_replicas.py", models["llama"], str(tmp_path), env_extra=IN_PROCESS, timeout=600)
+    fresh = run_script("run_lora_generate.py", "1", models["llama"], out["dir_1"], out["dir_2"], out["dir_3"],
+                       env_extra=IN_PROCESS)["served"]
+    assert out["replicas_1"] == {"vllm.lora.policy.r0": ""}
+    # Replica 1 joined after step 1 and its adapter caught up from replica 0: the trainer sent nothing.
+    assert out["joined_as"] == 1
+    assert out["caught_up"] == {"vllm.lora.policy.r1": "vllm.lora.policy.r0"}
+    assert out["trainer_sent_for_catch_up"] == 0
+    assert out["served_1"] == [fresh[0], fresh[0]]
+    # Step 2: replica 1's node frozen past the deadline: cut from the sync and named, then caught up
+    # inside the update; both serve step 2, as a fresh vLLM loading it from disk does.
+    assert out["replicas_2"]["vllm.lora.policy.r0"] == "", out["replicas_2"]
+    assert '"n2"' in out["replicas_2"]["vllm.lora.policy.r1"], out["replicas_2"]
+    assert out["updated_2"] == [0, 1] and out["failed_2"] == {}
+    assert out["served_2"] == [fresh[1], fresh[1]]
+    assert fresh[0] != fresh[1]
+    # After both sides shut their engines down, a new trainer engine takes the same adapter again.
+    assert out["replicas_3"] == {"vllm.lora.policy.r0": "", "vllm.lora.policy.r1": ""}
+    assert out["served_3"] == [fresh[2], fresh[2]]

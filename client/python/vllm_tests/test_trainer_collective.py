@@ -210,3 +210,34 @@ def test_an_update_whose_reply_is_lost_is_finished_and_one_refused_ends_the_sess
     assert "rank 0 did not receive version 3" in str(error)  # the update's error, not the finish's
     assert not refused.session
     refused.start_weight_update()  # the next update can start
+
+
+def test_a_parameter_trained_with_an_adapter_but_no_lora_matrix_is_refused_by_name():
+    # PEFT's trainable tokens (or any adapter parameter vLLM does not load as a LoRA matrix) would be
+    # left behind silently: vLLM would serve the adapter without it.
+    import torch
+
+    from shardcast.vllm.trainer import _adapter_entries
+
+    class Peft(torch.nn.Module):
+        def __init__(self, extra: bool) -> None:
+            super().__init__()
+            self.frozen = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+            if extra:
+                self.trainable_tokens_delta = torch.nn.ParameterDict({"policy": torch.nn.Parameter(torch.zeros(3))})
+
+    class Model(torch.nn.Module):
+        def __init__(self, extra: bool) -> None:
+            super().__init__()
+            self.q_proj = torch.nn.Module()
+            self.q_proj.lora_A = torch.nn.ModuleDict({"policy": torch.nn.Linear(4, 2, bias=False)})
+            self.embed = Peft(extra)
+
+    names = [e.name for e in _adapter_entries(Model(False), "policy")]
+    assert names == ["q_proj.lora_A.weight"]
+    try:
+        _adapter_entries(Model(True), "policy")
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    assert "'embed.trainable_tokens_delta.policy' belongs to LoRA adapter 'policy'" in error, error

@@ -58,8 +58,8 @@ from shardcast.vllm.clients import replica_group
 from shardcast.vllm.collective import gather_step
 from shardcast.vllm.layout import (DTYPE_NAMES, check_coverage, check_dtypes, destination_layout, fp8_blocks,
                                    fp8_scales, rank_memory)
-from shardcast.vllm.lora import (AdapterSpec, Installer, WorkerAdapter, adapter_group, replicated_pieces,
-                                 worker_buffers)
+from shardcast.vllm.lora import (AdapterSpec, Installer, WorkerAdapter, adapter_group, adapter_path,
+                                 replicated_pieces, worker_buffers)
 from shardcast.vllm.probe import ProbeError, probe, unreached
 
 _log = logging.getLogger("shardcast")
@@ -208,10 +208,10 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
             if self.runner is None:
                 raise RuntimeError("LoRA adapters are put into service by shardcast.vllm.session (the plugin "
                                    "installs it in vLLM's engine core); this call did not come through it")
-            installer = Installer(self.runner)
+            installer = Installer(self.runner, self._serving)
             installer.check(specs)
             mine["installer"] = installer
-            mine["buffers"] = {s.name: worker_buffers(s, self.device) for s in specs}
+            mine["buffers"] = {s.name: worker_buffers(s) for s in specs}
             if mine["client"] is None:
                 mine["client"] = mine["own_client"] = shardcast.Client(init_info.daemon or None)
             return mine["client"].status().node
@@ -230,7 +230,8 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
                     layout = destination_layout(group, nodes, [replicated_pieces(spec)] * len(nodes), checkpoint)
                     if replica >= 0:
                         layout.update(replica_set=replica_set, replica=replica)
-                    adapter = WorkerAdapter(spec, group, mine["buffers"][spec.name])
+                    adapter = WorkerAdapter(spec, group, mine["buffers"][spec.name],
+                                            path=adapter_path(init_info.group, spec.name))
                     adapter.registration = mine["client"].register(group, tp.rank_in_group, tp.world_size,
                                                                    adapter.buffers, layout)
                     adapters[spec.name] = adapter
@@ -249,7 +250,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
             self.where = (f'rank {tp.rank_in_group} of the LoRA adapters of "{init_info.group}" on node '
                           f'"{nodes[tp.rank_in_group]}"')
         _log.info("shardcast: %s: LoRA adapter(s) %s registered; each is put into service through vLLM's in-memory "
-                  "adapter API (LoRAModel.from_lora_tensors), pinned", self.where,
+                  "adapter API (LoRAModel.from_lora_tensors), never loaded from disk", self.where,
                   ", ".join(f"{a.spec.name} (id {a.spec.id})" for a in adapters.values()))
 
     def _prepare(self, init_info: ShardcastInitInfo, shapes, announced, mine: Dict[str, Any]) -> Dict[str, Any]:
@@ -413,11 +414,20 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
                              f"part old, part new until the next update: {type(e).__name__}: {e}")
         self.base_received = False
 
+    def _serving(self, path: str) -> Optional[Tuple[AdapterSpec, Dict[str, torch.Tensor]]]:
+        """The adapter a `shardcast://` path names and the tensors of its version in service, None
+        when none is (shardcast.vllm.lora.Installer answers vLLM's load of the path with it)."""
+        for adapter in self.adapters.values():
+            if adapter.path == path and adapter.serving:
+                return adapter.spec, adapter.committed
+        return None
+
     def after_finish(self) -> Optional[str]:
         """After vLLM's finish_weight_update, which removes every LoRA adapter (reset_lora_state):
-        puts this worker's adapters back, each at the version it serves (pinned: never evicted,
-        never looked for at its path). Returns why one could not be, else None. Runs between two
-        engine steps (shardcast.vllm.session)."""
+        puts this worker's adapters back into vLLM's adapter cache, each at the version it serves
+        (one vLLM drops or evicts later is built again from that version when a request names it).
+        Returns why one could not be, else None. Runs between two engine steps
+        (shardcast.vllm.session)."""
         if self.installer is None:
             return None
         errors = []
@@ -436,6 +446,11 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         for adapter in self.adapters.values():
             _release({"registration": adapter.registration})
             adapter.registration = None
+            if self.installer is not None:  # no longer served: a later engine may register the id again
+                try:
+                    self.installer.remove(adapter.spec.id)
+                except Exception as e:
+                    _log.warning("shardcast: removing LoRA adapter %r from vLLM failed: %s", adapter.spec.name, e)
         self.adapters = {}
         _release({"registration": registration, "client": self.client})
         self.registration = self.client = None

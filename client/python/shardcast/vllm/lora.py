@@ -12,14 +12,15 @@ The names are PEFT's checkpoint names, which vLLM's LoRA loader takes
 saves it. The trainer announces the adapter's PEFT configuration (rank, alpha, target modules, ...)
 with its tensors and the vLLM id requests name it by (`LoRARequest(name, id, ...)`).
 
-Worker side (`WorkerAdapter`): bytes land in buffers of the worker's own, never in what vLLM
-serves. When an update finishes, a new adapter is built from them by vLLM's own
+Worker side (`WorkerAdapter`): bytes land in host buffers of the worker's own, never in what
+vLLM serves. When an update finishes, a new adapter is built from them by vLLM's own
 `LoRAModel.from_lora_tensors` (what its load from disk runs on the file's tensors) and replaces
 the old one between two engine steps: serving never sees half an adapter, a failed update leaves
 the previous one serving. vLLM removes every adapter after each weight update
 (`reset_lora_state`, for adapters computed against replaced base weights); the worker puts its
-adapters back right after (shardcast.vllm.session), pinned, so they are never evicted and never
-looked for on disk.
+adapters back right after (shardcast.vllm.session), and vLLM's load of a `shardcast://` path
+(an adapter it dropped or evicted since) is answered from the version in service, never from
+disk (`Installer`).
 
 Every TP rank lands each adapter whole and vLLM's LoRA layers cut it (`set_lora`), as they cut an
 adapter loaded from disk: the network carries each byte once per node, and the node's daemon fans
@@ -38,9 +39,12 @@ import torch
 
 # PEFT's LoRA parameter components; the adapter's name follows one of them in a parameter's name.
 LORA_COMPONENTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
-# Where requests name a Shardcast adapter: vLLM's LoRARequest needs a path, which it reads only for
-# an adapter it does not hold (never for a pinned one).
+# Where requests name a Shardcast adapter: vLLM's LoRARequest needs a path, which it loads when it
+# does not hold the adapter; the worker answers that load from the version in service.
 PATH_SCHEME = "shardcast://"
+# The vLLM ids lora=True and lists give (ID_BASE + 1, + 2, ...): away from the small ids `vllm
+# serve` hands out to adapters loaded by name (vLLM keys adapters by id alone).
+ID_BASE = 100000
 
 
 def adapter_group(group: str, adapter: str) -> str:
@@ -105,18 +109,18 @@ def peft_adapters(module: torch.nn.Module) -> Dict[str, Any]:
 
 
 def resolve_adapters(lora: Any, available: Sequence[str]) -> Dict[str, int]:
-    """Adapter name -> vLLM id from the trainer's `lora=`: True (every adapter of the model, ids 1..n
-    in the model's order), a name or a list of names (ids in that order), or a dict name -> id (ids
-    >= 1, distinct). ValueError naming what is wrong."""
+    """Adapter name -> vLLM id from the trainer's `lora=`: True (every adapter of the model, ids
+    ID_BASE + 1.. in the model's order), a name or a list of names (ids in that order), or a dict
+    name -> id (ids >= 1, distinct). ValueError naming what is wrong."""
     if lora is True:
         names = list(available)
-        return {check_adapter_name(n): i for i, n in enumerate(names, start=1)}
+        return {check_adapter_name(n): ID_BASE + i for i, n in enumerate(names, start=1)}
     if isinstance(lora, str):
         lora = [lora]
     if isinstance(lora, Mapping):
         ids = {check_adapter_name(n): i for n, i in lora.items()}
     elif isinstance(lora, (list, tuple)):
-        ids = {check_adapter_name(n): i for i, n in enumerate(lora, start=1)}
+        ids = {check_adapter_name(n): ID_BASE + i for i, n in enumerate(lora, start=1)}
     else:
         raise ValueError(f"shardcast: lora={lora!r}: give True, an adapter name, a list of names or a dict of "
                          "name -> vLLM id")
@@ -143,6 +147,9 @@ def check_config(adapter: str, config: Mapping[str, Any]) -> None:
     if config.get("modules_to_save"):
         raise ValueError(f"shardcast: adapter {adapter!r} trains modules_to_save {config['modules_to_save']}: full "
                          "layers, which vLLM does not take as part of a LoRA adapter; train them without them")
+    if config.get("trainable_token_indices"):
+        raise ValueError(f"shardcast: adapter {adapter!r} trains token embeddings (trainable_token_indices), which "
+                         "vLLM does not take as part of a LoRA adapter")
 
 
 @dataclass
@@ -185,6 +192,7 @@ class WorkerAdapter:
     spec: AdapterSpec
     group: str
     buffers: Dict[str, torch.Tensor]
+    path: str = ""  # the `shardcast://` path requests name it by
     registration: Any = None
     serving: int = 0  # the version in service, 0: none yet
     committed: Dict[str, torch.Tensor] = field(default_factory=dict)
@@ -197,15 +205,16 @@ class WorkerAdapter:
         self.serving, self.received = self.received, 0
 
 
-def worker_buffers(spec: AdapterSpec, device: Any) -> Dict[str, torch.Tensor]:
-    """Zeroed buffers for every tensor of the adapter, on the worker's device."""
+def worker_buffers(spec: AdapterSpec) -> Dict[str, torch.Tensor]:
+    """Zeroed buffers for every tensor of the adapter, in host memory (vLLM builds an adapter on
+    the host and copies it into its GPU slots when a request activates it)."""
     out = {}
     for name, (shape, dtype) in spec.tensors.items():
         dt = getattr(torch, dtype.replace("torch.", ""), None)
         if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
             raise ValueError(f"shardcast: LoRA adapter {spec.name!r}, tensor {name!r}: dtype {dtype!r} is not a "
                              "floating-point torch dtype")
-        out[name] = torch.zeros([int(s) for s in shape], dtype=dt, device=device)
+        out[name] = torch.zeros([int(s) for s in shape], dtype=dt)
     return out
 
 
@@ -216,11 +225,17 @@ def replicated_pieces(spec: AdapterSpec) -> Dict[str, Tuple[List[int], List[int]
 
 class Installer:
     """vLLM's LoRA manager on one worker, driven with in-memory adapters (vLLM 0.32's
-    `LRUCacheWorkerLoRAManager` and its `LRUCacheLoRAModelManager`). `check` refuses an adapter the
-    engine would not take as vLLM's own load from disk refuses it, and more: every tensor must
-    reach one of the model's LoRA layers (vLLM's disk load checks module names only) and fit it."""
+    `LRUCacheWorkerLoRAManager` and its `LRUCacheLoRAModelManager`).
 
-    def __init__(self, runner: Any) -> None:
+    A Shardcast adapter is named by a `shardcast://` path (`adapter_path`). Whenever vLLM does not
+    hold it (after vLLM removed its adapters, evicted it from its cache, or a data-parallel
+    engine's idle step cleared them), vLLM's load of that path is answered from the version the
+    worker serves (`serving`: path -> (spec, tensors)), never from disk; a path with no version in
+    service yet raises, naming the adapter. `check` refuses an adapter the engine would not take as
+    vLLM's own load from disk refuses it, and more: every tensor must reach one of the model's
+    LoRA layers (vLLM's disk load checks module names only) and fit it."""
+
+    def __init__(self, runner: Any, serving) -> None:
         manager = getattr(runner, "lora_manager", None)
         if manager is None or getattr(runner, "lora_config", None) is None:
             raise ValueError("shardcast: LoRA adapters need vLLM started with enable_lora=True (--enable-lora), "
@@ -228,6 +243,30 @@ class Installer:
         self.worker_manager = manager
         self.manager = manager._adapter_manager
         self.lora_config = runner.lora_config
+        self.serving = serving
+        load = manager._load_adapter
+        if getattr(load, "_shardcast", None) is not None:
+            load = load._shardcast  # a wrapper of an earlier engine: wrap vLLM's own again
+        installer = self
+
+        def load_adapter(lora_request):
+            path = str(getattr(lora_request, "lora_path", ""))
+            if not path.startswith(PATH_SCHEME):
+                return load(lora_request)
+            return installer.model_for(path, lora_request.lora_int_id)
+
+        load_adapter._shardcast = load  # type: ignore[attr-defined]
+        manager._load_adapter = load_adapter
+
+    def model_for(self, path: str, adapter_id: int):
+        """The LoRAModel vLLM's load of `path` gets: the version in service, under `adapter_id`."""
+        found = self.serving(path) if self.serving is not None else None
+        if found is None:
+            raise ValueError(f"shardcast: no Shardcast LoRA adapter at {path!r} is in service on this worker: a "
+                             "request may name an adapter once its first update has finished (and while the "
+                             "trainer's engine is initialised)")
+        spec, tensors = found
+        return self.model(spec, tensors, adapter_id)
 
     def helper(self, spec: AdapterSpec):
         from vllm.lora.peft_helper import PEFTHelper
@@ -240,7 +279,7 @@ class Installer:
             raise ValueError(f"shardcast: vLLM refuses LoRA adapter {spec.name!r}: {e}") from e
         return helper
 
-    def model(self, spec: AdapterSpec, tensors: Mapping[str, torch.Tensor]):
+    def model(self, spec: AdapterSpec, tensors: Mapping[str, torch.Tensor], adapter_id: Optional[int] = None):
         """A vLLM LoRAModel of `tensors` (cloned: vLLM scales lora_B in place), as vLLM's load from
         disk builds one."""
         from vllm.lora.lora_model import LoRAModel
@@ -248,8 +287,9 @@ class Installer:
         model = self.manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         return LoRAModel.from_lora_tensors(
-            spec.id, {n: t.detach().clone() for n, t in tensors.items()}, self.helper(spec), device="cpu",
-            dtype=self.lora_config.lora_dtype, model_vocab_size=self.worker_manager.vocab_size,
+            spec.id if adapter_id is None else adapter_id, {n: t.detach().clone() for n, t in tensors.items()},
+            self.helper(spec), device="cpu", dtype=self.lora_config.lora_dtype,
+            model_vocab_size=self.worker_manager.vocab_size,
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(model, "lora_skip_prefixes", None))
 
@@ -258,22 +298,20 @@ class Installer:
         of zeros, installed and removed again, before any request can name it."""
         from vllm.lora.utils import parse_fine_tuned_lora_name
 
-        slots, capacity = self.manager.lora_slots, self.manager.capacity
-        if len(specs) > min(slots, capacity):
-            raise ValueError(f"shardcast: {len(specs)} LoRA adapters, each pinned in vLLM for good, but vLLM holds "
-                             f"{slots} at once (max_loras) and {capacity} in all (max_cpu_loras); raise them")
         ids = [s.id for s in specs]
         if len(set(ids)) != len(ids):
             raise ValueError(f"shardcast: LoRA adapter ids {ids}: each adapter needs its own")
         packed = {sub: parent for parent, subs in self.manager.packed_modules_mapping.items() for sub in subs}
+        mapper = getattr(self.manager.model, "hf_to_vllm_mapper", None)
         for spec in specs:
             self.helper(spec)  # its configuration first: what vLLM says of it is the clearest reason
-            held = set(self.manager.list_adapters())
-            if spec.id in held:
+            if spec.id in set(self.manager.list_adapters()):
                 raise ValueError(f"shardcast: LoRA adapter {spec.name!r}: vLLM holds an adapter of id {spec.id} "
                                  "already; give each Shardcast adapter an id of its own")
-            mapper = getattr(self.manager.model, "hf_to_vllm_mapper", None)
             for name in spec.tensors:
+                if ".experts." in name:
+                    raise ValueError(f"shardcast: LoRA adapter {spec.name!r}, tensor {name!r}: adapters of MoE "
+                                     "experts are not synced yet (vLLM loads them in a layout of their own)")
                 try:
                     module, _ = parse_fine_tuned_lora_name(name, mapper.get_rename_mapper() if mapper else None)
                 except ValueError as e:
@@ -284,28 +322,27 @@ class Installer:
                     raise ValueError(f"shardcast: LoRA adapter {spec.name!r}, tensor {name!r}: module {module!r} is "
                                      "none of the model's LoRA layers here (check target_modules against "
                                      "vLLM's supported modules)")
-            zeros = worker_buffers(spec, "cpu")
+            zeros = worker_buffers(spec)
             try:
                 self.manager.add_adapter(self.model(spec, zeros))
                 self.manager.activate_adapter(spec.id)
-            except Exception as e:  # a shape that does not fit the layer, a rank over max_lora_rank
+            except Exception as e:  # a shape that does not fit the layer
                 raise ValueError(f"shardcast: vLLM cannot install LoRA adapter {spec.name!r}: "
                                  f"{type(e).__name__}: {e}") from e
             finally:
                 self.manager.remove_adapter(spec.id)
 
     def install(self, spec: AdapterSpec, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Puts `tensors` into service as adapter `spec.id`, replacing what vLLM held under that id,
-        pinned (never evicted, never loaded from its path). Runs between two engine steps."""
+        """Puts `tensors` into service as adapter `spec.id`, replacing what vLLM held under that id
+        (in vLLM's adapter cache; a request naming it activates it). Runs between two engine steps."""
         lora = self.model(spec, tensors)
         self.manager.remove_adapter(spec.id)
         self.manager.add_adapter(lora)
-        self.manager.pin_adapter(spec.id)
 
-    def holds(self, adapter_id: int) -> bool:
-        return adapter_id in set(self.manager.list_adapters())
+    def remove(self, adapter_id: int) -> None:
+        self.manager.remove_adapter(adapter_id)
 
 
-__all__ = ["AdapterSpec", "Installer", "LORA_COMPONENTS", "PATH_SCHEME", "WorkerAdapter", "adapter_group",
+__all__ = ["AdapterSpec", "ID_BASE", "Installer", "LORA_COMPONENTS", "PATH_SCHEME", "WorkerAdapter", "adapter_group",
            "adapter_path", "check_adapter_name", "check_config", "checkpoint_name", "json_config", "peft_adapters",
            "replicated_pieces", "resolve_adapters", "worker_buffers"]

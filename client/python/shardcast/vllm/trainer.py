@@ -33,8 +33,8 @@ from shardcast.vllm import plugin
 from shardcast.vllm.clients import replica_group, with_reply
 from shardcast.vllm.collective import gather_step
 from shardcast.vllm.fused import Part, box_view, checkpoint_boxes, hf_conversion
-from shardcast.vllm.lora import (AdapterSpec, adapter_group, adapter_path, check_config, checkpoint_name,
-                                 json_config, peft_adapters, resolve_adapters)
+from shardcast.vllm.lora import (LORA_COMPONENTS, AdapterSpec, adapter_group, adapter_path, check_config,
+                                 checkpoint_name, json_config, peft_adapters, resolve_adapters)
 from shardcast.vllm.names import checkpoint_names, is_data_parallel, refuse_fsdp1, strip_wrappers
 
 _log = logging.getLogger("shardcast")
@@ -60,8 +60,8 @@ class ShardcastTrainerInitInfo(TrainerInitInfo):
     node may stay silent during a sync before it is cut (None: the daemons' sync lease).
 
     `lora`: sync the LoRA adapters of a PEFT model instead of its weights (docs/vllm.md, "LoRA
-    adapters"): True (every adapter, vLLM ids 1, 2, ... in the model's order), an adapter name or a
-    list of them, or a dict of adapter name -> vLLM id. Requests name an adapter with
+    adapters"): True (every adapter, vLLM ids 100001, 100002, ... in the model's order), an adapter
+    name or a list of them (ids in that order), or a dict of adapter name -> vLLM id. Requests name an adapter with
     `engine.lora_request(name)`. vLLM must run with enable_lora=True."""
 
     backend: ClassVar[str] = "shardcast"
@@ -142,9 +142,15 @@ def _adapter_entries(module: torch.nn.Module, adapter: str) -> List[_Entry]:
     data_parallel = is_data_parallel(module)
     entries = []
     for name, param in module.named_parameters():
-        target = checkpoint_name(strip_wrappers(name, data_parallel), adapter)
+        clean = strip_wrappers(name, data_parallel)
+        target = checkpoint_name(clean, adapter)
         if target is not None:
             entries.append(_Entry(target, param))
+        elif param.requires_grad and adapter in clean.split(".")[1:]:
+            # Trained with the adapter (trainable tokens, a module copy), yet no LoRA matrix vLLM loads.
+            raise ValueError(f"shardcast: parameter {clean!r} belongs to LoRA adapter {adapter!r} but is none of "
+                             f"its LoRA matrices ({', '.join(LORA_COMPONENTS[:4])}): vLLM would serve the adapter "
+                             "without it")
     if not entries:
         raise ValueError(f"shardcast: LoRA adapter {adapter!r} has no parameters in this model (lora_A / lora_B "
                          f"of adapter {adapter!r})")
@@ -400,8 +406,6 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         names = self._carried(adapters)
         self.version += 1
         version = self.version
-        for name in names:
-            self.sent[name] = version
 
         def publish() -> None:
             # Its parameters hold this version (acquire waits for syncs still reading them).
@@ -417,6 +421,8 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         try:
             self.collective.gather(f"updating {self.info.destination!r} to version {version}",
                                    lambda: self._update(version, names) if self.is_sender else None)
+            for name in names:  # what vLLM serves now (a failed update leaves each at its previous)
+                self.sent[name] = version
         finally:
             self._hold(names)
 
