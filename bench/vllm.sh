@@ -13,8 +13,11 @@ export SHARDCAST_BUILD="${SHARDCAST_BUILD:-$root/build}"
 if [ "${1:-}" = "--lora" ]; then  # a LoRA adapter's updates (bench/vllm_lora_bench.py), ranks 16 and 64
   shift
   for rank in 16 64; do
-    "$py" "$root/bench/vllm_lora_bench.py" --rank "$rank" "$@" 2>/dev/null | grep -v '^RESULT\|^(' || true
-    echo
+    err="$(mktemp)"
+    out="$("$py" "$root/bench/vllm_lora_bench.py" --rank "$rank" "$@" 2>"$err")" ||
+      { echo "vllm_lora_bench.py --rank $rank failed:" >&2; tail -20 "$err" >&2; rm -f "$err"; exit 1; }
+    rm -f "$err"
+    printf '%s\n\n' "$out" | grep -v '^RESULT\|^(' || true
   done
   exit 0
 fi

@@ -8,7 +8,8 @@ noise to every adapter parameter, then:
   finish (seconds), with the sync's wire bytes; generation is blocked for the finish alone (the
   adapter lands in the worker's own buffers while vLLM serves the previous one);
 - disk: the trainer saves the adapter as PEFT does (save_pretrained) and vLLM loads it from there
-  (add_lora under a new id, as a request naming a new adapter directory makes it).
+  (add_lora under a new id, as a request naming a new adapter directory makes it). The bench
+  fails unless vLLM serves both alike (tokens, logprobs within 1e-5: see _alike).
 
     python bench/vllm_lora_bench.py [--hidden 1024] [--layers 8] [--rank 16] [--updates 3]
 Prints one table and a JSON line (RESULT ...)."""
@@ -28,6 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client" / "python" / "vllm_tests"))
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _alike(a: list, b: list) -> bool:
+    """The same tokens, logprobs within 1e-5: at this model's size vLLM's CPU LoRA path itself gives
+    logprobs that differ by up to about 1e-6 between two generations with one adapter loaded from
+    disk (measured; the tests' smaller model is bit-stable and is compared bit for bit)."""
+    return all(x["tokens"] == y["tokens"] and all(
+        sx.keys() == sy.keys() and all(abs(sx[t] - sy[t]) <= 1e-5 for t in sx)
+        for sx, sy in zip(x["logprobs"], y["logprobs"])) for x, y in zip(a, b))
 
 
 def main() -> None:
@@ -90,7 +100,7 @@ def main() -> None:
             t = time.perf_counter()
             llm.llm_engine.add_lora(loaded)
             load_s = time.perf_counter() - t
-            if generate(llm, lora_request=loaded) != served:
+            if not _alike(generate(llm, lora_request=loaded), served):
                 raise RuntimeError(f"update {update}: vLLM serves the synced adapter otherwise than the one it loaded")
             rows.append({"update": update, "start_s": s["start"], "sync_s": resp.seconds, "update_s": s["update"],
                          "finish_s": s["finish"], "total_s": total, "wire_bytes": resp.wire_bytes,
