@@ -183,3 +183,38 @@ def save_step(state: dict, model_dir: str, out_dir: str, model=None) -> None:
     shutil.copytree(model_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors"))
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"),
               metadata={"format": "pt"})
+
+
+def run_trainer_ranks(trainer, *args, world: int = 2) -> None:
+    """Runs `trainer(rank, world, port, *args, results)` in `world` spawned processes (a torch
+    rendezvous on `port`), prints the record rank 0 (or a failing rank) puts on `results` as the
+    RESULT line, and waits for the ranks to exit (a rank that does not is reported, then killed)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from shardcast.local import TorchRendezvous
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    rendezvous = TorchRendezvous()
+    procs = [ctx.Process(target=trainer, args=(r, world, rendezvous.port, *args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    record = results.get(timeout=900)
+    print("RESULT " + json.dumps(record), flush=True)
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            print(f"trainer rank {procs.index(p)} did not exit within 60 s of the result", file=sys.stderr)
+            p.kill()
+
+
+def report_failure(results, rank: int, error: BaseException, llm=None) -> None:
+    """A trainer rank's failure, for the driver to print: its error and traceback on `results`; a
+    vLLM of this process is shut down (its engine and worker processes would outlive it)."""
+    import traceback
+
+    results.put({"rank": rank, "error": f"{type(error).__name__}: {error}\n{traceback.format_exc()}"})
+    if llm is not None:
+        llm.llm_engine.engine_core.shutdown()

@@ -21,14 +21,13 @@ Usage: python run_lora.py MODEL TP OUT"""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import threading
 import time
 
-import torch.multiprocessing as mp
+from engines import report_failure, run_trainer_ranks
 
 ADAPTERS = {"policy": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                 "up_proj", "down_proj"]),
@@ -191,34 +190,17 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, trainer_d
         if rank == 0:
             results.put(record)
     except BaseException as e:  # the driver reports it
-        import traceback
-
-        results.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
-        if llm is not None:  # its engine and worker processes would outlive this one
-            llm.llm_engine.engine_core.shutdown()
+        report_failure(results, rank, e, llm)
         raise
 
 
 def main() -> None:
     model_dir, tp, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    from shardcast.local import LocalCluster, TorchRendezvous
+    from shardcast.local import LocalCluster
 
     with LocalCluster(["n0", "n1"]) as cluster:
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        rendezvous = TorchRendezvous()
-        args = (model_dir, tp, cluster.target("n0"), cluster.target("n1"), cluster.daemons["n1"].proc.pid, out,
-                results)
-        procs = [ctx.Process(target=trainer, args=(r, 2, rendezvous.port, *args)) for r in range(2)]
-        for p in procs:
-            p.start()
-        record = results.get(timeout=900)
-        print("RESULT " + json.dumps(record), flush=True)
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():  # a rank that does not exit is reported, then killed
-                print(f"trainer rank {procs.index(p)} did not exit within 60 s of the result", file=sys.stderr)
-                p.kill()
+        run_trainer_ranks(trainer, model_dir, tp, cluster.target("n0"), cluster.target("n1"),
+                          cluster.daemons["n1"].proc.pid, out)
 
 
 if __name__ == "__main__":

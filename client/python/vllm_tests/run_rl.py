@@ -16,15 +16,12 @@ Usage: python run_rl.py MODEL TP TARGET OUT STEPS offline|serve|serve-dp2|offlin
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
 
-import torch.multiprocessing as mp
-
-from engines import Served, save_step, start_server
+from engines import Served, report_failure, run_trainer_ranks, save_step, start_server
 
 
 def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: str, out: str, steps: int,
@@ -130,39 +127,20 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
         if rank == 0:
             results.put(record)
     except BaseException as e:  # the driver reports it
-        import traceback
-
-        results.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
-        if llm is not None:  # its engine and worker processes would outlive this one
-            llm.llm_engine.engine_core.shutdown()
+        report_failure(results, rank, e, llm)
         raise
 
 
 def main() -> None:
     model_dir, tp, target, out, steps, mode = (sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4],
                                                int(sys.argv[5]), sys.argv[6])
-    from shardcast.local import TorchRendezvous
-
     os.environ["SHARDCAST_ADDRESS"] = target  # where vLLM's workers find their node's daemon
     server, url = None, ""
     if mode.startswith("serve"):
         server, url = start_server(model_dir, tp, target, os.path.join(out, "vllm-serve.log"),
                                    dp=2 if mode == "serve-dp2" else 1)
     try:
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        rendezvous = TorchRendezvous()
-        procs = [ctx.Process(target=trainer, args=(r, 2, rendezvous.port, model_dir, tp, target, out, steps, mode,
-                                                   url, results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        record = results.get(timeout=900)
-        print("RESULT " + json.dumps(record), flush=True)
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():  # a rank that does not exit is reported, then killed
-                print(f"trainer rank {procs.index(p)} did not exit within 60 s of the result", file=sys.stderr)
-                p.kill()
+        run_trainer_ranks(trainer, model_dir, tp, target, out, steps, mode, url)
     finally:
         if server is not None:
             server.terminate()
