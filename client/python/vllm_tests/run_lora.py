@@ -91,6 +91,7 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, trainer_d
                 refused = ""
             except Exception as e:
                 refused = str(e)
+            dist.barrier()  # every rank has unregistered (each does when trainer_init raises)
             if rank == 0:
                 import shardcast
 
