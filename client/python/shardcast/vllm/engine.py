@@ -435,7 +435,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
             if not adapter.serving:
                 continue  # no version yet: a request naming it is refused (no such adapter)
             try:
-                self.installer.install(adapter.spec, adapter.committed)
+                self.installer.install(adapter.spec, adapter.committed, adapter.path)
             except Exception as e:
                 errors.append(f"LoRA adapter {adapter.spec.name!r} (id {adapter.spec.id}, version {adapter.serving}) "
                               f"could not be put back into service: {type(e).__name__}: {e}")
@@ -448,7 +448,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
             adapter.registration = None
             if self.installer is not None:  # no longer served: a later engine may register the id again
                 try:
-                    self.installer.remove(adapter.spec.id)
+                    self.installer.remove(adapter.spec, adapter.path)
                 except Exception as e:
                     _log.warning("shardcast: removing LoRA adapter %r from vLLM failed: %s", adapter.spec.name, e)
         self.adapters = {}

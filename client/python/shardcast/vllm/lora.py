@@ -30,6 +30,7 @@ vLLM."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from enum import Enum
@@ -45,6 +46,8 @@ PATH_SCHEME = "shardcast://"
 # The vLLM ids lora=True and lists give (ID_BASE + 1, + 2, ...): away from the small ids `vllm
 # serve` hands out to adapters loaded by name (vLLM keys adapters by id alone).
 ID_BASE = 100000
+
+_log = logging.getLogger("shardcast")
 
 
 def adapter_group(group: str, adapter: str) -> str:
@@ -223,6 +226,112 @@ def replicated_pieces(spec: AdapterSpec) -> Dict[str, Tuple[List[int], List[int]
     return {name: ([0] * len(shape), [int(s) for s in shape]) for name, (shape, _) in spec.tensors.items()}
 
 
+class ServerNames:
+    """The names `vllm serve` serves the trainer's adapters under, so that OpenAI requests name them
+    (`"model": "policy"`): the sender names each adapter at each server once the adapter's first
+    version is in service there, through the server's /v1/load_lora_adapter route (its path the
+    adapter's `shardcast://` path; vLLM keys it by an id of its own, which the workers put back
+    after every update, see Installer), and takes the names back at shutdown. A name must not
+    reach a server before a version does: vLLM would load it inside an engine step, and an engine
+    step that raises ends vLLM's engine. Servers are vLLM's HTTPVLLMWeightSyncClients (`base_url`),
+    alone or in a ReplicaClients; other clients (an offline LLM) have no names to give."""
+
+    def __init__(self, destination: str, adapters: Sequence[str], timeout_s: float = 60) -> None:
+        self.destination, self.adapters, self.timeout_s = destination, list(adapters), timeout_s
+        self.named: Dict[str, List[str]] = {}  # server URL -> the adapters named there
+
+    @staticmethod
+    def servers(client: Any, replicas: Optional[Sequence[int]] = None) -> List[str]:
+        """The URLs of `client`'s servers (of ReplicaClients: those of `replicas`, else every one)."""
+        members = getattr(client, "clients", None)
+        if isinstance(members, list):
+            members = [members[k] for k in replicas] if replicas is not None else members
+        else:
+            members = [client]
+        return [m.base_url for m in members if isinstance(getattr(m, "base_url", None), str)]
+
+    def _call(self, url: str, route: str, body: Optional[Dict[str, Any]] = None) -> Tuple[int, str]:
+        """POSTs `body` (GETs without one) to the server's /v1/`route`: (HTTP status, body text)."""
+        import urllib.error
+        import urllib.request
+
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(f"{url}/v1/{route}", data=data, method="POST" if body is not None else "GET",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as r:
+                return r.status, r.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+        except (urllib.error.URLError, OSError) as e:
+            raise RuntimeError(f"shardcast: vllm serve at {url} did not answer /v1/{route}: "
+                               f"{getattr(e, 'reason', e)}") from e
+
+    def prepare(self, url: str) -> None:
+        """Before the server's workers take the adapters: the server can name adapters, and holds
+        none of these names from an earlier trainer (one named before its first version would end
+        vLLM's engine at the next request naming it). Raises naming the setting when it cannot."""
+        for adapter in self.adapters:
+            status, text = self._call(url, "unload_lora_adapter", {"lora_name": adapter})
+            if status == 200:
+                _log.info("shardcast: %s: unnamed LoRA adapter %r of an earlier engine until its first version is "
+                          "in service", url, adapter)
+            elif status == 404 and "error" not in _json(text):  # the route itself is missing
+                raise ValueError(f"shardcast: vllm serve at {url} cannot name LoRA adapters (no "
+                                 "/v1/unload_lora_adapter route): start it with --enable-lora and the environment "
+                                 "variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, so that requests can name the "
+                                 f"adapters {self.adapters}")
+            elif status != 404:
+                raise RuntimeError(f"shardcast: vllm serve at {url}: unloading LoRA adapter {adapter!r} failed "
+                                   f"(HTTP {status}): {text[:400]}")
+
+    def name(self, url: str, adapters: Sequence[str]) -> None:
+        """Names each of `adapters` (a version of each now in service on the server) at the server,
+        unless it is already; raises naming the server and the adapter when the server refuses."""
+        todo = [a for a in adapters if a not in self.named.get(url, [])]
+        if not todo:
+            return
+        status, text = self._call(url, "models")
+        if status != 200:
+            raise RuntimeError(f"shardcast: vllm serve at {url}: listing its models failed (HTTP {status}): "
+                               f"{text[:400]}")
+        roots = {card.get("id"): card.get("root") for card in _json(text).get("data", []) if isinstance(card, dict)}
+        for adapter in todo:
+            path = adapter_path(self.destination, adapter)
+            if adapter in roots and roots[adapter] != path:
+                raise RuntimeError(f"shardcast: vllm serve at {url} serves a model named {adapter!r} already (from "
+                                   f"{roots[adapter]!r}): LoRA adapter {adapter!r} cannot be named there; give the "
+                                   "adapter another name (lora= as a list or dict)")
+            if adapter not in roots:
+                status, text = self._call(url, "load_lora_adapter", {"lora_name": adapter, "lora_path": path})
+                if status != 200:
+                    raise RuntimeError(f"shardcast: vllm serve at {url} refused to name LoRA adapter {adapter!r} "
+                                       f"(HTTP {status}): {text[:400]}")
+            self.named.setdefault(url, []).append(adapter)
+
+    def forget(self) -> None:
+        """Takes back every name given (the server's workers are about to drop the adapters); a
+        server that does not answer is logged, not raised."""
+        for url, adapters in self.named.items():
+            for adapter in adapters:
+                try:
+                    status, text = self._call(url, "unload_lora_adapter", {"lora_name": adapter})
+                    if status not in (200, 404):
+                        raise RuntimeError(f"HTTP {status}: {text[:200]}")
+                except Exception as e:
+                    _log.warning("shardcast: vllm serve at %s: taking back the name of LoRA adapter %r failed: %s",
+                                 url, adapter, e)
+        self.named = {}
+
+
+def _json(text: str) -> Dict[str, Any]:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
 class Installer:
     """vLLM's LoRA manager on one worker, driven with in-memory adapters (vLLM 0.32's
     `LRUCacheWorkerLoRAManager` and its `LRUCacheLoRAModelManager`).
@@ -233,7 +342,11 @@ class Installer:
     worker serves (`serving`: path -> (spec, tensors)), never from disk; a path with no version in
     service yet raises, naming the adapter. `check` refuses an adapter the engine would not take as
     vLLM's own load from disk refuses it, and more: every tensor must reach one of the model's
-    LoRA layers (vLLM's disk load checks module names only) and fit it."""
+    LoRA layers (vLLM's disk load checks module names only) and fit it.
+
+    vLLM may name one adapter by ids other than the trainer's (`vllm serve` gives the adapters its
+    /v1/load_lora_adapter route loads ids of its own): `ids` keeps every id vLLM loaded each path
+    under, and an adapter is put back under those (`install`)."""
 
     def __init__(self, runner: Any, serving) -> None:
         manager = getattr(runner, "lora_manager", None)
@@ -244,6 +357,7 @@ class Installer:
         self.manager = manager._adapter_manager
         self.lora_config = runner.lora_config
         self.serving = serving
+        self.ids: Dict[str, set] = {}  # shardcast:// path -> the vLLM ids it was loaded under
         load = manager._load_adapter
         if getattr(load, "_shardcast", None) is not None:
             load = load._shardcast  # a wrapper of an earlier engine: wrap vLLM's own again
@@ -253,7 +367,9 @@ class Installer:
             path = str(getattr(lora_request, "lora_path", ""))
             if not path.startswith(PATH_SCHEME):
                 return load(lora_request)
-            return installer.model_for(path, lora_request.lora_int_id)
+            model = installer.model_for(path, lora_request.lora_int_id)
+            installer.ids.setdefault(path, set()).add(lora_request.lora_int_id)
+            return model
 
         load_adapter._shardcast = load  # type: ignore[attr-defined]
         manager._load_adapter = load_adapter
@@ -332,17 +448,22 @@ class Installer:
             finally:
                 self.manager.remove_adapter(spec.id)
 
-    def install(self, spec: AdapterSpec, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Puts `tensors` into service as adapter `spec.id`, replacing what vLLM held under that id
-        (in vLLM's adapter cache; a request naming it activates it). Runs between two engine steps."""
-        lora = self.model(spec, tensors)
-        self.manager.remove_adapter(spec.id)
-        self.manager.add_adapter(lora)
+    def install(self, spec: AdapterSpec, tensors: Mapping[str, torch.Tensor], path: str) -> None:
+        """Puts `tensors` into service as the adapter requests name by `path`, replacing what vLLM
+        held of it (in vLLM's adapter cache; a request naming it activates it): under the ids vLLM
+        loaded `path` under, or `spec.id` before any (each a copy: one per id that requests use,
+        as vLLM keeps adapters). Runs between two engine steps."""
+        for adapter_id in sorted(self.ids.get(path) or {spec.id}):
+            lora = self.model(spec, tensors, adapter_id)
+            self.manager.remove_adapter(adapter_id)
+            self.manager.add_adapter(lora)
 
-    def remove(self, adapter_id: int) -> None:
-        self.manager.remove_adapter(adapter_id)
+    def remove(self, spec: AdapterSpec, path: str) -> None:
+        """Takes the adapter out of vLLM under every id it was served by (its ids are free again)."""
+        for adapter_id in {spec.id} | self.ids.pop(path, set()):
+            self.manager.remove_adapter(adapter_id)
 
 
-__all__ = ["AdapterSpec", "ID_BASE", "Installer", "LORA_COMPONENTS", "PATH_SCHEME", "WorkerAdapter", "adapter_group",
+__all__ = ["AdapterSpec", "ID_BASE", "Installer", "LORA_COMPONENTS", "PATH_SCHEME", "ServerNames", "WorkerAdapter", "adapter_group",
            "adapter_path", "check_adapter_name", "check_config", "checkpoint_name", "json_config", "peft_adapters",
            "replicated_pieces", "resolve_adapters", "worker_buffers"]

@@ -33,7 +33,7 @@ from shardcast.vllm import plugin
 from shardcast.vllm.clients import replica_group, with_reply
 from shardcast.vllm.collective import gather_step
 from shardcast.vllm.fused import Part, box_view, checkpoint_boxes, hf_conversion
-from shardcast.vllm.lora import (LORA_COMPONENTS, AdapterSpec, adapter_group, adapter_path, check_config,
+from shardcast.vllm.lora import (LORA_COMPONENTS, AdapterSpec, ServerNames, adapter_group, adapter_path, check_config,
                                  checkpoint_name, json_config, peft_adapters, resolve_adapters)
 from shardcast.vllm.names import checkpoint_names, is_data_parallel, refuse_fsdp1, strip_wrappers
 
@@ -316,6 +316,8 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         # The last sync's response (sender) of the weights ("") or of each adapter: its bytes,
         # seconds, delta and dense chunks.
         self.syncs: Dict[str, Any] = {}
+        # lora= into `vllm serve` (sender): the names requests give the adapters at each server.
+        self.server_names: Optional[ServerNames] = None
 
     @property
     def registration(self) -> Any:
@@ -387,8 +389,15 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
             if engine.lora_ids:
                 announced["lora"] = {name: AdapterSpec(name, engine.lora_ids[name], configs[name],
                                                        tensors[name]).to_json() for name in engine.lora_ids}
-            engine.collective.gather(f"initialising the weight transfer of {init_info.destination!r}", lambda: (
-                with_reply(client.init_weight_transfer_engine, announced) if engine.is_sender else None))
+            def initialise() -> None:
+                if engine.lora_ids:  # servers able to name the adapters, holding none of these names yet
+                    engine.server_names = ServerNames(init_info.destination, list(engine.lora_ids))
+                    for url in ServerNames.servers(client):
+                        engine.server_names.prepare(url)
+                with_reply(client.init_weight_transfer_engine, announced)
+
+            engine.collective.gather(f"initialising the weight transfer of {init_info.destination!r}",
+                                     lambda: initialise() if engine.is_sender else None)
         except BaseException:
             try:
                 engine.shutdown()
@@ -425,6 +434,16 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
                 self.sent[name] = version
         finally:
             self._hold(names)
+        if self.lora_ids:  # requests to `vllm serve` name each adapter once a version of it serves
+            self.collective.gather(f"naming the LoRA adapters of {self.info.destination!r} at vllm serve",
+                                   lambda: self._name_adapters(names, self.client) if self.is_sender else None)
+
+    def _name_adapters(self, names: List[str], client: Any) -> None:
+        """Names `names` at every server of `client` the last update reached (ServerNames)."""
+        if self.server_names is None:
+            return
+        for url in ServerNames.servers(client, getattr(client, "updated", None)):
+            self.server_names.name(url, names)
 
     def _carried(self, adapters: Optional[List[str]]) -> List[str]:
         if adapters is None:
@@ -541,6 +560,9 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         if add is None:
             raise TypeError("shardcast: add_replica needs the trainer engine's client to be a "
                             "shardcast.vllm.clients.ReplicaClients")
+        if self.server_names is not None:
+            for url in ServerNames.servers(client):
+                self.server_names.prepare(url)
         replica = add(client)
         if self.version > 0:
             failed = f"shardcast: replica {replica} of {self.info.destination!r} joined but did not catch up to " \
@@ -571,9 +593,12 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
                                                                  source=self.info.group), self.version)
             if error is not None:
                 raise RuntimeError(f"{failed}: {error}") from error
+            self._name_adapters([name for name in sent if name], client)
         return replica
 
     def shutdown(self) -> None:
+        if self.server_names is not None:  # first: a request naming an adapter gone would end vLLM's engine
+            self.server_names.forget()
         try:
             for name in list(self.registrations):
                 self.registrations.pop(name).close()

@@ -1,0 +1,108 @@
+"""A LoRA adapter into `vllm serve`, named in its OpenAI routes. Daemon n0 serves the trainer
+(this process: a PEFT LoRA adapter "policy" on a Hugging Face model of plain tensors, AdamW, the
+shardcast trainer engine with lora=True, driving the server through vLLM's
+HTTPVLLMWeightSyncClient); n1 serves the workers of `vllm serve --enable-lora` (TP=1, started with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).
+
+- Before the first update no model "policy" is listed, and a request naming it is refused (404)
+  while the server serves on.
+- Steps 1 and 2: each update names the adapter at the server (step 1) and serves the step's
+  adapter to /v1/completions requests for model "policy"; the step's adapter is saved as PEFT
+  saves it to OUT/step-N (for a fresh vLLM to load from disk).
+- The server loads the adapter under an id of its own (its counter: 1): after step 2's update the
+  worker puts it back under that id alone (`lora_ids_N`: the ids vLLM's adapter cache holds).
+- The trainer engine shuts down: the name is taken back, a request naming it is refused, and the
+  base model serves on.
+Prints one JSON result.
+Usage: python run_lora_serve.py MODEL OUT"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    model_dir, out = sys.argv[1], sys.argv[2]
+    import requests
+    import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from engines import Served, start_server
+    from shardcast.local import LocalCluster
+    from shardcast.vllm.trainer import ShardcastTrainerInitInfo
+
+    result: dict = {}
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+                                      lora_dropout=0.0), adapter_name="policy")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+
+    def train(step: int) -> None:
+        vocab = model.base_model.model.config.vocab_size
+        tokens = torch.randint(3, vocab, (2, 16), generator=torch.Generator().manual_seed(step))
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def save(step: int) -> str:
+        path = os.path.join(out, f"step-{step}")
+        os.makedirs(path, exist_ok=True)
+        tensors = get_peft_model_state_dict(model, adapter_name="policy")
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()},
+                  os.path.join(path, "adapter_model.safetensors"))
+        model.peft_config["policy"].save_pretrained(path)
+        return path
+
+    with LocalCluster(["n0", "n1"]) as cluster:
+        server, url = start_server(model_dir, 1, cluster.target("n1"), os.path.join(out, "vllm-serve.log"),
+                                   extra_args=["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2"],
+                                   env_extra={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+        try:
+            def models() -> list:
+                return sorted(card["id"] for card in requests.get(f"{url}/v1/models", timeout=60).json()["data"])
+
+            def policy_status() -> int:
+                return requests.post(f"{url}/v1/completions", timeout=60, json={
+                    "model": "policy", "prompt": "hello", "max_tokens": 2}).status_code
+
+            policy, base = Served(url=url, model="policy"), Served(url=url, model=model_dir)
+            engine = WeightTransferTrainerFactory.trainer_init(
+                ShardcastTrainerInitInfo(rank=0, daemon=cluster.target("n0"), timeout_s=60, lora=True),
+                client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
+            result["models_0"], result["policy_status_0"] = models(), policy_status()
+            result["base_0"] = base.generate()
+            def lora_ids() -> list:
+                r = requests.post(f"{url}/collective_rpc", timeout=60, json={"method": "shardcast_lora_ids"})
+                r.raise_for_status()
+                return r.json()["results"][0]
+
+            for step in (1, 2):
+                train(step)
+                engine.send_weights()
+                result[f"lora_ids_{step}"] = lora_ids()
+                result[f"dir_{step}"] = save(step)
+                result[f"models_{step}"] = models()
+                result[f"served_{step}"] = policy.generate()
+                result[f"base_{step}"] = base.generate()
+            engine.shutdown()
+            result["models_after"], result["policy_status_after"] = models(), policy_status()
+            result["base_after"] = base.generate()
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    with open(os.path.join(out, "vllm-serve.log")) as log:
+        # The server's own id for "policy" (its counter starts at 1), as vLLM logged the load.
+        result["server_log_loads"] = [line.strip() for line in log if "Loaded new LoRA adapter" in line]
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
