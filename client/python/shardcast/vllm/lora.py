@@ -267,15 +267,33 @@ class ServerNames:
             raise RuntimeError(f"shardcast: vllm serve at {url} did not answer /v1/{route}: "
                                f"{getattr(e, 'reason', e)}") from e
 
+    def _roots(self, url: str) -> Dict[str, Any]:
+        """The server's models: name -> where it was loaded from (`root`)."""
+        status, text = self._call(url, "models")
+        if status != 200:
+            raise RuntimeError(f"shardcast: vllm serve at {url}: listing its models failed (HTTP {status}): "
+                               f"{text[:400]}")
+        return {card.get("id"): card.get("root") for card in _json(text).get("data", []) if isinstance(card, dict)}
+
+    def _check_free(self, url: str, roots: Dict[str, Any], adapter: str) -> None:
+        root = roots.get(adapter)
+        if root is not None and root != adapter_path(self.destination, adapter):
+            raise RuntimeError(f"shardcast: vllm serve at {url} serves a model named {adapter!r} already (from "
+                               f"{root!r}): LoRA adapter {adapter!r} cannot be named there; give the adapter "
+                               "another name (lora= as a list or dict)")
+
     def prepare(self, url: str) -> None:
-        """Before the server's workers take the adapters: the server can name adapters, and holds
-        none of these names from an earlier trainer (one named before its first version would end
-        vLLM's engine at the next request naming it). Raises naming the setting when it cannot."""
+        """Before the server's workers take the adapters: the server can name adapters, no other
+        model has one of their names, and it holds none of them from an earlier trainer (a name
+        given before its first version would end vLLM's engine at the next request naming it: it is
+        taken back). Raises naming the setting, or the name, when not."""
+        roots = self._roots(url)
         for adapter in self.adapters:
+            self._check_free(url, roots, adapter)
             status, text = self._call(url, "unload_lora_adapter", {"lora_name": adapter})
             if status == 200:
-                _log.info("shardcast: %s: unnamed LoRA adapter %r of an earlier engine until its first version is "
-                          "in service", url, adapter)
+                _log.info("shardcast: %s: took back the name of LoRA adapter %r given by an earlier engine, until its "
+                          "first version is in service", url, adapter)
             elif status == 404 and "error" not in _json(text):  # the route itself is missing
                 raise ValueError(f"shardcast: vllm serve at {url} cannot name LoRA adapters (no "
                                  "/v1/unload_lora_adapter route): start it with --enable-lora and the environment "
@@ -291,19 +309,12 @@ class ServerNames:
         todo = [a for a in adapters if a not in self.named.get(url, [])]
         if not todo:
             return
-        status, text = self._call(url, "models")
-        if status != 200:
-            raise RuntimeError(f"shardcast: vllm serve at {url}: listing its models failed (HTTP {status}): "
-                               f"{text[:400]}")
-        roots = {card.get("id"): card.get("root") for card in _json(text).get("data", []) if isinstance(card, dict)}
+        roots = self._roots(url)
         for adapter in todo:
-            path = adapter_path(self.destination, adapter)
-            if adapter in roots and roots[adapter] != path:
-                raise RuntimeError(f"shardcast: vllm serve at {url} serves a model named {adapter!r} already (from "
-                                   f"{roots[adapter]!r}): LoRA adapter {adapter!r} cannot be named there; give the "
-                                   "adapter another name (lora= as a list or dict)")
+            self._check_free(url, roots, adapter)
             if adapter not in roots:
-                status, text = self._call(url, "load_lora_adapter", {"lora_name": adapter, "lora_path": path})
+                status, text = self._call(url, "load_lora_adapter",
+                                          {"lora_name": adapter, "lora_path": adapter_path(self.destination, adapter)})
                 if status != 200:
                     raise RuntimeError(f"shardcast: vllm serve at {url} refused to name LoRA adapter {adapter!r} "
                                        f"(HTTP {status}): {text[:400]}")

@@ -443,7 +443,11 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
         if self.server_names is None:
             return
         for url in ServerNames.servers(client, getattr(client, "updated", None)):
-            self.server_names.name(url, names)
+            try:
+                self.server_names.name(url, names)
+            except Exception as e:
+                raise RuntimeError(f"shardcast: the update of {names} went through, but requests to {url} cannot "
+                                   f"name them yet (the next send_weights tries again): {e}") from e
 
     def _carried(self, adapters: Optional[List[str]]) -> List[str]:
         if adapters is None:
