@@ -73,14 +73,14 @@ if [ "$tier" = full ]; then
   # lowest priority, in what is left. Each in its own process group (a failing phase stops them);
   # their output follows the client's, in this order.
   vllm_log="$build/pytest-vllm.log"
-  setsid bash "$root/scripts/test-vllm.sh" -p no:cacheprovider >"$vllm_log" 2>&1 &
+  setsid bash "$root/scripts/test-vllm.sh" -p no:cacheprovider --durations=12 >"$vllm_log" 2>&1 &
   vllm_tests=$!
   fuzz_log="$build/fuzz.log"
-  nice -n 19 setsid bash "$root/scripts/fuzz.sh" --seconds "${SHARDCAST_FUZZ_SECONDS:-10}" >"$fuzz_log" 2>&1 &
+  nice -n 19 setsid bash "$root/scripts/fuzz.sh" --seconds "${SHARDCAST_FUZZ_SECONDS:-6}" >"$fuzz_log" 2>&1 &
   fuzz=$!
   background+=("$vllm_tests" "$fuzz")
 fi
-phase "pytest client" "$py" -m pytest -q -rs -p no:cacheprovider "${markers[@]}" "$root/client/python/tests"
+phase "pytest client" "$py" -m pytest -q -rs -p no:cacheprovider --durations=12 "${markers[@]}" "$root/client/python/tests"
 # waits for background job $1 and prints its log $2; $3: what to say when it failed
 finished() {
   local rc=0
@@ -94,10 +94,11 @@ labels=()
 [ "$tier" = quick ] && labels=(-LE slow)
 run_ctest() { cd "$build" && ctest --output-on-failure -j "$(nproc 2>/dev/null || echo 2)" "${labels[@]}"; }
 if [ "$tier" = full ]; then
-  # ctest runs beside what is left of the vLLM tests (in its own process group); its output comes
-  # last all the same, and its status is the script's.
+  # ctest runs beside what is left of the vLLM tests (in its own process group, a little below
+  # their priority: the vLLM tests end last, and the machine is CPU-bound until they do); its
+  # output comes last all the same, and its status is the script's.
   ctest_log="$build/ctest.log"
-  setsid bash -c 'cd "$1" && exec ctest --output-on-failure -j "$2"' _ "$build" "$(nproc 2>/dev/null || echo 2)" \
+  nice -n 5 setsid bash -c 'cd "$1" && exec ctest --output-on-failure -j "$2"' _ "$build" "$(nproc 2>/dev/null || echo 2)" \
     >"$ctest_log" 2>&1 &
   ctest_job=$!
   background+=("$ctest_job")

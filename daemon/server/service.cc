@@ -61,7 +61,6 @@ ShardcastService::ShardcastService(const DaemonConfig& config, const AccessPolic
       access_(access),
       registry_(registry),
       peers_(peers),
-      engine_(engine),
       metrics_(metrics),
       progress_(progress),
       runner_(config, registry, peers, engine, progress,

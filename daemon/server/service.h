@@ -58,7 +58,6 @@ class ShardcastService final : public v1::Shardcast::Service {
   const AccessPolicy& access_;
   Registry& registry_;
   PeerSet& peers_;
-  SyncEngine& engine_;
   Metrics& metrics_;
   std::atomic<uint64_t> next_sync_{1};
   ProgressBoard& progress_;

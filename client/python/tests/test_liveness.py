@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import shardcast
-from shardcast.client import service_pb2
 
 import rank_worker
 

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import types
 
 
-def test_the_engine_registers_and_receives_block_fp8_from_a_bf16_trainer(tmp_path):
+def test_the_engine_registers_and_receives_block_fp8_from_a_bf16_trainer():
     from conftest import IN_PROCESS, run_script
 
-    out = run_script("test_fp8_engine.py", str(tmp_path), env_extra=IN_PROCESS, timeout=600)
+    out = run_script("test_fp8_engine.py", env_extra=IN_PROCESS, timeout=600)
     assert out.get("error") is None, out.get("error")
     # The engine found the fp8 layers and their blocks, and registered each weight in fp8 with its
     # scale (derived by the daemon: the trainer announces none).
@@ -51,7 +50,6 @@ def test_the_engine_registers_and_receives_block_fp8_from_a_bf16_trainer(tmp_pat
 
 
 def main() -> None:
-    out_dir = sys.argv[1]
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel

@@ -25,7 +25,7 @@ import torch
 
 from shardcast.fp8 import scale_shape
 from shardcast.parallel import fp8_scale_name
-from shardcast.vllm.probe import Landing, ParamMap, ProbeError
+from shardcast.vllm.probe import ParamMap, ProbeError
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                torch.float64: "float64", torch.int8: "int8", torch.uint8: "uint8", torch.int32: "int32",
