@@ -97,6 +97,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PolicyAdapterTrainer:
+    """A trainer of one PEFT LoRA adapter, "policy" (rank 8 on q/v/o/down), on MODEL's Hugging Face
+    model of plain tensors, in this process, with AdamW. `train(step)` takes one optimizer step on
+    tokens seeded by `step`; `save(step)` writes the adapter to OUT/step-N as PEFT saves it (a
+    directory a fresh vLLM loads), and returns it."""
+
+    def __init__(self, model_dir: str, out: str) -> None:
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        self.out = out
+        self.model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                    LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                               target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
+                                    adapter_name="policy")
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=2e-2)
+
+    def train(self, step: int) -> None:
+        import torch
+
+        vocab = self.model.base_model.model.config.vocab_size
+        tokens = torch.randint(3, vocab, (2, 16), generator=torch.Generator().manual_seed(step))
+        self.model(input_ids=tokens, labels=tokens).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def save(self, step: int) -> str:
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        path = os.path.join(self.out, f"step-{step}")
+        os.makedirs(path, exist_ok=True)
+        tensors = get_peft_model_state_dict(self.model, adapter_name="policy")
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()},
+                  os.path.join(path, "adapter_model.safetensors"))
+        self.model.peft_config["policy"].save_pretrained(path)
+        return path
+
+
 class Served:
     """What vLLM serves for engines.PROMPTS and what its workers hold, offline or over HTTP."""
 

@@ -28,15 +28,11 @@ from run_replicas import bytes_sent
 
 def main() -> None:
     model_dir, out = sys.argv[1], sys.argv[2]
-    import torch
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
     from vllm import LLM
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from engines import OfflineClient, engine_args, generate
+    from engines import OfflineClient, PolicyAdapterTrainer, engine_args, generate
     from shardcast.local import LocalCluster
     from shardcast.vllm.clients import ReplicaClients
     from shardcast.vllm.trainer import ShardcastTrainerInitInfo
@@ -50,27 +46,8 @@ def main() -> None:
                    weight_transfer_config={"backend": "shardcast"},
                    **dict(engine_args(1), kv_cache_memory_bytes=256 << 20))
 
-    torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
-                                      lora_dropout=0.0), adapter_name="policy")
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
-
-    def train(step: int) -> None:
-        vocab = model.base_model.model.config.vocab_size
-        tokens = torch.randint(3, vocab, (2, 16), generator=torch.Generator().manual_seed(step))
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    def save(step: int) -> str:
-        path = os.path.join(out, f"step-{step}")
-        os.makedirs(path, exist_ok=True)
-        tensors = get_peft_model_state_dict(model, adapter_name="policy")
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()},
-                  os.path.join(path, "adapter_model.safetensors"))
-        model.peft_config["policy"].save_pretrained(path)
-        return path
+    trainer = PolicyAdapterTrainer(model_dir, out)
+    model, train, save = trainer.model, trainer.train, trainer.save
 
     with LocalCluster(["n0", "n1", "n2"]) as cluster:
         llms = [start_llm("n1")]

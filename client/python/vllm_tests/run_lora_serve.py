@@ -26,40 +26,16 @@ import sys
 def main() -> None:
     model_dir, out = sys.argv[1], sys.argv[2]
     import requests
-    import torch
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from engines import Served, start_server
+    from engines import PolicyAdapterTrainer, Served, start_server
     from shardcast.local import LocalCluster
     from shardcast.vllm.trainer import ShardcastTrainerInitInfo
 
     result: dict = {}
-    torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
-                                      lora_dropout=0.0), adapter_name="policy")
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
-
-    def train(step: int) -> None:
-        vocab = model.base_model.model.config.vocab_size
-        tokens = torch.randint(3, vocab, (2, 16), generator=torch.Generator().manual_seed(step))
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    def save(step: int) -> str:
-        path = os.path.join(out, f"step-{step}")
-        os.makedirs(path, exist_ok=True)
-        tensors = get_peft_model_state_dict(model, adapter_name="policy")
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()},
-                  os.path.join(path, "adapter_model.safetensors"))
-        model.peft_config["policy"].save_pretrained(path)
-        return path
+    trainer = PolicyAdapterTrainer(model_dir, out)
 
     with LocalCluster(["n0", "n1"]) as cluster:
         server, url = start_server(model_dir, 1, cluster.target("n1"), os.path.join(out, "vllm-serve.log"),
@@ -76,7 +52,7 @@ def main() -> None:
             policy, base = Served(url=url, model="policy"), Served(url=url, model=model_dir)
             engine = WeightTransferTrainerFactory.trainer_init(
                 ShardcastTrainerInitInfo(rank=0, daemon=cluster.target("n0"), timeout_s=60, lora=True),
-                client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
+                client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(trainer.model))
             result["models_0"], result["policy_status_0"] = models(), policy_status()
             result["base_0"] = base.generate()
             def lora_ids() -> list:
@@ -85,10 +61,10 @@ def main() -> None:
                 return r.json()["results"][0]
 
             for step in (1, 2):
-                train(step)
+                trainer.train(step)
                 engine.send_weights()
                 result[f"lora_ids_{step}"] = lora_ids()
-                result[f"dir_{step}"] = save(step)
+                result[f"dir_{step}"] = trainer.save(step)
                 result[f"models_{step}"] = models()
                 result[f"served_{step}"] = policy.generate()
                 result[f"base_{step}"] = base.generate()
