@@ -117,7 +117,7 @@ class FakeServe:
     each adapter loaded (its path as `root`); without runtime LoRA updating, the load and unload
     routes do not exist (FastAPI's 404 {"detail": "Not Found"})."""
 
-    def __init__(self, runtime_lora: bool = True, refuse_load: bool = False) -> None:
+    def __init__(self, runtime_lora: bool = True, refuse_load: bool = False, api_key: str = "") -> None:
         self.adapters = {}  # name -> path
         self.calls = []
         fake = self
@@ -134,8 +134,16 @@ class FakeServe:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def refused(self) -> bool:
+                if api_key and self.headers.get("Authorization") != f"Bearer {api_key}":
+                    self.reply(401, {"error": "Unauthorized"})
+                    return True
+                return False
+
             def do_GET(self):
                 fake.calls.append(("GET", self.path, None))
+                if self.refused():
+                    return
                 cards = [{"id": "base", "root": "/models/base"}] + [
                     {"id": name, "root": path} for name, path in fake.adapters.items()]
                 self.reply(200, {"object": "list", "data": cards})
@@ -143,6 +151,8 @@ class FakeServe:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.calls.append(("POST", self.path, body))
+                if self.refused():
+                    return
                 if not runtime_lora:
                     return self.reply(404, {"detail": "Not Found"})
                 name = body.get("lora_name")
@@ -194,12 +204,30 @@ def test_the_trainer_names_each_adapter_at_vllm_serve_once_and_takes_the_names_b
     assert server.adapters == {"policy": "shardcast://vllm.lora.policy", "critic": "shardcast://vllm.lora.critic"}
     names.forget()
     assert server.adapters == {} and names.named == {}
+    # A server restarted at the same URL (or re-added) is named again after its prepare.
+    names.name(server.url, ["policy"])
+    server.adapters.clear()  # restarted
+    names.prepare(server.url)
+    names.name(server.url, ["policy"])
+    assert server.adapters == {"policy": "shardcast://vllm.lora.policy"}
 
 
 def test_a_server_that_cannot_name_adapters_is_refused_naming_the_setting(serve):
     # (vLLM lists its models either way; without runtime LoRA updating the two routes do not exist.)
     with pytest.raises(ValueError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
         ServerNames("vllm", ["policy"]).prepare(serve(runtime_lora=False).url)
+
+
+def test_a_server_with_an_api_key_is_given_vllms_own_variable(serve, monkeypatch):
+    server = serve(api_key="sekrit")
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="HTTP 401.*give the trainer's process the server's key as VLLM_API_KEY"):
+        ServerNames("vllm", ["policy"]).prepare(server.url)
+    monkeypatch.setenv("VLLM_API_KEY", "sekrit")
+    names = ServerNames("vllm", ["policy"])
+    names.prepare(server.url)
+    names.name(server.url, ["policy"])
+    assert server.adapters == {"policy": "shardcast://vllm.lora.policy"}
 
 
 def test_a_name_taken_or_refused_at_the_server_raises_naming_server_and_adapter(serve):
@@ -276,5 +304,16 @@ def test_a_worker_puts_an_adapter_back_under_the_ids_vllm_loaded_its_path_under(
     adapters.held.clear()  # vLLM's reset after an update
     installer.install(spec, tensors, path)
     assert set(adapters.held) == {2}  # the id requests name it by, and no copy nobody asks for
-    installer.remove(spec, path)
+    installer.remove(spec, path)  # the engine shut down
     assert adapters.held == {}
+    # A request naming the path after its engine shut down (one already accepted, or a name vllm
+    # serve still gives) gets the last version served, not an error inside vLLM's engine step;
+    # so does one before the next engine's first update.
+    serving.clear()
+    assert manager._load_adapter(SimpleNamespace(lora_path=path, lora_int_id=2)).tensors is tensors
+    later = Installer(runner, lambda p: None)
+    later.model = installer.model
+    assert later.ids == {path: {2}} and {2, 100001} <= later.ours
+    assert manager._load_adapter(SimpleNamespace(lora_path=path, lora_int_id=2)).tensors is tensors
+    with pytest.raises(ValueError, match="no Shardcast LoRA adapter at 'shardcast://vllm.lora.critic'"):
+        manager._load_adapter(SimpleNamespace(lora_path=adapter_path("vllm", "critic"), lora_int_id=3))

@@ -11,8 +11,10 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).
   saves it to OUT/step-N (for a fresh vLLM to load from disk).
 - The server loads the adapter under an id of its own (its counter: 1): after step 2's update the
   worker puts it back under that id alone (`lora_ids_N`: the ids vLLM's adapter cache holds).
-- The trainer engine shuts down: the name is taken back, a request naming it is refused, and the
-  base model serves on.
+- The server's weight transfer shuts down before the trainer's engine: a request naming the
+  adapter is served step 2's version (vLLM's engine survives it). The trainer engine shuts down:
+  the name is taken back, a request naming it is refused, and the base model serves on.
+- A new trainer engine takes the adapter: step 3 names it again and serves it.
 Prints one JSON result.
 Usage: python run_lora_serve.py MODEL OUT"""
 
@@ -50,27 +52,47 @@ def main() -> None:
                     "model": "policy", "prompt": "hello", "max_tokens": 2}).status_code
 
             policy, base = Served(url=url, model="policy"), Served(url=url, model=model_dir)
-            engine = WeightTransferTrainerFactory.trainer_init(
-                ShardcastTrainerInitInfo(rank=0, daemon=cluster.target("n0"), timeout_s=60, lora=True),
-                client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(trainer.model))
-            result["models_0"], result["policy_status_0"] = models(), policy_status()
-            result["base_0"] = base.generate()
+            client = HTTPVLLMWeightSyncClient(url)
+
+            def init():
+                return WeightTransferTrainerFactory.trainer_init(
+                    ShardcastTrainerInitInfo(rank=0, daemon=cluster.target("n0"), timeout_s=60, lora=True),
+                    client=client, source=ModuleSource(trainer.model))
+
             def lora_ids() -> list:
                 r = requests.post(f"{url}/collective_rpc", timeout=60, json={"method": "shardcast_lora_ids"})
                 r.raise_for_status()
                 return r.json()["results"][0]
 
-            for step in (1, 2):
-                trainer.train(step)
+            def step(engine, n: int) -> None:
+                trainer.train(n)
                 engine.send_weights()
-                result[f"lora_ids_{step}"] = lora_ids()
-                result[f"dir_{step}"] = trainer.save(step)
-                result[f"models_{step}"] = models()
-                result[f"served_{step}"] = policy.generate()
-                result[f"base_{step}"] = base.generate()
+                result[f"lora_ids_{n}"] = lora_ids()
+                result[f"dir_{n}"] = trainer.save(n)
+                result[f"models_{n}"] = models()
+                result[f"served_{n}"] = policy.generate()
+                result[f"base_{n}"] = base.generate()
+
+            engine = init()
+            result["models_0"], result["policy_status_0"] = models(), policy_status()
+            result["base_0"] = base.generate()
+            step(engine, 1)
+            step(engine, 2)
+            # The server's weight transfer shut down first, the trainer's engine still up: the name
+            # is still given, the workers dropped their adapters, and the request that names it is
+            # answered from step 2's version (the engine survives it).
+            client.shutdown_weight_transfer_engine()
+            result["lora_ids_shut"] = lora_ids()
+            result["served_shut"], result["models_shut"] = policy.generate(), models()
             engine.shutdown()
             result["models_after"], result["policy_status_after"] = models(), policy_status()
             result["base_after"] = base.generate()
+            # A new trainer engine takes the adapter again: named once its first update serves.
+            engine = init()
+            result["models_reinit"] = models()
+            step(engine, 3)
+            engine.shutdown()
+            client.shutdown_weight_transfer_engine()
         finally:
             server.terminate()
             server.wait(timeout=60)

@@ -89,24 +89,29 @@ def test_an_adapter_into_vllm_serve_is_named_in_its_openai_routes_once_a_version
     # `vllm serve --enable-lora` (TP=1, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) driven over HTTP by a
     # trainer of plain tensors: requests name the adapter as model "policy" (run_lora_serve.py).
     out = run_script("run_lora_serve.py", models["llama"], str(tmp_path), timeout=600)
-    fresh = run_script("run_lora_generate.py", "1", models["llama"], out["dir_1"], out["dir_2"],
+    fresh = run_script("run_lora_generate.py", "1", models["llama"], out["dir_1"], out["dir_2"], out["dir_3"],
                        env_extra=IN_PROCESS)
     model = models["llama"]
     # No name before a version serves: a request naming it is refused, and the server serves on.
     assert out["models_0"] == [model] and out["policy_status_0"] == 404
     # Each step serves, under the name, exactly what a fresh vLLM serves with the step's adapter
     # loaded from disk; the base model is untouched.
-    for step in (1, 2):
+    for step in (1, 2, 3):
         assert out[f"models_{step}"] == sorted([model, "policy"])
         assert out[f"served_{step}"] == fresh["served"][step - 1], f"step {step}: not the adapter saved"
         assert out[f"base_{step}"] == out["base_0"] == fresh["base"]
-    assert fresh["served"][0] != fresh["served"][1] != out["base_0"]
-    # The server loaded it once, under an id of its own, which the worker put back after step 2's
+    assert fresh["served"][0] != fresh["served"][1] != fresh["served"][2] != out["base_0"]
+    # The server loaded the name under an id of its own, which the worker put back after step 2's
     # update (and no copy under the trainer's id).
-    (load,) = out["server_log_loads"]
-    assert "name 'policy', path 'shardcast://vllm.lora.policy'" in load
+    loads = out["server_log_loads"]
+    assert len(loads) == 2 and all("name 'policy', path 'shardcast://vllm.lora.policy'" in x for x in loads), loads
     assert len(out["lora_ids_2"]) == 1 and out["lora_ids_2"][0] < 100000 and out["lora_ids_2"][0] in out["lora_ids_1"]
-    # The trainer engine shut down: the name is taken back (a request naming it is refused rather
-    # than loading an adapter no version serves, which would end vLLM's engine); the base serves on.
+    # The server's weight transfer shut down while the name was still given: the workers dropped
+    # the adapter, and a request naming it got step 2's version, not an engine that dies.
+    assert out["lora_ids_shut"] == [] and out["models_shut"] == sorted([model, "policy"])
+    assert out["served_shut"] == out["served_2"]
+    # The trainer engine shut down: the name is taken back (a request naming it is refused); the
+    # base serves on. A new trainer engine names it again only once its first version serves.
     assert out["models_after"] == [model] and out["policy_status_after"] == 404
     assert out["base_after"] == out["base_0"]
+    assert out["models_reinit"] == [model]

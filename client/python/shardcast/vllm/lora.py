@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from enum import Enum
@@ -256,12 +257,19 @@ class ServerNames:
         import urllib.request
 
         data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get("VLLM_API_KEY")
+        if key:  # a server started with --api-key (or VLLM_API_KEY) checks it on its /v1 routes
+            headers["Authorization"] = f"Bearer {key}"
         request = urllib.request.Request(f"{url}/v1/{route}", data=data, method="POST" if body is not None else "GET",
-                                         headers={"Content-Type": "application/json"})
+                                         headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as r:
                 return r.status, r.read().decode(errors="replace")
         except urllib.error.HTTPError as e:
+            if e.code == 401:
+                raise RuntimeError(f"shardcast: vllm serve at {url} refused /v1/{route} (HTTP 401): it checks an API "
+                                   "key; give the trainer's process the server's key as VLLM_API_KEY") from e
             return e.code, e.read().decode(errors="replace")
         except (urllib.error.URLError, OSError) as e:
             raise RuntimeError(f"shardcast: vllm serve at {url} did not answer /v1/{route}: "
@@ -287,6 +295,7 @@ class ServerNames:
         model has one of their names, and it holds none of them from an earlier trainer (a name
         given before its first version would end vLLM's engine at the next request naming it: it is
         taken back). Raises naming the setting, or the name, when not."""
+        self.named.pop(url, None)  # a server restarted at the URL, or re-added: named again
         roots = self._roots(url)
         for adapter in self.adapters:
             self._check_free(url, roots, adapter)
@@ -350,14 +359,20 @@ class Installer:
     A Shardcast adapter is named by a `shardcast://` path (`adapter_path`). Whenever vLLM does not
     hold it (after vLLM removed its adapters, evicted it from its cache, or a data-parallel
     engine's idle step cleared them), vLLM's load of that path is answered from the version the
-    worker serves (`serving`: path -> (spec, tensors)), never from disk; a path with no version in
-    service yet raises, naming the adapter. `check` refuses an adapter the engine would not take as
-    vLLM's own load from disk refuses it, and more: every tensor must reach one of the model's
-    LoRA layers (vLLM's disk load checks module names only) and fit it.
+    worker serves (`serving`: path -> (spec, tensors)), never from disk. Once an engine put a
+    version into service, the path keeps its last version on this worker after that engine shut
+    down, until a later engine's first update replaces it (as full weights keep serving the last
+    update): vLLM loads a path inside an engine step, which does not survive an error, and a
+    request may name the path then (one already accepted, or a name `vllm serve` still gives). A
+    path no engine ever served raises, naming the adapter. `check` refuses an adapter the engine
+    would not take as vLLM's own load from disk refuses it, and more: every tensor must reach one
+    of the model's LoRA layers (vLLM's disk load checks module names only) and fit it.
 
     vLLM may name one adapter by ids other than the trainer's (`vllm serve` gives the adapters its
     /v1/load_lora_adapter route loads ids of its own): `ids` keeps every id vLLM loaded each path
-    under, and an adapter is put back under those (`install`)."""
+    under, and an adapter is put back under those (`install`). What outlives an engine (`last`,
+    `ids`, and `ours`: every id Shardcast put an adapter under) is kept on vLLM's worker LoRA
+    manager, one per worker."""
 
     def __init__(self, runner: Any, serving) -> None:
         manager = getattr(runner, "lora_manager", None)
@@ -368,7 +383,12 @@ class Installer:
         self.manager = manager._adapter_manager
         self.lora_config = runner.lora_config
         self.serving = serving
-        self.ids: Dict[str, set] = {}  # shardcast:// path -> the vLLM ids it was loaded under
+        kept = getattr(manager, "_shardcast_kept", None)
+        if kept is None:
+            kept = manager._shardcast_kept = {"last": {}, "ids": {}, "ours": set()}
+        self.last: Dict[str, Tuple[AdapterSpec, Mapping[str, torch.Tensor]]] = kept["last"]  # path -> last version
+        self.ids: Dict[str, set] = kept["ids"]  # shardcast:// path -> the vLLM ids it was loaded under
+        self.ours: set = kept["ours"]  # every vLLM id a Shardcast adapter was put under on this worker
         load = manager._load_adapter
         if getattr(load, "_shardcast", None) is not None:
             load = load._shardcast  # a wrapper of an earlier engine: wrap vLLM's own again
@@ -380,18 +400,21 @@ class Installer:
                 return load(lora_request)
             model = installer.model_for(path, lora_request.lora_int_id)
             installer.ids.setdefault(path, set()).add(lora_request.lora_int_id)
+            installer.ours.add(lora_request.lora_int_id)
             return model
 
         load_adapter._shardcast = load  # type: ignore[attr-defined]
         manager._load_adapter = load_adapter
 
     def model_for(self, path: str, adapter_id: int):
-        """The LoRAModel vLLM's load of `path` gets: the version in service, under `adapter_id`."""
+        """The LoRAModel vLLM's load of `path` gets: the version in service (or, before this
+        engine's first update, the last one an earlier engine served), under `adapter_id`."""
         found = self.serving(path) if self.serving is not None else None
         if found is None:
+            found = self.last.get(path)
+        if found is None:
             raise ValueError(f"shardcast: no Shardcast LoRA adapter at {path!r} is in service on this worker: a "
-                             "request may name an adapter once its first update has finished (and while the "
-                             "trainer's engine is initialised)")
+                             "request may name an adapter once its first update has finished")
         spec, tensors = found
         return self.model(spec, tensors, adapter_id)
 
@@ -433,8 +456,10 @@ class Installer:
         for spec in specs:
             self.helper(spec)  # its configuration first: what vLLM says of it is the clearest reason
             if spec.id in set(self.manager.list_adapters()):
-                raise ValueError(f"shardcast: LoRA adapter {spec.name!r}: vLLM holds an adapter of id {spec.id} "
-                                 "already; give each Shardcast adapter an id of its own")
+                if spec.id not in self.ours:
+                    raise ValueError(f"shardcast: LoRA adapter {spec.name!r}: vLLM holds an adapter of id {spec.id} "
+                                     "already; give each Shardcast adapter an id of its own")
+                self.manager.remove_adapter(spec.id)  # an earlier engine's adapter: loaded again if named
             for name in spec.tensors:
                 if ".experts." in name:
                     raise ValueError(f"shardcast: LoRA adapter {spec.name!r}, tensor {name!r}: adapters of MoE "
@@ -464,14 +489,17 @@ class Installer:
         held of it (in vLLM's adapter cache; a request naming it activates it): under the ids vLLM
         loaded `path` under, or `spec.id` before any (each a copy: one per id that requests use,
         as vLLM keeps adapters). Runs between two engine steps."""
+        self.last[path] = (spec, tensors)
         for adapter_id in sorted(self.ids.get(path) or {spec.id}):
             lora = self.model(spec, tensors, adapter_id)
             self.manager.remove_adapter(adapter_id)
             self.manager.add_adapter(lora)
+            self.ours.add(adapter_id)
 
     def remove(self, spec: AdapterSpec, path: str) -> None:
-        """Takes the adapter out of vLLM under every id it was served by (its ids are free again)."""
-        for adapter_id in {spec.id} | self.ids.pop(path, set()):
+        """Takes the adapter out of vLLM's cache under every id it was served by (a later engine may
+        take the ids; a request naming the path meanwhile gets its last version, see above)."""
+        for adapter_id in {spec.id} | self.ids.get(path, set()):
             self.manager.remove_adapter(adapter_id)
 
 

@@ -592,6 +592,7 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
                     raise RuntimeError(f"{failed}: {catch_up_error}; vLLM: {update_error}") from catch_up_error
                 _log.warning("%s reported %s, yet its workers hold the version: the update finished", failed,
                              catch_up_error)
+                self._name_adapters([name for name in sent if name], client)
                 return replica
             error = _update_and_finish(client, self._update_info(self.version, sent, timeout_s=self.info.timeout_s,
                                                                  source=self.info.group), self.version)
