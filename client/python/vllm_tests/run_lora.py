@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 
-from engines import report_failure, run_trainer_ranks
+from engines import report_failure, run_trainer_ranks, shutdown_llm
 
 ADAPTERS = {"policy": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                 "up_proj", "down_proj"]),
@@ -186,7 +186,7 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, trainer_d
         dist.barrier()
         engine.shutdown()
         if rank == 0:
-            llm.llm_engine.engine_core.shutdown()  # its engine and worker processes, before this one exits
+            shutdown_llm(llm)  # its engine and worker processes, before this one exits
         dist.destroy_process_group()
         if rank == 0:
             results.put(record)

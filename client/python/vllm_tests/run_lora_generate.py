@@ -15,7 +15,7 @@ def main() -> None:
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
-    from engines import engine_args, generate
+    from engines import engine_args, generate, shutdown_llm
 
     tp, model, dirs = sys.argv[1], sys.argv[2], sys.argv[3:]
     llm = LLM(model=model, enable_lora=True, max_lora_rank=16, max_loras=2,
@@ -28,7 +28,7 @@ def main() -> None:
         load_s.append(time.perf_counter() - start)
         served.append(generate(llm, lora_request=request))
     base = generate(llm)
-    llm.llm_engine.engine_core.shutdown()
+    shutdown_llm(llm)
     print("RESULT " + json.dumps({"served": served, "base": base, "load_s": load_s}), flush=True)
 
 

@@ -32,7 +32,7 @@ def main() -> None:
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from engines import OfflineClient, PolicyAdapterTrainer, engine_args, generate
+    from engines import OfflineClient, PolicyAdapterTrainer, engine_args, generate, shutdown_llm
     from shardcast.local import LocalCluster
     from shardcast.vllm.clients import ReplicaClients
     from shardcast.vllm.trainer import ShardcastTrainerInitInfo
@@ -98,7 +98,7 @@ def main() -> None:
         result["dir_3"], result["replicas_3"], result["served_3"] = save(3), dict(engine.replicas), served()
         engine.shutdown()
         for llm in llms:
-            llm.llm_engine.engine_core.shutdown()
+            shutdown_llm(llm)
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -23,7 +23,8 @@ a sync writes (every parameter element by exactly one tensor, or padding) is rec
 daemon's plan. Each step's weights are saved to OUT/step-N. Prints one JSON result.
 
 With DP > 1 the server runs that many data-parallel engines (--data-parallel-size), each one
-replica of the set "vllm" (`data_parallel`): the same cases, two of the refusals, and no figures.
+replica of the set "vllm" (`data_parallel`), and requests land on any of them: the same cases, two
+of the refusals, and no figures.
 Usage: python run_recovery.py MODEL TP OUT [DP]"""
 
 from __future__ import annotations
@@ -82,9 +83,11 @@ def main() -> None:
             served, client = Served(url=url, model=model_dir), Client(url)
             trainer = PlainTrainer(model_dir, out)
 
-            def groups(node: str) -> dict:
+            def groups(node: str, versions: bool = False) -> dict:
+                """Each group on `node`: its rank count, or with `versions` each rank's version."""
                 with shardcast.Client(cluster.target(node)) as c:
-                    return {g.group: len(g.rank_states) for g in c.status().groups}
+                    return {g.group: [r.version for r in g.rank_states] if versions else len(g.rank_states)
+                            for g in c.status().groups}
 
             def init(model, name_map=None):
                 return WeightTransferTrainerFactory.trainer_init(
@@ -189,6 +192,7 @@ def main() -> None:
             engine.send_weights()
             result["replicas_4"] = dict(getattr(engine, "replicas", {}))
             after(4)
+            result["versions_4"] = groups("n1", versions=True)
             result["weight_version"] = requests.get(f"{url}/weight_info", timeout=60).json()["weight_version"]
 
             if dp == 1:

@@ -52,7 +52,7 @@ def main() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     import shardcast
-    from engines import OfflineClient, PlainTrainer, engine_args, generate
+    from engines import OfflineClient, PlainTrainer, engine_args, generate, shutdown_llm
     from shardcast.local import LocalCluster
     from shardcast.vllm.clients import ReplicaClients
     from shardcast.vllm.trainer import ShardcastTrainerInitInfo
@@ -158,7 +158,7 @@ def main() -> None:
         mark("step 4")
         engine.shutdown()
         for llm in llms:
-            llm.llm_engine.engine_core.shutdown()
+            shutdown_llm(llm)
     print("RESULT " + json.dumps(result), flush=True)
 
 

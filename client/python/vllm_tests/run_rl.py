@@ -1,31 +1,28 @@
 """An RL loop with a real vLLM: a trainer of two ranks (FSDP2 over gloo, AdamW) trains MODEL for
 STEPS steps; after each, `send_weights()` of the shardcast trainer engine (vLLM's trainer factory)
-publishes the step on both ranks, syncs it and drives vLLM's update. vLLM runs at tensor-parallel
-size TP with `weight_transfer_config={"backend": "shardcast"}`: offline (an `LLM` in trainer rank
-0's process) or online (`vllm serve` over HTTP, VLLM_SERVER_DEV_MODE=1, driven through vLLM's
-HTTPVLLMWeightSyncClient). After each step rank 0 saves the full weights to OUT/step-N (for a fresh
-vLLM to serve, run_generate.py), records what vLLM serves, and asks every worker whether its
-registered bytes are that checkpoint's. Offline, an update to a version that never comes must
-raise and leave vLLM serving the last step, and at TP >= 2 one more step must then update it.
-Prints one JSON result.
-Usage: python run_rl.py MODEL TP TARGET OUT STEPS offline|serve|serve-dp2|offline-unserved
-  TP: "2ep" for expert parallelism. serve-dp2: `vllm serve` with two data-parallel engines, each
-  a replica of the set "vllm" (`data_parallel`); HTTP requests go to either. offline-unserved: offline, but vLLM generates nothing (vLLM
-  0.32's CPU MoE kernel crashes generating under expert parallelism, with or without Shardcast);
-  only the workers' registered bytes are checked."""
+publishes the step on both ranks, syncs it and drives vLLM's update. vLLM runs offline (an `LLM`
+in trainer rank 0's process) at tensor-parallel size TP with `weight_transfer_config={"backend":
+"shardcast"}`. (`vllm serve` over HTTP: run_recovery.py.) After each step rank 0 saves the full
+weights to OUT/step-N (for a fresh vLLM to serve, run_generate.py), records what vLLM serves, and
+asks every worker whether its registered bytes are that checkpoint's. An update to a version that
+never comes must raise and leave vLLM serving the last step, and at TP >= 2 one more step must
+then update it. Prints one JSON result.
+Usage: python run_rl.py MODEL TP TARGET OUT STEPS offline|offline-unserved
+  TP: "2ep" for expert parallelism. offline-unserved: vLLM generates nothing (vLLM 0.32's CPU MoE
+  kernel crashes generating under expert parallelism, with or without Shardcast); only the
+  workers' registered bytes are checked."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
-from engines import Served, report_failure, run_trainer_ranks, save_step, start_server
+from engines import Served, report_failure, run_trainer_ranks, save_step, shutdown_llm
 
 
 def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: str, out: str, steps: int,
-            mode: str, url: str, results) -> None:
+            mode: str, results) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -41,19 +38,14 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
     try:
         join_process_group(port, rank, world)
         served = None
-        if rank == 0:  # the sender: its vLLM, offline in this process or the server's HTTP routes
-            if mode.startswith("offline"):
-                from vllm import LLM
+        if rank == 0:  # the sender: its vLLM, in this process
+            from vllm import LLM
 
-                from engines import OfflineClient, engine_args
+            from engines import OfflineClient, engine_args
 
-                llm = LLM(model=model_dir, worker_extension_cls="worker_ext.ShardcastCheck",
-                          weight_transfer_config={"backend": "shardcast"}, **engine_args(tp))
-                served, client = Served(llm=llm), OfflineClient(llm)
-            else:
-                from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-
-                served, client = Served(url=url, model=model_dir), HTTPVLLMWeightSyncClient(url)
+            llm = LLM(model=model_dir, worker_extension_cls="worker_ext.ShardcastCheck",
+                      weight_transfer_config={"backend": "shardcast"}, **engine_args(tp))
+            served, client = Served(llm=llm), OfflineClient(llm)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
@@ -62,7 +54,7 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         engine = WeightTransferTrainerFactory.trainer_init(
-            ShardcastTrainerInitInfo(rank=rank, daemon=target, timeout_s=120, data_parallel=mode == "serve-dp2"),
+            ShardcastTrainerInitInfo(rank=rank, daemon=target, timeout_s=120),
             client=client if rank == 0 else None, source=ModuleSource(model))
         record = {"steps": [], "engine": type(engine).__name__}
 
@@ -88,9 +80,7 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
             if rank == 0:
                 record["steps"].append({"dir": step_dir, "loss": loss, "send_s": seconds,
                                         "served": served.generate() if mode != "offline-unserved" else [],
-                                        "checks": served.check(step_dir),
-                                        # a replica set's sync: each replica -> "" (committed) or why cut
-                                        "replicas": dict(getattr(engine, "replicas", {}))})
+                                        "checks": served.check(step_dir)})
             dist.barrier()
         if rank == 0:  # the groups the workers registered, with their versions
             import shardcast
@@ -121,8 +111,8 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
                 record["weight_version"] = llm.get_weight_version()
             dist.barrier()
         engine.shutdown()
-        if rank == 0 and mode.startswith("offline"):
-            llm.llm_engine.engine_core.shutdown()  # its engine and worker processes, before this one exits
+        if rank == 0:
+            shutdown_llm(llm)  # its engine and worker processes, before this one exits
         dist.destroy_process_group()
         if rank == 0:
             results.put(record)
@@ -134,20 +124,10 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
 def main() -> None:
     model_dir, tp, target, out, steps, mode = (sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4],
                                                int(sys.argv[5]), sys.argv[6])
+    if mode not in ("offline", "offline-unserved"):
+        sys.exit(f"run_rl.py: mode {mode!r}: offline or offline-unserved")
     os.environ["SHARDCAST_ADDRESS"] = target  # where vLLM's workers find their node's daemon
-    server, url = None, ""
-    if mode.startswith("serve"):
-        server, url = start_server(model_dir, tp, target, os.path.join(out, "vllm-serve.log"),
-                                   dp=2 if mode == "serve-dp2" else 1)
-    try:
-        run_trainer_ranks(trainer, model_dir, tp, target, out, steps, mode, url)
-    finally:
-        if server is not None:
-            server.terminate()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
+    run_trainer_ranks(trainer, model_dir, tp, target, out, steps, mode)
 
 
 if __name__ == "__main__":

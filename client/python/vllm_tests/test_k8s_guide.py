@@ -60,7 +60,7 @@ def main() -> None:
     model_dir, out_dir = sys.argv[1], sys.argv[2]
     from vllm import LLM
 
-    from engines import OfflineClient, PlainTrainer, engine_args
+    from engines import OfflineClient, PlainTrainer, engine_args, shutdown_llm
     from shardcast.local import LocalCluster
     from shardcast.vllm.clients import ReplicaClients
 
@@ -140,7 +140,7 @@ def main() -> None:
             result["weight_versions"] = [llm.get_weight_version() for llm in llms]
             result["syncs"] = syncs
         for llm in llms:
-            llm.llm_engine.engine_core.shutdown()
+            shutdown_llm(llm)
     print("RESULT " + json.dumps(result), flush=True)
 
 

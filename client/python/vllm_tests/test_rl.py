@@ -12,9 +12,9 @@ from shardcast.local import LocalCluster
 from conftest import IN_PROCESS, run_script
 
 
-def check_steps(out: dict, tp: int, parallel: str = "") -> dict:
+def check_steps(out: dict, tp: int) -> dict:
     steps = out["steps"]
-    fresh = run_script("run_generate.py", parallel or str(tp), *[s["dir"] for s in steps], tp=tp,
+    fresh = run_script("run_generate.py", str(tp), *[s["dir"] for s in steps], tp=tp,
                        env_extra=IN_PROCESS)["served"]
     for n, (step, reference) in enumerate(zip(steps, fresh), start=1):
         assert step["served"] == reference, f"step {n}: vLLM serves other tokens or logprobs than a fresh vLLM"
@@ -58,28 +58,6 @@ def test_fsdp2_trainer_into_offline_vllm_tp1_every_step(models, tmp_path):
     assert "(1 of 1 worker(s))" in error and "its weights are stale (ranks: 0 ready(3))" in error, error
     assert out["served_after"] == out["steps"][-1]["served"]
     assert out["weight_version"] == "3"
-
-
-def test_fsdp2_trainer_into_vllm_serve_with_two_data_parallel_engines_as_replicas_over_http(models, tmp_path):
-    # vllm serve with the plugin (VLLM_SERVER_DEV_MODE=1 routes), driven by the trainer engine
-    # through vLLM's HTTPVLLMWeightSyncClient; tied embeddings and a padded vocabulary. Two
-    # data-parallel engines (--data-parallel-size 2, TP=1 each: TP=2 runs offline in the MoE tests
-    # and in test_probe): with `data_parallel` each registers as one replica of the set "vllm" (its
-    # id vLLM's DP index). Both on one node here: the sync writes both replicas (the node receives
-    # each byte once and fans it out to both engines), none is cut. Every engine's registered bytes
-    # are checked (strictly: any engine's mismatch fails the call), and requests land on either
-    # engine.
-    with LocalCluster(["n0"]) as c:
-        out = run_script("run_rl.py", models["llama_tied"], "1", c.target("n0"), str(tmp_path), "2", "serve-dp2",
-                         timeout=900)
-    assert out.get("error") is None, out.get("error")
-    paths = check_steps(out, 1)
-    assert "model.embed_tokens.weight" in paths["direct"]
-    assert "model.layers.0.self_attn.qkv_proj.weight" in paths["processed"]
-    assert out["groups"]["vllm.r0"] == [2] and out["groups"]["vllm.r1"] == [2], out["groups"]
-    assert [s["replicas"] for s in out["steps"]] == [{"vllm.r0": "", "vllm.r1": ""}] * 2, out["steps"]
-    # A failed update, a refused trainer_init and a daemon killed mid-update, each followed by an
-    # update that goes through on both engines: test_recovery.py's data-parallel run.
 
 
 def test_vllm_servers_as_replicas_one_joins_by_catch_up_one_dies_and_the_other_takes_the_step(models, tmp_path):
