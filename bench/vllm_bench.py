@@ -41,9 +41,8 @@ def main() -> None:
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from engines import OfflineClient, engine_args, generate
+    from engines import OfflineClient, engine_args, generate, save_step, shutdown_llm
     from models import make_llama
-    from run_rl import save_step
     from shardcast.local import LocalCluster
     from shardcast.vllm.trainer import ShardcastTrainerInitInfo
 
@@ -95,7 +94,7 @@ def main() -> None:
                          "save_s": save_s, "reload_s": reload_s})
         generate(llm)  # still serving
         engine.shutdown()
-        llm.llm_engine.engine_core.shutdown()
+        shutdown_llm(llm)
     print(f"{'update':>6} {'start':>7} {'sync':>7} {'update':>7} {'finish':>7} {'total':>7} {'wire MB':>8} "
           f"{'blocked':>8} | {'save':>7} {'reload':>7}  (seconds)")
     for r in rows:

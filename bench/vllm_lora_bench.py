@@ -56,7 +56,7 @@ def main() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.lora.request import LoRARequest
 
-    from engines import OfflineClient, engine_args, generate
+    from engines import OfflineClient, engine_args, generate, shutdown_llm
     from models import make_llama
     from shardcast.local import LocalCluster
     from shardcast.vllm.trainer import ShardcastTrainerInitInfo
@@ -107,7 +107,7 @@ def main() -> None:
                          "disk_bytes": sum(f.stat().st_size for f in Path(path).rglob("*.safetensors")),
                          "save_s": save_s, "load_s": load_s})
         engine.shutdown()
-        llm.llm_engine.engine_core.shutdown()
+        shutdown_llm(llm)
     print(f"{'update':>6} {'start':>7} {'sync':>7} {'update':>7} {'finish':>7} {'total':>7} {'wire MB':>8} "
           f"| {'save':>7} {'load':>7} {'disk MB':>8}  (seconds)")
     for r in rows:

@@ -142,7 +142,12 @@ def trainer(rank: int, port: int, policy: str, daemon: str, steps: int, results)
                   f"{llm.get_weight_version()})", flush=True)
     engine.shutdown()
     if rank == 0:
-        llm.llm_engine.engine_core.shutdown()
+        import psutil
+
+        try:
+            llm.llm_engine.engine_core.shutdown()  # vLLM's engine and worker processes
+        except psutil.NoSuchProcess:
+            pass  # vLLM 0.32, forcing a slow engine down, tripped over a worker that had exited; the engine exits with us
         results.put(worst)
     dist.destroy_process_group()
 
