@@ -142,10 +142,12 @@ class PolicyAdapterTrainer:
 
 
 class Served:
-    """What vLLM serves for engines.PROMPTS and what its workers hold, offline or over HTTP."""
+    """What vLLM serves for engines.PROMPTS and what its workers hold, offline or over HTTP (with
+    `engine`, every request to that data-parallel engine of the server: vLLM's X-data-parallel-rank
+    header; else to whichever engine vLLM picks)."""
 
-    def __init__(self, llm=None, url: str = "", model: str = "") -> None:
-        self.llm, self.url, self.model = llm, url, model
+    def __init__(self, llm=None, url: str = "", model: str = "", engine: int | None = None) -> None:
+        self.llm, self.url, self.model, self.engine = llm, url, model, engine
 
     def generate(self) -> list:
         if self.llm is not None:
@@ -157,7 +159,8 @@ class Served:
         """PROMPTS[index] alone, over HTTP."""
         import requests
 
-        r = requests.post(f"{self.url}/v1/completions", timeout=120, json={
+        headers = {"X-data-parallel-rank": str(self.engine)} if self.engine is not None else {}
+        r = requests.post(f"{self.url}/v1/completions", timeout=120, headers=headers, json={
             "model": self.model, "prompt": PROMPTS[index], "max_tokens": 8, "temperature": 0, "logprobs": 2,
             "return_tokens_as_token_ids": True})
         r.raise_for_status()

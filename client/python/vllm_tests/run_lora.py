@@ -1,6 +1,7 @@
 """LoRA adapters as versions, against a real vLLM: a trainer of two ranks (FSDP2 over gloo, AdamW)
 trains two PEFT LoRA adapters of MODEL, "policy" (rank 8, every linear layer) and "critic" (rank 4,
-q/v/down), and syncs them with the shardcast trainer engine (`lora=True`) into an offline vLLM at
+q/v/down and the token embedding: PEFT's lora_embedding_A/B, vLLM's vocabulary-parallel LoRA
+layer), and syncs them with the shardcast trainer engine (`lora=True`) into an offline vLLM at
 tensor-parallel size TP started with enable_lora. Two daemons: n0 serves the trainer, n1 vLLM.
 
 - Refused first: adapters vLLM does not take (a rank above its max_lora_rank, DoRA). Each
@@ -31,7 +32,9 @@ from engines import report_failure, run_trainer_ranks, shutdown_llm
 
 ADAPTERS = {"policy": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                 "up_proj", "down_proj"]),
-            "critic": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"])}
+            # Not lm_head: vLLM 0.32's CPU LoRA kernels apply the last adapter slot's lm_head delta to
+            # requests without an adapter (the base model's would change; docs/vllm.md, "What is left").
+            "critic": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj", "embed_tokens"])}
 # The adapters each step sends (None: every one).
 STEPS = {1: None, 2: ["policy"], 3: ["critic"], 4: None}
 

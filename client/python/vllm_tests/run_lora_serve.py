@@ -2,7 +2,9 @@
 (this process: a PEFT LoRA adapter "policy" on a Hugging Face model of plain tensors, AdamW, the
 shardcast trainer engine with lora=True, driving the server through vLLM's
 HTTPVLLMWeightSyncClient); n1 serves the workers of `vllm serve --enable-lora` (TP=1, started with
-VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True). With DP > 1 the server runs that many data-parallel
+engines (--data-parallel-size DP --api-server-count 1), each one replica of the adapter's set
+(`data_parallel`), and what is served is asked of every engine (`served_N`: one list per engine).
 
 - Before the first update no model "policy" is listed, and a request naming it is refused (404)
   while the server serves on.
@@ -16,7 +18,7 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).
   the name is taken back, a request naming it is refused, and the base model serves on.
 - A new trainer engine takes the adapter: step 3 names it again and serves it.
 Prints one JSON result.
-Usage: python run_lora_serve.py MODEL OUT"""
+Usage: python run_lora_serve.py MODEL OUT [DP]"""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import sys
 
 def main() -> None:
     model_dir, out = sys.argv[1], sys.argv[2]
+    dp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     import requests
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
@@ -41,7 +44,8 @@ def main() -> None:
 
     with LocalCluster(["n0", "n1"]) as cluster:
         server, url = start_server(model_dir, 1, cluster.target("n1"), os.path.join(out, "vllm-serve.log"),
-                                   extra_args=["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2"],
+                                   dp=dp, extra_args=["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2",
+                                                      *(["--api-server-count", "1"] if dp > 1 else [])],
                                    env_extra={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
         try:
             def models() -> list:
@@ -51,15 +55,18 @@ def main() -> None:
                 return requests.post(f"{url}/v1/completions", timeout=60, json={
                     "model": "policy", "prompt": "hello", "max_tokens": 2}).status_code
 
-            policy, base = Served(url=url, model="policy"), Served(url=url, model=model_dir)
+            # "policy" asked of each engine (of whichever vLLM picks, without data-parallel engines)
+            policy = [Served(url=url, model="policy", engine=k if dp > 1 else None) for k in range(dp)]
+            base = Served(url=url, model=model_dir)
             client = HTTPVLLMWeightSyncClient(url)
 
             def init():
                 return WeightTransferTrainerFactory.trainer_init(
-                    ShardcastTrainerInitInfo(rank=0, daemon=cluster.target("n0"), timeout_s=60, lora=True),
+                    ShardcastTrainerInitInfo(rank=0, daemon=cluster.target("n0"), timeout_s=60, lora=True,
+                                             data_parallel=dp > 1),
                     client=client, source=ModuleSource(trainer.model))
 
-            def lora_ids() -> list:
+            def lora_ids() -> list:  # with data-parallel engines: the first engine's (vLLM answers with its)
                 r = requests.post(f"{url}/collective_rpc", timeout=60, json={"method": "shardcast_lora_ids"})
                 r.raise_for_status()
                 return r.json()["results"][0]
@@ -70,7 +77,7 @@ def main() -> None:
                 result[f"lora_ids_{n}"] = lora_ids()
                 result[f"dir_{n}"] = trainer.save(n)
                 result[f"models_{n}"] = models()
-                result[f"served_{n}"] = policy.generate()
+                result[f"served_{n}"] = [p.generate() for p in policy]
                 result[f"base_{n}"] = base.generate()
 
             engine = init()
@@ -83,7 +90,7 @@ def main() -> None:
             # answered from step 2's version (the engine survives it).
             client.shutdown_weight_transfer_engine()
             result["lora_ids_shut"] = lora_ids()
-            result["served_shut"], result["models_shut"] = policy.generate(), models()
+            result["served_shut"], result["models_shut"] = [p.generate() for p in policy], models()
             engine.shutdown()
             result["models_after"], result["policy_status_after"] = models(), policy_status()
             result["base_after"] = base.generate()

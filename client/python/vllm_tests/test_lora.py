@@ -1,7 +1,8 @@
 """LoRA adapters as versions against a real vLLM (CPU): a two-rank FSDP2 trainer trains two PEFT
 adapters and syncs them with the shardcast trainer engine (`lora=True`) into vLLM started with
 enable_lora at TP=2 (run_lora.py); one adapter goes into two offline vLLMs as a replica set
-(run_lora_replicas.py) and into `vllm serve`, named in its OpenAI routes (run_lora_serve.py).
+(run_lora_replicas.py) and into `vllm serve` with two data-parallel engines, named in its OpenAI
+routes (run_lora_serve.py).
 Adapters vLLM cannot serve are refused at init, naming the adapter, with nothing left registered.
 After every step, what vLLM serves with each adapter must be exactly what a vLLM started fresh
 serves with that adapter loaded from disk as PEFT saved it (greedy tokens and logprobs, bit for
@@ -85,10 +86,12 @@ def test_an_adapter_into_vllm_servers_as_a_replica_set_one_joining_one_cut(model
     assert out["served_3"] == [fresh[2], fresh[2]]
 
 
-def test_an_adapter_into_vllm_serve_is_named_in_its_openai_routes_once_a_version_serves(models, tmp_path):
-    # `vllm serve --enable-lora` (TP=1, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) driven over HTTP by a
-    # trainer of plain tensors: requests name the adapter as model "policy" (run_lora_serve.py).
-    out = run_script("run_lora_serve.py", models["llama"], str(tmp_path), timeout=600)
+def test_an_adapter_into_vllm_serve_with_two_data_parallel_engines_is_named_once_a_version_serves(models, tmp_path):
+    # `vllm serve --enable-lora --data-parallel-size 2 --api-server-count 1` (TP=1 each,
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) driven over HTTP by a trainer of plain tensors: each
+    # engine one replica of the adapter's set; requests name the adapter as model "policy", and each
+    # step is asked of both engines (run_lora_serve.py).
+    out = run_script("run_lora_serve.py", models["llama"], str(tmp_path), "2", timeout=600)
     fresh = run_script("run_lora_generate.py", "1", models["llama"], out["dir_1"], out["dir_2"], out["dir_3"],
                        env_extra=IN_PROCESS)
     model = models["llama"]
@@ -98,7 +101,7 @@ def test_an_adapter_into_vllm_serve_is_named_in_its_openai_routes_once_a_version
     # loaded from disk; the base model is untouched.
     for step in (1, 2, 3):
         assert out[f"models_{step}"] == sorted([model, "policy"])
-        assert out[f"served_{step}"] == fresh["served"][step - 1], f"step {step}: not the adapter saved"
+        assert out[f"served_{step}"] == [fresh["served"][step - 1]] * 2, f"step {step}: not the adapter saved"
         assert out[f"base_{step}"] == out["base_0"] == fresh["base"]
     assert fresh["served"][0] != fresh["served"][1] != fresh["served"][2] != out["base_0"]
     # The server loaded the name under an id of its own, which the worker put back after step 2's
@@ -109,7 +112,7 @@ def test_an_adapter_into_vllm_serve_is_named_in_its_openai_routes_once_a_version
     # The server's weight transfer shut down while the name was still given: the workers dropped
     # the adapter, and a request naming it got step 2's version, not an engine that dies.
     assert out["lora_ids_shut"] == [] and out["models_shut"] == sorted([model, "policy"])
-    assert out["served_shut"] == out["served_2"]
+    assert out["served_shut"] == out["served_2"]  # on both engines
     # The trainer engine shut down: the name is taken back (a request naming it is refused); the
     # base serves on. A new trainer engine names it again only once its first version serves.
     assert out["models_after"] == [model] and out["policy_status_after"] == 404
