@@ -3,13 +3,14 @@
 #
 #   scripts/test.sh             the complete suite (what .ci/run runs): format check, build, the GPU
 #                               bundle, pytest (Python client, examples, real PyTorch DTensor syncs,
-#                               deployment), the vLLM backend against a real vLLM on the CPU, the
-#                               fuzzers for a short fixed time, then every ctest test
+#                               deployment), the vLLM backend against a real vLLM on the CPU, then
+#                               every ctest test (the fuzz targets' seed corpora replayed among them)
 #   scripts/test.sh --quick     the inner loop (a few minutes after a build): unit, property and
 #                               contract tests and single real syncs; everything tagged slow is left
-#                               out (ctest label `slow`, pytest marker `slow`, the vLLM tests, fuzzing)
+#                               out (ctest label `slow`, pytest marker `slow`, the vLLM tests)
 #   scripts/test.sh --sanitize  the complete suite on an ASan/UBSan build in build-asan/ (the daemons
-#                               the Python tests start too); no vLLM tests, no fuzzing (own build)
+#                               the Python tests start too), and the fuzzers for a short fixed time
+#                               on their clang ASan/UBSan build in build-fuzz/; no vLLM tests
 #
 # Each phase prints its time; the times are summed up again before ctest runs.
 set -euo pipefail
@@ -24,7 +25,7 @@ case "${1:-}" in
     build="$root/build-asan"
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
     ;;
-  -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   *) echo "test.sh: unknown option $1 (--quick, --sanitize, --help)" >&2; exit 2 ;;
 esac
 
@@ -48,11 +49,6 @@ venvs=$!
 background=("$venvs")  # each in its own process group, stopped when this script stops early
 trap 'for p in "${background[@]}"; do kill -- "-$p" 2>/dev/null || kill "$p" 2>/dev/null || true; done' EXIT
 phase "format check" bash "$root/scripts/format.sh" --check  # first: it fails fast
-if [ "$tier" = sanitize ]; then
-  phase "build (ASan/UBSan)" bash "$root/scripts/build.sh" --sanitize
-else
-  phase "build" bash "$root/scripts/build.sh"
-fi
 venvs_ready() {
   local rc=0
   wait "$venvs" || rc=$?
@@ -61,9 +57,35 @@ venvs_ready() {
   [ $rc -eq 0 ] || echo "test.sh: making the venvs failed (scripts/deps.sh ${deps[*]})" >&2
   return $rc
 }
-phase "deps (venvs, the rest)" venvs_ready
+if [ "$tier" = full ]; then
+  # The vLLM tests are the longest chain and need only shardcastd: it is built first, and they run
+  # (in the vLLM venv) while everything else builds and runs beside them at a lower priority. Each
+  # job in its own process group (stopped when this script stops early); its output follows the
+  # client's.
+  phase "build (shardcastd)" bash "$root/scripts/build.sh" shardcastd
+  phase "deps (venvs, the rest)" venvs_ready
+  vllm_log="$build/pytest-vllm.log"
+  SHARDCAST_BUILD="$build" setsid bash "$root/scripts/test-vllm.sh" -p no:cacheprovider --durations=12 \
+    >"$vllm_log" 2>&1 &
+  vllm_tests=$!
+  background+=("$vllm_tests")
+  phase "build (the rest)" nice -n 5 bash "$root/scripts/build.sh"
+else
+  if [ "$tier" = sanitize ]; then
+    phase "build (ASan/UBSan)" bash "$root/scripts/build.sh" --sanitize
+    # The fuzzers (every libFuzzer target for a short fixed time on its ASan + UBSan clang build in
+    # build-fuzz/) build and run meanwhile at the lowest priority; their output follows pytest's.
+    fuzz_log="$build/fuzz.log"
+    nice -n 19 setsid env -u ASAN_OPTIONS -u UBSAN_OPTIONS bash "$root/scripts/fuzz.sh" --seconds "${SHARDCAST_FUZZ_SECONDS:-6}" >"$fuzz_log" 2>&1 &
+    fuzz=$!
+    background+=("$fuzz")
+  else
+    phase "build" bash "$root/scripts/build.sh"
+  fi
+  phase "deps (venvs, the rest)" venvs_ready
+fi
 # The GPU bundle scripts/device-check.sh runs where a GPU is: built and size-checked every time.
-[ "$tier" = full ] && phase "device bundle" bash "$root/scripts/device-bundle.sh"
+[ "$tier" = full ] && phase "device bundle" nice -n 5 bash "$root/scripts/device-bundle.sh"
 
 py="$root/.venv/bin/python"
 # The client package as installed by pip, from this checkout (the venv may hold an older one).
@@ -72,30 +94,8 @@ py="$root/.venv/bin/python"
 export SHARDCAST_BUILD="$build"
 markers=()
 [ "$tier" = quick ] && markers=(-m "not slow")
-# pytest: the Python client and the examples, then the deployment checks (manifests validated
-# against Kubernetes' schemas, consistency with the daemon's flags, the daemon run as the
-# DaemonSet says). Separate runs: each directory has its own conftest. The deployment checks run
-# beside the client's (they mostly wait on kubectl); their output follows.
-deploy_log="$build/pytest-deploy.log"
-"$py" -m pytest -q -rs -p no:cacheprovider "${markers[@]}" "$root/deploy/tests" >"$deploy_log" 2>&1 &
-deploy_tests=$!
-background+=("$deploy_tests")
-if [ "$tier" = full ]; then
-  # The vLLM tests (shardcast.vllm inside a real vLLM, in the vLLM venv of scripts/deps.sh vllm)
-  # run beside the client's: each uses about one core on average (engines and processes
-  # starting), so together they fill the two. The fuzzers (every libFuzzer target for a short
-  # fixed time on its ASan + UBSan clang build in build-fuzz/) build and run meanwhile at the
-  # lowest priority, in what is left. Each in its own process group (a failing phase stops them);
-  # their output follows the client's, in this order.
-  vllm_log="$build/pytest-vllm.log"
-  setsid bash "$root/scripts/test-vllm.sh" -p no:cacheprovider --durations=12 >"$vllm_log" 2>&1 &
-  vllm_tests=$!
-  fuzz_log="$build/fuzz.log"
-  nice -n 19 setsid bash "$root/scripts/fuzz.sh" --seconds "${SHARDCAST_FUZZ_SECONDS:-6}" >"$fuzz_log" 2>&1 &
-  fuzz=$!
-  background+=("$vllm_tests" "$fuzz")
-fi
-phase "pytest client" "$py" -m pytest -q -rs -p no:cacheprovider --durations=12 "${markers[@]}" "$root/client/python/tests"
+niced=()
+[ "$tier" = full ] && niced=(nice -n 5)  # below the vLLM tests
 # waits for background job $1 and prints its log $2; $3: what to say when it failed
 finished() {
   local rc=0
@@ -104,21 +104,33 @@ finished() {
   [ $rc -eq 0 ] || [ -z "${3:-}" ] || echo "test.sh: $3" >&2
   return $rc
 }
-phase "pytest deploy (the rest)" finished "$deploy_tests" "$deploy_log"
+# pytest: the Python client and the examples, then the deployment checks (manifests validated
+# against Kubernetes' schemas, consistency with the daemon's flags, the daemon run as the
+# DaemonSet says). Separate runs: each directory has its own conftest. The deployment checks run
+# beside the client's (they mostly wait on kubectl); their output follows.
+deploy_log="$build/pytest-deploy.log"
+"${niced[@]}" "$py" -m pytest -q -rs -p no:cacheprovider "${markers[@]}" "$root/deploy/tests" >"$deploy_log" 2>&1 &
+deploy_tests=$!
+background+=("$deploy_tests")
 labels=()
 [ "$tier" = quick ] && labels=(-LE slow)
-run_ctest() { cd "$build" && ctest --output-on-failure -j "$(nproc 2>/dev/null || echo 2)" "${labels[@]}"; }
+ctest_job=""
 if [ "$tier" = full ]; then
-  # ctest runs beside what is left of the vLLM tests (in its own process group, a little below
-  # their priority: the vLLM tests end last, and the machine is CPU-bound until they do); its
-  # output comes last all the same, and its status is the script's.
+  # ctest runs beside the client's tests (both spend most of their time waiting on daemons, so
+  # together they fill what the vLLM tests leave of the two cores); its output comes last all the
+  # same, and its status is the script's.
   ctest_log="$build/ctest.log"
   nice -n 5 setsid bash -c 'cd "$1" && exec ctest --output-on-failure -j "$2"' _ "$build" "$(nproc 2>/dev/null || echo 2)" \
     >"$ctest_log" 2>&1 &
   ctest_job=$!
   background+=("$ctest_job")
-  phase "pytest vllm (the rest)" finished "$vllm_tests" "$vllm_log"
-  phase "fuzz (the rest)" finished "$fuzz" "$fuzz_log" "the fuzzers failed (build-fuzz/crashes/)"
+fi
+phase "pytest client" "${niced[@]}" "$py" -m pytest -q -rs -p no:cacheprovider --durations=12 "${markers[@]}" \
+  "$root/client/python/tests"
+phase "pytest deploy (the rest)" finished "$deploy_tests" "$deploy_log"
+[ "$tier" = full ] && phase "pytest vllm (the rest)" finished "$vllm_tests" "$vllm_log"
+[ "$tier" = sanitize ] && phase "fuzz (the rest)" finished "$fuzz" "$fuzz_log" "the fuzzers failed (build-fuzz/crashes/)"
+if [ -n "$ctest_job" ]; then
   started=$SECONDS ctest_rc=0
   wait "$ctest_job" || ctest_rc=$?
   times+=("$(printf '%-28s %4d s' "ctest (the rest)" $((SECONDS - started)))")
@@ -131,4 +143,4 @@ fi
 trap - EXIT
 echo "test.sh ($tier): time per phase" >&2
 printf '  %s\n' "${times[@]}" >&2
-run_ctest
+cd "$build" && ctest --output-on-failure -j "$(nproc 2>/dev/null || echo 2)" "${labels[@]}"
