@@ -3,6 +3,7 @@
 // that it has several waves, relay chains and many chunks per transfer.
 #pragma once
 
+#include <filesystem>
 #include <memory>
 
 #include "daemon/engine/sync_engine.h"
@@ -15,9 +16,9 @@
 namespace shardcast::fuzzing {
 
 inline std::shared_ptr<const daemon::CachedPlan> examplePlan() {
-  const std::string dir = std::string(SHARDCAST_SOURCE_DIR) + "/client/examples/layouts/";
-  auto src = planner::readLayoutFile(dir + "trainer_fsdp2_tp4.json");
-  auto dst = planner::readLayoutFile(dir + "vllm_tp4_dp2.json");
+  const std::filesystem::path dir = std::filesystem::path(SHARDCAST_SOURCE_DIR) / "client/examples/layouts";
+  auto src = planner::readLayoutFile((dir / "trainer_fsdp2_tp4.json").string());
+  auto dst = planner::readLayoutFile((dir / "vllm_tp4_dp2.json").string());
   if (!src.ok() || !dst.ok()) std::abort();
   daemon::PlanCache cache;
   bool hit = false;

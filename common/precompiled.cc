@@ -1,0 +1,1 @@
+// The translation unit that shardcast_pch precompiles common/precompiled.h for.
