@@ -22,7 +22,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // A peer daemon's Describe and nothing else: node "n1" at the transport address `transport()`.
-// Its first `late` calls answer only after `delay` (past the asker's peer timeout).
+// Its first `late` calls answer only after `delay` (past the asker's peer timeout), or once released.
 class LatePeer final : public v1::Peer::Service {
  public:
   grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse* out) override {
@@ -103,7 +103,10 @@ struct Cluster {
     }
     peers = std::make_unique<daemon::PeerSet>(config, "n0-instance");
   }
-  ~Cluster() { silent.release(); }
+  ~Cluster() {  // what is still waiting answers now, so the servers shut down at once
+    peer.release();
+    silent.release();
+  }
 
   Status check(const std::string& transport, std::chrono::milliseconds within, std::string at = "") const {
     return peers->checkTransportAddresses({{"n1", transport, at.empty() ? address : at}}, Clock::now() + within);
@@ -123,7 +126,8 @@ TEST_CASE("transport addresses: a peer whose Describe answers late is waited for
   // Its first three Describes answer after the 200 ms peer timeout (a peer busy with 63 others at
   // a first sync): the check asks again until the deadline rather than taking the silence for
   // another address (64 daemons failed a sync 14 s into its execute that way).
-  Cluster c(/*late=*/3, /*delay=*/400ms);
+  // (2 s late: far past the timeout, however late a loaded machine fires the asker's timers.)
+  Cluster c(/*late=*/3, /*delay=*/2s);
   const Status st = c.check("transport-1", 10s);
   CHECK(st.ok());
   CHECK(c.peer.calls() >= 4);
@@ -146,7 +150,7 @@ TEST_CASE(
     "transport addresses: a node that never answers is refused by name at the deadline, asked a bounded number "
     "of times",
     "[daemon][peers]") {
-  Cluster c(/*late=*/1000, /*delay=*/300ms);
+  Cluster c(/*late=*/1000, /*delay=*/60s);  // never answers while it runs
   const Status st = c.check("transport-1", 1500ms);
   CHECK(st.code() == absl::StatusCode::kUnavailable);
   CHECK_THAT(std::string(st.message()),
@@ -183,12 +187,12 @@ TEST_CASE(
     "[daemon][peers]") {
   // A node that never answers, asked under a deadline an hour away: refused by name once four peer
   // timeouts (at least 1 s each) have passed, not an hour later.
-  Cluster c(/*late=*/1000000, /*delay=*/300ms);
+  Cluster c(/*late=*/1000000, /*delay=*/60s);
   const Status st = c.check("transport-1", std::chrono::hours(1));
   CHECK(st.code() == absl::StatusCode::kUnavailable);
   CHECK_THAT(std::string(st.message()), Catch::Contains("node \"n1\" has not described itself"));
   // A caller that has gone ends the wait at the next round.
-  Cluster d(/*late=*/1000000, /*delay=*/300ms);
+  Cluster d(/*late=*/1000000, /*delay=*/60s);
   const Status gone = d.peers->checkTransportAddresses({{"n1", "transport-1", d.address}},
                                                        Clock::now() + std::chrono::hours(1), [] { return true; });
   CHECK(gone.code() == absl::StatusCode::kCancelled);
