@@ -1,7 +1,10 @@
 """vLLM servers as the data-parallel replicas of one replica set. Three daemons: n0 serves the
 trainer (this process: a Hugging Face model of plain tensors, AdamW, the shardcast trainer engine
 from vLLM's trainer factory, driving the servers through shardcast.vllm.clients.ReplicaClients),
-n1 serves replica 0 and n2 replica 1 (offline vLLMs, TP=1, double-buffered).
+n1 serves replica 0 and n2 replica 1 (offline vLLMs, TP=1, double-buffered). Replica 1 is started
+with `enable_lora=True`, as a server that also serves adapters is: vLLM then wraps its linear
+layers and embeddings (their weights become `<layer>.base_layer.weight`), and the full weights must
+land there all the same, caught up from a replica without the wrapping.
 
 - Step 1 reaches replica 0 alone; then replica 1 starts and joins (`add_replica`): it catches up
   to step 1 from replica 0, and the trainer sends no byte for it.
@@ -66,11 +69,11 @@ def main() -> None:
         result["seconds"][what] = round(time.monotonic() - t0, 1)
         print(f"run_replicas: {what} at {result['seconds'][what]} s", file=sys.stderr, flush=True)
 
-    def start_llm(node: str):
+    def start_llm(node: str, **extra):
         os.environ["SHARDCAST_ADDRESS"] = cluster.target(node)  # the engine's workers: this node
         # Two engines in one process: the CPU backend counts the process's memory against each
         # engine's share, so the KV cache gets an explicit size (it changes no number served).
-        args = dict(engine_args(1), kv_cache_memory_bytes=256 << 20)
+        args = dict(engine_args(1, **extra), kv_cache_memory_bytes=256 << 20)
         return LLM(model=model_dir, worker_extension_cls="worker_ext.ShardcastCheck",
                    weight_transfer_config={"backend": "shardcast"}, **args)
 
@@ -97,7 +100,7 @@ def main() -> None:
         result["replicas_1"] = dict(engine.replicas)
         mark("step 1")
         # Replica 1 joins after step 1 and catches up to it from replica 0.
-        llms.append(start_llm("n2"))
+        llms.append(start_llm("n2", enable_lora=True, max_lora_rank=16))
         sent_before = bytes_sent(cluster, "n0")
         result["joined_as"] = engine.add_replica(OfflineClient(llms[1]))
         result["trainer_sent_for_catch_up"] = bytes_sent(cluster, "n0") - sent_before

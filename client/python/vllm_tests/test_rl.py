@@ -45,7 +45,8 @@ def check_recovered(out: dict, tp: int) -> None:
 
 def test_vllm_servers_as_replicas_one_joins_by_catch_up_one_dies_and_the_other_takes_the_step(models, tmp_path):
     # Two offline vLLMs (TP=1, double-buffered) on daemons n1 and n2 driven through ReplicaClients:
-    # replicas 0 and 1 of the set "vllm"; the trainer (plain tensors) on n0.
+    # replicas 0 and 1 of the set "vllm" (replica 1 with enable_lora); the trainer (plain tensors)
+    # on n0.
     out = run_script("run_replicas.py", models["llama"], str(tmp_path), env_extra=IN_PROCESS, timeout=600)
     fresh = run_script("run_generate.py", "1", *[out[f"dir_{n}"] for n in range(1, 5)],
                        env_extra=IN_PROCESS)["served"]
@@ -55,6 +56,12 @@ def test_vllm_servers_as_replicas_one_joins_by_catch_up_one_dies_and_the_other_t
     assert out["caught_up"] == {"vllm.r1": "vllm.r0"}
     assert out["trainer_sent_for_catch_up"] == 0
     assert [c["group"] for checks in out["checks_1"] for c in checks] == ["vllm.r0", "vllm.r1"]
+    # Replica 1 runs with enable_lora: vLLM's LoRA wrappers hold its weights (`base_layer`), and
+    # the same checkpoint tensors land there.
+    wrapped = out["checks_1"][1][0]
+    assert "model.layers.0.self_attn.qkv_proj.base_layer.weight" in wrapped["processed"], wrapped
+    assert "model.embed_tokens.base_layer.weight" in wrapped["direct"], wrapped
+    assert not any("base_layer" in n for n in out["checks_1"][0][0]["direct"] + out["checks_1"][0][0]["processed"])
     assert out["served_1"] == [fresh[0], fresh[0]]
     assert all(c["wrong"] == [] for checks in out["checks_1"] for c in checks)
     # Step 2: replica 1's node frozen past the deadline: cut from the sync and named, then caught up
