@@ -59,14 +59,13 @@ venvs_ready() {
 }
 if [ "$tier" = full ]; then
   # The vLLM tests are the longest chain and need only shardcastd: it is built first, and they run
-  # (in the vLLM venv, as two pytest runs: scripts/test-vllm.sh --two-streams) while everything
-  # else builds and runs beside them at a lower priority. Each
+  # (in the vLLM venv) while everything else builds and runs beside them at a lower priority. Each
   # job in its own process group (stopped when this script stops early); its output follows the
   # client's.
   phase "build (shardcastd)" bash "$root/scripts/build.sh" shardcastd
   phase "deps (venvs, the rest)" venvs_ready
   vllm_log="$build/pytest-vllm.log"
-  SHARDCAST_BUILD="$build" setsid bash "$root/scripts/test-vllm.sh" --two-streams -p no:cacheprovider --durations=12 \
+  SHARDCAST_BUILD="$build" setsid bash "$root/scripts/test-vllm.sh" -p no:cacheprovider --durations=12 \
     >"$vllm_log" 2>&1 &
   vllm_tests=$!
   background+=("$vllm_tests")
