@@ -23,6 +23,7 @@ import os
 import secrets
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -217,6 +218,36 @@ def _segment_bytes(name: str, offset: int, n: int) -> bytes:
         os.close(fd)
 
 
+# torch moves a storage into shared memory through its torch_shm_manager process, and gives up on
+# the manager's answer after 1 s ("Shared memory manager connection has timed out", libshm's
+# socket): on a busy node (a trainer's, beside its data loaders) that happens. The storage is left
+# as it was, so the move is tried again, after these pauses (about 15 s in all).
+SHM_MANAGER_TIMEOUT = "Shared memory manager connection has timed out"
+SHM_MANAGER_RETRIES_S = (0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def _share_in_place(name: str, storage: Any, pauses: Sequence[float] = SHM_MANAGER_RETRIES_S) -> Tuple[Any, Any, int]:
+    """torch's `_share_filename_cpu_` of `storage` (manager, segment name, bytes), tried again while
+    torch's shared memory manager does not answer in time; a ValueError naming the tensor when it
+    cannot be done."""
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return storage._share_filename_cpu_()
+        except (RuntimeError, AttributeError) as e:
+            why = str(e)
+            if SHM_MANAGER_TIMEOUT not in why:
+                break
+            if tries > len(pauses):
+                why = (f"torch's shared memory manager (torch_shm_manager) did not answer within its 1 s limit, "
+                       f"{tries} times over {sum(pauses):.0f} s: this machine is too busy to register now; "
+                       "try again when it is less loaded")
+                break
+        time.sleep(pauses[tries - 1])
+    raise ValueError(f'tensor "{name}": its storage cannot be moved into shared memory in place: {why}')
+
+
 def in_place_handle(name: str, t: Any) -> service_pb2.MemoryHandle:
     """The handle of a torch CPU tensor's memory after moving its storage into shared memory in
     place (torch's `file_system` strategy: segment /torch_<pid>_..., removed by torch when the
@@ -225,11 +256,7 @@ def in_place_handle(name: str, t: Any) -> service_pb2.MemoryHandle:
     if not t.is_contiguous():
         raise ValueError(f'tensor "{name}": strides {tuple(t.stride())} for shape {tuple(t.shape)} are not '
                          "row-major; register a contiguous tensor")
-    storage = t.untyped_storage()
-    try:
-        _manager, segment, nbytes = storage._share_filename_cpu_()
-    except (RuntimeError, AttributeError) as e:
-        raise ValueError(f'tensor "{name}": its storage cannot be moved into shared memory in place: {e}') from None
+    _manager, segment, nbytes = _share_in_place(name, t.untyped_storage())
     segment = segment.decode() if isinstance(segment, bytes) else str(segment)
     fd = _posixshmem.shm_open(segment, os.O_RDONLY, mode=0)
     try:
