@@ -55,3 +55,15 @@ def models(tmp_path_factory):
         # 4 experts per layer, 2 per token; the trainer's transformers keeps them fused
         "qwen3_moe": make_qwen3_moe(str(root / "qwen3_moe")),
     }
+
+
+DP = 2  # the data-parallel server's engines
+
+
+@pytest.fixture(scope="session")
+def run_dp(models, tmp_path_factory):
+    """`vllm serve` with DP data-parallel engines of the tied model, through run_recovery.py's
+    cases for full weights (test_recovery.py), then through an adapter's steps (test_lora.py): one
+    server start (about a minute on 2 cores) for both."""
+    out = tmp_path_factory.mktemp("recovery-dp")
+    return run_script("run_recovery.py", models["llama_tied"], "1", str(out), str(DP), timeout=900)

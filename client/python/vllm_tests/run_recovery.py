@@ -24,7 +24,10 @@ daemon's plan. Each step's weights are saved to OUT/step-N. Prints one JSON resu
 
 With DP > 1 the server runs that many data-parallel engines (--data-parallel-size), each one
 replica of the set "vllm" (`data_parallel`), and requests land on any of them: the same cases, two
-of the refusals, and no figures.
+of the refusals, and no figures. That server also serves LoRA adapters (--enable-lora, one API
+server, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): once the full-weight steps are done and their
+engines shut down, a trainer of a LoRA adapter takes over the same server, on top of step 4's
+weights (serve_adapters.py: its results under "lora", its adapters in OUT/adapters/step-N).
 Usage: python run_recovery.py MODEL TP OUT [DP]"""
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ def main() -> None:
 
     import shardcast
     from engines import PlainTrainer, Served, start_server
+    from serve_adapters import adapter_steps
     from shardcast.local import LocalCluster
     from shardcast.vllm.trainer import ShardcastTrainerInitInfo
 
@@ -78,7 +82,11 @@ def main() -> None:
 
     with LocalCluster(["n0", "n1"]) as cluster:
         log_path = os.path.join(out, "vllm-serve.log")
-        server, url = start_server(model_dir, tp, cluster.target("n1"), log_path, dp=dp)
+        lora = dp > 1
+        server, url = start_server(model_dir, tp, cluster.target("n1"), log_path, dp=dp,
+                                   extra_args=["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2",
+                                               "--api-server-count", "1"] if lora else [],
+                                   env_extra={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora else None)
         try:
             served, client = Served(url=url, model=model_dir), Client(url)
             trainer = PlainTrainer(model_dir, out)
@@ -204,6 +212,11 @@ def main() -> None:
                 result["cached_s"] = timed(lambda: served.generate_one(-1))
                 result["finish_s"] = client.seconds.get("finish_weight_update", [])
             engine.shutdown()
+            if lora:  # the same server, from a trainer of adapters (step 4's weights stay the base)
+                requests.post(f"{url}/shutdown_weight_transfer_engine", timeout=60).raise_for_status()
+                result["lora"] = adapter_steps(url, model_dir, model_dir, cluster.target("n0"),
+                                               os.path.join(out, "adapters"), dp)
+                mark("adapters")
         finally:
             server.terminate()
             try:
@@ -211,8 +224,11 @@ def main() -> None:
             except Exception:
                 server.kill()
         with open(log_path) as f:
-            result["reset_ms"] = [float(m) for m in re.findall(r"prefix cache reset after the update in ([0-9.]+) ms",
-                                                               f.read())]
+            log = f.read()
+        result["reset_ms"] = [float(m) for m in re.findall(r"prefix cache reset after the update in ([0-9.]+) ms", log)]
+        if "lora" in result:  # the server's own id for "policy" (its counter starts at 1), as vLLM logged the load
+            result["lora"]["server_log_loads"] = [line.strip() for line in log.splitlines()
+                                                  if "Loaded new LoRA adapter" in line]
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -2,7 +2,7 @@
 adapters and syncs them with the shardcast trainer engine (`lora=True`) into vLLM started with
 enable_lora at TP=2 (run_lora.py); one adapter goes into two offline vLLMs as a replica set
 (run_lora_replicas.py) and into `vllm serve` with two data-parallel engines, named in its OpenAI
-routes (run_lora_serve.py).
+routes (serve_adapters.py, on the server whose full weights test_recovery.py updates).
 Adapters vLLM cannot serve are refused at init, naming the adapter, with nothing left registered.
 After every step, what vLLM serves with each adapter must be exactly what a vLLM started fresh
 serves with that adapter loaded from disk as PEFT saved it (greedy tokens and logprobs, bit for
@@ -86,15 +86,18 @@ def test_an_adapter_into_vllm_servers_as_a_replica_set_one_joining_one_cut(model
     assert out["served_3"] == [fresh[2], fresh[2]]
 
 
-def test_an_adapter_into_vllm_serve_with_two_data_parallel_engines_is_named_once_a_version_serves(models, tmp_path):
+def test_an_adapter_into_vllm_serve_with_two_data_parallel_engines_is_named_once_a_version_serves(models, run_dp):
     # `vllm serve --enable-lora --data-parallel-size 2 --api-server-count 1` (TP=1 each,
-    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) driven over HTTP by a trainer of plain tensors: each
-    # engine one replica of the adapter's set; requests name the adapter as model "policy", and each
-    # step is asked of both engines (run_lora_serve.py).
-    out = run_script("run_lora_serve.py", models["llama"], str(tmp_path), "2", timeout=600)
-    fresh = run_script("run_lora_generate.py", "1", models["llama"], out["dir_1"], out["dir_2"], out["dir_3"],
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), the server test_recovery.py's data-parallel cases
+    # updated to step 4 with full weights (`run_dp`, conftest.py), taken over by a trainer of an
+    # adapter over HTTP: each engine one replica of the adapter's set; requests name the adapter as
+    # model "policy", and each step is asked of both engines (serve_adapters.py).
+    out = run_dp["lora"]
+    fresh = run_script("run_lora_generate.py", "1", run_dp["dir_4"], out["dir_1"], out["dir_2"], out["dir_3"],
                        env_extra=IN_PROCESS)
-    model = models["llama"]
+    model = models["llama_tied"]  # the name the server serves its base model under
+    # The adapters apply to the base the full-weight steps left: step 4's weights.
+    assert out["base_0"] == run_dp["served_4"]
     # No name before a version serves: a request naming it is refused, and the server serves on.
     assert out["models_0"] == [model] and out["policy_status_0"] == 404
     # Each step serves, under the name, exactly what a fresh vLLM serves with the step's adapter

@@ -4,13 +4,14 @@ old weights is served after an update; a failed update, a refused trainer_init a
 mid-update are each followed by an update that goes through. One server serves every case (it
 takes a minute to start at TP=2); each test checks one of them. The same again, fewer refusals,
 with two data-parallel engines as replicas serving a model of tied embeddings and a padded
-vocabulary (`run_dp`), each step then served exactly as a vLLM started fresh from its weights."""
+vocabulary (`run_dp`, conftest.py: the server test_lora.py's `vllm serve` case then takes over
+with an adapter), each step then served exactly as a vLLM started fresh from its weights."""
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import IN_PROCESS, run_script
+from conftest import DP, IN_PROCESS, run_script
 
 TP = 2
 EMPTY = {"n0": {}, "n1": {}}
@@ -118,15 +119,8 @@ def test_a_daemon_killed_mid_update_names_the_ranks_and_the_update_after_its_res
 # engine one replica of the set "vllm", requests landing on either; the model has tied embeddings,
 # one KV head and a vocabulary of 500 that vLLM pads to 512 ----
 
-DP = 2
 DP_GROUPS = {f"vllm.r{r}": 1 for r in range(DP)}
 BOTH_COMMITTED = {group: "" for group in DP_GROUPS}
-
-
-@pytest.fixture(scope="module")
-def run_dp(models, tmp_path_factory):
-    out = tmp_path_factory.mktemp("recovery-dp")
-    return run_script("run_recovery.py", models["llama_tied"], "1", str(out), str(DP), timeout=900)
 
 
 def test_data_parallel_a_refused_trainer_init_leaves_nothing_registered_and_the_next_registers_every_engine(run_dp):
@@ -152,10 +146,11 @@ def test_data_parallel_every_step_serves_exactly_what_a_fresh_vllm_serves_from_i
     for step, reference in zip(steps, fresh):
         assert run_dp[f"served_{step}"] == reference, f"step {step}: vLLM serves other tokens or logprobs than a fresh vLLM"
     assert run_dp["versions_4"] == {group: [4] for group in DP_GROUPS}, run_dp["versions_4"]
-    # Tied: the embedding (which lm_head reads) lands in place; linear weights are prepacked.
+    # Tied: the embedding (which lm_head reads) lands in place; linear weights are prepacked. The
+    # server runs with --enable-lora: both sit in vLLM's LoRA wrappers (`base_layer`).
     for check in run_dp["checks_4"]:
-        assert "model.embed_tokens.weight" in check["direct"], check
-        assert "model.layers.0.self_attn.qkv_proj.weight" in check["processed"], check
+        assert "model.embed_tokens.base_layer.weight" in check["direct"], check
+        assert "model.layers.0.self_attn.qkv_proj.base_layer.weight" in check["processed"], check
 
 
 def test_data_parallel_a_failed_update_and_a_daemon_killed_mid_update_are_each_followed_by_one_that_goes_through(
