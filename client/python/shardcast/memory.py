@@ -221,7 +221,8 @@ def _segment_bytes(name: str, offset: int, n: int) -> bytes:
 # torch moves a storage into shared memory through its torch_shm_manager process, and gives up on
 # the manager's answer after 1 s ("Shared memory manager connection has timed out", libshm's
 # socket): on a busy node (a trainer's, beside its data loaders) that happens. The storage is left
-# as it was, so the move is tried again, after these pauses (about 15 s in all).
+# as it was, so the move is tried again, after these pauses (16 s in all, each try waiting up to
+# 1 s more for the manager: at most about 24 s).
 SHM_MANAGER_TIMEOUT = "Shared memory manager connection has timed out"
 SHM_MANAGER_RETRIES_S = (0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
 
@@ -230,7 +231,7 @@ def _share_in_place(name: str, storage: Any, pauses: Sequence[float] = SHM_MANAG
     """torch's `_share_filename_cpu_` of `storage` (manager, segment name, bytes), tried again while
     torch's shared memory manager does not answer in time; a ValueError naming the tensor when it
     cannot be done."""
-    tries = 0
+    tries, start = 0, time.monotonic()
     while True:
         tries += 1
         try:
@@ -241,7 +242,7 @@ def _share_in_place(name: str, storage: Any, pauses: Sequence[float] = SHM_MANAG
                 break
             if tries > len(pauses):
                 why = (f"torch's shared memory manager (torch_shm_manager) did not answer within its 1 s limit, "
-                       f"{tries} times over {sum(pauses):.0f} s: this machine is too busy to register now; "
+                       f"{tries} times over {time.monotonic() - start:.0f} s: this machine is too busy to register now; "
                        "try again when it is less loaded")
                 break
         time.sleep(pauses[tries - 1])

@@ -1,7 +1,7 @@
 """A LoRA adapter into a running `vllm serve` (started with --enable-lora, --api-server-count 1 and
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; run_recovery.py runs it on its data-parallel server once the
 full-weight steps are done), named in its OpenAI routes. The trainer, in the calling process: a
-PEFT LoRA adapter "policy" on MODEL's Hugging Face model of plain tensors, AdamW, the shardcast
+PEFT LoRA adapter "policy" on the Hugging Face model of `model_dir` (plain tensors), AdamW, the shardcast
 trainer engine with lora=True, on daemon `trainer_daemon`, driving the server through vLLM's
 HTTPVLLMWeightSyncClient. With DP > 1 engines each is one replica of the adapter's set
 (`data_parallel`), and what is served is asked of every engine (`served_N`: one list per engine).
@@ -10,7 +10,7 @@ HTTPVLLMWeightSyncClient. With DP > 1 engines each is one replica of the adapter
   while the server serves on.
 - Steps 1 and 2: each update names the adapter at the server (step 1) and serves the step's
   adapter to /v1/completions requests for model "policy"; the step's adapter is saved as PEFT
-  saves it to OUT/step-N (for a fresh vLLM to load from disk).
+  saves it to `out`/step-N (for a fresh vLLM to load from disk).
 - The server loads the adapter under an id of its own (its counter: 1): after step 2's update the
   worker puts it back under that id alone (`lora_ids_N`: the ids vLLM's adapter cache holds).
 - The server's weight transfer shuts down before the trainer's engine: a request naming the

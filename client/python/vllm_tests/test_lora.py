@@ -93,6 +93,7 @@ def test_an_adapter_into_vllm_serve_with_two_data_parallel_engines_is_named_once
     # adapter over HTTP: each engine one replica of the adapter's set; requests name the adapter as
     # model "policy", and each step is asked of both engines (serve_adapters.py).
     out = run_dp["lora"]
+    assert out.get("error") is None, out.get("error")
     fresh = run_script("run_lora_generate.py", "1", run_dp["dir_4"], out["dir_1"], out["dir_2"], out["dir_3"],
                        env_extra=IN_PROCESS)
     model = models["llama_tied"]  # the name the server serves its base model under
