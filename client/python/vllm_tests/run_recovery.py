@@ -216,7 +216,7 @@ def main() -> None:
             if lora:  # the same server, from a trainer of adapters (step 4's weights stay the base)
                 requests.post(f"{url}/shutdown_weight_transfer_engine", timeout=60).raise_for_status()
                 try:  # its failure is test_lora.py's; the full-weight results stand
-                    result["lora"] = adapter_steps(url, model_dir, model_dir, cluster.target("n0"),
+                    result["lora"] = adapter_steps(url, model_dir, cluster.target("n0"),
                                                    os.path.join(out, "adapters"), dp)
                 except Exception:
                     result["lora"] = {"error": traceback.format_exc()}

@@ -22,9 +22,9 @@ HTTPVLLMWeightSyncClient. With DP > 1 engines each is one replica of the adapter
 from __future__ import annotations
 
 
-def adapter_steps(url: str, served_model: str, model_dir: str, trainer_daemon: str, out: str, dp: int) -> dict:
-    """Runs the steps above against the server at `url`, which serves `served_model` (its name in
-    the OpenAI routes); the adapter trains on `model_dir`'s model. Returns what each step saw."""
+def adapter_steps(url: str, model_dir: str, trainer_daemon: str, out: str, dp: int) -> dict:
+    """Runs the steps above against the server at `url`, started on `model_dir` (its base model's
+    name in the OpenAI routes); the adapter trains on that model. Returns what each step saw."""
     import requests
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
@@ -45,7 +45,7 @@ def adapter_steps(url: str, served_model: str, model_dir: str, trainer_daemon: s
 
     # "policy" asked of each engine (of whichever vLLM picks, without data-parallel engines)
     policy = [Served(url=url, model="policy", engine=k if dp > 1 else None) for k in range(dp)]
-    base = Served(url=url, model=served_model)
+    base = Served(url=url, model=model_dir)
     client = HTTPVLLMWeightSyncClient(url)
 
     def init():
