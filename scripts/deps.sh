@@ -119,8 +119,10 @@ if [ "$(cat "$vvenv/.shardcast-stamp" 2>/dev/null)" != "$vstamp" ]; then
   echo "$vstamp" >"$vvenv/.shardcast-stamp"
 fi
 # PEFT, for the LoRA tests' trainer (a test dependency, not vLLM's): outside the stamp, so adding it
-# does not rebuild the venv.
-"$vvenv/bin/python" -c 'import peft' 2>/dev/null ||
+# does not rebuild the venv. Whether it is installed is read from its metadata (`import peft`
+# imports torch and transformers: 6 CPU-seconds, and this runs twice per test run).
+if ! "$vvenv/bin/python" -c 'import importlib.metadata as m; m.version("peft")' 2>/dev/null; then
   "$vvenv/bin/python" -m pip install -q peft==0.21.2 "$vtorch" 2>&1 | grep -v "torch==2.13.0+cpu\|dependency resolver does not" || true
-"$vvenv/bin/python" -c 'import peft' || { echo "deps: the vLLM venv does not import peft" >&2; exit 1; }
+  "$vvenv/bin/python" -c 'import peft' || { echo "deps: the vLLM venv does not import peft" >&2; exit 1; }
+fi
 ln -sfn "$vvenv" "$root/.venv-vllm"

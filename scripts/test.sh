@@ -57,19 +57,32 @@ venvs_ready() {
   [ $rc -eq 0 ] || echo "test.sh: making the venvs failed (scripts/deps.sh ${deps[*]})" >&2
   return $rc
 }
+# waits for background job $1 and prints its log $2; $3: what to say when it failed
+finished() {
+  local rc=0
+  wait "$1" || rc=$?
+  cat "$2"
+  [ $rc -eq 0 ] || [ -z "${3:-}" ] || echo "test.sh: $3" >&2
+  return $rc
+}
 if [ "$tier" = full ]; then
   # The vLLM tests are the longest chain and need only shardcastd: it is built first, and they run
-  # (in the vLLM venv) while everything else builds and runs beside them at a lower priority. Each
-  # job in its own process group (stopped when this script stops early); its output follows the
-  # client's.
+  # (in the vLLM venv) while everything else builds and runs beside them at a lower priority. The
+  # rest of the build starts at once, not after the venvs: on a fresh machine they are still
+  # downloading then (about 200 s, a core's worth of CPU at most). Each job in its own process
+  # group (stopped when this script stops early); its output follows when it is waited for.
   phase "build (shardcastd)" bash "$root/scripts/build.sh" shardcastd
+  build_log="$build/build-rest.log"
+  nice -n 5 setsid bash "$root/scripts/build.sh" >"$build_log" 2>&1 &
+  build_rest=$!
+  background+=("$build_rest")
   phase "deps (venvs, the rest)" venvs_ready
   vllm_log="$build/pytest-vllm.log"
   SHARDCAST_BUILD="$build" setsid bash "$root/scripts/test-vllm.sh" -p no:cacheprovider --durations=12 \
     >"$vllm_log" 2>&1 &
   vllm_tests=$!
   background+=("$vllm_tests")
-  phase "build (the rest)" nice -n 5 bash "$root/scripts/build.sh"
+  phase "build (the rest)" finished "$build_rest" "$build_log" "the build failed (scripts/build.sh)"
 else
   if [ "$tier" = sanitize ]; then
     phase "build (ASan/UBSan)" bash "$root/scripts/build.sh" --sanitize
@@ -96,14 +109,6 @@ markers=()
 [ "$tier" = quick ] && markers=(-m "not slow")
 niced=()
 [ "$tier" = full ] && niced=(nice -n 5)  # below the vLLM tests
-# waits for background job $1 and prints its log $2; $3: what to say when it failed
-finished() {
-  local rc=0
-  wait "$1" || rc=$?
-  cat "$2"
-  [ $rc -eq 0 ] || [ -z "${3:-}" ] || echo "test.sh: $3" >&2
-  return $rc
-}
 # pytest: the Python client and the examples, then the deployment checks (manifests validated
 # against Kubernetes' schemas, consistency with the daemon's flags, the daemon run as the
 # DaemonSet says). Separate runs: each directory has its own conftest. The deployment checks run
