@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +43,76 @@ def run_script(script: str, *args: str, timeout: float = 600, tp: int = 1, env_e
             return json.loads(line[len("RESULT "):])
     raise AssertionError(f"{script} {' '.join(args)} printed no result (exit {proc.returncode}):\n"
                          f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+
+
+class Fresh:
+    """The references: what a vLLM started fresh serves. At TP=1 (every engine in process) they are
+    asked of fresh_server.py, one process for the session, which imports vLLM once; at other sizes
+    (worker processes that start with each engine either way) of the one-shot scripts."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        self.proc = None
+        self.lines: queue.Queue = queue.Queue()
+
+    def served(self, tp, *models: str) -> list:
+        """What a fresh vLLM at `tp` serves from each model directory, in order."""
+        if str(tp) != "1":
+            return run_script("run_generate.py", str(tp), *models, tp=int(str(tp).rstrip("ep")),
+                              env_extra=IN_PROCESS)["served"]
+        return self._ask({"served": list(models)})["served"]
+
+    def served_lora(self, tp, model: str, *adapters: str) -> dict:
+        """A fresh vLLM at `tp` on `model` serving each adapter directory, then none."""
+        if str(tp) != "1":
+            return run_script("run_lora_generate.py", str(tp), model, *adapters, tp=int(tp), env_extra=IN_PROCESS)
+        return self._ask({"lora": model, "adapters": list(adapters)})
+
+    def _ask(self, request: dict, timeout: float = 600) -> dict:
+        if self.proc is None:
+            env = dict(os.environ, **IN_PROCESS)
+            env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+            self.log = open(self.log_path, "w")
+            self.proc = subprocess.Popen([sys.executable, str(HERE / "fresh_server.py")], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+            threading.Thread(target=self._read, daemon=True).start()
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"fresh_server.py gave no result in {timeout:.0f} s: see {self.log_path}")
+            if line is None:
+                raise AssertionError(f"fresh_server.py exited ({self.proc.wait()}): see {self.log_path}")
+            if line.startswith("RESULT "):
+                result = json.loads(line[len("RESULT "):])
+                assert "error" not in result, f"a fresh vLLM for {request}: {result['error']}"
+                return result
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+
+
+@pytest.fixture(scope="session")
+def fresh(tmp_path_factory):
+    """The references, a fresh vLLM's (Fresh)."""
+    f = Fresh(tmp_path_factory.mktemp("fresh") / "fresh_server.log")
+    yield f
+    f.close()
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,49 @@ def generate(llm, lora_request=None) -> list:
             for o in outs]
 
 
+def fresh_served(tp, models) -> list:
+    """What a fresh vLLM at tensor-parallel size `tp` serves from each model directory of `models`
+    (engines.PROMPTS, `generate`): one engine after the other in this process, each shut down
+    before the next starts."""
+    import gc
+
+    from vllm import LLM
+
+    served = []
+    for model in models:
+        llm = LLM(model=model, **engine_args(tp, **({"distributed_executor_backend": "uni"} if str(tp) == "1" else {})))
+        served.append(generate(llm))
+        shutdown_llm(llm)  # its engine process (and workers) before the next one
+        del llm
+        gc.collect()
+    return served
+
+
+def fresh_served_lora(tp, model, adapters) -> dict:
+    """A fresh vLLM at tensor-parallel size `tp` on `model` with enable_lora serves each adapter
+    directory of `adapters`, loaded from disk by vLLM itself (each under an id of its own), then
+    none: {"served": [one per adapter], "base": ..., "load_s": [how long each `add_lora` took]}."""
+    import gc
+
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
+
+    llm = LLM(model=model, enable_lora=True, max_lora_rank=16, max_loras=2,
+              **engine_args(tp, **({"distributed_executor_backend": "uni"} if str(tp) == "1" else {})))
+    served, load_s = [], []
+    for k, path in enumerate(adapters, start=1):
+        request = LoRARequest(f"disk-{k}", k, path)
+        start = time.perf_counter()
+        llm.llm_engine.add_lora(request)
+        load_s.append(time.perf_counter() - start)
+        served.append(generate(llm, lora_request=request))
+    base = generate(llm)
+    shutdown_llm(llm)
+    del llm
+    gc.collect()
+    return {"served": served, "base": base, "load_s": load_s}
+
+
 class OfflineClient(LLMWeightSyncClient):
     """The package's offline client with fault injection and timings: `before[call]`, if set, runs
     before that call (init, start, update, finish); `seconds[call]` is how long the last one took

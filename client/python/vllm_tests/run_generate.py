@@ -1,29 +1,19 @@
 """Fresh vLLMs, one after the other in this process, on each MODEL at tensor-parallel size TP (CPU),
 the engine configuration of the other scripts (engine_args): prints the greedy tokens and logprobs
-of each for PROMPTS as one JSON result, a list in the order given.
+of each for PROMPTS as one JSON result, a list in the order given. (At TP=1 the tests ask
+fresh_server.py, which makes the same engines in a process that stays.)
 Usage: python run_generate.py TP MODEL [MODEL...]   (TP: as engines.engine_args takes it, "2ep")"""
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 
 
 def main() -> None:
-    from vllm import LLM
+    from engines import fresh_served
 
-    from engines import engine_args, generate, shutdown_llm
-
-    tp, models = sys.argv[1], sys.argv[2:]
-    served = []
-    for model in models:
-        llm = LLM(model=model, **engine_args(tp, **({"distributed_executor_backend": "uni"} if tp == "1" else {})))
-        served.append(generate(llm))
-        shutdown_llm(llm)  # its engine process (and workers) before the next one
-        del llm
-        gc.collect()
-    print("RESULT " + json.dumps({"served": served}), flush=True)
+    print("RESULT " + json.dumps({"served": fresh_served(sys.argv[1], sys.argv[2:])}), flush=True)
 
 
 if __name__ == "__main__":

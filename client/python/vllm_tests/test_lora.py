@@ -15,7 +15,7 @@ from __future__ import annotations
 from conftest import IN_PROCESS, run_script
 
 
-def test_fsdp2_peft_adapters_into_vllm_tp2_every_step_as_loaded_from_disk(models, tmp_path):
+def test_fsdp2_peft_adapters_into_vllm_tp2_every_step_as_loaded_from_disk(models, fresh, tmp_path):
     # TP=2 only: TP=1 adds nothing the engine does differently (every rank receives each adapter
     # whole and vLLM's set_lora cuts it), and the replica-set test below runs TP=1 against a fresh
     # vLLM all the same.
@@ -36,9 +36,8 @@ def test_fsdp2_peft_adapters_into_vllm_tp2_every_step_as_loaded_from_disk(models
     steps = out["steps"]
     assert [s["carried"] for s in steps] == [["policy", "critic"], ["policy"], ["critic"]]
     dirs = [s["dirs"][name] for s in steps for name in s["carried"]]
-    fresh = run_script("run_lora_generate.py", str(tp), models["llama"], *dirs, timeout=600, tp=tp,
-                       env_extra=IN_PROCESS)
-    reference = iter(fresh["served"])
+    loaded = fresh.served_lora(tp, models["llama"], *dirs)
+    reference = iter(loaded["served"])
     previous = None
     for n, step in enumerate(steps, start=1):
         for name in ("policy", "critic"):
@@ -52,7 +51,7 @@ def test_fsdp2_peft_adapters_into_vllm_tp2_every_step_as_loaded_from_disk(models
             else:
                 assert step["served"][name] == previous[name], f"step {n}: adapter {name!r} changed, not carried"
         # The base model: no update touches it, and it is not an adapter's.
-        assert step["base"] == out["base"] == fresh["base"], f"step {n}: the base model changed"
+        assert step["base"] == out["base"] == loaded["base"], f"step {n}: the base model changed"
         assert step["served"]["policy"] != out["base"] and step["served"]["critic"] != out["base"]
         assert all(step["wire_bytes"][name] > 0 for name in step["carried"])
         previous = step["served"]
@@ -62,31 +61,31 @@ def test_fsdp2_peft_adapters_into_vllm_tp2_every_step_as_loaded_from_disk(models
     assert out["served_after_kill"] == steps[-1]["served"]
 
 
-def test_an_adapter_into_vllm_servers_as_a_replica_set_one_joining_one_cut(models, tmp_path):
+def test_an_adapter_into_vllm_servers_as_a_replica_set_one_joining_one_cut(models, fresh, tmp_path):
     # Two offline vLLMs (TP=1) on daemons n1 and n2 through ReplicaClients: the adapter "policy" is
     # the set "vllm.lora.policy", replica k its group ".r<k>"; the trainer (plain tensors) on n0.
     out = run_script("run_lora_replicas.py", models["llama"], str(tmp_path), env_extra=IN_PROCESS, timeout=600)
-    fresh = run_script("run_lora_generate.py", "1", models["llama"], out["dir_1"], out["dir_2"], out["dir_3"],
-                       env_extra=IN_PROCESS)["served"]
+    loaded = fresh.served_lora(1, models["llama"], out["dir_1"], out["dir_2"], out["dir_3"])["served"]
     assert out["replicas_1"] == {"vllm.lora.policy.r0": ""}
     # Replica 1 joined after step 1 and its adapter caught up from replica 0: the trainer sent nothing.
     assert out["joined_as"] == 1
     assert out["caught_up"] == {"vllm.lora.policy.r1": "vllm.lora.policy.r0"}
     assert out["trainer_sent_for_catch_up"] == 0
-    assert out["served_1"] == [fresh[0], fresh[0]]
+    assert out["served_1"] == [loaded[0], loaded[0]]
     # Step 2: replica 1's node frozen past the deadline: cut from the sync and named, then caught up
     # inside the update; both serve step 2, as a fresh vLLM loading it from disk does.
     assert out["replicas_2"]["vllm.lora.policy.r0"] == "", out["replicas_2"]
     assert '"n2"' in out["replicas_2"]["vllm.lora.policy.r1"], out["replicas_2"]
     assert out["updated_2"] == [0, 1] and out["failed_2"] == {}
-    assert out["served_2"] == [fresh[1], fresh[1]]
-    assert fresh[0] != fresh[1]
+    assert out["served_2"] == [loaded[1], loaded[1]]
+    assert loaded[0] != loaded[1]
     # After both sides shut their engines down, a new trainer engine takes the same adapter again.
     assert out["replicas_3"] == {"vllm.lora.policy.r0": "", "vllm.lora.policy.r1": ""}
-    assert out["served_3"] == [fresh[2], fresh[2]]
+    assert out["served_3"] == [loaded[2], loaded[2]]
 
 
-def test_an_adapter_into_vllm_serve_with_two_data_parallel_engines_is_named_once_a_version_serves(models, run_dp):
+def test_an_adapter_into_vllm_serve_with_two_data_parallel_engines_is_named_once_a_version_serves(models, fresh,
+                                                                                                  run_dp):
     # `vllm serve --enable-lora --data-parallel-size 2 --api-server-count 1` (TP=1 each,
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), the server test_recovery.py's data-parallel cases
     # updated to step 4 with full weights (`run_dp`, conftest.py), taken over by a trainer of an
@@ -94,8 +93,7 @@ def test_an_adapter_into_vllm_serve_with_two_data_parallel_engines_is_named_once
     # model "policy", and each step is asked of both engines (serve_adapters.py).
     out = run_dp["lora"]
     assert out.get("error") is None, out.get("error")
-    fresh = run_script("run_lora_generate.py", "1", run_dp["dir_4"], out["dir_1"], out["dir_2"], out["dir_3"],
-                       env_extra=IN_PROCESS)
+    loaded = fresh.served_lora(1, run_dp["dir_4"], out["dir_1"], out["dir_2"], out["dir_3"])
     model = models["llama_tied"]  # the name the server serves its base model under
     # The adapters apply to the base the full-weight steps left: step 4's weights.
     assert out["base_0"] == run_dp["served_4"]
@@ -105,9 +103,9 @@ def test_an_adapter_into_vllm_serve_with_two_data_parallel_engines_is_named_once
     # loaded from disk; the base model is untouched.
     for step in (1, 2, 3):
         assert out[f"models_{step}"] == sorted([model, "policy"])
-        assert out[f"served_{step}"] == [fresh["served"][step - 1]] * 2, f"step {step}: not the adapter saved"
-        assert out[f"base_{step}"] == out["base_0"] == fresh["base"]
-    assert fresh["served"][0] != fresh["served"][1] != fresh["served"][2] != out["base_0"]
+        assert out[f"served_{step}"] == [loaded["served"][step - 1]] * 2, f"step {step}: not the adapter saved"
+        assert out[f"base_{step}"] == out["base_0"] == loaded["base"]
+    assert loaded["served"][0] != loaded["served"][1] != loaded["served"][2] != out["base_0"]
     # The server loaded the name under an id of its own, which the worker put back after step 2's
     # update (and no copy under the trainer's id).
     loads = out["server_log_loads"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import DP, IN_PROCESS, run_script
+from conftest import DP, run_script
 
 TP = 2
 EMPTY = {"n0": {}, "n1": {}}
@@ -139,11 +139,9 @@ def test_data_parallel_every_engine_takes_every_update_and_serves_no_kv_of_the_o
     assert checks and all(check["wrong"] == [] for check in checks), checks
 
 
-def test_data_parallel_every_step_serves_exactly_what_a_fresh_vllm_serves_from_its_weights(run_dp):
+def test_data_parallel_every_step_serves_exactly_what_a_fresh_vllm_serves_from_its_weights(run_dp, fresh):
     steps = (1, 2, 4)
-    fresh = run_script("run_generate.py", "1", *[run_dp[f"dir_{step}"] for step in steps],
-                       env_extra=IN_PROCESS)["served"]
-    for step, reference in zip(steps, fresh):
+    for step, reference in zip(steps, fresh.served(1, *[run_dp[f"dir_{step}"] for step in steps])):
         assert run_dp[f"served_{step}"] == reference, f"step {step}: vLLM serves other tokens or logprobs than a fresh vLLM"
     assert run_dp["versions_4"] == {group: [4] for group in DP_GROUPS}, run_dp["versions_4"]
     # Tied: the embedding (which lm_head reads) lands in place; linear weights are prepacked. The

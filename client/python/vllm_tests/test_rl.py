@@ -14,11 +14,9 @@ from shardcast.local import LocalCluster
 from conftest import IN_PROCESS, run_script
 
 
-def check_steps(out: dict, tp: int) -> dict:
+def check_steps(out: dict, tp: int, fresh) -> dict:
     steps = out["steps"]
-    fresh = run_script("run_generate.py", str(tp), *[s["dir"] for s in steps], tp=tp,
-                       env_extra=IN_PROCESS)["served"]
-    for n, (step, reference) in enumerate(zip(steps, fresh), start=1):
+    for n, (step, reference) in enumerate(zip(steps, fresh.served(tp, *[s["dir"] for s in steps])), start=1):
         assert step["served"] == reference, f"step {n}: vLLM serves other tokens or logprobs than a fresh vLLM"
         assert len(step["checks"]) == tp
         for rank, check in enumerate(step["checks"]):
@@ -43,13 +41,12 @@ def check_recovered(out: dict, tp: int) -> None:
     assert out["weight_version"] == str(len(out["steps"]) + 1)
 
 
-def test_vllm_servers_as_replicas_one_joins_by_catch_up_one_dies_and_the_other_takes_the_step(models, tmp_path):
+def test_vllm_servers_as_replicas_one_joins_by_catch_up_one_dies_and_the_other_takes_the_step(models, fresh, tmp_path):
     # Two offline vLLMs (TP=1, double-buffered) on daemons n1 and n2 driven through ReplicaClients:
     # replicas 0 and 1 of the set "vllm" (replica 1 with enable_lora); the trainer (plain tensors)
     # on n0.
     out = run_script("run_replicas.py", models["llama"], str(tmp_path), env_extra=IN_PROCESS, timeout=600)
-    fresh = run_script("run_generate.py", "1", *[out[f"dir_{n}"] for n in range(1, 5)],
-                       env_extra=IN_PROCESS)["served"]
+    served = fresh.served(1, *[out[f"dir_{n}"] for n in range(1, 5)])
     assert out["replicas_1"] == {"vllm.r0": ""}
     # Replica 1 joined after step 1 and caught up from replica 0: the trainer sent nothing for it.
     assert out["joined_as"] == 1
@@ -62,7 +59,7 @@ def test_vllm_servers_as_replicas_one_joins_by_catch_up_one_dies_and_the_other_t
     assert "model.layers.0.self_attn.qkv_proj.base_layer.weight" in wrapped["processed"], wrapped
     assert "model.embed_tokens.base_layer.weight" in wrapped["direct"], wrapped
     assert not any("base_layer" in n for n in out["checks_1"][0][0]["direct"] + out["checks_1"][0][0]["processed"])
-    assert out["served_1"] == [fresh[0], fresh[0]]
+    assert out["served_1"] == [served[0], served[0]]
     assert all(c["wrong"] == [] for checks in out["checks_1"] for c in checks)
     # Step 2: replica 1's node frozen past the deadline: cut from the sync and named, then caught up
     # from replica 0 inside the update; both serve step 2.
@@ -73,7 +70,7 @@ def test_vllm_servers_as_replicas_one_joins_by_catch_up_one_dies_and_the_other_t
     cut_2 = out["replicas_2"]["vllm.r1"]
     assert '"n2"' in cut_2 and ("do not answer" in cut_2 or "stopped answering" in cut_2), out["replicas_2"]
     assert out["checks_2"][1][0]["seeded_from"] == "vllm.r0"
-    assert out["served_2"] == [fresh[1], fresh[1]]
+    assert out["served_2"] == [served[1], served[1]]
     assert all(c["wrong"] == [] for checks in out["checks_2"] for c in checks)
     # Step 3: replica 1's node frozen, then killed: cut and named, its update fails naming its rank,
     # replica 0 takes the step and send_weights does not raise; replica 1 serves step 2 as before.
@@ -82,11 +79,11 @@ def test_vllm_servers_as_replicas_one_joins_by_catch_up_one_dies_and_the_other_t
     assert list(out["failed_3"]) == ["1"] and out["updated_3"] == [0]
     assert 'rank 0 of group "vllm.r1" on node "n2"' in out["failed_3"]["1"], out["failed_3"]
     assert any("replica 1 of 'vllm'" in w for w in out["warnings_3"]), out["warnings_3"]
-    assert out["served_3"] == [fresh[2], fresh[1]]
+    assert out["served_3"] == [served[2], served[1]]
     assert all(c["wrong"] == [] for c in out["checks_3"][0])
     # Step 4, after n2's restart: both replicas take it.
     assert out["replicas_4"] == {"vllm.r0": "", "vllm.r1": ""}
-    assert out["served_4"] == [fresh[3], fresh[3]]
+    assert out["served_4"] == [served[3], served[3]]
     assert all(c["wrong"] == [] for checks in out["checks_4"] for c in checks)
     assert out["weight_versions"] == ["4", "4"]
 
@@ -105,7 +102,7 @@ def moe_paths(paths: dict) -> None:
     assert "model.layers.0.self_attn.qkv_proj.weight" in paths["processed"]
 
 
-def test_fsdp2_moe_trainer_into_vllm_tp2_each_expert_split(models, tmp_path):
+def test_fsdp2_moe_trainer_into_vllm_tp2_each_expert_split(models, fresh, tmp_path):
     # A Qwen3-MoE whose trainer (transformers) keeps each layer's experts fused ([E, 2I, H] and
     # [E, H, I]): its own save conversion says which box of them each checkpoint tensor (one per
     # expert and projection) is, and the trainer registers those boxes in place. vLLM at TP=2:
@@ -115,7 +112,7 @@ def test_fsdp2_moe_trainer_into_vllm_tp2_each_expert_split(models, tmp_path):
         out = run_script("run_rl.py", models["qwen3_moe"], "2", c.target("n0"), str(tmp_path), "2", "offline",
                          tp=2, timeout=900)
     assert out.get("error") is None, out.get("error")
-    moe_paths(check_steps(out, 2))
+    moe_paths(check_steps(out, 2, fresh))
     assert all(check["checked"] == 45 for check in out["steps"][-1]["checks"])
     # At TP=2: the failed update named both workers, and the next one went through.
     check_recovered(out, 2)
