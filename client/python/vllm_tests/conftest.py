@@ -47,8 +47,10 @@ def run_script(script: str, *args: str, timeout: float = 600, tp: int = 1, env_e
 
 class Fresh:
     """The references: what a vLLM started fresh serves. At TP=1 (every engine in process) they are
-    asked of fresh_server.py, one process for the session, which imports vLLM once; at other sizes
-    (worker processes that start with each engine either way) of the one-shot scripts."""
+    asked of fresh_server.py, one process for the session, which imports vLLM once; at TP >= 2,
+    full weights come from run_generate.py's ranks under vLLM's external launcher (`_ranks`), and
+    adapters from run_lora_generate.py (one engine: its worker processes cost what the ranks
+    would)."""
 
     def __init__(self, log_path: Path) -> None:
         self.log_path = log_path
@@ -58,9 +60,53 @@ class Fresh:
     def served(self, tp, *models: str) -> list:
         """What a fresh vLLM at `tp` serves from each model directory, in order."""
         if str(tp) != "1":
-            return run_script("run_generate.py", str(tp), *models, tp=int(str(tp).rstrip("ep")),
-                              env_extra=IN_PROCESS)["served"]
+            return self._ranks(int(str(tp).rstrip("ep")), "run_generate.py", str(tp), *models)["served"]
         return self._ask({"served": list(models)})["served"]
+
+    def _ranks(self, world: int, script: str, *args: str, timeout: float = 600) -> dict:
+        """Runs `script` as `world` processes, the ranks of vLLM's "external_launcher" (each a
+        tensor-parallel rank that stays from engine to engine: the worker processes vLLM would start
+        for each engine, and their imports, saved), one core each; returns rank 0's RESULT. A rank
+        that fails or outlives the timeout stops them all, and its output is named."""
+        from engines import free_port
+
+        port = free_port()
+        logs = [open(self.log_path.with_name(f"{script}.{port}.rank{r}.log"), "w+") for r in range(world)]
+        procs = []
+        for r in range(world):
+            env = dict(os.environ, **IN_PROCESS, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(world))))  # a core per rank
+            env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+            procs.append(subprocess.Popen([sys.executable, str(HERE / script), *args], stdout=logs[r],
+                                          stderr=subprocess.STDOUT, env=env))
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.poll() is None for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    r = failed[0] if failed else 0
+                    logs[r].seek(0)
+                    raise AssertionError(f"{script} {' '.join(args)}, rank {r} of {world}: "
+                                         f"{'exit ' + str(procs[r].returncode) if failed else 'no result in time'}:\n"
+                                         f"{logs[r].read()[-8000:]}")
+                time.sleep(0.5)
+            for r, p in enumerate(procs):
+                logs[r].seek(0)
+                assert p.returncode == 0, f"{script}, rank {r} of {world}: exit {p.returncode}:\n" \
+                                          f"{logs[r].read()[-8000:]}"
+            logs[0].seek(0)
+            for line in logs[0].read().splitlines():
+                if line.startswith("RESULT "):
+                    return json.loads(line[len("RESULT "):])
+            raise AssertionError(f"{script} {' '.join(args)}: rank 0 printed no result")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for log in logs:
+                log.close()
 
     def served_lora(self, tp, model: str, *adapters: str) -> dict:
         """A fresh vLLM at `tp` on `model` serving each adapter directory, then none."""

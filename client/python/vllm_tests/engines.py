@@ -49,14 +49,22 @@ def generate(llm, lora_request=None) -> list:
 def fresh_served(tp, models) -> list:
     """What a fresh vLLM at tensor-parallel size `tp` serves from each model directory of `models`
     (engines.PROMPTS, `generate`): one engine after the other in this process, each shut down
-    before the next starts."""
+    before the next starts. At TP=1 on the "uni" executor (no worker process); at TP >= 2 under a
+    launcher that started this process as one rank of several (RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT set: vLLM's "external_launcher", each rank a process that stays from engine to
+    engine), else on worker processes of vLLM's own."""
     import gc
 
     from vllm import LLM
 
+    executor = {}
+    if str(tp) == "1":
+        executor = {"distributed_executor_backend": "uni"}
+    elif "RANK" in os.environ:
+        executor = {"distributed_executor_backend": "external_launcher"}
     served = []
     for model in models:
-        llm = LLM(model=model, **engine_args(tp, **({"distributed_executor_backend": "uni"} if str(tp) == "1" else {})))
+        llm = LLM(model=model, **engine_args(tp, **executor))
         served.append(generate(llm))
         shutdown_llm(llm)  # its engine process (and workers) before the next one
         del llm
