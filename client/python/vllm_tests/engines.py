@@ -46,25 +46,30 @@ def generate(llm, lora_request=None) -> list:
             for o in outs]
 
 
+def fresh_executor(tp) -> dict:
+    """The executor of a fresh reference vLLM at tensor-parallel size `tp`: "uni" at TP=1 (the
+    engine in process, no worker process); at TP >= 2 "external_launcher" when a launcher started
+    this process as one rank of several (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set), else
+    vLLM's own worker processes."""
+    if str(tp) == "1":
+        return {"distributed_executor_backend": "uni"}
+    if "RANK" in os.environ:
+        return {"distributed_executor_backend": "external_launcher"}
+    return {}
+
+
 def fresh_served(tp, models) -> list:
     """What a fresh vLLM at tensor-parallel size `tp` serves from each model directory of `models`
     (engines.PROMPTS, `generate`): one engine after the other in this process, each shut down
-    before the next starts. At TP=1 on the "uni" executor (no worker process); at TP >= 2 under a
-    launcher that started this process as one rank of several (RANK, WORLD_SIZE, MASTER_ADDR and
-    MASTER_PORT set: vLLM's "external_launcher", each rank a process that stays from engine to
-    engine), else on worker processes of vLLM's own."""
+    before the next starts, on `fresh_executor(tp)` (under vLLM's external launcher each rank is a
+    process that stays from engine to engine)."""
     import gc
 
     from vllm import LLM
 
-    executor = {}
-    if str(tp) == "1":
-        executor = {"distributed_executor_backend": "uni"}
-    elif "RANK" in os.environ:
-        executor = {"distributed_executor_backend": "external_launcher"}
     served = []
     for model in models:
-        llm = LLM(model=model, **engine_args(tp, **executor))
+        llm = LLM(model=model, **engine_args(tp, **fresh_executor(tp)))
         served.append(generate(llm))
         shutdown_llm(llm)  # its engine process (and workers) before the next one
         del llm
@@ -81,8 +86,7 @@ def fresh_served_lora(tp, model, adapters) -> dict:
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
-    llm = LLM(model=model, enable_lora=True, max_lora_rank=16, max_loras=2,
-              **engine_args(tp, **({"distributed_executor_backend": "uni"} if str(tp) == "1" else {})))
+    llm = LLM(model=model, enable_lora=True, max_lora_rank=16, max_loras=2, **engine_args(tp, **fresh_executor(tp)))
     served, load_s = [], []
     for k, path in enumerate(adapters, start=1):
         request = LoRARequest(f"disk-{k}", k, path)
