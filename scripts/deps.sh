@@ -80,7 +80,7 @@ uv_venv() {  # uv_venv DIR: a new venv with Debian's python3 and pip in it (test
 uv_install() {  # uv_install VENV PIP-INSTALL-ARGS...
   local venv="$1"
   shift
-  "$(installer)/bin/uv" pip install -q --python "$venv/bin/python" "$@"
+  "$(installer)/bin/uv" pip install -q --compile-bytecode --python "$venv/bin/python" "$@"
 }
 
 # NVIDIA's CUDA-aware UCX, the libucx-cu13 wheel from PyPI (cuda_copy, cuda_ipc and cma beside
