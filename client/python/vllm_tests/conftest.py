@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,119 +30,77 @@ except ImportError:  # the main test venv: these tests are scripts/test-vllm.sh'
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def run_script(script: str, *args: str, timeout: float = 600, tp: int = 1, env_extra: dict | None = None) -> dict:
-    """Runs a script of this directory in its own process (vLLM starts its engine processes) and
-    returns the JSON it printed on its RESULT line."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
-    if tp == 2:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per TP rank
-    env.update(env_extra or {})
-    proc = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise AssertionError(f"{script} {' '.join(args)} printed no result (exit {proc.returncode}):\n"
-                         f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+class Zygote:
+    """The tests' scripts, each run as a fork of zygote.py: one process for the session that imports
+    vLLM, torch and transformers once (11-13 CPU-seconds each script paid before), then runs each
+    script as `python SCRIPT ARGS...` would, in a session of its own. Started on first use."""
 
-
-class Fresh:
-    """The references: what a vLLM started fresh serves. At TP=1 (every engine in process) they are
-    asked of fresh_server.py, one process for the session, which imports vLLM once; at TP >= 2,
-    full weights come from run_generate.py's ranks under vLLM's external launcher (`_ranks`), and
-    adapters from run_lora_generate.py (one engine: its worker processes cost what the ranks
-    would)."""
-
-    def __init__(self, log_path: Path) -> None:
-        self.log_path = log_path
+    def __init__(self) -> None:
         self.proc = None
-        self.lines: queue.Queue = queue.Queue()
+        self.log_dir: Path | None = None  # the session's (the `_zygote` fixture)
+        self.started: queue.Queue = queue.Queue()
+        self.exits: dict = {}
+        self.lock = threading.Condition()
 
-    def served(self, tp, *models: str) -> list:
-        """What a fresh vLLM at `tp` serves from each model directory, in order."""
-        if str(tp) != "1":
-            return self._ranks(int(str(tp).rstrip("ep")), "run_generate.py", str(tp), *models)["served"]
-        return self._ask({"served": list(models)})["served"]
-
-    def _ranks(self, world: int, script: str, *args: str, timeout: float = 600) -> dict:
-        """Runs `script` as `world` processes, the ranks of vLLM's "external_launcher" (each a
-        tensor-parallel rank that stays from engine to engine: the worker processes vLLM would start
-        for each engine, and their imports, saved), one core each; returns rank 0's RESULT. A rank
-        that fails or outlives the timeout stops them all, and its output is named."""
-        from engines import free_port
-
-        port = free_port()
-        logs = [open(self.log_path.with_name(f"{script}.{port}.rank{r}.log"), "w+") for r in range(world)]
-        procs = []
-        for r in range(world):
-            env = dict(os.environ, **IN_PROCESS, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(world))))  # a core per rank
-            env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
-            procs.append(subprocess.Popen([sys.executable, str(HERE / script), *args], stdout=logs[r],
-                                          stderr=subprocess.STDOUT, env=env))
-        deadline = time.monotonic() + timeout
-        try:
-            while any(p.poll() is None for p in procs):
-                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    r = failed[0] if failed else 0
-                    logs[r].seek(0)
-                    raise AssertionError(f"{script} {' '.join(args)}, rank {r} of {world}: "
-                                         f"{'exit ' + str(procs[r].returncode) if failed else 'no result in time'}:\n"
-                                         f"{logs[r].read()[-8000:]}")
-                time.sleep(0.5)
-            for r, p in enumerate(procs):
-                logs[r].seek(0)
-                assert p.returncode == 0, f"{script}, rank {r} of {world}: exit {p.returncode}:\n" \
-                                          f"{logs[r].read()[-8000:]}"
-            logs[0].seek(0)
-            for line in logs[0].read().splitlines():
-                if line.startswith("RESULT "):
-                    return json.loads(line[len("RESULT "):])
-            raise AssertionError(f"{script} {' '.join(args)}: rank 0 printed no result")
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            for log in logs:
-                log.close()
-
-    def served_lora(self, tp, model: str, *adapters: str) -> dict:
-        """A fresh vLLM at `tp` on `model` serving each adapter directory, then none."""
-        if str(tp) != "1":
-            return run_script("run_lora_generate.py", str(tp), model, *adapters, tp=int(tp), env_extra=IN_PROCESS)
-        return self._ask({"lora": model, "adapters": list(adapters)})
-
-    def _ask(self, request: dict, timeout: float = 600) -> dict:
-        if self.proc is None:
-            env = dict(os.environ, **IN_PROCESS)
-            env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
-            self.log = open(self.log_path, "w")
-            self.proc = subprocess.Popen([sys.executable, str(HERE / "fresh_server.py")], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
-            threading.Thread(target=self._read, daemon=True).start()
+    def start(self, script: str, args, env: dict, stdout: Path, stderr: Path) -> int:
+        """Starts `script` (a file of this directory) with `args` and environment `env`, its output
+        in `stdout` and `stderr`; returns its pid (its process group's too)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._spawn()
+        request = {"run": str(HERE / script), "args": list(args), "env": env, "stdout": str(stdout),
+                   "stderr": str(stderr)}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"fresh_server.py gave no result in {timeout:.0f} s: see {self.log_path}")
-            if line is None:
-                raise AssertionError(f"fresh_server.py exited ({self.proc.wait()}): see {self.log_path}")
-            if line.startswith("RESULT "):
-                result = json.loads(line[len("RESULT "):])
-                assert "error" not in result, f"a fresh vLLM for {request}: {result['error']}"
-                return result
+        try:
+            pid = self.started.get(timeout=300)  # the first: once vLLM is imported
+        except queue.Empty:
+            raise AssertionError(f"zygote.py did not start {script} within 300 s: see {self.log_path}")
+        assert pid is not None, f"zygote.py exited ({self.proc.wait()}) before starting {script}: see {self.log_path}"
+        return pid
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
+    def wait(self, pid: int, timeout: float | None) -> int | None:
+        """The exit code of `pid` (minus a signal's number), or None when it still runs after `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            while pid not in self.exits:
+                left = None if deadline is None else deadline - time.monotonic()
+                if self.proc.poll() is not None and pid not in self.exits:
+                    raise AssertionError(f"zygote.py exited ({self.proc.returncode}) while pid {pid} ran: "
+                                         f"see {self.log_path}")
+                if left is not None and left <= 0:
+                    return None
+                self.lock.wait(timeout=1.0 if left is None else min(left, 1.0))
+            return self.exits[pid]
+
+    def kill(self, pid: int) -> None:
+        """Kills `pid`'s process group (the script and the vLLM processes it started) and waits for it."""
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.wait(pid, timeout=60)
+
+    def _spawn(self) -> None:
+        self.log_path = (self.log_dir or Path(tempfile.mkdtemp(prefix="zygote-"))) / "zygote.log"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "zygote.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+
+    def _read(self, proc) -> None:
+        for line in proc.stdout:
+            message = json.loads(line)
+            if "started" in message:
+                self.started.put(message["started"])
+            else:
+                with self.lock:
+                    self.exits[message["exited"]] = message["code"]
+                    self.lock.notify_all()
+        self.started.put(None)
+        with self.lock:
+            self.lock.notify_all()
 
     def close(self) -> None:
         if self.proc is not None:
@@ -153,12 +113,106 @@ class Fresh:
             self.log.close()
 
 
+ZYGOTE = Zygote()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _zygote(tmp_path_factory):
+    ZYGOTE.log_dir = tmp_path_factory.mktemp("zygote")
+    yield ZYGOTE
+    ZYGOTE.close()
+
+
+def script_env(tp: int = 1, env_extra: dict | None = None) -> dict:
+    """The environment a script of this directory runs in: this one's, this directory on the path, a
+    core per rank at TP=2, then `env_extra`."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    if tp == 2:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per TP rank
+    env.update(env_extra or {})
+    return env
+
+
+def run_script(script: str, *args: str, timeout: float = 600, tp: int = 1, env_extra: dict | None = None) -> dict:
+    """Runs a script of this directory in its own process, a fork of the zygote (vLLM starts its
+    engine processes), and returns the JSON it printed on its RESULT line. A script still running
+    after `timeout` seconds is killed with every process it started."""
+    with tempfile.TemporaryDirectory(prefix="run_script-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        pid = ZYGOTE.start(script, args, script_env(tp, env_extra), out, err)
+        code = ZYGOTE.wait(pid, timeout)
+        if code is None:
+            ZYGOTE.kill(pid)
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    for line in stdout.splitlines():
+        if code is not None and line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    said = f"still running after {timeout:.0f} s, killed" if code is None else f"exit {code}"
+    raise AssertionError(f"{script} {' '.join(args)} printed no result ({said}):\n"
+                         f"{stdout[-4000:]}\n{stderr[-8000:]}")
+
+
+class Fresh:
+    """The references: what a vLLM started fresh serves. At TP=1 every engine runs in the script's
+    process (run_generate.py, run_lora_generate.py); at TP >= 2, full weights come from
+    run_generate.py's ranks under vLLM's external launcher (`_ranks`), and adapters from
+    run_lora_generate.py (one engine: its worker processes cost what the ranks would)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+
+    def served(self, tp, *models: str) -> list:
+        """What a fresh vLLM at `tp` serves from each model directory, in order."""
+        if str(tp) != "1":
+            return self._ranks(int(str(tp).rstrip("ep")), "run_generate.py", str(tp), *models)["served"]
+        return run_script("run_generate.py", "1", *models, env_extra=IN_PROCESS)["served"]
+
+    def served_lora(self, tp, model: str, *adapters: str) -> dict:
+        """A fresh vLLM at `tp` on `model` serving each adapter directory, then none."""
+        return run_script("run_lora_generate.py", str(tp), model, *adapters, tp=int(tp), env_extra=IN_PROCESS)
+
+    def _ranks(self, world: int, script: str, *args: str, timeout: float = 600) -> dict:
+        """Runs `script` as `world` processes, the ranks of vLLM's "external_launcher" (each a
+        tensor-parallel rank that stays from engine to engine: the worker processes vLLM would start
+        for each engine, and their imports, saved), one core each; returns rank 0's RESULT. A rank
+        that fails or outlives the timeout stops them all, and its output is named."""
+        from engines import free_port
+
+        port = free_port()
+        logs = [self.log_dir / f"{script}.{port}.rank{r}.log" for r in range(world)]
+        pids = []
+        try:
+            for r in range(world):
+                env = script_env(env_extra=dict(IN_PROCESS, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(world))))  # a core per rank
+                pids.append(ZYGOTE.start(script, args, env, logs[r], logs[r]))
+            deadline = time.monotonic() + timeout
+            codes = [None] * world
+            while None in codes:
+                codes = [ZYGOTE.wait(pid, timeout=0) for pid in pids]
+                failed = [r for r, code in enumerate(codes) if code not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    r = failed[0] if failed else codes.index(None)
+                    raise AssertionError(f"{script} {' '.join(args)}, rank {r} of {world}: "
+                                         f"{'exit ' + str(codes[r]) if failed else 'no result in time'}:\n"
+                                         f"{logs[r].read_text(errors='replace')[-8000:]}")
+                time.sleep(0.5)
+            for line in logs[0].read_text(errors="replace").splitlines():
+                if line.startswith("RESULT "):
+                    return json.loads(line[len("RESULT "):])
+            raise AssertionError(f"{script} {' '.join(args)}: rank 0 printed no result")
+        finally:
+            for pid in pids:
+                if ZYGOTE.wait(pid, timeout=0) is None:
+                    ZYGOTE.kill(pid)
+
+
 @pytest.fixture(scope="session")
 def fresh(tmp_path_factory):
     """The references, a fresh vLLM's (Fresh)."""
-    f = Fresh(tmp_path_factory.mktemp("fresh") / "fresh_server.log")
-    yield f
-    f.close()
+    return Fresh(tmp_path_factory.mktemp("fresh"))
 
 
 @pytest.fixture(scope="session")

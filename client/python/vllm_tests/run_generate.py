@@ -1,7 +1,7 @@
 """Fresh vLLMs, one after the other in this process, on each MODEL at tensor-parallel size TP (CPU),
 the engine configuration of the other scripts (engine_args): prints the greedy tokens and logprobs
-of each for PROMPTS as one JSON result, a list in the order given. (At TP=1 the tests ask
-fresh_server.py, which makes the same engines in a process that stays.)
+of each for PROMPTS as one JSON result, a list in the order given (at TP >= 2, run as the ranks of
+vLLM's external launcher: conftest.py's Fresh).
 Usage: python run_generate.py TP MODEL [MODEL...]   (TP: as engines.engine_args takes it, "2ep")"""
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """A fresh vLLM (CPU, engines.engine_args, enable_lora) at tensor-parallel size TP on MODEL serves
 engines.PROMPTS with each adapter directory given, loaded from disk by vLLM itself (each under an id
 of its own), and without one: prints the greedy tokens and logprobs of each as one JSON result, with
-how long vLLM's own load of each adapter took (`add_lora`). (At TP=1 the tests ask
-fresh_server.py, which makes the same engine in a process that stays.)
+how long vLLM's own load of each adapter took (`add_lora`).
 Usage: python run_lora_generate.py TP MODEL ADAPTER_DIR [ADAPTER_DIR...]"""
 
 from __future__ import annotations

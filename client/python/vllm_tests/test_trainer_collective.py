@@ -85,7 +85,7 @@ def _trainer_init_rank(rank: int, port: int, target: str, results) -> None:
 
     def groups():
         with shardcast.Client(target) as c:
-            return {g.group: len(g.rank_states) for g in c.status().groups}
+            return {g.group: sorted(g.ranks) for g in c.status().groups}
 
     try:
         init()
@@ -108,7 +108,8 @@ def test_a_trainer_init_vllm_refuses_raises_on_every_rank_and_leaves_nothing_reg
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     rendezvous = TorchRendezvous()
-    with LocalCluster(["n0"]) as cluster:
+    # The daemon's log at info (sessions, registrations, unregistrations) is in a failure's report.
+    with LocalCluster(["n0"], extra=["--log-level", "info"]) as cluster:
         procs = [ctx.Process(target=_trainer_init_rank, args=(r, rendezvous.port, cluster.target("n0"), results))
                  for r in range(2)]
         for p in procs:
@@ -120,7 +121,7 @@ def test_a_trainer_init_vllm_refuses_raises_on_every_rank_and_leaves_nothing_reg
         assert got[rank]["refused"] == ("shardcast: initialising the weight transfer of 'vllm' failed on trainer "
                                         "rank(s) 0: RuntimeError: vLLM refuses checkpoint tensor 'w'"), got[rank]
         assert got[rank]["after_refusal"] == {}
-        assert got[rank]["after_init"] == {"trainer": 2}
+        assert got[rank]["after_init"] == {"trainer": [0, 1]}
 
 
 class Server:
