@@ -33,29 +33,30 @@ IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 class Zygote:
     """The tests' scripts, each run as a fork of zygote.py: one process for the session that imports
     vLLM, torch and transformers once (11-13 CPU-seconds each script paid before), then runs each
-    script as `python SCRIPT ARGS...` would, in a session of its own. Started on first use."""
+    script as `python SCRIPT ARGS...` would, in a session of its own. Started on first use, and
+    again after it died (the scripts it ran are then reported, not waited for)."""
 
     def __init__(self) -> None:
         self.proc = None
         self.log_dir: Path | None = None  # the session's (the `_zygote` fixture)
-        self.started: queue.Queue = queue.Queue()
-        self.exits: dict = {}
         self.lock = threading.Condition()
+        self.exits: dict = {}  # pid -> exit code (a pid started again: forgotten when it starts)
+        self.running: set = set()  # pids started and not yet exited
 
     def start(self, script: str, args, env: dict, stdout: Path, stderr: Path) -> int:
-        """Starts `script` (a file of this directory) with `args` and environment `env`, its output
-        in `stdout` and `stderr`; returns its pid (its process group's too)."""
+        """Starts `script` (a file of this directory) with `args` and environment `env` in this
+        directory, its output in `stdout` and `stderr`; returns its pid (its process group's too)."""
         if self.proc is None or self.proc.poll() is not None:
             self._spawn()
-        request = {"run": str(HERE / script), "args": list(args), "env": env, "stdout": str(stdout),
-                   "stderr": str(stderr)}
+        request = {"run": str(HERE / script), "args": list(args), "env": env, "cwd": os.getcwd(),
+                   "stdout": str(stdout), "stderr": str(stderr)}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         try:
             pid = self.started.get(timeout=300)  # the first: once vLLM is imported
         except queue.Empty:
             raise AssertionError(f"zygote.py did not start {script} within 300 s: see {self.log_path}")
-        assert pid is not None, f"zygote.py exited ({self.proc.wait()}) before starting {script}: see {self.log_path}"
+        assert pid is not None, f"zygote.py exited ({self.proc.poll()}) before starting {script}: see {self.log_path}"
         return pid
 
     def wait(self, pid: int, timeout: float | None) -> int | None:
@@ -63,47 +64,81 @@ class Zygote:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
             while pid not in self.exits:
+                if pid not in self.running:
+                    raise AssertionError(f"zygote.py exited while pid {pid} ran: see {self.log_path}")
                 left = None if deadline is None else deadline - time.monotonic()
-                if self.proc.poll() is not None and pid not in self.exits:
-                    raise AssertionError(f"zygote.py exited ({self.proc.returncode}) while pid {pid} ran: "
-                                         f"see {self.log_path}")
                 if left is not None and left <= 0:
                     return None
                 self.lock.wait(timeout=1.0 if left is None else min(left, 1.0))
             return self.exits[pid]
 
-    def kill(self, pid: int) -> None:
-        """Kills `pid`'s process group (the script and the vLLM processes it started) and waits for it."""
+    def end(self, pid: int, grace: float = 60) -> list:
+        """Ends what is left of `pid`'s process group (the vLLM processes its script started): waits
+        up to `grace` seconds for them to exit, then kills them. Returns the pids killed."""
+        deadline = time.monotonic() + grace
+        while True:
+            left = [int(d) for d in os.listdir("/proc") if d.isdigit() and _process_group(int(d)) == pid]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         try:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self.wait(pid, timeout=60)
+        return left
+
+    def kill(self, pid: int) -> None:
+        """Kills `pid`'s process group (the script and the vLLM processes it started) and reaps it."""
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.wait(pid, timeout=60)
+        except AssertionError:
+            pass  # the zygote died: nothing left to reap
 
     def _spawn(self) -> None:
         self.log_path = (self.log_dir or Path(tempfile.mkdtemp(prefix="zygote-"))) / "zygote.log"
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
         self.log = open(self.log_path, "w")
+        self.started: queue.Queue = queue.Queue()  # this zygote's: a dead one's end is not the next one's
+        with self.lock:
+            self.running.clear()  # the dead zygote's scripts: their waits raise
+            self.lock.notify_all()
         self.proc = subprocess.Popen([sys.executable, str(HERE / "zygote.py")], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
-        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.proc, self.started), daemon=True).start()
 
-    def _read(self, proc) -> None:
-        for line in proc.stdout:
-            message = json.loads(line)
-            if "started" in message:
-                self.started.put(message["started"])
-            else:
+    def _read(self, proc, started: queue.Queue) -> None:
+        try:
+            for line in proc.stdout:
+                message = json.loads(line)
                 with self.lock:
-                    self.exits[message["exited"]] = message["code"]
+                    if "started" in message:
+                        self.exits.pop(message["started"], None)  # a pid used again
+                        self.running.add(message["started"])
+                    else:
+                        self.running.discard(message["exited"])
+                        self.exits[message["exited"]] = message["code"]
                     self.lock.notify_all()
-        self.started.put(None)
-        with self.lock:
-            self.lock.notify_all()
+                if "started" in message:
+                    started.put(message["started"])
+        finally:
+            started.put(None)
+            with self.lock:
+                if self.proc is proc:
+                    self.running.clear()
+                self.lock.notify_all()
 
     def close(self) -> None:
+        """Ends the zygote, and kills whatever it started that still runs."""
         if self.proc is not None:
+            with self.lock:
+                running = list(self.running)
+            for pid in running:
+                self.kill(pid)
             self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=60)
@@ -111,6 +146,15 @@ class Zygote:
                 self.proc.kill()
                 self.proc.wait()
             self.log.close()
+
+
+def _process_group(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return None if fields[0] == "Z" else int(fields[2])  # a zombie holds nothing
 
 
 ZYGOTE = Zygote()
@@ -137,18 +181,27 @@ def script_env(tp: int = 1, env_extra: dict | None = None) -> dict:
 def run_script(script: str, *args: str, timeout: float = 600, tp: int = 1, env_extra: dict | None = None) -> dict:
     """Runs a script of this directory in its own process, a fork of the zygote (vLLM starts its
     engine processes), and returns the JSON it printed on its RESULT line. A script still running
-    after `timeout` seconds is killed with every process it started."""
+    after `timeout` seconds is killed with every process it started; a script that leaves processes
+    running for a minute after it exited fails (they are killed), as one whose pipes they held did."""
     with tempfile.TemporaryDirectory(prefix="run_script-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         pid = ZYGOTE.start(script, args, script_env(tp, env_extra), out, err)
-        code = ZYGOTE.wait(pid, timeout)
-        if code is None:
-            ZYGOTE.kill(pid)
+        code, left = None, []
+        try:
+            code = ZYGOTE.wait(pid, timeout)
+        finally:
+            if code is None:  # past its timeout, or this test was interrupted
+                ZYGOTE.kill(pid)
+            else:
+                left = ZYGOTE.end(pid)
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    said = f"still running after {timeout:.0f} s, killed" if code is None else f"exit {code}"
+    if left:
+        raise AssertionError(f"{script} {' '.join(args)} ({said}) left processes {left} running a minute "
+                             f"after it exited (killed):\n{stdout[-4000:]}\n{stderr[-8000:]}")
     for line in stdout.splitlines():
         if code is not None and line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    said = f"still running after {timeout:.0f} s, killed" if code is None else f"exit {code}"
     raise AssertionError(f"{script} {' '.join(args)} printed no result ({said}):\n"
                          f"{stdout[-4000:]}\n{stderr[-8000:]}")
 
@@ -205,8 +258,7 @@ class Fresh:
             raise AssertionError(f"{script} {' '.join(args)}: rank 0 printed no result")
         finally:
             for pid in pids:
-                if ZYGOTE.wait(pid, timeout=0) is None:
-                    ZYGOTE.kill(pid)
+                ZYGOTE.kill(pid)  # a rank still running (another failed), or what an exited one left
 
 
 @pytest.fixture(scope="session")

@@ -98,6 +98,7 @@ def _trainer_init_rank(rank: int, port: int, target: str, results) -> None:
     engine = init()  # nothing was left registered: the same ranks register again
     torch.distributed.barrier()
     out["after_init"] = groups()
+    torch.distributed.barrier()  # both ranks looked before either unregisters
     engine.shutdown()
     results.put((rank, out))
 
@@ -120,8 +121,8 @@ def test_a_trainer_init_vllm_refuses_raises_on_every_rank_and_leaves_nothing_reg
     for rank in (0, 1):
         assert got[rank]["refused"] == ("shardcast: initialising the weight transfer of 'vllm' failed on trainer "
                                         "rank(s) 0: RuntimeError: vLLM refuses checkpoint tensor 'w'"), got[rank]
-        assert got[rank]["after_refusal"] == {}
-        assert got[rank]["after_init"] == {"trainer": [0, 1]}
+        assert got[rank]["after_refusal"] == {}, rank
+        assert got[rank]["after_init"] == {"trainer": [0, 1]}, rank
 
 
 class Server:

@@ -10,9 +10,11 @@ not survive a fork (the child's first parallel region would wait forever on thre
 have). Importing vLLM starts none.
 
 Requests, one JSON line each on standard input: {"run": SCRIPT, "args": [...], "env": {...},
-"stdout": PATH, "stderr": PATH}. Answers, one JSON line each on standard output:
-{"started": PID} at once, then {"exited": PID, "code": CODE} when the script ends (CODE: its exit
-status, or minus the signal that ended it). The zygote ends at the end of its input.
+"cwd": DIR, "stdout": PATH, "stderr": PATH}. Answers, one JSON line each on standard output (the
+zygote's own; what a library prints there goes to its standard error): {"started": PID} at once,
+then {"exited": PID, "code": CODE} when the script ends (CODE: its exit status, or minus the signal
+that ended it). The zygote ends at the end of its input, and ignores SIGINT (the tests' conftest
+ends it and what it started).
 Usage: python zygote.py"""
 
 from __future__ import annotations
@@ -21,12 +23,22 @@ import json
 import os
 import runpy
 import select
+import signal
 import sys
+
+ANSWERS = None  # the answers' own descriptor (serve)
 
 
 def serve() -> dict | None:
     """Answers requests until the end of input (returns None), or, in a forked child, returns the
     request that child is to run."""
+    global ANSWERS
+    # The answers get a descriptor of their own, and standard output is standard error from here
+    # on: nothing a library prints can be taken for an answer. Forked children close it.
+    ANSWERS = os.fdopen(os.dup(1), "w")
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch  # noqa: F401  (the imports every script makes, once; none runs an operation)
     import transformers  # noqa: F401
     import vllm  # noqa: F401
@@ -58,6 +70,7 @@ def serve() -> dict | None:
             request = json.loads(line)
             sys.stdout.flush()
             sys.stderr.flush()
+            ANSWERS.flush()
             pid = os.fork()
             if pid == 0:
                 return request
@@ -66,14 +79,17 @@ def serve() -> dict | None:
 
 
 def answer(message: dict) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
+    ANSWERS.write(json.dumps(message) + "\n")
+    ANSWERS.flush()
 
 
 def become(request: dict) -> None:
     """In the forked child: becomes `python SCRIPT ARGS...` with the request's environment and
     output files, and runs the script (its exit is the interpreter's, atexit handlers included)."""
     os.setsid()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    ANSWERS.close()  # the zygote's end is seen by its reader even while scripts run
+    os.chdir(request["cwd"])
     script = request["run"]
     null = os.open(os.devnull, os.O_RDONLY)
     out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
