@@ -57,8 +57,9 @@ fi
 [ "$mode" = "build" ] && exit 0
 
 # The venvs are installed with uv (PyPI's `uv`, pinned), not pip: it downloads and unpacks wheels
-# in parallel and hard-links them from its cache (~/.cache/uv), so both venvs take about 55 s and
-# 65 CPU-seconds on a fresh machine where pip took 213 s and 185 (docs/vllm.md). It lives in
+# in parallel and hard-links them from its cache (~/.cache/uv), so both venvs take about 113 s and
+# 143 CPU-seconds on a fresh machine where pip took 213 s and 185 (docs/vllm.md). It compiles the
+# bytecode at install, as pip does (with PYTHONDONTWRITEBYTECODE=1 set, nothing else would). It lives in
 # a small venv of its own, made once with Debian's python3; that venv's pip also fetches the UCX
 # wheel below. uv never downloads a Python: the venvs use Debian's python3.
 uv_version=0.13.9

@@ -81,18 +81,12 @@ class Zygote:
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(pid)
         return left
 
     def kill(self, pid: int) -> None:
         """Kills `pid`'s process group (the script and the vLLM processes it started) and reaps it."""
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(pid)
         try:
             self.wait(pid, timeout=60)
         except AssertionError:
@@ -146,6 +140,13 @@ class Zygote:
                 self.proc.kill()
                 self.proc.wait()
             self.log.close()
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # nothing left in it
 
 
 def _process_group(pid: int) -> int | None:
