@@ -379,5 +379,5 @@ TEST_CASE("refused syncs are logged once with their reason and caller, handshake
   CHECK(handshakes <= 4);  // each kind of gRPC line once per 10 s, not 40 times
   d.kill(SIGTERM);
   d.wait();
-  ::unlink((socket + ".owners").c_str());
+  for (const char* suffix : {".owners", ".lock"}) ::unlink((socket + suffix).c_str());
 }

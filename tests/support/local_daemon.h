@@ -6,6 +6,8 @@
 
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -138,7 +140,7 @@ class Daemon {
   }
   ~Daemon() {
     stop();
-    ::unlink((socket_ + ".owners").c_str());  // the group owners it kept over restarts (tests only)
+    removeFiles();
   }
 
   bool ready() const { return ready_line_.rfind("shardcastd ready", 0) == 0; }
@@ -211,6 +213,18 @@ class Daemon {
   TlsFiles tls(const TlsFiles& files) const { return insecure_ ? TlsFiles{} : files; }
 
  private:
+  // What a daemon leaves beside its socket once it has ended (all of it when killed, its lock file
+  // and group owners when stopped), unless another daemon of this test already serves that socket:
+  // a test run leaves nothing in /tmp.
+  void removeFiles() const {
+    const std::string lock = socket_ + ".lock";
+    const int fd = ::open(lock.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) return;
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0)
+      for (const char* suffix : {"", ".fds", ".owners", ".lock"}) ::unlink((socket_ + suffix).c_str());
+    ::close(fd);
+  }
+
   std::string node_;
   std::string host_;
   int port_;

@@ -163,9 +163,17 @@ ZYGOTE = Zygote()
 
 @pytest.fixture(scope="session", autouse=True)
 def _zygote(tmp_path_factory):
+    # vLLM's ZeroMQ sockets outlive its processes that are killed: they go to this session's
+    # directory (pytest keeps the last three), not to /tmp.
+    saved = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = str(tmp_path_factory.mktemp("zmq"))
     ZYGOTE.log_dir = tmp_path_factory.mktemp("zygote")
     yield ZYGOTE
     ZYGOTE.close()
+    if saved is None:
+        os.environ.pop("VLLM_RPC_BASE_PATH")
+    else:
+        os.environ["VLLM_RPC_BASE_PATH"] = saved
 
 
 def script_env(tp: int = 1, env_extra: dict | None = None) -> dict:
