@@ -4,9 +4,9 @@
 // destruction. Used by the local-cluster demo and by the integration tests.
 #pragma once
 
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
-#include <fcntl.h>
 #include <sys/file.h>
 #include <sys/socket.h>
 #include <unistd.h>
