@@ -148,8 +148,8 @@ if [ "$tier" = full ]; then
   started=$SECONDS rest_rc=0
   wait "$rest" || rest_rc=$?
   grep -v '^== ' "$rest_log" || true
-  while read -r name secs; do times+=("$(printf '%-28s %4d s' "$name" "$secs")"); done \
-    < <(sed -n 's/^== \(.*\): \([0-9]*\) s$/\1 \2/p' "$rest_log")
+  while read -r secs name; do times+=("$(printf '%-28s %4d s' "$name" "$secs")"); done \
+    < <(sed -n 's/^== \(.*\): \([0-9]*\) s$/\2 \1/p' "$rest_log")
   times+=("$(printf '%-28s %4d s' "ctest (the rest)" $((SECONDS - started)))")
   trap - EXIT
   case $rest_rc in
