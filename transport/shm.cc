@@ -201,6 +201,12 @@ StatusOr<ShmSegment> ShmSegment::create(const std::string& name, size_t size, bo
 StatusOr<ShmSegment> ShmSegment::open(const std::string& name, size_t size, std::optional<uid_t> owner) {
   SC_RETURN_IF_ERROR(checkName(name));
   const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0 && (errno == EMFILE || errno == ENFILE))
+    return absl::ResourceExhaustedError(
+        strCat("shm_open(\"", name, "\"): ", std::strerror(errno),
+               ": the daemon keeps a descriptor open for every shared-memory segment registered with it (each host "
+               "torch tensor registered in place is one): raise its open-file limit (ulimit -n, systemd's LimitNOFILE; "
+               "it takes the hard limit at start) or register fewer, larger host tensors"));
   if (fd < 0) return errnoStatus(strCat("shm_open(\"", name, "\")"), errno);
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
@@ -229,6 +235,7 @@ StatusOr<ShmSegment> ShmSegment::open(const std::string& name, size_t size, std:
   ::fcntl(fd, F_SETFD, FD_CLOEXEC);
   ShmSegment out(name, p, size, false, fd);
   out.guard_ = guard::add(p, size);
+  out.file_id_ = strCat(st.st_dev, ":", st.st_ino);
   return out;
 }
 
@@ -261,7 +268,13 @@ void ShmSegment::unlinkName() const {
 }
 
 ShmSegment::ShmSegment(ShmSegment&& o) noexcept
-    : name_(std::move(o.name_)), data_(o.data_), size_(o.size_), unlink_(o.unlink_), fd_(o.fd_), guard_(o.guard_) {
+    : name_(std::move(o.name_)),
+      data_(o.data_),
+      size_(o.size_),
+      unlink_(o.unlink_),
+      fd_(o.fd_),
+      guard_(o.guard_),
+      file_id_(std::move(o.file_id_)) {
   o.data_ = nullptr;
   o.unlink_ = false;
   o.fd_ = -1;
@@ -277,6 +290,7 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& o) noexcept {
     unlink_ = o.unlink_;
     fd_ = o.fd_;
     guard_ = o.guard_;
+    file_id_ = std::move(o.file_id_);
     o.data_ = nullptr;
     o.unlink_ = false;
     o.fd_ = -1;

@@ -32,6 +32,9 @@ class ShmSegment {
   void* data() const { return data_; }
   size_t size() const { return size_; }
   const std::string& name() const { return name_; }
+  // Opened segments: which file it is ("device:inode"; two names of one file give one id), so
+  // registrations can tell that two handles name the same memory. "" for created segments.
+  const std::string& fileId() const { return file_id_; }
 
   // Opened segments: fails (FAILED_PRECONDITION) when the owner truncated the segment below the
   // mapped size, so that touching the mapping would raise SIGBUS, or when it did so while the
@@ -53,6 +56,7 @@ class ShmSegment {
   bool unlink_ = false;
   int fd_ = -1;     // opened segments: kept for checkSize
   int guard_ = -1;  // opened segments: the truncation guard's slot (shm.cc)
+  std::string file_id_;
 };
 
 // A shared mapping of a file its owner can shrink under it (an emulated GPU's memfd, standing in

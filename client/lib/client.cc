@@ -40,8 +40,9 @@ std::string describeRank(const v1::RankStatus& st) {
 struct Client::SessionState {
   struct Recorded {
     v1::RegisterRequest request;
-    uint64_t published = 0;  // source: last version published
-    bool held = false;       // source: acquired (not to be re-registered as ready)
+    uint64_t published = 0;   // source: last version published
+    bool held = false;        // acquired: re-registered held (a source not as ready)
+    uint32_t active_set = 0;  // double-buffered destination: the set last seen in use (acquire)
   };
   std::shared_ptr<v1::Shardcast::Stub> stub;
   std::mutex mu;
@@ -135,6 +136,10 @@ struct Client::SessionState {
       v1::RegisterRequest req = r.request;
       req.set_session_id(id);
       req.set_version(req.role() == v1::ROLE_SOURCE && !r.held ? r.published : 0);
+      // Held as it was (no sync writes what its engine reads, nor reads what its trainer
+      // writes), and double-buffered with the set last seen in use, not the older other one.
+      req.set_held(r.held);
+      req.set_active_set(req.shadow_buffers_size() > 0 ? r.active_set : 0);
       again.push_back(std::move(req));
     }
     lock.unlock();
@@ -440,7 +445,10 @@ StatusOr<v1::RankStatus> Client::acquire(const std::string& group, int32_t rank,
   if (!st.ok()) return fromGrpc(st, strCat("acquire group \"", group, "\" rank ", rank));
   if (session_) {
     std::lock_guard<std::mutex> lock(session_->mu);
-    if (auto it = session_->ranks.find({group, rank}); it != session_->ranks.end()) it->second.held = true;
+    if (auto it = session_->ranks.find({group, rank}); it != session_->ranks.end()) {
+      it->second.held = true;
+      it->second.active_set = out.status().active_set();
+    }
   }
   return out.status();
 }

@@ -49,6 +49,13 @@ Status checkRegisterRequest(const v1::RegisterRequest& req, const std::string& w
                                              "destination rank starts EMPTY until a sync commits"));
   if (req.version() != 0 && !planner::isVersion(req.version()))  // 0: none
     return absl::InvalidArgumentError(strCat(who, ": version ", req.version(), " is not in ", planner::kVersionRange));
+  if (req.held() && req.version() != 0)
+    return absl::InvalidArgumentError(
+        strCat(who, ": a rank registered held has no published version yet (it publishes one when released)"));
+  if (req.active_set() > 1 || (req.active_set() == 1 && req.shadow_buffers_size() == 0))
+    return absl::InvalidArgumentError(strCat(who, ": active set ", req.active_set(),
+                                             " (0: buffers, 1: shadow_buffers, which only a double-buffered "
+                                             "destination has)"));
   if (req.readers_size() > 64)
     return absl::InvalidArgumentError(strCat(who, ": ", req.readers_size(), " read grants (at most 64)"));
   return absl::OkStatus();
@@ -101,6 +108,7 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
     return absl::ResourceExhaustedError(strCat(who, ": this daemon's registrations would describe themselves in ",
                                                described, " bytes (at most ", planner::limits().max_describe_bytes,
                                                ", what peers can receive)"));
+  SC_RETURN_IF_ERROR(ownsItsMemory(*rank));
   if (auto in_use = ranks_.find({req.group(), req.rank()}); in_use != ranks_.end() && !in_use->second->user().empty())
     return absl::FailedPreconditionError(
         strCat(who, " is in use by sync ", in_use->second->user(), ": register it again once that sync ended"));
@@ -212,6 +220,12 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
       return absl::InvalidArgumentError(strCat(who, ": only a destination rank is double-buffered (shadow_buffers)"));
     SC_ASSIGN_OR_RETURN(rank->shadow,
                         mapBuffers(strCat(who, " (shadow)"), req.shadow_buffers(), needed, held_by, shapes, caller));
+  }
+  rank->active = static_cast<int>(req.active_set());
+  if (req.held()) {  // as Registry::acquire leaves it
+    rank->held = true;
+    if (rank->role == v1::ROLE_SOURCE) rank->state = v1::RANK_UPDATING;
+    if (rank->doubled()) rank->pinned = rank->active;
   }
   for (const auto& set : {&rank->buffers, &rank->shadow})
     for (const auto& b : *set) rank->bytes += b.size;

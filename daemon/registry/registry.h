@@ -214,6 +214,11 @@ class Registry {
     const DeviceEngines* engines = nullptr;                  // cuda: its GPU's
     std::shared_ptr<transport::MemoryRegion> region;         // what peers write into
     uint64_t offset = 0;                                     // of the buffer in `region`
+    // What memory it is, for ownsItsMemory: the shm file ("shm " + ShmSegment::fileId()) or the
+    // CUDA IPC allocation ("cuda <gpu> <handle>"), and where the buffer starts in it. "" for
+    // cuMem allocations handed over by descriptor (not compared).
+    std::string memory;
+    uint64_t memory_offset = 0;
   };
   struct Rank {
     std::string group;
@@ -293,6 +298,11 @@ class Registry {
   // calls take it (0: any).
   Status mayChange(const Rank& r, const MemoryCaller& caller, const char* what, uint64_t registration = 0) const;
 
+  // With mu_ held: `r`'s memory against itself and every other rank's here. A destination's
+  // buffers (either set) overlap no other buffer; a source's overlap no destination's (sources may
+  // share memory: a tied weight read under two names). The rank `r` replaces is not compared.
+  // Otherwise a sync writes one buffer's bytes over another's, or over a source's, unseen.
+  Status ownsItsMemory(const Rank& r) const;
   StatusOr<std::unique_ptr<Rank>> build(const v1::RegisterRequest& request, std::string digest,
                                         const MemoryCaller& caller);
   // One set of a rank's buffers from its handles, checked against what the layout gives it.

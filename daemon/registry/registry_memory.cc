@@ -115,6 +115,8 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
       b.segment = segments[h->shm().name()].first;
       b.region = segments[h->shm().name()].second;
       b.offset = h->shm().offset();
+      b.memory = strCat("shm ", b.segment->fileId());
+      b.memory_offset = b.offset;
     } else if (h->has_cuda() || h->has_cuda_allocations()) {
       SC_RETURN_IF_ERROR(mapDeviceBuffer(who, name, *h, needed[name], caller, &b));
     } else {
@@ -191,6 +193,10 @@ Status Registry::mapDeviceBuffer(const std::string& who, const std::string& name
         where);
   else  // the other buffers go direct: this one makes the syncs through it packed (Describe: staged)
     spdlog::warn("{}: staged through pinned host memory, this buffer alone: {}", where, (*mem)->fallback());
+  if (!handed) {  // an IPC handle names its allocation (torch's cudaMalloc block); the offset is in it
+    b->memory = strCat("cuda ", device, " ", h.cuda().handle());
+    b->memory_offset = offset;
+  }
   b->size = size;
   b->device = bytes;
   b->engines = *engines;
@@ -213,6 +219,85 @@ StatusOr<const Registry::DeviceEngines*> Registry::deviceEngines(int gpu) {
   SC_ASSIGN_OR_RETURN(e.incoming, gpus_.makeEngine(gpu));
   std::lock_guard<std::mutex> lock(mu_);
   return &cuda_engines_.emplace(gpu, std::move(e)).first->second;
+}
+
+namespace {
+
+// A buffer's bytes in the memory it is (Registry::Buffer::memory).
+struct Span {
+  uint64_t begin = 0, end = 0;
+  const std::string* name = nullptr;
+  const transport::ShmSegment* segment = nullptr;  // null: CUDA memory
+  const char* set = "";                            // "" or " (shadow set)"
+};
+
+bool overlap(const Span& a, uint64_t begin, uint64_t end) { return a.begin < end && begin < a.end; }
+
+std::string spanText(const Span& s) {
+  return strCat("buffer \"", *s.name, "\"", s.set, " (bytes [", s.begin, ", ", s.end, ") of ",
+                s.segment ? strCat("shm segment \"", s.segment->name(), "\"") : std::string("its CUDA allocation"),
+                ")");
+}
+
+}  // namespace
+
+Status Registry::ownsItsMemory(const Rank& r) const {
+  const std::string who = strCat("group \"", r.group, "\" rank ", r.rank);
+  const bool destination = r.role != v1::ROLE_SOURCE;
+  std::map<std::string, std::vector<Span>> mine;  // by memory, sorted by begin
+  for (const auto* set : {&r.buffers, &r.shadow})
+    for (const auto& b : *set)
+      if (!b.memory.empty() && b.size > 0)
+        mine[b.memory].push_back({b.memory_offset, b.memory_offset + b.size, &b.name, b.segment.get(),
+                                  set == &r.shadow ? " (shadow set)" : ""});
+  const std::string tail =
+      destination ? ": a destination rank's memory must be its own, or a sync writes one buffer's bytes over another's "
+                    "(give every rank, and each set of a double-buffered rank, tensors of their own)"
+                  : ": a sync into that destination would write over this source's weights (a destination's memory "
+                    "must be its own)";
+  for (auto& [memory, spans] : mine) {
+    std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+    if (!destination) continue;  // a source's own buffers may share memory
+    const Span* furthest = nullptr;
+    for (const auto& s : spans) {
+      if (furthest != nullptr && s.begin < furthest->end)
+        return absl::InvalidArgumentError(
+            strCat(who, ": ", spanText(s), " is the same memory as its ", spanText(*furthest), tail));
+      if (furthest == nullptr || s.end > furthest->end) furthest = &s;
+    }
+  }
+  if (mine.empty()) return absl::OkStatus();
+  std::map<std::string, std::vector<uint64_t>> furthest_end;  // by memory: the furthest end of its first k spans
+  for (const auto& [memory, spans] : mine) {
+    auto& ends = furthest_end[memory];
+    for (const auto& s : spans) ends.push_back(std::max(ends.empty() ? 0 : ends.back(), s.end));
+  }
+  for (const auto& [key, other] : ranks_) {
+    if (key.first == r.group && key.second == r.rank) continue;  // the registration r replaces
+    if (!destination && other->role == v1::ROLE_SOURCE) continue;
+    for (const auto* set : {&other->buffers, &other->shadow})
+      for (const auto& b : *set) {
+        if (b.memory.empty() || b.size == 0) continue;
+        const auto it = mine.find(b.memory);
+        if (it == mine.end()) continue;
+        const uint64_t begin = b.memory_offset, end = b.memory_offset + b.size;
+        // The spans starting before `end`: one of them overlaps when the furthest end among them
+        // lies after `begin` (a source's spans may nest), found again only then.
+        const auto& spans = it->second;
+        const auto last =
+            std::lower_bound(spans.begin(), spans.end(), end, [](const Span& s, uint64_t at) { return s.begin < at; });
+        if (last == spans.begin() || furthest_end.at(b.memory)[static_cast<size_t>(last - spans.begin()) - 1] <= begin)
+          continue;
+        for (auto s = spans.begin(); s != last; ++s)
+          if (overlap(*s, begin, end))
+            return absl::InvalidArgumentError(
+                strCat(who, ": ", spanText(*s), " is the same memory as ",
+                       spanText({begin, end, &b.name, b.segment.get(), set == &other->shadow ? " (shadow set)" : ""}),
+                       " of group \"", other->group, "\" rank ", other->rank, " (", v1::roleName(other->role),
+                       ") on node \"", node_, "\"", tail));
+      }
+  }
+  return absl::OkStatus();
 }
 
 Status Registry::checkSegments(const Rank& r) const {

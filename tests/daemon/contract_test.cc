@@ -663,6 +663,120 @@ TEST_CASE("double-buffered destinations: syncs write the set not in use, flip at
   CHECK(set_wrong(shadow, 3) == 0);
 }
 
+TEST_CASE("a restarted daemon gets a held rank back held, a double-buffered one with the set its engine used",
+          "[daemon][contract]") {
+  Pair c;
+  c.registerAll(1);
+  std::vector<RankMemory> shadow;
+  for (int32_t r = 0; r < 2; ++r) shadow.push_back(allocateRank(c.dst, r, "contract-back" + std::to_string(r)));
+  auto engine = Client::connect("unix:" + c.n1().socketPath());
+  REQUIRE(engine.ok());
+  REQUIRE(engine->startSession().ok());
+  for (int32_t r = 0; r < 2; ++r) {
+    const auto live = registerRequest(c.dst_proto, r, 2, c.dmem[r]);
+    const auto other = registerRequest(c.dst_proto, r, 2, shadow[r]);
+    RegisterOptions doubled =
+        RegisterOptions::doubleBuffered(std::vector<v1::MemoryHandle>(other.buffers().begin(), other.buffers().end()));
+    doubled.replace = true;  // registered single-buffered by registerAll
+    const std::vector<v1::MemoryHandle> handles(live.buffers().begin(), live.buffers().end());
+    REQUIRE(engine->registerRank(c.dst_proto, r, handles, doubled).ok());
+  }
+  REQUIRE(c.sync(1).ok());                  // into set 1, now in use
+  auto pinned = engine->acquire("dst", 0);  // rank 0 read (and held) in set 1; rank 1 never read
+  REQUIRE(pinned.ok());
+  CHECK(pinned->active_set() == 1);
+  const int port = c.ports[1];
+  c.daemons[1]->kill();
+  c.daemons[1] = std::make_unique<Daemon>(
+      "n1", port,
+      std::vector<std::string>{"127.0.0.1:" + std::to_string(c.ports[0]), "127.0.0.1:" + std::to_string(port)});
+  REQUIRE(c.n1().ready());
+  std::map<int32_t, v1::RankStatus> back;
+  for (int i = 0; i < 100 && back.size() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    back.clear();
+    for (const auto& [r, st] : c.states(c.n1(), "dst")) back[r] = st;
+  }
+  REQUIRE(back.size() == 2);
+  CHECK(engine->reconnects() == 1);
+  CHECK(back[0].held());
+  CHECK(back[0].active_set() == 1);  // not set 0, which holds nothing
+  CHECK_FALSE(back[1].held());
+  CHECK(back[1].active_set() == 0);          // never seen in use: the client knows no other
+  CHECK(back[0].state() == v1::RANK_EMPTY);  // a new daemon knows no version of a destination
+  // Held in set 1: v2 goes into set 0 and flips to it; set 1, which its engine is reading, keeps v1.
+  auto holds = [&](std::vector<RankMemory>& set, int32_t r, uint64_t version) {
+    int64_t bad = 0;
+    forEachElement(c.dst, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      bad += *set[r].at<int32_t>(p, off) != valueOf(flat, version);
+    });
+    return bad == 0;
+  };
+  c.step(2);
+  const grpc::Status st = c.sync(2);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  CHECK(holds(shadow, 0, 1));
+  CHECK(holds(c.dmem, 0, 2));
+  CHECK(c.states(c.n1(), "dst").at(0).active_set() == 0);
+  REQUIRE(engine->release("dst", 0).ok());  // still held: no "not acquired"
+}
+
+TEST_CASE(
+    "registering memory that is not the rank's own is refused: a destination overlaps nothing, a source no "
+    "destination",
+    "[daemon][contract]") {
+  Pair c;
+  c.registerAll(1);
+  auto stub = c.n1().client();
+  v1::RegisterResponse resp;
+  // Destination rank 1 on rank 0's memory (its registration with rank 0's segment).
+  auto req = registerRequest(c.dst_proto, 1, 2, c.dmem[0]);
+  req.set_replace(true);
+  grpc::Status st = stub->Register(ctx().get(), req, &resp);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("group \"dst\" rank 1: buffer") &&
+                                     Catch::Contains("of group \"dst\" rank 0 (destination) on node \"n1\"") &&
+                                     Catch::Contains("is the same memory as"));
+  // Its own memory again with replace: taken back, not compared with the registration it replaces.
+  req = registerRequest(c.dst_proto, 0, 2, c.dmem[0]);
+  req.set_replace(true);
+  st = stub->Register(ctx().get(), req, &resp);
+  INFO(st.error_message());
+  CHECK(st.ok());
+  // A second source group over the sources' memory may register (sources share); over a
+  // destination's may not.
+  auto src0 = c.n0().client();
+  v1::Layout again = c.src_proto;
+  again.set_group("src-too");
+  auto too = registerRequest(again, 0, 2, c.smem[0]);
+  too.set_role(v1::ROLE_SOURCE);
+  too.set_version(1);
+  st = src0->Register(ctx().get(), too, &resp);
+  INFO(st.error_message());
+  CHECK(st.ok());
+  v1::Layout over = c.src_proto;
+  over.set_group("src-over");
+  for (auto& node : *over.mutable_nodes()) node = "n1";
+  auto onto = registerRequest(over, 0, 2, c.dmem[1]);
+  onto.set_role(v1::ROLE_SOURCE);
+  onto.set_version(1);
+  st = stub->Register(ctx().get(), onto, &resp);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("(destination)") && Catch::Contains("write over this source"));
+  // held with a version, and a second set in use without one, are refused.
+  req = registerRequest(c.dst_proto, 0, 2, c.dmem[0]);
+  req.set_replace(true);
+  req.set_active_set(1);
+  st = stub->Register(ctx().get(), req, &resp);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("active set 1"));
+  too.set_held(true);
+  st = src0->Register(ctx().get(), too, &resp);
+  CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(st.error_message(), Catch::Contains("registered held has no published version"));
+}
+
 TEST_CASE("sync attempts are told apart: a duplicate id, a late Prepare, another layout, ranks in use",
           "[daemon][contract]") {
   Pair c;

@@ -123,6 +123,14 @@ def _dtype_name(t: Any) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
+def _check_version(what: str, version: Any, *, none: bool = False) -> int:
+    """`version` as an int in [1, 2^63) (0 too where `none`: no version), or a ValueError naming
+    the call."""
+    if isinstance(version, bool) or not isinstance(version, int) or not (0 if none else 1) <= version < 1 << 63:
+        raise ValueError(f"{what}: version must be an integer in [{0 if none else 1}, 2^63), not {version!r}")
+    return version
+
+
 class _Handles:
     """One set of a rank's tensors as memory handles: torch tensors shared in place (CPU), by CUDA
     IPC (cudaMalloc memory) or by their cuMem allocations' descriptors (expandable segments, and
@@ -260,11 +268,15 @@ class _Session:
     def _register_again(self, session_id: str) -> None:
         with self._lock:
             again = []
-            for (group, rank), (req, published, held, handed) in self.ranks.items():
+            for (group, rank), (req, published, held, handed, active) in self.ranks.items():
                 r = service_pb2.RegisterRequest()
                 r.CopyFrom(req)
                 r.session_id = session_id
                 r.version = published if r.role == service_pb2.ROLE_SOURCE and not held else 0
+                # Held as it was (an engine reading it, a trainer writing it: no sync may touch it),
+                # and double-buffered with the set last seen in use, not the other (older) one.
+                r.held = held
+                r.active_set = active if len(r.shadow_buffers) else 0
                 again.append((r, handed))
         for r, handed in again:
             try:
@@ -497,6 +509,10 @@ class Client:
         self._check_open(what)
         if role not in _ROLES:
             raise ValueError(f'{what}: role must be "source" or "destination", not {role!r}')
+        _check_version(what, version, none=True)
+        if shadow is not None and len(shadow) == 0 and len(tensors) > 0:
+            raise ValueError(f"{what}: shadow is empty: a double-buffered rank gives a second tensor for every "
+                             "tensor (or leave shadow out for a single-buffered rank)")
         msg = load_layout(layout, group)
         req = service_pb2.RegisterRequest(group=group, rank=rank, world_size=world_size, role=_ROLES[role],
                                           version=version, replace=replace, readers=list(readers))
@@ -528,7 +544,7 @@ class Client:
         if session and self._session is not None:
             with self._session._lock:
                 req.replace = False  # re-made after a restart: a rank the new daemon does not hold
-                self._session.ranks[(group, rank)] = [req, version, False, [h.handed for h in sets]]
+                self._session.ranks[(group, rank)] = [req, version, False, [h.handed for h in sets], 0]
                 self._session.failures.pop((group, rank), None)
         reg = Registration(self, group, rank, world_size, resp, sets[0].views, sets[0].shared, sets[0].in_place, role=role)
         reg._handed = sets[0].handed
@@ -641,7 +657,7 @@ class Client:
             st = self._stub.Acquire(req, timeout=timeout + self.timeout).status
         except grpc.RpcError as e:
             raise self._fail(e, what) from None
-        self._remember(group, rank, held=True)
+        self._remember(group, rank, held=True, active=st.active_set)
         return st
 
     def publish(self, group: str, rank: int, version: int) -> service_pb2.RankStatus:
@@ -655,6 +671,7 @@ class Client:
     def _release(self, group: str, rank: int, version: int) -> service_pb2.RankStatus:
         what = f'publish group "{group}" rank {rank} version {version}' if version else \
             f'release group "{group}" rank {rank}'
+        _check_version(what, version, none=True)
         self._check_open(what)
         self._check_session(group)
         req = service_pb2.ReleaseRequest(group=group, rank=rank, version=version,
@@ -666,15 +683,21 @@ class Client:
         self._remember(group, rank, held=False, published=version or None)
         return st
 
-    def _remember(self, group: str, rank: int, *, held: bool, published: Optional[int] = None) -> None:
+    def _remember(self, group: str, rank: int, *, held: Optional[bool] = None, published: Optional[int] = None,
+                  active: Optional[int] = None) -> None:
+        """What the rank's re-registration after a daemon restart restores: held, the version a
+        source published, the set a double-buffered destination was seen using."""
         if self._session is None:
             return
         with self._session._lock:
             entry = self._session.ranks.get((group, rank))
             if entry is not None:
-                entry[2] = held
+                if held is not None:
+                    entry[2] = held
                 if published:
                     entry[1] = published
+                if active is not None:
+                    entry[4] = int(active)
 
     # ---- syncs ----
 
@@ -710,6 +733,7 @@ class Client:
         replica of its set holds) from a replica that holds it, or from `src` when none can be
         read; see catch_up()."""
         what = f'sync "{src}" -> "{dst}" version {version}'
+        _check_version(what, version, none=catch_up)
         self._check_open(what)
         self._check_session(src, dst)
         modes = {"off": service_pb2.DELTA_OFF, "auto": service_pb2.DELTA_AUTO, "always": service_pb2.DELTA_ALWAYS,
@@ -769,6 +793,7 @@ class Client:
         a version and failed) raises ShardcastError (FAILED_PRECONDITION) at once, naming the rank
         and the sync."""
         what = f'wait for group "{group}" version {version}'
+        _check_version(what, version)
         self._check_open(what)
         self._check_session(group)
         remaining = timeout

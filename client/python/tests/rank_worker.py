@@ -53,7 +53,7 @@ def main(role: str, rank: int, target: str, use_torch: bool, conn) -> None:
         if use_torch:
             import torch
 
-            tensors = {n: torch.from_numpy(a.copy()) for n, a in arrays.items()}
+            tensors = {n: torch.tensor(a) for n, a in arrays.items()}  # tensors owning their memory
         else:
             tensors = arrays
         # A source: nothing published until the first "write" (acquire, write, publish).

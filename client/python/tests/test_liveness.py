@@ -123,6 +123,50 @@ def test_clients_re_register_by_themselves_after_their_daemon_restarts(tmp_path)
         assert [(r.group, r.rank) for r in src.list(all_nodes=True).ranks] == []
 
 
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_a_rank_held_across_a_daemon_restart_stays_held_and_a_double_buffered_one_keeps_its_set():
+    """Re-registered after its daemon restarted, a rank the engine was reading is held again (no
+    sync writes it under the engine), and a double-buffered rank uses the set it was seen using
+    (the newer weights), not the other one."""
+    from shardcast.local import LocalCluster
+
+    def layout(group, node):
+        return {"group": group, "mesh": {"shape": [1]}, "nodes": [node],
+                "tensors": [{"name": "w", "shape": [64], "dtype": "float32", "placements": [{"replicate": {}}]}]}
+
+    with LocalCluster(["n0", "n1"]) as c:
+        src, dst = shardcast.Client(c.target("n0")), shardcast.Client(c.target("n1"))
+        weights = torch.full((64,), 1.0)
+        trainer = src.register("trainer", 0, 1, {"w": weights}, layout("trainer", "n0"), role="source", version=1)
+        single = dst.register("single", 0, 1, {"w": torch.zeros(64)}, layout("single", "n1"))
+        double = dst.register("double", 0, 1, {"w": torch.zeros(64)}, layout("double", "n1"),
+                              shadow={"w": torch.zeros(64)})
+        for group in ("single", "double"):
+            src.sync("trainer", group, 1)
+        with double.reading() as seen:  # version 1 landed in the second set, now in use
+            assert float(seen["w"][0]) == 1.0
+        with single.reading() as tensors:
+            d = c.daemons["n1"]
+            os.kill(d.proc.pid, signal.SIGKILL)
+            d.proc.wait()
+            c.restart("n1")
+            assert _wait(_reachable(lambda: len(dst.ranks("single")) == 1 and len(dst.ranks("double")) == 1), 15)
+            assert dst.reconnects == 1
+            assert shardcast.describe_rank(single.state()) == "empty held"
+            with trainer.writing(2):
+                weights.fill_(2.0)
+            with pytest.raises(shardcast.ShardcastError, match="does not accept updates"):
+                src.sync("trainer", "single", 2)
+            assert float(tensors["w"][0]) == 1.0  # what the engine reads did not change under it
+        assert shardcast.describe_rank(single.state()) == "empty"  # released: no "not acquired" error
+        assert float(double.current()["w"][0]) == 1.0  # the set in use before the restart, not the zeros
+        src.sync("trainer", "double", 2)  # into the other set, then flipped to it
+        with double.reading() as now:
+            assert float(now["w"][0]) == 2.0
+        src.sync("trainer", "single", 2)
+        assert float(single.tensors["w"][0]) == 2.0
+
+
 def test_a_failed_re_registration_raises_where_the_application_sees_it():
     from shardcast.local import LocalCluster
 
@@ -197,7 +241,7 @@ def test_tensors_stay_usable_after_close_and_the_client_going(cluster):
         tensors = dict(arrays)
         try:
             import torch
-            tensors["w"] = torch.from_numpy(arrays["w"].copy())
+            tensors["w"] = torch.tensor(arrays["w"])  # a tensor that owns its memory: registered in place
         except ImportError:
             pass
         with shardcast.Client(sys.argv[1]) as client:
