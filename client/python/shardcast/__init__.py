@@ -27,7 +27,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 from shardcast import fp8  # light: its functions import torch when called
 from shardcast.client import Client, ShardcastError, TlsFiles, default_target, describe_rank, DEFAULT_SOCKET
 from shardcast.layout import load_layout, layout_from_dtensors, dtensor_available
-from shardcast.memory import CuMemBuffer, Registration
+from shardcast.memory import CuMemBuffer, ForeignMemoryWarning, Registration
 from shardcast.parallel import ParallelPlan, fp8_scale_name, inference_layout, local_shapes, local_tensors
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "TlsFiles",
     "Registration",
     "CuMemBuffer",
+    "ForeignMemoryWarning",
     "default_target",
     "describe_rank",
     "DEFAULT_SOCKET",

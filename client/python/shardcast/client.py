@@ -9,13 +9,14 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import grpc
 
 from shardcast.layout import LayoutLike, layout_from_dtensors, load_layout, root_mesh
-from shardcast.memory import (CuMemBuffer, HandedAllocations, Registration, SharedTensors, _cuda_handle, _is_torch,
-                              hand_over, in_place_handle, local_tensor)
+from shardcast.memory import (CuMemBuffer, ForeignMemoryWarning, HandedAllocations, Registration, SharedTensors,
+                              _cuda_handle, _is_torch, hand_over, in_place_handle, local_tensor, not_torchs_own)
 from shardcast.parallel import ParallelPlan, check_local_tensors, gather_nodes, inference_layout
 from shardcast.v1 import service_pb2, service_pb2_grpc
 
@@ -145,6 +146,7 @@ class _Handles:
         self.shared: Optional[SharedTensors] = None
         self.handed = HandedAllocations()
         self.views: Dict[str, Any] = {}
+        self.copied_foreign: List[str] = []  # torch tensors over memory torch did not own (copied in)
 
     def share(self) -> None:
         copied: Dict[str, Any] = {}
@@ -168,6 +170,8 @@ class _Handles:
             if local.is_cuda:
                 h = _cuda_handle(name, local, self.handed, self.hand)
             else:
+                if not_torchs_own(local.untyped_storage()):
+                    self.copied_foreign.append(name)
                 h = in_place_handle(name, local)
                 self.in_place.append((name, t, local.untyped_storage().data_ptr()))
             h.dtype = _dtype_name(local)  # the daemon checks them against the layout
@@ -539,6 +543,14 @@ class Client:
             for handles in sets:
                 handles.release()
             raise
+        foreign = [name for handles in sets for name in handles.copied_foreign]
+        if foreign:
+            warnings.warn(f'{what}: {len(foreign)} torch tensor(s) did not own their memory ({", ".join(foreign[:4])}'
+                          f'{", ..." if len(foreign) > 4 else ""}: torch.from_numpy, torch.frombuffer, DLPack or a '
+                          "checkpoint mapped from its file) and were copied into shared memory: the tensors follow, "
+                          "but whatever else holds the old memory (a numpy array written to) is no longer what syncs "
+                          "read or write. Harmless for a mapped checkpoint; otherwise use the tensors, or register "
+                          "tensors that own their memory (t.clone())", ForeignMemoryWarning, stacklevel=2)
         with self._registrations_lock:
             self._registrations[(group, rank)] = resp.registration
         if session and self._session is not None:

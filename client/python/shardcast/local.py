@@ -252,7 +252,12 @@ class LocalCluster:
         self._tmp = tempfile.TemporaryDirectory(prefix="shardcast-local-")
         if "--insecure" not in self.extra:
             self.daemon_tls, self.client_tls = mint_certificates(os.path.join(self._tmp.name, "certs"), self.binary)
-        self.ports = {node: 7070 if self.netns else free_port() for node in self.nodes}
+        self.ports = {}
+        for node in self.nodes:  # a port each: two draws of free_port() may give the same one
+            port = 7070 if self.netns else free_port()
+            while not self.netns and port in self.ports.values():
+                port = free_port()
+            self.ports[node] = port
         try:
             for node in self.nodes:
                 self.restart(node)

@@ -249,25 +249,30 @@ def _share_in_place(name: str, storage: Any, pauses: Sequence[float] = SHM_MANAG
     raise ValueError(f'tensor "{name}": its storage cannot be moved into shared memory in place: {why}')
 
 
-def _refuse_held_elsewhere(name: str, storage: Any) -> None:
+def _refuse_shared_by_descriptor(name: str, storage: Any) -> None:
     """torch moves a storage into shared memory by copying it into a new segment and pointing the
-    storage there: right for memory only torch holds, wrong for memory something else holds too
-    (it would keep the old bytes while syncs land in the new ones). A ValueError for those."""
-    if storage.is_shared():
-        try:
-            storage._get_shared_fd()
-        except (RuntimeError, AttributeError):
-            return  # a named segment already (the "file_system" strategy): registered as it is
-        raise ValueError(f'tensor "{name}": its memory is shared with other processes by file descriptor '
-                         '(share_memory_() or torch.multiprocessing under the default "file_descriptor" strategy); '
-                         "registering it would copy it into a named segment and leave those processes with the old "
-                         'memory. Call torch.multiprocessing.set_sharing_strategy("file_system") before it is shared')
-    if not storage.resizable():
-        raise ValueError(f'tensor "{name}": its memory is not torch\'s own (torch.from_numpy, torch.frombuffer, '
-                         "DLPack, a memory-mapped file); registering it would copy it into shared memory, and the "
-                         "original (the numpy array, the other library's buffer) would no longer be the registered "
-                         "memory. Register a tensor that owns its memory (t.clone()), or the numpy array itself "
-                         "(Registration.tensors then holds its shared copy, to use instead)")
+    storage there. A storage already shared with other processes by file descriptor would leave
+    them with the old memory while syncs land in the new: a ValueError."""
+    if not storage.is_shared():
+        return
+    try:
+        storage._get_shared_fd()
+    except (RuntimeError, AttributeError):
+        return  # a named segment already (the "file_system" strategy): registered as it is
+    raise ValueError(f'tensor "{name}": its memory is shared with other processes by file descriptor '
+                     '(share_memory_() or torch.multiprocessing under the default "file_descriptor" strategy); '
+                     "registering it would copy it into a named segment and leave those processes with the old "
+                     'memory. Call torch.multiprocessing.set_sharing_strategy("file_system") before it is shared')
+
+
+class ForeignMemoryWarning(UserWarning):
+    """Client.register copied torch tensors over memory torch did not own into shared memory."""
+
+
+def not_torchs_own(storage: Any) -> bool:
+    """Memory torch does not own (torch.from_numpy, torch.frombuffer, DLPack, a checkpoint mapped
+    from its file): moving it into shared memory copies it, and only the tensor follows."""
+    return not storage.resizable() and not storage.is_shared()
 
 
 def in_place_handle(name: str, t: Any) -> service_pb2.MemoryHandle:
@@ -278,7 +283,7 @@ def in_place_handle(name: str, t: Any) -> service_pb2.MemoryHandle:
     if not t.is_contiguous():
         raise ValueError(f'tensor "{name}": strides {tuple(t.stride())} for shape {tuple(t.shape)} are not '
                          "row-major; register a contiguous tensor")
-    _refuse_held_elsewhere(name, t.untyped_storage())
+    _refuse_shared_by_descriptor(name, t.untyped_storage())
     _manager, segment, nbytes = _share_in_place(name, t.untyped_storage())
     segment = segment.decode() if isinstance(segment, bytes) else str(segment)
     fd = _posixshmem.shm_open(segment, os.O_RDONLY, mode=0)
