@@ -204,9 +204,10 @@ StatusOr<ShmSegment> ShmSegment::open(const std::string& name, size_t size, std:
   if (fd < 0 && (errno == EMFILE || errno == ENFILE))
     return absl::ResourceExhaustedError(
         strCat("shm_open(\"", name, "\"): ", std::strerror(errno),
-               ": the daemon keeps a descriptor open for every shared-memory segment registered with it (each host "
-               "torch tensor registered in place is one): raise its open-file limit (ulimit -n, systemd's LimitNOFILE; "
-               "it takes the hard limit at start) or register fewer, larger host tensors"));
+               ": a descriptor stays open for every shared-memory segment mapped (in shardcastd, every segment "
+               "registered with it: each host torch tensor registered in place is one): raise the open-file limit "
+               "(ulimit -n, systemd's LimitNOFILE; shardcastd takes the hard limit at start) or register fewer, "
+               "larger host tensors"));
   if (fd < 0) return errnoStatus(strCat("shm_open(\"", name, "\")"), errno);
   struct stat st {};
   if (::fstat(fd, &st) != 0) {

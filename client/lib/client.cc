@@ -470,16 +470,20 @@ StatusOr<v1::RankStatus> Client::releaseRank(const std::string& group, int32_t r
   req.set_version(version);
   v1::ReleaseResponse out;
   const auto st = stub_->Release(context(call_timeout_).get(), req, &out);
-  if (!st.ok())
-    return fromGrpc(st, version ? strCat("publish group \"", group, "\" rank ", rank, " version ", version)
-                                : strCat("release group \"", group, "\" rank ", rank));
-  if (session_) {
+  // Answered, or the daemon that held the rank is gone (or a new one does not have it yet): the
+  // re-registration after a restart takes the release as done, not held for good.
+  const bool done =
+      st.ok() || st.error_code() == grpc::StatusCode::UNAVAILABLE || st.error_code() == grpc::StatusCode::NOT_FOUND;
+  if (done && session_) {
     std::lock_guard<std::mutex> lock(session_->mu);
     if (auto it = session_->ranks.find({group, rank}); it != session_->ranks.end()) {
       it->second.held = false;
       if (version) it->second.published = version;
     }
   }
+  if (!st.ok())
+    return fromGrpc(st, version ? strCat("publish group \"", group, "\" rank ", rank, " version ", version)
+                                : strCat("release group \"", group, "\" rank ", rank));
   return out.status();
 }
 

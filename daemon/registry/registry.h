@@ -219,6 +219,7 @@ class Registry {
     // cuMem allocations handed over by descriptor (not compared).
     std::string memory;
     uint64_t memory_offset = 0;
+    uint64_t memory_bytes = 0;  // what the layout gives it (a handle may declare more)
   };
   struct Rank {
     std::string group;

@@ -117,6 +117,7 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
       b.offset = h->shm().offset();
       b.memory = strCat("shm ", b.segment->fileId());
       b.memory_offset = b.offset;
+      b.memory_bytes = static_cast<uint64_t>(needed[name]);
     } else if (h->has_cuda() || h->has_cuda_allocations()) {
       SC_RETURN_IF_ERROR(mapDeviceBuffer(who, name, *h, needed[name], caller, &b));
     } else {
@@ -196,6 +197,7 @@ Status Registry::mapDeviceBuffer(const std::string& who, const std::string& name
   if (!handed) {  // an IPC handle names its allocation (torch's cudaMalloc block); the offset is in it
     b->memory = strCat("cuda ", device, " ", h.cuda().handle());
     b->memory_offset = offset;
+    b->memory_bytes = static_cast<uint64_t>(needed);
   }
   b->size = size;
   b->device = bytes;
@@ -247,8 +249,8 @@ Status Registry::ownsItsMemory(const Rank& r) const {
   std::map<std::string, std::vector<Span>> mine;  // by memory, sorted by begin
   for (const auto* set : {&r.buffers, &r.shadow})
     for (const auto& b : *set)
-      if (!b.memory.empty() && b.size > 0)
-        mine[b.memory].push_back({b.memory_offset, b.memory_offset + b.size, &b.name, b.segment.get(),
+      if (!b.memory.empty() && b.memory_bytes > 0)
+        mine[b.memory].push_back({b.memory_offset, b.memory_offset + b.memory_bytes, &b.name, b.segment.get(),
                                   set == &r.shadow ? " (shadow set)" : ""});
   const std::string tail =
       destination ? ": a destination rank's memory must be its own, or a sync writes one buffer's bytes over another's "
@@ -262,7 +264,10 @@ Status Registry::ownsItsMemory(const Rank& r) const {
     for (const auto& s : spans) {
       if (furthest != nullptr && s.begin < furthest->end)
         return absl::InvalidArgumentError(
-            strCat(who, ": ", spanText(s), " is the same memory as its ", spanText(*furthest), tail));
+            strCat(who, ": ", spanText(s), " is the same memory as its ", spanText(*furthest), tail,
+                   s.begin == furthest->begin && s.end == furthest->end && *s.set == *furthest->set
+                       ? "; a tied weight registers under one of its names (the layout may leave the other out)"
+                       : ""));
       if (furthest == nullptr || s.end > furthest->end) furthest = &s;
     }
   }
@@ -277,10 +282,10 @@ Status Registry::ownsItsMemory(const Rank& r) const {
     if (!destination && other->role == v1::ROLE_SOURCE) continue;
     for (const auto* set : {&other->buffers, &other->shadow})
       for (const auto& b : *set) {
-        if (b.memory.empty() || b.size == 0) continue;
+        if (b.memory.empty() || b.memory_bytes == 0) continue;
         const auto it = mine.find(b.memory);
         if (it == mine.end()) continue;
-        const uint64_t begin = b.memory_offset, end = b.memory_offset + b.size;
+        const uint64_t begin = b.memory_offset, end = b.memory_offset + b.memory_bytes;
         // The spans starting before `end`: one of them overlaps when the furthest end among them
         // lies after `begin` (a source's spans may nest), found again only then.
         const auto& spans = it->second;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import sys
 import threading
@@ -126,10 +127,14 @@ def _dtype_name(t: Any) -> str:
 
 def _check_version(what: str, version: Any, *, none: bool = False) -> int:
     """`version` as an int in [1, 2^63) (0 too where `none`: no version), or a ValueError naming
-    the call."""
-    if isinstance(version, bool) or not isinstance(version, int) or not (0 if none else 1) <= version < 1 << 63:
+    the call. Any integer type will do (a numpy step counter), not a bool or a float."""
+    try:
+        v = None if isinstance(version, bool) else operator.index(version)
+    except TypeError:
+        v = None
+    if v is None or not (0 if none else 1) <= v < 1 << 63:
         raise ValueError(f"{what}: version must be an integer in [{0 if none else 1}, 2^63), not {version!r}")
-    return version
+    return v
 
 
 class _Handles:
@@ -170,9 +175,12 @@ class _Handles:
             if local.is_cuda:
                 h = _cuda_handle(name, local, self.handed, self.hand)
             else:
-                if not_torchs_own(local.untyped_storage()):
-                    self.copied_foreign.append(name)
+                storage = local.untyped_storage()
+                foreign, shared, before = not_torchs_own(storage), storage.is_shared(), storage.data_ptr()
                 h = in_place_handle(name, local)
+                # A shared mapping that is not torch's own segment (UntypedStorage.from_file) moved too.
+                if foreign or (shared and local.untyped_storage().data_ptr() != before):
+                    self.copied_foreign.append(name)
                 self.in_place.append((name, t, local.untyped_storage().data_ptr()))
             h.dtype = _dtype_name(local)  # the daemon checks them against the layout
             h.shape.extend(int(d) for d in local.shape)
@@ -211,7 +219,8 @@ class _Session:
         # The session is back after a daemon restart and its ranks are being registered again:
         # calls about ranks wait for it (Client._check_session), so they see the outcome.
         self.reregistering = False
-        # (group, rank) -> [request, published version, held, the sets' handed allocations]
+        # (group, rank) -> [request, published version, held, the sets' handed allocations, the set
+        # last seen in use]
         self.ranks: Dict[Tuple[str, int], List[Any]] = {}
         # (group, rank) -> why re-registering it after a daemon restart failed: the client's next
         # call about its ranks raises it (Client._check_session) until it is registered again.
@@ -691,6 +700,10 @@ class Client:
         try:
             st = self._stub.Release(req, timeout=self.timeout).status
         except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
+                # The daemon that held the rank is gone (or a new one does not have it yet): the
+                # re-registration takes the release as done, not held for good.
+                self._remember(group, rank, held=False, published=version or None)
             raise self._fail(e, what) from None
         self._remember(group, rank, held=False, published=version or None)
         return st
@@ -805,7 +818,7 @@ class Client:
         a version and failed) raises ShardcastError (FAILED_PRECONDITION) at once, naming the rank
         and the sync."""
         what = f'wait for group "{group}" version {version}'
-        _check_version(what, version)
+        _check_version(what, version, none=True)
         self._check_open(what)
         self._check_session(group)
         remaining = timeout

@@ -259,10 +259,12 @@ def _refuse_shared_by_descriptor(name: str, storage: Any) -> None:
         storage._get_shared_fd()
     except (RuntimeError, AttributeError):
         return  # a named segment already (the "file_system" strategy): registered as it is
-    raise ValueError(f'tensor "{name}": its memory is shared with other processes by file descriptor '
-                     '(share_memory_() or torch.multiprocessing under the default "file_descriptor" strategy); '
-                     "registering it would copy it into a named segment and leave those processes with the old "
-                     'memory. Call torch.multiprocessing.set_sharing_strategy("file_system") before it is shared')
+    raise ValueError(f'tensor "{name}": its memory is shared by file descriptor (share_memory_() or '
+                     'torch.multiprocessing under the default "file_descriptor" strategy, or a file mapped shared: '
+                     "UntypedStorage.from_file); registering it would copy it into a named segment and leave the "
+                     "other processes (or the file) with the old memory. Call "
+                     'torch.multiprocessing.set_sharing_strategy("file_system") before it is shared, or register a '
+                     "copy (t.clone())")
 
 
 class ForeignMemoryWarning(UserWarning):

@@ -113,6 +113,16 @@ def test_a_tensor_over_numpy_memory_is_copied_in_with_a_warning_and_the_tensor_f
         c1.register("infer2", 0, 1, {"w": torch.zeros(8, 4)}, layout("infer2", ["n1"], WHOLE))
 
 
+def test_a_tensor_over_a_file_mapped_shared_is_refused(cluster, tmp_path):
+    _, n1 = cluster
+    c1 = shardcast.Client(n1.target)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(128))
+    mapped = torch.empty(0).set_(torch.UntypedStorage.from_file(str(path), shared=True, nbytes=128), 0, (8, 4))
+    with pytest.raises(ValueError, match=r'tensor "w": its memory is shared by file descriptor.*from_file'):
+        c1.register("infer", 0, 1, {"w": mapped}, layout("infer", ["n1"], WHOLE))
+
+
 def _child_reads(t: torch.Tensor, ready, done, out) -> None:
     ready.set()
     done.wait(30)
@@ -124,7 +134,7 @@ def test_a_tensor_shared_with_another_process_by_descriptor_is_refused(cluster):
     c1 = shardcast.Client(n1.target)
     t = torch.zeros(8, 4)
     t.share_memory_()  # torch's default strategy: by file descriptor
-    with pytest.raises(ValueError, match='shared with other processes by file descriptor.*"file_system"'):
+    with pytest.raises(ValueError, match='shared by file descriptor.*"file_system"'):
         c1.register("infer", 0, 1, {"w": t}, layout("infer", ["n1"], WHOLE))
     # Shared as a named segment instead: registered in place, and the other process sees the sync.
     ctx = multiprocessing.get_context("fork")
@@ -159,5 +169,7 @@ def test_an_empty_shadow_and_a_version_out_of_range_are_refused_naming_the_call(
     with pytest.raises(ValueError, match=r"version must be an integer in \[0, 2\^63\), not 1.5"):
         c0.register("trainer", 0, 1, {"w": WEIGHTS.clone()}, layout("trainer", ["n0"], WHOLE), role="source",
                     version=1.5)
-    with pytest.raises(ValueError, match="wait for group \"infer\" version 0: version must be"):
-        c1.wait_version("infer", 0)
+    with pytest.raises(ValueError, match=r"wait for group \"infer\" version 9223372036854775808: version must be"):
+        c1.wait_version("infer", 1 << 63)
+    with pytest.raises(ValueError, match="not True"):
+        c0.sync("trainer", "infer", True)
