@@ -67,43 +67,22 @@ finished() {
 }
 if [ "$tier" = full ]; then
   # The vLLM tests are the longest chain and need only shardcastd: it is built first, and they run
-  # (in the vLLM venv) while everything else builds and runs beside them at a lower priority. One
-  # job (rest_job) builds the rest at once, not after the venvs (on a fresh machine they are still
-  # downloading then: about 100 s, a core's worth of CPU at most): first the programs the Python
-  # tests run, which start then, then everything else and the GPU bundle, then ctest. So the
-  # compiler fills the time the tests spend waiting on daemons. Each job in its own process group
-  # (stopped when this script stops early); its output follows when it is waited for.
+  # (in the vLLM venv) while everything else builds and runs beside them at a lower priority. The
+  # rest of the build starts at once, not after the venvs: on a fresh machine they are still
+  # downloading then (about 200 s, a core's worth of CPU at most). Each job in its own process
+  # group (stopped when this script stops early); its output follows when it is waited for.
   phase "build (shardcastd)" bash "$root/scripts/build.sh" shardcastd
-  rest_log="$build/build-rest.log" ctest_log="$build/ctest.log" programs_built="$build/.python-test-programs"
-  rm -f "$programs_built"
-  rest_job() {  # exit 90: the build failed, 91: the GPU bundle did, else ctest's status
-    local start=$SECONDS
-    bash "$root/scripts/build.sh" shardcast foreign_caller || exit 90
-    touch "$programs_built"
-    bash "$root/scripts/build.sh" || exit 90
-    echo "== build (the rest): $((SECONDS - start)) s" >&2
-    start=$SECONDS
-    bash "$root/scripts/device-bundle.sh" || exit 91  # what scripts/device-check.sh runs where a GPU is
-    echo "== device bundle: $((SECONDS - start)) s" >&2
-    cd "$build" && exec ctest --output-on-failure -j "$(nproc 2>/dev/null || echo 2)" >"$ctest_log" 2>&1
-  }
-  export root build programs_built ctest_log
-  nice -n 5 setsid bash -c "set -euo pipefail; $(declare -f rest_job); rest_job" >"$rest_log" 2>&1 &
-  rest=$!
-  background+=("$rest")
+  build_log="$build/build-rest.log"
+  nice -n 5 setsid bash "$root/scripts/build.sh" >"$build_log" 2>&1 &
+  build_rest=$!
+  background+=("$build_rest")
   phase "deps (venvs, the rest)" venvs_ready
   vllm_log="$build/pytest-vllm.log"
   SHARDCAST_BUILD="$build" setsid bash "$root/scripts/test-vllm.sh" -p no:cacheprovider --durations=12 \
     >"$vllm_log" 2>&1 &
   vllm_tests=$!
   background+=("$vllm_tests")
-  programs_ready() {  # the rest job built what the Python tests run (shardcast, foreign_caller)
-    while [ ! -e "$programs_built" ]; do
-      kill -0 "$rest" 2>/dev/null || { finished "$rest" "$rest_log" "the build failed (scripts/build.sh)"; return 1; }
-      sleep 1
-    done
-  }
-  phase "build (the tests' programs)" programs_ready
+  phase "build (the rest)" finished "$build_rest" "$build_log" "the build failed (scripts/build.sh)"
 else
   if [ "$tier" = sanitize ]; then
     phase "build (ASan/UBSan)" bash "$root/scripts/build.sh" --sanitize
@@ -118,6 +97,8 @@ else
   fi
   phase "deps (venvs, the rest)" venvs_ready
 fi
+# The GPU bundle scripts/device-check.sh runs where a GPU is: built and size-checked every time.
+[ "$tier" = full ] && phase "device bundle" nice -n 5 bash "$root/scripts/device-bundle.sh"
 
 py="$root/.venv/bin/python"
 # The client package as installed by pip, from this checkout (the venv may hold an older one).
@@ -138,28 +119,31 @@ deploy_tests=$!
 background+=("$deploy_tests")
 labels=()
 [ "$tier" = quick ] && labels=(-LE slow)
+ctest_job=""
+if [ "$tier" = full ]; then
+  # ctest runs beside the client's tests (both spend most of their time waiting on daemons, so
+  # together they fill what the vLLM tests leave of the two cores); its output comes last all the
+  # same, and its status is the script's.
+  ctest_log="$build/ctest.log"
+  nice -n 5 setsid bash -c 'cd "$1" && exec ctest --output-on-failure -j "$2"' _ "$build" "$(nproc 2>/dev/null || echo 2)" \
+    >"$ctest_log" 2>&1 &
+  ctest_job=$!
+  background+=("$ctest_job")
+fi
 phase "pytest client" "${niced[@]}" "$py" -m pytest -q -rs -p no:cacheprovider --durations=12 "${markers[@]}" \
   "$root/client/python/tests"
 phase "pytest deploy (the rest)" finished "$deploy_tests" "$deploy_log"
 [ "$tier" = full ] && phase "pytest vllm (the rest)" finished "$vllm_tests" "$vllm_log"
 [ "$tier" = sanitize ] && phase "fuzz (the rest)" finished "$fuzz" "$fuzz_log" "the fuzzers failed (build-fuzz/crashes/)"
-if [ "$tier" = full ]; then
-  # The rest job: the build's output, then its phases' times among the others, then ctest's output.
-  started=$SECONDS rest_rc=0
-  wait "$rest" || rest_rc=$?
-  grep -v '^== ' "$rest_log" || true
-  while read -r secs name; do times+=("$(printf '%-28s %4d s' "$name" "$secs")"); done \
-    < <(sed -n 's/^== \(.*\): \([0-9]*\) s$/\2 \1/p' "$rest_log")
+if [ -n "$ctest_job" ]; then
+  started=$SECONDS ctest_rc=0
+  wait "$ctest_job" || ctest_rc=$?
   times+=("$(printf '%-28s %4d s' "ctest (the rest)" $((SECONDS - started)))")
   trap - EXIT
-  case $rest_rc in
-    90) echo "test.sh: the build failed (scripts/build.sh)" >&2; exit 1 ;;
-    91) echo "test.sh: the GPU bundle failed (scripts/device-bundle.sh)" >&2; exit 1 ;;
-  esac
   echo "test.sh ($tier): time per phase" >&2
   printf '  %s\n' "${times[@]}" >&2
   cat "$ctest_log"
-  exit $rest_rc
+  exit $ctest_rc
 fi
 trap - EXIT
 echo "test.sh ($tier): time per phase" >&2
