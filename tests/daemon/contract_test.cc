@@ -88,6 +88,21 @@ struct Pair {
       REQUIRE(st.ok());
     }
   }
+  // The destination ranks registered again (replacing registerAll's) through `client`,
+  // double-buffered: `dmem` the first set, `shadow` the second. Returns each rank's answer.
+  std::vector<StatusOr<v1::RegisterResponse>> registerDoubled(Client& client, const std::vector<RankMemory>& shadow) {
+    std::vector<StatusOr<v1::RegisterResponse>> out;
+    for (int32_t r = 0; r < 2; ++r) {
+      const auto live = registerRequest(dst_proto, r, 2, dmem[r]);
+      const auto other = registerRequest(dst_proto, r, 2, shadow[r]);
+      RegisterOptions doubled = RegisterOptions::doubleBuffered(
+          std::vector<v1::MemoryHandle>(other.buffers().begin(), other.buffers().end()));
+      doubled.replace = true;
+      out.push_back(client.registerRank(
+          dst_proto, r, std::vector<v1::MemoryHandle>(live.buffers().begin(), live.buffers().end()), doubled));
+    }
+    return out;
+  }
   // Acquire every source rank, write `version`, publish it.
   void step(uint64_t version) {
     auto c = Client::connect("unix:" + n0().socketPath());
@@ -580,18 +595,9 @@ TEST_CASE("double-buffered destinations: syncs write the set not in use, flip at
   // dst rank 0 again, with a second set of its buffers (the engine's other copy of the weights).
   std::vector<RankMemory> shadow;
   for (int32_t r = 0; r < 2; ++r) shadow.push_back(allocateRank(c.dst, r, "contract-shadow" + std::to_string(r)));
-  auto shadow_handles = [&](int32_t r) {
-    const auto request = registerRequest(c.dst_proto, r, 2, shadow[r]);
-    return std::vector<v1::MemoryHandle>(request.buffers().begin(), request.buffers().end());
-  };
   auto engine = Client::connect("unix:" + c.n1().socketPath());
   REQUIRE(engine.ok());
-  for (int32_t r = 0; r < 2; ++r) {
-    const auto live_request = registerRequest(c.dst_proto, r, 2, c.dmem[r]);
-    std::vector<v1::MemoryHandle> live(live_request.buffers().begin(), live_request.buffers().end());
-    RegisterOptions doubled = RegisterOptions::doubleBuffered(shadow_handles(r));
-    doubled.replace = true;  // registered single-buffered before
-    auto reg = engine->registerRank(c.dst_proto, r, live, doubled);
+  for (const auto& reg : c.registerDoubled(*engine, shadow)) {
     INFO(reg.status().message());
     REQUIRE(reg.ok());
     CHECK(reg->registered_bytes() == 2 * 64 * 16 * 4);  // twice the memory
@@ -672,15 +678,7 @@ TEST_CASE("a restarted daemon gets a held rank back held, a double-buffered one 
   auto engine = Client::connect("unix:" + c.n1().socketPath());
   REQUIRE(engine.ok());
   REQUIRE(engine->startSession().ok());
-  for (int32_t r = 0; r < 2; ++r) {
-    const auto live = registerRequest(c.dst_proto, r, 2, c.dmem[r]);
-    const auto other = registerRequest(c.dst_proto, r, 2, shadow[r]);
-    RegisterOptions doubled =
-        RegisterOptions::doubleBuffered(std::vector<v1::MemoryHandle>(other.buffers().begin(), other.buffers().end()));
-    doubled.replace = true;  // registered single-buffered by registerAll
-    const std::vector<v1::MemoryHandle> handles(live.buffers().begin(), live.buffers().end());
-    REQUIRE(engine->registerRank(c.dst_proto, r, handles, doubled).ok());
-  }
+  for (const auto& reg : c.registerDoubled(*engine, shadow)) REQUIRE(reg.ok());
   REQUIRE(c.sync(1).ok());                  // into set 1, now in use
   auto pinned = engine->acquire("dst", 0);  // rank 0 read (and held) in set 1; rank 1 never read
   REQUIRE(pinned.ok());
