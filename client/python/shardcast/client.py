@@ -522,7 +522,7 @@ class Client:
         self._check_open(what)
         if role not in _ROLES:
             raise ValueError(f'{what}: role must be "source" or "destination", not {role!r}')
-        _check_version(what, version, none=True)
+        version = _check_version(what, version, none=True)
         if shadow is not None and len(shadow) == 0 and len(tensors) > 0:
             raise ValueError(f"{what}: shadow is empty: a double-buffered rank gives a second tensor for every "
                              "tensor (or leave shadow out for a single-buffered rank)")
@@ -692,7 +692,7 @@ class Client:
     def _release(self, group: str, rank: int, version: int) -> service_pb2.RankStatus:
         what = f'publish group "{group}" rank {rank} version {version}' if version else \
             f'release group "{group}" rank {rank}'
-        _check_version(what, version, none=True)
+        version = _check_version(what, version, none=True)
         self._check_open(what)
         self._check_session(group)
         req = service_pb2.ReleaseRequest(group=group, rank=rank, version=version,
@@ -758,7 +758,7 @@ class Client:
         replica of its set holds) from a replica that holds it, or from `src` when none can be
         read; see catch_up()."""
         what = f'sync "{src}" -> "{dst}" version {version}'
-        _check_version(what, version, none=catch_up)
+        version = _check_version(what, version, none=catch_up)
         self._check_open(what)
         self._check_session(src, dst)
         modes = {"off": service_pb2.DELTA_OFF, "auto": service_pb2.DELTA_AUTO, "always": service_pb2.DELTA_ALWAYS,
@@ -818,7 +818,7 @@ class Client:
         a version and failed) raises ShardcastError (FAILED_PRECONDITION) at once, naming the rank
         and the sync."""
         what = f'wait for group "{group}" version {version}'
-        _check_version(what, version, none=True)
+        version = _check_version(what, version, none=True)
         self._check_open(what)
         self._check_session(group)
         remaining = timeout
