@@ -135,7 +135,7 @@ struct Client::SessionState {
       }
       v1::RegisterRequest req = r.request;
       req.set_session_id(id);
-      req.set_version(req.role() == v1::ROLE_SOURCE && !r.held ? r.published : 0);
+      req.set_version(req.role() == v1::ROLE_SOURCE ? r.published : 0);  // held: the floor it publishes above
       // Held as it was (no sync writes what its engine reads, nor reads what its trainer
       // writes), and double-buffered with the set last seen in use, not the older other one.
       req.set_held(r.held);
@@ -317,6 +317,10 @@ StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, in
 StatusOr<v1::RegisterResponse> Client::registerRank(const v1::Layout& layout, int32_t rank,
                                                     const std::vector<v1::MemoryHandle>& buffers,
                                                     const RegisterOptions& options) const {
+  if (options.double_buffered && options.shadow.empty())
+    return absl::InvalidArgumentError(strCat("register group \"", layout.group(), "\" rank ", rank,
+                                             ": double-buffered with an empty shadow set (give the second set's "
+                                             "buffers, one per buffer, or register without doubleBuffered)"));
   // The world is the mesh's size; the daemon validates everything else against the layout.
   int64_t world = 1;
   for (const int64_t s : layout.mesh().shape()) world *= s;

@@ -54,6 +54,9 @@ struct RegisterOptions {
   // memory): syncs write the set not in use and flip at commit (RankStatus.active_set says which
   // set holds the version; acquire pins it while the engine reads).
   std::vector<v1::MemoryHandle> shadow;
+  // Set by doubleBuffered(): a registration that meant a shadow set and has none is refused, not
+  // registered single-buffered.
+  bool double_buffered = false;
   // Read grants: uids besides this group's owner whose syncs may read it (a source) out of this
   // node (RegisterRequest.readers, docs/security.md "Who may sync").
   std::vector<uint32_t> readers;
@@ -72,6 +75,7 @@ struct RegisterOptions {
   static RegisterOptions doubleBuffered(std::vector<v1::MemoryHandle> shadow) {
     RegisterOptions o;
     o.shadow = std::move(shadow);
+    o.double_buffered = true;
     return o;
   }
 };

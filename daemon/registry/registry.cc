@@ -49,9 +49,6 @@ Status checkRegisterRequest(const v1::RegisterRequest& req, const std::string& w
                                              "destination rank starts EMPTY until a sync commits"));
   if (req.version() != 0 && !planner::isVersion(req.version()))  // 0: none
     return absl::InvalidArgumentError(strCat(who, ": version ", req.version(), " is not in ", planner::kVersionRange));
-  if (req.held() && req.version() != 0)
-    return absl::InvalidArgumentError(
-        strCat(who, ": a rank registered held has no published version yet (it publishes one when released)"));
   if (req.active_set() > 1 || (req.active_set() == 1 && req.shadow_buffers_size() == 0))
     return absl::InvalidArgumentError(strCat(who, ": active set ", req.active_set(),
                                              " (0: buffers, 1: shadow_buffers, which only a double-buffered "
@@ -222,7 +219,7 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
                         mapBuffers(strCat(who, " (shadow)"), req.shadow_buffers(), needed, held_by, shapes, caller));
   }
   rank->active = static_cast<int>(req.active_set());
-  if (req.held()) {  // as Registry::acquire leaves it
+  if (req.held()) {  // as Registry::acquire leaves it (a source's version: what it published before)
     rank->held = true;
     if (rank->role == v1::ROLE_SOURCE) rank->state = v1::RANK_UPDATING;
     if (rank->doubled()) rank->pinned = rank->active;

@@ -227,8 +227,16 @@ TEST_CASE("Client: a registration the daemon refuses comes back as INVALID_ARGUM
   CHECK(absl::IsInvalidArgument(r.status()));
   CHECK_THAT(std::string(r.status().message()), Catch::Contains("\"w\" is given 16 bytes"));
 
+  // A double-buffered registration whose shadow set is empty would sync single-buffered, under the
+  // engine's reads: refused by the client before anything is registered.
   auto ok = HostTensors::forRank(layout, 0);
   REQUIRE(ok.ok());
+  auto unshadowed = c->registerRank(layout, 0, *ok, RegisterOptions::doubleBuffered({}));
+  REQUIRE_FALSE(unshadowed.ok());
+  CHECK(absl::IsInvalidArgument(unshadowed.status()));
+  CHECK_THAT(std::string(unshadowed.status().message()), Catch::Contains("empty shadow set"));
+  CHECK(absl::IsNotFound(c->unregisterRank("trainer", 0)));
+
   auto reg = c->registerRank(layout, 0, *ok);
   REQUIRE(reg.ok());
   CHECK(reg->node() == "n0");

@@ -669,8 +669,10 @@ TEST_CASE("double-buffered destinations: syncs write the set not in use, flip at
   CHECK(set_wrong(shadow, 3) == 0);
 }
 
-TEST_CASE("a restarted daemon gets a held rank back held, a double-buffered one with the set its engine used",
-          "[daemon][contract]") {
+TEST_CASE(
+    "a restarted daemon gets a held rank back held, a double-buffered one with the set its engine used, a held "
+    "source above the version it published",
+    "[daemon][contract]") {
   Pair c;
   c.registerAll(1);
   std::vector<RankMemory> shadow;
@@ -683,6 +685,18 @@ TEST_CASE("a restarted daemon gets a held rank back held, a double-buffered one 
   auto pinned = engine->acquire("dst", 0);  // rank 0 read (and held) in set 1; rank 1 never read
   REQUIRE(pinned.ok());
   CHECK(pinned->active_set() == 1);
+  // A trainer on n1 that published version 3 and is writing the next when its daemon restarts.
+  const v1::Layout own = *planner::parseLayoutJson(
+      R"({"group":"own","mesh":{"shape":[1]},"nodes":["n1"],"tensors":[
+          {"name":"w","shape":[8],"dtype":"int32","placements":[{"replicate":{}}]}]})",
+      "own");
+  RankMemory own_memory = allocateRank(*planner::resolveLayout(own, c.nodes), 0, "contract-own");
+  const auto own_buffers = registerRequest(own, 0, 1, own_memory).buffers();
+  REQUIRE(engine
+              ->registerRank(own, 0, std::vector<v1::MemoryHandle>(own_buffers.begin(), own_buffers.end()),
+                             RegisterOptions::source(3))
+              .ok());
+  REQUIRE(engine->acquire("own", 0).ok());
   const int port = c.ports[1];
   c.daemons[1]->kill();
   c.daemons[1] = std::make_unique<Daemon>(
@@ -690,7 +704,7 @@ TEST_CASE("a restarted daemon gets a held rank back held, a double-buffered one 
       std::vector<std::string>{"127.0.0.1:" + std::to_string(c.ports[0]), "127.0.0.1:" + std::to_string(port)});
   REQUIRE(c.n1().ready());
   std::map<int32_t, v1::RankStatus> back;
-  for (int i = 0; i < 100 && back.size() < 2; ++i) {
+  for (int i = 0; i < 100 && (back.size() < 2 || c.states(c.n1(), "own").empty()); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     back.clear();
     for (const auto& [r, st] : c.states(c.n1(), "dst")) back[r] = st;
@@ -718,6 +732,16 @@ TEST_CASE("a restarted daemon gets a held rank back held, a double-buffered one 
   CHECK(holds(c.dmem, 0, 2));
   CHECK(c.states(c.n1(), "dst").at(0).active_set() == 0);
   REQUIRE(engine->release("dst", 0).ok());  // still held: no "not acquired"
+  // The trainer: still held, above version 3, which it may not publish again.
+  const auto trainer = c.states(c.n1(), "own").at(0);
+  CHECK((trainer.state() == v1::RANK_UPDATING && trainer.held() && trainer.version() == 3));
+  const auto again = engine->publish("own", 0, 3);
+  CHECK(absl::IsInvalidArgument(again.status()));
+  CHECK_THAT(std::string(again.status().message()), Catch::Contains("version 3 is not newer than version 3"));
+  const auto next = engine->publish("own", 0, 4);
+  INFO(next.status().message());
+  REQUIRE(next.ok());
+  CHECK((next->state() == v1::RANK_READY && next->version() == 4));
 }
 
 TEST_CASE(
@@ -762,17 +786,35 @@ TEST_CASE(
   st = stub->Register(ctx().get(), onto, &resp);
   CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
   CHECK_THAT(st.error_message(), Catch::Contains("(destination)") && Catch::Contains("write over this source"));
-  // held with a version, and a second set in use without one, are refused.
+  // A second set in use without one is refused.
   req = registerRequest(c.dst_proto, 0, 2, c.dmem[0]);
   req.set_replace(true);
   req.set_active_set(1);
   st = stub->Register(ctx().get(), req, &resp);
   CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
   CHECK_THAT(st.error_message(), Catch::Contains("active set 1"));
+  // A source registered held with a version (its trainer wrote the next one when the daemon
+  // restarted): updating above that floor, which it may not publish again.
   too.set_held(true);
+  too.set_replace(true);
   st = src0->Register(ctx().get(), too, &resp);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  const auto held = c.states(c.n0(), "src-too").at(0);
+  CHECK((held.state() == v1::RANK_UPDATING && held.held() && held.version() == 1));
+  v1::ReleaseRequest publish;
+  publish.set_group("src-too");
+  publish.set_rank(0);
+  publish.set_version(1);
+  v1::ReleaseResponse published;
+  st = src0->Release(ctx().get(), publish, &published);
   CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-  CHECK_THAT(st.error_message(), Catch::Contains("registered held has no published version"));
+  CHECK_THAT(st.error_message(), Catch::Contains("version 1 is not newer than version 1"));
+  publish.set_version(2);
+  st = src0->Release(ctx().get(), publish, &published);
+  INFO(st.error_message());
+  CHECK(st.ok());
+  CHECK((published.status().state() == v1::RANK_READY && published.status().version() == 2));
 }
 
 TEST_CASE("sync attempts are told apart: a duplicate id, a late Prepare, another layout, ranks in use",

@@ -285,7 +285,7 @@ class _Session:
                 r = service_pb2.RegisterRequest()
                 r.CopyFrom(req)
                 r.session_id = session_id
-                r.version = published if r.role == service_pb2.ROLE_SOURCE and not held else 0
+                r.version = published if r.role == service_pb2.ROLE_SOURCE else 0  # held: its floor
                 # Held as it was (an engine reading it, a trainer writing it: no sync may touch it),
                 # and double-buffered with the set last seen in use, not the other (older) one.
                 r.held = held

@@ -168,6 +168,34 @@ def test_a_rank_held_across_a_daemon_restart_stays_held_and_a_double_buffered_on
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_a_source_held_across_a_daemon_restart_keeps_its_version_floor():
+    """A trainer writing its next version when its daemon restarts comes back held, above the
+    version it published before: publishing that one again, or an older one, is refused as it
+    was before the restart (a version means one set of bytes)."""
+    from shardcast.local import LocalCluster
+
+    one = {"group": "trainer", "mesh": {"shape": [1]}, "nodes": ["n0"],
+           "tensors": [{"name": "w", "shape": [8], "dtype": "float32", "placements": [{"replicate": {}}]}]}
+    with LocalCluster(["n0"]) as c:
+        client = shardcast.Client(c.target("n0"), timeout=5)
+        trainer = client.register("trainer", 0, 1, {"w": torch.zeros(8)}, one, role="source", version=1)
+        with trainer.writing(5):
+            trainer.tensors["w"].fill_(5.0)
+        client.acquire("trainer", 0)  # writing version 6
+        d = c.daemons["n0"]
+        os.kill(d.proc.pid, signal.SIGKILL)
+        d.proc.wait()
+        c.restart("n0")
+        assert _wait(_reachable(lambda: client.reconnects == 1), 15)
+        assert shardcast.describe_rank(trainer.state()) == "updating(5) held"
+        for stale in (5, 3):
+            with pytest.raises(shardcast.ShardcastError, match=f"version {stale} is not newer than version 5"):
+                client.publish("trainer", 0, stale)
+        client.publish("trainer", 0, 6)
+        assert shardcast.describe_rank(trainer.state()) == "ready(6)"
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 def test_a_release_the_dead_daemon_never_answered_leaves_the_rank_free_after_the_restart():
     """The engine's reading() ends while its daemon is down: the release fails (UNAVAILABLE), and the
     rank comes back un-held, not held for good."""
