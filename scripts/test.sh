@@ -57,6 +57,26 @@ venvs_ready() {
   [ $rc -eq 0 ] || echo "test.sh: making the venvs failed (scripts/deps.sh ${deps[*]})" >&2
   return $rc
 }
+# Runs COMMAND in a session of its own (a process group, stopped when this script stops early) at
+# nice level NICE, its output into LOG; its pid in $job. Where the kernel schedules each session's
+# processes as one group (sched_autogroup, on in Debian's kernels), groups share the CPU equally
+# whatever their processes' nice levels: the job's group gets the level as well, or it would mean
+# nothing beside the other jobs.
+session_job() {  # session_job NICE LOG COMMAND...
+  local level="$1" log="$2"
+  shift 2
+  nice -n "$level" setsid bash -c '
+    if [ "$1" != 0 ] && [ -w /proc/self/autogroup ]; then
+      for _ in 1 2 3 4 5; do  # an unprivileged change may be refused (EAGAIN) within 100 ms of another
+        echo "$1" 2>/dev/null >/proc/self/autogroup && break
+        sleep 0.1
+      done
+    fi
+    shift
+    exec "$@"' _ "$level" "$@" >"$log" 2>&1 &
+  job=$!
+  background+=("$job")
+}
 # waits for background job $1 and prints its log $2; $3: what to say when it failed
 finished() {
   local rc=0
@@ -67,21 +87,19 @@ finished() {
 }
 if [ "$tier" = full ]; then
   # The vLLM tests are the longest chain and need only shardcastd: it is built first, and they run
-  # (in the vLLM venv) while everything else builds and runs beside them at a lower priority. The
-  # rest of the build starts at once, not after the venvs: on a fresh machine they are still
-  # downloading then (about 200 s, a core's worth of CPU at most). Each job in its own process
-  # group (stopped when this script stops early); its output follows when it is waited for.
+  # (in the vLLM venv) while everything else builds and runs beside them. The rest of the build
+  # starts at once, not after the venvs (on a fresh machine they are still downloading then, about
+  # 200 s, a core's worth of CPU at most), at the vLLM tests' priority: the client's tests, the
+  # other long chain, wait for it. Each job's output follows when it is waited for.
   phase "build (shardcastd)" bash "$root/scripts/build.sh" shardcastd
   build_log="$build/build-rest.log"
-  nice -n 5 setsid bash "$root/scripts/build.sh" >"$build_log" 2>&1 &
-  build_rest=$!
-  background+=("$build_rest")
+  session_job 0 "$build_log" bash "$root/scripts/build.sh"
+  build_rest=$job
   phase "deps (venvs, the rest)" venvs_ready
   vllm_log="$build/pytest-vllm.log"
-  SHARDCAST_BUILD="$build" setsid bash "$root/scripts/test-vllm.sh" -p no:cacheprovider --durations=12 \
-    >"$vllm_log" 2>&1 &
-  vllm_tests=$!
-  background+=("$vllm_tests")
+  session_job 0 "$vllm_log" env SHARDCAST_BUILD="$build" bash "$root/scripts/test-vllm.sh" -p no:cacheprovider \
+    --durations=12
+  vllm_tests=$job
   phase "build (the rest)" finished "$build_rest" "$build_log" "the build failed (scripts/build.sh)"
 else
   if [ "$tier" = sanitize ]; then
@@ -89,9 +107,9 @@ else
     # The fuzzers (every libFuzzer target for a short fixed time on its ASan + UBSan clang build in
     # build-fuzz/) build and run meanwhile at the lowest priority; their output follows pytest's.
     fuzz_log="$build/fuzz.log"
-    nice -n 19 setsid env -u ASAN_OPTIONS -u UBSAN_OPTIONS bash "$root/scripts/fuzz.sh" --seconds "${SHARDCAST_FUZZ_SECONDS:-6}" >"$fuzz_log" 2>&1 &
-    fuzz=$!
-    background+=("$fuzz")
+    session_job 19 "$fuzz_log" env -u ASAN_OPTIONS -u UBSAN_OPTIONS bash "$root/scripts/fuzz.sh" \
+      --seconds "${SHARDCAST_FUZZ_SECONDS:-6}"
+    fuzz=$job
   else
     phase "build" bash "$root/scripts/build.sh"
   fi
@@ -121,14 +139,14 @@ labels=()
 [ "$tier" = quick ] && labels=(-LE slow)
 ctest_job=""
 if [ "$tier" = full ]; then
-  # ctest runs beside the client's tests (both spend most of their time waiting on daemons, so
-  # together they fill what the vLLM tests leave of the two cores); its output comes last all the
-  # same, and its status is the script's.
+  # ctest runs beside the client's tests (both spend much of their time waiting on daemons, so
+  # together they fill what the vLLM tests leave of the two cores), below them: it is the shorter
+  # chain, and the client's tests, the longer one, ended the run alone for 90 s when they shared
+  # equally. Its output comes last all the same, and its status is the script's.
   ctest_log="$build/ctest.log"
-  nice -n 5 setsid bash -c 'cd "$1" && exec ctest --output-on-failure -j "$2"' _ "$build" "$(nproc 2>/dev/null || echo 2)" \
-    >"$ctest_log" 2>&1 &
-  ctest_job=$!
-  background+=("$ctest_job")
+  session_job 5 "$ctest_log" bash -c 'cd "$1" && exec ctest --output-on-failure -j "$2"' _ "$build" \
+    "$(nproc 2>/dev/null || echo 2)"
+  ctest_job=$job
 fi
 phase "pytest client" "${niced[@]}" "$py" -m pytest -q -rs -p no:cacheprovider --durations=12 "${markers[@]}" \
   "$root/client/python/tests"
