@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -114,8 +115,21 @@ def stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
             proc.wait()
 
 
+def _ending_with_this_process() -> List[str]:
+    """A prefix for a child's argv that has the kernel send it SIGTERM when this process ends, killed
+    or not (util-linux's `setpriv --pdeathsig`, which then executes the command: the child keeps
+    its pid). The kernel sends it when the *thread* that started the child ends, so only a child
+    started from the main thread is tied; none where setpriv is missing."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or threading.current_thread() is not threading.main_thread():
+        return []
+    return [setpriv, "--pdeathsig", "TERM"]
+
+
 class LocalDaemon:
-    """One shardcastd process standing for node `node`; stopped with SIGTERM by stop()."""
+    """One shardcastd process standing for node `node`; stopped with SIGTERM by stop(), and by the
+    kernel when the process that started it ends without stopping it (killed; started from the main
+    thread, where setpriv is installed): no daemon outlives its test or example."""
 
     def __init__(self, node: str, port: int, peers: Sequence[str], socket_dir: str, binary: str,
                  extra: Sequence[str] = (), stderr: Any = None, tls: Optional[TlsFiles] = None,
@@ -132,7 +146,8 @@ class LocalDaemon:
             argv += ["--ucx-tls", "tcp"]  # what separate hosts would use
         if tls is not None and "--insecure" not in extra:
             argv += ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        self.proc = subprocess.Popen([*_ending_with_this_process(), *argv], stdout=subprocess.PIPE, stderr=stderr,
+                                     text=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], 30)
         line = self.proc.stdout.readline() if ready else ""
         if not line.startswith("shardcastd ready"):

@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -221,6 +222,42 @@ def test_shutdown_is_bounded_while_a_peer_is_frozen():
             os.kill(n1.proc.pid, signal.SIGCONT)
         src.close()
         dst.close()
+
+
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has exited (gone, or a zombie its new parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].startswith("Z")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="util-linux's setpriv is not installed")
+def test_a_local_clusters_daemons_end_with_the_process_that_started_it_even_killed():
+    """A script using LocalCluster that is killed (a test's timeout, kill -9) runs no cleanup: its
+    daemons end with it all the same, rather than running on, holding ports and sockets."""
+    script = ("import sys, time\n"
+              "from shardcast.local import LocalCluster\n"
+              "c = LocalCluster(['n0', 'n1'], extra=['--insecure']).start()\n"
+              "print(' '.join(str(d.proc.pid) for d in c.daemons.values()), flush=True)\n"
+              "time.sleep(600)\n")
+    env = dict(os.environ, SHARDCASTD=str(shardcastd_path()))
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2
+        assert not any(_ended(p) for p in pids)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 15  # SIGTERM: the daemons shut down as they do when stopped
+        while not all(_ended(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_ended(p) for p in pids), f"daemons {pids} still run after the process that started them died"
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
 
 
 def test_a_truncated_registered_segment_fails_the_sync_not_the_daemon(cluster):
