@@ -96,6 +96,24 @@ class Worker:
         self.weight_transfer_engine.finished = self.finish_error
 
 
+def test_a_checkpoint_tensor_split_into_pieces_of_one_parameter_is_refused_naming_each_piece():
+    """Phi-3's checkpoint fuses q, k and v into one qkv_proj [q 8 rows; k 4; v 4] x 3; at TP=2
+    vLLM's loader gives rank 0 rows 0-3 of q, 0-1 of k and 0-1 of v, side by side in its
+    parameter: three boxes of one tensor, which cannot land as one. A single box still lands, and a
+    permuted copy keeps its own error."""
+    from shardcast.vllm.probe import _as_box
+
+    shape, cols = [16, 3], 3
+    rows = list(range(0, 4)) + list(range(8, 10)) + list(range(12, 14))
+    local = torch.tensor([r * cols + c for r in rows for c in range(cols)], dtype=torch.int64)
+    with pytest.raises(ProbeError, match=r"puts 3 separate pieces of checkpoint tensor 'qkv' "
+                                         r"\(shape \[16, 3\]; dim-0 ranges \[0, 4\), \[8, 10\), \[12, 14\)\)"):
+        _as_box("model.qkv_proj.weight", "qkv", shape, local, 0)
+    assert _as_box("p", "qkv", shape, local[:12], 5) == Landing("qkv", (0, 0), (4, 3), 5)
+    with pytest.raises(ProbeError, match="not one box of it in order"):
+        _as_box("p", "qkv", shape, local[:12].flip(0), 0)
+
+
 def test_a_worker_that_fails_returns_its_status_instead_of_raising():
     assert session.on_worker(Worker(), "update_weights", (), {"update_info": {}}) == {"error": None,
                                                                                        "finished": None}

@@ -294,10 +294,36 @@ def box_of(local: torch.Tensor, shape: Sequence[int]) -> Optional[Tuple[List[int
     return lo, sizes
 
 
+def _pieces(local: torch.Tensor, shape: Sequence[int]) -> Optional[List[Tuple[List[int], List[int]]]]:
+    """The boxes of the stretches of `local` (flat indices) that run on without a gap, or None when
+    the indices do not rise throughout (a permuted copy) or a stretch is not a box."""
+    if not bool((local[1:] > local[:-1]).all()):
+        return None
+    breaks = (torch.nonzero(local[1:] != local[:-1] + 1).flatten() + 1).tolist()
+    out = []
+    for a, b in zip([0] + breaks, breaks + [local.numel()]):
+        box = box_of(local[a:b], shape)
+        if box is None:
+            return None
+        out.append(box)
+    return out
+
+
 def _as_box(param: str, name: str, shape: List[int], local: torch.Tensor, at: int) -> Landing:
     """The landing of `name` whose row-major elements are exactly `local` (flat indices), or an error."""
     box = box_of(local, shape)
     if box is None:
+        pieces = _pieces(local, shape)
+        if pieces is not None and len(pieces) > 1:
+            # A tensor the checkpoint already fuses (Phi-3's qkv_proj, gate_up_proj) that vLLM's
+            # loader splits again for TP > 1: this rank's q, k and v rows side by side.
+            rows = ", ".join(f"[{lo[0]}, {lo[0] + size[0]})" for lo, size in pieces)
+            raise ProbeError(
+                f"parameter {param!r}: vLLM's loader puts {len(pieces)} separate pieces of checkpoint tensor {name!r} "
+                f"(shape {list(shape)}; dim-0 ranges {rows}) into this rank's parameter: a tensor the checkpoint "
+                "already fuses (as Phi-3's qkv_proj and gate_up_proj) and tensor parallelism splits again does not "
+                "land directly, only one box of it per parameter; serve this model at TP=1 "
+                "(docs/vllm.md, \"What trainer_init refuses\")")
         raise ProbeError(f"parameter {param!r}: the loader does not copy {name!r} as one row-major box "
                          "(its elements there are not one box of it in order)")
     return Landing(name, tuple(box[0]), tuple(box[1]), at)
