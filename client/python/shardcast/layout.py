@@ -3,9 +3,11 @@ built from PyTorch DTensors' device mesh and placements."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import os
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from google.protobuf import json_format
 
@@ -87,35 +89,198 @@ def _placement(p: Any) -> dict:
     raise ValueError(f"unsupported placement {p!r}")
 
 
-def root_mesh(tensors: Mapping[str, Any]) -> Any:
-    """The group's device mesh: that of the DTensor with the most mesh dims. The others must be
-    on it or on a named submesh of it (FSDP2 over a TP mesh leaves the parameters TP does not
-    touch on the "dp" submesh)."""
-    meshes = [t.device_mesh for t in tensors.values() if hasattr(t, "device_mesh")]
+def _mesh_key(m: Any) -> tuple:
+    return (tuple(int(n) for n in m.mesh.shape), tuple(int(r) for r in m.mesh.flatten().tolist()),
+            tuple(getattr(m, "mesh_dim_names", None) or ()))
+
+
+def _same_mesh(a: Any, b: Any) -> bool:
+    return a is b or (tuple(a.mesh.shape) == tuple(b.mesh.shape) and _mesh_key(a) == _mesh_key(b))
+
+
+def _submesh_dims(m: Any, of: Any) -> Optional[List[int]]:
+    """Where `m`'s dims sit among `of`'s when `m` is `of` itself or a named submesh of it through
+    this rank (FSDP2 over a TP mesh leaves the parameters TP does not touch on the "dp" submesh);
+    None when it is neither."""
+    if _same_mesh(m, of):
+        return list(range(of.mesh.ndim))
+    names, of_names = list(getattr(m, "mesh_dim_names", None) or []), list(getattr(of, "mesh_dim_names", None) or [])
+    where = [of_names.index(n) if n in of_names else -1 for n in names]
+    if not names or -1 in where or where != sorted(where):
+        return None
+    coordinate = of.get_coordinate()
+    if coordinate is None:
+        return None
+    index = tuple(slice(None) if i in where else coordinate[i] for i in range(of.mesh.ndim))
+    return where if of.mesh[index].tolist() == m.mesh.tolist() else None
+
+
+def _group_meshes(tensors: Mapping[str, Any]) -> List[Any]:
+    """The distinct device meshes no other one contains as a named submesh, the group's mesh first:
+    one whose ranks are 0..N-1 in row-major order (they number the group's ranks), with the most
+    tensors on it or on its submeshes, then the most dims. A trainer may place some parameters on a
+    mesh of its own over the same ranks (torchtitan's experts on ("efsdp", "ep") beside the dense
+    ("fsdp", "tp")): those become explicit pieces."""
+    distinct: Dict[int, Any] = {id(t.device_mesh): t.device_mesh for t in tensors.values() if hasattr(t, "device_mesh")}
+    meshes: Dict[tuple, Any] = {}
+    for m in distinct.values():
+        meshes.setdefault(_mesh_key(m), m)
     if not meshes:
         raise ValueError("no DTensor among the tensors: the device mesh comes from them")
-    return max(meshes, key=lambda m: m.mesh.ndim)
+    tops = [m for k, m in meshes.items()
+            if not any(k2 != k and _submesh_dims(m, o) is not None for k2, o in meshes.items())]
+
+    def order(m: Any) -> tuple:
+        key = _mesh_key(m)
+        held = sum(1 for t in tensors.values()
+                   if hasattr(t, "device_mesh") and _submesh_dims(t.device_mesh, m) is not None)
+        return (list(key[1]) != list(range(len(key[1]))), -held, -m.mesh.ndim)
+
+    return sorted(tops, key=order)
 
 
-def _placements_on(root: Any, name: str, t: Any) -> list:
-    """`t`'s placements over the root mesh's dims (Replicate over dims its submesh lacks)."""
-    m = t.device_mesh
-    if m.mesh.shape == root.mesh.shape and m.mesh.tolist() == root.mesh.tolist():
-        return [_placement(p) for p in t.placements]
-    names, root_names = list(getattr(m, "mesh_dim_names", None) or []), list(getattr(root, "mesh_dim_names", None) or [])
-    where = [root_names.index(n) if n in root_names else -1 for n in names]
-    if not names or -1 in where or where != sorted(where):
-        raise ValueError(f'tensor "{name}" is on device mesh {names or m.mesh.tolist()}, which is not a named '
-                         f"submesh of the group's mesh {root_names or root.mesh.tolist()}")
-    coordinate = root.get_coordinate()
-    index = tuple(slice(None) if i in where else coordinate[i] for i in range(root.mesh.ndim))
-    if root.mesh[index].tolist() != m.mesh.tolist():
-        raise ValueError(f'tensor "{name}": its submesh {m.mesh.tolist()} is not the slice of the group\'s mesh '
-                         f"{root.mesh.tolist()} through this rank")
-    out: list = [{"replicate": {}} for _ in range(root.mesh.ndim)]
+def root_mesh(tensors: Mapping[str, Any]) -> Any:
+    """The group's device mesh (its ranks are the group's ranks, row-major): the mesh most of the
+    DTensors are on, or on a named submesh of (see _group_meshes)."""
+    return _group_meshes(tensors)[0]
+
+
+def _placements_on(mesh: Any, t: Any) -> Optional[list]:
+    """`t`'s placements over `mesh`'s dims (Replicate over dims its submesh lacks); None when `t`
+    is on neither `mesh` nor a named submesh of it."""
+    where = _submesh_dims(t.device_mesh, mesh)
+    if where is None:
+        return None
+    out: list = [{"replicate": {}} for _ in range(mesh.mesh.ndim)]
     for i, p in zip(where, t.placements):
         out[i] = _placement(p)
     return out
+
+
+def _chunk(n: int, k: int, i: int) -> Tuple[int, int]:
+    """Chunk i of torch.chunk's cut of n into k (DTensor's Shard): chunks of ceil(n / k), the last
+    short or empty."""
+    c = -(-n // k)
+    return min(i * c, n), min((i + 1) * c, n)
+
+
+def _take(held: List[Tuple[int, int]], lo: int, hi: int) -> List[Tuple[int, int]]:
+    """Positions [lo, hi) of the concatenation of `held` (global intervals), as global intervals."""
+    out, pos = [], 0
+    for a, b in held:
+        x, y = max(lo, pos), min(hi, pos + b - a)
+        if x < y:
+            out.append((a + x - pos, a + y - pos))
+        pos += b - a
+    return out
+
+
+def rank_intervals(extent: int, dim: int, mesh_shape: Sequence[int], coordinate: Sequence[int],
+                   placements: Sequence[Mapping[str, Any]]) -> List[Tuple[int, int]]:
+    """The global intervals of tensor dim `dim` (of `extent`) that the rank at `coordinate` holds, in
+    its local order, under layout placements (docs/layout-format.md, "Placements": Shard nests left
+    to right, _StridedShard cuts into split_factor chunks first and keeps its part of each)."""
+    held = [(0, extent)]
+    for k, c, p in zip(mesh_shape, coordinate, placements):
+        kind = next(iter(p))
+        if kind == "replicate" or int(p[kind]["dim"]) != dim:
+            continue
+        n = sum(b - a for a, b in held)
+        if kind == "shard":
+            held = _take(held, *_chunk(n, int(k), int(c)))
+        else:
+            split = int(p[kind]["split_factor"])
+            held = [iv for a, b in (_chunk(n, split, j) for j in range(split))
+                    for lo, hi in [_chunk(b - a, int(k), int(c))] for iv in _take(held, a + lo, a + hi)]
+    merged: List[Tuple[int, int]] = []
+    for a, b in held:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        elif b > a:
+            merged.append((a, b))
+    return merged
+
+
+def rank_boxes(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
+               placements: Sequence[Mapping[str, Any]]) -> List[Tuple[List[int], List[int]]]:
+    """The boxes ([offsets], [sizes]) the rank at `coordinate` holds, one after another in its local
+    tensor; [] when it holds nothing. A local tensor that is not such a sequence (held in several
+    runs along a dim that is not its outermost) is a ValueError."""
+    per_dim = [rank_intervals(int(n), d, mesh_shape, coordinate, placements) for d, n in enumerate(shape)]
+    if any(not runs for runs in per_dim):
+        return []
+    split = [d for d, runs in enumerate(per_dim) if len(runs) > 1]
+    outer = 1
+    for runs in per_dim[:split[0]] if split else []:
+        outer *= runs[0][1] - runs[0][0]
+    if len(split) > 1 or outer != 1:
+        raise ValueError(f"mesh coordinate {list(coordinate)} holds {per_dim} (global intervals per dim), "
+                         "which is not a sequence of boxes in its local memory")
+    d = split[0] if split else 0
+    return [([a if i == d else r[0][0] for i, r in enumerate(per_dim)],
+             [b - a if i == d else r[0][1] - r[0][0] for i, r in enumerate(per_dim)]) for a, b in per_dim[d]]
+
+
+def local_offsets(t: Any, where: str) -> Optional[List[int]]:
+    """Where this rank's local tensor of DTensor `t` starts in the full tensor; None when it holds
+    none of it. A local tensor that is several boxes (an uneven _StridedShard) is a ValueError
+    naming `where`: one offset would misplace all but its first box."""
+    m = t.device_mesh
+    try:
+        boxes = rank_boxes([int(s) for s in t.shape], [int(n) for n in m.mesh.shape], m.get_coordinate(),
+                           [_placement(p) for p in t.placements])
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if len(boxes) > 1:
+        raise ValueError(f"{where}: this rank's shard is {len(boxes)} separate boxes of the parameter "
+                         f"({', '.join(str(list(zip(o, s))) for o, s in boxes)}: (offset, size) per dim), not one")
+    return boxes[0][0] if boxes else None
+
+
+def _pieces_over(mesh: Any, name: str, shape: Sequence[int], placements: list) -> List[dict]:
+    """Explicit pieces of a tensor placed over `mesh`, a mesh over the group's ranks in an order of
+    its own: each rank's boxes, ranks holding the same boxes listed together."""
+    key = _mesh_key(mesh)
+    try:
+        pieces = _pieces_of(key[0], key[1], tuple(shape), json.dumps(placements, sort_keys=True))
+    except ValueError as e:
+        raise ValueError(f'tensor "{name}": {e}') from None
+    return [{"ranks": list(ranks), "offsets": list(o), "sizes": list(sz)} for ranks, o, sz in pieces]
+
+
+@functools.lru_cache(maxsize=256)
+def _pieces_of(mesh_shape: tuple, mesh_ranks: tuple, shape: tuple, placements: str) -> tuple:
+    # Every layer's experts have the same shape and placements: their pieces are computed once.
+    holders: Dict[tuple, List[int]] = {}
+    for i, coordinate in enumerate(itertools.product(*(range(n) for n in mesh_shape))):  # row-major
+        boxes = rank_boxes(shape, mesh_shape, coordinate, json.loads(placements))
+        holders.setdefault(tuple((tuple(o), tuple(sz)) for o, sz in boxes), []).append(mesh_ranks[i])
+    return tuple((tuple(ranks), o, sz) for boxes, ranks in holders.items() for o, sz in boxes)
+
+
+def _placed(name: str, t: Any, meshes: List[Any]) -> dict:
+    """`t`'s entry fields: placements over the group's mesh, or explicit pieces when it sits on
+    another mesh over the same ranks."""
+    root = meshes[0]
+    placements = _placements_on(root, t)
+    if placements is not None:
+        return {"placements": placements}
+    world = sorted(int(r) for r in root.mesh.flatten().tolist())
+    for other in meshes[1:]:
+        placements = _placements_on(other, t)
+        if placements is None:
+            continue
+        if sorted(int(r) for r in other.mesh.flatten().tolist()) != world:
+            raise ValueError(f'tensor "{name}" is on device mesh {_mesh_name(t.device_mesh)} over ranks '
+                             f"{other.mesh.flatten().tolist()}, not the group's {len(world)} ranks {world}")
+        return {"pieces": _pieces_over(other, name, [int(s) for s in t.shape], placements)}
+    raise ValueError(f'tensor "{name}" is on device mesh {_mesh_name(t.device_mesh)}, which is neither the '
+                     f"group's mesh {_mesh_name(root)} nor a named submesh of a mesh over the group's ranks")
+
+
+def _mesh_name(m: Any) -> str:
+    names = list(getattr(m, "mesh_dim_names", None) or [])
+    return f"{names} {m.mesh.tolist()}" if names else str(m.mesh.tolist())
 
 
 def layout_from_dtensors(
@@ -133,17 +298,18 @@ def layout_from_dtensors(
     name per rank) or `ranks_per_node` (+ `node_prefix`); default: every rank on its own node."""
     if not tensors:
         raise ValueError("no tensors")
-    mesh = root_mesh(tensors)
+    meshes = _group_meshes(tensors)
+    mesh = meshes[0]
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if ranks != list(range(len(ranks))):
+        raise ValueError(f"the device mesh's ranks must be 0..{len(ranks) - 1} in row-major order (got {ranks})")
     out_tensors = []
     for name, t in tensors.items():
         entry = {"name": name, "shape": [int(s) for s in t.shape], "dtype": str(t.dtype).replace("torch.", "")}
         if hasattr(t, "device_mesh"):
-            entry["placements"] = _placements_on(mesh, name, t)
+            entry.update(_placed(name, t, meshes))
         # else: a plain tensor (e.g. a norm weight TP leaves alone) is the same on every rank
         out_tensors.append(entry)
-    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
-    if ranks != list(range(len(ranks))):
-        raise ValueError(f"the device mesh's ranks must be 0..{len(ranks) - 1} in row-major order (got {ranks})")
     layout: dict = {"group": group, "mesh": {"shape": [int(s) for s in mesh.mesh.shape]}, "tensors": out_tensors}
     names = getattr(mesh, "mesh_dim_names", None)
     if names:

@@ -16,21 +16,84 @@ sys.path.insert(0, str(ROOT / "client" / "examples" / "rl_loop"))
 EXPERTS, MOE_HIDDEN, MOE_INTER = 5, 8, 6
 
 
-def build_moe(mesh):
+def fully_shard():
+    """FSDP2's fully_shard, wherever this torch keeps it."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.4, 2.5
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+def build_moe_weights():
     import torch
-    import torch.nn as nn
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     g = torch.Generator().manual_seed(7)
-    full = {"router": torch.randn(EXPERTS, MOE_HIDDEN, generator=g),
+    return {"router": torch.randn(EXPERTS, MOE_HIDDEN, generator=g),
             "w1": torch.randn(EXPERTS, MOE_INTER, MOE_HIDDEN, generator=g),
             "w3": torch.randn(EXPERTS, MOE_INTER, MOE_HIDDEN, generator=g),
             "w2": torch.randn(EXPERTS, MOE_HIDDEN, MOE_INTER, generator=g)}
+
+
+def build_moe(mesh):
+    import torch.nn as nn
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    full = build_moe_weights()
     module = nn.Module()
     for name, t in full.items():
         placement = [Replicate()] if name == "router" else [Shard(0)]
         module.register_parameter(name, nn.Parameter(distribute_tensor(t, mesh, placement)))
     return module
+
+
+def titan_meshes(world: int):
+    """torchtitan's two views of one world: the dense parameters' ("fsdp",) and the experts'
+    ("efsdp", "ep"), unflattened from a 1-D world mesh (two meshes on torch without _unflatten)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ep = 2
+    world_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("world",))
+    if hasattr(world_mesh, "_unflatten"):
+        return (world_mesh._unflatten(0, (world,), ("fsdp",)),
+                world_mesh._unflatten(0, (world // ep, ep), ("efsdp", "ep")))
+    return (init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",)),
+            init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep")))
+
+
+class TitanMoE:
+    """The MoE weights as torchtitan shards them: the router under FSDP2 on the dense mesh, the
+    stacked experts split over "ep" (Shard(0)) and then under FSDP2 on "efsdp" of the experts' own
+    mesh, which leaves them (_StridedShard(0), Shard(0)) on ("efsdp", "ep")."""
+
+    @staticmethod
+    def build(world: int):
+        import torch.nn as nn
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        class Part(nn.Module):
+            def forward(self, step):
+                loss = sum(((p - 0.1 * step) ** 2).sum() for p in self.parameters())
+                return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+
+        class Whole(nn.Module):
+            def forward(self, step):
+                return self.dense(step) + self.experts(step)
+
+        dense_mesh, sparse_mesh = titan_meshes(world)
+        full = build_moe_weights()
+        net = Whole()
+        net.dense, net.experts = Part(), Part()
+        net.dense.router = nn.Parameter(full["router"])
+        for name in ("w1", "w3", "w2"):
+            setattr(net.experts, name, nn.Parameter(distribute_tensor(full[name], sparse_mesh["ep"], [Shard(0)])))
+        fully_shard()(net.experts, mesh=sparse_mesh["efsdp"])
+        fully_shard()(net.dense, mesh=dense_mesh)
+        return net
+
+    @staticmethod
+    def name(parameter: str) -> str:  # the checkpoint's names: "experts.w1" is "w1"
+        return parameter.split(".")[-1]
 
 
 # The fp8 scenario: one bfloat16 weight of FP8_ROWS x FP8_COLS under FSDP2; at world sizes 3 and
@@ -42,11 +105,6 @@ def build_fp8(world: int):
     import torch
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
-
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # torch 2.4, 2.5
-        from torch.distributed._composable.fsdp import fully_shard
 
     class Weight(nn.Module):
         def __init__(self) -> None:
@@ -60,7 +118,7 @@ def build_fp8(world: int):
         def forward(self):  # FSDP2 gathers the weight for its forward and reduce-scatters its grad
             return self.w
 
-    return fully_shard(Weight(), mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    return fully_shard()(Weight(), mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
 
 
 def fp8_loss(module, step):
@@ -84,11 +142,15 @@ def main(kind: str, rank: int, world: int, port: int, target: str, group: str, c
     try:
         join_process_group(port, rank, world)
         torch.manual_seed(0)  # the same initial weights on every rank
+        name_of = str  # checkpoint name of a parameter
         if kind == "ep":
             from torch.distributed.device_mesh import init_device_mesh
 
             net = build_moe(init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
             loss_of = moe_loss
+        elif kind == "titan-ep":
+            net = TitanMoE.build(world)
+            loss_of, name_of = (lambda module, step: module(step)), TitanMoE.name
         elif kind == "fp8":
             net = build_fp8(world)
             loss_of = fp8_loss
@@ -104,13 +166,14 @@ def main(kind: str, rank: int, world: int, port: int, target: str, group: str, c
 
         def full_weights():
             # A collective: every rank takes part, rank 0 sends (bfloat16 as float32: numpy has none).
-            full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in net.named_parameters()}
+            full = {name_of(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                    for n, p in net.named_parameters()}
             out = {n: (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy() for n, t in full.items()}
             return out if rank == 0 else None
 
         train_step(0)  # the first forward runs FSDP2's lazy init: register after it
         client = shardcast.Client(target)
-        params = dict(net.named_parameters())
+        params = {name_of(n): p for n, p in net.named_parameters()}
         reg = client.register_dtensors(group, params, version=1)  # the weights the test calls version 1
         placements = {n: str(getattr(p, "placements", "plain")) for n, p in params.items()}
         conn.send(("registered", (full_weights(), placements)))

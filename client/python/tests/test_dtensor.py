@@ -7,7 +7,8 @@ memory must follow: registration is in place, never a snapshot):
 - TP with `parallelize_module` (ColwiseParallel / RowwiseParallel) over 2 ranks;
 - FSDP2 + TP on a (dp=2, tp=2) mesh (`_StridedShard` placements);
 - expert-parallel MoE weights (5 experts over 4 ranks) into expert-stacked, TP-sharded ranks
-  (fused w13) and into expert-parallel ranks holding whole experts.
+  (fused w13) and into expert-parallel ranks holding whole experts; the same sharded as torchtitan
+  does, the experts on a mesh of their own (explicit pieces for the router's mesh).
 
 Destinations are registered with the named-tensor API (local tensors + a ParallelPlan) on two
 nodes, two TP=2 replicas, with fused qkv_proj / gate_up_proj: the transformer's as a replica set
@@ -233,6 +234,17 @@ def test_expert_parallel_moe_into_expert_stacked_tp_and_into_ep(cluster):
     def placements(p):
         assert p["w1"] == "(Shard(dim=0),)" and p["router"] == "(Replicate(),)"
     run_scenario(cluster, "ep", 4, moe_destinations, moe_expected, placements)
+
+
+@pytest.mark.slow
+def test_torchtitan_experts_on_a_mesh_of_their_own_into_expert_stacked_tp_and_into_ep(cluster):
+    # The router on ("fsdp",), the experts on ("efsdp", "ep"): two meshes over the same 4 ranks,
+    # neither a submesh of the other. The experts' mesh holds more tensors: it is the group's, and
+    # the router's row shards become explicit pieces.
+    def placements(p):
+        assert p["w1"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", p["w1"]
+        assert p["router"] == "(Shard(dim=0),)", p["router"]
+    run_scenario(cluster, "titan-ep", 4, moe_destinations, moe_expected, placements)
 
 
 # ---- FSDP2 shards that cut fp8 blocks -> block-scaled fp8 ranks ----

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import shardcast
-from shardcast.layout import load_layout, layout_from_dtensors
+from shardcast.layout import layout_from_dtensors, load_layout, local_offsets, rank_boxes, rank_intervals
 
 
 class Shard:
@@ -82,11 +82,87 @@ def test_layout_from_dtensors_refuses_what_it_cannot_express():
         layout_from_dtensors("g", {"w": FakeDTensor((4,), "torch.float32", mesh, [Partial()])})
     with pytest.raises(ValueError, match="row-major"):
         layout_from_dtensors("g", {"w": FakeDTensor((4,), "torch.float32", Mesh((2,), ranks=[1, 0]), [Shard(0)])})
-    with pytest.raises(ValueError, match="not a named submesh"):
+    with pytest.raises(ValueError, match=r"over ranks \[1\], not the group's 2 ranks \[0, 1\]"):
         layout_from_dtensors("g", {"a": FakeDTensor((4,), "torch.float32", mesh, [Shard(0)]),
-                                   "b": FakeDTensor((4,), "torch.float32", Mesh((2,), ranks=[1, 0]), [Shard(0)])})
+                                   "b": FakeDTensor((4,), "torch.float32", Mesh((1,), ranks=[1]), [Shard(0)])})
     with pytest.raises(ValueError, match="3 node names for 2 ranks"):
         layout_from_dtensors("g", {"a": FakeDTensor((4,), "torch.float32", mesh, [Shard(0)])}, nodes=["a", "b", "c"])
+
+
+SHARD0, STRIDED0 = {"shard": {"dim": 0}}, {"strided_shard": {"dim": 0, "split_factor": 2}}
+
+
+def test_rank_intervals_follow_dtensor():
+    # Held rows read from real DTensors (torch 2.15, gloo): 5 experts split over "ep" (2), then
+    # FSDP2 over "efsdp" (2) of the mesh ("efsdp", "ep"), placements (_StridedShard(0, sf=2), Shard(0)).
+    held = {(0, 0): [(0, 2)], (0, 1): [(3, 4)], (1, 0): [(2, 3)], (1, 1): [(4, 5)]}
+    for coordinate, rows in held.items():
+        assert rank_intervals(5, 0, [2, 2], coordinate, [STRIDED0, SHARD0]) == rows, coordinate
+    # Shards of one dim nest left to right (torch.chunk of the chunk): 10 rows, 3 + 2, 3 + 2.
+    assert [rank_intervals(10, 0, [2, 2], c, [SHARD0, SHARD0]) for c in [(0, 0), (0, 1), (1, 0), (1, 1)]] == [
+        [(0, 3)], [(3, 5)], [(5, 8)], [(8, 10)]]
+    # torch.chunk leaves trailing ranks short or empty: 5 rows over 4 ranks hold 2, 2, 1, 0.
+    assert [rank_intervals(5, 0, [4], (r,), [SHARD0]) for r in range(4)] == [[(0, 2)], [(2, 4)], [(4, 5)], []]
+    # A placement of another dim, or Replicate, leaves this dim whole.
+    assert rank_intervals(6, 1, [2, 2], (1, 1), [SHARD0, {"replicate": {}}]) == [(0, 6)]
+
+
+def test_rank_boxes_are_the_local_tensor_in_order_or_refused():
+    # A strided shard alone holds a part of each of its chunks: two boxes, one after another.
+    assert rank_boxes([8, 3], [2], (1,), [STRIDED0]) == [([2, 0], [2, 3]), ([6, 0], [2, 3])]
+    assert rank_boxes([5, 3], [4], (3,), [SHARD0]) == []  # holds nothing
+    # Runs along dim 1 under 3 whole rows interleave in local memory: not boxes one after another.
+    with pytest.raises(ValueError, match='mesh coordinate \\[0\\] holds .* not a sequence of boxes'):
+        rank_boxes([3, 8], [2], (0,), [{"strided_shard": {"dim": 1, "split_factor": 2}}])
+
+
+class CoordinateMesh(Mesh):
+    def __init__(self, shape, names, coordinate):
+        super().__init__(shape, names)
+        self.coordinate = coordinate
+
+    def get_coordinate(self):
+        return list(self.coordinate)
+
+
+def test_a_parameter_on_a_mesh_of_its_own_is_explicit_pieces():
+    # torchtitan: the experts on ("efsdp", "ep") and the router on ("fsdp",), both over ranks 0..3.
+    # The group's mesh holds the most tensors; the router's row shards become pieces.
+    sparse, dense = Mesh((2, 2), ("efsdp", "ep")), Mesh((4,), ("fsdp",))
+    tensors = {"router": FakeDTensor((5, 8), "torch.float32", dense, [Shard(0)]),
+               **{n: FakeDTensor((5, 6, 8), "torch.float32", sparse, [Shard(0, split_factor=2), Shard(0)])
+                  for n in ("w1", "w3", "w2")}}
+    layout = layout_from_dtensors("trainer", tensors, ranks_per_node=2)
+    assert layout["mesh"] == {"shape": [2, 2], "dim_names": ["efsdp", "ep"]}
+    router = layout["tensors"][0]
+    assert "placements" not in router
+    assert router["pieces"] == [{"ranks": [0], "offsets": [0, 0], "sizes": [2, 8]},
+                                {"ranks": [1], "offsets": [2, 0], "sizes": [2, 8]},
+                                {"ranks": [2], "offsets": [4, 0], "sizes": [1, 8]}]  # rank 3 holds no row
+    assert layout["tensors"][1]["placements"] == [STRIDED0, SHARD0]
+    assert len(load_layout(json.dumps(layout)).tensors[0].pieces) == 3  # what the daemon parses
+    # The same ranks permuted: a replicated tensor is one piece every rank holds.
+    permuted = Mesh((2,), ("x",), ranks=[1, 0])
+    layout = layout_from_dtensors("g", {"a": FakeDTensor((4,), "torch.float32", Mesh((2,), ("y",)), [Shard(0)]),
+                                        "b": FakeDTensor((4,), "torch.float32", permuted, [Shard(0)]),
+                                        "c": FakeDTensor((4,), "torch.float32", permuted, [Replicate()])})
+    assert layout["mesh"]["dim_names"] == ["y"]  # fewer tensors, but its ranks number the group's
+    assert layout["tensors"][0]["placements"] == [SHARD0]
+    assert layout["tensors"][1]["pieces"] == [{"ranks": [1], "offsets": [0], "sizes": [2]},
+                                              {"ranks": [0], "offsets": [2], "sizes": [2]}]
+    assert layout["tensors"][2]["pieces"] == [{"ranks": [1, 0], "offsets": [0], "sizes": [4]}]
+
+
+def test_local_offsets_refuse_a_shard_of_several_boxes():
+    w = FakeDTensor((8, 3), "torch.float32", CoordinateMesh((2, 2), ("dp", "tp"), (0, 1)), [Shard(0), Shard(0)])
+    assert local_offsets(w, "rank 1") == [2, 0]
+    w.device_mesh = CoordinateMesh((2,), ("dp",), (1,))
+    w.placements = [Shard(0, split_factor=2)]
+    with pytest.raises(ValueError, match=r"rank 1: this rank's shard is 2 separate boxes of the parameter"):
+        local_offsets(w, "rank 1")
+    w.placements = [Shard(0)]
+    w.shape = (1, 3)
+    assert local_offsets(w, "rank 1") is None  # holds nothing
 
 
 def test_load_layout_accepts_files_dicts_and_messages(tmp_path):

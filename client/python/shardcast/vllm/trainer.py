@@ -198,9 +198,7 @@ def _register(client: Any, group: str, entries: List[_Entry], collective: "_Coll
             if e.part is not None:
                 registration.watch(e.name, e.param)
         return registration
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    from shardcast.layout import layout_from_dtensors, root_mesh
+    from shardcast.layout import layout_from_dtensors, local_offsets, root_mesh
 
     mesh = root_mesh({e.name: e.param for e in entries if hasattr(e.param, "device_mesh")})
     world = int(mesh.size())
@@ -223,9 +221,10 @@ def _register(client: Any, group: str, entries: List[_Entry], collective: "_Coll
                 if any(type(p).__name__ == "Partial" for p in e.param.placements):
                     raise ValueError(f"the parameter holding {e.name!r} is Partial (pending a reduction): its bytes "
                                      "are not the checkpoint's")
-                _, offsets = compute_local_shape_and_global_offset(e.param.shape, e.param.device_mesh,
-                                                                   e.param.placements)
                 local = e.param.to_local().detach()
+                offsets = local_offsets(e.param, f"trainer rank {rank}, the parameter holding {e.name!r}")
+                if offsets is None:  # this rank's shard is empty
+                    continue
             else:
                 offsets, local = [0] * e.param.dim(), e.param.detach()
             piece = box_view(local, offsets, e.part, f"trainer rank {rank}, the parameter holding {e.name!r}")
