@@ -195,3 +195,53 @@ def main(kind: str, rank: int, world: int, port: int, target: str, group: str, c
         import traceback
 
         conn.send(("error", f"trainer rank {rank}: {e!r}\n{traceback.format_exc()}"))
+
+
+def check_boxes(rank: int, world: int, port: int, conn) -> None:
+    """This rank's boxes from shardcast.layout against real DTensors: for meshes of 1 and 2 dims
+    (one of them with its ranks permuted), every pair of placements among Replicate, Shard and
+    _StridedShard, and uneven shapes, the full tensor read at the boxes must be `to_local()`.
+    Sends ("checked", (cases, cases that are not boxes, mismatches))."""
+    import itertools
+
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from shardcast.layout import _placement, rank_boxes
+    from shardcast.local import join_process_group
+
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # torch 2.4, 2.5
+        from torch.distributed._tensor.placement_types import _StridedShard
+    try:
+        join_process_group(port, rank, world)
+        choices = [Replicate(), Shard(0), Shard(1), _StridedShard(0, split_factor=2), _StridedShard(1, split_factor=3)]
+        meshes = [DeviceMesh("cpu", list(range(world))), DeviceMesh("cpu", [[0, 1], [2, 3]]),
+                  DeviceMesh("cpu", [[3, 1], [0, 2]])]
+        cases, not_boxes, wrong = 0, 0, []
+        for mesh, shape in itertools.product(meshes, [(5, 3), (7, 6), (1, 4), (13, 7)]):
+            for placements in itertools.product(choices, repeat=mesh.mesh.ndim):
+                full = torch.arange(shape[0] * shape[1], dtype=torch.float64).reshape(shape)
+                try:  # each rank cuts its own: torch's scatter refuses uneven strided shards
+                    local = distribute_tensor(full, mesh, list(placements), src_data_rank=None).to_local()
+                except TypeError:  # torch < 2.5: no src_data_rank
+                    local = distribute_tensor(full, mesh, list(placements)).to_local()
+                cases += 1
+                try:
+                    boxes = rank_boxes(list(shape), list(mesh.mesh.shape), mesh.get_coordinate(),
+                                       [_placement(p) for p in placements])
+                except ValueError:
+                    not_boxes += 1
+                    continue
+                got = torch.cat([full[tuple(slice(o, o + s) for o, s in zip(offs, sizes))].reshape(-1)
+                                 for offs, sizes in boxes]) if boxes else torch.zeros(0, dtype=torch.float64)
+                if not torch.equal(got, local.reshape(-1)):
+                    wrong.append(f"mesh {mesh.mesh.tolist()} {placements} shape {shape}: boxes {boxes}, "
+                                 f"local {local.reshape(-1).tolist()}")
+        conn.send(("checked", (cases, not_boxes, wrong[:5])))
+    except Exception as e:
+        import traceback
+
+        conn.send(("error", f"rank {rank}: {e!r}\n{traceback.format_exc()}"))

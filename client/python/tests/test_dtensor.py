@@ -236,6 +236,30 @@ def test_expert_parallel_moe_into_expert_stacked_tp_and_into_ep(cluster):
     run_scenario(cluster, "ep", 4, moe_destinations, moe_expected, placements)
 
 
+def test_the_boxes_a_rank_holds_are_its_local_tensor_under_every_placement_pair():
+    # The layout's pieces for a mesh of a tensor's own come from shardcast.layout's reading of
+    # DTensor's placements: checked here against torch's own, on 4 gloo ranks.
+    ctx = mp.get_context("forkserver")
+    rendezvous = TorchRendezvous()
+    conns, procs = [], []
+    for rank in range(4):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=dtensor_worker.check_boxes, args=(rank, 4, rendezvous.port, child))
+        p.start()
+        conns.append(parent)
+        procs.append(p)
+    try:
+        for rank, c in enumerate(conns):
+            cases, not_boxes, wrong = recv(c, "checked", timeout=180)
+            assert not wrong, f"rank {rank}: {wrong}"
+            assert cases == 4 * (5 + 25 + 25) and not_boxes < cases // 4, (cases, not_boxes)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
 @pytest.mark.slow
 def test_torchtitan_experts_on_a_mesh_of_their_own_into_expert_stacked_tp_and_into_ep(cluster):
     # The router on ("fsdp",), the experts on ("efsdp", "ep"): two meshes over the same 4 ranks,
