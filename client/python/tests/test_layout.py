@@ -3,13 +3,16 @@ stand-ins with DTensor's attributes (device_mesh, placements, is_shard()...) eve
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import subprocess
 
 import numpy as np
 import pytest
 
 import shardcast
+from conftest import shardcastd_path
 from shardcast.layout import layout_from_dtensors, load_layout, local_offsets, rank_boxes, rank_intervals
 
 
@@ -114,6 +117,41 @@ def test_rank_boxes_are_the_local_tensor_in_order_or_refused():
     # Runs along dim 1 under 3 whole rows interleave in local memory: not boxes one after another.
     with pytest.raises(ValueError, match='mesh coordinate \\[0\\] holds .* not a sequence of boxes'):
         rank_boxes([3, 8], [2], (0,), [{"strided_shard": {"dim": 1, "split_factor": 2}}])
+
+
+def test_the_planner_reads_placements_as_the_boxes_say(tmp_path):
+    # The daemon resolves placements itself (planner/layout.cc); explicit pieces come from
+    # rank_boxes, which test_dtensor.py checks against torch. One node per rank: a sync from every
+    # tensor by its placements into the same tensor by rank_boxes' pieces moves no byte between
+    # nodes exactly when both read every placement pair alike.
+    choices = [{"replicate": {}}, SHARD0, {"shard": {"dim": 1}}, STRIDED0,
+               {"strided_shard": {"dim": 1, "split_factor": 3}}, {"strided_shard": {"dim": 0, "split_factor": 3}}]
+    cli = shardcastd_path().parent / "shardcast"
+    for mesh_shape in ([4], [2, 3]):
+        world = int(np.prod(mesh_shape))
+        coordinates = list(itertools.product(*(range(n) for n in mesh_shape)))
+        src, dst = [], []
+        for shape in ([7, 6], [13, 7], [12, 12]):
+            for placements in itertools.product(choices, repeat=len(mesh_shape)):
+                try:
+                    boxes = [rank_boxes(shape, mesh_shape, c, placements) for c in coordinates]
+                except ValueError:  # not boxes one after another in a rank's memory
+                    continue
+                name = f"w{len(src)}"
+                src.append({"name": name, "shape": shape, "dtype": "float32", "placements": list(placements)})
+                dst.append({"name": name, "shape": shape, "dtype": "float32",
+                            "pieces": [{"rank": r, "offsets": o, "sizes": sz}
+                                       for r, b in enumerate(boxes) for o, sz in b]})
+        nodes = [f"n{r}" for r in range(world)]
+        for group, mesh, tensors in (("src", mesh_shape, src), ("dst", [world], dst)):
+            (tmp_path / f"{group}.json").write_text(json.dumps(
+                {"group": group, "mesh": {"shape": mesh}, "nodes": nodes, "tensors": tensors}))
+        out = subprocess.run([str(cli), "plan", "--src", str(tmp_path / "src.json"),
+                              "--dst", str(tmp_path / "dst.json"), "--json"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        plan = json.loads(out.stdout)
+        assert len(src) >= 2 * len(choices) ** len(mesh_shape) and plan["bytes_needed"] > 0, len(src)
+        assert plan["network_bytes"] == 0, f"mesh {mesh_shape}: {plan['network_bytes']} bytes cross nodes"
 
 
 class CoordinateMesh(Mesh):
