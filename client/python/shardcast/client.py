@@ -15,7 +15,8 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import grpc
 
-from shardcast.layout import LayoutLike, layout_from_dtensors, load_layout, root_mesh
+from shardcast.layout import (LayoutLike, covers_group, describe_dtensors, is_stage_slice, layout_from_dtensors,
+                              layout_from_views, load_layout, root_mesh)
 from shardcast.memory import (CuMemBuffer, ForeignMemoryWarning, HandedAllocations, Registration, SharedTensors,
                               _cuda_handle, _is_torch, hand_over, in_place_handle, local_tensor, not_torchs_own)
 from shardcast.parallel import ParallelPlan, check_local_tensors, gather_nodes, inference_layout
@@ -361,6 +362,22 @@ def read_token(path: str) -> str:
     return token
 
 
+def _holds_one_stage(tensors: Mapping[str, Any], nodes: Optional[Sequence[str]], process_group: Any) -> bool:
+    """Whether register_dtensors' DTensors are one pipeline stage's (their mesh is not the group's
+    ranks 0..N-1, N the length of `nodes` or the size of `process_group`), so that every rank's
+    tensors must be gathered. A row-major 0..M-1 mesh that is no slice of a larger one, in a larger
+    process group, stays on the one-mesh path: the group is a subset of the world, and gathering
+    over the world would wait for processes that never call (gather_nodes names the mismatch)."""
+    if nodes is not None:
+        return not covers_group(tensors, len(nodes))
+    import torch.distributed as dist
+
+    world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else None
+    if covers_group(tensors, world):
+        return False
+    return not covers_group(tensors) or is_stage_slice(root_mesh(tensors))
+
+
 class Client:
     """A connection to one shardcastd (normally the node's own, over its Unix socket).
 
@@ -582,10 +599,16 @@ class Client:
         calls this (it is a collective when nodes are gathered). Register after the first forward
         pass: FSDP2 may re-pad uneven shards in its lazy init (Registration.check() tells). The
         group is a source: give the `version` the parameters hold now, or publish one later
-        (Registration.writing / publish)."""
+        (Registration.writing / publish).
+
+        Under pipeline parallelism (each stage's parameters on its own slice of the ranks) the
+        group's ranks are those of `process_group` (default: the world), which must hold every
+        stage, and every rank's tensors are gathered through it: a collective, `nodes` or not."""
         self._check_open(f'register group "{group}"')
         if not tensors:
             raise ValueError(f'register group "{group}": no tensors')
+        if _holds_one_stage(tensors, nodes, process_group):
+            return self._register_stages(group, tensors, nodes, process_group, version)
         mesh = root_mesh(tensors)
         world = int(mesh.size())
         coordinate = mesh.get_coordinate()
@@ -597,6 +620,28 @@ class Client:
         if nodes is None:
             nodes = gather_nodes(self.status().node, world, process_group)
         layout = layout_from_dtensors(group, tensors, nodes=nodes)
+        return self.register(group, rank, world, tensors, layout, role="source", version=version)
+
+    def _register_stages(self, group: str, tensors: Mapping[str, Any], nodes: Optional[Sequence[str]],
+                         process_group: Any, version: int) -> Registration:
+        """register_dtensors for ranks that hold different tensors (pipeline stages): every rank's
+        view is gathered and the layout lists each tensor's pieces (layout_from_views)."""
+        import torch.distributed as dist
+
+        what = f'register group "{group}"'
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(f"{what}: the DTensors' mesh spans ranks {root_mesh(tensors).mesh.flatten().tolist()}, "
+                             "not 0..N-1 in row-major order: pipeline stages register through torch.distributed, "
+                             "which is not initialized")
+        world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        mine = (self.status().node if nodes is None else str(nodes[rank]), dist.get_rank(), describe_dtensors(tensors))
+        everyone: List[Any] = [None] * world
+        dist.all_gather_object(everyone, mine, group=process_group)
+        try:
+            layout = layout_from_views(group, [v for _, _, v in everyone], [g for _, g, _ in everyone],
+                                       [n for n, _, _ in everyone])
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
         return self.register(group, rank, world, tensors, layout, role="source", version=version)
 
     def register_inference(self, group: str, tensors: Mapping[str, Any], plan: ParallelPlan, model: Mapping[str, Any],

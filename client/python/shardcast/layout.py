@@ -245,6 +245,11 @@ def _pieces_over(mesh: Any, name: str, shape: Sequence[int], placements: list) -
         pieces = _pieces_of(key[0], key[1], tuple(shape), json.dumps(placements, sort_keys=True))
     except ValueError as e:
         raise ValueError(f'tensor "{name}": {e}') from None
+    return _piece_entries(pieces)
+
+
+def _piece_entries(pieces: Sequence[tuple]) -> List[dict]:
+    """Layout piece entries of (ranks, offsets, sizes) triples."""
     return [{"ranks": list(ranks), "offsets": list(o), "sizes": list(sz)} for ranks, o, sz in pieces]
 
 
@@ -281,6 +286,85 @@ def _placed(name: str, t: Any, meshes: List[Any]) -> dict:
 def _mesh_name(m: Any) -> str:
     names = list(getattr(m, "mesh_dim_names", None) or [])
     return f"{names} {m.mesh.tolist()}" if names else str(m.mesh.tolist())
+
+
+def covers_group(tensors: Mapping[str, Any], world: Optional[int] = None) -> bool:
+    """Whether this rank's DTensors describe the whole group: their mesh spans ranks 0..N-1 in
+    row-major order (N = `world`, the process group's size, when given). Not so under pipeline
+    parallelism, where each stage's parameters sit on its own slice of the ranks."""
+    ranks = [int(r) for r in root_mesh(tensors).mesh.flatten().tolist()]
+    return ranks == list(range(len(ranks))) and (world is None or len(ranks) == world)
+
+
+def is_stage_slice(mesh: Any) -> bool:
+    """Whether `mesh` is a slice of a larger device mesh (a pipeline stage's part of the job's
+    mesh), as torch's DeviceMesh records it."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    if get_root is None:
+        try:
+            from torch.distributed.device_mesh import _mesh_resources
+        except ImportError:
+            return False
+        get_root = lambda: _mesh_resources.get_root_mesh(mesh)  # noqa: E731
+    root = get_root()
+    return root is not None and int(root.mesh.numel()) > int(mesh.mesh.numel())
+
+
+def describe_dtensors(tensors: Mapping[str, Any]) -> Dict[str, dict]:
+    """This rank's view of its tensors for a group whose ranks do not all hold the same ones
+    (pipeline stages): per tensor its shape and dtype and, for a DTensor, its placements over the
+    mesh it is on (or whose named submesh it is on) with that mesh's shape and global ranks.
+    layout_from_views joins every rank's view."""
+    meshes = _group_meshes(tensors) if any(hasattr(t, "device_mesh") for t in tensors.values()) else []
+    out: Dict[str, dict] = {}
+    for name, t in tensors.items():
+        d: dict = {"shape": [int(s) for s in t.shape], "dtype": str(t.dtype).replace("torch.", "")}
+        if hasattr(t, "device_mesh"):
+            m, placements = next((m, p) for m in meshes for p in [_placements_on(m, t)] if p is not None)
+            d.update(mesh_shape=[int(n) for n in m.mesh.shape], mesh_ranks=[int(r) for r in m.mesh.flatten().tolist()],
+                     placements=placements)
+        out[name] = d
+    return out
+
+
+def layout_from_views(group: str, views: Sequence[Mapping[str, dict]], ranks: Sequence[int],
+                      nodes: Sequence[str]) -> dict:
+    """The layout of a group whose rank i (global rank ranks[i], on nodes[i]) described its tensors
+    as views[i] (describe_dtensors): one mesh dim over the ranks, every tensor as explicit pieces
+    held by the ranks that have it. A tensor two ranks describe differently, or whose mesh spans
+    ranks that do not have it or lie outside the group, is a ValueError naming it and the ranks."""
+    if not (len(views) == len(ranks) == len(nodes)):
+        raise ValueError(f"{len(views)} views, {len(ranks)} ranks and {len(nodes)} nodes")
+    rank_of = {int(g): i for i, g in enumerate(ranks)}
+    first: Dict[str, Tuple[int, Mapping[str, Any]]] = {}
+    holders: Dict[str, List[int]] = {}
+    for r, view in enumerate(views):
+        for name, d in view.items():
+            r0, d0 = first.setdefault(name, (r, d))
+            if d0 != d:
+                raise ValueError(f'tensor "{name}": rank {r0} holds it as {dict(d0)}, rank {r} as {dict(d)}')
+            holders.setdefault(name, []).append(r)
+    tensors = []
+    for name, (_, d) in first.items():
+        entry = {"name": name, "shape": list(d["shape"]), "dtype": d["dtype"]}
+        if "mesh_ranks" in d:
+            outside = [g for g in d["mesh_ranks"] if g not in rank_of]
+            if outside:
+                raise ValueError(f'tensor "{name}": its mesh spans global ranks {outside}, which are not in the group')
+            mesh_ranks = [rank_of[g] for g in d["mesh_ranks"]]
+            if sorted(mesh_ranks) != holders[name]:
+                raise ValueError(f'tensor "{name}": its mesh spans ranks {sorted(mesh_ranks)} but ranks '
+                                 f"{holders[name]} have it")
+            try:
+                pieces = _pieces_of(tuple(d["mesh_shape"]), tuple(mesh_ranks), tuple(d["shape"]),
+                                    json.dumps(d["placements"], sort_keys=True))
+            except ValueError as e:
+                raise ValueError(f'tensor "{name}": {e}') from None
+        else:  # a plain tensor: whole on each rank that has it
+            pieces = ((tuple(holders[name]), [0] * len(d["shape"]), list(d["shape"])),)
+        entry["pieces"] = _piece_entries(pieces)
+        tensors.append(entry)
+    return {"group": group, "mesh": {"shape": [len(views)]}, "nodes": list(nodes), "tensors": tensors}
 
 
 def layout_from_dtensors(

@@ -96,6 +96,39 @@ class TitanMoE:
         return parameter.split(".")[-1]
 
 
+class PipelineMoE:
+    """The MoE weights over two pipeline stages of a ("pp", "dp") mesh: stage 0 holds the router
+    and w1, stage 1 w3 and w2, each under FSDP2 on its own slice of "dp"."""
+
+    STAGES = (("router", "w1"), ("w3", "w2"))
+
+    @staticmethod
+    def build(world: int):
+        import torch.nn as nn
+        from torch.distributed.device_mesh import init_device_mesh
+
+        class Stage(nn.Module):
+            def forward(self, step):
+                return sum(((p - 0.1 * step) ** 2).sum() for p in self.parameters())
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+        full = build_moe_weights()
+        net = Stage()
+        for name in PipelineMoE.STAGES[mesh.get_coordinate()[0]]:
+            net.register_parameter(name, nn.Parameter(full[name]))
+        return fully_shard()(net, mesh=mesh["dp"])
+
+    @staticmethod
+    def full_weights(net, rank: int):
+        """Every stage's full weights on rank 0 (full_tensor() within each stage, then gathered)."""
+        import torch.distributed as dist
+
+        mine = {n: p.full_tensor().detach().numpy().copy() for n, p in net.named_parameters()}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return {n: a for stage in everyone for n, a in stage.items()} if rank == 0 else None
+
+
 # The fp8 scenario: one bfloat16 weight of FP8_ROWS x FP8_COLS under FSDP2; at world sizes 3 and
 # 6 its row shards (torch.chunk) cut blocks of 128 rows.
 FP8_ROWS, FP8_COLS = 1000, 320
@@ -151,6 +184,9 @@ def main(kind: str, rank: int, world: int, port: int, target: str, group: str, c
         elif kind == "titan-ep":
             net = TitanMoE.build(world)
             loss_of, name_of = (lambda module, step: module(step)), TitanMoE.name
+        elif kind == "pp":
+            net = PipelineMoE.build(world)
+            loss_of = lambda module, step: module(step)  # noqa: E731
         elif kind == "fp8":
             net = build_fp8(world)
             loss_of = fp8_loss
@@ -166,6 +202,8 @@ def main(kind: str, rank: int, world: int, port: int, target: str, group: str, c
 
         def full_weights():
             # A collective: every rank takes part, rank 0 sends (bfloat16 as float32: numpy has none).
+            if kind == "pp":
+                return PipelineMoE.full_weights(net, rank)
             full = {name_of(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
                     for n, p in net.named_parameters()}
             out = {n: (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy() for n, t in full.items()}

@@ -271,6 +271,15 @@ def test_torchtitan_experts_on_a_mesh_of_their_own_into_expert_stacked_tp_and_in
     run_scenario(cluster, "titan-ep", 4, moe_destinations, moe_expected, placements)
 
 
+@pytest.mark.slow
+def test_pipeline_stages_each_holding_some_tensors_into_expert_stacked_tp_and_into_ep(cluster):
+    # Two stages of a ("pp", "dp") mesh, each rank registering only its stage's parameters (FSDP2
+    # on its slice of "dp"): the group's layout gathers every rank's tensors as explicit pieces.
+    def placements(p):
+        assert p == {"router": "(Shard(dim=0),)", "w1": "(Shard(dim=0),)"}, p  # rank 0: stage 0's only
+    run_scenario(cluster, "pp", 4, moe_destinations, moe_expected, placements)
+
+
 # ---- FSDP2 shards that cut fp8 blocks -> block-scaled fp8 ranks ----
 
 @pytest.mark.slow

@@ -154,6 +154,30 @@ def test_the_planner_reads_placements_as_the_boxes_say(tmp_path):
         assert plan["network_bytes"] == 0, f"mesh {mesh_shape}: {plan['network_bytes']} bytes cross nodes"
 
 
+def test_pipeline_stages_views_join_into_explicit_pieces():
+    # Global ranks 4..7 form the group (rank i = global 4 + i); stage 0 is ranks 0, 1 and stage 1
+    # ranks 2, 3, each FSDP2 on its own slice; a plain norm lives on stage 1 only.
+    def stage(global_ranks, names):
+        return {n: {"shape": [5, 4], "dtype": "float32", "mesh_shape": [2], "mesh_ranks": global_ranks,
+                    "placements": [SHARD0]} for n in names}
+    s0, s1 = stage([4, 5], ["embed"]), {**stage([6, 7], ["head"]), "norm": {"shape": [4], "dtype": "float32"}}
+    layout = shardcast.layout.layout_from_views("trainer", [s0, s0, s1, s1], [4, 5, 6, 7], ["a", "a", "b", "b"])
+    assert layout["mesh"] == {"shape": [4]} and layout["nodes"] == ["a", "a", "b", "b"]
+    by_name = {t["name"]: t["pieces"] for t in layout["tensors"]}
+    def rows(first_rank):  # 5 rows over 2 ranks: 3 and 2
+        return [{"ranks": [first_rank], "offsets": [0, 0], "sizes": [3, 4]},
+                {"ranks": [first_rank + 1], "offsets": [3, 0], "sizes": [2, 4]}]
+    assert by_name == {"embed": rows(0), "head": rows(2), "norm": [{"ranks": [2, 3], "offsets": [0], "sizes": [4]}]}
+    assert len(load_layout(json.dumps(layout)).tensors) == 3
+    views = [s0, s0, s1, s1]
+    with pytest.raises(ValueError, match=r'tensor "head": rank 2 holds it as .*, rank 3 as .*\[6, 5\]'):
+        shardcast.layout.layout_from_views("g", views[:3] + [stage([6, 5], ["head"])], [4, 5, 6, 7], "abcd")
+    with pytest.raises(ValueError, match=r'tensor "embed": its mesh spans global ranks \[5\], which are not in'):
+        shardcast.layout.layout_from_views("g", [s0], [4], ["a"])
+    with pytest.raises(ValueError, match=r'tensor "embed": its mesh spans ranks \[0, 1\] but ranks \[0\] have it'):
+        shardcast.layout.layout_from_views("g", [s0, s1], [4, 5], ["a", "b"])
+
+
 class CoordinateMesh(Mesh):
     def __init__(self, shape, names, coordinate):
         super().__init__(shape, names)
