@@ -243,3 +243,77 @@ def test_a_parameter_trained_with_an_adapter_but_no_lora_matrix_is_refused_by_na
     except ValueError as e:
         error = str(e)
     assert "'embed.trainable_tokens_delta.policy' belongs to LoRA adapter 'policy'" in error, error
+
+
+class Accepting:
+    """Stands in for vLLM's weight-sync client on the sender: takes the checkpoint announced."""
+
+    def __init__(self) -> None:
+        self.announced = None
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.announced = init_info
+
+
+def _pipeline_stage_rank(rank: int, port: int, target: str, results) -> None:
+    import numpy as np
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import shardcast
+    from shardcast.local import join_process_group
+    from shardcast.vllm.trainer import ShardcastTrainerInitInfo
+
+    join_process_group(port, rank, 2)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(rank)
+    stage = torch.nn.Module()  # stage 0 holds layer "a", stage 1 layer "b"
+    setattr(stage, "ab"[rank], torch.nn.Linear(8, 6) if rank == 0 else torch.nn.Linear(6, 4))
+    fully_shard(stage, mesh=mesh["dp"])
+    client = Accepting() if rank == 0 else None
+    engine = WeightTransferTrainerFactory.trainer_init(ShardcastTrainerInitInfo(rank=rank, daemon=target),
+                                                       client=client, source=ModuleSource(stage))
+    out = {"weights": {n: p.full_tensor().detach().numpy().copy() for n, p in stage.named_parameters()}}
+    registration = engine.registrations[""]
+    registration.acquire()
+    registration.publish(1)
+    torch.distributed.barrier()
+    if rank == 0:  # every checkpoint tensor of both stages, synced into one rank holding them whole
+        out["announced"] = sorted(client.announced["checkpoint"])
+        shapes = {"a.weight": (6, 8), "a.bias": (6,), "b.weight": (4, 6), "b.bias": (4,)}
+        dst = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+        layout = {"group": "dst", "mesh": {"shape": [1]}, "nodes": ["n0"],
+                  "tensors": [{"name": n, "shape": list(s), "dtype": "float32"} for n, s in shapes.items()]}
+        with shardcast.Client(target) as c:
+            reg = c.register("dst", 0, 1, dst, layout, role="destination")
+            c.sync("trainer", "dst", 1, verify=True, timeout=60)
+            out["synced"] = {n: np.array(t, copy=True) for n, t in reg.tensors.items()}
+            reg.close()
+    torch.distributed.barrier()
+    engine.shutdown()
+    results.put((rank, out))
+
+
+def test_pipeline_stages_each_registering_their_own_layers_sync_every_checkpoint_tensor():
+    # Each trainer rank is a pipeline stage of a ("pp", "dp") mesh holding its own layers under
+    # FSDP2: trainer_init gathers every rank's tensors into the group's layout (explicit pieces).
+    from shardcast.local import LocalCluster, TorchRendezvous
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    rendezvous = TorchRendezvous()
+    with LocalCluster(["n0"]) as cluster:
+        procs = [ctx.Process(target=_pipeline_stage_rank, args=(r, rendezvous.port, cluster.target("n0"), results))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        got = dict(results.get(timeout=180) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+    assert got[0]["announced"] == ["a.bias", "a.weight", "b.bias", "b.weight"]
+    weights = {**got[0]["weights"], **got[1]["weights"]}
+    assert set(weights) == set(got[0]["synced"])
+    for name, expected in weights.items():
+        assert (got[0]["synced"][name] == expected).all(), name

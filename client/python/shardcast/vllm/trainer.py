@@ -22,6 +22,7 @@ the engines."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
@@ -198,21 +199,16 @@ def _register(client: Any, group: str, entries: List[_Entry], collective: "_Coll
             if e.part is not None:
                 registration.watch(e.name, e.param)
         return registration
-    from shardcast.layout import layout_from_dtensors, local_offsets, root_mesh
+    from shardcast.layout import covers_group, describe_dtensors, layout_from_dtensors, layout_from_views, local_offsets
 
-    mesh = root_mesh({e.name: e.param for e in entries if hasattr(e.param, "device_mesh")})
-    world = int(mesh.size())
+    world = collective.world
+    rank = torch.distributed.get_rank() if collective.on else 0
+    dtensors = {e.name: e.param for e in entries if hasattr(e.param, "device_mesh")}
     tensors: Dict[str, torch.Tensor] = dict(whole)
-    me: List[int] = []  # this process's mesh rank
 
-    def my_pieces() -> Tuple[int, str, Dict[str, Any]]:
-        coordinate = mesh.get_coordinate()
-        if coordinate is None:
-            raise ValueError("this process is not in the DTensors' device mesh")
-        rank = 0
-        for c, n in zip(coordinate, mesh.mesh.shape):
-            rank = rank * int(n) + int(c)
-        me.append(rank)
+    def my_pieces() -> Tuple[bool, str, Dict[str, Any]]:
+        """Whether this rank's DTensors span the whole group (no pipeline stages), its node, and
+        the pieces of each fused parameter's checkpoint tensors it holds."""
         mine: Dict[str, Any] = {}
         for e in entries:
             if e.part is None:
@@ -231,23 +227,22 @@ def _register(client: Any, group: str, entries: List[_Entry], collective: "_Coll
             if piece is not None:
                 tensors[e.name] = piece[0]
                 mine[e.name] = (piece[1], piece[2])
-        return rank, client.status().node, mine
+        return covers_group(dtensors, world), client.status().node, mine
 
-    everyone = sorted(collective.gather(f'registering group "{group}": each rank\'s pieces', my_pieces),
-                      key=lambda r: r[0])
-    if [r for r, _, _ in everyone] != list(range(world)):
-        raise ValueError(f'registering group "{group}": the mesh ranks of the trainer processes are '
-                         f"{[r for r, _, _ in everyone]}, not 0..{world - 1}")
-    rank = me[0]
+    everyone = collective.gather(f'registering group "{group}": each rank\'s pieces', my_pieces)
     nodes = [node for _, node, _ in everyone]
-    layout = layout_from_dtensors(group, whole, nodes=nodes) if whole else {
-        "group": group, "mesh": {"shape": [world]}, "nodes": nodes, "tensors": []}
+    if all(covers for covers, _, _ in everyone):  # one mesh over the ranks: placements where they serve
+        layout = layout_from_dtensors(group, whole, nodes=nodes) if whole else {
+            "group": group, "mesh": {"shape": [world]}, "nodes": nodes, "tensors": []}
+    else:  # pipeline stages: each rank's own tensors, gathered
+        views = collective.gather(f'registering group "{group}": each rank\'s tensors', lambda: describe_dtensors(whole))
+        layout = layout_from_views(group, views, list(range(world)), nodes)
     for e in entries:
         if e.part is not None:
             layout["tensors"].append({
                 "name": e.name, "shape": list(e.shape), "dtype": str(e.param.dtype).replace("torch.", ""),
                 "pieces": [{"rank": r, "offsets": list(mine[e.name][0]), "sizes": list(mine[e.name][1])}
-                           for r, _, mine in everyone if e.name in mine]})
+                           for r, (_, _, mine) in enumerate(everyone) if e.name in mine]})
     registration = []
 
     def register() -> None:
@@ -263,6 +258,28 @@ def _register(client: Any, group: str, entries: List[_Entry], collective: "_Coll
             registration[0].close()
         raise
     return registration[0]
+
+
+def _announced_tensors(entries: Dict[str, List[_Entry]], collective: "_Collective") -> Dict[str, Dict[str, list]]:
+    """adapter -> {checkpoint name: [global shape, dtype]} over every trainer rank. Ranks holding
+    the same tensors (no pipeline stages) say so with a digest; otherwise every rank's are joined,
+    and a name two ranks give different shapes or dtypes is a ValueError naming both."""
+    import hashlib
+
+    mine = {adapter: {e.name: [list(e.shape), str(e.param.dtype).replace("torch.", "")] for e in es}
+            for adapter, es in entries.items()}
+    digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
+    if len(set(collective.gather("comparing the checkpoint's tensors", lambda: digest))) == 1:
+        return mine
+    out: Dict[str, Dict[str, list]] = {}
+    for rank, theirs in enumerate(collective.gather("gathering the checkpoint's tensors", lambda: mine)):
+        for adapter, named in theirs.items():
+            for name, spec in named.items():
+                first = out.setdefault(adapter, {}).setdefault(name, spec)
+                if first != spec:
+                    raise ValueError(f"shardcast: checkpoint tensor {name!r} is {first} on one trainer rank and "
+                                     f"{spec} on rank {rank}")
+    return out
 
 
 class _Collective:
@@ -379,10 +396,10 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
             if senders.count(True) != 1:
                 raise ValueError(f"shardcast: {senders.count(True)} trainer ranks are senders (is_sender); exactly "
                                  "one must be")
-            # Global shapes (a DTensor's shape is its global one), under the names registered. vLLM's
-            # workers match each against their loaders before anything moves.
-            tensors = {adapter: {e.name: [list(e.shape), str(e.param.dtype).replace("torch.", "")] for e in es}
-                       for adapter, es in entries.items()}
+            # Global shapes (a DTensor's shape is its global one), under the names registered, of
+            # every rank (pipeline stages each hold their own). vLLM's workers match each against
+            # their loaders before anything moves.
+            tensors = _announced_tensors(entries, engine.collective)
             announced = {"checkpoint": tensors.get("", {}), "group": init_info.destination, "daemon": "",
                          "double_buffer": init_info.double_buffer, "data_parallel": init_info.data_parallel}
             if engine.lora_ids:
