@@ -15,11 +15,11 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import grpc
 
-from shardcast.layout import (LayoutLike, covers_group, describe_dtensors, is_stage_slice, layout_from_dtensors,
-                              layout_from_views, load_layout, root_mesh)
+from shardcast.layout import (LayoutLike, covers_group, describe_dtensors, layout_from_dtensors, layout_from_views,
+                              load_layout, root_mesh, spans_job)
 from shardcast.memory import (CuMemBuffer, ForeignMemoryWarning, HandedAllocations, Registration, SharedTensors,
                               _cuda_handle, _is_torch, hand_over, in_place_handle, local_tensor, not_torchs_own)
-from shardcast.parallel import ParallelPlan, check_local_tensors, gather_nodes, inference_layout
+from shardcast.parallel import ParallelPlan, check_local_tensors, gather_nodes, gather_step, inference_layout
 from shardcast.v1 import service_pb2, service_pb2_grpc
 
 #: Where a node's daemon listens for local clients (common/defaults.h says the same).
@@ -362,22 +362,6 @@ def read_token(path: str) -> str:
     return token
 
 
-def _holds_one_stage(tensors: Mapping[str, Any], nodes: Optional[Sequence[str]], process_group: Any) -> bool:
-    """Whether register_dtensors' DTensors are one pipeline stage's (their mesh is not the group's
-    ranks 0..N-1, N the length of `nodes` or the size of `process_group`), so that every rank's
-    tensors must be gathered. A row-major 0..M-1 mesh that is no slice of a larger one, in a larger
-    process group, stays on the one-mesh path: the group is a subset of the world, and gathering
-    over the world would wait for processes that never call (gather_nodes names the mismatch)."""
-    if nodes is not None:
-        return not covers_group(tensors, len(nodes))
-    import torch.distributed as dist
-
-    world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else None
-    if covers_group(tensors, world):
-        return False
-    return not covers_group(tensors) or is_stage_slice(root_mesh(tensors))
-
-
 class Client:
     """A connection to one shardcastd (normally the node's own, over its Unix socket).
 
@@ -602,47 +586,59 @@ class Client:
         (Registration.writing / publish).
 
         Under pipeline parallelism (each stage's parameters on its own slice of the ranks) the
-        group's ranks are those of `process_group` (default: the world), which must hold every
-        stage, and every rank's tensors are gathered through it: a collective, `nodes` or not."""
+        group's ranks are those of `process_group` (default: the world), and every one of them
+        calls this: every rank's tensors are gathered through it, `nodes` given or not."""
         self._check_open(f'register group "{group}"')
         if not tensors:
             raise ValueError(f'register group "{group}": no tensors')
-        if _holds_one_stage(tensors, nodes, process_group):
-            return self._register_stages(group, tensors, nodes, process_group, version)
+        what = f'register group "{group}"'
+        if nodes is not None and covers_group(tensors, len(nodes)):
+            return self._register_one_mesh(group, tensors, nodes, version)
+        import torch.distributed as dist
+
+        mesh_ranks = root_mesh(tensors).mesh.flatten().tolist()
+        if not dist.is_available() or not dist.is_initialized():
+            if nodes is None and covers_group(tensors):
+                raise ValueError(f"{what}: torch.distributed is not initialized: pass nodes= (one per rank) instead")
+            raise ValueError(f"{what}: the DTensors' mesh spans ranks {mesh_ranks}"
+                             + (f" and {len(nodes)} nodes are given" if nodes is not None else "")
+                             + ": pipeline stages register through torch.distributed, which is not initialized")
+        world = dist.get_world_size(process_group)
+        if nodes is not None and len(nodes) != world:
+            raise ValueError(f"{what}: {len(nodes)} node names for a process group of {world} ranks")
+        if process_group is None and not covers_group(tensors, world) and not spans_job(root_mesh(tensors), world):
+            # Neither the world's mesh nor a stage of it: gathering over the world would wait for
+            # processes that never call.
+            raise ValueError(f"{what}: the process group has {world} ranks, the DTensors' mesh spans ranks "
+                             f"{mesh_ranks}: pass the group's own process_group or nodes=")
+
+        def mine() -> Tuple[str, bool]:
+            return (str(nodes[dist.get_rank(process_group)]) if nodes is not None else self.status().node,
+                    covers_group(tensors, world))
+
+        # One gather decides the path for every rank alike, and a rank failing fails them all.
+        everyone = gather_step(process_group, world, f"{what}: each rank's node", mine, "rank")
+        nodes = [n for n, _ in everyone]
+        if all(covers for _, covers in everyone):
+            return self._register_one_mesh(group, tensors, nodes, version)
+        views = gather_step(process_group, world, f"{what}: each rank's tensors (pipeline stages)",
+                            lambda: (dist.get_rank(), describe_dtensors(tensors)), "rank")
+        layout = layout_from_views(group, [v for _, v in views], [g for g, _ in views], nodes)
+        return self.register(group, dist.get_rank(process_group), world, tensors, layout, role="source",
+                             version=version)
+
+    def _register_one_mesh(self, group: str, tensors: Mapping[str, Any], nodes: Sequence[str],
+                           version: int) -> Registration:
+        """register_dtensors when the DTensors' mesh is the group's ranks 0..N-1, row-major."""
         mesh = root_mesh(tensors)
-        world = int(mesh.size())
         coordinate = mesh.get_coordinate()
         if coordinate is None:
             raise ValueError(f'register group "{group}": this process is not in the DTensors\' device mesh')
         rank = 0
         for c, n in zip(coordinate, mesh.mesh.shape):
             rank = rank * int(n) + int(c)
-        if nodes is None:
-            nodes = gather_nodes(self.status().node, world, process_group)
         layout = layout_from_dtensors(group, tensors, nodes=nodes)
-        return self.register(group, rank, world, tensors, layout, role="source", version=version)
-
-    def _register_stages(self, group: str, tensors: Mapping[str, Any], nodes: Optional[Sequence[str]],
-                         process_group: Any, version: int) -> Registration:
-        """register_dtensors for ranks that hold different tensors (pipeline stages): every rank's
-        view is gathered and the layout lists each tensor's pieces (layout_from_views)."""
-        import torch.distributed as dist
-
-        what = f'register group "{group}"'
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError(f"{what}: the DTensors' mesh spans ranks {root_mesh(tensors).mesh.flatten().tolist()}, "
-                             "not 0..N-1 in row-major order: pipeline stages register through torch.distributed, "
-                             "which is not initialized")
-        world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-        mine = (self.status().node if nodes is None else str(nodes[rank]), dist.get_rank(), describe_dtensors(tensors))
-        everyone: List[Any] = [None] * world
-        dist.all_gather_object(everyone, mine, group=process_group)
-        try:
-            layout = layout_from_views(group, [v for _, _, v in everyone], [g for _, g, _ in everyone],
-                                       [n for n, _, _ in everyone])
-        except ValueError as e:
-            raise ValueError(f"{what}: {e}") from None
-        return self.register(group, rank, world, tensors, layout, role="source", version=version)
+        return self.register(group, rank, int(mesh.size()), tensors, layout, role="source", version=version)
 
     def register_inference(self, group: str, tensors: Mapping[str, Any], plan: ParallelPlan, model: Mapping[str, Any],
                            *, nodes: Optional[Sequence[str]] = None, ranks_per_node: Optional[int] = None,

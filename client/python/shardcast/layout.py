@@ -256,11 +256,15 @@ def _piece_entries(pieces: Sequence[tuple]) -> List[dict]:
 @functools.lru_cache(maxsize=256)
 def _pieces_of(mesh_shape: tuple, mesh_ranks: tuple, shape: tuple, placements: str) -> tuple:
     # Every layer's experts have the same shape and placements: their pieces are computed once.
+    # A tensor of no elements gets an empty piece on every rank: a list of no pieces would read as
+    # "replicated on every rank" (docs/layout-format.md).
+    placed = json.loads(placements)
     holders: Dict[tuple, List[int]] = {}
     for i, coordinate in enumerate(itertools.product(*(range(n) for n in mesh_shape))):  # row-major
-        boxes = rank_boxes(shape, mesh_shape, coordinate, json.loads(placements))
+        boxes = rank_boxes(shape, mesh_shape, coordinate, placed)
         holders.setdefault(tuple((tuple(o), tuple(sz)) for o, sz in boxes), []).append(mesh_ranks[i])
-    return tuple((tuple(ranks), o, sz) for boxes, ranks in holders.items() for o, sz in boxes)
+    pieces = tuple((tuple(ranks), o, sz) for boxes, ranks in holders.items() for o, sz in boxes)
+    return pieces or ((tuple(mesh_ranks), (0,) * len(shape), shape),)
 
 
 def _placed(name: str, t: Any, meshes: List[Any]) -> dict:
@@ -296,18 +300,21 @@ def covers_group(tensors: Mapping[str, Any], world: Optional[int] = None) -> boo
     return ranks == list(range(len(ranks))) and (world is None or len(ranks) == world)
 
 
-def is_stage_slice(mesh: Any) -> bool:
-    """Whether `mesh` is a slice of a larger device mesh (a pipeline stage's part of the job's
-    mesh), as torch's DeviceMesh records it."""
+def spans_job(mesh: Any, world: int) -> bool:
+    """Whether `mesh`, or the larger device mesh torch sliced it from (a pipeline stage's slice of
+    the job's mesh), spans ranks 0..world-1."""
+    root = mesh
     get_root = getattr(mesh, "_get_root_mesh", None)
-    if get_root is None:
+    if get_root is not None:
+        root = get_root() or mesh
+    else:
         try:
             from torch.distributed.device_mesh import _mesh_resources
         except ImportError:
-            return False
-        get_root = lambda: _mesh_resources.get_root_mesh(mesh)  # noqa: E731
-    root = get_root()
-    return root is not None and int(root.mesh.numel()) > int(mesh.mesh.numel())
+            pass
+        else:
+            root = _mesh_resources.get_root_mesh(mesh) or mesh
+    return sorted(int(r) for r in root.mesh.flatten().tolist()) == list(range(world))
 
 
 def describe_dtensors(tensors: Mapping[str, Any]) -> Dict[str, dict]:
@@ -376,9 +383,11 @@ def layout_from_dtensors(
     node_prefix: str = "node-",
     fused: Optional[Sequence[Mapping[str, Any]]] = None,
 ) -> dict:
-    """The layout (JSON form, a dict) of a group holding `tensors`, DTensors keyed by name, all on one
-    device mesh whose ranks are 0..N-1 in row-major order (plain tensors among them are replicated:
-    every rank holds the same values). Say where ranks run with `nodes` (one node
+    """The layout (JSON form, a dict) of a group holding `tensors`, DTensors keyed by name, on a
+    device mesh whose ranks are 0..N-1 in row-major order, or on named submeshes of it, or on other
+    meshes over the same ranks (their tensors as explicit pieces); plain tensors among them are
+    replicated: every rank holds the same values. Every rank holds these same tensors (pipeline
+    stages: describe_dtensors and layout_from_views). Say where ranks run with `nodes` (one node
     name per rank) or `ranks_per_node` (+ `node_prefix`); default: every rank on its own node."""
     if not tensors:
         raise ValueError("no tensors")

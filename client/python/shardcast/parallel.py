@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from shardcast.fp8 import scale_shape
 
@@ -389,6 +389,32 @@ def check_local_tensors(plan: ParallelPlan, model: Mapping[str, Any], tensors: M
     if problems:
         raise ValueError(f"{plan.describe()}: "
                          + "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else ""))
+
+
+def gather_step(group: Any, world: int, what: str, step: Callable[[], Any], who: str) -> List[Any]:
+    """Runs `step` on this rank and gathers every rank's result (a list, by rank): a step that
+    succeeds on every rank of a torch.distributed group or fails on all of them. When the step
+    raised on any rank, raises on every rank, naming each failing rank (`who`: "trainer rank",
+    "worker") and its error: a rank that raised alone would leave the others waiting in the next
+    collective for good. Every rank of `group` (of `world` ranks) must call it; `group` None and
+    `world` 1 run the step alone."""
+    import torch
+
+    try:
+        value, error = step(), None
+    except Exception as e:  # every rank hears of it
+        value, error, raised = None, f"{type(e).__name__}: {e}", e
+    out: List[Any] = [(error, value)]
+    if world > 1:
+        out = [None] * world
+        torch.distributed.all_gather_object(out, (error, value), group=group)
+    failed = [(r, err) for r, (err, _) in enumerate(out) if err is not None]
+    if failed:
+        message = f"shardcast: {what} failed on {who}(s) " + "; ".join(f"{r}: {e}" for r, e in failed)
+        if error is not None:
+            raise RuntimeError(message) from raised
+        raise RuntimeError(message)
+    return [v for _, v in out]
 
 
 def gather_nodes(node: str, world_size: int, process_group: Any = None) -> List[str]:

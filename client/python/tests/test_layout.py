@@ -169,6 +169,10 @@ def test_pipeline_stages_views_join_into_explicit_pieces():
                 {"ranks": [first_rank + 1], "offsets": [3, 0], "sizes": [2, 4]}]
     assert by_name == {"embed": rows(0), "head": rows(2), "norm": [{"ranks": [2, 3], "offsets": [0], "sizes": [4]}]}
     assert len(load_layout(json.dumps(layout)).tensors) == 3
+    # A tensor of no elements is an empty piece of its stage's ranks, not "replicated on every rank".
+    empty = {"shape": [0, 4], "dtype": "float32", "mesh_shape": [2], "mesh_ranks": [6, 7], "placements": [SHARD0]}
+    layout = shardcast.layout.layout_from_views("g", [s0, s0, {"e": empty}, {"e": empty}], [4, 5, 6, 7], "abcd")
+    assert layout["tensors"][1]["pieces"] == [{"ranks": [2, 3], "offsets": [0, 0], "sizes": [0, 4]}]
     views = [s0, s0, s1, s1]
     with pytest.raises(ValueError, match=r'tensor "head": rank 2 holds it as .*, rank 3 as .*\[6, 5\]'):
         shardcast.layout.layout_from_views("g", views[:3] + [stage([6, 5], ["head"])], [4, 5, 6, 7], "abcd")

@@ -259,6 +259,8 @@ def _pipeline_stage_rank(rank: int, port: int, target: str, results) -> None:
     import numpy as np
     import torch
     from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -268,24 +270,35 @@ def _pipeline_stage_rank(rank: int, port: int, target: str, results) -> None:
 
     join_process_group(port, rank, 2)
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
-    torch.manual_seed(rank)
-    stage = torch.nn.Module()  # stage 0 holds layer "a", stage 1 layer "b"
-    setattr(stage, "ab"[rank], torch.nn.Linear(8, 6) if rank == 0 else torch.nn.Linear(6, 4))
-    fully_shard(stage, mesh=mesh["dp"])
+    torch.manual_seed(0)  # the same model on both ranks; each keeps its stage's layers, names unchanged
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False))
+    if rank == 0:  # the embedding and layer 0
+        model.model.layers[1], model.model.norm, model.lm_head = torch.nn.Module(), torch.nn.Identity(), None
+    else:  # layer 1, the final norm and the head
+        model.model.layers[0], model.model.embed_tokens = torch.nn.Module(), None
+    model.lm_head = model.lm_head or torch.nn.Identity()
+    model.model.embed_tokens = model.model.embed_tokens or torch.nn.Identity()
+    fully_shard(model.model.layers[rank], mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
     client = Accepting() if rank == 0 else None
     engine = WeightTransferTrainerFactory.trainer_init(ShardcastTrainerInitInfo(rank=rank, daemon=target),
-                                                       client=client, source=ModuleSource(stage))
-    out = {"weights": {n: p.full_tensor().detach().numpy().copy() for n, p in stage.named_parameters()}}
+                                                       client=client, source=ModuleSource(model))
+    # This stage's checkpoint tensors as save_pretrained writes them: each expert its own tensors.
+    state = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+    out = {"checkpoint": {n: t.numpy().copy() for n, t in revert_weight_conversion(model, state).items()}}
     registration = engine.registrations[""]
     registration.acquire()
     registration.publish(1)
     torch.distributed.barrier()
     if rank == 0:  # every checkpoint tensor of both stages, synced into one rank holding them whole
-        out["announced"] = sorted(client.announced["checkpoint"])
-        shapes = {"a.weight": (6, 8), "a.bias": (6,), "b.weight": (4, 6), "b.bias": (4,)}
-        dst = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+        announced = client.announced["checkpoint"]
+        out["announced"] = sorted(announced)
+        dst = {n: np.zeros(shape, np.float32) for n, (shape, _) in announced.items()}
         layout = {"group": "dst", "mesh": {"shape": [1]}, "nodes": ["n0"],
-                  "tensors": [{"name": n, "shape": list(s), "dtype": "float32"} for n, s in shapes.items()]}
+                  "tensors": [{"name": n, "shape": shape, "dtype": dtype} for n, (shape, dtype) in announced.items()]}
         with shardcast.Client(target) as c:
             reg = c.register("dst", 0, 1, dst, layout, role="destination")
             c.sync("trainer", "dst", 1, verify=True, timeout=60)
@@ -297,8 +310,9 @@ def _pipeline_stage_rank(rank: int, port: int, target: str, results) -> None:
 
 
 def test_pipeline_stages_each_registering_their_own_layers_sync_every_checkpoint_tensor():
-    # Each trainer rank is a pipeline stage of a ("pp", "dp") mesh holding its own layers under
-    # FSDP2: trainer_init gathers every rank's tensors into the group's layout (explicit pieces).
+    # Each trainer rank is a pipeline stage of a ("pp", "dp") mesh holding its own layers of a
+    # Qwen3-MoE under FSDP2, their experts fused ([E, 2I, H]) as transformers keeps them:
+    # trainer_init gathers every rank's tensors and expert pieces into the group's layout.
     from shardcast.local import LocalCluster, TorchRendezvous
 
     ctx = mp.get_context("spawn")
@@ -312,8 +326,9 @@ def test_pipeline_stages_each_registering_their_own_layers_sync_every_checkpoint
         got = dict(results.get(timeout=180) for _ in procs)
         for p in procs:
             p.join(timeout=60)
-    assert got[0]["announced"] == ["a.bias", "a.weight", "b.bias", "b.weight"]
-    weights = {**got[0]["weights"], **got[1]["weights"]}
-    assert set(weights) == set(got[0]["synced"])
-    for name, expected in weights.items():
-        assert (got[0]["synced"][name] == expected).all(), name
+    expected = {**got[0]["checkpoint"], **got[1]["checkpoint"]}
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in got[1]["checkpoint"]  # stage 1's experts, split
+    assert got[0]["announced"] == sorted(expected)
+    assert set(got[0]["synced"]) == set(expected)
+    wrong = [n for n, e in expected.items() if not (got[0]["synced"][n] == e).all()]
+    assert not wrong, wrong

@@ -55,7 +55,7 @@ from vllm.distributed.weight_transfer.base import (
 from shardcast.v1 import service_pb2
 from shardcast.vllm.apply import process_staged
 from shardcast.vllm.clients import replica_group
-from shardcast.vllm.collective import gather_step
+from shardcast.parallel import gather_step
 from shardcast.vllm.layout import (DTYPE_NAMES, check_coverage, check_dtypes, destination_layout, fp8_blocks,
                                    fp8_scales, rank_memory)
 from shardcast.vllm.lora import (AdapterSpec, Installer, WorkerAdapter, adapter_group, adapter_path,

@@ -32,7 +32,7 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 
 from shardcast.vllm import plugin
 from shardcast.vllm.clients import replica_group, with_reply
-from shardcast.vllm.collective import gather_step
+from shardcast.parallel import gather_step
 from shardcast.vllm.fused import Part, box_view, checkpoint_boxes, hf_conversion
 from shardcast.vllm.lora import (LORA_COMPONENTS, AdapterSpec, ServerNames, adapter_group, adapter_path, check_config,
                                  checkpoint_name, json_config, peft_adapters, resolve_adapters)
@@ -180,11 +180,13 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
 
 def _register(client: Any, group: str, entries: List[_Entry], collective: "_Collective") -> Any:
     """Registers this trainer rank's checkpoint tensors in place as a source group: DTensors with
-    the layout of their mesh and placements, parts of them with the pieces each rank holds
-    (gathered), plain tensors as one rank holding them whole. Every rank registers, or none does
-    and every rank raises."""
+    the layout of their mesh and placements (pipeline stages: every rank's own, gathered), parts of
+    them with the pieces each rank holds (gathered), plain tensors as one rank holding them whole.
+    Every rank registers, or none does and every rank raises."""
     whole = {e.name: e.param for e in entries if e.part is None}
-    if not any(type(e.param).__name__ == "DTensor" for e in entries):
+    has_dtensors = any(type(e.param).__name__ == "DTensor" for e in entries)
+    # Decided together: a stage of plain tensors beside stages of DTensors takes their path.
+    if not any(collective.gather("finding the DTensors", lambda: has_dtensors)):
         tensors = dict(whole)
         for e in entries:
             if e.part is not None:
@@ -206,13 +208,16 @@ def _register(client: Any, group: str, entries: List[_Entry], collective: "_Coll
     dtensors = {e.name: e.param for e in entries if hasattr(e.param, "device_mesh")}
     tensors: Dict[str, torch.Tensor] = dict(whole)
 
-    def my_pieces() -> Tuple[bool, str, Dict[str, Any]]:
-        """Whether this rank's DTensors span the whole group (no pipeline stages), its node, and
-        the pieces of each fused parameter's checkpoint tensors it holds."""
+    def my_pieces() -> Tuple[bool, str, Dict[str, Any], Dict[str, Any]]:
+        """Whether this rank's DTensors span the whole group (no pipeline stages), its node, the
+        checkpoint tensors its fused parameters hold (name: [shape, dtype]) and the piece of each
+        it holds (name: (offsets, sizes))."""
+        parts: Dict[str, Any] = {}
         mine: Dict[str, Any] = {}
         for e in entries:
             if e.part is None:
                 continue
+            parts[e.name] = [list(e.shape), str(e.param.dtype).replace("torch.", "")]
             if hasattr(e.param, "device_mesh"):
                 if any(type(p).__name__ == "Partial" for p in e.param.placements):
                     raise ValueError(f"the parameter holding {e.name!r} is Partial (pending a reduction): its bytes "
@@ -227,22 +232,26 @@ def _register(client: Any, group: str, entries: List[_Entry], collective: "_Coll
             if piece is not None:
                 tensors[e.name] = piece[0]
                 mine[e.name] = (piece[1], piece[2])
-        return covers_group(dtensors, world), client.status().node, mine
+        return bool(dtensors) and covers_group(dtensors, world), client.status().node, parts, mine
 
     everyone = collective.gather(f'registering group "{group}": each rank\'s pieces', my_pieces)
-    nodes = [node for _, node, _ in everyone]
-    if all(covers for covers, _, _ in everyone):  # one mesh over the ranks: placements where they serve
+    nodes = [node for _, node, _, _ in everyone]
+    if all(covers for covers, _, _, _ in everyone):  # one mesh over the ranks: placements where they serve
         layout = layout_from_dtensors(group, whole, nodes=nodes) if whole else {
             "group": group, "mesh": {"shape": [world]}, "nodes": nodes, "tensors": []}
     else:  # pipeline stages: each rank's own tensors, gathered
-        views = collective.gather(f'registering group "{group}": each rank\'s tensors', lambda: describe_dtensors(whole))
+        views = collective.gather(f'registering group "{group}": each rank\'s tensors',
+                                  lambda: describe_dtensors(whole))
         layout = layout_from_views(group, views, list(range(world)), nodes)
-    for e in entries:
-        if e.part is not None:
-            layout["tensors"].append({
-                "name": e.name, "shape": list(e.shape), "dtype": str(e.param.dtype).replace("torch.", ""),
-                "pieces": [{"rank": r, "offsets": list(mine[e.name][0]), "sizes": list(mine[e.name][1])}
-                           for r, (_, _, mine) in enumerate(everyone) if e.name in mine]})
+    parts: Dict[str, Any] = {}  # every rank's (stages hold different ones), in rank order
+    for _, _, theirs, _ in everyone:
+        for name, spec in theirs.items():
+            parts.setdefault(name, spec)
+    for name, (shape, dtype) in parts.items():
+        layout["tensors"].append({
+            "name": name, "shape": shape, "dtype": dtype,
+            "pieces": [{"rank": r, "offsets": list(mine[name][0]), "sizes": list(mine[name][1])}
+                       for r, (_, _, _, mine) in enumerate(everyone) if name in mine]})
     registration = []
 
     def register() -> None:
@@ -272,12 +281,14 @@ def _announced_tensors(entries: Dict[str, List[_Entry]], collective: "_Collectiv
     if len(set(collective.gather("comparing the checkpoint's tensors", lambda: digest))) == 1:
         return mine
     out: Dict[str, Dict[str, list]] = {}
+    first_rank: Dict[Tuple[str, str], int] = {}
     for rank, theirs in enumerate(collective.gather("gathering the checkpoint's tensors", lambda: mine)):
         for adapter, named in theirs.items():
             for name, spec in named.items():
                 first = out.setdefault(adapter, {}).setdefault(name, spec)
+                r0 = first_rank.setdefault((adapter, name), rank)
                 if first != spec:
-                    raise ValueError(f"shardcast: checkpoint tensor {name!r} is {first} on one trainer rank and "
+                    raise ValueError(f"shardcast: checkpoint tensor {name!r} is {first} on trainer rank {r0} and "
                                      f"{spec} on rank {rank}")
     return out
 
