@@ -221,20 +221,46 @@ def rank_boxes(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequ
              [b - a if i == d else r[0][1] - r[0][0] for i, r in enumerate(per_dim)]) for a, b in per_dim[d]]
 
 
+def _my_boxes(t: Any, where: str) -> List[Tuple[List[int], List[int]]]:
+    """rank_boxes of this rank of DTensor `t`; a ValueError names `where`."""
+    m = t.device_mesh
+    try:
+        return rank_boxes([int(s) for s in t.shape], [int(n) for n in m.mesh.shape], m.get_coordinate(),
+                          [_placement(p) for p in t.placements])
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
 def local_offsets(t: Any, where: str) -> Optional[List[int]]:
     """Where this rank's local tensor of DTensor `t` starts in the full tensor; None when it holds
     none of it. A local tensor that is several boxes (an uneven _StridedShard) is a ValueError
     naming `where`: one offset would misplace all but its first box."""
-    m = t.device_mesh
-    try:
-        boxes = rank_boxes([int(s) for s in t.shape], [int(n) for n in m.mesh.shape], m.get_coordinate(),
-                           [_placement(p) for p in t.placements])
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+    boxes = _my_boxes(t, where)
     if len(boxes) > 1:
         raise ValueError(f"{where}: this rank's shard is {len(boxes)} separate boxes of the parameter "
                          f"({', '.join(str(list(zip(o, s))) for o, s in boxes)}: (offset, size) per dim), not one")
     return boxes[0][0] if boxes else None
+
+
+def check_local_shard(name: str, t: Any) -> None:
+    """Raises when DTensor `t`'s local tensor on this rank is not the shape its placements give it:
+    the layout would then say it holds other elements than it does. FSDP2 over an uneven tensor-
+    or expert-parallel shard keeps torch.chunk of the rank's shard, which its _StridedShard
+    placement does not describe."""
+    if not hasattr(t, "to_local"):
+        return
+    boxes = _my_boxes(t, f'tensor "{name}"')
+    want = list(boxes[0][1]) if boxes else None
+    for offsets, sizes in boxes[1:]:  # boxes one after another: they differ along one dim
+        d = next((i for i, (a, b) in enumerate(zip(offsets, boxes[0][0])) if a != b), 0)
+        want[d] += sizes[d]
+    have = [int(n) for n in t.to_local().shape]
+    if have != want and (want is not None or 0 not in have):
+        raise ValueError(f'tensor "{name}": this rank (mesh coordinate {list(t.device_mesh.get_coordinate())}) holds a '
+                         f"local shard of {have}, but placements {list(map(str, t.placements))} give it "
+                         f"{want or 'nothing'}: "
+                         "FSDP2 over a tensor- or expert-parallel shard whose size its mesh does not divide keeps "
+                         "chunks its _StridedShard placement does not describe (make that dim divisible)")
 
 
 def _pieces_over(mesh: Any, name: str, shape: Sequence[int], placements: list) -> List[dict]:
@@ -327,6 +353,7 @@ def describe_dtensors(tensors: Mapping[str, Any]) -> Dict[str, dict]:
     for name, t in tensors.items():
         d: dict = {"shape": [int(s) for s in t.shape], "dtype": str(t.dtype).replace("torch.", "")}
         if hasattr(t, "device_mesh"):
+            check_local_shard(name, t)
             m, placements = next((m, p) for m in meshes for p in [_placements_on(m, t)] if p is not None)
             d.update(mesh_shape=[int(n) for n in m.mesh.shape], mesh_ranks=[int(r) for r in m.mesh.flatten().tolist()],
                      placements=placements)
@@ -400,6 +427,7 @@ def layout_from_dtensors(
     for name, t in tensors.items():
         entry = {"name": name, "shape": [int(s) for s in t.shape], "dtype": str(t.dtype).replace("torch.", "")}
         if hasattr(t, "device_mesh"):
+            check_local_shard(name, t)
             entry.update(_placed(name, t, meshes))
         # else: a plain tensor (e.g. a norm weight TP leaves alone) is the same on every rank
         out_tensors.append(entry)

@@ -219,6 +219,23 @@ def test_a_parameter_on_a_mesh_of_its_own_is_explicit_pieces():
     assert layout["tensors"][2]["pieces"] == [{"ranks": [1, 0], "offsets": [0], "sizes": [4]}]
 
 
+def test_a_local_shard_its_placements_do_not_describe_is_refused():
+    # FSDP2 (dp=3) over TP (2) of 7 rows keeps torch.chunk of each TP shard: rank (dp 2, tp 1)
+    # holds row 6, where (_StridedShard(0, sf=2), Shard(0)) gives it none (and (dp 2, tp 0) row 6).
+    class Local(FakeDTensor):
+        def to_local(self):
+            return np.zeros(self.local_shape)
+
+    mesh = CoordinateMesh((3, 2), ("dp", "tp"), (2, 1))
+    w = Local((7, 4), "torch.float32", mesh, [Shard(0, split_factor=2), Shard(0)])
+    w.local_shape = (1, 4)
+    with pytest.raises(ValueError, match=r'tensor "w": this rank \(mesh coordinate \[2, 1\]\) holds a local shard of '
+                                         r"\[1, 4\], but placements .* give it nothing: FSDP2 over"):
+        layout_from_dtensors("g", {"w": w})
+    w.local_shape = (0, 4)  # what the placements say: accepted
+    assert layout_from_dtensors("g", {"w": w})["tensors"][0]["placements"] == [STRIDED0, SHARD0]
+
+
 def test_local_offsets_refuse_a_shard_of_several_boxes():
     w = FakeDTensor((8, 3), "torch.float32", CoordinateMesh((2, 2), ("dp", "tp"), (0, 1)), [Shard(0), Shard(0)])
     assert local_offsets(w, "rank 1") == [2, 0]
