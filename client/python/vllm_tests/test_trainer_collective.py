@@ -103,21 +103,27 @@ def _trainer_init_rank(rank: int, port: int, target: str, results) -> None:
     results.put((rank, out))
 
 
-def test_a_trainer_init_vllm_refuses_raises_on_every_rank_and_leaves_nothing_registered():
+def _two_trainer_ranks(target, timeout: float = 120) -> dict:
+    """Runs `target(rank, port, daemon, results)` in two spawned trainer processes beside one
+    daemon (its log at info: sessions, registrations and unregistrations are in a failure's
+    report); returns {rank: what it put}."""
     from shardcast.local import LocalCluster, TorchRendezvous
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     rendezvous = TorchRendezvous()
-    # The daemon's log at info (sessions, registrations, unregistrations) is in a failure's report.
     with LocalCluster(["n0"], extra=["--log-level", "info"]) as cluster:
-        procs = [ctx.Process(target=_trainer_init_rank, args=(r, rendezvous.port, cluster.target("n0"), results))
-                 for r in range(2)]
+        procs = [ctx.Process(target=target, args=(r, rendezvous.port, cluster.target("n0"), results)) for r in range(2)]
         for p in procs:
             p.start()
-        got = dict(results.get(timeout=120) for _ in procs)
+        got = dict(results.get(timeout=timeout) for _ in procs)
         for p in procs:
             p.join(timeout=60)
+    return got
+
+
+def test_a_trainer_init_vllm_refuses_raises_on_every_rank_and_leaves_nothing_registered():
+    got = _two_trainer_ranks(_trainer_init_rank)
     for rank in (0, 1):
         assert got[rank]["refused"] == ("shardcast: initialising the weight transfer of 'vllm' failed on trainer "
                                         "rank(s) 0: RuntimeError: vLLM refuses checkpoint tensor 'w'"), got[rank]
@@ -313,19 +319,7 @@ def test_pipeline_stages_each_registering_their_own_layers_sync_every_checkpoint
     # Each trainer rank is a pipeline stage of a ("pp", "dp") mesh holding its own layers of a
     # Qwen3-MoE under FSDP2, their experts fused ([E, 2I, H]) as transformers keeps them:
     # trainer_init gathers every rank's tensors and expert pieces into the group's layout.
-    from shardcast.local import LocalCluster, TorchRendezvous
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    rendezvous = TorchRendezvous()
-    with LocalCluster(["n0"]) as cluster:
-        procs = [ctx.Process(target=_pipeline_stage_rank, args=(r, rendezvous.port, cluster.target("n0"), results))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        got = dict(results.get(timeout=180) for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
+    got = _two_trainer_ranks(_pipeline_stage_rank, timeout=180)
     expected = {**got[0]["checkpoint"], **got[1]["checkpoint"]}
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in got[1]["checkpoint"]  # stage 1's experts, split
     assert got[0]["announced"] == sorted(expected)
