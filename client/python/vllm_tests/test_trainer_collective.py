@@ -326,3 +326,65 @@ def test_pipeline_stages_each_registering_their_own_layers_sync_every_checkpoint
     assert set(got[0]["synced"]) == set(expected)
     wrong = [n for n, e in expected.items() if not (got[0]["synced"][n] == e).all()]
     assert not wrong, wrong
+
+
+def _data_parallel_rank(rank: int, port: int, target: str, results) -> None:
+    import numpy as np
+    import torch
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import shardcast
+    from shardcast.local import join_process_group
+    from shardcast.vllm.trainer import ShardcastTrainerInitInfo
+
+    join_process_group(port, rank, 2)
+    torch.manual_seed(rank)  # DDP broadcasts rank 0's weights when it wraps the model
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+    client = Accepting() if rank == 0 else None
+    out = {}
+
+    def init(module):
+        return WeightTransferTrainerFactory.trainer_init(ShardcastTrainerInitInfo(rank=rank, daemon=target),
+                                                         client=client, source=ModuleSource(module))
+
+    try:  # plain tensors on two processes may differ: refused on both
+        init(model)
+        out["plain"] = None
+    except RuntimeError as e:
+        out["plain"] = str(e)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    loss = ddp(torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))).square().sum()
+    loss.backward()
+    torch.optim.SGD(ddp.parameters(), lr=0.1).step()  # each rank's own batch; DDP averages the gradients
+    engine = init(ddp)
+    out["weights"] = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    registration = engine.registrations[""]
+    registration.acquire()
+    registration.publish(1)
+    torch.distributed.barrier()
+    if rank == 0:
+        announced = client.announced["checkpoint"]
+        dst = {n: np.zeros(shape, np.float32) for n, (shape, _) in announced.items()}
+        layout = {"group": "dst", "mesh": {"shape": [1]}, "nodes": ["n0"],
+                  "tensors": [{"name": n, "shape": shape, "dtype": dtype} for n, (shape, dtype) in announced.items()]}
+        with shardcast.Client(target) as c:
+            out["trainer_ranks"] = sorted(r.rank for r in c.ranks("trainer"))
+            reg = c.register("dst", 0, 1, dst, layout, role="destination")
+            c.sync("trainer", "dst", 1, verify=True, timeout=60)
+            out["synced"] = {n: np.array(t, copy=True) for n, t in reg.tensors.items()}
+            reg.close()
+    torch.distributed.barrier()
+    engine.shutdown()
+    results.put((rank, out))
+
+
+def test_ddp_replicas_register_as_every_rank_of_one_group_and_plain_copies_are_refused():
+    got = _two_trainer_ranks(_data_parallel_rank)
+    for rank in (0, 1):
+        assert "2 trainer processes hold plain tensors, neither DTensors nor DistributedDataParallel's replicas" in \
+            got[rank]["plain"], got[rank]["plain"]
+    assert got[0]["trainer_ranks"] == [0, 1]  # both replicas hold every byte: a sync reads the nearest
+    for name, weights in got[0]["weights"].items():
+        assert (got[1]["weights"][name] == weights).all(), name  # DDP kept the replicas equal
+        assert (got[0]["synced"][name] == weights).all(), name

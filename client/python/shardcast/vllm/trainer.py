@@ -178,33 +178,70 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
         module = inner
 
 
-def _register(client: Any, group: str, entries: List[_Entry], collective: "_Collective") -> Any:
+def _register(client: Any, group: str, entries: List[_Entry], collective: "_Collective", replicated: bool) -> Any:
     """Registers this trainer rank's checkpoint tensors in place as a source group: DTensors with
     the layout of their mesh and placements (pipeline stages: every rank's own, gathered), parts of
-    them with the pieces each rank holds (gathered), plain tensors as one rank holding them whole.
-    Every rank registers, or none does and every rank raises."""
-    whole = {e.name: e.param for e in entries if e.part is None}
+    them with the pieces each rank holds (gathered), plain tensors whole on every rank (one
+    process, or DDP's replicas: `replicated`). Every rank registers, or none does and every rank
+    raises."""
     has_dtensors = any(type(e.param).__name__ == "DTensor" for e in entries)
     # Decided together: a stage of plain tensors beside stages of DTensors takes their path.
-    if not any(collective.gather("finding the DTensors", lambda: has_dtensors)):
-        tensors = dict(whole)
-        for e in entries:
-            if e.part is not None:
-                view = box_view(e.param.detach(), [0] * e.param.dim(), e.part, f"parameter of {e.name!r}")
-                tensors[e.name] = view[0]
-        node = client.status().node
-        layout = {"group": group, "mesh": {"shape": [1]}, "nodes": [node],
-                  "tensors": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
-                              for n, t in tensors.items()]}
-        registration = client.register(group, 0, 1, tensors, layout, role="source")
+    if any(collective.gather("finding the DTensors", lambda: has_dtensors)):
+        rank, world, tensors, layout = _dtensor_layout(client, group, entries, collective)
+    else:
+        rank, world, tensors, layout = _replicated_layout(client, group, entries, collective, replicated)
+    registration = []
+
+    def register() -> None:
+        registration.append(client.register(group, rank, world, tensors, layout, role="source"))
         for e in entries:  # a replaced fused parameter shows in Registration.check() too
-            if e.part is not None:
-                registration.watch(e.name, e.param)
-        return registration
+            if e.part is not None and e.name in tensors:
+                registration[0].watch(e.name, e.param)
+
+    try:
+        collective.gather(f'registering group "{group}" rank {rank}', register)
+    except BaseException:
+        if registration:  # registered here, not everywhere: nothing is left half-registered
+            registration[0].close()
+        raise
+    return registration[0]
+
+
+def _replicated_layout(client: Any, group: str, entries: List[_Entry], collective: "_Collective",
+                       replicated: bool) -> Tuple[int, int, Dict[str, torch.Tensor], dict]:
+    """Plain tensors: every rank holds each whole (a fused parameter's checkpoint tensors as views
+    of it), so each is replicated over the ranks, which DDP keeps equal. Several processes holding
+    plain tensors without DDP may hold different values: refused."""
+    world = collective.world
+    tensors = {e.name: e.param for e in entries if e.part is None}
+    for e in entries:
+        if e.part is not None:
+            tensors[e.name] = box_view(e.param.detach(), [0] * e.param.dim(), e.part, f"parameter of {e.name!r}")[0]
+
+    def node() -> str:
+        if world > 1 and not replicated:
+            raise ValueError(f"shardcast: {world} trainer processes hold plain tensors, neither DTensors nor "
+                             "DistributedDataParallel's replicas, so they may differ: call trainer_init from one "
+                             "process, wrap the model in DistributedDataParallel, or shard it with FSDP2")
+        return client.status().node
+
+    nodes = collective.gather(f'registering group "{group}": each rank\'s node', node)
+    layout = {"group": group, "mesh": {"shape": [world]}, "nodes": nodes,
+              "tensors": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+                          for n, t in tensors.items()]}
+    return (torch.distributed.get_rank() if collective.on else 0), world, tensors, layout
+
+
+def _dtensor_layout(client: Any, group: str, entries: List[_Entry],
+                    collective: "_Collective") -> Tuple[int, int, Dict[str, torch.Tensor], dict]:
+    """DTensors (and any plain tensors beside them): the layout of their mesh and placements, or of
+    every rank's own under pipeline stages; a fused parameter's checkpoint tensors as the pieces
+    each rank holds."""
     from shardcast.layout import covers_group, describe_dtensors, layout_from_dtensors, layout_from_views, local_offsets
 
     world = collective.world
     rank = torch.distributed.get_rank() if collective.on else 0
+    whole = {e.name: e.param for e in entries if e.part is None}
     dtensors = {e.name: e.param for e in entries if hasattr(e.param, "device_mesh")}
     tensors: Dict[str, torch.Tensor] = dict(whole)
 
@@ -252,21 +289,7 @@ def _register(client: Any, group: str, entries: List[_Entry], collective: "_Coll
             "name": name, "shape": shape, "dtype": dtype,
             "pieces": [{"rank": r, "offsets": list(mine[name][0]), "sizes": list(mine[name][1])}
                        for r, (_, _, _, mine) in enumerate(everyone) if name in mine]})
-    registration = []
-
-    def register() -> None:
-        registration.append(client.register(group, rank, world, tensors, layout, role="source"))
-        for e in entries:  # a replaced fused parameter shows in Registration.check() too
-            if e.part is not None and e.name in tensors:
-                registration[0].watch(e.name, e.param)
-
-    try:
-        collective.gather(f'registering group "{group}" rank {rank}', register)
-    except BaseException:
-        if registration:  # registered here, not everywhere: nothing is left half-registered
-            registration[0].close()
-        raise
-    return registration[0]
+    return rank, world, tensors, layout
 
 
 def _announced_tensors(entries: Dict[str, List[_Entry]], collective: "_Collective") -> Dict[str, Dict[str, list]]:
@@ -402,7 +425,8 @@ class ShardcastTrainerEngine(TrainerWeightTransferEngine[ShardcastTrainerInitInf
             engine.shardcast = shardcast.Client(init_info.daemon or None)
             for adapter, adapter_entries in entries.items():
                 group, _ = engine._groups(adapter)
-                engine.registrations[adapter] = _register(engine.shardcast, group, adapter_entries, engine.collective)
+                engine.registrations[adapter] = _register(engine.shardcast, group, adapter_entries, engine.collective,
+                                                          is_data_parallel(module))
             senders = engine.collective.gather("finding the sender", lambda: bool(engine.is_sender))
             if senders.count(True) != 1:
                 raise ValueError(f"shardcast: {senders.count(True)} trainer ranks are senders (is_sender); exactly "
