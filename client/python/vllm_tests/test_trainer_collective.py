@@ -261,8 +261,36 @@ class Accepting:
         self.announced = init_info
 
 
-def _pipeline_stage_rank(rank: int, port: int, target: str, results) -> None:
+def _publish_and_sync_whole(engine, rank: int, vllm: "Accepting", target: str, out: dict) -> None:
+    """Publishes version 1 on this trainer rank; rank 0 then syncs it into a group "dst" of one rank
+    holding every checkpoint tensor announced to `vllm` whole, and puts what it announced, the
+    trainer group's ranks and what landed into `out`. Both ranks then shut their engine down."""
     import numpy as np
+    import torch
+
+    import shardcast
+
+    registration = engine.registrations[""]
+    registration.acquire()
+    registration.publish(1)
+    torch.distributed.barrier()
+    if rank == 0:
+        announced = vllm.announced["checkpoint"]
+        out["announced"] = sorted(announced)
+        dst = {n: np.zeros(shape, np.float32) for n, (shape, _) in announced.items()}
+        layout = {"group": "dst", "mesh": {"shape": [1]}, "nodes": ["n0"],
+                  "tensors": [{"name": n, "shape": shape, "dtype": dtype} for n, (shape, dtype) in announced.items()]}
+        with shardcast.Client(target) as c:
+            out["trainer_ranks"] = sorted(r.rank for r in c.ranks("trainer"))
+            reg = c.register("dst", 0, 1, dst, layout, role="destination")
+            c.sync("trainer", "dst", 1, verify=True, timeout=60)
+            out["synced"] = {n: np.array(t, copy=True) for n, t in reg.tensors.items()}
+            reg.close()
+    torch.distributed.barrier()
+    engine.shutdown()
+
+
+def _pipeline_stage_rank(rank: int, port: int, target: str, results) -> None:
     import torch
     from torch.distributed.fsdp import fully_shard
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -270,7 +298,6 @@ def _pipeline_stage_rank(rank: int, port: int, target: str, results) -> None:
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    import shardcast
     from shardcast.local import join_process_group
     from shardcast.vllm.trainer import ShardcastTrainerInitInfo
 
@@ -295,23 +322,7 @@ def _pipeline_stage_rank(rank: int, port: int, target: str, results) -> None:
     # This stage's checkpoint tensors as save_pretrained writes them: each expert its own tensors.
     state = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
     out = {"checkpoint": {n: t.numpy().copy() for n, t in revert_weight_conversion(model, state).items()}}
-    registration = engine.registrations[""]
-    registration.acquire()
-    registration.publish(1)
-    torch.distributed.barrier()
-    if rank == 0:  # every checkpoint tensor of both stages, synced into one rank holding them whole
-        announced = client.announced["checkpoint"]
-        out["announced"] = sorted(announced)
-        dst = {n: np.zeros(shape, np.float32) for n, (shape, _) in announced.items()}
-        layout = {"group": "dst", "mesh": {"shape": [1]}, "nodes": ["n0"],
-                  "tensors": [{"name": n, "shape": shape, "dtype": dtype} for n, (shape, dtype) in announced.items()]}
-        with shardcast.Client(target) as c:
-            reg = c.register("dst", 0, 1, dst, layout, role="destination")
-            c.sync("trainer", "dst", 1, verify=True, timeout=60)
-            out["synced"] = {n: np.array(t, copy=True) for n, t in reg.tensors.items()}
-            reg.close()
-    torch.distributed.barrier()
-    engine.shutdown()
+    _publish_and_sync_whole(engine, rank, client, target, out)
     results.put((rank, out))
 
 
@@ -329,12 +340,10 @@ def test_pipeline_stages_each_registering_their_own_layers_sync_every_checkpoint
 
 
 def _data_parallel_rank(rank: int, port: int, target: str, results) -> None:
-    import numpy as np
     import torch
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    import shardcast
     from shardcast.local import join_process_group
     from shardcast.vllm.trainer import ShardcastTrainerInitInfo
 
@@ -359,23 +368,7 @@ def _data_parallel_rank(rank: int, port: int, target: str, results) -> None:
     torch.optim.SGD(ddp.parameters(), lr=0.1).step()  # each rank's own batch; DDP averages the gradients
     engine = init(ddp)
     out["weights"] = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    registration = engine.registrations[""]
-    registration.acquire()
-    registration.publish(1)
-    torch.distributed.barrier()
-    if rank == 0:
-        announced = client.announced["checkpoint"]
-        dst = {n: np.zeros(shape, np.float32) for n, (shape, _) in announced.items()}
-        layout = {"group": "dst", "mesh": {"shape": [1]}, "nodes": ["n0"],
-                  "tensors": [{"name": n, "shape": shape, "dtype": dtype} for n, (shape, dtype) in announced.items()]}
-        with shardcast.Client(target) as c:
-            out["trainer_ranks"] = sorted(r.rank for r in c.ranks("trainer"))
-            reg = c.register("dst", 0, 1, dst, layout, role="destination")
-            c.sync("trainer", "dst", 1, verify=True, timeout=60)
-            out["synced"] = {n: np.array(t, copy=True) for n, t in reg.tensors.items()}
-            reg.close()
-    torch.distributed.barrier()
-    engine.shutdown()
+    _publish_and_sync_whole(engine, rank, client, target, out)
     results.put((rank, out))
 
 
