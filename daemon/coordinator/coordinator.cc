@@ -60,7 +60,7 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   const std::string repeat_key = RepeatCache::keyOf(req_, ctx_.caller_uid);
   std::shared_ptr<const RepeatView> repeat;
   if (ctx_.repeats && !ctx_.full_gather && !req_.options().catch_up()) repeat = ctx_.repeats->find(repeat_key);
-  if (repeat && repeat->prepare_seconds * 2000 > std::max(ctx_.config.peer_timeout_ms, 1000)) repeat = nullptr;
+  if (repeat && !RepeatView::quickEnough(repeat->prepare_seconds, ctx_.config.peer_timeout_ms)) repeat = nullptr;
   if (repeat) {  // each daemon's Prepare checks what the gather would have (repeat_cache.h)
     route_ = Route::kRepeated;
     cluster_ = repeat->cluster;

@@ -11,6 +11,7 @@
 // gather.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -45,6 +46,12 @@ struct RepeatView {
   // daemon silent to it is found as soon as the gather would have), so a sync whose Prepare takes
   // longer than half of that (many split fp8 blocks read from GPUs, say) always gathers.
   double prepare_seconds = 0;
+
+  // Whether a view whose Prepare took `prepare_seconds` may be repeated under a peer timeout of
+  // `peer_timeout_ms` (at least 1 s counts): half of it at most, as prepare_seconds says.
+  static bool quickEnough(double prepare_seconds, int peer_timeout_ms) {
+    return prepare_seconds * 2000 <= std::max(peer_timeout_ms, 1000);
+  }
 };
 
 class RepeatCache {
