@@ -420,17 +420,49 @@ bool AttemptTable::isOpen(const SyncAttempt& a) {
   return p == Phase::kPrepared || p == Phase::kExecuting;
 }
 
-Status AttemptTable::begin(const std::shared_ptr<SyncAttempt>& a) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (open_.count(a->id))
-    return absl::AlreadyExistsError(strCat("sync ", a->id, " is already prepared on node \"", node_, "\""));
+StatusOr<std::shared_ptr<SyncAttempt>> AttemptTable::begin(const std::shared_ptr<SyncAttempt>& a,
+                                                           const std::vector<uint64_t>& supersedes,
+                                                           std::chrono::milliseconds wait) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = open_.find(a->id);
+  if (it != open_.end()) {
+    const uint64_t earlier = it->second->fence;
+    if (std::find(supersedes.begin(), supersedes.end(), earlier) == supersedes.end())
+      return absl::AlreadyExistsError(strCat("sync ", a->id, " is already prepared on node \"", node_, "\""));
+    if (!isOpen(*it->second)) {
+      // Still being prepared here: given up now, so its Prepare ends refused and leaves the table.
+      rememberGivenUp(a->id, earlier);
+      const bool settled = left_.wait_for(lock, wait, [&] {
+        const auto now = open_.find(a->id);
+        return now == open_.end() || now->second->fence != earlier || isOpen(*now->second);
+      });
+      it = open_.find(a->id);
+      if (!settled || (it != open_.end() && it->second->fence != earlier))
+        return absl::AlreadyExistsError(strCat("sync ", a->id, " is already prepared on node \"", node_,
+                                               "\" (an earlier attempt of it is still being prepared here)"));
+    }
+  }
   if (given_up_.count({a->id, a->fence}))
     return absl::AbortedError(strCat("sync ", a->id, " was given up by its coordinator before it was prepared here"));
   // An attempt a Finish ended is not prepared again (a repeated commit would take the new one).
   if (closed_.count({a->id, a->fence}))
     return absl::AbortedError(strCat("sync ", a->id, " already ended on node \"", node_, "\" (this attempt)"));
+  std::shared_ptr<SyncAttempt> superseded;
+  if (it != open_.end()) {  // prepared or executing: this Prepare carries the abort that did not arrive
+    superseded = std::move(it->second);
+    open_.erase(it);
+  }
   open_.emplace(a->id, a);
-  return absl::OkStatus();
+  return superseded;
+}
+
+void AttemptTable::rememberGivenUp(const std::string& id, uint64_t fence) {
+  given_up_.insert({id, fence});
+  given_up_order_.push_back({id, fence});
+  if (given_up_order_.size() > kGivenUpKept) {
+    given_up_.erase(given_up_order_.front());
+    given_up_order_.pop_front();
+  }
 }
 
 Status AttemptTable::publish(const std::shared_ptr<SyncAttempt>& a) {
@@ -486,14 +518,7 @@ std::shared_ptr<SyncAttempt> AttemptTable::takeForClose(const std::string& id, u
   std::lock_guard<std::mutex> lock(mu_);
   auto it = open_.find(id);
   if (it == open_.end() || !isOpen(*it->second) || (fence != 0 && it->second->fence != fence)) {
-    if (fence != 0) {
-      given_up_.insert({id, fence});
-      given_up_order_.push_back({id, fence});
-      if (given_up_order_.size() > kGivenUpKept) {
-        given_up_.erase(given_up_order_.front());
-        given_up_order_.pop_front();
-      }
-    }
+    if (fence != 0) rememberGivenUp(id, fence);
     return nullptr;
   }
   auto a = std::move(it->second);

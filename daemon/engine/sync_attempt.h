@@ -257,9 +257,16 @@ class AttemptTable {
  public:
   explicit AttemptTable(std::string node) : node_(std::move(node)) {}
 
-  // `a` (preparing) enters the table. Refused while an attempt of its id is open here
-  // (ALREADY_EXISTS), or when its coordinator already gave this attempt up (ABORTED).
-  Status begin(const std::shared_ptr<SyncAttempt>& a);
+  // `a` (preparing) enters the table. Refused while another attempt of its id is open here
+  // (ALREADY_EXISTS), or when its coordinator already gave this attempt up (ABORTED). An open
+  // attempt whose fence is in `supersedes` (an earlier attempt of the same Sync call: its
+  // coordinator gave it up and runs the sync again, and the abort did not reach this node) is not
+  // in the way: it is taken out and returned, for the caller to close before `a` goes on. One of
+  // those still being prepared here is marked given up (its Prepare ends refused) and waited for,
+  // `wait` at most.
+  StatusOr<std::shared_ptr<SyncAttempt>> begin(const std::shared_ptr<SyncAttempt>& a,
+                                               const std::vector<uint64_t>& supersedes = {},
+                                               std::chrono::milliseconds wait = std::chrono::seconds(2));
   // preparing -> prepared: from here peers' notifications and the coordinator's calls find it,
   // and its lease runs. Refused (ABORTED) when its coordinator gave it up meanwhile (a Finish
   // that found nothing prepared): under this lock, so one of the two always sees the other.
@@ -295,6 +302,7 @@ class AttemptTable {
  private:
   static constexpr size_t kGivenUpKept = 4096;
   static bool isOpen(const SyncAttempt& a);  // prepared or executing
+  void rememberGivenUp(const std::string& id, uint64_t fence);  // under mu_
 
   const std::string node_;
   mutable std::mutex mu_;

@@ -213,8 +213,21 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   a->delta = req.delta();
   a->tree_hash = req.delta_tree_hash();
   // One attempt per id at a time here, and never one its coordinator already gave up (a Prepare
-  // that arrives after the Finish that gave it up).
-  SC_RETURN_IF_ERROR(attempts_.begin(a));
+  // that arrives after the Finish that gave it up). An earlier attempt of the same Sync call
+  // still open here (its coordinator gave it up, and the abort did not get here in time: this
+  // daemon busy, say) is ended now, as that abort would have ended it, rather than refusing the
+  // retry: refused, the coordinator would cut this node's replicas, healthy as they are.
+  const std::vector<uint64_t> supersedes(req.supersedes().begin(), req.supersedes().end());
+  SC_ASSIGN_OR_RETURN(const auto superseded, attempts_.begin(a, supersedes));
+  if (superseded) {
+    spdlog::warn("sync {}: its attempt with fence {} was still open on node \"{}\" when the next attempt came: ended",
+                 a->id, superseded->fence, node_);
+    close(superseded, Registry::SyncEnd::kDirty,
+          strCat("its coordinator gave this attempt up and runs the sync again (fence ", superseded->fence,
+                 " superseded)"))
+        .status()
+        .IgnoreError();
+  }
   struct Abandon {  // every way out before publish takes it out of the table again
     AttemptTable& table;
     const std::shared_ptr<SyncAttempt>& a;

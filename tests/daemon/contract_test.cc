@@ -902,6 +902,92 @@ TEST_CASE("sync attempts are told apart: a duplicate id, a late Prepare, another
   REQUIRE(client->publish("src", 0, 2).ok());
 }
 
+TEST_CASE("a retried attempt takes over from the earlier attempt of its Sync call whose abort never arrived",
+          "[daemon][contract]") {
+  Pair c;
+  c.registerAll(1);
+  auto p = c.peers();
+  std::vector<v1::DescribeResponse> described(2);
+  for (int i = 0; i < 2; ++i) REQUIRE(p[i]->Describe(ctx().get(), v1::DescribeRequest(), &described[i]).ok());
+  // Attempt 1 (fence 11) is prepared on both daemons; its coordinator gives it up, and the abort
+  // reaches neither (each was too busy to take it within its deadline).
+  for (int i = 0; i < 2; ++i) {
+    v1::PrepareResponse presp;
+    const grpc::Status st = p[i]->Prepare(ctx().get(), prepareRequest("retry", c.src_proto, c.dst_proto, 1, 11), &presp);
+    INFO(st.error_message());
+    REQUIRE(st.ok());
+  }
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) CHECK(s.state() == v1::RANK_UPDATING);
+  // A Prepare reusing the id that is not a retry of that Sync call is refused as before.
+  {
+    v1::PrepareResponse presp;
+    const grpc::Status st = p[1]->Prepare(ctx().get(), prepareRequest("retry", c.src_proto, c.dst_proto, 1, 13), &presp);
+    CHECK(st.error_code() == grpc::StatusCode::ALREADY_EXISTS);
+  }
+  // Attempt 2 (fence 12, superseding 11): each daemon ends attempt 1 as the abort would have, and
+  // attempt 2 prepares, runs and commits.
+  v1::ExecuteRequest exec;
+  exec.set_sync_id("retry");
+  exec.set_fence(12);
+  exec.set_timeout_ms(20000);
+  const std::string key(transport::WriteKey::random().view());
+  for (int i = 0; i < 2; ++i) {
+    v1::PrepareRequest prep = prepareRequest("retry", c.src_proto, c.dst_proto, 1, 12);
+    prep.add_supersedes(11);
+    prep.set_write_key(key);
+    v1::PrepareResponse presp;
+    const grpc::Status st = p[i]->Prepare(ctx().get(), prep, &presp);
+    INFO(st.error_message());
+    REQUIRE(st.ok());
+    auto* n = exec.add_nodes();
+    n->set_node(described[i].node());
+    n->set_transport_address(described[i].transport_address());
+    *n->mutable_targets() = presp.targets();
+  }
+  v1::ProgressRequest pr;
+  pr.set_sync_id("retry");
+  pr.set_fence(11);
+  v1::ProgressResponse prr;
+  CHECK(p[1]->Progress(ctx().get(), pr, &prr).error_code() == grpc::StatusCode::NOT_FOUND);  // attempt 1 ended
+  auto sent = std::async(std::launch::async, [&] {
+    v1::ExecuteResponse out;
+    return p[0]->Execute(ctx(60).get(), exec, &out);
+  });
+  v1::ExecuteResponse received_out;
+  const grpc::Status received = p[1]->Execute(ctx(60).get(), exec, &received_out);
+  const grpc::Status sent_st = sent.get();
+  INFO(sent_st.error_message() << " / " << received.error_message());
+  REQUIRE(sent_st.ok());
+  REQUIRE(received.ok());
+  // A late commit of attempt 1 commits nothing; attempt 2's commits.
+  for (int i = 0; i < 2; ++i) {
+    v1::FinishRequest late;
+    late.set_sync_id("retry");
+    late.set_fence(11);
+    late.set_commit(true);
+    late.set_executed(true);
+    v1::FinishResponse fr;
+    CHECK(p[i]->Finish(ctx().get(), late, &fr).error_code() == grpc::StatusCode::NOT_FOUND);
+  }
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) CHECK(s.state() == v1::RANK_UPDATING);
+  for (int i = 0; i < 2; ++i) {
+    v1::FinishRequest f;
+    f.set_sync_id("retry");
+    f.set_fence(12);
+    f.set_commit(true);
+    f.set_executed(true);
+    v1::FinishResponse fr;
+    const grpc::Status st = p[i]->Finish(ctx().get(), f, &fr);
+    INFO(st.error_message());
+    REQUIRE(st.ok());
+  }
+  CHECK(c.wrong(1) == 0);
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) {
+    CHECK(s.state() == v1::RANK_READY);
+    CHECK(s.version() == 1);
+  }
+}
+
 TEST_CASE("a destination commits only what landed: Prepare then Finish(commit) without Execute leaves it dirty",
           "[daemon][contract][security]") {
   Pair c;

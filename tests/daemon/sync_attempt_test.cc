@@ -147,7 +147,7 @@ TEST_CASE("attempt table: one open attempt per id, reachable only once prepared"
   AttemptTable table("n0");
   auto a = attempt("s", 3);
   REQUIRE(table.begin(a).ok());
-  CHECK(table.begin(attempt("s", 5)).code() == absl::StatusCode::kAlreadyExists);
+  CHECK(table.begin(attempt("s", 5)).status().code() == absl::StatusCode::kAlreadyExists);
   CHECK(table.find("s") == nullptr);  // preparing: no peer or coordinator reaches it yet
   REQUIRE(table.publish(a).ok());
   CHECK(table.find("s") == a);
@@ -159,11 +159,71 @@ TEST_CASE("attempt table: one open attempt per id, reachable only once prepared"
   CHECK(table.begin(attempt("s", 5)).ok());
 }
 
+TEST_CASE("attempt table: a retry of the same Sync call takes over from the earlier attempt its abort missed",
+          "[daemon][attempt]") {
+  using std::chrono::milliseconds;
+  AttemptTable table("n0");
+  auto first = attempt("s", 3);
+  REQUIRE(table.begin(first).ok());
+  REQUIRE(table.publish(first).ok());
+  SECTION("prepared: the retry gets it to close, and is the one found from then on") {
+    auto retry = attempt("s", 5);
+    auto taken = table.begin(retry, {3});
+    REQUIRE(taken.ok());
+    CHECK(*taken == first);
+    REQUIRE(table.publish(retry).ok());
+    CHECK(table.find("s") == retry);
+    CHECK(table.find("s", 3) == nullptr);
+    // A third attempt that supersedes only the first is not the retry's: refused as before.
+    CHECK(table.begin(attempt("s", 7), {3}).status().code() == absl::StatusCode::kAlreadyExists);
+    // ... and one that supersedes both takes the retry over in turn.
+    auto third = table.begin(attempt("s", 7), {3, 5});
+    REQUIRE(third.ok());
+    CHECK(*third == retry);
+  }
+  SECTION("another Sync call reusing the id does not supersede it") {
+    CHECK(table.begin(attempt("s", 5)).status().code() == absl::StatusCode::kAlreadyExists);
+    CHECK(table.begin(attempt("s", 5), {4}).status().code() == absl::StatusCode::kAlreadyExists);
+    CHECK(table.find("s") == first);
+  }
+  SECTION("a retry that was itself given up already is refused, and leaves the earlier attempt open") {
+    CHECK(table.takeForClose("s", 5) == nullptr);  // its Finish came first
+    CHECK(table.begin(attempt("s", 5), {3}).status().code() == absl::StatusCode::kAborted);
+    CHECK(table.find("s") == first);
+  }
+}
+
+TEST_CASE("attempt table: a retry waits for an earlier attempt still being prepared, which then ends refused",
+          "[daemon][attempt]") {
+  using std::chrono::milliseconds;
+  AttemptTable table("n0");
+  auto first = attempt("s", 3);
+  REQUIRE(table.begin(first).ok());  // preparing
+  SECTION("its Prepare ends while the retry waits") {
+    std::thread preparer([&] {
+      std::this_thread::sleep_for(milliseconds(50));
+      CHECK(table.publish(first).code() == absl::StatusCode::kAborted);  // given up by the retry
+      table.abandon(first);
+    });
+    auto taken = table.begin(attempt("s", 5), {3}, std::chrono::seconds(30));
+    preparer.join();
+    REQUIRE(taken.ok());
+    CHECK(*taken == nullptr);  // nothing left to close: it never opened
+    CHECK(first->phase() == Phase::kClosed);
+  }
+  SECTION("its Prepare outlasts the wait: the retry is refused, the earlier one still ends refused") {
+    auto taken = table.begin(attempt("s", 5), {3}, milliseconds(20));
+    CHECK(taken.status().code() == absl::StatusCode::kAlreadyExists);
+    CHECK_THAT(std::string(taken.status().message()), Catch::Contains("still being prepared"));
+    CHECK(table.publish(first).code() == absl::StatusCode::kAborted);
+  }
+}
+
 TEST_CASE("attempt table: an attempt given up before it was prepared is refused", "[daemon][attempt]") {
   AttemptTable table("n0");
   SECTION("its Prepare arrives after the Finish") {
     CHECK(table.takeForClose("s", 7) == nullptr);
-    CHECK(table.begin(attempt("s", 7)).code() == absl::StatusCode::kAborted);
+    CHECK(table.begin(attempt("s", 7)).status().code() == absl::StatusCode::kAborted);
     CHECK(table.begin(attempt("s", 8)).ok());  // another attempt of the sync is not
   }
   SECTION("the Finish arrives while it is being prepared") {
@@ -208,7 +268,7 @@ TEST_CASE("attempt table: a Finish repeated for an attempt a Finish took gets th
   REQUIRE((*repeat)->ranks_size() == 1);
   CHECK((*repeat)->ranks(0).rank() == 3);
   // The attempt is not prepared again (a repeated commit would take it), another one of the sync is.
-  CHECK(table.begin(attempt("s", 7)).code() == absl::StatusCode::kAborted);
+  CHECK(table.begin(attempt("s", 7)).status().code() == absl::StatusCode::kAborted);
   CHECK(table.begin(attempt("s", 8)).ok());
   // An abort after the commit is not taken for it.
   auto abort = table.closedBefore("s", 7, false, milliseconds(0));

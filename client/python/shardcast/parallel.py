@@ -391,13 +391,15 @@ def check_local_tensors(plan: ParallelPlan, model: Mapping[str, Any], tensors: M
                          + "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else ""))
 
 
-def gather_step(group: Any, world: int, what: str, step: Callable[[], Any], who: str) -> List[Any]:
+def gather_step(group: Any, world: int, what: str, step: Callable[[], Any], who: str,
+                exchange: Optional[Callable[[Any], List[Any]]] = None) -> List[Any]:
     """Runs `step` on this rank and gathers every rank's result (a list, by rank): a step that
     succeeds on every rank of a torch.distributed group or fails on all of them. When the step
     raised on any rank, raises on every rank, naming each failing rank (`who`: "trainer rank",
     "worker") and its error: a rank that raised alone would leave the others waiting in the next
     collective for good. Every rank of `group` (of `world` ranks) must call it; `group` None and
-    `world` 1 run the step alone."""
+    `world` 1 run the step alone. `exchange` (instead of `group`): gathers one value from every
+    rank, by rank (ranks spread over several groups: shardcast.vllm.engine's)."""
     import torch
 
     try:
@@ -405,7 +407,9 @@ def gather_step(group: Any, world: int, what: str, step: Callable[[], Any], who:
     except Exception as e:  # every rank hears of it
         value, error, raised = None, f"{type(e).__name__}: {e}", e
     out: List[Any] = [(error, value)]
-    if world > 1:
+    if exchange is not None:
+        out = exchange((error, value))
+    elif world > 1:
         out = [None] * world
         torch.distributed.all_gather_object(out, (error, value), group=group)
     failed = [(r, err) for r, (err, _) in enumerate(out) if err is not None]

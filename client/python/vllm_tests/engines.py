@@ -27,12 +27,14 @@ PROMPTS = ["t5 t6 t7", "t9 t3", "t100 t200 t300 t400", SYSTEM + " t5 t6 t7",
 def engine_args(tp, **extra) -> dict:
     """float32 (bf16 dies with SIGILL on this CPU), eager, a small KV cache, room for PROMPTS. `tp`: the tensor-
     parallel size, or a string of it: "2ep" is TP=2 with expert parallelism (a MoE layer's experts
-    split over the ranks, whole, instead of each expert's matrices)."""
+    split over the ranks, whole, instead of each expert's matrices); "2pp" is two pipeline stages
+    of TP=1 (each holding half the layers)."""
     spec = str(tp)
-    ep = spec.endswith("ep")
+    ep, pp = spec.endswith("ep"), spec.endswith("pp")
+    parallel = ({"tensor_parallel_size": 1, "pipeline_parallel_size": int(spec[:-2])} if pp else
+                {"tensor_parallel_size": int(spec[:-2] if ep else spec), **({"enable_expert_parallel": True} if ep else {})})
     return dict(dtype="float32", max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.1,
-                tensor_parallel_size=int(spec[:-2] if ep else spec), **({"enable_expert_parallel": True} if ep else {}),
-                **extra)
+                **parallel, **extra)
 
 
 def generate(llm, lora_request=None) -> list:
@@ -251,6 +253,8 @@ def start_server(model_dir: str, tp: int, target: str, log_path: str, dp: int = 
            "--tensor-parallel-size", str(args["tensor_parallel_size"]),
            "--weight-transfer-config", '{"backend": "shardcast"}', "--worker-extension-cls", "worker_ext.ShardcastCheck",
            *(["--enable-expert-parallel"] if args.get("enable_expert_parallel") else []),
+           *(["--pipeline-parallel-size", str(args["pipeline_parallel_size"])] if "pipeline_parallel_size" in args
+             else []),
            *(["--data-parallel-size", str(dp)] if dp > 1 else []), *extra_args]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", SHARDCAST_ADDRESS=target, **(env_extra or {}))
     log = open(log_path, "w")

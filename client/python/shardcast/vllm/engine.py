@@ -132,6 +132,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         # vLLM's model runner of this worker, set by shardcast.vllm.session before every call.
         self.runner: Any = None
         self.base_received = False  # this update session received the base weights' version
+        self.ranks: Optional[ModelRanks] = None  # the workers of this group, once registered
 
     def init_transfer_engine(self, init_info: ShardcastInitInfo) -> None:
         """All workers of the engine or none: each matches the announced checkpoint against vLLM's
@@ -139,32 +140,34 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         announced element lands somewhere, and the ranks register only when all of that held on
         every rank; a refusal raises on every worker, naming the rank it came from, and leaves
         nothing registered, so the trainer may initialise again."""
-        from vllm.distributed.parallel_state import get_tp_group
-
         if not init_info.checkpoint and not init_info.lora:
             raise ValueError("shardcast: init_info.checkpoint is empty (name -> [shape, dtype] of every tensor), "
                              "and it names no LoRA adapter (lora)")
         if self.registration is not None or self.adapters:
             raise RuntimeError(f'shardcast: this worker already registered group "{self.group}"')
         replica = self._replica(init_info)
-        tp = get_tp_group()
+        ranks = ModelRanks.of_this_worker()
+        if init_info.lora and ranks.pp.world_size > 1:
+            raise ValueError(f"shardcast: LoRA adapters into a vLLM of {ranks.pp.world_size} pipeline stages: each "
+                             "rank holds every adapter whole, and a stage's LoRA layers take only its own layers' "
+                             "parts (not built); serve adapters at pipeline_parallel_size=1")
         if init_info.checkpoint:
-            self._init_weights(init_info, replica, tp)
+            self._init_weights(init_info, replica, ranks)
         if init_info.lora:
             try:
-                self._init_adapters(init_info, replica, tp)
+                self._init_adapters(init_info, replica, ranks)
             except BaseException:
                 self.shutdown()  # the base weights' registration too: all or nothing
                 raise
 
-    def _init_weights(self, init_info: ShardcastInitInfo, replica: int, tp) -> None:
+    def _init_weights(self, init_info: ShardcastInitInfo, replica: int, ranks: "ModelRanks") -> None:
         """Registers the base weights' destination rank (see init_transfer_engine)."""
         shapes = {name: tuple(int(s) for s in spec[0]) for name, spec in init_info.checkpoint.items()}
         announced = {name: str(spec[1]).replace("torch.", "") for name, spec in init_info.checkpoint.items()}
         mine: Dict[str, Any] = {}
         try:
-            everyone = gather_step(tp.cpu_group, tp.world_size, "matching the checkpoint against vLLM's loaders",
-                                   lambda: self._prepare(init_info, shapes, announced, mine), "worker")
+            everyone = ranks.step("matching the checkpoint against vLLM's loaders",
+                                  lambda: self._prepare(init_info, shapes, announced, mine))
             dtypes: Dict[str, str] = {}
             fp8: Dict[str, List[int]] = {}
             for r in everyone:
@@ -181,21 +184,22 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
                                         checkpoint, fp8=fp8)
             if replica >= 0:
                 layout.update(replica_set=init_info.group, replica=replica)
-            where = f'rank {tp.rank_in_group} of group "{group}" on node "{mine["node"]}"'
+            where = f'rank {ranks.rank} of group "{group}"{ranks.stage} on node "{mine["node"]}"'
 
             def register() -> None:
-                mine["registration"] = mine["client"].register(group, tp.rank_in_group, tp.world_size,
+                mine["registration"] = mine["client"].register(group, ranks.rank, ranks.world,
                                                                mine["memory"].tensors, layout)
 
-            gather_step(tp.cpu_group, tp.world_size, f'registering group "{group}"', register, "worker")
+            ranks.step(f'registering group "{group}"', register)
         except BaseException:
             _release(mine)  # registered here but not everywhere, or not at all: nothing is left behind
             raise
         self.client, self.memory, self.registration = mine["client"], mine["memory"], mine["registration"]
-        self.group, self.rank, self.where = group, tp.rank_in_group, where
+        self.group, self.rank, self.where = group, ranks.rank, where
+        self.ranks = ranks
         self.replica = replica if replica >= 0 else None
 
-    def _init_adapters(self, init_info: ShardcastInitInfo, replica: int, tp) -> None:
+    def _init_adapters(self, init_info: ShardcastInitInfo, replica: int, ranks: "ModelRanks") -> None:
         """Registers one destination group per LoRA adapter, every rank holding each adapter whole
         (vLLM's LoRA layers cut it per TP rank when it is put into service), after every worker
         checked that vLLM takes each adapter (shardcast.vllm.lora.Installer.check)."""
@@ -218,8 +222,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
 
         adapters: Dict[str, WorkerAdapter] = {}
         try:
-            nodes = gather_step(tp.cpu_group, tp.world_size, "checking the LoRA adapters against vLLM's LoRA layers",
-                                prepare, "worker")
+            nodes = ranks.step("checking the LoRA adapters against vLLM's LoRA layers", prepare)
 
             def register() -> None:
                 for spec in specs:
@@ -232,23 +235,23 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
                         layout.update(replica_set=replica_set, replica=replica)
                     adapter = WorkerAdapter(spec, group, mine["buffers"][spec.name],
                                             path=adapter_path(init_info.group, spec.name))
-                    adapter.registration = mine["client"].register(group, tp.rank_in_group, tp.world_size,
+                    adapter.registration = mine["client"].register(group, ranks.rank, ranks.world,
                                                                    adapter.buffers, layout)
                     adapters[spec.name] = adapter
 
-            gather_step(tp.cpu_group, tp.world_size, "registering the LoRA adapters' groups", register, "worker")
+            ranks.step("registering the LoRA adapters' groups", register)
         except BaseException:
             for adapter in adapters.values():
                 _release({"registration": adapter.registration})
             _release({"client": mine.get("own_client")})
             raise
         self.client, self.installer, self.adapters = mine["client"], mine["installer"], adapters
-        self.rank = tp.rank_in_group
+        self.rank, self.ranks = ranks.rank, ranks
         self.replica = replica if replica >= 0 else None
         if self.registration is None:
             self.group = init_info.group
-            self.where = (f'rank {tp.rank_in_group} of the LoRA adapters of "{init_info.group}" on node '
-                          f'"{nodes[tp.rank_in_group]}"')
+            self.where = (f'rank {ranks.rank} of the LoRA adapters of "{init_info.group}" on node '
+                          f'"{nodes[ranks.rank]}"')
         _log.info("shardcast: %s: LoRA adapter(s) %s registered; each is put into service through vLLM's in-memory "
                   "adapter API (LoRAModel.from_lora_tensors), never loaded from disk", self.where,
                   ", ".join(f"{a.spec.name} (id {a.spec.id})" for a in adapters.values()))
@@ -335,15 +338,13 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
             raise RuntimeError("shardcast: update_weights before init_transfer_engine")
         if update_info.version <= 0:
             raise ValueError(f"shardcast: update_info.version must be a version >= 1, not {update_info.version}")
-        from vllm.distributed.parallel_state import get_tp_group
-
-        tp = get_tp_group()
+        ranks = self.ranks
         targets = self._targets(update_info)
         error: Optional[BaseException] = None
         failed_group = ""
         for adapter, group, source, version in targets:
             if self.replica is not None and source:
-                error = self._catch_up(tp, group, source, version, update_info.timeout_s)
+                error = self._catch_up(ranks, group, source, version, update_info.timeout_s)
             if error is None:
                 try:
                     self.client.wait_version(group, version, timeout=update_info.timeout_s)
@@ -355,7 +356,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         # All ranks or none: vLLM ends the update session only on a worker whose update_weights
         # raises, so a rank that got the version while another did not must raise too, or its
         # session stays open and the next start_weight_update fails there.
-        failed = _any_rank(tp, error is not None)
+        failed = ranks.any(error is not None)
         what = self.where if failed_group == self.group else f'{self.where}, group "{failed_group}"'
         if error is not None:
             raise RuntimeError(f"shardcast: {what} did not receive version {update_info.version}: "
@@ -369,7 +370,8 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
             else:
                 adapter.received = version
 
-    def _catch_up(self, tp, group: str, source: str, version: int, timeout_s: float) -> Optional[BaseException]:
+    def _catch_up(self, ranks: "ModelRanks", group: str, source: str, version: int,
+                  timeout_s: float) -> Optional[BaseException]:
         """A replica whose ranks do not all hold the version once the sync has ended catches up to
         it: rank 0 of the replica asks its daemon (the bytes come from a replica that holds the
         version, else from `source`), the other ranks wait for it. Returns this rank's error, if
@@ -380,7 +382,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
                              for r in self.client.ranks(group))
         except Exception as e:  # the daemon's absence: wait_version is not tried either
             error, behind = e, True
-        if not _any_rank(tp, behind):
+        if not ranks.any(behind):
             return error
         if self.rank == 0 and error is None:
             try:
@@ -388,7 +390,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
                 self.seeded_from = resp.seeded_from
             except Exception as e:
                 error = e
-        if _any_rank(tp, error is not None) and error is None:
+        if ranks.any(error is not None) and error is None:
             error = RuntimeError(f"the catch-up of replica group \"{group}\" to version {version} failed "
                                  "(the worker of the rank that failed names why)")
         return error
@@ -470,12 +472,54 @@ def _release(held: Dict[str, Any]) -> None:
             client.close()
 
 
-def _any_rank(tp, flag: bool) -> bool:
-    """Whether `flag` holds on any rank of the tensor-parallel group (every rank must call it)."""
-    value = torch.tensor([int(flag)], dtype=torch.int32)
-    if tp.world_size > 1:
-        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=tp.cpu_group)
-    return bool(value.item())
+class ModelRanks:
+    """The workers that together hold one copy of the model, one destination group: vLLM's
+    tensor-parallel ranks of each pipeline stage, stage after stage (rank = stage x TP + TP rank,
+    vLLM's own order). vLLM has no process group of exactly them (its world spans data-parallel
+    engines too), so a gather goes through its tensor-parallel group, then its pipeline group (the
+    workers of every stage at this TP rank). Every worker of the engine must call each method."""
+
+    def __init__(self, tp: Any, pp: Any) -> None:
+        self.tp, self.pp = tp, pp  # vLLM's GroupCoordinators
+        self.rank = pp.rank_in_group * tp.world_size + tp.rank_in_group
+        self.world = tp.world_size * pp.world_size
+        # For messages: where this rank sits when there are several stages.
+        self.stage = f" (pipeline stage {pp.rank_in_group}, TP rank {tp.rank_in_group})" if pp.world_size > 1 else ""
+
+    @classmethod
+    def of_this_worker(cls) -> "ModelRanks":
+        from vllm.distributed import parallel_state
+
+        pcp = getattr(parallel_state, "get_pcp_group", None)
+        if pcp is not None and pcp().world_size > 1:
+            raise ValueError(f"shardcast: vLLM runs prefill context parallelism ({pcp().world_size} ranks per "
+                             "tensor-parallel rank), which this backend does not register (not built)")
+        return cls(parallel_state.get_tp_group(), parallel_state.get_pp_group())
+
+    def gather(self, value: Any) -> List[Any]:
+        """Every rank's `value`, by rank."""
+        stage = [value]
+        if self.tp.world_size > 1:
+            stage = [None] * self.tp.world_size
+            torch.distributed.all_gather_object(stage, value, group=self.tp.cpu_group)
+        if self.pp.world_size == 1:
+            return stage
+        stages: List[Any] = [None] * self.pp.world_size
+        torch.distributed.all_gather_object(stages, stage, group=self.pp.cpu_group)
+        return [v for s in stages for v in s]
+
+    def step(self, what: str, step) -> List[Any]:
+        """shardcast.parallel.gather_step over these ranks: `step` succeeds on every worker or
+        raises on all of them, naming each failing worker by its rank here."""
+        return gather_step(None, self.world, what, step, "worker", exchange=self.gather)
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank."""
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        for group in (self.tp, self.pp):
+            if group.world_size > 1:
+                torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+        return bool(value.item())
 
 
 __all__ = ["ShardcastInitInfo", "ShardcastUpdateInfo", "ShardcastWeightTransferEngine", "ProbeError"]
