@@ -301,7 +301,7 @@ class AttemptTable {
 
  private:
   static constexpr size_t kGivenUpKept = 4096;
-  static bool isOpen(const SyncAttempt& a);  // prepared or executing
+  static bool isOpen(const SyncAttempt& a);                     // prepared or executing
   void rememberGivenUp(const std::string& id, uint64_t fence);  // under mu_
 
   const std::string node_;

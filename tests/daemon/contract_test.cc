@@ -913,7 +913,8 @@ TEST_CASE("a retried attempt takes over from the earlier attempt of its Sync cal
   // reaches neither (each was too busy to take it within its deadline).
   for (int i = 0; i < 2; ++i) {
     v1::PrepareResponse presp;
-    const grpc::Status st = p[i]->Prepare(ctx().get(), prepareRequest("retry", c.src_proto, c.dst_proto, 1, 11), &presp);
+    const grpc::Status st =
+        p[i]->Prepare(ctx().get(), prepareRequest("retry", c.src_proto, c.dst_proto, 1, 11), &presp);
     INFO(st.error_message());
     REQUIRE(st.ok());
   }
@@ -921,7 +922,8 @@ TEST_CASE("a retried attempt takes over from the earlier attempt of its Sync cal
   // A Prepare reusing the id that is not a retry of that Sync call is refused as before.
   {
     v1::PrepareResponse presp;
-    const grpc::Status st = p[1]->Prepare(ctx().get(), prepareRequest("retry", c.src_proto, c.dst_proto, 1, 13), &presp);
+    const grpc::Status st =
+        p[1]->Prepare(ctx().get(), prepareRequest("retry", c.src_proto, c.dst_proto, 1, 13), &presp);
     CHECK(st.error_code() == grpc::StatusCode::ALREADY_EXISTS);
   }
   // Attempt 2 (fence 12, superseding 11): each daemon ends attempt 1 as the abort would have, and

@@ -421,6 +421,51 @@ def gather_step(group: Any, world: int, what: str, step: Callable[[], Any], who:
     return [v for _, v in out]
 
 
+class GridRanks:
+    """Ranks laid out as a grid of two process groups, each rank in one of each: `inner` (its
+    position among `inner.world_size` neighbours) and `outer` (the ranks at the same inner position
+    across the grid's rows). Rank = outer position x inner size + inner position: vLLM's workers,
+    inner its tensor-parallel group and outer its pipeline group. For when no process group holds
+    exactly these ranks: a gather goes through `inner`, then `outer`. Each group is given as vLLM's
+    GroupCoordinator gives it (`cpu_group`, `world_size`, `rank_in_group`). Every rank must call
+    each method. `where` (for messages) says where this rank sits; `who` names a rank."""
+
+    def __init__(self, inner: Any, outer: Any, where: str = "", who: str = "rank") -> None:
+        self.inner, self.outer = inner, outer
+        self.rank = outer.rank_in_group * inner.world_size + inner.rank_in_group
+        self.world = inner.world_size * outer.world_size
+        self.where, self.who = where, who
+
+    def gather(self, value: Any) -> List[Any]:
+        """Every rank's `value`, by rank."""
+        import torch
+
+        row = [value]
+        if self.inner.world_size > 1:
+            row = [None] * self.inner.world_size
+            torch.distributed.all_gather_object(row, value, group=self.inner.cpu_group)
+        if self.outer.world_size == 1:
+            return row
+        rows: List[Any] = [None] * self.outer.world_size
+        torch.distributed.all_gather_object(rows, row, group=self.outer.cpu_group)
+        return [v for r in rows for v in r]
+
+    def step(self, what: str, step: Callable[[], Any]) -> List[Any]:
+        """gather_step over these ranks: `step` succeeds on every rank or raises on all of them,
+        naming each failing rank by its number here."""
+        return gather_step(None, self.world, what, step, self.who, exchange=self.gather)
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank."""
+        import torch
+
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        for group in (self.inner, self.outer):
+            if group.world_size > 1:
+                torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+        return bool(value.item())
+
+
 def gather_nodes(node: str, world_size: int, process_group: Any = None) -> List[str]:
     """Every rank's node, in rank order, gathered through torch.distributed (each rank passes its
     own node; `process_group` must hold exactly the group's ranks, in rank order)."""

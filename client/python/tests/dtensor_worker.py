@@ -283,3 +283,46 @@ def check_boxes(rank: int, world: int, port: int, conn) -> None:
         import traceback
 
         conn.send(("error", f"rank {rank}: {e!r}\n{traceback.format_exc()}"))
+
+
+def check_grid(rank: int, world: int, port: int, conn) -> None:
+    """shardcast.parallel.GridRanks over 4 gloo ranks laid out as vLLM lays out TP=2 x PP=2 (TP
+    groups [0, 1] and [2, 3], pipeline groups [0, 2] and [1, 3]): what a gather, a step that fails
+    on one rank and `any` give here. Sends ("grid", {...})."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from shardcast.local import join_process_group
+    from shardcast.parallel import GridRanks
+
+    try:
+        join_process_group(port, rank, world)
+        groups = {}
+        for ranks in ([0, 1], [2, 3], [0, 2], [1, 3]):  # every rank creates every group, in order
+            groups[tuple(ranks)] = dist.new_group(ranks, backend="gloo")
+        tp = [0, 1] if rank < 2 else [2, 3]
+        pp = [0, 2] if rank % 2 == 0 else [1, 3]
+        inner = SimpleNamespace(cpu_group=groups[tuple(tp)], world_size=2, rank_in_group=tp.index(rank))
+        outer = SimpleNamespace(cpu_group=groups[tuple(pp)], world_size=2, rank_in_group=pp.index(rank))
+        grid = GridRanks(inner, outer, who="worker")
+        out = {"rank": grid.rank, "world": grid.world, "gathered": grid.gather(f"r{rank}")}
+
+        def fails_on_2():
+            if rank == 2:
+                raise ValueError("rank 2's own error")
+            return rank
+
+        try:
+            grid.step("a step", fails_on_2)
+            out["step"] = "no error"
+        except RuntimeError as e:
+            out["step"] = str(e)
+        out["step_after"] = grid.step("the next step", lambda: rank * 10)
+        out["any_3"] = grid.any(rank == 3)
+        out["any_none"] = grid.any(False)
+        conn.send(("grid", out))
+    except Exception as e:
+        import traceback
+
+        conn.send(("error", f"rank {rank}: {e!r}\n{traceback.format_exc()}"))

@@ -260,6 +260,35 @@ def test_the_boxes_a_rank_holds_are_its_local_tensor_under_every_placement_pair(
                 p.kill()
 
 
+def test_ranks_of_a_tp_by_pp_grid_gather_through_both_groups_in_vllms_rank_order():
+    # A vLLM engine of TP=2 x 2 pipeline stages has no process group of exactly its 4 workers:
+    # shardcast.parallel.GridRanks gathers through the TP group, then the pipeline group. Every
+    # rank gets every value in vLLM's rank order (stage x TP + TP rank), a step failing on one
+    # rank raises on all naming it (and the next step still works), `any` reaches every rank.
+    ctx = mp.get_context("forkserver")
+    rendezvous = TorchRendezvous()
+    conns, procs = [], []
+    for rank in range(4):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=dtensor_worker.check_grid, args=(rank, 4, rendezvous.port, child))
+        p.start()
+        conns.append(parent)
+        procs.append(p)
+    try:
+        for rank, c in enumerate(conns):
+            got = recv(c, "grid", timeout=180)
+            assert (got["rank"], got["world"]) == (rank, 4)
+            assert got["gathered"] == ["r0", "r1", "r2", "r3"], got
+            assert got["step"] == "shardcast: a step failed on worker(s) 2: ValueError: rank 2's own error", got
+            assert got["step_after"] == [0, 10, 20, 30]
+            assert got["any_3"] is True and got["any_none"] is False
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
 @pytest.mark.slow
 def test_torchtitan_experts_on_a_mesh_of_their_own_into_expert_stacked_tp_and_into_ep(cluster):
     # The router on ("fsdp",), the experts on ("efsdp", "ep"): two meshes over the same 4 ranks,

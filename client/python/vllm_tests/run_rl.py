@@ -8,9 +8,9 @@ asks every worker whether its registered bytes are that checkpoint's. An update 
 never comes must raise and leave vLLM serving the last step, and at TP >= 2 one more step must
 then update it. Prints one JSON result.
 Usage: python run_rl.py MODEL TP TARGET OUT STEPS offline|offline-unserved
-  TP: "2ep" for expert parallelism. offline-unserved: vLLM generates nothing (vLLM 0.32's CPU MoE
-  kernel crashes generating under expert parallelism, with or without Shardcast); only the
-  workers' registered bytes are checked."""
+  TP: "2ep" for expert parallelism, "2pp" for two pipeline stages (TP=1). offline-unserved: vLLM
+  generates nothing (vLLM 0.32's CPU MoE kernel crashes generating under expert parallelism, with
+  or without Shardcast); only the workers' registered bytes are checked."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
 
             llm = LLM(model=model_dir, worker_extension_cls="worker_ext.ShardcastCheck",
                       weight_transfer_config={"backend": "shardcast"}, **engine_args(tp))
+            if str(tp).endswith("pp"):
+                llm.collective_rpc("shardcast_pp_buffers")  # a vLLM 0.32 CPU bug (worker_ext.py)
             served, client = Served(llm=llm), OfflineClient(llm)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

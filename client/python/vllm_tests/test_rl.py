@@ -14,9 +14,11 @@ from shardcast.local import LocalCluster
 from conftest import IN_PROCESS, run_script
 
 
-def check_steps(out: dict, tp: int, fresh) -> dict:
+def check_steps(out: dict, tp: int, fresh, reference_tp=None) -> dict:
+    """`tp`: vLLM's workers; `reference_tp`: the fresh vLLM's tensor-parallel size (default `tp`)."""
     steps = out["steps"]
-    for n, (step, reference) in enumerate(zip(steps, fresh.served(tp, *[s["dir"] for s in steps])), start=1):
+    references = fresh.served(reference_tp or tp, *[s["dir"] for s in steps])
+    for n, (step, reference) in enumerate(zip(steps, references), start=1):
         assert step["served"] == reference, f"step {n}: vLLM serves other tokens or logprobs than a fresh vLLM"
         assert len(step["checks"]) == tp
         for rank, check in enumerate(step["checks"]):
@@ -132,3 +134,23 @@ def test_fsdp2_moe_trainer_into_vllm_tp2_expert_parallel_lands_each_ranks_expert
         assert [check["checked"] for check in step["checks"]] == [33, 33]  # 45, less 2 experts x 3 x 2 layers
         for paths in step["checks"]:
             moe_paths(paths)
+
+
+def test_fsdp2_trainer_into_vllm_of_two_pipeline_stages(models, fresh, tmp_path):
+    # vLLM with pipeline_parallel_size=2 (TP=1): the first stage's worker holds the embedding and
+    # layer 0, the second layer 1, the norm and the untied lm_head. Both register as ranks 0 and 1
+    # of one group, each with its own stage's tensors (the checks at trainer_init gather every
+    # stage's), and serve exactly what a single-rank vLLM started fresh from each step serves.
+    with LocalCluster(["n0"]) as c:
+        out = run_script("run_rl.py", models["llama"], "2pp", c.target("n0"), str(tmp_path), "2", "offline",
+                         tp=2, timeout=900)
+    assert out.get("error") is None, out.get("error")
+    first, last = check_steps(out, 2, fresh, reference_tp=1), out["steps"][-1]["checks"][1]
+    assert "model.embed_tokens.weight" in first["direct"] and "lm_head.weight" not in first["direct"] + first[
+        "processed"], first
+    assert "lm_head.weight" in last["direct"] and not any(
+        n.startswith("model.layers.0.") or n == "model.embed_tokens.weight" for n in last["direct"] + last["processed"]
+    ), last
+    assert first["checked"] + last["checked"] == 3 + 2 * 9  # embed, norm, lm_head; 9 tensors per layer
+    # A failed update named both stages' workers, and the next one went through.
+    check_recovered(out, 2)

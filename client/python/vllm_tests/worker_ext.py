@@ -36,6 +36,20 @@ class ShardcastCheck:
                 "coverage": memory.coverage,
                 "registered_bytes": sum(t.numel() * t.element_size() for t in memory.tensors.values())}
 
+    def shardcast_pp_buffers(self) -> bool:
+        """vLLM 0.32's CPU backend with pipeline stages and enforce_eager: a later stage's model
+        runner allocates its buffer for the previous stage's activations only in the warm-up run that
+        compilation does, so an eager engine fails its first step (`assert self.intermediate_tensors
+        is not None`, without Shardcast too). Allocates it as that run would. True where it did."""
+        from vllm.distributed.parallel_state import get_pp_group
+
+        runner = self.model_runner
+        if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
+            return False
+        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+            batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+        return True
+
     def shardcast_lora_ids(self) -> list:
         """The ids of the LoRA adapters vLLM holds in this worker's adapter cache."""
         return sorted(self.model_runner.lora_manager.list_adapters())

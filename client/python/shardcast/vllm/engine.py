@@ -55,7 +55,7 @@ from vllm.distributed.weight_transfer.base import (
 from shardcast.v1 import service_pb2
 from shardcast.vllm.apply import process_staged
 from shardcast.vllm.clients import replica_group
-from shardcast.parallel import gather_step
+from shardcast.parallel import GridRanks
 from shardcast.vllm.layout import (DTYPE_NAMES, check_coverage, check_dtypes, destination_layout, fp8_blocks,
                                    fp8_scales, rank_memory)
 from shardcast.vllm.lora import (AdapterSpec, Installer, WorkerAdapter, adapter_group, adapter_path,
@@ -132,7 +132,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         # vLLM's model runner of this worker, set by shardcast.vllm.session before every call.
         self.runner: Any = None
         self.base_received = False  # this update session received the base weights' version
-        self.ranks: Optional[ModelRanks] = None  # the workers of this group, once registered
+        self.ranks: Optional[GridRanks] = None  # the workers of this group, once registered
 
     def init_transfer_engine(self, init_info: ShardcastInitInfo) -> None:
         """All workers of the engine or none: each matches the announced checkpoint against vLLM's
@@ -146,9 +146,9 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         if self.registration is not None or self.adapters:
             raise RuntimeError(f'shardcast: this worker already registered group "{self.group}"')
         replica = self._replica(init_info)
-        ranks = ModelRanks.of_this_worker()
-        if init_info.lora and ranks.pp.world_size > 1:
-            raise ValueError(f"shardcast: LoRA adapters into a vLLM of {ranks.pp.world_size} pipeline stages: each "
+        ranks = _model_ranks()
+        if init_info.lora and ranks.outer.world_size > 1:
+            raise ValueError(f"shardcast: LoRA adapters into a vLLM of {ranks.outer.world_size} pipeline stages: each "
                              "rank holds every adapter whole, and a stage's LoRA layers take only its own layers' "
                              "parts (not built); serve adapters at pipeline_parallel_size=1")
         if init_info.checkpoint:
@@ -160,7 +160,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
                 self.shutdown()  # the base weights' registration too: all or nothing
                 raise
 
-    def _init_weights(self, init_info: ShardcastInitInfo, replica: int, ranks: "ModelRanks") -> None:
+    def _init_weights(self, init_info: ShardcastInitInfo, replica: int, ranks: GridRanks) -> None:
         """Registers the base weights' destination rank (see init_transfer_engine)."""
         shapes = {name: tuple(int(s) for s in spec[0]) for name, spec in init_info.checkpoint.items()}
         announced = {name: str(spec[1]).replace("torch.", "") for name, spec in init_info.checkpoint.items()}
@@ -184,7 +184,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
                                         checkpoint, fp8=fp8)
             if replica >= 0:
                 layout.update(replica_set=init_info.group, replica=replica)
-            where = f'rank {ranks.rank} of group "{group}"{ranks.stage} on node "{mine["node"]}"'
+            where = f'rank {ranks.rank} of group "{group}"{ranks.where} on node "{mine["node"]}"'
 
             def register() -> None:
                 mine["registration"] = mine["client"].register(group, ranks.rank, ranks.world,
@@ -199,7 +199,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         self.ranks = ranks
         self.replica = replica if replica >= 0 else None
 
-    def _init_adapters(self, init_info: ShardcastInitInfo, replica: int, ranks: "ModelRanks") -> None:
+    def _init_adapters(self, init_info: ShardcastInitInfo, replica: int, ranks: GridRanks) -> None:
         """Registers one destination group per LoRA adapter, every rank holding each adapter whole
         (vLLM's LoRA layers cut it per TP rank when it is put into service), after every worker
         checked that vLLM takes each adapter (shardcast.vllm.lora.Installer.check)."""
@@ -370,7 +370,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
             else:
                 adapter.received = version
 
-    def _catch_up(self, ranks: "ModelRanks", group: str, source: str, version: int,
+    def _catch_up(self, ranks: GridRanks, group: str, source: str, version: int,
                   timeout_s: float) -> Optional[BaseException]:
         """A replica whose ranks do not all hold the version once the sync has ended catches up to
         it: rank 0 of the replica asks its daemon (the bytes come from a replica that holds the
@@ -472,54 +472,20 @@ def _release(held: Dict[str, Any]) -> None:
             client.close()
 
 
-class ModelRanks:
+def _model_ranks() -> GridRanks:
     """The workers that together hold one copy of the model, one destination group: vLLM's
     tensor-parallel ranks of each pipeline stage, stage after stage (rank = stage x TP + TP rank,
     vLLM's own order). vLLM has no process group of exactly them (its world spans data-parallel
-    engines too), so a gather goes through its tensor-parallel group, then its pipeline group (the
-    workers of every stage at this TP rank). Every worker of the engine must call each method."""
+    engines too): gathers go through its tensor-parallel group, then its pipeline group."""
+    from vllm.distributed import parallel_state
 
-    def __init__(self, tp: Any, pp: Any) -> None:
-        self.tp, self.pp = tp, pp  # vLLM's GroupCoordinators
-        self.rank = pp.rank_in_group * tp.world_size + tp.rank_in_group
-        self.world = tp.world_size * pp.world_size
-        # For messages: where this rank sits when there are several stages.
-        self.stage = f" (pipeline stage {pp.rank_in_group}, TP rank {tp.rank_in_group})" if pp.world_size > 1 else ""
-
-    @classmethod
-    def of_this_worker(cls) -> "ModelRanks":
-        from vllm.distributed import parallel_state
-
-        pcp = getattr(parallel_state, "get_pcp_group", None)
-        if pcp is not None and pcp().world_size > 1:
-            raise ValueError(f"shardcast: vLLM runs prefill context parallelism ({pcp().world_size} ranks per "
-                             "tensor-parallel rank), which this backend does not register (not built)")
-        return cls(parallel_state.get_tp_group(), parallel_state.get_pp_group())
-
-    def gather(self, value: Any) -> List[Any]:
-        """Every rank's `value`, by rank."""
-        stage = [value]
-        if self.tp.world_size > 1:
-            stage = [None] * self.tp.world_size
-            torch.distributed.all_gather_object(stage, value, group=self.tp.cpu_group)
-        if self.pp.world_size == 1:
-            return stage
-        stages: List[Any] = [None] * self.pp.world_size
-        torch.distributed.all_gather_object(stages, stage, group=self.pp.cpu_group)
-        return [v for s in stages for v in s]
-
-    def step(self, what: str, step) -> List[Any]:
-        """shardcast.parallel.gather_step over these ranks: `step` succeeds on every worker or
-        raises on all of them, naming each failing worker by its rank here."""
-        return gather_step(None, self.world, what, step, "worker", exchange=self.gather)
-
-    def any(self, flag: bool) -> bool:
-        """Whether `flag` holds on any rank."""
-        value = torch.tensor([int(flag)], dtype=torch.int32)
-        for group in (self.tp, self.pp):
-            if group.world_size > 1:
-                torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
-        return bool(value.item())
+    pcp = getattr(parallel_state, "get_pcp_group", None)
+    if pcp is not None and pcp().world_size > 1:
+        raise ValueError(f"shardcast: vLLM runs prefill context parallelism ({pcp().world_size} ranks per "
+                         "tensor-parallel rank), which this backend does not register (not built)")
+    tp, pp = parallel_state.get_tp_group(), parallel_state.get_pp_group()
+    where = f" (pipeline stage {pp.rank_in_group}, TP rank {tp.rank_in_group})" if pp.world_size > 1 else ""
+    return GridRanks(tp, pp, where=where, who="worker")
 
 
 __all__ = ["ShardcastInitInfo", "ShardcastUpdateInfo", "ShardcastWeightTransferEngine", "ProbeError"]
