@@ -174,6 +174,8 @@ class SyncCoordinator {
     // The Sync call is over (its client went, or the daemon is stopping): polled where the sync
     // waits (for ranks to register), which then ends CANCELLED. Unset: never.
     std::function<bool()> gone{};
+    // Those of `earlier_fences` given up before they executed (PrepareRequest.supersedes_unexecuted).
+    std::vector<uint64_t> earlier_unexecuted{};
   };
   // `id` is started on the progress board already; `fence` names this attempt (never 0).
   SyncCoordinator(Context ctx, const v1::SyncRequest& request, std::string id, uint64_t fence);
@@ -207,6 +209,9 @@ class SyncCoordinator {
   int foldRefusals() const { return fault_ == Fault::kFoldedWave ? repeat_->fold_refusals + 1 : 0; }
   // After a failed run: the seconds of each phase it finished and of the one it failed in.
   const v1::SyncResponse& figures() const { return out_; }
+  // Execute calls went out: the attempt reached kExecuting (given up: it was given up there or
+  // later). Its daemons' ranks then end DIRTY, not reverted (FinishRequest.executed).
+  bool executed() const;
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -291,9 +296,6 @@ class SyncCoordinator {
   // The run thread's move from `from` to `to`: true when made; false when the attempt was given up
   // meanwhile (the one step another thread sets). Any other step is a bug: logged, and aborts.
   bool advance(Step from, Step to);
-  // Execute calls went out: the attempt reached kExecuting (given up: it was given up there or
-  // later). Its daemons' ranks then end DIRTY, not reverted (FinishRequest.executed).
-  bool executed() const;
   // How the attempt learns the cluster and prepares its daemons (docs/architecture.md).
   enum class Route : uint8_t {
     kGathered,  // a gather describes every daemon; then a Prepare round

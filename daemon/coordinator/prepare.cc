@@ -81,6 +81,7 @@ v1::PrepareRequest SyncCoordinator::prepareRequest() const {
   p.set_version(version_);
   p.set_seed(reads_ == Reads::kSeed);
   for (const uint64_t earlier : ctx_.earlier_fences) p.add_supersedes(earlier);
+  for (const uint64_t earlier : ctx_.earlier_unexecuted) p.add_supersedes_unexecuted(earlier);
   p.set_staging_bytes(static_cast<uint64_t>(ctx_.config.staging_mib) << 20);
   p.set_chunk_bytes(static_cast<uint64_t>(ctx_.config.chunk_bytes));
   p.set_delta(delta_ == v1::DELTA_ALWAYS ? v1::DELTA_AUTO : delta_);  // what the daemons run

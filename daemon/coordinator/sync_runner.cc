@@ -50,16 +50,18 @@ Status SyncRunner::run(const v1::SyncRequest& req, const std::string& id, std::o
   std::map<std::string, std::string> failed;  // the nodes that failed them -> why
   v1::SyncRequest attempt = req;
   bool full_gather = false;
-  int fold_refusals = 0;         // a folded attempt refused: the one that runs it in full keeps the count
-  std::vector<uint64_t> fences;  // of this call's attempts so far
+  int fold_refusals = 0;             // a folded attempt refused: the one that runs it in full keeps the count
+  std::vector<uint64_t> fences;      // of this call's attempts so far
+  std::vector<uint64_t> unexecuted;  // those of them given up before they executed
   while (true) {
     const uint64_t fence = newFence();
     SyncCoordinator coordinator(
         {config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(), caller_uid, cut, failed,
-         &repeats_, full_gather, &delta_choices_, fences, fold_refusals, gone},
+         &repeats_, full_gather, &delta_choices_, fences, fold_refusals, gone, unexecuted},
         attempt, id, fence);
     fences.push_back(fence);
     auto done = coordinator.run();
+    if (!done.ok() && !coordinator.executed()) unexecuted.push_back(fence);
     if (done.ok()) {
       *out = std::move(*done);
       if (!req.options().catch_up()) delta_choices_.record(req.src_group(), req.dst_group(), *out);

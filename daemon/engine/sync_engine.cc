@@ -39,7 +39,12 @@ SyncEngine::~SyncEngine() {
   }
   reaper_cv_.notify_all();
   reaper_.join();
-  for (auto& f : closers_) f.wait();
+  std::vector<std::shared_future<void>> closers;
+  {
+    std::lock_guard<std::mutex> lock(closers_mu_);
+    closers.swap(closers_);
+  }
+  for (auto& f : closers) f.wait();
   transport_.setNotificationHandler(nullptr);
 }
 
@@ -79,6 +84,9 @@ void SyncEngine::onNotification(const std::string& payload, const transport::Wri
 }
 
 namespace {
+
+// How long a Prepare waits for the close of the earlier attempt it supersedes before going on.
+constexpr std::chrono::seconds kSupersededCloseWait{1};
 
 // The request's write key, once every field a peer controls is bounded (before it is used).
 StatusOr<transport::WriteKey> checkedWriteKey(const v1::PrepareRequest& req, const PeerLimits& limits,
@@ -220,13 +228,25 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   const std::vector<uint64_t> supersedes(req.supersedes().begin(), req.supersedes().end());
   SC_ASSIGN_OR_RETURN(const auto superseded, attempts_.begin(a, supersedes));
   if (superseded) {
-    spdlog::warn("sync {}: its attempt with fence {} was still open on node \"{}\" when the next attempt came: ended",
-                 a->id, superseded->fence, node_);
-    close(superseded, Registry::SyncEnd::kDirty,
-          strCat("its coordinator gave this attempt up and runs the sync again (fence ", superseded->fence,
-                 " superseded)"))
-        .status()
-        .IgnoreError();
+    // Its close waits for its writes. Given a moment, it usually ends before this attempt fences
+    // the ranks; a peer frozen mid-write can hold it much longer, and this Prepare does not wait
+    // for that (the coordinator would find this node silent): the single-buffered ranks it still
+    // writes are taken over (Registry::beginSync's rules for a superseding attempt), and a
+    // double-buffered one refuses, cutting its replica, as before. Reverted when its coordinator
+    // says it never executed, as its abort would have; else dirty.
+    spdlog::warn(
+        "sync {}: its attempt with fence {} was still open on node \"{}\" when the next attempt came: ending it", a->id,
+        superseded->fence, node_);
+    const bool unexecuted = std::find(req.supersedes_unexecuted().begin(), req.supersedes_unexecuted().end(),
+                                      superseded->fence) != req.supersedes_unexecuted().end();
+    auto closing = closeInBackground(superseded, unexecuted ? Registry::SyncEnd::kRevert : Registry::SyncEnd::kDirty,
+                                     strCat("its coordinator gave this attempt up and runs the sync again (fence ",
+                                            superseded->fence, " superseded)"));
+    // One that never executed has no write to wait for: its close is quick, and waited for.
+    if (unexecuted)
+      closing.wait();
+    else
+      closing.wait_for(kSupersededCloseWait);
   }
   struct Abandon {  // every way out before publish takes it out of the table again
     AttemptTable& table;
@@ -432,6 +452,16 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
   return out;
 }
 
+std::shared_future<void> SyncEngine::closeInBackground(std::shared_ptr<SyncAttempt> a, Registry::SyncEnd end,
+                                                       std::string why) {
+  auto closing = std::async(std::launch::async, [this, a = std::move(a), end, why = std::move(why)] {
+                   close(a, end, why).status().IgnoreError();
+                 }).share();
+  std::lock_guard<std::mutex> lock(closers_mu_);
+  closers_.push_back(closing);
+  return closing;
+}
+
 void SyncEngine::reap() {
   std::unique_lock<std::mutex> lock(reaper_mu_);
   while (!reaper_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_; })) {
@@ -448,16 +478,16 @@ void SyncEngine::reap() {
           strCat("its coordinator went silent (no word for ", a->lease.count(), " ms, the sync's lease)");
       spdlog::warn("sync {} aborted on node \"{}\": {}", a->id, node_, why);
       ++metrics_.syncs_expired;
-      // Each on its own thread: a close waits for the sync's writes, and one sync's slow peer
-      // must not keep the others' ranks held.
-      closers_.push_back(std::async(
-          std::launch::async, [this, a, why] { close(a, Registry::SyncEnd::kDirty, why).status().IgnoreError(); }));
+      closeInBackground(a, Registry::SyncEnd::kDirty, why);
     }
-    closers_.erase(std::remove_if(closers_.begin(), closers_.end(),
-                                  [](const std::future<void>& f) {
-                                    return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
-                                  }),
-                   closers_.end());
+    {
+      std::lock_guard<std::mutex> closing(closers_mu_);
+      closers_.erase(std::remove_if(closers_.begin(), closers_.end(),
+                                    [](const std::shared_future<void>& f) {
+                                      return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+                                    }),
+                     closers_.end());
+    }
     lock.lock();
   }
 }

@@ -89,6 +89,9 @@ class SyncEngine {
                                      const std::string& reason);
   // The reaper thread: aborts syncs whose coordinator's lease ran out, ends drained ones.
   void reap();
+  // Closes `a` (taken out of the table already) on a thread of its own, kept until it ends: one
+  // sync's slow peer must not hold the caller, or other syncs' ranks.
+  std::shared_future<void> closeInBackground(std::shared_ptr<SyncAttempt> a, Registry::SyncEnd end, std::string why);
 
   std::string node_;
   Registry& registry_;
@@ -106,7 +109,8 @@ class SyncEngine {
   std::condition_variable reaper_cv_;
   bool stopping_ = false;
   std::thread reaper_;
-  std::vector<std::future<void>> closers_;  // the reaper's closes in flight (reaper thread only)
+  std::mutex closers_mu_;
+  std::vector<std::shared_future<void>> closers_;  // closes in flight (closeInBackground)
 };
 
 }  // namespace shardcast::daemon

@@ -988,6 +988,54 @@ TEST_CASE("a retried attempt takes over from the earlier attempt of its Sync cal
     CHECK(s.state() == v1::RANK_READY);
     CHECK(s.version() == 1);
   }
+  // Attempt 1 ended on both daemons (not left lingering on the ranks, which would hold them
+  // against any other sync): the next version syncs.
+  c.step(2);
+  v1::SyncResponse next;
+  const grpc::Status st = c.sync(2, &next);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  CHECK(c.wrong(2) == 0);
+}
+
+TEST_CASE("an earlier attempt a retry ends is reverted when it never executed, dirty when it may have",
+          "[daemon][contract]") {
+  Pair c;
+  c.registerAll(1);
+  auto p = c.peers();
+  const auto prepare = [&](uint64_t fence, std::vector<uint64_t> supersedes, std::vector<uint64_t> unexecuted) {
+    v1::PrepareRequest prep = prepareRequest("retry", c.src_proto, c.dst_proto, 1, fence);
+    for (const uint64_t f : supersedes) prep.add_supersedes(f);
+    for (const uint64_t f : unexecuted) prep.add_supersedes_unexecuted(f);
+    v1::PrepareResponse presp;
+    const grpc::Status st = p[1]->Prepare(ctx().get(), prep, &presp);
+    INFO(st.error_message());
+    REQUIRE(st.ok());
+  };
+  const auto abort = [&](uint64_t fence) {  // given up before executing, this time heard
+    v1::FinishRequest f;
+    f.set_sync_id("retry");
+    f.set_fence(fence);
+    f.set_commit(false);
+    f.set_executed(false);
+    v1::FinishResponse fr;
+    const grpc::Status st = p[1]->Finish(ctx().get(), f, &fr);
+    INFO(st.error_message());
+    REQUIRE(st.ok());
+  };
+  // Attempt 21 prepared on n1, given up before any Execute; its abort is missed. Attempt 22 ends
+  // it reverted (its coordinator says it never executed), then is given up before executing too:
+  // the ranks are as they were before either, never written.
+  prepare(21, {}, {});
+  prepare(22, {21}, {21});
+  abort(22);
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) CHECK(s.state() == v1::RANK_EMPTY);
+  // Attempt 31 prepared, then superseded by attempt 32 without that word (it may have executed):
+  // ended dirty, and attempt 32's abort restores that.
+  prepare(31, {}, {});
+  prepare(32, {31}, {});
+  abort(32);
+  for (const auto& [r, s] : c.states(c.n1(), "dst")) CHECK(s.state() == v1::RANK_DIRTY);
 }
 
 TEST_CASE("a destination commits only what landed: Prepare then Finish(commit) without Execute leaves it dirty",

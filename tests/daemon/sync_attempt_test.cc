@@ -201,8 +201,11 @@ TEST_CASE("attempt table: a retry waits for an earlier attempt still being prepa
   REQUIRE(table.begin(first).ok());  // preparing
   SECTION("its Prepare ends while the retry waits") {
     std::thread preparer([&] {
-      std::this_thread::sleep_for(milliseconds(50));
-      CHECK(table.publish(first).code() == absl::StatusCode::kAborted);  // given up by the retry
+      // Its Prepare goes on until the retry has given it up (seen through a stand-in of the same
+      // attempt, which the table does not hold), then ends refused.
+      for (auto probe = attempt("s", 3); table.publish(probe).ok(); probe = attempt("s", 3))
+        std::this_thread::sleep_for(milliseconds(1));
+      CHECK(table.publish(first).code() == absl::StatusCode::kAborted);
       table.abandon(first);
     });
     auto taken = table.begin(attempt("s", 5), {3}, std::chrono::seconds(30));
