@@ -236,28 +236,33 @@ def test_expert_parallel_moe_into_expert_stacked_tp_and_into_ep(cluster):
     run_scenario(cluster, "ep", 4, moe_destinations, moe_expected, placements)
 
 
-def test_the_boxes_a_rank_holds_are_its_local_tensor_under_every_placement_pair():
-    # The layout's pieces for a mesh of a tensor's own come from shardcast.layout's reading of
-    # DTensor's placements: checked here against torch's own, on 4 gloo ranks.
+def on_four_gloo_ranks(target, tag: str) -> list:
+    """Runs `target(rank, 4, port, conn)` (a function of dtensor_worker) on 4 gloo ranks, each a
+    process of its own, and returns what each sent under `tag`, by rank."""
     ctx = mp.get_context("forkserver")
     rendezvous = TorchRendezvous()
     conns, procs = [], []
     for rank in range(4):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=dtensor_worker.check_boxes, args=(rank, 4, rendezvous.port, child))
+        p = ctx.Process(target=target, args=(rank, 4, rendezvous.port, child))
         p.start()
         conns.append(parent)
         procs.append(p)
     try:
-        for rank, c in enumerate(conns):
-            cases, not_boxes, wrong = recv(c, "checked", timeout=180)
-            assert not wrong, f"rank {rank}: {wrong}"
-            assert cases == 4 * (5 + 25 + 25) and not_boxes < cases // 4, (cases, not_boxes)
+        return [recv(c, tag, timeout=180) for c in conns]
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
+
+
+def test_the_boxes_a_rank_holds_are_its_local_tensor_under_every_placement_pair():
+    # The layout's pieces for a mesh of a tensor's own come from shardcast.layout's reading of
+    # DTensor's placements: checked here against torch's own, on 4 gloo ranks.
+    for rank, (cases, not_boxes, wrong) in enumerate(on_four_gloo_ranks(dtensor_worker.check_boxes, "checked")):
+        assert not wrong, f"rank {rank}: {wrong}"
+        assert cases == 4 * (5 + 25 + 25) and not_boxes < cases // 4, (cases, not_boxes)
 
 
 def test_ranks_of_a_tp_by_pp_grid_gather_through_both_groups_in_vllms_rank_order():
@@ -265,28 +270,12 @@ def test_ranks_of_a_tp_by_pp_grid_gather_through_both_groups_in_vllms_rank_order
     # shardcast.parallel.GridRanks gathers through the TP group, then the pipeline group. Every
     # rank gets every value in vLLM's rank order (stage x TP + TP rank), a step failing on one
     # rank raises on all naming it (and the next step still works), `any` reaches every rank.
-    ctx = mp.get_context("forkserver")
-    rendezvous = TorchRendezvous()
-    conns, procs = [], []
-    for rank in range(4):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=dtensor_worker.check_grid, args=(rank, 4, rendezvous.port, child))
-        p.start()
-        conns.append(parent)
-        procs.append(p)
-    try:
-        for rank, c in enumerate(conns):
-            got = recv(c, "grid", timeout=180)
-            assert (got["rank"], got["world"]) == (rank, 4)
-            assert got["gathered"] == ["r0", "r1", "r2", "r3"], got
-            assert got["step"] == "shardcast: a step failed on worker(s) 2: ValueError: rank 2's own error", got
-            assert got["step_after"] == [0, 10, 20, 30]
-            assert got["any_3"] is True and got["any_none"] is False
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    for rank, got in enumerate(on_four_gloo_ranks(dtensor_worker.check_grid, "grid")):
+        assert (got["rank"], got["world"]) == (rank, 4)
+        assert got["gathered"] == ["r0", "r1", "r2", "r3"], got
+        assert got["step"] == "shardcast: a step failed on worker(s) 2: ValueError: rank 2's own error", got
+        assert got["step_after"] == [0, 10, 20, 30]
+        assert got["any_3"] is True and got["any_none"] is False
 
 
 @pytest.mark.slow
