@@ -28,11 +28,15 @@ def engine_args(tp, **extra) -> dict:
     """float32 (bf16 dies with SIGILL on this CPU), eager, a small KV cache, room for PROMPTS. `tp`: the tensor-
     parallel size, or a string of it: "2ep" is TP=2 with expert parallelism (a MoE layer's experts
     split over the ranks, whole, instead of each expert's matrices); "2pp" is two pipeline stages
-    of TP=1 (each holding half the layers)."""
+    of TP=1 (each holding half the layers), "2x2pp" two stages of TP=2."""
     spec = str(tp)
     ep, pp = spec.endswith("ep"), spec.endswith("pp")
-    parallel = ({"tensor_parallel_size": 1, "pipeline_parallel_size": int(spec[:-2])} if pp else
-                {"tensor_parallel_size": int(spec[:-2] if ep else spec), **({"enable_expert_parallel": True} if ep else {})})
+    if pp:
+        stage_tp, _, stages = spec[:-2].rpartition("x")
+        parallel = {"tensor_parallel_size": int(stage_tp or 1), "pipeline_parallel_size": int(stages)}
+    else:
+        parallel = {"tensor_parallel_size": int(spec[:-2] if ep else spec),
+                    **({"enable_expert_parallel": True} if ep else {})}
     return dict(dtype="float32", max_model_len=256, enforce_eager=True, seed=0, gpu_memory_utilization=0.1,
                 **parallel, **extra)
 
