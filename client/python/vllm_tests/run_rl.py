@@ -8,7 +8,7 @@ asks every worker whether its registered bytes are that checkpoint's. An update 
 never comes must raise and leave vLLM serving the last step, and at TP >= 2 one more step must
 then update it. Prints one JSON result.
 Usage: python run_rl.py MODEL TP TARGET OUT STEPS offline|offline-unserved
-  TP: "2ep" for expert parallelism, "2pp" for two pipeline stages (TP=1). offline-unserved: vLLM
+  TP: "2ep" for expert parallelism, "2x2pp" for two pipeline stages of TP=2. offline-unserved: vLLM
   generates nothing (vLLM 0.32's CPU MoE kernel crashes generating under expert parallelism, with
   or without Shardcast); only the workers' registered bytes are checked."""
 

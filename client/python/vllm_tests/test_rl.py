@@ -136,21 +136,26 @@ def test_fsdp2_moe_trainer_into_vllm_tp2_expert_parallel_lands_each_ranks_expert
             moe_paths(paths)
 
 
-def test_fsdp2_trainer_into_vllm_of_two_pipeline_stages(models, fresh, tmp_path):
-    # vLLM with pipeline_parallel_size=2 (TP=1): the first stage's worker holds the embedding and
-    # layer 0, the second layer 1, the norm and the untied lm_head. Both register as ranks 0 and 1
-    # of one group, each with its own stage's tensors (the checks at trainer_init gather every
-    # stage's), and serve exactly what a single-rank vLLM started fresh from each step serves.
+def test_fsdp2_trainer_into_vllm_tp2_in_two_pipeline_stages(models, fresh, tmp_path):
+    # vLLM with pipeline_parallel_size=2 at TP=2: four workers, ranks 0 and 1 the first stage (the
+    # embedding and layer 0), ranks 2 and 3 the second (layer 1, the norm and the untied lm_head).
+    # All four register as one group, each with its own stage's TP shards (the checks at
+    # trainer_init gather through the TP groups, then the pipeline groups), and serve exactly what
+    # a vLLM at TP=2 started fresh from each step serves.
     with LocalCluster(["n0"]) as c:
-        out = run_script("run_rl.py", models["llama"], "2pp", c.target("n0"), str(tmp_path), "2", "offline",
-                         tp=2, timeout=900)
+        out = run_script("run_rl.py", models["llama"], "2x2pp", c.target("n0"), str(tmp_path), "2", "offline",
+                         tp=4, timeout=900, env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"})
     assert out.get("error") is None, out.get("error")
-    first, last = check_steps(out, 2, fresh, reference_tp=1), out["steps"][-1]["checks"][1]
-    assert "model.embed_tokens.weight" in first["direct"] and "lm_head.weight" not in first["direct"] + first[
-        "processed"], first
-    assert "lm_head.weight" in last["direct"] and not any(
-        n.startswith("model.layers.0.") or n == "model.embed_tokens.weight" for n in last["direct"] + last["processed"]
-    ), last
-    assert first["checked"] + last["checked"] == 3 + 2 * 9  # embed, norm, lm_head; 9 tensors per layer
-    # A failed update named both stages' workers, and the next one went through.
-    check_recovered(out, 2)
+    check_steps(out, 4, fresh, reference_tp=2)
+    checks = out["steps"][-1]["checks"]
+    first = {"model.embed_tokens.weight"} | {f"model.layers.0.{n}" for n in LAYER}
+    last = {"lm_head.weight", "model.norm.weight"} | {f"model.layers.1.{n}" for n in LAYER}
+    assert [set(c["direct"] + c["processed"]) for c in checks] == [first, first, last, last], checks
+    assert [c["checked"] for c in checks] == [10, 10, 11, 11]  # checkpoint tensors (q, k, v; gate, up apart)
+    # A failed update named all four workers, and the next one went through.
+    check_recovered(out, 4)
+
+
+# A Llama layer's parameters in vLLM.
+LAYER = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.qkv_proj.weight",
+         "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"]
