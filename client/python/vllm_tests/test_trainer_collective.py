@@ -50,6 +50,74 @@ def test_a_step_failing_on_one_rank_raises_on_every_rank():
         assert got[rank]["after"] == [0, 1]
 
 
+class _Daemon:
+    """Stands in for a worker's daemon client: every rank holds every version already (no
+    catch-up is needed), and the base weights' version never reaches rank 1."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def ranks(self, group: str) -> list:
+        from types import SimpleNamespace
+
+        from shardcast.v1 import service_pb2
+
+        return [SimpleNamespace(rank=r, state=service_pb2.RANK_READY, version=99) for r in range(2)]
+
+    def wait_version(self, group: str, version: int, timeout: float) -> None:
+        if self.rank == 1 and ".lora." not in group:
+            raise TimeoutError(f"version {version} did not reach {group!r} rank 1")
+
+
+def _replica_worker(rank: int, port: int, results) -> None:
+    """One of two TP workers of a replica holding base weights and a LoRA adapter: an update of
+    both, with its source (so each target starts with the catch-up's collective check), whose
+    base weights fail on rank 1 only."""
+    from types import SimpleNamespace
+
+    from shardcast.local import join_process_group
+    from shardcast.parallel import GridRanks
+    from shardcast.vllm.engine import ShardcastUpdateInfo, ShardcastWeightTransferEngine
+
+    join_process_group(port, rank, 2)
+    engine = object.__new__(ShardcastWeightTransferEngine)  # no vLLM engine: only what receive_weights reads
+    engine.registration, engine.client, engine.group, engine.rank = object(), _Daemon(rank), "vllm.r0", rank
+    engine.replica, engine.where, engine.base_received = 0, f'rank {rank} of group "vllm.r0"', False
+    engine.adapters = {"a": SimpleNamespace(group="vllm.lora.a.r0", received=0)}
+    engine.ranks = GridRanks(SimpleNamespace(cpu_group=None, world_size=2, rank_in_group=rank),
+                             SimpleNamespace(cpu_group=None, world_size=1, rank_in_group=0), who="worker")
+    try:
+        engine.receive_weights(ShardcastUpdateInfo(version=7, source="trainer", timeout_s=5))
+        results.put((rank, None))
+    except RuntimeError as e:
+        results.put((rank, str(e)))
+
+
+def test_an_update_failing_on_one_rank_before_its_last_target_raises_on_every_rank():
+    # Found in review: a rank whose base weights failed stopped there, while the other went on to
+    # the adapter's catch-up check (a collective) and waited in it for good (here, where the
+    # failed rank's process then exits, gloo's "Connection closed by peer" ends the wait). Every
+    # rank now stops at the first target any rank failed.
+    import shardcast.vllm.engine  # noqa: F401  (imported once here: the forked workers start at once)
+    from shardcast.local import TorchRendezvous
+
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    rendezvous = TorchRendezvous()
+    procs = [ctx.Process(target=_replica_worker, args=(r, rendezvous.port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=90) for _ in procs)  # a rank left in a collective never answers
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert "did not receive version 7" in got[1] and "did not reach 'vllm.r0' rank 1" in got[1], got
+    assert "another rank of the group did not receive it" in got[0], got
+
+
 class Refusing:
     """Stands in for vLLM's weight-sync client on the sender: refuses the first init, as vLLM's
     workers refuse a checkpoint that does not fit their loaders, and takes the second."""

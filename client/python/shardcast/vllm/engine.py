@@ -2,9 +2,10 @@
 bytes arrive through the node's shardcastd instead of a collective.
 
 - `init_transfer_engine`: the worker probes its model (shardcast.vllm.probe), derives its
-  destination rank (shardcast.vllm.layout), gathers every rank's pieces and node over vLLM's
-  tensor-parallel group, and registers the rank with its node's daemon as part of one destination
-  group (every rank registers the same layout). A model vLLM serves in block-quantised fp8 takes
+  destination rank (shardcast.vllm.layout), gathers every rank's pieces and node over the engine's
+  workers (vLLM's tensor-parallel ranks of every pipeline stage: shardcast.parallel.GridRanks),
+  and registers the rank with its node's daemon as part of one destination group (every rank
+  registers the same layout). A model vLLM serves in block-quantised fp8 takes
   the trainer's float32 or bfloat16 weights: they land as fp8, quantised at the source, and their
   scales in vLLM's `weight_scale_inv` (shardcast.vllm.layout, docs/vllm.md "fp8"). Direct parameters are registered in place, or,
   double-buffered (`double_buffer`), a staging copy of them is. The announced checkpoint must fit
@@ -342,6 +343,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         targets = self._targets(update_info)
         error: Optional[BaseException] = None
         failed_group = ""
+        failed = False
         for adapter, group, source, version in targets:
             if self.replica is not None and source:
                 error = self._catch_up(ranks, group, source, version, update_info.timeout_s)
@@ -352,11 +354,14 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
                     error = e
             if error is not None:
                 failed_group = group
+            # All ranks or none, target by target: every rank takes the same steps (a catch-up's
+            # are collective), so all stop at the first target any rank failed. And vLLM ends the
+            # update session only on a worker whose update_weights raises: a rank that got the
+            # version while another did not must raise too, or its session stays open and the
+            # next start_weight_update fails there.
+            failed = ranks.any(error is not None)
+            if failed:
                 break
-        # All ranks or none: vLLM ends the update session only on a worker whose update_weights
-        # raises, so a rank that got the version while another did not must raise too, or its
-        # session stays open and the next start_weight_update fails there.
-        failed = ranks.any(error is not None)
         what = self.where if failed_group == self.group else f'{self.where}, group "{failed_group}"'
         if error is not None:
             raise RuntimeError(f"shardcast: {what} did not receive version {update_info.version}: "
