@@ -286,6 +286,8 @@ def models(tmp_path_factory):
         "llama": make_llama(str(root / "llama")),
         # tied embeddings, one KV head (replicated at TP=2), a vocab of 500 (padded to 512)
         "llama_tied": make_llama(str(root / "llama_tied"), vocab=500, layers=1, kv_heads=1, tied=True, seed=1),
+        # the same in 2 layers: pipeline stages, the embedding on the first and (tied) the last
+        "llama_tied_2": make_llama(str(root / "llama_tied_2"), vocab=500, kv_heads=1, tied=True, seed=3),
         # 4 experts per layer, 2 per token; the trainer's transformers keeps them fused
         "qwen3_moe": make_qwen3_moe(str(root / "qwen3_moe")),
     }

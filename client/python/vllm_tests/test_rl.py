@@ -138,20 +138,23 @@ def test_fsdp2_moe_trainer_into_vllm_tp2_expert_parallel_lands_each_ranks_expert
 
 def test_fsdp2_trainer_into_vllm_tp2_in_two_pipeline_stages(models, fresh, tmp_path):
     # vLLM with pipeline_parallel_size=2 at TP=2: four workers, ranks 0 and 1 the first stage (the
-    # embedding and layer 0), ranks 2 and 3 the second (layer 1, the norm and the untied lm_head).
-    # All four register as one group, each with its own stage's TP shards (the checks at
-    # trainer_init gather through the TP groups, then the pipeline groups), and serve exactly what
-    # a vLLM at TP=2 started fresh from each step serves.
+    # embedding and layer 0), ranks 2 and 3 the second (layer 1, the norm, and the lm_head, which is
+    # the embedding tied: that stage holds its own copy). All four register as one group, each with
+    # its own stage's TP shards (the checks at trainer_init gather through the TP groups, then the
+    # pipeline groups; the embedding's rows are replicated across the stages, the vocabulary of 500
+    # padded to 512, the one KV head replicated across TP ranks), and serve exactly what a vLLM at
+    # TP=2 started fresh from each step serves.
     with LocalCluster(["n0"]) as c:
-        out = run_script("run_rl.py", models["llama"], "2x2pp", c.target("n0"), str(tmp_path), "2", "offline",
+        out = run_script("run_rl.py", models["llama_tied_2"], "2x2pp", c.target("n0"), str(tmp_path), "2", "offline",
                          tp=4, timeout=900, env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"})
     assert out.get("error") is None, out.get("error")
     check_steps(out, 4, fresh, reference_tp=2)
     checks = out["steps"][-1]["checks"]
     first = {"model.embed_tokens.weight"} | {f"model.layers.0.{n}" for n in LAYER}
-    last = {"lm_head.weight", "model.norm.weight"} | {f"model.layers.1.{n}" for n in LAYER}
+    last = {"model.embed_tokens.weight", "model.norm.weight"} | {f"model.layers.1.{n}" for n in LAYER}
     assert [set(c["direct"] + c["processed"]) for c in checks] == [first, first, last, last], checks
     assert [c["checked"] for c in checks] == [10, 10, 11, 11]  # checkpoint tensors (q, k, v; gate, up apart)
+    assert out["groups"]["vllm"] == [2, 2, 2, 2]  # one group of four ranks, at the last step's version
     # A failed update named all four workers, and the next one went through.
     check_recovered(out, 4)
 
