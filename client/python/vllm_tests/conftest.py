@@ -238,10 +238,19 @@ class Fresh:
         """Runs `script` as `world` processes, the ranks of vLLM's "external_launcher" (each a
         tensor-parallel rank that stays from engine to engine: the worker processes vLLM would start
         for each engine, and their imports, saved), one core each; returns rank 0's RESULT. A rank
-        that fails or outlives the timeout stops them all, and its output is named."""
+        that fails or outlives the timeout stops them all, and its output is named. Rank 0 serves
+        the ranks' store on a free port it binds only later (vLLM's env:// rendezvous): one taken by
+        another socket meanwhile (CI saw EADDRINUSE) runs them again on another, twice at most."""
         from engines import free_port
 
-        port = free_port()
+        for attempt in range(3):
+            try:
+                return self._ranks_once(world, free_port(), script, *args, timeout=timeout)
+            except _PortTaken:
+                if attempt == 2:
+                    raise
+
+    def _ranks_once(self, world: int, port: int, script: str, *args: str, timeout: float) -> dict:
         logs = [self.log_dir / f"{script}.{port}.rank{r}.log" for r in range(world)]
         pids = []
         try:
@@ -257,9 +266,11 @@ class Fresh:
                 failed = [r for r, code in enumerate(codes) if code not in (None, 0)]
                 if failed or time.monotonic() > deadline:
                     r = failed[0] if failed else codes.index(None)
-                    raise AssertionError(f"{script} {' '.join(args)}, rank {r} of {world}: "
-                                         f"{'exit ' + str(codes[r]) if failed else 'no result in time'}:\n"
-                                         f"{logs[r].read_text(errors='replace')[-8000:]}")
+                    said = logs[r].read_text(errors="replace")
+                    taken = failed and "EADDRINUSE" in logs[0].read_text(errors="replace")  # rank 0 serves the store
+                    error = _PortTaken if taken else AssertionError
+                    raise error(f"{script} {' '.join(args)}, rank {r} of {world}: "
+                                f"{'exit ' + str(codes[r]) if failed else 'no result in time'}:\n{said[-8000:]}")
                 time.sleep(0.5)
             for line in logs[0].read_text(errors="replace").splitlines():
                 if line.startswith("RESULT "):
@@ -268,6 +279,10 @@ class Fresh:
         finally:
             for pid in pids:
                 ZYGOTE.kill(pid)  # a rank still running (another failed), or what an exited one left
+
+
+class _PortTaken(AssertionError):
+    """The rendezvous port of Fresh's ranks was taken before rank 0 bound it."""
 
 
 @pytest.fixture(scope="session")
