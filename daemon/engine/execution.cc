@@ -128,13 +128,14 @@ BlockAmaxes* Execution::amaxesOf(const planner::TensorLayout& dt) const {
 
 Status Execution::alive() const { return a_->usable(); }
 
-StatusOr<Registry::LocalBuffer> Execution::buffer(const planner::ResolvedLayout& l, int32_t rank, int32_t b) const {
+StatusOr<Registry::LocalBuffer> Execution::buffer(const planner::ResolvedLayout& l, int32_t rank, int32_t b,
+                                                  Registry::Set set) const {
   const std::string& name = l.buffer_names[static_cast<size_t>(b)];
   if (&l == &a_->plan->dst) {  // a replica set's rank is a rank of one of its replicas' groups
     const auto [group, member_rank] = a_->dstRank(rank);
-    return env_.registry.localBuffer(group, member_rank, name);
+    return env_.registry.localBuffer(group, member_rank, name, set);
   }
-  return env_.registry.localBuffer(l.group, rank, name);
+  return env_.registry.localBuffer(l.group, rank, name, set);
 }
 
 TypedView Execution::typed(const Registry::LocalBuffer& b, int64_t offset, std::vector<int64_t> strides,
@@ -533,7 +534,7 @@ Status Execution::relay(const LandedChunk& l, const Arrival& at) {
 // that another GPU here already took from host memory is copied from that GPU (deviceCopyOf).
 StatusOr<Execution::Unpacked> Execution::unpack(const LandedChunk& l, const Arrival& at) {
   Unpacked u;
-  SC_ASSIGN_OR_RETURN(u.pieces, localPieces(l.transfer, l.chunk));
+  SC_ASSIGN_OR_RETURN(u.pieces, localPieces(l.transfer, l.chunk, at.delta));
   u.wire = at.memory.data + at.chunk->offset;
   u.kind = at.memory.kind;
   u.copies = engine(at.memory, Direction::kIncoming);
@@ -601,7 +602,7 @@ const Execution::Piece* Execution::deviceCopyOf(const std::vector<Piece>& pieces
   return nullptr;
 }
 
-StatusOr<std::vector<Execution::Piece>> Execution::localPieces(int32_t t, int32_t k) {
+StatusOr<std::vector<Execution::Piece>> Execution::localPieces(int32_t t, int32_t k, bool bases) {
   const auto& tr = plan_.transfers[t];
   const auto& chunk = cp_.transfer(t).chunks[static_cast<size_t>(k)];
   const auto* landing = cp_.transfer(t).landingOn(self_);
@@ -624,8 +625,19 @@ StatusOr<std::vector<Execution::Piece>> Execution::localPieces(int32_t t, int32_
         dst_off += (part.lo[d] - sub.lo[d]) * dr.strides[d];
       }
       SC_ASSIGN_OR_RETURN(auto db, buffer(cp_.dst, dr.rank, dr.buffer));
-      out.push_back({cp_.fragment_offset[f] + static_cast<uint64_t>(src_off * elem), part,
-                     typed(db, dst_off, dr.strides, dt, Direction::kIncoming), dense, &dt, dr.rank, db.gpu});
+      Piece& p = out.emplace_back();
+      p.at = cp_.fragment_offset[f] + static_cast<uint64_t>(src_off * elem);
+      p.part = part;
+      p.memory = typed(db, dst_off, dr.strides, dt, Direction::kIncoming);
+      p.dense = dense;
+      p.tensor = &dt;
+      p.rank = dr.rank;
+      p.gpu = db.gpu;
+      if (bases) {
+        SC_ASSIGN_OR_RETURN(auto held, buffer(cp_.dst, dr.rank, dr.buffer, Registry::Set::kHeld));
+        p.base = typed(held, dst_off, dr.strides, dt, Direction::kIncoming);
+        p.base_gpu = held.gpu;
+      }
     }
   }
   return out;
@@ -638,9 +650,9 @@ Status Execution::decode(const LandedChunk& l, const std::byte* delta, const std
   const auto& chunk = cp_.transfer(l.transfer).chunks[static_cast<size_t>(l.chunk)];
   decoded_.resize(static_cast<size_t>(chunk.bytes));
   for (const auto& p : pieces)  // the ranks' bytes as they are: no stage (nothing converts)
-    SC_RETURN_IF_ERROR(copyBox(env_.host_copies, p.memory.device,
+    SC_RETURN_IF_ERROR(copyBox(env_.host_copies, p.base.device,
                                {decoded_.data() + (p.at - chunk.offset), transport::MemoryKind::kHost, 0, p.dense},
-                               p.memory.view, p.part.sizes(), p.tensor->elemBytes()));
+                               p.base.view, p.part.sizes(), p.tensor->elemBytes()));
   if (auto st = applyDelta(decoded_.data(), chunk.bytes, deltaUnit(l.transfer), delta, l.bytes); !st.ok())
     return absl::InvalidArgumentError(strCat("sync ", a_->id, " on node \"", env_.node, "\": chunk ", l.chunk,
                                              " of transfer ", l.transfer, ": ", st.message()));
@@ -667,7 +679,9 @@ StatusOr<bool> Execution::decodeOnGpu(const LandedChunk& l, const std::byte* del
   // GPU, where it reaches them (peer access: NVLink or PCIe); each piece's region is this chunk's
   // alone.
   for (const auto& p : pieces)
-    if (p.gpu < 0 || p.memory.view.kind != transport::MemoryKind::kCuda || !gpus->peerAccess(gpu, p.gpu)) return false;
+    if (p.gpu < 0 || p.memory.view.kind != transport::MemoryKind::kCuda || !gpus->peerAccess(gpu, p.gpu) ||
+        p.base_gpu < 0 || p.base.view.kind != transport::MemoryKind::kCuda || !gpus->peerAccess(gpu, p.base_gpu))
+      return false;
   const auto& chunk = cp_.transfer(l.transfer).chunks[static_cast<size_t>(l.chunk)];
   if (!gpu_rebuilt_ || gpu_rebuilt_->size() < chunk.bytes || gpu_rebuilt_gpu_ != gpu) {
     gpu_rebuilt_.reset();
@@ -679,7 +693,7 @@ StatusOr<bool> Execution::decodeOnGpu(const LandedChunk& l, const std::byte* del
   std::byte* rebuilt = gpu_rebuilt_->data();
   for (const auto& p : pieces)  // the ranks' bytes as they are, on the rebuilding GPU's stream
     SC_RETURN_IF_ERROR(engine->copy({rebuilt + (p.at - chunk.offset), transport::MemoryKind::kCuda, 0, p.dense},
-                                    p.memory.view, p.part.sizes(), p.tensor->elemBytes()));
+                                    p.base.view, p.part.sizes(), p.tensor->elemBytes()));
   auto hash = engine->applyDelta(rebuilt, chunk.bytes, deltaUnit(l.transfer), delta, l.bytes);
   if (!hash.ok())  // a malformed delta (INVALID_ARGUMENT) or this GPU's failure, as it is
     return Status(hash.status().code(), strCat("sync ", a_->id, " on node \"", env_.node, "\": chunk ", l.chunk,

@@ -65,6 +65,10 @@ class Execution {
     const planner::TensorLayout* tensor = nullptr;  // the destination's
     int32_t rank = -1;
     int gpu = -1;  // device memory: its GPU
+    // A delta chunk's: where the rank holds its committed version of the box (the base), read to
+    // rebuild the chunk. `memory` itself, unless the rank is double-buffered: then its set in use.
+    TypedView base;
+    int base_gpu = -1;
   };
 
   Status readDirectory();
@@ -82,7 +86,8 @@ class Execution {
   // Before every local copy into or out of rank memory: the sync may have been ended meanwhile
   // (aborted, or its lease ran out); then its ranks are no longer its to touch.
   Status alive() const;
-  StatusOr<Registry::LocalBuffer> buffer(const planner::ResolvedLayout& l, int32_t rank, int32_t b) const;
+  StatusOr<Registry::LocalBuffer> buffer(const planner::ResolvedLayout& l, int32_t rank, int32_t b,
+                                         Registry::Set set = Registry::Set::kWritten) const;
   // A rank buffer's view, typed as tensor `t`; device memory is copied on its GPU's engine of
   // `direction` (packs and local copies read with the outgoing one, landings the incoming one),
   // which device_ then waits for.
@@ -123,7 +128,8 @@ class Execution {
   static const Piece* deviceCopyOf(const std::vector<Piece>& pieces, size_t i);
   // The pieces of chunk `k` of transfer `t` this node's destination ranks hold (but the rank it
   // landed in directly, if it did).
-  StatusOr<std::vector<Piece>> localPieces(int32_t t, int32_t k);
+  // `bases`: each piece's `base` as well (a delta chunk).
+  StatusOr<std::vector<Piece>> localPieces(int32_t t, int32_t k, bool bases);
   // A delta chunk: rebuilt from the local ranks' bytes (the base) into decoded_, checked.
   Status decode(const LandedChunk& l, const std::byte* delta, const std::vector<Piece>& pieces);
   // The same on a GPU (a tree-hashed delta whose pieces are all device memory: on the first

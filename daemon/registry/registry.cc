@@ -592,13 +592,14 @@ StatusOr<std::pair<std::shared_ptr<transport::MemoryRegion>, uint64_t>> Registry
 }
 
 StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, int32_t rank,
-                                                      const std::string& buffer) const {
+                                                      const std::string& buffer, Set set) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = ranks_.find({group, rank});
   if (it == ranks_.end())
     return absl::FailedPreconditionError(
         strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
-  for (const Buffer& b : it->second->writeSet()) {  // sources and single-buffered ranks: their only set
+  const Rank& r = *it->second;
+  for (const Buffer& b : set == Set::kHeld ? r.heldSet() : r.writeSet()) {  // sources, single-buffered: one set
     if (b.name != buffer) continue;
     if (b.segment)
       return LocalBuffer{static_cast<std::byte*>(b.segment->data()) + b.offset,

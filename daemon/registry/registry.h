@@ -84,7 +84,11 @@ class Registry {
     transport::CopyEngine* incoming = nullptr;        // device memory: landings, unpacks
     int gpu = -1;                                     // device memory: its GPU
   };
-  StatusOr<LocalBuffer> localBuffer(const std::string& group, int32_t rank, const std::string& buffer) const;
+  // `set`: the one syncs write (kWritten), or the one holding the rank's committed version
+  // (kHeld: a delta's base); the same set unless the rank is double-buffered.
+  enum class Set { kWritten, kHeld };
+  StatusOr<LocalBuffer> localBuffer(const std::string& group, int32_t rank, const std::string& buffer,
+                                    Set set = Set::kWritten) const;
   // Where the sync after the one writing the rank now would land `buffer` if this one commits:
   // a double-buffered rank flips at commit, so the next writes the set in use now; any other
   // rank, the same buffer. The registration and the buffer's offset in it.
@@ -108,7 +112,8 @@ class Registry {
   // registered exactly those (a group registered again with another layout is refused).
   // `fence`: the attempt's; committing it records it (a delta base names the attempt that sent it).
   // `base`, when given: what every destination rank here held as it was taken (Base{} when one was
-  // not READY, they differ, or one is double-buffered: its written set is not the one it holds).
+  // not READY or they differ). A double-buffered rank's is the set in use (Set::kHeld), which the
+  // sync does not write: a delta is rebuilt from it into the other set.
   struct Base {
     uint64_t version = 0;
     uint64_t fence = 0;  // of the sync attempt that committed it
@@ -236,6 +241,8 @@ class Registry {
     bool doubled() const { return !shadow.empty(); }
     // The set syncs write: the only one for single-buffered ranks.
     const std::vector<Buffer>& writeSet() const { return doubled() && active == 0 ? shadow : buffers; }
+    // The set holding `committed`: the only one for single-buffered ranks.
+    const std::vector<Buffer>& heldSet() const { return doubled() && active == 1 ? shadow : buffers; }
     v1::Role role = v1::ROLE_DESTINATION;
     v1::RankState state = v1::RANK_EMPTY;
     uint64_t committed = 0;     // destination: last committed version; source: last published

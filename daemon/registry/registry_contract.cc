@@ -155,7 +155,7 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
     *base = {};
     bool common = !writers.empty();
     for (const Rank* r : writers)
-      common = common && r->state == v1::RANK_READY && !r->doubled() && r->committed_by != 0 &&
+      common = common && r->state == v1::RANK_READY && r->committed_by != 0 &&
                r->committed == writers.front()->committed && r->committed_by == writers.front()->committed_by;
     if (common) *base = {writers.front()->committed, writers.front()->committed_by};
   }
@@ -225,13 +225,18 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, uint64_t fe
       if (!r->doubled() || end == SyncEnd::kCommit) touched[key.first].push_back(r->rank);
       if (r->doubled()) {
         // Commit flips to the set just written; otherwise the set in use is untouched: the rank
-        // stays where it was (the other set is rewritten whole by the next sync).
+        // stays where it was (the other set is rewritten whole by the next sync). The set in use
+        // is the next delta's base (a delta is rebuilt from it into the other set); a sync that
+        // failed after writing may have failed because it no longer holds its version (its
+        // engine wrote it: a delta's DATA_LOSS), so the next sync is dense for it.
         if (end == SyncEnd::kCommit) {
           r->active = 1 - r->active;
           r->state = v1::RANK_READY;
           r->committed = r->writing;
-          r->committed_by = 0;  // the other set held the base: never one for a delta
+          r->committed_by = r->writer_fence;
           r->detail.clear();
+        } else if (end != SyncEnd::kRevert) {
+          r->committed_by = 0;
         }
         if (end == SyncEnd::kDraining) r->writer = id;  // its other set is still being written
         after.push_back(statusOf(*r));

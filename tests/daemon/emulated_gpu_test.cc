@@ -102,7 +102,8 @@ struct GroupPair {
 
 }  // namespace
 
-TEST_CASE("emulated GPUs: device ranks on every side sync byte-exact through host staging, deltas too",
+TEST_CASE("emulated GPUs: device ranks on every side, single- and double-buffered, sync byte-exact through host "
+          "staging, deltas too",
           "[daemon][sync][emulated-gpu]") {
   // Delta bases on the GPUs (their chunks encoded there, issue 51) or none (encoded on the host).
   const std::string device_mib = GENERATE(std::string("0"), std::string("64"));
@@ -131,6 +132,22 @@ TEST_CASE("emulated GPUs: device ranks on every side sync byte-exact through hos
   std::vector<RankMemory> smem, dmem;
   for (int32_t r = 0; r < 4; ++r) smem.push_back(allocateRank(src, r, "egpu-t" + device_mib + std::to_string(r)));
   for (int32_t r = 0; r < 4; ++r) dmem.push_back(allocateRank(dst, r, "egpu-i" + device_mib + std::to_string(r)));
+  // The odd destination ranks are double-buffered (one beside a single-buffered rank on each
+  // node): a delta into them is rebuilt from the set their engine reads into the other set.
+  const auto doubled = [](int32_t r) { return r % 2 == 1; };
+  std::map<int32_t, RankMemory> shadow;
+  for (int32_t r = 1; r < 4; r += 2) shadow.emplace(r, allocateRank(dst, r, "egpu-b" + device_mib + std::to_string(r)));
+  // The set rank r's engine reads: the one its last commit wrote.
+  auto in_use = [&](int32_t r) -> RankMemory& {
+    if (!doubled(r)) return dmem[r];
+    v1::StatusResponse st;
+    REQUIRE(node(nodes.name(dst.rank_node[r])).client()->Status(ctx().get(), v1::StatusRequest(), &st).ok());
+    for (const auto& group : st.groups())
+      for (const auto& rs : group.rank_states())
+        if (group.group() == "infer" && rs.rank() == r) return rs.active_set() == 0 ? dmem[r] : shadow.at(r);
+    FAIL("rank " << r << " of infer is not on its node");
+    return dmem[r];
+  };
   // Version v everywhere; with `some`, only every 16th element of w and o changes from v - 1.
   auto fill = [&](int version, bool some) {
     for (int32_t r = 0; r < 4; ++r)
@@ -143,15 +160,17 @@ TEST_CASE("emulated GPUs: device ranks on every side sync byte-exact through hos
   };
   auto wrong = [&](int version, bool some) {
     int64_t bad = 0;
-    for (int32_t r = 0; r < 4; ++r)
+    for (int32_t r = 0; r < 4; ++r) {
+      RankMemory& set = in_use(r);
       forEachElement(dst, r, [&](size_t t, const planner::PieceRef& p, int64_t off, int64_t flat) {
         if (dst.tensors[t].name == "m") {
-          bad += *dmem[r].at<uint16_t>(p, off) != bf16Bits(floatValue(flat, version));
+          bad += *set.at<uint16_t>(p, off) != bf16Bits(floatValue(flat, version));
         } else {
           const int v = some && flat % 16 != 0 ? version - 1 : version;
-          bad += *dmem[r].at<int32_t>(p, off) != intValue(t, flat, v);
+          bad += *set.at<int32_t>(p, off) != intValue(t, flat, v);
         }
       });
+    }
     return bad;
   };
   fill(1, false);
@@ -166,11 +185,12 @@ TEST_CASE("emulated GPUs: device ranks on every side sync byte-exact through hos
     REQUIRE(st.ok());
   }
   for (int32_t r = 0; r < 4; ++r) {
+    auto req = onGpu(registerRequest(dst_proto, r, 4, dmem[r]), dmem[r], r % 2);
+    if (doubled(r))
+      *req.mutable_shadow_buffers() =
+          onGpu(registerRequest(dst_proto, r, 4, shadow.at(r)), shadow.at(r), r % 2).buffers();
     v1::RegisterResponse resp;
-    const auto st =
-        node(nodes.name(dst.rank_node[r]))
-            .client()
-            ->Register(ctx().get(), onGpu(registerRequest(dst_proto, r, 4, dmem[r]), dmem[r], r % 2), &resp);
+    const auto st = node(nodes.name(dst.rank_node[r])).client()->Register(ctx().get(), req, &resp);
     INFO(st.error_message());
     REQUIRE(st.ok());
   }
@@ -218,7 +238,9 @@ TEST_CASE("emulated GPUs: device ranks on every side sync byte-exact through hos
   step(3, true);
   const auto third = sync(3, v1::DELTA_AUTO);
   CHECK(wrong(3, true) == 0);
-  CHECK(third.delta_chunks() > 0);  // rebuilt on the destinations from the bytes their GPUs hold
+  // Rebuilt on the destinations from the bytes their GPUs hold: the double-buffered ranks' from
+  // the set in use (version 2), written into the other (version 1 until now).
+  CHECK(third.delta_chunks() > 0);
   CHECK(third.wire_bytes() < third.network_bytes());
   // w and o (int32, copied as they are) encoded on the source's GPU against bases kept there; m
   // (float32 -> bfloat16) on the host.

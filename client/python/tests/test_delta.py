@@ -3,9 +3,12 @@ a destination node that holds the bytes it last sent only the elements that chan
 of every destination rank is checked against the source after every sync. Nodes that do not hold
 the base (a rank registered again) get dense bytes in the same sync; a destination whose memory
 was written outside a sync fails the delta loudly, naming the ranks, and the next sync repairs it;
---delta-dense-every refreshes the bases."""
+double-buffered ranks take deltas rebuilt from the set their engine reads; --delta-dense-every
+refreshes the bases."""
 
 from __future__ import annotations
+
+import types
 
 import grpc
 import pytest
@@ -178,6 +181,52 @@ def test_a_destination_written_outside_a_sync_fails_the_delta_naming_it_and_is_r
         step(src, 3, 0.02, seed=23)
         assert c0.sync("trainer", "vllm", 3, delta="auto").delta_chunks > 0
         check_all(src, dst, 2)
+        for reg in dst:
+            reg.close()
+        src.close()
+
+
+def test_double_buffered_ranks_take_deltas_rebuilt_from_the_set_their_engine_reads(two_nodes):
+    """A double-buffered rank's base is its set in use: each delta is rebuilt from it into the other
+    set (which holds the version before), checked, and flipped to at commit. An engine that wrote
+    the set in use fails the next delta naming its rank, which keeps serving its version; the next
+    sync is dense for it, the one after a delta again."""
+    n0, n1 = two_nodes
+
+    def in_use(dst):
+        views = []
+        for reg in dst:
+            with reg.reading() as tensors:
+                views.append(types.SimpleNamespace(tensors={n: t.clone() for n, t in tensors.items()}))
+        return views
+
+    with shardcast.Client(n0.target) as c0, shardcast.Client(n1.target) as c1:
+        src = c0.register("trainer", 0, 1, source_tensors(4), src_layout("n0"), role="source", version=1)
+        dst = [c1.register("vllm", r, 2, destination_tensors(2), dst_layout(["n1", "n1"]),
+                           shadow=destination_tensors(2)) for r in range(2)]
+        assert c0.sync("trainer", "vllm", 1, delta="auto").delta_chunks == 0  # nothing held yet
+        check_all(src, in_use(dst), 2)
+        for version in (2, 3):
+            step(src, version, 0.02, seed=30 + version)
+            resp = c0.sync("trainer", "vllm", version, delta="auto")
+            assert resp.delta_chunks > 0 and resp.wire_bytes < resp.network_bytes / 4, resp
+            check_all(src, in_use(dst), 2)
+        assert [reg.state().active_set for reg in dst] == [1, 1]  # set 0 at registration, flipped at each commit
+
+        with dst[1].reading() as tensors:
+            tensors["w"][5, 7] += 1  # the engine wrote the weights it serves: no longer version 3
+        step(src, 4, 0.02, seed=34)
+        with pytest.raises(shardcast.ShardcastError, match=r"rank\(s\) 1 there do not hold version 3") as e:
+            c0.sync("trainer", "vllm", 4, delta="auto")
+        assert e.value.code == grpc.StatusCode.DATA_LOSS
+        for reg in dst:  # still serving version 3 from the set in use: nothing of 4 was flipped to
+            state = reg.state()
+            assert (state.state, state.version, state.active_set) == (service_pb2.RANK_READY, 3, 1)
+        assert c0.sync("trainer", "vllm", 4, delta="auto").delta_chunks == 0  # dense: no base after the failure
+        check_all(src, in_use(dst), 2)
+        step(src, 5, 0.02, seed=35)
+        assert c0.sync("trainer", "vllm", 5, delta="auto").delta_chunks > 0
+        check_all(src, in_use(dst), 2)
         for reg in dst:
             reg.close()
         src.close()

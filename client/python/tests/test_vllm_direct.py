@@ -81,8 +81,7 @@ def test_double_buffered_parameters_take_delta_syncs():
     """ShardcastTrainerInitInfo(double_buffer=True): bytes land in a staging tensor per direct
     parameter, never in the live one (the engine copies them over at finish_weight_update). The
     staging tensors are what the rank registers, a single set that keeps the last version's
-    bytes, so a delta="auto" sync after the first sends deltas, unlike a rank registered
-    double-buffered with the daemon (docs/delta.md, "Limits")."""
+    bytes, so a delta="auto" sync after the first sends deltas into them."""
     checkpoint = {"w": torch.randn(4 * H, H), "norm": torch.randn(H)}
     maps = {"w.weight": ParamMap("w.weight", (4 * H, H), torch.float32, [Landing("w", (0, 0), (4 * H, H), 0)]),
             "norm.weight": ParamMap("norm.weight", (H,), torch.float32, [Landing("norm", (0,), (H,), 0)])}
