@@ -36,7 +36,8 @@ def find_shardcastd() -> str:
     found = shutil.which("shardcastd")
     if found:
         return found
-    raise FileNotFoundError("shardcastd not found: build it (bash scripts/build.sh) or set SHARDCASTD")
+    raise FileNotFoundError("shardcastd not found: build it (bash scripts/build.sh) and set SHARDCASTD (the binary) or "
+                            "SHARDCAST_BUILD (the build directory), or put it on PATH")
 
 
 def free_port() -> int:
