@@ -591,8 +591,8 @@ StatusOr<std::pair<std::shared_ptr<transport::MemoryRegion>, uint64_t>> Registry
   return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " has no buffer \"", buffer, "\""));
 }
 
-StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, int32_t rank,
-                                                      const std::string& buffer, Set set) const {
+StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, int32_t rank, const std::string& buffer,
+                                                      Set set) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = ranks_.find({group, rank});
   if (it == ranks_.end())

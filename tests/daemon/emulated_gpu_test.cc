@@ -102,9 +102,10 @@ struct GroupPair {
 
 }  // namespace
 
-TEST_CASE("emulated GPUs: device ranks on every side, single- and double-buffered, sync byte-exact through host "
-          "staging, deltas too",
-          "[daemon][sync][emulated-gpu]") {
+TEST_CASE(
+    "emulated GPUs: device ranks on every side, single- and double-buffered, sync byte-exact through host "
+    "staging, deltas too",
+    "[daemon][sync][emulated-gpu]") {
   // Delta bases on the GPUs (their chunks encoded there, issue 51) or none (encoded on the host).
   const std::string device_mib = GENERATE(std::string("0"), std::string("64"));
   const bool on_gpus = device_mib != "0";
