@@ -372,6 +372,10 @@ int main(int argc, char** argv) {
   builder.RegisterService(&peer);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server) return fail("cannot serve on " + config->listen);
+  // The whole server ("") is SERVING from here; each service by its name too, for probes that ask
+  // for one (Kubernetes' grpc probe `service:`, `shardcast health --service`).
+  for (const char* service : {v1::Shardcast::service_full_name(), v1::Peer::service_full_name()})
+    server->GetHealthCheckService()->SetServingStatus(service, true);
   if (tcp->listener) tcp->listener->serve(std::move(tcp->acceptor));
   if (local->listener) local->listener->serve(server.get());
   if (local->fd_channel) local->fd_channel->serve();

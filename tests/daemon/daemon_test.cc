@@ -64,6 +64,14 @@ TEST_CASE("shardcastd serves health, status and a 0660 Unix socket", "[daemon]")
   grpc::health::v1::HealthCheckResponse hresp;
   REQUIRE(d.health()->Check(ctx().get(), hreq, &hresp).ok());
   CHECK(hresp.status() == grpc::health::v1::HealthCheckResponse::SERVING);
+  for (const char* service : {"shardcast.v1.Shardcast", "shardcast.v1.Peer"}) {  // each service by its name
+    hreq.set_service(service);
+    INFO(service);
+    REQUIRE(d.health()->Check(ctx().get(), hreq, &hresp).ok());
+    CHECK(hresp.status() == grpc::health::v1::HealthCheckResponse::SERVING);
+  }
+  hreq.set_service("shardcast.v1.NoSuchService");
+  CHECK(d.health()->Check(ctx().get(), hreq, &hresp).error_code() == grpc::StatusCode::NOT_FOUND);
   struct stat st {};
   REQUIRE(::stat(d.socketPath().c_str(), &st) == 0);
   CHECK((st.st_mode & 0777) == 0660);
