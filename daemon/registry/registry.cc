@@ -610,11 +610,8 @@ StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, 
                          b.offset,
                          nullptr,
                          nullptr};
-    // Device memory: keep the IPC mapping and its transfer registration alive together.
-    auto keep = std::make_shared<
-        std::pair<std::shared_ptr<transport::CudaIpcMapping>, std::shared_ptr<transport::TransferMemory>>>(
-        b.cuda, b.cuda_memory);
-    return LocalBuffer{b.device,      b.size, transport::MemoryKind::kCuda, keep,
+    // Device memory: the IPC mapping and its transfer registration, kept alive together.
+    return LocalBuffer{b.device,      b.size, transport::MemoryKind::kCuda, b.cuda_keep,
                        b.region,      0,      b.engines->outgoing.get(),    b.engines->incoming.get(),
                        b.engines->gpu};
   }

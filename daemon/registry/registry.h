@@ -215,6 +215,7 @@ class Registry {
     std::shared_ptr<transport::ShmSegment> segment;          // shm: the mapping (shared by buffers)
     std::shared_ptr<transport::CudaIpcMapping> cuda;         // cuda: the imported allocation(s)
     std::shared_ptr<transport::TransferMemory> cuda_memory;  // cuda: registered or staged
+    std::shared_ptr<void> cuda_keep;                         // cuda: both of the above, kept alive as one
     std::byte* device = nullptr;                             // cuda: the buffer (offset applied)
     const DeviceEngines* engines = nullptr;                  // cuda: its GPU's
     std::shared_ptr<transport::MemoryRegion> region;         // what peers write into

@@ -205,6 +205,11 @@ Status Registry::mapDeviceBuffer(const std::string& who, const std::string& name
   b->cuda = std::move(*mapping);
   b->region = (*mem)->region();
   b->cuda_memory = std::move(*mem);
+  // One owner of both for every LocalBuffer of it: a sync keeps each mapping it uses alive once
+  // (Execution::mapped_), however many chunks it copies through it.
+  b->cuda_keep = std::make_shared<
+      std::pair<std::shared_ptr<transport::CudaIpcMapping>, std::shared_ptr<transport::TransferMemory>>>(
+      b->cuda, b->cuda_memory);
   return absl::OkStatus();
 }
 
