@@ -392,14 +392,16 @@ def check_local_tensors(plan: ParallelPlan, model: Mapping[str, Any], tensors: M
 
 
 def gather_step(group: Any, world: int, what: str, step: Callable[[], Any], who: str,
-                exchange: Optional[Callable[[Any], List[Any]]] = None) -> List[Any]:
+                exchange: Optional[Callable[[Any], List[Any]]] = None,
+                name: Callable[[int], str] = str) -> List[Any]:
     """Runs `step` on this rank and gathers every rank's result (a list, by rank): a step that
     succeeds on every rank of a torch.distributed group or fails on all of them. When the step
     raised on any rank, raises on every rank, naming each failing rank (`who`: "trainer rank",
     "worker") and its error: a rank that raised alone would leave the others waiting in the next
     collective for good. Every rank of `group` (of `world` ranks) must call it; `group` None and
     `world` 1 run the step alone. `exchange` (instead of `group`): gathers one value from every
-    rank, by rank (ranks spread over several groups: shardcast.vllm.engine's)."""
+    rank, by rank (ranks spread over several groups: shardcast.vllm.engine's). `name(r)` names rank r
+    in the message (its number, unless given)."""
     import torch
 
     try:
@@ -414,7 +416,7 @@ def gather_step(group: Any, world: int, what: str, step: Callable[[], Any], who:
         torch.distributed.all_gather_object(out, (error, value), group=group)
     failed = [(r, err) for r, (err, _) in enumerate(out) if err is not None]
     if failed:
-        message = f"shardcast: {what} failed on {who}(s) " + "; ".join(f"{r}: {e}" for r, e in failed)
+        message = f"shardcast: {what} failed on {who}(s) " + "; ".join(f"{name(r)}: {e}" for r, e in failed)
         if error is not None:
             raise RuntimeError(message) from raised
         raise RuntimeError(message)
@@ -428,13 +430,23 @@ class GridRanks:
     inner its tensor-parallel group and outer its pipeline group. For when no process group holds
     exactly these ranks: a gather goes through `inner`, then `outer`. Each group is given as vLLM's
     GroupCoordinator gives it (`cpu_group`, `world_size`, `rank_in_group`). Every rank must call
-    each method. `where` (for messages) says where this rank sits; `who` names a rank."""
+    each method. `where` (for messages) says where this rank sits; `who` names a rank; `positions`
+    (for messages), with `outer` of more than one rank: the names of a rank's outer and inner
+    positions ("pipeline stage", "TP rank"), added to its number where a step names it."""
 
-    def __init__(self, inner: Any, outer: Any, where: str = "", who: str = "rank") -> None:
+    def __init__(self, inner: Any, outer: Any, where: str = "", who: str = "rank",
+                 positions: Optional[Tuple[str, str]] = None) -> None:
         self.inner, self.outer = inner, outer
         self.rank = outer.rank_in_group * inner.world_size + inner.rank_in_group
         self.world = inner.world_size * outer.world_size
-        self.where, self.who = where, who
+        self.where, self.who, self.positions = where, who, positions
+
+    def name(self, rank: int) -> str:
+        """Rank `rank` as a message names it: its number, and its positions where there are rows."""
+        if self.positions is None or self.outer.world_size == 1:
+            return str(rank)
+        outer, inner = self.positions
+        return f"{rank} ({outer} {rank // self.inner.world_size}, {inner} {rank % self.inner.world_size})"
 
     def gather(self, value: Any) -> List[Any]:
         """Every rank's `value`, by rank."""
@@ -452,8 +464,8 @@ class GridRanks:
 
     def step(self, what: str, step: Callable[[], Any]) -> List[Any]:
         """gather_step over these ranks: `step` succeeds on every rank or raises on all of them,
-        naming each failing rank by its number here."""
-        return gather_step(None, self.world, what, step, self.who, exchange=self.gather)
+        naming each failing rank by its number here (and its positions: `name`)."""
+        return gather_step(None, self.world, what, step, self.who, exchange=self.gather, name=self.name)
 
     def any(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank."""

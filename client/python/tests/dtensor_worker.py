@@ -305,7 +305,7 @@ def check_grid(rank: int, world: int, port: int, conn) -> None:
         pp = [0, 2] if rank % 2 == 0 else [1, 3]
         inner = SimpleNamespace(cpu_group=groups[tuple(tp)], world_size=2, rank_in_group=tp.index(rank))
         outer = SimpleNamespace(cpu_group=groups[tuple(pp)], world_size=2, rank_in_group=pp.index(rank))
-        grid = GridRanks(inner, outer, who="worker")
+        grid = GridRanks(inner, outer, who="worker", positions=("pipeline stage", "TP rank"))
         out = {"rank": grid.rank, "world": grid.world, "gathered": grid.gather(f"r{rank}")}
 
         def fails_on_2():

@@ -273,7 +273,8 @@ def test_ranks_of_a_tp_by_pp_grid_gather_through_both_groups_in_vllms_rank_order
     for rank, got in enumerate(on_four_gloo_ranks(dtensor_worker.check_grid, "grid")):
         assert (got["rank"], got["world"]) == (rank, 4)
         assert got["gathered"] == ["r0", "r1", "r2", "r3"], got
-        assert got["step"] == "shardcast: a step failed on worker(s) 2: ValueError: rank 2's own error", got
+        assert got["step"] == ("shardcast: a step failed on worker(s) 2 (pipeline stage 1, TP rank 0): "
+                               "ValueError: rank 2's own error"), got
         assert got["step_after"] == [0, 10, 20, 30]
         assert got["any_3"] is True and got["any_none"] is False
 

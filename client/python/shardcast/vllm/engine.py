@@ -490,7 +490,7 @@ def _model_ranks() -> GridRanks:
                          "tensor-parallel rank), which this backend does not register (not built)")
     tp, pp = parallel_state.get_tp_group(), parallel_state.get_pp_group()
     where = f" (pipeline stage {pp.rank_in_group}, TP rank {tp.rank_in_group})" if pp.world_size > 1 else ""
-    return GridRanks(tp, pp, where=where, who="worker")
+    return GridRanks(tp, pp, where=where, who="worker", positions=("pipeline stage", "TP rank"))
 
 
 __all__ = ["ShardcastInitInfo", "ShardcastUpdateInfo", "ShardcastWeightTransferEngine", "ProbeError"]
