@@ -141,7 +141,7 @@ void SyncCoordinator::keepView(const std::string& repeat_key) {
   const bool folded = route_ == Route::kFolded;
   const double prepare_seconds = folded ? repeat_->prepare_seconds : out_.prepare_seconds();
   if (folded) prepared_ = repeat_->prepared;  // each daemon found them still its own
-  for (auto& answer : prepared_) {  // the next sync's landings: double-buffered ranks flipped at this commit
+  for (auto& answer : prepared_) {            // the next sync's landings: double-buffered ranks flipped at this commit
     if (answer.has_next_targets()) answer.mutable_targets()->Swap(answer.mutable_next_targets());
     // The view serves folded syncs, which carry no deltas: their Prepare reports no base (a delta
     // sync's answer here would have a folded Prepare refused as not matching it).
