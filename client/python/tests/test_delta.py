@@ -73,6 +73,15 @@ def check_all(src, dst, world):
             assert torch.equal(bits(reg.tensors[name]), bits(t.contiguous())), f"rank {r}: {name} differs"
 
 
+def in_use(dst):
+    """What the engine of each rank in `dst` reads (a double-buffered rank's set in use), for check_all."""
+    views = []
+    for reg in dst:
+        with reg.reading() as tensors:
+            views.append(types.SimpleNamespace(tensors={n: t.clone() for n, t in tensors.items()}))
+    return views
+
+
 @pytest.fixture
 def two_nodes():
     shardcast.local.find_shardcastd()
@@ -192,14 +201,6 @@ def test_double_buffered_ranks_take_deltas_rebuilt_from_the_set_their_engine_rea
     the set in use fails the next delta naming its rank, which keeps serving its version; the next
     sync is dense for it, the one after a delta again."""
     n0, n1 = two_nodes
-
-    def in_use(dst):
-        views = []
-        for reg in dst:
-            with reg.reading() as tensors:
-                views.append(types.SimpleNamespace(tensors={n: t.clone() for n, t in tensors.items()}))
-        return views
-
     with shardcast.Client(n0.target) as c0, shardcast.Client(n1.target) as c1:
         src = c0.register("trainer", 0, 1, source_tensors(4), src_layout("n0"), role="source", version=1)
         dst = [c1.register("vllm", r, 2, destination_tensors(2), dst_layout(["n1", "n1"]),
@@ -340,6 +341,63 @@ def test_deltas_into_a_replica_set_follow_each_replica_through_cuts_joins_and_ou
         step(src, 9, 0.02, seed=59)
         synced(9, replicas)
         for reg in [src] + [reg for regs in replicas.values() for reg in regs]:
+            reg.close()
+        for client in clients.values():
+            client.close()
+
+
+def test_a_replica_set_of_single_and_double_buffered_replicas_takes_deltas_and_cuts_one_whose_engine_wrote():
+    """Replica 0 (single-buffered) and replica 1 (double-buffered) share node n1, replica 2
+    (double-buffered) is alone on n2: delta syncs reach all three, every byte each engine reads is
+    the trainer's. An engine that writes the set it serves gets its node's replicas cut, named
+    with the reason, while the others commit; the next sync is dense where it was cut, the one
+    after a delta for every replica again."""
+    shardcast.local.find_shardcastd()
+    with LocalCluster(["n0", "n1", "n2"], extra=["--chunk-mib", "1"]) as c:
+        clients = {n: shardcast.Client(c.target(n)) for n in c.nodes}
+        c0 = clients["n0"]
+        src = c0.register("trainer", 0, 1, source_tensors(5), src_layout("n0"), role="source", version=1)
+
+        def join(k, node, doubled):
+            return [clients[node].register(f"vllm.r{k}", r, 2, destination_tensors(2), replica_layout(k, node),
+                                           **({"shadow": destination_tensors(2)} if doubled else {}))
+                    for r in range(2)]
+
+        replicas = {0: join(0, "n1", False), 1: join(1, "n1", True), 2: join(2, "n2", True)}
+
+        def synced(version, committing=(0, 1, 2)):
+            resp = c0.sync("trainer", "vllm", version, delta="auto")
+            got = {o.group: (o.committed, o.cut) for o in resp.replicas}
+            for k in committing:
+                assert got[f"vllm.r{k}"] == (True, ""), (version, got)
+                check_all(src, in_use(replicas[k]), 2)
+            return resp, got
+
+        synced(1)
+        for version in (2, 3):
+            step(src, version, 0.02, seed=50 + version)
+            resp, _ = synced(version)
+            assert resp.dense_chunks == 0 and resp.delta_chunks > 0, resp
+        with replicas[2][0].reading() as tensors:
+            tensors["w"][3, 5] += 1  # replica 2's engine writes the weights it serves
+        step(src, 4, 0.02, seed=54)
+        _, got = synced(4, committing=(0, 1))
+        assert not got["vllm.r2"][0] and "do not hold version 3" in got["vllm.r2"][1], got
+        assert [reg.state().version for reg in replicas[2]] == [3, 3]  # still serving version 3
+        for version in (5, 6):  # dense for replica 2 (and its chain), then deltas for all again
+            step(src, version, 0.02, seed=50 + version)
+            resp, _ = synced(version)
+        assert resp.dense_chunks == 0 and resp.delta_chunks > 0, resp
+        with replicas[1][1].reading() as tensors:
+            tensors["w"][3, 5] += 1  # replica 1's, on the node it shares with replica 0
+        step(src, 7, 0.02, seed=57)
+        _, got = synced(7, committing=(2,))
+        assert "do not hold version 6" in got["vllm.r1"][1], got
+        for version in (8, 9):
+            step(src, version, 0.02, seed=50 + version)
+            resp, _ = synced(version)
+        assert resp.dense_chunks == 0 and resp.delta_chunks > 0, resp
+        for reg in [r for k in replicas for r in replicas[k]] + [src]:
             reg.close()
         for client in clients.values():
             client.close()
