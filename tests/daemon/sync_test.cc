@@ -546,7 +546,10 @@ TEST_CASE(
   const auto synced = [&](int version) {
     cluster.step(g.src, g.nodes, static_cast<uint64_t>(version), [&] { g.fill(version); });
     v1::SyncResponse out;
-    const grpc::Status st = sync(version, &out);
+    // The first sync connects the daemons: on a loaded machine (CI runs the vLLM tests beside
+    // these) a peer's first answer may take longer than the 1.5 s peer timeout, so it is tried
+    // until it commits.
+    const grpc::Status st = version == 1 ? untilCommitted([&] { return sync(version, &out); }) : sync(version, &out);
     INFO("version " << version << ": " << st.error_message());
     REQUIRE(st.ok());
     CHECK(holds(version) == 0);
@@ -594,8 +597,8 @@ TEST_CASE(
   if (zero_copy == "off") {
     req.mutable_options()->set_delta(v1::DELTA_AUTO);
     cluster.step(g.src, g.nodes, 10, [&] { g.fill(10); });
-    v1::SyncResponse with_deltas;
-    const grpc::Status ds = sync(10, &with_deltas);
+    v1::SyncResponse with_deltas;  // a new plan (packed) on every daemon: as slow as a first sync
+    const grpc::Status ds = untilCommitted([&] { return sync(10, &with_deltas); });
     INFO(ds.error_message());
     REQUIRE(ds.ok());
     CHECK(holds(10) == 0);
