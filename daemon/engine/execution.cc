@@ -644,12 +644,12 @@ StatusOr<std::vector<Execution::Piece>> Execution::localPieces(int32_t t, int32_
 }
 
 // The base is what the local ranks hold of the chunk (they all hold the version the delta is
-// against: Registry::Base); the delta is applied to it, and the result must hash as the source's
-// dense bytes did, or a rank here did not hold its base: the sync fails naming them.
+// against: Registry::Base; a double-buffered rank in its set in use, Piece::base); the delta is applied to it, and the
+// result must hash as the source's dense bytes did, or a rank here did not hold its base: the sync fails naming them.
 Status Execution::decode(const LandedChunk& l, const std::byte* delta, const std::vector<Piece>& pieces) {
   const auto& chunk = cp_.transfer(l.transfer).chunks[static_cast<size_t>(l.chunk)];
   decoded_.resize(static_cast<size_t>(chunk.bytes));
-  for (const auto& p : pieces)  // the ranks' bytes as they are: no stage (nothing converts)
+  for (const auto& p : pieces)  // the bases as the ranks hold them: no stage (nothing converts)
     SC_RETURN_IF_ERROR(copyBox(env_.host_copies, p.base.device,
                                {decoded_.data() + (p.at - chunk.offset), transport::MemoryKind::kHost, 0, p.dense},
                                p.base.view, p.part.sizes(), p.tensor->elemBytes()));
@@ -691,7 +691,7 @@ StatusOr<bool> Execution::decodeOnGpu(const LandedChunk& l, const std::byte* del
     gpu_rebuilt_gpu_ = gpu;
   }
   std::byte* rebuilt = gpu_rebuilt_->data();
-  for (const auto& p : pieces)  // the ranks' bytes as they are, on the rebuilding GPU's stream
+  for (const auto& p : pieces)  // the bases as the ranks hold them, on the rebuilding GPU's stream
     SC_RETURN_IF_ERROR(engine->copy({rebuilt + (p.at - chunk.offset), transport::MemoryKind::kCuda, 0, p.dense},
                                     p.base.view, p.part.sizes(), p.tensor->elemBytes()));
   auto hash = engine->applyDelta(rebuilt, chunk.bytes, deltaUnit(l.transfer), delta, l.bytes);
