@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardcast.vllm import fused
 from shardcast.vllm.fused import Part, box_view, checkpoint_boxes
 
 E, I, H = 3, 4, 5
@@ -87,3 +88,40 @@ def test_a_renaming_conversion_is_one_whole_part_and_none_is_nothing():
     assert renamed == {"w": [Part("model.w", (0, 0), (2, H), 0)]}
     assert checkpoint_boxes({"w": (2, H)}, None) == {}
     assert checkpoint_boxes({"w": (2, H)}, lambda state: state) == {}
+
+
+def test_copies_and_views_give_the_same_boxes_and_hundreds_of_experts_are_each_their_own():
+    # transformers' own conversion copies the gate and up halves and views down_proj's experts:
+    # a copy is checked element by element, a view by its strides; both give each expert its box.
+    experts = 300
+
+    def copied(state):
+        return {k: t.clone() for k, t in split_experts(state).items()}
+
+    shapes = {"experts.gate_up_proj": (experts, 2 * I, H)}
+    by_view, by_copy = checkpoint_boxes(shapes, split_experts), checkpoint_boxes(shapes, copied)
+    assert by_view == by_copy
+    parts = by_view["experts.gate_up_proj"]
+    assert [p.name for p in parts] == [f"experts.{e}.{w}_proj.weight" for e in range(experts) for w in ("gate", "up")]
+    assert parts[2 * 171 + 1] == Part("experts.171.up_proj.weight", (171, I, 0), (1, I, H), 1)
+
+
+def test_a_run_of_elements_that_wraps_a_row_or_overlaps_is_no_partition(monkeypatch):
+    # Elements 3..6 of a (2, 5) parameter are in order, yet no box: they wrap from row 0 into row 1.
+    wrapped = lambda state: {"a": state["w"].reshape(-1)[:3], "b": state["w"].reshape(-1)[3:7],  # noqa: E731
+                             "c": state["w"].reshape(-1)[7:]}
+    with pytest.raises(ValueError, match=r"makes 'b' of parameter 'w' by other than cutting a box"):
+        checkpoint_boxes({"w": (2, H)}, wrapped)
+    # A transposed view of a square parameter: its strides, not its shape, say it is no box.
+    with pytest.raises(ValueError, match=r"makes 'w.t' of parameter 'w' by other than cutting a box"):
+        checkpoint_boxes({"w": (H, H)}, lambda state: {"w.t": state["w"].t()})
+    # As many elements as the parameter, one row twice and one in none: the second holder named.
+    row = lambda state: {"a": state["w"][0], "b": state["w"][1], "c": state["w"][1].clone()}  # noqa: E731
+    with pytest.raises(ValueError, match=r"puts elements of parameter 'w' in 'c' and in another"):
+        checkpoint_boxes({"w": (3, H)}, row)
+    # Compared a few rows of pairs at a time, the same answers.
+    monkeypatch.setattr(fused, "_PAIR_ROWS", 2)
+    with pytest.raises(ValueError, match=r"puts elements of parameter 'w' in 'c' and in another"):
+        checkpoint_boxes({"w": (3, H)}, row)
+    many = checkpoint_boxes({"experts.gate_up_proj": (9, 2 * I, H)}, split_experts)["experts.gate_up_proj"]
+    assert len(many) == 18 and many[17].offsets == (8, I, 0)

@@ -22,8 +22,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from shardcast.vllm.probe import box_of
-
 Convert = Callable[[Dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 
 
@@ -78,26 +76,83 @@ def checkpoint_boxes(shapes: Mapping[str, Sequence[int]], convert: Optional[Conv
                              f"({type(e).__name__}: {e}); give its checkpoint names with name_map") from e
         if list(converted) == [name] and converted[name] is index:
             continue  # left as it is
-        parts: List[Part] = []
-        covered = torch.zeros(numel, dtype=torch.bool)
-        for ckpt, tensor in converted.items():
-            flat = tensor.reshape(-1).to(torch.int64)
-            box = box_of(flat, shape) if flat.numel() else None
-            squeezed = len(shape) - tensor.dim()
-            if box is None or squeezed < 0 or box[1] != [1] * squeezed + [int(s) for s in tensor.shape]:
-                raise ValueError(f"shardcast: the model's checkpoint conversion makes {ckpt!r} of parameter "
-                                 f"{name!r} by other than cutting a box of it (a transposed or reordered copy); "
-                                 "give its checkpoint names with name_map")
-            if bool(covered[flat].any()):
-                raise ValueError(f"shardcast: the model's checkpoint conversion puts elements of parameter "
-                                 f"{name!r} in {ckpt!r} and in another checkpoint tensor")
-            covered[flat] = True
-            parts.append(Part(ckpt, tuple(box[0]), tuple(box[1]), squeezed))
-        if not bool(covered.all()):
-            raise ValueError(f"shardcast: the model's checkpoint conversion leaves "
-                             f"{int((~covered).sum())} elements of parameter {name!r} in no checkpoint tensor")
-        out[name] = parts
+        out[name] = _boxes(name, index, converted)
     return out
+
+
+def _boxes(name: str, index: torch.Tensor, converted: Mapping[str, torch.Tensor]) -> List[Part]:
+    """The box of parameter `name` each converted tensor is, in conversion order. `index` holds the
+    parameter's element indices (row-major, from 0), so a tensor of shape S is the box of sizes
+    [1] * k + S (k: the parameter's dims it lacks) at offsets O exactly when its elements are O's
+    index plus those of that box at the origin. A view of `index` (a split or a selected expert)
+    is checked from its strides alone; a copy element by element, once. Every element lies in
+    exactly one box: the boxes are disjoint and their elements add up to the parameter's. At a
+    real MoE's sizes (hundreds of experts of millions of elements per parameter) this is a pass
+    over each copy and nothing more."""
+    shape = [int(s) for s in index.shape]
+    strides = [int(s) for s in index.stride()]
+    origins: Dict[Tuple[int, ...], torch.Tensor] = {}  # per box shape: the box at the origin
+    parts: List[Part] = []
+    for ckpt, tensor in converted.items():
+        sizes = [int(s) for s in tensor.shape]
+        squeezed = len(shape) - len(sizes)
+        box = [1] * squeezed + sizes
+        if squeezed < 0 or tensor.numel() == 0 or any(b > n for b, n in zip(box, shape)):
+            raise _not_a_box(ckpt, name)
+        first = int(tensor[(0,) * tensor.dim()])
+        offsets = [(first // stride) % n for stride, n in zip(strides, shape)]
+        if any(o + b > n for o, b, n in zip(offsets, box, shape)):
+            raise _not_a_box(ckpt, name)
+        if not _is_box_view(tensor, index, strides[squeezed:]):
+            if tuple(sizes) not in origins:
+                origins[tuple(sizes)] = index[tuple(slice(0, b) for b in box)].reshape(sizes)
+            same = tensor if tensor.dtype == index.dtype else tensor.to(torch.int64)
+            if not torch.equal(same, origins[tuple(sizes)].to(same.dtype) + first):
+                raise _not_a_box(ckpt, name)
+        parts.append(Part(ckpt, tuple(offsets), tuple(box), squeezed))
+    _check_partition(name, shape, parts)
+    return parts
+
+
+def _is_box_view(tensor: torch.Tensor, index: torch.Tensor, strides: Sequence[int]) -> bool:
+    """Whether `tensor` is a view of `index`'s memory whose elements run as the parameter's do in
+    each of its dims (`strides`: the parameter's, of the dims it keeps): then its elements are the
+    box its first element starts."""
+    if tensor.dtype != index.dtype or tensor.untyped_storage().data_ptr() != index.untyped_storage().data_ptr():
+        return False
+    return all(n == 1 or int(t) == s for n, t, s in zip(tensor.shape, tensor.stride(), strides))
+
+
+_PAIR_ROWS = 1024  # parts compared with every other at once (a bool per pair and dim)
+
+
+def _check_partition(name: str, shape: Sequence[int], parts: Sequence[Part]) -> None:
+    """Raises unless `parts` (boxes of parameter `name`) hold each of its elements exactly once:
+    the first part overlapping an earlier one is named, else the elements none holds are counted."""
+    lo = torch.tensor([p.offsets for p in parts], dtype=torch.int64)
+    hi = lo + torch.tensor([p.sizes for p in parts], dtype=torch.int64)
+    numel = 1
+    for n in shape:
+        numel *= n
+    for at in range(0, len(parts), _PAIR_ROWS):
+        a_lo, a_hi = lo[at:at + _PAIR_ROWS].unsqueeze(1), hi[at:at + _PAIR_ROWS].unsqueeze(1)
+        overlap = ((a_lo < hi.unsqueeze(0)) & (lo.unsqueeze(0) < a_hi)).all(dim=2)
+        earlier = torch.arange(len(parts)).unsqueeze(0) < torch.arange(at, at + overlap.shape[0]).unsqueeze(1)
+        later = (overlap & earlier).any(dim=1)
+        if bool(later.any()):
+            ckpt = parts[at + int(later.nonzero()[0])].name
+            raise ValueError(f"shardcast: the model's checkpoint conversion puts elements of parameter "
+                             f"{name!r} in {ckpt!r} and in another checkpoint tensor")
+    held = int((hi - lo).prod(dim=1).sum())
+    if held != numel:
+        raise ValueError(f"shardcast: the model's checkpoint conversion leaves "
+                         f"{numel - held} elements of parameter {name!r} in no checkpoint tensor")
+
+
+def _not_a_box(ckpt: str, name: str) -> ValueError:
+    return ValueError(f"shardcast: the model's checkpoint conversion makes {ckpt!r} of parameter {name!r} by other "
+                      "than cutting a box of it (a transposed or reordered copy); give its checkpoint names with "
+                      "name_map")
 
 
 def _left_alone(name: str, shape: Sequence[int], convert: Convert) -> bool:

@@ -321,11 +321,15 @@ def check_coverage(shapes: Mapping[str, Sequence[int]], ranks: Sequence[Mapping[
     the group: `ranks[r]` maps each tensor rank r holds to (offsets, sizes, the vLLM parameter it
     lands in). Replicated boxes (a KV head on several ranks) are fine; an element no rank takes
     (a tensor announced larger than vLLM's, a name no parameter takes) is a ProbeError naming the
-    tensor, the elements and where the rest of it lands. Exact, from the boxes alone."""
+    tensor, the elements and where the rest of it lands. Exact, from the boxes alone; one pass over
+    the ranks' boxes (a MoE checkpoint names tens of thousands of tensors)."""
+    landed: Dict[str, List[Tuple[List[int], List[int], str, int]]] = {}
+    for r, held in enumerate(ranks):
+        for n, (offsets, sizes, param) in held.items():
+            landed.setdefault(n, []).append((list(offsets), list(sizes), param, r))
     for name, shape in shapes.items():
         shape = [int(s) for s in shape]
-        boxes = [(list(p[0]), list(p[1]), p[2], r) for r, held in enumerate(ranks) for n, p in held.items()
-                 if n == name]
+        boxes = landed.get(name, [])
         gap = _uncovered(shape, [(o, s) for o, s, _, _ in boxes])
         if gap is None:
             continue

@@ -237,7 +237,7 @@ def _dtensor_layout(client: Any, group: str, entries: List[_Entry],
     """DTensors (and any plain tensors beside them): the layout of their mesh and placements, or of
     every rank's own under pipeline stages; a fused parameter's checkpoint tensors as the pieces
     each rank holds."""
-    from shardcast.layout import covers_group, describe_dtensors, layout_from_dtensors, layout_from_views, local_offsets
+    from shardcast.layout import covers_group, describe_dtensors, layout_from_dtensors, layout_from_views
 
     world = collective.world
     rank = torch.distributed.get_rank() if collective.on else 0
@@ -251,20 +251,16 @@ def _dtensor_layout(client: Any, group: str, entries: List[_Entry],
         it holds (name: (offsets, sizes))."""
         parts: Dict[str, Any] = {}
         mine: Dict[str, Any] = {}
+        shards: Dict[int, Tuple[Optional[List[int]], torch.Tensor]] = {}  # per parameter, not per part
         for e in entries:
             if e.part is None:
                 continue
             parts[e.name] = [list(e.shape), str(e.param.dtype).replace("torch.", "")]
-            if hasattr(e.param, "device_mesh"):
-                if any(type(p).__name__ == "Partial" for p in e.param.placements):
-                    raise ValueError(f"the parameter holding {e.name!r} is Partial (pending a reduction): its bytes "
-                                     "are not the checkpoint's")
-                local = e.param.to_local().detach()
-                offsets = local_offsets(e.param, f"trainer rank {rank}, the parameter holding {e.name!r}")
-                if offsets is None:  # this rank's shard is empty
-                    continue
-            else:
-                offsets, local = [0] * e.param.dim(), e.param.detach()
+            if id(e.param) not in shards:
+                shards[id(e.param)] = _shard(e, rank)
+            offsets, local = shards[id(e.param)]
+            if offsets is None:  # this rank's shard is empty
+                continue
             piece = box_view(local, offsets, e.part, f"trainer rank {rank}, the parameter holding {e.name!r}")
             if piece is not None:
                 tensors[e.name] = piece[0]
@@ -290,6 +286,20 @@ def _dtensor_layout(client: Any, group: str, entries: List[_Entry],
             "pieces": [{"rank": r, "offsets": list(mine[name][0]), "sizes": list(mine[name][1])}
                        for r, (_, _, _, mine) in enumerate(everyone) if name in mine]})
     return rank, world, tensors, layout
+
+
+def _shard(e: _Entry, rank: int) -> Tuple[Optional[List[int]], torch.Tensor]:
+    """Where this rank's local tensor of the parameter holding `e` starts in it (None: it holds
+    none of it), and that tensor."""
+    from shardcast.layout import local_offsets
+
+    if not hasattr(e.param, "device_mesh"):
+        return [0] * e.param.dim(), e.param.detach()
+    if any(type(p).__name__ == "Partial" for p in e.param.placements):
+        raise ValueError(f"the parameter holding {e.name!r} is Partial (pending a reduction): its bytes "
+                         "are not the checkpoint's")
+    return (local_offsets(e.param, f"trainer rank {rank}, the parameter holding {e.name!r}"),
+            e.param.to_local().detach())
 
 
 def _announced_tensors(entries: Dict[str, List[_Entry]], collective: "_Collective") -> Dict[str, Dict[str, list]]:
