@@ -55,10 +55,11 @@ def trainer(rank: int, world: int, port: int, model_dir: str, tp: int, target: s
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        t_init = time.monotonic()
         engine = WeightTransferTrainerFactory.trainer_init(
             ShardcastTrainerInitInfo(rank=rank, daemon=target, timeout_s=120),
             client=client if rank == 0 else None, source=ModuleSource(model))
-        record = {"steps": [], "engine": type(engine).__name__}
+        record = {"steps": [], "engine": type(engine).__name__, "init_s": time.monotonic() - t_init}
 
         def train_and_send(step: int) -> tuple:
             """One optimizer step and the update; on rank 0 the step's weights saved (and their

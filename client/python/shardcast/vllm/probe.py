@@ -18,6 +18,7 @@ words alone.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -93,13 +94,15 @@ def _loader_layout(model: torch.nn.Module) -> Dict[str, Tuple[torch.nn.Module, s
     return out
 
 
-def _probe_for(template: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+def _probe_for(template: torch.Tensor, module: torch.nn.Module, device: str = "cpu") -> torch.Tensor:
     """A float64 tensor of the template's shape, filled with MISSING, of its class (vLLM's parameter
     classes carry the loader) and with its attributes, loader methods bound to `module` (the
-    recorded ones are kept unbound from it: vLLM's reload metadata must not reference its layers)."""
+    recorded ones are kept unbound from it: vLLM's reload metadata must not reference its layers).
+    On the meta device it holds no memory: what a loader writes into it is dropped."""
     from types import MethodType
 
-    probe = torch.full(tuple(template.shape), MISSING, dtype=torch.float64)
+    probe = (torch.full(tuple(template.shape), MISSING, dtype=torch.float64) if device == "cpu"
+             else torch.empty(tuple(template.shape), dtype=torch.float64, device=device))
     probe.__class__ = template.__class__
     attrs = template.__dict__.copy()
     for key, value in attrs.items():
@@ -109,12 +112,30 @@ def _probe_for(template: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     return probe
 
 
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+
+
+def layer_of(name: str) -> Optional[int]:
+    """The decoder layer a parameter or checkpoint tensor belongs to by its name ("model.layers.7.
+    mlp..." is 7), or None (embeddings, norms, lm_head)."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
 def probe(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]],
           names: Optional[Iterable[str]] = None) -> Dict[str, ParamMap]:
     """Runs `model.load_weights` on index tensors for `checkpoint` (name -> full shape) and maps
     every parameter it writes (all of them, or those in `names`). Parameters no checkpoint element
     lands in are left out (`unreached` names them). A loader that refuses a tensor is a ProbeError
-    naming the tensor, its shape and the parameter it was loading into."""
+    naming the tensor, its shape and the parameter it was loading into.
+
+    One decoder layer at a time (`layer_of`): the layer's checkpoint tensors are loaded into float64
+    probes of that layer's parameters and of those in no layer (which stay for every pass), the
+    other layers' parameters being probes on the meta device. So a worker holds the float64 probes
+    of one layer beside the embeddings, not of its whole model (8 bytes per element: four times a
+    bfloat16 model). A loader putting one layer's tensor into another layer's parameter drops it
+    there; that parameter's elements then stay untouched, and the ranks' checks refuse it
+    (`check_landings`, `unreached`) rather than land it wrong."""
     layout = _loader_layout(model)
     wanted = set(layout) if names is None else set(names)
     bases: Dict[str, int] = {}
@@ -127,44 +148,61 @@ def probe(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]],
         total += n
     if total >= EXACT:
         raise ProbeError(f"{total} checkpoint elements: probe in parts (at most 2^53 at once)")
-    probes: Dict[str, torch.nn.Parameter] = {}
-    saved: List[Tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
-    loading = _Loading()
-    try:
-        for full, (module, local, template) in layout.items():
-            if full not in wanted:
-                continue
-            probes[full] = _probe_for(template, module)
-            saved.append((module, local, module._parameters[local]))
-            module._parameters[local] = probes[full]
-
-        def indices():
-            for name, shape in checkpoint.items():
-                n = 1
-                for s in shape:
-                    n *= int(s)
-                loading.tensor, loading.param = name, None
-                yield name, torch.arange(bases[name], bases[name] + n, dtype=torch.float64).reshape(tuple(shape))
-            loading.tensor = None
-
-        with torch.no_grad(), _Watch(probes, loading):
-            model.load_weights(indices())
-    except Exception as e:
-        raise ProbeError(loading.refusal(model, checkpoint, layout, e)) from e
-    finally:
-        for module, local, live in saved:
-            module._parameters[local] = live
     order = sorted(bases.items(), key=lambda kv: kv[1])
     starts = torch.tensor([b for _, b in order], dtype=torch.float64)
     out: Dict[str, ParamMap] = {}
-    for full, p in probes.items():
+
+    def mapped(full: str, p: torch.Tensor) -> None:
         template = layout[full][2]
         flat = p.detach().reshape(-1)
         landings = _landings(full, flat, order, starts, checkpoint)
         if landings:
             out[full] = ParamMap(full, tuple(template.shape), template.dtype, landings,
                                  untouched=tuple(_runs(flat == MISSING)), padding=int((flat == 0).sum()))
-    return out
+
+    layers: Dict[Optional[int], List[str]] = {}
+    for name in checkpoint:
+        layers.setdefault(layer_of(name), []).append(name)
+    shared = {full: _probe_for(layout[full][2], layout[full][0]) for full in layout
+              if full in wanted and layer_of(full) is None}
+    saved = [(module, local, module._parameters[local]) for full, (module, local, _) in layout.items()
+             if full in wanted]
+    loading = _Loading()
+    try:
+        for layer in sorted(layers, key=lambda k: -1 if k is None else k):
+            probes = dict(shared)
+            for full, (module, local, template) in layout.items():
+                if full in wanted and full not in shared:
+                    probes[full] = _probe_for(template, module, "cpu" if layer_of(full) == layer else "meta")
+                    module._parameters[local] = probes[full]
+                elif full in shared:
+                    module._parameters[local] = shared[full]
+
+            def indices():
+                for name in layers[layer]:
+                    n = 1
+                    for s in checkpoint[name]:
+                        n *= int(s)
+                    loading.tensor, loading.param = name, None
+                    yield name, torch.arange(bases[name], bases[name] + n, dtype=torch.float64).reshape(
+                        tuple(int(s) for s in checkpoint[name]))
+                loading.tensor = None
+
+            with torch.no_grad(), _Watch(probes, loading):
+                model.load_weights(indices())
+            for full, p in probes.items():
+                if full not in shared and p.device.type != "meta":
+                    mapped(full, p)
+            del probes  # this layer's go as the next pass puts meta probes in their place
+    except Exception as e:
+        raise ProbeError(loading.refusal(model, checkpoint, layout, e)) from e
+    finally:
+        for module, local, live in saved:
+            module._parameters[local] = live
+    for full, p in shared.items():
+        mapped(full, p)
+    # Parameters no layer's pass probed for real (a layer without checkpoint tensors): unreached.
+    return {full: out[full] for full in layout if full in out}
 
 
 def unreached(model: torch.nn.Module, maps: Mapping[str, ParamMap]) -> List[str]:
@@ -213,7 +251,7 @@ class _Watch(torch.overrides.TorchFunctionMode):
 
     def __init__(self, probes: Mapping[str, torch.Tensor], loading: _Loading) -> None:
         super().__init__()
-        self.storages = {p.untyped_storage().data_ptr(): name for name, p in probes.items()}
+        self.storages = {p.untyped_storage().data_ptr(): name for name, p in probes.items() if p.device.type != "meta"}
         self.loading = loading
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
