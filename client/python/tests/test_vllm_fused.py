@@ -119,6 +119,25 @@ def test_a_run_of_elements_that_wraps_a_row_or_overlaps_is_no_partition(monkeypa
     row = lambda state: {"a": state["w"][0], "b": state["w"][1], "c": state["w"][1].clone()}  # noqa: E731
     with pytest.raises(ValueError, match=r"puts elements of parameter 'w' in 'c' and in another"):
         checkpoint_boxes({"w": (3, H)}, row)
+    # A copy shifted by a row is in order but holds no element's index where it starts (beyond the
+    # end, before the start): no box.
+    shifted = lambda state: {"a": state["w"][0] + 2 * H, "b": state["w"][1] - 2 * H}  # noqa: E731
+    with pytest.raises(ValueError, match=r"makes 'a' of parameter 'w' by other than cutting a box"):
+        checkpoint_boxes({"w": (2, H)}, shifted)
+    with pytest.raises(ValueError, match=r"makes 'model.s' of parameter 's' by other than cutting a box"):
+        checkpoint_boxes({"s": (1,)}, lambda state: {"model.s": state["s"] + 1})
+    # A conversion that rewrites the parameter in place (here: transposes it) and hands it back
+    # renamed: its values are no element's index any more, refused by name.
+    def in_place(state):
+        w = state["w"]
+        w.copy_(w.t().clone())
+        return {"x": w}
+
+    with pytest.raises(ValueError, match=r"changes parameter 'w' in place"):
+        checkpoint_boxes({"w": (H, H)}, in_place)
+    # One that drops the parameter altogether.
+    with pytest.raises(ValueError, match=r"leaves 10 elements of parameter 'w' in no checkpoint tensor"):
+        checkpoint_boxes({"w": (2, H)}, lambda state: {})
     # Compared a few rows of pairs at a time, the same answers.
     monkeypatch.setattr(fused, "_PAIR_ROWS", 2)
     with pytest.raises(ValueError, match=r"puts elements of parameter 'w' in 'c' and in another"):

@@ -2,8 +2,8 @@
 into its parameter as vLLM's loaders do (a fused parameter taking two tensors, a vocab shard with
 padding), probed one decoder layer at a time. The probe must find every landing as one pass over
 the whole model would, hold float64 probes of one layer (and the parameters in no layer) at a
-time, and drop, not land, what a loader puts in another layer's parameter. Against a real vLLM:
-vllm_tests/test_probe.py."""
+time, and probe the whole model at once where a loader crosses layers, finding what one pass
+finds. Against a real vLLM: vllm_tests/test_probe.py."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ H, LAYERS = 4, 3
 
 class Model(torch.nn.Module):
     """layers.{i}.gate_up [2H, H] (gate rows, then up) and layers.{i}.down [H, H]; embed [6, H], of a
-    vocabulary of 5 (row 5 is padding the loader zero-fills). `cross` puts layer 0's down into layer
-    1's parameter, as a broken loader would."""
+    vocabulary of 5 (row 5 is padding the loader zero-fills). `routes`: checkpoint name -> the
+    down parameters (layer numbers) its loader writes it into, for loaders that cross layers."""
 
-    def __init__(self, cross: bool = False) -> None:
+    def __init__(self, routes=None) -> None:
         super().__init__()
         self.embed = torch.nn.Parameter(torch.zeros(6, H), requires_grad=False)
         self.layers = torch.nn.ModuleList()
@@ -32,7 +32,7 @@ class Model(torch.nn.Module):
             layer.gate_up = torch.nn.Parameter(torch.zeros(2 * H, H), requires_grad=False)
             layer.down = torch.nn.Parameter(torch.zeros(H, H), requires_grad=False)
             self.layers.append(layer)
-        self.cross = cross
+        self.routes = routes or {}
         self.seen = []  # per load_weights call: the layers whose parameters held memory
 
     def load_weights(self, weights):
@@ -42,9 +42,11 @@ class Model(torch.nn.Module):
                 self.embed.data[:5].copy_(t)
                 self.embed.data[5:].zero_()
                 continue
+            if name in self.routes:
+                for i in self.routes[name]:
+                    self.layers[i].down.data.copy_(t)
+                continue
             i, kind = int(name.split(".")[1]), name.split(".")[2]
-            if self.cross and (i, kind) == (0, "down"):
-                i = 1
             layer = self.layers[i]
             if kind == "down":
                 layer.down.data.copy_(t)
@@ -92,14 +94,31 @@ def test_one_layer_at_a_time_finds_every_landing(without_vllm):
     assert all(p.device.type == "cpu" and not bool(p.any()) for p in model.parameters())
 
 
-def test_a_tensor_a_loader_puts_in_another_layer_is_dropped_and_refused(without_vllm):
-    model = Model(cross=True)
+def test_loaders_that_cross_layers_are_probed_whole_as_one_pass_finds_them(without_vllm):
+    # Layer 0's down written into layer 1's parameter (a broken loader): layer 1 is on the meta
+    # device in layer 0's pass, so the probe starts again with the whole model, and reports what
+    # vLLM's load would do: layers.1.down ends up holding its own tensor (written last), and
+    # layer 0's parameter is reached by nothing (the engine refuses it, naming it).
+    model = Model(routes={"layers.0.down": [1]})
     maps = probing.probe(model, checkpoint())
-    # layers.0.down went to layer 1's parameter while layer 1 was on the meta device: nothing of it
-    # landed, layer 0's down is reached by nothing, and layer 1's holds its own tensor only.
+    assert model.seen == [[], [0], [0, 1, 2]]  # the pass of layer 0 touched layer 1: one pass, whole
     assert unreached(model, maps) == ["layers.0.down"]
-    assert "layers.0.down" not in {l.tensor for pm in maps.values() for l in pm.landings}
     assert maps["layers.1.down"].landings == [Landing("layers.1.down", (0, 0), (H, H), 0)]
+    # Layer 1's down also written into layer 0's (over layer 0's own): reported as vLLM does it.
+    model = Model(routes={"layers.1.down": [0, 1]})
+    maps = probing.probe(model, checkpoint())
+    assert maps["layers.0.down"].landings == [Landing("layers.1.down", (0, 0), (H, H), 0)]
+    assert "layers.0.down" not in {l.tensor for pm in maps.values() for l in pm.landings}
+    # A checkpoint name in no layer that a loader maps into a layer (vLLM's EAGLE heads load
+    # `midlayer.` into `layers.0.`): found, as one pass finds it.
+    model = Model(routes={"mid.down": [0]})
+    shapes = checkpoint()
+    del shapes["layers.0.down"]
+    shapes["mid.down"] = (H, H)
+    maps = probing.probe(model, shapes)
+    assert model.seen == [[], [0, 1, 2]]
+    assert maps["layers.0.down"].landings == [Landing("mid.down", (0, 0), (H, H), 0)]
+    assert unreached(model, maps) == []
 
 
 def test_a_loader_refusing_a_tensor_names_it_and_leaves_the_live_parameters(without_vllm):

@@ -69,11 +69,15 @@ def checkpoint_boxes(shapes: Mapping[str, Sequence[int]], convert: Optional[Conv
         if _left_alone(name, shape, convert):
             continue
         index = torch.arange(numel, dtype=torch.int32 if numel < 2 ** 31 else torch.int64).reshape(shape)
+        version = index._version
         try:
             converted = convert({name: index})
         except Exception as e:  # the model's own code: say which parameter it failed on
             raise ValueError(f"shardcast: the model's checkpoint conversion fails on parameter {name!r} alone "
                              f"({type(e).__name__}: {e}); give its checkpoint names with name_map") from e
+        if index._version != version:  # its values are no longer each element's index
+            raise ValueError(f"shardcast: the model's checkpoint conversion changes parameter {name!r} in place; "
+                             "give its checkpoint names with name_map")
         if list(converted) == [name] and converted[name] is index:
             continue  # left as it is
         out[name] = _boxes(name, index, converted)
@@ -100,6 +104,8 @@ def _boxes(name: str, index: torch.Tensor, converted: Mapping[str, torch.Tensor]
         if squeezed < 0 or tensor.numel() == 0 or any(b > n for b, n in zip(box, shape)):
             raise _not_a_box(ckpt, name)
         first = int(tensor[(0,) * tensor.dim()])
+        if not 0 <= first < index.numel():  # no element's index (a shifted copy)
+            raise _not_a_box(ckpt, name)
         offsets = [(first // stride) % n for stride, n in zip(strides, shape)]
         if any(o + b > n for o, b, n in zip(offsets, box, shape)):
             raise _not_a_box(ckpt, name)
@@ -129,8 +135,8 @@ _PAIR_ROWS = 1024  # parts compared with every other at once (a bool per pair an
 def _check_partition(name: str, shape: Sequence[int], parts: Sequence[Part]) -> None:
     """Raises unless `parts` (boxes of parameter `name`) hold each of its elements exactly once:
     the first part overlapping an earlier one is named, else the elements none holds are counted."""
-    lo = torch.tensor([p.offsets for p in parts], dtype=torch.int64)
-    hi = lo + torch.tensor([p.sizes for p in parts], dtype=torch.int64)
+    lo = torch.tensor([p.offsets for p in parts], dtype=torch.int64).reshape(len(parts), len(shape))
+    hi = lo + torch.tensor([p.sizes for p in parts], dtype=torch.int64).reshape(len(parts), len(shape))
     numel = 1
     for n in shape:
         numel *= n

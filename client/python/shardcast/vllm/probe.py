@@ -133,9 +133,9 @@ def probe(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]],
     probes of that layer's parameters and of those in no layer (which stay for every pass), the
     other layers' parameters being probes on the meta device. So a worker holds the float64 probes
     of one layer beside the embeddings, not of its whole model (8 bytes per element: four times a
-    bfloat16 model). A loader putting one layer's tensor into another layer's parameter drops it
-    there; that parameter's elements then stay untouched, and the ranks' checks refuse it
-    (`check_landings`, `unreached`) rather than land it wrong."""
+    bfloat16 model). Where a loader touches another layer's parameter than the tensor it loads
+    (a checkpoint name in no layer loaded into one, a block shared by several layers), the whole
+    model is probed again in one pass: what it finds is what one pass finds."""
     layout = _loader_layout(model)
     wanted = set(layout) if names is None else set(names)
     bases: Dict[str, int] = {}
@@ -163,8 +163,31 @@ def probe(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]],
     layers: Dict[Optional[int], List[str]] = {}
     for name in checkpoint:
         layers.setdefault(layer_of(name), []).append(name)
+    try:
+        _passes(model, checkpoint, layout, wanted, bases, layers, mapped)
+    except _CrossLayer:
+        # A loader touched a parameter of another layer than the tensor it loads (vLLM's EAGLE
+        # heads load `midlayer.` into `layers.0.`, Zamba2 shares one block between layers): the
+        # whole model is probed at once, as its loaders need.
+        out.clear()
+        _passes(model, checkpoint, layout, wanted, bases, {None: list(checkpoint)}, mapped, whole=True)
+    # Parameters no layer's pass probed for real (a layer without checkpoint tensors): unreached.
+    return {full: out[full] for full in layout if full in out}
+
+
+class _CrossLayer(Exception):
+    """A pass's loader touched a parameter probed on the meta device (another layer's)."""
+
+
+def _passes(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]], layout, wanted, bases: Mapping[str, int],
+            layers: Mapping[Optional[int], List[str]], mapped, whole: bool = False) -> None:
+    """Runs `load_weights` once per entry of `layers` (a layer's checkpoint tensors; None: those in no
+    layer) into probes: real ones for that layer's parameters and those in no layer (kept for every
+    pass), meta ones for the others; `whole`: every parameter real, in one pass. Hands each real
+    probe to `mapped` when its pass is done (those in no layer after the last). Raises _CrossLayer
+    when a loader touches a meta probe; the live parameters are back in place whatever happens."""
     shared = {full: _probe_for(layout[full][2], layout[full][0]) for full in layout
-              if full in wanted and layer_of(full) is None}
+              if full in wanted and (whole or layer_of(full) is None)}
     saved = [(module, local, module._parameters[local]) for full, (module, local, _) in layout.items()
              if full in wanted]
     loading = _Loading()
@@ -174,9 +197,8 @@ def probe(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]],
             for full, (module, local, template) in layout.items():
                 if full in wanted and full not in shared:
                     probes[full] = _probe_for(template, module, "cpu" if layer_of(full) == layer else "meta")
+                if full in probes:
                     module._parameters[local] = probes[full]
-                elif full in shared:
-                    module._parameters[local] = shared[full]
 
             def indices():
                 for name in layers[layer]:
@@ -188,12 +210,17 @@ def probe(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]],
                         tuple(int(s) for s in checkpoint[name]))
                 loading.tensor = None
 
-            with torch.no_grad(), _Watch(probes, loading):
+            watch = _Watch(probes, loading)
+            with torch.no_grad(), watch:
                 model.load_weights(indices())
+            if watch.crossed is not None:
+                raise _CrossLayer(watch.crossed)
             for full, p in probes.items():
                 if full not in shared and p.device.type != "meta":
                     mapped(full, p)
             del probes  # this layer's go as the next pass puts meta probes in their place
+    except _CrossLayer:
+        raise
     except Exception as e:
         raise ProbeError(loading.refusal(model, checkpoint, layout, e)) from e
     finally:
@@ -201,8 +228,6 @@ def probe(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]],
             module._parameters[local] = live
     for full, p in shared.items():
         mapped(full, p)
-    # Parameters no layer's pass probed for real (a layer without checkpoint tensors): unreached.
-    return {full: out[full] for full in layout if full in out}
 
 
 def unreached(model: torch.nn.Module, maps: Mapping[str, ParamMap]) -> List[str]:
@@ -244,6 +269,9 @@ class _Loading:
                 f"(shape {held} on this rank): its loader refuses it (vLLM: {said})")
 
 
+_METADATA = {"__get__", "size", "dim", "numel", "stride", "is_contiguous", "element_size", "storage_offset"}
+
+
 class _Watch(torch.overrides.TorchFunctionMode):
     """Records, while `load_weights` runs, the last probe parameter any torch function touched
     (itself or a view of its storage): the parameter whose loader was at work when a refusal comes.
@@ -252,19 +280,31 @@ class _Watch(torch.overrides.TorchFunctionMode):
     def __init__(self, probes: Mapping[str, torch.Tensor], loading: _Loading) -> None:
         super().__init__()
         self.storages = {p.untyped_storage().data_ptr(): name for name, p in probes.items() if p.device.type != "meta"}
+        # Meta probes (other layers' parameters) by their storage object: every meta tensor's
+        # data_ptr is 0. The first one a torch function is given, by name, or None.
+        self.meta = {p.untyped_storage()._cdata: name for name, p in probes.items() if p.device.type == "meta"}
+        self.crossed: Optional[str] = None
         self.loading = loading
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # Asking a parameter its metadata (`.data`, `.shape`, `.size()`) reads no element.
+        metadata = getattr(func, "__name__", "") in _METADATA
         for value in list(args) + list(kwargs.values()):
             for t in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                    try:
-                        name = self.storages.get(t.untyped_storage().data_ptr())
-                    except (RuntimeError, NotImplementedError):  # a tensor without storage
+                if not isinstance(t, torch.Tensor):
+                    continue
+                try:
+                    if t.device.type == "meta":
+                        name = self.meta.get(t.untyped_storage()._cdata) if self.meta else None
+                        if name is not None and self.crossed is None and not metadata:
+                            self.crossed = name
                         continue
-                    if name is not None:
-                        self.loading.param = name
+                    name = self.storages.get(t.untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):  # a tensor without storage
+                    continue
+                if name is not None:
+                    self.loading.param = name
         return func(*args, **kwargs)
 
 
