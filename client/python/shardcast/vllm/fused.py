@@ -13,7 +13,8 @@ from the trainer's memory in place, as the checkpoint names it.
 box of the parameter each checkpoint tensor is. A conversion whose result is not a set of boxes in
 order (a transposed copy) is an error naming the parameter. Costs, once at `trainer_init`, an
 index tensor (int32 below 2^31 elements) of one parameter's global shape at a time, and only for
-the parameters the conversion renames or splits (asked first with a meta tensor). No vLLM import: testable without it."""
+the parameters the conversion renames or splits (asked first with a meta tensor). No vLLM import:
+testable without it."""
 
 from __future__ import annotations
 
