@@ -94,7 +94,7 @@ def test_one_layer_at_a_time_finds_every_landing(without_vllm):
     assert all(p.device.type == "cpu" and not bool(p.any()) for p in model.parameters())
 
 
-def test_loaders_that_cross_layers_are_probed_whole_as_one_pass_finds_them(without_vllm):
+def test_loaders_that_cross_layers_are_probed_whole_as_one_pass_finds_them(without_vllm, caplog):
     # Layer 0's down written into layer 1's parameter (a broken loader): layer 1 is on the meta
     # device in layer 0's pass, so the probe starts again with the whole model, and reports what
     # vLLM's load would do: layers.1.down ends up holding its own tensor (written last), and
@@ -102,6 +102,7 @@ def test_loaders_that_cross_layers_are_probed_whole_as_one_pass_finds_them(witho
     model = Model(routes={"layers.0.down": [1]})
     maps = probing.probe(model, checkpoint())
     assert model.seen == [[], [0], [0, 1, 2]]  # the pass of layer 0 touched layer 1: one pass, whole
+    assert "touched parameter 'layers.1.down' while loading another layer's" in caplog.text
     assert unreached(model, maps) == ["layers.0.down"]
     assert maps["layers.1.down"].landings == [Landing("layers.1.down", (0, 0), (H, H), 0)]
     # Layer 1's down also written into layer 0's (over layer 0's own): reported as vLLM does it.

@@ -18,6 +18,7 @@ words alone.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -165,10 +166,13 @@ def probe(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]],
         layers.setdefault(layer_of(name), []).append(name)
     try:
         _passes(model, checkpoint, layout, wanted, bases, layers, mapped)
-    except _CrossLayer:
+    except _CrossLayer as crossed:
         # A loader touched a parameter of another layer than the tensor it loads (vLLM's EAGLE
         # heads load `midlayer.` into `layers.0.`, Zamba2 shares one block between layers): the
         # whole model is probed at once, as its loaders need.
+        logging.getLogger("shardcast").warning(
+            "shardcast: vLLM's loaders touched parameter %r while loading another layer's checkpoint tensors: "
+            "probing the whole model at once (float64 probes of every parameter)", str(crossed))
         out.clear()
         _passes(model, checkpoint, layout, wanted, bases, {None: list(checkpoint)}, mapped, whole=True)
     # Parameters no layer's pass probed for real (a layer without checkpoint tensors): unreached.
