@@ -23,7 +23,7 @@ class Model(torch.nn.Module):
     vocabulary of 5 (row 5 is padding the loader zero-fills). `routes`: checkpoint name -> the
     down parameters (layer numbers) its loader writes it into, for loaders that cross layers."""
 
-    def __init__(self, routes=None) -> None:
+    def __init__(self, routes=None, peek: bool = False) -> None:
         super().__init__()
         self.embed = torch.nn.Parameter(torch.zeros(6, H), requires_grad=False)
         self.layers = torch.nn.ModuleList()
@@ -33,6 +33,7 @@ class Model(torch.nn.Module):
             layer.down = torch.nn.Parameter(torch.zeros(H, H), requires_grad=False)
             self.layers.append(layer)
         self.routes = routes or {}
+        self.peek = peek  # layer 0's loader reads a value of layer 1's parameter first
         self.seen = []  # per load_weights call: the layers whose parameters held memory
 
     def load_weights(self, weights):
@@ -42,6 +43,8 @@ class Model(torch.nn.Module):
                 self.embed.data[:5].copy_(t)
                 self.embed.data[5:].zero_()
                 continue
+            if self.peek and name == "layers.0.down":
+                float(self.layers[1].down.sum())  # on the meta device: raises
             if name in self.routes:
                 for i in self.routes[name]:
                     self.layers[i].down.data.copy_(t)
@@ -110,6 +113,10 @@ def test_loaders_that_cross_layers_are_probed_whole_as_one_pass_finds_them(witho
     maps = probing.probe(model, checkpoint())
     assert maps["layers.0.down"].landings == [Landing("layers.1.down", (0, 0), (H, H), 0)]
     assert "layers.0.down" not in {l.tensor for pm in maps.values() for l in pm.landings}
+    # A loader that reads another layer's parameter fails on its meta probe: probed whole as well.
+    model = Model(peek=True)
+    maps = probing.probe(model, checkpoint())
+    assert model.seen == [[], [0], [0, 1, 2]] and unreached(model, maps) == []
     # A checkpoint name in no layer that a loader maps into a layer (vLLM's EAGLE heads load
     # `midlayer.` into `layers.0.`): found, as one pass finds it.
     model = Model(routes={"mid.down": [0]})

@@ -195,6 +195,7 @@ def _passes(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]], lay
     saved = [(module, local, module._parameters[local]) for full, (module, local, _) in layout.items()
              if full in wanted]
     loading = _Loading()
+    watch: Optional[_Watch] = None
     try:
         for layer in sorted(layers, key=lambda k: -1 if k is None else k):
             probes = dict(shared)
@@ -226,6 +227,8 @@ def _passes(model: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]], lay
     except _CrossLayer:
         raise
     except Exception as e:
+        if watch is not None and watch.crossed is not None:  # it failed on another layer's meta probe
+            raise _CrossLayer(watch.crossed) from e
         raise ProbeError(loading.refusal(model, checkpoint, layout, e)) from e
     finally:
         for module, local, live in saved:
