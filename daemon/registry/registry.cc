@@ -338,7 +338,8 @@ void Registry::unlinkSegments(const Rank& gone) {
   std::set<std::string> done;
   for (const auto* set : {&gone.buffers, &gone.shadow})
     for (const auto& b : *set)
-      if (b.segment && !mapped_elsewhere.count(b.segment->name()) && done.insert(b.segment->name()).second)
+      if (b.segment && b.segment->name().rfind(kTorchShmPrefix, 0) != 0 && !mapped_elsewhere.count(b.segment->name()) &&
+          done.insert(b.segment->name()).second)
         b.segment->unlinkName();
 }
 
@@ -586,8 +587,8 @@ StatusOr<std::pair<std::shared_ptr<transport::MemoryRegion>, uint64_t>> Registry
         strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
   const Rank& r = *it->second;
   const std::vector<Buffer>& next = r.doubled() && r.active == 1 ? r.shadow : r.buffers;  // the set not written now
-  for (const Buffer& b : r.doubled() ? next : r.writeSet())
-    if (b.name == buffer) return std::make_pair(b.region, b.segment ? b.offset : 0);  // as localBuffer
+  if (const Buffer* b = findBuffer(r.doubled() ? next : r.writeSet(), buffer))
+    return std::make_pair(b->region, b->segment ? b->offset : 0);  // as localBuffer
   return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " has no buffer \"", buffer, "\""));
 }
 
@@ -599,8 +600,9 @@ StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, 
     return absl::FailedPreconditionError(
         strCat("group \"", group, "\" rank ", rank, " is not registered on node \"", node_, "\""));
   const Rank& r = *it->second;
-  for (const Buffer& b : set == Set::kHeld ? r.heldSet() : r.writeSet()) {  // sources, single-buffered: one set
-    if (b.name != buffer) continue;
+  // Sources and single-buffered destinations: one set.
+  if (const Buffer* found = findBuffer(set == Set::kHeld ? r.heldSet() : r.writeSet(), buffer)) {
+    const Buffer& b = *found;
     if (b.segment)
       return LocalBuffer{static_cast<std::byte*>(b.segment->data()) + b.offset,
                          b.size,
@@ -616,6 +618,12 @@ StatusOr<Registry::LocalBuffer> Registry::localBuffer(const std::string& group, 
                        b.engines->gpu};
   }
   return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " has no buffer \"", buffer, "\""));
+}
+
+const Registry::Buffer* Registry::findBuffer(const std::vector<Buffer>& set, const std::string& name) {
+  const auto it =
+      std::lower_bound(set.begin(), set.end(), name, [](const Buffer& b, const std::string& n) { return b.name < n; });
+  return it != set.end() && it->name == name ? &*it : nullptr;
 }
 
 transport::DeviceRuntime* Registry::deviceRuntime() const {

@@ -41,7 +41,11 @@ struct MemoryCaller {
 };
 
 // Names a registered shm segment may have: the clients' own and torch's file_system strategy's.
-inline constexpr const char* kShmPrefixes[] = {"/shardcast", "/torch_"};
+// torch's own segments (its file_system sharing strategy): torch unlinks each itself when the
+// storage is freed, and aborts the process when the name is gone by then; its torch_shm_manager
+// unlinks those of a process that died. The daemon never unlinks them.
+inline constexpr const char* kTorchShmPrefix = "/torch_";
+inline constexpr const char* kShmPrefixes[] = {"/shardcast", kTorchShmPrefix};
 
 class Registry {
  public:
@@ -233,6 +237,8 @@ class Registry {
     int32_t world = 0;
     std::string digest;
     uint64_t bytes = 0;
+    // Each set sorted by name (mapBuffers): a sync looks a buffer up for every piece it moves, and
+    // a MoE registers tens of thousands (findBuffer).
     std::vector<Buffer> buffers;
     // Double-buffered destination: the second set; `active` is the set the state describes (0:
     // buffers, 1: shadow), syncs write the other; `pinned` the set its engine acquired (-1: none).
@@ -298,7 +304,8 @@ class Registry {
   // layout of `layout_bytes`.
   size_t describeBytesWith(const Rank& rank, size_t layout_bytes) const;
 
-  // With mu_ held: unlinks the shm segments of `gone` that no registered rank maps any more.
+  // With mu_ held: unlinks the shm segments of `gone` that no registered rank maps any more,
+  // except torch's (kTorchShmPrefix).
   void unlinkSegments(const Rank& gone);
   // With mu_ held: may `caller` register this rank of `req.group()` with this layout and role?
   Status mayJoin(const v1::RegisterRequest& req, const std::string& digest, v1::Role role,
@@ -314,7 +321,10 @@ class Registry {
   Status ownsItsMemory(const Rank& r) const;
   StatusOr<std::unique_ptr<Rank>> build(const v1::RegisterRequest& request, std::string digest,
                                         const MemoryCaller& caller);
-  // One set of a rank's buffers from its handles, checked against what the layout gives it.
+  // The buffer of `set` (sorted by name) named `name`, or nullptr.
+  static const Buffer* findBuffer(const std::vector<Buffer>& set, const std::string& name);
+  // One set of a rank's buffers from its handles, checked against what the layout gives it,
+  // sorted by name.
   // A CUDA buffer of a registration (an IPC handle, or cuMem allocations handed over by
   // descriptor): imported, on a GPU of this daemon, ready for the transport (registered directly
   // or staged: said once in the log) into `b`.

@@ -124,7 +124,7 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
       return absl::InvalidArgumentError(
           strCat(who, ": buffer \"", name, "\" has neither a shm, a cuda nor a cuda_allocations handle"));
     }
-    out.push_back(std::move(b));
+    out.push_back(std::move(b));  // in name order, as `given` is: findBuffer searches it
   }
   return out;
 }

@@ -517,6 +517,18 @@ TEST_CASE("sessions: a client's ranks end with it (segments unlinked) - the C++ 
   st = stub->Register(ctx().get(), req, &resp);
   INFO(st.error_message());
   REQUIRE(st.ok());
+  // A torch tensor registered in place, in the same session: torch's own segment, which torch
+  // unlinks itself (and aborts the process if its name is gone by then): never unlinked here.
+  const std::string torch_name = "/torch_" + std::to_string(::getpid()) + "_contract_session";
+  auto torch_seg = transport::ShmSegment::create(torch_name, 4096, /*unlink_on_close=*/true);
+  REQUIRE(torch_seg.ok());
+  v1::RegisterRequest in_place = req;
+  in_place.set_group("solo-torch");
+  in_place.mutable_layout()->set_group("solo-torch");
+  in_place.mutable_buffers(0)->mutable_shm()->set_name(torch_name);
+  st = stub->Register(ctx().get(), in_place, &resp);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
   session.TryCancel();  // what the kernel does when the client process dies
   reader->Finish().IgnoreError();
   bool gone = false;
@@ -524,7 +536,8 @@ TEST_CASE("sessions: a client's ranks end with it (segments unlinked) - the C++ 
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     v1::ListResponse l;
     REQUIRE(stub->List(ctx().get(), v1::ListRequest(), &l).ok());
-    gone = std::none_of(l.ranks().begin(), l.ranks().end(), [](const auto& r) { return r.group() == "solo"; });
+    gone = std::none_of(l.ranks().begin(), l.ranks().end(),
+                        [](const auto& r) { return r.group() == "solo" || r.group() == "solo-torch"; });
   }
   CHECK(gone);
   const int fd = ::shm_open(name.c_str(), O_RDONLY, 0);
@@ -533,6 +546,9 @@ TEST_CASE("sessions: a client's ranks end with it (segments unlinked) - the C++ 
     ::close(fd);
     ::shm_unlink(name.c_str());
   }
+  const int torch_fd = ::shm_open(torch_name.c_str(), O_RDONLY, 0);
+  CHECK(torch_fd >= 0);  // torch's: left for torch to unlink (torch_seg does, as it goes)
+  if (torch_fd >= 0) ::close(torch_fd);
 
   // The C++ client with a session: its source rank is back, at its published version, after the
   // daemon restarts.

@@ -17,7 +17,8 @@ import grpc
 
 from shardcast.layout import (LayoutLike, covers_group, describe_dtensors, layout_from_dtensors, layout_from_views,
                               load_layout, root_mesh, spans_job)
-from shardcast.memory import (CuMemBuffer, ForeignMemoryWarning, HandedAllocations, Registration, SharedTensors,
+from shardcast.memory import (CuMemBuffer, ForeignMemoryWarning, HandedAllocations, Registration, SegmentReader,
+                              SharedTensors,
                               _cuda_handle, _is_torch, hand_over, in_place_handle, local_tensor, not_torchs_own)
 from shardcast.parallel import ParallelPlan, check_local_tensors, gather_nodes, gather_step, inference_layout
 from shardcast.v1 import service_pb2, service_pb2_grpc
@@ -155,6 +156,13 @@ class _Handles:
         self.copied_foreign: List[str] = []  # torch tensors over memory torch did not own (copied in)
 
     def share(self) -> None:
+        segments = SegmentReader()
+        try:
+            self._share(segments)
+        finally:
+            segments.close()
+
+    def _share(self, segments: SegmentReader) -> None:
         copied: Dict[str, Any] = {}
         for name, t in self.tensors.items():
             if isinstance(t, CuMemBuffer):
@@ -178,7 +186,7 @@ class _Handles:
             else:
                 storage = local.untyped_storage()
                 foreign, shared, before = not_torchs_own(storage), storage.is_shared(), storage.data_ptr()
-                h = in_place_handle(name, local)
+                h = in_place_handle(name, local, segments)
                 # A shared mapping that is not torch's own segment (UntypedStorage.from_file) moved too.
                 if foreign or (shared and local.untyped_storage().data_ptr() != before):
                     self.copied_foreign.append(name)

@@ -205,17 +205,48 @@ def _torch_context() -> Tuple[str, str]:
     return str(torch.__version__), cuda_ipc.allocator_setting(backend)
 
 
-def _segment_bytes(name: str, offset: int, n: int) -> bytes:
-    fd = _posixshmem.shm_open(name, os.O_RDONLY, mode=0)
-    try:
-        size = os.fstat(fd).st_size
-        if offset + n > size:
-            return b""
-        start = offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-        with mmap.mmap(fd, offset + n - start, prot=mmap.PROT_READ, offset=start) as m:
-            return m[offset - start:offset - start + n]
-    finally:
-        os.close(fd)
+class SegmentReader:
+    """What in_place_handle learns over one registration, each storage moved and each shm segment
+    opened, sized and mapped once: a model's thousands of views of one storage share its segment.
+    close() unmaps them."""
+
+    def __init__(self) -> None:
+        self._open: Dict[str, Tuple[int, Optional[mmap.mmap]]] = {}
+        self._shared: Dict[int, Tuple[str, int]] = {}  # a storage (its StorageImpl): segment, bytes
+
+    def share(self, name: str, storage: Any) -> Tuple[str, int]:
+        """`storage` moved into shared memory in place (tensor `name`'s, for errors): its segment and
+        size."""
+        if storage._cdata not in self._shared:
+            _refuse_shared_by_descriptor(name, storage)
+            _manager, segment, nbytes = _share_in_place(name, storage)
+            segment = segment.decode() if isinstance(segment, bytes) else str(segment)
+            self._shared[storage._cdata] = (segment, int(nbytes))
+        return self._shared[storage._cdata]
+
+    def _segment(self, name: str) -> Tuple[int, Optional[mmap.mmap]]:
+        if name not in self._open:
+            fd = _posixshmem.shm_open(name, os.O_RDONLY, mode=0)
+            try:
+                size = os.fstat(fd).st_size
+                self._open[name] = (size, mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None)
+            finally:
+                os.close(fd)
+        return self._open[name]
+
+    def size(self, name: str) -> int:
+        return self._segment(name)[0]
+
+    def read(self, name: str, offset: int, n: int) -> bytes:
+        """`n` bytes at `offset`, or b"" where the segment ends before them."""
+        size, m = self._segment(name)
+        return m[offset:offset + n] if m is not None and offset + n <= size else b""
+
+    def close(self) -> None:
+        for _, m in self._open.values():
+            if m is not None:
+                m.close()
+        self._open.clear()
 
 
 # torch moves a storage into shared memory through its torch_shm_manager process, and gives up on
@@ -277,22 +308,23 @@ def not_torchs_own(storage: Any) -> bool:
     return not storage.resizable() and not storage.is_shared()
 
 
-def in_place_handle(name: str, t: Any) -> service_pb2.MemoryHandle:
+def in_place_handle(name: str, t: Any, segments: Optional[SegmentReader] = None) -> service_pb2.MemoryHandle:
     """The handle of a torch CPU tensor's memory after moving its storage into shared memory in
     place (torch's `file_system` strategy: segment /torch_<pid>_..., removed by torch when the
     storage is freed or the process ends). The data sits behind the segment's header; where is
-    derived from the segment's size and checked against the tensor's own bytes."""
+    derived from the segment's size and checked against the tensor's own bytes. `segments`: a
+    reader kept over many calls (the caller closes it); else one for this call."""
+    if segments is None:
+        reader = SegmentReader()
+        try:
+            return in_place_handle(name, t, reader)
+        finally:
+            reader.close()
     if not t.is_contiguous():
         raise ValueError(f'tensor "{name}": strides {tuple(t.stride())} for shape {tuple(t.shape)} are not '
                          "row-major; register a contiguous tensor")
-    _refuse_shared_by_descriptor(name, t.untyped_storage())
-    _manager, segment, nbytes = _share_in_place(name, t.untyped_storage())
-    segment = segment.decode() if isinstance(segment, bytes) else str(segment)
-    fd = _posixshmem.shm_open(segment, os.O_RDONLY, mode=0)
-    try:
-        header = os.fstat(fd).st_size - int(nbytes)
-    finally:
-        os.close(fd)
+    segment, nbytes = segments.share(name, t.untyped_storage())
+    header = segments.size(segment) - nbytes
     if not 0 <= header <= 4096:
         raise ValueError(f'tensor "{name}": shared segment "{segment}" has {header} bytes beyond its storage; '
                          "cannot tell where the data is")
@@ -301,7 +333,7 @@ def in_place_handle(name: str, t: Any) -> service_pb2.MemoryHandle:
     # The segment at `begin` must be the tensor's own memory (a few KiB at both ends compared).
     for off in {0, max(0, size - 4096)}:
         n = min(4096, size - off)
-        if _segment_bytes(segment, begin + off, n) != ctypes.string_at(t.data_ptr() + off, n):
+        if segments.read(segment, begin + off, n) != ctypes.string_at(t.data_ptr() + off, n):
             raise ValueError(f'tensor "{name}": shared segment "{segment}" does not hold the tensor at offset {begin}')
     h = service_pb2.MemoryHandle(buffer=name)
     h.shm.name = segment

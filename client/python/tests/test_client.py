@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -156,6 +157,64 @@ def test_torch_tensors_are_registered_in_place_and_a_moved_one_is_named(cluster)
     with torch.no_grad():
         params["w"].add_(1)  # still the caller's memory after close(): usable, never a dangling view
     assert params["w"][0, 0].item() == 1.0
+
+
+FREE_AFTER_SESSION = """
+import gc, sys, time
+import torch, shardcast
+layout = {"group": "freed", "mesh": {"shape": [1]}, "nodes": ["n0"],
+          "tensors": [{"name": "w", "shape": [64], "dtype": "float32"}]}
+params = {"w": torch.arange(64.0)}
+client = shardcast.Client(sys.argv[1])
+client.register("freed", 0, 1, params, layout, role="source", version=1)
+client.close()  # the session ends: the daemon drops the rank
+with shardcast.Client(sys.argv[1]) as probe:
+    while any(r.group == "freed" for r in probe.list(all_nodes=False).ranks):
+        time.sleep(0.05)
+del params
+gc.collect()  # torch unlinks the storage's segment now
+print("freed")
+"""
+
+
+def test_tensors_registered_in_place_are_freed_after_their_session_ends(cluster):
+    # torch unlinks the segment of a storage it moved into shared memory when the storage is
+    # freed, and aborts the process if the name is gone by then: the daemon, dropping a session's
+    # ranks, leaves torch's segments to torch (it unlinked them, and a trainer freeing its
+    # parameters after shutting its engine down died with "could not unlink the shared memory file").
+    pytest.importorskip("torch")
+    n0, _ = cluster
+    out = subprocess.run([sys.executable, "-c", FREE_AFTER_SESSION, n0.target], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "freed", out.stderr[-3000:]
+
+
+def test_views_of_one_storage_move_it_once_and_each_lands_its_own_bytes(cluster, monkeypatch):
+    # A trainer's fused experts, or a flat parameter buffer: thousands of tensors are views of a
+    # few storages. Each storage moves into shared memory once (its segment mapped once), and each
+    # view's handle points at its own bytes: a sync to another node lands every view's values.
+    torch = pytest.importorskip("torch")
+    n0, n1 = cluster
+    real = torch.UntypedStorage._share_filename_cpu_
+    moved = []
+
+    def counting(storage):
+        moved.append(storage._cdata)
+        return real(storage)
+
+    monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", counting)
+    flat, other = torch.arange(600.0), torch.arange(1000.0, 1060.0)
+    src = {f"e{i}": flat[i * 6:(i + 1) * 6].view(2, 3) for i in range(100)}
+    src.update({f"o{i}": other[i * 6:(i + 1) * 6].view(2, 3) for i in range(10)})
+    tensors = [{"name": n, "shape": [2, 3], "dtype": "float32"} for n in src]
+    layout = lambda group, node: {"group": group, "mesh": {"shape": [1]}, "nodes": [node], "tensors": tensors}
+    dst = {n: torch.zeros(2, 3) for n in src}
+    with shardcast.Client(n0.target) as c0, shardcast.Client(n1.target) as c1:
+        c0.register("views", 0, 1, src, layout("views", "n0"), role="source", version=1)
+        assert len(moved) == 2 and len(set(moved)) == 2  # one move per storage, not per view
+        c1.register("landed", 0, 1, dst, layout("landed", "n1"))
+        c0.sync("views", "landed", 1)
+    assert all(torch.equal(dst[n], src[n]) for n in src)
 
 
 def test_a_busy_torch_shm_manager_is_waited_for_and_other_failures_are_named(cluster, monkeypatch):
