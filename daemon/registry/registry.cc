@@ -10,10 +10,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "common/strings.h"
 #include "planner/layout.h"
@@ -23,6 +25,21 @@
 namespace shardcast::daemon {
 
 namespace {
+
+// Whether process `pid` (this daemon's pid namespace) has ended: no such process, or a zombie
+// (its memory and descriptors released, so it runs no more code). 0: not known, so not gone.
+bool processGone(pid_t pid) {
+  if (pid <= 0) return false;
+  FILE* f = std::fopen(strCat("/proc/", pid, "/stat").c_str(), "r");
+  if (f == nullptr) return errno == ENOENT;
+  char line[512] = {};
+  const size_t n = std::fread(line, 1, sizeof(line) - 1, f);
+  std::fclose(f);
+  // "<pid> (<comm>) <state> ...": the state follows the last ')' (comm may hold one).
+  const char* close = std::strrchr(line, ')');
+  if (n == 0 || close == nullptr || close[1] != ' ') return false;
+  return close[2] == 'Z' || close[2] == 'X';
+}
 
 std::string randomInstance() {
   std::random_device rd;
@@ -204,7 +221,10 @@ StatusOr<std::unique_ptr<Registry::Rank>> Registry::build(const v1::RegisterRequ
   rank->digest = std::move(digest);
   rank->role = roleOf(req);
   rank->session = req.session_id();
-  if (caller.local) rank->owner = caller.uid;
+  if (caller.local) {
+    rank->owner = caller.uid;
+    rank->pid = caller.pid;
+  }
   rank->holder = caller.local ? strCat("uid ", caller.uid, " (pid ", caller.pid, ")") : std::string("a remote client");
   if (req.version() > 0) {  // a source's own bytes
     rank->state = v1::RANK_READY;
@@ -335,11 +355,15 @@ void Registry::unlinkSegments(const Rank& gone) {
     for (const auto* set : {&r->buffers, &r->shadow})
       for (const auto& b : *set)
         if (b.segment) mapped_elsewhere.insert(b.segment->name());
+  // torch's own: left to torch while the process may still free them (a client that closed its
+  // session, a frozen one cut, a replaced holder), and to its torch_shm_manager where this daemon
+  // cannot tell (pid 0).
+  const bool torchs_too = processGone(gone.pid);
   std::set<std::string> done;
   for (const auto* set : {&gone.buffers, &gone.shadow})
     for (const auto& b : *set)
-      if (b.segment && b.segment->name().rfind(kTorchShmPrefix, 0) != 0 && !mapped_elsewhere.count(b.segment->name()) &&
-          done.insert(b.segment->name()).second)
+      if (b.segment && (torchs_too || b.segment->name().rfind(kTorchShmPrefix, 0) != 0) &&
+          !mapped_elsewhere.count(b.segment->name()) && done.insert(b.segment->name()).second)
         b.segment->unlinkName();
 }
 
@@ -692,6 +716,19 @@ std::vector<v1::SupersededRank> Registry::takeSuperseded(const std::string& sess
 }
 
 void Registry::closeSession(const std::string& session) {
+  // A client that died closed its session as its descriptors went, a moment before it is a
+  // zombie: its processes get that moment (one that closed its session and lives on takes all of
+  // it), so that unlinkSegments finds them gone and unlinks torch's segments too.
+  std::set<pid_t> pids;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [key, r] : ranks_)
+      if (r->session == session && r->pid > 0) pids.insert(r->pid);
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+  while (std::any_of(pids.begin(), pids.end(), [](pid_t p) { return !processGone(p); }) &&
+         std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   std::vector<std::string> gone;
   {
     std::lock_guard<std::mutex> lock(mu_);

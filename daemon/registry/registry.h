@@ -43,7 +43,8 @@ struct MemoryCaller {
 // Names a registered shm segment may have: the clients' own and torch's file_system strategy's.
 // torch's own segments (its file_system sharing strategy): torch unlinks each itself when the
 // storage is freed, and aborts the process when the name is gone by then; its torch_shm_manager
-// unlinks those of a process that died. The daemon never unlinks them.
+// unlinks those of a process that died. The daemon unlinks them only once the process that
+// registered them is gone (a container killed with its manager would leave them in /dev/shm).
 inline constexpr const char* kTorchShmPrefix = "/torch_";
 inline constexpr const char* kShmPrefixes[] = {"/shardcast", kTorchShmPrefix};
 
@@ -260,9 +261,12 @@ class Registry {
     std::string detail;         // DIRTY: which sync, why
     std::string session;
     std::optional<uid_t> owner;  // the uid that registered it over the Unix socket
-    uint64_t registration = 0;   // RegisterResponse.registration
-    std::string holder;          // "uid U (pid P)", for the process that replaces it
-    size_t describe_bytes = 0;   // what it adds to Describe (its buffers' entries)
+    // The process that registered it over the Unix socket, as this daemon's pid namespace sees
+    // it (0: not known: over TCP, or a process of a namespace this one does not see).
+    pid_t pid = 0;
+    uint64_t registration = 0;  // RegisterResponse.registration
+    std::string holder;         // "uid U (pid P)", for the process that replaces it
+    size_t describe_bytes = 0;  // what it adds to Describe (its buffers' entries)
     // Syncs reading it (a source, or a catch-up's seed), once per attempt: two attempts of one
     // sync id (a retry) each hold their own entry, so the first one's end leaves the second's.
     std::multiset<std::string> readers;
@@ -304,8 +308,8 @@ class Registry {
   // layout of `layout_bytes`.
   size_t describeBytesWith(const Rank& rank, size_t layout_bytes) const;
 
-  // With mu_ held: unlinks the shm segments of `gone` that no registered rank maps any more,
-  // except torch's (kTorchShmPrefix).
+  // With mu_ held: unlinks the shm segments of `gone` that no registered rank maps any more;
+  // torch's (kTorchShmPrefix) only once the process that registered `gone` is known to be gone.
   void unlinkSegments(const Rank& gone);
   // With mu_ held: may `caller` register this rank of `req.group()` with this layout and role?
   Status mayJoin(const v1::RegisterRequest& req, const std::string& digest, v1::Role role,

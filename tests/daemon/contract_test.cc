@@ -547,8 +547,32 @@ TEST_CASE("sessions: a client's ranks end with it (segments unlinked) - the C++ 
     ::shm_unlink(name.c_str());
   }
   const int torch_fd = ::shm_open(torch_name.c_str(), O_RDONLY, 0);
-  CHECK(torch_fd >= 0);  // torch's: left for torch to unlink (torch_seg does, as it goes)
+  CHECK(torch_fd >= 0);  // torch's, of a live process: left for torch to unlink (torch_seg does, as it goes)
   if (torch_fd >= 0) ::close(torch_fd);
+  // The same from a process that dies with its session open (a container killed with its
+  // torch_shm_manager, which would have unlinked it): once the process is gone, the daemon
+  // unlinks torch's segment too.
+  const std::string dead_name = "/torch_" + std::to_string(::getpid()) + "_contract_dead";
+  Child dead =
+      Child::spawn({testBinary(FOREIGN_CALLER_PATH), "torch", c.n1().socketPath(), one, "solo-dead", dead_name});
+  REQUIRE(dead.pid() > 0);
+  CHECK(dead.readLine(std::chrono::seconds(30)) == "registered OK");
+  dead.kill();
+  bool dropped = false;
+  for (int i = 0; i < 50 && !dropped; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    v1::ListResponse l;
+    REQUIRE(stub->List(ctx().get(), v1::ListRequest(), &l).ok());
+    dropped = std::none_of(l.ranks().begin(), l.ranks().end(), [](const auto& r) { return r.group() == "solo-dead"; });
+  }
+  CHECK(dropped);
+  const int dead_fd = ::shm_open(dead_name.c_str(), O_RDONLY, 0);
+  CHECK(dead_fd < 0);  // unlinked by the daemon
+  if (dead_fd >= 0) {
+    ::close(dead_fd);
+    ::shm_unlink(dead_name.c_str());
+  }
+  dead.wait();
 
   // The C++ client with a session: its source rank is back, at its published version, after the
   // daemon restarts.

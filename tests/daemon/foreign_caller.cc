@@ -16,6 +16,11 @@
 //       0x07: a source at VERSION when VERSION > 0, else a destination. Prints "registered <code>",
 //       holds the rank until EOF on stdin, then prints "untouched 1" when its memory still holds
 //       only 0x07 (no sync wrote it), "untouched 0" otherwise
+//   foreign_caller torch SOCKET LAYOUT_JSON GROUP SEGMENT
+//       in a session, registers rank 0 of GROUP (a destination; one buffer "w" of 64 bytes) in a
+//       segment SEGMENT it makes, named as torch names its own. Prints "registered <code>", holds
+//       the rank until EOF on stdin, then exits leaving the segment linked: what a torch process
+//       killed with its torch_shm_manager leaves
 //   foreign_caller flood SOCKET N
 //       opens N connections to the socket and keeps them; prints "held K" (those the daemon did not
 //       close), then waits for EOF on stdin
@@ -42,6 +47,7 @@
 
 #include "client/lib/client.h"
 #include "planner/layout.h"
+#include "transport/shm.h"
 
 using namespace shardcast;
 
@@ -126,6 +132,26 @@ int rank(const std::string& socket, const char* json, const std::string& group, 
   for (const auto& [name, slot] : memory->buffers())
     for (const std::byte b : memory->bytes(name)) untouched = untouched && b == std::byte{0x07};
   std::printf("untouched %d\n", untouched ? 1 : 0);
+  return 0;
+}
+
+// A segment named as torch's, registered in a session and left linked when it exits.
+int torchSegment(const std::string& socket, const char* json, const std::string& group, const std::string& segment) {
+  auto client = Client::connect("unix:" + socket);
+  if (!client.ok() || !client->startSession().ok()) return 1;
+  auto layout = planner::parseLayoutJson(json, group);
+  if (!layout.ok()) return 1;
+  layout->set_group(group);
+  auto memory = transport::ShmSegment::create(segment, 4096, /*unlink_on_close=*/false);
+  if (!memory.ok()) return 1;
+  v1::MemoryHandle h;
+  h.set_buffer("w");
+  h.mutable_shm()->set_name(segment);
+  h.mutable_shm()->set_size(64);
+  report("registered", client->registerRank(*layout, 0, std::vector<v1::MemoryHandle>{h}).status());
+  std::fflush(stdout);
+  for (std::string line; std::getline(std::cin, line);) {
+  }
   return 0;
 }
 
@@ -235,6 +261,7 @@ int main(int argc, char** argv) {
   if (argc == 4 && std::string(argv[1]) == "flood") return flood(argv[2], std::stoi(argv[3]));
   if (argc == 4 && std::string(argv[1]) == "churn") return churn(argv[2], std::stoi(argv[3]));
   if (argc == 6 && std::string(argv[1]) == "sync") return syncs(argv[2], argv[3], argv[4], argv[5]);
+  if (argc == 6 && std::string(argv[1]) == "torch") return torchSegment(argv[2], argv[3], argv[4], argv[5]);
   if (argc == 7 && std::string(argv[1]) == "rank")
     return rank(argv[2], argv[3], argv[4], std::stoi(argv[5]), std::stoull(argv[6]));
   if (argc == 8 && std::string(argv[1]) == "replica")

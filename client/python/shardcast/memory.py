@@ -206,13 +206,16 @@ def _torch_context() -> Tuple[str, str]:
 
 
 class SegmentReader:
-    """What in_place_handle learns over one registration, each storage moved and each shm segment
-    opened, sized and mapped once: a model's thousands of views of one storage share its segment.
-    close() unmaps them."""
+    """What in_place_handle learns over one registration: each storage moved into shared memory
+    once, each segment's size read once (a model's thousands of views of one storage share its
+    segment). The segment read last stays mapped for the next read (views of one storage come one
+    after another), one at a time: a mapping per storage would count against the process's limit
+    (vm.max_map_count) beside torch's own. close() unmaps it."""
 
     def __init__(self) -> None:
-        self._open: Dict[str, Tuple[int, Optional[mmap.mmap]]] = {}
         self._shared: Dict[int, Tuple[str, int]] = {}  # a storage (its StorageImpl): segment, bytes
+        self._sizes: Dict[str, int] = {}
+        self._mapped: Optional[Tuple[str, mmap.mmap]] = None
 
     def share(self, name: str, storage: Any) -> Tuple[str, int]:
         """`storage` moved into shared memory in place (tensor `name`'s, for errors): its segment and
@@ -224,29 +227,35 @@ class SegmentReader:
             self._shared[storage._cdata] = (segment, int(nbytes))
         return self._shared[storage._cdata]
 
-    def _segment(self, name: str) -> Tuple[int, Optional[mmap.mmap]]:
-        if name not in self._open:
-            fd = _posixshmem.shm_open(name, os.O_RDONLY, mode=0)
-            try:
-                size = os.fstat(fd).st_size
-                self._open[name] = (size, mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None)
-            finally:
-                os.close(fd)
-        return self._open[name]
+    def _open(self, name: str) -> Optional[mmap.mmap]:
+        """Sizes `name` (once) and, unless it is empty, maps it in place of the last one mapped."""
+        if self._mapped is not None and self._mapped[0] == name:
+            return self._mapped[1]
+        self.close()
+        fd = _posixshmem.shm_open(name, os.O_RDONLY, mode=0)
+        try:
+            size = self._sizes[name] = os.fstat(fd).st_size
+            if size == 0:
+                return None
+            self._mapped = (name, mmap.mmap(fd, size, prot=mmap.PROT_READ))
+        finally:
+            os.close(fd)
+        return self._mapped[1]
 
     def size(self, name: str) -> int:
-        return self._segment(name)[0]
+        if name not in self._sizes:
+            self._open(name)
+        return self._sizes[name]
 
     def read(self, name: str, offset: int, n: int) -> bytes:
         """`n` bytes at `offset`, or b"" where the segment ends before them."""
-        size, m = self._segment(name)
-        return m[offset:offset + n] if m is not None and offset + n <= size else b""
+        m = self._open(name)
+        return m[offset:offset + n] if m is not None and offset + n <= self._sizes[name] else b""
 
     def close(self) -> None:
-        for _, m in self._open.values():
-            if m is not None:
-                m.close()
-        self._open.clear()
+        if self._mapped is not None:
+            self._mapped[1].close()
+            self._mapped = None
 
 
 # torch moves a storage into shared memory through its torch_shm_manager process, and gives up on

@@ -217,6 +217,39 @@ def test_views_of_one_storage_move_it_once_and_each_lands_its_own_bytes(cluster,
     assert all(torch.equal(dst[n], src[n]) for n in src)
 
 
+def test_registration_maps_one_segment_at_a_time(cluster, monkeypatch):
+    # One storage per parameter (no views shared): torch maps each storage's segment; the check of
+    # where each tensor's bytes are maps one segment at a time, not one more per storage (the
+    # process's mappings are limited: vm.max_map_count, 65 530 by default).
+    import mmap
+    from types import SimpleNamespace
+
+    torch = pytest.importorskip("torch")
+    from shardcast import memory
+
+    n0, _ = cluster
+    live, peak = set(), [0]
+
+    class Counting(mmap.mmap):
+        def __new__(cls, *args, **kwargs):
+            m = super().__new__(cls, *args, **kwargs)
+            live.add(id(m))
+            peak[0] = max(peak[0], len(live))
+            return m
+
+        def close(self):
+            live.discard(id(self))
+            super().close()
+
+    monkeypatch.setattr(memory, "mmap", SimpleNamespace(mmap=Counting, PROT_READ=mmap.PROT_READ))
+    params = {f"p{i}": torch.full((8,), float(i)) for i in range(50)}
+    layout = {"group": "many", "mesh": {"shape": [1]}, "nodes": ["n0"],
+              "tensors": [{"name": n, "shape": [8], "dtype": "float32"} for n in params]}
+    with shardcast.Client(n0.target) as client:
+        client.register("many", 0, 1, params, layout, role="source", version=1).check()
+    assert peak[0] == 1 and not live
+
+
 def test_a_busy_torch_shm_manager_is_waited_for_and_other_failures_are_named(cluster, monkeypatch):
     # torch gives up on its torch_shm_manager's answer after 1 s; on a loaded node that happens
     # (it failed a vLLM worker's registration in CI). The storage is left as it was: tried again.
