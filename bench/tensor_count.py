@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""What a sync costs per tensor (docs/performance.md, "Tensor count"): the same bytes cut into
-more and more tensors, as a MoE's checkpoint is (Qwen3-30B-A3B: 18 432 expert tensors; a 1T MoE:
+"""What a sync costs per tensor (docs/performance.md, "Syncs at a MoE's tensor count"): about the
+same bytes (rows are rounded to a multiple of 4: 586-600 MiB by default) cut into more and more
+tensors, as a MoE's checkpoint is (Qwen3-30B-A3B: 18 432 expert tensors; a 1T MoE:
 tens of thousands more). A trainer group of 2 ranks (each tensor sharded on rows) syncs into an
 inference group of 2 ranks (sharded on columns: every tensor is cut again), on one node (the two
 groups on one daemon, as a colocated vLLM) or two (one daemon each, UCX over loopback TCP). Each
