@@ -531,15 +531,18 @@ TEST_CASE("sessions: a client's ranks end with it (segments unlinked) - the C++ 
   REQUIRE(st.ok());
   session.TryCancel();  // what the kernel does when the client process dies
   reader->Finish().IgnoreError();
-  bool gone = false;
-  for (int i = 0; i < 50 && !gone; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    v1::ListResponse l;
-    REQUIRE(stub->List(ctx().get(), v1::ListRequest(), &l).ok());
-    gone = std::none_of(l.ranks().begin(), l.ranks().end(),
-                        [](const auto& r) { return r.group() == "solo" || r.group() == "solo-torch"; });
-  }
-  CHECK(gone);
+  // Whether the daemon dropped every rank of `groups` within 5 s.
+  const auto dropped = [&](std::set<std::string> groups) {
+    for (int i = 0; i < 50; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      v1::ListResponse l;
+      if (!stub->List(ctx().get(), v1::ListRequest(), &l).ok()) return false;
+      if (std::none_of(l.ranks().begin(), l.ranks().end(), [&](const auto& r) { return groups.count(r.group()); }))
+        return true;
+    }
+    return false;
+  };
+  CHECK(dropped({"solo", "solo-torch"}));
   const int fd = ::shm_open(name.c_str(), O_RDONLY, 0);
   CHECK(fd < 0);  // unlinked by the daemon
   if (fd >= 0) {
@@ -558,14 +561,7 @@ TEST_CASE("sessions: a client's ranks end with it (segments unlinked) - the C++ 
   REQUIRE(dead.pid() > 0);
   CHECK(dead.readLine(std::chrono::seconds(30)) == "registered OK");
   dead.kill();
-  bool dropped = false;
-  for (int i = 0; i < 50 && !dropped; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    v1::ListResponse l;
-    REQUIRE(stub->List(ctx().get(), v1::ListRequest(), &l).ok());
-    dropped = std::none_of(l.ranks().begin(), l.ranks().end(), [](const auto& r) { return r.group() == "solo-dead"; });
-  }
-  CHECK(dropped);
+  CHECK(dropped({"solo-dead"}));
   const int dead_fd = ::shm_open(dead_name.c_str(), O_RDONLY, 0);
   CHECK(dead_fd < 0);  // unlinked by the daemon
   if (dead_fd >= 0) {

@@ -191,7 +191,7 @@ def test_tensors_registered_in_place_are_freed_after_their_session_ends(cluster)
 
 def test_views_of_one_storage_move_it_once_and_each_lands_its_own_bytes(cluster, monkeypatch):
     # A trainer's fused experts, or a flat parameter buffer: thousands of tensors are views of a
-    # few storages. Each storage moves into shared memory once (its segment mapped once), and each
+    # few storages. Each storage moves into shared memory once (its segment sized once), and each
     # view's handle points at its own bytes: a sync to another node lands every view's values.
     torch = pytest.importorskip("torch")
     n0, n1 = cluster
