@@ -317,18 +317,12 @@ def not_torchs_own(storage: Any) -> bool:
     return not storage.resizable() and not storage.is_shared()
 
 
-def in_place_handle(name: str, t: Any, segments: Optional[SegmentReader] = None) -> service_pb2.MemoryHandle:
+def in_place_handle(name: str, t: Any, segments: SegmentReader) -> service_pb2.MemoryHandle:
     """The handle of a torch CPU tensor's memory after moving its storage into shared memory in
     place (torch's `file_system` strategy: segment /torch_<pid>_..., removed by torch when the
     storage is freed or the process ends). The data sits behind the segment's header; where is
-    derived from the segment's size and checked against the tensor's own bytes. `segments`: a
-    reader kept over many calls (the caller closes it); else one for this call."""
-    if segments is None:
-        reader = SegmentReader()
-        try:
-            return in_place_handle(name, t, reader)
-        finally:
-            reader.close()
+    derived from the segment's size and checked against the tensor's own bytes. `segments`: the
+    registration's reader (its caller closes it)."""
     if not t.is_contiguous():
         raise ValueError(f'tensor "{name}": strides {tuple(t.stride())} for shape {tuple(t.shape)} are not '
                          "row-major; register a contiguous tensor")
