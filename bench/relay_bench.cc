@@ -18,9 +18,15 @@
 // work, queued behind each other; the CPU figure is the coordinator's alone.
 //
 //   build/bin/relay_bench [--daemons "64 256 1024"] [--fanouts "0 16 32 64"] [--rounds 30]
-//                         [--whole-syncs [--fold "auto never"]]
+//                         [--whole-syncs [--fold "auto never"] [--layouts DIR]]
 // (--fold: the coordinator's --fold-prepare per row; the simulated inference ranks are double-
 // buffered, so "auto" folds each repeated sync's Prepare into its first wave)
+//
+// --layouts DIR: whole syncs of the two layouts `plan_bench --write-layouts DIR` writes (a Kimi-K2-
+// like MoE: DIR/trainer.json into DIR/inference.json) instead of the small model, one simulated
+// daemon per node those layouts name, each describing its ranks with the buffers each holds; the
+// daemon count is the layouts' (--daemons is ignored). Rows add the first sync's gather and
+// prepare, and this process's peak RSS (the coordinator's memory, plus the bench's own few MB).
 #include <absl/synchronization/mutex.h>
 #include <arpa/inet.h>
 #include <fmt/format.h>
@@ -67,16 +73,28 @@ using namespace shardcast::daemon;
 
 namespace {
 
-// What the simulated daemons of the child share: the two groups (the trainer's one rank on daemon
-// 0, inference rank i - 1 on daemon i), the version the inference ranks hold, and one plan cache.
+// One rank as a simulated daemon describes it: its group (0: the source, 1: the destination), its
+// rank, and its buffers (name, bytes).
+struct SimulatedRank {
+  int group = 0;
+  int32_t rank = 0;
+  std::vector<std::pair<std::string, uint64_t>> buffers;
+};
+
+// What the simulated daemons of the child share: the two groups, each daemon's node and ranks, the
+// version the destination ranks hold, and one plan cache.
 struct SimulatedCluster {
   v1::Layout trainer, infer;
   std::string trainer_digest, infer_digest;
-  std::atomic<uint64_t> committed{0};  // the version the inference ranks hold (0: none yet)
+  std::vector<std::string> nodes;                  // per daemon
+  std::vector<std::vector<SimulatedRank>> ranks;  // per daemon
+  std::atomic<uint64_t> committed{0};             // the version the inference ranks hold (0: none yet)
   std::mutex mu;
   std::map<uint64_t, uint64_t> version_of;  // attempt fence -> the version it syncs
   PlanCache plans;
+  std::mutex planning;  // held while a simulated daemon's Prepare asks `plans`
 
+  // The small model: the trainer's one rank on daemon 0, inference rank i - 1 on daemon i.
   explicit SimulatedCluster(int n) {
     // A small model of a few tensors, every inference rank holding all of it (data parallel):
     // the plan is one source into n - 1 nodes, chains and all.
@@ -97,15 +115,68 @@ struct SimulatedCluster {
     for (int i = 1; i < n; ++i) infer.add_nodes(fmt::format("sim-{}", i));
     trainer_digest = planner::layoutDigest(trainer);
     infer_digest = planner::layoutDigest(infer);
+    for (int i = 0; i < n; ++i) {
+      nodes.push_back(fmt::format("sim-{}", i));
+      SimulatedRank r{i == 0 ? 0 : 1, i == 0 ? 0 : i - 1, {}};
+      for (const auto& t : trainer.tensors()) r.buffers.emplace_back(t.name(), 256 * 64 * 4);
+      ranks.push_back({std::move(r)});
+    }
   }
+
+  // Two layouts (--layouts): a daemon per node they name, each with the ranks there and the
+  // buffers each rank holds.
+  SimulatedCluster(v1::Layout src, v1::Layout dst) : trainer(std::move(src)), infer(std::move(dst)) {
+    trainer_digest = planner::layoutDigest(trainer);
+    infer_digest = planner::layoutDigest(infer);
+    planner::NodeTable table;
+    const v1::Layout* layouts[2] = {&trainer, &infer};
+    std::map<int32_t, size_t> daemon_of;  // node id -> daemon index
+    for (int g = 0; g < 2; ++g) {
+      auto resolved = planner::resolveLayout(*layouts[g], table);
+      if (!resolved.ok()) {
+        fmt::print(stderr, "relay_bench: {}\n", std::string(resolved.status().message()));
+        std::_Exit(1);
+      }
+      for (int32_t rank = 0; rank < resolved->world(); ++rank) {
+        const int32_t node = resolved->rank_node[rank];
+        auto [it, added] = daemon_of.emplace(node, nodes.size());
+        if (added) {
+          nodes.push_back(table.name(node));
+          ranks.emplace_back();
+        }
+        SimulatedRank r{g, rank, {}};
+        for (const auto& [buffer, bytes] : resolved->rankBuffers(rank))
+          r.buffers.emplace_back(resolved->buffer_names[buffer], static_cast<uint64_t>(bytes));
+        ranks[it->second].push_back(std::move(r));
+      }
+    }
+  }
+  int size() const { return static_cast<int>(nodes.size()); }
 };
+
+// The cluster the child serves: the small model over `n` daemons, or the layouts in `dir`.
+std::unique_ptr<SimulatedCluster> simulatedCluster(int n, const std::string& dir) {
+  if (dir.empty()) return std::make_unique<SimulatedCluster>(n);
+  v1::Layout layouts[2];
+  const char* files[2] = {"trainer.json", "inference.json"};
+  for (int g = 0; g < 2; ++g) {
+    auto layout = planner::readLayoutFile(dir + "/" + files[g]);
+    if (!layout.ok()) {
+      fmt::print(stderr, "relay_bench: {} (write them with plan_bench --write-layouts {})\n",
+                 std::string(layout.status().message()), dir);
+      std::_Exit(1);
+    }
+    layouts[g] = std::move(*layout);
+  }
+  return std::make_unique<SimulatedCluster>(std::move(layouts[0]), std::move(layouts[1]));
+}
 
 // One simulated daemon: answers as a daemon holding its rank would, moving nothing; Relay relays,
 // as a daemon does. The cluster's PeerSet exists once every server has its port.
 class SimulatedPeer final : public v1::Peer::Service {
  public:
   SimulatedPeer(const std::unique_ptr<PeerSet>& peers, SimulatedCluster& cluster, int index)
-      : peers_(peers), cluster_(cluster), index_(index), node_(fmt::format("sim-{}", index)) {}
+      : peers_(peers), cluster_(cluster), index_(index), node_(cluster.nodes[index]) {}
 
   grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse* out) override {
     out->set_node(node_);
@@ -113,23 +184,27 @@ class SimulatedPeer final : public v1::Peer::Service {
     out->set_instance(node_);
     out->set_generation(1);
     out->set_relays_call_parts(true);  // its Relay is the daemons' own code (relay.h)
-    const bool source = index_ == 0;
-    const v1::Layout& layout = source ? cluster_.trainer : cluster_.infer;
-    *out->add_layouts() = layout;
-    auto* r = out->add_ranks();
-    r->set_group(layout.group());
-    r->set_rank(source ? 0 : index_ - 1);
-    r->set_layout_digest(source ? cluster_.trainer_digest : cluster_.infer_digest);
-    for (const auto& t : layout.tensors()) {
-      auto* b = r->add_buffers();
-      b->set_buffer(t.name());
-      b->set_size(256 * 64 * 4);
-    }
     const uint64_t held = cluster_.committed.load();
-    r->set_role(source ? v1::ROLE_SOURCE : v1::ROLE_DESTINATION);
-    r->set_double_buffered(!source);  // a repeated sync may fold its Prepare into its first wave (--fold)
-    r->set_state(source || held > 0 ? v1::RANK_READY : v1::RANK_EMPTY);
-    r->set_version(source ? held + 1 : held);  // the trainer has published the next version
+    bool has[2] = {false, false};
+    for (const auto& sim : cluster_.ranks[index_]) {
+      const bool source = sim.group == 0;
+      const v1::Layout& layout = source ? cluster_.trainer : cluster_.infer;
+      if (!has[sim.group]) *out->add_layouts() = layout;  // once per group and daemon
+      has[sim.group] = true;
+      auto* r = out->add_ranks();
+      r->set_group(layout.group());
+      r->set_rank(sim.rank);
+      r->set_layout_digest(source ? cluster_.trainer_digest : cluster_.infer_digest);
+      for (const auto& [name, bytes] : sim.buffers) {
+        auto* b = r->add_buffers();
+        b->set_buffer(name);
+        b->set_size(bytes);
+      }
+      r->set_role(source ? v1::ROLE_SOURCE : v1::ROLE_DESTINATION);
+      r->set_double_buffered(!source);  // a repeated sync may fold its Prepare into its first wave (--fold)
+      r->set_state(source || held > 0 ? v1::RANK_READY : v1::RANK_EMPTY);
+      r->set_version(source ? held + 1 : held);  // the trainer has published the next version
+    }
     return grpc::Status::OK;
   }
   grpc::Status Prepare(grpc::ServerContext*, const v1::PrepareRequest* req, v1::PrepareResponse* out) override {
@@ -147,7 +222,11 @@ class SimulatedPeer final : public v1::Peer::Service {
     const auto key = PlanKey::forSync(req->staging_bytes(), req->chunk_bytes(), req->delta(), req->packed(), *strategy);
     bool hit = false;
     LayoutDigests digests;
+    // One plans, the others find its plan: the cache would let every concurrent miss plan anew,
+    // which on real daemons runs in parallel on machines of their own, and here on two cores.
+    std::unique_lock<std::mutex> planning(cluster_.planning);
     const auto plan = cluster_.plans.forPrepare(*req, key, node_, &hit, &digests);
+    planning.unlock();
     if (!plan.ok()) return toGrpc(plan.status());
     out->set_plan_key((*plan)->key);
     std::lock_guard<std::mutex> lock(cluster_.mu);
@@ -166,7 +245,7 @@ class SimulatedPeer final : public v1::Peer::Service {
     return grpc::Status::OK;
   }
   grpc::Status Finish(grpc::ServerContext*, const v1::FinishRequest* req, v1::FinishResponse*) override {
-    if (req->commit() && index_ > 0) {  // the inference ranks hold the version now
+    if (req->commit()) {  // the inference ranks hold the version now
       std::lock_guard<std::mutex> lock(cluster_.mu);
       if (const auto it = cluster_.version_of.find(req->fence()); it != cluster_.version_of.end()) {
         uint64_t held = cluster_.committed.load();
@@ -223,6 +302,15 @@ double cpuSecondsOf(pid_t pid) {
   return ticks / static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
+// This process's peak resident memory (VmHWM), in MiB; resetPeakRss() starts it anew.
+double peakRssMiB() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // "VmHWM:  1234 kB"
+  return 0;
+}
+void resetPeakRss() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
 // A TCP port on 127.0.0.1 that nothing listens on now.
 int freePort() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -247,12 +335,15 @@ DaemonConfig clusterConfig(const std::vector<std::string>& addresses) {
   return config;
 }
 
-// Serves n simulated daemons; writes their ports to `fd` (one line), then serves until killed.
-// `coordinator`: the address the coordinating daemon of --whole-syncs listens on ("" for none):
-// one of the cluster's daemons, so a relay may call it.
-[[noreturn]] void serve(int n, int fd, const std::string& coordinator) {
+// Serves n simulated daemons (or those of the layouts in `dir`); writes the two groups' names and
+// the daemons' addresses to `fd` (one line), then serves until killed. `coordinator`: the address
+// the coordinating daemon of --whole-syncs listens on ("" for none): one of the cluster's daemons,
+// so a relay may call it.
+[[noreturn]] void serve(int n, int fd, const std::string& coordinator, const std::string& dir) {
   std::unique_ptr<PeerSet> peers;
-  SimulatedCluster cluster(n);
+  const auto simulated = simulatedCluster(n, dir);
+  SimulatedCluster& cluster = *simulated;
+  n = cluster.size();
   std::vector<std::unique_ptr<SimulatedPeer>> services;
   std::vector<std::unique_ptr<grpc::Server>> servers;
   std::vector<std::string> addresses;
@@ -275,7 +366,7 @@ DaemonConfig clusterConfig(const std::vector<std::string>& addresses) {
   std::vector<std::string> cluster_addresses = addresses;
   if (!coordinator.empty()) cluster_addresses.push_back(coordinator);
   peers = std::make_unique<PeerSet>(clusterConfig(cluster_addresses), "simulated");
-  std::string line;
+  std::string line = cluster.trainer.group() + " " + cluster.infer.group() + " ";
   for (const auto& a : addresses) line += a + " ";
   line += "\n";
   if (::write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size())) std::_Exit(1);
@@ -365,10 +456,10 @@ class Coordinator {
     engine_->abortAll("the bench is over");
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   }
-  grpc::Status sync(uint64_t version, v1::SyncResponse* out) {
+  grpc::Status sync(const std::string& src, const std::string& dst, uint64_t version, v1::SyncResponse* out) {
     v1::SyncRequest req;
-    req.set_src_group("trainer");
-    req.set_dst_group("infer");
+    req.set_src_group(src);
+    req.set_dst_group(dst);
     req.set_version(version);
     req.mutable_options()->set_timeout_ms(120000);
     grpc::ClientContext context;
@@ -394,20 +485,22 @@ class Coordinator {
 // Whole syncs through a real coordinator, per fanout: the first (it gathers and plans), then
 // `rounds` that repeat it (the next version each).
 void wholeSyncRows(int n, pid_t simulated, const std::vector<std::string>& addresses, const std::string& listen,
-                   const std::vector<int>& fanouts, const std::vector<std::string>& folds, int rounds,
-                   uint64_t& version) {
+                   const std::string& src, const std::string& dst, const std::vector<int>& fanouts,
+                   const std::vector<std::string>& folds, int rounds, uint64_t& version) {
   for (const int fanout : fanouts)
     for (const std::string& fold : folds) {
+      resetPeakRss();
       Coordinator coordinator(addresses, listen, fanout, fold);
       std::vector<double> seconds, cpu, daemons_cpu;
-      double first = 0;
+      double first = 0, first_cpu = 0;
+      v1::SyncResponse first_resp;
       int repeated = 0, folded = 0;
       std::string failure;
       for (int round = 0; round <= rounds && failure.empty(); ++round) {
         v1::SyncResponse resp;
         const double c0 = cpuSeconds(), d0 = cpuSecondsOf(simulated);
         const auto t0 = std::chrono::steady_clock::now();
-        const grpc::Status st = coordinator.sync(++version, &resp);
+        const grpc::Status st = coordinator.sync(src, dst, ++version, &resp);
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         const double c = cpuSeconds() - c0, d = cpuSecondsOf(simulated) - d0;
         if (!st.ok()) {  // (named by its code too: a message may be empty)
@@ -416,6 +509,8 @@ void wholeSyncRows(int n, pid_t simulated, const std::vector<std::string>& addre
         }
         if (round == 0) {
           first = s;
+          first_cpu = c;
+          first_resp = resp;
           continue;
         }
         repeated += resp.repeated() ? 1 : 0;
@@ -435,10 +530,11 @@ void wholeSyncRows(int n, pid_t simulated, const std::vector<std::string>& addre
       for (double d : daemons_cpu) daemons_mean += d / static_cast<double>(daemons_cpu.size());
       fmt::print(
           "| {} | {} | {} | {:.1f} ms | {:.1f} ms | {:.1f} ms | {} of {} | {} of {} | {:.1f} ms | {:.1f} us | {:.0f} "
-          "ms |\n",
+          "ms | {:.2f} / {:.2f} / {:.2f} s | {:.2f} s | {:.0f} MiB |\n",
           n, fanout == 0 ? std::string("direct") : std::to_string(fanout), fold, first * 1e3, seconds.front() * 1e3,
           seconds[seconds.size() / 2] * 1e3, repeated, seconds.size(), folded, seconds.size(), cpu_mean * 1e3,
-          cpu_mean * 1e6 / n, daemons_mean * 1e3);
+          cpu_mean * 1e6 / n, daemons_mean * 1e3, first_resp.gather_seconds(), first_resp.plan_seconds(),
+          first_resp.prepare_seconds(), first_cpu, peakRssMiB());
       std::fflush(stdout);
     }
 }
@@ -448,12 +544,12 @@ void wholeSyncRows(int n, pid_t simulated, const std::vector<std::string>& addre
 int main(int argc, char** argv) {
   // As shardcastd does (daemon/server/main.cc): no lock-order graph on gRPC's abseil mutexes.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-  std::string daemons = "64 256 1024", fanouts = "0 16 32 64", folds = "auto";
+  std::string daemons = "64 256 1024", fanouts = "0 16 32 64", folds = "auto", layouts;
   int rounds = 30;
   bool whole_syncs = false;
   // The simulated daemons run in a process of their own, started anew (exec: no gRPC state
   // across a fork): relay_bench --serve N FD.
-  if (argc == 5 && !std::strcmp(argv[1], "--serve")) serve(std::atoi(argv[2]), std::atoi(argv[3]), argv[4]);
+  if (argc == 6 && !std::strcmp(argv[1], "--serve")) serve(std::atoi(argv[2]), std::atoi(argv[3]), argv[4], argv[5]);
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--whole-syncs")) {
       whole_syncs = true;
@@ -465,13 +561,20 @@ int main(int argc, char** argv) {
       folds = argv[++i];
     } else if (i + 1 < argc && !std::strcmp(argv[i], "--rounds")) {
       rounds = std::max(2, std::atoi(argv[++i]));
+    } else if (i + 1 < argc && !std::strcmp(argv[i], "--layouts")) {
+      layouts = argv[++i];
     } else {
       fmt::print(stderr,
                  "usage: relay_bench [--daemons \"64 256 1024\"] [--fanouts \"0 16 32 64\"] [--rounds 30] "
-                 "[--whole-syncs [--fold \"auto never\"]]\n");
+                 "[--whole-syncs [--fold \"auto never\"] [--layouts DIR]]\n");
       return 2;
     }
   }
+  if (!layouts.empty() && !whole_syncs) {
+    fmt::print(stderr, "relay_bench: --layouts takes --whole-syncs\n");
+    return 2;
+  }
+  if (!layouts.empty()) daemons = "2";  // (the layouts' nodes decide)
   const std::vector<int> counts = numbers(daemons);
   if (counts.empty() || *std::min_element(counts.begin(), counts.end()) < 2) {
     fmt::print(stderr, "relay_bench: --daemons takes counts of at least 2\n");
@@ -485,8 +588,9 @@ int main(int argc, char** argv) {
   if (whole_syncs) {
     fmt::print(
         "| daemons | fanout | fold | first sync (gather, plan) | repeated sync, best | median | skipped the gather "
-        "| folded | coordinator CPU per sync | per daemon | simulated daemons' CPU per sync |\n");
-    fmt::print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+        "| folded | coordinator CPU per sync | per daemon | simulated daemons' CPU per sync | first sync: gather / plan "
+        "/ prepare | first sync: coordinator CPU | coordinator peak RSS |\n");
+    fmt::print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   } else {
     fmt::print(
         "| daemons | fanout | coordinator calls | round, best | median | coordinator CPU per round | per daemon |\n");
@@ -496,14 +600,14 @@ int main(int argc, char** argv) {
   // The coordinating daemon's address, known to the simulated daemons before it starts (each
   // fanout's coordinator listens on it in turn).
   const std::string coordinator = whole_syncs ? fmt::format("127.0.0.1:{}", freePort()) : std::string();
-  for (const int n : counts) {
+  for (int n : counts) {
     int pipefd[2];
     if (::pipe(pipefd) != 0) return 1;
     const pid_t child = ::fork();
     if (child == 0) {
       ::close(pipefd[0]);
       const std::string count = std::to_string(n), fd = std::to_string(pipefd[1]);
-      ::execl("/proc/self/exe", argv[0], "--serve", count.c_str(), fd.c_str(), coordinator.c_str(),
+      ::execl("/proc/self/exe", argv[0], "--serve", count.c_str(), fd.c_str(), coordinator.c_str(), layouts.c_str(),
               static_cast<char*>(nullptr));
       std::_Exit(127);
     }
@@ -514,7 +618,10 @@ int main(int argc, char** argv) {
     ::close(pipefd[0]);
     std::vector<std::string> addresses;
     std::istringstream in(got);
+    std::string src, dst;
+    in >> src >> dst;
     for (std::string a; in >> a;) addresses.push_back(a);
+    if (!layouts.empty() && !addresses.empty()) n = static_cast<int>(addresses.size());
     if (addresses.size() != static_cast<size_t>(n)) {
       fmt::print(stderr, "relay_bench: {} simulated daemons did not start\n", n);
       ::kill(child, SIGKILL);
@@ -522,7 +629,7 @@ int main(int argc, char** argv) {
     }
     version = 0;  // a new child: its inference ranks hold nothing yet
     if (whole_syncs)
-      wholeSyncRows(n, child, addresses, coordinator, numbers(fanouts), words(folds), rounds, version);
+      wholeSyncRows(n, child, addresses, coordinator, src, dst, numbers(fanouts), words(folds), rounds, version);
     else
       fanOutRows(n, addresses, numbers(fanouts), rounds);
     ::kill(child, SIGKILL);
