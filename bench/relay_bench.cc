@@ -86,7 +86,7 @@ struct SimulatedRank {
 struct SimulatedCluster {
   v1::Layout trainer, infer;
   std::string trainer_digest, infer_digest;
-  std::vector<std::string> nodes;                  // per daemon
+  std::vector<std::string> nodes;                 // per daemon
   std::vector<std::vector<SimulatedRank>> ranks;  // per daemon
   std::atomic<uint64_t> committed{0};             // the version the inference ranks hold (0: none yet)
   std::mutex mu;
@@ -588,7 +588,8 @@ int main(int argc, char** argv) {
   if (whole_syncs) {
     fmt::print(
         "| daemons | fanout | fold | first sync (gather, plan) | repeated sync, best | median | skipped the gather "
-        "| folded | coordinator CPU per sync | per daemon | simulated daemons' CPU per sync | first sync: gather / plan "
+        "| folded | coordinator CPU per sync | per daemon | simulated daemons' CPU per sync | first sync: gather / "
+        "plan "
         "/ prepare | first sync: coordinator CPU | coordinator peak RSS |\n");
     fmt::print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   } else {
