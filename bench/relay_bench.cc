@@ -178,19 +178,32 @@ class SimulatedPeer final : public v1::Peer::Service {
   SimulatedPeer(const std::unique_ptr<PeerSet>& peers, SimulatedCluster& cluster, int index)
       : peers_(peers), cluster_(cluster), index_(index), node_(cluster.nodes[index]) {}
 
-  grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse* out) override {
+  // As Registry::describe answers: each group's layout whole or by digest, or the layouts asked for.
+  grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest* req, v1::DescribeResponse* out) override {
     out->set_node(node_);
-    out->set_transport_address("simulated");
     out->set_instance(node_);
     out->set_generation(1);
-    out->set_relays_call_parts(true);  // its Relay is the daemons' own code (relay.h)
-    const uint64_t held = cluster_.committed.load();
+    const v1::Layout* layouts[2] = {&cluster_.trainer, &cluster_.infer};
+    const std::string* digests[2] = {&cluster_.trainer_digest, &cluster_.infer_digest};
     bool has[2] = {false, false};
+    for (const auto& sim : cluster_.ranks[index_]) has[sim.group] = true;
+    if (req->layouts_size() > 0) {
+      for (int g = 0; g < 2; ++g)
+        if (has[g] && std::find(req->layouts().begin(), req->layouts().end(), *digests[g]) != req->layouts().end())
+          *out->add_layouts() = *layouts[g];
+      return grpc::Status::OK;
+    }
+    out->set_transport_address("simulated");
+    out->set_relays_call_parts(true);  // its Relay is the daemons' own code (relay.h)
+    for (int g = 0; g < 2; ++g)
+      if (has[g] && req->layout_digests())
+        (*out->mutable_layout_digests())[layouts[g]->group()] = *digests[g];
+      else if (has[g])
+        *out->add_layouts() = *layouts[g];  // once per group and daemon
+    const uint64_t held = cluster_.committed.load();
     for (const auto& sim : cluster_.ranks[index_]) {
       const bool source = sim.group == 0;
       const v1::Layout& layout = source ? cluster_.trainer : cluster_.infer;
-      if (!has[sim.group]) *out->add_layouts() = layout;  // once per group and daemon
-      has[sim.group] = true;
       auto* r = out->add_ranks();
       r->set_group(layout.group());
       r->set_rank(sim.rank);

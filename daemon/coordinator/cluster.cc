@@ -174,7 +174,9 @@ Status PeerSet::checkTransportAddresses(const std::vector<NodeAddress>& nodes,
     const std::vector<std::string> ask = whereToAsk(pending, &everywhere);
     if (!ask.empty()) {
       std::vector<v1::DescribeResponse> responses;
-      const auto statuses = describe(ask, &responses, /*syncs=*/false, {}, deadline);
+      v1::DescribeRequest request;  // (the node and its transport address are all this needs)
+      request.set_layout_digests(true);
+      const auto statuses = describe(ask, &responses, request, {}, deadline);
       {
         std::lock_guard<std::mutex> lock(mu_);
         for (const auto& a : ask) asking_.erase(a);
@@ -295,14 +297,13 @@ void PeerSet::noteSilent(const std::string& address, std::chrono::steady_clock::
 }
 
 std::vector<grpc::Status> PeerSet::describe(const std::vector<std::string>& addrs,
-                                            std::vector<v1::DescribeResponse>* responses, bool syncs,
+                                            std::vector<v1::DescribeResponse>* responses,
+                                            const v1::DescribeRequest& request,
                                             const std::map<std::string, std::chrono::milliseconds>& briefly,
                                             std::chrono::steady_clock::time_point until) const {
   // Every Describe at once: a gather costs about one round trip however many peers there are.
   const size_t n = addrs.size();
   responses->assign(n, {});
-  v1::DescribeRequest request;
-  request.set_syncs(syncs);
   std::vector<grpc::ClientContext> contexts(n);
   std::vector<bool> forgotten(n, false);                // asked briefly: one that is back answers at once
   const auto asked = std::chrono::steady_clock::now();  // a peer that fails was silent from here
@@ -400,7 +401,8 @@ void PeerSet::noteAnswers(const std::vector<std::string>& addrs, const std::vect
       for (const auto& [address, node] : responses[i].peer_nodes()) nodes_.emplace(address, node);
 }
 
-StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll(bool syncs, const Ask& ask) const {
+StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll(const v1::DescribeRequest& request,
+                                                              const Ask& ask) const {
   const auto& skip = ask.skip;
   SC_ASSIGN_OR_RETURN(auto addrs, addresses());
   const size_t n = addrs.size();
@@ -422,7 +424,7 @@ StatusOr<std::vector<PeerSet::PeerView>> PeerSet::describeAll(bool syncs, const 
     }
   }
   std::vector<v1::DescribeResponse> answers, responses(n);
-  const auto answered = describe(asked, &answers, syncs, ask.briefly);
+  const auto answered = describe(asked, &answers, request, ask.briefly);
   for (size_t j = 0; j < at.size(); ++j) {
     statuses[at[j]] = answered[j];
     responses[at[j]] = std::move(answers[j]);
@@ -483,18 +485,112 @@ std::map<std::string, bool> PeerSet::reachability() const {
   return out;
 }
 
+void PeerSet::fetchLayouts(const std::vector<std::string>& addrs, const std::vector<std::set<std::string>>& wanted,
+                           LayoutsByDigest* out) const {
+  std::vector<v1::DescribeRequest> requests(addrs.size());
+  std::vector<v1::DescribeResponse> responses(addrs.size());
+  for (size_t i = 0; i < addrs.size(); ++i)
+    for (const auto& digest : wanted[i]) requests[i].add_layouts(digest);
+  std::vector<grpc::ClientContext> contexts(addrs.size());
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms);
+  const auto statuses = fanOut(contexts, deadline, [&](size_t i, grpc::ClientContext& c, CallDone done) {
+    c.set_deadline(deadline);
+    v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &requests[i], &responses[i], std::move(done));
+  });
+  for (size_t i = 0; i < addrs.size(); ++i) {
+    if (!statuses[i].ok()) {
+      spdlog::warn("peer {}: its layouts could not be fetched: {}", addrs[i], statuses[i].error_message());
+      continue;
+    }
+    // Each digest checked: a daemon sends only layouts it was asked for (an older one sends all).
+    for (auto& layout : *responses[i].mutable_layouts())
+      if (std::string digest = planner::layoutDigest(layout); wanted[i].count(digest) && !out->count(digest))
+        out->emplace(std::move(digest), std::make_shared<const v1::Layout>(std::move(layout)));
+  }
+}
+
+StatusOr<LayoutsByDigest> PeerSet::layoutsOf(const v1::DescribeResponse& self,
+                                             const std::vector<PeerView>& peers) const {
+  LayoutsByDigest found;
+  // Named by digest, each with the daemons naming it (peers' indexes, in order) and one group.
+  struct Named {
+    std::string group, node;
+    std::vector<size_t> holders;
+  };
+  std::map<std::string, Named> named;
+  const auto take = [&](const v1::DescribeResponse& d, std::optional<size_t> peer) {
+    for (const auto& layout : d.layouts())  // sent whole (this daemon, or a daemon of an older version)
+      found.try_emplace(planner::layoutDigest(layout), std::make_shared<const v1::Layout>(layout));
+    for (const auto& [group, digest] : d.layout_digests()) {
+      auto& n = named.try_emplace(digest, Named{group, d.node(), {}}).first->second;
+      if (peer) n.holders.push_back(*peer);
+    }
+  };
+  take(self, std::nullopt);
+  for (size_t i = 0; i < peers.size(); ++i)
+    if (peers[i].described.ok()) take(*peers[i].described, i);
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // kept from the last gather
+    for (const auto& [digest, n] : named)
+      if (const auto kept = layouts_.find(digest); kept != layouts_.end()) found.insert(*kept);
+  }
+  // Each layout still missing asked of its next holder, all holders at once, until none is
+  // missing or a missing one has no holder left.
+  std::map<std::string, size_t> tried;  // digest -> holders asked so far
+  while (true) {
+    std::map<size_t, std::set<std::string>> asks;  // peer -> digests
+    for (const auto& [digest, n] : named) {
+      if (found.count(digest)) continue;
+      size_t& next = tried[digest];
+      if (next == n.holders.size())
+        return absl::AbortedError(strCat("the layout of group ", quote(n.group), " (digest ", digest, ") on node ",
+                                         quote(n.node),
+                                         " could not be fetched from any daemon naming it: its registrations changed "
+                                         "since it answered, or it stopped answering"));
+      asks[n.holders[next++]].insert(digest);
+    }
+    if (asks.empty()) break;
+    std::vector<std::string> addrs;
+    std::vector<std::set<std::string>> wanted;
+    for (auto& [peer, digests] : asks) {
+      addrs.push_back(peers[peer].address);
+      wanted.push_back(std::move(digests));
+    }
+    fetchLayouts(addrs, wanted, &found);
+  }
+  // Kept for the next gather: what this one named (a layout no daemon names any more goes).
+  LayoutsByDigest keep;
+  for (const auto& [digest, n] : named) keep.emplace(digest, found.at(digest));
+  std::lock_guard<std::mutex> lock(mu_);
+  layouts_ = std::move(keep);
+  return found;
+}
+
 StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::DescribeResponse& self,
                                           const std::string& self_address, std::vector<std::string>* unreachable,
                                           const PeerSet::Ask& ask) {
-  SC_ASSIGN_OR_RETURN(auto described, peers.describeAll(false, ask));
-  // Peers silent past their lease are not waited for, and fail nothing: the cluster is the others.
-  described.erase(std::remove_if(described.begin(), described.end(), [](const auto& p) { return p.forgotten; }),
-                  described.end());
-  SC_ASSIGN_OR_RETURN(auto view, ClusterView::build(self, described, unreachable));
-  ClusterSnapshot out{std::move(view), {self_address}};
-  for (const auto& p : described)
-    if (p.described.ok()) out.addresses.push_back(p.address);  // the view's daemons, in its order
-  return out;
+  // Each group's layout named by its digest, and fetched once (layoutsOf): a layout gathered from
+  // every daemon holding it cost a coordinator seconds and gigabytes at a 1T MoE's 71,000 tensors.
+  // A daemon whose registrations changed between the two calls is described again.
+  v1::DescribeRequest request;
+  request.set_layout_digests(true);
+  constexpr int kTries = 3;
+  for (int attempt = 1;; ++attempt) {
+    SC_ASSIGN_OR_RETURN(auto described, peers.describeAll(request, ask));
+    // Peers silent past their lease are not waited for, and fail nothing: the cluster is the others.
+    described.erase(std::remove_if(described.begin(), described.end(), [](const auto& p) { return p.forgotten; }),
+                    described.end());
+    auto layouts = peers.layoutsOf(self, described);
+    if (!layouts.ok()) {
+      if (attempt < kTries) continue;
+      return Status(layouts.status().code(), strCat(layouts.status().message(), " (", kTries, " gathers in a row)"));
+    }
+    std::vector<std::string> addresses{self_address};
+    for (const auto& p : described)
+      if (p.described.ok()) addresses.push_back(p.address);  // the view's daemons, in its order
+    SC_ASSIGN_OR_RETURN(auto view, ClusterView::build(self, std::move(described), *layouts, unreachable));
+    return ClusterSnapshot{std::move(view), std::move(addresses)};
+  }
 }
 
 std::string rankRanges(const std::vector<int32_t>& ranks) {
@@ -509,19 +605,39 @@ std::string rankRanges(const std::vector<int32_t>& ranks) {
   return out;
 }
 
-StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self, const std::vector<PeerSet::PeerView>& peers,
-                                         std::vector<std::string>* unreachable) {
+const v1::Layout& ClusterView::GroupInfo::get() const {
+  static const v1::Layout kNone;
+  return layout ? *layout : kNone;
+}
+
+StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self, std::vector<PeerSet::PeerView> peers,
+                                         const LayoutsByDigest& layouts, std::vector<std::string>* unreachable) {
   ClusterView v;
   v.daemons_.push_back(self);
-  for (const auto& p : peers) {
+  for (auto& p : peers) {
     if (!p.described.ok()) {
       std::string why = strCat("peer daemon ", p.address, " is unreachable: ", p.described.status().message());
       if (unreachable == nullptr) return absl::UnavailableError(why);
       unreachable->push_back(std::move(why));
       continue;
     }
-    v.daemons_.push_back(*p.described);
+    v.daemons_.push_back(std::move(*p.described));
   }
+  // One group's layout as a daemon named it: the first node's stays, another digest fails the group.
+  const auto addLayout = [&](const std::string& group, const std::string& digest, const std::string& node,
+                             std::shared_ptr<const v1::Layout> layout) {
+    GroupInfo first;
+    first.layout = std::move(layout);
+    first.digest = digest;
+    auto [it, inserted] = v.groups_.try_emplace(group, std::move(first));
+    if (!inserted && it->second.digest.empty()) {  // (its ranks came first: a daemon named no layout)
+      it->second.layout = std::move(first.layout);
+      it->second.digest = digest;
+    } else if (!inserted && it->second.digest != digest) {
+      it->second.fail(strCat("group ", quote(group), " is registered with two layouts (", it->second.digest, " and ",
+                             digest, " on node ", quote(node), ")"));
+    }
+  };
   std::set<std::string> nodes;
   for (const auto& d : v.daemons_) {
     if (!nodes.insert(d.node()).second)
@@ -529,15 +645,24 @@ StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self, const
                                                   " and another): give every daemon its own --node"));
     // What is wrong with one group fails the syncs that use it, never the view: every other group
     // stays usable (one uid's inconsistent group stopped every sync of the cluster).
-    for (const auto& layout : d.layouts()) {
-      const std::string digest = planner::layoutDigest(layout);
-      GroupInfo first;
-      first.layout = layout;
-      first.digest = digest;
-      auto [it, inserted] = v.groups_.try_emplace(layout.group(), std::move(first));
-      if (!inserted && it->second.digest != digest)
-        it->second.fail(strCat("group ", quote(layout.group()), " is registered with two layouts (", it->second.digest,
-                               " and ", digest, " on node ", quote(d.node()), ")"));
+    for (const auto& layout : d.layouts()) {  // sent whole: this daemon's own, or an older daemon's
+      std::string digest = planner::layoutDigest(layout);
+      const auto known = layouts.find(digest);
+      addLayout(layout.group(), digest, d.node(),
+                known != layouts.end() ? known->second : std::make_shared<const v1::Layout>(layout));
+    }
+    for (const auto& [group, digest] : d.layout_digests()) {
+      const auto known = layouts.find(digest);
+      if (known == layouts.end())
+        return absl::InternalError(strCat("the layout of group ", quote(group), " (digest ", digest, ") on node ",
+                                          quote(d.node()), " was not gathered"));
+      // A digest names its layout, group included: another group's under this name fails this group.
+      if (known->second->group() != group) {
+        v.groups_[group].fail(strCat("node ", quote(d.node()), " names layout ", digest, " for group ", quote(group),
+                                     ", but that layout is group ", quote(known->second->group()), "'s"));
+        continue;
+      }
+      addLayout(group, digest, d.node(), known->second);
     }
     for (const auto& a : d.access()) v.access_[a.group()].emplace_back(d.node(), a);
     for (const auto& r : d.ranks()) {
@@ -648,7 +773,7 @@ Status ClusterView::mayReceive(const std::string& src, const std::string& group)
 
 bool ClusterView::namedAsSet(const std::string& set) const {
   return !set.empty() && std::any_of(groups_.begin(), groups_.end(),
-                                     [&](const auto& g) { return g.second.layout.replica_set() == set; });
+                                     [&](const auto& g) { return g.second.get().replica_set() == set; });
 }
 
 v1::Role ClusterView::role(const std::string& group) const {
@@ -667,7 +792,7 @@ std::vector<std::string> ClusterView::replicasOf(const std::string& set, bool de
   std::vector<std::pair<int32_t, std::string>> found;
   if (set.empty() || (groups_.count(set) && !despite_group)) return {};
   for (const auto& [name, g] : groups_)
-    if (g.layout.replica_set() == set) found.emplace_back(g.layout.replica(), name);
+    if (g.get().replica_set() == set) found.emplace_back(g.get().replica(), name);
   std::sort(found.begin(), found.end());
   std::vector<std::string> out;
   for (auto& [id, name] : found) out.push_back(std::move(name));
@@ -676,7 +801,7 @@ std::vector<std::string> ClusterView::replicasOf(const std::string& set, bool de
 
 const v1::Layout* ClusterView::layoutOf(const std::string& group) const {
   const auto it = groups_.find(group);
-  return it == groups_.end() ? nullptr : &it->second.layout;
+  return it == groups_.end() ? nullptr : &it->second.get();
 }
 
 StatusOr<v1::Layout> ClusterView::completeGroup(const std::string& group) const {
@@ -689,14 +814,14 @@ StatusOr<v1::Layout> ClusterView::completeGroup(const std::string& group) const 
                                                 known.empty() ? "none" : strJoin(known, ", "), ")"));
   }
   int64_t world = 1;
-  for (int64_t s : it->second.layout.mesh().shape()) world *= s;
+  for (int64_t s : it->second.get().mesh().shape()) world *= s;
   std::vector<int32_t> missing;
   for (int32_t r = 0; r < world; ++r)
     if (!it->second.ranks.count(r)) missing.push_back(r);
   if (!missing.empty())
     return absl::FailedPreconditionError(strCat("group \"", group, "\" is incomplete: ranks ", rankRanges(missing),
                                                 " of ", world, " are not registered"));
-  return it->second.layout;
+  return it->second.get();
 }
 
 }  // namespace shardcast::daemon

@@ -53,6 +53,9 @@ class CallSet {
   std::set<grpc::ClientContext*> calls_;
 };
 
+// Layouts by their digest (planner::layoutDigest), shared by the views that hold them.
+using LayoutsByDigest = std::map<std::string, std::shared_ptr<const v1::Layout>>;
+
 class PeerSet {
  public:
   // `instance`: this daemon's (DescribeResponse.instance), to tell itself from a daemon that
@@ -76,9 +79,16 @@ class PeerSet {
     std::map<std::string, std::string> skip;                   // not asked: unreachable, saying why
     std::map<std::string, std::chrono::milliseconds> briefly;  // asked with this deadline instead
   };
-  // Describe of every peer other than this node, each within the peer timeout (or as `ask` says);
-  // `syncs`: with the syncs each coordinates (DescribeRequest.syncs).
-  StatusOr<std::vector<PeerView>> describeAll(bool syncs = false, const Ask& ask = {}) const;
+  // Describe of every peer other than this node, each within the peer timeout (or as `ask` says),
+  // as `request` asks (DescribeRequest.syncs, layout_digests; not `layouts`: fetchLayouts).
+  StatusOr<std::vector<PeerView>> describeAll(const v1::DescribeRequest& request = {}, const Ask& ask = {}) const;
+  // The layouts a gather's daemons name (DescribeResponse.layouts whole, or layout_digests): `self`
+  // first (this daemon, its layouts whole), then `peers` (what describeAll answered). A layout named by digest is taken
+  // from the last gather's (kept until a gather names it no more), or fetched once, from the first daemon in that order
+  // naming it (DescribeRequest.layouts, all such daemons at once), then from the next while one does not send it. Each
+  // fetched layout's digest is checked. ABORTED naming the group and node when a layout named cannot be had from any
+  // daemon naming it (its registrations changed since it answered, or it stopped answering).
+  StatusOr<LayoutsByDigest> layoutsOf(const v1::DescribeResponse& self, const std::vector<PeerView>& peers) const;
   // The peers of the last addresses() that have described themselves, by node: reachable when
   // their channel is connected, or connecting or idle and the last Describe of them answered.
   // Sends no call (a scrape must stay cheap): a channel not connected is only nudged to connect,
@@ -124,9 +134,13 @@ class PeerSet {
   // Describe of each of `addrs` at once; remembers which node and transport address each gave.
   // `until`: no call's deadline after it.
   std::vector<grpc::Status> describe(
-      const std::vector<std::string>& addrs, std::vector<v1::DescribeResponse>* responses, bool syncs = false,
-      const std::map<std::string, std::chrono::milliseconds>& briefly = {},
+      const std::vector<std::string>& addrs, std::vector<v1::DescribeResponse>* responses,
+      const v1::DescribeRequest& request = {}, const std::map<std::string, std::chrono::milliseconds>& briefly = {},
       std::chrono::steady_clock::time_point until = std::chrono::steady_clock::time_point::max()) const;
+  // layoutsOf(): one round of fetches, `wanted[i]` the digests asked of `addrs[i]`; each layout
+  // sent whose digest was asked of its sender lands in `out` (mu_ not held).
+  void fetchLayouts(const std::vector<std::string>& addrs, const std::vector<std::set<std::string>>& wanted,
+                    LayoutsByDigest* out) const;
   // describe(): each call's deadline (100 ms for a peer silent past its lease, `briefly` for its
   // node, none after `until`), and which peers were forgotten when `asked` (mu_ not held).
   std::vector<std::chrono::milliseconds> describeDeadlines(
@@ -160,6 +174,7 @@ class PeerSet {
   mutable std::map<std::string, std::string> transports_;  // node -> the transport address it described
   mutable std::map<std::string, std::chrono::steady_clock::time_point> looked_up_;  // address -> asked then
   mutable std::set<std::string> asking_;  // addresses a checkTransportAddresses round is asking now
+  mutable LayoutsByDigest layouts_;       // the layouts the last gather named (layoutsOf)
 };
 
 // Groups as registered across the cluster.
@@ -168,8 +183,10 @@ class ClusterView {
   // From this daemon's own description and its peers'. Unreachable peers make the view fail; or,
   // given `unreachable`, are left out of it and each described there ("peer daemon A (node "N")
   // is unreachable: why").
-  static StatusOr<ClusterView> build(const v1::DescribeResponse& self, const std::vector<PeerSet::PeerView>& peers,
-                                     std::vector<std::string>* unreachable = nullptr);
+  // `layouts`: those named by digest (DescribeResponse.layout_digests; PeerSet::layoutsOf), and
+  // any of those sent whole.
+  static StatusOr<ClusterView> build(const v1::DescribeResponse& self, std::vector<PeerSet::PeerView> peers,
+                                     const LayoutsByDigest& layouts, std::vector<std::string>* unreachable = nullptr);
 
   // The layout of `group` when every rank of it is registered somewhere, consistently (problem()
   // is ""); FAILED_PRECONDITION naming the missing ranks, an unknown group, or its problem otherwise.
@@ -210,8 +227,9 @@ class ClusterView {
 
  private:
   struct GroupInfo {
-    v1::Layout layout;  // the first node's, when two differ
+    std::shared_ptr<const v1::Layout> layout;  // the first node's, when two differ (null: none named)
     std::string digest;
+    const v1::Layout& get() const;  // the layout (an empty one when none was named)
     std::set<int32_t> ranks;
     v1::Role role = v1::ROLE_UNSPECIFIED;
     std::string problem;   // the first inconsistency found (problem())

@@ -534,18 +534,29 @@ std::string Registry::packedOnly(const std::string& src, const std::vector<std::
   return "";
 }
 
-v1::DescribeResponse Registry::describe() const {
+v1::DescribeResponse Registry::describe(const v1::DescribeRequest& ask) const {
   v1::DescribeResponse d;
   d.set_node(node_);
-  d.set_transport_address(transport_.address());
   d.set_instance(instance_);
+  if (ask.layouts_size() > 0) {  // a gather fetching layouts it lacks: those, and nothing else
+    const std::set<std::string> wanted(ask.layouts().begin(), ask.layouts().end());
+    std::lock_guard<std::mutex> lock(mu_);
+    d.set_generation(generation_);
+    for (const auto& [group, g] : groups_)
+      if (wanted.count(g.digest)) *d.add_layouts() = g.layout;
+    return d;
+  }
+  d.set_transport_address(transport_.address());
   d.set_relays_call_parts(true);  // (relay.cc: this build's relays do)
   d.set_delta_tree_hash(true);    // (execution.cc: this build's decode checks both hashes)
   const bool host_safe = hostSafe();
   std::lock_guard<std::mutex> lock(mu_);
   d.set_generation(generation_);  // of exactly what follows
   for (const auto& [group, g] : groups_) {
-    *d.add_layouts() = g.layout;
+    if (ask.layout_digests())
+      (*d.mutable_layout_digests())[group] = g.digest;
+    else
+      *d.add_layouts() = g.layout;
     if (!g.owner) continue;  // registered by a --insecure daemon's remote caller: nobody's
     auto* a = d.add_access();
     a->set_group(group);

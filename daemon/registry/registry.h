@@ -63,8 +63,10 @@ class Registry {
   std::vector<v1::RankRegistration> list() const;
   // Groups with ranks here: their ranks, versions and bytes.
   std::vector<v1::GroupStatus> groups() const;
-  // What peers need to plan and to write here.
-  v1::DescribeResponse describe() const;
+  // What peers need to plan and to write here: as DescribeRequest asks (its `syncs` aside), each
+  // group's layout whole, named by digest only (layout_digests), or only the layouts asked for by
+  // digest (layouts).
+  v1::DescribeResponse describe(const v1::DescribeRequest& ask = {}) const;
   uint64_t registeredBytes() const;
   // The runtime of the GPUs whose memory is registered here (a sync's host staging is then
   // pinned for their copies); null while none is.

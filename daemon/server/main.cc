@@ -172,7 +172,9 @@ Status configureRegistry(Registry& registry, const DaemonConfig& config, const t
 
 // Another daemon already serving this node name: refuse loudly rather than split the node.
 Status checkNodeIsOurs(PeerSet& peers, const DaemonConfig& config) {
-  if (auto views = peers.describeAll(); views.ok())
+  v1::DescribeRequest by_digest;  // (node names are all this needs)
+  by_digest.set_layout_digests(true);
+  if (auto views = peers.describeAll(by_digest); views.ok())
     for (const auto& v : *views)
       if (v.described.ok() && v.described->node() == config.node)
         return absl::AlreadyExistsError("another shardcastd (at " + v.address + ") already serves node \"" +

@@ -267,7 +267,8 @@ void ShardcastService::stop() {
 grpc::Status PeerService::Describe(grpc::ServerContext* ctx, const v1::DescribeRequest* req,
                                    v1::DescribeResponse* out) {
   if (auto allowed = access_.peer(*ctx, *req); !allowed.ok()) return toGrpc(allowed);
-  *out = registry_.describe();
+  *out = registry_.describe(*req);
+  if (req->layouts_size() > 0) return grpc::Status::OK;  // layouts fetched by digest: those alone
   for (auto& [address, node] : peers_.knownNodes()) (*out->mutable_peer_nodes())[address] = node;
   if (req->syncs())
     for (auto& p : progress_.recent(kRecentSyncs)) *out->add_syncs() = std::move(p);
@@ -344,8 +345,12 @@ grpc::Status ShardcastService::List(grpc::ServerContext* ctx, const v1::ListRequ
   if (!caller.ok()) return toGrpc(caller.status());
   for (auto& r : registry_.list()) *out->add_ranks() = std::move(r);
   if (!req->all_nodes()) return grpc::Status::OK;
-  auto peers = peers_.describeAll();
+  v1::DescribeRequest by_digest;  // each layout fetched once, not from every daemon holding it
+  by_digest.set_layout_digests(true);
+  auto peers = peers_.describeAll(by_digest);
   if (!peers.ok()) return toGrpc(peers.status());
+  auto layouts = peers_.layoutsOf(registry_.describe(), *peers);
+  if (!layouts.ok()) return toGrpc(layouts.status());
   for (const auto& p : *peers) {
     if (!p.described.ok()) return toGrpc(p.described.status());
     for (const auto& r : p.described->ranks()) {
@@ -364,14 +369,13 @@ grpc::Status ShardcastService::List(grpc::ServerContext* ctx, const v1::ListRequ
         reg->add_buffers(b.buffer());
       }
       reg->set_registered_bytes(bytes);
-      for (const auto& l : p.described->layouts())
-        if (l.group() == r.group()) {
-          int64_t world = 1;
-          for (int64_t s : l.mesh().shape()) world *= s;
-          reg->set_world_size(static_cast<int32_t>(world));
-          reg->set_replica_set(l.replica_set());
-          reg->set_replica(l.replica());
-        }
+      if (const auto l = layouts->find(r.layout_digest()); l != layouts->end()) {
+        int64_t world = 1;
+        for (int64_t s : l->second->mesh().shape()) world *= s;
+        reg->set_world_size(static_cast<int32_t>(world));
+        reg->set_replica_set(l->second->replica_set());
+        reg->set_replica(l->second->replica());
+      }
     }
   }
   return grpc::Status::OK;
@@ -428,7 +432,10 @@ grpc::Status ShardcastService::Status(grpc::ServerContext* ctx, const v1::Status
     p->set_error(std::string(addrs.status().message()));
     return grpc::Status::OK;
   }
-  auto views = peers_.describeAll(req->all_nodes());
+  v1::DescribeRequest ask;  // (no layouts: digests only)
+  ask.set_syncs(req->all_nodes());
+  ask.set_layout_digests(true);
+  auto views = peers_.describeAll(ask);
   const auto known = peers_.knownNodes();
   if (views.ok() && req->all_nodes())
     for (const auto& v : *views)

@@ -903,6 +903,64 @@ TEST_CASE(
   CHECK(results[2].status.error_code() == grpc::StatusCode::NOT_FOUND);
 }
 
+TEST_CASE(
+    "Peer.Describe names layouts by digest when asked, and sends only the layouts asked for - a gather then "
+    "syncs every byte",
+    "[daemon][sync]") {
+  Cluster cluster;
+  TrainerAndInference g("ld");
+  registerBoth(cluster, g);
+  const std::string trainer = planner::layoutDigest(g.src_proto), infer = planner::layoutDigest(g.dst_proto);
+  auto peer = cluster.node("n0").peer();  // (trainer ranks 0, 1 and inference ranks 2, 3)
+
+  v1::DescribeRequest by_digest;
+  by_digest.set_layout_digests(true);
+  v1::DescribeResponse named;
+  REQUIRE(peer->Describe(ctx().get(), by_digest, &named).ok());
+  CHECK(named.layouts_size() == 0);
+  CHECK(named.layout_digests().size() == 2);
+  CHECK(named.layout_digests().at("trainer") == trainer);
+  CHECK(named.layout_digests().at("infer") == infer);
+  CHECK(named.ranks_size() == 4);
+  for (const auto& r : named.ranks()) CHECK(r.layout_digest() == named.layout_digests().at(r.group()));
+  CHECK(named.access_size() == 2);
+
+  v1::DescribeResponse whole;  // (as before: every layout, no digests named)
+  REQUIRE(peer->Describe(ctx().get(), v1::DescribeRequest(), &whole).ok());
+  CHECK(whole.layouts_size() == 2);
+  CHECK(whole.layout_digests().empty());
+
+  v1::DescribeRequest fetch;
+  fetch.add_layouts(infer);
+  fetch.add_layouts("0123456789abcdef");  // held by nobody: left out
+  v1::DescribeResponse fetched;
+  REQUIRE(peer->Describe(ctx().get(), fetch, &fetched).ok());
+  REQUIRE(fetched.layouts_size() == 1);
+  CHECK(planner::layoutDigest(fetched.layouts(0)) == infer);
+  CHECK(fetched.node() == "n0");
+  CHECK(fetched.ranks_size() == 0);  // the layouts alone
+  CHECK(fetched.access_size() == 0);
+  CHECK(fetched.peer_nodes().empty());
+  CHECK(fetched.transport_address().empty());
+
+  // n1 holds trainer ranks only: it has no inference layout to send.
+  v1::DescribeResponse none;
+  REQUIRE(cluster.node("n1").peer()->Describe(ctx().get(), fetch, &none).ok());
+  CHECK(none.layouts_size() == 0);
+
+  // n1 coordinates: its gather names both layouts by digest and fetches the inference one.
+  cluster.step(g.src, g.nodes, 1, [&] { g.fill(1); });
+  v1::SyncRequest req;
+  req.set_src_group("trainer");
+  req.set_dst_group("infer");
+  req.set_version(1);
+  v1::SyncResponse out;
+  const grpc::Status st = cluster.node("n1").client()->Sync(ctx(60).get(), req, &out);
+  INFO(st.error_message());
+  REQUIRE(st.ok());
+  CHECK(g.wrong(1) == 0);
+}
+
 TEST_CASE("relay groups: contiguous subtrees of near-equal size, and their depth", "[daemon][sync]") {
   using Groups = std::vector<std::pair<size_t, size_t>>;
   using daemon::relayDepth;

@@ -1,0 +1,234 @@
+// A gather's layouts (PeerSet::layoutsOf, snapshotCluster): every daemon names its groups' layouts
+// by digest, and each layout is fetched once, from one daemon, against peers that answer as this
+// build does, as an older build does (layouts whole), or wrongly (a layout they no longer hold, or
+// another one under the digest asked for).
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "daemon/coordinator/cluster.h"
+#include "planner/layout.h"
+#include "tests/support/local_daemon.h"
+
+using namespace shardcast;
+using namespace std::chrono_literals;
+
+namespace {
+
+// Three inference ranks, one per peer node (n1, n2, n3); the coordinator's node n0 holds none.
+const char* kInference = R"({"group":"infer","mesh":{"shape":[3]},"nodes":["n1","n2","n3"],"tensors":[
+  {"name":"w","shape":[6,4],"dtype":"float32","placements":[{"shard":{"dim":0}}]}]})";
+
+enum class Answers {
+  kCurrent,    // as this build: digests when asked, the layouts asked for alone
+  kOlder,      // as a build that predates layout digests: every layout whole, whatever is asked
+  kForgetful,  // names the layout, but has none to send when asked for it (re-registered since)
+  kLiar,       // names the layout, and sends another one when asked for it
+};
+
+// A peer daemon's Describe: inference rank `rank` on its node.
+class LayoutPeer final : public v1::Peer::Service {
+ public:
+  LayoutPeer(std::string node, int32_t rank, Answers answers)
+      : node_(std::move(node)), rank_(rank), answers_(answers), layout_(*planner::parseLayoutJson(kInference, "infer")) {}
+
+  grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest* req, v1::DescribeResponse* out) override {
+    out->set_node(node_);
+    out->set_instance(node_ + "-instance");
+    out->set_generation(1);
+    const std::string digest = planner::layoutDigest(layout_);
+    if (answers_ != Answers::kOlder && req->layouts_size() > 0) {
+      fetches_++;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        asked_.insert(asked_.end(), req->layouts().begin(), req->layouts().end());
+      }
+      if (answers_ == Answers::kLiar) {
+        v1::Layout other = layout_;
+        other.mutable_tensors(0)->set_dtype("bfloat16");
+        *out->add_layouts() = other;
+      } else if (answers_ == Answers::kCurrent &&
+                 std::find(req->layouts().begin(), req->layouts().end(), digest) != req->layouts().end()) {
+        *out->add_layouts() = layout_;
+      }
+      return grpc::Status::OK;
+    }
+    if (answers_ == Answers::kOlder && req->layouts_size() > 0) fetches_++;
+    out->set_transport_address(node_ + "-transport");
+    if (req->layout_digests() && answers_ != Answers::kOlder)
+      (*out->mutable_layout_digests())["infer"] = digest;
+    else
+      *out->add_layouts() = layout_;
+    auto* r = out->add_ranks();
+    r->set_group("infer");
+    r->set_rank(rank_);
+    r->set_layout_digest(digest);
+    r->set_role(v1::ROLE_DESTINATION);
+    return grpc::Status::OK;
+  }
+  int fetches() const { return fetches_; }
+  std::vector<std::string> asked() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return asked_;
+  }
+
+ private:
+  const std::string node_;
+  const int32_t rank_;
+  const Answers answers_;
+  const v1::Layout layout_;
+  std::atomic<int> fetches_{0};
+  mutable std::mutex mu_;
+  std::vector<std::string> asked_;  // every digest a fetch asked for
+};
+
+// Three peers (ranks 0-2 of "infer") on 127.0.0.1, behaving as `answers` says in the order a
+// gather asks them (by address), and a PeerSet of node n0 that holds no ranks.
+struct Peers {
+  explicit Peers(const std::vector<Answers>& answers) {
+    // The addresses first, sorted: a peer's node, rank and answers are its place in the order a
+    // gather asks them.
+    std::vector<std::string> addresses;
+    for (size_t i = 0; i < answers.size(); ++i)
+      addresses.push_back("127.0.0.1:" + std::to_string(examples::freePort()));
+    std::sort(addresses.begin(), addresses.end());
+    for (size_t i = 0; i < answers.size(); ++i) {
+      peers.push_back(std::make_unique<LayoutPeer>("n" + std::to_string(i + 1), static_cast<int32_t>(i), answers[i]));
+      grpc::ServerBuilder builder;
+      builder.AddListeningPort(addresses[i], grpc::InsecureServerCredentials());
+      builder.RegisterService(peers.back().get());
+      servers.push_back(builder.BuildAndStart());
+      REQUIRE(servers.back());
+    }
+    config.node = "n0";
+    config.peers = addresses;
+    config.peer_timeout_ms = 10000;
+    set = std::make_unique<daemon::PeerSet>(config, "n0-instance");
+    self.set_node("n0");
+    self.set_instance("n0-instance");
+  }
+  ~Peers() {
+    for (auto& s : servers) s->Shutdown(std::chrono::system_clock::now() + 100ms);
+  }
+  StatusOr<daemon::ClusterSnapshot> gather() const { return daemon::snapshotCluster(*set, self, "127.0.0.1:1"); }
+  int fetches() const {
+    int n = 0;
+    for (const auto& p : peers) n += p->fetches();
+    return n;
+  }
+
+  std::vector<std::unique_ptr<LayoutPeer>> peers;
+  std::vector<std::unique_ptr<grpc::Server>> servers;
+  daemon::DaemonConfig config;
+  std::unique_ptr<daemon::PeerSet> set;
+  v1::DescribeResponse self;
+};
+
+const std::string& inferDigest() {
+  static const std::string digest = planner::layoutDigest(*planner::parseLayoutJson(kInference, "infer"));
+  return digest;
+}
+
+}  // namespace
+
+TEST_CASE("gather: each layout is fetched once, from the first daemon naming it, and kept for the next gather",
+          "[daemon][peers]") {
+  Peers cluster({Answers::kCurrent, Answers::kCurrent, Answers::kCurrent});
+  auto first = cluster.gather();
+  INFO(first.status().message());
+  REQUIRE(first.ok());
+  auto layout = first->view.completeGroup("infer");
+  INFO(layout.status().message());
+  REQUIRE(layout.ok());
+  CHECK(planner::layoutDigest(*layout) == inferDigest());
+  CHECK(first->view.daemons().size() == 4);
+  for (const auto& d : first->view.daemons()) CHECK(d.layouts_size() == 0);  // (no copy per daemon)
+  CHECK(cluster.peers[0]->fetches() == 1);
+  CHECK(cluster.peers[0]->asked() == std::vector<std::string>{inferDigest()});
+  CHECK(cluster.peers[1]->fetches() == 0);
+  CHECK(cluster.peers[2]->fetches() == 0);
+
+  // The next gather names the same digest: nothing is fetched.
+  auto second = cluster.gather();
+  REQUIRE(second.ok());
+  CHECK(second->view.completeGroup("infer").ok());
+  CHECK(cluster.fetches() == 1);
+}
+
+TEST_CASE("gather: a daemon that predates layout digests sends its layouts whole, and they are taken from there",
+          "[daemon][peers]") {
+  Peers cluster({Answers::kOlder, Answers::kCurrent, Answers::kOlder});
+  auto snapshot = cluster.gather();
+  INFO(snapshot.status().message());
+  REQUIRE(snapshot.ok());
+  auto layout = snapshot->view.completeGroup("infer");
+  REQUIRE(layout.ok());
+  CHECK(planner::layoutDigest(*layout) == inferDigest());
+  CHECK(cluster.fetches() == 0);  // the older daemons' whole layouts held the digest n2 named
+}
+
+TEST_CASE("gather: a daemon that no longer holds the layout it named is passed over for the next naming it",
+          "[daemon][peers]") {
+  Peers cluster({Answers::kForgetful, Answers::kCurrent, Answers::kCurrent});
+  auto snapshot = cluster.gather();
+  INFO(snapshot.status().message());
+  REQUIRE(snapshot.ok());
+  CHECK(snapshot->view.completeGroup("infer").ok());
+  CHECK(cluster.peers[0]->fetches() == 1);
+  CHECK(cluster.peers[1]->fetches() == 1);
+  CHECK(cluster.peers[2]->fetches() == 0);
+}
+
+TEST_CASE("gather: another layout sent under the digest asked for is not taken - with no honest daemon left, the "
+          "gather fails naming the group and node",
+          "[daemon][peers]") {
+  SECTION("an honest daemon names it too") {
+    Peers cluster({Answers::kLiar, Answers::kCurrent, Answers::kLiar});
+    auto snapshot = cluster.gather();
+    INFO(snapshot.status().message());
+    REQUIRE(snapshot.ok());
+    auto layout = snapshot->view.completeGroup("infer");
+    REQUIRE(layout.ok());
+    CHECK(layout->tensors(0).dtype() == "float32");  // the honest one's
+    CHECK(cluster.peers[1]->fetches() == 1);
+  }
+  SECTION("none does") {
+    Peers cluster({Answers::kLiar, Answers::kForgetful, Answers::kLiar});
+    auto snapshot = cluster.gather();
+    REQUIRE_FALSE(snapshot.ok());
+    CHECK(snapshot.status().code() == absl::StatusCode::kAborted);
+    const std::string message(snapshot.status().message());
+    CHECK_THAT(message, Catch::Contains("the layout of group \"infer\" (digest " + inferDigest() + ")"));
+    CHECK_THAT(message, Catch::Contains("node \"n1\""));
+    CHECK_THAT(message, Catch::Contains("3 gathers in a row"));
+    CHECK(cluster.peers[0]->fetches() == 3);  // once per gather, each daemon naming it asked in turn
+    CHECK(cluster.peers[1]->fetches() == 3);
+    CHECK(cluster.peers[2]->fetches() == 3);
+  }
+}
+
+TEST_CASE("gather: a digest named for a group whose layout is another group's fails that group, not the view",
+          "[daemon][peers]") {
+  Peers cluster({Answers::kCurrent, Answers::kCurrent, Answers::kCurrent});
+  // This daemon also names the inference layout's digest for a group "other".
+  (*cluster.self.mutable_layout_digests())["other"] = inferDigest();
+  auto* r = cluster.self.add_ranks();
+  r->set_group("other");
+  r->set_rank(0);
+  r->set_layout_digest(inferDigest());
+  auto snapshot = cluster.gather();
+  INFO(snapshot.status().message());
+  REQUIRE(snapshot.ok());
+  CHECK(snapshot->view.completeGroup("infer").ok());
+  auto other = snapshot->view.completeGroup("other");
+  REQUIRE_FALSE(other.ok());
+  CHECK_THAT(std::string(other.status().message()),
+             Catch::Contains("node \"n0\" names layout " + inferDigest() + " for group \"other\", but that layout is "
+                             "group \"infer\"'s"));
+}
