@@ -485,12 +485,12 @@ std::map<std::string, bool> PeerSet::reachability() const {
   return out;
 }
 
-void PeerSet::fetchLayouts(const std::vector<std::string>& addrs, const std::vector<std::set<std::string>>& wanted,
-                           LayoutsByDigest* out) const {
+void PeerSet::fetchLayouts(const std::vector<std::string>& addrs, const std::vector<std::set<LayoutKey>>& wanted,
+                           std::map<LayoutKey, std::shared_ptr<const v1::Layout>>* found) const {
   std::vector<v1::DescribeRequest> requests(addrs.size());
   std::vector<v1::DescribeResponse> responses(addrs.size());
   for (size_t i = 0; i < addrs.size(); ++i)
-    for (const auto& digest : wanted[i]) requests[i].add_layouts(digest);
+    for (const auto& [group, digest] : wanted[i]) requests[i].add_layouts(digest);
   std::vector<grpc::ClientContext> contexts(addrs.size());
   const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms);
   const auto statuses = fanOut(contexts, deadline, [&](size_t i, grpc::ClientContext& c, CallDone done) {
@@ -502,27 +502,27 @@ void PeerSet::fetchLayouts(const std::vector<std::string>& addrs, const std::vec
       spdlog::warn("peer {}: its layouts could not be fetched: {}", addrs[i], statuses[i].error_message());
       continue;
     }
-    // Each digest checked: a daemon sends only layouts it was asked for (an older one sends all).
+    // Each checked: a daemon sends only layouts it was asked for (an older one sends all).
     for (auto& layout : *responses[i].mutable_layouts())
-      if (std::string digest = planner::layoutDigest(layout); wanted[i].count(digest) && !out->count(digest))
-        out->emplace(std::move(digest), std::make_shared<const v1::Layout>(std::move(layout)));
+      if (LayoutKey key{layout.group(), planner::layoutDigest(layout)}; wanted[i].count(key) && !found->count(key))
+        found->emplace(std::move(key), std::make_shared<const v1::Layout>(std::move(layout)));
   }
 }
 
-StatusOr<LayoutsByDigest> PeerSet::layoutsOf(const v1::DescribeResponse& self,
-                                             const std::vector<PeerView>& peers) const {
-  LayoutsByDigest found;
-  // Named by digest, each with the daemons naming it (peers' indexes, in order) and one group.
+GatheredLayouts PeerSet::layoutsOf(const v1::DescribeResponse& self, const std::vector<PeerView>& peers) const {
+  GatheredLayouts out;
+  auto& found = out.found;
+  // Named by digest, each with the first node naming it and the peers naming it (indexes, in order).
   struct Named {
-    std::string group, node;
+    std::string node;
     std::vector<size_t> holders;
   };
-  std::map<std::string, Named> named;
+  std::map<LayoutKey, Named> named;
   const auto take = [&](const v1::DescribeResponse& d, std::optional<size_t> peer) {
     for (const auto& layout : d.layouts())  // sent whole (this daemon, or a daemon of an older version)
-      found.try_emplace(planner::layoutDigest(layout), std::make_shared<const v1::Layout>(layout));
+      found.try_emplace({layout.group(), planner::layoutDigest(layout)}, std::make_shared<const v1::Layout>(layout));
     for (const auto& [group, digest] : d.layout_digests()) {
-      auto& n = named.try_emplace(digest, Named{group, d.node(), {}}).first->second;
+      auto& n = named.try_emplace({group, digest}, Named{d.node(), {}}).first->second;
       if (peer) n.holders.push_back(*peer);
     }
   };
@@ -531,39 +531,43 @@ StatusOr<LayoutsByDigest> PeerSet::layoutsOf(const v1::DescribeResponse& self,
     if (peers[i].described.ok()) take(*peers[i].described, i);
   {
     std::lock_guard<std::mutex> lock(mu_);  // kept from the last gather
-    for (const auto& [digest, n] : named)
-      if (const auto kept = layouts_.find(digest); kept != layouts_.end()) found.insert(*kept);
+    for (const auto& [key, n] : named)
+      if (const auto kept = layouts_.find(key); kept != layouts_.end()) found.insert(*kept);
   }
-  // Each layout still missing asked of its next holder, all holders at once, until none is
-  // missing or a missing one has no holder left.
-  std::map<std::string, size_t> tried;  // digest -> holders asked so far
+  // Each layout still missing asked of its next holder, all holders at once, until every one is
+  // found or has no holder left to ask.
+  std::map<LayoutKey, size_t> tried;  // holders asked so far
   while (true) {
-    std::map<size_t, std::set<std::string>> asks;  // peer -> digests
-    for (const auto& [digest, n] : named) {
-      if (found.count(digest)) continue;
-      size_t& next = tried[digest];
-      if (next == n.holders.size())
-        return absl::AbortedError(strCat("the layout of group ", quote(n.group), " (digest ", digest, ") on node ",
-                                         quote(n.node),
-                                         " could not be fetched from any daemon naming it: its registrations changed "
-                                         "since it answered, or it stopped answering"));
-      asks[n.holders[next++]].insert(digest);
+    std::map<size_t, std::set<LayoutKey>> asks;  // peer -> what it is asked for
+    for (const auto& [key, n] : named) {
+      size_t& next = tried[key];
+      if (found.count(key) || next == n.holders.size()) continue;
+      asks[n.holders[next++]].insert(key);
     }
     if (asks.empty()) break;
     std::vector<std::string> addrs;
-    std::vector<std::set<std::string>> wanted;
-    for (auto& [peer, digests] : asks) {
+    std::vector<std::set<LayoutKey>> wanted;
+    for (auto& [peer, keys] : asks) {
       addrs.push_back(peers[peer].address);
-      wanted.push_back(std::move(digests));
+      wanted.push_back(std::move(keys));
     }
     fetchLayouts(addrs, wanted, &found);
   }
-  // Kept for the next gather: what this one named (a layout no daemon names any more goes).
-  LayoutsByDigest keep;
-  for (const auto& [digest, n] : named) keep.emplace(digest, found.at(digest));
+  // Kept for the next gather: what this one named and found (a layout no daemon names any more goes).
+  std::map<LayoutKey, std::shared_ptr<const v1::Layout>> keep;
+  for (const auto& [key, n] : named) {
+    if (const auto it = found.find(key); it != found.end()) {
+      keep.insert(*it);
+      continue;
+    }
+    out.missing[key] = strCat("the layout of group ", quote(key.first), " (digest ", key.second, ") on node ",
+                              quote(n.node), " could not be fetched from any of the ", n.holders.size(),
+                              " daemons naming it: their registrations changed since they answered, they stopped "
+                              "answering, or they sent another layout");
+  }
   std::lock_guard<std::mutex> lock(mu_);
   layouts_ = std::move(keep);
-  return found;
+  return out;
 }
 
 StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::DescribeResponse& self,
@@ -571,7 +575,8 @@ StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::Descri
                                           const PeerSet::Ask& ask) {
   // Each group's layout named by its digest, and fetched once (layoutsOf): a layout gathered from
   // every daemon holding it cost a coordinator seconds and gigabytes at a 1T MoE's 71,000 tensors.
-  // A daemon whose registrations changed between the two calls is described again.
+  // A layout no daemon sent (registrations changed between the two calls) is asked for again with
+  // a new gather; after the last, its group fails its syncs and the others go on.
   v1::DescribeRequest request;
   request.set_layout_digests(true);
   constexpr int kTries = 3;
@@ -581,14 +586,12 @@ StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::Descri
     described.erase(std::remove_if(described.begin(), described.end(), [](const auto& p) { return p.forgotten; }),
                     described.end());
     auto layouts = peers.layoutsOf(self, described);
-    if (!layouts.ok()) {
-      if (attempt < kTries) continue;
-      return Status(layouts.status().code(), strCat(layouts.status().message(), " (", kTries, " gathers in a row)"));
-    }
+    if (!layouts.missing.empty() && attempt < kTries) continue;
+    for (auto& [key, why] : layouts.missing) why = strCat(why, " (", kTries, " gathers in a row)");
     std::vector<std::string> addresses{self_address};
     for (const auto& p : described)
       if (p.described.ok()) addresses.push_back(p.address);  // the view's daemons, in its order
-    SC_ASSIGN_OR_RETURN(auto view, ClusterView::build(self, std::move(described), *layouts, unreachable));
+    SC_ASSIGN_OR_RETURN(auto view, ClusterView::build(self, std::move(described), layouts, unreachable));
     return ClusterSnapshot{std::move(view), std::move(addresses)};
   }
 }
@@ -611,7 +614,7 @@ const v1::Layout& ClusterView::GroupInfo::get() const {
 }
 
 StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self, std::vector<PeerSet::PeerView> peers,
-                                         const LayoutsByDigest& layouts, std::vector<std::string>* unreachable) {
+                                         const GatheredLayouts& layouts, std::vector<std::string>* unreachable) {
   ClusterView v;
   v.daemons_.push_back(self);
   for (auto& p : peers) {
@@ -646,23 +649,22 @@ StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self, std::
     // What is wrong with one group fails the syncs that use it, never the view: every other group
     // stays usable (one uid's inconsistent group stopped every sync of the cluster).
     for (const auto& layout : d.layouts()) {  // sent whole: this daemon's own, or an older daemon's
-      std::string digest = planner::layoutDigest(layout);
-      const auto known = layouts.find(digest);
-      addLayout(layout.group(), digest, d.node(),
-                known != layouts.end() ? known->second : std::make_shared<const v1::Layout>(layout));
+      LayoutKey key{layout.group(), planner::layoutDigest(layout)};
+      const auto known = layouts.found.find(key);
+      addLayout(key.first, key.second, d.node(),
+                known != layouts.found.end() ? known->second : std::make_shared<const v1::Layout>(layout));
     }
     for (const auto& [group, digest] : d.layout_digests()) {
-      const auto known = layouts.find(digest);
-      if (known == layouts.end())
-        return absl::InternalError(strCat("the layout of group ", quote(group), " (digest ", digest, ") on node ",
-                                          quote(d.node()), " was not gathered"));
-      // A digest names its layout, group included: another group's under this name fails this group.
-      if (known->second->group() != group) {
-        v.groups_[group].fail(strCat("node ", quote(d.node()), " names layout ", digest, " for group ", quote(group),
-                                     ", but that layout is group ", quote(known->second->group()), "'s"));
-        continue;
+      const LayoutKey key{group, digest};
+      if (const auto known = layouts.found.find(key); known != layouts.found.end()) {
+        addLayout(group, digest, d.node(), known->second);
+      } else {  // (no daemon naming it sent it)
+        const auto why = layouts.missing.find(key);
+        v.groups_[group].fail(why != layouts.missing.end()
+                                  ? why->second
+                                  : strCat("the layout of group ", quote(group), " (digest ", digest, ") on node ",
+                                           quote(d.node()), " was not gathered"));
       }
-      addLayout(group, digest, d.node(), known->second);
     }
     for (const auto& a : d.access()) v.access_[a.group()].emplace_back(d.node(), a);
     for (const auto& r : d.ranks()) {

@@ -53,8 +53,15 @@ class CallSet {
   std::set<grpc::ClientContext*> calls_;
 };
 
-// Layouts by their digest (planner::layoutDigest), shared by the views that hold them.
-using LayoutsByDigest = std::map<std::string, std::shared_ptr<const v1::Layout>>;
+// A gather's layouts by group and digest (planner::layoutDigest), shared by the views holding
+// them. Keyed by both: a layout whose digest equals another group's (digests are not collision
+// resistant: docs/security.md) stays apart from it.
+using LayoutKey = std::pair<std::string, std::string>;  // group, digest
+struct GatheredLayouts {
+  std::map<LayoutKey, std::shared_ptr<const v1::Layout>> found;
+  // Named by some daemon, but sent by none of those naming it: why (the group fails its syncs).
+  std::map<LayoutKey, std::string> missing;
+};
 
 class PeerSet {
  public:
@@ -83,12 +90,14 @@ class PeerSet {
   // as `request` asks (DescribeRequest.syncs, layout_digests; not `layouts`: fetchLayouts).
   StatusOr<std::vector<PeerView>> describeAll(const v1::DescribeRequest& request = {}, const Ask& ask = {}) const;
   // The layouts a gather's daemons name (DescribeResponse.layouts whole, or layout_digests): `self`
-  // first (this daemon, its layouts whole), then `peers` (what describeAll answered). A layout named by digest is taken
-  // from the last gather's (kept until a gather names it no more), or fetched once, from the first daemon in that order
-  // naming it (DescribeRequest.layouts, all such daemons at once), then from the next while one does not send it. Each
-  // fetched layout's digest is checked. ABORTED naming the group and node when a layout named cannot be had from any
-  // daemon naming it (its registrations changed since it answered, or it stopped answering).
-  StatusOr<LayoutsByDigest> layoutsOf(const v1::DescribeResponse& self, const std::vector<PeerView>& peers) const;
+  // first (this daemon, its layouts whole), then `peers` (what describeAll answered). A layout
+  // named by digest is taken from the last gather's (kept until a gather names it no more), or
+  // fetched once, from the first daemon in that order naming it (DescribeRequest.layouts, all
+  // such daemons at once), then from the next while one does not send it. A fetched layout is
+  // taken only with the group and digest it was named by (its digest computed again). One that no
+  // daemon naming it sends (its registrations changed since it answered, it stopped answering, or
+  // it sent another) is `missing`, saying why.
+  GatheredLayouts layoutsOf(const v1::DescribeResponse& self, const std::vector<PeerView>& peers) const;
   // The peers of the last addresses() that have described themselves, by node: reachable when
   // their channel is connected, or connecting or idle and the last Describe of them answered.
   // Sends no call (a scrape must stay cheap): a channel not connected is only nudged to connect,
@@ -137,10 +146,10 @@ class PeerSet {
       const std::vector<std::string>& addrs, std::vector<v1::DescribeResponse>* responses,
       const v1::DescribeRequest& request = {}, const std::map<std::string, std::chrono::milliseconds>& briefly = {},
       std::chrono::steady_clock::time_point until = std::chrono::steady_clock::time_point::max()) const;
-  // layoutsOf(): one round of fetches, `wanted[i]` the digests asked of `addrs[i]`; each layout
-  // sent whose digest was asked of its sender lands in `out` (mu_ not held).
-  void fetchLayouts(const std::vector<std::string>& addrs, const std::vector<std::set<std::string>>& wanted,
-                    LayoutsByDigest* out) const;
+  // layoutsOf(): one round of fetches, `wanted[i]` the layouts asked of `addrs[i]`; each layout
+  // sent with a group and digest asked of its sender lands in `found` (mu_ not held).
+  void fetchLayouts(const std::vector<std::string>& addrs, const std::vector<std::set<LayoutKey>>& wanted,
+                    std::map<LayoutKey, std::shared_ptr<const v1::Layout>>* found) const;
   // describe(): each call's deadline (100 ms for a peer silent past its lease, `briefly` for its
   // node, none after `until`), and which peers were forgotten when `asked` (mu_ not held).
   std::vector<std::chrono::milliseconds> describeDeadlines(
@@ -174,7 +183,7 @@ class PeerSet {
   mutable std::map<std::string, std::string> transports_;  // node -> the transport address it described
   mutable std::map<std::string, std::chrono::steady_clock::time_point> looked_up_;  // address -> asked then
   mutable std::set<std::string> asking_;  // addresses a checkTransportAddresses round is asking now
-  mutable LayoutsByDigest layouts_;       // the layouts the last gather named (layoutsOf)
+  mutable std::map<LayoutKey, std::shared_ptr<const v1::Layout>> layouts_;  // the last gather's (layoutsOf)
 };
 
 // Groups as registered across the cluster.
@@ -184,9 +193,9 @@ class ClusterView {
   // given `unreachable`, are left out of it and each described there ("peer daemon A (node "N")
   // is unreachable: why").
   // `layouts`: those named by digest (DescribeResponse.layout_digests; PeerSet::layoutsOf), and
-  // any of those sent whole.
+  // any of those sent whole; a group whose layout is missing fails its syncs, saying why.
   static StatusOr<ClusterView> build(const v1::DescribeResponse& self, std::vector<PeerSet::PeerView> peers,
-                                     const LayoutsByDigest& layouts, std::vector<std::string>* unreachable = nullptr);
+                                     const GatheredLayouts& layouts, std::vector<std::string>* unreachable = nullptr);
 
   // The layout of `group` when every rank of it is registered somewhere, consistently (problem()
   // is ""); FAILED_PRECONDITION naming the missing ranks, an unknown group, or its problem otherwise.
