@@ -202,6 +202,13 @@ Status colocated(const std::string& node, int32_t src_rank, const std::string& s
 }  // namespace
 
 std::string replicaDigest(const v1::Layout& layout) {
+  const std::string bytes = replicaBytes(layout);
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(XXH64(bytes.data(), bytes.size(), 0)));
+  return hex;
+}
+
+std::string replicaBytes(const v1::Layout& layout) {
   // The bytes a copy with those fields cleared serialises to (mesh = 2, tensors = 6, fused = 7, in
   // field order), written without the copy: copying a 10^5-tensor layout costs ten times what
   // serialising it does, and a set's check digests every replica.
@@ -219,9 +226,7 @@ std::string replicaDigest(const v1::Layout& layout) {
     for (const v1::Tensor& t : layout.tensors()) field(v1::Layout::kTensorsFieldNumber, t);
     for (const v1::FusedBuffer& f : layout.fused()) field(v1::Layout::kFusedFieldNumber, f);
   }
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(XXH64(bytes.data(), bytes.size(), 0)));
-  return hex;
+  return bytes;
 }
 
 Status checkReplicaSet(const std::vector<Replica>& replicas) { return examine(replicas).status(); }

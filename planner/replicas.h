@@ -29,6 +29,8 @@ inline constexpr std::string_view kPositionNodePrefix = "@replica-position-";
 // What every replica of a set has in common: layoutDigest with group, nodes, ranks_per_node,
 // node_prefix, replica_set and replica cleared. Equal for every replica of a set.
 std::string replicaDigest(const v1::Layout& layout);
+// The bytes replicaDigest hashes (the deterministic serialisation of that cleared layout).
+std::string replicaBytes(const v1::Layout& layout);
 
 struct Replica {
   int32_t id = 0;  // must equal layout.replica()

@@ -402,7 +402,7 @@ Status Execution::sendHeaded(int32_t t) {
 // The staging region of this sync: a spare one of the same plan, or a new one.
 Status Execution::ensureStaging() {
   if (a_->staging()) return absl::OkStatus();
-  auto staging = env_.spares.take(cp_.key, SpareMemory::Use::kStaging);
+  auto staging = env_.spares.take(cp_.key, SpareMemory::Use::kStaging, cp_.node(self_).staging_bytes);
   if (!staging) {
     SC_ASSIGN_OR_RETURN(staging, transport::allocateHostStaging(env_.transport, cp_.node(self_).staging_bytes,
                                                                 env_.registry.deviceRuntime(), "a staging buffer"));

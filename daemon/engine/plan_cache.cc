@@ -1,5 +1,10 @@
 #include "daemon/engine/plan_cache.h"
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <openssl/evp.h>
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <utility>
 
@@ -23,11 +28,55 @@ StatusOr<planner::Strategy> strategyOf(int strategy, v1::DeltaMode delta) {
   return strategy == v1::STRATEGY_RANK_PULL ? planner::Strategy::kRankPull : planner::Strategy::kGatherBroadcast;
 }
 
+namespace {
+
+// A layout's deterministic serialisation (what planner::layoutDigest hashes).
+std::string serialized(const v1::Layout& layout) {
+  std::string bytes;
+  google::protobuf::io::StringOutputStream out(&bytes);
+  google::protobuf::io::CodedOutputStream coded(&out);
+  coded.SetSerializationDeterministic(true);
+  layout.SerializeToCodedStream(&coded);
+  return bytes;
+}
+
+}  // namespace
+
+std::string PlanCache::fingerprintOf(const std::vector<const v1::Layout*>& layouts) {
+  std::vector<std::string> parts;
+  for (const v1::Layout* layout : layouts) parts.push_back(serialized(*layout));
+  return fingerprintOfBytes(parts);
+}
+
+std::string PlanCache::fingerprintOfBytes(const std::vector<std::string>& parts) {
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
+  for (const std::string& bytes : parts) {
+    const uint64_t size = bytes.size();  // (each after its length: no two lists read alike)
+    EVP_DigestUpdate(ctx, &size, sizeof(size));
+    EVP_DigestUpdate(ctx, bytes.data(), bytes.size());
+  }
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int n = 0;
+  EVP_DigestFinal_ex(ctx, md, &n);
+  EVP_MD_CTX_free(ctx);
+  return std::string(reinterpret_cast<const char*>(md), n);
+}
+
 std::shared_ptr<const CachedPlan> PlanCache::lookup(const std::string& key, bool* hit) {
+  return lookup(key, std::string(), hit);
+}
+
+std::shared_ptr<const CachedPlan> PlanCache::lookup(const std::string& key, const std::string& fingerprint, bool* hit) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = plans_.find(key);
-  *hit = it != plans_.end();
+  *hit = it != plans_.end() && (fingerprint.empty() || it->second.plan->fingerprint == fingerprint);
   if (!*hit) {
+    if (it != plans_.end())
+      spdlog::warn(
+          "plan {}: layouts sharing its digests with those it was planned for (groups \"{}\" -> \"{}\") "
+          "are not those layouts: planned anew (a digest collision)",
+          key, it->second.plan->src.group, it->second.plan->dst.group);
     ++misses_;
     return nullptr;
   }
@@ -36,14 +85,23 @@ std::shared_ptr<const CachedPlan> PlanCache::lookup(const std::string& key, bool
   return it->second.plan;
 }
 
-std::shared_ptr<const CachedPlan> PlanCache::insert(const std::string& key, planner::Schedule schedule,
-                                                    std::string bases_key) {
+std::shared_ptr<const CachedPlan> PlanCache::insert(const std::string& key, std::string fingerprint,
+                                                    planner::Schedule schedule, std::string bases_key) {
   auto c = std::make_shared<CachedPlan>();
   static_cast<planner::Schedule&>(*c) = std::move(schedule);
   c->key = key;
   c->bases_key = bases_key.empty() ? key : std::move(bases_key);
+  c->fingerprint = std::move(fingerprint);
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto raced = plans_.find(key); raced != plans_.end()) return raced->second.plan;  // planned twice at once
+  if (auto raced = plans_.find(key); raced != plans_.end()) {
+    if (raced->second.plan->fingerprint == c->fingerprint) return raced->second.plan;  // planned twice at once
+    // Other layouts under the same key (their digests collide): this plan takes its place, and
+    // what was kept for the one replaced (spare memory, delta bases) goes with it.
+    evicted_.push_back(key);
+    if (raced->second.plan->bases_key != key) evicted_.push_back(raced->second.plan->bases_key);
+    lru_.erase(raced->second.age);
+    plans_.erase(raced);
+  }
   lru_.push_front(key);
   plans_[key] = Entry{c, lru_.begin()};
   while (plans_.size() > capacity_) {
@@ -83,10 +141,11 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
   if (key.staging_bytes == 0 || key.chunk_bytes == 0)
     return absl::InvalidArgumentError("staging budget and chunk size must be positive");
   const std::string name = key.str(digests.src, digests.dst);
-  if (auto cached = lookup(name, hit)) return cached;
+  std::string fingerprint = fingerprintOf({&src, &dst});
+  if (auto cached = lookup(name, fingerprint, hit)) return cached;
   SC_ASSIGN_OR_RETURN(auto schedule,
                       planner::makeSchedule(src, dst, key.staging_bytes, key.chunk_bytes, key.zero_copy, key.strategy));
-  return insert(name, std::move(schedule));
+  return insert(name, std::move(fingerprint), std::move(schedule));
 }
 
 StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::cached(const LayoutDigests& digests, const PlanKey& key,
@@ -119,12 +178,14 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::forPrepare(const v1::Prep
                                                 " no longer caches the plan of layouts ", digests->src, " -> ",
                                                 digests->dst, " (", kStaleView, ")"));
   // The groups the sync fences are the request's; the bytes it moves are the plan's layouts'
-  // groups: they must be the same (else a Prepare could fence one group and read another).
+  // groups: they must be the same (else a Prepare could fence one group and read another). A plan
+  // of other groups under these digests (layouts whose digests collide, planned here since) is
+  // not this sync's: the sync runs again in full, with its layouts.
   if (plan.ok() && ((*plan)->src.group != req.src().group() || (*plan)->dst.group != req.dst().group()))
-    return absl::InvalidArgumentError(strCat("prepare of sync ", req.sync_id(), ": layouts ", digests->src, " -> ",
-                                             digests->dst, " are of groups ", quote((*plan)->src.group), " -> ",
-                                             quote((*plan)->dst.group), ", not ", quote(req.src().group()), " -> ",
-                                             quote(req.dst().group())));
+    return absl::FailedPreconditionError(
+        strCat("prepare of sync ", req.sync_id(), ": node ", quote(node), " caches the plan of layouts ", digests->src,
+               " -> ", digests->dst, " for groups ", quote((*plan)->src.group), " -> ", quote((*plan)->dst.group),
+               ", not ", quote(req.src().group()), " -> ", quote(req.dst().group()), " (", kStaleView, ")"));
   return plan;
 }
 
@@ -145,10 +206,16 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
   const std::string& set_name = replicas.front().layout.replica_set();
   // PlanKey::str with the set's membership in place of one destination digest.
   const std::string key = plan_key.str(src_digest, strCat("set:", set_name, "[", members, "]"));
-  if (auto cached = lookup(key, hit)) return cached;
+  std::vector<const v1::Layout*> planned_from{&src};
+  for (const auto& r : replicas) planned_from.push_back(&r.layout);
+  std::string fingerprint = fingerprintOf(planned_from);
+  if (auto cached = lookup(key, fingerprint, hit)) return cached;
   const std::string replica_digest =
       replicas.front().digest.empty() ? planner::replicaDigest(replicas.front().layout) : replicas.front().digest;
-  const std::string positions_key = strCat(src_digest, "/", replica_digest, "/", chunk_bytes);
+  // (A position plan is reused only for these very layouts: digests alone may collide.)
+  const std::string positions_key =
+      strCat(src_digest, "/", replica_digest, "/", chunk_bytes, "/",
+             fingerprintOfBytes({serialized(src), planner::replicaBytes(replicas.front().layout)}));
   std::shared_ptr<const planner::PositionPlan> reuse;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -165,7 +232,7 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
     SC_RETURN_IF_ERROR(planner::checkReplicaSet(replicas));
     SC_ASSIGN_OR_RETURN(auto schedule, planner::makeSchedule(src, planner::stackReplicas(replicas), staging_budget,
                                                              chunk_bytes, plan_key.zero_copy));
-    return insert(key, std::move(schedule));
+    return insert(key, std::move(fingerprint), std::move(schedule));
   }
   SC_ASSIGN_OR_RETURN(auto set, std::move(planned));
   if (!set.reused_positions) {
@@ -185,7 +252,7 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
   std::string bases_key = plan_key.str(src_digest, strCat("set:", set_name, "/", replica_digest, "/", pattern));
   SC_ASSIGN_OR_RETURN(auto schedule, planner::scheduleOf(std::move(set.nodes), std::move(set.src), std::move(set.dst),
                                                          std::move(set.plan), staging_budget, plan_key.zero_copy));
-  return insert(key, std::move(schedule), std::move(bases_key));
+  return insert(key, std::move(fingerprint), std::move(schedule), std::move(bases_key));
 }
 
 uint64_t PlanCache::positionPlansMade() const {
@@ -218,13 +285,13 @@ std::vector<std::string> PlanCache::takeEvicted() {
   return std::exchange(evicted_, {});
 }
 
-std::shared_ptr<transport::MemoryRegion> SpareMemory::take(const std::string& key, Use use) {
+std::shared_ptr<transport::MemoryRegion> SpareMemory::take(const std::string& key, Use use, uint64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = spare_.find({key, use});
   if (it == spare_.end()) return nullptr;
   auto region = std::move(it->second);
   spare_.erase(it);
-  return region;
+  return region->size() >= bytes ? region : nullptr;
 }
 
 void SpareMemory::keep(const std::string& key, Use use, std::shared_ptr<transport::MemoryRegion> region) {

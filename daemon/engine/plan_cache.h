@@ -41,6 +41,9 @@ struct CachedPlan : planner::Schedule {
   // whatever the membership: one bases key for every membership, so a replica that joins, leaves
   // or is cut does not make the others' next sync dense (each node's own base decides for it).
   std::string bases_key;
+  // SHA-256 of the layouts it was planned from (PlanCache::fingerprintOf): what tells it apart
+  // from layouts that merely share its digests (xxHash64, not collision resistant).
+  std::string fingerprint;
   std::string landedProblem(const LandedChunk& l, int32_t in_wave, int32_t self) const {
     return Schedule::landedProblem(l.transfer, l.chain, l.hop, l.chunk, in_wave, self);
   }
@@ -71,9 +74,17 @@ struct PlanKey {
 StatusOr<planner::Strategy> strategyOf(int strategy, v1::DeltaMode delta);
 
 // Syncs in flight keep their plan alive by reference, so an eviction never pulls a plan from
-// under one. Thread-safe.
+// under one. A plan is handed out by its layouts only to those very layouts (CachedPlan::
+// fingerprint): layouts that share its digests without being its own (a crafted collision) are
+// planned anew and take its place; by digests alone (a repeated sync), only to the groups it was
+// planned for. Thread-safe.
 class PlanCache {
  public:
+  // SHA-256 of the layouts' deterministic serialisations, each after its length.
+  static std::string fingerprintOf(const std::vector<const v1::Layout*>& layouts);
+  // SHA-256 of byte strings, each after its length.
+  static std::string fingerprintOfBytes(const std::vector<std::string>& parts);
+
   explicit PlanCache(size_t capacity = 16) : capacity_(capacity == 0 ? 1 : capacity) {}
   // The plan of these layouts under `key`; *hit says whether it was cached.
   StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst, const PlanKey& key,
@@ -114,17 +125,20 @@ class PlanCache {
   };
   // The cached plan under `key`, counted as a hit; null when there is none.
   std::shared_ptr<const CachedPlan> lookup(const std::string& key, bool* hit);
-  // Caches a plan just made (or returns the one another caller made meanwhile), evicting the
-  // least recently used beyond capacity.
-  // `bases_key` empty: the key.
-  std::shared_ptr<const CachedPlan> insert(const std::string& key, planner::Schedule schedule,
+  // The cached plan under `key` when it was planned from the layouts of `fingerprint`, counted
+  // as a hit; null when there is none, or when layouts of another fingerprint share its key.
+  std::shared_ptr<const CachedPlan> lookup(const std::string& key, const std::string& fingerprint, bool* hit);
+  // Caches a plan just made (or returns the one another caller made of the same layouts
+  // meanwhile; one of other layouts under the same key is replaced and reported evicted),
+  // evicting the least recently used beyond capacity. `bases_key` empty: the key.
+  std::shared_ptr<const CachedPlan> insert(const std::string& key, std::string fingerprint, planner::Schedule schedule,
                                            std::string bases_key = {});
 
   const size_t capacity_;
   mutable std::mutex mu_;
   std::map<std::string, Entry> plans_;
-  // Position plans by (source digest, replica digest, chunk size), at most `capacity_`, the
-  // oldest made first out.
+  // Position plans by (source digest, replica digest, chunk size, the fingerprint of the source
+  // and replica layouts), at most `capacity_`, the oldest made first out.
   std::map<std::string, std::shared_ptr<const planner::PositionPlan>> positions_;
   std::list<std::string> positions_age_;
   uint64_t positions_made_ = 0;
@@ -140,8 +154,10 @@ class PlanCache {
 class SpareMemory {
  public:
   enum class Use { kArena, kStaging };
-  // A spare region of `use` for the plan `key`, taken out of the pool; null when there is none.
-  std::shared_ptr<transport::MemoryRegion> take(const std::string& key, Use use);
+  // A spare region of `use` for the plan `key` holding at least `bytes`, taken out of the pool;
+  // null when there is none. A smaller one is dropped: two plans share a key only when their
+  // layouts' digests collide, and none may be handed a region it would write past.
+  std::shared_ptr<transport::MemoryRegion> take(const std::string& key, Use use, uint64_t bytes);
   void keep(const std::string& key, Use use, std::shared_ptr<transport::MemoryRegion> region);
   void drop(const std::string& key);
   size_t size() const;

@@ -321,7 +321,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepareTargets(const std::shared_ptr<S
   }
   const uint64_t arena_bytes = a->self >= 0 ? a->plan->node(a->self).arena_bytes : 0;
   if (arena_bytes > 0) {
-    a->arena = spares_.take(a->plan->key, SpareMemory::Use::kArena);
+    a->arena = spares_.take(a->plan->key, SpareMemory::Use::kArena, arena_bytes);
     if (!a->arena) {
       SC_ASSIGN_OR_RETURN(a->arena, transport::allocateHostStaging(transport_, arena_bytes, registry_.deviceRuntime(),
                                                                    "a landing arena"));

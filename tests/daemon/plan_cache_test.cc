@@ -6,6 +6,7 @@
 
 #include "daemon/engine/sync_engine.h"
 #include "planner/layout.h"
+#include "transport/device_staging.h"
 
 using namespace shardcast;
 using namespace shardcast::daemon;
@@ -51,6 +52,71 @@ TEST_CASE("plan cache: least recently used plans are evicted, and reported once"
   get(64);
   CHECK_FALSE(cache.contains(first->key));
   CHECK(first->plan.stats.network_bytes > 0);
+}
+
+TEST_CASE(
+    "plan cache: layouts sharing a cached plan's digests without being its layouts are planned anew - a "
+    "repeated sync naming them by digest is sent back to a full one",
+    "[daemon][plan-cache][security]") {
+  PlanCache cache(4);
+  bool hit = false;
+  const PlanKey key{1 << 20, 1 << 20};
+  // As if both pairs' digests collided (xxHash64 is not collision resistant: docs/security.md).
+  const LayoutDigests same{"00000000000000aa", "00000000000000bb"};
+  const auto get = [&](const std::string& prefix, int rows) {
+    auto p = cache.get(layout(prefix + "s", "a", rows), layout(prefix + "d", "b", rows), same, key, &hit);
+    REQUIRE(p.ok());
+    return *p;
+  };
+  const auto mine = get("", 4);
+  CHECK_FALSE(hit);
+  // Another uid's groups, other layouts, the same digests: not handed the cached plan.
+  const auto theirs = get("evil-", 8);
+  CHECK_FALSE(hit);
+  CHECK(theirs->dst.group == "evil-d");
+  CHECK(theirs->key == mine->key);
+  CHECK(cache.size() == 1);                                           // it took the other's place,
+  CHECK(cache.takeEvicted() == std::vector<std::string>{mine->key});  // and that one's spares go
+  CHECK(mine->dst.group == "d");  // (a sync still holding the replaced plan keeps it whole)
+  get("evil-", 8);
+  CHECK(hit);  // the same layouts again: their own plan
+
+  // A repeated sync of the first groups, by digest: refused as a stale view, never given theirs.
+  v1::PrepareRequest req;
+  req.set_sync_id("repeated");
+  req.mutable_src()->set_group("s");
+  req.mutable_dst()->set_group("d");
+  req.set_src_digest(same.src);
+  req.set_dst_digest(same.dst);
+  req.add_expect()->set_node("a");
+  LayoutDigests digests;
+  const auto repeated = cache.forPrepare(req, key, "a", &hit, &digests);
+  REQUIRE_FALSE(repeated.ok());
+  CHECK(repeated.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(repeated.status().message()), Catch::Contains(kStaleView));
+  CHECK_THAT(std::string(repeated.status().message()), Catch::Contains("for groups \"evil-s\" -> \"evil-d\""));
+  // Run in full, with its layouts: planned anew, its own again.
+  const auto again = get("", 4);
+  CHECK_FALSE(hit);
+  CHECK(again->dst.group == "d");
+  CHECK(again->plan.stats.network_bytes == mine->plan.stats.network_bytes);
+}
+
+TEST_CASE("spare memory: a region smaller than the plan asks for is never handed out", "[daemon][plan-cache]") {
+  transport::TransportOptions options;
+  options.backend = "loopback";
+  options.name = "spares";
+  auto context = transport::createContext(options);
+  REQUIRE(context.ok());
+  auto small = transport::allocateHostStaging(**context, 4096, nullptr, "a test region");
+  REQUIRE(small.ok());
+  SpareMemory spares;
+  spares.keep("k", SpareMemory::Use::kArena, *small);
+  CHECK(spares.take("k", SpareMemory::Use::kStaging, 1) == nullptr);  // (another use)
+  CHECK(spares.take("k", SpareMemory::Use::kArena, 8192) == nullptr);
+  CHECK(spares.size() == 0);  // dropped, not kept
+  spares.keep("k", SpareMemory::Use::kArena, *small);
+  CHECK(spares.take("k", SpareMemory::Use::kArena, 4096) == *small);
 }
 
 namespace {
