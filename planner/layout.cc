@@ -173,14 +173,18 @@ StatusOr<v1::Layout> parseLayoutJson(std::string_view json, std::string_view ori
   return layout;
 }
 
-std::string layoutDigest(const v1::Layout& layout) {
+std::string layoutDigest(const v1::Layout& layout) { return layoutDigestOf(serializedLayout(layout)); }
+
+std::string serializedLayout(const v1::Layout& layout) {
   std::string bytes;
-  {
-    google::protobuf::io::StringOutputStream out(&bytes);
-    google::protobuf::io::CodedOutputStream coded(&out);
-    coded.SetSerializationDeterministic(true);
-    layout.SerializeToCodedStream(&coded);
-  }
+  google::protobuf::io::StringOutputStream out(&bytes);
+  google::protobuf::io::CodedOutputStream coded(&out);
+  coded.SetSerializationDeterministic(true);
+  layout.SerializeToCodedStream(&coded);
+  return bytes;
+}
+
+std::string layoutDigestOf(std::string_view bytes) {
   char hex[17];
   std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(XXH64(bytes.data(), bytes.size(), 0)));
   return hex;

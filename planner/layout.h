@@ -139,6 +139,9 @@ StatusOr<v1::Layout> readLayoutFile(const std::string& path);
 // A stable digest of a layout (xxHash64 of its deterministic serialisation), 16 hex digits: what
 // daemons compare to know two ranks registered the same layout, and what keys cached plans.
 std::string layoutDigest(const v1::Layout& layout);
+// The deterministic serialisation layoutDigest hashes, and the digest of such bytes.
+std::string serializedLayout(const v1::Layout& layout);
+std::string layoutDigestOf(std::string_view serialized);
 
 // Validates `layout` and resolves every tensor's pieces; node names are interned into `nodes`.
 // A block-scaled tensor's scale tensor is added to the resolved layout (after the declared ones).

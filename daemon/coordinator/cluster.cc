@@ -486,13 +486,13 @@ std::map<std::string, bool> PeerSet::reachability() const {
 }
 
 void PeerSet::fetchLayouts(const std::vector<std::string>& addrs, const std::vector<std::set<LayoutKey>>& wanted,
+                           std::chrono::system_clock::time_point deadline,
                            std::map<LayoutKey, std::shared_ptr<const v1::Layout>>* found) const {
   std::vector<v1::DescribeRequest> requests(addrs.size());
   std::vector<v1::DescribeResponse> responses(addrs.size());
   for (size_t i = 0; i < addrs.size(); ++i)
     for (const auto& [group, digest] : wanted[i]) requests[i].add_layouts(digest);
   std::vector<grpc::ClientContext> contexts(addrs.size());
-  const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms);
   const auto statuses = fanOut(contexts, deadline, [&](size_t i, grpc::ClientContext& c, CallDone done) {
     c.set_deadline(deadline);
     v1::Peer::NewStub(channel(addrs[i]))->async()->Describe(&c, &requests[i], &responses[i], std::move(done));
@@ -519,8 +519,10 @@ GatheredLayouts PeerSet::layoutsOf(const v1::DescribeResponse& self, const std::
   };
   std::map<LayoutKey, Named> named;
   const auto take = [&](const v1::DescribeResponse& d, std::optional<size_t> peer) {
-    for (const auto& layout : d.layouts())  // sent whole (this daemon, or a daemon of an older version)
-      found.try_emplace({layout.group(), planner::layoutDigest(layout)}, std::make_shared<const v1::Layout>(layout));
+    for (const auto& layout : d.layouts()) {  // sent whole (this daemon, or a daemon of an older version)
+      auto& at = found[{layout.group(), planner::layoutDigest(layout)}];
+      if (!at) at = std::make_shared<const v1::Layout>(layout);
+    }
     for (const auto& [group, digest] : d.layout_digests()) {
       auto& n = named.try_emplace({group, digest}, Named{d.node(), {}}).first->second;
       if (peer) n.holders.push_back(*peer);
@@ -535,7 +537,9 @@ GatheredLayouts PeerSet::layoutsOf(const v1::DescribeResponse& self, const std::
       if (const auto kept = layouts_.find(key); kept != layouts_.end()) found.insert(*kept);
   }
   // Each layout still missing asked of its next holder, all holders at once, until every one is
-  // found or has no holder left to ask.
+  // found or has no holder left to ask; all within one peer timeout (a holder that answered the
+  // gather but not this costs that, not a timeout per holder).
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(config_.peer_timeout_ms);
   std::map<LayoutKey, size_t> tried;  // holders asked so far
   while (true) {
     std::map<size_t, std::set<LayoutKey>> asks;  // peer -> what it is asked for
@@ -544,14 +548,14 @@ GatheredLayouts PeerSet::layoutsOf(const v1::DescribeResponse& self, const std::
       if (found.count(key) || next == n.holders.size()) continue;
       asks[n.holders[next++]].insert(key);
     }
-    if (asks.empty()) break;
+    if (asks.empty() || std::chrono::system_clock::now() >= deadline) break;
     std::vector<std::string> addrs;
     std::vector<std::set<LayoutKey>> wanted;
     for (auto& [peer, keys] : asks) {
       addrs.push_back(peers[peer].address);
       wanted.push_back(std::move(keys));
     }
-    fetchLayouts(addrs, wanted, &found);
+    fetchLayouts(addrs, wanted, deadline, &found);
   }
   // Kept for the next gather: what this one named and found (a layout no daemon names any more goes).
   std::map<LayoutKey, std::shared_ptr<const v1::Layout>> keep;
@@ -560,10 +564,11 @@ GatheredLayouts PeerSet::layoutsOf(const v1::DescribeResponse& self, const std::
       keep.insert(*it);
       continue;
     }
-    out.missing[key] = strCat("the layout of group ", quote(key.first), " (digest ", key.second, ") on node ",
-                              quote(n.node), " could not be fetched from any of the ", n.holders.size(),
-                              " daemons naming it: their registrations changed since they answered, they stopped "
-                              "answering, or they sent another layout");
+    out.missing[key] =
+        strCat("the layout of group ", quote(key.first), " (digest ", key.second, ") on node ", quote(n.node),
+               " could not be fetched from the ", n.holders.size(), " daemons naming it (asked: ", tried[key],
+               "): their registrations changed since they answered, they stopped answering, or they "
+               "sent another layout");
   }
   std::lock_guard<std::mutex> lock(mu_);
   layouts_ = std::move(keep);
@@ -576,10 +581,10 @@ StatusOr<ClusterSnapshot> snapshotCluster(const PeerSet& peers, const v1::Descri
   // Each group's layout named by its digest, and fetched once (layoutsOf): a layout gathered from
   // every daemon holding it cost a coordinator seconds and gigabytes at a 1T MoE's 71,000 tensors.
   // A layout no daemon sent (registrations changed between the two calls) is asked for again with
-  // a new gather; after the last, its group fails its syncs and the others go on.
+  // a new gather, once; then its group fails its syncs and the others go on.
   v1::DescribeRequest request;
   request.set_layout_digests(true);
-  constexpr int kTries = 3;
+  constexpr int kTries = 2;
   for (int attempt = 1;; ++attempt) {
     SC_ASSIGN_OR_RETURN(auto described, peers.describeAll(request, ask));
     // Peers silent past their lease are not waited for, and fail nothing: the cluster is the others.
@@ -679,6 +684,7 @@ StatusOr<ClusterView> ClusterView::build(const v1::DescribeResponse& self, std::
                       quote(d.node()), ")"));
     }
   }
+  for (const auto& [key, why] : layouts.missing) v.missing_layouts_.push_back(why);
   v.findOwners();
   return v;
 }

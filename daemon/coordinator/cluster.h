@@ -149,6 +149,7 @@ class PeerSet {
   // layoutsOf(): one round of fetches, `wanted[i]` the layouts asked of `addrs[i]`; each layout
   // sent with a group and digest asked of its sender lands in `found` (mu_ not held).
   void fetchLayouts(const std::vector<std::string>& addrs, const std::vector<std::set<LayoutKey>>& wanted,
+                    std::chrono::system_clock::time_point deadline,
                     std::map<LayoutKey, std::shared_ptr<const v1::Layout>>* found) const;
   // describe(): each call's deadline (100 ms for a peer silent past its lease, `briefly` for its
   // node, none after `until`), and which peers were forgotten when `asked` (mu_ not held).
@@ -233,6 +234,9 @@ class ClusterView {
   Status mayReceive(const std::string& src, const std::string& group) const;
   // Whether a group's layout names `set` as its replica set.
   bool namedAsSet(const std::string& set) const;
+  // Why each layout some daemon named could not be gathered (GatheredLayouts::missing): those
+  // groups fail their syncs, and which replica set such a group is a replica of is not known.
+  const std::vector<std::string>& missingLayouts() const { return missing_layouts_; }
 
  private:
   struct GroupInfo {
@@ -259,6 +263,7 @@ class ClusterView {
     uint64_t since_unix_ms = 0;
   };
   std::map<std::string, Owner> owners_;  // per group: its owner cluster-wide (ownerOf)
+  std::vector<std::string> missing_layouts_;
 };
 
 // The cluster as one gather saw it: the view, and each daemon's address (addresses[i] reaches

@@ -41,6 +41,14 @@ Status SyncCoordinator::gatherOnce(bool* incomplete) {
   if (snapshot.ok())
     if (Status chosen = chooseSetOrGroup(snapshot->view); !chosen.ok()) return chosen;
   const bool replica_set = snapshot.ok() && !snapshot->view.replicasOf(req_.dst_group(), set_despite_group_).empty();
+  // A group whose layout could not be gathered may be a replica of the set synced (its layout
+  // says which set): the set is not synced as if it were not, nor a set of its name called unknown.
+  if (snapshot.ok() && !snapshot->view.missingLayouts().empty() &&
+      (replica_set || !snapshot->view.layoutOf(req_.dst_group()))) {
+    *incomplete = true;
+    return absl::UnavailableError(
+        strCat("sync into ", quote(req_.dst_group()), ": ", strJoin(snapshot->view.missingLayouts(), "; ")));
+  }
   // Daemons that do not answer fail a plain sync; a set's sync and a catch-up go on without
   // them, and fail only when a group they read or write has ranks there (incomplete, below).
   if (snapshot.ok() && !unreachable.empty() && !replica_set && !req_.options().catch_up())

@@ -29,7 +29,7 @@ Status SyncCoordinator::plan() {
   // A repeated sync finds its plan by the kept digests (planned again only if evicted meanwhile).
   auto plan = !replicas_.empty()     ? ctx_.engine.plans().getReplicaSet(src_, replicas_, key, &plan_cached_)
               : digests_.src.empty() ? ctx_.engine.plans().get(src_, dst_, key, &plan_cached_)
-                                     : ctx_.engine.plans().get(src_, dst_, digests_, key, &plan_cached_);
+                                     : ctx_.engine.plans().getRepeated(src_, dst_, digests_, key, &plan_cached_);
   if (!plan.ok()) return failed(plan.status());
   plan_ = std::move(*plan);
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {

@@ -47,6 +47,7 @@ grpc::ByteBuffer relayRequestOf(const v1::RelayRequest& relay, const grpc::Slice
   relay.SerializeToString(&head);
   if (common.size() == 0) return bufferOf(head);
   constexpr uint32_t kCommonRequestField = v1::RelayRequest::kCommonRequestFieldNumber;
+  static_assert(kCommonRequestField < 16, "a one-byte tag");
   head.push_back(static_cast<char>(kCommonRequestField << 3 | 2));  // (a length-delimited field)
   for (uint64_t n = common.size();; n >>= 7) {                      // its length, a varint
     if (n < 0x80) {

@@ -1,7 +1,5 @@
 #include "daemon/engine/plan_cache.h"
 
-#include <google/protobuf/io/coded_stream.h>
-#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <openssl/evp.h>
 #include <spdlog/spdlog.h>
 
@@ -28,23 +26,9 @@ StatusOr<planner::Strategy> strategyOf(int strategy, v1::DeltaMode delta) {
   return strategy == v1::STRATEGY_RANK_PULL ? planner::Strategy::kRankPull : planner::Strategy::kGatherBroadcast;
 }
 
-namespace {
-
-// A layout's deterministic serialisation (what planner::layoutDigest hashes).
-std::string serialized(const v1::Layout& layout) {
-  std::string bytes;
-  google::protobuf::io::StringOutputStream out(&bytes);
-  google::protobuf::io::CodedOutputStream coded(&out);
-  coded.SetSerializationDeterministic(true);
-  layout.SerializeToCodedStream(&coded);
-  return bytes;
-}
-
-}  // namespace
-
 std::string PlanCache::fingerprintOf(const std::vector<const v1::Layout*>& layouts) {
   std::vector<std::string> parts;
-  for (const v1::Layout* layout : layouts) parts.push_back(serialized(*layout));
+  for (const v1::Layout* layout : layouts) parts.push_back(planner::serializedLayout(*layout));
   return fingerprintOfBytes(parts);
 }
 
@@ -97,25 +81,24 @@ std::shared_ptr<const CachedPlan> PlanCache::insert(const std::string& key, std:
     if (raced->second.plan->fingerprint == c->fingerprint) return raced->second.plan;  // planned twice at once
     // Other layouts under the same key (their digests collide): this plan takes its place, and
     // what was kept for the one replaced (spare memory, delta bases) goes with it.
-    evicted_.push_back(key);
-    if (raced->second.plan->bases_key != key) evicted_.push_back(raced->second.plan->bases_key);
-    lru_.erase(raced->second.age);
-    plans_.erase(raced);
+    evictLocked(raced);
   }
   lru_.push_front(key);
   plans_[key] = Entry{c, lru_.begin()};
-  while (plans_.size() > capacity_) {
-    const std::string gone = lru_.back(), gone_bases = plans_[gone].plan->bases_key;
-    evicted_.push_back(gone);
-    plans_.erase(gone);
-    lru_.pop_back();
-    // A set's bases outlive one membership's plan while another membership's is cached.
-    const bool shared = gone_bases != gone && std::any_of(plans_.begin(), plans_.end(), [&](const auto& e) {
-                          return e.second.plan->bases_key == gone_bases;
-                        });
-    if (gone_bases != gone && !shared) evicted_.push_back(gone_bases);
-  }
+  while (plans_.size() > capacity_) evictLocked(plans_.find(lru_.back()));
   return c;
+}
+
+void PlanCache::evictLocked(std::map<std::string, Entry>::iterator it) {
+  const std::string gone = it->first, gone_bases = it->second.plan->bases_key;
+  evicted_.push_back(gone);
+  lru_.erase(it->second.age);
+  plans_.erase(it);
+  // A set's bases outlive one membership's plan while another membership's is cached.
+  const bool shared = gone_bases != gone && std::any_of(plans_.begin(), plans_.end(), [&](const auto& e) {
+                        return e.second.plan->bases_key == gone_bases;
+                      });
+  if (gone_bases != gone && !shared) evicted_.push_back(gone_bases);
 }
 
 PlanKey PlanKey::forSync(uint64_t staging_bytes, uint64_t chunk_bytes, v1::DeltaMode delta, bool packed,
@@ -146,6 +129,15 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
   SC_ASSIGN_OR_RETURN(auto schedule,
                       planner::makeSchedule(src, dst, key.staging_bytes, key.chunk_bytes, key.zero_copy, key.strategy));
   return insert(name, std::move(fingerprint), std::move(schedule));
+}
+
+StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getRepeated(const v1::Layout& src, const v1::Layout& dst,
+                                                                   const LayoutDigests& digests, const PlanKey& key,
+                                                                   bool* hit) {
+  // (A plan of other groups under these digests replaced this one: layouts whose digests collide.)
+  if (auto plan = lookup(key.str(digests.src, digests.dst), hit))
+    if (plan->src.group == src.group() && plan->dst.group == dst.group()) return plan;
+  return get(src, dst, digests, key, hit);
 }
 
 StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::cached(const LayoutDigests& digests, const PlanKey& key,
@@ -200,22 +192,26 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
     return absl::InvalidArgumentError(strCat("replica set \"", replicas.front().layout.replica_set(),
                                              "\": only the planned strategy syncs replica sets (the baselines are "
                                              "measured on single groups)"));
-  const std::string src_digest = planner::layoutDigest(src);
+  // Each layout serialised once, for its digest and the fingerprint both (a set gathers and
+  // digests its members at every sync).
+  std::vector<std::string> planned_from{planner::serializedLayout(src)};
+  const std::string src_digest = planner::layoutDigestOf(planned_from.front());
   std::string members;
-  for (const auto& r : replicas) members += strCat(r.id, ":", planner::layoutDigest(r.layout), ",");
+  for (const auto& r : replicas) {
+    planned_from.push_back(planner::serializedLayout(r.layout));
+    members += strCat(r.id, ":", planner::layoutDigestOf(planned_from.back()), ",");
+  }
   const std::string& set_name = replicas.front().layout.replica_set();
   // PlanKey::str with the set's membership in place of one destination digest.
   const std::string key = plan_key.str(src_digest, strCat("set:", set_name, "[", members, "]"));
-  std::vector<const v1::Layout*> planned_from{&src};
-  for (const auto& r : replicas) planned_from.push_back(&r.layout);
-  std::string fingerprint = fingerprintOf(planned_from);
+  std::string fingerprint = fingerprintOfBytes(planned_from);
   if (auto cached = lookup(key, fingerprint, hit)) return cached;
   const std::string replica_digest =
       replicas.front().digest.empty() ? planner::replicaDigest(replicas.front().layout) : replicas.front().digest;
   // (A position plan is reused only for these very layouts: digests alone may collide.)
   const std::string positions_key =
       strCat(src_digest, "/", replica_digest, "/", chunk_bytes, "/",
-             fingerprintOfBytes({serialized(src), planner::replicaBytes(replicas.front().layout)}));
+             fingerprintOfBytes({planned_from.front(), planner::replicaBytes(replicas.front().layout)}));
   std::shared_ptr<const planner::PositionPlan> reuse;
   {
     std::lock_guard<std::mutex> lock(mu_);

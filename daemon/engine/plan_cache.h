@@ -92,6 +92,11 @@ class PlanCache {
   // The same, given the layouts' digests (planner::layoutDigest) already computed.
   StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst,
                                                   const LayoutDigests& digests, const PlanKey& key, bool* hit);
+  // A repeated sync's plan on its coordinator (the layouts and digests its kept view holds): the
+  // plan cached under the digests when it was planned for these layouts' groups, as a daemon's
+  // Prepare by digest takes it, without serialising the layouts again; else get().
+  StatusOr<std::shared_ptr<const CachedPlan>> getRepeated(const v1::Layout& src, const v1::Layout& dst,
+                                                          const LayoutDigests& digests, const PlanKey& key, bool* hit);
   // The plan cached under these digests and `key`, without the layouts; NOT_FOUND when none is
   // (never planned here, or evicted).
   StatusOr<std::shared_ptr<const CachedPlan>> cached(const LayoutDigests& digests, const PlanKey& key, bool* hit);
@@ -133,6 +138,9 @@ class PlanCache {
   // evicting the least recently used beyond capacity. `bases_key` empty: the key.
   std::shared_ptr<const CachedPlan> insert(const std::string& key, std::string fingerprint, planner::Schedule schedule,
                                            std::string bases_key = {});
+  // With mu_ held: drops `it`, reporting its key evicted, and its bases key unless another cached
+  // plan (of another membership of its set) shares it.
+  void evictLocked(std::map<std::string, Entry>::iterator it);
 
   const size_t capacity_;
   mutable std::mutex mu_;

@@ -349,9 +349,10 @@ grpc::Status ShardcastService::List(grpc::ServerContext* ctx, const v1::ListRequ
   by_digest.set_layout_digests(true);
   auto peers = peers_.describeAll(by_digest);
   if (!peers.ok()) return toGrpc(peers.status());
+  for (const auto& p : *peers)
+    if (!p.described.ok()) return toGrpc(p.described.status());
   const auto layouts = peers_.layoutsOf(registry_.describe(), *peers).found;  // (a missing one: no world size)
   for (const auto& p : *peers) {
-    if (!p.described.ok()) return toGrpc(p.described.status());
     for (const auto& r : p.described->ranks()) {
       auto* reg = out->add_ranks();
       reg->set_group(r.group());

@@ -1279,13 +1279,17 @@ TEST_CASE("a repeated sync's Prepare names its layouts by digest - the cached pl
   CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
   CHECK_THAT(st.error_message(), Catch::Contains("registered layout " + dst_digest + " since the sync was planned"));
   // The digests of a cached plan under other group names: refused (the sync would fence the
-  // groups it names and read or write the plan's).
+  // groups it names and read or write the plan's), as a stale view: the plan cached under those
+  // digests is another sync's (layouts whose digests collide), and the sync runs in full.
   {
     v1::PrepareRequest renamed = byDigest("renamed", src_digest, dst_digest);
     renamed.mutable_src()->set_group("elsewhere");
     st = n1->Prepare(ctx().get(), renamed, &ignored);
-    CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-    CHECK_THAT(st.error_message(), Catch::Contains("are of groups \"src\" -> \"dst\", not \"elsewhere\" -> \"dst\""));
+    CHECK(st.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+    CHECK_THAT(st.error_message(),
+               Catch::Contains("node \"n1\" caches the plan of layouts " + src_digest + " -> " + dst_digest +
+                               " for groups \"src\" -> \"dst\", not \"elsewhere\" -> "
+                               "\"dst\" (a stale view)"));
   }
   // Malformed: one digest, not hex, or without the kept view's stamps.
   for (const auto& [sd, dd] : std::vector<std::pair<std::string, std::string>>{

@@ -251,6 +251,11 @@ TEST_CASE("two daemons: the plan dry run sees the whole cluster and names missin
   v1::ListResponse list;
   REQUIRE(d0.client()->List(ctx().get(), all, &list).ok());
   CHECK(list.ranks_size() == 4);
+  // n1's ranks too carry their group's world size, from the layout the List fetched by digest.
+  for (const auto& r : list.ranks()) {
+    CAPTURE(r.group(), r.rank(), r.node());
+    CHECK(r.world_size() == 2);
+  }
 
   REQUIRE(d0.client()->Plan(ctx().get(), preq, &presp).ok());
   // The daemon's plan is the planner's plan for the same layouts.
