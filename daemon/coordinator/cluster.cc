@@ -566,9 +566,11 @@ GatheredLayouts PeerSet::layoutsOf(const v1::DescribeResponse& self, const std::
     }
     out.missing[key] =
         strCat("the layout of group ", quote(key.first), " (digest ", key.second, ") on node ", quote(n.node),
-               " could not be fetched from the ", n.holders.size(), " daemons naming it (asked: ", tried[key],
-               "): their registrations changed since they answered, they stopped answering, or they "
-               "sent another layout");
+               " could not be fetched from ",
+               n.holders.size() == 1 ? std::string("the daemon") : strCat("any of the ", n.holders.size(), " daemons"),
+               " naming it (", tried[key],
+               " asked): a registration changed since the gather, a daemon stopped "
+               "answering, or one sent another layout");
   }
   std::lock_guard<std::mutex> lock(mu_);
   layouts_ = std::move(keep);

@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -227,7 +228,7 @@ TEST_CASE(
     CHECK(layout.status().code() == absl::StatusCode::kFailedPrecondition);
     const std::string message(layout.status().message());
     CHECK_THAT(message, Catch::Contains("the layout of group \"infer\" (digest " + inferDigest() + ") on node \"n1\""));
-    CHECK_THAT(message, Catch::Contains("from the 3 daemons naming it (asked: 3)"));
+    CHECK_THAT(message, Catch::Contains("from any of the 3 daemons naming it (3 asked)"));
     CHECK_THAT(message, Catch::Contains("2 gathers in a row"));
     CHECK(snapshot->view.missingLayouts() == std::vector<std::string>{message});
     CHECK(cluster.peers[0]->fetches() == 2);  // once per gather, each daemon naming it asked in turn
@@ -263,4 +264,110 @@ TEST_CASE("gather: a layout no daemon sent is asked for again with a new gather,
              Catch::Contains("ranks 1-2 of 3 are not registered"));
   CHECK(snapshot->view.missingLayouts().empty());
   CHECK(cluster.peers[0]->fetches() == 2);
+}
+
+namespace {
+
+// A peer daemon holding one rank of each of `ranks` (a layout, whole, and the rank's role), as
+// this build answers; the layouts in `withheld` it names by digest but never sends when asked.
+class GroupPeer final : public v1::Peer::Service {
+ public:
+  struct Held {
+    v1::Layout layout;
+    v1::Role role;
+  };
+  GroupPeer(std::string node, std::vector<Held> ranks, std::set<std::string> withheld = {})
+      : node_(std::move(node)), ranks_(std::move(ranks)), withheld_(std::move(withheld)) {}
+
+  grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest* req, v1::DescribeResponse* out) override {
+    out->set_node(node_);
+    out->set_instance(node_ + "-instance");
+    out->set_generation(1);
+    for (const auto& held : ranks_) {
+      const std::string digest = planner::layoutDigest(held.layout);
+      if (req->layouts_size() > 0) {
+        if (!withheld_.count(held.layout.group()) &&
+            std::find(req->layouts().begin(), req->layouts().end(), digest) != req->layouts().end())
+          *out->add_layouts() = held.layout;
+        continue;
+      }
+      if (req->layout_digests())
+        (*out->mutable_layout_digests())[held.layout.group()] = digest;
+      else
+        *out->add_layouts() = held.layout;
+      auto* r = out->add_ranks();
+      r->set_group(held.layout.group());
+      r->set_layout_digest(digest);
+      r->set_role(held.role);
+      r->set_state(held.role == v1::ROLE_SOURCE ? v1::RANK_READY : v1::RANK_EMPTY);
+      r->set_version(held.role == v1::ROLE_SOURCE ? 1 : 0);
+    }
+    if (req->layouts_size() == 0) out->set_transport_address(node_ + "-transport");
+    return grpc::Status::OK;
+  }
+
+ private:
+  const std::string node_;
+  const std::vector<Held> ranks_;
+  const std::set<std::string> withheld_;
+};
+
+v1::Layout oneRank(const std::string& group, const std::string& node, const std::string& set = "", int replica = 0) {
+  auto layout = *planner::parseLayoutJson(R"({"group":")" + group + R"(","mesh":{"shape":[1]},"nodes":[")" + node +
+                                              R"("],"tensors":[{"name":"w","shape":[6,4],"dtype":"float32"}]})",
+                                          group);
+  layout.set_replica_set(set);
+  layout.set_replica(replica);
+  return layout;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "gather: a replica set's sync fails naming a layout no daemon sent (it may be a replica) - a plain sync of "
+    "other groups goes on",
+    "[daemon][peers][sync]") {
+  // n1: the trainer; n2: replica 0 of set "rollout"; n3: replica 1, whose layout n3 never sends.
+  GroupPeer n1("n1", {{oneRank("trainer", "n1"), v1::ROLE_SOURCE}});
+  GroupPeer n2("n2", {{oneRank("rollout.r0", "n2", "rollout", 0), v1::ROLE_DESTINATION}});
+  GroupPeer n3("n3", {{oneRank("rollout.r1", "n3", "rollout", 1), v1::ROLE_DESTINATION}}, {"rollout.r1"});
+  std::vector<std::unique_ptr<grpc::Server>> servers;
+  std::vector<std::string> addresses;
+  for (GroupPeer* peer : {&n1, &n2, &n3}) {
+    addresses.push_back("127.0.0.1:" + std::to_string(examples::freePort()));
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(addresses.back(), grpc::InsecureServerCredentials());
+    builder.RegisterService(peer);
+    servers.push_back(builder.BuildAndStart());
+    REQUIRE(servers.back());
+  }
+  const int port = examples::freePort();
+  addresses.push_back("127.0.0.1:" + std::to_string(port));
+  examples::Daemon coordinator("n0", port, addresses, {"--insecure", "--peer-timeout-ms", "3000"});
+  REQUIRE(coordinator.ready());
+
+  v1::SyncRequest req;
+  req.set_src_group("trainer");
+  req.set_dst_group("rollout");
+  req.set_version(1);
+  v1::SyncResponse out;
+  grpc::ClientContext set_context;
+  set_context.set_deadline(std::chrono::system_clock::now() + 60s);
+  const grpc::Status set = coordinator.client()->Sync(&set_context, req, &out);
+  INFO(set.error_message());
+  CHECK(set.error_code() == grpc::StatusCode::UNAVAILABLE);
+  CHECK_THAT(set.error_message(), Catch::Contains("sync into \"rollout\": the layout of group \"rollout.r1\""));
+  CHECK_THAT(set.error_message(), Catch::Contains("on node \"n3\" could not be fetched from the daemon naming it"));
+
+  // Into replica 0 alone, a plain group: the gather passes (the sync then fails at these fake
+  // daemons' Prepare, which they do not serve), never on the layout missing elsewhere.
+  req.set_dst_group("rollout.r0");
+  grpc::ClientContext plain_context;
+  plain_context.set_deadline(std::chrono::system_clock::now() + 60s);
+  const grpc::Status plain = coordinator.client()->Sync(&plain_context, req, &out);
+  INFO(plain.error_message());
+  CHECK_FALSE(plain.ok());
+  CHECK_THAT(plain.error_message(), !Catch::Contains("rollout.r1"));
+  CHECK_THAT(plain.error_message(), Catch::Contains("prepare"));
+  for (auto& s : servers) s->Shutdown(std::chrono::system_clock::now() + 100ms);
 }
