@@ -133,6 +133,13 @@ struct Peers {
     for (auto& s : servers) s->Shutdown(std::chrono::system_clock::now() + 100ms);
   }
   StatusOr<daemon::ClusterSnapshot> gather() const { return daemon::snapshotCluster(*set, self, "127.0.0.1:1"); }
+  // A gather that succeeds (its view may still fail groups).
+  daemon::ClusterSnapshot gathered() const {
+    auto snapshot = gather();
+    INFO(snapshot.status().message());
+    REQUIRE(snapshot.ok());
+    return std::move(*snapshot);
+  }
   int fetches() const {
     int n = 0;
     for (const auto& p : peers) n += p->fetches();
@@ -151,41 +158,38 @@ const std::string& inferDigest() {
   return digest;
 }
 
+// "infer" complete in `view`, with kInference's layout (digest and all); that layout.
+v1::Layout inferWhole(const daemon::ClusterView& view) {
+  auto layout = view.completeGroup("infer");
+  INFO(layout.status().message());
+  REQUIRE(layout.ok());
+  CHECK(planner::layoutDigest(*layout) == inferDigest());
+  return *layout;
+}
+
 }  // namespace
 
 TEST_CASE("gather: each layout is fetched once, from the first daemon naming it, and kept for the next gather",
           "[daemon][peers]") {
   Peers cluster({Answers::kCurrent, Answers::kCurrent, Answers::kCurrent});
-  auto first = cluster.gather();
-  INFO(first.status().message());
-  REQUIRE(first.ok());
-  auto layout = first->view.completeGroup("infer");
-  INFO(layout.status().message());
-  REQUIRE(layout.ok());
-  CHECK(planner::layoutDigest(*layout) == inferDigest());
-  CHECK(first->view.daemons().size() == 4);
-  for (const auto& d : first->view.daemons()) CHECK(d.layouts_size() == 0);  // (no copy per daemon)
+  const auto first = cluster.gathered();
+  inferWhole(first.view);
+  CHECK(first.view.daemons().size() == 4);
+  for (const auto& d : first.view.daemons()) CHECK(d.layouts_size() == 0);  // (no copy per daemon)
   CHECK(cluster.peers[0]->fetches() == 1);
   CHECK(cluster.peers[0]->asked() == std::vector<std::string>{inferDigest()});
   CHECK(cluster.peers[1]->fetches() == 0);
   CHECK(cluster.peers[2]->fetches() == 0);
 
   // The next gather names the same digest: nothing is fetched.
-  auto second = cluster.gather();
-  REQUIRE(second.ok());
-  CHECK(second->view.completeGroup("infer").ok());
+  inferWhole(cluster.gathered().view);
   CHECK(cluster.fetches() == 1);
 }
 
 TEST_CASE("gather: a daemon that predates layout digests sends its layouts whole, and they are taken from there",
           "[daemon][peers]") {
   Peers cluster({Answers::kOlder, Answers::kCurrent, Answers::kOlder});
-  auto snapshot = cluster.gather();
-  INFO(snapshot.status().message());
-  REQUIRE(snapshot.ok());
-  auto layout = snapshot->view.completeGroup("infer");
-  REQUIRE(layout.ok());
-  CHECK(planner::layoutDigest(*layout) == inferDigest());
+  inferWhole(cluster.gathered().view);
   CHECK(cluster.fetches() == 0);  // the older daemons' whole layouts held the digest n2 named
 }
 
@@ -195,10 +199,7 @@ TEST_CASE(
     "[daemon][peers]") {
   const Answers first = GENERATE(Answers::kForgetful, Answers::kFailing);
   Peers cluster({first, Answers::kCurrent, Answers::kCurrent});
-  auto snapshot = cluster.gather();
-  INFO(snapshot.status().message());
-  REQUIRE(snapshot.ok());
-  CHECK(snapshot->view.completeGroup("infer").ok());
+  inferWhole(cluster.gathered().view);
   CHECK(cluster.peers[0]->fetches() == 1);
   CHECK(cluster.peers[1]->fetches() == 1);
   CHECK(cluster.peers[2]->fetches() == 0);
@@ -210,27 +211,20 @@ TEST_CASE(
     "[daemon][peers]") {
   SECTION("an honest daemon names it too") {
     Peers cluster({Answers::kLiar, Answers::kCurrent, Answers::kLiar});
-    auto snapshot = cluster.gather();
-    INFO(snapshot.status().message());
-    REQUIRE(snapshot.ok());
-    auto layout = snapshot->view.completeGroup("infer");
-    REQUIRE(layout.ok());
-    CHECK(layout->tensors(0).dtype() == "float32");  // the honest one's
+    CHECK(inferWhole(cluster.gathered().view).tensors(0).dtype() == "float32");  // the honest one's
     CHECK(cluster.peers[1]->fetches() == 1);
   }
   SECTION("none does") {
     Peers cluster({Answers::kLiar, Answers::kForgetful, Answers::kLiar});
-    auto snapshot = cluster.gather();
-    INFO(snapshot.status().message());
-    REQUIRE(snapshot.ok());
-    auto layout = snapshot->view.completeGroup("infer");
+    const auto snapshot = cluster.gathered();
+    auto layout = snapshot.view.completeGroup("infer");
     REQUIRE_FALSE(layout.ok());
     CHECK(layout.status().code() == absl::StatusCode::kFailedPrecondition);
     const std::string message(layout.status().message());
     CHECK_THAT(message, Catch::Contains("the layout of group \"infer\" (digest " + inferDigest() + ") on node \"n1\""));
     CHECK_THAT(message, Catch::Contains("from any of the 3 daemons naming it (3 asked)"));
     CHECK_THAT(message, Catch::Contains("2 gathers in a row"));
-    CHECK(snapshot->view.missingLayouts() == std::vector<std::string>{message});
+    CHECK(snapshot.view.missingLayouts() == std::vector<std::string>{message});
     CHECK(cluster.peers[0]->fetches() == 2);  // once per gather, each daemon naming it asked in turn
     CHECK(cluster.peers[1]->fetches() == 2);
     CHECK(cluster.peers[2]->fetches() == 2);
@@ -242,11 +236,9 @@ TEST_CASE("gather: a digest named for a group whose layout is another group's fa
   // n2 names the inference layout's digest for a group "other" as well: what it sends under that
   // digest is group "infer"'s layout, never taken as "other"'s.
   Peers cluster({Answers::kCurrent, Answers::kOther, Answers::kCurrent});
-  auto snapshot = cluster.gather();
-  INFO(snapshot.status().message());
-  REQUIRE(snapshot.ok());
-  CHECK(snapshot->view.completeGroup("infer").ok());
-  auto other = snapshot->view.completeGroup("other");
+  const auto snapshot = cluster.gathered();
+  inferWhole(snapshot.view);
+  auto other = snapshot.view.completeGroup("other");
   REQUIRE_FALSE(other.ok());
   CHECK_THAT(std::string(other.status().message()),
              Catch::Contains("the layout of group \"other\" (digest " + inferDigest() + ") on node \"n2\""));
@@ -256,13 +248,11 @@ TEST_CASE("gather: a digest named for a group whose layout is another group's fa
 
 TEST_CASE("gather: a layout no daemon sent is asked for again with a new gather, and then found", "[daemon][peers]") {
   Peers cluster({Answers::kLate});  // (its one holder: nobody else to ask)
-  auto snapshot = cluster.gather();
-  INFO(snapshot.status().message());
-  REQUIRE(snapshot.ok());
+  const auto snapshot = cluster.gathered();
   // (rank 0 of three: the layout is there, the group incomplete)
-  CHECK_THAT(std::string(snapshot->view.completeGroup("infer").status().message()),
+  CHECK_THAT(std::string(snapshot.view.completeGroup("infer").status().message()),
              Catch::Contains("ranks 1-2 of 3 are not registered"));
-  CHECK(snapshot->view.missingLayouts().empty());
+  CHECK(snapshot.view.missingLayouts().empty());
   CHECK(cluster.peers[0]->fetches() == 2);
 }
 
