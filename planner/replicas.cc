@@ -4,11 +4,9 @@
 
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -126,7 +124,7 @@ StatusOr<SetShape> examine(const std::vector<Replica>& replicas) {
   if (replicas.empty()) return absl::InvalidArgumentError("a replica set needs at least one replica");
   const Replica& first = replicas[0];
   SetShape shape;
-  std::string first_digest;
+  std::string first_bytes;
   std::unordered_map<int32_t, size_t> ids;
   std::unordered_map<std::string, size_t> groups;
   for (size_t i = 0; i < replicas.size(); ++i) {
@@ -147,10 +145,12 @@ StatusOr<SetShape> examine(const std::vector<Replica>& replicas) {
     if (auto [it, inserted] = groups.try_emplace(l.group(), i); !inserted)
       return absl::InvalidArgumentError(strCat("group ", quote(l.group()), " is given for ", who(replicas[it->second]),
                                                " and replica ", rep.id, ": each replica is a group of its own"));
-    const std::string digest = rep.digest.empty() ? replicaDigest(l) : rep.digest;
+    // The template bytes themselves, not a digest of them: xxHash64 digests can be made to collide
+    // (docs/security.md), and a replica that passed here is written as the first one's layout says.
+    std::string bytes = replicaBytes(l);
     if (i == 0) {
-      first_digest = digest;
-    } else if (digest != first_digest) {
+      first_bytes = std::move(bytes);
+    } else if (bytes != first_bytes) {
       return absl::InvalidArgumentError(strCat(who(rep), ": its layout differs from ", who(first),
                                                "'s beyond group and nodes: ", difference(l, first.layout)));
     }
@@ -201,12 +201,7 @@ Status colocated(const std::string& node, int32_t src_rank, const std::string& s
 
 }  // namespace
 
-std::string replicaDigest(const v1::Layout& layout) {
-  const std::string bytes = replicaBytes(layout);
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(XXH64(bytes.data(), bytes.size(), 0)));
-  return hex;
-}
+std::string replicaDigest(const v1::Layout& layout) { return layoutDigestOf(replicaBytes(layout)); }
 
 std::string replicaBytes(const v1::Layout& layout) {
   // The bytes a copy with those fields cleared serialises to (mesh = 2, tensors = 6, fused = 7, in
@@ -613,9 +608,7 @@ StatusOr<ReplicaSetPlan> planReplicaSet(const v1::Layout& src, const std::vector
     SC_RETURN_IF_ERROR(addScaleSources(out.src, declared));
   }
   const std::string src_digest = layoutDigest(src);
-  const std::string& first = replicas[0].digest;
-  if (reuse && reuse->src_digest == src_digest &&
-      reuse->replica_digest == (first.empty() ? replicaDigest(replicas[0].layout) : first) &&
+  if (reuse && reuse->src_digest == src_digest && reuse->replica_digest == replicaDigest(replicas[0].layout) &&
       reuse->rank_position == shape.rank_position && sameOptions(reuse->plan.options, options)) {
     out.positions = std::move(reuse);
     out.reused_positions = true;

@@ -35,14 +35,11 @@ std::string replicaBytes(const v1::Layout& layout);
 struct Replica {
   int32_t id = 0;  // must equal layout.replica()
   v1::Layout layout;
-  // replicaDigest(layout) where the caller keeps it (a daemon computes it once, at registration:
-  // digesting a 10^5-tensor layout costs ~30 ms, once per replica per check); "" = computed here.
-  // Trusted: it must be the digest of this very layout.
-  std::string digest{};
 };
 
 // OK when `replicas` form one valid set: at least one; the same non-empty replica_set; distinct
-// ids (>= 0, each equal to its layout's `replica`) and distinct groups; the same replicaDigest;
+// ids (>= 0, each equal to its layout's `replica`) and distinct groups; the same replicaBytes (the
+// bytes compared, not their digests, which can be made to collide);
 // the same rank -> position pattern (a replica's positions are its distinct nodes numbered in
 // order of first appearance over ranks 0..W-1, and every replica maps its ranks to positions
 // identically); no node with a reserved name; R x W within the rank limit. Replicas may share
@@ -122,6 +119,8 @@ struct ReplicaSetPlan {
 
 // checkReplicaSet, resolve, plan the position layout once (or take `reuse` when it was planned
 // from the same source layout, replica digest, rank -> position pattern and options), compose.
+// `reuse` is matched by xxHash64 digests: a caller keeps position plans under a key that names
+// their layouts' very bytes (PlanCache keys them by SHA-256), so colliding layouts never meet here.
 // FAILED_PRECONDITION, naming the node, when a replica node hosts a source rank or replicas share
 // a node at different positions (composeReplicas).
 StatusOr<ReplicaSetPlan> planReplicaSet(const v1::Layout& src, const std::vector<Replica>& replicas,

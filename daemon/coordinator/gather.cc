@@ -253,7 +253,7 @@ Status SyncCoordinator::gatherReplicas(const ClusterView& view, const std::vecto
       cutOut(std::move(outcome), refused, &cut);
       continue;
     }
-    replicas_.push_back({registered.replica(), *layout, {}});
+    replicas_.push_back({registered.replica(), *layout});
     for (const auto& node : nodes) sharing.emplace(node, std::make_pair(group, view.ownerOf(group)));
     outcomes_.push_back(std::move(outcome));
   }
@@ -375,7 +375,7 @@ std::string SyncCoordinator::replicaRefusal(const ClusterView& view, const std::
                         ? " (registered first)"
                         : " of another owner, weighed first (it owns the source, or was registered first)");
   if (!replicas_.empty())
-    if (Status same = planner::checkReplicaSet({replicas_.front(), {id, *layout, {}}}); !same.ok())
+    if (Status same = planner::checkReplicaSet({replicas_.front(), {id, *layout}}); !same.ok())
       return std::string(same.message());
   // Replicas may share nodes (engines on one machine), if they have one owner: a shared node
   // lands each byte once in one replica's memory and copies it from there into the others',

@@ -206,12 +206,11 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
   const std::string key = plan_key.str(src_digest, strCat("set:", set_name, "[", members, "]"));
   std::string fingerprint = fingerprintOfBytes(planned_from);
   if (auto cached = lookup(key, fingerprint, hit)) return cached;
-  const std::string replica_digest =
-      replicas.front().digest.empty() ? planner::replicaDigest(replicas.front().layout) : replicas.front().digest;
+  const std::string template_bytes = planner::replicaBytes(replicas.front().layout);
+  const std::string replica_digest = planner::layoutDigestOf(template_bytes);
   // (A position plan is reused only for these very layouts: digests alone may collide.)
-  const std::string positions_key =
-      strCat(src_digest, "/", replica_digest, "/", chunk_bytes, "/",
-             fingerprintOfBytes({planned_from.front(), planner::replicaBytes(replicas.front().layout)}));
+  const std::string positions_key = strCat(src_digest, "/", replica_digest, "/", chunk_bytes, "/",
+                                           fingerprintOfBytes({planned_from.front(), template_bytes}));
   std::shared_ptr<const planner::PositionPlan> reuse;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -129,7 +129,7 @@ Status readDestinations(const v1::PrepareRequest& req, SyncAttempt& a, Registry:
     if (r.replica_set() != a.dst_group)
       return absl::InvalidArgumentError(strCat("prepare of sync ", a.id, ": group \"", r.group(),
                                                "\" is not a replica of set \"", a.dst_group, "\""));
-    replicas.push_back({r.replica(), r, {}});
+    replicas.push_back({r.replica(), r});
     a.dst_members.push_back(r.group());
     destination.emplace_back(r.group(), planner::layoutDigest(r));
   }

@@ -5,6 +5,7 @@
 #include "planner/replicas.h"
 
 #include <algorithm>
+#include <array>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <functional>
@@ -572,14 +573,6 @@ TEST_CASE("replica sets: stackReplicas equals the hand-written flat layout", "[p
                       tensors)};
   REQUIRE(checkReplicaSet(replicas).ok());
   CHECK(replicaDigest(replicas[0].layout) == replicaDigest(replicas[1].layout));
-  {
-    // A digest the caller kept stands for the layout (and a wrong one is believed).
-    std::vector<Replica> kept = replicas;
-    for (Replica& r : kept) r.digest = replicaDigest(r.layout);
-    CHECK(checkReplicaSet(kept).ok());
-    kept[1].digest = "0000000000000000";
-    CHECK_THAT(std::string(checkReplicaSet(kept).message()), Catch::Contains("differs from replica 0"));
-  }
   CHECK(layoutDigest(replicas[0].layout) != layoutDigest(replicas[1].layout));
 
   const v1::Layout expected = layoutFromJson(R"({"group":"rollout","mesh":{"shape":[2,2],"dim_names":["replica","tp"]},
@@ -702,6 +695,83 @@ TEST_CASE("replica sets: mismatched layouts are named with what differs", "[plan
     Replica r1 = fromJson(1, smallReplica(1, nodes1, R"(,"fused":[{"name":"we","dim":0,"tensors":["w","e"]}])"));
     CHECK_THAT(setError({r0, r1}), Catch::Contains("1 fused buffers vs 0"));
   }
+}
+
+namespace {
+
+// xxHash64's stripe round, and its inverse in the lane: acc' = rotl(acc + lane * P2, 31) * P1 is a
+// bijection in `lane` for any acc, which is what makes crafted collisions cheap.
+constexpr uint64_t kP1 = 0x9E3779B185EBCA87ULL, kP2 = 0xC2B2AE3D27D4EB4FULL;
+uint64_t rotl(uint64_t x, int r) { return x << r | x >> (64 - r); }
+uint64_t inverseOf(uint64_t odd) {  // mod 2^64, by Newton's iteration
+  uint64_t inv = odd;
+  for (int i = 0; i < 6; ++i) inv *= 2 - odd * inv;
+  return inv;
+}
+uint64_t laneAt(const std::string& bytes, size_t at) {
+  uint64_t v = 0;
+  for (int b = 7; b >= 0; --b) v = v << 8 | static_cast<unsigned char>(bytes[at + static_cast<size_t>(b)]);
+  return v;
+}
+
+// The four accumulators (seed 0) after the first `stripes` 32-byte stripes of `bytes`.
+std::array<uint64_t, 4> stateAfter(const std::string& bytes, size_t stripes) {
+  std::array<uint64_t, 4> acc = {kP1 + kP2, kP2, 0, 0 - kP1};
+  for (size_t s = 0; s < stripes; ++s)
+    for (size_t j = 0; j < 4; ++j) acc[j] = rotl(acc[j] + laneAt(bytes, 32 * s + 8 * j) * kP2, 31) * kP1;
+  return acc;
+}
+
+// `bytes` with stripes k and k + 1 replaced so that xxHash64 gives the same digest: stripe k
+// becomes `other` (32 bytes), stripe k + 1 is solved to bring the accumulators back to where
+// `bytes` has them after it. The length and everything else stay, so the digests are equal.
+std::string collidingBytes(const std::string& bytes, size_t k, const std::string& other) {
+  std::string out = bytes;
+  out.replace(32 * k, 32, other);
+  const std::array<uint64_t, 4> mine = stateAfter(out, k + 1), target = stateAfter(bytes, k + 2);
+  for (size_t j = 0; j < 4; ++j) {
+    const uint64_t x = target[j] * inverseOf(kP1), unrotated = x >> 31 | x << 33;
+    uint64_t lane = (unrotated - mine[j]) * inverseOf(kP2);
+    for (size_t b = 0; b < 8; ++b, lane >>= 8) out[32 * (k + 1) + 8 * j + b] = static_cast<char>(lane & 0xff);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("replica sets: a replica crafted to collide with the first's digest is refused (bytes are compared)",
+          "[planner][replicas][validation][security]") {
+  // Replica 1 differs from replica 0 only in one tensor's name, chosen so that their template
+  // digests (xxHash64, docs/security.md) are equal: were the set checked by digest, replica 1
+  // would be written as replica 0's layout says.
+  const std::string name(160, 'a');
+  const auto replica = [&](int32_t id, const std::string& tensor) {
+    Replica r = fromJson(id, strCat(R"({"group":"rollout.r)", id, R"(","replica_set":"rollout","replica":)", id,
+                                    R"(,"mesh":{"shape":[2]},"nodes":["n)", id, R"(","n)", id, R"("],"tensors":[
+                                    {"name":"w","shape":[8,4],"dtype":"float32","placements":[{"shard":{"dim":0}}]}]})"));
+    v1::Tensor* t = r.layout.add_tensors();
+    t->set_name(tensor);
+    t->set_dtype("float32");
+    t->add_shape(4);
+    return r;
+  };
+  const Replica first = replica(0, name);
+  const std::string bytes = replicaBytes(first.layout);
+  const size_t at = bytes.find(name);
+  REQUIRE(at != std::string::npos);
+  const size_t k = (at + 31) / 32;  // the first whole stripe inside the name
+  REQUIRE(32 * (k + 2) <= at + name.size());
+  const std::string crafted = collidingBytes(bytes, k, std::string(32, 'b'));
+  REQUIRE(crafted != bytes);
+  const Replica second = replica(1, crafted.substr(at, name.size()));
+  REQUIRE(replicaBytes(second.layout) == crafted);
+  REQUIRE(replicaDigest(second.layout) == replicaDigest(first.layout));  // the collision is real
+
+  const Status refused = checkReplicaSet({first, second});
+  REQUIRE_FALSE(refused.ok());
+  CHECK_THAT(std::string(refused.message()),
+             Catch::Contains("replica 1 (group \"rollout.r1\")") && Catch::Contains("differs from replica 0"));
+  CHECK(checkReplicaSet({first, replica(1, name)}).ok());
 }
 
 TEST_CASE("replica sets: ids, groups, set names and nodes are checked", "[planner][replicas][validation]") {
