@@ -571,6 +571,10 @@ class Client:
                           "tensors that own their memory (t.clone())", ForeignMemoryWarning, stacklevel=2)
         with self._registrations_lock:
             self._registrations[(group, rank)] = resp.registration
+        if not session:  # the rank outlives this process: so does its segment's name
+            for handles in sets:
+                if handles.shared is not None:
+                    handles.shared.outlive_process()
         if session and self._session is not None:
             with self._session._lock:
                 req.replace = False  # re-made after a restart: a rank the new daemon does not hold

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import mmap
@@ -23,6 +24,7 @@ import os
 import secrets
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -345,8 +347,30 @@ def in_place_handle(name: str, t: Any, segments: SegmentReader) -> service_pb2.M
     return h
 
 
+# Segments this process made and has not unlinked: name -> the pid that made it. Unlinked when the
+# interpreter exits, so that a daemon that went first (a pod's containers stopped together, a
+# test's daemons killed) does not leave them in /dev/shm, which is memory. A process killed
+# outright leaves them to its daemon, which unlinks a dead session's segments; a forked child
+# never unlinks its parent's.
+_unlink_at_exit: Dict[str, int] = {}
+_unlink_at_exit_lock = threading.Lock()
+
+
+def _unlink_segments_at_exit() -> None:
+    with _unlink_at_exit_lock:
+        mine = [name for name, pid in _unlink_at_exit.items() if pid == os.getpid()]
+        _unlink_at_exit.clear()
+    for name in mine:
+        with contextlib.suppress(OSError):
+            _posixshmem.shm_unlink(name)
+
+
+atexit.register(_unlink_segments_at_exit)
+
+
 class SharedTensors:
-    """numpy arrays copied once into one shared-memory segment (owned: unlinked by release())."""
+    """numpy arrays copied once into one shared-memory segment (owned: unlinked by release(), or
+    when this process exits unless outlive_process() was called)."""
 
     def __init__(self, tensors: Mapping[str, Any]) -> None:
         slots: List[Tuple[str, Any, int]] = []
@@ -372,6 +396,8 @@ class SharedTensors:
             raise
         finally:
             os.close(fd)
+        with _unlink_at_exit_lock:
+            _unlink_at_exit[self.name] = os.getpid()
         # The arrays below hold the mapping through this memoryview: it stays mapped for as long as
         # any of them is alive, whatever happens to the registration.
         buf = memoryview(mapping)
@@ -395,11 +421,18 @@ class SharedTensors:
         dst[...] = src
         return dst
 
+    def outlive_process(self) -> None:
+        """Leaves the segment named when this process exits: a registration without a session
+        outlives its process, and a daemon restarted later maps it again by name."""
+        with _unlink_at_exit_lock:
+            _unlink_at_exit.pop(self.name, None)
+
     def release(self) -> None:
         """Unlinks the segment; its pages stay mapped while arrays viewing them are alive."""
         if self._unlinked:
             return
         self._unlinked = True
+        self.outlive_process()  # (nothing left to unlink at exit)
         try:
             _posixshmem.shm_unlink(self.name)
         except FileNotFoundError:

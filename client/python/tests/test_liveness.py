@@ -84,6 +84,57 @@ def test_a_dead_clients_ranks_are_unregistered_and_their_segments_unlinked(clust
     assert _wait(lambda: not os.path.exists("/dev/shm" + segment)), f"segment {segment} was not unlinked"
 
 
+OUTLIVING_CLIENT = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import shardcast
+    from shardcast import memory
+    sys.path.insert(0, sys.argv[2])
+    import rank_worker
+    client = shardcast.Client(sys.argv[1])
+    tensors = lambda r: {n: rank_worker.shard("trainer", n, r, 1) for n in rank_worker.SHAPES}
+    mine = client.register("trainer", 0, 2, tensors(0), rank_worker.TRAINER, role="source", version=1)
+    kept = client.register("trainer", 1, 2, tensors(1), rank_worker.TRAINER, role="source", version=1,
+                           session=False)
+    child = os.fork()
+    if child == 0:  # a forked child's exit unlinks nothing of its parent's
+        memory._unlink_segments_at_exit()
+        os._exit(0)
+    os.waitpid(child, 0)
+    print(mine.segment, kept.segment, flush=True)
+    sys.stdin.readline()  # the daemon is gone now: this process ends normally, registrations open
+""")
+
+
+def test_a_client_outliving_its_daemon_unlinks_its_segments_when_it_exits():
+    """A daemon that goes first (a pod's containers stopped together) cannot unlink its clients'
+    segments: each client unlinks its own as it exits, except a registration's without a session
+    (it outlives its process by design)."""
+    from shardcast.local import LocalCluster
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    with LocalCluster(["n0"]) as c:
+        proc = subprocess.Popen([sys.executable, "-c", OUTLIVING_CLIENT, c.target("n0"), here],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = proc.stdout.readline().split()
+        assert len(line) == 2, proc.stderr.read()
+        mine, kept = line
+        try:
+            assert os.path.exists("/dev/shm" + mine) and os.path.exists("/dev/shm" + kept)  # (the fork's exit)
+            d = c.daemons["n0"]
+            os.kill(d.proc.pid, signal.SIGKILL)
+            d.proc.wait()
+            proc.stdin.close()
+            assert proc.wait(timeout=30) == 0, proc.stderr.read()
+            assert not os.path.exists("/dev/shm" + mine), "the exiting client left its segment"
+            assert os.path.exists("/dev/shm" + kept), "a registration without a session lost its segment"
+        finally:
+            proc.kill()
+            for segment in (mine, kept):
+                if os.path.exists("/dev/shm" + segment):
+                    os.unlink("/dev/shm" + segment)
+
+
 def test_clients_re_register_by_themselves_after_their_daemon_restarts(tmp_path):
     from shardcast.local import LocalCluster
 
