@@ -98,7 +98,13 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   // Replicas that left were named in this committed sync's response: forgotten now (an attempt
   // that failed, or a sync that did, leaves them to be named by the next).
   if (!members_left_.empty()) ctx_.replica_sets.forget(req_.dst_group(), members_left_);
-  if (ctx_.repeats && !req_.options().catch_up() && replicas_.empty() && reads_ == Reads::kSource) keepView(repeat_key);
+  if (ctx_.repeats && !req_.options().catch_up() && reads_ == Reads::kSource) {
+    if (replicas_.empty())
+      keepView(repeat_key);
+    else if (!plan_->src_digest.empty())
+      ctx_.repeats->keepSet(repeat_key, SetMemo{plan_->key, daemonInstances()});
+  }
+  out_.set_layouts_by_digest(layoutsByDigest());
   const auto& stats = plan_->plan.stats;
   out_.set_sync_id(id_);
   out_.set_version(version_);
@@ -133,6 +139,12 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
       out_.prepare_seconds(), out_.execute_seconds(), out_.finish_seconds(), out_.network_bytes(),
       out_.bytes_landed_direct(), moved.local_bytes);
   return out_;
+}
+
+std::vector<std::pair<std::string, std::string>> SyncCoordinator::daemonInstances() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& d : cluster_->view.daemons()) out.emplace_back(d.node(), d.instance());
+  return out;
 }
 
 void SyncCoordinator::keepView(const std::string& repeat_key) {

@@ -195,16 +195,19 @@ class SyncCoordinator {
   // else the replicas only on the faulty node. `node_failed`: the node failed (it is asked no
   // more in this sync), rather than one replica refusing.
   std::vector<std::string> replicasToCut(bool* node_failed) const;
-  // After a failed run: it skipped the gather and failed before anything was executed (a daemon's
-  // registrations changed, its ranks are not at the version, its address is gone...): run it
-  // again with a full gather, which names the fault as it always does. Not when a daemon did not
+  // After a failed run: it skipped the gather, or named a replica set's layouts by digest, and
+  // failed before anything was executed (a daemon's registrations changed, its ranks are not at
+  // the version, its address is gone, its plan cache lost the set's plan...): run it again with a
+  // full gather and the layouts, which names the fault as it always does. Not when a daemon did not
   // answer in time: the gather would wait for it again, and fail the same way.
   // A folded attempt (its Prepare riding on wave 0) that failed in that wave without a silent
   // daemon is run again in full too: its daemons' Prepare refusals come back from that wave.
   bool retryInFull() const {
-    return route_ != Route::kGathered && fault_ != Fault::kSilentDaemon &&
+    return (route_ != Route::kGathered || set_by_digest_) && fault_ != Fault::kSilentDaemon &&
            (!executed() || fault_ == Fault::kFoldedWave);
   }
+  // This attempt's Prepare named the layouts by digest (SyncResponse.layouts_by_digest).
+  bool layoutsByDigest() const { return set_by_digest_ || (route_ != Route::kGathered && !digests_.src.empty()); }
   // Folds refused in a row, this attempt's included (for the attempt that runs it again in full).
   int foldRefusals() const { return fault_ == Fault::kFoldedWave ? repeat_->fold_refusals + 1 : 0; }
   // After a failed run: the seconds of each phase it finished and of the one it failed in.
@@ -276,6 +279,8 @@ class SyncCoordinator {
   // A plain sync that committed: its view kept under `repeat_key` (repeat_cache.h), with the
   // daemons' Prepare answers (their next landings) and what its Prepare cost.
   void keepView(const std::string& repeat_key);
+  // (node, instance) of every daemon of the view, in its order: what a SetMemo compares.
+  std::vector<std::pair<std::string, std::string>> daemonInstances() const;
   // Runs one phase and records its seconds in out_ (the setter `seconds`), whether it succeeds.
   Status timed(Status (SyncCoordinator::*phase)(), void (v1::SyncResponse::*seconds)(double));
   // Finishes the sync on every daemon (commit or abort) at once; the per-daemon results.
@@ -386,6 +391,9 @@ class SyncCoordinator {
 
   std::shared_ptr<const ClusterSnapshot> cluster_;  // shared with the repeat cache
   Route route_ = Route::kGathered;
+  // A replica set's Prepare names the layouts by digest (repeat_cache.h, SetMemo): a refusal
+  // before anything executed then runs the sync again with them (retryInFull).
+  bool set_by_digest_ = false;
   mutable std::vector<int64_t> daemon_at_;  // writesTo: plan node -> daemon of cluster_ (-1: none)
   Fault fault_ = Fault::kOther;
   std::shared_ptr<const RepeatView> repeat_;   // the kept view a repeated sync runs on

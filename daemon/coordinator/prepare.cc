@@ -32,6 +32,16 @@ Status SyncCoordinator::plan() {
                                      : ctx_.engine.plans().getRepeated(src_, dst_, digests_, key, &plan_cached_);
   if (!plan.ok()) return failed(plan.status());
   plan_ = std::move(*plan);
+  // A replica set's sync into the same members, from the same source, over the same daemons as
+  // its last committed one names the layouts by digest (repeat_cache.h, SetMemo).
+  if (!replicas_.empty() && reads_ == Reads::kSource && ctx_.repeats && !ctx_.full_gather &&
+      !req_.options().catch_up() && !plan_->src_digest.empty())
+    if (const auto memo = ctx_.repeats->findSet(RepeatCache::keyOf(req_, ctx_.caller_uid))) {
+      const auto& daemons = cluster_->view.daemons();
+      set_by_digest_ =
+          memo->plan_key == plan_->key && memo->daemons == daemonInstances() &&
+          std::all_of(daemons.begin(), daemons.end(), [](const auto& d) { return d.set_layouts_by_digest(); });
+    }
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
     ProgressBoard::setPhase(p, v1::SYNC_PREPARING);
     p.set_bytes_total(static_cast<uint64_t>(plan_->plan.stats.network_bytes));
@@ -62,11 +72,23 @@ v1::PrepareRequest SyncCoordinator::prepareRequest() const {
     p.mutable_dst()->set_group(dst_.group());
     p.set_src_digest(digests_.src);
     p.set_dst_digest(digests_.dst);
+  } else if (set_by_digest_) {  // the members' groups, and the digests each daemon planned them under
+    p.mutable_src()->set_group(src_.group());
+    p.set_src_digest(plan_->src_digest);
+    *p.mutable_dst() = dst_;
+    for (const auto& m : plan_->members) {
+      v1::Layout* named = p.add_replicas();
+      named->set_group(m.group);
+      named->set_replica_set(dst_.group());
+      named->set_replica(m.replica);
+      p.add_replica_digests(m.digest);
+    }
   } else {
     *p.mutable_src() = src_;
     *p.mutable_dst() = dst_;
   }
-  for (const auto& r : replicas_) *p.add_replicas() = r.layout;
+  if (!set_by_digest_)
+    for (const auto& r : replicas_) *p.add_replicas() = r.layout;
   // Whose groups the gather found these to be: each daemon checks its own registrations (a rank
   // that changed hands since is neither read nor written).
   std::vector<std::string> groups{src_group_};
@@ -238,12 +260,15 @@ Status SyncCoordinator::prepareFailed(const std::vector<grpc::Status>& results, 
   const std::string stalled = lease_keeper_->stalled();
   // Skipping the gather skipped its Describe calls: a daemon silent here is silent to the
   // peer set too (its lease runs from this call, as it would have from the gather's). One that
-  // did not answer in time fails the sync as the gather would have (no second wait for it).
-  if (route_ != Route::kGathered)
+  // did not answer in time fails the sync as the gather would have (no second wait for it). One
+  // silent to a set's Prepare by digest is not run again with the layouts either (retryInFull):
+  // that would wait for it once more; its replicas are cut as after any set's Prepare.
+  if (route_ != Route::kGathered || set_by_digest_)
     for (size_t i = 0; i < daemons.size(); ++i) {
       const grpc::StatusCode code = results[i].error_code();
       const bool silent = code == grpc::StatusCode::DEADLINE_EXCEEDED || daemons[i].node() == stalled;
-      if (silent || code == grpc::StatusCode::UNAVAILABLE) ctx_.peers.noteSilent(cluster_->addresses[i], started);
+      if (route_ != Route::kGathered && (silent || code == grpc::StatusCode::UNAVAILABLE))
+        ctx_.peers.noteSilent(cluster_->addresses[i], started);
       if (silent) fault_ = Fault::kSilentDaemon;
     }
   faulty_node_ = stalled.empty() ? daemons[at_fault].node() : stalled;

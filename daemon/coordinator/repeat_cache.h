@@ -8,7 +8,8 @@
 // did). Daemons outside the kept view are not asked: nothing is written there, and what they
 // registered since (a group of the same name, another uid's) is seen by the next full gather.
 // Plain syncs only: a replica set's membership and a catch-up's seed are decided anew at every
-// gather.
+// gather. A replica set's sync keeps less (SetMemo): what lets the next one, after its gather,
+// name the layouts in its Prepare by digest.
 #pragma once
 
 #include <algorithm>
@@ -18,6 +19,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "daemon/coordinator/cluster.h"
 #include "daemon/engine/plan_cache.h"
@@ -54,6 +57,16 @@ struct RepeatView {
   }
 };
 
+// A replica set's last committed sync, per caller: its plan's key (the source's and every
+// member's digest, the budgets) and its daemons. A sync whose gather finds the same plan key and
+// the same daemons (node and instance: a restarted daemon's plan cache is empty) sends its Prepare
+// with the layouts by digest (PrepareRequest.replica_digests); a daemon whose cache lost the plan
+// refuses it as a stale view, and the coordinator runs the sync again with the layouts.
+struct SetMemo {
+  std::string plan_key;
+  std::vector<std::pair<std::string, std::string>> daemons;  // (node, instance), the gather's order
+};
+
 class RepeatCache {
  public:
   // The views kept at most (one per pair of groups and caller): the oldest goes first.
@@ -64,12 +77,17 @@ class RepeatCache {
 
   std::shared_ptr<const RepeatView> find(const std::string& key) const;
   void keep(const std::string& key, std::shared_ptr<const RepeatView> view);
+  // Forgets both the view and the set memo kept under `key`.
   void forget(const std::string& key);
+
+  std::optional<SetMemo> findSet(const std::string& key) const;
+  void keepSet(const std::string& key, SetMemo memo);
 
  private:
   mutable std::mutex mu_;
   uint64_t next_ = 0;
   std::map<std::string, std::pair<uint64_t, std::shared_ptr<const RepeatView>>> views_;  // key -> (age, view)
+  std::map<std::string, std::pair<uint64_t, SetMemo>> sets_;                             // key -> (age, memo)
 };
 
 }  // namespace shardcast::daemon

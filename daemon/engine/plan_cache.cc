@@ -11,6 +11,22 @@
 
 namespace shardcast::daemon {
 
+namespace {
+
+bool digestLike(const std::string& d) {
+  return d.size() == 16 && d.find_first_not_of("0123456789abcdef") == std::string::npos;
+}
+
+// PlanKey::str with a replica set's membership in place of one destination digest.
+std::string setKey(const PlanKey& key, const std::string& src_digest, const std::string& set_name,
+                   const std::vector<CachedPlan::Member>& members) {
+  std::string listed;
+  for (const auto& m : members) listed += strCat(m.replica, ":", m.digest, ",");
+  return key.str(src_digest, strCat("set:", set_name, "[", listed, "]"));
+}
+
+}  // namespace
+
 StatusOr<planner::Strategy> strategyOf(int strategy, v1::DeltaMode delta) {
   if (!v1::SyncStrategy_IsValid(strategy))
     return absl::InvalidArgumentError(strCat("sync strategy ", strategy,
@@ -70,12 +86,15 @@ std::shared_ptr<const CachedPlan> PlanCache::lookup(const std::string& key, cons
 }
 
 std::shared_ptr<const CachedPlan> PlanCache::insert(const std::string& key, std::string fingerprint,
-                                                    planner::Schedule schedule, std::string bases_key) {
+                                                    planner::Schedule schedule, std::string bases_key,
+                                                    std::string src_digest, std::vector<CachedPlan::Member> members) {
   auto c = std::make_shared<CachedPlan>();
   static_cast<planner::Schedule&>(*c) = std::move(schedule);
   c->key = key;
   c->bases_key = bases_key.empty() ? key : std::move(bases_key);
   c->fingerprint = std::move(fingerprint);
+  c->src_digest = std::move(src_digest);
+  c->members = std::move(members);
   std::lock_guard<std::mutex> lock(mu_);
   if (auto raced = plans_.find(key); raced != plans_.end()) {
     if (raced->second.plan->fingerprint == c->fingerprint) return raced->second.plan;  // planned twice at once
@@ -87,6 +106,12 @@ std::shared_ptr<const CachedPlan> PlanCache::insert(const std::string& key, std:
   plans_[key] = Entry{c, lru_.begin()};
   while (plans_.size() > capacity_) evictLocked(plans_.find(lru_.back()));
   return c;
+}
+
+void PlanCache::setCapacity(size_t capacity) {
+  std::lock_guard<std::mutex> lock(mu_);
+  capacity_ = capacity == 0 ? 1 : capacity;
+  while (plans_.size() > capacity_) evictLocked(plans_.find(lru_.back()));
 }
 
 void PlanCache::evictLocked(std::map<std::string, Entry>::iterator it) {
@@ -154,10 +179,7 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::forPrepare(const v1::Prep
     *digests = {planner::layoutDigest(req.src()), planner::layoutDigest(req.dst())};
     return get(req.src(), req.dst(), *digests, key, hit);
   }
-  const auto digest_like = [](const std::string& d) {
-    return d.size() == 16 && d.find_first_not_of("0123456789abcdef") == std::string::npos;
-  };
-  if (!digest_like(req.src_digest()) || !digest_like(req.dst_digest()) || req.replicas_size() > 0 || req.seed() ||
+  if (!digestLike(req.src_digest()) || !digestLike(req.dst_digest()) || req.replicas_size() > 0 || req.seed() ||
       req.expect_size() == 0)
     return absl::InvalidArgumentError(
         strCat("prepare of sync ", req.sync_id(),
@@ -195,15 +217,14 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
   // Each layout serialised once, for its digest and the fingerprint both (a set gathers and
   // digests its members at every sync).
   std::vector<std::string> planned_from{planner::serializedLayout(src)};
-  const std::string src_digest = planner::layoutDigestOf(planned_from.front());
-  std::string members;
+  std::string src_digest = planner::layoutDigestOf(planned_from.front());
+  std::vector<CachedPlan::Member> members;
   for (const auto& r : replicas) {
     planned_from.push_back(planner::serializedLayout(r.layout));
-    members += strCat(r.id, ":", planner::layoutDigestOf(planned_from.back()), ",");
+    members.push_back({r.layout.group(), r.id, planner::layoutDigestOf(planned_from.back())});
   }
   const std::string& set_name = replicas.front().layout.replica_set();
-  // PlanKey::str with the set's membership in place of one destination digest.
-  const std::string key = plan_key.str(src_digest, strCat("set:", set_name, "[", members, "]"));
+  const std::string key = setKey(plan_key, src_digest, set_name, members);
   std::string fingerprint = fingerprintOfBytes(planned_from);
   if (auto cached = lookup(key, fingerprint, hit)) return cached;
   const std::string template_bytes = planner::replicaBytes(replicas.front().layout);
@@ -227,7 +248,7 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
     SC_RETURN_IF_ERROR(planner::checkReplicaSet(replicas));
     SC_ASSIGN_OR_RETURN(auto schedule, planner::makeSchedule(src, planner::stackReplicas(replicas), staging_budget,
                                                              chunk_bytes, plan_key.zero_copy));
-    return insert(key, std::move(fingerprint), std::move(schedule));
+    return insert(key, std::move(fingerprint), std::move(schedule), {}, std::move(src_digest), std::move(members));
   }
   SC_ASSIGN_OR_RETURN(auto set, std::move(planned));
   if (!set.reused_positions) {
@@ -247,7 +268,43 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
   std::string bases_key = plan_key.str(src_digest, strCat("set:", set_name, "/", replica_digest, "/", pattern));
   SC_ASSIGN_OR_RETURN(auto schedule, planner::scheduleOf(std::move(set.nodes), std::move(set.src), std::move(set.dst),
                                                          std::move(set.plan), staging_budget, plan_key.zero_copy));
-  return insert(key, std::move(fingerprint), std::move(schedule), std::move(bases_key));
+  return insert(key, std::move(fingerprint), std::move(schedule), std::move(bases_key), std::move(src_digest),
+                std::move(members));
+}
+
+StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::forSetPrepare(const v1::PrepareRequest& req, const PlanKey& key,
+                                                                     const std::string& node, bool* hit) {
+  const std::string& set_name = req.dst().group();
+  bool well_formed = digestLike(req.src_digest()) && req.dst_digest().empty() && !req.seed() &&
+                     req.replicas_size() > 0 && req.replica_digests_size() == req.replicas_size();
+  std::vector<CachedPlan::Member> members;
+  for (int i = 0; well_formed && i < req.replicas_size(); ++i) {
+    const v1::Layout& r = req.replicas(i);
+    well_formed = digestLike(req.replica_digests(i)) && r.replica_set() == set_name;
+    members.push_back({r.group(), r.replica(), req.replica_digests(i)});
+  }
+  if (!well_formed)
+    return absl::InvalidArgumentError(
+        strCat("prepare of sync ", req.sync_id(),
+               ": a replica set's layouts named by digest need the source's digest and one digest per replica of "
+               "the set (16 hex digits each), and no destination digest and no seed"));
+  auto plan = lookup(setKey(key, req.src_digest(), set_name, members), hit);
+  if (!plan)
+    return absl::FailedPreconditionError(strCat("prepare of sync ", req.sync_id(), ": node ", quote(node),
+                                                " no longer caches the plan of layout ", req.src_digest(),
+                                                " into replica set ", quote(set_name), " (", kStaleView, ")"));
+  // As forPrepare: the groups it fences must be those whose bytes the plan moves; a plan of
+  // other groups under these digests (ids and digests alike, groups not) is not this sync's.
+  if (plan->src.group != req.src().group() || plan->dst.group != set_name || plan->members != members) {
+    std::vector<std::string> cached, asked;
+    for (const auto& m : plan->members) cached.push_back(m.group);
+    for (const auto& m : members) asked.push_back(m.group);
+    return absl::FailedPreconditionError(
+        strCat("prepare of sync ", req.sync_id(), ": node ", quote(node), " caches the plan of these digests for ",
+               quote(plan->src.group), " -> ", quote(plan->dst.group), " [", strJoin(cached, ", "), "], not ",
+               quote(req.src().group()), " -> ", quote(set_name), " [", strJoin(asked, ", "), "] (", kStaleView, ")"));
+  }
+  return plan;
 }
 
 uint64_t PlanCache::positionPlansMade() const {

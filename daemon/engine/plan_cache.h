@@ -44,6 +44,16 @@ struct CachedPlan : planner::Schedule {
   // SHA-256 of the layouts it was planned from (PlanCache::fingerprintOf): what tells it apart
   // from layouts that merely share its digests (xxHash64, not collision resistant).
   std::string fingerprint;
+  // A replica set's composed plan: the source's digest and the members it was planned for, in
+  // stacking order, each with its layout's digest: what a Prepare names it by (forSetPrepare).
+  struct Member {
+    std::string group;
+    int32_t replica = 0;
+    std::string digest;
+    bool operator==(const Member& o) const { return group == o.group && replica == o.replica && digest == o.digest; }
+  };
+  std::string src_digest;
+  std::vector<Member> members;
   std::string landedProblem(const LandedChunk& l, int32_t in_wave, int32_t self) const {
     return Schedule::landedProblem(l.transfer, l.chain, l.hop, l.chunk, in_wave, self);
   }
@@ -86,6 +96,9 @@ class PlanCache {
   static std::string fingerprintOfBytes(const std::vector<std::string>& parts);
 
   explicit PlanCache(size_t capacity = 16) : capacity_(capacity == 0 ? 1 : capacity) {}
+  // The plans kept at most (the daemon's --plan-cache-entries; at least 1); the least recently
+  // used beyond it are evicted now (reported by takeEvicted).
+  void setCapacity(size_t capacity);
   // The plan of these layouts under `key`; *hit says whether it was cached.
   StatusOr<std::shared_ptr<const CachedPlan>> get(const v1::Layout& src, const v1::Layout& dst, const PlanKey& key,
                                                   bool* hit);
@@ -105,6 +118,12 @@ class PlanCache {
   // answers (else FAILED_PRECONDITION, kStaleView, naming `node`). *digests: the two digests.
   StatusOr<std::shared_ptr<const CachedPlan>> forPrepare(const v1::PrepareRequest& req, const PlanKey& key,
                                                          const std::string& node, bool* hit, LayoutDigests* digests);
+  // The plan a replica set's Prepare names by digest (PrepareRequest.src_digest and
+  // replica_digests: a set's sync whose source, members and daemons are its last one's), which
+  // only a composed plan cached here for these very groups answers (else FAILED_PRECONDITION,
+  // kStaleView, naming `node`); INVALID_ARGUMENT for a malformed request.
+  StatusOr<std::shared_ptr<const CachedPlan>> forSetPrepare(const v1::PrepareRequest& req, const PlanKey& key,
+                                                            const std::string& node, bool* hit);
   // The plan of a sync from `src` into the replica set `replicas` (planner/replicas.h), whose
   // destination is stackReplicas(replicas) (CachedPlan::dst). Plans are cached per membership;
   // the set's position plan apart from them, so a replica that joins or leaves costs a
@@ -137,12 +156,13 @@ class PlanCache {
   // meanwhile; one of other layouts under the same key is replaced and reported evicted),
   // evicting the least recently used beyond capacity. `bases_key` empty: the key.
   std::shared_ptr<const CachedPlan> insert(const std::string& key, std::string fingerprint, planner::Schedule schedule,
-                                           std::string bases_key = {});
+                                           std::string bases_key = {}, std::string src_digest = {},
+                                           std::vector<CachedPlan::Member> members = {});
   // With mu_ held: drops `it`, reporting its key evicted, and its bases key unless another cached
   // plan (of another membership of its set) shares it.
   void evictLocked(std::map<std::string, Entry>::iterator it);
 
-  const size_t capacity_;
+  size_t capacity_;  // (mu_)
   mutable std::mutex mu_;
   std::map<std::string, Entry> plans_;
   // Position plans by (source digest, replica digest, chunk size, the fingerprint of the source

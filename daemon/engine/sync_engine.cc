@@ -125,13 +125,19 @@ Status checkExpected(const v1::PrepareRequest& req, const std::string& node, con
 // its digest left for its plan to give. None may be the sync's source.
 Status readDestinations(const v1::PrepareRequest& req, SyncAttempt& a, Registry::Destination& destination,
                         std::vector<planner::Replica>& replicas) {
-  for (const auto& r : req.replicas()) {
+  // (Named by digest, PrepareRequest.replica_digests, the replicas carry no layout: their plan is
+  // found by those digests, PlanCache::forSetPrepare, which checks that there is one per replica.)
+  const bool by_digest = req.replica_digests_size() > 0;
+  for (int i = 0; i < req.replicas_size(); ++i) {
+    const v1::Layout& r = req.replicas(i);
     if (r.replica_set() != a.dst_group)
       return absl::InvalidArgumentError(strCat("prepare of sync ", a.id, ": group \"", r.group(),
                                                "\" is not a replica of set \"", a.dst_group, "\""));
     replicas.push_back({r.replica(), r});
     a.dst_members.push_back(r.group());
-    destination.emplace_back(r.group(), planner::layoutDigest(r));
+    destination.emplace_back(r.group(), !by_digest                       ? planner::layoutDigest(r)
+                                        : i < req.replica_digests_size() ? req.replica_digests(i)
+                                                                         : std::string());
   }
   if (destination.empty()) destination.emplace_back(a.dst_group, std::string());
   for (const auto& [group, digest] : destination)  // a catch-up's seed is read, never written
@@ -275,9 +281,13 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   if (plain) {
     SC_ASSIGN_OR_RETURN(a->plan, plans_.forPrepare(req, plan_key, node_, &hit, &digests));
     destination.front().second = digests.dst;
+  } else if (!req.src_digest().empty() || req.replica_digests_size() > 0) {  // a set's layouts by digest
+    SC_ASSIGN_OR_RETURN(a->plan, plans_.forSetPrepare(req, plan_key, node_, &hit));
+    digests.src = req.src_digest();
+    a->member_world = a->plan->dst.world() / static_cast<int32_t>(replicas.size());
   } else {
-    digests.src = planner::layoutDigest(req.src());
     SC_ASSIGN_OR_RETURN(a->plan, plans_.getReplicaSet(req.src(), replicas, plan_key, &hit));
+    digests.src = a->plan->src_digest;
     a->member_world = a->plan->dst.world() / static_cast<int32_t>(replicas.size());
   }
   for (const auto& key : plans_.takeEvicted()) {  // spare memory and delta bases go with their plan

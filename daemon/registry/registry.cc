@@ -547,8 +547,9 @@ v1::DescribeResponse Registry::describe(const v1::DescribeRequest& ask) const {
     return d;
   }
   d.set_transport_address(transport_.address());
-  d.set_relays_call_parts(true);  // (relay.cc: this build's relays do)
-  d.set_delta_tree_hash(true);    // (execution.cc: this build's decode checks both hashes)
+  d.set_relays_call_parts(true);      // (relay.cc: this build's relays do)
+  d.set_delta_tree_hash(true);        // (execution.cc: this build's decode checks both hashes)
+  d.set_set_layouts_by_digest(true);  // (PlanCache::forSetPrepare)
   const bool host_safe = hostSafe();
   std::lock_guard<std::mutex> lock(mu_);
   d.set_generation(generation_);  // of exactly what follows

@@ -25,10 +25,10 @@ std::string DaemonConfig::describe() const {
      << " peer_timeout_ms=" << peer_timeout_ms << " peer_lease_ms=" << peer_lease_ms << " relay_fanout=" << relay_fanout
      << " fold_prepare=" << fold_prepare << " chunk_kib=" << (chunk_bytes >> 10) << " staging_mib=" << staging_mib
      << " window_kib=" << (window_bytes >> 10) << " nic_gbps=" << nic_gbps << " delta_cache_mib=" << delta_cache_mib
-     << " delta_device_mib=" << delta_device_mib << " delta_dense_every=" << delta_dense_every
-     << " metrics=" << (metrics.empty() ? "(off)" : metrics) << " sync_lease_ms=" << sync_lease_ms
-     << " max_sync_lease_ms=" << max_sync_lease_ms << " owner_grace_s=" << owner_grace_s
-     << " max_local_connections_per_uid=" << max_local_connections_per_uid
+     << " plan_cache_entries=" << plan_cache_entries << " delta_device_mib=" << delta_device_mib
+     << " delta_dense_every=" << delta_dense_every << " metrics=" << (metrics.empty() ? "(off)" : metrics)
+     << " sync_lease_ms=" << sync_lease_ms << " max_sync_lease_ms=" << max_sync_lease_ms
+     << " owner_grace_s=" << owner_grace_s << " max_local_connections_per_uid=" << max_local_connections_per_uid
      << " max_connections_per_address=" << max_connections_per_address
      << " max_handshaking_connections=" << max_handshaking_connections << " grpc_memory_mib=" << grpc_memory_mib
      << " shutdown_grace_ms=" << shutdown_grace_ms << " max_wait_ms=" << max_wait_ms
@@ -207,6 +207,12 @@ SizeFlags addTransferFlags(CLI::App& app, DaemonConfig& c) {
                  "(chunks beyond it travel dense; 0: no delta syncs from this node)")
       ->envname("SHARDCAST_DELTA_CACHE_MIB")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30))
+      ->capture_default_str();
+  app.add_option("--plan-cache-entries", c.plan_cache_entries,
+                 "Plans this daemon keeps for syncs that repeat (each pair of layouts, each replica set's "
+                 "membership), the least recently used evicted first (a plan's memory grows with its layouts)")
+      ->envname("SHARDCAST_PLAN_CACHE_ENTRIES")
+      ->check(CLI::Range(1, 4096))
       ->capture_default_str();
   app.add_option("--delta-device-mib", c.delta_device_mib,
                  "GPU memory for delta syncs' bases of chunks packed from device memory, over all GPUs of this node: "

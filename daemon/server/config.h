@@ -60,6 +60,7 @@ struct DaemonConfig {
   int64_t chunk_bytes = int64_t{64} << 20;
   int64_t window_bytes = int64_t{128} << 20;
   int64_t delta_cache_mib = 8192;           // host memory for delta bases (all plans)
+  int plan_cache_entries = 16;              // plans kept for syncs that repeat (PlanCache)
   int64_t delta_device_mib = 0;             // GPU memory for delta bases (all GPUs): encoded there
   int64_t delta_dense_every = 0;            // DELTA_AUTO syncs of versions divisible by this go dense
   std::string metrics = kDefaultMetrics;    // Prometheus /metrics host:port ("" = off)

@@ -352,6 +352,7 @@ int main(int argc, char** argv) {
   SyncEngine engine(config->node, registry, **transport, metrics, static_cast<uint64_t>(config->window_bytes), nullptr,
                     static_cast<uint64_t>(config->delta_cache_mib) << 20,
                     static_cast<uint64_t>(config->delta_device_mib) << 20, peer_limits);
+  engine.plans().setCapacity(static_cast<size_t>(config->plan_cache_entries));
   connectMetrics(metrics, *config, registry, engine, peers);
   auto metrics_server = startMetricsServer(*config, metrics);
   if (!metrics_server.ok()) return fail(std::string(metrics_server.status().message()));

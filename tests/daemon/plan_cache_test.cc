@@ -254,6 +254,85 @@ TEST_CASE("plan cache: a replica set's delta bases are kept under one key for ev
   CHECK(last->bases_key == last->key);  // a plain group's bases are its plan's
 }
 
+TEST_CASE(
+    "plan cache: a replica set's Prepare by digest takes the composed plan of those very groups - else a stale "
+    "view",
+    "[daemon][plan-cache][replicas]") {
+  PlanCache cache(2);
+  const v1::Layout src = *planner::parseLayoutJson(
+      R"({"group":"train","mesh":{"shape":[1]},"nodes":["t0"],"tensors":[{"name":"w","shape":[64,32],"dtype":"float32"}]})",
+      "train");
+  bool hit = false;
+  auto full = cache.getReplicaSet(src, {replica(0), replica(1)}, key(1 << 20), &hit);
+  REQUIRE(full.ok());
+  CHECK((*full)->src_digest == planner::layoutDigest(src));
+  REQUIRE((*full)->members.size() == 2);
+  CHECK((*full)->members[1] ==
+        CachedPlan::Member{"rollout.r1", 1, planner::layoutDigest(replica(1).layout)});  // stacking order
+
+  // What a coordinator sends once every daemon planned the set: groups and digests only.
+  const auto byDigest = [&](const std::vector<CachedPlan::Member>& members) {
+    v1::PrepareRequest req;
+    req.set_sync_id("again");
+    req.mutable_src()->set_group("train");
+    req.set_src_digest((*full)->src_digest);
+    req.mutable_dst()->set_group("rollout");
+    for (const auto& m : members) {
+      v1::Layout* named = req.add_replicas();
+      named->set_group(m.group);
+      named->set_replica_set("rollout");
+      named->set_replica(m.replica);
+      req.add_replica_digests(m.digest);
+    }
+    return req;
+  };
+  const auto members = (*full)->members;
+  auto again = cache.forSetPrepare(byDigest(members), key(1 << 20), "r0a", &hit);
+  REQUIRE(again.ok());
+  CHECK(hit);
+  CHECK(again->get() == full->get());
+
+  const auto refused = [&](const v1::PrepareRequest& req, absl::StatusCode code, const std::string& says) {
+    auto plan = cache.forSetPrepare(req, key(1 << 20), "r0a", &hit);
+    REQUIRE_FALSE(plan.ok());
+    CHECK(plan.status().code() == code);
+    CHECK_THAT(std::string(plan.status().message()), Catch::Contains(says));
+  };
+  // Not cached: another membership, another chunk size, a source digest never planned here.
+  refused(byDigest({members[0]}), absl::StatusCode::kFailedPrecondition, kStaleView);
+  {
+    auto plan = cache.forSetPrepare(byDigest(members), key(1 << 10), "r0a", &hit);
+    CHECK_THAT(std::string(plan.status().message()), Catch::Contains(kStaleView));
+  }
+  auto other_source = byDigest(members);
+  other_source.set_src_digest("0123456789abcdef");
+  refused(other_source, absl::StatusCode::kFailedPrecondition, "no longer caches the plan of layout 0123456789abcdef");
+  // The same ids and digests under other groups (a replica re-registered under another name, or
+  // layouts crafted to collide): not this sync's plan, whatever the digests say.
+  auto renamed = members;
+  renamed[1].group = "rollout.other";
+  refused(byDigest(renamed), absl::StatusCode::kFailedPrecondition, "[rollout.r0, rollout.other] (a stale view)");
+  auto other_src_group = byDigest(members);
+  other_src_group.mutable_src()->set_group("evil");
+  refused(other_src_group, absl::StatusCode::kFailedPrecondition, kStaleView);
+  // Malformed: a digest missing or not a digest, a destination digest, a seed.
+  auto missing = byDigest(members);
+  missing.mutable_replica_digests()->RemoveLast();
+  refused(missing, absl::StatusCode::kInvalidArgument, "one digest per replica");
+  auto not_hex = byDigest(members);
+  not_hex.set_replica_digests(0, "not a digest....");
+  refused(not_hex, absl::StatusCode::kInvalidArgument, "16 hex digits");
+  auto with_dst = byDigest(members);
+  with_dst.set_dst_digest((*full)->src_digest);
+  refused(with_dst, absl::StatusCode::kInvalidArgument, "no destination digest");
+  auto seed = byDigest(members);
+  seed.set_seed(true);
+  refused(seed, absl::StatusCode::kInvalidArgument, "no seed");
+  auto other_set = byDigest(members);
+  other_set.mutable_replicas(0)->set_replica_set("elsewhere");
+  refused(other_set, absl::StatusCode::kInvalidArgument, "one digest per replica of the set");
+}
+
 TEST_CASE("plan key: zero copy only for a dense sync through no packed-only buffer", "[daemon][plan]") {
   using shardcast::v1::DELTA_AUTO;
   using shardcast::v1::DELTA_OFF;

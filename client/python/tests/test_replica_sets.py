@@ -201,6 +201,43 @@ def kill(engine: subprocess.Popen) -> None:
     engine.wait()
 
 
+def test_a_set_sync_that_repeats_names_the_layouts_by_digest_and_a_daemon_that_lost_the_plan_gets_them_again():
+    """A set's layouts are most of its Prepare (a 1T MoE's source and 8 replicas: 73 MB to
+    every daemon). A sync whose gather finds the source, members and daemons of the last committed
+    one sends them by digest; a daemon whose plan cache lost the set's plan refuses that as a stale
+    view, and the call runs the sync again with the layouts."""
+    shardcastd_path()
+    with LocalCluster(["n0", "n1", "n2"], extra=["--plan-cache-entries", "1"]) as c:
+        clients, src, trainers, (r0, r1) = trainer_and_replicas(c, 2)
+        first = src.sync("trainer", "rollout", 1)
+        assert not first.layouts_by_digest and holds(r0, 1) and holds(r1, 1)
+        step(trainers, 2)
+        again = src.sync("trainer", "rollout", 2)
+        assert again.layouts_by_digest and again.plan_cached
+        assert outcomes(again) == {"rollout.r0": (True, ""), "rollout.r1": (True, "")}
+        assert holds(r0, 2) and holds(r1, 2)
+
+        # A plain sync into a group on n1 takes the one place in n1's plan cache.
+        solo_layout = {"group": "solo", "mesh": {"shape": [1]}, "nodes": ["n1"],
+                       "tensors": [{"name": n, "shape": list(shape), "dtype": np.dtype(rank_worker.DTYPES[n]).name,
+                                    "placements": [{"replicate": {}}]} for n, shape in rank_worker.SHAPES.items()]}
+        solo = clients["n1"].register("solo", 0, 1, {n: np.zeros(shape, rank_worker.DTYPES[n])
+                                                     for n, shape in rank_worker.SHAPES.items()}, solo_layout)
+        src.sync("trainer", "solo", 2)
+        assert all(np.array_equal(solo.tensors[n], rank_worker.full(n, 2)) for n in rank_worker.SHAPES)
+        misses = metric(c, "n1", "shardcast_plan_cache_misses_total")
+        step(trainers, 3)
+        resp = src.sync("trainer", "rollout", 3)
+        # n1 missed twice: the plan named by digest (refused as a stale view), then the layouts.
+        assert metric(c, "n1", "shardcast_plan_cache_misses_total") == misses + 2
+        assert not resp.layouts_by_digest  # (the attempt that committed had the layouts)
+        assert outcomes(resp) == {"rollout.r0": (True, ""), "rollout.r1": (True, "")}
+        assert holds(r0, 3) and holds(r1, 3)
+        step(trainers, 4)
+        assert src.sync("trainer", "rollout", 4).layouts_by_digest  # planned again everywhere: by digest
+        assert holds(r0, 4) and holds(r1, 4)
+
+
 def test_a_replica_whose_process_is_killed_between_syncs_is_named_in_the_next_response():
     """A replica's engine process is killed (SIGKILL) between two syncs: its daemon unregisters its
     ranks with the process's session, and the next sync that commits names it as having left
