@@ -128,8 +128,9 @@ int main(int argc, char** argv) {
       dir.clear(), i = argc;
   }
   if (dir.empty()) {
-    fmt::print(stderr, "usage: set_prepare_bench --layouts DIR [--replicas \"1 4 8\"] [--rounds 5]\n"
-                       "  (DIR: plan_bench --dst-replicas 1 --write-layouts DIR)\n");
+    fmt::print(stderr,
+               "usage: set_prepare_bench --layouts DIR [--replicas \"1 4 8\"] [--rounds 5]\n"
+               "  (DIR: plan_bench --dst-replicas 1 --write-layouts DIR)\n");
     return 2;
   }
   auto src = planner::readLayoutFile(dir + "/trainer.json");

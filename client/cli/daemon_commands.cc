@@ -157,7 +157,11 @@ int runSync(const SyncArgs& a) {
       planner::humanBytes(static_cast<double>(r.network_bytes())),
       planner::humanBytes(static_cast<double>(r.local_bytes())), r.waves(), r.seconds(), gbps, r.gather_seconds(),
       r.repeated() ? " (skipped: it repeats the last sync)" : "", r.plan_seconds(), r.plan_cached() ? " (cached)" : "",
-      r.prepare_seconds(), r.folded() ? " (folded into the first wave)" : "", r.execute_seconds(), r.finish_seconds());
+      r.prepare_seconds(),
+      r.folded()                               ? " (folded into the first wave)"
+      : r.layouts_by_digest() && !r.repeated() ? " (layouts by digest)"
+                                               : "",
+      r.execute_seconds(), r.finish_seconds());
   for (const auto& replica : r.replicas())  // a replica set: each replica, committed, cut or left, and why
     std::cout << (replica.committed()
                       ? fmt::format("  replica {} ({}): committed\n", replica.replica(), shown(replica.group()))
