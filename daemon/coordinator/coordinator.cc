@@ -101,8 +101,15 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
   if (ctx_.repeats && !req_.options().catch_up() && reads_ == Reads::kSource) {
     if (replicas_.empty())
       keepView(repeat_key);
-    else if (!plan_->src_digest.empty())
-      ctx_.repeats->keepSet(repeat_key, SetMemo{plan_->key, daemonInstances()});
+    else if (!plan_->src_digest.empty()) {
+      // Stale refusals in a row: none once a Prepare by digest committed; an attempt run again
+      // with the layouts (or one that no longer tries by digest) keeps the count.
+      int stale = 0;
+      if (!set_by_digest_)
+        if (const auto memo = ctx_.repeats->findSet(repeat_key); memo && memo->plan_key == plan_->key)
+          stale = memo->stale_refusals;
+      ctx_.repeats->keepSet(repeat_key, SetMemo{plan_->key, daemonInstances(), stale});
+    }
   }
   out_.set_layouts_by_digest(layoutsByDigest());
   const auto& stats = plan_->plan.stats;

@@ -195,17 +195,20 @@ class SyncCoordinator {
   // else the replicas only on the faulty node. `node_failed`: the node failed (it is asked no
   // more in this sync), rather than one replica refusing.
   std::vector<std::string> replicasToCut(bool* node_failed) const;
-  // After a failed run: it skipped the gather, or named a replica set's layouts by digest, and
-  // failed before anything was executed (a daemon's registrations changed, its ranks are not at
-  // the version, its address is gone, its plan cache lost the set's plan...): run it again with a
-  // full gather and the layouts, which names the fault as it always does. Not when a daemon did not
+  // After a failed run: it skipped the gather and failed before anything was executed (a daemon's
+  // registrations changed, its ranks are not at the version, its address is gone...), or named a
+  // replica set's layouts by digest to a daemon whose plan cache lost their plan: run it again
+  // with a full gather and the layouts, which names the fault as it always does. Not when a daemon did not
   // answer in time: the gather would wait for it again, and fail the same way.
   // A folded attempt (its Prepare riding on wave 0) that failed in that wave without a silent
   // daemon is run again in full too: its daemons' Prepare refusals come back from that wave.
   bool retryInFull() const {
-    return (route_ != Route::kGathered || set_by_digest_) && fault_ != Fault::kSilentDaemon &&
+    return (route_ != Route::kGathered || fault_ == Fault::kStaleSet) && fault_ != Fault::kSilentDaemon &&
            (!executed() || fault_ == Fault::kFoldedWave);
   }
+  // A replica set's Prepare named the layouts by digest and a daemon no longer cached their plan
+  // (repeat_cache.h, SetMemo::stale_refusals).
+  bool setLayoutsStale() const { return fault_ == Fault::kStaleSet; }
   // This attempt's Prepare named the layouts by digest (SyncResponse.layouts_by_digest).
   bool layoutsByDigest() const { return set_by_digest_ || (route_ != Route::kGathered && !digests_.src.empty()); }
   // Folds refused in a row, this attempt's included (for the attempt that runs it again in full).
@@ -318,6 +321,7 @@ class SyncCoordinator {
     kOther,
     kSilentDaemon,  // a daemon did not answer its Prepare in time: a gather would wait for it too
     kFoldedWave,    // its Prepares rode on wave 0 and that wave failed, every daemon answering
+    kStaleSet,      // a replica set's Prepare by digest met a daemon whose plan cache lost the plan
   };
   // The lease keeper found `node` silent: the node at fault, named with how long it had.
   Status stoppedAnswering(const std::string& node);
@@ -391,8 +395,8 @@ class SyncCoordinator {
 
   std::shared_ptr<const ClusterSnapshot> cluster_;  // shared with the repeat cache
   Route route_ = Route::kGathered;
-  // A replica set's Prepare names the layouts by digest (repeat_cache.h, SetMemo): a refusal
-  // before anything executed then runs the sync again with them (retryInFull).
+  // A replica set's Prepare names the layouts by digest (repeat_cache.h, SetMemo): a daemon's
+  // refusal as a stale view runs the sync again with them (retryInFull).
   bool set_by_digest_ = false;
   mutable std::vector<int64_t> daemon_at_;  // writesTo: plan node -> daemon of cluster_ (-1: none)
   Fault fault_ = Fault::kOther;

@@ -40,6 +40,7 @@ Status SyncCoordinator::plan() {
       const auto& daemons = cluster_->view.daemons();
       set_by_digest_ =
           memo->plan_key == plan_->key && memo->daemons == daemonInstances() &&
+          memo->stale_refusals < SetMemo::kMaxStaleRefusals &&
           std::all_of(daemons.begin(), daemons.end(), [](const auto& d) { return d.set_layouts_by_digest(); });
     }
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {
@@ -271,6 +272,15 @@ Status SyncCoordinator::prepareFailed(const std::vector<grpc::Status>& results, 
         ctx_.peers.noteSilent(cluster_->addresses[i], started);
       if (silent) fault_ = Fault::kSilentDaemon;
     }
+  // A set's Prepare by digest that a daemon refused for want of the plan runs again with the
+  // layouts (retryInFull); any other refusal is handled as with them (replicas cut, say), and
+  // the next attempt sends them.
+  if (set_by_digest_ && fault_ == Fault::kOther && stalled.empty() &&
+      std::any_of(results.begin(), results.end(), [](const grpc::Status& st) {
+        return st.error_code() == grpc::StatusCode::FAILED_PRECONDITION &&
+               st.error_message().find(kStaleView) != std::string::npos;
+      }))
+    fault_ = Fault::kStaleSet;
   faulty_node_ = stalled.empty() ? daemons[at_fault].node() : stalled;
   // A replica's own ranks refused: its node answered, and is healthy. Taken only for a replica
   // of this sync with ranks on the refusing node (a daemon cannot have another node's cut).

@@ -54,4 +54,11 @@ void RepeatCache::keepSet(const std::string& key, SetMemo memo) {
   keepBounded(sets_, next_, key, std::move(memo));
 }
 
+int RepeatCache::setStale(const std::string& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  views_.erase(key);
+  const auto it = sets_.find(key);
+  return it == sets_.end() ? 0 : ++it->second.second.stale_refusals;
+}
+
 }  // namespace shardcast::daemon

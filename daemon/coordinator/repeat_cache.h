@@ -65,6 +65,11 @@ struct RepeatView {
 struct SetMemo {
   std::string plan_key;
   std::vector<std::pair<std::string, std::string>> daemons;  // (node, instance), the gather's order
+  // Syncs in a row whose Prepare by digest a daemon refused for want of the plan (its cache too
+  // small for what it syncs: --plan-cache-entries): at kMaxStaleRefusals this pair's syncs send
+  // the layouts (a refusal costs a Prepare round) until the plan key changes.
+  int stale_refusals = 0;
+  static constexpr int kMaxStaleRefusals = 3;
 };
 
 class RepeatCache {
@@ -82,6 +87,9 @@ class RepeatCache {
 
   std::optional<SetMemo> findSet(const std::string& key) const;
   void keepSet(const std::string& key, SetMemo memo);
+  // A set's Prepare by digest under `key` was refused as a stale view: the plain view goes, the
+  // set memo stays with one more refusal counted; returns the count (0: no memo).
+  int setStale(const std::string& key);
 
  private:
   mutable std::mutex mu_;

@@ -70,7 +70,15 @@ Status SyncRunner::run(const v1::SyncRequest& req, const std::string& id, std::o
     }
     // The view a failed sync ran on is not reused; one that skipped the gather and was refused
     // before executing runs again at once with a full gather (repeat_cache.h).
-    repeats_.forget(RepeatCache::keyOf(req, caller_uid));
+    if (coordinator.setLayoutsStale()) {
+      if (repeats_.setStale(RepeatCache::keyOf(req, caller_uid)) == SetMemo::kMaxStaleRefusals)
+        spdlog::warn(
+            "sync {}: a daemon's plan cache had lost replica set {}'s plan at {} syncs in a row: its syncs from {} "
+            "send the layouts from now on (a daemon keeps --plan-cache-entries plans)",
+            id, quote(req.dst_group()), SetMemo::kMaxStaleRefusals, quote(req.src_group()));
+    } else {
+      repeats_.forget(RepeatCache::keyOf(req, caller_uid));
+    }
     const auto left =
         timeout - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - began);
     if (coordinator.retryInFull() && !full_gather && left > std::chrono::milliseconds(0)) {

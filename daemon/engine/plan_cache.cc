@@ -1,12 +1,12 @@
 #include "daemon/engine/plan_cache.h"
 
-#include <openssl/evp.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <utility>
 
 #include "common/strings.h"
+#include "daemon/registry/fingerprint.h"
 #include "planner/layout.h"
 
 namespace shardcast::daemon {
@@ -48,19 +48,8 @@ std::string PlanCache::fingerprintOf(const std::vector<const v1::Layout*>& layou
   return fingerprintOfBytes(parts);
 }
 
-std::string PlanCache::fingerprintOfBytes(const std::vector<std::string>& parts) {
-  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
-  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
-  for (const std::string& bytes : parts) {
-    const uint64_t size = bytes.size();  // (each after its length: no two lists read alike)
-    EVP_DigestUpdate(ctx, &size, sizeof(size));
-    EVP_DigestUpdate(ctx, bytes.data(), bytes.size());
-  }
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned int n = 0;
-  EVP_DigestFinal_ex(ctx, md, &n);
-  EVP_MD_CTX_free(ctx);
-  return std::string(reinterpret_cast<const char*>(md), n);
+std::string PlanCache::fingerprintOfBytes(const std::vector<std::string>& parts, std::vector<std::string>* each) {
+  return sha256OfParts(parts, each);
 }
 
 std::shared_ptr<const CachedPlan> PlanCache::lookup(const std::string& key, bool* hit) {
@@ -85,16 +74,16 @@ std::shared_ptr<const CachedPlan> PlanCache::lookup(const std::string& key, cons
   return it->second.plan;
 }
 
-std::shared_ptr<const CachedPlan> PlanCache::insert(const std::string& key, std::string fingerprint,
-                                                    planner::Schedule schedule, std::string bases_key,
-                                                    std::string src_digest, std::vector<CachedPlan::Member> members) {
+std::shared_ptr<const CachedPlan> PlanCache::insert(const std::string& key, PlanOrigin origin,
+                                                    planner::Schedule schedule, std::string bases_key) {
   auto c = std::make_shared<CachedPlan>();
   static_cast<planner::Schedule&>(*c) = std::move(schedule);
   c->key = key;
   c->bases_key = bases_key.empty() ? key : std::move(bases_key);
-  c->fingerprint = std::move(fingerprint);
-  c->src_digest = std::move(src_digest);
-  c->members = std::move(members);
+  c->fingerprint = std::move(origin.fingerprint);
+  c->layout_fingerprints = std::move(origin.layout_fingerprints);
+  c->src_digest = std::move(origin.src_digest);
+  c->members = std::move(origin.members);
   std::lock_guard<std::mutex> lock(mu_);
   if (auto raced = plans_.find(key); raced != plans_.end()) {
     if (raced->second.plan->fingerprint == c->fingerprint) return raced->second.plan;  // planned twice at once
@@ -149,11 +138,13 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::get(const v1::Layout& src
   if (key.staging_bytes == 0 || key.chunk_bytes == 0)
     return absl::InvalidArgumentError("staging budget and chunk size must be positive");
   const std::string name = key.str(digests.src, digests.dst);
-  std::string fingerprint = fingerprintOf({&src, &dst});
+  std::vector<std::string> each;
+  std::string fingerprint = fingerprintOfBytes({planner::serializedLayout(src), planner::serializedLayout(dst)}, &each);
   if (auto cached = lookup(name, fingerprint, hit)) return cached;
   SC_ASSIGN_OR_RETURN(auto schedule,
                       planner::makeSchedule(src, dst, key.staging_bytes, key.chunk_bytes, key.zero_copy, key.strategy));
-  return insert(name, std::move(fingerprint), std::move(schedule));
+  return insert(name, {std::move(fingerprint), {{src.group(), each[0]}, {dst.group(), each[1]}}, {}, {}},
+                std::move(schedule));
 }
 
 StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getRepeated(const v1::Layout& src, const v1::Layout& dst,
@@ -225,13 +216,16 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
   }
   const std::string& set_name = replicas.front().layout.replica_set();
   const std::string key = setKey(plan_key, src_digest, set_name, members);
-  std::string fingerprint = fingerprintOfBytes(planned_from);
+  std::vector<std::string> each;
+  std::string fingerprint = fingerprintOfBytes(planned_from, &each);
   if (auto cached = lookup(key, fingerprint, hit)) return cached;
+  PlanOrigin origin{std::move(fingerprint), {{src.group(), each[0]}}, src_digest, members};
+  for (size_t i = 0; i < members.size(); ++i) origin.layout_fingerprints.emplace(members[i].group, each[i + 1]);
   const std::string template_bytes = planner::replicaBytes(replicas.front().layout);
   const std::string replica_digest = planner::layoutDigestOf(template_bytes);
   // (A position plan is reused only for these very layouts: digests alone may collide.)
-  const std::string positions_key = strCat(src_digest, "/", replica_digest, "/", chunk_bytes, "/",
-                                           fingerprintOfBytes({planned_from.front(), template_bytes}));
+  const std::string positioned_from = fingerprintOfBytes({planned_from.front(), template_bytes});
+  const std::string positions_key = strCat(src_digest, "/", replica_digest, "/", chunk_bytes, "/", positioned_from);
   std::shared_ptr<const planner::PositionPlan> reuse;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -248,7 +242,7 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
     SC_RETURN_IF_ERROR(planner::checkReplicaSet(replicas));
     SC_ASSIGN_OR_RETURN(auto schedule, planner::makeSchedule(src, planner::stackReplicas(replicas), staging_budget,
                                                              chunk_bytes, plan_key.zero_copy));
-    return insert(key, std::move(fingerprint), std::move(schedule), {}, std::move(src_digest), std::move(members));
+    return insert(key, std::move(origin), std::move(schedule));
   }
   SC_ASSIGN_OR_RETURN(auto set, std::move(planned));
   if (!set.reused_positions) {
@@ -262,14 +256,15 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::getReplicaSet(const v1::L
   }
   // Composed: its transfers are the position plan's (planner::composeReplicas copies them), so
   // chunk k of transfer t is the same source bytes in every membership of the set. The position
-  // plan's inputs name them: source, replica layout, rank -> position pattern, chunk size.
+  // plan's inputs name them: source, replica layout (their SHA-256, not only their digests: a
+  // template crafted to collide shares no bases), rank -> position pattern, chunk size.
   std::string pattern;
   for (const int32_t p : set.positions->rank_position) pattern += strCat(p, ",");
-  std::string bases_key = plan_key.str(src_digest, strCat("set:", set_name, "/", replica_digest, "/", pattern));
+  std::string bases_key =
+      plan_key.str(src_digest, strCat("set:", set_name, "/", replica_digest, "/", pattern, "/", positioned_from));
   SC_ASSIGN_OR_RETURN(auto schedule, planner::scheduleOf(std::move(set.nodes), std::move(set.src), std::move(set.dst),
                                                          std::move(set.plan), staging_budget, plan_key.zero_copy));
-  return insert(key, std::move(fingerprint), std::move(schedule), std::move(bases_key), std::move(src_digest),
-                std::move(members));
+  return insert(key, std::move(origin), std::move(schedule), std::move(bases_key));
 }
 
 StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::forSetPrepare(const v1::PrepareRequest& req, const PlanKey& key,

@@ -54,6 +54,10 @@ struct CachedPlan : planner::Schedule {
   };
   std::string src_digest;
   std::vector<Member> members;
+  // Group -> SHA-256 of the layout it was planned from (the source, and the destination or each
+  // member of a set): a daemon's registry refuses a sync of this plan into or out of ranks that
+  // registered another layout, whatever its digest (Registry::beginSync).
+  std::map<std::string, std::string> layout_fingerprints;
   std::string landedProblem(const LandedChunk& l, int32_t in_wave, int32_t self) const {
     return Schedule::landedProblem(l.transfer, l.chain, l.hop, l.chunk, in_wave, self);
   }
@@ -92,8 +96,9 @@ class PlanCache {
  public:
   // SHA-256 of the layouts' deterministic serialisations, each after its length.
   static std::string fingerprintOf(const std::vector<const v1::Layout*>& layouts);
-  // SHA-256 of byte strings, each after its length.
-  static std::string fingerprintOfBytes(const std::vector<std::string>& parts);
+  // SHA-256 over byte strings (sha256OfParts); each one's SHA-256 into `each` when given.
+  static std::string fingerprintOfBytes(const std::vector<std::string>& parts,
+                                        std::vector<std::string>* each = nullptr);
 
   explicit PlanCache(size_t capacity = 16) : capacity_(capacity == 0 ? 1 : capacity) {}
   // The plans kept at most (the daemon's --plan-cache-entries; at least 1); the least recently
@@ -155,9 +160,15 @@ class PlanCache {
   // Caches a plan just made (or returns the one another caller made of the same layouts
   // meanwhile; one of other layouts under the same key is replaced and reported evicted),
   // evicting the least recently used beyond capacity. `bases_key` empty: the key.
-  std::shared_ptr<const CachedPlan> insert(const std::string& key, std::string fingerprint, planner::Schedule schedule,
-                                           std::string bases_key = {}, std::string src_digest = {},
-                                           std::vector<CachedPlan::Member> members = {});
+  // What a plan is made from, as CachedPlan keeps it.
+  struct PlanOrigin {
+    std::string fingerprint;
+    std::map<std::string, std::string> layout_fingerprints;
+    std::string src_digest;                   // a replica set's
+    std::vector<CachedPlan::Member> members;  // a replica set's
+  };
+  std::shared_ptr<const CachedPlan> insert(const std::string& key, PlanOrigin origin, planner::Schedule schedule,
+                                           std::string bases_key = {});
   // With mu_ held: drops `it`, reporting its key evicted, and its bases key unless another cached
   // plan (of another membership of its set) shares it.
   void evictLocked(std::map<std::string, Entry>::iterator it);

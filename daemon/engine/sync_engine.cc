@@ -299,7 +299,8 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   std::map<std::string, uint32_t> owners;  // the coordinator's word on whose groups these are
   for (const auto& o : req.owners()) owners.emplace(o.group(), o.owner_uid());
   SC_RETURN_IF_ERROR(registry_.beginSync(a->id, a->src_group, destination, a->version, digests.src, a->fence, &a->base,
-                                         req.seed(), {req.supersedes().begin(), req.supersedes().end()}, owners));
+                                         req.seed(), {req.supersedes().begin(), req.supersedes().end()}, owners,
+                                         a->plan->layout_fingerprints));
   // The coordinator checked that every source rank published this version: the newest this
   // daemon knows of the destination's source (its lag gauge).
   for (const auto& [group, digest] : destination) metrics_.sourceVersionSeen(group, a->src_group, a->version);

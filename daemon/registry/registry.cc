@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "common/strings.h"
+#include "daemon/registry/fingerprint.h"
 #include "planner/layout.h"
 #include "planner/limits.h"
 #include "transport/copy_engine.h"
@@ -96,7 +97,8 @@ Registry::Registry(std::string node, transport::Context& transport, transport::D
 StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest& req, const MemoryCaller& caller) {
   const std::string who = strCat("group \"", req.group(), "\" rank ", req.rank());
   SC_RETURN_IF_ERROR(checkRegisterRequest(req, who));
-  const std::string digest = planner::layoutDigest(req.layout());
+  const std::string serialized = planner::serializedLayout(req.layout());
+  const std::string digest = planner::layoutDigestOf(serialized);
   const v1::Role role = roleOf(req);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -107,6 +109,7 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
     SC_RETURN_IF_ERROR(mayJoin(req, digest, role, caller));
   }
   SC_ASSIGN_OR_RETURN(auto rank, build(req, digest, caller));
+  rank->fingerprint = sha256(serialized);
   v1::RegisterResponse resp;
   resp.set_layout_digest(digest);
   resp.set_registered_bytes(rank->bytes);

@@ -139,9 +139,14 @@ class Registry {
   // (PrepareRequest.supersedes): only those may be taken over on ranks they still write (Rank::lingering).
   // `owners`: each group's owner as the coordinator found it cluster-wide (PrepareRequest.owners):
   // a group of `src` or `dst` held here under another owner (or none) is refused, naming both.
+  // `fingerprints`: group -> SHA-256 of the layout the plan was made from (CachedPlan::
+  // layout_fingerprints); a rank of such a group that registered another layout under the same
+  // digest (crafted to collide) is refused: a plan of another layout would move other bytes, and
+  // might reach past the rank's buffers.
   Status beginSync(const std::string& id, const std::string& src, const Destination& dst, uint64_t version,
                    const std::string& src_digest, uint64_t fence = 0, Base* base = nullptr, bool seed = false,
-                   const std::vector<uint64_t>& supersedes = {}, const std::map<std::string, uint32_t>& owners = {});
+                   const std::vector<uint64_t>& supersedes = {}, const std::map<std::string, uint32_t>& owners = {},
+                   const std::map<std::string, std::string>& fingerprints = {});
   // Before every use of the involved ranks' memory (every execute): segments still whole.
   Status checkSync(const std::string& src, const std::string& dst) const;
   Status checkSync(const std::string& src, const std::vector<std::string>& dst) const;
@@ -239,6 +244,7 @@ class Registry {
     int32_t rank = 0;
     int32_t world = 0;
     std::string digest;
+    std::string fingerprint;  // SHA-256 of the layout's serialisation (registry/fingerprint.h)
     uint64_t bytes = 0;
     // Each set sorted by name (mapBuffers): a sync looks a buffer up for every piece it moves, and
     // a MoE registers tens of thousands (findBuffer).

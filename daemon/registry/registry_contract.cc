@@ -60,7 +60,8 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
 // rank (split, each part would need the lock's state and the checks' results handed on).
 Status Registry::beginSync(const std::string& id, const std::string& src, const Destination& dst, uint64_t version,
                            const std::string& src_digest, uint64_t fence, Base* base, bool seed,
-                           const std::vector<uint64_t>& supersedes, const std::map<std::string, uint32_t>& owners) {
+                           const std::vector<uint64_t>& supersedes, const std::map<std::string, uint32_t>& owners,
+                           const std::map<std::string, std::string>& fingerprints) {
   if (!planner::isVersion(version))
     return absl::InvalidArgumentError(
         strCat("sync ", id, ": version ", version, " is not in ", planner::kVersionRange));
@@ -90,6 +91,11 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
                                                " since the sync was planned (for ",
                                                key.first == src ? src_digest : *dst_digest, "): retry the sync")),
           key.first == src ? std::string() : key.first);
+    if (const auto f = fingerprints.find(key.first); f != fingerprints.end() && r->fingerprint != f->second)
+      return refusedBy(absl::FailedPreconditionError(strCat(
+                           "sync ", id, ": ", who, " registered a layout other than the one the sync was planned for, ",
+                           "under the same digest ", r->digest, " (crafted to collide?): refused")),
+                       key.first == src ? std::string() : key.first);
     if (key.first == src && seed) {
       if (const std::string why = seedRefusal(factsOf(*r), version); !why.empty())
         return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, why));

@@ -6,6 +6,8 @@
 
 #include "daemon/engine/sync_engine.h"
 #include "planner/layout.h"
+#include "tests/daemon/in_process_node.h"
+#include "tests/daemon/rank_memory.h"
 #include "transport/device_staging.h"
 
 using namespace shardcast;
@@ -99,6 +101,68 @@ TEST_CASE(
   CHECK_FALSE(hit);
   CHECK(again->dst.group == "d");
   CHECK(again->plan.stats.network_bytes == mine->plan.stats.network_bytes);
+}
+
+TEST_CASE(
+    "a rank registered under a cached plan's digests with another layout is refused before a byte moves - the plan "
+    "would move that layout's bytes",
+    "[daemon][plan-cache][security]") {
+  // The plan node b caches under the digests of (s, d as registered) was made from another layout
+  // of d, as after its owner re-registered d with a layout crafted to collide (xxHash64 digests
+  // can be: docs/security.md). Its buffers differ (one fused buffer instead of two).
+  const std::string tensors = R"("tensors":[{"name":"w","shape":[16,4],"dtype":"float32"},
+                                            {"name":"v","shape":[16,4],"dtype":"float32"}])";
+  const auto parse = [](const std::string& json, const std::string& group) {
+    return *planner::parseLayoutJson(json, group);
+  };
+  const v1::Layout src = parse(R"({"group":"s","mesh":{"shape":[1]},"nodes":["a"],)" + tensors + "}", "s");
+  const v1::Layout registered = parse(R"({"group":"d","mesh":{"shape":[1]},"nodes":["b"],)" + tensors + "}", "d");
+  const v1::Layout other = parse(R"({"group":"d","mesh":{"shape":[1]},"nodes":["b"],)" + tensors +
+                                     R"(,"fused":[{"name":"wv","dim":0,"tensors":["w","v"]}]})",
+                                 "d");
+  testing::InProcessNode b("b");
+  planner::NodeTable nodes;
+  const auto resolved = *planner::resolveLayout(registered, nodes);
+  testing::RankMemory memory = testing::allocateRank(resolved, 0, "collide-d0");
+  REQUIRE(
+      b.registry.registerRank(testing::registerRequest(registered, 0, 1, memory), MemoryCaller{0, true, true}).ok());
+
+  v1::PrepareRequest full = testing::prepareRequest("collide", src, registered, 1, 5);
+  const PlanKey key = PlanKey::forSync(full.staging_bytes(), full.chunk_bytes(), full.delta(), full.packed());
+  bool hit = false;
+  const LayoutDigests digests{planner::layoutDigest(src), planner::layoutDigest(registered)};
+  REQUIRE(b.engine.plans().get(src, other, digests, key, &hit).ok());  // other's plan, under registered's digests
+
+  // A repeated sync names the layouts by digest: the cached plan matches them and the groups.
+  v1::PrepareRequest by_digest = full;
+  by_digest.mutable_src()->Clear();
+  by_digest.mutable_src()->set_group("s");
+  by_digest.mutable_dst()->Clear();
+  by_digest.mutable_dst()->set_group("d");
+  by_digest.set_src_digest(digests.src);
+  by_digest.set_dst_digest(digests.dst);
+  auto* stamp = by_digest.add_expect();
+  stamp->set_node("b");
+  stamp->set_instance(b.registry.instance());
+  stamp->set_generation(b.registry.generation());
+  const auto refused = b.engine.prepare(by_digest);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(refused.status().message()),
+             Catch::Contains("group \"d\" rank 0 on node \"b\" registered a layout other than the one the sync was "
+                             "planned for, under the same digest " +
+                             digests.dst));
+  // Nothing was taken: the same sync with its layouts plans them (their fingerprint is not the
+  // cached plan's) and prepares.
+  full.set_fence(6);
+  const auto prepared = b.engine.prepare(full);
+  INFO((prepared.ok() ? "" : std::string(prepared.status().message())));
+  CHECK(prepared.ok());
+  v1::FinishRequest abort;
+  abort.set_sync_id("collide");
+  abort.set_fence(6);
+  abort.set_commit(false);
+  CHECK(b.engine.finish(abort).ok());
 }
 
 TEST_CASE("spare memory: a region smaller than the plan asks for is never handed out", "[daemon][plan-cache]") {

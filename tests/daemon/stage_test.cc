@@ -21,6 +21,7 @@
 #include "daemon/server/metrics.h"
 #include "daemon/stage/convert.h"
 #include "planner/layout.h"
+#include "tests/daemon/in_process_node.h"
 #include "tests/daemon/rank_memory.h"
 #include "transport/transport.h"
 
@@ -127,29 +128,6 @@ class ScramblingStage final : public Stage {
   std::atomic<int>& unpacks_;
   const bool restore_;
   std::unique_ptr<Stage> copy_ = makeStandardStage();
-};
-
-// A daemon's data plane in this process: a loopback transport, a registry and a sync engine.
-struct InProcessNode {
-  // `stage`: null for the engine's standard stage.
-  InProcessNode(const std::string& node, std::unique_ptr<Stage> stage)
-      : name(node),
-        context(makeContext(node)),
-        registry(node, *context),
-        engine(node, registry, *context, metrics, 1 << 20, std::move(stage)) {}
-  static std::unique_ptr<transport::Context> makeContext(const std::string& name) {
-    transport::TransportOptions options;
-    options.backend = "loopback";
-    options.name = name;
-    auto c = transport::createContext(options);
-    if (!c.ok()) throw std::runtime_error(std::string(c.status().message()));
-    return std::move(*c);
-  }
-  std::string name;
-  std::unique_ptr<transport::Context> context;
-  Metrics metrics;
-  Registry registry;
-  SyncEngine engine;
 };
 
 // Syncs version 1 from `a`'s source ranks into the destination ranks of `a` and `b` as a

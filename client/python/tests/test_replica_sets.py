@@ -237,6 +237,17 @@ def test_a_set_sync_that_repeats_names_the_layouts_by_digest_and_a_daemon_that_l
         assert src.sync("trainer", "rollout", 4).layouts_by_digest  # planned again everywhere: by digest
         assert holds(r0, 4) and holds(r1, 4)
 
+        # A cache too small for what its daemon syncs: after three stale refusals in a row the
+        # set's syncs send the layouts (no refused round each time) until the plan key changes.
+        for version in (5, 6, 7, 8):
+            src.sync("trainer", "solo", version - 1)
+            misses = metric(c, "n1", "shardcast_plan_cache_misses_total")
+            step(trainers, version)
+            resp = src.sync("trainer", "rollout", version)
+            assert not resp.layouts_by_digest and holds(r0, version) and holds(r1, version)
+            refused_first = version < 8  # (refusals 1, 2, 3; then none tried)
+            assert metric(c, "n1", "shardcast_plan_cache_misses_total") == misses + 1 + refused_first, version
+
 
 def test_a_replica_whose_process_is_killed_between_syncs_is_named_in_the_next_response():
     """A replica's engine process is killed (SIGKILL) between two syncs: its daemon unregisters its
