@@ -220,12 +220,17 @@ std::map<std::string, std::set<std::pair<int32_t, std::string>>> upstreams(const
 // A dense sync's key: 1 MiB of staging, `chunk` bytes per chunk.
 PlanKey key(uint64_t chunk) { return PlanKey::forSync(1 << 20, chunk, v1::DELTA_OFF, false); }
 
+// The source the replica sets here sync from: one rank on t0 holding w [64, 32].
+v1::Layout trainSource() {
+  return *planner::parseLayoutJson(
+      R"({"group":"train","mesh":{"shape":[1]},"nodes":["t0"],"tensors":[{"name":"w","shape":[64,32],"dtype":"float32"}]})",
+      "train");
+}
+
 TEST_CASE("plan cache: a replica set's position plan is planned once and reused as replicas join and leave",
           "[daemon][plan-cache][replicas]") {
   PlanCache cache(4);
-  const v1::Layout src = *planner::parseLayoutJson(
-      R"({"group":"train","mesh":{"shape":[1]},"nodes":["t0"],"tensors":[{"name":"w","shape":[64,32],"dtype":"float32"}]})",
-      "train");
+  const v1::Layout src = trainSource();
   bool hit = false;
   auto two = cache.getReplicaSet(src, {replica(0), replica(1)}, key(1 << 20), &hit);
   INFO((two.ok() ? "" : std::string(two.status().message())));
@@ -280,9 +285,7 @@ TEST_CASE("plan cache: a replica set's position plan is planned once and reused 
 TEST_CASE("plan cache: a replica set's delta bases are kept under one key for every membership",
           "[daemon][plan-cache][replicas][delta]") {
   PlanCache cache(2);
-  const v1::Layout src = *planner::parseLayoutJson(
-      R"({"group":"train","mesh":{"shape":[1]},"nodes":["t0"],"tensors":[{"name":"w","shape":[64,32],"dtype":"float32"}]})",
-      "train");
+  const v1::Layout src = trainSource();
   const PlanKey delta = PlanKey::forSync(1 << 20, 1 << 10, v1::DELTA_AUTO, false);
   bool hit = false;
   const auto get = [&](std::vector<planner::Replica> members) {
@@ -323,9 +326,7 @@ TEST_CASE(
     "view",
     "[daemon][plan-cache][replicas]") {
   PlanCache cache(2);
-  const v1::Layout src = *planner::parseLayoutJson(
-      R"({"group":"train","mesh":{"shape":[1]},"nodes":["t0"],"tensors":[{"name":"w","shape":[64,32],"dtype":"float32"}]})",
-      "train");
+  const v1::Layout src = trainSource();
   bool hit = false;
   auto full = cache.getReplicaSet(src, {replica(0), replica(1)}, key(1 << 20), &hit);
   REQUIRE(full.ok());
