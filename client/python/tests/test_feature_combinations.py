@@ -136,6 +136,9 @@ def test_a_replica_caught_up_from_its_peer_gets_a_dense_sync_then_deltas():
             # The caught-up replica's base was committed by the catch-up, not by the trainer's sync:
             # its first delta sync is dense (for replica 0 on its relay chain too), the next a delta.
             assert (resp.delta_chunks > 0, resp.dense_chunks > 0) == ((False, True) if version == 2 else (True, False))
+            # The second sync of this membership names the layouts by digest (docs/daemon.md,
+            # "Layouts by digest"): the deltas and every byte are the same.
+            assert resp.layouts_by_digest == (version == 3)
         for reg in [src] + first + late:
             reg.close()
 
@@ -177,6 +180,7 @@ def test_an_fp8_replica_catches_up_from_its_peer_and_then_takes_delta_syncs():
             # The caught-up replica's base was committed by the catch-up: its first delta sync is
             # dense (for the replicas on its relay chain too), the next one a delta.
             assert (resp.delta_chunks > 0) == (version == 3), (version, resp.delta_chunks, resp.dense_chunks)
+            assert resp.layouts_by_digest == (version == 3)  # (its fp8 scales' amaxes as with the layouts)
         for reg in src + first + late:
             reg.close()
 
