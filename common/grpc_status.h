@@ -25,11 +25,16 @@ inline grpc::Status toGrpc(const Status& st) {
   return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
 }
 
-// toGrpc, with the group a refusal names (refusedBy) in the binary details: only on Peer.Prepare,
-// whose caller is a daemon's coordinator (the details are not a google.rpc.Status, which clients'
-// tools would expect there).
+// Whether a refusal that crossed gRPC is marked stale (markedStale, common/refusal.h).
+inline bool isMarkedStale(const grpc::Status& st) { return st.error_details() == kStaleViewMark; }
+
+// toGrpc, with the group a refusal names (refusedBy), or its stale-view mark, in the binary
+// details: only on Peer.Prepare, whose caller is a daemon's coordinator (the details are not a
+// google.rpc.Status, which clients' tools would expect there).
 inline grpc::Status toGrpcNamingGroup(const Status& st) {
   const std::string group = refusingGroup(st);
+  if (!st.ok() && group.empty() && isMarkedStale(st))
+    return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()), kStaleViewMark);
   if (st.ok() || group.empty()) return toGrpc(st);
   return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()),
                       strCat(kRefusingGroup, "=", group));

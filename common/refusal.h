@@ -25,4 +25,16 @@ inline std::string refusingGroup(const Status& st) {
   return group ? std::string(*group) : std::string();
 }
 
+// A refusal because the daemon no longer holds what a request named by reference (a plan named
+// by digest: daemon/engine/plan_cache.h, kStaleView). Marked apart from its message, which
+// quotes names a caller chose: the coordinator runs the sync again with the layouts only for it.
+inline constexpr char kStaleViewMark[] = "shardcast.dev/stale-view";
+
+inline Status markedStale(Status st) {
+  if (!st.ok()) st.SetPayload(kStaleViewMark, absl::Cord("1"));
+  return st;
+}
+
+inline bool isMarkedStale(const Status& st) { return st.GetPayload(kStaleViewMark).has_value(); }
+
 }  // namespace shardcast

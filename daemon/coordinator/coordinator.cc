@@ -104,9 +104,11 @@ StatusOr<v1::SyncResponse> SyncCoordinator::run() {
     else if (!plan_->src_digest.empty()) {
       // Stale refusals in a row: none once a Prepare by digest committed; an attempt run again
       // with the layouts (or one that no longer tries by digest) keeps the count.
+      // (Other daemons, or one restarted, perhaps with a larger --plan-cache-entries: counted anew.)
       int stale = 0;
       if (!set_by_digest_)
-        if (const auto memo = ctx_.repeats->findSet(repeat_key); memo && memo->plan_key == plan_->key)
+        if (const auto memo = ctx_.repeats->findSet(repeat_key);
+            memo && memo->plan_key == plan_->key && memo->daemons == daemonInstances())
           stale = memo->stale_refusals;
       ctx_.repeats->keepSet(repeat_key, SetMemo{plan_->key, daemonInstances(), stale});
     }

@@ -275,11 +275,9 @@ Status SyncCoordinator::prepareFailed(const std::vector<grpc::Status>& results, 
   // A set's Prepare by digest that a daemon refused for want of the plan runs again with the
   // layouts (retryInFull); any other refusal is handled as with them (replicas cut, say), and
   // the next attempt sends them.
+  // (Known by its mark, not its message: messages quote names callers chose.)
   if (set_by_digest_ && fault_ == Fault::kOther && stalled.empty() &&
-      std::any_of(results.begin(), results.end(), [](const grpc::Status& st) {
-        return st.error_code() == grpc::StatusCode::FAILED_PRECONDITION &&
-               st.error_message().find(kStaleView) != std::string::npos;
-      }))
+      std::any_of(results.begin(), results.end(), [](const grpc::Status& st) { return isMarkedStale(st); }))
     fault_ = Fault::kStaleSet;
   faulty_node_ = stalled.empty() ? daemons[at_fault].node() : stalled;
   // A replica's own ranks refused: its node answered, and is healthy. Taken only for a replica

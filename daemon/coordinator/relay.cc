@@ -183,7 +183,7 @@ bool unpackOutgoing(Outgoing& o, grpc::Status status, const std::vector<RawCall>
   bool failed = false;
   for (size_t i = o.begin; i < o.end; ++i) {
     auto& got = *rr.mutable_results(static_cast<int>(i - o.begin));
-    results[i].status = grpc::Status(static_cast<grpc::StatusCode>(got.code()), got.message());
+    results[i].status = grpc::Status(static_cast<grpc::StatusCode>(got.code()), got.message(), got.details());
     const auto code = results[i].status.error_code();
     results[i].unconfirmed = code == grpc::StatusCode::DEADLINE_EXCEEDED || code == grpc::StatusCode::UNAVAILABLE ||
                              code == grpc::StatusCode::CANCELLED;
@@ -297,6 +297,7 @@ StatusOr<v1::RelayResponse> relay(const PeerSet& peers, const v1::RelayRequest& 
     auto* got = out.add_results();
     got->set_code(static_cast<int32_t>(r.status.error_code()));
     got->set_message(r.status.error_message());
+    got->set_details(r.status.error_details());
     got->set_response(std::move(r.response));
   }
   return out;

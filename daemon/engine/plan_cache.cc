@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "common/refusal.h"
 #include "common/strings.h"
 #include "daemon/registry/fingerprint.h"
 #include "planner/layout.h"
@@ -285,19 +286,19 @@ StatusOr<std::shared_ptr<const CachedPlan>> PlanCache::forSetPrepare(const v1::P
                "the set (16 hex digits each), and no destination digest and no seed"));
   auto plan = lookup(setKey(key, req.src_digest(), set_name, members), hit);
   if (!plan)
-    return absl::FailedPreconditionError(strCat("prepare of sync ", req.sync_id(), ": node ", quote(node),
-                                                " no longer caches the plan of layout ", req.src_digest(),
-                                                " into replica set ", quote(set_name), " (", kStaleView, ")"));
+    return markedStale(absl::FailedPreconditionError(
+        strCat("prepare of sync ", req.sync_id(), ": node ", quote(node), " no longer caches the plan of layout ",
+               req.src_digest(), " into replica set ", quote(set_name), " (", kStaleView, ")")));
   // As forPrepare: the groups it fences must be those whose bytes the plan moves; a plan of
   // other groups under these digests (ids and digests alike, groups not) is not this sync's.
   if (plan->src.group != req.src().group() || plan->dst.group != set_name || plan->members != members) {
     std::vector<std::string> cached, asked;
     for (const auto& m : plan->members) cached.push_back(m.group);
     for (const auto& m : members) asked.push_back(m.group);
-    return absl::FailedPreconditionError(
+    return markedStale(absl::FailedPreconditionError(
         strCat("prepare of sync ", req.sync_id(), ": node ", quote(node), " caches the plan of these digests for ",
                quote(plan->src.group), " -> ", quote(plan->dst.group), " [", strJoin(cached, ", "), "], not ",
-               quote(req.src().group()), " -> ", quote(set_name), " [", strJoin(asked, ", "), "] (", kStaleView, ")"));
+               quote(req.src().group()), " -> ", quote(set_name), " [", strJoin(asked, ", "), "] (", kStaleView, ")")));
   }
   return plan;
 }

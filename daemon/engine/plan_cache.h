@@ -94,7 +94,8 @@ StatusOr<planner::Strategy> strategyOf(int strategy, v1::DeltaMode delta);
 // planned for. Thread-safe.
 class PlanCache {
  public:
-  // SHA-256 of the layouts' deterministic serialisations, each after its length.
+  // One SHA-256 of the layouts' deterministic serialisations (sha256OfParts: over each one's
+  // length and SHA-256).
   static std::string fingerprintOf(const std::vector<const v1::Layout*>& layouts);
   // SHA-256 over byte strings (sha256OfParts); each one's SHA-256 into `each` when given.
   static std::string fingerprintOfBytes(const std::vector<std::string>& parts,
@@ -157,9 +158,6 @@ class PlanCache {
   // The cached plan under `key` when it was planned from the layouts of `fingerprint`, counted
   // as a hit; null when there is none, or when layouts of another fingerprint share its key.
   std::shared_ptr<const CachedPlan> lookup(const std::string& key, const std::string& fingerprint, bool* hit);
-  // Caches a plan just made (or returns the one another caller made of the same layouts
-  // meanwhile; one of other layouts under the same key is replaced and reported evicted),
-  // evicting the least recently used beyond capacity. `bases_key` empty: the key.
   // What a plan is made from, as CachedPlan keeps it.
   struct PlanOrigin {
     std::string fingerprint;
@@ -167,6 +165,9 @@ class PlanCache {
     std::string src_digest;                   // a replica set's
     std::vector<CachedPlan::Member> members;  // a replica set's
   };
+  // Caches a plan just made (or returns the one another caller made of the same layouts
+  // meanwhile; one of other layouts under the same key is replaced and reported evicted),
+  // evicting the least recently used beyond capacity. `bases_key` empty: the key.
   std::shared_ptr<const CachedPlan> insert(const std::string& key, PlanOrigin origin, planner::Schedule schedule,
                                            std::string bases_key = {});
   // With mu_ held: drops `it`, reporting its key evicted, and its bases key unless another cached

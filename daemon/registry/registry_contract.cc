@@ -91,7 +91,9 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
                                                " since the sync was planned (for ",
                                                key.first == src ? src_digest : *dst_digest, "): retry the sync")),
           key.first == src ? std::string() : key.first);
-    if (const auto f = fingerprints.find(key.first); f != fingerprints.end() && r->fingerprint != f->second)
+    // (Fails closed: a plan that names fingerprints names every group it reads or writes.)
+    if (const auto f = fingerprints.find(key.first); !fingerprints.empty() && (key.first == src || dst_digest) &&
+                                                     (f == fingerprints.end() || r->fingerprint != f->second))
       return refusedBy(absl::FailedPreconditionError(strCat(
                            "sync ", id, ": ", who, " registered a layout other than the one the sync was planned for, ",
                            "under the same digest ", r->digest, " (crafted to collide?): refused")),

@@ -883,6 +883,24 @@ TEST_CASE("sync attempts are told apart: a duplicate id, a late Prepare, another
     CHECK_THAT(busy.error_message(), Catch::Contains("(dup) is in progress"));
     CHECK(refusingGroup(busy) == "dst");
     CHECK(refusingGroup(fromGrpc(busy)) == "dst");
+    // The same refusal relayed (n0 relaying to n1, as a coordinator above --relay-fanout daemons
+    // calls them) names its group too (RelayResult.details); n0's own call, empty, is refused.
+    v1::RelayRequest relay;
+    relay.set_method("Prepare");
+    relay.set_fanout(2);
+    for (size_t i = 0; i < 2; ++i) {
+      auto* call = relay.add_calls();
+      call->set_address("127.0.0.1:" + std::to_string(c.ports[i]));
+      if (i == 1) call->set_request(prepareRequest("second", c.src_proto, c.dst_proto, 1, 78).SerializeAsString());
+      call->set_timeout_ms(10000);
+    }
+    v1::RelayResponse relayed;
+    REQUIRE(c.peers()[0]->Relay(ctx().get(), relay, &relayed).ok());
+    REQUIRE(relayed.results_size() == 2);
+    const v1::RelayResult& through = relayed.results(1);
+    CHECK(through.code() == static_cast<int32_t>(grpc::StatusCode::FAILED_PRECONDITION));
+    CHECK(refusingGroup(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, through.message(), through.details())) ==
+          "dst");
   }
   // Ranks a sync uses can be neither registered again nor unregistered meanwhile.
   v1::RegisterResponse resp;

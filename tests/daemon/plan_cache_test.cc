@@ -4,6 +4,7 @@
 #include <map>
 #include <set>
 
+#include "common/grpc_status.h"
 #include "daemon/engine/sync_engine.h"
 #include "planner/layout.h"
 #include "tests/daemon/in_process_node.h"
@@ -362,6 +363,11 @@ TEST_CASE(
     REQUIRE_FALSE(plan.ok());
     CHECK(plan.status().code() == code);
     CHECK_THAT(std::string(plan.status().message()), Catch::Contains(says));
+    // A stale view is marked as one, across gRPC too (what the coordinator runs again with the
+    // layouts); a malformed request is not.
+    const bool stale = code == absl::StatusCode::kFailedPrecondition;
+    CHECK(isMarkedStale(plan.status()) == stale);
+    CHECK(isMarkedStale(toGrpcNamingGroup(plan.status())) == stale);
   };
   // Not cached: another membership, another chunk size, a source digest never planned here.
   refused(byDigest({members[0]}), absl::StatusCode::kFailedPrecondition, kStaleView);
