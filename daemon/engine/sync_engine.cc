@@ -120,24 +120,18 @@ Status checkExpected(const v1::PrepareRequest& req, const std::string& node, con
   return absl::OkStatus();
 }
 
-// The groups a sync writes, each with its layout's digest: a replica set's replicas (each a
-// planner::Replica in `replicas`, its group in `a.dst_members`), or the destination group alone,
-// its digest left for its plan to give. None may be the sync's source.
+// The groups a sync writes: a replica set's replicas (each a planner::Replica in `replicas`, its
+// group in `a.dst_members`), or the destination group alone; each one's digest is left for its
+// plan to give (the plan digested them once, or was found by them). None may be the sync's source.
 Status readDestinations(const v1::PrepareRequest& req, SyncAttempt& a, Registry::Destination& destination,
                         std::vector<planner::Replica>& replicas) {
-  // (Named by digest, PrepareRequest.replica_digests, the replicas carry no layout: their plan is
-  // found by those digests, PlanCache::forSetPrepare, which checks that there is one per replica.)
-  const bool by_digest = req.replica_digests_size() > 0;
-  for (int i = 0; i < req.replicas_size(); ++i) {
-    const v1::Layout& r = req.replicas(i);
+  for (const auto& r : req.replicas()) {
     if (r.replica_set() != a.dst_group)
       return absl::InvalidArgumentError(strCat("prepare of sync ", a.id, ": group \"", r.group(),
                                                "\" is not a replica of set \"", a.dst_group, "\""));
     replicas.push_back({r.replica(), r});
     a.dst_members.push_back(r.group());
-    destination.emplace_back(r.group(), !by_digest                       ? planner::layoutDigest(r)
-                                        : i < req.replica_digests_size() ? req.replica_digests(i)
-                                                                         : std::string());
+    destination.emplace_back(r.group(), std::string());
   }
   if (destination.empty()) destination.emplace_back(a.dst_group, std::string());
   for (const auto& [group, digest] : destination)  // a catch-up's seed is read, never written
@@ -281,13 +275,17 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   if (plain) {
     SC_ASSIGN_OR_RETURN(a->plan, plans_.forPrepare(req, plan_key, node_, &hit, &digests));
     destination.front().second = digests.dst;
-  } else if (!req.src_digest().empty() || req.replica_digests_size() > 0) {  // a set's layouts by digest
-    SC_ASSIGN_OR_RETURN(a->plan, plans_.forSetPrepare(req, plan_key, node_, &hit));
-    digests.src = req.src_digest();
-    a->member_world = a->plan->dst.world() / static_cast<int32_t>(replicas.size());
-  } else {
-    SC_ASSIGN_OR_RETURN(a->plan, plans_.getReplicaSet(req.src(), replicas, plan_key, &hit));
+  } else {  // a replica set: by its layouts, or by their digests (PrepareRequest.replica_digests)
+    const bool by_digest = !req.src_digest().empty() || req.replica_digests_size() > 0;
+    SC_ASSIGN_OR_RETURN(a->plan, by_digest ? plans_.forSetPrepare(req, plan_key, node_, &hit)
+                                           : plans_.getReplicaSet(req.src(), replicas, plan_key, &hit));
     digests.src = a->plan->src_digest;
+    // Its members are the request's replicas, in their order (forSetPrepare compares them;
+    // getReplicaSet made them from them).
+    if (a->plan->members.size() != destination.size())
+      return absl::InternalError(strCat("prepare of sync ", a->id, ": the set's plan has ", a->plan->members.size(),
+                                        " members for ", destination.size(), " replicas"));
+    for (size_t i = 0; i < destination.size(); ++i) destination[i].second = a->plan->members[i].digest;
     a->member_world = a->plan->dst.world() / static_cast<int32_t>(replicas.size());
   }
   for (const auto& key : plans_.takeEvicted()) {  // spare memory and delta bases go with their plan
