@@ -8,6 +8,7 @@
 #include "common/grpc_status.h"
 #include "common/strings.h"
 #include "daemon/coordinator/coordinator.h"
+#include "daemon/coordinator/late_aborts.h"
 #include "daemon/coordinator/lease_keeper.h"
 
 namespace shardcast::daemon {
@@ -121,6 +122,14 @@ std::vector<grpc::Status> SyncCoordinator::finishAll(bool commit, const std::str
                      ->async()
                      ->Finish(&c, &f, &r[i], std::move(done));
                });
+    // A daemon that did not answer holds the attempt until its lease runs out (refusing a
+    // catch-up or an unregister meanwhile): the abort waits for it, beyond this call.
+    if (ctx_.late_aborts)
+      for (size_t i = 0; i < results.size(); ++i)
+        if (results[i].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+            results[i].error_code() == grpc::StatusCode::UNAVAILABLE)
+          ctx_.late_aborts->send(cluster_->view.daemons()[i].node(), cluster_->addresses[i], f,
+                                 lease_ + std::chrono::milliseconds(ctx_.config.peer_timeout_ms));
   }
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {  // what the sync left each node's ranks at, for Watch
     for (size_t i = 0; i < results.size(); ++i)

@@ -37,6 +37,8 @@
 
 namespace shardcast::daemon {
 
+class LateAborts;
+
 // The replicas each replica set had when this daemon last coordinated a sync into it, and the
 // nodes their ranks were on: a replica whose node stops answering is then missing from the next
 // gather, and is still named in that sync's response as cut (not taken for one that left).
@@ -176,6 +178,8 @@ class SyncCoordinator {
     std::function<bool()> gone{};
     // Those of `earlier_fences` given up before they executed (PrepareRequest.supersedes_unexecuted).
     std::vector<uint64_t> earlier_unexecuted{};
+    // Where an abort a daemon did not answer in time goes again (late_aborts.h). Unset: nowhere.
+    LateAborts* late_aborts = nullptr;
   };
   // `id` is started on the progress board already; `fence` names this attempt (never 0).
   SyncCoordinator(Context ctx, const v1::SyncRequest& request, std::string id, uint64_t fence);

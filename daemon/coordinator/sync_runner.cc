@@ -57,7 +57,7 @@ Status SyncRunner::run(const v1::SyncRequest& req, const std::string& id, std::o
     const uint64_t fence = newFence();
     SyncCoordinator coordinator(
         {config_, registry_, peers_, engine_, progress_, replica_sets_, config_.selfAddress(), caller_uid, cut, failed,
-         &repeats_, full_gather, &delta_choices_, fences, fold_refusals, gone, unexecuted},
+         &repeats_, full_gather, &delta_choices_, fences, fold_refusals, gone, unexecuted, &late_aborts_},
         attempt, id, fence);
     fences.push_back(fence);
     auto done = coordinator.run();

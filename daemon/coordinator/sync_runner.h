@@ -14,6 +14,7 @@
 #include "common/status.h"
 #include "daemon/coordinator/coordinator.h"
 #include "daemon/coordinator/delta_choice.h"
+#include "daemon/coordinator/late_aborts.h"
 #include "daemon/coordinator/repeat_cache.h"
 
 namespace shardcast::daemon {
@@ -44,9 +45,10 @@ class SyncRunner {
   SyncEngine& engine_;
   ProgressBoard& progress_;
   std::function<void(const std::string&)> peer_failed_;
-  ReplicaMemory replica_sets_;  // of the replica sets this daemon coordinated syncs into
-  RepeatCache repeats_;         // the views of the last plain syncs it coordinated
-  DeltaChoices delta_choices_;  // delta against dense syncs, as measured (DELTA_AUTO)
+  ReplicaMemory replica_sets_;      // of the replica sets this daemon coordinated syncs into
+  RepeatCache repeats_;             // the views of the last plain syncs it coordinated
+  DeltaChoices delta_choices_;      // delta against dense syncs, as measured (DELTA_AUTO)
+  LateAborts late_aborts_{peers_};  // to daemons that did not take an attempt's abort in time
   std::mutex fence_mu_;
   std::mt19937_64 fence_rng_{std::random_device{}()};
 };

@@ -616,6 +616,76 @@ def test_replicas_downstream_of_a_relay_frozen_mid_write_commit_in_the_same_call
             reg.close()
 
 
+def test_a_replica_node_frozen_mid_write_takes_the_abort_as_it_thaws_and_catches_up_at_once():
+    """A replica's node freezes while the sync writes into it (after its Prepare: the attempt is
+    open there), as a stalled or overloaded host does: the sync cuts it and r0 commits. The abort
+    it missed reaches it as it thaws, not when its lease runs out (60 s here): its rank leaves
+    UPDATING within seconds, then the catch-up its engine runs next (a vLLM replica's update does)
+    brings it to the version, and its client can unregister and register again. Before, each of
+    those was refused for the rest of the lease ("a sync ... is in progress")."""
+    from shardcast.local import Namespaces
+
+    shardcastd_path()
+    nodes = ["n0", "n1", "n2"]
+    shape = (2048, 2048)  # 16 MiB of float32 per replica: over a second at 100 Mbit/s
+
+    def weights(version: int) -> np.ndarray:
+        return np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape) + version * 7.0
+
+    def layout(group: str, node: str, **extra) -> dict:
+        return {"group": group, "mesh": {"shape": [1]}, "nodes": [node], **extra,
+                "tensors": [{"name": "w", "shape": list(shape), "dtype": "float32",
+                             "placements": [{"replicate": {}}]}]}
+
+    lease = ["--sync-lease-ms", "60000", "--max-sync-lease-ms", "60000"]
+    with Namespaces(nodes, rate_mbit=100), LocalCluster(nodes, netns=True, extra=lease) as c:
+        clients = {n: shardcast.Client(c.target(n), timeout=60) for n in nodes}
+        src = clients["n0"]
+        trainer = src.register("trainer", 0, 1, {"w": weights(1)}, layout("trainer", "n0"), role="source", version=1)
+
+        def register(k: int):
+            return clients[f"n{k + 1}"].register(f"rollout.r{k}", 0, 1, {"w": np.zeros(shape, np.float32)},
+                                                 layout(f"rollout.r{k}", f"n{k + 1}", replica_set="rollout",
+                                                        replica=k))
+
+        replicas = {k: register(k) for k in range(2)}
+        assert all(ok for ok, _ in outcomes(src.sync("trainer", "rollout", 1)).values())
+        with trainer.writing(2):
+            trainer.tensors["w"][...] = weights(2)
+        frozen = c.daemons["n2"].proc.pid
+        hit = threading.Event()
+
+        def freeze_a_third_in(p: service_pb2.SyncProgress) -> None:
+            if not hit.is_set() and p.bytes_total and 3 * p.bytes_done >= p.bytes_total:
+                freeze_process(frozen)
+                hit.set()
+
+        try:
+            resp = src.sync("trainer", "rollout", 2, replica_deadline_s=1.0, progress=freeze_a_third_in)
+        finally:
+            if hit.is_set():
+                os.kill(frozen, signal.SIGCONT)
+        got = outcomes(resp)
+        assert hit.is_set(), f"the sync ended before a third of its bytes had moved: {got}"
+        assert got["rollout.r0"] == (True, "") and not got["rollout.r1"][0] and '"n2"' in got["rollout.r1"][1], got
+        # Thawed, n2 takes the abort it missed: well within the lease, the attempt has ended there.
+        ended = time.monotonic() + 20
+        while replicas[1].state().state == service_pb2.RANK_UPDATING and time.monotonic() < ended:
+            time.sleep(0.05)
+        assert replicas[1].state().state != service_pb2.RANK_UPDATING, "n2 held the given-up attempt for its lease"
+        resp = clients["n2"].catch_up("rollout.r1", "trainer")
+        assert resp.version == 2 and resp.seeded_from == "rollout.r0", resp
+        assert np.array_equal(replicas[1].tensors["w"], weights(2))
+        replicas[1].close()  # unregisters
+        replicas[1] = register(1)
+        with trainer.writing(3):
+            trainer.tensors["w"][...] = weights(3)
+        assert all(ok for ok, _ in outcomes(src.sync("trainer", "rollout", 3)).values())
+        assert all(np.array_equal(r.tensors["w"], weights(3)) for r in replicas.values())
+        for reg in [trainer, *replicas.values()]:
+            reg.close()
+
+
 def test_replicas_sharing_nodes_at_crossed_positions_are_planned_flat_and_all_commit():
     """Replica 0's ranks on n1 and n2, replica 1's on n2 and n1: each node holds the two replicas
     at different positions, which the position plan cannot express (one landing per byte per
