@@ -207,12 +207,23 @@ def run_script(script: str, *args: str, timeout: float = 600, tp: int = 1, env_e
     said = f"still running after {timeout:.0f} s, killed" if code is None else f"exit {code}"
     if left:
         raise AssertionError(f"{script} {' '.join(args)} ({said}) left processes {left} running a minute "
-                             f"after it exited (killed):\n{stdout[-4000:]}\n{stderr[-8000:]}")
+                             f"after it exited (killed):\n{what_failed(stderr)}\n{stdout[-4000:]}\n{stderr[-8000:]}")
     for line in stdout.splitlines():
         if code is not None and line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    raise AssertionError(f"{script} {' '.join(args)} printed no result ({said}):\n"
+    raise AssertionError(f"{script} {' '.join(args)} printed no result ({said}):\n{what_failed(stderr)}\n"
                          f"{stdout[-4000:]}\n{stderr[-8000:]}")
+
+
+def what_failed(stderr: str) -> str:
+    """A failed script's story first, ahead of vLLM's log (which may push it out of a CI report):
+    the daemons' and the package's warnings, then the script's last traceback."""
+    said = [line for line in stderr.splitlines()
+            if "[shardcast]" in line or line.startswith("shardcast:") or "shardcast: " in line[:80]]
+    start = stderr.rfind("Traceback (most recent call last)")
+    traceback = stderr[start:][-4000:] if start >= 0 else "(no traceback)"
+    return "== shardcast said:\n" + "\n".join(line[:600] for line in said[-30:]) + "\n== the traceback:\n" + \
+        traceback + "\n== the output's tails:"
 
 
 class Fresh:
