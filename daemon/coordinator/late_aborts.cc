@@ -8,22 +8,30 @@
 namespace shardcast::daemon {
 
 LateAborts::~LateAborts() {
+  std::vector<Call*> out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;  // from here on nothing is reaped: `out` stays valid
+    for (const auto& call : calls_)
+      if (!call->done) out.push_back(call.get());
+  }
+  for (Call* call : out) call->context.TryCancel();  // (not under mu_: a callback takes it)
   std::unique_lock<std::mutex> lock(mu_);
-  stopping_ = true;
-  for (const auto& call : calls_)
-    if (!call->done) call->context.TryCancel();
-  ended_.wait(lock, [&] { return std::all_of(calls_.begin(), calls_.end(), [](const auto& c) { return c->done; }); });
+  ended_.wait(lock, [&] {
+    return std::all_of(calls_.begin(), calls_.end(), [](const auto& c) { return c->done && c->started; });
+  });
 }
 
 void LateAborts::send(const std::string& node, const std::string& address, const v1::FinishRequest& abort,
                       std::chrono::milliseconds within) {
   std::unique_lock<std::mutex> lock(mu_);
-  reap();
   if (stopping_) return;
+  reap();
   if (calls_.size() >= kMaxInFlight) {
-    spdlog::warn("sync {}: {} aborts already wait for daemons that went silent: node \"{}\" ends the attempt when "
-                 "its lease runs out",
-                 abort.sync_id(), calls_.size(), node);
+    spdlog::warn(
+        "sync {}: {} aborts already wait for daemons that went silent: node \"{}\" ends the attempt when "
+        "its lease runs out",
+        abort.sync_id(), calls_.size(), node);
     return;
   }
   auto call = std::make_unique<Call>();
@@ -36,16 +44,19 @@ void LateAborts::send(const std::string& node, const std::string& address, const
   Call* c = call.get();
   calls_.push_back(std::move(call));
   lock.unlock();  // (its callback takes the lock, and may run before Finish returns)
-  c->stub->async()->Finish(&c->context, &c->request, &c->response,
-                           [this, c](const grpc::Status& st) { ended(c, st); });
+  c->stub->async()->Finish(&c->context, &c->request, &c->response, [this, c](const grpc::Status& st) { ended(c, st); });
+  lock.lock();
+  c->started = true;  // reaped only from here: its stub and channel are not freed under Finish
+  ended_.notify_all();
 }
 
 void LateAborts::ended(Call* call, const grpc::Status& st) {
   const double late = std::chrono::duration<double>(std::chrono::steady_clock::now() - call->sent).count();
   if (st.ok())
-    spdlog::info("sync {}: node \"{}\" took the abort {:.1f} s after the sync was given up (it had not answered "
-                 "then): its ranks are free",
-                 call->request.sync_id(), call->node, late);
+    spdlog::info(
+        "sync {}: node \"{}\" took the abort {:.1f} s after the sync was given up (it had not answered "
+        "then): its ranks are free",
+        call->request.sync_id(), call->node, late);
   else  // NOT_FOUND: it had ended the attempt itself (its lease, or a restart)
     spdlog::debug("sync {}: the late abort to node \"{}\" ended after {:.1f} s: {}", call->request.sync_id(),
                   call->node, late, st.error_message());
@@ -56,7 +67,8 @@ void LateAborts::ended(Call* call, const grpc::Status& st) {
 }
 
 void LateAborts::reap() {
-  calls_.erase(std::remove_if(calls_.begin(), calls_.end(), [](const auto& c) { return c->done; }), calls_.end());
+  calls_.erase(std::remove_if(calls_.begin(), calls_.end(), [](const auto& c) { return c->done && c->started; }),
+               calls_.end());
 }
 
 size_t LateAborts::inFlight() const {

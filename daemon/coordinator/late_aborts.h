@@ -22,7 +22,7 @@ namespace shardcast::daemon {
 // again: each is refused meanwhile ("a sync ... is in progress"), though the attempt is over. So
 // the abort goes again, here, to every daemon that did not answer it: one call each, waiting for
 // the daemon to answer (through a reconnect) until its lease would have ended the attempt anyway.
-// A daemon that comes back takes it before anything it has queued since. Owned by the SyncRunner,
+// A daemon that comes back takes it as it does: a frozen one as it thaws. Owned by the SyncRunner,
 // which outlives its coordinators; thread-safe.
 class LateAborts {
  public:
@@ -51,7 +51,8 @@ class LateAborts {
     std::unique_ptr<v1::Peer::Stub> stub;
     std::string node;
     std::chrono::steady_clock::time_point sent;
-    bool done = false;
+    bool done = false;     // its callback ran
+    bool started = false;  // Finish returned (send() no longer touches it)
   };
   void ended(Call* call, const grpc::Status& st);
   // Frees the calls that have ended (their contexts are not freed inside their own callbacks).
