@@ -12,6 +12,8 @@
 #include <thread>
 #include <vector>
 
+#include "tests/daemon/served_peer.h"
+
 using namespace shardcast;
 using namespace std::chrono_literals;
 
@@ -47,20 +49,14 @@ class FrozenPeer final : public v1::Peer::Service {
   std::vector<v1::FinishRequest> got_;
 };
 
+// The peer served, and a PeerSet of daemon "n0" whose only peer it is.
 struct FrozenServed {
-  explicit FrozenServed(FrozenPeer& peer) {
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(&peer);
-    server = builder.BuildAndStart();
-    address = "127.0.0.1:" + std::to_string(port);
+  explicit FrozenServed(FrozenPeer& peer) : served(peer), address(served.address) {
     config.node = "n0";
     config.peers = {address};
     peers = std::make_unique<daemon::PeerSet>(config, "n0-instance");
   }
-  ~FrozenServed() { server->Shutdown(std::chrono::system_clock::now() + 100ms); }
-  std::unique_ptr<grpc::Server> server;
+  shardcast::testing::ServedPeer served;
   std::string address;
   daemon::DaemonConfig config;
   std::unique_ptr<daemon::PeerSet> peers;

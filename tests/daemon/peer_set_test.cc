@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "daemon/coordinator/cluster.h"
+#include "tests/daemon/served_peer.h"
 
 using namespace shardcast;
 using namespace std::chrono_literals;
@@ -66,21 +67,6 @@ class LatePeer final : public v1::Peer::Service {
   std::string transport_ = "transport-1";
 };
 
-// A Describe-only peer served on 127.0.0.1.
-struct Served {
-  explicit Served(LatePeer& peer) {
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(&peer);
-    server = builder.BuildAndStart();
-    address = "127.0.0.1:" + std::to_string(port);
-  }
-  ~Served() { server->Shutdown(std::chrono::system_clock::now() + 100ms); }
-  std::unique_ptr<grpc::Server> server;
-  std::string address;
-};
-
 // The peer served on 127.0.0.1, and a PeerSet of daemon "n0" whose only peer it is (with
 // `silent_too`, node "n2" as well, whose Describes answer only once `silent.release()` is called,
 // under a peer timeout of 30 s). A peer answering late is asked under a peer timeout of 200 ms; one
@@ -90,7 +76,7 @@ struct Cluster {
   explicit Cluster(int late, std::chrono::milliseconds delay, bool silent_too = false) {
     peer.late = late;
     peer.delay = delay;
-    served = std::make_unique<Served>(peer);
+    served = std::make_unique<shardcast::testing::ServedPeer>(peer);
     address = served->address;
     config.node = "n0";
     config.peers = {address};
@@ -99,7 +85,7 @@ struct Cluster {
       silent.node = "n2";
       silent.late = 1000000;
       silent.delay = 60s;
-      silent_served = std::make_unique<Served>(silent);
+      silent_served = std::make_unique<shardcast::testing::ServedPeer>(silent);
       config.peers.push_back(silent_served->address);
       config.peer_timeout_ms = 30000;
     }
@@ -115,7 +101,7 @@ struct Cluster {
   }
 
   LatePeer peer, silent;
-  std::unique_ptr<Served> served, silent_served;  // served before `peers`, shut down after
+  std::unique_ptr<shardcast::testing::ServedPeer> served, silent_served;  // served before `peers`, shut down after
   std::string address;
   daemon::DaemonConfig config;
   std::unique_ptr<daemon::PeerSet> peers;
