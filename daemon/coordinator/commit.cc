@@ -122,13 +122,16 @@ std::vector<grpc::Status> SyncCoordinator::finishAll(bool commit, const std::str
                      ->async()
                      ->Finish(&c, &f, &r[i], std::move(done));
                });
-    // A daemon that did not answer holds the attempt until its lease runs out (refusing a
-    // catch-up or an unregister meanwhile): the abort waits for it, beyond this call.
-    if (ctx_.late_aborts)
+    // The silent node, not answering, holds the attempt until its lease runs out (refusing a
+    // catch-up or an unregister meanwhile): the abort waits for it, beyond this call. (Another
+    // daemon slow to answer is still closing the attempt: it took the abort. One the retried
+    // attempt asks again is ended by that attempt's Prepare, which supersedes it.)
+    if (ctx_.late_aborts && !silent.empty())
       for (size_t i = 0; i < results.size(); ++i)
-        if (results[i].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
-            results[i].error_code() == grpc::StatusCode::UNAVAILABLE)
-          ctx_.late_aborts->send(cluster_->view.daemons()[i].node(), cluster_->addresses[i], f,
+        if (cluster_->view.daemons()[i].node() == silent &&
+            (results[i].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+             results[i].error_code() == grpc::StatusCode::UNAVAILABLE))
+          ctx_.late_aborts->send(silent, cluster_->addresses[i], f,
                                  lease_ + std::chrono::milliseconds(ctx_.config.peer_timeout_ms));
   }
   ctx_.progress.update(id_, [&](v1::SyncProgress& p) {  // what the sync left each node's ranks at, for Watch

@@ -20,8 +20,9 @@ namespace shardcast::daemon {
 // frozen or cut off then (the likely reason it was given up) does not get it, and holds its ranks
 // under the attempt until its lease runs out. A catch-up of its replica, an unregister, a register
 // again: each is refused meanwhile ("a sync ... is in progress"), though the attempt is over. So
-// the abort goes again, here, to every daemon that did not answer it: one call each, waiting for
-// the daemon to answer (through a reconnect) until its lease would have ended the attempt anyway.
+// the abort goes again, here, to the daemon the sync was given up for (found silent) when it did
+// not answer it: one call, waiting for the daemon to answer (through a reconnect) until its lease
+// would have ended the attempt anyway.
 // A daemon that comes back takes it as it does: a frozen one as it thaws. Owned by the SyncRunner,
 // which outlives its coordinators; thread-safe.
 class LateAborts {

@@ -487,14 +487,6 @@ void AttemptTable::abandon(const std::shared_ptr<SyncAttempt>& a) {
   left_.notify_all();
 }
 
-bool AttemptTable::awaitClosing(const std::string& id, uint64_t fence, std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  return closed_cv_.wait_for(lock, timeout, [&] {
-    auto it = closed_.find({id, fence});
-    return it == closed_.end() || it->second.done;
-  });
-}
-
 bool AttemptTable::awaitPrepare(const std::string& id, uint64_t fence, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   return left_.wait_for(lock, timeout, [&] {

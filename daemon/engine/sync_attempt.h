@@ -288,9 +288,6 @@ class AttemptTable {
   // last kClosedKept).
   std::optional<StatusOr<v1::FinishResponse>> closedBefore(const std::string& id, uint64_t fence, bool commit,
                                                            std::chrono::milliseconds timeout);
-  // Waits until no Finish taken here for attempt (id, `fence`) is still closing it (a late
-  // abort that came just before the Prepare superseding it), at most `timeout`; false if one is.
-  bool awaitClosing(const std::string& id, uint64_t fence, std::chrono::milliseconds timeout);
   // Waits until no Prepare of attempt (id, fence) is running here (it ends refused once given
   // up, its ranks released), at most `timeout`; false if one still runs.
   bool awaitPrepare(const std::string& id, uint64_t fence, std::chrono::milliseconds timeout);

@@ -247,17 +247,6 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
       closing.wait();
     else
       closing.wait_for(kSupersededCloseWait);
-  } else {
-    // Its abort may have come just before this Prepare (sent again once this daemon answered:
-    // daemon/coordinator/late_aborts.h), and still be closing it: waited for as above, so that
-    // ranks an unexecuted attempt reverts are not found mid-close and left dirty.
-    for (const uint64_t earlier : supersedes) {
-      const bool unexecuted = std::find(req.supersedes_unexecuted().begin(), req.supersedes_unexecuted().end(),
-                                        earlier) != req.supersedes_unexecuted().end();
-      if (!attempts_.awaitClosing(a->id, earlier, unexecuted ? kSupersededCloseWait * 10 : kSupersededCloseWait))
-        spdlog::warn("sync {}: its attempt with fence {} is still being closed on node \"{}\": going on", a->id,
-                     earlier, node_);
-    }
   }
   struct Abandon {  // every way out before publish takes it out of the table again
     AttemptTable& table;

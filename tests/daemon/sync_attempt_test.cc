@@ -240,31 +240,6 @@ TEST_CASE("attempt table: an attempt given up before it was prepared is refused"
   }
 }
 
-TEST_CASE("attempt table: a Prepare superseding an attempt an abort is still closing can wait for that close",
-          "[daemon][attempt]") {
-  // The abort sent again to a daemon that missed it (daemon/coordinator/late_aborts.h) may take
-  // the attempt just before the retried attempt's Prepare comes: that Prepare finds nothing open
-  // to supersede, and waits for the close instead (SyncEngine::prepare).
-  using std::chrono::milliseconds;
-  AttemptTable table("n0");
-  auto a = attempt("s", 7);
-  REQUIRE(table.begin(a).ok());
-  REQUIRE(table.publish(a).ok());
-  CHECK(table.awaitClosing("s", 7, milliseconds(0)));  // open, not being closed
-  REQUIRE(table.takeForClose("s", 7, /*commit=*/false) == a);
-  CHECK_FALSE(table.awaitClosing("s", 7, milliseconds(20)));  // its close still runs
-  CHECK(table.awaitClosing("s", 8, milliseconds(0)));         // another attempt: nothing to wait for
-  std::thread closer([&] {
-    std::this_thread::sleep_for(milliseconds(50));
-    table.closed("s", 7, shardcast::v1::FinishResponse());
-  });
-  CHECK(table.awaitClosing("s", 7, std::chrono::seconds(30)));
-  closer.join();
-  // The retried attempt of the sync is prepared.
-  auto b = attempt("s", 8);
-  CHECK(table.begin(b, {7}).ok());
-}
-
 TEST_CASE("attempt table: a Finish repeated for an attempt a Finish took gets the first one's answer",
           "[daemon][attempt]") {
   using std::chrono::milliseconds;
