@@ -96,6 +96,13 @@ def main() -> None:
         train(3)
         engine.send_weights()
         result["dir_3"], result["replicas_3"], result["served_3"] = save(3), dict(engine.replicas), served()
+        # Each engine's workers registered again with their own node's daemon (both engines share
+        # this process, whose SHARDCAST_ADDRESS names n2 by now).
+        import shardcast
+
+        with shardcast.Client(cluster.target("n0")) as lister:
+            result["nodes_3"] = sorted({(r.group, r.node) for r in lister.list(all_nodes=True).ranks
+                                        if r.group.startswith("vllm.lora.policy.r")})
         engine.shutdown()
         for llm in llms:
             shutdown_llm(llm)

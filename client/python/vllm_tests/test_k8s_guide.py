@@ -103,15 +103,17 @@ def main() -> None:
 
     shardcast.Client.sync = recorded_sync
     with LocalCluster(["n0", "n1", "n2"]) as cluster:
-        # The node's daemon for the trainer (n0); each engine's workers reach theirs (n1, n2), as in
-        # a pod: the trainer's client is made before it asks the engines to init, and the
-        # engines' workers make theirs in that call.
-        os.environ["SHARDCAST_ADDRESS"] = cluster.target("n0")
+        # Each engine's workers reach their node's daemon (n1, n2), as in a pod: an engine takes
+        # its environment's as vLLM builds it. Then the trainer's node's (n0), for the page's code.
         # Two engines in one process: the CPU backend counts the process's memory against each
         # engine's share, so the KV cache gets an explicit size (it changes no number served).
         args = dict(engine_args(1), kv_cache_memory_bytes=256 << 20)
-        llms = [LLM(model=model_dir, worker_extension_cls="worker_ext.ShardcastCheck",
-                    weight_transfer_config={"backend": "shardcast"}, **args) for _ in range(2)]
+        llms = []
+        for node in ("n1", "n2"):
+            os.environ["SHARDCAST_ADDRESS"] = cluster.target(node)
+            llms.append(LLM(model=model_dir, worker_extension_cls="worker_ext.ShardcastCheck",
+                            weight_transfer_config={"backend": "shardcast"}, **args))
+        os.environ["SHARDCAST_ADDRESS"] = cluster.target("n0")
         trainer = PlainTrainer(model_dir, out_dir)
         # Steps train the last layer's MLP only: in float32 AdamW changes every weight it steps,
         # and the frozen ones stand for the most of a bf16 model that a step leaves unchanged.
@@ -120,8 +122,6 @@ def main() -> None:
         os.environ["RANK"] = "0"  # torchrun's, which the page's code reads
         steps = itertools.count(1)
         servers = [OfflineClient(llm) for llm in llms]
-        for server, node in zip(servers, ("n1", "n2")):
-            server.before["init"] = lambda node=node: os.environ.update(SHARDCAST_ADDRESS=cluster.target(node))
         namespace.update(
             EXPECTED=2,  # two engines here, four pods on the page
             find_servers=lambda expected: ReplicaClients(servers[:expected]),

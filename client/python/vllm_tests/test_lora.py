@@ -81,6 +81,7 @@ def test_an_adapter_into_vllm_servers_as_a_replica_set_one_joining_one_cut(model
     assert loaded[0] != loaded[1]
     # After both sides shut their engines down, a new trainer engine takes the same adapter again.
     assert out["replicas_3"] == {"vllm.lora.policy.r0": "", "vllm.lora.policy.r1": ""}
+    assert out["nodes_3"] == [["vllm.lora.policy.r0", "n1"], ["vllm.lora.policy.r1", "n2"]], out["nodes_3"]
     assert out["served_3"] == [loaded[2], loaded[2]]
 
 

@@ -70,7 +70,8 @@ _log = logging.getLogger("shardcast")
 class ShardcastInitInfo(WeightTransferInitInfo):
     """What the trainer tells the workers once: the checkpoint's tensors (name -> [shape, dtype
     name], the names the model's `load_weights` takes), the destination group to register, and the
-    daemon (default: the node's socket, SHARDCAST_ADDRESS / SHARDCAST_SOCKET).
+    daemon (default: the node's, SHARDCAST_ADDRESS / SHARDCAST_SOCKET / its socket as the worker's
+    environment named it when vLLM built the engine).
 
     `replica`: this engine's id in the replica set `group` (it registers group `<group>.r<replica>`).
     `data_parallel`: vLLM runs data-parallel engines (`--data-parallel-size`), each one replica of
@@ -134,6 +135,11 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         self.runner: Any = None
         self.base_received = False  # this update session received the base weights' version
         self.ranks: Optional[GridRanks] = None  # the workers of this group, once registered
+        # This worker's daemon unless the init info names one: as its environment named it when vLLM
+        # built the engine (engines sharing a process, each with its own node, keep their own).
+        from shardcast.client import default_target
+
+        self.daemon = default_target()
 
     def init_transfer_engine(self, init_info: ShardcastInitInfo) -> None:
         """All workers of the engine or none: each matches the announced checkpoint against vLLM's
@@ -218,7 +224,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
             mine["installer"] = installer
             mine["buffers"] = {s.name: worker_buffers(s) for s in specs}
             if mine["client"] is None:
-                mine["client"] = mine["own_client"] = shardcast.Client(init_info.daemon or None)
+                mine["client"] = mine["own_client"] = shardcast.Client(init_info.daemon or self.daemon)
             return mine["client"].status().node
 
         adapters: Dict[str, WorkerAdapter] = {}
@@ -278,7 +284,7 @@ class ShardcastWeightTransferEngine(WeightTransferEngine[ShardcastInitInfo, Shar
         check_dtypes(maps, announced, fp8)
         mine["memory"] = rank_memory(maps, dict(self.model.named_parameters(remove_duplicate=False)),
                                      modules, double_buffer=init_info.double_buffer)
-        mine["client"] = shardcast.Client(init_info.daemon or None)
+        mine["client"] = shardcast.Client(init_info.daemon or self.daemon)
         mine["node"] = mine["client"].status().node
         return {"node": mine["node"], "pieces": mine["memory"].pieces,
                 "held": {l.tensor: (list(l.offsets), list(l.sizes), pm.name) for pm in maps.values()
