@@ -178,7 +178,8 @@ class SyncCoordinator {
     std::function<bool()> gone{};
     // Those of `earlier_fences` given up before they executed (PrepareRequest.supersedes_unexecuted).
     std::vector<uint64_t> earlier_unexecuted{};
-    // Where an abort a daemon did not answer in time goes again (late_aborts.h). Unset: nowhere.
+    // Where the abort goes again when the node the sync was given up for did not answer it
+    // (late_aborts.h). Unset: nowhere.
     LateAborts* late_aborts = nullptr;
   };
   // `id` is started on the progress board already; `fence` names this attempt (never 0).
