@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/strings.h"
+#include "transport/transport.h"
 
 namespace shardcast::daemon {
 
@@ -32,9 +33,11 @@ void SyncRunner::restartProgress(const std::string& id) {
 }
 
 uint64_t SyncRunner::newFence() {
-  std::lock_guard<std::mutex> lock(fence_mu_);
+  // From the kernel's CSPRNG, not a generator seeded once: a destination's delta base is matched
+  // by fence (the bytes are then checked by hash), and two coordinators seeded alike would hand
+  // out the same fences.
   uint64_t f = 0;
-  while (f == 0) f = fence_rng_();
+  while (f == 0) transport::randomBytes(&f, sizeof(f));
   return f;
 }
 

@@ -8,7 +8,6 @@
 #include <functional>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <string>
 
 #include "common/status.h"
@@ -34,7 +33,7 @@ class SyncRunner {
 
  private:
   // A random write fence for one sync attempt (never 0).
-  uint64_t newFence();
+  static uint64_t newFence();
   // The sync's progress as a new attempt starts it (Watch shows that attempt from its gather; the
   // failed attempt's error is not the sync's).
   void restartProgress(const std::string& id);
@@ -49,8 +48,6 @@ class SyncRunner {
   RepeatCache repeats_;             // the views of the last plain syncs it coordinated
   DeltaChoices delta_choices_;      // delta against dense syncs, as measured (DELTA_AUTO)
   LateAborts late_aborts_{peers_};  // to daemons that did not take an attempt's abort in time
-  std::mutex fence_mu_;
-  std::mt19937_64 fence_rng_{std::random_device{}()};
 };
 
 }  // namespace shardcast::daemon

@@ -163,6 +163,11 @@ bool SyncAttempt::quiesce(std::chrono::milliseconds timeout) {
   return cv_.wait_for(lock, timeout, [&] { return outbox_.pending() == 0 && executes_ == 0; });
 }
 
+bool SyncAttempt::quiet() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return outbox_.pending() == 0 && executes_ == 0;
+}
+
 void SyncAttempt::drain() {
   std::lock_guard<std::mutex> lock(mu_);
   moveTo(Phase::kDraining);

@@ -155,7 +155,10 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   // closing: waits until every write this node started completed or failed and every execute
   // returned; false if that takes longer than `timeout`.
   bool quiesce(std::chrono::milliseconds timeout);
-  // closing -> draining: peers' writes into this node were still landing when it ended.
+  // What quiesce waits for, now: no write this node started is pending and no execute runs.
+  bool quiet() const;
+  // closing -> draining: peers' writes into this node were still landing when it ended, or its own
+  // writes or executes were still running.
   void drain();
   // closing|draining -> closed.
   void endClose();

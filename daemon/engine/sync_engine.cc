@@ -411,8 +411,7 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
   // Peers write into rank buffers directly: before the group may take another sync, every write
   // this node started has to complete or fail (the transport bounds each by its op timeout), and
   // this node's own execute calls (local copies into its ranks) have to return.
-  if (!a->quiesce(std::chrono::seconds(120)))
-    spdlog::error("sync {}: writes or executes still pending 120 s after it ended", a->id);
+  const bool quiet = a->quiesce(own_work_wait_);
   // Peers' writes into the rank buffers are all done: a segment truncated under them fails the
   // commit here, naming the rank, rather than committing the zero pages that replaced it.
   if (end == Registry::SyncEnd::kCommit)
@@ -427,18 +426,19 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
   if (a->bases && !a->executing()) bases_.finish(a->plan->bases_key, a->fence, end == Registry::SyncEnd::kCommit);
   // No write of this sync lands here any more: later ones are refused, those landing now are waited
   // for (bounded by the transport's op timeout on the sender's side).
-  if (!transport_.closeFence(a->key, std::chrono::seconds(10))) {
-    // A peer frozen mid-write: its ranks stay held (dirty) until those writes are done or failed;
-    // the reaper polls the fence.
-    spdlog::error(
-        "sync {}: writes into node \"{}\" still landing 10 s after it ended: its ranks stay held until "
-        "they are done",
-        a->id, node_);
+  const bool landed = transport_.closeFence(a->key, quiet ? std::chrono::seconds(10) : std::chrono::seconds(0));
+  if (!landed || !quiet) {
+    // A peer frozen mid-write, or an execute of this node stuck (a device wait) or a write of its
+    // own still pending: the ranks stay held (dirty) until those are done or failed, so a later
+    // sync cannot commit bytes they would then overwrite; the reaper polls both.
+    const std::string what =
+        !quiet ? "its own writes or executes still running" : strCat("writes into node \"", node_, "\" still landing");
+    spdlog::error("sync {}: {} {:.1f} s after it ended: its ranks stay held until they are done", a->id, what,
+                  quiet ? 10.0 : static_cast<double>(own_work_wait_.count()) / 1000);
     registry_.endSync(a->id, a->fence, a->src_group, a->dstGroups(), Registry::SyncEnd::kDraining, reason);
     a->drain();
     attempts_.addDraining(a);
-    return Status(absl::StatusCode::kUnavailable,
-                  strCat("sync ", a->id, " on node \"", node_, "\": writes still landing"));
+    return Status(absl::StatusCode::kUnavailable, strCat("sync ", a->id, " on node \"", node_, "\": ", what));
   }
   if (end == Registry::SyncEnd::kDirty && commit) {
     const Status failure = a->failure();
@@ -476,7 +476,7 @@ void SyncEngine::reap() {
   while (!reaper_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_; })) {
     const auto expired = attempts_.takeExpired(Clock::now());
     const auto drained = attempts_.takeDrained(
-        [&](const SyncAttempt& a) { return transport_.closeFence(a.key, std::chrono::milliseconds(0)); });
+        [&](const SyncAttempt& a) { return a.quiet() && transport_.closeFence(a.key, std::chrono::milliseconds(0)); });
     lock.unlock();
     for (const auto& a : drained) {
       registry_.drained(a->id, a->fence, a->dstGroups());

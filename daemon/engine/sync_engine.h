@@ -13,6 +13,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <future>
@@ -74,6 +75,10 @@ class SyncEngine {
   const DeltaBases& deltaBases() const { return bases_; }
   // Shutdown: aborts every sync prepared here (destination ranks written by them become DIRTY).
   void abortAll(const std::string& reason);
+  // How long ending an attempt waits for this node's own writes and execute calls (120 s); one
+  // still running then keeps the attempt's ranks held until it returns. Tests shorten it (set it
+  // before the first sync).
+  void setOwnWorkWait(std::chrono::milliseconds wait) { own_work_wait_ = wait; }
 
  private:
   void onNotification(const std::string& payload, const transport::WriteKey& key);
@@ -99,6 +104,7 @@ class SyncEngine {
   Metrics& metrics_;
   const uint64_t window_bytes_;
   const PeerLimits limits_;
+  std::chrono::milliseconds own_work_wait_{std::chrono::seconds(120)};
   PlanCache plans_;
   SpareMemory spares_;
   DeltaBases bases_;

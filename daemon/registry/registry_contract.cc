@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <string_view>
 
 #include "common/refusal.h"
 #include "common/strings.h"
@@ -43,6 +44,9 @@ RankFacts Registry::factsOf(const Rank& r) {
 }
 
 namespace {
+
+// What a draining rank's detail says until drained() (kDraining).
+constexpr std::string_view kStillLanding = " (writes or copies still landing: no sync until they are done)";
 
 bool isIn(const std::vector<std::string>& groups, const std::string& group) {
   return std::find(groups.begin(), groups.end(), group) != groups.end();
@@ -268,7 +272,7 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, uint64_t fe
           r->detail = strCat("sync ", id, " wrote part of version ", r->writing, " and did not commit: ", reason);
           if (end == SyncEnd::kDraining) {
             r->writer = id;  // still held: writes of it are still landing
-            r->detail += " (writes still landing: no sync until they are done)";
+            r->detail += kStillLanding;
           }
           break;
       }
@@ -415,7 +419,10 @@ void Registry::drained(const std::string& id, uint64_t fence, const std::vector<
       if (!isIn(dst, key.first)) continue;
       if (const auto earlier = r->lingering.find(fence); earlier != r->lingering.end() && earlier->second.id == id)
         r->lingering.erase(earlier);
-      if (r->writer == id && r->writer_fence == fence) r->writer.clear();
+      if (r->writer == id && r->writer_fence == fence) {
+        r->writer.clear();
+        if (const auto at = r->detail.rfind(kStillLanding); at != std::string::npos) r->detail.erase(at);
+      }
     }
   }
   state_cv_.notify_all();

@@ -1,7 +1,7 @@
 // Element conversions the pack stage makes for the destination dtypes a layout may declare
 // (planner::convertible): float32 -> bfloat16, rounded to nearest even, bit for bit what torch's
-// .to(torch.bfloat16) does on the CPU (NaN becomes the quiet NaN 0x7fc0; torch on CUDA writes
-// 0x7fff: both NaN).
+// .to(torch.bfloat16) does for every number (NaN becomes the quiet NaN 0x7fc0; torch's CPU kernel
+// writes 0xffff and CUDA 0x7fff: all NaN).
 #pragma once
 
 #include <atomic>

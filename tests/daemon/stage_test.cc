@@ -10,11 +10,14 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <numeric>
 #include <random>
+#include <thread>
 
 #include "daemon/engine/sync_engine.h"
 #include "daemon/registry/registry.h"
@@ -323,4 +326,134 @@ TEST_CASE("a float32 source syncs into a bfloat16 destination: rounded values, h
   }
   CHECK(checked == 512 * 256 + 2 * 8);
   CHECK(wrong == 0);
+}
+
+namespace {
+
+// The standard stage, whose unpacks wait for `gate` (the first one tells `entered`): an execute
+// stuck in a device wait, as far as the sync engine can tell.
+class GatedStage final : public Stage {
+ public:
+  GatedStage(std::shared_future<void> gate, std::promise<void>& entered) : gate_(std::move(gate)), entered_(entered) {}
+  const char* name() const override { return "gated"; }
+  Status pack(const TypedView& wire, const TypedView& memory, const std::vector<int64_t>& extent,
+              const StageSite& site) override {
+    return copy_->pack(wire, memory, extent, site);
+  }
+  Status unpack(const TypedView& memory, const TypedView& wire, const std::vector<int64_t>& extent,
+                const StageSite& site) override {
+    if (!told_.exchange(true)) entered_.set_value();
+    gate_.wait();
+    return copy_->unpack(memory, wire, extent, site);
+  }
+  Status copyLocal(const TypedView& dst, const TypedView& src, const std::vector<int64_t>& extent,
+                   const StageSite& site) override {
+    return copy_->copyLocal(dst, src, extent, site);
+  }
+
+ private:
+  std::shared_future<void> gate_;
+  std::promise<void>& entered_;
+  std::atomic<bool> told_{false};
+  std::unique_ptr<Stage> copy_ = makeStandardStage();
+};
+
+}  // namespace
+
+TEST_CASE("an execute still unpacking when its attempt is aborted keeps the ranks held until it returns",
+          "[daemon][stage][attempt]") {
+  // Without that, the abort released the ranks after its wait, a later sync could commit them,
+  // and the stuck unpack then wrote the aborted attempt's bytes over the committed ones.
+  const auto src_proto = *planner::parseLayoutJson(R"({"group":"s","mesh":{"shape":[1]},"nodes":["a"],"tensors":[
+    {"name":"w","shape":[16,8],"dtype":"int32"}]})",
+                                                   "s");
+  const auto dst_proto = *planner::parseLayoutJson(R"({"group":"d","mesh":{"shape":[2]},"nodes":["b","b"],"tensors":[
+    {"name":"w","shape":[16,8],"dtype":"int32","placements":[{"shard":{"dim":1}}]}]})",
+                                                   "d");
+  planner::NodeTable nodes;
+  const auto src = *planner::resolveLayout(src_proto, nodes);
+  const auto dst = *planner::resolveLayout(dst_proto, nodes);
+  std::promise<void> open, entered;
+  InProcessNode a("a"), b("b", std::make_unique<GatedStage>(open.get_future().share(), entered));
+  b.engine.setOwnWorkWait(std::chrono::milliseconds(200));
+  const MemoryCaller root{0, true, true};
+  RankMemory s0 = allocateRank(src, 0, "stuck-s0");
+  forEachElement(src, 0, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+    *s0.at<int32_t>(p, off) = static_cast<int32_t>(flat);
+  });
+  REQUIRE(a.registry.registerRank(registerRequest(src_proto, 0, 1, s0, v1::ROLE_SOURCE, 1), root).ok());
+  std::vector<RankMemory> d;
+  for (int32_t r = 0; r < 2; ++r) {
+    d.push_back(allocateRank(dst, r, "stuck-d" + std::to_string(r)));
+    REQUIRE(b.registry.registerRank(registerRequest(dst_proto, r, 2, d.back()), root).ok());
+  }
+  v1::PrepareRequest prep = prepareRequest("stuck", src_proto, dst_proto, 1, 7);
+  prep.set_packed(false);
+  auto pa = a.engine.prepare(prep);
+  auto pb = b.engine.prepare(prep);
+  REQUIRE(pa.ok());
+  REQUIRE(pb.ok());
+  v1::ExecuteRequest exec;
+  exec.set_sync_id("stuck");
+  exec.set_fence(7);
+  exec.set_timeout_ms(10000);
+  for (auto [node, targets] : {std::pair{&a, &*pa}, std::pair{&b, &*pb}}) {
+    auto* n = exec.add_nodes();
+    n->set_node(node->name);
+    n->set_transport_address(node->context->address());
+    *n->mutable_targets() = targets->targets();
+  }
+  auto on_a = std::async(std::launch::async, [&] { return a.engine.execute(exec); });
+  auto on_b = std::async(std::launch::async, [&] { return b.engine.execute(exec); });
+  std::once_flag opened;
+  const auto open_gate = [&] { std::call_once(opened, [&] { open.set_value(); }); };
+  struct OpenOnExit {  // a failed REQUIRE must not leave the executes waiting (their futures' destructors join)
+    const std::function<void()> open;
+    ~OpenOnExit() { open(); }
+  } open_on_exit{open_gate};
+  REQUIRE(entered.get_future().wait_for(std::chrono::seconds(10)) == std::future_status::ready);
+
+  // The coordinator gives the attempt up while b's execute is still in its unpack.
+  v1::FinishRequest abort;
+  abort.set_sync_id("stuck");
+  abort.set_fence(7);
+  abort.set_commit(false);
+  abort.set_executed(true);
+  abort.set_reason("given up by the test");
+  (void)a.engine.finish(abort);
+  const auto ended = b.engine.finish(abort);
+  REQUIRE_FALSE(ended.ok());
+  CHECK(ended.status().code() == absl::StatusCode::kUnavailable);
+  CHECK_THAT(std::string(ended.status().message()), Catch::Contains("its own writes or executes still running"));
+  // The ranks stay held: a later sync cannot take them while the unpack may still write.
+  v1::PrepareRequest next = prepareRequest("next", src_proto, dst_proto, 1, 8);
+  next.set_packed(false);
+  const auto refused = b.engine.prepare(next);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(refused.status().message()), Catch::Contains("stuck"));
+
+  const auto held = [&] {
+    for (const auto& g : b.registry.groups())
+      for (const auto& st : g.rank_states())
+        if (st.detail().find("still landing") != std::string::npos) return true;
+    return false;
+  };
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the reaper polls every 100 ms
+  CHECK(held());
+
+  // The unpack returns; the reaper then frees the ranks (dirty), and the next sync commits them.
+  open_gate();
+  (void)on_a.get();
+  (void)on_b.get();
+  for (int i = 0; i < 200 && held(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  REQUIRE_FALSE(held());
+  for (const auto& m : d) std::memset(m.seg->data(), 0xff, m.seg->size());
+  syncByHand(a, b, "after", src_proto, dst_proto, 9, true);
+  bool exact = true;
+  for (int32_t r = 0; r < 2; ++r)
+    forEachElement(dst, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      exact = exact && *d[static_cast<size_t>(r)].at<int32_t>(p, off) == static_cast<int32_t>(flat);
+    });
+  CHECK(exact);
 }
