@@ -314,6 +314,9 @@ class _Session:
                         group=r.group, rank=r.rank, registration=resp.registration), timeout=self._client.timeout)
                     continue
                 with self._client._registrations_lock:
+                    before = self._client._registrations.get((r.group, r.rank))
+                    if before:
+                        self._client._succeeded[before] = resp.registration
                     self._client._registrations[(r.group, r.rank)] = resp.registration
             except (grpc.RpcError, OSError, ValueError) as e:
                 detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
@@ -427,6 +430,10 @@ class Client:
         # (group, rank) -> RegisterResponse.registration of this client's registration: acquire,
         # publish, release and unregister act only on it, never on a later one of another process.
         self._registrations: Dict[Tuple[str, int], int] = {}
+        # registration -> the one this client's session made of it after its daemon restarted: a
+        # Registration keeps acting on its own rank's registration, and never on a later one that
+        # took the rank over (replace=True, in this process or another).
+        self._succeeded: Dict[int, int] = {}
         self._registrations_lock = threading.Lock()
         self._closed = False
 
@@ -445,9 +452,15 @@ class Client:
             raise ShardcastError(grpc.StatusCode.FAILED_PRECONDITION,
                                  f'{what}: the client of shardcastd at "{self.target}" is closed')
 
-    def _registration(self, group: str, rank: int) -> int:
+    def _registration(self, group: str, rank: int, registration: Optional[int] = None) -> int:
+        """The registration to act on: `registration` (a RegisterResponse.registration) as this
+        client's session holds it now, or this client's latest of the rank when None."""
         with self._registrations_lock:
-            return self._registrations.get((group, rank), 0)
+            if registration is None:
+                return self._registrations.get((group, rank), 0)
+            while registration in self._succeeded:
+                registration = self._succeeded[registration]
+            return registration
 
     def _check_session(self, *groups: str) -> None:
         """Raises (FAILED_PRECONDITION) while a rank of this client's session, of one of `groups`,
@@ -690,6 +703,17 @@ class Client:
         rank (FAILED_PRECONDITION): it stays this client's, and unregistering again later works."""
         what = f'unregister group "{group}" rank {rank}'
         self._check_open(what)
+        latest = self._registration(group, rank)
+        registration = latest if registration is None else self._registration(group, rank, registration)
+        if latest and registration != latest:
+            # An earlier registration of the rank, which this client took over itself (replace=True):
+            # the daemon refuses it (taken over), and this client's latest stays as it is.
+            try:
+                self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank, registration=registration),
+                                      timeout=self.timeout)
+            except grpc.RpcError as e:
+                raise self._fail(e, what) from None
+            return
         entry, failure = None, None
         if self._session is not None:  # out first: the session must not register it again meanwhile
             with self._session._lock:
@@ -697,9 +721,6 @@ class Client:
                 failure = self._session.failures.pop((group, rank), None)
         with self._registrations_lock:
             known = self._registrations.pop((group, rank), 0)
-        # A rank this client's session registered again after its daemon restarted holds a new
-        # registration: that one is this client's now, whatever the caller kept.
-        registration = known if registration is None or (entry is not None and known) else registration
         try:
             self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank, registration=registration),
                                   timeout=self.timeout)
@@ -718,15 +739,18 @@ class Client:
 
     # ---- fences ----
 
-    def acquire(self, group: str, rank: int, timeout: float = 30.0) -> service_pb2.RankStatus:
+    def acquire(self, group: str, rank: int, timeout: float = 30.0,
+                registration: Optional[int] = None) -> service_pb2.RankStatus:
         """Takes a rank's memory: a source rank to write it (waits until every sync reading it
         ended; syncs then refuse it until it publishes), a destination rank to read it undisturbed
-        (waits until the sync writing it ended; syncs then refuse it until it is released)."""
+        (waits until the sync writing it ended; syncs then refuse it until it is released).
+        `registration`: act only on that registration of the rank (a RegisterResponse.registration;
+        default: this client's latest); a later one that took the rank over refuses the call."""
         what = f'acquire group "{group}" rank {rank}'
         self._check_open(what)
         self._check_session(group)
         req = service_pb2.AcquireRequest(group=group, rank=rank, timeout_ms=int(timeout * 1000),
-                                         registration=self._registration(group, rank))
+                                         registration=self._registration(group, rank, registration))
         try:
             st = self._stub.Acquire(req, timeout=timeout + self.timeout).status
         except grpc.RpcError as e:
@@ -734,22 +758,24 @@ class Client:
         self._remember(group, rank, held=True, active=st.active_set)
         return st
 
-    def publish(self, group: str, rank: int, version: int) -> service_pb2.RankStatus:
-        """A source rank's tensors hold `version` and will not change until acquired again."""
-        return self._release(group, rank, version)
+    def publish(self, group: str, rank: int, version: int,
+                registration: Optional[int] = None) -> service_pb2.RankStatus:
+        """A source rank's tensors hold `version` and will not change until acquired again
+        (`registration`: as for acquire)."""
+        return self._release(group, rank, version, f'publish group "{group}" rank {rank} version {version}',
+                             registration)
 
-    def release(self, group: str, rank: int) -> service_pb2.RankStatus:
-        """A destination rank accepts updates again."""
-        return self._release(group, rank, 0)
+    def release(self, group: str, rank: int, registration: Optional[int] = None) -> service_pb2.RankStatus:
+        """A destination rank accepts updates again (`registration`: as for acquire)."""
+        return self._release(group, rank, None, f'release group "{group}" rank {rank}', registration)
 
-    def _release(self, group: str, rank: int, version: int) -> service_pb2.RankStatus:
-        what = f'publish group "{group}" rank {rank} version {version}' if version else \
-            f'release group "{group}" rank {rank}'
-        version = _check_version(what, version, none=True)
+    def _release(self, group: str, rank: int, version: Optional[int], what: str,
+                 registration: Optional[int]) -> service_pb2.RankStatus:
+        version = 0 if version is None else _check_version(what, version)
         self._check_open(what)
         self._check_session(group)
         req = service_pb2.ReleaseRequest(group=group, rank=rank, version=version,
-                                         registration=self._registration(group, rank))
+                                         registration=self._registration(group, rank, registration))
         try:
             st = self._stub.Release(req, timeout=self.timeout).status
         except grpc.RpcError as e:

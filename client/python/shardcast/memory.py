@@ -490,17 +490,17 @@ class Registration:
 
     def acquire(self, timeout: float = 30.0) -> Any:
         """Takes this rank's memory (source: to write it; destination: to read it undisturbed)."""
-        return self._live().acquire(self.group, self.rank, timeout)
+        return self._live().acquire(self.group, self.rank, timeout, registration=self.registration)
 
     def publish(self, version: int) -> Any:
         """Source: the tensors hold `version` and will not change until acquired again. Checks
         first that no registered tensor moved (see check())."""
         self.check()
-        return self._live().publish(self.group, self.rank, version)
+        return self._live().publish(self.group, self.rank, version, registration=self.registration)
 
     def release(self) -> Any:
         """Destination: accept updates again."""
-        return self._live().release(self.group, self.rank)
+        return self._live().release(self.group, self.rank, registration=self.registration)
 
     @contextlib.contextmanager
     def writing(self, version: int, timeout: float = 30.0) -> Iterator["Registration"]:

@@ -434,3 +434,29 @@ def test_taking_over_a_rank_needs_replace_the_holder_is_told_and_its_handle_is_i
     assert [shardcast.describe_rank(s) for s in newcomer.ranks("trainer")] == ["ready(5)"]
     taken.close()
     assert newcomer.ranks("trainer") == []
+
+
+def test_a_rank_taken_over_by_its_own_client_leaves_the_old_handle_inert(cluster):
+    """replace=True through the same Client (an engine re-registering its parameters): the old
+    Registration's calls are refused and its close() leaves the new registration alone."""
+    n0, n1 = cluster
+    src, c = shardcast.Client(n0.target), shardcast.Client(n1.target)
+    trainers = rank_worker.register_trainers(src)
+    old = c.register("infer", 0, 2, rank_worker.zeros(0), rank_worker.INFERENCE)
+    new = c.register("infer", 0, 2, rank_worker.zeros(0), rank_worker.INFERENCE, replace=True)
+    other = c.register("infer", 1, 2, rank_worker.zeros(1), rank_worker.INFERENCE)
+    assert new.registration != old.registration
+    with pytest.raises(shardcast.ShardcastError) as acquire:
+        old.acquire(timeout=1)
+    assert acquire.value.code == grpc.StatusCode.FAILED_PRECONDITION and "was taken over by" in str(acquire.value)
+    old.close()  # inert: the rank stays registered, as the new handle holds it
+    assert [s.rank for s in c.ranks("infer")] == [0, 1]
+    src.sync("trainer", "infer", 1)
+    assert np.array_equal(new.tensors["w"], rank_worker.shard("infer", "w", 0, 1))
+    with new.reading() as weights:  # the new handle's own calls act on it
+        assert np.array_equal(weights["w"], rank_worker.shard("infer", "w", 0, 1))
+    with pytest.raises(ValueError, match=r'publish group "trainer" rank 0 version 0: version must be'):
+        trainers[0].publish(0)
+    for reg in [new, other] + trainers:
+        reg.close()
+    assert c.ranks("infer") == []
