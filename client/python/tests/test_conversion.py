@@ -1,6 +1,7 @@
 """Declared conversions through real daemons: a float32 trainer layout synced into a bfloat16
 inference layout (the destination declares the dtype it serves) arrives bit for bit as torch's own
-`.to(torch.bfloat16)` of the source (round to nearest even), with half the bytes on the wire;
+`.to(torch.bfloat16)` of the source (round to nearest even; a NaN as the quiet NaN 0x7fc0),
+with half the bytes on the wire;
 a pair the daemons do not convert is refused before anything moves, naming the tensor."""
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def test_float32_source_into_bfloat16_destination_matches_torch_bit_for_bit(clus
     # Values that exercise rounding: normal weights, ties, tiny, huge, signed zeros.
     w = torch.randn(96, 80, generator=g) * 0.02
     w[0, :6] = torch.tensor([1.00390625, 1.01171875, -0.0, 3.0e38, 1e-40, float("inf")])
+    # NaNs: quiet, signalling, negative (their bits: torch's float32 view of the ints).
+    w[1, :3] = torch.tensor([0x7fc00000, 0x7f800001, -0x00400000], dtype=torch.int32).view(torch.float32)
     b = torch.randn(80, generator=g)
     src_layout = layout("fp32-trainer", ["n0"], "float32", [{"replicate": {}}])
     dst_layout = layout("bf16-vllm", ["n1", "n1"], "bfloat16", [{"shard": {"dim": 1}}])
@@ -42,7 +45,11 @@ def test_float32_source_into_bfloat16_destination_matches_torch_bit_for_bit(clus
         for r, reg in enumerate(dst):
             got_w, got_b = reg.tensors["w"], reg.tensors["b"]
             want_w = w[:, r * 40:(r + 1) * 40].to(torch.bfloat16)
-            assert torch.equal(got_w.view(torch.int16), want_w.view(torch.int16)), f"rank {r}: w bits differ"
+            nan = want_w.isnan()
+            assert torch.equal(got_w.view(torch.int16)[~nan], want_w.view(torch.int16)[~nan]), f"rank {r}: w bits"
+            # Every NaN arrives as the quiet NaN 0x7fc0 (torch's own CPU kernel writes 0xffff, also a NaN).
+            assert int(nan.sum()) == (3 if r == 0 else 0)
+            assert (got_w.view(torch.int16)[nan] == 0x7fc0).all(), f"rank {r}: a NaN is not 0x7fc0"
             assert torch.equal(got_b.view(torch.int16), b.to(torch.bfloat16).view(torch.int16)), f"rank {r}: b"
         for reg in dst:
             reg.close()
