@@ -17,7 +17,8 @@ import grpc
 
 from shardcast.layout import (LayoutLike, covers_group, describe_dtensors, layout_from_dtensors, layout_from_views,
                               load_layout, root_mesh, spans_job)
-from shardcast.memory import (CuMemBuffer, ForeignMemoryWarning, HandedAllocations, Registration, SegmentReader,
+from shardcast.memory import (CuMemBuffer, ForeignMemoryWarning, HandedAllocations, Registration, RegistrationTicket,
+                               SegmentReader,
                               SharedTensors, _cuda_handle, _is_torch, hand_over, in_place_handle, local_tensor,
                               not_torchs_own)
 from shardcast.parallel import ParallelPlan, check_local_tensors, gather_nodes, gather_step, inference_layout
@@ -314,10 +315,9 @@ class _Session:
                         group=r.group, rank=r.rank, registration=resp.registration), timeout=self._client.timeout)
                     continue
                 with self._client._registrations_lock:
-                    before = self._client._registrations.get((r.group, r.rank))
-                    if before:
-                        self._client._succeeded[before] = resp.registration
-                    self._client._registrations[(r.group, r.rank)] = resp.registration
+                    # The rank's Registration follows: its ticket is this client's latest.
+                    ticket = self._client._registrations.setdefault((r.group, r.rank), RegistrationTicket(0))
+                    ticket.id = resp.registration
             except (grpc.RpcError, OSError, ValueError) as e:
                 detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
                 why = f're-registering group "{r.group}" rank {r.rank} after its daemon restarted failed: {detail}'
@@ -427,13 +427,10 @@ class Client:
         self.node: Optional[str] = None
         self._session: Optional[_Session] = None
         self._session_lock = threading.Lock()
-        # (group, rank) -> RegisterResponse.registration of this client's registration: acquire,
-        # publish, release and unregister act only on it, never on a later one of another process.
-        self._registrations: Dict[Tuple[str, int], int] = {}
-        # registration -> the one this client's session made of it after its daemon restarted: a
-        # Registration keeps acting on its own rank's registration, and never on a later one that
-        # took the rank over (replace=True, in this process or another).
-        self._succeeded: Dict[int, int] = {}
+        # (group, rank) -> this client's latest registration of the rank (RegisterResponse.registration,
+        # kept current over daemon restarts): acquire, publish, release and unregister act only on
+        # it, never on a later one of another process. Its Registration holds the same ticket.
+        self._registrations: Dict[Tuple[str, int], RegistrationTicket] = {}
         self._registrations_lock = threading.Lock()
         self._closed = False
 
@@ -453,14 +450,21 @@ class Client:
                                  f'{what}: the client of shardcastd at "{self.target}" is closed')
 
     def _registration(self, group: str, rank: int, registration: Optional[int] = None) -> int:
-        """The registration to act on: `registration` (a RegisterResponse.registration) as this
-        client's session holds it now, or this client's latest of the rank when None."""
-        with self._registrations_lock:
-            if registration is None:
-                return self._registrations.get((group, rank), 0)
-            while registration in self._succeeded:
-                registration = self._succeeded[registration]
+        """The registration to act on: `registration` (a RegisterResponse.registration), or this
+        client's latest of the rank when None."""
+        if registration is not None:
             return registration
+        with self._registrations_lock:
+            ticket = self._registrations.get((group, rank))
+            return 0 if ticket is None else ticket.id
+
+    def _check_ticket(self, ticket: "RegistrationTicket", group: str, rank: int, what: str) -> None:
+        """Raises (FAILED_PRECONDITION) for a Registration whose rank this client registered again
+        since (replace=True): its calls must not act on the new registration."""
+        if ticket.taken_by:
+            raise ShardcastError(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f'{what}: group "{group}" rank {rank} was taken over by registration '
+                                 f"{ticket.taken_by} of this process (replace=True): use the Registration it returned")
 
     def _check_session(self, *groups: str) -> None:
         """Raises (FAILED_PRECONDITION) while a rank of this client's session, of one of `groups`,
@@ -582,8 +586,12 @@ class Client:
                           "but whatever else holds the old memory (a numpy array written to) is no longer what syncs "
                           "read or write. Harmless for a mapped checkpoint; otherwise use the tensors, or register "
                           "tensors that own their memory (t.clone())", ForeignMemoryWarning, stacklevel=2)
+        ticket = RegistrationTicket(resp.registration)
         with self._registrations_lock:
-            self._registrations[(group, rank)] = resp.registration
+            earlier = self._registrations.get((group, rank))
+            if earlier is not None:  # replace=True through this client: that handle is done
+                earlier.taken_by = resp.registration
+            self._registrations[(group, rank)] = ticket
         if not session:  # the rank outlives this process: so does its segment's name
             for handles in sets:
                 if handles.shared is not None:
@@ -593,7 +601,8 @@ class Client:
                 req.replace = False  # re-made after a restart: a rank the new daemon does not hold
                 self._session.ranks[(group, rank)] = [req, version, False, [h.handed for h in sets], 0]
                 self._session.failures.pop((group, rank), None)
-        reg = Registration(self, group, rank, world_size, resp, sets[0].views, sets[0].shared, sets[0].in_place, role=role)
+        reg = Registration(self, group, rank, world_size, resp, sets[0].views, sets[0].shared, sets[0].in_place,
+                           role=role, ticket=ticket)
         reg._handed = sets[0].handed
         if shadow is not None:
             reg._shadow = sets[1]
@@ -704,7 +713,7 @@ class Client:
         what = f'unregister group "{group}" rank {rank}'
         self._check_open(what)
         latest = self._registration(group, rank)
-        registration = latest if registration is None else self._registration(group, rank, registration)
+        registration = latest if registration is None else registration
         if latest and registration != latest:
             # An earlier registration of the rank, which this client took over itself (replace=True):
             # the daemon refuses it (taken over), and this client's latest stays as it is.
@@ -720,7 +729,7 @@ class Client:
                 entry = self._session.ranks.pop((group, rank), None)
                 failure = self._session.failures.pop((group, rank), None)
         with self._registrations_lock:
-            known = self._registrations.pop((group, rank), 0)
+            known = self._registrations.pop((group, rank), None)
         try:
             self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank, registration=registration),
                                   timeout=self.timeout)
@@ -732,9 +741,9 @@ class Client:
                         self._session.ranks[(group, rank)] = entry
                         if failure is not None:
                             self._session.failures[(group, rank)] = failure
-                if known:
+                if known is not None:
                     with self._registrations_lock:
-                        self._registrations[(group, rank)] = known
+                        self._registrations.setdefault((group, rank), known)
             raise self._fail(e, what) from None
 
     # ---- fences ----

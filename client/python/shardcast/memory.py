@@ -440,6 +440,19 @@ class SharedTensors:
         self.views = {}
 
 
+class RegistrationTicket:
+    """One registration of a rank by a Client: its id on the daemon (RegisterResponse.registration;
+    the client's session updates it when it registers the rank again on a restarted daemon), and
+    the id of the registration that took the rank over through the same client (replace=True), 0
+    while none did. A Registration and its client hold the same ticket."""
+
+    __slots__ = ("id", "taken_by")
+
+    def __init__(self, registration: int) -> None:
+        self.id = registration
+        self.taken_by = 0
+
+
 class Registration:
     """What `Client.register` returns: the rank's tensors as the daemon sees them. Torch tensors
     (CPU, CUDA, DTensors) are the caller's own, shared in place; numpy arrays are new arrays backed
@@ -448,7 +461,8 @@ class Registration:
 
     def __init__(self, client: Any, group: str, rank: int, world_size: int, response: service_pb2.RegisterResponse,
                  tensors: Dict[str, Any], shared: Optional[SharedTensors],
-                 in_place: Optional[List[Tuple[str, Any, int]]] = None, role: str = "destination") -> None:
+                 in_place: Optional[List[Tuple[str, Any, int]]] = None, role: str = "destination",
+                 ticket: Optional[RegistrationTicket] = None) -> None:
         self.group = group
         self.role = role
         self.rank = rank
@@ -456,15 +470,21 @@ class Registration:
         self.node = response.node
         self.layout_digest = response.layout_digest
         self.registered_bytes = response.registered_bytes
-        #: This registration's id on its daemon: closing it never unregisters a later registration
-        #: of the rank (another process that took it over with replace=True).
-        self.registration = response.registration
+        # This registration's id on its daemon (`registration`): closing it never unregisters a
+        # later registration of the rank (one that took it over with replace=True).
+        self._ticket = ticket if ticket is not None else RegistrationTicket(response.registration)
         self.tensors = tensors
         self._client = client
         self._shared = shared
         self._in_place = in_place or []
         self._shadow: Any = None  # double-buffered: the second set (client._Handles)
         self._handed: Optional[HandedAllocations] = None  # descriptors of cuMem buffers, kept while registered
+
+    @property
+    def registration(self) -> int:
+        """This registration's id on its daemon (a new one once the client's session registered
+        the rank again on a restarted daemon)."""
+        return self._ticket.id
 
     def moved(self) -> List[str]:
         """The registered torch tensors whose memory is no longer the memory registered: something
@@ -490,23 +510,24 @@ class Registration:
 
     def acquire(self, timeout: float = 30.0) -> Any:
         """Takes this rank's memory (source: to write it; destination: to read it undisturbed)."""
-        return self._live().acquire(self.group, self.rank, timeout, registration=self.registration)
+        return self._mine("acquire").acquire(self.group, self.rank, timeout, registration=self._ticket.id)
 
     def publish(self, version: int) -> Any:
         """Source: the tensors hold `version` and will not change until acquired again. Checks
         first that no registered tensor moved (see check())."""
         self.check()
-        return self._live().publish(self.group, self.rank, version, registration=self.registration)
+        return self._mine("publish").publish(self.group, self.rank, version, registration=self._ticket.id)
 
     def release(self) -> Any:
         """Destination: accept updates again."""
-        return self._live().release(self.group, self.rank, registration=self.registration)
+        return self._mine("release").release(self.group, self.rank, registration=self._ticket.id)
 
     @contextlib.contextmanager
     def writing(self, version: int, timeout: float = 30.0) -> Iterator["Registration"]:
         """Source: `with reg.writing(step): optimizer.step()` acquires the rank (waiting for syncs
         that read it), and publishes `version` when the block ends without an exception (after one,
         the rank stays acquired: no sync reads half-written weights)."""
+        self._check_role("writing()", "source", "reading()")
         self.acquire(timeout)
         yield self
         self.publish(version)
@@ -516,11 +537,17 @@ class Registration:
         """Destination: `with reg.reading() as tensors: generate(tensors)`. Single-buffered: holds
         updates off while the block runs. Double-buffered (`shadow=`): syncs go on into the other
         set; the block gets the set in use, which no sync writes until the block ends."""
+        self._check_role("reading()", "destination", "writing(version)")
         st = self.acquire(timeout)
         try:
             yield self.set_tensors(int(st.active_set))
         finally:
             self.release()
+
+    def _check_role(self, call: str, role: str, instead: str) -> None:
+        if self.role != role:
+            raise ValueError(f'group "{self.group}" rank {self.rank}: {call} is for {role} ranks; this one is a '
+                             f"{self.role} (use {instead})")
 
     @property
     def double_buffered(self) -> bool:
@@ -548,6 +575,13 @@ class Registration:
             raise RuntimeError(f'group "{self.group}" rank {self.rank}: the registration is closed')
         return self._client
 
+    def _mine(self, what: str) -> Any:
+        """The client, for a call about this registration (FAILED_PRECONDITION once the rank was
+        registered again through the same client)."""
+        client = self._live()
+        client._check_ticket(self._ticket, self.group, self.rank, what)
+        return client
+
     @property
     def segment(self) -> Optional[str]:
         """The segment numpy arrays were copied into (None when nothing was copied)."""
@@ -557,8 +591,11 @@ class Registration:
         """Unregisters the rank and releases its memory. Refused while a sync still uses the rank
         (FAILED_PRECONDITION): then nothing is released, and closing again later works."""
         if self._client is not None:
+            if self._ticket.taken_by:  # registered again through this client: that one is left alone
+                self._release()
+                return
             try:
-                self._client.unregister(self.group, self.rank, registration=self.registration)
+                self._client.unregister(self.group, self.rank, registration=self._ticket.id)
             except Exception as e:
                 taken = "was taken over by" in str(e)  # another process's now: nothing to undo here
                 gone = getattr(e, "code", None) == grpc.StatusCode.NOT_FOUND

@@ -438,7 +438,8 @@ def test_taking_over_a_rank_needs_replace_the_holder_is_told_and_its_handle_is_i
 
 def test_a_rank_taken_over_by_its_own_client_leaves_the_old_handle_inert(cluster):
     """replace=True through the same Client (an engine re-registering its parameters): the old
-    Registration's calls are refused and its close() leaves the new registration alone."""
+    Registration's calls are refused and its close() leaves the new registration alone. And the
+    calls a user can get wrong on a handle (publish(0), the other role's fence block) name it."""
     n0, n1 = cluster
     src, c = shardcast.Client(n0.target), shardcast.Client(n1.target)
     trainers = rank_worker.register_trainers(src)
@@ -457,6 +458,14 @@ def test_a_rank_taken_over_by_its_own_client_leaves_the_old_handle_inert(cluster
         assert np.array_equal(weights["w"], rank_worker.shard("infer", "w", 0, 1))
     with pytest.raises(ValueError, match=r'publish group "trainer" rank 0 version 0: version must be'):
         trainers[0].publish(0)
+    # The fence blocks of the other role are refused before they take the rank.
+    with pytest.raises(ValueError, match=r"reading\(\) is for destination ranks; this one is a source"):
+        with trainers[0].reading():
+            pass
+    with pytest.raises(ValueError, match=r"writing\(\) is for source ranks; this one is a destination"):
+        with new.writing(2):
+            pass
+    assert [shardcast.describe_rank(s) for s in c.ranks("infer")] == ["ready(1)", "ready(1)"]  # neither held
     for reg in [new, other] + trainers:
         reg.close()
     assert c.ranks("infer") == []
