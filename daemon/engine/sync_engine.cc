@@ -479,6 +479,8 @@ void SyncEngine::reap() {
         [&](const SyncAttempt& a) { return a.quiet() && transport_.closeFence(a.key, std::chrono::milliseconds(0)); });
     lock.unlock();
     for (const auto& a : drained) {
+      // Bases its close left claimed (an execute still ran then) are let go: not committed.
+      if (a->bases) bases_.finish(a->plan->bases_key, a->fence, false);
       registry_.drained(a->id, a->fence, a->dstGroups());
       a->endClose();
     }

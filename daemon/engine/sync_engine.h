@@ -89,7 +89,8 @@ class SyncEngine {
   StatusOr<float> amaxOf(const planner::ResolvedLayout& src, const std::string& group,
                          const planner::TensorLayout& weight, const planner::Region& part);
   // Ends a sync here (taken out of the table already): closing, waits for its writes, then tells
-  // the registry; draining when peers' writes into this node are still landing.
+  // the registry; draining when peers' writes into this node are still landing, or its own writes
+  // or execute calls still run.
   StatusOr<v1::FinishResponse> close(const std::shared_ptr<SyncAttempt>& a, Registry::SyncEnd end,
                                      const std::string& reason);
   // The reaper thread: aborts syncs whose coordinator's lease ran out, ends drained ones.

@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 
@@ -316,8 +316,12 @@ class _Session:
                     continue
                 with self._client._registrations_lock:
                     # The rank's Registration follows: its ticket is this client's latest.
-                    ticket = self._client._registrations.setdefault((r.group, r.rank), RegistrationTicket(0))
-                    ticket.id = resp.registration
+                    ticket = self._client._registrations.get((r.group, r.rank))
+                    if ticket is not None:
+                        ticket.id = resp.registration
+                if ticket is None:  # unregistered meanwhile: undo
+                    self._client._stub.Unregister(service_pb2.UnregisterRequest(
+                        group=r.group, rank=r.rank, registration=resp.registration), timeout=self._client.timeout)
             except (grpc.RpcError, OSError, ValueError) as e:
                 detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
                 why = f're-registering group "{r.group}" rank {r.rank} after its daemon restarted failed: {detail}'
@@ -449,22 +453,33 @@ class Client:
             raise ShardcastError(grpc.StatusCode.FAILED_PRECONDITION,
                                  f'{what}: the client of shardcastd at "{self.target}" is closed')
 
-    def _registration(self, group: str, rank: int, registration: Optional[int] = None) -> int:
-        """The registration to act on: `registration` (a RegisterResponse.registration), or this
-        client's latest of the rank when None."""
+    def _registration(self, group: str, rank: int, registration: Union[int, RegistrationTicket, None] = None) -> int:
+        """The registration to act on: `registration` (a RegisterResponse.registration, or a
+        Registration's ticket, read now: after _check_session, which waits out a re-registration),
+        or this client's latest of the rank when None."""
+        if isinstance(registration, RegistrationTicket):
+            return registration.id
         if registration is not None:
             return registration
         with self._registrations_lock:
             ticket = self._registrations.get((group, rank))
             return 0 if ticket is None else ticket.id
 
-    def _check_ticket(self, ticket: "RegistrationTicket", group: str, rank: int, what: str) -> None:
-        """Raises (FAILED_PRECONDITION) for a Registration whose rank this client registered again
-        since (replace=True): its calls must not act on the new registration."""
-        if ticket.taken_by:
-            raise ShardcastError(grpc.StatusCode.FAILED_PRECONDITION,
-                                 f'{what}: group "{group}" rank {rank} was taken over by registration '
-                                 f"{ticket.taken_by} of this process (replace=True): use the Registration it returned")
+    def _holds(self, ticket: RegistrationTicket, group: str, rank: int) -> bool:
+        """Whether `ticket` is this client's latest registration of the rank."""
+        with self._registrations_lock:
+            return self._registrations.get((group, rank)) is ticket
+
+    def _check_ticket(self, ticket: RegistrationTicket, group: str, rank: int, what: str) -> None:
+        """Raises (FAILED_PRECONDITION) for a Registration that is no longer this client's latest
+        of its rank: registered again through this client (replace=True), or unregistered through
+        it. Its calls must not act on another registration (ids start again at 1 on a restarted
+        daemon)."""
+        if self._holds(ticket, group, rank):
+            return
+        why = (f"was taken over by registration {ticket.taken_by} of this process (replace=True): use the "
+               "Registration it returned") if ticket.taken_by else "was unregistered through its client"
+        raise ShardcastError(grpc.StatusCode.FAILED_PRECONDITION, f'{what}: group "{group}" rank {rank} {why}')
 
     def _check_session(self, *groups: str) -> None:
         """Raises (FAILED_PRECONDITION) while a rank of this client's session, of one of `groups`,
@@ -705,21 +720,26 @@ class Client:
                                   node_prefix=node_prefix)
         return self.register(name, plan.group_rank, plan.group_world, tensors, layout, role="destination")
 
-    def unregister(self, group: str, rank: int, registration: Optional[int] = None) -> None:
+    def unregister(self, group: str, rank: int, registration: Union[int, RegistrationTicket, None] = None) -> None:
         """Unregisters `rank` of `group` as this client registered it (or `registration`, a
         RegisterResponse.registration): a later registration of the rank, by another process, is
         left alone (FAILED_PRECONDITION naming its holder). Refused while a sync still uses the
         rank (FAILED_PRECONDITION): it stays this client's, and unregistering again later works."""
         what = f'unregister group "{group}" rank {rank}'
         self._check_open(what)
-        latest = self._registration(group, rank)
-        registration = latest if registration is None else registration
-        if latest and registration != latest:
-            # An earlier registration of the rank, which this client took over itself (replace=True):
-            # the daemon refuses it (taken over), and this client's latest stays as it is.
+        with self._registrations_lock:
+            latest = self._registrations.get((group, rank))
+        if isinstance(registration, RegistrationTicket):
+            stale = registration is not latest
+        else:
+            stale = registration is not None and latest is not None and registration != latest.id
+        if stale:
+            # Not this client's latest registration of the rank (it took the rank over itself, or an
+            # id of another process): the daemon decides, and this client's latest stays as it is.
             try:
-                self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank, registration=registration),
-                                      timeout=self.timeout)
+                self._stub.Unregister(service_pb2.UnregisterRequest(
+                    group=group, rank=rank, registration=self._registration(group, rank, registration)),
+                    timeout=self.timeout)
             except grpc.RpcError as e:
                 raise self._fail(e, what) from None
             return
@@ -730,6 +750,9 @@ class Client:
                 failure = self._session.failures.pop((group, rank), None)
         with self._registrations_lock:
             known = self._registrations.pop((group, rank), None)
+        # Read after the session's entry is out: a re-registration that finished meanwhile
+        # updated the ticket; one that finishes later finds no ticket and undoes itself.
+        registration = known.id if known is not None else (registration or 0)
         try:
             self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank, registration=registration),
                                   timeout=self.timeout)
@@ -743,13 +766,13 @@ class Client:
                             self._session.failures[(group, rank)] = failure
                 if known is not None:
                     with self._registrations_lock:
-                        self._registrations.setdefault((group, rank), known)
+                        self._registrations.setdefault((group, rank), known)  # (still its latest)
             raise self._fail(e, what) from None
 
     # ---- fences ----
 
     def acquire(self, group: str, rank: int, timeout: float = 30.0,
-                registration: Optional[int] = None) -> service_pb2.RankStatus:
+                registration: Union[int, RegistrationTicket, None] = None) -> service_pb2.RankStatus:
         """Takes a rank's memory: a source rank to write it (waits until every sync reading it
         ended; syncs then refuse it until it publishes), a destination rank to read it undisturbed
         (waits until the sync writing it ended; syncs then refuse it until it is released).
@@ -768,18 +791,19 @@ class Client:
         return st
 
     def publish(self, group: str, rank: int, version: int,
-                registration: Optional[int] = None) -> service_pb2.RankStatus:
+                registration: Union[int, RegistrationTicket, None] = None) -> service_pb2.RankStatus:
         """A source rank's tensors hold `version` and will not change until acquired again
         (`registration`: as for acquire)."""
         return self._release(group, rank, version, f'publish group "{group}" rank {rank} version {version}',
                              registration)
 
-    def release(self, group: str, rank: int, registration: Optional[int] = None) -> service_pb2.RankStatus:
+    def release(self, group: str, rank: int,
+                registration: Union[int, RegistrationTicket, None] = None) -> service_pb2.RankStatus:
         """A destination rank accepts updates again (`registration`: as for acquire)."""
         return self._release(group, rank, None, f'release group "{group}" rank {rank}', registration)
 
     def _release(self, group: str, rank: int, version: Optional[int], what: str,
-                 registration: Optional[int]) -> service_pb2.RankStatus:
+                 registration: Union[int, RegistrationTicket, None]) -> service_pb2.RankStatus:
         version = 0 if version is None else _check_version(what, version)
         self._check_open(what)
         self._check_session(group)

@@ -510,17 +510,17 @@ class Registration:
 
     def acquire(self, timeout: float = 30.0) -> Any:
         """Takes this rank's memory (source: to write it; destination: to read it undisturbed)."""
-        return self._mine("acquire").acquire(self.group, self.rank, timeout, registration=self._ticket.id)
+        return self._mine("acquire").acquire(self.group, self.rank, timeout, registration=self._ticket)
 
     def publish(self, version: int) -> Any:
         """Source: the tensors hold `version` and will not change until acquired again. Checks
         first that no registered tensor moved (see check())."""
         self.check()
-        return self._mine("publish").publish(self.group, self.rank, version, registration=self._ticket.id)
+        return self._mine("publish").publish(self.group, self.rank, version, registration=self._ticket)
 
     def release(self) -> Any:
         """Destination: accept updates again."""
-        return self._mine("release").release(self.group, self.rank, registration=self._ticket.id)
+        return self._mine("release").release(self.group, self.rank, registration=self._ticket)
 
     @contextlib.contextmanager
     def writing(self, version: int, timeout: float = 30.0) -> Iterator["Registration"]:
@@ -576,8 +576,8 @@ class Registration:
         return self._client
 
     def _mine(self, what: str) -> Any:
-        """The client, for a call about this registration (FAILED_PRECONDITION once the rank was
-        registered again through the same client)."""
+        """The client, for a call about this registration (FAILED_PRECONDITION once it is no
+        longer the client's latest of its rank)."""
         client = self._live()
         client._check_ticket(self._ticket, self.group, self.rank, what)
         return client
@@ -591,11 +591,13 @@ class Registration:
         """Unregisters the rank and releases its memory. Refused while a sync still uses the rank
         (FAILED_PRECONDITION): then nothing is released, and closing again later works."""
         if self._client is not None:
-            if self._ticket.taken_by:  # registered again through this client: that one is left alone
+            if not self._client._holds(self._ticket, self.group, self.rank):
+                # Registered again through the client (that one is left alone), or unregistered
+                # through it: nothing of this registration is left on the daemon.
                 self._release()
                 return
             try:
-                self._client.unregister(self.group, self.rank, registration=self._ticket.id)
+                self._client.unregister(self.group, self.rank, registration=self._ticket)
             except Exception as e:
                 taken = "was taken over by" in str(e)  # another process's now: nothing to undo here
                 gone = getattr(e, "code", None) == grpc.StatusCode.NOT_FOUND

@@ -466,6 +466,14 @@ def test_a_rank_taken_over_by_its_own_client_leaves_the_old_handle_inert(cluster
         with new.writing(2):
             pass
     assert [shardcast.describe_rank(s) for s in c.ranks("infer")] == ["ready(1)", "ready(1)"]  # neither held
-    for reg in [new, other] + trainers:
+    # A rank unregistered through the client: its handle acts on nothing any more (a registration
+    # made later, here or on a restarted daemon that hands out the same id, is not its own).
+    c.unregister("infer", 1)
+    again = c.register("infer", 1, 2, rank_worker.zeros(1), rank_worker.INFERENCE)
+    with pytest.raises(shardcast.ShardcastError, match="was unregistered through its client"):
+        other.acquire(timeout=1)
+    other.close()  # inert
+    assert [s.rank for s in c.ranks("infer")] == [0, 1]
+    for reg in [new, again] + trainers:
         reg.close()
     assert c.ranks("infer") == []
