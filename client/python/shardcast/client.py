@@ -616,6 +616,12 @@ class Client:
                 req.replace = False  # re-made after a restart: a rank the new daemon does not hold
                 self._session.ranks[(group, rank)] = [req, version, False, [h.handed for h in sets], 0]
                 self._session.failures.pop((group, rank), None)
+        elif self._session is not None:
+            # A rank the session held, taken over by this registration without one: the session
+            # must not register the old memory again after a restart (and its ticket with it).
+            with self._session._lock:
+                self._session.ranks.pop((group, rank), None)
+                self._session.failures.pop((group, rank), None)
         reg = Registration(self, group, rank, world_size, resp, sets[0].views, sets[0].shared, sets[0].in_place,
                            role=role, ticket=ticket)
         reg._handed = sets[0].handed

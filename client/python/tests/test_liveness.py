@@ -175,6 +175,32 @@ def test_clients_re_register_by_themselves_after_their_daemon_restarts(tmp_path)
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_a_rank_taken_over_without_a_session_is_not_registered_again_with_its_old_memory():
+    """replace=True, session=False over a rank the client's session registered: after a daemon
+    restart the session must not register the old memory again (torch tensors, shared in place,
+    are still there to map; the new handle would follow that registration)."""
+    import torch
+    from shardcast.local import LocalCluster
+
+    def tensors():
+        return {"w": torch.zeros(16, 4), "b": torch.zeros(9, dtype=torch.int64)}
+
+    with LocalCluster(["n1"]) as c:
+        dst = shardcast.Client(c.target("n1"))
+        old_tensors = tensors()
+        dst.register("infer", 0, 2, old_tensors, rank_worker.INFERENCE)
+        new = dst.register("infer", 0, 2, tensors(), rank_worker.INFERENCE, replace=True, session=False)
+        d = c.daemons["n1"]
+        os.kill(d.proc.pid, signal.SIGKILL)
+        d.proc.wait()
+        c.restart("n1")
+        assert _wait(lambda: dst.reconnects == 1, 15)  # every rank of the session tried again by then
+        assert _wait(_reachable(lambda: dst.ranks("infer") == []), 5)
+        with pytest.raises(shardcast.ShardcastError) as gone:  # no session: the new daemon never had it
+            new.close()
+        assert gone.value.code == grpc.StatusCode.NOT_FOUND
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 def test_a_rank_held_across_a_daemon_restart_stays_held_and_a_double_buffered_one_keeps_its_set():
     """Re-registered after its daemon restarted, a rank the engine was reading is held again (no
     sync writes it under the engine), and a double-buffered rank uses the set it was seen using
