@@ -160,13 +160,15 @@ Registry::SyncEnd SyncAttempt::beginClose(Registry::SyncEnd end, const std::stri
 
 bool SyncAttempt::quiesce(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
-  return cv_.wait_for(lock, timeout, [&] { return outbox_.pending() == 0 && executes_ == 0; });
+  return cv_.wait_for(lock, timeout, [&] { return quietLocked(); });
 }
 
 bool SyncAttempt::quiet() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return outbox_.pending() == 0 && executes_ == 0;
+  return quietLocked();
 }
+
+bool SyncAttempt::quietLocked() const { return outbox_.pending() == 0 && executes_ == 0; }
 
 void SyncAttempt::drain() {
   std::lock_guard<std::mutex> lock(mu_);

@@ -226,6 +226,8 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   void startWrites(int32_t node);
   // This node's readiness word (or its answer) to a peer, over `endpoint`.
   void sayReady(const std::shared_ptr<transport::Endpoint>& endpoint, bool answer) const;
+  // quiet(), under mu_.
+  bool quietLocked() const;
 
   std::atomic<int64_t> lease_until_{0};  // steady-clock nanoseconds
   mutable std::mutex mu_;

@@ -18,9 +18,8 @@ import grpc
 from shardcast.layout import (LayoutLike, covers_group, describe_dtensors, layout_from_dtensors, layout_from_views,
                               load_layout, root_mesh, spans_job)
 from shardcast.memory import (CuMemBuffer, ForeignMemoryWarning, HandedAllocations, Registration, RegistrationTicket,
-                               SegmentReader,
-                              SharedTensors, _cuda_handle, _is_torch, hand_over, in_place_handle, local_tensor,
-                              not_torchs_own)
+                              SegmentReader, SharedTensors, _cuda_handle, _is_torch, hand_over, in_place_handle,
+                              local_tensor, not_torchs_own)
 from shardcast.parallel import ParallelPlan, check_local_tensors, gather_nodes, gather_step, inference_layout
 from shardcast.v1 import service_pb2, service_pb2_grpc
 
