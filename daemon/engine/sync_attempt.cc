@@ -170,9 +170,15 @@ bool SyncAttempt::quiet() const {
 
 bool SyncAttempt::quietLocked() const { return outbox_.pending() == 0 && executes_ == 0; }
 
-void SyncAttempt::drain() {
+void SyncAttempt::drain(bool reading) {
   std::lock_guard<std::mutex> lock(mu_);
+  drains_reading_ = reading;
   moveTo(Phase::kDraining);
+}
+
+bool SyncAttempt::drainsReading() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return drains_reading_;
 }
 
 void SyncAttempt::endClose() {

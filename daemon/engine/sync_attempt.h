@@ -158,8 +158,10 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   // What quiesce waits for, now: no write this node started is pending and no execute runs.
   bool quiet() const;
   // closing -> draining: peers' writes into this node were still landing when it ended, or its own
-  // writes or executes were still running.
-  void drain();
+  // writes or executes were still running (`reading`: those may still read its source's ranks).
+  void drain(bool reading);
+  // draining: it ended with its own work still running, which may still read its source's ranks.
+  bool drainsReading() const;
   // closing|draining -> closed.
   void endClose();
 
@@ -234,6 +236,7 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   std::condition_variable cv_;
   std::atomic<Phase> phase_{Phase::kPreparing};  // written under mu_, read without it
   int executes_ = 0;                             // execute() calls running (at most one, but one may outlive a close)
+  bool drains_reading_ = false;                  // drain(reading)
   Status failure_;                               // set by a failure or by the close
   std::deque<LandedChunk> landed_;               // announced by peers, not processed yet
   // Chunks processed here (transfer, chunk): each lands on a node once; a repeat is refused.

@@ -430,13 +430,17 @@ StatusOr<v1::FinishResponse> SyncEngine::close(const std::shared_ptr<SyncAttempt
   if (!landed || !quiet) {
     // A peer frozen mid-write, or an execute of this node stuck (a device wait) or a write of its
     // own still pending: the ranks stay held (dirty) until those are done or failed, so a later
-    // sync cannot commit bytes they would then overwrite; the reaper polls both.
+    // sync cannot commit bytes they would then overwrite; the reaper polls both. Its own work
+    // still reads the source's ranks here: they stay read, so their writer cannot acquire them
+    // and write the next version into what a stuck copy would then land (in ranks a retry of
+    // this sync took over and committed: Registry::beginSync).
     const std::string what =
         !quiet ? "its own writes or executes still running" : strCat("writes into node \"", node_, "\" still landing");
     spdlog::error("sync {}: {} {:.1f} s after it ended: its ranks stay held until they are done", a->id, what,
                   quiet ? 10.0 : static_cast<double>(own_work_wait_.count()) / 1000);
-    registry_.endSync(a->id, a->fence, a->src_group, a->dstGroups(), Registry::SyncEnd::kDraining, reason);
-    a->drain();
+    registry_.endSync(a->id, a->fence, quiet ? a->src_group : std::string(), a->dstGroups(),
+                      Registry::SyncEnd::kDraining, reason);
+    a->drain(!quiet);
     attempts_.addDraining(a);
     return Status(absl::StatusCode::kUnavailable, strCat("sync ", a->id, " on node \"", node_, "\": ", what));
   }
@@ -481,7 +485,7 @@ void SyncEngine::reap() {
     for (const auto& a : drained) {
       // Bases its close left claimed (an execute still ran then) are let go: not committed.
       if (a->bases) bases_.finish(a->plan->bases_key, a->fence, false);
-      registry_.drained(a->id, a->fence, a->dstGroups());
+      registry_.drained(a->id, a->fence, a->drainsReading() ? a->src_group : std::string(), a->dstGroups());
       a->endClose();
     }
     for (const auto& a : expired) {

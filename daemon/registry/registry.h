@@ -160,10 +160,12 @@ class Registry {
     kDirty,     // bytes may have landed: destination ranks DIRTY (with `reason`)
     kDraining,  // as kDirty, but writes are still landing: the ranks stay held until drained()
   };
-  // A kDraining attempt's (id, fence) writes are done: its destination ranks take syncs again.
-  void drained(const std::string& id, uint64_t fence, const std::vector<std::string>& dst);
-  // Ends attempt (id, fence) on its ranks. Returns the states of the destination ranks it was
-  // writing here, after the change (none for ranks a later attempt of the id took over).
+  // A kDraining attempt's (id, fence) writes are done: its destination ranks take syncs again,
+  // and `src` (the group it read, "" when its end already let go of it: endSync) its writer.
+  void drained(const std::string& id, uint64_t fence, const std::string& src, const std::vector<std::string>& dst);
+  // Ends attempt (id, fence) on its ranks, and its read of `src` ("": it still reads it, until
+  // drained()). Returns the states of the destination ranks it was writing here, after the change
+  // (none for ranks a later attempt of the id took over).
   std::vector<v1::RankStatus> endSync(const std::string& id, uint64_t fence, const std::string& src,
                                       const std::string& dst, SyncEnd end, const std::string& reason = "");
   std::vector<v1::RankStatus> endSync(const std::string& id, uint64_t fence, const std::string& src,

@@ -412,10 +412,13 @@ StatusOr<v1::WaitVersionResponse> Registry::waitVersion(const std::string& group
   return out;
 }
 
-void Registry::drained(const std::string& id, uint64_t fence, const std::vector<std::string>& dst) {
+void Registry::drained(const std::string& id, uint64_t fence, const std::string& src,
+                       const std::vector<std::string>& dst) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [key, r] : ranks_) {
+      if (key.first == src)
+        if (const auto reading = r->readers.find(id); reading != r->readers.end()) r->readers.erase(reading);
       if (!isIn(dst, key.first)) continue;
       if (const auto earlier = r->lingering.find(fence); earlier != r->lingering.end() && earlier->second.id == id)
         r->lingering.erase(earlier);

@@ -330,11 +330,12 @@ TEST_CASE("a float32 source syncs into a bfloat16 destination: rounded values, h
 
 namespace {
 
-// The standard stage, whose unpacks wait for `gate` (the first one tells `entered`): an execute
-// stuck in a device wait, as far as the sync engine can tell.
+// The standard stage, whose first unpack (`local`: first local copy) waits for `gate`, telling
+// `entered` it got there: an execute stuck in a device wait, as far as the sync engine can tell.
 class GatedStage final : public Stage {
  public:
-  GatedStage(std::shared_future<void> gate, std::promise<void>& entered) : gate_(std::move(gate)), entered_(entered) {}
+  GatedStage(std::shared_future<void> gate, std::promise<void>& entered, bool local = false)
+      : gate_(std::move(gate)), entered_(entered), local_(local) {}
   const char* name() const override { return "gated"; }
   Status pack(const TypedView& wire, const TypedView& memory, const std::vector<int64_t>& extent,
               const StageSite& site) override {
@@ -342,19 +343,25 @@ class GatedStage final : public Stage {
   }
   Status unpack(const TypedView& memory, const TypedView& wire, const std::vector<int64_t>& extent,
                 const StageSite& site) override {
-    if (!told_.exchange(true)) entered_.set_value();
-    gate_.wait();
+    if (!local_) waitIfFirst();
     return copy_->unpack(memory, wire, extent, site);
   }
   Status copyLocal(const TypedView& dst, const TypedView& src, const std::vector<int64_t>& extent,
                    const StageSite& site) override {
+    if (local_) waitIfFirst();
     return copy_->copyLocal(dst, src, extent, site);
   }
 
  private:
+  void waitIfFirst() {
+    if (entered_once_.exchange(true)) return;
+    entered_.set_value();
+    gate_.wait();
+  }
   std::shared_future<void> gate_;
   std::promise<void>& entered_;
-  std::atomic<bool> told_{false};
+  const bool local_;
+  std::atomic<bool> entered_once_{false};
   std::unique_ptr<Stage> copy_ = makeStandardStage();
 };
 
@@ -450,6 +457,108 @@ TEST_CASE("an execute still unpacking when its attempt is aborted keeps the rank
   REQUIRE_FALSE(held());
   for (const auto& m : d) std::memset(m.seg->data(), 0xff, m.seg->size());
   syncByHand(a, b, "after", src_proto, dst_proto, 9, true);
+  bool exact = true;
+  for (int32_t r = 0; r < 2; ++r)
+    forEachElement(dst, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      exact = exact && *d[static_cast<size_t>(r)].at<int32_t>(p, off) == static_cast<int32_t>(flat);
+    });
+  CHECK(exact);
+}
+
+TEST_CASE("a local copy stuck past its attempt's end keeps the source read, through a retry's commit",
+          "[daemon][stage][attempt]") {
+  // The source and the destination on one node: the first attempt's local copy reads the source
+  // and is stuck (a device wait); the coordinator gives that attempt up and runs the sync again,
+  // whose attempt takes the destination ranks over and commits them. Without holding the source
+  // until the stuck copy returned, the trainer could acquire it at once and write the next version,
+  // which the copy then landed in ranks that say they hold this one.
+  const auto src_proto = *planner::parseLayoutJson(R"({"group":"s","mesh":{"shape":[1]},"nodes":["a"],"tensors":[
+    {"name":"w","shape":[16,8],"dtype":"int32"}]})",
+                                                   "s");
+  const auto dst_proto = *planner::parseLayoutJson(R"({"group":"d","mesh":{"shape":[2]},"nodes":["a","a"],"tensors":[
+    {"name":"w","shape":[16,8],"dtype":"int32","placements":[{"shard":{"dim":1}}]}]})",
+                                                   "d");
+  planner::NodeTable nodes;
+  const auto src = *planner::resolveLayout(src_proto, nodes);
+  const auto dst = *planner::resolveLayout(dst_proto, nodes);
+  std::promise<void> open, entered;
+  InProcessNode a("a", std::make_unique<GatedStage>(open.get_future().share(), entered, /*local=*/true));
+  a.engine.setOwnWorkWait(std::chrono::milliseconds(200));
+  const MemoryCaller root{0, true, true};
+  RankMemory s0 = allocateRank(src, 0, "read-s0");
+  forEachElement(src, 0, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+    *s0.at<int32_t>(p, off) = static_cast<int32_t>(flat);
+  });
+  REQUIRE(a.registry.registerRank(registerRequest(src_proto, 0, 1, s0, v1::ROLE_SOURCE, 1), root).ok());
+  std::vector<RankMemory> d;
+  for (int32_t r = 0; r < 2; ++r) {
+    d.push_back(allocateRank(dst, r, "read-d" + std::to_string(r)));
+    REQUIRE(a.registry.registerRank(registerRequest(dst_proto, r, 2, d.back()), root).ok());
+  }
+  const auto execute = [&](uint64_t fence, const v1::PrepareResponse& prepared) {
+    v1::ExecuteRequest exec;
+    exec.set_sync_id("read");
+    exec.set_fence(fence);
+    exec.set_timeout_ms(10000);
+    auto* n = exec.add_nodes();
+    n->set_node(a.name);
+    n->set_transport_address(a.context->address());
+    *n->mutable_targets() = prepared.targets();
+    return a.engine.execute(exec);
+  };
+  v1::PrepareRequest first = prepareRequest("read", src_proto, dst_proto, 1, 7);
+  first.set_packed(false);
+  const auto p1 = a.engine.prepare(first);
+  REQUIRE(p1.ok());
+  auto stuck = std::async(std::launch::async, [&] { return execute(7, *p1); });
+  std::once_flag opened;
+  const auto open_gate = [&] { std::call_once(opened, [&] { open.set_value(); }); };
+  struct OpenOnExit {  // a failed REQUIRE must not leave the execute waiting (its future's destructor joins)
+    const std::function<void()> open;
+    ~OpenOnExit() { open(); }
+  } open_on_exit{open_gate};
+  REQUIRE(entered.get_future().wait_for(std::chrono::seconds(10)) == std::future_status::ready);
+
+  v1::FinishRequest abort;
+  abort.set_sync_id("read");
+  abort.set_fence(7);
+  abort.set_commit(false);
+  abort.set_executed(true);
+  abort.set_reason("given up by the test");
+  const auto ended = a.engine.finish(abort);
+  REQUIRE_FALSE(ended.ok());
+  CHECK_THAT(std::string(ended.status().message()), Catch::Contains("its own writes or executes still running"));
+
+  // The retry (same sync, next fence, superseding the first) takes the ranks over and commits.
+  v1::PrepareRequest retry = prepareRequest("read", src_proto, dst_proto, 1, 8);
+  retry.set_packed(false);
+  retry.add_supersedes(7);
+  const auto p2 = a.engine.prepare(retry);
+  INFO((p2.ok() ? "" : std::string(p2.status().message())));
+  REQUIRE(p2.ok());
+  const auto executed = execute(8, *p2);
+  INFO((executed.ok() ? "" : std::string(executed.status().message())));
+  REQUIRE(executed.ok());
+  v1::FinishRequest commit;
+  commit.set_sync_id("read");
+  commit.set_fence(8);
+  commit.set_commit(true);
+  REQUIRE(a.engine.finish(commit).ok());
+
+  // The source stays read while the first attempt's copy may still read it: its writer waits,
+  // and is told which sync uses it.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the reaper polls every 100 ms
+  const auto refused = a.registry.acquire("s", 0, root, std::chrono::milliseconds(200));
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK_THAT(std::string(refused.status().message()), Catch::Contains("sync read still uses it"));
+
+  // The copy returns; the reaper lets go of the source, and its writer takes it.
+  open_gate();
+  (void)stuck.get();  // (its attempt was given up: it fails)
+  const auto taken = a.registry.acquire("s", 0, root, std::chrono::seconds(10));
+  INFO((taken.ok() ? "" : std::string(taken.status().message())));
+  REQUIRE(taken.ok());
   bool exact = true;
   for (int32_t r = 0; r < 2; ++r)
     forEachElement(dst, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {

@@ -112,8 +112,9 @@ TEST_CASE("sync attempt: a close during an execute waits for it, and the wave do
   execute.join();
   CHECK(a->phase() == Phase::kClosing);  // counted out, not back to prepared
   CHECK(!a->executing());
-  a->drain();
+  a->drain(false);
   CHECK(a->phase() == Phase::kDraining);
+  CHECK(!a->drainsReading());
   a->endClose();
   CHECK(a->phase() == Phase::kClosed);
 }
@@ -316,7 +317,8 @@ TEST_CASE("attempt table: expired leases and shutdown take only prepared attempt
   CHECK(all[0] == live);
 
   live->beginClose(End::kDirty, "n0", "shutdown");
-  live->drain();
+  live->drain(true);
+  CHECK(live->drainsReading());
   table.addDraining(live);
   bool done = false;
   CHECK(table.takeDrained([&](const SyncAttempt&) { return done; }).empty());
