@@ -19,6 +19,7 @@
 #include <random>
 #include <thread>
 
+#include "common/strings.h"
 #include "daemon/engine/sync_engine.h"
 #include "daemon/registry/registry.h"
 #include "daemon/server/metrics.h"
@@ -365,83 +366,137 @@ class GatedStage final : public Stage {
   std::unique_ptr<Stage> copy_ = makeStandardStage();
 };
 
+// A sync whose execute gets stuck: version 1 of source "s" (one rank, on node "a") into group "d"
+// (two ranks, on node `dst_node`: "a" or "b"). The node holding "d" runs a GatedStage (`local`: its
+// first local copy waits, else its first unpack) and waits 200 ms for its own work at a close.
+// The gate opens at the latest when the fixture goes, before the executes it runs are joined.
+struct StuckSync {
+  StuckSync(const std::string& tag, const std::string& dst_node, bool local)
+      : id(tag),
+        src_proto(*planner::parseLayoutJson(R"({"group":"s","mesh":{"shape":[1]},"nodes":["a"],"tensors":[
+          {"name":"w","shape":[16,8],"dtype":"int32"}]})",
+                                            "s")),
+        dst_proto(*planner::parseLayoutJson(
+            strCat(R"({"group":"d","mesh":{"shape":[2]},"nodes":[")", dst_node, R"(",")", dst_node, R"("],"tensors":[
+          {"name":"w","shape":[16,8],"dtype":"int32","placements":[{"shard":{"dim":1}}]}]})"),
+            "d")),
+        src(*planner::resolveLayout(src_proto, nodes)),
+        dst(*planner::resolveLayout(dst_proto, nodes)) {
+    auto gated = std::make_unique<GatedStage>(open.get_future().share(), entered, local);
+    if (dst_node == "a") {
+      a = std::make_unique<InProcessNode>("a", std::move(gated));
+    } else {
+      a = std::make_unique<InProcessNode>("a");
+      b = std::make_unique<InProcessNode>(dst_node, std::move(gated));
+    }
+    receiver().engine.setOwnWorkWait(std::chrono::milliseconds(200));
+    s0 = allocateRank(src, 0, tag + "-s0");
+    forEachElement(src, 0, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+      *s0.at<int32_t>(p, off) = static_cast<int32_t>(flat);
+    });
+    REQUIRE(a->registry.registerRank(registerRequest(src_proto, 0, 1, s0, v1::ROLE_SOURCE, 1), root).ok());
+    for (int32_t r = 0; r < 2; ++r) {
+      d.push_back(allocateRank(dst, r, strCat(tag, "-d", r)));
+      REQUIRE(receiver().registry.registerRank(registerRequest(dst_proto, r, 2, d.back()), root).ok());
+    }
+  }
+  ~StuckSync() { openGate(); }
+  InProcessNode& receiver() { return b ? *b : *a; }
+  std::vector<InProcessNode*> nodes_of_sync() { return b ? std::vector{a.get(), b.get()} : std::vector{a.get()}; }
+
+  // Prepares attempt `fence` everywhere (superseding `supersedes`, if not 0) and starts its
+  // executes; returns the index of the first in `executes`.
+  size_t start(uint64_t fence, uint64_t supersedes = 0) {
+    v1::PrepareRequest prep = prepareRequest(id, src_proto, dst_proto, 1, fence);
+    prep.set_packed(false);  // loopback: plain copies in this process
+    if (supersedes != 0) prep.add_supersedes(supersedes);
+    v1::ExecuteRequest exec;
+    exec.set_sync_id(id);
+    exec.set_fence(fence);
+    exec.set_timeout_ms(10000);
+    for (InProcessNode* node : nodes_of_sync()) {
+      const auto prepared = node->engine.prepare(prep);
+      INFO((prepared.ok() ? "" : std::string(prepared.status().message())));
+      REQUIRE(prepared.ok());
+      auto* n = exec.add_nodes();
+      n->set_node(node->name);
+      n->set_transport_address(node->context->address());
+      *n->mutable_targets() = prepared->targets();
+    }
+    const size_t first = executes.size();
+    for (InProcessNode* node : nodes_of_sync())
+      executes.push_back(std::async(std::launch::async, [node, exec] { return node->engine.execute(exec); }));
+    return first;
+  }
+  // Attempt `fence`'s Finish on every node; the receiver's answer.
+  StatusOr<v1::FinishResponse> finish(uint64_t fence, bool commit) {
+    v1::FinishRequest fin;
+    fin.set_sync_id(id);
+    fin.set_fence(fence);
+    fin.set_commit(commit);
+    fin.set_executed(true);
+    if (!commit) fin.set_reason("given up by the test");
+    if (b) (void)a->engine.finish(fin);
+    return receiver().engine.finish(fin);
+  }
+  // Waits for the executes of the attempt whose first is `executes[first]`; true when each succeeded.
+  bool executed(size_t first) {
+    bool ok = true;
+    for (size_t i = first; i < first + nodes_of_sync().size(); ++i) ok = executes.at(i).get().ok() && ok;
+    return ok;
+  }
+  void openGate() {
+    std::call_once(opened, [&] { open.set_value(); });
+  }
+  // Whether every element of "d" holds its source value.
+  bool exact() {
+    bool same = true;
+    for (int32_t r = 0; r < 2; ++r)
+      forEachElement(dst, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
+        same = same && *d[static_cast<size_t>(r)].at<int32_t>(p, off) == static_cast<int32_t>(flat);
+      });
+    return same;
+  }
+
+  const std::string id;
+  const MemoryCaller root{0, true, true};
+  planner::NodeTable nodes;
+  const v1::Layout src_proto, dst_proto;
+  const planner::ResolvedLayout src, dst;
+  std::promise<void> open, entered;
+  std::once_flag opened;
+  std::unique_ptr<InProcessNode> a, b;
+  RankMemory s0;
+  std::vector<RankMemory> d;
+  // (last: the first members destroyed, after the destructor opened the gate)
+  std::vector<std::future<StatusOr<v1::ExecuteResponse>>> executes;
+};
+
 }  // namespace
 
 TEST_CASE("an execute still unpacking when its attempt is aborted keeps the ranks held until it returns",
           "[daemon][stage][attempt]") {
   // Without that, the abort released the ranks after its wait, a later sync could commit them,
   // and the stuck unpack then wrote the aborted attempt's bytes over the committed ones.
-  const auto src_proto = *planner::parseLayoutJson(R"({"group":"s","mesh":{"shape":[1]},"nodes":["a"],"tensors":[
-    {"name":"w","shape":[16,8],"dtype":"int32"}]})",
-                                                   "s");
-  const auto dst_proto = *planner::parseLayoutJson(R"({"group":"d","mesh":{"shape":[2]},"nodes":["b","b"],"tensors":[
-    {"name":"w","shape":[16,8],"dtype":"int32","placements":[{"shard":{"dim":1}}]}]})",
-                                                   "d");
-  planner::NodeTable nodes;
-  const auto src = *planner::resolveLayout(src_proto, nodes);
-  const auto dst = *planner::resolveLayout(dst_proto, nodes);
-  std::promise<void> open, entered;
-  InProcessNode a("a"), b("b", std::make_unique<GatedStage>(open.get_future().share(), entered));
-  b.engine.setOwnWorkWait(std::chrono::milliseconds(200));
-  const MemoryCaller root{0, true, true};
-  RankMemory s0 = allocateRank(src, 0, "stuck-s0");
-  forEachElement(src, 0, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-    *s0.at<int32_t>(p, off) = static_cast<int32_t>(flat);
-  });
-  REQUIRE(a.registry.registerRank(registerRequest(src_proto, 0, 1, s0, v1::ROLE_SOURCE, 1), root).ok());
-  std::vector<RankMemory> d;
-  for (int32_t r = 0; r < 2; ++r) {
-    d.push_back(allocateRank(dst, r, "stuck-d" + std::to_string(r)));
-    REQUIRE(b.registry.registerRank(registerRequest(dst_proto, r, 2, d.back()), root).ok());
-  }
-  v1::PrepareRequest prep = prepareRequest("stuck", src_proto, dst_proto, 1, 7);
-  prep.set_packed(false);
-  auto pa = a.engine.prepare(prep);
-  auto pb = b.engine.prepare(prep);
-  REQUIRE(pa.ok());
-  REQUIRE(pb.ok());
-  v1::ExecuteRequest exec;
-  exec.set_sync_id("stuck");
-  exec.set_fence(7);
-  exec.set_timeout_ms(10000);
-  for (auto [node, targets] : {std::pair{&a, &*pa}, std::pair{&b, &*pb}}) {
-    auto* n = exec.add_nodes();
-    n->set_node(node->name);
-    n->set_transport_address(node->context->address());
-    *n->mutable_targets() = targets->targets();
-  }
-  auto on_a = std::async(std::launch::async, [&] { return a.engine.execute(exec); });
-  auto on_b = std::async(std::launch::async, [&] { return b.engine.execute(exec); });
-  std::once_flag opened;
-  const auto open_gate = [&] { std::call_once(opened, [&] { open.set_value(); }); };
-  struct OpenOnExit {  // a failed REQUIRE must not leave the executes waiting (their futures' destructors join)
-    const std::function<void()> open;
-    ~OpenOnExit() { open(); }
-  } open_on_exit{open_gate};
-  REQUIRE(entered.get_future().wait_for(std::chrono::seconds(10)) == std::future_status::ready);
+  StuckSync sync("stuck", "b", /*local=*/false);
+  const size_t first = sync.start(7);
+  REQUIRE(sync.entered.get_future().wait_for(std::chrono::seconds(10)) == std::future_status::ready);
 
   // The coordinator gives the attempt up while b's execute is still in its unpack.
-  v1::FinishRequest abort;
-  abort.set_sync_id("stuck");
-  abort.set_fence(7);
-  abort.set_commit(false);
-  abort.set_executed(true);
-  abort.set_reason("given up by the test");
-  (void)a.engine.finish(abort);
-  const auto ended = b.engine.finish(abort);
+  const auto ended = sync.finish(7, false);
   REQUIRE_FALSE(ended.ok());
   CHECK(ended.status().code() == absl::StatusCode::kUnavailable);
   CHECK_THAT(std::string(ended.status().message()), Catch::Contains("its own writes or executes still running"));
   // The ranks stay held: a later sync cannot take them while the unpack may still write.
-  v1::PrepareRequest next = prepareRequest("next", src_proto, dst_proto, 1, 8);
+  v1::PrepareRequest next = prepareRequest("next", sync.src_proto, sync.dst_proto, 1, 8);
   next.set_packed(false);
-  const auto refused = b.engine.prepare(next);
+  const auto refused = sync.b->engine.prepare(next);
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().code() == absl::StatusCode::kFailedPrecondition);
   CHECK_THAT(std::string(refused.status().message()), Catch::Contains("stuck"));
 
   const auto held = [&] {
-    for (const auto& g : b.registry.groups())
+    for (const auto& g : sync.b->registry.groups())
       for (const auto& st : g.rank_states())
         if (st.detail().find("still landing") != std::string::npos) return true;
     return false;
@@ -450,19 +505,13 @@ TEST_CASE("an execute still unpacking when its attempt is aborted keeps the rank
   CHECK(held());
 
   // The unpack returns; the reaper then frees the ranks (dirty), and the next sync commits them.
-  open_gate();
-  (void)on_a.get();
-  (void)on_b.get();
+  sync.openGate();
+  (void)sync.executed(first);  // (its attempt was given up: they fail)
   for (int i = 0; i < 200 && held(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   REQUIRE_FALSE(held());
-  for (const auto& m : d) std::memset(m.seg->data(), 0xff, m.seg->size());
-  syncByHand(a, b, "after", src_proto, dst_proto, 9, true);
-  bool exact = true;
-  for (int32_t r = 0; r < 2; ++r)
-    forEachElement(dst, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-      exact = exact && *d[static_cast<size_t>(r)].at<int32_t>(p, off) == static_cast<int32_t>(flat);
-    });
-  CHECK(exact);
+  for (const auto& m : sync.d) std::memset(m.seg->data(), 0xff, m.seg->size());
+  syncByHand(*sync.a, *sync.b, "after", sync.src_proto, sync.dst_proto, 9, true);
+  CHECK(sync.exact());
 }
 
 TEST_CASE("a local copy stuck past its attempt's end keeps the source read, through a retry's commit",
@@ -472,97 +521,30 @@ TEST_CASE("a local copy stuck past its attempt's end keeps the source read, thro
   // whose attempt takes the destination ranks over and commits them. Without holding the source
   // until the stuck copy returned, the trainer could acquire it at once and write the next version,
   // which the copy then landed in ranks that say they hold this one.
-  const auto src_proto = *planner::parseLayoutJson(R"({"group":"s","mesh":{"shape":[1]},"nodes":["a"],"tensors":[
-    {"name":"w","shape":[16,8],"dtype":"int32"}]})",
-                                                   "s");
-  const auto dst_proto = *planner::parseLayoutJson(R"({"group":"d","mesh":{"shape":[2]},"nodes":["a","a"],"tensors":[
-    {"name":"w","shape":[16,8],"dtype":"int32","placements":[{"shard":{"dim":1}}]}]})",
-                                                   "d");
-  planner::NodeTable nodes;
-  const auto src = *planner::resolveLayout(src_proto, nodes);
-  const auto dst = *planner::resolveLayout(dst_proto, nodes);
-  std::promise<void> open, entered;
-  InProcessNode a("a", std::make_unique<GatedStage>(open.get_future().share(), entered, /*local=*/true));
-  a.engine.setOwnWorkWait(std::chrono::milliseconds(200));
-  const MemoryCaller root{0, true, true};
-  RankMemory s0 = allocateRank(src, 0, "read-s0");
-  forEachElement(src, 0, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-    *s0.at<int32_t>(p, off) = static_cast<int32_t>(flat);
-  });
-  REQUIRE(a.registry.registerRank(registerRequest(src_proto, 0, 1, s0, v1::ROLE_SOURCE, 1), root).ok());
-  std::vector<RankMemory> d;
-  for (int32_t r = 0; r < 2; ++r) {
-    d.push_back(allocateRank(dst, r, "read-d" + std::to_string(r)));
-    REQUIRE(a.registry.registerRank(registerRequest(dst_proto, r, 2, d.back()), root).ok());
-  }
-  const auto execute = [&](uint64_t fence, const v1::PrepareResponse& prepared) {
-    v1::ExecuteRequest exec;
-    exec.set_sync_id("read");
-    exec.set_fence(fence);
-    exec.set_timeout_ms(10000);
-    auto* n = exec.add_nodes();
-    n->set_node(a.name);
-    n->set_transport_address(a.context->address());
-    *n->mutable_targets() = prepared.targets();
-    return a.engine.execute(exec);
-  };
-  v1::PrepareRequest first = prepareRequest("read", src_proto, dst_proto, 1, 7);
-  first.set_packed(false);
-  const auto p1 = a.engine.prepare(first);
-  REQUIRE(p1.ok());
-  auto stuck = std::async(std::launch::async, [&] { return execute(7, *p1); });
-  std::once_flag opened;
-  const auto open_gate = [&] { std::call_once(opened, [&] { open.set_value(); }); };
-  struct OpenOnExit {  // a failed REQUIRE must not leave the execute waiting (its future's destructor joins)
-    const std::function<void()> open;
-    ~OpenOnExit() { open(); }
-  } open_on_exit{open_gate};
-  REQUIRE(entered.get_future().wait_for(std::chrono::seconds(10)) == std::future_status::ready);
-
-  v1::FinishRequest abort;
-  abort.set_sync_id("read");
-  abort.set_fence(7);
-  abort.set_commit(false);
-  abort.set_executed(true);
-  abort.set_reason("given up by the test");
-  const auto ended = a.engine.finish(abort);
+  StuckSync sync("read", "a", /*local=*/true);
+  const size_t first = sync.start(7);
+  REQUIRE(sync.entered.get_future().wait_for(std::chrono::seconds(10)) == std::future_status::ready);
+  const auto ended = sync.finish(7, false);
   REQUIRE_FALSE(ended.ok());
   CHECK_THAT(std::string(ended.status().message()), Catch::Contains("its own writes or executes still running"));
 
   // The retry (same sync, next fence, superseding the first) takes the ranks over and commits.
-  v1::PrepareRequest retry = prepareRequest("read", src_proto, dst_proto, 1, 8);
-  retry.set_packed(false);
-  retry.add_supersedes(7);
-  const auto p2 = a.engine.prepare(retry);
-  INFO((p2.ok() ? "" : std::string(p2.status().message())));
-  REQUIRE(p2.ok());
-  const auto executed = execute(8, *p2);
-  INFO((executed.ok() ? "" : std::string(executed.status().message())));
-  REQUIRE(executed.ok());
-  v1::FinishRequest commit;
-  commit.set_sync_id("read");
-  commit.set_fence(8);
-  commit.set_commit(true);
-  REQUIRE(a.engine.finish(commit).ok());
+  REQUIRE(sync.executed(sync.start(8, 7)));
+  REQUIRE(sync.finish(8, true).ok());
 
   // The source stays read while the first attempt's copy may still read it: its writer waits,
   // and is told which sync uses it.
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the reaper polls every 100 ms
-  const auto refused = a.registry.acquire("s", 0, root, std::chrono::milliseconds(200));
+  const auto refused = sync.a->registry.acquire("s", 0, sync.root, std::chrono::milliseconds(200));
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().code() == absl::StatusCode::kDeadlineExceeded);
   CHECK_THAT(std::string(refused.status().message()), Catch::Contains("sync read still uses it"));
 
   // The copy returns; the reaper lets go of the source, and its writer takes it.
-  open_gate();
-  (void)stuck.get();  // (its attempt was given up: it fails)
-  const auto taken = a.registry.acquire("s", 0, root, std::chrono::seconds(10));
+  sync.openGate();
+  (void)sync.executed(first);  // (its attempt was given up: it fails)
+  const auto taken = sync.a->registry.acquire("s", 0, sync.root, std::chrono::seconds(10));
   INFO((taken.ok() ? "" : std::string(taken.status().message())));
   REQUIRE(taken.ok());
-  bool exact = true;
-  for (int32_t r = 0; r < 2; ++r)
-    forEachElement(dst, r, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
-      exact = exact && *d[static_cast<size_t>(r)].at<int32_t>(p, off) == static_cast<int32_t>(flat);
-    });
-  CHECK(exact);
+  CHECK(sync.exact());
 }
