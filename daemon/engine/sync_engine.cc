@@ -261,6 +261,7 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   Registry::Destination destination;
   std::vector<planner::Replica> replicas;
   SC_RETURN_IF_ERROR(readDestinations(req, *a, destination, replicas));
+  a->stamps = registry_.stamps(a->groups());
   const bool plain = replicas.empty();  // its digest: its plan's, below
   // A zero-copy plan would hand this node's transport memory it must not touch directly: a
   // coordinator that planned without this node's Describe (or ignored it) is refused here.
@@ -575,9 +576,14 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   // A client that truncated its segment while this wave read or wrote it: the daemon survived the
   // fault (transport/shm.h), the bytes it moved are not the rank's.
   SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dstGroups()));
-  if (registry_.generation() != a->generation)
-    return absl::AbortedError(
-        strCat("sync ", a->id, ": registrations on node \"", node_, "\" changed during the sync"));
+  if (const auto now = registry_.stamps(a->groups()); now != a->stamps) {
+    const auto groups = a->groups();
+    std::vector<std::string> changed;
+    for (size_t i = 0; i < groups.size(); ++i)
+      if (now[i] != a->stamps[i]) changed.push_back(quote(groups[i]));
+    return absl::AbortedError(strCat("sync ", a->id, ": registrations of group(s) ", strJoin(changed, ", "),
+                                     " on node \"", node_, "\" changed during the sync"));
+  }
   ok = true;  // the wave counts as done here
   const SyncCounters wave = a->moved.load() - before;
   wave.writeTo(resp);

@@ -154,7 +154,7 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
     reserved_.erase(req.group());  // live again (its owner, or past the grace)
     if (group_owner) persistOwners();
   }
-  ++generation_;
+  group->second.changed = ++generation_;
   // A re-registration is a new rank: it starts over. The one it replaces is told (its session) and
   // its segments no other rank maps are unlinked.
   rank->registration = next_registration_++;
@@ -340,7 +340,7 @@ void Registry::removeRank(std::map<std::pair<std::string, int32_t>, std::unique_
   const std::string group = it->first.first;
   std::unique_ptr<Rank> gone = std::move(it->second);
   ranks_.erase(it);
-  ++generation_;
+  groups_[group].changed = ++generation_;
   bool any = false;
   for (const auto& [key, r] : ranks_) any |= key.first == group;
   if (!any) {
@@ -673,6 +673,17 @@ transport::DeviceRuntime* Registry::deviceRuntime() const {
 uint64_t Registry::generation() const {
   std::lock_guard<std::mutex> lock(mu_);
   return generation_;
+}
+
+std::vector<uint64_t> Registry::stamps(const std::vector<std::string>& groups) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<uint64_t> out;
+  out.reserve(groups.size());
+  for (const auto& group : groups) {
+    const auto it = groups_.find(group);
+    out.push_back(it == groups_.end() ? 0 : it->second.changed);
+  }
+  return out;
 }
 
 Registry::Rank* Registry::findRank(const std::string& group, int32_t rank) const {

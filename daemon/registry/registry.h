@@ -102,8 +102,13 @@ class Registry {
   StatusOr<std::pair<std::shared_ptr<transport::MemoryRegion>, uint64_t>> nextLanding(const std::string& group,
                                                                                       int32_t rank,
                                                                                       const std::string& buffer) const;
-  // Changes with every registration and unregistration (a sync fails if it changes under it).
+  // Changes with every registration and unregistration here (a coordinator's kept view of this
+  // node, PrepareRequest.expect, is stale once it changed).
   uint64_t generation() const;
+  // Per group, the generation of the last registration or unregistration of a rank of it here
+  // (0: none registered here). A sync fails when its own groups' change under it; other groups'
+  // registrations do not concern it.
+  std::vector<uint64_t> stamps(const std::vector<std::string>& groups) const;
   const std::string& instance() const { return instance_; }
   const std::string& node() const { return node_; }
   std::string transportAddress() const { return transport_.address(); }
@@ -313,6 +318,7 @@ class Registry {
     // When it got its owner here (GroupAccess.since_unix_ms): the owner's claim on the group across
     // the cluster, the earliest of which is the group's. Kept through a restart by the owners file.
     uint64_t since_unix_ms = 0;
+    uint64_t changed = 0;  // the generation of its last registration or unregistration (stamps())
   };
   // With mu_ held: Describe's size if `rank` joined (replacing its predecessor, if any) with a
   // layout of `layout_bytes`.

@@ -1269,8 +1269,7 @@ TEST_CASE("another uid's replica neither displaces nor cuts the set's replicas: 
   // sort before root's): one with the set's layout, one with a layout of its own (w [16, 8]).
   std::string narrow = kOneRank;
   narrow.replace(narrow.find("[16,16]"), 7, "[16,8]");
-  // One after the other: each fills its replica with a sync of its own, which a registration of
-  // the other's on the same daemon meanwhile would fail ("registrations changed during the sync").
+  // One after the other, each filling its replica with a sync of its own.
   Child same = asNobody({"replica", d.socketPath(), kOneRank, "rollout.a", "rollout", "0", "1"});
   REQUIRE(same.readLine(std::chrono::seconds(60)) == "ready OK");
   Child other = asNobody({"replica", d.socketPath(), narrow, "rollout.b", "rollout", "0", "1"});

@@ -370,8 +370,9 @@ class GatedStage final : public Stage {
 // (two ranks, on node `dst_node`: "a" or "b"). The node holding "d" runs a GatedStage (`local`: its
 // first local copy waits, else its first unpack) and waits 200 ms for its own work at a close.
 // The gate opens at the latest when the fixture goes, before the executes it runs are joined.
+// `in_session`: "d" registered under a session of its node's (`session`).
 struct StuckSync {
-  StuckSync(const std::string& tag, const std::string& dst_node, bool local)
+  StuckSync(const std::string& tag, const std::string& dst_node, bool local, bool in_session = false)
       : id(tag),
         src_proto(*planner::parseLayoutJson(R"({"group":"s","mesh":{"shape":[1]},"nodes":["a"],"tensors":[
           {"name":"w","shape":[16,8],"dtype":"int32"}]})",
@@ -395,9 +396,12 @@ struct StuckSync {
       *s0.at<int32_t>(p, off) = static_cast<int32_t>(flat);
     });
     REQUIRE(a->registry.registerRank(registerRequest(src_proto, 0, 1, s0, v1::ROLE_SOURCE, 1), root).ok());
+    if (in_session) session = receiver().registry.openSession(tag);
     for (int32_t r = 0; r < 2; ++r) {
       d.push_back(allocateRank(dst, r, strCat(tag, "-d", r)));
-      REQUIRE(receiver().registry.registerRank(registerRequest(dst_proto, r, 2, d.back()), root).ok());
+      v1::RegisterRequest req = registerRequest(dst_proto, r, 2, d.back());
+      req.set_session_id(session);
+      REQUIRE(receiver().registry.registerRank(req, root).ok());
     }
   }
   ~StuckSync() { openGate(); }
@@ -468,6 +472,7 @@ struct StuckSync {
   std::unique_ptr<InProcessNode> a, b;
   RankMemory s0;
   std::vector<RankMemory> d;
+  std::string session;
   // (last: the first members destroyed, after the destructor opened the gate)
   std::vector<std::future<StatusOr<v1::ExecuteResponse>>> executes;
 };
@@ -546,5 +551,40 @@ TEST_CASE("a local copy stuck past its attempt's end keeps the source read, thro
   const auto taken = sync.a->registry.acquire("s", 0, sync.root, std::chrono::seconds(10));
   INFO((taken.ok() ? "" : std::string(taken.status().message())));
   REQUIRE(taken.ok());
+  CHECK(sync.exact());
+}
+
+TEST_CASE("registrations of other groups during a sync leave it alone; its own groups' fail it, named",
+          "[daemon][stage][attempt]") {
+  // A client of another group coming or going on a node (a short-lived script, a replica joining
+  // the set, an adapter registered) failed every sync running there ("registrations on node ...
+  // changed during the sync"), leaving its destination dirty.
+  const bool own = GENERATE(false, true);
+  CAPTURE(own);
+  StuckSync sync(own ? "own" : "others", "b", /*local=*/false, /*in_session=*/own);
+  const size_t first = sync.start(7);
+  REQUIRE(sync.entered.get_future().wait_for(std::chrono::seconds(10)) == std::future_status::ready);
+  if (own) {
+    sync.b->registry.closeSession(sync.session);  // its client gone: "d"'s ranks leave mid-sync
+  } else {
+    auto other_proto = sync.dst_proto;
+    other_proto.set_group("other");
+    RankMemory other = allocateRank(sync.dst, 0, "others-o0");
+    REQUIRE(sync.b->registry.registerRank(registerRequest(other_proto, 0, 2, other), sync.root).ok());
+    REQUIRE(sync.b->registry.unregisterRank("other", 0, sync.root).ok());
+  }
+  sync.openGate();
+  if (own) {
+    auto& on_b = sync.executes.at(first + 1);
+    const auto failed = on_b.get();
+    REQUIRE_FALSE(failed.ok());
+    CHECK(failed.status().code() == absl::StatusCode::kAborted);
+    CHECK_THAT(std::string(failed.status().message()),
+               Catch::Contains("registrations of group(s) \"d\" on node \"b\" changed during the sync"));
+    (void)sync.executes.at(first).get();
+    return;
+  }
+  REQUIRE(sync.executed(first));
+  REQUIRE(sync.finish(7, true).ok());
   CHECK(sync.exact());
 }
