@@ -581,8 +581,9 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
     std::vector<std::string> changed;
     for (size_t i = 0; i < groups.size(); ++i)
       if (now[i] != a->stamps[i]) changed.push_back(quote(groups[i]));
-    return absl::AbortedError(strCat("sync ", a->id, ": registrations of group(s) ", strJoin(changed, ", "),
-                                     " on node \"", node_, "\" changed during the sync"));
+    // (Not ABORTED: the coordinator reads that as a node stopped because another failed.)
+    return absl::FailedPreconditionError(strCat("sync ", a->id, ": registrations of group(s) ", strJoin(changed, ", "),
+                                                " on node \"", node_, "\" changed during the sync"));
   }
   ok = true;  // the wave counts as done here
   const SyncCounters wave = a->moved.load() - before;
