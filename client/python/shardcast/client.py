@@ -229,7 +229,7 @@ class _Session:
         # calls about ranks wait for it (Client._check_session), so they see the outcome.
         self.reregistering = False
         # (group, rank) -> [request, published version, held, the sets' handed allocations, the set
-        # last seen in use]
+        # last seen in use, the sets' segments this client made (SharedTensors, None: in place)]
         self.ranks: Dict[Tuple[str, int], List[Any]] = {}
         # (group, rank) -> why re-registering it after a daemon restart failed: the client's next
         # call about its ranks raises it (Client._check_session) until it is registered again.
@@ -290,7 +290,7 @@ class _Session:
     def _register_again(self, session_id: str) -> None:
         with self._lock:
             again = []
-            for (group, rank), (req, published, held, handed, active) in self.ranks.items():
+            for (group, rank), (req, published, held, handed, active, _) in self.ranks.items():
                 r = service_pb2.RegisterRequest()
                 r.CopyFrom(req)
                 r.session_id = session_id
@@ -439,11 +439,40 @@ class Client:
 
     def close(self) -> None:
         """Ends the session (the daemon unregisters this client's ranks) and the connection. Every
-        later call raises ShardcastError (FAILED_PRECONDITION); closing again does nothing."""
+        later call raises ShardcastError (FAILED_PRECONDITION); closing again does nothing. The
+        session's ranks are free when it returns: another client may register them at once."""
+        if self._closed:
+            return
         self._closed = True
         if self._session is not None:
+            self._unregister_session_ranks()
             self._session.close()
         self._channel.close()
+
+    def _unregister_session_ranks(self) -> None:
+        """Unregisters the session's ranks one by one and unlinks the segments this client made for
+        them, as the session's end would. Its end alone frees them a moment later (the daemon gives a
+        process that lives on 200 ms to go first: docs/daemon.md, "Registration"), and a client of this
+        process registering one of them meanwhile was refused (ALREADY_EXISTS). A rank the daemon
+        refuses to unregister now (a sync uses it) is left to the session's end."""
+        with self._session._lock:
+            ranks = list(self._session.ranks.items())
+        for (group, rank), entry in ranks:
+            with self._registrations_lock:
+                ticket = self._registrations.get((group, rank))
+            if ticket is None:
+                continue
+            try:
+                self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank, registration=ticket.id),
+                                      timeout=min(self.timeout, 5.0))
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    continue  # still registered (or the daemon did not answer): the session's end frees it
+            with self._session._lock:
+                self._session.ranks.pop((group, rank), None)
+            for shared in entry[5]:
+                if shared is not None:
+                    shared.release()
 
     def _check_open(self, what: str) -> None:
         """Raises (FAILED_PRECONDITION) once the client is closed: gRPC's own error for a closed
@@ -613,7 +642,8 @@ class Client:
         if session and self._session is not None:
             with self._session._lock:
                 req.replace = False  # re-made after a restart: a rank the new daemon does not hold
-                self._session.ranks[(group, rank)] = [req, version, False, [h.handed for h in sets], 0]
+                self._session.ranks[(group, rank)] = [req, version, False, [h.handed for h in sets], 0,
+                                                      [h.shared for h in sets]]
                 self._session.failures.pop((group, rank), None)
         elif self._session is not None:
             # A rank the session held, taken over by this registration without one: the session

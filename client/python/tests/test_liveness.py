@@ -389,6 +389,28 @@ def test_tensors_stay_usable_after_close_and_the_client_going(cluster):
     assert out.stdout.startswith("ok")
 
 
+def test_a_rank_its_client_closed_is_free_at_once_for_a_new_client_and_its_segment_unlinked(cluster):
+    # A script that makes a client per step (register, sync, close) registered its rank again
+    # right after close() and was refused (ALREADY_EXISTS) until the daemon had seen the session
+    # end, up to 200 ms later.
+    n0, _ = cluster
+    tensors = {n: rank_worker.shard("trainer", n, 0, 1) for n in rank_worker.SHAPES}
+    segments = []
+    for step in range(5):
+        client = shardcast.Client(n0.target)
+        reg = client.register("trainer", 0, 2, tensors, rank_worker.TRAINER, role="source", version=step + 1)
+        segments.append(reg.segment)
+        assert os.path.exists("/dev/shm" + reg.segment)
+        client.close()
+        assert not os.path.exists("/dev/shm" + reg.segment), f"step {step}: {reg.segment} still in /dev/shm"
+        with shardcast.Client(n0.target) as other:
+            assert ("trainer", 0) not in _ranks(other)
+    with shardcast.Client(n0.target) as client:
+        with client.register("trainer", 0, 2, tensors, rank_worker.TRAINER, role="source", version=9):
+            assert ("trainer", 0) in _ranks(client)
+    assert len(set(segments)) == 5
+
+
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 def test_state_dict_registers_the_parameters_in_place_not_a_snapshot(cluster):
     n0, _ = cluster
