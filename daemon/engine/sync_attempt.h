@@ -98,14 +98,11 @@ class SyncAttempt : public std::enable_shared_from_this<SyncAttempt> {
   int32_t member_world = 0;
   uint64_t version = 0;
   uint64_t generation = 0;  // the registry's when prepared (PrepareRequest.expect)
-  // Registry::stamps of its groups (the source, then dstGroups()) when prepared: their
-  // registrations may not change under the sync.
+  // Registry::stamps of the groups it reads and writes (`stamped`: the source, then the
+  // destination or each replica's group) as its Prepare began: their registrations may not change
+  // under the sync.
+  std::vector<std::string> stamped;
   std::vector<uint64_t> stamps;
-  std::vector<std::string> groups() const {
-    std::vector<std::string> all{src_group};
-    for (auto& g : dstGroups()) all.push_back(std::move(g));
-    return all;
-  }
   uint64_t fence = 0;       // names the attempt (PrepareRequest.fence); not a secret
   transport::WriteKey key;  // WriteOp::key of this sync's writes, open here from prepare to close
   bool key_open = false;    // this attempt opened it (and so closes it)

@@ -106,8 +106,8 @@ StatusOr<transport::WriteKey> checkedWriteKey(const v1::PrepareRequest& req, con
 }
 
 // A sync that skipped the gather: this node's registrations (its daemon's `instance`, at
-// `generation`) must be those its coordinator saw (execute() refuses any change after this
-// point, as for every sync).
+// `generation`) must be those its coordinator saw (execute() refuses any change of the sync's
+// own groups after this point, as for every sync: SyncAttempt::stamps).
 Status checkExpected(const v1::PrepareRequest& req, const std::string& node, const std::string& instance,
                      uint64_t generation) {
   if (req.expect_size() == 0) return absl::OkStatus();
@@ -209,6 +209,10 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   SC_ASSIGN_OR_RETURN(const transport::WriteKey write_key, checkedWriteKey(req, limits_, node_));
   auto a = std::make_shared<SyncAttempt>();
   a->id = req.sync_id();
+  a->stamped = {req.src().group()};  // the groups it reads and writes, as its request names them
+  if (req.replicas().empty()) a->stamped.push_back(req.dst().group());
+  for (const auto& r : req.replicas()) a->stamped.push_back(r.group());
+  a->stamps = registry_.stamps(a->stamped);
   a->generation = registry_.generation();
   SC_RETURN_IF_ERROR(checkExpected(req, node_, registry_.instance(), a->generation));
   a->src_group = req.src().group();
@@ -261,7 +265,6 @@ StatusOr<v1::PrepareResponse> SyncEngine::prepare(const v1::PrepareRequest& req)
   Registry::Destination destination;
   std::vector<planner::Replica> replicas;
   SC_RETURN_IF_ERROR(readDestinations(req, *a, destination, replicas));
-  a->stamps = registry_.stamps(a->groups());
   const bool plain = replicas.empty();  // its digest: its plan's, below
   // A zero-copy plan would hand this node's transport memory it must not touch directly: a
   // coordinator that planned without this node's Describe (or ignored it) is refused here.
@@ -576,11 +579,10 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   // A client that truncated its segment while this wave read or wrote it: the daemon survived the
   // fault (transport/shm.h), the bytes it moved are not the rank's.
   SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dstGroups()));
-  if (const auto now = registry_.stamps(a->groups()); now != a->stamps) {
-    const auto groups = a->groups();
+  if (const auto now = registry_.stamps(a->stamped); now != a->stamps) {
     std::vector<std::string> changed;
-    for (size_t i = 0; i < groups.size(); ++i)
-      if (now[i] != a->stamps[i]) changed.push_back(quote(groups[i]));
+    for (size_t i = 0; i < now.size(); ++i)
+      if (now[i] != a->stamps[i]) changed.push_back(quote(a->stamped[i]));
     // (Not ABORTED: the coordinator reads that as a node stopped because another failed.)
     return absl::FailedPreconditionError(strCat("sync ", a->id, ": registrations of group(s) ", strJoin(changed, ", "),
                                                 " on node \"", node_, "\" changed during the sync"));

@@ -454,25 +454,38 @@ class Client:
         them, as the session's end would. Its end alone frees them a moment later (the daemon gives a
         process that lives on 200 ms to go first: docs/daemon.md, "Registration"), and a client of this
         process registering one of them meanwhile was refused (ALREADY_EXISTS). A rank the daemon
-        refuses to unregister now (a sync uses it) is left to the session's end."""
-        with self._session._lock:
-            ranks = list(self._session.ranks.items())
+        refuses to unregister now (a sync uses it) is left to the session's end, and so is every rank
+        while the session is not open (the daemon restarting: its registration ids start over, and
+        a rank whose re-registration failed may be another process's now). At most 5 s in all."""
+        session = self._session
+        deadline = time.monotonic() + min(self.timeout, 5.0)
+        with session._ready:
+            session._ready.wait_for(lambda: not session.reregistering, timeout=deadline - time.monotonic())
+            if session.id is None or session.reregistering:
+                return
+            ranks = [(key, entry) for key, entry in session.ranks.items() if key not in session.failures]
         for (group, rank), entry in ranks:
             with self._registrations_lock:
                 ticket = self._registrations.get((group, rank))
-            if ticket is None:
+            left = deadline - time.monotonic()
+            if ticket is None or left <= 0:
                 continue
             try:
                 self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank, registration=ticket.id),
-                                      timeout=min(self.timeout, 5.0))
+                                      timeout=left)
             except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return  # the daemon is not answering: the session's end frees them all
                 if e.code() != grpc.StatusCode.NOT_FOUND:
-                    continue  # still registered (or the daemon did not answer): the session's end frees it
-            with self._session._lock:
-                self._session.ranks.pop((group, rank), None)
-            for shared in entry[5]:
+                    continue  # still registered (a sync uses it): the session's end frees it
+            with session._lock:
+                session.ranks.pop((group, rank), None)
+            for shared in entry[5]:  # as the session's end would: the segments this client made
                 if shared is not None:
                     shared.release()
+            for handed in entry[3]:  # and the cuMem allocations' descriptors it held for them
+                if handed is not None:
+                    handed.close()
 
     def _check_open(self, what: str) -> None:
         """Raises (FAILED_PRECONDITION) once the client is closed: gRPC's own error for a closed
