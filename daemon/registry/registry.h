@@ -283,9 +283,10 @@ class Registry {
     std::string holder;         // "uid U (pid P)", for the process that replaces it
     size_t describe_bytes = 0;  // what it adds to Describe (its buffers' entries)
     // Syncs reading it (a source, or a catch-up's seed), once per attempt: two attempts of one
-    // sync id (a retry) each hold their own entry, so the first one's end leaves the second's.
-    std::multiset<std::string> readers;
-    std::string writer;  // destination: the sync writing it
+    // sync id (a retry) each hold their own entry, so the first one's end (or, draining, its
+    // drained()) leaves the second's.
+    std::multiset<std::pair<std::string, uint64_t>> readers;  // (sync id, attempt fence)
+    std::string writer;                                       // destination: the sync writing it
     // Destination, single-buffered: earlier attempts of the sync writing it (or that last wrote
     // it), by fence, whose writes may still land (a peer frozen mid-write). A retried attempt of
     // one sync id and version writes the same bytes where they land, so it may take the rank
@@ -300,7 +301,7 @@ class Registry {
     std::string user() const {
       if (!writer.empty()) return writer;
       if (!lingering.empty()) return lingering.begin()->second.id;
-      return readers.empty() ? std::string() : *readers.begin();
+      return readers.empty() ? std::string() : readers.begin()->first;
     }
     // Destination, UPDATING: where it was before, for kRevert.
     v1::RankState before = v1::RANK_EMPTY;

@@ -152,7 +152,7 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
                                                       " are still landing in it)"));
         if (!rank.readers.empty())  // a catch-up reads it as its seed
           return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " is being read by sync ",
-                                                      *rank.readers.begin(), " (a catch-up seeded from it)"));
+                                                      rank.readers.begin()->first, " (a catch-up seeded from it)"));
         // (a rank no sync writes is EMPTY with nothing committed, READY or DIRTY)
         if (const std::string why = destinationRefusal(factsOf(rank), version); !why.empty())
           return absl::FailedPreconditionError(strCat("sync ", id, ": ", who, why));
@@ -171,7 +171,7 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
                r->committed == writers.front()->committed && r->committed_by == writers.front()->committed_by;
     if (common) *base = {writers.front()->committed, writers.front()->committed_by};
   }
-  for (Rank* r : readers) r->readers.insert(id);
+  for (Rank* r : readers) r->readers.insert({id, fence});
   for (Rank* r : writers) {
     if (!r->writer.empty()) {  // a retry taking over from an earlier attempt of this sync (above)
       r->lingering[r->writer_fence] = {r->writer, r->writing};
@@ -221,7 +221,7 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, uint64_t fe
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [key, r] : ranks_) {
       if (key.first == src)
-        if (const auto reading = r->readers.find(id); reading != r->readers.end()) r->readers.erase(reading);
+        if (const auto reading = r->readers.find({id, fence}); reading != r->readers.end()) r->readers.erase(reading);
       if (!isIn(dst, key.first)) continue;
       if (const auto earlier = r->lingering.find(fence); earlier != r->lingering.end() && earlier->second.id == id) {
         // A later attempt of the id took the rank over: this one only stops lingering, once
@@ -418,7 +418,7 @@ void Registry::drained(const std::string& id, uint64_t fence, const std::string&
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [key, r] : ranks_) {
       if (key.first == src)
-        if (const auto reading = r->readers.find(id); reading != r->readers.end()) r->readers.erase(reading);
+        if (const auto reading = r->readers.find({id, fence}); reading != r->readers.end()) r->readers.erase(reading);
       if (!isIn(dst, key.first)) continue;
       if (const auto earlier = r->lingering.find(fence); earlier != r->lingering.end() && earlier->second.id == id)
         r->lingering.erase(earlier);
