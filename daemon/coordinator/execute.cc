@@ -80,6 +80,11 @@ Status SyncCoordinator::execute() {
     if (!results[i].ok() && !cancelled(results[i])) {
       spdlog::warn("sync {} failed on node \"{}\": {}", id_, daemons[i].node(), results[i].error_message());
       faulty_node_ = daemons[i].node();
+      // A replica's own registrations changed there (its client gone mid-sync): its node is
+      // healthy, and only that replica is cut, as for a refusal at the Prepare.
+      if (const std::string group = refusingGroup(results[i]); !group.empty() && isReplica(group))
+        for (const auto& r : daemons[i].ranks())
+          if (r.group() == group) refusing_replica_ = group;
       return failed(fromGrpc(results[i], strCat("sync ", id_, " failed on node \"", daemons[i].node(), "\"")));
     }
   for (size_t i = 0; i < results.size(); ++i)

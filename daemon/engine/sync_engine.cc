@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "common/refusal.h"
 #include "common/strings.h"
 #include "daemon/engine/execution.h"
 #include "transport/resident.h"
@@ -580,12 +581,18 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   // fault (transport/shm.h), the bytes it moved are not the rank's.
   SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dstGroups()));
   if (const auto now = registry_.stamps(a->stamped); now != a->stamps) {
-    std::vector<std::string> changed;
+    std::vector<std::string> changed, names;
     for (size_t i = 0; i < now.size(); ++i)
-      if (now[i] != a->stamps[i]) changed.push_back(quote(a->stamped[i]));
-    // (Not ABORTED: the coordinator reads that as a node stopped because another failed.)
-    return absl::FailedPreconditionError(strCat("sync ", a->id, ": registrations of group(s) ", strJoin(changed, ", "),
-                                                " on node \"", node_, "\" changed during the sync"));
+      if (now[i] != a->stamps[i]) {
+        changed.push_back(a->stamped[i]);
+        names.push_back(quote(a->stamped[i]));
+      }
+    // (Not ABORTED: the coordinator reads that as a node stopped because another failed.) The
+    // first group named is the refusing one: a replica's is cut alone, its node being healthy.
+    return refusedBy(
+        absl::FailedPreconditionError(strCat("sync ", a->id, ": registrations of group(s) ", strJoin(names, ", "),
+                                             " on node \"", node_, "\" changed during the sync")),
+        changed.front());
   }
   ok = true;  // the wave counts as done here
   const SyncCounters wave = a->moved.load() - before;

@@ -19,6 +19,7 @@
 #include <random>
 #include <thread>
 
+#include "common/refusal.h"
 #include "common/strings.h"
 #include "daemon/engine/sync_engine.h"
 #include "daemon/registry/registry.h"
@@ -581,6 +582,7 @@ TEST_CASE("registrations of other groups during a sync leave it alone; its own g
     const auto failed = on_b.get();
     REQUIRE_FALSE(failed.ok());
     CHECK(failed.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(refusingGroup(failed.status()) == "d");  // a replica's would be cut alone
     CHECK_THAT(std::string(failed.status().message()),
                Catch::Contains("registrations of group(s) \"d\" on node \"b\" changed during the sync"));
     (void)sync.executes.at(first).get();
