@@ -555,7 +555,7 @@ TEST_CASE("a local copy stuck past its attempt's end keeps the source read, thro
   CHECK(sync.exact());
 }
 
-TEST_CASE("registrations of other groups during a sync leave it alone; its own groups' fail it, named",
+TEST_CASE("registrations of other groups during a sync leave it alone, and its own groups' fail it, named",
           "[daemon][stage][attempt]") {
   // A client of another group coming or going on a node (a short-lived script, a replica joining
   // the set, an adapter registered) failed every sync running there ("registrations on node ...
