@@ -312,6 +312,11 @@ Status Registry::mayChange(const Rank& r, const MemoryCaller& caller, const char
     return absl::PermissionDeniedError(
         strCat("group ", quote(r.group), " rank ", r.rank, " is registered by uid ", *r.owner, ": ",
                caller.local ? strCat("uid ", caller.uid) : std::string("a remote client"), " may not ", what, " it"));
+  if (r.orphaned)
+    return absl::FailedPreconditionError(strCat(
+        "group ", quote(r.group), " rank ", r.rank, " on node ", quote(node_),
+        ": its client's session ended while sync ", r.user(), " used it; it is unregistered once that sync lets go (",
+        r.holder, "'s registration ", r.registration, "): may not ", what, " it until then"));
   // A registration that was replaced never acts on its successor.
   if (registration != 0 && registration != r.registration)
     return absl::FailedPreconditionError(strCat("group ", quote(r.group), " rank ", r.rank, ": registration ",
@@ -755,22 +760,49 @@ void Registry::closeSession(const std::string& session) {
   while (std::any_of(pids.begin(), pids.end(), [](pid_t p) { return !processGone(p); }) &&
          std::chrono::steady_clock::now() < until)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  std::vector<std::string> gone;
+  std::vector<std::string> gone, kept;
   {
     std::lock_guard<std::mutex> lock(mu_);
     sessions_.erase(session);
     superseded_.erase(session);
     for (auto it = ranks_.begin(); it != ranks_.end();) {
       auto next = std::next(it);
-      if (it->second->session == session) {
-        gone.push_back(strCat("group \"", it->first.first, "\" rank ", it->first.second));
-        removeRank(it, true);
+      if (Rank& r = *it->second; r.session == session) {
+        const std::string who = strCat("group \"", it->first.first, "\" rank ", it->first.second);
+        if (r.user().empty()) {
+          gone.push_back(who);
+          removeRank(it, true);
+        } else {
+          // A sync still reads or writes its memory (maybe a copy stuck past its attempt's end):
+          // gone now, the memory could be registered again under it and acquired, written or
+          // synced into while that copy lands. The sync using it fails as its group changed.
+          kept.push_back(strCat(who, " (sync ", r.user(), ")"));
+          r.orphaned = true;
+          r.session.clear();
+          groups_[r.group].changed = ++generation_;
+        }
       }
       it = next;
     }
+    if (!kept.empty()) state_cv_.notify_all();
   }
   if (!gone.empty())
     spdlog::info("session {} ended (its client exited or closed): unregistered {}", session, strJoin(gone, ", "));
+  if (!kept.empty())
+    spdlog::warn("session {} ended (its client exited or closed) while syncs used {}: unregistered once they let go",
+                 session, strJoin(kept, ", "));
+}
+
+void Registry::removeOrphans() {
+  for (auto it = ranks_.begin(); it != ranks_.end();) {
+    auto next = std::next(it);
+    if (it->second->orphaned && it->second->user().empty()) {
+      spdlog::info("group \"{}\" rank {} unregistered: its session had ended while a sync used it", it->first.first,
+                   it->first.second);
+      removeRank(it, true);
+    }
+    it = next;
+  }
 }
 
 std::map<v1::RankState, uint64_t> Registry::stateCounts() const {

@@ -194,6 +194,8 @@ class Registry {
   // Sessions (client liveness): registrations made under a session end with it.
   std::string openSession(const std::string& client);
   // Unregisters the session's ranks and unlinks their shm segments (those no other rank maps).
+  // A rank a sync still uses is unregistered once that sync lets go of it (Rank::orphaned);
+  // meanwhile every use of it is refused, and its group counts as changed for that sync.
   void closeSession(const std::string& session);
   // Sessions open now.
   size_t sessionCount() const;
@@ -275,6 +277,10 @@ class Registry {
     bool held = false;          // acquired by its owner
     std::string detail;         // DIRTY: which sync, why
     std::string session;
+    // Its session ended while a sync still used it (closeSession): it stays, refusing every use,
+    // until that sync lets go (removeOrphans), so that its memory is never registered again under
+    // it while a stuck copy of the sync may still read or write it.
+    bool orphaned = false;
     std::optional<uid_t> owner;  // the uid that registered it over the Unix socket
     // The process that registered it over the Unix socket, as this daemon's pid namespace sees
     // it (0: not known: over TCP, or a process of a namespace this one does not see).
@@ -360,6 +366,8 @@ class Registry {
   v1::RankStatus statusOf(const Rank& r) const;
   Rank* findRank(const std::string& group, int32_t rank) const;
   Status checkSegments(const Rank& r) const;
+  // With mu_ held: unregisters the orphaned ranks no sync uses any more (Rank::orphaned).
+  void removeOrphans();
   // Unregisters (with mu_ held); unlinks its segments when `unlink` and nothing else maps them.
   void removeRank(std::map<std::pair<std::string, int32_t>, std::unique_ptr<Rank>>::iterator it, bool unlink);
 

@@ -89,6 +89,11 @@ Status Registry::beginSync(const std::string& id, const std::string& src, const 
   for (const auto& [key, r] : ranks_) {
     const std::string who = strCat("group \"", r->group, "\" rank ", r->rank, " on node \"", node_, "\"");
     const std::string* dst_digest = digestIn(dst, key.first);
+    if (r->orphaned && (key.first == src || dst_digest))
+      return refusedBy(absl::FailedPreconditionError(
+                           strCat("sync ", id, ": ", who, " is left by its client (its session ended while sync ",
+                                  r->user(), " used it): no sync ", key.first == src ? "reads" : "writes", " it")),
+                       key.first == src ? std::string() : key.first);
     if ((key.first == src && r->digest != src_digest) || (dst_digest && r->digest != *dst_digest))
       return refusedBy(
           absl::FailedPreconditionError(strCat("sync ", id, ": ", who, " registered layout ", r->digest,
@@ -278,6 +283,7 @@ std::vector<v1::RankStatus> Registry::endSync(const std::string& id, uint64_t fe
       }
       after.push_back(statusOf(*r));
     }
+    removeOrphans();
   }
   state_cv_.notify_all();
   for (const auto& [group, ranks] : touched) {
@@ -427,6 +433,7 @@ void Registry::drained(const std::string& id, uint64_t fence, const std::string&
         if (const auto at = r->detail.rfind(kStillLanding); at != std::string::npos) r->detail.erase(at);
       }
     }
+    removeOrphans();
   }
   state_cv_.notify_all();
   spdlog::info("sync {}: its last writes into group(s) {} on node \"{}\" are done", id, fmt::join(dst, ", "), node_);

@@ -371,9 +371,9 @@ class GatedStage final : public Stage {
 // (two ranks, on node `dst_node`: "a" or "b"). The node holding "d" runs a GatedStage (`local`: its
 // first local copy waits, else its first unpack) and waits 200 ms for its own work at a close.
 // The gate opens at the latest when the fixture goes, before the executes it runs are joined.
-// `in_session`: "d" registered under a session of its node's (`session`).
+// `in_session`: the group ("s" or "d") registered under a session of its node's (`session`).
 struct StuckSync {
-  StuckSync(const std::string& tag, const std::string& dst_node, bool local, bool in_session = false)
+  StuckSync(const std::string& tag, const std::string& dst_node, bool local, const std::string& in_session = "")
       : id(tag),
         src_proto(*planner::parseLayoutJson(R"({"group":"s","mesh":{"shape":[1]},"nodes":["a"],"tensors":[
           {"name":"w","shape":[16,8],"dtype":"int32"}]})",
@@ -396,12 +396,15 @@ struct StuckSync {
     forEachElement(src, 0, [&](size_t, const planner::PieceRef& p, int64_t off, int64_t flat) {
       *s0.at<int32_t>(p, off) = static_cast<int32_t>(flat);
     });
-    REQUIRE(a->registry.registerRank(registerRequest(src_proto, 0, 1, s0, v1::ROLE_SOURCE, 1), root).ok());
-    if (in_session) session = receiver().registry.openSession(tag);
+    InProcessNode& in_session_node = in_session == "s" ? *a : receiver();
+    if (!in_session.empty()) session = in_session_node.registry.openSession(tag);
+    v1::RegisterRequest source = registerRequest(src_proto, 0, 1, s0, v1::ROLE_SOURCE, 1);
+    if (in_session == "s") source.set_session_id(session);
+    REQUIRE(a->registry.registerRank(source, root).ok());
     for (int32_t r = 0; r < 2; ++r) {
       d.push_back(allocateRank(dst, r, strCat(tag, "-d", r)));
       v1::RegisterRequest req = registerRequest(dst_proto, r, 2, d.back());
-      req.set_session_id(session);
+      if (in_session == "d") req.set_session_id(session);
       REQUIRE(receiver().registry.registerRank(req, root).ok());
     }
   }
@@ -562,7 +565,7 @@ TEST_CASE("registrations of other groups during a sync leave it alone, and its o
   // changed during the sync"), leaving its destination dirty.
   const bool own = GENERATE(false, true);
   CAPTURE(own);
-  StuckSync sync(own ? "own" : "others", "b", /*local=*/false, /*in_session=*/own);
+  StuckSync sync(own ? "own" : "others", "b", /*local=*/false, /*in_session=*/own ? "d" : "");
   const size_t first = sync.start(7);
   REQUIRE(sync.entered.get_future().wait_for(std::chrono::seconds(10)) == std::future_status::ready);
   if (own) {
@@ -591,4 +594,52 @@ TEST_CASE("registrations of other groups during a sync leave it alone, and its o
   REQUIRE(sync.executed(first));
   REQUIRE(sync.finish(7, true).ok());
   CHECK(sync.exact());
+}
+
+TEST_CASE("a source whose client left while a stuck copy read it stays read and refused until the copy returns",
+          "[daemon][stage][attempt]") {
+  // The trainer's client went (closed, or its process died) while the first attempt's local copy
+  // was stuck reading its rank. Unregistered at once, the rank could be registered again over the
+  // same memory, acquired and written, while the copy then landed those bytes in ranks that say
+  // they hold the version synced.
+  StuckSync sync("left", "a", /*local=*/true, /*in_session=*/"s");
+  const size_t first = sync.start(7);
+  REQUIRE(sync.entered.get_future().wait_for(std::chrono::seconds(10)) == std::future_status::ready);
+  REQUIRE_FALSE(sync.finish(7, false).ok());
+  sync.a->registry.closeSession(sync.session);
+
+  // Still there, and refused to everyone: a registration over it, its owner's acquire, a sync.
+  const std::string again = sync.a->registry.openSession("again");
+  v1::RegisterRequest source = registerRequest(sync.src_proto, 0, 1, sync.s0, v1::ROLE_SOURCE, 1);
+  source.set_session_id(again);
+  source.set_replace(true);
+  const auto registered = sync.a->registry.registerRank(source, sync.root);
+  REQUIRE_FALSE(registered.ok());
+  CHECK(registered.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(registered.status().message()),
+             Catch::Contains("its client's session ended while sync left used it"));
+  const auto acquired = sync.a->registry.acquire("s", 0, sync.root, std::chrono::milliseconds(100));
+  REQUIRE_FALSE(acquired.ok());
+  CHECK(acquired.status().code() == absl::StatusCode::kFailedPrecondition);
+  const Status read =
+      sync.a->registry.beginSync("next", "s", Registry::Destination{}, 1, planner::layoutDigest(sync.src_proto), 9);
+  REQUIRE_FALSE(read.ok());
+  CHECK_THAT(std::string(read.message()), Catch::Contains("is left by its client"));
+
+  // The copy returns: the rank goes with the attempt, and a new one may take its place.
+  sync.openGate();
+  (void)sync.executed(first);  // (its attempt was given up: it fails)
+  const auto listed = [&] {
+    for (const auto& r : sync.a->registry.list())
+      if (r.group() == "s") return true;
+    return false;
+  };
+  for (int i = 0; i < 200 && listed(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  REQUIRE_FALSE(listed());
+  RankMemory fresh = allocateRank(sync.src, 0, "left-s0-again");
+  v1::RegisterRequest anew = registerRequest(sync.src_proto, 0, 1, fresh, v1::ROLE_SOURCE, 1);
+  anew.set_session_id(again);
+  const auto taken = sync.a->registry.registerRank(anew, sync.root);
+  INFO((taken.ok() ? "" : std::string(taken.status().message())));
+  CHECK(taken.ok());
 }
