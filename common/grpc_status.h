@@ -29,8 +29,8 @@ inline grpc::Status toGrpc(const Status& st) {
 inline bool isMarkedStale(const grpc::Status& st) { return st.error_details() == kStaleViewMark; }
 
 // toGrpc, with the group a refusal names (refusedBy), or its stale-view mark, in the binary
-// details: only on Peer.Prepare, whose caller is a daemon's coordinator (the details are not a
-// google.rpc.Status, which clients' tools would expect there).
+// details: only on Peer.Prepare and Peer.Execute, whose caller is a daemon's coordinator (the
+// details are not a google.rpc.Status, which clients' tools would expect there).
 inline grpc::Status toGrpcNamingGroup(const Status& st) {
   const std::string group = refusingGroup(st);
   if (!st.ok() && group.empty() && isMarkedStale(st))

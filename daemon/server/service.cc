@@ -295,7 +295,10 @@ grpc::Status PeerService::Execute(grpc::ServerContext* ctx, const v1::ExecuteReq
   // older version, or a node that restarted since.
   if (Status st = checkNodes(peers_, registry_, req->nodes(), *ctx); !st.ok())
     return toGrpc(Status(st.code(), strCat("execute of sync ", req->sync_id(), ": ", st.message())));
-  return reply(engine_.execute(*req), out);
+  auto executed = engine_.execute(*req);
+  // The group whose registrations changed under it, or whose ranks refused its folded Prepare.
+  if (!executed.ok()) return toGrpcNamingGroup(executed.status());
+  return reply(std::move(executed), out);
 }
 
 grpc::Status PeerService::Progress(grpc::ServerContext* ctx, const v1::ProgressRequest* req,

@@ -616,6 +616,82 @@ def test_replicas_downstream_of_a_relay_frozen_mid_write_commit_in_the_same_call
             reg.close()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_a_replica_whose_client_closes_mid_execute_is_cut_alone_and_its_node_neighbour_commits():
+    """Replicas 1 and 2 share n2, on 100 Mbit/s links (network namespaces), so a sync's 32 MiB
+    per replica takes seconds. Replica 1's client closes once a third of the bytes moved: its
+    session ends while the sync still writes its rank. n2's execute fails naming replica 1's
+    group, so replica 1 alone is cut (its node is healthy): replicas 0 and 2 commit in the same
+    call, with every byte of the version (before, n2 counted as failed and replica 2 was cut too). Replica 1's rank is unregistered once that attempt let
+    go of it, so a new client registers it again at once, and the next sync fills it."""
+    from shardcast.local import Namespaces
+
+    shardcastd_path()
+    nodes = ["n0", "n1", "n2"]
+    shape = (2048, 4096)  # 32 MiB of float32 per replica
+
+    def weights(version: int) -> np.ndarray:
+        return (np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape) + version * 7.0)
+
+    def layout(group: str, node: str, **extra) -> dict:
+        return {"group": group, "mesh": {"shape": [1]}, "nodes": [node], **extra,
+                "tensors": [{"name": "w", "shape": list(shape), "dtype": "float32",
+                             "placements": [{"replicate": {}}]}]}
+
+    def replica(client: shardcast.Client, k: int, node: str):
+        return client.register(f"rollout.r{k}", 0, 1, {"w": np.zeros(shape, np.float32)},
+                               layout(f"rollout.r{k}", node, replica_set="rollout", replica=k))
+
+    with Namespaces(nodes, rate_mbit=100), LocalCluster(nodes, netns=True) as c:
+        clients = {n: shardcast.Client(c.target(n), timeout=60) for n in nodes}
+        src = clients["n0"]
+        trainer = src.register("trainer", 0, 1, {"w": weights(1)}, layout("trainer", "n0"), role="source", version=1)
+        r0, r2 = replica(clients["n1"], 0, "n1"), replica(clients["n2"], 2, "n2")
+        at_execute = False
+        for version in range(1, 4):
+            if version > 1:
+                with trainer.writing(version):
+                    trainer.tensors["w"][...] = weights(version)
+            own = shardcast.Client(c.target("n2"), timeout=60)  # replica 1's, a session of its own
+            r1 = replica(own, 1, "n2")
+            closing = []
+
+            def close_a_third_in(p: service_pb2.SyncProgress) -> None:
+                if not closing and p.bytes_total and 3 * p.bytes_done >= p.bytes_total:
+                    closing.append(threading.Thread(target=own.close))
+                    closing[0].start()
+
+            resp = src.sync("trainer", "rollout", version, progress=close_a_third_in, timeout=120)
+            assert closing, "the sync ended before a third of its bytes had moved"
+            closing[0].join()
+            got = outcomes(resp)
+            # Whenever replica 1's client went, replicas 0 and 2 commit every byte in the same call.
+            assert got["rollout.r0"] == (True, "") and got["rollout.r2"] == (True, ""), got
+            assert np.array_equal(r0.tensors["w"], weights(version))
+            assert np.array_equal(r2.tensors["w"], weights(version))
+            # Its client closed mid-execute, after the gather: cut for its changed registrations, or
+            # (its rank gone with that attempt) found gone by the attempt that ran again without it.
+            committed, why = got["rollout.r1"]
+            if not committed:
+                assert 'registrations of group(s) "rollout.r1" on node "n2" changed' in why or \
+                    "its ranks are registered nowhere" in why, got
+                at_execute = True
+                break
+        assert at_execute, f"replica 1's client never closed during the execute: {got}"
+        # Its rank left with the attempt that used it: registered again at once, filled by the next.
+        again = shardcast.Client(c.target("n2"), timeout=60)
+        r1 = replica(again, 1, "n2")
+        version += 1
+        with trainer.writing(version):
+            trainer.tensors["w"][...] = weights(version)
+        got = outcomes(src.sync("trainer", "rollout", version, timeout=120))
+        assert all(committed for committed, _ in got.values()), got
+        assert all(np.array_equal(r.tensors["w"], weights(version)) for r in (r0, r1, r2))
+        again.close()
+        for reg in (trainer, r0, r2):
+            reg.close()
+
+
 def test_a_replica_node_frozen_mid_write_takes_the_abort_as_it_thaws_and_catches_up_at_once():
     """A replica's node freezes while the sync writes into it (after its Prepare: the attempt is
     open there), as a stalled or overloaded host does: the sync cuts it and r0 commits. The abort
