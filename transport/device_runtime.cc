@@ -9,6 +9,7 @@ class Cuda final : public DeviceRuntime {
  public:
   int deviceCount() const override { return cudaDeviceCount(); }
   std::string unavailableReason() const override { return cudaUnavailableReason(); }
+  std::string uuid(int device) const override { return cudaDeviceUuid(device); }
   StatusOr<std::unique_ptr<CudaIpcMapping>> importHandle(const std::string& handle, size_t size, int device,
                                                          std::optional<uid_t>) override {
     return importCudaIpcHandle(handle, size, device);
@@ -31,6 +32,18 @@ class Cuda final : public DeviceRuntime {
 DeviceRuntime& cudaRuntime() {
   static Cuda runtime;
   return runtime;
+}
+
+std::string gpuUuidText(const std::string& uuid) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out = uuid.size() == 16 ? "GPU-" : "";
+  for (size_t i = 0; i < uuid.size(); ++i) {
+    if (uuid.size() == 16 && (i == 4 || i == 6 || i == 8 || i == 10)) out += '-';
+    const auto byte = static_cast<unsigned char>(uuid[i]);
+    out += kHex[byte >> 4];
+    out += kHex[byte & 15];
+  }
+  return out;
 }
 
 }  // namespace shardcast::transport

@@ -27,6 +27,9 @@ class DeviceRuntime {
   // Usable GPUs; 0 when there are none (unavailableReason() says why).
   virtual int deviceCount() const = 0;
   virtual std::string unavailableReason() const = 0;
+  // GPU `device`'s UUID: 16 bytes (cudaDeviceProp::uuid), "" when it cannot be read. Clients name
+  // GPUs by it: a container's device numbers are its own, not this process's.
+  virtual std::string uuid(int device) const = 0;
   // The allocation a client shared by `handle`, at least `size` bytes, on GPU `device`. `owner`:
   // the calling client's uid where the runtime opens what the handle names by a name (emulated
   // GPUs: a segment of another user is refused); CUDA's driver checks its own handles.
@@ -51,5 +54,9 @@ class DeviceRuntime {
 };
 
 DeviceRuntime& cudaRuntime();
+
+// A GPU UUID (16 bytes) as nvidia-smi -L prints it: "GPU-" then 8-4-4-4-12 hex digits; anything
+// else in hex, as given.
+std::string gpuUuidText(const std::string& uuid);
 
 }  // namespace shardcast::transport

@@ -173,6 +173,12 @@ class EmulatedGpus::Stream final : public DeviceStream {
 
 std::string EmulatedGpus::handleOf(const std::string& shm_name) { return kHandlePrefix + shm_name; }
 
+std::string EmulatedGpus::uuidOf(int device) {
+  std::string uuid = "shardcast-gpu";
+  for (const int shift : {16, 8, 0}) uuid += static_cast<char>((static_cast<uint32_t>(device) >> shift) & 0xff);
+  return uuid;
+}
+
 std::byte* EmulatedGpus::allocate(int device, size_t n) {
   auto block = std::make_unique<std::byte[]>(n);
   std::byte* p = block.get();

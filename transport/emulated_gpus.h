@@ -39,6 +39,8 @@ class EmulatedGpus final : public DeviceRuntime {
   };
   // The IPC handle a client registers the shared-memory segment `shm_name` with as device memory.
   static std::string handleOf(const std::string& shm_name);
+  // Emulated GPU `device`'s UUID: "shardcast-gpu" and the number in 3 bytes, big-endian.
+  static std::string uuidOf(int device);
 
   // `n` bytes of GPU `device`'s memory (valid while this object lives).
   std::byte* allocate(int device, size_t n);
@@ -52,6 +54,7 @@ class EmulatedGpus final : public DeviceRuntime {
 
   int deviceCount() const override { return count_; }
   std::string unavailableReason() const override;
+  std::string uuid(int device) const override { return device >= 0 && device < count_ ? uuidOf(device) : ""; }
   StatusOr<std::unique_ptr<CudaIpcMapping>> importHandle(const std::string& handle, size_t size, int device,
                                                          std::optional<uid_t> owner) override;
   // Emulated cuMem allocations are memfds (any file the daemon can map): mapped one after another

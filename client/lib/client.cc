@@ -17,6 +17,7 @@
 #include "common/defaults.h"
 #include "common/grpc_status.h"
 #include "common/strings.h"
+#include "transport/cuda/cuda_support.h"
 
 namespace shardcast {
 
@@ -408,6 +409,7 @@ StatusOr<v1::MemoryHandle> Client::cuMemHandle(const CuMemTensor& tensor) const 
   a->set_offset(tensor.offset);
   a->set_size(tensor.bytes);
   a->set_device(tensor.device);
+  a->set_device_uuid(tensor.device_uuid.empty() ? transport::cudaDeviceUuid(tensor.device) : tensor.device_uuid);
   std::lock_guard<std::mutex> lock(handed_->mu);
   handed_->by_token[*token] = std::move(dups);
   return h;

@@ -100,6 +100,8 @@ StatusOr<v1::MemoryHandle> deviceHandle(const DeviceTensor& tensor) {
   h.mutable_cuda()->set_offset(exported->offset);
   h.mutable_cuda()->set_size(tensor.bytes);
   h.mutable_cuda()->set_device(exported->device);
+  // The daemon finds the GPU by it: this process's device numbers may not be the daemon's.
+  h.mutable_cuda()->set_device_uuid(transport::cudaDeviceUuid(exported->device));
   return h;
 }
 

@@ -83,7 +83,10 @@ struct CuMemTensor {
   std::vector<uint64_t> allocation_bytes;
   uint64_t offset = 0;
   uint64_t bytes = 0;
-  int device = 0;
+  int device = 0;  // this process's CUDA device number
+  // The GPU's UUID (16 bytes), by which the daemon finds it (its device numbers may differ from
+  // this container's); "": CUDA's for `device`, where this process can read it.
+  std::string device_uuid;
 };
 
 }  // namespace shardcast

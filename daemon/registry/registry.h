@@ -355,6 +355,9 @@ class Registry {
   // A CUDA buffer of a registration (an IPC handle, or cuMem allocations handed over by
   // descriptor): imported, on a GPU of this daemon, ready for the transport (registered directly
   // or staged: said once in the log) into `b`.
+  // This daemon's number of the GPU a client named: the one with `uuid` when given (a container
+  // numbers its GPUs its own way), else `client_device` itself.
+  StatusOr<int> daemonDevice(int client_device, const std::string& uuid) const;
   Status mapDeviceBuffer(const std::string& who, const std::string& name, const v1::MemoryHandle& h, int64_t needed,
                          const MemoryCaller& caller, Buffer* b);
   StatusOr<std::vector<Buffer>> mapBuffers(const std::string& who,

@@ -129,12 +129,30 @@ StatusOr<std::vector<Registry::Buffer>> Registry::mapBuffers(
   return out;
 }
 
+StatusOr<int> Registry::daemonDevice(int client_device, const std::string& uuid) const {
+  if (uuid.empty()) return client_device;  // (a client that does not name it: its number is taken as ours)
+  if (uuid.size() != 16)
+    return absl::InvalidArgumentError(
+        strCat("GPU UUID of ", uuid.size(), " bytes (", transport::gpuUuidText(uuid), "): a CUDA UUID has 16"));
+  std::vector<std::string> ours;
+  for (int d = 0; d < gpus_.deviceCount(); ++d) {
+    const std::string mine = gpus_.uuid(d);
+    if (mine == uuid) return d;
+    ours.push_back(mine.empty() ? strCat(d, ": (unreadable)") : strCat(d, ": ", transport::gpuUuidText(mine)));
+  }
+  return absl::FailedPreconditionError(
+      strCat("its GPU (the client's device ", client_device, ", ", transport::gpuUuidText(uuid),
+             ") is none of this daemon's ", ours.size(), " GPUs (", strJoin(ours, ", "),
+             "): run the daemon on the client's node, seeing every GPU of it (NVIDIA_VISIBLE_DEVICES=all)"));
+}
+
 Status Registry::mapDeviceBuffer(const std::string& who, const std::string& name, const v1::MemoryHandle& h,
                                  int64_t needed, const MemoryCaller& caller, Buffer* b) {
   const bool handed = h.has_cuda_allocations();
   const uint64_t offset = handed ? h.cuda_allocations().offset() : h.cuda().offset();
   const uint64_t size = handed ? h.cuda_allocations().size() : h.cuda().size();
-  const int device = handed ? h.cuda_allocations().device() : h.cuda().device();
+  const int client_device = handed ? h.cuda_allocations().device() : h.cuda().device();
+  const std::string& uuid = handed ? h.cuda_allocations().device_uuid() : h.cuda().device_uuid();
   if (size < static_cast<uint64_t>(needed))
     return absl::InvalidArgumentError(
         strCat(who, ": buffer \"", name, "\" is given ", size, " bytes but needs ", needed));
@@ -148,6 +166,10 @@ Status Registry::mapDeviceBuffer(const std::string& who, const std::string& name
         who, ": buffer \"", name, "\" is CUDA memory but this daemon has no GPU (", gpus_.unavailableReason(), ")"));
   if (offset > UINT64_MAX - size)
     return absl::InvalidArgumentError(strCat(who, ": buffer \"", name, "\": offset overflows"));
+  auto found = daemonDevice(client_device, uuid);
+  if (!found.ok())
+    return Status(found.status().code(), strCat(who, ": buffer \"", name, "\": ", found.status().message()));
+  const int device = *found;
   StatusOr<std::unique_ptr<transport::CudaIpcMapping>> mapping = absl::UnknownError("");
   if (handed) {
     const auto& a = h.cuda_allocations();
@@ -184,6 +206,7 @@ Status Registry::mapDeviceBuffer(const std::string& who, const std::string& name
   // into pinned host staging and unpacked on it from the landing arena (syncs planned packed).
   const std::string where =
       strCat(who, ": buffer \"", name, "\" (", size, " bytes on GPU ", device,
+             device != client_device ? strCat(", the client's GPU ", client_device) : std::string(),
              handed ? strCat(", ", h.cuda_allocations().allocation_bytes_size(), " cuMem allocation(s)") : "", ")");
   if (!(*mem)->staged())
     spdlog::info("{}: registered with the transport directly (device memory, no staging)", where);

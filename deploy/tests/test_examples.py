@@ -184,9 +184,9 @@ def gpus(pod: dict) -> int:
 
 @pytest.mark.parametrize("where", DEPLOYMENTS)
 def test_gpu_workloads_hold_whole_nodes_one_pod_per_node(kubectl, where):
-    """A client names its GPUs by its own CUDA device numbers and the daemon reads them as its
-    own (the gpu component's known gap), so a GPU pod takes every GPU of its node, and the pods of
-    one workload repel each other per node as a requirement."""
+    """The examples' placement (docs/deploy.md): a GPU pod takes every GPU of its node, and the
+    pods of one workload repel each other per node as a requirement (one replica per node; the
+    native sidecars need one daemon per node)."""
     for name, (workload, pod) in workload_pods(render_with_examples(where)).items():
         if not gpus(pod):
             continue
@@ -265,7 +265,7 @@ def test_a_rollout_replicas_id_comes_from_its_pod_name_and_its_set_from_the_env(
     assert env["SHARDCAST_REPLICA_SET"]["value"] == "rollout"
     # What the program makes of them: test_the_rollout_program_registers_its_replica_and_follows_kubectl_scale.
     assert container["command"][:2] == ["python3", "-c"]
-    # One TP rank per GPU, and the pod takes every GPU of its node (the gpu component's known gap).
+    # One TP rank per GPU, and the pod takes every GPU of its node (the examples' placement).
     gpus = container["resources"]["limits"]["nvidia.com/gpu"]
     assert env["TP_SIZE"]["value"] == gpus == pod["nodeSelector"]["nvidia.com/gpu.count"]
     # The image of the inference example: Dockerfile.vllm's, which installs the shardcast client.

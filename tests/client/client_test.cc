@@ -124,6 +124,9 @@ TEST_CASE("deviceHandle: CUDA pointers become IPC handles", "[client][gpu]") {
   CHECK(inner->cuda().offset() == 4096);
   CHECK(inner->cuda().size() == 1024);
   CHECK(inner->cuda().handle().size() == 64);
+  // Its GPU by UUID, as the daemon finds it (its device numbers may differ from this process's).
+  CHECK(inner->cuda().device_uuid().size() == 16);
+  CHECK(inner->cuda().device_uuid() == transport::cudaDeviceUuid(0));
 }
 
 TEST_CASE("Client: an unreachable daemon is UNAVAILABLE and named", "[client]") {

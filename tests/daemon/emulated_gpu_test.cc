@@ -14,9 +14,11 @@
 
 #include "client/lib/client.h"
 #include "common/fd_passing.h"
+#include "common/strings.h"
 #include "daemon/stage/convert.h"
 #include "planner/layout.h"
 #include "tests/daemon/daemon_harness.h"
+#include "tests/daemon/in_process_node.h"
 #include "tests/daemon/rank_memory.h"
 #include "transport/emulated_gpus.h"
 
@@ -823,4 +825,61 @@ TEST_CASE(
     CHECK(out.bytes_landed_direct() > 0);  // written into device memory in place: nothing staged
   else
     CHECK(out.bytes_landed_direct() == 0);  // a staged buffer in the sync: planned packed
+}
+
+TEST_CASE("emulated GPUs: a client names its GPU by UUID, and the daemon finds it under its own number",
+          "[daemon][emulated-gpu]") {
+  // A container given only the node's GPU 1 calls it device 0; the daemon sees every GPU.
+  transport::EmulatedGpus gpus(2);
+  const auto context = InProcessNode::makeContext("n0");
+  daemon::Registry registry("n0", *context, gpus);
+  const daemon::MemoryCaller root{0, true, true};
+  const auto proto = *planner::parseLayoutJson(R"({"group":"g","mesh":{"shape":[1]},"nodes":["n0"],"tensors":[
+    {"name":"w","shape":[64],"dtype":"int32"}]})",
+                                               "g");
+  planner::NodeTable nodes;
+  const auto l = *planner::resolveLayout(proto, nodes);
+  auto mem = allocateRank(l, 0, "egpu-uuid");
+  auto req = onGpu(registerRequest(proto, 0, 1, mem), mem, 0);
+  auto* cuda = req.mutable_buffers(0)->mutable_cuda();
+  SECTION("named by UUID: the daemon's GPU with it") {
+    cuda->set_device_uuid(transport::EmulatedGpus::uuidOf(1));
+    const auto registered = registry.registerRank(req, root);
+    INFO((registered.ok() ? "" : std::string(registered.status().message())));
+    REQUIRE(registered.ok());
+    const auto b = registry.localBuffer("g", 0, "w");
+    REQUIRE(b.ok());
+    CHECK(b->gpu == 1);
+  }
+  SECTION("without a UUID: the client's number, taken as the daemon's") {
+    REQUIRE(registry.registerRank(req, root).ok());
+    const auto b = registry.localBuffer("g", 0, "w");
+    REQUIRE(b.ok());
+    CHECK(b->gpu == 0);
+  }
+  SECTION("a UUID none of the node's GPUs has is refused, naming the GPUs it has") {
+    cuda->set_device_uuid(transport::EmulatedGpus::uuidOf(7));
+    const auto refused = registry.registerRank(req, root);
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.status().code() == absl::StatusCode::kFailedPrecondition);
+    const std::string why(refused.status().message());
+    CHECK_THAT(why, Catch::Contains("buffer \"w\""));
+    CHECK_THAT(why, Catch::Contains(strCat("the client's device 0, ",
+                                           transport::gpuUuidText(transport::EmulatedGpus::uuidOf(7)),
+                                           ") is none of this daemon's 2 GPUs")));
+    CHECK_THAT(why, Catch::Contains(strCat("1: ", transport::gpuUuidText(transport::EmulatedGpus::uuidOf(1)))));
+  }
+  SECTION("a UUID that is not 16 bytes is refused") {
+    cuda->set_device_uuid("GPU-");
+    const auto refused = registry.registerRank(req, root);
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(refused.status().message()), Catch::Contains("GPU UUID of 4 bytes"));
+  }
+}
+
+TEST_CASE("GPU UUIDs read as nvidia-smi prints them", "[daemon][emulated-gpu]") {
+  CHECK(transport::gpuUuidText(std::string("\x01\x23\x45\x67\x89\xab\xcd\xef\x00\x11\x22\x33\x44\x55\x66\x77", 16)) ==
+        "GPU-01234567-89ab-cdef-0011-223344556677");
+  CHECK(transport::gpuUuidText("ab") == "6162");
 }

@@ -176,6 +176,21 @@ int cudaDeviceCount() {
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
+std::string cudaDeviceUuid(int device) {
+  // Read once per GPU (cudaGetDeviceProperties fills the whole struct): registrations ask per buffer.
+  static const std::vector<std::string> uuids = [] {
+    std::vector<std::string> out;
+    for (int d = 0; d < cudaDeviceCount(); ++d) {
+      cudaDeviceProp prop{};
+      out.push_back(cudaGetDeviceProperties(&prop, d) == cudaSuccess
+                        ? std::string(reinterpret_cast<const char*>(prop.uuid.bytes), sizeof(prop.uuid.bytes))
+                        : std::string());
+    }
+    return out;
+  }();
+  return device >= 0 && static_cast<size_t>(device) < uuids.size() ? uuids[static_cast<size_t>(device)] : "";
+}
+
 std::string cudaUnavailableReason() {
   int n = 0;
   const cudaError_t err = cudaGetDeviceCount(&n);

@@ -18,6 +18,8 @@ namespace shardcast::transport {
 int cudaDeviceCount();
 // Why cudaDeviceCount() is 0, for skip messages ("built without CUDA", "no CUDA driver", ...).
 std::string cudaUnavailableReason();
+// GPU `device`'s UUID (cudaDeviceProp::uuid, 16 bytes); "" when it cannot be read.
+std::string cudaDeviceUuid(int device);
 
 // Device memory of another process, mapped from its cudaIpcMemHandle_t bytes; unmapped on destruction.
 class CudaIpcMapping {

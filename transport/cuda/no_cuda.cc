@@ -10,6 +10,7 @@ Status unavailable() { return absl::UnavailableError("shardcast was built withou
 
 int cudaDeviceCount() { return 0; }
 std::string cudaUnavailableReason() { return "built without the CUDA toolkit"; }
+std::string cudaDeviceUuid(int) { return ""; }
 StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaIpcHandle(const std::string&, size_t, int) { return unavailable(); }
 StatusOr<std::unique_ptr<CudaIpcMapping>> importCudaAllocations(std::vector<OwnedFd>, const std::vector<uint64_t>&,
                                                                 int) {

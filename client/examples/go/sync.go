@@ -9,10 +9,12 @@
 // answered and the operation failed (a failed sync, a version not newer, a wait that timed out).
 //
 // It registers no memory. A Go program that registers CUDA memory (RegisterRequest.buffers with a
-// CudaIpcHandle) sends the bare 64-byte cudaIpcMemHandle_t of a cudaMalloc allocation and the
-// buffer's offset in it: not a PyTorch shareable handle (a version and type byte before it), and
-// not memory from cuMemCreate (PyTorch's expandable segments), which the daemon cannot import yet
-// (docs/gpu.md).
+// CudaIpcHandle) sends the bare 64-byte cudaIpcMemHandle_t of a cudaMalloc allocation (not a
+// PyTorch shareable handle, which has a version and type byte before it), the buffer's offset in
+// it, and its GPU's 16-byte UUID in device_uuid (cudaDeviceProp.uuid: the daemon's device numbers
+// may differ from the program's). Memory from cuMemCreate (PyTorch's expandable segments) goes by
+// its allocations' file descriptors on the daemon's side channel instead (CudaAllocationsHandle,
+// docs/gpu.md).
 package main
 
 import (

@@ -169,7 +169,8 @@ class _Handles:
                 if self.hand is None:
                     raise ValueError(f'tensor "{name}": cuMem allocations register only over the daemon\'s Unix '
                                      "socket (their file descriptors travel on its side channel), not over TCP")
-                h = self.handed.handle(name, t.fds, t.allocation_bytes, t.offset, t.nbytes, t.device, self.hand)
+                h = self.handed.handle(name, t.fds, t.allocation_bytes, t.offset, t.nbytes, t.device, self.hand,
+                                       t.device_uuid)
                 h.dtype = t.dtype
                 h.shape.extend(int(d) for d in t.shape)
                 self.handles.append(h)

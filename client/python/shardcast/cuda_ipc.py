@@ -140,6 +140,27 @@ def _expandable(version: int, payload: bytes, offset: int) -> ExpandableSegment:
     return ExpandableSegment(version, pid, segment_size, handle_type, handles, offset)
 
 
+def uuid_bytes(uuid: object) -> bytes:
+    """A GPU's UUID as its 16 bytes, from what torch's device properties give (`.uuid`: an object
+    whose `bytes` are the 16 values, or text as nvidia-smi -L prints it, with or without "GPU-").
+    b"" for anything else: the daemon then takes the client's device number as its own."""
+    raw = getattr(uuid, "bytes", None)
+    if raw is not None:
+        try:
+            out = bytes(raw)
+        except (TypeError, ValueError):
+            return b""
+        return out if len(out) == 16 else b""
+    text = str(uuid).strip()
+    if text.upper().startswith("GPU-"):
+        text = text[4:]
+    try:
+        out = bytes.fromhex(text.replace("-", ""))
+    except ValueError:
+        return b""
+    return out if len(out) == 16 else b""
+
+
 def _int(data: bytes, at: int, width: int, signed: bool = False) -> int:
     return int.from_bytes(data[at:at + width], sys.byteorder, signed=signed)
 

@@ -24,6 +24,7 @@ import os
 import secrets
 import socket
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -116,7 +117,9 @@ class CuMemBuffer:
     themselves). `fds[i]` is allocation i (cuMemExportToShareableHandle with
     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), `allocation_bytes[i]` its size (a multiple of its
     granularity); the allocations lie one after another, the first at 0, and the buffer is
-    `nbytes` at `offset` there, on GPU `device`. Registered over the Unix socket only."""
+    `nbytes` at `offset` there, on GPU `device` (this process's number; `device_uuid`, its 16-byte
+    UUID, names it to the daemon, whose numbers may differ: read from torch when left empty and
+    torch is in use). Registered over the Unix socket only."""
 
     fds: Sequence[int]
     allocation_bytes: Sequence[int]
@@ -125,6 +128,7 @@ class CuMemBuffer:
     device: int = 0
     dtype: str = ""
     shape: Tuple[int, ...] = field(default_factory=tuple)
+    device_uuid: bytes = b""
 
 
 class HandedAllocations:
@@ -135,7 +139,7 @@ class HandedAllocations:
         self.fds: Dict[str, List[int]] = {}
 
     def handle(self, name: str, fds: Sequence[int], allocation_bytes: Sequence[int], offset: int, nbytes: int,
-               device: int, hand: Any) -> service_pb2.MemoryHandle:
+               device: int, hand: Any, device_uuid: bytes = b"") -> service_pb2.MemoryHandle:
         if len(fds) != len(allocation_bytes):
             raise ValueError(f'tensor "{name}": {len(fds)} descriptors for {len(allocation_bytes)} allocation sizes')
         if name in self.fds:
@@ -148,6 +152,7 @@ class HandedAllocations:
         a.offset = int(offset)
         a.size = int(nbytes)
         a.device = int(device)
+        a.device_uuid = device_uuid or gpu_uuid(int(device))
         return h
 
     def refresh(self, handles: Iterable[service_pb2.MemoryHandle], hand: Any) -> None:
@@ -161,6 +166,22 @@ class HandedAllocations:
             for fd in fds:
                 os.close(fd)
         self.fds = {}
+
+
+_gpu_uuids: Dict[int, bytes] = {}
+
+
+def gpu_uuid(device: int) -> bytes:
+    """This process's CUDA device `device` as the daemon finds it: its UUID (16 bytes). The device
+    numbers of a container (or of CUDA_VISIBLE_DEVICES) are its own, not the daemon's. b"" when
+    torch is not in use here or does not say (the daemon then takes `device` as its own number)."""
+    if device not in _gpu_uuids:
+        torch = sys.modules.get("torch")
+        try:
+            _gpu_uuids[device] = cuda_ipc.uuid_bytes(torch.cuda.get_device_properties(device).uuid) if torch else b""
+        except (AttributeError, AssertionError, RuntimeError, ValueError):
+            _gpu_uuids[device] = b""
+    return _gpu_uuids[device]
 
 
 def _cuda_handle(name: str, t: Any, handed: Optional[HandedAllocations] = None,
@@ -191,6 +212,7 @@ def _cuda_handle(name: str, t: Any, handed: Optional[HandedAllocations] = None,
     h = service_pb2.MemoryHandle(buffer=name)
     h.cuda.handle = block.ipc_handle
     h.cuda.device = int(device)
+    h.cuda.device_uuid = gpu_uuid(int(device))
     h.cuda.offset = block.offset + t.storage_offset() * t.element_size()
     h.cuda.size = t.numel() * t.element_size()
     return h

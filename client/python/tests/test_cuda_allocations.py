@@ -100,6 +100,47 @@ def test_cumem_allocations_sync_every_byte_and_register_again_after_a_restart():
         dst_mem.close()
 
 
+def emulated_uuid(gpu: int) -> bytes:
+    """An emulated GPU's UUID, as shardcastd --emulate-gpus gives it (transport/emulated_gpus.h)."""
+    return b"shardcast-gpu" + gpu.to_bytes(3, "big")
+
+
+def test_a_container_names_its_gpu_by_uuid_and_the_daemon_finds_it_under_its_own_number():
+    """A container's device numbers are its own (it calls the one GPU it was given device 0, or
+    CUDA_VISIBLE_DEVICES renumbers them); the daemon sees every GPU of the node. The client names
+    the GPU by its UUID, and the daemon goes by it: a buffer on the client's device 3, which this
+    2-GPU daemon does not have, registers on the daemon's GPU 1 and a sync lands every byte. A UUID
+    the node's GPUs do not have is refused, listing the ones it has."""
+    from shardcast.local import LocalCluster
+
+    expected = (np.arange(N, dtype=np.int32) * 5 + 1).tobytes()
+    src_mem, dst_mem, stray = Allocations(2), Allocations(2), Allocations(2)
+    try:
+        with LocalCluster(["n0", "n1"], extra=["--emulate-gpus", "2"]) as c:
+            src, dst = shardcast.Client(c.target("n0")), shardcast.Client(c.target("n1"))
+            src_mem.write(OFFSET, expected)
+            on_gpu1 = src_mem.buffer()
+            on_gpu1.device, on_gpu1.device_uuid = 3, emulated_uuid(1)
+            src.register("trainer", 0, 1, {"w": on_gpu1}, _layout("trainer", "n0"), role="source", version=1)
+            dst.register("infer", 0, 1, {"w": dst_mem.buffer()}, _layout("infer", "n1"))
+            src.sync("trainer", "infer", 1, verify=True)
+            assert dst_mem.read(OFFSET, N * 4) == expected
+
+            elsewhere = stray.buffer()
+            elsewhere.device_uuid = emulated_uuid(5)
+            with pytest.raises(shardcast.ShardcastError) as refused:
+                dst.register("other", 0, 1, {"w": elsewhere}, _layout("other", "n1"))
+            why = str(refused.value)
+            assert refused.value.code.name == "FAILED_PRECONDITION", why
+            assert "(the client's device 0, GPU-73686172-6463-6173-742d-677075000005) is none of this daemon's 2 " \
+                   "GPUs (0: GPU-73686172-6463-6173-742d-677075000000, 1: GPU-73686172-6463-6173-742d-677075000001)" \
+                   in why, why
+            assert "NVIDIA_VISIBLE_DEVICES=all" in why, why
+    finally:
+        for mem in (src_mem, dst_mem, stray):
+            mem.close()
+
+
 def test_cumem_allocations_refused_with_the_daemons_reason_and_over_tcp_by_name():
     from shardcast.local import LocalCluster
 

@@ -307,3 +307,26 @@ def test_torch_still_returns_device_handle_and_offset_where_the_client_reads_the
     assert unpacked is not None, "torch no longer unpacks storage._share_cuda_() in reduce_tensor"
     names = [n.strip() for n in unpacked.group(1).split(",") if n.strip()]
     assert names[:4] == ["device", "handle", "storage_size_bytes", "storage_offset_bytes"], names
+
+
+def test_a_gpu_uuid_reads_from_what_torch_gives_and_nothing_else():
+    """torch's device properties give `.uuid` as an object with the 16 values in `bytes` (its
+    _CUuuid) whose text is the 8-4-4-4-12 form; nvidia-smi -L prints it after "GPU-"."""
+    raw = bytes(range(16))
+
+    class CUuuid:
+        bytes = list(raw)
+
+        def __str__(self) -> str:
+            return "00010203-0405-0607-0809-0a0b0c0d0e0f"
+
+    assert cuda_ipc.uuid_bytes(CUuuid()) == raw
+    assert cuda_ipc.uuid_bytes("00010203-0405-0607-0809-0a0b0c0d0e0f") == raw
+    assert cuda_ipc.uuid_bytes("GPU-00010203-0405-0607-0809-0a0b0c0d0e0f") == raw
+    for unreadable in ("GPU-0001", "not a uuid", None, 7):
+        assert cuda_ipc.uuid_bytes(unreadable) == b"", unreadable
+
+    class Short:
+        bytes = [1, 2, 3]
+
+    assert cuda_ipc.uuid_bytes(Short()) == b""

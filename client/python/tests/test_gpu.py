@@ -87,6 +87,18 @@ def test_cuda_dtensor_syncs_into_cuda_destination_ranks():
                     p.kill()
 
 
+def test_a_cuda_tensor_names_its_gpu_by_the_uuid_torch_reports():
+    # The daemon finds the GPU by it (a container's device numbers are its own): 16 bytes, one per
+    # GPU, the ones nvidia-smi -L prints.
+    from shardcast import memory
+
+    uuids = [memory.gpu_uuid(d) for d in range(torch.cuda.device_count())]
+    assert all(len(u) == 16 for u in uuids), uuids
+    assert len(set(uuids)) == len(uuids), uuids
+    handle = memory._cuda_handle("w", torch.zeros(16, device="cuda:0"))
+    assert handle.cuda.device_uuid == uuids[0]
+
+
 def test_torch_shares_views_inside_cuda_malloc_blocks_as_the_client_reads_them():
     # Small tensors are carved out of the caching allocator's cudaMalloc blocks: for each, the
     # decoded handle is the 64-byte IPC handle of its block, and the storage's address less torch's
