@@ -279,6 +279,12 @@ Status Registry::mayJoin(const v1::RegisterRequest& req, const std::string& dige
   // have registered a rank of it).
   if (auto r = ranks_.find({req.group(), req.rank()}); r != ranks_.end()) {
     SC_RETURN_IF_ERROR(mayChange(*r->second, caller, "replace"));
+    // In use, it is not free to take with or without replace: say so rather than suggest it (its
+    // holder may have just closed its client: the rank goes once the sync lets go of it).
+    if (!r->second->user().empty())
+      return absl::FailedPreconditionError(strCat(who, " is in use by sync ", r->second->user(), " (registered by ",
+                                                  r->second->holder, ", registration ", r->second->registration,
+                                                  "): register it again once that sync ended"));
     // A second registration never takes a rank over silently: its holder would go on believing
     // it holds the rank (and its version) while another process's memory receives the syncs.
     if (!req.replace())

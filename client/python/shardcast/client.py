@@ -441,7 +441,9 @@ class Client:
     def close(self) -> None:
         """Ends the session (the daemon unregisters this client's ranks) and the connection. Every
         later call raises ShardcastError (FAILED_PRECONDITION); closing again does nothing. The
-        session's ranks are free when it returns: another client may register them at once."""
+        session's ranks are free when it returns: another client may register them at once. A rank
+        a sync uses is waited for until the sync lets go of it (10 s at most in all; one still in
+        use then is named on stderr and unregistered by the daemon once the sync lets go)."""
         if self._closed:
             return
         self._closed = True
@@ -454,12 +456,14 @@ class Client:
         """Unregisters the session's ranks one by one and unlinks the segments this client made for
         them, as the session's end would. Its end alone frees them a moment later (the daemon gives a
         process that lives on 200 ms to go first: docs/daemon.md, "Registration"), and a client of this
-        process registering one of them meanwhile was refused (ALREADY_EXISTS). A rank the daemon
-        refuses to unregister now (a sync uses it) is left to the session's end, and so is every rank
-        while the session is not open (the daemon restarting: its registration ids start over, and
-        a rank whose re-registration failed may be another process's now). At most 5 s in all."""
+        process registering one of them meanwhile was refused (ALREADY_EXISTS). A rank a sync uses is
+        waited for until that sync lets go of it; one still in use after 10 s in all is left to the
+        session's end (the daemon unregisters it once the sync lets go), said on stderr. So is every
+        rank while the session is not open (the daemon restarting: its registration ids start over,
+        and a rank whose re-registration failed may be another process's now)."""
         session = self._session
-        deadline = time.monotonic() + min(self.timeout, 5.0)
+        deadline = time.monotonic() + min(self.timeout, 10.0)
+        in_use = []
         with session._ready:
             session._ready.wait_for(lambda: not session.reregistering, timeout=deadline - time.monotonic())
             if session.id is None or session.reregistering:
@@ -468,17 +472,31 @@ class Client:
         for (group, rank), entry in ranks:
             with self._registrations_lock:
                 ticket = self._registrations.get((group, rank))
-            left = deadline - time.monotonic()
-            if ticket is None or left <= 0:
+            if ticket is None:
                 continue
-            try:
-                self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank, registration=ticket.id),
-                                      timeout=left)
-            except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    return  # the daemon is not answering: the session's end frees them all
-                if e.code() != grpc.StatusCode.NOT_FOUND:
-                    continue  # still registered (a sync uses it): the session's end frees it
+            using = ""
+            while time.monotonic() < deadline:
+                try:
+                    self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank,
+                                                                        registration=ticket.id),
+                                          timeout=max(deadline - time.monotonic(), 0.001))
+                    using = ""
+                    break
+                except grpc.RpcError as e:
+                    if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        return  # the daemon is not answering: the session's end frees them all
+                    if e.code() == grpc.StatusCode.NOT_FOUND:
+                        using = ""
+                        break
+                    using = e.details() or e.code().name
+                    if e.code() != grpc.StatusCode.FAILED_PRECONDITION or "in use by sync" not in using:
+                        break  # not ours to unregister now: the session's end frees it
+                    time.sleep(0.05)  # a sync uses it: until it lets go
+            else:
+                using = using or "the close's time ran out"
+            if using:
+                in_use.append(f'group "{group}" rank {rank} ({using})')
+                continue
             with session._lock:
                 session.ranks.pop((group, rank), None)
             for shared in entry[5]:  # as the session's end would: the segments this client made
@@ -487,6 +505,9 @@ class Client:
             for handed in entry[3]:  # and the cuMem allocations' descriptors it held for them
                 if handed is not None:
                     handed.close()
+        if in_use:
+            print(f"shardcast: closing the client of {self.target}: still registered, unregistered by the daemon "
+                  f"once no sync uses them: {'; '.join(in_use)}", file=sys.stderr)
 
     def _check_open(self, what: str) -> None:
         """Raises (FAILED_PRECONDITION) once the client is closed: gRPC's own error for a closed

@@ -411,6 +411,57 @@ def test_a_rank_its_client_closed_is_free_at_once_for_a_new_client_and_its_segme
     assert len(set(segments)) == 5
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_a_client_closed_mid_sync_waits_for_it_and_leaves_its_rank_free_for_a_new_client():
+    """A client per step closed while a sync still wrote its rank (32 MiB over a 100 Mbit/s link,
+    network namespaces): close() returned at once with the rank still registered, and the new
+    client's registration was refused, ALREADY_EXISTS suggesting `replace`, which was refused too
+    (in use). Now close() waits for the sync, which commits, and the rank is free when it returns."""
+    import threading
+
+    from shardcast.local import LocalCluster, Namespaces
+
+    shape = (2048, 4096)  # 32 MiB of float32
+    weights = np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape)
+
+    def layout(group: str, node: str) -> dict:
+        return {"group": group, "mesh": {"shape": [1]}, "nodes": [node],
+                "tensors": [{"name": "w", "shape": list(shape), "dtype": "float32"}]}
+
+    with Namespaces(["n0", "n1"], rate_mbit=100), LocalCluster(["n0", "n1"], netns=True) as c:
+        src = shardcast.Client(c.target("n0"), timeout=60)
+        trainer = src.register("trainer", 0, 1, {"w": weights}, layout("trainer", "n0"), role="source", version=1)
+        engine = shardcast.Client(c.target("n1"), timeout=60)
+        engine.register("infer", 0, 1, {"w": np.zeros(shape, np.float32)}, layout("infer", "n1"))
+        closing, closed = [], []
+
+        def close_engine() -> None:
+            time.sleep(0.8)  # into the transfer, of about 3 s (its bytes are counted once they all landed)
+            begun = time.monotonic()
+            engine.close()
+            closed.append((begun, time.monotonic()))
+
+        def close_once_planned(p) -> None:
+            if not closing and p.bytes_total:
+                closing.append(threading.Thread(target=close_engine))
+                closing[0].start()
+
+        resp = src.sync("trainer", "infer", 1, progress=close_once_planned, timeout=120)
+        ended = time.monotonic()
+        assert closing, "the sync reported no bytes to move"
+        closing[0].join()
+        begun, returned = closed[0]
+        assert begun < ended, "close() began after the sync had ended: the link was faster than this test needs"
+        assert returned >= ended - 0.05, "close() returned while its rank's sync still ran"
+        assert resp.sync_id
+        with shardcast.Client(c.target("n1")) as again:
+            reg = again.register("infer", 0, 1, {"w": np.zeros(shape, np.float32)}, layout("infer", "n1"))
+            assert shardcast.describe_rank(reg.state()) == "empty"
+            reg.close()
+        trainer.close()
+        src.close()
+
+
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 def test_state_dict_registers_the_parameters_in_place_not_a_snapshot(cluster):
     n0, _ = cluster
