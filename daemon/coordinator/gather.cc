@@ -483,8 +483,20 @@ Status SyncCoordinator::checkVersions() const {
   for (const auto& d : cluster_->view.daemons())
     for (const auto& r : d.ranks())
       if (r.group() == dst)
-        if (const std::string why = destinationRefusal(factsOf(r), version); !why.empty())
-          return absl::FailedPreconditionError(strCat("sync: ", who(d, r), why));
+        if (const std::string why = destinationRefusal(factsOf(r), version); !why.empty()) {
+          // A rank that lacks the version its group's others hold (registered again after its
+          // process restarted, say) gets the next one: say so, rather than only name the rank
+          // that refused.
+          std::string lacking;
+          for (const auto& d2 : cluster_->view.daemons())
+            for (const auto& r2 : d2.ranks())
+              if (lacking.empty() && r2.group() == dst && destinationRefusal(factsOf(r2), version).empty())
+                lacking = strCat("; ", who(d2, r2), " is ", v1::rankStateName(r2.state()),
+                                 r2.state() == v1::RANK_EMPTY ? "" : strCat(" at version ", r2.version()),
+                                 ": publish a newer version to bring it up (a rank that missed a version takes the "
+                                 "next)");
+          return absl::FailedPreconditionError(strCat("sync: ", who(d, r), why, lacking));
+        }
   for (const auto& d : cluster_->view.daemons())
     for (const auto& r : d.ranks())
       if (r.group() == src) {

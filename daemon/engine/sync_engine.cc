@@ -581,18 +581,19 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
   // fault (transport/shm.h), the bytes it moved are not the rank's.
   SC_RETURN_IF_ERROR(registry_.checkSync(a->src_group, a->dstGroups()));
   if (const auto now = registry_.stamps(a->stamped); now != a->stamps) {
-    std::vector<std::string> changed, names;
+    std::vector<std::string> changed, names, what;
     for (size_t i = 0; i < now.size(); ++i)
       if (now[i] != a->stamps[i]) {
         changed.push_back(a->stamped[i]);
         names.push_back(quote(a->stamped[i]));
+        what.push_back(strCat(quote(a->stamped[i]), ": ", registry_.lastChange(a->stamped[i])));
       }
     // (Not ABORTED: the coordinator reads that as a node stopped because another failed.) The
     // first group named is the refusing one: a replica's is cut alone, its node being healthy.
-    return refusedBy(
-        absl::FailedPreconditionError(strCat("sync ", a->id, ": registrations of group(s) ", strJoin(names, ", "),
-                                             " on node \"", node_, "\" changed during the sync")),
-        changed.front());
+    return refusedBy(absl::FailedPreconditionError(strCat("sync ", a->id, ": registrations of group(s) ",
+                                                          strJoin(names, ", "), " on node \"", node_,
+                                                          "\" changed during the sync (", strJoin(what, "; "), ")")),
+                     changed.front());
   }
   ok = true;  // the wave counts as done here
   const SyncCounters wave = a->moved.load() - before;

@@ -155,6 +155,8 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
     if (group_owner) persistOwners();
   }
   group->second.changed = ++generation_;
+  group->second.change =
+      strCat("rank ", req.rank(), ranks_.count({req.group(), req.rank()}) ? " registered again" : " registered");
   // A re-registration is a new rank: it starts over. The one it replaces is told (its session) and
   // its segments no other rank maps are unlinked.
   rank->registration = next_registration_++;
@@ -342,16 +344,18 @@ Status Registry::unregisterRank(const std::string& group, int32_t rank, const Me
   if (!it->second->user().empty())
     return absl::FailedPreconditionError(strCat("group \"", group, "\" rank ", rank, " is in use by sync ",
                                                 it->second->user(), ": unregister it once that sync ended"));
-  removeRank(it, false);
+  removeRank(it, false, "unregistered");
   spdlog::info("group \"{}\" rank {} unregistered", group, rank);
   return absl::OkStatus();
 }
 
-void Registry::removeRank(std::map<std::pair<std::string, int32_t>, std::unique_ptr<Rank>>::iterator it, bool unlink) {
+void Registry::removeRank(std::map<std::pair<std::string, int32_t>, std::unique_ptr<Rank>>::iterator it, bool unlink,
+                          const char* how) {
   const std::string group = it->first.first;
   std::unique_ptr<Rank> gone = std::move(it->second);
   ranks_.erase(it);
   groups_[group].changed = ++generation_;
+  groups_[group].change = strCat("rank ", gone->rank, " ", how);
   bool any = false;
   for (const auto& [key, r] : ranks_) any |= key.first == group;
   if (!any) {
@@ -697,6 +701,12 @@ std::vector<uint64_t> Registry::stamps(const std::vector<std::string>& groups) c
   return out;
 }
 
+std::string Registry::lastChange(const std::string& group) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = groups_.find(group);
+  return it == groups_.end() ? std::string("no rank of it is registered here any more") : it->second.change;
+}
+
 Registry::Rank* Registry::findRank(const std::string& group, int32_t rank) const {
   auto it = ranks_.find({group, rank});
   return it == ranks_.end() ? nullptr : it->second.get();
@@ -777,7 +787,7 @@ void Registry::closeSession(const std::string& session) {
         const std::string who = strCat("group \"", it->first.first, "\" rank ", it->first.second);
         if (r.user().empty()) {
           gone.push_back(who);
-          removeRank(it, true);
+          removeRank(it, true, "left with its client's session");
         } else {
           // A sync still reads or writes its memory (maybe a copy stuck past its attempt's end):
           // gone now, the memory could be registered again under it and acquired, written or
@@ -786,6 +796,7 @@ void Registry::closeSession(const std::string& session) {
           r.orphaned = true;
           r.session.clear();
           groups_[r.group].changed = ++generation_;
+          groups_[r.group].change = strCat("rank ", r.rank, " left with its client's session");
         }
       }
       it = next;
@@ -805,7 +816,7 @@ void Registry::removeOrphans() {
     if (it->second->orphaned && it->second->user().empty()) {
       spdlog::info("group \"{}\" rank {} unregistered: its session had ended while a sync used it", it->first.first,
                    it->first.second);
-      removeRank(it, true);
+      removeRank(it, true, "left with its client's session");
     }
     it = next;
   }

@@ -109,6 +109,9 @@ class Registry {
   // (0: none registered here). A sync fails when its own groups' change under it; other groups'
   // registrations do not concern it.
   std::vector<uint64_t> stamps(const std::vector<std::string>& groups) const;
+  // What the last registration change of `group` here was ("rank 2 left with its client's
+  // session"; "no rank of it is registered here any more" once none is).
+  std::string lastChange(const std::string& group) const;
   const std::string& instance() const { return instance_; }
   const std::string& node() const { return node_; }
   std::string transportAddress() const { return transport_.address(); }
@@ -326,6 +329,7 @@ class Registry {
     // the cluster, the earliest of which is the group's. Kept through a restart by the owners file.
     uint64_t since_unix_ms = 0;
     uint64_t changed = 0;  // the generation of its last registration or unregistration (stamps())
+    std::string change{};  // what that was, for the sync it fails ("rank 2 registered again")
   };
   // With mu_ held: Describe's size if `rank` joined (replacing its predecessor, if any) with a
   // layout of `layout_bytes`.
@@ -372,7 +376,9 @@ class Registry {
   // With mu_ held: unregisters the orphaned ranks no sync uses any more (Rank::orphaned).
   void removeOrphans();
   // Unregisters (with mu_ held); unlinks its segments when `unlink` and nothing else maps them.
-  void removeRank(std::map<std::pair<std::string, int32_t>, std::unique_ptr<Rank>>::iterator it, bool unlink);
+  // `how`: what happened, after "rank R" (Group::change).
+  void removeRank(std::map<std::pair<std::string, int32_t>, std::unique_ptr<Rank>>::iterator it, bool unlink,
+                  const char* how);
 
   std::string node_;
   std::string instance_;  // random per daemon start (DescribeResponse.instance)

@@ -588,6 +588,9 @@ TEST_CASE("registrations of other groups during a sync leave it alone, and its o
     CHECK(refusingGroup(failed.status()) == "d");  // a replica's would be cut alone
     CHECK_THAT(std::string(failed.status().message()),
                Catch::Contains("registrations of group(s) \"d\" on node \"b\" changed during the sync"));
+    // What changed, for the user: the last change of the group there.
+    CHECK_THAT(std::string(failed.status().message()),
+               Catch::EndsWith("(\"d\": rank 1 left with its client's session)"));
     (void)sync.executes.at(first).get();
     return;
   }

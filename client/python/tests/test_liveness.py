@@ -462,6 +462,40 @@ def test_a_client_closed_mid_sync_waits_for_it_and_leaves_its_rank_free_for_a_ne
         src.close()
 
 
+def test_a_rank_registered_again_empty_is_named_with_what_brings_it_up(cluster):
+    """An inference process restarted between syncs registers its rank again, empty. Syncing the
+    version its group's other ranks hold is refused (not newer for them): the refusal names the
+    empty rank and says to publish a newer version, which then brings every rank up."""
+    n0, n1 = cluster
+
+    def layout(group: str, node: str, world: int) -> dict:
+        return {"group": group, "mesh": {"shape": [world]}, "nodes": [node] * world,
+                "tensors": [{"name": "w", "shape": [8, 4], "dtype": "float32", "placements": [{"shard": {"dim": 0}}]}]}
+
+    weights = np.arange(32, dtype=np.float32).reshape(8, 4)
+    with shardcast.Client(n0.target) as src, shardcast.Client(n1.target) as dst:
+        trainer = src.register("trainer", 0, 1, {"w": weights.copy()}, layout("trainer", "n0", 1), role="source",
+                               version=1)
+        ranks = [dst.register("infer", r, 2, {"w": np.zeros((4, 4), np.float32)}, layout("infer", "n1", 2))
+                 for r in range(2)]
+        src.sync("trainer", "infer", 1)
+        ranks[1].close()  # its process restarted: registered again, empty
+        ranks[1] = dst.register("infer", 1, 2, {"w": np.zeros((4, 4), np.float32)}, layout("infer", "n1", 2))
+        with pytest.raises(shardcast.ShardcastError) as refused:
+            src.sync("trainer", "infer", 1)
+        why = str(refused.value)
+        assert 'rank 0 on node "n1" is at version 1: version 1 is not newer' in why, why
+        assert 'group "infer" rank 1 on node "n1" is empty: publish a newer version to bring it up' in why, why
+        with trainer.writing(2):
+            trainer.tensors["w"][...] = weights + 2
+        src.sync("trainer", "infer", 2)
+        for r, reg in enumerate(ranks):
+            assert shardcast.describe_rank(reg.state()) == "ready(2)"
+            assert np.array_equal(reg.tensors["w"], weights[4 * r:4 * r + 4] + 2)
+        for reg in [trainer, *ranks]:
+            reg.close()
+
+
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 def test_state_dict_registers_the_parameters_in_place_not_a_snapshot(cluster):
     n0, _ = cluster
