@@ -620,7 +620,8 @@ class Client:
 
         A rank registered already (by this process or another) is refused (ALREADY_EXISTS naming
         its holder) unless `replace`: then this registration takes it over and the holder is told
-        (its next call about the rank raises, naming this process). `readers`: uids besides this
+        (its next call about the rank raises, naming this process). One a sync uses is refused
+        either way (FAILED_PRECONDITION naming the sync) until the sync ends. `readers`: uids besides this
         group's owner whose syncs may read it out of this node (docs/security.md)."""
         what = f'register group "{group}" rank {rank}'
         self._check_open(what)
