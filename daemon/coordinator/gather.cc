@@ -490,7 +490,9 @@ Status SyncCoordinator::checkVersions() const {
           std::string lacking;
           for (const auto& d2 : cluster_->view.daemons())
             for (const auto& r2 : d2.ranks())
-              if (lacking.empty() && r2.group() == dst && destinationRefusal(factsOf(r2), version).empty())
+              if (lacking.empty() && r2.group() == dst && !r2.held() && !r2.written() &&
+                  (r2.state() == v1::RANK_EMPTY ||
+                   ((r2.state() == v1::RANK_READY || r2.state() == v1::RANK_DIRTY) && r2.version() < version)))
                 lacking = strCat("; ", who(d2, r2), " is ", v1::rankStateName(r2.state()),
                                  r2.state() == v1::RANK_EMPTY ? "" : strCat(" at version ", r2.version()),
                                  ": publish a newer version to bring it up (a rank that missed a version takes the "

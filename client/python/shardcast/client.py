@@ -474,28 +474,30 @@ class Client:
                 ticket = self._registrations.get((group, rank))
             if ticket is None:
                 continue
-            using = ""
+            using, gone = "", False
             while time.monotonic() < deadline:
                 try:
                     self._stub.Unregister(service_pb2.UnregisterRequest(group=group, rank=rank,
                                                                         registration=ticket.id),
                                           timeout=max(deadline - time.monotonic(), 0.001))
-                    using = ""
+                    gone = True
                     break
                 except grpc.RpcError as e:
                     if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                         return  # the daemon is not answering: the session's end frees them all
                     if e.code() == grpc.StatusCode.NOT_FOUND:
-                        using = ""
+                        gone = True
                         break
-                    using = e.details() or e.code().name
-                    if e.code() != grpc.StatusCode.FAILED_PRECONDITION or "in use by sync" not in using:
-                        break  # not ours to unregister now: the session's end frees it
+                    if e.code() != grpc.StatusCode.FAILED_PRECONDITION or "in use by sync" not in (e.details() or ""):
+                        using = ""  # not ours to unregister now (taken over, say): the session's end
+                        break       # frees what is still ours
+                    using = e.details()
                     time.sleep(0.05)  # a sync uses it: until it lets go
             else:
-                using = using or "the close's time ran out"
+                using = using or "not tried: the close's 10 s ran out"
             if using:
                 in_use.append(f'group "{group}" rank {rank} ({using})')
+            if not gone:
                 continue
             with session._lock:
                 session.ranks.pop((group, rank), None)

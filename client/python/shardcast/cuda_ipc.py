@@ -142,7 +142,8 @@ def _expandable(version: int, payload: bytes, offset: int) -> ExpandableSegment:
 
 def uuid_bytes(uuid: object) -> bytes:
     """A GPU's UUID as its 16 bytes, from what torch's device properties give (`.uuid`: an object
-    whose `bytes` are the 16 values, or text as nvidia-smi -L prints it, with or without "GPU-").
+    whose `bytes` are the 16 values, or text as nvidia-smi -L prints it, with or without "GPU-" or
+    "MIG-").
     b"" for anything else: the daemon then takes the client's device number as its own."""
     raw = getattr(uuid, "bytes", None)
     if raw is not None:
@@ -152,7 +153,7 @@ def uuid_bytes(uuid: object) -> bytes:
             return b""
         return out if len(out) == 16 else b""
     text = str(uuid).strip()
-    if text.upper().startswith("GPU-"):
+    if text.upper().startswith(("GPU-", "MIG-")):  # (a MIG instance's: its own UUID)
         text = text[4:]
     try:
         out = bytes.fromhex(text.replace("-", ""))

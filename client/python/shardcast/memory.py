@@ -175,12 +175,15 @@ def gpu_uuid(device: int) -> bytes:
     """This process's CUDA device `device` as the daemon finds it: its UUID (16 bytes). The device
     numbers of a container (or of CUDA_VISIBLE_DEVICES) are its own, not the daemon's. b"" when
     torch is not in use here or does not say (the daemon then takes `device` as its own number)."""
-    if device not in _gpu_uuids:
+    if device not in _gpu_uuids:  # (kept once read: torch imported later, or a GPU not ready yet, may say)
         torch = sys.modules.get("torch")
         try:
-            _gpu_uuids[device] = cuda_ipc.uuid_bytes(torch.cuda.get_device_properties(device).uuid) if torch else b""
+            uuid = cuda_ipc.uuid_bytes(torch.cuda.get_device_properties(device).uuid) if torch else b""
         except (AttributeError, AssertionError, RuntimeError, ValueError):
-            _gpu_uuids[device] = b""
+            uuid = b""
+        if not uuid:
+            return b""
+        _gpu_uuids[device] = uuid
     return _gpu_uuids[device]
 
 

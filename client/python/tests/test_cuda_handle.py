@@ -330,3 +330,17 @@ def test_a_gpu_uuid_reads_from_what_torch_gives_and_nothing_else():
         bytes = [1, 2, 3]
 
     assert cuda_ipc.uuid_bytes(Short()) == b""
+    assert cuda_ipc.uuid_bytes("MIG-00010203-0405-0607-0809-0a0b0c0d0e0f") == raw  # a MIG instance's own
+
+
+def test_a_gpu_uuid_not_read_is_not_kept():
+    """Read before torch was imported (a CuMemBuffer of another allocator, say): b"", and read
+    again later rather than kept, so a torch tensor registered then names its GPU."""
+    memory._gpu_uuids.clear()
+    saved = sys.modules.pop("torch", None)
+    try:
+        assert memory.gpu_uuid(0) == b""
+    finally:
+        if saved is not None:
+            sys.modules["torch"] = saved
+    assert 0 not in memory._gpu_uuids
