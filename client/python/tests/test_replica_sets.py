@@ -617,13 +617,14 @@ def test_replicas_downstream_of_a_relay_frozen_mid_write_commit_in_the_same_call
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
-def test_a_replica_whose_client_closes_mid_execute_is_cut_alone_and_its_node_neighbour_commits():
+def test_a_replica_whose_engine_dies_mid_execute_is_cut_alone_and_its_node_neighbour_commits():
     """Replicas 1 and 2 share n2, on 100 Mbit/s links (network namespaces), so a sync's 32 MiB
-    per replica takes seconds. Replica 1's client closes once a third of the bytes moved: its
-    session ends while the sync still writes its rank. n2's execute fails naming replica 1's
-    group, so replica 1 alone is cut (its node is healthy): replicas 0 and 2 commit in the same
-    call, with every byte of the version (before, n2 counted as failed and replica 2 was cut too). Replica 1's rank is unregistered once that attempt let
-    go of it, so a new client registers it again at once, and the next sync fills it."""
+    per replica takes seconds. Replica 1's engine process is killed (SIGKILL) once the transfer is
+    under way: its session ends while the sync still writes its rank. n2's execute fails naming
+    replica 1's group, so replica 1 alone is cut (its node is healthy): replicas 0 and 2 commit in
+    the same call, with every byte of the version (before, n2 counted as failed and replica 2 was
+    cut too). Replica 1's rank is unregistered once that attempt let go of it, so a new engine
+    registers it again at once, and the next sync fills it."""
     from shardcast.local import Namespaces
 
     shardcastd_path()
@@ -642,6 +643,21 @@ def test_a_replica_whose_client_closes_mid_execute_is_cut_alone_and_its_node_nei
         return client.register(f"rollout.r{k}", 0, 1, {"w": np.zeros(shape, np.float32)},
                                layout(f"rollout.r{k}", node, replica_set="rollout", replica=k))
 
+    def engine(target: str) -> subprocess.Popen:  # replica 1 on n2, a process of its own
+        proc = subprocess.Popen(
+            [sys.executable, "-c", (
+                "import json, sys, time, numpy as np, shardcast\n"
+                "layout = json.loads(sys.argv[2])\n"
+                "client = shardcast.Client(sys.argv[1], timeout=60)\n"
+                "reg = client.register(layout['group'], 0, 1, {'w': np.zeros(layout['tensors'][0]['shape'], "
+                "np.float32)}, layout)\n"
+                "print('registered', flush=True)\n"
+                "time.sleep(600)\n"),
+             target, json.dumps(layout("rollout.r1", "n2", replica_set="rollout", replica=1))],
+            stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "registered"
+        return proc
+
     with Namespaces(nodes, rate_mbit=100), LocalCluster(nodes, netns=True) as c:
         clients = {n: shardcast.Client(c.target(n), timeout=60) for n in nodes}
         src = clients["n0"]
@@ -652,32 +668,35 @@ def test_a_replica_whose_client_closes_mid_execute_is_cut_alone_and_its_node_nei
             if version > 1:
                 with trainer.writing(version):
                     trainer.tensors["w"][...] = weights(version)
-            own = shardcast.Client(c.target("n2"), timeout=60)  # replica 1's, a session of its own
-            r1 = replica(own, 1, "n2")
-            closing = []
+            r1 = engine(c.target("n2"))
+            killing = []
 
-            def close_a_third_in(p: service_pb2.SyncProgress) -> None:
-                if not closing and p.bytes_total and 3 * p.bytes_done >= p.bytes_total:
-                    closing.append(threading.Thread(target=own.close))
-                    closing[0].start()
+            def kill_once_under_way(p: service_pb2.SyncProgress) -> None:
+                if not killing and p.bytes_total:  # planned: its bytes are moving, for seconds
+                    killing.append(threading.Timer(0.5, kill, (r1,)))
+                    killing[0].start()
 
-            resp = src.sync("trainer", "rollout", version, progress=close_a_third_in, timeout=120)
-            assert closing, "the sync ended before a third of its bytes had moved"
-            closing[0].join()
+            try:
+                resp = src.sync("trainer", "rollout", version, progress=kill_once_under_way, timeout=120)
+            finally:
+                if killing:
+                    killing[0].join()
+                kill(r1)
+            assert killing, "the sync reported no bytes to move"
             got = outcomes(resp)
-            # Whenever replica 1's client went, replicas 0 and 2 commit every byte in the same call.
+            # Whenever replica 1's engine died, replicas 0 and 2 commit every byte in the same call.
             assert got["rollout.r0"] == (True, "") and got["rollout.r2"] == (True, ""), got
             assert np.array_equal(r0.tensors["w"], weights(version))
             assert np.array_equal(r2.tensors["w"], weights(version))
-            # Its client closed mid-execute, after the gather: cut for its changed registrations, or
-            # (its rank gone with that attempt) found gone by the attempt that ran again without it.
+            # Its engine died mid-execute: cut for its changed registrations, or (its rank gone with
+            # that attempt) found gone by the attempt that ran again without it.
             committed, why = got["rollout.r1"]
             if not committed:
                 assert 'registrations of group(s) "rollout.r1" on node "n2" changed' in why or \
                     "its ranks are registered nowhere" in why, got
                 at_execute = True
                 break
-        assert at_execute, f"replica 1's client never closed during the execute: {got}"
+        assert at_execute, f"replica 1's engine never died during the execute: {got}"
         # Its rank left with the attempt that used it: registered again at once, filled by the next.
         again = shardcast.Client(c.target("n2"), timeout=60)
         r1 = replica(again, 1, "n2")
