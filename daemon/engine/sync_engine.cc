@@ -586,7 +586,7 @@ StatusOr<v1::ExecuteResponse> SyncEngine::execute(const v1::ExecuteRequest& req)
       if (now[i] != a->stamps[i]) {
         changed.push_back(a->stamped[i]);
         names.push_back(quote(a->stamped[i]));
-        what.push_back(strCat(quote(a->stamped[i]), ": ", registry_.lastChange(a->stamped[i])));
+        what.push_back(strCat(quote(a->stamped[i]), ": ", registry_.changesSince(a->stamped[i], a->stamps[i])));
       }
     // (Not ABORTED: the coordinator reads that as a node stopped because another failed.) The
     // first group named is the refusing one: a replica's is cut alone, its node being healthy.

@@ -149,14 +149,17 @@ StatusOr<v1::RegisterResponse> Registry::registerRank(const v1::RegisterRequest&
                                             std::chrono::system_clock::now().time_since_epoch())
                                             .count());
   }
+  auto history = std::move(group->second.changes);
+  const uint64_t dropped = group->second.dropped;
   group->second = Group{req.layout(), digest, role, group_owner, layout_bytes, std::move(readers), since};
+  group->second.changes = std::move(history);
+  group->second.dropped = dropped;
   if (added) {
     reserved_.erase(req.group());  // live again (its owner, or past the grace)
     if (group_owner) persistOwners();
   }
-  group->second.changed = ++generation_;
-  group->second.change =
-      strCat("rank ", req.rank(), ranks_.count({req.group(), req.rank()}) ? " registered again" : " registered");
+  noteChange(group->second, strCat("rank ", req.rank(),
+                                   ranks_.count({req.group(), req.rank()}) ? " registered again" : " registered"));
   // A re-registration is a new rank: it starts over. The one it replaces is told (its session) and
   // its segments no other rank maps are unlinked.
   rank->registration = next_registration_++;
@@ -354,8 +357,7 @@ void Registry::removeRank(std::map<std::pair<std::string, int32_t>, std::unique_
   const std::string group = it->first.first;
   std::unique_ptr<Rank> gone = std::move(it->second);
   ranks_.erase(it);
-  groups_[group].changed = ++generation_;
-  groups_[group].change = strCat("rank ", gone->rank, " ", how);
+  noteChange(groups_[group], strCat("rank ", gone->rank, " ", how));
   bool any = false;
   for (const auto& [key, r] : ranks_) any |= key.first == group;
   if (!any) {
@@ -701,10 +703,25 @@ std::vector<uint64_t> Registry::stamps(const std::vector<std::string>& groups) c
   return out;
 }
 
-std::string Registry::lastChange(const std::string& group) const {
+void Registry::noteChange(Group& group, std::string what) {
+  group.changed = ++generation_;
+  group.changes.emplace_back(group.changed, std::move(what));
+  if (group.changes.size() > kKeptChanges) {
+    group.dropped = group.changes.front().first;
+    group.changes.erase(group.changes.begin());
+  }
+}
+
+std::string Registry::changesSince(const std::string& group, uint64_t stamp) const {
   std::lock_guard<std::mutex> lock(mu_);
   const auto it = groups_.find(group);
-  return it == groups_.end() ? std::string("no rank of it is registered here any more") : it->second.change;
+  if (it == groups_.end()) return "no rank of it is registered here any more";
+  const auto& changes = it->second.changes;
+  std::vector<std::string> since;
+  if (it->second.dropped > stamp) since.push_back("...");  // (older ones since, no longer kept)
+  for (const auto& [generation, what] : changes)
+    if (generation > stamp) since.push_back(what);
+  return strJoin(since, ", ");
 }
 
 Registry::Rank* Registry::findRank(const std::string& group, int32_t rank) const {
@@ -795,8 +812,7 @@ void Registry::closeSession(const std::string& session) {
           kept.push_back(strCat(who, " (sync ", r.user(), ")"));
           r.orphaned = true;
           r.session.clear();
-          groups_[r.group].changed = ++generation_;
-          groups_[r.group].change = strCat("rank ", r.rank, " left with its client's session");
+          noteChange(groups_[r.group], strCat("rank ", r.rank, " left with its client's session"));
         }
       }
       it = next;

@@ -109,9 +109,10 @@ class Registry {
   // (0: none registered here). A sync fails when its own groups' change under it; other groups'
   // registrations do not concern it.
   std::vector<uint64_t> stamps(const std::vector<std::string>& groups) const;
-  // What the last registration change of `group` here was ("rank 2 left with its client's
-  // session"; "no rank of it is registered here any more" once none is).
-  std::string lastChange(const std::string& group) const;
+  // What changed in `group`'s registrations here since generation `stamp` ("rank 2 left with its
+  // client's session, rank 2 registered again"; "no rank of it is registered here any more" once
+  // none is), for the sync it fails.
+  std::string changesSince(const std::string& group, uint64_t stamp) const;
   const std::string& instance() const { return instance_; }
   const std::string& node() const { return node_; }
   std::string transportAddress() const { return transport_.address(); }
@@ -329,8 +330,14 @@ class Registry {
     // the cluster, the earliest of which is the group's. Kept through a restart by the owners file.
     uint64_t since_unix_ms = 0;
     uint64_t changed = 0;  // the generation of its last registration or unregistration (stamps())
-    std::string change{};  // what that was, for the sync it fails ("rank 2 registered again")
+    // Its last registration changes (at most kKeptChanges), by generation, for the sync they fail:
+    // "rank 2 registered again" (changesSince).
+    std::vector<std::pair<uint64_t, std::string>> changes{};
+    uint64_t dropped = 0;  // the generation of the newest change no longer kept
   };
+  static constexpr size_t kKeptChanges = 8;
+  // With mu_ held: `group`'s registrations changed (`what`, naming the rank): a new generation.
+  void noteChange(Group& group, std::string what);
   // With mu_ held: Describe's size if `rank` joined (replacing its predecessor, if any) with a
   // layout of `layout_bytes`.
   size_t describeBytesWith(const Rank& rank, size_t layout_bytes) const;

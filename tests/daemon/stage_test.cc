@@ -588,9 +588,10 @@ TEST_CASE("registrations of other groups during a sync leave it alone, and its o
     CHECK(refusingGroup(failed.status()) == "d");  // a replica's would be cut alone
     CHECK_THAT(std::string(failed.status().message()),
                Catch::Contains("registrations of group(s) \"d\" on node \"b\" changed during the sync"));
-    // What changed, for the user: the last change of the group there.
+    // What changed there since the sync began, for the user.
     CHECK_THAT(std::string(failed.status().message()),
-               Catch::EndsWith("(\"d\": rank 1 left with its client's session)"));
+               Catch::EndsWith("(\"d\": rank 0 left with its client's session, rank 1 left with its client's "
+                               "session)"));
     (void)sync.executes.at(first).get();
     return;
   }
@@ -645,4 +646,36 @@ TEST_CASE("a source whose client left while a stuck copy read it stays read and 
   const auto taken = sync.a->registry.registerRank(anew, sync.root);
   INFO((taken.ok() ? "" : std::string(taken.status().message())));
   CHECK(taken.ok());
+}
+
+TEST_CASE("what changed in a group's registrations since a sync began is named, the oldest elided past 8",
+          "[daemon][stage][attempt]") {
+  InProcessNode node("a");
+  const MemoryCaller root{0, true, true};
+  const auto proto = *planner::parseLayoutJson(R"({"group":"g","mesh":{"shape":[2]},"nodes":["a","a"],"tensors":[
+    {"name":"w","shape":[16,8],"dtype":"int32","placements":[{"shard":{"dim":0}}]}]})",
+                                               "g");
+  planner::NodeTable nodes;
+  const auto layout = *planner::resolveLayout(proto, nodes);
+  std::vector<RankMemory> mem;
+  for (int32_t r = 0; r < 2; ++r) mem.push_back(allocateRank(layout, r, strCat("changes-", r)));
+  REQUIRE(node.registry.registerRank(registerRequest(proto, 1, 2, mem[1]), root).ok());
+  const uint64_t stamp = node.registry.stamps({"g"}).front();
+  CHECK(node.registry.changesSince("g", stamp).empty());
+  auto replace = registerRequest(proto, 1, 2, mem[1]);
+  replace.set_replace(true);
+  REQUIRE(node.registry.registerRank(registerRequest(proto, 0, 2, mem[0]), root).ok());
+  REQUIRE(node.registry.registerRank(replace, root).ok());
+  CHECK(node.registry.changesSince("g", stamp) == "rank 0 registered, rank 1 registered again");
+  for (int i = 0; i < 4; ++i) {
+    REQUIRE(node.registry.unregisterRank("g", 0, root).ok());
+    REQUIRE(node.registry.registerRank(registerRequest(proto, 0, 2, mem[0]), root).ok());
+  }
+  // 10 changes since the stamp: the 8 newest named, the others elided.
+  CHECK(node.registry.changesSince("g", stamp) ==
+        "..., rank 0 unregistered, rank 0 registered, rank 0 unregistered, rank 0 registered, rank 0 unregistered, "
+        "rank 0 registered, rank 0 unregistered, rank 0 registered");
+  REQUIRE(node.registry.unregisterRank("g", 0, root).ok());
+  REQUIRE(node.registry.unregisterRank("g", 1, root).ok());
+  CHECK(node.registry.changesSince("g", stamp) == "no rank of it is registered here any more");
 }
