@@ -67,6 +67,20 @@ def trainer_and_replicas(cluster: LocalCluster, replicas: int):
                                               for k in range(replicas)]
 
 
+def whole_tensor(shape):
+    """For syncs of many MiB: version V's bytes of one float32 tensor "w" of `shape`, and the layout
+    of a group holding it whole on one node (`extra`: replica_set and replica, say)."""
+    def weights(version: int) -> np.ndarray:
+        return np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape) + version * 7.0
+
+    def layout(group: str, node: str, **extra) -> dict:
+        return {"group": group, "mesh": {"shape": [1]}, "nodes": [node], **extra,
+                "tensors": [{"name": "w", "shape": list(shape), "dtype": "float32",
+                             "placements": [{"replicate": {}}]}]}
+
+    return weights, layout
+
+
 def outcomes(resp: service_pb2.SyncResponse):
     return {o.group: (o.committed, o.cut) for o in resp.replicas}
 
@@ -540,14 +554,7 @@ def test_replicas_downstream_of_a_relay_frozen_mid_write_commit_in_the_same_call
     shardcastd_path()
     nodes = ["n0", "n1", "n2", "n3"]
     shape = (2048, 2048)  # 16 MiB of float32 per replica
-
-    def weights(version: int) -> np.ndarray:
-        return (np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape) + version * 7.0)
-
-    def layout(group: str, node: str, **extra) -> dict:
-        return {"group": group, "mesh": {"shape": [1]}, "nodes": [node], **extra,
-                "tensors": [{"name": "w", "shape": list(shape), "dtype": "float32",
-                             "placements": [{"replicate": {}}]}]}
+    weights, layout = whole_tensor(shape)
 
     with Namespaces(nodes, rate_mbit=100), LocalCluster(nodes, netns=True,
                                                          extra=["--peer-timeout-ms", "2000"]) as c:
@@ -630,14 +637,7 @@ def test_a_replica_whose_engine_dies_mid_execute_is_cut_alone_and_its_node_neigh
     shardcastd_path()
     nodes = ["n0", "n1", "n2"]
     shape = (2048, 4096)  # 32 MiB of float32 per replica
-
-    def weights(version: int) -> np.ndarray:
-        return (np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape) + version * 7.0)
-
-    def layout(group: str, node: str, **extra) -> dict:
-        return {"group": group, "mesh": {"shape": [1]}, "nodes": [node], **extra,
-                "tensors": [{"name": "w", "shape": list(shape), "dtype": "float32",
-                             "placements": [{"replicate": {}}]}]}
+    weights, layout = whole_tensor(shape)
 
     def replica(client: shardcast.Client, k: int, node: str):
         return client.register(f"rollout.r{k}", 0, 1, {"w": np.zeros(shape, np.float32)},
@@ -723,14 +723,7 @@ def test_a_replica_node_frozen_mid_write_takes_the_abort_as_it_thaws_and_catches
     shardcastd_path()
     nodes = ["n0", "n1", "n2"]
     shape = (2048, 2048)  # 16 MiB of float32 per replica: over a second at 100 Mbit/s
-
-    def weights(version: int) -> np.ndarray:
-        return np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape) + version * 7.0
-
-    def layout(group: str, node: str, **extra) -> dict:
-        return {"group": group, "mesh": {"shape": [1]}, "nodes": [node], **extra,
-                "tensors": [{"name": "w", "shape": list(shape), "dtype": "float32",
-                             "placements": [{"replicate": {}}]}]}
+    weights, layout = whole_tensor(shape)
 
     lease = ["--sync-lease-ms", "60000", "--max-sync-lease-ms", "60000"]
     with Namespaces(nodes, rate_mbit=100), LocalCluster(nodes, netns=True, extra=lease) as c:
