@@ -69,7 +69,7 @@ class LatePeer final : public v1::Peer::Service {
 
 // The peer served on 127.0.0.1, and a PeerSet of daemon "n0" whose only peer it is (with
 // `silent_too`, node "n2" as well, whose Describes answer only once `silent.release()` is called,
-// under a peer timeout of 30 s). A peer answering late is asked under a peer timeout of 200 ms; one
+// under a peer timeout of 30 s). A peer answering late is asked under a peer timeout of 500 ms; one
 // answering at once under 10 s, so that its answer decides however slowly a loaded machine connects
 // (200 ms once passed with no Describe reaching it, under the full suite on two cores).
 struct Cluster {
@@ -80,7 +80,7 @@ struct Cluster {
     address = served->address;
     config.node = "n0";
     config.peers = {address};
-    config.peer_timeout_ms = late > 0 ? 200 : 10000;
+    config.peer_timeout_ms = late > 0 ? 500 : 10000;
     if (silent_too) {
       silent.node = "n2";
       silent.late = 1000000;
@@ -111,14 +111,17 @@ struct Cluster {
 
 TEST_CASE("transport addresses: a peer whose Describe answers late is waited for, within the deadline",
           "[daemon][peers]") {
-  // Its first three Describes answer after the 200 ms peer timeout (a peer busy with 63 others at
+  // Its first two Describes answer after the 500 ms peer timeout (a peer busy with 63 others at
   // a first sync): the check asks again until the deadline rather than taking the silence for
   // another address (64 daemons failed a sync 14 s into its execute that way).
-  // (2 s late: far past the timeout, however late a loaded machine fires the asker's timers.)
-  Cluster c(/*late=*/3, /*delay=*/2s);
+  // (2 s late: far past the timeout, however late a loaded machine fires the asker's timers. Two,
+  // under a 500 ms timeout: the check waits 4 s at most, which three at 200 ms, each asked again
+  // under 200 ms, once did not leave enough of on a loaded machine.)
+  Cluster c(/*late=*/2, /*delay=*/2s);
   const Status st = c.check("transport-1", 10s);
+  INFO(st.message());
   CHECK(st.ok());
-  CHECK(c.peer.calls() >= 4);
+  CHECK(c.peer.calls() >= 3);
   // Known from then on: no further Describe.
   const int calls = c.peer.calls();
   CHECK(c.check("transport-1", 1s).ok());
